@@ -1,0 +1,61 @@
+// Config: every tunable of the engine in one struct, with units and the
+// reason behind each default. There are no singletons and no environment
+// reads in the engine; the launcher (Python) fills this struct.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace mltuner {
+
+// The server-side update rule of a branch. Workers send what the application
+// wrote into its update buffers; the shard combines the updates of all
+// workers for one clock and then applies the rule once:
+//   kAdd:      w += sum_i u_i                      (GeePS: app sends deltas)
+//   kSgd:      g = mean_i u_i;  w -= lr * g
+//   kMomentum: g = mean_i u_i;  h = (1-m) g + m h;  w -= lr * h   (mltuner.md §2)
+//   kAdam:     g = mean_i u_i;  Adam(beta1, beta2, eps) with bias correction
+// Averaging (not summing) gradients matches synchronous SGD on the
+// concatenation of all workers' batches, which is what DDP does.
+enum class UpdateRuleKind : int { kAdd = 0, kSgd = 1, kMomentum = 2, kAdam = 3 };
+
+const char* UpdateRuleName(UpdateRuleKind kind);
+
+struct UpdateRuleConfig {
+  UpdateRuleKind kind = UpdateRuleKind::kAdd;
+  float learning_rate = 0.01f;  // used by sgd, momentum, adam
+  float momentum = 0.9f;        // used by momentum
+  float beta1 = 0.9f;           // Adam defaults from the Adam paper
+  float beta2 = 0.999f;
+  float epsilon = 1e-8f;
+};
+
+struct Config {
+  // Bytes of device memory the engine may use for the parameter cache, local
+  // data and the access-buffer pool. 0 means "as much as the plan needs":
+  // everything is device-resident. A smaller budget moves parameter rows and
+  // local data to host memory; they are swapped in ahead of use. Too small for
+  // twice the largest per-clock working set gives a clear error.
+  int64_t device_memory_budget = 0;
+
+  // Every blocking wait (freshness, buffer, pool space, replies) gives up
+  // after this long with a Timeout error instead of hanging. 60 s is long
+  // enough for a slow worker on a loaded 2-core machine, short enough that a
+  // stuck job is noticed.
+  int64_t wait_timeout_ms = 60000;
+
+  // How many clocks the allocator thread may run ahead of the application.
+  // 1 is double buffering (GeePS); more deepens prefetch but holds more of
+  // the access-buffer pool.
+  int32_t prefetch_clocks = 1;
+
+  // Partition locks per table in the client cache: a gather locks only the
+  // partitions it reads, so installs of fresh rows in other partitions run
+  // concurrently. 8 keeps lock contention negligible for 2-4 threads.
+  int32_t partitions_per_table = 8;
+
+  // The server-side update rule of the default branch.
+  UpdateRuleConfig update_rule;
+};
+
+}  // namespace mltuner

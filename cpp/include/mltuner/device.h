@@ -1,0 +1,84 @@
+// Device: the memory and data-movement interface the engine is written
+// against. The CPU backend (always built) implements it with host memory and
+// a budget, so every piece of engine logic — swapping, prefetch, buffer-pool
+// pressure — runs and is tested on a machine without a GPU. The CUDA backend
+// implements the same interface with device memory, pinned staging, copy
+// streams and kernels.
+//
+// Thread safety: every method may be called from any thread. Work issued on
+// one stream runs in issue order; Synchronize(stream) waits for all of it.
+// Work on different streams is unordered unless the caller synchronizes.
+//
+// Ownership: memory from Allocate/AllocateHost belongs to the caller, who
+// must return it with Free/FreeHost before the Device is destroyed.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mltuner/status.h"
+#include "mltuner/types.h"
+
+namespace mltuner {
+
+// The engine's streams. The CPU backend runs everything synchronously.
+enum class Stream : int {
+  kApp = 0,        // the application's own work (init-phase accesses)
+  kPrefetch = 1,   // allocator thread: gathers and host->device copies
+  kWriteback = 2,  // reclaimer thread: scatter-adds and device->host copies
+  kReceive = 3,    // installing fresh rows from servers
+};
+constexpr int kNumStreams = 4;
+
+// A prebuilt list of row runs, made once at the end of the virtual
+// iteration. The device may keep its own copy (the CUDA backend uploads it).
+struct RunIndex {
+  std::vector<RowRun> runs;
+  int64_t total_rows = 0;
+  void* device_copy = nullptr;  // owned by the Device; see ReleaseIndex
+};
+
+class Device {
+ public:
+  virtual ~Device() = default;
+  Device(const Device&) = delete;
+  Device& operator=(const Device&) = delete;
+
+  virtual std::string name() const = 0;
+  // True when device memory is ordinary host memory (numpy can view it).
+  virtual bool host_addressable() const = 0;
+
+  // Device memory. REQUIRES: bytes > 0.
+  virtual Status Allocate(size_t bytes, void** out) = 0;
+  virtual void Free(void* ptr) = 0;
+  // Host staging memory (pinned on CUDA).
+  virtual Status AllocateHost(size_t bytes, void** out) = 0;
+  virtual void FreeHost(void* ptr) = 0;
+
+  virtual Status PrepareIndex(RunIndex* index) = 0;
+  virtual void ReleaseIndex(RunIndex* index) = 0;
+
+  virtual void CopyHostToDevice(void* dst, const void* src, size_t bytes, Stream s) = 0;
+  virtual void CopyDeviceToHost(void* dst, const void* src, size_t bytes, Stream s) = 0;
+  virtual void CopyDeviceToDevice(void* dst, const void* src, size_t bytes, Stream s) = 0;
+  // For each run: dst rows [run.dst, run.dst+count) = src rows [run.src, ...).
+  // Both pointers are device memory.
+  virtual void Gather(float* dst, const float* src, const RunIndex& index, int64_t row_width,
+                      Stream s) = 0;
+  // For each run: dst rows [run.dst, ...) += src rows [run.src, ...).
+  virtual void ScatterAdd(float* dst, const float* src, const RunIndex& index, int64_t row_width,
+                          Stream s) = 0;
+  virtual void Fill(float* dst, float value, size_t count, Stream s) = 0;
+  virtual Status Synchronize(Stream s) = 0;
+
+ protected:
+  Device() = default;
+};
+
+// The reference backend: "device" memory is host memory.
+std::unique_ptr<Device> NewCpuDevice();
+
+}  // namespace mltuner

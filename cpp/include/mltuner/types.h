@@ -1,0 +1,59 @@
+// Plain value types shared by every layer of the engine.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace mltuner {
+
+using TableId = int32_t;
+using RowId = int64_t;
+// One clock is one mini-batch iteration. Clock -1 is the initialisation
+// phase (before start_iterations); training clocks count up from 0.
+using Clock = int64_t;
+using Handle = int32_t;
+using WorkerId = int32_t;
+using BranchId = int32_t;
+
+constexpr Clock kNoClock = -2;   // a vector-clock entry before start_iterations
+constexpr Clock kInitClock = -1; // the clock that holds the initial values
+
+// A contiguous block of rows to move: rows [src, src+count) of a source go to
+// rows [dst, dst+count) of a destination. Indexes are prebuilt as lists of
+// runs; because rows are laid out in first-use order a read is usually a
+// single run, so gather and scatter-add run at copy speed.
+struct RowRun {
+  int64_t src = 0;
+  int64_t dst = 0;
+  int64_t count = 0;
+};
+
+// Where a block of rows lives.
+enum class Residence : int8_t { kDevice = 0, kHost = 1 };
+
+struct TableInfo {
+  TableId id = -1;
+  std::string name;
+  int64_t num_rows = 0;
+  int64_t row_width = 0;  // float32 values per row
+  bool local = false;     // local data: per worker, never communicated
+
+  int64_t row_bytes() const { return row_width * static_cast<int64_t>(sizeof(float)); }
+  int64_t bytes() const { return num_rows * row_bytes(); }
+};
+
+// The kinds of op a virtual iteration records.
+enum class OpKind : int8_t {
+  kRead = 0,
+  kPostRead = 1,
+  kPreUpdate = 2,
+  kUpdate = 3,
+  kLocalAccess = 4,
+  kPostLocalAccess = 5,
+  kClock = 6,
+};
+
+const char* OpKindName(OpKind kind);
+
+}  // namespace mltuner

@@ -1,0 +1,51 @@
+// Printable names of the engine's enums, and Status::ToString.
+#include "mltuner/config.h"
+#include "mltuner/status.h"
+#include "mltuner/types.h"
+
+namespace mltuner {
+
+const char* StatusCodeName(StatusCode code) {
+  switch (code) {
+    case StatusCode::kOk: return "OK";
+    case StatusCode::kInvalidArgument: return "InvalidArgument";
+    case StatusCode::kNotFound: return "NotFound";
+    case StatusCode::kOutOfOrder: return "OutOfOrder";
+    case StatusCode::kTimeout: return "Timeout";
+    case StatusCode::kResourceExhausted: return "ResourceExhausted";
+    case StatusCode::kShutdown: return "Shutdown";
+    case StatusCode::kCorruptMessage: return "CorruptMessage";
+    case StatusCode::kInternal: return "Internal";
+  }
+  return "Unknown";
+}
+
+std::string Status::ToString() const {
+  if (ok()) return "OK";
+  return std::string(StatusCodeName(code_)) + ": " + message_;
+}
+
+const char* OpKindName(OpKind kind) {
+  switch (kind) {
+    case OpKind::kRead: return "read";
+    case OpKind::kPostRead: return "post_read";
+    case OpKind::kPreUpdate: return "pre_update";
+    case OpKind::kUpdate: return "update";
+    case OpKind::kLocalAccess: return "local_access";
+    case OpKind::kPostLocalAccess: return "post_local_access";
+    case OpKind::kClock: return "clock";
+  }
+  return "unknown";
+}
+
+const char* UpdateRuleName(UpdateRuleKind kind) {
+  switch (kind) {
+    case UpdateRuleKind::kAdd: return "add";
+    case UpdateRuleKind::kSgd: return "sgd";
+    case UpdateRuleKind::kMomentum: return "momentum";
+    case UpdateRuleKind::kAdam: return "adam";
+  }
+  return "unknown";
+}
+
+}  // namespace mltuner

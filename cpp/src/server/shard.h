@@ -1,0 +1,86 @@
+// ServerShard: one process's slice of every table, and the logic that keeps
+// it: master values, a vector clock per table, the update rule, and the fresh
+// rows pushed to every client when a table's global clock advances.
+//
+// Rows are split over shards contiguously by row id (ShardRange). Each client
+// sends a shard, per table and clock, one kClockUpdate with its updates to
+// the shard's rows. The shard keeps each worker's updates of a clock apart
+// until every worker has finished that clock, then sums them in worker order
+// (so results do not depend on arrival order) and applies the update rule
+// once. Then it sends every client a kRows message with all its rows of the
+// table, stamped with the new global clock as their data age.
+//
+// Threading: not thread-safe. A transport calls Handle() from one thread.
+// Ownership: the shard owns its tables' values and optimizer state.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "mltuner/config.h"
+#include "mltuner/status.h"
+#include "mltuner/types.h"
+#include "server/update_rules.h"
+#include "server/vector_clock.h"
+#include "wire/message.h"
+
+namespace mltuner {
+
+// Rows [begin, begin+count) of a table of num_rows rows that shard `shard` of
+// `num_shards` owns: an even contiguous split, the first shards taking one
+// extra row when it does not divide.
+RowSpan ShardRange(int64_t num_rows, int shard, int num_shards);
+
+class ServerShard {
+ public:
+  ServerShard(int rank, int num_workers, const UpdateRuleConfig& rule);
+  ServerShard(const ServerShard&) = delete;
+  ServerShard& operator=(const ServerShard&) = delete;
+
+  // Registers a communicated table (local tables never reach a shard).
+  // Values start at zero. InvalidArgument on a duplicate id or bad sizes.
+  Status AddTable(const TableInfo& info);
+
+  // Handles one server-bound message and appends the replies to send to
+  // *out (their header.receiver is set). A message that is invalid for this
+  // shard (unknown table, spans outside the shard, a wrong row width, a clock
+  // out of order, a sender out of range) returns a non-OK Status and changes
+  // nothing; for kFetch and kInitAdd it also appends a kError reply so the
+  // waiting client learns why.
+  Status Handle(const Message& in, std::vector<Message>* out);
+
+  int rank() const { return rank_; }
+  // For tests and checkpoints: the shard's current values of a table, its
+  // rows in order from ShardRange(...).begin; nullptr for an unknown table.
+  const std::vector<float>* values(TableId table) const;
+  Clock global_clock(TableId table) const;
+
+ private:
+  struct TableState {
+    TableInfo info;
+    RowSpan range;                 // the rows this shard owns
+    std::vector<float> values;     // range.count * row_width
+    std::unique_ptr<UpdateRule> rule;
+    VectorClock clock;
+    // Updates of clocks not yet finished by every worker: clock -> one dense
+    // buffer per worker (empty until that worker sends a nonempty update).
+    std::map<Clock, std::vector<std::vector<float>>> pending;
+    explicit TableState(int num_workers) : clock(num_workers) {}
+  };
+
+  Status HandleClockUpdate(const Message& in, std::vector<Message>* out);
+  Status HandleStart(const Message& in, std::vector<Message>* out);
+  Status HandleFetch(const Message& in, std::vector<Message>* out);
+  Status HandleInitAdd(const Message& in, std::vector<Message>* out);
+  Status CheckSpans(const TableState& table, const Message& in) const;
+  void PushRows(const TableState& table, std::vector<Message>* out) const;
+  void ApplyFinishedClocks(TableState* table);
+
+  const int rank_;
+  const int num_workers_;
+  const UpdateRuleConfig rule_config_;
+  std::map<TableId, std::unique_ptr<TableState>> tables_;
+};
+
+}  // namespace mltuner

@@ -1,0 +1,92 @@
+// The wire format between clients and server shards.
+//
+// A message is a fixed 64-byte header, a list of row spans, and a payload of
+// float32 values: the rows of every span in order, row_width values each.
+// On the wire it is two frames: frame 0 = header + spans, frame 1 = payload
+// (raw floats, sent and received without copies by the transport). Nothing is
+// ever serialised as an object; decoding validates every field so a
+// malformed, truncated or foreign message is rejected with kCorruptMessage.
+//
+// All integers are little-endian (checked at compile time).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "mltuner/status.h"
+#include "mltuner/types.h"
+
+namespace mltuner {
+
+constexpr uint32_t kWireMagic = 0x4E544C4Du;  // "MLTN" in little-endian bytes
+constexpr uint16_t kWireVersion = 1;
+
+enum class MessageType : uint16_t {
+  kClockUpdate = 1,  // client -> shard: the client's updates of `table` for `clock`
+                     //   (zero spans = a bare clock) and "I finished clock"
+  kStart = 2,        // client -> shard: initialisation is done (clock -1 ends)
+  kRows = 3,         // shard -> client: fresh rows; clock = their data age
+  kFetch = 4,        // client -> shard: send me the current values of spans
+  kFetchReply = 5,   // shard -> client: values for request_id
+  kInitAdd = 6,      // client -> shard: add values directly (initialisation)
+  kAck = 7,          // shard -> client: request_id done
+  kError = 8,        // shard -> client: request_id failed; payload is empty,
+                     //   the reason is in the spans-free text frame (see below)
+};
+constexpr uint16_t kMaxMessageType = 8;
+
+const char* MessageTypeName(MessageType type);
+
+// Server-bound messages go to a process's shard, the rest to its client.
+bool IsServerBound(MessageType type);
+
+struct RowSpan {
+  int64_t begin = 0;  // first row id, in the table's row-id space
+  int64_t count = 0;
+};
+
+#pragma pack(push, 1)
+struct MessageHeader {
+  uint32_t magic = kWireMagic;
+  uint16_t version = kWireVersion;
+  uint16_t type = 0;          // MessageType
+  int32_t sender = -1;        // rank of the sending process
+  int32_t receiver = -1;      // rank of the receiving process
+  int32_t table = -1;         // table id
+  int32_t branch = 0;         // branch id (0 until the tuner forks branches)
+  int64_t clock = 0;          // clock of updates, or data age of rows
+  int64_t request_id = 0;     // pairs kFetch/kInitAdd with kFetchReply/kAck/kError
+  int64_t row_width = 0;      // floats per row in the payload
+  uint32_t num_spans = 0;     // RowSpan entries after the header in frame 0
+  uint32_t text_bytes = 0;    // bytes of UTF-8 text after the spans (kError)
+};
+#pragma pack(pop)
+static_assert(sizeof(MessageHeader) == 64, "MessageHeader must stay 64 bytes");
+
+struct Message {
+  MessageHeader header;
+  std::vector<RowSpan> spans;
+  std::vector<float> values;  // sum(span.count) * row_width floats
+  std::string text;           // error text; empty otherwise
+
+  MessageType type() const { return static_cast<MessageType>(header.type); }
+  int64_t total_rows() const;
+  // One line for logs: type, sender -> receiver, table, clock, spans, bytes.
+  std::string DebugString() const;
+};
+
+// Builds frame 0 (header + spans + text). The payload frame is
+// message.values' bytes as they are.
+std::string EncodeHeaderFrame(const Message& message);
+
+// Parses and validates both frames into *out. Rejects (kCorruptMessage, with
+// the reason) a wrong magic or version, an unknown type, a frame-0 size that
+// does not match num_spans and text_bytes, negative or overflowing spans, a
+// payload size that is not sum(count) * row_width * 4, and a non-positive
+// row_width when there is payload. Never reads past either frame.
+Status DecodeMessage(const void* frame0, size_t frame0_bytes, const void* payload,
+                     size_t payload_bytes, Message* out);
+
+}  // namespace mltuner

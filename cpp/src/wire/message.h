@@ -61,6 +61,7 @@ struct MessageHeader {
   int64_t row_width = 0;      // floats per row in the payload
   uint32_t num_spans = 0;     // RowSpan entries after the header in frame 0
   uint32_t text_bytes = 0;    // bytes of UTF-8 text after the spans (kError)
+  uint64_t reserved = 0;      // zero in version 1; room for later versions
 };
 #pragma pack(pop)
 static_assert(sizeof(MessageHeader) == 64, "MessageHeader must stay 64 bytes");

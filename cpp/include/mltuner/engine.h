@@ -1,0 +1,132 @@
+// Engine: one worker's client of the parameter server (geeps.md §1-3).
+//
+// Life of an engine:
+//   1. CreateTable for every table (same tables, same order on every worker).
+//   2. The virtual iteration: Virtual* calls replay one iteration's accesses
+//      and return handles; FinishVirtualIteration lays rows out in first-use
+//      order, places them under the device-memory budget and prebuilds the
+//      gather/scatter indexes.
+//   3. Initialisation: real accesses with the recorded handles run
+//      synchronously and in any order; reads fetch the servers' values and
+//      updates add to them directly (no update rule).
+//   4. StartIterations starts the allocator and reclaimer threads. From then
+//      on real accesses must follow the recorded order exactly, one clock at a
+//      time; buffers are prepared ahead by the allocator thread and released
+//      and shipped behind by the reclaimer thread.
+//   5. Shutdown (or the destructor) stops the threads and frees memory.
+//
+// Threading: one application thread calls the access methods; the transport
+// calls HandleMessage from its own thread; Fetch, WaitForDataAge, Stats and
+// Shutdown may be called from any thread. Every wait ends after
+// Config::wait_timeout_ms with a Timeout status that says what it waited for.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mltuner/config.h"
+#include "mltuner/device.h"
+#include "mltuner/status.h"
+#include "mltuner/types.h"
+
+namespace mltuner {
+
+class Transport;
+struct Message;
+
+// A buffer handed to the application. `data` is device memory (host memory
+// on the CPU backend) holding `rows` x `row_width` floats, in the order of
+// the rows given when the access was recorded. `keepalive` keeps the memory
+// allocated while the application holds it, even past Shutdown; the values
+// are only meaningful until the matching post call.
+struct AccessBuffer {
+  float* data = nullptr;
+  int64_t rows = 0;
+  int64_t row_width = 0;
+  bool writable = false;  // reads are read-only
+  Clock data_age = kNoClock;  // reads: the table's data age when gathered
+  std::shared_ptr<void> keepalive;
+};
+
+struct EngineStats {
+  Clock clock = 0;                 // clocks the application has finished
+  double stall_seconds = 0;        // time the application waited for buffers
+  double wait_fresh_seconds = 0;   // allocator time waiting for data age
+  int64_t bytes_gathered = 0;      // into read buffers, device-resident rows
+  int64_t bytes_swapped_in = 0;    // host-resident rows copied to the device
+  int64_t bytes_swapped_out = 0;   // device buffers copied to host stores
+  int64_t bytes_scattered = 0;     // update bytes added into update logs
+  int64_t messages_sent = 0;
+  int64_t messages_received = 0;
+  int64_t pool_bytes = 0;
+  int64_t device_store_bytes = 0;
+  int64_t host_store_bytes = 0;
+};
+
+class Engine {
+ public:
+  // `transport` must outlive the engine; `rank` is this worker's process
+  // rank, which is also the rank of its co-located server shard.
+  static Status Create(const Config& config, int rank, int num_workers,
+                       std::unique_ptr<Device> device, Transport* transport,
+                       std::unique_ptr<Engine>* out);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Tables. A local table holds per-worker data that is never communicated.
+  Status CreateTable(const std::string& name, int64_t num_rows, int64_t row_width, bool local,
+                     TableId* out);
+  Status FindTable(const std::string& name, TableInfo* out) const;
+  std::vector<TableInfo> tables() const;
+
+  // The virtual iteration.
+  Status VirtualRead(TableId table, std::vector<RowId> rows, int slack, Handle* out);
+  Status VirtualPostRead(Handle handle);
+  Status VirtualPreUpdate(TableId table, std::vector<RowId> rows, Handle* out);
+  Status VirtualUpdate(Handle handle);
+  Status VirtualLocalAccess(TableId table, std::vector<RowId> rows, bool fetch, Handle* out);
+  Status VirtualPostLocalAccess(Handle handle, bool keep);
+  Status VirtualClock();
+  Status FinishVirtualIteration();
+  Status StartIterations();
+
+  // Real accesses with recorded handles.
+  Status Read(Handle handle, AccessBuffer* out);
+  Status PostRead(Handle handle);
+  Status PreUpdate(Handle handle, AccessBuffer* out);
+  Status Update(Handle handle);
+  Status LocalAccess(Handle handle, AccessBuffer* out);
+  Status PostLocalAccess(Handle handle);
+  Status Clock();
+
+  // The servers' current values of `rows` (any phase), into out (rows x width).
+  Status Fetch(TableId table, const std::vector<RowId>& rows, float* out);
+  // Waits until every update of the clocks the application finished has been
+  // handed to the transport.
+  Status Flush();
+  // Waits until the table's data age is at least `age`.
+  Status WaitForDataAge(TableId table, mltuner::Clock age);
+  mltuner::Clock DataAge(TableId table) const;
+  EngineStats Stats() const;
+  std::string DescribePlan() const;
+  int rank() const;
+  int num_workers() const;
+  const Config& config() const;
+
+  // Called by the transport with a client-bound message.
+  Status HandleMessage(Message&& message);
+
+  // Stops the threads and releases memory. Later calls return kShutdown.
+  Status Shutdown();
+
+  class Impl;
+
+ private:
+  explicit Engine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace mltuner

@@ -1,0 +1,27 @@
+// Transport: how engines and server shards reach each other.
+//
+// Every process runs one worker engine and one server shard with the same
+// rank. A transport delivers a message to process header.receiver: to its
+// shard when the type is server-bound, to its engine otherwise. Messages
+// between two processes arrive in the order they were sent.
+//
+// Thread safety: Send may be called from any thread. It queues the message
+// and returns; it never waits for the receiver.
+#pragma once
+
+#include "mltuner/status.h"
+#include "mltuner/types.h"
+
+namespace mltuner {
+
+struct Message;
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual Status Send(Message&& message) = 0;
+  // Registers a communicated table with the shard of process `rank`.
+  virtual Status AddTableToShard(int rank, const TableInfo& info) = 0;
+};
+
+}  // namespace mltuner

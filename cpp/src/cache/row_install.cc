@@ -1,0 +1,101 @@
+// The receive side of a worker: installs fresh rows pushed by the shards into
+// the parameter cache under the partition locks, advances data age, and
+// completes synchronous requests. Runs on the transport's receive thread.
+#include <algorithm>
+#include <cstring>
+
+#include "engine/engine_impl.h"
+#include "server/shard.h"
+
+namespace mltuner {
+
+Status Engine::Impl::HandleMessage(Message&& message) {
+  ++messages_received_;
+  switch (message.type()) {
+    case MessageType::kRows:
+      return InstallRows(message);
+    case MessageType::kFetchReply:
+    case MessageType::kAck:
+    case MessageType::kError:
+      return CompleteRequest(std::move(message));
+    default:
+      return Status::InvalidArgument(std::string("worker ") + std::to_string(rank_) +
+                                     " received a server-bound message: " + message.DebugString());
+  }
+}
+
+Status Engine::Impl::InstallRows(const Message& message) {
+  if (*phase_ != Phase::kRunning && *phase_ != Phase::kRecorded) {
+    return Status::OutOfOrder("rows arrived before the virtual iteration was finished or after shutdown: " +
+                              message.DebugString());
+  }
+  const TableId table = message.header.table;
+  const int shard = message.header.sender;
+  if (table < 0 || table >= static_cast<TableId>(tables_.size()) || tables_[table].local) {
+    return Status::NotFound("rows for unknown table id " + std::to_string(table));
+  }
+  if (shard < 0 || shard >= num_workers_) {
+    return Status::InvalidArgument("rows from unknown shard " + std::to_string(shard));
+  }
+  const TableInfo& info = tables_[table];
+  const RowSpan range = ShardRange(info.num_rows, shard, num_workers_);
+  const bool whole_range = range.count == 0
+                               ? message.spans.empty()
+                               : message.spans.size() == 1 && message.spans[0].begin == range.begin &&
+                                     message.spans[0].count == range.count;
+  if (!whole_range || message.header.row_width != info.row_width ||
+      message.values.size() != static_cast<size_t>(range.count * info.row_width)) {
+    return Status::InvalidArgument("rows for table '" + info.name + "' from shard " + std::to_string(shard) +
+                                   " do not match its rows " + std::to_string(range.begin) + "+" +
+                                   std::to_string(range.count) + ": " + message.DebugString());
+  }
+  {
+    std::lock_guard<std::mutex> lock(age_mu_);
+    if (message.header.clock <= shard_age_[table][shard]) return Status::Ok();  // not newer
+  }
+  const TableStore& store = *stores_[table];
+  const int64_t width = info.row_width;
+  for (const WireSegment& segment : index_.tables[table].receive[shard]) {
+    const float* src = message.values.data() + (segment.begin - range.begin) * width;
+    float* dst = store.values(segment.residence) + segment.slot * width;
+    const size_t bytes = static_cast<size_t>(segment.count * info.row_bytes());
+    auto guard = store.locks->LockExclusive(segment.first_position,
+                                            segment.last_position - segment.first_position + 1);
+    if (segment.residence == Residence::kDevice) {
+      device_->CopyHostToDevice(dst, src, bytes, Stream::kReceive);
+      MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kReceive));
+    } else {
+      std::memcpy(dst, src, bytes);
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(age_mu_);
+    std::vector<mltuner::Clock>& ages = shard_age_[table];
+    ages[shard] = std::max(ages[shard], message.header.clock);
+    data_age_[table] = *std::min_element(ages.begin(), ages.end());
+  }
+  age_cv_.notify_all();
+  return Status::Ok();
+}
+
+Status Engine::Impl::CompleteRequest(Message&& message) {
+  std::shared_ptr<PendingRequest> request;
+  {
+    std::lock_guard<std::mutex> lock(age_mu_);
+    auto it = requests_.find(message.header.request_id);
+    if (it == requests_.end()) {
+      return Status::InvalidArgument("reply to unknown request " + std::to_string(message.header.request_id));
+    }
+    request = it->second;
+    if (message.type() == MessageType::kError && request->error.ok()) {
+      request->error = Status::InvalidArgument("shard " + std::to_string(message.header.sender) +
+                                               " refused the request: " + message.text);
+    }
+    request->replies.push_back(std::move(message));
+    --request->replies_missing;
+  }
+  age_cv_.notify_all();
+  return Status::Ok();
+}
+
+}  // namespace mltuner

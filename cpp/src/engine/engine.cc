@@ -1,0 +1,517 @@
+// Engine: the application-facing calls. Validation happens here, at the
+// boundary, so every mistake is reported with the table, handle or op at
+// fault; the background threads then trust the plan.
+#include <algorithm>
+#include <sstream>
+
+#include "engine/engine_impl.h"
+
+namespace mltuner {
+
+namespace {
+
+constexpr int kMaxSlack = 1000;
+
+OpKind PostKindOf(OpKind open) {
+  switch (open) {
+    case OpKind::kRead: return OpKind::kPostRead;
+    case OpKind::kPreUpdate: return OpKind::kUpdate;
+    default: return OpKind::kPostLocalAccess;
+  }
+}
+
+Status ShutdownError() { return Status::Shutdown("the engine is shut down"); }
+
+}  // namespace
+
+// --- Impl: construction and tables ---------------------------------------------
+
+Engine::Impl::Impl(const Config& config, int rank, int num_workers, std::unique_ptr<Device> device,
+                   Transport* transport)
+    : config_(config),
+      rank_(rank),
+      num_workers_(num_workers),
+      device_(std::move(device)),
+      transport_(transport) {}
+
+Engine::Impl::~Impl() { Shutdown(); }
+
+std::chrono::steady_clock::time_point Engine::Impl::Deadline() const {
+  return std::chrono::steady_clock::now() + std::chrono::milliseconds(config_.wait_timeout_ms);
+}
+
+void Engine::Impl::Fail(const Status& status) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (background_error_.ok()) background_error_ = status;
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  age_cv_.notify_all();
+  if (pool_) pool_->Close();
+}
+
+Status Engine::Impl::CreateTable(const std::string& name, int64_t num_rows, int64_t row_width,
+                                 bool local, TableId* out) {
+  if (*phase_ != Phase::kDefining || !recording_.ops.empty()) {
+    return Status::OutOfOrder("create_table('" + name +
+                              "') after the virtual iteration was finished");
+  }
+  if (name.empty()) return Status::InvalidArgument("a table needs a name");
+  if (num_rows <= 0 || row_width <= 0) {
+    return Status::InvalidArgument("table '" + name + "' needs num_rows > 0 and row_width > 0 (got " +
+                                   std::to_string(num_rows) + " x " + std::to_string(row_width) + ")");
+  }
+  if (num_rows > (int64_t{1} << 40) / row_width) {
+    return Status::InvalidArgument("table '" + name + "' is too large");
+  }
+  for (const TableInfo& table : tables_) {
+    if (table.name == name) return Status::InvalidArgument("table '" + name + "' already exists");
+  }
+  TableInfo info;
+  info.id = static_cast<TableId>(tables_.size());
+  info.name = name;
+  info.num_rows = num_rows;
+  info.row_width = row_width;
+  info.local = local;
+  if (!local) MLT_RETURN_IF_ERROR(transport_->AddTableToShard(rank_, info));
+  tables_.push_back(info);
+  *out = info.id;
+  return Status::Ok();
+}
+
+Status Engine::Impl::LookupTable(TableId table, const TableInfo** out) const {
+  if (table < 0 || table >= static_cast<TableId>(tables_.size())) {
+    return Status::NotFound("unknown table id " + std::to_string(table));
+  }
+  *out = &tables_[table];
+  return Status::Ok();
+}
+
+// --- Impl: the end of the virtual iteration and the start -------------------------
+
+Status Engine::Impl::FinishVirtualIteration() {
+  if (*phase_ != Phase::kDefining) {
+    return Status::OutOfOrder("finish_virtual_iteration was already called");
+  }
+  Recording recording;
+  MLT_RETURN_IF_ERROR(recorder_.Finish(&recording));
+  std::vector<RowLayout> layouts = BuildRowLayouts(tables_, recording);
+  Placement placement;
+  MLT_RETURN_IF_ERROR(PlanPlacement(config_, tables_, layouts, recording, &placement));
+  IterationIndex index = BuildIndexes(tables_, layouts, placement, recording, num_workers_);
+
+  std::vector<std::unique_ptr<TableStore>> stores;
+  for (const TableInfo& table : tables_) {
+    std::unique_ptr<TableStore> store;
+    MLT_RETURN_IF_ERROR(MakeTableStore(device_, table, placement.tables[table.id],
+                                       config_.partitions_per_table, &store));
+    stores.push_back(std::move(store));
+  }
+  MLT_RETURN_IF_ERROR(DeviceBlock::Make(device_, static_cast<size_t>(placement.pool_bytes), false,
+                                        &pool_memory_));
+  int64_t staging_bytes = kBufferAlignment;
+  for (const AccessIndex& access : index.accesses) {
+    staging_bytes = std::max(staging_bytes, access.buffer_bytes);
+  }
+  MLT_RETURN_IF_ERROR(DeviceBlock::Make(device_, static_cast<size_t>(staging_bytes), true, &staging_));
+  for (AccessIndex& access : index.accesses) {
+    for (RunIndex* runs : {&access.device_gather, &access.host_gather, &access.device_scatter,
+                           &access.host_scatter}) {
+      MLT_RETURN_IF_ERROR(device_->PrepareIndex(runs));
+    }
+  }
+
+  recording_ = std::move(recording);
+  layouts_ = std::move(layouts);
+  placement_ = std::move(placement);
+  index_ = std::move(index);
+  stores_ = std::move(stores);
+  pool_ = std::make_unique<Arena>(static_cast<size_t>(placement_.pool_bytes), kBufferAlignment);
+  depth_ = std::max(2, 1 + config_.prefetch_clocks);
+  slots_.assign(recording_.accesses.size(), std::vector<Slot>(depth_));
+  init_slots_.assign(recording_.accesses.size(), Slot());
+  init_blocks_.assign(recording_.accesses.size(), nullptr);
+  {
+    std::lock_guard<std::mutex> lock(age_mu_);
+    shard_age_.assign(tables_.size(), std::vector<mltuner::Clock>(num_workers_, kNoClock));
+    data_age_.assign(tables_.size(), kNoClock);
+  }
+  stats_.pool_bytes = placement_.pool_bytes;
+  stats_.device_store_bytes = placement_.device_store_bytes;
+  stats_.host_store_bytes = placement_.host_store_bytes;
+  *phase_ = Phase::kRecorded;
+  return Status::Ok();
+}
+
+Status Engine::Impl::StartIterations() {
+  if (*phase_ == Phase::kDefining) {
+    return Status::OutOfOrder("start_iterations before finish_virtual_iteration");
+  }
+  if (*phase_ != Phase::kRecorded) return Status::OutOfOrder("start_iterations was already called");
+  for (Handle h = 0; h < static_cast<Handle>(init_slots_.size()); ++h) {
+    if (init_slots_[h].state != SlotState::kEmpty) {
+      return Status::OutOfOrder("start_iterations while initialisation access of handle " +
+                                std::to_string(h) + " is still open: post it first");
+    }
+  }
+  init_blocks_.clear();
+  // kStart tells every shard our initial values are in; each answers, once
+  // all workers started, with its rows at data age -1.
+  for (int shard = 0; shard < num_workers_; ++shard) {
+    Message start;
+    start.header.type = static_cast<uint16_t>(MessageType::kStart);
+    start.header.sender = rank_;
+    start.header.receiver = shard;
+    start.header.table = -1;
+    start.header.clock = kInitClock;
+    MLT_RETURN_IF_ERROR(transport_->Send(std::move(start)));
+    ++messages_sent_;
+  }
+  *phase_ = Phase::kRunning;
+  allocator_ = std::thread([this] { AllocatorLoop(); });
+  reclaimer_ = std::thread([this] { ReclaimerLoop(); });
+  return Status::Ok();
+}
+
+// --- Impl: real accesses ----------------------------------------------------------
+
+std::string Engine::Impl::DescribeOp(int op_index) const {
+  const RecordedOp& op = recording_.ops[op_index];
+  if (op.kind == OpKind::kClock) return "clock()";
+  const AccessRecord& access = recording_.accesses[op.handle];
+  std::ostringstream out;
+  out << OpKindName(op.kind) << "(handle " << op.handle << ": "
+      << access.Describe(tables_[access.table].name) << ")";
+  return out.str();
+}
+
+Status Engine::Impl::CheckExpected(Handle handle, OpKind kind) const {
+  if (handle < 0 || handle >= static_cast<Handle>(recording_.accesses.size())) {
+    if (kind == OpKind::kClock) return Status::Internal("clock checked with a handle");
+    return Status::NotFound("unknown handle " + std::to_string(handle) + " in " + OpKindName(kind) +
+                            " (the virtual iteration recorded " +
+                            std::to_string(recording_.accesses.size()) + " handles)");
+  }
+  return Status::Ok();
+}
+
+Status Engine::Impl::WaitForSlot(Handle handle, mltuner::Clock clock, Slot** out) {
+  Slot* slot = &slots_[handle][clock % depth_];
+  std::unique_lock<std::mutex> lock(mu_);
+  const auto start = std::chrono::steady_clock::now();
+  const bool ready = cv_.wait_until(lock, Deadline(), [&] {
+    return stopping_ || (slot->state == SlotState::kReady && slot->clock == clock);
+  });
+  stats_.stall_seconds +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (!background_error_.ok()) return background_error_;
+  if (stopping_) return ShutdownError();
+  if (!ready) {
+    const AccessRecord& access = recording_.accesses[handle];
+    return Status::Timeout("waited " + std::to_string(config_.wait_timeout_ms) + " ms for the buffer of " +
+                           access.Describe(tables_[access.table].name) + " at clock " +
+                           std::to_string(clock) + "; the allocator thread is waiting for " +
+                           (allocator_waiting_for_.empty() ? std::string("nothing")
+                                                           : allocator_waiting_for_));
+  }
+  slot->state = SlotState::kInUse;
+  *out = slot;
+  return Status::Ok();
+}
+
+Status Engine::Impl::Open(Handle handle, OpKind kind, AccessBuffer* out) {
+  const Phase phase = *phase_;
+  if (phase == Phase::kShutdown) return ShutdownError();
+  if (phase == Phase::kDefining) {
+    return Status::OutOfOrder(std::string(OpKindName(kind)) +
+                              " before finish_virtual_iteration: record the iteration first");
+  }
+  MLT_RETURN_IF_ERROR(CheckExpected(handle, kind));
+  const AccessRecord& access = recording_.accesses[handle];
+  if (access.kind != kind) {
+    return Status::InvalidArgument(std::string(OpKindName(kind)) + " of handle " + std::to_string(handle) +
+                                   ", which was recorded as a " +
+                                   access.Describe(tables_[access.table].name));
+  }
+  if (phase == Phase::kRecorded) return OpenInit(handle, out);
+
+  mltuner::Clock clock;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const int op_index = static_cast<int>(app_seq_ % recording_.ops.size());
+    const RecordedOp& expected = recording_.ops[op_index];
+    if (expected.kind != kind || expected.handle != handle) {
+      return Status::OutOfOrder(std::string("called ") + OpKindName(kind) + "(handle " +
+                                std::to_string(handle) + ") but the recorded iteration expects " +
+                                DescribeOp(op_index) + " as op " + std::to_string(op_index) +
+                                " of clock " + std::to_string(app_clock_));
+    }
+    clock = app_clock_;
+  }
+  Slot* slot = nullptr;
+  MLT_RETURN_IF_ERROR(WaitForSlot(handle, clock, &slot));
+  out->data = slot->data;
+  out->rows = static_cast<int64_t>(access.rows.size());
+  out->row_width = tables_[access.table].row_width;
+  out->writable = kind != OpKind::kRead;
+  out->data_age = slot->data_age;
+  out->keepalive = pool_memory_;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++app_seq_;
+  }
+  cv_.notify_all();
+  return Status::Ok();
+}
+
+Status Engine::Impl::Post(Handle handle, OpKind kind) {
+  const Phase phase = *phase_;
+  if (phase == Phase::kShutdown) return ShutdownError();
+  if (phase == Phase::kDefining) {
+    return Status::OutOfOrder(std::string(OpKindName(kind)) + " before finish_virtual_iteration");
+  }
+  MLT_RETURN_IF_ERROR(CheckExpected(handle, kind));
+  const AccessRecord& access = recording_.accesses[handle];
+  if (PostKindOf(access.kind) != kind) {
+    return Status::InvalidArgument(std::string(OpKindName(kind)) + " of handle " + std::to_string(handle) +
+                                   ", which was recorded as a " + access.Describe(tables_[access.table].name) +
+                                   "; it is closed by " + OpKindName(PostKindOf(access.kind)));
+  }
+  if (phase == Phase::kRecorded) return PostInit(handle);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!background_error_.ok()) return background_error_;
+    const int op_index = static_cast<int>(app_seq_ % recording_.ops.size());
+    const RecordedOp& expected = recording_.ops[op_index];
+    if (expected.kind != kind || expected.handle != handle) {
+      return Status::OutOfOrder(std::string("called ") + OpKindName(kind) + "(handle " +
+                                std::to_string(handle) + ") but the recorded iteration expects " +
+                                DescribeOp(op_index) + " as op " + std::to_string(op_index) +
+                                " of clock " + std::to_string(app_clock_));
+    }
+    slots_[handle][app_clock_ % depth_].state = SlotState::kPosted;
+    ++app_seq_;
+  }
+  cv_.notify_all();
+  return Status::Ok();
+}
+
+Status Engine::Impl::Clock() {
+  const Phase phase = *phase_;
+  if (phase == Phase::kShutdown) return ShutdownError();
+  if (phase != Phase::kRunning) {
+    return Status::OutOfOrder("clock() before start_iterations (the virtual iteration records its "
+                              "clock with virtual_clock)");
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!background_error_.ok()) return background_error_;
+    const int op_index = static_cast<int>(app_seq_ % recording_.ops.size());
+    if (recording_.ops[op_index].kind != OpKind::kClock) {
+      return Status::OutOfOrder("called clock() but the recorded iteration expects " +
+                                DescribeOp(op_index) + " as op " + std::to_string(op_index) +
+                                " of clock " + std::to_string(app_clock_));
+    }
+    ++app_seq_;
+    ++app_clock_;
+    stats_.clock = app_clock_;
+  }
+  cv_.notify_all();
+  return Status::Ok();
+}
+
+Status Engine::Impl::Flush() {
+  if (*phase_ != Phase::kRunning) return Status::Ok();
+  std::unique_lock<std::mutex> lock(mu_);
+  const int64_t target = app_seq_;
+  const bool done = cv_.wait_until(lock, Deadline(), [&] {
+    return stopping_ || reclaimed_seq_ >= target;
+  });
+  if (!background_error_.ok()) return background_error_;
+  if (!done) return Status::Timeout("flush: the reclaimer thread did not catch up in time");
+  return Status::Ok();
+}
+
+Status Engine::Impl::WaitForDataAge(TableId table, mltuner::Clock age) {
+  const TableInfo* info = nullptr;
+  MLT_RETURN_IF_ERROR(LookupTable(table, &info));
+  if (info->local) return Status::InvalidArgument("table '" + info->name + "' is local: it has no data age");
+  if (*phase_ != Phase::kRunning) return Status::OutOfOrder("wait_for_data_age before start_iterations");
+  std::unique_lock<std::mutex> lock(age_mu_);
+  const bool fresh = age_cv_.wait_until(lock, Deadline(), [&] {
+    return data_age_[table] >= age || *phase_ == Phase::kShutdown;
+  });
+  if (!fresh) {
+    return Status::Timeout("table '" + info->name + "' did not reach data age " + std::to_string(age) +
+                           " (it is at " + std::to_string(data_age_[table]) +
+                           "): another worker is slow or gone");
+  }
+  if (data_age_[table] < age) return ShutdownError();
+  return Status::Ok();
+}
+
+mltuner::Clock Engine::Impl::DataAge(TableId table) const {
+  std::lock_guard<std::mutex> lock(age_mu_);
+  if (table < 0 || table >= static_cast<TableId>(data_age_.size())) return kNoClock;
+  return data_age_[table];
+}
+
+EngineStats Engine::Impl::Stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  EngineStats stats = stats_;
+  stats.messages_sent = messages_sent_;
+  stats.messages_received = messages_received_;
+  return stats;
+}
+
+Status Engine::Impl::Shutdown() {
+  const Phase before = phase_->exchange(Phase::kShutdown);
+  if (before == Phase::kShutdown) return Status::Ok();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  {
+    std::lock_guard<std::mutex> lock(age_mu_);  // wake request and age waiters
+  }
+  age_cv_.notify_all();
+  if (pool_) pool_->Close();
+  if (allocator_.joinable()) allocator_.join();
+  if (reclaimer_.joinable()) reclaimer_.join();
+  for (AccessIndex& access : index_.accesses) {
+    for (RunIndex* runs : {&access.device_gather, &access.host_gather, &access.device_scatter,
+                           &access.host_scatter}) {
+      device_->ReleaseIndex(runs);
+    }
+  }
+  index_.accesses.clear();
+  return Status::Ok();
+}
+
+// --- Engine: the public face ---------------------------------------------------------
+
+Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Engine::~Engine() = default;
+
+Status Engine::Create(const Config& config, int rank, int num_workers, std::unique_ptr<Device> device,
+                      Transport* transport, std::unique_ptr<Engine>* out) {
+  if (num_workers < 1 || rank < 0 || rank >= num_workers) {
+    return Status::InvalidArgument("rank " + std::to_string(rank) + " of " + std::to_string(num_workers) +
+                                   " workers is invalid");
+  }
+  if (!device || !transport) return Status::InvalidArgument("an engine needs a device and a transport");
+  if (config.wait_timeout_ms <= 0) return Status::InvalidArgument("wait_timeout_ms must be > 0");
+  if (config.prefetch_clocks < 1) return Status::InvalidArgument("prefetch_clocks must be >= 1");
+  if (config.device_memory_budget < 0) return Status::InvalidArgument("device_memory_budget must be >= 0");
+  out->reset(new Engine(std::make_unique<Impl>(config, rank, num_workers, std::move(device), transport)));
+  return Status::Ok();
+}
+
+Status Engine::CreateTable(const std::string& name, int64_t num_rows, int64_t row_width, bool local,
+                           TableId* out) {
+  return impl_->CreateTable(name, num_rows, row_width, local, out);
+}
+
+Status Engine::FindTable(const std::string& name, TableInfo* out) const {
+  for (const TableInfo& table : impl_->tables_) {
+    if (table.name == name) {
+      *out = table;
+      return Status::Ok();
+    }
+  }
+  return Status::NotFound("unknown table '" + name + "'");
+}
+
+std::vector<TableInfo> Engine::tables() const { return impl_->tables_; }
+
+#define MLT_REQUIRE_DEFINING(what)                                                   \
+  do {                                                                               \
+    if (*impl_->phase_ == Phase::kShutdown) return ShutdownError();                  \
+    if (*impl_->phase_ != Phase::kDefining)                                          \
+      return Status::OutOfOrder(std::string(what) + " after finish_virtual_iteration"); \
+  } while (0)
+
+Status Engine::VirtualRead(TableId table, std::vector<RowId> rows, int slack, Handle* out) {
+  MLT_REQUIRE_DEFINING("virtual_read");
+  const TableInfo* info = nullptr;
+  MLT_RETURN_IF_ERROR(impl_->LookupTable(table, &info));
+  if (slack > kMaxSlack) {
+    return Status::InvalidArgument("slack " + std::to_string(slack) + " is above the maximum of " +
+                                   std::to_string(kMaxSlack));
+  }
+  return impl_->recorder_.Read(*info, std::move(rows), slack, out);
+}
+
+Status Engine::VirtualPostRead(Handle handle) {
+  MLT_REQUIRE_DEFINING("virtual_post_read");
+  return impl_->recorder_.PostRead(handle);
+}
+
+Status Engine::VirtualPreUpdate(TableId table, std::vector<RowId> rows, Handle* out) {
+  MLT_REQUIRE_DEFINING("virtual_pre_update");
+  const TableInfo* info = nullptr;
+  MLT_RETURN_IF_ERROR(impl_->LookupTable(table, &info));
+  return impl_->recorder_.PreUpdate(*info, std::move(rows), out);
+}
+
+Status Engine::VirtualUpdate(Handle handle) {
+  MLT_REQUIRE_DEFINING("virtual_update");
+  return impl_->recorder_.Update(handle);
+}
+
+Status Engine::VirtualLocalAccess(TableId table, std::vector<RowId> rows, bool fetch, Handle* out) {
+  MLT_REQUIRE_DEFINING("virtual_local_access");
+  const TableInfo* info = nullptr;
+  MLT_RETURN_IF_ERROR(impl_->LookupTable(table, &info));
+  return impl_->recorder_.LocalAccess(*info, std::move(rows), fetch, out);
+}
+
+Status Engine::VirtualPostLocalAccess(Handle handle, bool keep) {
+  MLT_REQUIRE_DEFINING("virtual_post_local_access");
+  return impl_->recorder_.PostLocalAccess(handle, keep);
+}
+
+Status Engine::VirtualClock() {
+  MLT_REQUIRE_DEFINING("virtual_clock");
+  return impl_->recorder_.Clock();
+}
+
+#undef MLT_REQUIRE_DEFINING
+
+Status Engine::FinishVirtualIteration() {
+  if (*impl_->phase_ == Phase::kShutdown) return ShutdownError();
+  return impl_->FinishVirtualIteration();
+}
+Status Engine::StartIterations() {
+  if (*impl_->phase_ == Phase::kShutdown) return ShutdownError();
+  return impl_->StartIterations();
+}
+Status Engine::Read(Handle h, AccessBuffer* out) { return impl_->Open(h, OpKind::kRead, out); }
+Status Engine::PostRead(Handle h) { return impl_->Post(h, OpKind::kPostRead); }
+Status Engine::PreUpdate(Handle h, AccessBuffer* out) { return impl_->Open(h, OpKind::kPreUpdate, out); }
+Status Engine::Update(Handle h) { return impl_->Post(h, OpKind::kUpdate); }
+Status Engine::LocalAccess(Handle h, AccessBuffer* out) {
+  return impl_->Open(h, OpKind::kLocalAccess, out);
+}
+Status Engine::PostLocalAccess(Handle h) { return impl_->Post(h, OpKind::kPostLocalAccess); }
+Status Engine::Clock() { return impl_->Clock(); }
+Status Engine::Fetch(TableId table, const std::vector<RowId>& rows, float* out) {
+  return impl_->Fetch(table, rows, out);
+}
+Status Engine::Flush() { return impl_->Flush(); }
+Status Engine::WaitForDataAge(TableId table, mltuner::Clock age) { return impl_->WaitForDataAge(table, age); }
+mltuner::Clock Engine::DataAge(TableId table) const { return impl_->DataAge(table); }
+EngineStats Engine::Stats() const { return impl_->Stats(); }
+std::string Engine::DescribePlan() const {
+  if (*impl_->phase_ == Phase::kDefining) return "no plan yet: finish the virtual iteration first";
+  return impl_->placement_.Describe();
+}
+int Engine::rank() const { return impl_->rank_; }
+int Engine::num_workers() const { return impl_->num_workers_; }
+const Config& Engine::config() const { return impl_->config_; }
+Status Engine::HandleMessage(Message&& message) { return impl_->HandleMessage(std::move(message)); }
+Status Engine::Shutdown() { return impl_->Shutdown(); }
+
+}  // namespace mltuner

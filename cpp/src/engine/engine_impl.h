@@ -1,0 +1,172 @@
+// Engine::Impl: the state shared by the application thread, the allocator
+// thread (memory/allocator_thread.cc), the reclaimer thread
+// (memory/reclaimer_thread.cc) and the transport's receive thread
+// (cache/row_install.cc).
+//
+// Pipeline. Every (clock c, op i) of the recorded iteration has a sequence
+// number seq = c * num_ops + i. The allocator walks seq forward, preparing the
+// buffer of each open op into the handle's slot c % depth; the application
+// consumes slots in the same order and advances app_seq_; the reclaimer walks
+// behind app_seq_, releasing buffers and shipping updates.
+//
+// Locks:
+//   PartitionLocks of a table: taken first, or alone
+//   age_mu_      data ages and pending requests
+//   mu_          pipeline state (slots, sequence numbers, errors, stats)
+// A thread holding one of these may take those below it, never those above.
+// The device and arena have their own internal locks.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "cache/table_store.h"
+#include "memory/arena.h"
+#include "mltuner/engine.h"
+#include "mltuner/transport.h"
+#include "plan/placement.h"
+#include "plan/row_layout.h"
+#include "record/index_builder.h"
+#include "record/recorder.h"
+#include "wire/message.h"
+
+namespace mltuner {
+
+enum class Phase { kDefining, kRecorded, kRunning, kShutdown };
+
+enum class SlotState { kEmpty, kReady, kInUse, kPosted };
+
+// One prepared buffer of a handle for one clock.
+struct Slot {
+  mltuner::Clock clock = -1;
+  SlotState state = SlotState::kEmpty;
+  size_t offset = 0;  // in the pool arena
+  float* data = nullptr;
+  mltuner::Clock data_age = kNoClock;
+};
+
+// A synchronous request to the shards (fetch or initialisation add).
+struct PendingRequest {
+  int replies_missing = 0;
+  Status error;
+  std::vector<Message> replies;
+};
+
+class Engine::Impl {
+ public:
+  Impl(const Config& config, int rank, int num_workers, std::unique_ptr<Device> device,
+       Transport* transport);
+  ~Impl();
+
+  // --- application thread (engine/engine.cc) --------------------------------
+  Status CreateTable(const std::string& name, int64_t num_rows, int64_t row_width, bool local,
+                     TableId* out);
+  Status LookupTable(TableId table, const TableInfo** out) const;
+  Status FinishVirtualIteration();
+  Status StartIterations();
+  Status Open(Handle handle, OpKind kind, AccessBuffer* out);
+  Status Post(Handle handle, OpKind kind);
+  Status Clock();
+  Status Fetch(TableId table, const std::vector<RowId>& rows, float* out);
+  Status Flush();
+  Status WaitForDataAge(TableId table, mltuner::Clock age);
+  mltuner::Clock DataAge(TableId table) const;
+  EngineStats Stats() const;
+  Status Shutdown();
+
+  // --- receive thread (cache/row_install.cc) ----------------------------------
+  Status HandleMessage(Message&& message);
+
+  const Config config_;
+  const int rank_;
+  const int num_workers_;
+  std::shared_ptr<Device> device_;
+  Transport* const transport_;
+  Recorder recorder_;
+  std::shared_ptr<std::atomic<Phase>> phase_ = std::make_shared<std::atomic<Phase>>(Phase::kDefining);
+
+  // Constant after FinishVirtualIteration.
+  std::vector<TableInfo> tables_;
+  Recording recording_;
+  std::vector<RowLayout> layouts_;
+  Placement placement_;
+  IterationIndex index_;
+  std::vector<std::unique_ptr<TableStore>> stores_;  // by table id
+  int depth_ = 2;                                    // slots per handle
+  std::shared_ptr<DeviceBlock> pool_memory_;
+  std::unique_ptr<Arena> pool_;
+  std::shared_ptr<DeviceBlock> staging_;  // reclaimer: device -> host for host-resident updates
+
+ private:
+  // --- initialisation phase (engine/init_access.cc) -------------------------
+  Status OpenInit(Handle handle, AccessBuffer* out);
+  Status PostInit(Handle handle);
+  Status InitAdd(const AccessRecord& access, const float* host_values);
+  Status SendRequests(std::vector<Message> requests, std::vector<Message>* replies);
+
+  // --- real phase (engine/engine.cc) -----------------------------------------
+  Status CheckExpected(Handle handle, OpKind kind) const;
+  Status WaitForSlot(Handle handle, mltuner::Clock clock, Slot** out);
+  std::string DescribeOp(int op_index) const;
+
+  // --- allocator thread (memory/allocator_thread.cc) -------------------------
+  void AllocatorLoop();
+  Status PrepareSlot(int64_t seq, const AccessRecord& access, Slot* slot);
+  Status WaitFresh(const AccessRecord& access, mltuner::Clock clock, mltuner::Clock* age);
+  Status WaitForWriteBack(int64_t seq_needed);
+  void GatherInto(const AccessRecord& access, float* buffer, Stream stream);
+
+  // --- reclaimer thread (memory/reclaimer_thread.cc) -------------------------
+  void ReclaimerLoop();
+  Status ReclaimOp(int64_t seq);
+  void ScatterAddUpdate(const AccessRecord& access, const float* buffer);
+  void WriteBackLocal(const AccessRecord& access, const float* buffer);
+  Status SendTableClock(TableId table, mltuner::Clock clock);
+  void ReleaseSlot(Slot* slot);
+
+  // --- receive thread (cache/row_install.cc) ---------------------------------
+  Status InstallRows(const Message& message);
+  Status CompleteRequest(Message&& message);
+
+  // Records a background failure; every later call returns it.
+  void Fail(const Status& status);
+  std::chrono::steady_clock::time_point Deadline() const;
+
+ public:
+  // Pipeline state, guarded by mu_.
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::vector<Slot>> slots_;  // [handle][clock % depth_]
+  int64_t app_seq_ = 0;        // ops the application has completed
+  int64_t reclaimed_seq_ = 0;  // ops the reclaimer has completed
+  mltuner::Clock app_clock_ = 0;
+  bool stopping_ = false;
+  Status background_error_;
+  std::string allocator_waiting_for_;  // for timeout messages
+  std::vector<Slot> init_slots_;       // by handle, initialisation phase only
+  std::vector<std::shared_ptr<DeviceBlock>> init_blocks_;
+  EngineStats stats_;
+
+  // Data age and pending requests, guarded by age_mu_.
+  mutable std::mutex age_mu_;
+  std::condition_variable age_cv_;
+  std::vector<std::vector<mltuner::Clock>> shard_age_;  // [table][shard]
+  std::vector<mltuner::Clock> data_age_;                // [table] = min over shards
+  int64_t next_request_id_ = 1;
+  std::unordered_map<int64_t, std::shared_ptr<PendingRequest>> requests_;
+  std::atomic<int64_t> messages_received_{0};
+  std::atomic<int64_t> messages_sent_{0};
+
+  std::thread allocator_;
+  std::thread reclaimer_;
+};
+
+}  // namespace mltuner

@@ -1,0 +1,213 @@
+// Synchronous accesses: the initialisation phase (between the end of the
+// virtual iteration and start_iterations, in any order) and Fetch (any time).
+// Reads ask the shards for their current values; updates add to them
+// directly, bypassing the update rule, so worker 0 can write initial weights.
+#include <algorithm>
+#include <cstring>
+
+#include "engine/engine_impl.h"
+#include "server/shard.h"
+
+namespace mltuner {
+
+namespace {
+
+// Groups (row id, position in caller's array) by shard into spans of
+// consecutive row ids. `order[s]` lists the caller positions in span order.
+struct ShardedRows {
+  std::vector<std::vector<RowSpan>> spans;
+  std::vector<std::vector<int64_t>> order;
+};
+
+ShardedRows ShardRows(const TableInfo& table, const std::vector<RowId>& rows, int num_shards) {
+  std::vector<std::pair<RowId, int64_t>> sorted;
+  sorted.reserve(rows.size());
+  for (int64_t i = 0; i < static_cast<int64_t>(rows.size()); ++i) sorted.push_back({rows[i], i});
+  std::sort(sorted.begin(), sorted.end());
+  ShardedRows out;
+  out.spans.resize(num_shards);
+  out.order.resize(num_shards);
+  int shard = 0;
+  for (const auto& [row, position] : sorted) {
+    while (row >= ShardRange(table.num_rows, shard, num_shards).begin +
+                      ShardRange(table.num_rows, shard, num_shards).count) {
+      ++shard;
+    }
+    std::vector<RowSpan>& spans = out.spans[shard];
+    if (!spans.empty() && spans.back().begin + spans.back().count == row) {
+      ++spans.back().count;
+    } else {
+      spans.push_back({row, 1});
+    }
+    out.order[shard].push_back(position);
+  }
+  return out;
+}
+
+Status CheckRowIds(const TableInfo& table, const std::vector<RowId>& rows) {
+  std::vector<RowId> sorted = rows;
+  std::sort(sorted.begin(), sorted.end());
+  if (!sorted.empty() && (sorted.front() < 0 || sorted.back() >= table.num_rows)) {
+    return Status::InvalidArgument("row " + std::to_string(sorted.front() < 0 ? sorted.front() : sorted.back()) +
+                                   " is outside table '" + table.name + "' (rows 0.." +
+                                   std::to_string(table.num_rows - 1) + ")");
+  }
+  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) {
+    return Status::InvalidArgument("a row appears twice in a request to table '" + table.name + "'");
+  }
+  return Status::Ok();
+}
+
+Message RequestTo(MessageType type, int sender, int shard, const TableInfo& table) {
+  Message message;
+  message.header.type = static_cast<uint16_t>(type);
+  message.header.sender = sender;
+  message.header.receiver = shard;
+  message.header.table = table.id;
+  message.header.row_width = table.row_width;
+  return message;
+}
+
+}  // namespace
+
+Status Engine::Impl::SendRequests(std::vector<Message> requests, std::vector<Message>* replies) {
+  if (requests.empty()) return Status::Ok();
+  auto request = std::make_shared<PendingRequest>();
+  request->replies_missing = static_cast<int>(requests.size());
+  int64_t id;
+  {
+    std::lock_guard<std::mutex> lock(age_mu_);
+    id = next_request_id_++;
+    requests_[id] = request;
+  }
+  Status sent;
+  for (Message& message : requests) {
+    message.header.request_id = id;
+    message.header.num_spans = static_cast<uint32_t>(message.spans.size());
+    sent = transport_->Send(std::move(message));
+    if (!sent.ok()) break;
+    ++messages_sent_;
+  }
+  std::unique_lock<std::mutex> lock(age_mu_);
+  const bool done = sent.ok() && age_cv_.wait_until(lock, Deadline(), [&] {
+    return request->replies_missing == 0 || *phase_ == Phase::kShutdown;
+  });
+  requests_.erase(id);
+  if (!sent.ok()) return sent;
+  if (!request->error.ok()) return request->error;
+  if (!done) return Status::Timeout("no reply from the shards after " + std::to_string(config_.wait_timeout_ms) + " ms");
+  if (request->replies_missing > 0) return Status::Shutdown("the engine is shut down");
+  *replies = std::move(request->replies);
+  return Status::Ok();
+}
+
+Status Engine::Impl::Fetch(TableId table, const std::vector<RowId>& rows, float* out) {
+  if (*phase_ == Phase::kShutdown) return Status::Shutdown("the engine is shut down");
+  const TableInfo* info = nullptr;
+  MLT_RETURN_IF_ERROR(LookupTable(table, &info));
+  if (info->local) {
+    return Status::InvalidArgument("table '" + info->name + "' is local: its rows live on this worker only");
+  }
+  MLT_RETURN_IF_ERROR(CheckRowIds(*info, rows));
+  const ShardedRows sharded = ShardRows(*info, rows, num_workers_);
+  std::vector<Message> requests;
+  for (int shard = 0; shard < num_workers_; ++shard) {
+    if (sharded.spans[shard].empty()) continue;
+    Message request = RequestTo(MessageType::kFetch, rank_, shard, *info);
+    request.spans = sharded.spans[shard];
+    requests.push_back(std::move(request));
+  }
+  std::vector<Message> replies;
+  MLT_RETURN_IF_ERROR(SendRequests(std::move(requests), &replies));
+  const int64_t width = info->row_width;
+  for (const Message& reply : replies) {
+    const int shard = reply.header.sender;
+    const std::vector<int64_t>& order = sharded.order[shard];
+    if (reply.values.size() != order.size() * static_cast<size_t>(width)) {
+      return Status::CorruptMessage("fetch reply of the wrong size: " + reply.DebugString());
+    }
+    for (size_t k = 0; k < order.size(); ++k) {
+      std::memcpy(out + order[k] * width, reply.values.data() + k * width, static_cast<size_t>(width) * sizeof(float));
+    }
+  }
+  return Status::Ok();
+}
+
+Status Engine::Impl::InitAdd(const AccessRecord& access, const float* host_values) {
+  const TableInfo& info = tables_[access.table];
+  const ShardedRows sharded = ShardRows(info, access.rows, num_workers_);
+  const int64_t width = info.row_width;
+  std::vector<Message> requests;
+  for (int shard = 0; shard < num_workers_; ++shard) {
+    if (sharded.spans[shard].empty()) continue;
+    Message request = RequestTo(MessageType::kInitAdd, rank_, shard, info);
+    request.spans = sharded.spans[shard];
+    request.values.resize(sharded.order[shard].size() * static_cast<size_t>(width));
+    for (size_t k = 0; k < sharded.order[shard].size(); ++k) {
+      std::memcpy(request.values.data() + k * width, host_values + sharded.order[shard][k] * width,
+                  static_cast<size_t>(width) * sizeof(float));
+    }
+    requests.push_back(std::move(request));
+  }
+  std::vector<Message> replies;
+  return SendRequests(std::move(requests), &replies);
+}
+
+Status Engine::Impl::OpenInit(Handle handle, AccessBuffer* out) {
+  const AccessRecord& access = recording_.accesses[handle];
+  const TableInfo& info = tables_[access.table];
+  Slot& slot = init_slots_[handle];
+  if (slot.state != SlotState::kEmpty) {
+    return Status::OutOfOrder("handle " + std::to_string(handle) + " (" + access.Describe(info.name) +
+                              ") is already open: post it before opening it again");
+  }
+  const size_t values = access.rows.size() * static_cast<size_t>(info.row_width);
+  std::shared_ptr<DeviceBlock> block;
+  MLT_RETURN_IF_ERROR(DeviceBlock::Make(device_, values * sizeof(float), false, &block));
+  if (access.kind == OpKind::kRead) {
+    std::vector<float> host(values);
+    MLT_RETURN_IF_ERROR(Fetch(access.table, access.rows, host.data()));
+    device_->CopyHostToDevice(block->floats(), host.data(), values * sizeof(float), Stream::kApp);
+  } else if (access.kind == OpKind::kLocalAccess && access.fetch) {
+    GatherInto(access, block->floats(), Stream::kApp);
+  } else {
+    device_->Fill(block->floats(), 0.0f, values, Stream::kApp);
+  }
+  MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kApp));
+  slot.state = SlotState::kInUse;
+  slot.data = block->floats();
+  init_blocks_[handle] = block;
+  out->data = block->floats();
+  out->rows = static_cast<int64_t>(access.rows.size());
+  out->row_width = info.row_width;
+  out->writable = access.kind != OpKind::kRead;
+  out->data_age = kInitClock;
+  out->keepalive = block;
+  return Status::Ok();
+}
+
+Status Engine::Impl::PostInit(Handle handle) {
+  const AccessRecord& access = recording_.accesses[handle];
+  Slot& slot = init_slots_[handle];
+  if (slot.state != SlotState::kInUse) {
+    return Status::OutOfOrder("handle " + std::to_string(handle) + " (" +
+                              access.Describe(tables_[access.table].name) + ") is not open");
+  }
+  const size_t values = access.rows.size() * static_cast<size_t>(tables_[access.table].row_width);
+  Status status;
+  if (access.kind == OpKind::kPreUpdate) {
+    std::vector<float> host(values);
+    device_->CopyDeviceToHost(host.data(), slot.data, values * sizeof(float), Stream::kApp);
+    status = device_->Synchronize(Stream::kApp);
+    if (status.ok()) status = InitAdd(access, host.data());
+  } else if (access.kind == OpKind::kLocalAccess && access.keep) {
+    WriteBackLocal(access, slot.data);
+    status = device_->Synchronize(Stream::kWriteback);
+  }
+  slot.state = SlotState::kEmpty;
+  slot.data = nullptr;
+  init_blocks_[handle].reset();
+  return status;
+}
+
+}  // namespace mltuner

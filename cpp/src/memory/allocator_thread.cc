@@ -1,0 +1,161 @@
+// The allocator thread (geeps.md §2): runs ahead of the application along
+// the op list, preparing each open op's buffer — allocate from the pool, wait
+// until the rows are fresh enough, gather them (or zero an update buffer, or
+// fetch local data) — so the application only waits when prefetch fell
+// behind.
+//
+// Its own waits have no deadline: being ahead, it may legitimately wait for
+// the application (pool space, slot reuse) or for slower workers (freshness).
+// The application's wait for the buffer carries the deadline, and reports
+// what the allocator is waiting for (allocator_waiting_for_).
+#include <algorithm>
+#include <cstring>
+
+#include "engine/engine_impl.h"
+
+namespace mltuner {
+
+namespace {
+constexpr auto kPollInterval = std::chrono::milliseconds(100);
+}  // namespace
+
+void Engine::Impl::AllocatorLoop() {
+  const int64_t num_ops = static_cast<int64_t>(recording_.ops.size());
+  for (int64_t seq = 0;; ++seq) {
+    const mltuner::Clock clock = seq / num_ops;
+    const RecordedOp& op = recording_.ops[seq % num_ops];
+    if (op.kind != OpKind::kRead && op.kind != OpKind::kPreUpdate && op.kind != OpKind::kLocalAccess) {
+      continue;
+    }
+    Slot* slot = &slots_[op.handle][clock % depth_];
+    {
+      // The slot must be free (its previous clock reclaimed) and we must not
+      // run more than prefetch_clocks ahead of the application.
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] {
+        return stopping_ || (slot->state == SlotState::kEmpty &&
+                             clock <= app_clock_ + config_.prefetch_clocks);
+      });
+      if (stopping_) return;
+    }
+    const Status status = PrepareSlot(seq, recording_.accesses[op.handle], slot);
+    if (!status.ok()) {
+      if (status.code() != StatusCode::kShutdown) Fail(status);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      slot->clock = clock;
+      slot->state = SlotState::kReady;
+      allocator_waiting_for_.clear();
+    }
+    cv_.notify_all();
+  }
+}
+
+Status Engine::Impl::PrepareSlot(int64_t seq, const AccessRecord& access, Slot* slot) {
+  const int64_t num_ops = static_cast<int64_t>(recording_.ops.size());
+  const mltuner::Clock clock = seq / num_ops;
+  const AccessIndex& index = index_.accesses[access.handle];
+  const TableInfo& table = tables_[access.table];
+
+  // 1. Space in the pool.
+  for (;;) {
+    const Status status = pool_->Allocate(static_cast<size_t>(index.buffer_bytes), kPollInterval, &slot->offset);
+    if (status.ok()) break;
+    if (status.code() != StatusCode::kTimeout) return status;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return Status::Shutdown("stopping");
+    allocator_waiting_for_ = std::to_string(index.buffer_bytes) + " bytes of access-buffer pool space (" +
+                             std::to_string(pool_->used()) + " of " + std::to_string(pool_->capacity()) +
+                             " bytes in use) for " + access.Describe(table.name);
+  }
+  slot->data = reinterpret_cast<float*>(reinterpret_cast<char*>(pool_memory_->floats()) + slot->offset);
+  const size_t values = access.rows.size() * static_cast<size_t>(table.row_width);
+
+  // 2. Fill it.
+  switch (access.kind) {
+    case OpKind::kRead: {
+      mltuner::Clock age = kNoClock;
+      MLT_RETURN_IF_ERROR(WaitFresh(access, clock, &age));
+      auto guard = stores_[access.table]->locks->LockShared(index.lock_begin, index.lock_count);
+      GatherInto(access, slot->data, Stream::kPrefetch);
+      MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kPrefetch));
+      // The age is read again under the partition locks: installs of newer rows
+      // may have landed, never older ones.
+      slot->data_age = std::max(age, DataAge(access.table));
+      break;
+    }
+    case OpKind::kPreUpdate:
+      device_->Fill(slot->data, 0.0f, values, Stream::kPrefetch);
+      MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kPrefetch));
+      break;
+    case OpKind::kLocalAccess:
+      if (access.fetch) {
+        if (index.fetch_after_op >= 0) {
+          const int64_t writer_clock = clock - (index.fetch_after_previous_clock ? 1 : 0);
+          if (writer_clock >= 0) MLT_RETURN_IF_ERROR(WaitForWriteBack(writer_clock * num_ops + index.fetch_after_op + 1));
+        }
+        GatherInto(access, slot->data, Stream::kPrefetch);
+        MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kPrefetch));
+      }
+      break;
+    default:
+      return Status::Internal("allocator asked to prepare a post op");
+  }
+  return Status::Ok();
+}
+
+Status Engine::Impl::WaitFresh(const AccessRecord& access, mltuner::Clock clock, mltuner::Clock* age) {
+  // SSP: a read at clock c with slack s needs every worker's updates through
+  // clock c - s - 1.
+  const mltuner::Clock needed = clock - access.slack - 1;
+  const auto start = std::chrono::steady_clock::now();
+  std::unique_lock<std::mutex> lock(age_mu_);
+  while (data_age_[access.table] < needed) {
+    if (*phase_ == Phase::kShutdown) return Status::Shutdown("stopping");
+    {
+      std::lock_guard<std::mutex> pipeline(mu_);
+      if (stopping_) return Status::Shutdown("stopping");
+      allocator_waiting_for_ = "data age >= " + std::to_string(needed) + " of table '" +
+                               tables_[access.table].name + "' (it is at " +
+                               std::to_string(data_age_[access.table]) +
+                               "): a worker is slow, stopped or gone";
+    }
+    age_cv_.wait_for(lock, kPollInterval);
+  }
+  *age = data_age_[access.table];
+  lock.unlock();
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::lock_guard<std::mutex> pipeline(mu_);
+  stats_.wait_fresh_seconds += waited;
+  return Status::Ok();
+}
+
+Status Engine::Impl::WaitForWriteBack(int64_t seq_needed) {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return stopping_ || reclaimed_seq_ >= seq_needed; });
+  if (stopping_) return Status::Shutdown("stopping");
+  return Status::Ok();
+}
+
+void Engine::Impl::GatherInto(const AccessRecord& access, float* buffer, Stream stream) {
+  const AccessIndex& index = index_.accesses[access.handle];
+  const TableStore& store = *stores_[access.table];
+  const int64_t width = store.info.row_width;
+  const size_t row_bytes = static_cast<size_t>(store.info.row_bytes());
+  if (index.device_gather.total_rows > 0) {
+    device_->Gather(buffer, store.values(Residence::kDevice), index.device_gather, width, stream);
+  }
+  // Host-resident rows are swapped in run by run, straight from the host store
+  // (pinned memory on CUDA) on the prefetch stream.
+  const float* host = store.values(Residence::kHost);
+  for (const RowRun& run : index.host_gather.runs) {
+    device_->CopyHostToDevice(buffer + run.dst * width, host + run.src * width, run.count * row_bytes, stream);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.bytes_gathered += index.device_gather.total_rows * static_cast<int64_t>(row_bytes);
+  stats_.bytes_swapped_in += index.host_gather.total_rows * static_cast<int64_t>(row_bytes);
+}
+
+}  // namespace mltuner

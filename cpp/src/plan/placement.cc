@@ -1,0 +1,140 @@
+#include "plan/placement.h"
+
+#include <algorithm>
+#include <sstream>
+
+namespace mltuner {
+
+int64_t AlignedBufferBytes(const TableInfo& table, int64_t rows) {
+  const int64_t bytes = rows * table.row_bytes();
+  return (bytes + kBufferAlignment - 1) / kBufferAlignment * kBufferAlignment;
+}
+
+namespace {
+
+// Bytes of access buffers open at each op, and the largest of them.
+void FindPeak(const std::vector<TableInfo>& tables, const Recording& recording,
+              int64_t* peak_bytes, int* peak_op) {
+  int64_t open_bytes = 0;
+  *peak_bytes = 0;
+  *peak_op = -1;
+  for (int i = 0; i < static_cast<int>(recording.ops.size()); ++i) {
+    const RecordedOp& op = recording.ops[i];
+    if (op.kind == OpKind::kClock) continue;
+    const AccessRecord& access = recording.accesses[op.handle];
+    const int64_t bytes =
+        AlignedBufferBytes(tables[access.table], static_cast<int64_t>(access.rows.size()));
+    const bool opens = op.kind == OpKind::kRead || op.kind == OpKind::kPreUpdate ||
+                       op.kind == OpKind::kLocalAccess;
+    open_bytes += opens ? bytes : -bytes;
+    if (open_bytes > *peak_bytes) {
+      *peak_bytes = open_bytes;
+      *peak_op = i;
+    }
+  }
+}
+
+// Gives a layout position a residence and the next free slot of that
+// residence's store; a position placed before keeps its place.
+void Assign(TablePlacement* placement, int64_t position, Residence where) {
+  if (placement->slot[position] >= 0) return;
+  placement->residence[position] = where;
+  placement->slot[position] =
+      where == Residence::kDevice ? placement->device_rows++ : placement->host_rows++;
+}
+
+}  // namespace
+
+std::string Placement::Describe() const {
+  std::ostringstream out;
+  out << "pool " << pool_bytes << " B (peak " << peak_bytes << " B at op " << peak_op
+      << "), device stores " << device_store_bytes << " B, host stores " << host_store_bytes
+      << " B";
+  return out.str();
+}
+
+Status PlanPlacement(const Config& config, const std::vector<TableInfo>& tables,
+                     const std::vector<RowLayout>& layouts, const Recording& recording,
+                     Placement* out) {
+  Placement plan;
+  FindPeak(tables, recording, &plan.peak_bytes, &plan.peak_op);
+  const int64_t depth = std::max<int64_t>(2, 1 + config.prefetch_clocks);
+  const bool unlimited = config.device_memory_budget <= 0;
+  const int64_t pool_min = 2 * plan.peak_bytes;
+  if (!unlimited && pool_min > config.device_memory_budget) {
+    std::ostringstream msg;
+    msg << "device_memory_budget of " << config.device_memory_budget
+        << " bytes is too small: the access-buffer pool needs at least " << pool_min
+        << " bytes (2 x the largest set of buffers open at once, " << plan.peak_bytes
+        << " bytes at op " << plan.peak_op << ")";
+    return Status::ResourceExhausted(msg.str());
+  }
+  int64_t left = unlimited ? 0 : config.device_memory_budget - pool_min;
+
+  plan.tables.resize(tables.size());
+  for (const TableInfo& table : tables) {
+    TablePlacement& placement = plan.tables[table.id];
+    placement.residence.assign(table.num_rows, Residence::kHost);
+    placement.slot.assign(table.num_rows, -1);
+  }
+
+  // Local data: all on the device or all in host memory.
+  int64_t local_bytes = 0;
+  for (const TableInfo& table : tables) {
+    if (table.local) local_bytes += table.bytes();
+  }
+  const bool local_on_device = unlimited || local_bytes <= left;
+  if (!unlimited && local_on_device) left -= local_bytes;
+  for (const TableInfo& table : tables) {
+    if (!table.local) continue;
+    for (int64_t p = 0; p < table.num_rows; ++p) {
+      Assign(&plan.tables[table.id], p,
+             local_on_device ? Residence::kDevice : Residence::kHost);
+    }
+  }
+
+  // Parameter rows: access by access in op order; each row costs its cache
+  // row plus its update-log row.
+  for (const RecordedOp& op : recording.ops) {
+    if (op.kind != OpKind::kRead && op.kind != OpKind::kPreUpdate) continue;
+    const AccessRecord& access = recording.accesses[op.handle];
+    const TableInfo& table = tables[access.table];
+    TablePlacement& placement = plan.tables[table.id];
+    const RowLayout& layout = layouts[table.id];
+    int64_t new_rows = 0;
+    for (RowId row : access.rows) {
+      if (placement.slot[layout.position_of_row[row]] < 0) ++new_rows;
+    }
+    const int64_t cost = 2 * new_rows * table.row_bytes();
+    const bool fits = unlimited || cost <= left;
+    if (fits && !unlimited) left -= cost;
+    for (RowId row : access.rows) {
+      Assign(&placement, layout.position_of_row[row],
+             fits ? Residence::kDevice : Residence::kHost);
+    }
+  }
+  // Rows no access touches: to the device while there is room.
+  for (const TableInfo& table : tables) {
+    TablePlacement& placement = plan.tables[table.id];
+    for (int64_t p = 0; p < table.num_rows; ++p) {
+      if (placement.slot[p] >= 0) continue;
+      const int64_t cost = 2 * table.row_bytes();
+      const bool fits = unlimited || cost <= left;
+      if (fits && !unlimited) left -= cost;
+      Assign(&placement, p, fits ? Residence::kDevice : Residence::kHost);
+    }
+  }
+
+  for (const TableInfo& table : tables) {
+    const TablePlacement& placement = plan.tables[table.id];
+    const int64_t copies = table.local ? 1 : 2;  // parameters also keep an update log
+    plan.device_store_bytes += copies * placement.device_rows * table.row_bytes();
+    plan.host_store_bytes += copies * placement.host_rows * table.row_bytes();
+  }
+  plan.pool_bytes = unlimited ? depth * plan.peak_bytes : pool_min + left;
+  plan.pool_bytes = std::max<int64_t>(plan.pool_bytes, kBufferAlignment);
+  *out = std::move(plan);
+  return Status::Ok();
+}
+
+}  // namespace mltuner

@@ -1,0 +1,154 @@
+#include "record/index_builder.h"
+
+#include <algorithm>
+
+#include "server/shard.h"
+
+namespace mltuner {
+
+namespace {
+
+// Appends (src, dst) to runs, extending the last run when both continue it.
+void AppendToRuns(RunIndex* index, int64_t src, int64_t dst) {
+  ++index->total_rows;
+  if (!index->runs.empty()) {
+    RowRun& last = index->runs.back();
+    if (last.src + last.count == src && last.dst + last.count == dst) {
+      ++last.count;
+      return;
+    }
+  }
+  index->runs.push_back({src, dst, 1});
+}
+
+AccessIndex IndexAccess(const TableInfo& table, const RowLayout& layout,
+                        const TablePlacement& placement, const AccessRecord& access) {
+  AccessIndex index;
+  index.buffer_bytes = AlignedBufferBytes(table, static_cast<int64_t>(access.rows.size()));
+  int64_t lo = table.num_rows, hi = -1;
+  for (int64_t i = 0; i < static_cast<int64_t>(access.rows.size()); ++i) {
+    const int64_t position = layout.position_of_row[access.rows[i]];
+    const int64_t slot = placement.slot[position];
+    lo = std::min(lo, position);
+    hi = std::max(hi, position);
+    if (placement.residence[position] == Residence::kDevice) {
+      AppendToRuns(&index.device_gather, slot, i);
+      AppendToRuns(&index.device_scatter, i, slot);
+    } else {
+      AppendToRuns(&index.host_gather, slot, i);
+      AppendToRuns(&index.host_scatter, i, slot);
+    }
+  }
+  index.lock_begin = lo;
+  index.lock_count = hi - lo + 1;
+  return index;
+}
+
+// Splits sorted row ids into wire segments, cutting at shard boundaries.
+std::vector<WireSegment> SegmentsOf(const std::vector<RowId>& sorted_rows,
+                                    const RowLayout& layout, const TablePlacement& placement) {
+  std::vector<WireSegment> segments;
+  for (RowId row : sorted_rows) {
+    const int64_t position = layout.position_of_row[row];
+    const Residence where = placement.residence[position];
+    const int64_t slot = placement.slot[position];
+    if (!segments.empty()) {
+      WireSegment& last = segments.back();
+      if (last.begin + last.count == row && last.residence == where &&
+          last.slot + last.count == slot) {
+        ++last.count;
+        last.first_position = std::min(last.first_position, position);
+        last.last_position = std::max(last.last_position, position);
+        continue;
+      }
+    }
+    segments.push_back({row, 1, where, slot, position, position});
+  }
+  return segments;
+}
+
+std::vector<std::vector<WireSegment>> SegmentsByShard(const TableInfo& table,
+                                                      const std::vector<bool>& wanted,
+                                                      const RowLayout& layout,
+                                                      const TablePlacement& placement,
+                                                      int num_shards) {
+  std::vector<std::vector<WireSegment>> by_shard(num_shards);
+  for (int shard = 0; shard < num_shards; ++shard) {
+    const RowSpan range = ShardRange(table.num_rows, shard, num_shards);
+    std::vector<RowId> rows;
+    for (RowId row = range.begin; row < range.begin + range.count; ++row) {
+      if (wanted[row]) rows.push_back(row);
+    }
+    by_shard[shard] = SegmentsOf(rows, layout, placement);
+  }
+  return by_shard;
+}
+
+bool Overlaps(const AccessRecord& a, const AccessRecord& b) {
+  if (a.table != b.table) return false;
+  std::vector<RowId> x = a.rows, y = b.rows;
+  std::sort(x.begin(), x.end());
+  std::sort(y.begin(), y.end());
+  std::vector<RowId> common;
+  std::set_intersection(x.begin(), x.end(), y.begin(), y.end(), std::back_inserter(common));
+  return !common.empty();
+}
+
+// For each local fetch: the latest keep-access before it (wrapping into the
+// previous clock) that writes any of its rows.
+void LinkFetchDependencies(const Recording& recording, IterationIndex* index) {
+  const int num_ops = static_cast<int>(recording.ops.size());
+  for (const AccessRecord& access : recording.accesses) {
+    if (access.kind != OpKind::kLocalAccess || !access.fetch) continue;
+    AccessIndex& target = index->accesses[access.handle];
+    for (int back = 1; back <= num_ops; ++back) {
+      const int op_index = ((access.open_op - back) % num_ops + num_ops) % num_ops;
+      const RecordedOp& op = recording.ops[op_index];
+      if (op.kind != OpKind::kPostLocalAccess) continue;
+      const AccessRecord& writer = recording.accesses[op.handle];
+      if (!writer.keep || !Overlaps(writer, access)) continue;
+      target.fetch_after_op = op_index;
+      target.fetch_after_previous_clock = op_index >= access.open_op;
+      break;
+    }
+  }
+}
+
+}  // namespace
+
+IterationIndex BuildIndexes(const std::vector<TableInfo>& tables,
+                            const std::vector<RowLayout>& layouts, const Placement& placement,
+                            const Recording& recording, int num_shards) {
+  IterationIndex index;
+  index.tables.resize(tables.size());
+  for (const AccessRecord& access : recording.accesses) {
+    index.accesses.push_back(IndexAccess(tables[access.table], layouts[access.table],
+                                         placement.tables[access.table], access));
+  }
+
+  // The last update of each table in the op list closes its clock.
+  std::vector<int> last_update(tables.size(), -1);
+  for (const RecordedOp& op : recording.ops) {
+    if (op.kind == OpKind::kUpdate) last_update[recording.accesses[op.handle].table] = op.handle;
+  }
+  for (const TableInfo& table : tables) {
+    if (table.local) continue;
+    TableIndex& table_index = index.tables[table.id];
+    std::vector<bool> updated(table.num_rows, false);
+    for (const AccessRecord& access : recording.accesses) {
+      if (access.table != table.id || access.kind != OpKind::kPreUpdate) continue;
+      for (RowId row : access.rows) updated[row] = true;
+    }
+    table_index.has_updates = last_update[table.id] >= 0;
+    if (table_index.has_updates) index.accesses[last_update[table.id]].closes_table_clock = true;
+    const std::vector<bool> all(table.num_rows, true);
+    table_index.send = SegmentsByShard(table, updated, layouts[table.id],
+                                       placement.tables[table.id], num_shards);
+    table_index.receive = SegmentsByShard(table, all, layouts[table.id],
+                                          placement.tables[table.id], num_shards);
+  }
+  LinkFetchDependencies(recording, &index);
+  return index;
+}
+
+}  // namespace mltuner

@@ -1,0 +1,64 @@
+// IndexBuilder: everything the background threads need per access and per
+// table, computed once at the end of the virtual iteration so that each clock
+// only replays it.
+//
+// Per access: gather runs (store slot -> buffer row) split by residence, the
+// matching scatter runs (buffer row -> store slot), the layout positions to
+// lock, whether the update closes its table's clock, and for a local fetch
+// the earlier keep-access whose write-back it must wait for.
+// Per table and shard: the wire segments of updated rows (what to send) and
+// of all the shard's rows (where pushed rows are installed).
+#pragma once
+
+#include <vector>
+
+#include "mltuner/types.h"
+#include "mltuner/device.h"
+#include "plan/placement.h"
+#include "plan/row_layout.h"
+#include "record/recorder.h"
+
+namespace mltuner {
+
+struct AccessIndex {
+  int64_t buffer_bytes = 0;  // aligned
+  RunIndex device_gather;    // src = device slot, dst = buffer row
+  RunIndex host_gather;      // src = host slot, dst = buffer row
+  RunIndex device_scatter;   // src = buffer row, dst = device slot
+  RunIndex host_scatter;     // src = buffer row, dst = host slot
+  int64_t lock_begin = 0;    // layout positions this access touches
+  int64_t lock_count = 0;
+  bool closes_table_clock = false;  // the last update of its table in a clock
+  // Local fetch only: the post op of the latest earlier keep-access to any of
+  // the same rows (cyclically: it may be in the previous clock), or -1.
+  int fetch_after_op = -1;
+  bool fetch_after_previous_clock = false;
+};
+
+// A block of rows with consecutive ids stored in consecutive slots of one
+// residence.
+struct WireSegment {
+  RowId begin = 0;
+  int64_t count = 0;
+  Residence residence = Residence::kHost;
+  int64_t slot = 0;
+  int64_t first_position = 0;  // layout positions spanned, for locking
+  int64_t last_position = 0;
+};
+
+struct TableIndex {
+  bool has_updates = false;
+  std::vector<std::vector<WireSegment>> send;     // by shard: updated rows
+  std::vector<std::vector<WireSegment>> receive;  // by shard: all its rows
+};
+
+struct IterationIndex {
+  std::vector<AccessIndex> accesses;  // by handle
+  std::vector<TableIndex> tables;     // by table id
+};
+
+IterationIndex BuildIndexes(const std::vector<TableInfo>& tables,
+                            const std::vector<RowLayout>& layouts, const Placement& placement,
+                            const Recording& recording, int num_shards);
+
+}  // namespace mltuner

@@ -1,0 +1,341 @@
+// ServerShard: validates server-bound messages, keeps each worker's updates
+// of a clock apart until the clock is finished by everyone, applies the
+// update rule once per finished clock, and pushes fresh rows to every client.
+//
+// Every handler validates the whole message before it changes anything, so a
+// rejected message leaves the shard exactly as it was.
+#include "server/shard.h"
+
+#include <algorithm>
+#include <string>
+#include <utility>
+
+namespace mltuner {
+namespace {
+
+std::string SpanText(const RowSpan& span) {
+  return "[" + std::to_string(span.begin) + ", " + std::to_string(span.begin + span.count) + ")";
+}
+
+std::string TableText(TableId table) { return "table " + std::to_string(table); }
+
+Status CheckSender(const Message& in, int num_workers) {
+  const WorkerId sender = in.header.sender;
+  if (sender < 0 || sender >= num_workers) {
+    return Status::InvalidArgument("message type " + std::to_string(in.header.type) + " from sender " +
+                                   std::to_string(sender) + ", not in [0, " +
+                                   std::to_string(num_workers) + ")");
+  }
+  return Status::Ok();
+}
+
+Status UnknownTable(TableId table) {
+  return Status::NotFound(TableText(table) + " is not registered with this shard");
+}
+
+// Rows covered by spans that CheckSpans accepted (each lies inside the shard,
+// so the sum cannot overflow for any message that fits in memory).
+int64_t CountRows(const std::vector<RowSpan>& spans) {
+  int64_t rows = 0;
+  for (const RowSpan& span : spans) rows += span.count;
+  return rows;
+}
+
+// A message that carries values must carry exactly the rows its spans name,
+// in the table's row width.
+Status CheckPayload(const Message& in, const TableInfo& info) {
+  if (!in.values.empty() && in.header.row_width != info.row_width) {
+    return Status::InvalidArgument(TableText(info.id) + ": message row_width " +
+                                   std::to_string(in.header.row_width) + ", table row_width " +
+                                   std::to_string(info.row_width));
+  }
+  const int64_t expected = CountRows(in.spans) * info.row_width;
+  if (static_cast<int64_t>(in.values.size()) != expected) {
+    return Status::InvalidArgument(TableText(info.id) + ": message has " +
+                                   std::to_string(in.values.size()) + " values, its spans need " +
+                                   std::to_string(expected));
+  }
+  return Status::Ok();
+}
+
+// Adds the span-ordered payload of `in` into `dense`, which holds the rows of
+// `range` in order.
+void AddSpansInto(const Message& in, const RowSpan& range, int64_t row_width, float* dense) {
+  const float* source = in.values.data();
+  for (const RowSpan& span : in.spans) {
+    float* target = dense + (span.begin - range.begin) * row_width;
+    const int64_t count = span.count * row_width;
+    for (int64_t i = 0; i < count; ++i) target[i] += source[i];
+    source += count;
+  }
+}
+
+Message Reply(MessageType type, int rank, const Message& request) {
+  Message reply;
+  reply.header.type = static_cast<uint16_t>(type);
+  reply.header.sender = rank;
+  reply.header.receiver = request.header.sender;
+  reply.header.table = request.header.table;
+  reply.header.branch = request.header.branch;
+  reply.header.request_id = request.header.request_id;
+  return reply;
+}
+
+Message ErrorReply(int rank, const Message& request, const Status& error) {
+  Message reply = Reply(MessageType::kError, rank, request);
+  reply.text = error.message();
+  reply.header.text_bytes = static_cast<uint32_t>(reply.text.size());
+  return reply;
+}
+
+}  // namespace
+
+RowSpan ShardRange(int64_t num_rows, int shard, int num_shards) {
+  RowSpan range;
+  if (num_rows <= 0 || num_shards <= 0 || shard < 0 || shard >= num_shards) return range;
+  const int64_t base = num_rows / num_shards;
+  const int64_t extra = num_rows % num_shards;  // the first `extra` shards own one more row
+  range.begin = shard * base + std::min<int64_t>(shard, extra);
+  range.count = base + (shard < extra ? 1 : 0);
+  return range;
+}
+
+ServerShard::ServerShard(int rank, int num_workers, const UpdateRuleConfig& rule)
+    : rank_(rank), num_workers_(num_workers), rule_config_(rule) {}
+
+Status ServerShard::AddTable(const TableInfo& info) {
+  if (info.local) {
+    return Status::InvalidArgument(TableText(info.id) + " (" + info.name +
+                                   ") is local data; local tables never reach a shard");
+  }
+  if (tables_.count(info.id) != 0) {
+    return Status::InvalidArgument(TableText(info.id) + " (" + info.name + ") is already registered");
+  }
+  if (info.num_rows < 1 || info.row_width < 1) {
+    return Status::InvalidArgument(TableText(info.id) + " (" + info.name + ") has " +
+                                   std::to_string(info.num_rows) + " rows of width " +
+                                   std::to_string(info.row_width) + "; both must be >= 1");
+  }
+  auto table = std::make_unique<TableState>(num_workers_);
+  table->info = info;
+  // Every process hosts one shard, so shards are numbered like the workers.
+  table->range = ShardRange(info.num_rows, rank_, num_workers_);
+  const int64_t num_values = table->range.count * info.row_width;
+  table->values.assign(static_cast<size_t>(num_values), 0.0f);
+  table->rule = NewUpdateRule(rule_config_, num_values);
+  if (table->rule == nullptr) {
+    return Status::InvalidArgument("unknown update rule kind " +
+                                   std::to_string(static_cast<int>(rule_config_.kind)));
+  }
+  tables_.emplace(info.id, std::move(table));
+  return Status::Ok();
+}
+
+Status ServerShard::Handle(const Message& in, std::vector<Message>* out) {
+  if (out == nullptr) return Status::InvalidArgument("ServerShard::Handle: out is null");
+  switch (in.type()) {
+    case MessageType::kStart: return HandleStart(in, out);
+    case MessageType::kClockUpdate: return HandleClockUpdate(in, out);
+    case MessageType::kFetch: return HandleFetch(in, out);
+    case MessageType::kInitAdd: return HandleInitAdd(in, out);
+    case MessageType::kRows:
+    case MessageType::kFetchReply:
+    case MessageType::kAck:
+    case MessageType::kError:
+      return Status::InvalidArgument("client-bound message (type " +
+                                     std::to_string(in.header.type) + ") sent to a shard");
+  }
+  return Status::InvalidArgument("unknown message type " + std::to_string(in.header.type));
+}
+
+// kStart ends initialisation for the sender in every table at once: its
+// entries move from kNoClock to kInitClock. A table whose last worker starts
+// has its initial values final, so they are pushed with data age -1.
+Status ServerShard::HandleStart(const Message& in, std::vector<Message>* out) {
+  MLT_RETURN_IF_ERROR(CheckSender(in, num_workers_));
+  const WorkerId sender = in.header.sender;
+  for (const auto& entry : tables_) {
+    if (entry.second->clock.Get(sender) != kNoClock) {
+      return Status::OutOfOrder("worker " + std::to_string(sender) +
+                                " sent kStart twice (already started " + TableText(entry.first) + ")");
+    }
+  }
+  for (auto& entry : tables_) {
+    TableState& table = *entry.second;
+    bool global_advanced = false;
+    MLT_RETURN_IF_ERROR(table.clock.Advance(sender, kInitClock, &global_advanced));
+    if (global_advanced) PushRows(table, out);
+  }
+  return Status::Ok();
+}
+
+Status ServerShard::HandleClockUpdate(const Message& in, std::vector<Message>* out) {
+  MLT_RETURN_IF_ERROR(CheckSender(in, num_workers_));
+  auto found = tables_.find(in.header.table);
+  if (found == tables_.end()) return UnknownTable(in.header.table);
+  TableState& table = *found->second;
+  MLT_RETURN_IF_ERROR(CheckSpans(table, in));
+  MLT_RETURN_IF_ERROR(CheckPayload(in, table.info));
+
+  const WorkerId sender = in.header.sender;
+  const Clock clock = in.header.clock;
+  const Clock last = table.clock.Get(sender);
+  // Training clocks start at 0; clock -1 is entered only through kStart.
+  if (last == kNoClock) {
+    return Status::OutOfOrder(TableText(table.info.id) + ": worker " + std::to_string(sender) +
+                              " sent clock " + std::to_string(clock) + " before kStart");
+  }
+  if (clock != last + 1) {
+    return Status::OutOfOrder(TableText(table.info.id) + ": worker " + std::to_string(sender) +
+                              " sent clock " + std::to_string(clock) + ", expected " +
+                              std::to_string(last + 1));
+  }
+
+  if (!in.values.empty()) {
+    std::vector<std::vector<float>>& per_worker = table.pending[clock];
+    per_worker.resize(static_cast<size_t>(num_workers_));
+    std::vector<float>& buffer = per_worker[static_cast<size_t>(sender)];
+    if (buffer.empty()) buffer.assign(table.values.size(), 0.0f);
+    AddSpansInto(in, table.range, table.info.row_width, buffer.data());
+  }
+
+  bool global_advanced = false;
+  MLT_RETURN_IF_ERROR(table.clock.Advance(sender, clock, &global_advanced));
+  if (global_advanced) {
+    ApplyFinishedClocks(&table);
+    PushRows(table, out);
+  }
+  return Status::Ok();
+}
+
+Status ServerShard::HandleFetch(const Message& in, std::vector<Message>* out) {
+  // A sender out of range has no client to tell, so it only gets the Status.
+  MLT_RETURN_IF_ERROR(CheckSender(in, num_workers_));
+  auto found = tables_.find(in.header.table);
+  Status status = found == tables_.end() ? UnknownTable(in.header.table) : CheckSpans(*found->second, in);
+  if (!status.ok()) {
+    out->push_back(ErrorReply(rank_, in, status));
+    return status;
+  }
+  const TableState& table = *found->second;
+  const int64_t row_width = table.info.row_width;
+  Message reply = Reply(MessageType::kFetchReply, rank_, in);
+  reply.header.clock = table.clock.global();  // the data age of the values
+  reply.header.row_width = row_width;
+  reply.header.num_spans = static_cast<uint32_t>(in.spans.size());
+  reply.spans = in.spans;
+  reply.values.reserve(static_cast<size_t>(CountRows(in.spans) * row_width));
+  for (const RowSpan& span : in.spans) {
+    const auto first = table.values.begin() + (span.begin - table.range.begin) * row_width;
+    reply.values.insert(reply.values.end(), first, first + span.count * row_width);
+  }
+  out->push_back(std::move(reply));
+  return Status::Ok();
+}
+
+// kInitAdd writes initial values straight into the master copy, so it is only
+// legal while the sender is still initialising (before its kStart).
+Status ServerShard::HandleInitAdd(const Message& in, std::vector<Message>* out) {
+  MLT_RETURN_IF_ERROR(CheckSender(in, num_workers_));
+  auto found = tables_.find(in.header.table);
+  Status status = found == tables_.end() ? UnknownTable(in.header.table) : CheckSpans(*found->second, in);
+  if (status.ok()) status = CheckPayload(in, found->second->info);
+  if (status.ok() && found->second->clock.Get(in.header.sender) != kNoClock) {
+    status = Status::OutOfOrder(TableText(in.header.table) + ": worker " +
+                                std::to_string(in.header.sender) + " sent kInitAdd after kStart");
+  }
+  if (!status.ok()) {
+    out->push_back(ErrorReply(rank_, in, status));
+    return status;
+  }
+  TableState& table = *found->second;
+  AddSpansInto(in, table.range, table.info.row_width, table.values.data());
+  out->push_back(Reply(MessageType::kAck, rank_, in));
+  return Status::Ok();
+}
+
+Status ServerShard::CheckSpans(const TableState& table, const Message& in) const {
+  const RowSpan& range = table.range;
+  const int64_t range_end = range.begin + range.count;
+  for (const RowSpan& span : in.spans) {
+    // Written as begin <= end - count so a huge count cannot overflow.
+    const bool inside = span.count >= 0 && span.begin >= range.begin && span.begin <= range_end - span.count;
+    if (!inside) {
+      return Status::InvalidArgument(TableText(table.info.id) + ": span " + SpanText(span) +
+                                     " (count " + std::to_string(span.count) +
+                                     ") is outside this shard's rows " + SpanText(range));
+    }
+  }
+  return Status::Ok();
+}
+
+// Sends every client all of this shard's rows of the table. The message goes
+// out even when the shard owns no rows (a table with fewer rows than shards):
+// the client counts shard pushes to advance the table's data age.
+void ServerShard::PushRows(const TableState& table, std::vector<Message>* out) const {
+  for (int worker = 0; worker < num_workers_; ++worker) {
+    Message rows;
+    rows.header.type = static_cast<uint16_t>(MessageType::kRows);
+    rows.header.sender = rank_;
+    rows.header.receiver = worker;
+    rows.header.table = table.info.id;
+    rows.header.branch = 0;
+    rows.header.clock = table.clock.global();
+    rows.header.row_width = table.info.row_width;
+    if (table.range.count > 0) {
+      rows.spans.push_back(table.range);
+      rows.values = table.values;
+    }
+    rows.header.num_spans = static_cast<uint32_t>(rows.spans.size());
+    out->push_back(std::move(rows));
+  }
+}
+
+// Called when the table's global clock has just advanced. A kClockUpdate moves
+// one worker by one clock, so the global clock moves by at most one: exactly
+// the clock `global()` is newly finished (earlier ones were applied when they
+// finished). The rule runs once per finished clock, also when no worker sent
+// values: for a stateful rule (momentum, Adam) a clock without updates is a
+// zero-gradient step that still decays its history. For the stateless rules
+// (add, SGD) a zero update changes nothing, so the step is skipped.
+void ServerShard::ApplyFinishedClocks(TableState* table) {
+  const Clock finished = table->clock.global();
+  std::vector<float> sum;
+  auto pending = table->pending.find(finished);
+  if (pending != table->pending.end()) {
+    // Sum in worker order 0..N-1, whatever order the updates arrived in, so
+    // the float result is the same on every run. Workers that sent nothing
+    // have no buffer and add nothing.
+    for (std::vector<float>& buffer : pending->second) {
+      if (buffer.empty()) continue;
+      if (sum.empty()) {
+        sum = std::move(buffer);
+        continue;
+      }
+      const float* add = buffer.data();
+      float* acc = sum.data();
+      const int64_t count = static_cast<int64_t>(sum.size());
+      for (int64_t i = 0; i < count; ++i) acc[i] += add[i];
+    }
+    table->pending.erase(pending);
+  }
+  if (sum.empty()) {
+    const bool stateless = rule_config_.kind == UpdateRuleKind::kAdd ||
+                           rule_config_.kind == UpdateRuleKind::kSgd;
+    if (stateless || table->values.empty()) return;
+    sum.assign(table->values.size(), 0.0f);
+  }
+  table->rule->Apply(table->values.data(), sum.data(), static_cast<int64_t>(sum.size()), num_workers_);
+}
+
+const std::vector<float>* ServerShard::values(TableId table) const {
+  auto found = tables_.find(table);
+  return found == tables_.end() ? nullptr : &found->second->values;
+}
+
+Clock ServerShard::global_clock(TableId table) const {
+  auto found = tables_.find(table);
+  return found == tables_.end() ? kNoClock : found->second->clock.global();
+}
+
+}  // namespace mltuner

@@ -1,0 +1,44 @@
+// Config and UpdateRuleConfig as plain attribute bags.
+#include <pybind11/stl.h>
+
+#include "bindings.h"
+#include "mltuner/config.h"
+#include "mltuner/types.h"
+
+namespace py = pybind11;
+
+namespace mltuner::python {
+
+void RegisterConfig(py::module_& m) {
+  py::enum_<UpdateRuleKind>(m, "UpdateRuleKind")
+      .value("add", UpdateRuleKind::kAdd)
+      .value("sgd", UpdateRuleKind::kSgd)
+      .value("momentum", UpdateRuleKind::kMomentum)
+      .value("adam", UpdateRuleKind::kAdam);
+
+  py::class_<UpdateRuleConfig>(m, "UpdateRuleConfig")
+      .def(py::init<>())
+      .def_readwrite("kind", &UpdateRuleConfig::kind)
+      .def_readwrite("learning_rate", &UpdateRuleConfig::learning_rate)
+      .def_readwrite("momentum", &UpdateRuleConfig::momentum)
+      .def_readwrite("beta1", &UpdateRuleConfig::beta1)
+      .def_readwrite("beta2", &UpdateRuleConfig::beta2)
+      .def_readwrite("epsilon", &UpdateRuleConfig::epsilon);
+
+  py::class_<Config>(m, "Config")
+      .def(py::init<>())
+      .def_readwrite("device_memory_budget", &Config::device_memory_budget)
+      .def_readwrite("wait_timeout_ms", &Config::wait_timeout_ms)
+      .def_readwrite("prefetch_clocks", &Config::prefetch_clocks)
+      .def_readwrite("partitions_per_table", &Config::partitions_per_table)
+      .def_readwrite("update_rule", &Config::update_rule);
+
+  py::class_<TableInfo>(m, "TableInfo")
+      .def_readonly("id", &TableInfo::id)
+      .def_readonly("name", &TableInfo::name)
+      .def_readonly("num_rows", &TableInfo::num_rows)
+      .def_readonly("row_width", &TableInfo::row_width)
+      .def_readonly("local", &TableInfo::local);
+}
+
+}  // namespace mltuner::python

@@ -1,0 +1,132 @@
+// Engine: access buffers become numpy arrays over engine memory (no copy);
+// every call that can block or do heavy work releases the GIL.
+#include <pybind11/numpy.h>
+#include <pybind11/stl.h>
+
+#include "bindings.h"
+#include "mltuner/engine.h"
+
+namespace py = pybind11;
+
+namespace mltuner::python {
+
+namespace {
+
+using RowArray = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+using Release = py::call_guard<py::gil_scoped_release>;
+
+std::vector<RowId> ToRows(const RowArray& rows) {
+  if (rows.ndim() != 1) throw py::value_error("rows must be a 1-D sequence of row ids");
+  return std::vector<RowId>(rows.data(), rows.data() + rows.size());
+}
+
+// A (rows, row_width) float32 array viewing the buffer; the capsule keeps the
+// engine memory alive while the array (or a view of it) exists.
+py::array ToArray(const AccessBuffer& buffer) {
+  auto* keepalive = new std::shared_ptr<void>(buffer.keepalive);
+  py::capsule owner(keepalive, [](void* p) { delete static_cast<std::shared_ptr<void>*>(p); });
+  py::array_t<float> array({buffer.rows, buffer.row_width},
+                           {buffer.row_width * static_cast<py::ssize_t>(sizeof(float)),
+                            static_cast<py::ssize_t>(sizeof(float))},
+                           buffer.data, owner);
+  if (!buffer.writable) {
+    py::detail::array_proxy(array.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+  }
+  return std::move(array);
+}
+
+template <Status (Engine::*Method)(Handle, AccessBuffer*)>
+py::tuple OpenBuffer(Engine& engine, Handle handle) {
+  AccessBuffer buffer;
+  {
+    py::gil_scoped_release release;
+    Check((engine.*Method)(handle, &buffer));
+  }
+  return py::make_tuple(ToArray(buffer), buffer.data_age);
+}
+
+template <Status (Engine::*Method)(Handle)>
+void PostBuffer(Engine& engine, Handle handle) {
+  py::gil_scoped_release release;
+  Check((engine.*Method)(handle));
+}
+
+}  // namespace
+
+void RegisterEngine(py::module_& m) {
+  py::class_<EngineStats>(m, "EngineStats")
+      .def_readonly("clock", &EngineStats::clock)
+      .def_readonly("stall_seconds", &EngineStats::stall_seconds)
+      .def_readonly("wait_fresh_seconds", &EngineStats::wait_fresh_seconds)
+      .def_readonly("bytes_gathered", &EngineStats::bytes_gathered)
+      .def_readonly("bytes_swapped_in", &EngineStats::bytes_swapped_in)
+      .def_readonly("bytes_swapped_out", &EngineStats::bytes_swapped_out)
+      .def_readonly("bytes_scattered", &EngineStats::bytes_scattered)
+      .def_readonly("messages_sent", &EngineStats::messages_sent)
+      .def_readonly("messages_received", &EngineStats::messages_received)
+      .def_readonly("pool_bytes", &EngineStats::pool_bytes)
+      .def_readonly("device_store_bytes", &EngineStats::device_store_bytes)
+      .def_readonly("host_store_bytes", &EngineStats::host_store_bytes);
+
+  py::class_<Engine>(m, "Engine")
+      .def_property_readonly("rank", &Engine::rank)
+      .def_property_readonly("num_workers", &Engine::num_workers)
+      .def("create_table",
+           [](Engine& e, const std::string& name, int64_t num_rows, int64_t row_width, bool local) {
+             TableId id;
+             Check(e.CreateTable(name, num_rows, row_width, local, &id));
+             return id;
+           })
+      .def("tables", &Engine::tables)
+      .def("virtual_read",
+           [](Engine& e, TableId table, const RowArray& rows, int slack) {
+             Handle h;
+             Check(e.VirtualRead(table, ToRows(rows), slack, &h));
+             return h;
+           })
+      .def("virtual_post_read", [](Engine& e, Handle h) { Check(e.VirtualPostRead(h)); })
+      .def("virtual_pre_update",
+           [](Engine& e, TableId table, const RowArray& rows) {
+             Handle h;
+             Check(e.VirtualPreUpdate(table, ToRows(rows), &h));
+             return h;
+           })
+      .def("virtual_update", [](Engine& e, Handle h) { Check(e.VirtualUpdate(h)); })
+      .def("virtual_local_access",
+           [](Engine& e, TableId table, const RowArray& rows, bool fetch) {
+             Handle h;
+             Check(e.VirtualLocalAccess(table, ToRows(rows), fetch, &h));
+             return h;
+           })
+      .def("virtual_post_local_access", [](Engine& e, Handle h, bool keep) { Check(e.VirtualPostLocalAccess(h, keep)); })
+      .def("virtual_clock", [](Engine& e) { Check(e.VirtualClock()); })
+      .def("finish_virtual_iteration", [](Engine& e) { Check(e.FinishVirtualIteration()); }, Release())
+      .def("start_iterations", [](Engine& e) { Check(e.StartIterations()); }, Release())
+      .def("read", &OpenBuffer<&Engine::Read>)
+      .def("post_read", &PostBuffer<&Engine::PostRead>)
+      .def("pre_update", &OpenBuffer<&Engine::PreUpdate>)
+      .def("update", &PostBuffer<&Engine::Update>)
+      .def("local_access", &OpenBuffer<&Engine::LocalAccess>)
+      .def("post_local_access", &PostBuffer<&Engine::PostLocalAccess>)
+      .def("clock", [](Engine& e) { Check(e.Clock()); }, Release())
+      .def("fetch",
+           [](Engine& e, TableId table, const RowArray& rows, int64_t row_width) {
+             std::vector<RowId> ids = ToRows(rows);
+             py::array_t<float> out({static_cast<py::ssize_t>(ids.size()), static_cast<py::ssize_t>(row_width)});
+             float* data = out.mutable_data();
+             {
+               py::gil_scoped_release release;
+               Check(e.Fetch(table, ids, data));
+             }
+             return out;
+           })
+      .def("flush", [](Engine& e) { Check(e.Flush()); }, Release())
+      .def("wait_for_data_age", [](Engine& e, TableId table, int64_t age) { Check(e.WaitForDataAge(table, age)); },
+           Release())
+      .def("data_age", &Engine::DataAge)
+      .def("stats", &Engine::Stats)
+      .def("describe_plan", &Engine::DescribePlan)
+      .def("shutdown", [](Engine& e) { Check(e.Shutdown()); }, Release());
+}
+
+}  // namespace mltuner::python

@@ -1,0 +1,203 @@
+"""Worker: one worker's client of the parameter server (the GeePS access API)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Union
+
+import numpy as np
+
+from mltuner import _core
+from mltuner.client._layout import TensorLayout
+
+__all__ = ["Worker", "Table", "Rows"]
+
+Rows = Union[Sequence[int], np.ndarray, range, None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    """A table of ``num_rows`` rows of ``row_width`` float32 values.
+
+    A local table holds per-worker data (activations, optimizer history) that
+    is never communicated, only stored and swapped by the engine.
+    """
+
+    id: int
+    name: str
+    num_rows: int
+    row_width: int
+    local: bool = False
+    layout: TensorLayout | None = None
+
+
+class Worker:
+    """The access API of one worker, in four phases.
+
+    1. ``create_table`` for every table (same tables, same order on every worker).
+    2. The virtual iteration: ``virtual_read`` / ``virtual_post_read``,
+       ``virtual_pre_update`` / ``virtual_update``, ``virtual_local_access`` /
+       ``virtual_post_local_access`` replay one iteration and return handles;
+       ``virtual_clock`` ends it and ``finish_virtual_iteration`` builds the plan.
+    3. Initialisation: the real calls with those handles run synchronously and in
+       any order; ``read`` shows the servers' values, ``pre_update`` +
+       ``update`` add to them directly (no update rule).
+    4. ``start_iterations``; then the real calls must follow the recorded order,
+       and ``clock`` ends each iteration.
+
+    Buffers are numpy arrays of shape (rows, row_width) over engine memory, with
+    no copy; read buffers are read-only. A buffer is valid until its post call.
+    Blocking calls release the GIL, so several workers can run on threads.
+    """
+
+    def __init__(self, engine: _core.Engine, owner: object = None) -> None:
+        self._engine = engine
+        self._owner = owner  # keeps the cluster alive while the worker is used
+        self._tables: dict[int, Table] = {}
+        self._last_data_age = -2
+
+    # -- tables ---------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return int(self._engine.rank)
+
+    @property
+    def num_workers(self) -> int:
+        return int(self._engine.num_workers)
+
+    def create_table(self, name: str, num_rows: int, row_width: int, *, local: bool = False) -> Table:
+        """Creates a table; every worker must create the same tables in the same order."""
+        table_id = self._engine.create_table(name, int(num_rows), int(row_width), bool(local))
+        table = Table(table_id, name, int(num_rows), int(row_width), bool(local))
+        self._tables[table_id] = table
+        return table
+
+    def create_tensor_table(self, name: str, layout: TensorLayout, *, local: bool = False) -> Table:
+        """Creates a table holding the tensors of ``layout``; use ``layout.rows``
+        and ``layout.view`` to address them."""
+        if layout.num_rows == 0:
+            raise ValueError(f"layout for table {name!r} holds no tensors")
+        table = self.create_table(name, layout.num_rows, layout.row_width, local=local)
+        table = dataclasses.replace(table, layout=layout)
+        self._tables[table.id] = table
+        return table
+
+    def _rows(self, table: Table, rows: Rows) -> np.ndarray:
+        if not isinstance(table, Table):
+            raise TypeError(f"expected a Table, got {type(table).__name__}")
+        if self._tables.get(table.id) is None or self._tables[table.id].name != table.name:
+            raise LookupError(f"table {table.name!r} does not belong to worker {self.rank}")
+        if rows is None:
+            return np.arange(table.num_rows, dtype=np.int64)
+        array = np.asarray(rows)
+        if array.dtype.kind not in "iu":
+            raise TypeError(f"row ids for table {table.name!r} must be integers, got dtype {array.dtype}")
+        if array.ndim != 1:
+            raise ValueError(f"row ids for table {table.name!r} must be 1-D, got shape {array.shape}")
+        return array.astype(np.int64, copy=False)
+
+    # -- the virtual iteration -------------------------------------------------
+    def virtual_read(self, table: Table, rows: Rows = None, *, slack: int = 0) -> int:
+        """Records a read of ``rows`` (all rows by default) that may be ``slack``
+        clocks stale (0 = BSP); returns its handle."""
+        return int(self._engine.virtual_read(table.id, self._rows(table, rows), int(slack)))
+
+    def virtual_post_read(self, handle: int) -> None:
+        self._engine.virtual_post_read(int(handle))
+
+    def virtual_pre_update(self, table: Table, rows: Rows = None) -> int:
+        """Records an update of ``rows``; returns its handle."""
+        return int(self._engine.virtual_pre_update(table.id, self._rows(table, rows)))
+
+    def virtual_update(self, handle: int) -> None:
+        self._engine.virtual_update(int(handle))
+
+    def virtual_local_access(self, table: Table, rows: Rows = None, *, fetch: bool = True) -> int:
+        """Records an access to local data; ``fetch`` loads the old contents."""
+        return int(self._engine.virtual_local_access(table.id, self._rows(table, rows), bool(fetch)))
+
+    def virtual_post_local_access(self, handle: int, *, keep: bool = True) -> None:
+        """Closes a local access; ``keep`` writes the buffer back to the store."""
+        self._engine.virtual_post_local_access(int(handle), bool(keep))
+
+    def virtual_clock(self) -> None:
+        self._engine.virtual_clock()
+
+    def finish_virtual_iteration(self) -> None:
+        """Lays rows out, places them under the memory budget, builds indexes."""
+        self._engine.finish_virtual_iteration()
+
+    def start_iterations(self) -> None:
+        """Ends initialisation and starts the background threads."""
+        self._engine.start_iterations()
+
+    # -- real accesses -----------------------------------------------------------
+    def read(self, handle: int) -> np.ndarray:
+        """The rows of a recorded read, fresh within its slack (read-only)."""
+        buffer, age = self._engine.read(int(handle))
+        self._last_data_age = int(age)
+        return buffer  # type: ignore[no-any-return]
+
+    def post_read(self, handle: int) -> None:
+        self._engine.post_read(int(handle))
+
+    def pre_update(self, handle: int) -> np.ndarray:
+        """A zeroed buffer to write this clock's update of the recorded rows into."""
+        buffer, _ = self._engine.pre_update(int(handle))
+        return buffer  # type: ignore[no-any-return]
+
+    def update(self, handle: int) -> None:
+        """Hands the update buffer to the engine, which adds it and ships it."""
+        self._engine.update(int(handle))
+
+    def local_access(self, handle: int) -> np.ndarray:
+        buffer, _ = self._engine.local_access(int(handle))
+        return buffer  # type: ignore[no-any-return]
+
+    def post_local_access(self, handle: int) -> None:
+        self._engine.post_local_access(int(handle))
+
+    def clock(self) -> None:
+        """Ends the current iteration."""
+        self._engine.clock()
+
+    @property
+    def last_read_data_age(self) -> int:
+        """Data age of the last read: every worker's updates through this clock
+        are in its rows."""
+        return self._last_data_age
+
+    # -- inspection and lifetime -------------------------------------------------
+    def fetch(self, table: Table, rows: Rows = None) -> np.ndarray:
+        """A copy of the servers' current values of ``rows`` (any phase)."""
+        return self._engine.fetch(table.id, self._rows(table, rows), table.row_width)  # type: ignore[no-any-return]
+
+    def data_age(self, table: Table) -> int:
+        """The clock through which every worker's updates are in this worker's cache."""
+        return int(self._engine.data_age(table.id))
+
+    def sync(self) -> None:
+        """Waits until every worker's updates of the clocks this worker has
+        finished are applied and visible in its cache (a barrier on clocks)."""
+        self._engine.flush()
+        finished = int(self._engine.stats().clock)
+        for table in self._tables.values():
+            if not table.local:
+                self._engine.wait_for_data_age(table.id, finished - 1)
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """Counters: clock, stall seconds, bytes gathered, swapped and scattered, ..."""
+        core = self._engine.stats()
+        names = [n for n in dir(core) if not n.startswith("_")]
+        return {n: getattr(core, n) for n in names}
+
+    @property
+    def plan(self) -> str:
+        """A description of the placement made by finish_virtual_iteration."""
+        return str(self._engine.describe_plan())
+
+    def shutdown(self) -> None:
+        """Stops this worker's threads; later calls raise ShutdownError."""
+        self._engine.shutdown()

@@ -1,0 +1,76 @@
+"""Exceptions raised by mltuner.
+
+Every error the engine reports derives from :class:`MltunerError` and also
+from the built-in exception a Python user would expect (``ValueError`` for bad
+arguments, ``TimeoutError`` for an expired wait, ...), so both
+``except MltunerError`` and ``except ValueError`` work.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "MltunerError",
+    "InvalidArgumentError",
+    "NotFoundError",
+    "OutOfOrderError",
+    "WaitTimeoutError",
+    "ResourceExhaustedError",
+    "ShutdownError",
+    "CorruptMessageError",
+    "InternalError",
+    "error_for_code",
+]
+
+
+class MltunerError(Exception):
+    """Base class of every mltuner error."""
+
+
+class InvalidArgumentError(MltunerError, ValueError):
+    """A wrong shape, dtype, size, row id or name."""
+
+
+class NotFoundError(MltunerError, LookupError):
+    """An unknown table or handle."""
+
+
+class OutOfOrderError(MltunerError, RuntimeError):
+    """A call that breaks the recorded op order or the engine's phases."""
+
+
+class WaitTimeoutError(MltunerError, TimeoutError):
+    """A bounded wait ran out; the message says what was awaited."""
+
+
+class ResourceExhaustedError(MltunerError, MemoryError):
+    """The memory budget is too small; the message says how much is needed."""
+
+
+class ShutdownError(MltunerError, RuntimeError):
+    """The engine was shut down, or stopped by an earlier error."""
+
+
+class CorruptMessageError(MltunerError, ValueError):
+    """A malformed, truncated or foreign wire message."""
+
+
+class InternalError(MltunerError, RuntimeError):
+    """A broken invariant inside mltuner: please report it."""
+
+
+# Indexed by the engine's StatusCode (cpp/include/mltuner/status.h).
+_BY_CODE: dict[int, type[MltunerError]] = {
+    1: InvalidArgumentError,
+    2: NotFoundError,
+    3: OutOfOrderError,
+    4: WaitTimeoutError,
+    5: ResourceExhaustedError,
+    6: ShutdownError,
+    7: CorruptMessageError,
+    8: InternalError,
+}
+
+
+def error_for_code(code: int) -> type[MltunerError]:
+    """The exception class for an engine status code (used by the binding)."""
+    return _BY_CODE.get(code, InternalError)

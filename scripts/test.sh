@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Runs every test of mltuner: the C++ tests (CTest, without the gpu label)
+# and the Python tests (pytest). One command on a fresh machine too: when the
+# package or its test extras are missing from the active Python (the venv's,
+# if one is active), it installs them first with `pip install .[test]`.
+# Both suites always run; the exit status is non-zero if either failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+PY="${VIRTUAL_ENV:+$VIRTUAL_ENV/bin/python}"
+PY="${PY:-python3}"
+export PATH="$("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$PATH"
+jobs="$(nproc 2>/dev/null || echo 2)"
+
+if ! "$PY" -c "import mltuner._core, pytest, pytest_timeout" 2>/dev/null; then
+  echo "== installing mltuner with test extras into $("$PY" -c 'import sys; print(sys.prefix)')"
+  "$PY" -m pip install ".[test]" || echo "!! pip install failed; the Python tests will fail"
+fi
+command -v cmake >/dev/null || "$PY" -m pip install cmake ninja
+
+echo "== C++ tests (build/ctest)"
+generator=()
+if [[ ! -f build/ctest/CMakeCache.txt ]] && command -v ninja >/dev/null; then generator=(-G Ninja); fi
+cmake -S . -B build/ctest "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
+      -DMLTUNER_BUILD_TESTS=ON -DMLTUNER_BUILD_PYTHON=OFF \
+  && cmake --build build/ctest -j "$jobs" \
+  && ctest --output-on-failure -j2 --test-dir build/ctest -LE gpu
+ctest_rc=$?
+
+echo "== Python tests (tests/python)"
+"$PY" -m pytest
+pytest_rc=$?   # 5 (no tests collected) counts as a failure
+
+if [[ $ctest_rc -eq 0 && $pytest_rc -eq 0 ]]; then
+  echo "mltuner tests: PASSED (ctest ok, pytest ok)"
+else
+  echo "mltuner tests: FAILED (ctest exit $ctest_rc, pytest exit $pytest_rc)"
+  exit 1
+fi

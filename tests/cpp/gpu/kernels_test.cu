@@ -1,0 +1,290 @@
+// Tests for cuda/kernels: each kernel against a CPU reference on random,
+// non-zero data. Gather and scatter-add must match exactly (one copy or one
+// float add per value); the update rules within a relative 1e-5, since the
+// GPU may fuse multiply-adds. Exits 77 (CTest: skipped) without a device.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "kernels/kernels.h"
+#include "test_util.h"
+
+namespace mltuner {
+namespace {
+
+using kernels::LaunchAdamUpdate;
+using kernels::LaunchAddUpdate;
+using kernels::LaunchGatherRuns;
+using kernels::LaunchMomentumUpdate;
+using kernels::LaunchScatterAddRuns;
+using kernels::LaunchSgdUpdate;
+
+#define CUDA_ASSERT(expr)                                                                   \
+  do {                                                                                      \
+    cudaError_t _e = (expr);                                                                \
+    if (_e != cudaSuccess) {                                                                \
+      ::mltuner::testing::ReportFailure(__FILE__, __LINE__,                                 \
+                                        std::string(#expr ": ") + cudaGetErrorString(_e));  \
+      return;                                                                               \
+    }                                                                                       \
+  } while (0)
+
+// Device memory that frees itself.
+template <typename T>
+class DeviceArray {
+ public:
+  explicit DeviceArray(size_t n) : n_(n) {
+    if (cudaMalloc(&ptr_, std::max<size_t>(n, 1) * sizeof(T)) != cudaSuccess) ptr_ = nullptr;
+  }
+  ~DeviceArray() { cudaFree(ptr_); }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  T* get() const { return ptr_; }
+  bool ok() const { return ptr_ != nullptr; }
+  cudaError_t Upload(const std::vector<T>& v) {
+    return cudaMemcpy(ptr_, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice);
+  }
+  cudaError_t Download(std::vector<T>* v) const {
+    v->resize(n_);
+    return cudaMemcpy(v->data(), ptr_, n_ * sizeof(T), cudaMemcpyDeviceToHost);
+  }
+
+ private:
+  T* ptr_ = nullptr;
+  size_t n_;
+};
+
+// Values in +-[0.5, 1.5): never zero, so a missed or doubled write shows.
+std::vector<float> RandomValues(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> mag(0.5f, 1.5f);
+  std::bernoulli_distribution neg(0.5);
+  std::vector<float> v(n);
+  for (float& x : v) x = neg(rng) ? -mag(rng) : mag(rng);
+  return v;
+}
+
+// Runs covering dst rows [0, dst_rows) in pieces of 0..max_len rows (zero-row
+// runs included), each from a random src start, in shuffled order. No two
+// runs share a dst row, as scatter-add requires.
+std::vector<RowRun> RandomRuns(int64_t src_rows, int64_t dst_rows, int64_t max_len,
+                               uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<RowRun> runs;
+  for (int64_t d = 0; d < dst_rows;) {
+    const int64_t len = std::min<int64_t>(
+        std::uniform_int_distribution<int64_t>(0, max_len)(rng), dst_rows - d);
+    const int64_t s = std::uniform_int_distribution<int64_t>(0, src_rows - len)(rng);
+    runs.push_back({s, d, len});
+    d += len;
+  }
+  std::shuffle(runs.begin(), runs.end(), rng);
+  return runs;
+}
+
+int64_t TotalRows(const std::vector<RowRun>& runs) {
+  int64_t total = 0;
+  for (const RowRun& r : runs) total += r.count;
+  return total;
+}
+
+// Runs gather (add=false) or scatter-add (add=true) on the GPU and on the CPU
+// and compares every value of dst, covered or not. `offset` shifts both
+// arrays by that many floats to break 16-byte alignment.
+void CheckRowRuns(bool add, int64_t src_rows, int64_t dst_rows, int64_t width,
+                  const std::vector<RowRun>& runs, size_t offset, uint32_t seed) {
+  const std::vector<float> src = RandomValues(src_rows * width + offset, seed);
+  std::vector<float> want = RandomValues(dst_rows * width + offset, seed + 1);
+  DeviceArray<float> d_src(src.size()), d_dst(want.size());
+  DeviceArray<RowRun> d_runs(runs.size());
+  ASSERT_TRUE(d_src.ok() && d_dst.ok() && d_runs.ok());
+  CUDA_ASSERT(d_src.Upload(src));
+  CUDA_ASSERT(d_dst.Upload(want));
+  CUDA_ASSERT(d_runs.Upload(runs));
+
+  cudaStream_t stream;
+  CUDA_ASSERT(cudaStreamCreate(&stream));
+  float* dst = d_dst.get() + offset;
+  const float* srcp = d_src.get() + offset;
+  if (add) {
+    LaunchScatterAddRuns(dst, srcp, d_runs.get(), runs.size(), TotalRows(runs), width, stream);
+  } else {
+    LaunchGatherRuns(dst, srcp, d_runs.get(), runs.size(), TotalRows(runs), width, stream);
+  }
+  const cudaError_t launched = cudaGetLastError();
+  const cudaError_t synced = cudaStreamSynchronize(stream);
+  cudaStreamDestroy(stream);
+  CUDA_ASSERT(launched);
+  CUDA_ASSERT(synced);
+
+  for (const RowRun& r : runs) {
+    for (int64_t i = 0; i < r.count * width; ++i) {
+      float& d = want[offset + r.dst * width + i];
+      const float s = src[offset + r.src * width + i];
+      d = add ? d + s : s;
+    }
+  }
+  std::vector<float> got;
+  CUDA_ASSERT(d_dst.Download(&got));
+  int64_t wrong = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (got[i] != want[i] && wrong++ < 5) EXPECT_EQ(got[i], want[i]);
+  }
+  EXPECT_EQ(wrong, int64_t{0});
+}
+
+// --- gather ---------------------------------------------------------------
+
+TEST(GatherSingleRunVectorised) {
+  CheckRowRuns(false, 1000, 600, 16, {{100, 50, 500}}, 0, 1);
+}
+TEST(GatherManyRunsVectorised) {
+  CheckRowRuns(false, 3000, 2000, 32, RandomRuns(3000, 2000, 7, 2), 0, 3);
+}
+TEST(GatherOddWidthScalar) {
+  CheckRowRuns(false, 3000, 2000, 5, RandomRuns(3000, 2000, 7, 4), 0, 5);
+}
+TEST(GatherMisalignedScalar) {
+  CheckRowRuns(false, 3000, 2000, 8, RandomRuns(3000, 2000, 7, 6), 1, 7);
+}
+TEST(GatherMoreRunsThanGridY) {  // 70000 one-row runs: blockIdx.y must stride
+  std::vector<RowRun> runs;
+  for (int64_t i = 0; i < 70000; ++i) runs.push_back({69999 - i, i, 1});
+  CheckRowRuns(false, 70000, 70000, 4, runs, 0, 8);
+}
+TEST(GatherLongRunGridStride) {  // more float4s than kMaxBlocksPerRun * 256
+  CheckRowRuns(false, 20000, 20000, 1024, {{0, 0, 20000}}, 0, 9);
+}
+TEST(GatherNothingToDo) {
+  CheckRowRuns(false, 10, 10, 4, {}, 0, 10);
+  CheckRowRuns(false, 10, 10, 4, {{0, 0, 0}, {3, 5, 0}}, 0, 11);
+}
+
+// --- scatter-add ------------------------------------------------------------
+
+TEST(ScatterAddSingleRunVectorised) {
+  CheckRowRuns(true, 1000, 600, 16, {{100, 50, 500}}, 0, 12);
+}
+TEST(ScatterAddManyRunsVectorised) {
+  CheckRowRuns(true, 3000, 2000, 32, RandomRuns(3000, 2000, 7, 13), 0, 14);
+}
+TEST(ScatterAddOddWidthScalar) {
+  CheckRowRuns(true, 3000, 2000, 3, RandomRuns(3000, 2000, 7, 15), 0, 16);
+}
+TEST(ScatterAddMisalignedScalar) {
+  CheckRowRuns(true, 3000, 2000, 12, RandomRuns(3000, 2000, 7, 17), 3, 18);
+}
+TEST(ScatterAddMoreRunsThanGridY) {
+  std::vector<RowRun> runs;
+  for (int64_t i = 0; i < 70000; ++i) runs.push_back({i, 69999 - i, 1});
+  CheckRowRuns(true, 70000, 70000, 8, runs, 0, 19);
+}
+TEST(ScatterAddLongRunGridStride) {
+  CheckRowRuns(true, 20000, 20000, 1024, {{0, 0, 20000}}, 0, 20);
+}
+
+// --- update rules -------------------------------------------------------------
+
+enum class Rule { kAdd, kSgd, kMomentum, kAdam };
+
+// Applies `steps` clocks of `rule` to `count` values, each clock with a fresh
+// random update sum of `workers` workers, on the GPU and in double on the CPU.
+void CheckRule(Rule rule, int64_t count, int workers, int steps) {
+  const float lr = 0.05f, momentum = 0.9f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;
+  const std::vector<float> w0 = RandomValues(count, 100);
+  std::vector<double> w(w0.begin(), w0.end()), s1(count, 0.0), s2(count, 0.0);
+  DeviceArray<float> d_w(count), d_s1(count), d_s2(count), d_sum(count);
+  ASSERT_TRUE(d_w.ok() && d_s1.ok() && d_s2.ok() && d_sum.ok());
+  CUDA_ASSERT(d_w.Upload(w0));
+  CUDA_ASSERT(cudaMemset(d_s1.get(), 0, count * sizeof(float)));
+  CUDA_ASSERT(cudaMemset(d_s2.get(), 0, count * sizeof(float)));
+
+  for (int t = 1; t <= steps; ++t) {
+    std::vector<float> sum = RandomValues(count, 200 + t);
+    for (float& x : sum) x *= static_cast<float>(workers);  // a sum of N updates
+    CUDA_ASSERT(d_sum.Upload(sum));
+    switch (rule) {
+      case Rule::kAdd: LaunchAddUpdate(d_w.get(), d_sum.get(), count, nullptr); break;
+      case Rule::kSgd: LaunchSgdUpdate(d_w.get(), d_sum.get(), count, workers, lr, nullptr); break;
+      case Rule::kMomentum:
+        LaunchMomentumUpdate(d_w.get(), d_s1.get(), d_sum.get(), count, workers, lr, momentum,
+                             nullptr);
+        break;
+      case Rule::kAdam:
+        LaunchAdamUpdate(d_w.get(), d_s1.get(), d_s2.get(), d_sum.get(), count, workers, lr,
+                         beta1, beta2, eps, t, nullptr);
+        break;
+    }
+    CUDA_ASSERT(cudaGetLastError());
+    CUDA_ASSERT(cudaDeviceSynchronize());
+
+    const double bias1 = 1.0 - std::pow(double{beta1}, t);
+    const double bias2 = 1.0 - std::pow(double{beta2}, t);
+    for (int64_t i = 0; i < count; ++i) {
+      const double g = double{sum[i]} / workers;
+      switch (rule) {
+        case Rule::kAdd: w[i] += sum[i]; break;
+        case Rule::kSgd: w[i] -= lr * g; break;
+        case Rule::kMomentum:
+          s1[i] = (1.0 - momentum) * g + momentum * s1[i];
+          w[i] -= lr * s1[i];
+          break;
+        case Rule::kAdam:
+          s1[i] = beta1 * s1[i] + (1.0 - beta1) * g;
+          s2[i] = beta2 * s2[i] + (1.0 - beta2) * g * g;
+          w[i] -= lr * (s1[i] / bias1) / (std::sqrt(s2[i] / bias2) + eps);
+          break;
+      }
+    }
+  }
+
+  auto check = [&](const DeviceArray<float>& got_d, const std::vector<double>& want,
+                   const char* what) {
+    std::vector<float> got;
+    CUDA_ASSERT(got_d.Download(&got));
+    int64_t wrong = 0;
+    for (int64_t i = 0; i < count; ++i) {
+      const double tol = 1e-5 * std::max(1.0, std::fabs(want[i]));
+      if (std::fabs(got[i] - want[i]) > tol && wrong++ < 5) {
+        std::fprintf(stderr, "  %s[%lld]\n", what, static_cast<long long>(i));
+        EXPECT_NEAR(got[i], want[i], tol);
+      }
+    }
+    EXPECT_EQ(wrong, int64_t{0});
+  };
+  check(d_w, w, "params");
+  if (rule == Rule::kMomentum || rule == Rule::kAdam) check(d_s1, s1, "state1");
+  if (rule == Rule::kAdam) check(d_s2, s2, "state2");
+}
+
+TEST(AddUpdate) { CheckRule(Rule::kAdd, 10007, 3, 4); }
+TEST(SgdUpdateAveragesWorkers) { CheckRule(Rule::kSgd, 10007, 3, 4); }
+TEST(MomentumUpdate) { CheckRule(Rule::kMomentum, 10007, 3, 5); }
+TEST(AdamUpdateWithBiasCorrection) { CheckRule(Rule::kAdam, 10007, 3, 5); }
+TEST(AdamUpdateGridStride) { CheckRule(Rule::kAdam, 2500001, 2, 2); }  // > 8192 * 256
+TEST(UpdateNothingToDo) {
+  LaunchSgdUpdate(nullptr, nullptr, 0, 1, 0.1f, nullptr);
+  LaunchAdamUpdate(nullptr, nullptr, nullptr, nullptr, 0, 1, 0.1f, 0.9f, 0.999f, 1e-8f, 1,
+                   nullptr);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+}  // namespace
+}  // namespace mltuner
+
+int main() {
+  int devices = 0;
+  const cudaError_t err = cudaGetDeviceCount(&devices);
+  if (err != cudaSuccess || devices == 0) {
+    std::printf("SKIPPED: no CUDA device (%s)\n",
+                err != cudaSuccess ? cudaGetErrorString(err) : "0 devices");
+    return 77;
+  }
+  return mltuner::testing::RunAll();
+}

@@ -1,0 +1,526 @@
+// ServerShard: BSP application of update rules, determinism under any arrival
+// order, pushes exactly when a clock finishes, and rejection of every kind of
+// bad message without changing the shard.
+//
+// Every process hosts one shard, so with 3 workers a 7-row table is split
+// over 3 shards as rows [0,3), [3,5), [5,7).
+#include "server/shard.h"
+
+#include <algorithm>
+#include <cmath>
+#include <deque>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "test_util.h"
+
+using namespace mltuner;
+
+namespace {
+
+constexpr int kWorkers = 3;
+constexpr TableId kTable = 5;
+constexpr int64_t kRows = 7;
+constexpr int64_t kWidth = 4;
+
+TableInfo Table(TableId id = kTable, int64_t rows = kRows, int64_t width = kWidth) {
+  TableInfo info;
+  info.id = id;
+  info.name = "t" + std::to_string(id);
+  info.num_rows = rows;
+  info.row_width = width;
+  return info;
+}
+
+UpdateRuleConfig Rule(UpdateRuleKind kind) {
+  UpdateRuleConfig config;
+  config.kind = kind;
+  config.learning_rate = 0.1f;
+  config.momentum = 0.7f;
+  config.beta1 = 0.9f;
+  config.beta2 = 0.99f;
+  config.epsilon = 1e-6f;
+  return config;
+}
+
+std::vector<float> RandomValues(std::mt19937* rng, int64_t n) {
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& x : v) x = dist(*rng);
+  return v;
+}
+
+Message Header(MessageType type, WorkerId sender, int shard, TableId table) {
+  Message m;
+  m.header.type = static_cast<uint16_t>(type);
+  m.header.sender = sender;
+  m.header.receiver = shard;
+  m.header.table = table;
+  return m;
+}
+
+Message Start(WorkerId sender, int shard) { return Header(MessageType::kStart, sender, shard, -1); }
+
+Message WithRows(Message m, std::vector<RowSpan> spans, std::vector<float> values,
+                 int64_t width = kWidth) {
+  m.spans = std::move(spans);
+  m.values = std::move(values);
+  m.header.num_spans = static_cast<uint32_t>(m.spans.size());
+  m.header.row_width = width;
+  return m;
+}
+
+Message ClockUpdate(WorkerId sender, int shard, Clock clock, std::vector<RowSpan> spans = {},
+                    std::vector<float> values = {}, TableId table = kTable) {
+  Message m = Header(MessageType::kClockUpdate, sender, shard, table);
+  m.header.clock = clock;
+  return WithRows(std::move(m), std::move(spans), std::move(values));
+}
+
+Message Fetch(WorkerId sender, int shard, int64_t request_id, std::vector<RowSpan> spans,
+              TableId table = kTable) {
+  Message m = Header(MessageType::kFetch, sender, shard, table);
+  m.header.request_id = request_id;
+  return WithRows(std::move(m), std::move(spans), {});
+}
+
+Message InitAdd(WorkerId sender, int shard, int64_t request_id, std::vector<RowSpan> spans,
+                std::vector<float> values) {
+  Message m = Header(MessageType::kInitAdd, sender, shard, kTable);
+  m.header.request_id = request_id;
+  return WithRows(std::move(m), std::move(spans), std::move(values));
+}
+
+// The slice of a whole-table row vector that shard `shard` owns.
+std::vector<float> Slice(const std::vector<float>& table_values, int shard) {
+  const RowSpan range = ShardRange(kRows, shard, kWorkers);
+  return std::vector<float>(table_values.begin() + range.begin * kWidth,
+                            table_values.begin() + (range.begin + range.count) * kWidth);
+}
+
+std::vector<std::unique_ptr<ServerShard>> MakeShards(UpdateRuleKind kind) {
+  std::vector<std::unique_ptr<ServerShard>> shards;
+  for (int rank = 0; rank < kWorkers; ++rank) {
+    shards.push_back(std::make_unique<ServerShard>(rank, kWorkers, Rule(kind)));
+    Status status = shards.back()->AddTable(Table());
+    if (!status.ok()) mltuner::testing::ReportFailure(__FILE__, __LINE__, status.ToString());
+  }
+  return shards;
+}
+
+// Initialises every shard with `initial` (whole table) through worker 0's
+// kInitAdd, then starts all workers.
+void InitialiseAndStart(const std::vector<std::unique_ptr<ServerShard>>& shards,
+                        const std::vector<float>& initial) {
+  for (int s = 0; s < kWorkers; ++s) {
+    std::vector<Message> out;
+    const RowSpan range = ShardRange(kRows, s, kWorkers);
+    EXPECT_OK(shards[s]->Handle(InitAdd(0, s, 1, {range}, Slice(initial, s)), &out));
+    for (int w = 0; w < kWorkers; ++w) EXPECT_OK(shards[s]->Handle(Start(w, s), &out));
+  }
+}
+
+// One worker's update for one clock: random values on a random subset of its
+// rows (sent as per-shard spans), or nothing at all (a bare clock).
+struct WorkerUpdate {
+  std::vector<float> dense;  // kRows * kWidth, zeros where nothing was sent
+  std::vector<Message> per_shard;
+};
+
+WorkerUpdate MakeUpdate(std::mt19937* rng, WorkerId worker, Clock clock, bool bare) {
+  WorkerUpdate update;
+  update.dense.assign(kRows * kWidth, 0.0f);
+  for (int s = 0; s < kWorkers; ++s) {
+    const RowSpan range = ShardRange(kRows, s, kWorkers);
+    if (bare) {
+      update.per_shard.push_back(ClockUpdate(worker, s, clock));
+      continue;
+    }
+    // Two spans: the first row alone and the rest, so multi-span payloads
+    // are exercised; values are never all zero.
+    std::vector<RowSpan> spans = {{range.begin, 1}, {range.begin + 1, range.count - 1}};
+    std::vector<float> values = RandomValues(rng, range.count * kWidth);
+    std::copy(values.begin(), values.end(), update.dense.begin() + range.begin * kWidth);
+    update.per_shard.push_back(ClockUpdate(worker, s, clock, spans, values));
+  }
+  return update;
+}
+
+}  // namespace
+
+TEST(ShardRangeSplitsContiguouslyFirstShardsLarger) {
+  EXPECT_EQ(ShardRange(7, 0, 3).begin, 0);
+  EXPECT_EQ(ShardRange(7, 0, 3).count, 3);
+  EXPECT_EQ(ShardRange(7, 1, 3).begin, 3);
+  EXPECT_EQ(ShardRange(7, 1, 3).count, 2);
+  EXPECT_EQ(ShardRange(7, 2, 3).begin, 5);
+  EXPECT_EQ(ShardRange(7, 2, 3).count, 2);
+  EXPECT_EQ(ShardRange(2, 2, 3).count, 0);  // fewer rows than shards
+  for (int64_t rows = 1; rows < 40; ++rows) {
+    for (int shards = 1; shards < 9; ++shards) {
+      int64_t next = 0;
+      for (int s = 0; s < shards; ++s) {
+        const RowSpan range = ShardRange(rows, s, shards);
+        EXPECT_EQ(range.begin, next);
+        EXPECT_TRUE(range.count == rows / shards || range.count == rows / shards + 1);
+        next = range.begin + range.count;
+      }
+      EXPECT_EQ(next, rows);
+    }
+  }
+}
+
+TEST(AddTableRejectsLocalDuplicateAndEmptyTables) {
+  ServerShard shard(0, kWorkers, Rule(UpdateRuleKind::kAdd));
+  TableInfo local = Table(1);
+  local.local = true;
+  EXPECT_CODE(shard.AddTable(local), StatusCode::kInvalidArgument);
+  EXPECT_CODE(shard.AddTable(Table(2, 0, 4)), StatusCode::kInvalidArgument);
+  EXPECT_CODE(shard.AddTable(Table(3, 5, 0)), StatusCode::kInvalidArgument);
+  ASSERT_OK(shard.AddTable(Table(4)));
+  EXPECT_CODE(shard.AddTable(Table(4)), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(shard.values(1) == nullptr);
+  EXPECT_TRUE(shard.values(2) == nullptr);
+  ASSERT_TRUE(shard.values(4) != nullptr);
+  EXPECT_EQ(shard.values(4)->size(), static_cast<size_t>(3 * kWidth));  // rows [0,3)
+  for (float v : *shard.values(4)) EXPECT_EQ(v, 0.0f);
+  EXPECT_EQ(shard.global_clock(4), kNoClock);
+  EXPECT_EQ(shard.global_clock(99), kNoClock);
+}
+
+TEST(InitAddAccumulatesAndAcks) {
+  std::mt19937 rng(11);
+  ServerShard shard(1, kWorkers, Rule(UpdateRuleKind::kAdd));  // rows [3,5)
+  ASSERT_OK(shard.AddTable(Table()));
+  const std::vector<float> a = RandomValues(&rng, 2 * kWidth);
+  const std::vector<float> b = RandomValues(&rng, kWidth);
+  std::vector<Message> out;
+  ASSERT_OK(shard.Handle(InitAdd(0, 1, 41, {{3, 2}}, a), &out));
+  ASSERT_OK(shard.Handle(InitAdd(2, 1, 42, {{4, 1}}, b), &out));
+  ASSERT_EQ(out.size(), size_t{2});
+  EXPECT_TRUE(out[0].type() == MessageType::kAck);
+  EXPECT_EQ(out[0].header.request_id, 41);
+  EXPECT_EQ(out[0].header.receiver, 0);
+  EXPECT_EQ(out[1].header.request_id, 42);
+  EXPECT_EQ(out[1].header.receiver, 2);
+  const std::vector<float>& values = *shard.values(kTable);
+  for (int64_t i = 0; i < kWidth; ++i) EXPECT_EQ(values[i], a[i]);
+  for (int64_t i = 0; i < kWidth; ++i) EXPECT_EQ(values[kWidth + i], a[kWidth + i] + b[i]);
+}
+
+TEST(StartPushesInitialRowsWhenTheLastWorkerStarts) {
+  std::mt19937 rng(12);
+  ServerShard shard(2, kWorkers, Rule(UpdateRuleKind::kAdd));  // rows [5,7)
+  ASSERT_OK(shard.AddTable(Table()));
+  ASSERT_OK(shard.AddTable(Table(kTable + 1, 3, 2)));  // 3 rows over 3 shards: row [2,3)
+  const std::vector<float> initial = RandomValues(&rng, 2 * kWidth);
+  std::vector<Message> out;
+  ASSERT_OK(shard.Handle(InitAdd(1, 2, 7, {{5, 2}}, initial), &out));
+  out.clear();
+  ASSERT_OK(shard.Handle(Start(1, 2), &out));
+  ASSERT_OK(shard.Handle(Start(0, 2), &out));
+  EXPECT_TRUE(out.empty());
+  EXPECT_EQ(shard.global_clock(kTable), kNoClock);
+  ASSERT_OK(shard.Handle(Start(2, 2), &out));
+  EXPECT_EQ(shard.global_clock(kTable), kInitClock);
+  EXPECT_EQ(shard.global_clock(kTable + 1), kInitClock);
+  ASSERT_EQ(out.size(), size_t{2 * kWorkers});  // both tables, every client
+  for (size_t i = 0; i < out.size(); ++i) {
+    const Message& rows = out[i];
+    const bool first_table = i < kWorkers;
+    EXPECT_TRUE(rows.type() == MessageType::kRows);
+    EXPECT_EQ(rows.header.sender, 2);
+    EXPECT_EQ(rows.header.receiver, static_cast<int>(i % kWorkers));
+    EXPECT_EQ(rows.header.clock, kInitClock);
+    EXPECT_EQ(rows.header.table, first_table ? kTable : kTable + 1);
+    ASSERT_EQ(rows.spans.size(), size_t{1});
+    EXPECT_EQ(rows.spans[0].begin, first_table ? 5 : 2);
+    if (first_table) EXPECT_TRUE(rows.values == initial);
+  }
+}
+
+TEST(ShardWithoutRowsStillPushesEmptyRows) {
+  ServerShard shard(2, kWorkers, Rule(UpdateRuleKind::kMomentum));
+  ASSERT_OK(shard.AddTable(Table(kTable, 2, kWidth)));  // shard 2 of 3 owns no row
+  EXPECT_TRUE(shard.values(kTable)->empty());
+  std::vector<Message> out;
+  for (int w = 0; w < kWorkers; ++w) ASSERT_OK(shard.Handle(Start(w, 2), &out));
+  for (int w = 0; w < kWorkers; ++w) ASSERT_OK(shard.Handle(ClockUpdate(w, 2, 0), &out));
+  ASSERT_EQ(out.size(), size_t{2 * kWorkers});
+  for (const Message& rows : out) {
+    EXPECT_TRUE(rows.type() == MessageType::kRows);
+    EXPECT_TRUE(rows.spans.empty());
+    EXPECT_TRUE(rows.values.empty());
+  }
+  EXPECT_EQ(out.back().header.clock, 0);
+}
+
+// BSP: after clock c every shard holds the initial values with the rule
+// applied once per clock to the mean of that clock's updates, computed here
+// in double from the formulas; pushes appear exactly when the last worker
+// finishes a clock. Clock 2 is bare for everyone: a zero-gradient step that
+// momentum still takes.
+void RunBsp(UpdateRuleKind kind) {
+  std::mt19937 rng(21 + static_cast<int>(kind));
+  auto shards = MakeShards(kind);
+  const std::vector<float> initial = RandomValues(&rng, kRows * kWidth);
+  InitialiseAndStart(shards, initial);
+
+  const UpdateRuleConfig config = Rule(kind);
+  std::vector<double> w(initial.begin(), initial.end());
+  std::vector<double> h(w.size(), 0.0);
+  for (Clock clock = 0; clock < 5; ++clock) {
+    std::vector<double> sum(w.size(), 0.0);
+    for (WorkerId worker = 0; worker < kWorkers; ++worker) {
+      const bool bare = clock == 2 || (clock == 3 && worker == 1);
+      WorkerUpdate update = MakeUpdate(&rng, worker, clock, bare);
+      for (size_t i = 0; i < sum.size(); ++i) sum[i] += update.dense[i];
+      for (int s = 0; s < kWorkers; ++s) {
+        std::vector<Message> out;
+        ASSERT_OK(shards[s]->Handle(update.per_shard[s], &out));
+        const bool last = worker == kWorkers - 1;
+        EXPECT_EQ(out.size(), last ? size_t{kWorkers} : size_t{0});
+        EXPECT_EQ(shards[s]->global_clock(kTable), last ? clock : clock - 1);
+        for (const Message& rows : out) {
+          EXPECT_TRUE(rows.type() == MessageType::kRows);
+          EXPECT_EQ(rows.header.clock, clock);
+          EXPECT_TRUE(rows.values == *shards[s]->values(kTable));
+        }
+      }
+    }
+    for (size_t i = 0; i < w.size(); ++i) {
+      if (kind == UpdateRuleKind::kAdd) {
+        w[i] += sum[i];
+      } else {
+        const double g = sum[i] / kWorkers;
+        h[i] = (1 - double{config.momentum}) * g + double{config.momentum} * h[i];
+        w[i] -= double{config.learning_rate} * h[i];
+      }
+    }
+    for (int s = 0; s < kWorkers; ++s) {
+      const RowSpan range = ShardRange(kRows, s, kWorkers);
+      const std::vector<float>& values = *shards[s]->values(kTable);
+      for (int64_t i = 0; i < range.count * kWidth; ++i) {
+        EXPECT_NEAR(values[i], w[range.begin * kWidth + i], 1e-5);
+      }
+    }
+  }
+}
+
+TEST(BspAddAppliesTheSumOncePerClock) { RunBsp(UpdateRuleKind::kAdd); }
+TEST(BspMomentumStepsOncePerClockIncludingBareClocks) { RunBsp(UpdateRuleKind::kMomentum); }
+
+// The same updates delivered in random interleavings (workers running clocks
+// ahead of each other, shards seeing different orders) give bit-identical
+// values to delivery in worker order.
+void RunArrivalOrder(UpdateRuleKind kind) {
+  std::mt19937 rng(31);
+  const std::vector<float> initial = RandomValues(&rng, kRows * kWidth);
+  const int clocks = 6;
+  // queue[w] holds worker w's messages to all shards in clock order.
+  std::vector<std::deque<Message>> queue(kWorkers);
+  for (Clock clock = 0; clock < clocks; ++clock) {
+    for (WorkerId worker = 0; worker < kWorkers; ++worker) {
+      WorkerUpdate update = MakeUpdate(&rng, worker, clock, clock == 4 && worker == 0);
+      for (Message& m : update.per_shard) queue[worker].push_back(std::move(m));
+    }
+  }
+
+  auto ordered = MakeShards(kind);
+  InitialiseAndStart(ordered, initial);
+  for (Clock clock = 0; clock < clocks; ++clock) {
+    for (WorkerId worker = 0; worker < kWorkers; ++worker) {
+      for (int s = 0; s < kWorkers; ++s) {
+        std::vector<Message> out;
+        ASSERT_OK(ordered[s]->Handle(queue[worker][clock * kWorkers + s], &out));
+      }
+    }
+  }
+
+  for (int trial = 0; trial < 10; ++trial) {
+    auto shuffled = MakeShards(kind);
+    InitialiseAndStart(shuffled, initial);
+    std::vector<std::deque<Message>> remaining = queue;
+    size_t pushes = 0;
+    for (;;) {
+      std::vector<int> ready;
+      for (int w = 0; w < kWorkers; ++w) if (!remaining[w].empty()) ready.push_back(w);
+      if (ready.empty()) break;
+      const int worker = ready[rng() % ready.size()];
+      Message m = std::move(remaining[worker].front());
+      remaining[worker].pop_front();
+      std::vector<Message> out;
+      ASSERT_OK(shuffled[m.header.receiver]->Handle(m, &out));
+      pushes += out.size();
+    }
+    EXPECT_EQ(pushes, size_t{clocks * kWorkers * kWorkers});
+    for (int s = 0; s < kWorkers; ++s) {
+      EXPECT_EQ(shuffled[s]->global_clock(kTable), clocks - 1);
+      EXPECT_TRUE(*shuffled[s]->values(kTable) == *ordered[s]->values(kTable));
+      EXPECT_TRUE(*shuffled[s]->values(kTable) != Slice(initial, s));  // something happened
+    }
+  }
+}
+
+TEST(ArrivalOrderDoesNotChangeAddResults) { RunArrivalOrder(UpdateRuleKind::kAdd); }
+TEST(ArrivalOrderDoesNotChangeAdamResults) { RunArrivalOrder(UpdateRuleKind::kAdam); }
+
+TEST(FetchReturnsCurrentValuesOfSpans) {
+  std::mt19937 rng(41);
+  auto shards = MakeShards(UpdateRuleKind::kAdd);
+  const std::vector<float> initial = RandomValues(&rng, kRows * kWidth);
+  InitialiseAndStart(shards, initial);
+  std::vector<Message> out;
+  ASSERT_OK(shards[0]->Handle(Fetch(2, 0, 77, {{2, 1}, {0, 2}}), &out));
+  ASSERT_EQ(out.size(), size_t{1});
+  const Message& reply = out[0];
+  EXPECT_TRUE(reply.type() == MessageType::kFetchReply);
+  EXPECT_EQ(reply.header.receiver, 2);
+  EXPECT_EQ(reply.header.request_id, 77);
+  EXPECT_EQ(reply.header.row_width, kWidth);
+  ASSERT_EQ(reply.spans.size(), size_t{2});
+  std::vector<float> want(initial.begin() + 2 * kWidth, initial.begin() + 3 * kWidth);
+  want.insert(want.end(), initial.begin(), initial.begin() + 2 * kWidth);
+  EXPECT_TRUE(reply.values == want);
+}
+
+// A shard that saw a valid history, to throw bad messages at: rank 1 owns
+// rows [3,5); every worker has started and finished clock 0.
+struct BadMessageFixture {
+  std::mt19937 rng{51};
+  ServerShard shard{1, kWorkers, Rule(UpdateRuleKind::kMomentum)};
+  std::vector<float> before;
+
+  bool Setup() {
+    if (!shard.AddTable(Table()).ok()) return false;
+    std::vector<Message> out;
+    if (!shard.Handle(InitAdd(0, 1, 1, {{3, 2}}, RandomValues(&rng, 2 * kWidth)), &out).ok()) return false;
+    for (int w = 0; w < kWorkers; ++w) {
+      if (!shard.Handle(Start(w, 1), &out).ok()) return false;
+      if (!shard.Handle(ClockUpdate(w, 1, 0, {{3, 2}}, RandomValues(&rng, 2 * kWidth)), &out).ok()) return false;
+    }
+    before = *shard.values(kTable);
+    return shard.global_clock(kTable) == 0;
+  }
+  // Handles `m`, expects `code`, and checks that nothing changed and only an
+  // error reply (if `error_reply`) was produced.
+  void ExpectRejected(const Message& m, StatusCode code, bool error_reply = false) {
+    std::vector<Message> out;
+    EXPECT_CODE(shard.Handle(m, &out), code);
+    EXPECT_TRUE(*shard.values(kTable) == before);
+    EXPECT_EQ(shard.global_clock(kTable), 0);
+    ASSERT_EQ(out.size(), error_reply ? size_t{1} : size_t{0});
+    if (error_reply) {
+      EXPECT_TRUE(out[0].type() == MessageType::kError);
+      EXPECT_EQ(out[0].header.receiver, m.header.sender);
+      EXPECT_EQ(out[0].header.request_id, m.header.request_id);
+      EXPECT_TRUE(!out[0].text.empty());
+      EXPECT_EQ(out[0].header.text_bytes, static_cast<uint32_t>(out[0].text.size()));
+    }
+  }
+};
+
+TEST(BadClockUpdatesAreRejectedWithoutChange) {
+  BadMessageFixture f;
+  ASSERT_TRUE(f.Setup());
+  const auto two_rows = [&] { return RandomValues(&f.rng, 2 * kWidth); };
+  f.ExpectRejected(ClockUpdate(0, 1, 2, {{3, 2}}, two_rows()), StatusCode::kOutOfOrder);  // skips 1
+  f.ExpectRejected(ClockUpdate(0, 1, 0, {{3, 2}}, two_rows()), StatusCode::kOutOfOrder);  // repeats 0
+  f.ExpectRejected(ClockUpdate(0, 1, 1, {{3, 2}}, two_rows(), 99), StatusCode::kNotFound);
+  f.ExpectRejected(ClockUpdate(0, 1, 1, {{2, 2}}, two_rows()), StatusCode::kInvalidArgument);
+  f.ExpectRejected(ClockUpdate(0, 1, 1, {{4, 2}}, two_rows()), StatusCode::kInvalidArgument);
+  f.ExpectRejected(ClockUpdate(0, 1, 1, {{4, -1}}, {}), StatusCode::kInvalidArgument);
+  f.ExpectRejected(ClockUpdate(0, 1, 1, {{3, 2}}, RandomValues(&f.rng, 2 * kWidth - 1)),
+                   StatusCode::kInvalidArgument);  // wrong values size
+  Message wrong_width = ClockUpdate(0, 1, 1, {{3, 2}}, RandomValues(&f.rng, 2 * (kWidth + 1)));
+  wrong_width.header.row_width = kWidth + 1;
+  f.ExpectRejected(wrong_width, StatusCode::kInvalidArgument);
+  f.ExpectRejected(ClockUpdate(kWorkers, 1, 1, {{3, 2}}, two_rows()), StatusCode::kInvalidArgument);
+  f.ExpectRejected(ClockUpdate(-1, 1, 1, {{3, 2}}, two_rows()), StatusCode::kInvalidArgument);
+
+  // None of the rejected updates was kept, not even for a later clock: bare
+  // clocks 1 and 2 under momentum are zero-gradient steps from the state
+  // after clock 0, the same as on a twin shard that never saw the bad
+  // messages. Worker 0 also repeats clock 1 with values while clock 1 is
+  // still open.
+  BadMessageFixture twin;
+  ASSERT_TRUE(twin.Setup());
+  ASSERT_TRUE(twin.before == f.before);
+  for (Clock clock = 1; clock <= 2; ++clock) {
+    for (int w = 0; w < kWorkers; ++w) {
+      std::vector<Message> out;
+      ASSERT_OK(f.shard.Handle(ClockUpdate(w, 1, clock), &out));
+      ASSERT_OK(twin.shard.Handle(ClockUpdate(w, 1, clock), &out));
+      if (clock == 1 && w == 0) f.ExpectRejected(ClockUpdate(0, 1, 1, {{3, 2}}, two_rows()), StatusCode::kOutOfOrder);
+    }
+  }
+  EXPECT_EQ(f.shard.global_clock(kTable), 2);
+  EXPECT_TRUE(*f.shard.values(kTable) == *twin.shard.values(kTable));
+  EXPECT_TRUE(*f.shard.values(kTable) != f.before);  // momentum kept moving
+}
+
+TEST(BadFetchAndInitAddGetErrorReplies) {
+  BadMessageFixture f;
+  ASSERT_TRUE(f.Setup());
+  f.ExpectRejected(Fetch(1, 1, 5, {{0, 1}}), StatusCode::kInvalidArgument, /*error_reply=*/true);
+  f.ExpectRejected(Fetch(1, 1, 6, {{4, 2}}), StatusCode::kInvalidArgument, true);
+  f.ExpectRejected(Fetch(1, 1, 7, {{3, 1}}, 99), StatusCode::kNotFound, true);
+  f.ExpectRejected(InitAdd(2, 1, 8, {{3, 1}}, RandomValues(&f.rng, kWidth)), StatusCode::kOutOfOrder, true);
+  f.ExpectRejected(InitAdd(2, 1, 9, {{5, 1}}, RandomValues(&f.rng, kWidth)), StatusCode::kInvalidArgument, true);
+}
+
+TEST(InitAddBeforeStartRejectsBadPayloadWithoutChange) {
+  std::mt19937 rng(61);
+  ServerShard shard(0, kWorkers, Rule(UpdateRuleKind::kAdd));
+  ASSERT_OK(shard.AddTable(Table()));
+  std::vector<Message> out;
+  ASSERT_OK(shard.Handle(InitAdd(0, 0, 1, {{0, 3}}, RandomValues(&rng, 3 * kWidth)), &out));
+  const std::vector<float> before = *shard.values(kTable);
+  out.clear();
+  EXPECT_CODE(shard.Handle(InitAdd(1, 0, 2, {{0, 3}}, RandomValues(&rng, 3 * kWidth + 1)), &out),
+              StatusCode::kInvalidArgument);
+  Message wrong_width = InitAdd(1, 0, 3, {{0, 1}}, RandomValues(&rng, kWidth));
+  wrong_width.header.row_width = kWidth - 1;
+  EXPECT_CODE(shard.Handle(wrong_width, &out), StatusCode::kInvalidArgument);
+  EXPECT_EQ(out.size(), size_t{2});
+  for (const Message& reply : out) EXPECT_TRUE(reply.type() == MessageType::kError);
+  EXPECT_TRUE(*shard.values(kTable) == before);
+}
+
+TEST(StartTwiceAndClockBeforeStartAreOutOfOrder) {
+  std::mt19937 rng(71);
+  ServerShard shard(0, kWorkers, Rule(UpdateRuleKind::kAdd));
+  ASSERT_OK(shard.AddTable(Table()));
+  std::vector<Message> out;
+  ASSERT_OK(shard.Handle(InitAdd(0, 0, 1, {{0, 3}}, RandomValues(&rng, 3 * kWidth)), &out));
+  const std::vector<float> before = *shard.values(kTable);
+  out.clear();
+  EXPECT_CODE(shard.Handle(ClockUpdate(0, 0, 0, {{0, 1}}, RandomValues(&rng, kWidth)), &out),
+              StatusCode::kOutOfOrder);
+  EXPECT_CODE(shard.Handle(ClockUpdate(0, 0, kInitClock), &out), StatusCode::kOutOfOrder);
+  ASSERT_OK(shard.Handle(Start(0, 0), &out));
+  EXPECT_CODE(shard.Handle(Start(0, 0), &out), StatusCode::kOutOfOrder);
+  EXPECT_CODE(shard.Handle(Start(kWorkers, 0), &out), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(out.empty());
+  EXPECT_TRUE(*shard.values(kTable) == before);
+  EXPECT_EQ(shard.global_clock(kTable), kNoClock);
+}
+
+TEST(ClientBoundMessagesAreRejected) {
+  ServerShard shard(0, kWorkers, Rule(UpdateRuleKind::kAdd));
+  ASSERT_OK(shard.AddTable(Table()));
+  for (MessageType type : {MessageType::kRows, MessageType::kFetchReply, MessageType::kAck,
+                           MessageType::kError}) {
+    std::vector<Message> out;
+    EXPECT_CODE(shard.Handle(Header(type, 0, 0, kTable), &out), StatusCode::kInvalidArgument);
+    EXPECT_TRUE(out.empty());
+  }
+  Message unknown = Header(MessageType::kStart, 0, 0, kTable);
+  unknown.header.type = 99;
+  std::vector<Message> out;
+  EXPECT_CODE(shard.Handle(unknown, &out), StatusCode::kInvalidArgument);
+  EXPECT_EQ(shard.global_clock(kTable), kNoClock);
+}
+
+MLT_TEST_MAIN

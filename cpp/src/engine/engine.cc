@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "engine/engine_impl.h"
+#include "server/shard.h"
 
 namespace mltuner {
 
@@ -90,6 +91,26 @@ Status Engine::Impl::LookupTable(TableId table, const TableInfo** out) const {
 
 // --- Impl: the end of the virtual iteration and the start -------------------------
 
+Status Engine::Impl::WaitUntilAllReady() {
+  std::vector<Message> requests;
+  for (int shard = 0; shard < num_workers_; ++shard) {
+    Message ready;
+    ready.header.type = static_cast<uint16_t>(MessageType::kReady);
+    ready.header.sender = rank_;
+    ready.header.receiver = shard;
+    ready.text = TableSchemaText(tables_);
+    ready.header.text_bytes = static_cast<uint32_t>(ready.text.size());
+    requests.push_back(std::move(ready));
+  }
+  std::vector<Message> replies;
+  const Status status = SendRequests(std::move(requests), &replies);
+  if (status.code() == StatusCode::kTimeout) {
+    return Status::Timeout("finish_virtual_iteration waited " + std::to_string(config_.wait_timeout_ms) +
+                           " ms for every worker to finish its virtual iteration");
+  }
+  return status;
+}
+
 Status Engine::Impl::FinishVirtualIteration() {
   if (*phase_ != Phase::kDefining) {
     return Status::OutOfOrder("finish_virtual_iteration was already called");
@@ -137,6 +158,7 @@ Status Engine::Impl::FinishVirtualIteration() {
     shard_age_.assign(tables_.size(), std::vector<mltuner::Clock>(num_workers_, kNoClock));
     data_age_.assign(tables_.size(), kNoClock);
   }
+  MLT_RETURN_IF_ERROR(WaitUntilAllReady());
   stats_.pool_bytes = placement_.pool_bytes;
   stats_.device_store_bytes = placement_.device_store_bytes;
   stats_.host_store_bytes = placement_.host_store_bytes;

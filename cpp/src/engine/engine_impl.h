@@ -111,6 +111,7 @@ class Engine::Impl {
   Status PostInit(Handle handle);
   Status InitAdd(const AccessRecord& access, const float* host_values);
   Status SendRequests(std::vector<Message> requests, std::vector<Message>* replies);
+  Status WaitUntilAllReady();
 
   // --- real phase (engine/engine.cc) -----------------------------------------
   Status CheckExpected(Handle handle, OpKind kind) const;

@@ -138,6 +138,7 @@ Status ServerShard::Handle(const Message& in, std::vector<Message>* out) {
     case MessageType::kClockUpdate: return HandleClockUpdate(in, out);
     case MessageType::kFetch: return HandleFetch(in, out);
     case MessageType::kInitAdd: return HandleInitAdd(in, out);
+    case MessageType::kReady: return HandleReady(in, out);
     case MessageType::kRows:
     case MessageType::kFetchReply:
     case MessageType::kAck:
@@ -252,6 +253,59 @@ Status ServerShard::HandleInitAdd(const Message& in, std::vector<Message>* out) 
   AddSpansInto(in, table.range, table.info.row_width, table.values.data());
   out->push_back(Reply(MessageType::kAck, rank_, in));
   return Status::Ok();
+}
+
+std::string TableSchemaText(const std::vector<TableInfo>& tables) {
+  std::string text;
+  for (const TableInfo& table : tables) {
+    if (table.local) continue;
+    text += std::to_string(table.id) + ":" + table.name + ":" + std::to_string(table.num_rows) + ":" +
+            std::to_string(table.row_width) + ";";
+  }
+  return text;
+}
+
+// kReady is a barrier: it is acknowledged once every worker has sent it, so
+// no worker sends initial values or clocks before every shard knows every
+// table. The check waits for the last kReady because this shard's own worker
+// registers its tables before sending its kReady, and only then are the
+// shard's tables complete. Any mismatch fails every worker, so none of them
+// goes on to wait for clocks that will never come.
+Status ServerShard::HandleReady(const Message& in, std::vector<Message>* out) {
+  MLT_RETURN_IF_ERROR(CheckSender(in, num_workers_));
+  if (ready_requests_.count(in.header.sender) != 0) {
+    const Status status = Status::OutOfOrder("worker " + std::to_string(in.header.sender) + " sent kReady twice");
+    out->push_back(ErrorReply(rank_, in, status));
+    return status;
+  }
+  ready_requests_[in.header.sender] = {in.header.request_id, in.text};
+  if (static_cast<int>(ready_requests_.size()) < num_workers_) return Status::Ok();
+
+  std::vector<TableInfo> mine;
+  for (const auto& entry : tables_) mine.push_back(entry.second->info);
+  const std::string expected = TableSchemaText(mine);
+  std::string mismatches;
+  for (const auto& [worker, request] : ready_requests_) {
+    if (request.second != expected) {
+      mismatches += " worker " + std::to_string(worker) + " created [" + request.second + "];";
+    }
+  }
+  const Status status = mismatches.empty()
+                            ? Status::Ok()
+                            : Status::InvalidArgument("shard " + std::to_string(rank_) + " has tables [" + expected +
+                                                      "] but" + mismatches +
+                                                      " every worker must create the same tables in the same order");
+  for (const auto& [worker, request] : ready_requests_) {
+    Message reply;
+    reply.header.sender = rank_;
+    reply.header.receiver = worker;
+    reply.header.request_id = request.first;
+    reply.header.type = static_cast<uint16_t>(status.ok() ? MessageType::kAck : MessageType::kError);
+    reply.text = status.message();
+    reply.header.text_bytes = static_cast<uint32_t>(reply.text.size());
+    out->push_back(std::move(reply));
+  }
+  return status;
 }
 
 Status ServerShard::CheckSpans(const TableState& table, const Message& in) const {

@@ -16,6 +16,8 @@
 
 #include <map>
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "mltuner/config.h"
@@ -31,6 +33,10 @@ namespace mltuner {
 // `num_shards` owns: an even contiguous split, the first shards taking one
 // extra row when it does not divide.
 RowSpan ShardRange(int64_t num_rows, int shard, int num_shards);
+
+// The communicated tables as one line ("0:name:rows:width;..."), sent with
+// kReady so a shard can refuse a worker whose tables differ from its own.
+std::string TableSchemaText(const std::vector<TableInfo>& tables);
 
 class ServerShard {
  public:
@@ -73,6 +79,7 @@ class ServerShard {
   Status HandleStart(const Message& in, std::vector<Message>* out);
   Status HandleFetch(const Message& in, std::vector<Message>* out);
   Status HandleInitAdd(const Message& in, std::vector<Message>* out);
+  Status HandleReady(const Message& in, std::vector<Message>* out);
   Status CheckSpans(const TableState& table, const Message& in) const;
   void PushRows(const TableState& table, std::vector<Message>* out) const;
   void ApplyFinishedClocks(TableState* table);
@@ -81,6 +88,8 @@ class ServerShard {
   const int num_workers_;
   const UpdateRuleConfig rule_config_;
   std::map<TableId, std::unique_ptr<TableState>> tables_;
+  // kReady received so far: worker -> (request id, its table schema text).
+  std::map<WorkerId, std::pair<int64_t, std::string>> ready_requests_;
 };
 
 }  // namespace mltuner

@@ -115,6 +115,7 @@ const char* MessageTypeName(MessageType type) {
     case MessageType::kInitAdd: return "InitAdd";
     case MessageType::kAck: return "Ack";
     case MessageType::kError: return "Error";
+    case MessageType::kReady: return "Ready";
   }
   return "Unknown";
 }
@@ -125,6 +126,7 @@ bool IsServerBound(MessageType type) {
     case MessageType::kStart:
     case MessageType::kFetch:
     case MessageType::kInitAdd:
+    case MessageType::kReady:
       return true;
     default:
       return false;

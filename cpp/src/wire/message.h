@@ -34,8 +34,11 @@ enum class MessageType : uint16_t {
   kAck = 7,          // shard -> client: request_id done
   kError = 8,        // shard -> client: request_id failed; payload is empty,
                      //   the reason is in the spans-free text frame (see below)
+  kReady = 9,        // client -> shard: my tables are created; text = their
+                     //   schema. Each shard acks once every worker is ready,
+                     //   so no message can reach a shard before its tables.
 };
-constexpr uint16_t kMaxMessageType = 8;
+constexpr uint16_t kMaxMessageType = 9;
 
 const char* MessageTypeName(MessageType type);
 

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from types import TracebackType
+from typing import TypeVar
 
 from mltuner import _core
 from mltuner._config import Config
 from mltuner.client._worker import Worker
 
 __all__ = ["LocalCluster"]
+
+T = TypeVar("T")
 
 
 class LocalCluster:
@@ -34,6 +39,48 @@ class LocalCluster:
 
     def worker(self, rank: int) -> Worker:
         return self.workers[rank]
+
+    def run(self, fn: Callable[[Worker], T], *, timeout_s: float | None = None) -> list[T]:
+        """Runs ``fn(worker)`` for every worker, each on its own thread, and
+        returns the results by rank.
+
+        The first exception a worker raises is re-raised here (the others are
+        attached as notes). If a worker is still running after ``timeout_s``
+        (default: the config's wait timeout times four), the cluster is shut
+        down, which makes every blocked call raise ShutdownError, and
+        :class:`~mltuner.WaitTimeoutError` is raised.
+        """
+        from mltuner.exceptions import WaitTimeoutError
+
+        results: list[T | None] = [None] * self.num_workers
+        errors: list[BaseException | None] = [None] * self.num_workers
+
+        def body(rank: int) -> None:
+            try:
+                results[rank] = fn(self.workers[rank])
+            except BaseException as error:  # noqa: BLE001 - re-raised on the caller's thread
+                errors[rank] = error
+
+        threads = [threading.Thread(target=body, args=(r,), name=f"mltuner-worker-{r}") for r in range(self.num_workers)]
+        for thread in threads:
+            thread.start()
+        limit = timeout_s if timeout_s is not None else 4 * self.config.wait_timeout_s
+        for thread in threads:
+            thread.join(limit)
+        stuck = [t.name for t in threads if t.is_alive()]
+        if stuck:
+            self.shutdown()
+            for thread in threads:
+                thread.join(limit)
+            raise WaitTimeoutError(f"workers still running after {limit} s: {', '.join(stuck)}")
+        raised = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+        if raised:
+            rank, first = raised[0]
+            for other_rank, other in raised[1:]:
+                if hasattr(first, "add_note"):
+                    first.add_note(f"worker {other_rank} also failed: {other!r}")
+            raise first
+        return results  # type: ignore[return-value]
 
     @property
     def rejected_messages(self) -> int:

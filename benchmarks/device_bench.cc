@@ -1,0 +1,252 @@
+// device_bench: the CPU backend's Gather and ScatterAdd kernels, timed
+// against std::memcpy and a plain "a += b" loop over the same bytes in the
+// same run. No Python, no engine threads: just Device calls over prebuilt
+// RunIndex lists, the way the allocator (reads) and the reclaimer (updates)
+// issue them.
+//
+// For each table size and row width three index shapes are timed:
+//   layers    one run per "layer": the rows cut into 20 equal blocks, taken
+//             from the table in reverse block order (a real gather, but each
+//             run is one long memcpy);
+//   rows-seq  one run per row, rows in order: the per-run overhead alone;
+//   rows-shuf one run per row, rows in a random order: per-run overhead plus
+//             the lost hardware prefetch of a scattered access pattern.
+//
+// Build:  cmake -S benchmarks -B build/bench -DCMAKE_BUILD_TYPE=Release
+//         cmake --build build/bench
+// Run:    build/bench/device_bench [--sizes 1,16,64,256] [--widths 128,512,1024,4096]
+//                                  [--min-time 0.25] [--csv PATH]
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "mltuner/device.h"
+
+namespace {
+
+using mltuner::Device;
+using mltuner::RowRun;
+using mltuner::RunIndex;
+using mltuner::Stream;
+
+std::vector<int64_t> ParseList(const std::string& text) {
+  std::vector<int64_t> out;
+  size_t start = 0;
+  while (start <= text.size()) {
+    const size_t comma = text.find(',', start);
+    const std::string item = text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    if (!item.empty()) out.push_back(std::stoll(item));
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  return out;
+}
+
+// The baseline for scatter-add: dst += src over n floats, a loop the compiler
+// vectorises (noinline so it is timed as a call, like the device kernels).
+__attribute__((noinline)) void AddLoop(float* __restrict dst, const float* __restrict src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
+}
+
+// Best (smallest) time of one call of each case, after one untimed warm-up
+// call each; cases are called round-robin for at least 3 rounds and until each
+// has had about min_time seconds.
+template <typename Case>
+std::vector<double> BestSecondsRoundRobin(const std::vector<Case>& cases, double min_time) {
+  for (const Case& c : cases) c.fn();
+  std::vector<double> best(cases.size(), 1e30);
+  double total = 0;
+  for (int round = 0; round < 3 || (total < min_time * cases.size() && round < 1000); ++round) {
+    for (size_t i = 0; i < cases.size(); ++i) {
+      const auto start = std::chrono::steady_clock::now();
+      cases[i].fn();
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      best[i] = std::min(best[i], s);
+      total += s;
+    }
+  }
+  return best;
+}
+
+float* AllocFloats(Device* device, int64_t count, float value) {
+  void* p = nullptr;
+  const mltuner::Status status = device->Allocate(static_cast<size_t>(count) * sizeof(float), &p);
+  if (!status.ok()) {
+    std::fprintf(stderr, "device_bench: %s\n", status.ToString().c_str());
+    std::exit(1);
+  }
+  float* f = static_cast<float*>(p);
+  std::fill_n(f, count, value);  // touches every page before timing
+  return f;
+}
+
+struct Row {
+  std::string op, variant;
+  double table_mb;
+  int64_t width, runs;
+  double seconds, payload_bytes, moved_bytes, vs_memcpy, vs_memcpy_moved, vs_add;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<int64_t> sizes_mb = {1, 16, 64, 256};
+  std::vector<int64_t> widths = {128, 512, 1024, 4096};
+  double min_time = 0.25;
+  std::string csv_path;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "device_bench: %s needs a value\n", arg.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (arg == "--sizes") {
+      sizes_mb = ParseList(value());
+    } else if (arg == "--widths") {
+      widths = ParseList(value());
+    } else if (arg == "--min-time") {
+      min_time = std::stod(value());
+    } else if (arg == "--csv") {
+      csv_path = value();
+    } else {
+      std::printf(
+          "usage: device_bench [--sizes MB,MB,...] [--widths FLOATS,...] [--min-time SECONDS] [--csv PATH]\n");
+      return arg == "--help" || arg == "-h" ? 0 : 2;
+    }
+  }
+
+  std::unique_ptr<Device> device = mltuner::NewCpuDevice();
+  std::vector<Row> rows;
+  std::mt19937_64 rng(42);
+  constexpr int64_t kLayers = 20;
+
+  for (const int64_t mb : sizes_mb) {
+    for (const int64_t width : widths) {
+      const int64_t table_floats = mb * (int64_t{1} << 20) / 4;
+      const int64_t num_rows = table_floats / width;
+      if (num_rows < 1) continue;
+      const int64_t floats = num_rows * width;
+      const double payload = static_cast<double>(floats) * sizeof(float);
+      float* table = AllocFloats(device.get(), floats, 1.0f);   // cache values / update log
+      float* buffer = AllocFloats(device.get(), floats, 0.5f);  // the access buffer
+
+      // (table row, buffer row, count) triples of each index shape.
+      struct Triple { int64_t table_row, buffer_row, count; };
+      std::vector<std::pair<std::string, std::vector<Triple>>> shapes;
+      {
+        std::vector<Triple> layers;
+        const int64_t n = std::min(kLayers, num_rows);
+        // Block l of the buffer comes from block (n-1-l) of the table.
+        std::vector<int64_t> begin(n + 1);
+        for (int64_t l = 0; l <= n; ++l) begin[l] = num_rows * l / n;
+        int64_t buffer_row = 0;
+        for (int64_t l = n - 1; l >= 0; --l) {
+          const int64_t count = begin[l + 1] - begin[l];
+          layers.push_back({begin[l], buffer_row, count});
+          buffer_row += count;
+        }
+        shapes.emplace_back("layers", std::move(layers));
+      }
+      {
+        std::vector<Triple> seq(num_rows);
+        for (int64_t r = 0; r < num_rows; ++r) seq[r] = {r, r, 1};
+        shapes.emplace_back("rows-seq", std::move(seq));
+      }
+      {
+        std::vector<int64_t> perm(num_rows);
+        std::iota(perm.begin(), perm.end(), 0);
+        std::shuffle(perm.begin(), perm.end(), rng);
+        std::vector<Triple> shuf(num_rows);
+        for (int64_t r = 0; r < num_rows; ++r) shuf[r] = {perm[r], r, 1};
+        shapes.emplace_back("rows-shuf", std::move(shuf));
+      }
+      std::vector<RunIndex> gathers(shapes.size()), scatters(shapes.size());
+      for (size_t k = 0; k < shapes.size(); ++k) {
+        for (const Triple& t : shapes[k].second) {
+          gathers[k].runs.push_back(RowRun{t.table_row, t.buffer_row, t.count});   // table -> buffer
+          scatters[k].runs.push_back(RowRun{t.buffer_row, t.table_row, t.count});  // buffer -> log
+        }
+        if (!device->PrepareIndex(&gathers[k]).ok() || !device->PrepareIndex(&scatters[k]).ok()) {
+          std::fprintf(stderr, "device_bench: PrepareIndex failed\n");
+          return 1;
+        }
+      }
+
+      // Every kernel of the cell, timed round-robin so that noise from other
+      // processes hits the baselines and the kernels alike.
+      struct Case { std::string op, variant; int64_t runs; double passes; std::function<void()> fn; };
+      std::vector<Case> cases;
+      cases.push_back({"memcpy", "baseline", 1, 2,
+                       [&] { std::memcpy(buffer, table, static_cast<size_t>(payload)); }});
+      cases.push_back({"a+=b", "baseline", 1, 3, [&] { AddLoop(table, buffer, floats); }});
+      for (size_t k = 0; k < shapes.size(); ++k) {
+        const int64_t runs = static_cast<int64_t>(shapes[k].second.size());
+        cases.push_back({"gather", shapes[k].first, runs, 2, [&, k] {
+                           device->Gather(buffer, table, gathers[k], width, Stream::kPrefetch);
+                           (void)device->Synchronize(Stream::kPrefetch);
+                         }});
+        cases.push_back({"scatter-add", shapes[k].first, runs, 3, [&, k] {
+                           device->ScatterAdd(table, buffer, scatters[k], width, Stream::kWriteback);
+                           (void)device->Synchronize(Stream::kWriteback);
+                         }});
+      }
+      std::vector<double> best = BestSecondsRoundRobin(cases, min_time);
+      const double t_memcpy = best[0], t_add = best[1];
+      for (size_t c = 0; c < cases.size(); ++c) {
+        const double s = best[c];
+        const double passes = cases[c].passes;
+        rows.push_back({cases[c].op, cases[c].variant, static_cast<double>(mb), width, cases[c].runs, s, payload,
+                        passes * payload, t_memcpy / s, (passes * payload / s) / (2 * payload / t_memcpy),
+                        t_add / s});
+      }
+      for (size_t k = 0; k < shapes.size(); ++k) {
+        device->ReleaseIndex(&gathers[k]);
+        device->ReleaseIndex(&scatters[k]);
+      }
+      device->Free(table);
+      device->Free(buffer);
+    }
+  }
+
+  std::printf(
+      "device_bench: CPU backend Gather / ScatterAdd vs std::memcpy and an 'a += b' loop, same buffers, same run.\n"
+      "  payload GB/s = table bytes / time (the bytes the application asked for).\n"
+      "  moved GB/s   = memory traffic / time: memcpy and gather read + write = 2 x payload;\n"
+      "                 a+=b and scatter-add read dst + read src + write dst = 3 x payload.\n"
+      "  x memcpy     = memcpy time / op time for the same payload (= ratio of payload GB/s).\n"
+      "  x memcpy(mv) = ratio of moved GB/s to memcpy's moved GB/s (scatter-add: 1.5 x the payload ratio).\n"
+      "  x a+=b       = a+=b loop time / op time for the same payload.\n"
+      "  Times are the best of >= 3 calls (>= %.2f s per figure), single thread.\n",
+      min_time);
+  std::printf("%-11s %-9s %6s %5s %8s %9s %8s %8s %8s %8s %7s\n", "op", "index", "MB", "width", "runs", "ms",
+              "payGB/s", "movGB/s", "x memcpy", "x mc(mv)", "x a+=b");
+  for (const Row& r : rows) {
+    std::printf("%-11s %-9s %6.0f %5lld %8lld %9.3f %8.2f %8.2f %8.2f %8.2f %7.2f\n", r.op.c_str(),
+                r.variant.c_str(), r.table_mb, static_cast<long long>(r.width), static_cast<long long>(r.runs),
+                r.seconds * 1e3, r.payload_bytes / r.seconds / 1e9, r.moved_bytes / r.seconds / 1e9, r.vs_memcpy,
+                r.vs_memcpy_moved, r.vs_add);
+  }
+  if (!csv_path.empty()) {
+    std::ofstream csv(csv_path);
+    csv << "op,index,table_mb,width,runs,seconds,payload_gbps,moved_gbps,x_memcpy,x_memcpy_moved,x_add\n";
+    for (const Row& r : rows) {
+      csv << r.op << ',' << r.variant << ',' << r.table_mb << ',' << r.width << ',' << r.runs << ',' << r.seconds
+          << ',' << r.payload_bytes / r.seconds / 1e9 << ',' << r.moved_bytes / r.seconds / 1e9 << ','
+          << r.vs_memcpy << ',' << r.vs_memcpy_moved << ',' << r.vs_add << '\n';
+    }
+  }
+  return 0;
+}

@@ -1,0 +1,277 @@
+// LocalCluster: creation, tables on every worker, the kStart handshake that
+// gives every table data age -1, rejection of invalid client-bound messages
+// by an engine (through its public HandleMessage), and the start race
+// between workers that have and have not yet created their tables.
+//
+// The Hub (transport) has no public injection hook, so invalid messages are
+// handed to Engine::HandleMessage directly, as the Hub's inbox thread would.
+#include "mltuner/cluster.h"
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "mltuner/engine.h"
+#include "test_util.h"
+#include "wire/message.h"
+
+using namespace mltuner;
+
+namespace {
+
+constexpr int kWorkers = 3;
+
+// Two parameter tables and a local one, read and updated once per clock.
+struct Tables {
+  TableId a = -1, b = -1, local = -1;
+  Handle ra = -1, ub = -1, l = -1;
+};
+
+Status CreateTables(Engine* e, Tables* t) {
+  MLT_RETURN_IF_ERROR(e->CreateTable("a", 7, 3, false, &t->a));
+  MLT_RETURN_IF_ERROR(e->CreateTable("b", 2, 5, false, &t->b));  // fewer rows than shards
+  MLT_RETURN_IF_ERROR(e->CreateTable("scratch", 4, 2, true, &t->local));
+  return Status::Ok();
+}
+
+Status Record(Engine* e, Tables* t) {
+  MLT_RETURN_IF_ERROR(e->VirtualRead(t->a, {0, 6, 3}, 0, &t->ra));
+  MLT_RETURN_IF_ERROR(e->VirtualPreUpdate(t->b, {1}, &t->ub));
+  MLT_RETURN_IF_ERROR(e->VirtualLocalAccess(t->local, {0, 1}, false, &t->l));
+  MLT_RETURN_IF_ERROR(e->VirtualPostLocalAccess(t->l, true));
+  MLT_RETURN_IF_ERROR(e->VirtualUpdate(t->ub));
+  MLT_RETURN_IF_ERROR(e->VirtualPostRead(t->ra));
+  MLT_RETURN_IF_ERROR(e->VirtualClock());
+  return e->FinishVirtualIteration();
+}
+
+Config Quick(int64_t timeout_ms = 5000) {
+  Config config;
+  config.wait_timeout_ms = timeout_ms;
+  return config;
+}
+
+Message RowsMessage(int sender, int receiver, TableId table, Clock clock, RowSpan span, int64_t width,
+                    float value) {
+  Message m;
+  m.header.type = static_cast<uint16_t>(MessageType::kRows);
+  m.header.sender = sender;
+  m.header.receiver = receiver;
+  m.header.table = table;
+  m.header.clock = clock;
+  m.header.row_width = width;
+  m.spans = {span};
+  m.header.num_spans = 1;
+  m.values.assign(static_cast<size_t>(span.count * width), value);
+  return m;
+}
+
+}  // namespace
+
+TEST(CreateRejectsZeroWorkers) {
+  std::unique_ptr<LocalCluster> cluster;
+  EXPECT_CODE(LocalCluster::Create(Config(), 0, &cluster), StatusCode::kInvalidArgument);
+  Config bad;
+  bad.wait_timeout_ms = 0;
+  EXPECT_CODE(LocalCluster::Create(bad, 2, &cluster), StatusCode::kInvalidArgument);
+}
+
+TEST(ThreeWorkersStartOnlyGivesDataAgeMinusOne) {
+  std::unique_ptr<LocalCluster> cluster;
+  ASSERT_OK(LocalCluster::Create(Quick(), kWorkers, &cluster));
+  ASSERT_EQ(cluster->num_workers(), kWorkers);
+  std::vector<Tables> tables(kWorkers);
+  for (int k = 0; k < kWorkers; ++k) {
+    Engine* e = cluster->worker(k);
+    EXPECT_EQ(e->rank(), k);
+    EXPECT_EQ(e->num_workers(), kWorkers);
+    ASSERT_OK(CreateTables(e, &tables[k]));
+    EXPECT_EQ(tables[k].a, TableId{0});
+    EXPECT_EQ(tables[k].b, TableId{1});
+    EXPECT_EQ(tables[k].local, TableId{2});
+    TableInfo info;
+    ASSERT_OK(e->FindTable("b", &info));
+    EXPECT_EQ(info.num_rows, int64_t{2});
+    EXPECT_EQ(info.row_width, int64_t{5});
+    EXPECT_TRUE(!info.local);
+    EXPECT_EQ(e->tables().size(), size_t{3});
+    EXPECT_CODE(e->FindTable("nope", &info), StatusCode::kNotFound);
+    TableId dup = -1;
+    EXPECT_CODE(e->CreateTable("a", 1, 1, false, &dup), StatusCode::kInvalidArgument);
+  }
+  for (int k = 0; k < kWorkers; ++k) {
+    ASSERT_OK(Record(cluster->worker(k), &tables[k]));
+    EXPECT_EQ(cluster->worker(k)->DataAge(tables[k].a), kNoClock);
+  }
+  for (int k = 0; k < kWorkers; ++k) ASSERT_OK(cluster->worker(k)->StartIterations());
+  for (int k = 0; k < kWorkers; ++k) {
+    Engine* e = cluster->worker(k);
+    for (TableId t : {tables[k].a, tables[k].b}) {
+      ASSERT_OK(e->WaitForDataAge(t, kInitClock));
+      EXPECT_EQ(e->DataAge(t), kInitClock);
+    }
+    // No clock was run: the age stays at -1.
+    EXPECT_EQ(e->Stats().clock, Clock{0});
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  for (int k = 0; k < kWorkers; ++k) {
+    EXPECT_EQ(cluster->worker(k)->DataAge(tables[k].a), kInitClock);
+    EXPECT_EQ(cluster->worker(k)->DataAge(tables[k].b), kInitClock);
+    // A local table has no data age and cannot be waited on.
+    EXPECT_CODE(cluster->worker(k)->WaitForDataAge(tables[k].local, kInitClock), StatusCode::kInvalidArgument);
+  }
+  EXPECT_EQ(cluster->rejected_messages(), int64_t{0});
+  EXPECT_OK(cluster->Shutdown());
+  EXPECT_OK(cluster->Shutdown());  // idempotent
+}
+
+TEST(ThreeWorkersRunAFewClocks) {
+  Config config = Quick();
+  config.update_rule.kind = UpdateRuleKind::kAdd;
+  std::unique_ptr<LocalCluster> cluster;
+  ASSERT_OK(LocalCluster::Create(config, kWorkers, &cluster));
+  std::vector<Tables> tables(kWorkers);
+  for (int k = 0; k < kWorkers; ++k) ASSERT_OK(CreateTables(cluster->worker(k), &tables[k]));
+  for (int k = 0; k < kWorkers; ++k) ASSERT_OK(Record(cluster->worker(k), &tables[k]));
+  for (int k = 0; k < kWorkers; ++k) ASSERT_OK(cluster->worker(k)->StartIterations());
+  constexpr int kClocks = 5;
+  std::vector<std::string> errors(kWorkers);
+  std::vector<std::thread> threads;
+  for (int k = 0; k < kWorkers; ++k) {
+    threads.emplace_back([&, k] {
+      Engine* e = cluster->worker(k);
+      const Tables& t = tables[k];
+      for (int c = 0; c < kClocks; ++c) {
+        AccessBuffer r, u, l;
+        Status s = e->Read(t.ra, &r);
+        if (s.ok() && r.data_age != c - 1) errors[k] += "age;";
+        if (s.ok()) s = e->PreUpdate(t.ub, &u);
+        if (s.ok()) {
+          for (int j = 0; j < 5; ++j) u.data[j] = static_cast<float>(k + 1);
+          s = e->LocalAccess(t.l, &l);
+        }
+        if (s.ok()) s = e->PostLocalAccess(t.l);
+        if (s.ok()) s = e->Update(t.ub);
+        if (s.ok()) s = e->PostRead(t.ra);
+        if (s.ok()) s = e->Clock();
+        if (!s.ok()) {
+          errors[k] += s.ToString();
+          return;
+        }
+      }
+      Status s = e->Flush();
+      if (s.ok()) s = e->WaitForDataAge(t.b, kClocks - 1);
+      if (!s.ok()) errors[k] += s.ToString();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int k = 0; k < kWorkers; ++k) {
+    if (!errors[k].empty()) ::mltuner::testing::ReportFailure(__FILE__, __LINE__, errors[k]);
+  }
+  // Row 1 of b got (1 + 2 + 3) per clock; row 0 nothing.
+  std::vector<float> b(10);
+  ASSERT_OK(cluster->worker(2)->Fetch(tables[2].b, {0, 1}, b.data()));
+  for (int j = 0; j < 5; ++j) {
+    EXPECT_EQ(b[j], 0.0f);
+    EXPECT_EQ(b[5 + j], static_cast<float>(6 * kClocks));
+  }
+  for (int k = 0; k < kWorkers; ++k) {
+    EXPECT_EQ(cluster->worker(k)->DataAge(tables[k].a), Clock{kClocks - 1});
+    const EngineStats stats = cluster->worker(k)->Stats();
+    EXPECT_TRUE(stats.messages_sent > 0);
+    EXPECT_TRUE(stats.messages_received > 0);
+  }
+  EXPECT_EQ(cluster->rejected_messages(), int64_t{0});
+  EXPECT_OK(cluster->Shutdown());
+}
+
+TEST(EngineRejectsInvalidClientMessages) {
+  std::unique_ptr<LocalCluster> cluster;
+  ASSERT_OK(LocalCluster::Create(Quick(), kWorkers, &cluster));
+  std::vector<Tables> tables(kWorkers);
+  for (int k = 0; k < kWorkers; ++k) ASSERT_OK(CreateTables(cluster->worker(k), &tables[k]));
+  Engine* e = cluster->worker(0);
+  // Rows before the virtual iteration is finished.
+  EXPECT_CODE(e->HandleMessage(RowsMessage(0, 0, 0, 0, {0, 3}, 3, 1.0f)), StatusCode::kOutOfOrder);
+  for (int k = 0; k < kWorkers; ++k) ASSERT_OK(Record(cluster->worker(k), &tables[k]));
+  for (int k = 0; k < kWorkers; ++k) ASSERT_OK(cluster->worker(k)->StartIterations());
+  ASSERT_OK(e->WaitForDataAge(0, kInitClock));
+
+  // Table 'a' (7 rows, width 3) over 3 shards: [0,3), [3,5), [5,7).
+  EXPECT_CODE(e->HandleMessage(RowsMessage(0, 0, 9, 0, {0, 3}, 3, 1.0f)), StatusCode::kNotFound);
+  EXPECT_CODE(e->HandleMessage(RowsMessage(0, 0, 2, 0, {0, 3}, 2, 1.0f)), StatusCode::kNotFound);  // local
+  EXPECT_CODE(e->HandleMessage(RowsMessage(5, 0, 0, 0, {0, 3}, 3, 1.0f)), StatusCode::kInvalidArgument);
+  EXPECT_CODE(e->HandleMessage(RowsMessage(-1, 0, 0, 0, {0, 3}, 3, 1.0f)), StatusCode::kInvalidArgument);
+  // Not the sender shard's whole range, a wrong width, a short payload.
+  EXPECT_CODE(e->HandleMessage(RowsMessage(1, 0, 0, 0, {0, 3}, 3, 1.0f)), StatusCode::kInvalidArgument);
+  EXPECT_CODE(e->HandleMessage(RowsMessage(0, 0, 0, 0, {0, 2}, 3, 1.0f)), StatusCode::kInvalidArgument);
+  EXPECT_CODE(e->HandleMessage(RowsMessage(0, 0, 0, 0, {0, 3}, 4, 1.0f)), StatusCode::kInvalidArgument);
+  Message short_payload = RowsMessage(0, 0, 0, 0, {0, 3}, 3, 1.0f);
+  short_payload.values.pop_back();
+  EXPECT_CODE(e->HandleMessage(std::move(short_payload)), StatusCode::kInvalidArgument);
+  // A server-bound type, and a reply to a request nobody made.
+  Message fetch;
+  fetch.header.type = static_cast<uint16_t>(MessageType::kFetch);
+  fetch.header.sender = 1;
+  fetch.header.table = 0;
+  EXPECT_CODE(e->HandleMessage(std::move(fetch)), StatusCode::kInvalidArgument);
+  Message ack;
+  ack.header.type = static_cast<uint16_t>(MessageType::kAck);
+  ack.header.sender = 1;
+  ack.header.request_id = 123456;
+  EXPECT_CODE(e->HandleMessage(std::move(ack)), StatusCode::kInvalidArgument);
+  // A stale push (not newer than what the shard sent) is ignored, not applied.
+  EXPECT_OK(e->HandleMessage(RowsMessage(0, 0, 0, kInitClock, {0, 3}, 3, 99.0f)));
+  std::vector<float> values(3);
+  EXPECT_EQ(e->DataAge(0), kInitClock);
+
+  // The engine still works: a clock on every worker advances the age to 0
+  // and the servers' values were not touched by the rejected messages.
+  for (int k = 0; k < kWorkers; ++k) {
+    Engine* w = cluster->worker(k);
+    AccessBuffer r, u, l;
+    ASSERT_OK(w->Read(tables[k].ra, &r));
+    if (k == 0) {
+      // Buffer rows are 0, 6, 3: none may hold the stale 99 or a rejected 1.
+      for (int x = 0; x < 9; ++x) EXPECT_EQ(r.data[x], 0.0f);
+    }
+    ASSERT_OK(w->PreUpdate(tables[k].ub, &u));
+    ASSERT_OK(w->LocalAccess(tables[k].l, &l));
+    ASSERT_OK(w->PostLocalAccess(tables[k].l));
+    ASSERT_OK(w->Update(tables[k].ub));
+    ASSERT_OK(w->PostRead(tables[k].ra));
+    ASSERT_OK(w->Clock());
+  }
+  for (int k = 0; k < kWorkers; ++k) ASSERT_OK(cluster->worker(k)->WaitForDataAge(0, 0));
+  ASSERT_OK(e->Fetch(0, {0, 1, 2}, values.data()));
+  EXPECT_OK(cluster->Shutdown());
+}
+
+// Each worker registers its tables only with its own shard, inside
+// CreateTable. If another worker's kStart reaches that shard first, the shard
+// has no table to start it in, and the table's global clock can never leave
+// kNoClock: every worker waits for data age -1 until it times out. Nothing in
+// engine.h or cluster.h asks for a barrier between CreateTable and
+// StartIterations, so a worker that starts early must not be lost.
+TEST(EarlyStartOfOneWorkerIsNotLost) {
+  std::unique_ptr<LocalCluster> cluster;
+  ASSERT_OK(LocalCluster::Create(Quick(1000), 2, &cluster));
+  Tables t0, t1;
+  // Worker 1 is fast: tables, iteration and start before worker 0 begins.
+  ASSERT_OK(CreateTables(cluster->worker(1), &t1));
+  ASSERT_OK(Record(cluster->worker(1), &t1));
+  ASSERT_OK(cluster->worker(1)->StartIterations());
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // its kStart is delivered
+  ASSERT_OK(CreateTables(cluster->worker(0), &t0));
+  ASSERT_OK(Record(cluster->worker(0), &t0));
+  ASSERT_OK(cluster->worker(0)->StartIterations());
+  for (int k = 0; k < 2; ++k) {
+    EXPECT_OK(cluster->worker(k)->WaitForDataAge(0, kInitClock));
+    EXPECT_OK(cluster->worker(k)->WaitForDataAge(1, kInitClock));
+  }
+  EXPECT_OK(cluster->Shutdown());
+}
+
+MLT_TEST_MAIN

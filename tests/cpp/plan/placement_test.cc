@@ -1,0 +1,252 @@
+// Placement: the peak of open buffers, the pool size, the refusal of a budget
+// too small, parameters placed on the device layer by layer while they fit,
+// local data all-or-nothing, and dense unique slots per residence.
+//
+// The shared example (sizes hand-computed, buffers rounded up to 256 bytes):
+//   t0 param 8 rows x 16 floats (64 B/row), t1 param 8 x 10 (40 B/row),
+//   t2 local 4 x 16 (64 B/row, 256 B in all)
+//   op 0 read t0 {0,1,2}          192 B -> 256   open  256
+//   op 1 read t1 {0..4}           200 B -> 256   open  512
+//   op 2 pre_update t0 {0..4}     320 B -> 512   open 1024  <- peak
+//   op 3 update                                  open  512
+//   op 4 local_access t2 {0,1}    128 B -> 256   open  768
+//   op 5 post_local_access                       open  512
+//   op 6 post_read t1                            open  256
+//   op 7 post_read t0                            open    0
+//   op 8 clock
+#include "plan/placement.h"
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "plan/row_layout.h"
+#include "record/recorder.h"
+#include "test_util.h"
+
+using namespace mltuner;
+
+namespace {
+
+TableInfo Table(TableId id, int64_t rows, int64_t width, bool local = false) {
+  TableInfo info;
+  info.id = id;
+  info.name = "t" + std::to_string(id);
+  info.num_rows = rows;
+  info.row_width = width;
+  info.local = local;
+  return info;
+}
+
+struct Example {
+  std::vector<TableInfo> tables;
+  Recording recording;
+  std::vector<RowLayout> layouts;
+};
+
+Status BuildExample(Example* ex) {
+  ex->tables = {Table(0, 8, 16), Table(1, 8, 10), Table(2, 4, 16, true)};
+  Recorder rec;
+  Handle r0, r1, u, l;
+  MLT_RETURN_IF_ERROR(rec.Read(ex->tables[0], {0, 1, 2}, 0, &r0));
+  MLT_RETURN_IF_ERROR(rec.Read(ex->tables[1], {0, 1, 2, 3, 4}, 0, &r1));
+  MLT_RETURN_IF_ERROR(rec.PreUpdate(ex->tables[0], {0, 1, 2, 3, 4}, &u));
+  MLT_RETURN_IF_ERROR(rec.Update(u));
+  MLT_RETURN_IF_ERROR(rec.LocalAccess(ex->tables[2], {0, 1}, true, &l));
+  MLT_RETURN_IF_ERROR(rec.PostLocalAccess(l, true));
+  MLT_RETURN_IF_ERROR(rec.PostRead(r1));
+  MLT_RETURN_IF_ERROR(rec.PostRead(r0));
+  MLT_RETURN_IF_ERROR(rec.Clock());
+  MLT_RETURN_IF_ERROR(rec.Finish(&ex->recording));
+  ex->layouts = BuildRowLayouts(ex->tables, ex->recording);
+  return Status::Ok();
+}
+
+Config WithBudget(int64_t budget, int prefetch = 1) {
+  Config config;
+  config.device_memory_budget = budget;
+  config.prefetch_clocks = prefetch;
+  return config;
+}
+
+// Slots of each residence are exactly 0..n-1 with n the residence's count.
+void ExpectDenseSlots(const TablePlacement& t, int64_t num_rows) {
+  ASSERT_EQ(static_cast<int64_t>(t.residence.size()), num_rows);
+  ASSERT_EQ(static_cast<int64_t>(t.slot.size()), num_rows);
+  EXPECT_EQ(t.device_rows + t.host_rows, num_rows);
+  std::vector<int64_t> device, host;
+  for (int64_t p = 0; p < num_rows; ++p) {
+    (t.residence[p] == Residence::kDevice ? device : host).push_back(t.slot[p]);
+  }
+  EXPECT_EQ(static_cast<int64_t>(device.size()), t.device_rows);
+  EXPECT_EQ(static_cast<int64_t>(host.size()), t.host_rows);
+  std::sort(device.begin(), device.end());
+  std::sort(host.begin(), host.end());
+  for (size_t i = 0; i < device.size(); ++i) EXPECT_EQ(device[i], static_cast<int64_t>(i));
+  for (size_t i = 0; i < host.size(); ++i) EXPECT_EQ(host[i], static_cast<int64_t>(i));
+}
+
+Residence ResidenceOfRow(const Example& ex, const Placement& plan, TableId table, RowId row) {
+  return plan.tables[table].residence[ex.layouts[table].position_of_row[row]];
+}
+
+}  // namespace
+
+TEST(AlignedBufferBytesRoundsTo256) {
+  const TableInfo t16 = Table(0, 100, 16), t10 = Table(1, 100, 10), t1 = Table(2, 100, 1);
+  EXPECT_EQ(AlignedBufferBytes(t16, 4), int64_t{256});
+  EXPECT_EQ(AlignedBufferBytes(t16, 3), int64_t{256});
+  EXPECT_EQ(AlignedBufferBytes(t16, 5), int64_t{512});
+  EXPECT_EQ(AlignedBufferBytes(t10, 5), int64_t{256});
+  EXPECT_EQ(AlignedBufferBytes(t10, 7), int64_t{512});  // 280 B
+  EXPECT_EQ(AlignedBufferBytes(t1, 1), int64_t{256});
+  EXPECT_EQ(AlignedBufferBytes(t1, 64), int64_t{256});
+  EXPECT_EQ(AlignedBufferBytes(t1, 65), int64_t{512});
+  EXPECT_EQ(kBufferAlignment, int64_t{256});
+}
+
+TEST(PeakOfOpenBuffers) {
+  Example ex;
+  ASSERT_OK(BuildExample(&ex));
+  Placement plan;
+  ASSERT_OK(PlanPlacement(WithBudget(0), ex.tables, ex.layouts, ex.recording, &plan));
+  EXPECT_EQ(plan.peak_bytes, int64_t{1024});
+  EXPECT_EQ(plan.peak_op, 2);
+}
+
+TEST(PeakAfterBuffersClose) {
+  // Two sequential layers that never overlap: the peak is the larger one,
+  // reached at its own open op.
+  const std::vector<TableInfo> tables = {Table(0, 40, 16)};
+  Recorder rec;
+  Handle a, b, c;
+  ASSERT_OK(rec.Read(tables[0], {0, 1}, 0, &a));                  // 256
+  ASSERT_OK(rec.PostRead(a));
+  ASSERT_OK(rec.Read(tables[0], {2, 3, 4, 5, 6, 7, 8, 9, 10}, 0, &b));  // 576 -> 768
+  ASSERT_OK(rec.PostRead(b));
+  ASSERT_OK(rec.PreUpdate(tables[0], {11, 12, 13, 14, 15}, &c));  // 320 -> 512
+  ASSERT_OK(rec.Update(c));
+  ASSERT_OK(rec.Clock());
+  Recording recording;
+  ASSERT_OK(rec.Finish(&recording));
+  Placement plan;
+  ASSERT_OK(PlanPlacement(WithBudget(0), tables, BuildRowLayouts(tables, recording), recording, &plan));
+  EXPECT_EQ(plan.peak_bytes, int64_t{768});
+  EXPECT_EQ(plan.peak_op, 2);
+}
+
+TEST(UnlimitedBudgetPutsEverythingOnDevice) {
+  Example ex;
+  ASSERT_OK(BuildExample(&ex));
+  for (int prefetch : {1, 2, 3}) {
+    Placement plan;
+    ASSERT_OK(PlanPlacement(WithBudget(0, prefetch), ex.tables, ex.layouts, ex.recording, &plan));
+    const int64_t depth = std::max(2, 1 + prefetch);
+    EXPECT_EQ(plan.pool_bytes, depth * 1024);
+    ASSERT_EQ(plan.tables.size(), size_t{3});
+    for (const TableInfo& table : ex.tables) {
+      const TablePlacement& t = plan.tables[table.id];
+      EXPECT_EQ(t.device_rows, table.num_rows);
+      EXPECT_EQ(t.host_rows, int64_t{0});
+      for (Residence r : t.residence) EXPECT_TRUE(r == Residence::kDevice);
+      ExpectDenseSlots(t, table.num_rows);
+    }
+    // 2 copies (values + update log) of each parameter table, 1 of local data.
+    EXPECT_EQ(plan.device_store_bytes, int64_t{2 * 8 * 64 + 2 * 8 * 40 + 4 * 64});
+    EXPECT_EQ(plan.host_store_bytes, int64_t{0});
+  }
+}
+
+TEST(BudgetBelowTwicePeakIsRefused) {
+  Example ex;
+  ASSERT_OK(BuildExample(&ex));
+  for (int64_t budget : {int64_t{1}, int64_t{1024}, int64_t{2047}}) {
+    Placement plan;
+    const Status s = PlanPlacement(WithBudget(budget), ex.tables, ex.layouts, ex.recording, &plan);
+    EXPECT_CODE(s, StatusCode::kResourceExhausted);
+    EXPECT_TRUE(s.message().find("2048") != std::string::npos);  // the size needed
+    EXPECT_TRUE(s.message().find(std::to_string(budget)) != std::string::npos);
+  }
+  // Exactly 2 x peak is enough (everything but the pool goes to host memory).
+  Placement plan;
+  ASSERT_OK(PlanPlacement(WithBudget(2048), ex.tables, ex.layouts, ex.recording, &plan));
+  EXPECT_EQ(plan.pool_bytes, int64_t{2048});
+  EXPECT_EQ(plan.device_store_bytes, int64_t{0});
+  for (const TableInfo& table : ex.tables) {
+    EXPECT_EQ(plan.tables[table.id].device_rows, int64_t{0});
+    ExpectDenseSlots(plan.tables[table.id], table.num_rows);
+  }
+  EXPECT_EQ(plan.host_store_bytes, int64_t{2 * 8 * 64 + 2 * 8 * 40 + 4 * 64});
+}
+
+TEST(BudgetForFirstLayerOnly) {
+  Example ex;
+  ASSERT_OK(BuildExample(&ex));
+  // pool 2048 + local data 256 + first layer (3 rows of t0, values + log) 384.
+  Placement plan;
+  ASSERT_OK(PlanPlacement(WithBudget(2048 + 256 + 384), ex.tables, ex.layouts, ex.recording, &plan));
+  EXPECT_EQ(plan.pool_bytes, int64_t{2048});
+  // t0: the first-read rows on the device; rows first used later on the host.
+  for (RowId row : {0, 1, 2}) EXPECT_TRUE(ResidenceOfRow(ex, plan, 0, row) == Residence::kDevice);
+  for (RowId row : {3, 4, 5, 6, 7}) EXPECT_TRUE(ResidenceOfRow(ex, plan, 0, row) == Residence::kHost);
+  EXPECT_EQ(plan.tables[0].device_rows, int64_t{3});
+  EXPECT_EQ(plan.tables[0].host_rows, int64_t{5});
+  // t1 (second layer): all on the host.
+  EXPECT_EQ(plan.tables[1].device_rows, int64_t{0});
+  EXPECT_EQ(plan.tables[1].host_rows, int64_t{8});
+  // Local data fitted: all on the device.
+  EXPECT_EQ(plan.tables[2].device_rows, int64_t{4});
+  for (const TableInfo& table : ex.tables) ExpectDenseSlots(plan.tables[table.id], table.num_rows);
+  // First-use layout: t0's device rows take slots 0..2 in layout order.
+  for (RowId row : {0, 1, 2}) {
+    EXPECT_EQ(plan.tables[0].slot[ex.layouts[0].position_of_row[row]], row);
+  }
+  EXPECT_EQ(plan.device_store_bytes, int64_t{2 * 3 * 64 + 4 * 64});
+  EXPECT_EQ(plan.host_store_bytes, int64_t{2 * 5 * 64 + 2 * 8 * 40});
+}
+
+TEST(LocalDataIsAllOnHostWhenItDoesNotFit) {
+  Example ex;
+  ASSERT_OK(BuildExample(&ex));
+  // 255 bytes beyond the pool: the 256 B of local data do not fit.
+  Placement plan;
+  ASSERT_OK(PlanPlacement(WithBudget(2048 + 255), ex.tables, ex.layouts, ex.recording, &plan));
+  EXPECT_EQ(plan.tables[2].device_rows, int64_t{0});
+  EXPECT_EQ(plan.tables[2].host_rows, int64_t{4});
+  for (Residence r : plan.tables[2].residence) EXPECT_TRUE(r == Residence::kHost);
+  for (const TableInfo& table : ex.tables) ExpectDenseSlots(plan.tables[table.id], table.num_rows);
+  // left = 255: no access fits (t0 layer 384, t1 layer 400, t0 rows 3,4: 256);
+  // then untouched rows while room remains: t0 row 5 (128, left 127), t1 row 5
+  // (80, left 47). The last 47 bytes deepen the pool.
+  EXPECT_EQ(plan.tables[0].device_rows, int64_t{1});
+  EXPECT_TRUE(ResidenceOfRow(ex, plan, 0, 5) == Residence::kDevice);
+  EXPECT_EQ(plan.tables[1].device_rows, int64_t{1});
+  EXPECT_TRUE(ResidenceOfRow(ex, plan, 1, 5) == Residence::kDevice);
+  EXPECT_EQ(plan.device_store_bytes, int64_t{2 * 64 + 2 * 40});
+  EXPECT_EQ(plan.pool_bytes, int64_t{2048 + 47});
+}
+
+TEST(BudgetIsNeverExceeded) {
+  Example ex;
+  ASSERT_OK(BuildExample(&ex));
+  for (int64_t budget = 2048; budget <= 2048 + 2200; budget += 37) {
+    Placement plan;
+    ASSERT_OK(PlanPlacement(WithBudget(budget), ex.tables, ex.layouts, ex.recording, &plan));
+    EXPECT_TRUE(plan.pool_bytes + plan.device_store_bytes <= budget);
+    EXPECT_TRUE(plan.pool_bytes >= 2 * plan.peak_bytes);
+    for (const TableInfo& table : ex.tables) ExpectDenseSlots(plan.tables[table.id], table.num_rows);
+    // Local data is all-or-nothing.
+    const TablePlacement& local = plan.tables[2];
+    EXPECT_TRUE(local.device_rows == 0 || local.host_rows == 0);
+    // The total store size is fixed; only the split moves.
+    EXPECT_EQ(plan.device_store_bytes + plan.host_store_bytes,
+              int64_t{2 * 8 * 64 + 2 * 8 * 40 + 4 * 64});
+  }
+  // A generous budget puts everything on the device.
+  Placement plan;
+  ASSERT_OK(PlanPlacement(WithBudget(1 << 20), ex.tables, ex.layouts, ex.recording, &plan));
+  EXPECT_EQ(plan.host_store_bytes, int64_t{0});
+  EXPECT_EQ(plan.pool_bytes, int64_t{(1 << 20) - (2 * 8 * 64 + 2 * 8 * 40 + 4 * 64)});
+}
+
+MLT_TEST_MAIN

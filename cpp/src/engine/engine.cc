@@ -54,7 +54,7 @@ void Engine::Impl::Fail(const Status& status) {
 
 Status Engine::Impl::CreateTable(const std::string& name, int64_t num_rows, int64_t row_width,
                                  bool local, TableId* out) {
-  if (*phase_ != Phase::kDefining || !recording_.ops.empty()) {
+  if (*phase_ != Phase::kDefining) {
     return Status::OutOfOrder("create_table('" + name +
                               "') after the virtual iteration was finished");
   }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import TypeVar
@@ -61,17 +62,23 @@ class LocalCluster:
             except BaseException as error:  # noqa: BLE001 - re-raised on the caller's thread
                 errors[rank] = error
 
-        threads = [threading.Thread(target=body, args=(r,), name=f"mltuner-worker-{r}") for r in range(self.num_workers)]
+        # Daemon threads: a worker stuck in user code cannot keep the
+        # interpreter alive after we gave up on it.
+        threads = [
+            threading.Thread(target=body, args=(r,), name=f"mltuner-worker-{r}", daemon=True)
+            for r in range(self.num_workers)
+        ]
         for thread in threads:
             thread.start()
         limit = timeout_s if timeout_s is not None else 4 * self.config.wait_timeout_s
+        deadline = time.monotonic() + limit
         for thread in threads:
-            thread.join(limit)
+            thread.join(max(0.0, deadline - time.monotonic()))
         stuck = [t.name for t in threads if t.is_alive()]
         if stuck:
-            self.shutdown()
+            self.shutdown()  # every blocked engine call now raises ShutdownError
             for thread in threads:
-                thread.join(limit)
+                thread.join(self.config.wait_timeout_s)
             raise WaitTimeoutError(f"workers still running after {limit} s: {', '.join(stuck)}")
         raised = [(rank, e) for rank, e in enumerate(errors) if e is not None]
         if raised:

@@ -10,6 +10,7 @@ import numpy as np
 
 from mltuner import _core
 from mltuner.client._layout import TensorLayout
+from mltuner.exceptions import NotFoundError
 
 __all__ = ["Worker", "Table", "Rows"]
 
@@ -83,14 +84,21 @@ class Worker:
         self._tables[table.id] = table
         return table
 
-    def _rows(self, table: Table, rows: Rows) -> np.ndarray:
+    def _table_id(self, table: Table) -> int:
         if not isinstance(table, Table):
             raise TypeError(f"expected a Table, got {type(table).__name__}")
-        if self._tables.get(table.id) is None or self._tables[table.id].name != table.name:
-            raise LookupError(f"table {table.name!r} does not belong to worker {self.rank}")
+        mine = self._tables.get(table.id)
+        if mine is None or mine.name != table.name:
+            raise NotFoundError(f"table {table.name!r} does not belong to worker {self.rank}")
+        return table.id
+
+    def _rows(self, table: Table, rows: Rows) -> np.ndarray:
+        self._table_id(table)
         if rows is None:
             return np.arange(table.num_rows, dtype=np.int64)
         array = np.asarray(rows)
+        if array.size == 0:
+            array = array.astype(np.int64)  # [] is float64 to numpy; let the engine name the error
         if array.dtype.kind not in "iu":
             raise TypeError(f"row ids for table {table.name!r} must be integers, got dtype {array.dtype}")
         if array.ndim != 1:
@@ -101,21 +109,24 @@ class Worker:
     def virtual_read(self, table: Table, rows: Rows = None, *, slack: int = 0) -> int:
         """Records a read of ``rows`` (all rows by default) that may be ``slack``
         clocks stale (0 = BSP); returns its handle."""
-        return int(self._engine.virtual_read(table.id, self._rows(table, rows), int(slack)))
+        row_ids = self._rows(table, rows)
+        return int(self._engine.virtual_read(table.id, row_ids, int(slack)))
 
     def virtual_post_read(self, handle: int) -> None:
         self._engine.virtual_post_read(int(handle))
 
     def virtual_pre_update(self, table: Table, rows: Rows = None) -> int:
         """Records an update of ``rows``; returns its handle."""
-        return int(self._engine.virtual_pre_update(table.id, self._rows(table, rows)))
+        row_ids = self._rows(table, rows)
+        return int(self._engine.virtual_pre_update(table.id, row_ids))
 
     def virtual_update(self, handle: int) -> None:
         self._engine.virtual_update(int(handle))
 
     def virtual_local_access(self, table: Table, rows: Rows = None, *, fetch: bool = True) -> int:
         """Records an access to local data; ``fetch`` loads the old contents."""
-        return int(self._engine.virtual_local_access(table.id, self._rows(table, rows), bool(fetch)))
+        row_ids = self._rows(table, rows)
+        return int(self._engine.virtual_local_access(table.id, row_ids, bool(fetch)))
 
     def virtual_post_local_access(self, handle: int, *, keep: bool = True) -> None:
         """Closes a local access; ``keep`` writes the buffer back to the store."""
@@ -171,11 +182,12 @@ class Worker:
     # -- inspection and lifetime -------------------------------------------------
     def fetch(self, table: Table, rows: Rows = None) -> np.ndarray:
         """A copy of the servers' current values of ``rows`` (any phase)."""
-        return self._engine.fetch(table.id, self._rows(table, rows), table.row_width)  # type: ignore[no-any-return]
+        row_ids = self._rows(table, rows)
+        return self._engine.fetch(table.id, row_ids, table.row_width)  # type: ignore[no-any-return]
 
     def data_age(self, table: Table) -> int:
         """The clock through which every worker's updates are in this worker's cache."""
-        return int(self._engine.data_age(table.id))
+        return int(self._engine.data_age(self._table_id(table)))
 
     def sync(self) -> None:
         """Waits until every worker's updates of the clocks this worker has

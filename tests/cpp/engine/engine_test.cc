@@ -14,8 +14,6 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
-#include <mutex>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -65,32 +63,6 @@ void ReportLogs(const std::vector<ThreadLog>& logs, const char* file, int line) 
 #define T_CHECK(log, expr) \
   if (!(log).Check((expr), #expr)) return
 
-// Every worker registers its tables with its own shard in CreateTable. A
-// worker must not start (kStart) or write initial values before all shards
-// know the tables, so worker threads meet here after CreateTable. (See
-// cluster/local_cluster_test.cc for what happens without it.)
-class Barrier {
- public:
-  explicit Barrier(int count) : count_(count) {}
-  void Wait() {
-    std::unique_lock<std::mutex> lock(mu_);
-    const int generation = generation_;
-    if (++arrived_ == count_) {
-      arrived_ = 0;
-      ++generation_;
-      cv_.notify_all();
-      return;
-    }
-    cv_.wait(lock, [&] { return generation_ != generation; });
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  const int count_;
-  int arrived_ = 0;
-  int generation_ = 0;
-};
 
 // ============================================================================
 // a. BSP equals sequential
@@ -157,10 +129,9 @@ struct BspHandles {
   Handle rw = -1, rv = -1, uw = -1, uv = -1;
 };
 
-Status DefineBsp(Engine* e, BspHandles* h, Barrier* barrier) {
+Status DefineBsp(Engine* e, BspHandles* h) {
   MLT_RETURN_IF_ERROR(e->CreateTable("w", kWRows, kWWidth, false, &h->w));
   MLT_RETURN_IF_ERROR(e->CreateTable("v", kVRows, kVWidth, false, &h->v));
-  barrier->Wait();
   MLT_RETURN_IF_ERROR(e->VirtualRead(h->w, kWOrder, 0, &h->rw));
   MLT_RETURN_IF_ERROR(e->VirtualRead(h->v, kVOrder, 0, &h->rv));
   MLT_RETURN_IF_ERROR(e->VirtualPreUpdate(h->w, kWOrder, &h->uw));
@@ -178,9 +149,9 @@ struct BspObserved {
   std::vector<Clock> w_ages, v_ages;
 };
 
-void BspWorker(Engine* e, int rank, Barrier* barrier, ThreadLog* log, BspObserved* seen) {
+void BspWorker(Engine* e, int rank, ThreadLog* log, BspObserved* seen) {
   BspHandles h;
-  T_CHECK(*log, DefineBsp(e, &h, barrier));
+  T_CHECK(*log, DefineBsp(e, &h));
   if (rank == 0) {
     // Initial values through the init phase (added directly on the servers).
     AccessBuffer buf;
@@ -256,9 +227,8 @@ void RunBsp(int workers) {
   std::vector<ThreadLog> logs(workers);
   std::vector<BspObserved> seen(workers);
   std::vector<std::thread> threads;
-  Barrier barrier(workers);
   for (int k = 0; k < workers; ++k) {
-    threads.emplace_back(BspWorker, cluster->worker(k), k, &barrier, &logs[k], &seen[k]);
+    threads.emplace_back(BspWorker, cluster->worker(k), k, &logs[k], &seen[k]);
   }
   for (std::thread& t : threads) t.join();
   REPORT_LOGS(logs);
@@ -336,11 +306,10 @@ namespace {
 constexpr int kSspWorkers = 3;
 constexpr int kSspClocks = 30;
 
-void SspWorker(Engine* e, int rank, int slack, unsigned seed, Barrier* barrier, ThreadLog* log) {
+void SspWorker(Engine* e, int rank, int slack, unsigned seed, ThreadLog* log) {
   TableId t = -1;
   Handle r = -1, u = -1;
   T_CHECK(*log, e->CreateTable("counts", kSspWorkers, 2, false, &t));
-  barrier->Wait();
   T_CHECK(*log, e->VirtualRead(t, {0, 1, 2}, slack, &r));
   T_CHECK(*log, e->VirtualPreUpdate(t, {rank}, &u));
   T_CHECK(*log, e->VirtualUpdate(u));
@@ -401,9 +370,8 @@ TEST(SspBoundHoldsUnderRandomSchedules) {
       ASSERT_OK(LocalCluster::Create(config, kSspWorkers, &cluster));
       std::vector<ThreadLog> logs(kSspWorkers);
       std::vector<std::thread> threads;
-      Barrier barrier(kSspWorkers);
       for (int k = 0; k < kSspWorkers; ++k) {
-        threads.emplace_back(SspWorker, cluster->worker(k), k, slack, seed, &barrier, &logs[k]);
+        threads.emplace_back(SspWorker, cluster->worker(k), k, slack, seed, &logs[k]);
       }
       for (std::thread& t : threads) t.join();
       REPORT_LOGS(logs);
@@ -436,7 +404,7 @@ struct SwapResult {
 
 int Mod(int64_t x, int m) { return static_cast<int>(((x % m) + m) % m); }
 
-void SwapWorker(Engine* e, int rank, Barrier* barrier, ThreadLog* log, std::vector<double>* checksums,
+void SwapWorker(Engine* e, int rank, ThreadLog* log, std::vector<double>* checksums,
                 EngineStats* stats) {
   TableId params[kLayers], acts[kLayers];
   for (int i = 0; i < kLayers; ++i) {
@@ -445,7 +413,6 @@ void SwapWorker(Engine* e, int rank, Barrier* barrier, ThreadLog* log, std::vect
   for (int i = 0; i < kLayers; ++i) {
     T_CHECK(*log, e->CreateTable("act" + std::to_string(i), kLayerRows, kLayerWidth, true, &acts[i]));
   }
-  barrier->Wait();
   // Rows in a fixed shuffled order per layer.
   std::vector<RowId> rows(kLayerRows);
   for (int64_t r = 0; r < kLayerRows; ++r) rows[r] = (r * 5 + 3) % kLayerRows;
@@ -531,9 +498,8 @@ void RunSwap(int64_t budget, int prefetch, SwapResult* result) {
   std::vector<ThreadLog> logs(kSwapWorkers);
   std::vector<std::vector<double>> checksums(kSwapWorkers, std::vector<double>(kSwapClocks, 0.0));
   std::vector<std::thread> threads;
-  Barrier barrier(kSwapWorkers);
   for (int k = 0; k < kSwapWorkers; ++k) {
-    threads.emplace_back(SwapWorker, cluster->worker(k), k, &barrier, &logs[k], &checksums[k], &result->stats[k]);
+    threads.emplace_back(SwapWorker, cluster->worker(k), k, &logs[k], &checksums[k], &result->stats[k]);
   }
   for (std::thread& t : threads) t.join();
   REPORT_LOGS(logs);
@@ -634,6 +600,21 @@ Status DefineSimple(Engine* e, Simple* s, bool finish = true) {
   MLT_RETURN_IF_ERROR(e->VirtualPostRead(s->r));
   MLT_RETURN_IF_ERROR(e->VirtualClock());
   return finish ? e->FinishVirtualIteration() : Status::Ok();
+}
+
+// FinishVirtualIteration is a rendezvous of all workers (kReady), so the
+// workers of a cluster define their iterations concurrently.
+Status DefineAll(LocalCluster* cluster, std::vector<Simple>* simple) {
+  const int n = cluster->num_workers();
+  simple->assign(n, Simple());
+  std::vector<Status> status(n);
+  std::vector<std::thread> threads;
+  for (int k = 0; k < n; ++k) {
+    threads.emplace_back([&, k] { status[k] = DefineSimple(cluster->worker(k), &(*simple)[k]); });
+  }
+  for (std::thread& t : threads) t.join();
+  for (const Status& s : status) MLT_RETURN_IF_ERROR(s);
+  return Status::Ok();
 }
 
 Config ShortTimeout() {
@@ -790,9 +771,9 @@ TEST(WaitAndFlushAfterShutdownReturnShutdown) {
 TEST(WorkerThatNeverClocksTimesOut) {
   std::unique_ptr<LocalCluster> cluster;
   ASSERT_OK(LocalCluster::Create(ShortTimeout(), 2, &cluster));
-  Simple s0, s1;
-  ASSERT_OK(DefineSimple(cluster->worker(0), &s0));
-  ASSERT_OK(DefineSimple(cluster->worker(1), &s1));
+  std::vector<Simple> all;
+  ASSERT_OK(DefineAll(cluster.get(), &all));
+  const Simple s0 = all[0];
   ASSERT_OK(cluster->worker(1)->StartIterations());  // ... and then nothing
   Engine* e = cluster->worker(0);
   ASSERT_OK(e->StartIterations());
@@ -832,15 +813,16 @@ namespace {
 // blocks on freshness for clock 1. Long timeouts: only shutdown can end it.
 struct BlockedPair {
   std::unique_ptr<LocalCluster> cluster;
-  Simple s0, s1;
+  Simple s0;
 };
 
 Status MakeBlockedPair(BlockedPair* p) {
   Config config;
   config.wait_timeout_ms = 60000;
   MLT_RETURN_IF_ERROR(LocalCluster::Create(config, 2, &p->cluster));
-  MLT_RETURN_IF_ERROR(DefineSimple(p->cluster->worker(0), &p->s0));
-  MLT_RETURN_IF_ERROR(DefineSimple(p->cluster->worker(1), &p->s1));
+  std::vector<Simple> all;
+  MLT_RETURN_IF_ERROR(DefineAll(p->cluster.get(), &all));
+  p->s0 = all[0];
   MLT_RETURN_IF_ERROR(p->cluster->worker(1)->StartIterations());
   Engine* e = p->cluster->worker(0);
   MLT_RETURN_IF_ERROR(e->StartIterations());

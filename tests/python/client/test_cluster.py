@@ -91,3 +91,61 @@ def test_workers_with_different_tables_are_refused(run_workers: Callable[..., li
         messages = run_workers(finish, cluster.workers, timeout_s=20, on_error=cluster.shutdown)
     for message in messages:
         assert "alpha" in message and "beta" in message, message
+
+
+# -- LocalCluster.run ------------------------------------------------------------------
+
+
+def test_run_returns_results_by_rank() -> None:
+    with LocalCluster(3, Config(wait_timeout_s=20, update_rule=UpdateRule("add"))) as cluster:
+        results = cluster.run(lambda w: (w.rank, train_counter(w, 3)), timeout_s=30)
+    assert [rank for rank, _ in results] == [0, 1, 2]
+    want = np.array([[100.0 * (r + 1) + 3] * 4 for r in range(3)], dtype=np.float32)
+    for _, values in results:
+        np.testing.assert_array_equal(values, want)
+
+
+def test_run_reraises_a_worker_error() -> None:
+    class Boom(Exception):
+        pass
+
+    def fn(worker: Worker) -> int:
+        if worker.rank == 1:
+            raise Boom(f"worker {worker.rank} failed")
+        return worker.rank
+
+    with LocalCluster(2, Config(wait_timeout_s=20)) as cluster:
+        with pytest.raises(Boom, match="worker 1 failed"):
+            cluster.run(fn, timeout_s=10)
+
+
+def test_run_shuts_a_stuck_cluster_down() -> None:
+    """Worker 0 never clocks, so worker 1 blocks in its read at clock 1 (its
+    wait_timeout_s is far away): run gives up after timeout_s, shuts the
+    cluster down, which releases the blocked read, and raises."""
+    with LocalCluster(2, Config(wait_timeout_s=20)) as cluster:
+        released: list[BaseException] = []
+
+        def fn(worker: Worker) -> None:
+            table = worker.create_table("t", 2, 4)
+            read = worker.virtual_read(table)
+            worker.virtual_post_read(read)
+            worker.virtual_clock()
+            worker.finish_virtual_iteration()
+            worker.start_iterations()
+            if worker.rank == 0:
+                return
+            worker.read(read)
+            worker.post_read(read)
+            worker.clock()
+            try:
+                worker.read(read)  # needs worker 0's clock 0: never comes
+            except mltuner.ShutdownError as error:
+                released.append(error)
+                raise
+
+        start = time.monotonic()
+        with pytest.raises(mltuner.WaitTimeoutError, match="mltuner-worker-1"):
+            cluster.run(fn, timeout_s=1.0)
+        assert time.monotonic() - start < 10
+        assert len(released) == 1, "the blocked read was not released by the shutdown"

@@ -148,7 +148,7 @@ class Worker:
         """The rows of a recorded read, fresh within its slack (read-only)."""
         buffer, age = self._engine.read(int(handle))
         self._last_data_age = int(age)
-        return buffer  # type: ignore[no-any-return]
+        return buffer
 
     def post_read(self, handle: int) -> None:
         self._engine.post_read(int(handle))
@@ -156,7 +156,7 @@ class Worker:
     def pre_update(self, handle: int) -> np.ndarray:
         """A zeroed buffer to write this clock's update of the recorded rows into."""
         buffer, _ = self._engine.pre_update(int(handle))
-        return buffer  # type: ignore[no-any-return]
+        return buffer
 
     def update(self, handle: int) -> None:
         """Hands the update buffer to the engine, which adds it and ships it."""
@@ -164,7 +164,7 @@ class Worker:
 
     def local_access(self, handle: int) -> np.ndarray:
         buffer, _ = self._engine.local_access(int(handle))
-        return buffer  # type: ignore[no-any-return]
+        return buffer
 
     def post_local_access(self, handle: int) -> None:
         self._engine.post_local_access(int(handle))
@@ -183,7 +183,7 @@ class Worker:
     def fetch(self, table: Table, rows: Rows = None) -> np.ndarray:
         """A copy of the servers' current values of ``rows`` (any phase)."""
         row_ids = self._rows(table, rows)
-        return self._engine.fetch(table.id, row_ids, table.row_width)  # type: ignore[no-any-return]
+        return self._engine.fetch(table.id, row_ids, table.row_width)
 
     def data_age(self, table: Table) -> int:
         """The clock through which every worker's updates are in this worker's cache."""

@@ -47,6 +47,20 @@ Status Record(Engine* e, Tables* t) {
   return e->FinishVirtualIteration();
 }
 
+// FinishVirtualIteration is a rendezvous (kReady): every worker records and
+// finishes on its own thread.
+Status RecordAll(LocalCluster* cluster, std::vector<Tables>* tables) {
+  const int n = cluster->num_workers();
+  std::vector<Status> status(n);
+  std::vector<std::thread> threads;
+  for (int k = 0; k < n; ++k) {
+    threads.emplace_back([&, k] { status[k] = Record(cluster->worker(k), &(*tables)[k]); });
+  }
+  for (std::thread& t : threads) t.join();
+  for (const Status& s : status) MLT_RETURN_IF_ERROR(s);
+  return Status::Ok();
+}
+
 Config Quick(int64_t timeout_ms = 5000) {
   Config config;
   config.wait_timeout_ms = timeout_ms;
@@ -101,10 +115,8 @@ TEST(ThreeWorkersStartOnlyGivesDataAgeMinusOne) {
     TableId dup = -1;
     EXPECT_CODE(e->CreateTable("a", 1, 1, false, &dup), StatusCode::kInvalidArgument);
   }
-  for (int k = 0; k < kWorkers; ++k) {
-    ASSERT_OK(Record(cluster->worker(k), &tables[k]));
-    EXPECT_EQ(cluster->worker(k)->DataAge(tables[k].a), kNoClock);
-  }
+  ASSERT_OK(RecordAll(cluster.get(), &tables));
+  for (int k = 0; k < kWorkers; ++k) EXPECT_EQ(cluster->worker(k)->DataAge(tables[k].a), kNoClock);
   for (int k = 0; k < kWorkers; ++k) ASSERT_OK(cluster->worker(k)->StartIterations());
   for (int k = 0; k < kWorkers; ++k) {
     Engine* e = cluster->worker(k);
@@ -134,7 +146,7 @@ TEST(ThreeWorkersRunAFewClocks) {
   ASSERT_OK(LocalCluster::Create(config, kWorkers, &cluster));
   std::vector<Tables> tables(kWorkers);
   for (int k = 0; k < kWorkers; ++k) ASSERT_OK(CreateTables(cluster->worker(k), &tables[k]));
-  for (int k = 0; k < kWorkers; ++k) ASSERT_OK(Record(cluster->worker(k), &tables[k]));
+  ASSERT_OK(RecordAll(cluster.get(), &tables));
   for (int k = 0; k < kWorkers; ++k) ASSERT_OK(cluster->worker(k)->StartIterations());
   constexpr int kClocks = 5;
   std::vector<std::string> errors(kWorkers);
@@ -195,7 +207,7 @@ TEST(EngineRejectsInvalidClientMessages) {
   Engine* e = cluster->worker(0);
   // Rows before the virtual iteration is finished.
   EXPECT_CODE(e->HandleMessage(RowsMessage(0, 0, 0, 0, {0, 3}, 3, 1.0f)), StatusCode::kOutOfOrder);
-  for (int k = 0; k < kWorkers; ++k) ASSERT_OK(Record(cluster->worker(k), &tables[k]));
+  ASSERT_OK(RecordAll(cluster.get(), &tables));
   for (int k = 0; k < kWorkers; ++k) ASSERT_OK(cluster->worker(k)->StartIterations());
   ASSERT_OK(e->WaitForDataAge(0, kInitClock));
 
@@ -250,28 +262,76 @@ TEST(EngineRejectsInvalidClientMessages) {
 }
 
 // Each worker registers its tables only with its own shard, inside
-// CreateTable. If another worker's kStart reaches that shard first, the shard
-// has no table to start it in, and the table's global clock can never leave
-// kNoClock: every worker waits for data age -1 until it times out. Nothing in
-// engine.h or cluster.h asks for a barrier between CreateTable and
-// StartIterations, so a worker that starts early must not be lost.
-TEST(EarlyStartOfOneWorkerIsNotLost) {
+// CreateTable; FinishVirtualIteration is the rendezvous that makes sure no
+// kStart or initial value reaches a shard before its tables. A fast worker
+// waits there for a slow one, and both then start normally.
+TEST(FastWorkerWaitsForSlowOneAtFinish) {
   std::unique_ptr<LocalCluster> cluster;
-  ASSERT_OK(LocalCluster::Create(Quick(1000), 2, &cluster));
+  ASSERT_OK(LocalCluster::Create(Quick(5000), 2, &cluster));
   Tables t0, t1;
-  // Worker 1 is fast: tables, iteration and start before worker 0 begins.
-  ASSERT_OK(CreateTables(cluster->worker(1), &t1));
-  ASSERT_OK(Record(cluster->worker(1), &t1));
-  ASSERT_OK(cluster->worker(1)->StartIterations());
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // its kStart is delivered
+  Status fast_status;
+  double fast_waited = 0;
+  std::thread fast([&] {
+    const auto start = std::chrono::steady_clock::now();
+    fast_status = CreateTables(cluster->worker(1), &t1);
+    if (fast_status.ok()) fast_status = Record(cluster->worker(1), &t1);
+    fast_waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (fast_status.ok()) fast_status = cluster->worker(1)->StartIterations();
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
   ASSERT_OK(CreateTables(cluster->worker(0), &t0));
   ASSERT_OK(Record(cluster->worker(0), &t0));
+  fast.join();
+  ASSERT_OK(fast_status);
+  EXPECT_TRUE(fast_waited >= 0.15);
   ASSERT_OK(cluster->worker(0)->StartIterations());
   for (int k = 0; k < 2; ++k) {
     EXPECT_OK(cluster->worker(k)->WaitForDataAge(0, kInitClock));
     EXPECT_OK(cluster->worker(k)->WaitForDataAge(1, kInitClock));
   }
+  EXPECT_EQ(cluster->rejected_messages(), int64_t{0});
   EXPECT_OK(cluster->Shutdown());
+}
+
+TEST(MismatchedTablesFailEveryWorkerAtFinish) {
+  std::unique_ptr<LocalCluster> cluster;
+  ASSERT_OK(LocalCluster::Create(Quick(3000), 2, &cluster));
+  std::vector<Status> status(2);
+  std::vector<std::thread> threads;
+  for (int k = 0; k < 2; ++k) {
+    threads.emplace_back([&, k] {
+      Engine* e = cluster->worker(k);
+      TableId t = -1;
+      Handle r = -1;
+      status[k] = e->CreateTable("w", k == 0 ? 8 : 9, 4, false, &t);  // row counts differ
+      if (status[k].ok()) status[k] = e->VirtualRead(t, {0}, 0, &r);
+      if (status[k].ok()) status[k] = e->VirtualPostRead(r);
+      if (status[k].ok()) status[k] = e->VirtualClock();
+      if (status[k].ok()) status[k] = e->FinishVirtualIteration();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int k = 0; k < 2; ++k) {
+    EXPECT_CODE(status[k], StatusCode::kInvalidArgument);
+    EXPECT_TRUE(status[k].message().find("same tables") != std::string::npos);
+  }
+  EXPECT_OK(cluster->Shutdown());
+}
+
+TEST(FinishTimesOutWhenAWorkerNeverFinishes) {
+  std::unique_ptr<LocalCluster> cluster;
+  ASSERT_OK(LocalCluster::Create(Quick(400), 2, &cluster));
+  Tables t0, t1;
+  ASSERT_OK(CreateTables(cluster->worker(0), &t0));
+  ASSERT_OK(CreateTables(cluster->worker(1), &t1));
+  const auto start = std::chrono::steady_clock::now();
+  const Status s = Record(cluster->worker(0), &t0);  // worker 1 never finishes
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_CODE(s, StatusCode::kTimeout);
+  EXPECT_TRUE(waited >= 0.35 && waited < 0.4 + 2.0);
+  const auto start2 = std::chrono::steady_clock::now();
+  EXPECT_OK(cluster->Shutdown());
+  EXPECT_TRUE(std::chrono::duration<double>(std::chrono::steady_clock::now() - start2).count() < 2.0);
 }
 
 MLT_TEST_MAIN

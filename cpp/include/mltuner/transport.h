@@ -9,6 +9,9 @@
 // and returns; it never waits for the receiver.
 #pragma once
 
+#include <cstddef>
+#include <vector>
+
 #include "mltuner/status.h"
 #include "mltuner/types.h"
 
@@ -22,6 +25,9 @@ class Transport {
   virtual Status Send(Message&& message) = 0;
   // Registers a communicated table with the shard of process `rank`.
   virtual Status AddTableToShard(int rank, const TableInfo& info) = 0;
+  // A payload vector of `count` floats (contents unspecified) for a message
+  // about to be sent; a transport may hand out recycled buffers.
+  virtual std::vector<float> NewPayload(size_t count) { return std::vector<float>(count); }
 };
 
 }  // namespace mltuner

@@ -8,6 +8,7 @@
 #include <mutex>
 #include <thread>
 
+#include "memory/buffer_pool.h"
 #include "mltuner/transport.h"
 #include "server/shard.h"
 #include "wire/message.h"
@@ -66,6 +67,7 @@ class LocalCluster::Hub : public Transport {
   Hub(int num_workers, const UpdateRuleConfig& rule) : nodes_(num_workers) {
     for (int rank = 0; rank < num_workers; ++rank) {
       nodes_[rank].shard = std::make_unique<ServerShard>(rank, num_workers, rule);
+      nodes_[rank].shard->set_buffer_pool(&pool_);
     }
   }
   ~Hub() override { Stop(); }
@@ -82,11 +84,15 @@ class LocalCluster::Hub : public Transport {
           status = node.shard->Handle(message, &replies);
         }
         if (!status.ok()) Reject(status, message);
+        pool_.Release(std::move(message.values));
         for (Message& reply : replies) Send(std::move(reply));
       });
       node.client_inbox.Start([this, &node](Message&& message) {
         const Status status = node.engine->HandleMessage(std::move(message));
         if (!status.ok()) Reject(status, Message());
+        // Unless the engine kept the message (a request reply), its payload
+        // is still here (moved-from vectors are empty and ignored).
+        pool_.Release(std::move(message.values));
       });
     }
   }
@@ -117,6 +123,8 @@ class LocalCluster::Hub : public Transport {
     return node.shard->AddTable(info);
   }
 
+  std::vector<float> NewPayload(size_t count) override { return pool_.Acquire(count); }
+
   int64_t rejected() const { return rejected_; }
 
  private:
@@ -138,6 +146,8 @@ class LocalCluster::Hub : public Transport {
     }
   }
 
+  // Recycled payloads; 1 GiB bounds what idle buffers may hold.
+  BufferPool pool_{size_t{1} << 30};
   std::vector<Node> nodes_;
   std::atomic<int64_t> rejected_{0};
 };

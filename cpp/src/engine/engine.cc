@@ -54,6 +54,7 @@ void Engine::Impl::Fail(const Status& status) {
 
 Status Engine::Impl::CreateTable(const std::string& name, int64_t num_rows, int64_t row_width,
                                  bool local, TableId* out) {
+  if (*phase_ == Phase::kShutdown) return ShutdownError();
   if (*phase_ != Phase::kDefining) {
     return Status::OutOfOrder("create_table('" + name +
                               "') after the virtual iteration was finished");
@@ -115,6 +116,18 @@ Status Engine::Impl::FinishVirtualIteration() {
   if (*phase_ != Phase::kDefining) {
     return Status::OutOfOrder("finish_virtual_iteration was already called");
   }
+  if (!finish_error_.ok()) {
+    // The recording was consumed by the failed attempt; planning again would
+    // plan nothing.
+    return Status::OutOfOrder("finish_virtual_iteration failed before (" + finish_error_.ToString() +
+                              "); shut this engine down and start over");
+  }
+  const Status status = PlanAndPrepare();
+  if (!status.ok() && recorder_.clocked()) finish_error_ = status;
+  return status;
+}
+
+Status Engine::Impl::PlanAndPrepare() {
   Recording recording;
   MLT_RETURN_IF_ERROR(recorder_.Finish(&recording));
   std::vector<RowLayout> layouts = BuildRowLayouts(tables_, recording);
@@ -344,6 +357,7 @@ Status Engine::Impl::Clock() {
 }
 
 Status Engine::Impl::Flush() {
+  if (*phase_ == Phase::kShutdown) return ShutdownError();
   if (*phase_ != Phase::kRunning) return Status::Ok();
   std::unique_lock<std::mutex> lock(mu_);
   const int64_t target = app_seq_;
@@ -359,6 +373,7 @@ Status Engine::Impl::WaitForDataAge(TableId table, mltuner::Clock age) {
   const TableInfo* info = nullptr;
   MLT_RETURN_IF_ERROR(LookupTable(table, &info));
   if (info->local) return Status::InvalidArgument("table '" + info->name + "' is local: it has no data age");
+  if (*phase_ == Phase::kShutdown) return ShutdownError();
   if (*phase_ != Phase::kRunning) return Status::OutOfOrder("wait_for_data_age before start_iterations");
   std::unique_lock<std::mutex> lock(age_mu_);
   const bool fresh = age_cv_.wait_until(lock, Deadline(), [&] {

@@ -91,6 +91,7 @@ class Engine::Impl {
   std::shared_ptr<Device> device_;
   Transport* const transport_;
   Recorder recorder_;
+  Status finish_error_;  // why the one FinishVirtualIteration failed, if it did
   std::shared_ptr<std::atomic<Phase>> phase_ = std::make_shared<std::atomic<Phase>>(Phase::kDefining);
 
   // Constant after FinishVirtualIteration.
@@ -112,6 +113,7 @@ class Engine::Impl {
   Status InitAdd(const AccessRecord& access, const float* host_values);
   Status SendRequests(std::vector<Message> requests, std::vector<Message>* replies);
   Status WaitUntilAllReady();
+  Status PlanAndPrepare();
 
   // --- real phase (engine/engine.cc) -----------------------------------------
   Status CheckExpected(Handle handle, OpKind kind) const;

@@ -136,7 +136,7 @@ Status Engine::Impl::SendTableClock(TableId table, mltuner::Clock clock) {
     const std::vector<WireSegment>& segments = table_index.send[shard];
     int64_t rows = 0;
     for (const WireSegment& segment : segments) rows += segment.count;
-    message.values.resize(static_cast<size_t>(rows * width));
+    message.values = transport_->NewPayload(static_cast<size_t>(rows * width));
     float* out = message.values.data();
     for (const WireSegment& segment : segments) {
       message.spans.push_back({segment.begin, segment.count});

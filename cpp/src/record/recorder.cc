@@ -155,11 +155,13 @@ Status Recorder::Clock() {
 }
 
 Status Recorder::Finish(Recording* out) {
+  if (finished_) return Status::OutOfOrder("the virtual iteration was already finished");
   if (!clocked_) {
     return Status::OutOfOrder("finish_virtual_iteration before the virtual clock");
   }
   *out = std::move(recording_);
   recording_ = Recording();
+  finished_ = true;
   return Status::Ok();
 }
 

@@ -69,6 +69,7 @@ class Recorder {
   Recording recording_;
   std::vector<std::string> table_names_;  // by handle, for messages
   bool clocked_ = false;
+  bool finished_ = false;  // the recording was handed over
 };
 
 }  // namespace mltuner

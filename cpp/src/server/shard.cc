@@ -196,7 +196,10 @@ Status ServerShard::HandleClockUpdate(const Message& in, std::vector<Message>* o
     std::vector<std::vector<float>>& per_worker = table.pending[clock];
     per_worker.resize(static_cast<size_t>(num_workers_));
     std::vector<float>& buffer = per_worker[static_cast<size_t>(sender)];
-    if (buffer.empty()) buffer.assign(table.values.size(), 0.0f);
+    if (buffer.empty()) {
+      buffer = NewBuffer(table.values.size());
+      std::fill(buffer.begin(), buffer.end(), 0.0f);
+    }
     AddSpansInto(in, table.range, table.info.row_width, buffer.data());
   }
 
@@ -338,7 +341,8 @@ void ServerShard::PushRows(const TableState& table, std::vector<Message>* out) c
     rows.header.row_width = table.info.row_width;
     if (table.range.count > 0) {
       rows.spans.push_back(table.range);
-      rows.values = table.values;
+      rows.values = NewBuffer(table.values.size());
+      std::copy(table.values.begin(), table.values.end(), rows.values.begin());
     }
     rows.header.num_spans = static_cast<uint32_t>(rows.spans.size());
     out->push_back(std::move(rows));
@@ -370,6 +374,7 @@ void ServerShard::ApplyFinishedClocks(TableState* table) {
       float* acc = sum.data();
       const int64_t count = static_cast<int64_t>(sum.size());
       for (int64_t i = 0; i < count; ++i) acc[i] += add[i];
+      Recycle(std::move(buffer));
     }
     table->pending.erase(pending);
   }
@@ -380,6 +385,15 @@ void ServerShard::ApplyFinishedClocks(TableState* table) {
     sum.assign(table->values.size(), 0.0f);
   }
   table->rule->Apply(table->values.data(), sum.data(), static_cast<int64_t>(sum.size()), num_workers_);
+  Recycle(std::move(sum));
+}
+
+std::vector<float> ServerShard::NewBuffer(size_t count) const {
+  return pool_ ? pool_->Acquire(count) : std::vector<float>(count);
+}
+
+void ServerShard::Recycle(std::vector<float>&& buffer) const {
+  if (pool_) pool_->Release(std::move(buffer));
 }
 
 const std::vector<float>* ServerShard::values(TableId table) const {

@@ -23,6 +23,7 @@
 #include "mltuner/config.h"
 #include "mltuner/status.h"
 #include "mltuner/types.h"
+#include "memory/buffer_pool.h"
 #include "server/update_rules.h"
 #include "server/vector_clock.h"
 #include "wire/message.h"
@@ -56,6 +57,10 @@ class ServerShard {
   // waiting client learns why.
   Status Handle(const Message& in, std::vector<Message>* out);
 
+  // Payload buffers come from, and go back to, `pool` (not owned; may be
+  // null, then they are allocated fresh).
+  void set_buffer_pool(BufferPool* pool) { pool_ = pool; }
+
   int rank() const { return rank_; }
   // For tests and checkpoints: the shard's current values of a table, its
   // rows in order from ShardRange(...).begin; nullptr for an unknown table.
@@ -83,10 +88,13 @@ class ServerShard {
   Status CheckSpans(const TableState& table, const Message& in) const;
   void PushRows(const TableState& table, std::vector<Message>* out) const;
   void ApplyFinishedClocks(TableState* table);
+  std::vector<float> NewBuffer(size_t count) const;
+  void Recycle(std::vector<float>&& buffer) const;
 
   const int rank_;
   const int num_workers_;
   const UpdateRuleConfig rule_config_;
+  BufferPool* pool_ = nullptr;
   std::map<TableId, std::unique_ptr<TableState>> tables_;
   // kReady received so far: worker -> (request id, its table schema text).
   std::map<WorkerId, std::pair<int64_t, std::string>> ready_requests_;

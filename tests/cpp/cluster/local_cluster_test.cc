@@ -236,7 +236,6 @@ TEST(EngineRejectsInvalidClientMessages) {
   EXPECT_CODE(e->HandleMessage(std::move(ack)), StatusCode::kInvalidArgument);
   // A stale push (not newer than what the shard sent) is ignored, not applied.
   EXPECT_OK(e->HandleMessage(RowsMessage(0, 0, 0, kInitClock, {0, 3}, 3, 99.0f)));
-  std::vector<float> values(3);
   EXPECT_EQ(e->DataAge(0), kInitClock);
 
   // The engine still works: a clock on every worker advances the age to 0
@@ -257,7 +256,9 @@ TEST(EngineRejectsInvalidClientMessages) {
     ASSERT_OK(w->Clock());
   }
   for (int k = 0; k < kWorkers; ++k) ASSERT_OK(cluster->worker(k)->WaitForDataAge(0, 0));
+  std::vector<float> values(3 * 3, -1.0f);  // 3 rows of width 3
   ASSERT_OK(e->Fetch(0, {0, 1, 2}, values.data()));
+  for (float v : values) EXPECT_EQ(v, 0.0f);
   EXPECT_OK(cluster->Shutdown());
 }
 

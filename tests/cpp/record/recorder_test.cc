@@ -294,6 +294,28 @@ TEST(FinishWithoutClockIsOutOfOrder) {
   EXPECT_TRUE(out.ops.back().kind == OpKind::kClock);
 }
 
+// Finish hands the recording over once. A second Finish must not succeed with
+// an empty op list: a Recording "ends with exactly one kClock", and the engine
+// divides by the op count (AllocatorLoop: seq % num_ops). The engine reaches
+// this when FinishVirtualIteration is retried after its kReady wait timed out.
+TEST(SecondFinishDoesNotHandOverAnEmptyRecording) {
+  Recorder rec;
+  Handle r = -1;
+  ASSERT_OK(rec.Read(Param(0), {0}, 0, &r));
+  ASSERT_OK(rec.PostRead(r));
+  ASSERT_OK(rec.Clock());
+  Recording first;
+  ASSERT_OK(rec.Finish(&first));
+  EXPECT_EQ(first.ops.size(), size_t{3});
+  Recording second;
+  const Status s = rec.Finish(&second);
+  EXPECT_CODE(s, StatusCode::kOutOfOrder);
+  if (s.ok()) {
+    EXPECT_TRUE(!second.ops.empty());
+    EXPECT_TRUE(!second.ops.empty() && second.ops.back().kind == OpKind::kClock);
+  }
+}
+
 TEST(EmptyIterationWithOnlyAClock) {
   Recorder rec;
   ASSERT_OK(rec.Clock());

@@ -95,10 +95,7 @@ Status Engine::Impl::LookupTable(TableId table, const TableInfo** out) const {
 Status Engine::Impl::WaitUntilAllReady() {
   std::vector<Message> requests;
   for (int shard = 0; shard < num_workers_; ++shard) {
-    Message ready;
-    ready.header.type = static_cast<uint16_t>(MessageType::kReady);
-    ready.header.sender = rank_;
-    ready.header.receiver = shard;
+    Message ready = NewMessage(MessageType::kReady, rank_, shard, -1);
     ready.text = TableSchemaText(tables_);
     ready.header.text_bytes = static_cast<uint32_t>(ready.text.size());
     requests.push_back(std::move(ready));
@@ -194,11 +191,7 @@ Status Engine::Impl::StartIterations() {
   // kStart tells every shard our initial values are in; each answers, once
   // all workers started, with its rows at data age -1.
   for (int shard = 0; shard < num_workers_; ++shard) {
-    Message start;
-    start.header.type = static_cast<uint16_t>(MessageType::kStart);
-    start.header.sender = rank_;
-    start.header.receiver = shard;
-    start.header.table = -1;
+    Message start = NewMessage(MessageType::kStart, rank_, shard, -1);
     start.header.clock = kInitClock;
     MLT_RETURN_IF_ERROR(transport_->Send(std::move(start)));
     ++messages_sent_;
@@ -229,6 +222,16 @@ Status Engine::Impl::CheckExpected(Handle handle, OpKind kind) const {
                             std::to_string(recording_.accesses.size()) + " handles)");
   }
   return Status::Ok();
+}
+
+Status Engine::Impl::CheckNextOp(OpKind kind, Handle handle) const {
+  const int op_index = static_cast<int>(app_seq_ % recording_.ops.size());
+  const RecordedOp& expected = recording_.ops[op_index];
+  if (expected.kind == kind && expected.handle == handle) return Status::Ok();
+  const std::string called =
+      kind == OpKind::kClock ? "clock()" : std::string(OpKindName(kind)) + "(handle " + std::to_string(handle) + ")";
+  return Status::OutOfOrder("called " + called + " but the recorded iteration expects " + DescribeOp(op_index) +
+                            " as op " + std::to_string(op_index) + " of clock " + std::to_string(app_clock_));
 }
 
 Status Engine::Impl::WaitForSlot(Handle handle, mltuner::Clock clock, Slot** out) {
@@ -274,14 +277,7 @@ Status Engine::Impl::Open(Handle handle, OpKind kind, AccessBuffer* out) {
   mltuner::Clock clock;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    const int op_index = static_cast<int>(app_seq_ % recording_.ops.size());
-    const RecordedOp& expected = recording_.ops[op_index];
-    if (expected.kind != kind || expected.handle != handle) {
-      return Status::OutOfOrder(std::string("called ") + OpKindName(kind) + "(handle " +
-                                std::to_string(handle) + ") but the recorded iteration expects " +
-                                DescribeOp(op_index) + " as op " + std::to_string(op_index) +
-                                " of clock " + std::to_string(app_clock_));
-    }
+    MLT_RETURN_IF_ERROR(CheckNextOp(kind, handle));
     clock = app_clock_;
   }
   Slot* slot = nullptr;
@@ -317,14 +313,7 @@ Status Engine::Impl::Post(Handle handle, OpKind kind) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!background_error_.ok()) return background_error_;
-    const int op_index = static_cast<int>(app_seq_ % recording_.ops.size());
-    const RecordedOp& expected = recording_.ops[op_index];
-    if (expected.kind != kind || expected.handle != handle) {
-      return Status::OutOfOrder(std::string("called ") + OpKindName(kind) + "(handle " +
-                                std::to_string(handle) + ") but the recorded iteration expects " +
-                                DescribeOp(op_index) + " as op " + std::to_string(op_index) +
-                                " of clock " + std::to_string(app_clock_));
-    }
+    MLT_RETURN_IF_ERROR(CheckNextOp(kind, handle));
     slots_[handle][app_clock_ % depth_].state = SlotState::kPosted;
     ++app_seq_;
   }
@@ -342,12 +331,7 @@ Status Engine::Impl::Clock() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!background_error_.ok()) return background_error_;
-    const int op_index = static_cast<int>(app_seq_ % recording_.ops.size());
-    if (recording_.ops[op_index].kind != OpKind::kClock) {
-      return Status::OutOfOrder("called clock() but the recorded iteration expects " +
-                                DescribeOp(op_index) + " as op " + std::to_string(op_index) +
-                                " of clock " + std::to_string(app_clock_));
-    }
+    MLT_RETURN_IF_ERROR(CheckNextOp(OpKind::kClock, -1));
     ++app_seq_;
     ++app_clock_;
     stats_.clock = app_clock_;

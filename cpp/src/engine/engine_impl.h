@@ -117,6 +117,8 @@ class Engine::Impl {
 
   // --- real phase (engine/engine.cc) -----------------------------------------
   Status CheckExpected(Handle handle, OpKind kind) const;
+  // REQUIRES: mu_ held. OutOfOrder unless (kind, handle) is the next recorded op.
+  Status CheckNextOp(OpKind kind, Handle handle) const;
   Status WaitForSlot(Handle handle, mltuner::Clock clock, Slot** out);
   std::string DescribeOp(int op_index) const;
 

@@ -59,11 +59,7 @@ Status CheckRowIds(const TableInfo& table, const std::vector<RowId>& rows) {
 }
 
 Message RequestTo(MessageType type, int sender, int shard, const TableInfo& table) {
-  Message message;
-  message.header.type = static_cast<uint16_t>(type);
-  message.header.sender = sender;
-  message.header.receiver = shard;
-  message.header.table = table.id;
+  Message message = NewMessage(type, sender, shard, table.id);
   message.header.row_width = table.row_width;
   return message;
 }

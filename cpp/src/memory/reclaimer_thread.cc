@@ -126,11 +126,7 @@ Status Engine::Impl::SendTableClock(TableId table, mltuner::Clock clock) {
   const TableIndex& table_index = index_.tables[table];
   std::vector<Message> messages;
   for (int shard = 0; shard < num_workers_; ++shard) {
-    Message message;
-    message.header.type = static_cast<uint16_t>(MessageType::kClockUpdate);
-    message.header.sender = rank_;
-    message.header.receiver = shard;
-    message.header.table = table;
+    Message message = NewMessage(MessageType::kClockUpdate, rank_, shard, table);
     message.header.clock = clock;
     message.header.row_width = width;
     const std::vector<WireSegment>& segments = table_index.send[shard];

@@ -71,11 +71,7 @@ void AddSpansInto(const Message& in, const RowSpan& range, int64_t row_width, fl
 }
 
 Message Reply(MessageType type, int rank, const Message& request) {
-  Message reply;
-  reply.header.type = static_cast<uint16_t>(type);
-  reply.header.sender = rank;
-  reply.header.receiver = request.header.sender;
-  reply.header.table = request.header.table;
+  Message reply = NewMessage(type, rank, request.header.sender, request.header.table);
   reply.header.branch = request.header.branch;
   reply.header.request_id = request.header.request_id;
   return reply;
@@ -299,11 +295,8 @@ Status ServerShard::HandleReady(const Message& in, std::vector<Message>* out) {
                                                       "] but" + mismatches +
                                                       " every worker must create the same tables in the same order");
   for (const auto& [worker, request] : ready_requests_) {
-    Message reply;
-    reply.header.sender = rank_;
-    reply.header.receiver = worker;
+    Message reply = NewMessage(status.ok() ? MessageType::kAck : MessageType::kError, rank_, worker, -1);
     reply.header.request_id = request.first;
-    reply.header.type = static_cast<uint16_t>(status.ok() ? MessageType::kAck : MessageType::kError);
     reply.text = status.message();
     reply.header.text_bytes = static_cast<uint32_t>(reply.text.size());
     out->push_back(std::move(reply));
@@ -331,12 +324,7 @@ Status ServerShard::CheckSpans(const TableState& table, const Message& in) const
 // the client counts shard pushes to advance the table's data age.
 void ServerShard::PushRows(const TableState& table, std::vector<Message>* out) const {
   for (int worker = 0; worker < num_workers_; ++worker) {
-    Message rows;
-    rows.header.type = static_cast<uint16_t>(MessageType::kRows);
-    rows.header.sender = rank_;
-    rows.header.receiver = worker;
-    rows.header.table = table.info.id;
-    rows.header.branch = 0;
+    Message rows = NewMessage(MessageType::kRows, rank_, worker, table.info.id);
     rows.header.clock = table.clock.global();
     rows.header.row_width = table.info.row_width;
     if (table.range.count > 0) {

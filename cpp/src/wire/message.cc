@@ -105,6 +105,15 @@ Status CheckPayloadSize(const MessageHeader& h, int64_t total_rows, size_t paylo
 
 }  // namespace
 
+Message NewMessage(MessageType type, int sender, int receiver, TableId table) {
+  Message message;
+  message.header.type = static_cast<uint16_t>(type);
+  message.header.sender = sender;
+  message.header.receiver = receiver;
+  message.header.table = table;
+  return message;
+}
+
 const char* MessageTypeName(MessageType type) {
   switch (type) {
     case MessageType::kClockUpdate: return "ClockUpdate";

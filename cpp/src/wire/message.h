@@ -81,6 +81,9 @@ struct Message {
   std::string DebugString() const;
 };
 
+// A message with its routing fields set and everything else empty.
+Message NewMessage(MessageType type, int sender, int receiver, TableId table);
+
 // Builds frame 0 (header + spans + text). The payload frame is
 // message.values' bytes as they are.
 std::string EncodeHeaderFrame(const Message& message);

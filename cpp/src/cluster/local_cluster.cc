@@ -81,7 +81,7 @@ class LocalCluster::Hub : public Transport {
         Status status;
         {
           std::lock_guard<std::mutex> lock(node.shard_mu);
-          status = node.shard->Handle(message, &replies);
+          status = node.shard->Handle(std::move(message), &replies);
         }
         if (!status.ok()) Reject(status, message);
         pool_.Release(std::move(message.values));

@@ -135,6 +135,9 @@ class Engine::Impl {
   void ScatterAddUpdate(const AccessRecord& access, const float* buffer);
   void WriteBackLocal(const AccessRecord& access, const float* buffer);
   Status SendTableClock(TableId table, mltuner::Clock clock);
+  Status BuildDirectUpdate(const AccessRecord& access, const float* buffer, mltuner::Clock clock,
+                           std::vector<Message>* messages);
+  Status SendAll(std::vector<Message> messages);
   void ReleaseSlot(Slot* slot);
 
   // --- receive thread (cache/row_install.cc) ---------------------------------

@@ -4,7 +4,8 @@
 // back, and — at the table's last update of the clock — ships the log to the
 // shards at once, so a top layer's updates travel while lower layers are
 // still computing (Poseidon's wait-free backprop). Tables without updates
-// send a bare clock at the iteration's clock op.
+// send a bare clock at the iteration's clock op. A table with a single update
+// per clock skips the log: its buffer is copied straight into the messages.
 #include <algorithm>
 #include <cstring>
 
@@ -49,6 +50,12 @@ Status Engine::Impl::ReclaimOp(int64_t seq) {
   }
   const AccessRecord& access = recording_.accesses[op.handle];
   Slot* slot = &slots_[op.handle][clock % depth_];
+  if (op.kind == OpKind::kUpdate && index_.tables[access.table].direct.handle == op.handle) {
+    std::vector<Message> messages;
+    MLT_RETURN_IF_ERROR(BuildDirectUpdate(access, slot->data, clock, &messages));
+    ReleaseSlot(slot);
+    return SendAll(std::move(messages));
+  }
   if (op.kind == OpKind::kUpdate) {
     ScatterAddUpdate(access, slot->data);
   } else if (op.kind == OpKind::kPostLocalAccess && access.keep) {
@@ -151,6 +158,35 @@ Status Engine::Impl::SendTableClock(TableId table, mltuner::Clock clock) {
     messages.push_back(std::move(message));
   }
   MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kWriteback));
+  return SendAll(std::move(messages));
+}
+
+Status Engine::Impl::BuildDirectUpdate(const AccessRecord& access, const float* buffer, mltuner::Clock clock,
+                                       std::vector<Message>* messages) {
+  const TableInfo& info = tables_[access.table];
+  const DirectSend& direct = index_.tables[access.table].direct;
+  const int64_t width = info.row_width;
+  for (int shard = 0; shard < num_workers_; ++shard) {
+    Message message = NewMessage(MessageType::kClockUpdate, rank_, shard, access.table);
+    message.header.clock = clock;
+    message.header.row_width = width;
+    message.spans = direct.spans[shard];
+    message.header.num_spans = static_cast<uint32_t>(message.spans.size());
+    const RunIndex& runs = direct.runs[shard];
+    message.values = transport_->NewPayload(static_cast<size_t>(runs.total_rows * width));
+    for (const RowRun& run : runs.runs) {
+      device_->CopyDeviceToHost(message.values.data() + run.dst * width, buffer + run.src * width,
+                                static_cast<size_t>(run.count * info.row_bytes()), Stream::kWriteback);
+    }
+    messages->push_back(std::move(message));
+  }
+  MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kWriteback));
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.bytes_scattered += static_cast<int64_t>(access.rows.size()) * info.row_bytes();
+  return Status::Ok();
+}
+
+Status Engine::Impl::SendAll(std::vector<Message> messages) {
   for (Message& message : messages) {
     MLT_RETURN_IF_ERROR(transport_->Send(std::move(message)));
     ++messages_sent_;

@@ -114,6 +114,36 @@ void LinkFetchDependencies(const Recording& recording, IterationIndex* index) {
   }
 }
 
+// For a table updated by exactly one access per clock: per shard, the row
+// spans of that access (sorted by id) and the runs that copy its buffer rows
+// into the message in span order.
+DirectSend PlanDirectSend(const TableInfo& table, const AccessRecord& update, int num_shards) {
+  DirectSend direct;
+  direct.handle = update.handle;
+  direct.spans.resize(num_shards);
+  direct.runs.resize(num_shards);
+  std::vector<std::pair<RowId, int64_t>> sorted;  // (row id, buffer row)
+  for (int64_t i = 0; i < static_cast<int64_t>(update.rows.size()); ++i) sorted.push_back({update.rows[i], i});
+  std::sort(sorted.begin(), sorted.end());
+  int shard = 0;
+  std::vector<int64_t> filled(num_shards, 0);
+  for (const auto& [row, buffer_row] : sorted) {
+    for (;;) {
+      const RowSpan range = ShardRange(table.num_rows, shard, num_shards);
+      if (row < range.begin + range.count) break;
+      ++shard;
+    }
+    std::vector<RowSpan>& spans = direct.spans[shard];
+    if (!spans.empty() && spans.back().begin + spans.back().count == row) {
+      ++spans.back().count;
+    } else {
+      spans.push_back({row, 1});
+    }
+    AppendToRuns(&direct.runs[shard], buffer_row, filled[shard]++);
+  }
+  return direct;
+}
+
 }  // namespace
 
 IterationIndex BuildIndexes(const std::vector<TableInfo>& tables,
@@ -128,8 +158,11 @@ IterationIndex BuildIndexes(const std::vector<TableInfo>& tables,
 
   // The last update of each table in the op list closes its clock.
   std::vector<int> last_update(tables.size(), -1);
+  std::vector<int> updates(tables.size(), 0);
   for (const RecordedOp& op : recording.ops) {
-    if (op.kind == OpKind::kUpdate) last_update[recording.accesses[op.handle].table] = op.handle;
+    if (op.kind != OpKind::kUpdate) continue;
+    last_update[recording.accesses[op.handle].table] = op.handle;
+    ++updates[recording.accesses[op.handle].table];
   }
   for (const TableInfo& table : tables) {
     if (table.local) continue;
@@ -141,6 +174,9 @@ IterationIndex BuildIndexes(const std::vector<TableInfo>& tables,
     }
     table_index.has_updates = last_update[table.id] >= 0;
     if (table_index.has_updates) index.accesses[last_update[table.id]].closes_table_clock = true;
+    if (updates[table.id] == 1) {
+      table_index.direct = PlanDirectSend(table, recording.accesses[last_update[table.id]], num_shards);
+    }
     const std::vector<bool> all(table.num_rows, true);
     table_index.send = SegmentsByShard(table, updated, layouts[table.id],
                                        placement.tables[table.id], num_shards);

@@ -17,6 +17,7 @@
 #include "plan/placement.h"
 #include "plan/row_layout.h"
 #include "record/recorder.h"
+#include "wire/message.h"
 
 namespace mltuner {
 
@@ -46,8 +47,17 @@ struct WireSegment {
   int64_t last_position = 0;
 };
 
+// How a table whose clock holds exactly one update ships it: straight from
+// that update's buffer, skipping the update log (no scatter-add, no zeroing).
+struct DirectSend {
+  Handle handle = -1;                        // the one update, or -1
+  std::vector<std::vector<RowSpan>> spans;   // by shard: consecutive row ids
+  std::vector<RunIndex> runs;                // by shard: buffer row -> message row
+};
+
 struct TableIndex {
   bool has_updates = false;
+  DirectSend direct;
   std::vector<std::vector<WireSegment>> send;     // by shard: updated rows
   std::vector<std::vector<WireSegment>> receive;  // by shard: all its rows
 };

@@ -131,7 +131,7 @@ Status ServerShard::Handle(const Message& in, std::vector<Message>* out) {
   if (out == nullptr) return Status::InvalidArgument("ServerShard::Handle: out is null");
   switch (in.type()) {
     case MessageType::kStart: return HandleStart(in, out);
-    case MessageType::kClockUpdate: return HandleClockUpdate(in, out);
+    case MessageType::kClockUpdate: return HandleClockUpdate(in, nullptr, out);
     case MessageType::kFetch: return HandleFetch(in, out);
     case MessageType::kInitAdd: return HandleInitAdd(in, out);
     case MessageType::kReady: return HandleReady(in, out);
@@ -166,7 +166,12 @@ Status ServerShard::HandleStart(const Message& in, std::vector<Message>* out) {
   return Status::Ok();
 }
 
-Status ServerShard::HandleClockUpdate(const Message& in, std::vector<Message>* out) {
+Status ServerShard::Handle(Message&& in, std::vector<Message>* out) {
+  if (out != nullptr && in.type() == MessageType::kClockUpdate) return HandleClockUpdate(in, &in.values, out);
+  return Handle(static_cast<const Message&>(in), out);
+}
+
+Status ServerShard::HandleClockUpdate(const Message& in, std::vector<float>* owned, std::vector<Message>* out) {
   MLT_RETURN_IF_ERROR(CheckSender(in, num_workers_));
   auto found = tables_.find(in.header.table);
   if (found == tables_.end()) return UnknownTable(in.header.table);
@@ -192,11 +197,17 @@ Status ServerShard::HandleClockUpdate(const Message& in, std::vector<Message>* o
     std::vector<std::vector<float>>& per_worker = table.pending[clock];
     per_worker.resize(static_cast<size_t>(num_workers_));
     std::vector<float>& buffer = per_worker[static_cast<size_t>(sender)];
-    if (buffer.empty()) {
-      buffer = NewBuffer(table.values.size());
-      std::fill(buffer.begin(), buffer.end(), 0.0f);
+    const bool whole_range = in.spans.size() == 1 && in.spans[0].begin == table.range.begin &&
+                             in.spans[0].count == table.range.count;
+    if (buffer.empty() && whole_range && owned != nullptr) {
+      buffer = std::move(*owned);  // already dense in the shard's row order
+    } else {
+      if (buffer.empty()) {
+        buffer = NewBuffer(table.values.size());
+        std::fill(buffer.begin(), buffer.end(), 0.0f);
+      }
+      AddSpansInto(in, table.range, table.info.row_width, buffer.data());
     }
-    AddSpansInto(in, table.range, table.info.row_width, buffer.data());
   }
 
   bool global_advanced = false;

@@ -56,6 +56,9 @@ class ServerShard {
   // nothing; for kFetch and kInitAdd it also appends a kError reply so the
   // waiting client learns why.
   Status Handle(const Message& in, std::vector<Message>* out);
+  // The same, but may take over in.values instead of copying them (a
+  // kClockUpdate that covers all of the shard's rows of its table).
+  Status Handle(Message&& in, std::vector<Message>* out);
 
   // Payload buffers come from, and go back to, `pool` (not owned; may be
   // null, then they are allocated fresh).
@@ -80,7 +83,8 @@ class ServerShard {
     explicit TableState(int num_workers) : clock(num_workers) {}
   };
 
-  Status HandleClockUpdate(const Message& in, std::vector<Message>* out);
+  // `owned` is in.values when the caller gives them up, else null.
+  Status HandleClockUpdate(const Message& in, std::vector<float>* owned, std::vector<Message>* out);
   Status HandleStart(const Message& in, std::vector<Message>* out);
   Status HandleFetch(const Message& in, std::vector<Message>* out);
   Status HandleInitAdd(const Message& in, std::vector<Message>* out);

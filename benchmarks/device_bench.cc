@@ -16,6 +16,12 @@
 //         cmake --build build/bench
 // Run:    build/bench/device_bench [--sizes 1,16,64,256] [--widths 128,512,1024,4096]
 //                                  [--min-time 0.25] [--csv PATH]
+//
+// --device cuda (built when the CUDA backend is, see CMakeLists.txt) times
+// the CUDA backend instead, against the GPU's own measured copy ceilings:
+//         build/bench/device_bench --device cuda [--sizes 64,256,1024] [--widths ...]
+//                                  [--reps 7] [--gpu 0] [--verify-all] [--out PATH] [--csv PATH]
+// (see cuda_bench.cc).
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -31,6 +37,10 @@
 #include <vector>
 
 #include "mltuner/device.h"
+
+#ifdef MLTUNER_WITH_CUDA
+#include "cuda_bench.h"
+#endif
 
 namespace {
 
@@ -104,6 +114,12 @@ int main(int argc, char** argv) {
   std::vector<int64_t> widths = {128, 512, 1024, 4096};
   double min_time = 0.25;
   std::string csv_path;
+  // --device cuda only.
+  std::string device_kind = "cpu";
+  bool sizes_given = false;
+  int reps = 7, gpu = 0;
+  bool verify_all = false;
+  std::string out_path;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     auto value = [&]() -> std::string {
@@ -115,6 +131,17 @@ int main(int argc, char** argv) {
     };
     if (arg == "--sizes") {
       sizes_mb = ParseList(value());
+      sizes_given = true;
+    } else if (arg == "--device") {
+      device_kind = value();
+    } else if (arg == "--reps") {
+      reps = std::stoi(value());
+    } else if (arg == "--gpu") {
+      gpu = std::stoi(value());
+    } else if (arg == "--verify-all") {
+      verify_all = true;
+    } else if (arg == "--out") {
+      out_path = value();
     } else if (arg == "--widths") {
       widths = ParseList(value());
     } else if (arg == "--min-time") {
@@ -123,9 +150,40 @@ int main(int argc, char** argv) {
       csv_path = value();
     } else {
       std::printf(
-          "usage: device_bench [--sizes MB,MB,...] [--widths FLOATS,...] [--min-time SECONDS] [--csv PATH]\n");
+          "usage: device_bench [--device cpu|cuda] [--sizes MB,MB,...] [--widths FLOATS,...] [--csv PATH]\n"
+          "         cpu:  [--min-time SECONDS]            (default sizes 1,16,64,256)\n"
+          "         cuda: [--reps N] [--gpu ORDINAL] [--verify-all] [--out PATH]  (default sizes 64,256,1024)\n"
+          "  the cuda mode is %s in this build\n",
+#ifdef MLTUNER_WITH_CUDA
+          "available"
+#else
+          "NOT available (no CUDA compiler / MLTUNER_CUDA=OFF)"
+#endif
+      );
       return arg == "--help" || arg == "-h" ? 0 : 2;
     }
+  }
+
+  if (device_kind == "cuda") {
+#ifdef MLTUNER_WITH_CUDA
+    mltuner_bench::CudaBenchOptions options;
+    if (sizes_given) options.sizes_mb = sizes_mb;
+    options.widths = widths;
+    options.reps = reps;
+    options.ordinal = gpu;
+    options.verify_all = verify_all;
+    options.csv_path = csv_path;
+    options.out_path = out_path;
+    return mltuner_bench::RunCudaBench(options);
+#else
+    (void)reps, (void)gpu, (void)verify_all, (void)sizes_given;
+    std::fprintf(stderr, "device_bench: built without the CUDA backend; --device cuda is not available\n");
+    return 2;
+#endif
+  }
+  if (device_kind != "cpu") {
+    std::fprintf(stderr, "device_bench: --device must be cpu or cuda, not '%s'\n", device_kind.c_str());
+    return 2;
   }
 
   std::unique_ptr<Device> device = mltuner::NewCpuDevice();

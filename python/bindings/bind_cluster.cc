@@ -1,19 +1,68 @@
-// LocalCluster: N workers and shards in this process.
+// LocalCluster: N workers and shards in this process, on the CPU backend or,
+// when the module was built with the CUDA backend, on the visible GPUs
+// (worker r on GPU r mod count).
 #include "bindings.h"
 #include "mltuner/cluster.h"
+
+#ifdef MLTUNER_WITH_CUDA
+#include "cuda_device.h"
+#endif
 
 namespace py = pybind11;
 
 namespace mltuner::python {
 
+namespace {
+
+bool CudaBuilt() {
+#ifdef MLTUNER_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+int CudaCount() {
+#ifdef MLTUNER_WITH_CUDA
+  return CudaDeviceCount();
+#else
+  return 0;
+#endif
+}
+
+DeviceFactory FactoryFor(const std::string& device) {
+  if (device == "cpu") return nullptr;
+  if (device != "cuda") {
+    throw StatusError(Status::InvalidArgument("unknown device '" + device + "': use 'cpu' or 'cuda'"));
+  }
+  if (!CudaBuilt()) {
+    throw StatusError(Status::InvalidArgument(
+        "device='cuda', but this mltuner was built without the CUDA backend (nvcc was not found when it "
+        "was installed); reinstall on a machine with the CUDA toolkit"));
+  }
+  const int count = CudaCount();
+  if (count == 0) throw StatusError(Status::InvalidArgument("device='cuda', but no CUDA device is visible"));
+#ifdef MLTUNER_WITH_CUDA
+  return [count](int rank, std::unique_ptr<Device>* out) { return NewCudaDevice(rank % count, out); };
+#else
+  return nullptr;
+#endif
+}
+
+}  // namespace
+
 void RegisterCluster(py::module_& m) {
+  m.def("cuda_built", &CudaBuilt, "Whether this module was built with the CUDA backend.");
+  m.def("cuda_device_count", &CudaCount, "Visible CUDA devices (0 without the CUDA backend).");
   py::class_<LocalCluster>(m, "LocalCluster")
-      .def(py::init([](const Config& config, int num_workers) {
+      .def(py::init([](const Config& config, int num_workers, const std::string& device) {
              std::unique_ptr<LocalCluster> cluster;
-             Check(LocalCluster::Create(config, num_workers, &cluster));
+             const DeviceFactory factory = FactoryFor(device);
+             py::gil_scoped_release release;
+             Check(LocalCluster::Create(config, num_workers, &cluster, factory));
              return cluster;
            }),
-           py::arg("config"), py::arg("num_workers"))
+           py::arg("config"), py::arg("num_workers"), py::arg("device") = "cpu")
       .def_property_readonly("num_workers", &LocalCluster::num_workers)
       .def(
           "worker",

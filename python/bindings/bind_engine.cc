@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include "bindings.h"
+#include "buffers.h"
 #include "mltuner/engine.h"
 
 namespace py = pybind11;
@@ -20,21 +21,6 @@ std::vector<RowId> ToRows(const RowArray& rows) {
   return std::vector<RowId>(rows.data(), rows.data() + rows.size());
 }
 
-// A (rows, row_width) float32 array viewing the buffer; the capsule keeps the
-// engine memory alive while the array (or a view of it) exists.
-py::array ToArray(const AccessBuffer& buffer) {
-  auto* keepalive = new std::shared_ptr<void>(buffer.keepalive);
-  py::capsule owner(keepalive, [](void* p) { delete static_cast<std::shared_ptr<void>*>(p); });
-  py::array_t<float> array({buffer.rows, buffer.row_width},
-                           {buffer.row_width * static_cast<py::ssize_t>(sizeof(float)),
-                            static_cast<py::ssize_t>(sizeof(float))},
-                           buffer.data, owner);
-  if (!buffer.writable) {
-    py::detail::array_proxy(array.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
-  }
-  return std::move(array);
-}
-
 template <Status (Engine::*Method)(Handle, AccessBuffer*)>
 py::tuple OpenBuffer(Engine& engine, Handle handle) {
   AccessBuffer buffer;
@@ -42,13 +28,13 @@ py::tuple OpenBuffer(Engine& engine, Handle handle) {
     py::gil_scoped_release release;
     Check((engine.*Method)(handle, &buffer));
   }
-  return py::make_tuple(ToArray(buffer), buffer.data_age);
+  return py::make_tuple(BufferToPython(buffer), buffer.data_age);
 }
 
-template <Status (Engine::*Method)(Handle)>
-void PostBuffer(Engine& engine, Handle handle) {
+template <Status (Engine::*Method)(Handle, uintptr_t)>
+void PostBuffer(Engine& engine, Handle handle, uintptr_t stream) {
   py::gil_scoped_release release;
-  Check((engine.*Method)(handle));
+  Check((engine.*Method)(handle, stream));
 }
 
 }  // namespace
@@ -103,11 +89,11 @@ void RegisterEngine(py::module_& m) {
       .def("finish_virtual_iteration", [](Engine& e) { Check(e.FinishVirtualIteration()); }, Release())
       .def("start_iterations", [](Engine& e) { Check(e.StartIterations()); }, Release())
       .def("read", &OpenBuffer<&Engine::Read>)
-      .def("post_read", &PostBuffer<&Engine::PostRead>)
+      .def("post_read", &PostBuffer<&Engine::PostRead>, py::arg("handle"), py::arg("stream") = 0)
       .def("pre_update", &OpenBuffer<&Engine::PreUpdate>)
-      .def("update", &PostBuffer<&Engine::Update>)
+      .def("update", &PostBuffer<&Engine::Update>, py::arg("handle"), py::arg("stream") = 0)
       .def("local_access", &OpenBuffer<&Engine::LocalAccess>)
-      .def("post_local_access", &PostBuffer<&Engine::PostLocalAccess>)
+      .def("post_local_access", &PostBuffer<&Engine::PostLocalAccess>, py::arg("handle"), py::arg("stream") = 0)
       .def("clock", [](Engine& e) { Check(e.Clock()); }, Release())
       .def("fetch",
            [](Engine& e, TableId table, const RowArray& rows, int64_t row_width) {

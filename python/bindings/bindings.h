@@ -29,5 +29,6 @@ void RegisterErrors(pybind11::module_& m);
 void RegisterConfig(pybind11::module_& m);
 void RegisterEngine(pybind11::module_& m);
 void RegisterCluster(pybind11::module_& m);
+void RegisterBuffers(pybind11::module_& m);
 
 }  // namespace mltuner::python

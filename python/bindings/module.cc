@@ -6,6 +6,7 @@ PYBIND11_MODULE(_core, m) {
   m.doc() = "mltuner engine (C++). Use the wrappers in the mltuner package, not this module.";
   mltuner::python::RegisterErrors(m);
   mltuner::python::RegisterConfig(m);
+  mltuner::python::RegisterBuffers(m);
   mltuner::python::RegisterEngine(m);
   mltuner::python::RegisterCluster(m);
 }

@@ -7,11 +7,12 @@ try:
     from mltuner import _core
 except ImportError as error:  # pragma: no cover - only without a build
     raise ImportError(
-        "mltuner's compiled engine (mltuner._core) is missing: install the package with "
-        "`pip install .` from the source tree rather than importing it from python/."
+        f"mltuner's compiled engine (mltuner._core) could not be imported: {error}. Was the package "
+        "installed with `pip install .` (not imported from the source tree's python/ folder)?"
     ) from error
 
 from mltuner._config import Config, UpdateRule
+from mltuner._core import DeviceArray, cuda_built, cuda_device_count
 from mltuner.client import LocalCluster, Table, TensorLayout, TensorSlot, Worker
 from mltuner.exceptions import (
     CorruptMessageError,
@@ -30,6 +31,9 @@ __version__ = "0.1.0"
 __all__ = [
     "Config",
     "UpdateRule",
+    "DeviceArray",
+    "cuda_built",
+    "cuda_device_count",
     "LocalCluster",
     "Table",
     "TensorLayout",

@@ -56,6 +56,9 @@ class Config:
             ahead of the application (1 = double buffering).
         partitions_per_table: partition locks per table in the client cache.
         update_rule: the server-side update rule.
+        device: ``"cpu"`` (host memory, buffers are numpy arrays) or ``"cuda"``
+            (worker r on GPU r mod count; buffers are :class:`DeviceArray`
+            objects for ``torch.from_dlpack`` / ``cupy.from_dlpack``).
     """
 
     device_memory_budget: int = 0
@@ -63,8 +66,11 @@ class Config:
     prefetch_clocks: int = 1
     partitions_per_table: int = 8
     update_rule: UpdateRule = dataclasses.field(default_factory=UpdateRule)
+    device: Literal["cpu", "cuda"] = "cpu"
 
     def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"unknown device {self.device!r}: use 'cpu' or 'cuda'")
         if self.device_memory_budget < 0:
             raise ValueError("device_memory_budget must be >= 0")
         if not self.wait_timeout_s > 0:

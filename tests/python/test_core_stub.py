@@ -11,6 +11,8 @@ import mltuner
 from mltuner import _core
 
 STUB = Path(__file__).resolve().parents[2] / "python" / "mltuner" / "_core.pyi"
+# Special methods that are part of the API (protocols), so the stub must list them.
+PROTOCOL_METHODS = {"__init__", "__dlpack__", "__dlpack_device__"}
 
 
 def _stub_names() -> dict[str, set[str]]:
@@ -37,7 +39,7 @@ def _module_names() -> dict[str, set[str]]:
         if name.startswith("_"):
             continue
         if inspect.isclass(value):
-            members = {m for m in vars(value) if not m.startswith("_") or m == "__init__"}
+            members = {m for m in vars(value) if not m.startswith("_") or m in PROTOCOL_METHODS}
             if "__init__" in members and value.__init__ is object.__init__:
                 members.discard("__init__")
             # pybind11 enums carry helper attributes; the stub lists values only.

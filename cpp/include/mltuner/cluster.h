@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "mltuner/config.h"
+#include "mltuner/device.h"
 #include "mltuner/engine.h"
 #include "mltuner/status.h"
 
@@ -18,7 +19,9 @@ namespace mltuner {
 
 class LocalCluster {
  public:
-  static Status Create(const Config& config, int num_workers, std::unique_ptr<LocalCluster>* out);
+  // `make_device` makes each worker's Device; null means the CPU backend.
+  static Status Create(const Config& config, int num_workers, std::unique_ptr<LocalCluster>* out,
+                       const DeviceFactory& make_device = nullptr);
   ~LocalCluster();
   LocalCluster(const LocalCluster&) = delete;
   LocalCluster& operator=(const LocalCluster&) = delete;

@@ -15,6 +15,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -32,6 +33,9 @@ enum class Stream : int {
   kReceive = 3,    // installing fresh rows from servers
 };
 constexpr int kNumStreams = 4;
+
+// A ticket for work queued on a stream; null means "already complete".
+using DeviceEvent = std::shared_ptr<void>;
 
 // A prebuilt list of row runs, made once at the end of the virtual
 // iteration. The device may keep its own copy (the CUDA backend uploads it).
@@ -74,11 +78,26 @@ class Device {
   virtual void Fill(float* dst, float value, size_t count, Stream s) = 0;
   virtual Status Synchronize(Stream s) = 0;
 
+  // The application hands buffers back (post calls) while its own kernels
+  // may still be using them on its own stream. RecordAppWork takes a ticket
+  // for everything queued so far on `app_stream` (a CUDA stream handle as an
+  // integer, 0 = the legacy default stream); WaitAppWork makes engine stream
+  // `s` wait for it without blocking the calling thread. The CPU backend has
+  // no asynchronous application work: its tickets are null.
+  virtual Status RecordAppWork(uintptr_t app_stream, DeviceEvent* out) = 0;
+  virtual Status WaitAppWork(Stream s, const DeviceEvent& event) = 0;
+  // The index of the accelerator (DLPack device id); 0 for the CPU.
+  virtual int ordinal() const = 0;
+
  protected:
   Device() = default;
 };
 
 // The reference backend: "device" memory is host memory.
 std::unique_ptr<Device> NewCpuDevice();
+
+// Makes the Device of worker `rank`. LocalCluster takes one so that the
+// layer that knows which backends were built (the Python module) chooses.
+using DeviceFactory = std::function<Status(int rank, std::unique_ptr<Device>* out)>;
 
 }  // namespace mltuner

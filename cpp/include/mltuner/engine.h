@@ -48,6 +48,7 @@ struct AccessBuffer {
   bool writable = false;  // reads are read-only
   Clock data_age = kNoClock;  // reads: the table's data age when gathered
   std::shared_ptr<void> keepalive;
+  std::shared_ptr<Device> device;  // where `data` lives (host_addressable, ordinal)
 };
 
 struct EngineStats {
@@ -93,13 +94,17 @@ class Engine {
   Status FinishVirtualIteration();
   Status StartIterations();
 
-  // Real accesses with recorded handles.
+  // Real accesses with recorded handles. A post call hands the buffer back;
+  // `app_stream` is the stream on which the application queued its own work
+  // on the buffer (a CUDA stream handle; 0 = the legacy default stream): the
+  // engine waits for that work before it reads, reuses or frees the buffer.
+  // The CPU backend ignores it.
   Status Read(Handle handle, AccessBuffer* out);
-  Status PostRead(Handle handle);
+  Status PostRead(Handle handle, uintptr_t app_stream = 0);
   Status PreUpdate(Handle handle, AccessBuffer* out);
-  Status Update(Handle handle);
+  Status Update(Handle handle, uintptr_t app_stream = 0);
   Status LocalAccess(Handle handle, AccessBuffer* out);
-  Status PostLocalAccess(Handle handle);
+  Status PostLocalAccess(Handle handle, uintptr_t app_stream = 0);
   Status Clock();
 
   // The servers' current values of `rows` (any phase), into out (rows x width).

@@ -152,13 +152,20 @@ class LocalCluster::Hub : public Transport {
   std::atomic<int64_t> rejected_{0};
 };
 
-Status LocalCluster::Create(const Config& config, int num_workers, std::unique_ptr<LocalCluster>* out) {
+Status LocalCluster::Create(const Config& config, int num_workers, std::unique_ptr<LocalCluster>* out,
+                            const DeviceFactory& make_device) {
   if (num_workers < 1) return Status::InvalidArgument("a cluster needs at least one worker");
   std::unique_ptr<LocalCluster> cluster(new LocalCluster());
   cluster->hub_ = std::make_unique<Hub>(num_workers, config.update_rule);
   for (int rank = 0; rank < num_workers; ++rank) {
+    std::unique_ptr<Device> device;
+    if (make_device) {
+      MLT_RETURN_IF_ERROR(make_device(rank, &device));
+    } else {
+      device = NewCpuDevice();
+    }
     std::unique_ptr<Engine> engine;
-    MLT_RETURN_IF_ERROR(Engine::Create(config, rank, num_workers, NewCpuDevice(), cluster->hub_.get(), &engine));
+    MLT_RETURN_IF_ERROR(Engine::Create(config, rank, num_workers, std::move(device), cluster->hub_.get(), &engine));
     cluster->engines_.push_back(std::move(engine));
   }
   cluster->hub_->Start(cluster->engines_);

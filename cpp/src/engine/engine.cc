@@ -288,6 +288,7 @@ Status Engine::Impl::Open(Handle handle, OpKind kind, AccessBuffer* out) {
   out->writable = kind != OpKind::kRead;
   out->data_age = slot->data_age;
   out->keepalive = pool_memory_;
+  out->device = device_;
   {
     std::lock_guard<std::mutex> lock(mu_);
     ++app_seq_;
@@ -296,7 +297,7 @@ Status Engine::Impl::Open(Handle handle, OpKind kind, AccessBuffer* out) {
   return Status::Ok();
 }
 
-Status Engine::Impl::Post(Handle handle, OpKind kind) {
+Status Engine::Impl::Post(Handle handle, OpKind kind, uintptr_t app_stream) {
   const Phase phase = *phase_;
   if (phase == Phase::kShutdown) return ShutdownError();
   if (phase == Phase::kDefining) {
@@ -309,12 +310,16 @@ Status Engine::Impl::Post(Handle handle, OpKind kind) {
                                    ", which was recorded as a " + access.Describe(tables_[access.table].name) +
                                    "; it is closed by " + OpKindName(PostKindOf(access.kind)));
   }
-  if (phase == Phase::kRecorded) return PostInit(handle);
+  if (phase == Phase::kRecorded) return PostInit(handle, app_stream);
+  DeviceEvent app_done;
+  MLT_RETURN_IF_ERROR(device_->RecordAppWork(app_stream, &app_done));
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!background_error_.ok()) return background_error_;
     MLT_RETURN_IF_ERROR(CheckNextOp(kind, handle));
-    slots_[handle][app_clock_ % depth_].state = SlotState::kPosted;
+    Slot& slot = slots_[handle][app_clock_ % depth_];
+    slot.app_done = std::move(app_done);
+    slot.state = SlotState::kPosted;
     ++app_seq_;
   }
   cv_.notify_all();
@@ -510,13 +515,13 @@ Status Engine::StartIterations() {
   return impl_->StartIterations();
 }
 Status Engine::Read(Handle h, AccessBuffer* out) { return impl_->Open(h, OpKind::kRead, out); }
-Status Engine::PostRead(Handle h) { return impl_->Post(h, OpKind::kPostRead); }
+Status Engine::PostRead(Handle h, uintptr_t s) { return impl_->Post(h, OpKind::kPostRead, s); }
 Status Engine::PreUpdate(Handle h, AccessBuffer* out) { return impl_->Open(h, OpKind::kPreUpdate, out); }
-Status Engine::Update(Handle h) { return impl_->Post(h, OpKind::kUpdate); }
+Status Engine::Update(Handle h, uintptr_t s) { return impl_->Post(h, OpKind::kUpdate, s); }
 Status Engine::LocalAccess(Handle h, AccessBuffer* out) {
   return impl_->Open(h, OpKind::kLocalAccess, out);
 }
-Status Engine::PostLocalAccess(Handle h) { return impl_->Post(h, OpKind::kPostLocalAccess); }
+Status Engine::PostLocalAccess(Handle h, uintptr_t s) { return impl_->Post(h, OpKind::kPostLocalAccess, s); }
 Status Engine::Clock() { return impl_->Clock(); }
 Status Engine::Fetch(TableId table, const std::vector<RowId>& rows, float* out) {
   return impl_->Fetch(table, rows, out);

@@ -51,6 +51,7 @@ struct Slot {
   size_t offset = 0;  // in the pool arena
   float* data = nullptr;
   mltuner::Clock data_age = kNoClock;
+  DeviceEvent app_done;  // the application's work on the buffer, taken at its post
 };
 
 // A synchronous request to the shards (fetch or initialisation add).
@@ -73,7 +74,7 @@ class Engine::Impl {
   Status FinishVirtualIteration();
   Status StartIterations();
   Status Open(Handle handle, OpKind kind, AccessBuffer* out);
-  Status Post(Handle handle, OpKind kind);
+  Status Post(Handle handle, OpKind kind, uintptr_t app_stream);
   Status Clock();
   Status Fetch(TableId table, const std::vector<RowId>& rows, float* out);
   Status Flush();
@@ -109,7 +110,7 @@ class Engine::Impl {
  private:
   // --- initialisation phase (engine/init_access.cc) -------------------------
   Status OpenInit(Handle handle, AccessBuffer* out);
-  Status PostInit(Handle handle);
+  Status PostInit(Handle handle, uintptr_t app_stream);
   Status InitAdd(const AccessRecord& access, const float* host_values);
   Status SendRequests(std::vector<Message> requests, std::vector<Message>* replies);
   Status WaitUntilAllReady();

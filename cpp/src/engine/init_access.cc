@@ -179,10 +179,11 @@ Status Engine::Impl::OpenInit(Handle handle, AccessBuffer* out) {
   out->writable = access.kind != OpKind::kRead;
   out->data_age = kInitClock;
   out->keepalive = block;
+  out->device = device_;
   return Status::Ok();
 }
 
-Status Engine::Impl::PostInit(Handle handle) {
+Status Engine::Impl::PostInit(Handle handle, uintptr_t app_stream) {
   const AccessRecord& access = recording_.accesses[handle];
   Slot& slot = init_slots_[handle];
   if (slot.state != SlotState::kInUse) {
@@ -190,7 +191,12 @@ Status Engine::Impl::PostInit(Handle handle) {
                               access.Describe(tables_[access.table].name) + ") is not open");
   }
   const size_t values = access.rows.size() * static_cast<size_t>(tables_[access.table].row_width);
-  Status status;
+  // The application's writes must land before we copy the buffer out.
+  DeviceEvent app_done;
+  Status status = device_->RecordAppWork(app_stream, &app_done);
+  if (status.ok()) status = device_->WaitAppWork(Stream::kApp, app_done);
+  if (status.ok()) status = device_->WaitAppWork(Stream::kWriteback, app_done);
+  if (!status.ok()) return status;
   if (access.kind == OpKind::kPreUpdate) {
     std::vector<float> host(values);
     device_->CopyDeviceToHost(host.data(), slot.data, values * sizeof(float), Stream::kApp);

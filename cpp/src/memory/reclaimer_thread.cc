@@ -50,6 +50,11 @@ Status Engine::Impl::ReclaimOp(int64_t seq) {
   }
   const AccessRecord& access = recording_.accesses[op.handle];
   Slot* slot = &slots_[op.handle][clock % depth_];
+  // Everything below runs on the writeback stream after the application's
+  // own work on the buffer; the Synchronize before ReleaseSlot then also
+  // guarantees that work is done before the buffer is reused.
+  MLT_RETURN_IF_ERROR(device_->WaitAppWork(Stream::kWriteback, slot->app_done));
+  slot->app_done.reset();
   if (op.kind == OpKind::kUpdate && index_.tables[access.table].direct.handle == op.handle) {
     std::vector<Message> messages;
     MLT_RETURN_IF_ERROR(BuildDirectUpdate(access, slot->data, clock, &messages));

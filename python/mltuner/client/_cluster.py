@@ -31,7 +31,7 @@ class LocalCluster:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.config = config or Config()
-        self._cluster = _core.LocalCluster(self.config.to_core(), int(num_workers))
+        self._cluster = _core.LocalCluster(self.config.to_core(), int(num_workers), self.config.device)
         self.workers = [Worker(self._cluster.worker(rank), owner=self._cluster) for rank in range(num_workers)]
 
     @property

@@ -12,9 +12,12 @@ from mltuner import _core
 from mltuner.client._layout import TensorLayout
 from mltuner.exceptions import NotFoundError
 
-__all__ = ["Worker", "Table", "Rows"]
+__all__ = ["Worker", "Table", "Rows", "Buffer"]
 
 Rows = Union[Sequence[int], np.ndarray, range, None]
+# What an access returns: a numpy array on the CPU backend, a DeviceArray
+# (DLPack, zero copy) on an accelerator.
+Buffer = Union[np.ndarray, _core.DeviceArray]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +50,13 @@ class Worker:
     4. ``start_iterations``; then the real calls must follow the recorded order,
        and ``clock`` ends each iteration.
 
-    Buffers are numpy arrays of shape (rows, row_width) over engine memory, with
-    no copy; read buffers are read-only. A buffer is valid until its post call.
+    Buffers have shape (rows, row_width) and live in engine memory, with no
+    copy: numpy arrays on the CPU backend (read buffers are read-only),
+    :class:`DeviceArray` objects on CUDA (``torch.from_dlpack(buffer)``). A
+    buffer is valid until its post call. On CUDA, give each post call the stream
+    your kernels used on the buffer (``stream=torch.cuda.current_stream().cuda_stream``;
+    the default 0 is the legacy default stream, which torch and cupy use unless
+    told otherwise): the engine waits for that work before it touches the buffer.
     Blocking calls release the GIL, so several workers can run on threads.
     """
 
@@ -144,30 +152,32 @@ class Worker:
         self._engine.start_iterations()
 
     # -- real accesses -----------------------------------------------------------
-    def read(self, handle: int) -> np.ndarray:
+    def read(self, handle: int) -> Buffer:
         """The rows of a recorded read, fresh within its slack (read-only)."""
         buffer, age = self._engine.read(int(handle))
         self._last_data_age = int(age)
         return buffer
 
-    def post_read(self, handle: int) -> None:
-        self._engine.post_read(int(handle))
+    def post_read(self, handle: int, *, stream: int = 0) -> None:
+        """Hands a read buffer back once ``stream``'s work on it is done."""
+        self._engine.post_read(int(handle), int(stream))
 
-    def pre_update(self, handle: int) -> np.ndarray:
+    def pre_update(self, handle: int) -> Buffer:
         """A zeroed buffer to write this clock's update of the recorded rows into."""
         buffer, _ = self._engine.pre_update(int(handle))
         return buffer
 
-    def update(self, handle: int) -> None:
-        """Hands the update buffer to the engine, which adds it and ships it."""
-        self._engine.update(int(handle))
+    def update(self, handle: int, *, stream: int = 0) -> None:
+        """Hands the update buffer to the engine, which adds it and ships it
+        once ``stream``'s work on it is done."""
+        self._engine.update(int(handle), int(stream))
 
-    def local_access(self, handle: int) -> np.ndarray:
+    def local_access(self, handle: int) -> Buffer:
         buffer, _ = self._engine.local_access(int(handle))
         return buffer
 
-    def post_local_access(self, handle: int) -> None:
-        self._engine.post_local_access(int(handle))
+    def post_local_access(self, handle: int, *, stream: int = 0) -> None:
+        self._engine.post_local_access(int(handle), int(stream))
 
     def clock(self) -> None:
         """Ends the current iteration."""

@@ -1,4 +1,5 @@
-// CpuDevice: every data-movement call against a naive per-element reference.
+// CpuDevice: the Device contract (device_contract.h, shared with the CUDA
+// backend), then CPU-specific checks against a naive per-element reference.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -6,6 +7,7 @@
 #include <random>
 #include <vector>
 
+#include "device/device_contract.h"
 #include "mltuner/device.h"
 #include "test_util.h"
 
@@ -83,6 +85,11 @@ std::vector<RowRun> OverlappingDst(int64_t rows, std::mt19937_64& rng) {
   runs.push_back({0, 10, 8});
   runs.push_back({20, 10, 8});  // the same dst rows twice
   return runs;
+}
+
+TEST(PassesDeviceContract) {
+  auto device = NewCpuDevice();
+  contract::RunDeviceContract(*device, "cpu");
 }
 
 TEST(Identity) {

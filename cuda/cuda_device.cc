@@ -1,0 +1,437 @@
+// CudaDevice: the CUDA backend of Device. See cuda_device.h for the error
+// model; this file is plain C++ against the CUDA runtime, and the kernels it
+// launches live in cuda/kernels.
+#include "cuda_device.h"
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "kernels/fill.h"
+#include "kernels/kernels.h"
+
+namespace mltuner {
+namespace {
+
+std::string ErrorText(cudaError_t err) {
+  return std::string(cudaGetErrorName(err)) + " (" + cudaGetErrorString(err) + ")";
+}
+
+// Recycled CUDA events for RecordAppWork tickets. The engine takes a ticket
+// on every post, so creating and destroying an event each time would put a
+// driver call pair on that path; a handful of reusable events covers the
+// tickets in flight at once.
+//
+// Threads: Take and Return may be called from any thread. Ownership: shared
+// by the CudaDevice and every outstanding ticket's deleter, so a ticket that
+// outlives its device still returns (and then destroys) its event safely.
+class EventPool {
+ public:
+  explicit EventPool(int ordinal) : ordinal_(ordinal) {}
+  ~EventPool() {
+    // Errors are ignored: at process exit the runtime may already be gone.
+    cudaSetDevice(ordinal_);
+    for (cudaEvent_t event : free_) cudaEventDestroy(event);
+    cudaGetLastError();
+  }
+  EventPool(const EventPool&) = delete;
+  EventPool& operator=(const EventPool&) = delete;
+
+  // REQUIRES: the pool's device is current on the calling thread (an event
+  // belongs to the device current when it is created).
+  Status Take(cudaEvent_t* out) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!free_.empty()) {
+        *out = free_.back();
+        free_.pop_back();
+        return Status::Ok();
+      }
+    }
+    const cudaError_t err = cudaEventCreateWithFlags(out, cudaEventDisableTiming);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      return Status::Internal("CUDA error in RecordAppWork (cudaEventCreateWithFlags): " + ErrorText(err));
+    }
+    return Status::Ok();
+  }
+
+  // Re-recording a returned event is safe even while a stream still waits on
+  // it: cudaStreamWaitEvent captures the event's state when it is called.
+  void Return(cudaEvent_t event) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (free_.size() < kMaxPooled) {
+        free_.push_back(event);
+        return;
+      }
+    }
+    cudaEventDestroy(event);
+  }
+
+ private:
+  static constexpr size_t kMaxPooled = 64;
+  const int ordinal_;
+  std::mutex mu_;
+  std::vector<cudaEvent_t> free_;
+};
+
+// Threads: any method from any thread (each calls cudaSetDevice first).
+// Ownership: owns its streams, its upload stream and (shared) its event pool;
+// the memory and index copies it hands out belong to the caller until Free /
+// FreeHost / ReleaseIndex.
+class CudaDevice final : public Device {
+ public:
+  explicit CudaDevice(int ordinal) : ordinal_(ordinal), events_(std::make_shared<EventPool>(ordinal)) {}
+
+  // Streams are made here rather than in the constructor so that a failure
+  // becomes a Status.
+  Status Init() {
+    MLT_RETURN_IF_ERROR(MakeCurrent("NewCudaDevice"));
+    cudaDeviceProp props{};
+    cudaError_t err = cudaGetDeviceProperties(&props, ordinal_);
+    if (err != cudaSuccess) return Fail("NewCudaDevice (cudaGetDeviceProperties)", err);
+    name_ = "cuda:" + std::to_string(ordinal_) + " " + props.name;
+    // Non-blocking: the engine's streams must not serialize with work that
+    // the application queues on the legacy default stream.
+    for (cudaStream_t& stream : streams_) {
+      err = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+      if (err != cudaSuccess) return Fail("NewCudaDevice (cudaStreamCreateWithFlags)", err);
+    }
+    err = cudaStreamCreateWithFlags(&upload_stream_, cudaStreamNonBlocking);
+    if (err != cudaSuccess) return Fail("NewCudaDevice (cudaStreamCreateWithFlags)", err);
+    return Status::Ok();
+  }
+
+  // Never throws or aborts: every error is ignored, since a device in an
+  // error state (or a runtime already unloading at exit) fails these calls.
+  ~CudaDevice() override {
+    cudaSetDevice(ordinal_);
+    for (cudaStream_t stream : streams_) {
+      if (stream == nullptr) continue;
+      cudaStreamSynchronize(stream);
+      cudaStreamDestroy(stream);
+    }
+    if (upload_stream_ != nullptr) {
+      cudaStreamSynchronize(upload_stream_);
+      cudaStreamDestroy(upload_stream_);
+    }
+    cudaGetLastError();
+  }
+
+  std::string name() const override { return name_; }
+  bool host_addressable() const override { return false; }
+  int ordinal() const override { return ordinal_; }
+
+  Status Allocate(size_t bytes, void** out) override {
+    if (bytes == 0) return Status::InvalidArgument("CudaDevice::Allocate of 0 bytes");
+    MLT_RETURN_IF_ERROR(MakeCurrent("Allocate"));
+    void* ptr = nullptr;
+    const cudaError_t err = cudaMalloc(&ptr, bytes);
+    if (err != cudaSuccess) return AllocationFailure("Allocate (cudaMalloc)", bytes, err);
+    *out = ptr;
+    return Status::Ok();
+  }
+
+  void Free(void* ptr) override {
+    if (ptr == nullptr) return;
+    if (!MakeCurrentOrRecord("Free")) return;
+    Record("Free (cudaFree)", cudaFree(ptr));
+  }
+
+  // Pinned, so that copies from it are true DMA and overlap with kernels.
+  Status AllocateHost(size_t bytes, void** out) override {
+    if (bytes == 0) return Status::InvalidArgument("CudaDevice::AllocateHost of 0 bytes");
+    MLT_RETURN_IF_ERROR(MakeCurrent("AllocateHost"));
+    void* ptr = nullptr;
+    const cudaError_t err = cudaMallocHost(&ptr, bytes);
+    if (err != cudaSuccess) return AllocationFailure("AllocateHost (cudaMallocHost)", bytes, err);
+    *out = ptr;
+    return Status::Ok();
+  }
+
+  void FreeHost(void* ptr) override {
+    if (ptr == nullptr) return;
+    if (!MakeCurrentOrRecord("FreeHost")) return;
+    Record("FreeHost (cudaFreeHost)", cudaFreeHost(ptr));
+  }
+
+  // Uploads the runs and waits for the upload, so the copy is usable from
+  // every stream at once. Preparing a prepared index replaces its copy; the
+  // runs must not change afterwards without preparing again (the kernels read
+  // index.runs.size() entries of the device copy).
+  Status PrepareIndex(RunIndex* index) override {
+    int64_t total = 0;
+    for (const RowRun& run : index->runs) {
+      if (run.src < 0 || run.dst < 0 || run.count < 0) {
+        return Status::InvalidArgument("row run {src " + std::to_string(run.src) + ", dst " +
+                                       std::to_string(run.dst) + ", count " + std::to_string(run.count) +
+                                       "} has a negative field");
+      }
+      total += run.count;
+    }
+    MLT_RETURN_IF_ERROR(MakeCurrent("PrepareIndex"));
+    ReleaseIndex(index);
+    index->total_rows = total;
+    if (index->runs.empty()) return Status::Ok();
+
+    const size_t bytes = index->runs.size() * sizeof(RowRun);
+    void* copy = nullptr;
+    cudaError_t err = cudaMalloc(&copy, bytes);
+    if (err != cudaSuccess) return AllocationFailure("PrepareIndex (cudaMalloc)", bytes, err);
+    // A private stream rather than cudaMemcpy: the legacy default stream
+    // would also wait for whatever the application queued on it.
+    err = cudaMemcpyAsync(copy, index->runs.data(), bytes, cudaMemcpyHostToDevice, upload_stream_);
+    if (err == cudaSuccess) err = cudaStreamSynchronize(upload_stream_);
+    if (err != cudaSuccess) {
+      cudaFree(copy);
+      return Fail("PrepareIndex (upload)", err);
+    }
+    index->device_copy = copy;
+    return Status::Ok();
+  }
+
+  // REQUIRES: work that used the index has completed (Synchronize).
+  void ReleaseIndex(RunIndex* index) override {
+    if (index->device_copy == nullptr) return;
+    if (MakeCurrentOrRecord("ReleaseIndex")) Record("ReleaseIndex (cudaFree)", cudaFree(index->device_copy));
+    index->device_copy = nullptr;
+  }
+
+  // Host pointers may be pageable or pinned: cudaMemcpyAsync handles both
+  // (pageable ones are staged by the driver, and the call returns only once
+  // the source has been read, so the caller may reuse it at once).
+  void CopyHostToDevice(void* dst, const void* src, size_t bytes, Stream s) override {
+    Copy(dst, src, bytes, cudaMemcpyHostToDevice, s, "CopyHostToDevice");
+  }
+  void CopyDeviceToHost(void* dst, const void* src, size_t bytes, Stream s) override {
+    Copy(dst, src, bytes, cudaMemcpyDeviceToHost, s, "CopyDeviceToHost");
+  }
+  void CopyDeviceToDevice(void* dst, const void* src, size_t bytes, Stream s) override {
+    Copy(dst, src, bytes, cudaMemcpyDeviceToDevice, s, "CopyDeviceToDevice");
+  }
+
+  void Gather(float* dst, const float* src, const RunIndex& index, int64_t row_width, Stream s) override {
+    RowRuns(&kernels::LaunchGatherRuns, "Gather", dst, src, index, row_width, s);
+  }
+
+  // REQUIRES (unlike the CPU backend): no two runs write the same dst row;
+  // the kernel adds without atomics.
+  void ScatterAdd(float* dst, const float* src, const RunIndex& index, int64_t row_width, Stream s) override {
+    RowRuns(&kernels::LaunchScatterAddRuns, "ScatterAdd", dst, src, index, row_width, s);
+  }
+
+  void Fill(float* dst, float value, size_t count, Stream s) override {
+    if (count == 0) return;
+    cudaStream_t stream = nullptr;
+    if (!Prepare(s, "Fill", &stream)) return;
+    // Only +0.0f is all-zero bits; -0.0f must keep its sign, so compare bits.
+    uint32_t bits = 0;
+    std::memcpy(&bits, &value, sizeof(bits));
+    if (bits == 0) {
+      Record("Fill (cudaMemsetAsync)", cudaMemsetAsync(dst, 0, count * sizeof(float), stream));
+    } else {
+      kernels::LaunchFill(dst, value, static_cast<int64_t>(count), stream);
+      Record("Fill (kernel launch)", cudaGetLastError());
+    }
+  }
+
+  Status Synchronize(Stream s) override {
+    if (!ValidStream(s)) return Status::InvalidArgument("CudaDevice::Synchronize: no stream " + std::to_string(static_cast<int>(s)));
+    if (MakeCurrentOrRecord("Synchronize")) {
+      Record("Synchronize (cudaStreamSynchronize)", cudaStreamSynchronize(streams_[static_cast<int>(s)]));
+      // Anything else this thread's CUDA calls left behind.
+      Record("Synchronize (cudaGetLastError)", cudaGetLastError());
+    }
+    std::lock_guard<std::mutex> lock(error_mu_);
+    return std::exchange(first_error_, Status::Ok());
+  }
+
+  Status RecordAppWork(uintptr_t app_stream, DeviceEvent* out) override {
+    MLT_RETURN_IF_ERROR(MakeCurrent("RecordAppWork"));
+    // 0 names the legacy default stream explicitly, so the meaning holds even
+    // if this file were built with a per-thread default stream.
+    cudaStream_t stream = app_stream == 0 ? cudaStreamLegacy : reinterpret_cast<cudaStream_t>(app_stream);
+    cudaEvent_t event = nullptr;
+    MLT_RETURN_IF_ERROR(events_->Take(&event));
+    const cudaError_t err = cudaEventRecord(event, stream);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      cudaEventDestroy(event);  // its state is unknown: do not pool it
+      const std::string what = "RecordAppWork on stream " + std::to_string(app_stream) + ": " + ErrorText(err);
+      // A bad handle (or one of another device) is the caller's mistake.
+      if (err == cudaErrorInvalidResourceHandle || err == cudaErrorInvalidValue) {
+        return Status::InvalidArgument(what);
+      }
+      return Status::Internal("CUDA error in " + what);
+    }
+    std::shared_ptr<EventPool> pool = events_;
+    *out = DeviceEvent(static_cast<void*>(event),
+                       [pool](void* e) { pool->Return(static_cast<cudaEvent_t>(e)); });
+    return Status::Ok();
+  }
+
+  Status WaitAppWork(Stream s, const DeviceEvent& event) override {
+    if (!event) return Status::Ok();
+    if (!ValidStream(s)) return Status::InvalidArgument("CudaDevice::WaitAppWork: no stream " + std::to_string(static_cast<int>(s)));
+    MLT_RETURN_IF_ERROR(MakeCurrent("WaitAppWork"));
+    const cudaError_t err =
+        cudaStreamWaitEvent(streams_[static_cast<int>(s)], static_cast<cudaEvent_t>(event.get()), 0);
+    if (err != cudaSuccess) return Fail("WaitAppWork (cudaStreamWaitEvent)", err);
+    return Status::Ok();
+  }
+
+ private:
+  using RowRunsLauncher = void (*)(float*, const float*, const RowRun*, int64_t, int64_t, int64_t, cudaStream_t);
+
+  static bool ValidStream(Stream s) {
+    const int i = static_cast<int>(s);
+    return i >= 0 && i < kNumStreams;
+  }
+
+  // Clears the thread's last error too, so that a failure is reported once.
+  static Status Fail(const std::string& what, cudaError_t err) {
+    cudaGetLastError();
+    return Status::Internal("CUDA error in " + what + ": " + ErrorText(err));
+  }
+
+  Status AllocationFailure(const char* what, size_t bytes, cudaError_t err) const {
+    cudaGetLastError();
+    // Only running out of memory is ResourceExhausted; anything else (a
+    // device in an error state) is not cured by a smaller request.
+    if (err != cudaErrorMemoryAllocation) return Fail(what, err);
+    return Status::ResourceExhausted(std::string("CudaDevice::") + what + " of " + std::to_string(bytes) +
+                                     " bytes on " + name_ + " failed: " + ErrorText(err));
+  }
+
+  // Engine threads are arbitrary threads; the current device is per thread.
+  Status MakeCurrent(const char* what) const {
+    const cudaError_t err = cudaSetDevice(ordinal_);
+    if (err != cudaSuccess) return Fail(std::string(what) + " (cudaSetDevice)", err);
+    return Status::Ok();
+  }
+
+  bool MakeCurrentOrRecord(const char* what) {
+    const cudaError_t err = cudaSetDevice(ordinal_);
+    if (err == cudaSuccess) return true;
+    Record((std::string(what) + " (cudaSetDevice)").c_str(), err);
+    return false;
+  }
+
+  // The common start of every asynchronous void method.
+  bool Prepare(Stream s, const char* what, cudaStream_t* stream) {
+    if (!ValidStream(s)) {
+      RecordStatus(Status::InvalidArgument(std::string("CudaDevice::") + what + ": no stream " +
+                                           std::to_string(static_cast<int>(s))));
+      return false;
+    }
+    if (!MakeCurrentOrRecord(what)) return false;
+    *stream = streams_[static_cast<int>(s)];
+    return true;
+  }
+
+  void Record(const std::string& what, cudaError_t err) {
+    if (err == cudaSuccess) return;
+    cudaGetLastError();  // reported here; keep Synchronize from seeing it twice
+    RecordStatus(Status::Internal("CUDA error in " + what + ": " + ErrorText(err)));
+  }
+
+  void RecordStatus(Status status) {
+    std::lock_guard<std::mutex> lock(error_mu_);
+    if (first_error_.ok()) first_error_ = std::move(status);
+  }
+
+  void Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, Stream s, const char* what) {
+    if (bytes == 0) return;
+    cudaStream_t stream = nullptr;
+    if (!Prepare(s, what, &stream)) return;
+    Record(std::string(what) + " (cudaMemcpyAsync)", cudaMemcpyAsync(dst, src, bytes, kind, stream));
+  }
+
+  // An unprepared index (runs but no device copy) still works: its runs are
+  // uploaded to a stream-ordered temporary (cudaMallocAsync / cudaFreeAsync
+  // on the same stream), so the calling thread does not block. That costs an
+  // allocation and a small copy per call; the engine prepares its indexes.
+  void RowRuns(RowRunsLauncher launch, const char* what, float* dst, const float* src, const RunIndex& index,
+               int64_t row_width, Stream s) {
+    if (index.runs.empty() || row_width <= 0) return;
+    cudaStream_t stream = nullptr;
+    if (!Prepare(s, what, &stream)) return;
+    const int64_t num_runs = static_cast<int64_t>(index.runs.size());
+    const RowRun* runs = static_cast<const RowRun*>(index.device_copy);
+    int64_t total_rows = index.total_rows;
+    void* temporary = nullptr;
+    if (runs == nullptr) {
+      total_rows = 0;
+      for (const RowRun& run : index.runs) total_rows += run.count;
+      const size_t bytes = index.runs.size() * sizeof(RowRun);
+      cudaError_t err = cudaMallocAsync(&temporary, bytes, stream);
+      if (err != cudaSuccess) {
+        Record(std::string(what) + " (cudaMallocAsync of an unprepared index)", err);
+        return;
+      }
+      err = cudaMemcpyAsync(temporary, index.runs.data(), bytes, cudaMemcpyHostToDevice, stream);
+      if (err != cudaSuccess) {
+        Record(std::string(what) + " (upload of an unprepared index)", err);
+        cudaFreeAsync(temporary, stream);
+        return;
+      }
+      runs = static_cast<const RowRun*>(temporary);
+    }
+    launch(dst, src, runs, num_runs, total_rows, row_width, stream);
+    Record(std::string(what) + " (kernel launch)", cudaGetLastError());
+    if (temporary != nullptr) Record(std::string(what) + " (cudaFreeAsync)", cudaFreeAsync(temporary, stream));
+  }
+
+  const int ordinal_;
+  std::string name_;
+  std::array<cudaStream_t, kNumStreams> streams_{};
+  cudaStream_t upload_stream_ = nullptr;  // PrepareIndex's uploads only
+  std::shared_ptr<EventPool> events_;
+
+  std::mutex error_mu_;
+  Status first_error_;  // guarded by error_mu_; the first unreported error
+};
+
+}  // namespace
+
+int CudaDeviceCount() {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return count;
+}
+
+Status NewCudaDevice(int ordinal, std::unique_ptr<Device>* out) {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return Status::InvalidArgument("no CUDA device for cuda:" + std::to_string(ordinal) +
+                                   " (cudaGetDeviceCount: " + cudaGetErrorString(err) + ")");
+  }
+  if (count == 0) {
+    return Status::InvalidArgument("no CUDA device for cuda:" + std::to_string(ordinal) +
+                                   " (cudaGetDeviceCount: 0 devices visible)");
+  }
+  if (ordinal < 0 || ordinal >= count) {
+    return Status::InvalidArgument("no CUDA device cuda:" + std::to_string(ordinal) + ": ordinal out of range, " +
+                                   std::to_string(count) + " device(s) visible (cudaGetDeviceCount)");
+  }
+  auto device = std::make_unique<CudaDevice>(ordinal);
+  MLT_RETURN_IF_ERROR(device->Init());
+  *out = std::move(device);
+  return Status::Ok();
+}
+
+}  // namespace mltuner

@@ -1,0 +1,35 @@
+// The CUDA backend of Device (cpp/include/mltuner/device.h): device memory
+// from cudaMalloc, pinned host staging from cudaMallocHost, one non-blocking
+// CUDA stream per mltuner::Stream, and the row-run kernels of cuda/kernels.
+//
+// Threads: every method may be called from any thread; each first makes its
+// GPU current on the calling thread (cudaSetDevice), so engine threads need
+// no setup of their own.
+//
+// Errors: the void methods (copies, kernels, Fill) cannot return a Status.
+// The first CUDA error one of them meets is remembered and returned, once, by
+// the next Synchronize of ANY stream as Status::Internal("CUDA error in
+// <what>: <cudaGetErrorString>"). A sticky error (an illegal address in a
+// kernel) leaves the whole CUDA context unusable; every later call fails too.
+//
+// Ownership: the caller owns the Device (unique_ptr) and must Free/FreeHost
+// what it allocated and ReleaseIndex what it prepared before destroying it.
+// DeviceEvents from RecordAppWork may outlive the Device.
+#pragma once
+
+#include <memory>
+
+#include "mltuner/device.h"
+#include "mltuner/status.h"
+
+namespace mltuner {
+
+// Makes the Device of GPU `ordinal`. InvalidArgument when there is no CUDA
+// device or `ordinal` is not in [0, CudaDeviceCount()).
+Status NewCudaDevice(int ordinal, std::unique_ptr<Device>* out);
+
+// The number of visible CUDA devices; 0 when there is no driver or no device.
+// Never throws or aborts, so callers may probe with it on any machine.
+int CudaDeviceCount();
+
+}  // namespace mltuner

@@ -1,0 +1,145 @@
+"""The CUDA backend against the CPU backend: same training, same numbers.
+
+These tests run where mltuner was built with nvcc and a GPU is visible (the
+lent device); elsewhere they are skipped with the reason. Buffers reach the
+GPU code through DLPack (torch), with no copy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mltuner as mlt
+
+pytestmark = pytest.mark.gpu
+
+if mlt.cuda_device_count() == 0:
+    pytest.skip(
+        f"needs the CUDA backend and a visible GPU (built with CUDA: {mlt.cuda_built()}, "
+        f"devices: {mlt.cuda_device_count()})",
+        allow_module_level=True,
+    )
+torch = pytest.importorskip("torch")
+
+ROWS, WIDTH, CLOCKS = 37, 24, 12
+
+
+def _gradient(weights: np.ndarray, rank: int, clock: int) -> np.ndarray:
+    """A deterministic 'gradient' that depends on what was read."""
+    rng = np.random.default_rng(100 * rank + clock)
+    return (0.5 * weights + rng.normal(size=weights.shape)).astype(np.float32)
+
+
+def _train(device: str, num_workers: int, budget: int, stream_kind: str = "default") -> list[np.ndarray]:
+    config = mlt.Config(
+        device=device,
+        device_memory_budget=budget,
+        wait_timeout_s=30,
+        update_rule=mlt.UpdateRule("momentum", learning_rate=0.05, momentum=0.9),
+    )
+    tables: dict[int, mlt.Table] = {}
+    reads: dict[int, list[np.ndarray]] = {}
+
+    def body(worker: mlt.Worker) -> None:
+        layers = [worker.create_table(f"layer{i}", ROWS, WIDTH) for i in range(3)]
+        tables[worker.rank] = layers[0]
+        reads_h = [worker.virtual_read(t, slack=0) for t in layers]
+        grads_h = []
+        for t in reversed(layers):  # backward: top layer first, each shipped at once
+            grads_h.append(worker.virtual_pre_update(t))
+            worker.virtual_update(grads_h[-1])
+        for h in reads_h:
+            worker.virtual_post_read(h)
+        worker.virtual_clock()
+        worker.finish_virtual_iteration()
+        if worker.rank == 0:
+            for i, h in enumerate(grads_h):
+                init = np.random.default_rng(7 + i).normal(size=(ROWS, WIDTH)).astype(np.float32)
+                _write(worker.pre_update(h), init, device, "default")
+                worker.update(h)
+        worker.start_iterations()
+        seen = []
+        for clock in range(CLOCKS):
+            weights = [_to_numpy(worker.read(h), device) for h in reads_h]
+            seen.append(weights[0])
+            for i, h in enumerate(grads_h):
+                buffer = worker.pre_update(h)
+                stream = _write(buffer, _gradient(weights[len(layers) - 1 - i], worker.rank, clock), device, stream_kind)
+                worker.update(h, stream=stream)
+            for h in reads_h:
+                worker.post_read(h)
+            worker.clock()
+        worker.sync()
+        reads[worker.rank] = seen
+
+    with mlt.LocalCluster(num_workers, config) as cluster:
+        cluster.run(body, timeout_s=120)
+        final = cluster.worker(0).fetch(tables[0])
+    return [final] + reads[0]
+
+
+def _to_numpy(buffer: object, device: str) -> np.ndarray:
+    if device == "cpu":
+        return np.array(buffer)
+    tensor = torch.from_dlpack(buffer)
+    assert tensor.is_cuda and tensor.data_ptr() == buffer.data_ptr  # zero copy
+    return tensor.cpu().numpy()
+
+
+def _write(buffer: object, values: np.ndarray, device: str, stream_kind: str) -> int:
+    """Writes values into an update buffer; returns the stream used."""
+    if device == "cpu":
+        buffer[...] = values
+        return 0
+    target = torch.from_dlpack(buffer)
+    if stream_kind == "default":
+        target.copy_(torch.from_numpy(values))
+        return 0
+    # A side stream with a long kernel queued first: the engine must wait for it.
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        big = torch.randn(4096, 4096, device="cuda")
+        for _ in range(4):
+            big = big @ big / 64.0
+        target.copy_(torch.from_numpy(values).cuda(non_blocking=False) + 0.0 * big[0, 0])
+    return int(side.cuda_stream)
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_cuda_training_equals_cpu_training(num_workers: int) -> None:
+    cpu = _train("cpu", num_workers, budget=0)
+    gpu = _train("cuda", num_workers, budget=0)
+    for want, got in zip(cpu, gpu):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_cuda_under_a_small_budget_equals_unlimited() -> None:
+    row_bytes = WIDTH * 4
+    peak = 3 * ((ROWS * row_bytes + 255) // 256 * 256) + ((ROWS * row_bytes + 255) // 256 * 256)
+    budget = 2 * peak + 2 * ROWS * row_bytes  # the pool and about one layer
+    np.testing.assert_array_equal(_train("cuda", 2, budget=budget)[0], _train("cuda", 2, budget=0)[0])
+
+
+def test_update_waits_for_work_on_the_application_stream() -> None:
+    np.testing.assert_array_equal(_train("cuda", 1, budget=0, stream_kind="side")[0], _train("cpu", 1, budget=0)[0])
+
+
+def test_device_array_is_dlpack_and_copyable() -> None:
+    config = mlt.Config(device="cuda", wait_timeout_s=30)
+    with mlt.LocalCluster(1, config) as cluster:
+        worker = cluster.worker(0)
+        table = worker.create_table("t", 5, 8)
+        h = worker.virtual_pre_update(table)
+        worker.virtual_update(h)
+        worker.virtual_clock()
+        worker.finish_virtual_iteration()
+        buffer = worker.pre_update(h)
+        assert isinstance(buffer, mlt.DeviceArray)
+        assert buffer.shape == (5, 8) and buffer.dtype == "float32" and buffer.writable
+        assert buffer.__dlpack_device__()[0] == 2  # kDLCUDA
+        values = np.arange(40, dtype=np.float32).reshape(5, 8) + 1
+        torch.from_dlpack(buffer).copy_(torch.from_numpy(values))
+        np.testing.assert_array_equal(buffer.numpy(), values)
+        worker.update(h)
+        np.testing.assert_array_equal(worker.fetch(table), values)

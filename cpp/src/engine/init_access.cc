@@ -12,38 +12,6 @@ namespace mltuner {
 
 namespace {
 
-// Groups (row id, position in caller's array) by shard into spans of
-// consecutive row ids. `order[s]` lists the caller positions in span order.
-struct ShardedRows {
-  std::vector<std::vector<RowSpan>> spans;
-  std::vector<std::vector<int64_t>> order;
-};
-
-ShardedRows ShardRows(const TableInfo& table, const std::vector<RowId>& rows, int num_shards) {
-  std::vector<std::pair<RowId, int64_t>> sorted;
-  sorted.reserve(rows.size());
-  for (int64_t i = 0; i < static_cast<int64_t>(rows.size()); ++i) sorted.push_back({rows[i], i});
-  std::sort(sorted.begin(), sorted.end());
-  ShardedRows out;
-  out.spans.resize(num_shards);
-  out.order.resize(num_shards);
-  int shard = 0;
-  for (const auto& [row, position] : sorted) {
-    while (row >= ShardRange(table.num_rows, shard, num_shards).begin +
-                      ShardRange(table.num_rows, shard, num_shards).count) {
-      ++shard;
-    }
-    std::vector<RowSpan>& spans = out.spans[shard];
-    if (!spans.empty() && spans.back().begin + spans.back().count == row) {
-      ++spans.back().count;
-    } else {
-      spans.push_back({row, 1});
-    }
-    out.order[shard].push_back(position);
-  }
-  return out;
-}
-
 Status CheckRowIds(const TableInfo& table, const std::vector<RowId>& rows) {
   std::vector<RowId> sorted = rows;
   std::sort(sorted.begin(), sorted.end());

@@ -118,28 +118,14 @@ void LinkFetchDependencies(const Recording& recording, IterationIndex* index) {
 // spans of that access (sorted by id) and the runs that copy its buffer rows
 // into the message in span order.
 DirectSend PlanDirectSend(const TableInfo& table, const AccessRecord& update, int num_shards) {
+  const ShardedRows sharded = ShardRows(table, update.rows, num_shards);
   DirectSend direct;
   direct.handle = update.handle;
-  direct.spans.resize(num_shards);
+  direct.spans = sharded.spans;
   direct.runs.resize(num_shards);
-  std::vector<std::pair<RowId, int64_t>> sorted;  // (row id, buffer row)
-  for (int64_t i = 0; i < static_cast<int64_t>(update.rows.size()); ++i) sorted.push_back({update.rows[i], i});
-  std::sort(sorted.begin(), sorted.end());
-  int shard = 0;
-  std::vector<int64_t> filled(num_shards, 0);
-  for (const auto& [row, buffer_row] : sorted) {
-    for (;;) {
-      const RowSpan range = ShardRange(table.num_rows, shard, num_shards);
-      if (row < range.begin + range.count) break;
-      ++shard;
-    }
-    std::vector<RowSpan>& spans = direct.spans[shard];
-    if (!spans.empty() && spans.back().begin + spans.back().count == row) {
-      ++spans.back().count;
-    } else {
-      spans.push_back({row, 1});
-    }
-    AppendToRuns(&direct.runs[shard], buffer_row, filled[shard]++);
+  for (int shard = 0; shard < num_shards; ++shard) {
+    int64_t message_row = 0;
+    for (int64_t buffer_row : sharded.order[shard]) AppendToRuns(&direct.runs[shard], buffer_row, message_row++);
   }
   return direct;
 }

@@ -265,6 +265,31 @@ Status ServerShard::HandleInitAdd(const Message& in, std::vector<Message>* out) 
   return Status::Ok();
 }
 
+ShardedRows ShardRows(const TableInfo& table, const std::vector<RowId>& rows, int num_shards) {
+  std::vector<std::pair<RowId, int64_t>> sorted;
+  sorted.reserve(rows.size());
+  for (int64_t i = 0; i < static_cast<int64_t>(rows.size()); ++i) sorted.push_back({rows[i], i});
+  std::sort(sorted.begin(), sorted.end());
+  ShardedRows out;
+  out.spans.resize(num_shards);
+  out.order.resize(num_shards);
+  int shard = 0;
+  RowSpan range = ShardRange(table.num_rows, shard, num_shards);
+  for (const auto& [row, position] : sorted) {
+    while (row >= range.begin + range.count && shard + 1 < num_shards) {
+      range = ShardRange(table.num_rows, ++shard, num_shards);
+    }
+    std::vector<RowSpan>& spans = out.spans[shard];
+    if (!spans.empty() && spans.back().begin + spans.back().count == row) {
+      ++spans.back().count;
+    } else {
+      spans.push_back({row, 1});
+    }
+    out.order[shard].push_back(position);
+  }
+  return out;
+}
+
 std::string TableSchemaText(const std::vector<TableInfo>& tables) {
   std::string text;
   for (const TableInfo& table : tables) {

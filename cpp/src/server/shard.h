@@ -35,6 +35,16 @@ namespace mltuner {
 // extra row when it does not divide.
 RowSpan ShardRange(int64_t num_rows, int shard, int num_shards);
 
+// Row ids grouped by the shard that owns them: per shard, spans of
+// consecutive ids (ascending) and, in the same order, each row's position in
+// the caller's array. Used to address shards (fetch, initial values, the
+// direct send of an update buffer). REQUIRES: ids in range, no duplicates.
+struct ShardedRows {
+  std::vector<std::vector<RowSpan>> spans;
+  std::vector<std::vector<int64_t>> order;
+};
+ShardedRows ShardRows(const TableInfo& table, const std::vector<RowId>& rows, int num_shards);
+
 // The communicated tables as one line ("0:name:rows:width;..."), sent with
 // kReady so a shard can refuse a worker whose tables differ from its own.
 std::string TableSchemaText(const std::vector<TableInfo>& tables);

@@ -25,7 +25,7 @@ Status Engine::Impl::HandleMessage(Message&& message) {
 }
 
 Status Engine::Impl::InstallRows(const Message& message) {
-  if (*phase_ != Phase::kRunning && *phase_ != Phase::kRecorded) {
+  if (phase_.load() != Phase::kRunning && phase_.load() != Phase::kRecorded) {
     return Status::OutOfOrder("rows arrived before the virtual iteration was finished or after shutdown: " +
                               message.DebugString());
   }

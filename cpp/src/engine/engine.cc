@@ -54,8 +54,8 @@ void Engine::Impl::Fail(const Status& status) {
 
 Status Engine::Impl::CreateTable(const std::string& name, int64_t num_rows, int64_t row_width,
                                  bool local, TableId* out) {
-  if (*phase_ == Phase::kShutdown) return ShutdownError();
-  if (*phase_ != Phase::kDefining) {
+  if (phase_.load() == Phase::kShutdown) return ShutdownError();
+  if (phase_.load() != Phase::kDefining) {
     return Status::OutOfOrder("create_table('" + name +
                               "') after the virtual iteration was finished");
   }
@@ -110,7 +110,7 @@ Status Engine::Impl::WaitUntilAllReady() {
 }
 
 Status Engine::Impl::FinishVirtualIteration() {
-  if (*phase_ != Phase::kDefining) {
+  if (phase_.load() != Phase::kDefining) {
     return Status::OutOfOrder("finish_virtual_iteration was already called");
   }
   if (!finish_error_.ok()) {
@@ -172,15 +172,15 @@ Status Engine::Impl::PlanAndPrepare() {
   stats_.pool_bytes = placement_.pool_bytes;
   stats_.device_store_bytes = placement_.device_store_bytes;
   stats_.host_store_bytes = placement_.host_store_bytes;
-  *phase_ = Phase::kRecorded;
+  phase_ = Phase::kRecorded;
   return Status::Ok();
 }
 
 Status Engine::Impl::StartIterations() {
-  if (*phase_ == Phase::kDefining) {
+  if (phase_.load() == Phase::kDefining) {
     return Status::OutOfOrder("start_iterations before finish_virtual_iteration");
   }
-  if (*phase_ != Phase::kRecorded) return Status::OutOfOrder("start_iterations was already called");
+  if (phase_.load() != Phase::kRecorded) return Status::OutOfOrder("start_iterations was already called");
   for (Handle h = 0; h < static_cast<Handle>(init_slots_.size()); ++h) {
     if (init_slots_[h].state != SlotState::kEmpty) {
       return Status::OutOfOrder("start_iterations while initialisation access of handle " +
@@ -196,7 +196,7 @@ Status Engine::Impl::StartIterations() {
     MLT_RETURN_IF_ERROR(transport_->Send(std::move(start)));
     ++messages_sent_;
   }
-  *phase_ = Phase::kRunning;
+  phase_ = Phase::kRunning;
   allocator_ = std::thread([this] { AllocatorLoop(); });
   reclaimer_ = std::thread([this] { ReclaimerLoop(); });
   return Status::Ok();
@@ -259,7 +259,7 @@ Status Engine::Impl::WaitForSlot(Handle handle, mltuner::Clock clock, Slot** out
 }
 
 Status Engine::Impl::Open(Handle handle, OpKind kind, AccessBuffer* out) {
-  const Phase phase = *phase_;
+  const Phase phase = phase_.load();
   if (phase == Phase::kShutdown) return ShutdownError();
   if (phase == Phase::kDefining) {
     return Status::OutOfOrder(std::string(OpKindName(kind)) +
@@ -298,7 +298,7 @@ Status Engine::Impl::Open(Handle handle, OpKind kind, AccessBuffer* out) {
 }
 
 Status Engine::Impl::Post(Handle handle, OpKind kind, uintptr_t app_stream) {
-  const Phase phase = *phase_;
+  const Phase phase = phase_.load();
   if (phase == Phase::kShutdown) return ShutdownError();
   if (phase == Phase::kDefining) {
     return Status::OutOfOrder(std::string(OpKindName(kind)) + " before finish_virtual_iteration");
@@ -327,7 +327,7 @@ Status Engine::Impl::Post(Handle handle, OpKind kind, uintptr_t app_stream) {
 }
 
 Status Engine::Impl::Clock() {
-  const Phase phase = *phase_;
+  const Phase phase = phase_.load();
   if (phase == Phase::kShutdown) return ShutdownError();
   if (phase != Phase::kRunning) {
     return Status::OutOfOrder("clock() before start_iterations (the virtual iteration records its "
@@ -346,8 +346,8 @@ Status Engine::Impl::Clock() {
 }
 
 Status Engine::Impl::Flush() {
-  if (*phase_ == Phase::kShutdown) return ShutdownError();
-  if (*phase_ != Phase::kRunning) return Status::Ok();
+  if (phase_.load() == Phase::kShutdown) return ShutdownError();
+  if (phase_.load() != Phase::kRunning) return Status::Ok();
   std::unique_lock<std::mutex> lock(mu_);
   const int64_t target = app_seq_;
   const bool done = cv_.wait_until(lock, Deadline(), [&] {
@@ -362,11 +362,11 @@ Status Engine::Impl::WaitForDataAge(TableId table, mltuner::Clock age) {
   const TableInfo* info = nullptr;
   MLT_RETURN_IF_ERROR(LookupTable(table, &info));
   if (info->local) return Status::InvalidArgument("table '" + info->name + "' is local: it has no data age");
-  if (*phase_ == Phase::kShutdown) return ShutdownError();
-  if (*phase_ != Phase::kRunning) return Status::OutOfOrder("wait_for_data_age before start_iterations");
+  if (phase_.load() == Phase::kShutdown) return ShutdownError();
+  if (phase_.load() != Phase::kRunning) return Status::OutOfOrder("wait_for_data_age before start_iterations");
   std::unique_lock<std::mutex> lock(age_mu_);
   const bool fresh = age_cv_.wait_until(lock, Deadline(), [&] {
-    return data_age_[table] >= age || *phase_ == Phase::kShutdown;
+    return data_age_[table] >= age || phase_.load() == Phase::kShutdown;
   });
   if (!fresh) {
     return Status::Timeout("table '" + info->name + "' did not reach data age " + std::to_string(age) +
@@ -392,7 +392,7 @@ EngineStats Engine::Impl::Stats() const {
 }
 
 Status Engine::Impl::Shutdown() {
-  const Phase before = phase_->exchange(Phase::kShutdown);
+  const Phase before = phase_.exchange(Phase::kShutdown);
   if (before == Phase::kShutdown) return Status::Ok();
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -454,8 +454,8 @@ std::vector<TableInfo> Engine::tables() const { return impl_->tables_; }
 
 #define MLT_REQUIRE_DEFINING(what)                                                   \
   do {                                                                               \
-    if (*impl_->phase_ == Phase::kShutdown) return ShutdownError();                  \
-    if (*impl_->phase_ != Phase::kDefining)                                          \
+    if (impl_->phase_.load() == Phase::kShutdown) return ShutdownError();                  \
+    if (impl_->phase_.load() != Phase::kDefining)                                          \
       return Status::OutOfOrder(std::string(what) + " after finish_virtual_iteration"); \
   } while (0)
 
@@ -507,11 +507,11 @@ Status Engine::VirtualClock() {
 #undef MLT_REQUIRE_DEFINING
 
 Status Engine::FinishVirtualIteration() {
-  if (*impl_->phase_ == Phase::kShutdown) return ShutdownError();
+  if (impl_->phase_.load() == Phase::kShutdown) return ShutdownError();
   return impl_->FinishVirtualIteration();
 }
 Status Engine::StartIterations() {
-  if (*impl_->phase_ == Phase::kShutdown) return ShutdownError();
+  if (impl_->phase_.load() == Phase::kShutdown) return ShutdownError();
   return impl_->StartIterations();
 }
 Status Engine::Read(Handle h, AccessBuffer* out) { return impl_->Open(h, OpKind::kRead, out); }
@@ -531,7 +531,7 @@ Status Engine::WaitForDataAge(TableId table, mltuner::Clock age) { return impl_-
 mltuner::Clock Engine::DataAge(TableId table) const { return impl_->DataAge(table); }
 EngineStats Engine::Stats() const { return impl_->Stats(); }
 std::string Engine::DescribePlan() const {
-  if (*impl_->phase_ == Phase::kDefining) return "no plan yet: finish the virtual iteration first";
+  if (impl_->phase_.load() == Phase::kDefining) return "no plan yet: finish the virtual iteration first";
   return impl_->placement_.Describe();
 }
 int Engine::rank() const { return impl_->rank_; }

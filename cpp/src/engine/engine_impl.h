@@ -93,7 +93,7 @@ class Engine::Impl {
   Transport* const transport_;
   Recorder recorder_;
   Status finish_error_;  // why the one FinishVirtualIteration failed, if it did
-  std::shared_ptr<std::atomic<Phase>> phase_ = std::make_shared<std::atomic<Phase>>(Phase::kDefining);
+  std::atomic<Phase> phase_{Phase::kDefining};
 
   // Constant after FinishVirtualIteration.
   std::vector<TableInfo> tables_;

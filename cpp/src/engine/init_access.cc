@@ -54,7 +54,7 @@ Status Engine::Impl::SendRequests(std::vector<Message> requests, std::vector<Mes
   }
   std::unique_lock<std::mutex> lock(age_mu_);
   const bool done = sent.ok() && age_cv_.wait_until(lock, Deadline(), [&] {
-    return request->replies_missing == 0 || *phase_ == Phase::kShutdown;
+    return request->replies_missing == 0 || phase_.load() == Phase::kShutdown;
   });
   requests_.erase(id);
   if (!sent.ok()) return sent;
@@ -66,7 +66,7 @@ Status Engine::Impl::SendRequests(std::vector<Message> requests, std::vector<Mes
 }
 
 Status Engine::Impl::Fetch(TableId table, const std::vector<RowId>& rows, float* out) {
-  if (*phase_ == Phase::kShutdown) return Status::Shutdown("the engine is shut down");
+  if (phase_.load() == Phase::kShutdown) return Status::Shutdown("the engine is shut down");
   const TableInfo* info = nullptr;
   MLT_RETURN_IF_ERROR(LookupTable(table, &info));
   if (info->local) {

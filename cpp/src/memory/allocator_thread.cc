@@ -113,7 +113,7 @@ Status Engine::Impl::WaitFresh(const AccessRecord& access, mltuner::Clock clock,
   const auto start = std::chrono::steady_clock::now();
   std::unique_lock<std::mutex> lock(age_mu_);
   while (data_age_[access.table] < needed) {
-    if (*phase_ == Phase::kShutdown) return Status::Shutdown("stopping");
+    if (phase_.load() == Phase::kShutdown) return Status::Shutdown("stopping");
     {
       std::lock_guard<std::mutex> pipeline(mu_);
       if (stopping_) return Status::Shutdown("stopping");

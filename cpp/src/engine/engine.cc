@@ -13,13 +13,6 @@ namespace {
 
 constexpr int kMaxSlack = 1000;
 
-OpKind PostKindOf(OpKind open) {
-  switch (open) {
-    case OpKind::kRead: return OpKind::kPostRead;
-    case OpKind::kPreUpdate: return OpKind::kUpdate;
-    default: return OpKind::kPostLocalAccess;
-  }
-}
 
 Status ShutdownError() { return Status::Shutdown("the engine is shut down"); }
 
@@ -234,6 +227,19 @@ Status Engine::Impl::CheckNextOp(OpKind kind, Handle handle) const {
                             " as op " + std::to_string(op_index) + " of clock " + std::to_string(app_clock_));
 }
 
+AccessBuffer Engine::Impl::BufferFor(const AccessRecord& access, float* data, mltuner::Clock data_age,
+                                     std::shared_ptr<void> keepalive) const {
+  AccessBuffer buffer;
+  buffer.data = data;
+  buffer.rows = static_cast<int64_t>(access.rows.size());
+  buffer.row_width = tables_[access.table].row_width;
+  buffer.writable = access.kind != OpKind::kRead;
+  buffer.data_age = data_age;
+  buffer.keepalive = std::move(keepalive);
+  buffer.device = device_;
+  return buffer;
+}
+
 Status Engine::Impl::WaitForSlot(Handle handle, mltuner::Clock clock, Slot** out) {
   Slot* slot = &slots_[handle][clock % depth_];
   std::unique_lock<std::mutex> lock(mu_);
@@ -282,13 +288,7 @@ Status Engine::Impl::Open(Handle handle, OpKind kind, AccessBuffer* out) {
   }
   Slot* slot = nullptr;
   MLT_RETURN_IF_ERROR(WaitForSlot(handle, clock, &slot));
-  out->data = slot->data;
-  out->rows = static_cast<int64_t>(access.rows.size());
-  out->row_width = tables_[access.table].row_width;
-  out->writable = kind != OpKind::kRead;
-  out->data_age = slot->data_age;
-  out->keepalive = pool_memory_;
-  out->device = device_;
+  *out = BufferFor(access, slot->data, slot->data_age, pool_memory_);
   {
     std::lock_guard<std::mutex> lock(mu_);
     ++app_seq_;

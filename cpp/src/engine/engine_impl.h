@@ -120,6 +120,9 @@ class Engine::Impl {
   Status CheckExpected(Handle handle, OpKind kind) const;
   // REQUIRES: mu_ held. OutOfOrder unless (kind, handle) is the next recorded op.
   Status CheckNextOp(OpKind kind, Handle handle) const;
+  // The buffer handed to the application for `access`.
+  AccessBuffer BufferFor(const AccessRecord& access, float* data, mltuner::Clock data_age,
+                         std::shared_ptr<void> keepalive) const;
   Status WaitForSlot(Handle handle, mltuner::Clock clock, Slot** out);
   std::string DescribeOp(int op_index) const;
 

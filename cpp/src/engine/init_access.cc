@@ -12,20 +12,6 @@ namespace mltuner {
 
 namespace {
 
-Status CheckRowIds(const TableInfo& table, const std::vector<RowId>& rows) {
-  std::vector<RowId> sorted = rows;
-  std::sort(sorted.begin(), sorted.end());
-  if (!sorted.empty() && (sorted.front() < 0 || sorted.back() >= table.num_rows)) {
-    return Status::InvalidArgument("row " + std::to_string(sorted.front() < 0 ? sorted.front() : sorted.back()) +
-                                   " is outside table '" + table.name + "' (rows 0.." +
-                                   std::to_string(table.num_rows - 1) + ")");
-  }
-  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) {
-    return Status::InvalidArgument("a row appears twice in a request to table '" + table.name + "'");
-  }
-  return Status::Ok();
-}
-
 Message RequestTo(MessageType type, int sender, int shard, const TableInfo& table) {
   Message message = NewMessage(type, sender, shard, table.id);
   message.header.row_width = table.row_width;
@@ -72,7 +58,7 @@ Status Engine::Impl::Fetch(TableId table, const std::vector<RowId>& rows, float*
   if (info->local) {
     return Status::InvalidArgument("table '" + info->name + "' is local: its rows live on this worker only");
   }
-  MLT_RETURN_IF_ERROR(CheckRowIds(*info, rows));
+  MLT_RETURN_IF_ERROR(CheckRowIds(*info, rows, "a request to"));
   const ShardedRows sharded = ShardRows(*info, rows, num_workers_);
   std::vector<Message> requests;
   for (int shard = 0; shard < num_workers_; ++shard) {
@@ -141,13 +127,7 @@ Status Engine::Impl::OpenInit(Handle handle, AccessBuffer* out) {
   slot.state = SlotState::kInUse;
   slot.data = block->floats();
   init_blocks_[handle] = block;
-  out->data = block->floats();
-  out->rows = static_cast<int64_t>(access.rows.size());
-  out->row_width = info.row_width;
-  out->writable = access.kind != OpKind::kRead;
-  out->data_age = kInitClock;
-  out->keepalive = block;
-  out->device = device_;
+  *out = BufferFor(access, block->floats(), kInitClock, block);
   return Status::Ok();
 }
 

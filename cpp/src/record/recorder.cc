@@ -5,9 +5,6 @@
 
 namespace mltuner {
 
-namespace {
-
-// The post op that closes each kind of open op.
 OpKind PostKindOf(OpKind open) {
   switch (open) {
     case OpKind::kRead: return OpKind::kPostRead;
@@ -16,28 +13,22 @@ OpKind PostKindOf(OpKind open) {
   }
 }
 
-Status CheckRows(const TableInfo& table, const std::vector<RowId>& rows) {
-  if (rows.empty()) {
-    return Status::InvalidArgument("access to table '" + table.name + "' names no rows");
-  }
+Status CheckRowIds(const TableInfo& table, const std::vector<RowId>& rows, const char* where) {
   std::vector<RowId> sorted = rows;
   std::sort(sorted.begin(), sorted.end());
-  if (sorted.front() < 0 || sorted.back() >= table.num_rows) {
+  if (!sorted.empty() && (sorted.front() < 0 || sorted.back() >= table.num_rows)) {
     const RowId bad = sorted.front() < 0 ? sorted.front() : sorted.back();
-    return Status::InvalidArgument("row " + std::to_string(bad) + " is outside table '" +
-                                   table.name + "' (rows 0.." +
-                                   std::to_string(table.num_rows - 1) + ")");
+    return Status::InvalidArgument("row " + std::to_string(bad) + " is outside table '" + table.name +
+                                   "' (rows 0.." + std::to_string(table.num_rows - 1) + ")");
   }
   auto dup = std::adjacent_find(sorted.begin(), sorted.end());
   if (dup != sorted.end()) {
     // A row twice in one buffer would make its update ambiguous.
-    return Status::InvalidArgument("row " + std::to_string(*dup) +
-                                   " appears twice in one access to table '" + table.name + "'");
+    return Status::InvalidArgument("row " + std::to_string(*dup) + " appears twice in " + where + " table '" +
+                                   table.name + "'");
   }
   return Status::Ok();
 }
-
-}  // namespace
 
 std::string AccessRecord::Describe(const std::string& table_name) const {
   std::ostringstream out;
@@ -52,7 +43,10 @@ Status Recorder::Open(OpKind kind, const TableInfo& table, std::vector<RowId> ro
     return Status::OutOfOrder(std::string("virtual ") + OpKindName(kind) +
                               " after the virtual clock: the clock must be the last op");
   }
-  MLT_RETURN_IF_ERROR(CheckRows(table, rows));
+  if (rows.empty()) {
+    return Status::InvalidArgument("access to table '" + table.name + "' names no rows");
+  }
+  MLT_RETURN_IF_ERROR(CheckRowIds(table, rows, "one access to"));
   AccessRecord access;
   access.handle = static_cast<Handle>(recording_.accesses.size());
   access.kind = kind;

@@ -16,6 +16,14 @@
 
 namespace mltuner {
 
+// The post op that closes an open op (read -> post_read, pre_update ->
+// update, local_access -> post_local_access).
+OpKind PostKindOf(OpKind open);
+
+// InvalidArgument naming the row when a row id is outside the table or
+// appears twice; `where` completes "row 3 appears twice in <where> table 't'".
+Status CheckRowIds(const TableInfo& table, const std::vector<RowId>& rows, const char* where);
+
 // One open access, as recorded.
 struct AccessRecord {
   Handle handle = -1;

@@ -53,6 +53,7 @@
 #include <cuda_runtime.h>
 
 #include "cuda_device.h"
+#include "index_shapes.h"
 #include "mltuner/device.h"
 
 namespace mltuner_bench {
@@ -119,41 +120,6 @@ void FillRandom(float* p, int64_t n, uint64_t seed) {
   for (std::thread& th : pool) th.join();
 }
 
-struct Triple {
-  int64_t table_row, buffer_row, count;  // in rows of the shape's unit
-};
-
-// The CPU benchmark's three shapes over `num_rows` rows.
-std::vector<std::pair<std::string, std::vector<Triple>>> MakeShapes(int64_t num_rows, std::mt19937_64& rng) {
-  std::vector<std::pair<std::string, std::vector<Triple>>> shapes;
-  {
-    std::vector<Triple> layers;
-    const int64_t n = std::min(kLayers, num_rows);
-    std::vector<int64_t> begin(n + 1);
-    for (int64_t l = 0; l <= n; ++l) begin[l] = num_rows * l / n;
-    int64_t buffer_row = 0;
-    for (int64_t l = n - 1; l >= 0; --l) {  // buffer block l <- table block n-1-l
-      const int64_t count = begin[l + 1] - begin[l];
-      layers.push_back({begin[l], buffer_row, count});
-      buffer_row += count;
-    }
-    shapes.emplace_back("layers", std::move(layers));
-  }
-  {
-    std::vector<Triple> seq(num_rows);
-    for (int64_t r = 0; r < num_rows; ++r) seq[r] = {r, r, 1};
-    shapes.emplace_back("rows-seq", std::move(seq));
-  }
-  {
-    std::vector<int64_t> perm(num_rows);
-    std::iota(perm.begin(), perm.end(), 0);
-    std::shuffle(perm.begin(), perm.end(), rng);
-    std::vector<Triple> shuf(num_rows);
-    for (int64_t r = 0; r < num_rows; ++r) shuf[r] = {perm[r], r, 1};
-    shapes.emplace_back("rows-shuf", std::move(shuf));
-  }
-  return shapes;
-}
 
 struct Timing {
   double median = 0, min = 0, max = 0;  // seconds per call
@@ -354,7 +320,7 @@ int RunCudaBench(const CudaBenchOptions& options) {
       const double payload = static_cast<double>(floats) * 4;
       std::fprintf(stderr, "cuda_bench: gather/scatter-add %lld MB width %lld...\n", static_cast<long long>(mb),
                    static_cast<long long>(width));
-      auto shapes = MakeShapes(num_rows, rng);
+      auto shapes = MakeIndexShapes(num_rows, kLayers, rng);
       for (const auto& shape : shapes) {
         const std::string& shape_name = shape.first;
         const std::vector<Triple>& triples = shape.second;

@@ -36,6 +36,7 @@
 #include <string>
 #include <vector>
 
+#include "index_shapes.h"
 #include "mltuner/device.h"
 
 #ifdef MLTUNER_WITH_CUDA
@@ -201,39 +202,10 @@ int main(int argc, char** argv) {
       float* table = AllocFloats(device.get(), floats, 1.0f);   // cache values / update log
       float* buffer = AllocFloats(device.get(), floats, 0.5f);  // the access buffer
 
-      // (table row, buffer row, count) triples of each index shape.
-      struct Triple { int64_t table_row, buffer_row, count; };
-      std::vector<std::pair<std::string, std::vector<Triple>>> shapes;
-      {
-        std::vector<Triple> layers;
-        const int64_t n = std::min(kLayers, num_rows);
-        // Block l of the buffer comes from block (n-1-l) of the table.
-        std::vector<int64_t> begin(n + 1);
-        for (int64_t l = 0; l <= n; ++l) begin[l] = num_rows * l / n;
-        int64_t buffer_row = 0;
-        for (int64_t l = n - 1; l >= 0; --l) {
-          const int64_t count = begin[l + 1] - begin[l];
-          layers.push_back({begin[l], buffer_row, count});
-          buffer_row += count;
-        }
-        shapes.emplace_back("layers", std::move(layers));
-      }
-      {
-        std::vector<Triple> seq(num_rows);
-        for (int64_t r = 0; r < num_rows; ++r) seq[r] = {r, r, 1};
-        shapes.emplace_back("rows-seq", std::move(seq));
-      }
-      {
-        std::vector<int64_t> perm(num_rows);
-        std::iota(perm.begin(), perm.end(), 0);
-        std::shuffle(perm.begin(), perm.end(), rng);
-        std::vector<Triple> shuf(num_rows);
-        for (int64_t r = 0; r < num_rows; ++r) shuf[r] = {perm[r], r, 1};
-        shapes.emplace_back("rows-shuf", std::move(shuf));
-      }
+      const mltuner_bench::IndexShapes shapes = mltuner_bench::MakeIndexShapes(num_rows, kLayers, rng);
       std::vector<RunIndex> gathers(shapes.size()), scatters(shapes.size());
       for (size_t k = 0; k < shapes.size(); ++k) {
-        for (const Triple& t : shapes[k].second) {
+        for (const mltuner_bench::Triple& t : shapes[k].second) {
           gathers[k].runs.push_back(RowRun{t.table_row, t.buffer_row, t.count});   // table -> buffer
           scatters[k].runs.push_back(RowRun{t.buffer_row, t.table_row, t.count});  // buffer -> log
         }

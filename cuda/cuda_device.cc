@@ -169,14 +169,7 @@ class CudaDevice final : public Device {
   // index.runs.size() entries of the device copy).
   Status PrepareIndex(RunIndex* index) override {
     int64_t total = 0;
-    for (const RowRun& run : index->runs) {
-      if (run.src < 0 || run.dst < 0 || run.count < 0) {
-        return Status::InvalidArgument("row run {src " + std::to_string(run.src) + ", dst " +
-                                       std::to_string(run.dst) + ", count " + std::to_string(run.count) +
-                                       "} has a negative field");
-      }
-      total += run.count;
-    }
+    MLT_RETURN_IF_ERROR(CountIndexRows(*index, &total));
     MLT_RETURN_IF_ERROR(MakeCurrent("PrepareIndex"));
     ReleaseIndex(index);
     index->total_rows = total;

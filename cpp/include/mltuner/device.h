@@ -45,6 +45,10 @@ struct RunIndex {
   void* device_copy = nullptr;  // owned by the Device; see ReleaseIndex
 };
 
+// The rows an index moves (the sum of its runs' counts); InvalidArgument for a
+// run with a negative field. Every backend's PrepareIndex starts with it.
+Status CountIndexRows(const RunIndex& index, int64_t* total_rows);
+
 class Device {
  public:
   virtual ~Device() = default;

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs every test of mltuner: the C++ tests (CTest, without the gpu label)
-# and the Python tests (pytest). One command on a fresh machine too: when the
-# package or its test extras are missing from the active Python (the venv's,
-# if one is active), it installs them first with `pip install .[test]`.
+# and the Python tests (pytest). One command on a fresh machine too: it first
+# installs this source tree with its test extras into the active Python (the
+# venv's, if one is active), so the Python tests never run an older install;
+# the fixed build folder keeps that rebuild incremental.
 # Both suites always run; the exit status is non-zero if either failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -12,10 +13,9 @@ PY="${PY:-python3}"
 export PATH="$("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$PATH"
 jobs="$(nproc 2>/dev/null || echo 2)"
 
-if ! "$PY" -c "import mltuner._core, pytest, pytest_timeout" 2>/dev/null; then
-  echo "== installing mltuner with test extras into $("$PY" -c 'import sys; print(sys.prefix)')"
-  "$PY" -m pip install ".[test]" || echo "!! pip install failed; the Python tests will fail"
-fi
+# A normal (not editable) install: editable installs of compiled modules are fragile.
+echo "== installing mltuner with test extras into $("$PY" -c 'import sys; print(sys.prefix)')"
+"$PY" -m pip install ".[test]" || echo "!! pip install failed; the Python tests will fail"
 command -v cmake >/dev/null || "$PY" -m pip install cmake ninja
 
 echo "== C++ tests (build/ctest)"

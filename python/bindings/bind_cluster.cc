@@ -30,6 +30,8 @@ int CudaCount() {
 #endif
 }
 
+}  // namespace
+
 DeviceFactory FactoryFor(const std::string& device) {
   if (device == "cpu") return nullptr;
   if (device != "cuda") {
@@ -48,8 +50,6 @@ DeviceFactory FactoryFor(const std::string& device) {
   return nullptr;
 #endif
 }
-
-}  // namespace
 
 void RegisterCluster(py::module_& m) {
   m.def("cuda_built", &CudaBuilt, "Whether this module was built with the CUDA backend.");

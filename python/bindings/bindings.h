@@ -7,6 +7,9 @@
 
 #include <stdexcept>
 
+#include <string>
+
+#include "mltuner/device.h"
 #include "mltuner/status.h"
 
 namespace mltuner::python {
@@ -25,10 +28,15 @@ inline void Check(const Status& status) {
   if (!status.ok()) throw StatusError(status);
 }
 
+// The device factory for a device name ("cpu": null, the CPU backend;
+// "cuda": worker r on visible GPU r mod count). Throws StatusError.
+DeviceFactory FactoryFor(const std::string& device);
+
 void RegisterErrors(pybind11::module_& m);
 void RegisterConfig(pybind11::module_& m);
 void RegisterEngine(pybind11::module_& m);
 void RegisterCluster(pybind11::module_& m);
 void RegisterBuffers(pybind11::module_& m);
+void RegisterNode(pybind11::module_& m);
 
 }  // namespace mltuner::python

@@ -9,4 +9,5 @@ PYBIND11_MODULE(_core, m) {
   mltuner::python::RegisterBuffers(m);
   mltuner::python::RegisterEngine(m);
   mltuner::python::RegisterCluster(m);
+  mltuner::python::RegisterNode(m);
 }

@@ -14,6 +14,7 @@ except ImportError as error:  # pragma: no cover - only without a build
 from mltuner._config import Config, UpdateRule
 from mltuner._core import DeviceArray, cuda_built, cuda_device_count
 from mltuner.client import LocalCluster, Table, TensorLayout, TensorSlot, Worker
+from mltuner.dist import Job
 from mltuner.exceptions import (
     CorruptMessageError,
     InternalError,
@@ -21,6 +22,7 @@ from mltuner.exceptions import (
     MltunerError,
     NotFoundError,
     OutOfOrderError,
+    PeerLostError,
     ResourceExhaustedError,
     ShutdownError,
     WaitTimeoutError,
@@ -39,6 +41,7 @@ __all__ = [
     "TensorLayout",
     "TensorSlot",
     "Worker",
+    "Job",
     "MltunerError",
     "InvalidArgumentError",
     "NotFoundError",
@@ -48,5 +51,6 @@ __all__ = [
     "ShutdownError",
     "CorruptMessageError",
     "InternalError",
+    "PeerLostError",
     "__version__",
 ]

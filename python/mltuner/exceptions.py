@@ -18,6 +18,7 @@ __all__ = [
     "ShutdownError",
     "CorruptMessageError",
     "InternalError",
+    "PeerLostError",
     "error_for_code",
 ]
 
@@ -58,6 +59,10 @@ class InternalError(MltunerError, RuntimeError):
     """A broken invariant inside mltuner: please report it."""
 
 
+class PeerLostError(MltunerError, ConnectionError):
+    """Another worker process died or stopped answering; the message names its rank."""
+
+
 # Indexed by the engine's StatusCode (cpp/include/mltuner/status.h).
 _BY_CODE: dict[int, type[MltunerError]] = {
     1: InvalidArgumentError,
@@ -68,6 +73,7 @@ _BY_CODE: dict[int, type[MltunerError]] = {
     6: ShutdownError,
     7: CorruptMessageError,
     8: InternalError,
+    9: PeerLostError,
 }
 
 

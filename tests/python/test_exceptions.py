@@ -18,6 +18,7 @@ EXPECTED = [
     (mltuner.ShutdownError, RuntimeError, 6),
     (mltuner.CorruptMessageError, ValueError, 7),
     (mltuner.InternalError, RuntimeError, 8),
+    (mltuner.PeerLostError, ConnectionError, 9),
 ]
 
 
@@ -39,7 +40,7 @@ def test_error_for_code(cls: type, builtin: type, code: int) -> None:
     assert error_for_code(code) is cls
 
 
-@pytest.mark.parametrize("code", [0, -1, 9, 100])
+@pytest.mark.parametrize("code", [0, -1, 10, 100])
 def test_unknown_codes_are_internal_errors(code: int) -> None:
     assert error_for_code(code) is mltuner.InternalError
 
@@ -74,6 +75,7 @@ def test_engine_status_names_match_the_mapping() -> None:
         6: "Shutdown",
         7: "CorruptMessage",
         8: "Internal",
+        9: "PeerLost",
     }
 
 

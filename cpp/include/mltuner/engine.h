@@ -124,6 +124,10 @@ class Engine {
   // Called by the transport with a client-bound message.
   Status HandleMessage(Message&& message);
 
+  // Called by a transport that lost a peer: every current wait ends and
+  // every later call fails with `why` (the first reason given wins).
+  void Abort(const Status& why);
+
   // Stops the threads and releases memory. Later calls return kShutdown.
   Status Shutdown();
 

@@ -23,6 +23,7 @@ enum class StatusCode : int {
   kShutdown = 6,          // the engine is shut down or was stopped by an error
   kCorruptMessage = 7,    // malformed, truncated or foreign wire message
   kInternal = 8,          // a broken invariant: a bug in mltuner
+  kPeerLost = 9,          // another worker process died or stopped answering
 };
 
 const char* StatusCodeName(StatusCode code);
@@ -40,6 +41,7 @@ class Status {
   static Status Shutdown(std::string msg) { return {StatusCode::kShutdown, std::move(msg)}; }
   static Status CorruptMessage(std::string msg) { return {StatusCode::kCorruptMessage, std::move(msg)}; }
   static Status Internal(std::string msg) { return {StatusCode::kInternal, std::move(msg)}; }
+  static Status PeerLost(std::string msg) { return {StatusCode::kPeerLost, std::move(msg)}; }
 
   bool ok() const { return code_ == StatusCode::kOk; }
   StatusCode code() const { return code_; }

@@ -56,4 +56,17 @@ enum class OpKind : int8_t {
 
 const char* OpKindName(OpKind kind);
 
+// One table's slice of a server shard, for checkpoints: the values of rows
+// [first_row, first_row + num_rows) in order, and the update rule's optimizer
+// state laid out as `state_arrays` arrays of values.size() floats followed by
+// scalars (Adam's step count), so it can be re-split over other shards.
+struct ShardSlice {
+  int64_t first_row = 0;
+  int64_t num_rows = 0;
+  std::vector<float> values;
+  std::vector<float> state;
+  int state_arrays = 0;
+  Clock global_clock = kNoClock;
+};
+
 }  // namespace mltuner

@@ -16,6 +16,7 @@ const char* StatusCodeName(StatusCode code) {
     case StatusCode::kShutdown: return "Shutdown";
     case StatusCode::kCorruptMessage: return "CorruptMessage";
     case StatusCode::kInternal: return "Internal";
+    case StatusCode::kPeerLost: return "PeerLost";
   }
   return "Unknown";
 }

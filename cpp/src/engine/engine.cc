@@ -45,6 +45,14 @@ void Engine::Impl::Fail(const Status& status) {
   if (pool_) pool_->Close();
 }
 
+void Engine::Impl::Abort(const Status& why) {
+  {
+    std::lock_guard<std::mutex> lock(age_mu_);
+    if (abort_error_.ok()) abort_error_ = why;
+  }
+  Fail(why);
+}
+
 Status Engine::Impl::CreateTable(const std::string& name, int64_t num_rows, int64_t row_width,
                                  bool local, TableId* out) {
   if (phase_.load() == Phase::kShutdown) return ShutdownError();
@@ -366,8 +374,9 @@ Status Engine::Impl::WaitForDataAge(TableId table, mltuner::Clock age) {
   if (phase_.load() != Phase::kRunning) return Status::OutOfOrder("wait_for_data_age before start_iterations");
   std::unique_lock<std::mutex> lock(age_mu_);
   const bool fresh = age_cv_.wait_until(lock, Deadline(), [&] {
-    return data_age_[table] >= age || phase_.load() == Phase::kShutdown;
+    return data_age_[table] >= age || phase_.load() == Phase::kShutdown || !abort_error_.ok();
   });
+  if (!abort_error_.ok()) return abort_error_;
   if (!fresh) {
     return Status::Timeout("table '" + info->name + "' did not reach data age " + std::to_string(age) +
                            " (it is at " + std::to_string(data_age_[table]) +
@@ -539,5 +548,6 @@ int Engine::num_workers() const { return impl_->num_workers_; }
 const Config& Engine::config() const { return impl_->config_; }
 Status Engine::HandleMessage(Message&& message) { return impl_->HandleMessage(std::move(message)); }
 Status Engine::Shutdown() { return impl_->Shutdown(); }
+void Engine::Abort(const Status& why) { impl_->Abort(why); }
 
 }  // namespace mltuner

@@ -82,6 +82,7 @@ class Engine::Impl {
   mltuner::Clock DataAge(TableId table) const;
   EngineStats Stats() const;
   Status Shutdown();
+  void Abort(const Status& why);
 
   // --- receive thread (cache/row_install.cc) ----------------------------------
   Status HandleMessage(Message&& message);
@@ -174,6 +175,7 @@ class Engine::Impl {
   std::vector<mltuner::Clock> data_age_;                // [table] = min over shards
   int64_t next_request_id_ = 1;
   std::unordered_map<int64_t, std::shared_ptr<PendingRequest>> requests_;
+  Status abort_error_;  // set once by Abort; ends every wait on age_cv_
   std::atomic<int64_t> messages_received_{0};
   std::atomic<int64_t> messages_sent_{0};
 

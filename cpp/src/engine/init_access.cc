@@ -40,10 +40,11 @@ Status Engine::Impl::SendRequests(std::vector<Message> requests, std::vector<Mes
   }
   std::unique_lock<std::mutex> lock(age_mu_);
   const bool done = sent.ok() && age_cv_.wait_until(lock, Deadline(), [&] {
-    return request->replies_missing == 0 || phase_.load() == Phase::kShutdown;
+    return request->replies_missing == 0 || phase_.load() == Phase::kShutdown || !abort_error_.ok();
   });
   requests_.erase(id);
   if (!sent.ok()) return sent;
+  if (!abort_error_.ok()) return abort_error_;
   if (!request->error.ok()) return request->error;
   if (!done) return Status::Timeout("no reply from the shards after " + std::to_string(config_.wait_timeout_ms) + " ms");
   if (request->replies_missing > 0) return Status::Shutdown("the engine is shut down");

@@ -430,4 +430,38 @@ Clock ServerShard::global_clock(TableId table) const {
   return found == tables_.end() ? kNoClock : found->second->clock.global();
 }
 
+Status ServerShard::ExportTable(TableId table, ShardSlice* out) const {
+  auto found = tables_.find(table);
+  if (found == tables_.end()) return UnknownTable(table);
+  const TableState& state = *found->second;
+  out->first_row = state.range.begin;
+  out->num_rows = state.range.count;
+  out->values = state.values;
+  out->state = *state.rule->state();
+  out->state_arrays = state.rule->state_arrays_per_value();
+  out->global_clock = state.clock.global();
+  return Status::Ok();
+}
+
+Status ServerShard::ImportTable(TableId table, const float* values, size_t num_values, const float* state,
+                                size_t num_state) {
+  auto found = tables_.find(table);
+  if (found == tables_.end()) return UnknownTable(table);
+  TableState& target = *found->second;
+  std::vector<float>& rule_state = *target.rule->state();
+  if (num_values != target.values.size() || num_state != rule_state.size()) {
+    return Status::InvalidArgument(TableText(table) + " (" + target.info.name + "): restoring " +
+                                   std::to_string(num_values) + " values and " + std::to_string(num_state) +
+                                   " state floats, this shard holds " + std::to_string(target.values.size()) +
+                                   " and " + std::to_string(rule_state.size()));
+  }
+  if (!target.pending.empty()) {
+    return Status::OutOfOrder(TableText(table) + " (" + target.info.name +
+                              "): a restore must come before training starts");
+  }
+  std::copy(values, values + num_values, target.values.begin());
+  std::copy(state, state + num_state, rule_state.begin());
+  return Status::Ok();
+}
+
 }  // namespace mltuner

@@ -80,6 +80,14 @@ class ServerShard {
   const std::vector<float>* values(TableId table) const;
   Clock global_clock(TableId table) const;
 
+  // Checkpoints. Export copies a table's slice; the caller picks the moment
+  // (a clock boundary every worker has reached). Import replaces a table's
+  // values and optimizer state with arrays of exactly the exported sizes; it
+  // is refused once updates of a training clock are pending.
+  Status ExportTable(TableId table, ShardSlice* out) const;
+  Status ImportTable(TableId table, const float* values, size_t num_values, const float* state,
+                     size_t num_state);
+
  private:
   struct TableState {
     TableInfo info;

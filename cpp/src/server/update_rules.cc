@@ -22,6 +22,7 @@ class AddRule final : public UpdateRule {
     for (int64_t i = 0; i < count; ++i) params[i] += update_sum[i];
   }
   std::vector<float>* state() override { return &no_state_; }
+  int state_arrays_per_value() const override { return 0; }
   std::unique_ptr<UpdateRule> Clone() const override { return std::make_unique<AddRule>(); }
 
  private:
@@ -41,6 +42,7 @@ class SgdRule final : public UpdateRule {
     }
   }
   std::vector<float>* state() override { return &no_state_; }
+  int state_arrays_per_value() const override { return 0; }
   std::unique_ptr<UpdateRule> Clone() const override {
     return std::make_unique<SgdRule>(learning_rate_);
   }
@@ -71,6 +73,7 @@ class MomentumRule final : public UpdateRule {
     }
   }
   std::vector<float>* state() override { return &history_; }
+  int state_arrays_per_value() const override { return 1; }
   std::unique_ptr<UpdateRule> Clone() const override {
     auto copy = std::make_unique<MomentumRule>(learning_rate_, momentum_, 0);
     copy->history_ = history_;
@@ -119,6 +122,7 @@ class AdamRule final : public UpdateRule {
     }
   }
   std::vector<float>* state() override { return &state_; }
+  int state_arrays_per_value() const override { return 2; }
   std::unique_ptr<UpdateRule> Clone() const override {
     auto copy = std::make_unique<AdamRule>(config_, 0);
     copy->num_values_ = num_values_;

@@ -27,6 +27,10 @@ class UpdateRule {
   // The optimizer state, flattened (empty for stateless rules); used to copy
   // a rule into a forked branch and by checkpoints.
   virtual std::vector<float>* state() = 0;
+  // How the state is laid out: this many arrays of one float per value,
+  // then scalars (Adam's step count). Lets a checkpoint re-split the state
+  // when it is restored onto a different number of shards.
+  virtual int state_arrays_per_value() const = 0;
   virtual std::unique_ptr<UpdateRule> Clone() const = 0;
 
  protected:

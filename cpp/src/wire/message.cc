@@ -178,7 +178,7 @@ std::string EncodeHeaderFrame(const Message& message) {
 }
 
 Status DecodeMessage(const void* frame0, size_t frame0_bytes, const void* payload, size_t payload_bytes,
-                     Message* out) {
+                     Message* out, std::vector<float> storage) {
   if (frame0 == nullptr || frame0_bytes < kHeaderBytes) {
     return Status::CorruptMessage("frame 0 is " + std::to_string(frame0_bytes) + " bytes, shorter than the " +
                                   std::to_string(kHeaderBytes) + "-byte header");
@@ -199,6 +199,7 @@ Status DecodeMessage(const void* frame0, size_t frame0_bytes, const void* payloa
 
   const size_t text_offset = kHeaderBytes + size_t{h.num_spans} * kSpanBytes;
   message.text.assign(reinterpret_cast<const char*>(bytes + text_offset), h.text_bytes);
+  message.values = std::move(storage);
   message.values.resize(payload_bytes / sizeof(float));
   if (payload_bytes > 0) std::memcpy(message.values.data(), payload, payload_bytes);
   *out = std::move(message);

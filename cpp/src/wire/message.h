@@ -92,8 +92,9 @@ std::string EncodeHeaderFrame(const Message& message);
 // the reason) a wrong magic or version, an unknown type, a frame-0 size that
 // does not match num_spans and text_bytes, negative or overflowing spans, a
 // payload size that is not sum(count) * row_width * 4, and a non-positive
-// row_width when there is payload. Never reads past either frame.
+// row_width when there is payload. Never reads past either frame. The
+// payload is copied into `storage` (a recycled buffer, resized as needed).
 Status DecodeMessage(const void* frame0, size_t frame0_bytes, const void* payload,
-                     size_t payload_bytes, Message* out);
+                     size_t payload_bytes, Message* out, std::vector<float> storage = {});
 
 }  // namespace mltuner

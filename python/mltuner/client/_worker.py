@@ -82,6 +82,11 @@ class Worker:
         self._tables[table_id] = table
         return table
 
+    @property
+    def tables(self) -> list[Table]:
+        """This worker's tables, in creation order."""
+        return [self._tables[table_id] for table_id in sorted(self._tables)]
+
     def create_tensor_table(self, name: str, layout: TensorLayout, *, local: bool = False) -> Table:
         """Creates a table holding the tensors of ``layout``; use ``layout.rows``
         and ``layout.view`` to address them."""
@@ -198,6 +203,11 @@ class Worker:
     def data_age(self, table: Table) -> int:
         """The clock through which every worker's updates are in this worker's cache."""
         return int(self._engine.data_age(self._table_id(table)))
+
+    def flush(self) -> None:
+        """Waits until the updates of every clock this worker finished have
+        been handed to the transport."""
+        self._engine.flush()
 
     def sync(self) -> None:
         """Waits until every worker's updates of the clocks this worker has

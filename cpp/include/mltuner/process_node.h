@@ -1,0 +1,96 @@
+// ProcessNode: one worker process of a distributed job — its engine, its
+// server shard, and the queues between them and a socket transport
+// (python/mltuner/dist moves the bytes with ZeroMQ).
+//
+// Messages between this process's engine and shard never leave memory.
+// Messages for other ranks wait in an outbox until the transport's send
+// thread takes them (NextOutgoing), already encoded: a header frame and the
+// float payload, which the transport sends without copying. Bytes received
+// from other processes come in through Deliver, which validates them before
+// anything else sees them.
+//
+// Threading: NextOutgoing from one send thread, Deliver from one receive
+// thread, the rest from the application thread; Abort from any thread.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mltuner/config.h"
+#include "mltuner/device.h"
+#include "mltuner/engine.h"
+#include "mltuner/status.h"
+#include "mltuner/transport.h"
+
+namespace mltuner {
+
+class BufferPool;
+
+// A message on its way to another process.
+struct OutgoingMessage {
+  int receiver = -1;
+  std::string header;          // frame 0: header, spans and text
+  std::vector<float> payload;  // frame 1: the values, as raw float32
+};
+
+class ProcessNode final : public Transport {
+ public:
+  static Status Create(const Config& config, int rank, int num_workers, std::unique_ptr<Device> device,
+                       std::unique_ptr<ProcessNode>* out);
+  ~ProcessNode() override;
+  ProcessNode(const ProcessNode&) = delete;
+  ProcessNode& operator=(const ProcessNode&) = delete;
+
+  Engine* engine() { return engine_.get(); }
+  int rank() const { return rank_; }
+  int num_workers() const { return num_workers_; }
+
+  // Transport (called by the engine and the shard).
+  Status Send(Message&& message) override;
+  Status AddTableToShard(int rank, const TableInfo& info) override;
+  std::vector<float> NewPayload(size_t count) override;
+
+  // The next message for another process, waiting up to timeout_ms. False
+  // when none came in time, or the node is closed and its outbox drained.
+  bool NextOutgoing(int timeout_ms, OutgoingMessage* out);
+  // The payload pool, so a sent payload can be recycled once the transport
+  // is done with it (it may outlive the node).
+  std::shared_ptr<BufferPool> payload_pool() const { return pool_; }
+  // Messages and payload bytes waiting in the outbox.
+  int64_t outbox_messages() const;
+
+  // Frames received from another process. A message that fails validation
+  // (malformed, foreign, not addressed to this rank, or from this rank or an
+  // unknown one) is counted as rejected and returns why; nothing else sees it.
+  Status Deliver(const void* frame0, size_t frame0_bytes, const void* payload, size_t payload_bytes);
+
+  // A peer is gone: the engine's waits and later calls fail with `why`.
+  void Abort(const Status& why);
+  bool aborted() const;
+
+  // Checkpoints (see ServerShard::ExportTable / ImportTable).
+  Status ExportShardTable(TableId table, ShardSlice* out);
+  Status ImportShardTable(TableId table, const float* values, size_t num_values, const float* state,
+                          size_t num_state);
+
+  int64_t rejected_messages() const;
+
+  // Shuts the engine down, stops the shard and closes the outbox (what is
+  // queued can still be taken). Idempotent.
+  Status Shutdown();
+
+  class Queues;
+
+ private:
+  ProcessNode(int rank, int num_workers);
+  const int rank_;
+  const int num_workers_;
+  std::shared_ptr<BufferPool> pool_;
+  std::unique_ptr<Queues> queues_;
+  std::unique_ptr<Engine> engine_;
+};
+
+}  // namespace mltuner

@@ -1,0 +1,114 @@
+#include "cluster/shard_host.h"
+
+#include <cstdio>
+#include <utility>
+#include <vector>
+
+namespace mltuner {
+
+void Inbox::Start(std::function<void(Message&&)> deliver) {
+  thread_ = std::thread([this, deliver = std::move(deliver)] {
+    for (;;) {
+      Message message;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        ready_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stopping and drained
+        message = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      deliver(std::move(message));
+    }
+  });
+}
+
+void Inbox::Push(Message&& message) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(std::move(message));
+  }
+  ready_.notify_one();
+}
+
+void Inbox::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  ready_.notify_one();
+  if (thread_.joinable()) thread_.join();
+}
+
+ShardHost::ShardHost(int rank, int num_workers, const UpdateRuleConfig& rule, BufferPool* pool)
+    : pool_(pool), shard_(rank, num_workers, rule) {
+  shard_.set_buffer_pool(pool);
+}
+
+void ShardHost::Start(Engine* engine, Transport* transport) {
+  server_inbox_.Start([this, transport](Message&& message) {
+    std::vector<Message> replies;
+    Status status;
+    {
+      std::lock_guard<std::mutex> lock(shard_mu_);
+      status = shard_.Handle(std::move(message), &replies);
+    }
+    if (!status.ok()) Reject(status, message);
+    pool_->Release(std::move(message.values));
+    for (Message& reply : replies) {
+      const Status sent = transport->Send(std::move(reply));
+      if (!sent.ok()) Reject(sent, Message());
+    }
+  });
+  client_inbox_.Start([this, engine](Message&& message) {
+    const Status status = engine->HandleMessage(std::move(message));
+    if (!status.ok()) Reject(status, Message());
+    // Unless the engine kept the message (a request reply), its payload is
+    // still here (moved-from vectors are empty and ignored).
+    pool_->Release(std::move(message.values));
+  });
+}
+
+void ShardHost::Push(Message&& message) {
+  if (IsServerBound(message.type())) {
+    server_inbox_.Push(std::move(message));
+  } else {
+    client_inbox_.Push(std::move(message));
+  }
+}
+
+void ShardHost::StopShard() { server_inbox_.Stop(); }
+
+void ShardHost::Stop() {
+  server_inbox_.Stop();
+  client_inbox_.Stop();
+}
+
+Status ShardHost::AddTable(const TableInfo& info) {
+  std::lock_guard<std::mutex> lock(shard_mu_);
+  return shard_.AddTable(info);
+}
+
+Status ShardHost::ExportTable(TableId table, ShardSlice* out) {
+  std::lock_guard<std::mutex> lock(shard_mu_);
+  return shard_.ExportTable(table, out);
+}
+
+Status ShardHost::ImportTable(TableId table, const float* values, size_t num_values, const float* state,
+                              size_t num_state) {
+  std::lock_guard<std::mutex> lock(shard_mu_);
+  return shard_.ImportTable(table, values, num_values, state, num_state);
+}
+
+void ShardHost::Reject(const Status& status, const Message& message) {
+  const int64_t count = ++rejected_;
+  // Rows arriving after this engine shut down are expected at the end of a
+  // job; they are counted, not logged.
+  const bool late = status.code() == StatusCode::kOutOfOrder && message.header.type == 0;
+  if (late || status.code() == StatusCode::kShutdown) return;
+  if (count <= 10) {
+    std::fprintf(stderr, "mltuner: rejected a message: %s %s\n", status.ToString().c_str(),
+                 message.header.type ? message.DebugString().c_str() : "");
+  }
+}
+
+}  // namespace mltuner

@@ -1,0 +1,81 @@
+// ShardHost: what a process runs for its rank beside the engine's own
+// threads: the server shard, and two inboxes each drained by its own thread,
+// so a shard applying updates never blocks an engine installing rows.
+//   server inbox: server-bound messages -> the shard; its replies go to the
+//                 transport (which may route them straight back here).
+//   client inbox: client-bound messages -> the engine.
+// A message its receiver rejects is dropped, counted and logged (the first
+// few); it never stops an inbox.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+#include "memory/buffer_pool.h"
+#include "mltuner/engine.h"
+#include "mltuner/transport.h"
+#include "server/shard.h"
+#include "wire/message.h"
+
+namespace mltuner {
+
+// A FIFO of messages drained by one thread.
+class Inbox {
+ public:
+  ~Inbox() { Stop(); }
+  void Start(std::function<void(Message&&)> deliver);
+  void Push(Message&& message);
+  // Delivers what is queued, then joins the thread.
+  void Stop();
+
+ private:
+  std::mutex mu_;
+  std::condition_variable ready_;
+  std::deque<Message> queue_;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+class ShardHost {
+ public:
+  // `pool` recycles payloads and must outlive the host.
+  ShardHost(int rank, int num_workers, const UpdateRuleConfig& rule, BufferPool* pool);
+  ~ShardHost() { Stop(); }
+  ShardHost(const ShardHost&) = delete;
+  ShardHost& operator=(const ShardHost&) = delete;
+
+  // Starts both inbox threads; `engine` and `transport` must outlive Stop.
+  void Start(Engine* engine, Transport* transport);
+  // Queues a message for this rank's shard or engine, by its type.
+  void Push(Message&& message);
+  // Stops the shard's inbox (after handling what is queued), then Stop also
+  // the engine's. A cluster stops every shard first, so the replies they
+  // send while draining still reach the engines.
+  void StopShard();
+  void Stop();
+
+  // Shard access from other threads (table registration, checkpoints).
+  Status AddTable(const TableInfo& info);
+  Status ExportTable(TableId table, ShardSlice* out);
+  Status ImportTable(TableId table, const float* values, size_t num_values, const float* state,
+                     size_t num_state);
+
+  // Counts and logs a message that was refused (for the transport's own
+  // refusals too, so one counter covers the process).
+  void Reject(const Status& status, const Message& message);
+  int64_t rejected() const { return rejected_; }
+
+ private:
+  BufferPool* const pool_;
+  ServerShard shard_;
+  std::mutex shard_mu_;  // Handle (server inbox) vs the calls above
+  Inbox server_inbox_;
+  Inbox client_inbox_;
+  std::atomic<int64_t> rejected_{0};
+};
+
+}  // namespace mltuner

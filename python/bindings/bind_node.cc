@@ -1,0 +1,145 @@
+// ProcessNode: the C++ half of a worker process in a distributed job. The
+// Python transport (mltuner/dist/_transport.py) moves its bytes: it takes
+// encoded messages from next_outgoing and sends the payload array with
+// ZeroMQ without copying it, and hands received frames to deliver, which
+// decodes and validates them with the GIL released.
+#include <pybind11/numpy.h>
+#include <pybind11/stl.h>
+
+#include "bindings.h"
+#include "memory/buffer_pool.h"
+#include "mltuner/process_node.h"
+
+namespace py = pybind11;
+
+namespace mltuner::python {
+
+namespace {
+
+// Owns a sent payload until ZeroMQ and Python are done with it, then gives
+// the buffer back to the node's pool (which may outlive the node).
+struct SentPayload {
+  std::vector<float> values;
+  std::shared_ptr<BufferPool> pool;
+};
+
+py::object PayloadArray(std::vector<float>&& values, std::shared_ptr<BufferPool> pool) {
+  if (values.empty()) return py::bytes();
+  auto* owned = new SentPayload{std::move(values), std::move(pool)};
+  py::capsule owner(owned, [](void* pointer) {
+    auto* payload = static_cast<SentPayload*>(pointer);
+    payload->pool->Release(std::move(payload->values));
+    delete payload;
+  });
+  const auto count = static_cast<py::ssize_t>(owned->values.size());
+  return py::array_t<float>({count}, {static_cast<py::ssize_t>(sizeof(float))}, owned->values.data(), owner);
+}
+
+py::buffer_info ContiguousBytes(const py::buffer& buffer, const char* what) {
+  py::buffer_info info = buffer.request();
+  if (info.ndim > 1 && info.strides.back() != info.itemsize) {
+    throw StatusError(Status::InvalidArgument(std::string(what) + " must be a contiguous buffer"));
+  }
+  return info;
+}
+
+size_t ByteCount(const py::buffer_info& info) { return static_cast<size_t>(info.size * info.itemsize); }
+
+py::array_t<float> ToNumpy(std::vector<float>&& values) {
+  auto* owned = new std::vector<float>(std::move(values));
+  py::capsule owner(owned, [](void* pointer) { delete static_cast<std::vector<float>*>(pointer); });
+  return py::array_t<float>({static_cast<py::ssize_t>(owned->size())}, {static_cast<py::ssize_t>(sizeof(float))},
+                            owned->data(), owner);
+}
+
+}  // namespace
+
+void RegisterNode(py::module_& m) {
+  py::class_<ProcessNode>(m, "ProcessNode")
+      .def(py::init([](const Config& config, int rank, int num_workers, const std::string& device,
+                       int device_index) {
+             const DeviceFactory factory = FactoryFor(device);
+             std::unique_ptr<ProcessNode> node;
+             py::gil_scoped_release release;
+             std::unique_ptr<Device> made;
+             if (factory) Check(factory(device_index, &made));
+             Check(ProcessNode::Create(config, rank, num_workers, std::move(made), &node));
+             return node;
+           }),
+           py::arg("config"), py::arg("rank"), py::arg("num_workers"), py::arg("device") = "cpu",
+           py::arg("device_index") = 0)
+      .def_property_readonly("engine", &ProcessNode::engine, py::return_value_policy::reference_internal)
+      .def_property_readonly("rank", &ProcessNode::rank)
+      .def_property_readonly("num_workers", &ProcessNode::num_workers)
+      .def(
+          "next_outgoing",
+          [](ProcessNode& node, int timeout_ms) -> py::object {
+            OutgoingMessage message;
+            bool got;
+            {
+              py::gil_scoped_release release;
+              got = node.NextOutgoing(timeout_ms, &message);
+            }
+            if (!got) return py::none();
+            return py::make_tuple(message.receiver, py::bytes(message.header),
+                                  PayloadArray(std::move(message.payload), node.payload_pool()));
+          },
+          py::arg("timeout_ms"),
+          "(receiver, header frame, payload) of the next message for another process, or None "
+          "after timeout_ms or once the node is shut down and the outbox is empty.")
+      .def_property_readonly("outbox_messages", &ProcessNode::outbox_messages)
+      .def(
+          "deliver",
+          [](ProcessNode& node, const py::buffer& frame0, const py::buffer& payload) {
+            const py::buffer_info header = ContiguousBytes(frame0, "frame 0");
+            const py::buffer_info values = ContiguousBytes(payload, "the payload frame");
+            py::gil_scoped_release release;
+            Check(node.Deliver(header.ptr, ByteCount(header), values.ptr, ByteCount(values)));
+          },
+          py::arg("frame0"), py::arg("payload"),
+          "Validates and delivers frames received from another process; raises CorruptMessageError "
+          "(and counts it) for a malformed or misaddressed message.")
+      .def(
+          "abort",
+          [](ProcessNode& node, const std::string& why) { node.Abort(Status::PeerLost(why)); },
+          py::arg("why"), py::call_guard<py::gil_scoped_release>(),
+          "Makes every engine wait and later call raise PeerLostError(why).")
+      .def_property_readonly("aborted", &ProcessNode::aborted)
+      .def(
+          "export_shard_table",
+          [](ProcessNode& node, int table) {
+            ShardSlice slice;
+            {
+              py::gil_scoped_release release;
+              Check(node.ExportShardTable(table, &slice));
+            }
+            py::dict out;
+            out["first_row"] = slice.first_row;
+            out["num_rows"] = slice.num_rows;
+            out["state_arrays"] = slice.state_arrays;
+            out["global_clock"] = slice.global_clock;
+            out["values"] = ToNumpy(std::move(slice.values));
+            out["state"] = ToNumpy(std::move(slice.state));
+            return out;
+          },
+          py::arg("table"),
+          "This shard's slice of a table: first_row, num_rows, values, optimizer state "
+          "(state_arrays arrays of len(values) floats, then scalars) and global_clock.")
+      .def(
+          "import_shard_table",
+          [](ProcessNode& node, int table, py::array_t<float, py::array::c_style | py::array::forcecast> values,
+             py::array_t<float, py::array::c_style | py::array::forcecast> state) {
+            const float* v = values.data();
+            const float* s = state.data();
+            const auto nv = static_cast<size_t>(values.size());
+            const auto ns = static_cast<size_t>(state.size());
+            py::gil_scoped_release release;
+            Check(node.ImportShardTable(table, v, nv, s, ns));
+          },
+          py::arg("table"), py::arg("values"), py::arg("state"),
+          "Replaces this shard's slice of a table (same sizes as export_shard_table).")
+      .def_property_readonly("rejected_messages", &ProcessNode::rejected_messages)
+      .def("shutdown", [](ProcessNode& node) { Check(node.Shutdown()); }, py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace mltuner::python

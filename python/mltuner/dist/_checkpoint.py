@@ -1,0 +1,205 @@
+"""Checkpoints of the parameter server: every shard's slice of every table.
+
+Layout of one checkpoint (``root/clock-NNNNNNNN``)::
+
+    manifest.json                  written last: the checkpoint is complete
+    shard-R/table-T.values.npy     rows [first_row, first_row + num_rows) of table T
+    shard-R/table-T.state.npy      the update rule's state: state_arrays arrays
+                                   of len(values) floats, then scalars
+    shard-R/meta.json              what shard R wrote
+
+Shards write into a hidden ``.clock-NNNNNNNN.tmp`` directory; after a
+barrier, rank 0 adds the manifest and renames the directory into place, then
+points ``root/latest`` at it (os.replace), so a reader sees a whole
+checkpoint or none. Restoring re-splits rows and state over however many
+shards the new job has. Files are plain .npy arrays read without pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mltuner import _core
+from mltuner.client._worker import Table, Worker
+from mltuner.exceptions import InvalidArgumentError, NotFoundError, OutOfOrderError
+
+__all__ = ["save", "restore", "shard_range"]
+
+FORMAT = "mltuner-checkpoint"
+VERSION = 1
+LATEST = "latest"
+
+
+def shard_range(num_rows: int, shard: int, num_shards: int) -> tuple[int, int]:
+    """(first row, row count) of a shard: the engine's ShardRange split."""
+    base, extra = divmod(num_rows, num_shards)
+    return shard * base + min(shard, extra), base + (1 if shard < extra else 0)
+
+
+def save(node: _core.ProcessNode, worker: Worker, root: Path, barrier: Callable[[str], None], *, keep: int) -> Path:
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    clock = int(worker.stats["clock"])
+    if clock == 0:
+        raise OutOfOrderError("save_checkpoint needs at least one finished clock after start_iterations")
+    worker.sync()  # every worker's updates through this clock are applied on every shard
+    name = f"clock-{clock:08d}"
+    staging = root / f".{name}.tmp"
+    shard_dir = staging / f"shard-{node.rank}"
+    if shard_dir.exists():
+        shutil.rmtree(shard_dir)  # left by an interrupted attempt
+    shard_dir.mkdir(parents=True)
+    written: dict[str, Any] = {"rank": int(node.rank), "tables": {}}
+    for table in _communicated(worker):
+        piece = node.export_shard_table(table.id)
+        if int(piece["global_clock"]) != clock - 1:
+            raise OutOfOrderError(f"table {table.name!r} is at clock {piece['global_clock']} on shard "
+                                  f"{node.rank}, expected {clock - 1}: call save_checkpoint on every rank "
+                                  "at the same clock")
+        values = np.asarray(piece["values"]).reshape(int(piece["num_rows"]), table.row_width)
+        _save_array(shard_dir / f"table-{table.id}.values.npy", values)
+        _save_array(shard_dir / f"table-{table.id}.state.npy", np.asarray(piece["state"]))
+        written["tables"][str(table.id)] = {"first_row": int(piece["first_row"]), "num_rows": int(piece["num_rows"]),
+                                            "state_arrays": int(piece["state_arrays"])}
+    _write_json(shard_dir / "meta.json", written)
+    barrier(f"checkpoint-{name}-written")
+    final = root / name
+    if node.rank == 0:
+        manifest = {
+            "format": FORMAT, "version": VERSION, "clock": clock, "num_shards": int(node.num_workers),
+            "tables": [{"id": t.id, "name": t.name, "num_rows": t.num_rows, "row_width": t.row_width}
+                       for t in _communicated(worker)],
+        }
+        _write_json(staging / "manifest.json", manifest)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(staging, final)
+        _write_text(root / LATEST, name + "\n")
+        for old in sorted(root.glob("clock-*"))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier(f"checkpoint-{name}-done")
+    return final
+
+
+def restore(node: _core.ProcessNode, worker: Worker, path: Path, rule_kind: str) -> int:
+    directory = _resolve(path)
+    manifest = _read_json(directory / "manifest.json")
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise InvalidArgumentError(f"{directory} is not an mltuner checkpoint of version {VERSION}")
+    saved = {int(t["id"]): t for t in manifest["tables"]}
+    mine = _communicated(worker)
+    _check_tables(directory, saved, mine)
+    old_shards = int(manifest["num_shards"])
+    metas = [_read_json(directory / f"shard-{s}" / "meta.json") for s in range(old_shards)]
+    for table in mine:
+        first, count = shard_range(table.num_rows, int(node.rank), int(node.num_workers))
+        values, state = _gather_slice(directory, metas, table, first, count)
+        try:
+            node.import_shard_table(table.id, values, state)
+        except InvalidArgumentError as error:
+            raise InvalidArgumentError(f"checkpoint {directory} does not fit this job's update rule "
+                                       f"({rule_kind!r}): {error}") from error
+    return int(manifest["clock"])
+
+
+def _communicated(worker: Worker) -> list[Table]:
+    return [t for t in worker.tables if not t.local]
+
+
+def _resolve(path: Path) -> Path:
+    if (path / "manifest.json").is_file():
+        return path
+    latest = path / LATEST
+    if latest.is_file():
+        directory = path / latest.read_text().strip()
+        if (directory / "manifest.json").is_file():
+            return directory
+    raise NotFoundError(f"no complete checkpoint at {path} (no manifest.json, and no {LATEST} file naming one)")
+
+
+def _check_tables(directory: Path, saved: dict[int, dict[str, Any]], mine: list[Table]) -> None:
+    problems = []
+    for table in mine:
+        entry = saved.get(table.id)
+        if entry is None:
+            problems.append(f"table {table.name!r} (id {table.id}) is not in it")
+        elif (entry["name"], entry["num_rows"], entry["row_width"]) != (table.name, table.num_rows, table.row_width):
+            problems.append(f"table id {table.id} is {entry['name']!r} {entry['num_rows']}x{entry['row_width']} "
+                            f"there, {table.name!r} {table.num_rows}x{table.row_width} here")
+    if len(saved) != len(mine):
+        problems.append(f"it has {len(saved)} communicated tables, this job {len(mine)}")
+    if problems:
+        raise InvalidArgumentError(f"checkpoint {directory} does not match this job's tables: " + "; ".join(problems))
+
+
+def _gather_slice(directory: Path, metas: list[dict[str, Any]], table: Table, first: int,
+                  count: int) -> tuple[np.ndarray, np.ndarray]:
+    """This shard's rows [first, first+count) of a table and their optimizer
+    state, assembled from the old shards that held them."""
+    width = table.row_width
+    values = np.empty((count, width), dtype=np.float32)
+    pieces: list[tuple[int, int, int, np.ndarray]] = []  # (start in new slice, count, state arrays, old state rows)
+    scalars: np.ndarray | None = None
+    state_arrays = 0
+    for shard, meta in enumerate(metas):
+        entry = meta["tables"].get(str(table.id))
+        if entry is None:
+            raise InvalidArgumentError(f"shard {shard} of {directory} has no table {table.name!r}")
+        old_first, old_count, state_arrays = entry["first_row"], entry["num_rows"], entry["state_arrays"]
+        old_values = np.load(directory / f"shard-{shard}" / f"table-{table.id}.values.npy", mmap_mode="r",
+                             allow_pickle=False)
+        old_state = np.load(directory / f"shard-{shard}" / f"table-{table.id}.state.npy", allow_pickle=False)
+        per_array = old_count * width
+        if old_values.shape != (old_count, width) or old_state.size < state_arrays * per_array:
+            raise InvalidArgumentError(f"shard {shard} of {directory} has arrays of the wrong size for "
+                                       f"table {table.name!r}")
+        if scalars is None:
+            scalars = old_state[state_arrays * per_array:]
+        lo, hi = max(first, old_first), min(first + count, old_first + old_count)
+        if lo >= hi:
+            continue
+        values[lo - first:hi - first] = old_values[lo - old_first:hi - old_first]
+        arrays = old_state[:state_arrays * per_array].reshape(state_arrays, old_count, width)
+        pieces.append((lo - first, hi - lo, state_arrays, arrays[:, lo - old_first:hi - old_first]))
+    state_rows = np.empty((state_arrays, count, width), dtype=np.float32)
+    for start, rows, _, arrays in pieces:
+        state_rows[:, start:start + rows] = arrays
+    state = np.concatenate([state_rows.reshape(-1), scalars if scalars is not None else np.empty(0, np.float32)])
+    return values, state.astype(np.float32, copy=False)
+
+
+def _save_array(path: Path, array: np.ndarray) -> None:
+    with open(path, "wb") as file:
+        np.save(file, np.ascontiguousarray(array, dtype=np.float32), allow_pickle=False)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def _write_json(path: Path, content: dict[str, Any]) -> None:
+    _write_text(path, json.dumps(content, indent=1))
+
+
+def _write_text(path: Path, text: str) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "w") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        content = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise InvalidArgumentError(f"cannot read {path}: {error}") from error
+    if not isinstance(content, dict):
+        raise InvalidArgumentError(f"{path} is not a JSON object")
+    return content

@@ -1,0 +1,380 @@
+"""Where this process sits in a job: rank, world size and the master's address.
+
+:func:`detect_environment` reads the variables that a launcher exported and
+returns a :class:`ProcessEnv`. The launchers are tried in a fixed order and the
+first whose variables are present wins:
+
+1. ``mltuner launch`` (``MLTUNER_*``),
+2. torchrun (``RANK``, ``WORLD_SIZE``, ...),
+3. Slurm's srun (``SLURM_PROCID``, ...),
+4. Open MPI's mpirun (``OMPI_COMM_WORLD_*``),
+5. none of them: a single process.
+
+This is the only module that reads these variables; docs/launching.md lists
+them all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import socket
+from collections.abc import Iterator, Mapping
+from typing import Literal, Union
+
+__all__ = [
+    "ProcessEnv",
+    "Source",
+    "detect_environment",
+    "is_loopback",
+    "free_port",
+    "iter_slurm_hosts",
+    "first_slurm_host",
+]
+
+Source = Literal["mltuner", "torchrun", "slurm", "openmpi", "single"]
+
+# Slurm gives no port, so every job derives one from its id: tasks of one job
+# agree without talking, and concurrent jobs on a node rarely collide.
+SLURM_BASE_PORT = 20000
+SLURM_PORT_SPAN = 20000
+
+_SECRET_HINT = (
+    "set MLTUNER_SECRET to the same random string on every process, e.g. the output of "
+    '`python -c "import secrets; print(secrets.token_hex(32))"`'
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessEnv:
+    """This process's place in the job.
+
+    Attributes:
+        rank: this process's index in the job, in ``[0, world_size)``.
+        world_size: number of processes in the job.
+        local_rank: index of this process among those on its machine.
+        master_addr: host name or address of rank 0, which peers connect to.
+        master_port: rank 0's port; 0 means "not fixed" and only occurs when
+            ``world_size`` is 1.
+        bind_host: the address this process's sockets bind to.
+        secret: the job's shared secret (``MLTUNER_SECRET``), or None. Left out
+            of ``repr`` so that logs never show it.
+        source: the launcher whose variables were read.
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    bind_host: str
+    secret: str | None = dataclasses.field(repr=False)
+    source: Source
+
+
+def is_loopback(host: str) -> bool:
+    """True for addresses only this machine can reach: 127.0.0.0/8, ``::1``
+    (with or without brackets, or IPv4-mapped) and ``localhost``."""
+    name = host.strip().strip("[]").lower()
+    if name in ("localhost", "localhost.") or name.endswith(".localhost"):
+        return True
+    try:
+        address = ipaddress.ip_address(name)
+    except ValueError:
+        return False  # a host name: it may resolve to any machine
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped.is_loopback
+    return address.is_loopback
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that was free a moment ago.
+
+    The port is only reserved while this call holds it: another process may
+    take it before the caller binds it, so callers should fail clearly on
+    "address in use" rather than assume the port is theirs.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((host.strip("[]"), 0))
+        return int(probe.getsockname()[1])
+
+
+def detect_environment(env: Mapping[str, str] | None = None) -> ProcessEnv:
+    """Reads this process's rank, world size and master address from ``env``
+    (default: ``os.environ``).
+
+    Whatever the launcher, ``MLTUNER_BIND_HOST`` overrides the bind address
+    and ``MLTUNER_SECRET`` gives the shared secret.
+
+    Raises:
+        ValueError: a variable is not an integer or out of range, a variable a
+            launcher always sets is missing, or the job would listen beyond
+            this machine without ``MLTUNER_SECRET``. The message names the
+            variable.
+    """
+    env = os.environ if env is None else env
+    for reader in (_from_mltuner, _from_torchrun, _from_slurm, _from_openmpi):
+        found = reader(env)
+        if found is not None:
+            return _finish(env, *found)
+    return _finish(env, "single", 0, 1, 0, "127.0.0.1", 0)
+
+
+# A reader returns (source, rank, world_size, local_rank, master_addr,
+# master_port), or None when its launcher's variables are absent.
+_Found = tuple[Source, int, int, int, str, int]
+
+
+def _from_mltuner(env: Mapping[str, str]) -> _Found | None:
+    names = ("MLTUNER_RANK", "MLTUNER_WORLD_SIZE", "MLTUNER_LOCAL_RANK",
+             "MLTUNER_MASTER_ADDR", "MLTUNER_MASTER_PORT")
+    if not any(name in env for name in names):
+        return None
+    _require_all(env, names, "`mltuner launch` sets all of them")
+    return ("mltuner", _int(env, names[0]), _int(env, names[1]), _int(env, names[2]),
+            env[names[3]], _int(env, names[4]))
+
+
+def _from_torchrun(env: Mapping[str, str]) -> _Found | None:
+    if "RANK" not in env and "WORLD_SIZE" not in env:
+        return None
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    _require_all(env, names, "these are torchrun's variables, and torchrun sets all of them")
+    return ("torchrun", _int(env, "RANK"), _int(env, "WORLD_SIZE"), _int(env, "LOCAL_RANK"),
+            env["MASTER_ADDR"], _int(env, "MASTER_PORT"))
+
+
+def _from_slurm(env: Mapping[str, str]) -> _Found | None:
+    if "SLURM_PROCID" not in env:
+        return None
+    names = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+    _require_all(env, names, "srun sets all of them")
+    rank, world_size, local_rank = (_int(env, name) for name in names)
+    addr = env.get("MASTER_ADDR", "")
+    if not addr:
+        for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"):
+            if env.get(name):
+                try:
+                    addr = first_slurm_host(env[name])
+                except ValueError as error:
+                    raise ValueError(f"{name}={env[name]!r} is not a Slurm host list: {error}") from None
+                break
+    if "MASTER_PORT" in env:
+        port = _int(env, "MASTER_PORT")
+    elif "SLURM_JOB_ID" in env:
+        port = SLURM_BASE_PORT + _int(env, "SLURM_JOB_ID") % SLURM_PORT_SPAN
+    elif world_size > 1:
+        raise ValueError("under Slurm, set MASTER_PORT or SLURM_JOB_ID (srun sets SLURM_JOB_ID)")
+    else:
+        port = 0
+    return ("slurm", rank, world_size, local_rank, addr, port)
+
+
+def _from_openmpi(env: Mapping[str, str]) -> _Found | None:
+    if "OMPI_COMM_WORLD_RANK" not in env:
+        return None
+    names = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK")
+    _require_all(env, names, "mpirun sets all of them")
+    rank, world_size, local_rank = (_int(env, name) for name in names)
+    if world_size > 1:
+        # mpirun exports no rendezvous address; the user must forward one.
+        missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not env.get(name)]
+        if missing:
+            raise ValueError(
+                f"under Open MPI with {world_size} processes, {' and '.join(missing)} must be set: "
+                "export them to every process with `mpirun -x MASTER_ADDR=<rank 0's host> "
+                "-x MASTER_PORT=<free port> ...`"
+            )
+    addr = env.get("MASTER_ADDR") or "127.0.0.1"
+    port = _int(env, "MASTER_PORT") if env.get("MASTER_PORT") else 0
+    return ("openmpi", rank, world_size, local_rank, addr, port)
+
+
+def _finish(env: Mapping[str, str], source: Source, rank: int, world_size: int, local_rank: int,
+            master_addr: str, master_port: int) -> ProcessEnv:
+    """Validates what a reader found and applies the overrides every source shares."""
+    if world_size < 1:
+        raise ValueError(f"{_var(source, 'world_size')} must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"{_var(source, 'rank')}={rank} is outside [0, {world_size}) "
+                         f"(world size from {_var(source, 'world_size')})")
+    if not 0 <= local_rank < world_size:
+        raise ValueError(f"{_var(source, 'local_rank')}={local_rank} is outside [0, {world_size})")
+    master_addr = master_addr.strip()
+    if world_size > 1 and not master_addr:
+        raise ValueError(f"{_var(source, 'master_addr')} must name rank 0's host when the world "
+                         f"size is {world_size}")
+    low_port = 1 if world_size > 1 else 0
+    if not low_port <= master_port <= 65535:
+        raise ValueError(f"{_var(source, 'master_port')}={master_port} is not a port in "
+                         f"{low_port}..65535")
+    bind_host = env.get("MLTUNER_BIND_HOST", "").strip() or _default_bind_host(master_addr)
+    secret = env.get("MLTUNER_SECRET") or None
+    if secret is None:
+        # Sockets that other machines can reach must authenticate their peers.
+        if not is_loopback(master_addr):
+            raise ValueError(f"the master address {master_addr!r} ({_var(source, 'master_addr')}) "
+                             f"is not a loopback address, so peers on other machines must "
+                             f"authenticate: {_SECRET_HINT}")
+        if not is_loopback(bind_host):
+            raise ValueError(f"MLTUNER_BIND_HOST={bind_host!r} is not a loopback address, so peers "
+                             f"on other machines must authenticate: {_SECRET_HINT}")
+    return ProcessEnv(rank=rank, world_size=world_size, local_rank=local_rank,
+                      master_addr=master_addr, master_port=master_port, bind_host=bind_host,
+                      secret=secret, source=source)
+
+
+def _default_bind_host(master_addr: str) -> str:
+    # Only a loopback job stays private to this machine; any other master
+    # address means peers elsewhere, so listen on every interface.
+    if not is_loopback(master_addr):
+        return "0.0.0.0"
+    return "::1" if ":" in master_addr else "127.0.0.1"
+
+
+# The variable each field came from, for error messages.
+_VARIABLES: dict[Source, dict[str, str]] = {
+    "mltuner": {"rank": "MLTUNER_RANK", "world_size": "MLTUNER_WORLD_SIZE",
+                "local_rank": "MLTUNER_LOCAL_RANK", "master_addr": "MLTUNER_MASTER_ADDR",
+                "master_port": "MLTUNER_MASTER_PORT"},
+    "torchrun": {"rank": "RANK", "world_size": "WORLD_SIZE", "local_rank": "LOCAL_RANK",
+                 "master_addr": "MASTER_ADDR", "master_port": "MASTER_PORT"},
+    "slurm": {"rank": "SLURM_PROCID", "world_size": "SLURM_NTASKS", "local_rank": "SLURM_LOCALID",
+              "master_addr": "MASTER_ADDR or SLURM_STEP_NODELIST/SLURM_JOB_NODELIST",
+              "master_port": "MASTER_PORT or 20000 + SLURM_JOB_ID % 20000"},
+    "openmpi": {"rank": "OMPI_COMM_WORLD_RANK", "world_size": "OMPI_COMM_WORLD_SIZE",
+                "local_rank": "OMPI_COMM_WORLD_LOCAL_RANK", "master_addr": "MASTER_ADDR",
+                "master_port": "MASTER_PORT"},
+    "single": {"rank": "rank", "world_size": "world size", "local_rank": "local rank",
+               "master_addr": "master address", "master_port": "master port"},
+}
+
+
+def _var(source: Source, field: str) -> str:
+    return _VARIABLES[source][field]
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    text = env[name].strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{name}={env[name]!r} is not an integer") from None
+
+
+def _require_all(env: Mapping[str, str], names: tuple[str, ...], why: str) -> None:
+    missing = [name for name in names if name not in env]
+    if missing:
+        present = [name for name in names if name in env]
+        raise ValueError(f"{', '.join(present)} set but {', '.join(missing)} missing ({why}): "
+                         f"set every one of {', '.join(names)}")
+
+
+def first_slurm_host(hostlist: str) -> str:
+    """The first host of a Slurm host list: ``"node[01-03,07],gpu5"`` gives
+    ``"node01"``.
+
+    Raises:
+        ValueError: ``hostlist`` is empty or malformed.
+    """
+    return next(iter_slurm_hosts(hostlist))
+
+
+def iter_slurm_hosts(hostlist: str) -> Iterator[str]:
+    """Expands a Slurm compact host list lazily, in Slurm's order.
+
+    ``"node[01-03,07],gpu5"`` yields node01, node02, node03, node07, gpu5.
+    Zero padding is kept (the width of a range is that of its first number),
+    text may follow a bracket (``"n[1-2]-ib"``), and several brackets in one
+    name expand left to right, the last varying fastest (``"r[1-2]n[1-2]"``).
+
+    Raises:
+        ValueError: the list is empty, a bracket is unbalanced or nested, or a
+            range is not ``low-high`` with ``low <= high`` (raised when the
+            before the first host is yielded).
+    """
+    items = _split_top_level(hostlist)
+    parsed = [_parse_host_pattern(item) for item in items]  # fail before yielding anything
+    for parts in parsed:
+        yield from _expand(parts)
+
+
+def _split_top_level(hostlist: str) -> list[str]:
+    """Splits at commas outside brackets."""
+    items: list[str] = []
+    depth = 0
+    start = 0
+    for index, char in enumerate(hostlist):
+        if char == "[":
+            if depth:
+                raise ValueError("nested '[' is not valid")
+            depth = 1
+        elif char == "]":
+            if not depth:
+                raise ValueError("']' without a matching '['")
+            depth = 0
+        elif char == "," and not depth:
+            items.append(hostlist[start:index])
+            start = index + 1
+    if depth:
+        raise ValueError("'[' without a matching ']'")
+    items.append(hostlist[start:])
+    items = [item.strip() for item in items]
+    if not any(items) or not all(items):
+        raise ValueError("empty host name")
+    return items
+
+
+# A host pattern is a list of parts: literal text, or one bracket's ranges as
+# (low, high, width) so that a huge range is never materialised.
+_Part = Union[str, list[tuple[int, int, int]]]
+
+
+def _parse_host_pattern(item: str) -> list[_Part]:
+    parts: list[_Part] = []
+    rest = item
+    while rest:
+        open_at = rest.find("[")
+        if open_at < 0:
+            parts.append(rest)
+            break
+        if open_at:
+            parts.append(rest[:open_at])
+        close_at = rest.index("]", open_at)
+        parts.append(_bracket_ranges(rest[open_at + 1:close_at]))
+        rest = rest[close_at + 1:]
+    return parts
+
+
+def _bracket_ranges(body: str) -> list[tuple[int, int, int]]:
+    ranges: list[tuple[int, int, int]] = []
+    for chunk in body.split(","):
+        chunk = chunk.strip()
+        low, dash, high = chunk.partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()):
+            raise ValueError(f"range {chunk!r} is not a number or low-high")
+        last = int(high) if dash else int(low)
+        if last < int(low):
+            raise ValueError(f"range {chunk!r} runs backwards")
+        ranges.append((int(low), last, len(low)))  # Slurm pads to the width of the low end
+    return ranges
+
+
+def _choices(part: _Part) -> Iterator[str]:
+    if isinstance(part, str):
+        yield part
+        return
+    for low, high, width in part:
+        for number in range(low, high + 1):
+            yield str(number).zfill(width)
+
+
+def _expand(parts: list[_Part]) -> Iterator[str]:
+    if not parts:
+        yield ""
+        return
+    for head in _choices(parts[0]):
+        for tail in _expand(parts[1:]):
+            yield head + tail

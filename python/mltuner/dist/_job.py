@@ -1,0 +1,237 @@
+"""Job: this process's part of a distributed training job.
+
+A job is N worker processes; each runs one engine and one server shard
+(the GeePS layout). Creating a :class:`Job` reads where this process sits
+(``mltuner launch``, torchrun, Slurm or Open MPI variables), meets the other
+ranks at rank 0's address, and connects every pair of processes. The same
+script runs unchanged under any of those launchers, or alone.
+
+Example::
+
+    with mltuner.Job(mltuner.Config(update_rule=mltuner.UpdateRule("sgd", 0.1))) as job:
+        worker = job.worker
+        ...  # create tables, record the virtual iteration, train
+        job.save_checkpoint("ckpt")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+from pathlib import Path
+from types import TracebackType
+
+import zmq
+
+from mltuner import _core
+from mltuner._config import Config
+from mltuner.client._worker import Worker
+from mltuner.dist import _checkpoint
+from mltuner.dist._env import ProcessEnv, detect_environment, is_loopback
+from mltuner.dist._rendezvous import ControlClient, Coordinator
+from mltuner.dist._security import CurveKeys, derive_keys, secure_server, start_authenticator
+from mltuner.dist._transport import SocketTransport
+from mltuner.exceptions import MltunerError
+
+__all__ = ["Job"]
+
+
+class Job:
+    """This process's worker in a job of ``world_size`` processes.
+
+    Args:
+        config: engine settings; every rank must use the same update rule,
+            wait timeout and prefetch depth (checked at the rendezvous).
+        env: where this process sits; by default read from the environment
+            (see :func:`mltuner.dist.detect_environment`).
+        rendezvous_timeout_s: how long to wait for every rank to arrive.
+        heartbeat_interval_s: how often each process tells every peer it is alive.
+        heartbeat_timeout_s: a peer silent this long is declared lost: every
+            engine call on this process then raises
+            :class:`~mltuner.PeerLostError` naming its rank.
+        secure: authenticate and encrypt with ZeroMQ CURVE keys derived from
+            the job's secret (``MLTUNER_SECRET``). ``None`` (default) does so
+            whenever this process binds to a non-loopback address, which then
+            requires a secret; ``True`` forces it on loopback too.
+
+    Attributes:
+        worker: the access API (:class:`mltuner.Worker`).
+        rank, world_size, local_rank: this process's place in the job.
+    """
+
+    def __init__(self, config: Config | None = None, *, env: ProcessEnv | None = None,
+                 rendezvous_timeout_s: float = 120.0, heartbeat_interval_s: float = 0.5,
+                 heartbeat_timeout_s: float = 5.0, secure: bool | None = None) -> None:
+        if not 0 < heartbeat_interval_s < heartbeat_timeout_s:
+            raise ValueError("need 0 < heartbeat_interval_s < heartbeat_timeout_s, got "
+                             f"{heartbeat_interval_s} and {heartbeat_timeout_s}")
+        self.config = config or Config()
+        self.env = env or detect_environment()
+        self.rank = self.env.rank
+        self.world_size = self.env.world_size
+        self.local_rank = self.env.local_rank
+        self._timeout_s = self.config.wait_timeout_s
+        self._closed = False
+        self._context: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._authenticator: object | None = None
+        self._coordinator: Coordinator | None = None
+        self._control: ControlClient | None = None
+        self._transport: SocketTransport | None = None
+        self.endpoint = ""  # where peers send to this process (empty when alone)
+        self._node = _core.ProcessNode(self.config.to_core(), self.rank, self.world_size, self.config.device,
+                                       self.local_rank)
+        self.worker = Worker(self._node.engine, owner=self._node)
+        if self.world_size > 1:
+            try:
+                self._connect(self._keys(secure), rendezvous_timeout_s, heartbeat_interval_s, heartbeat_timeout_s)
+            except BaseException:
+                self.close(graceful=False)
+                raise
+
+    # -- the public API -----------------------------------------------------------
+    @property
+    def rejected_messages(self) -> int:
+        """Messages from other processes refused as malformed or misaddressed."""
+        dropped = self._transport.rejected if self._transport else 0
+        return int(self._node.rejected_messages) + dropped
+
+    def barrier(self, name: str = "barrier", timeout_s: float | None = None) -> None:
+        """Returns once every rank has called ``barrier`` with this name."""
+        if self._control is not None:
+            self._control.barrier(name, self._timeout_s if timeout_s is None else timeout_s)
+
+    def save_checkpoint(self, root: str | os.PathLike[str], *, keep: int = 2) -> Path:
+        """Saves every shard's parameters and optimizer state at this clock.
+
+        Call it on every rank at the same clock (after ``start_iterations``).
+        It waits until every worker's updates up to this clock are applied,
+        writes each shard's slice, and makes the checkpoint visible atomically
+        as ``root/clock-NNNNNNNN`` (``root/latest`` names the newest); only the
+        newest ``keep`` are kept. ``root`` must be on a file system every rank
+        can see. Returns the checkpoint's directory.
+        """
+        return _checkpoint.save(self._node, self.worker, Path(root), self.barrier, keep=keep)
+
+    def restore_checkpoint(self, path: str | os.PathLike[str]) -> int:
+        """Loads a checkpoint into this rank's shard and returns its clock.
+
+        Call it on every rank after ``finish_virtual_iteration`` and before
+        ``start_iterations``, with the tables created as when it was saved;
+        the number of processes may differ. ``path`` is a checkpoint
+        directory or a root written by :meth:`save_checkpoint` (its newest
+        checkpoint is used). Training clocks restart at 0; the returned clock
+        tells the application where its data stream was.
+        """
+        return _checkpoint.restore(self._node, self.worker, Path(path), self.config.update_rule.kind)
+
+    def close(self, *, graceful: bool = True) -> None:
+        """Leaves the job. Graceful: hands over this worker's last updates and
+        waits (bounded) for every rank to reach close, so no peer mistakes the
+        exit for a crash. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        lost = self._transport.lost if self._transport else None
+        if graceful and self._control is not None and lost is None:
+            try:
+                self.worker.flush()
+                self._control.barrier("close", self._timeout_s)
+            except MltunerError:
+                pass  # a lost peer was reported by the calls that met it
+        self._node.shutdown()
+        if self._transport is not None:
+            self._transport.stop()
+        if self._control is not None:
+            self._control.close()
+        if self._coordinator is not None:
+            self._coordinator.close()
+        if self._authenticator is not None:
+            self._authenticator.stop()  # type: ignore[attr-defined]
+        if self._context is not None:
+            self._context.term()
+
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close(graceful=exc is None)
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            self.close(graceful=False)
+
+    # -- setting up ---------------------------------------------------------------
+    def _keys(self, secure: bool | None) -> CurveKeys | None:
+        wanted = secure if secure is not None else not is_loopback(self.env.bind_host)
+        if not wanted:
+            return None
+        if not self.env.secret:
+            raise ValueError(f"binding to {self.env.bind_host} needs peers to authenticate: set MLTUNER_SECRET "
+                             "to the same random string on every process (mltuner launch does this for you)")
+        return derive_keys(self.env.secret)
+
+    def _connect(self, keys: CurveKeys | None, rendezvous_timeout_s: float, heartbeat_interval_s: float,
+                 heartbeat_timeout_s: float) -> None:
+        self._context = zmq.Context()
+        if keys is not None:
+            self._authenticator = start_authenticator(self._context, keys)
+        inbox = self._context.socket(zmq.PULL)
+        inbox.rcvhwm = 0
+        if keys is not None:
+            secure_server(inbox, keys)
+        try:
+            port = inbox.bind_to_random_port(f"tcp://{_bracketed(self.env.bind_host)}")
+        except zmq.ZMQError:
+            inbox.close(linger=0)
+            raise
+        endpoint = self.endpoint = f"tcp://{_bracketed(_advertised_host(self.env))}:{port}"
+        if self.rank == 0:
+            self._coordinator = Coordinator(self._context, self.env.bind_host, self.env.master_port,
+                                            self.world_size, keys)
+        self._control = ControlClient(self._context, self.env.master_addr, self.env.master_port, self.rank, keys,
+                                      self._lost_peer)
+        missing = self._coordinator.missing_ranks if self._coordinator else None
+        try:
+            endpoints = self._control.join(self.world_size, endpoint, _fingerprint(self.config),
+                                           rendezvous_timeout_s, missing)
+        except BaseException:
+            inbox.close(linger=0)
+            raise
+        self._transport = SocketTransport(self._node, self._context, inbox, endpoints, keys,
+                                          heartbeat_interval_s=heartbeat_interval_s,
+                                          heartbeat_timeout_s=heartbeat_timeout_s)
+
+    def _lost_peer(self) -> str | None:
+        return self._transport.lost if self._transport else None
+
+
+def _bracketed(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _advertised_host(env: ProcessEnv) -> str:
+    """The address peers should use to reach this process's sockets."""
+    if is_loopback(env.bind_host):
+        return env.bind_host
+    if env.bind_host not in ("0.0.0.0", "::"):
+        return env.bind_host
+    # Bound to every interface: pick the one that routes to rank 0 (a UDP
+    # "connect" sends nothing; it only asks the kernel for the route).
+    family = socket.AF_INET6 if ":" in env.master_addr else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((env.master_addr, env.master_port or 9))
+            return str(probe.getsockname()[0])
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
+def _fingerprint(config: Config) -> str:
+    """The settings every rank must share (the device and budget may differ)."""
+    shared = {"update_rule": dataclasses.asdict(config.update_rule), "prefetch_clocks": config.prefetch_clocks,
+              "wait_timeout_s": config.wait_timeout_s}
+    return json.dumps(shared, sort_keys=True)
+

@@ -1,0 +1,222 @@
+"""The job's control channel: rendezvous and barriers, through rank 0.
+
+Rank 0 runs a :class:`Coordinator` (a ROUTER socket on the master address, in
+its own thread). Every rank, rank 0 included, talks to it through a
+:class:`ControlClient` (a DEALER socket used only by the thread that made it):
+
+- ``join`` sends this rank's data endpoint and a fingerprint of its settings,
+  and returns every rank's endpoint once all ranks have joined with the same
+  fingerprint;
+- ``barrier`` returns once every rank has entered the barrier of that name.
+
+Messages are single JSON frames of at most 64 KiB; anything else is dropped
+and logged. Every wait is bounded and polls ``should_stop`` so a lost peer
+ends it at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from mltuner.dist._security import CurveKeys, secure_client, secure_server
+from mltuner.exceptions import InvalidArgumentError, PeerLostError, WaitTimeoutError
+
+__all__ = ["Coordinator", "ControlClient"]
+
+_log = logging.getLogger("mltuner.dist")
+_MAX_FRAME = 64 * 1024
+_POLL_MS = 100
+
+
+def _encode(message: dict[str, Any]) -> bytes:
+    return json.dumps(message, separators=(",", ":")).encode()
+
+
+def _decode(frame: bytes) -> dict[str, Any] | None:
+    if len(frame) > _MAX_FRAME:
+        return None
+    try:
+        message = json.loads(frame.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return message if isinstance(message, dict) and isinstance(message.get("op"), str) else None
+
+
+class Coordinator:
+    """Rank 0's side of the control channel (a thread serving a ROUTER)."""
+
+    def __init__(self, context: zmq.Context[zmq.Socket[bytes]], bind_host: str, port: int, world_size: int,
+                 keys: CurveKeys | None) -> None:
+        self._world_size = world_size
+        self._socket = context.socket(zmq.ROUTER)
+        self._socket.linger = 0
+        if keys is not None:
+            secure_server(self._socket, keys)
+        host = f"[{bind_host}]" if ":" in bind_host else bind_host
+        try:
+            if port == 0:
+                self.port = self._socket.bind_to_random_port(f"tcp://{host}")
+            else:
+                self._socket.bind(f"tcp://{host}:{port}")
+                self.port = port
+        except zmq.ZMQError as error:
+            self._socket.close()
+            raise OSError(f"rank 0 cannot listen on {bind_host}:{port} for the rendezvous: {error}") from error
+        self._members: dict[int, tuple[bytes, str, str]] = {}  # rank -> (routing id, endpoint, fingerprint)
+        self._barriers: dict[str, set[int]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="mltuner-coordinator", daemon=True)
+        self._thread.start()
+
+    def missing_ranks(self) -> list[int]:
+        """Ranks that have not joined yet (for timeout messages)."""
+        with self._lock:
+            return [r for r in range(self._world_size) if r not in self._members]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+        self._socket.close()
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(_POLL_MS):
+                continue
+            frames = self._socket.recv_multipart()
+            message = _decode(frames[-1]) if len(frames) == 2 else None
+            if message is None:
+                _log.warning("control channel: dropped a malformed message (%d frames)", len(frames))
+                continue
+            self._handle(frames[0], message)
+
+    def _send(self, routing_id: bytes, message: dict[str, Any]) -> None:
+        try:
+            self._socket.send_multipart([routing_id, _encode(message)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as error:  # a peer that went away; its own timeout reports it
+            _log.warning("control channel: could not answer a peer: %s", error)
+
+    def _handle(self, routing_id: bytes, message: dict[str, Any]) -> None:
+        rank = message.get("rank")
+        if not isinstance(rank, int) or not 0 <= rank < self._world_size:
+            self._send(routing_id, {"op": "error", "message": f"rank {rank!r} is outside 0..{self._world_size - 1}"})
+            return
+        if message["op"] == "join":
+            self._join(routing_id, rank, message)
+        elif message["op"] == "barrier":
+            self._barrier(routing_id, rank, str(message.get("name", "")))
+
+    def _join(self, routing_id: bytes, rank: int, message: dict[str, Any]) -> None:
+        if message.get("world_size") != self._world_size:
+            self._send(routing_id, {"op": "error", "message": (
+                f"rank {rank} was started with world size {message.get('world_size')}, "
+                f"rank 0 with {self._world_size}")})
+            return
+        with self._lock:
+            known = self._members.get(rank)
+            if known is not None and known[0] != routing_id:
+                self._send(routing_id, {"op": "error", "message": f"two processes claim rank {rank}"})
+                return
+            self._members[rank] = (routing_id, str(message.get("endpoint")), str(message.get("fingerprint")))
+            if len(self._members) < self._world_size:
+                return
+            members = [self._members[r] for r in range(self._world_size)]
+        fingerprints = {m[2] for m in members}
+        if len(fingerprints) > 1:
+            reply: dict[str, Any] = {"op": "error", "message": (
+                "the workers were started with different settings: " +
+                "; ".join(f"rank {r}: {m[2]}" for r, m in enumerate(members)))}
+        else:
+            reply = {"op": "welcome", "endpoints": [m[1] for m in members]}
+        for member in members:
+            self._send(member[0], reply)
+
+    def _barrier(self, routing_id: bytes, rank: int, name: str) -> None:
+        with self._lock:
+            if self._members.get(rank, (None,))[0] != routing_id:
+                self._send(routing_id, {"op": "error", "message": f"rank {rank} entered a barrier before joining"})
+                return
+            arrived = self._barriers.setdefault(name, set())
+            arrived.add(rank)
+            if len(arrived) < self._world_size:
+                return
+            del self._barriers[name]
+            routing_ids = [self._members[r][0] for r in range(self._world_size)]
+        for member in routing_ids:
+            self._send(member, {"op": "release", "name": name})
+
+
+class ControlClient:
+    """One rank's side of the control channel. Not thread-safe: use it from
+    the thread that made it."""
+
+    def __init__(self, context: zmq.Context[zmq.Socket[bytes]], master_addr: str, port: int, rank: int,
+                 keys: CurveKeys | None, should_stop: Callable[[], str | None]) -> None:
+        self._rank = rank
+        self._address = f"{master_addr}:{port}"
+        self._should_stop = should_stop
+        self._socket = context.socket(zmq.DEALER)
+        self._socket.linger = 0
+        if keys is not None:
+            secure_client(self._socket, keys)
+        host = f"[{master_addr}]" if ":" in master_addr else master_addr
+        self._socket.connect(f"tcp://{host}:{port}")
+
+    def join(self, world_size: int, endpoint: str, fingerprint: str, timeout_s: float,
+             missing: Callable[[], list[int]] | None = None) -> list[str]:
+        """Every rank's data endpoint, by rank, once all have joined."""
+        self._send({"op": "join", "rank": self._rank, "world_size": world_size, "endpoint": endpoint,
+                    "fingerprint": fingerprint})
+
+        def timed_out() -> str:
+            who = f"ranks {missing()} never joined" if missing else "not every rank joined"
+            return (f"rendezvous at {self._address} timed out after {timeout_s:g} s: {who}. Check that every "
+                    "process was started with the same master address, port and world size (and secret)")
+
+        reply = self._expect("welcome", timeout_s, timed_out)
+        endpoints = reply.get("endpoints")
+        if not isinstance(endpoints, list) or len(endpoints) != world_size:
+            raise InvalidArgumentError(f"malformed rendezvous reply from {self._address}")
+        return [str(e) for e in endpoints]
+
+    def barrier(self, name: str, timeout_s: float) -> None:
+        """Returns once every rank has called ``barrier(name)``."""
+        self._send({"op": "barrier", "rank": self._rank, "name": name})
+        reply = self._expect("release", timeout_s,
+                             lambda: f"barrier {name!r} timed out after {timeout_s:g} s: not every worker reached it")
+        if reply.get("name") != name:
+            raise InvalidArgumentError(f"barrier {name!r} was answered for {reply.get('name')!r}")
+
+    def close(self) -> None:
+        self._socket.close()
+
+    def _send(self, message: dict[str, Any]) -> None:
+        self._socket.send(_encode(message))
+
+    def _expect(self, op: str, timeout_s: float, timeout_message: Callable[[], str]) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            lost = self._should_stop()
+            if lost:
+                raise PeerLostError(lost)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise WaitTimeoutError(timeout_message())
+            if not self._socket.poll(min(_POLL_MS, int(remaining * 1000) + 1)):
+                continue
+            message = _decode(self._socket.recv())
+            if message is None:
+                continue
+            if message["op"] == "error":
+                raise InvalidArgumentError(str(message.get("message")))
+            if message["op"] == op:
+                return message

@@ -51,8 +51,10 @@ class Workers:
                 proc.kill()
             proc.communicate()
 
-    def result(self, rank: int) -> dict[str, np.ndarray]:
-        with np.load(self.out / f"rank-{rank}.npz", allow_pickle=False) as data:
+    def result(self, rank: int, name: str = "") -> dict[str, np.ndarray]:
+        """What rank wrote at the end (or, with name="saved", at its checkpoint)."""
+        suffix = f"-{name}" if name else ""
+        with np.load(self.out / f"rank-{rank}{suffix}.npz", allow_pickle=False) as data:
             return dict(data)
 
 

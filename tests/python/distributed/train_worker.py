@@ -67,7 +67,6 @@ def linear(job: mltuner.Job, args: argparse.Namespace) -> dict[str, np.ndarray]:
         layout.view(init, "bias")[:] = data["b0"]
         worker.update(update)
     worker.start_iterations()
-    saved = ""
     for step in range(args.clocks):
         clock = first_clock + step
         if args.die_at == clock and job.rank == args.die_rank:
@@ -86,15 +85,12 @@ def linear(job: mltuner.Job, args: argparse.Namespace) -> dict[str, np.ndarray]:
         worker.update(update)
         worker.clock()
         if args.save_at == clock + 1:
-            saved = str(job.save_checkpoint(args.checkpoint))
-            at_save = worker.fetch(table)
+            saved = job.save_checkpoint(args.checkpoint)
+            # Written now: a later crash must not lose what the test compares with.
+            np.savez(os.path.join(args.out, f"rank-{job.rank}-saved.npz"), at_save=worker.fetch(table),
+                     path=np.array(str(saved)))
     worker.sync()
-    final = worker.fetch(table)
-    result = {"final": final, "first_clock": np.array(first_clock)}
-    if saved:
-        result["at_save"] = at_save
-        result["saved"] = np.array(saved)
-    return result
+    return {"final": worker.fetch(table), "first_clock": np.array(first_clock)}
 
 
 def counters(job: mltuner.Job, args: argparse.Namespace) -> dict[str, np.ndarray]:

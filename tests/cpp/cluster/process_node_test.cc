@@ -1,0 +1,174 @@
+// ProcessNode: two nodes joined by a test "wire" that does what the Python
+// socket transport does (NextOutgoing on one, Deliver on the other), so the
+// encoding, validation and routing of real cross-process traffic run here
+// without sockets. Also: refusal of misaddressed and corrupt frames, Abort
+// ending a blocked wait with kPeerLost, and shard export/import.
+#include "mltuner/process_node.h"
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "test_util.h"
+#include "wire/message.h"
+
+using namespace mltuner;
+
+namespace {
+
+Config TestConfig(UpdateRuleKind kind = UpdateRuleKind::kAdd) {
+  Config config;
+  config.wait_timeout_ms = 10000;
+  config.update_rule.kind = kind;
+  config.update_rule.learning_rate = 0.5f;
+  return config;
+}
+
+// Moves every outgoing message of each node to the other until stopped.
+class Wire {
+ public:
+  Wire(ProcessNode* a, ProcessNode* b) {
+    for (auto [from, to] : {std::pair{a, b}, std::pair{b, a}}) {
+      threads_.emplace_back([this, from, to] {
+        while (!stop_) {
+          OutgoingMessage message;
+          if (!from->NextOutgoing(20, &message)) continue;
+          const Status status = to->Deliver(message.header.data(), message.header.size(), message.payload.data(),
+                                            message.payload.size() * sizeof(float));
+          if (!status.ok()) ++refused_;
+        }
+      });
+    }
+  }
+  ~Wire() {
+    stop_ = true;
+    for (auto& thread : threads_) thread.join();
+  }
+  int refused() const { return refused_; }
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::atomic<int> refused_{0};
+  std::vector<std::thread> threads_;
+};
+
+struct Pair {
+  std::unique_ptr<ProcessNode> node[2];
+};
+
+Pair MakePair(UpdateRuleKind kind = UpdateRuleKind::kAdd) {
+  Pair pair;
+  for (int rank = 0; rank < 2; ++rank) {
+    Status status = ProcessNode::Create(TestConfig(kind), rank, 2, nullptr, &pair.node[rank]);
+    if (!status.ok()) std::fprintf(stderr, "%s\n", status.ToString().c_str());
+  }
+  return pair;
+}
+
+// Each rank adds (rank + 1) to every row of a 5 x 3 table for `clocks` clocks.
+void Train(ProcessNode* node, int clocks, std::vector<float>* fetched) {
+  Engine* engine = node->engine();
+  TableId table;
+  Handle update;
+  ASSERT_OK(engine->CreateTable("t", 5, 3, false, &table));
+  ASSERT_OK(engine->VirtualPreUpdate(table, {0, 1, 2, 3, 4}, &update));
+  ASSERT_OK(engine->VirtualUpdate(update));
+  ASSERT_OK(engine->VirtualClock());
+  ASSERT_OK(engine->FinishVirtualIteration());
+  ASSERT_OK(engine->StartIterations());
+  for (int clock = 0; clock < clocks; ++clock) {
+    AccessBuffer buffer;
+    ASSERT_OK(engine->PreUpdate(update, &buffer));
+    for (int i = 0; i < 15; ++i) buffer.data[i] = static_cast<float>(node->rank() + 1);
+    ASSERT_OK(engine->Update(update));
+    ASSERT_OK(engine->Clock());
+  }
+  ASSERT_OK(engine->Flush());
+  ASSERT_OK(engine->WaitForDataAge(table, clocks - 1));
+  fetched->assign(15, 0.0f);
+  ASSERT_OK(engine->Fetch(table, {0, 1, 2, 3, 4}, fetched->data()));
+}
+
+}  // namespace
+
+TEST(CreateRejectsBadRanks) {
+  std::unique_ptr<ProcessNode> node;
+  EXPECT_TRUE((ProcessNode::Create(TestConfig(), 2, 2, nullptr, &node).code() == StatusCode::kInvalidArgument));
+  EXPECT_TRUE((ProcessNode::Create(TestConfig(), 0, 0, nullptr, &node).code() == StatusCode::kInvalidArgument));
+}
+
+TEST(TwoNodesTrainThroughTheWire) {
+  Pair pair = MakePair();
+  Wire wire(pair.node[0].get(), pair.node[1].get());
+  std::vector<float> result[2];
+  std::thread other([&] { Train(pair.node[1].get(), 6, &result[1]); });
+  Train(pair.node[0].get(), 6, &result[0]);
+  other.join();
+  for (int rank = 0; rank < 2; ++rank) {
+    ASSERT_TRUE(result[rank].size() == 15);
+    for (float value : result[rank]) EXPECT_EQ(value, 18.0f);  // 6 clocks x (1 + 2)
+  }
+  EXPECT_EQ(wire.refused(), 0);
+  EXPECT_EQ(pair.node[0]->rejected_messages(), 0);
+}
+
+TEST(DeliverRefusesMisaddressedAndCorruptFrames) {
+  Pair pair = MakePair();
+  ProcessNode* node = pair.node[0].get();
+  auto deliver = [&](const Message& message) {
+    const std::string frame = EncodeHeaderFrame(message);
+    return node->Deliver(frame.data(), frame.size(), message.values.data(), message.values.size() * sizeof(float));
+  };
+  EXPECT_TRUE((deliver(NewMessage(MessageType::kStart, 1, 1, 0)).code() == StatusCode::kCorruptMessage));  // not for me
+  EXPECT_TRUE((deliver(NewMessage(MessageType::kStart, 0, 0, 0)).code() == StatusCode::kCorruptMessage));  // from myself
+  EXPECT_TRUE((deliver(NewMessage(MessageType::kStart, 7, 0, 0)).code() == StatusCode::kCorruptMessage));  // unknown rank
+  const char garbage[] = "definitely not a message";
+  EXPECT_TRUE((node->Deliver(garbage, sizeof(garbage), nullptr, 0).code() == StatusCode::kCorruptMessage));
+  EXPECT_EQ(node->rejected_messages(), 4);
+}
+
+TEST(AbortEndsABlockedWaitWithPeerLost) {
+  Pair pair = MakePair();  // no wire: rank 1's shard never answers rank 0
+  Engine* engine = pair.node[0]->engine();
+  TableId table;
+  ASSERT_OK(engine->CreateTable("t", 4, 2, false, &table));
+  Status finished;
+  std::thread blocked([&] {
+    Handle read;
+    Status status = engine->VirtualRead(table, {0, 1, 2, 3}, 0, &read);
+    if (status.ok()) status = engine->VirtualPostRead(read);
+    if (status.ok()) status = engine->VirtualClock();
+    if (status.ok()) status = engine->FinishVirtualIteration();  // waits for rank 1's kReady
+    finished = status;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  pair.node[0]->Abort(Status::PeerLost("worker rank 1 stopped answering"));
+  blocked.join();
+  EXPECT_TRUE((finished.code() == StatusCode::kPeerLost));
+  EXPECT_TRUE(pair.node[0]->aborted());
+  EXPECT_TRUE((engine->Fetch(table, {0}, nullptr).code() == StatusCode::kPeerLost));
+}
+
+TEST(ShardExportImportRoundTrip) {
+  Pair pair = MakePair(UpdateRuleKind::kAdam);
+  Wire wire(pair.node[0].get(), pair.node[1].get());
+  std::vector<float> result[2];
+  std::thread other([&] { Train(pair.node[1].get(), 3, &result[1]); });
+  Train(pair.node[0].get(), 3, &result[0]);
+  other.join();
+  ShardSlice slice;
+  ASSERT_OK(pair.node[1]->ExportShardTable(0, &slice));
+  EXPECT_EQ(slice.first_row, 3);  // 5 rows over 2 shards: [0, 3) and [3, 5)
+  EXPECT_EQ(slice.num_rows, 2);
+  EXPECT_EQ(slice.state_arrays, 2);
+  EXPECT_EQ(slice.state.size(), size_t{2 * 6 + 1});
+  EXPECT_EQ(slice.state.back(), 3.0f);  // Adam's step count
+  EXPECT_EQ(slice.global_clock, 2);
+  for (size_t i = 0; i < slice.values.size(); ++i) EXPECT_EQ(slice.values[i], result[0][9 + i]);
+  EXPECT_TRUE((pair.node[1]->ImportShardTable(0, slice.values.data(), 5, slice.state.data(), slice.state.size()).code() == StatusCode::kInvalidArgument));
+  EXPECT_TRUE((pair.node[1]->ExportShardTable(9, &slice).code() == StatusCode::kNotFound));
+}
+
+MLT_TEST_MAIN

@@ -1,0 +1,182 @@
+"""What reaches a worker from the network: malformed, misaddressed and
+foreign messages are refused and counted without disturbing training, and
+with CURVE on, a socket without the job's keys gets nothing through.
+
+Both ranks of a 2-process job run here on threads (each Job has its own
+ZeroMQ context and sockets, so the traffic between them is real TCP on
+127.0.0.1); the rogue is a plain pyzmq PUSH socket."""
+
+from __future__ import annotations
+
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+import mltuner
+from mltuner.dist import ProcessEnv
+from mltuner.dist._env import free_port
+from mltuner.dist._security import derive_keys, secure_client
+
+CLOCKS = 5
+
+
+def start_pair(secure: bool, secret: str | None = "pair-secret") -> list[mltuner.Job]:
+    port = free_port()
+    jobs: list[mltuner.Job | None] = [None, None]
+    errors: list[BaseException] = []
+
+    def join(rank: int) -> None:
+        env = ProcessEnv(rank=rank, world_size=2, local_rank=rank, master_addr="127.0.0.1", master_port=port,
+                         bind_host="127.0.0.1", secret=secret, source="mltuner")
+        config = mltuner.Config(update_rule=mltuner.UpdateRule("add"), wait_timeout_s=20)
+        try:
+            jobs[rank] = mltuner.Job(config, env=env, secure=secure, rendezvous_timeout_s=20)
+        except BaseException as error:  # noqa: BLE001 - re-raised below
+            errors.append(error)
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    if errors:
+        raise errors[0]
+    return [job for job in jobs if job is not None]
+
+
+def train(jobs: list[mltuner.Job]) -> list[np.ndarray]:
+    """Each rank adds (rank + 1) to every row each clock; returns the fetched table."""
+    results: list[np.ndarray] = [np.empty(0)] * 2
+
+    def run(job: mltuner.Job) -> None:
+        worker = job.worker
+        table = worker.create_table("t", 6, 4)
+        update = worker.virtual_pre_update(table)
+        worker.virtual_update(update)
+        worker.virtual_clock()
+        worker.finish_virtual_iteration()
+        worker.start_iterations()
+        for _ in range(CLOCKS):
+            worker.pre_update(update)[:] = job.rank + 1
+            worker.update(update)
+            worker.clock()
+        worker.sync()
+        results[job.rank] = worker.fetch(table)
+
+    threads = [threading.Thread(target=run, args=(job,)) for job in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(t.is_alive() for t in threads)
+    return results
+
+
+def close(jobs: list[mltuner.Job]) -> None:
+    threads = [threading.Thread(target=job.close) for job in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+
+
+def header(*, magic: int = 0x4E544C4D, version: int = 1, kind: int = 1, sender: int = 1, receiver: int = 0,
+           table: int = 0, clock: int = 0, row_width: int = 4, spans: int = 0) -> bytes:
+    head = struct.pack("<IHHiiiiqqqIIQ", magic, version, kind, sender, receiver, table, 0, clock, 0, row_width,
+                       spans, 0, 0)
+    assert len(head) == 64
+    return head
+
+
+MALFORMED = {
+    "one garbage frame": [b"hello"],
+    "three frames": [b"a", b"b", b"c"],
+    "short header": [b"\x00" * 10, b""],
+    "foreign magic": [header(magic=0x12345678), b""],
+    "future version": [header(version=9), b""],
+    "unknown type": [header(kind=77), b""],
+    "for another rank": [header(receiver=5), b""],
+    "from itself": [header(sender=0), b""],
+    "spans missing": [header(spans=3), b""],
+    "payload of the wrong size": [header(spans=1) + struct.pack("<qq", 0, 2), b"\x00" * 12],
+}
+
+
+def rogue(endpoint: str, frames_list: list[list[bytes]], keys: object = None) -> None:
+    context = zmq.Context()
+    socket = context.socket(zmq.PUSH)
+    socket.linger = 500
+    if keys is not None:
+        secure_client(socket, keys)  # type: ignore[arg-type]
+    socket.connect(endpoint)
+    for frames in frames_list:
+        socket.send_multipart(frames)
+    time.sleep(1.0)
+    socket.close()
+    context.term()
+
+
+def test_malformed_messages_are_refused_and_training_is_unharmed() -> None:
+    jobs = start_pair(secure=False)
+    try:
+        rogue(jobs[0].endpoint, list(MALFORMED.values()))
+        deadline = time.monotonic() + 10
+        while jobs[0].rejected_messages < len(MALFORMED) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert jobs[0].rejected_messages == len(MALFORMED)
+        results = train(jobs)
+        for result in results:
+            np.testing.assert_array_equal(result, np.full((6, 4), 3.0 * CLOCKS, dtype=np.float32))
+    finally:
+        close(jobs)
+
+
+@pytest.mark.parametrize("who", ["no keys", "keys of another secret"])
+def test_curve_keeps_unauthenticated_peers_out(who: str) -> None:
+    jobs = start_pair(secure=True)
+    try:
+        keys = None if who == "no keys" else derive_keys("another-secret")
+        # A well-formed clock update from "rank 1" that would corrupt the table if it got in.
+        forged = [header(kind=1, sender=1, receiver=0, clock=0, spans=1) + struct.pack("<qq", 0, 3),
+                  np.full(12, 1000.0, dtype=np.float32).tobytes()]
+        rogue(jobs[0].endpoint, [forged, [b"hello"]], keys)
+        results = train(jobs)
+        for result in results:
+            np.testing.assert_array_equal(result, np.full((6, 4), 3.0 * CLOCKS, dtype=np.float32))
+        assert jobs[0].rejected_messages == 0  # nothing even reached the validator
+    finally:
+        close(jobs)
+
+
+def test_secure_mode_without_a_secret_is_refused() -> None:
+    env = ProcessEnv(rank=0, world_size=2, local_rank=0, master_addr="127.0.0.1", master_port=free_port(),
+                     bind_host="127.0.0.1", secret=None, source="mltuner")
+    with pytest.raises(ValueError, match="MLTUNER_SECRET"):
+        mltuner.Job(env=env, secure=True)
+
+
+def test_workers_with_different_settings_are_refused() -> None:
+    port = free_port()
+    errors: list[BaseException] = []
+
+    def join(rank: int, lr: float) -> None:
+        env = ProcessEnv(rank=rank, world_size=2, local_rank=rank, master_addr="127.0.0.1", master_port=port,
+                         bind_host="127.0.0.1", secret=None, source="mltuner")
+        try:
+            mltuner.Job(mltuner.Config(update_rule=mltuner.UpdateRule("sgd", lr)), env=env, rendezvous_timeout_s=20)
+        except BaseException as error:  # noqa: BLE001
+            errors.append(error)
+
+    threads = [threading.Thread(target=join, args=(r, 0.1 * (r + 1))) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert len(errors) == 2
+    for error in errors:
+        assert isinstance(error, mltuner.InvalidArgumentError)
+        assert "different settings" in str(error)

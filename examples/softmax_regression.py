@@ -8,7 +8,7 @@ engine; the shards average the workers' gradients and apply momentum SGD.
 The data set is generated here (a fixed-seed mixture of Gaussians, 10 classes
 in 64 dimensions), so the example needs nothing but numpy.
 
-    python examples/softmax_regression.py --workers 2 --clocks 300
+    mltuner launch -n 2 -- python examples/softmax_regression.py --clocks 300
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ def softmax_loss_and_grad(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--clocks", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=64, help="per worker")
     parser.add_argument("--slack", type=int, default=0, help="0 = BSP, s > 0 = SSP")
@@ -66,12 +65,10 @@ def main() -> None:
     layout = mlt.TensorLayout(row_width=128)
     layout.add("weight", (NUM_FEATURES, NUM_CLASSES)).add("bias", (NUM_CLASSES,))
     config = mlt.Config(update_rule=mlt.UpdateRule("momentum", learning_rate=args.learning_rate, momentum=0.9))
-    losses: list[list[float]] = [[] for _ in range(args.workers)]
-    tables: dict[int, mlt.Table] = {}
+    losses: list[float] = []
 
-    def train(worker: mlt.Worker) -> None:
+    def train(worker: mlt.Worker) -> np.ndarray:
         params = worker.create_tensor_table("softmax", layout)
-        tables[worker.rank] = params
         read = worker.virtual_read(params, slack=args.slack)
         worker.virtual_post_read(read)
         grad = worker.virtual_pre_update(params)
@@ -95,21 +92,24 @@ def main() -> None:
             layout.view(out, "bias")[...] = grad_b
             worker.update(grad)
             worker.clock()
-            losses[worker.rank].append(loss)
+            losses.append(loss)
         worker.sync()
+        return worker.fetch(params)
 
     start = time.perf_counter()
-    with mlt.LocalCluster(args.workers, config) as cluster:
-        cluster.run(train)
-        final = cluster.worker(0).fetch(tables[0])
-        stats = cluster.worker(0).stats
+    with mlt.Job(config) as job:
+        final = train(job.worker)
+        stats = job.worker.stats
+        workers = job.world_size
+        if job.rank != 0:
+            return  # rank 0 reports for the job
     elapsed = time.perf_counter() - start
 
     weight, bias = layout.view(final, "weight"), layout.view(final, "bias")
     accuracy = float(((test_x @ weight + bias).argmax(axis=1) == test_y).mean())
-    first = np.mean([l[:20] for l in losses])
-    last = np.mean([l[-20:] for l in losses])
-    print(f"workers={args.workers} slack={args.slack} clocks={args.clocks} time={elapsed:.2f}s")
+    first = np.mean(losses[:20])
+    last = np.mean(losses[-20:])
+    print(f"workers={workers} slack={args.slack} clocks={args.clocks} time={elapsed:.2f}s")
     print(f"training loss {first:.3f} -> {last:.3f}; test accuracy {accuracy:.1%}")
     print(f"worker 0 stalled {stats['stall_seconds']:.3f}s waiting for buffers")
 

@@ -1,0 +1,62 @@
+"""In-training hyperparameter tuning (the MLtuner design, mltuner.md §1).
+
+The :class:`Tuner` drives a :class:`BranchSystem` (the parameter server, or a
+simulation): it forks trial branches from a snapshot of the model, scores
+each by its noise-penalised loss slope per second, lets Optuna propose the
+next setting, keeps the winner with its trial progress, validates every epoch
+and re-tunes when validation accuracy plateaus. See docs/tuner.md.
+"""
+
+from __future__ import annotations
+
+from mltuner.tune._config import RetuneMode, TunerConfig
+from mltuner.tune._errors import TuningError
+from mltuner.tune._log import DecisionLog
+from mltuner.tune._progress import (
+    DIVERGENCE_THRESHOLD,
+    GO_UP_THRESHOLD,
+    NUM_POINTS,
+    ProgressState,
+    ProgressSummary,
+    summarize_progress,
+)
+from mltuner.tune._search import SearchEpisode, SearchResult
+from mltuner.tune._searcher import SAMPLERS, Proposal, Searcher, open_storage, top_k_close
+from mltuner.tune._space import Choice, LogUniform, SearchSpace, Tunable, Uniform, default_space
+from mltuner.tune._system import BranchKind, BranchSystem, ClockReport
+from mltuner.tune._trial import Trial
+from mltuner.tune._tuner import Outcome, Tuner, TuningResult, plateaued
+
+__all__ = [
+    "Tuner",
+    "TunerConfig",
+    "RetuneMode",
+    "TuningResult",
+    "Outcome",
+    "TuningError",
+    "SearchSpace",
+    "Tunable",
+    "LogUniform",
+    "Uniform",
+    "Choice",
+    "default_space",
+    "BranchSystem",
+    "BranchKind",
+    "ClockReport",
+    "ProgressState",
+    "ProgressSummary",
+    "summarize_progress",
+    "NUM_POINTS",
+    "GO_UP_THRESHOLD",
+    "DIVERGENCE_THRESHOLD",
+    "Searcher",
+    "Proposal",
+    "SAMPLERS",
+    "top_k_close",
+    "open_storage",
+    "SearchEpisode",
+    "SearchResult",
+    "Trial",
+    "DecisionLog",
+    "plateaued",
+]

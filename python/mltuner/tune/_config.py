@@ -1,0 +1,131 @@
+"""The tuner's settings, one frozen dataclass with the reason beside each default."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from optuna.storages import BaseStorage
+
+from mltuner.exceptions import InvalidArgumentError
+from mltuner.tune._searcher import SAMPLERS
+
+__all__ = ["TunerConfig", "RetuneMode"]
+
+RetuneMode = Literal["full", "marginal", "off"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TunerConfig:
+    """How the tuner searches, schedules and stops (mltuner.md §1, §1.5).
+
+    Args:
+        sampler: the searcher of every search episode: ``"tpe"`` (the
+            paper's default, HyperOpt TPE), ``"random"``, ``"grid"``, ``"gp"``
+            or ``"cmaes"``.
+        retune: at a plateau, ``"full"`` searches every tunable again,
+            ``"marginal"`` changes one tunable at a time from the current
+            setting (§4), ``"off"`` never re-tunes.
+        initial_tuning: False trains with ``initial_setting`` from the start
+            (the paper's robustness test); re-tuning still applies.
+        initial_setting: the decoded setting used without initial tuning;
+            None means the search space's defaults.
+        seed: seeds every searcher (search i uses seed + i).
+        storage: an Optuna storage URL (``sqlite:///tuning.db``,
+            ``journal:tuning.log``) or object; every trial branch becomes an
+            Optuna trial there. None keeps the studies in memory.
+        study_name_prefix: studies are named ``PREFIX-initial``,
+            ``PREFIX-retune-1``, ...; None picks one from the date and the
+            process id, so reruns into one storage never collide.
+        num_clocks_to_eval: clocks of the lr = 0 evaluation branch whose mean
+            loss is the starting progress (Caffe's default 100).
+        num_clocks_to_test: clocks of each validation (TESTING) branch; set it
+            to cover the validation set once.
+        num_progress_samples: clocks a new trial runs first (§1.2: 10, enough
+            for the K = 10 summariser).
+        num_branches: branches alive at once during a search: the parent plus
+            concurrent trials (30 in the paper's CIFAR config, 40 for
+            ImageNet). Bounds the trials that find the trial time together.
+        plateau_size_for_retune: re-tune when this many validations in a row
+            bring no new best accuracy (4; one less than the stop size because
+            an epoch of training follows every re-tune).
+        plateau_size_for_convergence: stop at this many (5). Stopping takes
+            precedence over re-tuning.
+        max_trials_per_search: the trial cap of the initial search; each
+            re-tune is capped at the previous search's count (§1.1). None is
+            unbounded, as in the original code, where a random searcher, or a
+            space in which every setting diverges, never stops searching.
+        initial_trial_time_s: the first trial time; None measures the
+            searcher's first decision time (§1.1 step 3a). Tests set it so
+            that runs are deterministic.
+        max_epochs: a safety stop after this many epochs of training (not in
+            the paper); None trains until convergence.
+        n_startup_trials: random proposals before a model-based sampler fits
+            the results (Optuna's default 10; hyperopt's 20).
+    """
+
+    sampler: str = "tpe"
+    retune: RetuneMode = "full"
+    initial_tuning: bool = True
+    initial_setting: Mapping[str, Any] | None = None
+    seed: int | None = None
+    storage: str | BaseStorage | None = None
+    study_name_prefix: str | None = None
+    num_clocks_to_eval: int = 100
+    num_clocks_to_test: int = 100
+    num_progress_samples: int = 10
+    num_branches: int = 30
+    plateau_size_for_retune: int = 4
+    plateau_size_for_convergence: int = 5
+    max_trials_per_search: int | None = 100
+    initial_trial_time_s: float | None = None
+    max_epochs: int | None = None
+    n_startup_trials: int = 10
+
+    def __post_init__(self) -> None:
+        if self.sampler not in SAMPLERS:
+            raise InvalidArgumentError(
+                f"unknown sampler {self.sampler!r}: use one of {', '.join(SAMPLERS)}"
+            )
+        if self.retune not in ("full", "marginal", "off"):
+            raise InvalidArgumentError(
+                f"unknown retune mode {self.retune!r}: use 'full', 'marginal' or 'off'"
+            )
+        positive = {
+            "num_clocks_to_eval": self.num_clocks_to_eval,
+            "num_clocks_to_test": self.num_clocks_to_test,
+            "num_progress_samples": self.num_progress_samples,
+            "plateau_size_for_retune": self.plateau_size_for_retune,
+            "plateau_size_for_convergence": self.plateau_size_for_convergence,
+        }
+        for name, value in positive.items():
+            if not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.num_branches < 2:
+            raise InvalidArgumentError(
+                f"num_branches must be >= 2 (the parent and one trial), got {self.num_branches}"
+            )
+        for name, limit in (("max_trials_per_search", self.max_trials_per_search),
+                            ("max_epochs", self.max_epochs)):
+            if limit is not None and limit < 1:
+                raise InvalidArgumentError(f"{name} must be >= 1 or None, got {limit}")
+        if self.initial_trial_time_s is not None and not (
+            math.isfinite(self.initial_trial_time_s) and self.initial_trial_time_s > 0
+        ):
+            raise InvalidArgumentError(
+                f"initial_trial_time_s must be > 0 or None, got {self.initial_trial_time_s}"
+            )
+        if self.retune != "off" and (
+            self.plateau_size_for_retune >= self.plateau_size_for_convergence
+        ):
+            raise InvalidArgumentError(
+                f"plateau_size_for_retune ({self.plateau_size_for_retune}) must be smaller than "
+                f"plateau_size_for_convergence ({self.plateau_size_for_convergence}): stopping "
+                "takes precedence, so a re-tune would never happen (use retune='off')"
+            )
+        if self.n_startup_trials < 0:
+            raise InvalidArgumentError(
+                f"n_startup_trials must be >= 0, got {self.n_startup_trials}"
+            )

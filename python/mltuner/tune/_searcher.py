@@ -1,0 +1,321 @@
+"""Optuna as MLtuner's searcher, through ask-and-tell (mltuner.md §4, §6).
+
+One :class:`Searcher` is one search episode (the initial search or one
+re-tune) and owns one Optuna study. The tuner asks for a setting, forks a
+branch with it, and tells the trial's slope once the branch stops being a
+trial; Optuna minimises the slope (NaN told as 0.0, §1.3 step 4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import random
+import time
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import optuna
+from optuna.distributions import BaseDistribution
+from optuna.samplers import BaseSampler, GridSampler
+from optuna.storages import BaseStorage
+
+from mltuner.exceptions import InvalidArgumentError
+from mltuner.tune._progress import ProgressSummary
+from mltuner.tune._space import SearchSpace
+
+__all__ = [
+    "Searcher",
+    "Proposal",
+    "SAMPLERS",
+    "STOP_TOP_K",
+    "STOP_THRESHOLD",
+    "MAX_REPORTED_POINTS",
+    "top_k_close",
+    "open_storage",
+]
+
+SAMPLERS = ("tpe", "random", "grid", "gp", "cmaes")
+# §1.4: the model-based searchers stop when the top 5 finite slopes are within
+# 10% (hard-coded in the original searchers; the paper calls it a rule of thumb).
+STOP_TOP_K = 5
+STOP_THRESHOLD = 0.1
+# Intermediate values per trial: every clock up to this many, then averages of
+# equal windows, so a one-epoch trial does not write thousands of rows.
+MAX_REPORTED_POINTS = 100
+
+# Optional dependencies of some samplers, checked up front for a clear message.
+_NEEDS = {"gp": ("torch", "scipy"), "cmaes": ("cmaes",)}
+
+
+def top_k_close(slopes: Iterable[float], k: int = STOP_TOP_K,
+                threshold: float = STOP_THRESHOLD) -> bool:
+    """The §1.4 stop rule: True when there are at least ``k`` finite slopes
+    and the k-th best is within ``threshold`` of the best, 1 - s_k/s_1 < threshold."""
+    finite = sorted(s for s in slopes if math.isfinite(s))
+    if len(finite) < k or finite[0] >= 0:
+        return False
+    return 1.0 - finite[k - 1] / finite[0] < threshold
+
+
+def open_storage(storage: str | BaseStorage | None) -> str | BaseStorage | None:
+    """An Optuna storage from a URL: ``journal:PATH`` opens a journal file
+    (what ``optuna-dashboard PATH`` reads); any other string is an RDB URL
+    such as ``sqlite:///tuning.db``; a storage object is used as is."""
+    if isinstance(storage, str) and storage.startswith("journal:"):
+        from optuna.storages import JournalStorage
+        from optuna.storages.journal import JournalFileBackend
+
+        path = storage[len("journal:"):]
+        if not path:
+            raise InvalidArgumentError("a journal storage needs a path: 'journal:PATH'")
+        return JournalStorage(JournalFileBackend(path))
+    return storage
+
+
+@dataclasses.dataclass(frozen=True)
+class Proposal:
+    """A setting to try.
+
+    Attributes:
+        number: the Optuna trial number in this episode's study.
+        tunables: the full decoded setting, for the training system.
+        params: the Optuna parameters (encoded) of the searched tunables.
+        varied: in a marginal re-tune, the one tunable this proposal changes
+            (None for the current setting itself and outside marginal mode).
+    """
+
+    number: int
+    tunables: dict[str, Any]
+    params: dict[str, Any]
+    varied: str | None = None
+
+
+class _AskTellGridSampler(GridSampler):
+    # GridSampler.after_trial calls study.stop(), which only works inside
+    # study.optimize; with ask-and-tell the searcher tracks exhaustion itself.
+    def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
+        return None
+
+
+class Searcher:
+    """One search episode's Optuna study, driven by ask and tell.
+
+    Args:
+        space: the search space; at least one tunable must be searched.
+        sampler: ``"tpe"`` (default, the paper's HyperOpt TPE), ``"random"``,
+            ``"grid"`` (11 points per continuous axis and every choice,
+            shuffled), ``"gp"`` (≈ Spearmint; needs torch and scipy) or
+            ``"cmaes"`` (needs the cmaes package).
+        seed: makes proposals reproducible.
+        storage: where the study is recorded (see :func:`open_storage`);
+            None keeps it in memory.
+        study_name: the study's name in ``storage``; it must not exist yet.
+        base_setting: a decoded setting: makes this a *marginal* re-tune
+            (§4), where every proposal changes one tunable of this setting,
+            taking the searched tunables in turn. With ``"grid"`` it tries
+            the base setting first, then every one-tunable grid change.
+        n_startup_trials: random proposals before TPE models the results
+            (Optuna's default 10; hyperopt's is 20).
+
+    Thread safety: none; one thread asks and tells.
+    """
+
+    def __init__(
+        self,
+        space: SearchSpace,
+        *,
+        sampler: str = "tpe",
+        seed: int | None = None,
+        storage: str | BaseStorage | None = None,
+        study_name: str | None = None,
+        base_setting: Mapping[str, Any] | None = None,
+        n_startup_trials: int = 10,
+    ) -> None:
+        if sampler not in SAMPLERS:
+            raise InvalidArgumentError(
+                f"unknown sampler {sampler!r}: use one of {', '.join(SAMPLERS)}"
+            )
+        missing = [m for m in _NEEDS.get(sampler, ()) if importlib.util.find_spec(m) is None]
+        if missing:
+            raise ImportError(
+                f"sampler {sampler!r} needs {' and '.join(missing)}: "
+                f"pip install {' '.join(missing)} (or choose another sampler)"
+            )
+        if not space.searched:
+            raise InvalidArgumentError("nothing to search: every tunable has search=False")
+        if n_startup_trials < 0:
+            raise InvalidArgumentError(f"n_startup_trials must be >= 0, got {n_startup_trials}")
+        self._space = space
+        self._kind = sampler
+        self._seed = seed
+        self._distributions: dict[str, BaseDistribution] = space.distributions()
+        self._base_params: dict[str, Any] | None = None
+        if base_setting is not None:
+            space.check_setting(base_setting)
+            self._base_params = space.encode(base_setting)
+        self._sampler = self._make_sampler(n_startup_trials)
+        self._grid_size = (
+            math.prod(len(t.grid()) for t in space.searched) if sampler == "grid" else 0
+        )
+        self._marginal_queue: list[tuple[dict[str, Any], str | None]] | None = None
+        if self._base_params is not None and sampler == "grid":
+            self._marginal_queue = self._marginal_grid(self._base_params)
+        self._asked = 0
+        self._running: dict[int, optuna.trial.Trial] = {}
+        self.decision_seconds = math.nan
+        """Wall time of the last :meth:`ask` (the first one seeds the trial time, §1.1)."""
+        try:
+            self._study = optuna.create_study(
+                storage=open_storage(storage),
+                study_name=study_name,
+                direction="minimize",
+                sampler=self._sampler,
+            )
+        except optuna.exceptions.DuplicatedStudyError as error:
+            raise InvalidArgumentError(
+                f"the storage already has a study named {study_name!r}: "
+                "choose another study name prefix"
+            ) from error
+
+    @property
+    def study(self) -> optuna.Study:
+        return self._study
+
+    @property
+    def sampler_name(self) -> str:
+        return self._kind
+
+    @property
+    def marginal(self) -> bool:
+        return self._base_params is not None
+
+    @property
+    def asked(self) -> int:
+        """How many proposals this episode has made."""
+        return self._asked
+
+    def _make_sampler(self, n_startup_trials: int) -> BaseSampler:
+        seed = self._seed
+        if self._kind == "tpe":
+            return optuna.samplers.TPESampler(seed=seed, n_startup_trials=n_startup_trials)
+        if self._kind == "random":
+            return optuna.samplers.RandomSampler(seed=seed)
+        if self._kind == "grid":
+            grid = {self._space.param_name(t.name): t.grid() for t in self._space.searched}
+            return _AskTellGridSampler(grid, seed=seed)
+        if self._kind == "gp":
+            return optuna.samplers.GPSampler(seed=seed, n_startup_trials=n_startup_trials)
+        return optuna.samplers.CmaEsSampler(seed=seed, n_startup_trials=n_startup_trials)
+
+    def _marginal_grid(self, base: dict[str, Any]) -> list[tuple[dict[str, Any], str | None]]:
+        # §4: marginal-grid tries the current setting first, then each grid
+        # value of one tunable with the others kept, in a seeded shuffle.
+        changes: list[tuple[dict[str, Any], str | None]] = []
+        for tunable in self._space.searched:
+            name = self._space.param_name(tunable.name)
+            for value in tunable.grid():
+                if value != base[name]:
+                    changes.append(({**base, name: value}, tunable.name))
+        random.Random(self._seed).shuffle(changes)
+        return [(dict(base), None), *changes]
+
+    def exhausted(self) -> bool:
+        """Whether the searcher has no new setting (grid searches only)."""
+        if self._marginal_queue is not None:
+            return not self._marginal_queue
+        return self._kind == "grid" and self._asked >= self._grid_size
+
+    def should_stop(self, slopes: Iterable[float]) -> bool:
+        """Whether the search is done (§1.4): the grid is exhausted, or, for
+        the model-based samplers, the top-5 rule holds on ``slopes`` (the
+        latest slope of every trial of this episode). Random search stops only
+        at the tuner's trial cap."""
+        if self.exhausted():
+            return True
+        if self._kind in ("tpe", "gp", "cmaes"):
+            return top_k_close(slopes)
+        return False
+
+    def ask(self) -> Proposal | None:
+        """The next setting, or None when the grid is exhausted."""
+        if self.exhausted():
+            return None
+        varied: str | None = None
+        sampler: BaseSampler = self._sampler
+        if self._marginal_queue is not None:
+            fixed, varied = self._marginal_queue.pop(0)
+            sampler = self._partial_fixed(fixed, optuna.samplers.RandomSampler(seed=self._seed))
+        elif self._base_params is not None:
+            searched = self._space.searched
+            varied = searched[self._asked % len(searched)].name
+            keep = self._space.param_name(varied)
+            fixed = {k: v for k, v in self._base_params.items() if k != keep}
+            sampler = self._partial_fixed(fixed, self._sampler)
+        self._study.sampler = sampler
+        start = time.perf_counter()
+        trial = self._study.ask(fixed_distributions=dict(self._distributions))
+        self.decision_seconds = time.perf_counter() - start
+        self._asked += 1
+        self._running[trial.number] = trial
+        params = dict(trial.params)
+        return Proposal(trial.number, self._space.decode(params), params, varied)
+
+    @staticmethod
+    def _partial_fixed(fixed: dict[str, Any], base: BaseSampler) -> BaseSampler:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return optuna.samplers.PartialFixedSampler(fixed, base)
+
+    def tell(
+        self,
+        proposal: Proposal,
+        summary: ProgressSummary,
+        losses: Sequence[float],
+        attrs: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Records a trial's result: its loss curve as intermediate values
+        (step = clock index), its summary and ``attrs`` as user attributes,
+        and its slope as the value (0.0 when there was no progress).
+        Each proposal is told exactly once."""
+        trial = self._running.pop(proposal.number, None)
+        if trial is None:
+            raise InvalidArgumentError(f"trial {proposal.number} was already told or never asked")
+        for step, value in _report_points(losses):
+            trial.report(value, step)
+        record: dict[str, Any] = {
+            "tunables": proposal.tunables,
+            "varied": proposal.varied,
+            "state": summary.state.value,
+            "slope": _finite_or_none(summary.slope),
+            "noise": _finite_or_none(summary.noise),
+            "range": _finite_or_none(summary.range),
+            "span_s": _finite_or_none(summary.span),
+            "clocks": len(losses),
+        }
+        record.update(attrs or {})
+        for key, value in record.items():
+            trial.set_user_attr(key, value)
+        value = summary.slope if math.isfinite(summary.slope) else 0.0
+        self._study.tell(trial, value)
+
+    def pending(self) -> list[int]:
+        """Trial numbers asked but not told yet."""
+        return sorted(self._running)
+
+
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _report_points(losses: Sequence[float]) -> list[tuple[int, float]]:
+    if len(losses) <= MAX_REPORTED_POINTS:
+        return [(i, float(v)) for i, v in enumerate(losses)]
+    window = math.ceil(len(losses) / MAX_REPORTED_POINTS)
+    points = []
+    for start in range(0, len(losses), window):
+        chunk = [float(v) for v in losses[start:start + window]]
+        points.append((start + len(chunk) - 1, sum(chunk) / len(chunk)))
+    return points

@@ -1,0 +1,329 @@
+"""The search space: which tunables exist, their ranges and defaults.
+
+A tunable is declared as one of three kinds (mltuner.md §2):
+
+- :class:`LogUniform`: continuous on a log scale (the learning rate);
+- :class:`Uniform`: continuous on a linear scale (momentum);
+- :class:`Choice`: one of a list of values, searched as an *ordinal* index into
+  the list (batch size, staleness), so a model-based searcher knows that 16 lies
+  between 4 and 64.
+
+A declaration with ``search=False`` is not searched: it always takes its
+default (the paper's ``to_search`` flag).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Union
+
+from optuna.distributions import BaseDistribution, FloatDistribution, IntDistribution
+
+from mltuner.exceptions import InvalidArgumentError
+
+__all__ = [
+    "LogUniform",
+    "Uniform",
+    "Choice",
+    "Tunable",
+    "SearchSpace",
+    "default_space",
+    "GRID_POINTS",
+]
+
+# §1.5 grid_size = 10: 11 points per continuous axis.
+GRID_POINTS = 11
+
+
+def _check_name(name: str) -> None:
+    if not isinstance(name, str) or not name or not name.isidentifier():
+        raise InvalidArgumentError(
+            f"a tunable name must be a non-empty identifier (letters, digits, _), got {name!r}"
+        )
+
+
+def _check_bounds(name: str, low: float, high: float) -> None:
+    if not (math.isfinite(low) and math.isfinite(high)):
+        raise InvalidArgumentError(f"tunable {name!r}: bounds must be finite, got [{low}, {high}]")
+    if not low < high:
+        raise InvalidArgumentError(
+            f"tunable {name!r}: low must be smaller than high, got [{low}, {high}] "
+            "(use search=False to fix a value)"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class LogUniform:
+    """A continuous tunable searched on a log scale over ``[low, high]``
+    (``low > 0``). The default is the geometric midpoint unless given."""
+
+    name: str
+    low: float
+    high: float
+    default: float | None = None
+    search: bool = True
+
+    def __post_init__(self) -> None:
+        _check_name(self.name)
+        _check_bounds(self.name, self.low, self.high)
+        if self.low <= 0:
+            raise InvalidArgumentError(
+                f"tunable {self.name!r}: a log-scale range needs low > 0, got {self.low}"
+            )
+        if self.default is not None and not self.low <= self.default <= self.high:
+            raise InvalidArgumentError(
+                f"tunable {self.name!r}: default {self.default} is outside "
+                f"[{self.low}, {self.high}]"
+            )
+
+    @property
+    def default_value(self) -> float:
+        if self.default is not None:
+            return float(self.default)
+        return math.sqrt(self.low * self.high)
+
+    def distribution(self) -> BaseDistribution:
+        return FloatDistribution(self.low, self.high, log=True)
+
+    def encode(self, value: Any) -> Any:
+        return float(value)
+
+    def decode(self, param: Any) -> Any:
+        return float(param)
+
+    def grid(self) -> list[Any]:
+        # Evenly spaced exponents; the ends are set exactly so that rounding in
+        # 10**x never leaves the distribution's range.
+        lo, hi = math.log10(self.low), math.log10(self.high)
+        step = (hi - lo) / (GRID_POINTS - 1)
+        inner = [10.0 ** (lo + i * step) for i in range(1, GRID_POINTS - 1)]
+        return [self.low, *inner, self.high]
+
+
+@dataclasses.dataclass(frozen=True)
+class Uniform:
+    """A continuous tunable searched on a linear scale over ``[low, high]``.
+    The default is the midpoint unless given."""
+
+    name: str
+    low: float
+    high: float
+    default: float | None = None
+    search: bool = True
+
+    def __post_init__(self) -> None:
+        _check_name(self.name)
+        _check_bounds(self.name, self.low, self.high)
+        if self.default is not None and not self.low <= self.default <= self.high:
+            raise InvalidArgumentError(
+                f"tunable {self.name!r}: default {self.default} is outside "
+                f"[{self.low}, {self.high}]"
+            )
+
+    @property
+    def default_value(self) -> float:
+        if self.default is not None:
+            return float(self.default)
+        return (self.low + self.high) / 2
+
+    def distribution(self) -> BaseDistribution:
+        return FloatDistribution(self.low, self.high)
+
+    def encode(self, value: Any) -> Any:
+        return float(value)
+
+    def decode(self, param: Any) -> Any:
+        return float(param)
+
+    def grid(self) -> list[Any]:
+        step = (self.high - self.low) / (GRID_POINTS - 1)
+        inner = [self.low + i * step for i in range(1, GRID_POINTS - 1)]
+        return [self.low, *inner, self.high]
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """A tunable that takes one of ``values``. Searchers see the index into
+    ``values`` (an ordinal integer, §2), so list them in a meaningful order.
+    The default is the first value unless given."""
+
+    name: str
+    values: Sequence[Any]
+    default: Any = None
+    search: bool = True
+
+    def __post_init__(self) -> None:
+        _check_name(self.name)
+        values = tuple(self.values)
+        if not values:
+            raise InvalidArgumentError(f"tunable {self.name!r}: the list of values is empty")
+        if len(set(map(repr, values))) != len(values):
+            raise InvalidArgumentError(f"tunable {self.name!r}: duplicate values in {list(values)}")
+        if self.default is not None and self.default not in values:
+            raise InvalidArgumentError(
+                f"tunable {self.name!r}: default {self.default!r} is not one of {list(values)}"
+            )
+        object.__setattr__(self, "values", values)
+
+    @property
+    def param_name(self) -> str:
+        # The searcher sees an index, so the Optuna parameter says so.
+        return f"{self.name}_index"
+
+    @property
+    def default_value(self) -> Any:
+        return self.values[0] if self.default is None else self.default
+
+    def distribution(self) -> BaseDistribution:
+        return IntDistribution(0, len(self.values) - 1)
+
+    def encode(self, value: Any) -> Any:
+        return list(self.values).index(value)
+
+    def decode(self, param: Any) -> Any:
+        return self.values[int(param)]
+
+    def grid(self) -> list[Any]:
+        return list(range(len(self.values)))
+
+
+Tunable = Union[LogUniform, Uniform, Choice]
+
+
+def _param_name(tunable: Tunable) -> str:
+    return tunable.param_name if isinstance(tunable, Choice) else tunable.name
+
+
+class SearchSpace:
+    """An ordered, validated set of tunable declarations.
+
+    Raises :class:`~mltuner.InvalidArgumentError` for an empty space, a
+    duplicate name or two declarations whose Optuna parameter names collide.
+    Decoded settings (what the training system receives) map each tunable's
+    name to its value; encoded settings (what Optuna sees) map each searched
+    tunable's parameter name to a float or, for a :class:`Choice`, an index.
+    """
+
+    def __init__(self, tunables: Sequence[Tunable]) -> None:
+        tunables = tuple(tunables)
+        if not tunables:
+            raise InvalidArgumentError(
+                "the search space is empty: declare at least one tunable "
+                "(LogUniform, Uniform or Choice), e.g. default_space(batch_sizes=[...])"
+            )
+        for tunable in tunables:
+            if not isinstance(tunable, (LogUniform, Uniform, Choice)):
+                raise InvalidArgumentError(
+                    f"search space entries must be LogUniform, Uniform or Choice, got {tunable!r}"
+                )
+        names = [t.name for t in tunables]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise InvalidArgumentError(f"duplicate tunable names in the search space: {duplicates}")
+        clashes = sorted(t.param_name for t in tunables
+                         if isinstance(t, Choice) and t.param_name in names)
+        if clashes:
+            raise InvalidArgumentError(
+                f"tunable names {clashes} clash with the index parameter of a Choice"
+            )
+        self._tunables = tunables
+        self._by_name = {t.name: t for t in tunables}
+
+    def __iter__(self) -> Iterator[Tunable]:
+        return iter(self._tunables)
+
+    def __len__(self) -> int:
+        return len(self._tunables)
+
+    def __getitem__(self, name: str) -> Tunable:
+        return self._by_name[name]
+
+    def __repr__(self) -> str:
+        return f"SearchSpace({list(self._tunables)!r})"
+
+    @property
+    def names(self) -> list[str]:
+        return [t.name for t in self._tunables]
+
+    @property
+    def searched(self) -> list[Tunable]:
+        """The declarations with ``search=True``, in declaration order."""
+        return [t for t in self._tunables if t.search]
+
+    def defaults(self) -> dict[str, Any]:
+        """The decoded default setting."""
+        return {t.name: t.default_value for t in self._tunables}
+
+    def distributions(self) -> dict[str, BaseDistribution]:
+        """Optuna distributions of the searched tunables, by parameter name."""
+        return {_param_name(t): t.distribution() for t in self.searched}
+
+    def param_name(self, name: str) -> str:
+        return _param_name(self._by_name[name])
+
+    def encode(self, setting: Mapping[str, Any]) -> dict[str, Any]:
+        """Optuna parameters of the searched tunables of a decoded setting."""
+        return {_param_name(t): t.encode(setting[t.name]) for t in self.searched}
+
+    def decode(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """The full decoded setting: searched tunables from ``params``, the
+        others at their defaults."""
+        setting = self.defaults()
+        for tunable in self.searched:
+            setting[tunable.name] = tunable.decode(params[_param_name(tunable)])
+        return setting
+
+    def check_setting(self, setting: Mapping[str, Any]) -> None:
+        """Raises InvalidArgumentError unless ``setting`` names every tunable
+        with a value inside its declaration."""
+        missing = [n for n in self.names if n not in setting]
+        extra = [n for n in setting if n not in self._by_name]
+        if missing or extra:
+            raise InvalidArgumentError(
+                f"a setting must name exactly the tunables {self.names}: "
+                f"missing {missing}, unknown {extra}"
+            )
+        for tunable in self._tunables:
+            value = setting[tunable.name]
+            if isinstance(tunable, Choice):
+                ok = value in tunable.values
+            else:
+                ok = isinstance(value, (int, float)) and tunable.low <= value <= tunable.high
+            if not ok:
+                raise InvalidArgumentError(
+                    f"tunable {tunable.name!r}: value {value!r} is outside its declaration "
+                    f"{tunable!r}"
+                )
+
+
+def default_space(
+    batch_sizes: Sequence[int],
+    *,
+    staleness: Sequence[int] = (0, 1, 3, 7),
+    lr_range: tuple[float, float] = (1e-5, 1.0),
+) -> SearchSpace:
+    """The tunables of the MLtuner paper (Table 3, mltuner.md §2), under the
+    names the parameter server reads: ``lr`` (log, default 1e-2), ``momentum``
+    (linear in [0, 1], default 0.9), ``batch_size`` per worker (default: the
+    largest) and ``staleness`` (default 0).
+
+    ``batch_sizes`` depends on the model (AlexNet {4, 16, 64, 256},
+    Inception-BN {2, 4, 8, 16, 32}, ...); a single size is not searched.
+    """
+    sizes = sorted(int(b) for b in batch_sizes)
+    if not sizes or sizes[0] < 1:
+        raise InvalidArgumentError(
+            f"batch_sizes must be positive integers, got {list(batch_sizes)}"
+        )
+    slacks = sorted(int(s) for s in staleness)
+    if not slacks or slacks[0] < 0:
+        raise InvalidArgumentError(f"staleness values must be >= 0, got {list(staleness)}")
+    lr_default = 1e-2 if lr_range[0] <= 1e-2 <= lr_range[1] else None
+    return SearchSpace([
+        LogUniform("lr", lr_range[0], lr_range[1], default=lr_default),
+        Uniform("momentum", 0.0, 1.0, default=0.9),
+        Choice("batch_size", sizes, default=sizes[-1], search=len(sizes) > 1),
+        Choice("staleness", slacks, default=0 if 0 in slacks else None, search=len(slacks) > 1),
+    ])

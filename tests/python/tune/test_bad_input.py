@@ -1,0 +1,130 @@
+"""Bad input gives a clear error, quickly, never a hang."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pytest
+
+from mltuner import InvalidArgumentError
+from mltuner.tune import (
+    BranchKind,
+    ClockReport,
+    LogUniform,
+    SearchSpace,
+    Tuner,
+    TunerConfig,
+    TuningError,
+    default_space,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+FAST: dict[str, Any] = {"initial_trial_time_s": 0.1, "num_clocks_to_test": 5, "seed": 0}
+
+
+def test_empty_search_space() -> None:
+    with pytest.raises(InvalidArgumentError, match="search space is empty"):
+        SearchSpace([])
+
+
+def test_batch_size_larger_than_an_epoch(quadratic_system: Any) -> None:
+    system = quadratic_system(samples_per_epoch=100)
+    tuner = Tuner(system, default_space([16, 64, 256]), TunerConfig(**FAST))
+    with pytest.raises(InvalidArgumentError, match=r"batch_size.*256.*larger than the whole epoch"):
+        tuner.run()
+    assert system.forks == []  # refused before any branch existed
+
+
+def test_nan_loss_from_the_first_clock(quadratic_system: Any) -> None:
+    system = quadratic_system(nan_from_start=True)
+    tuner = Tuner(system, default_space([8, 32]), TunerConfig(**FAST))
+    with pytest.raises(TuningError, match="non-finite loss from the first clock"):
+        tuner.run()
+    assert system.clocks_run <= 1 + 100  # the init clock and the evaluation branch
+
+
+def test_every_trial_diverging_ends_the_initial_search(scripted_system: Any) -> None:
+    system = scripted_system(lambda t, c: math.inf if c > 2 else 10.0)
+    config = TunerConfig(max_trials_per_search=8, **FAST)
+    with pytest.raises(TuningError, match="every one of the 8 trials of the initial search"):
+        Tuner(system, SearchSpace([LogUniform("lr", 1e-3, 1.0)]), config).run()
+
+
+def test_training_loss_turning_nan_after_tuning(scripted_system: Any) -> None:
+    system = scripted_system(lambda t, c: 10.0 - 0.01 * c if c < 50 else math.nan)
+    tuner = Tuner(system, SearchSpace([LogUniform("lr", 1e-3, 1.0)]),
+                  TunerConfig(max_trials_per_search=2, **FAST))
+    with pytest.raises(TuningError, match="training loss of branch .* became nan in epoch 1"):
+        tuner.run()
+
+
+class ShortSystem:
+    """Runs one clock fewer than asked."""
+
+    def __init__(self, base: Any) -> None:
+        self.base = base
+
+    def fork(self, parent: int | None, tunables: Mapping[str, Any], kind: BranchKind) -> int:
+        return int(self.base.fork(parent, tunables, kind))
+
+    def free(self, branch: int) -> None:
+        self.base.free(branch)
+
+    def run(self, branch: int, clocks: int) -> Sequence[ClockReport]:
+        return list(self.base.run(branch, clocks))[:-1]
+
+    def clocks_per_epoch(self, tunables: Mapping[str, Any]) -> int:
+        return int(self.base.clocks_per_epoch(tunables))
+
+
+def test_a_system_that_runs_too_few_clocks(scripted_system: Any) -> None:
+    system = ShortSystem(scripted_system(lambda t, c: 10.0 - 0.01 * c))
+    tuner = Tuner(system, SearchSpace([LogUniform("lr", 1e-3, 1.0)]), TunerConfig(**FAST))
+    with pytest.raises(TuningError, match="returned 99 clock reports"):
+        tuner.run()
+
+
+def test_testing_branch_without_accuracy(scripted_system: Any) -> None:
+    system = scripted_system(lambda t, c: 10.0 - 0.01 * c, accuracies=[math.nan])
+    tuner = Tuner(system, SearchSpace([LogUniform("lr", 1e-3, 1.0)]),
+                  TunerConfig(max_trials_per_search=2, **FAST))
+    with pytest.raises(TuningError, match="finite accuracy"):
+        tuner.run()
+
+
+def test_not_a_branch_system() -> None:
+    with pytest.raises(InvalidArgumentError, match="must implement BranchSystem"):
+        Tuner(object(), default_space([8]))  # type: ignore[arg-type]
+
+
+def test_initial_setting_outside_the_space(scripted_system: Any) -> None:
+    with pytest.raises(InvalidArgumentError, match="outside"):
+        Tuner(scripted_system(lambda t, c: 1.0), SearchSpace([LogUniform("lr", 1e-3, 1.0)]),
+              TunerConfig(initial_tuning=False, initial_setting={"lr": 5.0}))
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"sampler": "bohb"}, "unknown sampler"),
+        ({"retune": "sometimes"}, "unknown retune mode"),
+        ({"plateau_size_for_retune": 5, "plateau_size_for_convergence": 5}, "must be smaller"),
+        ({"num_branches": 1}, "num_branches"),
+        ({"num_clocks_to_eval": 0}, "num_clocks_to_eval"),
+        ({"max_trials_per_search": 0}, "max_trials_per_search"),
+        ({"max_epochs": 0}, "max_epochs"),
+        ({"initial_trial_time_s": 0.0}, "initial_trial_time_s"),
+        ({"initial_trial_time_s": math.nan}, "initial_trial_time_s"),
+        ({"n_startup_trials": -1}, "n_startup_trials"),
+    ],
+)
+def test_bad_config(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=message):
+        TunerConfig(**fields)
+
+
+def test_plateau_sizes_may_be_equal_without_retuning() -> None:
+    TunerConfig(retune="off", plateau_size_for_retune=5, plateau_size_for_convergence=5)

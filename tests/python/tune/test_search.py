@@ -1,0 +1,202 @@
+"""One search episode (mltuner.md §1.1 steps 1-4) on scripted loss curves."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+
+from mltuner.tune import (
+    BranchKind,
+    Choice,
+    DecisionLog,
+    LogUniform,
+    ProgressState,
+    SearchEpisode,
+    SearchResult,
+    SearchSpace,
+    Searcher,
+    TunerConfig,
+)
+
+LR_SPACE = SearchSpace([LogUniform("lr", 1e-3, 1.0)])
+# 0.125 s clocks and a 1.25 s first trial time: exact binary fractions, so
+# floor(trial_time / time_per_clock) is exact.
+CLOCK_S = 0.125
+
+
+def run_search(system: Any, space: SearchSpace = LR_SPACE, *, sampler: str = "random",
+               trial_cap: int | None = 6, seed: int = 0, **config: Any
+               ) -> tuple[SearchResult, DecisionLog, int]:
+    config.setdefault("initial_trial_time_s", 1.25)
+    cfg = TunerConfig(sampler=sampler, num_clocks_to_eval=10, seed=seed, **config)
+    root = system.fork(None, space.defaults(), BranchKind.INIT)
+    system.run(root, 1)
+    log = DecisionLog()
+    searcher = Searcher(space, sampler=sampler, seed=seed, n_startup_trials=2)
+    episode = SearchEpisode(system, cfg, searcher, log, index=0, parent=root,
+                            parent_tunables=space.defaults(), trial_cap=trial_cap)
+    return episode.run(), log, root
+
+
+def clocks_by_branch(system: Any) -> Counter[int]:
+    total: Counter[int] = Counter()
+    for branch, clocks in system.runs:
+        total[branch] += clocks
+    return total
+
+
+def trial_branches(system: Any) -> list[int]:
+    return [b for b, parent, kind, _ in system.forks if kind is BranchKind.TRAINING]
+
+
+def decaying(t: Mapping[str, Any], c: int) -> float:
+    return 10.0 * math.exp(-float(t["lr"]) * (c + 1))
+
+
+def rising(t: Mapping[str, Any], c: int) -> float:
+    return 10.0 + 0.001 * c
+
+
+def test_starting_progress_is_the_mean_loss_of_an_lr0_branch(scripted_system: Any) -> None:
+    system = scripted_system(decaying, baseline=7.5)
+    result, log, root = run_search(system)
+    assert result.starting_progress == 7.5
+    evals = [(b, p) for b, p, kind, _ in system.forks if kind is BranchKind.EVALUATION]
+    assert len(evals) == 1 and evals[0][1] == root
+    assert clocks_by_branch(system)[evals[0][0]] == 10
+    assert evals[0][0] in system.freed
+
+
+def test_converging_trials_then_sequential_search(scripted_system: Any) -> None:
+    system = scripted_system(decaying, seconds=lambda t: CLOCK_S)
+    result, log, root = run_search(system, trial_cap=6)
+    # The first trial converges in its first 10 clocks: it sets the trial time.
+    assert result.trial_time == pytest.approx(10 * CLOCK_S)
+    assert result.trials == 6
+    trials = trial_branches(system)
+    lrs = {b: t["lr"] for b, _, kind, t in system.forks if kind is BranchKind.TRAINING}
+    # Every trial runs the same trial time; the fastest-falling (largest lr) wins.
+    assert all(clocks_by_branch(system)[b] == 10 for b in trials)
+    assert result.winner is not None
+    assert result.winner.tunables["lr"] == max(lrs.values())
+    assert result.winner.summary is not None
+    assert result.winner.summary.state is ProgressState.CONVERGING
+    # The parent is freed; of the trials only the winner is alive.
+    assert system.live() == [result.winner.branch]
+    assert root in system.freed
+    assert log.events("search_stop")[0]["reason"] == "trial_cap"
+
+
+def test_no_progress_doubles_the_trial_time_and_ends_without_winner(
+        scripted_system: Any) -> None:
+    system = scripted_system(rising, seconds=lambda t: CLOCK_S, clocks_per_epoch=40)
+    result, log, root = run_search(system, trial_cap=5)
+    assert result.winner is None and not result.all_diverged
+    assert result.trials == 5
+    # 5 s is 40 clocks, the cap: once every open trial is capped, the time
+    # stops doubling and each new trial runs straight to the cap.
+    times = [r["trial_time_s"] for r in log.events("trial_time")]
+    assert times == [1.25, 2.5, 5.0]
+    # The one-epoch cap: no trial runs past 40 clocks, and all of them reach it.
+    assert all(clocks_by_branch(system)[b] == 40 for b in trial_branches(system))
+    assert {r["reason"] for r in log.events("free_trial")} == {"capped"}
+    # Without a winner the parent (the model) stays; every trial is freed.
+    assert system.live() == [root]
+    assert log.events("no_progress")
+
+
+def test_concurrent_trials_grow_by_one_per_round(scripted_system: Any) -> None:
+    system = scripted_system(rising, seconds=lambda t: CLOCK_S, clocks_per_epoch=1000)
+    run_search(system, trial_cap=5)
+    assert system.max_live == 1 + 5  # the parent and all five trials at once
+
+
+def test_num_branches_bounds_concurrent_trials(scripted_system: Any) -> None:
+    system = scripted_system(rising, seconds=lambda t: CLOCK_S, clocks_per_epoch=80)
+    result, _, _ = run_search(system, trial_cap=6, num_branches=3)
+    assert result.trials == 6
+    assert system.max_live == 3  # the parent and two trials
+
+
+def spiky(t: Mapping[str, Any], c: int) -> float:
+    # Falls by d per clock with a rise of 2d at clock 4: UNSTABLE but progressing.
+    d = float(t["lr"])
+    return 10.0 - d * (c + 1) + (3 * d if c == 4 else 0.0)
+
+
+def test_best_unstable_trial_wins_when_nothing_is_left(scripted_system: Any) -> None:
+    system = scripted_system(spiky, seconds=lambda t: CLOCK_S, clocks_per_epoch=10)
+    result, log, _ = run_search(system, trial_cap=4)
+    lrs = [t["lr"] for _, _, kind, t in system.forks if kind is BranchKind.TRAINING]
+    assert result.winner is not None
+    assert result.winner.summary is not None
+    assert result.winner.summary.state is ProgressState.UNSTABLE
+    assert result.winner.tunables["lr"] == max(lrs)
+    # Every trial hit the cap in its first round, so the time never doubled
+    # and no sequential search followed.
+    assert [r["reason"] for r in log.events("trial_time")] == ["initial"]
+    assert not log.events("best")
+    assert system.live() == [result.winner.branch]
+
+
+def test_diverged_trials_are_killed(scripted_system: Any) -> None:
+    system = scripted_system(lambda t, c: math.nan, seconds=lambda t: CLOCK_S)
+    result, log, root = run_search(system, trial_cap=3)
+    assert result.winner is None and result.all_diverged
+    assert {r["reason"] for r in log.events("free_trial")} == {"diverged"}
+    assert all(clocks_by_branch(system)[b] == 10 for b in trial_branches(system))
+    assert system.live() == [root]
+
+
+def test_progress_is_judged_per_second(scripted_system: Any) -> None:
+    # Two batch sizes with the same progress per clock; batch 64's clocks take
+    # 4x longer, so batch 8 makes 4x the progress per second.
+    space = SearchSpace([Choice("batch_size", [8, 64])])
+    for seed in (0, 1):  # both grid orders
+        system = scripted_system(lambda t, c: 10.0 - 0.1 * (c + 1),
+                                 seconds=lambda t: CLOCK_S * t["batch_size"] / 8)
+        result, _, _ = run_search(system, space, sampler="grid", seed=seed, trial_cap=None)
+        assert result.trials == 2
+        assert result.winner is not None and result.winner.tunables["batch_size"] == 8
+
+
+def test_trial_time_counts_only_the_branchs_own_clocks(scripted_system: Any) -> None:
+    # A slow trial gets fewer clocks for the same trial time.
+    space = SearchSpace([Choice("batch_size", [8, 64])])
+    system = scripted_system(lambda t, c: 10.0 - 0.1 * (c + 1) * (t["batch_size"] / 8) ** 2,
+                             seconds=lambda t: CLOCK_S * t["batch_size"] / 8,
+                             clocks_per_epoch=1000)
+    result, _, _ = run_search(system, space, sampler="grid", seed=0, trial_cap=None,
+                              initial_trial_time_s=10.0)
+    ran = {t["batch_size"]: clocks_by_branch(system)[b]
+           for b, _, kind, t in system.forks if kind is BranchKind.TRAINING}
+    assert ran == {8: 80, 64: 10}  # 10 s of 0.125 s clocks, and of 1 s clocks
+
+
+def test_top5_rule_stops_a_model_based_search(scripted_system: Any) -> None:
+    # Every lr gives (nearly) the same slope, so the first 5 are within 10%.
+    system = scripted_system(lambda t, c: 10.0 - 0.1 * (c + 1) - 1e-4 * float(t["lr"]),
+                             seconds=lambda t: CLOCK_S)
+    result, log, _ = run_search(system, sampler="tpe", trial_cap=None)
+    assert result.trials == 5
+    assert log.events("search_stop")[0]["reason"] == "top_k_close"
+
+
+def test_every_trial_is_recorded_in_the_study(scripted_system: Any) -> None:
+    system = scripted_system(decaying, seconds=lambda t: CLOCK_S)
+    cfg = TunerConfig(sampler="random", initial_trial_time_s=1.25, num_clocks_to_eval=10)
+    root = system.fork(None, LR_SPACE.defaults(), BranchKind.INIT)
+    searcher = Searcher(LR_SPACE, sampler="random", seed=0)
+    result = SearchEpisode(system, cfg, searcher, DecisionLog(), index=0, parent=root,
+                           parent_tunables=LR_SPACE.defaults(), trial_cap=4).run()
+    study = searcher.study
+    assert len(study.trials) == result.trials == 4
+    assert all(t.state.is_finished() for t in study.trials)
+    assert all(len(t.intermediate_values) == 10 for t in study.trials)
+    assert result.winner is not None
+    assert study.user_attrs["winner_trial"] == result.winner.proposal.number
+    assert study.user_attrs["starting_progress"] == 10.0

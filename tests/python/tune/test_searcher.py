@@ -1,0 +1,220 @@
+"""The Optuna searcher: samplers, marginal re-tunes, storage, the stop rule."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import optuna
+import pytest
+
+from mltuner import InvalidArgumentError
+from mltuner.tune import (
+    SAMPLERS,
+    Choice,
+    LogUniform,
+    ProgressState,
+    ProgressSummary,
+    SearchSpace,
+    Searcher,
+    Uniform,
+    default_space,
+    open_storage,
+    top_k_close,
+)
+from mltuner.tune._searcher import MAX_REPORTED_POINTS
+
+
+def summary(slope: float) -> ProgressSummary:
+    state = ProgressState.CONVERGING if math.isfinite(slope) else ProgressState.DIVERGED
+    return ProgressSummary(state, slope, 0.0, -1.0, 1.0, 11)
+
+
+def score(tunables: dict[str, object]) -> float:
+    # Best near lr = 1e-2: a slope that is lower the closer log10(lr) is to -2.
+    return -10.0 / (1.0 + (math.log10(float(tunables["lr"])) + 2.0) ** 2)  # type: ignore[arg-type]
+
+
+def has(*modules: str) -> bool:
+    return all(importlib.util.find_spec(m) is not None for m in modules)
+
+
+NEEDS = {"gp": ("torch", "scipy"), "cmaes": ("cmaes",)}
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_every_sampler_asks_and_tells(sampler: str) -> None:
+    if not has(*NEEDS.get(sampler, ())):
+        pytest.skip(f"{sampler} needs {NEEDS[sampler]}")
+    space = default_space([8, 32, 128])
+    searcher = Searcher(space, sampler=sampler, seed=3, n_startup_trials=2)
+    for i in range(6):
+        proposal = searcher.ask()
+        assert proposal is not None and proposal.number == i
+        space.check_setting(proposal.tunables)
+        slope = math.nan if i == 2 else score(proposal.tunables)
+        searcher.tell(proposal, summary(slope), [10.0, 9.0, 8.5])
+    trials = searcher.study.trials
+    assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 6
+    assert trials[2].value == 0.0  # no progress is told as 0
+    assert trials[0].value == pytest.approx(score(trials[0].user_attrs["tunables"]))
+    assert searcher.pending() == []
+
+
+def test_missing_optional_dependency_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(ImportError, match="pip install cmaes"):
+        Searcher(default_space([8]), sampler="cmaes")
+
+
+def test_unknown_sampler_is_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="unknown sampler 'hyperband'"):
+        Searcher(default_space([8]), sampler="hyperband")
+
+
+def test_nothing_to_search_is_refused() -> None:
+    space = SearchSpace([Uniform("m", 0.0, 1.0, search=False)])
+    with pytest.raises(InvalidArgumentError, match="nothing to search"):
+        Searcher(space)
+
+
+def test_same_seed_same_proposals() -> None:
+    def run(seed: int) -> list[dict[str, object]]:
+        searcher = Searcher(default_space([8, 32]), seed=seed, n_startup_trials=3)
+        out = []
+        for _ in range(6):
+            proposal = searcher.ask()
+            assert proposal is not None
+            out.append(proposal.tunables)
+            searcher.tell(proposal, summary(score(proposal.tunables)), [1.0])
+        return out
+
+    assert run(5) == run(5)
+    assert run(5) != run(6)
+
+
+def test_grid_tries_every_point_once_then_stops() -> None:
+    space = SearchSpace([Uniform("m", 0.0, 1.0), Choice("b", [8, 32])])
+    searcher = Searcher(space, sampler="grid", seed=0)
+    seen = set()
+    for _ in range(22):  # 11 momentum points x 2 batch sizes
+        assert not searcher.should_stop([])
+        proposal = searcher.ask()
+        assert proposal is not None
+        seen.add((round(proposal.tunables["m"], 6), proposal.tunables["b"]))
+        searcher.tell(proposal, summary(-1.0), [1.0])
+    assert len(seen) == 22
+    assert searcher.exhausted() and searcher.should_stop([])
+    assert searcher.ask() is None
+
+
+def test_marginal_retune_varies_exactly_one_tunable() -> None:
+    space = default_space([8, 32, 128])
+    base = {"lr": 0.01, "momentum": 0.9, "batch_size": 32, "staleness": 1}
+    searcher = Searcher(space, seed=1, base_setting=base, n_startup_trials=2)
+    assert searcher.marginal
+    varied = []
+    for _ in range(8):
+        proposal = searcher.ask()
+        assert proposal is not None
+        changed = [k for k in base if proposal.tunables[k] != base[k]]
+        assert len(changed) <= 1
+        assert set(changed) <= {proposal.varied}
+        varied.append(proposal.varied)
+        searcher.tell(proposal, summary(score(proposal.tunables)), [1.0])
+    # The searched tunables take turns.
+    assert varied == ["lr", "momentum", "batch_size", "staleness"] * 2
+
+
+def test_marginal_grid_tries_the_current_setting_first() -> None:
+    space = SearchSpace([LogUniform("lr", 1e-4, 1.0), Choice("b", [8, 32, 128])])
+    base = {"lr": 1e-2, "b": 32}
+    searcher = Searcher(space, sampler="grid", seed=2, base_setting=base)
+    first = searcher.ask()
+    assert first is not None and first.tunables == base and first.varied is None
+    searcher.tell(first, summary(-1.0), [1.0])
+    count = 0
+    while (proposal := searcher.ask()) is not None:
+        changed = [k for k in base if proposal.tunables[k] != pytest.approx(base[k])]
+        assert changed == [proposal.varied]
+        searcher.tell(proposal, summary(-1.0), [1.0])
+        count += 1
+    assert count == 10 + 2  # the other lr grid points, the other batch sizes
+    assert searcher.should_stop([])
+
+
+def test_base_setting_must_fit_the_space() -> None:
+    with pytest.raises(InvalidArgumentError, match="outside"):
+        Searcher(default_space([8, 32]), base_setting={
+            "lr": 10.0, "momentum": 0.9, "batch_size": 32, "staleness": 0})
+
+
+def test_each_trial_is_told_once() -> None:
+    searcher = Searcher(default_space([8]), seed=0)
+    proposal = searcher.ask()
+    assert proposal is not None
+    searcher.tell(proposal, summary(-1.0), [1.0])
+    with pytest.raises(InvalidArgumentError, match="already told"):
+        searcher.tell(proposal, summary(-1.0), [1.0])
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "journal"])
+def test_storage_records_values_and_curves(tmp_path: Path, kind: str) -> None:
+    url = f"sqlite:///{tmp_path / 'x.db'}" if kind == "sqlite" else f"journal:{tmp_path / 'x.log'}"
+    searcher = Searcher(default_space([8, 32]), seed=0, storage=url, study_name="job-initial")
+    curves = [[10.0, 9.0, 8.0], [10.0, math.nan, math.inf], [10.0, 9.5, 9.4, 9.3]]
+    slopes = [-2.0, math.nan, -0.5]
+    for curve, slope in zip(curves, slopes):
+        proposal = searcher.ask()
+        assert proposal is not None
+        searcher.tell(proposal, summary(slope), curve, {"branch": 3, "outcome": "lost"})
+
+    storage = open_storage(url)  # a fresh reader
+    assert storage is not None
+    study = optuna.load_study(study_name="job-initial", storage=storage)
+    trials = study.trials
+    assert [t.value for t in trials] == [-2.0, 0.0, -0.5]
+    assert trials[0].intermediate_values == {0: 10.0, 1: 9.0, 2: 8.0}
+    assert trials[2].intermediate_values == {0: 10.0, 1: 9.5, 2: 9.4, 3: 9.3}
+    assert math.isnan(trials[1].intermediate_values[1])
+    assert trials[1].intermediate_values[2] == math.inf
+    assert trials[0].user_attrs["outcome"] == "lost"
+    assert trials[0].user_attrs["state"] == "converging"
+    assert trials[1].user_attrs["slope"] is None
+    assert set(trials[0].user_attrs["tunables"]) == {"lr", "momentum", "batch_size", "staleness"}
+    assert set(trials[0].params) == {"lr", "momentum", "staleness_index", "batch_size_index"}
+
+
+def test_an_existing_study_name_is_refused(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'x.db'}"
+    Searcher(default_space([8]), storage=url, study_name="job")
+    with pytest.raises(InvalidArgumentError, match="already has a study named 'job'"):
+        Searcher(default_space([8]), storage=url, study_name="job")
+
+
+def test_long_curves_are_reported_as_window_means() -> None:
+    searcher = Searcher(default_space([8]), seed=0)
+    proposal = searcher.ask()
+    assert proposal is not None
+    losses = [float(i) for i in range(1000)]
+    searcher.tell(proposal, summary(-1.0), losses)
+    values = searcher.study.trials[0].intermediate_values
+    assert len(values) == MAX_REPORTED_POINTS
+    assert values[9] == pytest.approx(4.5)  # the mean of clocks 0..9
+    assert max(values) == 999
+
+
+def test_top_k_close() -> None:
+    assert top_k_close([-10.0, -9.5, -9.4, -9.2, -9.1])         # 1 - 9.1/10 = 0.09
+    assert not top_k_close([-10.0, -9.5, -9.4, -9.2, -8.9])     # 0.11
+    assert not top_k_close([-10.0, -9.9, -9.8, -9.7])           # fewer than 5
+    assert top_k_close([math.nan, -10.0, -9.9, math.nan, -9.8, -9.7, -9.6, -1.0])
+    assert not top_k_close([math.nan] * 6)
+
+
+def test_only_model_based_samplers_use_the_stop_rule() -> None:
+    close = [-10.0, -9.9, -9.8, -9.7, -9.6]
+    assert Searcher(default_space([8]), sampler="tpe").should_stop(close)
+    assert not Searcher(default_space([8]), sampler="random").should_stop(close)
+    assert not Searcher(default_space([8]), sampler="grid").should_stop(close)

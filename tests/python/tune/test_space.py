@@ -1,0 +1,104 @@
+"""Search space declarations: encoding for Optuna, grids, defaults, errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from optuna.distributions import FloatDistribution, IntDistribution
+
+from mltuner import InvalidArgumentError
+from mltuner.tune import Choice, LogUniform, SearchSpace, Uniform, default_space
+
+
+def test_default_space_is_the_papers() -> None:
+    space = default_space([4, 16, 64, 256])
+    assert space.names == ["lr", "momentum", "batch_size", "staleness"]
+    assert space.defaults() == {"lr": 1e-2, "momentum": 0.9, "batch_size": 256, "staleness": 0}
+    lr = space["lr"]
+    assert isinstance(lr, LogUniform) and (lr.low, lr.high) == (1e-5, 1.0)
+    slack = space["staleness"]
+    assert isinstance(slack, Choice) and tuple(slack.values) == (0, 1, 3, 7)
+
+
+def test_a_single_batch_size_is_not_searched() -> None:
+    space = default_space([32])
+    assert [t.name for t in space.searched] == ["lr", "momentum", "staleness"]
+    assert space.defaults()["batch_size"] == 32
+
+
+def test_distributions_keep_choices_ordinal() -> None:
+    space = default_space([4, 16, 64])
+    dists = space.distributions()
+    assert dists["lr"] == FloatDistribution(1e-5, 1.0, log=True)
+    assert dists["momentum"] == FloatDistribution(0.0, 1.0)
+    # A choice is an index, so 16 lies between 4 and 64 for the sampler.
+    assert dists["batch_size_index"] == IntDistribution(0, 2)
+    assert dists["staleness_index"] == IntDistribution(0, 3)
+
+
+def test_encode_decode_round_trip() -> None:
+    space = SearchSpace([
+        LogUniform("lr", 1e-4, 1.0),
+        Choice("batch_size", [8, 32, 128]),
+        Uniform("momentum", 0.0, 1.0, search=False, default=0.5),
+    ])
+    setting = {"lr": 0.01, "batch_size": 32, "momentum": 0.5}
+    params = space.encode(setting)
+    assert params == {"lr": 0.01, "batch_size_index": 1}
+    assert space.decode(params) == setting
+
+
+def test_defaults_when_not_given() -> None:
+    assert LogUniform("x", 1e-4, 1.0).default_value == pytest.approx(1e-2)
+    assert Uniform("y", 2.0, 4.0).default_value == 3.0
+    assert Choice("z", ["a", "b"]).default_value == "a"
+
+
+def test_grids_have_eleven_points_per_continuous_axis() -> None:
+    log_grid = LogUniform("lr", 1e-5, 1.0).grid()
+    assert len(log_grid) == 11
+    assert log_grid[0] == 1e-5 and log_grid[-1] == 1.0
+    assert [round(math.log10(v), 9) for v in log_grid] == [-5 + 0.5 * i for i in range(11)]
+    lin_grid = Uniform("m", 0.0, 1.0).grid()
+    assert lin_grid == pytest.approx([i / 10 for i in range(11)])
+    assert Choice("b", [4, 16, 64]).grid() == [0, 1, 2]
+
+
+def test_check_setting() -> None:
+    space = default_space([8, 32])
+    space.check_setting({"lr": 0.1, "momentum": 0.0, "batch_size": 8, "staleness": 7})
+    with pytest.raises(InvalidArgumentError, match="outside"):
+        space.check_setting({"lr": 2.0, "momentum": 0.0, "batch_size": 8, "staleness": 0})
+    with pytest.raises(InvalidArgumentError, match="outside"):
+        space.check_setting({"lr": 0.1, "momentum": 0.0, "batch_size": 16, "staleness": 0})
+    with pytest.raises(InvalidArgumentError, match="missing"):
+        space.check_setting({"lr": 0.1})
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: SearchSpace([]), "empty"),
+        (lambda: SearchSpace([Uniform("a", 0, 1), LogUniform("a", 1e-3, 1)]), "duplicate"),
+        (lambda: SearchSpace([Choice("b", [1, 2]), Uniform("b_index", 0, 1)]), "clash"),
+        (lambda: SearchSpace(["lr"]), "LogUniform, Uniform or Choice"),  # type: ignore[list-item]
+        (lambda: Uniform("a", 1.0, 1.0), "smaller than high"),
+        (lambda: Uniform("a", 2.0, 1.0), "smaller than high"),
+        (lambda: Uniform("a", 0.0, math.inf), "finite"),
+        (lambda: LogUniform("lr", 0.0, 1.0), "low > 0"),
+        (lambda: LogUniform("lr", 1e-3, 1.0, default=2.0), "outside"),
+        (lambda: Uniform("m", 0.0, 1.0, default=-0.1), "outside"),
+        (lambda: Choice("b", []), "empty"),
+        (lambda: Choice("b", [1, 1]), "duplicate"),
+        (lambda: Choice("b", [1, 2], default=3), "not one of"),
+        (lambda: Uniform("", 0.0, 1.0), "identifier"),
+        (lambda: Uniform("learning rate", 0.0, 1.0), "identifier"),
+        (lambda: default_space([]), "batch_sizes"),
+        (lambda: default_space([0, 4]), "batch_sizes"),
+        (lambda: default_space([4], staleness=[-1]), "staleness"),
+    ],
+)
+def test_bad_declarations_are_refused(make: object, message: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=message):
+        make()  # type: ignore[operator]

@@ -1,0 +1,242 @@
+"""The tuner end to end: a simulated quadratic model, and scripted curves for
+the state machine's rules (plateaus, re-tunes, the winner's progress)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import optuna
+import pytest
+
+from mltuner.tune import (
+    BranchKind,
+    DecisionLog,
+    LogUniform,
+    Outcome,
+    SearchSpace,
+    Tuner,
+    TunerConfig,
+    Uniform,
+    default_space,
+    plateaued,
+    summarize_progress,
+)
+
+LR_SPACE = SearchSpace([LogUniform("lr", 1e-5, 1.0)])
+
+
+def best_lr_by_sweep(system: Any, clocks: int = 60) -> float:
+    """The lr with the best slope from the initial weights, over 51 values."""
+    root = system.fork(None, {"lr": 0.0}, BranchKind.INIT)
+    system.run(root, 1)
+    ev = system.fork(root, {"lr": 0.0}, BranchKind.EVALUATION)
+    baseline = float(np.mean([r.loss for r in system.run(ev, 100)]))
+    best = (math.inf, math.nan)
+    for lr in np.logspace(-5, 0, 51):
+        branch = system.fork(root, {"lr": float(lr)}, BranchKind.TRAINING)
+        reports = system.run(branch, clocks)
+        system.free(branch)
+        times = list(np.cumsum([r.seconds for r in reports]))
+        slope = summarize_progress(times, [r.loss for r in reports], baseline).slope
+        if math.isfinite(slope) and slope < best[0]:
+            best = (slope, float(lr))
+    return best[1]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_picks_an_lr_within_a_decade_of_the_best(quadratic_system: Any, seed: int) -> None:
+    best = best_lr_by_sweep(quadratic_system(seed=seed))
+    system = quadratic_system(seed=seed)
+    config = TunerConfig(seed=seed, initial_trial_time_s=0.1, num_clocks_to_test=10,
+                         retune="off", max_epochs=1)
+    result = Tuner(system, LR_SPACE, config).run()
+    assert result.outcome is Outcome.MAX_EPOCHS
+    assert abs(math.log10(result.tunables["lr"] / best)) <= 1.0
+
+
+def full_run(system: Any, tmp_path: Path, seed: int = 0, **config: Any) -> tuple[Any, Tuner]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    cfg = TunerConfig(seed=seed, initial_trial_time_s=0.2, num_clocks_to_test=10,
+                      max_trials_per_search=40, study_name_prefix="job", **config)
+    tuner = Tuner(system, default_space([8, 32, 128]), cfg, log=tmp_path / "decisions.jsonl")
+    return tuner.run(), tuner
+
+
+def test_tunes_retunes_and_stops(quadratic_system: Any, tmp_path: Path) -> None:
+    system = quadratic_system(seed=0)
+    result, tuner = full_run(system, tmp_path)
+    assert result.outcome in (Outcome.CONVERGED, Outcome.NO_PROGRESS)
+    assert result.searches >= 2  # the initial search and at least one re-tune
+    assert max(result.accuracies) > 0.95
+    # Every re-tune followed a plateau of 4 that was not yet one of 5.
+    accuracies = [r["accuracy"] for r in tuner.log.events("validate")]
+    assert accuracies == pytest.approx(result.accuracies)
+    for retune in tuner.log.events("retune"):
+        seen = accuracies[: retune["epoch"]]
+        assert plateaued(seen, 4) and not plateaued(seen, 5)
+    if result.outcome is Outcome.CONVERGED:
+        assert plateaued(accuracies, 5)
+    # The caller owns the final training branch; everything else was freed.
+    assert system.live() == [result.branch]
+
+    # The decision log on disk: one JSON object per line, the same records.
+    lines = (tmp_path / "decisions.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [r["event"] for r in records] == [r["event"] for r in tuner.log.records]
+    events = {r["event"] for r in records}
+    assert {"start", "init", "search_start", "starting_progress", "fork_trial", "summary",
+            "winner", "train", "validate", "retune", "end"} <= events
+    assert all({"time", "event", "phase"} <= set(r) for r in records)
+    assert records[-1]["event"] == "end" and records[-1]["outcome"] == result.outcome.value
+
+
+def test_same_seed_same_run(quadratic_system: Any, tmp_path: Path) -> None:
+    first, _ = full_run(quadratic_system(seed=1), tmp_path / "a", seed=1, retune="marginal")
+    second, _ = full_run(quadratic_system(seed=1), tmp_path / "b", seed=1, retune="marginal")
+    assert first == second
+
+
+# -- the state machine on scripted curves --------------------------------------------
+
+
+def decaying(t: Mapping[str, Any], c: int) -> float:
+    return 10.0 * math.exp(-0.01 * float(t["lr"]) * (c + 1))
+
+
+SCRIPTED_SPACE = SearchSpace([LogUniform("lr", 0.1, 1.0)])
+
+
+def scripted_run(system: Any, space: SearchSpace = SCRIPTED_SPACE,
+                 **config: Any) -> tuple[Any, DecisionLog]:
+    cfg = TunerConfig(sampler="random", seed=0, initial_trial_time_s=1.25, num_clocks_to_eval=10,
+                      num_clocks_to_test=5, max_trials_per_search=4, **config)
+    tuner = Tuner(system, space, cfg)
+    return tuner.run(), tuner.log
+
+
+def test_winner_keeps_its_trial_progress(scripted_system: Any) -> None:
+    system = scripted_system(decaying, seconds=lambda t: 0.125, accuracies=[0.5],
+                             clocks_per_epoch=100)
+    result, log = scripted_run(system)
+    winner = log.events("winner")[0]
+    first_train = log.events("train")[0]
+    # The trial's 10 clocks count toward the first epoch; no branch is re-forked.
+    assert winner["clocks"] == 10
+    assert first_train["branch"] == winner["branch"] and first_train["clocks"] == 90
+    # Later epochs of that branch run whole epochs.
+    later = [r for r in log.events("train")[1:] if r["branch"] == winner["branch"]]
+    assert later and all(r["clocks"] == 100 for r in later)
+    forked_after = [b for b, _, kind, _ in system.forks if b > winner["branch"]
+                    and kind is BranchKind.TRAINING]
+    assert winner["branch"] not in forked_after
+
+
+def test_plateau_retune_then_stop(scripted_system: Any) -> None:
+    accuracies = [0.1, 0.2, 0.3] + [0.3] * 20
+    result, log = scripted_run(scripted_system(decaying, accuracies=accuracies))
+    assert [r["epoch"] for r in log.events("retune")] == [7]  # 3 + 4
+    assert result.outcome is Outcome.CONVERGED and result.epochs == 8  # 3 + 5
+    assert result.searches == 2
+
+
+def test_plateau_sizes_are_configurable(scripted_system: Any) -> None:
+    accuracies = [0.1, 0.2, 0.3] + [0.3] * 20
+    result, log = scripted_run(scripted_system(decaying, accuracies=accuracies),
+                               plateau_size_for_retune=2, plateau_size_for_convergence=3)
+    assert [r["epoch"] for r in log.events("retune")] == [5]
+    assert result.epochs == 6
+
+
+def test_no_retune_when_off(scripted_system: Any) -> None:
+    result, log = scripted_run(scripted_system(decaying, accuracies=[0.1, 0.2, 0.3, 0.3]),
+                               retune="off")
+    assert not log.events("retune") and result.searches == 1
+    assert result.outcome is Outcome.CONVERGED and result.epochs == 8
+
+
+def test_improvement_after_a_retune_postpones_the_stop(scripted_system: Any) -> None:
+    accuracies = [0.1, 0.2, 0.3, 0.3, 0.3, 0.3, 0.3, 0.4] + [0.4] * 20
+    result, log = scripted_run(scripted_system(decaying, accuracies=accuracies))
+    assert [r["epoch"] for r in log.events("retune")] == [7, 12]
+    assert result.epochs == 13 and result.outcome is Outcome.CONVERGED
+
+
+def test_retune_trials_are_capped_at_the_previous_search(scripted_system: Any) -> None:
+    accuracies = [0.1, 0.2, 0.3, 0.3, 0.3, 0.3, 0.3, 0.4] + [0.4] * 20
+    _, log = scripted_run(scripted_system(decaying, accuracies=accuracies))
+    starts = log.events("search_start")
+    ends = log.events("winner")
+    assert starts[0]["trial_cap"] == 4
+    for start, previous in zip(starts[1:], ends):
+        assert start["trial_cap"] == previous["trials"]
+
+
+def test_retune_forks_trials_from_the_training_branch(scripted_system: Any) -> None:
+    system = scripted_system(decaying, accuracies=[0.1, 0.2, 0.3, 0.3])
+    result, log = scripted_run(system)
+    training = log.events("winner")[0]["branch"]
+    retune_start = log.events("search_start")[1]
+    assert retune_start["branch"] == training
+    retune_trials = {r["branch"] for r in log.events("fork_trial") if r["search"] == 1}
+    retune_eval = log.events("starting_progress")[1]["branch"]
+    parents = {p for b, p, _, _ in system.forks if b in retune_trials | {retune_eval}}
+    assert retune_trials and parents == {training}
+    assert training in system.freed  # freed once the re-tune had a winner
+
+
+def test_job_ends_when_a_retune_makes_no_progress(scripted_system: Any) -> None:
+    # Past clock 300 every setting only raises the loss above the baseline.
+    def curve(t: Mapping[str, Any], c: int) -> float:
+        return decaying(t, c) if c < 300 else 10.0 + 0.001 * c
+
+    system = scripted_system(curve, accuracies=[0.5], clocks_per_epoch=100)
+    result, log = scripted_run(system)
+    assert result.outcome is Outcome.NO_PROGRESS
+    assert result.searches == 2 and result.epochs == 5
+    assert log.events("no_progress")[0]["search"] == 1
+    # The training branch is kept as the final model.
+    assert system.live() == [result.branch]
+    assert result.branch == log.events("winner")[0]["branch"]
+
+
+def test_without_initial_tuning_training_starts_at_once(scripted_system: Any) -> None:
+    system = scripted_system(decaying, accuracies=[0.1, 0.2, 0.3, 0.3])
+    start = {"lr": 0.5}
+    result, log = scripted_run(system, initial_tuning=False, initial_setting=start)
+    assert log.events("train_untuned")[0]["tunables"] == start
+    assert log.events("search_start")[0]["search"] == 0
+    assert log.events("retune")[0]["epoch"] == 7  # the only search is a re-tune
+    assert [f[3] for f in system.forks if f[2] is BranchKind.TRAINING][0] == start
+
+
+def test_nothing_to_search_just_trains(scripted_system: Any) -> None:
+    space = SearchSpace([Uniform("lr", 0.0, 1.0, default=0.3, search=False)])
+    system = scripted_system(decaying, accuracies=[0.1, 0.2, 0.3, 0.3])
+    result, log = scripted_run(system, space)
+    assert result.searches == 0 and not log.events("search_start")
+    assert result.outcome is Outcome.CONVERGED and result.tunables == {"lr": 0.3}
+
+
+def test_every_trial_branch_is_an_optuna_trial(scripted_system: Any, tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'tuning.db'}"
+    # Short trials: sqlite commits every intermediate value on its own.
+    system = scripted_system(decaying, seconds=lambda t: 0.125, clocks_per_epoch=20,
+                             accuracies=[0.1, 0.2, 0.3, 0.3])
+    result, log = scripted_run(system, storage=url, study_name_prefix="job")
+    assert result.studies == ["job-initial", "job-retune-1"]
+    names = {s.study_name for s in optuna.get_all_study_summaries(url)}
+    assert names == set(result.studies)
+    recorded = 0
+    for name in result.studies:
+        study = optuna.load_study(study_name=name, storage=url)
+        assert all(t.state.is_finished() for t in study.trials)
+        assert all(t.intermediate_values for t in study.trials)
+        assert "winner_trial" in study.user_attrs
+        recorded += len(study.trials)
+    trial_forks = [f for f in system.forks if f[2] is BranchKind.TRAINING]
+    assert recorded == result.trials == len(trial_forks)

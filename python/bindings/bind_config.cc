@@ -31,7 +31,9 @@ void RegisterConfig(py::module_& m) {
       .def_readwrite("wait_timeout_ms", &Config::wait_timeout_ms)
       .def_readwrite("prefetch_clocks", &Config::prefetch_clocks)
       .def_readwrite("partitions_per_table", &Config::partitions_per_table)
-      .def_readwrite("update_rule", &Config::update_rule);
+      .def_readwrite("update_rule", &Config::update_rule)
+      .def_readwrite("branches", &Config::branches)
+      .def_readwrite("max_branches", &Config::max_branches);
 
   py::class_<TableInfo>(m, "TableInfo")
       .def_readonly("id", &TableInfo::id)

@@ -52,7 +52,10 @@ void RegisterEngine(py::module_& m) {
       .def_readonly("messages_received", &EngineStats::messages_received)
       .def_readonly("pool_bytes", &EngineStats::pool_bytes)
       .def_readonly("device_store_bytes", &EngineStats::device_store_bytes)
-      .def_readonly("host_store_bytes", &EngineStats::host_store_bytes);
+      .def_readonly("host_store_bytes", &EngineStats::host_store_bytes)
+      .def_readonly("branch", &EngineStats::branch)
+      .def_readonly("branch_clock", &EngineStats::branch_clock)
+      .def_readonly("branch_switches", &EngineStats::branch_switches);
 
   py::class_<Engine>(m, "Engine")
       .def_property_readonly("rank", &Engine::rank)
@@ -96,16 +99,33 @@ void RegisterEngine(py::module_& m) {
       .def("post_local_access", &PostBuffer<&Engine::PostLocalAccess>, py::arg("handle"), py::arg("stream") = 0)
       .def("clock", [](Engine& e) { Check(e.Clock()); }, Release())
       .def("fetch",
-           [](Engine& e, TableId table, const RowArray& rows, int64_t row_width) {
+           [](Engine& e, TableId table, const RowArray& rows, int64_t row_width, BranchId branch) {
              std::vector<RowId> ids = ToRows(rows);
              py::array_t<float> out({static_cast<py::ssize_t>(ids.size()), static_cast<py::ssize_t>(row_width)});
              float* data = out.mutable_data();
              {
                py::gil_scoped_release release;
-               Check(e.Fetch(table, ids, data));
+               Check(e.Fetch(table, ids, data, branch));
              }
              return out;
-           })
+           },
+           py::arg("table"), py::arg("rows"), py::arg("row_width"), py::arg("branch") = -1)
+      .def("fork_branch",
+           [](Engine& e, BranchId child, BranchId parent, float learning_rate, float momentum, bool training,
+              int slack) {
+             BranchSettings settings;
+             settings.learning_rate = learning_rate;
+             settings.momentum = momentum;
+             settings.training = training;
+             settings.slack = slack;
+             py::gil_scoped_release release;
+             Check(e.ForkBranch(child, parent, settings));
+           },
+           py::arg("child"), py::arg("parent"), py::arg("learning_rate"), py::arg("momentum"), py::arg("training"),
+           py::arg("slack"))
+      .def("free_branch", [](Engine& e, BranchId branch) { Check(e.FreeBranch(branch)); }, Release())
+      .def("schedule_branch", [](Engine& e, BranchId branch, int64_t clocks) { Check(e.ScheduleBranch(branch, clocks)); },
+           Release())
       .def("flush", [](Engine& e) { Check(e.Flush()); }, Release())
       .def("wait_for_data_age", [](Engine& e, TableId table, int64_t age) { Check(e.WaitForDataAge(table, age)); },
            Release())

@@ -59,6 +59,11 @@ class Config:
         device: ``"cpu"`` (host memory, buffers are numpy arrays) or ``"cuda"``
             (worker r on GPU r mod count; buffers are :class:`DeviceArray`
             objects for ``torch.from_dlpack`` / ``cupy.from_dlpack``).
+        branches: run each clock on the branch the application scheduled
+            (:meth:`Worker.schedule_branch`), as the tuner does; off, every
+            clock runs on branch 0 and nothing needs scheduling.
+        max_branches: live branches (copies of the parameters and optimizer
+            state) a shard may hold at once.
     """
 
     device_memory_budget: int = 0
@@ -67,6 +72,8 @@ class Config:
     partitions_per_table: int = 8
     update_rule: UpdateRule = dataclasses.field(default_factory=UpdateRule)
     device: Literal["cpu", "cuda"] = "cpu"
+    branches: bool = False
+    max_branches: int = 40
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -79,6 +86,8 @@ class Config:
             raise ValueError("prefetch_clocks must be >= 1")
         if self.partitions_per_table < 1:
             raise ValueError("partitions_per_table must be >= 1")
+        if self.max_branches < 1:
+            raise ValueError("max_branches must be >= 1")
 
     def to_core(self) -> _core.Config:
         """The engine's own config object."""
@@ -95,4 +104,6 @@ class Config:
         rule.beta2 = self.update_rule.beta2
         rule.epsilon = self.update_rule.epsilon
         core.update_rule = rule
+        core.branches = bool(self.branches)
+        core.max_branches = int(self.max_branches)
         return core

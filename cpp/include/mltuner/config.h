@@ -56,6 +56,25 @@ struct Config {
 
   // The server-side update rule of the default branch.
   UpdateRuleConfig update_rule;
+  // Branches (mltuner.md §3): with `branches` on, every clock runs on the
+  // branch the application scheduled for it (Engine::ScheduleBranch), and the
+  // allocator prepares a clock only once it is scheduled. Off, every clock
+  // runs on branch 0 and nothing needs scheduling.
+  bool branches = false;
+  // Live branches a shard may hold at once (each is a copy of the parameters
+  // and optimizer state). MLtuner's configs use 30-40.
+  int32_t max_branches = 40;
+};
+
+// A branch's own tunables, fixed when it is forked.
+struct BranchSettings {
+  float learning_rate = 0.01f;
+  float momentum = 0.9f;
+  // Only training branches apply updates; an evaluation or testing branch
+  // runs clocks (and advances its clock) without changing its parameters.
+  bool training = true;
+  // Staleness of every read on this branch; -1 keeps each read's recorded slack.
+  int32_t slack = -1;
 };
 
 }  // namespace mltuner

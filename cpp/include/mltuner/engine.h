@@ -62,6 +62,9 @@ struct EngineStats {
   int64_t messages_sent = 0;
   int64_t messages_received = 0;
   int64_t pool_bytes = 0;
+  BranchId branch = 0;             // the branch of the last finished clock
+  Clock branch_clock = 0;          // clocks that branch has finished
+  int64_t branch_switches = 0;     // times the cache was reloaded for another branch
   int64_t device_store_bytes = 0;
   int64_t host_store_bytes = 0;
 };
@@ -107,12 +110,25 @@ class Engine {
   Status PostLocalAccess(Handle handle, uintptr_t app_stream = 0);
   Status Clock();
 
-  // The servers' current values of `rows` (any phase), into out (rows x width).
-  Status Fetch(TableId table, const std::vector<RowId>& rows, float* out);
+  // Branches (Config::branches; mltuner.md §3). Every worker makes the same
+  // calls at the same clock boundaries. Fork copies `parent`'s parameters and
+  // optimizer state into `child` on every shard, once all workers asked, and
+  // returns when that is done; Free releases a branch. ScheduleBranch runs
+  // the next `clocks` clocks on `branch` (each branch counts its own clocks,
+  // so staleness and data age are per branch); the cache is reloaded on a
+  // switch. Without Config::branches, every clock runs on branch 0.
+  Status ForkBranch(BranchId child, BranchId parent, const BranchSettings& settings);
+  Status FreeBranch(BranchId branch);
+  Status ScheduleBranch(BranchId branch, int64_t clocks);
+
+  // The servers' current values of `rows` (any phase), into out (rows x
+  // width), from `branch` (-1: the branch of the last finished clock).
+  Status Fetch(TableId table, const std::vector<RowId>& rows, float* out, BranchId branch = -1);
   // Waits until every update of the clocks the application finished has been
   // handed to the transport.
   Status Flush();
-  // Waits until the table's data age is at least `age`.
+  // Waits until the table's data age on the branch of the last finished
+  // clock is at least `age` (counted in that branch's clocks).
   Status WaitForDataAge(TableId table, mltuner::Clock age);
   mltuner::Clock DataAge(TableId table) const;
   EngineStats Stats() const;

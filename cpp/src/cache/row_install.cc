@@ -51,6 +51,7 @@ Status Engine::Impl::InstallRows(const Message& message) {
   }
   {
     std::lock_guard<std::mutex> lock(age_mu_);
+    if (message.header.branch != cache_branch_) return Status::Ok();  // the cache moved to another branch
     if (message.header.clock <= shard_age_[table][shard]) return Status::Ok();  // not newer
   }
   const TableStore& store = *stores_[table];
@@ -70,6 +71,10 @@ Status Engine::Impl::InstallRows(const Message& message) {
   }
   {
     std::lock_guard<std::mutex> lock(age_mu_);
+    // Rows of a branch the cache left while they were copied are overwritten
+    // by the new branch's rows, which this thread installs next; their age
+    // must not count.
+    if (message.header.branch != cache_branch_) return Status::Ok();
     std::vector<mltuner::Clock>& ages = shard_age_[table];
     ages[shard] = std::max(ages[shard], message.header.clock);
     data_age_[table] = *std::min_element(ages.begin(), ages.end());

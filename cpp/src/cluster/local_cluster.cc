@@ -10,9 +10,9 @@ namespace mltuner {
 
 class LocalCluster::Hub : public Transport {
  public:
-  Hub(int num_workers, const UpdateRuleConfig& rule) {
+  Hub(int num_workers, const Config& config) {
     for (int rank = 0; rank < num_workers; ++rank) {
-      hosts_.push_back(std::make_unique<ShardHost>(rank, num_workers, rule, &pool_));
+      hosts_.push_back(std::make_unique<ShardHost>(rank, num_workers, config, &pool_));
     }
   }
   ~Hub() override { Stop(); }
@@ -57,7 +57,7 @@ Status LocalCluster::Create(const Config& config, int num_workers, std::unique_p
                             const DeviceFactory& make_device) {
   if (num_workers < 1) return Status::InvalidArgument("a cluster needs at least one worker");
   std::unique_ptr<LocalCluster> cluster(new LocalCluster());
-  cluster->hub_ = std::make_unique<Hub>(num_workers, config.update_rule);
+  cluster->hub_ = std::make_unique<Hub>(num_workers, config);
   for (int rank = 0; rank < num_workers; ++rank) {
     std::unique_ptr<Device> device;
     if (make_device) {

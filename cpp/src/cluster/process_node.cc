@@ -15,8 +15,8 @@ namespace mltuner {
 // The shard host and the outbox of messages for other processes.
 class ProcessNode::Queues {
  public:
-  Queues(int rank, int num_workers, const UpdateRuleConfig& rule, BufferPool* pool)
-      : host(rank, num_workers, rule, pool) {}
+  Queues(int rank, int num_workers, const Config& config, BufferPool* pool)
+      : host(rank, num_workers, config, pool) {}
 
   void PushOutgoing(OutgoingMessage&& message) {
     {
@@ -66,7 +66,7 @@ Status ProcessNode::Create(const Config& config, int rank, int num_workers, std:
   // Payloads in flight through ZeroMQ hold their buffers; idle ones are kept
   // up to 1 GiB for reuse.
   node->pool_ = std::make_shared<BufferPool>(size_t{1} << 30);
-  node->queues_ = std::make_unique<Queues>(rank, num_workers, config.update_rule, node->pool_.get());
+  node->queues_ = std::make_unique<Queues>(rank, num_workers, config, node->pool_.get());
   MLT_RETURN_IF_ERROR(Engine::Create(config, rank, num_workers, std::move(device), node.get(), &node->engine_));
   node->queues_->host.Start(node->engine_.get(), node.get());
   *out = std::move(node);

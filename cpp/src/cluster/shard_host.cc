@@ -39,8 +39,8 @@ void Inbox::Stop() {
   if (thread_.joinable()) thread_.join();
 }
 
-ShardHost::ShardHost(int rank, int num_workers, const UpdateRuleConfig& rule, BufferPool* pool)
-    : pool_(pool), shard_(rank, num_workers, rule) {
+ShardHost::ShardHost(int rank, int num_workers, const Config& config, BufferPool* pool)
+    : pool_(pool), shard_(rank, num_workers, config.update_rule, config.max_branches) {
   shard_.set_buffer_pool(pool);
 }
 

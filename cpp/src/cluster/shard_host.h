@@ -43,7 +43,7 @@ class Inbox {
 class ShardHost {
  public:
   // `pool` recycles payloads and must outlive the host.
-  ShardHost(int rank, int num_workers, const UpdateRuleConfig& rule, BufferPool* pool);
+  ShardHost(int rank, int num_workers, const Config& config, BufferPool* pool);
   ~ShardHost() { Stop(); }
   ShardHost(const ShardHost&) = delete;
   ShardHost& operator=(const ShardHost&) = delete;

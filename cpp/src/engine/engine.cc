@@ -26,7 +26,13 @@ Engine::Impl::Impl(const Config& config, int rank, int num_workers, std::unique_
       rank_(rank),
       num_workers_(num_workers),
       device_(std::move(device)),
-      transport_(transport) {}
+      transport_(transport) {
+  BranchSettings initial;
+  initial.learning_rate = config.update_rule.learning_rate;
+  initial.momentum = config.update_rule.momentum;
+  branches_[0] = initial;
+  branch_clocks_[0] = 0;
+}
 
 Engine::Impl::~Impl() { Shutdown(); }
 
@@ -293,6 +299,10 @@ Status Engine::Impl::Open(Handle handle, OpKind kind, AccessBuffer* out) {
     std::lock_guard<std::mutex> lock(mu_);
     MLT_RETURN_IF_ERROR(CheckNextOp(kind, handle));
     clock = app_clock_;
+    if (config_.branches && clock >= scheduled_until_) {
+      return Status::OutOfOrder("clock " + std::to_string(clock) + " is not scheduled on any branch: call " +
+                                "schedule_branch(branch, clocks) first");
+    }
   }
   Slot* slot = nullptr;
   MLT_RETURN_IF_ERROR(WaitForSlot(handle, clock, &slot));
@@ -348,6 +358,9 @@ Status Engine::Impl::Clock() {
     ++app_seq_;
     ++app_clock_;
     stats_.clock = app_clock_;
+    const ClockBranch at = BranchOfLocked(app_clock_ - 1);
+    stats_.branch = at.branch;
+    stats_.branch_clock = at.internal + 1;
   }
   cv_.notify_all();
   return Status::Ok();
@@ -372,7 +385,17 @@ Status Engine::Impl::WaitForDataAge(TableId table, mltuner::Clock age) {
   if (info->local) return Status::InvalidArgument("table '" + info->name + "' is local: it has no data age");
   if (phase_.load() == Phase::kShutdown) return ShutdownError();
   if (phase_.load() != Phase::kRunning) return Status::OutOfOrder("wait_for_data_age before start_iterations");
+  BranchId branch;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    branch = stats_.branch;
+  }
   std::unique_lock<std::mutex> lock(age_mu_);
+  if (cache_branch_ != branch) {
+    return Status::OutOfOrder("the cache already holds branch " + std::to_string(cache_branch_) +
+                              " (scheduled next), not branch " + std::to_string(branch) +
+                              " of the last finished clock: wait before scheduling the next branch");
+  }
   const bool fresh = age_cv_.wait_until(lock, Deadline(), [&] {
     return data_age_[table] >= age || phase_.load() == Phase::kShutdown || !abort_error_.ok();
   });
@@ -532,8 +555,14 @@ Status Engine::LocalAccess(Handle h, AccessBuffer* out) {
 }
 Status Engine::PostLocalAccess(Handle h, uintptr_t s) { return impl_->Post(h, OpKind::kPostLocalAccess, s); }
 Status Engine::Clock() { return impl_->Clock(); }
-Status Engine::Fetch(TableId table, const std::vector<RowId>& rows, float* out) {
-  return impl_->Fetch(table, rows, out);
+Status Engine::ForkBranch(BranchId child, BranchId parent, const BranchSettings& settings) {
+  return impl_->ForkBranch(child, parent, settings);
+}
+Status Engine::FreeBranch(BranchId branch) { return impl_->FreeBranch(branch); }
+Status Engine::ScheduleBranch(BranchId branch, int64_t clocks) { return impl_->ScheduleBranch(branch, clocks); }
+
+Status Engine::Fetch(TableId table, const std::vector<RowId>& rows, float* out, BranchId branch) {
+  return impl_->Fetch(table, rows, out, branch);
 }
 Status Engine::Flush() { return impl_->Flush(); }
 Status Engine::WaitForDataAge(TableId table, mltuner::Clock age) { return impl_->WaitForDataAge(table, age); }

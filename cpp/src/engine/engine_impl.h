@@ -54,6 +54,22 @@ struct Slot {
   DeviceEvent app_done;  // the application's work on the buffer, taken at its post
 };
 
+// Where an application clock runs: its branch, the branch's own clock
+// number, and the slack the branch imposes (-1: each read's own).
+struct ClockBranch {
+  BranchId branch = 0;
+  mltuner::Clock internal = 0;
+  int32_t slack = -1;
+};
+
+// A run of consecutive application clocks scheduled on one branch.
+struct ScheduledBlock {
+  mltuner::Clock first = 0;
+  int64_t count = 0;
+  BranchId branch = 0;
+  mltuner::Clock first_internal = 0;
+};
+
 // A synchronous request to the shards (fetch or initialisation add).
 struct PendingRequest {
   int replies_missing = 0;
@@ -76,7 +92,10 @@ class Engine::Impl {
   Status Open(Handle handle, OpKind kind, AccessBuffer* out);
   Status Post(Handle handle, OpKind kind, uintptr_t app_stream);
   Status Clock();
-  Status Fetch(TableId table, const std::vector<RowId>& rows, float* out);
+  Status Fetch(TableId table, const std::vector<RowId>& rows, float* out, BranchId branch);
+  Status ForkBranch(BranchId child, BranchId parent, const BranchSettings& settings);
+  Status FreeBranch(BranchId branch);
+  Status ScheduleBranch(BranchId branch, int64_t clocks);
   Status Flush();
   Status WaitForDataAge(TableId table, mltuner::Clock age);
   mltuner::Clock DataAge(TableId table) const;
@@ -129,8 +148,11 @@ class Engine::Impl {
 
   // --- allocator thread (memory/allocator_thread.cc) -------------------------
   void AllocatorLoop();
-  Status PrepareSlot(int64_t seq, const AccessRecord& access, Slot* slot);
-  Status WaitFresh(const AccessRecord& access, mltuner::Clock clock, mltuner::Clock* age);
+  Status PrepareSlot(int64_t seq, const AccessRecord& access, const ClockBranch& at, Slot* slot);
+  Status WaitFresh(const AccessRecord& access, const ClockBranch& at, mltuner::Clock* age);
+  // Points the cache at another branch: forgets every data age and asks the
+  // shards for that branch's rows.
+  Status SwitchCache(BranchId branch);
   Status WaitForWriteBack(int64_t seq_needed);
   void GatherInto(const AccessRecord& access, float* buffer, Stream stream);
 
@@ -148,6 +170,13 @@ class Engine::Impl {
   // --- receive thread (cache/row_install.cc) ---------------------------------
   Status InstallRows(const Message& message);
   Status CompleteRequest(Message&& message);
+
+  // --- branches (engine/branches.cc) -------------------------------------------
+  // The branch of an application clock. REQUIRES: mu_ held; the clock is
+  // scheduled (always true without Config::branches).
+  ClockBranch BranchOfLocked(mltuner::Clock clock) const;
+  ClockBranch BranchOf(mltuner::Clock clock) const;
+  Status SendBranchRequest(MessageType type, BranchId branch, const std::string& text);
 
   // Records a background failure; every later call returns it.
   void Fail(const Status& status);
@@ -167,6 +196,12 @@ class Engine::Impl {
   std::vector<Slot> init_slots_;       // by handle, initialisation phase only
   std::vector<std::shared_ptr<DeviceBlock>> init_blocks_;
   EngineStats stats_;
+  // Branches, guarded by mu_. Without Config::branches every clock is
+  // scheduled on branch 0 and these stay empty.
+  std::vector<ScheduledBlock> schedule_;
+  mltuner::Clock scheduled_until_ = 0;               // clocks [0, this) have a branch
+  std::map<BranchId, BranchSettings> branches_;      // live branches
+  std::map<BranchId, mltuner::Clock> branch_clocks_;  // clocks scheduled per branch
 
   // Data age and pending requests, guarded by age_mu_.
   mutable std::mutex age_mu_;
@@ -176,6 +211,7 @@ class Engine::Impl {
   int64_t next_request_id_ = 1;
   std::unordered_map<int64_t, std::shared_ptr<PendingRequest>> requests_;
   Status abort_error_;  // set once by Abort; ends every wait on age_cv_
+  BranchId cache_branch_ = 0;  // the branch whose rows the cache holds
   std::atomic<int64_t> messages_received_{0};
   std::atomic<int64_t> messages_sent_{0};
 

@@ -52,7 +52,7 @@ Status Engine::Impl::SendRequests(std::vector<Message> requests, std::vector<Mes
   return Status::Ok();
 }
 
-Status Engine::Impl::Fetch(TableId table, const std::vector<RowId>& rows, float* out) {
+Status Engine::Impl::Fetch(TableId table, const std::vector<RowId>& rows, float* out, BranchId branch) {
   if (phase_.load() == Phase::kShutdown) return Status::Shutdown("the engine is shut down");
   const TableInfo* info = nullptr;
   MLT_RETURN_IF_ERROR(LookupTable(table, &info));
@@ -60,11 +60,16 @@ Status Engine::Impl::Fetch(TableId table, const std::vector<RowId>& rows, float*
     return Status::InvalidArgument("table '" + info->name + "' is local: its rows live on this worker only");
   }
   MLT_RETURN_IF_ERROR(CheckRowIds(*info, rows, "a request to"));
+  if (branch < 0) {
+    std::lock_guard<std::mutex> lock(mu_);
+    branch = stats_.branch;
+  }
   const ShardedRows sharded = ShardRows(*info, rows, num_workers_);
   std::vector<Message> requests;
   for (int shard = 0; shard < num_workers_; ++shard) {
     if (sharded.spans[shard].empty()) continue;
     Message request = RequestTo(MessageType::kFetch, rank_, shard, *info);
+    request.header.branch = branch;
     request.spans = sharded.spans[shard];
     requests.push_back(std::move(request));
   }
@@ -117,7 +122,7 @@ Status Engine::Impl::OpenInit(Handle handle, AccessBuffer* out) {
   MLT_RETURN_IF_ERROR(DeviceBlock::Make(device_, values * sizeof(float), false, &block));
   if (access.kind == OpKind::kRead) {
     std::vector<float> host(values);
-    MLT_RETURN_IF_ERROR(Fetch(access.table, access.rows, host.data()));
+    MLT_RETURN_IF_ERROR(Fetch(access.table, access.rows, host.data(), 0));
     device_->CopyHostToDevice(block->floats(), host.data(), values * sizeof(float), Stream::kApp);
   } else if (access.kind == OpKind::kLocalAccess && access.fetch) {
     GatherInto(access, block->floats(), Stream::kApp);

@@ -21,6 +21,9 @@ constexpr auto kPollInterval = std::chrono::milliseconds(100);
 
 void Engine::Impl::AllocatorLoop() {
   const int64_t num_ops = static_cast<int64_t>(recording_.ops.size());
+  // An iteration without accesses (only clocks) leaves nothing to prepare;
+  // walking its ops would spin without ever waiting.
+  if (recording_.accesses.empty()) return;
   for (int64_t seq = 0;; ++seq) {
     const mltuner::Clock clock = seq / num_ops;
     const RecordedOp& op = recording_.ops[seq % num_ops];
@@ -28,17 +31,26 @@ void Engine::Impl::AllocatorLoop() {
       continue;
     }
     Slot* slot = &slots_[op.handle][clock % depth_];
+    ClockBranch at;
     {
-      // The slot must be free (its previous clock reclaimed) and we must not
-      // run more than prefetch_clocks ahead of the application.
+      // The slot must be free (its previous clock reclaimed), we must not run
+      // more than prefetch_clocks ahead of the application, and the clock
+      // must be scheduled on a branch.
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] {
-        return stopping_ || (slot->state == SlotState::kEmpty &&
-                             clock <= app_clock_ + config_.prefetch_clocks);
+        return stopping_ || (slot->state == SlotState::kEmpty && clock <= app_clock_ + config_.prefetch_clocks &&
+                             (!config_.branches || clock < scheduled_until_));
       });
       if (stopping_) return;
+      at = BranchOfLocked(clock);
     }
-    const Status status = PrepareSlot(seq, recording_.accesses[op.handle], slot);
+    BranchId cached;
+    {
+      std::lock_guard<std::mutex> lock(age_mu_);
+      cached = cache_branch_;
+    }
+    Status status = cached == at.branch ? Status::Ok() : SwitchCache(at.branch);
+    if (status.ok()) status = PrepareSlot(seq, recording_.accesses[op.handle], at, slot);
     if (!status.ok()) {
       if (status.code() != StatusCode::kShutdown) Fail(status);
       return;
@@ -53,7 +65,7 @@ void Engine::Impl::AllocatorLoop() {
   }
 }
 
-Status Engine::Impl::PrepareSlot(int64_t seq, const AccessRecord& access, Slot* slot) {
+Status Engine::Impl::PrepareSlot(int64_t seq, const AccessRecord& access, const ClockBranch& at, Slot* slot) {
   const int64_t num_ops = static_cast<int64_t>(recording_.ops.size());
   const mltuner::Clock clock = seq / num_ops;
   const AccessIndex& index = index_.accesses[access.handle];
@@ -77,7 +89,7 @@ Status Engine::Impl::PrepareSlot(int64_t seq, const AccessRecord& access, Slot* 
   switch (access.kind) {
     case OpKind::kRead: {
       mltuner::Clock age = kNoClock;
-      MLT_RETURN_IF_ERROR(WaitFresh(access, clock, &age));
+      MLT_RETURN_IF_ERROR(WaitFresh(access, at, &age));
       auto guard = stores_[access.table]->locks->LockShared(index.lock_begin, index.lock_count);
       GatherInto(access, slot->data, Stream::kPrefetch);
       MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kPrefetch));
@@ -106,10 +118,11 @@ Status Engine::Impl::PrepareSlot(int64_t seq, const AccessRecord& access, Slot* 
   return Status::Ok();
 }
 
-Status Engine::Impl::WaitFresh(const AccessRecord& access, mltuner::Clock clock, mltuner::Clock* age) {
-  // SSP: a read at clock c with slack s needs every worker's updates through
-  // clock c - s - 1.
-  const mltuner::Clock needed = clock - access.slack - 1;
+Status Engine::Impl::WaitFresh(const AccessRecord& access, const ClockBranch& at, mltuner::Clock* age) {
+  // SSP: a read at clock c (of its branch) with slack s needs every worker's
+  // updates through clock c - s - 1 of that branch.
+  const int slack = at.slack >= 0 ? at.slack : access.slack;
+  const mltuner::Clock needed = at.internal - slack - 1;
   const auto start = std::chrono::steady_clock::now();
   std::unique_lock<std::mutex> lock(age_mu_);
   while (data_age_[access.table] < needed) {

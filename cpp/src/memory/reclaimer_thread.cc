@@ -137,9 +137,11 @@ Status Engine::Impl::SendTableClock(TableId table, mltuner::Clock clock) {
   const int64_t width = store.info.row_width;
   const TableIndex& table_index = index_.tables[table];
   std::vector<Message> messages;
+  const ClockBranch at = BranchOf(clock);
   for (int shard = 0; shard < num_workers_; ++shard) {
     Message message = NewMessage(MessageType::kClockUpdate, rank_, shard, table);
-    message.header.clock = clock;
+    message.header.branch = at.branch;
+    message.header.clock = at.internal;
     message.header.row_width = width;
     const std::vector<WireSegment>& segments = table_index.send[shard];
     int64_t rows = 0;
@@ -171,9 +173,11 @@ Status Engine::Impl::BuildDirectUpdate(const AccessRecord& access, const float* 
   const TableInfo& info = tables_[access.table];
   const DirectSend& direct = index_.tables[access.table].direct;
   const int64_t width = info.row_width;
+  const ClockBranch at = BranchOf(clock);
   for (int shard = 0; shard < num_workers_; ++shard) {
     Message message = NewMessage(MessageType::kClockUpdate, rank_, shard, access.table);
-    message.header.clock = clock;
+    message.header.branch = at.branch;
+    message.header.clock = at.internal;
     message.header.row_width = width;
     message.spans = direct.spans[shard];
     message.header.num_spans = static_cast<uint32_t>(message.spans.size());

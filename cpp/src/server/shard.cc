@@ -7,6 +7,7 @@
 #include "server/shard.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <string>
 #include <utility>
 
@@ -29,7 +30,11 @@ Status CheckSender(const Message& in, int num_workers) {
   return Status::Ok();
 }
 
-Status UnknownTable(TableId table) {
+Status UnknownTable(TableId table, BranchId branch = 0) {
+  if (branch != 0) {
+    return Status::NotFound(TableText(table) + " on branch " + std::to_string(branch) +
+                            " is not on this shard (unknown or freed branch)");
+  }
   return Status::NotFound(TableText(table) + " is not registered with this shard");
 }
 
@@ -96,15 +101,20 @@ RowSpan ShardRange(int64_t num_rows, int shard, int num_shards) {
   return range;
 }
 
-ServerShard::ServerShard(int rank, int num_workers, const UpdateRuleConfig& rule)
-    : rank_(rank), num_workers_(num_workers), rule_config_(rule) {}
+ServerShard::ServerShard(int rank, int num_workers, const UpdateRuleConfig& rule, int max_branches)
+    : rank_(rank), num_workers_(num_workers), rule_config_(rule), max_branches_(max_branches) {}
+
+ServerShard::TableState* ServerShard::Find(BranchId branch, TableId table) const {
+  auto found = tables_.find({branch, table});
+  return found == tables_.end() ? nullptr : found->second.get();
+}
 
 Status ServerShard::AddTable(const TableInfo& info) {
   if (info.local) {
     return Status::InvalidArgument(TableText(info.id) + " (" + info.name +
                                    ") is local data; local tables never reach a shard");
   }
-  if (tables_.count(info.id) != 0) {
+  if (tables_.count({0, info.id}) != 0) {
     return Status::InvalidArgument(TableText(info.id) + " (" + info.name + ") is already registered");
   }
   if (info.num_rows < 1 || info.row_width < 1) {
@@ -123,7 +133,7 @@ Status ServerShard::AddTable(const TableInfo& info) {
     return Status::InvalidArgument("unknown update rule kind " +
                                    std::to_string(static_cast<int>(rule_config_.kind)));
   }
-  tables_.emplace(info.id, std::move(table));
+  tables_.emplace(std::make_pair(BranchId{0}, info.id), std::move(table));
   return Status::Ok();
 }
 
@@ -135,6 +145,9 @@ Status ServerShard::Handle(const Message& in, std::vector<Message>* out) {
     case MessageType::kFetch: return HandleFetch(in, out);
     case MessageType::kInitAdd: return HandleInitAdd(in, out);
     case MessageType::kReady: return HandleReady(in, out);
+    case MessageType::kFork: return HandleFork(in, out);
+    case MessageType::kFreeBranch: return HandleFreeBranch(in, out);
+    case MessageType::kBranchRows: return HandleBranchRows(in, out);
     case MessageType::kRows:
     case MessageType::kFetchReply:
     case MessageType::kAck:
@@ -154,9 +167,10 @@ Status ServerShard::HandleStart(const Message& in, std::vector<Message>* out) {
   for (const auto& entry : tables_) {
     if (entry.second->clock.Get(sender) != kNoClock) {
       return Status::OutOfOrder("worker " + std::to_string(sender) +
-                                " sent kStart twice (already started " + TableText(entry.first) + ")");
+                                " sent kStart twice (already started " + TableText(entry.first.second) + ")");
     }
   }
+  // Before the first kStart only branch 0 exists: forks need every worker started.
   for (auto& entry : tables_) {
     TableState& table = *entry.second;
     bool global_advanced = false;
@@ -173,9 +187,9 @@ Status ServerShard::Handle(Message&& in, std::vector<Message>* out) {
 
 Status ServerShard::HandleClockUpdate(const Message& in, std::vector<float>* owned, std::vector<Message>* out) {
   MLT_RETURN_IF_ERROR(CheckSender(in, num_workers_));
-  auto found = tables_.find(in.header.table);
-  if (found == tables_.end()) return UnknownTable(in.header.table);
-  TableState& table = *found->second;
+  TableState* found = Find(in.header.branch, in.header.table);
+  if (found == nullptr) return UnknownTable(in.header.table, in.header.branch);
+  TableState& table = *found;
   MLT_RETURN_IF_ERROR(CheckSpans(table, in));
   MLT_RETURN_IF_ERROR(CheckPayload(in, table.info));
 
@@ -222,13 +236,13 @@ Status ServerShard::HandleClockUpdate(const Message& in, std::vector<float>* own
 Status ServerShard::HandleFetch(const Message& in, std::vector<Message>* out) {
   // A sender out of range has no client to tell, so it only gets the Status.
   MLT_RETURN_IF_ERROR(CheckSender(in, num_workers_));
-  auto found = tables_.find(in.header.table);
-  Status status = found == tables_.end() ? UnknownTable(in.header.table) : CheckSpans(*found->second, in);
+  const TableState* found = Find(in.header.branch, in.header.table);
+  Status status = found == nullptr ? UnknownTable(in.header.table, in.header.branch) : CheckSpans(*found, in);
   if (!status.ok()) {
     out->push_back(ErrorReply(rank_, in, status));
     return status;
   }
-  const TableState& table = *found->second;
+  const TableState& table = *found;
   const int64_t row_width = table.info.row_width;
   Message reply = Reply(MessageType::kFetchReply, rank_, in);
   reply.header.clock = table.clock.global();  // the data age of the values
@@ -248,10 +262,10 @@ Status ServerShard::HandleFetch(const Message& in, std::vector<Message>* out) {
 // legal while the sender is still initialising (before its kStart).
 Status ServerShard::HandleInitAdd(const Message& in, std::vector<Message>* out) {
   MLT_RETURN_IF_ERROR(CheckSender(in, num_workers_));
-  auto found = tables_.find(in.header.table);
-  Status status = found == tables_.end() ? UnknownTable(in.header.table) : CheckSpans(*found->second, in);
-  if (status.ok()) status = CheckPayload(in, found->second->info);
-  if (status.ok() && found->second->clock.Get(in.header.sender) != kNoClock) {
+  TableState* found = Find(in.header.branch, in.header.table);
+  Status status = found == nullptr ? UnknownTable(in.header.table, in.header.branch) : CheckSpans(*found, in);
+  if (status.ok()) status = CheckPayload(in, found->info);
+  if (status.ok() && found->clock.Get(in.header.sender) != kNoClock) {
     status = Status::OutOfOrder(TableText(in.header.table) + ": worker " +
                                 std::to_string(in.header.sender) + " sent kInitAdd after kStart");
   }
@@ -259,7 +273,7 @@ Status ServerShard::HandleInitAdd(const Message& in, std::vector<Message>* out) 
     out->push_back(ErrorReply(rank_, in, status));
     return status;
   }
-  TableState& table = *found->second;
+  TableState& table = *found;
   AddSpansInto(in, table.range, table.info.row_width, table.values.data());
   out->push_back(Reply(MessageType::kAck, rank_, in));
   return Status::Ok();
@@ -317,7 +331,9 @@ Status ServerShard::HandleReady(const Message& in, std::vector<Message>* out) {
   if (static_cast<int>(ready_requests_.size()) < num_workers_) return Status::Ok();
 
   std::vector<TableInfo> mine;
-  for (const auto& entry : tables_) mine.push_back(entry.second->info);
+  for (const auto& entry : tables_) {
+    if (entry.first.first == 0) mine.push_back(entry.second->info);
+  }
   const std::string expected = TableSchemaText(mine);
   std::string mismatches;
   for (const auto& [worker, request] : ready_requests_) {
@@ -359,18 +375,21 @@ Status ServerShard::CheckSpans(const TableState& table, const Message& in) const
 // out even when the shard owns no rows (a table with fewer rows than shards):
 // the client counts shard pushes to advance the table's data age.
 void ServerShard::PushRows(const TableState& table, std::vector<Message>* out) const {
-  for (int worker = 0; worker < num_workers_; ++worker) {
-    Message rows = NewMessage(MessageType::kRows, rank_, worker, table.info.id);
-    rows.header.clock = table.clock.global();
-    rows.header.row_width = table.info.row_width;
-    if (table.range.count > 0) {
-      rows.spans.push_back(table.range);
-      rows.values = NewBuffer(table.values.size());
-      std::copy(table.values.begin(), table.values.end(), rows.values.begin());
-    }
-    rows.header.num_spans = static_cast<uint32_t>(rows.spans.size());
-    out->push_back(std::move(rows));
+  for (int worker = 0; worker < num_workers_; ++worker) out->push_back(RowsMessage(table, worker));
+}
+
+Message ServerShard::RowsMessage(const TableState& table, int worker) const {
+  Message rows = NewMessage(MessageType::kRows, rank_, worker, table.info.id);
+  rows.header.branch = table.branch;
+  rows.header.clock = table.clock.global();
+  rows.header.row_width = table.info.row_width;
+  if (table.range.count > 0) {
+    rows.spans.push_back(table.range);
+    rows.values = NewBuffer(table.values.size());
+    std::copy(table.values.begin(), table.values.end(), rows.values.begin());
   }
+  rows.header.num_spans = static_cast<uint32_t>(rows.spans.size());
+  return rows;
 }
 
 // Called when the table's global clock has just advanced. A kClockUpdate moves
@@ -384,6 +403,13 @@ void ServerShard::ApplyFinishedClocks(TableState* table) {
   const Clock finished = table->clock.global();
   std::vector<float> sum;
   auto pending = table->pending.find(finished);
+  if (!table->training) {  // evaluation and testing branches never change
+    if (pending != table->pending.end()) {
+      for (std::vector<float>& buffer : pending->second) Recycle(std::move(buffer));
+      table->pending.erase(pending);
+    }
+    return;
+  }
   if (pending != table->pending.end()) {
     // Sum in worker order 0..N-1, whatever order the updates arrived in, so
     // the float result is the same on every run. Workers that sent nothing
@@ -420,20 +446,20 @@ void ServerShard::Recycle(std::vector<float>&& buffer) const {
   if (pool_) pool_->Release(std::move(buffer));
 }
 
-const std::vector<float>* ServerShard::values(TableId table) const {
-  auto found = tables_.find(table);
-  return found == tables_.end() ? nullptr : &found->second->values;
+const std::vector<float>* ServerShard::values(TableId table, BranchId branch) const {
+  const TableState* found = Find(branch, table);
+  return found == nullptr ? nullptr : &found->values;
 }
 
-Clock ServerShard::global_clock(TableId table) const {
-  auto found = tables_.find(table);
-  return found == tables_.end() ? kNoClock : found->second->clock.global();
+Clock ServerShard::global_clock(TableId table, BranchId branch) const {
+  const TableState* found = Find(branch, table);
+  return found == nullptr ? kNoClock : found->clock.global();
 }
 
-Status ServerShard::ExportTable(TableId table, ShardSlice* out) const {
-  auto found = tables_.find(table);
-  if (found == tables_.end()) return UnknownTable(table);
-  const TableState& state = *found->second;
+Status ServerShard::ExportTable(TableId table, ShardSlice* out, BranchId branch) const {
+  const TableState* found = Find(branch, table);
+  if (found == nullptr) return UnknownTable(table, branch);
+  const TableState& state = *found;
   out->first_row = state.range.begin;
   out->num_rows = state.range.count;
   out->values = state.values;
@@ -445,9 +471,9 @@ Status ServerShard::ExportTable(TableId table, ShardSlice* out) const {
 
 Status ServerShard::ImportTable(TableId table, const float* values, size_t num_values, const float* state,
                                 size_t num_state) {
-  auto found = tables_.find(table);
-  if (found == tables_.end()) return UnknownTable(table);
-  TableState& target = *found->second;
+  TableState* found = Find(0, table);
+  if (found == nullptr) return UnknownTable(table);
+  TableState& target = *found;
   std::vector<float>& rule_state = *target.rule->state();
   if (num_values != target.values.size() || num_state != rule_state.size()) {
     return Status::InvalidArgument(TableText(table) + " (" + target.info.name + "): restoring " +
@@ -461,6 +487,145 @@ Status ServerShard::ImportTable(TableId table, const float* values, size_t num_v
   }
   std::copy(values, values + num_values, target.values.begin());
   std::copy(state, state + num_state, rule_state.begin());
+  return Status::Ok();
+}
+
+// --- branches ---------------------------------------------------------------
+
+std::string BranchSettingsText(BranchId parent, const BranchSettings& settings) {
+  char text[160];
+  std::snprintf(text, sizeof(text), "parent=%d;lr=%.9g;momentum=%.9g;training=%d;slack=%d", parent,
+                static_cast<double>(settings.learning_rate), static_cast<double>(settings.momentum),
+                settings.training ? 1 : 0, settings.slack);
+  return text;
+}
+
+Status ParseBranchSettings(const std::string& text, BranchId* parent, BranchSettings* settings) {
+  int parent_id = 0, training = 0, slack = 0;
+  double lr = 0, momentum = 0;
+  int consumed = 0;
+  const int fields = std::sscanf(text.c_str(), "parent=%d;lr=%lf;momentum=%lf;training=%d;slack=%d%n", &parent_id,
+                                 &lr, &momentum, &training, &slack, &consumed);
+  if (fields != 5 || consumed != static_cast<int>(text.size()) || parent_id < 0 || (training != 0 && training != 1) ||
+      slack < -1 || !(lr >= 0) || !(momentum >= 0 && momentum < 1)) {
+    return Status::InvalidArgument("malformed branch settings '" + text + "'");
+  }
+  *parent = parent_id;
+  settings->learning_rate = static_cast<float>(lr);
+  settings->momentum = static_cast<float>(momentum);
+  settings->training = training == 1;
+  settings->slack = slack;
+  return Status::Ok();
+}
+
+bool ServerShard::CollectRequest(std::map<BranchId, std::map<WorkerId, std::pair<int64_t, std::string>>>* pending,
+                                 const Message& in, std::map<WorkerId, std::pair<int64_t, std::string>>* requests) {
+  auto& arrived = (*pending)[in.header.branch];
+  arrived[in.header.sender] = {in.header.request_id, in.text};
+  if (static_cast<int>(arrived.size()) < num_workers_) return false;
+  *requests = std::move(arrived);
+  pending->erase(in.header.branch);
+  return true;
+}
+
+// Every worker forks at the same point of its clock stream, and its fork
+// request follows its updates of the parent (messages of one pair arrive in
+// order). So when the last request arrives, every update the parent will get
+// before the fork is here, and applied: the parent's clock cannot have
+// finished without it. The child starts with every worker at clock -1.
+Status ServerShard::HandleFork(const Message& in, std::vector<Message>* out) {
+  MLT_RETURN_IF_ERROR(CheckSender(in, num_workers_));
+  std::map<WorkerId, std::pair<int64_t, std::string>> requests;
+  if (!CollectRequest(&fork_requests_, in, &requests)) return Status::Ok();
+  BranchId parent = -1;
+  BranchSettings settings;
+  Status status = ParseBranchSettings(requests.begin()->second.second, &parent, &settings);
+  for (const auto& [worker, request] : requests) {
+    if (status.ok() && request.second != requests.begin()->second.second) {
+      status = Status::InvalidArgument("workers forked branch " + std::to_string(in.header.branch) +
+                                       " with different settings: '" + requests.begin()->second.second + "' and '" +
+                                       request.second + "'");
+    }
+  }
+  if (status.ok()) status = Fork(in.header.branch, parent, settings);
+  for (const auto& [worker, request] : requests) {
+    Message reply = NewMessage(status.ok() ? MessageType::kAck : MessageType::kError, rank_, worker, -1);
+    reply.header.branch = in.header.branch;
+    reply.header.request_id = request.first;
+    reply.text = status.message();
+    reply.header.text_bytes = static_cast<uint32_t>(reply.text.size());
+    out->push_back(std::move(reply));
+  }
+  return status;
+}
+
+Status ServerShard::Fork(BranchId child, BranchId parent, const BranchSettings& settings) {
+  if (branches_.count(child) != 0) return Status::InvalidArgument("branch " + std::to_string(child) + " already exists");
+  if (branches_.count(parent) == 0) {
+    return Status::NotFound("cannot fork from branch " + std::to_string(parent) + ": it does not exist");
+  }
+  if (static_cast<int>(branches_.size()) >= max_branches_) {
+    return Status::ResourceExhausted("cannot fork branch " + std::to_string(child) + ": " +
+                                     std::to_string(branches_.size()) + " branches are live, the limit is " +
+                                     std::to_string(max_branches_) + " (free some, or raise Config.max_branches)");
+  }
+  UpdateRuleConfig rule = rule_config_;
+  rule.learning_rate = settings.learning_rate;
+  rule.momentum = settings.momentum;
+  std::vector<std::pair<std::pair<BranchId, TableId>, std::unique_ptr<TableState>>> copies;
+  for (const auto& [key, table] : tables_) {
+    if (key.first != parent) continue;
+    auto copy = std::make_unique<TableState>(num_workers_);
+    copy->info = table->info;
+    copy->branch = child;
+    copy->training = settings.training;
+    copy->range = table->range;
+    copy->values = table->values;
+    copy->rule = NewUpdateRule(rule, static_cast<int64_t>(table->values.size()));
+    *copy->rule->state() = *table->rule->state();  // momentum history, Adam moments and steps
+    for (WorkerId worker = 0; worker < num_workers_; ++worker) {
+      bool advanced = false;
+      MLT_RETURN_IF_ERROR(copy->clock.Advance(worker, kInitClock, &advanced));
+    }
+    copies.emplace_back(std::make_pair(child, key.second), std::move(copy));
+  }
+  for (auto& entry : copies) tables_.emplace(std::move(entry.first), std::move(entry.second));
+  branches_.insert(child);
+  return Status::Ok();
+}
+
+Status ServerShard::HandleFreeBranch(const Message& in, std::vector<Message>* out) {
+  MLT_RETURN_IF_ERROR(CheckSender(in, num_workers_));
+  std::map<WorkerId, std::pair<int64_t, std::string>> requests;
+  if (!CollectRequest(&free_requests_, in, &requests)) return Status::Ok();
+  const BranchId branch = in.header.branch;
+  Status status;
+  if (branches_.erase(branch) == 0) {
+    status = Status::NotFound("cannot free branch " + std::to_string(branch) + ": it does not exist");
+  }
+  for (auto it = tables_.begin(); it != tables_.end();) {
+    it = it->first.first == branch ? tables_.erase(it) : std::next(it);
+  }
+  for (const auto& [worker, request] : requests) {
+    Message reply = NewMessage(status.ok() ? MessageType::kAck : MessageType::kError, rank_, worker, -1);
+    reply.header.branch = branch;
+    reply.header.request_id = request.first;
+    reply.text = status.message();
+    reply.header.text_bytes = static_cast<uint32_t>(reply.text.size());
+    out->push_back(std::move(reply));
+  }
+  return status;
+}
+
+Status ServerShard::HandleBranchRows(const Message& in, std::vector<Message>* out) {
+  MLT_RETURN_IF_ERROR(CheckSender(in, num_workers_));
+  const BranchId branch = in.header.branch;
+  if (branches_.count(branch) == 0) {
+    return Status::NotFound("rows of branch " + std::to_string(branch) + " requested: it does not exist");
+  }
+  for (const auto& [key, table] : tables_) {
+    if (key.first == branch) out->push_back(RowsMessage(*table, in.header.sender));
+  }
   return Status::Ok();
 }
 

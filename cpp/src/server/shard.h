@@ -16,6 +16,7 @@
 
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -49,9 +50,14 @@ ShardedRows ShardRows(const TableInfo& table, const std::vector<RowId>& rows, in
 // kReady so a shard can refuse a worker whose tables differ from its own.
 std::string TableSchemaText(const std::vector<TableInfo>& tables);
 
+// A fork's settings as the text of a kFork message, and back. Floats are
+// printed with 9 significant digits, so they round-trip exactly.
+std::string BranchSettingsText(BranchId parent, const BranchSettings& settings);
+Status ParseBranchSettings(const std::string& text, BranchId* parent, BranchSettings* settings);
+
 class ServerShard {
  public:
-  ServerShard(int rank, int num_workers, const UpdateRuleConfig& rule);
+  ServerShard(int rank, int num_workers, const UpdateRuleConfig& rule, int max_branches = 40);
   ServerShard(const ServerShard&) = delete;
   ServerShard& operator=(const ServerShard&) = delete;
 
@@ -75,22 +81,27 @@ class ServerShard {
   void set_buffer_pool(BufferPool* pool) { pool_ = pool; }
 
   int rank() const { return rank_; }
-  // For tests and checkpoints: the shard's current values of a table, its
-  // rows in order from ShardRange(...).begin; nullptr for an unknown table.
-  const std::vector<float>* values(TableId table) const;
-  Clock global_clock(TableId table) const;
+  // For tests and checkpoints: the shard's current values of a table on a
+  // branch, its rows in order from ShardRange(...).begin; nullptr for an
+  // unknown table or branch.
+  const std::vector<float>* values(TableId table, BranchId branch = 0) const;
+  Clock global_clock(TableId table, BranchId branch = 0) const;
+  int num_branches() const { return static_cast<int>(branches_.size()); }
 
   // Checkpoints. Export copies a table's slice; the caller picks the moment
   // (a clock boundary every worker has reached). Import replaces a table's
   // values and optimizer state with arrays of exactly the exported sizes; it
   // is refused once updates of a training clock are pending.
-  Status ExportTable(TableId table, ShardSlice* out) const;
+  Status ExportTable(TableId table, ShardSlice* out, BranchId branch = 0) const;
   Status ImportTable(TableId table, const float* values, size_t num_values, const float* state,
-                     size_t num_state);
+                     size_t num_state);  // into branch 0
 
  private:
+  // One table on one branch.
   struct TableState {
     TableInfo info;
+    BranchId branch = 0;
+    bool training = true;          // only training branches apply updates
     RowSpan range;                 // the rows this shard owns
     std::vector<float> values;     // range.count * row_width
     std::unique_ptr<UpdateRule> rule;
@@ -107,6 +118,16 @@ class ServerShard {
   Status HandleFetch(const Message& in, std::vector<Message>* out);
   Status HandleInitAdd(const Message& in, std::vector<Message>* out);
   Status HandleReady(const Message& in, std::vector<Message>* out);
+  Status HandleFork(const Message& in, std::vector<Message>* out);
+  Status HandleFreeBranch(const Message& in, std::vector<Message>* out);
+  Status HandleBranchRows(const Message& in, std::vector<Message>* out);
+  // Records one worker's fork or free request; true once every worker's is
+  // in (then *requests holds them all and the entry is removed).
+  bool CollectRequest(std::map<BranchId, std::map<WorkerId, std::pair<int64_t, std::string>>>* pending,
+                      const Message& in, std::map<WorkerId, std::pair<int64_t, std::string>>* requests);
+  Status Fork(BranchId child, BranchId parent, const BranchSettings& settings);
+  TableState* Find(BranchId branch, TableId table) const;
+  Message RowsMessage(const TableState& table, int worker) const;
   Status CheckSpans(const TableState& table, const Message& in) const;
   void PushRows(const TableState& table, std::vector<Message>* out) const;
   void ApplyFinishedClocks(TableState* table);
@@ -117,7 +138,14 @@ class ServerShard {
   const int num_workers_;
   const UpdateRuleConfig rule_config_;
   BufferPool* pool_ = nullptr;
-  std::map<TableId, std::unique_ptr<TableState>> tables_;
+  const int max_branches_;
+  // Every table on every live branch, by (branch, table).
+  std::map<std::pair<BranchId, TableId>, std::unique_ptr<TableState>> tables_;
+  std::set<BranchId> branches_{0};
+  // Fork and free requests waiting for the other workers: branch -> worker ->
+  // (request id, settings text).
+  std::map<BranchId, std::map<WorkerId, std::pair<int64_t, std::string>>> fork_requests_;
+  std::map<BranchId, std::map<WorkerId, std::pair<int64_t, std::string>>> free_requests_;
   // kReady received so far: worker -> (request id, its table schema text).
   std::map<WorkerId, std::pair<int64_t, std::string>> ready_requests_;
 };

@@ -125,6 +125,9 @@ const char* MessageTypeName(MessageType type) {
     case MessageType::kAck: return "Ack";
     case MessageType::kError: return "Error";
     case MessageType::kReady: return "Ready";
+    case MessageType::kFork: return "Fork";
+    case MessageType::kFreeBranch: return "FreeBranch";
+    case MessageType::kBranchRows: return "BranchRows";
   }
   return "Unknown";
 }
@@ -136,6 +139,9 @@ bool IsServerBound(MessageType type) {
     case MessageType::kFetch:
     case MessageType::kInitAdd:
     case MessageType::kReady:
+    case MessageType::kFork:
+    case MessageType::kFreeBranch:
+    case MessageType::kBranchRows:
       return true;
     default:
       return false;

@@ -37,8 +37,15 @@ enum class MessageType : uint16_t {
   kReady = 9,        // client -> shard: my tables are created; text = their
                      //   schema. Each shard acks once every worker is ready,
                      //   so no message can reach a shard before its tables.
+  kFork = 10,        // client -> shard: fork `branch` (text = its settings,
+                     //   see BranchSettingsText); done and acked to everyone
+                     //   once every worker asked
+  kFreeBranch = 11,  // client -> shard: free `branch`; done and acked once
+                     //   every worker asked
+  kBranchRows = 12,  // client -> shard: push me every table's rows of `branch`
+                     //   (after a branch switch emptied my cache)
 };
-constexpr uint16_t kMaxMessageType = 9;
+constexpr uint16_t kMaxMessageType = 12;
 
 const char* MessageTypeName(MessageType type);
 

@@ -188,6 +188,32 @@ class Worker:
         """Ends the current iteration."""
         self._engine.clock()
 
+    # -- branches (Config.branches) ---------------------------------------------
+    def fork_branch(self, child: int, parent: int, *, learning_rate: float, momentum: float = 0.0,
+                    training: bool = True, slack: int | None = None) -> None:
+        """Copies ``parent``'s parameters and optimizer state into a new branch
+        ``child`` on every shard, with its own learning rate and momentum
+        (used by the sgd and momentum rules), training flag (only training
+        branches apply updates) and staleness (``None``: each read's own
+        slack). Every worker calls it at the same clock boundary; it returns
+        once the fork is done everywhere."""
+        self._engine.fork_branch(int(child), int(parent), float(learning_rate), float(momentum), bool(training),
+                                 -1 if slack is None else int(slack))
+
+    def free_branch(self, branch: int) -> None:
+        """Releases a branch on every shard (every worker, same clock boundary)."""
+        self._engine.free_branch(int(branch))
+
+    def schedule_branch(self, branch: int, clocks: int) -> None:
+        """Runs the next ``clocks`` clocks on ``branch``. Each branch counts its
+        own clocks; switching reloads the cache with that branch's rows."""
+        self._engine.schedule_branch(int(branch), int(clocks))
+
+    @property
+    def branch(self) -> int:
+        """The branch of the last finished clock (0 before any)."""
+        return int(self._engine.stats().branch)
+
     @property
     def last_read_data_age(self) -> int:
         """Data age of the last read: every worker's updates through this clock
@@ -195,10 +221,11 @@ class Worker:
         return self._last_data_age
 
     # -- inspection and lifetime -------------------------------------------------
-    def fetch(self, table: Table, rows: Rows = None) -> np.ndarray:
-        """A copy of the servers' current values of ``rows`` (any phase)."""
+    def fetch(self, table: Table, rows: Rows = None, *, branch: int | None = None) -> np.ndarray:
+        """A copy of the servers' current values of ``rows`` (any phase), from
+        ``branch`` (default: the branch of the last finished clock)."""
         row_ids = self._rows(table, rows)
-        return self._engine.fetch(table.id, row_ids, table.row_width)
+        return self._engine.fetch(table.id, row_ids, table.row_width, -1 if branch is None else int(branch))
 
     def data_age(self, table: Table) -> int:
         """The clock through which every worker's updates are in this worker's cache."""
@@ -213,7 +240,7 @@ class Worker:
         """Waits until every worker's updates of the clocks this worker has
         finished are applied and visible in its cache (a barrier on clocks)."""
         self._engine.flush()
-        finished = int(self._engine.stats().clock)
+        finished = int(self._engine.stats().branch_clock)  # clocks of the current branch
         for table in self._tables.values():
             if not table.local:
                 self._engine.wait_for_data_age(table.id, finished - 1)

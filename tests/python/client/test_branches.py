@@ -1,0 +1,156 @@
+"""Branches in the parameter server (mltuner.md §3): fork, free, schedule.
+
+Two workers train linear regression with the server-side SGD rule. The
+schedule switches between a training branch forked with another learning
+rate, an evaluation branch that must never change, and the original branch.
+Reference: per-branch sequential float64 SGD over the same batches, each
+branch starting from its parent's parameters at the fork. Every read under
+BSP must show exactly its branch's reference parameters at that point.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import mltuner
+from mltuner import Config, LocalCluster, UpdateRule, Worker
+
+IN, OUT, BATCH, N = 6, 3, 5, 2
+LR0, LR1 = 0.05, 0.2
+# (branch, clocks) blocks after the first 4 clocks on branch 0.
+SCHEDULE = [(0, 4), (1, 3), (2, 2), (0, 2), (1, 2)]
+CLOCKS = sum(count for _, count in SCHEDULE)
+
+
+def batches() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(CLOCKS, N, BATCH, IN))
+    y = x @ rng.normal(size=(IN, OUT)) + 0.1 * rng.normal(size=(CLOCKS, N, BATCH, OUT))
+    w0 = rng.uniform(-1, 1, size=(IN, OUT)).astype(np.float32)
+    return x, y, w0
+
+
+def reference() -> tuple[dict[int, np.ndarray], list[np.ndarray]]:
+    """Each branch's final weights, and the weights every clock's read must see."""
+    x, y, w0 = batches()
+    weights = {0: w0.astype(np.float64)}
+    rates = {0: LR0}
+    seen = []
+    clock = 0
+    for branch, count in SCHEDULE:
+        if branch not in weights:  # forked from branch 0 as it is now
+            weights[branch] = weights[0].copy()
+            rates[branch] = LR1 if branch == 1 else 0.0
+        for _ in range(count):
+            w = weights[branch]
+            seen.append(w.copy())
+            xs, ys = x[clock].reshape(N * BATCH, IN), y[clock].reshape(N * BATCH, OUT)
+            weights[branch] = w - rates[branch] * xs.T @ (xs @ w - ys) / len(xs)
+            clock += 1
+    return weights, seen
+
+
+def train(worker: Worker) -> tuple[dict[int, np.ndarray], list[np.ndarray]]:
+    x, y, w0 = batches()
+    table = worker.create_table("w", IN, OUT)
+    read = worker.virtual_read(table)
+    worker.virtual_post_read(read)
+    grad = worker.virtual_pre_update(table)
+    worker.virtual_update(grad)
+    worker.virtual_clock()
+    worker.finish_virtual_iteration()
+    if worker.rank == 0:
+        worker.pre_update(grad)[:] = w0
+        worker.update(grad)
+    worker.start_iterations()
+    seen = []
+    clock = 0
+    for branch, count in SCHEDULE:
+        if branch == 1 and clock == 4:
+            worker.fork_branch(1, 0, learning_rate=LR1)
+            worker.fork_branch(2, 0, learning_rate=LR0, training=False)
+        worker.schedule_branch(branch, count)
+        for _ in range(count):
+            w = np.asarray(worker.read(read), dtype=np.float64)
+            seen.append(w.copy())
+            worker.post_read(read)
+            xs, ys = x[clock, worker.rank], y[clock, worker.rank]
+            worker.pre_update(grad)[:] = xs.T @ (xs @ w - ys) / len(xs)
+            worker.update(grad)
+            worker.clock()
+            clock += 1
+        assert worker.branch == branch
+        worker.sync()
+    finals = {b: worker.fetch(table, branch=b).astype(np.float64) for b in (0, 1, 2)}
+    worker.free_branch(2)
+    with pytest.raises(mltuner.InvalidArgumentError, match="unknown or freed branch"):
+        worker.fetch(table, branch=2)
+    return finals, seen
+
+
+def test_branches_follow_their_own_sequential_reference(run_workers: Callable[..., list[Any]]) -> None:
+    config = Config(update_rule=UpdateRule("sgd", learning_rate=LR0), branches=True, wait_timeout_s=20)
+    with LocalCluster(N, config) as cluster:
+        results = run_workers(train, cluster.workers, on_error=cluster.shutdown)
+        switches = cluster.worker(0).stats["branch_switches"]
+    want_finals, want_seen = reference()
+    for finals, seen in results:
+        for branch in (0, 1, 2):
+            np.testing.assert_allclose(finals[branch], want_finals[branch], rtol=1e-5, atol=1e-6)
+        for clock, (got, want) in enumerate(zip(seen, want_seen)):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"read at clock {clock}")
+    # The evaluation branch never moved from the fork point: it holds exactly
+    # what the first read of branch 1 (forked at the same point) saw.
+    np.testing.assert_array_equal(results[0][0][2], results[0][1][4])
+    assert switches == len(SCHEDULE) - 1
+
+
+def test_branch_errors(run_workers: Callable[..., list[Any]]) -> None:
+    config = Config(update_rule=UpdateRule("sgd", learning_rate=LR0), branches=True, max_branches=2,
+                    wait_timeout_s=10)
+
+    def body(worker: Worker) -> None:
+        table = worker.create_table("w", 4, 2)
+        update = worker.virtual_pre_update(table)
+        worker.virtual_update(update)
+        worker.virtual_clock()
+        worker.finish_virtual_iteration()
+        with pytest.raises(mltuner.OutOfOrderError, match="before start_iterations"):
+            worker.fork_branch(1, 0, learning_rate=0.1)
+        worker.start_iterations()
+        with pytest.raises(mltuner.OutOfOrderError, match="not scheduled"):
+            worker.pre_update(update)
+        with pytest.raises(mltuner.NotFoundError, match="does not exist"):
+            worker.schedule_branch(5, 1)
+        with pytest.raises(mltuner.NotFoundError):
+            worker.fork_branch(1, 9, learning_rate=0.1)
+        worker.fork_branch(1, 0, learning_rate=0.1)
+        with pytest.raises(mltuner.ResourceExhaustedError, match="limit is 2"):
+            worker.fork_branch(2, 0, learning_rate=0.1)
+        with pytest.raises(mltuner.InvalidArgumentError):
+            worker.fork_branch(1, 0, learning_rate=0.1)
+        worker.schedule_branch(1, 1)
+        with pytest.raises(mltuner.OutOfOrderError, match="scheduled for clock 0"):
+            worker.free_branch(1)
+        worker.pre_update(update)
+        worker.update(update)
+        worker.clock()
+        worker.free_branch(1)
+
+    with LocalCluster(2, config) as cluster:
+        run_workers(body, cluster.workers, on_error=cluster.shutdown)
+
+
+def test_branch_calls_need_branches_on() -> None:
+    with LocalCluster(1, Config()) as cluster:
+        worker = cluster.worker(0)
+        worker.create_table("w", 2, 2)
+        worker.virtual_clock()
+        worker.finish_virtual_iteration()
+        worker.start_iterations()
+        with pytest.raises(mltuner.OutOfOrderError, match="Config.branches"):
+            worker.schedule_branch(0, 1)

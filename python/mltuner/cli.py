@@ -1,5 +1,5 @@
 """The `mltuner` command. It parses arguments and calls the library; the
-launch, tune, run, report and demo commands arrive with their features."""
+tune, run and demo commands arrive with their features."""
 
 from __future__ import annotations
 
@@ -33,6 +33,19 @@ def _launch(args: argparse.Namespace) -> int:
         return 2
 
 
+def _report(args: argparse.Namespace) -> int:
+    # Imported here: matplotlib is slow to import and only this command needs it.
+    from mltuner.tune._report import write_report
+
+    try:
+        png = write_report(args.log, args.output)
+    except (OSError, ValueError) as error:
+        print(f"mltuner report: error: {error}", file=sys.stderr)
+        return 1
+    print(f"wrote {png}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `mltuner` console script."""
     parser = argparse.ArgumentParser(prog="mltuner", description=mltuner.__doc__)
@@ -54,6 +67,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     launch.add_argument("command", nargs=argparse.REMAINDER,
                         help="the command to run, after `--`")
     launch.set_defaults(handler=_launch)
+    report = commands.add_parser(
+        "report", help="draw a tuning run's decision log as a PNG",
+        description="Draws the last run in a tuner's decision log (JSON lines): training loss "
+                    "and validation accuracy over wall time, with each search shaded and the "
+                    "setting it chose.")
+    report.add_argument("log", help="the decision log (decisions.jsonl)")
+    report.add_argument("-o", "--output", default=None, metavar="PNG",
+                        help="the PNG to write (default: LOG with a .png suffix)")
+    report.set_defaults(handler=_report)
     args = parser.parse_args(argv)
     return int(args.handler(args))
 

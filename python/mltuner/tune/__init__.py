@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from mltuner.tune._config import RetuneMode, TunerConfig
 from mltuner.tune._errors import TuningError
-from mltuner.tune._log import DecisionLog
+from mltuner.tune._live import LiveDisplay
+from mltuner.tune._log import DecisionLog, Listener, format_tunables
+from mltuner.tune._report import read_log, write_report
 from mltuner.tune._progress import (
     DIVERGENCE_THRESHOLD,
     GO_UP_THRESHOLD,
@@ -28,6 +30,11 @@ from mltuner.tune._trial import Trial
 from mltuner.tune._tuner import Outcome, Tuner, TuningResult, plateaued
 
 __all__ = [
+    "LiveDisplay",
+    "Listener",
+    "format_tunables",
+    "read_log",
+    "write_report",
     "Tuner",
     "TunerConfig",
     "RetuneMode",

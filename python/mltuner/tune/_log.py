@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
 import math
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import IO, Any
 
-__all__ = ["DecisionLog"]
+__all__ = ["DecisionLog", "Listener", "format_tunables"]
+
+_logger = logging.getLogger(__name__)
+
+Listener = Callable[[dict[str, Any]], None]
+"""Called with each record (JSON-ready: plain numbers, NaN as None) after it
+is written. It must not modify the record."""
 
 
 def _plain(value: Any) -> Any:
@@ -29,6 +36,14 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def format_tunables(tunables: Mapping[str, Any] | None, sep: str = " ") -> str:
+    """``lr=0.0123 momentum=0.9 batch_size=32``: floats to 3 significant digits."""
+    if not tunables:
+        return ""
+    return sep.join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in tunables.items())
+
+
 class DecisionLog:
     """Writes and keeps the tuner's decisions.
 
@@ -38,20 +53,29 @@ class DecisionLog:
     plus event-specific fields. Each line is flushed when written, so a
     crashed job leaves a readable log.
 
+    Listeners (a live display, :class:`mltuner.tune.LiveDisplay`) see each
+    record after it is written, in order, on the tuner's thread. A listener
+    that raises is logged (``logging``, with its traceback) and removed: a
+    broken display never stops the tuner.
+
     Args:
         path: a file to append to; None keeps records in memory only.
         clock: the time source (tests pass a fake one).
+        listeners: callables given each record after it is written.
 
     Ownership: the log opens ``path`` itself; call :meth:`close` (or use it
     as a context manager) when done.
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 listeners: Iterable[Listener] = ()) -> None:
         self._file: IO[str] | None = None if path is None else open(path, "a", encoding="utf-8")
         self._clock = clock
         self.records: list[dict[str, Any]] = []
         """Every record written, in order."""
+        self.listeners: list[Listener] = list(listeners)
+        """Called with each record after it is written; append to add one."""
 
     def write(self, event: str, *, phase: str, search: int | None = None,
               branch: int | None = None, tunables: Mapping[str, Any] | None = None,
@@ -67,6 +91,15 @@ class DecisionLog:
         if self._file is not None:
             self._file.write(json.dumps(record, allow_nan=False) + "\n")
             self._file.flush()
+        for listener in list(self.listeners):
+            try:
+                listener(record)
+            except Exception:
+                # The log and the tuner matter more than a display: drop the
+                # listener so that one failure is reported once, not per event.
+                _logger.warning("decision log listener %r raised on a %r record and was "
+                                "removed; the tuner goes on", listener, event, exc_info=True)
+                self.listeners.remove(listener)
         return record
 
     def events(self, event: str) -> list[dict[str, Any]]:

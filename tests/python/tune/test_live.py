@@ -1,0 +1,179 @@
+"""The live display and the decision log's listeners."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from mltuner.tune import DecisionLog, SearchSpace, Tuner, TunerConfig, Uniform
+from mltuner.tune._live import LiveDisplay
+
+SETTING = {"lr": 0.01, "momentum": 0.9, "batch_size": 32}
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        self.now += 1.5
+        return self.now
+
+
+def write_events(log: DecisionLog) -> None:
+    log.write("start", phase="init", tunables=SETTING, sampler="tpe")
+    log.write("search_start", phase="search", search=0, branch=0, tunables=SETTING)
+    log.write("fork_trial", phase="search", search=0, branch=2, tunables={**SETTING, "lr": 0.1},
+              trial=0)
+    log.write("summary", phase="search", search=0, branch=2, loss=1.25, state="converging",
+              slope=-0.0123456, noise=0.01)
+    log.write("free_trial", phase="search", search=0, branch=2, reason="diverged",
+              slope=float("nan"))
+    log.write("validate", phase="train", branch=3, tunables=SETTING, accuracy=0.5)
+    log.write("end", phase="end", outcome="converged", branch=3, accuracy=0.5, trials=1)
+
+
+EXPECTED_LINES = [
+    "[     0.0s] init start lr=0.01 momentum=0.9 batch_size=32",
+    "[     1.5s] search search_start search=0 branch=0 lr=0.01 momentum=0.9 batch_size=32",
+    "[     3.0s] search fork_trial search=0 branch=2 lr=0.1 momentum=0.9 batch_size=32",
+    "[     4.5s] search summary search=0 branch=2 loss=1.25 state=converging slope=-0.01235",
+    "[     6.0s] search free_trial search=0 branch=2 reason=diverged",
+    "[     7.5s] train validate branch=3 lr=0.01 momentum=0.9 batch_size=32 accuracy=0.5",
+    "[     9.0s] end end branch=3 accuracy=0.5 trials=1 outcome=converged",
+]
+
+
+def test_plain_lines_when_not_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
+    # pytest captures stdout into a file that is not a terminal, as in CI.
+    display = LiveDisplay()
+    with DecisionLog(clock=FakeClock(), listeners=[display]) as log:
+        write_events(log)
+    assert capsys.readouterr().out.splitlines() == EXPECTED_LINES
+
+
+def test_plain_lines_to_a_given_file() -> None:
+    out = io.StringIO()
+    with DecisionLog(clock=FakeClock(), listeners=[LiveDisplay(file=out)]) as log:
+        write_events(log)
+    assert out.getvalue().splitlines() == EXPECTED_LINES
+
+
+def test_the_display_stops_at_the_end_record() -> None:
+    out = io.StringIO()
+    with DecisionLog(clock=FakeClock(), listeners=[LiveDisplay(file=out)]) as log:
+        write_events(log)
+        log.write("train", phase="train", loss=1.0)
+    assert len(out.getvalue().splitlines()) == len(EXPECTED_LINES)
+
+
+def test_live_table_in_a_terminal() -> None:
+    out = io.StringIO()
+    display = LiveDisplay(file=out, terminal=True)
+    with DecisionLog(clock=FakeClock(), listeners=[display]) as log:
+        write_events(log)
+    text = out.getvalue()
+    assert "\x1b[" in text  # a terminal rendering, not plain lines
+    for expected in ("trials so far", "lr=0.01 momentum=0.9 batch_size=32", "converged",
+                     "last accuracy", "9.0 s"):
+        assert expected in text
+    assert "search fork_trial" not in text
+
+
+def test_table_shows_the_current_state() -> None:
+    display = LiveDisplay(file=io.StringIO())
+    with DecisionLog(clock=FakeClock(), listeners=[display]) as log:
+        write_events(log)
+    out = io.StringIO()
+    Console(file=out, width=100, color_system=None).print(display.table())
+    # One "│ field │ value │" line per row.
+    rows = {parts[1].strip(): parts[2].strip() for parts in
+            (line.split("│") for line in out.getvalue().splitlines()) if len(parts) == 4}
+    assert rows == {
+        "phase": "end",
+        "last event": "end",
+        "branch": "3",
+        "tunables": "lr=0.01 momentum=0.9 batch_size=32",
+        "last loss": "1.25",
+        "last accuracy": "0.5",
+        "elapsed": "9.0 s",
+        "trials so far": "1",
+        "outcome": "converged",
+    }
+
+
+def test_a_rendering_failure_falls_back_to_plain_lines(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    out = io.StringIO()
+    display = LiveDisplay(file=out, terminal=True)
+    calls = {"n": 0}
+    real_table = LiveDisplay.table
+
+    def flaky_table(self: LiveDisplay) -> Any:
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise RuntimeError("the terminal went away")
+        return real_table(self)
+
+    monkeypatch.setattr(LiveDisplay, "table", flaky_table)
+    with caplog.at_level(logging.WARNING), DecisionLog(clock=FakeClock(),
+                                                       listeners=[display]) as log:
+        write_events(log)
+        assert log.listeners == [display]   # it coped by itself
+    assert "live display failed; printing plain lines" in caplog.text
+    # The table drew the first records; plain lines carry on from the failure.
+    assert out.getvalue().splitlines()[-4:] == EXPECTED_LINES[-4:]
+
+
+def test_a_listener_that_raises_does_not_break_the_log(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    seen: list[str] = []
+
+    def broken(record: dict[str, Any]) -> None:
+        raise ValueError("cannot draw")
+
+    path = tmp_path / "decisions.jsonl"
+    with caplog.at_level(logging.WARNING), DecisionLog(
+            path, clock=FakeClock(), listeners=[broken, lambda r: seen.append(r["event"])]) as log:
+        write_events(log)
+        assert len(log.listeners) == 1   # the broken one was removed
+    events = [json.loads(line)["event"] for line in path.read_text().splitlines()]
+    assert events == seen == [r["event"] for r in log.records]
+    assert len(events) == 7
+    # Reported once, with its traceback, not once per event.
+    failures = [r for r in caplog.records if "listener" in r.getMessage()]
+    assert len(failures) == 1 and failures[0].exc_info is not None
+    assert "'start' record" in failures[0].getMessage()
+
+
+def test_listeners_see_records_after_they_are_written(tmp_path: Path) -> None:
+    path = tmp_path / "decisions.jsonl"
+    lines_when_called: list[int] = []
+    log = DecisionLog(path)
+    log.listeners.append(lambda r: lines_when_called.append(len(path.read_text().splitlines())))
+    log.write("start", phase="init")
+    log.write("init", phase="init", branch=0)
+    log.close()
+    assert lines_when_called == [1, 2]
+
+
+def test_live_display_follows_a_tuning_run(scripted_system: Any) -> None:
+    system = scripted_system(lambda t, c: 10.0 / (1 + t["lr"] * c), accuracies=[0.5, 0.6, 0.7])
+    out = io.StringIO()
+    space = SearchSpace([Uniform("lr", 0.01, 1.0, default=0.1)])
+    config = TunerConfig(sampler="grid", seed=0, max_epochs=2, initial_trial_time_s=0.1,
+                         num_clocks_to_test=2)
+    with LiveDisplay(file=out) as display:
+        log = DecisionLog(listeners=[display])
+        Tuner(system, space, config, log=log).run()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == len(log.records)
+    assert lines[0].startswith("[     0.0s] init start lr=0.1")
+    assert " end end " in lines[-1] and "outcome=max_epochs" in lines[-1]
+    assert sum(" fork_trial " in line for line in lines) == len(log.events("fork_trial"))

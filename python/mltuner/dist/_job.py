@@ -22,6 +22,7 @@ import os
 import socket
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import zmq
 
@@ -101,6 +102,17 @@ class Job:
         """Returns once every rank has called ``barrier`` with this name."""
         if self._control is not None:
             self._control.barrier(name, self._timeout_s if timeout_s is None else timeout_s)
+
+    def allgather(self, name: str, value: Any, timeout_s: float | None = None) -> list[Any]:
+        """Every rank's ``value``, by rank, once every rank has called
+        ``allgather`` with this name. Values travel as JSON (no pickle): use
+        numbers, strings, lists, dicts and None; at most 1 MiB in all. For
+        small control data (the tuner's commands and loss reports), not
+        tensors."""
+        if self._control is None:
+            json.dumps(value)  # the same check the wire would make
+            return [value]
+        return self._control.allgather(name, value, self._timeout_s if timeout_s is None else timeout_s)
 
     def save_checkpoint(self, root: str | os.PathLike[str], *, keep: int = 2) -> Path:
         """Saves every shard's parameters and optimizer state at this clock.

@@ -7,9 +7,11 @@ its own thread). Every rank, rank 0 included, talks to it through a
 - ``join`` sends this rank's data endpoint and a fingerprint of its settings,
   and returns every rank's endpoint once all ranks have joined with the same
   fingerprint;
-- ``barrier`` returns once every rank has entered the barrier of that name.
+- ``barrier`` returns once every rank has entered the barrier of that name;
+- ``allgather`` is a barrier that carries one JSON value per rank and returns
+  them all, by rank (the tuner's commands and clock reports travel this way).
 
-Messages are single JSON frames of at most 64 KiB; anything else is dropped
+Messages are single JSON frames of at most 1 MiB; anything else is dropped
 and logged. Every wait is bounded and polls ``should_stop`` so a lost peer
 ends it at once.
 """
@@ -31,7 +33,7 @@ from mltuner.exceptions import InvalidArgumentError, PeerLostError, WaitTimeoutE
 __all__ = ["Coordinator", "ControlClient"]
 
 _log = logging.getLogger("mltuner.dist")
-_MAX_FRAME = 64 * 1024
+_MAX_FRAME = 1 << 20
 _POLL_MS = 100
 
 
@@ -71,6 +73,7 @@ class Coordinator:
             raise OSError(f"rank 0 cannot listen on {bind_host}:{port} for the rendezvous: {error}") from error
         self._members: dict[int, tuple[bytes, str, str]] = {}  # rank -> (routing id, endpoint, fingerprint)
         self._barriers: dict[str, set[int]] = {}
+        self._gathers: dict[str, dict[int, Any]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="mltuner-coordinator", daemon=True)
@@ -114,6 +117,8 @@ class Coordinator:
             self._join(routing_id, rank, message)
         elif message["op"] == "barrier":
             self._barrier(routing_id, rank, str(message.get("name", "")))
+        elif message["op"] == "gather":
+            self._gather(routing_id, rank, str(message.get("name", "")), message.get("value"))
 
     def _join(self, routing_id: bytes, rank: int, message: dict[str, Any]) -> None:
         if message.get("world_size") != self._world_size:
@@ -153,6 +158,24 @@ class Coordinator:
             routing_ids = [self._members[r][0] for r in range(self._world_size)]
         for member in routing_ids:
             self._send(member, {"op": "release", "name": name})
+
+
+    def _gather(self, routing_id: bytes, rank: int, name: str, value: Any) -> None:
+        with self._lock:
+            if self._members.get(rank, (None,))[0] != routing_id:
+                self._send(routing_id, {"op": "error", "message": f"rank {rank} gathered before joining"})
+                return
+            values = self._gathers.setdefault(name, {})
+            values[rank] = value
+            if len(values) < self._world_size:
+                return
+            del self._gathers[name]
+            routing_ids = [self._members[r][0] for r in range(self._world_size)]
+        reply = {"op": "gathered", "name": name, "values": [values[r] for r in range(self._world_size)]}
+        if len(_encode(reply)) > _MAX_FRAME:
+            reply = {"op": "error", "message": f"allgather {name!r}: the values exceed {_MAX_FRAME} bytes"}
+        for member in routing_ids:
+            self._send(member, reply)
 
 
 class ControlClient:
@@ -195,6 +218,21 @@ class ControlClient:
                              lambda: f"barrier {name!r} timed out after {timeout_s:g} s: not every worker reached it")
         if reply.get("name") != name:
             raise InvalidArgumentError(f"barrier {name!r} was answered for {reply.get('name')!r}")
+
+    def allgather(self, name: str, value: Any, timeout_s: float) -> list[Any]:
+        """Every rank's ``value`` (JSON), by rank, once all have called
+        ``allgather(name, ...)``."""
+        message = _encode({"op": "gather", "rank": self._rank, "name": name, "value": value})
+        if len(message) > _MAX_FRAME:
+            raise InvalidArgumentError(f"allgather {name!r}: the value is {len(message)} bytes encoded, "
+                                       f"more than {_MAX_FRAME}")
+        self._socket.send(message)
+        reply = self._expect("gathered", timeout_s,
+                             lambda: f"allgather {name!r} timed out after {timeout_s:g} s: not every worker reached it")
+        values = reply.get("values")
+        if reply.get("name") != name or not isinstance(values, list):
+            raise InvalidArgumentError(f"allgather {name!r} was answered for {reply.get('name')!r}")
+        return values
 
     def close(self) -> None:
         self._socket.close()

@@ -23,6 +23,7 @@ from mltuner.tune._progress import (
     summarize_progress,
 )
 from mltuner.tune._search import SearchEpisode, SearchResult
+from mltuner.tune._session import PSBranchSystem, Step, TuningSession
 from mltuner.tune._searcher import SAMPLERS, Proposal, Searcher, open_storage, top_k_close
 from mltuner.tune._space import Choice, LogUniform, SearchSpace, Tunable, Uniform, default_space
 from mltuner.tune._system import BranchKind, BranchSystem, ClockReport
@@ -30,6 +31,9 @@ from mltuner.tune._trial import Trial
 from mltuner.tune._tuner import Outcome, Tuner, TuningResult, plateaued
 
 __all__ = [
+    "TuningSession",
+    "Step",
+    "PSBranchSystem",
     "LiveDisplay",
     "Listener",
     "format_tunables",

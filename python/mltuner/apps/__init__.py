@@ -1,0 +1,1 @@
+"""Ready-made training programs: what ``mltuner tune`` and the benchmarks run."""

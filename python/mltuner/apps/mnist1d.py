@@ -1,0 +1,163 @@
+"""MNIST-1D classification, data-parallel through the parameter server, with
+its hyperparameters tuned during training (or by a baseline).
+
+Each of the job's processes runs this program (``mltuner tune`` starts them
+with ``mltuner launch``)::
+
+    mltuner launch -n 2 -- python -m mltuner.apps.mnist1d --log decisions.jsonl
+
+The model is a numpy :class:`~mltuner.models.MLP` (``--model mlp``: the
+MNIST-1D authors' 100-100 MLP, ``logreg``: logistic regression) whose
+parameters are one table; the servers apply momentum SGD with each branch's
+learning rate and momentum. 10% of the training set is held out for the
+tuner's validation; the test set is used once, at the end, for the reported
+accuracy. Rank 0 prints the result and writes it as JSON (``--result``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import mltuner as mlt
+from mltuner.datasets import load_mnist1d
+from mltuner.models import MLP
+from mltuner.tune import BranchKind, SearchSpace, TunerConfig, TuningSession, default_space, format_tunables
+
+__all__ = ["main", "build_space", "MODELS"]
+
+MODELS = {"logreg": (), "mlp": (100, 100)}
+SEARCHABLE = ("lr", "momentum", "batch_size", "staleness")
+
+
+def build_space(args: argparse.Namespace) -> SearchSpace:
+    """The paper's tunables, searched only where ``--search`` names them."""
+    searched = set(args.search.split(",")) if args.search else set()
+    unknown = searched - set(SEARCHABLE)
+    if unknown:
+        raise SystemExit(f"--search: unknown tunables {sorted(unknown)}; choose from {', '.join(SEARCHABLE)}")
+    space = default_space(args.batch_sizes if "batch_size" in searched else [args.batch_size],
+                          staleness=args.staleness if "staleness" in searched else [0],
+                          lr_range=(args.lr_min, args.lr_max))
+    tunables = []
+    for tunable in space:
+        keep = tunable.name in searched
+        if tunable.name == "lr":
+            tunable = type(tunable)(tunable.name, tunable.low, tunable.high, default=args.lr, search=keep)
+        elif tunable.name == "momentum":
+            tunable = type(tunable)(tunable.name, tunable.low, tunable.high, default=args.momentum, search=keep)
+        tunables.append(tunable)
+    return SearchSpace(tunables)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m mltuner.apps.mnist1d", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="mlp")
+    parser.add_argument("--mode", choices=["tune", "fixed"], default="tune",
+                        help="tune: MLtuner; fixed: train with --lr/--momentum/--batch-size")
+    parser.add_argument("--search", default="lr,momentum,batch_size",
+                        help=f"tunables to search, comma-separated, from {','.join(SEARCHABLE)} (default: %(default)s)")
+    parser.add_argument("--lr", type=float, default=0.01, help="learning rate (fixed, or the starting default)")
+    parser.add_argument("--lr-min", type=float, default=1e-4)
+    parser.add_argument("--lr-max", type=float, default=1.0)
+    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--batch-size", type=int, default=32, help="per worker")
+    parser.add_argument("--batch-sizes", type=lambda s: [int(v) for v in s.split(",")], default=[8, 16, 32, 64])
+    parser.add_argument("--staleness", type=lambda s: [int(v) for v in s.split(",")], default=[0, 1, 3])
+    parser.add_argument("--sampler", default="tpe")
+    parser.add_argument("--retune", choices=["full", "marginal", "off"], default="full")
+    parser.add_argument("--trials", type=int, default=30, help="trial cap of the initial search")
+    parser.add_argument("--eval-clocks", type=int, default=20, help="clocks of the lr = 0 evaluation branch")
+    parser.add_argument("--trial-time", type=float, default=None,
+                        help="initial trial time in seconds (default: measured)")
+    parser.add_argument("--max-epochs", type=int, default=30)
+    parser.add_argument("--samples", type=int, default=5000, help="MNIST-1D samples (80%% train, 20%% test)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--storage", default=None, help="an Optuna storage URL for every trial")
+    parser.add_argument("--log", default=None, help="decision log (JSON lines), written by rank 0")
+    parser.add_argument("--result", default=None, help="result JSON, written by rank 0")
+    return parser.parse_args(argv)
+
+
+def load(args: argparse.Namespace) -> tuple[np.ndarray, ...]:
+    """Train, validation (last 10% of the training split) and test arrays."""
+    data = load_mnist1d(num_samples=args.samples)
+    held_out = len(data.x_train) // 10
+    cut = len(data.x_train) - held_out
+    return (data.x_train[:cut], data.y_train[:cut], data.x_train[cut:], data.y_train[cut:],
+            data.x_test, data.y_test)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    x_train, y_train, x_val, y_val, x_test, y_test = load(args)
+    model = MLP([x_train.shape[1], *MODELS[args.model], int(y_train.max()) + 1])
+    layout = mlt.TensorLayout(row_width=256).add("params", (model.num_params,))
+    space = build_space(args)
+    config = mlt.Config(update_rule=mlt.UpdateRule("momentum", learning_rate=args.lr, momentum=args.momentum),
+                        branches=True, max_branches=40, wait_timeout_s=60)
+    tuner_config = TunerConfig(
+        sampler=args.sampler, retune=args.retune if args.mode == "tune" else "off", seed=args.seed, storage=args.storage,
+        num_clocks_to_eval=args.eval_clocks, max_trials_per_search=args.trials, max_epochs=args.max_epochs,
+        initial_tuning=args.mode == "tune", initial_trial_time_s=args.trial_time, num_branches=30)
+    start = time.perf_counter()
+    with mlt.Job(config) as job:
+        worker = job.worker
+        table = worker.create_tensor_table("mnist1d", layout)
+        read = worker.virtual_read(table)
+        worker.virtual_post_read(read)
+        grad = worker.virtual_pre_update(table)
+        worker.virtual_update(grad)
+        worker.virtual_clock()
+        worker.finish_virtual_iteration()
+        if job.rank == 0:  # the initial weights, written into the root branch
+            worker.pre_update(grad)[...] = layout.pack({"params": model.init_params(np.random.default_rng(args.seed))})
+            worker.update(grad)
+        worker.start_iterations()
+        session = TuningSession(job, space, num_train=len(x_train), num_validation=len(x_val),
+                                config=tuner_config, log=args.log, seed=args.seed)
+        for step in session:
+            params = layout.view(worker.read(read), "params")
+            if step.kind is BranchKind.TESTING:
+                x, y = x_val[step.indices], y_val[step.indices]
+                accuracy = model.accuracy(params, x, y) if len(y) else 0.0
+                worker.post_read(read)
+                worker.pre_update(grad)[...] = 0.0
+                step.report(0.0, accuracy=accuracy)
+            else:
+                loss, gradient = model.loss_and_grad(params, x_train[step.indices], y_train[step.indices])
+                worker.post_read(read)
+                layout.view(worker.pre_update(grad), "params")[...] = gradient
+                step.report(loss)
+            worker.update(grad)
+            worker.clock()
+        worker.sync()
+        final = session.final_branch
+        weights = layout.view(worker.fetch(table, branch=final), "params") if final is not None else None
+        result = session.result
+    elapsed = time.perf_counter() - start
+    if job.rank != 0 or weights is None:
+        return 0
+    test_accuracy = model.accuracy(weights, x_test, y_test)
+    summary: dict[str, Any] = {
+        "model": args.model, "mode": args.mode, "workers": job.world_size, "seconds": elapsed,
+        "test_accuracy": test_accuracy, "tunables": session.final_tunables,
+        "outcome": getattr(getattr(result, "outcome", None), "value", None),
+        "validation_accuracies": getattr(result, "accuracies", None), "trials": getattr(result, "trials", None),
+        "log": args.log}
+    print(f"test accuracy {test_accuracy:.1%} after {elapsed:.1f} s on {job.world_size} workers; "
+          f"final setting {format_tunables(session.final_tunables)}")
+    if args.result:
+        Path(args.result).write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

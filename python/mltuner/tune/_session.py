@@ -1,0 +1,500 @@
+"""Tuning inside a training loop on the parameter server: the loop asks for
+each clock's branch, tunables and batch, and reports the clock's loss.
+
+Every rank runs the same loop::
+
+    session = TuningSession(job, space, num_train=len(x_train), num_validation=len(x_val))
+    for step in session:
+        params = worker.read(read)                          # this clock's branch
+        if step.kind is BranchKind.TESTING:
+            step.report(loss, accuracy=accuracy(params, x_val[step.indices], ...))
+        else:
+            ... gradient of x_train[step.indices] into worker.pre_update(...) ...
+            step.report(loss)
+        worker.clock()
+
+Rank 0 runs the tuner (or a baseline: any ``driver``) in a background thread
+against :class:`PSBranchSystem`. Each of the system's calls becomes a
+command that rank 0 hands to every rank through :meth:`Job.allgather`: fork
+and free are done by every worker at the same clock boundary; a run
+schedules the branch for its clocks and yields them as :class:`Step` s; at
+the end of the run every rank's losses travel back to rank 0, which averages
+them into the tuner's :class:`ClockReport` s. Only rank 0 times clocks (the
+tuner's progress is per second of rank 0's wall time, as in MLtuner, where
+the tuner reads the time of the clocks of worker 0).
+
+The session also owns each branch's data cursor (the next sample of the
+training stream, copied at a fork) and picks each worker's sample indices:
+the training set is shuffled once per epoch with the same seed on every
+rank, each clock takes the next ``batch_size x world_size`` samples and
+worker r takes the r-th slice; a TESTING branch runs the validation set
+once from its start, split among the workers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from mltuner.client._worker import Worker
+from mltuner.exceptions import InvalidArgumentError, ShutdownError
+from mltuner.tune._config import TunerConfig
+from mltuner.tune._errors import TuningError
+from mltuner.tune._log import DecisionLog
+from mltuner.tune._space import SearchSpace
+from mltuner.tune._system import BranchKind, BranchSystem, ClockReport
+from mltuner.tune._tuner import Tuner
+
+__all__ = ["TuningSession", "Step", "PSBranchSystem", "Driver", "Collective"]
+
+# A run longer than this is split into several, so that one allgather of its
+# losses stays far below the control channel's 1 MiB frame.
+_MAX_CLOCKS_PER_RUN = 2000
+_ROOT = 0  # the engine's branch 0 holds the initial weights
+
+
+class Collective(Protocol):
+    """What the session needs from the job: a rank and an allgather."""
+
+    rank: int
+    world_size: int
+    worker: Worker
+
+    def allgather(self, name: str, value: Any, timeout_s: float | None = None) -> list[Any]: ...
+
+
+Driver = Callable[[BranchSystem], Any]
+"""Drives the branches from rank 0 and returns a result with ``branch`` and
+``tunables`` attributes (a TuningResult, a baseline's result) or anything."""
+
+
+@dataclasses.dataclass
+class _Cursor:
+    """Where a branch is in the training stream."""
+
+    epoch: int = 0
+    offset: int = 0  # samples of this epoch already used (all workers)
+
+
+@dataclasses.dataclass
+class _Branch:
+    kind: BranchKind
+    tunables: dict[str, Any]
+    cursor: _Cursor
+    clocks: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One clock of one branch, for this worker.
+
+    Attributes:
+        branch: the branch this clock runs on (the engine's reads and updates
+            of this clock go to it).
+        kind: what the branch is for. TRAINING and EVALUATION clocks train on
+            ``indices`` of the training set (an EVALUATION branch has
+            learning rate 0, so its updates change nothing: report the loss);
+            TESTING clocks evaluate ``indices`` of the validation set and
+            report an accuracy.
+        tunables: the branch's setting (``lr``, ``momentum``, ``batch_size``,
+            ``staleness``, and any other tunable of the space, which the
+            training loop applies itself).
+        indices: this worker's sample indices for this clock, into the
+            training set or, for TESTING, the validation set. May be empty on
+            the last TESTING clock when the validation set does not divide
+            among the workers.
+        epoch: the branch's epoch in the training stream (0-based).
+        clock: the branch's own clock count before this clock.
+    """
+
+    branch: int
+    kind: BranchKind
+    tunables: Mapping[str, Any]
+    indices: np.ndarray
+    epoch: int
+    clock: int
+    _session: TuningSession = dataclasses.field(repr=False, compare=False)
+
+    @property
+    def batch_size(self) -> int:
+        """Samples in this worker's batch this clock."""
+        return len(self.indices)
+
+    def report(self, loss: float, *, accuracy: float | None = None) -> None:
+        """Records this clock's loss on this worker's batch (any clock) and,
+        for TESTING clocks, its accuracy (fraction correct). Call it once per
+        step, before asking for the next."""
+        self._session._record(self, float(loss), accuracy)
+
+
+class TuningSession:
+    """Runs tuning (rank 0) and the clocks it asks for (every rank).
+
+    Args:
+        job: a :class:`mltuner.Job` (or any :class:`Collective`) whose config
+            has ``branches=True``; with a ``momentum`` tunable its update rule
+            must be ``momentum``.
+        space: the tunables. ``lr`` and ``momentum`` are sent to the servers'
+            update rule per branch, ``staleness`` becomes the branch's slack,
+            ``batch_size`` sizes the batches; other tunables are the training
+            loop's to apply from :attr:`Step.tunables`.
+        num_train: training samples (the stream the cursors move through).
+        num_validation: validation samples (TESTING branches run them once).
+        batch_size: the per-worker batch size when the space has no
+            ``batch_size`` tunable.
+        validation_batch_size: per-worker batch of TESTING clocks (default:
+            the space's or the fixed batch size).
+        config: the tuner's settings; ``num_clocks_to_test`` is replaced by
+            the clocks that cover the validation set once.
+        log: the decision log, or a path for one (rank 0 only).
+        driver: what runs on rank 0 instead of the MLtuner :class:`Tuner`
+            (a baseline, for instance); it gets the :class:`PSBranchSystem`.
+        seed: the shuffle seed of the training stream.
+        timeout_s: bound of every wait for the other ranks and for the driver
+            (default: the job's ``wait_timeout_s``, at least 60 s).
+
+    After the loop, :attr:`result` holds the driver's result on rank 0, and
+    :attr:`final_branch` / :attr:`final_tunables` the branch the job ended
+    with on every rank (None when the driver freed it).
+    """
+
+    def __init__(self, job: Collective, space: SearchSpace, *, num_train: int, num_validation: int,
+                 batch_size: int | None = None, validation_batch_size: int | None = None,
+                 config: TunerConfig | None = None, log: DecisionLog | str | None = None,
+                 driver: Driver | None = None, seed: int = 0, timeout_s: float | None = None) -> None:
+        job_config = getattr(job, "config", None)
+        if job_config is not None and not getattr(job_config, "branches", False):
+            raise InvalidArgumentError("tuning needs branches in the parameter server: create the job with "
+                                       "Config(branches=True, ...)")
+        if job_config is not None and "momentum" in space.names and job_config.update_rule.kind != "momentum":
+            raise InvalidArgumentError(f"the space tunes momentum but the update rule is "
+                                       f"{job_config.update_rule.kind!r}: use UpdateRule('momentum', ...)")
+        if "batch_size" not in space.names and batch_size is None:
+            raise InvalidArgumentError("give batch_size= or a batch_size tunable in the space")
+        max_branches = getattr(job_config, "max_branches", None)
+        num_branches = (config or TunerConfig()).num_branches
+        if max_branches is not None and max_branches < num_branches + 1:
+            raise InvalidArgumentError(f"the tuner keeps up to {num_branches} branches alive plus one for "
+                                       f"validation, but Config.max_branches is {max_branches}")
+        if num_train < 1 or num_validation < 1:
+            raise InvalidArgumentError(f"num_train and num_validation must be >= 1, got {num_train} and "
+                                       f"{num_validation}")
+        self._job = job
+        self._worker = job.worker
+        self._rank, self._world = job.rank, job.world_size
+        self._space = space
+        self._num_train, self._num_validation = int(num_train), int(num_validation)
+        self._batch_size = batch_size
+        self._validation_batch = validation_batch_size or batch_size or int(space.defaults()["batch_size"])
+        self._seed = seed
+        wait = float(getattr(job_config, "wait_timeout_s", 60.0) or 60.0)
+        self._timeout_s = timeout_s if timeout_s is not None else max(wait, 60.0)
+        test_clocks = math.ceil(self._num_validation / (self._validation_batch * self._world))
+        self._config = dataclasses.replace(config or TunerConfig(), num_clocks_to_test=test_clocks)
+        self._log = log
+        self._driver = driver
+        self._branches: dict[int, _Branch] = {}
+        self._permutations: dict[int, np.ndarray] = {}
+        self._sequence = 0  # allgathers so far: their names
+        self._pending: Step | None = None
+        self._run: tuple[int, int] | None = None  # (branch, clocks left) of the run being yielded
+        self._reports: list[tuple[float, float | None, int]] = []  # (loss, accuracy, samples) per clock
+        self._times: list[float] = []
+        self._clock_start = 0.0
+        self._started = False
+        self._error: BaseException | None = None
+        self.result: Any = None
+        self.final_branch: int | None = None
+        self.final_tunables: dict[str, Any] | None = None
+        self.system: PSBranchSystem | None = None
+        self._thread: threading.Thread | None = None
+        if self._rank == 0:
+            self.system = PSBranchSystem(self)
+
+    # -- the training loop's side ---------------------------------------------------
+
+    def __iter__(self) -> Iterator[Step]:
+        if self._started:
+            raise InvalidArgumentError("a TuningSession can be iterated once")
+        self._started = True
+        if self._rank == 0:
+            self._start_driver()
+        try:
+            while True:
+                step = self._next_step()
+                if step is None:
+                    return
+                self._pending = step
+                self._clock_start = time.perf_counter()
+                yield step
+                if self._pending is not None:
+                    raise InvalidArgumentError(f"step {step.clock} of branch {step.branch} was not reported: "
+                                               "call step.report(loss) once per step")
+                self._times.append(time.perf_counter() - self._clock_start)
+        finally:
+            if self.system is not None:
+                self.system._close()
+            if self._thread is not None:
+                self._thread.join(self._timeout_s)
+
+    def clocks_per_epoch(self, tunables: Mapping[str, Any]) -> int:
+        """Clocks in one pass over the training set with this setting."""
+        return self._num_train // (self._batch_of(tunables) * self._world)
+
+    def _record(self, step: Step, loss: float, accuracy: float | None) -> None:
+        if self._pending is not step:
+            raise InvalidArgumentError("report() was called twice, or on a step other than the current one")
+        if step.kind is BranchKind.TESTING and accuracy is None and len(step.indices):
+            raise InvalidArgumentError("a TESTING step must report its accuracy: step.report(loss, accuracy=...)")
+        self._pending = None
+        self._reports.append((loss, accuracy, len(step.indices)))
+
+    # -- commands -------------------------------------------------------------------
+
+    def _next_step(self) -> Step | None:
+        while self._run is None or self._run[1] == 0:
+            if self._run is not None:
+                self._finish_run()
+            command = self._gather_command()
+            if not self._execute(command):
+                return None
+        branch, left = self._run
+        self._run = (branch, left - 1)
+        return self._make_step(branch)
+
+    def _gather_command(self) -> dict[str, Any]:
+        mine = self.system._next_command(self._timeout_s) if self.system is not None else None
+        command = self._allgather("command", mine)[0]
+        if not isinstance(command, dict) or "op" not in command:
+            raise TuningError(f"rank 0 sent a malformed tuning command: {command!r}")
+        return command
+
+    def _execute(self, command: dict[str, Any]) -> bool:
+        op = command["op"]
+        if op == "fork":
+            self._fork(int(command["child"]), command["parent"], command["tunables"], BranchKind(command["kind"]))
+        elif op == "free":
+            branch = int(command["branch"])
+            self._branches.pop(branch, None)
+            self._worker.free_branch(branch)
+        elif op == "run":
+            branch, clocks = int(command["branch"]), int(command["clocks"])
+            self._worker.schedule_branch(branch, clocks)
+            self._run = (branch, clocks)
+            self._reports, self._times = [], []
+            return True
+        elif op == "end":
+            self.final_branch = command.get("branch")
+            self.final_tunables = command.get("tunables")
+            return False
+        elif op == "error":
+            if self._error is not None:  # rank 0 raises the driver's own exception
+                raise self._error
+            raise TuningError(f"the tuner on rank 0 stopped: {command.get('message')}")
+        else:
+            raise TuningError(f"unknown tuning command {op!r} from rank 0")
+        if self.system is not None:
+            self.system._done(None)
+        return True
+
+    def _fork(self, child: int, parent: int | None, tunables: dict[str, Any], kind: BranchKind) -> None:
+        if parent is None:  # INIT: the root holds the weights written before start_iterations
+            self._branches[child] = _Branch(kind, dict(tunables), _Cursor())
+            return
+        source = self._branches[int(parent)]
+        training = kind is BranchKind.TRAINING
+        staleness = tunables.get("staleness") if training else 0
+        self._worker.fork_branch(child, int(parent), learning_rate=float(tunables.get("lr", 0.0)) if training else 0.0,
+                                 momentum=float(tunables.get("momentum", 0.0)) if training else 0.0,
+                                 training=training, slack=None if staleness is None else int(staleness))
+        # A TESTING branch runs the validation set from its start.
+        cursor = _Cursor() if kind is BranchKind.TESTING else dataclasses.replace(source.cursor)
+        self._branches[child] = _Branch(kind, dict(tunables), cursor)
+
+    def _finish_run(self) -> None:
+        self._run = None
+        losses = [r[0] for r in self._reports]
+        accuracy = [r[1] for r in self._reports]
+        samples = [r[2] for r in self._reports]
+        everyone = self._allgather("reports", {"loss": losses, "accuracy": accuracy, "samples": samples})
+        if self.system is None:
+            return
+        reports = []
+        for clock, seconds in enumerate(self._times):
+            loss = math.fsum(float(r["loss"][clock]) for r in everyone) / len(everyone)
+            weighted = [(r["accuracy"][clock], r["samples"][clock]) for r in everyone
+                        if r["samples"][clock] and r["accuracy"][clock] is not None]
+            total = sum(n for _, n in weighted)
+            acc = math.fsum(a * n for a, n in weighted) / total if total else None
+            reports.append(ClockReport(loss=loss, seconds=seconds, accuracy=acc))
+        self.system._done(reports)
+
+    def _allgather(self, what: str, value: Any) -> list[Any]:
+        self._sequence += 1
+        return self._job.allgather(f"tune-{self._sequence}-{what}", value, self._timeout_s)
+
+    # -- data cursors ---------------------------------------------------------------
+
+    def _batch_of(self, tunables: Mapping[str, Any]) -> int:
+        return int(tunables["batch_size"]) if "batch_size" in tunables else int(self._batch_size or 0)
+
+    def _make_step(self, branch_id: int) -> Step:
+        branch = self._branches[branch_id]
+        cursor = branch.cursor
+        if branch.kind is BranchKind.TESTING:
+            # Clocks of near-equal size: the tuner averages their accuracies.
+            clocks = self._config.num_clocks_to_test
+            part = np.array_split(np.arange(self._num_validation), clocks)[cursor.offset % clocks]
+            indices = np.array_split(part, self._world)[self._rank]
+            cursor.offset += 1
+        else:
+            batch = self._batch_of(branch.tunables)
+            chunk = batch * self._world
+            if cursor.offset + chunk > self._num_train:  # the rest of the epoch is dropped
+                cursor.epoch, cursor.offset = cursor.epoch + 1, 0
+            order = self._permutation(cursor.epoch)
+            begin = cursor.offset + self._rank * batch
+            indices = order[begin:begin + batch]
+            cursor.offset += chunk
+        step = Step(branch_id, branch.kind, branch.tunables, indices, cursor.epoch, branch.clocks, self)
+        branch.clocks += 1
+        return step
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        order = self._permutations.get(epoch)
+        if order is None:
+            if len(self._permutations) > 4:
+                self._permutations.pop(min(self._permutations))
+            order = np.random.default_rng([self._seed, epoch]).permutation(self._num_train)
+            self._permutations[epoch] = order
+        return order
+
+    # -- rank 0: the driver thread --------------------------------------------------
+
+    def _start_driver(self) -> None:
+        assert self.system is not None
+        system = self.system
+        driver = self._driver or self._default_driver
+
+        def body() -> None:
+            try:
+                result = driver(system)
+            except BaseException as error:  # handed to the main thread, which raises it
+                system._finish(error=error)
+            else:
+                system._finish(result=result)
+
+        self._thread = threading.Thread(target=body, name="mltuner-tuner", daemon=True)
+        self._thread.start()
+
+    def _default_driver(self, system: BranchSystem) -> Any:
+        return Tuner(system, self._space, self._config, log=self._log).run()
+
+
+class PSBranchSystem:
+    """The :class:`BranchSystem` of a :class:`TuningSession`, on rank 0.
+
+    Its methods run on the driver's thread: each queues a command for the
+    training loop's thread and waits (bounded) for it to be done on every
+    rank. Branch ids are handed out in order; the INIT root is the engine's
+    branch 0, whose weights the application wrote before ``start_iterations``
+    (running it is a no-op).
+    """
+
+    def __init__(self, session: TuningSession) -> None:
+        self._session = session
+        self._commands: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._answers: queue.Queue[Any] = queue.Queue()
+        self._next_id = _ROOT + 1
+        self._closed = False
+        self._ended = False
+        self.elapsed_s = 0.0  # clock time of every branch run so far
+
+    # -- BranchSystem ---------------------------------------------------------------
+
+    def fork(self, parent: int | None, tunables: Mapping[str, Any], kind: BranchKind) -> int:
+        self._session._space.check_setting(tunables)
+        if parent is None:
+            if kind is not BranchKind.INIT:
+                raise InvalidArgumentError(f"only an INIT branch has no parent, got {kind}")
+            child = _ROOT
+        else:
+            child, self._next_id = self._next_id, self._next_id + 1
+        self._call({"op": "fork", "child": child, "parent": parent, "tunables": dict(tunables),
+                    "kind": kind.value})
+        return child
+
+    def free(self, branch: int) -> None:
+        self._call({"op": "free", "branch": int(branch)})
+
+    def run(self, branch: int, clocks: int) -> Sequence[ClockReport]:
+        if clocks < 1:
+            raise InvalidArgumentError(f"run needs clocks >= 1, got {clocks}")
+        if branch == _ROOT:
+            return [ClockReport(loss=0.0, seconds=0.0)] * clocks
+        reports: list[ClockReport] = []
+        while len(reports) < clocks:
+            part = min(clocks - len(reports), _MAX_CLOCKS_PER_RUN)
+            reports += self._call({"op": "run", "branch": int(branch), "clocks": part})
+        self.elapsed_s += math.fsum(r.seconds for r in reports)
+        return reports
+
+    def clocks_per_epoch(self, tunables: Mapping[str, Any]) -> int:
+        return self._session.clocks_per_epoch(tunables)
+
+    # -- the hand-off between the two threads ------------------------------------------
+
+    def _call(self, command: dict[str, Any]) -> Any:
+        if self._closed:
+            raise ShutdownError("the training loop ended; the tuning session is closed")
+        self._commands.put(command)
+        deadline = time.monotonic() + self._session._timeout_s * 10
+        while True:
+            try:
+                answer = self._answers.get(timeout=0.5)
+            except queue.Empty:
+                if self._closed:
+                    raise ShutdownError("the training loop ended while the tuner waited for it") from None
+                if time.monotonic() > deadline:
+                    raise TuningError(f"the training loop did not run {command['op']!r} within "
+                                      f"{self._session._timeout_s * 10:g} s") from None
+                continue
+            if isinstance(answer, BaseException):
+                raise answer
+            return answer
+
+    def _next_command(self, timeout_s: float) -> dict[str, Any]:
+        """The training loop's thread: the driver's next command (bounded)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return self._commands.get(timeout=0.5)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    return {"op": "error", "message": f"the tuner made no decision within {timeout_s:g} s"}
+
+    def _done(self, answer: Any) -> None:
+        self._answers.put(answer)
+
+    def _finish(self, *, result: Any = None, error: BaseException | None = None) -> None:
+        """The driver's thread, when the driver returns or raises."""
+        if error is not None:
+            message = f"{type(error).__name__}: {error}"
+            self._session._error = error
+            self._commands.put({"op": "error", "message": message})
+            return
+        self._session.result = result
+        branch = getattr(result, "branch", None)
+        tunables = getattr(result, "tunables", None)
+        self._commands.put({"op": "end", "branch": branch if isinstance(branch, int) else None,
+                            "tunables": dict(tunables) if isinstance(tunables, Mapping) else None})
+
+    def _close(self) -> None:
+        self._closed = True

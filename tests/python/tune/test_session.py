@@ -1,0 +1,171 @@
+"""TuningSession on a one-process job: the commands a driver gives become
+engine branches and clocks; reports, times and data cursors come back right.
+
+The model is linear regression trained by the servers' momentum rule; a
+reference replays the same batches in float64 per branch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import pytest
+
+import mltuner as mlt
+from mltuner.dist import detect_environment
+from mltuner.tune import BranchKind, BranchSystem, Choice, LogUniform, SearchSpace, TunerConfig, TuningSession
+
+IN, NUM_TRAIN, NUM_VAL, BATCH = 4, 40, 10, 4
+LR = 0.1
+
+
+def data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(NUM_TRAIN + NUM_VAL, IN))
+    return x, x @ rng.normal(size=IN)
+
+
+def space() -> SearchSpace:
+    return SearchSpace([LogUniform("lr", 1e-3, 1.0, default=LR), Choice("batch_size", [BATCH, 2 * BATCH],
+                                                                        default=BATCH, search=False)])
+
+
+def open_job(**overrides: Any) -> mlt.Job:
+    settings: dict[str, Any] = dict(update_rule=mlt.UpdateRule("momentum", learning_rate=LR, momentum=0.0),
+                                    branches=True, wait_timeout_s=20)
+    settings.update(overrides)
+    return mlt.Job(mlt.Config(**settings), env=detect_environment({}))
+
+
+def train(job: mlt.Job, session: TuningSession, seen: list[tuple[int, str, list[int]]]) -> None:
+    """The training loop every rank runs; records (branch, kind, indices)."""
+    x, y = data()
+    worker = job.worker
+    table = worker.create_table("w", 1, IN)
+    read = worker.virtual_read(table)
+    worker.virtual_post_read(read)
+    grad = worker.virtual_pre_update(table)
+    worker.virtual_update(grad)
+    worker.virtual_clock()
+    worker.finish_virtual_iteration()
+    worker.start_iterations()
+    for step in session:
+        w = np.asarray(worker.read(read), dtype=np.float64)[0]
+        worker.post_read(read)
+        seen.append((step.branch, step.kind.value, [int(i) for i in step.indices]))
+        if step.kind is BranchKind.TESTING:
+            xs, ys = x[NUM_TRAIN:][step.indices], y[NUM_TRAIN:][step.indices]
+            worker.pre_update(grad)[:] = 0.0
+            step.report(0.0, accuracy=float(np.mean(np.abs(xs @ w - ys) < 1.0)))
+        else:
+            xs, ys = x[step.indices], y[step.indices]
+            residual = xs @ w - ys
+            worker.pre_update(grad)[0] = xs.T @ residual / len(xs)
+            step.report(float(np.mean(residual ** 2)))
+        worker.update(grad)
+        worker.clock()
+
+
+def test_a_driver_forks_runs_and_frees_branches() -> None:
+    calls: dict[str, Any] = {}
+
+    def driver(system: BranchSystem) -> Any:
+        root = system.fork(None, {"lr": LR, "batch_size": BATCH}, BranchKind.INIT)
+        system.run(root, 1)
+        first = system.fork(root, {"lr": 0.2, "batch_size": BATCH}, BranchKind.TRAINING)
+        calls["first"] = system.run(first, 3)
+        second = system.fork(first, {"lr": 0.05, "batch_size": 2 * BATCH}, BranchKind.TRAINING)
+        calls["second"] = system.run(second, 2)
+        test = system.fork(second, {"lr": 0.05, "batch_size": 2 * BATCH}, BranchKind.TESTING)
+        calls["test"] = system.run(test, 3)
+        system.free(test)
+        system.free(first)
+        calls["epoch"] = system.clocks_per_epoch({"lr": 0.1, "batch_size": BATCH})
+        return None
+
+    seen: list[tuple[int, str, list[int]]] = []
+    with open_job() as job:
+        session = TuningSession(job, space(), num_train=NUM_TRAIN, num_validation=NUM_VAL, driver=driver)
+        train(job, session, seen)
+        assert session.final_branch is None  # the driver returned no branch
+
+    assert [len(calls[k]) for k in ("first", "second", "test")] == [3, 2, 3]
+    assert all(r.seconds > 0 and np.isfinite(r.loss) for k in ("first", "second") for r in calls[k])
+    assert calls["epoch"] == NUM_TRAIN // BATCH
+    branches = [b for b, _, _ in seen]
+    assert branches == [1, 1, 1, 2, 2, 3, 3, 3]  # the root ran no clock
+    # The child continues the parent's training stream where the parent was
+    # at the fork, with its own batch size; the testing branch walks the
+    # validation set once.
+    order = np.concatenate([idx for _, _, idx in seen[:5]])
+    assert len(order) == 3 * BATCH + 2 * 2 * BATCH and len(set(order)) == len(order)
+    assert sorted(i for _, _, idx in seen[5:] for i in idx) == list(range(NUM_VAL))
+    # Accuracy of TESTING clocks is weighted by samples: clocks are of near-equal size.
+    assert all(r.accuracy is not None and 0.0 <= r.accuracy <= 1.0 for r in calls["test"])
+
+
+def test_the_tuner_runs_through_a_session() -> None:
+    seen: list[tuple[int, str, list[int]]] = []
+    config = TunerConfig(seed=0, num_clocks_to_eval=5, max_trials_per_search=4, max_epochs=2,
+                         initial_trial_time_s=0.01, num_branches=6, n_startup_trials=2)
+    with open_job(max_branches=8) as job:
+        session = TuningSession(job, space(), num_train=NUM_TRAIN, num_validation=NUM_VAL, config=config)
+        train(job, session, seen)
+        assert session.result is not None and session.result.epochs == 2
+        final = session.final_branch
+        assert final == session.result.branch
+        assert session.final_tunables == session.result.tunables
+        weights = job.worker.fetch(job.worker.tables[0], branch=final)
+    assert np.isfinite(weights).all()
+    kinds = {kind for _, kind, _ in seen}
+    assert kinds == {"evaluation", "training", "testing"}
+
+
+def test_errors_of_the_driver_reach_the_training_loop() -> None:
+    def driver(system: BranchSystem) -> Any:
+        system.fork(None, {"lr": LR, "batch_size": BATCH}, BranchKind.INIT)
+        raise RuntimeError("the searcher broke")
+
+    with open_job() as job, pytest.raises(RuntimeError, match="the searcher broke"):
+        train(job, TuningSession(job, space(), num_train=NUM_TRAIN, num_validation=NUM_VAL, driver=driver), [])
+
+
+def test_a_step_must_be_reported() -> None:
+    def driver(system: BranchSystem) -> Any:
+        root = system.fork(None, {"lr": LR, "batch_size": BATCH}, BranchKind.INIT)
+        system.run(system.fork(root, {"lr": LR, "batch_size": BATCH}, BranchKind.TRAINING), 2)
+
+    with open_job() as job:
+        worker = job.worker
+        table = worker.create_table("w", 1, IN)
+        handle = worker.virtual_pre_update(table)
+        worker.virtual_update(handle)
+        worker.virtual_clock()
+        worker.finish_virtual_iteration()
+        worker.start_iterations()
+        session = TuningSession(job, space(), num_train=NUM_TRAIN, num_validation=NUM_VAL, driver=driver)
+        with pytest.raises(mlt.InvalidArgumentError, match="was not reported"):
+            for _ in session:
+                worker.pre_update(handle)
+                worker.update(handle)
+                worker.clock()
+
+
+@pytest.mark.parametrize(("overrides", "kwargs", "message"), [
+    ({"branches": False}, {}, "branches=True"),
+    ({"update_rule": mlt.UpdateRule("sgd", learning_rate=LR)}, {"momentum": True}, "tunes momentum"),
+    ({"max_branches": 4}, {}, "max_branches"),
+    ({}, {"no_batch": True}, "batch_size"),
+    ({}, {"num_validation": 0}, "num_validation"),
+])
+def test_bad_sessions(overrides: Mapping[str, Any], kwargs: Mapping[str, Any], message: str) -> None:
+    tunables: list[Any] = [LogUniform("lr", 1e-3, 1.0)]
+    if kwargs.get("momentum"):
+        tunables.append(LogUniform("momentum", 0.1, 0.9))
+    if not kwargs.get("no_batch"):
+        tunables.append(Choice("batch_size", [BATCH]))
+    with open_job(**overrides) as job, pytest.raises(mlt.InvalidArgumentError, match=message):
+        TuningSession(job, SearchSpace(tunables), num_train=NUM_TRAIN,
+                      num_validation=int(kwargs.get("num_validation", NUM_VAL)))

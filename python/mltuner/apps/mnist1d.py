@@ -17,6 +17,7 @@ accuracy. Rank 0 prints the result and writes it as JSON (``--result``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -46,14 +47,10 @@ def build_space(args: argparse.Namespace) -> SearchSpace:
     space = default_space(args.batch_sizes if "batch_size" in searched else [args.batch_size],
                           staleness=args.staleness if "staleness" in searched else [0],
                           lr_range=(args.lr_min, args.lr_max))
-    tunables = []
-    for tunable in space:
-        keep = tunable.name in searched
-        if tunable.name == "lr":
-            tunable = type(tunable)(tunable.name, tunable.low, tunable.high, default=args.lr, search=keep)
-        elif tunable.name == "momentum":
-            tunable = type(tunable)(tunable.name, tunable.low, tunable.high, default=args.momentum, search=keep)
-        tunables.append(tunable)
+    defaults = {"lr": args.lr, "momentum": args.momentum}
+    tunables = [dataclasses.replace(t, search=t.name in searched, **({"default": defaults[t.name]}
+                                                                      if t.name in defaults else {}))
+                for t in space]
     return SearchSpace(tunables)
 
 
@@ -95,6 +92,12 @@ def load(args: argparse.Namespace) -> tuple[np.ndarray, ...]:
             data.x_test, data.y_test)
 
 
+def host(buffer: object) -> np.ndarray:
+    """The engine's buffer as numpy (the engine runs on the CPU here)."""
+    assert isinstance(buffer, np.ndarray)
+    return buffer
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     x_train, y_train, x_val, y_val, x_test, y_test = load(args)
@@ -102,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     layout = mlt.TensorLayout(row_width=256).add("params", (model.num_params,))
     space = build_space(args)
     config = mlt.Config(update_rule=mlt.UpdateRule("momentum", learning_rate=args.lr, momentum=args.momentum),
-                        branches=True, max_branches=40, wait_timeout_s=60)
+                        branches=True, max_branches=40, wait_timeout_s=60, device="cpu")
     tuner_config = TunerConfig(
         sampler=args.sampler, retune=args.retune if args.mode == "tune" else "off", seed=args.seed, storage=args.storage,
         num_clocks_to_eval=args.eval_clocks, max_trials_per_search=args.trials, max_epochs=args.max_epochs,
@@ -118,23 +121,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         worker.virtual_clock()
         worker.finish_virtual_iteration()
         if job.rank == 0:  # the initial weights, written into the root branch
-            worker.pre_update(grad)[...] = layout.pack({"params": model.init_params(np.random.default_rng(args.seed))})
+            host(worker.pre_update(grad))[...] = layout.pack({"params": model.init_params(np.random.default_rng(args.seed))})
             worker.update(grad)
         worker.start_iterations()
         session = TuningSession(job, space, num_train=len(x_train), num_validation=len(x_val),
                                 config=tuner_config, log=args.log, seed=args.seed)
         for step in session:
-            params = layout.view(worker.read(read), "params")
+            params = layout.view(host(worker.read(read)), "params")
             if step.kind is BranchKind.TESTING:
                 x, y = x_val[step.indices], y_val[step.indices]
                 accuracy = model.accuracy(params, x, y) if len(y) else 0.0
                 worker.post_read(read)
-                worker.pre_update(grad)[...] = 0.0
+                host(worker.pre_update(grad))[...] = 0.0
                 step.report(0.0, accuracy=accuracy)
             else:
                 loss, gradient = model.loss_and_grad(params, x_train[step.indices], y_train[step.indices])
                 worker.post_read(read)
-                layout.view(worker.pre_update(grad), "params")[...] = gradient
+                layout.view(host(worker.pre_update(grad)), "params")[...] = gradient
                 step.report(loss)
             worker.update(grad)
             worker.clock()

@@ -9,6 +9,20 @@ and re-tunes when validation accuracy plateaus. See docs/tuner.md.
 
 from __future__ import annotations
 
+from mltuner.tune._baselines import (
+    BaselineConfig,
+    BaselineResult,
+    BaselineTrial,
+    TimedSystem,
+    curve_from_log,
+    mltuner_result,
+    run_fixed,
+    run_hyperband,
+    run_mltuner,
+    run_optuna,
+    running_best,
+    time_to_target,
+)
 from mltuner.tune._config import RetuneMode, TunerConfig
 from mltuner.tune._errors import TuningError
 from mltuner.tune._live import LiveDisplay
@@ -31,6 +45,18 @@ from mltuner.tune._trial import Trial
 from mltuner.tune._tuner import Outcome, Tuner, TuningResult, plateaued
 
 __all__ = [
+    "BaselineConfig",
+    "BaselineResult",
+    "BaselineTrial",
+    "TimedSystem",
+    "run_fixed",
+    "run_optuna",
+    "run_hyperband",
+    "run_mltuner",
+    "mltuner_result",
+    "curve_from_log",
+    "time_to_target",
+    "running_best",
     "TuningSession",
     "Step",
     "PSBranchSystem",

@@ -693,8 +693,8 @@ def mltuner_result(records: Sequence[Mapping[str, Any]], target_accuracy: float 
                else str(end.get("outcome")) if end is not None else "unfinished")
     reached = time_to_target(curve, target_accuracy)
     return BaselineResult(
-        name=str(run[0].get("baseline", "mltuner")), outcome=outcome, reached_target=reached is not None,
-        time_to_target_s=reached, time_s=_elapsed(run[-1], run),
+        name=str(run[0].get("baseline", "mltuner")), outcome=outcome,
+        reached_target=reached is not None, time_to_target_s=reached, time_s=_elapsed(run[-1], run),
         best_accuracy=float(best["accuracy"]) if best is not None else None,
         best_tunables=dict(best["tunables"]) if best is not None and isinstance(
             best.get("tunables"), Mapping) else None,

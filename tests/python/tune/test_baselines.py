@@ -147,7 +147,8 @@ def test_fixed_reaches_the_target_at_the_expected_epoch_and_time() -> None:
     assert result.time_s == pytest.approx(expected)
     assert [t for t, _ in result.curve] == pytest.approx(
         [SECONDS + epoch_seconds(e, e) for e in range(1, 5)])
-    assert [a for _, a in result.curve] == pytest.approx([accuracy(BEST_LR, e) for e in range(1, 5)])
+    assert [a for _, a in result.curve] == pytest.approx(
+        [accuracy(BEST_LR, e) for e in range(1, 5)])
     assert result.best_tunables == {"lr": BEST_LR}
     assert result.runs[0].ended == "target"
     assert_all_freed(system)

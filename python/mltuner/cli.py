@@ -1,12 +1,13 @@
-"""The `mltuner` command. It parses arguments and calls the library; the
-tune, run and demo commands arrive with their features."""
+"""The `mltuner` command. It parses arguments and calls the library."""
 
 from __future__ import annotations
 
 import argparse
 import platform
 import sys
+import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import mltuner
 
@@ -46,6 +47,45 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _out_dir(args: argparse.Namespace, kind: str) -> Path:
+    directory = Path(args.out) if args.out else Path("mltuner-out") / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+def _watched(args: argparse.Namespace, kind: str, command: list[str], env_log: bool) -> int:
+    from mltuner.tune._watch import log_env, run_watched
+
+    out = _out_dir(args, kind)
+    log = out / "decisions.jsonl"
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if kind == "tune":
+        command = [sys.executable, "-m", "mltuner.apps.mnist1d", "--log", str(log), "--result",
+                   str(out / "result.json"), *command]
+    elif not command:
+        print("mltuner run: error: give the training command after --", file=sys.stderr)
+        return 2
+    print(f"mltuner {kind}: {args.nproc} workers; writing to {out}/", flush=True)
+    return run_watched(command, args.nproc, log=log, workers_log=out / "workers.log", report=out / "report.png",
+                       terminal=False if args.plain else None, env=log_env(log) if env_log else None)
+
+
+def _tune(args: argparse.Namespace) -> int:
+    return _watched(args, "tune", list(args.app_args), env_log=False)
+
+
+def _run(args: argparse.Namespace) -> int:
+    return _watched(args, "run", list(args.command), env_log=True)
+
+
+def _add_watch_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-n", "--nproc", type=int, default=2, help="number of local workers (default: 2)")
+    parser.add_argument("--out", default=None,
+                        help="directory for the decision log, report and output (default: mltuner-out/KIND-TIME)")
+    parser.add_argument("--plain", action="store_true", help="plain progress lines instead of a live table")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `mltuner` console script."""
     parser = argparse.ArgumentParser(prog="mltuner", description=mltuner.__doc__)
@@ -76,7 +116,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     report.add_argument("-o", "--output", default=None, metavar="PNG",
                         help="the PNG to write (default: LOG with a .png suffix)")
     report.set_defaults(handler=_report)
-    args = parser.parse_args(argv)
+    tune = commands.add_parser(
+        "tune", help="tune and train the MNIST-1D MLP on local workers, with live progress",
+        usage="mltuner tune [-n N] [--out DIR] [--plain] [PROGRAM OPTIONS...]",
+        description="Runs python -m mltuner.apps.mnist1d on N local workers (mltuner launch) with the "
+                    "tuner choosing learning rate, momentum and batch size; shows its decisions live, and "
+                    "writes the decision log, a PNG report and the result to DIR. Options it does not know "
+                    "go to the program (see python -m mltuner.apps.mnist1d --help): for example "
+                    "--mode hyperband, --search lr,staleness, --max-epochs 10, --target-accuracy 0.6.")
+    _add_watch_options(tune)
+    tune.set_defaults(handler=_tune)
+    run = commands.add_parser(
+        "run", help="run your training script (using mltuner.tune.TuningSession) with live progress",
+        usage="mltuner run [-n N] [--out DIR] [--plain] -- COMMAND [ARGS...]",
+        description="Like mltuner launch, and the TuningSession of rank 0 logs to DIR/decisions.jsonl "
+                    "(MLTUNER_TUNING_LOG), which is shown live and drawn as DIR/report.png at the end; "
+                    "the workers' output goes to DIR/workers.log.")
+    _add_watch_options(run)
+    run.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after `--`")
+    run.set_defaults(handler=_run)
+    args, extra = parser.parse_known_args(argv)
+    if args.handler is _tune:
+        args.app_args = extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return int(args.handler(args))
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -30,7 +31,26 @@ import numpy as np
 import mltuner as mlt
 from mltuner.datasets import load_mnist1d
 from mltuner.models import MLP
-from mltuner.tune import BranchKind, SearchSpace, TunerConfig, TuningSession, default_space, format_tunables
+from mltuner.tune import (
+    BaselineConfig,
+    BaselineResult,
+    BranchKind,
+    BranchSystem,
+    DecisionLog,
+    Listener,
+    LiveDisplay,
+    SearchSpace,
+    TunerConfig,
+    TuningResult,
+    TuningSession,
+    default_space,
+    format_tunables,
+    run_fixed,
+    run_hyperband,
+    run_mltuner,
+    run_optuna,
+)
+from mltuner.tune._session import Driver
 
 __all__ = ["main", "build_space", "MODELS"]
 
@@ -57,8 +77,9 @@ def build_space(args: argparse.Namespace) -> SearchSpace:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m mltuner.apps.mnist1d", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="mlp")
-    parser.add_argument("--mode", choices=["tune", "fixed"], default="tune",
-                        help="tune: MLtuner; fixed: train with --lr/--momentum/--batch-size")
+    parser.add_argument("--mode", choices=["tune", "fixed", "optuna", "hyperband"], default="tune",
+                        help="tune: MLtuner; fixed: train with --lr/--momentum/--batch-size; optuna: Optuna TPE "
+                             "with a whole training run per trial; hyperband: Optuna's HyperbandPruner over epochs")
     parser.add_argument("--search", default="lr,momentum,batch_size",
                         help=f"tunables to search, comma-separated, from {','.join(SEARCHABLE)} (default: %(default)s)")
     parser.add_argument("--lr", type=float, default=0.01, help="learning rate (fixed, or the starting default)")
@@ -70,12 +91,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--staleness", type=lambda s: [int(v) for v in s.split(",")], default=[0, 1, 3])
     parser.add_argument("--sampler", default="tpe")
     parser.add_argument("--retune", choices=["full", "marginal", "off"], default="full")
-    parser.add_argument("--trials", type=int, default=30, help="trial cap of the initial search")
+    parser.add_argument("--trials", type=int, default=30,
+                        help="trial cap of the initial search; trials of the Optuna baselines")
     parser.add_argument("--eval-clocks", type=int, default=20, help="clocks of the lr = 0 evaluation branch")
     parser.add_argument("--trial-time", type=float, default=None,
                         help="initial trial time in seconds (default: measured)")
     parser.add_argument("--max-epochs", type=int, default=30)
     parser.add_argument("--samples", type=int, default=5000, help="MNIST-1D samples (80%% train, 20%% test)")
+    parser.add_argument("--target-accuracy", type=float, default=None,
+                        help="validation accuracy whose first reach is timed (baselines stop there)")
+    parser.add_argument("--time-budget", type=float, default=None, help="seconds of clocks for the Optuna baselines")
+    parser.add_argument("--live", action="store_true", help="show the tuner's progress live (rank 0)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--storage", default=None, help="an Optuna storage URL for every trial")
     parser.add_argument("--log", default=None, help="decision log (JSON lines), written by rank 0")
@@ -98,6 +124,46 @@ def host(buffer: object) -> np.ndarray:
     return buffer
 
 
+@dataclasses.dataclass(frozen=True)
+class _Outcome:
+    """What the driver hands back: the summary and the branch it kept."""
+
+    summary: BaselineResult
+    branch: int | None
+    tunables: dict[str, Any] | None
+    tuning: TuningResult | None = None
+
+
+def make_driver(args: argparse.Namespace, space: SearchSpace, session: TuningSession,
+                log: DecisionLog | None) -> Driver:
+    """The rank-0 driver of ``--mode``: MLtuner or one of its baselines."""
+    config = session.config
+    baseline = BaselineConfig.matching(config, target_accuracy=args.target_accuracy, n_trials=args.trials,
+                                       time_budget_s=args.time_budget, storage=args.storage)
+
+    def drive(system: BranchSystem) -> _Outcome:
+        if args.mode == "tune":
+            summary, tuning = run_mltuner(system, space, config, target_accuracy=args.target_accuracy, log=log,
+                                          keep_branch=True)
+            return _Outcome(summary, tuning.branch, tuning.tunables, tuning)
+        if args.mode == "fixed":
+            summary = run_fixed(system, space.defaults(), baseline, space=space, log=log)
+        elif args.mode == "optuna":
+            summary = run_optuna(system, space, baseline, log=log)
+        else:
+            summary = run_hyperband(system, space, baseline, log=log)
+        return _Outcome(summary, None, summary.best_tunables)
+
+    return drive
+
+
+def open_log(args: argparse.Namespace) -> DecisionLog | None:
+    """Rank 0's decision log, shown live when --live asks for it."""
+    listeners: list[Listener] = [LiveDisplay()] if args.live else []
+    path = args.log or os.environ.get("MLTUNER_TUNING_LOG")
+    return DecisionLog(path, listeners=listeners) if path or listeners else None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     x_train, y_train, x_val, y_val, x_test, y_test = load(args)
@@ -107,11 +173,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = mlt.Config(update_rule=mlt.UpdateRule("momentum", learning_rate=args.lr, momentum=args.momentum),
                         branches=True, max_branches=40, wait_timeout_s=60, device="cpu")
     tuner_config = TunerConfig(
-        sampler=args.sampler, retune=args.retune if args.mode == "tune" else "off", seed=args.seed, storage=args.storage,
+        sampler=args.sampler, retune=args.retune, seed=args.seed, storage=args.storage,
         num_clocks_to_eval=args.eval_clocks, max_trials_per_search=args.trials, max_epochs=args.max_epochs,
-        initial_tuning=args.mode == "tune", initial_trial_time_s=args.trial_time, num_branches=30)
+        initial_trial_time_s=args.trial_time, num_branches=30)
     start = time.perf_counter()
     with mlt.Job(config) as job:
+        log = open_log(args) if job.rank == 0 else None
         worker = job.worker
         table = worker.create_tensor_table("mnist1d", layout)
         read = worker.virtual_read(table)
@@ -125,7 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             worker.update(grad)
         worker.start_iterations()
         session = TuningSession(job, space, num_train=len(x_train), num_validation=len(x_val),
-                                config=tuner_config, log=args.log, seed=args.seed)
+                                config=tuner_config, seed=args.seed)
+        session.driver = make_driver(args, space, session, log)
         for step in session:
             params = layout.view(host(worker.read(read)), "params")
             if step.kind is BranchKind.TESTING:
@@ -143,23 +211,39 @@ def main(argv: Sequence[str] | None = None) -> int:
             worker.clock()
         worker.sync()
         final = session.final_branch
-        weights = layout.view(worker.fetch(table, branch=final), "params") if final is not None else None
-        result = session.result
+        weights = layout.view(host(worker.fetch(table, branch=final)), "params") if final is not None else None
+        outcome = session.result
     elapsed = time.perf_counter() - start
-    if job.rank != 0 or weights is None:
+    if log is not None:
+        log.close()
+    if job.rank != 0:
         return 0
-    test_accuracy = model.accuracy(weights, x_test, y_test)
-    summary: dict[str, Any] = {
-        "model": args.model, "mode": args.mode, "workers": job.world_size, "seconds": elapsed,
-        "test_accuracy": test_accuracy, "tunables": session.final_tunables,
-        "outcome": getattr(getattr(result, "outcome", None), "value", None),
-        "validation_accuracies": getattr(result, "accuracies", None), "trials": getattr(result, "trials", None),
-        "log": args.log}
-    print(f"test accuracy {test_accuracy:.1%} after {elapsed:.1f} s on {job.world_size} workers; "
-          f"final setting {format_tunables(session.final_tunables)}")
-    if args.result:
-        Path(args.result).write_text(json.dumps(summary, indent=2) + "\n")
+    report(args, outcome, elapsed, job.world_size,
+           model.accuracy(weights, x_test, y_test) if weights is not None else None)
     return 0
+
+
+def report(args: argparse.Namespace, outcome: _Outcome, elapsed: float, workers: int,
+           test_accuracy: float | None) -> None:
+    """Prints the result and writes it as JSON (rank 0)."""
+    summary = outcome.summary
+    result: dict[str, Any] = {
+        "model": args.model, "mode": args.mode, "workers": workers, "seed": args.seed, "seconds": elapsed,
+        "test_accuracy": test_accuracy, "tunables": outcome.tunables,
+        "summary": dataclasses.asdict(summary), "log": args.log}
+    if outcome.tuning is not None:
+        result["validation_accuracies"] = outcome.tuning.accuracies
+        result["outcome"] = outcome.tuning.outcome.value
+    best = "-" if summary.best_accuracy is None else f"{summary.best_accuracy:.1%}"
+    print(f"{args.mode}: best validation accuracy {best} after {summary.time_s:.1f} s of clocks "
+          f"({elapsed:.1f} s in all) on {workers} workers; {summary.trials} trial(s), {summary.epochs} epoch(s)")
+    if args.target_accuracy is not None:
+        reached = f"{summary.time_to_target_s:.1f} s" if summary.time_to_target_s is not None else "not reached"
+        print(f"time to {args.target_accuracy:.0%} validation accuracy: {reached}")
+    if test_accuracy is not None:
+        print(f"test accuracy {test_accuracy:.1%} with {format_tunables(outcome.tunables)}")
+    if args.result:
+        Path(args.result).write_text(json.dumps(result, indent=2, default=str) + "\n")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import queue
 import threading
 import time
@@ -153,7 +154,8 @@ class TuningSession:
             the space's or the fixed batch size).
         config: the tuner's settings; ``num_clocks_to_test`` is replaced by
             the clocks that cover the validation set once.
-        log: the decision log, or a path for one (rank 0 only).
+        log: the decision log, or a path for one (rank 0 only); default:
+            ``$MLTUNER_TUNING_LOG`` when set (``mltuner run`` sets it).
         driver: what runs on rank 0 instead of the MLtuner :class:`Tuner`
             (a baseline, for instance); it gets the :class:`PSBranchSystem`.
         seed: the shuffle seed of the training stream.
@@ -198,8 +200,9 @@ class TuningSession:
         self._timeout_s = timeout_s if timeout_s is not None else max(wait, 60.0)
         test_clocks = math.ceil(self._num_validation / (self._validation_batch * self._world))
         self._config = dataclasses.replace(config or TunerConfig(), num_clocks_to_test=test_clocks)
-        self._log = log
-        self._driver = driver
+        # `mltuner run` tells rank 0 where to log through the environment.
+        self._log = log if log is not None else os.environ.get("MLTUNER_TUNING_LOG")
+        self.driver: Driver | None = driver  # may be set until the loop starts
         self._branches: dict[int, _Branch] = {}
         self._permutations: dict[int, np.ndarray] = {}
         self._sequence = 0  # allgathers so far: their names
@@ -247,6 +250,12 @@ class TuningSession:
     def clocks_per_epoch(self, tunables: Mapping[str, Any]) -> int:
         """Clocks in one pass over the training set with this setting."""
         return self._num_train // (self._batch_of(tunables) * self._world)
+
+    @property
+    def config(self) -> TunerConfig:
+        """The tuner's settings, with ``num_clocks_to_test`` covering the
+        validation set once (drivers should validate with it too)."""
+        return self._config
 
     def _record(self, step: Step, loss: float, accuracy: float | None) -> None:
         if self._pending is not step:
@@ -381,7 +390,7 @@ class TuningSession:
     def _start_driver(self) -> None:
         assert self.system is not None
         system = self.system
-        driver = self._driver or self._default_driver
+        driver = self.driver or self._default_driver
 
         def body() -> None:
             try:

@@ -1,0 +1,50 @@
+"""`mltuner tune` and `mltuner run`: real 2-process jobs, progress followed
+from rank 0's decision log, the report drawn at the end."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from mltuner.cli import main
+
+QUICK = ["--max-epochs", "2", "--trials", "4", "--eval-clocks", "5", "--trial-time", "0.05"]
+
+
+def test_tune_writes_the_log_report_and_result(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "tune"
+    assert main(["tune", "--out", str(out), "--plain", *QUICK]) == 0
+    text = capsys.readouterr().out
+    assert "search winner" in text and "train validate" in text  # the live lines, plain
+    assert "test accuracy" in text and f"report: {out / 'report.png'}" in text
+    result = json.loads((out / "result.json").read_text())
+    assert result["workers"] == 2 and len(result["validation_accuracies"]) == 2
+    assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    events = [json.loads(line)["event"] for line in (out / "decisions.jsonl").read_text().splitlines()]
+    assert events[0] == "start" and events[-1] == "end"
+
+
+def test_run_gives_the_script_its_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run"
+    # The program logs to $MLTUNER_TUNING_LOG when given no --log.
+    code = main(["run", "--out", str(out), "--plain", "--", sys.executable, "-m", "mltuner.apps.mnist1d",
+                 "--mode", "fixed", "--search", "", *QUICK])
+    assert code == 0, capsys.readouterr().out
+    assert (out / "decisions.jsonl").exists() and (out / "report.png").exists()
+    assert "fixed: best validation accuracy" in capsys.readouterr().out
+
+
+def test_a_failing_script_shows_its_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    script = tmp_path / "broken.py"
+    script.write_text("import sys\nprint('about to fail')\nsys.exit(3)\n")
+    assert main(["run", "--out", str(tmp_path / "out"), "--plain", "--", sys.executable, str(script)]) == 3
+    text = capsys.readouterr().out
+    assert "the job failed (exit code 3)" in text and "about to fail" in text
+
+
+def test_run_needs_a_command(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["run", "--out", str(tmp_path)]) == 2
+    assert "give the training command" in capsys.readouterr().err

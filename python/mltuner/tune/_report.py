@@ -93,6 +93,7 @@ class _Run:
     duration: float = 0.0
     outcome: str | None = None
     sampler: str | None = None
+    baseline: str | None = None  # set for a baseline's log (run_fixed, run_optuna, ...)
 
 
 def _split_runs(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
@@ -154,6 +155,8 @@ def _collect(records: list[dict[str, Any]], number: int, runs: int) -> _Run:
         elif event == "start":
             sampler = record.get("sampler")
             run.sampler = str(sampler) if sampler is not None else None
+            baseline = record.get("baseline")
+            run.baseline = str(baseline) if baseline is not None else None
         elif event == "end":
             outcome = record.get("outcome")
             run.outcome = str(outcome) if outcome is not None else None
@@ -212,15 +215,15 @@ def write_report(log_path: str | os.PathLike[str],
 
     loss_ax.set_ylabel("training loss")
     acc_ax.set_ylabel("validation accuracy")
-    acc_ax.set_xlabel(f"wall time ({unit})")
+    acc_ax.set_xlabel(f"time ({unit})")
     acc_ax.set_xlim(0.0, max(run.duration, 1e-9) / scale * 1.02)
     for ax in (loss_ax, acc_ax):
         ax.grid(True, alpha=0.3)
-    title = f"MLtuner run: {Path(log_path).name}"
+    title = f"{run.baseline or 'MLtuner'} run: {Path(log_path).name}"
     if run.runs > 1:
         title += f" (run {run.number} of {run.runs} in the file)"
     details = [f"sampler {run.sampler}" if run.sampler else None,
-               f"{len(run.searches)} search{'es' if len(run.searches) != 1 else ''}",
+               f"{len(run.searches)} search{'es' if len(run.searches) != 1 else ''}" if run.searches else None,
                f"{len(run.accuracy)} epochs",
                f"outcome: {run.outcome}" if run.outcome else "no end record (unfinished)"]
     figure.suptitle(title + "\n" + ", ".join(d for d in details if d), fontsize=11)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test of mltuner: the C++ tests (CTest, without the gpu label)
 # and the Python tests (pytest). One command on a fresh machine too: it first
-# installs this source tree with its test extras into the active Python (the
+# installs this source tree with its test extras and torch into the active Python (the
 # venv's, if one is active), so the Python tests never run an older install;
 # the fixed build folder keeps that rebuild incremental.
 # Both suites always run; the exit status is non-zero if either failed.
@@ -15,7 +15,9 @@ jobs="$(nproc 2>/dev/null || echo 2)"
 
 # A normal (not editable) install: editable installs of compiled modules are fragile.
 echo "== installing mltuner with test extras into $("$PY" -c 'import sys; print(sys.prefix)')"
-"$PY" -m pip install ".[test]" || echo "!! pip install failed; the Python tests will fail"
+# torch is pinned so that the adapter's tests run with the CPU build where one
+# is on disk (this project's machines); elsewhere pip fetches that release.
+"$PY" -m pip install ".[test,torch]" "torch==2.13.0" || echo "!! pip install failed; the Python tests will fail"
 command -v cmake >/dev/null || "$PY" -m pip install cmake ninja
 
 echo "== C++ tests (build/ctest)"

@@ -1,0 +1,102 @@
+"""Engine access buffers as torch tensors, without a copy.
+
+On the CPU backend the engine hands out numpy arrays over its own memory;
+on CUDA, :class:`mltuner.DeviceArray` objects that speak DLPack. Both become
+torch tensors over the same memory here. Any other buffer type, or a buffer
+on another device than the model, is an error: a silent copy would make the
+"zero-copy" promise (and the engine's memory budget) a lie.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils.dlpack
+
+from mltuner._core import DeviceArray
+from mltuner.exceptions import InternalError, InvalidArgumentError
+
+__all__ = ["as_tensor", "app_stream", "placeholder"]
+
+
+class _WritableAlias:
+    """Presents a read-only numpy array as writable through
+    ``__array_interface__``, and keeps the original (which keeps the engine
+    memory alive) referenced.
+
+    Why: ``torch.from_numpy`` warns on read-only arrays, and torch has no
+    read-only tensors anyway. Read buffers are the engine's private copy of
+    the rows (gathered from the cache), so a stray write can only spoil the
+    reader's own view, never the cache.
+    """
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+        interface = dict(array.__array_interface__)
+        interface["data"] = (interface["data"][0], False)
+        self.__array_interface__ = interface
+
+
+def as_tensor(buffer: Any, device: torch.device) -> torch.Tensor:
+    """The torch tensor over an engine buffer's memory, shaped (rows, width).
+
+    Raises:
+        InvalidArgumentError: the buffer lives on another device than the
+            model (e.g. a CUDA model with a CPU engine).
+        InternalError: an unknown buffer type, or the conversion copied.
+    """
+    if isinstance(buffer, np.ndarray):
+        if buffer.dtype != np.float32:
+            raise InternalError(f"engine buffer has dtype {buffer.dtype}, expected float32")
+        array = buffer if buffer.flags.writeable else np.asarray(_WritableAlias(buffer))
+        tensor = torch.from_numpy(array)
+        address = int(buffer.ctypes.data)
+    elif isinstance(buffer, DeviceArray):
+        try:  # copy=False: torch must refuse rather than copy
+            tensor = torch.utils.dlpack.from_dlpack(buffer, copy=False)
+        except TypeError:  # torch before 2.8 has no copy argument; the address check below still holds
+            tensor = torch.utils.dlpack.from_dlpack(buffer)
+        address = int(buffer.data_ptr)
+    else:
+        raise InternalError(
+            f"the engine returned a buffer of type {type(buffer).__name__}; the torch adapter knows numpy "
+            "arrays (CPU backend) and mltuner.DeviceArray (CUDA backend)"
+        )
+    if tensor.device != device:
+        hint = ""
+        if device.type == "cuda" and tensor.device.type == "cpu":
+            hint = ": use mltuner.Config(device='cuda')"
+        elif device.type == "cpu" and tensor.device.type == "cuda":
+            hint = ": move the model to the worker's GPU before wrap(), or use Config(device='cpu')"
+        elif device.type == "cuda":
+            hint = f": move the model to {tensor.device} before wrap() (worker r uses GPU r mod count)"
+        raise InvalidArgumentError(
+            f"the engine's buffers are on {tensor.device} but the model's parameters are on {device}{hint}"
+        )
+    if tensor.data_ptr() != address or tensor.dtype != torch.float32:
+        raise InternalError("converting an engine buffer to a torch tensor copied it")
+    return tensor
+
+
+def app_stream(device: torch.device) -> int:
+    """The stream handle to give the engine's post calls: torch's current
+    CUDA stream on ``device`` (its kernels use the buffer), 0 on the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.current_stream(device).cuda_stream)
+    return 0
+
+
+_PLACEHOLDERS: dict[torch.device, torch.Tensor] = {}
+
+
+def placeholder(device: torch.device) -> torch.Tensor:
+    """A one-element NaN tensor on ``device``; parameters point at an
+    expanded view of it between their accesses, so a use outside the
+    module's forward gives NaN (and, when autograd saves it, an error)
+    rather than values from a buffer the engine has taken back."""
+    value = _PLACEHOLDERS.get(device)
+    if value is None:  # setdefault: workers on other threads get the same one
+        value = _PLACEHOLDERS.setdefault(device, torch.full((), float("nan"), dtype=torch.float32, device=device))
+    return value

@@ -1,0 +1,626 @@
+"""The clock driver: turns a model's forward and backward pass into the
+engine's access sequence, once recorded and then replayed every clock.
+
+What happens in one clock, per layer (a table, see ``_layers.py``):
+
+forward
+    ``read`` before the layer's forward: its parameters point into the read
+    buffer (no copy); ``post_read`` right after, so only the running
+    layer's parameters occupy buffer memory (GeePS trains models larger
+    than the memory budget this way). Autograd's saved tensors pass through
+    ``saved_tensors_hooks``: a view of a parameter is saved as a reference
+    to its rows, an activation (``store_activations``) is copied into a local
+    table (``store``), anything else is kept by torch as usual.
+backward
+    The first saved parameter view the layer's backward unpacks opens a
+    second read of its rows (``read_grad``). When the last of the layer's
+    parameters has its gradient accumulated (``register_post_accumulate_grad_hook``),
+    the driver closes that read, copies the gradients into an update buffer
+    and hands it to the engine (``update``), which ships it at once while
+    autograd goes on with the layers below: wait-free backpropagation.
+    Stored activations come back from the local table on unpack (``load``).
+step
+    ``Worker.clock``.
+
+The recording pass runs these hooks on the model's own initial values and
+logs the events; :meth:`ClockDriver.plan` replays the log as the virtual
+iteration (``_recording.py``). Every later clock must produce the same events in the same order;
+the driver checks each one against the log before touching the engine, so a
+different clock raises :class:`IterationMismatchError` instead of confusing
+the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple, TypeVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from mltuner.client._worker import Table, Worker
+from mltuner.exceptions import InvalidArgumentError, OutOfOrderError
+from mltuner.torch._buffers import app_stream, as_tensor, placeholder
+from mltuner.torch._errors import IterationMismatchError, UnsupportedModelError
+from mltuner.torch._layers import Layer
+from mltuner.torch._recording import Event, Slot, describe, replay
+
+__all__ = ["ClockDriver", "tensors_in"]
+
+T = TypeVar("T")
+
+
+class _ParamRef(NamedTuple):
+    """What autograd keeps of a saved view of a layer's parameters."""
+
+    layer: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+class _ActRef(NamedTuple):
+    """What autograd keeps of an activation stored in the local table."""
+
+    slot: int
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"  # between clocks
+    FORWARD = "forward"  # inside the training forward pass
+    BACKWARD = "backward"  # forward done; gradients pending or done, step() not yet called
+
+
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a (nested) tuple, list or dict."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from tensors_in(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from tensors_in(item)
+
+
+def _storage_ptr(tensor: torch.Tensor) -> int | None:
+    """The address of a dense tensor's storage; None for tensors without one
+    (sparse, nested, wrapper subclasses), which are left to torch."""
+    if tensor.layout != torch.strided:
+        return None
+    try:
+        return int(tensor.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's contents as a flat uint8 tensor (a view when contiguous)."""
+    return tensor.detach().contiguous().view(-1).view(torch.uint8)
+
+
+class ClockDriver:
+    """Records one clock, plans the virtual iteration, then drives the
+    engine from the model's hooks. One per wrapped model; used by one thread
+    at a time (the training loop's; on CUDA, autograd runs the hooks on its
+    device thread while the loop waits in ``backward``)."""
+
+    def __init__(self, model: nn.Module, layers: list[Layer], worker: Worker, *, slack: int,
+                 store_activations: bool, row_width: int) -> None:
+        self.model = model
+        self.layers = layers
+        self.worker = worker
+        self.device = layers[0].device
+        self._slack = slack
+        self._store_activations = store_activations
+        self._row_width = row_width
+
+        # The recording, then the plan made from it.
+        self._recording = True
+        self._events: list[Event] = []
+        self._slots: list[Slot] = []
+        self._forward_events = 0
+        self._init: list[torch.Tensor] = []  # per layer: its initial values, flat
+        self._recorded_acts: dict[int, torch.Tensor] = {}
+        self._handles: list[int] = []
+        self._tables: list[Table] = []
+
+        # Per clock.
+        self.clock = 0  # clocks finished
+        self._phase = Phase.IDLE
+        self._cursor = 0  # next event
+        self._next_slot = 0
+        self._fwd_open: dict[int, tuple[int, int]] = {}  # layer -> (event, storage address)
+        self._param_ptrs: dict[int, int] = {}  # storage address of an open forward read -> layer
+        self._reads: dict[int, int] = {}  # layer -> forward reads this clock
+        self._grad_open: dict[int, tuple[int, torch.Tensor]] = {}  # layer -> (event, flat buffer)
+        self._fired: dict[int, set[int]] = {}  # layer -> parameters whose gradient arrived
+        self._updated: set[int] = set()
+        self._saved: dict[tuple[Any, ...], _ActRef] = {}
+        self._keepalive: list[torch.Tensor] = []
+        self._local_ptrs: set[int] = set()
+
+        self._eval_active = False
+        self._eval_clock = -1  # clock whose server values the parameters hold (-1: none)
+        self._broken: BaseException | None = None
+        self._closed = False
+        self._placeholder_ptr = _storage_ptr(placeholder(self.device))
+        self._hooks: list[Any] = []
+        self._install_hooks()
+
+    # -- hooks -----------------------------------------------------------------------
+    def _install_hooks(self) -> None:
+        for layer in self.layers:
+            self._hooks.append(layer.module.register_forward_pre_hook(self._pre_hook(layer)))
+            self._hooks.append(layer.module.register_forward_hook(self._post_hook(layer)))
+            for position, slot in enumerate(layer.params):
+                hook = self._grad_hook(layer, position)
+                self._hooks.append(slot.param.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    def _pre_hook(self, layer: Layer) -> Callable[[nn.Module, Any], None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            self._before_layer(layer)
+        return hook
+
+    def _post_hook(self, layer: Layer) -> Callable[[nn.Module, Any, Any], None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            self._after_layer(layer, output)
+        return hook
+
+    def _grad_hook(self, layer: Layer, position: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            self._on_gradient(layer, position, param)
+        return hook
+
+    # -- state checks ----------------------------------------------------------------
+    def check_usable(self) -> None:
+        if self._closed:
+            raise OutOfOrderError("the wrapped model was unwrapped; use the module unwrap() returned")
+        if self._broken is not None:
+            raise OutOfOrderError(
+                f"an earlier error left clock {self.clock} incomplete ({type(self._broken).__name__}: "
+                f"{self._broken}); the engine's recorded access order cannot be resumed, so this model "
+                "cannot train further"
+            ) from self._broken
+
+    @contextlib.contextmanager
+    def _mutating(self) -> Iterator[None]:
+        """Marks the driver broken if the block fails: the clock's accesses
+        are then half done and cannot be completed in the recorded order."""
+        try:
+            yield
+        except BaseException as error:
+            if self._broken is None:
+                self._broken = error
+            raise
+
+    @property
+    def accesses(self) -> list[str]:
+        """The recorded clock's accesses, in order, described in words."""
+        return [self._describe(event) for event in self._events]
+
+    def _describe(self, event: Event) -> str:
+        return describe(event, self.layers, self._slots)
+
+    def _next(self, event: Event) -> int:
+        """Logs ``event`` (recording) or checks that it is the next recorded
+        one; returns its index."""
+        if self._recording:
+            self._events.append(event)
+            return len(self._events) - 1
+        index = self._cursor
+        if index >= len(self._events) or self._events[index] != event:
+            expected = self._describe(self._events[index]) if index < len(self._events) else "the end of the clock"
+            raise IterationMismatchError(
+                f"clock {self.clock}: the model did a {self._describe(event)} where the recorded iteration has "
+                f"a {expected}; every clock must run the same layers in the same order as the recording "
+                "pass of wrap()"
+            )
+        self._cursor += 1
+        return index
+
+    # -- the data behind each event -------------------------------------------------------
+    def _open_read(self, index: int, layer: Layer) -> torch.Tensor:
+        if self._recording:
+            return self._init[layer.index]
+        return as_tensor(self.worker.read(self._handles[index]), self.device).view(-1)
+
+    def _close_read(self, index: int) -> None:
+        if not self._recording:
+            self.worker.post_read(self._handles[index], stream=app_stream(self.device))
+
+    def _store(self, index: int, slot: int, tensor: torch.Tensor) -> None:
+        if self._recording:
+            self._recorded_acts[slot] = tensor
+            return
+        handle = self._handles[index]
+        target = as_tensor(self.worker.local_access(handle), self.device).view(-1).view(torch.uint8)
+        source = _bytes(tensor)
+        target[: source.numel()].copy_(source)
+        self.worker.post_local_access(handle, stream=app_stream(self.device))
+
+    def _load(self, index: int, slot: int) -> torch.Tensor:
+        if self._recording:
+            return self._recorded_acts[slot]
+        # A copy: autograd gives no signal when the node is done with the
+        # tensor, so the buffer could not be handed back safely.
+        handle = self._handles[index]
+        source = as_tensor(self.worker.local_access(handle), self.device).view(-1).view(torch.uint8)
+        spec = self._slots[slot]
+        out = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+        out.view(-1).view(torch.uint8).copy_(source[: spec.nbytes])
+        self.worker.post_local_access(handle, stream=app_stream(self.device))
+        return out
+
+    def _update(self, index: int, layer: Layer) -> None:
+        if not self._recording:
+            handle = self._handles[index]
+            flat = as_tensor(self.worker.pre_update(handle), self.device).view(-1)
+            with torch.no_grad():
+                for slot, view in zip(layer.params, layer.views(flat)):
+                    view.copy_(slot.param.grad)  # type: ignore[arg-type]  # checked by _on_gradient
+            self.worker.update(handle, stream=app_stream(self.device))
+        for slot in layer.params:
+            slot.param.grad = None
+
+    # -- the forward pass --------------------------------------------------------------
+    def forward(self, call: Callable[[], T]) -> T:
+        """Runs the wrapped model's forward: a clock's training forward when
+        gradients are enabled, an evaluation on the servers' current values
+        otherwise."""
+        self.check_usable()
+        if not torch.is_grad_enabled():
+            return self._evaluate(call)
+        if self._phase is not Phase.IDLE:
+            raise OutOfOrderError(
+                f"a second training forward pass in clock {self.clock}: call loss.backward() and step() once "
+                "per forward pass (run evaluation forwards under torch.no_grad())"
+            )
+        for layer in self.layers:  # stale gradients of an aborted backward must not accumulate
+            for slot in layer.params:
+                slot.param.grad = None
+        self._phase = Phase.FORWARD
+        self._eval_clock = -1
+        self._local_ptrs = {p for p in (_storage_ptr(t) for t in self._local_tensors()) if p}
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                output = call()
+            if self._recording:
+                self._forward_events = len(self._events)
+            elif self._cursor != self._forward_events:
+                with self._mutating():
+                    event = self._events[self._cursor]
+                    raise IterationMismatchError(
+                        f"clock {self.clock}: the forward pass ended before the recorded {self._describe(event)}; "
+                        "every clock must run the same layers as the recording pass of wrap()"
+                    )
+        except BaseException as error:
+            if self._cursor == 0 and not self._recording and self._broken is None:
+                self._phase = Phase.IDLE  # nothing reached the engine: the clock can start over
+            elif self._broken is None:
+                self._broken = error  # the clock's accesses are half done
+            raise
+        finally:
+            self._saved.clear()
+            self._keepalive.clear()  # the stored activations' memory can go now
+        self._phase = Phase.BACKWARD
+        return output
+
+    def _local_tensors(self) -> Iterator[torch.Tensor]:
+        """Tensors the model keeps anyway: buffers and frozen parameters.
+        Saved, they pass through (no point storing a copy)."""
+        yield from self.model.buffers()
+        for param in self.model.parameters():
+            if not param.requires_grad:
+                yield param
+
+    def _before_layer(self, layer: Layer) -> None:
+        if self._eval_active:
+            return
+        self.check_usable()
+        if self._phase is not Phase.FORWARD:
+            raise OutOfOrderError(
+                f"layer {layer.name!r} ran outside a forward pass of the wrapped model: call the object "
+                "wrap() returned, not the original module"
+            )
+        if layer.index in self._fwd_open:
+            raise UnsupportedModelError(f"layer {layer.name!r} was called from inside its own forward")
+        with self._mutating():
+            index = self._next(Event("read", layer.index))
+            flat = self._open_read(index, layer)
+            layer.bind(flat)
+            address = _storage_ptr(flat)
+            assert address is not None
+            self._fwd_open[layer.index] = (index, address)
+            self._param_ptrs[address] = layer.index
+            self._reads[layer.index] = self._reads.get(layer.index, 0) + 1
+
+    def _after_layer(self, layer: Layer, output: Any) -> None:
+        if self._eval_active or self._phase is not Phase.FORWARD:
+            return
+        with self._mutating():
+            index, address = self._fwd_open.pop(layer.index)
+            self._next(Event("post_read", layer.index))
+            for tensor in tensors_in(output):
+                if _storage_ptr(tensor) == address:
+                    raise UnsupportedModelError(
+                        f"layer {layer.name!r} returns a view of its own parameters; the adapter hands the "
+                        "parameters' memory back to the engine after the layer's forward, so return a copy"
+                    )
+            del self._param_ptrs[address]
+            self._close_read(index)
+            layer.unbind()
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        if self._phase is not Phase.FORWARD:
+            return tensor  # a backward of the loss outside our forward, etc.
+        address = _storage_ptr(tensor)
+        if address is None or tensor.numel() == 0:
+            return tensor
+        layer = self._param_ptrs.get(address)
+        if layer is not None:
+            if tensor.dtype != torch.float32:
+                raise UnsupportedModelError(
+                    f"autograd saves a {tensor.dtype} reinterpretation of layer {self.layers[layer].name!r}'s "
+                    "parameters; only float32 views are supported"
+                )
+            return _ParamRef(layer, tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset()))
+        if address == self._placeholder_ptr:
+            with self._mutating():
+                raise UnsupportedModelError(
+                    "a parameter is used outside the forward of the module that owns it (it holds a NaN "
+                    "placeholder there); call the module, or add the calling module's type to "
+                    "wrap(..., whole_modules=...) so it is read as one layer"
+                )
+        if not self._store_activations or address in self._local_ptrs or tensor.device != self.device:
+            return tensor
+        key = (address, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype,
+               tensor._version)
+        ref = self._saved.get(key)
+        if ref is not None:
+            return ref  # the same tensor saved again (e.g. by ReLU and by the next Linear)
+        with self._mutating():
+            slot = self._next_slot
+            if self._recording:
+                self._slots.append(Slot(tuple(tensor.shape), tensor.dtype))
+            index = self._next(Event("store", slot=slot))
+            expected = self._slots[slot]
+            if (tuple(tensor.shape), tensor.dtype) != (expected.shape, expected.dtype):
+                raise IterationMismatchError(
+                    f"clock {self.clock}: saved activation #{slot} is {tuple(tensor.shape)} {tensor.dtype}, the "
+                    f"recorded one {expected.shape} {expected.dtype}; with store_activations=True the local "
+                    "tables are sized by the recording pass, so every clock must save the same shapes (a "
+                    "fixed batch size); use store_activations=False for a varying batch size"
+                )
+            self._next_slot += 1
+            self._store(index, slot, tensor)
+            ref = _ActRef(slot)
+            self._saved[key] = ref
+            self._keepalive.append(tensor)  # no address reuse while the forward runs
+            return ref
+
+    # -- the backward pass -------------------------------------------------------------
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        self.check_usable()
+        if self._phase is not Phase.BACKWARD:
+            raise OutOfOrderError(
+                f"autograd needs a saved tensor of the wrapped model outside clock {self.clock}'s backward "
+                "pass: backward() can run once per forward pass, before step()"
+            )
+        if isinstance(packed, _ParamRef):
+            return self._grad_read(packed.layer).as_strided(packed.size, packed.stride, packed.offset)
+        assert isinstance(packed, _ActRef)
+        with self._mutating():
+            index = self._next(Event("load", slot=packed.slot))
+            return self._load(index, packed.slot)
+
+    def _grad_read(self, layer_index: int) -> torch.Tensor:
+        opened = self._grad_open.get(layer_index)
+        if opened is not None:
+            return opened[1]
+        layer = self.layers[layer_index]
+        if layer_index in self._updated:
+            raise OutOfOrderError(
+                f"autograd needs layer {layer.name!r}'s parameters after their gradients were final (a second "
+                "backward pass, or a saved detached view of the parameters); not supported"
+            )
+        with self._mutating():
+            index = self._next(Event("read_grad", layer_index))
+            flat = self._open_read(index, layer)
+            self._grad_open[layer_index] = (index, flat)
+            return flat
+
+    def _on_gradient(self, layer: Layer, position: int, param: torch.Tensor) -> None:
+        self.check_usable()
+        name = layer.params[position].name
+        if self._phase is not Phase.BACKWARD:
+            raise OutOfOrderError(
+                f"a gradient of {name!r} arrived outside clock {self.clock}'s backward pass: backward() can "
+                "run once per forward pass, before step() (was it called twice, with retain_graph=True?)"
+            )
+        fired = self._fired.setdefault(layer.index, set())
+        if layer.index in self._updated or position in fired:
+            raise OutOfOrderError(
+                f"{name!r} received a second gradient in clock {self.clock}: backward() ran twice; call "
+                "step() after each backward pass (gradient accumulation over several backward passes is "
+                "not supported: the first one already shipped the update)"
+            )
+        grad = param.grad
+        with self._mutating():
+            if grad is None or grad.layout != torch.strided:
+                raise UnsupportedModelError(f"{name!r} got a sparse or missing gradient: only dense gradients")
+            if self._reads.get(layer.index, 0) == 0:
+                raise UnsupportedModelError(
+                    f"{name!r} got a gradient, but module {layer.name!r} did not run in this forward pass: the "
+                    "parameter is used outside the forward of the module that owns it; add the calling "
+                    "module's type to wrap(..., whole_modules=...)"
+                )
+        fired.add(position)
+        if len(fired) < len(layer.params):
+            return
+        with self._mutating():
+            index = self._next(Event("update", layer.index))
+            opened = self._grad_open.pop(layer.index, None)
+            if opened is not None:
+                self._close_read(opened[0])
+            self._update(index, layer)
+            self._updated.add(layer.index)
+
+    # -- the end of a clock -----------------------------------------------------------------
+    def step(self) -> None:
+        """Ends the clock (``Worker.clock``)."""
+        self.check_usable()
+        if self._phase is Phase.IDLE:
+            raise OutOfOrderError(f"step() in clock {self.clock} without a forward pass and loss.backward()")
+        if self._phase is Phase.FORWARD:
+            raise OutOfOrderError("step() inside the forward pass")
+        missing = [layer.name for layer in self.layers if layer.index not in self._updated]
+        if missing:
+            raise OutOfOrderError(
+                f"step() before the backward pass of clock {self.clock} finished: no gradient yet for layer(s) "
+                f"{', '.join(repr(m) for m in missing)}; call loss.backward() first"
+            )
+        with self._mutating():
+            if self._cursor != len(self._events):
+                raise IterationMismatchError(
+                    f"clock {self.clock}: the backward pass ended before the recorded "
+                    f"{self._describe(self._events[self._cursor])}"
+                )
+            self.worker.clock()
+        self.clock += 1
+        self._reset_clock()
+
+    def _reset_clock(self) -> None:
+        self._phase = Phase.IDLE
+        self._cursor = 0
+        self._next_slot = 0
+        self._fwd_open.clear()
+        self._param_ptrs.clear()
+        self._reads.clear()
+        self._grad_open.clear()
+        self._fired.clear()
+        self._updated.clear()
+
+    # -- recording and planning ---------------------------------------------------------
+    def record(self, call: Callable[[], Any], loss_of: Callable[[Any], torch.Tensor]) -> None:
+        """The recording pass: one forward and backward on the initial values,
+        which logs the events; the model's buffers and the RNG are restored
+        afterwards, so training starts as it would without it."""
+        for layer in self.layers:
+            flat = torch.zeros(layer.num_values, dtype=torch.float32, device=self.device)
+            with torch.no_grad():
+                for slot, view in zip(layer.params, layer.views(flat)):
+                    view.copy_(slot.param.detach())
+            self._init.append(flat)
+            layer.unbind()  # from now on, parameters hold values only during their accesses
+        saved_buffers = {name: buffer.detach().clone() for name, buffer in self.model.named_buffers()}
+        devices = [self.device] if self.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices), torch.enable_grad():
+                output = self.forward(call)
+                loss = loss_of(output)
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+                    raise InvalidArgumentError(
+                        "example_loss must return a scalar tensor that depends on the model's parameters"
+                    )
+                loss.backward()  # type: ignore[no-untyped-call]
+        finally:
+            self._restore_buffers(saved_buffers)
+            self._recorded_acts.clear()
+        self._check_recording()
+        self._recording = False
+        self._reset_clock()
+
+    def _restore_buffers(self, saved: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, value in saved.items():
+                owner_name, _, leaf = name.rpartition(".")
+                owner = self.model.get_submodule(owner_name)
+                current = getattr(owner, leaf)
+                if isinstance(current, torch.Tensor) and current.shape == value.shape and current.dtype == value.dtype:
+                    current.copy_(value)
+                else:
+                    setattr(owner, leaf, value)
+
+    def _check_recording(self) -> None:
+        for layer in self.layers:
+            if self._reads.get(layer.index, 0) == 0:
+                raise UnsupportedModelError(
+                    f"module {layer.name!r} has trainable parameters but did not run in the recording forward "
+                    "pass on example_input: remove it or freeze its parameters (requires_grad_(False))"
+                )
+            if layer.index not in self._updated:
+                fired = self._fired.get(layer.index, set())
+                names = [p.name for i, p in enumerate(layer.params) if i not in fired]
+                raise UnsupportedModelError(
+                    f"parameter(s) {', '.join(repr(n) for n in names)} got no gradient in the recording pass "
+                    "(unused, or used under torch.no_grad()): freeze them (requires_grad_(False)) or remove them"
+                )
+
+    def plan(self) -> None:
+        """Creates the tables, replays the recording as the virtual
+        iteration, writes the initial values (worker 0) and starts the
+        engine's iterations. A barrier over all workers."""
+        worker = self.worker
+        self._tables, self._handles = replay(worker, self.layers, self._events, self._slots, slack=self._slack,
+                                             row_width=self._row_width)
+        worker.finish_virtual_iteration()
+        if worker.rank == 0:  # the initial values: worker 0's model, added to the servers' zeros
+            updates = {e.layer: self._handles[i] for i, e in enumerate(self._events) if e.kind == "update"}
+            for layer in self.layers:
+                handle = updates[layer.index]
+                as_tensor(worker.pre_update(handle), self.device).view(-1).copy_(self._init[layer.index])
+                worker.update(handle, stream=app_stream(self.device))
+        self._init.clear()
+        worker.start_iterations()
+
+    # -- evaluation and export ------------------------------------------------------------
+    def _evaluate(self, call: Callable[[], T]) -> T:
+        if self._phase is Phase.FORWARD:
+            raise OutOfOrderError("an evaluation forward inside a training forward pass")
+        self.bind_server_values()
+        self._eval_active = True
+        try:
+            return call()
+        finally:
+            self._eval_active = False
+
+    def bind_server_values(self) -> None:
+        """Points the parameters at copies of the servers' values after the
+        clocks this worker finished (waiting for every worker's updates of
+        those clocks first, so the result does not depend on timing)."""
+        if self._eval_clock == self.clock:
+            return
+        with self._mutating():
+            self.worker.sync()
+            for layer, table in zip(self.layers, self._tables):
+                values = np.ascontiguousarray(self.worker.fetch(table), dtype=np.float32)
+                layer.bind(torch.from_numpy(values).to(self.device).view(-1))
+        self._eval_clock = self.clock
+
+    def abandon(self) -> None:
+        """After a failed wrap(): gives the model its initial values back and
+        removes the hooks, so the plain module is usable again."""
+        self.remove_hooks()
+        for layer, flat in zip(self.layers, self._init):
+            layer.bind(flat)
+        self._closed = True
+
+    def close(self) -> None:
+        """Leaves the parameters bound to the servers' values and removes the hooks."""
+        self.check_usable()
+        if self._phase is not Phase.IDLE:
+            raise OutOfOrderError("unwrap() in the middle of a clock: call step() first")
+        self.bind_server_values()
+        self.remove_hooks()
+        self._closed = True

@@ -1,0 +1,249 @@
+"""PSModule: a torch module whose parameters live in the parameter server,
+and :func:`wrap`, which makes one."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+import torch
+from torch import nn
+
+from mltuner.client._worker import Worker
+from mltuner.exceptions import InvalidArgumentError, OutOfOrderError
+from mltuner.torch._clock import ClockDriver, tensors_in
+from mltuner.torch._layers import DEFAULT_WHOLE_MODULES, find_layers
+
+__all__ = ["PSModule", "ClockOptimizer", "wrap"]
+
+
+class PSModule(nn.Module):
+    """A model trained through a parameter-server worker; made by :func:`wrap`.
+
+    Each clock is one ``model(x)`` with gradients enabled, one
+    ``loss.backward()`` and one :meth:`step`. The gradients never stay on the
+    worker: each layer's update goes to the engine as soon as its gradient
+    is final, and the servers apply the update rule of
+    :class:`mltuner.Config` (learning rate and momentum per branch), so no
+    torch optimizer is involved.
+
+    A forward under ``torch.no_grad()`` (or ``torch.inference_mode()``) is an
+    evaluation: it takes no part in the clock and runs on a copy of the
+    servers' values after the clocks this worker finished (fetched once per
+    clock; it waits until every worker's updates of those clocks are in).
+
+    Between accesses the wrapped module's parameters hold NaN placeholders:
+    use :meth:`state_dict` or :meth:`unwrap` to get the trained values.
+    ``ps_model.to(...)``, ``load_state_dict`` and the like are refused; set
+    up the module before wrapping it.
+    """
+
+    def __init__(self, module: nn.Module, driver: ClockDriver) -> None:
+        super().__init__()
+        self.module = module
+        self._driver = driver
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped module's forward: a training forward when gradients
+        are enabled, an evaluation otherwise."""
+        return self._driver.forward(lambda: self.module(*args, **kwargs))
+
+    def step(self) -> None:
+        """Ends the clock, after ``loss.backward()``.
+
+        Raises:
+            mltuner.OutOfOrderError: no forward pass, or its backward pass
+                has not delivered every layer's gradient yet.
+        """
+        self._driver.step()
+
+    @property
+    def optimizer(self) -> ClockOptimizer:
+        """An object with ``step()`` and ``zero_grad()``, for training loops
+        written against a torch optimizer."""
+        return ClockOptimizer(self)
+
+    @property
+    def worker(self) -> Worker:
+        return self._driver.worker
+
+    @property
+    def clock(self) -> int:
+        """The number of clocks this worker finished."""
+        return self._driver.clock
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the model's parameters (and of the engine's buffers)."""
+        return self._driver.device
+
+    @property
+    def layers(self) -> list[str]:
+        """The layers (one table each), by module name, in table order."""
+        return [layer.name for layer in self._driver.layers]
+
+    @property
+    def accesses(self) -> list[str]:
+        """What one clock does, in order, as recorded by wrap(): each layer's
+        forward read and its end, the stores and loads of saved activations,
+        each layer's backward read and update. The ``update of layer ...``
+        entries show the order in which the layers' updates leave during the
+        backward pass."""
+        return self._driver.accesses
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """The wrapped module's state dict, with the parameters fetched from
+        the servers (as of the clocks this worker finished; waits until every
+        worker's updates of those clocks are in). Buffers, such as batch-norm
+        running statistics, are this worker's own. The keys are those of the
+        original module, so ``plain_model.load_state_dict(ps_model.state_dict())``
+        works. The tensors are copies."""
+        self._driver.check_usable()
+        self._driver.bind_server_values()
+        state = self.module.state_dict(*args, **kwargs)
+        return {name: value.detach().clone() if isinstance(value, torch.Tensor) else value
+                for name, value in state.items()}
+
+    def unwrap(self) -> nn.Module:
+        """Ends the adapter and returns the original module, its parameters
+        holding the servers' values and its hooks removed. Call it between
+        clocks; the worker stays up (shut it down separately)."""
+        self._driver.close()
+        return self.module
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise OutOfOrderError(
+            "load_state_dict on a wrapped model: the servers hold the parameters; load the state into the "
+            "module before wrap() (worker 0's values become the servers' initial values)"
+        )
+
+    def _apply(self, fn: Any, recurse: bool = True) -> NoReturn:
+        raise OutOfOrderError(
+            "moving or converting a wrapped model (to(), cuda(), float(), ...) is not supported: do it before "
+            "wrap(), whose engine buffers are made for the parameters' device and dtype"
+        )
+
+    def extra_repr(self) -> str:
+        return f"worker={self.worker.rank}, clock={self.clock}, layers={len(self._driver.layers)}"
+
+
+class ClockOptimizer:
+    """Stands in for a torch optimizer in an existing training loop:
+    :meth:`step` ends the clock (the servers apply the update rule) and
+    :meth:`zero_grad` does nothing, because the adapter hands each gradient
+    to the engine and clears it during the backward pass."""
+
+    def __init__(self, model: PSModule) -> None:
+        self._model = model
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
+        if closure is not None:
+            raise InvalidArgumentError("ClockOptimizer.step takes no closure (one backward pass per clock)")
+        self._model.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do: gradients are cleared as they are handed over."""
+
+
+def _default_loss(output: Any) -> torch.Tensor:
+    """The sum of every floating output that needs a gradient: only the
+    shape of the backward graph matters for the recording, not the values."""
+    parts = [t.float().sum() for t in tensors_in(output) if t.requires_grad and t.is_floating_point()]
+    if not parts:
+        raise InvalidArgumentError(
+            "the model's output on example_input needs no gradient: pass example_loss, or check that the "
+            "model's parameters take part in its output"
+        )
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
+def wrap(
+    module: nn.Module,
+    worker: Worker,
+    *,
+    example_input: Any,
+    example_loss: Callable[[Any], torch.Tensor] | None = None,
+    slack: int = 0,
+    store_activations: bool = False,
+    row_width: int = 128,
+    whole_modules: Sequence[type[nn.Module]] = DEFAULT_WHOLE_MODULES,
+) -> PSModule:
+    """Moves ``module``'s trainable parameters into ``worker``'s parameter
+    server and returns the model to train with.
+
+    Runs one forward and backward pass on ``example_input`` to record the
+    virtual iteration (the model's buffers and the RNG are restored
+    afterwards), creates one table per layer (plus a local table for
+    activations), and starts the engine's iterations. Every worker of the
+    job calls it, on its own thread or process, with the same architecture:
+    it waits for all of them. Worker 0's initial parameter values become the
+    servers' values; the other workers' are ignored.
+
+    Example:
+        >>> ps_model = mltuner.torch.wrap(Net(), worker, example_input=x0)
+        >>> for x, y in batches:
+        ...     loss = loss_fn(ps_model(x), y)
+        ...     loss.backward()   # each layer's update ships as soon as it is final
+        ...     ps_model.step()   # ends the clock
+
+    Args:
+        module: an eager model on the device of the worker's engine (CPU, or
+            on CUDA worker r's GPU), with float32 trainable parameters.
+            Parameters with ``requires_grad=False`` and buffers (batch-norm
+            running statistics) stay local to each worker.
+        worker: a worker whose virtual iteration has not been recorded (no
+            tables yet); the adapter owns its access sequence.
+        example_input: a tensor, or a tuple of positional arguments, shaped
+            like a training batch (with ``store_activations`` the batch size
+            is fixed by it).
+        example_loss: maps the output to a scalar for the recording's backward
+            pass; by default the sum of all outputs. Pass the real loss if the
+            model has outputs the loss does not use.
+        slack: staleness of every read: 0 is BSP; s > 0 lets a worker run s
+            clocks ahead of the slowest one (SSP).
+        store_activations: keep the activations autograd saves for the
+            backward pass in the engine's local tables, which the memory
+            manager places in host memory when ``Config.device_memory_budget``
+            is short, so the model's tensors need not all fit at once. The
+            shapes of every clock must then equal the recorded ones.
+        row_width: floats per table row; each parameter starts on a fresh
+            row, so at most ``row_width - 1`` values per tensor are padding.
+        whole_modules: module types read as one layer with all their
+            submodules' parameters, because their forward uses those
+            parameters without calling the submodules.
+
+    Raises:
+        UnsupportedModelError: a non-float32 or sparse trainable parameter,
+            a parameter shared between modules, a compiled, scripted or
+            DataParallel module, a module whose parameters get no gradient or
+            are used outside its forward.
+        mltuner.InvalidArgumentError: a used worker, bad arguments, a model
+            on another device than the engine.
+        mltuner.ResourceExhaustedError: the memory budget cannot hold the
+            largest layer's working set twice over.
+    """
+    if not isinstance(worker, Worker):
+        raise TypeError(f"expected a mltuner.Worker, got {type(worker).__name__}")
+    if worker.tables:
+        raise InvalidArgumentError(
+            f"worker {worker.rank} already has tables ({', '.join(t.name for t in worker.tables)}): wrap() needs "
+            "a fresh worker, whose virtual iteration it records"
+        )
+    if slack < 0:
+        raise InvalidArgumentError(f"slack must be >= 0, got {slack}")
+    if row_width < 1:
+        raise InvalidArgumentError(f"row_width must be >= 1, got {row_width}")
+    layers = find_layers(module, row_width, whole_modules)
+    args = example_input if isinstance(example_input, tuple) else (example_input,)
+    driver = ClockDriver(module, layers, worker, slack=slack, store_activations=store_activations,
+                         row_width=row_width)
+    try:
+        driver.record(lambda: module(*args), example_loss or _default_loss)
+        driver.plan()
+    except BaseException:
+        driver.abandon()
+        raise
+    return PSModule(module, driver)

@@ -1,0 +1,104 @@
+"""The recorded clock: its accesses (events), the saved activations' slots,
+and the replay of both as the engine's virtual iteration.
+
+The clock driver (``_clock.py``) logs the events during the recording pass
+and checks every later clock against them; :func:`replay` turns them into
+the ``virtual_*`` calls, one handle per event that opens a buffer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+from mltuner.client._layout import TensorLayout
+from mltuner.client._worker import Table, Worker
+from mltuner.torch._layers import Layer
+
+__all__ = ["Event", "EventKind", "Slot", "describe", "replay"]
+
+EventKind = Literal["read", "post_read", "store", "load", "read_grad", "update"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One access of the recorded clock.
+
+    ``read`` / ``post_read``: a layer's forward read, open during its
+    forward. ``store`` / ``load``: a saved activation written in the forward
+    and read back in the backward. ``read_grad``: a layer's backward read,
+    open until its ``update``, which hands the layer's gradients over.
+    """
+
+    kind: EventKind
+    layer: int = -1  # for read, post_read, read_grad, update
+    slot: int = -1  # for store, load
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """A saved activation of the recorded clock: its rows in the local table
+    hold its bytes."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def describe(event: Event, layers: Sequence[Layer], slots: Sequence[Slot]) -> str:
+    """An event in words, for error messages and ``PSModule.accesses``."""
+    if event.kind in ("store", "load"):
+        slot = slots[event.slot] if 0 <= event.slot < len(slots) else None
+        what = f"saved activation #{event.slot}" + (f" {tuple(slot.shape)} {slot.dtype}" if slot else "")
+        return f"{event.kind} of {what}"
+    name = layers[event.layer].name
+    return {
+        "read": f"forward read of layer {name!r}",
+        "post_read": f"end of the forward of layer {name!r}",
+        "read_grad": f"backward read of layer {name!r}",
+        "update": f"update of layer {name!r}",
+    }[event.kind]
+
+
+def replay(worker: Worker, layers: Sequence[Layer], events: Sequence[Event], slots: Sequence[Slot], *,
+           slack: int, row_width: int) -> tuple[list[Table], list[int]]:
+    """Creates one table per layer (and a local table for the activations)
+    and records ``events`` as the worker's virtual iteration, ending with
+    ``virtual_clock``. Returns the tables and, per event, the handle of the
+    access it opens (-1 for events that open none)."""
+    tables = [worker.create_tensor_table(f"torch:{layer.name}", layer.layout) for layer in layers]
+    activations: Table | None = None
+    act_layout = TensorLayout(row_width)
+    if slots:
+        for k, slot in enumerate(slots):
+            act_layout.add(f"a{k}", (max(1, -(-slot.nbytes // 4)),))  # whole float32 words
+        activations = worker.create_tensor_table("torch:activations", act_layout, local=True)
+    handles = [-1] * len(events)
+    open_forward: dict[int, int] = {}
+    open_backward: dict[int, int] = {}
+    for index, event in enumerate(events):
+        if event.kind == "read":
+            handles[index] = open_forward[event.layer] = worker.virtual_read(tables[event.layer], slack=slack)
+        elif event.kind == "post_read":
+            worker.virtual_post_read(open_forward.pop(event.layer))
+        elif event.kind in ("store", "load"):
+            assert activations is not None
+            fetch = event.kind == "load"
+            handles[index] = worker.virtual_local_access(activations, act_layout.rows(f"a{event.slot}"), fetch=fetch)
+            worker.virtual_post_local_access(handles[index], keep=not fetch)
+        elif event.kind == "read_grad":
+            handles[index] = open_backward[event.layer] = worker.virtual_read(tables[event.layer], slack=slack)
+        else:  # update: the backward read is done with once the gradients are final
+            if event.layer in open_backward:
+                worker.virtual_post_read(open_backward.pop(event.layer))
+            handles[index] = worker.virtual_pre_update(tables[event.layer])
+            worker.virtual_update(handles[index])
+    worker.virtual_clock()
+    return tables, handles

@@ -1,0 +1,272 @@
+"""Bad input to the adapter gets a Python exception naming the problem,
+never a hang, a crash or silently wrong training.
+
+Three kinds: models the adapter refuses at wrap() (UnsupportedModelError),
+training loops that call things out of order (OutOfOrderError; the clock can
+go on once the loop does the right thing), and clocks that differ from the
+recorded one (IterationMismatchError; the model cannot continue, and says
+so). Waits are bounded by Config.wait_timeout_s.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import mltuner  # noqa: E402
+import mltuner.torch as mt  # noqa: E402
+from mltuner import Config, LocalCluster, UpdateRule, Worker  # noqa: E402
+
+X = torch.randn(4, 6)
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+@pytest.fixture(name="worker")
+def worker_fixture() -> Iterator[Worker]:
+    config = Config(wait_timeout_s=20, update_rule=UpdateRule("sgd", learning_rate=0.1))
+    with LocalCluster(1, config) as cluster:
+        yield cluster.worker(0)
+
+
+def one_clock(ps_model: mt.PSModule, x: torch.Tensor = X) -> None:
+    ps_model(x).square().mean().backward()
+    ps_model.step()
+
+
+# -- models the adapter refuses ---------------------------------------------------------
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 6)
+        self.out = nn.Linear(6, 10, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(tokens))
+
+
+class UsesChildWeight(nn.Module):
+    """Reads a child's parameter without calling the child."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(6, 8)
+        self.second = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(torch.relu(self.first(x)), self.second.weight, self.second.bias)
+
+
+class Unused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(6, 3)
+        self.spare = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+class ReturnsWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale  # a view of the parameter's own buffer
+
+
+def compiled() -> nn.Module:
+    return torch.compile(mlp(), backend="eager")  # type: ignore[return-value]
+
+
+def scripted() -> nn.Module:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # TorchScript is deprecated in recent torch
+        return torch.jit.script(mlp())  # type: ignore[no-any-return]
+
+
+REFUSED: list[tuple[str, Callable[[], nn.Module], Any, str]] = [
+    ("float64", lambda: mlp().double(), X.double(), r"'0\.weight' has dtype torch\.float64.*float32"),
+    ("tied weights", Tied, torch.randint(0, 10, (4,)), r"shared between modules.*emb\.weight = out\.weight"),
+    ("sparse embedding", lambda: nn.Embedding(10, 6, sparse=True), torch.randint(0, 10, (4,)), "sparse=True"),
+    ("torch.compile", compiled, X, "torch.compile"),
+    ("TorchScript", scripted, X, "TorchScript"),
+    ("DataParallel", lambda: nn.DataParallel(mlp()), X, "DataParallel"),
+    ("no trainable parameters", lambda: mlp().requires_grad_(False), X, "no trainable parameters"),
+    ("unused layer", Unused, X, r"'spare' has trainable parameters but did not run"),
+    ("parameter used outside its module", UsesChildWeight, X, "outside the forward of the module"),
+    ("layer returning its parameter", ReturnsWeight, X, "returns a view of its own parameters"),
+]
+
+
+@pytest.mark.parametrize(("maker", "example", "message"), [r[1:] for r in REFUSED], ids=[r[0] for r in REFUSED])
+def test_unsupported_models_are_refused_at_wrap(worker: Worker, maker: Callable[[], nn.Module], example: Any,
+                                                message: str) -> None:
+    model = maker()
+    with pytest.raises(mt.UnsupportedModelError, match=message):
+        mt.wrap(model, worker, example_input=example)
+    assert isinstance(mt.UnsupportedModelError("x"), mltuner.InvalidArgumentError)
+
+
+def test_used_under_no_grad_is_named() -> None:
+    class Frozen(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(6, 6)
+            self.b = nn.Linear(6, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                x = self.a(x)
+            return self.b(x)
+
+    with LocalCluster(1, Config(wait_timeout_s=20)) as cluster:
+        with pytest.raises(mt.UnsupportedModelError, match=r"'a\.weight', 'a\.bias' got no gradient"):
+            mt.wrap(Frozen(), cluster.worker(0), example_input=X)
+
+
+def test_bad_arguments(worker: Worker) -> None:
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        mt.wrap("not a model", worker, example_input=X)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="mltuner.Worker"):
+        mt.wrap(mlp(), object(), example_input=X)  # type: ignore[arg-type]
+    with pytest.raises(mltuner.InvalidArgumentError, match="slack"):
+        mt.wrap(mlp(), worker, example_input=X, slack=-1)
+    with pytest.raises(mltuner.InvalidArgumentError, match="scalar"):
+        mt.wrap(mlp(), worker, example_input=X, example_loss=lambda out: out)
+    worker.create_table("mine", 2, 2)
+    with pytest.raises(mltuner.InvalidArgumentError, match="fresh worker"):
+        mt.wrap(mlp(), worker, example_input=X)
+
+
+# -- calls out of order --------------------------------------------------------------------
+
+
+def test_calls_out_of_order_raise_and_the_clock_recovers(worker: Worker) -> None:
+    ps_model = mt.wrap(mlp(), worker, example_input=X)
+    with pytest.raises(mltuner.OutOfOrderError, match="without a forward pass"):
+        ps_model.step()
+
+    loss = ps_model(X).square().mean()
+    with pytest.raises(mltuner.OutOfOrderError, match="second training forward"):
+        ps_model(X)
+    with pytest.raises(mltuner.OutOfOrderError, match=r"no gradient yet for layer\(s\) '0', '2'"):
+        ps_model.step()  # step without backward
+    loss.backward()
+    ps_model.step()
+
+    loss = ps_model(X).square().mean()
+    loss.backward(retain_graph=True)
+    with pytest.raises(mltuner.OutOfOrderError, match="second backward pass|second gradient"):
+        loss.backward(retain_graph=True)  # backward twice in one clock
+    ps_model.step()
+    with pytest.raises(mltuner.OutOfOrderError, match="outside clock 2's backward pass"):
+        loss.backward()  # a stale graph after step
+    one_clock(ps_model)  # the model goes on training
+    assert ps_model.clock == 3
+
+    with pytest.raises(mltuner.OutOfOrderError, match="outside a forward pass of the wrapped model"):
+        ps_model.module(X)  # the original module, bypassing the adapter
+    with pytest.raises(mltuner.OutOfOrderError, match="before wrap"):
+        ps_model.to(torch.float64)
+    with pytest.raises(mltuner.OutOfOrderError, match="before wrap"):
+        ps_model.load_state_dict({})
+    one_clock(ps_model)
+    assert ps_model.clock == 4
+
+
+def test_backward_twice_without_retained_graph_is_torchs_error(worker: Worker) -> None:
+    ps_model = mt.wrap(mlp(), worker, example_input=X, store_activations=True)
+    loss = ps_model(X).square().mean()
+    loss.backward()
+    with pytest.raises(RuntimeError, match="second time"):
+        loss.backward()
+    ps_model.step()
+    one_clock(ps_model)
+
+
+# -- clocks that differ from the recording -------------------------------------------------------
+
+
+def test_batch_size_change_with_stored_activations_is_a_clear_error(worker: Worker) -> None:
+    ps_model = mt.wrap(mlp(), worker, example_input=X, store_activations=True)
+    one_clock(ps_model)
+    with pytest.raises(mt.IterationMismatchError, match=r"\(3, 6\).*recorded one \(4, 6\).*fixed batch size"):
+        ps_model(X[:3])
+    with pytest.raises(mltuner.OutOfOrderError, match="earlier error left clock 1 incomplete"):
+        ps_model(X)
+
+
+def test_skipping_a_layer_is_a_clear_error(worker: Worker) -> None:
+    class Optional(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(6, 6)
+            self.b = nn.Linear(6, 3)
+            self.skip = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(x if self.skip else self.a(x))
+
+    model = Optional()
+    ps_model = mt.wrap(model, worker, example_input=X)
+    one_clock(ps_model)
+    model.skip = True
+    with pytest.raises(mt.IterationMismatchError, match="forward read of layer 'b'.*forward read of layer 'a'"):
+        ps_model(X)
+
+
+# -- every wait is bounded ------------------------------------------------------------------
+
+
+def test_a_missing_worker_gives_a_timeout_not_a_hang(run_workers: Callable[..., list[Any]]) -> None:
+    """Worker 1 wraps its model and then stops; under BSP worker 0's second
+    clock waits for worker 1's first update, and gives up after
+    wait_timeout_s with WaitTimeoutError."""
+    config = Config(wait_timeout_s=1.0, update_rule=UpdateRule("sgd", learning_rate=0.1))
+    models = [mlp(), mlp()]
+
+    def trainer(worker: Worker) -> float:
+        ps_model = mt.wrap(models[0], worker, example_input=X)
+        one_clock(ps_model)
+        start = time.monotonic()
+        with pytest.raises(mltuner.WaitTimeoutError):
+            one_clock(ps_model)
+        return time.monotonic() - start
+
+    def idler(worker: Worker) -> None:
+        mt.wrap(models[1], worker, example_input=X)
+
+    with LocalCluster(2, config) as cluster:
+        waited, _ = run_workers([trainer, idler], cluster.workers, on_error=cluster.shutdown)
+    assert 0.9 < waited < 10
+
+
+def test_wrap_waits_for_every_worker_with_a_timeout() -> None:
+    """wrap() meets the other workers at the end of the virtual iteration;
+    one that never comes makes it fail after wait_timeout_s, and the module
+    is given back unchanged."""
+    model = mlp()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with LocalCluster(2, Config(wait_timeout_s=1.0)) as cluster:
+        start = time.monotonic()
+        with pytest.raises(mltuner.WaitTimeoutError, match="every worker"):
+            mt.wrap(model, cluster.worker(0), example_input=X)
+        assert time.monotonic() - start < 10
+    for name, param in model.named_parameters():
+        assert torch.equal(param.detach(), before[name]), name

@@ -60,7 +60,7 @@ def _watched(args: argparse.Namespace, kind: str, command: list[str], env_log: b
     log = out / "decisions.jsonl"
     if command[:1] == ["--"]:
         command = command[1:]
-    if kind == "tune":
+    if kind in ("tune", "demo"):
         command = [sys.executable, "-m", "mltuner.apps.mnist1d", "--log", str(log), "--result",
                    str(out / "result.json"), *command]
     elif not command:
@@ -73,6 +73,21 @@ def _watched(args: argparse.Namespace, kind: str, command: list[str], env_log: b
 
 def _tune(args: argparse.Namespace) -> int:
     return _watched(args, "tune", list(args.app_args), env_log=False)
+
+
+# The main job: the MNIST-1D CNN with every tunable of the paper searched.
+DEMO_ARGS = ["--model", "cnn", "--search", "lr,momentum,batch_size,staleness", "--lr-min", "1e-3",
+             "--lr-max", "3", "--max-epochs", "60"]
+
+
+def _demo(args: argparse.Namespace) -> int:
+    try:
+        import torch  # noqa: F401 - the CNN needs it
+    except ImportError:
+        print("mltuner demo: error: the demo trains a PyTorch CNN; install PyTorch first: "
+              "python3 -m pip install \"mltuner[torch]\" torch==2.13.0", file=sys.stderr)
+        return 2
+    return _watched(args, "demo", DEMO_ARGS + list(args.app_args), env_log=False)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -126,6 +141,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "--mode hyperband, --search lr,staleness, --max-epochs 10, --target-accuracy 0.6.")
     _add_watch_options(tune)
     tune.set_defaults(handler=_tune)
+    demo = commands.add_parser(
+        "demo", help="the main job: tune and train the MNIST-1D CNN on 2 local workers",
+        usage="mltuner demo [-n N] [--out DIR] [--plain] [PROGRAM OPTIONS...]",
+        description="mltuner tune with the MNIST-1D CNN (PyTorch, through mltuner.torch; on the GPU when "
+                    "there is one) and the tuner choosing learning rate, momentum, batch size and "
+                    f"staleness: {' '.join(DEMO_ARGS)}. Ends with the test accuracy and where the decision "
+                    "log and the report are.")
+    _add_watch_options(demo)
+    demo.set_defaults(handler=_demo)
     run = commands.add_parser(
         "run", help="run your training script (using mltuner.tune.TuningSession) with live progress",
         usage="mltuner run [-n N] [--out DIR] [--plain] -- COMMAND [ARGS...]",
@@ -136,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after `--`")
     run.set_defaults(handler=_run)
     args, extra = parser.parse_known_args(argv)
-    if args.handler is _tune:
+    if args.handler in (_tune, _demo):
         args.app_args = extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

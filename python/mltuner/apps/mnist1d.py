@@ -8,8 +8,10 @@ with ``mltuner launch``)::
 
 The model is a numpy :class:`~mltuner.models.MLP` (``--model mlp``: the
 MNIST-1D authors' 100-100 MLP, ``logreg``: logistic regression) whose
-parameters are one table; the servers apply momentum SGD with each branch's
-learning rate and momentum. 10% of the training set is held out for the
+parameters are one table, or the authors' CNN in PyTorch through
+:mod:`mltuner.torch` (``--model cnn``, one table per layer, on the GPU when
+there is one); the servers apply momentum SGD with each branch's learning
+rate and momentum. 10% of the training set is held out for the
 tuner's validation; the test set is used once, at the end, for the reported
 accuracy. Rank 0 prints the result and writes it as JSON (``--result``).
 """
@@ -24,7 +26,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -40,6 +42,7 @@ from mltuner.tune import (
     Listener,
     LiveDisplay,
     SearchSpace,
+    Step,
     TunerConfig,
     TuningResult,
     TuningSession,
@@ -54,7 +57,7 @@ from mltuner.tune._session import Driver
 
 __all__ = ["main", "build_space", "MODELS"]
 
-MODELS = {"logreg": (), "mlp": (100, 100)}
+MODELS = {"logreg": (), "mlp": (100, 100), "cnn": ()}  # hidden sizes of the numpy models
 SEARCHABLE = ("lr", "momentum", "batch_size", "staleness")
 
 
@@ -109,13 +112,34 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def load(args: argparse.Namespace) -> tuple[np.ndarray, ...]:
-    """Train, validation (last 10% of the training split) and test arrays."""
+@dataclasses.dataclass(frozen=True)
+class Data:
+    """MNIST-1D split three ways: the tuner validates on the last 10% of the
+    training split; the test split is used once, at the end."""
+
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_val: np.ndarray
+    y_val: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+
+
+def load(args: argparse.Namespace) -> Data:
     data = load_mnist1d(num_samples=args.samples)
-    held_out = len(data.x_train) // 10
-    cut = len(data.x_train) - held_out
-    return (data.x_train[:cut], data.y_train[:cut], data.x_train[cut:], data.y_train[cut:],
-            data.x_test, data.y_test)
+    cut = len(data.x_train) - len(data.x_train) // 10
+    return Data(data.x_train[:cut], data.y_train[:cut], data.x_train[cut:], data.y_train[cut:],
+                data.x_test, data.y_test)
+
+
+class Trainer(Protocol):
+    """One model's side of the loop: runs a clock the session asked for."""
+
+    def clock(self, step: Step) -> None:
+        """Reads, computes, reports (loss; accuracy on TESTING) and clocks."""
+
+    def test_accuracy(self, branch: int) -> float:
+        """Accuracy of ``branch``'s parameters on the test split."""
 
 
 def host(buffer: object) -> np.ndarray:
@@ -164,14 +188,62 @@ def open_log(args: argparse.Namespace) -> DecisionLog | None:
     return DecisionLog(path, listeners=listeners) if path or listeners else None
 
 
+class NumpyMLP:
+    """The numpy MLP (or logistic regression): one table, one read and one
+    update per clock, the gradient computed by hand."""
+
+    def __init__(self, args: argparse.Namespace, data: Data, worker: mlt.Worker) -> None:
+        self._data, self._worker = data, worker
+        self._model = MLP([data.x_train.shape[1], *MODELS[args.model], int(data.y_train.max()) + 1])
+        self._layout = mlt.TensorLayout(row_width=256).add("params", (self._model.num_params,))
+        self._table = worker.create_tensor_table("mnist1d", self._layout)
+        self._read = worker.virtual_read(self._table)
+        worker.virtual_post_read(self._read)
+        self._grad = worker.virtual_pre_update(self._table)
+        worker.virtual_update(self._grad)
+        worker.virtual_clock()
+        worker.finish_virtual_iteration()
+        if worker.rank == 0:  # the initial weights, written into the root branch
+            weights = self._model.init_params(np.random.default_rng(args.seed))
+            host(worker.pre_update(self._grad))[...] = self._layout.pack({"params": weights})
+            worker.update(self._grad)
+        worker.start_iterations()
+
+    def clock(self, step: Step) -> None:
+        worker, data, layout = self._worker, self._data, self._layout
+        params = layout.view(host(worker.read(self._read)), "params")
+        if step.kind is BranchKind.TESTING:
+            x, y = data.x_val[step.indices], data.y_val[step.indices]
+            accuracy = self._model.accuracy(params, x, y) if len(y) else 0.0
+            worker.post_read(self._read)
+            host(worker.pre_update(self._grad))[...] = 0.0
+            step.report(0.0, accuracy=accuracy)
+        else:
+            loss, gradient = self._model.loss_and_grad(params, data.x_train[step.indices],
+                                                        data.y_train[step.indices])
+            worker.post_read(self._read)
+            layout.view(host(worker.pre_update(self._grad)), "params")[...] = gradient
+            step.report(loss)
+        worker.update(self._grad)
+        worker.clock()
+
+    def test_accuracy(self, branch: int) -> float:
+        self._worker.sync()
+        weights = self._layout.view(host(self._worker.fetch(self._table, branch=branch)), "params")
+        return self._model.accuracy(weights, self._data.x_test, self._data.y_test)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    x_train, y_train, x_val, y_val, x_test, y_test = load(args)
-    model = MLP([x_train.shape[1], *MODELS[args.model], int(y_train.max()) + 1])
-    layout = mlt.TensorLayout(row_width=256).add("params", (model.num_params,))
+    data = load(args)
     space = build_space(args)
+    device: Literal["cpu", "cuda"] = "cpu"
+    if args.model == "cnn":
+        from mltuner.apps._cnn import engine_device
+
+        device = engine_device()
     config = mlt.Config(update_rule=mlt.UpdateRule("momentum", learning_rate=args.lr, momentum=args.momentum),
-                        branches=True, max_branches=40, wait_timeout_s=60, device="cpu")
+                        branches=True, max_branches=40, wait_timeout_s=60, device=device)
     tuner_config = TunerConfig(
         sampler=args.sampler, retune=args.retune, seed=args.seed, storage=args.storage,
         num_clocks_to_eval=args.eval_clocks, max_trials_per_search=args.trials, max_epochs=args.max_epochs,
@@ -179,47 +251,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     with mlt.Job(config) as job:
         log = open_log(args) if job.rank == 0 else None
-        worker = job.worker
-        table = worker.create_tensor_table("mnist1d", layout)
-        read = worker.virtual_read(table)
-        worker.virtual_post_read(read)
-        grad = worker.virtual_pre_update(table)
-        worker.virtual_update(grad)
-        worker.virtual_clock()
-        worker.finish_virtual_iteration()
-        if job.rank == 0:  # the initial weights, written into the root branch
-            host(worker.pre_update(grad))[...] = layout.pack({"params": model.init_params(np.random.default_rng(args.seed))})
-            worker.update(grad)
-        worker.start_iterations()
-        session = TuningSession(job, space, num_train=len(x_train), num_validation=len(x_val),
+        if args.model == "cnn":
+            from mltuner.apps._cnn import TorchCNN
+
+            trainer: Trainer = TorchCNN(args, data, job.worker)
+        else:
+            trainer = NumpyMLP(args, data, job.worker)
+        session = TuningSession(job, space, num_train=len(data.x_train), num_validation=len(data.x_val),
                                 config=tuner_config, seed=args.seed)
         session.driver = make_driver(args, space, session, log)
         for step in session:
-            params = layout.view(host(worker.read(read)), "params")
-            if step.kind is BranchKind.TESTING:
-                x, y = x_val[step.indices], y_val[step.indices]
-                accuracy = model.accuracy(params, x, y) if len(y) else 0.0
-                worker.post_read(read)
-                host(worker.pre_update(grad))[...] = 0.0
-                step.report(0.0, accuracy=accuracy)
-            else:
-                loss, gradient = model.loss_and_grad(params, x_train[step.indices], y_train[step.indices])
-                worker.post_read(read)
-                layout.view(host(worker.pre_update(grad)), "params")[...] = gradient
-                step.report(loss)
-            worker.update(grad)
-            worker.clock()
-        worker.sync()
+            trainer.clock(step)
         final = session.final_branch
-        weights = layout.view(host(worker.fetch(table, branch=final)), "params") if final is not None else None
+        test_accuracy = trainer.test_accuracy(final) if final is not None else None
         outcome = session.result
     elapsed = time.perf_counter() - start
     if log is not None:
         log.close()
-    if job.rank != 0:
-        return 0
-    report(args, outcome, elapsed, job.world_size,
-           model.accuracy(weights, x_test, y_test) if weights is not None else None)
+    if job.rank == 0:
+        report(args, outcome, elapsed, job.world_size, test_accuracy)
     return 0
 
 

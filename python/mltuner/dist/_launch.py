@@ -136,7 +136,9 @@ def launch(
     ``MLTUNER_RANK``, ``MLTUNER_WORLD_SIZE``, ``MLTUNER_LOCAL_RANK`` (the rank),
     ``MLTUNER_MASTER_ADDR=127.0.0.1``, ``MLTUNER_MASTER_PORT``,
     ``MLTUNER_SECRET`` (``env``'s, or a fresh random one) and
-    ``PYTHONUNBUFFERED=1``. ``command`` is run directly, without a shell.
+    ``PYTHONUNBUFFERED=1``, and ``OMP_NUM_THREADS`` = cores / workers unless
+    ``env`` sets it (numpy's BLAS and torch size their thread pools by it).
+    ``command`` is run directly, without a shell.
 
     Args:
         command: the program and its arguments, e.g.
@@ -177,6 +179,11 @@ def launch(
         "MLTUNER_SECRET": base_env.get("MLTUNER_SECRET") or secrets.token_hex(32),
         "PYTHONUNBUFFERED": "1",
     }
+    # The machine's cores divided among the workers: BLAS and OpenMP pools
+    # sized for the whole machine in every worker oversubscribe the cores,
+    # and their spinning threads slowed a 2-worker numpy job 20x.
+    if "OMP_NUM_THREADS" not in base_env:
+        shared["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // num_workers))
 
     received: list[int] = []  # signals that arrived, in order
 

@@ -144,7 +144,7 @@ class ClockDriver:
         self._local_ptrs: set[int] = set()
 
         self._eval_active = False
-        self._eval_clock = -1  # clock whose server values the parameters hold (-1: none)
+        self._eval_clock: tuple[int, int | None] | None = None  # (clock, branch) the parameters hold
         self._broken: BaseException | None = None
         self._closed = False
         self._placeholder_ptr = _storage_ptr(placeholder(self.device))
@@ -288,7 +288,7 @@ class ClockDriver:
             for slot in layer.params:
                 slot.param.grad = None
         self._phase = Phase.FORWARD
-        self._eval_clock = -1
+        self._eval_clock = None
         self._local_ptrs = {p for p in (_storage_ptr(t) for t in self._local_tensors()) if p}
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
@@ -595,18 +595,19 @@ class ClockDriver:
         finally:
             self._eval_active = False
 
-    def bind_server_values(self) -> None:
+    def bind_server_values(self, branch: int | None = None) -> None:
         """Points the parameters at copies of the servers' values after the
         clocks this worker finished (waiting for every worker's updates of
-        those clocks first, so the result does not depend on timing)."""
-        if self._eval_clock == self.clock:
+        those clocks first, so the result does not depend on timing), from
+        ``branch`` (default: the branch of the last finished clock)."""
+        if self._eval_clock == (self.clock, branch):
             return
         with self._mutating():
             self.worker.sync()
             for layer, table in zip(self.layers, self._tables):
-                values = np.ascontiguousarray(self.worker.fetch(table), dtype=np.float32)
+                values = np.ascontiguousarray(self.worker.fetch(table, branch=branch), dtype=np.float32)
                 layer.bind(torch.from_numpy(values).to(self.device).view(-1))
-        self._eval_clock = self.clock
+        self._eval_clock = (self.clock, branch)
 
     def abandon(self) -> None:
         """After a failed wrap(): gives the model its initial values back and

@@ -91,15 +91,18 @@ class PSModule(nn.Module):
         backward pass."""
         return self._driver.accesses
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self, *args: Any, branch: int | None = None,  # type: ignore[override]
+                   **kwargs: Any) -> dict[str, Any]:
         """The wrapped module's state dict, with the parameters fetched from
         the servers (as of the clocks this worker finished; waits until every
-        worker's updates of those clocks are in). Buffers, such as batch-norm
+        worker's updates of those clocks are in), from ``branch`` (default:
+        the branch of the last finished clock; a tuning session's final
+        branch is ``session.final_branch``). Buffers, such as batch-norm
         running statistics, are this worker's own. The keys are those of the
         original module, so ``plain_model.load_state_dict(ps_model.state_dict())``
         works. The tensors are copies."""
         self._driver.check_usable()
-        self._driver.bind_server_values()
+        self._driver.bind_server_values(branch)
         state = self.module.state_dict(*args, **kwargs)
         return {name: value.detach().clone() if isinstance(value, torch.Tensor) else value
                 for name, value in state.items()}

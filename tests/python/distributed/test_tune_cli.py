@@ -48,3 +48,18 @@ def test_a_failing_script_shows_its_output(tmp_path: Path, capsys: pytest.Captur
 def test_run_needs_a_command(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert main(["run", "--out", str(tmp_path)]) == 2
     assert "give the training command" in capsys.readouterr().err
+
+
+def test_tune_and_train_the_torch_cnn(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("torch")
+    out = tmp_path / "cnn"
+    assert main(["tune", "--out", str(out), "--plain", "--model", "cnn", "--search", "lr,staleness",
+                 "--lr-max", "1", *QUICK]) == 0, capsys.readouterr().out
+    result = json.loads((out / "result.json").read_text())
+    assert result["model"] == "cnn" and result["tunables"]["staleness"] in (0, 1, 3)
+    assert 0.0 <= result["test_accuracy"] <= 1.0
+    # A fixed setting known to train: well above chance (0.10) in 5 epochs.
+    assert main(["tune", "--out", str(tmp_path / "fixed"), "--plain", "--model", "cnn", "--mode", "fixed",
+                 "--search", "", "--lr", "0.3", "--max-epochs", "5"]) == 0
+    fixed = json.loads((tmp_path / "fixed" / "result.json").read_text())
+    assert fixed["summary"]["best_accuracy"] > 0.3, fixed["summary"]

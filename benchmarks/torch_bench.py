@@ -1,0 +1,185 @@
+"""Throughput of a ResNet-18-sized CNN through mltuner.torch, as a ratio to
+plain PyTorch on the same model, data and device in the same run.
+
+    python benchmarks/torch_bench.py [--device cuda] [--batch 128] [--steps 30] [--out PATH]
+
+Three runs of the same training step (forward, cross-entropy, backward,
+momentum SGD) on synthetic 32x32 images, 10 classes:
+
+1. plain PyTorch: the model and a torch.optim.SGD on the device;
+2. mltuner: one worker (an in-process cluster), the model wrapped with
+   mltuner.torch, the servers applying the same momentum rule;
+3. mltuner under a budget: device memory for parameters and activations
+   (stored as local data) cut to a quarter of what one clock needs, the rest
+   in pinned host memory, swapped in ahead of use.
+
+Each run times ``--steps`` steps after ``--warmup`` untimed ones (CUDA
+synchronised at both ends); throughput = images / second. Ratios: (2) / (1)
+(goal >= 0.95) and (3) / (2) (goal >= 0.7). Stall time per clock is the
+engine's ``stall_seconds`` (the training thread waiting for a buffer) over
+the timed clocks. The BatchNorm running statistics stay on the worker, as
+they do with DDP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import mltuner as mlt
+import mltuner.torch as mtorch
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return torch.relu(out + self.shortcut(x))
+
+
+def resnet18(width: int = 64, num_classes: int = 10) -> nn.Module:
+    """ResNet-18 for 32x32 inputs (CIFAR layout: 3x3 stem, no max-pool)."""
+    layers: list[nn.Module] = [nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU()]
+    cin = width
+    for stage, cout in enumerate((width, 2 * width, 4 * width, 8 * width)):
+        for block in range(2):
+            layers.append(BasicBlock(cin, cout, 2 if stage > 0 and block == 0 else 1))
+            cin = cout
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes)]
+    return nn.Sequential(*layers)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_data(args: argparse.Namespace, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(args.batch, 3, 32, 32, generator=generator).to(device)
+    y = torch.randint(0, 10, (args.batch,), generator=generator).to(device)
+    return x, y
+
+
+def plain_run(args: argparse.Namespace, device: torch.device) -> float:
+    torch.manual_seed(0)
+    model = resnet18(args.width).to(device)
+    # The servers' rule h = (1-m) g + m h; w -= lr h is torch's SGD with dampening m.
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, dampening=0.9)
+    x, y = make_data(args, device)
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            synchronize(device)
+            start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    synchronize(device)
+    return args.batch * args.steps / (time.perf_counter() - start)
+
+
+def mltuner_run(args: argparse.Namespace, device: torch.device, budget_fraction: float | None
+                ) -> tuple[float, float, dict[str, float]]:
+    """(images/s, stall seconds per clock, engine stats) of one worker."""
+    torch.manual_seed(0)
+    model = resnet18(args.width).to(device)
+    config = mlt.Config(update_rule=mlt.UpdateRule("momentum", learning_rate=0.05, momentum=0.9),
+                        device="cuda" if device.type == "cuda" else "cpu", wait_timeout_s=120)
+    x, y = make_data(args, device)
+    store = budget_fraction is not None
+    if store:
+        need = measure_need(args, device, config, x, y)
+        config = mlt.Config(update_rule=config.update_rule, device=config.device, wait_timeout_s=120,
+                            device_memory_budget=int(need * budget_fraction))
+    with mlt.LocalCluster(1, config) as cluster:
+        worker = cluster.worker(0)
+        ps = mtorch.wrap(model, worker, example_input=x, store_activations=store,
+                         example_loss=lambda out: nn.functional.cross_entropy(out, y))
+        stall_before = 0.0
+        for step in range(args.warmup + args.steps):
+            if step == args.warmup:
+                synchronize(device)
+                stall_before = worker.stats["stall_seconds"]
+                start = time.perf_counter()
+            nn.functional.cross_entropy(ps(x), y).backward()
+            ps.step()
+        synchronize(device)
+        elapsed = time.perf_counter() - start
+        stats = worker.stats
+        worker.sync()
+    return args.batch * args.steps / elapsed, (stats["stall_seconds"] - stall_before) / args.steps, stats
+
+
+def measure_need(args: argparse.Namespace, device: torch.device, config: mlt.Config, x: torch.Tensor,
+                 y: torch.Tensor) -> int:
+    """Bytes of device memory the engine places for parameters, local data and
+    buffers with no budget: what 'a quarter of their need' is a quarter of."""
+    model = resnet18(args.width).to(device)
+    with mlt.LocalCluster(1, config) as cluster:
+        worker = cluster.worker(0)
+        mtorch.wrap(model, worker, example_input=x, store_activations=True,
+                    example_loss=lambda out: nn.functional.cross_entropy(out, y))
+        stats = worker.stats
+    return int(stats["device_store_bytes"] + stats["host_store_bytes"] + stats["pool_bytes"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--width", type=int, default=64, help="channels of the first stage (64 = ResNet-18)")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--out", default=None, help="write the table here (markdown)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    params = sum(p.numel() for p in resnet18(args.width).parameters())
+    plain = plain_run(args, device)
+    ps, ps_stall, _ = mltuner_run(args, device, None)
+    small, small_stall, small_stats = mltuner_run(args, device, 0.25)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "CPU"
+    lines = [
+        f"# mltuner.torch throughput: ResNet-18 ({params / 1e6:.1f} M parameters), batch {args.batch}, 32x32",
+        "",
+        f"date {datetime.datetime.now():%Y-%m-%d %H:%M}; device {name}; torch {torch.__version__}; "
+        f"{args.steps} timed steps after {args.warmup}",
+        "",
+        "| run | images/s | ratio | goal | stall ms/clock |",
+        "|:--|--:|--:|:-:|--:|",
+        f"| plain PyTorch (SGD momentum) | {plain:.0f} | 1.00 | | - |",
+        f"| mltuner, 1 worker | {ps:.0f} | {ps / plain:.2f} of plain | >= 0.95 | {ps_stall * 1e3:.2f} |",
+        f"| mltuner, budget 1/4 of need (activations as local data) | {small:.0f} | {small / ps:.2f} of "
+        f"unconstrained mltuner | >= 0.70 | {small_stall * 1e3:.2f} |",
+        "",
+        f"Under the budget: {small_stats['host_store_bytes'] / 1e6:.0f} MB in host memory, "
+        f"{small_stats['device_store_bytes'] / 1e6:.0f} MB on the device, access-buffer pool "
+        f"{small_stats['pool_bytes'] / 1e6:.0f} MB; {small_stats['bytes_swapped_in'] / 1e6 / small_stats['clock']:.0f} "
+        "MB swapped in per clock.",
+    ]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()

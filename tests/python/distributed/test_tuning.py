@@ -27,7 +27,8 @@ GRID = [10.0 ** e for e in np.arange(-3.0, 1.01, 0.5)]
 
 
 def grid_best_learning_rate(epochs: int = 3) -> tuple[float, dict[float, float]]:
-    x_train, y_train, x_val, y_val, _, _ = load(parse_args([]))
+    data = load(parse_args([]))
+    x_train, y_train, x_val, y_val = data.x_train, data.y_train, data.x_val, data.y_val
     model = MLP([x_train.shape[1], *MODELS["mlp"], 10])
     scores = {}
     for lr in GRID:

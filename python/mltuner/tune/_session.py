@@ -211,6 +211,7 @@ class TuningSession:
         self._reports: list[tuple[float, float | None, int]] = []  # (loss, accuracy, samples) per clock
         self._times: list[float] = []
         self._clock_start = 0.0
+        self._clocks_yielded = 0
         self._started = False
         self._error: BaseException | None = None
         self.result: Any = None
@@ -235,6 +236,7 @@ class TuningSession:
                 if step is None:
                     return
                 self._pending = step
+                self._clocks_yielded += 1
                 self._clock_start = time.perf_counter()
                 yield step
                 if self._pending is not None:
@@ -464,16 +466,21 @@ class PSBranchSystem:
         if self._closed:
             raise ShutdownError("the training loop ended; the tuning session is closed")
         self._commands.put(command)
-        deadline = time.monotonic() + self._session._timeout_s * 10
+        # A run may take hours; what must not happen is a loop that stops
+        # moving. Each clock the loop yields restarts the bound.
+        timeout_s = self._session._timeout_s
+        clocks, deadline = -1, 0.0
         while True:
             try:
                 answer = self._answers.get(timeout=0.5)
             except queue.Empty:
                 if self._closed:
                     raise ShutdownError("the training loop ended while the tuner waited for it") from None
-                if time.monotonic() > deadline:
-                    raise TuningError(f"the training loop did not run {command['op']!r} within "
-                                      f"{self._session._timeout_s * 10:g} s") from None
+                if self._session._clocks_yielded != clocks:
+                    clocks, deadline = self._session._clocks_yielded, time.monotonic() + timeout_s
+                elif time.monotonic() > deadline:
+                    raise TuningError(f"the training loop made no progress on {command['op']!r} for "
+                                      f"{timeout_s:g} s") from None
                 continue
             if isinstance(answer, BaseException):
                 raise answer

@@ -18,7 +18,7 @@ import torch.utils.dlpack
 from mltuner._core import DeviceArray
 from mltuner.exceptions import InternalError, InvalidArgumentError
 
-__all__ = ["as_tensor", "app_stream", "placeholder"]
+__all__ = ["as_tensor", "buffer_key", "app_stream", "placeholder"]
 
 
 class _WritableAlias:
@@ -78,6 +78,24 @@ def as_tensor(buffer: Any, device: torch.device) -> torch.Tensor:
     if tensor.data_ptr() != address or tensor.dtype != torch.float32:
         raise InternalError("converting an engine buffer to a torch tensor copied it")
     return tensor
+
+
+def buffer_key(buffer: Any) -> tuple[int, tuple[int, ...]]:
+    """What identifies an engine buffer's memory: its address and shape.
+
+    The engine hands out buffers from a fixed pool, so the same key recurs
+    clock after clock; a tensor made by :func:`as_tensor` for one buffer
+    serves every later buffer with the same key. That is safe because the
+    tensor keeps the engine memory it was made for alive (the buffer's
+    keepalive): while it exists, no other allocation can take its address,
+    so a buffer with the same address is the same memory.
+    """
+    if isinstance(buffer, np.ndarray):
+        return int(buffer.ctypes.data), buffer.shape
+    if isinstance(buffer, DeviceArray):
+        return int(buffer.data_ptr), tuple(buffer.shape)
+    as_tensor(buffer, torch.device("cpu"))  # raises the error that names the type
+    raise AssertionError("unreachable")
 
 
 def app_stream(device: torch.device) -> int:

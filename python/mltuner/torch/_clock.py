@@ -5,22 +5,30 @@ What happens in one clock, per layer (a table, see ``_layers.py``):
 
 forward
     ``read`` before the layer's forward: its parameters point into the read
-    buffer (no copy); ``post_read`` right after, so only the running
-    layer's parameters occupy buffer memory (GeePS trains models larger
-    than the memory budget this way). Autograd's saved tensors pass through
+    buffer (no copy); at the end of the layer's forward they point at a NaN
+    placeholder again. Autograd's saved tensors pass through
     ``saved_tensors_hooks``: a view of a parameter is saved as a reference
     to its rows, an activation (``store_activations``) is copied into a local
     table (``store``), anything else is kept by torch as usual.
+    With ``hold_reads`` the read stays open for the backward pass; otherwise
+    (GeePS's pattern, for models larger than the memory budget) it is posted
+    at the end of the layer's forward (``post_read``), so only the running
+    layer's parameters occupy buffer memory.
 backward
-    The first saved parameter view the layer's backward unpacks opens a
-    second read of its rows (``read_grad``). When the last of the layer's
-    parameters has its gradient accumulated (``register_post_accumulate_grad_hook``),
-    the driver closes that read, copies the gradients into an update buffer
-    and hands it to the engine (``update``), which ships it at once while
-    autograd goes on with the layers below: wait-free backpropagation.
+    A saved parameter reference resolves to the held forward read, or (not
+    holding) the first one the layer's backward unpacks opens a second read
+    of its rows (``read_grad``). When the last of the layer's parameters has
+    its gradient accumulated (``register_post_accumulate_grad_hook``), the
+    driver closes the layer's read, copies the gradients into an update
+    buffer and hands it to the engine (``update``), which ships it at once
+    while autograd goes on with the layers below: wait-free backpropagation.
     Stored activations come back from the local table on unpack (``load``).
 step
     ``Worker.clock``.
+
+The torch views of each engine buffer are made once per buffer address and
+reused (``Layer.buffer_views``): the engine's pool gives every access the
+same place clock after clock.
 
 The recording pass runs these hooks on the model's own initial values and
 logs the events; :meth:`ClockDriver.plan` replays the log as the virtual
@@ -32,7 +40,6 @@ the engine.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, TypeVar
@@ -57,6 +64,7 @@ class _ParamRef(NamedTuple):
     """What autograd keeps of a saved view of a layer's parameters."""
 
     layer: int
+    read: int  # the event index of the forward read it was saved from
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
@@ -66,6 +74,23 @@ class _ActRef(NamedTuple):
     """What autograd keeps of an activation stored in the local table."""
 
     slot: int
+
+
+class _Mutating:
+    """The context manager of :meth:`ClockDriver._mutating`: a plain class,
+    not ``contextlib.contextmanager``, because it wraps every hook call."""
+
+    __slots__ = ("_driver",)
+
+    def __init__(self, driver: ClockDriver) -> None:
+        self._driver = driver
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: Any) -> None:
+        if error is not None and self._driver._broken is None:
+            self._driver._broken = error
 
 
 class Phase(enum.Enum):
@@ -109,7 +134,7 @@ class ClockDriver:
     device thread while the loop waits in ``backward``)."""
 
     def __init__(self, model: nn.Module, layers: list[Layer], worker: Worker, *, slack: int,
-                 store_activations: bool, row_width: int) -> None:
+                 store_activations: bool, row_width: int, hold_reads: bool) -> None:
         self.model = model
         self.layers = layers
         self.worker = worker
@@ -117,6 +142,7 @@ class ClockDriver:
         self._slack = slack
         self._store_activations = store_activations
         self._row_width = row_width
+        self._hold = hold_reads
 
         # The recording, then the plan made from it.
         self._recording = True
@@ -133,23 +159,29 @@ class ClockDriver:
         self._phase = Phase.IDLE
         self._cursor = 0  # next event
         self._next_slot = 0
-        self._fwd_open: dict[int, tuple[int, int]] = {}  # layer -> (event, storage address)
-        self._param_ptrs: dict[int, int] = {}  # storage address of an open forward read -> layer
+        self._fwd_open: dict[int, tuple[int, int, torch.Tensor]] = {}  # layer -> (event, address, flat buffer)
+        self._param_ptrs: dict[int, tuple[int, int]] = {}  # address of an open forward read -> (layer, event)
         self._reads: dict[int, int] = {}  # layer -> forward reads this clock
+        self._held: dict[int, torch.Tensor] = {}  # event of a held forward read -> its flat buffer
+        self._held_by_layer: dict[int, list[int]] = {}  # layer -> events of its held forward reads
         self._grad_open: dict[int, tuple[int, torch.Tensor]] = {}  # layer -> (event, flat buffer)
         self._fired: dict[int, set[int]] = {}  # layer -> parameters whose gradient arrived
         self._updated: set[int] = set()
         self._saved: dict[tuple[Any, ...], _ActRef] = {}
         self._keepalive: list[torch.Tensor] = []
         self._local_ptrs: set[int] = set()
+        self._stale_grads = True  # parameters may hold gradients that step() did not see handed over
 
         self._eval_active = False
         self._eval_clock: tuple[int, int | None] | None = None  # (clock, branch) the parameters hold
         self._broken: BaseException | None = None
+        self._mutating_block = _Mutating(self)
         self._closed = False
         self._placeholder_ptr = _storage_ptr(placeholder(self.device))
         self._hooks: list[Any] = []
         self._install_hooks()
+        self._recording_hooks: list[Any] = []
+        self.misgrouped: str | None = None  # a group whose member ran outside its forward (recording)
 
     # -- hooks -----------------------------------------------------------------------
     def _install_hooks(self) -> None:
@@ -191,16 +223,10 @@ class ClockDriver:
                 "cannot train further"
             ) from self._broken
 
-    @contextlib.contextmanager
-    def _mutating(self) -> Iterator[None]:
+    def _mutating(self) -> _Mutating:
         """Marks the driver broken if the block fails: the clock's accesses
         are then half done and cannot be completed in the recorded order."""
-        try:
-            yield
-        except BaseException as error:
-            if self._broken is None:
-                self._broken = error
-            raise
+        return self._mutating_block
 
     @property
     def accesses(self) -> list[str]:
@@ -228,10 +254,12 @@ class ClockDriver:
         return index
 
     # -- the data behind each event -------------------------------------------------------
-    def _open_read(self, index: int, layer: Layer) -> torch.Tensor:
+    def _open_read(self, index: int, layer: Layer) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The read's flat buffer and the parameters' views into it."""
         if self._recording:
-            return self._init[layer.index]
-        return as_tensor(self.worker.read(self._handles[index]), self.device).view(-1)
+            flat = self._init[layer.index]
+            return flat, layer.views(flat)
+        return layer.buffer_views(self.worker.read(self._handles[index]))
 
     def _close_read(self, index: int) -> None:
         if not self._recording:
@@ -263,13 +291,11 @@ class ClockDriver:
     def _update(self, index: int, layer: Layer) -> None:
         if not self._recording:
             handle = self._handles[index]
-            flat = as_tensor(self.worker.pre_update(handle), self.device).view(-1)
+            _, views = layer.buffer_views(self.worker.pre_update(handle))
             with torch.no_grad():
-                for slot, view in zip(layer.params, layer.views(flat)):
-                    view.copy_(slot.param.grad)  # type: ignore[arg-type]  # checked by _on_gradient
+                torch._foreach_copy_(views, layer.grads())
             self.worker.update(handle, stream=app_stream(self.device))
-        for slot in layer.params:
-            slot.param.grad = None
+        layer.clear_grads()
 
     # -- the forward pass --------------------------------------------------------------
     def forward(self, call: Callable[[], T]) -> T:
@@ -284,12 +310,14 @@ class ClockDriver:
                 f"a second training forward pass in clock {self.clock}: call loss.backward() and step() once "
                 "per forward pass (run evaluation forwards under torch.no_grad())"
             )
-        for layer in self.layers:  # stale gradients of an aborted backward must not accumulate
-            for slot in layer.params:
-                slot.param.grad = None
+        if self._stale_grads:  # stale gradients of an aborted backward must not accumulate
+            for layer in self.layers:
+                layer.clear_grads()
+        self._stale_grads = True  # until step() finds every gradient handed over
         self._phase = Phase.FORWARD
         self._eval_clock = None
-        self._local_ptrs = {p for p in (_storage_ptr(t) for t in self._local_tensors()) if p}
+        if self._store_activations:
+            self._local_ptrs = {p for p in (_storage_ptr(t) for t in self._local_tensors()) if p}
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 output = call()
@@ -335,19 +363,19 @@ class ClockDriver:
             raise UnsupportedModelError(f"layer {layer.name!r} was called from inside its own forward")
         with self._mutating():
             index = self._next(Event("read", layer.index))
-            flat = self._open_read(index, layer)
-            layer.bind(flat)
+            flat, views = self._open_read(index, layer)
+            layer.bind(views)
             address = _storage_ptr(flat)
             assert address is not None
-            self._fwd_open[layer.index] = (index, address)
-            self._param_ptrs[address] = layer.index
+            self._fwd_open[layer.index] = (index, address, flat)
+            self._param_ptrs[address] = (layer.index, index)
             self._reads[layer.index] = self._reads.get(layer.index, 0) + 1
 
     def _after_layer(self, layer: Layer, output: Any) -> None:
         if self._eval_active or self._phase is not Phase.FORWARD:
             return
         with self._mutating():
-            index, address = self._fwd_open.pop(layer.index)
+            index, address, flat = self._fwd_open.pop(layer.index)
             self._next(Event("post_read", layer.index))
             for tensor in tensors_in(output):
                 if _storage_ptr(tensor) == address:
@@ -356,7 +384,11 @@ class ClockDriver:
                         "parameters' memory back to the engine after the layer's forward, so return a copy"
                     )
             del self._param_ptrs[address]
-            self._close_read(index)
+            if self._hold:  # kept for the backward pass, posted with the update
+                self._held[index] = flat
+                self._held_by_layer.setdefault(layer.index, []).append(index)
+            else:
+                self._close_read(index)
             layer.unbind()
 
     def _pack(self, tensor: torch.Tensor) -> Any:
@@ -365,14 +397,15 @@ class ClockDriver:
         address = _storage_ptr(tensor)
         if address is None or tensor.numel() == 0:
             return tensor
-        layer = self._param_ptrs.get(address)
-        if layer is not None:
+        owner = self._param_ptrs.get(address)
+        if owner is not None:
+            layer, read = owner
             if tensor.dtype != torch.float32:
                 raise UnsupportedModelError(
                     f"autograd saves a {tensor.dtype} reinterpretation of layer {self.layers[layer].name!r}'s "
                     "parameters; only float32 views are supported"
                 )
-            return _ParamRef(layer, tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset()))
+            return _ParamRef(layer, read, tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset()))
         if address == self._placeholder_ptr:
             with self._mutating():
                 raise UnsupportedModelError(
@@ -418,63 +451,78 @@ class ClockDriver:
                 "pass: backward() can run once per forward pass, before step()"
             )
         if isinstance(packed, _ParamRef):
-            return self._grad_read(packed.layer).as_strided(packed.size, packed.stride, packed.offset)
+            return self._grad_read(packed).as_strided(packed.size, packed.stride, packed.offset)
         assert isinstance(packed, _ActRef)
         with self._mutating():
             index = self._next(Event("load", slot=packed.slot))
             return self._load(index, packed.slot)
 
-    def _grad_read(self, layer_index: int) -> torch.Tensor:
-        opened = self._grad_open.get(layer_index)
+    def _grad_read(self, ref: _ParamRef) -> torch.Tensor:
+        """The flat buffer of ``ref``'s layer for its backward: the held
+        forward read, or the layer's backward read (opened on first use)."""
+        held = self._held.get(ref.read) if self._hold else None
+        if held is not None:
+            return held
+        opened = self._grad_open.get(ref.layer)
         if opened is not None:
             return opened[1]
-        layer = self.layers[layer_index]
-        if layer_index in self._updated:
+        layer = self.layers[ref.layer]
+        if ref.layer in self._updated or self._hold:
             raise OutOfOrderError(
                 f"autograd needs layer {layer.name!r}'s parameters after their gradients were final (a second "
                 "backward pass, or a saved detached view of the parameters); not supported"
             )
         with self._mutating():
-            index = self._next(Event("read_grad", layer_index))
-            flat = self._open_read(index, layer)
-            self._grad_open[layer_index] = (index, flat)
+            index = self._next(Event("read_grad", ref.layer))
+            flat, _ = self._open_read(index, layer)
+            self._grad_open[ref.layer] = (index, flat)
             return flat
 
     def _on_gradient(self, layer: Layer, position: int, param: torch.Tensor) -> None:
-        self.check_usable()
-        name = layer.params[position].name
+        if self._closed or self._broken is not None:
+            self.check_usable()
         if self._phase is not Phase.BACKWARD:
             raise OutOfOrderError(
-                f"a gradient of {name!r} arrived outside clock {self.clock}'s backward pass: backward() can "
-                "run once per forward pass, before step() (was it called twice, with retain_graph=True?)"
+                f"a gradient of {layer.params[position].name!r} arrived outside clock {self.clock}'s backward "
+                "pass: backward() can run once per forward pass, before step() (was it called twice, with "
+                "retain_graph=True?)"
             )
-        fired = self._fired.setdefault(layer.index, set())
-        if layer.index in self._updated or position in fired:
+        fired = self._fired.get(layer.index)
+        if fired is None:
+            fired = self._fired[layer.index] = set()
+        if position in fired or layer.index in self._updated:
             raise OutOfOrderError(
-                f"{name!r} received a second gradient in clock {self.clock}: backward() ran twice; call "
-                "step() after each backward pass (gradient accumulation over several backward passes is "
-                "not supported: the first one already shipped the update)"
+                f"{layer.params[position].name!r} received a second gradient in clock {self.clock}: backward() "
+                "ran twice; call step() after each backward pass (gradient accumulation over several backward "
+                "passes is not supported: the first one already shipped the update)"
             )
         grad = param.grad
-        with self._mutating():
-            if grad is None or grad.layout != torch.strided:
-                raise UnsupportedModelError(f"{name!r} got a sparse or missing gradient: only dense gradients")
-            if self._reads.get(layer.index, 0) == 0:
-                raise UnsupportedModelError(
-                    f"{name!r} got a gradient, but module {layer.name!r} did not run in this forward pass: the "
-                    "parameter is used outside the forward of the module that owns it; add the calling "
-                    "module's type to wrap(..., whole_modules=...)"
-                )
+        if grad is None or grad.layout != torch.strided or layer.index not in self._reads:
+            self._bad_gradient(layer, position, grad)
         fired.add(position)
         if len(fired) < len(layer.params):
             return
         with self._mutating():
             index = self._next(Event("update", layer.index))
+            for held in self._held_by_layer.pop(layer.index, ()):
+                del self._held[held]
+                self._close_read(held)
             opened = self._grad_open.pop(layer.index, None)
             if opened is not None:
                 self._close_read(opened[0])
             self._update(index, layer)
             self._updated.add(layer.index)
+
+    def _bad_gradient(self, layer: Layer, position: int, grad: torch.Tensor | None) -> None:
+        name = layer.params[position].name
+        with self._mutating():
+            if grad is None or grad.layout != torch.strided:
+                raise UnsupportedModelError(f"{name!r} got a sparse or missing gradient: only dense gradients")
+            raise UnsupportedModelError(
+                f"{name!r} got a gradient, but module {layer.name!r} did not run in this forward pass: the "
+                "parameter is used outside the forward of the module that owns it; add the calling "
+                "module's type to wrap(..., whole_modules=...)"
+            )
 
     # -- the end of a clock -----------------------------------------------------------------
     def step(self) -> None:
@@ -484,8 +532,8 @@ class ClockDriver:
             raise OutOfOrderError(f"step() in clock {self.clock} without a forward pass and loss.backward()")
         if self._phase is Phase.FORWARD:
             raise OutOfOrderError("step() inside the forward pass")
-        missing = [layer.name for layer in self.layers if layer.index not in self._updated]
-        if missing:
+        if len(self._updated) < len(self.layers):
+            missing = [layer.name for layer in self.layers if layer.index not in self._updated]
             raise OutOfOrderError(
                 f"step() before the backward pass of clock {self.clock} finished: no gradient yet for layer(s) "
                 f"{', '.join(repr(m) for m in missing)}; call loss.backward() first"
@@ -498,6 +546,7 @@ class ClockDriver:
                 )
             self.worker.clock()
         self.clock += 1
+        self._stale_grads = False  # every gradient was handed over and cleared
         self._reset_clock()
 
     def _reset_clock(self) -> None:
@@ -507,6 +556,8 @@ class ClockDriver:
         self._fwd_open.clear()
         self._param_ptrs.clear()
         self._reads.clear()
+        self._held.clear()
+        self._held_by_layer.clear()
         self._grad_open.clear()
         self._fired.clear()
         self._updated.clear()
@@ -525,6 +576,7 @@ class ClockDriver:
             layer.unbind()  # from now on, parameters hold values only during their accesses
         saved_buffers = {name: buffer.detach().clone() for name, buffer in self.model.named_buffers()}
         devices = [self.device] if self.device.type == "cuda" else []
+        self._install_member_checks()
         try:
             with torch.random.fork_rng(devices=devices), torch.enable_grad():
                 output = self.forward(call)
@@ -535,11 +587,36 @@ class ClockDriver:
                     )
                 loss.backward()  # type: ignore[no-untyped-call]
         finally:
+            for handle in self._recording_hooks:
+                handle.remove()
+            self._recording_hooks.clear()
             self._restore_buffers(saved_buffers)
             self._recorded_acts.clear()
         self._check_recording()
         self._recording = False
         self._reset_clock()
+
+    def _install_member_checks(self) -> None:
+        """For the recording pass: every module inside a grouped layer must
+        run inside the forward of the group's root, which is when the
+        group's parameters hold values. A model that calls a member from
+        elsewhere sets :attr:`misgrouped` and fails the recording;
+        ``wrap()`` then splits that group and records again."""
+        for layer in self.layers:
+            for name, member in layer.members:
+                if member is not layer.module:
+                    check = self._member_check(layer, name)
+                    self._recording_hooks.append(member.register_forward_pre_hook(check))
+
+    def _member_check(self, layer: Layer, name: str) -> Callable[[nn.Module, Any], None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            if self._phase is Phase.FORWARD and layer.index not in self._fwd_open:
+                self.misgrouped = layer.name
+                raise UnsupportedModelError(
+                    f"module {name!r} ran outside the forward of {layer.name!r}, whose parameters it shares a "
+                    "table with; pass wrap(..., group_bytes=0) for one table per module"
+                )
+        return hook
 
     def _restore_buffers(self, saved: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
@@ -573,7 +650,7 @@ class ClockDriver:
         engine's iterations. A barrier over all workers."""
         worker = self.worker
         self._tables, self._handles = replay(worker, self.layers, self._events, self._slots, slack=self._slack,
-                                             row_width=self._row_width)
+                                             row_width=self._row_width, hold_reads=self._hold)
         worker.finish_virtual_iteration()
         if worker.rank == 0:  # the initial values: worker 0's model, added to the servers' zeros
             updates = {e.layer: self._handles[i] for i, e in enumerate(self._events) if e.kind == "update"}
@@ -606,7 +683,7 @@ class ClockDriver:
             self.worker.sync()
             for layer, table in zip(self.layers, self._tables):
                 values = np.ascontiguousarray(self.worker.fetch(table, branch=branch), dtype=np.float32)
-                layer.bind(torch.from_numpy(values).to(self.device).view(-1))
+                layer.bind_flat(torch.from_numpy(values).to(self.device).view(-1))
         self._eval_clock = (self.clock, branch)
 
     def abandon(self) -> None:
@@ -614,7 +691,7 @@ class ClockDriver:
         removes the hooks, so the plain module is usable again."""
         self.remove_hooks()
         for layer, flat in zip(self.layers, self._init):
-            layer.bind(flat)
+            layer.bind_flat(flat)
         self._closed = True
 
     def close(self) -> None:
@@ -624,4 +701,6 @@ class ClockDriver:
             raise OutOfOrderError("unwrap() in the middle of a clock: call step() first")
         self.bind_server_values()
         self.remove_hooks()
+        for layer in self.layers:
+            layer.forget_buffers()
         self._closed = True

@@ -1,11 +1,19 @@
 """Layers: the groups of parameters that share one parameter-server table.
 
-A layer is a module that owns trainable parameters directly (``Linear``,
-``Conv2d``, ``LayerNorm``, ...), or a whole subtree for module types whose
-forward uses their children's parameters without calling the children
-(``MultiheadAttention`` reads ``out_proj.weight`` itself). Each layer gets one
-table, so its update ships as soon as its own gradients are final and its
-next read waits only for its own rows.
+A layer is a module subtree whose trainable parameters live in one table,
+read before the subtree's root module runs its forward and released after.
+By default each child of the model becomes one layer (a residual block, a
+transformer block, a single ``Linear``), as long as its parameters take at
+most ``group_bytes``; a larger child is split into its own parameters (if
+any) and its children, recursively. ``group_bytes=0`` gives one layer per
+module that owns trainable parameters directly (``Linear``, ``Conv2d``,
+``BatchNorm2d``, ...). Module types whose forward uses their children's
+parameters without calling the children (``MultiheadAttention`` reads
+``out_proj.weight`` itself) are always one layer, whatever their size.
+
+Fewer, larger tables mean fewer engine calls and hooks per clock; each one
+still ships its update as soon as its own gradients are final, and its next
+read waits only for its own rows.
 
 Also here: the checks that refuse what the adapter cannot take, each with a
 message naming the parameter or module.
@@ -15,19 +23,29 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from mltuner.client._layout import TensorLayout
-from mltuner.torch._buffers import placeholder
+from mltuner.exceptions import InternalError
+from mltuner.torch._buffers import as_tensor, buffer_key, placeholder
 from mltuner.torch._errors import UnsupportedModelError
 
-__all__ = ["Layer", "ParamSlot", "find_layers", "DEFAULT_WHOLE_MODULES"]
+__all__ = ["Layer", "ParamSlot", "find_layers", "DEFAULT_WHOLE_MODULES", "DEFAULT_GROUP_BYTES"]
 
 # Module types whose forward reads their children's parameters directly.
 DEFAULT_WHOLE_MODULES: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
+
+# The largest child of the model read as one table (trainable float32 bytes).
+DEFAULT_GROUP_BYTES = 32 << 20
+
+# Buffer addresses remembered per layer. The engine's pool places each
+# access at one of a few addresses that recur clock after clock (about a
+# dozen per table for ResNet-18); past the bound the oldest is dropped.
+_MAX_CACHED_BUFFERS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +64,12 @@ class ParamSlot:
 
 @dataclasses.dataclass
 class Layer:
-    """The parameters of one table, in a fixed order."""
+    """The parameters of one table, in a fixed order.
+
+    ``module`` is the subtree's root, whose forward hooks open and close the
+    layer's reads; ``members`` are the modules inside it that own some of
+    the parameters (the root alone for an ungrouped layer).
+    """
 
     index: int
     name: str  # the module's qualified name; "<root>" for the model itself
@@ -54,6 +77,14 @@ class Layer:
     params: list[ParamSlot]
     layout: TensorLayout
     device: torch.device
+    members: list[tuple[str, nn.Module]] = dataclasses.field(default_factory=list)
+    _cache: dict[tuple[int, tuple[int, ...]], tuple[torch.Tensor, list[torch.Tensor]]] = dataclasses.field(
+        default_factory=dict, repr=False)
+    _nan_views: list[torch.Tensor] = dataclasses.field(default_factory=list, repr=False)
+    _params: list[nn.Parameter] = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._params = [slot.param for slot in self.params]
 
     @property
     def num_values(self) -> int:
@@ -63,16 +94,52 @@ class Layer:
         """Each parameter's view inside a flat buffer of this layer's rows."""
         return [flat[p.offset : p.offset + p.numel].view(p.shape) for p in self.params]
 
-    def bind(self, flat: torch.Tensor) -> None:
+    def buffer_views(self, buffer: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """An engine buffer of this layer's rows as a flat tensor and the
+        parameters' views inside it, made once per buffer address (see
+        :func:`mltuner.torch._buffers.buffer_key`) and reused after."""
+        key = buffer_key(buffer)
+        cached = self._cache.get(key)
+        if cached is None:
+            flat = as_tensor(buffer, self.device).view(-1)
+            if flat.numel() < self.num_values:
+                raise InternalError(f"engine buffer of {flat.numel()} values for layer {self.name!r} "
+                                    f"of {self.num_values}")
+            if len(self._cache) >= _MAX_CACHED_BUFFERS:
+                del self._cache[next(iter(self._cache))]
+            cached = self._cache[key] = (flat, self.views(flat))
+        return cached
+
+    def bind(self, views: Sequence[torch.Tensor]) -> None:
+        """Points every parameter at its view (no copy); ``views`` as made by
+        :meth:`views` or :meth:`buffer_views`."""
+        for param, view in zip(self._params, views):
+            param.data = view
+
+    def bind_flat(self, flat: torch.Tensor) -> None:
         """Points every parameter at its rows in ``flat`` (no copy)."""
-        for slot, view in zip(self.params, self.views(flat)):
-            slot.param.data = view
+        self.bind(self.views(flat))
 
     def unbind(self) -> None:
         """Points every parameter at a NaN placeholder of its shape."""
-        nan = placeholder(self.device)
-        for slot in self.params:
-            slot.param.data = nan.expand(slot.shape)
+        if not self._nan_views:
+            nan = placeholder(self.device)
+            self._nan_views = [nan.expand(slot.shape) for slot in self.params]
+        self.bind(self._nan_views)
+
+    def clear_grads(self) -> None:
+        for param in self._params:
+            param.grad = None
+
+    def grads(self) -> list[torch.Tensor]:
+        """The parameters' gradients, in slot order (all present: checked by
+        the gradient hooks)."""
+        return [param.grad for param in self._params]  # type: ignore[misc]
+
+    def forget_buffers(self) -> None:
+        """Drops the cached buffer views (and with them the engine memory
+        they keep alive)."""
+        self._cache.clear()
 
 
 def _check_module_types(model: nn.Module) -> None:
@@ -127,11 +194,24 @@ def _check_param(name: str, param: nn.Parameter) -> None:
         raise UnsupportedModelError(f"parameter {name!r} is on the meta device: materialize the model first")
 
 
+def _defines_forward(module: nn.Module) -> bool:
+    """False for pure containers (``ModuleList``, ``ModuleDict``, ...),
+    which are never called: their children run from their parent's forward."""
+    return type(module).forward is not nn.Module.forward
+
+
 def find_layers(model: nn.Module, row_width: int,
-                whole_modules: Sequence[type[nn.Module]] = DEFAULT_WHOLE_MODULES) -> list[Layer]:
+                whole_modules: Sequence[type[nn.Module]] = DEFAULT_WHOLE_MODULES,
+                group_bytes: int = DEFAULT_GROUP_BYTES, split: Collection[str] = ()) -> list[Layer]:
     """The model's layers in ``named_modules`` order (the same on every
     worker that builds the same model). Only parameters with
     ``requires_grad`` go to the parameter server; frozen ones stay local.
+
+    A proper submodule whose trainable parameters take at most
+    ``group_bytes`` (and which defines a forward) is one layer with all of
+    them, unless its name is in ``split``; instances of ``whole_modules``
+    are one layer whatever their size. Any other module with trainable
+    parameters of its own is a layer of those.
 
     Raises:
         UnsupportedModelError: see :func:`mltuner.torch.wrap`.
@@ -142,17 +222,13 @@ def find_layers(model: nn.Module, row_width: int,
     _check_shared(model)
     whole = tuple(whole_modules)
     layers: list[Layer] = []
-    inside_whole: list[str] = []  # prefixes of whole modules already taken
     devices: set[torch.device] = set()
-    for module_name, module in model.named_modules():
-        if any(module_name.startswith(prefix + ".") for prefix in inside_whole):
-            continue
-        recurse = isinstance(module, whole)
-        if recurse:
-            inside_whole.append(module_name)
+    seen: set[int] = set()
+
+    def add_layer(module_name: str, module: nn.Module, recurse: bool) -> None:
         trainable = [(n, p) for n, p in module.named_parameters(recurse=recurse) if p.requires_grad]
         if not trainable:
-            continue
+            return
         layout = TensorLayout(row_width)
         for local_name, param in trainable:
             qualified = f"{module_name}.{local_name}" if module_name else local_name
@@ -163,7 +239,33 @@ def find_layers(model: nn.Module, row_width: int,
             ParamSlot(f"{module_name}.{n}" if module_name else n, p, layout.slot(n).first_row * row_width, p.shape)
             for n, p in trainable
         ]
-        layers.append(Layer(len(layers), module_name or "<root>", module, slots, layout, trainable[0][1].device))
+        owned = {id(p) for _, p in trainable}
+        members = [(module_name, module)]
+        if recurse:  # the submodules that own some of the layer's parameters
+            members = [(f"{module_name}.{n}" if module_name else n, m) for n, m in module.named_modules()
+                       if any(id(p) in owned for p in m.parameters(recurse=False))]
+        layers.append(Layer(len(layers), module_name or "<root>", module, slots, layout, trainable[0][1].device,
+                            members))
+
+    def visit(module_name: str, module: nn.Module, is_root: bool) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        if isinstance(module, whole):
+            seen.update(id(m) for m in module.modules())
+            add_layer(module_name, module, recurse=True)
+            return
+        if not is_root and group_bytes > 0 and module_name not in split and _defines_forward(module):
+            size = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+            if size <= group_bytes:
+                seen.update(id(m) for m in module.modules())
+                add_layer(module_name, module, recurse=True)
+                return
+        add_layer(module_name, module, recurse=False)
+        for child_name, child in module.named_children():
+            visit(f"{module_name}.{child_name}" if module_name else child_name, child, is_root=False)
+
+    visit("", model, is_root=True)
     if not layers:
         raise UnsupportedModelError("the model has no trainable parameters (requires_grad=True) to train")
     if len(devices) > 1:

@@ -12,7 +12,7 @@ from torch import nn
 from mltuner.client._worker import Worker
 from mltuner.exceptions import InvalidArgumentError, OutOfOrderError
 from mltuner.torch._clock import ClockDriver, tensors_in
-from mltuner.torch._layers import DEFAULT_WHOLE_MODULES, find_layers
+from mltuner.torch._layers import DEFAULT_GROUP_BYTES, DEFAULT_WHOLE_MODULES, find_layers
 
 __all__ = ["PSModule", "ClockOptimizer", "wrap"]
 
@@ -173,6 +173,8 @@ def wrap(
     store_activations: bool = False,
     row_width: int = 128,
     whole_modules: Sequence[type[nn.Module]] = DEFAULT_WHOLE_MODULES,
+    group_bytes: int = DEFAULT_GROUP_BYTES,
+    hold_reads: bool | None = None,
 ) -> PSModule:
     """Moves ``module``'s trainable parameters into ``worker``'s parameter
     server and returns the model to train with.
@@ -180,7 +182,9 @@ def wrap(
     Runs one forward and backward pass on ``example_input`` to record the
     virtual iteration (the model's buffers and the RNG are restored
     afterwards), creates one table per layer (plus a local table for
-    activations), and starts the engine's iterations. Every worker of the
+    activations), and starts the engine's iterations. A layer is a child
+    of the model with at most ``group_bytes`` of parameters (a residual
+    block, say), or a module owning parameters directly. Every worker of the
     job calls it, on its own thread or process, with the same architecture:
     it waits for all of them. Worker 0's initial parameter values become the
     servers' values; the other workers' are ignored.
@@ -217,6 +221,20 @@ def wrap(
         whole_modules: module types read as one layer with all their
             submodules' parameters, because their forward uses those
             parameters without calling the submodules.
+        group_bytes: each child of ``module`` whose trainable parameters
+            take at most this many bytes is one layer (one table, one read
+            and one update per clock); larger children are split into their
+            own parameters and their children, recursively. 0: one layer per
+            module that owns parameters directly. A group whose submodule
+            runs outside the group's forward is split automatically.
+        hold_reads: keep each layer's forward read open for its backward
+            pass instead of reading the rows again (half the reads, but the
+            buffer pool holds every layer's parameters at once). Default:
+            hold unless ``store_activations`` (which is for models larger
+            than the memory budget); under ``Config.device_memory_budget``
+            without ``store_activations``, pass False. Under BSP both give
+            the same values; under SSP a held read gives the backward the
+            forward's values.
 
     Raises:
         UnsupportedModelError: a non-float32 or sparse trainable parameter,
@@ -239,14 +257,26 @@ def wrap(
         raise InvalidArgumentError(f"slack must be >= 0, got {slack}")
     if row_width < 1:
         raise InvalidArgumentError(f"row_width must be >= 1, got {row_width}")
-    layers = find_layers(module, row_width, whole_modules)
+    if group_bytes < 0:
+        raise InvalidArgumentError(f"group_bytes must be >= 0, got {group_bytes}")
+    hold = not store_activations if hold_reads is None else bool(hold_reads)
     args = example_input if isinstance(example_input, tuple) else (example_input,)
-    driver = ClockDriver(module, layers, worker, slack=slack, store_activations=store_activations,
-                         row_width=row_width)
-    try:
-        driver.record(lambda: module(*args), example_loss or _default_loss)
-        driver.plan()
-    except BaseException:
-        driver.abandon()
-        raise
-    return PSModule(module, driver)
+    split: set[str] = set()  # groups whose members run outside the group's forward
+    while True:
+        layers = find_layers(module, row_width, whole_modules, group_bytes, split)
+        driver = ClockDriver(module, layers, worker, slack=slack, store_activations=store_activations,
+                             row_width=row_width, hold_reads=hold)
+        try:
+            driver.record(lambda: module(*args), example_loss or _default_loss)
+        except BaseException:
+            driver.abandon()
+            if driver.misgrouped is None or driver.misgrouped in split:
+                raise
+            split.add(driver.misgrouped)  # nothing reached the engine yet: record again
+            continue
+        try:
+            driver.plan()
+        except BaseException:
+            driver.abandon()
+            raise
+        return PSModule(module, driver)

@@ -28,10 +28,12 @@ EventKind = Literal["read", "post_read", "store", "load", "read_grad", "update"]
 class Event:
     """One access of the recorded clock.
 
-    ``read`` / ``post_read``: a layer's forward read, open during its
-    forward. ``store`` / ``load``: a saved activation written in the forward
-    and read back in the backward. ``read_grad``: a layer's backward read,
-    open until its ``update``, which hands the layer's gradients over.
+    ``read`` / ``post_read``: a layer's forward read and the end of the
+    layer's forward, where the read is posted (or, holding reads, kept open
+    until the layer's ``update``). ``store`` / ``load``: a saved activation
+    written in the forward and read back in the backward. ``read_grad``: a
+    layer's backward read (not holding reads), open until its ``update``,
+    which hands the layer's gradients over.
     """
 
     kind: EventKind
@@ -68,10 +70,11 @@ def describe(event: Event, layers: Sequence[Layer], slots: Sequence[Slot]) -> st
 
 
 def replay(worker: Worker, layers: Sequence[Layer], events: Sequence[Event], slots: Sequence[Slot], *,
-           slack: int, row_width: int) -> tuple[list[Table], list[int]]:
+           slack: int, row_width: int, hold_reads: bool) -> tuple[list[Table], list[int]]:
     """Creates one table per layer (and a local table for the activations)
     and records ``events`` as the worker's virtual iteration, ending with
-    ``virtual_clock``. Returns the tables and, per event, the handle of the
+    ``virtual_clock``. With ``hold_reads`` a layer's forward reads stay open
+    until its update. Returns the tables and, per event, the handle of the
     access it opens (-1 for events that open none)."""
     tables = [worker.create_tensor_table(f"torch:{layer.name}", layer.layout) for layer in layers]
     activations: Table | None = None
@@ -82,12 +85,16 @@ def replay(worker: Worker, layers: Sequence[Layer], events: Sequence[Event], slo
         activations = worker.create_tensor_table("torch:activations", act_layout, local=True)
     handles = [-1] * len(events)
     open_forward: dict[int, int] = {}
+    held: dict[int, list[int]] = {}  # layer -> its held forward reads
     open_backward: dict[int, int] = {}
     for index, event in enumerate(events):
         if event.kind == "read":
             handles[index] = open_forward[event.layer] = worker.virtual_read(tables[event.layer], slack=slack)
         elif event.kind == "post_read":
-            worker.virtual_post_read(open_forward.pop(event.layer))
+            if hold_reads:
+                held.setdefault(event.layer, []).append(open_forward.pop(event.layer))
+            else:
+                worker.virtual_post_read(open_forward.pop(event.layer))
         elif event.kind in ("store", "load"):
             assert activations is not None
             fetch = event.kind == "load"
@@ -95,7 +102,9 @@ def replay(worker: Worker, layers: Sequence[Layer], events: Sequence[Event], slo
             worker.virtual_post_local_access(handles[index], keep=not fetch)
         elif event.kind == "read_grad":
             handles[index] = open_backward[event.layer] = worker.virtual_read(tables[event.layer], slack=slack)
-        else:  # update: the backward read is done with once the gradients are final
+        else:  # update: the layer's reads are done with once the gradients are final
+            for handle in held.pop(event.layer, ()):
+                worker.virtual_post_read(handle)
             if event.layer in open_backward:
                 worker.virtual_post_read(open_backward.pop(event.layer))
             handles[index] = worker.virtual_pre_update(tables[event.layer])

@@ -8,7 +8,9 @@ the upper layers' backward and before the bottom layer's. There it records
 how many updates the adapter has handed to the engine, and waits (bounded)
 until the server has applied the top layer's update of this clock and
 pushed the fresh rows back (the top table's data age reaches the clock),
-all while the bottom layer's backward has not even started.
+all while the bottom layer's backward has not even started. The same holds
+when a layer is a group of modules (one table for a whole block): a group's
+update leaves when its last gradient is final.
 """
 
 from __future__ import annotations
@@ -49,9 +51,18 @@ class Probe(nn.Module):
         return _Probe.apply(x, self.on_backward)  # type: ignore[no-any-return]
 
 
-def test_top_layer_ships_before_the_bottom_layer_backward_starts() -> None:
+def block(width_in: int, width_out: int, grouped: bool) -> nn.Module:
+    """A layer: one Linear, or a group of two (one table, one update)."""
+    if not grouped:
+        return nn.Linear(width_in, width_out)
+    return nn.Sequential(nn.Linear(width_in, 32), nn.ReLU(), nn.Linear(32, width_out))
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["modules", "groups"])
+def test_top_layer_ships_before_the_bottom_layer_backward_starts(grouped: bool) -> None:
     probe = Probe()
-    model = nn.Sequential(nn.Linear(16, 32), probe, nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    model = nn.Sequential(block(16, 32, grouped), probe, nn.ReLU(), block(32, 32, grouped), nn.ReLU(),
+                          block(32, 4, grouped))
     x = torch.randn(8, 16)
     config = Config(wait_timeout_s=20, update_rule=UpdateRule("sgd", learning_rate=0.1))
     with LocalCluster(1, config) as cluster:

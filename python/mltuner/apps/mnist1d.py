@@ -55,9 +55,9 @@ from mltuner.tune import (
 )
 from mltuner.tune._session import Driver
 
-__all__ = ["main", "build_space", "MODELS"]
+__all__ = ["main", "build_space", "load", "parse_args", "MLP_HIDDEN", "Data"]
 
-MODELS = {"logreg": (), "mlp": (100, 100), "cnn": ()}  # hidden sizes of the numpy models
+MLP_HIDDEN = {"logreg": (), "mlp": (100, 100)}  # hidden layer sizes of the numpy models
 SEARCHABLE = ("lr", "momentum", "batch_size", "staleness")
 
 
@@ -79,7 +79,7 @@ def build_space(args: argparse.Namespace) -> SearchSpace:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m mltuner.apps.mnist1d", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=sorted(MODELS), default="mlp")
+    parser.add_argument("--model", choices=[*MLP_HIDDEN, "cnn"], default="mlp")
     parser.add_argument("--mode", choices=["tune", "fixed", "optuna", "hyperband"], default="tune",
                         help="tune: MLtuner; fixed: train with --lr/--momentum/--batch-size; optuna: Optuna TPE "
                              "with a whole training run per trial; hyperband: Optuna's HyperbandPruner over epochs")
@@ -194,7 +194,7 @@ class NumpyMLP:
 
     def __init__(self, args: argparse.Namespace, data: Data, worker: mlt.Worker) -> None:
         self._data, self._worker = data, worker
-        self._model = MLP([data.x_train.shape[1], *MODELS[args.model], int(data.y_train.max()) + 1])
+        self._model = MLP([data.x_train.shape[1], *MLP_HIDDEN[args.model], int(data.y_train.max()) + 1])
         self._layout = mlt.TensorLayout(row_width=256).add("params", (self._model.num_params,))
         self._table = worker.create_tensor_table("mnist1d", self._layout)
         self._read = worker.virtual_read(self._table)

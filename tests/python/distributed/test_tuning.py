@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mltuner.apps.mnist1d import MODELS, load, parse_args
+from mltuner.apps.mnist1d import MLP_HIDDEN, load, parse_args
 from mltuner.dist import launch
 from mltuner.models import MLP
 
@@ -29,7 +29,7 @@ GRID = [10.0 ** e for e in np.arange(-3.0, 1.01, 0.5)]
 def grid_best_learning_rate(epochs: int = 3) -> tuple[float, dict[float, float]]:
     data = load(parse_args([]))
     x_train, y_train, x_val, y_val = data.x_train, data.y_train, data.x_val, data.y_val
-    model = MLP([x_train.shape[1], *MODELS["mlp"], 10])
+    model = MLP([x_train.shape[1], *MLP_HIDDEN["mlp"], 10])
     scores = {}
     for lr in GRID:
         params = model.init_params(np.random.default_rng(0)).astype(np.float64)

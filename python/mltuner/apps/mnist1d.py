@@ -105,6 +105,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="validation accuracy whose first reach is timed (baselines stop there)")
     parser.add_argument("--time-budget", type=float, default=None, help="seconds of clocks for the Optuna baselines")
     parser.add_argument("--live", action="store_true", help="show the tuner's progress live (rank 0)")
+    parser.add_argument("--slow-rank", type=int, default=-1, help="the rank to slow down (benchmarks)")
+    parser.add_argument("--slow-ms", type=float, default=0.0, help="its sleep after a clock")
+    parser.add_argument("--slow-probability", type=float, default=1.0, help="chance of that sleep per clock")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--storage", default=None, help="an Optuna storage URL for every trial")
     parser.add_argument("--log", default=None, help="decision log (JSON lines), written by rank 0")
@@ -233,6 +236,23 @@ class NumpyMLP:
         return self._model.accuracy(weights, self._data.x_test, self._data.y_test)
 
 
+class Straggler:
+    """Slows one rank on purpose (benchmarks of bounded staleness): after a
+    clock, ``--slow-rank`` sleeps ``--slow-ms`` with probability
+    ``--slow-probability`` (1: every clock, a constantly slow worker; lower:
+    bursts, as from a noisy neighbour)."""
+
+    def __init__(self, args: argparse.Namespace, rank: int) -> None:
+        self._active = rank == args.slow_rank and args.slow_ms > 0
+        self._seconds = args.slow_ms / 1000.0
+        self._probability = args.slow_probability
+        self._rng = np.random.default_rng([args.seed, rank])
+
+    def after_clock(self) -> None:
+        if self._active and self._rng.random() < self._probability:
+            time.sleep(self._seconds)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     data = load(args)
@@ -260,8 +280,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         session = TuningSession(job, space, num_train=len(data.x_train), num_validation=len(data.x_val),
                                 config=tuner_config, seed=args.seed)
         session.driver = make_driver(args, space, session, log)
+        straggler = Straggler(args, job.rank)
         for step in session:
             trainer.clock(step)
+            straggler.after_clock()
         final = session.final_branch
         test_accuracy = trainer.test_accuracy(final) if final is not None else None
         outcome = session.result

@@ -1,0 +1,131 @@
+"""Stragglers: time to a target validation accuracy with one of 2 workers
+slowed, for mltuner at slack 0, 1, 3 and 7 against PyTorch DDP (gloo).
+
+    python benchmarks/straggler_bench.py [--target 0.7] [--out docs/straggler_results.md]
+
+The model is the MNIST-1D CNN, trained with a fixed setting (lr 0.3,
+dampened momentum 0.9, 32 samples per worker and clock) by
+``python -m mltuner.apps.mnist1d --mode fixed`` and by
+``benchmarks/ddp_mnist1d.py`` (the same data order, batches and update rule).
+Rank 1 is slowed by sleeping after its clocks, in units of t = the CNN's own
+forward + backward time for one batch, measured here first:
+
+- none;
+- constant 1.5x and 3x: a sleep of 0.5 t and 2 t after every clock;
+- bursts: a sleep of 10 t after a clock with probability 0.1 (2x on average,
+  as from a noisy neighbour).
+
+Time is the seconds of training to the first validation at or above the
+target (mltuner counts its validation clocks too; DDP does not). One seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import io
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from mltuner.apps._cnn import mnist1d_cnn
+from mltuner.dist import launch
+
+SLACKS = (0, 1, 3, 7)
+BENCH = Path(__file__).resolve().parent
+
+
+def batch_seconds() -> float:
+    """The CNN's forward + backward time for one batch of 32, one thread."""
+    torch.set_num_threads(1)
+    model = mnist1d_cnn()
+    x, y = torch.randn(32, 1, 40), torch.randint(0, 10, (32,))
+    for _ in range(20):
+        nn.functional.cross_entropy(model(x), y).backward()
+    start = time.perf_counter()
+    for _ in range(200):
+        nn.functional.cross_entropy(model(x), y).backward()
+    return (time.perf_counter() - start) / 200
+
+
+def job(command: list[str], result: Path) -> dict[str, Any]:
+    out = io.StringIO()
+    code = launch(command, 2, stdout=out, grace_seconds=10)
+    if code != 0:
+        raise RuntimeError(f"{' '.join(command)} failed ({code}):\n{out.getvalue()[-3000:]}")
+    return dict(json.loads(result.read_text()))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", type=float, default=0.7)
+    parser.add_argument("--max-epochs", type=int, default=40)
+    parser.add_argument("--out", default="results/straggler_bench.md")
+    args = parser.parse_args()
+    t = batch_seconds()
+    patterns = {"none": (0.0, 1.0), "constant 1.5x": (0.5 * t, 1.0), "constant 3x": (2 * t, 1.0),
+                "bursts (10t, p=0.1)": (10 * t, 0.1)}
+    common = ["--target-accuracy", str(args.target), "--max-epochs", str(args.max_epochs), "--lr", "0.3",
+              "--momentum", "0.9", "--batch-size", "32", "--seed", "0"]
+    rows = []
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        for name, (sleep_s, probability) in patterns.items():
+            slow = ["--slow-rank", "1", "--slow-ms", str(sleep_s * 1000), "--slow-probability", str(probability)]
+            times: dict[str, float | None] = {}
+            for slack in SLACKS:
+                summary = job([sys.executable, "-m", "mltuner.apps.mnist1d", "--model", "cnn", "--mode", "fixed",
+                               "--search", "", "--staleness", str(slack), "--result", str(result), *common, *slow],
+                              result)["summary"]
+                times[f"slack {slack}"] = summary["time_to_target_s"]
+            ddp = job([sys.executable, str(BENCH / "ddp_mnist1d.py"), "--result", str(result), *common,
+                       *slow], result)
+            times["DDP"] = ddp["time_to_target_s"]
+            print(name, times, flush=True)
+            rows.append((name, times))
+    lines = table(rows, t, args, time.perf_counter() - started)
+    text = "\n".join(lines) + "\n"
+    print(text)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text)
+    return 0
+
+
+def table(rows: list[tuple[str, dict[str, float | None]]], t: float, args: argparse.Namespace,
+          total_s: float) -> list[str]:
+    columns = [f"slack {s}" for s in SLACKS] + ["DDP"]
+    lines = [
+        "```",
+        f"date: {datetime.datetime.now():%Y-%m-%d %H:%M}; machine: {platform.machine()}, "
+        f"torch {torch.__version__}; 2 workers; t = {t * 1e3:.2f} ms; target {args.target:.0%}; "
+        f"total {total_s:.0f} s",
+        "```", "",
+        "Seconds to the target (lower is better); in brackets, the ratio to DDP under the same straggler.", "",
+        "| rank 1 slowed | " + " | ".join(columns) + " |",
+        "|:--|" + "--:|" * len(columns),
+    ]
+    for name, times in rows:
+        ddp = times["DDP"]
+        cells = []
+        for column in columns:
+            value = times[column]
+            if value is None:
+                cells.append("not reached")
+            elif column == "DDP" or ddp is None:
+                cells.append(f"{value:.1f}")
+            else:
+                cells.append(f"{value:.1f} ({value / ddp:.2f})")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())

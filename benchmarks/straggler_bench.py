@@ -23,20 +23,17 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import io
-import json
 import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
 from mltuner.apps._cnn import mnist1d_cnn
-from mltuner.dist import launch
+from local_job import run_job
 
 SLACKS = (0, 1, 3, 7)
 BENCH = Path(__file__).resolve().parent
@@ -53,14 +50,6 @@ def batch_seconds() -> float:
     for _ in range(200):
         nn.functional.cross_entropy(model(x), y).backward()
     return (time.perf_counter() - start) / 200
-
-
-def job(command: list[str], result: Path) -> dict[str, Any]:
-    out = io.StringIO()
-    code = launch(command, 2, stdout=out, grace_seconds=10)
-    if code != 0:
-        raise RuntimeError(f"{' '.join(command)} failed ({code}):\n{out.getvalue()[-3000:]}")
-    return dict(json.loads(result.read_text()))
 
 
 def main() -> int:
@@ -82,12 +71,12 @@ def main() -> int:
             slow = ["--slow-rank", "1", "--slow-ms", str(sleep_s * 1000), "--slow-probability", str(probability)]
             times: dict[str, float | None] = {}
             for slack in SLACKS:
-                summary = job([sys.executable, "-m", "mltuner.apps.mnist1d", "--model", "cnn", "--mode", "fixed",
-                               "--search", "", "--staleness", str(slack), "--result", str(result), *common, *slow],
-                              result)["summary"]
+                summary = run_job([sys.executable, "-m", "mltuner.apps.mnist1d", "--model", "cnn", "--mode",
+                                   "fixed", "--search", "", "--staleness", str(slack), "--result", str(result),
+                                   *common, *slow], result)["summary"]
                 times[f"slack {slack}"] = summary["time_to_target_s"]
-            ddp = job([sys.executable, str(BENCH / "ddp_mnist1d.py"), "--result", str(result), *common,
-                       *slow], result)
+            ddp = run_job([sys.executable, str(BENCH / "ddp_mnist1d.py"), "--result", str(result), *common,
+                           *slow], result)
             times["DDP"] = ddp["time_to_target_s"]
             print(name, times, flush=True)
             rows.append((name, times))

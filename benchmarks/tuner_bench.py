@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import io
 import itertools
-import json
 import platform
 import statistics
 import sys
@@ -33,27 +31,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mltuner.dist import launch
+from local_job import run_job
 
 GRID_LR = (0.1, 0.3, 1.0, 3.0)
 GRID_BATCH = (16, 32, 64)
-WORKERS = 2
 
 
 def run(mode: str, seed: int, target: float, max_epochs: int, trials: int, extra: list[str],
         work: Path) -> dict[str, Any]:
-    """One job; its result JSON (the summary of its driver)."""
-    result = work / f"{mode}-{seed}-{abs(hash(tuple(extra)))}.json"
-    out = io.StringIO()
+    """One job; the summary of its driver, with its wall time."""
+    result = work / "result.json"
     command = [sys.executable, "-m", "mltuner.apps.mnist1d", "--mode", mode, "--seed", str(seed),
                "--target-accuracy", str(target), "--max-epochs", str(max_epochs), "--trials", str(trials),
                "--result", str(result), *extra]
-    code = launch(command, WORKERS, stdout=out, grace_seconds=10)
-    if code != 0:
-        raise RuntimeError(f"{' '.join(command)} failed ({code}):\n{out.getvalue()[-3000:]}")
-    summary = json.loads(result.read_text())["summary"]
-    summary["wall_s"] = json.loads(result.read_text())["seconds"]
-    return dict(summary)
+    written = run_job(command, result)
+    return {**written["summary"], "wall_s": written["seconds"]}
 
 
 def fmt_time(seconds: float | None) -> str:

@@ -20,13 +20,16 @@ def _info(_: argparse.Namespace) -> int:
     return 0
 
 
+def _after_separator(command: Sequence[str]) -> list[str]:
+    # argparse keeps the `--` separator in front of a REMAINDER argument.
+    return list(command[1:] if command[:1] == ["--"] else command)
+
+
 def _launch(args: argparse.Namespace) -> int:
     # Imported here so that other commands never pay for it.
     from mltuner.dist import launch
 
-    command = list(args.command)
-    if command[:1] == ["--"]:  # argparse keeps the separator in front of REMAINDER
-        command = command[1:]
+    command = _after_separator(args.command)
     try:
         return launch(command, args.nproc, master_port=args.port, grace_seconds=args.grace)
     except ValueError as error:
@@ -58,8 +61,7 @@ def _watched(args: argparse.Namespace, kind: str, command: list[str], env_log: b
 
     out = _out_dir(args, kind)
     log = out / "decisions.jsonl"
-    if command[:1] == ["--"]:
-        command = command[1:]
+    command = _after_separator(command)
     if kind in ("tune", "demo"):
         command = [sys.executable, "-m", "mltuner.apps.mnist1d", "--log", str(log), "--result",
                    str(out / "result.json"), *command]

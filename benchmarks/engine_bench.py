@@ -2,7 +2,7 @@
 and the time per clock of a 20-layer virtual-iteration cycle, each stated as a
 ratio to a baseline measured side by side in the same run.
 
-    python benchmarks/engine_bench.py [--quick] [--csv PATH]
+    python benchmarks/engine_bench.py [--quick] [--csv PATH] [--figures PATH]
                                       [--sizes 1,16,64,256] [--widths 128,512,1024,4096]
                                       [--no-device-bench | --device-bench PATH]
 
@@ -33,7 +33,9 @@ import datetime
 import gc
 import os
 import platform
+import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,6 +48,7 @@ from typing import Callable
 import numpy as np
 
 import mltuner as mt
+from figures import Figure, write_figures
 
 REPO = Path(__file__).resolve().parent.parent
 BUILD_DIR = REPO / "build" / "bench"
@@ -491,6 +494,26 @@ def print_summary() -> None:
             print(f"{section}: {met} of {len(marked)} gather/scatter-add figures meet the {GOAL:.0%} goal")
 
 
+def headline_figures() -> list[Figure]:
+    """The suite's figures: per kind of row, the median ratio over every
+    table size and row width (the spread goes into the note)."""
+    groups: dict[tuple[str, str], list[Result]] = {}
+    for r in RESULTS:
+        case = re.sub(r", \d+ runs\)", ")", r.case)  # kernel cases name their run count per width
+        groups.setdefault((r.section, case), []).append(r)
+    figures = []
+    for (section, case), rows in groups.items():
+        ratios = [r.ratio for r in rows]
+        better = "lower" if rows[0].ratio_meaning == "engine/numpy time" else "higher"
+        goal = GOAL if rows[0].goal else None
+        spread = f"min {min(ratios):.2f}, max {max(ratios):.2f} over {len(rows)} size x width cells"
+        figures.append(Figure(
+            "engine", f"{section}: {case}", statistics.median(r.value for r in rows), rows[0].unit,
+            rows[0].baseline_name, statistics.median(r.baseline for r in rows), statistics.median(ratios),
+            rows[0].ratio_meaning, better, goal, spread if len(rows) > 1 else ""))
+    return figures
+
+
 def write_csv(path: str, head: str) -> None:
     with open(path, "w", newline="") as f:
         for line in head.splitlines():
@@ -514,6 +537,7 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes and short timings (< 40 s)")
     parser.add_argument("--csv", metavar="PATH", help="also write every summary figure to PATH")
+    parser.add_argument("--figures", metavar="PATH", help="write the headline figures for the suite (JSON)")
     parser.add_argument("--sizes", type=parse_list, help="table sizes in MB (default 1,16,64,256; quick 1,16)")
     parser.add_argument("--widths", type=parse_list, help="row widths in floats (default 128,512,1024,4096)")
     parser.add_argument("--layers", type=int, default=20, help="layers of the model cycle (default 20)")
@@ -551,6 +575,7 @@ def main() -> int:
     print(f"\ntotal {time.perf_counter() - start:.1f} s")
     if args.csv:
         write_csv(args.csv, head)
+    write_figures(args.figures, headline_figures())
     return 0
 
 

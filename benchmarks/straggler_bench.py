@@ -1,7 +1,7 @@
 """Stragglers: time to a target validation accuracy with one of 2 workers
 slowed, for mltuner at slack 0, 1, 3 and 7 against PyTorch DDP (gloo).
 
-    python benchmarks/straggler_bench.py [--target 0.7] [--out docs/straggler_results.md]
+    python benchmarks/straggler_bench.py [--quick] [--target 0.7] [--out PATH] [--figures PATH]
 
 The model is the MNIST-1D CNN, trained with a fixed setting (lr 0.3,
 dampened momentum 0.9, 32 samples per worker and clock) by
@@ -17,6 +17,7 @@ forward + backward time for one batch, measured here first:
 
 Time is the seconds of training to the first validation at or above the
 target (mltuner counts its validation clocks too; DDP does not). One seed.
+``--quick`` runs slack 0 and 3 under no straggler, constant 3x and bursts.
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ import torch
 from torch import nn
 
 from mltuner.apps._cnn import mnist1d_cnn
+from figures import Figure, ratio, write_figures
 from local_job import run_job
 
 SLACKS = (0, 1, 3, 7)
+QUICK_SLACKS = (0, 3)
 BENCH = Path(__file__).resolve().parent
 
 
@@ -57,10 +60,15 @@ def main() -> int:
     parser.add_argument("--target", type=float, default=0.7)
     parser.add_argument("--max-epochs", type=int, default=40)
     parser.add_argument("--out", default="results/straggler_bench.md")
+    parser.add_argument("--figures", metavar="PATH", help="write the headline figures for the suite (JSON)")
+    parser.add_argument("--quick", action="store_true", help="slack 0 and 3; no straggler, constant 3x, bursts")
     args = parser.parse_args()
+    slacks = QUICK_SLACKS if args.quick else SLACKS
     t = batch_seconds()
     patterns = {"none": (0.0, 1.0), "constant 1.5x": (0.5 * t, 1.0), "constant 3x": (2 * t, 1.0),
                 "bursts (10t, p=0.1)": (10 * t, 0.1)}
+    if args.quick:
+        del patterns["constant 1.5x"]
     common = ["--target-accuracy", str(args.target), "--max-epochs", str(args.max_epochs), "--lr", "0.3",
               "--momentum", "0.9", "--batch-size", "32", "--seed", "0"]
     rows = []
@@ -70,7 +78,7 @@ def main() -> int:
         for name, (sleep_s, probability) in patterns.items():
             slow = ["--slow-rank", "1", "--slow-ms", str(sleep_s * 1000), "--slow-probability", str(probability)]
             times: dict[str, float | None] = {}
-            for slack in SLACKS:
+            for slack in slacks:
                 summary = run_job([sys.executable, "-m", "mltuner.apps.mnist1d", "--model", "cnn", "--mode",
                                    "fixed", "--search", "", "--staleness", str(slack), "--result", str(result),
                                    *common, *slow], result)["summary"]
@@ -80,17 +88,22 @@ def main() -> int:
             times["DDP"] = ddp["time_to_target_s"]
             print(name, times, flush=True)
             rows.append((name, times))
-    lines = table(rows, t, args, time.perf_counter() - started)
+    lines = table(rows, slacks, t, args, time.perf_counter() - started)
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
+    write_figures(args.figures, [
+        Figure("stragglers", f"rank 1 slowed: {name}; slack {slack} vs DDP", times[f"slack {slack}"],
+               "s to target", "DDP (gloo)", times["DDP"], ratio(times["DDP"], times[f"slack {slack}"]),
+               "DDP time / mltuner time", note=f"target {args.target:.0%}, t = {t * 1e3:.2f} ms")
+        for name, times in rows for slack in slacks])
     return 0
 
 
-def table(rows: list[tuple[str, dict[str, float | None]]], t: float, args: argparse.Namespace,
-          total_s: float) -> list[str]:
-    columns = [f"slack {s}" for s in SLACKS] + ["DDP"]
+def table(rows: list[tuple[str, dict[str, float | None]]], slacks: tuple[int, ...], t: float,
+          args: argparse.Namespace, total_s: float) -> list[str]:
+    columns = [f"slack {s}" for s in slacks] + ["DDP"]
     lines = [
         "```",
         f"date: {datetime.datetime.now():%Y-%m-%d %H:%M}; machine: {platform.machine()}, "

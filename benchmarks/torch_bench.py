@@ -2,6 +2,7 @@
 plain PyTorch on the same model, data and device in the same run.
 
     python benchmarks/torch_bench.py [--device cuda] [--batch 128] [--steps 30] [--out PATH]
+                                     [--figures PATH]
 
 Three runs of the same training step (forward, cross-entropy, backward,
 momentum SGD) on synthetic 32x32 images, 10 classes:
@@ -34,6 +35,7 @@ from torch import nn
 
 import mltuner as mlt
 import mltuner.torch as mtorch
+from figures import Figure, write_figures
 
 
 class BasicBlock(nn.Module):
@@ -147,6 +149,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", default=None, help="write the table here (markdown)")
+    parser.add_argument("--figures", metavar="PATH", help="write the headline figures for the suite (JSON)")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -179,6 +182,14 @@ def main() -> None:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text)
+    model = f"ResNet-18{'' if args.width == 64 else f' (width {args.width})'}, batch {args.batch}, {device.type}"
+    write_figures(args.figures, [
+        Figure("torch", f"{model}: 1 worker vs plain PyTorch", ps, "images/s", "plain PyTorch", plain, ps / plain,
+               "mltuner / plain images/s", goal=0.95, note=f"stall {ps_stall * 1e3:.2f} ms/clock"),
+        Figure("torch", f"{model}: budget 1/4 of need vs no budget", small, "images/s", "mltuner, no budget", ps,
+               small / ps, "budget / no-budget images/s", goal=0.70,
+               note=f"{small_stats['bytes_swapped_in'] / 1e6 / small_stats['clock']:.0f} MB swapped in per clock"),
+    ])
 
 
 if __name__ == "__main__":

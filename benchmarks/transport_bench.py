@@ -3,7 +3,7 @@ worker processes, as a ratio to raw pyzmq moving the same bytes between the
 same processes in the same run, and the latency a busy Python main thread
 adds to each clock.
 
-    python benchmarks/transport_bench.py [--quick] [--out PATH]
+    python benchmarks/transport_bench.py [--quick] [--out PATH] [--figures PATH]
                                          [--sizes 10,100,1024] [--procs 2,4]
                                          [--switch-interval 0.0005]
                                          [--memory-limit-gb 16]
@@ -65,6 +65,7 @@ import numpy as np
 import zmq
 
 import mltuner as mt
+from figures import Figure, write_figures
 from mltuner.dist._env import free_port
 
 MIB = 1 << 20
@@ -737,6 +738,36 @@ whichever phase was largest. Other load: the share of all CPUs that processes ot
 used while the configuration ran (from /proc/stat); above a few percent, its row is disturbed."""
 
 
+def throughput_figures(rows: list[Row]) -> list[Figure]:
+    figures = []
+    for r in rows:
+        name = f"N={r.n}, {r.size_mib} MiB model: updates + fresh rows per clock"
+        if r.note:
+            figures.append(Figure("transport", name, None, "ms/clock", "raw pyzmq", None, None,
+                                  "raw time / mltuner time", goal=GOAL, note=r.note))
+            continue
+        figures.append(Figure("transport", name, r.mlt_s * 1e3, "ms/clock", "raw pyzmq", r.raw_s * 1e3,
+                              r.raw_s / r.mlt_s, "raw time / mltuner time", goal=GOAL,
+                              note=f"engine alone {r.local_s * 1e3:.1f} ms/clock"))
+    return figures
+
+
+def busy_figures(result: Json) -> list[Figure]:
+    """Pure-Python work between clocks under the default GIL switch interval
+    and the mitigation: the clock's time against no overlap at all."""
+    figures, base = [], 0.0
+    for c in result["cases"]:
+        if c["work"] == "none":
+            base = c["clock_s"]
+        elif c["work"] == "python":
+            ideal = base + c["alone_s"]
+            figures.append(Figure(
+                "transport", f"busy Python main thread, switch interval {c['switch_s'] * 1e3:g} ms",
+                c["clock_s"] * 1e3, "ms/clock", "clock + work, no overlap", ideal * 1e3, ideal / c["clock_s"],
+                "ideal time / measured time", note=f"added {(c['clock_s'] - ideal) * 1e3:+.2f} ms/clock"))
+    return figures
+
+
 def bench_busy(args: argparse.Namespace) -> Json:
     print(f"busy main thread: N=2, {args.busy_mib} MiB model ...", end="", flush=True)
     start = time.perf_counter()
@@ -799,6 +830,7 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="10 and 100 MiB, N=2 only (< 2 minutes)")
     parser.add_argument("--out", default="results/transport_bench.md", help="markdown file for the tables")
+    parser.add_argument("--figures", metavar="PATH", help="write the headline figures for the suite (JSON)")
     parser.add_argument("--sizes", help="model sizes in MiB (default 10,100,1024; quick 10,100)")
     parser.add_argument("--procs", help="process counts (default 2,4; quick 2)")
     parser.add_argument("--switch-interval", type=float, default=DEFAULT_SWITCH_S,
@@ -839,18 +871,23 @@ def main() -> int:
     print("\n".join(head), flush=True)
     start = time.perf_counter()
     sections = []
+    figures: list[Figure] = []
     if not args.skip_throughput:
         print("\n== Part 1: per-clock update + fresh-row traffic, mltuner vs raw pyzmq ==", flush=True)
-        table = throughput_table(bench_throughput(args))
+        rows = bench_throughput(args)
+        figures += throughput_figures(rows)
+        table = throughput_table(rows)
         sections.append(("Per-clock update + fresh-row traffic, mltuner vs raw pyzmq", THROUGHPUT_NOTES, table))
         print("\n" + THROUGHPUT_NOTES + "\n\n" + "\n".join(table), flush=True)
     if not args.skip_busy:
         print("\n== Part 2: latency added per clock by a busy main thread ==", flush=True)
         try:
-            table = busy_table(bench_busy(args))
+            busy = bench_busy(args)
         except GroupError as error:
             print(f"\nthe busy-main-thread group failed: {error}", flush=True)
             return 1
+        figures += busy_figures(busy)
+        table = busy_table(busy)
         sections.append(("Latency added per clock by a busy Python main thread", BUSY_NOTES, table))
         print("\n" + BUSY_NOTES + "\n\n" + "\n".join(table), flush=True)
     elapsed = time.perf_counter() - start
@@ -863,6 +900,7 @@ def main() -> int:
         text += ["", f"## {title}", "", notes, "", *table]
     out.write_text("\n".join(text) + "\n")
     print(f"wrote {out}")
+    write_figures(args.figures, figures)
     return 0
 
 

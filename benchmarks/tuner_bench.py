@@ -2,7 +2,7 @@
 best fixed setting found in hindsight, Optuna TPE with whole training runs,
 and Hyperband (Optuna's HyperbandPruner over epochs), over several seeds.
 
-    python benchmarks/tuner_bench.py [--quick] [--out docs/tuner_benchmarks.md]
+    python benchmarks/tuner_bench.py [--quick] [--out docs/tuner_benchmarks.md] [--figures PATH]
 
 Every run is a real job: 2 worker processes under ``mltuner launch`` running
 ``python -m mltuner.apps.mnist1d`` (the numpy MLP 40-100-100-10 through the
@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from figures import Figure, ratio, write_figures
 from local_job import run_job
 
 GRID_LR = (0.1, 0.3, 1.0, 3.0)
@@ -52,12 +53,6 @@ def fmt_time(seconds: float | None) -> str:
     return "not reached" if seconds is None else f"{seconds:.1f}"
 
 
-def ratio(numerator: float | None, denominator: float | None) -> float | None:
-    if numerator is None or denominator is None or denominator <= 0:
-        return None
-    return numerator / denominator
-
-
 def fmt_ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
@@ -66,14 +61,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="1 seed and a 2x2 grid (a few minutes)")
     parser.add_argument("--seeds", default=None, help="comma-separated seeds (default 0,1,2; quick 0)")
+    parser.add_argument("--lrs", help="learning rates of the fixed grid (default 0.1,0.3,1,3; quick 0.3,1)")
+    parser.add_argument("--batches", help="per-worker batch sizes of the fixed grid (default 16,32,64; quick 32,64)")
     parser.add_argument("--target", type=float, default=0.55, help="validation accuracy to reach")
     parser.add_argument("--max-epochs", type=int, default=40)
     parser.add_argument("--trials", type=int, default=20, help="trials of the Optuna baselines")
     parser.add_argument("--out", default="results/tuner_bench.md")
+    parser.add_argument("--figures", metavar="PATH", help="write the headline figures for the suite (JSON)")
     args = parser.parse_args()
     seeds = [int(s) for s in (args.seeds or ("0" if args.quick else "0,1,2")).split(",")]
-    grid = list(itertools.product(GRID_LR[1:3] if args.quick else GRID_LR,
-                                  GRID_BATCH[1:] if args.quick else GRID_BATCH))
+    lrs = [float(x) for x in args.lrs.split(",")] if args.lrs else GRID_LR[1:3] if args.quick else GRID_LR
+    batches = ([int(x) for x in args.batches.split(",")] if args.batches
+               else GRID_BATCH[1:] if args.quick else GRID_BATCH)
+    grid = list(itertools.product(lrs, batches))
     started = time.perf_counter()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -101,7 +101,51 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(f"wrote {out}")
+    write_figures(args.figures, figures(rows, args))
     return 0
+
+
+# key: (figure name, the other side, its label, ratio numerator, denominator, better, goal)
+RATIOS = {
+    "fixed": ("MLtuner vs best fixed in hindsight", "fixed", "best fixed setting", "tune", "fixed", "lower", 1.5),
+    "optuna": ("MLtuner vs Optuna-TPE whole runs", "optuna", "Optuna-TPE", "optuna", "tune", "higher", 3.0),
+    "hyperband": ("MLtuner vs Hyperband", "hyperband", "Hyperband", "hyperband", "tune", "higher", 3.0),
+}
+
+
+def seconds(row: dict[str, Any], key: str) -> float | None:
+    """A row's time to the target for one side ("fixed" is a number already)."""
+    value = row[key]
+    return value if key == "fixed" else value["time_to_target_s"]
+
+
+def per_seed_ratios(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Each ratio of RATIOS for every seed where both sides reached the target."""
+    out: dict[str, list[float]] = {}
+    for key, (_, _, _, top, bottom, _, _) in RATIOS.items():
+        values = [ratio(seconds(row, top), seconds(row, bottom)) for row in rows]
+        out[key] = [v for v in values if v is not None]
+    return out
+
+
+def median_or_none(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def figures(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[Figure]:
+    """MLtuner's median time against each baseline's; the ratio is the median
+    of the per-seed ratios, with their spread in the note."""
+    result = []
+    for key, values in per_seed_ratios(rows).items():
+        name, other, label, top, bottom, better, goal = RATIOS[key]
+        spread = f"min {min(values):.2f}, max {max(values):.2f}; " if values else ""
+        result.append(Figure(
+            "tuning", name, median_or_none([seconds(row, "tune") for row in rows]), "s to target (median)",
+            label, median_or_none([seconds(row, other) for row in rows]),
+            statistics.median(values) if values else None, f"{top} time / {bottom} time, median of seeds",
+            better, goal, f"{spread}{len(values)} of {len(rows)} seeds reached {args.target:.0%} on both sides"))
+    return result
 
 
 def table(rows: list[dict[str, Any]], args: argparse.Namespace, total_s: float) -> list[str]:
@@ -121,15 +165,11 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace, total_s: float) 
         "MLtuner / best fixed | Optuna / MLtuner | Hyperband / MLtuner | MLtuner's setting |",
         "|--:|:--|--:|--:|--:|--:|--:|--:|--:|:--|",
     ]
-    ratios: dict[str, list[float]] = {"fixed": [], "optuna": [], "hyperband": []}
     for row in rows:
         tune_s = row["tune"]["time_to_target_s"]
         r_fixed = ratio(tune_s, row["fixed"])
         r_optuna = ratio(row["optuna"]["time_to_target_s"], tune_s)
         r_hyper = ratio(row["hyperband"]["time_to_target_s"], tune_s)
-        for key, value in (("fixed", r_fixed), ("optuna", r_optuna), ("hyperband", r_hyper)):
-            if value is not None:
-                ratios[key].append(value)
         best = "-" if row["best"] is None else f"{row['best'][0]:g} x {row['best'][1]}"
         setting = row["tune"].get("best_tunables") or {}
         lines.append(
@@ -139,7 +179,7 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace, total_s: float) 
             + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in setting.items()) + " |")
     lines += ["", "| ratio | median | min | max | seeds |", "|:--|--:|--:|--:|--:|"]
     names = {"fixed": "MLtuner / best fixed", "optuna": "Optuna-TPE / MLtuner", "hyperband": "Hyperband / MLtuner"}
-    for key, values in ratios.items():
+    for key, values in per_seed_ratios(rows).items():
         if values:
             lines.append(f"| {names[key]} | {statistics.median(values):.2f} | {min(values):.2f} | "
                          f"{max(values):.2f} | {len(values)} |")

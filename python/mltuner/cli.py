@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import platform
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -100,6 +102,30 @@ def _run(args: argparse.Namespace) -> int:
     return _watched(args, "run", list(args.command), env_log=True)
 
 
+def _find_suite(source: str | None) -> Path | None:
+    """benchmarks/run.py of the source checkout: under --source, else under
+    the current directory or one of its parents."""
+    roots = [Path(source)] if source else [Path.cwd(), *Path.cwd().parents]
+    for root in roots:
+        suite = root / "benchmarks" / "run.py"
+        if suite.is_file():
+            return suite
+    return None
+
+
+def _bench(args: argparse.Namespace) -> int:
+    suite = _find_suite(args.source)
+    if suite is None:
+        where = args.source or "the current directory or its parents"
+        print(f"mltuner bench: error: no benchmarks/run.py in {where}. The benchmarks live in the source "
+              "checkout (they build C++ benchmarks and compare with PyTorch DDP); run this command from it, "
+              "or pass --source DIR.", file=sys.stderr)
+        return 2
+    # Its own process: the suite imports its sibling scripts by path.
+    return subprocess.call([sys.executable, str(suite), *_after_separator(args.suite_args)],
+                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
 def _add_watch_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-n", "--nproc", type=int, default=2, help="number of local workers (default: 2)")
     parser.add_argument("--out", default=None,
@@ -165,9 +191,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_watch_options(run)
     run.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after `--`")
     run.set_defaults(handler=_run)
+    bench = commands.add_parser(
+        "bench", help="run the benchmark suite of a source checkout (summary table, CSV, PNGs)",
+        usage="mltuner bench [--source DIR] [--quick] [--gpu] [--only NAMES] [--skip NAMES] [--out DIR] [--list]",
+        description="Runs benchmarks/run.py of the source checkout: every benchmark, each figure a ratio to a "
+                    "baseline measured in the same run (numpy copies, raw pyzmq, plain PyTorch, PyTorch DDP, "
+                    "the GPU's copy bandwidth), one summary table, CSV and PNGs in a results directory. "
+                    "--quick takes about 5 minutes on 2 cores; --gpu adds the GPU benchmarks. "
+                    "See python benchmarks/run.py --help.")
+    bench.add_argument("--source", default=None, help="the source checkout (default: the current directory "
+                       "or a parent holding benchmarks/run.py)")
+    bench.set_defaults(handler=_bench)
     args, extra = parser.parse_known_args(argv)
     if args.handler in (_tune, _demo):
         args.app_args = extra
+    elif args.handler is _bench:
+        args.suite_args = extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return int(args.handler(args))

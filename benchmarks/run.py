@@ -46,9 +46,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Optional
+from typing import IO, Optional
 
 from figures import Figure, read_figures
 
@@ -140,52 +139,54 @@ def run_step(step: Step, out: Path) -> Outcome:
         env["CUDA_VISIBLE_DEVICES"] = ""
     print(f"\n== {step.name}: {' '.join(command[1:])}", flush=True)
     start = time.perf_counter()
+    # A new session, so that a timeout stops the benchmark's own workers too.
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
+                            start_new_session=True)
+    assert proc.stdout is not None
+    lines: queue.Queue[Optional[str]] = queue.Queue()
+    # A reader thread keeps the deadline honest while the benchmark is silent.
+    reader = threading.Thread(target=pump, args=(proc.stdout, lines), daemon=True)
+    reader.start()
     with open(log_path, "w") as log:
-        # A new session, so that a timeout stops the benchmark's own workers too.
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                cwd=REPO, start_new_session=True)
-        assert proc.stdout is not None
-        deadline = start + step.timeout_s
-        timed_out = False
-        for line in stream_until(proc, deadline):
-            log.write(line)
-            log.flush()
-            print(f"  {line}", end="", flush=True)
-        if proc.poll() is None:
-            timed_out = True
-            stop(proc)
+        finished = relay(lines, log, start + step.timeout_s)
+    if not finished:
+        stop(proc)
+    reader.join(timeout=10)
+    proc.stdout.close()
+    try:
+        proc.wait(timeout=30)  # it closed its output; it should be ending
+    except subprocess.TimeoutExpired:
+        stop(proc)
     seconds = time.perf_counter() - start
-    if timed_out:
+    if not finished:
         return Outcome(step, f"timed out after {step.timeout_s:.0f} s", seconds, [])
     if proc.returncode != 0 or not figures_path.exists():
         return Outcome(step, f"failed (exit {proc.returncode}; see {log_path.name})", seconds, [])
     return Outcome(step, "ok", seconds, read_figures(figures_path))
 
 
-def stream_until(proc: subprocess.Popen[str], deadline: float) -> Iterator[str]:
-    """The process's output lines until it ends or the deadline passes. A
-    reader thread keeps the deadline honest while the process is silent."""
-    lines: queue.Queue[Optional[str]] = queue.Queue()
+def pump(stream: IO[str], lines: queue.Queue[Optional[str]]) -> None:
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
 
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.put(line)
-        lines.put(None)
 
-    threading.Thread(target=pump, daemon=True).start()
+def relay(lines: queue.Queue[Optional[str]], log: IO[str], deadline: float) -> bool:
+    """Copies the benchmark's lines to its log and to stdout until it closes
+    its output (True) or the deadline passes (False)."""
     while True:
         remaining = deadline - time.perf_counter()
         if remaining <= 0:
-            return
+            return False
         try:
             line = lines.get(timeout=min(remaining, 1.0))
         except queue.Empty:
             continue
         if line is None:
-            proc.wait(timeout=30)
-            return
-        yield line
+            return True
+        log.write(line)
+        log.flush()
+        print(f"  {line}", end="", flush=True)
 
 
 def stop(proc: subprocess.Popen[str]) -> None:

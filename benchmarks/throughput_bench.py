@@ -1,0 +1,591 @@
+"""Training throughput of mltuner against PyTorch DistributedDataParallel
+(gloo on the CPU, NCCL on GPUs) and plain single-process PyTorch, on the same
+model, data, per-worker batch, update rule and number of workers.
+
+    python benchmarks/throughput_bench.py [--device cpu|cuda] [--model cnn|resnet18] [--workers 1,2]
+        [--slacks 0,1] [--batch B] [--steps K] [--warmup W] [--quick] [--out PATH.md] [--figures PATH.json]
+
+The runs:
+
+1. plain PyTorch: this process, the model and a torch.optim.SGD;
+2. mltuner, 1 worker, slack 0: one process under ``mltuner launch``, an
+   ``mltuner.Job`` and the model wrapped with ``mltuner.torch``;
+3. for each N >= 2 of ``--workers``: DDP on N processes, and mltuner on N
+   processes at each slack of ``--slacks`` (0 is BSP; s lets a worker run s
+   clocks ahead of the slowest).
+
+Models: ``cnn`` is the MNIST-1D CNN on inputs of shape (B, 1, 40), the
+default on the CPU; ``resnet18`` is torch_bench.py's ResNet-18 on 32x32x3
+images, the default on a GPU; 10 classes, synthetic data. Every run starts
+from the same weights (seed 0); rank r trains on its own fixed batch, the
+same in every run (plain PyTorch uses rank 0's), kept on the device, so the
+figure is of the training step and its communication, not of data loading.
+The update rule is the same everywhere: the servers' momentum
+``h = (1-m) g + m h; w -= lr h`` on the gradient averaged over the workers,
+which is torch's SGD with ``momentum=m, dampening=m`` (lr 0.05, m 0.9; torch
+takes its first step with the undamped gradient, the only difference). The
+loss of rank 0's last step is in the table as a check that the runs train
+alike. Batch-norm running statistics stay local to each worker (mltuner does
+so; DDP is told not to broadcast them).
+
+Each run takes ``--warmup`` untimed steps, then meets at a barrier so that
+the ranks start together, then ``--steps`` timed steps, CUDA synchronised at
+both ends. Throughput = N x batch x steps / the slowest rank's timed seconds;
+mltuner's last update is still in flight at the end, as it would be in the
+middle of training. On the CPU each of N processes gets cores // N torch
+threads (plain PyTorch: all of them). On GPUs rank r uses GPU r mod count;
+NCCL cannot put two ranks on one GPU, so a configuration with more workers
+than GPUs is skipped, for mltuner as for DDP: comparisons are on equal
+hardware.
+
+Figures (``--figures``): 1 worker vs plain PyTorch (goal 0.95 on a GPU);
+N workers at slack s vs DDP (goal 1.0 on GPUs at slack >= 1); N workers at
+the best slack vs 1 worker (goal 1.9 for 2 workers on 2 GPUs); DDP N vs plain
+PyTorch, for reading. Every launched job is bounded by ``--timeout``; a
+configuration that fails is reported as failed (its figures have no value)
+and the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import inspect
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Literal, Optional
+
+import torch
+from torch import nn
+
+import mltuner as mlt
+from figures import Figure, ratio, write_figures
+
+System = Literal["plain", "ddp", "mltuner"]
+
+LR, MOMENTUM = 0.05, 0.9
+SEED = 0
+CLASSES = 10
+# (timed steps, warmup steps) per model, full and --quick.
+STEPS = {"cnn": (300, 30), "resnet18": (50, 10)}
+QUICK_STEPS = {"cnn": (60, 10), "resnet18": (10, 3)}
+MODEL_NAMES = {"cnn": "MNIST-1D CNN", "resnet18": "ResNet-18"}
+# How long the launcher may take to stop its workers after SIGTERM
+# (mltuner.dist's KILL_AFTER_SECONDS plus the reaping) before it is killed.
+STOP_SECONDS = 15.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One configuration; travels to the launched workers as JSON."""
+
+    system: System
+    workers: int
+    slack: int
+    model: str
+    device: str
+    batch: int
+    steps: int
+    warmup: int
+
+    @property
+    def label(self) -> str:
+        if self.system == "plain":
+            return "plain PyTorch, 1 process"
+        if self.system == "ddp":
+            return f"DDP ({backend(self.device)}), {self.workers} workers"
+        return f"mltuner, {self.workers} worker{'s' if self.workers > 1 else ''}, slack {self.slack}"
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What a run gave: samples/s, or why there is none."""
+
+    run: Run
+    samples_per_s: Optional[float] = None
+    loss: Optional[float] = None
+    note: str = ""
+    failed: str = ""  # the reason, when the run failed
+    skipped: str = ""  # the reason, when it was not run
+
+
+def backend(device: str) -> str:
+    return "nccl" if device == "cuda" else "gloo"
+
+
+# -- what every process runs -------------------------------------------------------
+
+
+def build_model(name: str) -> nn.Module:
+    """The model with the same initial weights in every process (on the CPU)."""
+    torch.manual_seed(SEED)
+    if name == "cnn":
+        from mltuner.apps._cnn import mnist1d_cnn
+
+        return mnist1d_cnn(40, CLASSES)
+    from torch_bench import resnet18  # benchmarks/ is on sys.path: this script lives there
+
+    return resnet18(num_classes=CLASSES)
+
+
+def make_batch(run: Run, rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s fixed batch: the same in every run."""
+    generator = torch.Generator().manual_seed(1000 * SEED + rank)
+    shape = (run.batch, 1, 40) if run.model == "cnn" else (run.batch, 3, 32, 32)
+    x = torch.randn(*shape, generator=generator)
+    y = torch.randint(0, CLASSES, (run.batch,), generator=generator)
+    return x.to(device), y.to(device)
+
+
+def prepare(run: Run, local_rank: int) -> torch.device:
+    """This process's device and thread count."""
+    # N processes share the cores: more intra-op threads than cores make them fight.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // run.workers))
+    if run.device != "cuda":
+        return torch.device("cpu")
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())  # the GPU the engine picks too
+    torch.cuda.set_device(device)
+    torch.backends.cudnn.benchmark = True
+    return device
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_steps(step: Callable[[], torch.Tensor], run: Run, device: torch.device,
+                barrier: Callable[[], None]) -> tuple[float, float]:
+    """(seconds of the timed steps, loss of the last step)."""
+    for _ in range(run.warmup):
+        step()
+    synchronize(device)
+    barrier()  # the ranks start the clock together: no rank's start-up is timed
+    start = time.perf_counter()
+    for _ in range(run.steps):
+        loss = step()
+    synchronize(device)
+    elapsed = time.perf_counter() - start
+    return elapsed, float(loss.item())
+
+
+def torch_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    # The servers' rule h = (1-m) g + m h; w -= lr h is torch's SGD with dampening m.
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, dampening=MOMENTUM)
+
+
+def torch_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
+               y: torch.Tensor) -> Callable[[], torch.Tensor]:
+    def step() -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+        return loss
+
+    return step
+
+
+def parameter_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def plain_run(run: Run) -> dict[str, Any]:
+    """Plain PyTorch in this process."""
+    device = prepare(run, 0)
+    model = build_model(run.model)
+    params = parameter_count(model)
+    model.to(device)
+    x, y = make_batch(run, 0, device)
+    elapsed, loss = timed_steps(torch_step(model, torch_optimizer(model), x, y), run, device, lambda: None)
+    if device.type == "cuda":
+        del model, x, y
+        torch.cuda.empty_cache()  # leave the GPU to the launched workers
+    return {"elapsed_s": [elapsed], "loss": loss, "batch": run.batch, "steps": run.steps, "params": params}
+
+
+def local_buffers() -> dict[str, Any]:
+    """DDP's option to keep buffers (batch-norm running statistics) local to
+    each rank after the start, as mltuner does: ``forward_sync_buffers``
+    where this torch has it (it deprecates ``broadcast_buffers``)."""
+    options = inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
+    return {"forward_sync_buffers" if "forward_sync_buffers" in options else "broadcast_buffers": False}
+
+
+def ddp_worker(run: Run) -> Optional[dict[str, Any]]:
+    """One DDP rank under ``mltuner launch``; rank 0 returns the result."""
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["MLTUNER_RANK"]), int(os.environ["MLTUNER_WORLD_SIZE"])
+    device = prepare(run, int(os.environ.get("MLTUNER_LOCAL_RANK", rank)))
+    address = f"tcp://{os.environ['MLTUNER_MASTER_ADDR']}:{os.environ['MLTUNER_MASTER_PORT']}"
+    # device_id binds the NCCL communicator to this rank's GPU (and barrier() to it).
+    dist.init_process_group(backend(run.device), init_method=address, rank=rank, world_size=world,
+                            device_id=device if device.type == "cuda" else None)
+    try:
+        model = build_model(run.model)
+        params = parameter_count(model)
+        model.to(device)
+        ddp = nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None, **local_buffers())
+        x, y = make_batch(run, rank, device)
+        elapsed, loss = timed_steps(torch_step(ddp, torch_optimizer(ddp), x, y), run, device, dist.barrier)
+        times = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(world)]
+        dist.all_gather(times, torch.tensor([elapsed], dtype=torch.float64, device=device))
+    finally:
+        dist.destroy_process_group()
+    if rank != 0:
+        return None
+    return {"elapsed_s": [float(t.item()) for t in times], "loss": loss, "batch": run.batch, "steps": run.steps,
+            "params": params}
+
+
+def mltuner_worker(run: Run) -> Optional[dict[str, Any]]:
+    """One mltuner rank under ``mltuner launch``; rank 0 returns the result."""
+    import mltuner.torch as mtorch
+
+    config = mlt.Config(update_rule=mlt.UpdateRule("momentum", learning_rate=LR, momentum=MOMENTUM),
+                        device="cuda" if run.device == "cuda" else "cpu", wait_timeout_s=120)
+    with mlt.Job(config) as job:
+        device = prepare(run, job.local_rank)
+        model = build_model(run.model)
+        params = parameter_count(model)
+        model.to(device)
+        x, y = make_batch(run, job.rank, device)
+        ps = mtorch.wrap(model, job.worker, example_input=x, slack=run.slack,
+                         example_loss=lambda out: nn.functional.cross_entropy(out, y))
+
+        def step() -> torch.Tensor:
+            loss = nn.functional.cross_entropy(ps(x), y)
+            loss.backward()  # type: ignore[no-untyped-call]
+            ps.step()
+            return loss
+
+        stall_before = 0.0
+
+        def barrier() -> None:
+            nonlocal stall_before
+            job.barrier("timed")
+            stall_before = job.worker.stats["stall_seconds"]
+
+        elapsed, loss = timed_steps(step, run, device, barrier)
+        stall_s = job.worker.stats["stall_seconds"] - stall_before
+        gathered = job.allgather("elapsed", [elapsed, stall_s])
+        job.worker.sync()  # every update applied before the job closes
+    if job.rank != 0:
+        return None
+    return {"elapsed_s": [g[0] for g in gathered], "stall_s": [g[1] for g in gathered], "loss": loss,
+            "batch": run.batch, "steps": run.steps, "params": params}
+
+
+def worker_main(spec: str, result: str) -> int:
+    """The launched process: runs its rank of ``spec`` and, on rank 0, writes the result."""
+    run = Run(**json.loads(spec))
+    outcome = ddp_worker(run) if run.system == "ddp" else mltuner_worker(run)
+    if outcome is not None:
+        Path(result).write_text(json.dumps(outcome))
+    return 0
+
+
+# -- the benchmark: plan, launch, tabulate ------------------------------------------
+
+
+def launch_job(command: list[str], workers: int, timeout_s: float) -> tuple[int, str]:
+    """(exit code, output) of ``command`` on ``workers`` local workers.
+
+    The launcher runs as a child process so that a timeout can stop it: on
+    SIGTERM it stops and reaps its workers (which sit in their own process
+    groups, out of reach of a signal to the launcher's). It shares this
+    process's group, so Ctrl-C reaches it too."""
+    launcher = [sys.executable, "-m", "mltuner.cli", "launch", "-n", str(workers), "--grace", "10", "--", *command]
+    process = subprocess.Popen(launcher, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, errors="replace")
+    try:
+        output, _ = process.communicate(timeout=timeout_s)
+        return process.returncode, output
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGTERM)
+        try:
+            output, _ = process.communicate(timeout=STOP_SECONDS)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            output, _ = process.communicate()
+        raise TimeoutError(f"timed out after {timeout_s:g} s\n{tail(output)}") from None
+    finally:
+        if process.poll() is None:  # interrupted: give the launcher its time to stop the workers
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(STOP_SECONDS)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def tail(output: str, lines: int = 30) -> str:
+    return "\n".join(output.rstrip().splitlines()[-lines:])
+
+
+def launched_run(run: Run, timeout_s: float) -> dict[str, Any]:
+    """Runs ``run`` on its workers through this script's --worker mode."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(dataclasses.asdict(run)),
+                   "--result", str(result)]
+        code, output = launch_job(command, run.workers, timeout_s)
+        if code != 0 or not result.exists():
+            raise RuntimeError(f"exit code {code}\n{tail(output)}")
+        return dict(json.loads(result.read_text()))
+
+
+def measure(run: Run, params: int, timeout_s: float) -> Outcome:
+    """Runs ``run`` and checks that it did the work asked for; a failure
+    becomes the outcome's reason instead of ending the benchmark."""
+    started = time.perf_counter()
+    try:
+        result = plain_run(run) if run.system == "plain" else launched_run(run, timeout_s)
+        done = (result["batch"], result["steps"], result["params"], len(result["elapsed_s"]))
+        if done != (run.batch, run.steps, params, run.workers):
+            raise RuntimeError(f"did other work than asked: (batch, steps, parameters, ranks) = {done}, "
+                               f"expected {(run.batch, run.steps, params, run.workers)}")
+    except Exception as error:  # reported in the table; the other runs go on
+        print(f"{run.label}: FAILED: {error}", file=sys.stderr, flush=True)
+        return Outcome(run, failed=str(error).splitlines()[0] if str(error) else type(error).__name__)
+    slowest = max(result["elapsed_s"])
+    outcome = Outcome(run, run.workers * run.batch * run.steps / slowest, result["loss"])
+    if "stall_s" in result:
+        outcome.note = f"stall {max(result['stall_s']) / run.steps * 1e3:.2f} ms/clock (slowest rank)"
+    if run.workers > 1:
+        spread = min(result["elapsed_s"]) / slowest
+        outcome.note = "; ".join(filter(None, [outcome.note, f"fastest rank {spread:.2f} of slowest's time"]))
+    print(f"{run.label}: {outcome.samples_per_s:.0f} samples/s, loss {outcome.loss:.3f} "
+          f"({time.perf_counter() - started:.1f} s)", flush=True)
+    return outcome
+
+
+def plan(args: argparse.Namespace) -> list[Run]:
+    """The runs, in order; 1 worker (plain PyTorch and mltuner) always, as
+    the baseline of the scaling figures."""
+    common = dict(model=args.model, device=args.device, batch=args.batch, steps=args.steps, warmup=args.warmup)
+    runs = [Run("plain", 1, 0, **common), Run("mltuner", 1, 0, **common)]
+    for n in sorted(set(args.workers) - {1}):
+        runs.append(Run("ddp", n, 0, **common))
+        runs += [Run("mltuner", n, s, **common) for s in args.slacks]
+    return runs
+
+
+def skip_reason(run: Run, gpus: int) -> str:
+    if run.device == "cuda" and run.workers > gpus:
+        return f"needs {run.workers} GPUs; this machine has {gpus}"
+    return ""
+
+
+Key = tuple[System, int, int]  # (system, workers, slack)
+
+
+def key(run: Run) -> Key:
+    return run.system, run.workers, run.slack
+
+
+def baseline_key(run: Run) -> Key:
+    """What a run's row is compared with: mltuner N >= 2 with DDP N, the rest with plain PyTorch."""
+    return ("ddp", run.workers, 0) if run.system == "mltuner" and run.workers > 1 else ("plain", 1, 0)
+
+
+def goal(run: Run) -> Optional[float]:
+    """The issues' goal for a run's ratio to its baseline: on GPUs only."""
+    if run.device != "cuda" or run.system != "mltuner":
+        return None
+    if run.workers == 1:
+        return 0.95
+    return 1.0 if run.slack >= 1 else None  # "at least equal to DDP at slack >= 1"
+
+
+def scaling_goal(workers: int, device: str) -> Optional[float]:
+    # Meaningful only with a GPU per worker; on the CPU the workers share the cores.
+    return 1.9 if device == "cuda" and workers == 2 else None
+
+
+@dataclasses.dataclass
+class Scaling:
+    """mltuner on N workers at its best slack against mltuner on 1 worker."""
+
+    workers: int
+    value: Optional[float]
+    baseline_value: Optional[float]
+    goal: Optional[float]
+    note: str
+
+
+def scalings(args: argparse.Namespace, outcomes: dict[Key, Outcome]) -> list[Scaling]:
+    result = []
+    for n in sorted(set(args.workers) - {1}):
+        runs = [outcomes[("mltuner", n, s)] for s in args.slacks]
+        measured = [(o.samples_per_s, o.run.slack) for o in runs if o.samples_per_s is not None]
+        best, slack = max(measured) if measured else (None, None)
+        skipped = next((o.skipped for o in runs if o.skipped), "")
+        notes = [f"best slack {slack}" if slack is not None else f"skipped: {skipped}" if skipped
+                 else "every mltuner run failed"]
+        if args.device != "cuda":
+            notes.append(f"{n} processes share {os.cpu_count()} cores: no speed-up is expected")
+        result.append(Scaling(n, best, outcomes[("mltuner", 1, 0)].samples_per_s, scaling_goal(n, args.device),
+                              "; ".join(notes)))
+    return result
+
+
+def why_missing(outcome: Outcome) -> str:
+    """Why ``outcome`` has no value, naming its run; empty when it has one."""
+    if outcome.skipped or outcome.failed:
+        return f"{outcome.run.label} {'skipped' if outcome.skipped else 'failed'}: {outcome.skipped or outcome.failed}"
+    return ""
+
+
+def figures(args: argparse.Namespace, outcomes: dict[Key, Outcome], scaling: list[Scaling]) -> list[Figure]:
+    prefix = f"{MODEL_NAMES[args.model]}, batch {args.batch}, {args.device}"
+    ddp_name = f"DDP ({backend(args.device)})"
+    plain = outcomes[("plain", 1, 0)]
+
+    def compare(name: str, outcome: Outcome, base: Outcome, baseline: str, means: str,
+                goal_: Optional[float], note: str = "") -> Figure:
+        note = "; ".join(filter(None, [note, why_missing(outcome), why_missing(base)]))
+        return Figure("throughput", f"{prefix}: {name}", outcome.samples_per_s, "samples/s", baseline,
+                      base.samples_per_s, ratio(outcome.samples_per_s, base.samples_per_s), means, goal=goal_,
+                      note=note)
+
+    single = outcomes[("mltuner", 1, 0)]
+    result = [compare("1 worker vs plain PyTorch", single, plain, "plain PyTorch", "mltuner / plain samples/s",
+                      goal(single.run))]
+    for s in scaling:
+        ddp = outcomes[("ddp", s.workers, 0)]
+        for slack in args.slacks:
+            mine = outcomes[("mltuner", s.workers, slack)]
+            result.append(compare(f"{s.workers} workers, slack {slack} vs {ddp_name}", mine, ddp,
+                                  f"{ddp_name}, {s.workers} workers", "mltuner / DDP samples/s", goal(mine.run)))
+        result.append(Figure("throughput", f"{prefix}: {s.workers} workers vs 1 worker (scaling)", s.value,
+                             "samples/s", "mltuner, 1 worker", s.baseline_value, ratio(s.value, s.baseline_value),
+                             "best-slack mltuner N workers / mltuner 1 worker samples/s", goal=s.goal, note=s.note))
+        result.append(compare(f"{ddp_name} {s.workers} vs plain", ddp, plain, "plain PyTorch",
+                              "DDP / plain samples/s", None, "DDP's own scaling, for reading"))
+    return result
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name(0)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def table(args: argparse.Namespace, outcomes: dict[Key, Outcome], scaling: list[Scaling], params: int,
+          total_s: float) -> str:
+    model = MODEL_NAMES[args.model]
+    lines = [
+        f"# Training throughput: mltuner vs DDP ({backend(args.device)}) and plain PyTorch, {model}, {args.device}",
+        "",
+        f"date {datetime.datetime.now():%Y-%m-%d %H:%M}; device {device_name(args.device)}; {os.cpu_count()} cores; "
+        f"torch {torch.__version__}; {model} ({params:,} parameters); batch {args.batch} per worker; "
+        f"{args.steps} timed steps after {args.warmup}; total {total_s:.0f} s",
+        "",
+        "Samples/s of all workers together (higher is better); loss: rank 0's at the last step.",
+        "",
+        "| configuration | samples/s | ratio | goal | loss | note |",
+        "|:--|--:|--:|:-:|--:|:--|",
+    ]
+
+    def goal_cell(value: Optional[float]) -> str:
+        return "" if value is None else f">= {value:.2f}"
+
+    for o in outcomes.values():
+        run = o.run
+        if o.samples_per_s is None or o.loss is None:
+            lines.append(f"| {run.label} | {'skipped' if o.skipped else 'failed'} | | {goal_cell(goal(run))} | | "
+                         f"{o.skipped or o.failed} |")
+            continue
+        base = outcomes[baseline_key(run)]
+        share = ratio(o.samples_per_s, base.samples_per_s)
+        cell = "1.00" if run.system == "plain" else "-" if share is None else f"{share:.2f} of {base.run.label}"
+        lines.append(f"| {run.label} | {o.samples_per_s:.0f} | {cell} | {goal_cell(goal(run))} | {o.loss:.3f} "
+                     f"| {o.note} |")
+    for s in scaling:
+        share = ratio(s.value, s.baseline_value)
+        value = "-" if s.value is None else f"{s.value:.0f}"
+        cell = "-" if share is None else f"{share:.2f} of mltuner, 1 worker"
+        lines.append(f"| scaling: mltuner, {s.workers} workers | {value} | {cell} | {goal_cell(s.goal)} | | "
+                     f"{s.note} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    def numbers(text: str) -> list[int]:
+        return [int(v) for v in text.split(",") if v.strip()]
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                        help="default: cuda when torch and the engine see a GPU, else cpu")
+    parser.add_argument("--model", choices=list(MODEL_NAMES), default=None,
+                        help="default: cnn on the CPU, resnet18 on a GPU")
+    parser.add_argument("--workers", type=numbers, default=[1, 2],
+                        help="numbers of workers, comma-separated (1 is always run: the scaling baseline)")
+    parser.add_argument("--slacks", type=numbers, default=[0, 1], help="mltuner's slacks for N >= 2 workers")
+    parser.add_argument("--batch", type=int, default=128, help="per worker")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default by model; fewer with --quick)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first")
+    parser.add_argument("--quick", action="store_true", help="fewer steps: a smoke run")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds per launched job (default 300; quick 120)")
+    parser.add_argument("--out", default=None, help="write the table here (markdown)")
+    parser.add_argument("--figures", metavar="PATH", help="write the headline figures for the suite (JSON)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # a launched worker's run, as JSON
+    parser.add_argument("--result", help=argparse.SUPPRESS)  # where its rank 0 writes the result
+    args = parser.parse_args(argv)
+    if args.worker:
+        return args
+    usable_gpu = mlt.cuda_built() and mlt.cuda_device_count() > 0 and torch.cuda.is_available()
+    args.device = args.device or ("cuda" if usable_gpu else "cpu")
+    if args.device == "cuda" and not usable_gpu:
+        parser.error("--device cuda: torch and the engine (built with CUDA) must both see a GPU")
+    args.model = args.model or ("resnet18" if args.device == "cuda" else "cnn")
+    steps, warmup = (QUICK_STEPS if args.quick else STEPS)[args.model]
+    args.steps = steps if args.steps is None else args.steps
+    args.warmup = warmup if args.warmup is None else args.warmup
+    args.timeout = args.timeout or (120.0 if args.quick else 300.0)
+    if args.steps < 1 or args.warmup < 0 or args.batch < 1:
+        parser.error("need --steps >= 1, --warmup >= 0 and --batch >= 1")
+    if not args.workers or min(args.workers) < 1 or not args.slacks or min(args.slacks) < 0:
+        parser.error("need --workers >= 1 and --slacks >= 0, at least one of each")
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker_main(args.worker, args.result)
+    started = time.perf_counter()
+    gpus = min(torch.cuda.device_count(), mlt.cuda_device_count()) if args.device == "cuda" else 0
+    params = parameter_count(build_model(args.model))
+    outcomes: dict[Key, Outcome] = {}
+    for run in plan(args):
+        reason = skip_reason(run, gpus)
+        outcomes[key(run)] = Outcome(run, skipped=reason) if reason else measure(run, params, args.timeout)
+    scaling = scalings(args, outcomes)
+    text = table(args, outcomes, scaling, params, time.perf_counter() - started)
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+    write_figures(args.figures, figures(args, outcomes, scaling))
+    return 0 if any(o.samples_per_s is not None for o in outcomes.values()) else 1
+
+if __name__ == "__main__":
+    sys.exit(main())

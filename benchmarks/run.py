@@ -147,10 +147,13 @@ def run_step(step: Step, out: Path) -> Outcome:
     # A reader thread keeps the deadline honest while the benchmark is silent.
     reader = threading.Thread(target=pump, args=(proc.stdout, lines), daemon=True)
     reader.start()
-    with open(log_path, "w") as log:
-        finished = relay(lines, log, start + step.timeout_s)
-    if not finished:
-        stop(proc)
+    finished = False
+    try:
+        with open(log_path, "w") as log:
+            finished = relay(lines, log, start + step.timeout_s)
+    finally:
+        if not finished:  # over its limit, or the suite itself is stopped (Ctrl-C, SIGTERM)
+            stop(proc)
     reader.join(timeout=10)
     proc.stdout.close()
     try:
@@ -366,6 +369,14 @@ def plot(path: Path, name: str, figures: list[Figure]) -> None:
     canvas.savefig(path, format="png", dpi=110)
 
 
+def write_results(out: Path, info: dict[str, object], outcomes: list[Outcome]) -> None:
+    (out / "machine.json").write_text(json.dumps(info, indent=1) + "\n")
+    write_csv(out / "summary.csv", outcomes)
+    write_markdown(out / "summary.md", info, outcomes, summary_rows(outcomes))
+    (out / "figures.json").write_text(json.dumps([f.to_json() for o in outcomes for f in o.figures], indent=1))
+    plot(out / f"{outcomes[-1].step.name}.png", outcomes[-1].step.name, outcomes[-1].figures)
+
+
 def parse_names(text: Optional[str], known: set[str]) -> set[str]:
     names = {n.strip() for n in (text or "").split(",") if n.strip()}
     unknown = names - known
@@ -396,24 +407,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.gpu and not gpu_names():
         print("mltuner bench: error: --gpu needs an NVIDIA GPU (nvidia-smi found none)", file=sys.stderr)
         return 2
+    # SIGTERM unwinds like Ctrl-C, so that the running benchmark's group is stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out = Path(args.out or REPO / "results" / f"bench-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     info = machine(args)
-    (out / "machine.json").write_text(json.dumps(info, indent=1) + "\n")
     print("\n".join(f"{key}: {value}" for key, value in info.items()), flush=True)
     start = time.perf_counter()
-    outcomes = [run_step(step, out) for step in steps]
-    info["total_seconds"] = round(time.perf_counter() - start)
-    (out / "machine.json").write_text(json.dumps(info, indent=1) + "\n")
-
-    rows = summary_rows(outcomes)
+    outcomes: list[Outcome] = []
+    for step in steps:
+        outcomes.append(run_step(step, out))
+        info["total_seconds"] = round(time.perf_counter() - start)
+        write_results(out, info, outcomes)  # after each step: a run cut short keeps what it measured
     print(f"\n== Summary ({info['total_seconds']} s; every ratio against a baseline run side by side) ==")
-    print_table(rows)
-    write_csv(out / "summary.csv", outcomes)
-    write_markdown(out / "summary.md", info, outcomes, rows)
-    (out / "figures.json").write_text(json.dumps([f.to_json() for o in outcomes for f in o.figures], indent=1))
-    for o in outcomes:
-        plot(out / f"{o.step.name}.png", o.step.name, o.figures)
+    print_table(summary_rows(outcomes))
     print(f"\nwrote {out}/ (summary.md, summary.csv, figures.json, machine.json, PNGs, logs)")
     failed = [o.step.name for o in outcomes if o.status not in ("ok",) and not o.status.startswith("skipped")]
     if failed:

@@ -254,12 +254,18 @@ def memory_bytes() -> int:
 
 
 def git_commit() -> str:
-    try:
-        proc = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
+    """HEAD of the checkout, marked when the tree differs from it."""
+    def git(*args: str) -> Optional[str]:
+        try:
+            proc = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return proc.stdout.strip() if proc.returncode == 0 else None
+
+    head = git("rev-parse", "--short", "HEAD")
+    if head is None:
         return "unknown"
-    return proc.stdout.strip() if proc.returncode == 0 else "unknown"
+    return head + (" + uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def gpu_names() -> list[str]:

@@ -25,7 +25,12 @@ Status Engine::Impl::HandleMessage(Message&& message) {
 }
 
 Status Engine::Impl::InstallRows(const Message& message) {
-  if (phase_.load() != Phase::kRunning && phase_.load() != Phase::kRecorded) {
+  // One read of the phase: the initial rows reach the last worker to start
+  // while its StartIterations moves kRecorded -> kRunning, and two reads
+  // (`!= kRunning && != kRecorded`) could see kRecorded and then kRunning,
+  // refusing rows that are legal in both phases (they were lost for good).
+  const Phase phase = phase_.load();
+  if (phase != Phase::kRunning && phase != Phase::kRecorded) {
     return Status::OutOfOrder("rows arrived before the virtual iteration was finished or after shutdown: " +
                               message.DebugString());
   }

@@ -107,7 +107,7 @@ def plan(quick: bool, gpu: bool) -> list[Step]:
         ]
     steps += [
         Step("stragglers", "straggler_bench.py", ["--out", "{dir}/stragglers.md"]
-             + (["--quick"] if cpu_quick else []), 400 if cpu_quick else 1200, True, True),
+             + (["--quick", "--target", "0.6"] if cpu_quick else []), 400 if cpu_quick else 1200, True, True),
         Step("tuning", "tuner_bench.py", ["--out", "{dir}/tuning.md"]
              + (["--seeds", "0", "--lrs", "0.3,1.0", "--batches", "32", "--trials", "6"] if cpu_quick
                 else ["--seeds", "0,1,2"]), 400 if cpu_quick else 2400, hide_gpus=True),

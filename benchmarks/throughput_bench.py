@@ -32,8 +32,8 @@ Each run takes ``--warmup`` untimed steps, then meets at a barrier so that
 the ranks start together, then ``--steps`` timed steps, CUDA synchronised at
 both ends. Throughput = N x batch x steps / the slowest rank's timed seconds;
 mltuner's last update is still in flight at the end, as it would be in the
-middle of training. On the CPU each of N processes gets cores // N torch
-threads (plain PyTorch: all of them). On GPUs rank r uses GPU r mod count;
+middle of training. On the CPU every process, plain PyTorch's too, runs one
+torch thread (see ``prepare``). On GPUs rank r uses GPU r mod count;
 NCCL cannot put two ranks on one GPU, so a configuration with more workers
 than GPUs is skipped, for mltuner as for DDP: comparisons are on equal
 hardware.
@@ -147,8 +147,10 @@ def make_batch(run: Run, rank: int, device: torch.device) -> tuple[torch.Tensor,
 
 def prepare(run: Run, local_rank: int) -> torch.device:
     """This process's device and thread count."""
-    # N processes share the cores: more intra-op threads than cores make them fight.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // run.workers))
+    # One intra-op thread per process, whatever N: the models are too small to
+    # gain from more, and with cores // N threads the 1-process runs on a
+    # shared 2-core machine were up to 20x slower than with one.
+    torch.set_num_threads(1)
     if run.device != "cuda":
         return torch.device("cpu")
     device = torch.device("cuda", local_rank % torch.cuda.device_count())  # the GPU the engine picks too
@@ -433,8 +435,8 @@ def scalings(args: argparse.Namespace, outcomes: dict[Key, Outcome]) -> list[Sca
         skipped = next((o.skipped for o in runs if o.skipped), "")
         notes = [f"best slack {slack}" if slack is not None else f"skipped: {skipped}" if skipped
                  else "every mltuner run failed"]
-        if args.device != "cuda":
-            notes.append(f"{n} processes share {os.cpu_count()} cores: no speed-up is expected")
+        if args.device != "cuda" and n > (os.cpu_count() or 1):
+            notes.append(f"{n} one-thread processes share {os.cpu_count()} cores")
         result.append(Scaling(n, best, outcomes[("mltuner", 1, 0)].samples_per_s, scaling_goal(n, args.device),
                               "; ".join(notes)))
     return result
@@ -586,6 +588,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         Path(args.out).write_text(text)
     write_figures(args.figures, figures(args, outcomes, scaling))
     return 0 if any(o.samples_per_s is not None for o in outcomes.values()) else 1
+
 
 if __name__ == "__main__":
     sys.exit(main())

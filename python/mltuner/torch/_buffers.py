@@ -18,7 +18,7 @@ import torch.utils.dlpack
 from mltuner._core import DeviceArray
 from mltuner.exceptions import InternalError, InvalidArgumentError
 
-__all__ = ["as_tensor", "buffer_key", "app_stream", "placeholder"]
+__all__ = ["as_tensor", "buffer_key", "app_stream", "placeholder", "storage_ptr"]
 
 
 class _WritableAlias:
@@ -90,9 +90,10 @@ def buffer_key(buffer: Any) -> tuple[int, tuple[int, ...]]:
     keepalive): while it exists, no other allocation can take its address,
     so a buffer with the same address is the same memory.
     """
-    if isinstance(buffer, np.ndarray):
-        return int(buffer.ctypes.data), buffer.shape
-    if isinstance(buffer, DeviceArray):
+    kind = type(buffer)  # exact types first: this runs for every read and update
+    if kind is np.ndarray or isinstance(buffer, np.ndarray):
+        return buffer.ctypes.data, buffer.shape
+    if kind is DeviceArray or isinstance(buffer, DeviceArray):
         return int(buffer.data_ptr), tuple(buffer.shape)
     as_tensor(buffer, torch.device("cpu"))  # raises the error that names the type
     raise AssertionError("unreachable")
@@ -104,6 +105,17 @@ def app_stream(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.current_stream(device).cuda_stream)
     return 0
+
+
+def storage_ptr(tensor: torch.Tensor) -> int | None:
+    """The address of a dense tensor's storage; None for tensors without one
+    (sparse, nested, wrapper subclasses), which are left to torch."""
+    if tensor.layout != torch.strided:
+        return None
+    try:
+        return int(tensor.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 _PLACEHOLDERS: dict[torch.device, torch.Tensor] = {}

@@ -17,14 +17,28 @@ forward
 backward
     A saved parameter reference resolves to the held forward read, or (not
     holding) the first one the layer's backward unpacks opens a second read
-    of its rows (``read_grad``). When the last of the layer's parameters has
-    its gradient accumulated (``register_post_accumulate_grad_hook``), the
-    driver closes the layer's read, copies the gradients into an update
-    buffer and hands it to the engine (``update``), which ships it at once
-    while autograd goes on with the layers below: wait-free backpropagation.
-    Stored activations come back from the local table on unpack (``load``).
+    of its rows (``read_grad``). Each parameter's gradient hook
+    (``register_post_accumulate_grad_hook``) counts down its layer's
+    pending gradients; when the last one is accumulated, the driver closes
+    the layer's read, copies the gradients into an update buffer and hands
+    it to the engine (``update``), which ships it at once while autograd
+    goes on with the layers below: wait-free backpropagation. Stored
+    activations come back from the local table on unpack (``load``).
 step
     ``Worker.clock``.
+
+The light clock: holding reads without stored activations (the default),
+with every layer read once per clock, the saved-tensor hooks have nothing
+to do after the recording pass: every saved view of a parameter lies in a
+held read, which stays open until the layer's update. So later clocks run
+the forward without ``saved_tensors_hooks`` (two Python calls per saved
+tensor fewer), and a layer's parameters keep pointing into the held read
+until its update, when they get the NaN placeholder (autograd keeps a saved
+parameter itself, not a view, so it must still hold the values in the
+backward pass). What the hooks check (a parameter used outside the forward
+of its module, a saved non-float32 reinterpretation or a detached view of
+parameters needed after their update) is a property of the model's code,
+checked by the recording pass, which always runs with the hooks.
 
 The torch views of each engine buffer are made once per buffer address and
 reused (``Layer.buffer_views``): the engine's pool gives every access the
@@ -42,7 +56,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, NoReturn, TypeVar
 
 import numpy as np
 import torch
@@ -50,7 +64,7 @@ from torch import nn
 
 from mltuner.client._worker import Table, Worker
 from mltuner.exceptions import InvalidArgumentError, OutOfOrderError
-from mltuner.torch._buffers import app_stream, as_tensor, placeholder
+from mltuner.torch._buffers import app_stream, as_tensor, placeholder, storage_ptr
 from mltuner.torch._errors import IterationMismatchError, UnsupportedModelError
 from mltuner.torch._layers import Layer
 from mltuner.torch._recording import Event, Slot, describe, replay
@@ -99,6 +113,11 @@ class Phase(enum.Enum):
     BACKWARD = "backward"  # forward done; gradients pending or done, step() not yet called
 
 
+_FORWARD = Phase.FORWARD
+_BACKWARD = Phase.BACKWARD
+_STRIDED = torch.strided
+
+
 def tensors_in(value: Any) -> Iterator[torch.Tensor]:
     """The tensors in a (nested) tuple, list or dict."""
     if isinstance(value, torch.Tensor):
@@ -111,15 +130,7 @@ def tensors_in(value: Any) -> Iterator[torch.Tensor]:
             yield from tensors_in(item)
 
 
-def _storage_ptr(tensor: torch.Tensor) -> int | None:
-    """The address of a dense tensor's storage; None for tensors without one
-    (sparse, nested, wrapper subclasses), which are left to torch."""
-    if tensor.layout != torch.strided:
-        return None
-    try:
-        return int(tensor.untyped_storage().data_ptr())
-    except (RuntimeError, NotImplementedError):
-        return None
+_storage_ptr = storage_ptr
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -165,12 +176,21 @@ class ClockDriver:
         self._held: dict[int, torch.Tensor] = {}  # event of a held forward read -> its flat buffer
         self._held_by_layer: dict[int, list[int]] = {}  # layer -> events of its held forward reads
         self._grad_open: dict[int, tuple[int, torch.Tensor]] = {}  # layer -> (event, flat buffer)
-        self._fired: dict[int, set[int]] = {}  # layer -> parameters whose gradient arrived
+        # Gradients: per layer, the forward serial in which each parameter's
+        # gradient last arrived, and how many of the layer's gradients are
+        # still to come this clock (0: not read yet, or updated).
+        self._serial = 0  # training forward passes started
+        self._marks: list[list[int]] = [[0] * len(layer.params) for layer in layers]
+        self._pending: list[int] = [0] * len(layers)
+        self._grad_errors = False  # a gradient hook refused a gradient this clock
         self._updated: set[int] = set()
         self._saved: dict[tuple[Any, ...], _ActRef] = {}
         self._keepalive: list[torch.Tensor] = []
         self._local_ptrs: set[int] = set()
         self._stale_grads = True  # parameters may hold gradients that step() did not see handed over
+        self._light = False  # the light clock (module docstring): no saved-tensor hooks after the recording
+        self._cuda = self.device.type == "cuda"
+        self._no_grad = torch.no_grad()  # reused: one per update otherwise
 
         self._eval_active = False
         self._eval_clock: tuple[int, int | None] | None = None  # (clock, branch) the parameters hold
@@ -208,8 +228,22 @@ class ClockDriver:
         return hook
 
     def _grad_hook(self, layer: Layer, position: int) -> Callable[[torch.Tensor], None]:
+        """One parameter's gradient hook: marks the gradient as arrived and,
+        for the layer's last one, ships the update (:meth:`_layer_done`).
+        Anything unusual goes to :meth:`_refuse_gradient`, which raises."""
+        index = layer.index
+        marks = self._marks[index]
+        pending = self._pending
+
         def hook(param: torch.Tensor) -> None:
-            self._on_gradient(layer, position, param)
+            serial = self._serial
+            if (self._phase is not _BACKWARD or marks[position] == serial or pending[index] <= 0
+                    or self._broken is not None):
+                self._refuse_gradient(layer, position, param)
+            marks[position] = serial
+            pending[index] -= 1
+            if pending[index] == 0:
+                self._layer_done(layer)
         return hook
 
     # -- state checks ----------------------------------------------------------------
@@ -228,6 +262,12 @@ class ClockDriver:
         are then half done and cannot be completed in the recorded order."""
         return self._mutating_block
 
+    def _fail(self, error: BaseException) -> None:
+        """What :meth:`_mutating` does, for the per-layer paths, which catch
+        the error themselves (a ``try`` costs nothing until it raises)."""
+        if self._broken is None:
+            self._broken = error
+
     @property
     def accesses(self) -> list[str]:
         """The recorded clock's accesses, in order, described in words."""
@@ -236,22 +276,31 @@ class ClockDriver:
     def _describe(self, event: Event) -> str:
         return describe(event, self.layers, self._slots)
 
-    def _next(self, event: Event) -> int:
-        """Logs ``event`` (recording) or checks that it is the next recorded
-        one; returns its index."""
+    def _next(self, kind: str, layer: int = -1, slot: int = -1) -> int:
+        """Logs the event (recording) or checks that it is the next recorded
+        one; returns its index. Takes the event's fields, not an
+        :class:`Event`, which would be made only to be compared."""
+        events = self._events
         if self._recording:
-            self._events.append(event)
-            return len(self._events) - 1
+            events.append(Event(kind, layer, slot))  # type: ignore[arg-type]
+            return len(events) - 1
         index = self._cursor
-        if index >= len(self._events) or self._events[index] != event:
-            expected = self._describe(self._events[index]) if index < len(self._events) else "the end of the clock"
-            raise IterationMismatchError(
-                f"clock {self.clock}: the model did a {self._describe(event)} where the recorded iteration has "
-                f"a {expected}; every clock must run the same layers in the same order as the recording "
-                "pass of wrap()"
-            )
-        self._cursor += 1
-        return index
+        if index < len(events):
+            expected = events[index]
+            if expected.kind == kind and expected.layer == layer and expected.slot == slot:
+                self._cursor = index + 1
+                return index
+        event = Event(kind, layer, slot)  # type: ignore[arg-type]
+        described = self._describe(events[index]) if index < len(events) else "the end of the clock"
+        raise IterationMismatchError(
+            f"clock {self.clock}: the model did a {self._describe(event)} where the recorded iteration has "
+            f"a {described}; every clock must run the same layers in the same order as the recording "
+            "pass of wrap()"
+        )
+
+    def _stream(self) -> int:
+        """:func:`app_stream` of the model's device (0 on the CPU)."""
+        return app_stream(self.device) if self._cuda else 0
 
     # -- the data behind each event -------------------------------------------------------
     def _open_read(self, index: int, layer: Layer) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -263,7 +312,7 @@ class ClockDriver:
 
     def _close_read(self, index: int) -> None:
         if not self._recording:
-            self.worker.post_read(self._handles[index], stream=app_stream(self.device))
+            self.worker.post_read(self._handles[index], stream=self._stream())
 
     def _store(self, index: int, slot: int, tensor: torch.Tensor) -> None:
         if self._recording:
@@ -273,7 +322,7 @@ class ClockDriver:
         target = as_tensor(self.worker.local_access(handle), self.device).view(-1).view(torch.uint8)
         source = _bytes(tensor)
         target[: source.numel()].copy_(source)
-        self.worker.post_local_access(handle, stream=app_stream(self.device))
+        self.worker.post_local_access(handle, stream=self._stream())
 
     def _load(self, index: int, slot: int) -> torch.Tensor:
         if self._recording:
@@ -285,16 +334,16 @@ class ClockDriver:
         spec = self._slots[slot]
         out = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
         out.view(-1).view(torch.uint8).copy_(source[: spec.nbytes])
-        self.worker.post_local_access(handle, stream=app_stream(self.device))
+        self.worker.post_local_access(handle, stream=self._stream())
         return out
 
-    def _update(self, index: int, layer: Layer) -> None:
+    def _update(self, index: int, layer: Layer, grads: list[torch.Tensor]) -> None:
         if not self._recording:
             handle = self._handles[index]
             _, views = layer.buffer_views(self.worker.pre_update(handle))
-            with torch.no_grad():
-                torch._foreach_copy_(views, layer.grads())
-            self.worker.update(handle, stream=app_stream(self.device))
+            with self._no_grad:
+                torch._foreach_copy_(views, grads)
+            self.worker.update(handle, stream=self._stream())
         layer.clear_grads()
 
     # -- the forward pass --------------------------------------------------------------
@@ -315,12 +364,16 @@ class ClockDriver:
                 layer.clear_grads()
         self._stale_grads = True  # until step() finds every gradient handed over
         self._phase = Phase.FORWARD
+        self._serial += 1
         self._eval_clock = None
         if self._store_activations:
             self._local_ptrs = {p for p in (_storage_ptr(t) for t in self._local_tensors()) if p}
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            if self._light:
                 output = call()
+            else:
+                with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                    output = call()
             if self._recording:
                 self._forward_events = len(self._events)
             elif self._cursor != self._forward_events:
@@ -353,46 +406,63 @@ class ClockDriver:
     def _before_layer(self, layer: Layer) -> None:
         if self._eval_active:
             return
-        self.check_usable()
-        if self._phase is not Phase.FORWARD:
+        if self._broken is not None or self._closed:
+            self.check_usable()
+        if self._phase is not _FORWARD:
             raise OutOfOrderError(
                 f"layer {layer.name!r} ran outside a forward pass of the wrapped model: call the object "
                 "wrap() returned, not the original module"
             )
-        if layer.index in self._fwd_open:
+        number = layer.index
+        if number in self._fwd_open:
             raise UnsupportedModelError(f"layer {layer.name!r} was called from inside its own forward")
-        with self._mutating():
-            index = self._next(Event("read", layer.index))
+        try:
+            index = self._next("read", number)
             flat, views = self._open_read(index, layer)
             layer.bind(views)
             address = _storage_ptr(flat)
             assert address is not None
-            self._fwd_open[layer.index] = (index, address, flat)
-            self._param_ptrs[address] = (layer.index, index)
-            self._reads[layer.index] = self._reads.get(layer.index, 0) + 1
+            self._fwd_open[number] = (index, address, flat)
+            if not self._light:  # only the saved-tensor hooks look parameters up by address
+                self._param_ptrs[address] = (number, index)
+            reads = self._reads.get(number, 0)
+            if reads == 0:  # the layer's gradients to wait for this clock
+                self._pending[number] = len(layer.params)
+            self._reads[number] = reads + 1
+        except BaseException as error:
+            self._fail(error)
+            raise
 
     def _after_layer(self, layer: Layer, output: Any) -> None:
-        if self._eval_active or self._phase is not Phase.FORWARD:
+        if self._eval_active or self._phase is not _FORWARD:
             return
-        with self._mutating():
-            index, address, flat = self._fwd_open.pop(layer.index)
-            self._next(Event("post_read", layer.index))
-            for tensor in tensors_in(output):
+        number = layer.index
+        try:
+            index, address, flat = self._fwd_open.pop(number)
+            self._next("post_read", number)
+            for tensor in (output,) if isinstance(output, torch.Tensor) else tensors_in(output):
                 if _storage_ptr(tensor) == address:
                     raise UnsupportedModelError(
                         f"layer {layer.name!r} returns a view of its own parameters; the adapter hands the "
                         "parameters' memory back to the engine after the layer's forward, so return a copy"
                     )
+            if self._light:  # the parameters keep their values until the update (module docstring)
+                self._held[index] = flat
+                self._held_by_layer[number] = [index]
+                return
             del self._param_ptrs[address]
             if self._hold:  # kept for the backward pass, posted with the update
                 self._held[index] = flat
-                self._held_by_layer.setdefault(layer.index, []).append(index)
+                self._held_by_layer.setdefault(number, []).append(index)
             else:
                 self._close_read(index)
             layer.unbind()
+        except BaseException as error:
+            self._fail(error)
+            raise
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        if self._phase is not Phase.FORWARD:
+        if self._phase is not _FORWARD:
             return tensor  # a backward of the loss outside our forward, etc.
         address = _storage_ptr(tensor)
         if address is None or tensor.numel() == 0:
@@ -424,7 +494,7 @@ class ClockDriver:
             slot = self._next_slot
             if self._recording:
                 self._slots.append(Slot(tuple(tensor.shape), tensor.dtype))
-            index = self._next(Event("store", slot=slot))
+            index = self._next("store", slot=slot)
             expected = self._slots[slot]
             if (tuple(tensor.shape), tensor.dtype) != (expected.shape, expected.dtype):
                 raise IterationMismatchError(
@@ -454,7 +524,7 @@ class ClockDriver:
             return self._grad_read(packed).as_strided(packed.size, packed.stride, packed.offset)
         assert isinstance(packed, _ActRef)
         with self._mutating():
-            index = self._next(Event("load", slot=packed.slot))
+            index = self._next("load", slot=packed.slot)
             return self._load(index, packed.slot)
 
     def _grad_read(self, ref: _ParamRef) -> torch.Tensor:
@@ -473,45 +543,65 @@ class ClockDriver:
                 "backward pass, or a saved detached view of the parameters); not supported"
             )
         with self._mutating():
-            index = self._next(Event("read_grad", ref.layer))
+            index = self._next("read_grad", ref.layer)
             flat, _ = self._open_read(index, layer)
             self._grad_open[ref.layer] = (index, flat)
             return flat
 
-    def _on_gradient(self, layer: Layer, position: int, param: torch.Tensor) -> None:
+    def _refuse_gradient(self, layer: Layer, position: int, param: torch.Tensor) -> NoReturn:
+        """Raises the error for a gradient the hook's quick test refused; the
+        gradient is dropped first, so it cannot add to a later clock's."""
+        try:
+            self._check_gradient(layer, position)
+            raise AssertionError("a gradient hook refused a gradient it should have taken")
+        except BaseException:
+            self._grad_errors = True  # the next forward clears every gradient
+            if self._phase is not _BACKWARD or layer.index in self._updated:
+                param.grad = None  # no update of this clock takes it (step() may come before a forward)
+            raise
+
+    def _check_gradient(self, layer: Layer, position: int) -> None:
         if self._closed or self._broken is not None:
             self.check_usable()
-        if self._phase is not Phase.BACKWARD:
+        if self._phase is not _BACKWARD:
             raise OutOfOrderError(
                 f"a gradient of {layer.params[position].name!r} arrived outside clock {self.clock}'s backward "
                 "pass: backward() can run once per forward pass, before step() (was it called twice, with "
                 "retain_graph=True?)"
             )
-        fired = self._fired.get(layer.index)
-        if fired is None:
-            fired = self._fired[layer.index] = set()
-        if position in fired or layer.index in self._updated:
+        if self._marks[layer.index][position] == self._serial or layer.index in self._updated:
             raise OutOfOrderError(
                 f"{layer.params[position].name!r} received a second gradient in clock {self.clock}: backward() "
                 "ran twice; call step() after each backward pass (gradient accumulation over several backward "
                 "passes is not supported: the first one already shipped the update)"
             )
-        grad = param.grad
-        if grad is None or grad.layout != torch.strided or layer.index not in self._reads:
-            self._bad_gradient(layer, position, grad)
-        fired.add(position)
-        if len(fired) < len(layer.params):
-            return
-        with self._mutating():
-            index = self._next(Event("update", layer.index))
-            for held in self._held_by_layer.pop(layer.index, ()):
-                del self._held[held]
+        if self._pending[layer.index] <= 0:  # not read in this forward pass
+            self._bad_gradient(layer, position, layer.params[position].param.grad)
+
+    def _layer_done(self, layer: Layer) -> None:
+        """The last of ``layer``'s gradients arrived: closes its reads and
+        hands the update to the engine."""
+        number = layer.index
+        grads = layer.grads()
+        for position, grad in enumerate(grads):
+            if grad is None or grad.layout != _STRIDED:
+                self._grad_errors = True
+                self._bad_gradient(layer, position, grad)
+        try:
+            index = self._next("update", number)
+            for held in self._held_by_layer.pop(number, ()):
+                self._held.pop(held, None)
                 self._close_read(held)
-            opened = self._grad_open.pop(layer.index, None)
+            opened = self._grad_open.pop(number, None)
             if opened is not None:
                 self._close_read(opened[0])
-            self._update(index, layer)
-            self._updated.add(layer.index)
+            self._update(index, layer, grads)
+            if self._light:
+                layer.unbind()
+            self._updated.add(number)
+        except BaseException as error:
+            self._fail(error)
+            raise
 
     def _bad_gradient(self, layer: Layer, position: int, grad: torch.Tensor | None) -> None:
         name = layer.params[position].name
@@ -546,7 +636,8 @@ class ClockDriver:
                 )
             self.worker.clock()
         self.clock += 1
-        self._stale_grads = False  # every gradient was handed over and cleared
+        self._stale_grads = self._grad_errors  # unless a refused gradient left some behind: all handed over
+        self._grad_errors = False
         self._reset_clock()
 
     def _reset_clock(self) -> None:
@@ -559,7 +650,7 @@ class ClockDriver:
         self._held.clear()
         self._held_by_layer.clear()
         self._grad_open.clear()
-        self._fired.clear()
+        self._pending[:] = [0] * len(self._pending)
         self._updated.clear()
 
     # -- recording and planning ---------------------------------------------------------
@@ -594,6 +685,10 @@ class ClockDriver:
             self._recorded_acts.clear()
         self._check_recording()
         self._recording = False
+        # The light clock needs every saved parameter view in a held read:
+        # one read per layer, held until its update (module docstring).
+        self._light = (self._hold and not self._store_activations
+                       and all(self._reads[layer.index] == 1 for layer in self.layers))
         self._reset_clock()
 
     def _install_member_checks(self) -> None:
@@ -637,8 +732,8 @@ class ClockDriver:
                     "pass on example_input: remove it or freeze its parameters (requires_grad_(False))"
                 )
             if layer.index not in self._updated:
-                fired = self._fired.get(layer.index, set())
-                names = [p.name for i, p in enumerate(layer.params) if i not in fired]
+                marks = self._marks[layer.index]
+                names = [p.name for i, p in enumerate(layer.params) if marks[i] != self._serial]
                 raise UnsupportedModelError(
                     f"parameter(s) {', '.join(repr(n) for n in names)} got no gradient in the recording pass "
                     "(unused, or used under torch.no_grad()): freeze them (requires_grad_(False)) or remove them"
@@ -671,6 +766,19 @@ class ClockDriver:
             return call()
         finally:
             self._eval_active = False
+            self.rebind_held()
+
+    def rebind_held(self) -> None:
+        """Light clock, between the forward pass and a layer's update: points
+        the layer's parameters back at its held read after an evaluation or
+        ``state_dict`` bound them to the servers' values, because autograd
+        saved some parameters themselves, not views (module docstring)."""
+        if not self._light or self._phase is not _BACKWARD or not self._held_by_layer:
+            return
+        for number, indices in self._held_by_layer.items():
+            layer = self.layers[number]
+            layer.bind(layer.views(self._held[indices[0]]))
+        self._eval_clock = None  # the parameters no longer hold the servers' values
 
     def bind_server_values(self, branch: int | None = None) -> None:
         """Points the parameters at copies of the servers' values after the

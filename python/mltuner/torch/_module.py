@@ -103,9 +103,12 @@ class PSModule(nn.Module):
         works. The tensors are copies."""
         self._driver.check_usable()
         self._driver.bind_server_values(branch)
-        state = self.module.state_dict(*args, **kwargs)
-        return {name: value.detach().clone() if isinstance(value, torch.Tensor) else value
-                for name, value in state.items()}
+        try:
+            state = self.module.state_dict(*args, **kwargs)
+            return {name: value.detach().clone() if isinstance(value, torch.Tensor) else value
+                    for name, value in state.items()}
+        finally:
+            self._driver.rebind_held()
 
     def unwrap(self) -> nn.Module:
         """Ends the adapter and returns the original module, its parameters

@@ -23,7 +23,9 @@ class Figure:
     """One headline figure. ``ratio`` compares mltuner with ``baseline`` as
     ``ratio_means`` says (for example "raw time / mltuner time");
     ``better`` says which way the ratio improves, and ``goal`` is the ratio
-    an issue asks for (None: no goal, the figure is reported for reading)."""
+    an issue asks for (None: no goal, the figure is reported for reading).
+    A figure that sums up several measurements (seeds, table sizes) has
+    their median as ``ratio`` and their [min, max] as ``ratio_range``."""
 
     benchmark: str
     name: str
@@ -36,6 +38,7 @@ class Figure:
     better: Better = "higher"
     goal: Optional[float] = None
     note: str = ""
+    ratio_range: Optional[list[float]] = None
 
     @property
     def met(self) -> Optional[bool]:
@@ -59,6 +62,11 @@ def ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional[
     if numerator is None or denominator is None or not denominator > 0 or not math.isfinite(numerator):
         return None
     return numerator / denominator
+
+
+def spread(ratios: list[float]) -> Optional[list[float]]:
+    """[min, max] of several ratios; None for fewer than two."""
+    return [min(ratios), max(ratios)] if len(ratios) > 1 else None
 
 
 def write_figures(path: Optional[str], figures: list[Figure]) -> None:

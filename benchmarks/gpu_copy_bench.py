@@ -8,8 +8,7 @@ benchmarks/cuda_bench.cc and docs/gpu_benchmarks.md for the method).
 Ceilings, measured in the same run: device-to-device cudaMemcpy of 1 GiB
 (gather, scatter-add), pinned host-to-device and device-to-host cudaMemcpy
 of 1 GiB (swap-in, swap-out). Each figure is the median ratio over table
-sizes and row widths of one operation and index shape, with the spread in
-its note.
+sizes and row widths of one operation and index shape, with their range.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from figures import Figure, write_figures
+from figures import Figure, spread, write_figures
 
 REPO = Path(__file__).resolve().parent.parent
 BUILD_DIR = REPO / "build" / "bench-cuda"
@@ -59,7 +58,7 @@ def headline(rows: list[dict[str, str]]) -> list[Figure]:
             "gpu copy", f"{op} ({index})", statistics.median(float(c["gbps"]) for c in cells), "GB/s", ceiling,
             ceilings.get(ceiling), statistics.median(ratios), "GB/s / ceiling GB/s", "higher",
             float(cells[0]["goal"]) if float(cells[0]["goal"]) > 0 else None,
-            f"min {min(ratios):.2f}, max {max(ratios):.2f} over {len(cells)} size x width cells"))
+            f"median of {len(cells)} size x width cells", spread(ratios)))
     return figures
 
 

@@ -292,6 +292,13 @@ def met_text(figure: Figure) -> str:
     return {True: "yes", False: "NO", None: ""}[figure.met]
 
 
+def ratio_text(figure: Figure) -> str:
+    text = cell(figure.ratio)
+    if figure.ratio_range:
+        text += f" ({cell(figure.ratio_range[0])}-{cell(figure.ratio_range[1])})"
+    return text
+
+
 def summary_rows(outcomes: list[Outcome]) -> list[list[str]]:
     rows = []
     for o in outcomes:
@@ -299,7 +306,7 @@ def summary_rows(outcomes: list[Outcome]) -> list[list[str]]:
             rows.append([o.step.name, o.status, "", "", "", "", "", ""])
         for f in o.figures:
             rows.append([o.step.name, f.name, f"{cell(f.value)} {f.unit}", f"{cell(f.baseline_value)} ({f.baseline})",
-                         cell(f.ratio), f.ratio_means, goal_text(f), met_text(f)])
+                         ratio_text(f), f.ratio_means, goal_text(f), met_text(f)])
     return rows
 
 
@@ -313,8 +320,8 @@ def print_table(rows: list[list[str]]) -> None:
 
 
 def write_csv(path: Path, outcomes: list[Outcome]) -> None:
-    columns = ["benchmark", "figure", "value", "unit", "baseline", "baseline_value", "ratio", "ratio_means",
-               "better", "goal", "met", "note"]
+    columns = ["benchmark", "figure", "value", "unit", "baseline", "baseline_value", "ratio", "ratio_min",
+               "ratio_max", "ratio_means", "better", "goal", "met", "note"]
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(columns)
@@ -322,8 +329,9 @@ def write_csv(path: Path, outcomes: list[Outcome]) -> None:
             if o.status != "ok":
                 writer.writerow([o.step.name, o.status] + [""] * (len(columns) - 2))
             for fig in o.figures:
+                low, high = fig.ratio_range or (None, None)
                 writer.writerow([o.step.name, fig.name, fig.value, fig.unit, fig.baseline, fig.baseline_value,
-                                 fig.ratio, fig.ratio_means, fig.better, fig.goal, met_text(fig), fig.note])
+                                 fig.ratio, low, high, fig.ratio_means, fig.better, fig.goal, met_text(fig), fig.note])
 
 
 def write_markdown(path: Path, info: dict[str, object], outcomes: list[Outcome], rows: list[list[str]]) -> None:
@@ -347,7 +355,8 @@ def advantage(figure: Figure, value: float) -> float:
 
 def plot(path: Path, name: str, figures: list[Figure]) -> None:
     """One horizontal bar per figure, on a log scale: how much better (> 1)
-    or worse (< 1) mltuner did than its baseline, with the goal as a tick."""
+    or worse (< 1) mltuner did than its baseline, with the goal as a tick
+    and the range over seeds or sizes as a line."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure as Canvas
 
@@ -362,6 +371,11 @@ def plot(path: Path, name: str, figures: list[Figure]) -> None:
     values = [advantage(f, f.ratio) for f in shown]  # type: ignore[arg-type]
     axes.barh(positions, [v - 1.0 for v in values], left=1.0, color=colors)  # from 1.0: left worse, right better
     for y, f in zip(positions, shown):
+        if f.ratio_range:  # the spread over seeds or table sizes
+            low, high = sorted(advantage(f, r) for r in f.ratio_range)
+            axes.plot([low, high], [y, y], color="black", linewidth=1)
+            values += [low, high]
+    for y, f in zip(positions, shown):
         if f.goal is not None:
             goal = advantage(f, f.goal)
             axes.plot([goal, goal], [y - 0.4, y + 0.4], color="black", linewidth=2)
@@ -370,7 +384,8 @@ def plot(path: Path, name: str, figures: list[Figure]) -> None:
     axes.set_xlim(min(ends) / 1.5, max(ends) * 1.5)
     axes.axvline(1.0, color="black", linestyle="--", linewidth=0.8)
     axes.set_yticks(positions, [f.name[:80] for f in shown], fontsize=7)
-    axes.set_xlabel("mltuner vs its baseline in the same run: > 1 better, < 1 worse (log scale; black tick: goal)")
+    axes.set_xlabel("mltuner vs its baseline in the same run: > 1 better, < 1 worse "
+                    "(log scale; black tick: goal; line: min-max)")
     axes.set_title(f"{name}: green = goal met, red = goal missed, grey = no goal", fontsize=9)
     canvas.savefig(path, format="png", dpi=110)
 

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from figures import Figure, ratio, write_figures
+from figures import Figure, ratio, spread, write_figures
 from local_job import run_job
 
 GRID_LR = (0.1, 0.3, 1.0, 3.0)
@@ -135,16 +135,16 @@ def median_or_none(values: list[float | None]) -> float | None:
 
 def figures(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[Figure]:
     """MLtuner's median time against each baseline's; the ratio is the median
-    of the per-seed ratios, with their spread in the note."""
+    of the per-seed ratios, with their range."""
     result = []
     for key, values in per_seed_ratios(rows).items():
         name, other, label, top, bottom, better, goal = RATIOS[key]
-        spread = f"min {min(values):.2f}, max {max(values):.2f}; " if values else ""
         result.append(Figure(
             "tuning", name, median_or_none([seconds(row, "tune") for row in rows]), "s to target (median)",
             label, median_or_none([seconds(row, other) for row in rows]),
             statistics.median(values) if values else None, f"{top} time / {bottom} time, median of seeds",
-            better, goal, f"{spread}{len(values)} of {len(rows)} seeds reached {args.target:.0%} on both sides"))
+            better, goal, f"{len(values)} of {len(rows)} seeds reached {args.target:.0%} on both sides",
+            spread(values)))
     return result
 
 

@@ -49,6 +49,7 @@ import numpy as np
 
 import mltuner as mt
 from figures import Figure, spread, write_figures
+from machine import cpu_name
 
 REPO = Path(__file__).resolve().parent.parent
 BUILD_DIR = REPO / "build" / "bench"
@@ -82,19 +83,6 @@ def goal_mark(ratio: float) -> str:
 
 
 # -- machine ----------------------------------------------------------------------
-def cpu_name() -> str:
-    name = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    return f"{model} ({name})" if name and name not in model else model
-    except OSError:
-        pass
-    return name or platform.machine()
-
-
 def header(args: argparse.Namespace) -> str:
     return (
         f"mltuner engine micro-benchmark, {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}\n"

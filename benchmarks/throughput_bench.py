@@ -54,7 +54,6 @@ import datetime
 import inspect
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -68,6 +67,7 @@ from torch import nn
 
 import mltuner as mlt
 from figures import Figure, ratio, write_figures
+from machine import cpu_name
 
 System = Literal["plain", "ddp", "mltuner"]
 
@@ -479,15 +479,7 @@ def figures(args: argparse.Namespace, outcomes: dict[Key, Outcome], scaling: lis
 
 
 def device_name(device: str) -> str:
-    if device == "cuda":
-        return torch.cuda.get_device_name(0)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return torch.cuda.get_device_name(0) if device == "cuda" else cpu_name()
 
 
 def table(args: argparse.Namespace, outcomes: dict[Key, Outcome], scaling: list[Scaling], params: int,

@@ -66,6 +66,7 @@ import zmq
 
 import mltuner as mt
 from figures import Figure, write_figures
+from machine import cpu_name, git_commit, memory_bytes
 from mltuner.dist._env import free_port
 
 MIB = 1 << 20
@@ -84,43 +85,13 @@ BASE_PROCESS_BYTES = 60 * MIB  # Python, numpy, zmq and mltuner loaded
 MIN_AVAILABLE_BYTES = 2 * 1024 * MIB  # kill a group that leaves the machine less than this
 
 
-# -- machine ---------------------------------------------------------------------
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def total_memory_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return 0
-
-
-def git_commit() -> str:
-    """ " at commit X" for the tree this script sits in (the installed mltuner
-    may differ: pip install . rebuilds it)."""
-    try:
-        out = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    return f" (tree at commit {out.stdout.strip()})" if out.returncode == 0 else ""
-
-
 def machine_lines(args: argparse.Namespace) -> list[str]:
     return [
         f"date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}",
-        f"machine: {cpu_name()}, {os.cpu_count()} CPUs, {total_memory_bytes() / GB:.1f} GB memory, "
+        f"machine: {cpu_name()}, {os.cpu_count()} CPUs, {memory_bytes() / GB:.1f} GB memory, "
         f"{platform.system()} {platform.release()}",
         f"software: Python {platform.python_version()}, pyzmq {zmq.__version__}, libzmq {zmq.zmq_version()}, "
-        f"numpy {np.__version__}, mltuner {mt.__version__}{git_commit()}",
+        f"numpy {np.__version__}, mltuner {mt.__version__} (tree at commit {git_commit()})",
         f"mode: {'quick' if args.quick else 'full'}; processes {args.procs}; models {args.sizes} MiB; "
         f"default GIL switch interval {sys.getswitchinterval() * 1e3:g} ms",
     ]

@@ -30,9 +30,11 @@ Status Engine::Impl::InstallRows(const Message& message) {
   // (`!= kRunning && != kRecorded`) could see kRecorded and then kRunning,
   // refusing rows that are legal in both phases (they were lost for good).
   const Phase phase = phase_.load();
+  if (phase == Phase::kShutdown) {
+    return Status::Shutdown("rows arrived after shutdown: " + message.DebugString());
+  }
   if (phase != Phase::kRunning && phase != Phase::kRecorded) {
-    return Status::OutOfOrder("rows arrived before the virtual iteration was finished or after shutdown: " +
-                              message.DebugString());
+    return Status::OutOfOrder("rows arrived before the virtual iteration was finished: " + message.DebugString());
   }
   const TableId table = message.header.table;
   const int shard = message.header.sender;

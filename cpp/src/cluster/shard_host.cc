@@ -101,10 +101,10 @@ Status ShardHost::ImportTable(TableId table, const float* values, size_t num_val
 
 void ShardHost::Reject(const Status& status, const Message& message) {
   const int64_t count = ++rejected_;
-  // Rows arriving after this engine shut down are expected at the end of a
-  // job; they are counted, not logged.
-  const bool late = status.code() == StatusCode::kOutOfOrder && message.header.type == 0;
-  if (late || status.code() == StatusCode::kShutdown) return;
+  // Messages arriving after this engine or shard shut down are expected at
+  // the end of a job: counted, not logged. Anything else is a bug or a bad
+  // peer and is logged (a silent refusal of rows once hid a lost-rows race).
+  if (status.code() == StatusCode::kShutdown) return;
   if (count <= 10) {
     std::fprintf(stderr, "mltuner: rejected a message: %s %s\n", status.ToString().c_str(),
                  message.header.type ? message.DebugString().c_str() : "");

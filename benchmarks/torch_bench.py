@@ -17,8 +17,9 @@ momentum SGD) on synthetic 32x32 images, 10 classes:
 Each run times ``--steps`` steps after ``--warmup`` untimed ones (CUDA
 synchronised at both ends); throughput = images / second. Ratios: (2) / (1)
 (goal >= 0.95) and (3) / (2) (goal >= 0.7). Stall time per clock is the
-engine's ``stall_seconds`` (the training thread waiting for a buffer, of
-which ``wait_fresh_seconds`` is the wait for the servers' fresh rows) over
+engine's ``stall_seconds`` (the training thread waiting for a buffer; in
+brackets ``wait_fresh_seconds``, the allocator thread's wait for the
+servers' fresh rows, which the stall includes only where it is not hidden) over
 the timed clocks. The BatchNorm running statistics stay on the worker, as
 they do with DDP.
 """
@@ -172,7 +173,7 @@ def main() -> None:
         f"date {datetime.datetime.now():%Y-%m-%d %H:%M}; device {name}; torch {torch.__version__}; "
         f"{args.steps} timed steps after {args.warmup}",
         "",
-        "| run | images/s | ratio | goal | stall ms/clock (of it, fresh-row wait) |",
+        "| run | images/s | ratio | goal | stall ms/clock (allocator's fresh-row wait) |",
         "|:--|--:|--:|:-:|--:|",
         f"| plain PyTorch (SGD momentum) | {plain:.0f} | 1.00 | | - |",
         f"| mltuner, 1 worker | {ps:.0f} | {ps / plain:.2f} of plain | >= 0.95 | {ms(ps_stall)} |",
@@ -192,7 +193,7 @@ def main() -> None:
     model = f"ResNet-18{'' if args.width == 64 else f' (width {args.width})'}, batch {args.batch}, {device.type}"
     write_figures(args.figures, [
         Figure("torch", f"{model}: 1 worker vs plain PyTorch", ps, "images/s", "plain PyTorch", plain, ps / plain,
-               "mltuner / plain images/s", goal=0.95, note=f"stall (fresh-row wait) {ms(ps_stall)} ms/clock"),
+               "mltuner / plain images/s", goal=0.95, note=f"stall (allocator's fresh-row wait) {ms(ps_stall)} ms/clock"),
         Figure("torch", f"{model}: budget 1/4 of need vs no budget", small, "images/s", "mltuner, no budget", ps,
                small / ps, "budget / no-budget images/s", goal=0.70,
                note=f"{small_stats['bytes_swapped_in'] / 1e6 / small_stats['clock']:.0f} MB swapped in per clock"),

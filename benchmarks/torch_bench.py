@@ -193,7 +193,8 @@ def main() -> None:
     model = f"ResNet-18{'' if args.width == 64 else f' (width {args.width})'}, batch {args.batch}, {device.type}"
     write_figures(args.figures, [
         Figure("torch", f"{model}: 1 worker vs plain PyTorch", ps, "images/s", "plain PyTorch", plain, ps / plain,
-               "mltuner / plain images/s", goal=0.95, note=f"stall (allocator's fresh-row wait) {ms(ps_stall)} ms/clock"),
+               "mltuner / plain images/s", goal=0.95,
+               note=f"stall (allocator's fresh-row wait) {ms(ps_stall)} ms/clock"),
         Figure("torch", f"{model}: budget 1/4 of need vs no budget", small, "images/s", "mltuner, no budget", ps,
                small / ps, "budget / no-budget images/s", goal=0.70,
                note=f"{small_stats['bytes_swapped_in'] / 1e6 / small_stats['clock']:.0f} MB swapped in per clock"),

@@ -1,13 +1,16 @@
 """Where one worker's clock goes: ResNet-18 through mltuner.torch, for each
 slack, the time per clock, the training thread's stall (waiting for a
 buffer), the allocator thread's wait for the servers' fresh rows, and a
-cProfile of the main thread's Python. A diagnostic, not a benchmark: no
-baseline (torch_bench.py has the comparison with plain PyTorch).
+cProfile of the main thread's Python, or with ``--trace`` a torch.profiler
+table of every thread's operators and CUDA API calls (the engine's copies
+included). A diagnostic, not a benchmark: no baseline (torch_bench.py has
+the comparison with plain PyTorch).
 
     python benchmarks/clock_profile.py [--device cuda] [--batch 128] [--slacks 0,1,2] [--clocks 40] [--top 12]
+                                       [--trace]
 
 The backward's gradient hooks run on autograd's own thread for CUDA
-tensors, which cProfile (per thread) does not see.
+tensors, which cProfile (per thread) does not see; the trace does.
 """
 
 from __future__ import annotations
@@ -49,13 +52,15 @@ def profile(args: argparse.Namespace, device: torch.device, slack: int) -> None:
         for _ in range(10):
             step()
         synchronize(device)
-        before, profiler = worker.stats, cProfile.Profile()
+        before = worker.stats
+        tracer = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
+                                        + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []))
+        profiler = cProfile.Profile()
         start = time.perf_counter()
-        profiler.enable()
-        for _ in range(args.clocks):
-            step()
-        synchronize(device)
-        profiler.disable()
+        with tracer if args.trace else profiler:  # one profiler at a time: each slows the clock
+            for _ in range(args.clocks):
+                step()
+            synchronize(device)
         per_clock = (time.perf_counter() - start) / args.clocks
         after = worker.stats
         worker.sync()
@@ -66,7 +71,10 @@ def profile(args: argparse.Namespace, device: torch.device, slack: int) -> None:
     print(f"\n== batch {args.batch}, slack {slack}: {per_clock * 1e3:.2f} ms/clock; training thread stalled "
           f"{ms('stall_seconds'):.2f} ms/clock; allocator waited {ms('wait_fresh_seconds'):.2f} ms/clock for "
           "fresh rows", flush=True)
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(args.top)
+    if args.trace:
+        print(tracer.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+    else:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(args.top)
 
 
 def main() -> None:
@@ -77,6 +85,7 @@ def main() -> None:
     parser.add_argument("--slacks", default="0,1,2")
     parser.add_argument("--clocks", type=int, default=40)
     parser.add_argument("--top", type=int, default=12, help="functions of the profile to print")
+    parser.add_argument("--trace", action="store_true", help="torch.profiler over all threads instead of cProfile")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":

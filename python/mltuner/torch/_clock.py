@@ -103,19 +103,14 @@ class _Mutating:
         return None
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: Any) -> None:
-        if error is not None and self._driver._broken is None:
-            self._driver._broken = error
+        if error is not None:
+            self._driver._fail(error)
 
 
 class Phase(enum.Enum):
     IDLE = "idle"  # between clocks
     FORWARD = "forward"  # inside the training forward pass
     BACKWARD = "backward"  # forward done; gradients pending or done, step() not yet called
-
-
-_FORWARD = Phase.FORWARD
-_BACKWARD = Phase.BACKWARD
-_STRIDED = torch.strided
 
 
 def tensors_in(value: Any) -> Iterator[torch.Tensor]:
@@ -128,9 +123,6 @@ def tensors_in(value: Any) -> Iterator[torch.Tensor]:
     elif isinstance(value, dict):
         for item in value.values():
             yield from tensors_in(item)
-
-
-_storage_ptr = storage_ptr
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -197,7 +189,7 @@ class ClockDriver:
         self._broken: BaseException | None = None
         self._mutating_block = _Mutating(self)
         self._closed = False
-        self._placeholder_ptr = _storage_ptr(placeholder(self.device))
+        self._placeholder_ptr = storage_ptr(placeholder(self.device))
         self._hooks: list[Any] = []
         self._install_hooks()
         self._recording_hooks: list[Any] = []
@@ -237,7 +229,7 @@ class ClockDriver:
 
         def hook(param: torch.Tensor) -> None:
             serial = self._serial
-            if (self._phase is not _BACKWARD or marks[position] == serial or pending[index] <= 0
+            if (self._phase is not Phase.BACKWARD or marks[position] == serial or pending[index] <= 0
                     or self._broken is not None):
                 self._refuse_gradient(layer, position, param)
             marks[position] = serial
@@ -263,8 +255,10 @@ class ClockDriver:
         return self._mutating_block
 
     def _fail(self, error: BaseException) -> None:
-        """What :meth:`_mutating` does, for the per-layer paths, which catch
-        the error themselves (a ``try`` costs nothing until it raises)."""
+        """Marks the driver broken by ``error`` (the first one counts): the
+        clock's accesses are half done. :meth:`_mutating` calls it on the way
+        out of a block; the per-layer paths call it from their own ``except``
+        (a ``try`` costs nothing until it raises)."""
         if self._broken is None:
             self._broken = error
 
@@ -367,7 +361,7 @@ class ClockDriver:
         self._serial += 1
         self._eval_clock = None
         if self._store_activations:
-            self._local_ptrs = {p for p in (_storage_ptr(t) for t in self._local_tensors()) if p}
+            self._local_ptrs = {p for p in (storage_ptr(t) for t in self._local_tensors()) if p}
         try:
             if self._light:
                 output = call()
@@ -408,7 +402,7 @@ class ClockDriver:
             return
         if self._broken is not None or self._closed:
             self.check_usable()
-        if self._phase is not _FORWARD:
+        if self._phase is not Phase.FORWARD:
             raise OutOfOrderError(
                 f"layer {layer.name!r} ran outside a forward pass of the wrapped model: call the object "
                 "wrap() returned, not the original module"
@@ -420,7 +414,7 @@ class ClockDriver:
             index = self._next("read", number)
             flat, views = self._open_read(index, layer)
             layer.bind(views)
-            address = _storage_ptr(flat)
+            address = storage_ptr(flat)
             assert address is not None
             self._fwd_open[number] = (index, address, flat)
             if not self._light:  # only the saved-tensor hooks look parameters up by address
@@ -434,14 +428,14 @@ class ClockDriver:
             raise
 
     def _after_layer(self, layer: Layer, output: Any) -> None:
-        if self._eval_active or self._phase is not _FORWARD:
+        if self._eval_active or self._phase is not Phase.FORWARD:
             return
         number = layer.index
         try:
             index, address, flat = self._fwd_open.pop(number)
             self._next("post_read", number)
             for tensor in (output,) if isinstance(output, torch.Tensor) else tensors_in(output):
-                if _storage_ptr(tensor) == address:
+                if storage_ptr(tensor) == address:
                     raise UnsupportedModelError(
                         f"layer {layer.name!r} returns a view of its own parameters; the adapter hands the "
                         "parameters' memory back to the engine after the layer's forward, so return a copy"
@@ -462,9 +456,9 @@ class ClockDriver:
             raise
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        if self._phase is not _FORWARD:
+        if self._phase is not Phase.FORWARD:
             return tensor  # a backward of the loss outside our forward, etc.
-        address = _storage_ptr(tensor)
+        address = storage_ptr(tensor)
         if address is None or tensor.numel() == 0:
             return tensor
         owner = self._param_ptrs.get(address)
@@ -556,14 +550,14 @@ class ClockDriver:
             raise AssertionError("a gradient hook refused a gradient it should have taken")
         except BaseException:
             self._grad_errors = True  # the next forward clears every gradient
-            if self._phase is not _BACKWARD or layer.index in self._updated:
+            if self._phase is not Phase.BACKWARD or layer.index in self._updated:
                 param.grad = None  # no update of this clock takes it (step() may come before a forward)
             raise
 
     def _check_gradient(self, layer: Layer, position: int) -> None:
         if self._closed or self._broken is not None:
             self.check_usable()
-        if self._phase is not _BACKWARD:
+        if self._phase is not Phase.BACKWARD:
             raise OutOfOrderError(
                 f"a gradient of {layer.params[position].name!r} arrived outside clock {self.clock}'s backward "
                 "pass: backward() can run once per forward pass, before step() (was it called twice, with "
@@ -584,7 +578,7 @@ class ClockDriver:
         number = layer.index
         grads = layer.grads()
         for position, grad in enumerate(grads):
-            if grad is None or grad.layout != _STRIDED:
+            if grad is None or grad.layout != torch.strided:
                 self._grad_errors = True
                 self._bad_gradient(layer, position, grad)
         try:
@@ -773,7 +767,7 @@ class ClockDriver:
         the layer's parameters back at its held read after an evaluation or
         ``state_dict`` bound them to the servers' values, because autograd
         saved some parameters themselves, not views (module docstring)."""
-        if not self._light or self._phase is not _BACKWARD or not self._held_by_layer:
+        if not self._light or self._phase is not Phase.BACKWARD or not self._held_by_layer:
             return
         for number, indices in self._held_by_layer.items():
             layer = self.layers[number]

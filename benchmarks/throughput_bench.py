@@ -54,8 +54,6 @@ import datetime
 import inspect
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -67,6 +65,7 @@ from torch import nn
 
 import mltuner as mlt
 from figures import Figure, ratio, write_figures
+from local_job import run_job
 from machine import cpu_name
 
 System = Literal["plain", "ddp", "mltuner"]
@@ -78,9 +77,6 @@ CLASSES = 10
 STEPS = {"cnn": (300, 30), "resnet18": (50, 10)}
 QUICK_STEPS = {"cnn": (60, 10), "resnet18": (10, 3)}
 MODEL_NAMES = {"cnn": "MNIST-1D CNN", "resnet18": "ResNet-18"}
-# How long the launcher may take to stop its workers after SIGTERM
-# (mltuner.dist's KILL_AFTER_SECONDS plus the reaping) before it is killed.
-STOP_SECONDS = 15.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,51 +296,13 @@ def worker_main(spec: str, result: str) -> int:
 # -- the benchmark: plan, launch, tabulate ------------------------------------------
 
 
-def launch_job(command: list[str], workers: int, timeout_s: float) -> tuple[int, str]:
-    """(exit code, output) of ``command`` on ``workers`` local workers.
-
-    The launcher runs as a child process so that a timeout can stop it: on
-    SIGTERM it stops and reaps its workers (which sit in their own process
-    groups, out of reach of a signal to the launcher's). It shares this
-    process's group, so Ctrl-C reaches it too."""
-    launcher = [sys.executable, "-m", "mltuner.cli", "launch", "-n", str(workers), "--grace", "10", "--", *command]
-    process = subprocess.Popen(launcher, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, errors="replace")
-    try:
-        output, _ = process.communicate(timeout=timeout_s)
-        return process.returncode, output
-    except subprocess.TimeoutExpired:
-        process.send_signal(signal.SIGTERM)
-        try:
-            output, _ = process.communicate(timeout=STOP_SECONDS)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            output, _ = process.communicate()
-        raise TimeoutError(f"timed out after {timeout_s:g} s\n{tail(output)}") from None
-    finally:
-        if process.poll() is None:  # interrupted: give the launcher its time to stop the workers
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(STOP_SECONDS)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-
-def tail(output: str, lines: int = 30) -> str:
-    return "\n".join(output.rstrip().splitlines()[-lines:])
-
-
 def launched_run(run: Run, timeout_s: float) -> dict[str, Any]:
     """Runs ``run`` on its workers through this script's --worker mode."""
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(dataclasses.asdict(run)),
                    "--result", str(result)]
-        code, output = launch_job(command, run.workers, timeout_s)
-        if code != 0 or not result.exists():
-            raise RuntimeError(f"exit code {code}\n{tail(output)}")
-        return dict(json.loads(result.read_text()))
+        return run_job(command, result, run.workers, timeout_s)
 
 
 def measure(run: Run, params: int, timeout_s: float) -> Outcome:

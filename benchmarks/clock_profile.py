@@ -25,12 +25,7 @@ from torch import nn
 
 import mltuner as mlt
 import mltuner.torch as mtorch
-from torch_bench import resnet18
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from torch_bench import resnet18, synchronize
 
 
 def profile(args: argparse.Namespace, device: torch.device, slack: int) -> None:

@@ -66,6 +66,7 @@ from torch import nn
 import mltuner as mlt
 from figures import Figure, ratio, write_figures
 from local_job import run_job
+from torch_bench import resnet18, synchronize  # benchmarks/ is on sys.path: these scripts live there
 from machine import cpu_name
 
 System = Literal["plain", "ddp", "mltuner"]
@@ -127,8 +128,6 @@ def build_model(name: str) -> nn.Module:
         from mltuner.apps._cnn import mnist1d_cnn
 
         return mnist1d_cnn(40, CLASSES)
-    from torch_bench import resnet18  # benchmarks/ is on sys.path: this script lives there
-
     return resnet18(num_classes=CLASSES)
 
 
@@ -153,11 +152,6 @@ def prepare(run: Run, local_rank: int) -> torch.device:
     torch.cuda.set_device(device)
     torch.backends.cudnn.benchmark = True
     return device
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def timed_steps(step: Callable[[], torch.Tensor], run: Run, device: torch.device,

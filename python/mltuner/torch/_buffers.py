@@ -90,10 +90,9 @@ def buffer_key(buffer: Any) -> tuple[int, tuple[int, ...]]:
     keepalive): while it exists, no other allocation can take its address,
     so a buffer with the same address is the same memory.
     """
-    kind = type(buffer)  # exact types first: this runs for every read and update
-    if kind is np.ndarray or isinstance(buffer, np.ndarray):
+    if isinstance(buffer, np.ndarray):
         return buffer.ctypes.data, buffer.shape
-    if kind is DeviceArray or isinstance(buffer, DeviceArray):
+    if isinstance(buffer, DeviceArray):
         return int(buffer.data_ptr), tuple(buffer.shape)
     as_tensor(buffer, torch.device("cpu"))  # raises the error that names the type
     raise AssertionError("unreachable")

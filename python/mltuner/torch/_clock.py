@@ -181,8 +181,6 @@ class ClockDriver:
         self._local_ptrs: set[int] = set()
         self._stale_grads = True  # parameters may hold gradients that step() did not see handed over
         self._light = False  # the light clock (module docstring): no saved-tensor hooks after the recording
-        self._cuda = self.device.type == "cuda"
-        self._no_grad = torch.no_grad()  # reused: one per update otherwise
 
         self._eval_active = False
         self._eval_clock: tuple[int, int | None] | None = None  # (clock, branch) the parameters hold
@@ -292,10 +290,6 @@ class ClockDriver:
             "pass of wrap()"
         )
 
-    def _stream(self) -> int:
-        """:func:`app_stream` of the model's device (0 on the CPU)."""
-        return app_stream(self.device) if self._cuda else 0
-
     # -- the data behind each event -------------------------------------------------------
     def _open_read(self, index: int, layer: Layer) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The read's flat buffer and the parameters' views into it."""
@@ -306,7 +300,7 @@ class ClockDriver:
 
     def _close_read(self, index: int) -> None:
         if not self._recording:
-            self.worker.post_read(self._handles[index], stream=self._stream())
+            self.worker.post_read(self._handles[index], stream=app_stream(self.device))
 
     def _store(self, index: int, slot: int, tensor: torch.Tensor) -> None:
         if self._recording:
@@ -316,7 +310,7 @@ class ClockDriver:
         target = as_tensor(self.worker.local_access(handle), self.device).view(-1).view(torch.uint8)
         source = _bytes(tensor)
         target[: source.numel()].copy_(source)
-        self.worker.post_local_access(handle, stream=self._stream())
+        self.worker.post_local_access(handle, stream=app_stream(self.device))
 
     def _load(self, index: int, slot: int) -> torch.Tensor:
         if self._recording:
@@ -328,16 +322,16 @@ class ClockDriver:
         spec = self._slots[slot]
         out = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
         out.view(-1).view(torch.uint8).copy_(source[: spec.nbytes])
-        self.worker.post_local_access(handle, stream=self._stream())
+        self.worker.post_local_access(handle, stream=app_stream(self.device))
         return out
 
     def _update(self, index: int, layer: Layer, grads: list[torch.Tensor]) -> None:
         if not self._recording:
             handle = self._handles[index]
             _, views = layer.buffer_views(self.worker.pre_update(handle))
-            with self._no_grad:
+            with torch.no_grad():
                 torch._foreach_copy_(views, grads)
-            self.worker.update(handle, stream=self._stream())
+            self.worker.update(handle, stream=app_stream(self.device))
         layer.clear_grads()
 
     # -- the forward pass --------------------------------------------------------------

@@ -78,7 +78,7 @@ py::array CopyToNumpy(const DeviceArray& array, uintptr_t stream) {
     py::gil_scoped_release release;
     DeviceEvent app_done;
     Check(b.device->RecordAppWork(stream, &app_done));
-    Check(b.device->WaitAppWork(Stream::kApp, app_done));
+    Check(b.device->WaitEvent(Stream::kApp, app_done));
     b.device->CopyDeviceToHost(out.mutable_data(), b.data, bytes, Stream::kApp);
     Check(b.device->Synchronize(Stream::kApp));
   }

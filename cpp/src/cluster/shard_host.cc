@@ -39,9 +39,11 @@ void Inbox::Stop() {
   if (thread_.joinable()) thread_.join();
 }
 
-ShardHost::ShardHost(int rank, int num_workers, const Config& config, BufferPool* pool)
-    : pool_(pool), shard_(rank, num_workers, config.update_rule, config.max_branches) {
+ShardHost::ShardHost(int rank, int num_workers, const Config& config, BufferPool* pool,
+                     std::shared_ptr<Device> device, std::function<bool(int worker)> device_receivers)
+    : pool_(pool), shard_(rank, num_workers, config.update_rule, config.max_branches, std::move(device)) {
   shard_.set_buffer_pool(pool);
+  shard_.set_device_receivers(std::move(device_receivers));
 }
 
 void ShardHost::Start(Engine* engine, Transport* transport) {

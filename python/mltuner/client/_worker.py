@@ -157,9 +157,14 @@ class Worker:
         self._engine.start_iterations()
 
     # -- real accesses -----------------------------------------------------------
-    def read(self, handle: int) -> Buffer:
-        """The rows of a recorded read, fresh within its slack (read-only)."""
-        buffer, age = self._engine.read(int(handle))
+    def read(self, handle: int, *, stream: int = 0) -> Buffer:
+        """The rows of a recorded read, fresh within its slack (read-only).
+
+        On CUDA the buffer's contents are still being written by the engine
+        when it is returned: ``stream`` (the stream your kernels will read it
+        on; 0 = the legacy default stream) is made to wait for them, without
+        blocking this thread."""
+        buffer, age = self._engine.read(int(handle), int(stream))
         self._last_data_age = int(age)
         return buffer
 
@@ -167,9 +172,10 @@ class Worker:
         """Hands a read buffer back once ``stream``'s work on it is done."""
         self._engine.post_read(int(handle), int(stream))
 
-    def pre_update(self, handle: int) -> Buffer:
-        """A zeroed buffer to write this clock's update of the recorded rows into."""
-        buffer, _ = self._engine.pre_update(int(handle))
+    def pre_update(self, handle: int, *, stream: int = 0) -> Buffer:
+        """A zeroed buffer to write this clock's update of the recorded rows
+        into (``stream`` as for :meth:`read`)."""
+        buffer, _ = self._engine.pre_update(int(handle), int(stream))
         return buffer
 
     def update(self, handle: int, *, stream: int = 0) -> None:
@@ -177,8 +183,9 @@ class Worker:
         once ``stream``'s work on it is done."""
         self._engine.update(int(handle), int(stream))
 
-    def local_access(self, handle: int) -> Buffer:
-        buffer, _ = self._engine.local_access(int(handle))
+    def local_access(self, handle: int, *, stream: int = 0) -> Buffer:
+        """The rows of a recorded local access (``stream`` as for :meth:`read`)."""
+        buffer, _ = self._engine.local_access(int(handle), int(stream))
         return buffer
 
     def post_local_access(self, handle: int, *, stream: int = 0) -> None:

@@ -296,7 +296,7 @@ class ClockDriver:
         if self._recording:
             flat = self._init[layer.index]
             return flat, layer.views(flat)
-        return layer.buffer_views(self.worker.read(self._handles[index]))
+        return layer.buffer_views(self.worker.read(self._handles[index], stream=app_stream(self.device)))
 
     def _close_read(self, index: int) -> None:
         if not self._recording:
@@ -307,7 +307,8 @@ class ClockDriver:
             self._recorded_acts[slot] = tensor
             return
         handle = self._handles[index]
-        target = as_tensor(self.worker.local_access(handle), self.device).view(-1).view(torch.uint8)
+        buffer = self.worker.local_access(handle, stream=app_stream(self.device))
+        target = as_tensor(buffer, self.device).view(-1).view(torch.uint8)
         source = _bytes(tensor)
         target[: source.numel()].copy_(source)
         self.worker.post_local_access(handle, stream=app_stream(self.device))
@@ -318,7 +319,8 @@ class ClockDriver:
         # A copy: autograd gives no signal when the node is done with the
         # tensor, so the buffer could not be handed back safely.
         handle = self._handles[index]
-        source = as_tensor(self.worker.local_access(handle), self.device).view(-1).view(torch.uint8)
+        buffer = self.worker.local_access(handle, stream=app_stream(self.device))
+        source = as_tensor(buffer, self.device).view(-1).view(torch.uint8)
         spec = self._slots[slot]
         out = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
         out.view(-1).view(torch.uint8).copy_(source[: spec.nbytes])
@@ -328,7 +330,7 @@ class ClockDriver:
     def _update(self, index: int, layer: Layer, grads: list[torch.Tensor]) -> None:
         if not self._recording:
             handle = self._handles[index]
-            _, views = layer.buffer_views(self.worker.pre_update(handle))
+            _, views = layer.buffer_views(self.worker.pre_update(handle, stream=app_stream(self.device)))
             with torch.no_grad():
                 torch._foreach_copy_(views, grads)
             self.worker.update(handle, stream=app_stream(self.device))

@@ -34,7 +34,7 @@ std::string ErrorText(cudaError_t err) {
 // outlives its device still returns (and then destroys) its event safely.
 class EventPool {
  public:
-  explicit EventPool(int ordinal) : ordinal_(ordinal) {}
+  EventPool(int ordinal, unsigned flags) : ordinal_(ordinal), flags_(flags) {}
   ~EventPool() {
     // Errors are ignored: at process exit the runtime may already be gone.
     cudaSetDevice(ordinal_);
@@ -55,7 +55,7 @@ class EventPool {
         return Status::Ok();
       }
     }
-    const cudaError_t err = cudaEventCreateWithFlags(out, cudaEventDisableTiming);
+    const cudaError_t err = cudaEventCreateWithFlags(out, flags_);
     if (err != cudaSuccess) {
       cudaGetLastError();
       return Status::Internal("CUDA error in RecordAppWork (cudaEventCreateWithFlags): " + ErrorText(err));
@@ -79,6 +79,7 @@ class EventPool {
  private:
   static constexpr size_t kMaxPooled = 64;
   const int ordinal_;
+  const unsigned flags_;
   std::mutex mu_;
   std::vector<cudaEvent_t> free_;
 };
@@ -89,7 +90,10 @@ class EventPool {
 // FreeHost / ReleaseIndex.
 class CudaDevice final : public Device {
  public:
-  explicit CudaDevice(int ordinal) : ordinal_(ordinal), events_(std::make_shared<EventPool>(ordinal)) {}
+  explicit CudaDevice(int ordinal)
+      : ordinal_(ordinal),
+        events_(std::make_shared<EventPool>(ordinal, cudaEventDisableTiming)),
+        waits_(std::make_shared<EventPool>(ordinal, cudaEventDisableTiming | cudaEventBlockingSync)) {}
 
   // Streams are made here rather than in the constructor so that a failure
   // becomes a Status.
@@ -247,7 +251,19 @@ class CudaDevice final : public Device {
   Status Synchronize(Stream s) override {
     if (!ValidStream(s)) return Status::InvalidArgument("CudaDevice::Synchronize: no stream " + std::to_string(static_cast<int>(s)));
     if (MakeCurrentOrRecord("Synchronize")) {
-      Record("Synchronize (cudaStreamSynchronize)", cudaStreamSynchronize(streams_[static_cast<int>(s)]));
+      // Through a blocking-sync event: the engine's threads sleep while they
+      // wait instead of spinning on a core (a default stream synchronize
+      // spins), which would compete with the training thread's launches.
+      cudaEvent_t event = nullptr;
+      const Status taken = waits_->Take(&event);
+      if (!taken.ok()) {
+        RecordStatus(taken);
+      } else {
+        cudaError_t err = cudaEventRecord(event, streams_[static_cast<int>(s)]);
+        if (err == cudaSuccess) err = cudaEventSynchronize(event);
+        Record("Synchronize (blocking event)", err);
+        waits_->Return(event);
+      }
       // Anything else this thread's CUDA calls left behind.
       Record("Synchronize (cudaGetLastError)", cudaGetLastError());
     }
@@ -455,6 +471,7 @@ class CudaDevice final : public Device {
   std::array<cudaStream_t, kNumStreams> streams_{};
   cudaStream_t upload_stream_ = nullptr;  // PrepareIndex's uploads only
   std::shared_ptr<EventPool> events_;
+  std::shared_ptr<EventPool> waits_;  // blocking-sync events for Synchronize
 
   std::mutex error_mu_;
   Status first_error_;  // guarded by error_mu_; the first unreported error

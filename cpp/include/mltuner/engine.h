@@ -49,6 +49,10 @@ struct AccessBuffer {
   Clock data_age = kNoClock;  // reads: the table's data age when gathered
   std::shared_ptr<void> keepalive;
   std::shared_ptr<Device> device;  // where `data` lives (host_addressable, ordinal)
+  // The engine's work filling the buffer (null: complete). Open already made
+  // the stream it was given wait for it; another consumer's stream must wait
+  // too (DeviceArray.__dlpack__(stream=...) does).
+  DeviceEvent ready;
 };
 
 struct EngineStats {

@@ -13,8 +13,13 @@ namespace mltuner {
 Status Engine::Impl::HandleMessage(Message&& message) {
   ++messages_received_;
   switch (message.type()) {
-    case MessageType::kRows:
-      return InstallRows(message);
+    case MessageType::kRows: {
+      // Rows that cannot be installed leave this worker waiting for a data
+      // age that never comes: fail now, with the cause, rather than time out.
+      const Status status = InstallRows(message);
+      if (!status.ok() && status.code() != StatusCode::kShutdown) Fail(status.WithContext(ThreadContext("receive")));
+      return status;
+    }
     case MessageType::kFetchReply:
     case MessageType::kAck:
     case MessageType::kError:
@@ -110,6 +115,13 @@ Status Engine::Impl::InstallRows(const Message& message) {
 }
 
 Status Engine::Impl::CompleteRequest(Message&& message) {
+  if (message.type() == MessageType::kError && message.header.request_id == 0) {
+    // A shard refused a message of ours that has no reply (a clock's
+    // updates): the job cannot go on.
+    Fail(Status::Internal("shard " + std::to_string(message.header.sender) + " refused a message from worker " +
+                          std::to_string(rank_) + ": " + message.text));
+    return Status::Ok();
+  }
   std::shared_ptr<PendingRequest> request;
   {
     std::lock_guard<std::mutex> lock(age_mu_);

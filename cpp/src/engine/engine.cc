@@ -53,6 +53,10 @@ void Engine::Impl::Fail(const Status& status) {
   if (pool_) pool_->Close();
 }
 
+std::string Engine::Impl::ThreadContext(const char* thread) const {
+  return "worker " + std::to_string(rank_) + "'s " + thread + " thread";
+}
+
 void Engine::Impl::Abort(const Status& why) {
   {
     std::lock_guard<std::mutex> lock(age_mu_);
@@ -312,6 +316,7 @@ Status Engine::Impl::Open(Handle handle, OpKind kind, AccessBuffer* out, uintptr
   // application's stream waits on the GPU instead, so this thread runs ahead.
   MLT_RETURN_IF_ERROR(device_->WaitOnAppStream(app_stream, slot->ready));
   *out = BufferFor(access, slot->data, slot->data_age, pool_memory_);
+  out->ready = slot->ready;
   {
     std::lock_guard<std::mutex> lock(mu_);
     ++app_seq_;

@@ -188,6 +188,8 @@ class Engine::Impl {
 
   // Records a background failure; every later call returns it.
   void Fail(const Status& status);
+  // "worker R's <thread> thread", the context of a background failure.
+  std::string ThreadContext(const char* thread) const;
   std::chrono::steady_clock::time_point Deadline() const;
 
  public:

@@ -52,7 +52,7 @@ void Engine::Impl::AllocatorLoop() {
     Status status = cached == at.branch ? Status::Ok() : SwitchCache(at.branch);
     if (status.ok()) status = PrepareSlot(seq, recording_.accesses[op.handle], at, slot);
     if (!status.ok()) {
-      if (status.code() != StatusCode::kShutdown) Fail(status);
+      if (status.code() != StatusCode::kShutdown) Fail(status.WithContext(ThreadContext("allocator")));
       return;
     }
     {

@@ -22,7 +22,7 @@ void Engine::Impl::ReclaimerLoop() {
     }
     const Status status = ReclaimOp(seq);
     if (!status.ok()) {
-      Fail(status);
+      if (status.code() != StatusCode::kShutdown) Fail(status.WithContext(ThreadContext("reclaimer")));
       return;
     }
     {

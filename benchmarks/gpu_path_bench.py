@@ -16,13 +16,16 @@ same GPU) and by plain PyTorch with the equivalent torch.optim optimizer:
 
 Per configuration: samples/s of both, their ratio (goal >= 0.90), the GPU
 stall (the training thread's time waiting for an engine buffer / the clock's
-time; GeePS reports < 8%) and the engine threads' CPU time per clock (process
-CPU time minus the training thread's).
+time; GeePS reports < 8%), the training thread's CPU time per clock of both
+(plain PyTorch at these sizes is bound by it: kernel launches) and the engine
+threads' CPU time per clock (process CPU time minus the training thread's).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -62,23 +65,25 @@ class Case:
         self.batch = x.shape[0]
 
 
-def plain_run(case: Case, args: argparse.Namespace) -> float:
+def plain_run(case: Case, args: argparse.Namespace) -> tuple[float, float]:
+    """(samples/s, the training thread's CPU seconds per step)."""
     torch.manual_seed(0)
     model = case.make().cuda()
     optimizer = case.optimizer(model)
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             torch.cuda.synchronize()
-            start = time.perf_counter()
+            start, main_start = time.perf_counter(), time.thread_time()
         optimizer.zero_grad(set_to_none=True)
         case.loss(model(case.x)).backward()
         optimizer.step()
     torch.cuda.synchronize()
-    return case.batch * args.steps / (time.perf_counter() - start)
+    return case.batch * args.steps / (time.perf_counter() - start), (time.thread_time() - main_start) / args.steps
 
 
-def mltuner_run(case: Case, args: argparse.Namespace) -> tuple[float, float, float]:
-    """(samples/s, stall fraction, engine CPU seconds per clock)."""
+def mltuner_run(case: Case, args: argparse.Namespace) -> tuple[float, float, float, float]:
+    """(samples/s, stall fraction, the training thread's and the engine
+    threads' CPU seconds per clock)."""
     torch.manual_seed(0)
     model = case.make().cuda()
     config = mlt.Config(update_rule=case.rule, device="cuda", wait_timeout_s=120)
@@ -86,21 +91,28 @@ def mltuner_run(case: Case, args: argparse.Namespace) -> tuple[float, float, flo
         worker = cluster.worker(0)
         ps = mtorch.wrap(model, worker, example_input=case.x, slack=case.slack,
                          example_loss=lambda out: case.loss(out))
+        profiler = cProfile.Profile() if args.profile else None
         for step in range(args.warmup + args.steps):
             if step == args.warmup:
                 torch.cuda.synchronize()
                 before = worker.stats
                 cpu_start, main_start = time.process_time(), time.thread_time()
                 start = time.perf_counter()
+                if profiler:
+                    profiler.enable()
             case.loss(ps(case.x)).backward()
             ps.step()
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-        engine_cpu = (time.process_time() - cpu_start) - (time.thread_time() - main_start)
+        if profiler:
+            profiler.disable()
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+        main_cpu = time.thread_time() - main_start
+        engine_cpu = (time.process_time() - cpu_start) - main_cpu
         stats = worker.stats
         worker.sync()
     stall = (stats["stall_seconds"] - before["stall_seconds"]) / elapsed
-    return case.batch * args.steps / elapsed, stall, engine_cpu / args.steps
+    return case.batch * args.steps / elapsed, stall, main_cpu / args.steps, engine_cpu / args.steps
 
 
 def cases(only: str | None) -> list[Case]:
@@ -132,20 +144,23 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=15)
     parser.add_argument("--only", choices=("resnet", "transformer"))
+    parser.add_argument("--match", default="", help="only the cases whose name contains this")
     parser.add_argument("--figures", type=Path)
+    parser.add_argument("--profile", action="store_true", help="cProfile the training thread's timed clocks")
     args = parser.parse_args()
     if not torch.cuda.is_available() or not mlt.cuda_built():
         raise SystemExit("gpu_path_bench needs a CUDA GPU and mltuner built with CUDA")
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.steps} timed steps")
-    print("| case | plain samples/s | mltuner samples/s | ratio | stall | engine CPU ms/clock |")
-    print("|---|---|---|---|---|---|")
+    print("| case | plain samples/s | mltuner samples/s | ratio | stall | training thread CPU ms/clock, "
+          "plain / mltuner | engine threads CPU ms/clock |")
+    print("|---|---|---|---|---|---|---|")
     figures = []
-    for case in cases(args.only):
-        plain = plain_run(case, args)
-        ours, stall, engine_cpu = mltuner_run(case, args)
+    for case in (c for c in cases(args.only) if args.match in c.name):
+        plain, plain_cpu = plain_run(case, args)
+        ours, stall, main_cpu, engine_cpu = mltuner_run(case, args)
         ratio = ours / plain
-        print(f"| {case.name} | {plain:,.0f} | {ours:,.0f} | {ratio:.2f} | {stall:.1%} | {engine_cpu * 1e3:.2f} |",
-              flush=True)
+        print(f"| {case.name} | {plain:,.0f} | {ours:,.0f} | {ratio:.2f} | {stall:.1%} | "
+              f"{plain_cpu * 1e3:.2f} / {main_cpu * 1e3:.2f} | {engine_cpu * 1e3:.2f} |", flush=True)
         figures.append(Figure("gpu-path", f"{case.name}: 1 worker vs plain PyTorch", ours, "samples/s",
                               "plain PyTorch", plain, ratio, "mltuner / plain samples/s", goal=0.90,
                               note=f"stall {stall:.1%} of the clock, engine CPU {engine_cpu * 1e3:.2f} ms/clock"))

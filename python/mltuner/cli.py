@@ -203,12 +203,12 @@ def _add_watch_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plain", action="store_true", help="plain progress lines instead of a live table")
 
 
-def _add_tune_parser(commands: argparse._SubParsersAction,  # type: ignore[type-arg]
-                     name: str, **kwargs: str) -> argparse.ArgumentParser:
+def _add_tune_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser],
+                     name: str, *, summary: str, description: str) -> argparse.ArgumentParser:
     """tune or demo: the launcher's options and the program's, every one
     with its default in --help and checked before a worker starts."""
     parser: argparse.ArgumentParser = commands.add_parser(
-        name, formatter_class=DefaultsHelpFormatter, allow_abbrev=False, **kwargs)
+        name, help=summary, description=description, formatter_class=DefaultsHelpFormatter, allow_abbrev=False)
     _add_watch_options(parser)
     add_program_options(parser.add_argument_group(
         "program options", "passed to python -m mltuner.apps.mnist1d on every worker"))
@@ -248,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help=f"the PNG to write (default: {REPORT_NAME} beside LOG, as the job names it)")
     report.set_defaults(handler=_report)
     tune = _add_tune_parser(
-        commands, "tune", help="tune and train the MNIST-1D MLP on local workers, with live progress",
+        commands, "tune", summary="tune and train the MNIST-1D MLP on local workers, with live progress",
         description="Runs python -m mltuner.apps.mnist1d on N local workers (mltuner launch) with the "
                     "tuner choosing learning rate, momentum and batch size; shows its decisions live, and "
                     f"writes the decision log ({LOG_NAME}), a PNG report ({REPORT_NAME}) and the result "
@@ -259,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "what ran.")
     tune.set_defaults(handler=_tune)
     demo = _add_tune_parser(
-        commands, "demo", help="the main job: tune and train the MNIST-1D CNN on 2 local workers",
+        commands, "demo", summary="the main job: tune and train the MNIST-1D CNN on 2 local workers",
         description="mltuner tune with the MNIST-1D CNN (PyTorch, through mltuner.torch; on the GPU when "
                     "there is one) and the tuner choosing learning rate, momentum, batch size and "
                     f"staleness: {' '.join(DEMO_ARGS)} (the defaults below). Ends with the test accuracy and "

@@ -230,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "mltuner.dist.detect_environment reads, and prints their output prefixed "
                     "with [rank k]. When a worker fails, the others get --grace seconds to exit, "
                     "then SIGTERM, then SIGKILL; the exit code is the failed worker's.")
-    launch.add_argument("-n", "--nproc", type=_workers, required=True, help="number of workers")
+    launch.add_argument("-n", "--nproc", type=int, required=True, help="number of workers")
     launch.add_argument("--port", type=int, default=0,
                         help="rank 0's port (default: a free port)")
     launch.add_argument("--grace", type=float, default=15.0,

@@ -65,7 +65,7 @@ BAD_CALLS = [
     (["demo", "--trial-time", "0"], "argument --trial-time: expected a number > 0"),
     (["run"], "give the training command after --"),
     (["run", "--", "no-such-program-mltuner"], "no-such-program-mltuner: command not found"),
-    (["launch", "-n", "0", "--", "true"], "argument -n/--nproc: expected a number of workers"),
+    (["launch", "-n", "0", "--", "true"], "the number of workers must be >= 1, got 0"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
 ]
 

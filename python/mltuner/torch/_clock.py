@@ -192,6 +192,9 @@ class ClockDriver:
         self._install_hooks()
         self._recording_hooks: list[Any] = []
         self.misgrouped: str | None = None  # a group whose member ran outside its forward (recording)
+        # Called on each layer's gradients (in place) before they are copied
+        # into its update; the mixed-precision scaler's unscaling (_amp.py).
+        self.grad_filter: Callable[[list[torch.Tensor]], None] | None = None
 
     # -- hooks -----------------------------------------------------------------------
     def _install_hooks(self) -> None:
@@ -332,6 +335,8 @@ class ClockDriver:
             handle = self._handles[index]
             _, views = layer.buffer_views(self.worker.pre_update(handle, stream=app_stream(self.device)))
             with torch.no_grad():
+                if self.grad_filter is not None:
+                    self.grad_filter(grads)
                 torch._foreach_copy_(views, grads)
             self.worker.update(handle, stream=app_stream(self.device))
         layer.clear_grads()
@@ -492,6 +497,8 @@ class ClockDriver:
                     f"recorded one {expected.shape} {expected.dtype}; with store_activations=True the local "
                     "tables are sized by the recording pass, so every clock must save the same shapes (a "
                     "fixed batch size); use store_activations=False for a varying batch size"
+                    + (" (another dtype only: under torch.autocast, call wrap() inside the same autocast)"
+                       if tuple(tensor.shape) == expected.shape else "")
                 )
             self._next_slot += 1
             self._store(index, slot, tensor)

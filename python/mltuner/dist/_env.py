@@ -23,6 +23,8 @@ import socket
 from collections.abc import Iterator, Mapping
 from typing import Literal, Union
 
+from mltuner.dist._security import read_secret_file
+
 __all__ = [
     "ProcessEnv",
     "Source",
@@ -42,7 +44,8 @@ SLURM_PORT_SPAN = 20000
 
 _SECRET_HINT = (
     "set MLTUNER_SECRET to the same random string on every process, e.g. the output of "
-    '`python -c "import secrets; print(secrets.token_hex(32))"`'
+    '`python -c "import secrets; print(secrets.token_hex(32))"`, or set MLTUNER_SECRET_FILE to '
+    "a file holding it that only you can read"
 )
 
 
@@ -58,7 +61,8 @@ class ProcessEnv:
         master_port: rank 0's port; 0 means "not fixed" and only occurs when
             ``world_size`` is 1.
         bind_host: the address this process's sockets bind to.
-        secret: the job's shared secret (``MLTUNER_SECRET``), or None. Left out
+        secret: the job's shared secret (``MLTUNER_SECRET`` or the contents of
+            ``MLTUNER_SECRET_FILE``), or None. Left out
             of ``repr`` so that logs never show it.
         source: the launcher whose variables were read.
     """
@@ -106,7 +110,9 @@ def detect_environment(env: Mapping[str, str] | None = None) -> ProcessEnv:
     (default: ``os.environ``).
 
     Whatever the launcher, ``MLTUNER_BIND_HOST`` overrides the bind address
-    and ``MLTUNER_SECRET`` gives the shared secret.
+    and ``MLTUNER_SECRET`` (or a file named by ``MLTUNER_SECRET_FILE``) gives
+    the shared secret. Without either, a job on loopback addresses uses this
+    user's own key (see :mod:`mltuner.dist._security`).
 
     Raises:
         ValueError: a variable is not an integer or out of range, a variable a
@@ -212,6 +218,8 @@ def _finish(env: Mapping[str, str], source: Source, rank: int, world_size: int, 
                          f"{low_port}..65535")
     bind_host = env.get("MLTUNER_BIND_HOST", "").strip() or _default_bind_host(master_addr)
     secret = env.get("MLTUNER_SECRET") or None
+    if secret is None and env.get("MLTUNER_SECRET_FILE"):
+        secret = read_secret_file(env["MLTUNER_SECRET_FILE"])
     if secret is None:
         # Sockets that other machines can reach must authenticate their peers.
         if not is_loopback(master_addr):

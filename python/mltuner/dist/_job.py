@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import socket
 from pathlib import Path
@@ -31,12 +32,21 @@ from mltuner._config import Config
 from mltuner.client._worker import Worker
 from mltuner.dist import _checkpoint
 from mltuner.dist._env import ProcessEnv, detect_environment, is_loopback
+from mltuner.dist._guard import ConnectionGuard, limit_input
 from mltuner.dist._rendezvous import ControlClient, Coordinator
-from mltuner.dist._security import CurveKeys, derive_keys, secure_server, start_authenticator
+from mltuner.dist._security import CurveKeys, derive_keys, secure_server, start_authenticator, user_loopback_secret
 from mltuner.dist._transport import SocketTransport
-from mltuner.exceptions import MltunerError
+from mltuner.exceptions import InvalidArgumentError, MltunerError
 
-__all__ = ["Job"]
+__all__ = ["Job", "DEFAULT_MAX_MESSAGE_BYTES"]
+
+# The largest frame a data socket accepts unless Job(max_message_bytes=...)
+# says otherwise: a table's slice on one shard must fit (create_table checks).
+DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
+# Connections a data socket accepts beyond one per peer (reconnects).
+_SPARE_CONNECTIONS = 16
+
+_log = logging.getLogger("mltuner.dist")
 
 
 class Job:
@@ -52,10 +62,16 @@ class Job:
         heartbeat_timeout_s: a peer silent this long is declared lost: every
             engine call on this process then raises
             :class:`~mltuner.PeerLostError` naming its rank.
-        secure: authenticate and encrypt with ZeroMQ CURVE keys derived from
-            the job's secret (``MLTUNER_SECRET``). ``None`` (default) does so
-            whenever this process binds to a non-loopback address, which then
-            requires a secret; ``True`` forces it on loopback too.
+        secure: authenticate and encrypt every socket with ZeroMQ CURVE keys
+            derived from the job's secret (``MLTUNER_SECRET``, a file named by
+            ``MLTUNER_SECRET_FILE``, or on loopback this user's own key).
+            ``None`` or ``True`` (default): always. ``False`` turns it off,
+            which is only allowed on loopback addresses and lets any local
+            process inject messages: for measurements only.
+        max_message_bytes: the largest frame a data socket accepts (ZeroMQ
+            refuses a larger announced frame before allocating it). Every
+            table's slice on one shard must fit: ``create_table`` refuses a
+            table that would need more, naming this setting.
 
     Attributes:
         worker: the access API (:class:`mltuner.Worker`).
@@ -64,10 +80,12 @@ class Job:
 
     def __init__(self, config: Config | None = None, *, env: ProcessEnv | None = None,
                  rendezvous_timeout_s: float = 120.0, heartbeat_interval_s: float = 0.5,
-                 heartbeat_timeout_s: float = 5.0, secure: bool | None = None) -> None:
+                 heartbeat_timeout_s: float = 5.0, secure: bool | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         if not 0 < heartbeat_interval_s < heartbeat_timeout_s:
-            raise ValueError("need 0 < heartbeat_interval_s < heartbeat_timeout_s, got "
-                             f"{heartbeat_interval_s} and {heartbeat_timeout_s}")
+            raise InvalidArgumentError("need 0 < heartbeat_interval_s < heartbeat_timeout_s, got "
+                                       f"{heartbeat_interval_s} and {heartbeat_timeout_s}")
+        self._max_message_bytes = int(max_message_bytes)
         self.config = config or Config()
         self.env = env or detect_environment()
         self.rank = self.env.rank
@@ -97,6 +115,15 @@ class Job:
         """Messages from other processes refused as malformed or misaddressed."""
         dropped = self._transport.rejected if self._transport else 0
         return int(self._node.rejected_messages) + dropped
+
+    @property
+    def refused_connections(self) -> int:
+        """Connections to this process's sockets that were cut: they failed
+        the CURVE handshake (no or wrong keys) or exceeded the cap."""
+        total = self._transport.guard.refused.count if self._transport else 0
+        if self._coordinator is not None:
+            total += self._coordinator.guard.refused.count
+        return total
 
     def barrier(self, name: str = "barrier", timeout_s: float | None = None) -> None:
         """Returns once every rank has called ``barrier`` with this name."""
@@ -177,13 +204,20 @@ class Job:
 
     # -- setting up ---------------------------------------------------------------
     def _keys(self, secure: bool | None) -> CurveKeys | None:
-        wanted = secure if secure is not None else not is_loopback(self.env.bind_host)
-        if not wanted:
+        loopback = is_loopback(self.env.bind_host) and is_loopback(self.env.master_addr)
+        if secure is False:
+            if not loopback:
+                raise InvalidArgumentError(f"secure=False is only allowed on loopback addresses; this job binds "
+                                           f"{self.env.bind_host} with rank 0 at {self.env.master_addr}")
             return None
-        if not self.env.secret:
-            raise ValueError(f"binding to {self.env.bind_host} needs peers to authenticate: set MLTUNER_SECRET "
-                             "to the same random string on every process (mltuner launch does this for you)")
-        return derive_keys(self.env.secret)
+        if self.env.secret:
+            return derive_keys(self.env.secret)
+        if not loopback:
+            raise InvalidArgumentError(
+                f"binding to {self.env.bind_host} needs peers to authenticate: set MLTUNER_SECRET to the same "
+                "random string on every process, or MLTUNER_SECRET_FILE to a file holding it "
+                "(mltuner launch does this for you)")
+        return derive_keys(user_loopback_secret())
 
     def _connect(self, keys: CurveKeys | None, rendezvous_timeout_s: float, heartbeat_interval_s: float,
                  heartbeat_timeout_s: float) -> None:
@@ -192,6 +226,7 @@ class Job:
             self._authenticator = start_authenticator(self._context, keys)
         inbox = self._context.socket(zmq.PULL)
         inbox.rcvhwm = 0
+        limit_input(inbox, self._max_message_bytes)
         if keys is not None:
             secure_server(inbox, keys)
         try:
@@ -199,6 +234,8 @@ class Job:
         except zmq.ZMQError:
             inbox.close(linger=0)
             raise
+        guard = ConnectionGuard(inbox, port, f"rank {self.rank}'s data socket",
+                                self.world_size - 1 + _SPARE_CONNECTIONS, _log)
         endpoint = self.endpoint = f"tcp://{_bracketed(_advertised_host(self.env))}:{port}"
         if self.rank == 0:
             self._coordinator = Coordinator(self._context, self.env.bind_host, self.env.master_port,
@@ -210,9 +247,10 @@ class Job:
             endpoints = self._control.join(self.world_size, endpoint, _fingerprint(self.config),
                                            rendezvous_timeout_s, missing)
         except BaseException:
+            guard.close()
             inbox.close(linger=0)
             raise
-        self._transport = SocketTransport(self._node, self._context, inbox, endpoints, keys,
+        self._transport = SocketTransport(self._node, self._context, inbox, guard, endpoints, keys,
                                           heartbeat_interval_s=heartbeat_interval_s,
                                           heartbeat_timeout_s=heartbeat_timeout_s)
 

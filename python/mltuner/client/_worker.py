@@ -10,7 +10,7 @@ import numpy as np
 
 from mltuner import _core
 from mltuner.client._layout import TensorLayout
-from mltuner.exceptions import NotFoundError
+from mltuner.exceptions import InvalidArgumentError, NotFoundError
 
 __all__ = ["Worker", "Table", "Rows", "Buffer"]
 
@@ -60,9 +60,11 @@ class Worker:
     Blocking calls release the GIL, so several workers can run on threads.
     """
 
-    def __init__(self, engine: _core.Engine, owner: object = None) -> None:
+    def __init__(self, engine: _core.Engine, owner: object = None, *, max_message_bytes: int | None = None) -> None:
         self._engine = engine
         self._owner = owner  # keeps the cluster alive while the worker is used
+        # The largest frame the job's data sockets accept (None: in memory).
+        self._max_message_bytes = max_message_bytes
         self._tables: dict[int, Table] = {}
         self._last_data_age = -2
 
@@ -77,6 +79,8 @@ class Worker:
 
     def create_table(self, name: str, num_rows: int, row_width: int, *, local: bool = False) -> Table:
         """Creates a table; every worker must create the same tables in the same order."""
+        if not local and self._max_message_bytes is not None:
+            _check_frames_fit(name, int(num_rows), int(row_width), self.num_workers, self._max_message_bytes)
         table_id = self._engine.create_table(name, int(num_rows), int(row_width), bool(local))
         table = Table(table_id, name, int(num_rows), int(row_width), bool(local))
         self._tables[table_id] = table
@@ -260,3 +264,26 @@ class Worker:
     def shutdown(self) -> None:
         """Stops this worker's threads; later calls raise ShutdownError."""
         self._engine.shutdown()
+
+
+# Frame 0 of a message: the 64-byte header, 16 bytes per row span, and text
+# (the table schema of kReady grows with the tables: this bounds it).
+_HEADER_BYTES = 64
+_SPAN_BYTES = 16
+_TEXT_BYTES = 64 << 10
+
+
+def largest_frame_bytes(num_rows: int, row_width: int, num_shards: int) -> int:
+    """The largest frame a table's messages can have: a shard's whole slice
+    of rows as payload, or as spans of one row each in frame 0."""
+    rows = -(-num_rows // num_shards)
+    return max(rows * row_width * 4, _HEADER_BYTES + _SPAN_BYTES * rows + _TEXT_BYTES)
+
+
+def _check_frames_fit(name: str, num_rows: int, row_width: int, num_shards: int, limit: int) -> None:
+    needed = largest_frame_bytes(num_rows, row_width, num_shards)
+    if needed > limit:
+        raise InvalidArgumentError(
+            f"table {name!r} ({num_rows} x {row_width}) needs messages of up to {needed} bytes between "
+            f"{num_shards} processes, more than the data sockets accept ({limit} bytes): raise "
+            f"Job(max_message_bytes=...) to at least {needed}, or split the table")

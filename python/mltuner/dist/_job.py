@@ -85,7 +85,11 @@ class Job:
         if not 0 < heartbeat_interval_s < heartbeat_timeout_s:
             raise InvalidArgumentError("need 0 < heartbeat_interval_s < heartbeat_timeout_s, got "
                                        f"{heartbeat_interval_s} and {heartbeat_timeout_s}")
-        self._max_message_bytes = int(max_message_bytes)
+        if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int) \
+                or not 1 << 20 <= max_message_bytes <= 1 << 62:
+            raise InvalidArgumentError(f"max_message_bytes must be an integer in [2**20, 2**62], "
+                                       f"got {max_message_bytes!r}")
+        self._max_message_bytes = max_message_bytes
         self.config = config or Config()
         self.env = env or detect_environment()
         self.rank = self.env.rank
@@ -101,7 +105,8 @@ class Job:
         self.endpoint = ""  # where peers send to this process (empty when alone)
         self._node = _core.ProcessNode(self.config.to_core(), self.rank, self.world_size, self.config.device,
                                        self.local_rank)
-        self.worker = Worker(self._node.engine, owner=self._node)
+        self.worker = Worker(self._node.engine, owner=self._node,
+                             max_message_bytes=self._max_message_bytes if self.world_size > 1 else None)
         if self.world_size > 1:
             try:
                 self._connect(self._keys(secure), rendezvous_timeout_s, heartbeat_interval_s, heartbeat_timeout_s)

@@ -9,10 +9,17 @@ from typing import Union
 import numpy as np
 
 from mltuner import _core
+from mltuner._config import MAX_LEARNING_RATE
+from mltuner._validate import INT32_MAX, boolean, integer, real, text
 from mltuner.client._layout import TensorLayout
-from mltuner.exceptions import InvalidArgumentError, NotFoundError
+from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError, NotFoundError
 
 __all__ = ["Worker", "Table", "Rows", "Buffer"]
+
+# The engine's limits: row ids and sizes are int64, a table holds at most
+# 2**40 values, handles, slack and branches are int32, streams are pointers.
+MAX_TABLE_VALUES = 2**40
+UINTPTR_MAX = 2**64 - 1
 
 Rows = Union[Sequence[int], np.ndarray, range, None]
 # What an access returns: a numpy array on the CPU backend, a DeviceArray
@@ -79,10 +86,17 @@ class Worker:
 
     def create_table(self, name: str, num_rows: int, row_width: int, *, local: bool = False) -> Table:
         """Creates a table; every worker must create the same tables in the same order."""
+        text("create_table: name", name)
+        num_rows = integer(f"create_table({name!r}): num_rows", num_rows, 1, MAX_TABLE_VALUES)
+        row_width = integer(f"create_table({name!r}): row_width", row_width, 1, INT32_MAX)
+        local = boolean(f"create_table({name!r}): local", local)
+        if num_rows * row_width > MAX_TABLE_VALUES:
+            raise InvalidArgumentError(f"create_table({name!r}): {num_rows} x {row_width} values is more than "
+                                       f"the 2**40 a table may hold")
         if not local and self._max_message_bytes is not None:
-            _check_frames_fit(name, int(num_rows), int(row_width), self.num_workers, self._max_message_bytes)
-        table_id = self._engine.create_table(name, int(num_rows), int(row_width), bool(local))
-        table = Table(table_id, name, int(num_rows), int(row_width), bool(local))
+            _check_frames_fit(name, num_rows, row_width, self.num_workers, self._max_message_bytes)
+        table_id = self._engine.create_table(name, num_rows, row_width, local)
+        table = Table(table_id, name, num_rows, row_width, local)
         self._tables[table_id] = table
         return table
 
@@ -94,8 +108,11 @@ class Worker:
     def create_tensor_table(self, name: str, layout: TensorLayout, *, local: bool = False) -> Table:
         """Creates a table holding the tensors of ``layout``; use ``layout.rows``
         and ``layout.view`` to address them."""
+        if not isinstance(layout, TensorLayout):
+            raise ArgumentTypeError(f"create_tensor_table({name!r}): layout must be a TensorLayout, "
+                                       f"got {type(layout).__name__}")
         if layout.num_rows == 0:
-            raise ValueError(f"layout for table {name!r} holds no tensors")
+            raise InvalidArgumentError(f"layout for table {name!r} holds no tensors")
         table = self.create_table(name, layout.num_rows, layout.row_width, local=local)
         table = dataclasses.replace(table, layout=layout)
         self._tables[table.id] = table
@@ -103,7 +120,7 @@ class Worker:
 
     def _table_id(self, table: Table) -> int:
         if not isinstance(table, Table):
-            raise TypeError(f"expected a Table, got {type(table).__name__}")
+            raise ArgumentTypeError(f"expected a Table, got {type(table).__name__}")
         mine = self._tables.get(table.id)
         if mine is None or mine.name != table.name:
             raise NotFoundError(f"table {table.name!r} does not belong to worker {self.rank}")
@@ -113,13 +130,21 @@ class Worker:
         self._table_id(table)
         if rows is None:
             return np.arange(table.num_rows, dtype=np.int64)
-        array = np.asarray(rows)
+        try:
+            array = np.asarray(rows)
+        except (ValueError, TypeError, OverflowError) as error:
+            raise InvalidArgumentError(f"row ids for table {table.name!r} are not an array of integers: "
+                                       f"{error}") from None
         if array.size == 0:
             array = array.astype(np.int64)  # [] is float64 to numpy; let the engine name the error
         if array.dtype.kind not in "iu":
-            raise TypeError(f"row ids for table {table.name!r} must be integers, got dtype {array.dtype}")
+            raise ArgumentTypeError(f"row ids for table {table.name!r} must be integers, got dtype {array.dtype}")
         if array.ndim != 1:
-            raise ValueError(f"row ids for table {table.name!r} must be 1-D, got shape {array.shape}")
+            raise InvalidArgumentError(f"row ids for table {table.name!r} must be 1-D, got shape {array.shape}")
+        if array.size and array.dtype.kind == "u" and int(array.max()) >= table.num_rows:
+            # uint64 values past 2**63 would wrap to negative ids in int64.
+            raise InvalidArgumentError(f"row id {int(array.max())} is outside table {table.name!r} "
+                                       f"(0..{table.num_rows - 1})")
         return array.astype(np.int64, copy=False)
 
     # -- the virtual iteration -------------------------------------------------
@@ -127,10 +152,10 @@ class Worker:
         """Records a read of ``rows`` (all rows by default) that may be ``slack``
         clocks stale (0 = BSP); returns its handle."""
         row_ids = self._rows(table, rows)
-        return int(self._engine.virtual_read(table.id, row_ids, int(slack)))
+        return int(self._engine.virtual_read(table.id, row_ids, integer("slack", slack, 0, INT32_MAX)))
 
     def virtual_post_read(self, handle: int) -> None:
-        self._engine.virtual_post_read(int(handle))
+        self._engine.virtual_post_read(_handle(handle))
 
     def virtual_pre_update(self, table: Table, rows: Rows = None) -> int:
         """Records an update of ``rows``; returns its handle."""
@@ -138,16 +163,16 @@ class Worker:
         return int(self._engine.virtual_pre_update(table.id, row_ids))
 
     def virtual_update(self, handle: int) -> None:
-        self._engine.virtual_update(int(handle))
+        self._engine.virtual_update(_handle(handle))
 
     def virtual_local_access(self, table: Table, rows: Rows = None, *, fetch: bool = True) -> int:
         """Records an access to local data; ``fetch`` loads the old contents."""
         row_ids = self._rows(table, rows)
-        return int(self._engine.virtual_local_access(table.id, row_ids, bool(fetch)))
+        return int(self._engine.virtual_local_access(table.id, row_ids, boolean("fetch", fetch)))
 
     def virtual_post_local_access(self, handle: int, *, keep: bool = True) -> None:
         """Closes a local access; ``keep`` writes the buffer back to the store."""
-        self._engine.virtual_post_local_access(int(handle), bool(keep))
+        self._engine.virtual_post_local_access(_handle(handle), boolean("keep", keep))
 
     def virtual_clock(self) -> None:
         self._engine.virtual_clock()
@@ -163,30 +188,30 @@ class Worker:
     # -- real accesses -----------------------------------------------------------
     def read(self, handle: int) -> Buffer:
         """The rows of a recorded read, fresh within its slack (read-only)."""
-        buffer, age = self._engine.read(int(handle))
+        buffer, age = self._engine.read(_handle(handle))
         self._last_data_age = int(age)
         return buffer
 
     def post_read(self, handle: int, *, stream: int = 0) -> None:
         """Hands a read buffer back once ``stream``'s work on it is done."""
-        self._engine.post_read(int(handle), int(stream))
+        self._engine.post_read(_handle(handle), _stream(stream))
 
     def pre_update(self, handle: int) -> Buffer:
         """A zeroed buffer to write this clock's update of the recorded rows into."""
-        buffer, _ = self._engine.pre_update(int(handle))
+        buffer, _ = self._engine.pre_update(_handle(handle))
         return buffer
 
     def update(self, handle: int, *, stream: int = 0) -> None:
         """Hands the update buffer to the engine, which adds it and ships it
         once ``stream``'s work on it is done."""
-        self._engine.update(int(handle), int(stream))
+        self._engine.update(_handle(handle), _stream(stream))
 
     def local_access(self, handle: int) -> Buffer:
-        buffer, _ = self._engine.local_access(int(handle))
+        buffer, _ = self._engine.local_access(_handle(handle))
         return buffer
 
     def post_local_access(self, handle: int, *, stream: int = 0) -> None:
-        self._engine.post_local_access(int(handle), int(stream))
+        self._engine.post_local_access(_handle(handle), _stream(stream))
 
     def clock(self) -> None:
         """Ends the current iteration."""
@@ -201,17 +226,21 @@ class Worker:
         branches apply updates) and staleness (``None``: each read's own
         slack). Every worker calls it at the same clock boundary; it returns
         once the fork is done everywhere."""
-        self._engine.fork_branch(int(child), int(parent), float(learning_rate), float(momentum), bool(training),
-                                 -1 if slack is None else int(slack))
+        self._engine.fork_branch(
+            integer("fork_branch: child", child, 0, INT32_MAX), integer("fork_branch: parent", parent, 0, INT32_MAX),
+            real("fork_branch: learning_rate", learning_rate, 0, MAX_LEARNING_RATE),
+            real("fork_branch: momentum", momentum, 0, 1, high_open=True), boolean("fork_branch: training", training),
+            -1 if slack is None else integer("fork_branch: slack", slack, 0, INT32_MAX))
 
     def free_branch(self, branch: int) -> None:
         """Releases a branch on every shard (every worker, same clock boundary)."""
-        self._engine.free_branch(int(branch))
+        self._engine.free_branch(integer("free_branch: branch", branch, 0, INT32_MAX))
 
     def schedule_branch(self, branch: int, clocks: int) -> None:
         """Runs the next ``clocks`` clocks on ``branch``. Each branch counts its
         own clocks; switching reloads the cache with that branch's rows."""
-        self._engine.schedule_branch(int(branch), int(clocks))
+        self._engine.schedule_branch(integer("schedule_branch: branch", branch, 0, INT32_MAX),
+                                     integer("schedule_branch: clocks", clocks, 1, 2**62))
 
     @property
     def branch(self) -> int:
@@ -229,7 +258,8 @@ class Worker:
         """A copy of the servers' current values of ``rows`` (any phase), from
         ``branch`` (default: the branch of the last finished clock)."""
         row_ids = self._rows(table, rows)
-        return self._engine.fetch(table.id, row_ids, table.row_width, -1 if branch is None else int(branch))
+        return self._engine.fetch(table.id, row_ids, table.row_width,
+                                  -1 if branch is None else integer("fetch: branch", branch, 0, INT32_MAX))
 
     def data_age(self, table: Table) -> int:
         """The clock through which every worker's updates are in this worker's cache."""
@@ -264,6 +294,15 @@ class Worker:
     def shutdown(self) -> None:
         """Stops this worker's threads; later calls raise ShutdownError."""
         self._engine.shutdown()
+
+
+def _handle(handle: object) -> int:
+    # Any int32: the engine names an unknown handle and its op.
+    return integer("handle", handle, -INT32_MAX - 1, INT32_MAX)
+
+
+def _stream(stream: object) -> int:
+    return integer("stream", stream, 0, UINTPTR_MAX)
 
 
 # Frame 0 of a message: the 64-byte header, 16 bytes per row span, and text

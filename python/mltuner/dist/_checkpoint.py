@@ -44,8 +44,6 @@ def shard_range(num_rows: int, shard: int, num_shards: int) -> tuple[int, int]:
 
 
 def save(node: _core.ProcessNode, worker: Worker, root: Path, barrier: Callable[[str], None], *, keep: int) -> Path:
-    if keep < 1:
-        raise ValueError(f"keep must be >= 1, got {keep}")
     clock = int(worker.stats["clock"])
     if clock == 0:
         raise OutOfOrderError("save_checkpoint needs at least one finished clock after start_iterations")

@@ -28,7 +28,8 @@ from typing import Any
 import zmq
 
 from mltuner import _core
-from mltuner._config import Config
+from mltuner._config import MAX_WAIT_S, Config
+from mltuner._validate import boolean, integer, real, text
 from mltuner.client._worker import Worker
 from mltuner.dist import _checkpoint
 from mltuner.dist._env import ProcessEnv, detect_environment, is_loopback
@@ -36,7 +37,7 @@ from mltuner.dist._guard import ConnectionGuard, limit_input
 from mltuner.dist._rendezvous import ControlClient, Coordinator
 from mltuner.dist._security import CurveKeys, derive_keys, secure_server, start_authenticator, user_loopback_secret
 from mltuner.dist._transport import SocketTransport
-from mltuner.exceptions import InvalidArgumentError, MltunerError
+from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError, MltunerError
 
 __all__ = ["Job", "DEFAULT_MAX_MESSAGE_BYTES"]
 
@@ -82,9 +83,14 @@ class Job:
                  rendezvous_timeout_s: float = 120.0, heartbeat_interval_s: float = 0.5,
                  heartbeat_timeout_s: float = 5.0, secure: bool | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
-        if not 0 < heartbeat_interval_s < heartbeat_timeout_s:
-            raise InvalidArgumentError("need 0 < heartbeat_interval_s < heartbeat_timeout_s, got "
-                                       f"{heartbeat_interval_s} and {heartbeat_timeout_s}")
+        if config is not None and not isinstance(config, Config):
+            raise ArgumentTypeError(f"Job: config must be a Config, got {type(config).__name__}")
+        rendezvous_timeout_s = real("Job: rendezvous_timeout_s", rendezvous_timeout_s, 0, MAX_WAIT_S, low_open=True)
+        heartbeat_timeout_s = real("Job: heartbeat_timeout_s", heartbeat_timeout_s, 0, MAX_WAIT_S, low_open=True)
+        heartbeat_interval_s = real("Job: heartbeat_interval_s", heartbeat_interval_s, 0, heartbeat_timeout_s,
+                                    low_open=True, high_open=True)
+        if secure is not None:
+            boolean("Job: secure", secure)
         if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int) \
                 or not 1 << 20 <= max_message_bytes <= 1 << 62:
             raise InvalidArgumentError(f"max_message_bytes must be an integer in [2**20, 2**62], "
@@ -132,8 +138,10 @@ class Job:
 
     def barrier(self, name: str = "barrier", timeout_s: float | None = None) -> None:
         """Returns once every rank has called ``barrier`` with this name."""
+        text("barrier: name", name)
+        timeout = self._wait_limit("barrier", timeout_s)
         if self._control is not None:
-            self._control.barrier(name, self._timeout_s if timeout_s is None else timeout_s)
+            self._control.barrier(name, timeout)
 
     def allgather(self, name: str, value: Any, timeout_s: float | None = None) -> list[Any]:
         """Every rank's ``value``, by rank, once every rank has called
@@ -141,10 +149,15 @@ class Job:
         numbers, strings, lists, dicts and None; at most 1 MiB in all. For
         small control data (the tuner's commands and loss reports), not
         tensors."""
+        text("allgather: name", name)
+        timeout = self._wait_limit("allgather", timeout_s)
         if self._control is None:
-            json.dumps(value)  # the same check the wire would make
+            try:
+                json.dumps(value)  # the same check the wire would make
+            except (TypeError, ValueError) as error:
+                raise InvalidArgumentError(f"allgather {name!r}: the value is not JSON: {error}") from None
             return [value]
-        return self._control.allgather(name, value, self._timeout_s if timeout_s is None else timeout_s)
+        return self._control.allgather(name, value, timeout)
 
     def save_checkpoint(self, root: str | os.PathLike[str], *, keep: int = 2) -> Path:
         """Saves every shard's parameters and optimizer state at this clock.
@@ -156,6 +169,7 @@ class Job:
         newest ``keep`` are kept. ``root`` must be on a file system every rank
         can see. Returns the checkpoint's directory.
         """
+        keep = integer("save_checkpoint: keep", keep, 1, 10**6)
         return _checkpoint.save(self._node, self.worker, Path(root), self.barrier, keep=keep)
 
     def restore_checkpoint(self, path: str | os.PathLike[str]) -> int:
@@ -206,6 +220,11 @@ class Job:
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
             self.close(graceful=False)
+
+    def _wait_limit(self, what: str, timeout_s: float | None) -> float:
+        if timeout_s is None:
+            return self._timeout_s
+        return real(f"{what}: timeout_s", timeout_s, 0, MAX_WAIT_S, low_open=True)
 
     # -- setting up ---------------------------------------------------------------
     def _keys(self, secure: bool | None) -> CurveKeys | None:

@@ -103,6 +103,7 @@ class Job:
         self.local_rank = self.env.local_rank
         self._timeout_s = self.config.wait_timeout_s
         self._closed = False
+        self._first_clock = 0  # the clock training resumed from (restore_checkpoint)
         self._context: zmq.Context[zmq.Socket[bytes]] | None = None
         self._authenticator: object | None = None
         self._coordinator: Coordinator | None = None
@@ -170,7 +171,8 @@ class Job:
         can see. Returns the checkpoint's directory.
         """
         keep = integer("save_checkpoint: keep", keep, 1, 10**6)
-        return _checkpoint.save(self._node, self.worker, Path(root), self.barrier, keep=keep)
+        return _checkpoint.save(self._node, self.worker, Path(root), self.barrier, keep=keep,
+                                first_clock=self._first_clock)
 
     def restore_checkpoint(self, path: str | os.PathLike[str]) -> int:
         """Loads a checkpoint into this rank's shard and returns its clock.
@@ -180,9 +182,13 @@ class Job:
         the number of processes may differ. ``path`` is a checkpoint
         directory or a root written by :meth:`save_checkpoint` (its newest
         checkpoint is used). Training clocks restart at 0; the returned clock
-        tells the application where its data stream was.
+        tells the application where its data stream was, and later
+        checkpoints are named from it on. It ends with a barrier, so every
+        read after it, on any rank, sees the restored values.
         """
-        return _checkpoint.restore(self._node, self.worker, Path(path), self.config.update_rule.kind)
+        self._first_clock = _checkpoint.restore(self._node, self.worker, Path(path), self.config.update_rule.kind,
+                                                self.barrier)
+        return self._first_clock
 
     def close(self, *, graceful: bool = True) -> None:
         """Leaves the job. Graceful: hands over this worker's last updates and
@@ -200,7 +206,7 @@ class Job:
                 pass  # a lost peer was reported by the calls that met it
         self._node.shutdown()
         if self._transport is not None:
-            self._transport.stop()
+            self._transport.stop(graceful=graceful)
         if self._control is not None:
             self._control.close()
         if self._coordinator is not None:

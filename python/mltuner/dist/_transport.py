@@ -84,18 +84,20 @@ class SocketTransport:
         for thread in self._threads:
             thread.start()
 
-    def stop(self) -> None:
+    def stop(self, *, graceful: bool = True) -> None:
         """Says goodbye to the peers and joins both threads. Call after the
-        node is shut down (its outbox is then closed and drains)."""
+        node is shut down (its outbox is then closed and drains). Not
+        graceful, or once a peer is lost, nothing waits for unsent bytes."""
         self._stopping.set()
         for thread in self._threads:
             thread.join(10.0)
+        linger_ms = 1000 if graceful and self.lost is None else 0
         for socket in self._peers.values():
             try:
                 socket.send(_GOODBYE + _RANK.pack(self._rank), flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-            socket.close()
+            socket.close(linger=linger_ms)
         self.guard.close()
         self._inbox.close(linger=0)
 

@@ -12,6 +12,7 @@ from mltuner import _core
 from mltuner._config import Config
 from mltuner._config import MAX_WAIT_S
 from mltuner._validate import integer, real
+from mltuner.client._host_memory import HostMemory
 from mltuner.client._worker import Worker
 from mltuner.exceptions import ArgumentTypeError
 
@@ -37,7 +38,9 @@ class LocalCluster:
             raise ArgumentTypeError(f"LocalCluster: config must be a Config, got {type(config).__name__}")
         self.config = config or Config()
         self._cluster = _core.LocalCluster(self.config.to_core(), num_workers, self.config.device)
-        self.workers = [Worker(self._cluster.worker(rank), owner=self._cluster) for rank in range(num_workers)]
+        memory = HostMemory(self.config.host_memory_limit)  # one process: one account for every worker
+        self.workers = [Worker(self._cluster.worker(rank), owner=self._cluster, config=self.config, host_memory=memory)
+                        for rank in range(num_workers)]
 
     @property
     def num_workers(self) -> int:

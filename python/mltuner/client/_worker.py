@@ -9,8 +9,9 @@ from typing import Union
 import numpy as np
 
 from mltuner import _core
-from mltuner._config import MAX_LEARNING_RATE
+from mltuner._config import MAX_LEARNING_RATE, Config
 from mltuner._validate import INT32_MAX, boolean, integer, real, text
+from mltuner.client._host_memory import INDEX_BYTES_PER_ROW, STATE_ARRAYS, HostMemory
 from mltuner.client._layout import TensorLayout
 from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError, NotFoundError
 
@@ -67,11 +68,19 @@ class Worker:
     Blocking calls release the GIL, so several workers can run on threads.
     """
 
-    def __init__(self, engine: _core.Engine, owner: object = None, *, max_message_bytes: int | None = None) -> None:
+    def __init__(self, engine: _core.Engine, owner: object = None, *, config: Config | None = None,
+                 host_memory: HostMemory | None = None, max_message_bytes: int | None = None) -> None:
         self._engine = engine
         self._owner = owner  # keeps the cluster alive while the worker is used
+        self._config = config or Config()
+        # What this process's engines hold (shared by a LocalCluster's workers).
+        self._host_memory = host_memory or HostMemory(self._config.host_memory_limit)
         # The largest frame the job's data sockets accept (None: in memory).
         self._max_message_bytes = max_message_bytes
+        # Access buffers of the virtual iteration: open now, and the most at once.
+        self._open_buffers: dict[int, int] = {}
+        self._peak_buffer_bytes = 0
+        self._largest_buffer = 0
         self._tables: dict[int, Table] = {}
         self._last_data_age = -2
 
@@ -88,14 +97,27 @@ class Worker:
         """Creates a table; every worker must create the same tables in the same order."""
         text("create_table: name", name)
         num_rows = integer(f"create_table({name!r}): num_rows", num_rows, 1, MAX_TABLE_VALUES)
-        row_width = integer(f"create_table({name!r}): row_width", row_width, 1, INT32_MAX)
+        row_width = integer(f"create_table({name!r}): row_width", row_width, 1, MAX_TABLE_VALUES)
         local = boolean(f"create_table({name!r}): local", local)
         if num_rows * row_width > MAX_TABLE_VALUES:
             raise InvalidArgumentError(f"create_table({name!r}): {num_rows} x {row_width} values is more than "
                                        f"the 2**40 a table may hold")
         if not local and self._max_message_bytes is not None:
             _check_frames_fit(name, num_rows, row_width, self.num_workers, self._max_message_bytes)
-        table_id = self._engine.create_table(name, num_rows, row_width, local)
+        shard_bytes = 0
+        if not local:  # the shard allocates its slice and the rule's state now
+            base, extra = divmod(num_rows, self.num_workers)
+            slice_rows = base + (1 if self.rank < extra else 0)
+            arrays = 1 + STATE_ARRAYS[self._config.update_rule.kind]
+            shard_bytes = slice_rows * row_width * 4 * arrays
+            self._host_memory.reserve(f"create_table({name!r}) of {num_rows} x {row_width}", shard_bytes,
+                                      f"this shard's {slice_rows} rows x {arrays} arrays "
+                                      f"({self._config.update_rule.kind!r} rule)")
+        try:
+            table_id = self._engine.create_table(name, num_rows, row_width, local)
+        except BaseException:
+            self._host_memory.release(shard_bytes)
+            raise
         table = Table(table_id, name, num_rows, row_width, local)
         self._tables[table_id] = table
         return table
@@ -152,34 +174,79 @@ class Worker:
         """Records a read of ``rows`` (all rows by default) that may be ``slack``
         clocks stale (0 = BSP); returns its handle."""
         row_ids = self._rows(table, rows)
-        return int(self._engine.virtual_read(table.id, row_ids, integer("slack", slack, 0, INT32_MAX)))
+        handle = int(self._engine.virtual_read(table.id, row_ids, integer("slack", slack, 0, INT32_MAX)))
+        return self._opened(handle, table, row_ids)
 
     def virtual_post_read(self, handle: int) -> None:
         self._engine.virtual_post_read(_handle(handle))
+        self._open_buffers.pop(int(handle), None)
 
     def virtual_pre_update(self, table: Table, rows: Rows = None) -> int:
         """Records an update of ``rows``; returns its handle."""
         row_ids = self._rows(table, rows)
-        return int(self._engine.virtual_pre_update(table.id, row_ids))
+        return self._opened(int(self._engine.virtual_pre_update(table.id, row_ids)), table, row_ids)
 
     def virtual_update(self, handle: int) -> None:
         self._engine.virtual_update(_handle(handle))
+        self._open_buffers.pop(int(handle), None)
 
     def virtual_local_access(self, table: Table, rows: Rows = None, *, fetch: bool = True) -> int:
         """Records an access to local data; ``fetch`` loads the old contents."""
         row_ids = self._rows(table, rows)
-        return int(self._engine.virtual_local_access(table.id, row_ids, boolean("fetch", fetch)))
+        handle = int(self._engine.virtual_local_access(table.id, row_ids, boolean("fetch", fetch)))
+        return self._opened(handle, table, row_ids)
 
     def virtual_post_local_access(self, handle: int, *, keep: bool = True) -> None:
         """Closes a local access; ``keep`` writes the buffer back to the store."""
         self._engine.virtual_post_local_access(_handle(handle), boolean("keep", keep))
+        self._open_buffers.pop(int(handle), None)
 
     def virtual_clock(self) -> None:
         self._engine.virtual_clock()
 
+    def _opened(self, handle: int, table: Table, row_ids: np.ndarray) -> int:
+        # The engine's AlignedBufferBytes: rows x row bytes, rounded up to 256.
+        size = -(-len(row_ids) * table.row_width * 4 // 256) * 256
+        self._open_buffers[handle] = size
+        self._peak_buffer_bytes = max(self._peak_buffer_bytes, sum(self._open_buffers.values()))
+        self._largest_buffer = max(self._largest_buffer, size)
+        return handle
+
+    def planned_host_bytes(self) -> int:
+        """The host memory ``finish_virtual_iteration`` will allocate (the
+        shards' memory is counted at ``create_table``): caches with their
+        update logs, local data, the access-buffer pool, the staging buffer
+        and the plan's indexes."""
+        config = self._config
+        stores = sum((1 if t.local else 2) * t.num_rows * t.row_width * 4 for t in self._tables.values())
+        depth = max(2, 1 + config.prefetch_clocks)
+        budget = config.device_memory_budget
+        pool = depth * self._peak_buffer_bytes if budget == 0 else max(budget - stores, 2 * self._peak_buffer_bytes)
+        indexes = INDEX_BYTES_PER_ROW * sum(t.num_rows for t in self._tables.values())
+        staging = max(self._largest_buffer, 256)
+        if config.device == "cpu":
+            return stores + pool + staging + indexes
+        # On an accelerator the budget's part lives on the device.
+        on_host = stores if budget == 0 else max(0, stores - (budget - 2 * self._peak_buffer_bytes))
+        return (0 if budget == 0 else on_host) + staging + indexes
+
     def finish_virtual_iteration(self) -> None:
-        """Lays rows out, places them under the memory budget, builds indexes."""
-        self._engine.finish_virtual_iteration()
+        """Lays rows out, places them under the memory budget, builds indexes.
+
+        Raises:
+            ResourceExhaustedError: the plan needs more host memory than this
+                process may have (see :class:`~mltuner.Config`'s
+                ``host_memory_limit``); nothing was allocated.
+        """
+        needed = self.planned_host_bytes()
+        self._host_memory.reserve("finish_virtual_iteration", needed,
+                                  f"{len(self._tables)} tables' caches and update logs, a pool for "
+                                  f"{self._peak_buffer_bytes} bytes of buffers open at once, indexes")
+        try:
+            self._engine.finish_virtual_iteration()
+        except BaseException:
+            self._host_memory.release(needed)
+            raise
 
     def start_iterations(self) -> None:
         """Ends initialisation and starts the background threads."""

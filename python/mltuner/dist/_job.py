@@ -112,7 +112,7 @@ class Job:
         self.endpoint = ""  # where peers send to this process (empty when alone)
         self._node = _core.ProcessNode(self.config.to_core(), self.rank, self.world_size, self.config.device,
                                        self.local_rank)
-        self.worker = Worker(self._node.engine, owner=self._node,
+        self.worker = Worker(self._node.engine, owner=self._node, config=self.config,
                              max_message_bytes=self._max_message_bytes if self.world_size > 1 else None)
         if self.world_size > 1:
             try:

@@ -103,7 +103,7 @@ def test_a_fractional_row_count_is_refused_not_truncated(worker: mltuner.Worker)
     (lambda w, t: w.virtual_post_read(2**62), r"handle must be in"),
     (lambda w, t: w.virtual_local_access(t, fetch="yes"), r"fetch must be True or False"),
     (lambda w, t: w.create_table("big", 2**40, 2), r"2 values is more than the 2\*\*40"),
-    (lambda w, t: w.create_table("w", 4, 2**31), r"row_width must be in \[1, 2\*\*31 - 1\]"),
+    (lambda w, t: w.create_table("w", 4, 2**41), r"row_width must be in \[1, 2\*\*40\]"),
     (lambda w, t: w.create_table("bad\nname", 4, 4), r"name must be a non-empty printable string"),
     (lambda w, t: w.create_table(7, 4, 4), r"name must be a non-empty printable string"),
     (lambda w, t: w.fork_branch(1, 0, learning_rate=INF), r"fork_branch: learning_rate must be a finite number"),

@@ -61,7 +61,14 @@ class Worker:
     Buffers have shape (rows, row_width) and live in engine memory, with no
     copy: numpy arrays on the CPU backend (read buffers are read-only),
     :class:`DeviceArray` objects on CUDA (``torch.from_dlpack(buffer)``). A
-    buffer is valid until its post call. On CUDA, give each post call the stream
+    buffer is valid until its post call (``post_read``, ``update``,
+    ``post_local_access``); after it the engine reads or reuses its memory
+    (an update is shipped from it, the next clock's rows are gathered into
+    it), so a later write would change what is sent and a later read would see
+    another clock's data. The numpy array handed out is made read-only at its
+    post call, so such a write raises; views made from it before (``layout.view``)
+    and tensors made with DLPack share the memory but cannot be revoked: drop
+    them at the post call too. On CUDA, give each post call the stream
     your kernels used on the buffer (``stream=torch.cuda.current_stream().cuda_stream``;
     the default 0 is the legacy default stream, which torch and cupy use unless
     told otherwise): the engine waits for that work before it touches the buffer.
@@ -79,6 +86,8 @@ class Worker:
         self._max_message_bytes = max_message_bytes
         # Access buffers of the virtual iteration: open now, and the most at once.
         self._open_buffers: dict[int, int] = {}
+        # Writable numpy buffers handed out, by handle, made read-only at their post.
+        self._handed_out: dict[int, np.ndarray] = {}
         self._peak_buffer_bytes = 0
         self._largest_buffer = 0
         self._tables: dict[int, Table] = {}
@@ -266,19 +275,31 @@ class Worker:
     def pre_update(self, handle: int) -> Buffer:
         """A zeroed buffer to write this clock's update of the recorded rows into."""
         buffer, _ = self._engine.pre_update(_handle(handle))
-        return buffer
+        return self._hand_out(int(handle), buffer)
 
     def update(self, handle: int, *, stream: int = 0) -> None:
         """Hands the update buffer to the engine, which adds it and ships it
         once ``stream``'s work on it is done."""
         self._engine.update(_handle(handle), _stream(stream))
+        self._take_back(int(handle))
 
     def local_access(self, handle: int) -> Buffer:
         buffer, _ = self._engine.local_access(_handle(handle))
-        return buffer
+        return self._hand_out(int(handle), buffer)
 
     def post_local_access(self, handle: int, *, stream: int = 0) -> None:
         self._engine.post_local_access(_handle(handle), _stream(stream))
+        self._take_back(int(handle))
+
+    def _hand_out(self, handle: int, buffer: Buffer) -> Buffer:
+        if isinstance(buffer, np.ndarray):
+            self._handed_out[handle] = buffer
+        return buffer
+
+    def _take_back(self, handle: int) -> None:
+        buffer = self._handed_out.pop(handle, None)
+        if buffer is not None:
+            buffer.flags.writeable = False  # a write after the post would change what the engine ships
 
     def clock(self) -> None:
         """Ends the current iteration."""

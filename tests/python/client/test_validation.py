@@ -142,3 +142,39 @@ def test_job_arguments_are_checked_on_a_single_process(tmp_path: Any) -> None:
             job.barrier("b", timeout_s=INF)
         with pytest.raises(mltuner.InvalidArgumentError, match=r"allgather 'x': the value is not JSON"):
             job.allgather("x", object())
+
+
+def test_buffers_are_read_only_after_their_post(worker: mltuner.Worker) -> None:
+    table = worker.create_table("p", 2, 4)
+    local = worker.create_table("l", 2, 4, local=True)
+    read = worker.virtual_read(table)
+    worker.virtual_post_read(read)
+    update = worker.virtual_pre_update(table)
+    worker.virtual_update(update)
+    access = worker.virtual_local_access(local)
+    worker.virtual_post_local_access(access)
+    worker.virtual_clock()
+    worker.finish_virtual_iteration()
+    worker.start_iterations()
+    buffer = worker.read(read)
+    with pytest.raises(ValueError, match="read-only"):
+        buffer[0, 0] = 1.0  # read buffers always were
+    worker.post_read(read)
+    out = worker.pre_update(update)
+    out[:] = 1.0
+    worker.update(update)
+    with pytest.raises(ValueError, match="read-only"):
+        out[:] = 1000.0  # would have changed what is shipped
+    scratch = worker.local_access(access)
+    scratch[:] = 2.0
+    worker.post_local_access(access)
+    with pytest.raises(ValueError, match="read-only"):
+        scratch[0] = 3.0
+    worker.clock()
+    worker.sync()
+    np.testing.assert_array_equal(worker.fetch(table), np.ones((2, 4), dtype=np.float32))
+    worker.read(read)
+    worker.post_read(read)
+    fresh = worker.pre_update(update)  # the next clock's buffer is writable again
+    fresh[:] = 0.0
+    worker.update(update)

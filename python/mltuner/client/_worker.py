@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterator, Sequence
 from typing import Union
 
 import numpy as np
@@ -86,8 +88,10 @@ class Worker:
         self._max_message_bytes = max_message_bytes
         # Access buffers of the virtual iteration: open now, and the most at once.
         self._open_buffers: dict[int, int] = {}
-        # Writable numpy buffers handed out, by handle, made read-only at their post.
-        self._handed_out: dict[int, np.ndarray] = {}
+        # Writable numpy buffers handed out, by handle, made read-only at their
+        # post. Weak references: the engine reuses a buffer's memory only once
+        # Python holds none to it, so the worker must not extend its life.
+        self._handed_out: dict[int, weakref.ref[np.ndarray]] = {}
         self._peak_buffer_bytes = 0
         self._largest_buffer = 0
         self._tables: dict[int, Table] = {}
@@ -280,26 +284,44 @@ class Worker:
     def update(self, handle: int, *, stream: int = 0) -> None:
         """Hands the update buffer to the engine, which adds it and ships it
         once ``stream``'s work on it is done."""
-        self._engine.update(_handle(handle), _stream(stream))
-        self._take_back(int(handle))
+        handle, stream = _handle(handle), _stream(stream)
+        with self._taken_back(handle):
+            self._engine.update(handle, stream)
 
     def local_access(self, handle: int) -> Buffer:
         buffer, _ = self._engine.local_access(_handle(handle))
         return self._hand_out(int(handle), buffer)
 
     def post_local_access(self, handle: int, *, stream: int = 0) -> None:
-        self._engine.post_local_access(_handle(handle), _stream(stream))
-        self._take_back(int(handle))
+        handle, stream = _handle(handle), _stream(stream)
+        with self._taken_back(handle):
+            self._engine.post_local_access(handle, stream)
 
     def _hand_out(self, handle: int, buffer: Buffer) -> Buffer:
         if isinstance(buffer, np.ndarray):
-            self._handed_out[handle] = buffer
+            self._handed_out[handle] = weakref.ref(buffer)
         return buffer
 
-    def _take_back(self, handle: int) -> None:
-        buffer = self._handed_out.pop(handle, None)
-        if buffer is not None:
-            buffer.flags.writeable = False  # a write after the post would change what the engine ships
+    @contextlib.contextmanager
+    def _taken_back(self, handle: int) -> Iterator[None]:
+        """Makes the buffer handed out for ``handle``, if the application still
+        holds it, read-only for the engine's post call (a write after the post
+        would change what the engine ships); a failed post makes it writable
+        again."""
+        reference = self._handed_out.pop(handle, None)
+        buffer = reference() if reference is not None else None
+        if buffer is None:
+            yield
+            return
+        buffer.flags.writeable = False
+        del buffer  # hold no reference while the engine takes the memory back
+        try:
+            yield
+        except BaseException:
+            again = reference() if reference is not None else None
+            if again is not None:
+                again.flags.writeable = True
+            raise
 
     def clock(self) -> None:
         """Ends the current iteration."""

@@ -42,7 +42,15 @@ from mltuner.tune._searcher import SAMPLERS, Proposal, Searcher, open_storage, t
 from mltuner.tune._space import Choice, LogUniform, SearchSpace, Tunable, Uniform, default_space
 from mltuner.tune._system import BranchKind, BranchSystem, ClockReport
 from mltuner.tune._trial import Trial
-from mltuner.tune._tuner import Outcome, Tuner, TuningResult, plateaued
+from mltuner.tune._tuner import (
+    AGGRESSIVE_DIRECTIONS,
+    Outcome,
+    Tuner,
+    TuningResult,
+    at_least_as_aggressive,
+    plateaued,
+)
+from mltuner.tune._guard import Alarm, TrainingGuard
 
 __all__ = [
     "BaselineConfig",
@@ -96,4 +104,8 @@ __all__ = [
     "Trial",
     "DecisionLog",
     "plateaued",
+    "at_least_as_aggressive",
+    "AGGRESSIVE_DIRECTIONS",
+    "TrainingGuard",
+    "Alarm",
 ]

@@ -1,12 +1,21 @@
-"""One search episode (mltuner.md §1.1 steps 1-4): the starting progress, then
-trial-time discovery with concurrent trials, then a sequential search, then
-the winner, which keeps its trial progress."""
+"""One search episode (mltuner.md §1.1 steps 1-4, with a time budget): the
+starting progress, then the paper's trial-time rule with concurrent trials,
+which sets the start length, then successive halving over new trials, then
+the winner, which keeps its trial progress.
+
+Successive halving replaces the paper's sequential search (one trial after
+another, each for the full trial time): rung 0 runs as many new trials as
+the budget pays for to the start length, every rung keeps the better half
+(by slope) and doubles their length, and a trial that falls behind the best
+one during its run stops there. The cost is bounded by the budget, not by
+the trial cap times the trial time.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mltuner.exceptions import InvalidArgumentError
@@ -14,13 +23,34 @@ from mltuner.tune._config import TunerConfig
 from mltuner.tune._errors import TuningError
 from mltuner.tune._log import DecisionLog
 from mltuner.tune._progress import ProgressState
-from mltuner.tune._searcher import Searcher
-from mltuner.tune._system import BranchKind, BranchSystem
+from mltuner.tune._searcher import STOP_THRESHOLD, Searcher
+from mltuner.tune._system import BranchKind, BranchSystem, ClockReport
 from mltuner.tune._trial import Trial
 
-__all__ = ["SearchEpisode", "SearchResult"]
+__all__ = ["SearchEpisode", "SearchResult", "halving_size"]
 
 _PHASE = "search"
+# Checks of a trial against the best one during its run in a rung: it runs
+# in this many parts, and may stop after each but the last.
+_CHECKS_PER_RUN = 4
+
+
+def _rank(trial: Trial) -> float:
+    # Lower slopes are better; no progress (NaN) ranks last.
+    return trial.slope if math.isfinite(trial.slope) else math.inf
+
+
+def halving_size(budget_s: float, length_s: float, most: int) -> int:
+    """Trials in rung 0 of successive halving that ``budget_s`` pays for,
+    at most ``most``: n trials of ``length_s`` seconds cost about
+    n x length x (1 + log2 n) (every rung costs about n x length, for
+    log2 n rungs after the first)."""
+    if length_s <= 0 or not math.isfinite(budget_s):
+        return most
+    n = 1
+    while n < most and (n + 1) * length_s * (1 + math.log2(n + 1)) <= budget_s:
+        n += 1
+    return n
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,11 +59,18 @@ class SearchResult:
 
     Attributes:
         winner: the trial that becomes the training branch, or None when no
-            trial made progress (§1.1 step 3a: the model has converged).
+            trial made progress (§1.1 step 3a).
         trials: how many trials the episode forked (caps the next re-tune).
         starting_progress: the baseline loss every trial was measured from.
-        trial_time: the final trial time, in seconds.
+        trial_time: the start length of successive halving (the paper's
+            trial time), in seconds.
         all_diverged: every trial diverged (a non-finite or 10x loss).
+        seconds: clock time the episode spent (its evaluation branch and
+            every trial), in seconds.
+        budget_s: the episode's budget (None: unbounded).
+        budget_exhausted: the budget stopped the search (without a winner,
+            the budget ran out before any trial made progress: that says
+            nothing about the model).
     """
 
     winner: Trial | None
@@ -41,13 +78,27 @@ class SearchResult:
     starting_progress: float
     trial_time: float
     all_diverged: bool
+    seconds: float = 0.0
+    budget_s: float | None = None
+    budget_exhausted: bool = False
 
 
 class SearchEpisode:
-    """Runs one search from ``parent`` (the INIT branch, or the training
-    branch at a re-tune). Frees every trial it forks except the winner, and
-    frees ``parent`` when there is a winner (§1.1 step 4); without a winner
-    the parent stays alive and the caller keeps it."""
+    """Runs one search from ``parent`` (the INIT branch, the training
+    branch at a re-tune, or the frozen best branch after a rollback). Frees
+    every trial it forks except the winner; ``parent`` stays alive whatever
+    happens (the tuner keeps it until the winner has survived a validation).
+
+    Args:
+        budget_s: seconds of clocks this search may spend (evaluation branch
+            and trials); None is unbounded. The search stops forking trials
+            and halving once the next step would overrun it, so it ends
+            within about one trial run of the budget.
+        budget_epochs: the budget in epochs of training instead, turned into
+            seconds with ``epoch_seconds`` (the tuner's measured epoch time)
+            or, when that is None, with the evaluation branch's time per
+            clock times the clocks of one epoch at the parent's setting.
+    """
 
     def __init__(
         self,
@@ -60,6 +111,9 @@ class SearchEpisode:
         parent: int,
         parent_tunables: Mapping[str, Any],
         trial_cap: int | None,
+        budget_s: float | None = None,
+        budget_epochs: float | None = None,
+        epoch_seconds: float | None = None,
     ) -> None:
         self._system = system
         self._config = config
@@ -69,10 +123,15 @@ class SearchEpisode:
         self._parent = parent
         self._parent_tunables = dict(parent_tunables)
         self._trial_cap = trial_cap
+        self._budget = budget_s
+        self._budget_epochs = budget_epochs if budget_s is None else None
+        self._epoch_seconds = epoch_seconds
         self._trials: list[Trial] = []
         self._baseline = math.nan
         self._trial_time = math.nan
-        self._stop_logged = False
+        self._spent = 0.0
+        self._stop_reason: str | None = None
+        self._phase_a_trials = 0
 
     def run(self) -> SearchResult:
         self._baseline = self._starting_progress()
@@ -84,8 +143,9 @@ class SearchEpisode:
         self._trial_time = initial if initial is not None else self._searcher.decision_seconds
         self._note("trial_time", trial_time_s=self._trial_time, reason="initial")
         winner, keep_searching = self._find_trial_time(first)
+        self._phase_a_trials = len(self._trials)
         if winner is not None and keep_searching:
-            winner = self._sequential(winner)
+            winner = self._halving(winner)
         return self._finish(winner)
 
     # -- §1.1 step 1 -----------------------------------------------------------------
@@ -94,10 +154,9 @@ class SearchEpisode:
         system = self._system
         branch = system.fork(self._parent, self._parent_tunables, BranchKind.EVALUATION)
         try:
-            reports = system.run(branch, self._config.num_clocks_to_eval)
+            reports = self._run(branch, self._config.num_clocks_to_eval)
         finally:
             system.free(branch)
-        self._check_count(branch, reports, self._config.num_clocks_to_eval)
         losses = [float(r.loss) for r in reports]
         for clock, loss in enumerate(losses):
             if not math.isfinite(loss):
@@ -108,18 +167,27 @@ class SearchEpisode:
                     "data and the loss function."
                 )
         baseline = math.fsum(losses) / len(losses)
+        if self._budget_epochs is not None:
+            epoch_s = self._epoch_seconds
+            if epoch_s is None:
+                # From the second clock on, as a trial's time per clock (§1.2).
+                seconds = [float(r.seconds) for r in reports][1:] or [float(reports[0].seconds)]
+                per_clock = math.fsum(seconds) / len(seconds)
+                epoch_s = per_clock * self._system.clocks_per_epoch(self._parent_tunables)
+            self._budget = self._budget_epochs * epoch_s
         self._note("starting_progress", branch=branch, loss=baseline,
-                   tunables=self._parent_tunables, clocks=len(losses))
+                   tunables=self._parent_tunables, clocks=len(losses),
+                   budget_s=self._budget)
         return baseline
 
     # -- §1.1 step 3a: finding the trial time (paper Algorithm 1) ---------------------
 
     def _find_trial_time(self, first: Trial) -> tuple[Trial | None, bool]:
-        """Returns the phase's winner and whether the sequential search follows."""
+        """Returns the phase's winner and whether successive halving follows."""
         open_trials = [first]
         while True:
             for trial in open_trials:
-                self._extend(trial)
+                self._extend(trial, self._trial_time)
             for trial in open_trials:
                 self._summarize(trial)
             converging = [t for t in open_trials if t.summary is not None
@@ -130,11 +198,10 @@ class SearchEpisode:
                 for trial in open_trials:
                     if trial is not winner:
                         self._drop(trial, "lost")
-                # The winner's run time is the trial time of the sequential search.
+                # The winner's run time is the start length of the halving.
                 self._trial_time = winner.run_time
                 self._note("trial_time", trial_time_s=self._trial_time, reason="converging",
                            branch=winner.branch)
-                self._tell(winner, "best")
                 return winner, True
 
             progressing = [t for t in open_trials if math.isfinite(t.slope)]
@@ -151,45 +218,115 @@ class SearchEpisode:
                     survivors.append(trial)
             open_trials = survivors
             under_cap = any(not t.capped for t in open_trials)
-            if under_cap:
-                self._trial_time *= 2
+            doubled = self._trial_time * 2
+            # Another round costs every open trial's way to the doubled time.
+            affordable = self._affords(sum(max(0.0, doubled - t.run_time) for t in open_trials))
+            if under_cap and affordable:
+                self._trial_time = doubled
                 self._note("trial_time", trial_time_s=self._trial_time, reason="doubled")
+            if not affordable:
+                self._stop_once("budget")
             # The parent takes one of the num_branches slots.
-            new = self._new_trial() if len(open_trials) + 1 < self._config.num_branches else None
+            new = (self._new_trial() if affordable
+                   and len(open_trials) + 1 < self._config.num_branches else None)
             if new is not None:
                 open_trials.append(new)
-            elif not under_cap:
+            elif not (under_cap and affordable):
                 # Nothing left to schedule: the best trial wins even if unstable;
-                # with no progress at all, the model has converged.
+                # with no progress at all, the search found nothing.
                 for trial in open_trials:
                     if trial is not best:
                         self._drop(trial, "no_progress")
                 if best is None:
                     return None, False
                 self._trial_time = best.run_time
-                self._tell(best, "best")
                 return best, False
 
-    # -- §1.1 step 3b: sequential search ---------------------------------------------
+    # -- successive halving ------------------------------------------------------------
 
-    def _sequential(self, best: Trial) -> Trial:
+    def _halving(self, best: Trial) -> Trial:
+        length = self._trial_time
+        remaining = math.inf if self._budget is None else self._budget - self._spent
+        slots = self._config.num_branches - 2  # the parent and the phase's winner
+        bound = "branches"
+        if self._trial_cap is not None and self._trial_cap - len(self._trials) <= slots:
+            slots, bound = self._trial_cap - len(self._trials), "trial_cap"
+        wanted = halving_size(remaining, length, max(0, slots) + 1) - 1
+        if wanted < max(0, slots):
+            bound = "budget"
+        self._note("halving", rung=0, length_s=length, trials=wanted + 1)
+        rung = [best]
         while True:
+            if len(self._trials) - self._phase_a_trials >= wanted:
+                self._stop_once(bound)
+                break
+            if not self._affords(length):
+                self._stop_once("budget")
+                break
             trial = self._new_trial()
             if trial is None:
-                return best
-            self._extend(trial)
-            self._summarize(trial)
-            # Any finite, better slope replaces the best; CONVERGING is not required.
-            if math.isfinite(trial.slope) and trial.slope < best.slope:
-                self._tell(trial, "best")
-                self._note("best", branch=trial.branch, tunables=trial.tunables,
-                           slope=trial.slope, replaces=best.branch)
-                self._free(best)
-                best = trial
-            else:
-                diverged = trial.summary is not None and (
-                    trial.summary.state is ProgressState.DIVERGED)
-                self._drop(trial, "diverged" if diverged else "lost")
+                break
+            rival = min(rung, key=_rank)
+            if self._run_against(trial, length, rival):
+                rung.append(trial)
+        number = 0
+        while len(rung) > 1:
+            rung.sort(key=_rank)
+            keep = rung[: math.ceil(len(rung) / 2)]
+            for trial in rung[len(keep):]:
+                self._drop(trial, "halved")
+            rung = keep
+            if len(rung) == 1:
+                break
+            cost = sum(max(0.0, 2 * length - t.run_time) for t in rung)
+            if not self._affords(cost):
+                self._stop_once("budget")
+                break
+            length *= 2
+            number += 1
+            self._note("halving", rung=number, length_s=length, trials=len(rung))
+            survivors = [rung[0]]
+            self._extend(rung[0], length)
+            self._summarize(rung[0])
+            for trial in rung[1:]:
+                rival = min(survivors, key=_rank)
+                if self._run_against(trial, length, rival):
+                    survivors.append(trial)
+            rung = survivors
+        winner = min(rung, key=_rank)
+        for trial in rung:
+            if trial is not winner:
+                self._drop(trial, "halved")
+        return winner
+
+    def _run_against(self, trial: Trial, length: float, rival: Trial) -> bool:
+        """Runs ``trial`` to ``length`` seconds in parts, stopping it as soon
+        as it cannot beat ``rival``: it diverged, made no progress, or its
+        slope is more than STOP_THRESHOLD worse than the rival's (a slope
+        per second flattens as training goes on, so a trial behind at part
+        of the length stays behind). Returns whether it ran to the end;
+        one that did not is dropped."""
+        samples = self._config.num_progress_samples
+        while True:
+            more = trial.clocks_to_reach(length, samples)
+            if more <= 0:
+                break
+            # A new trial first runs its samples (its time per clock is not
+            # known before); then parts of about a quarter of its length.
+            part = max(samples, math.ceil((trial.clocks + more) / _CHECKS_PER_RUN))
+            self._record(trial, more if trial.clocks == 0 else min(part, more))
+            summary = self._summarize(trial)
+            if summary.state is ProgressState.DIVERGED:
+                self._drop(trial, "diverged")
+                return False
+            if trial.clocks_to_reach(length, samples) <= 0:
+                break
+            if trial.clocks >= 2 * samples and (
+                    not summary.made_progress
+                    or summary.slope > rival.slope * (1.0 - STOP_THRESHOLD)):
+                self._drop(trial, "cannot_beat")
+                return False
+        return True
 
     # -- trials ------------------------------------------------------------------------
 
@@ -214,26 +351,43 @@ class SearchEpisode:
         trial = Trial(proposal, branch, cap)
         self._trials.append(trial)
         self._note("fork_trial", branch=branch, tunables=proposal.tunables,
-                   trial=proposal.number, varied=proposal.varied, cap_clocks=cap)
+                   trial=proposal.number, varied=proposal.varied, cap_clocks=cap,
+                   enqueued=proposal.enqueued)
         return trial
 
-    def _extend(self, trial: Trial) -> None:
+    def _extend(self, trial: Trial, length: float) -> None:
         # A new trial runs its first clocks to measure its time per clock, then
-        # on to the trial time (§1.2); an older one only the second step.
+        # on to ``length`` (§1.2); an older one only the second step.
         passes = 2 if trial.clocks == 0 else 1
         for _ in range(passes):
-            clocks = trial.clocks_to_reach(self._trial_time, self._config.num_progress_samples)
+            clocks = trial.clocks_to_reach(length, self._config.num_progress_samples)
             if clocks > 0:
-                reports = self._system.run(trial.branch, clocks)
-                self._check_count(trial.branch, reports, clocks)
-                trial.record(reports)
+                self._record(trial, clocks)
 
-    def _summarize(self, trial: Trial) -> None:
+    def _record(self, trial: Trial, clocks: int) -> None:
+        trial.record(self._run(trial.branch, clocks))
+
+    def _run(self, branch: int, clocks: int) -> Sequence[ClockReport]:
+        reports = self._system.run(branch, clocks)
+        # A system that runs fewer clocks than asked would make the trial loop spin.
+        if len(reports) != clocks:
+            raise TuningError(
+                f"the training system returned {len(reports)} clock reports for branch "
+                f"{branch}, asked to run {clocks} clocks"
+            )
+        self._spent += math.fsum(float(r.seconds) for r in reports)
+        return reports
+
+    def _affords(self, seconds: float) -> bool:
+        return self._budget is None or self._spent + seconds <= self._budget
+
+    def _summarize(self, trial: Trial) -> Any:
         summary = trial.summarize(self._baseline)
         self._note("summary", branch=trial.branch, tunables=trial.tunables,
                    loss=trial.losses[-1], state=summary.state, slope=summary.slope,
                    noise=summary.noise, range=summary.range, run_time_s=trial.run_time,
                    clocks=trial.clocks)
+        return summary
 
     def _tell(self, trial: Trial, outcome: str) -> None:
         if trial.told or trial.summary is None:
@@ -242,16 +396,13 @@ class SearchEpisode:
         self._searcher.tell(trial.proposal, trial.summary, trial.losses, {
             "branch": trial.branch, "outcome": outcome, "run_time_s": trial.run_time,
             "search": self._index,
-        })
-
-    def _free(self, trial: Trial) -> None:
-        self._system.free(trial.branch)
+        }, seconds=trial.seconds)
 
     def _drop(self, trial: Trial, reason: str) -> None:
         self._tell(trial, reason)
-        self._free(trial)
+        self._system.free(trial.branch)
         self._note("free_trial", branch=trial.branch, tunables=trial.tunables, reason=reason,
-                   slope=trial.slope)
+                   slope=trial.slope, run_time_s=trial.run_time)
 
     # -- §1.1 step 4 -------------------------------------------------------------------
 
@@ -260,37 +411,36 @@ class SearchEpisode:
         study.set_user_attr("starting_progress", self._baseline)
         study.set_user_attr("trial_time_s", self._trial_time if math.isfinite(self._trial_time)
                             else None)
+        study.set_user_attr("seconds", self._spent)
+        study.set_user_attr("budget_s", self._budget)
         if winner is not None:
-            self._system.free(self._parent)
+            self._tell(winner, "best")
             study.set_user_attr("winner_trial", winner.proposal.number)
             study.set_user_attr("winner_tunables", winner.tunables)
             self._note("winner", branch=winner.branch, tunables=winner.tunables,
                        slope=winner.slope, state=winner.summary.state if winner.summary else None,
                        clocks=winner.clocks, trials=len(self._trials),
-                       trial_time_s=self._trial_time)
+                       trial_time_s=self._trial_time, seconds=self._spent,
+                       budget_s=self._budget)
         else:
-            self._note("no_progress", branch=self._parent, trials=len(self._trials))
+            self._note("no_progress", branch=self._parent, trials=len(self._trials),
+                       seconds=self._spent, budget_s=self._budget)
+        self._searcher.publish()
         all_diverged = bool(self._trials) and all(
             t.summary is not None and t.summary.state is ProgressState.DIVERGED
             for t in self._trials
         )
         return SearchResult(winner, len(self._trials), self._baseline, self._trial_time,
-                            all_diverged)
+                            all_diverged, self._spent, self._budget,
+                            self._stop_reason == "budget")
 
     # -- helpers -----------------------------------------------------------------------
 
-    def _check_count(self, branch: int, reports: Any, clocks: int) -> None:
-        # A system that runs fewer clocks than asked would make the trial loop spin.
-        if len(reports) != clocks:
-            raise TuningError(
-                f"the training system returned {len(reports)} clock reports for branch "
-                f"{branch}, asked to run {clocks} clocks"
-            )
-
     def _stop_once(self, reason: str) -> None:
-        if not self._stop_logged:
-            self._stop_logged = True
-            self._note("search_stop", reason=reason, trials=len(self._trials))
+        if self._stop_reason is None:
+            self._stop_reason = reason
+            self._note("search_stop", reason=reason, trials=len(self._trials),
+                       seconds=self._spent)
 
     def _note(self, event: str, **fields: Any) -> None:
         self._log.write(event, phase=_PHASE, search=self._index, **fields)

@@ -103,7 +103,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--samples", type=int, default=5000, help="MNIST-1D samples (80%% train, 20%% test)")
     parser.add_argument("--target-accuracy", type=float, default=None,
                         help="validation accuracy whose first reach is timed (baselines stop there)")
-    parser.add_argument("--time-budget", type=float, default=None, help="seconds of clocks for the Optuna baselines")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="the job's budget in seconds of clocks: the Optuna baselines stop there, and the "
+                             "tuner's searches each get --search-share of it (default: --max-epochs epochs)")
+    parser.add_argument("--search-share", type=float, default=0.1,
+                        help="share of the job's budget each search may spend; 0 leaves searches bounded only by "
+                             "--trials (default: %(default)s)")
+    parser.add_argument("--retune-search", default="lr,momentum",
+                        help="tunables a re-tune searches, the others kept (comma-separated, or 'all'; default: "
+                             "%(default)s)")
+    parser.add_argument("--no-rollback", action="store_true",
+                        help="no frozen copy of the best model and no rollback when training collapses")
     parser.add_argument("--live", action="store_true", help="show the tuner's progress live (rank 0)")
     parser.add_argument("--slow-rank", type=int, default=-1, help="the rank to slow down (benchmarks)")
     parser.add_argument("--slow-ms", type=float, default=0.0, help="its sleep after a clock")
@@ -267,7 +277,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     tuner_config = TunerConfig(
         sampler=args.sampler, retune=args.retune, seed=args.seed, storage=args.storage,
         num_clocks_to_eval=args.eval_clocks, max_trials_per_search=args.trials, max_epochs=args.max_epochs,
-        initial_trial_time_s=args.trial_time, num_branches=30)
+        initial_trial_time_s=args.trial_time, num_branches=30,
+        search_share=args.search_share if args.search_share > 0 else None, time_budget_s=args.time_budget,
+        retune_tunables=None if args.retune_search == "all" else tuple(args.retune_search.split(",")),
+        rollback=not args.no_rollback)
     start = time.perf_counter()
     with mlt.Job(config) as job:
         log = open_log(args) if job.rank == 0 else None
@@ -306,6 +319,9 @@ def report(args: argparse.Namespace, outcome: _Outcome, elapsed: float, workers:
     if outcome.tuning is not None:
         result["validation_accuracies"] = outcome.tuning.accuracies
         result["outcome"] = outcome.tuning.outcome.value
+        result["rollbacks"] = outcome.tuning.rollbacks
+        result["search_seconds"] = outcome.tuning.search_seconds
+        result["clock_seconds"] = outcome.tuning.seconds
     best = "-" if summary.best_accuracy is None else f"{summary.best_accuracy:.1%}"
     print(f"{args.mode}: best validation accuracy {best} after {summary.time_s:.1f} s of clocks "
           f"({elapsed:.1f} s in all) on {workers} workers; {summary.trials} trial(s), {summary.epochs} epoch(s)")

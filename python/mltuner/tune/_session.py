@@ -21,7 +21,9 @@ schedules the branch for its clocks and yields them as :class:`Step` s; at
 the end of the run every rank's losses travel back to rank 0, which averages
 them into the tuner's :class:`ClockReport` s. Only rank 0 times clocks (the
 tuner's progress is per second of rank 0's wall time, as in MLtuner, where
-the tuner reads the time of the clocks of worker 0).
+the tuner reads the time of the clocks of worker 0); rank 0's wait for the
+other ranks' reports at the end of a run is spread over the run's clocks,
+since the run is not done before the slowest worker is.
 
 The session also owns each branch's data cursor (the next sample of the
 training stream, copied at a fork) and picks each worker's sample indices:
@@ -182,9 +184,10 @@ class TuningSession:
             raise InvalidArgumentError("give batch_size= or a batch_size tunable in the space")
         max_branches = getattr(job_config, "max_branches", None)
         num_branches = (config or TunerConfig()).num_branches
-        if max_branches is not None and max_branches < num_branches + 1:
-            raise InvalidArgumentError(f"the tuner keeps up to {num_branches} branches alive plus one for "
-                                       f"validation, but Config.max_branches is {max_branches}")
+        if max_branches is not None and max_branches < num_branches + 2:
+            raise InvalidArgumentError(f"the tuner keeps up to {num_branches} branches alive in a search, plus "
+                                       f"a frozen copy of the best model and a validation branch, but "
+                                       f"Config.max_branches is {max_branches}: use at least {num_branches + 2}")
         if num_train < 1 or num_validation < 1:
             raise InvalidArgumentError(f"num_train and num_validation must be >= 1, got {num_train} and "
                                        f"{num_validation}")
@@ -334,11 +337,17 @@ class TuningSession:
         losses = [r[0] for r in self._reports]
         accuracy = [r[1] for r in self._reports]
         samples = [r[2] for r in self._reports]
+        waited = time.perf_counter()
         everyone = self._allgather("reports", {"loss": losses, "accuracy": accuracy, "samples": samples})
+        waited = time.perf_counter() - waited
         if self.system is None:
             return
+        # The run ends when the slowest worker has clocked it: rank 0's wait
+        # here is part of its time. Spread over its clocks, so that a high
+        # slack (rank 0 running ahead) is not counted cheaper than it is.
+        extra = waited / len(self._times) if self._times else 0.0
         reports = []
-        for clock, seconds in enumerate(self._times):
+        for clock, seconds in enumerate(t + extra for t in self._times):
             loss = math.fsum(float(r["loss"][clock]) for r in everyone) / len(everyone)
             weighted = [(r["accuracy"][clock], r["samples"][clock]) for r in everyone
                         if r["samples"][clock] and r["accuracy"][clock] is not None]

@@ -53,7 +53,7 @@ from mltuner.tune import (
     run_mltuner,
     run_optuna,
 )
-from mltuner.tune._session import Driver
+from mltuner.tune import Driver
 
 __all__ = ["main", "build_space", "load", "parse_args", "MLP_HIDDEN", "Data"]
 

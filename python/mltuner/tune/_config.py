@@ -10,9 +10,11 @@ from typing import Any, Literal
 from optuna.storages import BaseStorage
 
 from mltuner.exceptions import InvalidArgumentError
-from mltuner.tune._searcher import SAMPLERS
 
-__all__ = ["TunerConfig", "RetuneMode"]
+__all__ = ["TunerConfig", "RetuneMode", "SAMPLERS"]
+
+# The searchers a search episode can use (mltuner.md §4).
+SAMPLERS = ("tpe", "random", "grid", "gp", "cmaes")
 
 RetuneMode = Literal["full", "marginal", "off"]
 

@@ -23,7 +23,7 @@ from mltuner.tune import (
     open_storage,
     top_k_close,
 )
-from mltuner.tune._searcher import MAX_REPORTED_POINTS
+from mltuner.tune.tuner._searcher import MAX_REPORTED_POINTS
 
 
 def summary(slope: float) -> ProgressSummary:

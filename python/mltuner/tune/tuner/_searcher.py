@@ -26,6 +26,7 @@ from optuna.samplers import BaseSampler, GridSampler
 from optuna.storages import BaseStorage
 
 from mltuner.exceptions import InvalidArgumentError
+from mltuner.tune._config import SAMPLERS
 from mltuner.tune._progress import ProgressSummary
 from mltuner.tune._space import SearchSpace
 
@@ -42,7 +43,6 @@ __all__ = [
     "record_failure",
 ]
 
-SAMPLERS = ("tpe", "random", "grid", "gp", "cmaes")
 # §1.4: the model-based searchers stop when the top 5 finite slopes are within
 # 10% (hard-coded in the original searchers; the paper calls it a rule of thumb).
 STOP_TOP_K = 5

@@ -20,10 +20,10 @@ from optuna.storages import BaseStorage
 from mltuner.exceptions import InvalidArgumentError
 from mltuner.tune._config import TunerConfig
 from mltuner.tune._errors import TuningError
-from mltuner.tune._guard import Alarm, TrainingGuard
+from mltuner.tune.tuner._guard import Alarm, TrainingGuard
 from mltuner.tune._log import DecisionLog
-from mltuner.tune._search import SearchEpisode, SearchResult
-from mltuner.tune._searcher import Searcher, open_storage
+from mltuner.tune.tuner._search import SearchEpisode, SearchResult
+from mltuner.tune.tuner._searcher import Searcher, open_storage
 from mltuner.tune._space import Choice, SearchSpace
 from mltuner.tune._system import BranchKind, BranchSystem, ClockReport
 

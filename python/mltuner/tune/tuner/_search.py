@@ -23,9 +23,9 @@ from mltuner.tune._config import TunerConfig
 from mltuner.tune._errors import TuningError
 from mltuner.tune._log import DecisionLog
 from mltuner.tune._progress import ProgressState
-from mltuner.tune._searcher import STOP_THRESHOLD, Searcher
+from mltuner.tune.tuner._searcher import STOP_THRESHOLD, Searcher
 from mltuner.tune._system import BranchKind, BranchSystem, ClockReport
-from mltuner.tune._trial import Trial
+from mltuner.tune.tuner._trial import Trial
 
 __all__ = ["SearchEpisode", "SearchResult", "halving_size"]
 
@@ -386,7 +386,7 @@ class SearchEpisode:
         self._note("summary", branch=trial.branch, tunables=trial.tunables,
                    loss=trial.losses[-1], state=summary.state, slope=summary.slope,
                    noise=summary.noise, range=summary.range, run_time_s=trial.run_time,
-                   clocks=trial.clocks)
+                   clocks=trial.clocks, spent_s=self._spent)
         return summary
 
     def _tell(self, trial: Trial, outcome: str) -> None:

@@ -54,7 +54,9 @@ def run_watched(command: Sequence[str], num_workers: int, *, log: Path, workers_
                 report: Path | None = None, terminal: bool | None = None,
                 env: Mapping[str, str] | None = None, out: IO[str] | None = None) -> int:
     """Launches ``command`` on ``num_workers`` local workers, shows rank 0's
-    decision ``log`` live, and writes ``report`` (PNG) from it at the end.
+    decision ``log`` live, and writes ``report`` (PNG) from it at the end,
+    also when the job was stopped with Ctrl-C (SIGINT) or SIGTERM, and
+    prints the optuna-dashboard command of its studies.
 
     The workers' prefixed output goes to ``workers_log``; the last lines of
     rank 0 are printed at the end, and the tail of everything when the job
@@ -75,17 +77,27 @@ def run_watched(command: Sequence[str], num_workers: int, *, log: Path, workers_
         follower.join(10.0)
         display.close()
     lines = workers_log.read_text(encoding="utf-8", errors="replace").splitlines()
-    if code != 0:
+    interrupted = code in (130, 143)  # SIGINT (Ctrl-C) or SIGTERM to the launcher
+    if code != 0 and not interrupted:
         print(f"the job failed (exit code {code}); the last lines of {workers_log}:", file=out)
         for line in lines[-25:]:
             print(f"  {line}", file=out)
         return code
-    for line in [line for line in lines if line.startswith("[rank 0]") and " [I " not in line][-4:]:
-        print(line.removeprefix("[rank 0] "), file=out)
+    if interrupted:
+        print(f"the job was stopped (exit code {code}); the report shows what ran", file=out)
+    else:
+        for line in [line for line in lines if line.startswith("[rank 0]") and " [I " not in line][-4:]:
+            print(line.removeprefix("[rank 0] "), file=out)
     if report is not None and log.exists():
-        from mltuner.tune.display._report import write_report  # matplotlib: only when drawing
+        from mltuner.tune.display._report import dashboard_command, write_report  # matplotlib: only here
 
-        print(f"report: {write_report(log, report)}", file=out)
+        try:
+            print(f"report: {write_report(log, report)}", file=out)
+        except (OSError, ValueError) as error:  # an interrupted job may have logged nothing
+            print(f"no report: {error}", file=out)
+        dashboard = dashboard_command(log)
+        if dashboard is not None:
+            print(f"studies: {dashboard}", file=out)
     print(f"decision log: {log}\nworkers' output: {workers_log}", file=out)
     return code
 

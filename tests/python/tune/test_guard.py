@@ -158,6 +158,16 @@ def test_a_non_finite_loss_is_divergence() -> None:
     guard = TrainingGuard(start_loss=10.0)
     alarm = guard.check(*chunk([1.0, math.nan]))
     assert alarm is not None and alarm.reason == "diverged"
+    alarm = TrainingGuard(start_loss=10.0).check(*chunk([200.0] * 10))
+    assert alarm is not None and alarm.reason == "diverged"
+
+
+def test_small_batch_losses_spread_over_decades_are_not_divergence() -> None:
+    # Late in training: a mean of 0.02, single batches from 0.001 to 0.3.
+    guard = TrainingGuard(start_loss=2.3)
+    spread = [0.001, 0.002, 0.01, 0.3, 0.004, 0.001, 0.02, 0.003, 0.25, 0.005] * 3
+    for _ in range(6):
+        assert guard.check(*chunk(spread)) is None
 
 
 def test_at_least_as_aggressive() -> None:

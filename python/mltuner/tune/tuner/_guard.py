@@ -7,7 +7,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from mltuner.tune._progress import GO_UP_THRESHOLD, ProgressState, summarize_progress
+from mltuner.tune._progress import DIVERGENCE_THRESHOLD, GO_UP_THRESHOLD, summarize_progress
 
 __all__ = ["TrainingGuard", "Alarm", "RISE_NOISE_FACTOR", "RISE_FRACTION", "RISE_CHUNKS"]
 
@@ -31,8 +31,8 @@ class Alarm:
     """Why the guard wants a rollback.
 
     Attributes:
-        reason: ``"diverged"`` (a non-finite loss, or the summariser's 10x
-            rule against the previous chunk) or ``"loss_rise"``.
+        reason: ``"diverged"`` (a non-finite loss, or a chunk mean above
+            10x the job's starting loss) or ``"loss_rise"``.
         loss: the mean loss of the chunk that raised it (NaN when not finite).
         reference: the lowest chunk mean of this stretch before it.
         band: the noise band the rise went beyond.
@@ -48,11 +48,13 @@ class TrainingGuard:
     """Watches one stretch of training (one setting on one branch, from a
     search's winner, or a rollback, to the next of either).
 
-    Each :meth:`check` takes the next chunk of clocks. The chunk is
-    summarised against the previous chunk's mean (the first against its own
-    first loss): DIVERGED raises the alarm at once; a chunk mean above the
-    stretch's lowest by more than the band, RISE_CHUNKS times in a row,
-    raises it too. A dead network sits near its starting loss, far above
+    Each :meth:`check` takes the next chunk of clocks. A non-finite loss, or
+    a chunk mean above DIVERGENCE_THRESHOLD times the starting loss, raises
+    the alarm at once. (The trials' 10x rule on the last point is not used:
+    late in training, single small-batch losses spread over orders of
+    magnitude around a small mean.) The chunk is summarised against the
+    previous chunk's mean for its noise; a chunk mean above the stretch's
+    lowest by more than the band, RISE_CHUNKS times in a row, raises it too. A dead network sits near its starting loss, far above
     where training had brought it, so it trips the rise long before 10x.
 
     Args:
@@ -82,10 +84,10 @@ class TrainingGuard:
         for s in seconds:
             elapsed += float(s)
             times.append(elapsed)
-        baseline = self._last_mean if self._last_mean is not None else float(losses[0])
+        baseline = self._last_mean if self._last_mean is not None else mean
         summary = summarize_progress(times, losses, baseline)
         self._last_mean = mean
-        if summary.state is ProgressState.DIVERGED:
+        if mean > DIVERGENCE_THRESHOLD * abs(self._start):
             return Alarm("diverged", mean, reference, self._band)
         if self._reference is None or mean < self._reference:
             self._reference = mean

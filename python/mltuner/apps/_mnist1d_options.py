@@ -127,7 +127,15 @@ def add_program_options(parser: argparse.ArgumentParser | argparse._ArgumentGrou
     parser.add_argument("--target-accuracy", type=_fraction, default=None,
                         help="validation accuracy whose first reach is timed (baselines stop there)")
     parser.add_argument("--time-budget", type=_positive, default=None,
-                        help="seconds of clocks for the Optuna baselines")
+                        help="the job's budget in seconds of clocks: the Optuna baselines stop there, and the "
+                             "tuner's searches each get --search-share of it (default: --max-epochs epochs)")
+    parser.add_argument("--search-share", type=_non_negative, default=0.1,
+                        help="share of the job's budget each search may spend; 0 leaves searches bounded only "
+                             "by --trials")
+    parser.add_argument("--retune-search", default="lr,momentum",
+                        help="tunables a re-tune searches, the others kept (comma-separated, or 'all')")
+    parser.add_argument("--no-rollback", action="store_true",
+                        help="no frozen copy of the best model and no rollback when training collapses")
     parser.add_argument("--slow-rank", type=_rank, default=-1, help="the rank to slow down (benchmarks)")
     parser.add_argument("--slow-ms", type=_non_negative, default=0.0, help="its sleep after a clock, in ms")
     parser.add_argument("--slow-probability", type=_probability, default=1.0, help="chance of that sleep per clock")

@@ -55,7 +55,7 @@ from mltuner.tune import (
     run_mltuner,
     run_optuna,
 )
-from mltuner.tune._session import Driver
+from mltuner.tune import Driver
 
 __all__ = ["main", "build_space", "check_args", "load", "parse_args", "tuner_config", "update_rule", "MLP_HIDDEN",
            "Data"]
@@ -95,7 +95,10 @@ def tuner_config(args: argparse.Namespace) -> TunerConfig:
     return TunerConfig(
         sampler=args.sampler, retune=args.retune, seed=args.seed, storage=args.storage,
         num_clocks_to_eval=args.eval_clocks, max_trials_per_search=args.trials, max_epochs=args.max_epochs,
-        initial_trial_time_s=args.trial_time, num_branches=30)
+        initial_trial_time_s=args.trial_time, num_branches=30,
+        search_share=args.search_share if args.search_share > 0 else None, time_budget_s=args.time_budget,
+        retune_tunables=None if args.retune_search == "all" else tuple(args.retune_search.split(",")),
+        rollback=not args.no_rollback)
 
 
 def check_args(args: argparse.Namespace, world_size: int | None = None) -> None:
@@ -309,6 +312,9 @@ def report(args: argparse.Namespace, outcome: _Outcome, elapsed: float, workers:
     if outcome.tuning is not None:
         result["validation_accuracies"] = outcome.tuning.accuracies
         result["outcome"] = outcome.tuning.outcome.value
+        result["rollbacks"] = outcome.tuning.rollbacks
+        result["search_seconds"] = outcome.tuning.search_seconds
+        result["clock_seconds"] = outcome.tuning.seconds
     best = "-" if summary.best_accuracy is None else f"{summary.best_accuracy:.1%}"
     print(f"{args.mode}: best validation accuracy {best} after {summary.time_s:.1f} s of clocks "
           f"({elapsed:.1f} s in all) on {workers} workers; {summary.trials} trial(s), {summary.epochs} epoch(s)")

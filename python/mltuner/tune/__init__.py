@@ -1,5 +1,12 @@
 """In-training hyperparameter tuning (the MLtuner design, mltuner.md §1).
 
+Subpackages, by job: :mod:`~mltuner.tune.tuner` (the tuner and its
+searches), :mod:`~mltuner.tune.session` (tuning a training loop on the
+parameter server), :mod:`~mltuner.tune.display` (live view, watcher,
+report) and :mod:`~mltuner.tune.baselines`; the shared pieces (search space,
+branch system, progress summary, decision log, config) sit here. Every
+public name is re-exported from ``mltuner.tune``.
+
 The :class:`Tuner` drives a :class:`BranchSystem` (the parameter server, or a
 simulation): it forks trial branches from a snapshot of the model, scores
 each by its noise-penalised loss slope per second, lets Optuna propose the
@@ -9,7 +16,7 @@ and re-tunes when validation accuracy plateaus. See docs/tuner.md.
 
 from __future__ import annotations
 
-from mltuner.tune._baselines import (
+from mltuner.tune.baselines._baselines import (
     BaselineConfig,
     BaselineResult,
     BaselineTrial,
@@ -25,9 +32,9 @@ from mltuner.tune._baselines import (
 )
 from mltuner.tune._config import RetuneMode, TunerConfig
 from mltuner.tune._errors import TuningError
-from mltuner.tune._live import LiveDisplay
+from mltuner.tune.display._live import LiveDisplay
+from mltuner.tune.display._watch import log_env, run_watched
 from mltuner.tune._log import DecisionLog, Listener, format_tunables
-from mltuner.tune._report import read_log, write_report
 from mltuner.tune._progress import (
     DIVERGENCE_THRESHOLD,
     GO_UP_THRESHOLD,
@@ -36,13 +43,32 @@ from mltuner.tune._progress import (
     ProgressSummary,
     summarize_progress,
 )
-from mltuner.tune._search import SearchEpisode, SearchResult
-from mltuner.tune._session import PSBranchSystem, Step, TuningSession
-from mltuner.tune._searcher import SAMPLERS, Proposal, Searcher, open_storage, top_k_close
+from mltuner.tune.tuner._search import SearchEpisode, SearchResult
+from mltuner.tune.session._session import Driver, PSBranchSystem, Step, TuningSession
+from mltuner.tune._config import SAMPLERS
+from mltuner.tune.tuner._searcher import Proposal, Searcher, open_storage, top_k_close
 from mltuner.tune._space import Choice, LogUniform, SearchSpace, Tunable, Uniform, default_space
 from mltuner.tune._system import BranchKind, BranchSystem, ClockReport
-from mltuner.tune._trial import Trial
-from mltuner.tune._tuner import Outcome, Tuner, TuningResult, plateaued
+from mltuner.tune.tuner._trial import Trial
+from mltuner.tune.tuner._tuner import (
+    AGGRESSIVE_DIRECTIONS,
+    Outcome,
+    Tuner,
+    TuningResult,
+    at_least_as_aggressive,
+    plateaued,
+)
+from mltuner.tune.tuner._guard import Alarm, TrainingGuard
+
+def __getattr__(name: str) -> object:
+    # The report pulls in matplotlib, which the tuner never needs: loaded at
+    # first use of its names.
+    if name in ("write_report", "read_log", "dashboard_command"):
+        from mltuner.tune.display import _report
+
+        return getattr(_report, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "BaselineConfig",
@@ -60,11 +86,15 @@ __all__ = [
     "TuningSession",
     "Step",
     "PSBranchSystem",
+    "Driver",
     "LiveDisplay",
     "Listener",
     "format_tunables",
     "read_log",
     "write_report",
+    "dashboard_command",
+    "run_watched",
+    "log_env",
     "Tuner",
     "TunerConfig",
     "RetuneMode",
@@ -96,4 +126,8 @@ __all__ = [
     "Trial",
     "DecisionLog",
     "plateaued",
+    "at_least_as_aggressive",
+    "AGGRESSIVE_DIRECTIONS",
+    "TrainingGuard",
+    "Alarm",
 ]

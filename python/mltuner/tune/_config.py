@@ -10,9 +10,11 @@ from typing import Any, Literal
 from optuna.storages import BaseStorage
 
 from mltuner.exceptions import InvalidArgumentError
-from mltuner.tune._searcher import SAMPLERS
 
-__all__ = ["TunerConfig", "RetuneMode"]
+__all__ = ["TunerConfig", "RetuneMode", "SAMPLERS"]
+
+# The searchers a search episode can use (mltuner.md §4).
+SAMPLERS = ("tpe", "random", "grid", "gp", "cmaes")
 
 RetuneMode = Literal["full", "marginal", "off"]
 
@@ -35,7 +37,8 @@ class TunerConfig:
         seed: seeds every searcher (search i uses seed + i).
         storage: an Optuna storage URL (``sqlite:///tuning.db``,
             ``journal:tuning.log``) or object; every trial branch becomes an
-            Optuna trial there. None keeps the studies in memory.
+            Optuna trial there. None: a journal file ``optuna.journal``
+            beside the decision log when the log is a file, else memory.
         study_name_prefix: studies are named ``PREFIX-initial``,
             ``PREFIX-retune-1``, ...; None picks one from the date and the
             process id, so reruns into one storage never collide.
@@ -64,6 +67,27 @@ class TunerConfig:
             the paper); None trains until convergence.
         n_startup_trials: random proposals before a model-based sampler fits
             the results (Optuna's default 10; hyperopt's 20).
+        search_share: the share of the job's budget each search (the
+            initial one and every re-tune) may spend on its clocks (0.1).
+            The job's budget is ``time_budget_s``, or ``max_epochs`` times
+            the measured epoch time; with neither, searches are bounded only
+            by their trial cap (the paper's behaviour). None turns it off.
+        time_budget_s: the job's budget in seconds of clocks, when it is
+            known better than ``max_epochs`` says.
+        retune_tunables: the tunables a re-tune searches, the others kept
+            at the current setting: learning rate and momentum by default,
+            the ones that can help late in training (a smaller batch or more
+            staleness rarely does). Names not searched in the space are
+            ignored; None searches every tunable, as the initial search.
+        rollback: keep a frozen copy of the best-validated model and roll
+            back to it when training collapses (the guard, see below).
+        rollback_margin: roll back when a validation accuracy falls this
+            far (absolute) below the best so far (0.05).
+        guard_chunks_per_epoch: chunks each epoch of training is checked in
+            (4): a chunk that diverges, or two in a row whose mean loss
+            rises beyond the noise band, roll back before the validation.
+        max_rollbacks: rollbacks after which the job ends with the best
+            validated model (5).
     """
 
     sampler: str = "tpe"
@@ -83,6 +107,22 @@ class TunerConfig:
     initial_trial_time_s: float | None = None
     max_epochs: int | None = None
     n_startup_trials: int = 10
+    search_share: float | None = 0.1
+    time_budget_s: float | None = None
+    retune_tunables: tuple[str, ...] | None = ("lr", "momentum")
+    rollback: bool = True
+    rollback_margin: float = 0.05
+    guard_chunks_per_epoch: int = 4
+    max_rollbacks: int = 5
+
+    def job_budget_s(self, epoch_seconds: float | None) -> float | None:
+        """The job's budget in seconds: ``time_budget_s``, or ``max_epochs``
+        epochs of ``epoch_seconds`` each; None when neither is known."""
+        if self.time_budget_s is not None:
+            return float(self.time_budget_s)
+        if self.max_epochs is None or epoch_seconds is None:
+            return None
+        return self.max_epochs * epoch_seconds
 
     def __post_init__(self) -> None:
         if self.sampler not in SAMPLERS:
@@ -99,6 +139,7 @@ class TunerConfig:
             "num_progress_samples": self.num_progress_samples,
             "plateau_size_for_retune": self.plateau_size_for_retune,
             "plateau_size_for_convergence": self.plateau_size_for_convergence,
+            "guard_chunks_per_epoch": self.guard_chunks_per_epoch,
         }
         for name, value in positive.items():
             if not isinstance(value, int) or value < 1:
@@ -124,6 +165,36 @@ class TunerConfig:
                 f"plateau_size_for_retune ({self.plateau_size_for_retune}) must be smaller than "
                 f"plateau_size_for_convergence ({self.plateau_size_for_convergence}): stopping "
                 "takes precedence, so a re-tune would never happen (use retune='off')"
+            )
+        if self.search_share is not None and not (
+            isinstance(self.search_share, (int, float)) and 0 < self.search_share <= 1
+        ):
+            raise InvalidArgumentError(
+                f"search_share must be in (0, 1] or None, got {self.search_share!r}"
+            )
+        if self.time_budget_s is not None and not (
+            isinstance(self.time_budget_s, (int, float)) and math.isfinite(self.time_budget_s)
+            and self.time_budget_s > 0
+        ):
+            raise InvalidArgumentError(
+                f"time_budget_s must be > 0 or None, got {self.time_budget_s!r}"
+            )
+        if self.retune_tunables is not None:
+            names = tuple(self.retune_tunables)
+            if not names or not all(isinstance(n, str) and n for n in names):
+                raise InvalidArgumentError(
+                    f"retune_tunables must be a non-empty list of tunable names or None, "
+                    f"got {self.retune_tunables!r}"
+                )
+            object.__setattr__(self, "retune_tunables", names)
+        if not (isinstance(self.rollback_margin, (int, float))
+                and math.isfinite(self.rollback_margin) and self.rollback_margin >= 0):
+            raise InvalidArgumentError(
+                f"rollback_margin must be a finite number >= 0, got {self.rollback_margin!r}"
+            )
+        if not isinstance(self.max_rollbacks, int) or self.max_rollbacks < 0:
+            raise InvalidArgumentError(
+                f"max_rollbacks must be an integer >= 0, got {self.max_rollbacks!r}"
             )
         if self.n_startup_trials < 0:
             raise InvalidArgumentError(

@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import time
+from pathlib import Path
 from collections.abc import Callable, Iterable, Mapping
 from typing import IO, Any
 
@@ -71,6 +72,8 @@ class DecisionLog:
                  clock: Callable[[], float] = time.time,
                  listeners: Iterable[Listener] = ()) -> None:
         self._file: IO[str] | None = None if path is None else open(path, "a", encoding="utf-8")
+        self.path: Path | None = None if path is None else Path(path)
+        """The file the records go to; None for a log in memory."""
         self._clock = clock
         self.records: list[dict[str, Any]] = []
         """Every record written, in order."""

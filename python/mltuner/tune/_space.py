@@ -4,9 +4,9 @@ A tunable is declared as one of three kinds (mltuner.md §2):
 
 - :class:`LogUniform`: continuous on a log scale (the learning rate);
 - :class:`Uniform`: continuous on a linear scale (momentum);
-- :class:`Choice`: one of a list of values, searched as an *ordinal* index into
-  the list (batch size, staleness), so a model-based searcher knows that 16 lies
-  between 4 and 64.
+- :class:`Choice`: one of a list of values (batch size, staleness), searched
+  as an Optuna categorical parameter whose values are the real ones (16, not
+  index 2), so the study reads as the settings that ran.
 
 A declaration with ``search=False`` is not searched: it always takes its
 default (the paper's ``to_search`` flag).
@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any, Union
 
-from optuna.distributions import BaseDistribution, FloatDistribution, IntDistribution
+from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution
 
 from mltuner.exceptions import InvalidArgumentError
 
@@ -31,10 +31,13 @@ __all__ = [
     "SearchSpace",
     "default_space",
     "GRID_POINTS",
+    "MAX_MOMENTUM",
 ]
 
 # §1.5 grid_size = 10: 11 points per continuous axis.
 GRID_POINTS = 11
+# The largest momentum default_space offers: the engine refuses 1.0.
+MAX_MOMENTUM = 0.99
 
 
 def _check_name(name: str) -> None:
@@ -145,9 +148,11 @@ class Uniform:
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """A tunable that takes one of ``values``. Searchers see the index into
-    ``values`` (an ordinal integer, §2), so list them in a meaningful order.
-    The default is the first value unless given."""
+    """A tunable that takes one of ``values`` (numbers, strings, booleans).
+    Searchers see the values themselves, as an Optuna categorical parameter.
+    The paper searched an ordinal index instead (§2); with the few values a
+    batch size or staleness takes, the study's readability is worth more
+    than the order. The default is the first value unless given."""
 
     name: str
     values: Sequence[Any]
@@ -161,6 +166,12 @@ class Choice:
             raise InvalidArgumentError(f"tunable {self.name!r}: the list of values is empty")
         if len(set(map(repr, values))) != len(values):
             raise InvalidArgumentError(f"tunable {self.name!r}: duplicate values in {list(values)}")
+        bad = [v for v in values if v is not None and not isinstance(v, (bool, int, float, str))]
+        if bad:
+            raise InvalidArgumentError(
+                f"tunable {self.name!r}: values must be numbers, strings or booleans "
+                f"(what an Optuna study stores), got {bad}"
+            )
         if self.default is not None and self.default not in values:
             raise InvalidArgumentError(
                 f"tunable {self.name!r}: default {self.default!r} is not one of {list(values)}"
@@ -168,42 +179,42 @@ class Choice:
         object.__setattr__(self, "values", values)
 
     @property
-    def param_name(self) -> str:
-        # The searcher sees an index, so the Optuna parameter says so.
-        return f"{self.name}_index"
-
-    @property
     def default_value(self) -> Any:
         return self.values[0] if self.default is None else self.default
 
     def distribution(self) -> BaseDistribution:
-        return IntDistribution(0, len(self.values) - 1)
+        return CategoricalDistribution(list(self.values))
 
     def encode(self, value: Any) -> Any:
-        return list(self.values).index(value)
+        if value not in self.values:
+            raise InvalidArgumentError(f"tunable {self.name!r}: {value!r} is not one of "
+                                       f"{list(self.values)}")
+        return value
 
     def decode(self, param: Any) -> Any:
-        return self.values[int(param)]
+        return param
 
     def grid(self) -> list[Any]:
-        return list(range(len(self.values)))
+        return list(self.values)
 
 
 Tunable = Union[LogUniform, Uniform, Choice]
 
 
 def _param_name(tunable: Tunable) -> str:
-    return tunable.param_name if isinstance(tunable, Choice) else tunable.name
+    # Every tunable's Optuna parameter carries its own name (the index
+    # parameters `<name>_index` of earlier versions are gone).
+    return tunable.name
 
 
 class SearchSpace:
     """An ordered, validated set of tunable declarations.
 
-    Raises :class:`~mltuner.InvalidArgumentError` for an empty space, a
-    duplicate name or two declarations whose Optuna parameter names collide.
-    Decoded settings (what the training system receives) map each tunable's
-    name to its value; encoded settings (what Optuna sees) map each searched
-    tunable's parameter name to a float or, for a :class:`Choice`, an index.
+    Raises :class:`~mltuner.InvalidArgumentError` for an empty space or a
+    duplicate name. Decoded settings (what the training system receives) map
+    each tunable's name to its value; encoded settings (what Optuna sees) map
+    each searched tunable's name to its value too: the two differ only in
+    that the encoded one leaves out the tunables that are not searched.
     """
 
     def __init__(self, tunables: Sequence[Tunable]) -> None:
@@ -222,12 +233,6 @@ class SearchSpace:
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise InvalidArgumentError(f"duplicate tunable names in the search space: {duplicates}")
-        clashes = sorted(t.param_name for t in tunables
-                         if isinstance(t, Choice) and t.param_name in names)
-        if clashes:
-            raise InvalidArgumentError(
-                f"tunable names {clashes} clash with the index parameter of a Choice"
-            )
         self._tunables = tunables
         self._by_name = {t.name: t for t in tunables}
 
@@ -275,6 +280,19 @@ class SearchSpace:
             setting[tunable.name] = tunable.decode(params[_param_name(tunable)])
         return setting
 
+    def narrowed(self, searched: Collection[str], setting: Mapping[str, Any]) -> SearchSpace:
+        """This space with only the tunables named in ``searched`` (and
+        searched here) still searched, every other one fixed at its value in
+        ``setting``: the space of a re-tune that keeps what cannot help late
+        in training."""
+        self.check_setting(setting)
+        keep = set(searched)
+        return SearchSpace([
+            t if t.search and t.name in keep
+            else dataclasses.replace(t, search=False, default=setting[t.name])
+            for t in self._tunables
+        ])
+
     def check_setting(self, setting: Mapping[str, Any]) -> None:
         """Raises InvalidArgumentError unless ``setting`` names every tunable
         with a value inside its declaration."""
@@ -306,8 +324,11 @@ def default_space(
 ) -> SearchSpace:
     """The tunables of the MLtuner paper (Table 3, mltuner.md §2), under the
     names the parameter server reads: ``lr`` (log, default 1e-2), ``momentum``
-    (linear in [0, 1], default 0.9), ``batch_size`` per worker (default: the
-    largest) and ``staleness`` (default 0).
+    (linear in [0, 0.99], default 0.9), ``batch_size`` per worker (default: the
+    largest) and ``staleness`` (default 0). The paper's momentum range is
+    [0, 1]; the servers refuse momentum 1 (the history would never decay), so
+    the range stops at MAX_MOMENTUM, where grid, GP and CMA-ES proposals on the
+    bound stay valid.
 
     ``batch_sizes`` depends on the model (AlexNet {4, 16, 64, 256},
     Inception-BN {2, 4, 8, 16, 32}, ...); a single size is not searched.
@@ -323,7 +344,7 @@ def default_space(
     lr_default = 1e-2 if lr_range[0] <= 1e-2 <= lr_range[1] else None
     return SearchSpace([
         LogUniform("lr", lr_range[0], lr_range[1], default=lr_default),
-        Uniform("momentum", 0.0, 1.0, default=0.9),
+        Uniform("momentum", 0.0, MAX_MOMENTUM, default=0.9),
         Choice("batch_size", sizes, default=sizes[-1], search=len(sizes) > 1),
         Choice("staleness", slacks, default=0 if 0 in slacks else None, search=len(slacks) > 1),
     ])

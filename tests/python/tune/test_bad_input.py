@@ -54,9 +54,22 @@ def test_every_trial_diverging_ends_the_initial_search(scripted_system: Any) -> 
 
 
 def test_training_loss_turning_nan_after_tuning(scripted_system: Any) -> None:
+    # Every setting turns NaN at clock 50, after its trial: each winner is
+    # rolled back, and after max_rollbacks the job gives up.
     system = scripted_system(lambda t, c: 10.0 - 0.01 * c if c < 50 else math.nan)
     tuner = Tuner(system, SearchSpace([LogUniform("lr", 1e-3, 1.0)]),
-                  TunerConfig(max_trials_per_search=2, **FAST))
+                  TunerConfig(max_trials_per_search=2, max_rollbacks=2, **FAST))
+    with pytest.raises(TuningError, match=r"training collapsed \(diverged\) 3 time\(s\) before any "
+                                          "validation"):
+        tuner.run()
+    assert [r["reason"] for r in tuner.log.events("rollback")] == ["diverged"] * 3
+    assert system.live() == []
+
+
+def test_training_loss_turning_nan_without_the_guard(scripted_system: Any) -> None:
+    system = scripted_system(lambda t, c: 10.0 - 0.01 * c if c < 50 else math.nan)
+    tuner = Tuner(system, SearchSpace([LogUniform("lr", 1e-3, 1.0)]),
+                  TunerConfig(max_trials_per_search=2, rollback=False, **FAST))
     with pytest.raises(TuningError, match="training loss of branch .* became nan in epoch 1"):
         tuner.run()
 
@@ -83,7 +96,8 @@ class ShortSystem:
 def test_a_system_that_runs_too_few_clocks(scripted_system: Any) -> None:
     system = ShortSystem(scripted_system(lambda t, c: 10.0 - 0.01 * c))
     tuner = Tuner(system, SearchSpace([LogUniform("lr", 1e-3, 1.0)]), TunerConfig(**FAST))
-    with pytest.raises(TuningError, match="returned 99 clock reports"):
+    # Caught at the first run: the INIT branch's one clock.
+    with pytest.raises(TuningError, match="returned 0 clock reports for branch 0, asked to run 1"):
         tuner.run()
 
 

@@ -23,7 +23,7 @@ from mltuner.tune import (
     read_log,
     write_report,
 )
-from mltuner.tune._baselines import (
+from mltuner.tune.baselines._baselines import (
     BaselineConfig,
     BaselineResult,
     TimedSystem,

@@ -12,7 +12,7 @@ import pytest
 from rich.console import Console
 
 from mltuner.tune import DecisionLog, SearchSpace, Tuner, TunerConfig, Uniform
-from mltuner.tune._live import LiveDisplay
+from mltuner.tune.display._live import LiveDisplay
 
 SETTING = {"lr": 0.01, "momentum": 0.9, "batch_size": 32}
 
@@ -27,26 +27,36 @@ class FakeClock:
 
 
 def write_events(log: DecisionLog) -> None:
-    log.write("start", phase="init", tunables=SETTING, sampler="tpe")
-    log.write("search_start", phase="search", search=0, branch=0, tunables=SETTING)
+    log.write("start", phase="init", tunables=SETTING, sampler="tpe", max_epochs=10,
+              searched=["lr", "momentum"])
+    log.write("search_start", phase="search", search=0, branch=0, tunables=SETTING,
+              searched=["lr", "momentum"], budget_s=12.0)
     log.write("fork_trial", phase="search", search=0, branch=2, tunables={**SETTING, "lr": 0.1},
               trial=0)
     log.write("summary", phase="search", search=0, branch=2, loss=1.25, state="converging",
-              slope=-0.0123456, noise=0.01)
+              slope=-0.0123456, noise=0.01, spent_s=3.0)
     log.write("free_trial", phase="search", search=0, branch=2, reason="diverged",
               slope=float("nan"))
-    log.write("validate", phase="train", branch=3, tunables=SETTING, accuracy=0.5)
-    log.write("end", phase="end", outcome="converged", branch=3, accuracy=0.5, trials=1)
+    log.write("winner", phase="search", search=0, branch=3, tunables=SETTING, trials=1,
+              seconds=3.5)
+    log.write("validate", phase="train", branch=3, tunables=SETTING, accuracy=0.5, epoch=1,
+              best_accuracy=0.5)
+    log.write("rollback", phase="train", branch=3, tunables=SETTING, reason="accuracy",
+              accuracy=0.1, best_accuracy=0.5)
+    log.write("end", phase="end", outcome="converged", branch=3, accuracy=0.5, trials=1,
+              epochs=1, tunables=SETTING)
 
 
+# One line per decision, in words; trials forked, summarised or freed have none.
 EXPECTED_LINES = [
-    "[     0.0s] init start lr=0.01 momentum=0.9 batch_size=32",
-    "[     1.5s] search search_start search=0 branch=0 lr=0.01 momentum=0.9 batch_size=32",
-    "[     3.0s] search fork_trial search=0 branch=2 lr=0.1 momentum=0.9 batch_size=32",
-    "[     4.5s] search summary search=0 branch=2 loss=1.25 state=converging slope=-0.01235",
-    "[     6.0s] search free_trial search=0 branch=2 reason=diverged",
-    "[     7.5s] train validate branch=3 lr=0.01 momentum=0.9 batch_size=32 accuracy=0.5",
-    "[     9.0s] end end branch=3 accuracy=0.5 trials=1 outcome=converged",
+    "[     0.0s] start: searching lr, momentum with tpe",
+    "[     1.5s] initial search: searching lr, momentum within 12.0 s",
+    "[     7.5s] initial search: 1 trials in 3.5 s, chose lr=0.01 momentum=0.9 batch_size=32",
+    "[     9.0s] epoch 1: val 50.0% (best 50.0%)",
+    "[    10.5s] rolled back to the best model (val 50.0%): validation fell to 10.0% with "
+    "lr=0.01 momentum=0.9 batch_size=32",
+    "[    12.0s] done: converged after 1 epochs, best val 50.0% with lr=0.01 momentum=0.9 "
+    "batch_size=32",
 ]
 
 
@@ -81,9 +91,10 @@ def test_live_table_in_a_terminal() -> None:
     text = out.getvalue()
     assert "\x1b[" in text  # a terminal rendering, not plain lines
     for expected in ("trials so far", "lr=0.01 momentum=0.9 batch_size=32", "converged",
-                     "last accuracy", "9.0 s"):
-        assert expected in text
-    assert "search fork_trial" not in text
+                     "best val accuracy", "12.0 s", "epochs", "initial search (s)", "decisions",
+                     "rolled back to the best model"):
+        assert expected in text, expected
+    assert "fork_trial" not in text
 
 
 def test_table_shows_the_current_state() -> None:
@@ -92,20 +103,18 @@ def test_table_shows_the_current_state() -> None:
         write_events(log)
     out = io.StringIO()
     Console(file=out, width=100, color_system=None).print(display.table())
-    # One "│ field │ value │" line per row.
-    rows = {parts[1].strip(): parts[2].strip() for parts in
-            (line.split("│") for line in out.getvalue().splitlines()) if len(parts) == 4}
-    assert rows == {
-        "phase": "end",
-        "last event": "end",
-        "branch": "3",
-        "tunables": "lr=0.01 momentum=0.9 batch_size=32",
+    rows = dict(line.strip().split("  ", 1) for line in out.getvalue().splitlines()
+                if line.strip())
+    assert {k.strip(): v.strip() for k, v in rows.items()} == {
+        "now": "end",
+        "setting": "lr=0.01 momentum=0.9 batch_size=32",
+        "best val accuracy": "50.0%",
         "last loss": "1.25",
-        "last accuracy": "0.5",
-        "elapsed": "9.0 s",
         "trials so far": "1",
+        "elapsed": "12.0 s",
         "outcome": "converged",
     }
+    assert list(display.history)[-1].startswith("done: converged")
 
 
 def test_a_rendering_failure_falls_back_to_plain_lines(
@@ -128,7 +137,7 @@ def test_a_rendering_failure_falls_back_to_plain_lines(
         assert log.listeners == [display]   # it coped by itself
     assert "live display failed; printing plain lines" in caplog.text
     # The table drew the first records; plain lines carry on from the failure.
-    assert out.getvalue().splitlines()[-4:] == EXPECTED_LINES[-4:]
+    assert out.getvalue().splitlines()[-3:] == EXPECTED_LINES[-3:]
 
 
 def test_a_listener_that_raises_does_not_break_the_log(
@@ -145,7 +154,7 @@ def test_a_listener_that_raises_does_not_break_the_log(
         assert len(log.listeners) == 1   # the broken one was removed
     events = [json.loads(line)["event"] for line in path.read_text().splitlines()]
     assert events == seen == [r["event"] for r in log.records]
-    assert len(events) == 7
+    assert len(events) == 9
     # Reported once, with its traceback, not once per event.
     failures = [r for r in caplog.records if "listener" in r.getMessage()]
     assert len(failures) == 1 and failures[0].exc_info is not None
@@ -173,7 +182,8 @@ def test_live_display_follows_a_tuning_run(scripted_system: Any) -> None:
         log = DecisionLog(listeners=[display])
         Tuner(system, space, config, log=log).run()
     lines = out.getvalue().splitlines()
-    assert len(lines) == len(log.records)
-    assert lines[0].startswith("[     0.0s] init start lr=0.1")
-    assert " end end " in lines[-1] and "outcome=max_epochs" in lines[-1]
-    assert sum(" fork_trial " in line for line in lines) == len(log.events("fork_trial"))
+    # One line per decision: never one per trial.
+    assert len(lines) < len(log.records) and not any("fork_trial" in line for line in lines)
+    assert lines[0] == "[     0.0s] start: searching lr with grid"
+    assert lines[-1].startswith("[") and "done: max_epochs after 2 epochs" in lines[-1]
+    assert sum("epoch " in line and ": val " in line for line in lines) == 2

@@ -13,10 +13,10 @@ import pytest
 from mltuner import InvalidArgumentError
 from mltuner.cli import main
 from mltuner.tune import BranchKind, ClockReport, DecisionLog, Tuner, TunerConfig, default_space
-from mltuner.tune._report import read_log, write_report
+from mltuner.tune.display._report import read_log, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-FIGURE_PIXELS = (7 * 110, 11 * 110)   # (height, width): figsize (11, 7) at 110 dpi
+FIGURE_PIXELS = (7 * 110, 13 * 110)   # (height, width): figsize (13, 7) at 110 dpi
 
 
 class FakeClock:
@@ -76,8 +76,41 @@ def test_report_of_a_synthetic_log(tmp_path: Path) -> None:
     log = tmp_path / "decisions.jsonl"
     synthetic_log(log)
     png = write_report(log)
-    assert png == tmp_path / "decisions.png"
+    assert png == tmp_path / "report.png"  # the name the job gives it
     check_png(png)
+
+
+def test_training_is_drawn_only_where_it_ran(tmp_path: Path) -> None:
+    from mltuner.tune.display._report import _collect, _split_runs, _title
+
+    log = tmp_path / "decisions.jsonl"
+    synthetic_log(log)
+    with log.open("a") as file:  # a rollback after the last epoch
+        file.write(json.dumps({"time": 1_700_000_400.0, "event": "rollback", "phase": "train",
+                               "reason": "accuracy"}) + "\n")
+    run = _collect(_split_runs(read_log(log))[-1], 1, 1)
+    # Epochs 1-3, then the re-tune, then epochs 4-5: two segments, no line
+    # across the search.
+    assert [len(segment) for segment in run.train if segment] == [3, 2]
+    assert [len(segment) for segment in run.accuracy_runs if segment] == [3, 2]
+    assert [reason for _, reason in run.rollbacks] == ["accuracy"]
+    (tmp_path / "result.json").write_text(json.dumps(
+        {"model": "cnn", "workers": 2, "test_accuracy": 0.953}))
+    title = _title(run, log)
+    assert title.startswith("MLtuner: cnn on 2 workers\n")
+    assert "outcome: max_epochs" in title and "test accuracy 95.3%" in title
+    assert "1 rollback" in title
+    check_png(write_report(log))
+
+
+def test_dashboard_command(tmp_path: Path) -> None:
+    from mltuner.tune import dashboard_command
+
+    log = tmp_path / "decisions.jsonl"
+    synthetic_log(log)
+    assert dashboard_command(log) is None  # no journal
+    (tmp_path / "optuna.journal").write_text("")
+    assert dashboard_command(log) == f"optuna-dashboard {tmp_path / 'optuna.journal'}"
 
 
 def test_report_to_a_chosen_path(tmp_path: Path) -> None:
@@ -175,7 +208,7 @@ def test_empty_log(tmp_path: Path, text: str) -> None:
     log.write_text(text)
     with pytest.raises(InvalidArgumentError, match="is empty"):
         write_report(log)
-    assert not (tmp_path / "decisions.png").exists()
+    assert not (tmp_path / "report.png").exists()
 
 
 @pytest.mark.parametrize(("line", "message"), [

@@ -29,8 +29,8 @@ CLOCK_S = 0.125
 
 
 def run_search(system: Any, space: SearchSpace = LR_SPACE, *, sampler: str = "random",
-               trial_cap: int | None = 6, seed: int = 0, **config: Any
-               ) -> tuple[SearchResult, DecisionLog, int]:
+               trial_cap: int | None = 6, seed: int = 0, budget_s: float | None = None,
+               **config: Any) -> tuple[SearchResult, DecisionLog, int]:
     config.setdefault("initial_trial_time_s", 1.25)
     cfg = TunerConfig(sampler=sampler, num_clocks_to_eval=10, seed=seed, **config)
     root = system.fork(None, space.defaults(), BranchKind.INIT)
@@ -38,7 +38,8 @@ def run_search(system: Any, space: SearchSpace = LR_SPACE, *, sampler: str = "ra
     log = DecisionLog()
     searcher = Searcher(space, sampler=sampler, seed=seed, n_startup_trials=2)
     episode = SearchEpisode(system, cfg, searcher, log, index=0, parent=root,
-                            parent_tunables=space.defaults(), trial_cap=trial_cap)
+                            parent_tunables=space.defaults(), trial_cap=trial_cap,
+                            budget_s=budget_s)
     return episode.run(), log, root
 
 
@@ -71,24 +72,69 @@ def test_starting_progress_is_the_mean_loss_of_an_lr0_branch(scripted_system: An
     assert evals[0][0] in system.freed
 
 
-def test_converging_trials_then_sequential_search(scripted_system: Any) -> None:
+def test_converging_trials_then_successive_halving(scripted_system: Any) -> None:
     system = scripted_system(decaying, seconds=lambda t: CLOCK_S)
     result, log, root = run_search(system, trial_cap=6)
-    # The first trial converges in its first 10 clocks: it sets the trial time.
+    # The first trial converges in its first 10 clocks: it sets the start length.
     assert result.trial_time == pytest.approx(10 * CLOCK_S)
     assert result.trials == 6
     trials = trial_branches(system)
     lrs = {b: t["lr"] for b, _, kind, t in system.forks if kind is BranchKind.TRAINING}
-    # Every trial runs the same trial time; the fastest-falling (largest lr) wins.
-    assert all(clocks_by_branch(system)[b] == 10 for b in trials)
+    # Rung 0 runs all six to the start length; each rung keeps the better
+    # half and doubles their length: 6 -> 3 (20 clocks) -> 2 (40 clocks) -> 1.
+    assert [r["rung"] for r in log.events("halving")] == [0, 1, 2]
+    assert [r["length_s"] for r in log.events("halving")] == [1.25, 2.5, 5.0]
+    ran = sorted(clocks_by_branch(system)[b] for b in trials)
+    assert ran == [10, 10, 10, 20, 40, 40]
     assert result.winner is not None
     assert result.winner.tunables["lr"] == max(lrs.values())
     assert result.winner.summary is not None
     assert result.winner.summary.state is ProgressState.CONVERGING
-    # The parent is freed; of the trials only the winner is alive.
-    assert system.live() == [result.winner.branch]
-    assert root in system.freed
+    # The parent stays (the tuner frees it once the winner validated); of
+    # the trials only the winner is alive.
+    assert system.live() == [root, result.winner.branch]
     assert log.events("search_stop")[0]["reason"] == "trial_cap"
+    assert {r["reason"] for r in log.events("free_trial")} == {"halved"}
+
+
+def test_a_trial_that_cannot_beat_the_best_stops_early(scripted_system: Any) -> None:
+    # The first trial falls fast; the others 100x slower: each stops after
+    # 30 of its 80 clocks.
+    def curve(t: Mapping[str, Any], c: int) -> float:
+        return 10.0 - (0.1 if t["lr"] > 0.5 else 0.001) * (c + 1)
+
+    space = SearchSpace([LogUniform("lr", 1e-3, 1.0)])
+    system = scripted_system(curve, seconds=lambda t: CLOCK_S)
+    searcher = Searcher(space, sampler="random", seed=0)
+    searcher.enqueue({"lr": 0.9})
+    cfg = TunerConfig(sampler="random", initial_trial_time_s=10.0, num_clocks_to_eval=10)
+    root = system.fork(None, space.defaults(), BranchKind.INIT)
+    log = DecisionLog()
+    result = SearchEpisode(system, cfg, searcher, log, index=0, parent=root,
+                           parent_tunables=space.defaults(), trial_cap=4).run()
+    assert result.winner is not None and result.winner.tunables == {"lr": 0.9}
+    stopped = [r for r in log.events("free_trial") if r["reason"] == "cannot_beat"]
+    lrs = [t["lr"] for _, _, kind, t in system.forks if kind is BranchKind.TRAINING]
+    assert len(stopped) == sum(1 for lr in lrs if lr <= 0.5) == 3
+    # Its 10 first clocks, then one quarter of the 80 (the first check).
+    assert [clocks_by_branch(system)[r["branch"]] for r in stopped] == [30] * 3
+
+
+@pytest.mark.parametrize("epochs", [2, 10, 50])
+def test_the_search_stays_within_its_budget(scripted_system: Any, epochs: int) -> None:
+    # A rising loss: nothing converges, so without a budget the trial time
+    # would double to the one-epoch cap and every trial would run it.
+    system = scripted_system(rising,
+                             seconds=lambda t: CLOCK_S, clocks_per_epoch=400)
+    epoch_s = 400 * CLOCK_S
+    budget = 0.1 * epochs * epoch_s
+    result, log, _ = run_search(system, trial_cap=100, budget_s=budget, num_branches=30)
+    # Within one trial run (its first samples) of the budget, the
+    # evaluation branch included.
+    assert result.seconds <= budget + 10 * CLOCK_S
+    assert result.seconds == pytest.approx(
+        sum(clocks for _, clocks in system.runs) * CLOCK_S - 1 * CLOCK_S)  # less the INIT clock
+    assert log.events("search_stop")[0]["reason"] == "budget"
 
 
 def test_no_progress_doubles_the_trial_time_and_ends_without_winner(
@@ -139,8 +185,8 @@ def test_best_unstable_trial_wins_when_nothing_is_left(scripted_system: Any) -> 
     # Every trial hit the cap in its first round, so the time never doubled
     # and no sequential search followed.
     assert [r["reason"] for r in log.events("trial_time")] == ["initial"]
-    assert not log.events("best")
-    assert system.live() == [result.winner.branch]
+    assert not log.events("halving")
+    assert system.live() == [0, result.winner.branch]
 
 
 def test_diverged_trials_are_killed(scripted_system: Any) -> None:
@@ -167,7 +213,7 @@ def test_progress_is_judged_per_second(scripted_system: Any) -> None:
 def test_trial_time_counts_only_the_branchs_own_clocks(scripted_system: Any) -> None:
     # A slow trial gets fewer clocks for the same trial time.
     space = SearchSpace([Choice("batch_size", [8, 64])])
-    system = scripted_system(lambda t, c: 10.0 - 0.1 * (c + 1) * (t["batch_size"] / 8) ** 2,
+    system = scripted_system(lambda t, c: 10.0 - 0.1 * (c + 1),
                              seconds=lambda t: CLOCK_S * t["batch_size"] / 8,
                              clocks_per_epoch=1000)
     result, _, _ = run_search(system, space, sampler="grid", seed=0, trial_cap=None,
@@ -196,7 +242,7 @@ def test_every_trial_is_recorded_in_the_study(scripted_system: Any) -> None:
     study = searcher.study
     assert len(study.trials) == result.trials == 4
     assert all(t.state.is_finished() for t in study.trials)
-    assert all(len(t.intermediate_values) == 10 for t in study.trials)
+    assert all(len(t.intermediate_values) == t.user_attrs["clocks"] for t in study.trials)
     assert result.winner is not None
     assert study.user_attrs["winner_trial"] == result.winner.proposal.number
     assert study.user_attrs["starting_progress"] == 10.0

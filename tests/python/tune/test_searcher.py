@@ -23,7 +23,7 @@ from mltuner.tune import (
     open_storage,
     top_k_close,
 )
-from mltuner.tune._searcher import MAX_REPORTED_POINTS
+from mltuner.tune.tuner._searcher import MAX_REPORTED_POINTS
 
 
 def summary(slope: float) -> ProgressSummary:
@@ -169,6 +169,7 @@ def test_storage_records_values_and_curves(tmp_path: Path, kind: str) -> None:
         proposal = searcher.ask()
         assert proposal is not None
         searcher.tell(proposal, summary(slope), curve, {"branch": 3, "outcome": "lost"})
+    searcher.publish()  # the search works in memory and publishes at its end
 
     storage = open_storage(url)  # a fresh reader
     assert storage is not None
@@ -183,7 +184,44 @@ def test_storage_records_values_and_curves(tmp_path: Path, kind: str) -> None:
     assert trials[0].user_attrs["state"] == "converging"
     assert trials[1].user_attrs["slope"] is None
     assert set(trials[0].user_attrs["tunables"]) == {"lr", "momentum", "batch_size", "staleness"}
-    assert set(trials[0].params) == {"lr", "momentum", "staleness_index", "batch_size_index"}
+    assert set(trials[0].params) == {"lr", "momentum", "staleness", "batch_size"}
+    assert trials[0].params["batch_size"] in (8, 32)  # the real value, not an index
+
+
+def test_intermediate_values_against_milliseconds() -> None:
+    searcher = Searcher(default_space([8]), seed=0)
+    proposal = searcher.ask()
+    assert proposal is not None
+    searcher.tell(proposal, summary(-1.0), [3.0, 2.0, 1.0], seconds=[0.5, 0.25, 0.0001])
+    # Steps are the run time in ms at each clock's end; a step never repeats.
+    assert searcher.study.trials[0].intermediate_values == {500: 3.0, 750: 2.0, 751: 1.0}
+
+
+def test_tpe_uses_the_constant_liar() -> None:
+    searcher = Searcher(default_space([8]), sampler="tpe")
+    assert searcher.study.sampler._constant_liar  # type: ignore[attr-defined]
+
+
+def test_enqueued_setting_comes_first_and_exclusions_are_skipped() -> None:
+    space = SearchSpace([LogUniform("lr", 1e-3, 1.0)])
+    searcher = Searcher(space, sampler="random", seed=0, excluded=lambda t: t["lr"] >= 0.1)
+    assert searcher.enqueue({"lr": 0.05})
+    assert not searcher.enqueue({"lr": 0.5})  # excluded: not queued
+    first = searcher.ask()
+    assert first is not None and first.enqueued and first.tunables == {"lr": 0.05}
+    searcher.tell(first, summary(-1.0), [1.0])
+    for _ in range(10):
+        proposal = searcher.ask()
+        assert proposal is not None and proposal.tunables["lr"] < 0.1
+        searcher.tell(proposal, summary(-1.0), [1.0])
+    excluded = [t for t in searcher.study.trials if t.user_attrs.get("outcome") == "excluded"]
+    assert excluded and all(t.value == 0.0 and t.params["lr"] >= 0.1 for t in excluded)
+
+
+def test_a_space_left_empty_by_exclusions_is_exhausted() -> None:
+    searcher = Searcher(SearchSpace([LogUniform("lr", 1e-3, 1.0)]), sampler="random", seed=0,
+                        excluded=lambda t: True)
+    assert searcher.ask() is None and searcher.exhausted()
 
 
 def test_an_existing_study_name_is_refused(tmp_path: Path) -> None:

@@ -169,3 +169,44 @@ def test_bad_sessions(overrides: Mapping[str, Any], kwargs: Mapping[str, Any], m
     with open_job(**overrides) as job, pytest.raises(mlt.InvalidArgumentError, match=message):
         TuningSession(job, SearchSpace(tunables), num_train=NUM_TRAIN,
                       num_validation=int(kwargs.get("num_validation", NUM_VAL)))
+
+
+def test_the_job_records_every_trial_in_a_journal_beside_its_log(tmp_path: Any) -> None:
+    # What `mltuner tune` leaves in its output folder: decisions.jsonl and,
+    # beside it, optuna.journal, which optuna.load_study opens as it is.
+    import json
+
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    searched = SearchSpace([LogUniform("lr", 1e-3, 1.0, default=LR),
+                            Choice("batch_size", [BATCH, 2 * BATCH], default=BATCH)])
+    # Noisy 4-sample batches and 10-clock epochs: with 4 trials the first
+    # search may see no progress at all, so it gets 8.
+    config = TunerConfig(seed=0, num_clocks_to_eval=5, max_trials_per_search=8, max_epochs=2,
+                         initial_trial_time_s=0.01, num_branches=8, n_startup_trials=2,
+                         search_share=None, study_name_prefix="job")
+    log = tmp_path / "decisions.jsonl"
+    with open_job(max_branches=10) as job:
+        session = TuningSession(job, searched, num_train=NUM_TRAIN, num_validation=NUM_VAL,
+                                config=config, log=str(log))
+        train(job, session, [])
+    storage = JournalStorage(JournalFileBackend(str(tmp_path / "optuna.journal")))
+    names = {s.study_name for s in optuna.get_all_study_summaries(storage)}
+    assert {"job-initial", "job-training"} <= names
+    study = optuna.load_study(study_name="job-initial", storage=storage)
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    forked = [r for r in records if r["event"] == "fork_trial" and r["search"] == 0]
+    assert len(study.trials) == len(forked) >= 2
+    for trial, fork in zip(study.trials, forked):
+        assert trial.params["batch_size"] in (BATCH, 2 * BATCH)  # the real value
+        assert trial.params == {k: fork["tunables"][k] for k in ("lr", "batch_size")}
+        assert trial.value is not None and trial.value <= 0.0
+        # The loss curve against milliseconds of the trial's own run time.
+        assert len(trial.intermediate_values) == trial.user_attrs["clocks"]
+        steps = sorted(trial.intermediate_values)
+        assert steps[-1] >= round(trial.user_attrs["run_time_s"] * 1000) - 1
+    training = optuna.load_study(study_name="job-training", storage=storage)
+    assert [t.user_attrs["ended"] for t in training.trials][-1] == "end"
+    assert list(training.trials[-1].intermediate_values) == [1, 2]  # validation accuracy per epoch

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from optuna.distributions import FloatDistribution, IntDistribution
+from optuna.distributions import CategoricalDistribution, FloatDistribution
 
 from mltuner import InvalidArgumentError
 from mltuner.tune import Choice, LogUniform, SearchSpace, Uniform, default_space
@@ -27,14 +27,27 @@ def test_a_single_batch_size_is_not_searched() -> None:
     assert space.defaults()["batch_size"] == 32
 
 
-def test_distributions_keep_choices_ordinal() -> None:
+def test_distributions_hold_the_real_values() -> None:
     space = default_space([4, 16, 64])
     dists = space.distributions()
     assert dists["lr"] == FloatDistribution(1e-5, 1.0, log=True)
-    assert dists["momentum"] == FloatDistribution(0.0, 1.0)
-    # A choice is an index, so 16 lies between 4 and 64 for the sampler.
-    assert dists["batch_size_index"] == IntDistribution(0, 2)
-    assert dists["staleness_index"] == IntDistribution(0, 3)
+    # The engine refuses momentum 1: the range stops short of it.
+    assert dists["momentum"] == FloatDistribution(0.0, 0.99)
+    # A study lists batch size 16, not index 1.
+    assert dists["batch_size"] == CategoricalDistribution([4, 16, 64])
+    assert dists["staleness"] == CategoricalDistribution([0, 1, 3, 7])
+
+
+def test_no_momentum_grid_point_reaches_one() -> None:
+    assert max(default_space([8])["momentum"].grid()) == 0.99  # type: ignore[union-attr]
+
+
+def test_narrowed_keeps_the_rest_at_the_setting() -> None:
+    space = default_space([8, 32])
+    setting = {"lr": 0.1, "momentum": 0.5, "batch_size": 8, "staleness": 3}
+    narrowed = space.narrowed(["lr", "momentum"], setting)
+    assert [t.name for t in narrowed.searched] == ["lr", "momentum"]
+    assert narrowed.defaults() == {**space.defaults(), "batch_size": 8, "staleness": 3}
 
 
 def test_encode_decode_round_trip() -> None:
@@ -45,7 +58,7 @@ def test_encode_decode_round_trip() -> None:
     ])
     setting = {"lr": 0.01, "batch_size": 32, "momentum": 0.5}
     params = space.encode(setting)
-    assert params == {"lr": 0.01, "batch_size_index": 1}
+    assert params == {"lr": 0.01, "batch_size": 32}
     assert space.decode(params) == setting
 
 
@@ -62,7 +75,7 @@ def test_grids_have_eleven_points_per_continuous_axis() -> None:
     assert [round(math.log10(v), 9) for v in log_grid] == [-5 + 0.5 * i for i in range(11)]
     lin_grid = Uniform("m", 0.0, 1.0).grid()
     assert lin_grid == pytest.approx([i / 10 for i in range(11)])
-    assert Choice("b", [4, 16, 64]).grid() == [0, 1, 2]
+    assert Choice("b", [4, 16, 64]).grid() == [4, 16, 64]
 
 
 def test_check_setting() -> None:
@@ -81,7 +94,7 @@ def test_check_setting() -> None:
     [
         (lambda: SearchSpace([]), "empty"),
         (lambda: SearchSpace([Uniform("a", 0, 1), LogUniform("a", 1e-3, 1)]), "duplicate"),
-        (lambda: SearchSpace([Choice("b", [1, 2]), Uniform("b_index", 0, 1)]), "clash"),
+        (lambda: Choice("b", [(1, 2), (3, 4)]), "numbers, strings or booleans"),
         (lambda: SearchSpace(["lr"]), "LogUniform, Uniform or Choice"),  # type: ignore[list-item]
         (lambda: Uniform("a", 1.0, 1.0), "smaller than high"),
         (lambda: Uniform("a", 2.0, 1.0), "smaller than high"),

@@ -53,7 +53,7 @@ def test_picks_an_lr_within_a_decade_of_the_best(quadratic_system: Any, seed: in
     best = best_lr_by_sweep(quadratic_system(seed=seed))
     system = quadratic_system(seed=seed)
     config = TunerConfig(seed=seed, initial_trial_time_s=0.1, num_clocks_to_test=10,
-                         retune="off", max_epochs=1)
+                         retune="off", max_epochs=1, search_share=None)
     result = Tuner(system, LR_SPACE, config).run()
     assert result.outcome is Outcome.MAX_EPOCHS
     assert abs(math.log10(result.tunables["lr"] / best)) <= 1.0
@@ -125,9 +125,10 @@ def test_winner_keeps_its_trial_progress(scripted_system: Any) -> None:
     result, log = scripted_run(system)
     winner = log.events("winner")[0]
     first_train = log.events("train")[0]
-    # The trial's 10 clocks count toward the first epoch; no branch is re-forked.
-    assert winner["clocks"] == 10
-    assert first_train["branch"] == winner["branch"] and first_train["clocks"] == 90
+    # The trial's clocks count toward the first epoch; no branch is re-forked.
+    assert 10 <= winner["clocks"] < 100
+    assert first_train["branch"] == winner["branch"]
+    assert first_train["clocks"] == 100 - winner["clocks"]
     # Later epochs of that branch run whole epochs.
     later = [r for r in log.events("train")[1:] if r["branch"] == winner["branch"]]
     assert later and all(r["clocks"] == 100 for r in later)
@@ -189,19 +190,40 @@ def test_retune_forks_trials_from_the_training_branch(scripted_system: Any) -> N
     assert training in system.freed  # freed once the re-tune had a winner
 
 
-def test_job_ends_when_a_retune_makes_no_progress(scripted_system: Any) -> None:
-    # Past clock 300 every setting only raises the loss above the baseline.
+def test_a_retune_that_finds_nothing_goes_back_to_the_best_model(scripted_system: Any) -> None:
+    # Past clock 300 the loss is flat, and so is the lr = 0 evaluation: no
+    # trial from there makes progress. Validation never improves after epoch 1.
     def curve(t: Mapping[str, Any], c: int) -> float:
-        return decaying(t, c) if c < 300 else 10.0 + 0.001 * c
+        return decaying(t, c) if c < 300 else 1.0
+
+    system = scripted_system(curve, accuracies=[0.5], clocks_per_epoch=100,
+                             baseline=lambda c: 10.0 if c < 300 else 1.0)
+    result, log = scripted_run(system, rollback_margin=1.0)
+    freeze = log.events("freeze")[0]
+    assert freeze["epoch"] == 1
+    # The plateau re-tune from the training branch (at clock 500) finds
+    # nothing: the job does not end there, it goes back to the model of
+    # epoch 1 (no setting is excluded) and searches from it.
+    rollback = log.events("rollback")[0]
+    assert rollback["reason"] == "search_found_nothing" and rollback["excluded"] is False
+    assert rollback["to"] == freeze["branch"]
+    assert log.events("search_start")[2]["branch"] == freeze["branch"]
+    # The caller owns only the final branch, the best-validated one.
+    assert system.live() == [result.branch]
+    assert result.best_accuracy == 0.5
+
+
+def test_a_search_from_the_best_model_that_finds_nothing_ends_the_job(
+        scripted_system: Any) -> None:
+    # From clock 100 on nothing makes progress any more.
+    def curve(t: Mapping[str, Any], c: int) -> float:
+        return decaying(t, c) if c < 100 else 20.0
 
     system = scripted_system(curve, accuracies=[0.5], clocks_per_epoch=100)
-    result, log = scripted_run(system)
+    result, log = scripted_run(system, rollback=False)
     assert result.outcome is Outcome.NO_PROGRESS
-    assert result.searches == 2 and result.epochs == 5
     assert log.events("no_progress")[0]["search"] == 1
-    # The training branch is kept as the final model.
     assert system.live() == [result.branch]
-    assert result.branch == log.events("winner")[0]["branch"]
 
 
 def test_without_initial_tuning_training_starts_at_once(scripted_system: Any) -> None:
@@ -230,7 +252,8 @@ def test_every_trial_branch_is_an_optuna_trial(scripted_system: Any, tmp_path: P
     result, log = scripted_run(system, storage=url, study_name_prefix="job")
     assert result.studies == ["job-initial", "job-retune-1"]
     names = {s.study_name for s in optuna.get_all_study_summaries(url)}
-    assert names == set(result.studies)
+    assert names == set(result.studies) | {"job-training"}
+    assert result.training_study == "job-training"
     recorded = 0
     for name in result.studies:
         study = optuna.load_study(study_name=name, storage=url)
@@ -238,5 +261,7 @@ def test_every_trial_branch_is_an_optuna_trial(scripted_system: Any, tmp_path: P
         assert all(t.intermediate_values for t in study.trials)
         assert "winner_trial" in study.user_attrs
         recorded += len(study.trials)
-    trial_forks = [f for f in system.forks if f[2] is BranchKind.TRAINING]
-    assert recorded == result.trials == len(trial_forks)
+    # The other TRAINING forks are the frozen copies of the best model.
+    trial_forks = [f for f in system.forks if f[2] is BranchKind.TRAINING
+                   and f[0] not in {r["branch"] for r in log.events("freeze")}]
+    assert recorded == result.trials == len(trial_forks) == len(log.events("fork_trial"))

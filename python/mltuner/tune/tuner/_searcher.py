@@ -3,7 +3,10 @@
 One :class:`Searcher` is one search episode (the initial search or one
 re-tune) and owns one Optuna study. The tuner asks for a setting, forks a
 branch with it, and tells the trial's slope once the branch stops being a
-trial; Optuna minimises the slope (NaN told as 0.0, §1.3 step 4).
+trial; Optuna minimises the slope (NaN told as 0.0, §1.3 step 4). Several
+trials are asked before any is told (successive halving), so TPE runs with
+the constant liar: a pending trial counts as a bad result, and the next
+proposal goes elsewhere.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import math
 import random
 import time
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import optuna
@@ -23,6 +26,7 @@ from optuna.samplers import BaseSampler, GridSampler
 from optuna.storages import BaseStorage
 
 from mltuner.exceptions import InvalidArgumentError
+from mltuner.tune._config import SAMPLERS
 from mltuner.tune._progress import ProgressSummary
 from mltuner.tune._space import SearchSpace
 
@@ -33,11 +37,12 @@ __all__ = [
     "STOP_TOP_K",
     "STOP_THRESHOLD",
     "MAX_REPORTED_POINTS",
+    "MAX_EXCLUDED_ASKS",
     "top_k_close",
     "open_storage",
+    "record_failure",
 ]
 
-SAMPLERS = ("tpe", "random", "grid", "gp", "cmaes")
 # §1.4: the model-based searchers stop when the top 5 finite slopes are within
 # 10% (hard-coded in the original searchers; the paper calls it a rule of thumb).
 STOP_TOP_K = 5
@@ -45,6 +50,9 @@ STOP_THRESHOLD = 0.1
 # Intermediate values per trial: every clock up to this many, then averages of
 # equal windows, so a one-epoch trial does not write thousands of rows.
 MAX_REPORTED_POINTS = 100
+# Proposals in a row that an exclusion may refuse before the searcher treats
+# the space left as exhausted.
+MAX_EXCLUDED_ASKS = 50
 
 # Optional dependencies of some samplers, checked up front for a clear message.
 _NEEDS = {"gp": ("torch", "scipy"), "cmaes": ("cmaes",)}
@@ -85,12 +93,15 @@ class Proposal:
         params: the Optuna parameters (encoded) of the searched tunables.
         varied: in a marginal re-tune, the one tunable this proposal changes
             (None for the current setting itself and outside marginal mode).
+        enqueued: the setting was queued with :meth:`Searcher.enqueue` (the
+            current setting of a re-tune), not proposed by the sampler.
     """
 
     number: int
     tunables: dict[str, Any]
     params: dict[str, Any]
     varied: str | None = None
+    enqueued: bool = False
 
 
 class _AskTellGridSampler(GridSampler):
@@ -119,6 +130,11 @@ class Searcher:
             the base setting first, then every one-tunable grid change.
         n_startup_trials: random proposals before TPE models the results
             (Optuna's default 10; hyperopt's is 20).
+        excluded: a predicate on decoded settings; a proposal it accepts is
+            told at once as no progress (value 0.0, user attribute
+            ``outcome="excluded"``) and the searcher asks again, so the
+            sampler learns to avoid the region. The tuner passes the
+            settings at least as aggressive as one that collapsed the model.
 
     Thread safety: none; one thread asks and tells.
     """
@@ -133,6 +149,7 @@ class Searcher:
         study_name: str | None = None,
         base_setting: Mapping[str, Any] | None = None,
         n_startup_trials: int = 10,
+        excluded: Callable[[Mapping[str, Any]], bool] | None = None,
     ) -> None:
         if sampler not in SAMPLERS:
             raise InvalidArgumentError(
@@ -164,12 +181,34 @@ class Searcher:
         if self._base_params is not None and sampler == "grid":
             self._marginal_queue = self._marginal_grid(self._base_params)
         self._asked = 0
+        self._grid_asks = 0  # grid points consumed, excluded ones included
+        self._excluded = excluded
+        self._queued: list[dict[str, Any]] = []
+        self._marginal_turn = 0
+        self._stuck = False
         self._running: dict[int, optuna.trial.Trial] = {}
         self.decision_seconds = math.nan
         """Wall time of the last :meth:`ask` (the first one seeds the trial time, §1.1)."""
+        record = open_storage(storage)
+        self._record: optuna.Study | None = None
+        self._published = 0
+        if record is not None and not isinstance(record, optuna.storages.InMemoryStorage):
+            try:
+                self._record = optuna.create_study(storage=record, study_name=study_name,
+                                                   direction="minimize")
+            except optuna.exceptions.DuplicatedStudyError as error:
+                raise InvalidArgumentError(
+                    f"the storage already has a study named {study_name!r}: "
+                    "choose another study name prefix"
+                ) from error
+            study_name = self._record.study_name
+            record = None
+        # The sampler works on a study in memory, published to the storage
+        # by publish(): a journal file syncs every write to disk (about 5 ms
+        # each), and a trial holds a hundred intermediate values.
         try:
             self._study = optuna.create_study(
-                storage=open_storage(storage),
+                storage=record,
                 study_name=study_name,
                 direction="minimize",
                 sampler=self._sampler,
@@ -182,7 +221,38 @@ class Searcher:
 
     @property
     def study(self) -> optuna.Study:
+        """The episode's study (in memory while the search runs when a
+        storage was given; :meth:`publish` copies it there)."""
         return self._study
+
+    def publish(self) -> None:
+        """Copies the study's user attributes and its finished trials not
+        copied yet to the storage, one write per trial. Trials keep their
+        numbers as long as nothing else writes to that study."""
+        if self._record is None:
+            return
+        trials = self._study.get_trials(deepcopy=False)
+        for trial in trials[self._published:]:
+            if not trial.state.is_finished():
+                break
+            self._record.add_trial(trial)
+            self._published += 1
+        for key, value in self._study.user_attrs.items():
+            if self._record.user_attrs.get(key) != value:
+                self._record.set_user_attr(key, value)
+
+    def record_failure(self, setting: Mapping[str, Any], attrs: Mapping[str, Any]) -> int:
+        """Adds a FAIL trial with ``setting`` to the study (and the storage):
+        how a setting that won this search but later collapsed the model is
+        kept in its record. Returns the trial's number."""
+        number = record_failure(self._study, self._space, setting, attrs)
+        self.publish()
+        return number
+
+    @property
+    def space(self) -> SearchSpace:
+        """The space this episode searches."""
+        return self._space
 
     @property
     def sampler_name(self) -> str:
@@ -194,13 +264,33 @@ class Searcher:
 
     @property
     def asked(self) -> int:
-        """How many proposals this episode has made."""
+        """How many proposals this episode has made (excluded ones not counted)."""
         return self._asked
+
+    def enqueue(self, setting: Mapping[str, Any]) -> bool:
+        """Makes ``setting`` (decoded) the next proposal, ahead of the
+        sampler: a re-tune tries the current setting first, so that it can
+        only end with something at least as good. Returns False, queueing
+        nothing, for an excluded setting, and for grid search (a marginal
+        grid starts with the current setting already; a full grid tries
+        only its own points)."""
+        self._space.check_setting(setting)
+        if self._kind == "grid" or (self._excluded is not None and self._excluded(setting)):
+            return False
+        params = self._space.encode(setting)
+        self._study.enqueue_trial(params)
+        self._queued.append(params)
+        return True
 
     def _make_sampler(self, n_startup_trials: int) -> BaseSampler:
         seed = self._seed
         if self._kind == "tpe":
-            return optuna.samplers.TPESampler(seed=seed, n_startup_trials=n_startup_trials)
+            # The constant liar (experimental in Optuna 4) keeps TPE from
+            # proposing the same region for every trial asked before a result.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                return optuna.samplers.TPESampler(seed=seed, n_startup_trials=n_startup_trials,
+                                                  constant_liar=True)
         if self._kind == "random":
             return optuna.samplers.RandomSampler(seed=seed)
         if self._kind == "grid":
@@ -223,10 +313,13 @@ class Searcher:
         return [(dict(base), None), *changes]
 
     def exhausted(self) -> bool:
-        """Whether the searcher has no new setting (grid searches only)."""
+        """Whether the searcher has no new setting: the grid is used up, or
+        the last MAX_EXCLUDED_ASKS proposals in a row were excluded."""
+        if self._stuck:
+            return True
         if self._marginal_queue is not None:
             return not self._marginal_queue
-        return self._kind == "grid" and self._asked >= self._grid_size
+        return self._kind == "grid" and self._grid_asks >= self._grid_size
 
     def should_stop(self, slopes: Iterable[float]) -> bool:
         """Whether the search is done (§1.4): the grid is exhausted, or, for
@@ -240,9 +333,33 @@ class Searcher:
         return False
 
     def ask(self) -> Proposal | None:
-        """The next setting, or None when the grid is exhausted."""
-        if self.exhausted():
-            return None
+        """The next setting, or None when the searcher is exhausted."""
+        for _ in range(MAX_EXCLUDED_ASKS):
+            if self.exhausted():
+                return None
+            proposal = self._ask_once()
+            if self._excluded is None or proposal.enqueued or not self._excluded(proposal.tunables):
+                self._asked += 1
+                return proposal
+            trial = self._running.pop(proposal.number)
+            trial.set_user_attr("tunables", proposal.tunables)
+            trial.set_user_attr("outcome", "excluded")
+            self._study.tell(trial, 0.0)
+        self._stuck = True
+        return None
+
+    def _ask_once(self) -> Proposal:
+        enqueued = bool(self._queued)
+        if enqueued:
+            # study.ask takes the enqueued trial first, whatever the sampler.
+            params = self._queued.pop(0)
+            self._study.sampler = self._sampler
+            start = time.perf_counter()
+            trial = self._study.ask(fixed_distributions=dict(self._distributions))
+            self.decision_seconds = time.perf_counter() - start
+            self._running[trial.number] = trial
+            return Proposal(trial.number, self._space.decode(trial.params), dict(params),
+                            None, enqueued=True)
         varied: str | None = None
         sampler: BaseSampler = self._sampler
         if self._marginal_queue is not None:
@@ -250,7 +367,8 @@ class Searcher:
             sampler = self._partial_fixed(fixed, optuna.samplers.RandomSampler(seed=self._seed))
         elif self._base_params is not None:
             searched = self._space.searched
-            varied = searched[self._asked % len(searched)].name
+            varied = searched[self._marginal_turn % len(searched)].name
+            self._marginal_turn += 1
             keep = self._space.param_name(varied)
             fixed = {k: v for k, v in self._base_params.items() if k != keep}
             sampler = self._partial_fixed(fixed, self._sampler)
@@ -258,7 +376,8 @@ class Searcher:
         start = time.perf_counter()
         trial = self._study.ask(fixed_distributions=dict(self._distributions))
         self.decision_seconds = time.perf_counter() - start
-        self._asked += 1
+        if self._kind == "grid":
+            self._grid_asks += 1
         self._running[trial.number] = trial
         params = dict(trial.params)
         return Proposal(trial.number, self._space.decode(params), params, varied)
@@ -275,15 +394,25 @@ class Searcher:
         summary: ProgressSummary,
         losses: Sequence[float],
         attrs: Mapping[str, Any] | None = None,
+        *,
+        seconds: Sequence[float] | None = None,
     ) -> None:
-        """Records a trial's result: its loss curve as intermediate values
-        (step = clock index), its summary and ``attrs`` as user attributes,
-        and its slope as the value (0.0 when there was no progress).
-        Each proposal is told exactly once."""
+        """Records a trial's result: its loss curve as intermediate values,
+        its summary and ``attrs`` as user attributes, and its slope as the
+        value (0.0 when there was no progress). Each proposal is told
+        exactly once.
+
+        With ``seconds`` (each clock's run time) the intermediate values are
+        the loss against the trial's own run time, step = milliseconds since
+        its start (what optuna-dashboard plots); without, step = clock index.
+        """
         trial = self._running.pop(proposal.number, None)
         if trial is None:
             raise InvalidArgumentError(f"trial {proposal.number} was already told or never asked")
-        for step, value in _report_points(losses):
+        if seconds is not None and len(seconds) != len(losses):
+            raise InvalidArgumentError(
+                f"seconds and losses differ in length: {len(seconds)} vs {len(losses)}")
+        for step, value in _report_points(losses, seconds):
             trial.report(value, step)
         record: dict[str, Any] = {
             "tunables": proposal.tunables,
@@ -294,6 +423,7 @@ class Searcher:
             "range": _finite_or_none(summary.range),
             "span_s": _finite_or_none(summary.span),
             "clocks": len(losses),
+            "enqueued": proposal.enqueued,
         }
         record.update(attrs or {})
         for key, value in record.items():
@@ -310,12 +440,38 @@ def _finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def _report_points(losses: Sequence[float]) -> list[tuple[int, float]]:
+def _report_points(losses: Sequence[float],
+                   seconds: Sequence[float] | None = None) -> list[tuple[int, float]]:
+    ends: list[int] = []  # the step of each clock: its index, or its end in ms
+    if seconds is None:
+        ends = list(range(len(losses)))
+    else:
+        elapsed, last = 0.0, -1
+        for s in seconds:
+            elapsed += float(s)
+            # Steps must grow: a clock shorter than a millisecond takes the next one.
+            last = max(last + 1, int(round(elapsed * 1000.0)))
+            ends.append(last)
     if len(losses) <= MAX_REPORTED_POINTS:
-        return [(i, float(v)) for i, v in enumerate(losses)]
+        return [(ends[i], float(v)) for i, v in enumerate(losses)]
     window = math.ceil(len(losses) / MAX_REPORTED_POINTS)
     points = []
     for start in range(0, len(losses), window):
         chunk = [float(v) for v in losses[start:start + window]]
-        points.append((start + len(chunk) - 1, sum(chunk) / len(chunk)))
+        points.append((ends[start + len(chunk) - 1], sum(chunk) / len(chunk)))
     return points
+
+
+def record_failure(study: optuna.Study, space: SearchSpace, setting: Mapping[str, Any],
+                   attrs: Mapping[str, Any]) -> int:
+    """Adds a FAIL trial with ``setting``'s searched values to ``study``:
+    how a setting that won its search but later collapsed the model is kept
+    in the search's record. Parameters the study's space does not search are
+    left out. Returns the new trial's number."""
+    params = space.encode(setting)
+    trial = optuna.trial.create_trial(
+        state=optuna.trial.TrialState.FAIL, params=params,
+        distributions=space.distributions(),
+        user_attrs={"tunables": dict(setting), **attrs})
+    study.add_trial(trial)
+    return len(study.trials) - 1

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mltuner.tune._progress import ProgressSummary, summarize_progress
-from mltuner.tune._searcher import Proposal
+from mltuner.tune.tuner._searcher import Proposal
 from mltuner.tune._system import ClockReport
 
 __all__ = ["Trial", "NUM_PROGRESS_SAMPLES"]

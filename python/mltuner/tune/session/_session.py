@@ -21,7 +21,9 @@ schedules the branch for its clocks and yields them as :class:`Step` s; at
 the end of the run every rank's losses travel back to rank 0, which averages
 them into the tuner's :class:`ClockReport` s. Only rank 0 times clocks (the
 tuner's progress is per second of rank 0's wall time, as in MLtuner, where
-the tuner reads the time of the clocks of worker 0).
+the tuner reads the time of the clocks of worker 0); rank 0's wait for the
+other ranks' reports at the end of a run is spread over the run's clocks,
+since the run is not done before the slowest worker is.
 
 The session also owns each branch's data cursor (the next sample of the
 training stream, copied at a fork) and picks each worker's sample indices:
@@ -51,7 +53,16 @@ from mltuner.tune._errors import TuningError
 from mltuner.tune._log import DecisionLog
 from mltuner.tune._space import SearchSpace
 from mltuner.tune._system import BranchKind, BranchSystem, ClockReport
-from mltuner.tune._tuner import Tuner
+from mltuner.tune.session._commands import (
+    Command,
+    EndCommand,
+    ErrorCommand,
+    ForkCommand,
+    FreeCommand,
+    RunCommand,
+    parse_command,
+)
+from mltuner.tune.tuner._tuner import Tuner
 
 __all__ = ["TuningSession", "Step", "PSBranchSystem", "Driver", "Collective"]
 
@@ -182,9 +193,10 @@ class TuningSession:
             raise InvalidArgumentError("give batch_size= or a batch_size tunable in the space")
         max_branches = getattr(job_config, "max_branches", None)
         num_branches = (config or TunerConfig()).num_branches
-        if max_branches is not None and max_branches < num_branches + 1:
-            raise InvalidArgumentError(f"the tuner keeps up to {num_branches} branches alive plus one for "
-                                       f"validation, but Config.max_branches is {max_branches}")
+        if max_branches is not None and max_branches < num_branches + 2:
+            raise InvalidArgumentError(f"the tuner keeps up to {num_branches} branches alive in a search, plus "
+                                       f"a frozen copy of the best model and a validation branch, but "
+                                       f"Config.max_branches is {max_branches}: use at least {num_branches + 2}")
         if num_train < 1 or num_validation < 1:
             raise InvalidArgumentError(f"num_train and num_validation must be >= 1, got {num_train} and "
                                        f"{num_validation}")
@@ -280,37 +292,29 @@ class TuningSession:
         self._run = (branch, left - 1)
         return self._make_step(branch)
 
-    def _gather_command(self) -> dict[str, Any]:
+    def _gather_command(self) -> Command:
         mine = self.system._next_command(self._timeout_s) if self.system is not None else None
-        command = self._allgather("command", mine)[0]
-        if not isinstance(command, dict) or "op" not in command:
-            raise TuningError(f"rank 0 sent a malformed tuning command: {command!r}")
-        return command
+        return parse_command(self._allgather("command", mine)[0])
 
-    def _execute(self, command: dict[str, Any]) -> bool:
-        op = command["op"]
-        if op == "fork":
-            self._fork(int(command["child"]), command["parent"], command["tunables"], BranchKind(command["kind"]))
-        elif op == "free":
-            branch = int(command["branch"])
-            self._branches.pop(branch, None)
-            self._worker.free_branch(branch)
-        elif op == "run":
-            branch, clocks = int(command["branch"]), int(command["clocks"])
-            self._worker.schedule_branch(branch, clocks)
-            self._run = (branch, clocks)
+    def _execute(self, command: Command) -> bool:
+        if isinstance(command, ForkCommand):
+            self._fork(command.child, command.parent, command.tunables, command.kind)
+        elif isinstance(command, FreeCommand):
+            self._branches.pop(command.branch, None)
+            self._worker.free_branch(command.branch)
+        elif isinstance(command, RunCommand):
+            self._worker.schedule_branch(command.branch, command.clocks)
+            self._run = (command.branch, command.clocks)
             self._reports, self._times = [], []
             return True
-        elif op == "end":
-            self.final_branch = command.get("branch")
-            self.final_tunables = command.get("tunables")
+        elif isinstance(command, EndCommand):
+            self.final_branch = command.branch
+            self.final_tunables = command.tunables
             return False
-        elif op == "error":
+        else:
             if self._error is not None:  # rank 0 raises the driver's own exception
                 raise self._error
-            raise TuningError(f"the tuner on rank 0 stopped: {command.get('message')}")
-        else:
-            raise TuningError(f"unknown tuning command {op!r} from rank 0")
+            raise TuningError(f"the tuner on rank 0 stopped: {command.message}")
         if self.system is not None:
             self.system._done(None)
         return True
@@ -334,11 +338,17 @@ class TuningSession:
         losses = [r[0] for r in self._reports]
         accuracy = [r[1] for r in self._reports]
         samples = [r[2] for r in self._reports]
+        waited = time.perf_counter()
         everyone = self._allgather("reports", {"loss": losses, "accuracy": accuracy, "samples": samples})
+        waited = time.perf_counter() - waited
         if self.system is None:
             return
+        # The run ends when the slowest worker has clocked it: rank 0's wait
+        # here is part of its time. Spread over its clocks, so that a high
+        # slack (rank 0 running ahead) is not counted cheaper than it is.
+        extra = waited / len(self._times) if self._times else 0.0
         reports = []
-        for clock, seconds in enumerate(self._times):
+        for clock, seconds in enumerate(t + extra for t in self._times):
             loss = math.fsum(float(r["loss"][clock]) for r in everyone) / len(everyone)
             weighted = [(r["accuracy"][clock], r["samples"][clock]) for r in everyone
                         if r["samples"][clock] and r["accuracy"][clock] is not None]
@@ -421,6 +431,7 @@ class PSBranchSystem:
 
     def __init__(self, session: TuningSession) -> None:
         self._session = session
+        # Wire form (JSON objects): what rank 0 hands to allgather.
         self._commands: queue.Queue[dict[str, Any]] = queue.Queue()
         self._answers: queue.Queue[Any] = queue.Queue()
         self._next_id = _ROOT + 1
@@ -438,12 +449,11 @@ class PSBranchSystem:
             child = _ROOT
         else:
             child, self._next_id = self._next_id, self._next_id + 1
-        self._call({"op": "fork", "child": child, "parent": parent, "tunables": dict(tunables),
-                    "kind": kind.value})
+        self._call(ForkCommand(child, parent, dict(tunables), kind))
         return child
 
     def free(self, branch: int) -> None:
-        self._call({"op": "free", "branch": int(branch)})
+        self._call(FreeCommand(int(branch)))
 
     def run(self, branch: int, clocks: int) -> Sequence[ClockReport]:
         if clocks < 1:
@@ -453,7 +463,7 @@ class PSBranchSystem:
         reports: list[ClockReport] = []
         while len(reports) < clocks:
             part = min(clocks - len(reports), _MAX_CLOCKS_PER_RUN)
-            reports += self._call({"op": "run", "branch": int(branch), "clocks": part})
+            reports += self._call(RunCommand(int(branch), part))
         self.elapsed_s += math.fsum(r.seconds for r in reports)
         return reports
 
@@ -462,10 +472,10 @@ class PSBranchSystem:
 
     # -- the hand-off between the two threads ------------------------------------------
 
-    def _call(self, command: dict[str, Any]) -> Any:
+    def _call(self, command: ForkCommand | FreeCommand | RunCommand) -> Any:
         if self._closed:
             raise ShutdownError("the training loop ended; the tuning session is closed")
-        self._commands.put(command)
+        self._commands.put(command.to_wire())
         # A run may take hours; what must not happen is a loop that stops
         # moving. Each clock the loop yields restarts the bound.
         timeout_s = self._session._timeout_s
@@ -479,7 +489,7 @@ class PSBranchSystem:
                 if self._session._clocks_yielded != clocks:
                     clocks, deadline = self._session._clocks_yielded, time.monotonic() + timeout_s
                 elif time.monotonic() > deadline:
-                    raise TuningError(f"the training loop made no progress on {command['op']!r} for "
+                    raise TuningError(f"the training loop made no progress on {command.to_wire()['op']!r} for "
                                       f"{timeout_s:g} s") from None
                 continue
             if isinstance(answer, BaseException):
@@ -494,7 +504,7 @@ class PSBranchSystem:
                 return self._commands.get(timeout=0.5)
             except queue.Empty:
                 if time.monotonic() > deadline:
-                    return {"op": "error", "message": f"the tuner made no decision within {timeout_s:g} s"}
+                    return ErrorCommand(f"the tuner made no decision within {timeout_s:g} s").to_wire()
 
     def _done(self, answer: Any) -> None:
         self._answers.put(answer)
@@ -504,13 +514,13 @@ class PSBranchSystem:
         if error is not None:
             message = f"{type(error).__name__}: {error}"
             self._session._error = error
-            self._commands.put({"op": "error", "message": message})
+            self._commands.put(ErrorCommand(message).to_wire())
             return
         self._session.result = result
         branch = getattr(result, "branch", None)
         tunables = getattr(result, "tunables", None)
-        self._commands.put({"op": "end", "branch": branch if isinstance(branch, int) else None,
-                            "tunables": dict(tunables) if isinstance(tunables, Mapping) else None})
+        self._commands.put(EndCommand(branch if isinstance(branch, int) else None,
+                                      dict(tunables) if isinstance(tunables, Mapping) else None).to_wire())
 
     def _close(self) -> None:
         self._closed = True

@@ -44,10 +44,10 @@ from mltuner.exceptions import InvalidArgumentError
 from mltuner.tune._config import TunerConfig
 from mltuner.tune._errors import TuningError
 from mltuner.tune._log import DecisionLog
-from mltuner.tune._searcher import open_storage
+from mltuner.tune.tuner._searcher import open_storage
 from mltuner.tune._space import Choice, SearchSpace
 from mltuner.tune._system import BranchKind, BranchSystem, ClockReport
-from mltuner.tune._tuner import Tuner, TuningResult, plateaued
+from mltuner.tune.tuner._tuner import Tuner, TuningResult, plateaued
 
 __all__ = [
     "BaselineConfig",

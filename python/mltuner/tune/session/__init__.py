@@ -1,0 +1,21 @@
+"""Tuning inside a training loop on the parameter server: the session every
+rank iterates, the branch system rank 0's driver sees, and the commands
+that travel between them."""
+
+from __future__ import annotations
+
+from mltuner.tune.session._commands import (
+    Command,
+    EndCommand,
+    ErrorCommand,
+    ForkCommand,
+    FreeCommand,
+    RunCommand,
+    parse_command,
+)
+from mltuner.tune.session._session import Collective, Driver, PSBranchSystem, Step, TuningSession
+
+__all__ = [
+    "TuningSession", "Step", "PSBranchSystem", "Driver", "Collective", "Command", "ForkCommand",
+    "FreeCommand", "RunCommand", "EndCommand", "ErrorCommand", "parse_command",
+]

@@ -1,0 +1,118 @@
+"""The commands rank 0's driver sends to every rank, one typed dataclass
+each. They travel as JSON objects through ``Job.allgather`` (never pickle):
+:meth:`to_wire` writes one, :func:`parse_command` reads and checks one."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Union
+
+from mltuner.tune._errors import TuningError
+from mltuner.tune._system import BranchKind
+
+__all__ = ["ForkCommand", "FreeCommand", "RunCommand", "EndCommand", "ErrorCommand", "Command",
+           "parse_command"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ForkCommand:
+    """Fork ``child`` from ``parent`` (None: the INIT root) with ``tunables``."""
+
+    child: int
+    parent: int | None
+    tunables: dict[str, Any]
+    kind: BranchKind
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"op": "fork", "child": self.child, "parent": self.parent,
+                "tunables": dict(self.tunables), "kind": self.kind.value}
+
+
+@dataclasses.dataclass(frozen=True)
+class FreeCommand:
+    """Free ``branch`` on every worker."""
+
+    branch: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"op": "free", "branch": self.branch}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunCommand:
+    """Run ``branch`` for ``clocks`` clocks, then report the losses."""
+
+    branch: int
+    clocks: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"op": "run", "branch": self.branch, "clocks": self.clocks}
+
+
+@dataclasses.dataclass(frozen=True)
+class EndCommand:
+    """The driver is done; ``branch`` (None when it freed it) holds the model."""
+
+    branch: int | None
+    tunables: dict[str, Any] | None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"op": "end", "branch": self.branch, "tunables": self.tunables}
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorCommand:
+    """The driver failed with ``message``."""
+
+    message: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"op": "error", "message": self.message}
+
+
+Command = Union[ForkCommand, FreeCommand, RunCommand, EndCommand, ErrorCommand]
+
+
+def _int(wire: Mapping[str, Any], key: str, *, optional: bool = False) -> Any:
+    value = wire.get(key)
+    if value is None and optional:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TuningError(f"rank 0 sent a malformed tuning command ({key!r} is not an integer): "
+                          f"{dict(wire)!r}")
+    return value
+
+
+def _dict(wire: Mapping[str, Any], key: str, *, optional: bool = False) -> Any:
+    value = wire.get(key)
+    if value is None and optional:
+        return None
+    if not isinstance(value, dict):
+        raise TuningError(f"rank 0 sent a malformed tuning command ({key!r} is not an object): "
+                          f"{dict(wire)!r}")
+    return dict(value)
+
+
+def parse_command(wire: Any) -> Command:
+    """The command in a JSON object from rank 0; raises TuningError for
+    anything else."""
+    if not isinstance(wire, dict) or "op" not in wire:
+        raise TuningError(f"rank 0 sent a malformed tuning command: {wire!r}")
+    op = wire["op"]
+    if op == "fork":
+        try:
+            kind = BranchKind(wire.get("kind"))
+        except ValueError:
+            raise TuningError(f"rank 0 sent a fork of unknown kind: {wire!r}") from None
+        return ForkCommand(_int(wire, "child"), _int(wire, "parent", optional=True),
+                           _dict(wire, "tunables"), kind)
+    if op == "free":
+        return FreeCommand(_int(wire, "branch"))
+    if op == "run":
+        return RunCommand(_int(wire, "branch"), _int(wire, "clocks"))
+    if op == "end":
+        return EndCommand(_int(wire, "branch", optional=True), _dict(wire, "tunables", optional=True))
+    if op == "error":
+        return ErrorCommand(str(wire.get("message")))
+    raise TuningError(f"unknown tuning command {op!r} from rank 0")

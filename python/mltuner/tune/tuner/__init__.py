@@ -1,0 +1,27 @@
+"""The tuner and its searches: the outer state machine with its rollback
+guard (:class:`Tuner`), one search episode (:class:`SearchEpisode`: the
+trial-time rule, then successive halving), the Optuna searcher and the
+trial branches."""
+
+from __future__ import annotations
+
+from mltuner.tune.tuner._guard import Alarm, TrainingGuard
+from mltuner.tune.tuner._search import SearchEpisode, SearchResult, halving_size
+from mltuner.tune.tuner._searcher import Proposal, Searcher, open_storage, record_failure, top_k_close
+from mltuner.tune.tuner._trial import Trial
+from mltuner.tune.tuner._tuner import (
+    AGGRESSIVE_DIRECTIONS,
+    JOURNAL_NAME,
+    Outcome,
+    Tuner,
+    TuningResult,
+    at_least_as_aggressive,
+    plateaued,
+)
+
+__all__ = [
+    "Tuner", "TuningResult", "Outcome", "plateaued", "at_least_as_aggressive",
+    "AGGRESSIVE_DIRECTIONS", "JOURNAL_NAME", "TrainingGuard", "Alarm", "SearchEpisode",
+    "SearchResult", "halving_size", "Searcher", "Proposal", "open_storage", "record_failure",
+    "top_k_close", "Trial",
+]

@@ -1,0 +1,446 @@
+"""One search episode (mltuner.md §1.1 steps 1-4, with a time budget): the
+starting progress, then the paper's trial-time rule with concurrent trials,
+which sets the start length, then successive halving over new trials, then
+the winner, which keeps its trial progress.
+
+Successive halving replaces the paper's sequential search (one trial after
+another, each for the full trial time): rung 0 runs as many new trials as
+the budget pays for to the start length, every rung keeps the better half
+(by slope) and doubles their length, and a trial that falls behind the best
+one during its run stops there. The cost is bounded by the budget, not by
+the trial cap times the trial time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from mltuner.exceptions import InvalidArgumentError
+from mltuner.tune._config import TunerConfig
+from mltuner.tune._errors import TuningError
+from mltuner.tune._log import DecisionLog
+from mltuner.tune._progress import ProgressState
+from mltuner.tune.tuner._searcher import STOP_THRESHOLD, Searcher
+from mltuner.tune._system import BranchKind, BranchSystem, ClockReport
+from mltuner.tune.tuner._trial import Trial
+
+__all__ = ["SearchEpisode", "SearchResult", "halving_size"]
+
+_PHASE = "search"
+# Checks of a trial against the best one during its run in a rung: it runs
+# in this many parts, and may stop after each but the last.
+_CHECKS_PER_RUN = 4
+
+
+def _rank(trial: Trial) -> float:
+    # Lower slopes are better; no progress (NaN) ranks last.
+    return trial.slope if math.isfinite(trial.slope) else math.inf
+
+
+def halving_size(budget_s: float, length_s: float, most: int) -> int:
+    """Trials in rung 0 of successive halving that ``budget_s`` pays for,
+    at most ``most``: n trials of ``length_s`` seconds cost about
+    n x length x (1 + log2 n) (every rung costs about n x length, for
+    log2 n rungs after the first)."""
+    if length_s <= 0 or not math.isfinite(budget_s):
+        return most
+    n = 1
+    while n < most and (n + 1) * length_s * (1 + math.log2(n + 1)) <= budget_s:
+        n += 1
+    return n
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchResult:
+    """How a search episode ended.
+
+    Attributes:
+        winner: the trial that becomes the training branch, or None when no
+            trial made progress (§1.1 step 3a).
+        trials: how many trials the episode forked (caps the next re-tune).
+        starting_progress: the baseline loss every trial was measured from.
+        trial_time: the start length of successive halving (the paper's
+            trial time), in seconds.
+        all_diverged: every trial diverged (a non-finite or 10x loss).
+        seconds: clock time the episode spent (its evaluation branch and
+            every trial), in seconds.
+        budget_s: the episode's budget (None: unbounded).
+        budget_exhausted: the budget stopped the search (without a winner,
+            the budget ran out before any trial made progress: that says
+            nothing about the model).
+    """
+
+    winner: Trial | None
+    trials: int
+    starting_progress: float
+    trial_time: float
+    all_diverged: bool
+    seconds: float = 0.0
+    budget_s: float | None = None
+    budget_exhausted: bool = False
+
+
+class SearchEpisode:
+    """Runs one search from ``parent`` (the INIT branch, the training
+    branch at a re-tune, or the frozen best branch after a rollback). Frees
+    every trial it forks except the winner; ``parent`` stays alive whatever
+    happens (the tuner keeps it until the winner has survived a validation).
+
+    Args:
+        budget_s: seconds of clocks this search may spend (evaluation branch
+            and trials); None is unbounded. The search stops forking trials
+            and halving once the next step would overrun it, so it ends
+            within about one trial run of the budget.
+        budget_epochs: the budget in epochs of training instead, turned into
+            seconds with ``epoch_seconds`` (the tuner's measured epoch time)
+            or, when that is None, with the evaluation branch's time per
+            clock times the clocks of one epoch at the parent's setting.
+    """
+
+    def __init__(
+        self,
+        system: BranchSystem,
+        config: TunerConfig,
+        searcher: Searcher,
+        log: DecisionLog,
+        *,
+        index: int,
+        parent: int,
+        parent_tunables: Mapping[str, Any],
+        trial_cap: int | None,
+        budget_s: float | None = None,
+        budget_epochs: float | None = None,
+        epoch_seconds: float | None = None,
+    ) -> None:
+        self._system = system
+        self._config = config
+        self._searcher = searcher
+        self._log = log
+        self._index = index
+        self._parent = parent
+        self._parent_tunables = dict(parent_tunables)
+        self._trial_cap = trial_cap
+        self._budget = budget_s
+        self._budget_epochs = budget_epochs if budget_s is None else None
+        self._epoch_seconds = epoch_seconds
+        self._trials: list[Trial] = []
+        self._baseline = math.nan
+        self._trial_time = math.nan
+        self._spent = 0.0
+        self._stop_reason: str | None = None
+        self._phase_a_trials = 0
+
+    def run(self) -> SearchResult:
+        self._baseline = self._starting_progress()
+        first = self._new_trial()
+        if first is None:
+            return self._finish(None)
+        # §1.1 step 3a: the trial time starts at the searcher's first decision time.
+        initial = self._config.initial_trial_time_s
+        self._trial_time = initial if initial is not None else self._searcher.decision_seconds
+        self._note("trial_time", trial_time_s=self._trial_time, reason="initial")
+        winner, keep_searching = self._find_trial_time(first)
+        self._phase_a_trials = len(self._trials)
+        if winner is not None and keep_searching:
+            winner = self._halving(winner)
+        return self._finish(winner)
+
+    # -- §1.1 step 1 -----------------------------------------------------------------
+
+    def _starting_progress(self) -> float:
+        system = self._system
+        branch = system.fork(self._parent, self._parent_tunables, BranchKind.EVALUATION)
+        try:
+            reports = self._run(branch, self._config.num_clocks_to_eval)
+        finally:
+            system.free(branch)
+        losses = [float(r.loss) for r in reports]
+        for clock, loss in enumerate(losses):
+            if not math.isfinite(loss):
+                raise TuningError(
+                    f"the loss is {loss} at clock {clock} of the evaluation branch (lr = 0, "
+                    f"search {self._index}), before any trial trained: the model gives a "
+                    "non-finite loss from the first clock. Check the initial weights, the input "
+                    "data and the loss function."
+                )
+        baseline = math.fsum(losses) / len(losses)
+        if self._budget_epochs is not None:
+            epoch_s = self._epoch_seconds
+            if epoch_s is None:
+                # From the second clock on, as a trial's time per clock (§1.2).
+                seconds = [float(r.seconds) for r in reports][1:] or [float(reports[0].seconds)]
+                per_clock = math.fsum(seconds) / len(seconds)
+                epoch_s = per_clock * self._system.clocks_per_epoch(self._parent_tunables)
+            self._budget = self._budget_epochs * epoch_s
+        self._note("starting_progress", branch=branch, loss=baseline,
+                   tunables=self._parent_tunables, clocks=len(losses),
+                   budget_s=self._budget)
+        return baseline
+
+    # -- §1.1 step 3a: finding the trial time (paper Algorithm 1) ---------------------
+
+    def _find_trial_time(self, first: Trial) -> tuple[Trial | None, bool]:
+        """Returns the phase's winner and whether successive halving follows."""
+        open_trials = [first]
+        while True:
+            for trial in open_trials:
+                self._extend(trial, self._trial_time)
+            for trial in open_trials:
+                self._summarize(trial)
+            converging = [t for t in open_trials if t.summary is not None
+                          and t.summary.state is ProgressState.CONVERGING
+                          and t.summary.made_progress]
+            if converging:
+                winner = min(converging, key=lambda t: t.slope)
+                for trial in open_trials:
+                    if trial is not winner:
+                        self._drop(trial, "lost")
+                # The winner's run time is the start length of the halving.
+                self._trial_time = winner.run_time
+                self._note("trial_time", trial_time_s=self._trial_time, reason="converging",
+                           branch=winner.branch)
+                return winner, True
+
+            progressing = [t for t in open_trials if math.isfinite(t.slope)]
+            best = min(progressing, key=lambda t: t.slope, default=None)
+            survivors = []
+            for trial in open_trials:
+                assert trial.summary is not None
+                if trial.summary.state is ProgressState.DIVERGED:
+                    self._drop(trial, "diverged")
+                elif trial.capped and trial is not best:
+                    # §1.2: one epoch is the most a trial may run.
+                    self._drop(trial, "capped")
+                else:
+                    survivors.append(trial)
+            open_trials = survivors
+            under_cap = any(not t.capped for t in open_trials)
+            doubled = self._trial_time * 2
+            # Another round costs every open trial's way to the doubled time.
+            affordable = self._affords(sum(max(0.0, doubled - t.run_time) for t in open_trials))
+            if under_cap and affordable:
+                self._trial_time = doubled
+                self._note("trial_time", trial_time_s=self._trial_time, reason="doubled")
+            if not affordable:
+                self._stop_once("budget")
+            # The parent takes one of the num_branches slots.
+            new = (self._new_trial() if affordable
+                   and len(open_trials) + 1 < self._config.num_branches else None)
+            if new is not None:
+                open_trials.append(new)
+            elif not (under_cap and affordable):
+                # Nothing left to schedule: the best trial wins even if unstable;
+                # with no progress at all, the search found nothing.
+                for trial in open_trials:
+                    if trial is not best:
+                        self._drop(trial, "no_progress")
+                if best is None:
+                    return None, False
+                self._trial_time = best.run_time
+                return best, False
+
+    # -- successive halving ------------------------------------------------------------
+
+    def _halving(self, best: Trial) -> Trial:
+        length = self._trial_time
+        remaining = math.inf if self._budget is None else self._budget - self._spent
+        slots = self._config.num_branches - 2  # the parent and the phase's winner
+        bound = "branches"
+        if self._trial_cap is not None and self._trial_cap - len(self._trials) <= slots:
+            slots, bound = self._trial_cap - len(self._trials), "trial_cap"
+        wanted = halving_size(remaining, length, max(0, slots) + 1) - 1
+        if wanted < max(0, slots):
+            bound = "budget"
+        self._note("halving", rung=0, length_s=length, trials=wanted + 1)
+        rung = [best]
+        while True:
+            if len(self._trials) - self._phase_a_trials >= wanted:
+                self._stop_once(bound)
+                break
+            if not self._affords(length):
+                self._stop_once("budget")
+                break
+            trial = self._new_trial()
+            if trial is None:
+                break
+            rival = min(rung, key=_rank)
+            if self._run_against(trial, length, rival):
+                rung.append(trial)
+        number = 0
+        while len(rung) > 1:
+            rung.sort(key=_rank)
+            keep = rung[: math.ceil(len(rung) / 2)]
+            for trial in rung[len(keep):]:
+                self._drop(trial, "halved")
+            rung = keep
+            if len(rung) == 1:
+                break
+            cost = sum(max(0.0, 2 * length - t.run_time) for t in rung)
+            if not self._affords(cost):
+                self._stop_once("budget")
+                break
+            length *= 2
+            number += 1
+            self._note("halving", rung=number, length_s=length, trials=len(rung))
+            survivors = [rung[0]]
+            self._extend(rung[0], length)
+            self._summarize(rung[0])
+            for trial in rung[1:]:
+                rival = min(survivors, key=_rank)
+                if self._run_against(trial, length, rival):
+                    survivors.append(trial)
+            rung = survivors
+        winner = min(rung, key=_rank)
+        for trial in rung:
+            if trial is not winner:
+                self._drop(trial, "halved")
+        return winner
+
+    def _run_against(self, trial: Trial, length: float, rival: Trial) -> bool:
+        """Runs ``trial`` to ``length`` seconds in parts, stopping it as soon
+        as it cannot beat ``rival``: it diverged, made no progress, or its
+        slope is more than STOP_THRESHOLD worse than the rival's (a slope
+        per second flattens as training goes on, so a trial behind at part
+        of the length stays behind). Returns whether it ran to the end;
+        one that did not is dropped."""
+        samples = self._config.num_progress_samples
+        while True:
+            more = trial.clocks_to_reach(length, samples)
+            if more <= 0:
+                break
+            # A new trial first runs its samples (its time per clock is not
+            # known before); then parts of about a quarter of its length.
+            part = max(samples, math.ceil((trial.clocks + more) / _CHECKS_PER_RUN))
+            self._record(trial, more if trial.clocks == 0 else min(part, more))
+            summary = self._summarize(trial)
+            if summary.state is ProgressState.DIVERGED:
+                self._drop(trial, "diverged")
+                return False
+            if trial.clocks_to_reach(length, samples) <= 0:
+                break
+            if trial.clocks >= 2 * samples and (
+                    not summary.made_progress
+                    or summary.slope > rival.slope * (1.0 - STOP_THRESHOLD)):
+                self._drop(trial, "cannot_beat")
+                return False
+        return True
+
+    # -- trials ------------------------------------------------------------------------
+
+    def _new_trial(self) -> Trial | None:
+        if self._trial_cap is not None and len(self._trials) >= self._trial_cap:
+            self._stop_once("trial_cap")
+            return None
+        if self._searcher.should_stop(t.slope for t in self._trials):
+            self._stop_once("exhausted" if self._searcher.exhausted() else "top_k_close")
+            return None
+        proposal = self._searcher.ask()
+        if proposal is None:
+            self._stop_once("exhausted")
+            return None
+        cap = self._system.clocks_per_epoch(proposal.tunables)
+        if cap < 1:
+            raise InvalidArgumentError(
+                f"the setting {proposal.tunables} gives {cap} clocks per epoch: one batch is "
+                "larger than the whole epoch"
+            )
+        branch = self._system.fork(self._parent, proposal.tunables, BranchKind.TRAINING)
+        trial = Trial(proposal, branch, cap)
+        self._trials.append(trial)
+        self._note("fork_trial", branch=branch, tunables=proposal.tunables,
+                   trial=proposal.number, varied=proposal.varied, cap_clocks=cap,
+                   enqueued=proposal.enqueued)
+        return trial
+
+    def _extend(self, trial: Trial, length: float) -> None:
+        # A new trial runs its first clocks to measure its time per clock, then
+        # on to ``length`` (§1.2); an older one only the second step.
+        passes = 2 if trial.clocks == 0 else 1
+        for _ in range(passes):
+            clocks = trial.clocks_to_reach(length, self._config.num_progress_samples)
+            if clocks > 0:
+                self._record(trial, clocks)
+
+    def _record(self, trial: Trial, clocks: int) -> None:
+        trial.record(self._run(trial.branch, clocks))
+
+    def _run(self, branch: int, clocks: int) -> Sequence[ClockReport]:
+        reports = self._system.run(branch, clocks)
+        # A system that runs fewer clocks than asked would make the trial loop spin.
+        if len(reports) != clocks:
+            raise TuningError(
+                f"the training system returned {len(reports)} clock reports for branch "
+                f"{branch}, asked to run {clocks} clocks"
+            )
+        self._spent += math.fsum(float(r.seconds) for r in reports)
+        return reports
+
+    def _affords(self, seconds: float) -> bool:
+        return self._budget is None or self._spent + seconds <= self._budget
+
+    def _summarize(self, trial: Trial) -> Any:
+        summary = trial.summarize(self._baseline)
+        self._note("summary", branch=trial.branch, tunables=trial.tunables,
+                   loss=trial.losses[-1], state=summary.state, slope=summary.slope,
+                   noise=summary.noise, range=summary.range, run_time_s=trial.run_time,
+                   clocks=trial.clocks, spent_s=self._spent)
+        return summary
+
+    def _tell(self, trial: Trial, outcome: str) -> None:
+        if trial.told or trial.summary is None:
+            return
+        trial.told = True
+        self._searcher.tell(trial.proposal, trial.summary, trial.losses, {
+            "branch": trial.branch, "outcome": outcome, "run_time_s": trial.run_time,
+            "search": self._index,
+        }, seconds=trial.seconds)
+
+    def _drop(self, trial: Trial, reason: str) -> None:
+        self._tell(trial, reason)
+        self._system.free(trial.branch)
+        self._note("free_trial", branch=trial.branch, tunables=trial.tunables, reason=reason,
+                   slope=trial.slope, run_time_s=trial.run_time)
+
+    # -- §1.1 step 4 -------------------------------------------------------------------
+
+    def _finish(self, winner: Trial | None) -> SearchResult:
+        study = self._searcher.study
+        study.set_user_attr("starting_progress", self._baseline)
+        study.set_user_attr("trial_time_s", self._trial_time if math.isfinite(self._trial_time)
+                            else None)
+        study.set_user_attr("seconds", self._spent)
+        study.set_user_attr("budget_s", self._budget)
+        if winner is not None:
+            self._tell(winner, "best")
+            study.set_user_attr("winner_trial", winner.proposal.number)
+            study.set_user_attr("winner_tunables", winner.tunables)
+            self._note("winner", branch=winner.branch, tunables=winner.tunables,
+                       slope=winner.slope, state=winner.summary.state if winner.summary else None,
+                       clocks=winner.clocks, trials=len(self._trials),
+                       trial_time_s=self._trial_time, seconds=self._spent,
+                       budget_s=self._budget)
+        else:
+            self._note("no_progress", branch=self._parent, trials=len(self._trials),
+                       seconds=self._spent, budget_s=self._budget)
+        self._searcher.publish()
+        all_diverged = bool(self._trials) and all(
+            t.summary is not None and t.summary.state is ProgressState.DIVERGED
+            for t in self._trials
+        )
+        return SearchResult(winner, len(self._trials), self._baseline, self._trial_time,
+                            all_diverged, self._spent, self._budget,
+                            self._stop_reason == "budget")
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def _stop_once(self, reason: str) -> None:
+        if self._stop_reason is None:
+            self._stop_reason = reason
+            self._note("search_stop", reason=reason, trials=len(self._trials),
+                       seconds=self._spent)
+
+    def _note(self, event: str, **fields: Any) -> None:
+        self._log.write(event, phase=_PHASE, search=self._index, **fields)

@@ -1,0 +1,650 @@
+"""The tuner's outer state machine (mltuner.md §1.1): initialise, search,
+train epoch by epoch with a validation after each, re-tune on a plateau, stop
+on a longer one; with a rollback guard that keeps the best-validated model
+and goes back to it when training collapses."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.storages import BaseStorage
+
+from mltuner.exceptions import InvalidArgumentError
+from mltuner.tune._config import TunerConfig
+from mltuner.tune._errors import TuningError
+from mltuner.tune.tuner._guard import Alarm, TrainingGuard
+from mltuner.tune._log import DecisionLog
+from mltuner.tune.tuner._search import SearchEpisode, SearchResult
+from mltuner.tune.tuner._searcher import Searcher, open_storage
+from mltuner.tune._space import Choice, SearchSpace
+from mltuner.tune._system import BranchKind, BranchSystem, ClockReport
+
+__all__ = ["Tuner", "TuningResult", "Outcome", "plateaued", "at_least_as_aggressive",
+           "AGGRESSIVE_DIRECTIONS", "JOURNAL_NAME"]
+
+_PHASES = {"start": "init", "init": "init", "search_start": "search", "end": "end"}
+
+# Which way each tunable makes training more aggressive (a larger step, more
+# gradient noise, older gradients): +1 when a larger value is, -1 when a
+# smaller one is. Settings at least as aggressive as one that collapsed the
+# model in every one of these are not tried again.
+AGGRESSIVE_DIRECTIONS = {"lr": 1, "momentum": 1, "staleness": 1, "batch_size": -1}
+# The Optuna journal a job writes beside its decision log by default.
+JOURNAL_NAME = "optuna.journal"
+
+
+class Outcome(enum.Enum):
+    """Why a tuning run ended."""
+
+    CONVERGED = "converged"
+    """Validation accuracy plateaued for plateau_size_for_convergence epochs."""
+    NO_PROGRESS = "no_progress"
+    """A search from the best-validated model in which no trial made
+    progress, after validation stopped improving (§1.1 step 3a): the model
+    has converged."""
+    MAX_EPOCHS = "max_epochs"
+    """The max_epochs safety stop."""
+    ROLLBACK_LIMIT = "rollback_limit"
+    """Training collapsed max_rollbacks + 1 times, or collapsed with nothing
+    left to search; the job ends with the best-validated model."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningResult:
+    """The end of a tuning run.
+
+    Attributes:
+        outcome: why it ended.
+        branch: the branch holding the final model, the best-validated one
+            (the caller owns it).
+        tunables: the setting that trained that branch.
+        accuracies: the validation accuracy after each epoch, collapsed
+            epochs included.
+        epochs: epochs trained (validations made).
+        searches: search episodes run, the initial one included.
+        trials: trial branches forked over all searches.
+        studies: the Optuna study name of each search, in order.
+        best_accuracy: the final branch's validation accuracy (None when it
+            was never validated).
+        rollbacks: how many times the guard went back to the best model.
+        seconds: clock time of the whole run (every branch), in seconds.
+        search_seconds: clock time of the searches (their evaluation
+            branches and trials), in seconds.
+        training_study: the Optuna study with one trial per training
+            stretch (None without one).
+    """
+
+    outcome: Outcome
+    branch: int
+    tunables: dict[str, Any]
+    accuracies: list[float]
+    epochs: int
+    searches: int
+    trials: int
+    studies: list[str]
+    best_accuracy: float | None = None
+    rollbacks: int = 0
+    seconds: float = 0.0
+    search_seconds: float = 0.0
+    training_study: str | None = None
+
+
+def plateaued(accuracies: Sequence[float], size: int) -> bool:
+    """§1.1 step 6: True when the last ``size`` accuracies include nothing
+    strictly above the best accuracy before them."""
+    if len(accuracies) <= size:
+        return False
+    return max(accuracies[-size:]) <= max(accuracies[:-size])
+
+
+def at_least_as_aggressive(setting: Mapping[str, Any], failed: Mapping[str, Any]) -> bool:
+    """Whether ``setting`` is at least as aggressive as ``failed`` in every
+    tunable of AGGRESSIVE_DIRECTIONS that both name (equal to it when they
+    name none)."""
+    names = [n for n in AGGRESSIVE_DIRECTIONS if n in setting and n in failed]
+    if not names:
+        return dict(setting) == dict(failed)
+    return all(AGGRESSIVE_DIRECTIONS[n] * (float(setting[n]) - float(failed[n])) >= 0
+               for n in names)
+
+
+@dataclasses.dataclass
+class _Frozen:
+    """The best-validated model: a branch forked from the training branch
+    right after its validation and never run."""
+
+    branch: int
+    tunables: dict[str, Any]
+    accuracy: float
+    epoch: int       # validations made when it was frozen
+    clocks: int      # its training clocks (for the epoch boundary)
+    source: int      # the training branch it was forked from
+
+
+@dataclasses.dataclass
+class _Stretch:
+    """The training branch from its search's winner (or a rollback) on."""
+
+    branch: int
+    tunables: dict[str, Any]
+    clocks: int
+    parent: int | None           # kept until the first validation, then freed
+    search: int | None           # the search that chose it
+    searcher: Searcher | None
+    guard: TrainingGuard
+    accuracies: list[float] = dataclasses.field(default_factory=list)
+    first_epoch: int = 0
+
+
+class _End(Exception):
+    """Raised inside the run to end it with a result."""
+
+    def __init__(self, result: TuningResult) -> None:
+        super().__init__(result.outcome.value)
+        self.result = result
+
+
+class Tuner:
+    """Trains a model with MLtuner's in-training tuning, on rank 0.
+
+    Args:
+        system: the training system; the tuner forks, runs and frees its
+            branches.
+        space: the tunables and their ranges.
+        config: see :class:`TunerConfig`.
+        log: a :class:`DecisionLog`, or a path to write one to (JSON lines);
+            None keeps the log in memory (:attr:`log`).
+
+    :meth:`run` blocks until the job ends and returns a :class:`TuningResult`.
+    Bad input (an empty or inconsistent space, a batch larger than an epoch,
+    a loss that is not finite from the first clock) raises before any
+    training or with a message that says which.
+
+    The rollback guard (``config.rollback``): a frozen copy of the model is
+    kept at each new best validation accuracy, and a search's parent is kept
+    until its winner has survived one validation. Training runs in chunks,
+    each summarised like a trial (:class:`~mltuner.tune.TrainingGuard`); a
+    chunk that diverges, a loss that rises beyond the noise band, or a
+    validation accuracy ``rollback_margin`` below the best rolls back to the
+    frozen copy: the failed setting is recorded in its search's study as a
+    FAIL trial, settings at least as aggressive are excluded from every
+    later search, and a search starts from the frozen copy. The job returns
+    the best-validated branch.
+    """
+
+    def __init__(
+        self,
+        system: BranchSystem,
+        space: SearchSpace,
+        config: TunerConfig | None = None,
+        *,
+        log: DecisionLog | str | os.PathLike[str] | None = None,
+    ) -> None:
+        if not isinstance(system, BranchSystem):
+            raise InvalidArgumentError(
+                f"system must implement BranchSystem (fork, free, run, clocks_per_epoch), "
+                f"got {type(system).__name__}"
+            )
+        if not isinstance(space, SearchSpace):
+            raise InvalidArgumentError(f"space must be a SearchSpace, got {type(space).__name__}")
+        self._system = system
+        self._space = space
+        self._config = config if config is not None else TunerConfig()
+        self._owns_log = not isinstance(log, DecisionLog)
+        self.log: DecisionLog = log if isinstance(log, DecisionLog) else DecisionLog(log)
+        start = self._config.initial_setting
+        if start is not None:
+            space.check_setting(start)
+        self._start_setting = dict(start) if start is not None else space.defaults()
+        prefix = self._config.study_name_prefix
+        self._prefix = prefix if prefix is not None else (
+            f"mltuner-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        )
+        self._storage_url: str | None = None
+        self._storage = self._open_storage()
+        self._studies: list[str] = []
+        self._trials = 0
+        self._accuracies: list[float] = []
+        self._best: _Frozen | None = None
+        self._exclusions: list[dict[str, Any]] = []
+        self._rollbacks = 0
+        self._last_trials = self._config.max_trials_per_search
+        self._seconds = 0.0         # clocks run by the tuner itself
+        self._search_seconds = 0.0  # clocks run by its searches
+        self._epoch_seconds: float | None = None
+        self._training_study: optuna.Study | None = None
+        self._start_loss: float | None = None  # the first search's starting progress
+
+    @property
+    def storage(self) -> str | None:
+        """Where the studies are recorded: a storage URL (``journal:PATH``
+        for the default journal), a storage object's type name, or None for
+        memory."""
+        return self._storage_url
+
+    def run(self) -> TuningResult:
+        try:
+            return self._run()
+        except _End as end:
+            return end.result
+        finally:
+            if self._owns_log:
+                self.log.close()
+
+    def _run(self) -> TuningResult:
+        self._check_epochs()
+        system, config = self._system, self._config
+        self._note("start", tunables=self._start_setting, sampler=config.sampler,
+                   retune=config.retune, searched=[t.name for t in self._space.searched],
+                   storage=self._storage_url, prefix=self._prefix,
+                   search_share=config.search_share, max_epochs=config.max_epochs)
+        # §1.1 step 0: the root branch runs one clock, in which the
+        # application writes the initial weights.
+        root = system.fork(None, self._start_setting, BranchKind.INIT)
+        self._run_clocks(root, 1)
+        self._note("init", branch=root)
+
+        if not self._space.searched or not config.initial_tuning:
+            branch = system.fork(root, self._start_setting, BranchKind.TRAINING)
+            stretch = self._begin(branch, self._start_setting, 0, root, None, None)
+            self._note("train_untuned", branch=branch, tunables=self._start_setting)
+        else:
+            searcher, found = self._search(root, self._start_setting)
+            if found.winner is not None:
+                stretch = self._begin_winner(found, searcher, root)
+            elif found.budget_exhausted and not found.all_diverged:
+                # The budget ran out before a trial made progress: that says
+                # nothing about the model; train with the start setting.
+                branch = system.fork(root, self._start_setting, BranchKind.TRAINING)
+                stretch = self._begin(branch, self._start_setting, 0, root, None, None)
+                self._note("train_untuned", branch=branch, tunables=self._start_setting,
+                           reason="search_budget")
+            else:
+                self._no_winner_at_start(found)
+                return self._result(Outcome.NO_PROGRESS, root, self._start_setting, None)
+
+        while True:
+            stretch = self._epoch(stretch)
+
+    # -- one epoch and what follows it --------------------------------------------------
+
+    def _epoch(self, stretch: _Stretch) -> _Stretch:
+        """Trains ``stretch`` to the next epoch boundary, validates, and
+        returns the stretch that trains next (itself, a re-tune's winner or
+        a rollback's); raises _End when the job ends."""
+        config = self._config
+        # §1.1 step 4: the winner keeps its trial clocks and trains on to the
+        # next epoch boundary.
+        per_epoch = self._system.clocks_per_epoch(stretch.tunables)
+        alarm = self._train(stretch, per_epoch - stretch.clocks % per_epoch, per_epoch)
+        if alarm is not None:
+            return self._rollback(stretch, alarm.reason, loss=alarm.loss,
+                                  reference=alarm.reference, band=alarm.band)
+        accuracy = self._validate(stretch)
+        best = self._best
+        if (config.rollback and best is not None
+                and accuracy < best.accuracy - config.rollback_margin):
+            return self._rollback(stretch, "accuracy", accuracy=accuracy)
+        self._release_parent(stretch)
+        if config.rollback and (best is None or accuracy > best.accuracy):
+            self._freeze(stretch, accuracy)
+        epochs = len(self._accuracies)
+        if plateaued(self._accuracies, config.plateau_size_for_convergence):
+            self._finish(Outcome.CONVERGED, stretch)
+        if config.max_epochs is not None and epochs >= config.max_epochs:
+            self._finish(Outcome.MAX_EPOCHS, stretch)
+        if (config.retune != "off" and self._space.searched
+                and plateaued(self._accuracies, config.plateau_size_for_retune)):
+            self._note("retune", branch=stretch.branch, tunables=stretch.tunables, epoch=epochs)
+            searcher, found = self._search(stretch.branch, stretch.tunables)
+            if found.winner is not None:
+                self._close(stretch, "retuned")
+                return self._begin_winner(found, searcher, stretch.branch)
+            if found.budget_exhausted:
+                # Out of budget before anything beat the current setting: go on.
+                self._note("keep", branch=stretch.branch, tunables=stretch.tunables,
+                           reason="search_budget")
+                return stretch
+            if not config.rollback or self._best is None:
+                self._finish(Outcome.NO_PROGRESS, stretch)
+            # §3 of issue 18: a search that finds nothing ends the job only
+            # from the best-validated model; from a worse one, go back first.
+            return self._rollback(stretch, "search_found_nothing", exclude=False)
+        return stretch
+
+    def _train(self, stretch: _Stretch, clocks: int, per_epoch: int) -> Alarm | None:
+        """Runs ``clocks`` clocks in chunks; returns the guard's alarm, if any."""
+        config = self._config
+        chunk = max(config.num_progress_samples, math.ceil(per_epoch / config.guard_chunks_per_epoch))
+        losses: list[float] = []
+        seconds: list[float] = []
+        epoch = len(self._accuracies) + 1
+        while len(losses) < clocks:
+            reports = self._run_clocks(stretch.branch, min(chunk, clocks - len(losses)))
+            part = [float(r.loss) for r in reports]
+            part_s = [float(r.seconds) for r in reports]
+            losses += part
+            seconds += part_s
+            stretch.clocks += len(part)
+            alarm = stretch.guard.check(part_s, part) if config.rollback else None
+            if alarm is not None:
+                self._note("guard", branch=stretch.branch, tunables=stretch.tunables,
+                           reason=alarm.reason, loss=alarm.loss, reference=alarm.reference,
+                           band=alarm.band, epoch=epoch, clocks=len(losses))
+                return alarm
+            bad = next((v for v in part if not math.isfinite(v)), None)
+            if bad is not None:
+                raise TuningError(
+                    f"the training loss of branch {stretch.branch} became {bad} in epoch {epoch} "
+                    f"with {stretch.tunables}: training diverged; lower the learning rate (the "
+                    "search space's range, or initial_setting without initial tuning)"
+                )
+        train_s = math.fsum(seconds)
+        self._epoch_seconds = train_s / len(losses) * per_epoch
+        self._note("train", branch=stretch.branch, tunables=stretch.tunables, clocks=clocks,
+                   loss=math.fsum(losses) / len(losses), epoch=epoch, seconds=train_s)
+        return None
+
+    def _validate(self, stretch: _Stretch) -> float:
+        # §1.1 step 5: a TESTING branch with lr = 0 runs the validation set.
+        system, branch = self._system, stretch.branch
+        test = system.fork(branch, stretch.tunables, BranchKind.TESTING)
+        try:
+            reports: Sequence[ClockReport] = self._run_clocks(test, self._config.num_clocks_to_test)
+        finally:
+            system.free(test)
+        values = [r.accuracy for r in reports]
+        if not values or any(v is None or not math.isfinite(v) for v in values):
+            raise TuningError(
+                f"the TESTING branch {test} must report a finite accuracy on every clock, "
+                f"got {values[:5]}{'...' if len(values) > 5 else ''}"
+            )
+        accuracy = math.fsum(v for v in values if v is not None) / len(values)
+        if self._epoch_seconds is not None:
+            self._epoch_seconds += math.fsum(r.seconds for r in reports)
+        self._accuracies.append(accuracy)
+        stretch.accuracies.append(accuracy)
+        best = self._best.accuracy if self._best is not None else None
+        self._note("validate", branch=branch, tunables=stretch.tunables, accuracy=accuracy,
+                   epoch=len(self._accuracies),
+                   best_accuracy=max(accuracy, best) if best is not None else accuracy)
+        return accuracy
+
+    # -- searches ----------------------------------------------------------------------
+
+    def _search(self, parent: int, tunables: Mapping[str, Any]) -> tuple[Searcher, SearchResult]:
+        config = self._config
+        index = len(self._studies)
+        name = f"{self._prefix}-initial" if index == 0 else f"{self._prefix}-retune-{index}"
+        space = self._space
+        if index > 0 and config.retune_tunables is not None:
+            narrowed = space.narrowed(config.retune_tunables, tunables)
+            space = narrowed if narrowed.searched else space
+        marginal = index > 0 and config.retune == "marginal"
+        searcher = Searcher(
+            space,
+            sampler=config.sampler,
+            seed=None if config.seed is None else config.seed + index,
+            storage=self._storage,
+            study_name=name,
+            base_setting=tunables if marginal else None,
+            n_startup_trials=config.n_startup_trials,
+            excluded=self._excluded if self._exclusions else None,
+        )
+        # A re-tune tries the current setting first: it can only end with
+        # something at least as good as going on.
+        enqueued = index > 0 and searcher.enqueue(tunables)
+        self._studies.append(name)
+        budget_s, budget_epochs = self._search_budget()
+        self._note("search_start", search=index, branch=parent, tunables=tunables,
+                   study=name, marginal=marginal, trial_cap=self._last_trials,
+                   searched=[t.name for t in space.searched], enqueued=enqueued,
+                   budget_s=budget_s, excluded=len(self._exclusions))
+        episode = SearchEpisode(self._system, config, searcher, self.log, index=index,
+                                parent=parent, parent_tunables=tunables,
+                                trial_cap=self._last_trials, budget_s=budget_s,
+                                budget_epochs=budget_epochs)
+        found = episode.run()
+        self._trials += found.trials
+        self._search_seconds += found.seconds
+        if self._start_loss is None:
+            self._start_loss = found.starting_progress
+        if found.winner is not None:
+            # §1.1 step 6: a re-tune may not use more trials than the last search.
+            self._last_trials = found.trials
+        return searcher, found
+
+    def _search_budget(self) -> tuple[float | None, float | None]:
+        """(seconds, epochs): the next search's budget, one of them or neither."""
+        config = self._config
+        if config.search_share is None:
+            return None, None
+        job = config.job_budget_s(self._epoch_seconds)
+        if job is not None:
+            return config.search_share * job, None
+        if config.max_epochs is not None:
+            # No epoch measured yet: the search measures one from its
+            # evaluation branch.
+            return None, config.search_share * config.max_epochs
+        return None, None
+
+    def _excluded(self, setting: Mapping[str, Any]) -> bool:
+        return any(at_least_as_aggressive(setting, failed) for failed in self._exclusions)
+
+    def _no_winner_at_start(self, found: SearchResult) -> None:
+        if found.all_diverged:
+            raise TuningError(
+                f"every one of the {found.trials} trials of the initial search diverged "
+                "(a non-finite loss or 10x the starting loss): no setting in the search "
+                "space trains this model; lower the learning-rate range"
+            )
+
+    # -- stretches, the frozen best and rollbacks ----------------------------------------
+
+    def _begin(self, branch: int, tunables: Mapping[str, Any], clocks: int, parent: int | None,
+               search: int | None, searcher: Searcher | None) -> _Stretch:
+        if not self._config.rollback and parent is not None:
+            # Without the guard nothing goes back to the parent (§1.1 step 4).
+            self._system.free(parent)
+            parent = None
+        return _Stretch(branch, dict(tunables), clocks, parent, search, searcher,
+                        TrainingGuard(self._start_loss), first_epoch=len(self._accuracies))
+
+    def _begin_winner(self, found: SearchResult, searcher: Searcher, parent: int) -> _Stretch:
+        winner = found.winner
+        assert winner is not None
+        return self._begin(winner.branch, winner.tunables, winner.clocks, parent,
+                           len(self._studies) - 1, searcher)
+
+    def _release_parent(self, stretch: _Stretch) -> None:
+        # The winner survived a validation: its parent is no longer a way back.
+        parent, stretch.parent = stretch.parent, None
+        if parent is not None and (self._best is None or parent != self._best.branch):
+            self._system.free(parent)
+
+    def _freeze(self, stretch: _Stretch, accuracy: float) -> None:
+        old = self._best
+        branch = self._system.fork(stretch.branch, stretch.tunables, BranchKind.TRAINING)
+        self._best = _Frozen(branch, dict(stretch.tunables), accuracy, len(self._accuracies),
+                             stretch.clocks, stretch.branch)
+        if old is not None:
+            self._system.free(old.branch)
+        self._note("freeze", branch=branch, tunables=stretch.tunables, accuracy=accuracy,
+                   source=stretch.branch, epoch=len(self._accuracies))
+
+    def _rollback(self, stretch: _Stretch, reason: str, *, exclude: bool = True,
+                  **details: Any) -> _Stretch:
+        """Goes back to the best-validated model (or, before any validation,
+        to the search's parent) and searches from there."""
+        config = self._config
+        self._rollbacks += 1
+        best = self._best
+        target = best.branch if best is not None else stretch.parent
+        if target is None:  # only without the guard, which never rolls back
+            raise TuningError(f"nothing to roll back to from branch {stretch.branch}")
+        tunables = dict(best.tunables) if best is not None else dict(self._start_setting)
+        clocks = best.clocks if best is not None else 0
+        self._note("rollback", reason=reason, branch=stretch.branch, tunables=stretch.tunables,
+                   to=target, to_tunables=tunables, epoch=len(self._accuracies),
+                   best_accuracy=best.accuracy if best is not None else None,
+                   excluded=exclude, rollbacks=self._rollbacks, **details)
+        if exclude:
+            self._exclusions.append(dict(stretch.tunables))
+            if stretch.searcher is not None:
+                stretch.searcher.record_failure(stretch.tunables, {
+                    "outcome": "rolled_back", "reason": reason, "branch": stretch.branch,
+                    "epoch": len(self._accuracies),
+                    **{k: v for k, v in details.items() if _finite_or_text(v)},
+                })
+        self._close(stretch, f"rolled_back: {reason}")
+        self._system.free(stretch.branch)
+        if stretch.parent is not None and stretch.parent != target:
+            self._system.free(stretch.parent)
+        if self._rollbacks > config.max_rollbacks or not self._space.searched:
+            self._give_up(target, tunables, stretch, reason)
+        searcher, found = self._search(target, tunables)
+        if found.winner is not None:
+            return self._begin_winner(found, searcher, target)
+        if best is None:
+            self._no_winner_at_start(found)
+            self._end(Outcome.NO_PROGRESS, target, tunables)
+        assert best is not None
+        if (plateaued(self._accuracies, config.plateau_size_for_retune)
+                or self._excluded(best.tunables)):
+            self._end(Outcome.NO_PROGRESS, best.branch, best.tunables)
+        # Nothing better than the setting that made the best model, and
+        # validation was still improving with it: go on with it.
+        branch = self._system.fork(target, tunables, BranchKind.TRAINING)
+        self._note("resume", branch=branch, tunables=tunables, source=target)
+        return self._begin(branch, tunables, clocks, target, None, None)
+
+    def _give_up(self, target: int, tunables: Mapping[str, Any], stretch: _Stretch,
+                 reason: str) -> None:
+        if self._best is None:
+            self._system.free(target)
+            raise TuningError(
+                f"training collapsed ({reason}) {self._rollbacks} time(s) before any "
+                f"validation, the last time with {stretch.tunables}: no setting the searches "
+                "found trains this model; lower the learning-rate range"
+            )
+        self._end(Outcome.ROLLBACK_LIMIT, target, tunables)
+
+    def _finish(self, outcome: Outcome, stretch: _Stretch) -> None:
+        """Ends the job with the best-validated branch, freeing the rest."""
+        best = self._best
+        self._close(stretch, "end")
+        if stretch.parent is not None and (best is None or stretch.parent != best.branch):
+            self._system.free(stretch.parent)
+        if best is None:
+            self._end(outcome, stretch.branch, stretch.tunables)
+        assert best is not None
+        if best.source == stretch.branch and best.epoch == len(self._accuracies):
+            # The last validation made the best: the training branch holds it.
+            self._system.free(best.branch)
+            self._end(outcome, stretch.branch, stretch.tunables)
+        self._system.free(stretch.branch)
+        self._end(outcome, best.branch, best.tunables)
+
+    def _end(self, outcome: Outcome, branch: int, tunables: Mapping[str, Any]) -> None:
+        raise _End(self._result(outcome, branch, tunables, self._best))
+
+    def _close(self, stretch: _Stretch, ended: str) -> None:
+        """Records a training stretch as a trial of the training study."""
+        study = self._training()
+        params = {t.name: stretch.tunables[t.name] for t in self._space}
+        intermediate = {stretch.first_epoch + i + 1: a for i, a in enumerate(stretch.accuracies)}
+        attrs = {"branch": stretch.branch, "ended": ended, "search": stretch.search,
+                 "clocks": stretch.clocks, "tunables": stretch.tunables}
+        trial = optuna.trial.create_trial(
+            state=(optuna.trial.TrialState.COMPLETE if stretch.accuracies
+                   else optuna.trial.TrialState.FAIL),
+            value=max(stretch.accuracies) if stretch.accuracies else None,
+            params=params, distributions={t.name: t.distribution() for t in self._space},
+            user_attrs=attrs, intermediate_values=intermediate)
+        study.add_trial(trial)
+
+    def _training(self) -> optuna.Study:
+        if self._training_study is None:
+            self._training_study = optuna.create_study(
+                storage=self._storage, study_name=f"{self._prefix}-training",
+                direction="maximize", load_if_exists=True)
+            self._training_study.set_user_attr(
+                "about", "one trial per training stretch: its setting, the validation accuracy "
+                "per epoch (step = epoch), its best as the value; user attribute `ended` says "
+                "how it ended (retuned, rolled_back: REASON, end)")
+        return self._training_study
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def _run_clocks(self, branch: int, clocks: int) -> Sequence[ClockReport]:
+        reports = self._system.run(branch, clocks)
+        if len(reports) != clocks:
+            raise TuningError(
+                f"the training system returned {len(reports)} clock reports for branch {branch}, "
+                f"asked to run {clocks} clocks"
+            )
+        self._seconds += math.fsum(float(r.seconds) for r in reports)
+        return reports
+
+    def _open_storage(self) -> str | BaseStorage | None:
+        storage = self._config.storage
+        if storage is None and self.log.path is not None:
+            storage = f"journal:{Path(self.log.path).parent / JOURNAL_NAME}"
+        self._storage_url = storage if isinstance(storage, str) else (
+            None if storage is None else type(storage).__name__)
+        # One storage object for every study of the job.
+        return open_storage(storage)
+
+    def _check_epochs(self) -> None:
+        # Every Choice value (batch sizes above all) must fit in one epoch;
+        # checked for each value with the other tunables at the start setting,
+        # before any branch exists.
+        settings = [self._start_setting]
+        for tunable in self._space.searched:
+            if isinstance(tunable, Choice):
+                settings += [{**self._start_setting, tunable.name: v} for v in tunable.values]
+        for setting in settings:
+            per_epoch = self._system.clocks_per_epoch(setting)
+            if per_epoch < 1:
+                changed = {k: v for k, v in setting.items() if v != self._start_setting[k]}
+                raise InvalidArgumentError(
+                    f"the setting {changed or setting} gives {per_epoch} clocks per epoch: one "
+                    "batch is larger than the whole epoch; remove that batch size from the "
+                    "search space or use a larger training set"
+                )
+
+    def _result(self, outcome: Outcome, branch: int, tunables: Mapping[str, Any],
+                best: _Frozen | None) -> TuningResult:
+        accuracy = None
+        if best is not None:
+            accuracy = best.accuracy
+        seconds = self._seconds + self._search_seconds
+        result = TuningResult(
+            outcome, branch, dict(tunables), list(self._accuracies), len(self._accuracies),
+            len(self._studies), self._trials, list(self._studies),
+            best_accuracy=accuracy if accuracy is not None
+            else (max(self._accuracies) if self._accuracies else None),
+            rollbacks=self._rollbacks, seconds=seconds, search_seconds=self._search_seconds,
+            training_study=(self._training_study.study_name
+                            if self._training_study is not None else None))
+        self._note("end", outcome=outcome, branch=branch, tunables=tunables,
+                   accuracy=result.best_accuracy, epochs=len(self._accuracies),
+                   searches=len(self._studies), trials=self._trials, rollbacks=self._rollbacks,
+                   seconds=seconds, search_seconds=self._search_seconds,
+                   storage=self._storage_url)
+        return result
+
+    def _note(self, event: str, **fields: Any) -> None:
+        self.log.write(event, phase=_PHASES.get(event, "train"), **fields)
+
+
+def _finite_or_text(value: Any) -> bool:
+    return isinstance(value, str) or (isinstance(value, (int, float)) and math.isfinite(value))

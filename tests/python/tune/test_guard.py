@@ -1,0 +1,179 @@
+"""The rollback guard: a frozen copy of the best-validated model, and a way
+back to it when training collapses (issue 18 item 1)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+
+from mltuner.tune import (
+    LogUniform,
+    Outcome,
+    SearchSpace,
+    Tuner,
+    TunerConfig,
+    TrainingGuard,
+    at_least_as_aggressive,
+)
+
+CLOCK_S = 0.125
+SPACE = SearchSpace([LogUniform("lr", 0.1, 1.0)])
+COLLAPSE_LR = 0.3   # settings at or above it kill the model...
+COLLAPSE_CLOCK = 250  # ...once it has trained this many clocks (2.5 epochs)
+
+
+def collapsed(t: Mapping[str, Any], c: int) -> bool:
+    return float(t["lr"]) >= COLLAPSE_LR and c >= COLLAPSE_CLOCK
+
+
+def loss(t: Mapping[str, Any], c: int) -> float:
+    # A larger lr falls faster, so the search picks one; a dead network sits
+    # at its starting loss.
+    return 10.0 if collapsed(t, c) else 10.0 * math.exp(-0.02 * float(t["lr"]) * (c + 1)) + 0.1
+
+
+def accuracy(t: Mapping[str, Any], c: int) -> float:
+    return 0.1 if collapsed(t, c) else 0.9 * (1.0 - math.exp(-c / 150.0))
+
+
+def run(system: Any, tmp_path: Path, **config: Any) -> tuple[Any, Tuner]:
+    cfg = TunerConfig(sampler="random", seed=0, initial_trial_time_s=1.25, num_clocks_to_eval=10,
+                      num_clocks_to_test=5, max_trials_per_search=6, study_name_prefix="job",
+                      storage=f"journal:{tmp_path / 'optuna.journal'}", **config)
+    tuner = Tuner(system, SPACE, cfg)
+    return tuner.run(), tuner
+
+
+def test_a_winner_that_collapses_two_epochs_later_is_rolled_back(
+        scripted_system: Any, tmp_path: Path) -> None:
+    system = scripted_system(loss, seconds=lambda t: CLOCK_S, clocks_per_epoch=100,
+                             accuracy=accuracy)
+    result, tuner = run(system, tmp_path, max_epochs=12)
+    log = tuner.log
+    first = log.events("winner")[0]
+    assert first["tunables"]["lr"] >= COLLAPSE_LR  # the fastest start: the search's choice
+
+    # The guard saw the loss climb back to where it started, before the
+    # validation, and went back to the model frozen at epoch 2.
+    rollback = log.events("rollback")[0]
+    assert rollback["reason"] == "loss_rise" and rollback["excluded"] is True
+    assert rollback["tunables"] == first["tunables"]
+    frozen = [r for r in log.events("freeze") if r["time"] < rollback["time"]][-1]
+    assert rollback["to"] == frozen["branch"] and frozen["epoch"] == 2
+    # The search after it starts from the frozen model and never proposes a
+    # setting at least as aggressive as the one that failed.
+    after = [r for r in log.events("fork_trial") if r["time"] > rollback["time"]]
+    assert after and all(r["tunables"]["lr"] < first["tunables"]["lr"] for r in after)
+    assert log.events("search_start")[1]["branch"] == frozen["branch"]
+
+    # The job ends with the best-validated model, which is healthy; the
+    # caller owns it and nothing else is alive.
+    kind, tunables, clocks = system.branches[result.branch]
+    assert not collapsed(tunables, clocks)
+    assert result.best_accuracy == pytest.approx(accuracy(tunables, clocks))
+    assert result.best_accuracy == max(result.accuracies)
+    assert system.live() == [result.branch]
+    assert result.rollbacks >= 1 and result.outcome is Outcome.MAX_EPOCHS
+
+    # The study of the search that chose the setting records its collapse.
+    storage = optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend(str(tmp_path / "optuna.journal")))
+    initial = optuna.load_study(study_name="job-initial", storage=storage)
+    failed = [t for t in initial.trials if t.state is optuna.trial.TrialState.FAIL]
+    assert len(failed) == 1 and failed[0].params["lr"] == first["tunables"]["lr"]
+    assert failed[0].user_attrs["outcome"] == "rolled_back"
+    assert failed[0].user_attrs["reason"] == "loss_rise"
+    training = optuna.load_study(study_name="job-training", storage=storage)
+    ended = [t.user_attrs["ended"] for t in training.trials]
+    assert ended[0] == "rolled_back: loss_rise" and ended[-1] == "end"
+
+
+def test_a_validation_collapse_the_loss_does_not_show_is_rolled_back(
+        scripted_system: Any, tmp_path: Path) -> None:
+    # The loss stays healthy; only validation accuracy collapses.
+    def healthy(t: Mapping[str, Any], c: int) -> float:
+        return 10.0 * math.exp(-0.02 * float(t["lr"]) * (c + 1)) + 0.1
+
+    system = scripted_system(healthy, seconds=lambda t: CLOCK_S, clocks_per_epoch=100,
+                             accuracy=accuracy)
+    result, tuner = run(system, tmp_path, max_epochs=8)
+    rollback = tuner.log.events("rollback")[0]
+    assert rollback["reason"] == "accuracy" and rollback["accuracy"] == pytest.approx(0.1)
+    kind, tunables, clocks = system.branches[result.branch]
+    assert not collapsed(tunables, clocks)
+    assert result.best_accuracy == max(result.accuracies)
+
+
+def test_the_job_returns_the_best_validated_branch(scripted_system: Any, tmp_path: Path) -> None:
+    system = scripted_system(lambda t, c: 10.0 * math.exp(-0.01 * c) + 0.1,
+                             seconds=lambda t: CLOCK_S, accuracies=[0.5, 0.6, 0.58])
+    result, tuner = run(system, tmp_path, max_epochs=3, retune="off")
+    freeze = tuner.log.events("freeze")[-1]
+    # Epoch 3 (0.58) is within the margin: no rollback, but the result is
+    # the copy frozen at epoch 2.
+    assert not tuner.log.events("rollback")
+    assert result.branch == freeze["branch"] and result.best_accuracy == 0.6
+    assert system.live() == [result.branch]
+
+
+def test_without_the_guard_nothing_is_frozen(scripted_system: Any, tmp_path: Path) -> None:
+    system = scripted_system(lambda t, c: 10.0 * math.exp(-0.01 * c) + 0.1,
+                             seconds=lambda t: CLOCK_S, accuracies=[0.5, 0.6, 0.58])
+    result, tuner = run(system, tmp_path, max_epochs=3, retune="off", rollback=False)
+    assert not tuner.log.events("freeze")
+    assert system.max_live <= 1 + 6  # the parent and the trials, never a copy
+    assert result.accuracies == [0.5, 0.6, 0.58] and system.live() == [result.branch]
+
+
+# -- the guard's rules on their own ----------------------------------------------------
+
+
+def chunk(values: list[float]) -> tuple[list[float], list[float]]:
+    return [0.1] * len(values), values
+
+
+def test_noise_at_the_floor_raises_no_alarm() -> None:
+    guard = TrainingGuard(start_loss=10.0)
+    wiggle = [1.0 + 0.05 * math.sin(i) for i in range(25)]
+    assert guard.check(*chunk([5.0 - 0.1 * i for i in range(25)])) is None
+    for shift in (0.0, 0.3, -0.2, 0.4, 0.1):
+        assert guard.check(*chunk([v + shift for v in wiggle])) is None
+
+
+def test_a_loss_back_at_its_start_raises_the_alarm_on_the_second_chunk() -> None:
+    guard = TrainingGuard(start_loss=10.0)
+    assert guard.check(*chunk([1.0] * 25)) is None
+    assert guard.check(*chunk([9.5] * 25)) is None
+    alarm = guard.check(*chunk([9.8] * 25))
+    assert alarm is not None and alarm.reason == "loss_rise"
+    assert alarm.reference == 1.0 and alarm.band == pytest.approx(0.5 * 9.0)
+
+
+def test_a_non_finite_loss_is_divergence() -> None:
+    guard = TrainingGuard(start_loss=10.0)
+    alarm = guard.check(*chunk([1.0, math.nan]))
+    assert alarm is not None and alarm.reason == "diverged"
+    alarm = TrainingGuard(start_loss=10.0).check(*chunk([200.0] * 10))
+    assert alarm is not None and alarm.reason == "diverged"
+
+
+def test_small_batch_losses_spread_over_decades_are_not_divergence() -> None:
+    # Late in training: a mean of 0.02, single batches from 0.001 to 0.3.
+    guard = TrainingGuard(start_loss=2.3)
+    spread = [0.001, 0.002, 0.01, 0.3, 0.004, 0.001, 0.02, 0.003, 0.25, 0.005] * 3
+    for _ in range(6):
+        assert guard.check(*chunk(spread)) is None
+
+
+def test_at_least_as_aggressive() -> None:
+    failed = {"lr": 0.5, "momentum": 0.9, "batch_size": 16, "staleness": 1}
+    assert at_least_as_aggressive(failed, failed)
+    assert at_least_as_aggressive({**failed, "lr": 0.8, "batch_size": 8}, failed)
+    assert not at_least_as_aggressive({**failed, "lr": 0.8, "batch_size": 32}, failed)
+    assert not at_least_as_aggressive({**failed, "momentum": 0.5}, failed)
+    assert at_least_as_aggressive({"lr": 0.6}, {"lr": 0.5})

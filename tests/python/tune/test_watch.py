@@ -1,0 +1,35 @@
+"""The watcher of `mltuner tune/demo/run`: a job stopped with Ctrl-C still
+leaves its report."""
+
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+
+import pytest
+
+from mltuner.tune.display._watch import run_watched
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_still_writes_the_report(tmp_path: Path) -> None:
+    log = tmp_path / "decisions.jsonl"
+    script = tmp_path / "job.py"
+    # Rank 0 logs a decision, then sends SIGINT to the launcher, as Ctrl-C in
+    # its terminal would.
+    script.write_text(
+        "import json, os, signal, time\n"
+        "if os.environ['MLTUNER_RANK'] == '0':\n"
+        f"    with open({str(log)!r}, 'a') as f:\n"
+        "        f.write(json.dumps({'time': time.time(), 'event': 'start', 'phase': 'init'}) + '\\n')\n"
+        "    os.kill(os.getppid(), signal.SIGINT)\n"
+        "time.sleep(30)\n")
+    out = io.StringIO()
+    code = run_watched([sys.executable, str(script)], 2, log=log, workers_log=tmp_path / "w.log",
+                       report=tmp_path / "report.png", terminal=False, out=out)
+    assert code == 130
+    text = out.getvalue()
+    assert "the job was stopped (exit code 130)" in text
+    assert f"report: {tmp_path / 'report.png'}" in text
+    assert (tmp_path / "report.png").read_bytes()[:4] == b"\x89PNG"

@@ -122,7 +122,7 @@ def test_demo_help_shows_the_demo_defaults(capsys: pytest.CaptureFixture[str]) -
     with pytest.raises(SystemExit):
         main(["demo", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "(default: cnn)" in text and "(default: 20000)" in text and "(default: 0.3)" in text
+    assert "(default: cnn)" in text and "(default: 20000)" in text and "(default: 1.0)" in text  # full lr range
 
 
 def test_the_program_refuses_the_same_values(capsys: pytest.CaptureFixture[str]) -> None:

@@ -77,7 +77,10 @@ class EventPool {
   }
 
  private:
-  static constexpr size_t kMaxPooled = 64;
+  // Enough for every ticket alive at once (slots, payloads in flight, idle
+  // payload buffers' last uses): beyond it events are created and destroyed
+  // per ticket, a driver call pair on the engine's hot path.
+  static constexpr size_t kMaxPooled = 4096;
   const int ordinal_;
   const unsigned flags_;
   std::mutex mu_;

@@ -172,6 +172,7 @@ class ClockDriver:
         # gradient last arrived, and how many of the layer's gradients are
         # still to come this clock (0: not read yet, or updated).
         self._serial = 0  # training forward passes started
+        self._stream = app_stream(self.device)  # the current clock's CUDA stream (0 on the CPU)
         self._marks: list[list[int]] = [[0] * len(layer.params) for layer in layers]
         self._pending: list[int] = [0] * len(layers)
         self._grad_errors = False  # a gradient hook refused a gradient this clock
@@ -299,22 +300,22 @@ class ClockDriver:
         if self._recording:
             flat = self._init[layer.index]
             return flat, layer.views(flat)
-        return layer.buffer_views(self.worker.read(self._handles[index], stream=app_stream(self.device)))
+        return layer.buffer_views(self.worker.read(self._handles[index], stream=self._stream))
 
     def _close_read(self, index: int) -> None:
         if not self._recording:
-            self.worker.post_read(self._handles[index], stream=app_stream(self.device))
+            self.worker.post_read(self._handles[index], stream=self._stream)
 
     def _store(self, index: int, slot: int, tensor: torch.Tensor) -> None:
         if self._recording:
             self._recorded_acts[slot] = tensor
             return
         handle = self._handles[index]
-        buffer = self.worker.local_access(handle, stream=app_stream(self.device))
+        buffer = self.worker.local_access(handle, stream=self._stream)
         target = as_tensor(buffer, self.device).view(-1).view(torch.uint8)
         source = _bytes(tensor)
         target[: source.numel()].copy_(source)
-        self.worker.post_local_access(handle, stream=app_stream(self.device))
+        self.worker.post_local_access(handle, stream=self._stream)
 
     def _load(self, index: int, slot: int) -> torch.Tensor:
         if self._recording:
@@ -322,23 +323,23 @@ class ClockDriver:
         # A copy: autograd gives no signal when the node is done with the
         # tensor, so the buffer could not be handed back safely.
         handle = self._handles[index]
-        buffer = self.worker.local_access(handle, stream=app_stream(self.device))
+        buffer = self.worker.local_access(handle, stream=self._stream)
         source = as_tensor(buffer, self.device).view(-1).view(torch.uint8)
         spec = self._slots[slot]
         out = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
         out.view(-1).view(torch.uint8).copy_(source[: spec.nbytes])
-        self.worker.post_local_access(handle, stream=app_stream(self.device))
+        self.worker.post_local_access(handle, stream=self._stream)
         return out
 
     def _update(self, index: int, layer: Layer, grads: list[torch.Tensor]) -> None:
         if not self._recording:
             handle = self._handles[index]
-            _, views = layer.buffer_views(self.worker.pre_update(handle, stream=app_stream(self.device)))
+            _, views = layer.buffer_views(self.worker.pre_update(handle, stream=self._stream))
             with torch.no_grad():
                 if self.grad_filter is not None:
                     self.grad_filter(grads)
                 torch._foreach_copy_(views, grads)
-            self.worker.update(handle, stream=app_stream(self.device))
+            self.worker.update(handle, stream=self._stream)
         layer.clear_grads()
 
     # -- the forward pass --------------------------------------------------------------
@@ -361,6 +362,10 @@ class ClockDriver:
         self._phase = Phase.FORWARD
         self._serial += 1
         self._eval_clock = None
+        # The clock's stream, asked once (torch.cuda.current_stream costs tens
+        # of microseconds and the clock's accesses need it dozens of times):
+        # autograd runs each backward op on its forward op's stream.
+        self._stream = app_stream(self.device)
         if self._store_activations:
             self._local_ptrs = {p for p in (storage_ptr(t) for t in self._local_tensors()) if p}
         try:

@@ -34,7 +34,7 @@ std::string ErrorText(cudaError_t err) {
 // outlives its device still returns (and then destroys) its event safely.
 class EventPool {
  public:
-  explicit EventPool(int ordinal) : ordinal_(ordinal) {}
+  EventPool(int ordinal, unsigned flags) : ordinal_(ordinal), flags_(flags) {}
   ~EventPool() {
     // Errors are ignored: at process exit the runtime may already be gone.
     cudaSetDevice(ordinal_);
@@ -55,7 +55,7 @@ class EventPool {
         return Status::Ok();
       }
     }
-    const cudaError_t err = cudaEventCreateWithFlags(out, cudaEventDisableTiming);
+    const cudaError_t err = cudaEventCreateWithFlags(out, flags_);
     if (err != cudaSuccess) {
       cudaGetLastError();
       return Status::Internal("CUDA error in RecordAppWork (cudaEventCreateWithFlags): " + ErrorText(err));
@@ -79,6 +79,7 @@ class EventPool {
  private:
   static constexpr size_t kMaxPooled = 64;
   const int ordinal_;
+  const unsigned flags_;
   std::mutex mu_;
   std::vector<cudaEvent_t> free_;
 };
@@ -89,7 +90,10 @@ class EventPool {
 // FreeHost / ReleaseIndex.
 class CudaDevice final : public Device {
  public:
-  explicit CudaDevice(int ordinal) : ordinal_(ordinal), events_(std::make_shared<EventPool>(ordinal)) {}
+  explicit CudaDevice(int ordinal)
+      : ordinal_(ordinal),
+        events_(std::make_shared<EventPool>(ordinal, cudaEventDisableTiming)),
+        waits_(std::make_shared<EventPool>(ordinal, cudaEventDisableTiming | cudaEventBlockingSync)) {}
 
   // Streams are made here rather than in the constructor so that a failure
   // becomes a Status.
@@ -101,9 +105,15 @@ class CudaDevice final : public Device {
     name_ = "cuda:" + std::to_string(ordinal_) + " " + props.name;
     // Non-blocking: the engine's streams must not serialize with work that
     // the application queues on the legacy default stream.
-    for (cudaStream_t& stream : streams_) {
-      err = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-      if (err != cudaSuccess) return Fail("NewCudaDevice (cudaStreamCreateWithFlags)", err);
+    // The server stream gets the lowest priority: a shard's sums and rules
+    // fill gaps and never hold back the application's kernels.
+    int least = 0, greatest = 0;
+    err = cudaDeviceGetStreamPriorityRange(&least, &greatest);
+    if (err != cudaSuccess) return Fail("NewCudaDevice (cudaDeviceGetStreamPriorityRange)", err);
+    for (int i = 0; i < kNumStreams; ++i) {
+      const int priority = i == static_cast<int>(Stream::kServer) ? least : 0;
+      err = cudaStreamCreateWithPriority(&streams_[i], cudaStreamNonBlocking, priority);
+      if (err != cudaSuccess) return Fail("NewCudaDevice (cudaStreamCreateWithPriority)", err);
     }
     err = cudaStreamCreateWithFlags(&upload_stream_, cudaStreamNonBlocking);
     if (err != cudaSuccess) return Fail("NewCudaDevice (cudaStreamCreateWithFlags)", err);
@@ -208,7 +218,9 @@ class CudaDevice final : public Device {
     Copy(dst, src, bytes, cudaMemcpyDeviceToHost, s, "CopyDeviceToHost");
   }
   void CopyDeviceToDevice(void* dst, const void* src, size_t bytes, Stream s) override {
-    Copy(dst, src, bytes, cudaMemcpyDeviceToDevice, s, "CopyDeviceToDevice");
+    // cudaMemcpyDefault: under unified addressing the two may be on different GPUs
+    // (a shard and a worker of one process on different devices).
+    Copy(dst, src, bytes, cudaMemcpyDefault, s, "CopyDeviceToDevice");
   }
 
   void Gather(float* dst, const float* src, const RunIndex& index, int64_t row_width, Stream s) override {
@@ -239,7 +251,19 @@ class CudaDevice final : public Device {
   Status Synchronize(Stream s) override {
     if (!ValidStream(s)) return Status::InvalidArgument("CudaDevice::Synchronize: no stream " + std::to_string(static_cast<int>(s)));
     if (MakeCurrentOrRecord("Synchronize")) {
-      Record("Synchronize (cudaStreamSynchronize)", cudaStreamSynchronize(streams_[static_cast<int>(s)]));
+      // Through a blocking-sync event: the engine's threads sleep while they
+      // wait instead of spinning on a core (a default stream synchronize
+      // spins), which would compete with the training thread's launches.
+      cudaEvent_t event = nullptr;
+      const Status taken = waits_->Take(&event);
+      if (!taken.ok()) {
+        RecordStatus(taken);
+      } else {
+        cudaError_t err = cudaEventRecord(event, streams_[static_cast<int>(s)]);
+        if (err == cudaSuccess) err = cudaEventSynchronize(event);
+        Record("Synchronize (blocking event)", err);
+        waits_->Return(event);
+      }
       // Anything else this thread's CUDA calls left behind.
       Record("Synchronize (cudaGetLastError)", cudaGetLastError());
     }
@@ -271,14 +295,73 @@ class CudaDevice final : public Device {
     return Status::Ok();
   }
 
-  Status WaitAppWork(Stream s, const DeviceEvent& event) override {
+  Status TakeError() override {
+    std::lock_guard<std::mutex> lock(error_mu_);
+    return std::exchange(first_error_, Status::Ok());
+  }
+
+  Status RecordEvent(Stream s, DeviceEvent* out) override {
+    if (!ValidStream(s)) return Status::InvalidArgument("CudaDevice::RecordEvent: no stream " + std::to_string(static_cast<int>(s)));
+    MLT_RETURN_IF_ERROR(MakeCurrent("RecordEvent"));
+    cudaEvent_t event = nullptr;
+    MLT_RETURN_IF_ERROR(events_->Take(&event));
+    const cudaError_t err = cudaEventRecord(event, streams_[static_cast<int>(s)]);
+    if (err != cudaSuccess) {
+      cudaEventDestroy(event);
+      return Fail("RecordEvent (cudaEventRecord)", err);
+    }
+    std::shared_ptr<EventPool> pool = events_;
+    *out = DeviceEvent(static_cast<void*>(event), [pool](void* e) { pool->Return(static_cast<cudaEvent_t>(e)); });
+    return Status::Ok();
+  }
+
+  Status WaitEvent(Stream s, const DeviceEvent& event) override {
     if (!event) return Status::Ok();
-    if (!ValidStream(s)) return Status::InvalidArgument("CudaDevice::WaitAppWork: no stream " + std::to_string(static_cast<int>(s)));
-    MLT_RETURN_IF_ERROR(MakeCurrent("WaitAppWork"));
+    if (!ValidStream(s)) return Status::InvalidArgument("CudaDevice::WaitEvent: no stream " + std::to_string(static_cast<int>(s)));
+    MLT_RETURN_IF_ERROR(MakeCurrent("WaitEvent"));
     const cudaError_t err =
         cudaStreamWaitEvent(streams_[static_cast<int>(s)], static_cast<cudaEvent_t>(event.get()), 0);
-    if (err != cudaSuccess) return Fail("WaitAppWork (cudaStreamWaitEvent)", err);
+    if (err != cudaSuccess) return Fail("WaitEvent (cudaStreamWaitEvent)", err);
     return Status::Ok();
+  }
+
+  Status WaitOnAppStream(uintptr_t app_stream, const DeviceEvent& event) override {
+    if (!event) return Status::Ok();
+    MLT_RETURN_IF_ERROR(MakeCurrent("WaitOnAppStream"));
+    cudaStream_t stream = app_stream == 0 ? cudaStreamLegacy : reinterpret_cast<cudaStream_t>(app_stream);
+    const cudaError_t err = cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(event.get()), 0);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      const std::string what = "WaitOnAppStream on stream " + std::to_string(app_stream) + ": " + ErrorText(err);
+      if (err == cudaErrorInvalidResourceHandle || err == cudaErrorInvalidValue) return Status::InvalidArgument(what);
+      return Status::Internal("CUDA error in " + what);
+    }
+    return Status::Ok();
+  }
+
+  Status WaitEventDone(const DeviceEvent& event) override {
+    if (!event) return Status::Ok();
+    MLT_RETURN_IF_ERROR(MakeCurrent("WaitEventDone"));
+    const cudaError_t err = cudaEventSynchronize(static_cast<cudaEvent_t>(event.get()));
+    if (err != cudaSuccess) return Fail("WaitEventDone (cudaEventSynchronize)", err);
+    return Status::Ok();
+  }
+
+  void AddInto(float* dst, const float* src, int64_t count, Stream s) override {
+    if (count <= 0) return;
+    cudaStream_t stream = nullptr;
+    if (!Prepare(s, "AddInto", &stream)) return;
+    kernels::LaunchAddInto(dst, src, count, stream);
+    Record("AddInto (kernel launch)", cudaGetLastError());
+  }
+
+  void ApplyUpdate(const UpdateStep& step, float* params, float* state, const float* update_sum, int64_t count,
+                   Stream s) override {
+    if (count <= 0) return;
+    cudaStream_t stream = nullptr;
+    if (!Prepare(s, "ApplyUpdate", &stream)) return;
+    kernels::LaunchApplyUpdate(step, params, state, update_sum, count, stream);
+    Record("ApplyUpdate (kernel launch)", cudaGetLastError());
   }
 
  private:
@@ -388,6 +471,7 @@ class CudaDevice final : public Device {
   std::array<cudaStream_t, kNumStreams> streams_{};
   cudaStream_t upload_stream_ = nullptr;  // PrepareIndex's uploads only
   std::shared_ptr<EventPool> events_;
+  std::shared_ptr<EventPool> waits_;  // blocking-sync events for Synchronize
 
   std::mutex error_mu_;
   Status first_error_;  // guarded by error_mu_; the first unreported error

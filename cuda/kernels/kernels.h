@@ -18,6 +18,7 @@
 #include <cuda_runtime.h>
 
 #include "mltuner/types.h"
+#include "mltuner/update_step.h"
 
 namespace mltuner::kernels {
 
@@ -40,31 +41,13 @@ void LaunchScatterAddRuns(float* dst, const float* src, const RowRun* runs_on_de
                           int64_t num_runs, int64_t total_rows, int64_t row_width,
                           cudaStream_t stream);
 
-// The update rules, one thread per value, over `count` values.
-// REQUIRES: num_workers >= 1; params, update_sum and the state arrays are
-// `count` floats each and do not overlap.
+// One step of an update rule (see mltuner/update_step.h) over `count`
+// values; the state holds StateArraysPerValue(step.kind) arrays of `count`.
+// REQUIRES: params, state and update_sum do not overlap.
+void LaunchApplyUpdate(const UpdateStep& step, float* params, float* state, const float* update_sum,
+                       int64_t count, cudaStream_t stream);
 
-// kAdd: w += sum_i u_i.
-void LaunchAddUpdate(float* params, const float* update_sum, int64_t count,
-                     cudaStream_t stream);
-
-// kSgd: g = sum / N; w -= lr * g.
-void LaunchSgdUpdate(float* params, const float* update_sum, int64_t count, int num_workers,
-                     float learning_rate, cudaStream_t stream);
-
-// kMomentum: g = sum / N; h = (1 - m) g + m h; w -= lr * h.
-void LaunchMomentumUpdate(float* params, float* history, const float* update_sum, int64_t count,
-                          int num_workers, float learning_rate, float momentum,
-                          cudaStream_t stream);
-
-// kAdam: g = sum / N; m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
-// w -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps).
-// `step` is t, the 1-based number of this update (1 for the first), so the
-// bias corrections (computed on the host in double) are never zero.
-// REQUIRES: step >= 1.
-void LaunchAdamUpdate(float* params, float* first_moment, float* second_moment,
-                      const float* update_sum, int64_t count, int num_workers,
-                      float learning_rate, float beta1, float beta2, float epsilon, int64_t step,
-                      cudaStream_t stream);
+// dst[i] += src[i]: the shard's sum of the workers' updates, in worker order.
+void LaunchAddInto(float* dst, const float* src, int64_t count, cudaStream_t stream);
 
 }  // namespace mltuner::kernels

@@ -3,9 +3,9 @@
 // torch.from_dlpack / cupy.from_dlpack turn into a tensor over the same GPU
 // memory with no copy.
 //
-// Stream semantics: the engine hands a buffer out only after the work that
-// filled it has finished (the allocator synchronizes its own stream), so the
-// data is ready for any consumer stream and __dlpack__ ignores `stream`. The
+// Stream semantics: the engine hands a buffer out while the work that filled
+// it may still be queued: read() makes the stream it is given wait
+// for it, and __dlpack__(stream=...) makes the consumer's stream wait. The
 // other direction is the post call's job: pass the stream your kernels used
 // (post_read / update / post_local_access take `stream`), and the engine
 // waits for that work before it reads, reuses or frees the buffer.
@@ -78,7 +78,8 @@ py::array CopyToNumpy(const DeviceArray& array, uintptr_t stream) {
     py::gil_scoped_release release;
     DeviceEvent app_done;
     Check(b.device->RecordAppWork(stream, &app_done));
-    Check(b.device->WaitAppWork(Stream::kApp, app_done));
+    Check(b.device->WaitEvent(Stream::kApp, app_done));
+    Check(b.device->WaitEvent(Stream::kApp, b.ready));
     b.device->CopyDeviceToHost(out.mutable_data(), b.data, bytes, Stream::kApp);
     Check(b.device->Synchronize(Stream::kApp));
   }
@@ -113,7 +114,17 @@ void RegisterBuffers(py::module_& m) {
         const dlpack::Device device = DeviceOf(a.buffer);
         return py::make_tuple(device.device_type, device.device_id);
       })
-      .def("__dlpack__", [](const DeviceArray& a, py::object, py::object, py::object, py::object) { return ToDlpack(a); },
+      // DLPack's stream protocol: the consumer's stream (None = the legacy
+      // default stream, -1 = the consumer synchronizes itself) waits for the
+      // engine's work filling the buffer.
+      .def("__dlpack__", [](const DeviceArray& a, py::object stream, py::object, py::object, py::object) {
+             // 1 and 2 are CUDA's own handles of the legacy and per-thread default streams.
+             const int64_t s = stream.is_none() ? 1 : stream.cast<int64_t>();
+             if (s != -1 && a.buffer.device) {
+               Check(a.buffer.device->WaitOnAppStream(static_cast<uintptr_t>(s), a.buffer.ready));
+             }
+             return ToDlpack(a);
+           },
            py::kw_only(), py::arg("stream") = py::none(), py::arg("max_version") = py::none(),
            py::arg("dl_device") = py::none(), py::arg("copy") = py::none())
       .def("numpy", &CopyToNumpy, py::arg("stream") = 0,

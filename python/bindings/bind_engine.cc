@@ -21,12 +21,12 @@ std::vector<RowId> ToRows(const RowArray& rows) {
   return std::vector<RowId>(rows.data(), rows.data() + rows.size());
 }
 
-template <Status (Engine::*Method)(Handle, AccessBuffer*)>
-py::tuple OpenBuffer(Engine& engine, Handle handle) {
+template <Status (Engine::*Method)(Handle, AccessBuffer*, uintptr_t)>
+py::tuple OpenBuffer(Engine& engine, Handle handle, uintptr_t stream) {
   AccessBuffer buffer;
   {
     py::gil_scoped_release release;
-    Check((engine.*Method)(handle, &buffer));
+    Check((engine.*Method)(handle, &buffer, stream));
   }
   return py::make_tuple(BufferToPython(buffer), buffer.data_age);
 }
@@ -92,11 +92,11 @@ void RegisterEngine(py::module_& m) {
       .def("virtual_clock", [](Engine& e) { Check(e.VirtualClock()); })
       .def("finish_virtual_iteration", [](Engine& e) { Check(e.FinishVirtualIteration()); }, Release())
       .def("start_iterations", [](Engine& e) { Check(e.StartIterations()); }, Release())
-      .def("read", &OpenBuffer<&Engine::Read>)
+      .def("read", &OpenBuffer<&Engine::Read>, py::arg("handle"), py::arg("stream") = 0)
       .def("post_read", &PostBuffer<&Engine::PostRead>, py::arg("handle"), py::arg("stream") = 0)
-      .def("pre_update", &OpenBuffer<&Engine::PreUpdate>)
+      .def("pre_update", &OpenBuffer<&Engine::PreUpdate>, py::arg("handle"), py::arg("stream") = 0)
       .def("update", &PostBuffer<&Engine::Update>, py::arg("handle"), py::arg("stream") = 0)
-      .def("local_access", &OpenBuffer<&Engine::LocalAccess>)
+      .def("local_access", &OpenBuffer<&Engine::LocalAccess>, py::arg("handle"), py::arg("stream") = 0)
       .def("post_local_access", &PostBuffer<&Engine::PostLocalAccess>, py::arg("handle"), py::arg("stream") = 0)
       .def("clock", [](Engine& e) { Check(e.Clock()); }, Release())
       .def("fetch",

@@ -16,6 +16,7 @@ from mltuner._core import DeviceArray, cuda_built, cuda_device_count
 from mltuner.client import LocalCluster, Table, TensorLayout, TensorSlot, Worker
 from mltuner.dist import Job
 from mltuner.exceptions import (
+    ArgumentTypeError,
     CorruptMessageError,
     InternalError,
     InvalidArgumentError,
@@ -44,6 +45,7 @@ __all__ = [
     "Job",
     "MltunerError",
     "InvalidArgumentError",
+    "ArgumentTypeError",
     "NotFoundError",
     "OutOfOrderError",
     "WaitTimeoutError",

@@ -6,10 +6,20 @@ import dataclasses
 from typing import Literal
 
 from mltuner import _core
+from mltuner._validate import boolean, choice, integer, real
+from mltuner.exceptions import InvalidArgumentError
 
 __all__ = ["Config", "UpdateRule"]
 
 RuleName = Literal["add", "sgd", "momentum", "adam"]
+
+# Ranges of the settings: what the engine's types hold and what is sane.
+MAX_BYTES = 2**62
+MAX_WAIT_S = 10.0**6  # 11.6 days; the engine counts milliseconds in int64
+MAX_PREFETCH_CLOCKS = 64  # every clock ahead holds a copy of every access buffer
+MAX_PARTITIONS = 1 << 16
+MAX_BRANCHES = 1 << 16
+MAX_LEARNING_RATE = 1e6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,12 +41,7 @@ class UpdateRule:
     epsilon: float = 1e-8
 
     def __post_init__(self) -> None:
-        if self.kind not in ("add", "sgd", "momentum", "adam"):
-            raise ValueError(f"unknown update rule {self.kind!r}: use add, sgd, momentum or adam")
-        if not self.learning_rate >= 0:
-            raise ValueError(f"learning_rate must be >= 0, got {self.learning_rate}")
-        if not 0 <= self.momentum < 1:
-            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+        _validate_rule(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +71,15 @@ class Config:
             clock runs on branch 0 and nothing needs scheduling.
         max_branches: live branches (copies of the parameters and optimizer
             state) a shard may hold at once.
+        host_memory_limit: bytes of host memory this process's engine may
+            hold; None means no limit of its own. Tables and plans that need
+            more than the smallest of this, the memory available, the
+            cgroup's limit and ``RLIMIT_AS`` are refused with
+            :class:`~mltuner.ResourceExhaustedError` before anything is
+            allocated.
+
+    Every setting is checked when the object is made: a bad value raises
+    :class:`~mltuner.InvalidArgumentError` naming it and its range.
     """
 
     device_memory_budget: int = 0
@@ -76,20 +90,21 @@ class Config:
     device: Literal["cpu", "cuda"] = "cpu"
     branches: bool = False
     max_branches: int = 40
+    host_memory_limit: int | None = None
 
     def __post_init__(self) -> None:
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"unknown device {self.device!r}: use 'cpu' or 'cuda'")
-        if self.device_memory_budget < 0:
-            raise ValueError("device_memory_budget must be >= 0")
-        if not self.wait_timeout_s > 0:
-            raise ValueError("wait_timeout_s must be > 0")
-        if self.prefetch_clocks < 1:
-            raise ValueError("prefetch_clocks must be >= 1")
-        if self.partitions_per_table < 1:
-            raise ValueError("partitions_per_table must be >= 1")
-        if self.max_branches < 1:
-            raise ValueError("max_branches must be >= 1")
+        choice("Config.device", self.device, ("cpu", "cuda"))
+        integer("Config.device_memory_budget", self.device_memory_budget, 0, MAX_BYTES)
+        real("Config.wait_timeout_s", self.wait_timeout_s, 0, MAX_WAIT_S, low_open=True)
+        integer("Config.prefetch_clocks", self.prefetch_clocks, 1, MAX_PREFETCH_CLOCKS)
+        integer("Config.partitions_per_table", self.partitions_per_table, 1, MAX_PARTITIONS)
+        if not isinstance(self.update_rule, UpdateRule):
+            raise InvalidArgumentError(f"Config.update_rule must be an UpdateRule, got "
+                                       f"{type(self.update_rule).__name__}")
+        boolean("Config.branches", self.branches)
+        integer("Config.max_branches", self.max_branches, 1, MAX_BRANCHES)
+        if self.host_memory_limit is not None:
+            integer("Config.host_memory_limit", self.host_memory_limit, 1 << 20, MAX_BYTES)
 
     def to_core(self) -> _core.Config:
         """The engine's own config object."""
@@ -109,3 +124,14 @@ class Config:
         core.branches = bool(self.branches)
         core.max_branches = int(self.max_branches)
         return core
+
+
+def _validate_rule(rule: UpdateRule) -> None:
+    """Checks an UpdateRule's fields (kept apart from the class so that new
+    fields add their own lines here)."""
+    choice("UpdateRule.kind", rule.kind, ("add", "sgd", "momentum", "adam"))
+    real("UpdateRule.learning_rate", rule.learning_rate, 0, MAX_LEARNING_RATE)
+    real("UpdateRule.momentum", rule.momentum, 0, 1, high_open=True)
+    real("UpdateRule.beta1", rule.beta1, 0, 1, high_open=True)
+    real("UpdateRule.beta2", rule.beta2, 0, 1, high_open=True)
+    real("UpdateRule.epsilon", rule.epsilon, 0, 1, low_open=True)

@@ -5,13 +5,26 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import mltuner
+from mltuner.apps._mnist1d_options import DEFAULT_SEED, DefaultsHelpFormatter, add_program_options
+
+# Exit codes of a job stopped by SIGINT (Ctrl-C) or SIGTERM, as launch returns them.
+_INTERRUPTED = (130, 143)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line (exit code 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _info(_: argparse.Namespace) -> int:
@@ -39,12 +52,22 @@ def _launch(args: argparse.Namespace) -> int:
         return 2
 
 
+class _UsageError(Exception):
+    """A bad option value found before any worker started: one line, exit code 2."""
+
+
+# The names a job writes in its output folder.
+LOG_NAME, REPORT_NAME, RESULT_NAME, WORKERS_LOG_NAME = "decisions.jsonl", "report.png", "result.json", "workers.log"
+
+
 def _report(args: argparse.Namespace) -> int:
     # Imported here: matplotlib is slow to import and only this command needs it.
     from mltuner.tune._report import write_report
 
+    # Beside the log, under the name the job itself gives it.
+    output = args.output if args.output is not None else Path(args.log).with_name(REPORT_NAME)
     try:
-        png = write_report(args.log, args.output)
+        png = write_report(args.log, output)
     except (OSError, ValueError) as error:
         print(f"mltuner report: error: {error}", file=sys.stderr)
         return 1
@@ -53,30 +76,62 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _out_dir(args: argparse.Namespace, kind: str) -> Path:
+    """The output folder, checked but not made yet: a call that fails before
+    its job starts leaves nothing behind."""
     directory = Path(args.out) if args.out else Path("mltuner-out") / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
-    directory.mkdir(parents=True, exist_ok=True)
+    if directory.exists() and not directory.is_dir():
+        raise _UsageError(f"--out {directory}: exists and is not a directory")
     return directory
+
+
+def _report_of_what_ran(log: Path, report: Path) -> None:
+    """After Ctrl-C: the report of the part of the run that the log holds."""
+    from mltuner.tune._report import write_report
+
+    if not log.exists():
+        print("interrupted before the tuner logged anything: no report")
+        return
+    try:
+        print(f"interrupted; report of what ran: {write_report(log, report)}")
+    except (OSError, ValueError) as error:  # InvalidArgumentError is a ValueError
+        print(f"interrupted; no report: {error}")
 
 
 def _watched(args: argparse.Namespace, kind: str, command: list[str], env_log: bool) -> int:
     from mltuner.tune._watch import log_env, run_watched
 
     out = _out_dir(args, kind)
-    log = out / "decisions.jsonl"
-    command = _after_separator(command)
+    log, report = out / LOG_NAME, out / REPORT_NAME
     if kind in ("tune", "demo"):
         command = [sys.executable, "-m", "mltuner.apps.mnist1d", "--log", str(log), "--result",
-                   str(out / "result.json"), *command]
-    elif not command:
-        print("mltuner run: error: give the training command after --", file=sys.stderr)
-        return 2
+                   str(out / RESULT_NAME), *command]
+    out.mkdir(parents=True, exist_ok=True)
     print(f"mltuner {kind}: {args.nproc} workers; writing to {out}/", flush=True)
-    return run_watched(command, args.nproc, log=log, workers_log=out / "workers.log", report=out / "report.png",
+    code = run_watched(command, args.nproc, log=log, workers_log=out / WORKERS_LOG_NAME, report=report,
                        terminal=False if args.plain else None, env=log_env(log) if env_log else None)
+    if code in _INTERRUPTED:
+        _report_of_what_ran(log, report)
+    return code
+
+
+def _program_args(args: argparse.Namespace, tokens: Sequence[str]) -> list[str]:
+    """The program's options among ``tokens`` (those after the command name),
+    after checking them all together as every worker will."""
+    from mltuner.apps.mnist1d import check_args  # imports the tuner: only for these commands
+    from mltuner.exceptions import InvalidArgumentError
+
+    try:
+        check_args(args, world_size=args.nproc)
+    except InvalidArgumentError as error:
+        raise _UsageError(str(error)) from None
+    watch = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    _add_watch_options(watch)
+    _, program = watch.parse_known_args(tokens)  # the full parse already accepted every token
+    return program
 
 
 def _tune(args: argparse.Namespace) -> int:
-    return _watched(args, "tune", list(args.app_args), env_log=False)
+    return _watched(args, "tune", _program_args(args, args.tokens), env_log=False)
 
 
 # The main job: the MNIST-1D CNN with every tunable of the paper searched.
@@ -92,14 +147,18 @@ def _demo(args: argparse.Namespace) -> int:
     try:
         import torch  # noqa: F401 - the CNN needs it
     except ImportError:
-        print("mltuner demo: error: the demo trains a PyTorch CNN; install PyTorch first: "
-              "python3 -m pip install \"mltuner[torch]\" torch==2.13.0", file=sys.stderr)
-        return 2
-    return _watched(args, "demo", DEMO_ARGS + list(args.app_args), env_log=False)
+        raise _UsageError("the demo trains a PyTorch CNN; install PyTorch first: "
+                          "python3 -m pip install \"mltuner[torch]\" torch==2.13.0") from None
+    return _watched(args, "demo", DEMO_ARGS + _program_args(args, args.tokens), env_log=False)
 
 
 def _run(args: argparse.Namespace) -> int:
-    return _watched(args, "run", list(args.command), env_log=True)
+    command = _after_separator(args.command)
+    if not command:
+        raise _UsageError("give the training command after --")
+    if shutil.which(command[0]) is None:
+        raise _UsageError(f"{command[0]}: command not found (or not executable)")
+    return _watched(args, "run", command, env_log=True)
 
 
 def _find_suite(source: str | None) -> Path | None:
@@ -126,17 +185,42 @@ def _bench(args: argparse.Namespace) -> int:
                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
+def _workers(text: str) -> int:
+    """An argparse type: a number of workers."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of workers (an integer >= 1), got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of workers (an integer >= 1), got {text!r}")
+    return value
+
+
 def _add_watch_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-n", "--nproc", type=int, default=2, help="number of local workers (default: 2)")
-    parser.add_argument("--out", default=None,
+    parser.add_argument("-n", "--nproc", type=_workers, default=2, metavar="N", help="number of local workers")
+    parser.add_argument("--out", default=None, metavar="DIR",
                         help="directory for the decision log, report and output (default: mltuner-out/KIND-TIME)")
     parser.add_argument("--plain", action="store_true", help="plain progress lines instead of a live table")
 
 
+def _add_tune_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser],
+                     name: str, *, summary: str, description: str) -> argparse.ArgumentParser:
+    """tune or demo: the launcher's options and the program's, every one
+    with its default in --help and checked before a worker starts."""
+    parser: argparse.ArgumentParser = commands.add_parser(
+        name, help=summary, description=description, formatter_class=DefaultsHelpFormatter, allow_abbrev=False)
+    _add_watch_options(parser)
+    add_program_options(parser.add_argument_group(
+        "program options", "passed to python -m mltuner.apps.mnist1d on every worker"))
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `mltuner` console script."""
-    parser = argparse.ArgumentParser(prog="mltuner", description=mltuner.__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+    tokens = list(sys.argv[1:] if argv is None else argv)
+    parser = _Parser(prog="mltuner", description=mltuner.__doc__)
+    parser.add_argument("--version", action="version", version=f"mltuner {mltuner.__version__}")
+    commands = parser.add_subparsers(dest="subcommand", metavar="COMMAND", required=True)
     info = commands.add_parser("info", help="version, build and the devices this installation can use")
     info.set_defaults(handler=_info)
     launch = commands.add_parser(
@@ -161,30 +245,29 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "setting it chose.")
     report.add_argument("log", help="the decision log (decisions.jsonl)")
     report.add_argument("-o", "--output", default=None, metavar="PNG",
-                        help="the PNG to write (default: LOG with a .png suffix)")
+                        help=f"the PNG to write (default: {REPORT_NAME} beside LOG, as the job names it)")
     report.set_defaults(handler=_report)
-    tune = commands.add_parser(
-        "tune", help="tune and train the MNIST-1D MLP on local workers, with live progress",
-        usage="mltuner tune [-n N] [--out DIR] [--plain] [PROGRAM OPTIONS...]",
+    tune = _add_tune_parser(
+        commands, "tune", summary="tune and train the MNIST-1D MLP on local workers, with live progress",
         description="Runs python -m mltuner.apps.mnist1d on N local workers (mltuner launch) with the "
                     "tuner choosing learning rate, momentum and batch size; shows its decisions live, and "
-                    "writes the decision log, a PNG report and the result to DIR. Options it does not know "
-                    "go to the program (see python -m mltuner.apps.mnist1d --help): for example "
-                    "--mode hyperband, --search lr,staleness, --max-epochs 10, --target-accuracy 0.6.")
-    _add_watch_options(tune)
+                    f"writes the decision log ({LOG_NAME}), a PNG report ({REPORT_NAME}) and the result "
+                    f"({RESULT_NAME}) to DIR. Every option is checked before a worker starts. --seed "
+                    f"(default {DEFAULT_SEED}) makes the run's proposals reproducible: two runs with one seed "
+                    "propose the same first trials in the same order; which trials win depends on measured "
+                    "times, so later decisions may differ. Ctrl-C stops the job and draws the report of "
+                    "what ran.")
     tune.set_defaults(handler=_tune)
-    demo = commands.add_parser(
-        "demo", help="the main job: tune and train the MNIST-1D CNN on 2 local workers",
-        usage="mltuner demo [-n N] [--out DIR] [--plain] [PROGRAM OPTIONS...]",
+    demo = _add_tune_parser(
+        commands, "demo", summary="the main job: tune and train the MNIST-1D CNN on 2 local workers",
         description="mltuner tune with the MNIST-1D CNN (PyTorch, through mltuner.torch; on the GPU when "
                     "there is one) and the tuner choosing learning rate, momentum, batch size and "
-                    f"staleness: {' '.join(DEMO_ARGS)}. Ends with the test accuracy and where the decision "
-                    "log and the report are.")
-    _add_watch_options(demo)
-    demo.set_defaults(handler=_demo)
+                    f"staleness: {' '.join(DEMO_ARGS)} (the defaults below). Ends with the test accuracy and "
+                    "where the decision log and the report are.")
+    demo.set_defaults(handler=_demo, **_demo_defaults())
     run = commands.add_parser(
         "run", help="run your training script (using mltuner.tune.TuningSession) with live progress",
-        usage="mltuner run [-n N] [--out DIR] [--plain] -- COMMAND [ARGS...]",
+        usage="mltuner run [-n N] [--out DIR] [--plain] -- COMMAND [ARGS...]", formatter_class=DefaultsHelpFormatter,
         description="Like mltuner launch, and the TuningSession of rank 0 logs to DIR/decisions.jsonl "
                     "(MLTUNER_TUNING_LOG), which is shown live and drawn as DIR/report.png at the end; "
                     "the workers' output goes to DIR/workers.log.")
@@ -202,14 +285,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--source", default=None, help="the source checkout (default: the current directory "
                        "or a parent holding benchmarks/run.py)")
     bench.set_defaults(handler=_bench)
-    args, extra = parser.parse_known_args(argv)
-    if args.handler in (_tune, _demo):
-        args.app_args = extra
-    elif args.handler is _bench:
+    args, extra = parser.parse_known_args(tokens)
+    if args.handler is _bench:
         args.suite_args = extra
     elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    return int(args.handler(args))
+        commands.choices[args.subcommand].error(f"unrecognized arguments: {' '.join(extra)}")
+    # The options after the command's name (global options before it exit early).
+    args.tokens = tokens[tokens.index(args.subcommand) + 1:]
+    try:
+        return int(args.handler(args))
+    except _UsageError as error:
+        print(f"mltuner {args.subcommand}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # Ctrl-C outside the job (which handles its own)
+        print(f"mltuner {args.subcommand}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _demo_defaults() -> dict[str, object]:
+    """The program's options as DEMO_ARGS sets them, for demo's --help."""
+    program = argparse.ArgumentParser(add_help=False)
+    add_program_options(program)
+    return vars(program.parse_args(DEMO_ARGS))
 
 
 if __name__ == "__main__":

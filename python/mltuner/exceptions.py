@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "MltunerError",
     "InvalidArgumentError",
+    "ArgumentTypeError",
     "NotFoundError",
     "OutOfOrderError",
     "WaitTimeoutError",
@@ -29,6 +30,10 @@ class MltunerError(Exception):
 
 class InvalidArgumentError(MltunerError, ValueError):
     """A wrong shape, dtype, size, row id or name."""
+
+
+class ArgumentTypeError(InvalidArgumentError, TypeError):
+    """An argument of the wrong type (a float where an integer is needed, ...)."""
 
 
 class NotFoundError(MltunerError, LookupError):

@@ -22,6 +22,7 @@
 
 #include "mltuner/status.h"
 #include "mltuner/types.h"
+#include "mltuner/update_step.h"
 
 namespace mltuner {
 
@@ -30,9 +31,11 @@ enum class Stream : int {
   kApp = 0,        // the application's own work (init-phase accesses)
   kPrefetch = 1,   // allocator thread: gathers and host->device copies
   kWriteback = 2,  // reclaimer thread: scatter-adds and device->host copies
-  kReceive = 3,    // installing fresh rows from servers
+  kReceive = 3,    // synchronous requests (fetch replies, branch switches)
+  kServer = 4,     // the process's server shard: sums, update rules, pushed rows
+                   // (low priority on CUDA: it must not delay the application)
 };
-constexpr int kNumStreams = 4;
+constexpr int kNumStreams = 5;
 
 // A ticket for work queued on a stream; null means "already complete".
 using DeviceEvent = std::shared_ptr<void>;
@@ -80,16 +83,35 @@ class Device {
   virtual void ScatterAdd(float* dst, const float* src, const RunIndex& index, int64_t row_width,
                           Stream s) = 0;
   virtual void Fill(float* dst, float value, size_t count, Stream s) = 0;
+  // dst[i] += src[i] for i < count. Both pointers are device memory.
+  virtual void AddInto(float* dst, const float* src, int64_t count, Stream s) = 0;
+  // One step of an update rule over `count` values (see update_step.h):
+  // params, state and update_sum are device memory.
+  virtual void ApplyUpdate(const UpdateStep& step, float* params, float* state, const float* update_sum,
+                           int64_t count, Stream s) = 0;
   virtual Status Synchronize(Stream s) = 0;
+  // The first error of asynchronous work seen so far and not yet reported
+  // (by this or Synchronize), without waiting for anything.
+  virtual Status TakeError() = 0;
+
+  // Ordering between streams without blocking a thread. RecordEvent takes a
+  // ticket for everything queued so far on engine stream `s`; WaitEvent makes
+  // stream `s` wait for a ticket (from any stream of this device); a null
+  // ticket is complete. WaitOnAppStream makes the application's stream wait,
+  // so a buffer prepared on an engine stream is complete before the
+  // application's kernels touch it. WaitEventDone blocks the calling thread.
+  virtual Status RecordEvent(Stream s, DeviceEvent* out) = 0;
+  virtual Status WaitEvent(Stream s, const DeviceEvent& event) = 0;
+  virtual Status WaitOnAppStream(uintptr_t app_stream, const DeviceEvent& event) = 0;
+  virtual Status WaitEventDone(const DeviceEvent& event) = 0;
 
   // The application hands buffers back (post calls) while its own kernels
   // may still be using them on its own stream. RecordAppWork takes a ticket
   // for everything queued so far on `app_stream` (a CUDA stream handle as an
-  // integer, 0 = the legacy default stream); WaitAppWork makes engine stream
-  // `s` wait for it without blocking the calling thread. The CPU backend has
-  // no asynchronous application work: its tickets are null.
+  // integer, 0 = the legacy default stream); WaitEvent makes an engine
+  // stream wait for it. The CPU backend has no asynchronous work at all: its
+  // tickets are null.
   virtual Status RecordAppWork(uintptr_t app_stream, DeviceEvent* out) = 0;
-  virtual Status WaitAppWork(Stream s, const DeviceEvent& event) = 0;
   // The index of the accelerator (DLPack device id); 0 for the CPU.
   virtual int ordinal() const = 0;
 

@@ -49,6 +49,10 @@ struct AccessBuffer {
   Clock data_age = kNoClock;  // reads: the table's data age when gathered
   std::shared_ptr<void> keepalive;
   std::shared_ptr<Device> device;  // where `data` lives (host_addressable, ordinal)
+  // The engine's work filling the buffer (null: complete). Open already made
+  // the stream it was given wait for it; another consumer's stream must wait
+  // too (DeviceArray.__dlpack__(stream=...) does).
+  DeviceEvent ready;
 };
 
 struct EngineStats {
@@ -74,8 +78,8 @@ class Engine {
  public:
   // `transport` must outlive the engine; `rank` is this worker's process
   // rank, which is also the rank of its co-located server shard.
-  static Status Create(const Config& config, int rank, int num_workers,
-                       std::unique_ptr<Device> device, Transport* transport,
+  static Status Create(const Config& config, int rank, int num_workers, std::shared_ptr<Device> device,
+                       Transport* transport,
                        std::unique_ptr<Engine>* out);
   ~Engine();
   Engine(const Engine&) = delete;
@@ -103,11 +107,13 @@ class Engine {
   // on the buffer (a CUDA stream handle; 0 = the legacy default stream): the
   // engine waits for that work before it reads, reuses or frees the buffer.
   // The CPU backend ignores it.
-  Status Read(Handle handle, AccessBuffer* out);
+  // app_stream (CUDA): the stream the application will use the buffer on;
+  // it is made to wait until the buffer is complete, without blocking.
+  Status Read(Handle handle, AccessBuffer* out, uintptr_t app_stream = 0);
   Status PostRead(Handle handle, uintptr_t app_stream = 0);
-  Status PreUpdate(Handle handle, AccessBuffer* out);
+  Status PreUpdate(Handle handle, AccessBuffer* out, uintptr_t app_stream = 0);
   Status Update(Handle handle, uintptr_t app_stream = 0);
-  Status LocalAccess(Handle handle, AccessBuffer* out);
+  Status LocalAccess(Handle handle, AccessBuffer* out, uintptr_t app_stream = 0);
   Status PostLocalAccess(Handle handle, uintptr_t app_stream = 0);
   Status Clock();
 

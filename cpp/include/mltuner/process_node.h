@@ -52,6 +52,7 @@ class ProcessNode final : public Transport {
   Status Send(Message&& message) override;
   Status AddTableToShard(int rank, const TableInfo& info) override;
   std::vector<float> NewPayload(size_t count) override;
+  bool SharesDevice(int sender, int receiver) const override { return sender == rank_ && receiver == rank_; }
 
   // The next message for another process, waiting up to timeout_ms. False
   // when none came in time, or the node is closed and its outbox drained.

@@ -47,6 +47,10 @@ class Status {
   StatusCode code() const { return code_; }
   const std::string& message() const { return message_; }
   std::string ToString() const;
+  // The same code, its message prefixed by `context` (where it happened).
+  Status WithContext(const std::string& context) const {
+    return ok() ? *this : Status(code_, context + ": " + message_);
+  }
 
  private:
   Status(StatusCode code, std::string msg) : code_(code), message_(std::move(msg)) {}

@@ -28,6 +28,14 @@ class Transport {
   // A payload vector of `count` floats (contents unspecified) for a message
   // about to be sent; a transport may hand out recycled buffers.
   virtual std::vector<float> NewPayload(size_t count) { return std::vector<float>(count); }
+  // Whether a message from process `sender` to process `receiver` may carry
+  // its values as a device buffer (Message::device_values): true when both
+  // run in this process on memory the same device can address directly.
+  virtual bool SharesDevice(int sender, int receiver) const {
+    (void)sender;
+    (void)receiver;
+    return false;
+  }
 };
 
 }  // namespace mltuner

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "engine/engine_impl.h"
+#include "memory/device_block.h"
 #include "server/shard.h"
 
 namespace mltuner {
@@ -12,8 +13,13 @@ namespace mltuner {
 Status Engine::Impl::HandleMessage(Message&& message) {
   ++messages_received_;
   switch (message.type()) {
-    case MessageType::kRows:
-      return InstallRows(message);
+    case MessageType::kRows: {
+      // Rows that cannot be installed leave this worker waiting for a data
+      // age that never comes: fail now, with the cause, rather than time out.
+      const Status status = InstallRows(message);
+      if (!status.ok() && status.code() != StatusCode::kShutdown) Fail(status.WithContext(ThreadContext("receive")));
+      return status;
+    }
     case MessageType::kFetchReply:
     case MessageType::kAck:
     case MessageType::kError:
@@ -51,7 +57,7 @@ Status Engine::Impl::InstallRows(const Message& message) {
                                : message.spans.size() == 1 && message.spans[0].begin == range.begin &&
                                      message.spans[0].count == range.count;
   if (!whole_range || message.header.row_width != info.row_width ||
-      message.values.size() != static_cast<size_t>(range.count * info.row_width)) {
+      message.num_values() != static_cast<size_t>(range.count * info.row_width)) {
     return Status::InvalidArgument("rows for table '" + info.name + "' from shard " + std::to_string(shard) +
                                    " do not match its rows " + std::to_string(range.begin) + "+" +
                                    std::to_string(range.count) + ": " + message.DebugString());
@@ -61,21 +67,39 @@ Status Engine::Impl::InstallRows(const Message& message) {
     if (message.header.branch != cache_branch_) return Status::Ok();  // the cache moved to another branch
     if (message.header.clock <= shard_age_[table][shard]) return Status::Ok();  // not newer
   }
+  // Installs are queued on the prefetch stream, the stream of every gather:
+  // the partition locks order the two on this side, the stream orders them
+  // on the device, so neither this thread nor the allocator waits for the
+  // copies. Device payloads wait for their producer there too.
   const TableStore& store = *stores_[table];
   const int64_t width = info.row_width;
+  const DeviceBuffer* on_device = message.device_values.get();
+  if (on_device != nullptr) MLT_RETURN_IF_ERROR(device_->WaitEvent(Stream::kPrefetch, on_device->ready));
+  const float* payload = on_device != nullptr ? on_device->data : message.values.data();
   for (const WireSegment& segment : index_.tables[table].receive[shard]) {
-    const float* src = message.values.data() + (segment.begin - range.begin) * width;
+    const float* src = payload + (segment.begin - range.begin) * width;
     float* dst = store.values(segment.residence) + segment.slot * width;
     const size_t bytes = static_cast<size_t>(segment.count * info.row_bytes());
     auto guard = store.locks->LockExclusive(segment.first_position,
                                             segment.last_position - segment.first_position + 1);
     if (segment.residence == Residence::kDevice) {
-      device_->CopyHostToDevice(dst, src, bytes, Stream::kReceive);
-      MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kReceive));
+      if (on_device != nullptr) {
+        device_->CopyDeviceToDevice(dst, src, bytes, Stream::kPrefetch);
+      } else {
+        device_->CopyHostToDevice(dst, src, bytes, Stream::kPrefetch);  // reads the pageable source at once
+      }
+    } else if (on_device != nullptr) {
+      device_->CopyDeviceToHost(dst, src, bytes, Stream::kPrefetch);  // into the pinned host store
     } else {
+      // A host-side write: queued gathers may still be reading these rows.
+      MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kPrefetch));
       std::memcpy(dst, src, bytes);
     }
   }
+  if (on_device != nullptr) {
+    MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kPrefetch, &message.device_values->last_use));
+  }
+  MLT_RETURN_IF_ERROR(device_->TakeError());
   {
     std::lock_guard<std::mutex> lock(age_mu_);
     // Rows of a branch the cache left while they were copied are overwritten
@@ -91,6 +115,13 @@ Status Engine::Impl::InstallRows(const Message& message) {
 }
 
 Status Engine::Impl::CompleteRequest(Message&& message) {
+  if (message.type() == MessageType::kError && message.header.request_id == 0) {
+    // A shard refused a message of ours that has no reply (a clock's
+    // updates): the job cannot go on.
+    Fail(Status::Internal("shard " + std::to_string(message.header.sender) + " refused a message from worker " +
+                          std::to_string(rank_) + ": " + message.text));
+    return Status::Ok();
+  }
   std::shared_ptr<PendingRequest> request;
   {
     std::lock_guard<std::mutex> lock(age_mu_);

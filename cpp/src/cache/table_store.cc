@@ -5,22 +5,6 @@
 
 namespace mltuner {
 
-Status DeviceBlock::Make(std::shared_ptr<Device> device, size_t bytes, bool host,
-                         std::shared_ptr<DeviceBlock>* out) {
-  void* data = nullptr;
-  MLT_RETURN_IF_ERROR(host ? device->AllocateHost(bytes, &data) : device->Allocate(bytes, &data));
-  out->reset(new DeviceBlock(std::move(device), data, bytes, host));
-  return Status::Ok();
-}
-
-DeviceBlock::~DeviceBlock() {
-  if (host_) {
-    device_->FreeHost(data_);
-  } else {
-    device_->Free(data_);
-  }
-}
-
 namespace {
 
 Status MakeZeroed(const std::shared_ptr<Device>& device, int64_t rows, const TableInfo& info,

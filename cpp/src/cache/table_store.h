@@ -11,6 +11,7 @@
 
 #include <memory>
 
+#include "memory/device_block.h"
 #include "memory/partition_locks.h"
 #include "mltuner/device.h"
 #include "mltuner/status.h"
@@ -18,29 +19,6 @@
 #include "plan/placement.h"
 
 namespace mltuner {
-
-// One allocation from a Device (device memory, or host staging memory when
-// `host`), freed when the last owner lets go. Holds the Device alive too, so
-// a buffer the application still holds stays valid after the engine is gone.
-class DeviceBlock {
- public:
-  static Status Make(std::shared_ptr<Device> device, size_t bytes, bool host,
-                     std::shared_ptr<DeviceBlock>* out);
-  ~DeviceBlock();
-  DeviceBlock(const DeviceBlock&) = delete;
-  DeviceBlock& operator=(const DeviceBlock&) = delete;
-
-  float* floats() const { return static_cast<float*>(data_); }
-  size_t bytes() const { return bytes_; }
-
- private:
-  DeviceBlock(std::shared_ptr<Device> device, void* data, size_t bytes, bool host)
-      : device_(std::move(device)), data_(data), bytes_(bytes), host_(host) {}
-  std::shared_ptr<Device> device_;
-  void* data_;
-  size_t bytes_;
-  bool host_;
-};
 
 struct TableStore {
   TableInfo info;

@@ -10,10 +10,24 @@ namespace mltuner {
 
 class LocalCluster::Hub : public Transport {
  public:
-  Hub(int num_workers, const Config& config) {
+  // Every rank's shard keeps its state on its worker's device; all of them
+  // share one process, so rows travel to every worker as device buffers.
+  Hub(const Config& config, const std::vector<std::shared_ptr<Device>>& devices) : devices_(devices) {
+    const int num_workers = static_cast<int>(devices.size());
     for (int rank = 0; rank < num_workers; ++rank) {
-      hosts_.push_back(std::make_unique<ShardHost>(rank, num_workers, config, &pool_));
+      hosts_.push_back(std::make_unique<ShardHost>(rank, num_workers, config, &pool_, devices[rank],
+                                                   [this, rank](int worker) { return SameMemory(rank, worker); }));
     }
+  }
+
+  // Host memory is shared by every CPU device; a GPU's memory only by users
+  // of the same GPU (kernels may not read another GPU's memory without peer
+  // access).
+  bool SameMemory(int a, int b) const {
+    const Device& x = *devices_[a];
+    const Device& y = *devices_[b];
+    if (x.host_addressable() || y.host_addressable()) return x.host_addressable() && y.host_addressable();
+    return x.ordinal() == y.ordinal();
   }
   ~Hub() override { Stop(); }
 
@@ -40,6 +54,7 @@ class LocalCluster::Hub : public Transport {
   Status AddTableToShard(int rank, const TableInfo& info) override { return hosts_[rank]->AddTable(info); }
 
   std::vector<float> NewPayload(size_t count) override { return pool_.Acquire(count); }
+  bool SharesDevice(int sender, int receiver) const override { return SameMemory(sender, receiver); }
 
   int64_t rejected() const {
     int64_t total = 0;
@@ -50,6 +65,7 @@ class LocalCluster::Hub : public Transport {
  private:
   // Recycled payloads; 1 GiB bounds what idle buffers may hold.
   BufferPool pool_{size_t{1} << 30};
+  std::vector<std::shared_ptr<Device>> devices_;
   std::vector<std::unique_ptr<ShardHost>> hosts_;
 };
 
@@ -57,7 +73,7 @@ Status LocalCluster::Create(const Config& config, int num_workers, std::unique_p
                             const DeviceFactory& make_device) {
   if (num_workers < 1) return Status::InvalidArgument("a cluster needs at least one worker");
   std::unique_ptr<LocalCluster> cluster(new LocalCluster());
-  cluster->hub_ = std::make_unique<Hub>(num_workers, config);
+  std::vector<std::shared_ptr<Device>> devices;
   for (int rank = 0; rank < num_workers; ++rank) {
     std::unique_ptr<Device> device;
     if (make_device) {
@@ -65,8 +81,12 @@ Status LocalCluster::Create(const Config& config, int num_workers, std::unique_p
     } else {
       device = NewCpuDevice();
     }
+    devices.push_back(std::move(device));
+  }
+  cluster->hub_ = std::make_unique<Hub>(config, devices);
+  for (int rank = 0; rank < num_workers; ++rank) {
     std::unique_ptr<Engine> engine;
-    MLT_RETURN_IF_ERROR(Engine::Create(config, rank, num_workers, std::move(device), cluster->hub_.get(), &engine));
+    MLT_RETURN_IF_ERROR(Engine::Create(config, rank, num_workers, devices[rank], cluster->hub_.get(), &engine));
     cluster->engines_.push_back(std::move(engine));
   }
   cluster->hub_->Start(cluster->engines_);

@@ -8,6 +8,7 @@
 
 #include "cluster/shard_host.h"
 #include "memory/buffer_pool.h"
+#include "memory/device_block.h"
 #include "wire/message.h"
 
 namespace mltuner {
@@ -15,8 +16,9 @@ namespace mltuner {
 // The shard host and the outbox of messages for other processes.
 class ProcessNode::Queues {
  public:
-  Queues(int rank, int num_workers, const Config& config, BufferPool* pool)
-      : host(rank, num_workers, config, pool) {}
+  Queues(int rank, int num_workers, const Config& config, BufferPool* pool, std::shared_ptr<Device> device)
+      : host(rank, num_workers, config, pool, device, [rank](int worker) { return worker == rank; }),
+        device(std::move(device)) {}
 
   void PushOutgoing(OutgoingMessage&& message) {
     {
@@ -45,6 +47,7 @@ class ProcessNode::Queues {
   }
 
   ShardHost host;
+  std::shared_ptr<Device> device;  // shared with the engine and the shard
   mutable std::mutex mu;
   std::condition_variable ready;
   std::deque<OutgoingMessage> outbox;  // guarded by mu
@@ -61,13 +64,13 @@ Status ProcessNode::Create(const Config& config, int rank, int num_workers, std:
     return Status::InvalidArgument("rank " + std::to_string(rank) + " is outside 0.." +
                                    std::to_string(num_workers - 1));
   }
-  if (device == nullptr) device = NewCpuDevice();
+  std::shared_ptr<Device> shared_device = device ? std::move(device) : NewCpuDevice();
   std::unique_ptr<ProcessNode> node(new ProcessNode(rank, num_workers));
   // Payloads in flight through ZeroMQ hold their buffers; idle ones are kept
   // up to 1 GiB for reuse.
   node->pool_ = std::make_shared<BufferPool>(size_t{1} << 30);
-  node->queues_ = std::make_unique<Queues>(rank, num_workers, config, node->pool_.get());
-  MLT_RETURN_IF_ERROR(Engine::Create(config, rank, num_workers, std::move(device), node.get(), &node->engine_));
+  node->queues_ = std::make_unique<Queues>(rank, num_workers, config, node->pool_.get(), shared_device);
+  MLT_RETURN_IF_ERROR(Engine::Create(config, rank, num_workers, shared_device, node.get(), &node->engine_));
   node->queues_->host.Start(node->engine_.get(), node.get());
   *out = std::move(node);
   return Status::Ok();
@@ -84,6 +87,17 @@ Status ProcessNode::Send(Message&& message) {
   if (receiver == rank_) {
     queues_->host.Push(std::move(message));
     return Status::Ok();
+  }
+  if (message.device_values) {
+    // Another process: the values leave the device here, after the work that
+    // produced them.
+    const DeviceBuffer& buffer = *message.device_values;
+    Device& device = *queues_->device;
+    message.values = pool_->Acquire(buffer.count);
+    MLT_RETURN_IF_ERROR(device.WaitEvent(Stream::kReceive, buffer.ready));
+    device.CopyDeviceToHost(message.values.data(), buffer.data, buffer.count * sizeof(float), Stream::kReceive);
+    MLT_RETURN_IF_ERROR(device.Synchronize(Stream::kReceive));
+    message.device_values.reset();
   }
   OutgoingMessage outgoing;
   outgoing.receiver = receiver;

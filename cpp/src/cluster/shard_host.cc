@@ -39,20 +39,39 @@ void Inbox::Stop() {
   if (thread_.joinable()) thread_.join();
 }
 
-ShardHost::ShardHost(int rank, int num_workers, const Config& config, BufferPool* pool)
-    : pool_(pool), shard_(rank, num_workers, config.update_rule, config.max_branches) {
+ShardHost::ShardHost(int rank, int num_workers, const Config& config, BufferPool* pool,
+                     std::shared_ptr<Device> device, std::function<bool(int worker)> device_receivers)
+    : pool_(pool), shard_(rank, num_workers, config.update_rule, config.max_branches, std::move(device)) {
   shard_.set_buffer_pool(pool);
+  shard_.set_device_receivers(std::move(device_receivers));
 }
 
 void ShardHost::Start(Engine* engine, Transport* transport) {
-  server_inbox_.Start([this, transport](Message&& message) {
+  server_inbox_.Start([this, transport, engine](Message&& message) {
     std::vector<Message> replies;
     Status status;
     {
       std::lock_guard<std::mutex> lock(shard_mu_);
       status = shard_.Handle(std::move(message), &replies);
     }
-    if (!status.ok()) Reject(status, message);
+    if (!status.ok()) {
+      Reject(status, message);
+      // Requests got their error reply from the shard. A refused message
+      // without a reply (a clock's updates, a start) leaves the job waiting
+      // for rows that never come: its sender learns at once, and this
+      // process's own worker fails too.
+      if (status.code() != StatusCode::kShutdown && message.header.request_id == 0) {
+        const Status context = status.WithContext("shard " + std::to_string(shard_.rank()));
+        const int sender = message.header.sender;
+        if (sender >= 0 && sender != shard_.rank()) {
+          Message refusal = NewMessage(MessageType::kError, shard_.rank(), sender, message.header.table);
+          refusal.text = context.message();
+          refusal.header.text_bytes = static_cast<uint32_t>(refusal.text.size());
+          replies.push_back(std::move(refusal));
+        }
+        engine->Abort(context);
+      }
+    }
     pool_->Release(std::move(message.values));
     for (Message& reply : replies) {
       const Status sent = transport->Send(std::move(reply));

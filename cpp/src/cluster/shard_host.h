@@ -42,8 +42,11 @@ class Inbox {
 
 class ShardHost {
  public:
-  // `pool` recycles payloads and must outlive the host.
-  ShardHost(int rank, int num_workers, const Config& config, BufferPool* pool);
+  // `pool` recycles host payloads and must outlive the host. The shard keeps
+  // its state in `device`'s memory and sends rows as device buffers to the
+  // workers for which `device_receivers` is true.
+  ShardHost(int rank, int num_workers, const Config& config, BufferPool* pool, std::shared_ptr<Device> device,
+            std::function<bool(int worker)> device_receivers);
   ~ShardHost() { Stop(); }
   ShardHost(const ShardHost&) = delete;
   ShardHost& operator=(const ShardHost&) = delete;

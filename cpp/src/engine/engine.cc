@@ -20,13 +20,15 @@ Status ShutdownError() { return Status::Shutdown("the engine is shut down"); }
 
 // --- Impl: construction and tables ---------------------------------------------
 
-Engine::Impl::Impl(const Config& config, int rank, int num_workers, std::unique_ptr<Device> device,
+Engine::Impl::Impl(const Config& config, int rank, int num_workers, std::shared_ptr<Device> device,
                    Transport* transport)
     : config_(config),
       rank_(rank),
       num_workers_(num_workers),
       device_(std::move(device)),
       transport_(transport) {
+  // Idle payload buffers: a few clocks of a large model's updates in flight.
+  payloads_ = std::make_unique<DeviceBufferPool>(device_, size_t{2} << 30);
   BranchSettings initial;
   initial.learning_rate = config.update_rule.learning_rate;
   initial.momentum = config.update_rule.momentum;
@@ -48,6 +50,10 @@ void Engine::Impl::Fail(const Status& status) {
   }
   cv_.notify_all();
   age_cv_.notify_all();
+}
+
+std::string Engine::Impl::ThreadContext(const char* thread) const {
+  return "worker " + std::to_string(rank_) + "'s " + thread + " thread";
 }
 
 void Engine::Impl::Abort(const Status& why) {
@@ -277,7 +283,7 @@ Status Engine::Impl::WaitForSlot(Handle handle, mltuner::Clock clock, Slot** out
   return Status::Ok();
 }
 
-Status Engine::Impl::Open(Handle handle, OpKind kind, AccessBuffer* out) {
+Status Engine::Impl::Open(Handle handle, OpKind kind, AccessBuffer* out, uintptr_t app_stream) {
   const Phase phase = phase_.load();
   if (phase == Phase::kShutdown) return ShutdownError();
   if (phase == Phase::kDefining) {
@@ -305,7 +311,11 @@ Status Engine::Impl::Open(Handle handle, OpKind kind, AccessBuffer* out) {
   }
   Slot* slot = nullptr;
   MLT_RETURN_IF_ERROR(WaitForSlot(handle, clock, &slot));
+  // The allocator queued the buffer's contents without waiting for them: the
+  // application's stream waits on the GPU instead, so this thread runs ahead.
+  MLT_RETURN_IF_ERROR(device_->WaitOnAppStream(app_stream, slot->ready));
   *out = BufferFor(access, slot->data, slot->data_age, pool_memory_);
+  out->ready = slot->ready;
   {
     std::lock_guard<std::mutex> lock(mu_);
     ++app_seq_;
@@ -451,7 +461,7 @@ Status Engine::Impl::Shutdown() {
 Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Engine::~Engine() = default;
 
-Status Engine::Create(const Config& config, int rank, int num_workers, std::unique_ptr<Device> device,
+Status Engine::Create(const Config& config, int rank, int num_workers, std::shared_ptr<Device> device,
                       Transport* transport, std::unique_ptr<Engine>* out) {
   if (num_workers < 1 || rank < 0 || rank >= num_workers) {
     return Status::InvalidArgument("rank " + std::to_string(rank) + " of " + std::to_string(num_workers) +
@@ -544,12 +554,14 @@ Status Engine::StartIterations() {
   if (impl_->phase_.load() == Phase::kShutdown) return ShutdownError();
   return impl_->StartIterations();
 }
-Status Engine::Read(Handle h, AccessBuffer* out) { return impl_->Open(h, OpKind::kRead, out); }
+Status Engine::Read(Handle h, AccessBuffer* out, uintptr_t s) { return impl_->Open(h, OpKind::kRead, out, s); }
 Status Engine::PostRead(Handle h, uintptr_t s) { return impl_->Post(h, OpKind::kPostRead, s); }
-Status Engine::PreUpdate(Handle h, AccessBuffer* out) { return impl_->Open(h, OpKind::kPreUpdate, out); }
+Status Engine::PreUpdate(Handle h, AccessBuffer* out, uintptr_t s) {
+  return impl_->Open(h, OpKind::kPreUpdate, out, s);
+}
 Status Engine::Update(Handle h, uintptr_t s) { return impl_->Post(h, OpKind::kUpdate, s); }
-Status Engine::LocalAccess(Handle h, AccessBuffer* out) {
-  return impl_->Open(h, OpKind::kLocalAccess, out);
+Status Engine::LocalAccess(Handle h, AccessBuffer* out, uintptr_t s) {
+  return impl_->Open(h, OpKind::kLocalAccess, out, s);
 }
 Status Engine::PostLocalAccess(Handle h, uintptr_t s) { return impl_->Post(h, OpKind::kPostLocalAccess, s); }
 Status Engine::Clock() { return impl_->Clock(); }

@@ -52,6 +52,7 @@ struct Slot {
   size_t offset = 0;  // in the pool: placement_.buffers.PoolOffset(handle, clock)
   float* data = nullptr;
   mltuner::Clock data_age = kNoClock;
+  DeviceEvent ready;     // the allocator's work filling the buffer
   DeviceEvent app_done;  // the application's work on the buffer, taken at its post
 };
 
@@ -80,7 +81,7 @@ struct PendingRequest {
 
 class Engine::Impl {
  public:
-  Impl(const Config& config, int rank, int num_workers, std::unique_ptr<Device> device,
+  Impl(const Config& config, int rank, int num_workers, std::shared_ptr<Device> device,
        Transport* transport);
   ~Impl();
 
@@ -90,7 +91,7 @@ class Engine::Impl {
   Status LookupTable(TableId table, const TableInfo** out) const;
   Status FinishVirtualIteration();
   Status StartIterations();
-  Status Open(Handle handle, OpKind kind, AccessBuffer* out);
+  Status Open(Handle handle, OpKind kind, AccessBuffer* out, uintptr_t app_stream);
   Status Post(Handle handle, OpKind kind, uintptr_t app_stream);
   Status Clock();
   Status Fetch(TableId table, const std::vector<RowId>& rows, float* out, BranchId branch);
@@ -126,6 +127,8 @@ class Engine::Impl {
   int depth_ = 2;                                    // slots per handle = pool regions
   std::shared_ptr<DeviceBlock> pool_memory_;
   std::shared_ptr<DeviceBlock> staging_;  // reclaimer: device -> host for host-resident updates
+  // Device buffers for update payloads to shards that share this device.
+  std::unique_ptr<DeviceBufferPool> payloads_;
 
  private:
   // --- initialisation phase (engine/init_access.cc) -------------------------
@@ -167,6 +170,11 @@ class Engine::Impl {
   Status SendTableClock(TableId table, mltuner::Clock clock);
   Status BuildDirectUpdate(const AccessRecord& access, const float* buffer, mltuner::Clock clock,
                            std::vector<Message>* messages);
+  // A kClockUpdate to `shard` with `values` floats of payload, in device
+  // memory when the shard shares this device (then its data is *device).
+  Status NewUpdateMessage(TableId table, int shard, mltuner::Clock clock, size_t values, Message* out,
+                          float** data, bool* on_device);
+  Status MarkReady(std::vector<Message>* messages);
   Status SendAll(std::vector<Message> messages);
   void ReleaseSlot(Slot* slot);
 
@@ -183,6 +191,8 @@ class Engine::Impl {
 
   // Records a background failure; every later call returns it.
   void Fail(const Status& status);
+  // "worker R's <thread> thread", the context of a background failure.
+  std::string ThreadContext(const char* thread) const;
   std::chrono::steady_clock::time_point Deadline() const;
 
  public:

@@ -148,8 +148,8 @@ Status Engine::Impl::PostInit(Handle handle, uintptr_t app_stream) {
   // The application's writes must land before we copy the buffer out.
   DeviceEvent app_done;
   Status status = device_->RecordAppWork(app_stream, &app_done);
-  if (status.ok()) status = device_->WaitAppWork(Stream::kApp, app_done);
-  if (status.ok()) status = device_->WaitAppWork(Stream::kWriteback, app_done);
+  if (status.ok()) status = device_->WaitEvent(Stream::kApp, app_done);
+  if (status.ok()) status = device_->WaitEvent(Stream::kWriteback, app_done);
   if (!status.ok()) return status;
   if (access.kind == OpKind::kPreUpdate) {
     std::vector<float> host(values);

@@ -54,7 +54,7 @@ void Engine::Impl::AllocatorLoop() {
     Status status = cached == at.branch ? Status::Ok() : SwitchCache(at.branch);
     if (status.ok()) status = PrepareSlot(seq, recording_.accesses[op.handle], at, slot);
     if (!status.ok()) {
-      if (status.code() != StatusCode::kShutdown) Fail(status);
+      if (status.code() != StatusCode::kShutdown) Fail(status.WithContext(ThreadContext("allocator")));
       return;
     }
     {
@@ -87,7 +87,6 @@ Status Engine::Impl::PrepareSlot(int64_t seq, const AccessRecord& access, const 
       MLT_RETURN_IF_ERROR(WaitFresh(access, at, &age));
       auto guard = stores_[access.table]->locks->LockShared(index.lock_begin, index.lock_count);
       GatherInto(access, slot->data, Stream::kPrefetch);
-      MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kPrefetch));
       // The age is read again under the partition locks: installs of newer rows
       // may have landed, never older ones.
       slot->data_age = std::max(age, DataAge(access.table));
@@ -95,7 +94,6 @@ Status Engine::Impl::PrepareSlot(int64_t seq, const AccessRecord& access, const 
     }
     case OpKind::kPreUpdate:
       device_->Fill(slot->data, 0.0f, values, Stream::kPrefetch);
-      MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kPrefetch));
       break;
     case OpKind::kLocalAccess:
       if (access.fetch) {
@@ -104,13 +102,15 @@ Status Engine::Impl::PrepareSlot(int64_t seq, const AccessRecord& access, const 
           if (writer_clock >= 0) MLT_RETURN_IF_ERROR(WaitForWriteBack(writer_clock * num_ops + index.fetch_after_op + 1));
         }
         GatherInto(access, slot->data, Stream::kPrefetch);
-        MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kPrefetch));
       }
       break;
     default:
       return Status::Internal("allocator asked to prepare a post op");
   }
-  return Status::Ok();
+  // No wait here: the application's stream waits for this ticket when the
+  // buffer is opened. Errors of earlier queued work surface now.
+  MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kPrefetch, &slot->ready));
+  return device_->TakeError();
 }
 
 Status Engine::Impl::WaitFresh(const AccessRecord& access, const ClockBranch& at, mltuner::Clock* age) {

@@ -22,7 +22,7 @@ void Engine::Impl::ReclaimerLoop() {
     }
     const Status status = ReclaimOp(seq);
     if (!status.ok()) {
-      Fail(status);
+      if (status.code() != StatusCode::kShutdown) Fail(status.WithContext(ThreadContext("reclaimer")));
       return;
     }
     {
@@ -51,26 +51,24 @@ Status Engine::Impl::ReclaimOp(int64_t seq) {
   const AccessRecord& access = recording_.accesses[op.handle];
   Slot* slot = &slots_[op.handle][clock % depth_];
   // Everything below runs on the writeback stream after the application's
-  // own work on the buffer; the Synchronize before ReleaseSlot then also
-  // guarantees that work is done before the buffer is reused.
-  MLT_RETURN_IF_ERROR(device_->WaitAppWork(Stream::kWriteback, slot->app_done));
+  // own work on the buffer. Updates are sent as soon as their copies are
+  // queued (the shard's stream waits for them on the device); the
+  // Synchronize before ReleaseSlot guarantees that all work on the buffer is
+  // done before the buffer is reused.
+  MLT_RETURN_IF_ERROR(device_->WaitEvent(Stream::kWriteback, slot->app_done));
   slot->app_done.reset();
   if (op.kind == OpKind::kUpdate && index_.tables[access.table].direct.handle == op.handle) {
     std::vector<Message> messages;
     MLT_RETURN_IF_ERROR(BuildDirectUpdate(access, slot->data, clock, &messages));
-    ReleaseSlot(slot);
-    return SendAll(std::move(messages));
-  }
-  if (op.kind == OpKind::kUpdate) {
+    MLT_RETURN_IF_ERROR(SendAll(std::move(messages)));
+  } else if (op.kind == OpKind::kUpdate) {
     ScatterAddUpdate(access, slot->data);
+    if (index_.accesses[op.handle].closes_table_clock) MLT_RETURN_IF_ERROR(SendTableClock(access.table, clock));
   } else if (op.kind == OpKind::kPostLocalAccess && access.keep) {
     WriteBackLocal(access, slot->data);
   }
   MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kWriteback));
   ReleaseSlot(slot);
-  if (op.kind == OpKind::kUpdate && index_.accesses[op.handle].closes_table_clock) {
-    MLT_RETURN_IF_ERROR(SendTableClock(access.table, clock));
-  }
   return Status::Ok();
 }
 
@@ -80,6 +78,7 @@ void Engine::Impl::ReleaseSlot(Slot* slot) {
     std::lock_guard<std::mutex> lock(mu_);
     slot->state = SlotState::kEmpty;
     slot->data = nullptr;
+    slot->ready.reset();
   }
   cv_.notify_all();
 }
@@ -132,31 +131,63 @@ void Engine::Impl::WriteBackLocal(const AccessRecord& access, const float* buffe
   stats_.bytes_swapped_out += index.host_scatter.total_rows * store.info.row_bytes();
 }
 
+Status Engine::Impl::NewUpdateMessage(TableId table, int shard, mltuner::Clock clock, size_t values, Message* out,
+                                      float** data, bool* on_device) {
+  const ClockBranch at = BranchOf(clock);
+  Message message = NewMessage(MessageType::kClockUpdate, rank_, shard, table);
+  message.header.branch = at.branch;
+  message.header.clock = at.internal;
+  message.header.row_width = tables_[table].row_width;
+  *on_device = values > 0 && transport_->SharesDevice(rank_, shard);
+  if (*on_device) {
+    MLT_RETURN_IF_ERROR(payloads_->Acquire(values, Stream::kWriteback, &message.device_values));
+    *data = message.device_values->data;
+  } else {
+    message.values = transport_->NewPayload(values);
+    *data = message.values.data();
+  }
+  *out = std::move(message);
+  return Status::Ok();
+}
+
+// Ships the table's update log for `clock`: one message per shard, its
+// payload filled on the writeback stream. A shard of this process on this
+// device gets a device buffer, complete when its `ready` ticket is; the others
+// get host values, for which this thread waits.
 Status Engine::Impl::SendTableClock(TableId table, mltuner::Clock clock) {
   const TableStore& store = *stores_[table];
   const int64_t width = store.info.row_width;
   const TableIndex& table_index = index_.tables[table];
   std::vector<Message> messages;
-  const ClockBranch at = BranchOf(clock);
+  bool host_payloads = false;
+  std::vector<std::pair<float*, size_t>> zero_after_copy;  // host log rows read by queued copies
   for (int shard = 0; shard < num_workers_; ++shard) {
-    Message message = NewMessage(MessageType::kClockUpdate, rank_, shard, table);
-    message.header.branch = at.branch;
-    message.header.clock = at.internal;
-    message.header.row_width = width;
     const std::vector<WireSegment>& segments = table_index.send[shard];
     int64_t rows = 0;
     for (const WireSegment& segment : segments) rows += segment.count;
-    message.values = transport_->NewPayload(static_cast<size_t>(rows * width));
-    float* out = message.values.data();
+    Message message;
+    float* out = nullptr;
+    bool on_device = false;
+    MLT_RETURN_IF_ERROR(NewUpdateMessage(table, shard, clock, static_cast<size_t>(rows * width), &message, &out,
+                                         &on_device));
+    host_payloads |= !on_device && rows > 0;
     for (const WireSegment& segment : segments) {
       message.spans.push_back({segment.begin, segment.count});
       const size_t count = static_cast<size_t>(segment.count * width);
       float* log = store.log(segment.residence) + segment.slot * width;
+      const size_t bytes = count * sizeof(float);
       if (segment.residence == Residence::kDevice) {
-        device_->CopyDeviceToHost(out, log, count * sizeof(float), Stream::kWriteback);
+        if (on_device) {
+          device_->CopyDeviceToDevice(out, log, bytes, Stream::kWriteback);
+        } else {
+          device_->CopyDeviceToHost(out, log, bytes, Stream::kWriteback);
+        }
         device_->Fill(log, 0.0f, count, Stream::kWriteback);
+      } else if (on_device) {
+        device_->CopyHostToDevice(out, log, bytes, Stream::kWriteback);
+        zero_after_copy.push_back({log, count});
       } else {
-        std::memcpy(out, log, count * sizeof(float));
+        std::memcpy(out, log, bytes);
         std::fill_n(log, count, 0.0f);
       }
       out += count;
@@ -164,7 +195,9 @@ Status Engine::Impl::SendTableClock(TableId table, mltuner::Clock clock) {
     message.header.num_spans = static_cast<uint32_t>(message.spans.size());
     messages.push_back(std::move(message));
   }
-  MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kWriteback));
+  if (host_payloads || !zero_after_copy.empty()) MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kWriteback));
+  for (const auto& [log, count] : zero_after_copy) std::fill_n(log, count, 0.0f);
+  MLT_RETURN_IF_ERROR(MarkReady(&messages));
   return SendAll(std::move(messages));
 }
 
@@ -173,25 +206,43 @@ Status Engine::Impl::BuildDirectUpdate(const AccessRecord& access, const float* 
   const TableInfo& info = tables_[access.table];
   const DirectSend& direct = index_.tables[access.table].direct;
   const int64_t width = info.row_width;
-  const ClockBranch at = BranchOf(clock);
+  bool host_payloads = false;
   for (int shard = 0; shard < num_workers_; ++shard) {
-    Message message = NewMessage(MessageType::kClockUpdate, rank_, shard, access.table);
-    message.header.branch = at.branch;
-    message.header.clock = at.internal;
-    message.header.row_width = width;
+    const RunIndex& runs = direct.runs[shard];
+    Message message;
+    float* out = nullptr;
+    bool on_device = false;
+    MLT_RETURN_IF_ERROR(NewUpdateMessage(access.table, shard, clock, static_cast<size_t>(runs.total_rows * width),
+                                         &message, &out, &on_device));
+    host_payloads |= !on_device && runs.total_rows > 0;
     message.spans = direct.spans[shard];
     message.header.num_spans = static_cast<uint32_t>(message.spans.size());
-    const RunIndex& runs = direct.runs[shard];
-    message.values = transport_->NewPayload(static_cast<size_t>(runs.total_rows * width));
     for (const RowRun& run : runs.runs) {
-      device_->CopyDeviceToHost(message.values.data() + run.dst * width, buffer + run.src * width,
-                                static_cast<size_t>(run.count * info.row_bytes()), Stream::kWriteback);
+      const size_t bytes = static_cast<size_t>(run.count * info.row_bytes());
+      if (on_device) {
+        device_->CopyDeviceToDevice(out + run.dst * width, buffer + run.src * width, bytes, Stream::kWriteback);
+      } else {
+        device_->CopyDeviceToHost(out + run.dst * width, buffer + run.src * width, bytes, Stream::kWriteback);
+      }
     }
     messages->push_back(std::move(message));
   }
-  MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kWriteback));
+  if (host_payloads) MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kWriteback));
+  MLT_RETURN_IF_ERROR(MarkReady(messages));
   std::lock_guard<std::mutex> lock(mu_);
   stats_.bytes_scattered += static_cast<int64_t>(access.rows.size()) * info.row_bytes();
+  return Status::Ok();
+}
+
+// One ticket for everything queued on the writeback stream, given to every
+// device payload of the batch.
+Status Engine::Impl::MarkReady(std::vector<Message>* messages) {
+  DeviceEvent ready;
+  for (Message& message : *messages) {
+    if (!message.device_values) continue;
+    if (!ready) MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kWriteback, &ready));
+    message.device_values->ready = ready;
+  }
   return Status::Ok();
 }
 

@@ -49,30 +49,18 @@ int64_t CountRows(const std::vector<RowSpan>& spans) {
 // A message that carries values must carry exactly the rows its spans name,
 // in the table's row width.
 Status CheckPayload(const Message& in, const TableInfo& info) {
-  if (!in.values.empty() && in.header.row_width != info.row_width) {
+  if (in.num_values() > 0 && in.header.row_width != info.row_width) {
     return Status::InvalidArgument(TableText(info.id) + ": message row_width " +
                                    std::to_string(in.header.row_width) + ", table row_width " +
                                    std::to_string(info.row_width));
   }
   const int64_t expected = CountRows(in.spans) * info.row_width;
-  if (static_cast<int64_t>(in.values.size()) != expected) {
+  if (static_cast<int64_t>(in.num_values()) != expected) {
     return Status::InvalidArgument(TableText(info.id) + ": message has " +
-                                   std::to_string(in.values.size()) + " values, its spans need " +
+                                   std::to_string(in.num_values()) + " values, its spans need " +
                                    std::to_string(expected));
   }
   return Status::Ok();
-}
-
-// Adds the span-ordered payload of `in` into `dense`, which holds the rows of
-// `range` in order.
-void AddSpansInto(const Message& in, const RowSpan& range, int64_t row_width, float* dense) {
-  const float* source = in.values.data();
-  for (const RowSpan& span : in.spans) {
-    float* target = dense + (span.begin - range.begin) * row_width;
-    const int64_t count = span.count * row_width;
-    for (int64_t i = 0; i < count; ++i) target[i] += source[i];
-    source += count;
-  }
 }
 
 Message Reply(MessageType type, int rank, const Message& request) {
@@ -101,8 +89,38 @@ RowSpan ShardRange(int64_t num_rows, int shard, int num_shards) {
   return range;
 }
 
-ServerShard::ServerShard(int rank, int num_workers, const UpdateRuleConfig& rule, int max_branches)
-    : rank_(rank), num_workers_(num_workers), rule_config_(rule), max_branches_(max_branches) {}
+namespace {
+// Idle shard buffers kept for reuse: enough for the pending updates and pushed
+// rows of a large model's clocks in flight.
+constexpr size_t kMaxIdleShardBufferBytes = size_t{4} << 30;
+
+std::shared_ptr<Device> OrCpu(std::shared_ptr<Device> device) {
+  return device ? std::move(device) : std::shared_ptr<Device>(NewCpuDevice());
+}
+}  // namespace
+
+ServerShard::ServerShard(int rank, int num_workers, const UpdateRuleConfig& rule, int max_branches,
+                         std::shared_ptr<Device> device)
+    : rank_(rank),
+      num_workers_(num_workers),
+      rule_config_(rule),
+      max_branches_(max_branches),
+      device_(OrCpu(std::move(device))),
+      buffers_(device_, kMaxIdleShardBufferBytes) {}
+
+Status ServerShard::NewTableState(const TableInfo& info, std::unique_ptr<TableState>* out) {
+  auto table = std::make_unique<TableState>(num_workers_);
+  table->info = info;
+  // Every process hosts one shard, so shards are numbered like the workers.
+  table->range = ShardRange(info.num_rows, rank_, num_workers_);
+  table->num_values = table->range.count * info.row_width;
+  if (table->num_values > 0) {
+    MLT_RETURN_IF_ERROR(DeviceBlock::Make(device_, static_cast<size_t>(table->num_values) * sizeof(float), false,
+                                          &table->values));
+  }
+  *out = std::move(table);
+  return Status::Ok();
+}
 
 ServerShard::TableState* ServerShard::Find(BranchId branch, TableId table) const {
   auto found = tables_.find({branch, table});
@@ -122,17 +140,18 @@ Status ServerShard::AddTable(const TableInfo& info) {
                                    std::to_string(info.num_rows) + " rows of width " +
                                    std::to_string(info.row_width) + "; both must be >= 1");
   }
-  auto table = std::make_unique<TableState>(num_workers_);
-  table->info = info;
-  // Every process hosts one shard, so shards are numbered like the workers.
-  table->range = ShardRange(info.num_rows, rank_, num_workers_);
-  const int64_t num_values = table->range.count * info.row_width;
-  table->values.assign(static_cast<size_t>(num_values), 0.0f);
-  table->rule = NewUpdateRule(rule_config_, num_values);
+  std::unique_ptr<TableState> table;
+  MLT_RETURN_IF_ERROR(NewTableState(info, &table));
+  if (table->values) {
+    device_->Fill(table->data(), 0.0f, static_cast<size_t>(table->num_values), Stream::kServer);
+  }
+  table->rule = NewUpdateRule(rule_config_, table->num_values, device_);
   if (table->rule == nullptr) {
     return Status::InvalidArgument("unknown update rule kind " +
-                                   std::to_string(static_cast<int>(rule_config_.kind)));
+                                   std::to_string(static_cast<int>(rule_config_.kind)) +
+                                   ", or no memory for its state");
   }
+  MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kServer));
   tables_.emplace(std::make_pair(BranchId{0}, info.id), std::move(table));
   return Status::Ok();
 }
@@ -141,7 +160,7 @@ Status ServerShard::Handle(const Message& in, std::vector<Message>* out) {
   if (out == nullptr) return Status::InvalidArgument("ServerShard::Handle: out is null");
   switch (in.type()) {
     case MessageType::kStart: return HandleStart(in, out);
-    case MessageType::kClockUpdate: return HandleClockUpdate(in, nullptr, out);
+    case MessageType::kClockUpdate: return HandleClockUpdate(in, out);
     case MessageType::kFetch: return HandleFetch(in, out);
     case MessageType::kInitAdd: return HandleInitAdd(in, out);
     case MessageType::kReady: return HandleReady(in, out);
@@ -175,17 +194,41 @@ Status ServerShard::HandleStart(const Message& in, std::vector<Message>* out) {
     TableState& table = *entry.second;
     bool global_advanced = false;
     MLT_RETURN_IF_ERROR(table.clock.Advance(sender, kInitClock, &global_advanced));
-    if (global_advanced) PushRows(table, out);
+    if (global_advanced) MLT_RETURN_IF_ERROR(PushRows(table, out));
   }
   return Status::Ok();
 }
 
 Status ServerShard::Handle(Message&& in, std::vector<Message>* out) {
-  if (out != nullptr && in.type() == MessageType::kClockUpdate) return HandleClockUpdate(in, &in.values, out);
   return Handle(static_cast<const Message&>(in), out);
 }
 
-Status ServerShard::HandleClockUpdate(const Message& in, std::vector<float>* owned, std::vector<Message>* out) {
+Status ServerShard::PayloadOnDevice(const Message& in, std::shared_ptr<DeviceBuffer>* out) {
+  out->reset();
+  if (in.device_values) {
+    MLT_RETURN_IF_ERROR(device_->WaitEvent(Stream::kServer, in.device_values->ready));
+    *out = in.device_values;
+    return Status::Ok();
+  }
+  if (in.values.empty()) return Status::Ok();
+  MLT_RETURN_IF_ERROR(buffers_.Acquire(in.values.size(), Stream::kServer, out));
+  device_->CopyHostToDevice((*out)->data, in.values.data(), in.values.size() * sizeof(float), Stream::kServer);
+  // A pageable source is read before the copy call returns; a CPU device
+  // copies at once. Either way `in` may go.
+  return Status::Ok();
+}
+
+void ServerShard::AddSpansOnDevice(const Message& in, const RowSpan& range, int64_t row_width,
+                                   const DeviceBuffer& payload, float* dense) {
+  const float* source = payload.data;
+  for (const RowSpan& span : in.spans) {
+    const int64_t count = span.count * row_width;
+    device_->AddInto(dense + (span.begin - range.begin) * row_width, source, count, Stream::kServer);
+    source += count;
+  }
+}
+
+Status ServerShard::HandleClockUpdate(const Message& in, std::vector<Message>* out) {
   MLT_RETURN_IF_ERROR(CheckSender(in, num_workers_));
   TableState* found = Find(in.header.branch, in.header.table);
   if (found == nullptr) return UnknownTable(in.header.table, in.header.branch);
@@ -207,28 +250,31 @@ Status ServerShard::HandleClockUpdate(const Message& in, std::vector<float>* own
                               std::to_string(last + 1));
   }
 
-  if (!in.values.empty()) {
-    std::vector<std::vector<float>>& per_worker = table.pending[clock];
+  if (in.num_values() > 0) {
+    std::shared_ptr<DeviceBuffer> payload;
+    MLT_RETURN_IF_ERROR(PayloadOnDevice(in, &payload));
+    std::vector<std::shared_ptr<DeviceBuffer>>& per_worker = table.pending[clock];
     per_worker.resize(static_cast<size_t>(num_workers_));
-    std::vector<float>& buffer = per_worker[static_cast<size_t>(sender)];
+    std::shared_ptr<DeviceBuffer>& dense = per_worker[static_cast<size_t>(sender)];
     const bool whole_range = in.spans.size() == 1 && in.spans[0].begin == table.range.begin &&
                              in.spans[0].count == table.range.count;
-    if (buffer.empty() && whole_range && owned != nullptr) {
-      buffer = std::move(*owned);  // already dense in the shard's row order
+    if (!dense && whole_range) {
+      dense = std::move(payload);  // already dense in the shard's row order
     } else {
-      if (buffer.empty()) {
-        buffer = NewBuffer(table.values.size());
-        std::fill(buffer.begin(), buffer.end(), 0.0f);
+      if (!dense) {
+        MLT_RETURN_IF_ERROR(buffers_.Acquire(static_cast<size_t>(table.num_values), Stream::kServer, &dense));
+        device_->Fill(dense->data, 0.0f, dense->count, Stream::kServer);
       }
-      AddSpansInto(in, table.range, table.info.row_width, buffer.data());
+      AddSpansOnDevice(in, table.range, table.info.row_width, *payload, dense->data);
+      MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kServer, &payload->last_use));
     }
   }
 
   bool global_advanced = false;
   MLT_RETURN_IF_ERROR(table.clock.Advance(sender, clock, &global_advanced));
   if (global_advanced) {
-    ApplyFinishedClocks(&table);
-    PushRows(table, out);
+    MLT_RETURN_IF_ERROR(ApplyFinishedClocks(&table));
+    MLT_RETURN_IF_ERROR(PushRows(table, out));
   }
   return Status::Ok();
 }
@@ -249,11 +295,15 @@ Status ServerShard::HandleFetch(const Message& in, std::vector<Message>* out) {
   reply.header.row_width = row_width;
   reply.header.num_spans = static_cast<uint32_t>(in.spans.size());
   reply.spans = in.spans;
-  reply.values.reserve(static_cast<size_t>(CountRows(in.spans) * row_width));
+  reply.values.resize(static_cast<size_t>(CountRows(in.spans) * row_width));
+  float* target = reply.values.data();
   for (const RowSpan& span : in.spans) {
-    const auto first = table.values.begin() + (span.begin - table.range.begin) * row_width;
-    reply.values.insert(reply.values.end(), first, first + span.count * row_width);
+    const int64_t count = span.count * row_width;
+    device_->CopyDeviceToHost(target, table.data() + (span.begin - table.range.begin) * row_width,
+                              static_cast<size_t>(count) * sizeof(float), Stream::kServer);
+    target += count;
   }
+  MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kServer));
   out->push_back(std::move(reply));
   return Status::Ok();
 }
@@ -274,7 +324,12 @@ Status ServerShard::HandleInitAdd(const Message& in, std::vector<Message>* out) 
     return status;
   }
   TableState& table = *found;
-  AddSpansInto(in, table.range, table.info.row_width, table.values.data());
+  std::shared_ptr<DeviceBuffer> payload;
+  MLT_RETURN_IF_ERROR(PayloadOnDevice(in, &payload));
+  if (payload) {
+    AddSpansOnDevice(in, table.range, table.info.row_width, *payload, table.data());
+    MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kServer, &payload->last_use));
+  }
   out->push_back(Reply(MessageType::kAck, rank_, in));
   return Status::Ok();
 }
@@ -374,22 +429,39 @@ Status ServerShard::CheckSpans(const TableState& table, const Message& in) const
 // Sends every client all of this shard's rows of the table. The message goes
 // out even when the shard owns no rows (a table with fewer rows than shards):
 // the client counts shard pushes to advance the table's data age.
-void ServerShard::PushRows(const TableState& table, std::vector<Message>* out) const {
-  for (int worker = 0; worker < num_workers_; ++worker) out->push_back(RowsMessage(table, worker));
+Status ServerShard::PushRows(const TableState& table, std::vector<Message>* out) {
+  for (int worker = 0; worker < num_workers_; ++worker) {
+    Message rows;
+    MLT_RETURN_IF_ERROR(RowsMessage(table, worker, &rows));
+    out->push_back(std::move(rows));
+  }
+  return Status::Ok();
 }
 
-Message ServerShard::RowsMessage(const TableState& table, int worker) const {
+// A worker of this process gets a copy in device memory, queued on the server
+// stream after the rule (its install waits for `ready`); any other worker a
+// host copy, which waits for the device.
+Status ServerShard::RowsMessage(const TableState& table, int worker, Message* out) {
   Message rows = NewMessage(MessageType::kRows, rank_, worker, table.info.id);
   rows.header.branch = table.branch;
   rows.header.clock = table.clock.global();
   rows.header.row_width = table.info.row_width;
   if (table.range.count > 0) {
     rows.spans.push_back(table.range);
-    rows.values = NewBuffer(table.values.size());
-    std::copy(table.values.begin(), table.values.end(), rows.values.begin());
+    const size_t count = static_cast<size_t>(table.num_values);
+    if (device_receivers_ && device_receivers_(worker)) {
+      MLT_RETURN_IF_ERROR(buffers_.Acquire(count, Stream::kServer, &rows.device_values));
+      device_->CopyDeviceToDevice(rows.device_values->data, table.data(), count * sizeof(float), Stream::kServer);
+      MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kServer, &rows.device_values->ready));
+    } else {
+      rows.values = NewBuffer(count);
+      device_->CopyDeviceToHost(rows.values.data(), table.data(), count * sizeof(float), Stream::kServer);
+      MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kServer));
+    }
   }
   rows.header.num_spans = static_cast<uint32_t>(rows.spans.size());
-  return rows;
+  *out = std::move(rows);
+  return Status::Ok();
 }
 
 // Called when the table's global clock has just advanced. A kClockUpdate moves
@@ -399,56 +471,56 @@ Message ServerShard::RowsMessage(const TableState& table, int worker) const {
 // values: for a stateful rule (momentum, Adam) a clock without updates is a
 // zero-gradient step that still decays its history. For the stateless rules
 // (add, SGD) a zero update changes nothing, so the step is skipped.
-void ServerShard::ApplyFinishedClocks(TableState* table) {
+Status ServerShard::ApplyFinishedClocks(TableState* table) {
   const Clock finished = table->clock.global();
-  std::vector<float> sum;
   auto pending = table->pending.find(finished);
-  if (!table->training) {  // evaluation and testing branches never change
-    if (pending != table->pending.end()) {
-      for (std::vector<float>& buffer : pending->second) Recycle(std::move(buffer));
-      table->pending.erase(pending);
-    }
-    return;
-  }
+  std::vector<std::shared_ptr<DeviceBuffer>> updates;
   if (pending != table->pending.end()) {
-    // Sum in worker order 0..N-1, whatever order the updates arrived in, so
-    // the float result is the same on every run. Workers that sent nothing
-    // have no buffer and add nothing.
-    for (std::vector<float>& buffer : pending->second) {
-      if (buffer.empty()) continue;
-      if (sum.empty()) {
-        sum = std::move(buffer);
-        continue;
-      }
-      const float* add = buffer.data();
-      float* acc = sum.data();
-      const int64_t count = static_cast<int64_t>(sum.size());
-      for (int64_t i = 0; i < count; ++i) acc[i] += add[i];
-      Recycle(std::move(buffer));
-    }
+    updates = std::move(pending->second);
     table->pending.erase(pending);
   }
-  if (sum.empty()) {
-    const bool stateless = rule_config_.kind == UpdateRuleKind::kAdd ||
-                           rule_config_.kind == UpdateRuleKind::kSgd;
-    if (stateless || table->values.empty()) return;
-    sum.assign(table->values.size(), 0.0f);
+  if (!table->training) return Status::Ok();  // evaluation and testing branches never change
+  // Sum in worker order 0..N-1, whatever order the updates arrived in, so
+  // the float result is the same on every run. Workers that sent nothing
+  // have no buffer and add nothing. The first buffer becomes the sum.
+  std::shared_ptr<DeviceBuffer> sum;
+  for (std::shared_ptr<DeviceBuffer>& update : updates) {
+    if (!update) continue;
+    if (!sum) {
+      sum = update;
+      continue;
+    }
+    device_->AddInto(sum->data, update->data, table->num_values, Stream::kServer);
   }
-  table->rule->Apply(table->values.data(), sum.data(), static_cast<int64_t>(sum.size()), num_workers_);
-  Recycle(std::move(sum));
+  if (!sum) {
+    if (!table->rule->stateful() || table->num_values == 0) return Status::Ok();
+    MLT_RETURN_IF_ERROR(buffers_.Acquire(static_cast<size_t>(table->num_values), Stream::kServer, &sum));
+    device_->Fill(sum->data, 0.0f, sum->count, Stream::kServer);
+    updates.push_back(sum);
+  }
+  table->rule->Apply(table->data(), sum->data, table->num_values, num_workers_, Stream::kServer);
+  // The buffers go back to their pools once the server stream has read them.
+  DeviceEvent done;
+  MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kServer, &done));
+  for (std::shared_ptr<DeviceBuffer>& update : updates) {
+    if (update) update->last_use = done;
+  }
+  return Status::Ok();
 }
 
 std::vector<float> ServerShard::NewBuffer(size_t count) const {
   return pool_ ? pool_->Acquire(count) : std::vector<float>(count);
 }
 
-void ServerShard::Recycle(std::vector<float>&& buffer) const {
-  if (pool_) pool_->Release(std::move(buffer));
-}
-
-const std::vector<float>* ServerShard::values(TableId table, BranchId branch) const {
+std::unique_ptr<std::vector<float>> ServerShard::values(TableId table, BranchId branch) const {
   const TableState* found = Find(branch, table);
-  return found == nullptr ? nullptr : &found->values;
+  if (found == nullptr) return nullptr;
+  auto out = std::make_unique<std::vector<float>>(static_cast<size_t>(found->num_values));
+  if (found->num_values > 0) {
+    device_->CopyDeviceToHost(out->data(), found->data(), out->size() * sizeof(float), Stream::kServer);
+    if (!device_->Synchronize(Stream::kServer).ok()) return nullptr;
+  }
+  return out;
 }
 
 Clock ServerShard::global_clock(TableId table, BranchId branch) const {
@@ -462,8 +534,12 @@ Status ServerShard::ExportTable(TableId table, ShardSlice* out, BranchId branch)
   const TableState& state = *found;
   out->first_row = state.range.begin;
   out->num_rows = state.range.count;
-  out->values = state.values;
-  out->state = *state.rule->state();
+  out->values.resize(static_cast<size_t>(state.num_values));
+  if (state.num_values > 0) {
+    device_->CopyDeviceToHost(out->values.data(), state.data(), out->values.size() * sizeof(float), Stream::kServer);
+  }
+  MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kServer));
+  out->state = state.rule->ExportState();
   out->state_arrays = state.rule->state_arrays_per_value();
   out->global_clock = state.clock.global();
   return Status::Ok();
@@ -474,20 +550,22 @@ Status ServerShard::ImportTable(TableId table, const float* values, size_t num_v
   TableState* found = Find(0, table);
   if (found == nullptr) return UnknownTable(table);
   TableState& target = *found;
-  std::vector<float>& rule_state = *target.rule->state();
-  if (num_values != target.values.size() || num_state != rule_state.size()) {
+  const size_t state_size = target.rule->state_size();
+  if (num_values != static_cast<size_t>(target.num_values) || num_state != state_size) {
     return Status::InvalidArgument(TableText(table) + " (" + target.info.name + "): restoring " +
                                    std::to_string(num_values) + " values and " + std::to_string(num_state) +
-                                   " state floats, this shard holds " + std::to_string(target.values.size()) +
-                                   " and " + std::to_string(rule_state.size()));
+                                   " state floats, this shard holds " + std::to_string(target.num_values) +
+                                   " and " + std::to_string(state_size));
   }
   if (!target.pending.empty()) {
     return Status::OutOfOrder(TableText(table) + " (" + target.info.name +
                               "): a restore must come before training starts");
   }
-  std::copy(values, values + num_values, target.values.begin());
-  std::copy(state, state + num_state, rule_state.begin());
-  return Status::Ok();
+  if (num_values > 0) {
+    device_->CopyHostToDevice(target.data(), values, num_values * sizeof(float), Stream::kServer);
+  }
+  MLT_RETURN_IF_ERROR(target.rule->ImportState(state, num_state));
+  return device_->Synchronize(Stream::kServer);
 }
 
 // --- branches ---------------------------------------------------------------
@@ -575,14 +653,15 @@ Status ServerShard::Fork(BranchId child, BranchId parent, const BranchSettings& 
   std::vector<std::pair<std::pair<BranchId, TableId>, std::unique_ptr<TableState>>> copies;
   for (const auto& [key, table] : tables_) {
     if (key.first != parent) continue;
-    auto copy = std::make_unique<TableState>(num_workers_);
-    copy->info = table->info;
+    std::unique_ptr<TableState> copy;
+    MLT_RETURN_IF_ERROR(NewTableState(table->info, &copy));
     copy->branch = child;
     copy->training = settings.training;
-    copy->range = table->range;
-    copy->values = table->values;
-    copy->rule = NewUpdateRule(rule, static_cast<int64_t>(table->values.size()));
-    *copy->rule->state() = *table->rule->state();  // momentum history, Adam moments and steps
+    if (copy->values) {
+      device_->CopyDeviceToDevice(copy->data(), table->data(), copy->values->bytes(), Stream::kServer);
+    }
+    // Momentum history, Adam moments and steps go with the values.
+    MLT_RETURN_IF_ERROR(table->rule->Clone(rule, &copy->rule));
     for (WorkerId worker = 0; worker < num_workers_; ++worker) {
       bool advanced = false;
       MLT_RETURN_IF_ERROR(copy->clock.Advance(worker, kInitClock, &advanced));
@@ -624,7 +703,10 @@ Status ServerShard::HandleBranchRows(const Message& in, std::vector<Message>* ou
     return Status::NotFound("rows of branch " + std::to_string(branch) + " requested: it does not exist");
   }
   for (const auto& [key, table] : tables_) {
-    if (key.first == branch) out->push_back(RowsMessage(*table, in.header.sender));
+    if (key.first != branch) continue;
+    Message rows;
+    MLT_RETURN_IF_ERROR(RowsMessage(*table, in.header.sender, &rows));
+    out->push_back(std::move(rows));
   }
   return Status::Ok();
 }

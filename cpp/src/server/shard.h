@@ -14,6 +14,7 @@
 // Ownership: the shard owns its tables' values and optimizer state.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <set>
@@ -25,6 +26,8 @@
 #include "mltuner/status.h"
 #include "mltuner/types.h"
 #include "memory/buffer_pool.h"
+#include "memory/device_block.h"
+#include "mltuner/device.h"
 #include "server/update_rules.h"
 #include "server/vector_clock.h"
 #include "wire/message.h"
@@ -57,7 +60,11 @@ Status ParseBranchSettings(const std::string& text, BranchId* parent, BranchSett
 
 class ServerShard {
  public:
-  ServerShard(int rank, int num_workers, const UpdateRuleConfig& rule, int max_branches = 40);
+  // The shard's values, optimizer state and pending updates live in
+  // `device`'s memory (the CPU backend when null), and its sums and rules run
+  // on the device's server stream.
+  ServerShard(int rank, int num_workers, const UpdateRuleConfig& rule, int max_branches = 40,
+              std::shared_ptr<Device> device = nullptr);
   ServerShard(const ServerShard&) = delete;
   ServerShard& operator=(const ServerShard&) = delete;
 
@@ -79,12 +86,17 @@ class ServerShard {
   // Payload buffers come from, and go back to, `pool` (not owned; may be
   // null, then they are allocated fresh).
   void set_buffer_pool(BufferPool* pool) { pool_ = pool; }
+  // Workers whose rows may be sent as device buffers (same process, same
+  // memory space); the others get host values. Default: none.
+  void set_device_receivers(std::function<bool(int worker)> takes_device_buffers) {
+    device_receivers_ = std::move(takes_device_buffers);
+  }
 
   int rank() const { return rank_; }
   // For tests and checkpoints: the shard's current values of a table on a
   // branch, its rows in order from ShardRange(...).begin; nullptr for an
   // unknown table or branch.
-  const std::vector<float>* values(TableId table, BranchId branch = 0) const;
+  std::unique_ptr<std::vector<float>> values(TableId table, BranchId branch = 0) const;
   Clock global_clock(TableId table, BranchId branch = 0) const;
   int num_branches() const { return static_cast<int>(branches_.size()); }
 
@@ -103,17 +115,19 @@ class ServerShard {
     BranchId branch = 0;
     bool training = true;          // only training branches apply updates
     RowSpan range;                 // the rows this shard owns
-    std::vector<float> values;     // range.count * row_width
+    int64_t num_values = 0;        // range.count * row_width
+    std::shared_ptr<DeviceBlock> values;  // num_values floats in device memory; null when 0
     std::unique_ptr<UpdateRule> rule;
     VectorClock clock;
     // Updates of clocks not yet finished by every worker: clock -> one dense
-    // buffer per worker (empty until that worker sends a nonempty update).
-    std::map<Clock, std::vector<std::vector<float>>> pending;
+    // device buffer per worker (null until that worker sends a nonempty update).
+    std::map<Clock, std::vector<std::shared_ptr<DeviceBuffer>>> pending;
+    float* data() const { return values ? values->floats() : nullptr; }
     explicit TableState(int num_workers) : clock(num_workers) {}
   };
 
   // `owned` is in.values when the caller gives them up, else null.
-  Status HandleClockUpdate(const Message& in, std::vector<float>* owned, std::vector<Message>* out);
+  Status HandleClockUpdate(const Message& in, std::vector<Message>* out);
   Status HandleStart(const Message& in, std::vector<Message>* out);
   Status HandleFetch(const Message& in, std::vector<Message>* out);
   Status HandleInitAdd(const Message& in, std::vector<Message>* out);
@@ -127,18 +141,27 @@ class ServerShard {
                       const Message& in, std::map<WorkerId, std::pair<int64_t, std::string>>* requests);
   Status Fork(BranchId child, BranchId parent, const BranchSettings& settings);
   TableState* Find(BranchId branch, TableId table) const;
-  Message RowsMessage(const TableState& table, int worker) const;
+  Status RowsMessage(const TableState& table, int worker, Message* out);
   Status CheckSpans(const TableState& table, const Message& in) const;
-  void PushRows(const TableState& table, std::vector<Message>* out) const;
-  void ApplyFinishedClocks(TableState* table);
+  Status PushRows(const TableState& table, std::vector<Message>* out);
+  Status ApplyFinishedClocks(TableState* table);
+  // A message's values in device memory, queued after their producer's work
+  // on the server stream; null when it has none.
+  Status PayloadOnDevice(const Message& in, std::shared_ptr<DeviceBuffer>* out);
+  // dense rows of `range` += the span-ordered payload, on the server stream.
+  void AddSpansOnDevice(const Message& in, const RowSpan& range, int64_t row_width, const DeviceBuffer& payload,
+                        float* dense);
+  Status NewTableState(const TableInfo& info, std::unique_ptr<TableState>* out);
   std::vector<float> NewBuffer(size_t count) const;
-  void Recycle(std::vector<float>&& buffer) const;
 
   const int rank_;
   const int num_workers_;
   const UpdateRuleConfig rule_config_;
   BufferPool* pool_ = nullptr;
   const int max_branches_;
+  std::shared_ptr<Device> device_;
+  DeviceBufferPool buffers_;
+  std::function<bool(int)> device_receivers_;
   // Every table on every live branch, by (branch, table).
   std::map<std::pair<BranchId, TableId>, std::unique_ptr<TableState>> tables_;
   std::set<BranchId> branches_{0};

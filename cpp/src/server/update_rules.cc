@@ -1,153 +1,77 @@
-// The server-side update rules: add, SGD, momentum and Adam.
-//
-// Each Apply is one pass of plain loops over contiguous float arrays with no
-// calls inside, so the compiler vectorises them. The mean gradient is formed
-// as sum * (1 / num_workers): one multiply per element instead of a divide.
 #include "server/update_rules.h"
 
-#include <cmath>
+#include <utility>
 
 namespace mltuner {
-namespace {
 
-// REQUIRES num_workers >= 1 (a shard always has at least one worker).
-float InverseWorkerCount(int num_workers) {
-  return 1.0f / static_cast<float>(num_workers > 0 ? num_workers : 1);
+std::unique_ptr<UpdateRule> NewUpdateRule(const UpdateRuleConfig& config, int64_t num_values,
+                                          std::shared_ptr<Device> device) {
+  switch (config.kind) {
+    case UpdateRuleKind::kAdd:
+    case UpdateRuleKind::kSgd:
+    case UpdateRuleKind::kMomentum:
+    case UpdateRuleKind::kAdam:
+      break;
+    default:
+      return nullptr;  // an out-of-range kind; callers turn this into an error
+  }
+  if (!device) device = NewCpuDevice();
+  if (num_values < 0) num_values = 0;
+  std::unique_ptr<UpdateRule> rule(new UpdateRule(device, config, num_values));
+  const int64_t floats = StateArraysPerValue(config.kind) * num_values;
+  if (floats > 0) {
+    if (!DeviceBlock::Make(device, static_cast<size_t>(floats) * sizeof(float), false, &rule->state_).ok()) {
+      return nullptr;
+    }
+    device->Fill(rule->state_->floats(), 0.0f, static_cast<size_t>(floats), Stream::kServer);
+  }
+  return rule;
 }
 
-// GeePS semantics: workers send deltas, the shard adds their sum.
-class AddRule final : public UpdateRule {
- public:
-  void Apply(float* params, const float* update_sum, int64_t count, int /*num_workers*/) override {
-    for (int64_t i = 0; i < count; ++i) params[i] += update_sum[i];
+void UpdateRule::Apply(float* params, const float* update_sum, int64_t count, int num_workers, Stream s) {
+  ++steps_;
+  const UpdateStep step = MakeUpdateStep(config_, num_workers, steps_);
+  device_->ApplyUpdate(step, params, state_ ? state_->floats() : nullptr, update_sum, count, s);
+}
+
+size_t UpdateRule::state_size() const {
+  const size_t arrays = static_cast<size_t>(state_arrays_per_value() * num_values_);
+  return config_.kind == UpdateRuleKind::kAdam ? arrays + 1 : arrays;
+}
+
+std::vector<float> UpdateRule::ExportState() const {
+  std::vector<float> out(state_size(), 0.0f);
+  const size_t arrays = static_cast<size_t>(state_arrays_per_value() * num_values_);
+  if (arrays > 0) {
+    device_->CopyDeviceToHost(out.data(), state_->floats(), arrays * sizeof(float), Stream::kServer);
+    device_->Synchronize(Stream::kServer);
   }
-  std::vector<float>* state() override { return &no_state_; }
-  int state_arrays_per_value() const override { return 0; }
-  std::unique_ptr<UpdateRule> Clone() const override { return std::make_unique<AddRule>(); }
+  if (config_.kind == UpdateRuleKind::kAdam) out[arrays] = static_cast<float>(steps_);
+  return out;
+}
 
- private:
-  std::vector<float> no_state_;  // always empty
-};
-
-class SgdRule final : public UpdateRule {
- public:
-  explicit SgdRule(float learning_rate) : learning_rate_(learning_rate) {}
-
-  void Apply(float* params, const float* update_sum, int64_t count, int num_workers) override {
-    const float inv_workers = InverseWorkerCount(num_workers);
-    const float lr = learning_rate_;
-    for (int64_t i = 0; i < count; ++i) {
-      const float gradient = update_sum[i] * inv_workers;
-      params[i] -= lr * gradient;
-    }
+Status UpdateRule::ImportState(const float* state, size_t n) {
+  if (n != state_size()) {
+    return Status::InvalidArgument("update rule state of " + std::to_string(n) + " floats, expected " +
+                                   std::to_string(state_size()));
   }
-  std::vector<float>* state() override { return &no_state_; }
-  int state_arrays_per_value() const override { return 0; }
-  std::unique_ptr<UpdateRule> Clone() const override {
-    return std::make_unique<SgdRule>(learning_rate_);
+  const size_t arrays = static_cast<size_t>(state_arrays_per_value() * num_values_);
+  if (arrays > 0) device_->CopyHostToDevice(state_->floats(), state, arrays * sizeof(float), Stream::kServer);
+  if (config_.kind == UpdateRuleKind::kAdam) steps_ = static_cast<int64_t>(state[arrays]);
+  return device_->Synchronize(Stream::kServer);
+}
+
+Status UpdateRule::Clone(const UpdateRuleConfig& config, std::unique_ptr<UpdateRule>* out) const {
+  UpdateRuleConfig copy_config = config;
+  copy_config.kind = config_.kind;
+  std::unique_ptr<UpdateRule> copy = NewUpdateRule(copy_config, num_values_, device_);
+  if (!copy) return Status::ResourceExhausted("no device memory for a copy of an update rule's state");
+  copy->steps_ = steps_;
+  if (state_) {
+    device_->CopyDeviceToDevice(copy->state_->floats(), state_->floats(), state_->bytes(), Stream::kServer);
   }
-
- private:
-  const float learning_rate_;
-  std::vector<float> no_state_;  // always empty
-};
-
-// h = (1-m) g + m h; w -= lr h. The (1-m) damping follows MLtuner
-// (mltuner.md §2), so lr keeps the same scale across momentum values.
-class MomentumRule final : public UpdateRule {
- public:
-  MomentumRule(float learning_rate, float momentum, int64_t num_values)
-      : learning_rate_(learning_rate), momentum_(momentum),
-        history_(static_cast<size_t>(num_values), 0.0f) {}
-
-  void Apply(float* params, const float* update_sum, int64_t count, int num_workers) override {
-    const float inv_workers = InverseWorkerCount(num_workers);
-    const float lr = learning_rate_;
-    const float m = momentum_;
-    const float one_minus_m = 1.0f - m;
-    float* history = history_.data();
-    for (int64_t i = 0; i < count; ++i) {
-      const float gradient = update_sum[i] * inv_workers;
-      history[i] = one_minus_m * gradient + m * history[i];
-      params[i] -= lr * history[i];
-    }
-  }
-  std::vector<float>* state() override { return &history_; }
-  int state_arrays_per_value() const override { return 1; }
-  std::unique_ptr<UpdateRule> Clone() const override {
-    auto copy = std::make_unique<MomentumRule>(learning_rate_, momentum_, 0);
-    copy->history_ = history_;
-    return copy;
-  }
-
- private:
-  const float learning_rate_;
-  const float momentum_;
-  std::vector<float> history_;  // h, one per value
-};
-
-// Adam with bias correction. State layout (so a fork or checkpoint copies it
-// as one array): [m1 x n][m2 x n][t], t being the number of steps taken.
-class AdamRule final : public UpdateRule {
- public:
-  AdamRule(const UpdateRuleConfig& config, int64_t num_values)
-      : config_(config), num_values_(num_values),
-        state_(static_cast<size_t>(2 * num_values + 1), 0.0f) {}
-
-  void Apply(float* params, const float* update_sum, int64_t count, int num_workers) override {
-    float& steps = state_[static_cast<size_t>(2 * num_values_)];
-    steps += 1.0f;
-    // The bias corrections are per step, not per element: compute them once,
-    // in double so that 1 - beta^t keeps its digits when beta is near 1.
-    const double t = steps;
-    const float inv_correction1 = static_cast<float>(1.0 / (1.0 - std::pow(double{config_.beta1}, t)));
-    const float inv_correction2 = static_cast<float>(1.0 / (1.0 - std::pow(double{config_.beta2}, t)));
-
-    const float inv_workers = InverseWorkerCount(num_workers);
-    const float lr = config_.learning_rate;
-    const float b1 = config_.beta1, one_minus_b1 = 1.0f - config_.beta1;
-    const float b2 = config_.beta2, one_minus_b2 = 1.0f - config_.beta2;
-    const float eps = config_.epsilon;
-    float* m1 = state_.data();
-    float* m2 = state_.data() + num_values_;
-    // GCC vectorises this loop only with -fno-math-errno: otherwise std::sqrt
-    // keeps a branch to set errno, which nothing here reads.
-    for (int64_t i = 0; i < count; ++i) {
-      const float gradient = update_sum[i] * inv_workers;
-      m1[i] = b1 * m1[i] + one_minus_b1 * gradient;
-      m2[i] = b2 * m2[i] + one_minus_b2 * gradient * gradient;
-      const float m_hat = m1[i] * inv_correction1;
-      const float v_hat = m2[i] * inv_correction2;
-      params[i] -= lr * m_hat / (std::sqrt(v_hat) + eps);
-    }
-  }
-  std::vector<float>* state() override { return &state_; }
-  int state_arrays_per_value() const override { return 2; }
-  std::unique_ptr<UpdateRule> Clone() const override {
-    auto copy = std::make_unique<AdamRule>(config_, 0);
-    copy->num_values_ = num_values_;
-    copy->state_ = state_;
-    return copy;
-  }
-
- private:
-  const UpdateRuleConfig config_;
-  int64_t num_values_;
-  std::vector<float> state_;
-};
-
-}  // namespace
-
-std::unique_ptr<UpdateRule> NewUpdateRule(const UpdateRuleConfig& config, int64_t num_values) {
-  if (num_values < 0) num_values = 0;
-  switch (config.kind) {
-    case UpdateRuleKind::kAdd: return std::make_unique<AddRule>();
-    case UpdateRuleKind::kSgd: return std::make_unique<SgdRule>(config.learning_rate);
-    case UpdateRuleKind::kMomentum:
-      return std::make_unique<MomentumRule>(config.learning_rate, config.momentum, num_values);
-    case UpdateRuleKind::kAdam: return std::make_unique<AdamRule>(config, num_values);
-  }
-  return nullptr;  // an out-of-range kind; callers turn this into an error
+  *out = std::move(copy);
+  return Status::Ok();
 }
 
 }  // namespace mltuner

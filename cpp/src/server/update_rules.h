@@ -1,8 +1,10 @@
 // Server-side update rules: how a shard turns one clock's combined worker
-// updates into new parameter values.
+// updates into new parameter values, on the shard's device.
 //
 // A rule owns its optimizer state (momentum history, Adam moments) for one
-// shard slice of one table, so a branch fork can copy it with the parameters.
+// shard slice of one table, in the device's memory, so a branch fork copies
+// it with the parameters without leaving the device. The arithmetic is
+// UpdateValue (mltuner/update_step.h), the same on every backend.
 // Not thread-safe: a shard applies rules from its single handler thread.
 #pragma once
 
@@ -10,34 +12,52 @@
 #include <memory>
 #include <vector>
 
+#include "memory/device_block.h"
 #include "mltuner/config.h"
+#include "mltuner/device.h"
 
 namespace mltuner {
 
 class UpdateRule {
  public:
-  virtual ~UpdateRule() = default;
   UpdateRule(const UpdateRule&) = delete;
   UpdateRule& operator=(const UpdateRule&) = delete;
 
-  // Applies one clock: `update_sum` holds the sum over all `num_workers`
-  // workers' updates, `count` floats, aligned with `params`.
-  virtual void Apply(float* params, const float* update_sum, int64_t count,
-                     int num_workers) = 0;
-  // The optimizer state, flattened (empty for stateless rules); used to copy
-  // a rule into a forked branch and by checkpoints.
-  virtual std::vector<float>* state() = 0;
-  // How the state is laid out: this many arrays of one float per value,
-  // then scalars (Adam's step count). Lets a checkpoint re-split the state
-  // when it is restored onto a different number of shards.
-  virtual int state_arrays_per_value() const = 0;
-  virtual std::unique_ptr<UpdateRule> Clone() const = 0;
+  // Applies one clock on stream `s`: `update_sum` holds the sum over all
+  // `num_workers` workers' updates, `count` floats aligned with `params` (both
+  // in the device's memory). REQUIRES: count == the rule's num_values.
+  void Apply(float* params, const float* update_sum, int64_t count, int num_workers, Stream s = Stream::kServer);
 
- protected:
-  UpdateRule() = default;
+  // Whether a clock without updates still changes something (a stateful
+  // rule's zero-gradient step decays its history).
+  bool stateful() const { return StateArraysPerValue(config_.kind) > 0; }
+  // The optimizer state flattened for checkpoints and tests: the state
+  // arrays, then Adam's step count. Waits for the device.
+  std::vector<float> ExportState() const;
+  size_t state_size() const;
+  // REQUIRES: n == state_size().
+  Status ImportState(const float* state, size_t n);
+  // How ExportState is laid out: this many arrays of one float per value,
+  // then scalars. Lets a checkpoint re-split the state over other shards.
+  int state_arrays_per_value() const { return StateArraysPerValue(config_.kind); }
+  // A deep copy (the state copied on the device) with other hyperparameters.
+  Status Clone(const UpdateRuleConfig& config, std::unique_ptr<UpdateRule>* out) const;
+
+ private:
+  friend std::unique_ptr<UpdateRule> NewUpdateRule(const UpdateRuleConfig&, int64_t, std::shared_ptr<Device>);
+  UpdateRule(std::shared_ptr<Device> device, const UpdateRuleConfig& config, int64_t num_values)
+      : device_(std::move(device)), config_(config), num_values_(num_values) {}
+
+  std::shared_ptr<Device> device_;
+  UpdateRuleConfig config_;
+  int64_t num_values_;
+  int64_t steps_ = 0;                   // clocks applied (Adam's t)
+  std::shared_ptr<DeviceBlock> state_;  // StateArraysPerValue x num_values floats, or null
 };
 
-// REQUIRES: num_values >= 0. The state is sized for num_values floats.
-std::unique_ptr<UpdateRule> NewUpdateRule(const UpdateRuleConfig& config, int64_t num_values);
+// A rule over num_values values with zero state on `device` (the CPU backend
+// when null). Null for an unknown kind or when the state cannot be allocated.
+std::unique_ptr<UpdateRule> NewUpdateRule(const UpdateRuleConfig& config, int64_t num_values,
+                                          std::shared_ptr<Device> device = nullptr);
 
 }  // namespace mltuner

@@ -7,11 +7,15 @@
 // need not be aligned) and never allocates more than the frames can fill.
 #include "wire/message.h"
 
+#include "memory/device_block.h"
+
 #include <cstring>
 #include <limits>
 #include <sstream>
 
 namespace mltuner {
+
+size_t Message::num_values() const { return device_values ? device_values->count : values.size(); }
 
 // The wire format is defined as little-endian and the codec copies integers
 // as they lie in memory, so a big-endian build would silently misread.
@@ -159,7 +163,7 @@ std::string Message::DebugString() const {
   out << MessageTypeName(type()) << " " << header.sender << " -> " << header.receiver << " table=" << header.table
       << " branch=" << header.branch << " clock=" << header.clock << " request=" << header.request_id
       << " spans=" << spans.size() << " rows=" << total_rows() << " width=" << header.row_width
-      << " bytes=" << values.size() * sizeof(float);
+      << " bytes=" << num_values() * sizeof(float);
   if (!text.empty()) out << " text=\"" << text << "\"";
   return out.str();
 }

@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -76,11 +77,19 @@ struct MessageHeader {
 #pragma pack(pop)
 static_assert(sizeof(MessageHeader) == 64, "MessageHeader must stay 64 bytes");
 
+struct DeviceBuffer;  // memory/device_block.h
+
 struct Message {
   MessageHeader header;
   std::vector<RowSpan> spans;
   std::vector<float> values;  // sum(span.count) * row_width floats
   std::string text;           // error text; empty otherwise
+  // Between a worker and a shard of one process the values stay in device
+  // memory: then they are here and `values` is empty. Never encoded; a
+  // transport to another process copies them into `values` first.
+  std::shared_ptr<DeviceBuffer> device_values;
+
+  size_t num_values() const;
 
   MessageType type() const { return static_cast<MessageType>(header.type); }
   int64_t total_rows() const;

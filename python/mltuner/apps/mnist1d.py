@@ -31,7 +31,9 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 import mltuner as mlt
+from mltuner.apps._mnist1d_options import MLP_HIDDEN, SEARCHABLE, build_parser
 from mltuner.datasets import load_mnist1d
+from mltuner.exceptions import InvalidArgumentError
 from mltuner.models import MLP
 from mltuner.tune import (
     BaselineConfig,
@@ -55,18 +57,19 @@ from mltuner.tune import (
 )
 from mltuner.tune._session import Driver
 
-__all__ = ["main", "build_space", "load", "parse_args", "MLP_HIDDEN", "Data"]
+__all__ = ["main", "build_space", "check_args", "load", "parse_args", "tuner_config", "update_rule", "MLP_HIDDEN",
+           "Data"]
 
-MLP_HIDDEN = {"logreg": (), "mlp": (100, 100)}  # hidden layer sizes of the numpy models
-SEARCHABLE = ("lr", "momentum", "batch_size", "staleness")
+PROG = "python -m mltuner.apps.mnist1d"
 
 
 def build_space(args: argparse.Namespace) -> SearchSpace:
     """The paper's tunables, searched only where ``--search`` names them."""
-    searched = set(args.search.split(",")) if args.search else set()
+    searched = {name.strip() for name in args.search.split(",") if name.strip()}
     unknown = searched - set(SEARCHABLE)
     if unknown:
-        raise SystemExit(f"--search: unknown tunables {sorted(unknown)}; choose from {', '.join(SEARCHABLE)}")
+        raise InvalidArgumentError(
+            f"--search: unknown tunables {sorted(unknown)}; choose from {', '.join(SEARCHABLE)}")
     space = default_space(args.batch_sizes if "batch_size" in searched else [args.batch_size],
                           staleness=args.staleness if "staleness" in searched else [0],
                           lr_range=(min(args.lr_min, args.lr), max(args.lr_max, args.lr)))
@@ -78,41 +81,40 @@ def build_space(args: argparse.Namespace) -> SearchSpace:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m mltuner.apps.mnist1d", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=[*MLP_HIDDEN, "cnn"], default="mlp")
-    parser.add_argument("--mode", choices=["tune", "fixed", "optuna", "hyperband"], default="tune",
-                        help="tune: MLtuner; fixed: train with --lr/--momentum/--batch-size; optuna: Optuna TPE "
-                             "with a whole training run per trial; hyperband: Optuna's HyperbandPruner over epochs")
-    parser.add_argument("--search", default="lr,momentum,batch_size",
-                        help=f"tunables to search, comma-separated, from {','.join(SEARCHABLE)} (default: %(default)s)")
-    parser.add_argument("--lr", type=float, default=0.01, help="learning rate (fixed, or the starting default)")
-    parser.add_argument("--lr-min", type=float, default=1e-4)
-    parser.add_argument("--lr-max", type=float, default=1.0)
-    parser.add_argument("--momentum", type=float, default=0.9)
-    parser.add_argument("--batch-size", type=int, default=32, help="per worker")
-    parser.add_argument("--batch-sizes", type=lambda s: [int(v) for v in s.split(",")], default=[8, 16, 32, 64])
-    parser.add_argument("--staleness", type=lambda s: [int(v) for v in s.split(",")], default=[0, 1, 3])
-    parser.add_argument("--sampler", default="tpe")
-    parser.add_argument("--retune", choices=["full", "marginal", "off"], default="full")
-    parser.add_argument("--trials", type=int, default=30,
-                        help="trial cap of the initial search; trials of the Optuna baselines")
-    parser.add_argument("--eval-clocks", type=int, default=20, help="clocks of the lr = 0 evaluation branch")
-    parser.add_argument("--trial-time", type=float, default=None,
-                        help="initial trial time in seconds (default: measured)")
-    parser.add_argument("--max-epochs", type=int, default=30)
-    parser.add_argument("--samples", type=int, default=5000, help="MNIST-1D samples (80%% train, 20%% test)")
-    parser.add_argument("--target-accuracy", type=float, default=None,
-                        help="validation accuracy whose first reach is timed (baselines stop there)")
-    parser.add_argument("--time-budget", type=float, default=None, help="seconds of clocks for the Optuna baselines")
-    parser.add_argument("--live", action="store_true", help="show the tuner's progress live (rank 0)")
-    parser.add_argument("--slow-rank", type=int, default=-1, help="the rank to slow down (benchmarks)")
-    parser.add_argument("--slow-ms", type=float, default=0.0, help="its sleep after a clock")
-    parser.add_argument("--slow-probability", type=float, default=1.0, help="chance of that sleep per clock")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--storage", default=None, help="an Optuna storage URL for every trial")
-    parser.add_argument("--log", default=None, help="decision log (JSON lines), written by rank 0")
-    parser.add_argument("--result", default=None, help="result JSON, written by rank 0")
+    """The program's options (see _mnist1d_options, shared with ``mltuner tune``)."""
+    parser = build_parser(prog=PROG, description=__doc__.split("\n\n")[0])
     return parser.parse_args(argv)
+
+
+def update_rule(args: argparse.Namespace) -> mlt.UpdateRule:
+    """The servers' rule: momentum SGD with the starting learning rate and momentum."""
+    return mlt.UpdateRule("momentum", learning_rate=args.lr, momentum=args.momentum)
+
+
+def tuner_config(args: argparse.Namespace) -> TunerConfig:
+    return TunerConfig(
+        sampler=args.sampler, retune=args.retune, seed=args.seed, storage=args.storage,
+        num_clocks_to_eval=args.eval_clocks, max_trials_per_search=args.trials, max_epochs=args.max_epochs,
+        initial_trial_time_s=args.trial_time, num_branches=30)
+
+
+def check_args(args: argparse.Namespace, world_size: int | None = None) -> None:
+    """Checks what the parser cannot: the options together, as the workers
+    will use them (``mltuner tune`` calls it before starting any).
+
+    Raises:
+        mltuner.InvalidArgumentError: naming the option and the problem.
+    """
+    if not args.lr_min < args.lr_max:
+        raise InvalidArgumentError(f"--lr-min ({args.lr_min:g}) must be smaller than --lr-max ({args.lr_max:g})")
+    if world_size is not None and args.slow_rank >= world_size:
+        raise InvalidArgumentError(f"--slow-rank {args.slow_rank}: there are only {world_size} workers")
+    build_space(args)
+    tuner_config(args)
+    try:
+        update_rule(args)
+    except ValueError as error:
+        raise InvalidArgumentError(str(error)) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,6 +257,11 @@ class Straggler:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        check_args(args)
+    except InvalidArgumentError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
     data = load(args)
     space = build_space(args)
     device: Literal["cpu", "cuda"] = "cpu"
@@ -262,12 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from mltuner.apps._cnn import engine_device
 
         device = engine_device()
-    config = mlt.Config(update_rule=mlt.UpdateRule("momentum", learning_rate=args.lr, momentum=args.momentum),
-                        branches=True, max_branches=40, wait_timeout_s=60, device=device)
-    tuner_config = TunerConfig(
-        sampler=args.sampler, retune=args.retune, seed=args.seed, storage=args.storage,
-        num_clocks_to_eval=args.eval_clocks, max_trials_per_search=args.trials, max_epochs=args.max_epochs,
-        initial_trial_time_s=args.trial_time, num_branches=30)
+    config = mlt.Config(update_rule=update_rule(args), branches=True, max_branches=40, wait_timeout_s=60,
+                        device=device)
     start = time.perf_counter()
     with mlt.Job(config) as job:
         log = open_log(args) if job.rank == 0 else None
@@ -278,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             trainer = NumpyMLP(args, data, job.worker)
         session = TuningSession(job, space, num_train=len(data.x_train), num_validation=len(data.x_val),
-                                config=tuner_config, seed=args.seed)
+                                config=tuner_config(args), seed=args.seed)
         session.driver = make_driver(args, space, session, log)
         straggler = Straggler(args, job.rank)
         for step in session:

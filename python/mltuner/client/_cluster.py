@@ -10,11 +10,16 @@ from typing import TypeVar
 
 from mltuner import _core
 from mltuner._config import Config
+from mltuner._config import MAX_WAIT_S
+from mltuner._validate import integer, real
+from mltuner.client._host_memory import HostMemory
 from mltuner.client._worker import Worker
+from mltuner.exceptions import ArgumentTypeError
 
 __all__ = ["LocalCluster"]
 
 T = TypeVar("T")
+MAX_WORKERS = 1024  # threads of one process; each also hosts a shard
 
 
 class LocalCluster:
@@ -28,11 +33,14 @@ class LocalCluster:
     """
 
     def __init__(self, num_workers: int = 1, config: Config | None = None) -> None:
-        if num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        num_workers = integer("LocalCluster: num_workers", num_workers, 1, MAX_WORKERS)
+        if config is not None and not isinstance(config, Config):
+            raise ArgumentTypeError(f"LocalCluster: config must be a Config, got {type(config).__name__}")
         self.config = config or Config()
-        self._cluster = _core.LocalCluster(self.config.to_core(), int(num_workers), self.config.device)
-        self.workers = [Worker(self._cluster.worker(rank), owner=self._cluster) for rank in range(num_workers)]
+        self._cluster = _core.LocalCluster(self.config.to_core(), num_workers, self.config.device)
+        memory = HostMemory(self.config.host_memory_limit)  # one process: one account for every worker
+        self.workers = [Worker(self._cluster.worker(rank), owner=self._cluster, config=self.config, host_memory=memory)
+                        for rank in range(num_workers)]
 
     @property
     def num_workers(self) -> int:
@@ -70,7 +78,8 @@ class LocalCluster:
         ]
         for thread in threads:
             thread.start()
-        limit = timeout_s if timeout_s is not None else 4 * self.config.wait_timeout_s
+        limit = (real("LocalCluster.run: timeout_s", timeout_s, 0, MAX_WAIT_S, low_open=True)
+                 if timeout_s is not None else 4 * self.config.wait_timeout_s)
         deadline = time.monotonic() + limit
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))

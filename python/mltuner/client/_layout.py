@@ -8,7 +8,12 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from mltuner._validate import INT32_MAX, integer, text
+from mltuner.exceptions import InvalidArgumentError
+
 __all__ = ["TensorLayout", "TensorSlot"]
+
+MAX_VALUES = 2**40  # what one table may hold
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,20 +48,21 @@ class TensorLayout:
     """
 
     def __init__(self, row_width: int) -> None:
-        if row_width < 1:
-            raise ValueError(f"row_width must be >= 1, got {row_width}")
-        self.row_width = int(row_width)
+        self.row_width = integer("TensorLayout: row_width", row_width, 1, INT32_MAX)
         self._slots: dict[str, TensorSlot] = {}
         self._num_rows = 0
 
     def add(self, name: str, shape: Sequence[int]) -> TensorLayout:
         """Appends a tensor; returns the layout so calls can be chained."""
+        text("TensorLayout.add: name", name)
         if name in self._slots:
-            raise ValueError(f"tensor {name!r} is already in the layout")
-        dims = tuple(int(d) for d in shape)
-        if any(d < 0 for d in dims):
-            raise ValueError(f"tensor {name!r} has a negative dimension: {dims}")
-        rows = max(1, math.ceil(math.prod(dims) / self.row_width))
+            raise InvalidArgumentError(f"tensor {name!r} is already in the layout")
+        if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence):
+            raise InvalidArgumentError(f"tensor {name!r}: shape must be a sequence of integers, got {shape!r}")
+        dims = tuple(integer(f"tensor {name!r}: dimension {i}", d, 0, MAX_VALUES) for i, d in enumerate(shape))
+        if math.prod(dims) > MAX_VALUES:
+            raise InvalidArgumentError(f"tensor {name!r} of shape {dims} has more than 2**40 values")
+        rows = max(1, -(-math.prod(dims) // self.row_width))  # exact: no float rounding
         self._slots[name] = TensorSlot(name, dims, self._num_rows, rows)
         self._num_rows += rows
         return self
@@ -89,7 +95,7 @@ class TensorLayout:
         in layout order, for recording an access."""
         slots = [self.slot(n) for n in names] if names else list(self._slots.values())
         if not slots:
-            raise ValueError("the layout holds no tensors")
+            raise InvalidArgumentError("the layout holds no tensors")
         return np.concatenate([np.arange(s.first_row, s.first_row + s.num_rows) for s in slots])
 
     def view(self, buffer: np.ndarray, name: str, *, names: Sequence[str] | None = None) -> np.ndarray:
@@ -108,9 +114,9 @@ class TensorLayout:
         else:
             raise KeyError(f"tensor {name!r} is not among the buffer's tensors {list(names or [])}")
         if buffer.ndim != 2 or buffer.shape[1] != self.row_width:
-            raise ValueError(f"buffer of shape {buffer.shape} does not hold rows of width {self.row_width}")
+            raise InvalidArgumentError(f"buffer of shape {buffer.shape} does not hold rows of width {self.row_width}")
         if buffer.shape[0] < offset + slot.num_rows:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"buffer has {buffer.shape[0]} rows; tensor {name!r} needs rows {offset}..{offset + slot.num_rows - 1}"
             )
         flat = buffer[offset : offset + slot.num_rows].reshape(-1)
@@ -124,6 +130,6 @@ class TensorLayout:
             target = self.view(out, name)
             value = np.asarray(value)
             if value.shape != target.shape:
-                raise ValueError(f"tensor {name!r} has shape {value.shape}, the layout says {target.shape}")
+                raise InvalidArgumentError(f"tensor {name!r} has shape {value.shape}, the layout says {target.shape}")
             target[...] = value
         return out

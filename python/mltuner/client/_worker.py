@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterator, Sequence
 from typing import Union
 
 import numpy as np
 
 from mltuner import _core
+from mltuner._config import MAX_LEARNING_RATE, Config
+from mltuner._validate import INT32_MAX, boolean, integer, real, text
+from mltuner.client._host_memory import INDEX_BYTES_PER_ROW, STATE_ARRAYS, HostMemory
 from mltuner.client._layout import TensorLayout
-from mltuner.exceptions import NotFoundError
+from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError, NotFoundError
 
 __all__ = ["Worker", "Table", "Rows", "Buffer"]
+
+# The engine's limits: row ids and sizes are int64, a table holds at most
+# 2**40 values, handles, slack and branches are int32, streams are pointers.
+MAX_TABLE_VALUES = 2**40
+UINTPTR_MAX = 2**64 - 1
 
 Rows = Union[Sequence[int], np.ndarray, range, None]
 # What an access returns: a numpy array on the CPU backend, a DeviceArray
@@ -53,16 +63,37 @@ class Worker:
     Buffers have shape (rows, row_width) and live in engine memory, with no
     copy: numpy arrays on the CPU backend (read buffers are read-only),
     :class:`DeviceArray` objects on CUDA (``torch.from_dlpack(buffer)``). A
-    buffer is valid until its post call. On CUDA, give each post call the stream
+    buffer is valid until its post call (``post_read``, ``update``,
+    ``post_local_access``); after it the engine reads or reuses its memory
+    (an update is shipped from it, the next clock's rows are gathered into
+    it), so a later write would change what is sent and a later read would see
+    another clock's data. The numpy array handed out is made read-only at its
+    post call, so such a write raises; views made from it before (``layout.view``)
+    and tensors made with DLPack share the memory but cannot be revoked: drop
+    them at the post call too. On CUDA, give each post call the stream
     your kernels used on the buffer (``stream=torch.cuda.current_stream().cuda_stream``;
     the default 0 is the legacy default stream, which torch and cupy use unless
     told otherwise): the engine waits for that work before it touches the buffer.
     Blocking calls release the GIL, so several workers can run on threads.
     """
 
-    def __init__(self, engine: _core.Engine, owner: object = None) -> None:
+    def __init__(self, engine: _core.Engine, owner: object = None, *, config: Config | None = None,
+                 host_memory: HostMemory | None = None, max_message_bytes: int | None = None) -> None:
         self._engine = engine
         self._owner = owner  # keeps the cluster alive while the worker is used
+        self._config = config or Config()
+        # What this process's engines hold (shared by a LocalCluster's workers).
+        self._host_memory = host_memory or HostMemory(self._config.host_memory_limit)
+        # The largest frame the job's data sockets accept (None: in memory).
+        self._max_message_bytes = max_message_bytes
+        # Access buffers of the virtual iteration: open now, and the most at once.
+        self._open_buffers: dict[int, int] = {}
+        # Writable numpy buffers handed out, by handle, made read-only at their
+        # post. Weak references: the engine reuses a buffer's memory only once
+        # Python holds none to it, so the worker must not extend its life.
+        self._handed_out: dict[int, weakref.ref[np.ndarray]] = {}
+        self._peak_buffer_bytes = 0
+        self._largest_buffer = 0
         self._tables: dict[int, Table] = {}
         self._last_data_age = -2
 
@@ -77,8 +108,30 @@ class Worker:
 
     def create_table(self, name: str, num_rows: int, row_width: int, *, local: bool = False) -> Table:
         """Creates a table; every worker must create the same tables in the same order."""
-        table_id = self._engine.create_table(name, int(num_rows), int(row_width), bool(local))
-        table = Table(table_id, name, int(num_rows), int(row_width), bool(local))
+        text("create_table: name", name)
+        num_rows = integer(f"create_table({name!r}): num_rows", num_rows, 1, MAX_TABLE_VALUES)
+        row_width = integer(f"create_table({name!r}): row_width", row_width, 1, MAX_TABLE_VALUES)
+        local = boolean(f"create_table({name!r}): local", local)
+        if num_rows * row_width > MAX_TABLE_VALUES:
+            raise InvalidArgumentError(f"create_table({name!r}): {num_rows} x {row_width} values is more than "
+                                       f"the 2**40 a table may hold")
+        if not local and self._max_message_bytes is not None:
+            _check_frames_fit(name, num_rows, row_width, self.num_workers, self._max_message_bytes)
+        shard_bytes = 0
+        if not local:  # the shard allocates its slice and the rule's state now
+            base, extra = divmod(num_rows, self.num_workers)
+            slice_rows = base + (1 if self.rank < extra else 0)
+            arrays = 1 + STATE_ARRAYS[self._config.update_rule.kind]
+            shard_bytes = slice_rows * row_width * 4 * arrays
+            self._host_memory.reserve(f"create_table({name!r}) of {num_rows} x {row_width}", shard_bytes,
+                                      f"this shard's {slice_rows} rows x {arrays} arrays "
+                                      f"({self._config.update_rule.kind!r} rule)")
+        try:
+            table_id = self._engine.create_table(name, num_rows, row_width, local)
+        except BaseException:
+            self._host_memory.release(shard_bytes)
+            raise
+        table = Table(table_id, name, num_rows, row_width, local)
         self._tables[table_id] = table
         return table
 
@@ -90,8 +143,11 @@ class Worker:
     def create_tensor_table(self, name: str, layout: TensorLayout, *, local: bool = False) -> Table:
         """Creates a table holding the tensors of ``layout``; use ``layout.rows``
         and ``layout.view`` to address them."""
+        if not isinstance(layout, TensorLayout):
+            raise ArgumentTypeError(f"create_tensor_table({name!r}): layout must be a TensorLayout, "
+                                       f"got {type(layout).__name__}")
         if layout.num_rows == 0:
-            raise ValueError(f"layout for table {name!r} holds no tensors")
+            raise InvalidArgumentError(f"layout for table {name!r} holds no tensors")
         table = self.create_table(name, layout.num_rows, layout.row_width, local=local)
         table = dataclasses.replace(table, layout=layout)
         self._tables[table.id] = table
@@ -99,7 +155,7 @@ class Worker:
 
     def _table_id(self, table: Table) -> int:
         if not isinstance(table, Table):
-            raise TypeError(f"expected a Table, got {type(table).__name__}")
+            raise ArgumentTypeError(f"expected a Table, got {type(table).__name__}")
         mine = self._tables.get(table.id)
         if mine is None or mine.name != table.name:
             raise NotFoundError(f"table {table.name!r} does not belong to worker {self.rank}")
@@ -109,13 +165,21 @@ class Worker:
         self._table_id(table)
         if rows is None:
             return np.arange(table.num_rows, dtype=np.int64)
-        array = np.asarray(rows)
+        try:
+            array = np.asarray(rows)
+        except (ValueError, TypeError, OverflowError) as error:
+            raise InvalidArgumentError(f"row ids for table {table.name!r} are not an array of integers: "
+                                       f"{error}") from None
         if array.size == 0:
             array = array.astype(np.int64)  # [] is float64 to numpy; let the engine name the error
         if array.dtype.kind not in "iu":
-            raise TypeError(f"row ids for table {table.name!r} must be integers, got dtype {array.dtype}")
+            raise ArgumentTypeError(f"row ids for table {table.name!r} must be integers, got dtype {array.dtype}")
         if array.ndim != 1:
-            raise ValueError(f"row ids for table {table.name!r} must be 1-D, got shape {array.shape}")
+            raise InvalidArgumentError(f"row ids for table {table.name!r} must be 1-D, got shape {array.shape}")
+        if array.size and array.dtype.kind == "u" and int(array.max()) >= table.num_rows:
+            # uint64 values past 2**63 would wrap to negative ids in int64.
+            raise InvalidArgumentError(f"row id {int(array.max())} is outside table {table.name!r} "
+                                       f"(0..{table.num_rows - 1})")
         return array.astype(np.int64, copy=False)
 
     # -- the virtual iteration -------------------------------------------------
@@ -123,66 +187,148 @@ class Worker:
         """Records a read of ``rows`` (all rows by default) that may be ``slack``
         clocks stale (0 = BSP); returns its handle."""
         row_ids = self._rows(table, rows)
-        return int(self._engine.virtual_read(table.id, row_ids, int(slack)))
+        handle = int(self._engine.virtual_read(table.id, row_ids, integer("slack", slack, 0, INT32_MAX)))
+        return self._opened(handle, table, row_ids)
 
     def virtual_post_read(self, handle: int) -> None:
-        self._engine.virtual_post_read(int(handle))
+        self._engine.virtual_post_read(_handle(handle))
+        self._open_buffers.pop(int(handle), None)
 
     def virtual_pre_update(self, table: Table, rows: Rows = None) -> int:
         """Records an update of ``rows``; returns its handle."""
         row_ids = self._rows(table, rows)
-        return int(self._engine.virtual_pre_update(table.id, row_ids))
+        return self._opened(int(self._engine.virtual_pre_update(table.id, row_ids)), table, row_ids)
 
     def virtual_update(self, handle: int) -> None:
-        self._engine.virtual_update(int(handle))
+        self._engine.virtual_update(_handle(handle))
+        self._open_buffers.pop(int(handle), None)
 
     def virtual_local_access(self, table: Table, rows: Rows = None, *, fetch: bool = True) -> int:
         """Records an access to local data; ``fetch`` loads the old contents."""
         row_ids = self._rows(table, rows)
-        return int(self._engine.virtual_local_access(table.id, row_ids, bool(fetch)))
+        handle = int(self._engine.virtual_local_access(table.id, row_ids, boolean("fetch", fetch)))
+        return self._opened(handle, table, row_ids)
 
     def virtual_post_local_access(self, handle: int, *, keep: bool = True) -> None:
         """Closes a local access; ``keep`` writes the buffer back to the store."""
-        self._engine.virtual_post_local_access(int(handle), bool(keep))
+        self._engine.virtual_post_local_access(_handle(handle), boolean("keep", keep))
+        self._open_buffers.pop(int(handle), None)
 
     def virtual_clock(self) -> None:
         self._engine.virtual_clock()
 
+    def _opened(self, handle: int, table: Table, row_ids: np.ndarray) -> int:
+        # The engine's AlignedBufferBytes: rows x row bytes, rounded up to 256.
+        size = -(-len(row_ids) * table.row_width * 4 // 256) * 256
+        self._open_buffers[handle] = size
+        self._peak_buffer_bytes = max(self._peak_buffer_bytes, sum(self._open_buffers.values()))
+        self._largest_buffer = max(self._largest_buffer, size)
+        return handle
+
+    def planned_host_bytes(self) -> int:
+        """The host memory ``finish_virtual_iteration`` will allocate (the
+        shards' memory is counted at ``create_table``): caches with their
+        update logs, local data, the access-buffer pool, the staging buffer
+        and the plan's indexes."""
+        config = self._config
+        stores = sum((1 if t.local else 2) * t.num_rows * t.row_width * 4 for t in self._tables.values())
+        depth = max(2, 1 + config.prefetch_clocks)
+        budget = config.device_memory_budget
+        pool = depth * self._peak_buffer_bytes if budget == 0 else max(budget - stores, 2 * self._peak_buffer_bytes)
+        indexes = INDEX_BYTES_PER_ROW * sum(t.num_rows for t in self._tables.values())
+        staging = max(self._largest_buffer, 256)
+        if config.device == "cpu":
+            return stores + pool + staging + indexes
+        # On an accelerator the budget's part lives on the device.
+        on_host = stores if budget == 0 else max(0, stores - (budget - 2 * self._peak_buffer_bytes))
+        return (0 if budget == 0 else on_host) + staging + indexes
+
     def finish_virtual_iteration(self) -> None:
-        """Lays rows out, places them under the memory budget, builds indexes."""
-        self._engine.finish_virtual_iteration()
+        """Lays rows out, places them under the memory budget, builds indexes.
+
+        Raises:
+            ResourceExhaustedError: the plan needs more host memory than this
+                process may have (see :class:`~mltuner.Config`'s
+                ``host_memory_limit``); nothing was allocated.
+        """
+        needed = self.planned_host_bytes()
+        self._host_memory.reserve("finish_virtual_iteration", needed,
+                                  f"{len(self._tables)} tables' caches and update logs, a pool for "
+                                  f"{self._peak_buffer_bytes} bytes of buffers open at once, indexes")
+        try:
+            self._engine.finish_virtual_iteration()
+        except BaseException:
+            self._host_memory.release(needed)
+            raise
 
     def start_iterations(self) -> None:
         """Ends initialisation and starts the background threads."""
         self._engine.start_iterations()
 
     # -- real accesses -----------------------------------------------------------
-    def read(self, handle: int) -> Buffer:
-        """The rows of a recorded read, fresh within its slack (read-only)."""
-        buffer, age = self._engine.read(int(handle))
+    def read(self, handle: int, *, stream: int = 0) -> Buffer:
+        """The rows of a recorded read, fresh within its slack (read-only).
+
+        On CUDA the buffer's contents are still being written by the engine
+        when it is returned: ``stream`` (the stream your kernels will read it
+        on; 0 = the legacy default stream) is made to wait for them, without
+        blocking this thread."""
+        buffer, age = self._engine.read(_handle(handle), _stream(stream))
         self._last_data_age = int(age)
         return buffer
 
     def post_read(self, handle: int, *, stream: int = 0) -> None:
         """Hands a read buffer back once ``stream``'s work on it is done."""
-        self._engine.post_read(int(handle), int(stream))
+        self._engine.post_read(_handle(handle), _stream(stream))
 
-    def pre_update(self, handle: int) -> Buffer:
-        """A zeroed buffer to write this clock's update of the recorded rows into."""
-        buffer, _ = self._engine.pre_update(int(handle))
-        return buffer
+    def pre_update(self, handle: int, *, stream: int = 0) -> Buffer:
+        """A zeroed buffer to write this clock's update of the recorded rows
+        into (``stream`` as for :meth:`read`)."""
+        buffer, _ = self._engine.pre_update(_handle(handle), _stream(stream))
+        return self._hand_out(int(handle), buffer)
 
     def update(self, handle: int, *, stream: int = 0) -> None:
         """Hands the update buffer to the engine, which adds it and ships it
         once ``stream``'s work on it is done."""
-        self._engine.update(int(handle), int(stream))
+        handle, stream = _handle(handle), _stream(stream)
+        with self._taken_back(handle):
+            self._engine.update(handle, stream)
 
-    def local_access(self, handle: int) -> Buffer:
-        buffer, _ = self._engine.local_access(int(handle))
-        return buffer
+    def local_access(self, handle: int, *, stream: int = 0) -> Buffer:
+        """The rows of a recorded local access (``stream`` as for :meth:`read`)."""
+        buffer, _ = self._engine.local_access(_handle(handle), _stream(stream))
+        return self._hand_out(int(handle), buffer)
 
     def post_local_access(self, handle: int, *, stream: int = 0) -> None:
-        self._engine.post_local_access(int(handle), int(stream))
+        handle, stream = _handle(handle), _stream(stream)
+        with self._taken_back(handle):
+            self._engine.post_local_access(handle, stream)
+
+    def _hand_out(self, handle: int, buffer: Buffer) -> Buffer:
+        if isinstance(buffer, np.ndarray):
+            self._handed_out[handle] = weakref.ref(buffer)
+        return buffer
+
+    @contextlib.contextmanager
+    def _taken_back(self, handle: int) -> Iterator[None]:
+        """Makes the buffer handed out for ``handle``, if the application still
+        holds it, read-only for the engine's post call (a write after the post
+        would change what the engine ships); a failed post makes it writable
+        again."""
+        reference = self._handed_out.pop(handle, None)
+        buffer = reference() if reference is not None else None
+        if buffer is None:
+            yield
+            return
+        buffer.flags.writeable = False
+        del buffer  # hold no reference while the engine takes the memory back
+        try:
+            yield
+        except BaseException:
+            again = reference() if reference is not None else None
+            if again is not None:
+                again.flags.writeable = True
+            raise
 
     def clock(self) -> None:
         """Ends the current iteration."""
@@ -197,17 +343,21 @@ class Worker:
         branches apply updates) and staleness (``None``: each read's own
         slack). Every worker calls it at the same clock boundary; it returns
         once the fork is done everywhere."""
-        self._engine.fork_branch(int(child), int(parent), float(learning_rate), float(momentum), bool(training),
-                                 -1 if slack is None else int(slack))
+        self._engine.fork_branch(
+            integer("fork_branch: child", child, 0, INT32_MAX), integer("fork_branch: parent", parent, 0, INT32_MAX),
+            real("fork_branch: learning_rate", learning_rate, 0, MAX_LEARNING_RATE),
+            real("fork_branch: momentum", momentum, 0, 1, high_open=True), boolean("fork_branch: training", training),
+            -1 if slack is None else integer("fork_branch: slack", slack, 0, INT32_MAX))
 
     def free_branch(self, branch: int) -> None:
         """Releases a branch on every shard (every worker, same clock boundary)."""
-        self._engine.free_branch(int(branch))
+        self._engine.free_branch(integer("free_branch: branch", branch, 0, INT32_MAX))
 
     def schedule_branch(self, branch: int, clocks: int) -> None:
         """Runs the next ``clocks`` clocks on ``branch``. Each branch counts its
         own clocks; switching reloads the cache with that branch's rows."""
-        self._engine.schedule_branch(int(branch), int(clocks))
+        self._engine.schedule_branch(integer("schedule_branch: branch", branch, 0, INT32_MAX),
+                                     integer("schedule_branch: clocks", clocks, 1, 2**62))
 
     @property
     def branch(self) -> int:
@@ -225,7 +375,8 @@ class Worker:
         """A copy of the servers' current values of ``rows`` (any phase), from
         ``branch`` (default: the branch of the last finished clock)."""
         row_ids = self._rows(table, rows)
-        return self._engine.fetch(table.id, row_ids, table.row_width, -1 if branch is None else int(branch))
+        return self._engine.fetch(table.id, row_ids, table.row_width,
+                                  -1 if branch is None else integer("fetch: branch", branch, 0, INT32_MAX))
 
     def data_age(self, table: Table) -> int:
         """The clock through which every worker's updates are in this worker's cache."""
@@ -260,3 +411,35 @@ class Worker:
     def shutdown(self) -> None:
         """Stops this worker's threads; later calls raise ShutdownError."""
         self._engine.shutdown()
+
+
+def _handle(handle: object) -> int:
+    # Any int32: the engine names an unknown handle and its op.
+    return integer("handle", handle, -INT32_MAX - 1, INT32_MAX)
+
+
+def _stream(stream: object) -> int:
+    return integer("stream", stream, 0, UINTPTR_MAX)
+
+
+# Frame 0 of a message: the 64-byte header, 16 bytes per row span, and text
+# (the table schema of kReady grows with the tables: this bounds it).
+_HEADER_BYTES = 64
+_SPAN_BYTES = 16
+_TEXT_BYTES = 64 << 10
+
+
+def largest_frame_bytes(num_rows: int, row_width: int, num_shards: int) -> int:
+    """The largest frame a table's messages can have: a shard's whole slice
+    of rows as payload, or as spans of one row each in frame 0."""
+    rows = -(-num_rows // num_shards)
+    return max(rows * row_width * 4, _HEADER_BYTES + _SPAN_BYTES * rows + _TEXT_BYTES)
+
+
+def _check_frames_fit(name: str, num_rows: int, row_width: int, num_shards: int, limit: int) -> None:
+    needed = largest_frame_bytes(num_rows, row_width, num_shards)
+    if needed > limit:
+        raise InvalidArgumentError(
+            f"table {name!r} ({num_rows} x {row_width}) needs messages of up to {needed} bytes between "
+            f"{num_shards} processes, more than the data sockets accept ({limit} bytes): raise "
+            f"Job(max_message_bytes=...) to at least {needed}, or split the table")

@@ -11,14 +11,21 @@ Layout of one checkpoint (``root/clock-NNNNNNNN``)::
 Shards write into a hidden ``.clock-NNNNNNNN.tmp`` directory; after a
 barrier, rank 0 adds the manifest and renames the directory into place, then
 points ``root/latest`` at it (os.replace), so a reader sees a whole
-checkpoint or none. Restoring re-splits rows and state over however many
-shards the new job has. Files are plain .npy arrays read without pickle.
+checkpoint or none. Rank 0 removes what an interrupted save left behind
+(hidden ``.clock-*.tmp`` directories, ``*.tmp`` files) at the next save and
+when a job restores from the root, and keeps exactly the newest ``keep``
+checkpoints. Clocks in names and manifests count from the start of training,
+across restores. Restoring re-splits rows and state over however many shards
+the new job has, and ends with a barrier, so every read after it, on any
+rank, sees restored values. Files are plain .npy arrays read without pickle.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +42,8 @@ __all__ = ["save", "restore", "shard_range"]
 FORMAT = "mltuner-checkpoint"
 VERSION = 1
 LATEST = "latest"
+_CHECKPOINT_NAME = re.compile(r"clock-(\d{8,})")
+_log = logging.getLogger("mltuner.dist")
 
 
 def shard_range(num_rows: int, shard: int, num_shards: int) -> tuple[int, int]:
@@ -43,15 +52,19 @@ def shard_range(num_rows: int, shard: int, num_shards: int) -> tuple[int, int]:
     return shard * base + min(shard, extra), base + (1 if shard < extra else 0)
 
 
-def save(node: _core.ProcessNode, worker: Worker, root: Path, barrier: Callable[[str], None], *, keep: int) -> Path:
-    if keep < 1:
-        raise ValueError(f"keep must be >= 1, got {keep}")
-    clock = int(worker.stats["clock"])
-    if clock == 0:
+def save(node: _core.ProcessNode, worker: Worker, root: Path, barrier: Callable[[str], None], *, keep: int,
+         first_clock: int = 0) -> Path:
+    """Saves this shard's part; ``first_clock`` is the clock training
+    resumed from (the engine's own clocks restart at 0 after a restore)."""
+    engine_clock = int(worker.stats["clock"])
+    if engine_clock == 0:
         raise OutOfOrderError("save_checkpoint needs at least one finished clock after start_iterations")
     worker.sync()  # every worker's updates through this clock are applied on every shard
+    clock = first_clock + engine_clock
     name = f"clock-{clock:08d}"
     staging = root / f".{name}.tmp"
+    if node.rank == 0 and root.is_dir():
+        remove_temporaries(root, keep=staging.name)
     shard_dir = staging / f"shard-{node.rank}"
     if shard_dir.exists():
         shutil.rmtree(shard_dir)  # left by an interrupted attempt
@@ -59,9 +72,9 @@ def save(node: _core.ProcessNode, worker: Worker, root: Path, barrier: Callable[
     written: dict[str, Any] = {"rank": int(node.rank), "tables": {}}
     for table in _communicated(worker):
         piece = node.export_shard_table(table.id)
-        if int(piece["global_clock"]) != clock - 1:
+        if int(piece["global_clock"]) != engine_clock - 1:
             raise OutOfOrderError(f"table {table.name!r} is at clock {piece['global_clock']} on shard "
-                                  f"{node.rank}, expected {clock - 1}: call save_checkpoint on every rank "
+                                  f"{node.rank}, expected {engine_clock - 1}: call save_checkpoint on every rank "
                                   "at the same clock")
         values = np.asarray(piece["values"]).reshape(int(piece["num_rows"]), table.row_width)
         _save_array(shard_dir / f"table-{table.id}.values.npy", values)
@@ -82,14 +95,43 @@ def save(node: _core.ProcessNode, worker: Worker, root: Path, barrier: Callable[
             shutil.rmtree(final)
         os.replace(staging, final)
         _write_text(root / LATEST, name + "\n")
-        for old in sorted(root.glob("clock-*"))[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        _keep_newest(root, keep)
     barrier(f"checkpoint-{name}-done")
     return final
 
 
-def restore(node: _core.ProcessNode, worker: Worker, path: Path, rule_kind: str) -> int:
+def _keep_newest(root: Path, keep: int) -> None:
+    """Removes every checkpoint but the newest ``keep`` (by clock)."""
+    found = sorted((int(match.group(1)), entry) for entry in root.iterdir()
+                   if (match := _CHECKPOINT_NAME.fullmatch(entry.name)) and entry.is_dir())
+    for _, old in found[:-keep]:
+        _remove(old)
+
+
+def remove_temporaries(root: Path, keep: str = "") -> None:
+    """Removes what interrupted saves left in ``root``: hidden staging
+    directories and half-written ``*.tmp`` files (but not ``keep``)."""
+    for entry in root.iterdir():
+        if entry.name != keep and entry.name.endswith(".tmp") and (
+                entry.name.startswith(".clock-") or entry.is_file()):
+            _remove(entry)
+
+
+def _remove(path: Path) -> None:
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    except OSError as error:  # the checkpoint itself is safe; say what is left
+        _log.warning("mltuner: could not remove %s: %s", path, error)
+
+
+def restore(node: _core.ProcessNode, worker: Worker, path: Path, rule_kind: str,
+            barrier: Callable[[str], None]) -> int:
     directory = _resolve(path)
+    if node.rank == 0 and (path / LATEST).is_file():
+        remove_temporaries(path)
     manifest = _read_json(directory / "manifest.json")
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise InvalidArgumentError(f"{directory} is not an mltuner checkpoint of version {VERSION}")
@@ -106,6 +148,9 @@ def restore(node: _core.ProcessNode, worker: Worker, path: Path, rule_kind: str)
         except InvalidArgumentError as error:
             raise InvalidArgumentError(f"checkpoint {directory} does not fit this job's update rule "
                                        f"({rule_kind!r}): {error}") from error
+    # Every shard holds its rows before any rank reads (a fetch right after
+    # the restore would otherwise see another shard's rows not yet loaded).
+    barrier(f"checkpoint-{directory.name}-restored")
     return int(manifest["clock"])
 
 

@@ -23,6 +23,9 @@ import socket
 from collections.abc import Iterator, Mapping
 from typing import Literal, Union
 
+from mltuner.dist._security import read_secret_file
+from mltuner.exceptions import InvalidArgumentError
+
 __all__ = [
     "ProcessEnv",
     "Source",
@@ -42,7 +45,8 @@ SLURM_PORT_SPAN = 20000
 
 _SECRET_HINT = (
     "set MLTUNER_SECRET to the same random string on every process, e.g. the output of "
-    '`python -c "import secrets; print(secrets.token_hex(32))"`'
+    '`python -c "import secrets; print(secrets.token_hex(32))"`, or set MLTUNER_SECRET_FILE to '
+    "a file holding it that only you can read"
 )
 
 
@@ -58,7 +62,8 @@ class ProcessEnv:
         master_port: rank 0's port; 0 means "not fixed" and only occurs when
             ``world_size`` is 1.
         bind_host: the address this process's sockets bind to.
-        secret: the job's shared secret (``MLTUNER_SECRET``), or None. Left out
+        secret: the job's shared secret (``MLTUNER_SECRET`` or the contents of
+            ``MLTUNER_SECRET_FILE``), or None. Left out
             of ``repr`` so that logs never show it.
         source: the launcher whose variables were read.
     """
@@ -106,10 +111,12 @@ def detect_environment(env: Mapping[str, str] | None = None) -> ProcessEnv:
     (default: ``os.environ``).
 
     Whatever the launcher, ``MLTUNER_BIND_HOST`` overrides the bind address
-    and ``MLTUNER_SECRET`` gives the shared secret.
+    and ``MLTUNER_SECRET`` (or a file named by ``MLTUNER_SECRET_FILE``) gives
+    the shared secret. Without either, a job on loopback addresses uses this
+    user's own key (see :mod:`mltuner.dist._security`).
 
     Raises:
-        ValueError: a variable is not an integer or out of range, a variable a
+        InvalidArgumentError (a ValueError): a variable is not an integer or out of range, a variable a
             launcher always sets is missing, or the job would listen beyond
             this machine without ``MLTUNER_SECRET``. The message names the
             variable.
@@ -159,14 +166,14 @@ def _from_slurm(env: Mapping[str, str]) -> _Found | None:
                 try:
                     addr = first_slurm_host(env[name])
                 except ValueError as error:
-                    raise ValueError(f"{name}={env[name]!r} is not a Slurm host list: {error}") from None
+                    raise InvalidArgumentError(f"{name}={env[name]!r} is not a Slurm host list: {error}") from None
                 break
     if "MASTER_PORT" in env:
         port = _int(env, "MASTER_PORT")
     elif "SLURM_JOB_ID" in env:
         port = SLURM_BASE_PORT + _int(env, "SLURM_JOB_ID") % SLURM_PORT_SPAN
     elif world_size > 1:
-        raise ValueError("under Slurm, set MASTER_PORT or SLURM_JOB_ID (srun sets SLURM_JOB_ID)")
+        raise InvalidArgumentError("under Slurm, set MASTER_PORT or SLURM_JOB_ID (srun sets SLURM_JOB_ID)")
     else:
         port = 0
     return ("slurm", rank, world_size, local_rank, addr, port)
@@ -182,7 +189,7 @@ def _from_openmpi(env: Mapping[str, str]) -> _Found | None:
         # mpirun exports no rendezvous address; the user must forward one.
         missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not env.get(name)]
         if missing:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"under Open MPI with {world_size} processes, {' and '.join(missing)} must be set: "
                 "export them to every process with `mpirun -x MASTER_ADDR=<rank 0's host> "
                 "-x MASTER_PORT=<free port> ...`"
@@ -196,30 +203,32 @@ def _finish(env: Mapping[str, str], source: Source, rank: int, world_size: int, 
             master_addr: str, master_port: int) -> ProcessEnv:
     """Validates what a reader found and applies the overrides every source shares."""
     if world_size < 1:
-        raise ValueError(f"{_var(source, 'world_size')} must be >= 1, got {world_size}")
+        raise InvalidArgumentError(f"{_var(source, 'world_size')} must be >= 1, got {world_size}")
     if not 0 <= rank < world_size:
-        raise ValueError(f"{_var(source, 'rank')}={rank} is outside [0, {world_size}) "
+        raise InvalidArgumentError(f"{_var(source, 'rank')}={rank} is outside [0, {world_size}) "
                          f"(world size from {_var(source, 'world_size')})")
     if not 0 <= local_rank < world_size:
-        raise ValueError(f"{_var(source, 'local_rank')}={local_rank} is outside [0, {world_size})")
+        raise InvalidArgumentError(f"{_var(source, 'local_rank')}={local_rank} is outside [0, {world_size})")
     master_addr = master_addr.strip()
     if world_size > 1 and not master_addr:
-        raise ValueError(f"{_var(source, 'master_addr')} must name rank 0's host when the world "
+        raise InvalidArgumentError(f"{_var(source, 'master_addr')} must name rank 0's host when the world "
                          f"size is {world_size}")
     low_port = 1 if world_size > 1 else 0
     if not low_port <= master_port <= 65535:
-        raise ValueError(f"{_var(source, 'master_port')}={master_port} is not a port in "
+        raise InvalidArgumentError(f"{_var(source, 'master_port')}={master_port} is not a port in "
                          f"{low_port}..65535")
     bind_host = env.get("MLTUNER_BIND_HOST", "").strip() or _default_bind_host(master_addr)
     secret = env.get("MLTUNER_SECRET") or None
+    if secret is None and env.get("MLTUNER_SECRET_FILE"):
+        secret = read_secret_file(env["MLTUNER_SECRET_FILE"])
     if secret is None:
         # Sockets that other machines can reach must authenticate their peers.
         if not is_loopback(master_addr):
-            raise ValueError(f"the master address {master_addr!r} ({_var(source, 'master_addr')}) "
+            raise InvalidArgumentError(f"the master address {master_addr!r} ({_var(source, 'master_addr')}) "
                              f"is not a loopback address, so peers on other machines must "
                              f"authenticate: {_SECRET_HINT}")
         if not is_loopback(bind_host):
-            raise ValueError(f"MLTUNER_BIND_HOST={bind_host!r} is not a loopback address, so peers "
+            raise InvalidArgumentError(f"MLTUNER_BIND_HOST={bind_host!r} is not a loopback address, so peers "
                              f"on other machines must authenticate: {_SECRET_HINT}")
     return ProcessEnv(rank=rank, world_size=world_size, local_rank=local_rank,
                       master_addr=master_addr, master_port=master_port, bind_host=bind_host,
@@ -261,14 +270,14 @@ def _int(env: Mapping[str, str], name: str) -> int:
     try:
         return int(text)
     except ValueError:
-        raise ValueError(f"{name}={env[name]!r} is not an integer") from None
+        raise InvalidArgumentError(f"{name}={env[name]!r} is not an integer") from None
 
 
 def _require_all(env: Mapping[str, str], names: tuple[str, ...], why: str) -> None:
     missing = [name for name in names if name not in env]
     if missing:
         present = [name for name in names if name in env]
-        raise ValueError(f"{', '.join(present)} set but {', '.join(missing)} missing ({why}): "
+        raise InvalidArgumentError(f"{', '.join(present)} set but {', '.join(missing)} missing ({why}): "
                          f"set every one of {', '.join(names)}")
 
 
@@ -309,21 +318,21 @@ def _split_top_level(hostlist: str) -> list[str]:
     for index, char in enumerate(hostlist):
         if char == "[":
             if depth:
-                raise ValueError("nested '[' is not valid")
+                raise InvalidArgumentError("nested '[' is not valid")
             depth = 1
         elif char == "]":
             if not depth:
-                raise ValueError("']' without a matching '['")
+                raise InvalidArgumentError("']' without a matching '['")
             depth = 0
         elif char == "," and not depth:
             items.append(hostlist[start:index])
             start = index + 1
     if depth:
-        raise ValueError("'[' without a matching ']'")
+        raise InvalidArgumentError("'[' without a matching ']'")
     items.append(hostlist[start:])
     items = [item.strip() for item in items]
     if not any(items) or not all(items):
-        raise ValueError("empty host name")
+        raise InvalidArgumentError("empty host name")
     return items
 
 
@@ -354,10 +363,10 @@ def _bracket_ranges(body: str) -> list[tuple[int, int, int]]:
         chunk = chunk.strip()
         low, dash, high = chunk.partition("-")
         if not low.isdigit() or (dash and not high.isdigit()):
-            raise ValueError(f"range {chunk!r} is not a number or low-high")
+            raise InvalidArgumentError(f"range {chunk!r} is not a number or low-high")
         last = int(high) if dash else int(low)
         if last < int(low):
-            raise ValueError(f"range {chunk!r} runs backwards")
+            raise InvalidArgumentError(f"range {chunk!r} runs backwards")
         ranges.append((int(low), last, len(low)))  # Slurm pads to the width of the low end
     return ranges
 

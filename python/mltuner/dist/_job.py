@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import socket
 from pathlib import Path
@@ -27,16 +28,26 @@ from typing import Any
 import zmq
 
 from mltuner import _core
-from mltuner._config import Config
+from mltuner._config import MAX_WAIT_S, Config
+from mltuner._validate import boolean, integer, real, text
 from mltuner.client._worker import Worker
 from mltuner.dist import _checkpoint
 from mltuner.dist._env import ProcessEnv, detect_environment, is_loopback
+from mltuner.dist._guard import ConnectionGuard, limit_input
 from mltuner.dist._rendezvous import ControlClient, Coordinator
-from mltuner.dist._security import CurveKeys, derive_keys, secure_server, start_authenticator
+from mltuner.dist._security import CurveKeys, derive_keys, secure_server, start_authenticator, user_loopback_secret
 from mltuner.dist._transport import SocketTransport
-from mltuner.exceptions import MltunerError
+from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError, MltunerError
 
-__all__ = ["Job"]
+__all__ = ["Job", "DEFAULT_MAX_MESSAGE_BYTES"]
+
+# The largest frame a data socket accepts unless Job(max_message_bytes=...)
+# says otherwise: a table's slice on one shard must fit (create_table checks).
+DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
+# Connections a data socket accepts beyond one per peer (reconnects).
+_SPARE_CONNECTIONS = 16
+
+_log = logging.getLogger("mltuner.dist")
 
 
 class Job:
@@ -52,10 +63,16 @@ class Job:
         heartbeat_timeout_s: a peer silent this long is declared lost: every
             engine call on this process then raises
             :class:`~mltuner.PeerLostError` naming its rank.
-        secure: authenticate and encrypt with ZeroMQ CURVE keys derived from
-            the job's secret (``MLTUNER_SECRET``). ``None`` (default) does so
-            whenever this process binds to a non-loopback address, which then
-            requires a secret; ``True`` forces it on loopback too.
+        secure: authenticate and encrypt every socket with ZeroMQ CURVE keys
+            derived from the job's secret (``MLTUNER_SECRET``, a file named by
+            ``MLTUNER_SECRET_FILE``, or on loopback this user's own key).
+            ``None`` or ``True`` (default): always. ``False`` turns it off,
+            which is only allowed on loopback addresses and lets any local
+            process inject messages: for measurements only.
+        max_message_bytes: the largest frame a data socket accepts (ZeroMQ
+            refuses a larger announced frame before allocating it). Every
+            table's slice on one shard must fit: ``create_table`` refuses a
+            table that would need more, naming this setting.
 
     Attributes:
         worker: the access API (:class:`mltuner.Worker`).
@@ -64,10 +81,21 @@ class Job:
 
     def __init__(self, config: Config | None = None, *, env: ProcessEnv | None = None,
                  rendezvous_timeout_s: float = 120.0, heartbeat_interval_s: float = 0.5,
-                 heartbeat_timeout_s: float = 5.0, secure: bool | None = None) -> None:
-        if not 0 < heartbeat_interval_s < heartbeat_timeout_s:
-            raise ValueError("need 0 < heartbeat_interval_s < heartbeat_timeout_s, got "
-                             f"{heartbeat_interval_s} and {heartbeat_timeout_s}")
+                 heartbeat_timeout_s: float = 5.0, secure: bool | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+        if config is not None and not isinstance(config, Config):
+            raise ArgumentTypeError(f"Job: config must be a Config, got {type(config).__name__}")
+        rendezvous_timeout_s = real("Job: rendezvous_timeout_s", rendezvous_timeout_s, 0, MAX_WAIT_S, low_open=True)
+        heartbeat_timeout_s = real("Job: heartbeat_timeout_s", heartbeat_timeout_s, 0, MAX_WAIT_S, low_open=True)
+        heartbeat_interval_s = real("Job: heartbeat_interval_s", heartbeat_interval_s, 0, heartbeat_timeout_s,
+                                    low_open=True, high_open=True)
+        if secure is not None:
+            boolean("Job: secure", secure)
+        if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int) \
+                or not 1 << 20 <= max_message_bytes <= 1 << 62:
+            raise InvalidArgumentError(f"max_message_bytes must be an integer in [2**20, 2**62], "
+                                       f"got {max_message_bytes!r}")
+        self._max_message_bytes = max_message_bytes
         self.config = config or Config()
         self.env = env or detect_environment()
         self.rank = self.env.rank
@@ -75,6 +103,7 @@ class Job:
         self.local_rank = self.env.local_rank
         self._timeout_s = self.config.wait_timeout_s
         self._closed = False
+        self._first_clock = 0  # the clock training resumed from (restore_checkpoint)
         self._context: zmq.Context[zmq.Socket[bytes]] | None = None
         self._authenticator: object | None = None
         self._coordinator: Coordinator | None = None
@@ -83,7 +112,8 @@ class Job:
         self.endpoint = ""  # where peers send to this process (empty when alone)
         self._node = _core.ProcessNode(self.config.to_core(), self.rank, self.world_size, self.config.device,
                                        self.local_rank)
-        self.worker = Worker(self._node.engine, owner=self._node)
+        self.worker = Worker(self._node.engine, owner=self._node, config=self.config,
+                             max_message_bytes=self._max_message_bytes if self.world_size > 1 else None)
         if self.world_size > 1:
             try:
                 self._connect(self._keys(secure), rendezvous_timeout_s, heartbeat_interval_s, heartbeat_timeout_s)
@@ -98,10 +128,21 @@ class Job:
         dropped = self._transport.rejected if self._transport else 0
         return int(self._node.rejected_messages) + dropped
 
+    @property
+    def refused_connections(self) -> int:
+        """Connections to this process's sockets that were cut: they failed
+        the CURVE handshake (no or wrong keys) or exceeded the cap."""
+        total = self._transport.guard.refused.count if self._transport else 0
+        if self._coordinator is not None:
+            total += self._coordinator.guard.refused.count
+        return total
+
     def barrier(self, name: str = "barrier", timeout_s: float | None = None) -> None:
         """Returns once every rank has called ``barrier`` with this name."""
+        text("barrier: name", name)
+        timeout = self._wait_limit("barrier", timeout_s)
         if self._control is not None:
-            self._control.barrier(name, self._timeout_s if timeout_s is None else timeout_s)
+            self._control.barrier(name, timeout)
 
     def allgather(self, name: str, value: Any, timeout_s: float | None = None) -> list[Any]:
         """Every rank's ``value``, by rank, once every rank has called
@@ -109,10 +150,15 @@ class Job:
         numbers, strings, lists, dicts and None; at most 1 MiB in all. For
         small control data (the tuner's commands and loss reports), not
         tensors."""
+        text("allgather: name", name)
+        timeout = self._wait_limit("allgather", timeout_s)
         if self._control is None:
-            json.dumps(value)  # the same check the wire would make
+            try:
+                json.dumps(value)  # the same check the wire would make
+            except (TypeError, ValueError) as error:
+                raise InvalidArgumentError(f"allgather {name!r}: the value is not JSON: {error}") from None
             return [value]
-        return self._control.allgather(name, value, self._timeout_s if timeout_s is None else timeout_s)
+        return self._control.allgather(name, value, timeout)
 
     def save_checkpoint(self, root: str | os.PathLike[str], *, keep: int = 2) -> Path:
         """Saves every shard's parameters and optimizer state at this clock.
@@ -124,7 +170,9 @@ class Job:
         newest ``keep`` are kept. ``root`` must be on a file system every rank
         can see. Returns the checkpoint's directory.
         """
-        return _checkpoint.save(self._node, self.worker, Path(root), self.barrier, keep=keep)
+        keep = integer("save_checkpoint: keep", keep, 1, 10**6)
+        return _checkpoint.save(self._node, self.worker, Path(root), self.barrier, keep=keep,
+                                first_clock=self._first_clock)
 
     def restore_checkpoint(self, path: str | os.PathLike[str]) -> int:
         """Loads a checkpoint into this rank's shard and returns its clock.
@@ -134,9 +182,13 @@ class Job:
         the number of processes may differ. ``path`` is a checkpoint
         directory or a root written by :meth:`save_checkpoint` (its newest
         checkpoint is used). Training clocks restart at 0; the returned clock
-        tells the application where its data stream was.
+        tells the application where its data stream was, and later
+        checkpoints are named from it on. It ends with a barrier, so every
+        read after it, on any rank, sees the restored values.
         """
-        return _checkpoint.restore(self._node, self.worker, Path(path), self.config.update_rule.kind)
+        self._first_clock = _checkpoint.restore(self._node, self.worker, Path(path), self.config.update_rule.kind,
+                                                self.barrier)
+        return self._first_clock
 
     def close(self, *, graceful: bool = True) -> None:
         """Leaves the job. Graceful: hands over this worker's last updates and
@@ -154,7 +206,7 @@ class Job:
                 pass  # a lost peer was reported by the calls that met it
         self._node.shutdown()
         if self._transport is not None:
-            self._transport.stop()
+            self._transport.stop(graceful=graceful)
         if self._control is not None:
             self._control.close()
         if self._coordinator is not None:
@@ -175,15 +227,27 @@ class Job:
         if not getattr(self, "_closed", True):
             self.close(graceful=False)
 
+    def _wait_limit(self, what: str, timeout_s: float | None) -> float:
+        if timeout_s is None:
+            return self._timeout_s
+        return real(f"{what}: timeout_s", timeout_s, 0, MAX_WAIT_S, low_open=True)
+
     # -- setting up ---------------------------------------------------------------
     def _keys(self, secure: bool | None) -> CurveKeys | None:
-        wanted = secure if secure is not None else not is_loopback(self.env.bind_host)
-        if not wanted:
+        loopback = is_loopback(self.env.bind_host) and is_loopback(self.env.master_addr)
+        if secure is False:
+            if not loopback:
+                raise InvalidArgumentError(f"secure=False is only allowed on loopback addresses; this job binds "
+                                           f"{self.env.bind_host} with rank 0 at {self.env.master_addr}")
             return None
-        if not self.env.secret:
-            raise ValueError(f"binding to {self.env.bind_host} needs peers to authenticate: set MLTUNER_SECRET "
-                             "to the same random string on every process (mltuner launch does this for you)")
-        return derive_keys(self.env.secret)
+        if self.env.secret:
+            return derive_keys(self.env.secret)
+        if not loopback:
+            raise InvalidArgumentError(
+                f"binding to {self.env.bind_host} needs peers to authenticate: set MLTUNER_SECRET to the same "
+                "random string on every process, or MLTUNER_SECRET_FILE to a file holding it "
+                "(mltuner launch does this for you)")
+        return derive_keys(user_loopback_secret())
 
     def _connect(self, keys: CurveKeys | None, rendezvous_timeout_s: float, heartbeat_interval_s: float,
                  heartbeat_timeout_s: float) -> None:
@@ -192,6 +256,7 @@ class Job:
             self._authenticator = start_authenticator(self._context, keys)
         inbox = self._context.socket(zmq.PULL)
         inbox.rcvhwm = 0
+        limit_input(inbox, self._max_message_bytes)
         if keys is not None:
             secure_server(inbox, keys)
         try:
@@ -199,6 +264,8 @@ class Job:
         except zmq.ZMQError:
             inbox.close(linger=0)
             raise
+        guard = ConnectionGuard(inbox, port, f"rank {self.rank}'s data socket",
+                                self.world_size - 1 + _SPARE_CONNECTIONS, _log)
         endpoint = self.endpoint = f"tcp://{_bracketed(_advertised_host(self.env))}:{port}"
         if self.rank == 0:
             self._coordinator = Coordinator(self._context, self.env.bind_host, self.env.master_port,
@@ -210,9 +277,10 @@ class Job:
             endpoints = self._control.join(self.world_size, endpoint, _fingerprint(self.config),
                                            rendezvous_timeout_s, missing)
         except BaseException:
+            guard.close()
             inbox.close(linger=0)
             raise
-        self._transport = SocketTransport(self._node, self._context, inbox, endpoints, keys,
+        self._transport = SocketTransport(self._node, self._context, inbox, guard, endpoints, keys,
                                           heartbeat_interval_s=heartbeat_interval_s,
                                           heartbeat_timeout_s=heartbeat_timeout_s)
 

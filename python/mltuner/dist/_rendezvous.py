@@ -11,9 +11,10 @@ its own thread). Every rank, rank 0 included, talks to it through a
 - ``allgather`` is a barrier that carries one JSON value per rank and returns
   them all, by rank (the tuner's commands and clock reports travel this way).
 
-Messages are single JSON frames of at most 1 MiB; anything else is dropped
-and logged. Every wait is bounded and polls ``should_stop`` so a lost peer
-ends it at once.
+Messages are single JSON frames of at most 1 MiB (ZeroMQ refuses a larger
+announced frame before reading it); anything else is dropped, counted and
+logged at a bounded rate. Both ends are CURVE sockets of the job. Every wait
+is bounded and polls ``should_stop`` so a lost peer ends it at once.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 
 import zmq
 
+from mltuner.dist._guard import ConnectionGuard, RejectionLog, limit_input
 from mltuner.dist._security import CurveKeys, secure_client, secure_server
 from mltuner.exceptions import InvalidArgumentError, PeerLostError, WaitTimeoutError
 
@@ -35,6 +37,8 @@ __all__ = ["Coordinator", "ControlClient"]
 _log = logging.getLogger("mltuner.dist")
 _MAX_FRAME = 1 << 20
 _POLL_MS = 100
+# Connections the coordinator accepts beyond one per rank (reconnects).
+_SPARE_CONNECTIONS = 16
 
 
 def _encode(message: dict[str, Any]) -> bytes:
@@ -59,6 +63,7 @@ class Coordinator:
         self._world_size = world_size
         self._socket = context.socket(zmq.ROUTER)
         self._socket.linger = 0
+        limit_input(self._socket, _MAX_FRAME)
         if keys is not None:
             secure_server(self._socket, keys)
         host = f"[{bind_host}]" if ":" in bind_host else bind_host
@@ -71,6 +76,9 @@ class Coordinator:
         except zmq.ZMQError as error:
             self._socket.close()
             raise OSError(f"rank 0 cannot listen on {bind_host}:{port} for the rendezvous: {error}") from error
+        self.guard = ConnectionGuard(self._socket, self.port, "the rendezvous socket",
+                                     world_size + _SPARE_CONNECTIONS, _log)
+        self.rejections = RejectionLog(_log, "the rendezvous socket")
         self._members: dict[int, tuple[bytes, str, str]] = {}  # rank -> (routing id, endpoint, fingerprint)
         self._barriers: dict[str, set[int]] = {}
         self._gathers: dict[str, dict[int, Any]] = {}
@@ -87,20 +95,29 @@ class Coordinator:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5.0)
+        self.guard.close()
         self._socket.close()
 
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
+        poller.register(self.guard.monitor, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(_POLL_MS):
+            ready = dict(poller.poll(_POLL_MS))
+            if self.guard.monitor in ready:
+                self.guard.handle_events()
+            if self._socket not in ready:
                 continue
-            frames = self._socket.recv_multipart()
-            message = _decode(frames[-1]) if len(frames) == 2 else None
-            if message is None:
-                _log.warning("control channel: dropped a malformed message (%d frames)", len(frames))
-                continue
-            self._handle(frames[0], message)
+            for _ in range(256):  # then look at the guard again
+                try:
+                    frames = self._socket.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                message = _decode(frames[-1]) if len(frames) == 2 else None
+                if message is None:
+                    self.rejections.record(f"a malformed control message ({len(frames)} frames)")
+                    continue
+                self._handle(frames[0], message)
 
     def _send(self, routing_id: bytes, message: dict[str, Any]) -> None:
         try:
@@ -189,6 +206,7 @@ class ControlClient:
         self._should_stop = should_stop
         self._socket = context.socket(zmq.DEALER)
         self._socket.linger = 0
+        limit_input(self._socket, _MAX_FRAME)
         if keys is not None:
             secure_client(self._socket, keys)
         host = f"[{master_addr}]" if ":" in master_addr else master_addr

@@ -1,23 +1,44 @@
-"""ZeroMQ CURVE keys derived from the job's shared secret.
+"""The job's secret and the ZeroMQ CURVE keys derived from it.
 
-Every process of a job knows the secret (``MLTUNER_SECRET``) and nothing else,
-so the keys are derived from it: one key pair for the sockets that bind
-(servers) and one for the sockets that connect (clients). A server accepts a
-connection only when the client proves it holds the client secret key (the
-ZAP handler checks the client's public key), so a process without the secret
-cannot complete the handshake, and its bytes never reach the engine. CURVE
-also encrypts the traffic.
+Every socket of a job, loopback included, is a CURVE socket. Every process
+of the job knows one secret and derives the keys from it: one key pair for
+the sockets that bind (servers) and one for the sockets that connect
+(clients). A server accepts a connection only when the client proves it holds
+the client secret key (the ZAP handler checks the client's public key), so a
+process without the secret cannot complete the handshake and none of its
+bytes reach the engine. CURVE also encrypts the traffic.
+
+Where the secret comes from (first found wins):
+
+1. ``MLTUNER_SECRET`` (``mltuner launch`` makes a fresh one for every job);
+2. ``MLTUNER_SECRET_FILE``, a file only its owner can read (for torchrun,
+   Slurm or MPI: write it once on a shared file system);
+3. for a job on one machine (loopback addresses only), a per-user key file
+   (``$XDG_RUNTIME_DIR/mltuner/loopback.key``, else ``~/.mltuner/loopback.key``)
+   made on first use, readable by this user only. Any process of this user
+   can join such a job, which is no weaker than what the user could do with
+   ptrace; processes of other users cannot.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
+import secrets
+import stat
+from pathlib import Path
 
 import zmq
 import zmq.auth.thread
 
-__all__ = ["CurveKeys", "derive_keys", "secure_server", "secure_client", "start_authenticator"]
+from mltuner.exceptions import InvalidArgumentError
+
+__all__ = ["CurveKeys", "derive_keys", "secure_server", "secure_client", "start_authenticator",
+           "read_secret_file", "user_loopback_secret", "user_key_directory"]
+
+_MIN_SECRET_CHARS = 16
+_KEY_FILE = "loopback.key"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,9 +61,9 @@ def _secret_key(secret: str, role: str) -> bytes:
 def derive_keys(secret: str) -> CurveKeys:
     """The job's key pairs; the same secret gives the same keys everywhere."""
     if not secret:
-        raise ValueError("the shared secret (MLTUNER_SECRET) is empty")
+        raise InvalidArgumentError("the shared secret (MLTUNER_SECRET) is empty")
     if not zmq.has("curve"):
-        raise RuntimeError("this pyzmq's libzmq was built without CURVE; install a pyzmq wheel from PyPI")
+        raise InvalidArgumentError("this pyzmq's libzmq was built without CURVE; install a pyzmq wheel from PyPI")
     server_secret = _secret_key(secret, "server")
     client_secret = _secret_key(secret, "client")
     return CurveKeys(
@@ -83,3 +104,78 @@ def start_authenticator(context: zmq.Context[zmq.Socket[bytes]], keys: CurveKeys
     authenticator.start()
     authenticator.configure_curve_callback(domain="*", credentials_provider=_JobMembers(keys.client_public))
     return authenticator
+
+
+# -- where the secret comes from ---------------------------------------------------
+def _check_private(path: Path, what: str, *, directory: bool) -> None:
+    """Refuses a file or directory that another user owns or may open."""
+    info = path.lstat()
+    kind_ok = stat.S_ISDIR(info.st_mode) if directory else stat.S_ISREG(info.st_mode)
+    if not kind_ok:
+        raise InvalidArgumentError(f"{what} {path} is not a {'directory' if directory else 'regular file'}")
+    if info.st_uid != os.getuid():
+        raise InvalidArgumentError(f"{what} {path} belongs to uid {info.st_uid}, not to this user ({os.getuid()})")
+    if info.st_mode & 0o077:
+        raise InvalidArgumentError(f"{what} {path} may be opened by other users (mode {stat.S_IMODE(info.st_mode):o}): "
+                                   f"chmod {'700' if directory else '600'} it")
+
+
+def read_secret_file(path: str | os.PathLike[str]) -> str:
+    """The secret stored in ``path`` (``MLTUNER_SECRET_FILE``), which must be
+    a regular file of this user that no one else may read, holding at least
+    16 characters."""
+    path = Path(path)
+    try:
+        _check_private(path, "MLTUNER_SECRET_FILE", directory=False)
+        secret = path.read_text().strip()
+    except OSError as error:
+        raise InvalidArgumentError(f"cannot read MLTUNER_SECRET_FILE {path}: {error.strerror or error}") from None
+    if len(secret) < _MIN_SECRET_CHARS:
+        raise InvalidArgumentError(f"MLTUNER_SECRET_FILE {path} holds {len(secret)} characters; "
+                                   f"a secret needs at least {_MIN_SECRET_CHARS}")
+    return secret
+
+
+def user_key_directory() -> Path:
+    """Where the per-user loopback key lives: a private run-time directory
+    when the system gives one, else ``~/.mltuner``."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    if runtime and Path(runtime).is_dir():
+        return Path(runtime) / "mltuner"
+    return Path.home() / ".mltuner"
+
+
+def user_loopback_secret(directory: Path | None = None) -> str:
+    """This user's secret for jobs on one machine, made on first use.
+
+    Several processes may call this at once: each writes a candidate into a
+    private file and links it into place; the link fails for all but the
+    first, and everyone then reads the winner, so all agree.
+    """
+    directory = directory or user_key_directory()
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _check_private(directory, "the mltuner key directory", directory=True)
+        final = directory / _KEY_FILE
+        if not final.exists():
+            candidate = directory / f".{_KEY_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
+            descriptor = os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                with os.fdopen(descriptor, "w") as file:
+                    file.write(secrets.token_hex(32) + "\n")
+                    file.flush()
+                    os.fsync(file.fileno())
+                try:
+                    os.link(candidate, final)
+                except FileExistsError:
+                    pass  # another process was first: use its key
+            finally:
+                candidate.unlink(missing_ok=True)
+        _check_private(final, "the mltuner loopback key", directory=False)
+        secret = final.read_text().strip()
+    except OSError as error:
+        raise InvalidArgumentError(f"cannot make or read this user's mltuner key in {directory}: "
+                                   f"{error.strerror or error}; set MLTUNER_SECRET instead") from None
+    if len(secret) < _MIN_SECRET_CHARS:
+        raise InvalidArgumentError(f"the mltuner loopback key {final} is damaged: delete it and start again")
+    return secret

@@ -12,6 +12,11 @@ PUSH socket to each peer. Two threads, each owning its sockets:
   C++ with the GIL released, and records when each peer was last heard from.
   A peer silent for ``heartbeat_timeout_s`` is declared lost: the node aborts,
   and every engine call on this process raises PeerLostError naming the rank.
+  It also reads the inbox's connection guard (failed handshakes, the cap on
+  connections).
+
+Every socket is a CURVE socket of the job, so heartbeats and goodbyes are
+authenticated like data: a process without the job's secret cannot forge one.
 
 Messages between this process's own engine and shard never come here.
 """
@@ -27,6 +32,7 @@ from typing import Any
 import zmq
 
 from mltuner import _core
+from mltuner.dist._guard import ConnectionGuard, RejectionLog
 from mltuner.dist._security import CurveKeys, secure_client
 from mltuner.exceptions import CorruptMessageError
 
@@ -38,18 +44,18 @@ _GOODBYE = b"MLTN-BYE"
 _RANK = struct.Struct("<i")
 _SENDER_OFFSET = 8  # MessageHeader: magic u32, version u16, type u16, sender i32
 _POLL_MS = 50
-_LOGGED_REJECTIONS = 10
 
 
 class SocketTransport:
     """The send and receive threads of one process (see the module doc)."""
 
     def __init__(self, node: _core.ProcessNode, context: zmq.Context[zmq.Socket[bytes]],
-                 inbox: zmq.Socket[bytes], endpoints: list[str], keys: CurveKeys | None, *,
+                 inbox: zmq.Socket[bytes], guard: ConnectionGuard, endpoints: list[str], keys: CurveKeys | None, *,
                  heartbeat_interval_s: float, heartbeat_timeout_s: float) -> None:
         self._node = node
         self._rank = int(node.rank)
         self._inbox = inbox
+        self.guard = guard
         self._interval = heartbeat_interval_s
         self._timeout = heartbeat_timeout_s
         self._peers: dict[int, zmq.Socket[bytes]] = {}
@@ -67,8 +73,9 @@ class SocketTransport:
         self._last_heard = {rank: now for rank in self._peers}
         self._departed: set[int] = set()
         self.lost: str | None = None  # why the job lost a peer, once it has
-        self.rejected = 0  # frames refused here (the node counts the messages it refuses)
-        self._logged = 0
+        # Messages refused here or by the node (the node also counts its own).
+        self._rejected = 0
+        self.rejections = RejectionLog(_log, f"rank {self._rank}'s data socket")
         self._stopping = threading.Event()
         self._threads = [
             threading.Thread(target=self._send_loop, name="mltuner-send", daemon=True),
@@ -77,19 +84,27 @@ class SocketTransport:
         for thread in self._threads:
             thread.start()
 
-    def stop(self) -> None:
+    def stop(self, *, graceful: bool = True) -> None:
         """Says goodbye to the peers and joins both threads. Call after the
-        node is shut down (its outbox is then closed and drains)."""
+        node is shut down (its outbox is then closed and drains). Not
+        graceful, or once a peer is lost, nothing waits for unsent bytes."""
         self._stopping.set()
         for thread in self._threads:
             thread.join(10.0)
+        linger_ms = 1000 if graceful and self.lost is None else 0
         for socket in self._peers.values():
             try:
                 socket.send(_GOODBYE + _RANK.pack(self._rank), flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-            socket.close()
+            socket.close(linger=linger_ms)
+        self.guard.close()
         self._inbox.close(linger=0)
+
+    @property
+    def rejected(self) -> int:
+        """Frames refused here (the node counts the messages it refuses)."""
+        return self._rejected
 
     # -- sending ------------------------------------------------------------------
     def _send_loop(self) -> None:
@@ -127,9 +142,13 @@ class SocketTransport:
     def _receive_loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._inbox, zmq.POLLIN)
+        poller.register(self.guard.monitor, zmq.POLLIN)
         while not self._stopping.is_set():
-            if poller.poll(_POLL_MS):
+            ready = dict(poller.poll(_POLL_MS))
+            if self._inbox in ready:
                 self._drain()
+            if self.guard.monitor in ready:
+                self.guard.handle_events()
             self._check_peers()
 
     def _drain(self) -> None:
@@ -149,7 +168,7 @@ class SocketTransport:
         try:
             self._node.deliver(header.buffer, payload.buffer)
         except CorruptMessageError as error:  # counted by the node
-            self._log_rejection(str(error))
+            self.rejections.record(str(error))
             return
         sender = _RANK.unpack_from(header.buffer, _SENDER_OFFSET)[0]  # valid: deliver checked it
         self._last_heard[sender] = time.monotonic()
@@ -177,10 +196,5 @@ class SocketTransport:
                 return
 
     def _reject(self, what: str) -> None:
-        self.rejected += 1
-        self._log_rejection(what)
-
-    def _log_rejection(self, what: str) -> None:
-        self._logged += 1
-        if self._logged <= _LOGGED_REJECTIONS:
-            _log.warning("mltuner: rank %d dropped %s", self._rank, what)
+        self._rejected += 1
+        self.rejections.record(what)

@@ -192,6 +192,9 @@ class ClockDriver:
         self._install_hooks()
         self._recording_hooks: list[Any] = []
         self.misgrouped: str | None = None  # a group whose member ran outside its forward (recording)
+        # Called on each layer's gradients (in place) before they are copied
+        # into its update; the mixed-precision scaler's unscaling (_amp.py).
+        self.grad_filter: Callable[[list[torch.Tensor]], None] | None = None
 
     # -- hooks -----------------------------------------------------------------------
     def _install_hooks(self) -> None:
@@ -296,7 +299,7 @@ class ClockDriver:
         if self._recording:
             flat = self._init[layer.index]
             return flat, layer.views(flat)
-        return layer.buffer_views(self.worker.read(self._handles[index]))
+        return layer.buffer_views(self.worker.read(self._handles[index], stream=app_stream(self.device)))
 
     def _close_read(self, index: int) -> None:
         if not self._recording:
@@ -307,7 +310,8 @@ class ClockDriver:
             self._recorded_acts[slot] = tensor
             return
         handle = self._handles[index]
-        target = as_tensor(self.worker.local_access(handle), self.device).view(-1).view(torch.uint8)
+        buffer = self.worker.local_access(handle, stream=app_stream(self.device))
+        target = as_tensor(buffer, self.device).view(-1).view(torch.uint8)
         source = _bytes(tensor)
         target[: source.numel()].copy_(source)
         self.worker.post_local_access(handle, stream=app_stream(self.device))
@@ -318,7 +322,8 @@ class ClockDriver:
         # A copy: autograd gives no signal when the node is done with the
         # tensor, so the buffer could not be handed back safely.
         handle = self._handles[index]
-        source = as_tensor(self.worker.local_access(handle), self.device).view(-1).view(torch.uint8)
+        buffer = self.worker.local_access(handle, stream=app_stream(self.device))
+        source = as_tensor(buffer, self.device).view(-1).view(torch.uint8)
         spec = self._slots[slot]
         out = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
         out.view(-1).view(torch.uint8).copy_(source[: spec.nbytes])
@@ -328,8 +333,10 @@ class ClockDriver:
     def _update(self, index: int, layer: Layer, grads: list[torch.Tensor]) -> None:
         if not self._recording:
             handle = self._handles[index]
-            _, views = layer.buffer_views(self.worker.pre_update(handle))
+            _, views = layer.buffer_views(self.worker.pre_update(handle, stream=app_stream(self.device)))
             with torch.no_grad():
+                if self.grad_filter is not None:
+                    self.grad_filter(grads)
                 torch._foreach_copy_(views, grads)
             self.worker.update(handle, stream=app_stream(self.device))
         layer.clear_grads()
@@ -490,6 +497,8 @@ class ClockDriver:
                     f"recorded one {expected.shape} {expected.dtype}; with store_activations=True the local "
                     "tables are sized by the recording pass, so every clock must save the same shapes (a "
                     "fixed batch size); use store_activations=False for a varying batch size"
+                    + (" (another dtype only: under torch.autocast, call wrap() inside the same autocast)"
+                       if tuple(tensor.shape) == expected.shape else "")
                 )
             self._next_slot += 1
             self._store(index, slot, tensor)

@@ -11,6 +11,7 @@ from torch import nn
 
 from mltuner.client._worker import Worker
 from mltuner.exceptions import InvalidArgumentError, OutOfOrderError
+from mltuner.torch._amp import ScaledGradients, check_scaler
 from mltuner.torch._clock import ClockDriver, tensors_in
 from mltuner.torch._layers import DEFAULT_GROUP_BYTES, DEFAULT_WHOLE_MODULES, find_layers
 
@@ -38,10 +39,11 @@ class PSModule(nn.Module):
     up the module before wrapping it.
     """
 
-    def __init__(self, module: nn.Module, driver: ClockDriver) -> None:
+    def __init__(self, module: nn.Module, driver: ClockDriver, scaled: ScaledGradients | None = None) -> None:
         super().__init__()
         self.module = module
         self._driver = driver
+        self._scaled = scaled  # the GradScaler's side, when wrap() got one
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's forward: a training forward when gradients
@@ -137,14 +139,34 @@ class ClockOptimizer:
     """Stands in for a torch optimizer in an existing training loop:
     :meth:`step` ends the clock (the servers apply the update rule) and
     :meth:`zero_grad` does nothing, because the adapter hands each gradient
-    to the engine and clears it during the backward pass."""
+    to the engine and clears it during the backward pass.
+
+    ``scaler.step(optimizer)`` of a ``torch.amp.GradScaler`` passed to
+    ``wrap(..., grad_scaler=scaler)`` works as with a torch optimizer, except
+    that the clock ends even when the gradients overflowed (mltuner/torch/_amp.py).
+    """
+
+    # GradScaler.step calls step() itself, overflow or not: the clock must end.
+    _step_supports_amp_scaling = True
 
     def __init__(self, model: PSModule) -> None:
         self._model = model
 
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """What a GradScaler checks for infs: a stand-in for the gradients,
+        which have left by then (none without a scaler)."""
+        scaled = self._model._scaled
+        return scaled.param_groups if scaled is not None else []
+
     def step(self, closure: Callable[[], Any] | None = None) -> None:
         if closure is not None:
             raise InvalidArgumentError("ClockOptimizer.step takes no closure (one backward pass per clock)")
+        if hasattr(self, "found_inf") and self._model._scaled is None:  # set by GradScaler.step
+            raise InvalidArgumentError(
+                "scaler.step(model.optimizer) with a GradScaler that wrap() was not given: the gradients have "
+                "left scaled; pass it as wrap(..., grad_scaler=scaler)"
+            )
         self._model.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -166,6 +188,12 @@ def _default_loss(output: Any) -> torch.Tensor:
     return total
 
 
+def _parameter_device(module: nn.Module) -> torch.device:
+    for param in module.parameters():
+        return param.device
+    return torch.device("cpu")
+
+
 def wrap(
     module: nn.Module,
     worker: Worker,
@@ -178,6 +206,7 @@ def wrap(
     whole_modules: Sequence[type[nn.Module]] = DEFAULT_WHOLE_MODULES,
     group_bytes: int = DEFAULT_GROUP_BYTES,
     hold_reads: bool | None = None,
+    grad_scaler: torch.amp.GradScaler | None = None,
 ) -> PSModule:
     """Moves ``module``'s trainable parameters into ``worker``'s parameter
     server and returns the model to train with.
@@ -238,6 +267,12 @@ def wrap(
             without ``store_activations``, pass False. Under BSP both give
             the same values; under SSP a held read gives the backward the
             forward's values.
+        grad_scaler: the ``torch.amp.GradScaler`` of a float16 autocast
+            loop (``scaler.scale(loss).backward(); scaler.step(optimizer);
+            scaler.update()`` with ``optimizer = model.optimizer``): each
+            layer's gradients are unscaled before its update leaves, and
+            zeroed from the clock's first inf or NaN on. bfloat16 autocast
+            needs no scaler.
 
     Raises:
         UnsupportedModelError: a non-float32 or sparse trainable parameter,
@@ -264,6 +299,7 @@ def wrap(
     if group_bytes < 0:
         raise InvalidArgumentError(f"group_bytes must be >= 0, got {group_bytes}")
     hold = not store_activations if hold_reads is None else bool(hold_reads)
+    scaler = None if grad_scaler is None else check_scaler(grad_scaler, _parameter_device(module))
     args = example_input if isinstance(example_input, tuple) else (example_input,)
     split: set[str] = set()  # groups whose members run outside the group's forward
     while True:
@@ -283,4 +319,8 @@ def wrap(
         except BaseException:
             driver.abandon()
             raise
-        return PSModule(module, driver)
+        scaled = None
+        if scaler is not None:
+            scaled = ScaledGradients(scaler, driver)
+            driver.grad_filter = scaled
+        return PSModule(module, driver, scaled)

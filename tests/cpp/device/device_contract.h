@@ -481,8 +481,8 @@ inline void ConcurrentThreads(Device& device) {
 inline void AppWorkTickets(Device& device, const AppWorkHooks* hooks) {
   DeviceEvent ticket;
   ASSERT_OK(device.RecordAppWork(0, &ticket));
-  EXPECT_OK(device.WaitAppWork(Stream::kWriteback, ticket));
-  EXPECT_OK(device.WaitAppWork(Stream::kPrefetch, DeviceEvent()));
+  EXPECT_OK(device.WaitEvent(Stream::kWriteback, ticket));
+  EXPECT_OK(device.WaitEvent(Stream::kPrefetch, DeviceEvent()));
   ticket.reset();
   EXPECT_OK(device.Synchronize(Stream::kWriteback));
   EXPECT_OK(device.Synchronize(Stream::kPrefetch));
@@ -503,7 +503,7 @@ inline void AppWorkTickets(Device& device, const AppWorkHooks* hooks) {
       DeviceEvent t;
       ASSERT_OK(device.RecordAppWork(app, &t));
       ASSERT_TRUE(t != nullptr);
-      ASSERT_OK(device.WaitAppWork(Stream::kWriteback, t));
+      ASSERT_OK(device.WaitEvent(Stream::kWriteback, t));
       t.reset();  // the wait is already queued; dropping the ticket must not undo it
       std::vector<float> got(n, Poison());
       device.CopyDeviceToHost(got.data(), dst.data(), n * sizeof(float), Stream::kWriteback);

@@ -73,7 +73,7 @@ TEST(ContractOnEveryDevice) {
   }
 }
 
-// The control for the contract's ticket check: without WaitAppWork, a copy
+// The control for the contract's ticket check: without WaitEvent, a copy
 // on an engine stream races the slow application kernel and reads stale
 // data, so the contract's check could catch a missing or broken wait. Only
 // reported, not asserted: a tool that serializes the GPU (compute-sanitizer)
@@ -98,7 +98,7 @@ TEST(TicketCheckWouldCatchAMissingWait) {
   ASSERT_OK(device->Synchronize(Stream::kWriteback));
   size_t stale_values = 0;
   for (size_t i = 0; i < n; ++i) stale_values += std::memcmp(&got[i], &stale[i], sizeof(float)) == 0;
-  std::fprintf(stderr, "  without WaitAppWork, %zu of %zu values read were stale\n", stale_values, n);
+  std::fprintf(stderr, "  without WaitEvent, %zu of %zu values read were stale\n", stale_values, n);
   cudaStreamSynchronize(app);
   cudaStreamDestroy(app);
 }

@@ -4,6 +4,7 @@
 // GPU may fuse multiply-adds. Exits 77 (CTest: skipped) without a device.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <cstdio>
 #include <random>
@@ -18,12 +19,8 @@
 namespace mltuner {
 namespace {
 
-using kernels::LaunchAdamUpdate;
-using kernels::LaunchAddUpdate;
 using kernels::LaunchGatherRuns;
-using kernels::LaunchMomentumUpdate;
 using kernels::LaunchScatterAddRuns;
-using kernels::LaunchSgdUpdate;
 
 #define CUDA_ASSERT(expr)                                                                   \
   do {                                                                                      \
@@ -191,87 +188,74 @@ TEST(ScatterAddLongRunGridStride) {
 
 // --- update rules -------------------------------------------------------------
 
-enum class Rule { kAdd, kSgd, kMomentum, kAdam };
-
-// Applies `steps` clocks of `rule` to `count` values, each clock with a fresh
-// random update sum of `workers` workers, on the GPU and in double on the CPU.
-void CheckRule(Rule rule, int64_t count, int workers, int steps) {
-  const float lr = 0.05f, momentum = 0.9f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;
+// Applies `steps` clocks of `kind` to `count` values, each clock with a fresh
+// random update sum of `workers` workers: on the GPU, with the CPU backend's
+// loop over UpdateValue (which must agree bit for bit), and in double (which
+// must agree within rounding).
+void CheckRule(UpdateRuleKind kind, int64_t count, int workers, int steps) {
+  UpdateRuleConfig rule;
+  rule.kind = kind;
+  rule.learning_rate = 0.05f;
+  rule.momentum = 0.9f;
   const std::vector<float> w0 = RandomValues(count, 100);
   std::vector<double> w(w0.begin(), w0.end()), s1(count, 0.0), s2(count, 0.0);
-  DeviceArray<float> d_w(count), d_s1(count), d_s2(count), d_sum(count);
-  ASSERT_TRUE(d_w.ok() && d_s1.ok() && d_s2.ok() && d_sum.ok());
+  std::vector<float> cpu_w = w0, cpu_state(2 * count, 0.0f);
+  DeviceArray<float> d_w(count), d_state(2 * count), d_sum(count);
+  ASSERT_TRUE(d_w.ok() && d_state.ok() && d_sum.ok());
   CUDA_ASSERT(d_w.Upload(w0));
-  CUDA_ASSERT(cudaMemset(d_s1.get(), 0, count * sizeof(float)));
-  CUDA_ASSERT(cudaMemset(d_s2.get(), 0, count * sizeof(float)));
+  CUDA_ASSERT(cudaMemset(d_state.get(), 0, 2 * count * sizeof(float)));
 
   for (int t = 1; t <= steps; ++t) {
     std::vector<float> sum = RandomValues(count, 200 + t);
     for (float& x : sum) x *= static_cast<float>(workers);  // a sum of N updates
     CUDA_ASSERT(d_sum.Upload(sum));
-    switch (rule) {
-      case Rule::kAdd: LaunchAddUpdate(d_w.get(), d_sum.get(), count, nullptr); break;
-      case Rule::kSgd: LaunchSgdUpdate(d_w.get(), d_sum.get(), count, workers, lr, nullptr); break;
-      case Rule::kMomentum:
-        LaunchMomentumUpdate(d_w.get(), d_s1.get(), d_sum.get(), count, workers, lr, momentum,
-                             nullptr);
-        break;
-      case Rule::kAdam:
-        LaunchAdamUpdate(d_w.get(), d_s1.get(), d_s2.get(), d_sum.get(), count, workers, lr,
-                         beta1, beta2, eps, t, nullptr);
-        break;
-    }
+    const UpdateStep step = MakeUpdateStep(rule, workers, t);
+    kernels::LaunchApplyUpdate(step, d_w.get(), d_state.get(), d_sum.get(), count, nullptr);
     CUDA_ASSERT(cudaGetLastError());
     CUDA_ASSERT(cudaDeviceSynchronize());
+    for (int64_t i = 0; i < count; ++i) UpdateValue(step, cpu_w.data(), cpu_state.data(), sum.data(), count, i);
 
-    const double bias1 = 1.0 - std::pow(double{beta1}, t);
-    const double bias2 = 1.0 - std::pow(double{beta2}, t);
+    const double bias1 = 1.0 - std::pow(double{rule.beta1}, t);
+    const double bias2 = 1.0 - std::pow(double{rule.beta2}, t);
     for (int64_t i = 0; i < count; ++i) {
       const double g = double{sum[i]} / workers;
-      switch (rule) {
-        case Rule::kAdd: w[i] += sum[i]; break;
-        case Rule::kSgd: w[i] -= lr * g; break;
-        case Rule::kMomentum:
-          s1[i] = (1.0 - momentum) * g + momentum * s1[i];
-          w[i] -= lr * s1[i];
+      switch (kind) {
+        case UpdateRuleKind::kAdd: w[i] += sum[i]; break;
+        case UpdateRuleKind::kSgd: w[i] -= rule.learning_rate * g; break;
+        case UpdateRuleKind::kMomentum:
+          s1[i] = (1.0 - rule.momentum) * g + rule.momentum * s1[i];
+          w[i] -= rule.learning_rate * s1[i];
           break;
-        case Rule::kAdam:
-          s1[i] = beta1 * s1[i] + (1.0 - beta1) * g;
-          s2[i] = beta2 * s2[i] + (1.0 - beta2) * g * g;
-          w[i] -= lr * (s1[i] / bias1) / (std::sqrt(s2[i] / bias2) + eps);
+        case UpdateRuleKind::kAdam:
+          s1[i] = rule.beta1 * s1[i] + (1.0 - rule.beta1) * g;
+          s2[i] = rule.beta2 * s2[i] + (1.0 - rule.beta2) * g * g;
+          w[i] -= rule.learning_rate * (s1[i] / bias1) / (std::sqrt(s2[i] / bias2) + rule.epsilon);
           break;
       }
     }
   }
 
-  auto check = [&](const DeviceArray<float>& got_d, const std::vector<double>& want,
-                   const char* what) {
-    std::vector<float> got;
-    CUDA_ASSERT(got_d.Download(&got));
-    int64_t wrong = 0;
-    for (int64_t i = 0; i < count; ++i) {
-      const double tol = 1e-5 * std::max(1.0, std::fabs(want[i]));
-      if (std::fabs(got[i] - want[i]) > tol && wrong++ < 5) {
-        std::fprintf(stderr, "  %s[%lld]\n", what, static_cast<long long>(i));
-        EXPECT_NEAR(got[i], want[i], tol);
-      }
-    }
-    EXPECT_EQ(wrong, int64_t{0});
-  };
-  check(d_w, w, "params");
-  if (rule == Rule::kMomentum || rule == Rule::kAdam) check(d_s1, s1, "state1");
-  if (rule == Rule::kAdam) check(d_s2, s2, "state2");
+  std::vector<float> got_w, got_state;
+  CUDA_ASSERT(d_w.Download(&got_w));
+  CUDA_ASSERT(d_state.Download(&got_state));
+  EXPECT_EQ(std::memcmp(got_w.data(), cpu_w.data(), count * sizeof(float)), 0);
+  EXPECT_EQ(std::memcmp(got_state.data(), cpu_state.data(), 2 * count * sizeof(float)), 0);
+  int64_t wrong = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const double tol = 1e-5 * std::max(1.0, std::fabs(w[i]));
+    if (std::fabs(got_w[i] - w[i]) > tol && wrong++ < 5) EXPECT_NEAR(got_w[i], w[i], tol);
+  }
+  EXPECT_EQ(wrong, int64_t{0});
 }
 
-TEST(AddUpdate) { CheckRule(Rule::kAdd, 10007, 3, 4); }
-TEST(SgdUpdateAveragesWorkers) { CheckRule(Rule::kSgd, 10007, 3, 4); }
-TEST(MomentumUpdate) { CheckRule(Rule::kMomentum, 10007, 3, 5); }
-TEST(AdamUpdateWithBiasCorrection) { CheckRule(Rule::kAdam, 10007, 3, 5); }
-TEST(AdamUpdateGridStride) { CheckRule(Rule::kAdam, 2500001, 2, 2); }  // > 8192 * 256
+TEST(AddUpdate) { CheckRule(UpdateRuleKind::kAdd, 10007, 3, 4); }
+TEST(SgdUpdateAveragesWorkers) { CheckRule(UpdateRuleKind::kSgd, 10007, 3, 4); }
+TEST(MomentumUpdate) { CheckRule(UpdateRuleKind::kMomentum, 10007, 3, 5); }
+TEST(AdamUpdateWithBiasCorrection) { CheckRule(UpdateRuleKind::kAdam, 10007, 3, 5); }
+TEST(AdamUpdateGridStride) { CheckRule(UpdateRuleKind::kAdam, 2500001, 2, 2); }  // > 8192 * 256
 TEST(UpdateNothingToDo) {
-  LaunchSgdUpdate(nullptr, nullptr, 0, 1, 0.1f, nullptr);
-  LaunchAdamUpdate(nullptr, nullptr, nullptr, nullptr, 0, 1, 0.1f, 0.9f, 0.999f, 1e-8f, 1,
-                   nullptr);
+  kernels::LaunchApplyUpdate(UpdateStep{}, nullptr, nullptr, nullptr, 0, nullptr);
+  kernels::LaunchAddInto(nullptr, nullptr, 0, nullptr);
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
 

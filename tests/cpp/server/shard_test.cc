@@ -184,7 +184,8 @@ TEST(AddTableRejectsLocalDuplicateAndEmptyTables) {
   EXPECT_TRUE(shard.values(2) == nullptr);
   ASSERT_TRUE(shard.values(4) != nullptr);
   EXPECT_EQ(shard.values(4)->size(), static_cast<size_t>(3 * kWidth));  // rows [0,3)
-  for (float v : *shard.values(4)) EXPECT_EQ(v, 0.0f);
+  const std::vector<float> zeros = *shard.values(4);
+  for (float v : zeros) EXPECT_EQ(v, 0.0f);
   EXPECT_EQ(shard.global_clock(4), kNoClock);
   EXPECT_EQ(shard.global_clock(99), kNoClock);
 }
@@ -204,7 +205,7 @@ TEST(InitAddAccumulatesAndAcks) {
   EXPECT_EQ(out[0].header.receiver, 0);
   EXPECT_EQ(out[1].header.request_id, 42);
   EXPECT_EQ(out[1].header.receiver, 2);
-  const std::vector<float>& values = *shard.values(kTable);
+  const std::vector<float> values = *shard.values(kTable);
   for (int64_t i = 0; i < kWidth; ++i) EXPECT_EQ(values[i], a[i]);
   for (int64_t i = 0; i < kWidth; ++i) EXPECT_EQ(values[kWidth + i], a[kWidth + i] + b[i]);
 }
@@ -300,7 +301,7 @@ void RunBsp(UpdateRuleKind kind) {
     }
     for (int s = 0; s < kWorkers; ++s) {
       const RowSpan range = ShardRange(kRows, s, kWorkers);
-      const std::vector<float>& values = *shards[s]->values(kTable);
+      const std::vector<float> values = *shards[s]->values(kTable);
       for (int64_t i = 0; i < range.count * kWidth; ++i) {
         EXPECT_NEAR(values[i], w[range.begin * kWidth + i], 1e-5);
       }

@@ -21,7 +21,7 @@ def test_workers_and_ranks() -> None:
         assert all(w.num_workers == 3 for w in cluster.workers)
         assert cluster.worker(2) is cluster.workers[2]
         assert cluster.rejected_messages == 0
-    with pytest.raises(ValueError, match="num_workers must be >= 1"):
+    with pytest.raises(ValueError, match=r"num_workers must be in \[1, 1024\], got 0"):
         LocalCluster(0)
 
 

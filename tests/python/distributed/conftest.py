@@ -72,3 +72,13 @@ def start_workers(tmp_path: Path):  # type: ignore[no-untyped-def]
     yield start
     for workers in started:
         workers.kill()
+
+
+@pytest.fixture(autouse=True)
+def private_key_directory(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Jobs without MLTUNER_SECRET use this user's loopback key: keep the
+    tests' key out of the real run-time directory (child processes inherit it)."""
+    directory = tmp_path_factory.getbasetemp() / "xdg-runtime"
+    directory.mkdir(mode=0o700, exist_ok=True)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(directory))
+    return directory

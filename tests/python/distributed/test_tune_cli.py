@@ -4,7 +4,10 @@ from rank 0's decision log, the report drawn at the end."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -63,3 +66,48 @@ def test_tune_and_train_the_torch_cnn(tmp_path: Path, capsys: pytest.CaptureFixt
                  "--search", "", "--lr", "0.3", "--max-epochs", "5"]) == 0
     fixed = json.loads((tmp_path / "fixed" / "result.json").read_text())
     assert fixed["summary"]["best_accuracy"] > 0.3, fixed["summary"]
+
+
+def _first_trials(log: Path) -> list[dict[str, object]]:
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    return [record["tunables"] for record in records if record["event"] == "fork_trial"]
+
+
+def test_one_seed_proposes_the_same_first_trials(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Scores depend on measured times, so only the proposals before the
+    # first result can be compared; the trial cap keeps them all such.
+    for run in ("a", "b"):
+        assert main(["tune", "--out", str(tmp_path / run), "--plain", "--seed", "3", *QUICK]) == 0
+    capsys.readouterr()
+    first, second = _first_trials(tmp_path / "a" / "decisions.jsonl"), _first_trials(tmp_path / "b" / "decisions.jsonl")
+    assert len(first) == 4 and first == second
+
+
+def test_ctrl_c_stops_the_job_and_draws_the_report_of_what_ran(tmp_path: Path) -> None:
+    out = tmp_path / "interrupted"
+    log = out / "decisions.jsonl"
+    # A slowed rank keeps the job running long after its first validation.
+    command = [sys.executable, "-m", "mltuner.cli", "tune", "--out", str(out), "--plain", "--max-epochs", "500",
+               "--trials", "4", "--eval-clocks", "5", "--trial-time", "0.05", "--slow-rank", "1", "--slow-ms", "40"]
+    cli = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (log.exists() and '"event": "validate"' in log.read_text()):
+            assert cli.poll() is None, "the job ended before it was interrupted"
+            assert time.monotonic() < deadline, "no validation within 120 s"
+            time.sleep(0.2)
+        cli.send_signal(signal.SIGINT)  # what Ctrl-C sends to the launcher
+        output, _ = cli.communicate(timeout=60)
+    finally:
+        if cli.poll() is None:  # SIGTERM first: the launcher then stops its workers
+            cli.terminate()
+            try:
+                cli.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                cli.kill()
+                cli.wait(timeout=10)
+    assert cli.returncode == 130, output
+    assert f"interrupted; report of what ran: {out / 'report.png'}" in output
+    assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (out / "result.json").exists()  # the job did not finish

@@ -1,6 +1,7 @@
 """What reaches a worker from the network: malformed, misaddressed and
-foreign messages are refused and counted without disturbing training, and
-with CURVE on, a socket without the job's keys gets nothing through.
+foreign messages are refused and counted without disturbing training, and,
+CURVE being on for every job (loopback included), a socket without the job's
+keys gets nothing through: no data, no forged goodbye.
 
 Both ranks of a 2-process job run here on threads (each Job has its own
 ZeroMQ context and sockets, so the traffic between them is real TCP on
@@ -24,7 +25,7 @@ from mltuner.dist._security import derive_keys, secure_client
 CLOCKS = 5
 
 
-def start_pair(secure: bool, secret: str | None = "pair-secret") -> list[mltuner.Job]:
+def start_pair(secure: bool | None = None, secret: str | None = "pair-secret") -> list[mltuner.Job]:
     port = free_port()
     jobs: list[mltuner.Job | None] = [None, None]
     errors: list[BaseException] = []
@@ -121,9 +122,11 @@ def rogue(endpoint: str, frames_list: list[list[bytes]], keys: object = None) ->
 
 
 def test_malformed_messages_are_refused_and_training_is_unharmed() -> None:
-    jobs = start_pair(secure=False)
+    """An insider (a socket with the job's keys) sending garbage: each
+    message is validated and refused, none reaches the engine."""
+    jobs = start_pair()
     try:
-        rogue(jobs[0].endpoint, list(MALFORMED.values()))
+        rogue(jobs[0].endpoint, list(MALFORMED.values()), derive_keys("pair-secret"))
         deadline = time.monotonic() + 10
         while jobs[0].rejected_messages < len(MALFORMED) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -137,7 +140,7 @@ def test_malformed_messages_are_refused_and_training_is_unharmed() -> None:
 
 @pytest.mark.parametrize("who", ["no keys", "keys of another secret"])
 def test_curve_keeps_unauthenticated_peers_out(who: str) -> None:
-    jobs = start_pair(secure=True)
+    jobs = start_pair()
     try:
         keys = None if who == "no keys" else derive_keys("another-secret")
         # A well-formed clock update from "rank 1" that would corrupt the table if it got in.
@@ -148,15 +151,16 @@ def test_curve_keeps_unauthenticated_peers_out(who: str) -> None:
         for result in results:
             np.testing.assert_array_equal(result, np.full((6, 4), 3.0 * CLOCKS, dtype=np.float32))
         assert jobs[0].rejected_messages == 0  # nothing even reached the validator
+        assert jobs[0].refused_connections >= 1
     finally:
         close(jobs)
 
 
-def test_secure_mode_without_a_secret_is_refused() -> None:
-    env = ProcessEnv(rank=0, world_size=2, local_rank=0, master_addr="127.0.0.1", master_port=free_port(),
-                     bind_host="127.0.0.1", secret=None, source="mltuner")
-    with pytest.raises(ValueError, match="MLTUNER_SECRET"):
-        mltuner.Job(env=env, secure=True)
+def test_secure_false_is_refused_off_the_loopback() -> None:
+    env = ProcessEnv(rank=0, world_size=2, local_rank=0, master_addr="10.0.0.1", master_port=free_port(),
+                     bind_host="0.0.0.0", secret="s" * 32, source="mltuner")
+    with pytest.raises(mltuner.InvalidArgumentError, match="secure=False"):
+        mltuner.Job(env=env, secure=False)
 
 
 def test_workers_with_different_settings_are_refused() -> None:
@@ -180,3 +184,23 @@ def test_workers_with_different_settings_are_refused() -> None:
     for error in errors:
         assert isinstance(error, mltuner.InvalidArgumentError)
         assert "different settings" in str(error)
+
+
+def test_workers_with_different_secrets_cannot_meet() -> None:
+    port = free_port()
+    errors: list[BaseException] = []
+
+    def join(rank: int) -> None:
+        env = ProcessEnv(rank=rank, world_size=2, local_rank=rank, master_addr="127.0.0.1", master_port=port,
+                         bind_host="127.0.0.1", secret=f"secret-of-rank-{rank}", source="mltuner")
+        try:
+            mltuner.Job(env=env, rendezvous_timeout_s=2)
+        except BaseException as error:  # noqa: BLE001
+            errors.append(error)
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert len(errors) == 2 and all(isinstance(e, mltuner.WaitTimeoutError) for e in errors)

@@ -31,12 +31,20 @@ def _gradient(weights: np.ndarray, rank: int, clock: int) -> np.ndarray:
     return (0.5 * weights + rng.normal(size=weights.shape)).astype(np.float32)
 
 
-def _train(device: str, num_workers: int, budget: int, stream_kind: str = "default") -> list[np.ndarray]:
+RULES = {
+    "sgd": mlt.UpdateRule("sgd", learning_rate=0.05),
+    "momentum": mlt.UpdateRule("momentum", learning_rate=0.05, momentum=0.9),
+    "adam": mlt.UpdateRule("adam", learning_rate=0.01),
+}
+
+
+def _train(device: str, num_workers: int, budget: int, stream_kind: str = "default",
+           rule: str = "momentum") -> list[np.ndarray]:
     config = mlt.Config(
         device=device,
         device_memory_budget=budget,
         wait_timeout_s=30,
-        update_rule=mlt.UpdateRule("momentum", learning_rate=0.05, momentum=0.9),
+        update_rule=RULES[rule],
     )
     tables: dict[int, mlt.Table] = {}
     reads: dict[int, list[np.ndarray]] = {}
@@ -106,10 +114,13 @@ def _write(buffer: object, values: np.ndarray, device: str, stream_kind: str) ->
     return int(side.cuda_stream)
 
 
-@pytest.mark.parametrize("num_workers", [1, 2])
-def test_cuda_training_equals_cpu_training(num_workers: int) -> None:
-    cpu = _train("cpu", num_workers, budget=0)
-    gpu = _train("cuda", num_workers, budget=0)
+@pytest.mark.parametrize("rule", sorted(RULES))
+@pytest.mark.parametrize("num_workers", [1, 2, 4])
+def test_cuda_training_equals_cpu_training(num_workers: int, rule: str) -> None:
+    """BSP on N workers: the shards apply the rule on the GPU on CUDA and on
+    the CPU otherwise; every value read and the final values agree bit for bit."""
+    cpu = _train("cpu", num_workers, budget=0, rule=rule)
+    gpu = _train("cuda", num_workers, budget=0, rule=rule)
     for want, got in zip(cpu, gpu):
         np.testing.assert_array_equal(got, want)
 

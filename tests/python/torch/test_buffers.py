@@ -75,8 +75,8 @@ def test_parameters_point_into_the_engines_read_buffer() -> None:
         reads: list[int] = []
         real_read = worker.read
 
-        def spy_read(handle: int) -> Any:
-            buffer = real_read(handle)
+        def spy_read(handle: int, **kwargs: Any) -> Any:
+            buffer = real_read(handle, **kwargs)
             reads.append(int(buffer.ctypes.data))
             return buffer
 

@@ -107,8 +107,8 @@ def test_parameters_live_in_the_engines_gpu_buffers() -> None:
         reads: list[int] = []
         real_read = worker.read
 
-        def spy_read(handle: int) -> Any:
-            buffer = real_read(handle)
+        def spy_read(handle: int, **kwargs: Any) -> Any:
+            buffer = real_read(handle, **kwargs)
             assert isinstance(buffer, mltuner.DeviceArray)
             reads.append(int(buffer.data_ptr))
             return buffer

@@ -199,9 +199,9 @@ def test_malformed_log(tmp_path: Path, line: str, message: str) -> None:
 def test_cli_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     log = tmp_path / "decisions.jsonl"
     synthetic_log(log)
-    assert main(["report", str(log)]) == 0
-    assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'decisions.png'}"
-    check_png(tmp_path / "decisions.png")
+    assert main(["report", str(log)]) == 0  # the name the job gives it, beside the log
+    assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'report.png'}"
+    check_png(tmp_path / "report.png")
 
     assert main(["report", str(log), "-o", str(tmp_path / "other.png")]) == 0
     assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'other.png'}"

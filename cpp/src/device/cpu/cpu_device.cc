@@ -43,7 +43,7 @@ Status AlignedAllocate(size_t bytes, const char* what, void** out) {
 // count GCC can vectorise even under -O2's "very cheap" cost model (no
 // epilogue or alias check needed: __restrict promises no overlap), and a
 // 64-byte block matches a cache line.
-void AddInto(float* __restrict dst, const float* __restrict src, int64_t n) {
+void AddFloats(float* __restrict dst, const float* __restrict src, int64_t n) {
   constexpr int64_t kBlock = 16;
   int64_t i = 0;
   for (; i + kBlock <= n; i += kBlock) {
@@ -133,18 +133,33 @@ class CpuDevice final : public Device {
   void ScatterAdd(float* dst, const float* src, const RunIndex& index, int64_t row_width, Stream) override {
     for (const RowRun& run : index.runs) {
       if (run.count <= 0) continue;
-      AddInto(dst + run.dst * row_width, src + run.src * row_width, run.count * row_width);
+      AddFloats(dst + run.dst * row_width, src + run.src * row_width, run.count * row_width);
     }
   }
 
   void Fill(float* dst, float value, size_t count, Stream) override { std::fill_n(dst, count, value); }
   Status Synchronize(Stream) override { return Status::Ok(); }
+  Status TakeError() override { return Status::Ok(); }
   // Application work on the CPU is done by the time it calls a post.
   Status RecordAppWork(uintptr_t, DeviceEvent* out) override {
     out->reset();
     return Status::Ok();
   }
-  Status WaitAppWork(Stream, const DeviceEvent&) override { return Status::Ok(); }
+  Status RecordEvent(Stream, DeviceEvent* out) override {
+    out->reset();
+    return Status::Ok();
+  }
+  Status WaitEvent(Stream, const DeviceEvent&) override { return Status::Ok(); }
+  Status WaitOnAppStream(uintptr_t, const DeviceEvent&) override { return Status::Ok(); }
+  Status WaitEventDone(const DeviceEvent&) override { return Status::Ok(); }
+
+  void AddInto(float* dst, const float* src, int64_t count, Stream) override {
+    if (count > 0) AddFloats(dst, src, count);
+  }
+  void ApplyUpdate(const UpdateStep& step, float* params, float* state, const float* update_sum, int64_t count,
+                   Stream) override {
+    for (int64_t i = 0; i < count; ++i) UpdateValue(step, params, state, update_sum, count, i);
+  }
   int ordinal() const override { return 0; }
 
  private:

@@ -1,0 +1,171 @@
+"""The whole training step through the GPU data path, as a ratio to plain
+PyTorch on the same model, data and GPU in the same run (issue 14).
+
+    python benchmarks/gpu_path_bench.py [--steps 50] [--warmup 15] [--only resnet|transformer]
+                                        [--figures PATH]
+
+Models, each trained by one worker (an in-process cluster, its shard on the
+same GPU) and by plain PyTorch with the equivalent torch.optim optimizer:
+
+- torchvision ``resnet18(num_classes=10)`` (or the CIFAR ResNet-18 of
+  torch_bench.py where torchvision is missing) on 3x32x32 inputs, batch 128,
+  256 and 512, the damped momentum rule (= ``SGD(momentum=m, dampening=m)``),
+  at slack 0 and 1;
+- 12 ``nn.TransformerEncoderLayer`` (width 768, 12 heads, sequence 256,
+  batch 16), Adam on the servers (= ``torch.optim.Adam``), slack 0.
+
+Per configuration: samples/s of both, their ratio (goal >= 0.90), the GPU
+stall (the training thread's time waiting for an engine buffer / the clock's
+time; GeePS reports < 8%), the training thread's CPU time per clock of both
+(plain PyTorch at these sizes is bound by it: kernel launches) and the engine
+threads' CPU time per clock (process CPU time minus the training thread's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import mltuner as mlt
+import mltuner.torch as mtorch
+from figures import Figure, write_figures
+
+
+def resnet18() -> nn.Module:
+    try:
+        import torchvision
+
+        return torchvision.models.resnet18(num_classes=10)
+    except ImportError:
+        from torch_bench import resnet18 as cifar_resnet18
+
+        return cifar_resnet18()
+
+
+def transformer() -> nn.Module:
+    layer = nn.TransformerEncoderLayer(d_model=768, nhead=12, dim_feedforward=3072, dropout=0.0,
+                                       batch_first=True)
+    return nn.Sequential(*[layer.__class__(d_model=768, nhead=12, dim_feedforward=3072, dropout=0.0,
+                                           batch_first=True) for _ in range(12)])
+
+
+class Case:
+    def __init__(self, name: str, make: Callable[[], nn.Module], x: torch.Tensor,
+                 loss: Callable[[torch.Tensor], torch.Tensor], rule: mlt.UpdateRule,
+                 optimizer: Callable[[nn.Module], torch.optim.Optimizer], slack: int) -> None:
+        self.name, self.make, self.x, self.loss = name, make, x, loss
+        self.rule, self.optimizer, self.slack = rule, optimizer, slack
+        self.batch = x.shape[0]
+
+
+def plain_run(case: Case, args: argparse.Namespace) -> tuple[float, float]:
+    """(samples/s, the training thread's CPU seconds per step)."""
+    torch.manual_seed(0)
+    model = case.make().cuda()
+    optimizer = case.optimizer(model)
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            torch.cuda.synchronize()
+            start, main_start = time.perf_counter(), time.thread_time()
+        optimizer.zero_grad(set_to_none=True)
+        case.loss(model(case.x)).backward()
+        optimizer.step()
+    torch.cuda.synchronize()
+    return case.batch * args.steps / (time.perf_counter() - start), (time.thread_time() - main_start) / args.steps
+
+
+def mltuner_run(case: Case, args: argparse.Namespace) -> tuple[float, float, float, float]:
+    """(samples/s, stall fraction, the training thread's and the engine
+    threads' CPU seconds per clock)."""
+    torch.manual_seed(0)
+    model = case.make().cuda()
+    config = mlt.Config(update_rule=case.rule, device="cuda", wait_timeout_s=120)
+    with mlt.LocalCluster(1, config) as cluster:
+        worker = cluster.worker(0)
+        ps = mtorch.wrap(model, worker, example_input=case.x, slack=case.slack,
+                         example_loss=lambda out: case.loss(out))
+        profiler = cProfile.Profile() if args.profile else None
+        for step in range(args.warmup + args.steps):
+            if step == args.warmup:
+                torch.cuda.synchronize()
+                before = worker.stats
+                cpu_start, main_start = time.process_time(), time.thread_time()
+                start = time.perf_counter()
+                if profiler:
+                    profiler.enable()
+            case.loss(ps(case.x)).backward()
+            ps.step()
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        if profiler:
+            profiler.disable()
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+        main_cpu = time.thread_time() - main_start
+        engine_cpu = (time.process_time() - cpu_start) - main_cpu
+        stats = worker.stats
+        worker.sync()
+    stall = (stats["stall_seconds"] - before["stall_seconds"]) / elapsed
+    return case.batch * args.steps / elapsed, stall, main_cpu / args.steps, engine_cpu / args.steps
+
+
+def cases(only: str | None) -> list[Case]:
+    out: list[Case] = []
+    generator = torch.Generator().manual_seed(0)
+    if only in (None, "resnet"):
+        m = 0.9
+        for batch in (128, 256, 512):
+            x = torch.randn(batch, 3, 32, 32, generator=generator).cuda()
+            y = torch.randint(0, 10, (batch,), generator=generator).cuda()
+            for slack in (0, 1):
+                out.append(Case(
+                    f"resnet18 b{batch} s{slack}", resnet18, x,
+                    lambda o, y=y: nn.functional.cross_entropy(o, y),
+                    mlt.UpdateRule("momentum", learning_rate=0.05, momentum=m),
+                    lambda model: torch.optim.SGD(model.parameters(), lr=0.05, momentum=m, dampening=m),
+                    slack))
+    if only in (None, "transformer"):
+        x = torch.randn(16, 256, 768, generator=generator).cuda()
+        out.append(Case(
+            "transformer12 b16", transformer, x, lambda o: o.float().pow(2).mean(),
+            mlt.UpdateRule("adam", learning_rate=1e-4),
+            lambda model: torch.optim.Adam(model.parameters(), lr=1e-4), 0))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=15)
+    parser.add_argument("--only", choices=("resnet", "transformer"))
+    parser.add_argument("--match", default="", help="only the cases whose name contains this")
+    parser.add_argument("--figures", type=Path)
+    parser.add_argument("--profile", action="store_true", help="cProfile the training thread's timed clocks")
+    args = parser.parse_args()
+    if not torch.cuda.is_available() or not mlt.cuda_built():
+        raise SystemExit("gpu_path_bench needs a CUDA GPU and mltuner built with CUDA")
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.steps} timed steps")
+    print("| case | plain samples/s | mltuner samples/s | ratio | stall | training thread CPU ms/clock, "
+          "plain / mltuner | engine threads CPU ms/clock |")
+    print("|---|---|---|---|---|---|---|")
+    figures = []
+    for case in (c for c in cases(args.only) if args.match in c.name):
+        plain, plain_cpu = plain_run(case, args)
+        ours, stall, main_cpu, engine_cpu = mltuner_run(case, args)
+        ratio = ours / plain
+        print(f"| {case.name} | {plain:,.0f} | {ours:,.0f} | {ratio:.2f} | {stall:.1%} | "
+              f"{plain_cpu * 1e3:.2f} / {main_cpu * 1e3:.2f} | {engine_cpu * 1e3:.2f} |", flush=True)
+        figures.append(Figure("gpu-path", f"{case.name}: 1 worker vs plain PyTorch", ours, "samples/s",
+                              "plain PyTorch", plain, ratio, "mltuner / plain samples/s", goal=0.90,
+                              note=f"stall {stall:.1%} of the clock, engine CPU {engine_cpu * 1e3:.2f} ms/clock"))
+    write_figures(str(args.figures) if args.figures else None, figures)
+
+
+if __name__ == "__main__":
+    main()

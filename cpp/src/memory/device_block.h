@@ -1,0 +1,78 @@
+// Device memory that the engine and the server shard of a process share:
+// DeviceBlock, one allocation; DeviceBuffer, a float array recycled through a
+// DeviceBufferPool, which is how payloads move between a worker and its
+// process's shard without leaving the device.
+#pragma once
+
+#include <cstddef>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "mltuner/device.h"
+#include "mltuner/status.h"
+
+namespace mltuner {
+
+// One allocation from a Device (device memory, or host staging memory when
+// `host`), freed when the last owner lets go. Holds the Device alive too, so
+// a buffer the application still holds stays valid after the engine is gone.
+class DeviceBlock {
+ public:
+  static Status Make(std::shared_ptr<Device> device, size_t bytes, bool host,
+                     std::shared_ptr<DeviceBlock>* out);
+  ~DeviceBlock();
+  DeviceBlock(const DeviceBlock&) = delete;
+  DeviceBlock& operator=(const DeviceBlock&) = delete;
+
+  float* floats() const { return static_cast<float*>(data_); }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  DeviceBlock(std::shared_ptr<Device> device, void* data, size_t bytes, bool host)
+      : device_(std::move(device)), data_(data), bytes_(bytes), host_(host) {}
+  std::shared_ptr<Device> device_;
+  void* data_;
+  size_t bytes_;
+  bool host_;
+};
+
+// A float array in device memory, handed from a producer to one consumer at
+// a time. `ready` is the ticket of the work that filled it: a consumer's
+// stream waits for it before reading. A consumer that queued reads sets
+// `last_use` to a ticket taken after them before letting go, and the pool's
+// next user of the memory waits for that ticket before writing. Nothing
+// here blocks a thread.
+struct DeviceBuffer {
+  float* data = nullptr;
+  size_t count = 0;     // floats in use (the block may be larger)
+  DeviceEvent ready;
+  DeviceEvent last_use;
+  std::shared_ptr<DeviceBlock> block;
+};
+
+// Recycles DeviceBuffers by size. Buffers handed out return to the pool when
+// their last owner lets go, whatever thread that is, also after the pool
+// itself is gone (then they are freed). Idle memory is bounded by
+// `max_idle_bytes`; above it, returned buffers are freed.
+class DeviceBufferPool {
+ public:
+  DeviceBufferPool(std::shared_ptr<Device> device, size_t max_idle_bytes);
+  ~DeviceBufferPool();
+  DeviceBufferPool(const DeviceBufferPool&) = delete;
+  DeviceBufferPool& operator=(const DeviceBufferPool&) = delete;
+
+  // A buffer of `count` floats (contents unspecified) whose memory stream `s`
+  // may write: `s` waits for the previous user's last_use.
+  Status Acquire(size_t count, Stream s, std::shared_ptr<DeviceBuffer>* out);
+  Device* device() const { return device_.get(); }
+  const std::shared_ptr<Device>& shared_device() const { return device_; }
+
+ private:
+  struct Idle;  // shared with the buffers' deleters
+  std::shared_ptr<Device> device_;
+  std::shared_ptr<Idle> idle_;
+};
+
+}  // namespace mltuner

@@ -1,0 +1,96 @@
+"""Mixed precision with a ``torch.amp.GradScaler``: the scale comes off each
+layer's gradients before its update leaves the worker.
+
+Plain PyTorch unscales every gradient in ``scaler.step(optimizer)`` and
+skips the step when one is inf or NaN. Here each layer's update leaves
+during ``backward()``, so :class:`ScaledGradients` does both per layer, as
+the driver's gradient filter: it unscales with torch's own kernel (the one
+``GradScaler.unscale_`` runs), and from the first non-finite gradient of a
+clock on it zeroes the gradients it ships, so that an overflowing clock adds
+nothing to the layers not yet shipped. Layers shipped before the overflow
+was seen keep their update: backward runs from the loss down, and the
+overflow usually shows in the first layer (the scaled loss gradient is
+largest there), but not always.
+
+``scaler.step(model.optimizer)`` then calls the optimizer's ``step()``
+whatever the outcome (the clock must end), through GradScaler's contract for
+optimizers that handle the scale themselves (``_step_supports_amp_scaling``).
+Before that, the scaler checks the gradients of ``optimizer.param_groups``
+for infs, to back off the scale in ``scaler.update()``; the real gradients
+are gone by then, so the param groups hold one stand-in tensor whose
+gradient is inf when the clock overflowed and 0 otherwise. No step waits for
+the GPU: every test stays on the device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mltuner.exceptions import InvalidArgumentError
+from mltuner.torch._clock import ClockDriver
+
+__all__ = ["ScaledGradients", "check_scaler"]
+
+
+def check_scaler(scaler: object, device: torch.device) -> torch.amp.GradScaler:
+    """``scaler`` as a GradScaler for ``device``'s type, or the reason not."""
+    if not isinstance(scaler, torch.amp.GradScaler):
+        raise InvalidArgumentError(f"grad_scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+    scaler_device = getattr(scaler, "_device", device.type)
+    if scaler_device != device.type:
+        raise InvalidArgumentError(
+            f"grad_scaler is for {scaler_device!r} but the model is on {device.type!r}: "
+            f"create it as torch.amp.GradScaler({device.type!r})"
+        )
+    return scaler
+
+
+class ScaledGradients:
+    """The driver's gradient filter for a model trained with ``scaler``, and
+    the param groups its ClockOptimizer shows the scaler."""
+
+    def __init__(self, scaler: torch.amp.GradScaler, driver: ClockDriver) -> None:
+        self._scaler = scaler
+        self._driver = driver
+        device = driver.device
+        self._overflow = torch.zeros(1, dtype=torch.float32, device=device)  # 1 once a gradient was inf/NaN
+        self._clock = -1  # the clock _overflow belongs to
+        self._stand_in = torch.zeros(1, dtype=torch.float32, device=device)
+        self._stand_in.grad = torch.zeros(1, dtype=torch.float32, device=device)
+        self._inf = torch.full((1,), float("inf"), dtype=torch.float32, device=device)
+
+    def __call__(self, grads: list[torch.Tensor]) -> None:
+        """Unscales one layer's gradients in place; zeroes them from the
+        clock's first non-finite gradient on."""
+        if self._driver.clock != self._clock:  # the clock's first layer
+            self._clock = self._driver.clock
+            self._overflow.zero_()
+        scale = self._scale()
+        if scale is None:  # disabled, or no loss was scaled yet: nothing to undo
+            return
+        # As GradScaler.unscale_ computes it: the reciprocal in double precision.
+        inv_scale = scale.double().reciprocal().float()
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, self._overflow, inv_scale)
+        overflowed = self._overflow.view(()).bool()  # no host sync: a mask on the device
+        for grad in grads:
+            grad.masked_fill_(overflowed, 0.0)
+
+    def _scale(self) -> torch.Tensor | None:
+        if not self._scaler.is_enabled():
+            return None
+        # The scale tensor itself (made by the first scaler.scale()): reading
+        # it with get_scale() would wait for the GPU in every backward pass.
+        scale = getattr(self._scaler, "_scale", None)
+        if isinstance(scale, torch.Tensor):
+            return scale
+        return None
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """One group with the stand-in tensor, whose gradient tells the
+        scaler whether this clock overflowed (inf) or not (0)."""
+        assert self._stand_in.grad is not None
+        torch.where(self._overflow > 0, self._inf, torch.zeros_like(self._inf), out=self._stand_in.grad)
+        return [{"params": [self._stand_in]}]

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The GPU checks of a lent GPU machine, in one go: installs mltuner (with
+# CUDA) into the machine's Python, runs the CUDA C++ tests (CTest label gpu),
+# the Python GPU tests, and the GPU data-path benchmark. Writes logs to $OUT
+# (or ./gpu-out). Offline machines: wheels for pyzmq/optuna in .wheelhouse.
+#   bash scripts/gpu_checks.sh [benchmark args...]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-gpu-out}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+if [[ -d .wheelhouse ]]; then
+  python3 -m pip install -q --no-index --find-links .wheelhouse pyzmq optuna 2>&1 | tail -2
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/machine.txt"
+echo "== install"
+python3 -m pip install -q --no-build-isolation --no-deps . > "$out/install.log" 2>&1 || { tail -30 "$out/install.log"; exit 1; }
+echo "== CUDA C++ tests"
+cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DMLTUNER_BUILD_TESTS=ON -DMLTUNER_BUILD_PYTHON=OFF \
+  -DCMAKE_CUDA_ARCHITECTURES=90 > "$out/ctest-build.log" 2>&1 \
+  && cmake --build build/gpu -j 16 >> "$out/ctest-build.log" 2>&1 \
+  && ctest --test-dir build/gpu -L gpu --output-on-failure 2>&1 | tail -15 | tee "$out/ctest.log"
+echo "== Python GPU tests"
+python3 -m pytest -q -x tests/python/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$out/pytest-gpu.log"
+echo "== benchmark"
+(cd benchmarks && python3 gpu_path_bench.py "$@" 2>&1 | tee "$out/gpu_path_bench.md")

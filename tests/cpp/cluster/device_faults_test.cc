@@ -1,0 +1,162 @@
+// A device error on any engine thread, or in the shard, fails the engine at
+// once: the application's next call (even one already blocked) returns the
+// error, naming the thread and the operation, well within a second, instead
+// of a wait timeout that blames a slow worker. The errors are injected by a
+// Device that wraps the CPU backend.
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "mltuner/cluster.h"
+#include "mltuner/device.h"
+#include "mltuner/engine.h"
+#include "test_util.h"
+
+using namespace mltuner;
+
+namespace {
+
+// Fails one Status-returning call once armed: the first call of `method` on
+// `stream` (from the thread that first called Fill on `stream` when
+// only_filling_thread, which tells the allocator from the receive thread).
+class FaultyDevice final : public Device {
+ public:
+  FaultyDevice(std::string method, Stream stream, bool only_filling_thread)
+      : cpu_(NewCpuDevice()), method_(std::move(method)), stream_(stream), only_filling_(only_filling_thread) {}
+
+  void Arm() { armed_ = true; }
+  bool fired() const { return fired_; }
+
+  std::string name() const override { return "faulty-cpu"; }
+  bool host_addressable() const override { return true; }
+  int ordinal() const override { return 0; }
+  Status Allocate(size_t b, void** out) override { return cpu_->Allocate(b, out); }
+  void Free(void* p) override { cpu_->Free(p); }
+  Status AllocateHost(size_t b, void** out) override { return cpu_->AllocateHost(b, out); }
+  void FreeHost(void* p) override { cpu_->FreeHost(p); }
+  Status PrepareIndex(RunIndex* i) override { return cpu_->PrepareIndex(i); }
+  void ReleaseIndex(RunIndex* i) override { cpu_->ReleaseIndex(i); }
+  void CopyHostToDevice(void* d, const void* s, size_t b, Stream st) override { cpu_->CopyHostToDevice(d, s, b, st); }
+  void CopyDeviceToHost(void* d, const void* s, size_t b, Stream st) override { cpu_->CopyDeviceToHost(d, s, b, st); }
+  void CopyDeviceToDevice(void* d, const void* s, size_t b, Stream st) override {
+    cpu_->CopyDeviceToDevice(d, s, b, st);
+  }
+  void Gather(float* d, const float* s, const RunIndex& i, int64_t w, Stream st) override { cpu_->Gather(d, s, i, w, st); }
+  void ScatterAdd(float* d, const float* s, const RunIndex& i, int64_t w, Stream st) override {
+    cpu_->ScatterAdd(d, s, i, w, st);
+  }
+  void Fill(float* d, float v, size_t n, Stream st) override {
+    if (st == stream_) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (filling_thread_ == std::thread::id()) filling_thread_ = std::this_thread::get_id();
+    }
+    cpu_->Fill(d, v, n, st);
+  }
+  void AddInto(float* d, const float* s, int64_t n, Stream st) override { cpu_->AddInto(d, s, n, st); }
+  void ApplyUpdate(const UpdateStep& step, float* p, float* state, const float* sum, int64_t n, Stream st) override {
+    cpu_->ApplyUpdate(step, p, state, sum, n, st);
+  }
+  Status Synchronize(Stream s) override { return Inject("Synchronize", s); }
+  Status TakeError() override { return Status::Ok(); }
+  Status RecordAppWork(uintptr_t a, DeviceEvent* out) override { return cpu_->RecordAppWork(a, out); }
+  Status RecordEvent(Stream s, DeviceEvent* out) override {
+    out->reset();
+    return Inject("RecordEvent", s);
+  }
+  Status WaitEvent(Stream s, const DeviceEvent&) override { return Inject("WaitEvent", s); }
+  Status WaitOnAppStream(uintptr_t, const DeviceEvent&) override { return Status::Ok(); }
+  Status WaitEventDone(const DeviceEvent&) override { return Status::Ok(); }
+
+ private:
+  Status Inject(const char* method, Stream s) {
+    if (!armed_ || fired_ || method_ != method || s != stream_) return Status::Ok();
+    if (only_filling_) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (std::this_thread::get_id() != filling_thread_) return Status::Ok();
+    }
+    fired_ = true;
+    return Status::Internal("CUDA error in " + std::string(method) + " on stream " +
+                            std::to_string(static_cast<int>(s)) + ": injected");
+  }
+
+  std::unique_ptr<Device> cpu_;
+  const std::string method_;
+  const Stream stream_;
+  const bool only_filling_;
+  std::atomic<bool> armed_{false};
+  std::atomic<bool> fired_{false};
+  std::mutex mu_;
+  std::thread::id filling_thread_;
+};
+
+// One worker trains a table (read, update) until the fault, armed at clock 3,
+// fails a call; returns that call's Status and how long after arming it came.
+void ExpectFailureNamed(const std::string& method, Stream stream, bool only_filling_thread,
+                        const std::string& where) {
+  FaultyDevice* faulty = nullptr;
+  DeviceFactory factory = [&](int, std::unique_ptr<Device>* out) {
+    auto device = std::make_unique<FaultyDevice>(method, stream, only_filling_thread);
+    faulty = device.get();
+    *out = std::move(device);
+    return Status::Ok();
+  };
+  Config config;
+  config.wait_timeout_ms = 20000;  // far longer than the 1 s the failure may take
+  config.update_rule.kind = UpdateRuleKind::kSgd;
+  std::unique_ptr<LocalCluster> cluster;
+  ASSERT_OK(LocalCluster::Create(config, 1, &cluster, factory));
+  Engine* e = cluster->worker(0);
+  TableId t = -1;
+  Handle read = -1, update = -1;
+  ASSERT_OK(e->CreateTable("w", 16, 8, false, &t));
+  ASSERT_OK(e->VirtualRead(t, {0, 1, 2, 3, 4, 5, 6, 7}, 0, &read));
+  ASSERT_OK(e->VirtualPreUpdate(t, {0, 1, 2, 3, 4, 5, 6, 7}, &update));
+  ASSERT_OK(e->VirtualUpdate(update));
+  ASSERT_OK(e->VirtualPostRead(read));
+  ASSERT_OK(e->VirtualClock());
+  ASSERT_OK(e->FinishVirtualIteration());
+  ASSERT_OK(e->StartIterations());
+
+  Status failed;
+  auto armed_at = std::chrono::steady_clock::now();
+  for (int clock = 0; clock < 200 && failed.ok(); ++clock) {
+    if (clock == 3) {
+      armed_at = std::chrono::steady_clock::now();
+      faulty->Arm();
+    }
+    AccessBuffer r, u;
+    failed = e->Read(read, &r);
+    if (failed.ok()) failed = e->PreUpdate(update, &u);
+    if (failed.ok()) failed = e->Update(update);
+    if (failed.ok()) failed = e->PostRead(read);
+    if (failed.ok()) failed = e->Clock();
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - armed_at).count();
+  EXPECT_TRUE(faulty->fired());
+  EXPECT_CODE(failed, StatusCode::kInternal);
+  EXPECT_TRUE(failed.message().find(where) != std::string::npos);
+  EXPECT_TRUE(failed.message().find("CUDA error in " + method) != std::string::npos);
+  EXPECT_TRUE(seconds < 1.0);
+  // Every later call fails with the same cause.
+  AccessBuffer r;
+  EXPECT_CODE(e->Read(read, &r), StatusCode::kInternal);
+  cluster->Shutdown();
+}
+
+}  // namespace
+
+TEST(AllocatorThreadErrorFailsTheEngine) {
+  ExpectFailureNamed("RecordEvent", Stream::kPrefetch, true, "worker 0's allocator thread");
+}
+TEST(ReclaimerThreadErrorFailsTheEngine) {
+  ExpectFailureNamed("Synchronize", Stream::kWriteback, false, "worker 0's reclaimer thread");
+}
+TEST(ReceiveThreadErrorFailsTheEngine) {
+  ExpectFailureNamed("WaitEvent", Stream::kPrefetch, false, "worker 0's receive thread");
+}
+TEST(ShardErrorFailsTheEngine) { ExpectFailureNamed("RecordEvent", Stream::kServer, false, "shard 0"); }
+
+MLT_TEST_MAIN

@@ -1,0 +1,180 @@
+"""Every setting and API argument is checked in Python, once: a bad value
+raises the library's InvalidArgumentError naming the setting and its range
+(never a pybind "incompatible function arguments", an OverflowError or a
+silent truncation), and the Python defaults are the engine's."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+
+import mltuner
+from mltuner import _core
+
+INF, NAN = math.inf, math.nan
+
+
+def test_python_defaults_are_the_engines() -> None:
+    python, core = mltuner.Config(), _core.Config()
+    assert python.device_memory_budget == core.device_memory_budget
+    assert int(python.wait_timeout_s * 1000) == core.wait_timeout_ms
+    assert python.prefetch_clocks == core.prefetch_clocks
+    assert python.partitions_per_table == core.partitions_per_table
+    assert python.branches == core.branches
+    assert python.max_branches == core.max_branches
+    rule, core_rule = python.update_rule, core.update_rule
+    assert rule.kind == core_rule.kind.name
+    for name in ("learning_rate", "momentum", "beta1", "beta2", "epsilon"):
+        assert np.float32(getattr(rule, name)) == np.float32(getattr(core_rule, name)), name
+    # And what to_core hands over is what was set.
+    converted = python.to_core()
+    assert converted.wait_timeout_ms == core.wait_timeout_ms and converted.max_branches == core.max_branches
+
+
+CONFIG_CASES: list[tuple[dict[str, Any], str]] = [
+    ({"wait_timeout_s": INF}, r"Config.wait_timeout_s must be a finite number in \(0, 1e\+06\], got inf"),
+    ({"wait_timeout_s": NAN}, r"Config.wait_timeout_s must be a finite number"),
+    ({"wait_timeout_s": 0}, r"Config.wait_timeout_s must be a finite number in \(0"),
+    ({"prefetch_clocks": 2**31}, r"Config.prefetch_clocks must be in \[1, 64\], got 2147483648"),
+    ({"prefetch_clocks": 1.5}, r"Config.prefetch_clocks must be an integer"),
+    ({"prefetch_clocks": 0}, r"Config.prefetch_clocks must be in \[1, 64\]"),
+    ({"device_memory_budget": -1}, r"Config.device_memory_budget must be in \[0, 2\*\*62\]"),
+    ({"device_memory_budget": 2**70}, r"Config.device_memory_budget must be in \[0, 2\*\*62\]"),
+    ({"partitions_per_table": 0}, r"Config.partitions_per_table must be in \[1, 65536\]"),
+    ({"max_branches": 2**62}, r"Config.max_branches must be in \[1, 65536\]"),
+    ({"branches": 1}, r"Config.branches must be True or False"),
+    ({"device": "gpu"}, r"Config.device must be one of 'cpu', 'cuda', got 'gpu'"),
+    ({"host_memory_limit": 100}, r"Config.host_memory_limit must be in \[1048576, 2\*\*62\]"),
+    ({"update_rule": "sgd"}, r"Config.update_rule must be an UpdateRule"),
+]
+
+
+@pytest.mark.parametrize(("settings", "message"), CONFIG_CASES)
+def test_bad_config_values_name_the_setting(settings: dict[str, Any], message: str) -> None:
+    with pytest.raises(mltuner.InvalidArgumentError, match=message):
+        mltuner.Config(**settings)
+
+
+RULE_CASES: list[tuple[dict[str, Any], str]] = [
+    ({"learning_rate": INF}, r"UpdateRule.learning_rate must be a finite number in \[0, 1e\+06\], got inf"),
+    ({"learning_rate": NAN}, r"UpdateRule.learning_rate must be a finite number"),
+    ({"learning_rate": -0.1}, r"UpdateRule.learning_rate"),
+    ({"momentum": 1.0}, r"UpdateRule.momentum must be a finite number in \[0, 1\)"),
+    ({"beta1": -0.1}, r"UpdateRule.beta1"),
+    ({"beta2": INF}, r"UpdateRule.beta2"),
+    ({"epsilon": 0.0}, r"UpdateRule.epsilon must be a finite number in \(0, 1\]"),
+    ({"kind": "rmsprop"}, r"UpdateRule.kind must be one of 'add', 'sgd', 'momentum', 'adam', got 'rmsprop'"),
+    ({"learning_rate": "0.1"}, r"UpdateRule.learning_rate must be a number, got str"),
+]
+
+
+@pytest.mark.parametrize(("settings", "message"), RULE_CASES)
+def test_bad_update_rules_name_the_setting(settings: dict[str, Any], message: str) -> None:
+    with pytest.raises(mltuner.InvalidArgumentError, match=message):
+        mltuner.UpdateRule(**{"kind": "sgd", **settings})
+
+
+def test_numpy_numbers_are_accepted() -> None:
+    config = mltuner.Config(prefetch_clocks=np.int64(2), wait_timeout_s=np.float32(5.0),
+                            update_rule=mltuner.UpdateRule("sgd", np.float64(0.1)))
+    assert config.to_core().prefetch_clocks == 2
+
+
+@pytest.fixture
+def worker():  # type: ignore[no-untyped-def]
+    with mltuner.LocalCluster(1, mltuner.Config(wait_timeout_s=5)) as cluster:
+        yield cluster.worker(0)
+
+
+def test_a_fractional_row_count_is_refused_not_truncated(worker: mltuner.Worker) -> None:
+    with pytest.raises(mltuner.ArgumentTypeError, match=r"create_table\('u'\): num_rows must be an integer.*10.7"):
+        worker.create_table("u", 10.7, 4)  # type: ignore[arg-type]
+    assert worker.tables == []
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda w, t: w.virtual_read(t, slack=2**62), r"slack must be in \[0, 2\*\*31 - 1\], got 4611686018427387904"),
+    (lambda w, t: w.virtual_read(t, slack=1.0), r"slack must be an integer"),
+    (lambda w, t: w.virtual_read(t, [2**70]), r"row ids for table 't'"),
+    (lambda w, t: w.virtual_read(t, np.array([2**63], dtype=np.uint64)), r"row id 9223372036854775808 is outside"),
+    (lambda w, t: w.virtual_post_read(2**62), r"handle must be in"),
+    (lambda w, t: w.virtual_local_access(t, fetch="yes"), r"fetch must be True or False"),
+    (lambda w, t: w.create_table("big", 2**40, 2), r"2 values is more than the 2\*\*40"),
+    (lambda w, t: w.create_table("w", 4, 2**41), r"row_width must be in \[1, 2\*\*40\]"),
+    (lambda w, t: w.create_table("bad\nname", 4, 4), r"name must be a non-empty printable string"),
+    (lambda w, t: w.create_table(7, 4, 4), r"name must be a non-empty printable string"),
+    (lambda w, t: w.fork_branch(1, 0, learning_rate=INF), r"fork_branch: learning_rate must be a finite number"),
+    (lambda w, t: w.fork_branch(1, 0, learning_rate=0.1, momentum=NAN), r"fork_branch: momentum"),
+    (lambda w, t: w.fork_branch(2**40, 0, learning_rate=0.1), r"fork_branch: child must be in \[0, 2\*\*31 - 1\]"),
+    (lambda w, t: w.schedule_branch(0, 0), r"schedule_branch: clocks must be in \[1, 2\*\*62\]"),
+    (lambda w, t: w.fetch(t, branch=-5), r"fetch: branch must be in \[0, 2\*\*31 - 1\]"),
+    (lambda w, t: w.post_read(0, stream=-1), r"stream must be in \[0, 2\*\*64 - 1\]"),
+])
+def test_bad_api_arguments_name_the_argument(worker: mltuner.Worker, call: Any, message: str) -> None:
+    table = worker.create_table("t", 4, 4)
+    with pytest.raises(mltuner.InvalidArgumentError, match=message):
+        call(worker, table)
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda: mltuner.TensorLayout(2.5), r"TensorLayout: row_width must be an integer"),  # type: ignore[arg-type]
+    (lambda: mltuner.TensorLayout(4).add("w", (2.5, 3)), r"tensor 'w': dimension 0 must be an integer"),
+    (lambda: mltuner.TensorLayout(4).add("w", 3), r"tensor 'w': shape must be a sequence"),  # type: ignore[arg-type]
+    (lambda: mltuner.TensorLayout(4).add("w", (2**30, 2**30)), r"more than 2\*\*40 values"),
+    (lambda: mltuner.LocalCluster(2.0), r"LocalCluster: num_workers must be an integer"),  # type: ignore[arg-type]
+    (lambda: mltuner.Job(rendezvous_timeout_s=INF), r"Job: rendezvous_timeout_s must be a finite number"),
+    (lambda: mltuner.Job(heartbeat_interval_s=6.0), r"Job: heartbeat_interval_s must be a finite number in \(0, 5\)"),
+    (lambda: mltuner.Job(secure="yes"), r"Job: secure must be True or False"),  # type: ignore[arg-type]
+])
+def test_bad_constructor_arguments_name_the_argument(make: Any, message: str) -> None:
+    with pytest.raises(mltuner.InvalidArgumentError, match=message):
+        make()
+
+
+def test_job_arguments_are_checked_on_a_single_process(tmp_path: Any) -> None:
+    with mltuner.Job() as job:
+        with pytest.raises(mltuner.InvalidArgumentError, match=r"save_checkpoint: keep must be in \[1, 1000000\]"):
+            job.save_checkpoint(tmp_path, keep=0)
+        with pytest.raises(mltuner.InvalidArgumentError, match=r"barrier: timeout_s must be a finite number"):
+            job.barrier("b", timeout_s=INF)
+        with pytest.raises(mltuner.InvalidArgumentError, match=r"allgather 'x': the value is not JSON"):
+            job.allgather("x", object())
+
+
+def test_buffers_are_read_only_after_their_post(worker: mltuner.Worker) -> None:
+    table = worker.create_table("p", 2, 4)
+    local = worker.create_table("l", 2, 4, local=True)
+    read = worker.virtual_read(table)
+    worker.virtual_post_read(read)
+    update = worker.virtual_pre_update(table)
+    worker.virtual_update(update)
+    access = worker.virtual_local_access(local)
+    worker.virtual_post_local_access(access)
+    worker.virtual_clock()
+    worker.finish_virtual_iteration()
+    worker.start_iterations()
+    buffer = worker.read(read)
+    with pytest.raises(ValueError, match="read-only"):
+        buffer[0, 0] = 1.0  # read buffers always were
+    worker.post_read(read)
+    out = worker.pre_update(update)
+    out[:] = 1.0
+    worker.update(update)
+    with pytest.raises(ValueError, match="read-only"):
+        out[:] = 1000.0  # would have changed what is shipped
+    scratch = worker.local_access(access)
+    scratch[:] = 2.0
+    worker.post_local_access(access)
+    with pytest.raises(ValueError, match="read-only"):
+        scratch[0] = 3.0
+    worker.clock()
+    worker.sync()
+    np.testing.assert_array_equal(worker.fetch(table), np.ones((2, 4), dtype=np.float32))
+    worker.read(read)
+    worker.post_read(read)
+    fresh = worker.pre_update(update)  # the next clock's buffer is writable again
+    fresh[:] = 0.0
+    worker.update(update)

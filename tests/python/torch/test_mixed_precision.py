@@ -1,0 +1,169 @@
+"""Mixed precision through wrap(): the same torch.autocast loop as plain
+PyTorch trains alike, bfloat16 as is and float16 with a torch.amp.GradScaler
+whose scale comes off each layer's gradients before the update leaves.
+
+One worker under BSP with the servers' "sgd" rule, which is
+torch.optim.SGD(lr). Both sides run the same low-precision forward and
+backward on bit-identical parameters at the first step, and differ only in
+the rounding of the update, so the losses agree to float rounding (the
+tolerances leave room for a rounding step of the cast weights). The GPU
+variant runs where tests/python/torch/test_cuda.py does.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import nullcontext
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import mltuner  # noqa: E402
+import mltuner.torch as mt  # noqa: E402
+from mltuner import Config, InvalidArgumentError, LocalCluster, UpdateRule  # noqa: E402
+
+LR, STEPS, BATCH = 0.1, 30, 16
+
+
+def make_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv1d(1, 8, 5, stride=2, padding=2), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(8 * 20, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
+def make_batches(device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(BATCH, 1, 40, generator=generator).to(device),
+             torch.randint(0, 10, (BATCH,), generator=generator).to(device)) for _ in range(STEPS)]
+
+
+def train(model: Any, optimizer: Any, batches: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype,
+          scaler: torch.amp.GradScaler | None) -> tuple[list[float], list[float]]:
+    """The standard autocast loop (the scaler's where given); returns the
+    loss and the scale after each step."""
+    losses, scales = [], []
+    device_type = batches[0][0].device.type
+    for x, y in batches:
+        optimizer.zero_grad()
+        with torch.autocast(device_type, dtype=dtype):
+            output = model(x)
+            assert output.dtype == dtype  # autocast is in effect
+            loss = F.cross_entropy(output, y)
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        losses.append(loss.item())
+    return losses, scales
+
+
+def compare(device: torch.device, dtype: torch.dtype, scaler_args: dict[str, Any] | None,
+            **wrap_args: Any) -> tuple[list[float], list[float]]:
+    """Trains plain and wrapped; asserts equal losses, scales and weights;
+    returns the plain run's losses and scales."""
+    net = make_net().to(device)
+    plain = copy.deepcopy(net)
+    batches = make_batches(device)
+    new_scaler = (lambda: torch.amp.GradScaler(device.type, **scaler_args)) if scaler_args is not None else None
+    plain_scaler = new_scaler() if new_scaler else None
+    want, want_scales = train(plain, torch.optim.SGD(plain.parameters(), lr=LR), batches, dtype, plain_scaler)
+
+    cluster = LocalCluster(1, Config(update_rule=UpdateRule("sgd", learning_rate=LR), device=device.type))
+    try:
+        ps_scaler = new_scaler() if new_scaler else None
+        # With stored activations, the recording runs under the loop's
+        # autocast, so that it saves the dtypes the clocks save (the slots are
+        # sized by it); otherwise wrap() runs outside, as it usually would.
+        recording = torch.autocast(device.type, dtype=dtype) if wrap_args.get("store_activations") else nullcontext()
+        with recording:
+            model = mt.wrap(net, cluster.worker(0), example_input=batches[0][0], grad_scaler=ps_scaler,
+                            **wrap_args)
+        got, got_scales = train(model, model.optimizer, batches, dtype, ps_scaler)
+        state = model.state_dict()
+    finally:
+        cluster.shutdown()
+    assert got_scales == want_scales
+    worst = max(abs(a - b) for a, b in zip(got, want))
+    assert worst <= 1e-4, f"losses differ by {worst:.3g}"
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5)
+    assert want[-1] < want[0]  # it trains
+    return want, want_scales
+
+
+@pytest.mark.parametrize("wrap_args", [{}, {"store_activations": True}], ids=["held reads", "stored activations"])
+def test_bfloat16_autocast_trains_like_plain_pytorch(wrap_args: dict[str, Any]) -> None:
+    compare(torch.device("cpu"), torch.bfloat16, None, **wrap_args)
+
+
+def test_float16_with_a_grad_scaler_trains_like_plain_pytorch() -> None:
+    # A start scale that overflows float16 for some clocks and a short growth
+    # interval: the scale backs off and grows exactly as in plain PyTorch,
+    # which skips the overflowing steps; here their updates are zero.
+    _, scales = compare(torch.device("cpu"), torch.float16, {"init_scale": 2.0**30, "growth_interval": 4})
+    assert scales[1] < scales[0] and any(later > earlier for earlier, later in zip(scales, scales[1:]))
+
+
+def test_stored_activations_need_the_recording_under_the_same_autocast() -> None:
+    x, y = make_batches(torch.device("cpu"))[0]
+    cluster = LocalCluster(1, Config(update_rule=UpdateRule("sgd", learning_rate=LR)))
+    try:
+        model = mt.wrap(make_net(), cluster.worker(0), example_input=x, store_activations=True)
+        with pytest.raises(mt.IterationMismatchError, match="call wrap\\(\\) inside the same autocast"):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                model(x)
+    finally:
+        cluster.shutdown()
+
+
+def test_a_scaler_that_wrap_was_not_given_is_refused() -> None:
+    net = make_net()
+    x, y = make_batches(torch.device("cpu"))[0]
+    cluster = LocalCluster(1, Config(update_rule=UpdateRule("sgd", learning_rate=LR)))
+    try:
+        model = mt.wrap(net, cluster.worker(0), example_input=x)
+        scaler = torch.amp.GradScaler("cpu")
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        with pytest.raises(InvalidArgumentError, match=r"wrap\(\.\.\., grad_scaler=scaler\)"):
+            scaler.step(model.optimizer)
+    finally:
+        cluster.shutdown()
+
+
+@pytest.mark.parametrize("scaler, message", [(object(), "must be a torch.amp.GradScaler"),
+                                             ("cuda", "is for 'cuda' but the model is on 'cpu'")])
+def test_a_bad_scaler_is_refused(scaler: Any, message: str) -> None:
+    if scaler == "cuda":
+        with pytest.warns(UserWarning):  # CPU-only torch disables it, and says so
+            scaler = torch.amp.GradScaler("cuda") if not torch.cuda.is_available() else None
+        if scaler is None:
+            pytest.skip("a CUDA scaler is the model's own type here")
+    cluster = LocalCluster(1, Config(update_rule=UpdateRule("sgd", learning_rate=LR)))
+    try:
+        with pytest.raises(InvalidArgumentError, match=message):
+            mt.wrap(make_net(), cluster.worker(0), example_input=torch.zeros(2, 1, 40), grad_scaler=scaler)
+    finally:
+        cluster.shutdown()
+
+
+gpu = pytest.mark.skipif(mltuner.cuda_device_count() == 0 or not torch.cuda.is_available(),
+                         reason="needs the CUDA backend, a visible GPU and torch with CUDA")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16 + GradScaler"])
+def test_mixed_precision_on_the_gpu(dtype: torch.dtype) -> None:
+    scaler_args = {"init_scale": 2.0**30, "growth_interval": 4} if dtype == torch.float16 else None
+    compare(torch.device("cuda", 0), dtype, scaler_args)

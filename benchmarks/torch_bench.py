@@ -133,15 +133,16 @@ def mltuner_run(args: argparse.Namespace, device: torch.device, budget_fraction:
 
 def measure_need(args: argparse.Namespace, device: torch.device, config: mlt.Config, x: torch.Tensor,
                  y: torch.Tensor) -> int:
-    """Bytes of device memory the engine places for parameters, local data and
-    buffers with no budget: what 'a quarter of their need' is a quarter of."""
+    """Bytes of device memory the engine places for parameters and local data
+    with no budget, plus the least buffer pool it accepts: what 'a quarter of
+    their need' is a quarter of."""
     model = resnet18(args.width).to(device)
     with mlt.LocalCluster(1, config) as cluster:
         worker = cluster.worker(0)
         mtorch.wrap(model, worker, example_input=x, store_activations=True,
                     example_loss=lambda out: nn.functional.cross_entropy(out, y))
         stats = worker.stats
-    return int(stats["device_store_bytes"] + stats["host_store_bytes"] + stats["pool_bytes"])
+    return int(stats["device_store_bytes"] + stats["host_store_bytes"] + stats["pool_min_bytes"])
 
 
 def ms(waits: tuple[float, ...]) -> str:

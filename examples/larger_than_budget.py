@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() and mlt.cuda_device_count() else "cpu")
     args = parser.parse_args()
     free, free_stats, free_s = train(args, 0)  # 0: no budget
-    need = int(free_stats["device_store_bytes"] + free_stats["pool_bytes"])
+    need = int(free_stats["device_store_bytes"] + free_stats["pool_min_bytes"])
     budget = int(need * args.budget_fraction)
     small, stats, small_s = train(args, budget)
     same = all(torch.equal(free[k], small[k]) for k in free)

@@ -51,6 +51,7 @@ void RegisterEngine(py::module_& m) {
       .def_readonly("messages_sent", &EngineStats::messages_sent)
       .def_readonly("messages_received", &EngineStats::messages_received)
       .def_readonly("pool_bytes", &EngineStats::pool_bytes)
+      .def_readonly("pool_min_bytes", &EngineStats::pool_min_bytes)
       .def_readonly("device_store_bytes", &EngineStats::device_store_bytes)
       .def_readonly("host_store_bytes", &EngineStats::host_store_bytes)
       .def_readonly("branch", &EngineStats::branch)

@@ -52,9 +52,11 @@ class Config:
         device_memory_budget: bytes of device memory for the parameter cache,
             local data and access buffers; 0 means as much as needed. With a
             smaller budget, parameters and local data live in host memory and
-            are swapped in ahead of use; below twice the largest per-clock
-            working set, :class:`~mltuner.ResourceExhaustedError` says how much
-            is needed.
+            are swapped in ahead of use; below the least access-buffer pool
+            (``1 + prefetch_clocks`` regions, each one clock's buffers packed
+            by lifetime; ``Worker.stats["pool_min_bytes"]``),
+            :class:`~mltuner.ResourceExhaustedError` says exactly how much is
+            needed.
         wait_timeout_s: every blocking wait gives up after this many seconds
             with :class:`~mltuner.WaitTimeoutError`.
         prefetch_clocks: how many clocks the allocator thread may prepare

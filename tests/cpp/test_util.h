@@ -1,6 +1,6 @@
 // A minimal test harness: no dependency beyond the standard library.
 //
-//   TEST(ArenaAllocatesInOrder) { EXPECT_EQ(1, 1); ASSERT_OK(status); }
+//   TEST(PoolFitsThePeak) { EXPECT_EQ(1, 1); ASSERT_OK(status); }
 //   int main() { return mltuner::testing::RunAll(); }   // via MLT_TEST_MAIN
 //
 // EXPECT_* records a failure and continues; ASSERT_* returns from the test.

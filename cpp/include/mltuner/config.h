@@ -35,7 +35,8 @@ struct Config {
   // data and the access-buffer pool. 0 means "as much as the plan needs":
   // everything is device-resident. A smaller budget moves parameter rows and
   // local data to host memory; they are swapped in ahead of use. Too small for
-  // twice the largest per-clock working set gives a clear error.
+  // the access-buffer pool (1 + prefetch_clocks regions, each a clock's
+  // buffers packed by lifetime) gives an error with the exact bytes needed.
   int64_t device_memory_budget = 0;
 
   // Every blocking wait (freshness, buffer, pool space, replies) gives up
@@ -45,8 +46,8 @@ struct Config {
   int64_t wait_timeout_ms = 60000;
 
   // How many clocks the allocator thread may run ahead of the application.
-  // 1 is double buffering (GeePS); more deepens prefetch but holds more of
-  // the access-buffer pool.
+  // 1 is double buffering (GeePS); each clock more adds a region (a clock's
+  // buffers) to the access-buffer pool.
   int32_t prefetch_clocks = 1;
 
   // Partition locks per table in the client cache: a gather locks only the

@@ -65,7 +65,8 @@ struct EngineStats {
   int64_t bytes_scattered = 0;     // update bytes added into update logs
   int64_t messages_sent = 0;
   int64_t messages_received = 0;
-  int64_t pool_bytes = 0;
+  int64_t pool_bytes = 0;          // the access-buffer pool
+  int64_t pool_min_bytes = 0;      // the least pool the plan accepts: the smallest device_memory_budget
   BranchId branch = 0;             // the branch of the last finished clock
   Clock branch_clock = 0;          // clocks that branch has finished
   int64_t branch_switches = 0;     // times the cache was reloaded for another branch

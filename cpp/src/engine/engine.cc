@@ -50,7 +50,6 @@ void Engine::Impl::Fail(const Status& status) {
   }
   cv_.notify_all();
   age_cv_.notify_all();
-  if (pool_) pool_->Close();
 }
 
 std::string Engine::Impl::ThreadContext(const char* thread) const {
@@ -171,8 +170,7 @@ Status Engine::Impl::PlanAndPrepare() {
   placement_ = std::move(placement);
   index_ = std::move(index);
   stores_ = std::move(stores);
-  pool_ = std::make_unique<Arena>(static_cast<size_t>(placement_.pool_bytes), kBufferAlignment);
-  depth_ = std::max(2, 1 + config_.prefetch_clocks);
+  depth_ = placement_.buffers.regions;  // clock c's buffers live in region c % depth_
   slots_.assign(recording_.accesses.size(), std::vector<Slot>(depth_));
   init_slots_.assign(recording_.accesses.size(), Slot());
   init_blocks_.assign(recording_.accesses.size(), nullptr);
@@ -183,6 +181,7 @@ Status Engine::Impl::PlanAndPrepare() {
   }
   MLT_RETURN_IF_ERROR(WaitUntilAllReady());
   stats_.pool_bytes = placement_.pool_bytes;
+  stats_.pool_min_bytes = placement_.pool_min_bytes;
   stats_.device_store_bytes = placement_.device_store_bytes;
   stats_.host_store_bytes = placement_.host_store_bytes;
   phase_ = Phase::kRecorded;
@@ -445,7 +444,6 @@ Status Engine::Impl::Shutdown() {
     std::lock_guard<std::mutex> lock(age_mu_);  // wake request and age waiters
   }
   age_cv_.notify_all();
-  if (pool_) pool_->Close();
   if (allocator_.joinable()) allocator_.join();
   if (reclaimer_.joinable()) reclaimer_.join();
   for (AccessIndex& access : index_.accesses) {

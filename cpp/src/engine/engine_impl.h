@@ -14,7 +14,9 @@
 //   age_mu_      data ages and pending requests
 //   mu_          pipeline state (slots, sequence numbers, errors, stats)
 // A thread holding one of these may take those below it, never those above.
-// The device and arena have their own internal locks.
+// The device has its own internal locks. The pool needs none: every buffer
+// has a static address (plan/buffer_schedule.h), free once reclaimed_seq_
+// passes its WaitSeq.
 #pragma once
 
 #include <atomic>
@@ -29,7 +31,6 @@
 #include <vector>
 
 #include "cache/table_store.h"
-#include "memory/arena.h"
 #include "mltuner/engine.h"
 #include "mltuner/transport.h"
 #include "plan/placement.h"
@@ -48,7 +49,7 @@ enum class SlotState { kEmpty, kReady, kInUse, kPosted };
 struct Slot {
   mltuner::Clock clock = -1;
   SlotState state = SlotState::kEmpty;
-  size_t offset = 0;  // in the pool arena
+  size_t offset = 0;  // in the pool: placement_.buffers.PoolOffset(handle, clock)
   float* data = nullptr;
   mltuner::Clock data_age = kNoClock;
   DeviceEvent ready;     // the allocator's work filling the buffer
@@ -123,9 +124,8 @@ class Engine::Impl {
   Placement placement_;
   IterationIndex index_;
   std::vector<std::unique_ptr<TableStore>> stores_;  // by table id
-  int depth_ = 2;                                    // slots per handle
+  int depth_ = 2;                                    // slots per handle = pool regions
   std::shared_ptr<DeviceBlock> pool_memory_;
-  std::unique_ptr<Arena> pool_;
   std::shared_ptr<DeviceBlock> staging_;  // reclaimer: device -> host for host-resident updates
   // Device buffers for update payloads to shards that share this device.
   std::unique_ptr<DeviceBufferPool> payloads_;
@@ -157,6 +157,9 @@ class Engine::Impl {
   // shards for that branch's rows.
   Status SwitchCache(BranchId branch);
   Status WaitForWriteBack(int64_t seq_needed);
+  // Waits until the last earlier user of the buffer's static addresses is
+  // reclaimed (BufferSchedule::WaitSeq).
+  Status WaitForPoolSpace(const AccessRecord& access, mltuner::Clock clock);
   void GatherInto(const AccessRecord& access, float* buffer, Stream stream);
 
   // --- reclaimer thread (memory/reclaimer_thread.cc) -------------------------

@@ -6,6 +6,8 @@
 //
 // Its own waits have no deadline: being ahead, it may legitimately wait for
 // the application (pool space, slot reuse) or for slower workers (freshness).
+// Pool space cannot deadlock or fragment: each buffer has a static address
+// and waits only for an earlier op to be reclaimed (plan/buffer_schedule.h).
 // The application's wait for the buffer carries the deadline, and reports
 // what the allocator is waiting for (allocator_waiting_for_).
 #include <algorithm>
@@ -71,17 +73,10 @@ Status Engine::Impl::PrepareSlot(int64_t seq, const AccessRecord& access, const 
   const AccessIndex& index = index_.accesses[access.handle];
   const TableInfo& table = tables_[access.table];
 
-  // 1. Space in the pool.
-  for (;;) {
-    const Status status = pool_->Allocate(static_cast<size_t>(index.buffer_bytes), kPollInterval, &slot->offset);
-    if (status.ok()) break;
-    if (status.code() != StatusCode::kTimeout) return status;
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_) return Status::Shutdown("stopping");
-    allocator_waiting_for_ = std::to_string(index.buffer_bytes) + " bytes of access-buffer pool space (" +
-                             std::to_string(pool_->used()) + " of " + std::to_string(pool_->capacity()) +
-                             " bytes in use) for " + access.Describe(table.name);
-  }
+  // 1. Space in the pool: the buffer's static addresses, once their last
+  // earlier user is reclaimed.
+  MLT_RETURN_IF_ERROR(WaitForPoolSpace(access, clock));
+  slot->offset = static_cast<size_t>(placement_.buffers.PoolOffset(access.handle, clock));
   slot->data = reinterpret_cast<float*>(reinterpret_cast<char*>(pool_memory_->floats()) + slot->offset);
   const size_t values = access.rows.size() * static_cast<size_t>(table.row_width);
 
@@ -142,6 +137,26 @@ Status Engine::Impl::WaitFresh(const AccessRecord& access, const ClockBranch& at
   const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::lock_guard<std::mutex> pipeline(mu_);
   stats_.wait_fresh_seconds += waited;
+  return Status::Ok();
+}
+
+Status Engine::Impl::WaitForPoolSpace(const AccessRecord& access, mltuner::Clock clock) {
+  const BufferSchedule& schedule = placement_.buffers;
+  const int64_t needed = schedule.WaitSeq(access.handle, clock);
+  std::unique_lock<std::mutex> lock(mu_);
+  if (reclaimed_seq_ >= needed) return Status::Ok();
+  const BufferAddress& buffer = schedule.buffers[access.handle];
+  const AccessRecord& holder = recording_.accesses[buffer.wait_handle];
+  allocator_waiting_for_ = "the reclaimer to release " + std::to_string(buffer.bytes) +
+                           " bytes of access-buffer pool (region " + std::to_string(clock % schedule.regions) +
+                           ", offset " + std::to_string(buffer.offset) + ") for " +
+                           access.Describe(tables_[access.table].name) + ": their last user is the " +
+                           holder.Describe(tables_[holder.table].name) + " of clock " +
+                           std::to_string(clock - buffer.wait_clocks_back) + ", closed by op " +
+                           std::to_string(buffer.wait_op) + " (sequence number " + std::to_string(needed - 1) +
+                           ")";
+  cv_.wait(lock, [&] { return stopping_ || reclaimed_seq_ >= needed; });
+  if (stopping_) return Status::Shutdown("stopping");
   return Status::Ok();
 }
 

@@ -73,7 +73,7 @@ Status Engine::Impl::ReclaimOp(int64_t seq) {
 }
 
 void Engine::Impl::ReleaseSlot(Slot* slot) {
-  pool_->Free(slot->offset);
+  // The buffer's addresses are static; the next user waits for reclaimed_seq_.
   {
     std::lock_guard<std::mutex> lock(mu_);
     slot->state = SlotState::kEmpty;

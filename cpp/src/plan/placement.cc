@@ -34,6 +34,11 @@ void FindPeak(const std::vector<TableInfo>& tables, const Recording& recording,
   }
 }
 
+// Device bytes of a schedule's pool (never 0: an empty pool is still one block).
+int64_t PoolBytes(const BufferSchedule& schedule) {
+  return std::max<int64_t>(schedule.pool_bytes(), kBufferAlignment);
+}
+
 // Gives a layout position a residence and the next free slot of that
 // residence's store; a position placed before keeps its place.
 void Assign(TablePlacement* placement, int64_t position, Residence where) {
@@ -47,9 +52,10 @@ void Assign(TablePlacement* placement, int64_t position, Residence where) {
 
 std::string Placement::Describe() const {
   std::ostringstream out;
-  out << "pool " << pool_bytes << " B (peak " << peak_bytes << " B at op " << peak_op
-      << "), device stores " << device_store_bytes << " B, host stores " << host_store_bytes
-      << " B";
+  out << "pool " << pool_bytes << " B (" << buffers.regions << " regions of " << buffers.region_bytes
+      << " B, lookahead " << buffers.lookahead_ops << " ops; least " << pool_min_bytes << " B; peak "
+      << peak_bytes << " B at op " << peak_op << "), device stores " << device_store_bytes
+      << " B, host stores " << host_store_bytes << " B";
   return out.str();
 }
 
@@ -58,15 +64,22 @@ Status PlanPlacement(const Config& config, const std::vector<TableInfo>& tables,
                      Placement* out) {
   Placement plan;
   FindPeak(tables, recording, &plan.peak_bytes, &plan.peak_op);
-  const int64_t depth = std::max<int64_t>(2, 1 + config.prefetch_clocks);
   const bool unlimited = config.device_memory_budget <= 0;
-  const int64_t pool_min = 2 * plan.peak_bytes;
+  const int regions = 1 + std::max(0, config.prefetch_clocks);
+  std::vector<int64_t> buffer_bytes;
+  for (const AccessRecord& access : recording.accesses) {
+    buffer_bytes.push_back(AlignedBufferBytes(tables[access.table], static_cast<int64_t>(access.rows.size())));
+  }
+  plan.buffers = ScheduleBuffers(recording, buffer_bytes, regions, 0);
+  const int64_t pool_min = PoolBytes(plan.buffers);
+  plan.pool_min_bytes = pool_min;
   if (!unlimited && pool_min > config.device_memory_budget) {
     std::ostringstream msg;
     msg << "device_memory_budget of " << config.device_memory_budget
-        << " bytes is too small: the access-buffer pool needs at least " << pool_min
-        << " bytes (2 x the largest set of buffers open at once, " << plan.peak_bytes
-        << " bytes at op " << plan.peak_op << ")";
+        << " bytes is too small: the access-buffer pool needs " << pool_min << " bytes ("
+        << regions << " regions, one per clock in flight (1 + prefetch_clocks), of "
+        << plan.buffers.region_bytes << " bytes: one clock's buffers packed by lifetime; the largest set open "
+        << "at once is " << plan.peak_bytes << " bytes at op " << plan.peak_op << ")";
     return Status::ResourceExhausted(msg.str());
   }
   int64_t left = unlimited ? 0 : config.device_memory_budget - pool_min;
@@ -131,8 +144,24 @@ Status PlanPlacement(const Config& config, const std::vector<TableInfo>& tables,
     plan.device_store_bytes += copies * placement.device_rows * table.row_bytes();
     plan.host_store_bytes += copies * placement.host_rows * table.row_bytes();
   }
-  plan.pool_bytes = unlimited ? depth * plan.peak_bytes : pool_min + left;
-  plan.pool_bytes = std::max<int64_t>(plan.pool_bytes, kBufferAlignment);
+  // The budget left over buys lookahead: the largest that fits.
+  const int num_ops = static_cast<int>(recording.ops.size());
+  if (unlimited) {
+    plan.buffers = ScheduleBuffers(recording, buffer_bytes, regions, num_ops);
+  } else {
+    int fits = 0, too_big = num_ops + 1;  // the packing need not grow monotonically: keep what was checked
+    while (too_big - fits > 1) {
+      const int mid = fits + (too_big - fits) / 2;
+      BufferSchedule trial = ScheduleBuffers(recording, buffer_bytes, regions, mid);
+      if (PoolBytes(trial) <= pool_min + left) {
+        fits = mid;
+        plan.buffers = std::move(trial);
+      } else {
+        too_big = mid;
+      }
+    }
+  }
+  plan.pool_bytes = PoolBytes(plan.buffers);
   *out = std::move(plan);
   return Status::Ok();
 }

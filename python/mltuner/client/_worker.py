@@ -93,6 +93,7 @@ class Worker:
         # Python holds none to it, so the worker must not extend its life.
         self._handed_out: dict[int, weakref.ref[np.ndarray]] = {}
         self._peak_buffer_bytes = 0
+        self._all_buffer_bytes = 0  # one clock's buffers, each at its own addresses
         self._largest_buffer = 0
         self._tables: dict[int, Table] = {}
         self._last_data_age = -2
@@ -222,6 +223,7 @@ class Worker:
         size = -(-len(row_ids) * table.row_width * 4 // 256) * 256
         self._open_buffers[handle] = size
         self._peak_buffer_bytes = max(self._peak_buffer_bytes, sum(self._open_buffers.values()))
+        self._all_buffer_bytes += size
         self._largest_buffer = max(self._largest_buffer, size)
         return handle
 
@@ -232,16 +234,22 @@ class Worker:
         and the plan's indexes."""
         config = self._config
         stores = sum((1 if t.local else 2) * t.num_rows * t.row_width * 4 for t in self._tables.values())
-        depth = max(2, 1 + config.prefetch_clocks)
+        # The engine's pool (cpp/src/plan/placement.h): a region per clock in
+        # flight; packed, a region is about the peak of buffers open at once,
+        # unpacked the sum of a clock's buffers. The least pool comes first,
+        # then the stores, then what is left unpacks the regions.
+        regions = 1 + config.prefetch_clocks
+        pool_min = regions * self._peak_buffer_bytes
+        pool_max = regions * self._all_buffer_bytes
         budget = config.device_memory_budget
-        pool = depth * self._peak_buffer_bytes if budget == 0 else max(budget - stores, 2 * self._peak_buffer_bytes)
+        device_stores = stores if budget == 0 else min(stores, max(0, budget - pool_min))
+        pool = pool_max if budget == 0 else max(pool_min, min(pool_max, budget - device_stores))
         indexes = INDEX_BYTES_PER_ROW * sum(t.num_rows for t in self._tables.values())
         staging = max(self._largest_buffer, 256)
         if config.device == "cpu":
             return stores + pool + staging + indexes
         # On an accelerator the budget's part lives on the device.
-        on_host = stores if budget == 0 else max(0, stores - (budget - 2 * self._peak_buffer_bytes))
-        return (0 if budget == 0 else on_host) + staging + indexes
+        return (stores - device_stores) + staging + indexes
 
     def finish_virtual_iteration(self) -> None:
         """Lays rows out, places them under the memory budget, builds indexes.

@@ -282,7 +282,8 @@ def wrap(
         mltuner.InvalidArgumentError: a used worker, bad arguments, a model
             on another device than the engine.
         mltuner.ResourceExhaustedError: the memory budget cannot hold the
-            largest layer's working set twice over.
+            access-buffer pool (about the largest layer's working set once
+            per clock in flight); the message gives the bytes needed.
     """
     if not isinstance(worker, Worker):
         raise TypeError(f"expected a mltuner.Worker, got {type(worker).__name__}")

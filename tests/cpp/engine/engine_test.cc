@@ -397,7 +397,10 @@ constexpr int64_t kLayerRows = 16, kLayerWidth = 16;  // 1024 B per layer buffer
 constexpr int kSwapClocks = 20;
 constexpr int kSwapWorkers = 2;
 // Peak: backward has read + local access + pre_update of one layer open.
+// Packed, a clock's buffers fit in the peak; unpacked (the unlimited plan)
+// they take 5 buffers per layer.
 constexpr int64_t kSwapPeak = 3 * 1024;
+constexpr int64_t kSwapAllBuffers = kLayers * 5 * 1024;
 constexpr int64_t kLocalBytes = kLayers * kLayerRows * kLayerWidth * 4;
 
 struct SwapResult {
@@ -530,18 +533,20 @@ void CheckSwapMatchesUnlimited(int prefetch) {
   for (int k = 0; k < kSwapWorkers; ++k) {
     EXPECT_EQ(unlimited.stats[k].bytes_swapped_in, int64_t{0});
     EXPECT_EQ(unlimited.stats[k].host_store_bytes, int64_t{0});
-    EXPECT_EQ(unlimited.stats[k].pool_bytes, std::max<int64_t>(2, 1 + prefetch) * kSwapPeak);
+    EXPECT_EQ(unlimited.stats[k].pool_bytes, (1 + prefetch) * kSwapAllBuffers);
+    EXPECT_EQ(unlimited.stats[k].pool_min_bytes, (1 + prefetch) * kSwapPeak);
   }
   // The values changed from their initial ones (not a vacuous comparison).
   EXPECT_TRUE(unlimited.final_values[0] != static_cast<float>(Mod(0 * 3 + 0 + 0, 11) - 5) ||
               unlimited.final_values[1] != static_cast<float>(Mod(1, 11) - 5) ||
               unlimited.final_values[2] != static_cast<float>(Mod(2, 11) - 5));
 
-  // Tight: only the pool (plus a little) fits; every parameter row and all
-  // local data live in host memory and are swapped in for each access.
+  // Tight: only the least pool (plus a little) fits; every parameter row and
+  // all local data live in host memory and are swapped in for each access.
   // Mixed: local data and the first layer fit on the device, the rest swaps.
-  const int64_t tight = 2 * kSwapPeak + 256;
-  const int64_t mixed = 2 * kSwapPeak + kLocalBytes + 2 * kLayerRows * kLayerWidth * 4;
+  const int64_t pool_min = (1 + prefetch) * kSwapPeak;
+  const int64_t tight = pool_min + 256;
+  const int64_t mixed = pool_min + kLocalBytes + 2 * kLayerRows * kLayerWidth * 4;
   for (int64_t budget : {tight, mixed}) {
     SwapResult swapped;
     RunSwap(budget, prefetch, &swapped);
@@ -564,7 +569,7 @@ void CheckSwapMatchesUnlimited(int prefetch) {
     for (int k = 0; k < kSwapWorkers; ++k) {
       EXPECT_TRUE(swapped.stats[k].bytes_swapped_in > 0);
       EXPECT_TRUE(swapped.stats[k].host_store_bytes > 0);
-      EXPECT_TRUE(swapped.stats[k].pool_bytes >= 2 * kSwapPeak);
+      EXPECT_EQ(swapped.stats[k].pool_bytes, pool_min);  // leftovers too small to buy lookahead
       EXPECT_TRUE(swapped.stats[k].pool_bytes + swapped.stats[k].device_store_bytes <= budget);
     }
     if (budget == tight) {
@@ -897,23 +902,26 @@ TEST(DestroyWhileBlockedDoesNotHang) {
 }
 
 TEST(ShutdownWhileAllocatorWaitsForPoolSpace) {
-  // prefetch 3 with a pool of exactly 2 x peak: the allocator runs ahead until
-  // the pool is full and then waits for space while the app sits idle.
+  // Two reads one after the other in a pool of exactly the least size: the
+  // second reuses the first one's addresses, so the allocator prepares the
+  // first and then waits for its release while the app sits idle.
   Config config;
   config.wait_timeout_ms = 60000;
   config.prefetch_clocks = 3;
-  config.device_memory_budget = 512;
+  config.device_memory_budget = 4 * 256;  // 4 regions of one 256 B buffer
   std::unique_ptr<LocalCluster> cluster;
   ASSERT_OK(LocalCluster::Create(config, 1, &cluster));
   Engine* e = cluster->worker(0);
   TableId t = -1;
   ASSERT_OK(e->CreateTable("big", 64, 16, false, &t));  // 64 B rows
-  Handle r = -1;
+  Handle r = -1, s = -1;
   ASSERT_OK(e->VirtualRead(t, {0, 1, 2, 3}, 3, &r));    // 256 B
   ASSERT_OK(e->VirtualPostRead(r));
+  ASSERT_OK(e->VirtualRead(t, {4, 5, 6, 7}, 3, &s));    // 256 B, r's addresses
+  ASSERT_OK(e->VirtualPostRead(s));
   ASSERT_OK(e->VirtualClock());
   ASSERT_OK(e->FinishVirtualIteration());
-  EXPECT_EQ(e->Stats().pool_bytes, int64_t{512});
+  EXPECT_EQ(e->Stats().pool_bytes, int64_t{1024});
   ASSERT_OK(e->StartIterations());
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   const auto start = SteadyClock::now();

@@ -19,7 +19,7 @@ using namespace mltuner;
 TEST(RetryAfterRefusedBudgetDoesNotPlanAnEmptyIteration) {
   Config config;
   config.wait_timeout_ms = 2000;
-  config.device_memory_budget = 256;  // the pool needs 2 x 512 B
+  config.device_memory_budget = 256;  // the pool needs 2 regions of 512 B
   std::unique_ptr<LocalCluster> cluster;
   ASSERT_OK(LocalCluster::Create(config, 1, &cluster));
   Engine* e = cluster->worker(0);

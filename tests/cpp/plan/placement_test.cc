@@ -1,6 +1,8 @@
-// Placement: the peak of open buffers, the pool size, the refusal of a budget
-// too small, parameters placed on the device layer by layer while they fit,
-// local data all-or-nothing, and dense unique slots per residence.
+// Placement: the peak of open buffers, the pool size (regions of packed
+// buffers, plan/buffer_schedule.h), the refusal of a budget too small with the
+// exact bytes needed, leftover budget buying lookahead, parameters placed on
+// the device layer by layer while they fit, local data all-or-nothing, and
+// dense unique slots per residence.
 //
 // The shared example (sizes hand-computed, buffers rounded up to 256 bytes):
 //   t0 param 8 rows x 16 floats (64 B/row), t1 param 8 x 10 (40 B/row),
@@ -14,6 +16,10 @@
 //   op 6 post_read t1                            open  256
 //   op 7 post_read t0                            open    0
 //   op 8 clock
+// Packed (lookahead 0) a region is 1024 B: the local access reuses the
+// addresses of the update, which closed before it opened. With no reuse
+// (lookahead >= the op count) a region is the sum, 1280 B. prefetch 1 gives
+// 2 regions: the least pool is 2048 B, the unlimited one 2560 B.
 #include "plan/placement.h"
 
 #include <algorithm>
@@ -141,8 +147,11 @@ TEST(UnlimitedBudgetPutsEverythingOnDevice) {
   for (int prefetch : {1, 2, 3}) {
     Placement plan;
     ASSERT_OK(PlanPlacement(WithBudget(0, prefetch), ex.tables, ex.layouts, ex.recording, &plan));
-    const int64_t depth = std::max(2, 1 + prefetch);
-    EXPECT_EQ(plan.pool_bytes, depth * 1024);
+    const int64_t regions = 1 + prefetch;
+    EXPECT_EQ(plan.buffers.regions, static_cast<int>(regions));
+    EXPECT_EQ(plan.pool_bytes, regions * 1280);  // no buffer of a clock reuses another's addresses
+    EXPECT_EQ(plan.pool_min_bytes, regions * 1024);
+    EXPECT_EQ(plan.buffers.lookahead_ops, static_cast<int>(ex.recording.ops.size()));
     ASSERT_EQ(plan.tables.size(), size_t{3});
     for (const TableInfo& table : ex.tables) {
       const TablePlacement& t = plan.tables[table.id];
@@ -157,20 +166,27 @@ TEST(UnlimitedBudgetPutsEverythingOnDevice) {
   }
 }
 
-TEST(BudgetBelowTwicePeakIsRefused) {
+TEST(BudgetBelowTheLeastPoolIsRefused) {
   Example ex;
   ASSERT_OK(BuildExample(&ex));
   for (int64_t budget : {int64_t{1}, int64_t{1024}, int64_t{2047}}) {
     Placement plan;
     const Status s = PlanPlacement(WithBudget(budget), ex.tables, ex.layouts, ex.recording, &plan);
     EXPECT_CODE(s, StatusCode::kResourceExhausted);
-    EXPECT_TRUE(s.message().find("2048") != std::string::npos);  // the size needed
+    EXPECT_TRUE(s.message().find("needs 2048 bytes (2 regions") != std::string::npos);  // the exact size
     EXPECT_TRUE(s.message().find(std::to_string(budget)) != std::string::npos);
   }
-  // Exactly 2 x peak is enough (everything but the pool goes to host memory).
+  // Deeper prefetch, one region more.
+  Placement deeper;
+  const Status s = PlanPlacement(WithBudget(3071, 2), ex.tables, ex.layouts, ex.recording, &deeper);
+  EXPECT_CODE(s, StatusCode::kResourceExhausted);
+  EXPECT_TRUE(s.message().find("needs 3072 bytes (3 regions") != std::string::npos);
+  // Exactly the least pool is enough (everything else goes to host memory).
   Placement plan;
   ASSERT_OK(PlanPlacement(WithBudget(2048), ex.tables, ex.layouts, ex.recording, &plan));
   EXPECT_EQ(plan.pool_bytes, int64_t{2048});
+  EXPECT_EQ(plan.pool_min_bytes, int64_t{2048});
+  EXPECT_EQ(plan.buffers.lookahead_ops, 0);
   EXPECT_EQ(plan.device_store_bytes, int64_t{0});
   for (const TableInfo& table : ex.tables) {
     EXPECT_EQ(plan.tables[table.id].device_rows, int64_t{0});
@@ -217,13 +233,13 @@ TEST(LocalDataIsAllOnHostWhenItDoesNotFit) {
   for (const TableInfo& table : ex.tables) ExpectDenseSlots(plan.tables[table.id], table.num_rows);
   // left = 255: no access fits (t0 layer 384, t1 layer 400, t0 rows 3,4: 256);
   // then untouched rows while room remains: t0 row 5 (128, left 127), t1 row 5
-  // (80, left 47). The last 47 bytes deepen the pool.
+  // (80, left 47). 47 bytes buy no lookahead: the pool stays the least.
   EXPECT_EQ(plan.tables[0].device_rows, int64_t{1});
   EXPECT_TRUE(ResidenceOfRow(ex, plan, 0, 5) == Residence::kDevice);
   EXPECT_EQ(plan.tables[1].device_rows, int64_t{1});
   EXPECT_TRUE(ResidenceOfRow(ex, plan, 1, 5) == Residence::kDevice);
   EXPECT_EQ(plan.device_store_bytes, int64_t{2 * 64 + 2 * 40});
-  EXPECT_EQ(plan.pool_bytes, int64_t{2048 + 47});
+  EXPECT_EQ(plan.pool_bytes, int64_t{2048});
 }
 
 TEST(BudgetIsNeverExceeded) {
@@ -233,7 +249,8 @@ TEST(BudgetIsNeverExceeded) {
     Placement plan;
     ASSERT_OK(PlanPlacement(WithBudget(budget), ex.tables, ex.layouts, ex.recording, &plan));
     EXPECT_TRUE(plan.pool_bytes + plan.device_store_bytes <= budget);
-    EXPECT_TRUE(plan.pool_bytes >= 2 * plan.peak_bytes);
+    EXPECT_TRUE(plan.pool_bytes >= plan.pool_min_bytes && plan.pool_min_bytes >= 2 * plan.peak_bytes);
+    EXPECT_EQ(plan.pool_bytes, plan.buffers.pool_bytes());
     for (const TableInfo& table : ex.tables) ExpectDenseSlots(plan.tables[table.id], table.num_rows);
     // Local data is all-or-nothing.
     const TablePlacement& local = plan.tables[2];
@@ -242,11 +259,34 @@ TEST(BudgetIsNeverExceeded) {
     EXPECT_EQ(plan.device_store_bytes + plan.host_store_bytes,
               int64_t{2 * 8 * 64 + 2 * 8 * 40 + 4 * 64});
   }
-  // A generous budget puts everything on the device.
+  // A generous budget puts everything on the device, with the unlimited pool.
   Placement plan;
   ASSERT_OK(PlanPlacement(WithBudget(1 << 20), ex.tables, ex.layouts, ex.recording, &plan));
   EXPECT_EQ(plan.host_store_bytes, int64_t{0});
-  EXPECT_EQ(plan.pool_bytes, int64_t{(1 << 20) - (2 * 8 * 64 + 2 * 8 * 40 + 4 * 64)});
+  EXPECT_EQ(plan.pool_bytes, int64_t{2560});
+}
+
+TEST(LeftoverBudgetBuysLookahead) {
+  Example ex;
+  ASSERT_OK(BuildExample(&ex));
+  const int64_t stores = 2 * 8 * 64 + 2 * 8 * 40 + 4 * 64;
+  // One byte short of the unpacked pool: any lookahead >= 1 keeps the local
+  // access off the update's addresses (region 1280), so none fits.
+  Placement short_plan;
+  ASSERT_OK(PlanPlacement(WithBudget(2559 + stores), ex.tables, ex.layouts, ex.recording, &short_plan));
+  EXPECT_EQ(short_plan.device_store_bytes, stores);
+  EXPECT_EQ(short_plan.buffers.lookahead_ops, 0);
+  EXPECT_EQ(short_plan.pool_bytes, int64_t{2048});
+  Placement plan;
+  ASSERT_OK(PlanPlacement(WithBudget(2560 + stores), ex.tables, ex.layouts, ex.recording, &plan));
+  EXPECT_EQ(plan.device_store_bytes, stores);
+  EXPECT_TRUE(plan.buffers.lookahead_ops >= 1);
+  EXPECT_EQ(plan.pool_bytes, int64_t{2560});
+  EXPECT_EQ(plan.pool_min_bytes, int64_t{2048});
+  // The local access (handle 3) no longer shares the update's (handle 2) addresses.
+  const BufferAddress& local = plan.buffers.buffers[3];
+  const BufferAddress& update = plan.buffers.buffers[2];
+  EXPECT_TRUE(local.offset >= update.offset + update.bytes || update.offset >= local.offset + local.bytes);
 }
 
 MLT_TEST_MAIN

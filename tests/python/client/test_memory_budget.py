@@ -6,7 +6,9 @@ tables ("layers") of 64 rows x 32 floats (8 KiB each). Each clock follows the
 GeePS pattern: the forward pass reads layers 0..3 and keeps the read buffers
 open; the backward pass, from layer 3 down, opens the layer's update buffer,
 writes its gradient, updates and then posts the layer's read. So the largest
-set of buffers open at once is 4 reads + 1 update = 5 x 8192 bytes.
+set of buffers open at once is 4 reads + 1 update = 5 x 8192 bytes, and the
+packed buffers of a clock fit in exactly that (each update after the first
+takes the addresses of the read posted just before it).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from mltuner import Config, LocalCluster, UpdateRule, Worker
 NUM_LAYERS, ROWS, WIDTH, BATCH, CLOCKS, NUM_WORKERS = 4, 64, 32, 8, 12, 2
 TABLE_BYTES = ROWS * WIDTH * 4  # 8192: a multiple of the engine's 256-byte buffer alignment
 PEAK_BYTES = (NUM_LAYERS + 1) * TABLE_BYTES  # 40960
-POOL_MIN = 2 * PEAK_BYTES  # 81920: the engine needs twice the peak
+POOL_MIN = 2 * PEAK_BYTES  # 81920: a region of packed buffers per clock in flight (prefetch_clocks = 1: two)
 # Each device-resident parameter row costs its cache row and its update-log
 # row. This budget fits the pool and two of the four layers, so the other two
 # live in host memory and are swapped in on every read.
@@ -115,7 +117,7 @@ def test_small_budget_swaps_and_gives_bit_identical_results(run_workers: Callabl
         assert small["host_store_bytes"] > 0, limited["plans"][rank]
         # The budget is respected: pool plus device stores fit in it.
         assert small["pool_bytes"] + small["device_store_bytes"] <= SMALL_BUDGET, limited["plans"][rank]
-        assert small["pool_bytes"] >= POOL_MIN
+        assert small["pool_bytes"] >= POOL_MIN == small["pool_min_bytes"]
         # All four layers are read every clock, each row either gathered from
         # the device or swapped in; the allocator may already have prefetched
         # the reads of the next clock (prefetch_clocks = 1).
@@ -127,19 +129,19 @@ def test_small_budget_swaps_and_gives_bit_identical_results(run_workers: Callabl
         assert 2 * CLOCKS * TABLE_BYTES <= small["bytes_swapped_in"] <= 2 * (CLOCKS + 1) * TABLE_BYTES
 
 
-def test_budget_below_twice_the_peak_is_refused() -> None:
+def test_budget_below_the_least_pool_is_refused_with_the_bytes_needed() -> None:
     config = Config(device_memory_budget=POOL_MIN - 1, wait_timeout_s=20)
     with LocalCluster(1, config) as cluster:
         worker = cluster.workers[0]
         record(worker)
-        with pytest.raises(mltuner.ResourceExhaustedError, match=str(POOL_MIN)) as raised:
+        with pytest.raises(mltuner.ResourceExhaustedError, match=f"pool needs {POOL_MIN} bytes") as raised:
             worker.finish_virtual_iteration()
         assert isinstance(raised.value, MemoryError)
         assert str(PEAK_BYTES) in str(raised.value)
         assert str(POOL_MIN - 1) in str(raised.value)
 
 
-def test_budget_of_exactly_twice_the_peak_is_enough(run_workers: Callable[..., list[Any]]) -> None:
+def test_budget_of_exactly_the_least_pool_is_enough(run_workers: Callable[..., list[Any]]) -> None:
     """The smallest legal budget (all parameters in host memory) still trains
     to the same result."""
     data = make_data(8)

@@ -24,10 +24,11 @@ threads' CPU time per clock (process CPU time minus the training thread's).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import pstats
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -115,6 +116,24 @@ def mltuner_run(case: Case, args: argparse.Namespace) -> tuple[float, float, flo
     return case.batch * args.steps / elapsed, stall, main_cpu / args.steps, engine_cpu / args.steps
 
 
+@contextlib.contextmanager
+def gpu_profile(enabled: bool, title: str, steps: int) -> Iterator[None]:
+    """With `enabled`, prints the run's GPU kernels and copies by total time
+    (warm-up included), every stream and thread of the process counted."""
+    if not enabled:
+        yield
+        return
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profiler:
+        yield
+    events = [e for e in profiler.key_averages() if e.device_time_total > 0]
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in events)
+    print(f"## GPU time of {title}: {total / 1e3:.1f} ms in all")
+    for e in events[:18]:
+        print(f"  {e.self_device_time_total / 1e3:9.2f} ms {e.count:6d}x  {e.key[:90]}")
+
+
 def cases(only: str | None) -> list[Case]:
     out: list[Case] = []
     generator = torch.Generator().manual_seed(0)
@@ -147,6 +166,8 @@ def main() -> None:
     parser.add_argument("--match", default="", help="only the cases whose name contains this")
     parser.add_argument("--figures", type=Path)
     parser.add_argument("--profile", action="store_true", help="cProfile the training thread's timed clocks")
+    parser.add_argument("--gpu-profile", action="store_true",
+                        help="torch.profiler over both runs' timed steps: GPU time per kernel, both runs")
     args = parser.parse_args()
     if not torch.cuda.is_available() or not mlt.cuda_built():
         raise SystemExit("gpu_path_bench needs a CUDA GPU and mltuner built with CUDA")
@@ -156,8 +177,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     figures = []
     for case in (c for c in cases(args.only) if args.match in c.name):
-        plain, plain_cpu = plain_run(case, args)
-        ours, stall, main_cpu, engine_cpu = mltuner_run(case, args)
+        with gpu_profile(args.gpu_profile, f"plain {case.name}", args.steps):
+            plain, plain_cpu = plain_run(case, args)
+        with gpu_profile(args.gpu_profile, f"mltuner {case.name}", args.steps):
+            ours, stall, main_cpu, engine_cpu = mltuner_run(case, args)
         ratio = ours / plain
         print(f"| {case.name} | {plain:,.0f} | {ours:,.0f} | {ratio:.2f} | {stall:.1%} | "
               f"{plain_cpu * 1e3:.2f} / {main_cpu * 1e3:.2f} | {engine_cpu * 1e3:.2f} |", flush=True)

@@ -174,7 +174,9 @@ TEST(ThreeWorkersRunAFewClocks) {
         }
       }
       Status s = e->Flush();
+      // Each table's rows come in their own messages: wait for both.
       if (s.ok()) s = e->WaitForDataAge(t.b, kClocks - 1);
+      if (s.ok()) s = e->WaitForDataAge(t.a, kClocks - 1);
       if (!s.ok()) errors[k] += s.ToString();
     });
   }

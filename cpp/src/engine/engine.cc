@@ -302,6 +302,9 @@ Status Engine::Impl::Open(Handle handle, OpKind kind, AccessBuffer* out, uintptr
   mltuner::Clock clock;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    // A failed engine names the failure on every call, before any complaint
+    // about the call's order (the failed call may have broken the order).
+    if (!background_error_.ok()) return background_error_;
     MLT_RETURN_IF_ERROR(CheckNextOp(kind, handle));
     clock = app_clock_;
     if (config_.branches && clock >= scheduled_until_) {

@@ -51,10 +51,15 @@ def test_base_is_not_a_builtin_category() -> None:
         assert not issubclass(mltuner.MltunerError, builtin)
 
 
+def test_argument_type_error_is_an_invalid_argument_and_a_type_error() -> None:
+    assert issubclass(mltuner.ArgumentTypeError, mltuner.InvalidArgumentError)
+    assert issubclass(mltuner.ArgumentTypeError, TypeError)
+
+
 def test_every_exported_error_is_covered() -> None:
     exported = {
         name for name in exceptions.__all__ if isinstance(getattr(exceptions, name), type)
-    } - {"MltunerError"}
+    } - {"MltunerError", "ArgumentTypeError"}  # ArgumentTypeError: a Python-side InvalidArgumentError
     assert exported == {cls.__name__ for cls, _, _ in EXPECTED}
     for name in exported:
         assert getattr(mltuner, name) is getattr(exceptions, name)

@@ -24,11 +24,15 @@ threads' CPU time per clock (process CPU time minus the training thread's).
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
+import json
+import tempfile
 import cProfile
 import pstats
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -126,12 +130,40 @@ def gpu_profile(enabled: bool, title: str, steps: int) -> Iterator[None]:
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profiler:
         yield
+    summarize_timeline(profiler, title)
     events = [e for e in profiler.key_averages() if e.device_time_total > 0]
     events.sort(key=lambda e: e.self_device_time_total, reverse=True)
     total = sum(e.self_device_time_total for e in events)
     print(f"## GPU time of {title}: {total / 1e3:.1f} ms in all")
     for e in events[:18]:
         print(f"  {e.self_device_time_total / 1e3:9.2f} ms {e.count:6d}x  {e.key[:90]}")
+
+
+def summarize_timeline(profiler: Any, title: str) -> None:
+    """From the run's trace: each stream's GPU busy time, and the CUDA
+    runtime calls' time per thread (a contended driver shows as slow calls)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        profiler.export_chrome_trace(str(path))
+        trace = json.loads(path.read_text())
+    busy: dict[Any, float] = collections.defaultdict(float)
+    calls: dict[tuple[Any, str], list[float]] = collections.defaultdict(list)
+    start, end = float("inf"), 0.0
+    for event in trace.get("traceEvents", []):
+        if event.get("ph") != "X":
+            continue
+        category, duration = event.get("cat", ""), float(event.get("dur", 0))
+        if category in ("kernel", "gpu_memcpy", "gpu_memset"):
+            busy[event.get("tid")] += duration
+            start, end = min(start, event["ts"]), max(end, event["ts"] + duration)
+        elif category == "cuda_runtime":
+            calls[(event.get("tid"), event.get("name", ""))].append(duration)
+    print(f"## timeline of {title}: GPU span {(end - start) / 1e3:.1f} ms")
+    for stream, total in sorted(busy.items(), key=lambda kv: -kv[1]):
+        print(f"  stream {stream}: busy {total / 1e3:.1f} ms ({total / max(end - start, 1):.0%} of the span)")
+    for (thread, name), durations in sorted(calls.items(), key=lambda kv: -sum(kv[1]))[:12]:
+        print(f"  thread {thread} {name}: {len(durations)} calls, mean {sum(durations) / len(durations):.1f} us, "
+              f"total {sum(durations) / 1e3:.1f} ms")
 
 
 def cases(only: str | None) -> list[Case]:
@@ -165,16 +197,23 @@ def main() -> None:
     parser.add_argument("--only", choices=("resnet", "transformer"))
     parser.add_argument("--match", default="", help="only the cases whose name contains this")
     parser.add_argument("--figures", type=Path)
+    parser.add_argument("--out", type=Path, help="also write the table here")
     parser.add_argument("--profile", action="store_true", help="cProfile the training thread's timed clocks")
     parser.add_argument("--gpu-profile", action="store_true",
                         help="torch.profiler over both runs' timed steps: GPU time per kernel, both runs")
     args = parser.parse_args()
     if not torch.cuda.is_available() or not mlt.cuda_built():
         raise SystemExit("gpu_path_bench needs a CUDA GPU and mltuner built with CUDA")
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.steps} timed steps")
-    print("| case | plain samples/s | mltuner samples/s | ratio | stall | training thread CPU ms/clock, "
-          "plain / mltuner | engine threads CPU ms/clock |")
-    print("|---|---|---|---|---|---|---|")
+    lines: list[str] = []
+
+    def emit(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    emit(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.steps} timed steps")
+    emit("| case | plain samples/s | mltuner samples/s | ratio | stall | training thread CPU ms/clock, "
+         "plain / mltuner | engine threads CPU ms/clock |")
+    emit("|---|---|---|---|---|---|---|")
     figures = []
     for case in (c for c in cases(args.only) if args.match in c.name):
         with gpu_profile(args.gpu_profile, f"plain {case.name}", args.steps):
@@ -182,8 +221,10 @@ def main() -> None:
         with gpu_profile(args.gpu_profile, f"mltuner {case.name}", args.steps):
             ours, stall, main_cpu, engine_cpu = mltuner_run(case, args)
         ratio = ours / plain
-        print(f"| {case.name} | {plain:,.0f} | {ours:,.0f} | {ratio:.2f} | {stall:.1%} | "
-              f"{plain_cpu * 1e3:.2f} / {main_cpu * 1e3:.2f} | {engine_cpu * 1e3:.2f} |", flush=True)
+        emit(f"| {case.name} | {plain:,.0f} | {ours:,.0f} | {ratio:.2f} | {stall:.1%} | "
+             f"{plain_cpu * 1e3:.2f} / {main_cpu * 1e3:.2f} | {engine_cpu * 1e3:.2f} |")
+        if args.out:
+            args.out.write_text("\n".join(lines) + "\n")
         figures.append(Figure("gpu-path", f"{case.name}: 1 worker vs plain PyTorch", ours, "samples/s",
                               "plain PyTorch", plain, ratio, "mltuner / plain samples/s", goal=0.90,
                               note=f"stall {stall:.1%} of the clock, engine CPU {engine_cpu * 1e3:.2f} ms/clock"))

@@ -17,6 +17,8 @@ benchmarks/, with more options and tables):
   stragglers  time to accuracy with one slowed worker, slack 0..7 vs DDP
   tuning      MLtuner vs the best fixed setting, Optuna TPE and Hyperband,
               time to accuracy over seeds (median and spread)
+  gpu-path    (--gpu) torchvision ResNet-18 (batch 128/256/512, slack 0/1) and
+              12 TransformerEncoderLayers through one worker vs plain PyTorch
   gpu-copy    (--gpu) the CUDA backend's gather, scatter-add and swaps vs the
               GPU's measured device and pinned host<->device copy bandwidth
 
@@ -97,6 +99,8 @@ def plan(quick: bool, gpu: bool) -> list[Step]:
                                                   "128", "--steps", "30"], 400, True),
             Step("throughput", "throughput_bench.py", ["--out", "{dir}/throughput.md", "--device", "cuda"]
                  + (["--quick"] if quick else []), 600, True),
+            Step("gpu-path", "gpu_path_bench.py", ["--out", "{dir}/gpu-path.md", "--steps", "20" if quick else "50"],
+                 600, True),
         ]
     else:
         steps += [

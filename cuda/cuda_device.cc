@@ -221,9 +221,7 @@ class CudaDevice final : public Device {
     Copy(dst, src, bytes, cudaMemcpyDeviceToHost, s, "CopyDeviceToHost");
   }
   void CopyDeviceToDevice(void* dst, const void* src, size_t bytes, Stream s) override {
-    // cudaMemcpyDefault: under unified addressing the two may be on different GPUs
-    // (a shard and a worker of one process on different devices).
-    Copy(dst, src, bytes, cudaMemcpyDefault, s, "CopyDeviceToDevice");
+    Copy(dst, src, bytes, cudaMemcpyDeviceToDevice, s, "CopyDeviceToDevice");
   }
 
   void Gather(float* dst, const float* src, const RunIndex& index, int64_t row_width, Stream s) override {
@@ -391,14 +389,22 @@ class CudaDevice final : public Device {
   }
 
   // Engine threads are arbitrary threads; the current device is per thread.
+  // cudaSetDevice only when another device is current: the engine makes
+  // hundreds of calls per clock, and asking costs less than setting.
+  cudaError_t SetCurrent() const {
+    int current = -1;
+    if (cudaGetDevice(&current) == cudaSuccess && current == ordinal_) return cudaSuccess;
+    return cudaSetDevice(ordinal_);
+  }
+
   Status MakeCurrent(const char* what) const {
-    const cudaError_t err = cudaSetDevice(ordinal_);
+    const cudaError_t err = SetCurrent();
     if (err != cudaSuccess) return Fail(std::string(what) + " (cudaSetDevice)", err);
     return Status::Ok();
   }
 
   bool MakeCurrentOrRecord(const char* what) {
-    const cudaError_t err = cudaSetDevice(ordinal_);
+    const cudaError_t err = SetCurrent();
     if (err == cudaSuccess) return true;
     Record((std::string(what) + " (cudaSetDevice)").c_str(), err);
     return false;

@@ -54,6 +54,7 @@ struct Slot {
   mltuner::Clock data_age = kNoClock;
   DeviceEvent ready;     // the allocator's work filling the buffer
   DeviceEvent app_done;  // the application's work on the buffer, taken at its post
+  DeviceEvent released;  // all device work on the buffer, set when the reclaimer releases it
 };
 
 // Where an application clock runs: its branch, the branch's own clock
@@ -176,7 +177,9 @@ class Engine::Impl {
                           float** data, bool* on_device);
   Status MarkReady(std::vector<Message>* messages);
   Status SendAll(std::vector<Message> messages);
-  void ReleaseSlot(Slot* slot);
+  // Frees the slot; `released` is the ticket after which the device no
+  // longer touches its addresses (the next user's fill waits for it).
+  void ReleaseSlot(Slot* slot, DeviceEvent released);
 
   // --- receive thread (cache/row_install.cc) ---------------------------------
   Status InstallRows(const Message& message);

@@ -143,21 +143,30 @@ Status Engine::Impl::WaitFresh(const AccessRecord& access, const ClockBranch& at
 Status Engine::Impl::WaitForPoolSpace(const AccessRecord& access, mltuner::Clock clock) {
   const BufferSchedule& schedule = placement_.buffers;
   const int64_t needed = schedule.WaitSeq(access.handle, clock);
-  std::unique_lock<std::mutex> lock(mu_);
-  if (reclaimed_seq_ >= needed) return Status::Ok();
   const BufferAddress& buffer = schedule.buffers[access.handle];
-  const AccessRecord& holder = recording_.accesses[buffer.wait_handle];
-  allocator_waiting_for_ = "the reclaimer to release " + std::to_string(buffer.bytes) +
-                           " bytes of access-buffer pool (region " + std::to_string(clock % schedule.regions) +
-                           ", offset " + std::to_string(buffer.offset) + ") for " +
-                           access.Describe(tables_[access.table].name) + ": their last user is the " +
-                           holder.Describe(tables_[holder.table].name) + " of clock " +
-                           std::to_string(clock - buffer.wait_clocks_back) + ", closed by op " +
-                           std::to_string(buffer.wait_op) + " (sequence number " + std::to_string(needed - 1) +
-                           ")";
-  cv_.wait(lock, [&] { return stopping_ || reclaimed_seq_ >= needed; });
-  if (stopping_) return Status::Shutdown("stopping");
-  return Status::Ok();
+  std::unique_lock<std::mutex> lock(mu_);
+  if (reclaimed_seq_ < needed) {
+    const AccessRecord& holder = recording_.accesses[buffer.wait_handle];
+    allocator_waiting_for_ = "the reclaimer to release " + std::to_string(buffer.bytes) +
+                             " bytes of access-buffer pool (region " + std::to_string(clock % schedule.regions) +
+                             ", offset " + std::to_string(buffer.offset) + ") for " +
+                             access.Describe(tables_[access.table].name) + ": their last user is the " +
+                             holder.Describe(tables_[holder.table].name) + " of clock " +
+                             std::to_string(clock - buffer.wait_clocks_back) + ", closed by op " +
+                             std::to_string(buffer.wait_op) + " (sequence number " + std::to_string(needed - 1) +
+                             ")";
+    cv_.wait(lock, [&] { return stopping_ || reclaimed_seq_ >= needed; });
+    if (stopping_) return Status::Shutdown("stopping");
+  }
+  if (needed == 0 || buffer.wait_handle < 0) return Status::Ok();
+  // On the device too: the fill below waits for the last user's release
+  // ticket. That slot is not prepared again before this buffer (a later
+  // user of the same addresses would be the one named), so its ticket is
+  // still the right one; earlier users are ordered before it the same way.
+  const mltuner::Clock holder_clock = clock - buffer.wait_clocks_back;
+  DeviceEvent released = slots_[buffer.wait_handle][holder_clock % depth_].released;
+  lock.unlock();
+  return device_->WaitEvent(Stream::kPrefetch, released);
 }
 
 Status Engine::Impl::WaitForWriteBack(int64_t seq_needed) {

@@ -50,11 +50,18 @@ Status Engine::Impl::ReclaimOp(int64_t seq) {
   }
   const AccessRecord& access = recording_.accesses[op.handle];
   Slot* slot = &slots_[op.handle][clock % depth_];
+  // A read buffer is done with once the application's kernels are: its
+  // addresses are released with the application's ticket, and the next
+  // user's fill waits for it on the device. Nothing here waits.
+  if (op.kind == OpKind::kPostRead) {
+    DeviceEvent released = std::move(slot->app_done);
+    ReleaseSlot(slot, std::move(released));
+    return device_->TakeError();
+  }
   // Everything below runs on the writeback stream after the application's
   // own work on the buffer. Updates are sent as soon as their copies are
-  // queued (the shard's stream waits for them on the device); the
-  // Synchronize before ReleaseSlot guarantees that all work on the buffer is
-  // done before the buffer is reused.
+  // queued (the shard's stream waits for them on the device); the buffer is
+  // released with a ticket taken after them.
   MLT_RETURN_IF_ERROR(device_->WaitEvent(Stream::kWriteback, slot->app_done));
   slot->app_done.reset();
   if (op.kind == OpKind::kUpdate && index_.tables[access.table].direct.handle == op.handle) {
@@ -65,20 +72,27 @@ Status Engine::Impl::ReclaimOp(int64_t seq) {
     ScatterAddUpdate(access, slot->data);
     if (index_.accesses[op.handle].closes_table_clock) MLT_RETURN_IF_ERROR(SendTableClock(access.table, clock));
   } else if (op.kind == OpKind::kPostLocalAccess && access.keep) {
+    // Kept local data is fetched again after the allocator sees this op
+    // reclaimed (WaitForWriteBack), possibly from host memory: the copies
+    // must be complete by then.
     WriteBackLocal(access, slot->data);
+    MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kWriteback));
   }
-  MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kWriteback));
-  ReleaseSlot(slot);
-  return Status::Ok();
+  DeviceEvent released;
+  MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kWriteback, &released));
+  ReleaseSlot(slot, std::move(released));
+  return device_->TakeError();
 }
 
-void Engine::Impl::ReleaseSlot(Slot* slot) {
-  // The buffer's addresses are static; the next user waits for reclaimed_seq_.
+void Engine::Impl::ReleaseSlot(Slot* slot, DeviceEvent released) {
+  // The buffer's addresses are static; the next user waits for reclaimed_seq_
+  // on the host and for `released` on the device.
   {
     std::lock_guard<std::mutex> lock(mu_);
     slot->state = SlotState::kEmpty;
     slot->data = nullptr;
     slot->ready.reset();
+    slot->released = std::move(released);
   }
   cv_.notify_all();
 }

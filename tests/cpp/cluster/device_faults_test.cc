@@ -20,12 +20,14 @@ using namespace mltuner;
 namespace {
 
 // Fails one Status-returning call once armed: the first call of `method` on
-// `stream` (from the thread that first called Fill on `stream` when
-// only_filling_thread, which tells the allocator from the receive thread).
+// `stream`, from the thread that first called `marker` ("Fill" or
+// "CopyDeviceToDevice") on that stream when a marker is given: that tells the
+// allocator (which zeroes update buffers) from the receive thread (which
+// copies rows in), both of which use the prefetch stream.
 class FaultyDevice final : public Device {
  public:
-  FaultyDevice(std::string method, Stream stream, bool only_filling_thread)
-      : cpu_(NewCpuDevice()), method_(std::move(method)), stream_(stream), only_filling_(only_filling_thread) {}
+  FaultyDevice(std::string method, Stream stream, std::string marker)
+      : cpu_(NewCpuDevice()), method_(std::move(method)), stream_(stream), marker_(std::move(marker)) {}
 
   void Arm() { armed_ = true; }
   bool fired() const { return fired_; }
@@ -42,6 +44,7 @@ class FaultyDevice final : public Device {
   void CopyHostToDevice(void* d, const void* s, size_t b, Stream st) override { cpu_->CopyHostToDevice(d, s, b, st); }
   void CopyDeviceToHost(void* d, const void* s, size_t b, Stream st) override { cpu_->CopyDeviceToHost(d, s, b, st); }
   void CopyDeviceToDevice(void* d, const void* s, size_t b, Stream st) override {
+    Mark("CopyDeviceToDevice", st);
     cpu_->CopyDeviceToDevice(d, s, b, st);
   }
   void Gather(float* d, const float* s, const RunIndex& i, int64_t w, Stream st) override { cpu_->Gather(d, s, i, w, st); }
@@ -49,10 +52,7 @@ class FaultyDevice final : public Device {
     cpu_->ScatterAdd(d, s, i, w, st);
   }
   void Fill(float* d, float v, size_t n, Stream st) override {
-    if (st == stream_) {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (filling_thread_ == std::thread::id()) filling_thread_ = std::this_thread::get_id();
-    }
+    Mark("Fill", st);
     cpu_->Fill(d, v, n, st);
   }
   void AddInto(float* d, const float* s, int64_t n, Stream st) override { cpu_->AddInto(d, s, n, st); }
@@ -71,11 +71,17 @@ class FaultyDevice final : public Device {
   Status WaitEventDone(const DeviceEvent&) override { return Status::Ok(); }
 
  private:
+  void Mark(const char* method, Stream s) {
+    if (s != stream_ || marker_ != method) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (marked_thread_ == std::thread::id()) marked_thread_ = std::this_thread::get_id();
+  }
+
   Status Inject(const char* method, Stream s) {
     if (!armed_ || fired_ || method_ != method || s != stream_) return Status::Ok();
-    if (only_filling_) {
+    if (!marker_.empty()) {
       std::lock_guard<std::mutex> lock(mu_);
-      if (std::this_thread::get_id() != filling_thread_) return Status::Ok();
+      if (std::this_thread::get_id() != marked_thread_) return Status::Ok();
     }
     fired_ = true;
     return Status::Internal("CUDA error in " + std::string(method) + " on stream " +
@@ -85,20 +91,20 @@ class FaultyDevice final : public Device {
   std::unique_ptr<Device> cpu_;
   const std::string method_;
   const Stream stream_;
-  const bool only_filling_;
+  const std::string marker_;
   std::atomic<bool> armed_{false};
   std::atomic<bool> fired_{false};
   std::mutex mu_;
-  std::thread::id filling_thread_;
+  std::thread::id marked_thread_;
 };
 
 // One worker trains a table (read, update) until the fault, armed at clock 3,
 // fails a call; returns that call's Status and how long after arming it came.
-void ExpectFailureNamed(const std::string& method, Stream stream, bool only_filling_thread,
+void ExpectFailureNamed(const std::string& method, Stream stream, const std::string& marker,
                         const std::string& where) {
   FaultyDevice* faulty = nullptr;
   DeviceFactory factory = [&](int, std::unique_ptr<Device>* out) {
-    auto device = std::make_unique<FaultyDevice>(method, stream, only_filling_thread);
+    auto device = std::make_unique<FaultyDevice>(method, stream, marker);
     faulty = device.get();
     *out = std::move(device);
     return Status::Ok();
@@ -149,14 +155,14 @@ void ExpectFailureNamed(const std::string& method, Stream stream, bool only_fill
 }  // namespace
 
 TEST(AllocatorThreadErrorFailsTheEngine) {
-  ExpectFailureNamed("RecordEvent", Stream::kPrefetch, true, "worker 0's allocator thread");
+  ExpectFailureNamed("RecordEvent", Stream::kPrefetch, "Fill", "worker 0's allocator thread");
 }
 TEST(ReclaimerThreadErrorFailsTheEngine) {
-  ExpectFailureNamed("Synchronize", Stream::kWriteback, false, "worker 0's reclaimer thread");
+  ExpectFailureNamed("RecordEvent", Stream::kWriteback, "", "worker 0's reclaimer thread");
 }
 TEST(ReceiveThreadErrorFailsTheEngine) {
-  ExpectFailureNamed("WaitEvent", Stream::kPrefetch, false, "worker 0's receive thread");
+  ExpectFailureNamed("WaitEvent", Stream::kPrefetch, "CopyDeviceToDevice", "worker 0's receive thread");
 }
-TEST(ShardErrorFailsTheEngine) { ExpectFailureNamed("RecordEvent", Stream::kServer, false, "shard 0"); }
+TEST(ShardErrorFailsTheEngine) { ExpectFailureNamed("RecordEvent", Stream::kServer, "", "shard 0"); }
 
 MLT_TEST_MAIN

@@ -436,6 +436,21 @@ EngineStats Engine::Impl::Stats() const {
 }
 
 Status Engine::Impl::Shutdown() {
+  // Nothing posted is lost: a running engine first lets the reclaimer ship
+  // every update the application posted (bounded by the wait timeout).
+  Status unsent;
+  if (phase_.load() == Phase::kRunning) {
+    std::unique_lock<std::mutex> lock(mu_);
+    const int64_t target = app_seq_;
+    const bool done = cv_.wait_until(lock, Deadline(), [&] {
+      return stopping_ || reclaimed_seq_ >= target;
+    });
+    if (!done && background_error_.ok()) {
+      unsent = Status::Timeout("shutdown: " + std::to_string(target - reclaimed_seq_) +
+                               " posted operations of clock " + std::to_string(app_clock_) +
+                               " were not shipped within wait_timeout; their updates are lost");
+    }
+  }
   const Phase before = phase_.exchange(Phase::kShutdown);
   if (before == Phase::kShutdown) return Status::Ok();
   {
@@ -456,7 +471,7 @@ Status Engine::Impl::Shutdown() {
     }
   }
   index_.accesses.clear();
-  return Status::Ok();
+  return unsent;
 }
 
 // --- Engine: the public face ---------------------------------------------------------

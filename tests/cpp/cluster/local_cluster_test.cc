@@ -253,6 +253,53 @@ TEST(EngineRejectsInvalidClientMessagesAndFails) {
   cluster->Shutdown();
 }
 
+// Updates posted right before a worker shuts down are shipped first: the
+// other worker's next read, which needs them (slack 0), sees them.
+TEST(ShutdownShipsWhatWasPosted) {
+  Config config = Quick();
+  config.update_rule.kind = UpdateRuleKind::kAdd;
+  for (int round = 0; round < 20; ++round) {
+    std::unique_ptr<LocalCluster> cluster;
+    ASSERT_OK(LocalCluster::Create(config, 2, &cluster));
+    TableId t[2];
+    Handle read[2], update[2];
+    std::vector<std::thread> threads;
+    std::vector<Status> status(2);
+    for (int k = 0; k < 2; ++k) {
+      threads.emplace_back([&, k] {
+        Engine* e = cluster->worker(k);
+        Status s = e->CreateTable("w", 2, 4, false, &t[k]);
+        if (s.ok()) s = e->VirtualRead(t[k], {0, 1}, 0, &read[k]);
+        if (s.ok()) s = e->VirtualPreUpdate(t[k], {0, 1}, &update[k]);
+        if (s.ok()) s = e->VirtualUpdate(update[k]);
+        if (s.ok()) s = e->VirtualPostRead(read[k]);
+        if (s.ok()) s = e->VirtualClock();
+        if (s.ok()) s = e->FinishVirtualIteration();
+        status[k] = s;
+      });
+    }
+    for (std::thread& thread : threads) thread.join();
+    ASSERT_OK(status[0]);
+    ASSERT_OK(status[1]);
+    for (int k = 0; k < 2; ++k) ASSERT_OK(cluster->worker(k)->StartIterations());
+    for (int k = 0; k < 2; ++k) {  // clock 0 on both: every row += 1 from each worker
+      Engine* e = cluster->worker(k);
+      AccessBuffer r, u;
+      ASSERT_OK(e->Read(read[k], &r));
+      ASSERT_OK(e->PreUpdate(update[k], &u));
+      for (int j = 0; j < 8; ++j) u.data[j] = 1.0f;
+      ASSERT_OK(e->Update(update[k]));
+      ASSERT_OK(e->PostRead(read[k]));
+      ASSERT_OK(e->Clock());
+    }
+    ASSERT_OK(cluster->worker(0)->Shutdown());  // right after posting
+    AccessBuffer r;
+    ASSERT_OK(cluster->worker(1)->Read(read[1], &r));  // needs worker 0's clock 0
+    for (int j = 0; j < 8; ++j) EXPECT_EQ(r.data[j], 2.0f);
+    cluster->Shutdown();
+  }
+}
+
 // Each worker registers its tables only with its own shard, inside
 // CreateTable; FinishVirtualIteration is the rendezvous that makes sure no
 // kStart or initial value reaches a shard before its tables. A fast worker

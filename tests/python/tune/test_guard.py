@@ -177,3 +177,76 @@ def test_at_least_as_aggressive() -> None:
     assert not at_least_as_aggressive({**failed, "lr": 0.8, "batch_size": 32}, failed)
     assert not at_least_as_aggressive({**failed, "momentum": 0.5}, failed)
     assert at_least_as_aggressive({"lr": 0.6}, {"lr": 0.5})
+
+
+# -- a network that dies in its first epoch (the demo's lr 0.6 on MNIST-1D) ---------------
+
+DEATH_LR = 0.3     # settings at or above it drop fastest at first...
+DEATH_CLOCK = 80   # ...then sit at the starting loss from this clock on, which the
+                   # guard sees only after the first validation (at chance)
+
+
+def dies_early(t: Mapping[str, Any], c: int) -> bool:
+    return float(t["lr"]) >= DEATH_LR and c >= DEATH_CLOCK
+
+
+def early_loss(t: Mapping[str, Any], c: int) -> float:
+    # Before it dies, the fast setting has made 5% progress: far inside the
+    # rise band (whose floor is a tenth of the loss), so only its return to
+    # the starting loss shows the death.
+    if float(t["lr"]) >= DEATH_LR:
+        return 10.0 if c >= DEATH_CLOCK else 10.0 - 0.5 * min(c, 40) / 40
+    return 10.0 * math.exp(-0.004 * float(t["lr"]) * c)
+
+
+def early_accuracy(t: Mapping[str, Any], c: int) -> float:
+    return 0.1 if dies_early(t, c) else 0.9 * (1.0 - math.exp(-c / 150.0))
+
+
+def test_a_winner_dead_before_its_first_validation_goes_back_to_the_parent(
+        scripted_system: Any, tmp_path: Path) -> None:
+    system = scripted_system(early_loss, seconds=lambda t: CLOCK_S, clocks_per_epoch=100,
+                             accuracy=early_accuracy)
+    result, tuner = run(system, tmp_path, max_epochs=6, initial_setting={"lr": 0.15})
+    log = tuner.log
+    first = log.events("winner")[0]
+    assert first["tunables"]["lr"] >= DEATH_LR  # the fastest start: the search's choice
+
+    # It validated at chance and was frozen as the best model; its loss was
+    # not yet clearly below the start, so the parent (the root) was kept. The
+    # guard sees the loss back at the start in epoch 2 and goes back to the
+    # root, not to the copy of the dead model.
+    assert log.events("validate")[0]["accuracy"] == pytest.approx(0.1)
+    rollback = log.events("rollback")[0]
+    assert rollback["reason"] == "collapsed" and rollback["excluded"] is True
+    assert rollback["best_accuracy"] == pytest.approx(0.1) and rollback["epoch"] == 1
+    assert rollback["target"] == "parent" and rollback["to"] == log.events("init")[0]["branch"]
+
+    # The job ends with a trained model, the best-validated one.
+    kind, tunables, clocks = system.branches[result.branch]
+    assert not dies_early(tunables, clocks) and tunables["lr"] < DEATH_LR
+    assert result.best_accuracy == pytest.approx(early_accuracy(tunables, clocks))
+    assert result.best_accuracy == max(result.accuracies) and result.best_accuracy > 0.5
+    assert system.live() == [result.branch]
+
+
+def test_a_loss_that_dies_before_it_got_far_raises_the_alarm() -> None:
+    # 2.30 -> 2.23 -> back at 2.31: the whole progress is inside the rise
+    # band; the return to the starting loss after a clear drop is the death.
+    guard = TrainingGuard(start_loss=2.3033)
+    down = [2.23 + 0.01 * math.sin(i) for i in range(50)]
+    dead = [2.31 + 0.003 * math.sin(i) for i in range(50)]
+    assert guard.check(*chunk(down)) is None and guard.trained
+    assert guard.check(*chunk(dead)) is None and not guard.trained
+    alarm = guard.check(*chunk(dead))
+    assert alarm is not None and alarm.reason == "collapsed"
+
+
+def test_a_slow_start_near_the_starting_loss_raises_no_alarm() -> None:
+    # A small learning rate: chunk means wander around the start for a while
+    # without ever going clearly below it, then come down.
+    guard = TrainingGuard(start_loss=2.3033)
+    for mean in (2.304, 2.303, 2.3035, 2.302, 2.3034, 2.3036, 2.29, 2.27, 2.2):
+        values = [mean + 0.01 * math.sin(i) for i in range(50)]
+        assert guard.check(*chunk(values)) is None
+    assert guard.trained

@@ -93,12 +93,15 @@ def describe(record: Mapping[str, Any]) -> str | None:
         reason = record.get("reason")
         why = {
             "loss_rise": f"the training loss rose back to {record.get('loss', 0):.3g}",
+            "collapsed": f"the training loss went back to its start ({record.get('loss', 0):.3g})",
             "diverged": "the training loss diverged",
             "accuracy": f"validation fell to {_pct(record.get('accuracy'))}",
             "search_found_nothing": "the re-tune found nothing better",
         }.get(str(reason), str(reason))
         best = record.get("best_accuracy")
-        target = f"the best model (val {_pct(best)})" if best is not None else "the search's start"
+        target = (f"the best model (val {_pct(best)})"
+                  if best is not None and record.get("target") != "parent"
+                  else "the search's start")
         return f"rolled back to {target}: {why} with {tunables}"
     if event == "validate":
         return (f"epoch {record.get('epoch', '?')}: val {_pct(record.get('accuracy'))} "

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 
 from mltuner.tune._progress import DIVERGENCE_THRESHOLD, GO_UP_THRESHOLD, summarize_progress
 
-__all__ = ["TrainingGuard", "Alarm", "RISE_NOISE_FACTOR", "RISE_FRACTION", "RISE_CHUNKS"]
+__all__ = ["TrainingGuard", "Alarm", "RISE_NOISE_FACTOR", "RISE_FRACTION", "RISE_CHUNKS",
+           "CLEAR_DROP_ERRORS"]
 
 # A chunk's mean loss counts as a rise when it is above the lowest chunk mean
 # so far by more than the band: this many times that chunk's noise (the
@@ -24,6 +25,14 @@ RISE_FRACTION = 0.5
 # Chunks in a row that must rise before the guard calls it: one chunk may
 # hold an unlucky stretch of batches, two in a row rarely do.
 RISE_CHUNKS = 2
+# A chunk mean is clearly below the starting loss when it is below it by
+# more than this many standard errors of that mean (its clocks' spread over
+# the square root of their count). A network that dies early (ReLUs killed
+# by a large step in its first epoch) has made too little progress for the
+# rise band, whose floor is a tenth of the loss: it is caught by its loss
+# going clearly below the start and then back to it (within one standard
+# error) or above.
+CLEAR_DROP_ERRORS = 3.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +41,9 @@ class Alarm:
 
     Attributes:
         reason: ``"diverged"`` (a non-finite loss, or a chunk mean above
-            10x the job's starting loss) or ``"loss_rise"``.
+            10x the job's starting loss), ``"loss_rise"`` or ``"collapsed"``
+            (the loss went clearly below the starting loss, then back to
+            it for RISE_CHUNKS chunks in a row: a dead network).
         loss: the mean loss of the chunk that raised it (NaN when not finite).
         reference: the lowest chunk mean of this stretch before it.
         band: the noise band the rise went beyond.
@@ -56,6 +67,10 @@ class TrainingGuard:
     previous chunk's mean for its noise; a chunk mean above the stretch's
     lowest by more than the band, RISE_CHUNKS times in a row, raises it too. A dead network sits near its starting loss, far above
     where training had brought it, so it trips the rise long before 10x.
+    One that died before it got far (its whole progress inside the band)
+    is caught by its chunk means going back to the starting loss (within
+    one standard error) or above, RISE_CHUNKS times in a row, after one had
+    been clearly below it.
 
     Args:
         start_loss: the job's starting loss (the initial search's starting
@@ -68,6 +83,16 @@ class TrainingGuard:
         self._band = 0.0
         self._rises = 0
         self._last_mean: float | None = None
+        self._dropped = False   # some chunk mean was clearly below the start
+        self._at_start = 0      # chunk means in a row back at or above it since
+        self._trained = False   # the last chunk mean is clearly below the start
+
+    @property
+    def trained(self) -> bool:
+        """Whether the last chunk's mean loss is clearly below the starting
+        loss (by CLEAR_DROP_ERRORS standard errors): the stretch has made
+        progress that noise does not explain."""
+        return self._trained
 
     def check(self, seconds: Sequence[float], losses: Sequence[float]) -> Alarm | None:
         """Takes one chunk (each clock's seconds and loss); returns an
@@ -89,6 +114,15 @@ class TrainingGuard:
         self._last_mean = mean
         if mean > DIVERGENCE_THRESHOLD * abs(self._start):
             return Alarm("diverged", mean, reference, self._band)
+        spread = math.sqrt(math.fsum((v - mean) ** 2 for v in losses) / max(1, len(losses) - 1))
+        error = spread / math.sqrt(len(losses))
+        self._trained = mean < self._start - CLEAR_DROP_ERRORS * error
+        self._dropped = self._dropped or self._trained
+        # Back at the start: within one standard error of it, or above (a
+        # dead network's constant output may fit the class frequencies a
+        # little better than the untrained one did).
+        back = mean >= self._start - error
+        self._at_start = self._at_start + 1 if self._dropped and back else 0
         if self._reference is None or mean < self._reference:
             self._reference = mean
             noise = summary.noise if math.isfinite(summary.noise) else 0.0
@@ -102,4 +136,6 @@ class TrainingGuard:
                 return Alarm("loss_rise", mean, self._reference, self._band)
         else:
             self._rises = 0
+        if self._at_start >= RISE_CHUNKS:
+            return Alarm("collapsed", mean, self._reference, self._band)
         return None

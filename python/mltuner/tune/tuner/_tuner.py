@@ -136,7 +136,9 @@ class _Stretch:
     branch: int
     tunables: dict[str, Any]
     clocks: int
-    parent: int | None           # kept until the first validation, then freed
+    parent: int | None           # kept until a validation with a trained loss, then freed
+    parent_tunables: dict[str, Any]
+    parent_clocks: int
     search: int | None           # the search that chose it
     searcher: Searcher | None
     guard: TrainingGuard
@@ -170,13 +172,15 @@ class Tuner:
 
     The rollback guard (``config.rollback``): a frozen copy of the model is
     kept at each new best validation accuracy, and a search's parent is kept
-    until its winner has survived one validation. Training runs in chunks,
+    until its winner has survived a validation with its loss clearly below
+    the starting loss. Training runs in chunks,
     each summarised like a trial (:class:`~mltuner.tune.TrainingGuard`); a
-    chunk that diverges, a loss that rises beyond the noise band, or a
-    validation accuracy ``rollback_margin`` below the best rolls back to the
+    chunk that diverges, a loss that rises beyond the noise band or goes
+    back to the starting loss, or a validation accuracy ``rollback_margin`` below the best rolls back to the
     frozen copy: the failed setting is recorded in its search's study as a
     FAIL trial, settings at least as aggressive are excluded from every
-    later search, and a search starts from the frozen copy. The job returns
+    later search, and a search starts from the frozen copy (or from the
+    kept parent, when the frozen copy comes from the failing branch). The job returns
     the best-validated branch.
     """
 
@@ -254,17 +258,19 @@ class Tuner:
 
         if not self._space.searched or not config.initial_tuning:
             branch = system.fork(root, self._start_setting, BranchKind.TRAINING)
-            stretch = self._begin(branch, self._start_setting, 0, root, None, None)
+            stretch = self._begin(branch, self._start_setting, 0, root, None, None,
+                                  self._start_setting, 0)
             self._note("train_untuned", branch=branch, tunables=self._start_setting)
         else:
             searcher, found = self._search(root, self._start_setting)
             if found.winner is not None:
-                stretch = self._begin_winner(found, searcher, root)
+                stretch = self._begin_winner(found, searcher, root, self._start_setting, 0)
             elif found.budget_exhausted and not found.all_diverged:
                 # The budget ran out before a trial made progress: that says
                 # nothing about the model; train with the start setting.
                 branch = system.fork(root, self._start_setting, BranchKind.TRAINING)
-                stretch = self._begin(branch, self._start_setting, 0, root, None, None)
+                stretch = self._begin(branch, self._start_setting, 0, root, None, None,
+                                  self._start_setting, 0)
                 self._note("train_untuned", branch=branch, tunables=self._start_setting,
                            reason="search_budget")
             else:
@@ -293,7 +299,8 @@ class Tuner:
         if (config.rollback and best is not None
                 and accuracy < best.accuracy - config.rollback_margin):
             return self._rollback(stretch, "accuracy", accuracy=accuracy)
-        self._release_parent(stretch)
+        if stretch.guard.trained:
+            self._release_parent(stretch)
         if config.rollback and (best is None or accuracy > best.accuracy):
             self._freeze(stretch, accuracy)
         epochs = len(self._accuracies)
@@ -307,7 +314,9 @@ class Tuner:
             searcher, found = self._search(stretch.branch, stretch.tunables)
             if found.winner is not None:
                 self._close(stretch, "retuned")
-                return self._begin_winner(found, searcher, stretch.branch)
+                self._release_parent(stretch)
+                return self._begin_winner(found, searcher, stretch.branch, stretch.tunables,
+                                          stretch.clocks)
             if found.budget_exhausted:
                 # Out of budget before anything beat the current setting: go on.
                 self._note("keep", branch=stretch.branch, tunables=stretch.tunables,
@@ -450,22 +459,28 @@ class Tuner:
     # -- stretches, the frozen best and rollbacks ----------------------------------------
 
     def _begin(self, branch: int, tunables: Mapping[str, Any], clocks: int, parent: int | None,
-               search: int | None, searcher: Searcher | None) -> _Stretch:
+               search: int | None, searcher: Searcher | None,
+               parent_tunables: Mapping[str, Any], parent_clocks: int) -> _Stretch:
         if not self._config.rollback and parent is not None:
             # Without the guard nothing goes back to the parent (§1.1 step 4).
             self._system.free(parent)
             parent = None
-        return _Stretch(branch, dict(tunables), clocks, parent, search, searcher,
-                        TrainingGuard(self._start_loss), first_epoch=len(self._accuracies))
+        return _Stretch(branch, dict(tunables), clocks, parent, dict(parent_tunables),
+                        parent_clocks, search, searcher, TrainingGuard(self._start_loss),
+                        first_epoch=len(self._accuracies))
 
-    def _begin_winner(self, found: SearchResult, searcher: Searcher, parent: int) -> _Stretch:
+    def _begin_winner(self, found: SearchResult, searcher: Searcher, parent: int,
+                      parent_tunables: Mapping[str, Any], parent_clocks: int) -> _Stretch:
         winner = found.winner
         assert winner is not None
         return self._begin(winner.branch, winner.tunables, winner.clocks, parent,
-                           len(self._studies) - 1, searcher)
+                           len(self._studies) - 1, searcher, parent_tunables, parent_clocks)
 
     def _release_parent(self, stretch: _Stretch) -> None:
-        # The winner survived a validation: its parent is no longer a way back.
+        # The winner survived a validation with a loss clearly below the
+        # starting loss: its parent is no longer a way back. (A network that
+        # died in its first epoch validates at chance, and would become the
+        # best-validated model: its parent is kept until it has trained.)
         parent, stretch.parent = stretch.parent, None
         if parent is not None and (self._best is None or parent != self._best.branch):
             self._system.free(parent)
@@ -487,13 +502,22 @@ class Tuner:
         config = self._config
         self._rollbacks += 1
         best = self._best
-        target = best.branch if best is not None else stretch.parent
-        if target is None:  # only without the guard, which never rolls back
+        # Back to the parent while the stretch has not yet trained and made
+        # the best model itself (the best is then no better than the parent:
+        # a network that died in its first epoch); else to the best.
+        to_parent = stretch.parent is not None and (
+            best is None or best.source == stretch.branch)
+        if to_parent:
+            assert stretch.parent is not None
+            target = stretch.parent
+            tunables, clocks = dict(stretch.parent_tunables), stretch.parent_clocks
+        elif best is not None:
+            target, tunables, clocks = best.branch, dict(best.tunables), best.clocks
+        else:  # only without the guard, which never rolls back
             raise TuningError(f"nothing to roll back to from branch {stretch.branch}")
-        tunables = dict(best.tunables) if best is not None else dict(self._start_setting)
-        clocks = best.clocks if best is not None else 0
         self._note("rollback", reason=reason, branch=stretch.branch, tunables=stretch.tunables,
-                   to=target, to_tunables=tunables, epoch=len(self._accuracies),
+                   to=target, to_tunables=tunables, target="parent" if to_parent else "best",
+                   epoch=len(self._accuracies),
                    best_accuracy=best.accuracy if best is not None else None,
                    excluded=exclude, rollbacks=self._rollbacks, **details)
         if exclude:
@@ -512,30 +536,37 @@ class Tuner:
             self._give_up(target, tunables, stretch, reason)
         searcher, found = self._search(target, tunables)
         if found.winner is not None:
-            return self._begin_winner(found, searcher, target)
+            return self._begin_winner(found, searcher, target, tunables, clocks)
         if best is None:
             self._no_winner_at_start(found)
             self._end(Outcome.NO_PROGRESS, target, tunables)
         assert best is not None
-        if (plateaued(self._accuracies, config.plateau_size_for_retune)
-                or self._excluded(best.tunables)):
+        if self._excluded(tunables) or (
+                not to_parent and plateaued(self._accuracies, config.plateau_size_for_retune)):
+            if target != best.branch:
+                self._system.free(target)
             self._end(Outcome.NO_PROGRESS, best.branch, best.tunables)
-        # Nothing better than the setting that made the best model, and
-        # validation was still improving with it: go on with it.
+        # Nothing better than the setting that made the model rolled back
+        # to, and validation was still improving with it (or that model is
+        # the parent of a collapse, which its setting had been training):
+        # go on with it.
         branch = self._system.fork(target, tunables, BranchKind.TRAINING)
         self._note("resume", branch=branch, tunables=tunables, source=target)
-        return self._begin(branch, tunables, clocks, target, None, None)
+        return self._begin(branch, tunables, clocks, target, None, None, tunables, clocks)
 
     def _give_up(self, target: int, tunables: Mapping[str, Any], stretch: _Stretch,
                  reason: str) -> None:
-        if self._best is None:
+        best = self._best
+        if best is None:
             self._system.free(target)
             raise TuningError(
                 f"training collapsed ({reason}) {self._rollbacks} time(s) before any "
                 f"validation, the last time with {stretch.tunables}: no setting the searches "
                 "found trains this model; lower the learning-rate range"
             )
-        self._end(Outcome.ROLLBACK_LIMIT, target, tunables)
+        if target != best.branch:
+            self._system.free(target)
+        self._end(Outcome.ROLLBACK_LIMIT, best.branch, best.tunables)
 
     def _finish(self, outcome: Outcome, stretch: _Stretch) -> None:
         """Ends the job with the best-validated branch, freeing the rest."""

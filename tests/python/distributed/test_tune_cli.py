@@ -15,13 +15,18 @@ import pytest
 from mltuner.cli import main
 
 QUICK = ["--max-epochs", "2", "--trials", "4", "--eval-clocks", "5", "--trial-time", "0.05"]
+# A 2-epoch job's search budget share pays for almost no trials: tests that
+# need the search to run its trials bound it by --trials alone.
+FULL_SEARCH = ["--search-share", "0"]
 
 
 def test_tune_writes_the_log_report_and_result(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "tune"
-    assert main(["tune", "--out", str(out), "--plain", *QUICK]) == 0
+    assert main(["tune", "--out", str(out), "--plain", *QUICK, *FULL_SEARCH]) == 0
     text = capsys.readouterr().out
-    assert "search winner" in text and "train validate" in text  # the live lines, plain
+    # The live lines, plain: the search's end, and a validation after each epoch.
+    assert "initial search: " in text and " trials in " in text, text[-3000:]
+    assert "epoch 1: val " in text and "epoch 2: val " in text, text[-3000:]
     assert "test accuracy" in text and f"report: {out / 'report.png'}" in text
     result = json.loads((out / "result.json").read_text())
     assert result["workers"] == 2 and len(result["validation_accuracies"]) == 2
@@ -77,7 +82,8 @@ def test_one_seed_proposes_the_same_first_trials(tmp_path: Path, capsys: pytest.
     # Scores depend on measured times, so only the proposals before the
     # first result can be compared; the trial cap keeps them all such.
     for run in ("a", "b"):
-        assert main(["tune", "--out", str(tmp_path / run), "--plain", "--seed", "3", *QUICK]) == 0
+        assert main(["tune", "--out", str(tmp_path / run), "--plain", "--seed", "3", *QUICK,
+                     *FULL_SEARCH]) == 0
     capsys.readouterr()
     first, second = _first_trials(tmp_path / "a" / "decisions.jsonl"), _first_trials(tmp_path / "b" / "decisions.jsonl")
     assert len(first) == 4 and first == second

@@ -250,3 +250,13 @@ def test_a_slow_start_near_the_starting_loss_raises_no_alarm() -> None:
         values = [mean + 0.01 * math.sin(i) for i in range(50)]
         assert guard.check(*chunk(values)) is None
     assert guard.trained
+
+
+def test_a_loss_clearly_above_the_start_raises_the_alarm() -> None:
+    # A network that died within its trial never goes below the start in
+    # training; it sits above it (worse than the untrained network).
+    guard = TrainingGuard(start_loss=2.3033)
+    dead = [2.36 + 0.01 * math.sin(i) for i in range(50)]
+    assert guard.check(*chunk(dead)) is None
+    alarm = guard.check(*chunk(dead))
+    assert alarm is not None and alarm.reason == "collapsed"

@@ -31,7 +31,8 @@ RISE_CHUNKS = 2
 # by a large step in its first epoch) has made too little progress for the
 # rise band, whose floor is a tenth of the loss: it is caught by its loss
 # going clearly below the start and then back to it (within one standard
-# error) or above.
+# error) or above; one that died within its trial by its loss staying clearly
+# above the start.
 CLEAR_DROP_ERRORS = 3.0
 
 
@@ -42,8 +43,9 @@ class Alarm:
     Attributes:
         reason: ``"diverged"`` (a non-finite loss, or a chunk mean above
             10x the job's starting loss), ``"loss_rise"`` or ``"collapsed"``
-            (the loss went clearly below the starting loss, then back to
-            it for RISE_CHUNKS chunks in a row: a dead network).
+            (for RISE_CHUNKS chunks in a row, the loss back at the starting
+            loss after it had gone clearly below it, or clearly above it:
+            a dead network).
         loss: the mean loss of the chunk that raised it (NaN when not finite).
         reference: the lowest chunk mean of this stretch before it.
         band: the noise band the rise went beyond.
@@ -70,7 +72,8 @@ class TrainingGuard:
     One that died before it got far (its whole progress inside the band)
     is caught by its chunk means going back to the starting loss (within
     one standard error) or above, RISE_CHUNKS times in a row, after one had
-    been clearly below it.
+    been clearly below it, or clearly above it (by CLEAR_DROP_ERRORS
+    standard errors: worse than the untrained network).
 
     Args:
         start_loss: the job's starting loss (the initial search's starting
@@ -122,7 +125,10 @@ class TrainingGuard:
         # dead network's constant output may fit the class frequencies a
         # little better than the untrained one did).
         back = mean >= self._start - error
-        self._at_start = self._at_start + 1 if self._dropped and back else 0
+        # Clearly above the start: worse than the untrained network (one that
+        # died within its trial, never to go below the start in training).
+        above = mean > self._start + CLEAR_DROP_ERRORS * error
+        self._at_start = self._at_start + 1 if (self._dropped and back) or above else 0
         if self._reference is None or mean < self._reference:
             self._reference = mean
             noise = summary.noise if math.isfinite(summary.noise) else 0.0

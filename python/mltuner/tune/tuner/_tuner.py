@@ -539,17 +539,19 @@ class Tuner:
             return self._begin_winner(found, searcher, target, tunables, clocks)
         if best is None:
             self._no_winner_at_start(found)
-            self._end(Outcome.NO_PROGRESS, target, tunables)
-        assert best is not None
         if self._excluded(tunables) or (
                 not to_parent and plateaued(self._accuracies, config.plateau_size_for_retune)):
+            if best is None:
+                self._end(Outcome.NO_PROGRESS, target, tunables)
+            assert best is not None
             if target != best.branch:
                 self._system.free(target)
             self._end(Outcome.NO_PROGRESS, best.branch, best.tunables)
         # Nothing better than the setting that made the model rolled back
-        # to, and validation was still improving with it (or that model is
-        # the parent of a collapse, which its setting had been training):
-        # go on with it.
+        # to, and validation was still improving with it; or that model is
+        # the parent of a collapse (the root, say: short trials from an
+        # untrained model often show no progress, which says nothing about
+        # it), and its setting had been training it: go on with it.
         branch = self._system.fork(target, tunables, BranchKind.TRAINING)
         self._note("resume", branch=branch, tunables=tunables, source=target)
         return self._begin(branch, tunables, clocks, target, None, None, tunables, clocks)

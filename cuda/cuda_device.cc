@@ -44,23 +44,19 @@ class EventPool {
   EventPool(const EventPool&) = delete;
   EventPool& operator=(const EventPool&) = delete;
 
+  // The error of creating one, if the pool had none; the caller words it.
   // REQUIRES: the pool's device is current on the calling thread (an event
   // belongs to the device current when it is created).
-  Status Take(cudaEvent_t* out) {
+  cudaError_t Take(cudaEvent_t* out) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!free_.empty()) {
         *out = free_.back();
         free_.pop_back();
-        return Status::Ok();
+        return cudaSuccess;
       }
     }
-    const cudaError_t err = cudaEventCreateWithFlags(out, flags_);
-    if (err != cudaSuccess) {
-      cudaGetLastError();
-      return Status::Internal("CUDA error in RecordAppWork (cudaEventCreateWithFlags): " + ErrorText(err));
-    }
-    return Status::Ok();
+    return cudaEventCreateWithFlags(out, flags_);
   }
 
   // Re-recording a returned event is safe even while a stream still waits on
@@ -256,11 +252,11 @@ class CudaDevice final : public Device {
       // wait instead of spinning on a core (a default stream synchronize
       // spins), which would compete with the training thread's launches.
       cudaEvent_t event = nullptr;
-      const Status taken = waits_->Take(&event);
-      if (!taken.ok()) {
-        RecordStatus(taken);
+      cudaError_t err = waits_->Take(&event);
+      if (err != cudaSuccess) {
+        Record("Synchronize (cudaEventCreateWithFlags)", err);
       } else {
-        cudaError_t err = cudaEventRecord(event, streams_[static_cast<int>(s)]);
+        err = cudaEventRecord(event, streams_[static_cast<int>(s)]);
         if (err == cudaSuccess) err = cudaEventSynchronize(event);
         Record("Synchronize (blocking event)", err);
         waits_->Return(event);
@@ -274,26 +270,8 @@ class CudaDevice final : public Device {
 
   Status RecordAppWork(uintptr_t app_stream, DeviceEvent* out) override {
     MLT_RETURN_IF_ERROR(MakeCurrent("RecordAppWork"));
-    // 0 names the legacy default stream explicitly, so the meaning holds even
-    // if this file were built with a per-thread default stream.
-    cudaStream_t stream = app_stream == 0 ? cudaStreamLegacy : reinterpret_cast<cudaStream_t>(app_stream);
-    cudaEvent_t event = nullptr;
-    MLT_RETURN_IF_ERROR(events_->Take(&event));
-    const cudaError_t err = cudaEventRecord(event, stream);
-    if (err != cudaSuccess) {
-      cudaGetLastError();
-      cudaEventDestroy(event);  // its state is unknown: do not pool it
-      const std::string what = "RecordAppWork on stream " + std::to_string(app_stream) + ": " + ErrorText(err);
-      // A bad handle (or one of another device) is the caller's mistake.
-      if (err == cudaErrorInvalidResourceHandle || err == cudaErrorInvalidValue) {
-        return Status::InvalidArgument(what);
-      }
-      return Status::Internal("CUDA error in " + what);
-    }
-    std::shared_ptr<EventPool> pool = events_;
-    *out = DeviceEvent(static_cast<void*>(event),
-                       [pool](void* e) { pool->Return(static_cast<cudaEvent_t>(e)); });
-    return Status::Ok();
+    const cudaError_t err = Ticket(AppStream(app_stream), out);
+    return err == cudaSuccess ? Status::Ok() : AppStreamError("RecordAppWork", app_stream, err);
   }
 
   Status TakeError() override {
@@ -304,16 +282,8 @@ class CudaDevice final : public Device {
   Status RecordEvent(Stream s, DeviceEvent* out) override {
     if (!ValidStream(s)) return Status::InvalidArgument("CudaDevice::RecordEvent: no stream " + std::to_string(static_cast<int>(s)));
     MLT_RETURN_IF_ERROR(MakeCurrent("RecordEvent"));
-    cudaEvent_t event = nullptr;
-    MLT_RETURN_IF_ERROR(events_->Take(&event));
-    const cudaError_t err = cudaEventRecord(event, streams_[static_cast<int>(s)]);
-    if (err != cudaSuccess) {
-      cudaEventDestroy(event);
-      return Fail("RecordEvent (cudaEventRecord)", err);
-    }
-    std::shared_ptr<EventPool> pool = events_;
-    *out = DeviceEvent(static_cast<void*>(event), [pool](void* e) { pool->Return(static_cast<cudaEvent_t>(e)); });
-    return Status::Ok();
+    const cudaError_t err = Ticket(streams_[static_cast<int>(s)], out);
+    return err == cudaSuccess ? Status::Ok() : Fail("RecordEvent (cudaEventRecord)", err);
   }
 
   Status WaitEvent(Stream s, const DeviceEvent& event) override {
@@ -329,15 +299,8 @@ class CudaDevice final : public Device {
   Status WaitOnAppStream(uintptr_t app_stream, const DeviceEvent& event) override {
     if (!event) return Status::Ok();
     MLT_RETURN_IF_ERROR(MakeCurrent("WaitOnAppStream"));
-    cudaStream_t stream = app_stream == 0 ? cudaStreamLegacy : reinterpret_cast<cudaStream_t>(app_stream);
-    const cudaError_t err = cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(event.get()), 0);
-    if (err != cudaSuccess) {
-      cudaGetLastError();
-      const std::string what = "WaitOnAppStream on stream " + std::to_string(app_stream) + ": " + ErrorText(err);
-      if (err == cudaErrorInvalidResourceHandle || err == cudaErrorInvalidValue) return Status::InvalidArgument(what);
-      return Status::Internal("CUDA error in " + what);
-    }
-    return Status::Ok();
+    const cudaError_t err = cudaStreamWaitEvent(AppStream(app_stream), static_cast<cudaEvent_t>(event.get()), 0);
+    return err == cudaSuccess ? Status::Ok() : AppStreamError("WaitOnAppStream", app_stream, err);
   }
 
   Status WaitEventDone(const DeviceEvent& event) override {
@@ -366,6 +329,38 @@ class CudaDevice final : public Device {
   }
 
  private:
+  // 0 names the legacy default stream explicitly, so the meaning holds even
+  // if this file were built with a per-thread default stream.
+  static cudaStream_t AppStream(uintptr_t app_stream) {
+    return app_stream == 0 ? cudaStreamLegacy : reinterpret_cast<cudaStream_t>(app_stream);
+  }
+
+  // A failed call on the application's stream: a bad handle (or one of
+  // another device) is the caller's mistake, anything else a CUDA error.
+  static Status AppStreamError(const char* what, uintptr_t app_stream, cudaError_t err) {
+    cudaGetLastError();
+    const std::string text = std::string(what) + " on stream " + std::to_string(app_stream) + ": " + ErrorText(err);
+    if (err == cudaErrorInvalidResourceHandle || err == cudaErrorInvalidValue) return Status::InvalidArgument(text);
+    return Status::Internal("CUDA error in " + text);
+  }
+
+  // A pooled event recorded on `stream`, handed out as a ticket that returns
+  // the event to the pool. On an error nothing is handed out, and the event,
+  // its state unknown, is destroyed rather than pooled.
+  cudaError_t Ticket(cudaStream_t stream, DeviceEvent* out) {
+    cudaEvent_t event = nullptr;
+    cudaError_t err = events_->Take(&event);
+    if (err != cudaSuccess) return err;
+    err = cudaEventRecord(event, stream);
+    if (err != cudaSuccess) {
+      cudaEventDestroy(event);
+      return err;
+    }
+    std::shared_ptr<EventPool> pool = events_;
+    *out = DeviceEvent(static_cast<void*>(event), [pool](void* e) { pool->Return(static_cast<cudaEvent_t>(e)); });
+    return cudaSuccess;
+  }
+
   using RowRunsLauncher = void (*)(float*, const float*, const RowRun*, int64_t, int64_t, int64_t, cudaStream_t);
 
   static bool ValidStream(Stream s) {

@@ -17,6 +17,10 @@ A hang would show as a WaitTimeoutError after ``wait_timeout_s``.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -30,34 +34,21 @@ from mltuner import Config, LocalCluster  # noqa: E402
 WAIT_TIMEOUT_S = 30.0  # far above a clock (milliseconds): only a hang reaches it
 
 
-class BasicBlock(nn.Module):
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.shortcut = nn.Sequential()
-        if stride != 1 or cin != cout:
-            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        return torch.relu(out + self.shortcut(x))
-
-
 def resnet18(width: int) -> nn.Module:
-    """benchmarks/torch_bench.py's ResNet-18 (CIFAR layout): 21 layers with
-    parameters of very different sizes, the mix that fragmented the arena."""
-    layers: list[nn.Module] = [nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU()]
-    cin = width
-    for stage, cout in enumerate((width, 2 * width, 4 * width, 8 * width)):
-        for block in range(2):
-            layers.append(BasicBlock(cin, cout, 2 if stage > 0 and block == 0 else 1))
-            cin = cout
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, 10)]
-    return nn.Sequential(*layers)
+    """benchmarks/torch_bench.py's ResNet-18 (CIFAR layout), the issue's
+    repro: 21 layers with parameters of very different sizes, the mix that
+    fragmented the arena."""
+    bench = Path(__file__).resolve().parents[3] / "benchmarks"
+    sys.path.insert(0, str(bench))  # torch_bench imports figures.py beside it
+    try:
+        spec = importlib.util.spec_from_file_location("torch_bench", bench / "torch_bench.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(bench))
+    model: nn.Module = module.resnet18(width)
+    return model
 
 
 def train(clocks: int, budget: int = 0) -> dict[str, float]:

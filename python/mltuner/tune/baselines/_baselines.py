@@ -47,6 +47,7 @@ from mltuner.tune._log import DecisionLog
 from mltuner.tune.tuner._searcher import open_storage
 from mltuner.tune._space import Choice, SearchSpace
 from mltuner.tune._system import BranchKind, BranchSystem, ClockReport
+from mltuner.tune.tuner._search import run_clocks
 from mltuner.tune.tuner._tuner import Tuner, TuningResult, plateaued
 
 __all__ = [
@@ -530,7 +531,7 @@ class _Driver:
         # §1.1 step 0, as the Tuner does: the root runs one clock, in which
         # the application writes the initial weights.
         root = self.timer.fork(None, tunables, BranchKind.INIT)
-        self._check_count(root, self.timer.run(root, 1), 1)
+        run_clocks(self.timer, root, 1)
         self.note("init", "init", branch=root)
         return root
 
@@ -584,8 +585,7 @@ class _Driver:
     def _train_epoch(self, branch: int, tunables: Mapping[str, Any], number: int,
                      epoch: int, clocks: int) -> bool:
         """Runs one epoch; False when the loss became non-finite (diverged)."""
-        reports = self.timer.run(branch, clocks)
-        self._check_count(branch, reports, clocks)
+        reports = run_clocks(self.timer, branch, clocks)
         losses = [float(r.loss) for r in reports]
         finite = all(math.isfinite(loss) for loss in losses)
         self.note("train", "train", branch=branch, tunables=tunables, trial=number,
@@ -600,10 +600,9 @@ class _Driver:
         clocks = self.config.num_clocks_to_test
         test = self.timer.fork(branch, tunables, BranchKind.TESTING)
         try:
-            reports = self.timer.run(test, clocks)
+            reports = run_clocks(self.timer, test, clocks)
         finally:
             self.timer.free(test)
-        self._check_count(test, reports, clocks)
         values = [r.accuracy for r in reports]
         if any(v is None or not math.isfinite(v) for v in values):
             raise TuningError(
@@ -645,13 +644,6 @@ class _Driver:
         # elapsed_s: counted seconds, whatever clock the caller's log uses.
         self.log.write(event, phase=phase, elapsed_s=self.timer.seconds, **fields)
 
-    @staticmethod
-    def _check_count(branch: int, reports: Sequence[ClockReport], clocks: int) -> None:
-        if len(reports) != clocks:
-            raise TuningError(
-                f"the training system returned {len(reports)} clock reports for branch "
-                f"{branch}, asked to run {clocks} clocks"
-            )
 
 
 # -- the Tuner, measured the same way --------------------------------------------------

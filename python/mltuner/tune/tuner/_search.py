@@ -53,6 +53,22 @@ def halving_size(budget_s: float, length_s: float, most: int) -> int:
     return n
 
 
+
+def run_clocks(system: BranchSystem, branch: int, clocks: int) -> Sequence[ClockReport]:
+    """``system.run(branch, clocks)``, checked: a system that runs fewer
+    clocks than asked would make the tuner's loops spin.
+
+    Raises:
+        TuningError: the system returned another number of clock reports.
+    """
+    reports = system.run(branch, clocks)
+    if len(reports) != clocks:
+        raise TuningError(
+            f"the training system returned {len(reports)} clock reports for branch {branch}, "
+            f"asked to run {clocks} clocks"
+        )
+    return reports
+
 @dataclasses.dataclass(frozen=True)
 class SearchResult:
     """How a search episode ended.
@@ -368,13 +384,7 @@ class SearchEpisode:
         trial.record(self._run(trial.branch, clocks))
 
     def _run(self, branch: int, clocks: int) -> Sequence[ClockReport]:
-        reports = self._system.run(branch, clocks)
-        # A system that runs fewer clocks than asked would make the trial loop spin.
-        if len(reports) != clocks:
-            raise TuningError(
-                f"the training system returned {len(reports)} clock reports for branch "
-                f"{branch}, asked to run {clocks} clocks"
-            )
+        reports = run_clocks(self._system, branch, clocks)
         self._spent += math.fsum(float(r.seconds) for r in reports)
         return reports
 

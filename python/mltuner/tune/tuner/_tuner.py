@@ -22,7 +22,7 @@ from mltuner.tune._config import TunerConfig
 from mltuner.tune._errors import TuningError
 from mltuner.tune.tuner._guard import Alarm, TrainingGuard
 from mltuner.tune._log import DecisionLog
-from mltuner.tune.tuner._search import SearchEpisode, SearchResult
+from mltuner.tune.tuner._search import SearchEpisode, SearchResult, run_clocks
 from mltuner.tune.tuner._searcher import Searcher, open_storage
 from mltuner.tune._space import Choice, SearchSpace
 from mltuner.tune._system import BranchKind, BranchSystem, ClockReport
@@ -618,12 +618,7 @@ class Tuner:
     # -- helpers -----------------------------------------------------------------------
 
     def _run_clocks(self, branch: int, clocks: int) -> Sequence[ClockReport]:
-        reports = self._system.run(branch, clocks)
-        if len(reports) != clocks:
-            raise TuningError(
-                f"the training system returned {len(reports)} clock reports for branch {branch}, "
-                f"asked to run {clocks} clocks"
-            )
+        reports = run_clocks(self._system, branch, clocks)
         self._seconds += math.fsum(float(r.seconds) for r in reports)
         return reports
 

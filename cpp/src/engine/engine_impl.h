@@ -168,14 +168,14 @@ class Engine::Impl {
   Status ReclaimOp(int64_t seq);
   void ScatterAddUpdate(const AccessRecord& access, const float* buffer);
   void WriteBackLocal(const AccessRecord& access, const float* buffer);
-  Status SendTableClock(TableId table, mltuner::Clock clock);
+  Status BuildTableClock(TableId table, mltuner::Clock clock, std::vector<Message>* messages);
   Status BuildDirectUpdate(const AccessRecord& access, const float* buffer, mltuner::Clock clock,
                            std::vector<Message>* messages);
   // A kClockUpdate to `shard` with `values` floats of payload, in device
   // memory when the shard shares this device (then its data is *device).
   Status NewUpdateMessage(TableId table, int shard, mltuner::Clock clock, size_t values, Message* out,
                           float** data, bool* on_device);
-  Status MarkReady(std::vector<Message>* messages);
+  Status MarkReady(DeviceEvent ready, std::vector<Message>* messages);
   Status SendAll(std::vector<Message> messages);
   // Frees the slot; `released` is the ticket after which the device no
   // longer touches its addresses (the next user's fill waits for it).

@@ -40,7 +40,10 @@ Status Engine::Impl::ReclaimOp(int64_t seq) {
   if (op.kind == OpKind::kClock) {
     for (const TableInfo& table : tables_) {
       if (!table.local && !index_.tables[table.id].has_updates) {
-        MLT_RETURN_IF_ERROR(SendTableClock(table.id, clock));
+        std::vector<Message> messages;
+        MLT_RETURN_IF_ERROR(BuildTableClock(table.id, clock, &messages));
+        MLT_RETURN_IF_ERROR(MarkReady(nullptr, &messages));
+        MLT_RETURN_IF_ERROR(SendAll(std::move(messages)));
       }
     }
     return Status::Ok();
@@ -60,17 +63,18 @@ Status Engine::Impl::ReclaimOp(int64_t seq) {
   }
   // Everything below runs on the writeback stream after the application's
   // own work on the buffer. Updates are sent as soon as their copies are
-  // queued (the shard's stream waits for them on the device); the buffer is
-  // released with a ticket taken after them.
+  // queued (the shard's stream waits for them on the device); one ticket
+  // taken after them marks both the payloads ready and the buffer released.
   MLT_RETURN_IF_ERROR(device_->WaitEvent(Stream::kWriteback, slot->app_done));
   slot->app_done.reset();
+  std::vector<Message> messages;
   if (op.kind == OpKind::kUpdate && index_.tables[access.table].direct.handle == op.handle) {
-    std::vector<Message> messages;
     MLT_RETURN_IF_ERROR(BuildDirectUpdate(access, slot->data, clock, &messages));
-    MLT_RETURN_IF_ERROR(SendAll(std::move(messages)));
   } else if (op.kind == OpKind::kUpdate) {
     ScatterAddUpdate(access, slot->data);
-    if (index_.accesses[op.handle].closes_table_clock) MLT_RETURN_IF_ERROR(SendTableClock(access.table, clock));
+    if (index_.accesses[op.handle].closes_table_clock) {
+      MLT_RETURN_IF_ERROR(BuildTableClock(access.table, clock, &messages));
+    }
   } else if (op.kind == OpKind::kPostLocalAccess && access.keep) {
     // Kept local data is fetched again after the allocator sees this op
     // reclaimed (WaitForWriteBack), possibly from host memory: the copies
@@ -80,7 +84,9 @@ Status Engine::Impl::ReclaimOp(int64_t seq) {
   }
   DeviceEvent released;
   MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kWriteback, &released));
+  MLT_RETURN_IF_ERROR(MarkReady(released, &messages));
   ReleaseSlot(slot, std::move(released));
+  MLT_RETURN_IF_ERROR(SendAll(std::move(messages)));
   return device_->TakeError();
 }
 
@@ -164,15 +170,14 @@ Status Engine::Impl::NewUpdateMessage(TableId table, int shard, mltuner::Clock c
   return Status::Ok();
 }
 
-// Ships the table's update log for `clock`: one message per shard, its
-// payload filled on the writeback stream. A shard of this process on this
-// device gets a device buffer, complete when its `ready` ticket is; the others
-// get host values, for which this thread waits.
-Status Engine::Impl::SendTableClock(TableId table, mltuner::Clock clock) {
+// The table's update log for `clock`: one message per shard, its payload
+// filled on the writeback stream. A shard of this process on this device gets
+// a device buffer (MarkReady gives it its ticket); the others get host values,
+// for which this thread waits.
+Status Engine::Impl::BuildTableClock(TableId table, mltuner::Clock clock, std::vector<Message>* messages) {
   const TableStore& store = *stores_[table];
   const int64_t width = store.info.row_width;
   const TableIndex& table_index = index_.tables[table];
-  std::vector<Message> messages;
   bool host_payloads = false;
   std::vector<std::pair<float*, size_t>> zero_after_copy;  // host log rows read by queued copies
   for (int shard = 0; shard < num_workers_; ++shard) {
@@ -207,12 +212,11 @@ Status Engine::Impl::SendTableClock(TableId table, mltuner::Clock clock) {
       out += count;
     }
     message.header.num_spans = static_cast<uint32_t>(message.spans.size());
-    messages.push_back(std::move(message));
+    messages->push_back(std::move(message));
   }
   if (host_payloads || !zero_after_copy.empty()) MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kWriteback));
   for (const auto& [log, count] : zero_after_copy) std::fill_n(log, count, 0.0f);
-  MLT_RETURN_IF_ERROR(MarkReady(&messages));
-  return SendAll(std::move(messages));
+  return Status::Ok();
 }
 
 Status Engine::Impl::BuildDirectUpdate(const AccessRecord& access, const float* buffer, mltuner::Clock clock,
@@ -242,16 +246,14 @@ Status Engine::Impl::BuildDirectUpdate(const AccessRecord& access, const float* 
     messages->push_back(std::move(message));
   }
   if (host_payloads) MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kWriteback));
-  MLT_RETURN_IF_ERROR(MarkReady(messages));
   std::lock_guard<std::mutex> lock(mu_);
   stats_.bytes_scattered += static_cast<int64_t>(access.rows.size()) * info.row_bytes();
   return Status::Ok();
 }
 
-// One ticket for everything queued on the writeback stream, given to every
-// device payload of the batch.
-Status Engine::Impl::MarkReady(std::vector<Message>* messages) {
-  DeviceEvent ready;
+// Gives every device payload of the batch `ready`, a ticket for everything
+// queued on the writeback stream; when null, one taken now if needed.
+Status Engine::Impl::MarkReady(DeviceEvent ready, std::vector<Message>* messages) {
   for (Message& message : *messages) {
     if (!message.device_values) continue;
     if (!ready) MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kWriteback, &ready));

@@ -30,6 +30,7 @@ import json
 import tempfile
 import cProfile
 import pstats
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -40,7 +41,7 @@ from torch import nn
 
 import mltuner as mlt
 import mltuner.torch as mtorch
-from figures import Figure, write_figures
+from figures import Figure, spread, write_figures
 
 
 def resnet18() -> nn.Module:
@@ -130,7 +131,7 @@ def gpu_profile(enabled: bool, title: str, steps: int) -> Iterator[None]:
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profiler:
         yield
-    summarize_timeline(profiler, title)
+    summarize_timeline(profiler, title, steps)
     events = [e for e in profiler.key_averages() if e.device_time_total > 0]
     events.sort(key=lambda e: e.self_device_time_total, reverse=True)
     total = sum(e.self_device_time_total for e in events)
@@ -139,7 +140,7 @@ def gpu_profile(enabled: bool, title: str, steps: int) -> Iterator[None]:
         print(f"  {e.self_device_time_total / 1e3:9.2f} ms {e.count:6d}x  {e.key[:90]}")
 
 
-def summarize_timeline(profiler: Any, title: str) -> None:
+def summarize_timeline(profiler: Any, title: str, steps: int) -> None:
     """From the run's trace: each stream's GPU busy time, and the CUDA
     runtime calls' time per thread (a contended driver shows as slow calls)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -161,8 +162,14 @@ def summarize_timeline(profiler: Any, title: str) -> None:
     print(f"## timeline of {title}: GPU span {(end - start) / 1e3:.1f} ms")
     for stream, total in sorted(busy.items(), key=lambda kv: -kv[1]):
         print(f"  stream {stream}: busy {total / 1e3:.1f} ms ({total / max(end - start, 1):.0%} of the span)")
-    for (thread, name), durations in sorted(calls.items(), key=lambda kv: -sum(kv[1]))[:12]:
-        print(f"  thread {thread} {name}: {len(durations)} calls, mean {sum(durations) / len(durations):.1f} us, "
+    per_thread: dict[Any, list[float]] = collections.defaultdict(list)
+    for (thread, _), durations in calls.items():
+        per_thread[thread].extend(durations)
+    for thread, durations in sorted(per_thread.items(), key=lambda kv: -sum(kv[1])):
+        print(f"  thread {thread}: {len(durations) / steps:.0f} CUDA runtime calls per step, "
+              f"{sum(durations) / 1e3 / steps:.2f} ms per step")
+    for (thread, name), durations in sorted(calls.items(), key=lambda kv: -sum(kv[1]))[:24]:
+        print(f"  thread {thread} {name}: {len(durations) / steps:.1f} calls/step, mean {sum(durations) / len(durations):.1f} us, "
               f"total {sum(durations) / 1e3:.1f} ms")
 
 
@@ -194,6 +201,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating runs of each side; medians reported")
     parser.add_argument("--only", choices=("resnet", "transformer"))
     parser.add_argument("--match", default="", help="only the cases whose name contains this")
     parser.add_argument("--figures", type=Path)
@@ -211,22 +219,31 @@ def main() -> None:
         lines.append(line)
 
     emit(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.steps} timed steps")
-    emit("| case | plain samples/s | mltuner samples/s | ratio | stall | training thread CPU ms/clock, "
+    emit("| case | plain samples/s | mltuner samples/s | ratio (min-max over rounds) | stall | training thread CPU ms/clock, "
          "plain / mltuner | engine threads CPU ms/clock |")
     emit("|---|---|---|---|---|---|---|")
     figures = []
     for case in (c for c in cases(args.only) if args.match in c.name):
-        with gpu_profile(args.gpu_profile, f"plain {case.name}", args.steps):
-            plain, plain_cpu = plain_run(case, args)
-        with gpu_profile(args.gpu_profile, f"mltuner {case.name}", args.steps):
-            ours, stall, main_cpu, engine_cpu = mltuner_run(case, args)
-        ratio = ours / plain
-        emit(f"| {case.name} | {plain:,.0f} | {ours:,.0f} | {ratio:.2f} | {stall:.1%} | "
+        # Rounds alternate the two sides, so that a slow spell of the host
+        # (other tenants, clocks) falls on both; the medians are reported.
+        runs: list[tuple[float, float, float, float, float, float]] = []
+        for _ in range(args.rounds):
+            with gpu_profile(args.gpu_profile, f"plain {case.name}", args.warmup + args.steps):
+                plain, plain_cpu = plain_run(case, args)
+            with gpu_profile(args.gpu_profile, f"mltuner {case.name}", args.warmup + args.steps):
+                ours, stall, main_cpu, engine_cpu = mltuner_run(case, args)
+            runs.append((plain, ours, stall, plain_cpu, main_cpu, engine_cpu))
+        plain, ours, stall, plain_cpu, main_cpu, engine_cpu = (statistics.median(column) for column in zip(*runs))
+        ratios = [r[1] / r[0] for r in runs]
+        ratio = statistics.median(ratios)
+        spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(runs) > 1 else ""
+        emit(f"| {case.name} | {plain:,.0f} | {ours:,.0f} | {ratio:.2f}{spread} | {stall:.1%} | "
              f"{plain_cpu * 1e3:.2f} / {main_cpu * 1e3:.2f} | {engine_cpu * 1e3:.2f} |")
         if args.out:
             args.out.write_text("\n".join(lines) + "\n")
         figures.append(Figure("gpu-path", f"{case.name}: 1 worker vs plain PyTorch", ours, "samples/s",
                               "plain PyTorch", plain, ratio, "mltuner / plain samples/s", goal=0.90,
+                              ratio_range=spread(ratios),
                               note=f"stall {stall:.1%} of the clock, engine CPU {engine_cpu * 1e3:.2f} ms/clock"))
     write_figures(str(args.figures) if args.figures else None, figures)
 

@@ -62,6 +62,27 @@ def transformer() -> nn.Module:
                                            batch_first=True) for _ in range(12)])
 
 
+class Phases:
+    """Host time of each part of a step (forward with the loss, backward,
+    optimizer step or clock): where a launch-bound step spends its time."""
+
+    def __init__(self) -> None:
+        self.totals = [0.0, 0.0, 0.0]
+        self.steps = 0
+
+    def add(self, forward: float, backward: float, step: float) -> None:
+        for i, value in enumerate((forward, backward, step)):
+            self.totals[i] += value
+        self.steps += 1
+
+    def text(self) -> str:
+        f, b, s = (1e3 * t / max(self.steps, 1) for t in self.totals)
+        return f"forward {f:.2f} ms, backward {b:.2f} ms, step {s:.2f} ms"
+
+
+PHASES = {"plain": Phases(), "mltuner": Phases()}
+
+
 class Case:
     def __init__(self, name: str, make: Callable[[], nn.Module], x: torch.Tensor,
                  loss: Callable[[torch.Tensor], torch.Tensor], rule: mlt.UpdateRule,
@@ -80,9 +101,15 @@ def plain_run(case: Case, args: argparse.Namespace) -> tuple[float, float]:
         if step == args.warmup:
             torch.cuda.synchronize()
             start, main_start = time.perf_counter(), time.thread_time()
+        t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        case.loss(model(case.x)).backward()
+        loss = case.loss(model(case.x))
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
         optimizer.step()
+        if step >= args.warmup:
+            PHASES["plain"].add(t1 - t0, t2 - t1, time.perf_counter() - t2)
     torch.cuda.synchronize()
     return case.batch * args.steps / (time.perf_counter() - start), (time.thread_time() - main_start) / args.steps
 
@@ -106,8 +133,14 @@ def mltuner_run(case: Case, args: argparse.Namespace) -> tuple[float, float, flo
                 start = time.perf_counter()
                 if profiler:
                     profiler.enable()
-            case.loss(ps(case.x)).backward()
+            t0 = time.perf_counter()
+            loss = case.loss(ps(case.x))
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
             ps.step()
+            if step >= args.warmup:
+                PHASES["mltuner"].add(t1 - t0, t2 - t1, time.perf_counter() - t2)
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
         if profiler:
@@ -201,6 +234,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=15)
+    parser.add_argument("--phases", action="store_true", help="print each side's host time per step part")
     parser.add_argument("--rounds", type=int, default=3, help="alternating runs of each side; medians reported")
     parser.add_argument("--only", choices=("resnet", "transformer"))
     parser.add_argument("--match", default="", help="only the cases whose name contains this")
@@ -227,6 +261,8 @@ def main() -> None:
         # Rounds alternate the two sides, so that a slow spell of the host
         # (other tenants, clocks) falls on both; the medians are reported.
         runs: list[tuple[float, float, float, float, float, float]] = []
+        for phases in PHASES.values():
+            phases.__init__()  # type: ignore[misc]
         for _ in range(args.rounds):
             with gpu_profile(args.gpu_profile, f"plain {case.name}", args.warmup + args.steps):
                 plain, plain_cpu = plain_run(case, args)
@@ -236,9 +272,11 @@ def main() -> None:
         plain, ours, stall, plain_cpu, main_cpu, engine_cpu = (statistics.median(column) for column in zip(*runs))
         ratios = [r[1] / r[0] for r in runs]
         ratio = statistics.median(ratios)
-        spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(runs) > 1 else ""
-        emit(f"| {case.name} | {plain:,.0f} | {ours:,.0f} | {ratio:.2f}{spread} | {stall:.1%} | "
+        span = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(runs) > 1 else ""
+        emit(f"| {case.name} | {plain:,.0f} | {ours:,.0f} | {ratio:.2f}{span} | {stall:.1%} | "
              f"{plain_cpu * 1e3:.2f} / {main_cpu * 1e3:.2f} | {engine_cpu * 1e3:.2f} |")
+        if args.phases:
+            print(f"  host time per step, plain: {PHASES['plain'].text()}; mltuner: {PHASES['mltuner'].text()}")
         if args.out:
             args.out.write_text("\n".join(lines) + "\n")
         figures.append(Figure("gpu-path", f"{case.name}: 1 worker vs plain PyTorch", ours, "samples/s",

@@ -37,6 +37,26 @@ void PostBuffer(Engine& engine, Handle handle, uintptr_t stream) {
   Check((engine.*Method)(handle, stream));
 }
 
+// A batch of (kind, handle) pairs, kinds as OpKind's numbers.
+py::list RunBatch(Engine& engine, const std::vector<std::pair<int, Handle>>& calls, uintptr_t stream) {
+  std::vector<OpCall> ops;
+  ops.reserve(calls.size());
+  for (const auto& [kind, handle] : calls) {
+    if (kind < static_cast<int>(OpKind::kRead) || kind > static_cast<int>(OpKind::kClock)) {
+      throw py::value_error("run: op kind " + std::to_string(kind) + " is not an OpKind number (0-6)");
+    }
+    ops.push_back({static_cast<OpKind>(kind), handle});
+  }
+  std::vector<AccessBuffer> opened;
+  {
+    py::gil_scoped_release release;
+    Check(engine.Run(ops, &opened, stream));
+  }
+  py::list buffers;
+  for (const AccessBuffer& buffer : opened) buffers.append(BufferToPython(buffer));
+  return buffers;
+}
+
 }  // namespace
 
 void RegisterEngine(py::module_& m) {
@@ -99,6 +119,7 @@ void RegisterEngine(py::module_& m) {
       .def("local_access", &OpenBuffer<&Engine::LocalAccess>, py::arg("handle"), py::arg("stream") = 0)
       .def("post_local_access", &PostBuffer<&Engine::PostLocalAccess>, py::arg("handle"), py::arg("stream") = 0)
       .def("clock", [](Engine& e) { Check(e.Clock()); }, Release())
+      .def("run", &RunBatch, py::arg("ops"), py::arg("stream") = 0)
       .def("fetch",
            [](Engine& e, TableId table, const RowArray& rows, int64_t row_width, BranchId branch) {
              std::vector<RowId> ids = ToRows(rows);

@@ -55,6 +55,13 @@ struct AccessBuffer {
   DeviceEvent ready;
 };
 
+// One op of a batch (Engine::Run): an open or post of a recorded handle, or
+// the clock (handle unused).
+struct OpCall {
+  OpKind kind = OpKind::kClock;
+  Handle handle = -1;
+};
+
 struct EngineStats {
   Clock clock = 0;                 // clocks the application has finished
   double stall_seconds = 0;        // time the application waited for buffers
@@ -116,6 +123,13 @@ class Engine {
   Status LocalAccess(Handle handle, AccessBuffer* out, uintptr_t app_stream = 0);
   Status PostLocalAccess(Handle handle, uintptr_t app_stream = 0);
   Status Clock();
+  // Consecutive recorded ops in one call, as if each were called in order;
+  // `opened` gets the buffers of the open ops, in order. The posts share one
+  // ticket of `app_stream`'s work and the stream waits once for every buffer
+  // opened: two driver calls per batch instead of one per op, for a caller
+  // that knows its next ops (the PyTorch adapter). An error stops the batch
+  // at the op that failed; the ops before it took effect.
+  Status Run(const std::vector<OpCall>& ops, std::vector<AccessBuffer>* opened, uintptr_t app_stream = 0);
 
   // Branches (Config::branches; mltuner.md §3). Every worker makes the same
   // calls at the same clock boundaries. Fork copies `parent`'s parameters and

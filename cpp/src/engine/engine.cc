@@ -284,6 +284,23 @@ Status Engine::Impl::WaitForSlot(Handle handle, mltuner::Clock clock, Slot** out
 }
 
 Status Engine::Impl::Open(Handle handle, OpKind kind, AccessBuffer* out, uintptr_t app_stream) {
+  MLT_RETURN_IF_ERROR(CheckAccessCall(handle, kind));
+  if (phase_.load() == Phase::kRecorded) return OpenInit(handle, out);
+  MLT_RETURN_IF_ERROR(OpenSlot(handle, kind, out));
+  // The allocator queued the buffer's contents without waiting for them: the
+  // application's stream waits on the GPU instead, so this thread runs ahead.
+  return device_->WaitOnAppStream(app_stream, out->ready);
+}
+
+Status Engine::Impl::Post(Handle handle, OpKind kind, uintptr_t app_stream) {
+  MLT_RETURN_IF_ERROR(CheckAccessCall(handle, kind));
+  if (phase_.load() == Phase::kRecorded) return PostInit(handle, app_stream);
+  DeviceEvent app_done;
+  MLT_RETURN_IF_ERROR(device_->RecordAppWork(app_stream, &app_done));
+  return PostSlot(handle, kind, std::move(app_done));
+}
+
+Status Engine::Impl::CheckAccessCall(Handle handle, OpKind kind) const {
   const Phase phase = phase_.load();
   if (phase == Phase::kShutdown) return ShutdownError();
   if (phase == Phase::kDefining) {
@@ -292,13 +309,18 @@ Status Engine::Impl::Open(Handle handle, OpKind kind, AccessBuffer* out, uintptr
   }
   MLT_RETURN_IF_ERROR(CheckExpected(handle, kind));
   const AccessRecord& access = recording_.accesses[handle];
-  if (access.kind != kind) {
-    return Status::InvalidArgument(std::string(OpKindName(kind)) + " of handle " + std::to_string(handle) +
-                                   ", which was recorded as a " +
-                                   access.Describe(tables_[access.table].name));
+  const bool opens = kind == OpKind::kRead || kind == OpKind::kPreUpdate || kind == OpKind::kLocalAccess;
+  if ((opens ? access.kind : PostKindOf(access.kind)) != kind) {
+    std::string text = std::string(OpKindName(kind)) + " of handle " + std::to_string(handle) +
+                       ", which was recorded as a " + access.Describe(tables_[access.table].name);
+    if (!opens) text += std::string("; it is closed by ") + OpKindName(PostKindOf(access.kind));
+    return Status::InvalidArgument(text);
   }
-  if (phase == Phase::kRecorded) return OpenInit(handle, out);
+  return Status::Ok();
+}
 
+Status Engine::Impl::OpenSlot(Handle handle, OpKind kind, AccessBuffer* out) {
+  const AccessRecord& access = recording_.accesses[handle];
   mltuner::Clock clock;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -314,9 +336,6 @@ Status Engine::Impl::Open(Handle handle, OpKind kind, AccessBuffer* out, uintptr
   }
   Slot* slot = nullptr;
   MLT_RETURN_IF_ERROR(WaitForSlot(handle, clock, &slot));
-  // The allocator queued the buffer's contents without waiting for them: the
-  // application's stream waits on the GPU instead, so this thread runs ahead.
-  MLT_RETURN_IF_ERROR(device_->WaitOnAppStream(app_stream, slot->ready));
   *out = BufferFor(access, slot->data, slot->data_age, pool_memory_);
   out->ready = slot->ready;
   {
@@ -327,22 +346,7 @@ Status Engine::Impl::Open(Handle handle, OpKind kind, AccessBuffer* out, uintptr
   return Status::Ok();
 }
 
-Status Engine::Impl::Post(Handle handle, OpKind kind, uintptr_t app_stream) {
-  const Phase phase = phase_.load();
-  if (phase == Phase::kShutdown) return ShutdownError();
-  if (phase == Phase::kDefining) {
-    return Status::OutOfOrder(std::string(OpKindName(kind)) + " before finish_virtual_iteration");
-  }
-  MLT_RETURN_IF_ERROR(CheckExpected(handle, kind));
-  const AccessRecord& access = recording_.accesses[handle];
-  if (PostKindOf(access.kind) != kind) {
-    return Status::InvalidArgument(std::string(OpKindName(kind)) + " of handle " + std::to_string(handle) +
-                                   ", which was recorded as a " + access.Describe(tables_[access.table].name) +
-                                   "; it is closed by " + OpKindName(PostKindOf(access.kind)));
-  }
-  if (phase == Phase::kRecorded) return PostInit(handle, app_stream);
-  DeviceEvent app_done;
-  MLT_RETURN_IF_ERROR(device_->RecordAppWork(app_stream, &app_done));
+Status Engine::Impl::PostSlot(Handle handle, OpKind kind, DeviceEvent app_done) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!background_error_.ok()) return background_error_;
@@ -354,6 +358,44 @@ Status Engine::Impl::Post(Handle handle, OpKind kind, uintptr_t app_stream) {
   }
   cv_.notify_all();
   return Status::Ok();
+}
+
+// A batch runs its ops one by one, as separate calls would, with two
+// savings while running: the posts share one ticket of the application's
+// work (taken before the first post; the batch itself queues no application
+// work), and the application's stream waits once, at the end, for the last
+// buffer opened. The allocator fills buffers in op order on one stream, so
+// the ticket of the last one covers the others.
+Status Engine::Impl::Run(const std::vector<OpCall>& ops, std::vector<AccessBuffer>* opened, uintptr_t app_stream) {
+  opened->clear();
+  DeviceEvent app_done;
+  bool app_done_taken = false;
+  DeviceEvent last_ready;
+  for (const OpCall& op : ops) {
+    const bool opens = op.kind == OpKind::kRead || op.kind == OpKind::kPreUpdate || op.kind == OpKind::kLocalAccess;
+    if (op.kind == OpKind::kClock) {
+      MLT_RETURN_IF_ERROR(Clock());
+      continue;
+    }
+    MLT_RETURN_IF_ERROR(CheckAccessCall(op.handle, op.kind));
+    if (phase_.load() != Phase::kRunning) {  // the initialisation phase: synchronous anyway
+      AccessBuffer buffer;
+      MLT_RETURN_IF_ERROR(opens ? Open(op.handle, op.kind, &buffer, app_stream) : Post(op.handle, op.kind, app_stream));
+      if (opens) opened->push_back(std::move(buffer));
+    } else if (opens) {
+      AccessBuffer buffer;
+      MLT_RETURN_IF_ERROR(OpenSlot(op.handle, op.kind, &buffer));
+      if (buffer.ready) last_ready = buffer.ready;
+      opened->push_back(std::move(buffer));
+    } else {
+      if (!app_done_taken) {
+        MLT_RETURN_IF_ERROR(device_->RecordAppWork(app_stream, &app_done));
+        app_done_taken = true;
+      }
+      MLT_RETURN_IF_ERROR(PostSlot(op.handle, op.kind, app_done));
+    }
+  }
+  return device_->WaitOnAppStream(app_stream, last_ready);
 }
 
 Status Engine::Impl::Clock() {
@@ -582,6 +624,9 @@ Status Engine::LocalAccess(Handle h, AccessBuffer* out, uintptr_t s) {
   return impl_->Open(h, OpKind::kLocalAccess, out, s);
 }
 Status Engine::PostLocalAccess(Handle h, uintptr_t s) { return impl_->Post(h, OpKind::kPostLocalAccess, s); }
+Status Engine::Run(const std::vector<OpCall>& ops, std::vector<AccessBuffer>* opened, uintptr_t app_stream) {
+  return impl_->Run(ops, opened, app_stream);
+}
 Status Engine::Clock() { return impl_->Clock(); }
 Status Engine::ForkBranch(BranchId child, BranchId parent, const BranchSettings& settings) {
   return impl_->ForkBranch(child, parent, settings);

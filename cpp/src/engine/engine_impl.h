@@ -94,6 +94,7 @@ class Engine::Impl {
   Status StartIterations();
   Status Open(Handle handle, OpKind kind, AccessBuffer* out, uintptr_t app_stream);
   Status Post(Handle handle, OpKind kind, uintptr_t app_stream);
+  Status Run(const std::vector<OpCall>& ops, std::vector<AccessBuffer>* opened, uintptr_t app_stream);
   Status Clock();
   Status Fetch(TableId table, const std::vector<RowId>& rows, float* out, BranchId branch);
   Status ForkBranch(BranchId child, BranchId parent, const BranchSettings& settings);
@@ -142,6 +143,14 @@ class Engine::Impl {
 
   // --- real phase (engine/engine.cc) -----------------------------------------
   Status CheckExpected(Handle handle, OpKind kind) const;
+  // What every open or post checks first: the phase, the handle, and that
+  // `kind` opens (or closes) the access the handle recorded.
+  Status CheckAccessCall(Handle handle, OpKind kind) const;
+  // The running phase's open without the application stream's wait (the
+  // caller waits, once per batch), and its post with the application's
+  // ticket already taken. REQUIRES: CheckAccessCall passed.
+  Status OpenSlot(Handle handle, OpKind kind, AccessBuffer* out);
+  Status PostSlot(Handle handle, OpKind kind, DeviceEvent app_done);
   // REQUIRES: mu_ held. OutOfOrder unless (kind, handle) is the next recorded op.
   Status CheckNextOp(OpKind kind, Handle handle) const;
   // The buffer handed to the application for `access`.

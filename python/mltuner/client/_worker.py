@@ -342,6 +342,35 @@ class Worker:
         """Ends the current iteration."""
         self._engine.clock()
 
+    def run(self, ops: Sequence[tuple[str, int]], *, stream: int = 0) -> list[Buffer]:
+        """Several consecutive recorded ops in one engine call, exactly as if
+        each were called in order: ``ops`` are ``(kind, handle)`` pairs, the
+        kind one of ``"read"``, ``"post_read"``, ``"pre_update"``,
+        ``"update"``, ``"local_access"``, ``"post_local_access"`` or
+        ``"clock"`` (handle ignored). Returns the buffers of the open ops, in
+        order.
+
+        On CUDA it costs two driver calls in all instead of one per op: the
+        posts share one ticket of ``stream``'s work so far, and ``stream``
+        waits once for every buffer opened. A failed op raises as its own
+        call would; the ops before it took effect."""
+        calls = []
+        for kind, handle in ops:
+            number = _OP_KINDS.get(kind)
+            if number is None:
+                raise InvalidArgumentError(f"run: unknown op kind {kind!r}; one of {', '.join(_OP_KINDS)}")
+            calls.append((number, -1 if number == _CLOCK else _handle(handle)))
+        posted = [h for n, h in calls if n in _POSTS_OF_WRITABLE]
+        with contextlib.ExitStack() as taken_back:
+            for handle in posted:
+                taken_back.enter_context(self._taken_back(handle))
+            buffers = self._engine.run(calls, _stream(stream))
+        opens = [(n, h) for n, h in calls if n in _OPENS]
+        for (number, handle), buffer in zip(opens, buffers):
+            if number in _WRITABLE_OPENS:
+                self._hand_out(handle, buffer)
+        return list(buffers)
+
     # -- branches (Config.branches) ---------------------------------------------
     def fork_branch(self, child: int, parent: int, *, learning_rate: float, momentum: float = 0.0,
                     training: bool = True, slack: int | None = None) -> None:
@@ -419,6 +448,15 @@ class Worker:
     def shutdown(self) -> None:
         """Stops this worker's threads; later calls raise ShutdownError."""
         self._engine.shutdown()
+
+
+# Engine::Run's op kinds (OpKind's numbers in cpp/include/mltuner/types.h).
+_OP_KINDS = {"read": 0, "post_read": 1, "pre_update": 2, "update": 3, "local_access": 4, "post_local_access": 5,
+             "clock": 6}
+_CLOCK = 6
+_OPENS = frozenset({0, 2, 4})
+_WRITABLE_OPENS = frozenset({2, 4})  # their numpy buffers become read-only at the post
+_POSTS_OF_WRITABLE = frozenset({3, 5})
 
 
 def _handle(handle: object) -> int:

@@ -190,6 +190,18 @@ class ClockDriver:
         self._closed = False
         self._placeholder_ptr = storage_ptr(placeholder(self.device))
         self._hooks: list[Any] = []
+        self._grad_hooks: list[list[Any]] = []  # per layer
+        self._last_grad: list[int] = [0] * len(layers)  # per layer: the position whose gradient arrived last
+        # The light clock's batched engine calls (_plan_batches): the reads
+        # opened at the first layer's read with the first update buffer, and
+        # each update posted with its reads and the next update buffer opened.
+        self._batched = False
+        self._read_batch: list[tuple[str, int]] = []
+        self._first_read = -1  # event index of the clock's first read
+        self._next_pre_update: dict[int, int] = {}  # update event -> the next update's handle (-1: none)
+        self._held_handle: dict[int, int] = {}  # layer -> handle of its forward read
+        self._opened: dict[int, Any] = {}  # read event -> its buffer, opened by the batch
+        self._update_buffer: Any = None  # the next update's buffer, opened by the last batch
         self._install_hooks()
         self._recording_hooks: list[Any] = []
         self.misgrouped: str | None = None  # a group whose member ran outside its forward (recording)
@@ -202,14 +214,48 @@ class ClockDriver:
         for layer in self.layers:
             self._hooks.append(layer.module.register_forward_pre_hook(self._pre_hook(layer)))
             self._hooks.append(layer.module.register_forward_hook(self._post_hook(layer)))
-            for position, slot in enumerate(layer.params):
-                hook = self._grad_hook(layer, position)
-                self._hooks.append(slot.param.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
+            self._grad_hooks.append([
+                slot.param.register_post_accumulate_grad_hook(self._grad_hook(layer, position))  # type: ignore[no-untyped-call]
+                for position, slot in enumerate(layer.params)])
+
+    def _install_layer_grad_hooks(self) -> None:
+        """The light clock: one gradient hook per layer, on the parameter
+        whose gradient arrived last in the clock before (autograd runs the
+        same graph in the same order every clock), instead of one per
+        parameter. Should another parameter's gradient still be missing
+        when it fires, the layer goes back to a hook per parameter
+        (:meth:`_per_parameter_again`)."""
+        for hooks in self._grad_hooks:
+            for handle in hooks:
+                handle.remove()
+        self._grad_hooks = []
+        for layer in self.layers:
+            position = self._last_grad[layer.index]
+            hook = self._grad_hook(layer, position, counts=len(layer.params))
+            self._grad_hooks.append([layer.params[position].param.register_post_accumulate_grad_hook(hook)])  # type: ignore[no-untyped-call]
+
+    def _per_parameter_again(self, layer: Layer) -> None:
+        """A layer whose hooked gradient came before another one: hooks on
+        every parameter from now on, and this clock waits for the missing."""
+        for handle in self._grad_hooks[layer.index]:
+            handle.remove()
+        self._grad_hooks[layer.index] = [
+            slot.param.register_post_accumulate_grad_hook(self._grad_hook(layer, position))  # type: ignore[no-untyped-call]
+            for position, slot in enumerate(layer.params)]
+        marks = self._marks[layer.index]
+        missing = 0
+        for position, slot in enumerate(layer.params):
+            if slot.param.grad is None:
+                missing += 1
+            else:
+                marks[position] = self._serial
+        self._pending[layer.index] = missing
 
     def remove_hooks(self) -> None:
-        for handle in self._hooks:
+        for handle in self._hooks + [h for hooks in self._grad_hooks for h in hooks]:
             handle.remove()
         self._hooks.clear()
+        self._grad_hooks.clear()
 
     def _pre_hook(self, layer: Layer) -> Callable[[nn.Module, Any], None]:
         def hook(module: nn.Module, args: Any) -> None:
@@ -221,13 +267,16 @@ class ClockDriver:
             self._after_layer(layer, output)
         return hook
 
-    def _grad_hook(self, layer: Layer, position: int) -> Callable[[torch.Tensor], None]:
+    def _grad_hook(self, layer: Layer, position: int, counts: int = 1) -> Callable[[torch.Tensor], None]:
         """One parameter's gradient hook: marks the gradient as arrived and,
         for the layer's last one, ships the update (:meth:`_layer_done`).
-        Anything unusual goes to :meth:`_refuse_gradient`, which raises."""
+        Anything unusual goes to :meth:`_refuse_gradient`, which raises.
+        ``counts``: the gradients it stands for (the light clock hooks one
+        parameter per layer)."""
         index = layer.index
         marks = self._marks[index]
         pending = self._pending
+        last = self._last_grad
 
         def hook(param: torch.Tensor) -> None:
             serial = self._serial
@@ -235,8 +284,12 @@ class ClockDriver:
                     or self._broken is not None):
                 self._refuse_gradient(layer, position, param)
             marks[position] = serial
-            pending[index] -= 1
+            if counts > 1 and any(p.grad is None for p in layer._params):
+                self._per_parameter_again(layer)
+                return
+            pending[index] -= counts
             if pending[index] == 0:
+                last[index] = position
                 self._layer_done(layer)
         return hook
 
@@ -300,6 +353,11 @@ class ClockDriver:
         if self._recording:
             flat = self._init[layer.index]
             return flat, layer.views(flat)
+        if self._batched:
+            if index == self._first_read:
+                *reads, self._update_buffer = self.worker.run(self._read_batch, stream=self._stream)
+                self._opened = dict(zip((i for i, e in enumerate(self._events) if e.kind == "read"), reads))
+            return layer.buffer_views(self._opened.pop(index))
         return layer.buffer_views(self.worker.read(self._handles[index], stream=self._stream))
 
     def _close_read(self, index: int) -> None:
@@ -332,6 +390,9 @@ class ClockDriver:
         return out
 
     def _update(self, index: int, layer: Layer, grads: list[torch.Tensor]) -> None:
+        if self._batched:
+            self._batched_update(index, layer, grads)
+            return
         if not self._recording:
             handle = self._handles[index]
             _, views = layer.buffer_views(self.worker.pre_update(handle, stream=self._stream))
@@ -341,6 +402,37 @@ class ClockDriver:
                 torch._foreach_copy_(views, grads)
             self.worker.update(handle, stream=self._stream)
         layer.clear_grads()
+
+    def _batched_update(self, index: int, layer: Layer, grads: list[torch.Tensor]) -> None:
+        """The light clock's update: the buffer was opened by the last batch;
+        one engine call posts it with the layer's read and opens the next
+        update's buffer."""
+        _, views = layer.buffer_views(self._update_buffer)
+        self._update_buffer = None
+        with torch.no_grad():
+            if self.grad_filter is not None:
+                self.grad_filter(grads)
+            torch._foreach_copy_(views, grads)
+        ops = [("post_read", self._held_handle[layer.index]), ("update", self._handles[index])]
+        following = self._next_pre_update[index]
+        if following >= 0:
+            ops.append(("pre_update", following))
+        opened = self.worker.run(ops, stream=self._stream)
+        self._update_buffer = opened[0] if opened else None
+        layer.clear_grads()
+
+    def _plan_batches(self) -> None:
+        """The light clock's engine calls in batches: the recorded ops are the
+        forward reads, then per update its pre_update, the layer's post_read
+        and the update (``replay(batched=True)``), so consecutive ones can go
+        in one call."""
+        reads = [i for i, e in enumerate(self._events) if e.kind == "read"]
+        updates = [i for i, e in enumerate(self._events) if e.kind == "update"]
+        self._first_read = reads[0]
+        self._read_batch = [("read", self._handles[i]) for i in reads] + [("pre_update", self._handles[updates[0]])]
+        self._held_handle = {self._events[i].layer: self._handles[i] for i in reads}
+        self._next_pre_update = {u: (self._handles[n] if n >= 0 else -1) for u, n in zip(updates, updates[1:] + [-1])}
+        self._batched = True
 
     # -- the forward pass --------------------------------------------------------------
     def forward(self, call: Callable[[], T]) -> T:
@@ -558,6 +650,8 @@ class ClockDriver:
             raise AssertionError("a gradient hook refused a gradient it should have taken")
         except BaseException:
             self._grad_errors = True  # the next forward clears every gradient
+            if self._phase is not Phase.BACKWARD:  # step() is past: tell the next forward directly
+                self._stale_grads = True  # (other parameters' gradients of that backward may have landed)
             if self._phase is not Phase.BACKWARD or layer.index in self._updated:
                 param.grad = None  # no update of this clock takes it (step() may come before a forward)
             raise
@@ -593,7 +687,8 @@ class ClockDriver:
             index = self._next("update", number)
             for held in self._held_by_layer.pop(number, ()):
                 self._held.pop(held, None)
-                self._close_read(held)
+                if not self._batched:  # else posted with the update
+                    self._close_read(held)
             opened = self._grad_open.pop(number, None)
             if opened is not None:
                 self._close_read(opened[0])
@@ -638,6 +733,8 @@ class ClockDriver:
                 )
             self.worker.clock()
         self.clock += 1
+        if self._light and self.clock == 1:  # the order of a light clock's gradients is known now
+            self._install_layer_grad_hooks()
         self._stale_grads = self._grad_errors  # unless a refused gradient left some behind: all handed over
         self._grad_errors = False
         self._reset_clock()
@@ -652,6 +749,8 @@ class ClockDriver:
         self._held.clear()
         self._held_by_layer.clear()
         self._grad_open.clear()
+        self._opened.clear()
+        self._update_buffer = None
         self._pending[:] = [0] * len(self._pending)
         self._updated.clear()
 
@@ -747,7 +846,7 @@ class ClockDriver:
         engine's iterations. A barrier over all workers."""
         worker = self.worker
         self._tables, self._handles = replay(worker, self.layers, self._events, self._slots, slack=self._slack,
-                                             row_width=self._row_width, hold_reads=self._hold)
+                                             row_width=self._row_width, hold_reads=self._hold, batched=self._light)
         worker.finish_virtual_iteration()
         if worker.rank == 0:  # the initial values: worker 0's model, added to the servers' zeros
             updates = {e.layer: self._handles[i] for i, e in enumerate(self._events) if e.kind == "update"}
@@ -757,6 +856,8 @@ class ClockDriver:
                 worker.update(handle, stream=app_stream(self.device))
         self._init.clear()
         worker.start_iterations()
+        if self._light:
+            self._plan_batches()
 
     # -- evaluation and export ------------------------------------------------------------
     def _evaluate(self, call: Callable[[], T]) -> T:

@@ -70,12 +70,15 @@ def describe(event: Event, layers: Sequence[Layer], slots: Sequence[Slot]) -> st
 
 
 def replay(worker: Worker, layers: Sequence[Layer], events: Sequence[Event], slots: Sequence[Slot], *,
-           slack: int, row_width: int, hold_reads: bool) -> tuple[list[Table], list[int]]:
+           slack: int, row_width: int, hold_reads: bool, batched: bool = False) -> tuple[list[Table], list[int]]:
     """Creates one table per layer (and a local table for the activations)
     and records ``events`` as the worker's virtual iteration, ending with
     ``virtual_clock``. With ``hold_reads`` a layer's forward reads stay open
-    until its update. Returns the tables and, per event, the handle of the
-    access it opens (-1 for events that open none)."""
+    until its update. ``batched`` (the light clock) opens each update's
+    buffer before the layer's reads are posted, so that the posts and the
+    next update's open are consecutive ops, one engine call. Returns the
+    tables and, per event, the handle of the access it opens (-1 for events
+    that open none)."""
     tables = [worker.create_tensor_table(f"torch:{layer.name}", layer.layout) for layer in layers]
     activations: Table | None = None
     act_layout = TensorLayout(row_width)
@@ -103,6 +106,12 @@ def replay(worker: Worker, layers: Sequence[Layer], events: Sequence[Event], slo
         elif event.kind == "read_grad":
             handles[index] = open_backward[event.layer] = worker.virtual_read(tables[event.layer], slack=slack)
         else:  # update: the layer's reads are done with once the gradients are final
+            if batched:
+                handles[index] = worker.virtual_pre_update(tables[event.layer])
+                for handle in held.pop(event.layer, ()):
+                    worker.virtual_post_read(handle)
+                worker.virtual_update(handles[index])
+                continue
             for handle in held.pop(event.layer, ()):
                 worker.virtual_post_read(handle)
             if event.layer in open_backward:

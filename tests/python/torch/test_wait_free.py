@@ -81,7 +81,14 @@ def test_top_layer_ships_before_the_bottom_layer_backward_starts(grouped: bool) 
             log.append("update")
             real_update(handle, stream=stream)
 
+        real_run = worker.run
+
+        def spy_run(ops: Any, **kwargs: Any) -> Any:  # the light clock posts updates in batches
+            log.extend("update" for kind, _ in ops if kind == "update")
+            return real_run(ops, **kwargs)
+
         worker.update = spy_update  # type: ignore[method-assign]
+        worker.run = spy_run  # type: ignore[method-assign]
         for clock in range(CLOCKS):
             shipped: list[bool] = []
 

@@ -1,0 +1,105 @@
+"""Worker.run: several recorded ops in one engine call behave exactly like
+the same ops called one by one (the PyTorch adapter's light clock uses it).
+
+Reference: two workers train the same small model on the same data with the
+same rule, one calling each op on its own, the other in batches that cross
+op boundaries (a post, an update and the next open in one call); every read
+and the final parameters must be bit for bit equal.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mltuner import Config, LocalCluster, TensorLayout, UpdateRule, Worker
+from mltuner.exceptions import InvalidArgumentError, OutOfOrderError
+
+CLOCKS = 12
+
+
+def layout() -> TensorLayout:
+    return TensorLayout(row_width=8).add("w", (5, 3)).add("b", (3,))
+
+
+def train(batched: bool) -> tuple[list[np.ndarray], np.ndarray]:
+    config = Config(update_rule=UpdateRule("momentum", learning_rate=0.1, momentum=0.5), wait_timeout_s=20)
+    seen: list[np.ndarray] = []
+    final: list[np.ndarray] = []
+
+    def body(worker: Worker) -> None:
+        a = worker.create_tensor_table("a", layout())
+        b = worker.create_tensor_table("b", layout())
+        read_a, read_b = worker.virtual_read(a, slack=0), worker.virtual_read(b, slack=0)
+        up_b = worker.virtual_pre_update(b)
+        worker.virtual_post_read(read_b)
+        worker.virtual_update(up_b)
+        up_a = worker.virtual_pre_update(a)
+        worker.virtual_post_read(read_a)
+        worker.virtual_update(up_a)
+        worker.virtual_clock()
+        worker.finish_virtual_iteration()
+        rng = np.random.default_rng(0)
+        for handle in (up_a, up_b):
+            worker.pre_update(handle)[...] = rng.normal(size=(3, 8)).astype(np.float32)
+            worker.update(handle)
+        worker.start_iterations()
+        for clock in range(CLOCKS):
+            if batched:
+                values_a, values_b, out_b = worker.run([("read", read_a), ("read", read_b), ("pre_update", up_b)])
+            else:
+                values_a, values_b = worker.read(read_a), worker.read(read_b)
+                out_b = worker.pre_update(up_b)
+            seen.extend([values_a.copy(), values_b.copy()])
+            out_b[...] = 0.5 * values_b + 0.01 * clock
+            if batched:
+                (out_a,) = worker.run([("post_read", read_b), ("update", up_b), ("pre_update", up_a)])
+            else:
+                worker.post_read(read_b)
+                worker.update(up_b)
+                out_a = worker.pre_update(up_a)
+            out_a[...] = values_a * values_a
+            if batched:
+                assert worker.run([("post_read", read_a), ("update", up_a), ("clock", -1)]) == []
+                assert not out_a.flags.writeable  # posted through run: read-only like after update()
+            else:
+                worker.post_read(read_a)
+                worker.update(up_a)
+                worker.clock()
+        worker.sync()
+        final.append(worker.fetch(a))
+
+    with LocalCluster(1, config) as cluster:
+        cluster.run(body)
+    return seen, final[0]
+
+
+def test_batches_equal_single_calls() -> None:
+    seen_single, final_single = train(batched=False)
+    seen_batched, final_batched = train(batched=True)
+    assert len(seen_single) == len(seen_batched) == 2 * CLOCKS
+    for single, batched in zip(seen_single, seen_batched):
+        np.testing.assert_array_equal(single, batched)
+    np.testing.assert_array_equal(final_single, final_batched)
+
+
+@pytest.mark.parametrize("ops, error, match", [
+    ([("write", 0)], InvalidArgumentError, "unknown op kind 'write'"),
+    ([("update", 0)], InvalidArgumentError, "update of handle 0, which was recorded as a read"),
+    ([("post_read", 0)], OutOfOrderError, "expects read"),
+    ([("read", 0), ("read", 0)], OutOfOrderError, "called read\\(handle 0\\)"),
+])
+def test_bad_batches_raise_the_single_calls_errors(ops: list[tuple[str, int]], error: type[Exception],
+                                                    match: str) -> None:
+    with LocalCluster(1, Config(wait_timeout_s=10)) as cluster:
+        def body(worker: Worker) -> None:
+            table = worker.create_table("t", 4, 2)
+            read = worker.virtual_read(table, slack=0)
+            worker.virtual_post_read(read)
+            worker.virtual_clock()
+            worker.finish_virtual_iteration()
+            worker.start_iterations()
+            with pytest.raises(error, match=match):
+                worker.run(ops)
+
+        cluster.run(body)

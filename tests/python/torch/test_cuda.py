@@ -105,15 +105,18 @@ def test_parameters_live_in_the_engines_gpu_buffers() -> None:
         worker = cluster.worker(0)
         ps_model = mt.wrap(model, worker, example_input=x[0])
         reads: list[int] = []
-        real_read = worker.read
+        real_run = worker.run
 
-        def spy_read(handle: int, **kwargs: Any) -> Any:
-            buffer = real_read(handle, **kwargs)
-            assert isinstance(buffer, mltuner.DeviceArray)
-            reads.append(int(buffer.data_ptr))
-            return buffer
+        def spy_run(ops: Any, **kwargs: Any) -> Any:  # the light clock opens its reads in one batch
+            buffers = real_run(ops, **kwargs)
+            opens = [kind for kind, _ in ops if kind in ("read", "pre_update", "local_access")]
+            for kind, buffer in zip(opens, buffers):
+                assert isinstance(buffer, mltuner.DeviceArray)
+                if kind == "read":
+                    reads.append(int(buffer.data_ptr))
+            return buffers
 
-        worker.read = spy_read  # type: ignore[method-assign]
+        worker.run = spy_run  # type: ignore[method-assign]
         seen: list[int] = []
         model[0].register_forward_pre_hook(lambda m, a: seen.append(m.weight.untyped_storage().data_ptr()))
         ps_model(x[0]).sum().backward()

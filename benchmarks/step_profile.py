@@ -78,9 +78,11 @@ def main() -> None:
             ps.step()
 
         ours, ours_ms = profile_steps(ps_step, args.steps)
+        stats = cluster.worker(0).stats
         cluster.worker(0).sync()
 
-    print(f"# step under the profiler: plain {plain_ms:.2f} ms, mltuner {ours_ms:.2f} ms")
+    print(f"# step under the profiler: plain {plain_ms:.2f} ms, mltuner {ours_ms:.2f} ms; "
+          f"mltuner stall {stats['stall_seconds']:.3f} s in all")
     for name, table in (("plain", plain), ("mltuner", ours)):
         per_role: dict[str, float] = collections.defaultdict(float)
         for (role, _), value in table.items():

@@ -40,6 +40,14 @@ of its module, a saved non-float32 reinterpretation or a detached view of
 parameters needed after their update) is a property of the model's code,
 checked by the recording pass, which always runs with the hooks.
 
+The light clock also batches its engine calls (:meth:`Worker.run`): the
+first layer's read opens every forward read and the first update's buffer
+in one call, and each layer's update is posted together with its read and
+the next update's open (``replay(batched=True)`` records the update's
+pre_update before the read's post so that these ops are consecutive). On
+CUDA that is one event record and one stream wait per layer instead of
+three driver calls.
+
 The torch views of each engine buffer are made once per buffer address and
 reused (``Layer.buffer_views``): the engine's pool gives every access the
 same place clock after clock.
@@ -190,8 +198,6 @@ class ClockDriver:
         self._closed = False
         self._placeholder_ptr = storage_ptr(placeholder(self.device))
         self._hooks: list[Any] = []
-        self._grad_hooks: list[list[Any]] = []  # per layer
-        self._last_grad: list[int] = [0] * len(layers)  # per layer: the position whose gradient arrived last
         # The light clock's batched engine calls (_plan_batches): the reads
         # opened at the first layer's read with the first update buffer, and
         # each update posted with its reads and the next update buffer opened.
@@ -214,48 +220,14 @@ class ClockDriver:
         for layer in self.layers:
             self._hooks.append(layer.module.register_forward_pre_hook(self._pre_hook(layer)))
             self._hooks.append(layer.module.register_forward_hook(self._post_hook(layer)))
-            self._grad_hooks.append([
-                slot.param.register_post_accumulate_grad_hook(self._grad_hook(layer, position))  # type: ignore[no-untyped-call]
-                for position, slot in enumerate(layer.params)])
-
-    def _install_layer_grad_hooks(self) -> None:
-        """The light clock: one gradient hook per layer, on the parameter
-        whose gradient arrived last in the clock before (autograd runs the
-        same graph in the same order every clock), instead of one per
-        parameter. Should another parameter's gradient still be missing
-        when it fires, the layer goes back to a hook per parameter
-        (:meth:`_per_parameter_again`)."""
-        for hooks in self._grad_hooks:
-            for handle in hooks:
-                handle.remove()
-        self._grad_hooks = []
-        for layer in self.layers:
-            position = self._last_grad[layer.index]
-            hook = self._grad_hook(layer, position, counts=len(layer.params))
-            self._grad_hooks.append([layer.params[position].param.register_post_accumulate_grad_hook(hook)])  # type: ignore[no-untyped-call]
-
-    def _per_parameter_again(self, layer: Layer) -> None:
-        """A layer whose hooked gradient came before another one: hooks on
-        every parameter from now on, and this clock waits for the missing."""
-        for handle in self._grad_hooks[layer.index]:
-            handle.remove()
-        self._grad_hooks[layer.index] = [
-            slot.param.register_post_accumulate_grad_hook(self._grad_hook(layer, position))  # type: ignore[no-untyped-call]
-            for position, slot in enumerate(layer.params)]
-        marks = self._marks[layer.index]
-        missing = 0
-        for position, slot in enumerate(layer.params):
-            if slot.param.grad is None:
-                missing += 1
-            else:
-                marks[position] = self._serial
-        self._pending[layer.index] = missing
+            for position, slot in enumerate(layer.params):
+                hook = self._grad_hook(layer, position)
+                self._hooks.append(slot.param.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
 
     def remove_hooks(self) -> None:
-        for handle in self._hooks + [h for hooks in self._grad_hooks for h in hooks]:
+        for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-        self._grad_hooks.clear()
 
     def _pre_hook(self, layer: Layer) -> Callable[[nn.Module, Any], None]:
         def hook(module: nn.Module, args: Any) -> None:
@@ -267,16 +239,13 @@ class ClockDriver:
             self._after_layer(layer, output)
         return hook
 
-    def _grad_hook(self, layer: Layer, position: int, counts: int = 1) -> Callable[[torch.Tensor], None]:
+    def _grad_hook(self, layer: Layer, position: int) -> Callable[[torch.Tensor], None]:
         """One parameter's gradient hook: marks the gradient as arrived and,
         for the layer's last one, ships the update (:meth:`_layer_done`).
-        Anything unusual goes to :meth:`_refuse_gradient`, which raises.
-        ``counts``: the gradients it stands for (the light clock hooks one
-        parameter per layer)."""
+        Anything unusual goes to :meth:`_refuse_gradient`, which raises."""
         index = layer.index
         marks = self._marks[index]
         pending = self._pending
-        last = self._last_grad
 
         def hook(param: torch.Tensor) -> None:
             serial = self._serial
@@ -284,12 +253,8 @@ class ClockDriver:
                     or self._broken is not None):
                 self._refuse_gradient(layer, position, param)
             marks[position] = serial
-            if counts > 1 and any(p.grad is None for p in layer._params):
-                self._per_parameter_again(layer)
-                return
-            pending[index] -= counts
+            pending[index] -= 1
             if pending[index] == 0:
-                last[index] = position
                 self._layer_done(layer)
         return hook
 
@@ -733,8 +698,6 @@ class ClockDriver:
                 )
             self.worker.clock()
         self.clock += 1
-        if self._light and self.clock == 1:  # the order of a light clock's gradients is known now
-            self._install_layer_grad_hooks()
         self._stale_grads = self._grad_errors  # unless a refused gradient left some behind: all handed over
         self._grad_errors = False
         self._reset_clock()

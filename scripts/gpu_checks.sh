@@ -21,6 +21,6 @@ cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DMLTUNER_BUILD_TEST
   && cmake --build build/gpu -j 16 >> "$out/ctest-build.log" 2>&1 \
   && ctest --test-dir build/gpu -L gpu --output-on-failure 2>&1 | tail -15 | tee "$out/ctest.log"
 echo "== Python GPU tests"
-python3 -m pytest -q -x tests/python/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$out/pytest-gpu.log"
+python3 -m pytest -q -x tests/python/gpu tests/python/torch/test_cuda.py tests/python/torch/test_mixed_precision.py -p no:cacheprovider 2>&1 | tail -15 | tee "$out/pytest-gpu.log"
 echo "== benchmark"
 (cd benchmarks && python3 gpu_path_bench.py "$@" 2>&1 | tee "$out/gpu_path_bench.md")

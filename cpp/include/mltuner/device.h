@@ -48,6 +48,14 @@ struct RunIndex {
   void* device_copy = nullptr;  // owned by the Device; see ReleaseIndex
 };
 
+// A piece of the application's memory to copy into an engine buffer:
+// buffer[offset, offset + count) = src[0, count), in floats.
+struct CopyPiece {
+  const float* src = nullptr;
+  int64_t offset = 0;
+  int64_t count = 0;
+};
+
 // The rows an index moves (the sum of its runs' counts); InvalidArgument for a
 // run with a negative field. Every backend's PrepareIndex starts with it.
 Status CountIndexRows(const RunIndex& index, int64_t* total_rows);
@@ -112,6 +120,13 @@ class Device {
   // stream wait for it. The CPU backend has no asynchronous work at all: its
   // tickets are null.
   virtual Status RecordAppWork(uintptr_t app_stream, DeviceEvent* out) = 0;
+  // Queues on the application's stream, after its own work there, the copy
+  // of each piece into `dst` (device memory); the sources are memory of this
+  // device that the application wrote on that stream (a PyTorch gradient).
+  // One launch for many pieces: the adapter's way to hand a layer's
+  // gradients over without a framework call per tensor. The CPU backend
+  // copies at once. REQUIRES: pieces in bounds (the engine checks).
+  virtual Status CopyPiecesOnAppStream(uintptr_t app_stream, float* dst, const std::vector<CopyPiece>& pieces) = 0;
   // The index of the accelerator (DLPack device id); 0 for the CPU.
   virtual int ordinal() const = 0;
 

@@ -379,6 +379,7 @@ Status Engine::Impl::Run(const std::vector<OpCall>& ops, std::vector<AccessBuffe
     }
     MLT_RETURN_IF_ERROR(CheckAccessCall(op.handle, op.kind));
     if (phase_.load() != Phase::kRunning) {  // the initialisation phase: synchronous anyway
+      if (!op.fill.empty()) return Status::OutOfOrder("pieces to copy in are for the running phase's posts");
       AccessBuffer buffer;
       MLT_RETURN_IF_ERROR(opens ? Open(op.handle, op.kind, &buffer, app_stream) : Post(op.handle, op.kind, app_stream));
       if (opens) opened->push_back(std::move(buffer));
@@ -388,6 +389,10 @@ Status Engine::Impl::Run(const std::vector<OpCall>& ops, std::vector<AccessBuffe
       if (buffer.ready) last_ready = buffer.ready;
       opened->push_back(std::move(buffer));
     } else {
+      if (!op.fill.empty()) {
+        MLT_RETURN_IF_ERROR(FillBeforePost(op, app_stream));
+        app_done_taken = false;  // the post's ticket must come after the copies
+      }
       if (!app_done_taken) {
         MLT_RETURN_IF_ERROR(device_->RecordAppWork(app_stream, &app_done));
         app_done_taken = true;
@@ -396,6 +401,30 @@ Status Engine::Impl::Run(const std::vector<OpCall>& ops, std::vector<AccessBuffe
     }
   }
   return device_->WaitOnAppStream(app_stream, last_ready);
+}
+
+Status Engine::Impl::FillBeforePost(const OpCall& op, uintptr_t app_stream) {
+  if (op.kind != OpKind::kUpdate && op.kind != OpKind::kPostLocalAccess) {
+    return Status::InvalidArgument(std::string("pieces to copy in come with an update or post_local_access, not ") +
+                                   OpKindName(op.kind));
+  }
+  const AccessRecord& access = recording_.accesses[op.handle];
+  const int64_t capacity = static_cast<int64_t>(access.rows.size()) * tables_[access.table].row_width;
+  for (const CopyPiece& piece : op.fill) {
+    if (piece.src == nullptr || piece.offset < 0 || piece.count < 0 || piece.offset > capacity - piece.count) {
+      return Status::InvalidArgument("a piece of " + std::to_string(piece.count) + " floats at offset " +
+                                     std::to_string(piece.offset) + " does not fit the " + std::to_string(capacity) +
+                                     " floats of the " + access.Describe(tables_[access.table].name));
+    }
+  }
+  float* data = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!background_error_.ok()) return background_error_;
+    MLT_RETURN_IF_ERROR(CheckNextOp(op.kind, op.handle));
+    data = slots_[op.handle][app_clock_ % depth_].data;
+  }
+  return device_->CopyPiecesOnAppStream(app_stream, data, op.fill);
 }
 
 Status Engine::Impl::Clock() {

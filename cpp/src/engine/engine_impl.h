@@ -151,6 +151,8 @@ class Engine::Impl {
   // ticket already taken. REQUIRES: CheckAccessCall passed.
   Status OpenSlot(Handle handle, OpKind kind, AccessBuffer* out);
   Status PostSlot(Handle handle, OpKind kind, DeviceEvent app_done);
+  // Copies a batch op's pieces into its buffer on the application's stream.
+  Status FillBeforePost(const OpCall& op, uintptr_t app_stream);
   // REQUIRES: mu_ held. OutOfOrder unless (kind, handle) is the next recorded op.
   Status CheckNextOp(OpKind kind, Handle handle) const;
   // The buffer handed to the application for `access`.

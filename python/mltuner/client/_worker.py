@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import Union
+from typing import Any, Union
 
 import numpy as np
 
@@ -312,6 +312,16 @@ class Worker:
         with self._taken_back(handle):
             self._engine.post_local_access(handle, stream)
 
+    def _run_ops(self, ops: list[tuple[Any, ...]], stream: int) -> list[Buffer]:
+        """:meth:`run` for the PyTorch adapter, without the per-op checks
+        (its handles and kinds come from its own recording): ``ops`` hold
+        OpKind numbers, and an update may carry a third item, pieces
+        ``(address, offset, count)`` of float32 memory on the worker's device
+        that the engine copies into the buffer on ``stream`` before the post.
+        The addresses are trusted: the adapter takes them from tensors it
+        checked (dtype, device, contiguity)."""
+        return list(self._engine.run(ops, stream))
+
     def _hand_out(self, handle: int, buffer: Buffer) -> Buffer:
         if isinstance(buffer, np.ndarray):
             self._handed_out[handle] = weakref.ref(buffer)
@@ -356,9 +366,9 @@ class Worker:
         call would; the ops before it took effect."""
         calls = []
         for kind, handle in ops:
-            number = _OP_KINDS.get(kind)
+            number = OP_KINDS.get(kind)
             if number is None:
-                raise InvalidArgumentError(f"run: unknown op kind {kind!r}; one of {', '.join(_OP_KINDS)}")
+                raise InvalidArgumentError(f"run: unknown op kind {kind!r}; one of {', '.join(OP_KINDS)}")
             calls.append((number, -1 if number == _CLOCK else _handle(handle)))
         posted = [h for n, h in calls if n in _POSTS_OF_WRITABLE]
         with contextlib.ExitStack() as taken_back:
@@ -451,8 +461,8 @@ class Worker:
 
 
 # Engine::Run's op kinds (OpKind's numbers in cpp/include/mltuner/types.h).
-_OP_KINDS = {"read": 0, "post_read": 1, "pre_update": 2, "update": 3, "local_access": 4, "post_local_access": 5,
-             "clock": 6}
+OP_KINDS = {"read": 0, "post_read": 1, "pre_update": 2, "update": 3, "local_access": 4, "post_local_access": 5,
+            "clock": 6}
 _CLOCK = 6
 _OPENS = frozenset({0, 2, 4})
 _WRITABLE_OPENS = frozenset({2, 4})  # their numpy buffers become read-only at the post

@@ -70,7 +70,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mltuner.client._worker import Table, Worker
+from mltuner.client._worker import OP_KINDS, Table, Worker
 from mltuner.exceptions import InvalidArgumentError, OutOfOrderError
 from mltuner.torch._buffers import app_stream, as_tensor, placeholder, storage_ptr
 from mltuner.torch._errors import IterationMismatchError, UnsupportedModelError
@@ -80,6 +80,9 @@ from mltuner.torch._recording import Event, Slot, describe, replay
 __all__ = ["ClockDriver", "tensors_in"]
 
 T = TypeVar("T")
+
+# The engine's op numbers for the light clock's batches (Worker._run_ops).
+_READ, _POST_READ, _PRE_UPDATE, _UPDATE = (OP_KINDS[k] for k in ("read", "post_read", "pre_update", "update"))
 
 
 class _ParamRef(NamedTuple):
@@ -202,7 +205,7 @@ class ClockDriver:
         # opened at the first layer's read with the first update buffer, and
         # each update posted with its reads and the next update buffer opened.
         self._batched = False
-        self._read_batch: list[tuple[str, int]] = []
+        self._read_batch: list[tuple[int, int]] = []
         self._first_read = -1  # event index of the clock's first read
         self._next_pre_update: dict[int, int] = {}  # update event -> the next update's handle (-1: none)
         self._held_handle: dict[int, int] = {}  # layer -> handle of its forward read
@@ -320,7 +323,7 @@ class ClockDriver:
             return flat, layer.views(flat)
         if self._batched:
             if index == self._first_read:
-                *reads, self._update_buffer = self.worker.run(self._read_batch, stream=self._stream)
+                *reads, self._update_buffer = self.worker._run_ops(self._read_batch, self._stream)
                 self._opened = dict(zip((i for i, e in enumerate(self._events) if e.kind == "read"), reads))
             return layer.buffer_views(self._opened.pop(index))
         return layer.buffer_views(self.worker.read(self._handles[index], stream=self._stream))
@@ -370,21 +373,40 @@ class ClockDriver:
 
     def _batched_update(self, index: int, layer: Layer, grads: list[torch.Tensor]) -> None:
         """The light clock's update: the buffer was opened by the last batch;
-        one engine call posts it with the layer's read and opens the next
-        update's buffer."""
-        _, views = layer.buffer_views(self._update_buffer)
+        one engine call copies the gradients in (one kernel for the layer),
+        posts the update with the layer's read and opens the next update's
+        buffer."""
+        pieces = self._pieces(layer, grads)
+        if pieces is None:  # a scaler to apply, or gradients the engine cannot take as they are
+            _, views = layer.buffer_views(self._update_buffer)
+            with torch.no_grad():
+                if self.grad_filter is not None:
+                    self.grad_filter(grads)
+                torch._foreach_copy_(views, grads)
+            update: tuple[Any, ...] = (_UPDATE, self._handles[index])
+        else:
+            update = (_UPDATE, self._handles[index], pieces)
         self._update_buffer = None
-        with torch.no_grad():
-            if self.grad_filter is not None:
-                self.grad_filter(grads)
-            torch._foreach_copy_(views, grads)
-        ops = [("post_read", self._held_handle[layer.index]), ("update", self._handles[index])]
+        ops = [(_POST_READ, self._held_handle[layer.index]), update]
         following = self._next_pre_update[index]
         if following >= 0:
-            ops.append(("pre_update", following))
-        opened = self.worker.run(ops, stream=self._stream)
+            ops.append((_PRE_UPDATE, following))
+        opened = self.worker._run_ops(ops, self._stream)
         self._update_buffer = opened[0] if opened else None
         layer.clear_grads()
+
+    def _pieces(self, layer: Layer, grads: list[torch.Tensor]) -> list[tuple[int, int, int]] | None:
+        """The gradients as pieces for the engine to copy (address, offset in
+        the layer's rows, count); None when one needs torch to copy it (a
+        grad_filter to apply first, another dtype, device or layout)."""
+        if self.grad_filter is not None:
+            return None
+        pieces = []
+        for slot, grad in zip(layer.params, grads):
+            if grad.dtype is not torch.float32 or grad.device != self.device or not grad.is_contiguous():
+                return None
+            pieces.append((grad.data_ptr(), slot.offset, slot.numel))
+        return pieces
 
     def _plan_batches(self) -> None:
         """The light clock's engine calls in batches: the recorded ops are the
@@ -394,7 +416,7 @@ class ClockDriver:
         reads = [i for i, e in enumerate(self._events) if e.kind == "read"]
         updates = [i for i, e in enumerate(self._events) if e.kind == "update"]
         self._first_read = reads[0]
-        self._read_batch = [("read", self._handles[i]) for i in reads] + [("pre_update", self._handles[updates[0]])]
+        self._read_batch = [(_READ, self._handles[i]) for i in reads] + [(_PRE_UPDATE, self._handles[updates[0]])]
         self._held_handle = {self._events[i].layer: self._handles[i] for i in reads}
         self._next_pre_update = {u: (self._handles[n] if n >= 0 else -1) for u, n in zip(updates, updates[1:] + [-1])}
         self._batched = True

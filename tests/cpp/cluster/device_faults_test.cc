@@ -62,6 +62,9 @@ class FaultyDevice final : public Device {
   Status Synchronize(Stream s) override { return Inject("Synchronize", s); }
   Status TakeError() override { return Status::Ok(); }
   Status RecordAppWork(uintptr_t a, DeviceEvent* out) override { return cpu_->RecordAppWork(a, out); }
+  Status CopyPiecesOnAppStream(uintptr_t a, float* dst, const std::vector<CopyPiece>& pieces) override {
+    return cpu_->CopyPiecesOnAppStream(a, dst, pieces);
+  }
   Status RecordEvent(Stream s, DeviceEvent* out) override {
     out->reset();
     return Inject("RecordEvent", s);

@@ -253,6 +253,49 @@ TEST(SgdUpdateAveragesWorkers) { CheckRule(UpdateRuleKind::kSgd, 10007, 3, 4); }
 TEST(MomentumUpdate) { CheckRule(UpdateRuleKind::kMomentum, 10007, 3, 5); }
 TEST(AdamUpdateWithBiasCorrection) { CheckRule(UpdateRuleKind::kAdam, 10007, 3, 5); }
 TEST(AdamUpdateGridStride) { CheckRule(UpdateRuleKind::kAdam, 2500001, 2, 2); }  // > 8192 * 256
+// --- copy pieces ------------------------------------------------------------
+
+// `num_pieces` pieces of lengths 0..max_len from one source array, placed
+// back to back with gaps in the destination; untouched floats must stay.
+void CheckCopyPieces(int num_pieces, int64_t max_len, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<CopyPiece> pieces;
+  int64_t src_total = 0, dst_end = 0;
+  std::vector<std::pair<int64_t, int64_t>> src_at;  // (source offset, count)
+  for (int i = 0; i < num_pieces; ++i) {
+    const int64_t count = static_cast<int64_t>(rng() % (max_len + 1));
+    dst_end += static_cast<int64_t>(rng() % 5);  // a gap
+    src_at.push_back({src_total, count});
+    pieces.push_back({nullptr, dst_end, count});
+    src_total += count;
+    dst_end += count;
+  }
+  const std::vector<float> src = RandomValues(src_total + 1, seed);
+  std::vector<float> want = RandomValues(dst_end + 1, seed + 1);
+  DeviceArray<float> d_src(src.size()), d_dst(want.size());
+  ASSERT_TRUE(d_src.ok() && d_dst.ok());
+  CUDA_ASSERT(d_src.Upload(src));
+  CUDA_ASSERT(d_dst.Upload(want));
+  for (int i = 0; i < num_pieces; ++i) pieces[i].src = d_src.get() + src_at[i].first;
+  kernels::LaunchCopyPieces(d_dst.get(), pieces.data(), num_pieces, nullptr);
+  CUDA_ASSERT(cudaGetLastError());
+  CUDA_ASSERT(cudaDeviceSynchronize());
+  for (int i = 0; i < num_pieces; ++i) {
+    for (int64_t k = 0; k < src_at[i].second; ++k) want[pieces[i].offset + k] = src[src_at[i].first + k];
+  }
+  std::vector<float> got;
+  CUDA_ASSERT(d_dst.Download(&got));
+  int64_t wrong = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (got[i] != want[i] && wrong++ < 5) EXPECT_EQ(got[i], want[i]);
+  }
+  EXPECT_EQ(wrong, int64_t{0});
+}
+
+TEST(CopyPiecesFew) { CheckCopyPieces(7, 1000, 11); }
+TEST(CopyPiecesMoreThanOneLaunch) { CheckCopyPieces(300, 50, 12); }  // > kMaxPiecesPerLaunch
+TEST(CopyPiecesGridStride) { CheckCopyPieces(3, 600000, 13); }      // > 1024 blocks * 256
+
 TEST(UpdateNothingToDo) {
   kernels::LaunchApplyUpdate(UpdateStep{}, nullptr, nullptr, nullptr, 0, nullptr);
   kernels::LaunchAddInto(nullptr, nullptr, 0, nullptr);

@@ -103,3 +103,35 @@ def test_bad_batches_raise_the_single_calls_errors(ops: list[tuple[str, int]], e
                 worker.run(ops)
 
         cluster.run(body)
+
+
+def test_an_update_takes_pieces_copied_in_before_its_post() -> None:
+    """Worker._run_ops (the PyTorch adapter's path): an update may carry
+    pieces of float32 memory that the engine copies into its buffer; the
+    servers receive exactly them, and a piece outside the buffer is refused
+    before anything is copied."""
+    config = Config(update_rule=UpdateRule("add"), wait_timeout_s=20)
+    pieces_src = [np.arange(1, 16, dtype=np.float32), np.full(3, -2.0, dtype=np.float32)]
+    got: list[np.ndarray] = []
+
+    def body(worker: Worker) -> None:
+        table = worker.create_tensor_table("t", layout())
+        update = worker.virtual_pre_update(table)
+        worker.virtual_update(update)
+        worker.virtual_clock()
+        worker.finish_virtual_iteration()
+        worker.start_iterations()
+        worker.pre_update(update)
+        with pytest.raises(InvalidArgumentError, match="does not fit the 24 floats"):
+            worker._run_ops([(3, update, [(pieces_src[0].ctypes.data, 20, 5)])], 0)
+        pieces = [(pieces_src[0].ctypes.data, 0, 15), (pieces_src[1].ctypes.data, 16, 3)]
+        worker._run_ops([(3, update, pieces), (6, -1)], 0)
+        worker.sync()
+        got.append(worker.fetch(table))
+
+    with LocalCluster(1, config) as cluster:
+        cluster.run(body)
+    expected = np.zeros(24, dtype=np.float32)
+    expected[:15] = pieces_src[0]
+    expected[16:19] = pieces_src[1]
+    np.testing.assert_array_equal(got[0].reshape(-1), expected)

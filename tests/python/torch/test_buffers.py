@@ -15,10 +15,14 @@ from torch import nn  # noqa: E402
 
 import mltuner  # noqa: E402
 import mltuner.torch as mt  # noqa: E402
+from mltuner.client._worker import OP_KINDS  # noqa: E402
 from mltuner import Config, LocalCluster  # noqa: E402
 from mltuner.torch._buffers import app_stream, as_tensor  # noqa: E402
 
 CPU = torch.device("cpu")
+
+
+OP_NAMES = {number: name for name, number in OP_KINDS.items()}
 
 
 def test_numpy_buffers_are_shared_not_copied() -> None:
@@ -73,15 +77,15 @@ def test_parameters_point_into_the_engines_read_buffer() -> None:
         worker = cluster.worker(0)
         ps_model = mt.wrap(model, worker, example_input=torch.randn(2, 4))
         reads: list[int] = []
-        real_run = worker.run
+        real_run = worker._run_ops
 
-        def spy_run(ops: Any, **kwargs: Any) -> Any:  # the light clock opens its reads in one batch
-            buffers = real_run(ops, **kwargs)
-            opens = [kind for kind, _ in ops if kind in ("read", "pre_update", "local_access")]
+        def spy_run(ops: Any, stream: int) -> Any:  # the light clock opens its reads in one batch
+            buffers = real_run(ops, stream)
+            opens = [OP_NAMES[op[0]] for op in ops if OP_NAMES[op[0]] in ("read", "pre_update", "local_access")]
             reads.extend(int(b.ctypes.data) for kind, b in zip(opens, buffers) if kind == "read")
             return buffers
 
-        worker.run = spy_run  # type: ignore[method-assign]
+        worker._run_ops = spy_run  # type: ignore[method-assign]
         seen: list[int] = []
         # Pre-hooks run in registration order: this one after the adapter's read.
         model[0].register_forward_pre_hook(lambda m, a: seen.append(m.weight.untyped_storage().data_ptr()))

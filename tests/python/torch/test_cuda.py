@@ -19,6 +19,7 @@ from torch import nn  # noqa: E402
 
 import mltuner  # noqa: E402
 import mltuner.torch as mt  # noqa: E402
+from mltuner.client._worker import OP_KINDS  # noqa: E402
 from mltuner import Config, LocalCluster, UpdateRule  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -63,6 +64,9 @@ def train(budget: int, store_activations: bool) -> tuple[dict[str, torch.Tensor]
         return ps_model.state_dict(), losses, worker.stats
 
 
+OP_NAMES = {number: name for name, number in OP_KINDS.items()}
+
+
 def test_cuda_training_matches_torch_and_swapping_changes_nothing() -> None:
     x, y = make_data()
     reference = make_model()
@@ -105,18 +109,18 @@ def test_parameters_live_in_the_engines_gpu_buffers() -> None:
         worker = cluster.worker(0)
         ps_model = mt.wrap(model, worker, example_input=x[0])
         reads: list[int] = []
-        real_run = worker.run
+        real_run = worker._run_ops
 
-        def spy_run(ops: Any, **kwargs: Any) -> Any:  # the light clock opens its reads in one batch
-            buffers = real_run(ops, **kwargs)
-            opens = [kind for kind, _ in ops if kind in ("read", "pre_update", "local_access")]
+        def spy_run(ops: Any, stream: int) -> Any:  # the light clock opens its reads in one batch
+            buffers = real_run(ops, stream)
+            opens = [OP_NAMES[op[0]] for op in ops if OP_NAMES[op[0]] in ("read", "pre_update", "local_access")]
             for kind, buffer in zip(opens, buffers):
                 assert isinstance(buffer, mltuner.DeviceArray)
                 if kind == "read":
                     reads.append(int(buffer.data_ptr))
             return buffers
 
-        worker.run = spy_run  # type: ignore[method-assign]
+        worker._run_ops = spy_run  # type: ignore[method-assign]
         seen: list[int] = []
         model[0].register_forward_pre_hook(lambda m, a: seen.append(m.weight.untyped_storage().data_ptr()))
         ps_model(x[0]).sum().backward()

@@ -25,6 +25,7 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 import mltuner.torch as mt  # noqa: E402
+from mltuner.client._worker import OP_KINDS  # noqa: E402
 from mltuner import Config, LocalCluster, UpdateRule  # noqa: E402
 
 CLOCKS = 3
@@ -81,14 +82,14 @@ def test_top_layer_ships_before_the_bottom_layer_backward_starts(grouped: bool) 
             log.append("update")
             real_update(handle, stream=stream)
 
-        real_run = worker.run
+        real_run = worker._run_ops
 
-        def spy_run(ops: Any, **kwargs: Any) -> Any:  # the light clock posts updates in batches
-            log.extend("update" for kind, _ in ops if kind == "update")
-            return real_run(ops, **kwargs)
+        def spy_run(ops: Any, stream: int) -> Any:  # the light clock posts updates in batches
+            log.extend("update" for op in ops if op[0] == OP_KINDS["update"])
+            return real_run(ops, stream)
 
         worker.update = spy_update  # type: ignore[method-assign]
-        worker.run = spy_run  # type: ignore[method-assign]
+        worker._run_ops = spy_run  # type: ignore[method-assign]
         for clock in range(CLOCKS):
             shipped: list[bool] = []
 

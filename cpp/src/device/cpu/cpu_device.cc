@@ -153,6 +153,13 @@ class CpuDevice final : public Device {
   Status WaitOnAppStream(uintptr_t, const DeviceEvent&) override { return Status::Ok(); }
   Status WaitEventDone(const DeviceEvent&) override { return Status::Ok(); }
 
+  Status CopyPiecesOnAppStream(uintptr_t, float* dst, const std::vector<CopyPiece>& pieces) override {
+    for (const CopyPiece& piece : pieces) {
+      std::memcpy(dst + piece.offset, piece.src, static_cast<size_t>(piece.count) * sizeof(float));
+    }
+    return Status::Ok();
+  }
+
   void AddInto(float* dst, const float* src, int64_t count, Stream) override {
     if (count > 0) AddFloats(dst, src, count);
   }

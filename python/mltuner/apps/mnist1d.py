@@ -87,8 +87,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def update_rule(args: argparse.Namespace) -> mlt.UpdateRule:
-    """The servers' rule: momentum SGD with the starting learning rate and momentum."""
-    return mlt.UpdateRule("momentum", learning_rate=args.lr, momentum=args.momentum)
+X
+    return mlt.UpdateRule("damped_momentum", learning_rate=args.lr, momentum=args.momentum)
 
 
 def tuner_config(args: argparse.Namespace) -> TunerConfig:

@@ -196,6 +196,9 @@ class ClockDriver:
         # Called on each layer's gradients (in place) before they are copied
         # into its update; the mixed-precision scaler's unscaling (_amp.py).
         self.grad_filter: Callable[[list[torch.Tensor]], None] | None = None
+        # Called before each training clock touches the engine; sends the
+        # optimizer's changed learning rates (_optim.py).
+        self.clock_start: Callable[[], None] | None = None
 
     # -- hooks -----------------------------------------------------------------------
     def _install_hooks(self) -> None:
@@ -355,6 +358,8 @@ class ClockDriver:
                 f"a second training forward pass in clock {self.clock}: call loss.backward() and step() once "
                 "per forward pass (run evaluation forwards under torch.no_grad())"
             )
+        if self.clock_start is not None and not self._recording:
+            self.clock_start()  # may raise: nothing of the clock has reached the engine
         if self._stale_grads:  # stale gradients of an aborted backward must not accumulate
             for layer in self.layers:
                 layer.clear_grads()
@@ -757,6 +762,11 @@ class ClockDriver:
                 worker.update(handle, stream=app_stream(self.device))
         self._init.clear()
         worker.start_iterations()
+
+    @property
+    def tables(self) -> list[Table]:
+        """The layers' tables, in layer order (empty before :meth:`plan`)."""
+        return list(self._tables)
 
     # -- evaluation and export ------------------------------------------------------------
     def _evaluate(self, call: Callable[[], T]) -> T:

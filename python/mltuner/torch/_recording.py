@@ -76,7 +76,8 @@ def replay(worker: Worker, layers: Sequence[Layer], events: Sequence[Event], slo
     ``virtual_clock``. With ``hold_reads`` a layer's forward reads stay open
     until its update. Returns the tables and, per event, the handle of the
     access it opens (-1 for events that open none)."""
-    tables = [worker.create_tensor_table(f"torch:{layer.name}", layer.layout) for layer in layers]
+    tables = [worker.create_tensor_table(f"torch:{layer.name}", layer.layout, update_rule=layer.update_rule)
+              for layer in layers]
     activations: Table | None = None
     act_layout = TensorLayout(row_width)
     if slots:

@@ -151,10 +151,11 @@ class TuningSession:
 
     Args:
         job: a :class:`mltuner.Job` (or any :class:`Collective`) whose config
-            has ``branches=True``; with a ``momentum`` tunable its update rule
-            must be ``momentum``.
+            has ``branches=True``; with a ``momentum`` tunable every table's
+            update rule must be ``sgd`` or ``damped_momentum``.
         space: the tunables. ``lr`` and ``momentum`` are sent to the servers'
-            update rule per branch, ``staleness`` becomes the branch's slack,
+            update rule of every table per branch (a setting the space does
+            not tune stays what the tables' rules have), ``staleness`` becomes the branch's slack,
             ``batch_size`` sizes the batches; other tunables are the training
             loop's to apply from :attr:`Step.tunables`.
         num_train: training samples (the stream the cursors move through).
@@ -186,9 +187,8 @@ class TuningSession:
         if job_config is not None and not getattr(job_config, "branches", False):
             raise InvalidArgumentError("tuning needs branches in the parameter server: create the job with "
                                        "Config(branches=True, ...)")
-        if job_config is not None and "momentum" in space.names and job_config.update_rule.kind != "momentum":
-            raise InvalidArgumentError(f"the space tunes momentum but the update rule is "
-                                       f"{job_config.update_rule.kind!r}: use UpdateRule('momentum', ...)")
+        if "momentum" in space.names:
+            _check_momentum_rules(job)
         if "batch_size" not in space.names and batch_size is None:
             raise InvalidArgumentError("give batch_size= or a batch_size tunable in the space")
         max_branches = getattr(job_config, "max_branches", None)
@@ -326,9 +326,11 @@ class TuningSession:
         source = self._branches[int(parent)]
         training = kind is BranchKind.TRAINING
         staleness = tunables.get("staleness") if training else 0
-        self._worker.fork_branch(child, int(parent), learning_rate=float(tunables.get("lr", 0.0)) if training else 0.0,
-                                 momentum=float(tunables.get("momentum", 0.0)) if training else 0.0,
-                                 training=training, slack=None if staleness is None else int(staleness))
+        # A setting the space does not tune stays the parent's (each table's own rule).
+        lr = float(tunables["lr"]) if training and "lr" in tunables else None
+        momentum = float(tunables["momentum"]) if training and "momentum" in tunables else None
+        self._worker.fork_branch(child, int(parent), learning_rate=lr, momentum=momentum, training=training,
+                                 slack=None if staleness is None else int(staleness))
         # A TESTING branch runs the validation set from its start.
         cursor = _Cursor() if kind is BranchKind.TESTING else dataclasses.replace(source.cursor)
         self._branches[child] = _Branch(kind, dict(tunables), cursor)
@@ -417,6 +419,22 @@ class TuningSession:
 
     def _default_driver(self, system: BranchSystem) -> Any:
         return Tuner(system, self._space, self._config, log=self._log).run()
+
+
+def _check_momentum_rules(job: Collective) -> None:
+    """A momentum tunable needs rules that read it: sgd (torch's momentum) or
+    damped_momentum, in every communicated table (or, before any table
+    exists, in the job's Config)."""
+    worker = job.worker
+    config = getattr(job, "config", None)
+    rules = [worker.update_rule_of(t) for t in worker.tables if not t.local] if worker.tables else []
+    if not rules and config is not None:
+        rules = [config.update_rule]
+    for rule in rules:
+        if rule is not None and rule.kind not in ("sgd", "damped_momentum"):
+            raise InvalidArgumentError(f"the space tunes momentum but an update rule is {rule.kind!r}, which has "
+                                       f"none: use UpdateRule('sgd', momentum=...) (torch's) or "
+                                       f"UpdateRule('damped_momentum', ...) (MLtuner's)")
 
 
 class PSBranchSystem:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Literal
 
 from mltuner import _core
@@ -202,7 +203,10 @@ def _check_fields_used(rule: UpdateRule) -> None:
     used = _RULE_FIELDS[rule.kind]
     for name in ("momentum", "weight_decay", *_FIELD_DEFAULTS):
         value = getattr(rule, name)
-        unset = value is None if name in ("momentum", "weight_decay") else value == _FIELD_DEFAULTS[name]
+        if name in ("momentum", "weight_decay"):
+            unset = value is None
+        else:  # numbers compare by value (np.float64(0.9) is the default 0.9); anything else is set
+            unset = isinstance(value, numbers.Real) and value == _FIELD_DEFAULTS[name]
         if name not in used and not unset:
             raise InvalidArgumentError(f"UpdateRule.{name} is set to {value!r}, but the {rule.kind!r} rule does not "
                                        f"use it (its fields: {', '.join(sorted(used)) or 'none'})")

@@ -53,6 +53,7 @@ from mltuner.tune._errors import TuningError
 from mltuner.tune._log import DecisionLog
 from mltuner.tune._space import SearchSpace
 from mltuner.tune._system import BranchKind, BranchSystem, ClockReport
+from mltuner.tune.session._sampler import StepBatchSampler
 from mltuner.tune.session._commands import (
     Command,
     EndCommand,
@@ -121,7 +122,8 @@ class Step:
         indices: this worker's sample indices for this clock, into the
             training set or, for TESTING, the validation set. May be empty on
             the last TESTING clock when the validation set does not divide
-            among the workers.
+            among the workers. A DataLoader takes them as ``sampler=``; for one
+            loader over the whole session see :meth:`TuningSession.batch_sampler`.
         epoch: the branch's epoch in the training stream (0-based).
         clock: the branch's own clock count before this clock.
     """
@@ -260,6 +262,23 @@ class TuningSession:
                 self.system._close()
             if self._thread is not None:
                 self._thread.join(self._timeout_s)
+
+    @property
+    def current_step(self) -> Step | None:
+        """The step yielded last, until it is reported (None otherwise)."""
+        return self._pending
+
+    def batch_sampler(self) -> StepBatchSampler:
+        """Each step's indices as the batches of a ``torch.utils.data.DataLoader``
+        (``batch_sampler=``, ``num_workers=0``) over ``ConcatDataset([train_set,
+        validation_set])``; a TESTING step's validation indices come shifted by
+        ``num_train``. Draw one batch per step, after the step::
+
+            loader = DataLoader(ConcatDataset([train_set, val_set]), batch_sampler=session.batch_sampler())
+            for step, (x, y) in zip(session, loader):
+                ...
+        """
+        return StepBatchSampler(self, self._num_train)
 
     def clocks_per_epoch(self, tunables: Mapping[str, Any]) -> int:
         """Clocks in one pass over the training set with this setting."""
@@ -484,6 +503,23 @@ class PSBranchSystem:
             reports += self._call(RunCommand(int(branch), part))
         self.elapsed_s += math.fsum(r.seconds for r in reports)
         return reports
+
+    @property
+    def current_step(self) -> Step | None:
+        """The step yielded last, until it is reported (None otherwise)."""
+        return self._pending
+
+    def batch_sampler(self) -> StepBatchSampler:
+        """Each step's indices as the batches of a ``torch.utils.data.DataLoader``
+        (``batch_sampler=``, ``num_workers=0``) over ``ConcatDataset([train_set,
+        validation_set])``; a TESTING step's validation indices come shifted by
+        ``num_train``. Draw one batch per step, after the step::
+
+            loader = DataLoader(ConcatDataset([train_set, val_set]), batch_sampler=session.batch_sampler())
+            for step, (x, y) in zip(session, loader):
+                ...
+        """
+        return StepBatchSampler(self, self._num_train)
 
     def clocks_per_epoch(self, tunables: Mapping[str, Any]) -> int:
         return self._session.clocks_per_epoch(tunables)

@@ -87,7 +87,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def update_rule(args: argparse.Namespace) -> mlt.UpdateRule:
-X
+    """The servers' rule: MLtuner's damped momentum SGD with the starting
+    learning rate and momentum (the tuner's momentum is this rule's m)."""
     return mlt.UpdateRule("damped_momentum", learning_rate=args.lr, momentum=args.momentum)
 
 

@@ -178,7 +178,7 @@ class ClockOptimizer(torch.optim.Optimizer):
         self._source = source
         self.defaults = {key: value for key, value in groups[0].items() if key != "params"} if groups else {}
 
-    @property  # type: ignore[override]
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         scaled = self._model._scaled if hasattr(self, "_model") else None
         if scaled is None:

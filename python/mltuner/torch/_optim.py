@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from mltuner._config import MAX_LEARNING_RATE, UpdateRule
+from mltuner._config import MAX_LEARNING_RATE, RuleName, UpdateRule
 from mltuner._validate import real
 from mltuner.client._worker import Table, Worker
 from mltuner.exceptions import InvalidArgumentError
@@ -73,7 +73,7 @@ def rule_for_group(optimizer: torch.optim.Optimizer, index: int) -> UpdateRule:
             return UpdateRule("sgd", lr, momentum=_number(group["momentum"]), dampening=_number(group["dampening"]),
                               nesterov=bool(group["nesterov"]), weight_decay=_number(group["weight_decay"]))
         beta1, beta2 = (_number(b) for b in group["betas"])
-        kind = "adamw" if group.get("decoupled_weight_decay", False) else "adam"
+        kind: RuleName = "adamw" if group.get("decoupled_weight_decay", False) else "adam"
         return UpdateRule(kind, lr, beta1=beta1, beta2=beta2, epsilon=_number(group["eps"]),
                           weight_decay=_number(group["weight_decay"]), amsgrad=bool(group["amsgrad"]))
     except InvalidArgumentError as error:

@@ -504,23 +504,6 @@ class PSBranchSystem:
         self.elapsed_s += math.fsum(r.seconds for r in reports)
         return reports
 
-    @property
-    def current_step(self) -> Step | None:
-        """The step yielded last, until it is reported (None otherwise)."""
-        return self._pending
-
-    def batch_sampler(self) -> StepBatchSampler:
-        """Each step's indices as the batches of a ``torch.utils.data.DataLoader``
-        (``batch_sampler=``, ``num_workers=0``) over ``ConcatDataset([train_set,
-        validation_set])``; a TESTING step's validation indices come shifted by
-        ``num_train``. Draw one batch per step, after the step::
-
-            loader = DataLoader(ConcatDataset([train_set, val_set]), batch_sampler=session.batch_sampler())
-            for step, (x, y) in zip(session, loader):
-                ...
-        """
-        return StepBatchSampler(self, self._num_train)
-
     def clocks_per_epoch(self, tunables: Mapping[str, Any]) -> int:
         return self._session.clocks_per_epoch(tunables)
 

@@ -35,10 +35,15 @@ Status CheckUpdateRule(const UpdateRuleConfig& rule, const std::string& what) {
     return Status::InvalidArgument(what + ": unknown update rule kind " + std::to_string(kind));
   }
   // The comparisons are written so that NaN fails them.
-  if (!(rule.learning_rate >= 0 && rule.learning_rate <= 1e6f)) return bad("learning_rate", rule.learning_rate, "[0, 1e6]");
+  constexpr float kMaxRate = 1e6f;  // as Python's MAX_LEARNING_RATE and MAX_WEIGHT_DECAY
+  if (!(rule.learning_rate >= 0 && rule.learning_rate <= kMaxRate)) {
+    return bad("learning_rate", rule.learning_rate, "[0, 1e6]");
+  }
   if (!(rule.momentum >= 0 && rule.momentum < 1)) return bad("momentum", rule.momentum, "[0, 1)");
   if (!(rule.dampening >= 0 && rule.dampening <= 1)) return bad("dampening", rule.dampening, "[0, 1]");
-  if (!(rule.weight_decay >= 0 && rule.weight_decay <= 1e6f)) return bad("weight_decay", rule.weight_decay, "[0, 1e6]");
+  if (!(rule.weight_decay >= 0 && rule.weight_decay <= kMaxRate)) {
+    return bad("weight_decay", rule.weight_decay, "[0, 1e6]");
+  }
   if (!(rule.beta1 >= 0 && rule.beta1 < 1)) return bad("beta1", rule.beta1, "[0, 1)");
   if (!(rule.beta2 >= 0 && rule.beta2 < 1)) return bad("beta2", rule.beta2, "[0, 1)");
   if (!(rule.epsilon > 0 && rule.epsilon <= 1)) return bad("epsilon", rule.epsilon, "(0, 1]");

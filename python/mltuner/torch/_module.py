@@ -375,9 +375,9 @@ def wrap(
             a parameter shared between modules, a compiled, scripted or
             DataParallel module, a module whose parameters get no gradient or
             are used outside its forward; an optimizer other than SGD, Adam
-            and AdamW (or ``maximize=True``), one that leaves out a trainable
-            parameter, or a module whose own parameters are in groups with
-            different settings.
+            and AdamW (or ``maximize=True``), one that already has state or
+            leaves out a trainable parameter, or a module whose own
+            parameters are in groups with different settings.
         mltuner.InvalidArgumentError: a used worker, bad arguments, a model
             on another device than the engine.
         mltuner.ResourceExhaustedError: the memory budget cannot hold the

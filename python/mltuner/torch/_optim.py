@@ -49,6 +49,12 @@ def check_optimizer(optimizer: object) -> torch.optim.Optimizer:
     """``optimizer`` if the servers can apply its step, else the reason not."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise InvalidArgumentError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if any(optimizer.state.values()):
+        # Momentum buffers or Adam moments that would silently restart at zero on the servers.
+        raise UnsupportedModelError(
+            f"the {type(optimizer).__name__} given to wrap() already has state (it has stepped, or loaded a "
+            "state_dict): the servers start the optimizer's state at zero, so give wrap() a fresh optimizer"
+        )
     if type(optimizer) not in SUPPORTED_OPTIMIZERS:
         subclass = next((c.__name__ for c in SUPPORTED_OPTIMIZERS if isinstance(optimizer, c)), None)
         why = (f"a subclass of torch.optim.{subclass}, whose step may differ from torch's" if subclass

@@ -209,6 +209,16 @@ class Sgdish(torch.optim.SGD):
     pass
 
 
+def stepped(optimizer: Any) -> Any:
+    """The optimizer after one step on a gradient of ones (it has moments now)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param.grad = torch.ones_like(param)
+    optimizer.step()
+    optimizer.zero_grad()
+    return optimizer
+
+
 @pytest.mark.parametrize(("make", "message"), [
     (lambda p: torch.optim.RMSprop(p, lr=0.1), r"optimizer RMSprop is not one the servers implement"),
     (lambda p: Sgdish(p, lr=0.1), r"Sgdish is a subclass of torch.optim.SGD"),
@@ -216,6 +226,7 @@ class Sgdish(torch.optim.SGD):
     (lambda p: torch.optim.SGD(list(p)[:-1], lr=0.1), r"parameter 'head.bias' is trainable but not in the optimizer"),
     (lambda p: torch.optim.SGD([*p, nn.Parameter(torch.ones(3))], lr=0.1), r"not a trainable parameter"),
     (lambda p: "sgd", r"optimizer must be a torch.optim.Optimizer, got str"),
+    (lambda p: stepped(torch.optim.Adam(p)), r"the Adam given to wrap\(\) already has state"),
 ])
 def test_optimizers_the_servers_cannot_follow_are_refused(make: Callable[[Any], Any], message: str) -> None:
     with LocalCluster(1, config()) as cluster:

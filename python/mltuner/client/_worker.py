@@ -156,8 +156,9 @@ class Worker:
         return None if table.local else table.update_rule or self._config.update_rule
 
     def set_learning_rate(self, table: Table, learning_rate: float) -> None:
-        """Sets a table's learning rate from the next clock this worker
-        starts (the current one once it has started): that clock's updates
+        """Sets a table's learning rate from the first clock this worker
+        has not started (called in the middle of a clock: from the next one;
+        before ``start_iterations``: from clock 0). That clock's updates
         carry the rate to the servers, which use it from that clock on, on
         the clock's branch. Every worker must set the same rate before the
         same clock; the servers fail the clock otherwise. Not for local

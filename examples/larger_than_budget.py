@@ -34,7 +34,7 @@ def train(args: argparse.Namespace, budget: int) -> tuple[dict[str, torch.Tensor
     net = model(args.width, args.depth).to(device)
     x = torch.randn(args.batch, args.width, device=device)
     y = torch.randint(0, 10, (args.batch,), device=device)
-    config = mlt.Config(update_rule=mlt.UpdateRule("momentum", learning_rate=0.05, momentum=0.9),
+    config = mlt.Config(update_rule=mlt.UpdateRule("damped_momentum", learning_rate=0.05, momentum=0.9),
                         device=args.device, device_memory_budget=budget)
     with mlt.LocalCluster(1, config) as cluster:
         worker = cluster.worker(0)

@@ -45,7 +45,7 @@ def main() -> None:
     x_val, y_val = torch.tensor(data.x_train[cut:]).unsqueeze(1), torch.tensor(data.y_train[cut:])
 
     space = default_space([16, 32, 64], lr_range=(1e-3, 1.0))
-    config = mlt.Config(update_rule=mlt.UpdateRule("momentum", learning_rate=0.01, momentum=0.9), branches=True)
+    config = mlt.Config(update_rule=mlt.UpdateRule("damped_momentum", learning_rate=0.01, momentum=0.9), branches=True)
     with mlt.Job(config) as job:
         model = mltuner.torch.wrap(cnn(), job.worker, example_input=x_train[:32],
                                    example_loss=lambda out: nn.functional.cross_entropy(out, y_train[:32]))

@@ -3,7 +3,8 @@
 Every worker runs on its own thread with its own engine and server shard (an
 in-process cluster; blocking calls release the GIL). Each clock, a worker reads the weights (fresh within `--slack`
 clocks), computes the gradient of its own mini-batch, and hands it to the
-engine; the shards average the workers' gradients and apply momentum SGD.
+engine; the shards average the workers' gradients and apply MLtuner's damped
+momentum SGD.
 
 The data set is generated here (a fixed-seed mixture of Gaussians, 10 classes
 in 64 dimensions), so the example needs nothing but numpy.
@@ -64,7 +65,7 @@ def main() -> None:
 
     layout = mlt.TensorLayout(row_width=128)
     layout.add("weight", (NUM_FEATURES, NUM_CLASSES)).add("bias", (NUM_CLASSES,))
-    config = mlt.Config(update_rule=mlt.UpdateRule("momentum", learning_rate=args.learning_rate, momentum=0.9))
+    config = mlt.Config(update_rule=mlt.UpdateRule("damped_momentum", learning_rate=args.learning_rate, momentum=0.9))
     losses: list[float] = []
 
     def train(worker: mlt.Worker) -> np.ndarray:

@@ -10,7 +10,7 @@
 //
 // The update-rule kernels mirror cpp/src/server/update_rules.h exactly: they
 // receive the SUM of `num_workers` workers' updates and average it
-// (g = sum / num_workers) for sgd, momentum and adam; `add` applies the sum.
+// (g = sum / num_workers) for every rule but `add`, which applies the sum.
 #pragma once
 
 #include <cstdint>

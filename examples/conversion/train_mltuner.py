@@ -47,11 +47,12 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--losses", default=None, help="write the loss of every step here (JSON)")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
-    job = mltuner.Job(mltuner.Config(update_rule=mltuner.UpdateRule("sgd", learning_rate=args.lr)))
+    job = mltuner.Job()
 
     data = load_mnist1d()
     train_set = TensorDataset(torch.tensor(data.x_train).unsqueeze(1), torch.tensor(data.y_train))
@@ -60,8 +61,12 @@ def main() -> None:
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
     test_loader = DataLoader(test_set, batch_size=1000)
 
-    model = mltuner.torch.wrap(Net(), job.worker, example_input=train_set[:args.batch_size][0])
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    model = mltuner.torch.wrap(model, job.worker, optimizer=optimizer,
+                               example_input=train_set[:args.batch_size][0])
     optimizer = model.optimizer
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     losses = []
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
@@ -71,6 +76,7 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             losses.append(loss.item())
+        scheduler.step()
         print(f"epoch {epoch + 1}: loss {losses[-1]:.3f}, test accuracy {evaluate(model, test_loader):.1%}")
 
     if job.rank == 0:

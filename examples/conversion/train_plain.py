@@ -1,7 +1,7 @@
 """A standard PyTorch training script: a small CNN on MNIST-1D, a DataLoader,
-torch.optim.SGD. The "before" of the conversion guide in docs/torch.md;
-train_mltuner.py is the "after", and tests/python/torch/test_conversion.py
-checks that the two train alike.
+torch.optim.SGD with momentum and a StepLR schedule. The "before" of the
+conversion guide in docs/torch.md; train_mltuner.py is the "after", and
+tests/python/torch/test_conversion.py checks that the two train alike.
 
     python examples/conversion/train_plain.py --epochs 8
 """
@@ -45,6 +45,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--losses", default=None, help="write the loss of every step here (JSON)")
     args = parser.parse_args()
@@ -58,7 +59,8 @@ def main() -> None:
     test_loader = DataLoader(test_set, batch_size=1000)
 
     model = Net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     losses = []
     for epoch in range(args.epochs):
         for x, y in train_loader:
@@ -67,6 +69,7 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             losses.append(loss.item())
+        scheduler.step()
         print(f"epoch {epoch + 1}: loss {losses[-1]:.3f}, test accuracy {evaluate(model, test_loader):.1%}")
 
     torch.save(model.state_dict(), "mnist1d_cnn.pt")

@@ -13,17 +13,23 @@ void RegisterConfig(py::module_& m) {
   py::enum_<UpdateRuleKind>(m, "UpdateRuleKind")
       .value("add", UpdateRuleKind::kAdd)
       .value("sgd", UpdateRuleKind::kSgd)
-      .value("momentum", UpdateRuleKind::kMomentum)
-      .value("adam", UpdateRuleKind::kAdam);
+      .value("damped_momentum", UpdateRuleKind::kDampedMomentum)
+      .value("adam", UpdateRuleKind::kAdam)
+      .value("adamw", UpdateRuleKind::kAdamW);
 
   py::class_<UpdateRuleConfig>(m, "UpdateRuleConfig")
       .def(py::init<>())
       .def_readwrite("kind", &UpdateRuleConfig::kind)
       .def_readwrite("learning_rate", &UpdateRuleConfig::learning_rate)
       .def_readwrite("momentum", &UpdateRuleConfig::momentum)
+      .def_readwrite("dampening", &UpdateRuleConfig::dampening)
+      .def_readwrite("nesterov", &UpdateRuleConfig::nesterov)
+      .def_readwrite("weight_decay", &UpdateRuleConfig::weight_decay)
       .def_readwrite("beta1", &UpdateRuleConfig::beta1)
       .def_readwrite("beta2", &UpdateRuleConfig::beta2)
-      .def_readwrite("epsilon", &UpdateRuleConfig::epsilon);
+      .def_readwrite("epsilon", &UpdateRuleConfig::epsilon)
+      .def_readwrite("amsgrad", &UpdateRuleConfig::amsgrad)
+      .def("__repr__", [](const UpdateRuleConfig& rule) { return "<UpdateRuleConfig " + UpdateRuleText(rule) + ">"; });
 
   py::class_<Config>(m, "Config")
       .def(py::init<>())
@@ -40,7 +46,8 @@ void RegisterConfig(py::module_& m) {
       .def_readonly("name", &TableInfo::name)
       .def_readonly("num_rows", &TableInfo::num_rows)
       .def_readonly("row_width", &TableInfo::row_width)
-      .def_readonly("local", &TableInfo::local);
+      .def_readonly("local", &TableInfo::local)
+      .def_readonly("update_rule", &TableInfo::update_rule);
 }
 
 }  // namespace mltuner::python

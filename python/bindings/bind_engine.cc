@@ -94,11 +94,17 @@ void RegisterEngine(py::module_& m) {
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("num_workers", &Engine::num_workers)
       .def("create_table",
-           [](Engine& e, const std::string& name, int64_t num_rows, int64_t row_width, bool local) {
+           [](Engine& e, const std::string& name, int64_t num_rows, int64_t row_width, bool local,
+              std::optional<UpdateRuleConfig> update_rule) {
              TableId id;
-             Check(e.CreateTable(name, num_rows, row_width, local, &id));
+             Check(e.CreateTable(name, num_rows, row_width, local, &id, update_rule));
              return id;
-           })
+           },
+           py::arg("name"), py::arg("num_rows"), py::arg("row_width"), py::arg("local"),
+           py::arg("update_rule") = py::none())
+      .def("set_learning_rate",
+           [](Engine& e, TableId table, float learning_rate) { Check(e.SetLearningRate(table, learning_rate)); },
+           py::arg("table"), py::arg("learning_rate"))
       .def("tables", &Engine::tables)
       .def("virtual_read",
            [](Engine& e, TableId table, const RowArray& rows, int slack) {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Literal
 
 from mltuner import _core
@@ -11,7 +12,8 @@ from mltuner.exceptions import InvalidArgumentError
 
 __all__ = ["Config", "UpdateRule"]
 
-RuleName = Literal["add", "sgd", "momentum", "adam"]
+RuleName = Literal["add", "sgd", "damped_momentum", "momentum", "adam", "adamw"]
+RULE_NAMES = ("add", "sgd", "damped_momentum", "momentum", "adam", "adamw")
 
 # Ranges of the settings: what the engine's types hold and what is sane.
 MAX_BYTES = 2**62
@@ -20,28 +22,105 @@ MAX_PREFETCH_CLOCKS = 64  # every clock ahead holds a copy of every access buffe
 MAX_PARTITIONS = 1 << 16
 MAX_BRANCHES = 1 << 16
 MAX_LEARNING_RATE = 1e6
+MAX_WEIGHT_DECAY = 1e6
+
+# The fields each rule reads besides the learning rate; setting another one
+# is refused, so that a misplaced argument does not silently do nothing.
+_RULE_FIELDS = {
+    "add": set(),
+    "sgd": {"momentum", "dampening", "nesterov", "weight_decay"},
+    "damped_momentum": {"momentum"},
+    "adam": {"beta1", "beta2", "epsilon", "weight_decay", "amsgrad"},
+    "adamw": {"beta1", "beta2", "epsilon", "weight_decay", "amsgrad"},
+}
+_FIELD_DEFAULTS = {"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8, "dampening": 0.0, "nesterov": False,
+                   "amsgrad": False}
 
 
 @dataclasses.dataclass(frozen=True)
 class UpdateRule:
-    """The server-side update rule applied once per clock to the combined
+    """The server-side update rule, applied once per clock to the combined
     updates of all workers.
 
-    ``add`` adds the sum of the workers' updates (the application sends deltas).
-    ``sgd``, ``momentum`` and ``adam`` treat updates as gradients, average them
-    over workers (as synchronous data-parallel SGD does) and take one step:
-    momentum is ``h = (1 - m) g + m h; w -= lr h``.
+    ``add`` adds the sum of the workers' updates (the application sends
+    deltas). Every other rule treats the updates as gradients, averages them
+    over the workers (as synchronous data-parallel SGD does) and takes one
+    step with torch.optim's formulas and argument names, so that with one
+    worker the values follow the torch optimizer step for step:
+
+    - ``sgd`` is ``torch.optim.SGD(lr, momentum, dampening, weight_decay,
+      nesterov)``, including torch's first step, where the momentum buffer
+      is the gradient itself.
+    - ``adam`` is ``torch.optim.Adam(lr, betas=(beta1, beta2), eps,
+      weight_decay, amsgrad)``; ``adamw`` is ``torch.optim.AdamW(...)``,
+      whose weight decay is decoupled (``w *= 1 - lr * weight_decay``).
+    - ``damped_momentum`` is MLtuner's rule: ``h = (1 - m) g + m h;
+      w -= lr h``. It takes the steps of ``torch.optim.SGD(lr * (1 - m),
+      momentum=m)``: use ``sgd`` for torch's momentum. ``momentum`` is its
+      old name, still accepted (it becomes ``damped_momentum``).
+
+    ``mltuner.torch.wrap(..., optimizer=...)`` makes these from a torch
+    optimizer. A field the rule does not use must stay unset (None or its
+    default): ``UpdateRule("adam", momentum=0.9)`` is refused.
+
+    Args:
+        kind: the rule.
+        learning_rate: the step size (every rule but ``add``).
+        momentum: ``sgd``: torch's momentum (default 0); ``damped_momentum``:
+            m (default 0.9).
+        beta1, beta2, epsilon: Adam's ``betas`` and ``eps``.
+        dampening, nesterov: ``sgd``'s, as in torch.
+        weight_decay: ``sgd`` and ``adam``: L2 added to the gradient;
+            ``adamw``: decoupled. Default 0, or 0.01 for ``adamw`` (torch's).
+        amsgrad: ``adam``/``adamw``: divide by the largest second moment
+            seen so far.
     """
 
     kind: RuleName = "add"
     learning_rate: float = 0.01
-    momentum: float = 0.9
+    momentum: float | None = None
     beta1: float = 0.9
     beta2: float = 0.999
     epsilon: float = 1e-8
+    dampening: float = 0.0
+    nesterov: bool = False
+    weight_decay: float | None = None
+    amsgrad: bool = False
 
     def __post_init__(self) -> None:
+        choice("UpdateRule.kind", self.kind, RULE_NAMES)
+        if self.kind == "momentum":  # the damped rule's old name
+            object.__setattr__(self, "kind", "damped_momentum")
+        _check_fields_used(self)
+        if self.momentum is None:
+            object.__setattr__(self, "momentum", 0.9 if self.kind == "damped_momentum" else 0.0)
+        if self.weight_decay is None:
+            object.__setattr__(self, "weight_decay", 0.01 if self.kind == "adamw" else 0.0)
         _validate_rule(self)
+
+    @property
+    def state_arrays(self) -> int:
+        """Floats of optimizer state the servers keep per parameter value."""
+        if self.kind == "sgd":
+            return 1 if self.momentum else 0
+        if self.kind in ("adam", "adamw"):
+            return 3 if self.amsgrad else 2
+        return 1 if self.kind == "damped_momentum" else 0
+
+    def to_core(self) -> _core.UpdateRuleConfig:
+        """The engine's own rule object."""
+        rule = _core.UpdateRuleConfig()
+        rule.kind = getattr(_core.UpdateRuleKind, self.kind)
+        rule.learning_rate = self.learning_rate
+        rule.momentum = float(self.momentum or 0.0)
+        rule.dampening = self.dampening
+        rule.nesterov = self.nesterov
+        rule.weight_decay = float(self.weight_decay or 0.0)
+        rule.beta1 = self.beta1
+        rule.beta2 = self.beta2
+        rule.epsilon = self.epsilon
+        rule.amsgrad = self.amsgrad
+        return rule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,25 +192,37 @@ class Config:
         core.wait_timeout_ms = max(1, int(self.wait_timeout_s * 1000))
         core.prefetch_clocks = int(self.prefetch_clocks)
         core.partitions_per_table = int(self.partitions_per_table)
-        rule = _core.UpdateRuleConfig()
-        rule.kind = getattr(_core.UpdateRuleKind, self.update_rule.kind)
-        rule.learning_rate = self.update_rule.learning_rate
-        rule.momentum = self.update_rule.momentum
-        rule.beta1 = self.update_rule.beta1
-        rule.beta2 = self.update_rule.beta2
-        rule.epsilon = self.update_rule.epsilon
-        core.update_rule = rule
+        core.update_rule = self.update_rule.to_core()
         core.branches = bool(self.branches)
         core.max_branches = int(self.max_branches)
         return core
 
 
+def _check_fields_used(rule: UpdateRule) -> None:
+    """Refuses a field set away from its default that the rule never reads."""
+    used = _RULE_FIELDS[rule.kind]
+    for name in ("momentum", "weight_decay", *_FIELD_DEFAULTS):
+        value = getattr(rule, name)
+        if name in ("momentum", "weight_decay"):
+            unset = value is None
+        else:  # numbers compare by value (np.float64(0.9) is the default 0.9); anything else is set
+            unset = isinstance(value, numbers.Real) and value == _FIELD_DEFAULTS[name]
+        if name not in used and not unset:
+            raise InvalidArgumentError(f"UpdateRule.{name} is set to {value!r}, but the {rule.kind!r} rule does not "
+                                       f"use it (its fields: {', '.join(sorted(used)) or 'none'})")
+
+
 def _validate_rule(rule: UpdateRule) -> None:
-    """Checks an UpdateRule's fields (kept apart from the class so that new
+    """Checks an UpdateRule's values (kept apart from the class so that new
     fields add their own lines here)."""
-    choice("UpdateRule.kind", rule.kind, ("add", "sgd", "momentum", "adam"))
     real("UpdateRule.learning_rate", rule.learning_rate, 0, MAX_LEARNING_RATE)
     real("UpdateRule.momentum", rule.momentum, 0, 1, high_open=True)
     real("UpdateRule.beta1", rule.beta1, 0, 1, high_open=True)
     real("UpdateRule.beta2", rule.beta2, 0, 1, high_open=True)
     real("UpdateRule.epsilon", rule.epsilon, 0, 1, low_open=True)
+    real("UpdateRule.dampening", rule.dampening, 0, 1)
+    real("UpdateRule.weight_decay", rule.weight_decay, 0, MAX_WEIGHT_DECAY)
+    boolean("UpdateRule.nesterov", rule.nesterov)
+    boolean("UpdateRule.amsgrad", rule.amsgrad)
+    if rule.nesterov and (not rule.momentum or rule.dampening != 0):
+        raise InvalidArgumentError("UpdateRule: nesterov needs momentum > 0 and dampening 0 (as torch.optim.SGD)")

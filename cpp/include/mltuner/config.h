@@ -8,27 +8,49 @@
 
 namespace mltuner {
 
-// The server-side update rule of a branch. Workers send what the application
-// wrote into its update buffers; the shard combines the updates of all
-// workers for one clock and then applies the rule once:
-//   kAdd:      w += sum_i u_i                      (GeePS: app sends deltas)
-//   kSgd:      g = mean_i u_i;  w -= lr * g
-//   kMomentum: g = mean_i u_i;  h = (1-m) g + m h;  w -= lr * h   (mltuner.md §2)
-//   kAdam:     g = mean_i u_i;  Adam(beta1, beta2, eps) with bias correction
-// Averaging (not summing) gradients matches synchronous SGD on the
-// concatenation of all workers' batches, which is what DDP does.
-enum class UpdateRuleKind : int { kAdd = 0, kSgd = 1, kMomentum = 2, kAdam = 3 };
+// The server-side update rule of a table on a branch. Workers send what the
+// application wrote into its update buffers; the shard combines the updates
+// of all workers for one clock and then applies the rule once. For every
+// rule but kAdd the update is a gradient, averaged over the workers
+// (g = mean_i u_i), which matches synchronous SGD on the concatenation of all
+// workers' batches, as DDP does; with one worker (or BSP on the average) the
+// rules below take exactly the steps of the torch.optim class they name:
+//   kAdd:            w += sum_i u_i                (GeePS: the app sends deltas)
+//   kSgd:            torch.optim.SGD(lr, momentum, dampening, weight_decay,
+//                    nesterov): g += wd w; b = g on the first step, else
+//                    b = m b + (1 - dampening) g; g = nesterov ? g + m b : b;
+//                    w -= lr g
+//   kDampedMomentum: MLtuner's rule (mltuner.md §2): h = (1-m) g + m h (h
+//                    starts at 0); w -= lr h. It takes the steps of
+//                    torch.optim.SGD(lr * (1 - m), momentum=m).
+//   kAdam:           torch.optim.Adam(lr, betas, eps, weight_decay, amsgrad)
+//   kAdamW:          torch.optim.AdamW(...): the same with decoupled weight
+//                    decay, w *= 1 - lr wd before the step
+// A rule's arithmetic is UpdateValue (mltuner/update_step.h).
+enum class UpdateRuleKind : int { kAdd = 0, kSgd = 1, kDampedMomentum = 2, kAdam = 3, kAdamW = 4 };
 
 const char* UpdateRuleName(UpdateRuleKind kind);
 
+// The hyperparameters of a rule; each rule reads the ones its formula names.
+// The defaults are torch.optim's (learning rate aside), so a field left alone
+// does what torch does when the argument is not given.
 struct UpdateRuleConfig {
   UpdateRuleKind kind = UpdateRuleKind::kAdd;
-  float learning_rate = 0.01f;  // used by sgd, momentum, adam
-  float momentum = 0.9f;        // used by momentum
-  float beta1 = 0.9f;           // Adam defaults from the Adam paper
+  float learning_rate = 0.01f;  // every rule but add
+  float momentum = 0.0f;        // sgd, damped_momentum (MLtuner's configs use 0.9)
+  float dampening = 0.0f;       // sgd
+  bool nesterov = false;        // sgd
+  float weight_decay = 0.0f;    // sgd and adam: added to the gradient; adamw: decoupled
+  float beta1 = 0.9f;           // adam, adamw: the Adam paper's defaults
   float beta2 = 0.999f;
   float epsilon = 1e-8f;
+  bool amsgrad = false;         // adam, adamw: divide by the largest second moment so far
 };
+
+// The rule as one line ("sgd lr=0.05 momentum=0.9 ..."), naming only the
+// fields its formula reads: for messages, and for the table schema that
+// every worker must agree on. Floats have 9 significant digits (exact).
+std::string UpdateRuleText(const UpdateRuleConfig& rule);
 
 struct Config {
   // Bytes of device memory the engine may use for the parameter cache, local
@@ -55,7 +77,8 @@ struct Config {
   // concurrently. 8 keeps lock contention negligible for 2-4 threads.
   int32_t partitions_per_table = 8;
 
-  // The server-side update rule of the default branch.
+  // The server-side update rule of every communicated table that was not
+  // created with its own (Engine::CreateTable's `rule`).
   UpdateRuleConfig update_rule;
   // Branches (mltuner.md §3): with `branches` on, every clock runs on the
   // branch the application scheduled for it (Engine::ScheduleBranch), and the
@@ -67,10 +90,13 @@ struct Config {
   int32_t max_branches = 40;
 };
 
-// A branch's own tunables, fixed when it is forked.
+// A branch's own tunables, fixed when it is forked. The learning rate and
+// momentum replace those of every table's rule on the branch; kKeepParent
+// keeps the parent's (each table's own).
 struct BranchSettings {
-  float learning_rate = 0.01f;
-  float momentum = 0.9f;
+  static constexpr float kKeepParent = -1.0f;
+  float learning_rate = kKeepParent;
+  float momentum = kKeepParent;
   // Only training branches apply updates; an evaluation or testing branch
   // runs clocks (and advances its clock) without changing its parameters.
   bool training = true;

@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -96,8 +97,10 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
   // Tables. A local table holds per-worker data that is never communicated.
+  // A communicated table's update rule is `update_rule`, or Config's when
+  // none is given (every worker must give the same).
   Status CreateTable(const std::string& name, int64_t num_rows, int64_t row_width, bool local,
-                     TableId* out);
+                     TableId* out, const std::optional<UpdateRuleConfig>& update_rule = std::nullopt);
   Status FindTable(const std::string& name, TableInfo* out) const;
   std::vector<TableInfo> tables() const;
 
@@ -144,6 +147,13 @@ class Engine {
   Status ForkBranch(BranchId child, BranchId parent, const BranchSettings& settings);
   Status FreeBranch(BranchId branch);
   Status ScheduleBranch(BranchId branch, int64_t clocks);
+
+  // Sets a communicated table's learning rate, from the first clock the
+  // application has not started on (clock 0 before start_iterations): that
+  // clock's updates carry it to the shards, which use it for the table on
+  // the clock's branch from then on. Every worker must make the same call
+  // before the same clock (a shard fails the clock otherwise).
+  Status SetLearningRate(TableId table, float learning_rate);
 
   // The servers' current values of `rows` (any phase), into out (rows x
   // width), from `branch` (-1: the branch of the last finished clock).

@@ -2,8 +2,11 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
+
+#include "mltuner/config.h"
 
 namespace mltuner {
 
@@ -38,6 +41,8 @@ struct TableInfo {
   int64_t num_rows = 0;
   int64_t row_width = 0;  // float32 values per row
   bool local = false;     // local data: per worker, never communicated
+  // The table's own update rule; none: Config::update_rule.
+  std::optional<UpdateRuleConfig> update_rule;
 
   int64_t row_bytes() const { return row_width * static_cast<int64_t>(sizeof(float)); }
   int64_t bytes() const { return num_rows * row_bytes(); }

@@ -19,75 +19,134 @@
 namespace mltuner {
 
 // The per-step scalars, computed once on the host (MakeUpdateStep) so that
-// every backend uses the same ones.
+// every backend uses the same ones. As torch.optim does, the scalars that
+// combine hyperparameters (1 - dampening, lr / (1 - beta1^t), ...) are
+// computed in double and rounded to float once.
 struct UpdateStep {
   UpdateRuleKind kind = UpdateRuleKind::kAdd;
+  float inv_workers = 1;  // updates are averaged over workers (not for add)
   float learning_rate = 0;
+  // sgd: momentum m; 1 - dampening; nesterov; the first step with the
+  // momentum buffer (torch sets b = g then). damped_momentum: m.
   float momentum = 0;
-  float beta1 = 0, beta2 = 0, epsilon = 0;
-  float inv_workers = 1;            // updates are averaged over workers (not for add)
-  float inv_bias1 = 1, inv_bias2 = 1;  // Adam: 1 / (1 - beta^t)
+  float one_minus_dampening = 1;
+  bool nesterov = false;
+  bool first_step = false;
+  // sgd, adam: g += weight_decay w. adamw: w *= decay_factor = 1 - lr wd.
+  float weight_decay = 0;
+  float decay_factor = 1;
+  // adam, adamw (torch's order of operations):
+  //   m = lerp(m, g, 1 - beta1); v = v beta2 + (1 - beta2) g g;
+  //   [amsgrad: v_max = max(v_max, v), used for v below]
+  //   w += (-step_size m) / (sqrt(v) / bias2_sqrt + eps)
+  // with step_size = lr / (1 - beta1^t), bias2_sqrt = sqrt(1 - beta2^t).
+  float one_minus_beta1 = 0, beta2 = 0, one_minus_beta2 = 0, epsilon = 0;
+  float neg_step_size = 0, bias2_sqrt = 1;
+  bool amsgrad = false;
 };
 
-// Floats of optimizer state per value: momentum keeps h, Adam keeps m and v
-// (as two arrays: [m x n][v x n]).
-inline int StateArraysPerValue(UpdateRuleKind kind) {
-  switch (kind) {
-    case UpdateRuleKind::kMomentum: return 1;
-    case UpdateRuleKind::kAdam: return 2;
+// Whether the sgd rule keeps a momentum buffer.
+inline bool SgdHasMomentum(const UpdateRuleConfig& rule) {
+  return rule.kind == UpdateRuleKind::kSgd && rule.momentum != 0.0f;
+}
+
+// Float arrays of optimizer state per value that a fresh rule allocates:
+// sgd with momentum keeps b, damped momentum h, Adam m and v, and with
+// amsgrad v_max (arrays laid out one after the other: [m x n][v x n]...).
+inline int StateArraysPerValue(const UpdateRuleConfig& rule) {
+  switch (rule.kind) {
+    case UpdateRuleKind::kSgd: return SgdHasMomentum(rule) ? 1 : 0;
+    case UpdateRuleKind::kDampedMomentum: return 1;
+    case UpdateRuleKind::kAdam:
+    case UpdateRuleKind::kAdamW: return rule.amsgrad ? 3 : 2;
     default: return 0;
   }
 }
 
-// REQUIRES: num_workers >= 1; step >= 1 is the step being taken (Adam).
+// REQUIRES: num_workers >= 1; step >= 1 is the step being taken with the
+// rule's state (Adam's t; 1 is sgd's first step with a momentum buffer).
 inline UpdateStep MakeUpdateStep(const UpdateRuleConfig& rule, int num_workers, int64_t step) {
   UpdateStep out;
   out.kind = rule.kind;
+  out.inv_workers = 1.0f / static_cast<float>(num_workers > 0 ? num_workers : 1);
   out.learning_rate = rule.learning_rate;
   out.momentum = rule.momentum;
-  out.beta1 = rule.beta1;
-  out.beta2 = rule.beta2;
-  out.epsilon = rule.epsilon;
-  out.inv_workers = 1.0f / static_cast<float>(num_workers > 0 ? num_workers : 1);
-  if (rule.kind == UpdateRuleKind::kAdam) {
+  out.one_minus_dampening = static_cast<float>(1.0 - static_cast<double>(rule.dampening));
+  out.nesterov = rule.nesterov;
+  out.first_step = step <= 1;
+  out.weight_decay = rule.weight_decay;
+  const double lr = rule.learning_rate;
+  if (rule.kind == UpdateRuleKind::kAdamW) {
+    out.decay_factor = static_cast<float>(1.0 - lr * static_cast<double>(rule.weight_decay));
+  }
+  if (rule.kind == UpdateRuleKind::kAdam || rule.kind == UpdateRuleKind::kAdamW) {
     // In double, so that 1 - beta^t keeps its digits when beta is near 1.
     const double t = static_cast<double>(step);
-    out.inv_bias1 = static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(rule.beta1), t)));
-    out.inv_bias2 = static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(rule.beta2), t)));
+    const double beta1 = rule.beta1, beta2 = rule.beta2;
+    out.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+    out.beta2 = rule.beta2;
+    out.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+    out.epsilon = rule.epsilon;
+    out.neg_step_size = static_cast<float>(-(lr / (1.0 - std::pow(beta1, t))));
+    out.bias2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(beta2, t)));
+    out.amsgrad = rule.amsgrad;
   }
   return out;
 }
 
 // Value i of `count`: params[i] takes one step with update_sum[i] (the sum of
-// the workers' updates); state holds StateArraysPerValue(kind) arrays of
-// `count` floats.
+// the workers' updates); state holds the rule's arrays of `count` floats.
 MLT_HOST_DEVICE inline void UpdateValue(const UpdateStep& s, float* params, float* state, const float* update_sum,
                                         int64_t count, int64_t i) {
   switch (s.kind) {
     case UpdateRuleKind::kAdd:  // GeePS: workers send deltas, the shard adds them
       params[i] = params[i] + update_sum[i];
       return;
-    case UpdateRuleKind::kSgd: {
-      const float g = update_sum[i] * s.inv_workers;
+    case UpdateRuleKind::kSgd: {  // torch.optim.SGD
+      float g = update_sum[i] * s.inv_workers;
+      if (s.weight_decay != 0.0f) g = g + s.weight_decay * params[i];
+      if (s.momentum != 0.0f) {
+        const float b = s.first_step ? g : s.momentum * state[i] + s.one_minus_dampening * g;
+        state[i] = b;
+        g = s.nesterov ? g + s.momentum * b : b;
+      }
       params[i] = params[i] - s.learning_rate * g;
       return;
     }
-    case UpdateRuleKind::kMomentum: {  // h = (1-m) g + m h; w -= lr h (mltuner.md §2)
+    case UpdateRuleKind::kDampedMomentum: {  // h = (1-m) g + m h; w -= lr h (mltuner.md §2)
       const float g = update_sum[i] * s.inv_workers;
       const float h = (1.0f - s.momentum) * g + s.momentum * state[i];
       state[i] = h;
       params[i] = params[i] - s.learning_rate * h;
       return;
     }
-    case UpdateRuleKind::kAdam: {
-      const float g = update_sum[i] * s.inv_workers;
-      const float m = s.beta1 * state[i] + (1.0f - s.beta1) * g;
-      const float v = s.beta2 * state[count + i] + (1.0f - s.beta2) * (g * g);
+    case UpdateRuleKind::kAdam:
+    case UpdateRuleKind::kAdamW: {  // torch.optim.Adam / AdamW
+      float g = update_sum[i] * s.inv_workers;
+      float w = params[i];
+      if (s.weight_decay != 0.0f) {
+        if (s.kind == UpdateRuleKind::kAdamW) {
+          w = w * s.decay_factor;
+        } else {
+          g = g + s.weight_decay * w;
+        }
+      }
+      // torch's lerp: the form that is exact at its nearer end.
+      const float m_old = state[i];
+      const float m = s.one_minus_beta1 < 0.5f ? m_old + s.one_minus_beta1 * (g - m_old)
+                                               : g - (g - m_old) * (1.0f - s.one_minus_beta1);
+      const float v_scaled = state[count + i] * s.beta2;
+      const float v = v_scaled + (s.one_minus_beta2 * g) * g;
       state[i] = m;
       state[count + i] = v;
-      const float m_hat = m * s.inv_bias1;
-      const float v_hat = v * s.inv_bias2;
-      params[i] = params[i] - s.learning_rate * m_hat / (sqrtf(v_hat) + s.epsilon);
+      float v_used = v;
+      if (s.amsgrad) {  // torch.maximum: a NaN on either side wins
+        const float v_max = state[2 * count + i];
+        v_used = (v_max != v_max || v_max > v) ? v_max : v;
+        state[2 * count + i] = v_used;
+      }
+      const float denom = sqrtf(v_used) / s.bias2_sqrt + s.epsilon;
+      params[i] = w + (s.neg_step_size * m) / denom;
       return;
     }
   }

@@ -52,9 +52,12 @@ Status Engine::Impl::ForkBranch(BranchId child, BranchId parent, const BranchSet
   if (phase_.load() == Phase::kShutdown) return Status::Shutdown("the engine is shut down");
   if (!config_.branches) return Status::OutOfOrder("fork_branch needs Config.branches = true");
   if (phase_.load() != Phase::kRunning) return Status::OutOfOrder("fork_branch before start_iterations");
-  if (!(settings.learning_rate >= 0) || !(settings.momentum >= 0 && settings.momentum < 1) || settings.slack < -1) {
+  const bool lr_ok = settings.learning_rate >= 0 || settings.learning_rate == BranchSettings::kKeepParent;
+  const bool momentum_ok =
+      (settings.momentum >= 0 && settings.momentum < 1) || settings.momentum == BranchSettings::kKeepParent;
+  if (!lr_ok || !momentum_ok || settings.slack < -1) {
     return Status::InvalidArgument("branch " + std::to_string(child) + ": needs learning_rate >= 0, momentum in " +
-                                   "[0, 1) and slack >= -1");
+                                   "[0, 1) (or -1 for the parent's) and slack >= -1");
   }
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -65,7 +65,7 @@ void Engine::Impl::Abort(const Status& why) {
 }
 
 Status Engine::Impl::CreateTable(const std::string& name, int64_t num_rows, int64_t row_width,
-                                 bool local, TableId* out) {
+                                 bool local, TableId* out, const std::optional<UpdateRuleConfig>& update_rule) {
   if (phase_.load() == Phase::kShutdown) return ShutdownError();
   if (phase_.load() != Phase::kDefining) {
     return Status::OutOfOrder("create_table('" + name +
@@ -82,12 +82,17 @@ Status Engine::Impl::CreateTable(const std::string& name, int64_t num_rows, int6
   for (const TableInfo& table : tables_) {
     if (table.name == name) return Status::InvalidArgument("table '" + name + "' already exists");
   }
+  if (update_rule) {
+    if (local) return Status::InvalidArgument("table '" + name + "' is local data: it has no update rule");
+    MLT_RETURN_IF_ERROR(CheckUpdateRule(*update_rule, "table '" + name + "'"));
+  }
   TableInfo info;
   info.id = static_cast<TableId>(tables_.size());
   info.name = name;
   info.num_rows = num_rows;
   info.row_width = row_width;
   info.local = local;
+  info.update_rule = update_rule;
   if (!local) MLT_RETURN_IF_ERROR(transport_->AddTableToShard(rank_, info));
   tables_.push_back(info);
   *out = info.id;
@@ -449,6 +454,33 @@ Status Engine::Impl::Clock() {
   return Status::Ok();
 }
 
+Status Engine::Impl::SetLearningRate(TableId table, float learning_rate) {
+  const Phase phase = phase_.load();
+  if (phase == Phase::kShutdown) return ShutdownError();
+  const TableInfo* info = nullptr;
+  MLT_RETURN_IF_ERROR(LookupTable(table, &info));
+  if (info->local) return Status::InvalidArgument("table '" + info->name + "' is local data: it has no learning rate");
+  const UpdateRuleConfig& rule = info->update_rule ? *info->update_rule : config_.update_rule;
+  if (rule.kind == UpdateRuleKind::kAdd) {
+    return Status::InvalidArgument("table '" + info->name + "' has the add rule, which has no learning rate");
+  }
+  if (!(learning_rate >= 0 && learning_rate <= 1e6f)) {
+    return Status::InvalidArgument("table '" + info->name + "': learning rate " + std::to_string(learning_rate) +
+                                   " is not in [0, 1e6]");
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!background_error_.ok()) return background_error_;
+  mltuner::Clock from = 0;
+  if (phase == Phase::kRunning) {
+    const int64_t num_ops = static_cast<int64_t>(recording_.ops.size());
+    from = (app_seq_ + num_ops - 1) / num_ops;  // the current clock once started, else this one
+    std::map<mltuner::Clock, float>& rates = new_rates_[table];
+    rates.erase(rates.begin(), rates.lower_bound(reclaimed_seq_ / num_ops));
+  }
+  new_rates_[table][from] = learning_rate;
+  return Status::Ok();
+}
+
 Status Engine::Impl::Flush() {
   if (phase_.load() == Phase::kShutdown) return ShutdownError();
   if (phase_.load() != Phase::kRunning) return Status::Ok();
@@ -560,13 +592,18 @@ Status Engine::Create(const Config& config, int rank, int num_workers, std::shar
   if (config.wait_timeout_ms <= 0) return Status::InvalidArgument("wait_timeout_ms must be > 0");
   if (config.prefetch_clocks < 1) return Status::InvalidArgument("prefetch_clocks must be >= 1");
   if (config.device_memory_budget < 0) return Status::InvalidArgument("device_memory_budget must be >= 0");
+  MLT_RETURN_IF_ERROR(CheckUpdateRule(config.update_rule, "Config.update_rule"));
   out->reset(new Engine(std::make_unique<Impl>(config, rank, num_workers, std::move(device), transport)));
   return Status::Ok();
 }
 
 Status Engine::CreateTable(const std::string& name, int64_t num_rows, int64_t row_width, bool local,
-                           TableId* out) {
-  return impl_->CreateTable(name, num_rows, row_width, local, out);
+                           TableId* out, const std::optional<UpdateRuleConfig>& update_rule) {
+  return impl_->CreateTable(name, num_rows, row_width, local, out, update_rule);
+}
+
+Status Engine::SetLearningRate(TableId table, float learning_rate) {
+  return impl_->SetLearningRate(table, learning_rate);
 }
 
 Status Engine::FindTable(const std::string& name, TableInfo* out) const {

@@ -88,7 +88,8 @@ class Engine::Impl {
 
   // --- application thread (engine/engine.cc) --------------------------------
   Status CreateTable(const std::string& name, int64_t num_rows, int64_t row_width, bool local,
-                     TableId* out);
+                     TableId* out, const std::optional<UpdateRuleConfig>& update_rule);
+  Status SetLearningRate(TableId table, float learning_rate);
   Status LookupTable(TableId table, const TableInfo** out) const;
   Status FinishVirtualIteration();
   Status StartIterations();
@@ -184,6 +185,8 @@ class Engine::Impl {
                            std::vector<Message>* messages);
   // A kClockUpdate to `shard` with `values` floats of payload, in device
   // memory when the shard shares this device (then its data is *device).
+  // It carries the table's new learning rate when the application set one
+  // for this clock.
   Status NewUpdateMessage(TableId table, int shard, mltuner::Clock clock, size_t values, Message* out,
                           float** data, bool* on_device);
   Status MarkReady(DeviceEvent ready, std::vector<Message>* messages);
@@ -229,6 +232,10 @@ class Engine::Impl {
   mltuner::Clock scheduled_until_ = 0;               // clocks [0, this) have a branch
   std::map<BranchId, BranchSettings> branches_;      // live branches
   std::map<BranchId, mltuner::Clock> branch_clocks_;  // clocks scheduled per branch
+  // Learning rates set by the application, guarded by mu_: table -> (the
+  // application clock whose updates carry it -> rate). Entries of clocks the
+  // reclaimer has passed are dropped at the next SetLearningRate.
+  std::map<TableId, std::map<mltuner::Clock, float>> new_rates_;
 
   // Data age and pending requests, guarded by age_mu_.
   mutable std::mutex age_mu_;

@@ -153,8 +153,20 @@ void Engine::Impl::WriteBackLocal(const AccessRecord& access, const float* buffe
 
 Status Engine::Impl::NewUpdateMessage(TableId table, int shard, mltuner::Clock clock, size_t values, Message* out,
                                       float** data, bool* on_device) {
-  const ClockBranch at = BranchOf(clock);
+  ClockBranch at;
   Message message = NewMessage(MessageType::kClockUpdate, rank_, shard, table);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    at = BranchOfLocked(clock);
+    auto rates = new_rates_.find(table);
+    if (rates != new_rates_.end()) {
+      auto rate = rates->second.find(clock);
+      if (rate != rates->second.end()) {
+        message.header.flags |= kNewLearningRate;
+        message.header.learning_rate = rate->second;
+      }
+    }
+  }
   message.header.branch = at.branch;
   message.header.clock = at.internal;
   message.header.row_width = tables_[table].row_width;

@@ -145,10 +145,10 @@ Status ServerShard::AddTable(const TableInfo& info) {
   if (table->values) {
     device_->Fill(table->data(), 0.0f, static_cast<size_t>(table->num_values), Stream::kServer);
   }
-  table->rule = NewUpdateRule(rule_config_, table->num_values, device_);
+  const UpdateRuleConfig& rule = info.update_rule ? *info.update_rule : rule_config_;
+  table->rule = NewUpdateRule(rule, table->num_values, device_);
   if (table->rule == nullptr) {
-    return Status::InvalidArgument("unknown update rule kind " +
-                                   std::to_string(static_cast<int>(rule_config_.kind)) +
+    return Status::InvalidArgument("unknown update rule kind " + std::to_string(static_cast<int>(rule.kind)) +
                                    ", or no memory for its state");
   }
   MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kServer));
@@ -250,6 +250,7 @@ Status ServerShard::HandleClockUpdate(const Message& in, std::vector<Message>* o
                               std::to_string(last + 1));
   }
 
+  if ((in.header.flags & kNewLearningRate) != 0) table.new_rates[clock][sender] = in.header.learning_rate;
   if (in.num_values() > 0) {
     std::shared_ptr<DeviceBuffer> payload;
     MLT_RETURN_IF_ERROR(PayloadOnDevice(in, &payload));
@@ -364,7 +365,9 @@ std::string TableSchemaText(const std::vector<TableInfo>& tables) {
   for (const TableInfo& table : tables) {
     if (table.local) continue;
     text += std::to_string(table.id) + ":" + table.name + ":" + std::to_string(table.num_rows) + ":" +
-            std::to_string(table.row_width) + ";";
+            std::to_string(table.row_width);
+    if (table.update_rule) text += ":" + UpdateRuleText(*table.update_rule);
+    text += ";";
   }
   return text;
 }
@@ -479,6 +482,7 @@ Status ServerShard::ApplyFinishedClocks(TableState* table) {
     updates = std::move(pending->second);
     table->pending.erase(pending);
   }
+  MLT_RETURN_IF_ERROR(TakeNewLearningRate(table, finished));
   if (!table->training) return Status::Ok();  // evaluation and testing branches never change
   // Sum in worker order 0..N-1, whatever order the updates arrived in, so
   // the float result is the same on every run. Workers that sent nothing
@@ -505,6 +509,31 @@ Status ServerShard::ApplyFinishedClocks(TableState* table) {
   for (std::shared_ptr<DeviceBuffer>& update : updates) {
     if (update) update->last_use = done;
   }
+  return Status::Ok();
+}
+
+// A rate travels with each worker's clock update of the clock it starts at,
+// so the change lands at the same clock on every shard, whatever the timing.
+Status ServerShard::TakeNewLearningRate(TableState* table, Clock finished) {
+  auto found = table->new_rates.find(finished);
+  if (found == table->new_rates.end()) return Status::Ok();
+  const std::map<WorkerId, float> rates = std::move(found->second);
+  table->new_rates.erase(found);
+  bool agree = static_cast<int>(rates.size()) == num_workers_;
+  for (const auto& [worker, rate] : rates) agree = agree && rate == rates.begin()->second;
+  if (!agree) {
+    std::string asked;
+    for (WorkerId worker = 0; worker < num_workers_; ++worker) {
+      auto rate = rates.find(worker);
+      asked += " worker " + std::to_string(worker) + ": " +
+               (rate == rates.end() ? std::string("none") : std::to_string(rate->second)) + ";";
+    }
+    return Status::InvalidArgument(TableText(table->info.id) + " (" + table->info.name + ") on branch " +
+                                   std::to_string(table->branch) + ", clock " + std::to_string(finished) +
+                                   ": the workers set different learning rates (" + asked +
+                                   ") every worker must set the same rate before the same clock");
+  }
+  table->rule->set_learning_rate(rates.begin()->second);
   return Status::Ok();
 }
 
@@ -584,8 +613,10 @@ Status ParseBranchSettings(const std::string& text, BranchId* parent, BranchSett
   int consumed = 0;
   const int fields = std::sscanf(text.c_str(), "parent=%d;lr=%lf;momentum=%lf;training=%d;slack=%d%n", &parent_id,
                                  &lr, &momentum, &training, &slack, &consumed);
+  const bool lr_ok = lr >= 0 || lr == BranchSettings::kKeepParent;
+  const bool momentum_ok = (momentum >= 0 && momentum < 1) || momentum == BranchSettings::kKeepParent;
   if (fields != 5 || consumed != static_cast<int>(text.size()) || parent_id < 0 || (training != 0 && training != 1) ||
-      slack < -1 || !(lr >= 0) || !(momentum >= 0 && momentum < 1)) {
+      slack < -1 || !lr_ok || !momentum_ok) {
     return Status::InvalidArgument("malformed branch settings '" + text + "'");
   }
   *parent = parent_id;
@@ -647,9 +678,6 @@ Status ServerShard::Fork(BranchId child, BranchId parent, const BranchSettings& 
                                      std::to_string(branches_.size()) + " branches are live, the limit is " +
                                      std::to_string(max_branches_) + " (free some, or raise Config.max_branches)");
   }
-  UpdateRuleConfig rule = rule_config_;
-  rule.learning_rate = settings.learning_rate;
-  rule.momentum = settings.momentum;
   std::vector<std::pair<std::pair<BranchId, TableId>, std::unique_ptr<TableState>>> copies;
   for (const auto& [key, table] : tables_) {
     if (key.first != parent) continue;
@@ -660,6 +688,10 @@ Status ServerShard::Fork(BranchId child, BranchId parent, const BranchSettings& 
     if (copy->values) {
       device_->CopyDeviceToDevice(copy->data(), table->data(), copy->values->bytes(), Stream::kServer);
     }
+    // Each table keeps its own rule; the branch may set its rate and momentum.
+    UpdateRuleConfig rule = table->rule->config();
+    if (settings.learning_rate >= 0) rule.learning_rate = settings.learning_rate;
+    if (settings.momentum >= 0) rule.momentum = settings.momentum;
     // Momentum history, Adam moments and steps go with the values.
     MLT_RETURN_IF_ERROR(table->rule->Clone(rule, &copy->rule));
     for (WorkerId worker = 0; worker < num_workers_; ++worker) {

@@ -49,12 +49,14 @@ struct ShardedRows {
 };
 ShardedRows ShardRows(const TableInfo& table, const std::vector<RowId>& rows, int num_shards);
 
-// The communicated tables as one line ("0:name:rows:width;..."), sent with
+// The communicated tables as one line ("0:name:rows:width;..." with
+// ":<rule>" after the width of a table with its own update rule), sent with
 // kReady so a shard can refuse a worker whose tables differ from its own.
 std::string TableSchemaText(const std::vector<TableInfo>& tables);
 
 // A fork's settings as the text of a kFork message, and back. Floats are
-// printed with 9 significant digits, so they round-trip exactly.
+// printed with 9 significant digits, so they round-trip exactly; a learning
+// rate or momentum of -1 (BranchSettings::kKeepParent) keeps the parent's.
 std::string BranchSettingsText(BranchId parent, const BranchSettings& settings);
 Status ParseBranchSettings(const std::string& text, BranchId* parent, BranchSettings* settings);
 
@@ -68,8 +70,9 @@ class ServerShard {
   ServerShard(const ServerShard&) = delete;
   ServerShard& operator=(const ServerShard&) = delete;
 
-  // Registers a communicated table (local tables never reach a shard).
-  // Values start at zero. InvalidArgument on a duplicate id or bad sizes.
+  // Registers a communicated table (local tables never reach a shard), with
+  // its own update rule or, without one, the shard's. Values start at zero.
+  // InvalidArgument on a duplicate id or bad sizes.
   Status AddTable(const TableInfo& info);
 
   // Handles one server-bound message and appends the replies to send to
@@ -122,6 +125,9 @@ class ServerShard {
     // Updates of clocks not yet finished by every worker: clock -> one dense
     // device buffer per worker (null until that worker sends a nonempty update).
     std::map<Clock, std::vector<std::shared_ptr<DeviceBuffer>>> pending;
+    // Learning rates the workers' clock updates carried (kNewLearningRate),
+    // by clock and worker, until the clock is applied.
+    std::map<Clock, std::map<WorkerId, float>> new_rates;
     float* data() const { return values ? values->floats() : nullptr; }
     explicit TableState(int num_workers) : clock(num_workers) {}
   };
@@ -145,6 +151,9 @@ class ServerShard {
   Status CheckSpans(const TableState& table, const Message& in) const;
   Status PushRows(const TableState& table, std::vector<Message>* out);
   Status ApplyFinishedClocks(TableState* table);
+  // Sets the rule's learning rate for the finished clock when the workers
+  // asked for a new one; an error when they asked for different ones.
+  Status TakeNewLearningRate(TableState* table, Clock finished);
   // A message's values in device memory, queued after their producer's work
   // on the server stream; null when it has none.
   Status PayloadOnDevice(const Message& in, std::shared_ptr<DeviceBuffer>* out);

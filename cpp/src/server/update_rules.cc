@@ -1,5 +1,7 @@
 #include "server/update_rules.h"
 
+#include <algorithm>
+#include <string>
 #include <utility>
 
 namespace mltuner {
@@ -9,8 +11,9 @@ std::unique_ptr<UpdateRule> NewUpdateRule(const UpdateRuleConfig& config, int64_
   switch (config.kind) {
     case UpdateRuleKind::kAdd:
     case UpdateRuleKind::kSgd:
-    case UpdateRuleKind::kMomentum:
+    case UpdateRuleKind::kDampedMomentum:
     case UpdateRuleKind::kAdam:
+    case UpdateRuleKind::kAdamW:
       break;
     default:
       return nullptr;  // an out-of-range kind; callers turn this into an error
@@ -18,55 +21,109 @@ std::unique_ptr<UpdateRule> NewUpdateRule(const UpdateRuleConfig& config, int64_
   if (!device) device = NewCpuDevice();
   if (num_values < 0) num_values = 0;
   std::unique_ptr<UpdateRule> rule(new UpdateRule(device, config, num_values));
-  const int64_t floats = StateArraysPerValue(config.kind) * num_values;
-  if (floats > 0) {
-    if (!DeviceBlock::Make(device, static_cast<size_t>(floats) * sizeof(float), false, &rule->state_).ok()) {
-      return nullptr;
-    }
-    device->Fill(rule->state_->floats(), 0.0f, static_cast<size_t>(floats), Stream::kServer);
-  }
+  if (!rule->AllocateState(StateArraysPerValue(config))) return nullptr;
   return rule;
 }
 
+Status CheckUpdateRule(const UpdateRuleConfig& rule, const std::string& what) {
+  const auto bad = [&](const std::string& field, float value, const char* range) {
+    return Status::InvalidArgument(what + ": update rule " + UpdateRuleName(rule.kind) + " has " + field + " " +
+                                   std::to_string(value) + ", expected " + range);
+  };
+  const int kind = static_cast<int>(rule.kind);
+  if (kind < static_cast<int>(UpdateRuleKind::kAdd) || kind > static_cast<int>(UpdateRuleKind::kAdamW)) {
+    return Status::InvalidArgument(what + ": unknown update rule kind " + std::to_string(kind));
+  }
+  // The comparisons are written so that NaN fails them.
+  constexpr float kMaxRate = 1e6f;  // as Python's MAX_LEARNING_RATE and MAX_WEIGHT_DECAY
+  if (!(rule.learning_rate >= 0 && rule.learning_rate <= kMaxRate)) {
+    return bad("learning_rate", rule.learning_rate, "[0, 1e6]");
+  }
+  if (!(rule.momentum >= 0 && rule.momentum < 1)) return bad("momentum", rule.momentum, "[0, 1)");
+  if (!(rule.dampening >= 0 && rule.dampening <= 1)) return bad("dampening", rule.dampening, "[0, 1]");
+  if (!(rule.weight_decay >= 0 && rule.weight_decay <= kMaxRate)) {
+    return bad("weight_decay", rule.weight_decay, "[0, 1e6]");
+  }
+  if (!(rule.beta1 >= 0 && rule.beta1 < 1)) return bad("beta1", rule.beta1, "[0, 1)");
+  if (!(rule.beta2 >= 0 && rule.beta2 < 1)) return bad("beta2", rule.beta2, "[0, 1)");
+  if (!(rule.epsilon > 0 && rule.epsilon <= 1)) return bad("epsilon", rule.epsilon, "(0, 1]");
+  if (rule.kind == UpdateRuleKind::kSgd && rule.nesterov && (rule.momentum <= 0 || rule.dampening != 0)) {
+    return Status::InvalidArgument(what + ": sgd with nesterov needs momentum > 0 and dampening 0 (as in torch)");
+  }
+  return Status::Ok();
+}
+
+bool UpdateRule::AllocateState(int arrays) {
+  state_arrays_ = arrays;
+  state_.reset();
+  const int64_t floats = arrays * num_values_;
+  if (floats == 0) return true;
+  if (!DeviceBlock::Make(device_, static_cast<size_t>(floats) * sizeof(float), false, &state_).ok()) return false;
+  device_->Fill(state_->floats(), 0.0f, static_cast<size_t>(floats), Stream::kServer);
+  return true;
+}
+
+bool UpdateRule::keeps_step_count() const {
+  switch (config_.kind) {
+    case UpdateRuleKind::kSgd: return state_arrays_ > 0;  // the buffer's first step is special
+    case UpdateRuleKind::kAdam:
+    case UpdateRuleKind::kAdamW: return true;  // bias correction
+    default: return false;
+  }
+}
+
 void UpdateRule::Apply(float* params, const float* update_sum, int64_t count, int num_workers, Stream s) {
-  ++steps_;
+  // sgd's step count moves only while its buffer is in use (momentum != 0),
+  // as torch's buffer is only touched then.
+  if (config_.kind != UpdateRuleKind::kSgd || config_.momentum != 0.0f) ++steps_;
   const UpdateStep step = MakeUpdateStep(config_, num_workers, steps_);
   device_->ApplyUpdate(step, params, state_ ? state_->floats() : nullptr, update_sum, count, s);
 }
 
 size_t UpdateRule::state_size() const {
-  const size_t arrays = static_cast<size_t>(state_arrays_per_value() * num_values_);
-  return config_.kind == UpdateRuleKind::kAdam ? arrays + 1 : arrays;
+  const size_t arrays = static_cast<size_t>(state_arrays_ * num_values_);
+  return keeps_step_count() ? arrays + 1 : arrays;
 }
 
 std::vector<float> UpdateRule::ExportState() const {
   std::vector<float> out(state_size(), 0.0f);
-  const size_t arrays = static_cast<size_t>(state_arrays_per_value() * num_values_);
+  const size_t arrays = static_cast<size_t>(state_arrays_ * num_values_);
   if (arrays > 0) {
     device_->CopyDeviceToHost(out.data(), state_->floats(), arrays * sizeof(float), Stream::kServer);
     device_->Synchronize(Stream::kServer);
   }
-  if (config_.kind == UpdateRuleKind::kAdam) out[arrays] = static_cast<float>(steps_);
+  if (keeps_step_count()) out[arrays] = static_cast<float>(steps_);
   return out;
 }
 
 Status UpdateRule::ImportState(const float* state, size_t n) {
   if (n != state_size()) {
     return Status::InvalidArgument("update rule state of " + std::to_string(n) + " floats, expected " +
-                                   std::to_string(state_size()));
+                                   std::to_string(state_size()) + " (" + UpdateRuleText(config_) + ")");
   }
-  const size_t arrays = static_cast<size_t>(state_arrays_per_value() * num_values_);
+  const size_t arrays = static_cast<size_t>(state_arrays_ * num_values_);
   if (arrays > 0) device_->CopyHostToDevice(state_->floats(), state, arrays * sizeof(float), Stream::kServer);
-  if (config_.kind == UpdateRuleKind::kAdam) steps_ = static_cast<int64_t>(state[arrays]);
+  if (keeps_step_count()) {
+    const float steps = state[arrays];
+    if (!(steps >= 0 && steps < 9.0e15f)) {
+      return Status::InvalidArgument("update rule state has a step count of " + std::to_string(steps));
+    }
+    steps_ = static_cast<int64_t>(steps);
+  }
   return device_->Synchronize(Stream::kServer);
 }
 
 Status UpdateRule::Clone(const UpdateRuleConfig& config, std::unique_ptr<UpdateRule>* out) const {
   UpdateRuleConfig copy_config = config;
   copy_config.kind = config_.kind;
-  std::unique_ptr<UpdateRule> copy = NewUpdateRule(copy_config, num_values_, device_);
-  if (!copy) return Status::ResourceExhausted("no device memory for a copy of an update rule's state");
-  copy->steps_ = steps_;
+  std::unique_ptr<UpdateRule> copy(new UpdateRule(device_, copy_config, num_values_));
+  // The state as it is (an sgd buffer stays, unused, when momentum drops to
+  // 0, as torch keeps it), or fresh for an sgd copy that gains momentum.
+  const bool fresh_buffer = state_arrays_ == 0 && SgdHasMomentum(copy_config);
+  if (!copy->AllocateState(fresh_buffer ? 1 : state_arrays_)) {
+    return Status::ResourceExhausted("no device memory for a copy of an update rule's state");
+  }
+  copy->steps_ = fresh_buffer ? 0 : steps_;
   if (state_) {
     device_->CopyDeviceToDevice(copy->state_->floats(), state_->floats(), state_->bytes(), Stream::kServer);
   }

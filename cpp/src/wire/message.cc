@@ -44,6 +44,16 @@ Status CheckHeaderIdentity(const MessageHeader& h) {
     return Status::CorruptMessage(Describe("unknown message type", h.type));
   }
   if (h.row_width < 0) return Status::CorruptMessage(Describe("negative row_width", h.row_width));
+  if ((h.flags & ~kKnownMessageFlags) != 0) return Status::CorruptMessage(Describe("unknown flags", h.flags));
+  if ((h.flags & kNewLearningRate) != 0) {
+    if (static_cast<MessageType>(h.type) != MessageType::kClockUpdate) {
+      return Status::CorruptMessage("a learning rate on a message that is not a clock update");
+    }
+    if (!(h.learning_rate >= 0 && h.learning_rate <= 3.0e38f)) {  // also refuses NaN and inf
+      return Status::CorruptMessage("learning rate " + std::to_string(h.learning_rate) +
+                                    " is not a finite number >= 0");
+    }
+  }
   return Status::Ok();
 }
 
@@ -164,6 +174,7 @@ std::string Message::DebugString() const {
       << " branch=" << header.branch << " clock=" << header.clock << " request=" << header.request_id
       << " spans=" << spans.size() << " rows=" << total_rows() << " width=" << header.row_width
       << " bytes=" << num_values() * sizeof(float);
+  if ((header.flags & kNewLearningRate) != 0) out << " new_lr=" << header.learning_rate;
   if (!text.empty()) out << " text=\"" << text << "\"";
   return out.str();
 }

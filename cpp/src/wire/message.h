@@ -58,6 +58,16 @@ struct RowSpan {
   int64_t count = 0;
 };
 
+// Bits of MessageHeader::flags.
+enum MessageFlags : uint32_t {
+  // A kClockUpdate whose sender's application set the table's learning rate
+  // for this clock: from this clock on, the table's rule on the branch uses
+  // header.learning_rate. Every worker must send the same rate with the
+  // same clock (the shard checks).
+  kNewLearningRate = 1u << 0,
+};
+constexpr uint32_t kKnownMessageFlags = kNewLearningRate;
+
 #pragma pack(push, 1)
 struct MessageHeader {
   uint32_t magic = kWireMagic;
@@ -72,7 +82,9 @@ struct MessageHeader {
   int64_t row_width = 0;      // floats per row in the payload
   uint32_t num_spans = 0;     // RowSpan entries after the header in frame 0
   uint32_t text_bytes = 0;    // bytes of UTF-8 text after the spans (kError)
-  uint64_t reserved = 0;      // zero in version 1; room for later versions
+  float learning_rate = 0;    // with kNewLearningRate: the rate (see below)
+  uint32_t flags = 0;         // MessageFlags bits; zero when unused (the
+                              //   early version-1 field `reserved` was zero)
 };
 #pragma pack(pop)
 static_assert(sizeof(MessageHeader) == 64, "MessageHeader must stay 64 bytes");

@@ -87,8 +87,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def update_rule(args: argparse.Namespace) -> mlt.UpdateRule:
-    """The servers' rule: momentum SGD with the starting learning rate and momentum."""
-    return mlt.UpdateRule("momentum", learning_rate=args.lr, momentum=args.momentum)
+    """The servers' rule: MLtuner's damped momentum SGD with the starting
+    learning rate and momentum (the tuner's momentum is this rule's m)."""
+    return mlt.UpdateRule("damped_momentum", learning_rate=args.lr, momentum=args.momentum)
 
 
 def tuner_config(args: argparse.Namespace) -> TunerConfig:

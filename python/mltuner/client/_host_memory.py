@@ -28,10 +28,8 @@ from pathlib import Path
 
 from mltuner.exceptions import ResourceExhaustedError
 
-__all__ = ["HostMemory", "Headroom", "headroom", "STATE_ARRAYS", "INDEX_BYTES_PER_ROW"]
+__all__ = ["HostMemory", "Headroom", "headroom", "INDEX_BYTES_PER_ROW"]
 
-# Optimizer state the shard keeps per value, by update rule.
-STATE_ARRAYS = {"add": 0, "sgd": 0, "momentum": 1, "adam": 2}
 # The plan's per-row bookkeeping (residence, slot, layout position, gather and
 # scatter indexes): a little over this per row of every table.
 INDEX_BYTES_PER_ROW = 32

@@ -11,9 +11,9 @@ from typing import Any, Union
 import numpy as np
 
 from mltuner import _core
-from mltuner._config import MAX_LEARNING_RATE, Config
+from mltuner._config import MAX_LEARNING_RATE, Config, UpdateRule
 from mltuner._validate import INT32_MAX, boolean, integer, real, text
-from mltuner.client._host_memory import INDEX_BYTES_PER_ROW, STATE_ARRAYS, HostMemory
+from mltuner.client._host_memory import INDEX_BYTES_PER_ROW, HostMemory
 from mltuner.client._layout import TensorLayout
 from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError, NotFoundError
 
@@ -44,6 +44,7 @@ class Table:
     row_width: int
     local: bool = False
     layout: TensorLayout | None = None
+    update_rule: UpdateRule | None = None  # its own rule; None: the Config's
 
 
 class Worker:
@@ -107,49 +108,81 @@ class Worker:
     def num_workers(self) -> int:
         return int(self._engine.num_workers)
 
-    def create_table(self, name: str, num_rows: int, row_width: int, *, local: bool = False) -> Table:
-        """Creates a table; every worker must create the same tables in the same order."""
+    def create_table(self, name: str, num_rows: int, row_width: int, *, local: bool = False,
+                     update_rule: UpdateRule | None = None) -> Table:
+        """Creates a table; every worker must create the same tables in the same order.
+
+        A communicated table's updates go through ``update_rule`` on the
+        servers, or through ``Config.update_rule`` when it is None; every
+        worker must give the same rule (checked when the virtual iteration
+        is finished)."""
         text("create_table: name", name)
         num_rows = integer(f"create_table({name!r}): num_rows", num_rows, 1, MAX_TABLE_VALUES)
         row_width = integer(f"create_table({name!r}): row_width", row_width, 1, MAX_TABLE_VALUES)
         local = boolean(f"create_table({name!r}): local", local)
+        if update_rule is not None and not isinstance(update_rule, UpdateRule):
+            raise ArgumentTypeError(f"create_table({name!r}): update_rule must be an UpdateRule, got "
+                                    f"{type(update_rule).__name__}")
+        if update_rule is not None and local:
+            raise InvalidArgumentError(f"create_table({name!r}): a local table has no update rule")
         if num_rows * row_width > MAX_TABLE_VALUES:
             raise InvalidArgumentError(f"create_table({name!r}): {num_rows} x {row_width} values is more than "
                                        f"the 2**40 a table may hold")
         if not local and self._max_message_bytes is not None:
             _check_frames_fit(name, num_rows, row_width, self.num_workers, self._max_message_bytes)
         shard_bytes = 0
+        rule = update_rule or self._config.update_rule
         if not local:  # the shard allocates its slice and the rule's state now
             base, extra = divmod(num_rows, self.num_workers)
             slice_rows = base + (1 if self.rank < extra else 0)
-            arrays = 1 + STATE_ARRAYS[self._config.update_rule.kind]
+            arrays = 1 + rule.state_arrays
             shard_bytes = slice_rows * row_width * 4 * arrays
             self._host_memory.reserve(f"create_table({name!r}) of {num_rows} x {row_width}", shard_bytes,
                                       f"this shard's {slice_rows} rows x {arrays} arrays "
-                                      f"({self._config.update_rule.kind!r} rule)")
+                                      f"({rule.kind!r} rule)")
         try:
-            table_id = self._engine.create_table(name, num_rows, row_width, local)
+            table_id = self._engine.create_table(name, num_rows, row_width, local,
+                                                 None if update_rule is None else update_rule.to_core())
         except BaseException:
             self._host_memory.release(shard_bytes)
             raise
-        table = Table(table_id, name, num_rows, row_width, local)
+        table = Table(table_id, name, num_rows, row_width, local, update_rule=update_rule)
         self._tables[table_id] = table
         return table
+
+    def update_rule_of(self, table: Table) -> UpdateRule | None:
+        """The rule the servers apply to a table's updates (None for local data)."""
+        self._table_id(table)
+        return None if table.local else table.update_rule or self._config.update_rule
+
+    def set_learning_rate(self, table: Table, learning_rate: float) -> None:
+        """Sets a table's learning rate from the first clock this worker
+        has not started (called in the middle of a clock: from the next one;
+        before ``start_iterations``: from clock 0). That clock's updates
+        carry the rate to the servers, which use it from that clock on, on
+        the clock's branch. Every worker must set the same rate before the
+        same clock; the servers fail the clock otherwise. Not for local
+        tables or the ``add`` rule, which has no learning rate."""
+        table_id = self._table_id(table)
+        rate = real(f"set_learning_rate({table.name!r})", learning_rate, 0, MAX_LEARNING_RATE)
+        self._engine.set_learning_rate(table_id, rate)
 
     @property
     def tables(self) -> list[Table]:
         """This worker's tables, in creation order."""
         return [self._tables[table_id] for table_id in sorted(self._tables)]
 
-    def create_tensor_table(self, name: str, layout: TensorLayout, *, local: bool = False) -> Table:
+    def create_tensor_table(self, name: str, layout: TensorLayout, *, local: bool = False,
+                            update_rule: UpdateRule | None = None) -> Table:
         """Creates a table holding the tensors of ``layout``; use ``layout.rows``
-        and ``layout.view`` to address them."""
+        and ``layout.view`` to address them. ``update_rule`` as for
+        :meth:`create_table`."""
         if not isinstance(layout, TensorLayout):
             raise ArgumentTypeError(f"create_tensor_table({name!r}): layout must be a TensorLayout, "
                                        f"got {type(layout).__name__}")
         if layout.num_rows == 0:
             raise InvalidArgumentError(f"layout for table {name!r} holds no tensors")
-        table = self.create_table(name, layout.num_rows, layout.row_width, local=local)
+        table = self.create_table(name, layout.num_rows, layout.row_width, local=local, update_rule=update_rule)
         table = dataclasses.replace(table, layout=layout)
         self._tables[table.id] = table
         return table
@@ -382,18 +415,21 @@ class Worker:
         return list(buffers)
 
     # -- branches (Config.branches) ---------------------------------------------
-    def fork_branch(self, child: int, parent: int, *, learning_rate: float, momentum: float = 0.0,
-                    training: bool = True, slack: int | None = None) -> None:
+    def fork_branch(self, child: int, parent: int, *, learning_rate: float | None = None,
+                    momentum: float | None = None, training: bool = True, slack: int | None = None) -> None:
         """Copies ``parent``'s parameters and optimizer state into a new branch
-        ``child`` on every shard, with its own learning rate and momentum
-        (used by the sgd and momentum rules), training flag (only training
-        branches apply updates) and staleness (``None``: each read's own
-        slack). Every worker calls it at the same clock boundary; it returns
-        once the fork is done everywhere."""
+        ``child`` on every shard, with its own learning rate and momentum for
+        every table's rule (``None``: each table keeps the parent's; momentum
+        is read by the sgd and damped_momentum rules), training flag (only
+        training branches apply updates) and staleness (``None``: each read's
+        own slack). Every worker calls it at the same clock boundary; it
+        returns once the fork is done everywhere."""
+        keep = -1.0  # the engine's BranchSettings::kKeepParent
         self._engine.fork_branch(
             integer("fork_branch: child", child, 0, INT32_MAX), integer("fork_branch: parent", parent, 0, INT32_MAX),
-            real("fork_branch: learning_rate", learning_rate, 0, MAX_LEARNING_RATE),
-            real("fork_branch: momentum", momentum, 0, 1, high_open=True), boolean("fork_branch: training", training),
+            keep if learning_rate is None else real("fork_branch: learning_rate", learning_rate, 0, MAX_LEARNING_RATE),
+            keep if momentum is None else real("fork_branch: momentum", momentum, 0, 1, high_open=True),
+            boolean("fork_branch: training", training),
             -1 if slack is None else integer("fork_branch: slack", slack, 0, INT32_MAX))
 
     def free_branch(self, branch: int) -> None:

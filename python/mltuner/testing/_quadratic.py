@@ -1,5 +1,5 @@
 """A simulated model to tune: a noisy quadratic bowl trained with the
-parameter server's momentum rule (h = (1 - m) g + m h; w -= lr h, mltuner.md
+parameter server's damped_momentum rule (h = (1 - m) g + m h; w -= lr h, mltuner.md
 §2), curvatures from 10 down to 0.01, so a learning rate above about 0.2
 diverges and a small one crawls along the flat directions. Mini-batch noise
 shrinks with the batch size; a clock's simulated time grows with the batch

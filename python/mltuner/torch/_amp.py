@@ -49,7 +49,7 @@ def check_scaler(scaler: object, device: torch.device) -> torch.amp.GradScaler:
 
 class ScaledGradients:
     """The driver's gradient filter for a model trained with ``scaler``, and
-    the param groups its ClockOptimizer shows the scaler."""
+    the param group its ClockOptimizer adds for the scaler."""
 
     def __init__(self, scaler: torch.amp.GradScaler, driver: ClockDriver) -> None:
         self._scaler = scaler
@@ -60,6 +60,7 @@ class ScaledGradients:
         self._stand_in = torch.zeros(1, dtype=torch.float32, device=device)
         self._stand_in.grad = torch.zeros(1, dtype=torch.float32, device=device)
         self._inf = torch.full((1,), float("inf"), dtype=torch.float32, device=device)
+        self._group: dict[str, Any] = {"params": [self._stand_in], "lr": 0.0}  # one dict: schedulers write to it
 
     def __call__(self, grads: list[torch.Tensor]) -> None:
         """Unscales one layer's gradients in place; zeroes them from the
@@ -87,10 +88,9 @@ class ScaledGradients:
             return scale
         return None
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """One group with the stand-in tensor, whose gradient tells the
-        scaler whether this clock overflowed (inf) or not (0)."""
+    def stand_in_group(self) -> dict[str, Any]:
+        """The param group with the stand-in tensor, whose gradient tells
+        the scaler whether this clock overflowed (inf) or not (0)."""
         assert self._stand_in.grad is not None
         torch.where(self._overflow > 0, self._inf, torch.zeros_like(self._inf), out=self._stand_in.grad)
-        return [{"params": [self._stand_in]}]
+        return self._group

@@ -217,6 +217,9 @@ class ClockDriver:
         # Called on each layer's gradients (in place) before they are copied
         # into its update; the mixed-precision scaler's unscaling (_amp.py).
         self.grad_filter: Callable[[list[torch.Tensor]], None] | None = None
+        # Called before each training clock touches the engine; sends the
+        # optimizer's changed learning rates (_optim.py).
+        self.clock_start: Callable[[], None] | None = None
 
     # -- hooks -----------------------------------------------------------------------
     def _install_hooks(self) -> None:
@@ -434,6 +437,8 @@ class ClockDriver:
                 f"a second training forward pass in clock {self.clock}: call loss.backward() and step() once "
                 "per forward pass (run evaluation forwards under torch.no_grad())"
             )
+        if self.clock_start is not None and not self._recording:
+            self.clock_start()  # may raise: nothing of the clock has reached the engine
         if self._stale_grads:  # stale gradients of an aborted backward must not accumulate
             for layer in self.layers:
                 layer.clear_grads()
@@ -843,6 +848,11 @@ class ClockDriver:
         worker.start_iterations()
         if self._light:
             self._plan_batches()
+
+    @property
+    def tables(self) -> list[Table]:
+        """The layers' tables, in layer order (empty before :meth:`plan`)."""
+        return list(self._tables)
 
     # -- evaluation and export ------------------------------------------------------------
     def _evaluate(self, call: Callable[[], T]) -> T:

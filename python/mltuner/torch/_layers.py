@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mltuner._config import UpdateRule
 from mltuner.client._layout import TensorLayout
 from mltuner.exceptions import InternalError
 from mltuner.torch._buffers import as_tensor, buffer_key, placeholder
@@ -78,6 +79,8 @@ class Layer:
     layout: TensorLayout
     device: torch.device
     members: list[tuple[str, nn.Module]] = dataclasses.field(default_factory=list)
+    # The table's own update rule (from wrap()'s optimizer); None: the Config's.
+    update_rule: UpdateRule | None = None
     _cache: dict[tuple[int, tuple[int, ...]], tuple[torch.Tensor, list[torch.Tensor]]] = dataclasses.field(
         default_factory=dict, repr=False)
     _nan_views: list[torch.Tensor] = dataclasses.field(default_factory=list, repr=False)

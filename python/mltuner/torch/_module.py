@@ -9,11 +9,14 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
+from mltuner._config import UpdateRule
 from mltuner.client._worker import Worker
 from mltuner.exceptions import InvalidArgumentError, OutOfOrderError
 from mltuner.torch._amp import ScaledGradients, check_scaler
 from mltuner.torch._clock import ClockDriver, tensors_in
-from mltuner.torch._layers import DEFAULT_GROUP_BYTES, DEFAULT_WHOLE_MODULES, find_layers
+from mltuner.torch._errors import UnsupportedModelError
+from mltuner.torch._layers import DEFAULT_GROUP_BYTES, DEFAULT_WHOLE_MODULES, Layer, find_layers
+from mltuner.torch._optim import LearningRates, check_optimizer, groups_of_layers, rule_for_group
 
 __all__ = ["PSModule", "ClockOptimizer", "wrap"]
 
@@ -24,9 +27,10 @@ class PSModule(nn.Module):
     Each clock is one ``model(x)`` with gradients enabled, one
     ``loss.backward()`` and one :meth:`step`. The gradients never stay on the
     worker: each layer's update goes to the engine as soon as its gradient
-    is final, and the servers apply the update rule of
-    :class:`mltuner.Config` (learning rate and momentum per branch), so no
-    torch optimizer is involved.
+    is final, and the servers apply the update rule: the one of the torch
+    optimizer given to :func:`wrap` (SGD, Adam, AdamW, per param group), or
+    :class:`mltuner.Config`'s. No torch optimizer step runs on the worker;
+    :attr:`optimizer` stands in for one, with the optimizer's param groups.
 
     A forward under ``torch.no_grad()`` (or ``torch.inference_mode()``) is an
     evaluation: it takes no part in the clock and runs on a copy of the
@@ -39,11 +43,13 @@ class PSModule(nn.Module):
     up the module before wrapping it.
     """
 
-    def __init__(self, module: nn.Module, driver: ClockDriver, scaled: ScaledGradients | None = None) -> None:
+    def __init__(self, module: nn.Module, driver: ClockDriver, groups: list[dict[str, Any]],
+                 scaled: ScaledGradients | None = None, source: torch.optim.Optimizer | None = None) -> None:
         super().__init__()
         self.module = module
         self._driver = driver
         self._scaled = scaled  # the GradScaler's side, when wrap() got one
+        self._optimizer = ClockOptimizer(self, groups, source)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's forward: a training forward when gradients
@@ -61,9 +67,12 @@ class PSModule(nn.Module):
 
     @property
     def optimizer(self) -> ClockOptimizer:
-        """An object with ``step()`` and ``zero_grad()``, for training loops
-        written against a torch optimizer."""
-        return ClockOptimizer(self)
+        """The torch optimizer of the training loop: ``step()`` ends the
+        clock, and its ``param_groups`` are those of the optimizer given to
+        :func:`wrap` (the same dicts), so a changed ``"lr"`` and
+        ``torch.optim.lr_scheduler`` schedulers reach the servers at the
+        next clock. One object for the model's life."""
+        return self._optimizer
 
     @property
     def worker(self) -> Worker:
@@ -135,31 +144,59 @@ class PSModule(nn.Module):
         return f"worker={self.worker.rank}, clock={self.clock}, layers={len(self._driver.layers)}"
 
 
-class ClockOptimizer:
-    """Stands in for a torch optimizer in an existing training loop:
-    :meth:`step` ends the clock (the servers apply the update rule) and
-    :meth:`zero_grad` does nothing, because the adapter hands each gradient
-    to the engine and clears it during the backward pass.
+class ClockOptimizer(torch.optim.Optimizer):
+    """Stands in for the torch optimizer in a training loop: :meth:`step`
+    ends the clock (the servers apply the update rule) and :meth:`zero_grad`
+    does nothing, because the adapter hands each gradient to the engine and
+    clears it during the backward pass.
 
-    ``scaler.step(optimizer)`` of a ``torch.amp.GradScaler`` passed to
+    ``param_groups`` are the param-group dicts of the optimizer given to
+    ``wrap(..., optimizer=...)`` (without one: a single group whose ``"lr"``
+    is ``Config.update_rule``'s). Write ``param_groups[i]["lr"]``, or attach
+    a ``torch.optim.lr_scheduler`` to this object or to the original
+    optimizer: the next clock's updates carry the new rate to the servers.
+    The groups' other settings are the servers' rule and cannot change; new
+    groups cannot be added.
+
+    ``scaler.step(model.optimizer)`` of a ``torch.amp.GradScaler`` passed to
     ``wrap(..., grad_scaler=scaler)`` works as with a torch optimizer, except
     that the clock ends even when the gradients overflowed (mltuner/torch/_amp.py).
+    With a scaler, ``param_groups`` ends with one more group, holding the
+    tensor whose gradient tells the scaler whether the clock overflowed.
     """
 
     # GradScaler.step calls step() itself, overflow or not: the clock must end.
     _step_supports_amp_scaling = True
 
-    def __init__(self, model: PSModule) -> None:
+    def __init__(self, model: PSModule, groups: list[dict[str, Any]],
+                 source: torch.optim.Optimizer | None = None) -> None:
+        # torch's constructor sets up hooks and state; its one group is a
+        # placeholder, replaced by the shared groups below.
+        super().__init__([torch.zeros(1)], {"lr": 0.0})
         self._model = model
+        self._groups = groups
+        self._source = source
+        self.defaults = {key: value for key, value in groups[0].items() if key != "params"} if groups else {}
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        """What a GradScaler checks for infs: a stand-in for the gradients,
-        which have left by then (none without a scaler)."""
-        scaled = self._model._scaled
-        return scaled.param_groups if scaled is not None else []
+        scaled = self._model._scaled if hasattr(self, "_model") else None
+        if scaled is None:
+            return self._groups if hasattr(self, "_groups") else self._init_groups
+        return [*self._groups, scaled.stand_in_group()]
 
-    def step(self, closure: Callable[[], Any] | None = None) -> None:
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self._init_groups = groups  # torch.optim.Optimizer.__init__'s own list
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not hasattr(self, "_groups"):  # torch.optim.Optimizer.__init__
+            super().add_param_group(param_group)
+            return
+        raise InvalidArgumentError("add_param_group on a wrapped model's optimizer: the tables and their rules are "
+                                   "made by wrap(); give wrap() an optimizer with every group")
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
         if closure is not None:
             raise InvalidArgumentError("ClockOptimizer.step takes no closure (one backward pass per clock)")
         if hasattr(self, "found_inf") and self._model._scaled is None:  # set by GradScaler.step
@@ -168,6 +205,11 @@ class ClockOptimizer:
                 "left scaled; pass it as wrap(..., grad_scaler=scaler)"
             )
         self._model.step()
+        if self._source is not None:
+            # What a scheduler built on the original optimizer checks to see
+            # that a step came before its own (torch's LRScheduler marks
+            # this in the wrapper it puts around the optimizer's step).
+            self._source._opt_called = True  # type: ignore[attr-defined]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing to do: gradients are cleared as they are handed over."""
@@ -186,6 +228,42 @@ def _default_loss(output: Any) -> torch.Tensor:
     for part in parts[1:]:
         total = total + part
     return total
+
+
+def _assign_rules(layers: list[Layer], optimizer: torch.optim.Optimizer | None,
+                  split: set[str]) -> list[list[int]] | None:
+    """Gives each layer the rule of its parameters' param group and returns,
+    per layer, the groups it holds. None after adding to ``split`` a grouped
+    layer that spans several param groups (find the layers again). Without
+    an optimizer every layer is in the one group of ``Config.update_rule``."""
+    if optimizer is None:
+        return [[0] for _ in layers]
+    per_layer = groups_of_layers(optimizer, layers)
+    rules = {index: rule_for_group(optimizer, index) for index in range(len(optimizer.param_groups))}
+    for layer, groups in zip(layers, per_layer):
+        if len(groups) > 1 and len(layer.members) > 1 and layer.name not in split:
+            split.add(layer.name)  # one table per param group where the modules allow it
+            return None
+        distinct = {rules[g] for g in groups}
+        if len(distinct) > 1:
+            described = "; ".join(f"param_groups[{g}]: {rules[g]}" for g in groups)
+            raise UnsupportedModelError(
+                f"module {layer.name!r} has its own parameters in param groups with different settings "
+                f"({described}): its parameters share one table, and the servers apply one rule per table; put a "
+                "module's parameters (e.g. a Linear's weight and bias) in one group"
+            )
+        layer.update_rule = rules[groups[0]]
+    return per_layer
+
+
+def _param_groups(optimizer: torch.optim.Optimizer | None, layers: list[Layer],
+                  rule: UpdateRule | None) -> list[dict[str, Any]]:
+    """The param groups ``model.optimizer`` shows: the optimizer's own dicts,
+    or one group over every trainable parameter with the Config rule's rate."""
+    if optimizer is not None:
+        return list(optimizer.param_groups)
+    params = [slot.param for layer in layers for slot in layer.params]
+    return [{"params": params, "lr": float(rule.learning_rate) if rule is not None else 0.0}]
 
 
 def _parameter_device(module: nn.Module) -> torch.device:
@@ -207,6 +285,7 @@ def wrap(
     group_bytes: int = DEFAULT_GROUP_BYTES,
     hold_reads: bool | None = None,
     grad_scaler: torch.amp.GradScaler | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> PSModule:
     """Moves ``module``'s trainable parameters into ``worker``'s parameter
     server and returns the model to train with.
@@ -221,12 +300,22 @@ def wrap(
     it waits for all of them. Worker 0's initial parameter values become the
     servers' values; the other workers' are ignored.
 
+    The update rule is the one of ``optimizer``, a ``torch.optim.SGD``,
+    ``Adam`` or ``AdamW`` made from ``module.parameters()`` (or param
+    groups): its class and each group's settings become the servers' rule
+    of each table, with torch's formulas, and ``model.optimizer`` keeps its
+    param groups, whose ``"lr"`` may change between clocks (schedulers).
+    Without ``optimizer``, every table takes ``Config.update_rule``.
+
     Example:
-        >>> ps_model = mltuner.torch.wrap(Net(), worker, example_input=x0)
+        >>> net = Net()
+        >>> optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        >>> ps_model = mltuner.torch.wrap(net, worker, example_input=x0, optimizer=optimizer)
+        >>> optimizer = ps_model.optimizer  # step() ends the clock
         >>> for x, y in batches:
         ...     loss = loss_fn(ps_model(x), y)
         ...     loss.backward()   # each layer's update ships as soon as it is final
-        ...     ps_model.step()   # ends the clock
+        ...     optimizer.step()  # ends the clock
 
     Args:
         module: an eager model on the device of the worker's engine (CPU, or
@@ -273,12 +362,22 @@ def wrap(
             layer's gradients are unscaled before its update leaves, and
             zeroed from the clock's first inf or NaN on. bfloat16 autocast
             needs no scaler.
+        optimizer: the training script's ``torch.optim.SGD``, ``Adam`` or
+            ``AdamW`` over the module's trainable parameters (every one of
+            them, in any param groups). Its own ``step()`` is never called:
+            use ``model.optimizer``. A child module whose parameters are in
+            several groups becomes several tables; a module's own
+            parameters must share a group's settings (one rule per table).
+            None: ``Config.update_rule`` for every table.
 
     Raises:
         UnsupportedModelError: a non-float32 or sparse trainable parameter,
             a parameter shared between modules, a compiled, scripted or
             DataParallel module, a module whose parameters get no gradient or
-            are used outside its forward.
+            are used outside its forward; an optimizer other than SGD, Adam
+            and AdamW (or ``maximize=True``), one that already has state or
+            leaves out a trainable parameter, or a module whose own
+            parameters are in groups with different settings.
         mltuner.InvalidArgumentError: a used worker, bad arguments, a model
             on another device than the engine.
         mltuner.ResourceExhaustedError: the memory budget cannot hold the
@@ -300,10 +399,15 @@ def wrap(
         raise InvalidArgumentError(f"group_bytes must be >= 0, got {group_bytes}")
     hold = not store_activations if hold_reads is None else bool(hold_reads)
     scaler = None if grad_scaler is None else check_scaler(grad_scaler, _parameter_device(module))
+    if optimizer is not None:
+        check_optimizer(optimizer)
     args = example_input if isinstance(example_input, tuple) else (example_input,)
-    split: set[str] = set()  # groups whose members run outside the group's forward
+    split: set[str] = set()  # groups whose members run outside the group's forward, or span param groups
     while True:
         layers = find_layers(module, row_width, whole_modules, group_bytes, split)
+        layer_groups = _assign_rules(layers, optimizer, split)
+        if layer_groups is None:
+            continue  # a grouped layer spanned param groups: split it and look again
         driver = ClockDriver(module, layers, worker, slack=slack, store_activations=store_activations,
                              row_width=row_width, hold_reads=hold)
         try:
@@ -323,4 +427,9 @@ def wrap(
         if scaler is not None:
             scaled = ScaledGradients(scaler, driver)
             driver.grad_filter = scaled
-        return PSModule(module, driver, scaled)
+        config_rule = None if optimizer is not None else worker.update_rule_of(driver.tables[0])
+        groups = _param_groups(optimizer, layers, config_rule)
+        rates = LearningRates(worker, groups, layer_groups, optimizer, config_rule)
+        rates.set_tables(driver.tables)
+        driver.clock_start = rates.sync
+        return PSModule(module, driver, groups, scaled, optimizer)

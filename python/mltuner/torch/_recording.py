@@ -79,7 +79,8 @@ def replay(worker: Worker, layers: Sequence[Layer], events: Sequence[Event], slo
     next update's open are consecutive ops, one engine call. Returns the
     tables and, per event, the handle of the access it opens (-1 for events
     that open none)."""
-    tables = [worker.create_tensor_table(f"torch:{layer.name}", layer.layout) for layer in layers]
+    tables = [worker.create_tensor_table(f"torch:{layer.name}", layer.layout, update_rule=layer.update_rule)
+              for layer in layers]
     activations: Table | None = None
     act_layout = TensorLayout(row_width)
     if slots:

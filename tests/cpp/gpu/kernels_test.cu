@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/kernels.h"
+#include "rule_reference.h"
 #include "test_util.h"
 
 namespace mltuner {
@@ -188,22 +189,19 @@ TEST(ScatterAddLongRunGridStride) {
 
 // --- update rules -------------------------------------------------------------
 
-// Applies `steps` clocks of `kind` to `count` values, each clock with a fresh
+// Applies `steps` clocks of `rule` to `count` values, each clock with a fresh
 // random update sum of `workers` workers: on the GPU, with the CPU backend's
-// loop over UpdateValue (which must agree bit for bit), and in double (which
-// must agree within rounding).
-void CheckRule(UpdateRuleKind kind, int64_t count, int workers, int steps) {
-  UpdateRuleConfig rule;
-  rule.kind = kind;
-  rule.learning_rate = 0.05f;
-  rule.momentum = 0.9f;
+// loop over UpdateValue (which must agree bit for bit), and in double
+// (rule_reference.h, which must agree within rounding).
+void CheckRule(const UpdateRuleConfig& rule, int64_t count, int workers, int steps) {
+  constexpr int kArrays = 3;  // the most any rule keeps (adam with amsgrad)
   const std::vector<float> w0 = RandomValues(count, 100);
-  std::vector<double> w(w0.begin(), w0.end()), s1(count, 0.0), s2(count, 0.0);
-  std::vector<float> cpu_w = w0, cpu_state(2 * count, 0.0f);
-  DeviceArray<float> d_w(count), d_state(2 * count), d_sum(count);
+  testing::ReferenceRule reference(rule, w0);
+  std::vector<float> cpu_w = w0, cpu_state(kArrays * count, 0.0f);
+  DeviceArray<float> d_w(count), d_state(kArrays * count), d_sum(count);
   ASSERT_TRUE(d_w.ok() && d_state.ok() && d_sum.ok());
   CUDA_ASSERT(d_w.Upload(w0));
-  CUDA_ASSERT(cudaMemset(d_state.get(), 0, 2 * count * sizeof(float)));
+  CUDA_ASSERT(cudaMemset(d_state.get(), 0, kArrays * count * sizeof(float)));
 
   for (int t = 1; t <= steps; ++t) {
     std::vector<float> sum = RandomValues(count, 200 + t);
@@ -214,33 +212,16 @@ void CheckRule(UpdateRuleKind kind, int64_t count, int workers, int steps) {
     CUDA_ASSERT(cudaGetLastError());
     CUDA_ASSERT(cudaDeviceSynchronize());
     for (int64_t i = 0; i < count; ++i) UpdateValue(step, cpu_w.data(), cpu_state.data(), sum.data(), count, i);
-
-    const double bias1 = 1.0 - std::pow(double{rule.beta1}, t);
-    const double bias2 = 1.0 - std::pow(double{rule.beta2}, t);
-    for (int64_t i = 0; i < count; ++i) {
-      const double g = double{sum[i]} / workers;
-      switch (kind) {
-        case UpdateRuleKind::kAdd: w[i] += sum[i]; break;
-        case UpdateRuleKind::kSgd: w[i] -= rule.learning_rate * g; break;
-        case UpdateRuleKind::kMomentum:
-          s1[i] = (1.0 - rule.momentum) * g + rule.momentum * s1[i];
-          w[i] -= rule.learning_rate * s1[i];
-          break;
-        case UpdateRuleKind::kAdam:
-          s1[i] = rule.beta1 * s1[i] + (1.0 - rule.beta1) * g;
-          s2[i] = rule.beta2 * s2[i] + (1.0 - rule.beta2) * g * g;
-          w[i] -= rule.learning_rate * (s1[i] / bias1) / (std::sqrt(s2[i] / bias2) + rule.epsilon);
-          break;
-      }
-    }
+    reference.Step(sum, workers);
   }
 
   std::vector<float> got_w, got_state;
   CUDA_ASSERT(d_w.Download(&got_w));
   CUDA_ASSERT(d_state.Download(&got_state));
   EXPECT_EQ(std::memcmp(got_w.data(), cpu_w.data(), count * sizeof(float)), 0);
-  EXPECT_EQ(std::memcmp(got_state.data(), cpu_state.data(), 2 * count * sizeof(float)), 0);
+  EXPECT_EQ(std::memcmp(got_state.data(), cpu_state.data(), kArrays * count * sizeof(float)), 0);
   int64_t wrong = 0;
+  const std::vector<double>& w = reference.values();
   for (int64_t i = 0; i < count; ++i) {
     const double tol = 1e-5 * std::max(1.0, std::fabs(w[i]));
     if (std::fabs(got_w[i] - w[i]) > tol && wrong++ < 5) EXPECT_NEAR(got_w[i], w[i], tol);
@@ -248,11 +229,42 @@ void CheckRule(UpdateRuleKind kind, int64_t count, int workers, int steps) {
   EXPECT_EQ(wrong, int64_t{0});
 }
 
-TEST(AddUpdate) { CheckRule(UpdateRuleKind::kAdd, 10007, 3, 4); }
-TEST(SgdUpdateAveragesWorkers) { CheckRule(UpdateRuleKind::kSgd, 10007, 3, 4); }
-TEST(MomentumUpdate) { CheckRule(UpdateRuleKind::kMomentum, 10007, 3, 5); }
-TEST(AdamUpdateWithBiasCorrection) { CheckRule(UpdateRuleKind::kAdam, 10007, 3, 5); }
-TEST(AdamUpdateGridStride) { CheckRule(UpdateRuleKind::kAdam, 2500001, 2, 2); }  // > 8192 * 256
+UpdateRuleConfig Rule(UpdateRuleKind kind) {
+  UpdateRuleConfig rule;
+  rule.kind = kind;
+  rule.learning_rate = 0.05f;
+  rule.momentum = kind == UpdateRuleKind::kSgd ? 0.0f : 0.9f;
+  return rule;
+}
+
+UpdateRuleConfig TorchSgd(bool nesterov) {
+  UpdateRuleConfig rule = Rule(UpdateRuleKind::kSgd);
+  rule.momentum = 0.9f;
+  rule.dampening = nesterov ? 0.0f : 0.1f;
+  rule.nesterov = nesterov;
+  rule.weight_decay = 0.01f;
+  return rule;
+}
+
+UpdateRuleConfig TorchAdam(UpdateRuleKind kind, bool amsgrad) {
+  UpdateRuleConfig rule = Rule(kind);
+  rule.learning_rate = 0.01f;
+  rule.weight_decay = 0.05f;
+  rule.amsgrad = amsgrad;
+  return rule;
+}
+
+TEST(AddUpdate) { CheckRule(Rule(UpdateRuleKind::kAdd), 10007, 3, 4); }
+TEST(SgdUpdateAveragesWorkers) { CheckRule(Rule(UpdateRuleKind::kSgd), 10007, 3, 4); }
+TEST(SgdMomentumDampeningWeightDecay) { CheckRule(TorchSgd(false), 10007, 3, 5); }
+TEST(SgdNesterov) { CheckRule(TorchSgd(true), 10007, 3, 5); }
+TEST(DampedMomentumUpdate) { CheckRule(Rule(UpdateRuleKind::kDampedMomentum), 10007, 3, 5); }
+TEST(AdamUpdateWithBiasCorrection) { CheckRule(Rule(UpdateRuleKind::kAdam), 10007, 3, 5); }
+TEST(AdamWeightDecayAmsgrad) { CheckRule(TorchAdam(UpdateRuleKind::kAdam, true), 10007, 3, 5); }
+TEST(AdamWDecoupledDecay) { CheckRule(TorchAdam(UpdateRuleKind::kAdamW, false), 10007, 3, 5); }
+TEST(AdamWAmsgrad) { CheckRule(TorchAdam(UpdateRuleKind::kAdamW, true), 10007, 3, 5); }
+TEST(AdamUpdateGridStride) { CheckRule(Rule(UpdateRuleKind::kAdam), 2500001, 2, 2); }  // > 8192 * 256
+
 // --- copy pieces ------------------------------------------------------------
 
 // `num_pieces` pieces of lengths 0..max_len from one source array, placed

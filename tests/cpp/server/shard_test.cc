@@ -13,6 +13,7 @@
 #include <random>
 #include <vector>
 
+#include "rule_reference.h"
 #include "test_util.h"
 
 using namespace mltuner;
@@ -99,11 +100,12 @@ std::vector<float> Slice(const std::vector<float>& table_values, int shard) {
                             table_values.begin() + (range.begin + range.count) * kWidth);
 }
 
-std::vector<std::unique_ptr<ServerShard>> MakeShards(UpdateRuleKind kind) {
+std::vector<std::unique_ptr<ServerShard>> MakeShards(UpdateRuleKind kind, const TableInfo& table = Table(),
+                                                     int max_branches = 40) {
   std::vector<std::unique_ptr<ServerShard>> shards;
   for (int rank = 0; rank < kWorkers; ++rank) {
-    shards.push_back(std::make_unique<ServerShard>(rank, kWorkers, Rule(kind)));
-    Status status = shards.back()->AddTable(Table());
+    shards.push_back(std::make_unique<ServerShard>(rank, kWorkers, Rule(kind), max_branches));
+    Status status = shards.back()->AddTable(table);
     if (!status.ok()) mltuner::testing::ReportFailure(__FILE__, __LINE__, status.ToString());
   }
   return shards;
@@ -145,6 +147,64 @@ WorkerUpdate MakeUpdate(std::mt19937* rng, WorkerId worker, Clock clock, bool ba
     update.per_shard.push_back(ClockUpdate(worker, s, clock, spans, values));
   }
   return update;
+}
+
+// The whole table's values, gathered from every shard.
+std::vector<float> Gather(const std::vector<std::unique_ptr<ServerShard>>& shards, BranchId branch = 0) {
+  std::vector<float> all;
+  for (const auto& shard : shards) {
+    const std::vector<float> part = *shard->values(kTable, branch);
+    all.insert(all.end(), part.begin(), part.end());
+  }
+  return all;
+}
+
+// Delivers every worker's update of one clock (on `branch`), the messages of
+// the workers in `with_rate` carrying `rate`; the status of the first failure.
+Status DeliverClock(const std::vector<std::unique_ptr<ServerShard>>& shards, std::mt19937* rng, Clock clock,
+                    std::vector<float>* sum, const std::vector<WorkerId>& with_rate = {}, float rate = 0,
+                    BranchId branch = 0) {
+  sum->assign(kRows * kWidth, 0.0f);
+  for (WorkerId worker = 0; worker < kWorkers; ++worker) {
+    WorkerUpdate update = MakeUpdate(rng, worker, clock, false);
+    for (size_t i = 0; i < sum->size(); ++i) (*sum)[i] += update.dense[i];
+    const bool carries = std::find(with_rate.begin(), with_rate.end(), worker) != with_rate.end();
+    for (int s = 0; s < kWorkers; ++s) {
+      Message& m = update.per_shard[s];
+      m.header.branch = branch;
+      if (carries) {
+        m.header.flags |= kNewLearningRate;
+        m.header.learning_rate = rate;
+      }
+      std::vector<Message> out;
+      MLT_RETURN_IF_ERROR(shards[s]->Handle(m, &out));
+    }
+  }
+  return Status::Ok();
+}
+
+// Every worker asks every shard to fork `child` with `settings`.
+Status ForkEverywhere(const std::vector<std::unique_ptr<ServerShard>>& shards, BranchId child, BranchId parent,
+                      const BranchSettings& settings) {
+  for (int s = 0; s < kWorkers; ++s) {
+    for (WorkerId worker = 0; worker < kWorkers; ++worker) {
+      Message fork = Header(MessageType::kFork, worker, s, -1);
+      fork.header.branch = child;
+      fork.text = BranchSettingsText(parent, settings);
+      std::vector<Message> out;
+      MLT_RETURN_IF_ERROR(shards[s]->Handle(fork, &out));
+    }
+  }
+  return Status::Ok();
+}
+
+UpdateRuleConfig TorchSgd() {
+  UpdateRuleConfig rule;
+  rule.kind = UpdateRuleKind::kSgd;
+  rule.learning_rate = 0.05f;
+  rule.momentum = 0.9f;
+  rule.weight_decay = 0.01f;
+  return rule;
 }
 
 }  // namespace
@@ -242,7 +302,7 @@ TEST(StartPushesInitialRowsWhenTheLastWorkerStarts) {
 }
 
 TEST(ShardWithoutRowsStillPushesEmptyRows) {
-  ServerShard shard(2, kWorkers, Rule(UpdateRuleKind::kMomentum));
+  ServerShard shard(2, kWorkers, Rule(UpdateRuleKind::kDampedMomentum));
   ASSERT_OK(shard.AddTable(Table(kTable, 2, kWidth)));  // shard 2 of 3 owns no row
   EXPECT_TRUE(shard.values(kTable)->empty());
   std::vector<Message> out;
@@ -310,7 +370,7 @@ void RunBsp(UpdateRuleKind kind) {
 }
 
 TEST(BspAddAppliesTheSumOncePerClock) { RunBsp(UpdateRuleKind::kAdd); }
-TEST(BspMomentumStepsOncePerClockIncludingBareClocks) { RunBsp(UpdateRuleKind::kMomentum); }
+TEST(BspMomentumStepsOncePerClockIncludingBareClocks) { RunBsp(UpdateRuleKind::kDampedMomentum); }
 
 // The same updates delivered in random interleavings (workers running clocks
 // ahead of each other, shards seeing different orders) give bit-identical
@@ -390,7 +450,7 @@ TEST(FetchReturnsCurrentValuesOfSpans) {
 // rows [3,5); every worker has started and finished clock 0.
 struct BadMessageFixture {
   std::mt19937 rng{51};
-  ServerShard shard{1, kWorkers, Rule(UpdateRuleKind::kMomentum)};
+  ServerShard shard{1, kWorkers, Rule(UpdateRuleKind::kDampedMomentum)};
   std::vector<float> before;
 
   bool Setup() {
@@ -522,6 +582,97 @@ TEST(ClientBoundMessagesAreRejected) {
   std::vector<Message> out;
   EXPECT_CODE(shard.Handle(unknown, &out), StatusCode::kInvalidArgument);
   EXPECT_EQ(shard.global_clock(kTable), kNoClock);
+}
+
+// A table created with its own rule uses it, not the shard's default, and
+// names it in the schema every worker must agree on.
+TEST(TableWithItsOwnRuleUsesIt) {
+  TableInfo info = Table();
+  info.update_rule = TorchSgd();
+  auto shards = MakeShards(UpdateRuleKind::kAdd, info);
+  std::mt19937 rng(61);
+  const std::vector<float> initial = RandomValues(&rng, kRows * kWidth);
+  InitialiseAndStart(shards, initial);
+  mltuner::testing::ReferenceRule reference(TorchSgd(), initial);
+  std::vector<float> sum;
+  for (Clock clock = 0; clock < 5; ++clock) {
+    ASSERT_OK(DeliverClock(shards, &rng, clock, &sum));
+    reference.Step(sum, kWorkers);
+  }
+  const std::vector<float> got = Gather(shards);
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], reference.values()[i], 1e-5);
+  const std::string schema = TableSchemaText({info});
+  EXPECT_TRUE(schema.find("sgd lr=0.0500000007 momentum=0.899999976") != std::string::npos);
+  EXPECT_TRUE(TableSchemaText({Table()}).find("sgd") == std::string::npos);
+}
+
+// A rate carried by every worker's update of clock 2 is used from clock 2 on.
+TEST(NewLearningRateTakesEffectAtItsClock) {
+  TableInfo info = Table();
+  info.update_rule = TorchSgd();
+  auto shards = MakeShards(UpdateRuleKind::kAdd, info);
+  std::mt19937 rng(62);
+  const std::vector<float> initial = RandomValues(&rng, kRows * kWidth);
+  InitialiseAndStart(shards, initial);
+  mltuner::testing::ReferenceRule reference(TorchSgd(), initial);
+  std::vector<float> sum;
+  for (Clock clock = 0; clock < 5; ++clock) {
+    if (clock == 2) {
+      ASSERT_OK(DeliverClock(shards, &rng, clock, &sum, {0, 1, 2}, 0.004f));
+      reference.set_learning_rate(0.004f);
+    } else {
+      ASSERT_OK(DeliverClock(shards, &rng, clock, &sum));
+    }
+    reference.Step(sum, kWorkers);
+  }
+  const std::vector<float> got = Gather(shards);
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], reference.values()[i], 1e-5);
+}
+
+TEST(WorkersThatDisagreeOnTheRateFailTheClock) {
+  TableInfo info = Table();
+  info.update_rule = TorchSgd();
+  auto shards = MakeShards(UpdateRuleKind::kAdd, info);
+  std::mt19937 rng(63);
+  InitialiseAndStart(shards, RandomValues(&rng, kRows * kWidth));
+  std::vector<float> sum;
+  const Status status = DeliverClock(shards, &rng, 0, &sum, {0, 2}, 0.01f);
+  EXPECT_CODE(status, StatusCode::kInvalidArgument);
+  EXPECT_TRUE(status.message().find("worker 1: none") != std::string::npos);
+}
+
+TEST(BranchSettingsKeepTheParentsRateAndMomentumWhenNotGiven) {
+  BranchSettings keep;
+  keep.training = true;
+  BranchId parent = -1;
+  BranchSettings parsed;
+  ASSERT_OK(ParseBranchSettings(BranchSettingsText(3, keep), &parent, &parsed));
+  EXPECT_EQ(parent, 3);
+  EXPECT_EQ(parsed.learning_rate, BranchSettings::kKeepParent);
+  EXPECT_EQ(parsed.momentum, BranchSettings::kKeepParent);
+  EXPECT_CODE(ParseBranchSettings("parent=0;lr=-2;momentum=0;training=1;slack=-1", &parent, &parsed),
+              StatusCode::kInvalidArgument);
+
+  // A child that keeps the parent's (changed) rate steps like the parent; one
+  // with a rate of its own steps differently.
+  TableInfo info = Table();
+  info.update_rule = TorchSgd();
+  auto shards = MakeShards(UpdateRuleKind::kAdd, info);
+  std::mt19937 rng(64);
+  InitialiseAndStart(shards, RandomValues(&rng, kRows * kWidth));
+  std::vector<float> sum;
+  ASSERT_OK(DeliverClock(shards, &rng, 0, &sum, {0, 1, 2}, 0.02f));
+  ASSERT_OK(ForkEverywhere(shards, 1, 0, keep));
+  BranchSettings own = keep;
+  own.learning_rate = 0.5f;
+  ASSERT_OK(ForkEverywhere(shards, 2, 0, own));
+  for (BranchId branch : {0, 1, 2}) {
+    std::mt19937 same(65);  // the same updates on every branch
+    const Clock clock = branch == 0 ? 1 : 0;
+    ASSERT_OK(DeliverClock(shards, &same, clock, &sum, {}, 0, branch));
+  }
+  EXPECT_TRUE(Gather(shards, 1) == Gather(shards, 0));
+  EXPECT_TRUE(Gather(shards, 2) != Gather(shards, 0));
 }
 
 MLT_TEST_MAIN

@@ -1,6 +1,7 @@
 // Wire codec: round trips, every rejection path, and fuzzing.
 #include "wire/message.h"
 
+#include <cmath>
 #include <cstddef>
 #include <cstring>
 #include <limits>
@@ -211,6 +212,29 @@ TEST(RejectsNegativeSpansAndRowWidth) {
   m = SmallRows();
   m.header.row_width = 0;
   EXPECT_CODE(Decode(EncodeHeaderFrame(m), m.values, &out), StatusCode::kCorruptMessage);
+}
+
+// A clock update may carry a new learning rate (and nothing else a flag).
+TEST(LearningRateTravelsOnlyOnClockUpdates) {
+  Message m = SmallRows();
+  m.header.type = static_cast<uint16_t>(MessageType::kClockUpdate);
+  m.header.flags = kNewLearningRate;
+  m.header.learning_rate = 0.0125f;
+  Message out;
+  ASSERT_OK(Decode(EncodeHeaderFrame(m), m.values, &out));
+  EXPECT_EQ(out.header.flags, static_cast<uint32_t>(kNewLearningRate));
+  EXPECT_EQ(out.header.learning_rate, 0.0125f);
+  EXPECT_TRUE(out.DebugString().find("new_lr=0.0125") != std::string::npos);
+  for (float bad : {-1.0f, std::nanf(""), INFINITY}) {
+    m.header.learning_rate = bad;
+    EXPECT_CODE(Decode(EncodeHeaderFrame(m), m.values, &out), StatusCode::kCorruptMessage);
+  }
+  m.header.learning_rate = 0.5f;
+  m.header.flags = kNewLearningRate | (1u << 7);
+  EXPECT_CODE(Decode(EncodeHeaderFrame(m), m.values, &out), StatusCode::kCorruptMessage);
+  Message rows = SmallRows();
+  rows.header.flags = kNewLearningRate;
+  EXPECT_CODE(Decode(EncodeHeaderFrame(rows), rows.values, &out), StatusCode::kCorruptMessage);
 }
 
 TEST(RejectsWrongPayloadSize) {

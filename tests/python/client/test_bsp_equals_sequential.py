@@ -104,7 +104,8 @@ def train(
     layout = make_layout()
     config = Config(
         wait_timeout_s=20,
-        update_rule=UpdateRule(kind=rule, learning_rate=LR[rule], momentum=MOMENTUM),  # type: ignore[arg-type]
+        update_rule=UpdateRule(kind=rule, learning_rate=LR[rule],  # type: ignore[arg-type]
+                               momentum=MOMENTUM if rule == "momentum" else None),
     )
     with LocalCluster(num_workers, config) as cluster:
         setup = []

@@ -108,10 +108,12 @@ config_fields = st.fixed_dictionaries({}, optional={
     "device": st.sampled_from(["cpu", "gpu", ""]) | anything,
 })
 rule_fields = st.fixed_dictionaries({}, optional={
-    "kind": st.sampled_from(["add", "sgd", "momentum", "adam", "nope"]),
+    "kind": st.sampled_from(["add", "sgd", "momentum", "damped_momentum", "adam", "adamw", "nope"]),
     "learning_rate": st.floats(allow_nan=True) | anything,
     "momentum": st.floats(-1, 2) | anything,
     "beta1": st.floats(-1, 2), "beta2": st.floats(-1, 2), "epsilon": st.floats(-1, 2) | anything,
+    "dampening": st.floats(-1, 2) | anything, "weight_decay": st.floats(-1, 2) | anything,
+    "nesterov": st.booleans() | anything, "amsgrad": st.booleans() | anything,
 })
 
 

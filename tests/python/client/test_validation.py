@@ -27,8 +27,14 @@ def test_python_defaults_are_the_engines() -> None:
     assert python.max_branches == core.max_branches
     rule, core_rule = python.update_rule, core.update_rule
     assert rule.kind == core_rule.kind.name
-    for name in ("learning_rate", "momentum", "beta1", "beta2", "epsilon"):
+    for name in ("learning_rate", "momentum", "beta1", "beta2", "epsilon", "dampening", "weight_decay"):
         assert np.float32(getattr(rule, name)) == np.float32(getattr(core_rule, name)), name
+    assert rule.nesterov == core_rule.nesterov and rule.amsgrad == core_rule.amsgrad
+    # The engine's struct has torch's defaults; so do the Python rules named after torch's optimizers.
+    for kind in ("sgd", "adam"):
+        torch_like = mltuner.UpdateRule(kind).to_core()  # type: ignore[arg-type]
+        for name in ("momentum", "weight_decay", "dampening", "beta1", "beta2", "epsilon"):
+            assert getattr(torch_like, name) == getattr(core_rule, name), (kind, name)
     # And what to_core hands over is what was set.
     converted = python.to_core()
     assert converted.wait_timeout_ms == core.wait_timeout_ms and converted.max_branches == core.max_branches
@@ -63,12 +69,31 @@ RULE_CASES: list[tuple[dict[str, Any], str]] = [
     ({"learning_rate": NAN}, r"UpdateRule.learning_rate must be a finite number"),
     ({"learning_rate": -0.1}, r"UpdateRule.learning_rate"),
     ({"momentum": 1.0}, r"UpdateRule.momentum must be a finite number in \[0, 1\)"),
-    ({"beta1": -0.1}, r"UpdateRule.beta1"),
-    ({"beta2": INF}, r"UpdateRule.beta2"),
-    ({"epsilon": 0.0}, r"UpdateRule.epsilon must be a finite number in \(0, 1\]"),
-    ({"kind": "rmsprop"}, r"UpdateRule.kind must be one of 'add', 'sgd', 'momentum', 'adam', got 'rmsprop'"),
+    ({"kind": "adam", "beta1": -0.1}, r"UpdateRule.beta1"),
+    ({"kind": "adamw", "beta2": INF}, r"UpdateRule.beta2"),
+    ({"kind": "adam", "epsilon": 0.0}, r"UpdateRule.epsilon must be a finite number in \(0, 1\]"),
+    ({"kind": "rmsprop"}, r"UpdateRule.kind must be one of 'add', 'sgd', 'damped_momentum', 'momentum', 'adam', "
+                          r"'adamw', got 'rmsprop'"),
     ({"learning_rate": "0.1"}, r"UpdateRule.learning_rate must be a number, got str"),
+    ({"dampening": 1.5}, r"UpdateRule.dampening must be a finite number in \[0, 1\]"),
+    ({"weight_decay": -1e-4}, r"UpdateRule.weight_decay must be a finite number in \[0, 1e\+06\]"),
+    ({"nesterov": True}, r"nesterov needs momentum > 0 and dampening 0"),
+    ({"nesterov": True, "momentum": 0.9, "dampening": 0.1}, r"nesterov needs momentum > 0 and dampening 0"),
+    ({"nesterov": 1, "momentum": 0.9}, r"UpdateRule.nesterov must be True or False"),
+    ({"kind": "adam", "momentum": 0.9}, r"UpdateRule.momentum is set to 0.9, but the 'adam' rule does not use it"),
+    ({"kind": "add", "weight_decay": 0.1}, r"the 'add' rule does not use it \(its fields: none\)"),
+    ({"kind": "damped_momentum", "amsgrad": True}, r"UpdateRule.amsgrad is set to True, but the 'damped_momentum'"),
+    ({"beta1": 0.5}, r"UpdateRule.beta1 is set to 0.5, but the 'sgd' rule does not use it"),
 ]
+
+
+def test_momentum_is_the_damped_rules_old_name() -> None:
+    rule = mltuner.UpdateRule("momentum", 0.1)
+    assert rule == mltuner.UpdateRule("damped_momentum", 0.1)
+    assert rule.kind == "damped_momentum" and rule.momentum == 0.9
+    assert mltuner.UpdateRule("sgd").momentum == 0.0  # torch's default
+    assert mltuner.UpdateRule("adamw").weight_decay == 0.01  # torch's default
+    assert mltuner.UpdateRule("adam", amsgrad=True).state_arrays == 3
 
 
 @pytest.mark.parametrize(("settings", "message"), RULE_CASES)

@@ -33,8 +33,12 @@ def _gradient(weights: np.ndarray, rank: int, clock: int) -> np.ndarray:
 
 RULES = {
     "sgd": mlt.UpdateRule("sgd", learning_rate=0.05),
-    "momentum": mlt.UpdateRule("momentum", learning_rate=0.05, momentum=0.9),
+    "momentum": mlt.UpdateRule("damped_momentum", learning_rate=0.05, momentum=0.9),
     "adam": mlt.UpdateRule("adam", learning_rate=0.01),
+    # torch's SGD and AdamW with every option the kernel branches on
+    "sgd_nesterov": mlt.UpdateRule("sgd", learning_rate=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    "sgd_dampening": mlt.UpdateRule("sgd", learning_rate=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-2),
+    "adamw_amsgrad": mlt.UpdateRule("adamw", learning_rate=0.01, weight_decay=0.1, amsgrad=True),
 }
 
 

@@ -1,7 +1,8 @@
 """The conversion guide of docs/torch.md, kept true.
 
 examples/conversion/train_plain.py is a standard PyTorch script (small CNN,
-DataLoader, torch.optim.SGD); train_mltuner.py is its conversion. The tests
+DataLoader, torch.optim.SGD with momentum, StepLR); train_mltuner.py is its
+conversion, which keeps the optimizer and scheduler lines. The tests
 check that the guide shows their real diff, that one worker trains exactly
 like the plain script (the loss of every step within 1e-5), and that two
 workers sharding the data with DistributedSampler(num_replicas=job.world_size,
@@ -122,7 +123,7 @@ def _reference_after_one_epoch(train_set: Any, world_size: int, batch_size: int,
     assert sorted(sum(shards, [])) == list(range(len(train_set)))  # disjoint, and all of it
     torch.manual_seed(seed)
     model = Net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)  # the scripts' optimizer
     for start in range(0, len(shards[0]), batch_size):
         index = torch.tensor(sum((shard[start:start + batch_size] for shard in shards), []))
         x, y = train_set[index]

@@ -1,15 +1,13 @@
 """Training through the adapter equals plain PyTorch, step for step.
 
-The servers' rules (cpp/src/server/update_rules.cc) average the workers'
-gradients g and then take one step:
+The servers' rules (mltuner/update_step.h) average the workers' gradients g
+and then take one step. Here with the Config's rule (test_optim.py covers
+``wrap(optimizer=...)`` and every torch option):
 
-  sgd       w -= lr g
-  momentum  h = (1 - m) g + m h;  w -= lr h          (MLtuner's damped form)
-  adam      m1 = b1 m1 + (1 - b1) g;  m2 = b2 m2 + (1 - b2) g^2;
-            w -= lr (m1 / (1 - b1^t)) / (sqrt(m2 / (1 - b2^t)) + eps)
+  damped_momentum  h = (1 - m) g + m h;  w -= lr h          (MLtuner's rule)
+  adam             torch.optim.Adam (bias-corrected, eps outside the root)
 
-Adam is exactly torch.optim.Adam (bias-corrected, eps outside the square
-root). The momentum rule is not torch.optim.SGD(lr, momentum=m), whose buffer
+MLtuner's damped rule is not torch.optim.SGD(lr, momentum=m), whose buffer
 is b = m b + g: the server's h is (1 - m) b, so it equals
 torch.optim.SGD(lr=lr * (1 - m), momentum=m). The reference here is the
 server's formula written in plain torch, and the test also checks it against
@@ -39,7 +37,7 @@ import mltuner.torch as mt  # noqa: E402
 from mltuner import Config, LocalCluster, UpdateRule, Worker  # noqa: E402
 
 VOCAB, SEQ, CLASSES = 17, 6, 5
-LR = {"momentum": 0.05, "adam": 0.01}
+LR = {"damped_momentum": 0.05, "adam": 0.01}
 MOMENTUM = 0.9
 REL_TOL = 1e-5
 
@@ -96,8 +94,8 @@ def reference_optimizer(rule: str, model: nn.Module, *, torch_sgd: bool = False)
     if rule == "adam":
         return torch.optim.Adam(params, lr=LR["adam"], betas=(0.9, 0.999), eps=1e-8)
     if torch_sgd:
-        return torch.optim.SGD(params, lr=LR["momentum"] * (1 - MOMENTUM), momentum=MOMENTUM)
-    return ServerMomentum(params, LR["momentum"], MOMENTUM)
+        return torch.optim.SGD(params, lr=LR["damped_momentum"] * (1 - MOMENTUM), momentum=MOMENTUM)
+    return ServerMomentum(params, LR["damped_momentum"], MOMENTUM)
 
 
 def moved(before: nn.Module, after: nn.Module) -> float:
@@ -108,11 +106,12 @@ def moved(before: nn.Module, after: nn.Module) -> float:
 
 
 def config(rule: str) -> Config:
+    momentum = MOMENTUM if rule == "damped_momentum" else None
     return Config(wait_timeout_s=20, update_rule=UpdateRule(rule, learning_rate=LR[rule],  # type: ignore[arg-type]
-                                                            momentum=MOMENTUM))
+                                                            momentum=momentum))
 
 
-@pytest.mark.parametrize("rule", ["momentum", "adam"])
+@pytest.mark.parametrize("rule", ["damped_momentum", "adam"])
 def test_one_worker_matches_torch_step_for_step(rule: str, max_rel_error: Callable[..., float]) -> None:
     """50 clocks of varying batch size (allowed without store_activations);
     the dropout masks come from the same seeds on both sides."""
@@ -123,7 +122,7 @@ def test_one_worker_matches_torch_step_for_step(rule: str, max_rel_error: Callab
     reference = copy.deepcopy(initial)
     optimizers = [reference_optimizer(rule, reference)]
     twin = copy.deepcopy(initial)  # the torch.optim.SGD form of the momentum rule
-    if rule == "momentum":
+    if rule == "damped_momentum":
         optimizers.append(reference_optimizer(rule, twin, torch_sgd=True))
     want_losses = []
     for step, (x, y) in enumerate(batches):
@@ -156,7 +155,7 @@ def test_one_worker_matches_torch_step_for_step(rule: str, max_rel_error: Callab
     assert got["bn.num_batches_tracked"].item() == len(batches)
     assert got_losses[0] == want_losses[0]  # the same parameters and data: bit for bit
     assert max(abs(a - b) / abs(b) for a, b in zip(got_losses, want_losses)) <= REL_TOL
-    if rule == "momentum":
+    if rule == "damped_momentum":
         assert max_rel_error(twin.state_dict(), want) <= REL_TOL
 
 
@@ -173,7 +172,7 @@ def test_two_workers_match_one_process_on_the_concatenated_batches(
     batches = make_batches([2 * per_worker] * clocks, seed=2)
 
     reference = copy.deepcopy(initial)
-    optimizer = ServerMomentum(list(reference.parameters()), LR["momentum"], MOMENTUM)
+    optimizer = ServerMomentum(list(reference.parameters()), LR["damped_momentum"], MOMENTUM)
     for x, y in batches:
         F.cross_entropy(reference(x), y).backward()
         optimizer.step()
@@ -189,7 +188,7 @@ def test_two_workers_match_one_process_on_the_concatenated_batches(
             ps_model.step()
         return ps_model.state_dict()
 
-    with LocalCluster(2, config("momentum")) as cluster:
+    with LocalCluster(2, config("damped_momentum")) as cluster:
         states = run_workers(body, cluster.workers, on_error=cluster.shutdown)
 
     want = reference.state_dict()

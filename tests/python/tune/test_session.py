@@ -106,6 +106,77 @@ def test_a_driver_forks_runs_and_frees_branches() -> None:
     assert all(r.accuracy is not None and 0.0 <= r.accuracy <= 1.0 for r in calls["test"])
 
 
+def fixed_driver(system: BranchSystem) -> Any:
+    """Three training clocks, a wider child, a validation pass."""
+    root = system.fork(None, {"lr": LR, "batch_size": BATCH}, BranchKind.INIT)
+    first = system.fork(root, {"lr": 0.2, "batch_size": BATCH}, BranchKind.TRAINING)
+    system.run(first, 3)
+    second = system.fork(first, {"lr": 0.05, "batch_size": 2 * BATCH}, BranchKind.TRAINING)
+    system.run(second, 2)
+    system.run(system.fork(second, {"lr": 0.05, "batch_size": 2 * BATCH}, BranchKind.TESTING), 3)
+
+
+def test_a_dataloader_draws_each_steps_batch() -> None:
+    """session.batch_sampler() over ConcatDataset([train, validation]): each
+    batch holds the samples of the step's indices, validation ones on
+    TESTING steps; a loader reading ahead of the session is refused."""
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import ConcatDataset, DataLoader, TensorDataset
+
+    x, y = data()
+    features = torch.from_numpy(x)
+    dataset = ConcatDataset([TensorDataset(features[:NUM_TRAIN]), TensorDataset(features[NUM_TRAIN:])])
+    with open_job() as job:
+        worker = job.worker
+        table = worker.create_table("w", 1, IN)
+        handle = worker.virtual_pre_update(table)
+        worker.virtual_update(handle)
+        worker.virtual_clock()
+        worker.finish_virtual_iteration()
+        worker.start_iterations()
+        session = TuningSession(job, space(), num_train=NUM_TRAIN, num_validation=NUM_VAL, driver=fixed_driver)
+        sampler = session.batch_sampler()
+        with pytest.raises(mlt.InvalidArgumentError, match="ahead of the tuning session"):
+            next(iter(sampler))  # no step yet
+        kinds = []
+        for step, (batch,) in zip(session, DataLoader(dataset, batch_sampler=sampler)):
+            source = x[NUM_TRAIN:] if step.kind is BranchKind.TESTING else x[:NUM_TRAIN]
+            np.testing.assert_array_equal(batch.numpy(), source[step.indices])
+            with pytest.raises(mlt.InvalidArgumentError, match="num_workers=0"):
+                next(sampler)  # a second batch for the same step
+            kinds.append(step.kind)
+            worker.pre_update(handle)[:] = 0.0
+            step.report(0.0, accuracy=0.5 if step.kind is BranchKind.TESTING else None)
+            worker.update(handle)
+            worker.clock()
+    assert kinds == [BranchKind.TRAINING] * 5 + [BranchKind.TESTING] * 3
+
+
+def test_a_branch_keeps_the_rules_settings_the_space_does_not_tune() -> None:
+    """Only lr is tuned: the branch's sgd keeps torch's momentum 0.9 (three
+    steps of gradient 1 move w by -lr (1 + 1.9 + 2.71), not -3 lr)."""
+    def driver(system: BranchSystem) -> Any:
+        root = system.fork(None, {"lr": LR, "batch_size": BATCH}, BranchKind.INIT)
+        system.run(system.fork(root, {"lr": 0.5, "batch_size": BATCH}, BranchKind.TRAINING), 3)
+
+    rule = mlt.UpdateRule("sgd", learning_rate=LR, momentum=0.9)
+    with open_job(update_rule=rule) as job:
+        worker = job.worker
+        table = worker.create_table("w", 1, IN)
+        handle = worker.virtual_pre_update(table)
+        worker.virtual_update(handle)
+        worker.virtual_clock()
+        worker.finish_virtual_iteration()
+        worker.start_iterations()
+        for step in TuningSession(job, space(), num_train=NUM_TRAIN, num_validation=NUM_VAL, driver=driver):
+            worker.pre_update(handle)[:] = 1.0
+            step.report(0.0)
+            worker.update(handle)
+            worker.clock()
+        weights = worker.fetch(table, branch=1)
+    np.testing.assert_allclose(weights, np.full((1, IN), -0.5 * (1 + 1.9 + 2.71)), rtol=1e-6)
+
+
 def test_the_tuner_runs_through_a_session() -> None:
     seen: list[tuple[int, str, list[int]]] = []
     config = TunerConfig(seed=0, num_clocks_to_eval=5, max_trials_per_search=4, max_epochs=2,
@@ -155,7 +226,7 @@ def test_a_step_must_be_reported() -> None:
 
 @pytest.mark.parametrize(("overrides", "kwargs", "message"), [
     ({"branches": False}, {}, "branches=True"),
-    ({"update_rule": mlt.UpdateRule("sgd", learning_rate=LR)}, {"momentum": True}, "tunes momentum"),
+    ({"update_rule": mlt.UpdateRule("adam", learning_rate=LR)}, {"momentum": True}, "tunes momentum"),
     ({"max_branches": 4}, {}, "max_branches"),
     ({}, {"no_batch": True}, "batch_size"),
     ({}, {"num_validation": 0}, "num_validation"),

@@ -13,9 +13,10 @@ from mltuner.tune.session._commands import (
     RunCommand,
     parse_command,
 )
+from mltuner.tune.session._sampler import StepBatchSampler
 from mltuner.tune.session._session import Collective, Driver, PSBranchSystem, Step, TuningSession
 
 __all__ = [
-    "TuningSession", "Step", "PSBranchSystem", "Driver", "Collective", "Command", "ForkCommand",
+    "TuningSession", "Step", "StepBatchSampler", "PSBranchSystem", "Driver", "Collective", "Command", "ForkCommand",
     "FreeCommand", "RunCommand", "EndCommand", "ErrorCommand", "parse_command",
 ]

@@ -53,6 +53,7 @@ from mltuner.tune._errors import TuningError
 from mltuner.tune._log import DecisionLog
 from mltuner.tune._space import SearchSpace
 from mltuner.tune._system import BranchKind, BranchSystem, ClockReport
+from mltuner.tune.session._sampler import StepBatchSampler
 from mltuner.tune.session._commands import (
     Command,
     EndCommand,
@@ -121,7 +122,8 @@ class Step:
         indices: this worker's sample indices for this clock, into the
             training set or, for TESTING, the validation set. May be empty on
             the last TESTING clock when the validation set does not divide
-            among the workers.
+            among the workers. A DataLoader takes them as ``sampler=``; for one
+            loader over the whole session see :meth:`TuningSession.batch_sampler`.
         epoch: the branch's epoch in the training stream (0-based).
         clock: the branch's own clock count before this clock.
     """
@@ -151,10 +153,11 @@ class TuningSession:
 
     Args:
         job: a :class:`mltuner.Job` (or any :class:`Collective`) whose config
-            has ``branches=True``; with a ``momentum`` tunable its update rule
-            must be ``momentum``.
+            has ``branches=True``; with a ``momentum`` tunable every table's
+            update rule must be ``sgd`` or ``damped_momentum``.
         space: the tunables. ``lr`` and ``momentum`` are sent to the servers'
-            update rule per branch, ``staleness`` becomes the branch's slack,
+            update rule of every table per branch (a setting the space does
+            not tune stays what the tables' rules have), ``staleness`` becomes the branch's slack,
             ``batch_size`` sizes the batches; other tunables are the training
             loop's to apply from :attr:`Step.tunables`.
         num_train: training samples (the stream the cursors move through).
@@ -186,9 +189,8 @@ class TuningSession:
         if job_config is not None and not getattr(job_config, "branches", False):
             raise InvalidArgumentError("tuning needs branches in the parameter server: create the job with "
                                        "Config(branches=True, ...)")
-        if job_config is not None and "momentum" in space.names and job_config.update_rule.kind != "momentum":
-            raise InvalidArgumentError(f"the space tunes momentum but the update rule is "
-                                       f"{job_config.update_rule.kind!r}: use UpdateRule('momentum', ...)")
+        if "momentum" in space.names:
+            _check_momentum_rules(job)
         if "batch_size" not in space.names and batch_size is None:
             raise InvalidArgumentError("give batch_size= or a batch_size tunable in the space")
         max_branches = getattr(job_config, "max_branches", None)
@@ -261,6 +263,23 @@ class TuningSession:
             if self._thread is not None:
                 self._thread.join(self._timeout_s)
 
+    @property
+    def current_step(self) -> Step | None:
+        """The step yielded last, until it is reported (None otherwise)."""
+        return self._pending
+
+    def batch_sampler(self) -> StepBatchSampler:
+        """Each step's indices as the batches of a ``torch.utils.data.DataLoader``
+        (``batch_sampler=``, ``num_workers=0``) over ``ConcatDataset([train_set,
+        validation_set])``; a TESTING step's validation indices come shifted by
+        ``num_train``. Draw one batch per step, after the step::
+
+            loader = DataLoader(ConcatDataset([train_set, val_set]), batch_sampler=session.batch_sampler())
+            for step, (x, y) in zip(session, loader):
+                ...
+        """
+        return StepBatchSampler(self, self._num_train)
+
     def clocks_per_epoch(self, tunables: Mapping[str, Any]) -> int:
         """Clocks in one pass over the training set with this setting."""
         return self._num_train // (self._batch_of(tunables) * self._world)
@@ -326,9 +345,11 @@ class TuningSession:
         source = self._branches[int(parent)]
         training = kind is BranchKind.TRAINING
         staleness = tunables.get("staleness") if training else 0
-        self._worker.fork_branch(child, int(parent), learning_rate=float(tunables.get("lr", 0.0)) if training else 0.0,
-                                 momentum=float(tunables.get("momentum", 0.0)) if training else 0.0,
-                                 training=training, slack=None if staleness is None else int(staleness))
+        # A setting the space does not tune stays the parent's (each table's own rule).
+        lr = float(tunables["lr"]) if training and "lr" in tunables else None
+        momentum = float(tunables["momentum"]) if training and "momentum" in tunables else None
+        self._worker.fork_branch(child, int(parent), learning_rate=lr, momentum=momentum, training=training,
+                                 slack=None if staleness is None else int(staleness))
         # A TESTING branch runs the validation set from its start.
         cursor = _Cursor() if kind is BranchKind.TESTING else dataclasses.replace(source.cursor)
         self._branches[child] = _Branch(kind, dict(tunables), cursor)
@@ -417,6 +438,22 @@ class TuningSession:
 
     def _default_driver(self, system: BranchSystem) -> Any:
         return Tuner(system, self._space, self._config, log=self._log).run()
+
+
+def _check_momentum_rules(job: Collective) -> None:
+    """A momentum tunable needs rules that read it: sgd (torch's momentum) or
+    damped_momentum, in every communicated table (or, before any table
+    exists, in the job's Config)."""
+    worker = job.worker
+    config = getattr(job, "config", None)
+    rules = [worker.update_rule_of(t) for t in worker.tables if not t.local] if worker.tables else []
+    if not rules and config is not None:
+        rules = [config.update_rule]
+    for rule in rules:
+        if rule is not None and rule.kind not in ("sgd", "damped_momentum"):
+            raise InvalidArgumentError(f"the space tunes momentum but an update rule is {rule.kind!r}, which has "
+                                       f"none: use UpdateRule('sgd', momentum=...) (torch's) or "
+                                       f"UpdateRule('damped_momentum', ...) (MLtuner's)")
 
 
 class PSBranchSystem:

@@ -1,0 +1,209 @@
+"""The user's torch optimizer on the servers (``wrap(..., optimizer=...)``).
+
+``torch.optim.SGD``, ``Adam`` and ``AdamW`` become the servers' rules of
+the same names (:class:`mltuner.UpdateRule`, torch's formulas), one rule
+per table: a layer's table takes the settings of the param group its
+parameters are in. A child module whose parameters span several groups is
+split into smaller layers; a module whose own parameters are in groups with
+different settings cannot be one table and is refused.
+
+After ``wrap()`` the groups' learning rates may change (by hand or by a
+``torch.optim.lr_scheduler``): :class:`LearningRates` sends a changed rate to
+the servers with the next clock, the same on every worker because every
+worker runs the same schedule. The other settings of a group are fixed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from mltuner._config import MAX_LEARNING_RATE, RuleName, UpdateRule
+from mltuner._validate import real
+from mltuner.client._worker import Table, Worker
+from mltuner.exceptions import InvalidArgumentError
+from mltuner.torch._errors import UnsupportedModelError
+from mltuner.torch._layers import Layer
+
+__all__ = ["check_optimizer", "rule_for_group", "groups_of_layers", "LearningRates", "SUPPORTED_OPTIMIZERS"]
+
+SUPPORTED_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+
+# The keys of each optimizer's param groups that its server rule takes,
+# besides "lr" (the only one that may change after wrap()).
+_RULE_KEYS = {
+    torch.optim.SGD: ("momentum", "dampening", "weight_decay", "nesterov"),
+    torch.optim.Adam: ("betas", "eps", "weight_decay", "amsgrad", "decoupled_weight_decay"),
+    torch.optim.AdamW: ("betas", "eps", "weight_decay", "amsgrad", "decoupled_weight_decay"),
+}
+
+
+def _number(value: Any) -> float:
+    """A group setting as a Python float (torch allows 0-d tensors)."""
+    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+
+
+def check_optimizer(optimizer: object) -> torch.optim.Optimizer:
+    """``optimizer`` if the servers can apply its step, else the reason not."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise InvalidArgumentError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if any(optimizer.state.values()):
+        # Momentum buffers or Adam moments that would silently restart at zero on the servers.
+        raise UnsupportedModelError(
+            f"the {type(optimizer).__name__} given to wrap() already has state (it has stepped, or loaded a "
+            "state_dict): the servers start the optimizer's state at zero, so give wrap() a fresh optimizer"
+        )
+    if type(optimizer) not in SUPPORTED_OPTIMIZERS:
+        subclass = next((c.__name__ for c in SUPPORTED_OPTIMIZERS if isinstance(optimizer, c)), None)
+        why = (f"a subclass of torch.optim.{subclass}, whose step may differ from torch's" if subclass
+               else "not one the servers implement")
+        raise UnsupportedModelError(
+            f"optimizer {type(optimizer).__name__} is {why}: the servers apply torch.optim.SGD, Adam and AdamW "
+            "(pass one of those, or leave optimizer out and set mltuner.Config(update_rule=...))"
+        )
+    return optimizer
+
+
+def rule_for_group(optimizer: torch.optim.Optimizer, index: int) -> UpdateRule:
+    """The server rule that takes the steps ``optimizer`` takes for its
+    param group ``index``."""
+    group = optimizer.param_groups[index]
+    name = f"{type(optimizer).__name__} param_groups[{index}]"
+    if group.get("maximize", False):
+        raise UnsupportedModelError(f"{name} has maximize=True: the servers minimize; negate the loss instead")
+    lr = _number(group["lr"])
+    try:
+        if isinstance(optimizer, torch.optim.SGD):
+            return UpdateRule("sgd", lr, momentum=_number(group["momentum"]), dampening=_number(group["dampening"]),
+                              nesterov=bool(group["nesterov"]), weight_decay=_number(group["weight_decay"]))
+        beta1, beta2 = (_number(b) for b in group["betas"])
+        kind: RuleName = "adamw" if group.get("decoupled_weight_decay", False) else "adam"
+        return UpdateRule(kind, lr, beta1=beta1, beta2=beta2, epsilon=_number(group["eps"]),
+                          weight_decay=_number(group["weight_decay"]), amsgrad=bool(group["amsgrad"]))
+    except InvalidArgumentError as error:
+        raise InvalidArgumentError(f"{name}: {error}") from None
+
+
+def groups_of_layers(optimizer: torch.optim.Optimizer, layers: Sequence[Layer]) -> list[list[int]]:
+    """Per layer, the indices of the param groups its parameters are in.
+
+    Raises:
+        UnsupportedModelError: a trainable parameter of the model that the
+            optimizer does not hold (torch would never update it), or a
+            parameter of the optimizer that is not one of the model's.
+    """
+    group_of: dict[int, int] = {}
+    for index, group in enumerate(optimizer.param_groups):
+        for param in group["params"]:
+            group_of[id(param)] = index
+    trainable: set[int] = set()
+    per_layer: list[list[int]] = []
+    for layer in layers:
+        groups: set[int] = set()
+        for slot in layer.params:
+            trainable.add(id(slot.param))
+            if id(slot.param) not in group_of:
+                raise UnsupportedModelError(
+                    f"parameter {slot.name!r} is trainable but not in the optimizer's param groups, so torch would "
+                    "never update it: add it to the optimizer, or freeze it (requires_grad_(False))"
+                )
+            groups.add(group_of[id(slot.param)])
+        per_layer.append(sorted(groups))
+    for index, group in enumerate(optimizer.param_groups):
+        for param in group["params"]:
+            if id(param) not in trainable and param.requires_grad:
+                raise UnsupportedModelError(
+                    f"param_groups[{index}] of the optimizer holds a tensor of shape {tuple(param.shape)} that is "
+                    "not a trainable parameter of the wrapped module: build the optimizer from "
+                    "module.parameters()"
+                )
+    return per_layer
+
+
+def _plain(value: Any) -> Any:
+    """A group setting in a form that compares by value (tensors as floats)."""
+    if isinstance(value, torch.Tensor):
+        return _number(value)
+    if isinstance(value, (tuple, list)):
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def _frozen_settings(optimizer: torch.optim.Optimizer | None, group: dict[str, Any]) -> dict[str, Any]:
+    if optimizer is None:
+        return {}
+    return {key: _plain(group.get(key)) for key in _RULE_KEYS[type(optimizer)]}
+
+
+class LearningRates:
+    """Follows each param group's ``"lr"`` to the servers: called at the
+    start of every training clock, it sets each changed rate on the tables
+    of the group's layers (the engine sends it with that clock's updates).
+
+    ``groups`` are the param-group dicts (shared with the user's optimizer
+    and with ``model.optimizer``); ``layer_groups`` gives, per layer, the
+    groups its parameters are in (one rate per table: groups sharing a
+    layer must keep equal rates); ``optimizer`` is the user's, or None when
+    the single group stands for ``Config.update_rule``, whose rule is
+    ``rule``.
+    """
+
+    def __init__(self, worker: Worker, groups: Sequence[dict[str, Any]], layer_groups: Sequence[Sequence[int]],
+                 optimizer: torch.optim.Optimizer | None, rule: UpdateRule | None) -> None:
+        self._worker = worker
+        self._groups = list(groups)
+        self._layer_groups = [list(g) for g in layer_groups]
+        self._optimizer = optimizer
+        self._rule = rule
+        self._sent = [_number(group["lr"]) for group in self._groups]
+        self._frozen = [_frozen_settings(optimizer, group) for group in self._groups]
+        self._tables: list[Table] = []
+
+    def set_tables(self, tables: Sequence[Table]) -> None:
+        """The layers' tables, once created (``ClockDriver.plan``)."""
+        self._tables = list(tables)
+
+    def sync(self) -> None:
+        """Before a training clock: sends every changed rate.
+
+        Raises:
+            mltuner.InvalidArgumentError: a group setting other than ``lr``
+                changed, a rate is not a finite number >= 0, groups sharing a
+                layer now differ, or the rule has no learning rate.
+        """
+        for index, group in enumerate(self._groups):
+            self._check_frozen(index, group)
+            lr = _number(group["lr"])
+            if lr == self._sent[index]:
+                continue
+            rate = real(f"param_groups[{index}]['lr']", lr, 0, MAX_LEARNING_RATE)
+            if self._rule is not None and self._rule.kind == "add":
+                raise InvalidArgumentError(
+                    "param_groups[0]['lr'] changed, but the Config's update rule is 'add', which has no learning "
+                    "rate: give wrap() the optimizer, or use an UpdateRule with one"
+                )
+            for layer_index, groups in enumerate(self._layer_groups):
+                if index not in groups:
+                    continue
+                rates = {_number(self._groups[g]["lr"]) for g in groups}
+                if len(rates) > 1:
+                    raise InvalidArgumentError(
+                        f"param groups {groups} share a table (a module's own parameters) but now have the learning "
+                        f"rates {sorted(rates)}: the servers keep one rate per table; keep a module's parameters in "
+                        "one group"
+                    )
+                self._worker.set_learning_rate(self._tables[layer_index], rate)
+            self._sent[index] = rate
+
+    def _check_frozen(self, index: int, group: dict[str, Any]) -> None:
+        frozen = self._frozen[index]
+        for key, value in frozen.items():
+            now = _plain(group.get(key))
+            if now != value:
+                raise InvalidArgumentError(
+                    f"param_groups[{index}][{key!r}] changed from {value!r} to {now!r}: after wrap() only 'lr' can "
+                    "change (the servers' rule holds the others); a scheduler that cycles momentum or betas needs "
+                    "cycle_momentum=False"
+                )

@@ -1,0 +1,299 @@
+"""``wrap(..., optimizer=...)``: the servers take torch.optim's steps.
+
+The reference is torch.optim itself: the same model, data and optimizer
+settings trained by plain PyTorch. With one worker (BSP) the parameters
+must agree within a relative 1e-6 after 30 steps (both sides compute the
+same forward and backward in float32; only the update's rounding differs:
+torch's CPU kernels may fuse a multiply-add, the servers' never do). With
+two workers, the servers average the workers' gradients, which with equal
+batches is the gradient of the whole batch: torch on the concatenated batch.
+A wrong formula (an undampened first step, coupled instead of decoupled
+weight decay, a missing bias correction) is off by 1e-3 or more.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import mltuner.torch as mt  # noqa: E402
+from mltuner import Config, InvalidArgumentError, LocalCluster, UpdateRule, Worker  # noqa: E402
+
+STEPS = 30
+REL_TOL = 1e-6
+
+# (optimizer class, keyword arguments): every rule and option the servers implement.
+OPTIMIZERS: list[tuple[Any, dict[str, Any]]] = [
+    (torch.optim.SGD, {"lr": 0.05}),
+    (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+    (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01}),
+    (torch.optim.SGD, {"lr": 0.05, "momentum": 0.8, "nesterov": True, "weight_decay": 1e-3}),
+    (torch.optim.Adam, {"lr": 0.01}),
+    (torch.optim.Adam, {"lr": 0.01, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.01, "amsgrad": True}),
+    (torch.optim.AdamW, {"lr": 0.01}),
+    (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1, "amsgrad": True}),
+]
+
+
+def optimizer_id(case: tuple[Any, dict[str, Any]]) -> str:
+    return case[0].__name__ + "".join(f"-{k}={v}" for k, v in case[1].items() if k != "lr")
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(10, 24)
+        self.fc2 = nn.Linear(24, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+def batches(count: int, size: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(size, 10, generator=generator), torch.randint(0, 3, (size,), generator=generator))
+            for _ in range(count)]
+
+
+def train_plain(model: nn.Module, optimizer: Any, data: list[Any], scheduler: Any = None) -> list[float]:
+    losses = []
+    for x, y in data:
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(loss.item())
+    return losses
+
+
+def config() -> Config:
+    return Config(wait_timeout_s=20)  # the "add" rule: wrap() must take the optimizer's instead
+
+
+@pytest.mark.parametrize("case", OPTIMIZERS, ids=optimizer_id)
+def test_one_worker_takes_torchs_steps(case: tuple[Any, dict[str, Any]],
+                                       max_rel_error: Callable[..., float]) -> None:
+    optimizer_class, settings = case
+    torch.manual_seed(0)
+    initial = Net()
+    data = batches(STEPS, 16, seed=1)
+    reference = copy.deepcopy(initial)
+    want_losses = train_plain(reference, optimizer_class(reference.parameters(), **settings), data)
+
+    with LocalCluster(1, config()) as cluster:
+        net = copy.deepcopy(initial)
+        optimizer = optimizer_class(net.parameters(), **settings)
+        model = mt.wrap(net, cluster.worker(0), example_input=data[0][0], optimizer=optimizer)
+        got_losses = train_plain(model, model.optimizer, data)
+        got = model.state_dict()
+
+    assert max_rel_error(got, reference.state_dict()) <= REL_TOL
+    assert max(abs(a - b) / abs(b) for a, b in zip(got_losses, want_losses)) <= REL_TOL
+    assert max_rel_error(got, initial.state_dict()) > 1e-3  # training moved the parameters
+
+
+@pytest.mark.parametrize("case", [OPTIMIZERS[3], OPTIMIZERS[7]], ids=optimizer_id)
+def test_two_workers_take_torchs_steps_on_the_averaged_gradient(
+    case: tuple[Any, dict[str, Any]], run_workers: Callable[..., list[Any]], max_rel_error: Callable[..., float]
+) -> None:
+    optimizer_class, settings = case
+    per_worker = 8
+    torch.manual_seed(0)
+    initial = Net()
+    data = batches(20, 2 * per_worker, seed=2)
+    reference = copy.deepcopy(initial)
+    train_plain(reference, optimizer_class(reference.parameters(), **settings), data)
+
+    def body(worker: Worker) -> dict[str, torch.Tensor]:
+        mine = slice(worker.rank * per_worker, (worker.rank + 1) * per_worker)
+        net = copy.deepcopy(initial)
+        model = mt.wrap(net, worker, example_input=data[0][0][mine],
+                        optimizer=optimizer_class(net.parameters(), **settings))
+        train_plain(model, model.optimizer, [(x[mine], y[mine]) for x, y in data])
+        return model.state_dict()
+
+    with LocalCluster(2, config()) as cluster:
+        states = run_workers(body, cluster.workers, on_error=cluster.shutdown)
+    assert max_rel_error(states[0], reference.state_dict()) <= 1e-5
+    for name, value in states[0].items():
+        assert torch.equal(value, states[1][name]), name
+
+
+def test_step_lr_follows_plain_torch() -> None:
+    """The issue's scheduler test: StepLR on SGD with momentum, the loss of
+    every step equal within 1e-5 (the rate halves at steps 5, 10, ...)."""
+    torch.manual_seed(0)
+    initial = Net()
+    data = batches(STEPS, 16, seed=3)
+    reference = copy.deepcopy(initial)
+    plain_optimizer = torch.optim.SGD(reference.parameters(), lr=0.2, momentum=0.9)
+    plain_scheduler = torch.optim.lr_scheduler.StepLR(plain_optimizer, step_size=5, gamma=0.5)
+    want = train_plain(reference, plain_optimizer, data, plain_scheduler)
+
+    with LocalCluster(1, config()) as cluster:
+        net = copy.deepcopy(initial)
+        original = torch.optim.SGD(net.parameters(), lr=0.2, momentum=0.9)
+        model = mt.wrap(net, cluster.worker(0), example_input=data[0][0], optimizer=original)
+        optimizer = model.optimizer
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
+        got = train_plain(model, optimizer, data, scheduler)
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(0.2 * 0.5**6)
+        assert original.param_groups[0] is optimizer.param_groups[0]  # the same dicts
+
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) <= 1e-5
+    # Without the schedule the losses part after step 5.
+    constant = train_plain(copy.deepcopy(initial), torch.optim.SGD(copy.deepcopy(initial).parameters(), lr=0.2), data)
+    assert abs(constant[-1] - want[-1]) > 1e-3
+
+
+def test_a_scheduler_on_the_original_optimizer_and_groups_per_layer(max_rel_error: Callable[..., float]) -> None:
+    """Two param groups (the head with its own rate, decayed by its own
+    lambda), a scheduler built on the user's optimizer before wrap(): each
+    layer follows its group."""
+    torch.manual_seed(0)
+    initial = Net()
+    data = batches(STEPS, 16, seed=4)
+
+    def make(model: nn.Module) -> tuple[Any, Any]:
+        optimizer = torch.optim.AdamW([
+            {"params": list(model.fc1.parameters()) + list(model.fc2.parameters())},
+            {"params": model.head.parameters(), "lr": 0.03, "weight_decay": 0.0},
+        ], lr=0.01)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [lambda s: 0.9**s, lambda s: 1.0 / (1 + s)])
+        return optimizer, scheduler
+
+    reference = copy.deepcopy(initial)
+    plain_optimizer, plain_scheduler = make(reference)
+    train_plain(reference, plain_optimizer, data, plain_scheduler)
+
+    with LocalCluster(1, config()) as cluster:
+        net = copy.deepcopy(initial)
+        optimizer, scheduler = make(net)
+        model = mt.wrap(net, cluster.worker(0), example_input=data[0][0], optimizer=optimizer)
+        train_plain(model, model.optimizer, data, scheduler)
+        got = model.state_dict()
+    assert max_rel_error(got, reference.state_dict()) <= 1e-5
+
+
+def test_a_written_rate_reaches_the_servers_at_the_next_clock() -> None:
+    """Without an optimizer, model.optimizer's one group holds the Config
+    rule's rate; lr 0 freezes the parameters from the next clock on."""
+    torch.manual_seed(0)
+    data = batches(4, 8, seed=5)
+    rule = UpdateRule("sgd", learning_rate=0.1, momentum=0.5)
+    with LocalCluster(1, Config(wait_timeout_s=20, update_rule=rule)) as cluster:
+        model = mt.wrap(Net(), cluster.worker(0), example_input=data[0][0])
+        assert isinstance(model.optimizer, torch.optim.Optimizer)
+        assert model.optimizer.param_groups[0]["lr"] == 0.1
+        train_plain(model, model.optimizer, data[:2])
+        model.optimizer.param_groups[0]["lr"] = 0.0
+        before = model.state_dict()
+        train_plain(model, model.optimizer, data[2:])
+        after = model.state_dict()
+    for name, value in before.items():
+        assert torch.equal(value, after[name]), name
+
+
+class Sgdish(torch.optim.SGD):
+    pass
+
+
+def stepped(optimizer: Any) -> Any:
+    """The optimizer after one step on a gradient of ones (it has moments now)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param.grad = torch.ones_like(param)
+    optimizer.step()
+    optimizer.zero_grad()
+    return optimizer
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda p: torch.optim.RMSprop(p, lr=0.1), r"optimizer RMSprop is not one the servers implement"),
+    (lambda p: Sgdish(p, lr=0.1), r"Sgdish is a subclass of torch.optim.SGD"),
+    (lambda p: torch.optim.SGD(p, lr=0.1, maximize=True), r"maximize=True"),
+    (lambda p: torch.optim.SGD(list(p)[:-1], lr=0.1), r"parameter 'head.bias' is trainable but not in the optimizer"),
+    (lambda p: torch.optim.SGD([*p, nn.Parameter(torch.ones(3))], lr=0.1), r"not a trainable parameter"),
+    (lambda p: "sgd", r"optimizer must be a torch.optim.Optimizer, got str"),
+    (lambda p: stepped(torch.optim.Adam(p)), r"the Adam given to wrap\(\) already has state"),
+])
+def test_optimizers_the_servers_cannot_follow_are_refused(make: Callable[[Any], Any], message: str) -> None:
+    with LocalCluster(1, config()) as cluster:
+        net = Net()
+        with pytest.raises(InvalidArgumentError, match=message) as caught:
+            mt.wrap(net, cluster.worker(0), example_input=torch.zeros(2, 10), optimizer=make(net.parameters()))
+        if "Optimizer, got" not in message:
+            assert isinstance(caught.value, mt.UnsupportedModelError)
+        assert cluster.worker(0).tables == []  # nothing reached the engine
+
+
+def test_a_modules_parameters_in_groups_with_different_settings_are_refused() -> None:
+    with LocalCluster(1, config()) as cluster:
+        net = Net()
+        optimizer = torch.optim.AdamW([{"params": [net.fc1.weight, net.fc2.weight, net.head.weight]},
+                                       {"params": [net.fc1.bias, net.fc2.bias, net.head.bias], "weight_decay": 0.0}])
+        with pytest.raises(mt.UnsupportedModelError, match=r"module 'fc1' has its own parameters in param groups "
+                                                             r"with different settings"):
+            mt.wrap(net, cluster.worker(0), example_input=torch.zeros(2, 10), optimizer=optimizer)
+
+
+def test_a_child_spanning_param_groups_is_split_into_tables() -> None:
+    net = nn.Sequential(Net(), nn.Linear(3, 2))  # Net is one group-sized child
+    optimizer = torch.optim.SGD([{"params": list(net[0].fc1.parameters())},
+                                 {"params": [*net[0].fc2.parameters(), *net[0].head.parameters()], "lr": 0.5},
+                                 {"params": net[1].parameters()}], lr=0.1)
+    with LocalCluster(1, config()) as cluster:
+        model = mt.wrap(net, cluster.worker(0), example_input=torch.zeros(2, 10), optimizer=optimizer)
+        assert model.layers == ["0.fc1", "0.fc2", "0.head", "1"]
+        rules = [cluster.worker(0).update_rule_of(t) for t in cluster.worker(0).tables]
+        assert [r.learning_rate if r else None for r in rules] == [0.1, 0.5, 0.5, 0.1]
+
+
+def test_only_the_rate_may_change_after_wrap() -> None:
+    data = batches(2, 8, seed=6)
+    with LocalCluster(1, config()) as cluster:
+        net = Net()
+        model = mt.wrap(net, cluster.worker(0), example_input=data[0][0],
+                        optimizer=torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+        train_plain(model, model.optimizer, data[:1])
+        model.optimizer.param_groups[0]["momentum"] = 0.5
+        with pytest.raises(InvalidArgumentError, match=r"param_groups\[0\]\['momentum'\] changed from 0.9 to 0.5"):
+            model(data[1][0])
+        model.optimizer.param_groups[0]["momentum"] = 0.9  # nothing reached the engine: the clock can run
+        model.optimizer.param_groups[0]["lr"] = -1.0
+        with pytest.raises(InvalidArgumentError, match=r"param_groups\[0\]\['lr'\] must be a finite number"):
+            model(data[1][0])
+        model.optimizer.param_groups[0]["lr"] = 0.05
+        train_plain(model, model.optimizer, data[1:])
+        with pytest.raises(InvalidArgumentError, match="add_param_group"):
+            model.optimizer.add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
+
+
+def test_workers_that_set_different_rates_fail_with_the_reason(run_workers: Callable[..., list[Any]]) -> None:
+    data = batches(3, 8, seed=7)
+
+    def body(worker: Worker) -> None:
+        net = Net()
+        model = mt.wrap(net, worker, example_input=data[0][0], optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+        for step, (x, y) in enumerate(data):
+            if step == 1 and worker.rank == 0:  # a schedule on rank 0 only
+                model.optimizer.param_groups[0]["lr"] = 0.01
+            F.cross_entropy(model(x), y).backward()
+            model.optimizer.step()
+        worker.sync()
+
+    with LocalCluster(2, Config(wait_timeout_s=10)) as cluster:
+        disagree = r"the workers set different learning rates .*worker 0: 0.01.*worker 1: none"
+        with pytest.raises(AssertionError, match=disagree):
+            run_workers(body, cluster.workers, on_error=cluster.shutdown)

@@ -22,7 +22,7 @@ from mltuner.tune._config import TunerConfig
 from mltuner.tune._errors import TuningError
 from mltuner.tune.tuner._guard import Alarm, TrainingGuard
 from mltuner.tune._log import DecisionLog
-from mltuner.tune.tuner._search import SearchEpisode, SearchResult, run_clocks
+from mltuner.tune.tuner._search import SearchBudget, SearchEpisode, SearchResult, run_clocks
 from mltuner.tune.tuner._searcher import Searcher, open_storage
 from mltuner.tune._space import Choice, SearchSpace
 from mltuner.tune._system import BranchKind, BranchSystem, ClockReport
@@ -226,6 +226,7 @@ class Tuner:
         self._epoch_seconds: float | None = None
         self._training_study: optuna.Study | None = None
         self._start_loss: float | None = None  # the first search's starting progress
+        self._root: int | None = None  # the INIT branch: the untrained model
 
     @property
     def storage(self) -> str | None:
@@ -253,6 +254,7 @@ class Tuner:
         # §1.1 step 0: the root branch runs one clock, in which the
         # application writes the initial weights.
         root = system.fork(None, self._start_setting, BranchKind.INIT)
+        self._root = root
         self._run_clocks(root, 1)
         self._note("init", branch=root)
 
@@ -393,11 +395,16 @@ class Tuner:
         config = self._config
         index = len(self._studies)
         name = f"{self._prefix}-initial" if index == 0 else f"{self._prefix}-retune-{index}"
+        # A search from the untrained root (the initial one, or after a
+        # rollback there) chooses every tunable, as the initial search does:
+        # the start setting's batch size and staleness are only defaults.
+        from_start = parent == self._root
         space = self._space
-        if index > 0 and config.retune_tunables is not None:
+        if not from_start and config.retune_tunables is not None:
             narrowed = space.narrowed(config.retune_tunables, tunables)
             space = narrowed if narrowed.searched else space
-        marginal = index > 0 and config.retune == "marginal"
+        marginal = not from_start and config.retune == "marginal"
+        trial_cap = config.max_trials_per_search if from_start else self._last_trials
         searcher = Searcher(
             space,
             sampler=config.sampler,
@@ -410,17 +417,19 @@ class Tuner:
         )
         # A re-tune tries the current setting first: it can only end with
         # something at least as good as going on.
-        enqueued = index > 0 and searcher.enqueue(tunables)
+        enqueued = not from_start and searcher.enqueue(tunables)
         self._studies.append(name)
-        budget_s, budget_epochs = self._search_budget()
+        budget = self._search_budget()
+        seconds = budget is not None and budget.unit == "seconds"
         self._note("search_start", search=index, branch=parent, tunables=tunables,
-                   study=name, marginal=marginal, trial_cap=self._last_trials,
+                   study=name, marginal=marginal, trial_cap=trial_cap,
                    searched=[t.name for t in space.searched], enqueued=enqueued,
-                   budget_s=budget_s, excluded=len(self._exclusions))
+                   budget_s=budget.share if seconds and budget else None,
+                   ceiling_s=budget.ceiling if seconds and budget else None,
+                   from_start=from_start, excluded=len(self._exclusions))
         episode = SearchEpisode(self._system, config, searcher, self.log, index=index,
                                 parent=parent, parent_tunables=tunables,
-                                trial_cap=self._last_trials, budget_s=budget_s,
-                                budget_epochs=budget_epochs)
+                                trial_cap=trial_cap, budget=budget)
         found = episode.run()
         self._trials += found.trials
         self._search_seconds += found.seconds
@@ -431,19 +440,26 @@ class Tuner:
             self._last_trials = found.trials
         return searcher, found
 
-    def _search_budget(self) -> tuple[float | None, float | None]:
-        """(seconds, epochs): the next search's budget, one of them or neither."""
+    def _search_budget(self) -> SearchBudget | None:
+        """The next search's budget: its share of the job, and the ceiling
+        of the floor for the job's searches together; None when the job's
+        budget is not known."""
         config = self._config
         if config.search_share is None:
-            return None, None
+            return None
+        ceiling = config.max_search_share
         job = config.job_budget_s(self._epoch_seconds)
         if job is not None:
-            return config.search_share * job, None
+            return SearchBudget(config.search_share * job,
+                                None if ceiling is None else ceiling * job,
+                                spent_before_s=self._search_seconds)
         if config.max_epochs is not None:
             # No epoch measured yet: the search measures one from its
             # evaluation branch.
-            return None, config.search_share * config.max_epochs
-        return None, None
+            return SearchBudget(config.search_share * config.max_epochs,
+                                None if ceiling is None else ceiling * config.max_epochs,
+                                unit="epochs", spent_before_s=self._search_seconds)
+        return None
 
     def _excluded(self, setting: Mapping[str, Any]) -> bool:
         return any(at_least_as_aggressive(setting, failed) for failed in self._exclusions)

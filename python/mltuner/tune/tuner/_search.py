@@ -357,10 +357,12 @@ class SearchEpisode:
             open_trials = survivors
             under_cap = any(not t.capped for t in open_trials)
             doubled = self._trial_time * 2
-            # Another round costs every open trial's way to the doubled time;
-            # the floor pays for it (up to the ceiling) while the rule is
-            # still looking for its trial time.
+            # Another round costs every open trial's way to the doubled time,
+            # and the new trial's; the floor pays for it (up to the ceiling)
+            # while the rule is still looking for its trial time.
             cost = sum(max(0.0, doubled - t.run_time) for t in open_trials if not t.capped)
+            if self._may_fork(len(open_trials)):
+                cost += doubled
             affordable = self._affords(cost) or (under_cap and self._raise_budget(
                 self._spent + cost, "trial_time", trial_time_s=doubled))
             if under_cap and affordable:
@@ -368,9 +370,7 @@ class SearchEpisode:
                 self._note("trial_time", trial_time_s=self._trial_time, reason="doubled")
             if not affordable:
                 self._stop_once("budget")
-            # The parent takes one of the num_branches slots.
-            new = (self._new_trial() if affordable
-                   and len(open_trials) + 1 < self._config.num_branches else None)
+            new = self._new_trial() if affordable and self._may_fork(len(open_trials)) else None
             if new is not None:
                 open_trials.append(new)
             elif not (under_cap and affordable):
@@ -478,6 +478,11 @@ class SearchEpisode:
         return True
 
     # -- trials ------------------------------------------------------------------------
+
+    def _may_fork(self, open_trials: int) -> bool:
+        # The parent takes one of the num_branches slots.
+        return (open_trials + 1 < self._config.num_branches
+                and (self._trial_cap is None or len(self._trials) < self._trial_cap))
 
     def _new_trial(self) -> Trial | None:
         if self._trial_cap is not None and len(self._trials) >= self._trial_cap:

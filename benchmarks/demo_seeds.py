@@ -22,20 +22,18 @@ command beside it.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import datetime
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
+from cores import Cores, core_slots, pinned, run_pinned
 from figures import Figure, spread, write_figures
 from machine import cpu_name
 
@@ -63,26 +61,12 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
-def core_slots(parallel: Optional[int], gpu: bool) -> list[Optional[list[int]]]:
-    """One entry per run that may go at once: the cores it is pinned to, or
-    None (unpinned: 2 cores or fewer, no taskset, or the GPU)."""
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if gpu or len(cores) <= CORES_PER_RUN or shutil.which("taskset") is None:
-        return [None]
-    most = len(cores) // CORES_PER_RUN
-    count = most if parallel is None else max(1, min(parallel, most))
-    return [cores[i * CORES_PER_RUN:(i + 1) * CORES_PER_RUN] for i in range(count)]
+def demo_command(seed: int, out: Path, cores: Cores, extra: list[str]) -> list[str]:
+    return pinned([sys.executable, "-m", "mltuner.cli", "demo", "--plain", "--out", str(out), "--seed", str(seed),
+                   *extra], cores)
 
 
-def demo_command(seed: int, out: Path, cores: Optional[list[int]], extra: list[str]) -> list[str]:
-    command = [sys.executable, "-m", "mltuner.cli", "demo", "--plain", "--out", str(out), "--seed", str(seed),
-               *extra]
-    if cores is not None:
-        command = ["taskset", "-c", ",".join(map(str, cores)), *command]
-    return command
-
-
-def run_seed(seed: int, out: Path, cores: Optional[list[int]], gpu: bool, timeout_s: float,
+def run_seed(seed: int, out: Path, cores: Cores, gpu: bool, timeout_s: float,
              extra: list[str]) -> dict[str, Any]:
     """One demo; what its result.json and decision log say, with the wall time."""
     out.mkdir(parents=True, exist_ok=True)
@@ -151,26 +135,15 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             continue
 
 
-def run_all(seeds: list[int], out: Path, slots: list[Optional[list[int]]], gpu: bool, timeout_s: float,
+def run_all(seeds: list[int], out: Path, slots: list[Cores], gpu: bool, timeout_s: float,
             extra: list[str]) -> list[dict[str, Any]]:
     """Every seed, as many at once as there are slots, each on its slot's cores."""
-    free: list[Optional[list[int]]] = list(slots)
-    lock = threading.Lock()
-
-    def one(seed: int) -> dict[str, Any]:
-        with lock:
-            cores = free.pop(0)
-        try:
-            row = run_seed(seed, out / f"seed-{seed}", cores, gpu, timeout_s, extra)
-        finally:
-            with lock:
-                free.append(cores)
+    def one(seed: int, cores: Cores) -> dict[str, Any]:
+        row = run_seed(seed, out / f"seed-{seed}", cores, gpu, timeout_s, extra)
         print(f"seed {seed}: {describe(row)}", flush=True)
         return row
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(slots)) as pool:
-        rows = list(pool.map(one, seeds))
-    return rows
+    return run_pinned(seeds, slots, one)
 
 
 def describe(row: dict[str, Any]) -> str:
@@ -275,7 +248,7 @@ def main() -> int:
     seeds = parse_seeds(args.seeds)
     out = Path(args.out or Path(__file__).resolve().parent.parent / "results" / f"demo-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    slots = core_slots(args.parallel, args.gpu)
+    slots = [None] if args.gpu else core_slots(CORES_PER_RUN, args.parallel)
     pinned = "unpinned" if slots[0] is None else f"pinned to cores {', '.join(map(str, slots))}"
     print(f"{len(seeds)} seed(s), {len(slots)} at once, {pinned}; writing to {out}/", flush=True)
     started = time.perf_counter()

@@ -287,11 +287,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.set_defaults(handler=_run)
     bench = commands.add_parser(
         "bench", help="run the benchmark suite of a source checkout (summary table, CSV, PNGs)",
-        usage="mltuner bench [--source DIR] [--quick] [--gpu] [--only NAMES] [--skip NAMES] [--out DIR] [--list]",
+        usage="mltuner bench [--source DIR] [--quick] [--gpu] [--long] [--only NAMES] [--skip NAMES] [--out DIR] "
+              "[--list]",
         description="Runs benchmarks/run.py of the source checkout: every benchmark, each figure a ratio to a "
                     "baseline measured in the same run (numpy copies, raw pyzmq, plain PyTorch, PyTorch DDP, "
                     "the GPU's copy bandwidth), one summary table, CSV and PNGs in a results directory. "
-                    "--quick takes about 5 minutes on 2 cores; --gpu adds the GPU benchmarks. "
+                    "--quick takes about 5 minutes on 2 cores; --gpu adds the GPU benchmarks; --long the demo over "
+                    "10 seeds and the tuning benchmark on a job of minutes, for a host with many cores. "
                     "See python benchmarks/run.py --help.")
     bench.add_argument("--source", default=None, help="the source checkout (default: the current directory "
                        "or a parent holding benchmarks/run.py)")

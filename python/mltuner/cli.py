@@ -147,11 +147,11 @@ def _tune(args: argparse.Namespace) -> int:
 # GPU alike), so smaller batches win the short trials on progress per second
 # and then take 4-8x longer per epoch. Each search gets 10% of the job's
 # budget, raised by the floor (what the trial-time rule needs from an
-# untrained CNN) up to 20% for the searches together; 40 epochs leave room
-# for a rollback, and the job stops earlier when validation accuracy
-# converges.
+# untrained CNN) up to 20% for the searches together. 50 epochs leave room
+# for a large batch's fewer steps and for a rollback; the job stops earlier
+# when validation accuracy converges.
 DEMO_ARGS = ["--model", "cnn", "--samples", "20000", "--search", "lr,momentum,batch_size,staleness",
-             "--batch-sizes", "32,64,128", "--max-epochs", "40"]
+             "--batch-sizes", "32,64,128", "--max-epochs", "50"]
 
 
 def _demo(args: argparse.Namespace) -> int:

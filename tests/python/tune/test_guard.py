@@ -71,6 +71,9 @@ def test_a_winner_that_collapses_two_epochs_later_is_rolled_back(
     after = [r for r in log.events("fork_trial") if r["time"] > rollback["time"]]
     assert after and all(r["tunables"]["lr"] < first["tunables"]["lr"] for r in after)
     assert log.events("search_start")[1]["branch"] == frozen["branch"]
+    # The first of them backs off: the failed setting with half its learning rate.
+    assert after[0]["enqueued"] and after[0]["tunables"]["lr"] == pytest.approx(
+        max(SPACE["lr"].low, first["tunables"]["lr"] / 2))
 
     # The job ends with the best-validated model, which is healthy; the
     # caller owns it and nothing else is alive.
@@ -247,8 +250,12 @@ def test_a_search_after_a_rollback_to_the_root_chooses_every_tunable(
     rollback = log.events("rollback")[0]
     assert rollback["target"] == "parent" and rollback["to"] == log.events("init")[0]["branch"]
     after = [r for r in log.events("search_start") if r["time"] > rollback["time"]][0]
-    assert after["from_start"] is True and after["enqueued"] is False
+    assert after["from_start"] is True
     assert after["searched"] == ["lr", "momentum"] and after["trial_cap"] == 6
+    # Its first trial is the failed setting with half the learning rate; the
+    # root's own (untrained) setting is not tried first.
+    failed = rollback["tunables"]
+    assert after["first"] == [{**failed, "lr": pytest.approx(failed["lr"] / 2)}]
 
 
 def test_a_loss_that_dies_before_it_got_far_raises_the_alarm() -> None:

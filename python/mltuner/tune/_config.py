@@ -84,9 +84,10 @@ class TunerConfig:
             the budget pays for trials too short to tell settings apart
             (they choose on noise); on a long one the share is above the
             floor and holds. A search is raised at most to this share less
-            what earlier searches spent, and always keeps its own share, so
-            no search spends more than this share. None: no floor,
-            ``search_share`` is a hard limit.
+            what earlier searches spent. A plateau re-tune also gets no more
+            than what is left of it, and is skipped when nothing is; the
+            initial search and a search after a rollback always get their
+            own share. None: no floor, ``search_share`` is a hard limit.
         floor_trials: trials of the start length that the floor pays
             successive halving for (4: the phase's winner and three new
             ones, two rungs).

@@ -26,6 +26,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -121,8 +122,6 @@ def alarm_reasons(log: Path) -> list[str]:
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
     """SIGTERM to the run's session, SIGKILL after 20 s."""
-    import signal
-
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
@@ -227,8 +226,9 @@ def figures(total: dict[str, Any], gpu: bool) -> list[Figure]:
                f"{total['worst_accuracy']}; {total['rollbacks']} rollbacks"),
         Figure("demo", f"demo time, median of seeds ({where})", total["median_s"], "s", "worst seed",
                total["worst_s"], None, "", "lower", None, f"{seeds} seeds"),
+        # The issue's bound is for one GPU; on CPU cores the share is reported for reading.
         Figure("demo", f"search time / demo time ({where})", share, "of the demo (median)", "-", None, share,
-               "search seconds / demo seconds, median of seeds", "lower", SEARCH_SHARE_GOAL,
+               "search seconds / demo seconds, median of seeds", "lower", SEARCH_SHARE_GOAL if gpu else None,
                f"{len(total['shares'])} seeds", spread(total["shares"])),
     ]
 
@@ -251,6 +251,11 @@ def main() -> int:
     slots = [None] if args.gpu else core_slots(CORES_PER_RUN, args.parallel)
     pinned = "unpinned" if slots[0] is None else f"pinned to cores {', '.join(map(str, slots))}"
     print(f"{len(seeds)} seed(s), {len(slots)} at once, {pinned}; writing to {out}/", flush=True)
+    # The demo's data set, generated once here, not by every run's workers at once.
+    from mltuner.cli import DEMO_ARGS
+    from mltuner.datasets import load_mnist1d
+
+    load_mnist1d(num_samples=int(DEMO_ARGS[DEMO_ARGS.index("--samples") + 1]))
     started = time.perf_counter()
     rows = run_all(seeds, out, slots, args.gpu, args.timeout, args.demo_args)
     total = summary(rows)

@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from cores import pinned
+
 WORKERS = 2
 # How long the launcher may take to stop its workers after SIGTERM
 # (mltuner.dist's KILL_AFTER_SECONDS plus the reaping) before it is killed.
@@ -18,18 +20,20 @@ STOP_SECONDS = 15.0
 
 
 def run_job(command: list[str], result: Path, workers: int = WORKERS,
-            timeout_s: Optional[float] = None) -> dict[str, Any]:
+            timeout_s: Optional[float] = None, cores: Optional[list[int]] = None) -> dict[str, Any]:
     """Runs ``command`` on ``workers`` local workers and returns what rank 0
     wrote to ``result``. Raises RuntimeError (the job failed or wrote
     nothing) or TimeoutError (it ran past ``timeout_s``), each with the tail
-    of the workers' output.
+    of the workers' output. ``cores``: pin the launcher and its workers to
+    these cores (``taskset``).
 
     The launcher runs as a child process so that a timeout can stop it: on
     SIGTERM it stops and reaps its workers (which sit in their own process
     groups, out of reach of a signal to the launcher's). It shares this
     process's group, so Ctrl-C reaches it too."""
     result.unlink(missing_ok=True)  # callers reuse the path: never read an earlier job's result
-    launcher = [sys.executable, "-m", "mltuner.cli", "launch", "-n", str(workers), "--grace", "10", "--", *command]
+    launcher = pinned([sys.executable, "-m", "mltuner.cli", "launch", "-n", str(workers), "--grace", "10", "--",
+                       *command], cores)
     process = subprocess.Popen(launcher, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, errors="replace")
     try:

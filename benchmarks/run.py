@@ -2,7 +2,7 @@
 ratio to a baseline measured side by side in the same run, one summary
 table, CSV and plots, with the machine and the versions recorded.
 
-    mltuner bench [--quick] [--gpu] [--only NAMES] [--skip NAMES] [--out DIR]
+    mltuner bench [--quick] [--gpu] [--long] [--only NAMES] [--skip NAMES] [--out DIR]
     python benchmarks/run.py ...        (the same, from a source checkout)
 
 The benchmarks, in the order they run (each is also a script of its own in
@@ -21,7 +21,16 @@ benchmarks/, with more options and tables):
               12 TransformerEncoderLayers through one worker vs plain PyTorch
   gpu-copy    (--gpu) the CUDA backend's gather, scatter-add and swaps vs the
               GPU's measured device and pinned host<->device copy bandwidth
+  demo-gpu    (--gpu) `mltuner demo` on the GPU: its time and the searches'
+              share of it (goal <= 20%)
+  demo        (--long) `mltuner demo` over 10 seeds, each on 2 CPU cores:
+              how many reach 94% test accuracy, median and worst time
+  tuning-large (--long) the tuning benchmark on a job whose best fixed run
+              takes minutes (the MNIST-1D CNN on 100,000 samples), 3 seeds
 
+--long adds the benchmarks that run for tens of minutes on 2 cores; on a
+host with many cores they run their jobs side by side, each pinned to 2
+cores (taskset), in about 10 (demo) and 30 (tuning-large) minutes on 16.
 --quick sizes everything to finish in about 5 minutes on 2 CPU cores.
 --gpu runs torch and throughput on the GPU (ResNet-18) and adds gpu-copy;
 the CPU-only benchmarks then run at their --quick size, so that the whole
@@ -78,7 +87,7 @@ class Outcome:
     figures: list[Figure]
 
 
-def plan(quick: bool, gpu: bool) -> list[Step]:
+def plan(quick: bool, gpu: bool, long: bool = False) -> list[Step]:
     """The steps of this run, sized by --quick and --gpu (see the docstring)."""
     cpu_quick = quick or gpu
     steps = [
@@ -120,6 +129,14 @@ def plan(quick: bool, gpu: bool) -> list[Step]:
     if gpu:
         steps.append(Step("gpu-copy", "gpu_copy_bench.py", ["--out", "{dir}/gpu-copy.txt", "--sizes",
                                                             "64" if quick else "64,256"], 600))
+        steps.append(Step("demo-gpu", "demo_seeds.py", ["--gpu", "--seeds", "0", "--out", "{dir}/demo-gpu"], 900,
+                          True))
+    if long:
+        steps += [
+            Step("demo", "demo_seeds.py", ["--seeds", "0-9", "--out", "{dir}/demo"], 3600, True, True),
+            Step("tuning-large", "tuner_bench.py", ["--size", "large", "--seeds", "0,1,2",
+                                                    "--out", "{dir}/tuning-large.md"], 7200, True, True),
+        ]
     return steps
 
 
@@ -215,7 +232,7 @@ def stop(proc: subprocess.Popen[str]) -> None:
 def machine(args: argparse.Namespace) -> dict[str, object]:
     info: dict[str, object] = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "mode": ("quick" if args.quick else "full") + (" + gpu" if args.gpu else ""),
+        "mode": ("quick" if args.quick else "full") + (" + gpu" if args.gpu else "") + (" + long" if args.long else ""),
         "cpu": cpu_name(), "cores": os.cpu_count(), "memory_gib": round(memory_bytes() / 2**30, 1),
         "os": f"{platform.system()} {platform.release()}", "python": platform.python_version(),
         "git_commit": git_commit(),
@@ -375,18 +392,24 @@ def main(argv: Optional[list[str]] = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="about 5 minutes on 2 CPU cores")
     parser.add_argument("--gpu", action="store_true", help="the GPU benchmarks too (needs a CUDA GPU)")
+    parser.add_argument("--long", action="store_true",
+                        help="the long benchmarks too (demo over 10 seeds, tuning at the large size): for a "
+                             "host with many cores")
     parser.add_argument("--only", metavar="NAMES", help="comma-separated benchmarks to run")
     parser.add_argument("--skip", metavar="NAMES", help="comma-separated benchmarks to leave out")
     parser.add_argument("--out", metavar="DIR", help="results directory (default results/bench-DATE)")
     parser.add_argument("--list", action="store_true", help="print the steps of this run and exit")
     args = parser.parse_args(argv)
-    steps = plan(args.quick, args.gpu)
-    known = {s.name for s in plan(args.quick, True)} | {s.name for s in plan(args.quick, False)}
+    known = {s.name for s in plan(args.quick, True, True)} | {s.name for s in plan(args.quick, False, True)}
     only, skip = parse_names(args.only, known), parse_names(args.skip, known)
+    # A long benchmark named in --only runs without --long.
+    long = args.long or bool(only & ({s.name for s in plan(args.quick, False, True)}
+                                     - {s.name for s in plan(args.quick, False)}))
+    steps = plan(args.quick, args.gpu, long)
     steps = [s for s in steps if (not only or s.name in only) and s.name not in skip]
     if args.list:
         for s in steps:
-            print(f"{s.name:<11} {s.script} {' '.join(s.args)}  (limit {s.timeout_s:.0f} s)")
+            print(f"{s.name:<12} {s.script} {' '.join(s.args)}  (limit {s.timeout_s:.0f} s)")
         return 0
     if args.gpu and not gpu_names():
         print("mltuner bench: error: --gpu needs an NVIDIA GPU (nvidia-smi found none)", file=sys.stderr)

@@ -142,12 +142,16 @@ def _tune(args: argparse.Namespace) -> int:
 # epochs long enough for one-epoch trials and a validation set of 1,600. The
 # full learning-rate range is searched: a setting that kills the CNN's ReLUs
 # a few epochs after a fast start is caught by the tuner's rollback guard.
-# Each search gets 10% of the job's budget: 60 epochs give the first one
-# about six, enough for trials that see progress from an untrained CNN (with
-# 30 the trials were 10-40 clocks long, and the search chose on noise); the
-# job stops earlier when validation accuracy converges.
+# Per-worker batches of 32-128: a clock of this small CNN costs about the
+# same at any batch size (its time is per-step overhead, on a CPU and on a
+# GPU alike), so smaller batches win the short trials on progress per second
+# and then take 4-8x longer per epoch. Each search gets 10% of the job's
+# budget, raised by the floor (what the trial-time rule needs from an
+# untrained CNN) up to 20% for the searches together. 50 epochs leave room
+# for a large batch's fewer steps and for a rollback; the job stops earlier
+# when validation accuracy converges.
 DEMO_ARGS = ["--model", "cnn", "--samples", "20000", "--search", "lr,momentum,batch_size,staleness",
-             "--max-epochs", "60"]
+             "--batch-sizes", "32,64,128", "--max-epochs", "50"]
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -283,11 +287,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.set_defaults(handler=_run)
     bench = commands.add_parser(
         "bench", help="run the benchmark suite of a source checkout (summary table, CSV, PNGs)",
-        usage="mltuner bench [--source DIR] [--quick] [--gpu] [--only NAMES] [--skip NAMES] [--out DIR] [--list]",
+        usage="mltuner bench [--source DIR] [--quick] [--gpu] [--long] [--only NAMES] [--skip NAMES] [--out DIR] "
+              "[--list]",
         description="Runs benchmarks/run.py of the source checkout: every benchmark, each figure a ratio to a "
                     "baseline measured in the same run (numpy copies, raw pyzmq, plain PyTorch, PyTorch DDP, "
                     "the GPU's copy bandwidth), one summary table, CSV and PNGs in a results directory. "
-                    "--quick takes about 5 minutes on 2 cores; --gpu adds the GPU benchmarks. "
+                    "--quick takes about 5 minutes on 2 cores; --gpu adds the GPU benchmarks; --long the demo over "
+                    "10 seeds and the tuning benchmark on a job of minutes, for a host with many cores. "
                     "See python benchmarks/run.py --help.")
     bench.add_argument("--source", default=None, help="the source checkout (default: the current directory "
                        "or a parent holding benchmarks/run.py)")

@@ -98,6 +98,7 @@ def tuner_config(args: argparse.Namespace) -> TunerConfig:
         num_clocks_to_eval=args.eval_clocks, max_trials_per_search=args.trials, max_epochs=args.max_epochs,
         initial_trial_time_s=args.trial_time, num_branches=30,
         search_share=args.search_share if args.search_share > 0 else None, time_budget_s=args.time_budget,
+        max_search_share=max(args.max_search_share, args.search_share) if args.search_share > 0 else None,
         retune_tunables=None if args.retune_search == "all" else tuple(args.retune_search.split(",")),
         rollback=not args.no_rollback)
 
@@ -316,12 +317,19 @@ def report(args: argparse.Namespace, outcome: _Outcome, elapsed: float, workers:
         result["rollbacks"] = outcome.tuning.rollbacks
         result["search_seconds"] = outcome.tuning.search_seconds
         result["clock_seconds"] = outcome.tuning.seconds
+        result["searches"] = outcome.tuning.searches
+        # The searches' share of the job's time (rank 0, the job's start to its end).
+        result["search_share"] = outcome.tuning.search_seconds / elapsed if elapsed > 0 else None
     best = "-" if summary.best_accuracy is None else f"{summary.best_accuracy:.1%}"
     print(f"{args.mode}: best validation accuracy {best} after {summary.time_s:.1f} s of clocks "
           f"({elapsed:.1f} s in all) on {workers} workers; {summary.trials} trial(s), {summary.epochs} epoch(s)")
     if args.target_accuracy is not None:
         reached = f"{summary.time_to_target_s:.1f} s" if summary.time_to_target_s is not None else "not reached"
         print(f"time to {args.target_accuracy:.0%} validation accuracy: {reached}")
+    if outcome.tuning is not None:
+        tuning = outcome.tuning
+        print(f"{tuning.searches} search(es): {tuning.search_seconds:.1f} s of clocks, "
+              f"{result['search_share'] or 0:.0%} of the job's {elapsed:.1f} s; {tuning.rollbacks} rollback(s)")
     if test_accuracy is not None:
         print(f"test accuracy {test_accuracy:.1%} with {format_tunables(outcome.tunables)}")
     if args.result:

@@ -43,7 +43,7 @@ from mltuner.tune._progress import (
     ProgressSummary,
     summarize_progress,
 )
-from mltuner.tune.tuner._search import SearchEpisode, SearchResult
+from mltuner.tune.tuner._search import SearchBudget, SearchEpisode, SearchResult
 from mltuner.tune.session._session import Driver, PSBranchSystem, Step, TuningSession
 from mltuner.tune._config import SAMPLERS
 from mltuner.tune.tuner._searcher import Proposal, Searcher, open_storage, top_k_close
@@ -123,6 +123,7 @@ __all__ = [
     "open_storage",
     "SearchEpisode",
     "SearchResult",
+    "SearchBudget",
     "Trial",
     "DecisionLog",
     "plateaued",

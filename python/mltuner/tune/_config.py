@@ -74,6 +74,23 @@ class TunerConfig:
             by their trial cap (the paper's behaviour). None turns it off.
         time_budget_s: the job's budget in seconds of clocks, when it is
             known better than ``max_epochs`` says.
+        max_search_share: the most the job's searches may spend together,
+            as a share of the job's budget (0.2), when the floor raises a
+            search above ``search_share``. The floor: a search may spend
+            what the paper's trial-time rule takes to find its trial time
+            (rounds of doubling until a trial converges or every trial
+            reaches the one-epoch cap) plus successive halving over
+            ``floor_trials`` trials of that length. On a short job 10% of
+            the budget pays for trials too short to tell settings apart
+            (they choose on noise); on a long one the share is above the
+            floor and holds. A search is raised at most to this share less
+            what earlier searches spent. A plateau re-tune also gets no more
+            than what is left of it, and is skipped when nothing is; the
+            initial search and a search after a rollback always get their
+            own share. None: no floor, ``search_share`` is a hard limit.
+        floor_trials: trials of the start length that the floor pays
+            successive halving for (4: the phase's winner and three new
+            ones, two rungs).
         retune_tunables: the tunables a re-tune searches, the others kept
             at the current setting: learning rate and momentum by default,
             the ones that can help late in training (a smaller batch or more
@@ -109,6 +126,8 @@ class TunerConfig:
     n_startup_trials: int = 10
     search_share: float | None = 0.1
     time_budget_s: float | None = None
+    max_search_share: float | None = 0.2
+    floor_trials: int = 4
     retune_tunables: tuple[str, ...] | None = ("lr", "momentum")
     rollback: bool = True
     rollback_margin: float = 0.05
@@ -171,6 +190,22 @@ class TunerConfig:
         ):
             raise InvalidArgumentError(
                 f"search_share must be in (0, 1] or None, got {self.search_share!r}"
+            )
+        if self.max_search_share is not None and not (
+            isinstance(self.max_search_share, (int, float)) and 0 < self.max_search_share <= 1
+        ):
+            raise InvalidArgumentError(
+                f"max_search_share must be in (0, 1] or None, got {self.max_search_share!r}"
+            )
+        if (self.search_share is not None and self.max_search_share is not None
+                and self.max_search_share < self.search_share):
+            raise InvalidArgumentError(
+                f"max_search_share ({self.max_search_share}) must be at least search_share "
+                f"({self.search_share}): it caps what the floor raises the share to"
+            )
+        if not isinstance(self.floor_trials, int) or self.floor_trials < 1:
+            raise InvalidArgumentError(
+                f"floor_trials must be an integer >= 1, got {self.floor_trials!r}"
             )
         if self.time_budget_s is not None and not (
             isinstance(self.time_budget_s, (int, float)) and math.isfinite(self.time_budget_s)

@@ -18,6 +18,7 @@ from mltuner.tune import (
     Tuner,
     TunerConfig,
     TrainingGuard,
+    Uniform,
     at_least_as_aggressive,
 )
 
@@ -70,6 +71,9 @@ def test_a_winner_that_collapses_two_epochs_later_is_rolled_back(
     after = [r for r in log.events("fork_trial") if r["time"] > rollback["time"]]
     assert after and all(r["tunables"]["lr"] < first["tunables"]["lr"] for r in after)
     assert log.events("search_start")[1]["branch"] == frozen["branch"]
+    # The first of them backs off: the failed setting with half its learning rate.
+    assert after[0]["enqueued"] and after[0]["tunables"]["lr"] == pytest.approx(
+        max(SPACE["lr"].low, first["tunables"]["lr"] / 2))
 
     # The job ends with the best-validated model, which is healthy; the
     # caller owns it and nothing else is alive.
@@ -228,6 +232,30 @@ def test_a_winner_dead_before_its_first_validation_goes_back_to_the_parent(
     assert result.best_accuracy == pytest.approx(early_accuracy(tunables, clocks))
     assert result.best_accuracy == max(result.accuracies) and result.best_accuracy > 0.5
     assert system.live() == [result.branch]
+
+
+def test_a_search_after_a_rollback_to_the_root_chooses_every_tunable(
+        scripted_system: Any, tmp_path: Path) -> None:
+    # Re-tunes search lr only here; a search from the untrained root after a
+    # rollback chooses momentum too, with the initial search's trial cap.
+    space = SearchSpace([LogUniform("lr", 0.1, 1.0), Uniform("momentum", 0.0, 0.9)])
+    system = scripted_system(early_loss, seconds=lambda t: CLOCK_S, clocks_per_epoch=100,
+                             accuracy=early_accuracy)
+    cfg = TunerConfig(sampler="random", seed=0, initial_trial_time_s=1.25, num_clocks_to_eval=10,
+                      num_clocks_to_test=5, max_trials_per_search=6, max_epochs=6,
+                      initial_setting={"lr": 0.15, "momentum": 0.5}, retune_tunables=("lr",))
+    tuner = Tuner(system, space, cfg)
+    tuner.run()
+    log = tuner.log
+    rollback = log.events("rollback")[0]
+    assert rollback["target"] == "parent" and rollback["to"] == log.events("init")[0]["branch"]
+    after = [r for r in log.events("search_start") if r["time"] > rollback["time"]][0]
+    assert after["from_start"] is True
+    assert after["searched"] == ["lr", "momentum"] and after["trial_cap"] == 6
+    # Its first trial is the failed setting with half the learning rate; the
+    # root's own (untrained) setting is not tried first.
+    failed = rollback["tunables"]
+    assert after["first"] == [{**failed, "lr": pytest.approx(failed["lr"] / 2)}]
 
 
 def test_a_loss_that_dies_before_it_got_far_raises_the_alarm() -> None:

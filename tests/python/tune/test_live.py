@@ -35,12 +35,16 @@ def write_events(log: DecisionLog) -> None:
               trial=0)
     log.write("summary", phase="search", search=0, branch=2, loss=1.25, state="converging",
               slope=-0.0123456, noise=0.01, spent_s=3.0)
+    log.write("budget_floor", phase="search", search=0, reason="trial_time", share_s=12.0,
+              budget_s=18.0, ceiling_s=24.0, needed_s=18.0, spent_s=3.0)
     log.write("free_trial", phase="search", search=0, branch=2, reason="diverged",
               slope=float("nan"))
     log.write("winner", phase="search", search=0, branch=3, tunables=SETTING, trials=1,
               seconds=3.5)
     log.write("validate", phase="train", branch=3, tunables=SETTING, accuracy=0.5, epoch=1,
               best_accuracy=0.5)
+    log.write("retune_skipped", phase="train", branch=3, tunables=SETTING, epoch=1,
+              reason="search_budget", search_seconds=24.5)
     log.write("rollback", phase="train", branch=3, tunables=SETTING, reason="accuracy",
               accuracy=0.1, best_accuracy=0.5)
     log.write("end", phase="end", outcome="converged", branch=3, accuracy=0.5, trials=1,
@@ -51,11 +55,14 @@ def write_events(log: DecisionLog) -> None:
 EXPECTED_LINES = [
     "[     0.0s] start: searching lr, momentum with tpe",
     "[     1.5s] initial search: searching lr, momentum within 12.0 s",
-    "[     7.5s] initial search: 1 trials in 3.5 s, chose lr=0.01 momentum=0.9 batch_size=32",
-    "[     9.0s] epoch 1: val 50.0% (best 50.0%)",
-    "[    10.5s] rolled back to the best model (val 50.0%): validation fell to 10.0% with "
+    "[     6.0s] initial search: budget raised from 12.0 s to 18.0 s to find its trial time",
+    "[     9.0s] initial search: 1 trials in 3.5 s, chose lr=0.01 momentum=0.9 batch_size=32",
+    "[    10.5s] epoch 1: val 50.0% (best 50.0%)",
+    "[    12.0s] epoch 1: validation stopped improving; no re-tune, the searches have spent their "
+    "share of the job (24.5 s)",
+    "[    13.5s] rolled back to the best model (val 50.0%): validation fell to 10.0% with "
     "lr=0.01 momentum=0.9 batch_size=32",
-    "[    12.0s] done: converged after 1 epochs, best val 50.0% with lr=0.01 momentum=0.9 "
+    "[    15.0s] done: converged after 1 epochs, best val 50.0% with lr=0.01 momentum=0.9 "
     "batch_size=32",
 ]
 
@@ -111,7 +118,7 @@ def test_table_shows_the_current_state() -> None:
         "best val accuracy": "50.0%",
         "last loss": "1.25",
         "trials so far": "1",
-        "elapsed": "12.0 s",
+        "elapsed": "15.0 s",
         "outcome": "converged",
     }
     assert list(display.history)[-1].startswith("done: converged")
@@ -154,7 +161,7 @@ def test_a_listener_that_raises_does_not_break_the_log(
         assert len(log.listeners) == 1   # the broken one was removed
     events = [json.loads(line)["event"] for line in path.read_text().splitlines()]
     assert events == seen == [r["event"] for r in log.records]
-    assert len(events) == 9
+    assert len(events) == 11
     # Reported once, with its traceback, not once per event.
     failures = [r for r in caplog.records if "listener" in r.getMessage()]
     assert len(failures) == 1 and failures[0].exc_info is not None

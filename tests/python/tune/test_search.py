@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from collections.abc import Mapping
@@ -15,12 +16,15 @@ from mltuner.tune import (
     DecisionLog,
     LogUniform,
     ProgressState,
+    SearchBudget,
     SearchEpisode,
     SearchResult,
     SearchSpace,
     Searcher,
     TunerConfig,
 )
+from mltuner.testing import ScriptedSystem
+from mltuner.tune.tuner import halving_cost, halving_size
 
 LR_SPACE = SearchSpace([LogUniform("lr", 1e-3, 1.0)])
 # 0.125 s clocks and a 1.25 s first trial time: exact binary fractions, so
@@ -30,6 +34,7 @@ CLOCK_S = 0.125
 
 def run_search(system: Any, space: SearchSpace = LR_SPACE, *, sampler: str = "random",
                trial_cap: int | None = 6, seed: int = 0, budget_s: float | None = None,
+               budget: SearchBudget | None = None, enqueue: dict[str, Any] | None = None,
                **config: Any) -> tuple[SearchResult, DecisionLog, int]:
     config.setdefault("initial_trial_time_s", 1.25)
     cfg = TunerConfig(sampler=sampler, num_clocks_to_eval=10, seed=seed, **config)
@@ -37,9 +42,11 @@ def run_search(system: Any, space: SearchSpace = LR_SPACE, *, sampler: str = "ra
     system.run(root, 1)
     log = DecisionLog()
     searcher = Searcher(space, sampler=sampler, seed=seed, n_startup_trials=2)
+    if enqueue is not None:
+        searcher.enqueue(enqueue)
     episode = SearchEpisode(system, cfg, searcher, log, index=0, parent=root,
                             parent_tunables=space.defaults(), trial_cap=trial_cap,
-                            budget_s=budget_s)
+                            budget_s=budget_s, budget=budget)
     return episode.run(), log, root
 
 
@@ -246,3 +253,130 @@ def test_every_trial_is_recorded_in_the_study(scripted_system: Any) -> None:
     assert result.winner is not None
     assert study.user_attrs["winner_trial"] == result.winner.proposal.number
     assert study.user_attrs["starting_progress"] == 10.0
+
+
+# -- the budget's floor ------------------------------------------------------------------
+
+# Mini-batch noise that cancels only over windows of 8 clocks: the summariser
+# (K = 10 windows) sees a trial CONVERGING from 80 clocks on (10 s of 0.125 s
+# clocks), never before. The trial-time rule asks for 10 s trials.
+NOISE = (0.2,) * 4 + (-0.2,) * 4
+RULE_CLOCKS = 80
+EPOCH_CLOCKS = 400
+EPOCH_S = EPOCH_CLOCKS * CLOCK_S
+
+
+def noisy(t: Mapping[str, Any], c: int) -> float:
+    return 10.0 - 0.01 * float(t["lr"]) * c + NOISE[c % len(NOISE)]
+
+
+def job_budget(epochs: int, share: float = 0.1, ceiling: float | None = 0.2) -> SearchBudget:
+    """A search's budget in a job of ``epochs`` epochs, as the tuner makes it."""
+    return SearchBudget(share * epochs * EPOCH_S, None if ceiling is None else ceiling * epochs * EPOCH_S)
+
+
+def floor_search(scripted_system: Any, budget: SearchBudget, **config: Any
+                 ) -> tuple[SearchResult, DecisionLog, Any]:
+    system = scripted_system(noisy, seconds=lambda t: CLOCK_S, clocks_per_epoch=EPOCH_CLOCKS)
+    result, log, _ = run_search(system, trial_cap=30, budget=budget, enqueue={"lr": 1.0}, **config)
+    return result, log, system
+
+
+def test_halving_cost_counts_every_rung() -> None:
+    # 8 trials at L: 7 new ones to L, then 4 on to 2L, then 2 on to 4L.
+    assert halving_cost(8, 1.0) == 7 + 4 + 2 * 2
+    assert halving_cost(4, 2.0) == (3 + 2) * 2.0
+    assert halving_cost(2, 1.0) == 1 and halving_cost(1, 1.0) == 0
+    assert halving_size(5.0, 1.0, 30) == 4 and halving_size(4.9, 1.0, 30) == 3
+    assert halving_size(100.0, 1.0, 6) == 6
+
+
+def test_the_floor_pays_for_the_trial_time_and_halving_on_a_short_job(scripted_system: Any) -> None:
+    # 8 epochs: a 10% share is 40 s, and the rule needs 41.25 s (the
+    # evaluation branch and 4 trials of 80 clocks) to find its 10 s trial
+    # time; halving over 4 trials of 10 s costs 50 s more. The floor raises
+    # the search for both, up to the 80 s ceiling (20% of the job).
+    budget = job_budget(8)
+    result, log, system = floor_search(scripted_system, budget)
+    raises = log.events("budget_floor")
+    assert [r["reason"] for r in raises] == ["trial_time", "halving"]
+    assert all(r["share_s"] == 40.0 and r["ceiling_s"] == 80.0 for r in raises)
+    assert raises[1]["needed_s"] == pytest.approx(41.25 + 50.0) and raises[1]["budget_s"] == 80.0
+    # The trial time is the one the rule asks for, and the winner converged.
+    assert result.trial_time == pytest.approx(RULE_CLOCKS * CLOCK_S)
+    assert result.winner is not None and result.winner.summary is not None
+    assert result.winner.summary.state is ProgressState.CONVERGING
+    # Halving ran over new trials of that length; the search went past its
+    # share, and stayed within the ceiling.
+    halving = log.events("halving")[0]["time"]
+    assert len([r for r in log.events("fork_trial") if r["time"] >= halving]) >= 3
+    assert budget.share < result.seconds <= 80.0
+    assert result.share_s == 40.0 and result.budget_s == 80.0
+
+
+def test_the_ceiling_bounds_the_floor(scripted_system: Any) -> None:
+    # 4 epochs: the rule's 40 s and halving's 50 s are past the 40 s ceiling.
+    result, log, _ = floor_search(scripted_system, job_budget(4))
+    assert log.events("budget_floor")
+    assert result.seconds <= 40.0 + 10 * CLOCK_S  # within one trial's first samples
+    assert log.events("search_stop")[0]["reason"] == "budget" and result.budget_exhausted
+
+
+@pytest.mark.parametrize("epochs", [30, 60])
+def test_a_long_job_keeps_its_share(scripted_system: Any, epochs: int) -> None:
+    # The share (150 s, 300 s) is above the floor (91 s): it holds and
+    # nothing raises it.
+    budget = job_budget(epochs)
+    result, log, _ = floor_search(scripted_system, budget)
+    assert not log.events("budget_floor")
+    assert result.seconds <= budget.share
+    assert result.budget_s == result.share_s == budget.share
+
+
+def test_without_a_ceiling_the_share_is_a_hard_limit(scripted_system: Any) -> None:
+    result, log, _ = floor_search(scripted_system, job_budget(10, ceiling=None))
+    assert not log.events("budget_floor")
+    assert result.seconds <= 50.0 + 10 * CLOCK_S
+
+
+def test_earlier_searches_count_against_the_ceiling(scripted_system: Any) -> None:
+    # A re-tune after searches that spent 80 s of a 100 s ceiling: the floor
+    # may not raise it past what is left, but it keeps its own 50 s share.
+    budget = dataclasses.replace(job_budget(10), spent_before_s=80.0)
+    result, log, _ = floor_search(scripted_system, budget)
+    assert not log.events("budget_floor")
+    assert result.seconds <= 50.0 + 10 * CLOCK_S
+    budget = dataclasses.replace(job_budget(10), spent_before_s=30.0)
+    result, log, _ = floor_search(scripted_system, budget)
+    assert all(r["ceiling_s"] == 70.0 for r in log.events("budget_floor"))
+    assert result.seconds <= 70.0 + 10 * CLOCK_S
+
+
+def test_a_budget_in_epochs_is_measured_at_the_best_trials_setting(scripted_system: Any) -> None:
+    # Batch 64 (the parent's) has 100 clocks per epoch, batch 16 400: a share
+    # of 1 epoch is 12.5 s at the parent's setting and 50 s at batch 16's,
+    # the setting that wins and will train.
+    class ByBatch(ScriptedSystem):
+        def clocks_per_epoch(self, tunables: Mapping[str, Any]) -> int:
+            return 6400 // int(tunables["batch_size"])
+
+    space = SearchSpace([LogUniform("lr", 1e-3, 1.0), Choice("batch_size", [16, 64], default=64)])
+    system = ByBatch(lambda t, c: 10.0 - 0.01 * float(t["lr"]) * 64 / t["batch_size"] * c,
+                     seconds=lambda t: CLOCK_S)
+    result, log, _ = run_search(system, space, trial_cap=4, budget=SearchBudget(1.0, unit="epochs"),
+                                enqueue={"lr": 1.0, "batch_size": 16})
+    assert log.events("starting_progress")[0]["budget_s"] == 100 * CLOCK_S
+    assert result.winner is not None and result.winner.tunables["batch_size"] == 16
+    assert result.share_s == result.budget_s == 400 * CLOCK_S
+
+
+def test_a_measured_trial_time_starts_at_the_first_samples(scripted_system: Any) -> None:
+    # The searcher decides in well under a clock: rounds shorter than a
+    # trial's first 10 clocks would only fork trials.
+    system = scripted_system(rising, seconds=lambda t: CLOCK_S, clocks_per_epoch=80)
+    _, log, _ = run_search(system, trial_cap=3, initial_trial_time_s=None)
+    first = log.events("trial_time")[0]
+    assert first["reason"] == "initial" and first["decision_s"] < first["samples_s"]
+    assert first["trial_time_s"] == first["samples_s"] == pytest.approx(10 * CLOCK_S)
+    assert [r["trial_time_s"] for r in log.events("trial_time")][1:3] == pytest.approx(
+        [20 * CLOCK_S, 40 * CLOCK_S])

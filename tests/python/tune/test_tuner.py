@@ -113,8 +113,9 @@ SCRIPTED_SPACE = SearchSpace([LogUniform("lr", 0.1, 1.0)])
 
 def scripted_run(system: Any, space: SearchSpace = SCRIPTED_SPACE,
                  **config: Any) -> tuple[Any, DecisionLog]:
-    cfg = TunerConfig(sampler="random", seed=0, initial_trial_time_s=1.25, num_clocks_to_eval=10,
-                      num_clocks_to_test=5, max_trials_per_search=4, **config)
+    config.setdefault("max_trials_per_search", 4)
+    config.setdefault("num_clocks_to_eval", 10)
+    cfg = TunerConfig(sampler="random", seed=0, initial_trial_time_s=1.25, num_clocks_to_test=5, **config)
     tuner = Tuner(system, space, cfg)
     return tuner.run(), tuner.log
 
@@ -143,6 +144,49 @@ def test_plateau_retune_then_stop(scripted_system: Any) -> None:
     assert [r["epoch"] for r in log.events("retune")] == [7]  # 3 + 4
     assert result.outcome is Outcome.CONVERGED and result.epochs == 8  # 3 + 5
     assert result.searches == 2
+
+
+def test_a_retune_gets_what_the_jobs_searches_have_left(scripted_system: Any) -> None:
+    # The searches together may spend 10% of the job: the re-tune's share is
+    # what the initial search left of it.
+    accuracies = [0.1, 0.2, 0.3] + [0.3] * 20
+    system = scripted_system(decaying, accuracies=accuracies, seconds=lambda t: 0.125,
+                             clocks_per_epoch=100)
+    result, log = scripted_run(system, max_epochs=12, max_trials_per_search=30, max_search_share=0.1)
+    first, retune = log.events("starting_progress")
+    spent = log.events("winner")[0]["seconds"]
+    job = 12 * (100 + 5) * 0.125  # 12 epochs of training and validation
+    assert retune["budget_s"] == pytest.approx(0.1 * job - spent)
+    assert result.search_seconds <= 0.1 * job + 10 * 0.125
+
+
+def test_a_retune_with_nothing_left_is_skipped(scripted_system: Any) -> None:
+    # The initial search's evaluation branch alone (200 clocks, 25 s) is
+    # past 20% of the job (6 epochs, 79 s): the plateau's re-tune is skipped,
+    # and the plateau rule stops the job.
+    system = scripted_system(decaying, accuracies=[0.5], seconds=lambda t: 0.125, clocks_per_epoch=100)
+    result, log = scripted_run(system, max_epochs=6, num_clocks_to_eval=200, plateau_size_for_retune=2,
+                               plateau_size_for_convergence=3)
+    assert result.searches == 1 and not log.events("retune")
+    skipped = log.events("retune_skipped")
+    assert [r["epoch"] for r in skipped] == [3] and skipped[0]["reason"] == "search_budget"
+    assert result.outcome is Outcome.CONVERGED and result.epochs == 4
+
+
+def test_a_retune_keeps_its_share_and_the_floor_what_the_job_has_left(scripted_system: Any) -> None:
+    accuracies = [0.1, 0.2, 0.3] + [0.3] * 20
+    system = scripted_system(decaying, accuracies=accuracies, seconds=lambda t: 0.125,
+                             clocks_per_epoch=100)
+    result, log = scripted_run(system, max_epochs=12, max_trials_per_search=30)
+    assert result.searches == 2
+    first, retune = log.events("starting_progress")
+    spent = log.events("winner")[0]["seconds"]
+    # The re-tune's share is 10% of the job (12 measured epochs); the floor
+    # may raise it to 20% of the job less what the first search spent, and
+    # never below its share.
+    assert retune["ceiling_s"] == pytest.approx(max(retune["budget_s"], 2 * retune["budget_s"] - spent))
+    assert result.search_seconds == pytest.approx(sum(r["seconds"] for r in log.events("winner"))
+                                                  + sum(r["seconds"] for r in log.events("no_progress")))
 
 
 def test_plateau_sizes_are_configurable(scripted_system: Any) -> None:

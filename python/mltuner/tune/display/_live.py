@@ -87,8 +87,15 @@ def describe(record: Mapping[str, Any]) -> str | None:
     if event == "no_progress":
         return (f"{_search_name(record)}: {record.get('trials', '?')} trials in "
                 f"{_secs(record.get('seconds'))} found nothing better")
+    if event == "budget_floor":
+        why = {"trial_time": "to find its trial time", "halving": "to halve over trials of it"}
+        return (f"{_search_name(record)}: budget raised from {_secs(record.get('share_s'))} to "
+                f"{_secs(record.get('budget_s'))} {why.get(str(record.get('reason')), '')}".rstrip())
     if event == "retune":
         return f"epoch {record.get('epoch')}: validation stopped improving, re-tune"
+    if event == "retune_skipped":
+        return (f"epoch {record.get('epoch')}: validation stopped improving; no re-tune, the searches "
+                f"have spent their share of the job ({_secs(record.get('search_seconds'))})")
     if event == "rollback":
         reason = record.get("reason")
         why = {
@@ -270,8 +277,8 @@ class LiveDisplay:
             self._search = progress.add_task(
                 f"{_search_name(record)} (s)",
                 total=round(budget, 1) if isinstance(budget, (int, float)) else None)
-        elif event == "starting_progress" and self._search is not None:
-            budget = record.get("budget_s")  # a budget in epochs is resolved here
+        elif event in ("starting_progress", "budget_floor") and self._search is not None:
+            budget = record.get("budget_s")  # a budget in epochs is resolved here; the floor raises it
             if isinstance(budget, (int, float)):
                 progress.update(self._search, total=round(budget, 1))
         elif event in ("summary", "search_stop") and self._search is not None:

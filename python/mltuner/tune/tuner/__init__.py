@@ -6,7 +6,7 @@ trial branches."""
 from __future__ import annotations
 
 from mltuner.tune.tuner._guard import Alarm, TrainingGuard
-from mltuner.tune.tuner._search import SearchEpisode, SearchResult, halving_size
+from mltuner.tune.tuner._search import SearchBudget, SearchEpisode, SearchResult, halving_cost, halving_size
 from mltuner.tune.tuner._searcher import Proposal, Searcher, open_storage, record_failure, top_k_close
 from mltuner.tune.tuner._trial import Trial
 from mltuner.tune.tuner._tuner import (
@@ -22,6 +22,6 @@ from mltuner.tune.tuner._tuner import (
 __all__ = [
     "Tuner", "TuningResult", "Outcome", "plateaued", "at_least_as_aggressive",
     "AGGRESSIVE_DIRECTIONS", "JOURNAL_NAME", "TrainingGuard", "Alarm", "SearchEpisode",
-    "SearchResult", "halving_size", "Searcher", "Proposal", "open_storage", "record_failure",
+    "SearchResult", "SearchBudget", "halving_size", "halving_cost", "Searcher", "Proposal", "open_storage", "record_failure",
     "top_k_close", "Trial",
 ]

@@ -9,6 +9,11 @@ the budget pays for to the start length, every rung keeps the better half
 (by slope) and doubles their length, and a trial that falls behind the best
 one during its run stops there. The cost is bounded by the budget, not by
 the trial cap times the trial time.
+
+The budget has a floor (:class:`SearchBudget`): a share of a short job pays
+for trials too short to tell settings apart, so a search may go past its
+share, up to a ceiling, for what the trial-time rule takes to find its
+trial time plus successive halving over a few trials of that length.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from mltuner.exceptions import InvalidArgumentError
 from mltuner.tune._config import TunerConfig
@@ -27,7 +32,7 @@ from mltuner.tune.tuner._searcher import STOP_THRESHOLD, Searcher
 from mltuner.tune._system import BranchKind, BranchSystem, ClockReport
 from mltuner.tune.tuner._trial import Trial
 
-__all__ = ["SearchEpisode", "SearchResult", "halving_size"]
+__all__ = ["SearchEpisode", "SearchResult", "SearchBudget", "halving_size", "halving_cost"]
 
 _PHASE = "search"
 # Checks of a trial against the best one during its run in a rung: it runs
@@ -40,17 +45,77 @@ def _rank(trial: Trial) -> float:
     return trial.slope if math.isfinite(trial.slope) else math.inf
 
 
+def halving_cost(trials: int, length_s: float) -> float:
+    """Seconds of successive halving over ``trials`` trials that start at
+    ``length_s``, one of which (the trial-time phase's winner) has run it
+    already: rung 0 runs the others to the start length, and every later
+    rung runs the better half on to twice its length, until one is left.
+    Trials that stop early because they cannot beat the best cost less."""
+    cost = (trials - 1) * length_s
+    kept = trials
+    while True:
+        kept = math.ceil(kept / 2)
+        if kept <= 1:
+            return cost
+        cost += kept * length_s  # each survivor runs from length to 2 x length
+        length_s *= 2
+
+
 def halving_size(budget_s: float, length_s: float, most: int) -> int:
-    """Trials in rung 0 of successive halving that ``budget_s`` pays for,
-    at most ``most``: n trials of ``length_s`` seconds cost about
-    n x length x (1 + log2 n) (every rung costs about n x length, for
-    log2 n rungs after the first)."""
+    """Trials in rung 0 of successive halving (the phase's winner among
+    them) that ``budget_s`` pays for by :func:`halving_cost`, at least 1 and
+    at most ``most``."""
     if length_s <= 0 or not math.isfinite(budget_s):
         return most
     n = 1
-    while n < most and (n + 1) * length_s * (1 + math.log2(n + 1)) <= budget_s:
+    while n < most and halving_cost(n + 1, length_s) <= budget_s:
         n += 1
     return n
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchBudget:
+    """What one search may spend on its clocks (the evaluation branch and
+    every trial).
+
+    Attributes:
+        share: the search's share of the job's budget.
+        ceiling: the most the job's searches may spend together when the
+            floor raises them, at least ``share``; None: the share is a
+            hard limit. The floor is what the trial-time rule takes to find
+            the trial time (rounds of doubling until a trial converges or
+            all reach the one-epoch cap) plus :func:`halving_cost` of
+            ``TunerConfig.floor_trials`` trials of that length; every raise
+            is a ``budget_floor`` record. The floor may raise this search
+            to ``max(share, ceiling - spent_before_s)``: never past the
+            ceiling, and never below its share.
+        unit: ``"seconds"`` of clocks, or ``"epochs"`` at the parent's
+            setting, turned into seconds once the evaluation branch has run
+            (see :class:`SearchEpisode`).
+        spent_before_s: seconds the job's earlier searches spent.
+    """
+
+    share: float
+    ceiling: float | None = None
+    unit: Literal["seconds", "epochs"] = "seconds"
+    spent_before_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.share, (int, float)) and math.isfinite(self.share)
+                and self.share > 0):
+            raise InvalidArgumentError(f"a search budget must be > 0, got {self.share!r}")
+        if self.ceiling is not None and not (
+                isinstance(self.ceiling, (int, float)) and math.isfinite(self.ceiling)
+                and self.ceiling >= self.share):
+            raise InvalidArgumentError(
+                f"a search budget's ceiling must be at least its share ({self.share}), "
+                f"got {self.ceiling!r}")
+        if not (math.isfinite(self.spent_before_s) and self.spent_before_s >= 0):
+            raise InvalidArgumentError(
+                f"spent_before_s must be a finite number >= 0, got {self.spent_before_s!r}")
+        if self.unit not in ("seconds", "epochs"):
+            raise InvalidArgumentError(
+                f"a search budget's unit is 'seconds' or 'epochs', got {self.unit!r}")
 
 
 
@@ -83,10 +148,13 @@ class SearchResult:
         all_diverged: every trial diverged (a non-finite or 10x loss).
         seconds: clock time the episode spent (its evaluation branch and
             every trial), in seconds.
-        budget_s: the episode's budget (None: unbounded).
+        budget_s: the episode's budget at its end, the floor's raises
+            included (None: unbounded).
         budget_exhausted: the budget stopped the search (without a winner,
             the budget ran out before any trial made progress: that says
             nothing about the model).
+        share_s: the budget's share before the floor raised it (None:
+            unbounded).
     """
 
     winner: Trial | None
@@ -97,6 +165,7 @@ class SearchResult:
     seconds: float = 0.0
     budget_s: float | None = None
     budget_exhausted: bool = False
+    share_s: float | None = None
 
 
 class SearchEpisode:
@@ -106,14 +175,16 @@ class SearchEpisode:
     happens (the tuner keeps it until the winner has survived a validation).
 
     Args:
-        budget_s: seconds of clocks this search may spend (evaluation branch
-            and trials); None is unbounded. The search stops forking trials
-            and halving once the next step would overrun it, so it ends
-            within about one trial run of the budget.
-        budget_epochs: the budget in epochs of training instead, turned into
-            seconds with ``epoch_seconds`` (the tuner's measured epoch time)
-            or, when that is None, with the evaluation branch's time per
-            clock times the clocks of one epoch at the parent's setting.
+        budget: what the search may spend, with its floor (see
+            :class:`SearchBudget`); None is unbounded. The search stops
+            forking trials and halving once the next step would overrun it,
+            so it ends within about one trial run of the budget. A budget in
+            epochs is turned into seconds with ``epoch_seconds`` (the
+            tuner's measured epoch time) or, when that is None, with the
+            evaluation branch's time per clock times the clocks of one epoch
+            at the parent's setting.
+        budget_s: shorthand for ``SearchBudget(budget_s)``: a hard limit in
+            seconds, with no floor.
     """
 
     def __init__(
@@ -127,10 +198,14 @@ class SearchEpisode:
         parent: int,
         parent_tunables: Mapping[str, Any],
         trial_cap: int | None,
+        budget: SearchBudget | None = None,
         budget_s: float | None = None,
-        budget_epochs: float | None = None,
         epoch_seconds: float | None = None,
     ) -> None:
+        if budget is not None and budget_s is not None:
+            raise InvalidArgumentError("give a search budget or budget_s, not both")
+        if budget_s is not None:
+            budget = SearchBudget(budget_s)
         self._system = system
         self._config = config
         self._searcher = searcher
@@ -139,9 +214,10 @@ class SearchEpisode:
         self._parent = parent
         self._parent_tunables = dict(parent_tunables)
         self._trial_cap = trial_cap
-        self._budget = budget_s
-        self._budget_epochs = budget_epochs if budget_s is None else None
+        self._planned = budget
         self._epoch_seconds = epoch_seconds
+        self._eval_epoch_s: float | None = None  # one epoch at the parent's setting
+        self._floor_s = 0.0  # what the floor asked for so far, in seconds
         self._trials: list[Trial] = []
         self._baseline = math.nan
         self._trial_time = math.nan
@@ -154,10 +230,21 @@ class SearchEpisode:
         first = self._new_trial()
         if first is None:
             return self._finish(None)
-        # §1.1 step 3a: the trial time starts at the searcher's first decision time.
+        # §1.1 step 3a: the trial time starts at the searcher's first decision
+        # time; measured, no shorter than the first trial's samples (§1.2: no
+        # trial runs less). Below that, a round only forks one more trial of
+        # samples, which every later round then extends: rounds that cost
+        # and decide nothing.
         initial = self._config.initial_trial_time_s
-        self._trial_time = initial if initial is not None else self._searcher.decision_seconds
-        self._note("trial_time", trial_time_s=self._trial_time, reason="initial")
+        if initial is not None:
+            self._trial_time = initial
+            self._note("trial_time", trial_time_s=self._trial_time, reason="initial")
+        else:
+            decision = self._searcher.decision_seconds
+            self._extend(first, 0.0)
+            self._trial_time = max(decision, first.run_time)
+            self._note("trial_time", trial_time_s=self._trial_time, reason="initial",
+                       decision_s=decision, samples_s=first.run_time)
         winner, keep_searching = self._find_trial_time(first)
         self._phase_a_trials = len(self._trials)
         if winner is not None and keep_searching:
@@ -183,18 +270,53 @@ class SearchEpisode:
                     "data and the loss function."
                 )
         baseline = math.fsum(losses) / len(losses)
-        if self._budget_epochs is not None:
-            epoch_s = self._epoch_seconds
-            if epoch_s is None:
-                # From the second clock on, as a trial's time per clock (§1.2).
-                seconds = [float(r.seconds) for r in reports][1:] or [float(reports[0].seconds)]
-                per_clock = math.fsum(seconds) / len(seconds)
-                epoch_s = per_clock * self._system.clocks_per_epoch(self._parent_tunables)
-            self._budget = self._budget_epochs * epoch_s
+        # From the second clock on, as a trial's time per clock (§1.2).
+        seconds = [float(r.seconds) for r in reports][1:] or [float(reports[0].seconds)]
+        per_clock = math.fsum(seconds) / len(seconds)
+        self._eval_epoch_s = per_clock * self._system.clocks_per_epoch(self._parent_tunables)
         self._note("starting_progress", branch=branch, loss=baseline,
                    tunables=self._parent_tunables, clocks=len(losses),
-                   budget_s=self._budget)
+                   budget_s=self._budget, ceiling_s=self._ceiling)
         return baseline
+
+    # -- the budget, in seconds ---------------------------------------------------------
+
+    def _unit_s(self) -> float | None:
+        """Seconds per unit of the budget. An epoch is the tuner's measured
+        one when given, else one of the setting that will train: the best
+        trial's so far (its time per clock x its clocks per epoch; batch
+        sizes make epochs of one job differ severalfold), before any the
+        evaluation branch's at the parent's setting."""
+        planned = self._planned
+        if planned is None or planned.unit == "seconds":
+            return 1.0
+        if self._epoch_seconds is not None:
+            return self._epoch_seconds
+        leader = min((t for t in self._trials if math.isfinite(t.slope)), key=_rank,
+                     default=None)
+        if leader is not None:
+            return leader.time_per_clock() * leader.cap
+        return self._eval_epoch_s
+
+    @property
+    def _share(self) -> float | None:
+        unit = self._unit_s()
+        return None if self._planned is None or unit is None else self._planned.share * unit
+
+    @property
+    def _ceiling(self) -> float | None:
+        planned, unit, share = self._planned, self._unit_s(), self._share
+        if planned is None or planned.ceiling is None or unit is None or share is None:
+            return None
+        return max(share, planned.ceiling * unit - planned.spent_before_s)
+
+    @property
+    def _budget(self) -> float | None:
+        """The limit now: the share, raised by the floor up to the ceiling."""
+        share, ceiling = self._share, self._ceiling
+        if share is None or ceiling is None:
+            return share
+        return max(share, min(self._floor_s, ceiling))
 
     # -- §1.1 step 3a: finding the trial time (paper Algorithm 1) ---------------------
 
@@ -235,16 +357,20 @@ class SearchEpisode:
             open_trials = survivors
             under_cap = any(not t.capped for t in open_trials)
             doubled = self._trial_time * 2
-            # Another round costs every open trial's way to the doubled time.
-            affordable = self._affords(sum(max(0.0, doubled - t.run_time) for t in open_trials))
+            # Another round costs every open trial's way to the doubled time,
+            # and the new trial's; the floor pays for it (up to the ceiling)
+            # while the rule is still looking for its trial time.
+            cost = sum(max(0.0, doubled - t.run_time) for t in open_trials if not t.capped)
+            if self._may_fork(len(open_trials)):
+                cost += doubled
+            affordable = self._affords(cost) or (under_cap and self._raise_budget(
+                self._spent + cost, "trial_time", trial_time_s=doubled))
             if under_cap and affordable:
                 self._trial_time = doubled
                 self._note("trial_time", trial_time_s=self._trial_time, reason="doubled")
             if not affordable:
                 self._stop_once("budget")
-            # The parent takes one of the num_branches slots.
-            new = (self._new_trial() if affordable
-                   and len(open_trials) + 1 < self._config.num_branches else None)
+            new = self._new_trial() if affordable and self._may_fork(len(open_trials)) else None
             if new is not None:
                 open_trials.append(new)
             elif not (under_cap and affordable):
@@ -262,21 +388,28 @@ class SearchEpisode:
 
     def _halving(self, best: Trial) -> Trial:
         length = self._trial_time
-        remaining = math.inf if self._budget is None else self._budget - self._spent
         slots = self._config.num_branches - 2  # the parent and the phase's winner
         bound = "branches"
         if self._trial_cap is not None and self._trial_cap - len(self._trials) <= slots:
             slots, bound = self._trial_cap - len(self._trials), "trial_cap"
-        wanted = halving_size(remaining, length, max(0, slots) + 1) - 1
-        if wanted < max(0, slots):
-            bound = "budget"
-        self._note("halving", rung=0, length_s=length, trials=wanted + 1)
+        # The floor: halving over floor_trials trials of the start length.
+        floor_trials = min(self._config.floor_trials, max(0, slots) + 1)
+        self._raise_budget(self._spent + halving_cost(floor_trials, length), "halving",
+                           length_s=length, trials=floor_trials)
+        most = max(0, slots)
+        remaining = math.inf if self._budget is None else self._budget - self._spent
+        self._note("halving", rung=0, length_s=length,
+                   trials=halving_size(remaining, length, most + 1))
         rung = [best]
         while True:
-            if len(self._trials) - self._phase_a_trials >= wanted:
+            if len(self._trials) - self._phase_a_trials >= most:
                 self._stop_once(bound)
                 break
-            if not self._affords(length):
+            # One more trial of the start length, and the later rungs of a
+            # rung one larger; a loser that stopped early leaves its unspent
+            # time to the next trial.
+            later = halving_cost(len(rung) + 1, length) - len(rung) * length
+            if not self._affords(length + later):
                 self._stop_once("budget")
                 break
             trial = self._new_trial()
@@ -346,6 +479,11 @@ class SearchEpisode:
 
     # -- trials ------------------------------------------------------------------------
 
+    def _may_fork(self, open_trials: int) -> bool:
+        # The parent takes one of the num_branches slots.
+        return (open_trials + 1 < self._config.num_branches
+                and (self._trial_cap is None or len(self._trials) < self._trial_cap))
+
     def _new_trial(self) -> Trial | None:
         if self._trial_cap is not None and len(self._trials) >= self._trial_cap:
             self._stop_once("trial_cap")
@@ -391,6 +529,20 @@ class SearchEpisode:
     def _affords(self, seconds: float) -> bool:
         return self._budget is None or self._spent + seconds <= self._budget
 
+    def _raise_budget(self, needed: float, reason: str, **fields: Any) -> bool:
+        """The floor: raises the budget towards ``needed`` seconds, never
+        past the ceiling, and logs it (``budget_floor``). Returns whether
+        the budget now covers ``needed``."""
+        budget, ceiling = self._budget, self._ceiling
+        if budget is None or needed <= budget:
+            return True
+        if ceiling is None or budget >= ceiling:
+            return False
+        self._floor_s = needed
+        self._note("budget_floor", reason=reason, share_s=self._share, budget_s=self._budget,
+                   ceiling_s=ceiling, needed_s=needed, spent_s=self._spent, **fields)
+        return needed <= ceiling
+
     def _summarize(self, trial: Trial) -> Any:
         summary = trial.summarize(self._baseline)
         self._note("summary", branch=trial.branch, tunables=trial.tunables,
@@ -423,6 +575,7 @@ class SearchEpisode:
                             else None)
         study.set_user_attr("seconds", self._spent)
         study.set_user_attr("budget_s", self._budget)
+        study.set_user_attr("share_s", self._share)
         if winner is not None:
             self._tell(winner, "best")
             study.set_user_attr("winner_trial", winner.proposal.number)
@@ -431,10 +584,10 @@ class SearchEpisode:
                        slope=winner.slope, state=winner.summary.state if winner.summary else None,
                        clocks=winner.clocks, trials=len(self._trials),
                        trial_time_s=self._trial_time, seconds=self._spent,
-                       budget_s=self._budget)
+                       budget_s=self._budget, share_s=self._share)
         else:
             self._note("no_progress", branch=self._parent, trials=len(self._trials),
-                       seconds=self._spent, budget_s=self._budget)
+                       seconds=self._spent, budget_s=self._budget, share_s=self._share)
         self._searcher.publish()
         all_diverged = bool(self._trials) and all(
             t.summary is not None and t.summary.state is ProgressState.DIVERGED
@@ -442,7 +595,7 @@ class SearchEpisode:
         )
         return SearchResult(winner, len(self._trials), self._baseline, self._trial_time,
                             all_diverged, self._spent, self._budget,
-                            self._stop_reason == "budget")
+                            self._stop_reason == "budget", self._share)
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -450,7 +603,7 @@ class SearchEpisode:
         if self._stop_reason is None:
             self._stop_reason = reason
             self._note("search_stop", reason=reason, trials=len(self._trials),
-                       seconds=self._spent)
+                       seconds=self._spent, budget_s=self._budget)
 
     def _note(self, event: str, **fields: Any) -> None:
         self._log.write(event, phase=_PHASE, search=self._index, **fields)

@@ -22,9 +22,9 @@ from mltuner.tune._config import TunerConfig
 from mltuner.tune._errors import TuningError
 from mltuner.tune.tuner._guard import Alarm, TrainingGuard
 from mltuner.tune._log import DecisionLog
-from mltuner.tune.tuner._search import SearchEpisode, SearchResult, run_clocks
+from mltuner.tune.tuner._search import SearchBudget, SearchEpisode, SearchResult, run_clocks
 from mltuner.tune.tuner._searcher import Searcher, open_storage
-from mltuner.tune._space import Choice, SearchSpace
+from mltuner.tune._space import Choice, LogUniform, SearchSpace
 from mltuner.tune._system import BranchKind, BranchSystem, ClockReport
 
 __all__ = ["Tuner", "TuningResult", "Outcome", "plateaued", "at_least_as_aggressive",
@@ -226,6 +226,7 @@ class Tuner:
         self._epoch_seconds: float | None = None
         self._training_study: optuna.Study | None = None
         self._start_loss: float | None = None  # the first search's starting progress
+        self._root: int | None = None  # the INIT branch: the untrained model
 
     @property
     def storage(self) -> str | None:
@@ -253,6 +254,7 @@ class Tuner:
         # §1.1 step 0: the root branch runs one clock, in which the
         # application writes the initial weights.
         root = system.fork(None, self._start_setting, BranchKind.INIT)
+        self._root = root
         self._run_clocks(root, 1)
         self._note("init", branch=root)
 
@@ -310,8 +312,15 @@ class Tuner:
             self._finish(Outcome.MAX_EPOCHS, stretch)
         if (config.retune != "off" and self._space.searched
                 and plateaued(self._accuracies, config.plateau_size_for_retune)):
+            left = self._search_allowance()
+            if left is not None and left <= 0:
+                # The job's searches have spent max_search_share: go on
+                # training; the plateau rule stops the job if nothing improves.
+                self._note("retune_skipped", branch=stretch.branch, tunables=stretch.tunables,
+                           epoch=epochs, reason="search_budget", search_seconds=self._search_seconds)
+                return stretch
             self._note("retune", branch=stretch.branch, tunables=stretch.tunables, epoch=epochs)
-            searcher, found = self._search(stretch.branch, stretch.tunables)
+            searcher, found = self._search(stretch.branch, stretch.tunables, retune=True)
             if found.winner is not None:
                 self._close(stretch, "retuned")
                 self._release_parent(stretch)
@@ -389,15 +398,32 @@ class Tuner:
 
     # -- searches ----------------------------------------------------------------------
 
-    def _search(self, parent: int, tunables: Mapping[str, Any]) -> tuple[Searcher, SearchResult]:
+    def _backoff(self, failed: Mapping[str, Any]) -> dict[str, Any] | None:
+        """``failed`` with half its learning rate (no lower than the
+        space's), or None when the learning rate is not searched."""
+        lr = next((t for t in self._space.searched if t.name == "lr"), None)
+        if not isinstance(lr, LogUniform) or "lr" not in failed:
+            return None
+        return {**failed, "lr": max(lr.low, float(failed["lr"]) / 2)}
+
+    def _search(self, parent: int, tunables: Mapping[str, Any], *, retune: bool = False,
+                first: Sequence[Mapping[str, Any]] = ()) -> tuple[Searcher, SearchResult]:
+        """A search from ``parent``; ``first`` are settings to try before the
+        sampler's (their tunables the search does not vary are set to its
+        fixed values)."""
         config = self._config
         index = len(self._studies)
         name = f"{self._prefix}-initial" if index == 0 else f"{self._prefix}-retune-{index}"
+        # A search from the untrained root (the initial one, or after a
+        # rollback there) chooses every tunable, as the initial search does:
+        # the start setting's batch size and staleness are only defaults.
+        from_start = parent == self._root
         space = self._space
-        if index > 0 and config.retune_tunables is not None:
+        if not from_start and config.retune_tunables is not None:
             narrowed = space.narrowed(config.retune_tunables, tunables)
             space = narrowed if narrowed.searched else space
-        marginal = index > 0 and config.retune == "marginal"
+        marginal = not from_start and config.retune == "marginal"
+        trial_cap = config.max_trials_per_search if from_start else self._last_trials
         searcher = Searcher(
             space,
             sampler=config.sampler,
@@ -410,17 +436,23 @@ class Tuner:
         )
         # A re-tune tries the current setting first: it can only end with
         # something at least as good as going on.
-        enqueued = index > 0 and searcher.enqueue(tunables)
+        fixed = space.defaults()
+        wanted = [*first, *([] if from_start else [tunables])]
+        enqueued = [s for s in ({**fixed, **{t.name: s[t.name] for t in space.searched}}
+                                for s in wanted) if searcher.enqueue(s)]
         self._studies.append(name)
-        budget_s, budget_epochs = self._search_budget()
+        budget = self._search_budget(retune=retune)
+        seconds = budget is not None and budget.unit == "seconds"
         self._note("search_start", search=index, branch=parent, tunables=tunables,
-                   study=name, marginal=marginal, trial_cap=self._last_trials,
-                   searched=[t.name for t in space.searched], enqueued=enqueued,
-                   budget_s=budget_s, excluded=len(self._exclusions))
+                   study=name, marginal=marginal, trial_cap=trial_cap,
+                   searched=[t.name for t in space.searched], enqueued=bool(enqueued),
+                   first=enqueued,
+                   budget_s=budget.share if seconds and budget else None,
+                   ceiling_s=budget.ceiling if seconds and budget else None,
+                   from_start=from_start, excluded=len(self._exclusions))
         episode = SearchEpisode(self._system, config, searcher, self.log, index=index,
                                 parent=parent, parent_tunables=tunables,
-                                trial_cap=self._last_trials, budget_s=budget_s,
-                                budget_epochs=budget_epochs)
+                                trial_cap=trial_cap, budget=budget)
         found = episode.run()
         self._trials += found.trials
         self._search_seconds += found.seconds
@@ -431,19 +463,41 @@ class Tuner:
             self._last_trials = found.trials
         return searcher, found
 
-    def _search_budget(self) -> tuple[float | None, float | None]:
-        """(seconds, epochs): the next search's budget, one of them or neither."""
+    def _search_allowance(self) -> float | None:
+        """Seconds the job's searches may still spend (max_search_share of
+        the job's budget less what they spent); None when unbounded."""
+        config = self._config
+        job = config.job_budget_s(self._epoch_seconds)
+        if config.search_share is None or config.max_search_share is None or job is None:
+            return None
+        return config.max_search_share * job - self._search_seconds
+
+    def _search_budget(self, *, retune: bool = False) -> SearchBudget | None:
+        """The next search's budget: its share of the job, and the ceiling
+        of the floor for the job's searches together; None when the job's
+        budget is not known. A plateau re-tune's share is also capped by
+        what the job's searches may still spend; the initial search and a
+        search after a rollback (which must choose a setting) always get
+        theirs."""
         config = self._config
         if config.search_share is None:
-            return None, None
+            return None
+        ceiling = config.max_search_share
         job = config.job_budget_s(self._epoch_seconds)
         if job is not None:
-            return config.search_share * job, None
+            share = config.search_share * job
+            left = self._search_allowance()
+            if retune and left is not None:
+                share = min(share, left)
+            return SearchBudget(share, None if ceiling is None else max(share, ceiling * job),
+                                spent_before_s=self._search_seconds)
         if config.max_epochs is not None:
             # No epoch measured yet: the search measures one from its
             # evaluation branch.
-            return None, config.search_share * config.max_epochs
-        return None, None
+            return SearchBudget(config.search_share * config.max_epochs,
+                                None if ceiling is None else ceiling * config.max_epochs,
+                                unit="epochs", spent_before_s=self._search_seconds)
+        return None
 
     def _excluded(self, setting: Mapping[str, Any]) -> bool:
         return any(at_least_as_aggressive(setting, failed) for failed in self._exclusions)
@@ -534,7 +588,12 @@ class Tuner:
             self._system.free(stretch.parent)
         if self._rollbacks > config.max_rollbacks or not self._space.searched:
             self._give_up(target, tunables, stretch, reason)
-        searcher, found = self._search(target, tunables)
+        # The failed setting with half its learning rate goes first: the
+        # nearest setting the exclusion leaves, and one that trained until it
+        # collapsed (a search of random proposals from a trained model can
+        # otherwise end with one that crawls and never plateaus).
+        backoff = self._backoff(stretch.tunables) if exclude else None
+        searcher, found = self._search(target, tunables, first=[backoff] if backoff else [])
         if found.winner is not None:
             return self._begin_winner(found, searcher, target, tunables, clocks)
         if best is None:

@@ -52,6 +52,11 @@ struct RunIndex {
 // run with a negative field. Every backend's PrepareIndex starts with it.
 Status CountIndexRows(const RunIndex& index, int64_t* total_rows);
 
+// How many of the `count` floats at `data` (host memory) are NaN or
+// infinite. The CPU backend's CountNonFinite, and the check of payloads that
+// arrive in host memory.
+int64_t CountNonFiniteHost(const float* data, int64_t count);
+
 class Device {
  public:
   virtual ~Device() = default;
@@ -89,6 +94,11 @@ class Device {
   // params, state and update_sum are device memory.
   virtual void ApplyUpdate(const UpdateStep& step, float* params, float* state, const float* update_sum,
                            int64_t count, Stream s) = 0;
+  // *out = how many of the `count` floats at `data` (device memory) are NaN
+  // or infinite, counted after the work queued on `s` so far. Blocks the
+  // calling thread until the count is known (on CUDA: a synchronize of `s`),
+  // so it belongs only where a check was asked for (Config::check_finite).
+  virtual Status CountNonFinite(const float* data, int64_t count, Stream s, int64_t* out) = 0;
   virtual Status Synchronize(Stream s) = 0;
   // The first error of asynchronous work seen so far and not yet reported
   // (by this or Synchronize), without waiting for anything.

@@ -148,6 +148,10 @@ class Engine::Impl {
   AccessBuffer BufferFor(const AccessRecord& access, float* data, mltuner::Clock data_age,
                          std::shared_ptr<void> keepalive) const;
   Status WaitForSlot(Handle handle, mltuner::Clock clock, Slot** out);
+  // Config::debug_buffers: fills a buffer handed back by the application
+  // with NaN, on stream `s` after the work queued there.
+  void Poison(const AccessRecord& access, float* data, Stream s);
+  Status PoisonPostedRead(const AccessRecord& access, float* data, uintptr_t app_stream, DeviceEvent* app_done);
   std::string DescribeOp(int op_index) const;
 
   // --- allocator thread (memory/allocator_thread.cc) -------------------------

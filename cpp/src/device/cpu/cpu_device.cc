@@ -160,6 +160,10 @@ class CpuDevice final : public Device {
                    Stream) override {
     for (int64_t i = 0; i < count; ++i) UpdateValue(step, params, state, update_sum, count, i);
   }
+  Status CountNonFinite(const float* data, int64_t count, Stream, int64_t* out) override {
+    *out = CountNonFiniteHost(data, count);
+    return Status::Ok();
+  }
   int ordinal() const override { return 0; }
 
  private:

@@ -73,6 +73,12 @@ class Device {
   // Host staging memory (pinned on CUDA).
   virtual Status AllocateHost(size_t bytes, void** out) = 0;
   virtual void FreeHost(void* ptr) = 0;
+  // As Allocate (host: AllocateHost), every byte zero; freed as such. The
+  // default allocates, then zeroes with Fill (REQUIRES: bytes a multiple of
+  // 4 for device memory). The CPU backend maps fresh pages for large blocks:
+  // the kernel zeroes a page when it is first touched, so memory that is not
+  // yet written takes no RAM (a plan's stores fill as training touches them).
+  virtual Status AllocateZeroed(size_t bytes, bool host, void** out);
 
   virtual Status PrepareIndex(RunIndex* index) = 0;
   virtual void ReleaseIndex(RunIndex* index) = 0;

@@ -387,6 +387,29 @@ inline void CountsNonFinite(Device& device) {
   EXPECT_EQ(got, 0);
 }
 
+// Zeroed memory, device and host, small and past the CPU backend's mapping
+// size: every float reads +0.0 and the block is writable and freed by
+// Free / FreeHost.
+inline void AllocatesZeroed(Device& device) {
+  for (const size_t count : {size_t{3}, (size_t{1} << 20) + 5}) {
+    const size_t bytes = count * sizeof(float);
+    const std::vector<float> zeros(count, 0.0f);
+    void* on_device = nullptr;
+    ASSERT_OK(device.AllocateZeroed(bytes, /*host=*/false, &on_device));
+    std::vector<float> got;
+    ASSERT_OK(Download(device, static_cast<const float*>(on_device), count, &got, Stream::kApp));
+    MLT_CONTRACT_EXPECT_SAME(got.data(), zeros.data(), count, "AllocateZeroed (device)");
+    device.Fill(static_cast<float*>(on_device), 1.0f, count, Stream::kApp);
+    EXPECT_OK(device.Synchronize(Stream::kApp));
+    device.Free(on_device);
+    void* on_host = nullptr;
+    ASSERT_OK(device.AllocateZeroed(bytes, /*host=*/true, &on_host));
+    MLT_CONTRACT_EXPECT_SAME(static_cast<const float*>(on_host), zeros.data(), count, "AllocateZeroed (host)");
+    std::memset(on_host, 0x7f, bytes);
+    device.FreeHost(on_host);
+  }
+}
+
 inline void Indexes(Device& device) {
   RunIndex index;
   index.runs = {{0, 0, 5}, {10, 5, 3}, {2, 8, 0}};
@@ -567,6 +590,7 @@ inline void RunDeviceContract(Device& device, const char* label, const AppWorkHo
       {"Copies", [&] { Copies(device); }},
       {"Fills", [&] { Fills(device); }},
       {"CountsNonFinite", [&] { CountsNonFinite(device); }},
+      {"AllocatesZeroed", [&] { AllocatesZeroed(device); }},
       {"Indexes", [&] { Indexes(device); }},
       {"GatherAndScatterAdd", [&] { GatherAndScatterAdd(device); }},
       {"StreamOrder", [&] { StreamOrder(device); }},

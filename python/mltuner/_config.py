@@ -83,7 +83,9 @@ class Config:
             clock fails and every worker's next call raises
             :class:`~mltuner.NonFiniteError` naming the table, branch, clock
             and the worker that sent it. Costs one more pass over every
-            update on the server (and a wait on the GPU for the count).
+            update on the server (and a wait on the GPU for the count). A
+            refusal stops the job, so the tuner leaves it off: a diverging
+            trial is an outcome it handles itself (non-finite loss).
         debug_buffers: fill every buffer handed back to the engine with NaN
             once the engine is done with it (a read buffer at its post, an
             update buffer once shipped), so code that keeps using a buffer

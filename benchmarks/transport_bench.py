@@ -22,6 +22,8 @@ them to ``--out`` with a description of the machine.
    phase after the other: raw pyzmq moving the same bytes in the same pattern
    (numpy arrays, copy=False, PUSH to each peer, one PULL per process; a
    round ends when a process has received everything due to it), the same
+   over CURVE sockets (encrypted and authenticated, as every mltuner socket
+   is, loopback included: a diagnostic that prices the encryption), the same
    with a copy of each received payload (diagnostic), the engine alone on a
    1-worker LocalCluster per process (diagnostic), then mltuner. Each phase
    times three segments of clocks after warm-up; the best segment counts,
@@ -47,6 +49,7 @@ import argparse
 import collections
 import ctypes
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -63,6 +66,7 @@ from typing import Any, Callable
 
 import numpy as np
 import zmq
+from zmq.utils import z85
 
 import mltuner as mt
 from figures import Figure, write_figures
@@ -104,24 +108,42 @@ HEADER = struct.Struct("<iiiq")
 HELLO, UPDATE, ROWS, CONTROL = 1, 2, 3, 4
 
 
+def curve_pair(seed: str) -> tuple[bytes, bytes]:
+    """A CURVE (public, secret) key pair every rank derives alike from `seed`."""
+    secret = z85.encode(hashlib.blake2b(seed.encode(), digest_size=32).digest())
+    return zmq.curve_public(secret), secret
+
+
 class Mesh:
     """Raw pyzmq between the ranks of one group: one PULL per process bound on
     127.0.0.1, one PUSH to each peer. Carries the baseline's bytes and the
-    benchmark's own control messages (start barrier, agreed clock counts)."""
+    benchmark's own control messages (start barrier, agreed clock counts).
+    With `curve`, every socket is a CURVE socket (each PULL a server, each PUSH
+    a client), as mltuner's are: the same pattern, encrypted."""
 
-    def __init__(self, rank: int, ports: list[int], timeout_s: float) -> None:
+    def __init__(self, rank: int, ports: list[int], timeout_s: float, curve: bool = False) -> None:
         self.rank = rank
         self.size = len(ports)
         self.timeout_s = timeout_s
         self.context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        server_public, server_secret = curve_pair("transport-bench server")
+        client_public, client_secret = curve_pair("transport-bench client")
         self.inbox = self.context.socket(zmq.PULL)
         self.inbox.rcvhwm = 0
+        if curve:
+            self.inbox.curve_secretkey = server_secret
+            self.inbox.curve_publickey = server_public
+            self.inbox.curve_server = True
         self.inbox.bind(f"tcp://127.0.0.1:{ports[rank]}")
         self.peers: dict[int, zmq.Socket[bytes]] = {}
         for peer, port in enumerate(ports):
             if peer != rank:
                 sock = self.context.socket(zmq.PUSH)
                 sock.sndhwm = 0
+                if curve:
+                    sock.curve_serverkey = server_public
+                    sock.curve_publickey = client_public
+                    sock.curve_secretkey = client_secret
                 sock.connect(f"tcp://127.0.0.1:{port}")
                 self.peers[peer] = sock
         self.counts: collections.Counter[tuple[int, int]] = collections.Counter()
@@ -352,6 +374,13 @@ def local_phase(mesh: Mesh, model_rows: int, args: argparse.Namespace, key: int)
 def throughput_worker(args: argparse.Namespace, mesh: Mesh) -> Json:
     model_rows = args.model_bytes // (4 * ROW_WIDTH)
     out: Json = {"raw": raw_phase(mesh, model_rows, args, 10)}
+    curve_mesh = Mesh(mesh.rank, [int(p) for p in args.curve_ports.split(",")], args.timeout, curve=True)
+    try:
+        curve_mesh.barrier(1)
+        out["raw_curve"] = raw_phase(curve_mesh, model_rows, args, 10)
+        curve_mesh.barrier(2)  # every rank is done before any of its sockets closes
+    finally:
+        curve_mesh.close()
     out["raw_copy"] = raw_phase(mesh, model_rows, args, 20, copy_on_receive=True)
     out["raw_peak_rss"] = peak_rss_bytes()
     out["local"] = local_phase(mesh, model_rows, args, 30)
@@ -502,11 +531,11 @@ def run_group(n: int, worker_args: list[str], timeout_s: float, wait_s: float) -
     """Starts n ranks of this script in worker mode and returns their results.
     Kills every rank on a failure, a timeout or an interrupt."""
     ports: list[int] = []
-    while len(ports) < n + 1:
+    while len(ports) < 2 * n + 1:
         port = free_port()
         if port not in ports:
             ports.append(port)
-    master, raw = ports[0], ports[1:]
+    master, raw, curve = ports[0], ports[1:n + 1], ports[n + 1:]
     with tempfile.TemporaryDirectory(prefix="transport-bench-") as tmp:
         procs: list[subprocess.Popen[bytes]] = []
         logs = []
@@ -516,11 +545,12 @@ def run_group(n: int, worker_args: list[str], timeout_s: float, wait_s: float) -
                            MLTUNER_LOCAL_RANK=str(rank), MLTUNER_MASTER_ADDR="127.0.0.1",
                            MLTUNER_MASTER_PORT=str(master), PYTHONUNBUFFERED="1",
                            OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
-                env.pop("MLTUNER_SECRET", None)  # loopback: no CURVE, as a default local job
+                # Loopback without a secret: a default local job (CURVE keys from this user's key).
+                env.pop("MLTUNER_SECRET", None)
                 log = open(Path(tmp) / f"rank-{rank}.log", "wb")
                 logs.append(log)
                 cmd = [sys.executable, str(Path(__file__).resolve()), *worker_args, "--raw-ports",
-                       ",".join(map(str, raw)), "--result", str(Path(tmp) / f"rank-{rank}.json"),
+                       ",".join(map(str, raw)), "--curve-ports", ",".join(map(str, curve)), "--result", str(Path(tmp) / f"rank-{rank}.json"),
                        "--parent-pid", str(os.getpid()), "--timeout", str(wait_s)]
                 procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
             deadline = time.monotonic() + timeout_s
@@ -584,6 +614,7 @@ class Row:
     n: int
     size_mib: int
     raw_s: float = 0.0
+    raw_curve_s: float = 0.0
     mlt_s: float = 0.0
     local_s: float = 0.0
     raw_copy_s: float = 0.0
@@ -625,6 +656,7 @@ def bench_throughput(args: argparse.Namespace) -> list[Row]:
                 continue
             row.other_load = meter.others()
             row.raw_s = best_segment(ranks, "raw")
+            row.raw_curve_s = best_segment(ranks, "raw_curve")
             row.mlt_s = best_segment(ranks, "mltuner")
             row.local_s = best_segment(ranks, "local")
             row.raw_copy_s = best_segment(ranks, "raw_copy")
@@ -637,7 +669,8 @@ def bench_throughput(args: argparse.Namespace) -> list[Row]:
             row.mlt_faults = page * max(float(r["mltuner"]["faults_per_clock"]) for r in ranks)
             lo = float(ranks[0]["mltuner"]["lo_bytes_per_clock"])
             row.lo_check = lo / wire_bytes(n, model) if lo >= 0 else -1.0
-            print(f" {time.perf_counter() - start:.1f} s: ms per clock: raw {row.raw_s * 1e3:.1f}, mltuner "
+            print(f" {time.perf_counter() - start:.1f} s: ms per clock: raw {row.raw_s * 1e3:.1f}, raw over CURVE "
+                  f"{row.raw_curve_s * 1e3:.1f}, mltuner "
                   f"{row.mlt_s * 1e3:.1f}, raw + receive copy {row.raw_copy_s * 1e3:.1f}, engine alone "
                   f"{row.local_s * 1e3:.1f}; peak RSS of all ranks "
                   f"{row.raw_peak_rss / GB:.2f} GB after the raw phase, {row.peak_rss / GB:.2f} GB in all; "
@@ -667,15 +700,16 @@ def load_text(share: float) -> str:
 def throughput_table(rows: list[Row]) -> list[str]:
     lines = [
         "| N | model | raw pyzmq ms/clock | mltuner ms/clock | ratio (raw/mltuner) | goal >= 0.80 "
-        "| raw GB/s | mltuner GB/s | raw + receive copy ms/clock | engine alone ms/clock "
+        "| raw GB/s | mltuner GB/s | raw over CURVE ms/clock | ratio (raw over CURVE/mltuner) "
+        "| raw + receive copy ms/clock | engine alone ms/clock "
         "| page faults MiB/clock (raw, mltuner) | peak RSS, all processes | loopback bytes / expected "
         "| clocks (raw, mltuner) | other load |",
-        "|--:|--:|--:|--:|--:|:-:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "|--:|--:|--:|--:|--:|:-:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for r in rows:
         model = f"{r.size_mib} MiB"
         if r.note:
-            lines.append(f"| {r.n} | {model} | {r.note} | | | | | | | | | | | | |")
+            lines.append(f"| {r.n} | {model} | {r.note} | | | | | | | | | | | | | | |")
             continue
         wire = wire_bytes(r.n, r.size_mib * MIB)
         ratio = r.raw_s / r.mlt_s
@@ -683,6 +717,7 @@ def throughput_table(rows: list[Row]) -> list[str]:
         lines.append(
             f"| {r.n} | {model} | {r.raw_s * 1e3:.1f} | {r.mlt_s * 1e3:.1f} | {ratio:.2f} | "
             f"{'yes' if ratio >= GOAL else 'NO'} | {wire / r.raw_s / GB:.2f} | {wire / r.mlt_s / GB:.2f} | "
+            f"{r.raw_curve_s * 1e3:.1f} | {r.raw_curve_s / r.mlt_s:.2f} | "
             f"{r.raw_copy_s * 1e3:.1f} | {r.local_s * 1e3:.1f} | {r.raw_faults / MIB:.0f}, {r.mlt_faults / MIB:.0f} | "
             f"{r.peak_rss / GB:.1f} GB | {check} | "
             f"{r.raw_clocks}, {r.mlt_clocks} | {load_text(r.other_load)} |")
@@ -697,7 +732,10 @@ slices and (N-1)/N as fresh rows, and as much comes in. Raw pyzmq moves the same
 due to it), in the same processes, before mltuner. ms/clock: after warm-up, the best of three segments of
 clocks, each segment as long as its slowest rank. GB/s = bytes crossing between processes per clock, all
 processes together (2 (N-1) x model), / time per clock. ratio = raw time / mltuner time (1.0 = as fast as
-raw pyzmq). Two diagnostics, not baselines: "raw + receive copy" is the raw pattern where each process also
+raw pyzmq). Three diagnostics, not baselines: "raw over CURVE" is the raw pattern over CURVE sockets
+(encrypted, as every mltuner socket is, loopback included; no authenticator, which acts only at connection
+time), so "raw over CURVE / mltuner" is the ratio with encryption on both sides; "raw + receive copy" is the
+raw pattern where each process also
 copies every payload it receives into a buffer of its own (as mltuner's deliver copies into its pool);
 "engine alone" is the same clock on a 1-worker LocalCluster in each of the N processes at once (all rows in
 its own shard, no transport): the engine's own copies under the same sharing of the CPUs. "loopback bytes /
@@ -813,6 +851,7 @@ def main() -> int:
     # Worker mode (internal): run by the parent, one process per rank.
     parser.add_argument("--worker", choices=["throughput", "busy"], help=argparse.SUPPRESS)
     parser.add_argument("--raw-ports", help=argparse.SUPPRESS)
+    parser.add_argument("--curve-ports", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--model-bytes", type=int, help=argparse.SUPPRESS)

@@ -15,6 +15,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/fill.h"
+#include "kernels/finite.h"
 #include "kernels/kernels.h"
 
 namespace mltuner {
@@ -334,6 +335,37 @@ class CudaDevice final : public Device {
     if (!Prepare(s, "ApplyUpdate", &stream)) return;
     kernels::LaunchApplyUpdate(step, params, state, update_sum, count, stream);
     Record("ApplyUpdate (kernel launch)", cudaGetLastError());
+  }
+
+  // The counter is a stream-ordered temporary (cheap from the stream's pool),
+  // so concurrent calls on different streams need no shared scratch. The
+  // wait is Synchronize's blocking event: the server thread sleeps, it does
+  // not spin beside the application's launches.
+  Status CountNonFinite(const float* data, int64_t count, Stream s, int64_t* out) override {
+    *out = 0;
+    if (!ValidStream(s)) {
+      return Status::InvalidArgument("CudaDevice::CountNonFinite: no stream " + std::to_string(static_cast<int>(s)));
+    }
+    if (count <= 0) return Status::Ok();
+    MLT_RETURN_IF_ERROR(MakeCurrent("CountNonFinite"));
+    cudaStream_t stream = streams_[static_cast<int>(s)];
+    unsigned long long* counter = nullptr;
+    cudaError_t err = cudaMallocAsync(reinterpret_cast<void**>(&counter), sizeof(*counter), stream);
+    if (err != cudaSuccess) return Fail("CountNonFinite (cudaMallocAsync)", err);
+    unsigned long long found = 0;
+    err = cudaMemsetAsync(counter, 0, sizeof(*counter), stream);
+    if (err == cudaSuccess) {
+      kernels::LaunchCountNonFinite(data, count, counter, stream);
+      err = cudaGetLastError();
+    }
+    // A pageable destination: the copy is staged and done once the stream is.
+    if (err == cudaSuccess) err = cudaMemcpyAsync(&found, counter, sizeof(found), cudaMemcpyDeviceToHost, stream);
+    const cudaError_t freed = cudaFreeAsync(counter, stream);
+    if (err == cudaSuccess) err = freed;
+    if (err != cudaSuccess) return Fail("CountNonFinite", err);
+    MLT_RETURN_IF_ERROR(Synchronize(s));
+    *out = static_cast<int64_t>(found);
+    return Status::Ok();
   }
 
  private:

@@ -39,7 +39,9 @@ void RegisterConfig(py::module_& m) {
       .def_readwrite("partitions_per_table", &Config::partitions_per_table)
       .def_readwrite("update_rule", &Config::update_rule)
       .def_readwrite("branches", &Config::branches)
-      .def_readwrite("max_branches", &Config::max_branches);
+      .def_readwrite("max_branches", &Config::max_branches)
+      .def_readwrite("check_finite", &Config::check_finite)
+      .def_readwrite("debug_buffers", &Config::debug_buffers);
 
   py::class_<TableInfo>(m, "TableInfo")
       .def_readonly("id", &TableInfo::id)

@@ -24,6 +24,7 @@ from mltuner.exceptions import (
     NotFoundError,
     OutOfOrderError,
     PeerLostError,
+    NonFiniteError,
     ResourceExhaustedError,
     ShutdownError,
     WaitTimeoutError,
@@ -54,5 +55,6 @@ __all__ = [
     "CorruptMessageError",
     "InternalError",
     "PeerLostError",
+    "NonFiniteError",
     "__version__",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import os
 from typing import Literal
 
 from mltuner import _core
@@ -156,6 +157,21 @@ class Config:
             cgroup's limit and ``RLIMIT_AS`` are refused with
             :class:`~mltuner.ResourceExhaustedError` before anything is
             allocated.
+        check_finite: the servers refuse an update of a training branch that
+            holds a NaN or an infinity, before any of it is applied: the
+            clock fails and every worker's next call raises
+            :class:`~mltuner.NonFiniteError` naming the table, branch, clock
+            and the worker that sent it. Costs one more pass over every
+            update on the server (and a wait on the GPU for the count). A
+            refusal stops the job, so the tuner leaves it off: a diverging
+            trial is an outcome it handles itself (non-finite loss).
+        debug_buffers: fill every buffer handed back to the engine with NaN
+            once the engine is done with it (a read buffer at its post, an
+            update buffer once shipped), so code that keeps using a buffer
+            after its post reads NaN instead of another clock's values.
+            None (the default) takes it from the environment variable
+            ``MLTUNER_DEBUG_BUFFERS`` (``1`` turns it on). Costs a fill of
+            every buffer every clock: for debugging only.
 
     Every setting is checked when the object is made: a bad value raises
     :class:`~mltuner.InvalidArgumentError` naming it and its range.
@@ -170,6 +186,8 @@ class Config:
     branches: bool = False
     max_branches: int = 40
     host_memory_limit: int | None = None
+    check_finite: bool = False
+    debug_buffers: bool | None = None
 
     def __post_init__(self) -> None:
         choice("Config.device", self.device, ("cpu", "cuda"))
@@ -184,6 +202,10 @@ class Config:
         integer("Config.max_branches", self.max_branches, 1, MAX_BRANCHES)
         if self.host_memory_limit is not None:
             integer("Config.host_memory_limit", self.host_memory_limit, 1 << 20, MAX_BYTES)
+        boolean("Config.check_finite", self.check_finite)
+        if self.debug_buffers is None:
+            object.__setattr__(self, "debug_buffers", debug_buffers_from_environment())
+        boolean("Config.debug_buffers", self.debug_buffers)
 
     def to_core(self) -> _core.Config:
         """The engine's own config object."""
@@ -195,6 +217,8 @@ class Config:
         core.update_rule = self.update_rule.to_core()
         core.branches = bool(self.branches)
         core.max_branches = int(self.max_branches)
+        core.check_finite = bool(self.check_finite)
+        core.debug_buffers = bool(self.debug_buffers)
         return core
 
 
@@ -210,6 +234,20 @@ def _check_fields_used(rule: UpdateRule) -> None:
         if name not in used and not unset:
             raise InvalidArgumentError(f"UpdateRule.{name} is set to {value!r}, but the {rule.kind!r} rule does not "
                                        f"use it (its fields: {', '.join(sorted(used)) or 'none'})")
+
+
+DEBUG_BUFFERS_VARIABLE = "MLTUNER_DEBUG_BUFFERS"
+
+
+def debug_buffers_from_environment() -> bool:
+    """``MLTUNER_DEBUG_BUFFERS``: unset, empty or ``0`` is off, ``1`` is on;
+    anything else is refused (a typo must not silently leave it off)."""
+    value = os.environ.get(DEBUG_BUFFERS_VARIABLE, "").strip()
+    if value in ("", "0"):
+        return False
+    if value == "1":
+        return True
+    raise InvalidArgumentError(f"{DEBUG_BUFFERS_VARIABLE} must be 0 or 1, got {value!r}")
 
 
 def _validate_rule(rule: UpdateRule) -> None:

@@ -39,6 +39,8 @@ class Config:
     update_rule: UpdateRuleConfig
     branches: bool
     max_branches: int
+    check_finite: bool
+    debug_buffers: bool
     def __init__(self) -> None: ...
 
 class TableInfo:

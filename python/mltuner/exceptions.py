@@ -20,6 +20,7 @@ __all__ = [
     "CorruptMessageError",
     "InternalError",
     "PeerLostError",
+    "NonFiniteError",
     "error_for_code",
 ]
 
@@ -68,6 +69,11 @@ class PeerLostError(MltunerError, ConnectionError):
     """Another worker process died or stopped answering; the message names its rank."""
 
 
+class NonFiniteError(MltunerError, FloatingPointError):
+    """An update holding NaN or infinite values was refused (``Config(check_finite=True)``);
+    the message names the table, branch, clock and worker that sent it."""
+
+
 # Indexed by the engine's StatusCode (cpp/include/mltuner/status.h).
 _BY_CODE: dict[int, type[MltunerError]] = {
     1: InvalidArgumentError,
@@ -79,6 +85,7 @@ _BY_CODE: dict[int, type[MltunerError]] = {
     7: CorruptMessageError,
     8: InternalError,
     9: PeerLostError,
+    10: NonFiniteError,
 }
 
 

@@ -19,6 +19,7 @@ EXPECTED = [
     (mltuner.CorruptMessageError, ValueError, 7),
     (mltuner.InternalError, RuntimeError, 8),
     (mltuner.PeerLostError, ConnectionError, 9),
+    (mltuner.NonFiniteError, FloatingPointError, 10),
 ]
 
 
@@ -40,7 +41,7 @@ def test_error_for_code(cls: type, builtin: type, code: int) -> None:
     assert error_for_code(code) is cls
 
 
-@pytest.mark.parametrize("code", [0, -1, 10, 100])
+@pytest.mark.parametrize("code", [0, -1, 11, 100])
 def test_unknown_codes_are_internal_errors(code: int) -> None:
     assert error_for_code(code) is mltuner.InternalError
 
@@ -81,6 +82,7 @@ def test_engine_status_names_match_the_mapping() -> None:
         7: "CorruptMessage",
         8: "Internal",
         9: "PeerLost",
+        10: "NonFinite",
     }
 
 

@@ -88,6 +88,22 @@ struct Config {
   // Live branches a shard may hold at once (each is a copy of the parameters
   // and optimizer state). MLtuner's configs use 30-40.
   int32_t max_branches = 40;
+
+  // The shards refuse a clock's update that holds a NaN or an infinity, on a
+  // training branch, and fail that clock with a kNonFinite error naming the
+  // table, branch, clock and worker, instead of letting one bad gradient
+  // turn the parameters into NaN for good. Off by default: each update is
+  // then read once more, and on a GPU the server stream is synchronized to
+  // learn the count (about one pass over the update in device memory).
+  bool check_finite = false;
+
+  // Debugging use-after-post: every buffer handed back to the engine is
+  // filled with NaN once the engine is done with it (a read buffer at its
+  // post, on the application's stream order; an update or local buffer after
+  // it was shipped or written back), so an application that keeps reading a
+  // buffer after its post sees NaN instead of another clock's values. Off by
+  // default: it costs a fill of every buffer every clock.
+  bool debug_buffers = false;
 };
 
 // A branch's own tunables, fixed when it is forked. The learning rate and

@@ -60,6 +60,11 @@ struct CopyPiece {
 // run with a negative field. Every backend's PrepareIndex starts with it.
 Status CountIndexRows(const RunIndex& index, int64_t* total_rows);
 
+// How many of the `count` floats at `data` (host memory) are NaN or
+// infinite. The CPU backend's CountNonFinite, and the check of payloads that
+// arrive in host memory.
+int64_t CountNonFiniteHost(const float* data, int64_t count);
+
 class Device {
  public:
   virtual ~Device() = default;
@@ -76,6 +81,12 @@ class Device {
   // Host staging memory (pinned on CUDA).
   virtual Status AllocateHost(size_t bytes, void** out) = 0;
   virtual void FreeHost(void* ptr) = 0;
+  // As Allocate (host: AllocateHost), every byte zero; freed as such. The
+  // default allocates, then zeroes with Fill (REQUIRES: bytes a multiple of
+  // 4 for device memory). The CPU backend maps fresh pages for large blocks:
+  // the kernel zeroes a page when it is first touched, so memory that is not
+  // yet written takes no RAM (a plan's stores fill as training touches them).
+  virtual Status AllocateZeroed(size_t bytes, bool host, void** out);
 
   virtual Status PrepareIndex(RunIndex* index) = 0;
   virtual void ReleaseIndex(RunIndex* index) = 0;
@@ -97,6 +108,11 @@ class Device {
   // params, state and update_sum are device memory.
   virtual void ApplyUpdate(const UpdateStep& step, float* params, float* state, const float* update_sum,
                            int64_t count, Stream s) = 0;
+  // *out = how many of the `count` floats at `data` (device memory) are NaN
+  // or infinite, counted after the work queued on `s` so far. Blocks the
+  // calling thread until the count is known (on CUDA: a synchronize of `s`),
+  // so it belongs only where a check was asked for (Config::check_finite).
+  virtual Status CountNonFinite(const float* data, int64_t count, Stream s, int64_t* out) = 0;
   virtual Status Synchronize(Stream s) = 0;
   // The first error of asynchronous work seen so far and not yet reported
   // (by this or Synchronize), without waiting for anything.

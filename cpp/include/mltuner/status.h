@@ -24,6 +24,7 @@ enum class StatusCode : int {
   kCorruptMessage = 7,    // malformed, truncated or foreign wire message
   kInternal = 8,          // a broken invariant: a bug in mltuner
   kPeerLost = 9,          // another worker process died or stopped answering
+  kNonFinite = 10,        // a NaN or infinite update refused (Config::check_finite)
 };
 
 const char* StatusCodeName(StatusCode code);
@@ -42,6 +43,10 @@ class Status {
   static Status CorruptMessage(std::string msg) { return {StatusCode::kCorruptMessage, std::move(msg)}; }
   static Status Internal(std::string msg) { return {StatusCode::kInternal, std::move(msg)}; }
   static Status PeerLost(std::string msg) { return {StatusCode::kPeerLost, std::move(msg)}; }
+  static Status NonFinite(std::string msg) { return {StatusCode::kNonFinite, std::move(msg)}; }
+  // A status of `code` (a code read off the wire); an unknown code, or kOk,
+  // becomes kInternal, so the result is never OK.
+  static Status FromCode(StatusCode code, std::string msg);
 
   bool ok() const { return code_ == StatusCode::kOk; }
   StatusCode code() const { return code_; }

@@ -116,10 +116,10 @@ Status Engine::Impl::InstallRows(const Message& message) {
 
 Status Engine::Impl::CompleteRequest(Message&& message) {
   if (message.type() == MessageType::kError && message.header.request_id == 0) {
-    // A shard refused a message of ours that has no reply (a clock's
-    // updates): the job cannot go on.
-    Fail(Status::Internal("shard " + std::to_string(message.header.sender) + " refused a message from worker " +
-                          std::to_string(rank_) + ": " + message.text));
+    // A shard refused a message that has no reply (a clock's updates, ours
+    // or another worker's): that clock never finishes, the job cannot go on.
+    // The text names the shard, the sender and why; the code travels too.
+    Fail(ErrorOf(message));
     return Status::Ok();
   }
   std::shared_ptr<PendingRequest> request;

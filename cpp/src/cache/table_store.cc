@@ -7,18 +7,12 @@ namespace mltuner {
 
 namespace {
 
+// Zeroed without writing it on the CPU backend: a store takes RAM as its rows
+// are first installed or updated, not all at once when the plan is made.
 Status MakeZeroed(const std::shared_ptr<Device>& device, int64_t rows, const TableInfo& info,
                   bool host, std::shared_ptr<DeviceBlock>* out) {
   if (rows == 0) return Status::Ok();
-  const size_t bytes = static_cast<size_t>(rows * info.row_bytes());
-  MLT_RETURN_IF_ERROR(DeviceBlock::Make(device, bytes, host, out));
-  const size_t count = static_cast<size_t>(rows * info.row_width);
-  if (host) {
-    std::fill_n((*out)->floats(), count, 0.0f);
-  } else {
-    device->Fill((*out)->floats(), 0.0f, count, Stream::kApp);
-  }
-  return Status::Ok();
+  return DeviceBlock::MakeZeroed(device, static_cast<size_t>(rows * info.row_bytes()), host, out);
 }
 
 }  // namespace
@@ -34,7 +28,6 @@ Status MakeTableStore(const std::shared_ptr<Device>& device, const TableInfo& in
     MLT_RETURN_IF_ERROR(MakeZeroed(device, placement.device_rows, info, false, &store->device_log));
     MLT_RETURN_IF_ERROR(MakeZeroed(device, placement.host_rows, info, true, &store->host_log));
   }
-  MLT_RETURN_IF_ERROR(device->Synchronize(Stream::kApp));
   store->locks = std::make_unique<PartitionLocks>(info.num_rows, std::max(1, partitions));
   *out = std::move(store);
   return Status::Ok();

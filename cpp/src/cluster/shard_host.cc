@@ -43,6 +43,7 @@ ShardHost::ShardHost(int rank, int num_workers, const Config& config, BufferPool
                      std::shared_ptr<Device> device, std::function<bool(int worker)> device_receivers)
     : pool_(pool), shard_(rank, num_workers, config.update_rule, config.max_branches, std::move(device)) {
   shard_.set_buffer_pool(pool);
+  shard_.set_check_finite(config.check_finite);
   shard_.set_device_receivers(std::move(device_receivers));
 }
 
@@ -57,17 +58,20 @@ void ShardHost::Start(Engine* engine, Transport* transport) {
     if (!status.ok()) {
       Reject(status, message);
       // Requests got their error reply from the shard. A refused message
-      // without a reply (a clock's updates, a start) leaves the job waiting
-      // for rows that never come: its sender learns at once, and this
-      // process's own worker fails too.
+      // without a reply (a clock's updates, a start) stops that clock for
+      // every worker, which would wait for rows that never come: every
+      // worker learns at once, with the status code (a NaN update is a
+      // NonFinite error everywhere), and this process's own worker fails too.
       if (status.code() != StatusCode::kShutdown && message.header.request_id == 0) {
-        const Status context = status.WithContext("shard " + std::to_string(shard_.rank()));
-        const int sender = message.header.sender;
-        if (sender >= 0 && sender != shard_.rank()) {
-          Message refusal = NewMessage(MessageType::kError, shard_.rank(), sender, message.header.table);
-          refusal.text = context.message();
-          refusal.header.text_bytes = static_cast<uint32_t>(refusal.text.size());
-          replies.push_back(std::move(refusal));
+        const Status context = status.WithContext("shard " + std::to_string(shard_.rank()) +
+                                                  " refused a message from worker " +
+                                                  std::to_string(message.header.sender));
+        // Sent before this worker fails: a process whose worker failed may
+        // exit, and the others must hear why rather than only that it left.
+        for (int worker = 0; worker < shard_.num_workers(); ++worker) {
+          if (worker == shard_.rank()) continue;
+          const Status sent = transport->Send(RefusalMessage(shard_.rank(), worker, message.header.table, context));
+          if (!sent.ok()) Reject(sent, Message());
         }
         engine->Abort(context);
       }

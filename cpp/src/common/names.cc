@@ -19,8 +19,15 @@ const char* StatusCodeName(StatusCode code) {
     case StatusCode::kCorruptMessage: return "CorruptMessage";
     case StatusCode::kInternal: return "Internal";
     case StatusCode::kPeerLost: return "PeerLost";
+    case StatusCode::kNonFinite: return "NonFinite";
   }
   return "Unknown";
+}
+
+Status Status::FromCode(StatusCode code, std::string msg) {
+  const int value = static_cast<int>(code);
+  const bool known = value > static_cast<int>(StatusCode::kOk) && value <= static_cast<int>(StatusCode::kNonFinite);
+  return Status(known ? code : StatusCode::kInternal, std::move(msg));
 }
 
 std::string Status::ToString() const {

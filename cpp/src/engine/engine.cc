@@ -2,6 +2,7 @@
 // boundary, so every mistake is reported with the table, handle or op at
 // fault; the background threads then trust the plan.
 #include <algorithm>
+#include <limits>
 #include <sstream>
 
 #include "engine/engine_impl.h"
@@ -302,7 +303,7 @@ Status Engine::Impl::Post(Handle handle, OpKind kind, uintptr_t app_stream) {
   if (phase_.load() == Phase::kRecorded) return PostInit(handle, app_stream);
   DeviceEvent app_done;
   MLT_RETURN_IF_ERROR(device_->RecordAppWork(app_stream, &app_done));
-  return PostSlot(handle, kind, std::move(app_done));
+  return PostSlot(handle, kind, std::move(app_done), app_stream);
 }
 
 Status Engine::Impl::CheckAccessCall(Handle handle, OpKind kind) const {
@@ -351,14 +352,23 @@ Status Engine::Impl::OpenSlot(Handle handle, OpKind kind, AccessBuffer* out) {
   return Status::Ok();
 }
 
-Status Engine::Impl::PostSlot(Handle handle, OpKind kind, DeviceEvent app_done) {
+Status Engine::Impl::PostSlot(Handle handle, OpKind kind, DeviceEvent app_done, uintptr_t app_stream) {
+  Slot* slot = nullptr;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!background_error_.ok()) return background_error_;
     MLT_RETURN_IF_ERROR(CheckNextOp(kind, handle));
-    Slot& slot = slots_[handle][app_clock_ % depth_];
-    slot.app_done = std::move(app_done);
-    slot.state = SlotState::kPosted;
+    slot = &slots_[handle][app_clock_ % depth_];
+  }
+  // The slot is the application's until it is marked posted: no other thread
+  // touches it in between.
+  if (config_.debug_buffers && kind == OpKind::kPostRead) {
+    MLT_RETURN_IF_ERROR(PoisonPostedRead(recording_.accesses[handle], slot->data, app_stream, &app_done));
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    slot->app_done = std::move(app_done);
+    slot->state = SlotState::kPosted;
     ++app_seq_;
   }
   cv_.notify_all();
@@ -402,7 +412,7 @@ Status Engine::Impl::Run(const std::vector<OpCall>& ops, std::vector<AccessBuffe
         MLT_RETURN_IF_ERROR(device_->RecordAppWork(app_stream, &app_done));
         app_done_taken = true;
       }
-      MLT_RETURN_IF_ERROR(PostSlot(op.handle, op.kind, app_done));
+      MLT_RETURN_IF_ERROR(PostSlot(op.handle, op.kind, app_done, app_stream));
     }
   }
   return device_->WaitOnAppStream(app_stream, last_ready);
@@ -430,6 +440,23 @@ Status Engine::Impl::FillBeforePost(const OpCall& op, uintptr_t app_stream) {
     data = slots_[op.handle][app_clock_ % depth_].data;
   }
   return device_->CopyPiecesOnAppStream(app_stream, data, op.fill);
+}
+
+void Engine::Impl::Poison(const AccessRecord& access, float* data, Stream s) {
+  const size_t count = access.rows.size() * static_cast<size_t>(tables_[access.table].row_width);
+  device_->Fill(data, std::numeric_limits<float>::quiet_NaN(), count, s);
+}
+
+// The fill runs after the application's work on the buffer (`app_done`) and
+// before anything the application queues on its stream after the post, so a
+// tensor still read there sees NaN; the next gather into the buffer waits for
+// the fill (the new `app_done`).
+Status Engine::Impl::PoisonPostedRead(const AccessRecord& access, float* data, uintptr_t app_stream,
+                                      DeviceEvent* app_done) {
+  MLT_RETURN_IF_ERROR(device_->WaitEvent(Stream::kApp, *app_done));
+  Poison(access, data, Stream::kApp);
+  MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kApp, app_done));
+  return device_->WaitOnAppStream(app_stream, *app_done);
 }
 
 Status Engine::Impl::Clock() {

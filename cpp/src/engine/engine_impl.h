@@ -151,7 +151,7 @@ class Engine::Impl {
   // caller waits, once per batch), and its post with the application's
   // ticket already taken. REQUIRES: CheckAccessCall passed.
   Status OpenSlot(Handle handle, OpKind kind, AccessBuffer* out);
-  Status PostSlot(Handle handle, OpKind kind, DeviceEvent app_done);
+  Status PostSlot(Handle handle, OpKind kind, DeviceEvent app_done, uintptr_t app_stream);
   // Copies a batch op's pieces into its buffer on the application's stream.
   Status FillBeforePost(const OpCall& op, uintptr_t app_stream);
   // REQUIRES: mu_ held. OutOfOrder unless (kind, handle) is the next recorded op.
@@ -160,6 +160,10 @@ class Engine::Impl {
   AccessBuffer BufferFor(const AccessRecord& access, float* data, mltuner::Clock data_age,
                          std::shared_ptr<void> keepalive) const;
   Status WaitForSlot(Handle handle, mltuner::Clock clock, Slot** out);
+  // Config::debug_buffers: fills a buffer handed back by the application
+  // with NaN, on stream `s` after the work queued there.
+  void Poison(const AccessRecord& access, float* data, Stream s);
+  Status PoisonPostedRead(const AccessRecord& access, float* data, uintptr_t app_stream, DeviceEvent* app_done);
   std::string DescribeOp(int op_index) const;
 
   // --- allocator thread (memory/allocator_thread.cc) -------------------------

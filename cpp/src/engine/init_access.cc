@@ -160,6 +160,12 @@ Status Engine::Impl::PostInit(Handle handle, uintptr_t app_stream) {
     WriteBackLocal(access, slot.data);
     status = device_->Synchronize(Stream::kWriteback);
   }
+  if (status.ok() && config_.debug_buffers) {
+    // The buffer was read (synchronously) above: poison it for the
+    // application's stream, as a post of the real phase does.
+    status = PoisonPostedRead(access, slot.data, app_stream, &app_done);
+    if (status.ok()) status = device_->Synchronize(Stream::kApp);
+  }
   slot.state = SlotState::kEmpty;
   slot.data = nullptr;
   init_blocks_[handle].reset();

@@ -12,6 +12,14 @@ Status DeviceBlock::Make(std::shared_ptr<Device> device, size_t bytes, bool host
   return Status::Ok();
 }
 
+Status DeviceBlock::MakeZeroed(std::shared_ptr<Device> device, size_t bytes, bool host,
+                               std::shared_ptr<DeviceBlock>* out) {
+  void* data = nullptr;
+  MLT_RETURN_IF_ERROR(device->AllocateZeroed(bytes, host, &data));
+  out->reset(new DeviceBlock(std::move(device), data, bytes, host));
+  return Status::Ok();
+}
+
 DeviceBlock::~DeviceBlock() {
   if (host_) {
     device_->FreeHost(data_);

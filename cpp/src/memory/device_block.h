@@ -22,6 +22,10 @@ class DeviceBlock {
  public:
   static Status Make(std::shared_ptr<Device> device, size_t bytes, bool host,
                      std::shared_ptr<DeviceBlock>* out);
+  // The same, every byte zero (Device::AllocateZeroed: on the CPU backend,
+  // pages take RAM only once written).
+  static Status MakeZeroed(std::shared_ptr<Device> device, size_t bytes, bool host,
+                           std::shared_ptr<DeviceBlock>* out);
   ~DeviceBlock();
   DeviceBlock(const DeviceBlock&) = delete;
   DeviceBlock& operator=(const DeviceBlock&) = delete;

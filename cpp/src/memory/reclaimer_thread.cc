@@ -82,6 +82,7 @@ Status Engine::Impl::ReclaimOp(int64_t seq) {
     WriteBackLocal(access, slot->data);
     MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kWriteback));
   }
+  if (config_.debug_buffers) Poison(access, slot->data, Stream::kWriteback);  // after its copies
   DeviceEvent released;
   MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kWriteback, &released));
   MLT_RETURN_IF_ERROR(MarkReady(released, &messages));

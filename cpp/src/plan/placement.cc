@@ -39,16 +39,46 @@ int64_t PoolBytes(const BufferSchedule& schedule) {
   return std::max<int64_t>(schedule.pool_bytes(), kBufferAlignment);
 }
 
-// Gives a layout position a residence and the next free slot of that
-// residence's store; a position placed before keeps its place.
-void Assign(TablePlacement* placement, int64_t position, Residence where) {
-  if (placement->slot[position] >= 0) return;
-  placement->residence[position] = where;
-  placement->slot[position] =
-      where == Residence::kDevice ? placement->device_rows++ : placement->host_rows++;
+// The rows of `access` not placed yet: they are the positions right after
+// those already placed (the layout is first-use order over the same ops), so
+// counting them is all placement needs. Internal when the layout breaks that.
+Status CountNewRows(const AccessRecord& access, const RowLayout& layout, const TablePlacement& placement,
+                    int64_t* out) {
+  const int64_t placed = placement.placed();
+  int64_t count = 0, last = -1;
+  for (RowId row : access.rows) {
+    const int64_t position = layout.PositionOf(row);
+    if (position < placed) continue;
+    ++count;
+    last = std::max(last, position);
+  }
+  if (count > 0 && last != placed + count - 1) {
+    return Status::Internal("placement: the new rows of handle " + std::to_string(access.handle) +
+                            " are not the next layout positions");
+  }
+  *out = count;
+  return Status::Ok();
 }
 
 }  // namespace
+
+void TablePlacement::Append(int64_t count, Residence where) {
+  if (count <= 0) return;
+  int64_t& rows = where == Residence::kDevice ? device_rows : host_rows;
+  const int64_t position = placed();
+  if (!runs.empty() && runs.back().residence == where) {
+    runs.back().count += count;  // its slots continue too: nothing else took one of this store
+  } else {
+    runs.push_back({position, count, where, rows});
+  }
+  rows += count;
+}
+
+const TablePlacement::Run& TablePlacement::RunOf(int64_t position) const {
+  auto after = std::upper_bound(runs.begin(), runs.end(), position,
+                                [](int64_t p, const Run& run) { return p < run.first_position; });
+  return *(after - 1);
+}
 
 std::string Placement::Describe() const {
   std::ostringstream out;
@@ -85,11 +115,6 @@ Status PlanPlacement(const Config& config, const std::vector<TableInfo>& tables,
   int64_t left = unlimited ? 0 : config.device_memory_budget - pool_min;
 
   plan.tables.resize(tables.size());
-  for (const TableInfo& table : tables) {
-    TablePlacement& placement = plan.tables[table.id];
-    placement.residence.assign(table.num_rows, Residence::kHost);
-    placement.slot.assign(table.num_rows, -1);
-  }
 
   // Local data: all on the device or all in host memory.
   int64_t local_bytes = 0;
@@ -99,10 +124,8 @@ Status PlanPlacement(const Config& config, const std::vector<TableInfo>& tables,
   const bool local_on_device = unlimited || local_bytes <= left;
   if (!unlimited && local_on_device) left -= local_bytes;
   for (const TableInfo& table : tables) {
-    if (!table.local) continue;
-    for (int64_t p = 0; p < table.num_rows; ++p) {
-      Assign(&plan.tables[table.id], p,
-             local_on_device ? Residence::kDevice : Residence::kHost);
+    if (table.local) {
+      plan.tables[table.id].Append(table.num_rows, local_on_device ? Residence::kDevice : Residence::kHost);
     }
   }
 
@@ -113,29 +136,23 @@ Status PlanPlacement(const Config& config, const std::vector<TableInfo>& tables,
     const AccessRecord& access = recording.accesses[op.handle];
     const TableInfo& table = tables[access.table];
     TablePlacement& placement = plan.tables[table.id];
-    const RowLayout& layout = layouts[table.id];
     int64_t new_rows = 0;
-    for (RowId row : access.rows) {
-      if (placement.slot[layout.position_of_row[row]] < 0) ++new_rows;
-    }
+    MLT_RETURN_IF_ERROR(CountNewRows(access, layouts[table.id], placement, &new_rows));
     const int64_t cost = 2 * new_rows * table.row_bytes();
     const bool fits = unlimited || cost <= left;
     if (fits && !unlimited) left -= cost;
-    for (RowId row : access.rows) {
-      Assign(&placement, layout.position_of_row[row],
-             fits ? Residence::kDevice : Residence::kHost);
-    }
+    placement.Append(new_rows, fits ? Residence::kDevice : Residence::kHost);
   }
-  // Rows no access touches: to the device while there is room.
+  // Rows no access touches (the end of each layout): to the device while
+  // there is room, row by row.
   for (const TableInfo& table : tables) {
     TablePlacement& placement = plan.tables[table.id];
-    for (int64_t p = 0; p < table.num_rows; ++p) {
-      if (placement.slot[p] >= 0) continue;
-      const int64_t cost = 2 * table.row_bytes();
-      const bool fits = unlimited || cost <= left;
-      if (fits && !unlimited) left -= cost;
-      Assign(&placement, p, fits ? Residence::kDevice : Residence::kHost);
-    }
+    const int64_t untouched = table.num_rows - placement.placed();
+    const int64_t row_cost = 2 * table.row_bytes();
+    const int64_t fitting = unlimited ? untouched : std::min(untouched, std::max<int64_t>(0, left) / row_cost);
+    if (!unlimited) left -= fitting * row_cost;
+    placement.Append(fitting, Residence::kDevice);
+    placement.Append(untouched - fitting, Residence::kHost);
   }
 
   for (const TableInfo& table : tables) {

@@ -30,11 +30,35 @@
 
 namespace mltuner {
 
+// Where each layout position of a table lives. Positions are placed in
+// ascending order (the layout is first-use order, and placement walks the
+// same ops), each taking the next slot of its residence's store, so a table's
+// placement is a few runs of positions, not 9 bytes per row.
 struct TablePlacement {
-  std::vector<Residence> residence;  // by layout position
-  std::vector<int64_t> slot;         // by layout position: row index in its store
+  struct Run {
+    int64_t first_position = 0;
+    int64_t count = 0;
+    Residence residence = Residence::kHost;
+    int64_t first_slot = 0;  // in the store of `residence`
+  };
+  std::vector<Run> runs;  // ascending, covering positions [0, placed())
   int64_t device_rows = 0;
   int64_t host_rows = 0;
+
+  // Positions placed so far.
+  int64_t placed() const { return device_rows + host_rows; }
+  // Places the next `count` positions in `where`.
+  void Append(int64_t count, Residence where);
+  // The residence of `position` and its row index in that store.
+  // REQUIRES: 0 <= position < placed().
+  Residence ResidenceOf(int64_t position) const { return RunOf(position).residence; }
+  int64_t SlotOf(int64_t position) const {
+    const Run& run = RunOf(position);
+    return run.first_slot + (position - run.first_position);
+  }
+
+ private:
+  const Run& RunOf(int64_t position) const;
 };
 
 struct Placement {

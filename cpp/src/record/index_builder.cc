@@ -27,11 +27,11 @@ AccessIndex IndexAccess(const TableInfo& table, const RowLayout& layout,
   index.buffer_bytes = AlignedBufferBytes(table, static_cast<int64_t>(access.rows.size()));
   int64_t lo = table.num_rows, hi = -1;
   for (int64_t i = 0; i < static_cast<int64_t>(access.rows.size()); ++i) {
-    const int64_t position = layout.position_of_row[access.rows[i]];
-    const int64_t slot = placement.slot[position];
+    const int64_t position = layout.PositionOf(access.rows[i]);
+    const int64_t slot = placement.SlotOf(position);
     lo = std::min(lo, position);
     hi = std::max(hi, position);
-    if (placement.residence[position] == Residence::kDevice) {
+    if (placement.ResidenceOf(position) == Residence::kDevice) {
       AppendToRuns(&index.device_gather, slot, i);
       AppendToRuns(&index.device_scatter, i, slot);
     } else {
@@ -44,42 +44,37 @@ AccessIndex IndexAccess(const TableInfo& table, const RowLayout& layout,
   return index;
 }
 
-// Splits sorted row ids into wire segments, cutting at shard boundaries.
-std::vector<WireSegment> SegmentsOf(const std::vector<RowId>& sorted_rows,
-                                    const RowLayout& layout, const TablePlacement& placement) {
-  std::vector<WireSegment> segments;
-  for (RowId row : sorted_rows) {
-    const int64_t position = layout.position_of_row[row];
-    const Residence where = placement.residence[position];
-    const int64_t slot = placement.slot[position];
-    if (!segments.empty()) {
-      WireSegment& last = segments.back();
-      if (last.begin + last.count == row && last.residence == where &&
-          last.slot + last.count == slot) {
-        ++last.count;
-        last.first_position = std::min(last.first_position, position);
-        last.last_position = std::max(last.last_position, position);
-        continue;
-      }
+// Appends `row` to the wire segments of one shard (rows come in ascending id
+// order), extending the last segment when the row continues it.
+void AppendToSegments(std::vector<WireSegment>* segments, RowId row, const RowLayout& layout,
+                      const TablePlacement& placement) {
+  const int64_t position = layout.PositionOf(row);
+  const Residence where = placement.ResidenceOf(position);
+  const int64_t slot = placement.SlotOf(position);
+  if (!segments->empty()) {
+    WireSegment& last = segments->back();
+    if (last.begin + last.count == row && last.residence == where && last.slot + last.count == slot) {
+      ++last.count;
+      last.first_position = std::min(last.first_position, position);
+      last.last_position = std::max(last.last_position, position);
+      return;
     }
-    segments.push_back({row, 1, where, slot, position, position});
   }
-  return segments;
+  segments->push_back({row, 1, where, slot, position, position});
 }
 
+// The wanted rows (all when `wanted` is null) of each shard as wire segments.
 std::vector<std::vector<WireSegment>> SegmentsByShard(const TableInfo& table,
-                                                      const std::vector<bool>& wanted,
+                                                      const std::vector<bool>* wanted,
                                                       const RowLayout& layout,
                                                       const TablePlacement& placement,
                                                       int num_shards) {
   std::vector<std::vector<WireSegment>> by_shard(num_shards);
   for (int shard = 0; shard < num_shards; ++shard) {
     const RowSpan range = ShardRange(table.num_rows, shard, num_shards);
-    std::vector<RowId> rows;
     for (RowId row = range.begin; row < range.begin + range.count; ++row) {
-      if (wanted[row]) rows.push_back(row);
+      if (wanted == nullptr || (*wanted)[row]) AppendToSegments(&by_shard[shard], row, layout, placement);
     }
-    by_shard[shard] = SegmentsOf(rows, layout, placement);
   }
   return by_shard;
 }
@@ -116,16 +111,38 @@ void LinkFetchDependencies(const Recording& recording, IterationIndex* index) {
 
 // For a table updated by exactly one access per clock: per shard, the row
 // spans of that access (sorted by id) and the runs that copy its buffer rows
-// into the message in span order.
+// into the message in span order. Rows recorded in ascending order (the
+// usual case) are walked as they are; others through a sorted copy of their
+// buffer order.
 DirectSend PlanDirectSend(const TableInfo& table, const AccessRecord& update, int num_shards) {
-  const ShardedRows sharded = ShardRows(table, update.rows, num_shards);
+  const std::vector<RowId>& rows = update.rows;
+  const int64_t n = static_cast<int64_t>(rows.size());
+  std::vector<int64_t> by_id;  // buffer rows in ascending row id; empty when already so
+  if (!std::is_sorted(rows.begin(), rows.end())) {
+    by_id.resize(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) by_id[i] = i;
+    std::sort(by_id.begin(), by_id.end(), [&](int64_t a, int64_t b) { return rows[a] < rows[b]; });
+  }
   DirectSend direct;
   direct.handle = update.handle;
-  direct.spans = sharded.spans;
+  direct.spans.resize(num_shards);
   direct.runs.resize(num_shards);
-  for (int shard = 0; shard < num_shards; ++shard) {
-    int64_t message_row = 0;
-    for (int64_t buffer_row : sharded.order[shard]) AppendToRuns(&direct.runs[shard], buffer_row, message_row++);
+  std::vector<int64_t> message_rows(num_shards, 0);
+  int shard = 0;
+  RowSpan range = ShardRange(table.num_rows, shard, num_shards);
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t buffer_row = by_id.empty() ? k : by_id[k];
+    const RowId row = rows[buffer_row];
+    while (row >= range.begin + range.count && shard + 1 < num_shards) {
+      range = ShardRange(table.num_rows, ++shard, num_shards);
+    }
+    std::vector<RowSpan>& spans = direct.spans[shard];
+    if (!spans.empty() && spans.back().begin + spans.back().count == row) {
+      ++spans.back().count;
+    } else {
+      spans.push_back({row, 1});
+    }
+    AppendToRuns(&direct.runs[shard], buffer_row, message_rows[shard]++);
   }
   return direct;
 }
@@ -163,10 +180,9 @@ IterationIndex BuildIndexes(const std::vector<TableInfo>& tables,
     if (updates[table.id] == 1) {
       table_index.direct = PlanDirectSend(table, recording.accesses[last_update[table.id]], num_shards);
     }
-    const std::vector<bool> all(table.num_rows, true);
-    table_index.send = SegmentsByShard(table, updated, layouts[table.id],
+    table_index.send = SegmentsByShard(table, &updated, layouts[table.id],
                                        placement.tables[table.id], num_shards);
-    table_index.receive = SegmentsByShard(table, all, layouts[table.id],
+    table_index.receive = SegmentsByShard(table, nullptr, layouts[table.id],
                                           placement.tables[table.id], num_shards);
   }
   LinkFetchDependencies(recording, &index);

@@ -250,6 +250,8 @@ Status ServerShard::HandleClockUpdate(const Message& in, std::vector<Message>* o
                               std::to_string(last + 1));
   }
 
+  if (check_finite_ && table.training && in.num_values() > 0) MLT_RETURN_IF_ERROR(CheckFinite(table, in));
+
   if ((in.header.flags & kNewLearningRate) != 0) table.new_rates[clock][sender] = in.header.learning_rate;
   if (in.num_values() > 0) {
     std::shared_ptr<DeviceBuffer> payload;
@@ -278,6 +280,24 @@ Status ServerShard::HandleClockUpdate(const Message& in, std::vector<Message>* o
     MLT_RETURN_IF_ERROR(PushRows(table, out));
   }
   return Status::Ok();
+}
+
+// Host payloads are counted here; a device payload on the server stream once
+// its producer is done, which blocks this thread for the count.
+Status ServerShard::CheckFinite(const TableState& table, const Message& in) {
+  const int64_t count = static_cast<int64_t>(in.num_values());
+  int64_t bad = 0;
+  if (in.device_values) {
+    MLT_RETURN_IF_ERROR(device_->WaitEvent(Stream::kServer, in.device_values->ready));
+    MLT_RETURN_IF_ERROR(device_->CountNonFinite(in.device_values->data, count, Stream::kServer, &bad));
+  } else {
+    bad = CountNonFiniteHost(in.values.data(), count);
+  }
+  if (bad == 0) return Status::Ok();
+  return Status::NonFinite("table '" + table.info.name + "' (id " + std::to_string(table.info.id) + ") on branch " +
+                           std::to_string(table.branch) + ", clock " + std::to_string(in.header.clock) + ": worker " +
+                           std::to_string(in.header.sender) + "'s update holds " + std::to_string(bad) + " of " +
+                           std::to_string(count) + " values that are NaN or infinite (refused: Config.check_finite)");
 }
 
 Status ServerShard::HandleFetch(const Message& in, std::vector<Message>* out) {

@@ -95,7 +95,13 @@ class ServerShard {
     device_receivers_ = std::move(takes_device_buffers);
   }
 
+  // Config::check_finite: refuse (kNonFinite, naming the table, branch,
+  // clock and worker) a training branch's clock update holding a NaN or an
+  // infinity, before any of it is kept. Default: off.
+  void set_check_finite(bool check) { check_finite_ = check; }
+
   int rank() const { return rank_; }
+  int num_workers() const { return num_workers_; }
   // For tests and checkpoints: the shard's current values of a table on a
   // branch, its rows in order from ShardRange(...).begin; nullptr for an
   // unknown table or branch.
@@ -154,6 +160,8 @@ class ServerShard {
   // Sets the rule's learning rate for the finished clock when the workers
   // asked for a new one; an error when they asked for different ones.
   Status TakeNewLearningRate(TableState* table, Clock finished);
+  // kNonFinite when the update in `in` holds a NaN or an infinity.
+  Status CheckFinite(const TableState& table, const Message& in);
   // A message's values in device memory, queued after their producer's work
   // on the server stream; null when it has none.
   Status PayloadOnDevice(const Message& in, std::shared_ptr<DeviceBuffer>* out);
@@ -171,6 +179,7 @@ class ServerShard {
   std::shared_ptr<Device> device_;
   DeviceBufferPool buffers_;
   std::function<bool(int)> device_receivers_;
+  bool check_finite_ = false;
   // Every table on every live branch, by (branch, table).
   std::map<std::pair<BranchId, TableId>, std::unique_ptr<TableState>> tables_;
   std::set<BranchId> branches_{0};

@@ -128,6 +128,20 @@ Message NewMessage(MessageType type, int sender, int receiver, TableId table) {
   return message;
 }
 
+Message RefusalMessage(int sender, int receiver, TableId table, const Status& why) {
+  Message refusal = NewMessage(MessageType::kError, sender, receiver, table);
+  refusal.header.clock = static_cast<int64_t>(why.code());
+  refusal.text = why.message();
+  refusal.header.text_bytes = static_cast<uint32_t>(refusal.text.size());
+  return refusal;
+}
+
+Status ErrorOf(const Message& error) {
+  const int64_t code = error.header.clock;
+  const bool fits = code > 0 && code <= std::numeric_limits<int>::max();
+  return Status::FromCode(fits ? static_cast<StatusCode>(code) : StatusCode::kInternal, error.text);
+}
+
 const char* MessageTypeName(MessageType type) {
   switch (type) {
     case MessageType::kClockUpdate: return "ClockUpdate";

@@ -77,7 +77,8 @@ struct MessageHeader {
   int32_t receiver = -1;      // rank of the receiving process
   int32_t table = -1;         // table id
   int32_t branch = 0;         // branch id (0 until the tuner forks branches)
-  int64_t clock = 0;          // clock of updates, or data age of rows
+  int64_t clock = 0;          // clock of updates, data age of rows, or a
+                              //   kError's StatusCode (0 from old peers)
   int64_t request_id = 0;     // pairs kFetch/kInitAdd with kFetchReply/kAck/kError
   int64_t row_width = 0;      // floats per row in the payload
   uint32_t num_spans = 0;     // RowSpan entries after the header in frame 0
@@ -111,6 +112,12 @@ struct Message {
 
 // A message with its routing fields set and everything else empty.
 Message NewMessage(MessageType type, int sender, int receiver, TableId table);
+
+// A kError telling `receiver` that a message with no reply was refused:
+// request id 0, the reason as text, its status code in header.clock.
+Message RefusalMessage(int sender, int receiver, TableId table, const Status& why);
+// The Status a kError carries: its code (kInternal when unknown) and text.
+Status ErrorOf(const Message& error);
 
 // Builds frame 0 (header + spans + text). The payload frame is
 // message.values' bytes as they are.

@@ -59,6 +59,9 @@ class FaultyDevice final : public Device {
   void ApplyUpdate(const UpdateStep& step, float* p, float* state, const float* sum, int64_t n, Stream st) override {
     cpu_->ApplyUpdate(step, p, state, sum, n, st);
   }
+  Status CountNonFinite(const float* d, int64_t n, Stream st, int64_t* out) override {
+    return cpu_->CountNonFinite(d, n, st, out);
+  }
   Status Synchronize(Stream s) override { return Inject("Synchronize", s); }
   Status TakeError() override { return Status::Ok(); }
   Status RecordAppWork(uintptr_t a, DeviceEvent* out) override { return cpu_->RecordAppWork(a, out); }

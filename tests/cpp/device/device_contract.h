@@ -19,6 +19,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -346,6 +347,69 @@ inline void Fills(Device& device) {
   MLT_CONTRACT_EXPECT_SAME(got.data(), want.data(), n, "Fill with zero, -0 and non-zero values");
 }
 
+// NaN (quiet, signalling, negative), both infinities and finite extremes
+// (the largest float, denormals, -0) at scattered places past a million
+// floats: the count must be exact, and must see work queued before it on
+// its stream.
+inline void CountsNonFinite(Device& device) {
+  std::mt19937_64 rng(29);
+  const size_t n = (size_t{3} << 20) + 11;
+  DeviceFloats a(device, n);
+  ASSERT_OK(a.status());
+  std::vector<float> values = RandomNonZero(n, rng);
+  auto bits = [](uint32_t b) {
+    float f;
+    std::memcpy(&f, &b, sizeof(f));
+    return f;
+  };
+  const float non_finite[] = {bits(0x7FC00000u), bits(0x7F800001u), bits(0xFFC00001u), bits(0x7F800000u),
+                              bits(0xFF800000u)};
+  const float finite[] = {bits(0x7F7FFFFFu), bits(0xFF7FFFFFu), bits(0x00000001u), bits(0x80000000u)};
+  int64_t want = 0;
+  for (size_t i = 0; i < n; i += 1 + rng() % 200003) {
+    values[i] = non_finite[rng() % 5];
+    ++want;
+  }
+  for (size_t i = 5; i < n; i += 1 + rng() % 100003) {
+    if (std::isfinite(values[i])) values[i] = finite[rng() % 4];
+  }
+  ASSERT_OK(Upload(device, a.data(), values, Stream::kApp));
+  int64_t got = -1;
+  ASSERT_OK(device.CountNonFinite(a.data(), static_cast<int64_t>(n), Stream::kServer, &got));
+  EXPECT_EQ(got, want);
+  // Queued on the same stream before the count: a fill of the last values.
+  device.Fill(a.data() + n - 1000, bits(0x7F800000u), 1000, Stream::kServer);
+  int64_t tail_known_finite = 0;
+  for (size_t i = n - 1000; i < n; ++i) tail_known_finite += std::isfinite(values[i]) ? 1 : 0;
+  ASSERT_OK(device.CountNonFinite(a.data(), static_cast<int64_t>(n), Stream::kServer, &got));
+  EXPECT_EQ(got, want + tail_known_finite);
+  ASSERT_OK(device.CountNonFinite(a.data(), 0, Stream::kServer, &got));
+  EXPECT_EQ(got, 0);
+}
+
+// Zeroed memory, device and host, small and past the CPU backend's mapping
+// size: every float reads +0.0 and the block is writable and freed by
+// Free / FreeHost.
+inline void AllocatesZeroed(Device& device) {
+  for (const size_t count : {size_t{3}, (size_t{1} << 20) + 5}) {
+    const size_t bytes = count * sizeof(float);
+    const std::vector<float> zeros(count, 0.0f);
+    void* on_device = nullptr;
+    ASSERT_OK(device.AllocateZeroed(bytes, /*host=*/false, &on_device));
+    std::vector<float> got;
+    ASSERT_OK(Download(device, static_cast<const float*>(on_device), count, &got, Stream::kApp));
+    MLT_CONTRACT_EXPECT_SAME(got.data(), zeros.data(), count, "AllocateZeroed (device)");
+    device.Fill(static_cast<float*>(on_device), 1.0f, count, Stream::kApp);
+    EXPECT_OK(device.Synchronize(Stream::kApp));
+    device.Free(on_device);
+    void* on_host = nullptr;
+    ASSERT_OK(device.AllocateZeroed(bytes, /*host=*/true, &on_host));
+    MLT_CONTRACT_EXPECT_SAME(static_cast<const float*>(on_host), zeros.data(), count, "AllocateZeroed (host)");
+    std::memset(on_host, 0x7f, bytes);
+    device.FreeHost(on_host);
+  }
+}
+
 inline void Indexes(Device& device) {
   RunIndex index;
   index.runs = {{0, 0, 5}, {10, 5, 3}, {2, 8, 0}};
@@ -525,6 +589,8 @@ inline void RunDeviceContract(Device& device, const char* label, const AppWorkHo
       {"AllocatesAndRejectsZero", [&] { AllocatesAndRejectsZero(device); }},
       {"Copies", [&] { Copies(device); }},
       {"Fills", [&] { Fills(device); }},
+      {"CountsNonFinite", [&] { CountsNonFinite(device); }},
+      {"AllocatesZeroed", [&] { AllocatesZeroed(device); }},
       {"Indexes", [&] { Indexes(device); }},
       {"GatherAndScatterAdd", [&] { GatherAndScatterAdd(device); }},
       {"StreamOrder", [&] { StreamOrder(device); }},

@@ -75,14 +75,20 @@ Config WithBudget(int64_t budget, int prefetch = 1) {
   return config;
 }
 
-// Slots of each residence are exactly 0..n-1 with n the residence's count.
+// Slots of each residence are exactly 0..n-1 with n the residence's count,
+// and the runs cover the positions in order.
 void ExpectDenseSlots(const TablePlacement& t, int64_t num_rows) {
-  ASSERT_EQ(static_cast<int64_t>(t.residence.size()), num_rows);
-  ASSERT_EQ(static_cast<int64_t>(t.slot.size()), num_rows);
+  EXPECT_EQ(t.placed(), num_rows);
   EXPECT_EQ(t.device_rows + t.host_rows, num_rows);
+  int64_t next = 0;
+  for (const TablePlacement::Run& run : t.runs) {
+    EXPECT_EQ(run.first_position, next);
+    next += run.count;
+  }
+  EXPECT_EQ(next, num_rows);
   std::vector<int64_t> device, host;
   for (int64_t p = 0; p < num_rows; ++p) {
-    (t.residence[p] == Residence::kDevice ? device : host).push_back(t.slot[p]);
+    (t.ResidenceOf(p) == Residence::kDevice ? device : host).push_back(t.SlotOf(p));
   }
   EXPECT_EQ(static_cast<int64_t>(device.size()), t.device_rows);
   EXPECT_EQ(static_cast<int64_t>(host.size()), t.host_rows);
@@ -93,7 +99,7 @@ void ExpectDenseSlots(const TablePlacement& t, int64_t num_rows) {
 }
 
 Residence ResidenceOfRow(const Example& ex, const Placement& plan, TableId table, RowId row) {
-  return plan.tables[table].residence[ex.layouts[table].position_of_row[row]];
+  return plan.tables[table].ResidenceOf(ex.layouts[table].PositionOf(row));
 }
 
 }  // namespace
@@ -157,7 +163,8 @@ TEST(UnlimitedBudgetPutsEverythingOnDevice) {
       const TablePlacement& t = plan.tables[table.id];
       EXPECT_EQ(t.device_rows, table.num_rows);
       EXPECT_EQ(t.host_rows, int64_t{0});
-      for (Residence r : t.residence) EXPECT_TRUE(r == Residence::kDevice);
+      for (int64_t p = 0; p < table.num_rows; ++p) EXPECT_TRUE(t.ResidenceOf(p) == Residence::kDevice);
+      EXPECT_EQ(t.runs.size(), size_t{1});  // one run: everything on the device
       ExpectDenseSlots(t, table.num_rows);
     }
     // 2 copies (values + update log) of each parameter table, 1 of local data.
@@ -215,7 +222,7 @@ TEST(BudgetForFirstLayerOnly) {
   for (const TableInfo& table : ex.tables) ExpectDenseSlots(plan.tables[table.id], table.num_rows);
   // First-use layout: t0's device rows take slots 0..2 in layout order.
   for (RowId row : {0, 1, 2}) {
-    EXPECT_EQ(plan.tables[0].slot[ex.layouts[0].position_of_row[row]], row);
+    EXPECT_EQ(plan.tables[0].SlotOf(ex.layouts[0].PositionOf(row)), row);
   }
   EXPECT_EQ(plan.device_store_bytes, int64_t{2 * 3 * 64 + 4 * 64});
   EXPECT_EQ(plan.host_store_bytes, int64_t{2 * 5 * 64 + 2 * 8 * 40});
@@ -229,7 +236,7 @@ TEST(LocalDataIsAllOnHostWhenItDoesNotFit) {
   ASSERT_OK(PlanPlacement(WithBudget(2048 + 255), ex.tables, ex.layouts, ex.recording, &plan));
   EXPECT_EQ(plan.tables[2].device_rows, int64_t{0});
   EXPECT_EQ(plan.tables[2].host_rows, int64_t{4});
-  for (Residence r : plan.tables[2].residence) EXPECT_TRUE(r == Residence::kHost);
+  for (int64_t p = 0; p < 4; ++p) EXPECT_TRUE(plan.tables[2].ResidenceOf(p) == Residence::kHost);
   for (const TableInfo& table : ex.tables) ExpectDenseSlots(plan.tables[table.id], table.num_rows);
   // left = 255: no access fits (t0 layer 384, t1 layer 400, t0 rows 3,4: 256);
   // then untouched rows while room remains: t0 row 5 (128, left 127), t1 row 5

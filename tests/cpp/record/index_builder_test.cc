@@ -78,16 +78,8 @@ void ExpectMirrored(const AccessIndex& a) {
 // device and the rest on the host, slots dense in position order.
 TablePlacement HandPlacement(int64_t num_rows, const std::set<int64_t>& device_positions) {
   TablePlacement t;
-  t.residence.resize(num_rows);
-  t.slot.resize(num_rows);
   for (int64_t p = 0; p < num_rows; ++p) {
-    if (device_positions.count(p)) {
-      t.residence[p] = Residence::kDevice;
-      t.slot[p] = t.device_rows++;
-    } else {
-      t.residence[p] = Residence::kHost;
-      t.slot[p] = t.host_rows++;
-    }
+    t.Append(1, device_positions.count(p) ? Residence::kDevice : Residence::kHost);
   }
   return t;
 }
@@ -117,9 +109,9 @@ void ExpectSegmentsConsistent(const std::vector<WireSegment>& segments, const Ro
     EXPECT_TRUE(s.count > 0);
     int64_t lo = INT64_MAX, hi = -1;
     for (int64_t k = 0; k < s.count; ++k) {
-      const int64_t position = layout.position_of_row[s.begin + k];
-      EXPECT_TRUE(placement.residence[position] == s.residence);
-      EXPECT_EQ(placement.slot[position], s.slot + k);
+      const int64_t position = layout.PositionOf(s.begin + k);
+      EXPECT_TRUE(placement.ResidenceOf(position) == s.residence);
+      EXPECT_EQ(placement.SlotOf(position), s.slot + k);
       lo = std::min(lo, position);
       hi = std::max(hi, position);
     }

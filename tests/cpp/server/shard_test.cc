@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <deque>
+#include <limits>
 #include <memory>
 #include <random>
 #include <vector>
@@ -519,6 +520,60 @@ TEST(BadClockUpdatesAreRejectedWithoutChange) {
   EXPECT_EQ(f.shard.global_clock(kTable), 2);
   EXPECT_TRUE(*f.shard.values(kTable) == *twin.shard.values(kTable));
   EXPECT_TRUE(*f.shard.values(kTable) != f.before);  // momentum kept moving
+}
+
+// Config::check_finite: a clock update holding NaN or an infinity, in host
+// values or in a device buffer, is refused before any of it is kept, naming
+// the table, the clock and the worker; the same worker's finite update for
+// that clock is then accepted, and the result equals a shard that never saw
+// the bad ones. Without the check the NaN is applied (as before).
+TEST(CheckFiniteRefusesNonFiniteUpdatesNamingTableAndWorker) {
+  const float nan = std::nanf(""), inf = std::numeric_limits<float>::infinity();
+  BadMessageFixture f;
+  f.shard.set_check_finite(true);
+  ASSERT_TRUE(f.Setup());
+  const std::vector<float> good = RandomValues(&f.rng, 2 * kWidth);
+  for (const float bad : {nan, inf, -inf}) {
+    std::vector<float> values = good;
+    values[5] = bad;
+    f.ExpectRejected(ClockUpdate(2, 1, 1, {{3, 2}}, values), StatusCode::kNonFinite);
+  }
+  // A device payload (as from a worker of the same process).
+  DeviceBufferPool pool(std::shared_ptr<Device>(NewCpuDevice()), 0);
+  std::shared_ptr<DeviceBuffer> on_device;
+  ASSERT_OK(pool.Acquire(good.size(), Stream::kWriteback, &on_device));
+  std::copy(good.begin(), good.end(), on_device->data);
+  on_device->data[0] = nan;
+  on_device->data[7] = -inf;
+  Message device_update = ClockUpdate(2, 1, 1, {{3, 2}}, {});
+  device_update.device_values = on_device;
+  std::vector<Message> out;
+  const Status refused = f.shard.Handle(device_update, &out);
+  EXPECT_CODE(refused, StatusCode::kNonFinite);
+  EXPECT_TRUE(out.empty());
+  for (const char* part : {"table 't5' (id 5)", "branch 0, clock 1", "worker 2's update", "2 of 8 values"}) {
+    if (refused.message().find(part) == std::string::npos) {
+      mltuner::testing::ReportFailure(__FILE__, __LINE__, "'" + std::string(part) + "' not in: " + refused.message());
+    }
+  }
+  EXPECT_TRUE(*f.shard.values(kTable) == f.before);
+
+  BadMessageFixture twin;
+  ASSERT_TRUE(twin.Setup());
+  for (int w = 0; w < kWorkers; ++w) {
+    ASSERT_OK(f.shard.Handle(ClockUpdate(w, 1, 1, {{3, 2}}, good), &out));
+    ASSERT_OK(twin.shard.Handle(ClockUpdate(w, 1, 1, {{3, 2}}, good), &out));
+  }
+  EXPECT_EQ(f.shard.global_clock(kTable), 1);
+  EXPECT_TRUE(*f.shard.values(kTable) == *twin.shard.values(kTable));
+
+  // Off (the twin): accepted, and the parameters become NaN.
+  std::vector<float> values = good;
+  values[0] = nan;
+  for (int w = 0; w < kWorkers; ++w) {
+    ASSERT_OK(twin.shard.Handle(ClockUpdate(w, 1, 2, {{3, 2}}, w == 0 ? values : good), &out));
+  }
+  EXPECT_TRUE(std::isnan((*twin.shard.values(kTable))[0]));
 }
 
 TEST(BadFetchAndInitAddGetErrorReplies) {

@@ -25,6 +25,8 @@ def test_python_defaults_are_the_engines() -> None:
     assert python.partitions_per_table == core.partitions_per_table
     assert python.branches == core.branches
     assert python.max_branches == core.max_branches
+    assert python.check_finite == core.check_finite
+    assert mltuner.Config(debug_buffers=False).debug_buffers == core.debug_buffers
     rule, core_rule = python.update_rule, core.update_rule
     assert rule.kind == core_rule.kind.name
     for name in ("learning_rate", "momentum", "beta1", "beta2", "epsilon", "dampening", "weight_decay"):

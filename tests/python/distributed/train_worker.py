@@ -7,7 +7,7 @@ It joins the job described by the MLTUNER_* variables and runs one scenario:
   seed on every rank): each clock, rank r reads the parameters with the given
   slack, computes the float64 gradient on batch (clock, r) and sends it.
   Optional: save a checkpoint at a clock, restore one before training, die
-  (SIGKILL itself) at a clock, sleep each clock to be slow.
+  (SIGKILL itself) at a clock, sleep each clock to be slow, send a NaN.
 - ``counters``: the SSP probe: every rank adds 1 per clock to its own row of a
   counter table and reads all rows with the given slack, recording
   (clock, row values) for the test to check against the staleness bound.
@@ -82,6 +82,8 @@ def linear(job: mltuner.Job, args: argparse.Namespace) -> dict[str, np.ndarray]:
         grad = worker.pre_update(update)
         layout.view(grad, "weight")[:] = x.T @ residual / len(x)
         layout.view(grad, "bias")[:] = residual.mean(axis=0)
+        if job.rank == args.nan_rank and clock == args.nan_at:
+            layout.view(grad, "weight")[0, 0] = np.nan
         worker.update(update)
         worker.clock()
         if args.save_at == clock + 1:
@@ -136,10 +138,14 @@ def main() -> int:
     parser.add_argument("--save-at", type=int, default=-1)
     parser.add_argument("--checkpoint", default="")
     parser.add_argument("--restore", default="")
+    parser.add_argument("--nan-rank", type=int, default=-1, help="this rank sends a NaN gradient value ...")
+    parser.add_argument("--nan-at", type=int, default=-1, help="... at this clock")
+    parser.add_argument("--check-finite", action="store_true")
     parser.add_argument("--secure", action="store_true")
     parser.add_argument("--heartbeat-timeout", type=float, default=5.0)
     args = parser.parse_args()
-    config = mltuner.Config(update_rule=mltuner.UpdateRule(args.rule, learning_rate=args.lr), wait_timeout_s=30)
+    config = mltuner.Config(update_rule=mltuner.UpdateRule(args.rule, learning_rate=args.lr), wait_timeout_s=30,
+                            check_finite=args.check_finite)
     try:
         with mltuner.Job(config, secure=True if args.secure else None,
                          heartbeat_timeout_s=args.heartbeat_timeout, rendezvous_timeout_s=30) as job:

@@ -43,12 +43,13 @@ RULES = {
 
 
 def _train(device: str, num_workers: int, budget: int, stream_kind: str = "default",
-           rule: str = "momentum") -> list[np.ndarray]:
+           rule: str = "momentum", debug_buffers: bool = False) -> list[np.ndarray]:
     config = mlt.Config(
         device=device,
         device_memory_budget=budget,
         wait_timeout_s=30,
         update_rule=RULES[rule],
+        debug_buffers=debug_buffers,
     )
     tables: dict[int, mlt.Table] = {}
     reads: dict[int, list[np.ndarray]] = {}
@@ -158,3 +159,70 @@ def test_device_array_is_dlpack_and_copyable() -> None:
         np.testing.assert_array_equal(buffer.numpy(), values)
         worker.update(h)
         np.testing.assert_array_equal(worker.fetch(table), values)
+
+
+def test_cuda_debug_buffers_poison_without_changing_training() -> None:
+    """Config(debug_buffers=True) on the GPU: the same numbers as without, and
+    a tensor read on the application's stream after its post sees NaN."""
+    np.testing.assert_array_equal(_train("cuda", 2, budget=0, debug_buffers=True)[0],
+                                  _train("cpu", 2, budget=0)[0])
+    config = mlt.Config(device="cuda", wait_timeout_s=30, debug_buffers=True)
+    with mlt.LocalCluster(1, config) as cluster:
+        worker = cluster.worker(0)
+        table = worker.create_table("t", 5, 8)
+        read = worker.virtual_read(table)
+        worker.virtual_post_read(read)
+        update = worker.virtual_pre_update(table)
+        worker.virtual_update(update)
+        worker.virtual_clock()
+        worker.finish_virtual_iteration()
+        worker.start_iterations()
+        params = torch.from_dlpack(worker.read(read))
+        assert torch.isfinite(params).all()
+        worker.post_read(read)
+        assert torch.isnan(params).all()  # queued on the default stream after the engine's fill
+        gradient = torch.from_dlpack(worker.pre_update(update))
+        gradient.fill_(1.0)
+        worker.update(update)
+        worker.clock()
+        worker.flush()
+        torch.cuda.synchronize()
+        assert torch.isnan(gradient).all()
+
+
+def test_cuda_check_finite_refuses_a_nan_gradient() -> None:
+    """The shards' count runs on the GPU (a device payload from a worker of
+    the same process): both workers fail naming the table and the sender."""
+    config = mlt.Config(device="cuda", wait_timeout_s=20, check_finite=True,
+                        update_rule=mlt.UpdateRule("sgd", learning_rate=0.1))
+    errors: dict[int, BaseException] = {}
+
+    def body(worker: mlt.Worker) -> None:
+        table = worker.create_table("weights", 8, 4)
+        update = worker.virtual_pre_update(table)
+        worker.virtual_update(update)
+        read = worker.virtual_read(table)
+        worker.virtual_post_read(read)
+        worker.virtual_clock()
+        worker.finish_virtual_iteration()
+        worker.start_iterations()
+        try:
+            for clock in range(4):
+                gradient = torch.from_dlpack(worker.pre_update(update))
+                gradient.fill_(0.5)
+                if worker.rank == 1 and clock == 1:
+                    gradient[2, 3] = float("nan")
+                worker.update(update)
+                worker.read(read)
+                worker.post_read(read)
+                worker.clock()
+            worker.sync()
+        except mlt.MltunerError as error:
+            errors[worker.rank] = error
+
+    with mlt.LocalCluster(2, config) as cluster:
+        cluster.run(body, timeout_s=60)
+    assert sorted(errors) == [0, 1]
+    for error in errors.values():
+        assert isinstance(error, mlt.NonFiniteError), repr(error)
+        assert "table 'weights' (id 0) on branch 0, clock 1: worker 1's update holds 1 of" in str(error)

@@ -6,7 +6,11 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <string>
+#include <unordered_map>
+
+#include <sys/mman.h>
 
 #include "mltuner/device.h"
 
@@ -92,17 +96,39 @@ bool StreamingGather(float* dst, const float* src, const RunIndex& index, int64_
 bool StreamingGather(float*, const float*, const RunIndex&, int64_t) { return false; }
 #endif
 
+// Zeroed blocks from this size up are fresh anonymous mappings: their pages
+// take RAM only once written. Below it, a page or two: malloc and memset.
+constexpr size_t kMappedBytes = size_t{1} << 20;
+
 class CpuDevice final : public Device {
  public:
   std::string name() const override { return "cpu"; }
   bool host_addressable() const override { return true; }
 
   Status Allocate(size_t bytes, void** out) override { return AlignedAllocate(bytes, "CpuDevice::Allocate", out); }
-  void Free(void* ptr) override { std::free(ptr); }
+  void Free(void* ptr) override { Release(ptr); }
   Status AllocateHost(size_t bytes, void** out) override {
     return AlignedAllocate(bytes, "CpuDevice::AllocateHost", out);
   }
-  void FreeHost(void* ptr) override { std::free(ptr); }
+  void FreeHost(void* ptr) override { Release(ptr); }
+
+  // Host and device memory are the same here.
+  Status AllocateZeroed(size_t bytes, bool, void** out) override {
+    if (bytes < kMappedBytes) {
+      MLT_RETURN_IF_ERROR(AlignedAllocate(bytes, "CpuDevice::AllocateZeroed", out));
+      std::memset(*out, 0, bytes);
+      return Status::Ok();
+    }
+    void* ptr = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (ptr == MAP_FAILED) {
+      return Status::ResourceExhausted("CpuDevice::AllocateZeroed of " + std::to_string(bytes) +
+                                       " bytes failed: out of host memory or address space (mmap)");
+    }
+    std::lock_guard<std::mutex> lock(mapped_mu_);
+    mapped_[ptr] = bytes;
+    *out = ptr;
+    return Status::Ok();
+  }
 
   Status PrepareIndex(RunIndex* index) override {
     int64_t total = 0;
@@ -167,13 +193,39 @@ class CpuDevice final : public Device {
                    Stream) override {
     for (int64_t i = 0; i < count; ++i) UpdateValue(step, params, state, update_sum, count, i);
   }
+  Status CountNonFinite(const float* data, int64_t count, Stream, int64_t* out) override {
+    *out = CountNonFiniteHost(data, count);
+    return Status::Ok();
+  }
   int ordinal() const override { return 0; }
 
  private:
+  // Memory of either allocator: a mapping is unmapped, anything else freed.
+  void Release(void* ptr) {
+    if (ptr == nullptr) return;
+    size_t mapped_bytes = 0;
+    {
+      std::lock_guard<std::mutex> lock(mapped_mu_);
+      auto found = mapped_.find(ptr);
+      if (found != mapped_.end()) {
+        mapped_bytes = found->second;
+        mapped_.erase(found);
+      }
+    }
+    if (mapped_bytes > 0) {
+      munmap(ptr, mapped_bytes);
+    } else {
+      std::free(ptr);
+    }
+  }
+
   static void Copy(void* dst, const void* src, size_t bytes) {
     // memcpy with a null pointer is undefined even for 0 bytes.
     if (bytes > 0) std::memcpy(dst, src, bytes);
   }
+
+  std::mutex mapped_mu_;
+  std::unordered_map<void*, size_t> mapped_;  // guarded by mapped_mu_: mappings from AllocateZeroed
 };
 
 }  // namespace

@@ -1,0 +1,41 @@
+// What every Device shares: the default AllocateZeroed, and the host-side
+// count of non-finite floats (the CPU backend's, and the shards' check of
+// payloads in host memory).
+#include <cstring>
+
+#include "mltuner/device.h"
+
+namespace mltuner {
+
+// NaN and the infinities are the floats whose exponent bits are all ones.
+// Comparing bits keeps the loop free of branches (so it vectorises) and does
+// not depend on what a fast-math build assumes about std::isfinite.
+int64_t CountNonFiniteHost(const float* data, int64_t count) {
+  int64_t found = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, data + i, sizeof(bits));
+    found += (bits & 0x7f800000u) == 0x7f800000u ? 1 : 0;
+  }
+  return found;
+}
+
+Status Device::AllocateZeroed(size_t bytes, bool host, void** out) {
+  void* data = nullptr;
+  MLT_RETURN_IF_ERROR(host ? AllocateHost(bytes, &data) : Allocate(bytes, &data));
+  if (host) {
+    std::memset(data, 0, bytes);
+  } else {
+    // Device memory may not be host-addressable: zero it with the device.
+    Fill(static_cast<float*>(data), 0.0f, bytes / sizeof(float), Stream::kApp);
+    const Status status = Synchronize(Stream::kApp);
+    if (!status.ok()) {
+      Free(data);
+      return status;
+    }
+  }
+  *out = data;
+  return Status::Ok();
+}
+
+}  // namespace mltuner

@@ -1,5 +1,5 @@
 // ProcessNode: the C++ half of a worker process in a distributed job. The
-// Python transport (mltuner/dist/_transport.py) moves its bytes: it takes
+// Python transport (mltuner/transport/_sockets.py) moves its bytes: it takes
 // encoded messages from next_outgoing and sends the payload array with
 // ZeroMQ without copying it, and hands received frames to deliver, which
 // decodes and validates them with the GIL released.

@@ -1,6 +1,6 @@
 // ProcessNode: one worker process of a distributed job — its engine, its
 // server shard, and the queues between them and a socket transport
-// (python/mltuner/dist moves the bytes with ZeroMQ).
+// (python/mltuner/transport moves the bytes with ZeroMQ).
 //
 // Messages between this process's engine and shard never leave memory.
 // Messages for other ranks wait in an outbox until the transport's send

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 
 import mltuner
-from mltuner.dist import ProcessEnv
-from mltuner.dist._env import free_port
+from mltuner.launch import ProcessEnv
+from mltuner.launch._env import free_port
 
 HEARTBEAT_TIMEOUT_S = 3.0
 
@@ -128,7 +128,7 @@ def test_launch_stops_the_job_when_a_worker_is_killed(tmp_path: Path) -> None:
     import sys
 
     from conftest import WORKER  # type: ignore[import-not-found]
-    from mltuner.dist import launch
+    from mltuner.launch import launch
 
     out = io.StringIO()
     started = time.monotonic()

@@ -18,9 +18,9 @@ import pytest
 import zmq
 
 import mltuner
-from mltuner.dist import ProcessEnv
-from mltuner.dist._env import free_port
-from mltuner.dist._security import derive_keys, secure_client
+from mltuner.launch import ProcessEnv
+from mltuner.launch._env import free_port
+from mltuner.transport._security import derive_keys, secure_client
 
 CLOCKS = 5
 

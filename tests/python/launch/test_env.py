@@ -1,4 +1,4 @@
-"""mltuner.dist._env: detecting rank, world size and master from a launcher's variables."""
+"""mltuner.launch._env: detecting rank, world size and master from a launcher's variables."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from mltuner.dist._env import (
+from mltuner.launch._env import (
     ProcessEnv,
     detect_environment,
     first_slurm_host,

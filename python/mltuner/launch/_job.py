@@ -31,13 +31,13 @@ from mltuner import _core
 from mltuner._config import MAX_WAIT_S, Config
 from mltuner._validate import boolean, integer, real, text
 from mltuner.client._worker import Worker
-from mltuner.dist import _checkpoint
-from mltuner.dist._env import ProcessEnv, detect_environment, is_loopback
-from mltuner.dist._guard import ConnectionGuard, limit_input
-from mltuner.dist._rendezvous import ControlClient, Coordinator
-from mltuner.dist._security import CurveKeys, derive_keys, secure_server, start_authenticator, user_loopback_secret
-from mltuner.dist._transport import SocketTransport
 from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError, MltunerError
+from mltuner.launch import _checkpoint
+from mltuner.launch._env import ProcessEnv, detect_environment, is_loopback
+from mltuner.launch._rendezvous import ControlClient, Coordinator
+from mltuner.transport._guard import ConnectionGuard, limit_input
+from mltuner.transport._security import CurveKeys, derive_keys, secure_server, start_authenticator, user_loopback_secret
+from mltuner.transport._sockets import SocketTransport
 
 __all__ = ["Job", "DEFAULT_MAX_MESSAGE_BYTES"]
 
@@ -47,7 +47,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
 # Connections a data socket accepts beyond one per peer (reconnects).
 _SPARE_CONNECTIONS = 16
 
-_log = logging.getLogger("mltuner.dist")
+_log = logging.getLogger("mltuner.launch")
 
 
 class Job:
@@ -57,7 +57,7 @@ class Job:
         config: engine settings; every rank must use the same update rule,
             wait timeout and prefetch depth (checked at the rendezvous).
         env: where this process sits; by default read from the environment
-            (see :func:`mltuner.dist.detect_environment`).
+            (see :func:`mltuner.launch.detect_environment`).
         rendezvous_timeout_s: how long to wait for every rank to arrive.
         heartbeat_interval_s: how often each process tells every peer it is alive.
         heartbeat_timeout_s: a peer silent this long is declared lost: every

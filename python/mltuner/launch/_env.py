@@ -23,8 +23,8 @@ import socket
 from collections.abc import Iterator, Mapping
 from typing import Literal, Union
 
-from mltuner.dist._security import read_secret_file
 from mltuner.exceptions import InvalidArgumentError
+from mltuner.transport._security import read_secret_file
 
 __all__ = [
     "ProcessEnv",
@@ -113,7 +113,7 @@ def detect_environment(env: Mapping[str, str] | None = None) -> ProcessEnv:
     Whatever the launcher, ``MLTUNER_BIND_HOST`` overrides the bind address
     and ``MLTUNER_SECRET`` (or a file named by ``MLTUNER_SECRET_FILE``) gives
     the shared secret. Without either, a job on loopback addresses uses this
-    user's own key (see :mod:`mltuner.dist._security`).
+    user's own key (see :mod:`mltuner.transport._security`).
 
     Raises:
         InvalidArgumentError (a ValueError): a variable is not an integer or out of range, a variable a

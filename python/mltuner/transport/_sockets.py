@@ -32,13 +32,13 @@ from typing import Any
 import zmq
 
 from mltuner import _core
-from mltuner.dist._guard import ConnectionGuard, RejectionLog
-from mltuner.dist._security import CurveKeys, secure_client
 from mltuner.exceptions import CorruptMessageError
+from mltuner.transport._guard import ConnectionGuard, RejectionLog
+from mltuner.transport._security import CurveKeys, secure_client
 
 __all__ = ["SocketTransport"]
 
-_log = logging.getLogger("mltuner.dist")
+_log = logging.getLogger("mltuner.transport")
 _HEARTBEAT = b"MLTN-HB"
 _GOODBYE = b"MLTN-BYE"
 _RANK = struct.Struct("<i")

@@ -28,13 +28,13 @@ from typing import Any
 
 import zmq
 
-from mltuner.dist._guard import ConnectionGuard, RejectionLog, limit_input
-from mltuner.dist._security import CurveKeys, secure_client, secure_server
 from mltuner.exceptions import InvalidArgumentError, PeerLostError, WaitTimeoutError
+from mltuner.transport._guard import ConnectionGuard, RejectionLog, limit_input
+from mltuner.transport._security import CurveKeys, secure_client, secure_server
 
 __all__ = ["Coordinator", "ControlClient"]
 
-_log = logging.getLogger("mltuner.dist")
+_log = logging.getLogger("mltuner.launch")
 _MAX_FRAME = 1 << 20
 _POLL_MS = 100
 # Connections the coordinator accepts beyond one per rank (reconnects).

@@ -35,6 +35,7 @@ from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError, MltunerE
 from mltuner.launch import _checkpoint
 from mltuner.launch._env import ProcessEnv, detect_environment, is_loopback
 from mltuner.launch._rendezvous import ControlClient, Coordinator
+from mltuner.launch._torch_store import lookup_address, publish_address
 from mltuner.transport._guard import ConnectionGuard, limit_input
 from mltuner.transport._security import CurveKeys, derive_keys, secure_server, start_authenticator, user_loopback_secret
 from mltuner.transport._sockets import SocketTransport
@@ -214,7 +215,9 @@ class Job:
         if self._authenticator is not None:
             self._authenticator.stop()  # type: ignore[attr-defined]
         if self._context is not None:
-            self._context.term()
+            # Closes what a failed start left open too; the sockets above
+            # already lingered as long as they were allowed to.
+            self._context.destroy(linger=0)
 
     def __enter__(self) -> Job:
         return self
@@ -267,13 +270,10 @@ class Job:
         guard = ConnectionGuard(inbox, port, f"rank {self.rank}'s data socket",
                                 self.world_size - 1 + _SPARE_CONNECTIONS, _log)
         endpoint = self.endpoint = f"tcp://{_bracketed(_advertised_host(self.env))}:{port}"
-        if self.rank == 0:
-            self._coordinator = Coordinator(self._context, self.env.bind_host, self.env.master_port,
-                                            self.world_size, keys)
-        self._control = ControlClient(self._context, self.env.master_addr, self.env.master_port, self.rank, keys,
-                                      self._lost_peer)
-        missing = self._coordinator.missing_ranks if self._coordinator else None
         try:
+            host, port = self._rendezvous_address(keys, rendezvous_timeout_s)
+            self._control = ControlClient(self._context, host, port, self.rank, keys, self._lost_peer)
+            missing = self._coordinator.missing_ranks if self._coordinator else None
             endpoints = self._control.join(self.world_size, endpoint, _fingerprint(self.config),
                                            rendezvous_timeout_s, missing)
         except BaseException:
@@ -283,6 +283,23 @@ class Job:
         self._transport = SocketTransport(self._node, self._context, inbox, guard, endpoints, keys,
                                           heartbeat_interval_s=heartbeat_interval_s,
                                           heartbeat_timeout_s=heartbeat_timeout_s)
+
+    def _rendezvous_address(self, keys: CurveKeys | None, timeout_s: float) -> tuple[str, int]:
+        """Starts rank 0's coordinator; returns where every rank finds it.
+
+        Under torchrun the master port is torchrun's own store: rank 0 binds
+        a free port and publishes it there, and the others read it."""
+        env = self.env
+        assert self._context is not None
+        if self.rank == 0:
+            self._coordinator = Coordinator(self._context, env.bind_host, 0 if env.torch_store_key else env.master_port,
+                                            self.world_size, keys)
+            if env.torch_store_key:
+                address = f"{_bracketed(_advertised_host(env))}:{self._coordinator.port}"
+                publish_address(env.master_addr, env.master_port, env.torch_store_key, address, timeout_s)
+        if env.torch_store_key:
+            return lookup_address(env.master_addr, env.master_port, env.torch_store_key, timeout_s)
+        return env.master_addr, env.master_port
 
     def _lost_peer(self) -> str | None:
         return self._transport.lost if self._transport else None

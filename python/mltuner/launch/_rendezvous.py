@@ -27,9 +27,10 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from mltuner.exceptions import InvalidArgumentError, PeerLostError, WaitTimeoutError
-from mltuner.transport._guard import ConnectionGuard, RejectionLog, limit_input
+from mltuner.transport._guard import ConnectionGuard, RejectionLog, describe_handshake_failure, limit_input
 from mltuner.transport._security import CurveKeys, secure_client, secure_server
 
 __all__ = ["Coordinator", "ControlClient"]
@@ -39,6 +40,10 @@ _MAX_FRAME = 1 << 20
 _POLL_MS = 100
 # Connections the coordinator accepts beyond one per rank (reconnects).
 _SPARE_CONNECTIONS = 16
+_FAILED_HANDSHAKE = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+_CLIENT_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _FAILED_HANDSHAKE
+_FAILED_HANDSHAKES_TO_GIVE_UP = 3
 
 
 def _encode(message: dict[str, Any]) -> bytes:
@@ -75,7 +80,10 @@ class Coordinator:
                 self.port = port
         except zmq.ZMQError as error:
             self._socket.close()
-            raise OSError(f"rank 0 cannot listen on {bind_host}:{port} for the rendezvous: {error}") from error
+            hint = (": another program holds that port (another job, or a launcher's own store); choose another "
+                    "master port" if error.errno == zmq.EADDRINUSE else "")
+            raise InvalidArgumentError(f"rank 0 cannot listen on {bind_host}:{port} for the rendezvous: "
+                                       f"{error.strerror}{hint}") from None
         self.guard = ConnectionGuard(self._socket, self.port, "the rendezvous socket",
                                      world_size + _SPARE_CONNECTIONS, _log)
         self.rejections = RejectionLog(_log, "the rendezvous socket")
@@ -197,20 +205,30 @@ class Coordinator:
 
 class ControlClient:
     """One rank's side of the control channel. Not thread-safe: use it from
-    the thread that made it."""
+    the thread that made it.
 
-    def __init__(self, context: zmq.Context[zmq.Socket[bytes]], master_addr: str, port: int, rank: int,
+    It watches its own connection (a ZeroMQ monitor), so a rendezvous that
+    cannot work fails with the reason instead of waiting out the timeout:
+    handshakes refused again and again mean another secret, or a program
+    that is not rank 0 on its port (another job, a launcher's store). When
+    nothing answers at all, the timeout's message says so."""
+
+    def __init__(self, context: zmq.Context[zmq.Socket[bytes]], host: str, port: int, rank: int,
                  keys: CurveKeys | None, should_stop: Callable[[], str | None]) -> None:
         self._rank = rank
-        self._address = f"{master_addr}:{port}"
+        self._address = f"{host}:{port}"
         self._should_stop = should_stop
         self._socket = context.socket(zmq.DEALER)
         self._socket.linger = 0
         limit_input(self._socket, _MAX_FRAME)
         if keys is not None:
             secure_client(self._socket, keys)
-        host = f"[{master_addr}]" if ":" in master_addr else master_addr
-        self._socket.connect(f"tcp://{host}:{port}")
+        self._monitor = self._socket.get_monitor_socket(_CLIENT_EVENTS)
+        self._connected = False  # a TCP connection was made at least once
+        self._handshaken = False  # and completed mltuner's ZeroMQ handshake
+        self._failed_handshakes = 0
+        bracketed = f"[{host}]" if ":" in host else host
+        self._socket.connect(f"tcp://{bracketed}:{port}")
 
     def join(self, world_size: int, endpoint: str, fingerprint: str, timeout_s: float,
              missing: Callable[[], list[int]] | None = None) -> list[str]:
@@ -253,7 +271,47 @@ class ControlClient:
         return values
 
     def close(self) -> None:
+        try:
+            self._socket.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._monitor.close(linger=0)
         self._socket.close()
+
+    def _watch_connection(self) -> None:
+        """Reads the monitor's events; raises once the handshake with the
+        rendezvous address has failed a few times in a row without ever
+        succeeding (one failure may be a rank 0 that is busy or cutting a
+        flood; ZeroMQ retries every 0.1 s, or 5 s when nothing answers)."""
+        while True:
+            try:
+                frames = self._monitor.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            message = parse_monitor_message(frames)
+            event, value = int(message["event"]), int(message["value"])
+            if event == zmq.EVENT_CONNECTED:
+                self._connected = True
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._handshaken = True
+            elif event & _FAILED_HANDSHAKE and not self._handshaken:
+                self._failed_handshakes += 1
+                if self._failed_handshakes >= _FAILED_HANDSHAKES_TO_GIVE_UP:
+                    raise InvalidArgumentError(
+                        f"the rendezvous address {self._address} refused this process's handshake "
+                        f"{self._failed_handshakes} times ({describe_handshake_failure(event, value)}): either "
+                        "rank 0 there has a different secret (MLTUNER_SECRET, MLTUNER_SECRET_FILE, or another "
+                        "user's loopback key), or the program there is not this job's rank 0 (another job, or a "
+                        "launcher's own store on that port): check the secret and the master address and port")
+
+    def _unanswered(self) -> str:
+        """Why the rendezvous has not answered yet, for a timeout's message."""
+        if not self._connected:
+            return (f"nothing accepted a connection at {self._address}: is rank 0 running, and are the master "
+                    "address and port the same on every process?")
+        if not self._handshaken:
+            return f"a connection to {self._address} was made but never completed the handshake"
+        return ""
 
     def _send(self, message: dict[str, Any]) -> None:
         self._socket.send(_encode(message))
@@ -266,7 +324,10 @@ class ControlClient:
                 raise PeerLostError(lost)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise WaitTimeoutError(timeout_message())
+                self._watch_connection()
+                why = self._unanswered()
+                raise WaitTimeoutError(timeout_message() + (f" ({why})" if why else ""))
+            self._watch_connection()
             if not self._socket.poll(min(_POLL_MS, int(remaining * 1000) + 1)):
                 continue
             message = _decode(self._socket.recv())

@@ -27,7 +27,7 @@ import time
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-__all__ = ["RejectionLog", "ConnectionGuard", "limit_input", "HANDSHAKE_TIMEOUT_MS"]
+__all__ = ["RejectionLog", "ConnectionGuard", "limit_input", "describe_handshake_failure", "HANDSHAKE_TIMEOUT_MS"]
 
 # A peer that has not finished the CURVE handshake this long after connecting
 # is dropped: an honest peer needs milliseconds.
@@ -70,6 +70,21 @@ def limit_input(socket: zmq.Socket[bytes], max_frame_bytes: int) -> None:
     socket.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_TIMEOUT_MS)
 
 
+def describe_handshake_failure(kind: int, value: int) -> str:
+    """Words for a monitor's handshake-failure event (ZeroMQ's own strerror
+    knows none of the protocol codes)."""
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return "unknown key"
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        return _PROTOCOL_ERRORS.get(value, f"protocol error {value:#x}")
+    return zmq.strerror(value)
+
+
+# Protocol errors a handshake between ZeroMQ peers reports.
+_PROTOCOL_ERRORS: dict[int, str] = {
+    int(zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC): "keys of another secret",
+    int(zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH): "one side without CURVE",
+}
 _FAILED_HANDSHAKE = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | _FAILED_HANDSHAKE
@@ -103,7 +118,7 @@ class ConnectionGuard:
                     self._live.remove(value)
             elif kind & _FAILED_HANDSHAKE:
                 self.refused.record(f"a connection that failed the CURVE handshake "
-                                    f"({zmq.strerror(value) if kind != zmq.EVENT_HANDSHAKE_FAILED_AUTH else 'unknown key'})")
+                                    f"({describe_handshake_failure(kind, value)})")
         while len(self._live) > self._cap:
             descriptor = self._live.pop()  # the newest: still in its handshake
             self.refused.record(f"a connection beyond the limit of {self._cap} on this port")

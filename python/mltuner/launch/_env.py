@@ -24,6 +24,7 @@ from collections.abc import Iterator, Mapping
 from typing import Literal, Union
 
 from mltuner.exceptions import InvalidArgumentError
+from mltuner.transport._address import TransportKind
 from mltuner.transport._security import read_secret_file
 
 __all__ = [
@@ -39,7 +40,6 @@ __all__ = [
 ]
 
 Source = Literal["mltuner", "torchrun", "slurm", "openmpi", "single"]
-TransportKind = Literal["auto", "tcp", "ipc"]
 TRANSPORTS: tuple[TransportKind, ...] = ("auto", "tcp", "ipc")
 
 # Slurm gives no port, so every job derives one from its id: tasks of one job

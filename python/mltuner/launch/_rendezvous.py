@@ -4,14 +4,16 @@ Rank 0 runs a :class:`Coordinator` (a ROUTER socket on the master address, in
 its own thread). Every rank, rank 0 included, talks to it through a
 :class:`ControlClient` (a DEALER socket used only by the thread that made it):
 
-- ``join`` sends this rank's data endpoint and a fingerprint of its settings,
-  and returns every rank's endpoint once all ranks have joined with the same
+- ``join`` sends this rank's card (its host and the endpoints of its data
+  and control sockets, a JSON object) and a fingerprint of its settings, and
+  returns every rank's card once all ranks have joined with the same
   fingerprint;
 - ``barrier`` returns once every rank has entered the barrier of that name;
 - ``allgather`` is a barrier that carries one JSON value per rank and returns
   them all, by rank (the tuner's commands and clock reports travel this way).
 
-Messages are single JSON frames of at most 1 MiB (ZeroMQ refuses a larger
+These sockets use the ZeroMQ I/O thread of the control channel, never
+queued behind data. Messages are single JSON frames of at most 1 MiB (ZeroMQ refuses a larger
 announced frame before reading it); anything else is dropped, counted and
 logged at a bounded rate. Both ends are CURVE sockets of the job. Every wait
 is bounded and polls ``should_stop`` so a lost peer ends it at once.
@@ -30,6 +32,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from mltuner.exceptions import InvalidArgumentError, PeerLostError, WaitTimeoutError
+from mltuner.transport._control import CONTROL_IO_THREAD
 from mltuner.transport._guard import ConnectionGuard, RejectionLog, describe_handshake_failure, limit_input
 from mltuner.transport._security import CurveKeys, secure_client, secure_server
 
@@ -67,6 +70,7 @@ class Coordinator:
                  keys: CurveKeys | None) -> None:
         self._world_size = world_size
         self._socket = context.socket(zmq.ROUTER)
+        self._socket.affinity = CONTROL_IO_THREAD  # never behind data
         self._socket.linger = 0
         limit_input(self._socket, _MAX_FRAME)
         if keys is not None:
@@ -84,10 +88,10 @@ class Coordinator:
                     "master port" if error.errno == zmq.EADDRINUSE else "")
             raise InvalidArgumentError(f"rank 0 cannot listen on {bind_host}:{port} for the rendezvous: "
                                        f"{error.strerror}{hint}") from None
-        self.guard = ConnectionGuard(self._socket, self.port, "the rendezvous socket",
+        self.guard = ConnectionGuard(self._socket, {self.port}, "the rendezvous socket",
                                      world_size + _SPARE_CONNECTIONS, _log)
         self.rejections = RejectionLog(_log, "the rendezvous socket")
-        self._members: dict[int, tuple[bytes, str, str]] = {}  # rank -> (routing id, endpoint, fingerprint)
+        self._members: dict[int, tuple[bytes, Any, str]] = {}  # rank -> (routing id, card, fingerprint)
         self._barriers: dict[str, set[int]] = {}
         self._gathers: dict[str, dict[int, Any]] = {}
         self._lock = threading.Lock()
@@ -156,7 +160,11 @@ class Coordinator:
             if known is not None and known[0] != routing_id:
                 self._send(routing_id, {"op": "error", "message": f"two processes claim rank {rank}"})
                 return
-            self._members[rank] = (routing_id, str(message.get("endpoint")), str(message.get("fingerprint")))
+            card = message.get("card")
+            if not isinstance(card, dict):
+                self._send(routing_id, {"op": "error", "message": f"rank {rank} joined without a card"})
+                return
+            self._members[rank] = (routing_id, card, str(message.get("fingerprint")))
             if len(self._members) < self._world_size:
                 return
             members = [self._members[r] for r in range(self._world_size)]
@@ -166,7 +174,7 @@ class Coordinator:
                 "the workers were started with different settings: " +
                 "; ".join(f"rank {r}: {m[2]}" for r, m in enumerate(members)))}
         else:
-            reply = {"op": "welcome", "endpoints": [m[1] for m in members]}
+            reply = {"op": "welcome", "cards": [m[1] for m in members]}
         for member in members:
             self._send(member[0], reply)
 
@@ -219,6 +227,7 @@ class ControlClient:
         self._address = f"{host}:{port}"
         self._should_stop = should_stop
         self._socket = context.socket(zmq.DEALER)
+        self._socket.affinity = CONTROL_IO_THREAD  # never behind data
         self._socket.linger = 0
         limit_input(self._socket, _MAX_FRAME)
         if keys is not None:
@@ -230,10 +239,11 @@ class ControlClient:
         bracketed = f"[{host}]" if ":" in host else host
         self._socket.connect(f"tcp://{bracketed}:{port}")
 
-    def join(self, world_size: int, endpoint: str, fingerprint: str, timeout_s: float,
-             missing: Callable[[], list[int]] | None = None) -> list[str]:
-        """Every rank's data endpoint, by rank, once all have joined."""
-        self._send({"op": "join", "rank": self._rank, "world_size": world_size, "endpoint": endpoint,
+    def join(self, world_size: int, card: dict[str, Any], fingerprint: str, timeout_s: float,
+             missing: Callable[[], list[int]] | None = None) -> list[Any]:
+        """Every rank's card, by rank, once all have joined (the caller
+        checks each: they came over the network)."""
+        self._send({"op": "join", "rank": self._rank, "world_size": world_size, "card": card,
                     "fingerprint": fingerprint})
 
         def timed_out() -> str:
@@ -242,10 +252,10 @@ class ControlClient:
                     "process was started with the same master address, port and world size (and secret)")
 
         reply = self._expect("welcome", timeout_s, timed_out)
-        endpoints = reply.get("endpoints")
-        if not isinstance(endpoints, list) or len(endpoints) != world_size:
+        cards = reply.get("cards")
+        if not isinstance(cards, list) or len(cards) != world_size:
             raise InvalidArgumentError(f"malformed rendezvous reply from {self._address}")
-        return [str(e) for e in endpoints]
+        return cards
 
     def barrier(self, name: str, timeout_s: float) -> None:
         """Returns once every rank has called ``barrier(name)``."""

@@ -23,6 +23,7 @@ import logging
 import os
 import socket as pysocket
 import time
+from collections.abc import Collection
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -93,10 +94,11 @@ _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | _FAIL
 class ConnectionGuard:
     """Counts refused connections of one bound socket and caps live ones."""
 
-    def __init__(self, socket: zmq.Socket[bytes], port: int, where: str, max_connections: int,
+    def __init__(self, socket: zmq.Socket[bytes], bound: Collection[int | str], where: str, max_connections: int,
                  logger: logging.Logger) -> None:
+        """``bound``: the socket's TCP ports and ``ipc://`` paths."""
         self._socket = socket
-        self._port = port
+        self._bound = frozenset(bound)
         self._cap = max_connections
         self.monitor = socket.get_monitor_socket(_EVENTS)
         self.refused = RejectionLog(logger, where)
@@ -122,7 +124,7 @@ class ConnectionGuard:
         while len(self._live) > self._cap:
             descriptor = self._live.pop()  # the newest: still in its handshake
             self.refused.record(f"a connection beyond the limit of {self._cap} on this port")
-            _cut(descriptor, self._port)
+            _cut(descriptor, self._bound)
 
     def close(self) -> None:
         try:
@@ -132,17 +134,18 @@ class ConnectionGuard:
         self.monitor.close(linger=0)
 
 
-def _cut(descriptor: int, port: int) -> None:
-    # ZeroMQ offers no call to drop one connection; shutting the TCP socket
-    # down makes its I/O thread see the peer leave and clean up after itself.
+def _cut(descriptor: int, bound: frozenset[int | str]) -> None:
+    # ZeroMQ offers no call to drop one connection; shutting the socket down
+    # makes its I/O thread see the peer leave and clean up after itself.
     try:
         copy = pysocket.socket(fileno=os.dup(descriptor))
     except OSError:
         return  # already closed
     try:
         # The number may have been reused since the event: cut it only if it
-        # is still a connection accepted on this port.
-        if copy.getsockname()[1] == port:
+        # is still a connection accepted on this socket's port or path.
+        name = copy.getsockname()
+        if (name[1] if isinstance(name, tuple) else name) in bound:
             copy.shutdown(pysocket.SHUT_RDWR)
     except OSError:
         pass

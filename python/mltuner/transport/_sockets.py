@@ -1,22 +1,29 @@
-"""Moves a ProcessNode's messages between processes over ZeroMQ.
+"""Moves a ProcessNode's data messages between processes over ZeroMQ.
 
-Each process binds one PULL socket that every peer sends to, and connects one
-PUSH socket to each peer. Two threads, each owning its sockets:
+Each process binds one data socket (PULL) that every peer sends to, and
+connects one PUSH to each peer's, through ``ipc://`` on one host and
+``tcp://`` between hosts (:mod:`mltuner.transport._address`). Two threads,
+each owning its sockets:
 
 - the send thread takes encoded messages from the node (waiting with the GIL
   released) and sends the header frame and the payload array with no copy
   (ZeroMQ holds the array until the bytes are out, then the buffer returns to
-  the node's pool); every ``heartbeat_interval_s`` it also sends each peer a
-  heartbeat;
+  the node's pool);
 - the receive thread hands data frames to the node, which validates them in
-  C++ with the GIL released, and records when each peer was last heard from.
-  A peer silent for ``heartbeat_timeout_s`` is declared lost: the node aborts,
-  and every engine call on this process raises PeerLostError naming the rank.
-  It also reads the inbox's connection guard (failed handshakes, the cap on
-  connections).
+  C++ with the GIL released, and reads the data socket's connection guard
+  (failed handshakes, the cap on connections).
 
-Every socket is a CURVE socket of the job, so heartbeats and goodbyes are
-authenticated like data: a process without the job's secret cannot forge one.
+Liveness is not judged here: heartbeats travel on the control channel
+(:mod:`mltuner.transport._control`), so a backlog of data never makes a
+healthy peer look dead.
+
+Bounded queues: the payload bytes handed to ZeroMQ for one peer and not yet
+written out are bounded (``queue_limit``, from the plan: a few clocks of
+this process's traffic to that peer). A send that would pass the bound waits
+until the peer has taken enough (back-pressure: the node's outbox then fills
+and the engine waits on it), for at most ``wait_timeout_s``; a peer that
+takes nothing for that long while its heartbeats still arrive is stuck, and
+the job fails naming it. ZeroMQ's own queues are bounded in messages too.
 
 Messages between this process's own engine and shard never come here.
 """
@@ -24,56 +31,73 @@ Messages between this process's own engine and shard never come here.
 from __future__ import annotations
 
 import logging
-import struct
 import threading
 import time
+import weakref
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import zmq
 
 from mltuner import _core
 from mltuner.exceptions import CorruptMessageError
+from mltuner.transport._control import DATA_IO_THREAD
 from mltuner.transport._guard import ConnectionGuard, RejectionLog
 from mltuner.transport._security import CurveKeys, secure_client
 
-__all__ = ["SocketTransport"]
+__all__ = ["SocketTransport", "SEND_QUEUE_MESSAGES", "RECEIVE_QUEUE_MESSAGES"]
 
 _log = logging.getLogger("mltuner.transport")
-_HEARTBEAT = b"MLTN-HB"
-_GOODBYE = b"MLTN-BYE"
-_RANK = struct.Struct("<i")
-_SENDER_OFFSET = 8  # MessageHeader: magic u32, version u16, type u16, sender i32
-_POLL_MS = 50
+_POLL_S = 0.05
+# ZeroMQ's queues in messages (bytes are bounded by queue_limit on the send
+# side; pyzmq copies frames below 64 KiB, so small messages are bounded too).
+# The receive thread hands each message on at once; when it falls behind, a
+# peer's connection holds at most RECEIVE_QUEUE_MESSAGES before the kernel's
+# flow control makes the sender's queue grow (and its bound apply).
+SEND_QUEUE_MESSAGES = 1000
+RECEIVE_QUEUE_MESSAGES = 64
 
 
 class SocketTransport:
-    """The send and receive threads of one process (see the module doc)."""
+    """The data send and receive threads of one process (see the module doc).
 
-    def __init__(self, node: _core.ProcessNode, context: zmq.Context[zmq.Socket[bytes]],
-                 inbox: zmq.Socket[bytes], guard: ConnectionGuard, endpoints: list[str], keys: CurveKeys | None, *,
-                 heartbeat_interval_s: float, heartbeat_timeout_s: float) -> None:
+    Args:
+        node: this process's engine and shard.
+        inbox: the bound data socket; the transport owns it from here on.
+        peers: each peer's data endpoint, by rank.
+        queue_limit: the payload bytes that may wait in ZeroMQ for one peer
+            (a single larger message is let through alone); called again
+            when the tables change, so it can follow the plan.
+        wait_timeout_s: how long a send may wait for room before the job
+            fails.
+    """
+
+    def __init__(self, node: _core.ProcessNode, context: zmq.Context[zmq.Socket[bytes]], inbox: zmq.Socket[bytes],
+                 guard: ConnectionGuard, peers: dict[int, str], keys: CurveKeys | None, *,
+                 queue_limit: Callable[[], int], wait_timeout_s: float) -> None:
         self._node = node
         self._rank = int(node.rank)
         self._inbox = inbox
         self.guard = guard
-        self._interval = heartbeat_interval_s
-        self._timeout = heartbeat_timeout_s
+        self._queue_limit = queue_limit
+        self._wait_timeout = wait_timeout_s
         self._peers: dict[int, zmq.Socket[bytes]] = {}
-        for rank, endpoint in enumerate(endpoints):
-            if rank == self._rank:
-                continue
+        for rank, endpoint in peers.items():
             socket = context.socket(zmq.PUSH)
-            socket.linger = 1000  # at close, give queued bytes a second to leave
-            socket.sndhwm = 0  # the engine's pipeline bounds what is in flight
+            socket.affinity = DATA_IO_THREAD
+            socket.sndhwm = SEND_QUEUE_MESSAGES
             if keys is not None:
                 secure_client(socket, keys)
             socket.connect(endpoint)
             self._peers[rank] = socket
-        now = time.monotonic()
-        self._last_heard = {rank: now for rank in self._peers}
-        self._departed: set[int] = set()
-        self.lost: str | None = None  # why the job lost a peer, once it has
-        # Messages refused here or by the node (the node also counts its own).
+        self.endpoints = dict(peers)
+        # Payload bytes handed to ZeroMQ per peer and not yet released by it.
+        self._queued = {rank: 0 for rank in self._peers}
+        self.peak_queued = {rank: 0 for rank in self._peers}
+        self._room = threading.Condition()
+        self.stuck: str | None = None  # why a peer was declared stuck, once it is
+        # Messages refused here (the node counts the messages it refuses).
         self._rejected = 0
         self.rejections = RejectionLog(_log, f"rank {self._rank}'s data socket")
         self._stopping = threading.Event()
@@ -85,18 +109,16 @@ class SocketTransport:
             thread.start()
 
     def stop(self, *, graceful: bool = True) -> None:
-        """Says goodbye to the peers and joins both threads. Call after the
-        node is shut down (its outbox is then closed and drains). Not
-        graceful, or once a peer is lost, nothing waits for unsent bytes."""
+        """Joins both threads and closes the sockets. Call after the node is
+        shut down (its outbox is then closed and drains). Graceful, queued
+        bytes get a second to leave."""
         self._stopping.set()
+        with self._room:
+            self._room.notify_all()
         for thread in self._threads:
             thread.join(10.0)
-        linger_ms = 1000 if graceful and self.lost is None else 0
+        linger_ms = 1000 if graceful and not self._node.aborted else 0
         for socket in self._peers.values():
-            try:
-                socket.send(_GOODBYE + _RANK.pack(self._rank), flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
             socket.close(linger=linger_ms)
         self.guard.close()
         self._inbox.close(linger=0)
@@ -106,37 +128,71 @@ class SocketTransport:
         """Frames refused here (the node counts the messages it refuses)."""
         return self._rejected
 
+    def queued_bytes(self, rank: int) -> int:
+        """Payload bytes waiting in ZeroMQ for peer ``rank``."""
+        with self._room:
+            return self._queued[rank]
+
     # -- sending ------------------------------------------------------------------
     def _send_loop(self) -> None:
-        next_beat = 0.0
         while True:
-            now = time.monotonic()
-            if now >= next_beat:
-                self._broadcast(_HEARTBEAT + _RANK.pack(self._rank))
-                next_beat = now + self._interval
-            item = self._node.next_outgoing(max(1, int((next_beat - now) * 1000)))
+            item = self._node.next_outgoing(int(_POLL_S * 1000))
             if item is None:
                 if self._stopping.is_set():
                     return
                 continue
             receiver, header, payload = item
-            self._send_frames(self._peers[receiver], [header, payload])
+            size = payload.nbytes if isinstance(payload, np.ndarray) else len(payload)
+            if not self._wait_for_room(receiver, size):
+                continue  # aborted or stopping: the message is dropped with the job
+            if self._send_frames(receiver, [header, payload]) and isinstance(payload, np.ndarray) and size:
+                with self._room:
+                    self._queued[receiver] += size
+                    self.peak_queued[receiver] = max(self.peak_queued[receiver], self._queued[receiver])
+                # ZeroMQ drops its reference once the bytes are out; then the
+                # array dies and its bytes leave the count.
+                weakref.finalize(payload, self._release, receiver, size)
 
-    def _send_frames(self, socket: zmq.Socket[bytes], frames: list[Any]) -> None:
-        # Non-blocking with a poll so that a stop or a lost peer ends the wait.
+    def _release(self, receiver: int, size: int) -> None:
+        with self._room:
+            self._queued[receiver] -= size
+            self._room.notify_all()
+
+    def _wait_for_room(self, receiver: int, size: int) -> bool:
+        """Waits until peer ``receiver``'s queue can take ``size`` more bytes
+        (or is empty). False when the job stops or aborts first."""
+        deadline = time.monotonic() + self._wait_timeout
+        with self._room:
+            while self._queued[receiver] and self._queued[receiver] + size > self._queue_limit():
+                if self._node.aborted or self._stopping.is_set():
+                    return False
+                if time.monotonic() >= deadline:
+                    self._declare_stuck(receiver)
+                    return False
+                self._room.wait(_POLL_S)
+        return True
+
+    def _send_frames(self, receiver: int, frames: list[Any]) -> bool:
+        # Non-blocking with a poll so that a stop or an abort ends the wait.
+        socket = self._peers[receiver]
+        deadline = time.monotonic() + self._wait_timeout
         while not self._node.aborted:
             try:
                 socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-                return
+                return True
             except zmq.Again:
-                socket.poll(_POLL_MS, zmq.POLLOUT)
+                if time.monotonic() >= deadline:
+                    self._declare_stuck(receiver)
+                    return False
+                socket.poll(int(_POLL_S * 1000), zmq.POLLOUT)
+        return False
 
-    def _broadcast(self, frame: bytes) -> None:
-        for socket in self._peers.values():
-            try:
-                socket.send(frame, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                pass  # the peer is backed up with data, which counts as a heartbeat
+    def _declare_stuck(self, receiver: int) -> None:
+        self.stuck = (f"worker rank {receiver} stopped taking data: {self._queued[receiver]} bytes have waited "
+                      f"for it for {self._wait_timeout:g} s (Config.wait_timeout_s) although its heartbeats still "
+                      "arrive: it is stuck, or far slower than this process")
+        _log.error("mltuner: %s", self.stuck)
+        self._node.abort(self.stuck)
 
     # -- receiving ----------------------------------------------------------------
     def _receive_loop(self) -> None:
@@ -144,23 +200,20 @@ class SocketTransport:
         poller.register(self._inbox, zmq.POLLIN)
         poller.register(self.guard.monitor, zmq.POLLIN)
         while not self._stopping.is_set():
-            ready = dict(poller.poll(_POLL_MS))
+            ready = dict(poller.poll(int(_POLL_S * 1000)))
             if self._inbox in ready:
                 self._drain()
             if self.guard.monitor in ready:
                 self.guard.handle_events()
-            self._check_peers()
 
     def _drain(self) -> None:
-        for _ in range(256):  # then check the peers again
+        for _ in range(256):  # then look at the guard again
             try:
                 frames = self._inbox.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             if len(frames) == 2:
                 self._on_data(frames[0], frames[1])
-            elif len(frames) == 1:
-                self._on_signal(frames[0].bytes)
             else:
                 self._reject(f"a message of {len(frames)} frames")
 
@@ -169,31 +222,6 @@ class SocketTransport:
             self._node.deliver(header.buffer, payload.buffer)
         except CorruptMessageError as error:  # counted by the node
             self.rejections.record(str(error))
-            return
-        sender = _RANK.unpack_from(header.buffer, _SENDER_OFFSET)[0]  # valid: deliver checked it
-        self._last_heard[sender] = time.monotonic()
-
-    def _on_signal(self, frame: bytes) -> None:
-        kind = frame[:-_RANK.size]
-        rank = _RANK.unpack(frame[-_RANK.size:])[0] if len(frame) >= _RANK.size else -1
-        if kind not in (_HEARTBEAT, _GOODBYE) or rank not in self._last_heard:
-            self._reject(f"an unknown {len(frame)}-byte signal")
-            return
-        self._last_heard[rank] = time.monotonic()
-        if kind == _GOODBYE:
-            self._departed.add(rank)
-
-    def _check_peers(self) -> None:
-        if self.lost is not None:
-            return
-        now = time.monotonic()
-        for rank, heard in self._last_heard.items():
-            if rank not in self._departed and now - heard > self._timeout:
-                self.lost = (f"worker rank {rank} stopped answering: nothing received from it for "
-                             f"{now - heard:.1f} s (it exited, crashed or hung, or its machine is unreachable)")
-                _log.error("mltuner: %s", self.lost)
-                self._node.abort(self.lost)
-                return
 
     def _reject(self, what: str) -> None:
         self._rejected += 1

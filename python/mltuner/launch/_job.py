@@ -83,11 +83,13 @@ class Job:
             to processes of this host, ``tcp://`` to others), ``"tcp"`` or
             ``"ipc"`` (every peer must be on this host). ``None``: the
             ``MLTUNER_TRANSPORT`` variable's choice, by default ``"auto"``.
-        max_queued_bytes: the payload bytes that may wait to be sent to one
-            peer; a send beyond it waits for the peer (back-pressure), for at
-            most ``config.wait_timeout_s``. ``None`` (default): from the
-            plan, ``prefetch_clocks + 2`` clocks of this process's traffic to
-            one peer, and at least twice the largest message.
+        max_queued_bytes: the payload bytes that may wait in ZeroMQ to be
+            sent to one peer (and, times the peers, in the node's outbox
+            before that); a send beyond it waits for the peer
+            (back-pressure), for at most ``config.wait_timeout_s``, then the
+            job fails naming it. ``None`` (default): from the plan,
+            ``prefetch_clocks + 2`` clocks of this process's traffic to one
+            peer, and at least twice the largest message and 4 MiB.
 
     Attributes:
         worker: the access API (:class:`mltuner.Worker`).
@@ -341,6 +343,9 @@ class Job:
         """The bytes that may wait for one peer, from the plan (see
         ``max_queued_bytes``); recomputed when the tables change."""
         if self._max_queued_bytes is not None:
+            if self._queue_plan[0] < 0:
+                self._queue_plan = (0, self._max_queued_bytes)
+                self._node.set_outbox_limit(self._max_queued_bytes * (self.world_size - 1))
             return self._max_queued_bytes
         tables = [t for t in self.worker.tables if not t.local]
         if self._queue_plan[0] != len(tables):
@@ -351,6 +356,9 @@ class Job:
             largest = max((largest_frame_bytes(t.num_rows, t.row_width, shards) for t in tables), default=0)
             limit = max((self.config.prefetch_clocks + 2) * per_clock, 2 * largest, _MIN_QUEUE_BYTES)
             self._queue_plan = (len(tables), limit)
+            # The node's outbox, where messages wait while the send thread
+            # waits for a peer, holds as much for all peers together.
+            self._node.set_outbox_limit(limit * (self.world_size - 1))
         return self._queue_plan[1]
 
     def _rendezvous_address(self, keys: CurveKeys | None, timeout_s: float) -> tuple[str, int]:

@@ -67,8 +67,8 @@ class SocketTransport:
         inbox: the bound data socket; the transport owns it from here on.
         peers: each peer's data endpoint, by rank.
         queue_limit: the payload bytes that may wait in ZeroMQ for one peer
-            (a single larger message is let through alone); called again
-            when the tables change, so it can follow the plan.
+            (a single larger message is let through alone); called for
+            every message, so it can follow the plan.
         wait_timeout_s: how long a send may wait for room before the job
             fails.
     """
@@ -162,8 +162,9 @@ class SocketTransport:
         """Waits until peer ``receiver``'s queue can take ``size`` more bytes
         (or is empty). False when the job stops or aborts first."""
         deadline = time.monotonic() + self._wait_timeout
+        limit = self._queue_limit()
         with self._room:
-            while self._queued[receiver] and self._queued[receiver] + size > self._queue_limit():
+            while self._queued[receiver] and self._queued[receiver] + size > limit:
                 if self._node.aborted or self._stopping.is_set():
                     return False
                 if time.monotonic() >= deadline:

@@ -16,11 +16,13 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import logging
 import os
 import socket
+import weakref
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -54,6 +56,17 @@ _SPARE_CONNECTIONS = 16
 _MIN_QUEUE_BYTES = 4 << 20
 
 _log = logging.getLogger("mltuner.launch")
+# Jobs still open when the interpreter exits are closed (not gracefully)
+# before Python tears down, while their threads can still be joined: left to
+# the engine's destructors at teardown, joinable threads ended the process
+# with std::terminate.
+_open_jobs: weakref.WeakSet[Job] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_jobs() -> None:
+    for job in list(_open_jobs):
+        job.close(graceful=False)
 
 
 class Job:
@@ -142,6 +155,7 @@ class Job:
                                        self.local_rank)
         self.worker = Worker(self._node.engine, owner=self._node, config=self.config,
                              max_message_bytes=self._max_message_bytes if self.world_size > 1 else None)
+        _open_jobs.add(self)
         if self.world_size > 1:
             try:
                 self._connect(self._keys(secure), rendezvous_timeout_s, heartbeat_interval_s, heartbeat_timeout_s)

@@ -15,7 +15,7 @@ from cores import pinned
 
 WORKERS = 2
 # How long the launcher may take to stop its workers after SIGTERM
-# (mltuner.dist's KILL_AFTER_SECONDS plus the reaping) before it is killed.
+# (mltuner.launch's KILL_AFTER_SECONDS plus the reaping) before it is killed.
 STOP_SECONDS = 15.0
 
 

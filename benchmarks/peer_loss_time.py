@@ -23,8 +23,8 @@ PEER = ROOT / "tests" / "python" / "distributed" / "peer_worker.py"
 sys.path.insert(0, str(PEER.parent))
 
 import mltuner  # noqa: E402
-from mltuner.dist import ProcessEnv  # noqa: E402
-from mltuner.dist._env import free_port  # noqa: E402
+from mltuner.launch import ProcessEnv  # noqa: E402
+from mltuner.launch._env import free_port  # noqa: E402
 from peer_worker import add_loop_tables  # type: ignore[import-not-found]  # noqa: E402
 
 SECRET = "peer-loss-benchmark-secret"

@@ -71,7 +71,7 @@ from zmq.utils import z85
 import mltuner as mt
 from figures import Figure, write_figures
 from machine import cpu_name, git_commit, memory_bytes
-from mltuner.dist._env import free_port
+from mltuner.launch._env import free_port
 
 MIB = 1 << 20
 GB = 1e9

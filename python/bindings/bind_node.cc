@@ -1,5 +1,5 @@
 // ProcessNode: the C++ half of a worker process in a distributed job. The
-// Python transport (mltuner/dist/_transport.py) moves its bytes: it takes
+// Python transport (mltuner/transport/_sockets.py) moves its bytes: it takes
 // encoded messages from next_outgoing and sends the payload array with
 // ZeroMQ without copying it, and hands received frames to deliver, which
 // decodes and validates them with the GIL released.
@@ -88,6 +88,11 @@ void RegisterNode(py::module_& m) {
           "(receiver, header frame, payload) of the next message for another process, or None "
           "after timeout_ms or once the node is shut down and the outbox is empty.")
       .def_property_readonly("outbox_messages", &ProcessNode::outbox_messages)
+      .def_property_readonly("outbox_bytes", &ProcessNode::outbox_bytes)
+      .def_property_readonly("peak_outbox_bytes", &ProcessNode::peak_outbox_bytes)
+      .def("set_outbox_limit", &ProcessNode::SetOutboxLimit, py::arg("bytes"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Payload bytes the outbox may hold before the engine's sends wait (0: no bound).")
       .def(
           "deliver",
           [](ProcessNode& node, const py::buffer& frame0, const py::buffer& payload) {

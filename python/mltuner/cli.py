@@ -42,7 +42,7 @@ def _after_separator(command: Sequence[str]) -> list[str]:
 
 def _launch(args: argparse.Namespace) -> int:
     # Imported here so that other commands never pay for it.
-    from mltuner.dist import launch
+    from mltuner.launch import launch
 
     command = _after_separator(args.command)
     try:
@@ -238,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "launch", help="run N workers of a training command on this machine",
         usage="mltuner launch -n N [--port P] [--grace S] -- COMMAND [ARGS...]",
         description="Runs N copies of COMMAND, each with MLTUNER_RANK and the other variables "
-                    "mltuner.dist.detect_environment reads, and prints their output prefixed "
+                    "mltuner.launch.detect_environment reads, and prints their output prefixed "
                     "with [rank k]. When a worker fails, the others get --grace seconds to exit, "
                     "then SIGTERM, then SIGKILL; the exit code is the failed worker's.")
     launch.add_argument("-n", "--nproc", type=int, required=True, help="number of workers")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -112,3 +113,13 @@ def rel_error_fixture() -> Callable[[np.ndarray, np.ndarray], float]:
 @pytest.fixture(name="nonzero_uniform")
 def nonzero_uniform_fixture() -> Callable[..., np.ndarray]:
     return nonzero_uniform
+
+
+@pytest.fixture(autouse=True)
+def private_key_directory(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Jobs without MLTUNER_SECRET use this user's loopback key: keep the
+    tests' key out of the real run-time directory (child processes inherit it)."""
+    directory = tmp_path_factory.getbasetemp() / "xdg-runtime"
+    directory.mkdir(mode=0o700, exist_ok=True)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(directory))
+    return directory

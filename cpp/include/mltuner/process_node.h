@@ -1,6 +1,6 @@
 // ProcessNode: one worker process of a distributed job — its engine, its
 // server shard, and the queues between them and a socket transport
-// (python/mltuner/dist moves the bytes with ZeroMQ).
+// (python/mltuner/transport moves the bytes with ZeroMQ).
 //
 // Messages between this process's engine and shard never leave memory.
 // Messages for other ranks wait in an outbox until the transport's send
@@ -9,8 +9,14 @@
 // from other processes come in through Deliver, which validates them before
 // anything else sees them.
 //
+// The outbox is bounded in payload bytes (SetOutboxLimit): Send waits while
+// it is full (back-pressure on the engine's threads) for at most the
+// config's wait timeout, then fails the node with kTimeout naming the bytes
+// that did not leave. A single message larger than the limit goes alone.
+//
 // Threading: NextOutgoing from one send thread, Deliver from one receive
-// thread, the rest from the application thread; Abort from any thread.
+// thread, the rest from the application thread; Abort and SetOutboxLimit
+// from any thread.
 #pragma once
 
 #include <cstddef>
@@ -60,8 +66,14 @@ class ProcessNode final : public Transport {
   // The payload pool, so a sent payload can be recycled once the transport
   // is done with it (it may outlive the node).
   std::shared_ptr<BufferPool> payload_pool() const { return pool_; }
-  // Messages and payload bytes waiting in the outbox.
+  // Messages and payload bytes waiting in the outbox, and the most bytes it
+  // has held.
   int64_t outbox_messages() const;
+  int64_t outbox_bytes() const;
+  int64_t peak_outbox_bytes() const;
+  // Payload bytes the outbox may hold before Send waits; 0: no bound (the
+  // default until the transport knows the plan).
+  void SetOutboxLimit(int64_t bytes);
 
   // Frames received from another process. A message that fails validation
   // (malformed, foreign, not addressed to this rank, or from this rank or an
@@ -86,9 +98,10 @@ class ProcessNode final : public Transport {
   class Queues;
 
  private:
-  ProcessNode(int rank, int num_workers);
+  ProcessNode(int rank, int num_workers, int64_t wait_timeout_ms);
   const int rank_;
   const int num_workers_;
+  const int64_t wait_timeout_ms_;
   std::shared_ptr<BufferPool> pool_;
   std::unique_ptr<Queues> queues_;
   std::unique_ptr<Engine> engine_;

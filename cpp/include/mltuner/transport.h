@@ -6,7 +6,8 @@
 // between two processes arrive in the order they were sent.
 //
 // Thread safety: Send may be called from any thread. It queues the message
-// and returns; it never waits for the receiver.
+// and returns; it never waits for the receiver, only (ProcessNode) for room
+// in a bounded outbox, for at most the wait timeout.
 #pragma once
 
 #include <cstddef>

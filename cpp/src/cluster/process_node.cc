@@ -1,5 +1,6 @@
 #include "mltuner/process_node.h"
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -20,21 +21,46 @@ class ProcessNode::Queues {
       : host(rank, num_workers, config, pool, device, [rank](int worker) { return worker == rank; }),
         device(std::move(device)) {}
 
-  void PushOutgoing(OutgoingMessage&& message) {
+  // Waits while the outbox is over its limit (none when it is empty), up to
+  // timeout_ms, then kTimeout. Once the node is aborted the message is
+  // dropped (every call of the job already fails with the abort's reason);
+  // once closed it is queued without waiting, as the send thread drains.
+  Status PushOutgoing(OutgoingMessage&& message, int64_t timeout_ms) {
+    const auto bytes = static_cast<int64_t>(message.payload.size() * sizeof(float));
     {
-      std::lock_guard<std::mutex> lock(mu);
+      std::unique_lock<std::mutex> lock(mu);
+      const auto has_room = [&] {
+        return closed || aborted || limit == 0 || outbox_bytes == 0 || outbox_bytes + bytes <= limit;
+      };
+      if (!room.wait_for(lock, std::chrono::milliseconds(timeout_ms), has_room)) {
+        // The send thread takes messages in order: the oldest one's
+        // receiver is the peer that stopped taking them.
+        const int stuck = outbox.empty() ? -1 : outbox.front().receiver;
+        return Status::Timeout("the outbox to other processes has held " + std::to_string(outbox_bytes) +
+                               " bytes (its limit is " + std::to_string(limit) + ") for " +
+                               std::to_string(timeout_ms) + " ms: worker rank " + std::to_string(stuck) +
+                               " is not taking its messages");
+      }
+      if (aborted) return Status::Ok();
+      outbox_bytes += bytes;
+      peak_bytes = std::max(peak_bytes, outbox_bytes);
       outbox.push_back(std::move(message));
     }
     ready.notify_one();
+    return Status::Ok();
   }
 
   bool PopOutgoing(int timeout_ms, OutgoingMessage* out) {
-    std::unique_lock<std::mutex> lock(mu);
-    ready.wait_for(lock, std::chrono::milliseconds(timeout_ms < 0 ? 0 : timeout_ms),
-                   [&] { return closed || !outbox.empty(); });
-    if (outbox.empty()) return false;
-    *out = std::move(outbox.front());
-    outbox.pop_front();
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      ready.wait_for(lock, std::chrono::milliseconds(timeout_ms < 0 ? 0 : timeout_ms),
+                     [&] { return closed || !outbox.empty(); });
+      if (outbox.empty()) return false;
+      *out = std::move(outbox.front());
+      outbox.pop_front();
+      outbox_bytes -= static_cast<int64_t>(out->payload.size() * sizeof(float));
+    }
+    room.notify_all();
     return true;
   }
 
@@ -44,18 +70,24 @@ class ProcessNode::Queues {
       closed = true;
     }
     ready.notify_all();
+    room.notify_all();
   }
 
   ShardHost host;
   std::shared_ptr<Device> device;  // shared with the engine and the shard
   mutable std::mutex mu;
-  std::condition_variable ready;
+  std::condition_variable ready;       // a message arrived, or closed
+  std::condition_variable room;        // bytes left, or closed or aborted
   std::deque<OutgoingMessage> outbox;  // guarded by mu
+  int64_t outbox_bytes = 0;            // payload bytes in outbox; guarded by mu
+  int64_t peak_bytes = 0;              // guarded by mu
+  int64_t limit = 0;                   // 0: no bound; guarded by mu
   bool closed = false;                 // guarded by mu
   bool aborted = false;                // guarded by mu
 };
 
-ProcessNode::ProcessNode(int rank, int num_workers) : rank_(rank), num_workers_(num_workers) {}
+ProcessNode::ProcessNode(int rank, int num_workers, int64_t wait_timeout_ms)
+    : rank_(rank), num_workers_(num_workers), wait_timeout_ms_(wait_timeout_ms) {}
 
 Status ProcessNode::Create(const Config& config, int rank, int num_workers, std::unique_ptr<Device> device,
                            std::unique_ptr<ProcessNode>* out) {
@@ -65,7 +97,7 @@ Status ProcessNode::Create(const Config& config, int rank, int num_workers, std:
                                    std::to_string(num_workers - 1));
   }
   std::shared_ptr<Device> shared_device = device ? std::move(device) : NewCpuDevice();
-  std::unique_ptr<ProcessNode> node(new ProcessNode(rank, num_workers));
+  std::unique_ptr<ProcessNode> node(new ProcessNode(rank, num_workers, config.wait_timeout_ms));
   // Payloads in flight through ZeroMQ hold their buffers; idle ones are kept
   // up to 1 GiB for reuse.
   node->pool_ = std::make_shared<BufferPool>(size_t{1} << 30);
@@ -103,8 +135,9 @@ Status ProcessNode::Send(Message&& message) {
   outgoing.receiver = receiver;
   outgoing.header = EncodeHeaderFrame(message);
   outgoing.payload = std::move(message.values);
-  queues_->PushOutgoing(std::move(outgoing));
-  return Status::Ok();
+  const Status queued = queues_->PushOutgoing(std::move(outgoing), wait_timeout_ms_);
+  if (queued.code() == StatusCode::kTimeout) Abort(queued);  // every wait of the job ends with it
+  return queued;
 }
 
 Status ProcessNode::AddTableToShard(int rank, const TableInfo& info) {
@@ -124,6 +157,24 @@ bool ProcessNode::NextOutgoing(int timeout_ms, OutgoingMessage* out) {
 int64_t ProcessNode::outbox_messages() const {
   std::lock_guard<std::mutex> lock(queues_->mu);
   return static_cast<int64_t>(queues_->outbox.size());
+}
+
+int64_t ProcessNode::outbox_bytes() const {
+  std::lock_guard<std::mutex> lock(queues_->mu);
+  return queues_->outbox_bytes;
+}
+
+int64_t ProcessNode::peak_outbox_bytes() const {
+  std::lock_guard<std::mutex> lock(queues_->mu);
+  return queues_->peak_bytes;
+}
+
+void ProcessNode::SetOutboxLimit(int64_t bytes) {
+  {
+    std::lock_guard<std::mutex> lock(queues_->mu);
+    queues_->limit = bytes < 0 ? 0 : bytes;
+  }
+  queues_->room.notify_all();
 }
 
 Status ProcessNode::Deliver(const void* frame0, size_t frame0_bytes, const void* payload, size_t payload_bytes) {
@@ -153,6 +204,7 @@ void ProcessNode::Abort(const Status& why) {
     if (queues_->aborted) return;
     queues_->aborted = true;
   }
+  queues_->room.notify_all();
   engine_->Abort(why);
 }
 

@@ -6,6 +6,7 @@
 #include "mltuner/process_node.h"
 
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <string>
 #include <thread>
@@ -112,6 +113,73 @@ TEST(TwoNodesTrainThroughTheWire) {
   }
   EXPECT_EQ(wire.refused(), 0);
   EXPECT_EQ(pair.node[0]->rejected_messages(), 0);
+}
+
+TEST(ATinyOutboxLimitSlowsNothingButTheQueue) {
+  // One message at a time in each outbox: sends wait for the wire to take
+  // the last one, and training still ends with the same values.
+  Pair pair = MakePair();
+  for (auto& node : pair.node) node->SetOutboxLimit(1);
+  Wire wire(pair.node[0].get(), pair.node[1].get());
+  std::vector<float> result[2];
+  std::thread other([&] { Train(pair.node[1].get(), 6, &result[1]); });
+  Train(pair.node[0].get(), 6, &result[0]);
+  other.join();
+  for (int rank = 0; rank < 2; ++rank) {
+    ASSERT_TRUE(result[rank].size() == 15);
+    for (float value : result[rank]) EXPECT_EQ(value, 18.0f);
+    // The largest message is a shard's slice of the table (3 rows x 3 floats).
+    EXPECT_TRUE(pair.node[rank]->peak_outbox_bytes() <= 3 * 3 * 4);
+  }
+}
+
+TEST(AFullOutboxMakesSendsWaitThenFailsTheJob) {
+  Config config = TestConfig();
+  config.wait_timeout_ms = 300;
+  Pair pair;
+  for (int rank = 0; rank < 2; ++rank) ASSERT_OK(ProcessNode::Create(config, rank, 2, nullptr, &pair.node[rank]));
+  Handle update[2];
+  {
+    Wire wire(pair.node[0].get(), pair.node[1].get());  // for the set-up only
+    auto set_up = [&](int rank) {
+      Engine* engine = pair.node[rank]->engine();
+      TableId table;
+      ASSERT_OK(engine->CreateTable("t", 4, 3, false, &table));
+      ASSERT_OK(engine->VirtualPreUpdate(table, {0, 1, 2, 3}, &update[rank]));
+      ASSERT_OK(engine->VirtualUpdate(update[rank]));
+      ASSERT_OK(engine->VirtualClock());
+      ASSERT_OK(engine->FinishVirtualIteration());
+      ASSERT_OK(engine->StartIterations());
+    };
+    std::thread other(set_up, 1);
+    set_up(0);
+    other.join();
+  }
+  // Nothing leaves rank 0 any more, and its outbox holds one message.
+  pair.node[0]->SetOutboxLimit(1);
+  Engine* engine = pair.node[0]->engine();
+  Status status;
+  const auto start = std::chrono::steady_clock::now();
+  for (int clock = 0; clock < 1000 && status.ok(); ++clock) {
+    AccessBuffer buffer;
+    status = engine->PreUpdate(update[0], &buffer);
+    if (status.ok()) status = engine->Update(update[0]);
+    if (status.ok()) status = engine->Clock();
+  }
+  // The application's own wait for a buffer (which the blocked reclaimer
+  // holds) may end first; the reclaimer's send then fails the node.
+  EXPECT_TRUE((status.code() == StatusCode::kTimeout));
+  while (!pair.node[0]->aborted() && std::chrono::steady_clock::now() - start < std::chrono::seconds(5)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_TRUE(std::chrono::steady_clock::now() - start >= std::chrono::milliseconds(300));
+  ASSERT_TRUE(pair.node[0]->aborted());
+  AccessBuffer buffer;
+  const Status later = engine->PreUpdate(update[0], &buffer);
+  EXPECT_TRUE((later.code() == StatusCode::kTimeout));
+  EXPECT_TRUE(later.message().find("the outbox to other processes") != std::string::npos);
+  EXPECT_TRUE(later.message().find("worker rank 1 is not taking its messages") != std::string::npos);
+  EXPECT_TRUE(pair.node[0]->peak_outbox_bytes() <= 2 * 3 * 4);  // one slice (2 rows x 3 floats) at a time
 }
 
 TEST(DeliverRefusesMisaddressedAndCorruptFrames) {

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mltuner.dist._env import free_port
+from mltuner.launch._env import free_port
 
 WORKER = Path(__file__).with_name("train_worker.py")
 # The tests import the worker program's model and data (pytest runs with
@@ -72,13 +72,3 @@ def start_workers(tmp_path: Path):  # type: ignore[no-untyped-def]
     yield start
     for workers in started:
         workers.kill()
-
-
-@pytest.fixture(autouse=True)
-def private_key_directory(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Jobs without MLTUNER_SECRET use this user's loopback key: keep the
-    tests' key out of the real run-time directory (child processes inherit it)."""
-    directory = tmp_path_factory.getbasetemp() / "xdg-runtime"
-    directory.mkdir(mode=0o700, exist_ok=True)
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(directory))
-    return directory

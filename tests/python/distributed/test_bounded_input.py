@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 import mltuner
-from mltuner.dist._security import derive_keys, secure_client
+from mltuner.transport._security import derive_keys, secure_client
 
 from test_wire_security import close, start_pair, train  # type: ignore[import-not-found]
 
@@ -53,7 +53,7 @@ def test_an_oversized_announced_frame_is_dropped_unread() -> None:
 
 
 def test_a_flood_of_malformed_messages_logs_a_bounded_number_of_lines(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="mltuner.dist")
+    caplog.set_level(logging.WARNING, logger="mltuner")
     jobs = start_pair()
     flood = 3000
     try:

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 import mltuner
-from mltuner.dist import ProcessEnv
+from mltuner.launch import ProcessEnv
 
 from test_wire_security import close, start_pair  # type: ignore[import-not-found]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mltuner.cli import main
-from mltuner.dist import launch
+from mltuner.launch import launch
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 EXAMPLE = EXAMPLES / "softmax_regression.py"

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 
 import mltuner
-from mltuner.dist import ProcessEnv
-from mltuner.dist._env import free_port
+from mltuner.launch import ProcessEnv
+from mltuner.launch._env import free_port
 
 HEARTBEAT_TIMEOUT_S = 3.0
 
@@ -127,12 +127,13 @@ def test_launch_stops_the_job_when_a_worker_is_killed(tmp_path: Path) -> None:
     import io
     import sys
 
-    from conftest import WORKER  # type: ignore[import-not-found]
-    from mltuner.dist import launch
+    from mltuner.launch import launch
+
+    worker = Path(__file__).with_name("train_worker.py")  # not `from conftest`: other folders have one too
 
     out = io.StringIO()
     started = time.monotonic()
-    code = launch([sys.executable, str(WORKER), "--out", str(tmp_path), "--clocks", "400", "--die-rank", "2",
+    code = launch([sys.executable, str(worker), "--out", str(tmp_path), "--clocks", "400", "--die-rank", "2",
                    "--die-at", "5", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)], 3, stdout=out,
                   grace_seconds=20)
     assert code == 128 + 9

@@ -22,9 +22,9 @@ import pytest
 import zmq
 
 import mltuner
-from mltuner.dist import ProcessEnv
-from mltuner.dist._env import free_port
-from mltuner.dist._security import derive_keys, secure_client
+from mltuner.launch import ProcessEnv
+from mltuner.launch._env import free_port
+from mltuner.transport._security import derive_keys, secure_client
 
 PEER = Path(__file__).with_name("peer_worker.py")
 sys.path.insert(0, str(PEER.parent))
@@ -65,7 +65,7 @@ def test_forged_rows_and_goodbye_are_refused_and_a_later_kill_is_named(caplog: p
     env.pop("MLTUNER_SECRET_FILE", None)
     peer = subprocess.Popen([sys.executable, str(PEER), "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    caplog.set_level(logging.WARNING, logger="mltuner.dist")
+    caplog.set_level(logging.WARNING, logger="mltuner")
     try:
         me = ProcessEnv(rank=0, world_size=2, local_rank=0, master_addr="127.0.0.1", master_port=port,
                         bind_host="127.0.0.1", secret=None, source="mltuner")

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from mltuner.apps.mnist1d import MLP_HIDDEN, load, parse_args
-from mltuner.dist import launch
+from mltuner.launch import launch
 from mltuner.models import MLP
 
 MOMENTUM, BATCH, WORKERS = 0.9, 32, 2

@@ -18,9 +18,9 @@ import pytest
 import zmq
 
 import mltuner
-from mltuner.dist import ProcessEnv
-from mltuner.dist._env import free_port
-from mltuner.dist._security import derive_keys, secure_client
+from mltuner.launch import ProcessEnv
+from mltuner.launch._env import free_port
+from mltuner.transport._security import derive_keys, secure_client
 
 CLOCKS = 5
 
@@ -187,8 +187,10 @@ def test_workers_with_different_settings_are_refused() -> None:
 
 
 def test_workers_with_different_secrets_cannot_meet() -> None:
+    """Rank 1 learns at once that rank 0 refused its key; rank 0, which
+    never hears from it, names it when its rendezvous times out."""
     port = free_port()
-    errors: list[BaseException] = []
+    errors: dict[int, BaseException] = {}
 
     def join(rank: int) -> None:
         env = ProcessEnv(rank=rank, world_size=2, local_rank=rank, master_addr="127.0.0.1", master_port=port,
@@ -196,11 +198,12 @@ def test_workers_with_different_secrets_cannot_meet() -> None:
         try:
             mltuner.Job(env=env, rendezvous_timeout_s=2)
         except BaseException as error:  # noqa: BLE001
-            errors.append(error)
+            errors[rank] = error
 
     threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(30)
-    assert len(errors) == 2 and all(isinstance(e, mltuner.WaitTimeoutError) for e in errors)
+    assert isinstance(errors[0], mltuner.WaitTimeoutError) and "ranks [1] never joined" in str(errors[0])
+    assert isinstance(errors[1], mltuner.InvalidArgumentError) and "a different secret" in str(errors[1])

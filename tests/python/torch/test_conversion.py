@@ -29,7 +29,7 @@ torch = pytest.importorskip("torch")
 
 from torch.utils.data import DistributedSampler  # noqa: E402
 
-from mltuner.dist._env import free_port  # noqa: E402
+from mltuner.launch._env import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = ROOT / "examples" / "conversion"

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import mltuner as mlt
-from mltuner.dist import detect_environment
+from mltuner.launch import detect_environment
 from mltuner.tune import BranchKind, BranchSystem, Choice, LogUniform, SearchSpace, TunerConfig, TuningSession
 
 IN, NUM_TRAIN, NUM_VAL, BATCH = 4, 40, 10, 4

@@ -62,7 +62,7 @@ def run_watched(command: Sequence[str], num_workers: int, *, log: Path, workers_
     rank 0 are printed at the end, and the tail of everything when the job
     fails. Returns the job's exit code.
     """
-    from mltuner.dist import launch  # the engine: only when a job is launched
+    from mltuner.launch import launch  # the engine: only when a job is launched
 
     out = out or sys.stdout
     display = LiveDisplay(file=out, terminal=terminal)

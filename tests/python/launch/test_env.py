@@ -1,4 +1,4 @@
-"""mltuner.dist._env: detecting rank, world size and master from a launcher's variables."""
+"""mltuner.launch._env: detecting rank, world size and master from a launcher's variables."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import socket
 
 import pytest
 
-from mltuner.dist._env import (
+import mltuner
+
+from mltuner.launch._env import (
     ProcessEnv,
     detect_environment,
     first_slurm_host,
@@ -58,6 +60,28 @@ def test_torchrun_variables() -> None:
     assert found == ProcessEnv(rank=2, world_size=4, local_rank=0, master_addr="10.0.0.5",
                                master_port=29500, bind_host="0.0.0.0", secret=SECRET,
                                source="torchrun")
+
+
+def test_torchrun_agent_store_gives_a_key_per_run_and_restart() -> None:
+    agent = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "run-7",
+             "TORCHELASTIC_RESTART_COUNT": "2"}
+    found = detect_environment({**torchrun_vars(addr="localhost"), **agent})
+    assert found.torch_store_key == "mltuner/run-7/2/rendezvous"
+    assert (found.master_addr, found.master_port) == ("localhost", 29500)  # the store's address
+    off = detect_environment({**torchrun_vars(addr="localhost"), **agent, "TORCHELASTIC_USE_AGENT_STORE": "False"})
+    assert off.torch_store_key is None
+    # Only torchrun's own variables count: under mltuner launch the key is ignored.
+    assert detect_environment({**mltuner_vars(rank=0, world=2), **agent}).torch_store_key is None
+
+
+@pytest.mark.parametrize(("value", "kind"), [("", "auto"), ("tcp", "tcp"), (" IPC ", "ipc"), ("auto", "auto")])
+def test_transport_setting(value: str, kind: str) -> None:
+    assert detect_environment({"MLTUNER_TRANSPORT": value}).transport == kind
+
+
+def test_unknown_transport_names_the_variable() -> None:
+    with pytest.raises(mltuner.InvalidArgumentError, match="MLTUNER_TRANSPORT='udp' is not one of auto, tcp, ipc"):
+        detect_environment({"MLTUNER_TRANSPORT": "udp"})
 
 
 def test_slurm_takes_the_first_node_and_a_port_from_the_job_id() -> None:

@@ -23,11 +23,12 @@ import logging
 import os
 import socket as pysocket
 import time
+from collections.abc import Collection
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-__all__ = ["RejectionLog", "ConnectionGuard", "limit_input", "HANDSHAKE_TIMEOUT_MS"]
+__all__ = ["RejectionLog", "ConnectionGuard", "limit_input", "describe_handshake_failure", "HANDSHAKE_TIMEOUT_MS"]
 
 # A peer that has not finished the CURVE handshake this long after connecting
 # is dropped: an honest peer needs milliseconds.
@@ -70,6 +71,21 @@ def limit_input(socket: zmq.Socket[bytes], max_frame_bytes: int) -> None:
     socket.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_TIMEOUT_MS)
 
 
+def describe_handshake_failure(kind: int, value: int) -> str:
+    """Words for a monitor's handshake-failure event (ZeroMQ's own strerror
+    knows none of the protocol codes)."""
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return "unknown key"
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        return _PROTOCOL_ERRORS.get(value, f"protocol error {value:#x}")
+    return zmq.strerror(value)
+
+
+# Protocol errors a handshake between ZeroMQ peers reports.
+_PROTOCOL_ERRORS: dict[int, str] = {
+    int(zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC): "keys of another secret",
+    int(zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH): "one side without CURVE",
+}
 _FAILED_HANDSHAKE = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | _FAILED_HANDSHAKE
@@ -78,10 +94,11 @@ _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | _FAIL
 class ConnectionGuard:
     """Counts refused connections of one bound socket and caps live ones."""
 
-    def __init__(self, socket: zmq.Socket[bytes], port: int, where: str, max_connections: int,
+    def __init__(self, socket: zmq.Socket[bytes], bound: Collection[int | str], where: str, max_connections: int,
                  logger: logging.Logger) -> None:
+        """``bound``: the socket's TCP ports and ``ipc://`` paths."""
         self._socket = socket
-        self._port = port
+        self._bound = frozenset(bound)
         self._cap = max_connections
         self.monitor = socket.get_monitor_socket(_EVENTS)
         self.refused = RejectionLog(logger, where)
@@ -103,11 +120,11 @@ class ConnectionGuard:
                     self._live.remove(value)
             elif kind & _FAILED_HANDSHAKE:
                 self.refused.record(f"a connection that failed the CURVE handshake "
-                                    f"({zmq.strerror(value) if kind != zmq.EVENT_HANDSHAKE_FAILED_AUTH else 'unknown key'})")
+                                    f"({describe_handshake_failure(kind, value)})")
         while len(self._live) > self._cap:
             descriptor = self._live.pop()  # the newest: still in its handshake
             self.refused.record(f"a connection beyond the limit of {self._cap} on this port")
-            _cut(descriptor, self._port)
+            _cut(descriptor, self._bound)
 
     def close(self) -> None:
         try:
@@ -117,17 +134,18 @@ class ConnectionGuard:
         self.monitor.close(linger=0)
 
 
-def _cut(descriptor: int, port: int) -> None:
-    # ZeroMQ offers no call to drop one connection; shutting the TCP socket
-    # down makes its I/O thread see the peer leave and clean up after itself.
+def _cut(descriptor: int, bound: frozenset[int | str]) -> None:
+    # ZeroMQ offers no call to drop one connection; shutting the socket down
+    # makes its I/O thread see the peer leave and clean up after itself.
     try:
         copy = pysocket.socket(fileno=os.dup(descriptor))
     except OSError:
         return  # already closed
     try:
         # The number may have been reused since the event: cut it only if it
-        # is still a connection accepted on this port.
-        if copy.getsockname()[1] == port:
+        # is still a connection accepted on this socket's port or path.
+        name = copy.getsockname()
+        if (name[1] if isinstance(name, tuple) else name) in bound:
             copy.shutdown(pysocket.SHUT_RDWR)
     except OSError:
         pass

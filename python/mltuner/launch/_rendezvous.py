@@ -4,14 +4,16 @@ Rank 0 runs a :class:`Coordinator` (a ROUTER socket on the master address, in
 its own thread). Every rank, rank 0 included, talks to it through a
 :class:`ControlClient` (a DEALER socket used only by the thread that made it):
 
-- ``join`` sends this rank's data endpoint and a fingerprint of its settings,
-  and returns every rank's endpoint once all ranks have joined with the same
+- ``join`` sends this rank's card (its host and the endpoints of its data
+  and control sockets, a JSON object) and a fingerprint of its settings, and
+  returns every rank's card once all ranks have joined with the same
   fingerprint;
 - ``barrier`` returns once every rank has entered the barrier of that name;
 - ``allgather`` is a barrier that carries one JSON value per rank and returns
   them all, by rank (the tuner's commands and clock reports travel this way).
 
-Messages are single JSON frames of at most 1 MiB (ZeroMQ refuses a larger
+These sockets use the ZeroMQ I/O thread of the control channel, never
+queued behind data. Messages are single JSON frames of at most 1 MiB (ZeroMQ refuses a larger
 announced frame before reading it); anything else is dropped, counted and
 logged at a bounded rate. Both ends are CURVE sockets of the job. Every wait
 is bounded and polls ``should_stop`` so a lost peer ends it at once.
@@ -27,18 +29,24 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
-from mltuner.dist._guard import ConnectionGuard, RejectionLog, limit_input
-from mltuner.dist._security import CurveKeys, secure_client, secure_server
 from mltuner.exceptions import InvalidArgumentError, PeerLostError, WaitTimeoutError
+from mltuner.transport._control import CONTROL_IO_THREAD
+from mltuner.transport._guard import ConnectionGuard, RejectionLog, describe_handshake_failure, limit_input
+from mltuner.transport._security import CurveKeys, secure_client, secure_server
 
 __all__ = ["Coordinator", "ControlClient"]
 
-_log = logging.getLogger("mltuner.dist")
+_log = logging.getLogger("mltuner.launch")
 _MAX_FRAME = 1 << 20
 _POLL_MS = 100
 # Connections the coordinator accepts beyond one per rank (reconnects).
 _SPARE_CONNECTIONS = 16
+_FAILED_HANDSHAKE = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+_CLIENT_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _FAILED_HANDSHAKE
+_FAILED_HANDSHAKES_TO_GIVE_UP = 3
 
 
 def _encode(message: dict[str, Any]) -> bytes:
@@ -62,6 +70,7 @@ class Coordinator:
                  keys: CurveKeys | None) -> None:
         self._world_size = world_size
         self._socket = context.socket(zmq.ROUTER)
+        self._socket.affinity = CONTROL_IO_THREAD  # never behind data
         self._socket.linger = 0
         limit_input(self._socket, _MAX_FRAME)
         if keys is not None:
@@ -75,11 +84,14 @@ class Coordinator:
                 self.port = port
         except zmq.ZMQError as error:
             self._socket.close()
-            raise OSError(f"rank 0 cannot listen on {bind_host}:{port} for the rendezvous: {error}") from error
-        self.guard = ConnectionGuard(self._socket, self.port, "the rendezvous socket",
+            hint = (": another program holds that port (another job, or a launcher's own store); choose another "
+                    "master port" if error.errno == zmq.EADDRINUSE else "")
+            raise InvalidArgumentError(f"rank 0 cannot listen on {bind_host}:{port} for the rendezvous: "
+                                       f"{error.strerror}{hint}") from None
+        self.guard = ConnectionGuard(self._socket, {self.port}, "the rendezvous socket",
                                      world_size + _SPARE_CONNECTIONS, _log)
         self.rejections = RejectionLog(_log, "the rendezvous socket")
-        self._members: dict[int, tuple[bytes, str, str]] = {}  # rank -> (routing id, endpoint, fingerprint)
+        self._members: dict[int, tuple[bytes, Any, str]] = {}  # rank -> (routing id, card, fingerprint)
         self._barriers: dict[str, set[int]] = {}
         self._gathers: dict[str, dict[int, Any]] = {}
         self._lock = threading.Lock()
@@ -148,7 +160,11 @@ class Coordinator:
             if known is not None and known[0] != routing_id:
                 self._send(routing_id, {"op": "error", "message": f"two processes claim rank {rank}"})
                 return
-            self._members[rank] = (routing_id, str(message.get("endpoint")), str(message.get("fingerprint")))
+            card = message.get("card")
+            if not isinstance(card, dict):
+                self._send(routing_id, {"op": "error", "message": f"rank {rank} joined without a card"})
+                return
+            self._members[rank] = (routing_id, card, str(message.get("fingerprint")))
             if len(self._members) < self._world_size:
                 return
             members = [self._members[r] for r in range(self._world_size)]
@@ -158,7 +174,7 @@ class Coordinator:
                 "the workers were started with different settings: " +
                 "; ".join(f"rank {r}: {m[2]}" for r, m in enumerate(members)))}
         else:
-            reply = {"op": "welcome", "endpoints": [m[1] for m in members]}
+            reply = {"op": "welcome", "cards": [m[1] for m in members]}
         for member in members:
             self._send(member[0], reply)
 
@@ -197,25 +213,37 @@ class Coordinator:
 
 class ControlClient:
     """One rank's side of the control channel. Not thread-safe: use it from
-    the thread that made it."""
+    the thread that made it.
 
-    def __init__(self, context: zmq.Context[zmq.Socket[bytes]], master_addr: str, port: int, rank: int,
+    It watches its own connection (a ZeroMQ monitor), so a rendezvous that
+    cannot work fails with the reason instead of waiting out the timeout:
+    handshakes refused again and again mean another secret, or a program
+    that is not rank 0 on its port (another job, a launcher's store). When
+    nothing answers at all, the timeout's message says so."""
+
+    def __init__(self, context: zmq.Context[zmq.Socket[bytes]], host: str, port: int, rank: int,
                  keys: CurveKeys | None, should_stop: Callable[[], str | None]) -> None:
         self._rank = rank
-        self._address = f"{master_addr}:{port}"
+        self._address = f"{host}:{port}"
         self._should_stop = should_stop
         self._socket = context.socket(zmq.DEALER)
+        self._socket.affinity = CONTROL_IO_THREAD  # never behind data
         self._socket.linger = 0
         limit_input(self._socket, _MAX_FRAME)
         if keys is not None:
             secure_client(self._socket, keys)
-        host = f"[{master_addr}]" if ":" in master_addr else master_addr
-        self._socket.connect(f"tcp://{host}:{port}")
+        self._monitor = self._socket.get_monitor_socket(_CLIENT_EVENTS)
+        self._connected = False  # a TCP connection was made at least once
+        self._handshaken = False  # and completed mltuner's ZeroMQ handshake
+        self._failed_handshakes = 0
+        bracketed = f"[{host}]" if ":" in host else host
+        self._socket.connect(f"tcp://{bracketed}:{port}")
 
-    def join(self, world_size: int, endpoint: str, fingerprint: str, timeout_s: float,
-             missing: Callable[[], list[int]] | None = None) -> list[str]:
-        """Every rank's data endpoint, by rank, once all have joined."""
-        self._send({"op": "join", "rank": self._rank, "world_size": world_size, "endpoint": endpoint,
+    def join(self, world_size: int, card: dict[str, Any], fingerprint: str, timeout_s: float,
+             missing: Callable[[], list[int]] | None = None) -> list[Any]:
+        """Every rank's card, by rank, once all have joined (the caller
+        checks each: they came over the network)."""
+        self._send({"op": "join", "rank": self._rank, "world_size": world_size, "card": card,
                     "fingerprint": fingerprint})
 
         def timed_out() -> str:
@@ -224,10 +252,10 @@ class ControlClient:
                     "process was started with the same master address, port and world size (and secret)")
 
         reply = self._expect("welcome", timeout_s, timed_out)
-        endpoints = reply.get("endpoints")
-        if not isinstance(endpoints, list) or len(endpoints) != world_size:
+        cards = reply.get("cards")
+        if not isinstance(cards, list) or len(cards) != world_size:
             raise InvalidArgumentError(f"malformed rendezvous reply from {self._address}")
-        return [str(e) for e in endpoints]
+        return cards
 
     def barrier(self, name: str, timeout_s: float) -> None:
         """Returns once every rank has called ``barrier(name)``."""
@@ -253,7 +281,47 @@ class ControlClient:
         return values
 
     def close(self) -> None:
+        try:
+            self._socket.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._monitor.close(linger=0)
         self._socket.close()
+
+    def _watch_connection(self) -> None:
+        """Reads the monitor's events; raises once the handshake with the
+        rendezvous address has failed a few times in a row without ever
+        succeeding (one failure may be a rank 0 that is busy or cutting a
+        flood; ZeroMQ retries every 0.1 s, or 5 s when nothing answers)."""
+        while True:
+            try:
+                frames = self._monitor.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            message = parse_monitor_message(frames)
+            event, value = int(message["event"]), int(message["value"])
+            if event == zmq.EVENT_CONNECTED:
+                self._connected = True
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._handshaken = True
+            elif event & _FAILED_HANDSHAKE and not self._handshaken:
+                self._failed_handshakes += 1
+                if self._failed_handshakes >= _FAILED_HANDSHAKES_TO_GIVE_UP:
+                    raise InvalidArgumentError(
+                        f"the rendezvous address {self._address} refused this process's handshake "
+                        f"{self._failed_handshakes} times ({describe_handshake_failure(event, value)}): either "
+                        "rank 0 there has a different secret (MLTUNER_SECRET, MLTUNER_SECRET_FILE, or another "
+                        "user's loopback key), or the program there is not this job's rank 0 (another job, or a "
+                        "launcher's own store on that port): check the secret and the master address and port")
+
+    def _unanswered(self) -> str:
+        """Why the rendezvous has not answered yet, for a timeout's message."""
+        if not self._connected:
+            return (f"nothing accepted a connection at {self._address}: is rank 0 running, and are the master "
+                    "address and port the same on every process?")
+        if not self._handshaken:
+            return f"a connection to {self._address} was made but never completed the handshake"
+        return ""
 
     def _send(self, message: dict[str, Any]) -> None:
         self._socket.send(_encode(message))
@@ -266,7 +334,10 @@ class ControlClient:
                 raise PeerLostError(lost)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise WaitTimeoutError(timeout_message())
+                self._watch_connection()
+                why = self._unanswered()
+                raise WaitTimeoutError(timeout_message() + (f" ({why})" if why else ""))
+            self._watch_connection()
             if not self._socket.poll(min(_POLL_MS, int(remaining * 1000) + 1)):
                 continue
             message = _decode(self._socket.recv())

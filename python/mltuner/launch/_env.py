@@ -23,12 +23,15 @@ import socket
 from collections.abc import Iterator, Mapping
 from typing import Literal, Union
 
-from mltuner.dist._security import read_secret_file
 from mltuner.exceptions import InvalidArgumentError
+from mltuner.transport._address import TransportKind
+from mltuner.transport._security import read_secret_file
 
 __all__ = [
     "ProcessEnv",
     "Source",
+    "TransportKind",
+    "TRANSPORTS",
     "detect_environment",
     "is_loopback",
     "free_port",
@@ -37,6 +40,7 @@ __all__ = [
 ]
 
 Source = Literal["mltuner", "torchrun", "slurm", "openmpi", "single"]
+TRANSPORTS: tuple[TransportKind, ...] = ("auto", "tcp", "ipc")
 
 # Slurm gives no port, so every job derives one from its id: tasks of one job
 # agree without talking, and concurrent jobs on a node rarely collide.
@@ -66,6 +70,15 @@ class ProcessEnv:
             ``MLTUNER_SECRET_FILE``), or None. Left out
             of ``repr`` so that logs never show it.
         source: the launcher whose variables were read.
+        torch_store_key: under torchrun, the key in torchrun's own TCPStore
+            (which already serves ``master_addr:master_port``) where rank 0
+            publishes the rendezvous address it bound; None when rank 0
+            binds ``master_port`` itself.
+        transport: how processes on one host reach each other: ``"auto"``
+            (``ipc://`` between processes of one host, ``tcp://`` between
+            hosts), ``"tcp"`` (always TCP) or ``"ipc"`` (every rank must be
+            on this host). From ``MLTUNER_TRANSPORT``; ``Job(transport=...)``
+            overrides it.
     """
 
     rank: int
@@ -76,6 +89,8 @@ class ProcessEnv:
     bind_host: str
     secret: str | None = dataclasses.field(repr=False)
     source: Source
+    torch_store_key: str | None = None
+    transport: TransportKind = "auto"
 
 
 def is_loopback(host: str) -> bool:
@@ -113,7 +128,7 @@ def detect_environment(env: Mapping[str, str] | None = None) -> ProcessEnv:
     Whatever the launcher, ``MLTUNER_BIND_HOST`` overrides the bind address
     and ``MLTUNER_SECRET`` (or a file named by ``MLTUNER_SECRET_FILE``) gives
     the shared secret. Without either, a job on loopback addresses uses this
-    user's own key (see :mod:`mltuner.dist._security`).
+    user's own key (see :mod:`mltuner.transport._security`).
 
     Raises:
         InvalidArgumentError (a ValueError): a variable is not an integer or out of range, a variable a
@@ -129,8 +144,24 @@ def detect_environment(env: Mapping[str, str] | None = None) -> ProcessEnv:
     return _finish(env, "single", 0, 1, 0, "127.0.0.1", 0)
 
 
+def _torch_store_key(env: Mapping[str, str]) -> str | None:
+    """Where rank 0 publishes its rendezvous address in torchrun's store.
+
+    torchrun's agent already listens on MASTER_PORT (its TCPStore), so rank 0
+    cannot bind it; the key is unique to the run and to the restart, so a
+    restarted job never reads its predecessor's address.
+    """
+    if env.get(_TORCH_AGENT_STORE, "").strip().lower() not in ("true", "1"):
+        return None
+    run = env.get("TORCHELASTIC_RUN_ID", "").strip() or "none"
+    restart = env.get("TORCHELASTIC_RESTART_COUNT", "").strip() or "0"
+    return f"mltuner/{run}/{restart}/rendezvous"
+
+
 # A reader returns (source, rank, world_size, local_rank, master_addr,
 # master_port), or None when its launcher's variables are absent.
+# torchrun's agent serves its own TCPStore on MASTER_PORT when it sets this.
+_TORCH_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 _Found = tuple[Source, int, int, int, str, int]
 
 
@@ -230,9 +261,15 @@ def _finish(env: Mapping[str, str], source: Source, rank: int, world_size: int, 
         if not is_loopback(bind_host):
             raise InvalidArgumentError(f"MLTUNER_BIND_HOST={bind_host!r} is not a loopback address, so peers "
                              f"on other machines must authenticate: {_SECRET_HINT}")
+    transport = env.get("MLTUNER_TRANSPORT", "").strip().lower() or "auto"
+    if transport not in TRANSPORTS:
+        raise InvalidArgumentError(f"MLTUNER_TRANSPORT={env['MLTUNER_TRANSPORT']!r} is not one of "
+                                   f"{', '.join(TRANSPORTS)}")
     return ProcessEnv(rank=rank, world_size=world_size, local_rank=local_rank,
                       master_addr=master_addr, master_port=master_port, bind_host=bind_host,
-                      secret=secret, source=source)
+                      secret=secret, source=source,
+                      torch_store_key=_torch_store_key(env) if source == "torchrun" else None,
+                      transport=transport)
 
 
 def _default_bind_host(master_addr: str) -> str:

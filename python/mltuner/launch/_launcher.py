@@ -1,7 +1,7 @@
 """``mltuner launch``: runs N copies of a training command on this machine.
 
 Each worker gets the ``MLTUNER_*`` variables that
-:func:`~mltuner.dist.detect_environment` reads, runs in its own process group
+:func:`~mltuner.launch.detect_environment` reads, runs in its own process group
 (so that a signal reaches the worker and everything it started), and has its
 output printed line by line with a ``[rank k]`` prefix.
 
@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from types import FrameType
 from typing import Callable, Optional, TextIO, Union
 
-from mltuner.dist._env import free_port
+from mltuner.launch._env import free_port
 
 __all__ = ["launch", "KILL_AFTER_SECONDS"]
 

@@ -16,11 +16,13 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import logging
 import os
 import socket
+import weakref
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -30,24 +32,41 @@ import zmq
 from mltuner import _core
 from mltuner._config import MAX_WAIT_S, Config
 from mltuner._validate import boolean, integer, real, text
-from mltuner.client._worker import Worker
-from mltuner.dist import _checkpoint
-from mltuner.dist._env import ProcessEnv, detect_environment, is_loopback
-from mltuner.dist._guard import ConnectionGuard, limit_input
-from mltuner.dist._rendezvous import ControlClient, Coordinator
-from mltuner.dist._security import CurveKeys, derive_keys, secure_server, start_authenticator, user_loopback_secret
-from mltuner.dist._transport import SocketTransport
+from mltuner.client._worker import Worker, largest_frame_bytes
 from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError, MltunerError
+from mltuner.launch import _checkpoint
+from mltuner.launch._env import TRANSPORTS, ProcessEnv, detect_environment, is_loopback
+from mltuner.launch._rendezvous import ControlClient, Coordinator
+from mltuner.launch._torch_store import lookup_address, publish_address
+from mltuner.transport._address import Card, IpcDirectory, TransportKind, choose_address, host_identity
+from mltuner.transport._control import (CONTROL_IO_THREAD, CONTROL_RECEIVE_QUEUE, DATA_IO_THREAD, MAX_SIGNAL_BYTES,
+                                        ControlChannel)
+from mltuner.transport._guard import ConnectionGuard, limit_input
+from mltuner.transport._security import CurveKeys, derive_keys, secure_server, start_authenticator, user_loopback_secret
+from mltuner.transport._sockets import RECEIVE_QUEUE_MESSAGES, SocketTransport
 
 __all__ = ["Job", "DEFAULT_MAX_MESSAGE_BYTES"]
 
 # The largest frame a data socket accepts unless Job(max_message_bytes=...)
 # says otherwise: a table's slice on one shard must fit (create_table checks).
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
-# Connections a data socket accepts beyond one per peer (reconnects).
+# Connections a data or control socket accepts beyond one per peer (reconnects).
 _SPARE_CONNECTIONS = 16
+# The least max_queued_bytes the plan gives (tiny models send many small messages).
+_MIN_QUEUE_BYTES = 4 << 20
 
-_log = logging.getLogger("mltuner.dist")
+_log = logging.getLogger("mltuner.launch")
+# Jobs still open when the interpreter exits are closed (not gracefully)
+# before Python tears down, while their threads can still be joined: left to
+# the engine's destructors at teardown, joinable threads ended the process
+# with std::terminate.
+_open_jobs: weakref.WeakSet[Job] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_jobs() -> None:
+    for job in list(_open_jobs):
+        job.close(graceful=False)
 
 
 class Job:
@@ -57,7 +76,7 @@ class Job:
         config: engine settings; every rank must use the same update rule,
             wait timeout and prefetch depth (checked at the rendezvous).
         env: where this process sits; by default read from the environment
-            (see :func:`mltuner.dist.detect_environment`).
+            (see :func:`mltuner.launch.detect_environment`).
         rendezvous_timeout_s: how long to wait for every rank to arrive.
         heartbeat_interval_s: how often each process tells every peer it is alive.
         heartbeat_timeout_s: a peer silent this long is declared lost: every
@@ -73,6 +92,17 @@ class Job:
             refuses a larger announced frame before allocating it). Every
             table's slice on one shard must fit: ``create_table`` refuses a
             table that would need more, naming this setting.
+        transport: how this process reaches its peers: ``"auto"`` (``ipc://``
+            to processes of this host, ``tcp://`` to others), ``"tcp"`` or
+            ``"ipc"`` (every peer must be on this host). ``None``: the
+            ``MLTUNER_TRANSPORT`` variable's choice, by default ``"auto"``.
+        max_queued_bytes: the payload bytes that may wait in ZeroMQ to be
+            sent to one peer (and, times the peers, in the node's outbox
+            before that); a send beyond it waits for the peer
+            (back-pressure), for at most ``config.wait_timeout_s``, then the
+            job fails naming it. ``None`` (default): from the plan,
+            ``prefetch_clocks + 2`` clocks of this process's traffic to one
+            peer, and at least twice the largest message and 4 MiB.
 
     Attributes:
         worker: the access API (:class:`mltuner.Worker`).
@@ -82,7 +112,8 @@ class Job:
     def __init__(self, config: Config | None = None, *, env: ProcessEnv | None = None,
                  rendezvous_timeout_s: float = 120.0, heartbeat_interval_s: float = 0.5,
                  heartbeat_timeout_s: float = 5.0, secure: bool | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, transport: TransportKind | None = None,
+                 max_queued_bytes: int | None = None) -> None:
         if config is not None and not isinstance(config, Config):
             raise ArgumentTypeError(f"Job: config must be a Config, got {type(config).__name__}")
         rendezvous_timeout_s = real("Job: rendezvous_timeout_s", rendezvous_timeout_s, 0, MAX_WAIT_S, low_open=True)
@@ -95,9 +126,15 @@ class Job:
                 or not 1 << 20 <= max_message_bytes <= 1 << 62:
             raise InvalidArgumentError(f"max_message_bytes must be an integer in [2**20, 2**62], "
                                        f"got {max_message_bytes!r}")
+        if transport is not None and transport not in TRANSPORTS:
+            raise InvalidArgumentError(f"Job: transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+        if max_queued_bytes is not None:
+            max_queued_bytes = integer("Job: max_queued_bytes", max_queued_bytes, 1, 1 << 62)
         self._max_message_bytes = max_message_bytes
+        self._max_queued_bytes = max_queued_bytes
         self.config = config or Config()
         self.env = env or detect_environment()
+        self.transport: TransportKind = transport or self.env.transport
         self.rank = self.env.rank
         self.world_size = self.env.world_size
         self.local_rank = self.env.local_rank
@@ -109,11 +146,16 @@ class Job:
         self._coordinator: Coordinator | None = None
         self._control: ControlClient | None = None
         self._transport: SocketTransport | None = None
-        self.endpoint = ""  # where peers send to this process (empty when alone)
+        self._liveness: ControlChannel | None = None
+        self._ipc: IpcDirectory | None = None
+        self._queue_plan: tuple[int, int] = (-1, 0)  # (tables seen, the limit for them)
+        self.endpoint = ""  # where peers on other hosts send to this process (empty when alone)
+        self.peer_endpoints: dict[int, str] = {}  # where this process sends each peer's data
         self._node = _core.ProcessNode(self.config.to_core(), self.rank, self.world_size, self.config.device,
                                        self.local_rank)
         self.worker = Worker(self._node.engine, owner=self._node, config=self.config,
                              max_message_bytes=self._max_message_bytes if self.world_size > 1 else None)
+        _open_jobs.add(self)
         if self.world_size > 1:
             try:
                 self._connect(self._keys(secure), rendezvous_timeout_s, heartbeat_interval_s, heartbeat_timeout_s)
@@ -126,6 +168,7 @@ class Job:
     def rejected_messages(self) -> int:
         """Messages from other processes refused as malformed or misaddressed."""
         dropped = self._transport.rejected if self._transport else 0
+        dropped += self._liveness.rejections.count if self._liveness else 0
         return int(self._node.rejected_messages) + dropped
 
     @property
@@ -133,6 +176,7 @@ class Job:
         """Connections to this process's sockets that were cut: they failed
         the CURVE handshake (no or wrong keys) or exceeded the cap."""
         total = self._transport.guard.refused.count if self._transport else 0
+        total += self._liveness.guard.refused.count if self._liveness else 0
         if self._coordinator is not None:
             total += self._coordinator.guard.refused.count
         return total
@@ -197,8 +241,7 @@ class Job:
         if self._closed:
             return
         self._closed = True
-        lost = self._transport.lost if self._transport else None
-        if graceful and self._control is not None and lost is None:
+        if graceful and self._control is not None and self._lost_peer() is None:
             try:
                 self.worker.flush()
                 self._control.barrier("close", self._timeout_s)
@@ -207,6 +250,8 @@ class Job:
         self._node.shutdown()
         if self._transport is not None:
             self._transport.stop(graceful=graceful)
+        if self._liveness is not None:  # the goodbye leaves after the data
+            self._liveness.stop(graceful=graceful)
         if self._control is not None:
             self._control.close()
         if self._coordinator is not None:
@@ -214,7 +259,11 @@ class Job:
         if self._authenticator is not None:
             self._authenticator.stop()  # type: ignore[attr-defined]
         if self._context is not None:
-            self._context.term()
+            # Closes what a failed start left open too; the sockets above
+            # already lingered as long as they were allowed to.
+            self._context.destroy(linger=0)
+        if self._ipc is not None:
+            self._ipc.close()
 
     def __enter__(self) -> Job:
         return self
@@ -251,41 +300,101 @@ class Job:
 
     def _connect(self, keys: CurveKeys | None, rendezvous_timeout_s: float, heartbeat_interval_s: float,
                  heartbeat_timeout_s: float) -> None:
-        self._context = zmq.Context()
+        # Two I/O threads: data on the first, heartbeats and the rendezvous on
+        # the second, so no backlog of data delays a heartbeat.
+        self._context = zmq.Context(io_threads=2)
         if keys is not None:
             self._authenticator = start_authenticator(self._context, keys)
-        inbox = self._context.socket(zmq.PULL)
-        inbox.rcvhwm = 0
-        limit_input(inbox, self._max_message_bytes)
-        if keys is not None:
-            secure_server(inbox, keys)
-        try:
-            port = inbox.bind_to_random_port(f"tcp://{_bracketed(self.env.bind_host)}")
-        except zmq.ZMQError:
-            inbox.close(linger=0)
-            raise
-        guard = ConnectionGuard(inbox, port, f"rank {self.rank}'s data socket",
-                                self.world_size - 1 + _SPARE_CONNECTIONS, _log)
-        endpoint = self.endpoint = f"tcp://{_bracketed(_advertised_host(self.env))}:{port}"
-        if self.rank == 0:
-            self._coordinator = Coordinator(self._context, self.env.bind_host, self.env.master_port,
-                                            self.world_size, keys)
-        self._control = ControlClient(self._context, self.env.master_addr, self.env.master_port, self.rank, keys,
-                                      self._lost_peer)
+        if self.transport != "tcp":
+            self._ipc = IpcDirectory()
+        data, data_guard, card_data = self._bind("data", self._max_message_bytes, DATA_IO_THREAD,
+                                                 RECEIVE_QUEUE_MESSAGES, keys)
+        control, control_guard, card_control = self._bind("control", MAX_SIGNAL_BYTES, CONTROL_IO_THREAD,
+                                                          CONTROL_RECEIVE_QUEUE, keys)
+        card = Card(host=host_identity(), tcp={"data": card_data[0], "control": card_control[0]},
+                    ipc={name: ipc for name, ipc in (("data", card_data[1]), ("control", card_control[1])) if ipc})
+        self.endpoint = card.tcp["data"]
+        host, port = self._rendezvous_address(keys, rendezvous_timeout_s)
+        self._control = ControlClient(self._context, host, port, self.rank, keys, self._lost_peer)
         missing = self._coordinator.missing_ranks if self._coordinator else None
-        try:
-            endpoints = self._control.join(self.world_size, endpoint, _fingerprint(self.config),
-                                           rendezvous_timeout_s, missing)
-        except BaseException:
-            guard.close()
-            inbox.close(linger=0)
-            raise
-        self._transport = SocketTransport(self._node, self._context, inbox, guard, endpoints, keys,
-                                          heartbeat_interval_s=heartbeat_interval_s,
-                                          heartbeat_timeout_s=heartbeat_timeout_s)
+        cards = [Card.from_json(c, r) for r, c in enumerate(
+            self._control.join(self.world_size, card.to_json(), _fingerprint(self.config), rendezvous_timeout_s,
+                               missing))]
+        peers = [r for r in range(self.world_size) if r != self.rank]
+        self.peer_endpoints = {r: choose_address(self.transport, card, cards[r], "data", r) for r in peers}
+        self._liveness = ControlChannel(
+            self.rank, self._context, control, control_guard,
+            {r: choose_address(self.transport, card, cards[r], "control", r) for r in peers}, keys,
+            heartbeat_interval_s=heartbeat_interval_s, heartbeat_timeout_s=heartbeat_timeout_s,
+            on_lost=self._node.abort)
+        self._transport = SocketTransport(self._node, self._context, data, data_guard, self.peer_endpoints, keys,
+                                          queue_limit=self._queue_limit, wait_timeout_s=self._timeout_s)
+
+    def _bind(self, name: str, max_frame: int, io_thread: int, queue: int, keys: CurveKeys | None
+              ) -> tuple[zmq.Socket[bytes], ConnectionGuard, tuple[str, str | None]]:
+        """A PULL socket bound on a free TCP port and, unless the job uses TCP
+        only, on ``ipc://`` in this process's private directory; its guard;
+        and its (tcp, ipc) endpoints for the peers."""
+        assert self._context is not None
+        socket = self._context.socket(zmq.PULL)
+        socket.affinity = io_thread
+        socket.rcvhwm = queue
+        limit_input(socket, max_frame)
+        if keys is not None:
+            secure_server(socket, keys)
+        port = socket.bind_to_random_port(f"tcp://{_bracketed(self.env.bind_host)}")
+        bound: set[int | str] = {port}
+        ipc = None
+        if self._ipc is not None:
+            ipc = self._ipc.endpoint(name)
+            socket.bind(ipc)
+            bound.add(ipc.removeprefix("ipc://"))
+        guard = ConnectionGuard(socket, bound, f"rank {self.rank}'s {name} socket",
+                                self.world_size - 1 + _SPARE_CONNECTIONS, _log)
+        return socket, guard, (f"tcp://{_bracketed(_advertised_host(self.env))}:{port}", ipc)
+
+    def _queue_limit(self) -> int:
+        """The bytes that may wait for one peer, from the plan (see
+        ``max_queued_bytes``); recomputed when the tables change."""
+        if self._max_queued_bytes is not None:
+            if self._queue_plan[0] < 0:
+                self._queue_plan = (0, self._max_queued_bytes)
+                self._node.set_outbox_limit(self._max_queued_bytes * (self.world_size - 1))
+            return self._max_queued_bytes
+        tables = [t for t in self.worker.tables if not t.local]
+        if self._queue_plan[0] != len(tables):
+            shards = self.world_size
+            # Per clock, one peer gets at most this process's update of its
+            # shard's slice of every table, and this shard's rows of it.
+            per_clock = sum(2 * -(-t.num_rows // shards) * t.row_width * 4 for t in tables)
+            largest = max((largest_frame_bytes(t.num_rows, t.row_width, shards) for t in tables), default=0)
+            limit = max((self.config.prefetch_clocks + 2) * per_clock, 2 * largest, _MIN_QUEUE_BYTES)
+            self._queue_plan = (len(tables), limit)
+            # The node's outbox, where messages wait while the send thread
+            # waits for a peer, holds as much for all peers together.
+            self._node.set_outbox_limit(limit * (self.world_size - 1))
+        return self._queue_plan[1]
+
+    def _rendezvous_address(self, keys: CurveKeys | None, timeout_s: float) -> tuple[str, int]:
+        """Starts rank 0's coordinator; returns where every rank finds it.
+
+        Under torchrun the master port is torchrun's own store: rank 0 binds
+        a free port and publishes it there, and the others read it."""
+        env = self.env
+        assert self._context is not None
+        if self.rank == 0:
+            self._coordinator = Coordinator(self._context, env.bind_host, 0 if env.torch_store_key else env.master_port,
+                                            self.world_size, keys)
+            if env.torch_store_key:
+                address = f"{_bracketed(_advertised_host(env))}:{self._coordinator.port}"
+                publish_address(env.master_addr, env.master_port, env.torch_store_key, address, timeout_s)
+        if env.torch_store_key:
+            return lookup_address(env.master_addr, env.master_port, env.torch_store_key, timeout_s)
+        return env.master_addr, env.master_port
 
     def _lost_peer(self) -> str | None:
-        return self._transport.lost if self._transport else None
+        lost = self._liveness.lost if self._liveness else None
+        return lost or (self._transport.stuck if self._transport else None)
 
 
 def _bracketed(host: str) -> str:

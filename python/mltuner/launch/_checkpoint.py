@@ -43,7 +43,7 @@ FORMAT = "mltuner-checkpoint"
 VERSION = 1
 LATEST = "latest"
 _CHECKPOINT_NAME = re.compile(r"clock-(\d{8,})")
-_log = logging.getLogger("mltuner.dist")
+_log = logging.getLogger("mltuner.launch")
 
 
 def shard_range(num_rows: int, shard: int, num_shards: int) -> tuple[int, int]:

@@ -1,4 +1,4 @@
-"""mltuner.dist._launch: the local launcher behind `mltuner launch`, run on real
+"""mltuner.launch._launcher: the local launcher behind `mltuner launch`, run on real
 subprocesses (small `python -c` scripts)."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from mltuner.cli import main
-from mltuner.dist import launch
-from mltuner.dist._launch import KILL_AFTER_SECONDS
+from mltuner.launch import launch
+from mltuner.launch._launcher import KILL_AFTER_SECONDS
 
 # Every script starts with this: T_DIR is a per-test folder, RANK this worker's rank.
 PRELUDE = textwrap.dedent("""\

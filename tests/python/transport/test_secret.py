@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import mltuner
-from mltuner.dist import detect_environment
-from mltuner.dist._security import read_secret_file, user_loopback_secret
+from mltuner.launch import detect_environment
+from mltuner.transport._security import read_secret_file, user_loopback_secret
 
 VARS = {"MLTUNER_RANK": "0", "MLTUNER_WORLD_SIZE": "2", "MLTUNER_LOCAL_RANK": "0",
         "MLTUNER_MASTER_ADDR": "10.0.0.1", "MLTUNER_MASTER_PORT": "29400"}

@@ -1,0 +1,159 @@
+"""Which address a process uses to reach each peer: ``ipc://`` on one host,
+``tcp://`` between hosts.
+
+Every process binds its sockets on a TCP port and, unless told to use TCP
+only, on a Unix-domain socket (``ipc://``) in a private directory of its
+own. At the rendezvous it sends a :class:`Card` with both and the identity
+of its host; a peer on the same host (same host name, boot id and user) whose
+socket file it can see connects through ``ipc://``, anyone else through
+``tcp://``. Both carry the same CURVE handshake.
+
+:class:`IpcDirectory` makes the directory (mode 0700, so only this user can
+reach the sockets in it) and removes it when the job ends; directories left
+by processes that were killed are removed by the next job of this user.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import os
+import shutil
+import socket
+import stat
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+from mltuner.exceptions import InvalidArgumentError
+
+__all__ = ["Card", "IpcDirectory", "host_identity", "choose_address", "TransportKind"]
+
+TransportKind = Literal["auto", "tcp", "ipc"]
+# sockaddr_un holds 108 bytes with the final NUL; leave room for the names.
+_MAX_SOCKET_PATH = 100
+_PREFIX = "mltuner-"
+
+
+def host_identity() -> str:
+    """Processes that share this string can reach each other's ``ipc://``
+    sockets: same host name, same boot (a restarted machine or another
+    machine with the same name differs), same user."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}/{os.getuid()}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Card:
+    """What a process tells its peers at the rendezvous: its host and, for
+    each of its sockets (``data``, ``control``), a TCP endpoint and, when it
+    binds one, an ``ipc://`` endpoint."""
+
+    host: str
+    tcp: dict[str, str]
+    ipc: dict[str, str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"host": self.host, "tcp": self.tcp, "ipc": self.ipc}
+
+    @staticmethod
+    def from_json(value: Any, rank: int) -> Card:
+        """Checks a peer's card (it came over the network)."""
+
+        def names(field: Any) -> dict[str, str]:
+            if not isinstance(field, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                      for k, v in field.items()):
+                raise InvalidArgumentError(f"rank {rank} sent a malformed rendezvous card: {value!r:.200}")
+            return dict(field)
+
+        if not isinstance(value, dict) or not isinstance(value.get("host"), str):
+            raise InvalidArgumentError(f"rank {rank} sent a malformed rendezvous card: {value!r:.200}")
+        return Card(host=value["host"], tcp=names(value.get("tcp")), ipc=names(value.get("ipc")))
+
+
+def choose_address(kind: TransportKind, mine: Card, theirs: Card, socket_name: str, rank: int) -> str:
+    """The endpoint of peer ``rank``'s socket ``socket_name`` to connect to."""
+    ipc = theirs.ipc.get(socket_name)
+    same_host = theirs.host == mine.host
+    if kind == "ipc":
+        if not same_host or ipc is None:
+            raise InvalidArgumentError(
+                f"MLTUNER_TRANSPORT / Job(transport=) is 'ipc' but rank {rank} "
+                f"{'runs on another host' if not same_host else 'offers no ipc:// socket'} "
+                f"({theirs.host.split('/')[0]}): use 'auto' or 'tcp'")
+        return ipc
+    if kind == "auto" and same_host and ipc is not None and _visible_socket(ipc):
+        return ipc
+    try:
+        return theirs.tcp[socket_name]
+    except KeyError:
+        raise InvalidArgumentError(f"rank {rank} offers no TCP endpoint for its {socket_name} socket") from None
+
+
+def _visible_socket(endpoint: str) -> bool:
+    # Same host but another mount namespace (a container) cannot see the file.
+    try:
+        info = os.stat(endpoint.removeprefix("ipc://"))
+    except OSError:
+        return False
+    return stat.S_ISSOCK(info.st_mode) and info.st_uid == os.getuid()
+
+
+class IpcDirectory:
+    """A directory only this user can open, holding this process's
+    ``ipc://`` sockets; removed by :meth:`close` (and at interpreter exit)."""
+
+    def __init__(self) -> None:
+        base = _base_directory()
+        _remove_stale(base)
+        self.path = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=base))  # mode 0700
+        atexit.register(self.close)
+
+    def endpoint(self, name: str) -> str:
+        return f"ipc://{self.path / name}"
+
+    def close(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+        atexit.unregister(self.close)
+
+
+def _base_directory() -> str:
+    """The user's run-time directory when it is private and its paths short
+    enough for a Unix socket, else the system's temporary directory."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    if runtime and len(runtime) + 40 < _MAX_SOCKET_PATH:
+        try:
+            info = os.stat(runtime)
+            if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o077:
+                return runtime
+        except OSError:
+            pass
+    base = tempfile.gettempdir()
+    if len(base) + 40 >= _MAX_SOCKET_PATH:
+        raise InvalidArgumentError(f"the temporary directory {base} is too long a path for ipc:// sockets: set "
+                                   "TMPDIR to a shorter one, or MLTUNER_TRANSPORT=tcp")
+    return base
+
+
+def _remove_stale(base: str) -> None:
+    """Removes this user's socket directories whose process is gone."""
+    try:
+        entries = list(os.scandir(base))
+    except OSError:
+        return
+    for entry in entries:
+        if not entry.name.startswith(_PREFIX):
+            continue
+        pid_text = entry.name[len(_PREFIX):].split("-", 1)[0]
+        try:
+            if not pid_text.isdigit() or entry.stat(follow_symlinks=False).st_uid != os.getuid() \
+                    or not entry.is_dir(follow_symlinks=False):
+                continue
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            shutil.rmtree(entry.path, ignore_errors=True)
+        except OSError:
+            continue  # alive (or not ours to judge)

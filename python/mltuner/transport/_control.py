@@ -1,0 +1,163 @@
+"""Liveness between the processes of a job, on sockets of its own.
+
+Each process binds a control socket (PULL) and connects one PUSH to every
+peer's. One thread, ``mltuner-control``, sends every peer a heartbeat every
+``heartbeat_interval_s``, reads the peers' heartbeats and goodbyes, and
+declares a peer lost when nothing came from it on this channel for
+``heartbeat_timeout_s``. Nothing else travels here and nothing here waits
+for data: the control sockets have their own connections and their own
+ZeroMQ I/O thread (the context's second; data uses the first), so a backlog
+of data (a large model, a slow receiver, CURVE on a slow link) never delays
+a heartbeat, and only a peer that is really silent (dead, stopped, hung or
+unreachable) is declared lost.
+
+A signal is one frame: ``MLTN-HB`` or ``MLTN-BYE`` and the sender's rank
+(int32, little-endian). Like everything else it arrives only through an
+authenticated CURVE connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+from collections.abc import Callable
+
+import zmq
+
+from mltuner.transport._guard import ConnectionGuard, RejectionLog
+from mltuner.transport._security import CurveKeys, secure_client
+
+__all__ = ["ControlChannel", "CONTROL_IO_THREAD", "CONTROL_RECEIVE_QUEUE", "DATA_IO_THREAD", "MAX_SIGNAL_BYTES"]
+
+_log = logging.getLogger("mltuner.transport")
+HEARTBEAT = b"MLTN-HB"
+GOODBYE = b"MLTN-BYE"
+_RANK = struct.Struct("<i")
+# The largest frame a control socket accepts: a signal is 12 bytes, but the
+# limit also applies to the CURVE handshake's commands (HELLO is 200 bytes,
+# INITIATE about 300 with its metadata).
+MAX_SIGNAL_BYTES = 4096
+# ZMQ_AFFINITY bit masks: which of the context's two I/O threads serves a socket.
+DATA_IO_THREAD = 1
+CONTROL_IO_THREAD = 2
+# Heartbeats a peer has not read yet are worthless: keep only a few.
+_SEND_QUEUE = 16
+CONTROL_RECEIVE_QUEUE = 1024
+_POLL_MS = 50
+
+
+class ControlChannel:
+    """Heartbeats and goodbyes of one process (see the module doc).
+
+    Args:
+        rank: this process's rank.
+        context: the job's ZeroMQ context (two I/O threads).
+        inbox: the bound control socket; the channel owns it from here on.
+        guard: the inbox's connection guard (polled by the control thread).
+        peers: each peer's control endpoint, by rank.
+        on_lost: called once, from the control thread, with the reason when
+            a peer is lost (the job aborts its engine there).
+    """
+
+    def __init__(self, rank: int, context: zmq.Context[zmq.Socket[bytes]], inbox: zmq.Socket[bytes],
+                 guard: ConnectionGuard, peers: dict[int, str], keys: CurveKeys | None, *,
+                 heartbeat_interval_s: float, heartbeat_timeout_s: float,
+                 on_lost: Callable[[str], None]) -> None:
+        self._rank = rank
+        self._inbox = inbox
+        self.guard = guard
+        self._interval = heartbeat_interval_s
+        self._timeout = heartbeat_timeout_s
+        self._on_lost = on_lost
+        self._peers: dict[int, zmq.Socket[bytes]] = {}
+        for peer, endpoint in peers.items():
+            socket = context.socket(zmq.PUSH)
+            socket.affinity = CONTROL_IO_THREAD
+            socket.sndhwm = _SEND_QUEUE
+            if keys is not None:
+                secure_client(socket, keys)
+            socket.connect(endpoint)
+            self._peers[peer] = socket
+        now = time.monotonic()
+        self._last_heard = {peer: now for peer in self._peers}
+        self._departed: set[int] = set()
+        self.lost: str | None = None  # why the job lost a peer, once it has
+        self.rejections = RejectionLog(_log, f"rank {rank}'s control socket")
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mltuner-control", daemon=True)
+        self._thread.start()
+
+    @property
+    def departed(self) -> set[int]:
+        """Peers that said goodbye."""
+        return set(self._departed)
+
+    def stop(self, *, graceful: bool = True) -> None:
+        """Says goodbye to every peer, joins the thread, closes the sockets.
+        Not graceful, or once a peer is lost, the goodbye gets no time to
+        leave (the peers then notice the silence instead)."""
+        self._stopping.set()
+        self._thread.join(10.0)
+        linger_ms = 1000 if graceful and self.lost is None else 0
+        for socket in self._peers.values():
+            try:
+                socket.send(GOODBYE + _RANK.pack(self._rank), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            socket.close(linger=linger_ms)
+        self.guard.close()
+        self._inbox.close(linger=0)
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._inbox, zmq.POLLIN)
+        poller.register(self.guard.monitor, zmq.POLLIN)
+        next_beat = 0.0
+        while not self._stopping.is_set():
+            now = time.monotonic()
+            if now >= next_beat:
+                self._broadcast(HEARTBEAT + _RANK.pack(self._rank))
+                next_beat = now + self._interval
+            ready = dict(poller.poll(min(_POLL_MS, max(1, int((next_beat - now) * 1000)))))
+            if self._inbox in ready:
+                self._drain()
+            if self.guard.monitor in ready:
+                self.guard.handle_events()
+            self._check_peers()
+
+    def _broadcast(self, frame: bytes) -> None:
+        for socket in self._peers.values():
+            try:
+                socket.send(frame, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # the peer has not read the last few: it is silent, and its own silence will tell
+
+    def _drain(self) -> None:
+        for _ in range(256):  # then look at the clock again
+            try:
+                frames = self._inbox.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            frame = frames[0] if len(frames) == 1 else b""
+            kind = frame[:-_RANK.size]
+            rank = _RANK.unpack(frame[-_RANK.size:])[0] if len(frame) > _RANK.size else -1
+            if kind not in (HEARTBEAT, GOODBYE) or rank not in self._last_heard:
+                self.rejections.record(f"an unknown control message ({len(frames)} frames, {len(frame)} bytes)")
+                continue
+            self._last_heard[rank] = time.monotonic()
+            if kind == GOODBYE:
+                self._departed.add(rank)
+
+    def _check_peers(self) -> None:
+        if self.lost is not None:
+            return
+        now = time.monotonic()
+        for rank, heard in self._last_heard.items():
+            if rank not in self._departed and now - heard > self._timeout:
+                self.lost = (f"worker rank {rank} stopped answering: no heartbeat from it for {now - heard:.1f} s "
+                             "(it exited, crashed, was stopped or hung, or its machine is unreachable)")
+                _log.error("mltuner: %s", self.lost)
+                self._on_lost(self.lost)
+                return

@@ -1,0 +1,229 @@
+"""Moves a ProcessNode's data messages between processes over ZeroMQ.
+
+Each process binds one data socket (PULL) that every peer sends to, and
+connects one PUSH to each peer's, through ``ipc://`` on one host and
+``tcp://`` between hosts (:mod:`mltuner.transport._address`). Two threads,
+each owning its sockets:
+
+- the send thread takes encoded messages from the node (waiting with the GIL
+  released) and sends the header frame and the payload array with no copy
+  (ZeroMQ holds the array until the bytes are out, then the buffer returns to
+  the node's pool);
+- the receive thread hands data frames to the node, which validates them in
+  C++ with the GIL released, and reads the data socket's connection guard
+  (failed handshakes, the cap on connections).
+
+Liveness is not judged here: heartbeats travel on the control channel
+(:mod:`mltuner.transport._control`), so a backlog of data never makes a
+healthy peer look dead.
+
+Bounded queues: the payload bytes handed to ZeroMQ for one peer and not yet
+written out are bounded (``queue_limit``, from the plan: a few clocks of
+this process's traffic to that peer). A send that would pass the bound waits
+until the peer has taken enough (back-pressure: the node's outbox then fills
+and the engine waits on it), for at most ``wait_timeout_s``; a peer that
+takes nothing for that long while its heartbeats still arrive is stuck, and
+the job fails naming it. ZeroMQ's own queues are bounded in messages too.
+
+Messages between this process's own engine and shard never come here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import zmq
+
+from mltuner import _core
+from mltuner.exceptions import CorruptMessageError
+from mltuner.transport._control import DATA_IO_THREAD
+from mltuner.transport._guard import ConnectionGuard, RejectionLog
+from mltuner.transport._security import CurveKeys, secure_client
+
+__all__ = ["SocketTransport", "SEND_QUEUE_MESSAGES", "RECEIVE_QUEUE_MESSAGES"]
+
+_log = logging.getLogger("mltuner.transport")
+_POLL_S = 0.05
+# ZeroMQ's queues in messages (bytes are bounded by queue_limit on the send
+# side; pyzmq copies frames below 64 KiB, so small messages are bounded too).
+# The receive thread hands each message on at once; when it falls behind, a
+# peer's connection holds at most RECEIVE_QUEUE_MESSAGES before the kernel's
+# flow control makes the sender's queue grow (and its bound apply).
+SEND_QUEUE_MESSAGES = 1000
+RECEIVE_QUEUE_MESSAGES = 64
+
+
+class SocketTransport:
+    """The data send and receive threads of one process (see the module doc).
+
+    Args:
+        node: this process's engine and shard.
+        inbox: the bound data socket; the transport owns it from here on.
+        peers: each peer's data endpoint, by rank.
+        queue_limit: the payload bytes that may wait in ZeroMQ for one peer
+            (a single larger message is let through alone); called for
+            every message, so it can follow the plan.
+        wait_timeout_s: how long a send may wait for room before the job
+            fails.
+    """
+
+    def __init__(self, node: _core.ProcessNode, context: zmq.Context[zmq.Socket[bytes]], inbox: zmq.Socket[bytes],
+                 guard: ConnectionGuard, peers: dict[int, str], keys: CurveKeys | None, *,
+                 queue_limit: Callable[[], int], wait_timeout_s: float) -> None:
+        self._node = node
+        self._rank = int(node.rank)
+        self._inbox = inbox
+        self.guard = guard
+        self._queue_limit = queue_limit
+        self._wait_timeout = wait_timeout_s
+        self._peers: dict[int, zmq.Socket[bytes]] = {}
+        for rank, endpoint in peers.items():
+            socket = context.socket(zmq.PUSH)
+            socket.affinity = DATA_IO_THREAD
+            socket.sndhwm = SEND_QUEUE_MESSAGES
+            if keys is not None:
+                secure_client(socket, keys)
+            socket.connect(endpoint)
+            self._peers[rank] = socket
+        self.endpoints = dict(peers)
+        # Payload bytes handed to ZeroMQ per peer and not yet released by it.
+        self._queued = {rank: 0 for rank in self._peers}
+        self.peak_queued = {rank: 0 for rank in self._peers}
+        self._room = threading.Condition()
+        self.stuck: str | None = None  # why a peer was declared stuck, once it is
+        # Messages refused here (the node counts the messages it refuses).
+        self._rejected = 0
+        self.rejections = RejectionLog(_log, f"rank {self._rank}'s data socket")
+        self._stopping = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._send_loop, name="mltuner-send", daemon=True),
+            threading.Thread(target=self._receive_loop, name="mltuner-receive", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self, *, graceful: bool = True) -> None:
+        """Joins both threads and closes the sockets. Call after the node is
+        shut down (its outbox is then closed and drains). Graceful, queued
+        bytes get a second to leave."""
+        self._stopping.set()
+        with self._room:
+            self._room.notify_all()
+        for thread in self._threads:
+            thread.join(10.0)
+        linger_ms = 1000 if graceful and not self._node.aborted else 0
+        for socket in self._peers.values():
+            socket.close(linger=linger_ms)
+        self.guard.close()
+        self._inbox.close(linger=0)
+
+    @property
+    def rejected(self) -> int:
+        """Frames refused here (the node counts the messages it refuses)."""
+        return self._rejected
+
+    def queued_bytes(self, rank: int) -> int:
+        """Payload bytes waiting in ZeroMQ for peer ``rank``."""
+        with self._room:
+            return self._queued[rank]
+
+    # -- sending ------------------------------------------------------------------
+    def _send_loop(self) -> None:
+        while True:
+            item = self._node.next_outgoing(int(_POLL_S * 1000))
+            if item is None:
+                if self._stopping.is_set():
+                    return
+                continue
+            receiver, header, payload = item
+            size = payload.nbytes if isinstance(payload, np.ndarray) else len(payload)
+            if not self._wait_for_room(receiver, size):
+                continue  # aborted or stopping: the message is dropped with the job
+            if self._send_frames(receiver, [header, payload]) and isinstance(payload, np.ndarray) and size:
+                with self._room:
+                    self._queued[receiver] += size
+                    self.peak_queued[receiver] = max(self.peak_queued[receiver], self._queued[receiver])
+                # ZeroMQ drops its reference once the bytes are out; then the
+                # array dies and its bytes leave the count.
+                weakref.finalize(payload, self._release, receiver, size)
+
+    def _release(self, receiver: int, size: int) -> None:
+        with self._room:
+            self._queued[receiver] -= size
+            self._room.notify_all()
+
+    def _wait_for_room(self, receiver: int, size: int) -> bool:
+        """Waits until peer ``receiver``'s queue can take ``size`` more bytes
+        (or is empty). False when the job stops or aborts first."""
+        deadline = time.monotonic() + self._wait_timeout
+        limit = self._queue_limit()
+        with self._room:
+            while self._queued[receiver] and self._queued[receiver] + size > limit:
+                if self._node.aborted or self._stopping.is_set():
+                    return False
+                if time.monotonic() >= deadline:
+                    self._declare_stuck(receiver)
+                    return False
+                self._room.wait(_POLL_S)
+        return True
+
+    def _send_frames(self, receiver: int, frames: list[Any]) -> bool:
+        # Non-blocking with a poll so that a stop or an abort ends the wait.
+        socket = self._peers[receiver]
+        deadline = time.monotonic() + self._wait_timeout
+        while not self._node.aborted:
+            try:
+                socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                return True
+            except zmq.Again:
+                if time.monotonic() >= deadline:
+                    self._declare_stuck(receiver)
+                    return False
+                socket.poll(int(_POLL_S * 1000), zmq.POLLOUT)
+        return False
+
+    def _declare_stuck(self, receiver: int) -> None:
+        self.stuck = (f"worker rank {receiver} stopped taking data: {self._queued[receiver]} bytes have waited "
+                      f"for it for {self._wait_timeout:g} s (Config.wait_timeout_s) although its heartbeats still "
+                      "arrive: it is stuck, or far slower than this process")
+        _log.error("mltuner: %s", self.stuck)
+        self._node.abort(self.stuck)
+
+    # -- receiving ----------------------------------------------------------------
+    def _receive_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._inbox, zmq.POLLIN)
+        poller.register(self.guard.monitor, zmq.POLLIN)
+        while not self._stopping.is_set():
+            ready = dict(poller.poll(int(_POLL_S * 1000)))
+            if self._inbox in ready:
+                self._drain()
+            if self.guard.monitor in ready:
+                self.guard.handle_events()
+
+    def _drain(self) -> None:
+        for _ in range(256):  # then look at the guard again
+            try:
+                frames = self._inbox.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if len(frames) == 2:
+                self._on_data(frames[0], frames[1])
+            else:
+                self._reject(f"a message of {len(frames)} frames")
+
+    def _on_data(self, header: zmq.Frame, payload: zmq.Frame) -> None:
+        try:
+            self._node.deliver(header.buffer, payload.buffer)
+        except CorruptMessageError as error:  # counted by the node
+            self.rejections.record(str(error))
+
+    def _reject(self, what: str) -> None:
+        self._rejected += 1
+        self.rejections.record(what)

@@ -1,0 +1,38 @@
+"""A script that ends without closing its Job exits cleanly: the job is
+closed at interpreter exit, while its threads can still be joined (left to
+teardown, the engine's joinable threads ended the process with
+std::terminate, exit code 134)."""
+
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+
+from mltuner.launch import launch
+
+SCRIPT = """
+import mltuner
+job = mltuner.Job(heartbeat_timeout_s=10.0, rendezvous_timeout_s=30)
+worker = job.worker
+table = worker.create_table("t", 4, 2)
+update = worker.virtual_pre_update(table)
+worker.virtual_update(update)
+worker.virtual_clock()
+worker.finish_virtual_iteration()
+worker.start_iterations()
+worker.pre_update(update)[:] = 1.0
+worker.update(update)
+worker.clock()
+print("leaving without close", flush=True)
+"""
+
+
+def test_a_job_left_open_is_closed_at_exit(tmp_path: Path) -> None:
+    script = tmp_path / "open_job.py"
+    script.write_text(SCRIPT)
+    out = io.StringIO()
+    code = launch([sys.executable, str(script)], 2, stdout=out, grace_seconds=10)
+    text = out.getvalue()
+    assert code == 0, text
+    assert text.count("leaving without close") == 2 and "terminate" not in text, text

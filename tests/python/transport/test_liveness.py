@@ -1,0 +1,184 @@
+"""Control apart from data: heartbeats have their own sockets and thread, so
+a receiver whose data path stalls longer than the heartbeat timeout is not
+declared lost, and what waits for it is bounded (back-pressure, then a clear
+error after the wait timeout); a truly silent peer (SIGSTOP) is still named
+within the heartbeat timeout."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import mltuner
+from mltuner.launch._env import free_port
+from pairs import close_pair, run_both, start_pair, train_adds  # type: ignore[import-not-found]
+
+ROWS, WIDTH = 64, 4096  # a 1 MiB table: each clock's update for the other shard is 512 KiB
+SLICE_BYTES = ROWS // 2 * WIDTH * 4
+LIMIT = 1 << 20
+
+
+def stall_receiver(job: mltuner.Job, seconds: float) -> list[float]:
+    """Makes the job's data receive thread sleep once, at the first update
+    of the training (the first message with a large payload), as a receiver
+    far slower than its sender would; returns the times the stall started
+    and ended."""
+    transport = job._transport  # noqa: SLF001 - the test reaches into the receive path
+    deliver = transport._on_data  # noqa: SLF001
+    times: list[float] = []
+
+    def slow(header: Any, payload: Any) -> None:
+        if not times and len(payload) >= SLICE_BYTES:
+            times.append(time.monotonic())
+            time.sleep(seconds)
+            times.append(time.monotonic())
+        deliver(header, payload)
+
+    transport._on_data = slow  # noqa: SLF001
+    return times
+
+
+def test_a_receiver_stalled_longer_than_the_heartbeat_timeout_is_not_lost() -> None:
+    jobs = start_pair(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, max_queued_bytes=LIMIT)
+    try:
+        stall = stall_receiver(jobs[1], 2.5)
+        # An unread table: nothing holds rank 0 back but the transport, so its
+        # updates pile up behind the stalled receiver.
+        results = train_adds(jobs, ROWS, WIDTH, clocks=120, read=False)
+        for result in results:
+            np.testing.assert_array_equal(result, np.full((ROWS, WIDTH), 3.0 * 120, dtype=np.float32))
+        assert len(stall) == 2 and stall[1] - stall[0] >= 2.5  # the stall happened, 2.5x the timeout
+        sender = jobs[0]._transport  # noqa: SLF001
+        # Back-pressure: what waited for rank 1 reached the bound and never
+        # passed it, in ZeroMQ and in the node's outbox behind it.
+        assert SLICE_BYTES <= sender.peak_queued[1] <= LIMIT
+        assert jobs[0]._node.peak_outbox_bytes <= LIMIT  # noqa: SLF001
+        assert all(job._lost_peer() is None for job in jobs)  # noqa: SLF001
+    finally:
+        close_pair(jobs)
+
+
+def test_a_receiver_that_takes_nothing_fails_the_sender_within_the_wait_timeout() -> None:
+    config = mltuner.Config(update_rule=mltuner.UpdateRule("add"), wait_timeout_s=2.0)
+    jobs = start_pair(config, heartbeat_interval_s=0.1, heartbeat_timeout_s=10.0, max_queued_bytes=LIMIT)
+    try:
+        stall_receiver(jobs[1], 6.0)
+        outcome: dict[str, Any] = {}
+
+        def run(rank: int) -> None:
+            worker = jobs[rank].worker
+            table = worker.create_table("t", ROWS, WIDTH)
+            update = worker.virtual_pre_update(table)
+            worker.virtual_update(update)
+            worker.virtual_clock()
+            worker.finish_virtual_iteration()
+            worker.start_iterations()
+            started = time.monotonic()
+            try:
+                # An unread table: rank 0 clocks on while its updates for
+                # rank 1 wait, until the transport gives up on rank 1.
+                while time.monotonic() - started < 10.0 and "error 0" not in outcome:
+                    worker.pre_update(update)[:] = 1.0
+                    worker.update(update)
+                    worker.clock()
+                    time.sleep(0.01)
+            except mltuner.MltunerError as error:
+                outcome[f"error {rank}"] = error
+                outcome[f"after {rank}"] = time.monotonic() - started
+
+        run_both(run, timeout_s=30)
+        # Whichever bound ran out first says so and names rank 1: the bytes
+        # in ZeroMQ (the send thread) or the outbox behind them (the engine).
+        error = outcome["error 0"]
+        if isinstance(error, mltuner.PeerLostError):
+            assert "worker rank 1 stopped taking data" in str(error) and "heartbeats still arrive" in str(error)
+        else:
+            assert isinstance(error, mltuner.WaitTimeoutError), error
+            assert "the outbox to other processes" in str(error) and "worker rank 1 is not taking" in str(error)
+        assert outcome["after 0"] < 6.0  # the wait timeout (2 s) ended it, not the end of the stall
+        assert jobs[0]._transport.peak_queued[1] <= LIMIT  # noqa: SLF001
+        assert jobs[0]._node.peak_outbox_bytes <= LIMIT  # noqa: SLF001 - the engine waited instead
+    finally:
+        run_both(lambda rank: jobs[rank].close(graceful=False))
+
+
+PEER = textwrap.dedent("""
+    import sys
+    import mltuner
+    job = mltuner.Job(mltuner.Config(update_rule=mltuner.UpdateRule("add"), wait_timeout_s=60),
+                      heartbeat_interval_s=0.1, heartbeat_timeout_s=float(sys.argv[1]), rendezvous_timeout_s=30)
+    worker = job.worker
+    table = worker.create_table("t", 8, 4)
+    read = worker.virtual_read(table)
+    worker.virtual_post_read(read)
+    update = worker.virtual_pre_update(table)
+    worker.virtual_update(update)
+    worker.virtual_clock()
+    worker.finish_virtual_iteration()
+    worker.start_iterations()
+    print("ready", flush=True)
+    while True:
+        worker.read(read)
+        worker.post_read(read)
+        worker.pre_update(update)[:] = 1.0
+        worker.update(update)
+        worker.clock()
+""")
+
+
+@pytest.mark.parametrize("how", [signal.SIGSTOP, signal.SIGKILL], ids=["SIGSTOP", "SIGKILL"])
+def test_a_silent_peer_is_named_within_the_heartbeat_timeout(tmp_path: Path, how: signal.Signals) -> None:
+    timeout_s = 1.5
+    script = tmp_path / "peer.py"
+    script.write_text(PEER)
+    port = free_port()
+    env = dict(os.environ, MLTUNER_RANK="1", MLTUNER_WORLD_SIZE="2", MLTUNER_LOCAL_RANK="1",
+               MLTUNER_MASTER_ADDR="127.0.0.1", MLTUNER_MASTER_PORT=str(port), MLTUNER_SECRET="liveness-secret")
+    peer = subprocess.Popen([sys.executable, str(script), str(timeout_s)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        job = mltuner.Job(mltuner.Config(update_rule=mltuner.UpdateRule("add"), wait_timeout_s=60),
+                          env=mltuner.launch.ProcessEnv(rank=0, world_size=2, local_rank=0, master_addr="127.0.0.1",
+                                                        master_port=port, bind_host="127.0.0.1",
+                                                        secret="liveness-secret", source="mltuner"),
+                          heartbeat_interval_s=0.1, heartbeat_timeout_s=timeout_s, rendezvous_timeout_s=30)
+        try:
+            worker = job.worker
+            table = worker.create_table("t", 8, 4)
+            read = worker.virtual_read(table)
+            worker.virtual_post_read(read)
+            update = worker.virtual_pre_update(table)
+            worker.virtual_update(update)
+            worker.virtual_clock()
+            worker.finish_virtual_iteration()
+            worker.start_iterations()
+
+            def clock() -> None:
+                worker.read(read)
+                worker.post_read(read)
+                worker.pre_update(update)[:] = 1.0
+                worker.update(update)
+                worker.clock()
+
+            for _ in range(5):
+                clock()
+            peer.send_signal(how)
+            silenced = time.monotonic()
+            with pytest.raises(mltuner.PeerLostError, match="worker rank 1 stopped answering"):
+                for _ in range(100_000):
+                    clock()
+            assert time.monotonic() - silenced < timeout_s + 1.0
+        finally:
+            job.close(graceful=False)
+    finally:
+        peer.kill()
+        peer.communicate(timeout=10)

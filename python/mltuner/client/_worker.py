@@ -378,7 +378,8 @@ class Worker:
         except BaseException:
             again = reference() if reference is not None else None
             if again is not None:
-                again.flags.writeable = True
+                with contextlib.suppress(ValueError):  # numpy may refuse; the post's own error matters
+                    again.flags.writeable = True
             raise
 
     def clock(self) -> None:

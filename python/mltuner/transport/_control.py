@@ -48,6 +48,23 @@ CONTROL_RECEIVE_QUEUE = 1024
 _POLL_MS = 50
 
 
+
+def push_sockets(context: zmq.Context[zmq.Socket[bytes]], peers: dict[int, str], keys: CurveKeys | None, *,
+                 io_thread: int, send_queue: int) -> dict[int, zmq.Socket[bytes]]:
+    """A PUSH socket connected to each peer's endpoint, on ZeroMQ I/O thread
+    ``io_thread``, queueing at most ``send_queue`` messages, with CURVE when
+    ``keys`` are given."""
+    sockets: dict[int, zmq.Socket[bytes]] = {}
+    for peer, endpoint in peers.items():
+        socket = context.socket(zmq.PUSH)
+        socket.affinity = io_thread
+        socket.sndhwm = send_queue
+        if keys is not None:
+            secure_client(socket, keys)
+        socket.connect(endpoint)
+        sockets[peer] = socket
+    return sockets
+
 class ControlChannel:
     """Heartbeats and goodbyes of one process (see the module doc).
 
@@ -71,15 +88,7 @@ class ControlChannel:
         self._interval = heartbeat_interval_s
         self._timeout = heartbeat_timeout_s
         self._on_lost = on_lost
-        self._peers: dict[int, zmq.Socket[bytes]] = {}
-        for peer, endpoint in peers.items():
-            socket = context.socket(zmq.PUSH)
-            socket.affinity = CONTROL_IO_THREAD
-            socket.sndhwm = _SEND_QUEUE
-            if keys is not None:
-                secure_client(socket, keys)
-            socket.connect(endpoint)
-            self._peers[peer] = socket
+        self._peers = push_sockets(context, peers, keys, io_thread=CONTROL_IO_THREAD, send_queue=_SEND_QUEUE)
         now = time.monotonic()
         self._last_heard = {peer: now for peer in self._peers}
         self._departed: set[int] = set()

@@ -42,9 +42,9 @@ import zmq
 
 from mltuner import _core
 from mltuner.exceptions import CorruptMessageError
-from mltuner.transport._control import DATA_IO_THREAD
+from mltuner.transport._control import DATA_IO_THREAD, push_sockets
 from mltuner.transport._guard import ConnectionGuard, RejectionLog
-from mltuner.transport._security import CurveKeys, secure_client
+from mltuner.transport._security import CurveKeys
 
 __all__ = ["SocketTransport", "SEND_QUEUE_MESSAGES", "RECEIVE_QUEUE_MESSAGES"]
 
@@ -82,15 +82,7 @@ class SocketTransport:
         self.guard = guard
         self._queue_limit = queue_limit
         self._wait_timeout = wait_timeout_s
-        self._peers: dict[int, zmq.Socket[bytes]] = {}
-        for rank, endpoint in peers.items():
-            socket = context.socket(zmq.PUSH)
-            socket.affinity = DATA_IO_THREAD
-            socket.sndhwm = SEND_QUEUE_MESSAGES
-            if keys is not None:
-                secure_client(socket, keys)
-            socket.connect(endpoint)
-            self._peers[rank] = socket
+        self._peers = push_sockets(context, peers, keys, io_thread=DATA_IO_THREAD, send_queue=SEND_QUEUE_MESSAGES)
         self.endpoints = dict(peers)
         # Payload bytes handed to ZeroMQ per peer and not yet released by it.
         self._queued = {rank: 0 for rank in self._peers}

@@ -151,7 +151,7 @@ def _tune(args: argparse.Namespace) -> int:
 # for a large batch's fewer steps and for a rollback; the job stops earlier
 # when validation accuracy converges.
 DEMO_ARGS = ["--model", "cnn", "--samples", "20000", "--search", "lr,momentum,batch_size,staleness",
-             "--batch-sizes", "32,64,128", "--max-epochs", "50"]
+             "--batch-sizes", "32,64,128", "--max-epochs", "50", "--retune-every", "10"]
 
 
 def _demo(args: argparse.Namespace) -> int:

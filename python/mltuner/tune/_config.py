@@ -56,6 +56,11 @@ class TunerConfig:
             an epoch of training follows every re-tune).
         plateau_size_for_convergence: stop at this many (5). Stopping takes
             precedence over re-tuning.
+        retune_every_epochs: also re-tune after this many epochs without a
+            search, plateau or not (None: only on a plateau). A setting that
+            trains too slowly climbs steadily and never plateaus; such a
+            re-tune that finds nothing better goes on with the current
+            setting. It spends the searches' budget like any re-tune.
         max_trials_per_search: the trial cap of the initial search; each
             re-tune is capped at the previous search's count (§1.1). None is
             unbounded, as in the original code, where a random searcher, or a
@@ -120,6 +125,7 @@ class TunerConfig:
     num_branches: int = 30
     plateau_size_for_retune: int = 4
     plateau_size_for_convergence: int = 5
+    retune_every_epochs: int | None = None
     max_trials_per_search: int | None = 100
     initial_trial_time_s: float | None = None
     max_epochs: int | None = None
@@ -168,7 +174,7 @@ class TunerConfig:
                 f"num_branches must be >= 2 (the parent and one trial), got {self.num_branches}"
             )
         for name, limit in (("max_trials_per_search", self.max_trials_per_search),
-                            ("max_epochs", self.max_epochs)):
+                            ("max_epochs", self.max_epochs), ("retune_every_epochs", self.retune_every_epochs)):
             if limit is not None and limit < 1:
                 raise InvalidArgumentError(f"{name} must be >= 1 or None, got {limit}")
         if self.initial_trial_time_s is not None and not (

@@ -35,7 +35,7 @@ CLOCK_S = 0.125
 def run_search(system: Any, space: SearchSpace = LR_SPACE, *, sampler: str = "random",
                trial_cap: int | None = 6, seed: int = 0, budget_s: float | None = None,
                budget: SearchBudget | None = None, enqueue: dict[str, Any] | None = None,
-               **config: Any) -> tuple[SearchResult, DecisionLog, int]:
+               untrained: bool = False, **config: Any) -> tuple[SearchResult, DecisionLog, int]:
     config.setdefault("initial_trial_time_s", 1.25)
     cfg = TunerConfig(sampler=sampler, num_clocks_to_eval=10, seed=seed, **config)
     root = system.fork(None, space.defaults(), BranchKind.INIT)
@@ -46,7 +46,7 @@ def run_search(system: Any, space: SearchSpace = LR_SPACE, *, sampler: str = "ra
         searcher.enqueue(enqueue)
     episode = SearchEpisode(system, cfg, searcher, log, index=0, parent=root,
                             parent_tunables=space.defaults(), trial_cap=trial_cap,
-                            budget_s=budget_s, budget=budget)
+                            budget_s=budget_s, budget=budget, untrained=untrained)
     return episode.run(), log, root
 
 
@@ -160,6 +160,29 @@ def test_no_progress_doubles_the_trial_time_and_ends_without_winner(
     # Without a winner the parent (the model) stays; every trial is freed.
     assert system.live() == [root]
     assert log.events("no_progress")
+
+
+def spiked(t: Mapping[str, Any], c: int) -> float:
+    """One early spike, larger than any drop: the summariser finds no slope
+    for any trial; for lr >= 0.1 the level then lies well below the start."""
+    level = 6.0 if float(t["lr"]) >= 0.1 else 10.0 + 0.001 * c
+    return level + (400.0 if c == 2 else 0.0)
+
+
+def test_a_trial_clearly_below_the_start_wins_without_a_slope(scripted_system: Any) -> None:
+    # Seen in the demo: every trial's short curve was too noisy for a slope,
+    # the search ended with nothing and the job trained the start setting
+    # (lr 0.01) to 44%. A trial whose losses lie clearly below the start wins.
+    system = scripted_system(spiked, seconds=lambda t: CLOCK_S, clocks_per_epoch=40)
+    result, log, _ = run_search(system, trial_cap=5, seed=1, untrained=True)
+    lrs = [float(r["tunables"]["lr"]) for r in log.events("fork_trial")]
+    assert any(lr >= 0.1 for lr in lrs) and any(lr < 0.1 for lr in lrs)  # both kinds were tried
+    assert result.winner is not None and float(result.winner.tunables["lr"]) >= 0.1
+    assert not math.isfinite(result.winner.slope)  # it won on its level, not its slope
+    # From a trained model the level alone does not choose.
+    again, _, _ = run_search(scripted_system(spiked, seconds=lambda t: CLOCK_S, clocks_per_epoch=40),
+                             trial_cap=5, seed=1)
+    assert again.winner is None
 
 
 def test_concurrent_trials_grow_by_one_per_round(scripted_system: Any) -> None:

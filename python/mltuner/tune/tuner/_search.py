@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -38,6 +39,10 @@ _PHASE = "search"
 # Checks of a trial against the best one during its run in a rung: it runs
 # in this many parts, and may stop after each but the last.
 _CHECKS_PER_RUN = 4
+# Losses in the last quarter of a curve needed to judge its level (_clearly_lowest).
+_MIN_TAIL = 8
+# The least drop below the start that counts there, as a share of the start.
+_CLEAR_DROP = 0.02
 
 
 def _rank(trial: Trial) -> float:
@@ -201,6 +206,7 @@ class SearchEpisode:
         budget: SearchBudget | None = None,
         budget_s: float | None = None,
         epoch_seconds: float | None = None,
+        untrained: bool = False,
     ) -> None:
         if budget is not None and budget_s is not None:
             raise InvalidArgumentError("give a search budget or budget_s, not both")
@@ -216,6 +222,7 @@ class SearchEpisode:
         self._trial_cap = trial_cap
         self._planned = budget
         self._epoch_seconds = epoch_seconds
+        self._untrained = untrained  # the parent is the untrained model (_clearly_lowest)
         self._eval_epoch_s: float | None = None  # one epoch at the parent's setting
         self._floor_s = 0.0  # what the floor asked for so far, in seconds
         self._trials: list[Trial] = []
@@ -344,6 +351,14 @@ class SearchEpisode:
 
             progressing = [t for t in open_trials if math.isfinite(t.slope)]
             best = min(progressing, key=lambda t: t.slope, default=None)
+            if best is None and self._untrained:
+                # From the untrained model, short noisy curves may have no
+                # slope yet (their largest rise outweighs their drop) while
+                # one is clearly below the start: keep that one rather than
+                # end the search with nothing and train the start setting
+                # (seen: lr 0.01 crawling to 44%). From a trained model a
+                # level alone says too little: there the rule stays.
+                best = self._clearly_lowest(open_trials)
             survivors = []
             for trial in open_trials:
                 assert trial.summary is not None
@@ -383,6 +398,27 @@ class SearchEpisode:
                     return None, False
                 self._trial_time = best.run_time
                 return best, False
+
+    def _clearly_lowest(self, trials: list[Trial]) -> Trial | None:
+        """The trial whose last quarter of losses lies lowest below the
+        starting progress, clearly (see below); None when none does (or none
+        has enough clocks to tell)."""
+        best: Trial | None = None
+        best_mean = self._baseline
+        for trial in trials:
+            if trial.summary is None or trial.summary.state is ProgressState.DIVERGED:
+                continue
+            tail = trial.losses[-max(1, len(trial.losses) // 4):]
+            if len(tail) < _MIN_TAIL or not all(math.isfinite(v) for v in tail):
+                continue
+            mean = statistics.fmean(tail)
+            error = statistics.stdev(tail) / math.sqrt(len(tail))
+            # Clearly: by three standard errors, and by a share of the start
+            # that a smooth but negligible drift (lr 1e-3) does not reach.
+            margin = max(3 * error, _CLEAR_DROP * abs(self._baseline))
+            if mean + margin < self._baseline and mean < best_mean:
+                best, best_mean = trial, mean
+        return best
 
     # -- successive halving ------------------------------------------------------------
 

@@ -217,6 +217,7 @@ class Tuner:
         self._studies: list[str] = []
         self._trials = 0
         self._accuracies: list[float] = []
+        self._last_search_epoch = 0  # validations done when the last search started
         self._best: _Frozen | None = None
         self._exclusions: list[dict[str, Any]] = []
         self._rollbacks = 0
@@ -310,8 +311,10 @@ class Tuner:
             self._finish(Outcome.CONVERGED, stretch)
         if config.max_epochs is not None and epochs >= config.max_epochs:
             self._finish(Outcome.MAX_EPOCHS, stretch)
-        if (config.retune != "off" and self._space.searched
-                and plateaued(self._accuracies, config.plateau_size_for_retune)):
+        plateau = plateaued(self._accuracies, config.plateau_size_for_retune)
+        periodic = (config.retune_every_epochs is not None
+                    and epochs - self._last_search_epoch >= config.retune_every_epochs)
+        if config.retune != "off" and self._space.searched and (plateau or periodic):
             left = self._search_allowance()
             if left is not None and left <= 0:
                 # The job's searches have spent max_search_share: go on
@@ -319,15 +322,17 @@ class Tuner:
                 self._note("retune_skipped", branch=stretch.branch, tunables=stretch.tunables,
                            epoch=epochs, reason="search_budget", search_seconds=self._search_seconds)
                 return stretch
-            self._note("retune", branch=stretch.branch, tunables=stretch.tunables, epoch=epochs)
+            self._note("retune", branch=stretch.branch, tunables=stretch.tunables, epoch=epochs,
+                       reason="plateau" if plateau else "periodic")
             searcher, found = self._search(stretch.branch, stretch.tunables, retune=True)
             if found.winner is not None:
                 self._close(stretch, "retuned")
                 self._release_parent(stretch)
                 return self._begin_winner(found, searcher, stretch.branch, stretch.tunables,
                                           stretch.clocks)
-            if found.budget_exhausted:
-                # Out of budget before anything beat the current setting: go on.
+            if found.budget_exhausted or not plateau:
+                # Out of budget before anything beat the current setting, or a
+                # periodic re-tune from a model still improving: go on.
                 self._note("keep", branch=stretch.branch, tunables=stretch.tunables,
                            reason="search_budget")
                 return stretch
@@ -412,6 +417,7 @@ class Tuner:
         sampler's (their tunables the search does not vary are set to its
         fixed values)."""
         config = self._config
+        self._last_search_epoch = len(self._accuracies)
         index = len(self._studies)
         name = f"{self._prefix}-initial" if index == 0 else f"{self._prefix}-retune-{index}"
         # A search from the untrained root (the initial one, or after a
@@ -452,7 +458,7 @@ class Tuner:
                    from_start=from_start, excluded=len(self._exclusions))
         episode = SearchEpisode(self._system, config, searcher, self.log, index=index,
                                 parent=parent, parent_tunables=tunables,
-                                trial_cap=trial_cap, budget=budget)
+                                trial_cap=trial_cap, budget=budget, untrained=from_start)
         found = episode.run()
         self._trials += found.trials
         self._search_seconds += found.seconds

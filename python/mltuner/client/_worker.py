@@ -108,6 +108,13 @@ class Worker:
     def num_workers(self) -> int:
         return int(self._engine.num_workers)
 
+    @property
+    def shards_in_process(self) -> bool:
+        """Whether every shard of the job lives in this process (a
+        ``LocalCluster``, or a job of one process): updates then never
+        cross a socket."""
+        return self._max_message_bytes is None
+
     def create_table(self, name: str, num_rows: int, row_width: int, *, local: bool = False,
                      update_rule: UpdateRule | None = None) -> Table:
         """Creates a table; every worker must create the same tables in the same order.

@@ -2,8 +2,12 @@
 layer's gradients before its update leaves the worker.
 
 Plain PyTorch unscales every gradient in ``scaler.step(optimizer)`` and
-skips the step when one is inf or NaN. Here each layer's update leaves
-during ``backward()``, so :class:`ScaledGradients` does both per layer, as
+skips the step when one is inf or NaN. Where the updates ship at step()
+(every shard in this process, ``wrap(overlap_updates=False)``), the same
+happens here: the first look at the param groups (the scaler's inf check)
+unscales every layer's gradients at once and zeroes all of them if one is
+not finite. Where each layer's update leaves during ``backward()``,
+:class:`ScaledGradients` does both per layer, as
 the driver's gradient filter: it unscales with torch's own kernel (the one
 ``GradScaler.unscale_`` runs), and from the first non-finite gradient of a
 clock on it zeroes the gradients it ships, so that an overflowing clock adds
@@ -91,6 +95,7 @@ class ScaledGradients:
     def stand_in_group(self) -> dict[str, Any]:
         """The param group with the stand-in tensor, whose gradient tells
         the scaler whether this clock overflowed (inf) or not (0)."""
+        self._driver.filter_gradients()  # shipping at step(): the gradients are unscaled here
         assert self._stand_in.grad is not None
         torch.where(self._overflow > 0, self._inf, torch.zeros_like(self._inf), out=self._stand_in.grad)
         return self._group

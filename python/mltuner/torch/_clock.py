@@ -48,6 +48,18 @@ pre_update before the read's post so that these ops are consecutive). On
 CUDA that is one event record and one stream wait per layer instead of
 three driver calls.
 
+Where every shard lives in this process (a ``LocalCluster``, or a job of
+one process), the light clock ships the updates at :meth:`ClockDriver.step`
+instead (``overlap_updates=False``): the gradient hooks are removed after
+the recording, autograd accumulates into ``.grad`` as it does for a torch
+optimizer, and step() hands every layer's gradients to the engine in one
+call, in forward order, so that the first layer's update, which the next
+clock's first read waits for, is handled first. Shipping during backward
+overlaps an update's transfer with the layers below, which pays off only
+when the update crosses a socket; its price is a Python call per parameter
+and an engine call per layer on autograd's thread, about a millisecond per
+clock of a ResNet-18.
+
 The torch views of each engine buffer are made once per buffer address and
 reused (``Layer.buffer_views``): the engine's pool gives every access the
 same place clock after clock.
@@ -148,7 +160,8 @@ class ClockDriver:
     device thread while the loop waits in ``backward``)."""
 
     def __init__(self, model: nn.Module, layers: list[Layer], worker: Worker, *, slack: int,
-                 store_activations: bool, row_width: int, hold_reads: bool) -> None:
+                 store_activations: bool, row_width: int, hold_reads: bool,
+                 overlap_updates: bool = True) -> None:
         self.model = model
         self.layers = layers
         self.worker = worker
@@ -157,6 +170,7 @@ class ClockDriver:
         self._store_activations = store_activations
         self._row_width = row_width
         self._hold = hold_reads
+        self._overlap = overlap_updates
 
         # The recording, then the plan made from it.
         self._recording = True
@@ -193,6 +207,9 @@ class ClockDriver:
         self._local_ptrs: set[int] = set()
         self._stale_grads = True  # parameters may hold gradients that step() did not see handed over
         self._light = False  # the light clock (module docstring): no saved-tensor hooks after the recording
+        self._at_step = False  # the light clock ships every update at step() (module docstring)
+        self._filtered = 0  # the forward serial whose gradients filter_gradients() filtered
+        self._outputs_seen: set[int] = set()  # outputs whose gradient this clock's backward passed (_watch_backward)
 
         self._eval_active = False
         self._eval_clock: tuple[int, int | None] | None = None  # (clock, branch) the parameters hold
@@ -201,6 +218,7 @@ class ClockDriver:
         self._closed = False
         self._placeholder_ptr = storage_ptr(placeholder(self.device))
         self._hooks: list[Any] = []
+        self._grad_hooks: list[Any] = []  # removed when updates ship at step()
         # The light clock's batched engine calls (_plan_batches): the reads
         # opened at the first layer's read with the first update buffer, and
         # each update posted with its reads and the next update buffer opened.
@@ -228,12 +246,13 @@ class ClockDriver:
             self._hooks.append(layer.module.register_forward_hook(self._post_hook(layer)))
             for position, slot in enumerate(layer.params):
                 hook = self._grad_hook(layer, position)
-                self._hooks.append(slot.param.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
+                self._grad_hooks.append(slot.param.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
 
     def remove_hooks(self) -> None:
-        for handle in self._hooks:
+        for handle in self._hooks + self._grad_hooks:
             handle.remove()
         self._hooks.clear()
+        self._grad_hooks.clear()
 
     def _pre_hook(self, layer: Layer) -> Callable[[nn.Module, Any], None]:
         def hook(module: nn.Module, args: Any) -> None:
@@ -374,16 +393,16 @@ class ClockDriver:
             self.worker.update(handle, stream=self._stream)
         layer.clear_grads()
 
-    def _batched_update(self, index: int, layer: Layer, grads: list[torch.Tensor]) -> None:
+    def _batched_update(self, index: int, layer: Layer, grads: list[torch.Tensor], *, filtered: bool = False) -> None:
         """The light clock's update: the buffer was opened by the last batch;
         one engine call copies the gradients in (one kernel for the layer),
         posts the update with the layer's read and opens the next update's
         buffer."""
-        pieces = self._pieces(layer, grads)
+        pieces = None if self.grad_filter is not None and not filtered else self._pieces(layer, grads)
         if pieces is None:  # a scaler to apply, or gradients the engine cannot take as they are
             _, views = layer.buffer_views(self._update_buffer)
             with torch.no_grad():
-                if self.grad_filter is not None:
+                if self.grad_filter is not None and not filtered:
                     self.grad_filter(grads)
                 torch._foreach_copy_(views, grads)
             update: tuple[Any, ...] = (_UPDATE, self._handles[index])
@@ -400,10 +419,8 @@ class ClockDriver:
 
     def _pieces(self, layer: Layer, grads: list[torch.Tensor]) -> list[tuple[int, int, int]] | None:
         """The gradients as pieces for the engine to copy (address, offset in
-        the layer's rows, count); None when one needs torch to copy it (a
-        grad_filter to apply first, another dtype, device or layout)."""
-        if self.grad_filter is not None:
-            return None
+        the layer's rows, count); None when one needs torch to copy it
+        (another dtype, device or layout)."""
         pieces = []
         for slot, grad in zip(layer.params, grads):
             if grad.dtype is not torch.float32 or grad.device != self.device or not grad.is_contiguous():
@@ -453,7 +470,10 @@ class ClockDriver:
         if self._store_activations:
             self._local_ptrs = {p for p in (storage_ptr(t) for t in self._local_tensors()) if p}
         try:
-            if self._light:
+            if self._at_step:
+                output = call()
+                self._watch_backward(output)
+            elif self._light:
                 output = call()
             else:
                 with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
@@ -711,6 +731,8 @@ class ClockDriver:
             raise OutOfOrderError(f"step() in clock {self.clock} without a forward pass and loss.backward()")
         if self._phase is Phase.FORWARD:
             raise OutOfOrderError("step() inside the forward pass")
+        if self._at_step:
+            self._ship_updates()
         if len(self._updated) < len(self.layers):
             missing = [layer.name for layer in self.layers if layer.index not in self._updated]
             raise OutOfOrderError(
@@ -728,6 +750,81 @@ class ClockDriver:
         self._stale_grads = self._grad_errors  # unless a refused gradient left some behind: all handed over
         self._grad_errors = False
         self._reset_clock()
+
+    def _watch_backward(self, output: Any) -> None:
+        """Shipping at step(), no parameter hook sees the backward pass: a
+        hook on each output that needs a gradient refuses a second backward
+        through the clock's graph (retain_graph=True) or one after step(),
+        before it adds anything to the gradients."""
+        serial = self._serial
+        self._outputs_seen.clear()
+        for number, tensor in enumerate((output,) if isinstance(output, torch.Tensor) else tensors_in(output)):
+            if tensor.requires_grad:
+                tensor.register_hook(self._output_hook(serial, number))
+
+    def _output_hook(self, serial: int, number: int) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            if self._phase is not Phase.BACKWARD or self._serial != serial:
+                raise OutOfOrderError(
+                    f"a gradient arrived outside clock {self.clock}'s backward pass: backward() can run once per "
+                    "forward pass, before step() (was it called twice, with retain_graph=True?)"
+                )
+            if number in self._outputs_seen:
+                raise OutOfOrderError(
+                    f"a second backward pass in clock {self.clock}: call step() after each backward pass "
+                    "(gradient accumulation over several backward passes is not supported)"
+                )
+            self._outputs_seen.add(number)
+        return hook
+
+    def filter_gradients(self) -> None:
+        """Shipping at step(): applies :attr:`grad_filter` once per clock to
+        every layer's gradients together (so a scaler unscales them all and
+        an overflow anywhere zeroes all of them, as torch's GradScaler
+        does). The scaler calls it when it looks for infs, before step()."""
+        if self.grad_filter is None or not self._at_step or self._phase is not Phase.BACKWARD:
+            return
+        if self._filtered == self._serial:
+            return
+        grads = [grad for layer in self.layers for grad in layer.grads() if grad is not None]
+        with torch.no_grad():
+            self.grad_filter(grads)
+        self._filtered = self._serial
+
+    def _ship_updates(self) -> None:
+        """The light clock's updates at step() (module docstring): every
+        layer's gradients, final now, handed to the engine in forward order,
+        in one engine call when the engine can copy them all itself."""
+        grads = [layer.grads() for layer in self.layers]
+        if all(grad is None for layer_grads in grads for grad in layer_grads):
+            return  # no backward pass yet: step() says so, and the clock stays usable
+        for layer, layer_grads in zip(self.layers, grads):
+            for position, grad in enumerate(layer_grads):
+                if grad is None or grad.layout != torch.strided:
+                    self._grad_errors = True
+                    self._bad_gradient(layer, position, grad)
+        updates = [(i, self._events[i].layer) for i in range(self._forward_events, len(self._events))]
+        with self._mutating():
+            self.filter_gradients()
+            pieces = [self._pieces(self.layers[number], grads[number]) for _, number in updates]
+            if all(p is not None for p in pieces):
+                ops: list[tuple[Any, ...]] = []
+                for (index, number), layer_pieces in zip(updates, pieces):
+                    self._next("update", number)
+                    ops += [(_POST_READ, self._held_handle[number]), (_UPDATE, self._handles[index], layer_pieces)]
+                    following = self._next_pre_update[index]
+                    if following >= 0:
+                        ops.append((_PRE_UPDATE, following))
+                self.worker._run_ops(ops, self._stream)
+                self._update_buffer = None
+            else:  # gradients torch must copy: layer by layer
+                for index, number in updates:
+                    self._next("update", number)
+                    self._batched_update(index, self.layers[number], grads[number], filtered=True)
+            for layer in self.layers:
+                layer.clear_grads()
+                layer.unbind()
+                self._updated.add(layer.index)
 
     def _reset_clock(self) -> None:
         self._phase = Phase.IDLE
@@ -780,6 +877,13 @@ class ClockDriver:
         # one read per layer, held until its update (module docstring).
         self._light = (self._hold and not self._store_activations
                        and all(self._reads[layer.index] == 1 for layer in self.layers))
+        self._at_step = self._light and not self._overlap
+        if self._at_step:
+            # Forward order: the next clock's first read waits for the first
+            # layer's update, which the engine then handles first.
+            first_read = {e.layer: i for i, e in enumerate(self._events[: self._forward_events]) if e.kind == "read"}
+            self._events[self._forward_events:] = sorted(self._events[self._forward_events:],
+                                                         key=lambda e: first_read[e.layer])
         self._reset_clock()
 
     def _install_member_checks(self) -> None:
@@ -848,6 +952,10 @@ class ClockDriver:
         worker.start_iterations()
         if self._light:
             self._plan_batches()
+        if self._at_step:  # gradients are picked up at step(): no Python call per parameter in backward
+            for handle in self._grad_hooks:
+                handle.remove()
+            self._grad_hooks.clear()
 
     @property
     def tables(self) -> list[Table]:

@@ -26,8 +26,9 @@ class PSModule(nn.Module):
 
     Each clock is one ``model(x)`` with gradients enabled, one
     ``loss.backward()`` and one :meth:`step`. The gradients never stay on the
-    worker: each layer's update goes to the engine as soon as its gradient
-    is final, and the servers apply the update rule: the one of the torch
+    worker: each layer's update goes to the engine as its gradient is final
+    (or, with every shard in this process, all of them at :meth:`step`; see
+    ``wrap(overlap_updates=)``), and the servers apply the update rule: the one of the torch
     optimizer given to :func:`wrap` (SGD, Adam, AdamW, per param group), or
     :class:`mltuner.Config`'s. No torch optimizer step runs on the worker;
     :attr:`optimizer` stands in for one, with the optimizer's param groups.
@@ -284,6 +285,7 @@ def wrap(
     whole_modules: Sequence[type[nn.Module]] = DEFAULT_WHOLE_MODULES,
     group_bytes: int = DEFAULT_GROUP_BYTES,
     hold_reads: bool | None = None,
+    overlap_updates: bool | None = None,
     grad_scaler: torch.amp.GradScaler | None = None,
     optimizer: torch.optim.Optimizer | None = None,
 ) -> PSModule:
@@ -356,6 +358,17 @@ def wrap(
             without ``store_activations``, pass False. Under BSP both give
             the same values; under SSP a held read gives the backward the
             forward's values.
+        overlap_updates: ship each layer's update from the backward pass as
+            soon as its gradients are final (Poseidon's wait-free
+            backpropagation: the transfer overlaps the layers below) rather
+            than all at :meth:`PSModule.step`. Default: overlap when some
+            shard lives in another process (``Worker.shards_in_process`` is
+            False), where the transfer is worth hiding; with every shard in
+            this process, shipping at step() saves a Python call per
+            parameter and an engine call per layer on autograd's thread.
+            Either way the values are the same. Applies when reads are held
+            and activations are not stored (otherwise the backward pass
+            ships each layer's update).
         grad_scaler: the ``torch.amp.GradScaler`` of a float16 autocast
             loop (``scaler.scale(loss).backward(); scaler.step(optimizer);
             scaler.update()`` with ``optimizer = model.optimizer``): each
@@ -398,6 +411,7 @@ def wrap(
     if group_bytes < 0:
         raise InvalidArgumentError(f"group_bytes must be >= 0, got {group_bytes}")
     hold = not store_activations if hold_reads is None else bool(hold_reads)
+    overlap = not worker.shards_in_process if overlap_updates is None else bool(overlap_updates)
     scaler = None if grad_scaler is None else check_scaler(grad_scaler, _parameter_device(module))
     if optimizer is not None:
         check_optimizer(optimizer)
@@ -409,7 +423,7 @@ def wrap(
         if layer_groups is None:
             continue  # a grouped layer spanned param groups: split it and look again
         driver = ClockDriver(module, layers, worker, slack=slack, store_activations=store_activations,
-                             row_width=row_width, hold_reads=hold)
+                             row_width=row_width, hold_reads=hold, overlap_updates=overlap)
         try:
             driver.record(lambda: module(*args), example_loss or _default_loss)
         except BaseException:

@@ -67,8 +67,10 @@ def test_saved_tensor_hooks_only_where_they_have_work(options: dict[str, Any], h
 
 
 def test_parameters_hold_the_placeholder_after_their_update() -> None:
+    """Shipping from the backward pass: each layer's update takes its
+    gradients and values away at once."""
     with LocalCluster(1, config()) as cluster:
-        ps_model = mt.wrap(cnn(), cluster.worker(0), example_input=batch(0)[0])
+        ps_model = mt.wrap(cnn(), cluster.worker(0), example_input=batch(0)[0], overlap_updates=True)
         for clock in range(2):
             loss = loss_of(ps_model, clock)
             loss.backward()
@@ -76,6 +78,36 @@ def test_parameters_hold_the_placeholder_after_their_update() -> None:
                 assert torch.isnan(param).all(), name
                 assert param.grad is None, name
             ps_model.step()
+
+
+def test_shipping_at_step_leaves_gradients_to_the_script_until_step(max_rel_error: Callable[..., float]) -> None:
+    """Shipping at step() (every shard in this process, the default here):
+    between backward and step the parameters hold their values and their
+    gradients, as with a torch optimizer, so a script may clip them; step()
+    ships what it finds and leaves placeholders and no gradients."""
+    clocks = 4
+    with LocalCluster(1, config()) as cluster:
+        ps_model = mt.wrap(cnn(), cluster.worker(0), example_input=batch(0)[0])
+        assert ps_model._driver._at_step
+        for clock in range(clocks):
+            loss_of(ps_model, clock).backward()
+            for name, param in ps_model.module.named_parameters():
+                assert not torch.isnan(param).any(), name
+                assert param.grad is not None, name
+            torch.nn.utils.clip_grad_norm_(ps_model.parameters(), 0.5)
+            ps_model.step()
+            for name, param in ps_model.module.named_parameters():
+                assert torch.isnan(param).all(), name
+                assert param.grad is None, name
+        state = ps_model.state_dict()
+    model = cnn()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for clock in range(clocks):
+        optimizer.zero_grad()
+        loss_of(model, clock).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+    assert max_rel_error(state, model.state_dict()) < 1e-5
 
 
 def plain_run(clocks: int) -> dict[str, torch.Tensor]:
@@ -88,11 +120,13 @@ def plain_run(clocks: int) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-@pytest.mark.parametrize("hold_reads", [True, False], ids=["light", "fresh backward reads"])
-def test_refused_gradients_do_not_reach_a_later_clock(hold_reads: bool, max_rel_error: Callable[..., float]) -> None:
+@pytest.mark.parametrize("options", [{"overlap_updates": False}, {"overlap_updates": True}, {"hold_reads": False}],
+                         ids=["light, at step", "light, from backward", "fresh backward reads"])
+def test_refused_gradients_do_not_reach_a_later_clock(options: dict[str, Any],
+                                                      max_rel_error: Callable[..., float]) -> None:
     clocks = 6
     with LocalCluster(1, config()) as cluster:
-        ps_model = mt.wrap(cnn(), cluster.worker(0), example_input=batch(0)[0], hold_reads=hold_reads)
+        ps_model = mt.wrap(cnn(), cluster.worker(0), example_input=batch(0)[0], **options)
         for clock in range(clocks):
             loss = loss_of(ps_model, clock)
             loss.backward(retain_graph=True)

@@ -105,11 +105,13 @@ def test_bfloat16_autocast_trains_like_plain_pytorch(wrap_args: dict[str, Any]) 
     compare(torch.device("cpu"), torch.bfloat16, None, **wrap_args)
 
 
-def test_float16_with_a_grad_scaler_trains_like_plain_pytorch() -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["shipped at step", "shipped from backward"])
+def test_float16_with_a_grad_scaler_trains_like_plain_pytorch(overlap: bool) -> None:
     # A start scale that overflows float16 for some clocks and a short growth
     # interval: the scale backs off and grows exactly as in plain PyTorch,
     # which skips the overflowing steps; here their updates are zero.
-    _, scales = compare(torch.device("cpu"), torch.float16, {"init_scale": 2.0**30, "growth_interval": 4})
+    _, scales = compare(torch.device("cpu"), torch.float16, {"init_scale": 2.0**30, "growth_interval": 4},
+                        overlap_updates=overlap)
     assert scales[1] < scales[0] and any(later > earlier for earlier, later in zip(scales, scales[1:]))
 
 

@@ -68,7 +68,7 @@ def test_top_layer_ships_before_the_bottom_layer_backward_starts(grouped: bool) 
     config = Config(wait_timeout_s=20, update_rule=UpdateRule("sgd", learning_rate=0.1))
     with LocalCluster(1, config) as cluster:
         worker = cluster.worker(0)
-        ps_model = mt.wrap(model, worker, example_input=x)
+        ps_model = mt.wrap(model, worker, example_input=x, overlap_updates=True)
         assert ps_model.layers == ["0", "3", "5"]
         # Backward order: top layer first, bottom layer last.
         updates = [a for a in ps_model.accesses if a.startswith("update")]
@@ -108,3 +108,30 @@ def test_top_layer_ships_before_the_bottom_layer_backward_starts(grouped: bool) 
             # arrived while the bottom layer's gradient was not even computed.
             assert shipped == [True]
             ps_model.step()
+
+
+def test_shipping_at_step_sends_every_update_in_one_call_in_forward_order() -> None:
+    """Every shard in this process (the default there): no update leaves
+    during backward; step() posts them all in one engine call, the first
+    layer's first, since the next clock's first read waits for it."""
+    model = nn.Sequential(block(16, 32, False), nn.ReLU(), block(32, 32, False), nn.ReLU(), block(32, 4, False))
+    x = torch.randn(8, 16)
+    config = Config(wait_timeout_s=20, update_rule=UpdateRule("sgd", learning_rate=0.1))
+    with LocalCluster(1, config) as cluster:
+        worker = cluster.worker(0)
+        ps_model = mt.wrap(model, worker, example_input=x)
+        updates = [a for a in ps_model.accesses if a.startswith("update")]
+        assert updates == ["update of layer '0'", "update of layer '2'", "update of layer '4'"]
+        calls: list[int] = []
+        real_run = worker._run_ops
+
+        def spy_run(ops: Any, stream: int) -> Any:
+            calls.append(sum(op[0] == OP_KINDS["update"] for op in ops))
+            return real_run(ops, stream)
+
+        worker._run_ops = spy_run  # type: ignore[method-assign]
+        for _ in range(CLOCKS):
+            ps_model(x).square().mean().backward()
+            assert calls[-1:] == [0]  # the forward's read batch only: nothing left in backward
+            ps_model.step()
+            assert calls[-1] == 3

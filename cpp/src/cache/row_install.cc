@@ -6,7 +6,7 @@
 
 #include "engine/engine_impl.h"
 #include "memory/device_block.h"
-#include "server/shard.h"
+#include "sharding/shard_range.h"
 
 namespace mltuner {
 

@@ -6,7 +6,7 @@
 #include <cstring>
 
 #include "engine/engine_impl.h"
-#include "server/shard.h"
+#include "sharding/shard_range.h"
 
 namespace mltuner {
 

@@ -30,24 +30,10 @@
 #include "mltuner/device.h"
 #include "server/update_rules.h"
 #include "server/vector_clock.h"
+#include "sharding/shard_range.h"
 #include "wire/message.h"
 
 namespace mltuner {
-
-// Rows [begin, begin+count) of a table of num_rows rows that shard `shard` of
-// `num_shards` owns: an even contiguous split, the first shards taking one
-// extra row when it does not divide.
-RowSpan ShardRange(int64_t num_rows, int shard, int num_shards);
-
-// Row ids grouped by the shard that owns them: per shard, spans of
-// consecutive ids (ascending) and, in the same order, each row's position in
-// the caller's array. Used to address shards (fetch, initial values, the
-// direct send of an update buffer). REQUIRES: ids in range, no duplicates.
-struct ShardedRows {
-  std::vector<std::vector<RowSpan>> spans;
-  std::vector<std::vector<int64_t>> order;
-};
-ShardedRows ShardRows(const TableInfo& table, const std::vector<RowId>& rows, int num_shards);
 
 // The communicated tables as one line ("0:name:rows:width;..." with
 // ":<rule>" after the width of a table with its own update rule), sent with

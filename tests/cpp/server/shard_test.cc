@@ -210,28 +210,6 @@ UpdateRuleConfig TorchSgd() {
 
 }  // namespace
 
-TEST(ShardRangeSplitsContiguouslyFirstShardsLarger) {
-  EXPECT_EQ(ShardRange(7, 0, 3).begin, 0);
-  EXPECT_EQ(ShardRange(7, 0, 3).count, 3);
-  EXPECT_EQ(ShardRange(7, 1, 3).begin, 3);
-  EXPECT_EQ(ShardRange(7, 1, 3).count, 2);
-  EXPECT_EQ(ShardRange(7, 2, 3).begin, 5);
-  EXPECT_EQ(ShardRange(7, 2, 3).count, 2);
-  EXPECT_EQ(ShardRange(2, 2, 3).count, 0);  // fewer rows than shards
-  for (int64_t rows = 1; rows < 40; ++rows) {
-    for (int shards = 1; shards < 9; ++shards) {
-      int64_t next = 0;
-      for (int s = 0; s < shards; ++s) {
-        const RowSpan range = ShardRange(rows, s, shards);
-        EXPECT_EQ(range.begin, next);
-        EXPECT_TRUE(range.count == rows / shards || range.count == rows / shards + 1);
-        next = range.begin + range.count;
-      }
-      EXPECT_EQ(next, rows);
-    }
-  }
-}
-
 TEST(AddTableRejectsLocalDuplicateAndEmptyTables) {
   ServerShard shard(0, kWorkers, Rule(UpdateRuleKind::kAdd));
   TableInfo local = Table(1);

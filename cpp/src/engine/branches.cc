@@ -10,7 +10,7 @@
 #include <algorithm>
 
 #include "engine/engine_impl.h"
-#include "server/shard.h"
+#include "wire/branch_settings.h"
 
 namespace mltuner {
 
@@ -75,7 +75,7 @@ Status Engine::Impl::ForkBranch(BranchId child, BranchId parent, const BranchSet
   }
   // Our updates of the parent must reach the shards before the fork request.
   MLT_RETURN_IF_ERROR(Flush());
-  MLT_RETURN_IF_ERROR(SendBranchRequest(MessageType::kFork, child, BranchSettingsText(parent, settings)));
+  MLT_RETURN_IF_ERROR(SendBranchRequest(MessageType::kFork, child, EncodeBranchSettings(parent, settings)));
   std::lock_guard<std::mutex> lock(mu_);
   branches_[child] = settings;
   branch_clocks_[child] = 0;

@@ -5,8 +5,9 @@
 #include <limits>
 #include <sstream>
 
+#include "common/update_rule_check.h"
 #include "engine/engine_impl.h"
-#include "server/shard.h"
+#include "wire/table_schema.h"
 
 namespace mltuner {
 
@@ -114,7 +115,7 @@ Status Engine::Impl::WaitUntilAllReady() {
   std::vector<Message> requests;
   for (int shard = 0; shard < num_workers_; ++shard) {
     Message ready = NewMessage(MessageType::kReady, rank_, shard, -1);
-    ready.text = TableSchemaText(tables_);
+    ready.text = EncodeTableSchema(tables_);
     ready.header.text_bytes = static_cast<uint32_t>(ready.text.size());
     requests.push_back(std::move(ready));
   }

@@ -1,6 +1,6 @@
 // SharedState: the little the pipeline's threads share — the application
 // thread (engine/), the allocator and reclaimer threads (memory/) and the
-// receive thread (cache/row_install). Each of those is a class of its own
+// receive thread (cache/row_installer.h). Each of those is a class of its own
 // over this state; nothing else passes between them.
 //
 // Pipeline. Every (clock c, op i) of the recorded iteration has a sequence

@@ -241,7 +241,7 @@ def clocks_for(seconds_per_clock: float, target_s: float, low: int, high: int) -
 
 
 def shard_rows(num_rows: int, shard: int, num_shards: int) -> int:
-    """Rows of `shard` as the server splits a table (server/shard.cc ShardRange)."""
+    """Rows of `shard` as the server splits a table (sharding/shard_range.cc ShardRange)."""
     base, extra = divmod(num_rows, num_shards)
     return base + (1 if shard < extra else 0)
 

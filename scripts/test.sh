@@ -29,13 +29,17 @@ cmake -S . -B build/ctest "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
   && ctest --output-on-failure -j2 --test-dir build/ctest -LE gpu
 ctest_rc=$?
 
+echo "== thread-safety analysis (clang -Wthread-safety over cpp/src)"
+scripts/check_thread_safety.sh "$PY"
+tsa_rc=$?
+
 echo "== Python tests (tests/python)"
 "$PY" -m pytest
 pytest_rc=$?   # 5 (no tests collected) counts as a failure
 
-if [[ $ctest_rc -eq 0 && $pytest_rc -eq 0 ]]; then
-  echo "mltuner tests: PASSED (ctest ok, pytest ok)"
+if [[ $ctest_rc -eq 0 && $tsa_rc -eq 0 && $pytest_rc -eq 0 ]]; then
+  echo "mltuner tests: PASSED (ctest ok, thread-safety ok, pytest ok)"
 else
-  echo "mltuner tests: FAILED (ctest exit $ctest_rc, pytest exit $pytest_rc)"
+  echo "mltuner tests: FAILED (ctest exit $ctest_rc, thread-safety exit $tsa_rc, pytest exit $pytest_rc)"
   exit 1
 fi

@@ -5,8 +5,9 @@
 #include <limits>
 #include <sstream>
 
+#include "common/update_rule_check.h"
 #include "engine/engine_impl.h"
-#include "server/shard.h"
+#include "wire/table_schema.h"
 
 namespace mltuner {
 
@@ -27,14 +28,17 @@ Engine::Impl::Impl(const Config& config, int rank, int num_workers, std::shared_
       rank_(rank),
       num_workers_(num_workers),
       device_(std::move(device)),
-      transport_(transport) {
-  // Idle payload buffers: a few clocks of a large model's updates in flight.
-  payloads_ = std::make_unique<DeviceBufferPool>(device_, size_t{2} << 30);
+      transport_(transport),
+      allocator_(config_, rank, num_workers, device_, transport, &plan_, &state_),
+      reclaimer_(config_, rank, num_workers, device_, transport, &plan_, &state_),
+      installer_(rank, num_workers, device_, &plan_, &state_) {
   BranchSettings initial;
   initial.learning_rate = config.update_rule.learning_rate;
   initial.momentum = config.update_rule.momentum;
-  branches_[0] = initial;
-  branch_clocks_[0] = 0;
+  MutexLock lock(&state_.mu);
+  state_.branches.enabled = config.branches;
+  state_.branches.live[0] = initial;
+  state_.branches.clocks[0] = 0;
 }
 
 Engine::Impl::~Impl() { Shutdown(); }
@@ -43,32 +47,18 @@ std::chrono::steady_clock::time_point Engine::Impl::Deadline() const {
   return std::chrono::steady_clock::now() + std::chrono::milliseconds(config_.wait_timeout_ms);
 }
 
-void Engine::Impl::Fail(const Status& status) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (background_error_.ok()) background_error_ = status;
-    stopping_ = true;
-  }
-  cv_.notify_all();
-  age_cv_.notify_all();
-}
-
-std::string Engine::Impl::ThreadContext(const char* thread) const {
-  return "worker " + std::to_string(rank_) + "'s " + thread + " thread";
-}
-
 void Engine::Impl::Abort(const Status& why) {
   {
-    std::lock_guard<std::mutex> lock(age_mu_);
-    if (abort_error_.ok()) abort_error_ = why;
+    MutexLock lock(&state_.age_mu);
+    if (state_.abort_error.ok()) state_.abort_error = why;
   }
-  Fail(why);
+  state_.Fail(why);
 }
 
 Status Engine::Impl::CreateTable(const std::string& name, int64_t num_rows, int64_t row_width,
                                  bool local, TableId* out, const std::optional<UpdateRuleConfig>& update_rule) {
-  if (phase_.load() == Phase::kShutdown) return ShutdownError();
-  if (phase_.load() != Phase::kDefining) {
+  if (state_.phase.load() == Phase::kShutdown) return ShutdownError();
+  if (state_.phase.load() != Phase::kDefining) {
     return Status::OutOfOrder("create_table('" + name +
                               "') after the virtual iteration was finished");
   }
@@ -80,7 +70,7 @@ Status Engine::Impl::CreateTable(const std::string& name, int64_t num_rows, int6
   if (num_rows > (int64_t{1} << 40) / row_width) {
     return Status::InvalidArgument("table '" + name + "' is too large");
   }
-  for (const TableInfo& table : tables_) {
+  for (const TableInfo& table : plan_.tables) {
     if (table.name == name) return Status::InvalidArgument("table '" + name + "' already exists");
   }
   if (update_rule) {
@@ -88,23 +78,23 @@ Status Engine::Impl::CreateTable(const std::string& name, int64_t num_rows, int6
     MLT_RETURN_IF_ERROR(CheckUpdateRule(*update_rule, "table '" + name + "'"));
   }
   TableInfo info;
-  info.id = static_cast<TableId>(tables_.size());
+  info.id = static_cast<TableId>(plan_.tables.size());
   info.name = name;
   info.num_rows = num_rows;
   info.row_width = row_width;
   info.local = local;
   info.update_rule = update_rule;
   if (!local) MLT_RETURN_IF_ERROR(transport_->AddTableToShard(rank_, info));
-  tables_.push_back(info);
+  plan_.tables.push_back(info);
   *out = info.id;
   return Status::Ok();
 }
 
 Status Engine::Impl::LookupTable(TableId table, const TableInfo** out) const {
-  if (table < 0 || table >= static_cast<TableId>(tables_.size())) {
+  if (table < 0 || table >= static_cast<TableId>(plan_.tables.size())) {
     return Status::NotFound("unknown table id " + std::to_string(table));
   }
-  *out = &tables_[table];
+  *out = &plan_.tables[table];
   return Status::Ok();
 }
 
@@ -114,7 +104,7 @@ Status Engine::Impl::WaitUntilAllReady() {
   std::vector<Message> requests;
   for (int shard = 0; shard < num_workers_; ++shard) {
     Message ready = NewMessage(MessageType::kReady, rank_, shard, -1);
-    ready.text = TableSchemaText(tables_);
+    ready.text = EncodeTableSchema(plan_.tables);
     ready.header.text_bytes = static_cast<uint32_t>(ready.text.size());
     requests.push_back(std::move(ready));
   }
@@ -128,7 +118,7 @@ Status Engine::Impl::WaitUntilAllReady() {
 }
 
 Status Engine::Impl::FinishVirtualIteration() {
-  if (phase_.load() != Phase::kDefining) {
+  if (state_.phase.load() != Phase::kDefining) {
     return Status::OutOfOrder("finish_virtual_iteration was already called");
   }
   if (!finish_error_.ok()) {
@@ -145,25 +135,25 @@ Status Engine::Impl::FinishVirtualIteration() {
 Status Engine::Impl::PlanAndPrepare() {
   Recording recording;
   MLT_RETURN_IF_ERROR(recorder_.Finish(&recording));
-  std::vector<RowLayout> layouts = BuildRowLayouts(tables_, recording);
+  std::vector<RowLayout> layouts = BuildRowLayouts(plan_.tables, recording);
   Placement placement;
-  MLT_RETURN_IF_ERROR(PlanPlacement(config_, tables_, layouts, recording, &placement));
-  IterationIndex index = BuildIndexes(tables_, layouts, placement, recording, num_workers_);
+  MLT_RETURN_IF_ERROR(PlanPlacement(config_, plan_.tables, layouts, recording, &placement));
+  IterationIndex index = BuildIndexes(plan_.tables, layouts, placement, recording, num_workers_);
 
   std::vector<std::unique_ptr<TableStore>> stores;
-  for (const TableInfo& table : tables_) {
+  for (const TableInfo& table : plan_.tables) {
     std::unique_ptr<TableStore> store;
     MLT_RETURN_IF_ERROR(MakeTableStore(device_, table, placement.tables[table.id],
                                        config_.partitions_per_table, &store));
     stores.push_back(std::move(store));
   }
   MLT_RETURN_IF_ERROR(DeviceBlock::Make(device_, static_cast<size_t>(placement.pool_bytes), false,
-                                        &pool_memory_));
+                                        &plan_.pool_memory));
   int64_t staging_bytes = kBufferAlignment;
   for (const AccessIndex& access : index.accesses) {
     staging_bytes = std::max(staging_bytes, access.buffer_bytes);
   }
-  MLT_RETURN_IF_ERROR(DeviceBlock::Make(device_, static_cast<size_t>(staging_bytes), true, &staging_));
+  MLT_RETURN_IF_ERROR(DeviceBlock::Make(device_, static_cast<size_t>(staging_bytes), true, &plan_.staging));
   for (AccessIndex& access : index.accesses) {
     for (RunIndex* runs : {&access.device_gather, &access.host_gather, &access.device_scatter,
                            &access.host_scatter}) {
@@ -171,34 +161,37 @@ Status Engine::Impl::PlanAndPrepare() {
     }
   }
 
-  recording_ = std::move(recording);
-  layouts_ = std::move(layouts);
-  placement_ = std::move(placement);
-  index_ = std::move(index);
-  stores_ = std::move(stores);
-  depth_ = placement_.buffers.regions;  // clock c's buffers live in region c % depth_
-  slots_.assign(recording_.accesses.size(), std::vector<Slot>(depth_));
-  init_slots_.assign(recording_.accesses.size(), Slot());
-  init_blocks_.assign(recording_.accesses.size(), nullptr);
+  plan_.recording = std::move(recording);
+  plan_.layouts = std::move(layouts);
+  plan_.placement = std::move(placement);
+  plan_.index = std::move(index);
+  plan_.stores = std::move(stores);
+  plan_.depth = plan_.placement.buffers.regions;  // clock c's buffers live in region c % depth
+  state_.slots.assign(plan_.recording.accesses.size(), std::vector<Slot>(plan_.depth));
+  init_slots_.assign(plan_.recording.accesses.size(), Slot());
+  init_blocks_.assign(plan_.recording.accesses.size(), nullptr);
   {
-    std::lock_guard<std::mutex> lock(age_mu_);
-    shard_age_.assign(tables_.size(), std::vector<mltuner::Clock>(num_workers_, kNoClock));
-    data_age_.assign(tables_.size(), kNoClock);
+    MutexLock lock(&state_.age_mu);
+    state_.shard_age.assign(plan_.tables.size(), std::vector<mltuner::Clock>(num_workers_, kNoClock));
+    state_.data_age.assign(plan_.tables.size(), kNoClock);
   }
   MLT_RETURN_IF_ERROR(WaitUntilAllReady());
-  stats_.pool_bytes = placement_.pool_bytes;
-  stats_.pool_min_bytes = placement_.pool_min_bytes;
-  stats_.device_store_bytes = placement_.device_store_bytes;
-  stats_.host_store_bytes = placement_.host_store_bytes;
-  phase_ = Phase::kRecorded;
+  {
+    MutexLock lock(&state_.mu);
+    state_.stats.pool_bytes = plan_.placement.pool_bytes;
+    state_.stats.pool_min_bytes = plan_.placement.pool_min_bytes;
+    state_.stats.device_store_bytes = plan_.placement.device_store_bytes;
+    state_.stats.host_store_bytes = plan_.placement.host_store_bytes;
+  }
+  state_.phase = Phase::kRecorded;
   return Status::Ok();
 }
 
 Status Engine::Impl::StartIterations() {
-  if (phase_.load() == Phase::kDefining) {
+  if (state_.phase.load() == Phase::kDefining) {
     return Status::OutOfOrder("start_iterations before finish_virtual_iteration");
   }
-  if (phase_.load() != Phase::kRecorded) return Status::OutOfOrder("start_iterations was already called");
+  if (state_.phase.load() != Phase::kRecorded) return Status::OutOfOrder("start_iterations was already called");
   for (Handle h = 0; h < static_cast<Handle>(init_slots_.size()); ++h) {
     if (init_slots_[h].state != SlotState::kEmpty) {
       return Status::OutOfOrder("start_iterations while initialisation access of handle " +
@@ -212,44 +205,44 @@ Status Engine::Impl::StartIterations() {
     Message start = NewMessage(MessageType::kStart, rank_, shard, -1);
     start.header.clock = kInitClock;
     MLT_RETURN_IF_ERROR(transport_->Send(std::move(start)));
-    ++messages_sent_;
+    ++state_.messages_sent;
   }
-  phase_ = Phase::kRunning;
-  allocator_ = std::thread([this] { AllocatorLoop(); });
-  reclaimer_ = std::thread([this] { ReclaimerLoop(); });
+  state_.phase = Phase::kRunning;
+  allocator_.Start();
+  reclaimer_.Start();
   return Status::Ok();
 }
 
 // --- Impl: real accesses ----------------------------------------------------------
 
 std::string Engine::Impl::DescribeOp(int op_index) const {
-  const RecordedOp& op = recording_.ops[op_index];
+  const RecordedOp& op = plan_.recording.ops[op_index];
   if (op.kind == OpKind::kClock) return "clock()";
-  const AccessRecord& access = recording_.accesses[op.handle];
+  const AccessRecord& access = plan_.recording.accesses[op.handle];
   std::ostringstream out;
   out << OpKindName(op.kind) << "(handle " << op.handle << ": "
-      << access.Describe(tables_[access.table].name) << ")";
+      << access.Describe(plan_.tables[access.table].name) << ")";
   return out.str();
 }
 
 Status Engine::Impl::CheckExpected(Handle handle, OpKind kind) const {
-  if (handle < 0 || handle >= static_cast<Handle>(recording_.accesses.size())) {
+  if (handle < 0 || handle >= static_cast<Handle>(plan_.recording.accesses.size())) {
     if (kind == OpKind::kClock) return Status::Internal("clock checked with a handle");
     return Status::NotFound("unknown handle " + std::to_string(handle) + " in " + OpKindName(kind) +
                             " (the virtual iteration recorded " +
-                            std::to_string(recording_.accesses.size()) + " handles)");
+                            std::to_string(plan_.recording.accesses.size()) + " handles)");
   }
   return Status::Ok();
 }
 
 Status Engine::Impl::CheckNextOp(OpKind kind, Handle handle) const {
-  const int op_index = static_cast<int>(app_seq_ % recording_.ops.size());
-  const RecordedOp& expected = recording_.ops[op_index];
+  const int op_index = static_cast<int>(state_.app_seq % plan_.recording.ops.size());
+  const RecordedOp& expected = plan_.recording.ops[op_index];
   if (expected.kind == kind && expected.handle == handle) return Status::Ok();
   const std::string called =
       kind == OpKind::kClock ? "clock()" : std::string(OpKindName(kind)) + "(handle " + std::to_string(handle) + ")";
   return Status::OutOfOrder("called " + called + " but the recorded iteration expects " + DescribeOp(op_index) +
-                            " as op " + std::to_string(op_index) + " of clock " + std::to_string(app_clock_));
+                            " as op " + std::to_string(op_index) + " of clock " + std::to_string(state_.app_clock));
 }
 
 AccessBuffer Engine::Impl::BufferFor(const AccessRecord& access, float* data, mltuner::Clock data_age,
@@ -257,7 +250,7 @@ AccessBuffer Engine::Impl::BufferFor(const AccessRecord& access, float* data, ml
   AccessBuffer buffer;
   buffer.data = data;
   buffer.rows = static_cast<int64_t>(access.rows.size());
-  buffer.row_width = tables_[access.table].row_width;
+  buffer.row_width = plan_.tables[access.table].row_width;
   buffer.writable = access.kind != OpKind::kRead;
   buffer.data_age = data_age;
   buffer.keepalive = std::move(keepalive);
@@ -266,23 +259,28 @@ AccessBuffer Engine::Impl::BufferFor(const AccessRecord& access, float* data, ml
 }
 
 Status Engine::Impl::WaitForSlot(Handle handle, mltuner::Clock clock, Slot** out) {
-  Slot* slot = &slots_[handle][clock % depth_];
-  std::unique_lock<std::mutex> lock(mu_);
+  Slot* slot = &state_.slots[handle][clock % plan_.depth];
+  MutexLock lock(&state_.mu);
   const auto start = std::chrono::steady_clock::now();
-  const bool ready = cv_.wait_until(lock, Deadline(), [&] {
-    return stopping_ || (slot->state == SlotState::kReady && slot->clock == clock);
-  });
-  stats_.stall_seconds +=
+  const auto deadline = Deadline();
+  // As cv.wait_until(deadline, predicate), written out for the analysis.
+  bool ready = state_.stopping || (slot->state == SlotState::kReady && slot->clock == clock);
+  while (!ready) {
+    const bool woken = state_.cv.WaitUntil(deadline);
+    ready = state_.stopping || (slot->state == SlotState::kReady && slot->clock == clock);
+    if (!woken) break;
+  }
+  state_.stats.stall_seconds +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  if (!background_error_.ok()) return background_error_;
-  if (stopping_) return ShutdownError();
+  if (!state_.background_error.ok()) return state_.background_error;
+  if (state_.stopping) return ShutdownError();
   if (!ready) {
-    const AccessRecord& access = recording_.accesses[handle];
+    const AccessRecord& access = plan_.recording.accesses[handle];
     return Status::Timeout("waited " + std::to_string(config_.wait_timeout_ms) + " ms for the buffer of " +
-                           access.Describe(tables_[access.table].name) + " at clock " +
+                           access.Describe(plan_.tables[access.table].name) + " at clock " +
                            std::to_string(clock) + "; the allocator thread is waiting for " +
-                           (allocator_waiting_for_.empty() ? std::string("nothing")
-                                                           : allocator_waiting_for_));
+                           (state_.allocator_waiting_for.empty() ? std::string("nothing")
+                                                           : state_.allocator_waiting_for));
   }
   slot->state = SlotState::kInUse;
   *out = slot;
@@ -291,7 +289,7 @@ Status Engine::Impl::WaitForSlot(Handle handle, mltuner::Clock clock, Slot** out
 
 Status Engine::Impl::Open(Handle handle, OpKind kind, AccessBuffer* out, uintptr_t app_stream) {
   MLT_RETURN_IF_ERROR(CheckAccessCall(handle, kind));
-  if (phase_.load() == Phase::kRecorded) return OpenInit(handle, out);
+  if (state_.phase.load() == Phase::kRecorded) return OpenInit(handle, out);
   MLT_RETURN_IF_ERROR(OpenSlot(handle, kind, out));
   // The allocator queued the buffer's contents without waiting for them: the
   // application's stream waits on the GPU instead, so this thread runs ahead.
@@ -300,25 +298,25 @@ Status Engine::Impl::Open(Handle handle, OpKind kind, AccessBuffer* out, uintptr
 
 Status Engine::Impl::Post(Handle handle, OpKind kind, uintptr_t app_stream) {
   MLT_RETURN_IF_ERROR(CheckAccessCall(handle, kind));
-  if (phase_.load() == Phase::kRecorded) return PostInit(handle, app_stream);
+  if (state_.phase.load() == Phase::kRecorded) return PostInit(handle, app_stream);
   DeviceEvent app_done;
   MLT_RETURN_IF_ERROR(device_->RecordAppWork(app_stream, &app_done));
   return PostSlot(handle, kind, std::move(app_done), app_stream);
 }
 
 Status Engine::Impl::CheckAccessCall(Handle handle, OpKind kind) const {
-  const Phase phase = phase_.load();
+  const Phase phase = state_.phase.load();
   if (phase == Phase::kShutdown) return ShutdownError();
   if (phase == Phase::kDefining) {
     return Status::OutOfOrder(std::string(OpKindName(kind)) +
                               " before finish_virtual_iteration: record the iteration first");
   }
   MLT_RETURN_IF_ERROR(CheckExpected(handle, kind));
-  const AccessRecord& access = recording_.accesses[handle];
+  const AccessRecord& access = plan_.recording.accesses[handle];
   const bool opens = kind == OpKind::kRead || kind == OpKind::kPreUpdate || kind == OpKind::kLocalAccess;
   if ((opens ? access.kind : PostKindOf(access.kind)) != kind) {
     std::string text = std::string(OpKindName(kind)) + " of handle " + std::to_string(handle) +
-                       ", which was recorded as a " + access.Describe(tables_[access.table].name);
+                       ", which was recorded as a " + access.Describe(plan_.tables[access.table].name);
     if (!opens) text += std::string("; it is closed by ") + OpKindName(PostKindOf(access.kind));
     return Status::InvalidArgument(text);
   }
@@ -326,52 +324,52 @@ Status Engine::Impl::CheckAccessCall(Handle handle, OpKind kind) const {
 }
 
 Status Engine::Impl::OpenSlot(Handle handle, OpKind kind, AccessBuffer* out) {
-  const AccessRecord& access = recording_.accesses[handle];
+  const AccessRecord& access = plan_.recording.accesses[handle];
   mltuner::Clock clock;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&state_.mu);
     // A failed engine names the failure on every call, before any complaint
     // about the call's order (the failed call may have broken the order).
-    if (!background_error_.ok()) return background_error_;
+    if (!state_.background_error.ok()) return state_.background_error;
     MLT_RETURN_IF_ERROR(CheckNextOp(kind, handle));
-    clock = app_clock_;
-    if (config_.branches && clock >= scheduled_until_) {
+    clock = state_.app_clock;
+    if (config_.branches && clock >= state_.branches.scheduled_until) {
       return Status::OutOfOrder("clock " + std::to_string(clock) + " is not scheduled on any branch: call " +
                                 "schedule_branch(branch, clocks) first");
     }
   }
   Slot* slot = nullptr;
   MLT_RETURN_IF_ERROR(WaitForSlot(handle, clock, &slot));
-  *out = BufferFor(access, slot->data, slot->data_age, pool_memory_);
+  *out = BufferFor(access, slot->data, slot->data_age, plan_.pool_memory);
   out->ready = slot->ready;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    ++app_seq_;
+    MutexLock lock(&state_.mu);
+    ++state_.app_seq;
   }
-  cv_.notify_all();
+  state_.cv.NotifyAll();
   return Status::Ok();
 }
 
 Status Engine::Impl::PostSlot(Handle handle, OpKind kind, DeviceEvent app_done, uintptr_t app_stream) {
   Slot* slot = nullptr;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!background_error_.ok()) return background_error_;
+    MutexLock lock(&state_.mu);
+    if (!state_.background_error.ok()) return state_.background_error;
     MLT_RETURN_IF_ERROR(CheckNextOp(kind, handle));
-    slot = &slots_[handle][app_clock_ % depth_];
+    slot = &state_.slots[handle][state_.app_clock % plan_.depth];
   }
   // The slot is the application's until it is marked posted: no other thread
   // touches it in between.
   if (config_.debug_buffers && kind == OpKind::kPostRead) {
-    MLT_RETURN_IF_ERROR(PoisonPostedRead(recording_.accesses[handle], slot->data, app_stream, &app_done));
+    MLT_RETURN_IF_ERROR(PoisonPostedRead(plan_.recording.accesses[handle], slot->data, app_stream, &app_done));
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&state_.mu);
     slot->app_done = std::move(app_done);
     slot->state = SlotState::kPosted;
-    ++app_seq_;
+    ++state_.app_seq;
   }
-  cv_.notify_all();
+  state_.cv.NotifyAll();
   return Status::Ok();
 }
 
@@ -393,7 +391,7 @@ Status Engine::Impl::Run(const std::vector<OpCall>& ops, std::vector<AccessBuffe
       continue;
     }
     MLT_RETURN_IF_ERROR(CheckAccessCall(op.handle, op.kind));
-    if (phase_.load() != Phase::kRunning) {  // the initialisation phase: synchronous anyway
+    if (state_.phase.load() != Phase::kRunning) {  // the initialisation phase: synchronous anyway
       if (!op.fill.empty()) return Status::OutOfOrder("pieces to copy in are for the running phase's posts");
       AccessBuffer buffer;
       MLT_RETURN_IF_ERROR(opens ? Open(op.handle, op.kind, &buffer, app_stream) : Post(op.handle, op.kind, app_stream));
@@ -423,27 +421,27 @@ Status Engine::Impl::FillBeforePost(const OpCall& op, uintptr_t app_stream) {
     return Status::InvalidArgument(std::string("pieces to copy in come with an update or post_local_access, not ") +
                                    OpKindName(op.kind));
   }
-  const AccessRecord& access = recording_.accesses[op.handle];
-  const int64_t capacity = static_cast<int64_t>(access.rows.size()) * tables_[access.table].row_width;
+  const AccessRecord& access = plan_.recording.accesses[op.handle];
+  const int64_t capacity = static_cast<int64_t>(access.rows.size()) * plan_.tables[access.table].row_width;
   for (const CopyPiece& piece : op.fill) {
     if (piece.src == nullptr || piece.offset < 0 || piece.count < 0 || piece.offset > capacity - piece.count) {
       return Status::InvalidArgument("a piece of " + std::to_string(piece.count) + " floats at offset " +
                                      std::to_string(piece.offset) + " does not fit the " + std::to_string(capacity) +
-                                     " floats of the " + access.Describe(tables_[access.table].name));
+                                     " floats of the " + access.Describe(plan_.tables[access.table].name));
     }
   }
   float* data = nullptr;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!background_error_.ok()) return background_error_;
+    MutexLock lock(&state_.mu);
+    if (!state_.background_error.ok()) return state_.background_error;
     MLT_RETURN_IF_ERROR(CheckNextOp(op.kind, op.handle));
-    data = slots_[op.handle][app_clock_ % depth_].data;
+    data = state_.slots[op.handle][state_.app_clock % plan_.depth].data;
   }
   return device_->CopyPiecesOnAppStream(app_stream, data, op.fill);
 }
 
 void Engine::Impl::Poison(const AccessRecord& access, float* data, Stream s) {
-  const size_t count = access.rows.size() * static_cast<size_t>(tables_[access.table].row_width);
+  const size_t count = access.rows.size() * static_cast<size_t>(plan_.tables[access.table].row_width);
   device_->Fill(data, std::numeric_limits<float>::quiet_NaN(), count, s);
 }
 
@@ -460,29 +458,29 @@ Status Engine::Impl::PoisonPostedRead(const AccessRecord& access, float* data, u
 }
 
 Status Engine::Impl::Clock() {
-  const Phase phase = phase_.load();
+  const Phase phase = state_.phase.load();
   if (phase == Phase::kShutdown) return ShutdownError();
   if (phase != Phase::kRunning) {
     return Status::OutOfOrder("clock() before start_iterations (the virtual iteration records its "
                               "clock with virtual_clock)");
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!background_error_.ok()) return background_error_;
+    MutexLock lock(&state_.mu);
+    if (!state_.background_error.ok()) return state_.background_error;
     MLT_RETURN_IF_ERROR(CheckNextOp(OpKind::kClock, -1));
-    ++app_seq_;
-    ++app_clock_;
-    stats_.clock = app_clock_;
-    const ClockBranch at = BranchOfLocked(app_clock_ - 1);
-    stats_.branch = at.branch;
-    stats_.branch_clock = at.internal + 1;
+    ++state_.app_seq;
+    ++state_.app_clock;
+    state_.stats.clock = state_.app_clock;
+    const ClockBranch at = state_.branches.At(state_.app_clock - 1);
+    state_.stats.branch = at.branch;
+    state_.stats.branch_clock = at.internal + 1;
   }
-  cv_.notify_all();
+  state_.cv.NotifyAll();
   return Status::Ok();
 }
 
 Status Engine::Impl::SetLearningRate(TableId table, float learning_rate) {
-  const Phase phase = phase_.load();
+  const Phase phase = state_.phase.load();
   if (phase == Phase::kShutdown) return ShutdownError();
   const TableInfo* info = nullptr;
   MLT_RETURN_IF_ERROR(LookupTable(table, &info));
@@ -495,28 +493,32 @@ Status Engine::Impl::SetLearningRate(TableId table, float learning_rate) {
     return Status::InvalidArgument("table '" + info->name + "': learning rate " + std::to_string(learning_rate) +
                                    " is not in [0, 1e6]");
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  if (!background_error_.ok()) return background_error_;
+  MutexLock lock(&state_.mu);
+  if (!state_.background_error.ok()) return state_.background_error;
   mltuner::Clock from = 0;
   if (phase == Phase::kRunning) {
-    const int64_t num_ops = static_cast<int64_t>(recording_.ops.size());
-    from = (app_seq_ + num_ops - 1) / num_ops;  // the current clock once started, else this one
-    std::map<mltuner::Clock, float>& rates = new_rates_[table];
-    rates.erase(rates.begin(), rates.lower_bound(reclaimed_seq_ / num_ops));
+    const int64_t num_ops = static_cast<int64_t>(plan_.recording.ops.size());
+    from = (state_.app_seq + num_ops - 1) / num_ops;  // the current clock once started, else this one
+    std::map<mltuner::Clock, float>& rates = state_.new_rates[table];
+    rates.erase(rates.begin(), rates.lower_bound(state_.reclaimed_seq / num_ops));
   }
-  new_rates_[table][from] = learning_rate;
+  state_.new_rates[table][from] = learning_rate;
   return Status::Ok();
 }
 
 Status Engine::Impl::Flush() {
-  if (phase_.load() == Phase::kShutdown) return ShutdownError();
-  if (phase_.load() != Phase::kRunning) return Status::Ok();
-  std::unique_lock<std::mutex> lock(mu_);
-  const int64_t target = app_seq_;
-  const bool done = cv_.wait_until(lock, Deadline(), [&] {
-    return stopping_ || reclaimed_seq_ >= target;
-  });
-  if (!background_error_.ok()) return background_error_;
+  if (state_.phase.load() == Phase::kShutdown) return ShutdownError();
+  if (state_.phase.load() != Phase::kRunning) return Status::Ok();
+  MutexLock lock(&state_.mu);
+  const int64_t target = state_.app_seq;
+  const auto deadline = Deadline();
+  bool done = state_.stopping || state_.reclaimed_seq >= target;
+  while (!done) {
+    const bool woken = state_.cv.WaitUntil(deadline);
+    done = state_.stopping || state_.reclaimed_seq >= target;
+    if (!woken) break;
+  }
+  if (!state_.background_error.ok()) return state_.background_error;
   if (!done) return Status::Timeout("flush: the reclaimer thread did not catch up in time");
   return Status::Ok();
 }
@@ -525,43 +527,42 @@ Status Engine::Impl::WaitForDataAge(TableId table, mltuner::Clock age) {
   const TableInfo* info = nullptr;
   MLT_RETURN_IF_ERROR(LookupTable(table, &info));
   if (info->local) return Status::InvalidArgument("table '" + info->name + "' is local: it has no data age");
-  if (phase_.load() == Phase::kShutdown) return ShutdownError();
-  if (phase_.load() != Phase::kRunning) return Status::OutOfOrder("wait_for_data_age before start_iterations");
+  if (state_.phase.load() == Phase::kShutdown) return ShutdownError();
+  if (state_.phase.load() != Phase::kRunning) return Status::OutOfOrder("wait_for_data_age before start_iterations");
   BranchId branch;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    branch = stats_.branch;
+    MutexLock lock(&state_.mu);
+    branch = state_.stats.branch;
   }
-  std::unique_lock<std::mutex> lock(age_mu_);
-  if (cache_branch_ != branch) {
-    return Status::OutOfOrder("the cache already holds branch " + std::to_string(cache_branch_) +
+  MutexLock lock(&state_.age_mu);
+  if (state_.cache_branch != branch) {
+    return Status::OutOfOrder("the cache already holds branch " + std::to_string(state_.cache_branch) +
                               " (scheduled next), not branch " + std::to_string(branch) +
                               " of the last finished clock: wait before scheduling the next branch");
   }
-  const bool fresh = age_cv_.wait_until(lock, Deadline(), [&] {
-    return data_age_[table] >= age || phase_.load() == Phase::kShutdown || !abort_error_.ok();
-  });
-  if (!abort_error_.ok()) return abort_error_;
+  const auto deadline = Deadline();
+  bool fresh =
+      state_.data_age[table] >= age || state_.phase.load() == Phase::kShutdown || !state_.abort_error.ok();
+  while (!fresh) {
+    const bool woken = state_.age_cv.WaitUntil(deadline);
+    fresh = state_.data_age[table] >= age || state_.phase.load() == Phase::kShutdown || !state_.abort_error.ok();
+    if (!woken) break;
+  }
+  if (!state_.abort_error.ok()) return state_.abort_error;
   if (!fresh) {
     return Status::Timeout("table '" + info->name + "' did not reach data age " + std::to_string(age) +
-                           " (it is at " + std::to_string(data_age_[table]) +
+                           " (it is at " + std::to_string(state_.data_age[table]) +
                            "): another worker is slow or gone");
   }
-  if (data_age_[table] < age) return ShutdownError();
+  if (state_.data_age[table] < age) return ShutdownError();
   return Status::Ok();
 }
 
-mltuner::Clock Engine::Impl::DataAge(TableId table) const {
-  std::lock_guard<std::mutex> lock(age_mu_);
-  if (table < 0 || table >= static_cast<TableId>(data_age_.size())) return kNoClock;
-  return data_age_[table];
-}
-
 EngineStats Engine::Impl::Stats() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  EngineStats stats = stats_;
-  stats.messages_sent = messages_sent_;
-  stats.messages_received = messages_received_;
+  MutexLock lock(&state_.mu);
+  EngineStats stats = state_.stats;
+  stats.messages_sent = state_.messages_sent;
+  stats.messages_received = state_.messages_received;
   return stats;
 }
 
@@ -569,38 +570,42 @@ Status Engine::Impl::Shutdown() {
   // Nothing posted is lost: a running engine first lets the reclaimer ship
   // every update the application posted (bounded by the wait timeout).
   Status unsent;
-  if (phase_.load() == Phase::kRunning) {
-    std::unique_lock<std::mutex> lock(mu_);
-    const int64_t target = app_seq_;
-    const bool done = cv_.wait_until(lock, Deadline(), [&] {
-      return stopping_ || reclaimed_seq_ >= target;
-    });
-    if (!done && background_error_.ok()) {
-      unsent = Status::Timeout("shutdown: " + std::to_string(target - reclaimed_seq_) +
-                               " posted operations of clock " + std::to_string(app_clock_) +
+  if (state_.phase.load() == Phase::kRunning) {
+    MutexLock lock(&state_.mu);
+    const int64_t target = state_.app_seq;
+    const auto deadline = Deadline();
+    bool done = state_.stopping || state_.reclaimed_seq >= target;
+    while (!done) {
+      const bool woken = state_.cv.WaitUntil(deadline);
+      done = state_.stopping || state_.reclaimed_seq >= target;
+      if (!woken) break;
+    }
+    if (!done && state_.background_error.ok()) {
+      unsent = Status::Timeout("shutdown: " + std::to_string(target - state_.reclaimed_seq) +
+                               " posted operations of clock " + std::to_string(state_.app_clock) +
                                " were not shipped within wait_timeout; their updates are lost");
     }
   }
-  const Phase before = phase_.exchange(Phase::kShutdown);
+  const Phase before = state_.phase.exchange(Phase::kShutdown);
   if (before == Phase::kShutdown) return Status::Ok();
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    stopping_ = true;
+    MutexLock lock(&state_.mu);
+    state_.stopping = true;
   }
-  cv_.notify_all();
+  state_.cv.NotifyAll();
   {
-    std::lock_guard<std::mutex> lock(age_mu_);  // wake request and age waiters
+    MutexLock lock(&state_.age_mu);  // wake request and age waiters
   }
-  age_cv_.notify_all();
-  if (allocator_.joinable()) allocator_.join();
-  if (reclaimer_.joinable()) reclaimer_.join();
-  for (AccessIndex& access : index_.accesses) {
+  state_.age_cv.NotifyAll();
+  allocator_.Join();
+  reclaimer_.Join();
+  for (AccessIndex& access : plan_.index.accesses) {
     for (RunIndex* runs : {&access.device_gather, &access.host_gather, &access.device_scatter,
                            &access.host_scatter}) {
       device_->ReleaseIndex(runs);
     }
   }
-  index_.accesses.clear();
+  plan_.index.accesses.clear();
   return unsent;
 }
 
@@ -634,7 +639,7 @@ Status Engine::SetLearningRate(TableId table, float learning_rate) {
 }
 
 Status Engine::FindTable(const std::string& name, TableInfo* out) const {
-  for (const TableInfo& table : impl_->tables_) {
+  for (const TableInfo& table : impl_->plan_.tables) {
     if (table.name == name) {
       *out = table;
       return Status::Ok();
@@ -643,12 +648,12 @@ Status Engine::FindTable(const std::string& name, TableInfo* out) const {
   return Status::NotFound("unknown table '" + name + "'");
 }
 
-std::vector<TableInfo> Engine::tables() const { return impl_->tables_; }
+std::vector<TableInfo> Engine::tables() const { return impl_->plan_.tables; }
 
 #define MLT_REQUIRE_DEFINING(what)                                                   \
   do {                                                                               \
-    if (impl_->phase_.load() == Phase::kShutdown) return ShutdownError();                  \
-    if (impl_->phase_.load() != Phase::kDefining)                                          \
+    if (impl_->state_.phase.load() == Phase::kShutdown) return ShutdownError();                  \
+    if (impl_->state_.phase.load() != Phase::kDefining)                                          \
       return Status::OutOfOrder(std::string(what) + " after finish_virtual_iteration"); \
   } while (0)
 
@@ -700,11 +705,11 @@ Status Engine::VirtualClock() {
 #undef MLT_REQUIRE_DEFINING
 
 Status Engine::FinishVirtualIteration() {
-  if (impl_->phase_.load() == Phase::kShutdown) return ShutdownError();
+  if (impl_->state_.phase.load() == Phase::kShutdown) return ShutdownError();
   return impl_->FinishVirtualIteration();
 }
 Status Engine::StartIterations() {
-  if (impl_->phase_.load() == Phase::kShutdown) return ShutdownError();
+  if (impl_->state_.phase.load() == Phase::kShutdown) return ShutdownError();
   return impl_->StartIterations();
 }
 Status Engine::Read(Handle h, AccessBuffer* out, uintptr_t s) { return impl_->Open(h, OpKind::kRead, out, s); }
@@ -735,8 +740,8 @@ Status Engine::WaitForDataAge(TableId table, mltuner::Clock age) { return impl_-
 mltuner::Clock Engine::DataAge(TableId table) const { return impl_->DataAge(table); }
 EngineStats Engine::Stats() const { return impl_->Stats(); }
 std::string Engine::DescribePlan() const {
-  if (impl_->phase_.load() == Phase::kDefining) return "no plan yet: finish the virtual iteration first";
-  return impl_->placement_.Describe();
+  if (impl_->state_.phase.load() == Phase::kDefining) return "no plan yet: finish the virtual iteration first";
+  return impl_->plan_.placement.Describe();
 }
 int Engine::rank() const { return impl_->rank_; }
 int Engine::num_workers() const { return impl_->num_workers_; }

@@ -6,7 +6,7 @@
 #include <cstring>
 
 #include "engine/engine_impl.h"
-#include "server/shard.h"
+#include "sharding/shard_range.h"
 
 namespace mltuner {
 
@@ -26,9 +26,9 @@ Status Engine::Impl::SendRequests(std::vector<Message> requests, std::vector<Mes
   request->replies_missing = static_cast<int>(requests.size());
   int64_t id;
   {
-    std::lock_guard<std::mutex> lock(age_mu_);
-    id = next_request_id_++;
-    requests_[id] = request;
+    MutexLock lock(&state_.age_mu);
+    id = state_.next_request_id++;
+    state_.requests[id] = request;
   }
   Status sent;
   for (Message& message : requests) {
@@ -36,15 +36,22 @@ Status Engine::Impl::SendRequests(std::vector<Message> requests, std::vector<Mes
     message.header.num_spans = static_cast<uint32_t>(message.spans.size());
     sent = transport_->Send(std::move(message));
     if (!sent.ok()) break;
-    ++messages_sent_;
+    ++state_.messages_sent;
   }
-  std::unique_lock<std::mutex> lock(age_mu_);
-  const bool done = sent.ok() && age_cv_.wait_until(lock, Deadline(), [&] {
-    return request->replies_missing == 0 || phase_.load() == Phase::kShutdown || !abort_error_.ok();
-  });
-  requests_.erase(id);
+  MutexLock lock(&state_.age_mu);
+  bool done = false;
+  if (sent.ok()) {
+    const auto deadline = Deadline();
+    done = request->replies_missing == 0 || state_.phase.load() == Phase::kShutdown || !state_.abort_error.ok();
+    while (!done) {
+      const bool woken = state_.age_cv.WaitUntil(deadline);
+      done = request->replies_missing == 0 || state_.phase.load() == Phase::kShutdown || !state_.abort_error.ok();
+      if (!woken) break;
+    }
+  }
+  state_.requests.erase(id);
   if (!sent.ok()) return sent;
-  if (!abort_error_.ok()) return abort_error_;
+  if (!state_.abort_error.ok()) return state_.abort_error;
   if (!request->error.ok()) return request->error;
   if (!done) return Status::Timeout("no reply from the shards after " + std::to_string(config_.wait_timeout_ms) + " ms");
   if (request->replies_missing > 0) return Status::Shutdown("the engine is shut down");
@@ -53,7 +60,7 @@ Status Engine::Impl::SendRequests(std::vector<Message> requests, std::vector<Mes
 }
 
 Status Engine::Impl::Fetch(TableId table, const std::vector<RowId>& rows, float* out, BranchId branch) {
-  if (phase_.load() == Phase::kShutdown) return Status::Shutdown("the engine is shut down");
+  if (state_.phase.load() == Phase::kShutdown) return Status::Shutdown("the engine is shut down");
   const TableInfo* info = nullptr;
   MLT_RETURN_IF_ERROR(LookupTable(table, &info));
   if (info->local) {
@@ -61,8 +68,8 @@ Status Engine::Impl::Fetch(TableId table, const std::vector<RowId>& rows, float*
   }
   MLT_RETURN_IF_ERROR(CheckRowIds(*info, rows, "a request to"));
   if (branch < 0) {
-    std::lock_guard<std::mutex> lock(mu_);
-    branch = stats_.branch;
+    MutexLock lock(&state_.mu);
+    branch = state_.stats.branch;
   }
   const ShardedRows sharded = ShardRows(*info, rows, num_workers_);
   std::vector<Message> requests;
@@ -90,7 +97,7 @@ Status Engine::Impl::Fetch(TableId table, const std::vector<RowId>& rows, float*
 }
 
 Status Engine::Impl::InitAdd(const AccessRecord& access, const float* host_values) {
-  const TableInfo& info = tables_[access.table];
+  const TableInfo& info = plan_.tables[access.table];
   const ShardedRows sharded = ShardRows(info, access.rows, num_workers_);
   const int64_t width = info.row_width;
   std::vector<Message> requests;
@@ -110,8 +117,8 @@ Status Engine::Impl::InitAdd(const AccessRecord& access, const float* host_value
 }
 
 Status Engine::Impl::OpenInit(Handle handle, AccessBuffer* out) {
-  const AccessRecord& access = recording_.accesses[handle];
-  const TableInfo& info = tables_[access.table];
+  const AccessRecord& access = plan_.recording.accesses[handle];
+  const TableInfo& info = plan_.tables[access.table];
   Slot& slot = init_slots_[handle];
   if (slot.state != SlotState::kEmpty) {
     return Status::OutOfOrder("handle " + std::to_string(handle) + " (" + access.Describe(info.name) +
@@ -125,7 +132,7 @@ Status Engine::Impl::OpenInit(Handle handle, AccessBuffer* out) {
     MLT_RETURN_IF_ERROR(Fetch(access.table, access.rows, host.data(), 0));
     device_->CopyHostToDevice(block->floats(), host.data(), values * sizeof(float), Stream::kApp);
   } else if (access.kind == OpKind::kLocalAccess && access.fetch) {
-    GatherInto(access, block->floats(), Stream::kApp);
+    allocator_.GatherInto(access, block->floats(), Stream::kApp);
   } else {
     device_->Fill(block->floats(), 0.0f, values, Stream::kApp);
   }
@@ -138,13 +145,13 @@ Status Engine::Impl::OpenInit(Handle handle, AccessBuffer* out) {
 }
 
 Status Engine::Impl::PostInit(Handle handle, uintptr_t app_stream) {
-  const AccessRecord& access = recording_.accesses[handle];
+  const AccessRecord& access = plan_.recording.accesses[handle];
   Slot& slot = init_slots_[handle];
   if (slot.state != SlotState::kInUse) {
     return Status::OutOfOrder("handle " + std::to_string(handle) + " (" +
-                              access.Describe(tables_[access.table].name) + ") is not open");
+                              access.Describe(plan_.tables[access.table].name) + ") is not open");
   }
-  const size_t values = access.rows.size() * static_cast<size_t>(tables_[access.table].row_width);
+  const size_t values = access.rows.size() * static_cast<size_t>(plan_.tables[access.table].row_width);
   // The application's writes must land before we copy the buffer out.
   DeviceEvent app_done;
   Status status = device_->RecordAppWork(app_stream, &app_done);
@@ -157,7 +164,7 @@ Status Engine::Impl::PostInit(Handle handle, uintptr_t app_stream) {
     status = device_->Synchronize(Stream::kApp);
     if (status.ok()) status = InitAdd(access, host.data());
   } else if (access.kind == OpKind::kLocalAccess && access.keep) {
-    WriteBackLocal(access, slot.data);
+    reclaimer_.WriteBackLocal(access, slot.data);
     status = device_->Synchronize(Stream::kWriteback);
   }
   if (status.ok() && config_.debug_buffers) {

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "server/shard.h"
+#include "sharding/shard_range.h"
 
 namespace mltuner {
 

@@ -77,19 +77,7 @@ Message ErrorReply(int rank, const Message& request, const Status& error) {
   return reply;
 }
 
-}  // namespace
 
-RowSpan ShardRange(int64_t num_rows, int shard, int num_shards) {
-  RowSpan range;
-  if (num_rows <= 0 || num_shards <= 0 || shard < 0 || shard >= num_shards) return range;
-  const int64_t base = num_rows / num_shards;
-  const int64_t extra = num_rows % num_shards;  // the first `extra` shards own one more row
-  range.begin = shard * base + std::min<int64_t>(shard, extra);
-  range.count = base + (shard < extra ? 1 : 0);
-  return range;
-}
-
-namespace {
 // Idle shard buffers kept for reuse: enough for the pending updates and pushed
 // rows of a large model's clocks in flight.
 constexpr size_t kMaxIdleShardBufferBytes = size_t{4} << 30;
@@ -355,43 +343,6 @@ Status ServerShard::HandleInitAdd(const Message& in, std::vector<Message>* out) 
   return Status::Ok();
 }
 
-ShardedRows ShardRows(const TableInfo& table, const std::vector<RowId>& rows, int num_shards) {
-  std::vector<std::pair<RowId, int64_t>> sorted;
-  sorted.reserve(rows.size());
-  for (int64_t i = 0; i < static_cast<int64_t>(rows.size()); ++i) sorted.push_back({rows[i], i});
-  std::sort(sorted.begin(), sorted.end());
-  ShardedRows out;
-  out.spans.resize(num_shards);
-  out.order.resize(num_shards);
-  int shard = 0;
-  RowSpan range = ShardRange(table.num_rows, shard, num_shards);
-  for (const auto& [row, position] : sorted) {
-    while (row >= range.begin + range.count && shard + 1 < num_shards) {
-      range = ShardRange(table.num_rows, ++shard, num_shards);
-    }
-    std::vector<RowSpan>& spans = out.spans[shard];
-    if (!spans.empty() && spans.back().begin + spans.back().count == row) {
-      ++spans.back().count;
-    } else {
-      spans.push_back({row, 1});
-    }
-    out.order[shard].push_back(position);
-  }
-  return out;
-}
-
-std::string TableSchemaText(const std::vector<TableInfo>& tables) {
-  std::string text;
-  for (const TableInfo& table : tables) {
-    if (table.local) continue;
-    text += std::to_string(table.id) + ":" + table.name + ":" + std::to_string(table.num_rows) + ":" +
-            std::to_string(table.row_width);
-    if (table.update_rule) text += ":" + UpdateRuleText(*table.update_rule);
-    text += ";";
-  }
-  return text;
-}
-
 // kReady is a barrier: it is acknowledged once every worker has sent it, so
 // no worker sends initial values or clocks before every shard knows every
 // table. The check waits for the last kReady because this shard's own worker
@@ -412,17 +363,21 @@ Status ServerShard::HandleReady(const Message& in, std::vector<Message>* out) {
   for (const auto& entry : tables_) {
     if (entry.first.first == 0) mine.push_back(entry.second->info);
   }
-  const std::string expected = TableSchemaText(mine);
+  // Equal tables encode to equal bytes (wire/table_schema.h); a worker's
+  // schema is decoded only to say how it differs.
+  const std::string expected = EncodeTableSchema(mine);
   std::string mismatches;
   for (const auto& [worker, request] : ready_requests_) {
-    if (request.second != expected) {
-      mismatches += " worker " + std::to_string(worker) + " created [" + request.second + "];";
-    }
+    if (request.second == expected) continue;
+    std::vector<TableInfo> theirs;
+    const Status decoded = DecodeTableSchema(request.second, &theirs);
+    mismatches += " worker " + std::to_string(worker) +
+                  (decoded.ok() ? " created [" + DescribeTables(theirs) + "];" : " sent " + decoded.ToString() + ";");
   }
   const Status status = mismatches.empty()
                             ? Status::Ok()
-                            : Status::InvalidArgument("shard " + std::to_string(rank_) + " has tables [" + expected +
-                                                      "] but" + mismatches +
+                            : Status::InvalidArgument("shard " + std::to_string(rank_) + " has tables [" +
+                                                      DescribeTables(mine) + "] but" + mismatches +
                                                       " every worker must create the same tables in the same order");
   for (const auto& [worker, request] : ready_requests_) {
     Message reply = NewMessage(status.ok() ? MessageType::kAck : MessageType::kError, rank_, worker, -1);
@@ -619,34 +574,6 @@ Status ServerShard::ImportTable(TableId table, const float* values, size_t num_v
 
 // --- branches ---------------------------------------------------------------
 
-std::string BranchSettingsText(BranchId parent, const BranchSettings& settings) {
-  char text[160];
-  std::snprintf(text, sizeof(text), "parent=%d;lr=%.9g;momentum=%.9g;training=%d;slack=%d", parent,
-                static_cast<double>(settings.learning_rate), static_cast<double>(settings.momentum),
-                settings.training ? 1 : 0, settings.slack);
-  return text;
-}
-
-Status ParseBranchSettings(const std::string& text, BranchId* parent, BranchSettings* settings) {
-  int parent_id = 0, training = 0, slack = 0;
-  double lr = 0, momentum = 0;
-  int consumed = 0;
-  const int fields = std::sscanf(text.c_str(), "parent=%d;lr=%lf;momentum=%lf;training=%d;slack=%d%n", &parent_id,
-                                 &lr, &momentum, &training, &slack, &consumed);
-  const bool lr_ok = lr >= 0 || lr == BranchSettings::kKeepParent;
-  const bool momentum_ok = (momentum >= 0 && momentum < 1) || momentum == BranchSettings::kKeepParent;
-  if (fields != 5 || consumed != static_cast<int>(text.size()) || parent_id < 0 || (training != 0 && training != 1) ||
-      slack < -1 || !lr_ok || !momentum_ok) {
-    return Status::InvalidArgument("malformed branch settings '" + text + "'");
-  }
-  *parent = parent_id;
-  settings->learning_rate = static_cast<float>(lr);
-  settings->momentum = static_cast<float>(momentum);
-  settings->training = training == 1;
-  settings->slack = slack;
-  return Status::Ok();
-}
-
 bool ServerShard::CollectRequest(std::map<BranchId, std::map<WorkerId, std::pair<int64_t, std::string>>>* pending,
                                  const Message& in, std::map<WorkerId, std::pair<int64_t, std::string>>* requests) {
   auto& arrived = (*pending)[in.header.branch];
@@ -668,12 +595,17 @@ Status ServerShard::HandleFork(const Message& in, std::vector<Message>* out) {
   if (!CollectRequest(&fork_requests_, in, &requests)) return Status::Ok();
   BranchId parent = -1;
   BranchSettings settings;
-  Status status = ParseBranchSettings(requests.begin()->second.second, &parent, &settings);
+  Status status = DecodeBranchSettings(requests.begin()->second.second, &parent, &settings);
   for (const auto& [worker, request] : requests) {
     if (status.ok() && request.second != requests.begin()->second.second) {
-      status = Status::InvalidArgument("workers forked branch " + std::to_string(in.header.branch) +
-                                       " with different settings: '" + requests.begin()->second.second + "' and '" +
-                                       request.second + "'");
+      BranchId other_parent = -1;
+      BranchSettings other;
+      const Status decoded = DecodeBranchSettings(request.second, &other_parent, &other);
+      status = Status::InvalidArgument(
+          "workers forked branch " + std::to_string(in.header.branch) + " with different settings: '" +
+          DescribeBranchSettings(parent, settings) + "' (worker " + std::to_string(requests.begin()->first) +
+          ") and '" + (decoded.ok() ? DescribeBranchSettings(other_parent, other) : decoded.ToString()) +
+          "' (worker " + std::to_string(worker) + ")");
     }
   }
   if (status.ok()) status = Fork(in.header.branch, parent, settings);

@@ -30,35 +30,12 @@
 #include "mltuner/device.h"
 #include "server/update_rules.h"
 #include "server/vector_clock.h"
+#include "sharding/shard_range.h"
+#include "wire/branch_settings.h"
 #include "wire/message.h"
+#include "wire/table_schema.h"
 
 namespace mltuner {
-
-// Rows [begin, begin+count) of a table of num_rows rows that shard `shard` of
-// `num_shards` owns: an even contiguous split, the first shards taking one
-// extra row when it does not divide.
-RowSpan ShardRange(int64_t num_rows, int shard, int num_shards);
-
-// Row ids grouped by the shard that owns them: per shard, spans of
-// consecutive ids (ascending) and, in the same order, each row's position in
-// the caller's array. Used to address shards (fetch, initial values, the
-// direct send of an update buffer). REQUIRES: ids in range, no duplicates.
-struct ShardedRows {
-  std::vector<std::vector<RowSpan>> spans;
-  std::vector<std::vector<int64_t>> order;
-};
-ShardedRows ShardRows(const TableInfo& table, const std::vector<RowId>& rows, int num_shards);
-
-// The communicated tables as one line ("0:name:rows:width;..." with
-// ":<rule>" after the width of a table with its own update rule), sent with
-// kReady so a shard can refuse a worker whose tables differ from its own.
-std::string TableSchemaText(const std::vector<TableInfo>& tables);
-
-// A fork's settings as the text of a kFork message, and back. Floats are
-// printed with 9 significant digits, so they round-trip exactly; a learning
-// rate or momentum of -1 (BranchSettings::kKeepParent) keeps the parent's.
-std::string BranchSettingsText(BranchId parent, const BranchSettings& settings);
-Status ParseBranchSettings(const std::string& text, BranchId* parent, BranchSettings* settings);
 
 class ServerShard {
  public:
@@ -184,10 +161,10 @@ class ServerShard {
   std::map<std::pair<BranchId, TableId>, std::unique_ptr<TableState>> tables_;
   std::set<BranchId> branches_{0};
   // Fork and free requests waiting for the other workers: branch -> worker ->
-  // (request id, settings text).
+  // (request id, settings bytes: wire/branch_settings.h).
   std::map<BranchId, std::map<WorkerId, std::pair<int64_t, std::string>>> fork_requests_;
   std::map<BranchId, std::map<WorkerId, std::pair<int64_t, std::string>>> free_requests_;
-  // kReady received so far: worker -> (request id, its table schema text).
+  // kReady received so far: worker -> (request id, its table schema bytes: wire/table_schema.h).
   std::map<WorkerId, std::pair<int64_t, std::string>> ready_requests_;
 };
 

@@ -70,10 +70,6 @@ class UpdateRule {
   std::shared_ptr<DeviceBlock> state_;  // state_arrays_ x num_values floats, or null
 };
 
-// OK when every hyperparameter of `rule` is in torch.optim's range (and the
-// kind exists); else InvalidArgument naming `what` and the field.
-Status CheckUpdateRule(const UpdateRuleConfig& rule, const std::string& what);
-
 // A rule over num_values values with zero state on `device` (the CPU backend
 // when null). Null for an unknown kind or when the state cannot be allocated.
 std::unique_ptr<UpdateRule> NewUpdateRule(const UpdateRuleConfig& config, int64_t num_values,

@@ -189,7 +189,9 @@ std::string Message::DebugString() const {
       << " spans=" << spans.size() << " rows=" << total_rows() << " width=" << header.row_width
       << " bytes=" << num_values() * sizeof(float);
   if ((header.flags & kNewLearningRate) != 0) out << " new_lr=" << header.learning_rate;
-  if (!text.empty()) out << " text=\"" << text << "\"";
+  // Only kError's text is words; kReady and kFork carry fixed structs.
+  if (!text.empty() && type() == MessageType::kError) out << " text=\"" << text << "\"";
+  if (!text.empty() && type() != MessageType::kError) out << " text_bytes=" << text.size();
   return out.str();
 }
 

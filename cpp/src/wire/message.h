@@ -36,10 +36,10 @@ enum class MessageType : uint16_t {
   kError = 8,        // shard -> client: request_id failed; payload is empty,
                      //   the reason is in the spans-free text frame (see below)
   kReady = 9,        // client -> shard: my tables are created; text = their
-                     //   schema. Each shard acks once every worker is ready,
+                     //   schema (wire/table_schema.h). Each shard acks once every worker is ready,
                      //   so no message can reach a shard before its tables.
   kFork = 10,        // client -> shard: fork `branch` (text = its settings,
-                     //   see BranchSettingsText); done and acked to everyone
+                     //   wire/branch_settings.h); done and acked to everyone
                      //   once every worker asked
   kFreeBranch = 11,  // client -> shard: free `branch`; done and acked once
                      //   every worker asked
@@ -82,7 +82,8 @@ struct MessageHeader {
   int64_t request_id = 0;     // pairs kFetch/kInitAdd with kFetchReply/kAck/kError
   int64_t row_width = 0;      // floats per row in the payload
   uint32_t num_spans = 0;     // RowSpan entries after the header in frame 0
-  uint32_t text_bytes = 0;    // bytes of UTF-8 text after the spans (kError)
+  uint32_t text_bytes = 0;    // bytes of text after the spans: kError's UTF-8 reason,
+                              //   kReady's schema or kFork's settings (fixed structs)
   float learning_rate = 0;    // with kNewLearningRate: the rate (see below)
   uint32_t flags = 0;         // MessageFlags bits; zero when unused (the
                               //   early version-1 field `reserved` was zero)
@@ -96,7 +97,8 @@ struct Message {
   MessageHeader header;
   std::vector<RowSpan> spans;
   std::vector<float> values;  // sum(span.count) * row_width floats
-  std::string text;           // error text; empty otherwise
+  std::string text;           // kError's reason, or the bytes of kReady's schema
+                              //   or kFork's settings; empty otherwise
   // Between a worker and a shard of one process the values stay in device
   // memory: then they are here and `values` is empty. Never encoded; a
   // transport to another process copies them into `values` first.

@@ -11,7 +11,7 @@
 #include "plan/placement.h"
 #include "plan/row_layout.h"
 #include "record/recorder.h"
-#include "server/shard.h"
+#include "sharding/shard_range.h"
 #include "test_util.h"
 
 using namespace mltuner;

@@ -191,7 +191,7 @@ Status ForkEverywhere(const std::vector<std::unique_ptr<ServerShard>>& shards, B
     for (WorkerId worker = 0; worker < kWorkers; ++worker) {
       Message fork = Header(MessageType::kFork, worker, s, -1);
       fork.header.branch = child;
-      fork.text = BranchSettingsText(parent, settings);
+      fork.text = EncodeBranchSettings(parent, settings);
       std::vector<Message> out;
       MLT_RETURN_IF_ERROR(shards[s]->Handle(fork, &out));
     }
@@ -209,28 +209,6 @@ UpdateRuleConfig TorchSgd() {
 }
 
 }  // namespace
-
-TEST(ShardRangeSplitsContiguouslyFirstShardsLarger) {
-  EXPECT_EQ(ShardRange(7, 0, 3).begin, 0);
-  EXPECT_EQ(ShardRange(7, 0, 3).count, 3);
-  EXPECT_EQ(ShardRange(7, 1, 3).begin, 3);
-  EXPECT_EQ(ShardRange(7, 1, 3).count, 2);
-  EXPECT_EQ(ShardRange(7, 2, 3).begin, 5);
-  EXPECT_EQ(ShardRange(7, 2, 3).count, 2);
-  EXPECT_EQ(ShardRange(2, 2, 3).count, 0);  // fewer rows than shards
-  for (int64_t rows = 1; rows < 40; ++rows) {
-    for (int shards = 1; shards < 9; ++shards) {
-      int64_t next = 0;
-      for (int s = 0; s < shards; ++s) {
-        const RowSpan range = ShardRange(rows, s, shards);
-        EXPECT_EQ(range.begin, next);
-        EXPECT_TRUE(range.count == rows / shards || range.count == rows / shards + 1);
-        next = range.begin + range.count;
-      }
-      EXPECT_EQ(next, rows);
-    }
-  }
-}
 
 TEST(AddTableRejectsLocalDuplicateAndEmptyTables) {
   ServerShard shard(0, kWorkers, Rule(UpdateRuleKind::kAdd));
@@ -656,9 +634,10 @@ TEST(TableWithItsOwnRuleUsesIt) {
   }
   const std::vector<float> got = Gather(shards);
   for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], reference.values()[i], 1e-5);
-  const std::string schema = TableSchemaText({info});
+  const std::string schema = DescribeTables({info});
   EXPECT_TRUE(schema.find("sgd lr=0.0500000007 momentum=0.899999976") != std::string::npos);
-  EXPECT_TRUE(TableSchemaText({Table()}).find("sgd") == std::string::npos);
+  EXPECT_TRUE(DescribeTables({Table()}).find("sgd") == std::string::npos);
+  EXPECT_TRUE(EncodeTableSchema({info}) != EncodeTableSchema({Table()}));
 }
 
 // A rate carried by every worker's update of clock 2 is used from clock 2 on.
@@ -701,12 +680,13 @@ TEST(BranchSettingsKeepTheParentsRateAndMomentumWhenNotGiven) {
   keep.training = true;
   BranchId parent = -1;
   BranchSettings parsed;
-  ASSERT_OK(ParseBranchSettings(BranchSettingsText(3, keep), &parent, &parsed));
+  ASSERT_OK(DecodeBranchSettings(EncodeBranchSettings(3, keep), &parent, &parsed));
   EXPECT_EQ(parent, 3);
   EXPECT_EQ(parsed.learning_rate, BranchSettings::kKeepParent);
   EXPECT_EQ(parsed.momentum, BranchSettings::kKeepParent);
-  EXPECT_CODE(ParseBranchSettings("parent=0;lr=-2;momentum=0;training=1;slack=-1", &parent, &parsed),
-              StatusCode::kInvalidArgument);
+  BranchSettings bad = keep;
+  bad.learning_rate = -2;
+  EXPECT_CODE(DecodeBranchSettings(EncodeBranchSettings(0, bad), &parent, &parsed), StatusCode::kInvalidArgument);
 
   // A child that keeps the parent's (changed) rate steps like the parent; one
   // with a rate of its own steps differently.

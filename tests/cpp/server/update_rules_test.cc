@@ -2,6 +2,8 @@
 // rule_reference.h (torch.optim's algorithms and MLtuner's damped momentum).
 #include "server/update_rules.h"
 
+#include "common/update_rule_check.h"
+
 #include <cmath>
 #include <random>
 #include <vector>

@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "test_util.h"
+#include "wire/branch_settings.h"
+#include "wire/table_schema.h"
 
 namespace mltuner {
 namespace {
@@ -97,6 +99,38 @@ TEST(RoundTripsEveryType) {
       EXPECT_EQ(back.total_rows(), m.total_rows());
     }
   }
+}
+
+// kFork and kReady carry fixed structs (zero bytes included) in the text
+// frame: they arrive byte for byte, a truncated frame is refused by the
+// message decoder, and a struct cut short inside a well-formed frame by the
+// struct's own decoder.
+TEST(StructPayloadsTravelInTheTextFrame) {
+  BranchSettings settings;
+  settings.learning_rate = 0.5f;
+  Message fork = NewMessage(MessageType::kFork, 1, 0, -1);
+  fork.text = EncodeBranchSettings(0, settings);
+  fork.header.text_bytes = static_cast<uint32_t>(fork.text.size());
+  std::string frame0 = EncodeHeaderFrame(fork);
+  Message back;
+  ASSERT_OK(Decode(frame0, {}, &back));
+  EXPECT_TRUE(back.text == fork.text);
+  BranchId parent = -1;
+  BranchSettings decoded;
+  ASSERT_OK(DecodeBranchSettings(back.text, &parent, &decoded));
+  EXPECT_EQ(decoded.learning_rate, 0.5f);
+  EXPECT_CODE(Decode(frame0.substr(0, frame0.size() - 1), {}, &back), StatusCode::kCorruptMessage);
+
+  Message ready = NewMessage(MessageType::kReady, 1, 0, -1);
+  TableInfo table;
+  table.name = "w";
+  table.num_rows = 3;
+  table.row_width = 2;
+  ready.text = EncodeTableSchema({table}).substr(0, 20);  // a schema cut inside its first record
+  ready.header.text_bytes = static_cast<uint32_t>(ready.text.size());
+  ASSERT_OK(Decode(EncodeHeaderFrame(ready), {}, &back));
+  std::vector<TableInfo> tables;
+  EXPECT_CODE(DecodeTableSchema(back.text, &tables), StatusCode::kCorruptMessage);
 }
 
 TEST(RoundTripsEmptyMessages) {

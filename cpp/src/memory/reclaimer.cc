@@ -6,40 +6,61 @@
 // still computing (Poseidon's wait-free backprop). Tables without updates
 // send a bare clock at the iteration's clock op. A table with a single update
 // per clock skips the log: its buffer is copied straight into the messages.
+#include "memory/reclaimer.h"
+
 #include <algorithm>
 #include <cstring>
-
-#include "engine/engine_impl.h"
+#include <limits>
+#include <string>
 
 namespace mltuner {
 
-void Engine::Impl::ReclaimerLoop() {
+Reclaimer::Reclaimer(const Config& config, int rank, int num_workers, std::shared_ptr<Device> device,
+                     Transport* transport, const PipelinePlan* plan, SharedState* state)
+    : config_(config),
+      rank_(rank),
+      num_workers_(num_workers),
+      device_(device),
+      transport_(transport),
+      plan_(plan),
+      state_(state),
+      // Idle payload buffers: a few clocks of a large model's updates in flight.
+      payloads_(std::move(device), size_t{2} << 30) {}
+
+void Reclaimer::Start() { thread_ = std::thread([this] { Loop(); }); }
+
+void Reclaimer::Join() {
+  if (thread_.joinable()) thread_.join();
+}
+
+void Reclaimer::Loop() {
   for (int64_t seq = 0;; ++seq) {
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stopping_ || app_seq_ > seq; });
-      if (stopping_) return;
+      MutexLock lock(&state_->mu);
+      while (!state_->stopping && state_->app_seq <= seq) state_->cv.Wait();
+      if (state_->stopping) return;
     }
     const Status status = ReclaimOp(seq);
     if (!status.ok()) {
-      if (status.code() != StatusCode::kShutdown) Fail(status.WithContext(ThreadContext("reclaimer")));
+      if (status.code() != StatusCode::kShutdown) state_->Fail(status.WithContext(ThreadContext(rank_, "reclaimer")));
       return;
     }
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      reclaimed_seq_ = seq + 1;
+      MutexLock lock(&state_->mu);
+      state_->reclaimed_seq = seq + 1;
     }
-    cv_.notify_all();
+    state_->cv.NotifyAll();
   }
 }
 
-Status Engine::Impl::ReclaimOp(int64_t seq) {
-  const int64_t num_ops = static_cast<int64_t>(recording_.ops.size());
+Status Reclaimer::ReclaimOp(int64_t seq) {
+  const int64_t num_ops = plan_->num_ops();
   const mltuner::Clock clock = seq / num_ops;
-  const RecordedOp& op = recording_.ops[seq % num_ops];
+  const RecordedOp& op = plan_->recording.ops[seq % num_ops];
+  const IterationIndex& index = plan_->index;
   if (op.kind == OpKind::kClock) {
-    for (const TableInfo& table : tables_) {
-      if (!table.local && !index_.tables[table.id].has_updates) {
+    for (const TableInfo& table : plan_->tables) {
+      if (!table.local && !index.tables[table.id].has_updates) {
         std::vector<Message> messages;
         MLT_RETURN_IF_ERROR(BuildTableClock(table.id, clock, &messages));
         MLT_RETURN_IF_ERROR(MarkReady(nullptr, &messages));
@@ -51,8 +72,8 @@ Status Engine::Impl::ReclaimOp(int64_t seq) {
   if (op.kind != OpKind::kPostRead && op.kind != OpKind::kUpdate && op.kind != OpKind::kPostLocalAccess) {
     return Status::Ok();  // open ops belong to the allocator
   }
-  const AccessRecord& access = recording_.accesses[op.handle];
-  Slot* slot = &slots_[op.handle][clock % depth_];
+  const AccessRecord& access = plan_->recording.accesses[op.handle];
+  Slot* slot = &state_->slots[op.handle][clock % plan_->depth];
   // A read buffer is done with once the application's kernels are: its
   // addresses are released with the application's ticket, and the next
   // user's fill waits for it on the device. Nothing here waits.
@@ -68,11 +89,11 @@ Status Engine::Impl::ReclaimOp(int64_t seq) {
   MLT_RETURN_IF_ERROR(device_->WaitEvent(Stream::kWriteback, slot->app_done));
   slot->app_done.reset();
   std::vector<Message> messages;
-  if (op.kind == OpKind::kUpdate && index_.tables[access.table].direct.handle == op.handle) {
+  if (op.kind == OpKind::kUpdate && index.tables[access.table].direct.handle == op.handle) {
     MLT_RETURN_IF_ERROR(BuildDirectUpdate(access, slot->data, clock, &messages));
   } else if (op.kind == OpKind::kUpdate) {
     ScatterAddUpdate(access, slot->data);
-    if (index_.accesses[op.handle].closes_table_clock) {
+    if (index.accesses[op.handle].closes_table_clock) {
       MLT_RETURN_IF_ERROR(BuildTableClock(access.table, clock, &messages));
     }
   } else if (op.kind == OpKind::kPostLocalAccess && access.keep) {
@@ -82,7 +103,9 @@ Status Engine::Impl::ReclaimOp(int64_t seq) {
     WriteBackLocal(access, slot->data);
     MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kWriteback));
   }
-  if (config_.debug_buffers) Poison(access, slot->data, Stream::kWriteback);  // after its copies
+  if (config_.debug_buffers) {  // after its copies
+    device_->Fill(slot->data, std::numeric_limits<float>::quiet_NaN(), plan_->BufferValues(access), Stream::kWriteback);
+  }
   DeviceEvent released;
   MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kWriteback, &released));
   MLT_RETURN_IF_ERROR(MarkReady(released, &messages));
@@ -91,22 +114,22 @@ Status Engine::Impl::ReclaimOp(int64_t seq) {
   return device_->TakeError();
 }
 
-void Engine::Impl::ReleaseSlot(Slot* slot, DeviceEvent released) {
-  // The buffer's addresses are static; the next user waits for reclaimed_seq_
+void Reclaimer::ReleaseSlot(Slot* slot, DeviceEvent released) {
+  // The buffer's addresses are static; the next user waits for reclaimed_seq
   // on the host and for `released` on the device.
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&state_->mu);
     slot->state = SlotState::kEmpty;
     slot->data = nullptr;
     slot->ready.reset();
     slot->released = std::move(released);
   }
-  cv_.notify_all();
+  state_->cv.NotifyAll();
 }
 
-void Engine::Impl::ScatterAddUpdate(const AccessRecord& access, const float* buffer) {
-  const AccessIndex& index = index_.accesses[access.handle];
-  const TableStore& store = *stores_[access.table];
+void Reclaimer::ScatterAddUpdate(const AccessRecord& access, const float* buffer) {
+  const AccessIndex& index = plan_->index.accesses[access.handle];
+  const TableStore& store = *plan_->stores[access.table];
   const int64_t width = store.info.row_width;
   if (index.device_scatter.total_rows > 0) {
     device_->ScatterAdd(store.log(Residence::kDevice), buffer, index.device_scatter, width,
@@ -115,7 +138,7 @@ void Engine::Impl::ScatterAddUpdate(const AccessRecord& access, const float* buf
   if (index.host_scatter.total_rows > 0) {
     // Host-resident rows: bring the buffer's rows to host staging, then add
     // them into the host log on this thread.
-    float* staging = staging_->floats();
+    float* staging = plan_->staging->floats();
     for (const RowRun& run : index.host_scatter.runs) {
       device_->CopyDeviceToHost(staging + run.src * width, buffer + run.src * width,
                                 static_cast<size_t>(run.count * store.info.row_bytes()), Stream::kWriteback);
@@ -129,14 +152,14 @@ void Engine::Impl::ScatterAddUpdate(const AccessRecord& access, const float* buf
       for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
     }
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  stats_.bytes_scattered += static_cast<int64_t>(access.rows.size()) * store.info.row_bytes();
-  stats_.bytes_swapped_out += index.host_scatter.total_rows * store.info.row_bytes();
+  MutexLock lock(&state_->mu);
+  state_->stats.bytes_scattered += static_cast<int64_t>(access.rows.size()) * store.info.row_bytes();
+  state_->stats.bytes_swapped_out += index.host_scatter.total_rows * store.info.row_bytes();
 }
 
-void Engine::Impl::WriteBackLocal(const AccessRecord& access, const float* buffer) {
-  const AccessIndex& index = index_.accesses[access.handle];
-  const TableStore& store = *stores_[access.table];
+void Reclaimer::WriteBackLocal(const AccessRecord& access, const float* buffer) {
+  const AccessIndex& index = plan_->index.accesses[access.handle];
+  const TableStore& store = *plan_->stores[access.table];
   const int64_t width = store.info.row_width;
   // Nobody else writes local rows, and the allocator waits for this write-back
   // before any fetch of them, so no partition lock is needed.
@@ -148,19 +171,19 @@ void Engine::Impl::WriteBackLocal(const AccessRecord& access, const float* buffe
     device_->CopyDeviceToHost(host + run.dst * width, buffer + run.src * width,
                               static_cast<size_t>(run.count * store.info.row_bytes()), Stream::kWriteback);
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  stats_.bytes_swapped_out += index.host_scatter.total_rows * store.info.row_bytes();
+  MutexLock lock(&state_->mu);
+  state_->stats.bytes_swapped_out += index.host_scatter.total_rows * store.info.row_bytes();
 }
 
-Status Engine::Impl::NewUpdateMessage(TableId table, int shard, mltuner::Clock clock, size_t values, Message* out,
+Status Reclaimer::NewUpdateMessage(TableId table, int shard, mltuner::Clock clock, size_t values, Message* out,
                                       float** data, bool* on_device) {
   ClockBranch at;
   Message message = NewMessage(MessageType::kClockUpdate, rank_, shard, table);
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    at = BranchOfLocked(clock);
-    auto rates = new_rates_.find(table);
-    if (rates != new_rates_.end()) {
+    MutexLock lock(&state_->mu);
+    at = state_->branches.At(clock);
+    auto rates = state_->new_rates.find(table);
+    if (rates != state_->new_rates.end()) {
       auto rate = rates->second.find(clock);
       if (rate != rates->second.end()) {
         message.header.flags |= kNewLearningRate;
@@ -170,10 +193,10 @@ Status Engine::Impl::NewUpdateMessage(TableId table, int shard, mltuner::Clock c
   }
   message.header.branch = at.branch;
   message.header.clock = at.internal;
-  message.header.row_width = tables_[table].row_width;
+  message.header.row_width = plan_->tables[table].row_width;
   *on_device = values > 0 && transport_->SharesDevice(rank_, shard);
   if (*on_device) {
-    MLT_RETURN_IF_ERROR(payloads_->Acquire(values, Stream::kWriteback, &message.device_values));
+    MLT_RETURN_IF_ERROR(payloads_.Acquire(values, Stream::kWriteback, &message.device_values));
     *data = message.device_values->data;
   } else {
     message.values = transport_->NewPayload(values);
@@ -187,10 +210,10 @@ Status Engine::Impl::NewUpdateMessage(TableId table, int shard, mltuner::Clock c
 // filled on the writeback stream. A shard of this process on this device gets
 // a device buffer (MarkReady gives it its ticket); the others get host values,
 // for which this thread waits.
-Status Engine::Impl::BuildTableClock(TableId table, mltuner::Clock clock, std::vector<Message>* messages) {
-  const TableStore& store = *stores_[table];
+Status Reclaimer::BuildTableClock(TableId table, mltuner::Clock clock, std::vector<Message>* messages) {
+  const TableStore& store = *plan_->stores[table];
   const int64_t width = store.info.row_width;
-  const TableIndex& table_index = index_.tables[table];
+  const TableIndex& table_index = plan_->index.tables[table];
   bool host_payloads = false;
   std::vector<std::pair<float*, size_t>> zero_after_copy;  // host log rows read by queued copies
   for (int shard = 0; shard < num_workers_; ++shard) {
@@ -232,10 +255,10 @@ Status Engine::Impl::BuildTableClock(TableId table, mltuner::Clock clock, std::v
   return Status::Ok();
 }
 
-Status Engine::Impl::BuildDirectUpdate(const AccessRecord& access, const float* buffer, mltuner::Clock clock,
+Status Reclaimer::BuildDirectUpdate(const AccessRecord& access, const float* buffer, mltuner::Clock clock,
                                        std::vector<Message>* messages) {
-  const TableInfo& info = tables_[access.table];
-  const DirectSend& direct = index_.tables[access.table].direct;
+  const TableInfo& info = plan_->tables[access.table];
+  const DirectSend& direct = plan_->index.tables[access.table].direct;
   const int64_t width = info.row_width;
   bool host_payloads = false;
   for (int shard = 0; shard < num_workers_; ++shard) {
@@ -259,14 +282,14 @@ Status Engine::Impl::BuildDirectUpdate(const AccessRecord& access, const float* 
     messages->push_back(std::move(message));
   }
   if (host_payloads) MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kWriteback));
-  std::lock_guard<std::mutex> lock(mu_);
-  stats_.bytes_scattered += static_cast<int64_t>(access.rows.size()) * info.row_bytes();
+  MutexLock lock(&state_->mu);
+  state_->stats.bytes_scattered += static_cast<int64_t>(access.rows.size()) * info.row_bytes();
   return Status::Ok();
 }
 
 // Gives every device payload of the batch `ready`, a ticket for everything
 // queued on the writeback stream; when null, one taken now if needed.
-Status Engine::Impl::MarkReady(DeviceEvent ready, std::vector<Message>* messages) {
+Status Reclaimer::MarkReady(DeviceEvent ready, std::vector<Message>* messages) {
   for (Message& message : *messages) {
     if (!message.device_values) continue;
     if (!ready) MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kWriteback, &ready));
@@ -275,10 +298,10 @@ Status Engine::Impl::MarkReady(DeviceEvent ready, std::vector<Message>* messages
   return Status::Ok();
 }
 
-Status Engine::Impl::SendAll(std::vector<Message> messages) {
+Status Reclaimer::SendAll(std::vector<Message> messages) {
   for (Message& message : messages) {
     MLT_RETURN_IF_ERROR(transport_->Send(std::move(message)));
-    ++messages_sent_;
+    ++state_->messages_sent;
   }
   return Status::Ok();
 }

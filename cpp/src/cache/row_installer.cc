@@ -1,23 +1,30 @@
 // The receive side of a worker: installs fresh rows pushed by the shards into
 // the parameter cache under the partition locks, advances data age, and
 // completes synchronous requests. Runs on the transport's receive thread.
+#include "cache/row_installer.h"
+
 #include <algorithm>
 #include <cstring>
+#include <string>
+#include <vector>
 
-#include "engine/engine_impl.h"
 #include "memory/device_block.h"
-#include "server/shard.h"
+#include "sharding/shard_range.h"
 
 namespace mltuner {
 
-Status Engine::Impl::HandleMessage(Message&& message) {
-  ++messages_received_;
+RowInstaller::RowInstaller(int rank, int num_workers, std::shared_ptr<Device> device, const PipelinePlan* plan,
+                           SharedState* state)
+    : rank_(rank), num_workers_(num_workers), device_(std::move(device)), plan_(plan), state_(state) {}
+
+Status RowInstaller::Handle(Message&& message) {
+  ++state_->messages_received;
   switch (message.type()) {
     case MessageType::kRows: {
       // Rows that cannot be installed leave this worker waiting for a data
       // age that never comes: fail now, with the cause, rather than time out.
       const Status status = InstallRows(message);
-      if (!status.ok() && status.code() != StatusCode::kShutdown) Fail(status.WithContext(ThreadContext("receive")));
+      if (!status.ok() && status.code() != StatusCode::kShutdown) state_->Fail(status.WithContext(ThreadContext(rank_, "receive")));
       return status;
     }
     case MessageType::kFetchReply:
@@ -30,12 +37,12 @@ Status Engine::Impl::HandleMessage(Message&& message) {
   }
 }
 
-Status Engine::Impl::InstallRows(const Message& message) {
+Status RowInstaller::InstallRows(const Message& message) {
   // One read of the phase: the initial rows reach the last worker to start
   // while its StartIterations moves kRecorded -> kRunning, and two reads
   // (`!= kRunning && != kRecorded`) could see kRecorded and then kRunning,
   // refusing rows that are legal in both phases (they were lost for good).
-  const Phase phase = phase_.load();
+  const Phase phase = state_->phase.load();
   if (phase == Phase::kShutdown) {
     return Status::Shutdown("rows arrived after shutdown: " + message.DebugString());
   }
@@ -44,13 +51,14 @@ Status Engine::Impl::InstallRows(const Message& message) {
   }
   const TableId table = message.header.table;
   const int shard = message.header.sender;
-  if (table < 0 || table >= static_cast<TableId>(tables_.size()) || tables_[table].local) {
+  const std::vector<TableInfo>& tables = plan_->tables;
+  if (table < 0 || table >= static_cast<TableId>(tables.size()) || tables[table].local) {
     return Status::NotFound("rows for unknown table id " + std::to_string(table));
   }
   if (shard < 0 || shard >= num_workers_) {
     return Status::InvalidArgument("rows from unknown shard " + std::to_string(shard));
   }
-  const TableInfo& info = tables_[table];
+  const TableInfo& info = tables[table];
   const RowSpan range = ShardRange(info.num_rows, shard, num_workers_);
   const bool whole_range = range.count == 0
                                ? message.spans.empty()
@@ -63,20 +71,20 @@ Status Engine::Impl::InstallRows(const Message& message) {
                                    std::to_string(range.count) + ": " + message.DebugString());
   }
   {
-    std::lock_guard<std::mutex> lock(age_mu_);
-    if (message.header.branch != cache_branch_) return Status::Ok();  // the cache moved to another branch
-    if (message.header.clock <= shard_age_[table][shard]) return Status::Ok();  // not newer
+    MutexLock lock(&state_->age_mu);
+    if (message.header.branch != state_->cache_branch) return Status::Ok();  // the cache moved to another branch
+    if (message.header.clock <= state_->shard_age[table][shard]) return Status::Ok();  // not newer
   }
   // Installs are queued on the prefetch stream, the stream of every gather:
   // the partition locks order the two on this side, the stream orders them
   // on the device, so neither this thread nor the allocator waits for the
   // copies. Device payloads wait for their producer there too.
-  const TableStore& store = *stores_[table];
+  const TableStore& store = *plan_->stores[table];
   const int64_t width = info.row_width;
   const DeviceBuffer* on_device = message.device_values.get();
   if (on_device != nullptr) MLT_RETURN_IF_ERROR(device_->WaitEvent(Stream::kPrefetch, on_device->ready));
   const float* payload = on_device != nullptr ? on_device->data : message.values.data();
-  for (const WireSegment& segment : index_.tables[table].receive[shard]) {
+  for (const WireSegment& segment : plan_->index.tables[table].receive[shard]) {
     const float* src = payload + (segment.begin - range.begin) * width;
     float* dst = store.values(segment.residence) + segment.slot * width;
     const size_t bytes = static_cast<size_t>(segment.count * info.row_bytes());
@@ -101,32 +109,32 @@ Status Engine::Impl::InstallRows(const Message& message) {
   }
   MLT_RETURN_IF_ERROR(device_->TakeError());
   {
-    std::lock_guard<std::mutex> lock(age_mu_);
+    MutexLock lock(&state_->age_mu);
     // Rows of a branch the cache left while they were copied are overwritten
     // by the new branch's rows, which this thread installs next; their age
     // must not count.
-    if (message.header.branch != cache_branch_) return Status::Ok();
-    std::vector<mltuner::Clock>& ages = shard_age_[table];
+    if (message.header.branch != state_->cache_branch) return Status::Ok();
+    std::vector<mltuner::Clock>& ages = state_->shard_age[table];
     ages[shard] = std::max(ages[shard], message.header.clock);
-    data_age_[table] = *std::min_element(ages.begin(), ages.end());
+    state_->data_age[table] = *std::min_element(ages.begin(), ages.end());
   }
-  age_cv_.notify_all();
+  state_->age_cv.NotifyAll();
   return Status::Ok();
 }
 
-Status Engine::Impl::CompleteRequest(Message&& message) {
+Status RowInstaller::CompleteRequest(Message&& message) {
   if (message.type() == MessageType::kError && message.header.request_id == 0) {
     // A shard refused a message that has no reply (a clock's updates, ours
     // or another worker's): that clock never finishes, the job cannot go on.
     // The text names the shard, the sender and why; the code travels too.
-    Fail(ErrorOf(message));
+    state_->Fail(ErrorOf(message));
     return Status::Ok();
   }
   std::shared_ptr<PendingRequest> request;
   {
-    std::lock_guard<std::mutex> lock(age_mu_);
-    auto it = requests_.find(message.header.request_id);
-    if (it == requests_.end()) {
+    MutexLock lock(&state_->age_mu);
+    auto it = state_->requests.find(message.header.request_id);
+    if (it == state_->requests.end()) {
       return Status::InvalidArgument("reply to unknown request " + std::to_string(message.header.request_id));
     }
     request = it->second;
@@ -137,7 +145,7 @@ Status Engine::Impl::CompleteRequest(Message&& message) {
     request->replies.push_back(std::move(message));
     --request->replies_missing;
   }
-  age_cv_.notify_all();
+  state_->age_cv.NotifyAll();
   return Status::Ok();
 }
 

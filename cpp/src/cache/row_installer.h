@@ -1,0 +1,41 @@
+// RowInstaller: the receive side of a worker. It installs fresh rows pushed
+// by the shards into the parameter cache under the partition locks, advances
+// the table's data age (waking the allocator), and completes the synchronous
+// requests of the application thread (fetch, initial values, branches).
+//
+// Threading: Handle() runs on the transport's receive thread, one message
+// at a time. Ownership: owns nothing; the plan, state and device are the
+// engine's and outlive it.
+#pragma once
+
+#include <memory>
+
+#include "mltuner/device.h"
+#include "pipeline/plan.h"
+#include "pipeline/shared_state.h"
+#include "wire/message.h"
+
+namespace mltuner {
+
+class RowInstaller {
+ public:
+  RowInstaller(int rank, int num_workers, std::shared_ptr<Device> device, const PipelinePlan* plan,
+               SharedState* state);
+  RowInstaller(const RowInstaller&) = delete;
+  RowInstaller& operator=(const RowInstaller&) = delete;
+
+  // A worker-bound message: rows, or the reply to a request.
+  Status Handle(Message&& message);
+
+ private:
+  Status InstallRows(const Message& message) EXCLUDES(state_->age_mu);
+  Status CompleteRequest(Message&& message) EXCLUDES(state_->age_mu);
+
+  const int rank_;
+  const int num_workers_;
+  const std::shared_ptr<Device> device_;
+  const PipelinePlan* const plan_;
+  SharedState* const state_;
+};
+
+}  // namespace mltuner

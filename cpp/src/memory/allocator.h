@@ -1,0 +1,64 @@
+// Allocator: the allocator thread (geeps.md §2). It runs ahead of the
+// application along the op list, preparing each open op's buffer — its
+// static addresses in the pool, rows fresh enough gathered into it (or zeros
+// for an update, or fetched local data) — so the application only waits when
+// prefetch fell behind.
+//
+// Threading: Start() runs the thread; it ends when SharedState::stopping is
+// set or on a failure (SharedState::Fail). GatherInto may also be called by
+// the application thread before Start (the initialisation phase).
+// Ownership: owns its thread; the plan, state, device and transport are the
+// engine's and outlive it.
+#pragma once
+
+#include <memory>
+#include <thread>
+
+#include "mltuner/config.h"
+#include "mltuner/device.h"
+#include "mltuner/transport.h"
+#include "pipeline/plan.h"
+#include "pipeline/shared_state.h"
+
+namespace mltuner {
+
+class Allocator {
+ public:
+  Allocator(const Config& config, int rank, int num_workers, std::shared_ptr<Device> device, Transport* transport,
+            const PipelinePlan* plan, SharedState* state);
+  ~Allocator() { Join(); }
+  Allocator(const Allocator&) = delete;
+  Allocator& operator=(const Allocator&) = delete;
+
+  void Start();
+  // Waits for the thread to end. REQUIRES: stopping set (or the thread failed).
+  void Join();
+
+  // Queues the rows of a read or local fetch into `buffer` on `stream`:
+  // device-resident rows with one gather, host-resident rows copied run by run.
+  void GatherInto(const AccessRecord& access, float* buffer, Stream stream) EXCLUDES(state_->mu);
+
+ private:
+  void Loop();
+  Status PrepareSlot(int64_t seq, const AccessRecord& access, const ClockBranch& at, Slot* slot);
+  Status WaitFresh(const AccessRecord& access, const ClockBranch& at, mltuner::Clock* age)
+      EXCLUDES(state_->age_mu, state_->mu);
+  // Points the cache at another branch: forgets every data age and asks the
+  // shards for that branch's rows.
+  Status SwitchCache(BranchId branch) EXCLUDES(state_->age_mu, state_->mu);
+  Status WaitForWriteBack(int64_t seq_needed) EXCLUDES(state_->mu);
+  // Waits until the last earlier user of the buffer's static addresses is
+  // reclaimed (BufferSchedule::WaitSeq).
+  Status WaitForPoolSpace(const AccessRecord& access, mltuner::Clock clock) EXCLUDES(state_->mu);
+
+  const Config& config_;
+  const int rank_;
+  const int num_workers_;
+  const std::shared_ptr<Device> device_;
+  Transport* const transport_;
+  const PipelinePlan* const plan_;
+  SharedState* const state_;
+  std::thread thread_;
+};
+
+}  // namespace mltuner

@@ -1,0 +1,74 @@
+// Reclaimer: the reclaimer thread (geeps.md §2). It runs behind the
+// application along the op list: frees each finished buffer, scatter-adds an
+// update into its table's update log, writes kept local data back, and — at
+// a table's last update of the clock — ships the log to the shards at once.
+//
+// Threading: Start() runs the thread; it ends when SharedState::stopping is
+// set or on a failure (SharedState::Fail). WriteBackLocal may also be called
+// by the application thread before Start (the initialisation phase).
+// Ownership: owns its thread and the device buffers of update payloads to
+// shards that share this device; the plan, state, device and transport are
+// the engine's and outlive it.
+#pragma once
+
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "memory/device_block.h"
+#include "mltuner/config.h"
+#include "mltuner/device.h"
+#include "mltuner/transport.h"
+#include "pipeline/plan.h"
+#include "pipeline/shared_state.h"
+
+namespace mltuner {
+
+class Reclaimer {
+ public:
+  Reclaimer(const Config& config, int rank, int num_workers, std::shared_ptr<Device> device, Transport* transport,
+            const PipelinePlan* plan, SharedState* state);
+  ~Reclaimer() { Join(); }
+  Reclaimer(const Reclaimer&) = delete;
+  Reclaimer& operator=(const Reclaimer&) = delete;
+
+  void Start();
+  // Waits for the thread to end. REQUIRES: stopping set (or the thread failed).
+  void Join();
+
+  // Queues the copies of a kept local access's buffer back into its table's
+  // store on the writeback stream.
+  void WriteBackLocal(const AccessRecord& access, const float* buffer) EXCLUDES(state_->mu);
+
+ private:
+  void Loop();
+  Status ReclaimOp(int64_t seq);
+  void ScatterAddUpdate(const AccessRecord& access, const float* buffer) EXCLUDES(state_->mu);
+  Status BuildTableClock(TableId table, mltuner::Clock clock, std::vector<Message>* messages);
+  Status BuildDirectUpdate(const AccessRecord& access, const float* buffer, mltuner::Clock clock,
+                           std::vector<Message>* messages) EXCLUDES(state_->mu);
+  // A kClockUpdate to `shard` with `values` floats of payload, in device
+  // memory when the shard shares this device (then its data is *device).
+  // It carries the table's new learning rate when the application set one
+  // for this clock.
+  Status NewUpdateMessage(TableId table, int shard, mltuner::Clock clock, size_t values, Message* out,
+                          float** data, bool* on_device) EXCLUDES(state_->mu);
+  Status MarkReady(DeviceEvent ready, std::vector<Message>* messages);
+  Status SendAll(std::vector<Message> messages);
+  // Frees the slot; `released` is the ticket after which the device no
+  // longer touches its addresses (the next user's fill waits for it).
+  void ReleaseSlot(Slot* slot, DeviceEvent released) EXCLUDES(state_->mu);
+
+  const Config& config_;
+  const int rank_;
+  const int num_workers_;
+  const std::shared_ptr<Device> device_;
+  Transport* const transport_;
+  const PipelinePlan* const plan_;
+  SharedState* const state_;
+  // Device buffers for update payloads to shards that share this device.
+  DeviceBufferPool payloads_;
+  std::thread thread_;
+};
+
+}  // namespace mltuner

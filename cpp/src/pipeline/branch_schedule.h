@@ -1,0 +1,49 @@
+// BranchSchedule: which branch each application clock runs on, and the live
+// branches' settings (mltuner.md §3). The application fills it
+// (engine/branches.cc); the allocator and reclaimer read it to stamp a
+// clock's reads and updates with its branch and the branch's own clock.
+//
+// Threading: none of its own; SharedState::mu guards it.
+#pragma once
+
+#include <map>
+#include <vector>
+
+#include "mltuner/config.h"
+#include "mltuner/types.h"
+
+namespace mltuner {
+
+// Where an application clock runs: its branch, the branch's own clock
+// number, and the slack the branch imposes (-1: each read's own).
+struct ClockBranch {
+  BranchId branch = 0;
+  mltuner::Clock internal = 0;
+  int32_t slack = -1;
+};
+
+// A run of consecutive application clocks scheduled on one branch.
+struct ScheduledBlock {
+  mltuner::Clock first = 0;
+  int64_t count = 0;
+  BranchId branch = 0;
+  mltuner::Clock first_internal = 0;
+};
+
+struct BranchSchedule {
+  // Config::branches. Without it every clock is scheduled on branch 0 and
+  // `blocks` stays empty.
+  bool enabled = false;
+  std::vector<ScheduledBlock> blocks;
+  mltuner::Clock scheduled_until = 0;         // clocks [0, this) have a branch
+  std::map<BranchId, BranchSettings> live;    // live branches
+  std::map<BranchId, mltuner::Clock> clocks;  // clocks scheduled per branch
+
+  // The branch of an application clock. REQUIRES: the clock is scheduled
+  // (always true when not enabled).
+  ClockBranch At(mltuner::Clock clock) const;
+  // Whether the allocator may prepare `clock`: it has a branch.
+  bool Scheduled(mltuner::Clock clock) const { return !enabled || clock < scheduled_until; }
+};
+
+}  // namespace mltuner

@@ -1,0 +1,43 @@
+#include "sharding/shard_range.h"
+
+#include <algorithm>
+#include <utility>
+
+namespace mltuner {
+
+RowSpan ShardRange(int64_t num_rows, int shard, int num_shards) {
+  RowSpan range;
+  if (num_rows <= 0 || num_shards <= 0 || shard < 0 || shard >= num_shards) return range;
+  const int64_t base = num_rows / num_shards;
+  const int64_t extra = num_rows % num_shards;  // the first `extra` shards own one more row
+  range.begin = shard * base + std::min<int64_t>(shard, extra);
+  range.count = base + (shard < extra ? 1 : 0);
+  return range;
+}
+
+ShardedRows ShardRows(const TableInfo& table, const std::vector<RowId>& rows, int num_shards) {
+  std::vector<std::pair<RowId, int64_t>> sorted;
+  sorted.reserve(rows.size());
+  for (int64_t i = 0; i < static_cast<int64_t>(rows.size()); ++i) sorted.push_back({rows[i], i});
+  std::sort(sorted.begin(), sorted.end());
+  ShardedRows out;
+  out.spans.resize(num_shards);
+  out.order.resize(num_shards);
+  int shard = 0;
+  RowSpan range = ShardRange(table.num_rows, shard, num_shards);
+  for (const auto& [row, position] : sorted) {
+    while (row >= range.begin + range.count && shard + 1 < num_shards) {
+      range = ShardRange(table.num_rows, ++shard, num_shards);
+    }
+    std::vector<RowSpan>& spans = out.spans[shard];
+    if (!spans.empty() && spans.back().begin + spans.back().count == row) {
+      ++spans.back().count;
+    } else {
+      spans.push_back({row, 1});
+    }
+    out.order[shard].push_back(position);
+  }
+  return out;
+}
+
+}  // namespace mltuner

@@ -33,6 +33,7 @@
 #include "cache/table_store.h"
 #include "mltuner/engine.h"
 #include "mltuner/transport.h"
+#include "plan/iteration_plan.h"
 #include "plan/placement.h"
 #include "plan/row_layout.h"
 #include "record/index_builder.h"
@@ -91,6 +92,8 @@ class Engine::Impl {
                      TableId* out, const std::optional<UpdateRuleConfig>& update_rule);
   Status SetLearningRate(TableId table, float learning_rate);
   Status LookupTable(TableId table, const TableInfo** out) const;
+  Status PreviewPlan(PlanPreview* out);
+  Status ResetVirtualIteration();
   Status FinishVirtualIteration();
   Status StartIterations();
   Status Open(Handle handle, OpKind kind, AccessBuffer* out, uintptr_t app_stream);
@@ -117,6 +120,7 @@ class Engine::Impl {
   std::shared_ptr<Device> device_;
   Transport* const transport_;
   Recorder recorder_;
+  std::unique_ptr<IterationPlan> previewed_;  // PreviewPlan's plan of the recording, for FinishVirtualIteration
   Status finish_error_;  // why the one FinishVirtualIteration failed, if it did
   std::atomic<Phase> phase_{Phase::kDefining};
 

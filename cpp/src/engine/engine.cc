@@ -161,7 +161,7 @@ Status Engine::Impl::PlanAndPrepare() {
   const Recording* recorded = nullptr;
   MLT_RETURN_IF_ERROR(recorder_.Peek("finish_virtual_iteration", &recorded));
   std::unique_ptr<IterationPlan> plan = std::move(previewed_);
-  if (!plan) {
+  if (!plan || !plan->Covers(tables_)) {
     plan = std::make_unique<IterationPlan>();
     MLT_RETURN_IF_ERROR(PlanIteration(config_, tables_, *recorded, {rank_, num_workers_, device_->host_addressable()},
                                       plan.get()));

@@ -17,6 +17,7 @@ Status PlanIteration(const Config& config, const std::vector<TableInfo>& tables,
 Status PreviewIteration(const Config& config, const std::vector<TableInfo>& tables, const Recording& recording,
                         const PlanSite& site, std::unique_ptr<IterationPlan>* kept, PlanPreview* preview) {
   PlanPreview result;
+  if (*kept && !(*kept)->Covers(tables)) kept->reset();
   if (*kept) {  // this recording's plan, made by an earlier preview
     result.pool_min_bytes = (*kept)->placement.pool_min_bytes;
     result.fits = true;

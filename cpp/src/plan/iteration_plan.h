@@ -26,6 +26,10 @@ namespace mltuner {
 struct IterationPlan {
   std::vector<RowLayout> layouts;  // by table id
   Placement placement;             // with placement.host filled
+
+  // Whether this plan was made for `tables` (a table created since, which
+  // the defining phase allows, makes it stale; tables are only added).
+  bool Covers(const std::vector<TableInfo>& tables) const { return placement.tables.size() == tables.size(); }
 };
 
 // Lays out, places and counts the host memory of `recording`.
@@ -37,7 +41,8 @@ Status PlanIteration(const Config& config, const std::vector<TableInfo>& tables,
 // The dry run: `preview` gets the least pool of `recording` and, when the
 // budget holds it, the plan's sizes and description; that plan goes to
 // `*kept`. A plan already in `*kept` must be `recording`'s (the caller drops
-// it when the recording changes): it is described, not made again.
+// it when the recording changes): it is described, not made again, unless a
+// table was created since.
 // Nothing is allocated.
 Status PreviewIteration(const Config& config, const std::vector<TableInfo>& tables, const Recording& recording,
                         const PlanSite& site, std::unique_ptr<IterationPlan>* kept, PlanPreview* preview);

@@ -119,6 +119,24 @@ def test_the_engine_refuses_a_plan_over_its_limit_with_the_sizes() -> None:
         worker.finish_virtual_iteration()
 
 
+def test_a_table_created_after_a_preview_is_planned_too() -> None:
+    """The preview's plan is kept for finish_virtual_iteration, unless a
+    table was created since (allowed until the iteration is finished)."""
+    with mltuner.LocalCluster(1) as cluster:
+        worker = cluster.worker(0)
+        table = worker.create_table("t", 64, 16)
+        read = worker.virtual_read(table)
+        worker.virtual_post_read(read)
+        worker.virtual_clock()
+        before = worker.preview_plan()
+        assert before.fits and before.host_store_bytes == 0
+        worker.create_table("late", 32, 16, local=True)
+        after = worker.preview_plan()
+        assert after.device_store_bytes == before.device_store_bytes + 32 * 16 * 4
+        worker.finish_virtual_iteration()
+        assert worker.stats["device_store_bytes"] == after.device_store_bytes
+
+
 def test_rlimit_as_is_honoured_in_a_fresh_process() -> None:
     room = headroom().bytes
     script = textwrap.dedent("""

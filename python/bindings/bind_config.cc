@@ -34,6 +34,7 @@ void RegisterConfig(py::module_& m) {
   py::class_<Config>(m, "Config")
       .def(py::init<>())
       .def_readwrite("device_memory_budget", &Config::device_memory_budget)
+      .def_readwrite("host_memory_limit", &Config::host_memory_limit)
       .def_readwrite("wait_timeout_ms", &Config::wait_timeout_ms)
       .def_readwrite("prefetch_clocks", &Config::prefetch_clocks)
       .def_readwrite("partitions_per_table", &Config::partitions_per_table)

@@ -86,9 +86,30 @@ void RegisterEngine(py::module_& m) {
       .def_readonly("pool_min_bytes", &EngineStats::pool_min_bytes)
       .def_readonly("device_store_bytes", &EngineStats::device_store_bytes)
       .def_readonly("host_store_bytes", &EngineStats::host_store_bytes)
+      .def_readonly("host_memory_bytes", &EngineStats::host_memory_bytes)
       .def_readonly("branch", &EngineStats::branch)
       .def_readonly("branch_clock", &EngineStats::branch_clock)
       .def_readonly("branch_switches", &EngineStats::branch_switches);
+
+  py::class_<HostMemoryNeed>(m, "HostMemoryNeed")
+      .def_readonly("parameter_stores", &HostMemoryNeed::parameter_stores)
+      .def_readonly("local_data", &HostMemoryNeed::local_data)
+      .def_readonly("device_memory", &HostMemoryNeed::device_memory)
+      .def_readonly("staging", &HostMemoryNeed::staging)
+      .def_readonly("payloads", &HostMemoryNeed::payloads)
+      .def_readonly("shard_per_branch", &HostMemoryNeed::shard_per_branch)
+      .def_readonly("shard_in_host_memory", &HostMemoryNeed::shard_in_host_memory)
+      .def("total", &HostMemoryNeed::total)
+      .def("describe", &HostMemoryNeed::Describe);
+
+  py::class_<PlanPreview>(m, "PlanPreview")
+      .def_readonly("pool_min_bytes", &PlanPreview::pool_min_bytes)
+      .def_readonly("fits", &PlanPreview::fits)
+      .def_readonly("pool_bytes", &PlanPreview::pool_bytes)
+      .def_readonly("device_store_bytes", &PlanPreview::device_store_bytes)
+      .def_readonly("host_store_bytes", &PlanPreview::host_store_bytes)
+      .def_readonly("host", &PlanPreview::host)
+      .def_readonly("description", &PlanPreview::description);
 
   py::class_<Engine>(m, "Engine")
       .def_property_readonly("rank", &Engine::rank)
@@ -128,6 +149,16 @@ void RegisterEngine(py::module_& m) {
            })
       .def("virtual_post_local_access", [](Engine& e, Handle h, bool keep) { Check(e.VirtualPostLocalAccess(h, keep)); })
       .def("virtual_clock", [](Engine& e) { Check(e.VirtualClock()); })
+      .def("preview_plan",
+           [](Engine& e) {
+             PlanPreview preview;
+             {
+               py::gil_scoped_release release;
+               Check(e.PreviewPlan(&preview));
+             }
+             return preview;
+           })
+      .def("reset_virtual_iteration", [](Engine& e) { Check(e.ResetVirtualIteration()); })
       .def("finish_virtual_iteration", [](Engine& e) { Check(e.FinishVirtualIteration()); }, Release())
       .def("start_iterations", [](Engine& e) { Check(e.StartIterations()); }, Release())
       .def("read", &OpenBuffer<&Engine::Read>, py::arg("handle"), py::arg("stream") = 0)

@@ -13,7 +13,7 @@ except ImportError as error:  # pragma: no cover - only without a build
 
 from mltuner._config import Config, UpdateRule
 from mltuner._core import DeviceArray, cuda_built, cuda_device_count
-from mltuner.client import LocalCluster, Table, TensorLayout, TensorSlot, Worker
+from mltuner.client import LocalCluster, PlanPreview, Table, TensorLayout, TensorSlot, Worker
 from mltuner.launch import Job
 from mltuner.exceptions import (
     ArgumentTypeError,
@@ -43,6 +43,7 @@ __all__ = [
     "TensorLayout",
     "TensorSlot",
     "Worker",
+    "PlanPreview",
     "Job",
     "MltunerError",
     "InvalidArgumentError",

@@ -151,12 +151,17 @@ class Config:
             clock runs on branch 0 and nothing needs scheduling.
         max_branches: live branches (copies of the parameters and optimizer
             state) a shard may hold at once.
-        host_memory_limit: bytes of host memory this process's engine may
-            hold; None means no limit of its own. Tables and plans that need
-            more than the smallest of this, the memory available, the
-            cgroup's limit and ``RLIMIT_AS`` are refused with
-            :class:`~mltuner.ResourceExhaustedError` before anything is
-            allocated.
+        host_memory_limit: bytes of host memory this process's engines may
+            hold; None or 0 means no limit of its own (the host's is
+            detected). Tables and plans that need more than the smallest of
+            this, the memory available (``MemAvailable``), the cgroup's
+            limit and ``RLIMIT_AS`` are refused with
+            :class:`~mltuner.ResourceExhaustedError`, naming the need part by
+            part and the limit, before anything is allocated. A plan's need
+            (``Worker.preview_plan().host_memory``) counts its host-resident
+            caches, update logs and local data, the staging buffer, update
+            payloads in flight and, on the CPU backend, the buffer pool and
+            the device-resident stores.
         check_finite: the servers refuse an update of a training branch that
             holds a NaN or an infinity, before any of it is applied: the
             clock fails and every worker's next call raises
@@ -201,7 +206,10 @@ class Config:
         boolean("Config.branches", self.branches)
         integer("Config.max_branches", self.max_branches, 1, MAX_BRANCHES)
         if self.host_memory_limit is not None:
-            integer("Config.host_memory_limit", self.host_memory_limit, 1 << 20, MAX_BYTES)
+            limit = integer("Config.host_memory_limit", self.host_memory_limit, 0, MAX_BYTES)
+            if 0 < limit < 1 << 20:
+                raise InvalidArgumentError(f"Config.host_memory_limit must be 0 (detect) or in [1048576, 2**62], "
+                                           f"got {limit}")
         boolean("Config.check_finite", self.check_finite)
         if self.debug_buffers is None:
             object.__setattr__(self, "debug_buffers", debug_buffers_from_environment())
@@ -211,6 +219,7 @@ class Config:
         """The engine's own config object."""
         core = _core.Config()
         core.device_memory_budget = int(self.device_memory_budget)
+        core.host_memory_limit = int(self.host_memory_limit or 0)
         core.wait_timeout_ms = max(1, int(self.wait_timeout_s * 1000))
         core.prefetch_clocks = int(self.prefetch_clocks)
         core.partitions_per_table = int(self.partitions_per_table)

@@ -61,6 +61,14 @@ struct Config {
   // buffers packed by lifetime) gives an error with the exact bytes needed.
   int64_t device_memory_budget = 0;
 
+  // Bytes of host memory the plan may need (HostMemoryNeed::total: host
+  // stores, staging, payloads in flight, and on the CPU backend the pool and
+  // device stores). FinishVirtualIteration refuses a plan that needs more,
+  // with the sizes, instead of the kernel killing the process at a later
+  // clock. 0 means "what the kernel reports available" (MemAvailable of
+  // /proc/meminfo; no check where that cannot be read).
+  int64_t host_memory_limit = 0;
+
   // Every blocking wait (freshness, buffer, pool space, replies) gives up
   // after this long with a Timeout error instead of hanging. 60 s is long
   // enough for a slow worker on a loaded 2-core machine, short enough that a

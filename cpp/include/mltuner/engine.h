@@ -83,6 +83,7 @@ struct EngineStats {
   int64_t branch_switches = 0;     // times the cache was reloaded for another branch
   int64_t device_store_bytes = 0;
   int64_t host_store_bytes = 0;
+  int64_t host_memory_bytes = 0;   // the plan's host memory (HostMemoryNeed::total), checked at finish
 };
 
 class Engine {
@@ -112,6 +113,17 @@ class Engine {
   Status VirtualLocalAccess(TableId table, std::vector<RowId> rows, bool fetch, Handle* out);
   Status VirtualPostLocalAccess(Handle handle, bool keep);
   Status VirtualClock();
+  // A dry run of FinishVirtualIteration's plan for the iteration recorded
+  // (after VirtualClock): the least device budget it accepts and, when the
+  // budget holds that, the plan's sizes and host memory (PlanPreview).
+  // Allocates nothing; FinishVirtualIteration then uses this plan.
+  Status PreviewPlan(PlanPreview* out);
+  // Drops the recorded iteration (tables stay), so that another one can be
+  // recorded: for a caller whose preview did not fit. Handles start from 0.
+  Status ResetVirtualIteration();
+  // Plans the iteration (or takes PreviewPlan's plan), refuses it when it
+  // needs more host memory than Config::host_memory_limit (or MemAvailable)
+  // allows, allocates, and waits until every worker finished its own.
   Status FinishVirtualIteration();
   Status StartIterations();
 

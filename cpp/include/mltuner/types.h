@@ -74,4 +74,38 @@ struct ShardSlice {
   Clock global_clock = kNoClock;
 };
 
+// The host memory a worker's plan needs (plan/host_memory.h), in bytes. On
+// the CPU backend the device's memory is host memory too, so the pool and
+// the device-resident stores count; on an accelerator they do not.
+struct HostMemoryNeed {
+  int64_t parameter_stores = 0;  // host-resident parameter rows and their update logs
+  int64_t local_data = 0;        // host-resident local data
+  int64_t device_memory = 0;     // the pool and device-resident stores, when the device's memory is host memory
+  int64_t staging = 0;           // the staging buffer for host-resident updates (pinned on CUDA)
+  int64_t payloads = 0;          // update payloads of the clocks in flight that live in host memory (an upper estimate)
+  // This rank's server shard: its rows of every communicated table with the
+  // rule's optimizer state, for one branch (in host memory when the device's
+  // memory is). Allocated by CreateTable and by each branch fork, so not in
+  // total(); each live branch beyond the first adds this much.
+  int64_t shard_per_branch = 0;
+  bool shard_in_host_memory = false;
+
+  // What FinishVirtualIteration allocates or will hold: every field but the shard's.
+  int64_t total() const { return parameter_stores + local_data + device_memory + staging + payloads; }
+  // "12345 B (parameter stores 1000 B, local data 0 B, ...)"
+  std::string Describe() const;
+};
+
+// What the plan of a recorded virtual iteration needs, from a dry run
+// (Engine::PreviewPlan) made before FinishVirtualIteration commits to it.
+struct PlanPreview {
+  int64_t pool_min_bytes = 0;  // the least access-buffer pool: the smallest device_memory_budget accepted
+  bool fits = false;           // the budget holds that pool (always with a budget of 0); the rest only then
+  int64_t pool_bytes = 0;
+  int64_t device_store_bytes = 0;
+  int64_t host_store_bytes = 0;
+  HostMemoryNeed host;
+  std::string description;     // as Engine::DescribePlan will give it
+};
+
 }  // namespace mltuner

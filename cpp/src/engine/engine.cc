@@ -128,16 +128,39 @@ Status Engine::Impl::FinishVirtualIteration() {
                               "); shut this engine down and start over");
   }
   const Status status = PlanAndPrepare();
-  if (!status.ok() && recorder_.clocked()) finish_error_ = status;
+  if (!status.ok() && recorder_.finished()) finish_error_ = status;
   return status;
 }
 
+Status Engine::Impl::PreviewPlan(PlanPreview* out) {
+  const Recording* recording = nullptr;
+  MLT_RETURN_IF_ERROR(recorder_.Peek("preview_plan", &recording));
+  return PreviewIteration(config_, plan_.tables, *recording, {rank_, num_workers_, device_->host_addressable()},
+                          &previewed_, out);
+}
+
+Status Engine::Impl::ResetVirtualIteration() {
+  previewed_.reset();
+  return recorder_.Reset();
+}
+
 Status Engine::Impl::PlanAndPrepare() {
+  // The plan (plan/iteration_plan.h), or the one PreviewPlan kept: the
+  // recording cannot change after its clock but by ResetVirtualIteration.
+  // A plan refused here (budget, host memory) leaves the recording in place.
+  const Recording* recorded = nullptr;
+  MLT_RETURN_IF_ERROR(recorder_.Peek("finish_virtual_iteration", &recorded));
+  std::unique_ptr<IterationPlan> plan = std::move(previewed_);
+  if (!plan || !plan->Covers(plan_.tables)) {
+    plan = std::make_unique<IterationPlan>();
+    MLT_RETURN_IF_ERROR(PlanIteration(config_, plan_.tables, *recorded, {rank_, num_workers_, device_->host_addressable()},
+                                      plan.get()));
+  }
+  MLT_RETURN_IF_ERROR(CheckHostMemory(plan->placement.host, config_.host_memory_limit));
   Recording recording;
   MLT_RETURN_IF_ERROR(recorder_.Finish(&recording));
-  std::vector<RowLayout> layouts = BuildRowLayouts(plan_.tables, recording);
-  Placement placement;
-  MLT_RETURN_IF_ERROR(PlanPlacement(config_, plan_.tables, layouts, recording, &placement));
+  std::vector<RowLayout> layouts = std::move(plan->layouts);
+  Placement placement = std::move(plan->placement);
   IterationIndex index = BuildIndexes(plan_.tables, layouts, placement, recording, num_workers_);
 
   std::vector<std::unique_ptr<TableStore>> stores;
@@ -149,11 +172,7 @@ Status Engine::Impl::PlanAndPrepare() {
   }
   MLT_RETURN_IF_ERROR(DeviceBlock::Make(device_, static_cast<size_t>(placement.pool_bytes), false,
                                         &plan_.pool_memory));
-  int64_t staging_bytes = kBufferAlignment;
-  for (const AccessIndex& access : index.accesses) {
-    staging_bytes = std::max(staging_bytes, access.buffer_bytes);
-  }
-  MLT_RETURN_IF_ERROR(DeviceBlock::Make(device_, static_cast<size_t>(staging_bytes), true, &plan_.staging));
+  MLT_RETURN_IF_ERROR(DeviceBlock::Make(device_, static_cast<size_t>(placement.staging_bytes), true, &plan_.staging));
   for (AccessIndex& access : index.accesses) {
     for (RunIndex* runs : {&access.device_gather, &access.host_gather, &access.device_scatter,
                            &access.host_scatter}) {
@@ -182,6 +201,7 @@ Status Engine::Impl::PlanAndPrepare() {
     state_.stats.pool_min_bytes = plan_.placement.pool_min_bytes;
     state_.stats.device_store_bytes = plan_.placement.device_store_bytes;
     state_.stats.host_store_bytes = plan_.placement.host_store_bytes;
+    state_.stats.host_memory_bytes = plan_.placement.host.total();
   }
   state_.phase = Phase::kRecorded;
   return Status::Ok();
@@ -700,6 +720,16 @@ Status Engine::VirtualPostLocalAccess(Handle handle, bool keep) {
 Status Engine::VirtualClock() {
   MLT_REQUIRE_DEFINING("virtual_clock");
   return impl_->recorder_.Clock();
+}
+
+Status Engine::PreviewPlan(PlanPreview* out) {
+  MLT_REQUIRE_DEFINING("preview_plan");
+  return impl_->PreviewPlan(out);
+}
+
+Status Engine::ResetVirtualIteration() {
+  MLT_REQUIRE_DEFINING("reset_virtual_iteration");
+  return impl_->ResetVirtualIteration();
 }
 
 #undef MLT_REQUIRE_DEFINING

@@ -22,6 +22,7 @@
 #include "mltuner/transport.h"
 #include "pipeline/plan.h"
 #include "pipeline/shared_state.h"
+#include "plan/iteration_plan.h"
 #include "record/recorder.h"
 #include "wire/message.h"
 
@@ -38,6 +39,8 @@ class Engine::Impl {
                      TableId* out, const std::optional<UpdateRuleConfig>& update_rule);
   Status SetLearningRate(TableId table, float learning_rate);
   Status LookupTable(TableId table, const TableInfo** out) const;
+  Status PreviewPlan(PlanPreview* out);
+  Status ResetVirtualIteration();
   Status FinishVirtualIteration();
   Status StartIterations();
   Status Open(Handle handle, OpKind kind, AccessBuffer* out, uintptr_t app_stream);
@@ -64,6 +67,7 @@ class Engine::Impl {
   std::shared_ptr<Device> device_;
   Transport* const transport_;
   Recorder recorder_;
+  std::unique_ptr<IterationPlan> previewed_;  // PreviewPlan's plan of the recording, for FinishVirtualIteration
   Status finish_error_;  // why the one FinishVirtualIteration failed, if it did
   PipelinePlan plan_;    // tables while defining; all of it constant after FinishVirtualIteration
   SharedState state_;

@@ -85,8 +85,30 @@ std::string Placement::Describe() const {
   out << "pool " << pool_bytes << " B (" << buffers.regions << " regions of " << buffers.region_bytes
       << " B, lookahead " << buffers.lookahead_ops << " ops; least " << pool_min_bytes << " B; peak "
       << peak_bytes << " B at op " << peak_op << "), device stores " << device_store_bytes
-      << " B, host stores " << host_store_bytes << " B";
+      << " B, host stores " << host_store_bytes << " B; host memory " << host.Describe();
   return out.str();
+}
+
+namespace {
+
+std::vector<int64_t> BufferBytes(const std::vector<TableInfo>& tables, const Recording& recording) {
+  std::vector<int64_t> bytes;
+  bytes.reserve(recording.accesses.size());
+  for (const AccessRecord& access : recording.accesses) {
+    bytes.push_back(AlignedBufferBytes(tables[access.table], static_cast<int64_t>(access.rows.size())));
+  }
+  return bytes;
+}
+
+}  // namespace
+
+int64_t LeastPoolBytes(const Config& config, const std::vector<TableInfo>& tables, const Recording& recording,
+                       BufferSchedule* schedule) {
+  const int regions = 1 + std::max(0, config.prefetch_clocks);
+  BufferSchedule least = ScheduleBuffers(recording, BufferBytes(tables, recording), regions, 0);
+  const int64_t bytes = PoolBytes(least);
+  if (schedule != nullptr) *schedule = std::move(least);
+  return bytes;
 }
 
 Status PlanPlacement(const Config& config, const std::vector<TableInfo>& tables,
@@ -96,13 +118,11 @@ Status PlanPlacement(const Config& config, const std::vector<TableInfo>& tables,
   FindPeak(tables, recording, &plan.peak_bytes, &plan.peak_op);
   const bool unlimited = config.device_memory_budget <= 0;
   const int regions = 1 + std::max(0, config.prefetch_clocks);
-  std::vector<int64_t> buffer_bytes;
-  for (const AccessRecord& access : recording.accesses) {
-    buffer_bytes.push_back(AlignedBufferBytes(tables[access.table], static_cast<int64_t>(access.rows.size())));
-  }
-  plan.buffers = ScheduleBuffers(recording, buffer_bytes, regions, 0);
-  const int64_t pool_min = PoolBytes(plan.buffers);
+  const std::vector<int64_t> buffer_bytes = BufferBytes(tables, recording);
+  const int64_t pool_min = LeastPoolBytes(config, tables, recording, &plan.buffers);
   plan.pool_min_bytes = pool_min;
+  plan.staging_bytes = kBufferAlignment;
+  for (int64_t bytes : buffer_bytes) plan.staging_bytes = std::max(plan.staging_bytes, bytes);
   if (!unlimited && pool_min > config.device_memory_budget) {
     std::ostringstream msg;
     msg << "device_memory_budget of " << config.device_memory_budget

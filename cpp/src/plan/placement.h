@@ -70,11 +70,19 @@ struct Placement {
   int64_t pool_min_bytes = 0;          // the pool at lookahead 0: the least budget accepted
   int64_t device_store_bytes = 0;      // resident parameters, logs, local data
   int64_t host_store_bytes = 0;
+  int64_t staging_bytes = 0;           // the largest access buffer, at least kBufferAlignment
+  HostMemoryNeed host;                 // filled by PlanIteration (plan/iteration_plan.h)
   // A few lines for logs and the Python `plan` property.
   std::string Describe() const;
 };
 
 int64_t AlignedBufferBytes(const TableInfo& table, int64_t rows);
+
+// The least access-buffer pool of `recording` (lookahead 0, one region per
+// clock in flight): the smallest device_memory_budget PlanPlacement accepts.
+// `schedule`, when given, receives that pool's schedule.
+int64_t LeastPoolBytes(const Config& config, const std::vector<TableInfo>& tables, const Recording& recording,
+                       BufferSchedule* schedule = nullptr);
 
 Status PlanPlacement(const Config& config, const std::vector<TableInfo>& tables,
                      const std::vector<RowLayout>& layouts, const Recording& recording,

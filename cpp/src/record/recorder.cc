@@ -156,6 +156,21 @@ Status Recorder::Clock() {
   return Status::Ok();
 }
 
+Status Recorder::Peek(const char* what, const Recording** out) const {
+  if (finished_) return Status::OutOfOrder("the virtual iteration was already finished");
+  if (!clocked_) return Status::OutOfOrder(std::string(what) + " before the virtual clock");
+  *out = &recording_;
+  return Status::Ok();
+}
+
+Status Recorder::Reset() {
+  if (finished_) return Status::OutOfOrder("the virtual iteration was already finished");
+  recording_ = Recording();
+  table_names_.clear();
+  clocked_ = false;
+  return Status::Ok();
+}
+
 Status Recorder::Finish(Recording* out) {
   if (finished_) return Status::OutOfOrder("the virtual iteration was already finished");
   if (!clocked_) {

@@ -63,11 +63,19 @@ class Recorder {
   Status LocalAccess(const TableInfo& table, std::vector<RowId> rows, bool fetch, Handle* out);
   Status PostLocalAccess(Handle handle, bool keep);
   Status Clock();
+  // The recording so far, for a plan made before it is handed over;
+  // OutOfOrder, naming the call `what`, if the iteration has no clock yet or
+  // was handed over. The pointer stays valid until Finish or Reset.
+  Status Peek(const char* what, const Recording** out) const;
   // Hands over the recording. OutOfOrder if a handle is still open or the
   // iteration has no clock.
   Status Finish(Recording* out);
+  // Drops what was recorded, so that another iteration can be recorded
+  // (handles count from 0 again). OutOfOrder once the recording was handed over.
+  Status Reset();
 
   bool clocked() const { return clocked_; }
+  bool finished() const { return finished_; }
 
  private:
   Status Open(OpKind kind, const TableInfo& table, std::vector<RowId> rows, Handle* out,

@@ -2,6 +2,6 @@
 
 from mltuner.client._cluster import LocalCluster
 from mltuner.client._layout import TensorLayout, TensorSlot
-from mltuner.client._worker import Table, Worker
+from mltuner.client._worker import PlanPreview, Table, Worker
 
-__all__ = ["LocalCluster", "TensorLayout", "TensorSlot", "Table", "Worker"]
+__all__ = ["LocalCluster", "PlanPreview", "TensorLayout", "TensorSlot", "Table", "Worker"]

@@ -2,10 +2,12 @@
 
 The engine allocates host memory at two moments: ``create_table`` (the
 server shard's slice of the table and the update rule's state) and
-``finish_virtual_iteration`` (the client cache with its update log, local
-data, the access-buffer pool, the staging buffer and the plan's indexes).
-Before each, :class:`HostMemory` compares what the call will take with what
-this process may still have, the smallest of:
+``finish_virtual_iteration`` (what the engine's plan counts: host-resident
+caches with their update logs and local data, the staging buffer, the update
+payloads in flight, and on the CPU backend the access-buffer pool and the
+device-resident stores; ``cpp/src/plan/host_memory.h``). Before each,
+:class:`HostMemory` compares what the call will take with what this process
+may still have, the smallest of:
 
 - the memory the kernel reports available (``MemAvailable``),
 - the cgroup's memory limit minus its usage (v2 ``memory.max``, or v1),
@@ -16,7 +18,8 @@ this process may still have, the smallest of:
 and refuses with :class:`~mltuner.ResourceExhaustedError`, giving both sizes,
 instead of letting the kernel kill the process. The prediction counts the
 buffers the engine keeps; short-lived copies while the plan is built are not
-counted.
+counted. The engine checks its plan once more itself, against
+``Config.host_memory_limit`` or ``MemAvailable`` alone.
 """
 
 from __future__ import annotations
@@ -28,11 +31,8 @@ from pathlib import Path
 
 from mltuner.exceptions import ResourceExhaustedError
 
-__all__ = ["HostMemory", "Headroom", "headroom", "INDEX_BYTES_PER_ROW"]
+__all__ = ["HostMemory", "Headroom", "headroom"]
 
-# The plan's per-row bookkeeping (residence, slot, layout position, gather and
-# scatter indexes): a little over this per row of every table.
-INDEX_BYTES_PER_ROW = 32
 _UNLIMITED = 1 << 62
 
 
@@ -119,7 +119,7 @@ class HostMemory:
     allocation. Shared by the workers of a LocalCluster; thread-safe."""
 
     def __init__(self, limit: int | None = None) -> None:
-        self.limit = limit
+        self.limit = limit or None  # 0: no limit of its own, as None
         self.held = 0
         self._lock = threading.Lock()
 

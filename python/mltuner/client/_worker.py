@@ -13,11 +13,11 @@ import numpy as np
 from mltuner import _core
 from mltuner._config import MAX_LEARNING_RATE, Config, UpdateRule
 from mltuner._validate import INT32_MAX, boolean, integer, real, text
-from mltuner.client._host_memory import INDEX_BYTES_PER_ROW, HostMemory
+from mltuner.client._host_memory import HostMemory
 from mltuner.client._layout import TensorLayout
-from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError, NotFoundError
+from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError, NotFoundError, OutOfOrderError
 
-__all__ = ["Worker", "Table", "Rows", "Buffer"]
+__all__ = ["Worker", "Table", "Rows", "Buffer", "PlanPreview"]
 
 # The engine's limits: row ids and sizes are int64, a table holds at most
 # 2**40 values, handles, slack and branches are int32, streams are pointers.
@@ -45,6 +45,46 @@ class Table:
     local: bool = False
     layout: TensorLayout | None = None
     update_rule: UpdateRule | None = None  # its own rule; None: the Config's
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanPreview:
+    """What the plan of a recorded virtual iteration needs, from the engine's
+    dry run (:meth:`Worker.preview_plan`), before
+    ``finish_virtual_iteration`` commits to it. Sizes in bytes.
+
+    ``pool_min_bytes`` is the least access-buffer pool of the recording (one
+    region per clock in flight, each one clock's buffers packed by
+    lifetime): the smallest ``Config.device_memory_budget`` it accepts.
+    ``fits`` says whether the budget holds it (always, with a budget of 0);
+    the other sizes are those of the plan the engine will make, and are 0
+    when it does not fit.
+    """
+
+    pool_min_bytes: int
+    fits: bool
+    pool_bytes: int
+    device_store_bytes: int
+    host_store_bytes: int
+    # The host memory the plan needs (what finish_virtual_iteration checks),
+    # and its parts: parameter_stores (host-resident parameter rows with
+    # their update logs), local_data, device_memory (the pool and the
+    # device-resident stores, on the CPU backend), staging, payloads (update
+    # payloads of the clocks in flight in host memory, an upper estimate) and,
+    # not in the sum, shard_per_branch (this rank's shard, per branch).
+    host_memory_bytes: int
+    host_memory: dict[str, int]
+    host_memory_detail: str  # the same in words
+    description: str  # the plan as Worker.plan will give it
+
+    @classmethod
+    def from_core(cls, core: _core.PlanPreview) -> PlanPreview:
+        host = core.host
+        parts = {name: int(getattr(host, name)) for name in
+                 ("parameter_stores", "local_data", "device_memory", "staging", "payloads", "shard_per_branch")}
+        return cls(int(core.pool_min_bytes), bool(core.fits), int(core.pool_bytes), int(core.device_store_bytes),
+                   int(core.host_store_bytes), int(host.total()), parts, str(host.describe()),
+                   str(core.description))
 
 
 class Worker:
@@ -87,15 +127,10 @@ class Worker:
         self._host_memory = host_memory or HostMemory(self._config.host_memory_limit)
         # The largest frame the job's data sockets accept (None: in memory).
         self._max_message_bytes = max_message_bytes
-        # Access buffers of the virtual iteration: open now, and the most at once.
-        self._open_buffers: dict[int, int] = {}
         # Writable numpy buffers handed out, by handle, made read-only at their
         # post. Weak references: the engine reuses a buffer's memory only once
         # Python holds none to it, so the worker must not extend its life.
         self._handed_out: dict[int, weakref.ref[np.ndarray]] = {}
-        self._peak_buffer_bytes = 0
-        self._all_buffer_bytes = 0  # one clock's buffers, each at its own addresses
-        self._largest_buffer = 0
         self._tables: dict[int, Table] = {}
         self._last_data_age = -2
 
@@ -114,6 +149,11 @@ class Worker:
         ``LocalCluster``, or a job of one process): updates then never
         cross a socket."""
         return self._max_message_bytes is None
+
+    @property
+    def config(self) -> Config:
+        """The settings of this worker's engine."""
+        return self._config
 
     def create_table(self, name: str, num_rows: int, row_width: int, *, local: bool = False,
                      update_rule: UpdateRule | None = None) -> Table:
@@ -229,80 +269,86 @@ class Worker:
         clocks stale (0 = BSP); returns its handle."""
         row_ids = self._rows(table, rows)
         handle = int(self._engine.virtual_read(table.id, row_ids, integer("slack", slack, 0, INT32_MAX)))
-        return self._opened(handle, table, row_ids)
+        return handle
 
     def virtual_post_read(self, handle: int) -> None:
         self._engine.virtual_post_read(_handle(handle))
-        self._open_buffers.pop(int(handle), None)
 
     def virtual_pre_update(self, table: Table, rows: Rows = None) -> int:
         """Records an update of ``rows``; returns its handle."""
         row_ids = self._rows(table, rows)
-        return self._opened(int(self._engine.virtual_pre_update(table.id, row_ids)), table, row_ids)
+        return int(self._engine.virtual_pre_update(table.id, row_ids))
 
     def virtual_update(self, handle: int) -> None:
         self._engine.virtual_update(_handle(handle))
-        self._open_buffers.pop(int(handle), None)
 
     def virtual_local_access(self, table: Table, rows: Rows = None, *, fetch: bool = True) -> int:
         """Records an access to local data; ``fetch`` loads the old contents."""
         row_ids = self._rows(table, rows)
-        handle = int(self._engine.virtual_local_access(table.id, row_ids, boolean("fetch", fetch)))
-        return self._opened(handle, table, row_ids)
+        return int(self._engine.virtual_local_access(table.id, row_ids, boolean("fetch", fetch)))
 
     def virtual_post_local_access(self, handle: int, *, keep: bool = True) -> None:
         """Closes a local access; ``keep`` writes the buffer back to the store."""
         self._engine.virtual_post_local_access(_handle(handle), boolean("keep", keep))
-        self._open_buffers.pop(int(handle), None)
 
     def virtual_clock(self) -> None:
         self._engine.virtual_clock()
 
-    def _opened(self, handle: int, table: Table, row_ids: np.ndarray) -> int:
-        # The engine's AlignedBufferBytes: rows x row bytes, rounded up to 256.
-        size = -(-len(row_ids) * table.row_width * 4 // 256) * 256
-        self._open_buffers[handle] = size
-        self._peak_buffer_bytes = max(self._peak_buffer_bytes, sum(self._open_buffers.values()))
-        self._all_buffer_bytes += size
-        self._largest_buffer = max(self._largest_buffer, size)
-        return handle
+    def preview_plan(self) -> PlanPreview:
+        """A dry run of :meth:`finish_virtual_iteration`'s plan for the
+        iteration recorded so far (after ``virtual_clock``): the least
+        ``Config.device_memory_budget`` it accepts and, when the budget holds
+        that, the plan's sizes and the host memory it needs. Allocates
+        nothing, and the plan is kept for ``finish_virtual_iteration``; when
+        it does not fit, :meth:`reset_virtual_iteration` lets another
+        iteration be recorded instead.
+
+        Raises:
+            OutOfOrderError: before ``virtual_clock``, or after
+                ``finish_virtual_iteration``.
+        """
+        return PlanPreview.from_core(self._engine.preview_plan())
+
+    def reset_virtual_iteration(self) -> None:
+        """Drops the recorded virtual iteration (the tables stay), so that
+        another can be recorded; its handles are no longer valid and new
+        ones count from 0 again.
+
+        Raises:
+            OutOfOrderError: after ``finish_virtual_iteration``.
+        """
+        self._engine.reset_virtual_iteration()
 
     def planned_host_bytes(self) -> int:
-        """The host memory ``finish_virtual_iteration`` will allocate (the
-        shards' memory is counted at ``create_table``): caches with their
-        update logs, local data, the access-buffer pool, the staging buffer
-        and the plan's indexes."""
-        config = self._config
-        stores = sum((1 if t.local else 2) * t.num_rows * t.row_width * 4 for t in self._tables.values())
-        # The engine's pool (cpp/src/plan/placement.h): a region per clock in
-        # flight; packed, a region is about the peak of buffers open at once,
-        # unpacked the sum of a clock's buffers. The least pool comes first,
-        # then the stores, then what is left unpacks the regions.
-        regions = 1 + config.prefetch_clocks
-        pool_min = regions * self._peak_buffer_bytes
-        pool_max = regions * self._all_buffer_bytes
-        budget = config.device_memory_budget
-        device_stores = stores if budget == 0 else min(stores, max(0, budget - pool_min))
-        pool = pool_max if budget == 0 else max(pool_min, min(pool_max, budget - device_stores))
-        indexes = INDEX_BYTES_PER_ROW * sum(t.num_rows for t in self._tables.values())
-        staging = max(self._largest_buffer, 256)
-        if config.device == "cpu":
-            return stores + pool + staging + indexes
-        # On an accelerator the budget's part lives on the device.
-        return (stores - device_stores) + staging + indexes
+        """The host memory ``finish_virtual_iteration`` will hold, as the
+        engine's plan counts it (``PlanPreview.host_memory_bytes``; the
+        shards' memory is counted at ``create_table``): host-resident
+        parameter caches with their update logs and local data, the staging
+        buffer, the update payloads in flight, and on the CPU backend the
+        access-buffer pool and the device-resident stores. 0 when the
+        budget cannot hold the plan (``finish_virtual_iteration`` refuses it)."""
+        preview = self.preview_plan()
+        return preview.host_memory_bytes if preview.fits else 0
 
     def finish_virtual_iteration(self) -> None:
         """Lays rows out, places them under the memory budget, builds indexes.
 
         Raises:
-            ResourceExhaustedError: the plan needs more host memory than this
-                process may have (see :class:`~mltuner.Config`'s
-                ``host_memory_limit``); nothing was allocated.
+            ResourceExhaustedError: ``Config.device_memory_budget`` cannot
+                hold the least access-buffer pool (the message gives it), or
+                the plan needs more host memory than this process may have
+                (see :class:`~mltuner.Config`'s ``host_memory_limit``; the
+                message gives the need, part by part, and the limit);
+                nothing was allocated.
         """
-        needed = self.planned_host_bytes()
-        self._host_memory.reserve("finish_virtual_iteration", needed,
-                                  f"{len(self._tables)} tables' caches and update logs, a pool for "
-                                  f"{self._peak_buffer_bytes} bytes of buffers open at once, indexes")
+        try:
+            preview: PlanPreview | None = self.preview_plan()  # the engine keeps this plan: planned once
+        except OutOfOrderError:
+            preview = None  # no clock yet, or finished: the engine's finish says which
+        needed = preview.host_memory_bytes if preview is not None and preview.fits else 0
+        if needed:
+            assert preview is not None
+            self._host_memory.reserve("finish_virtual_iteration", needed, preview.host_memory_detail)
         try:
             self._engine.finish_virtual_iteration()
         except BaseException:

@@ -65,8 +65,10 @@ reused (``Layer.buffer_views``): the engine's pool gives every access the
 same place clock after clock.
 
 The recording pass runs these hooks on the model's own initial values and
-logs the events; :meth:`ClockDriver.plan` replays the log as the virtual
-iteration (``_recording.py``). Every later clock must produce the same events in the same order;
+logs the events, without held reads (each layer's backward read where it
+first opens); :meth:`ClockDriver.plan` chooses held reads or not (asking
+the engine for a dry run of the plan when there is a device budget) and
+replays the log as the virtual iteration (``_recording.py``). Every later clock must produce the same events in the same order;
 the driver checks each one against the log before touching the engine, so a
 different clock raises :class:`IterationMismatchError` instead of confusing
 the engine.
@@ -83,11 +85,12 @@ import torch
 from torch import nn
 
 from mltuner.client._worker import OP_KINDS, Table, Worker
-from mltuner.exceptions import InvalidArgumentError, OutOfOrderError
+from mltuner.exceptions import InvalidArgumentError, OutOfOrderError, ResourceExhaustedError
 from mltuner.torch._buffers import app_stream, as_tensor, placeholder, storage_ptr
 from mltuner.torch._errors import IterationMismatchError, UnsupportedModelError
 from mltuner.torch._layers import Layer
-from mltuner.torch._recording import Event, Slot, describe, replay
+from mltuner.torch._pattern import reason, refusal
+from mltuner.torch._recording import Event, Slot, Tables, create_tables, describe, for_holding, replay
 
 __all__ = ["ClockDriver", "tensors_in"]
 
@@ -160,8 +163,7 @@ class ClockDriver:
     device thread while the loop waits in ``backward``)."""
 
     def __init__(self, model: nn.Module, layers: list[Layer], worker: Worker, *, slack: int,
-                 store_activations: bool, row_width: int, hold_reads: bool,
-                 overlap_updates: bool = True) -> None:
+                 store_activations: bool, row_width: int, overlap_updates: bool = True) -> None:
         self.model = model
         self.layers = layers
         self.worker = worker
@@ -169,7 +171,10 @@ class ClockDriver:
         self._slack = slack
         self._store_activations = store_activations
         self._row_width = row_width
-        self._hold = hold_reads
+        # Held reads or the GeePS pattern: chosen by plan(). The recording
+        # pass logs the clock without held reads (_recording.for_holding).
+        self._hold = False
+        self.hold_choice = ""  # which pattern plan() chose, and why (PSModule.plan)
         self._overlap = overlap_updates
 
         # The recording, then the plan made from it.
@@ -306,6 +311,11 @@ class ClockDriver:
         (a ``try`` costs nothing until it raises)."""
         if self._broken is None:
             self._broken = error
+
+    @property
+    def hold_reads(self) -> bool:
+        """Whether the plan holds forward reads through the backward pass."""
+        return self._hold
 
     @property
     def accesses(self) -> list[str]:
@@ -873,17 +883,6 @@ class ClockDriver:
             self._recorded_acts.clear()
         self._check_recording()
         self._recording = False
-        # The light clock needs every saved parameter view in a held read:
-        # one read per layer, held until its update (module docstring).
-        self._light = (self._hold and not self._store_activations
-                       and all(self._reads[layer.index] == 1 for layer in self.layers))
-        self._at_step = self._light and not self._overlap
-        if self._at_step:
-            # Forward order: the next clock's first read waits for the first
-            # layer's update, which the engine then handles first.
-            first_read = {e.layer: i for i, e in enumerate(self._events[: self._forward_events]) if e.kind == "read"}
-            self._events[self._forward_events:] = sorted(self._events[self._forward_events:],
-                                                         key=lambda e: first_read[e.layer])
         self._reset_clock()
 
     def _install_member_checks(self) -> None:
@@ -934,13 +933,50 @@ class ClockDriver:
                     "(unused, or used under torch.no_grad()): freeze them (requires_grad_(False)) or remove them"
                 )
 
-    def plan(self) -> None:
+    def plan(self, hold_reads: bool | None) -> None:
         """Creates the tables, replays the recording as the virtual
         iteration, writes the initial values (worker 0) and starts the
-        engine's iterations. A barrier over all workers."""
+        engine's iterations. A barrier over all workers.
+
+        ``hold_reads``: hold each layer's forward read until its update, or
+        (False) post it after the layer's forward and read the rows again
+        for the backward pass (GeePS). None chooses: held reads unless
+        ``store_activations`` or ``Config.device_memory_budget`` cannot hold
+        the access-buffer pool they need, which the engine's plan says
+        (:meth:`Worker.preview_plan`, a dry run) before anything is
+        committed.
+
+        Raises:
+            mltuner.ResourceExhaustedError: the budget cannot hold the pool of
+                the pattern given (or, choosing, of either); the message
+                gives the bytes each needs.
+        """
         worker = self.worker
-        self._tables, self._handles = replay(worker, self.layers, self._events, self._slots, slack=self._slack,
-                                             row_width=self._row_width, hold_reads=self._hold, batched=self._light)
+        budget = worker.config.device_memory_budget
+        tables = create_tables(worker, self.layers, self._slots, row_width=self._row_width)
+        self._tables = tables.layers
+        recorded = list(self._events)
+        preferred = not self._store_activations if hold_reads is None else hold_reads
+        candidates = [preferred, False] if hold_reads is None and preferred else [preferred]
+        least: dict[bool, int] = {}  # the least pool (= budget) of each pattern tried
+        chosen: bool | None = None
+        for hold in candidates:
+            self._replay(tables, recorded, hold)
+            if budget == 0:
+                chosen = hold
+                break
+            preview = worker.preview_plan()  # the engine keeps a plan that fits: finish uses it
+            least[hold] = preview.pool_min_bytes
+            if preview.fits:
+                chosen = hold
+                break
+            worker.reset_virtual_iteration()
+        if chosen is None:
+            if False not in least:  # for the message: what reading again would need
+                self._replay(tables, recorded, False)
+                least[False] = worker.preview_plan().pool_min_bytes
+            raise ResourceExhaustedError(refusal(hold_reads, least, budget, 1 + worker.config.prefetch_clocks))
+        self.hold_choice = reason(hold_reads, self._store_activations, chosen, least, budget)
         worker.finish_virtual_iteration()
         if worker.rank == 0:  # the initial values: worker 0's model, added to the servers' zeros
             updates = {e.layer: self._handles[i] for i, e in enumerate(self._events) if e.kind == "update"}
@@ -956,6 +992,28 @@ class ClockDriver:
             for handle in self._grad_hooks:
                 handle.remove()
             self._grad_hooks.clear()
+
+    def _replay(self, tables: Tables, recorded: list[Event], hold: bool) -> None:
+        """Takes the recorded clock with held reads or without, and records
+        it as the worker's virtual iteration."""
+        self._hold = hold
+        self._events = for_holding(recorded) if hold else list(recorded)
+        # The light clock needs every saved parameter view in a held read:
+        # one read per layer, held until its update (module docstring).
+        reads = [0] * len(self.layers)
+        for event in self._events:
+            if event.kind == "read":
+                reads[event.layer] += 1
+        self._light = hold and not self._store_activations and all(count == 1 for count in reads)
+        self._at_step = self._light and not self._overlap
+        if self._at_step:
+            # Forward order: the next clock's first read waits for the first
+            # layer's update, which the engine then handles first.
+            first_read = {e.layer: i for i, e in enumerate(self._events[: self._forward_events]) if e.kind == "read"}
+            self._events[self._forward_events:] = sorted(self._events[self._forward_events:],
+                                                         key=lambda e: first_read[e.layer])
+        self._handles = replay(self.worker, tables, self._events, slack=self._slack, hold_reads=hold,
+                               batched=self._light)
 
     @property
     def tables(self) -> list[Table]:

@@ -11,7 +11,7 @@ from torch import nn
 
 from mltuner._config import UpdateRule
 from mltuner.client._worker import Worker
-from mltuner.exceptions import InvalidArgumentError, OutOfOrderError
+from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError, OutOfOrderError
 from mltuner.torch._amp import ScaledGradients, check_scaler
 from mltuner.torch._clock import ClockDriver, tensors_in
 from mltuner.torch._errors import UnsupportedModelError
@@ -95,6 +95,24 @@ class PSModule(nn.Module):
         return [layer.name for layer in self._driver.layers]
 
     @property
+    def hold_reads(self) -> bool:
+        """Whether each layer's forward read is held through the backward
+        pass (True) or posted after the layer's forward and read again for
+        the backward pass (False, GeePS's pattern): as given to
+        :func:`wrap`, or chosen by it (see :attr:`plan`)."""
+        return self._driver.hold_reads
+
+    @property
+    def plan(self) -> str:
+        """The engine's plan in words: which access pattern :func:`wrap`
+        chose and why (``hold_reads=False (the device_memory_budget of ...
+        bytes is below the ... bytes of access-buffer pool that held reads
+        need; ...)``), then the placement: the access-buffer pool, the
+        device and host stores, and the host memory the plan needs, part by
+        part (:attr:`mltuner.Worker.plan`)."""
+        return f"{self._driver.hold_choice}; {self.worker.plan}"
+
+    @property
     def accesses(self) -> list[str]:
         """What one clock does, in order, as recorded by wrap(): each layer's
         forward read and its end, the stores and loads of saved activations,
@@ -142,7 +160,8 @@ class PSModule(nn.Module):
         )
 
     def extra_repr(self) -> str:
-        return f"worker={self.worker.rank}, clock={self.clock}, layers={len(self._driver.layers)}"
+        return (f"worker={self.worker.rank}, clock={self.clock}, layers={len(self._driver.layers)}, "
+                f"hold_reads={self.hold_reads}")
 
 
 class ClockOptimizer(torch.optim.Optimizer):
@@ -351,13 +370,17 @@ def wrap(
             module that owns parameters directly. A group whose submodule
             runs outside the group's forward is split automatically.
         hold_reads: keep each layer's forward read open for its backward
-            pass instead of reading the rows again (half the reads, but the
-            buffer pool holds every layer's parameters at once). Default:
-            hold unless ``store_activations`` (which is for models larger
-            than the memory budget); under ``Config.device_memory_budget``
-            without ``store_activations``, pass False. Under BSP both give
-            the same values; under SSP a held read gives the backward the
-            forward's values.
+            pass (True: half the reads, the light clock, but the buffer pool
+            holds every layer's parameters at once) or post it after the
+            layer's forward and read the rows again for the backward pass
+            (False: GeePS's pattern, one layer's parameters in the pool at a
+            time). None (the default) chooses: False with
+            ``store_activations``; otherwise True when
+            ``Config.device_memory_budget`` is 0 or holds the pool that held
+            reads need (the engine's plan says, by a dry run), else False.
+            ``model.hold_reads`` and ``model.plan`` say what was chosen and
+            why. Under BSP both give the same values; under SSP a held read
+            gives the backward the forward's values.
         overlap_updates: ship each layer's update from the backward pass as
             soon as its gradients are final (Poseidon's wait-free
             backpropagation: the transfer overlaps the layers below) rather
@@ -371,10 +394,11 @@ def wrap(
             ships each layer's update).
         grad_scaler: the ``torch.amp.GradScaler`` of a float16 autocast
             loop (``scaler.scale(loss).backward(); scaler.step(optimizer);
-            scaler.update()`` with ``optimizer = model.optimizer``): each
-            layer's gradients are unscaled before its update leaves, and
-            zeroed from the clock's first inf or NaN on. bfloat16 autocast
-            needs no scaler.
+            scaler.update()`` with ``optimizer = model.optimizer``): the
+            gradients are unscaled before they leave, and an inf or NaN
+            zeroes the clock's update as torch skips the step (shipping from
+            the backward pass, per layer: from the first inf or NaN on).
+            bfloat16 autocast needs no scaler.
         optimizer: the training script's ``torch.optim.SGD``, ``Adam`` or
             ``AdamW`` over the module's trainable parameters (every one of
             them, in any param groups). Its own ``step()`` is never called:
@@ -393,9 +417,14 @@ def wrap(
             parameters are in groups with different settings.
         mltuner.InvalidArgumentError: a used worker, bad arguments, a model
             on another device than the engine.
-        mltuner.ResourceExhaustedError: the memory budget cannot hold the
-            access-buffer pool (about the largest layer's working set once
-            per clock in flight); the message gives the bytes needed.
+        mltuner.ResourceExhaustedError: ``Config.device_memory_budget``
+            cannot hold the access-buffer pool of the access pattern given
+            (``hold_reads``), or of either when choosing (about the largest
+            layer's working set once per clock in flight); the message gives
+            the bytes each pattern needs and the budget. Also: the plan
+            needs more host memory than the process may have (see
+            ``Config.host_memory_limit``; the message gives the need part by
+            part and the limit).
     """
     if not isinstance(worker, Worker):
         raise TypeError(f"expected a mltuner.Worker, got {type(worker).__name__}")
@@ -410,7 +439,8 @@ def wrap(
         raise InvalidArgumentError(f"row_width must be >= 1, got {row_width}")
     if group_bytes < 0:
         raise InvalidArgumentError(f"group_bytes must be >= 0, got {group_bytes}")
-    hold = not store_activations if hold_reads is None else bool(hold_reads)
+    if hold_reads is not None and not isinstance(hold_reads, bool):
+        raise ArgumentTypeError(f"hold_reads must be True, False or None (choose), got {type(hold_reads).__name__}")
     overlap = not worker.shards_in_process if overlap_updates is None else bool(overlap_updates)
     scaler = None if grad_scaler is None else check_scaler(grad_scaler, _parameter_device(module))
     if optimizer is not None:
@@ -423,7 +453,7 @@ def wrap(
         if layer_groups is None:
             continue  # a grouped layer spanned param groups: split it and look again
         driver = ClockDriver(module, layers, worker, slack=slack, store_activations=store_activations,
-                             row_width=row_width, hold_reads=hold, overlap_updates=overlap)
+                             row_width=row_width, overlap_updates=overlap)
         try:
             driver.record(lambda: module(*args), example_loss or _default_loss)
         except BaseException:
@@ -433,7 +463,7 @@ def wrap(
             split.add(driver.misgrouped)  # nothing reached the engine yet: record again
             continue
         try:
-            driver.plan()
+            driver.plan(hold_reads)
         except BaseException:
             driver.abandon()
             raise

@@ -3,7 +3,11 @@ and the replay of both as the engine's virtual iteration.
 
 The clock driver (``_clock.py``) logs the events during the recording pass
 and checks every later clock against them; :func:`replay` turns them into
-the ``virtual_*`` calls, one handle per event that opens a buffer.
+the ``virtual_*`` calls, one handle per event that opens a buffer. The
+recording pass logs the clock without held reads (each layer's backward
+read where it first opens); :func:`for_holding` gives the same clock with
+held reads, so that one recording serves both patterns and the driver can
+choose between them by what the engine's plan needs.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -19,7 +23,7 @@ from mltuner.client._layout import TensorLayout
 from mltuner.client._worker import Table, Worker
 from mltuner.torch._layers import Layer
 
-__all__ = ["Event", "EventKind", "Slot", "describe", "replay"]
+__all__ = ["Event", "EventKind", "Slot", "Tables", "create_tables", "describe", "for_holding", "replay"]
 
 EventKind = Literal["read", "post_read", "store", "load", "read_grad", "update"]
 
@@ -69,16 +73,25 @@ def describe(event: Event, layers: Sequence[Layer], slots: Sequence[Slot]) -> st
     }[event.kind]
 
 
-def replay(worker: Worker, layers: Sequence[Layer], events: Sequence[Event], slots: Sequence[Slot], *,
-           slack: int, row_width: int, hold_reads: bool, batched: bool = False) -> tuple[list[Table], list[int]]:
-    """Creates one table per layer (and a local table for the activations)
-    and records ``events`` as the worker's virtual iteration, ending with
-    ``virtual_clock``. With ``hold_reads`` a layer's forward reads stay open
-    until its update. ``batched`` (the light clock) opens each update's
-    buffer before the layer's reads are posted, so that the posts and the
-    next update's open are consecutive ops, one engine call. Returns the
-    tables and, per event, the handle of the access it opens (-1 for events
-    that open none)."""
+def for_holding(events: Sequence[Event]) -> list[Event]:
+    """The events of the recorded clock when reads are held: the recording
+    pass logs where each layer's backward read would open (``read_grad``,
+    the first use of its parameters in the backward pass); holding, the
+    backward uses the held forward read instead, and nothing else differs."""
+    return [event for event in events if event.kind != "read_grad"]
+
+
+class Tables(NamedTuple):
+    """The tables of a wrapped model: one per layer, and the local table of
+    the stored activations (None without any) with its layout."""
+
+    layers: list[Table]
+    activations: Table | None
+    activation_layout: TensorLayout
+
+
+def create_tables(worker: Worker, layers: Sequence[Layer], slots: Sequence[Slot], *, row_width: int) -> Tables:
+    """Creates one table per layer and, for the saved activations, a local table."""
     tables = [worker.create_tensor_table(f"torch:{layer.name}", layer.layout, update_rule=layer.update_rule)
               for layer in layers]
     activations: Table | None = None
@@ -87,13 +100,25 @@ def replay(worker: Worker, layers: Sequence[Layer], events: Sequence[Event], slo
         for k, slot in enumerate(slots):
             act_layout.add(f"a{k}", (max(1, -(-slot.nbytes // 4)),))  # whole float32 words
         activations = worker.create_tensor_table("torch:activations", act_layout, local=True)
+    return Tables(tables, activations, act_layout)
+
+
+def replay(worker: Worker, tables: Tables, events: Sequence[Event], *, slack: int, hold_reads: bool,
+           batched: bool = False) -> list[int]:
+    """Records ``events`` as the worker's virtual iteration, ending with
+    ``virtual_clock``. With ``hold_reads`` a layer's forward reads stay open
+    until its update. ``batched`` (the light clock) opens each update's
+    buffer before the layer's reads are posted, so that the posts and the
+    next update's open are consecutive ops, one engine call. Returns, per
+    event, the handle of the access it opens (-1 for events that open none)."""
+    layer_tables, activations, act_layout = tables
     handles = [-1] * len(events)
     open_forward: dict[int, int] = {}
     held: dict[int, list[int]] = {}  # layer -> its held forward reads
     open_backward: dict[int, int] = {}
     for index, event in enumerate(events):
         if event.kind == "read":
-            handles[index] = open_forward[event.layer] = worker.virtual_read(tables[event.layer], slack=slack)
+            handles[index] = open_forward[event.layer] = worker.virtual_read(layer_tables[event.layer], slack=slack)
         elif event.kind == "post_read":
             if hold_reads:
                 held.setdefault(event.layer, []).append(open_forward.pop(event.layer))
@@ -105,10 +130,10 @@ def replay(worker: Worker, layers: Sequence[Layer], events: Sequence[Event], slo
             handles[index] = worker.virtual_local_access(activations, act_layout.rows(f"a{event.slot}"), fetch=fetch)
             worker.virtual_post_local_access(handles[index], keep=not fetch)
         elif event.kind == "read_grad":
-            handles[index] = open_backward[event.layer] = worker.virtual_read(tables[event.layer], slack=slack)
+            handles[index] = open_backward[event.layer] = worker.virtual_read(layer_tables[event.layer], slack=slack)
         else:  # update: the layer's reads are done with once the gradients are final
             if batched:
-                handles[index] = worker.virtual_pre_update(tables[event.layer])
+                handles[index] = worker.virtual_pre_update(layer_tables[event.layer])
                 for handle in held.pop(event.layer, ()):
                     worker.virtual_post_read(handle)
                 worker.virtual_update(handles[index])
@@ -117,7 +142,7 @@ def replay(worker: Worker, layers: Sequence[Layer], events: Sequence[Event], slo
                 worker.virtual_post_read(handle)
             if event.layer in open_backward:
                 worker.virtual_post_read(open_backward.pop(event.layer))
-            handles[index] = worker.virtual_pre_update(tables[event.layer])
+            handles[index] = worker.virtual_pre_update(layer_tables[event.layer])
             worker.virtual_update(handles[index])
     worker.virtual_clock()
-    return tables, handles
+    return handles

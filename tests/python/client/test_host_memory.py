@@ -52,7 +52,12 @@ def test_the_limit_counts_every_worker_of_the_process() -> None:
 
 
 @pytest.mark.parametrize("budget", [0, 12 * 2**20])
-def test_the_prediction_covers_what_the_engine_holds(budget: int) -> None:
+def test_the_prediction_is_what_the_engine_holds(budget: int) -> None:
+    """The need is the engine's own plan, part by part: on the CPU backend
+    the pool and every store (device- or host-resident) are host memory,
+    plus the staging buffer (the largest access buffer) and the update
+    payloads of two clocks (slack 0: the one being sent, the one not yet
+    applied)."""
     config = mltuner.Config(device_memory_budget=budget, update_rule=mltuner.UpdateRule("momentum", 0.1))
     with mltuner.LocalCluster(1, config) as cluster:
         worker = cluster.worker(0)
@@ -65,12 +70,71 @@ def test_the_prediction_covers_what_the_engine_holds(budget: int) -> None:
         update = worker.virtual_pre_update(params)
         worker.virtual_update(update)
         worker.virtual_clock()
+        preview = worker.preview_plan()
         predicted = worker.planned_host_bytes()
         worker.finish_virtual_iteration()
         stats = worker.stats
         held = stats["pool_bytes"] + stats["device_store_bytes"] + stats["host_store_bytes"]
-        # Counted: the engine's buffers plus the staging buffer and indexes.
-        assert held <= predicted <= 1.3 * held, (held, predicted)
+        table_bytes = 4096 * 256 * 4
+        assert preview.host_memory["staging"] == table_bytes
+        assert preview.host_memory["payloads"] == 2 * table_bytes
+        assert predicted == held + 3 * table_bytes == stats["host_memory_bytes"], (held, predicted)
+        assert preview.pool_bytes == stats["pool_bytes"]
+        assert (budget == 0) == (stats["host_store_bytes"] == 0)
+        assert preview.host_memory["shard_per_branch"] == 2 * table_bytes  # values and momentum
+        assert f"host memory {predicted} B" in worker.plan
+
+
+def test_the_engine_refuses_a_plan_over_its_limit_with_the_sizes() -> None:
+    """The engine's own check at finish (plan/host_memory.h), against
+    Config.host_memory_limit, with the need broken down; the plan, refused,
+    leaves the recording in place."""
+    config = mltuner.Config(host_memory_limit=2**20)
+    with mltuner.LocalCluster(1, config) as cluster:
+        worker = cluster.worker(0)
+        table = worker.create_table("t", 256, 256)  # 256 KiB: the shard's slice fits
+        read = worker.virtual_read(table)
+        worker.virtual_post_read(read)
+        update = worker.virtual_pre_update(table)
+        worker.virtual_update(update)
+        worker.virtual_clock()
+        need = worker.planned_host_bytes()
+        assert need > 2**20
+        with pytest.raises(mltuner.ResourceExhaustedError,
+                           match=rf"finish_virtual_iteration needs {need} bytes .*parameter stores and update "
+                                 r"logs 0 B.*staging 262144 B, update payloads in flight 524288 B.* may use only "
+                                 r"\d+ bytes .*Config\(host_memory_limit=1048576\)"):
+            worker.finish_virtual_iteration()
+        assert worker.stats["pool_bytes"] == 0
+        # The engine's own check, the same numbers (a C++ caller has only this one).
+        with pytest.raises(mltuner.ResourceExhaustedError,
+                           match=rf"the plan needs {need} B .*staging 262144 B.* more than the 1048576 B "
+                                 r"\(1.0 MiB\) of Config.host_memory_limit"):
+            worker._engine.finish_virtual_iteration()
+        worker.reset_virtual_iteration()  # the recording was not consumed: another may be tried
+        read = worker.virtual_read(table, range(16))
+        worker.virtual_post_read(read)
+        worker.virtual_clock()
+        assert worker.planned_host_bytes() < 2**20
+        worker.finish_virtual_iteration()
+
+
+def test_a_table_created_after_a_preview_is_planned_too() -> None:
+    """The preview's plan is kept for finish_virtual_iteration, unless a
+    table was created since (allowed until the iteration is finished)."""
+    with mltuner.LocalCluster(1) as cluster:
+        worker = cluster.worker(0)
+        table = worker.create_table("t", 64, 16)
+        read = worker.virtual_read(table)
+        worker.virtual_post_read(read)
+        worker.virtual_clock()
+        before = worker.preview_plan()
+        assert before.fits and before.host_store_bytes == 0
+        worker.create_table("late", 32, 16, local=True)
+        after = worker.preview_plan()
+        assert after.device_store_bytes == before.device_store_bytes + 32 * 16 * 4
+        worker.finish_virtual_iteration()
+        assert worker.stats["device_store_bytes"] == after.device_store_bytes
 
 
 def test_rlimit_as_is_honoured_in_a_fresh_process() -> None:

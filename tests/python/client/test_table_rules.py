@@ -47,6 +47,7 @@ def test_a_tables_rule_and_rate_changes_follow_torchs_sgd() -> None:
             worker.pre_update(grad)[:] = 1.0
             worker.update(grad)
             worker.clock()
+        worker.sync()  # fetch gives the servers' current values: wait for the last clock's update
         got = worker.fetch(table)
     lr, buffer, w = 0.1, 0.0, 0.0
     for clock in range(6):

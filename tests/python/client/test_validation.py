@@ -55,7 +55,8 @@ CONFIG_CASES: list[tuple[dict[str, Any], str]] = [
     ({"max_branches": 2**62}, r"Config.max_branches must be in \[1, 65536\]"),
     ({"branches": 1}, r"Config.branches must be True or False"),
     ({"device": "gpu"}, r"Config.device must be one of 'cpu', 'cuda', got 'gpu'"),
-    ({"host_memory_limit": 100}, r"Config.host_memory_limit must be in \[1048576, 2\*\*62\]"),
+    ({"host_memory_limit": 100}, r"Config.host_memory_limit must be 0 \(detect\) or in \[1048576, 2\*\*62\]"),
+    ({"host_memory_limit": -1}, r"Config.host_memory_limit must be in \[0, 2\*\*62\]"),
     ({"update_rule": "sgd"}, r"Config.update_rule must be an UpdateRule"),
 ]
 

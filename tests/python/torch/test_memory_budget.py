@@ -1,5 +1,8 @@
 """A model larger than the engine's memory budget trains, with activations
-stored as local data, and gives bit for bit the results of an unlimited run.
+stored as local data, and gives bit for bit the results of an unlimited run;
+wrap() chooses held reads or the GeePS pattern by the budget (issue 16
+item 5), and refuses a budget or a host-memory limit that cannot work, with
+the bytes needed.
 
 On the CPU backend the "device" memory is host memory too, but the budget
 applies all the same (Config.device_memory_budget): the engine places what
@@ -13,6 +16,7 @@ model.
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -45,29 +49,33 @@ def make_data() -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def train(budget: int, store_activations: bool, run_workers: Callable[..., list[Any]]) -> dict[str, Any]:
+def train(budget: int, store_activations: bool, run_workers: Callable[..., list[Any]],
+          hold_reads: bool | None = None) -> dict[str, Any]:
     x, y = make_data()
     initial = make_model()
     models = [copy.deepcopy(initial) for _ in range(NUM_WORKERS)]
     config = Config(device_memory_budget=budget, wait_timeout_s=20,
                     update_rule=UpdateRule("momentum", learning_rate=0.05, momentum=0.9))
 
-    def body(worker: Worker) -> tuple[dict[str, torch.Tensor], list[float]]:
+    def body(worker: Worker) -> tuple[dict[str, torch.Tensor], list[float], bool, str]:
         r = worker.rank
-        ps_model = mt.wrap(models[r], worker, example_input=x[0, r], store_activations=store_activations)
+        ps_model = mt.wrap(models[r], worker, example_input=x[0, r], store_activations=store_activations,
+                           hold_reads=hold_reads)
         losses = []
         for c in range(CLOCKS):
             loss = F.cross_entropy(ps_model(x[c, r]), y[c, r])
             loss.backward()
             ps_model.step()
             losses.append(loss.item())
-        return ps_model.state_dict(), losses
+        return ps_model.state_dict(), losses, ps_model.hold_reads, ps_model.plan
 
     with LocalCluster(NUM_WORKERS, config) as cluster:
         results = run_workers(body, cluster.workers, on_error=cluster.shutdown)
         return {
             "state": results[0][0],
-            "losses": [losses for _, losses in results],
+            "losses": [result[1] for result in results],
+            "hold_reads": [result[2] for result in results],
+            "model_plans": [result[3] for result in results],
             "stats": [w.stats for w in cluster.workers],
             "plans": [w.plan for w in cluster.workers],
         }
@@ -114,3 +122,107 @@ def test_budget_below_twice_the_largest_layer_is_refused_clearly() -> None:
         assert torch.equal(param.detach(), before[name]), name
     assert not any(m._forward_pre_hooks for m in model.modules())
     model(x[0, 0]).sum().backward()
+
+
+def least_pools(run_workers: Callable[..., list[Any]]) -> tuple[int, int]:
+    """The least budgets of the two access patterns (pool_min_bytes of each
+    plan): reading each layer again for its backward pass, and holding reads."""
+    rereading = train(0, False, run_workers, hold_reads=False)["stats"][0]["pool_min_bytes"]
+    holding = train(0, False, run_workers, hold_reads=True)["stats"][0]["pool_min_bytes"]
+    return rereading, holding
+
+
+def test_wrap_chooses_held_reads_when_they_fit_and_rereads_below(run_workers: Callable[..., list[Any]]) -> None:
+    """Every budget from the least up to unlimited trains to the same bits;
+    wrap() holds reads while the budget holds their pool, and below it
+    posts each layer's read after its forward and reads it again for the
+    backward pass (what hold_reads=False used to have to be told)."""
+    rereading, holding = least_pools(run_workers)
+    assert rereading < holding / 2, (rereading, holding)  # one layer at a time against every layer at once
+    reference = train(0, False, run_workers)
+    assert reference["hold_reads"] == [True] * NUM_WORKERS
+    assert "hold_reads=True (no Config.device_memory_budget)" in reference["model_plans"][0]
+    middle = (rereading + holding) // 2
+    for budget, holds in [(rereading, False), (middle, False), (holding - 1, False), (holding, True)]:
+        run = train(budget, False, run_workers)
+        assert run["hold_reads"] == [holds] * NUM_WORKERS, (budget, run["model_plans"])
+        plan = run["model_plans"][0]
+        if holds:
+            assert f"the device_memory_budget of {budget} bytes holds the {holding} bytes" in plan, plan
+        else:
+            assert (f"hold_reads=False (the device_memory_budget of {budget} bytes is below the {holding} bytes "
+                    f"of access-buffer pool that held reads need; reading each layer again for its backward pass "
+                    f"needs {rereading} bytes)") in plan, plan
+        assert all(stats["pool_bytes"] <= budget for stats in run["stats"]), run["plans"]
+        assert run["losses"] == reference["losses"], budget
+        for name, value in reference["state"].items():
+            assert torch.equal(run["state"][name], value), (budget, name)
+    assert reference["losses"][0][-1] < reference["losses"][0][0]  # it trains
+
+
+def test_a_budget_below_the_least_is_refused_at_wrap_with_the_bytes(run_workers: Callable[..., list[Any]]) -> None:
+    rereading, holding = least_pools(run_workers)
+    x, _ = make_data()
+    model = make_model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with LocalCluster(1, Config(device_memory_budget=rereading - 1, wait_timeout_s=20)) as cluster:
+        with pytest.raises(mltuner.ResourceExhaustedError,
+                           match=rf"Config.device_memory_budget of {rereading - 1} bytes is too small for this "
+                                 rf"model: it needs at least {rereading} bytes .*\(hold_reads=False; the access-"
+                                 rf"buffer pool: 2 regions.*\); holding reads would need {holding} bytes"):
+            mt.wrap(model, cluster.worker(0), example_input=x[0, 0])
+    for name, param in model.named_parameters():
+        assert torch.equal(param.detach(), before[name]), name  # given back as it was
+
+
+def test_hold_reads_true_under_a_budget_too_small_for_it_is_refused_at_wrap(
+        run_workers: Callable[..., list[Any]]) -> None:
+    rereading, holding = least_pools(run_workers)
+    x, _ = make_data()
+    for budget, advice in [(holding - 1, rf"without hold_reads \(unset, or False\) each layer's rows are read "
+                                          rf"again for its backward pass, which needs {rereading} bytes"),
+                           (rereading - 1, rf"even reading each layer again for its backward pass "
+                                           rf"\(hold_reads=False\) needs {rereading} bytes")]:
+        with LocalCluster(1, Config(device_memory_budget=budget, wait_timeout_s=20)) as cluster:
+            with pytest.raises(mltuner.ResourceExhaustedError,
+                               match=rf"wrap\(hold_reads=True\) needs a Config.device_memory_budget of at least "
+                                     rf"{holding} bytes .* but the budget is {budget} bytes; {advice}"):
+                mt.wrap(make_model(), cluster.worker(0), example_input=x[0, 0], hold_reads=True)
+    with LocalCluster(1, Config(device_memory_budget=rereading - 1, wait_timeout_s=20)) as cluster:
+        with pytest.raises(mltuner.ResourceExhaustedError, match=rf"it needs at least {rereading} bytes"):
+            mt.wrap(make_model(), cluster.worker(0), example_input=x[0, 0], hold_reads=False)
+
+
+def test_the_host_memory_guard_refuses_a_plan_over_the_limit_at_wrap() -> None:
+    """Config.host_memory_limit below what the plan needs (on the CPU
+    backend: the pool, the caches and update logs, staging and the update
+    payloads in flight, on top of the shard's slice that create_table
+    counted) is refused at wrap() with the sizes; at the need, it trains."""
+    width = 384  # 4 layers of 0.6 MB: the plan needs several MiB (the limit's least is 1 MiB)
+
+    def wide_model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(width, width) for _ in range(4)])
+
+    x = torch.randn(BATCH, width, generator=torch.Generator().manual_seed(1))
+    with LocalCluster(1, Config(wait_timeout_s=20)) as cluster:
+        ps_model = mt.wrap(wide_model(), cluster.worker(0), example_input=x)
+        plan_bytes = cluster.worker(0).stats["host_memory_bytes"]
+        match = re.search(r"the server shard holds (\d+) B per branch in host memory", ps_model.plan)
+        assert match is not None, ps_model.plan
+        shard_bytes = int(match.group(1))
+    limit = shard_bytes + plan_bytes
+    too_little = limit - plan_bytes // 2  # the shard's slice fits, the plan does not
+    assert too_little > max(shard_bytes, 2**20), (shard_bytes, plan_bytes)
+    with LocalCluster(1, Config(wait_timeout_s=20, host_memory_limit=too_little)) as cluster:
+        with pytest.raises(mltuner.ResourceExhaustedError,
+                           match=rf"finish_virtual_iteration needs {plan_bytes} bytes .*: parameter stores and "
+                                 rf"update logs 0 B, local data 0 B, device memory \(pool and device stores\) \d+ "
+                                 rf"B, staging \d+ B, update payloads in flight \d+ B.* may use only "
+                                 rf"{too_little - shard_bytes} bytes .*Config\(host_memory_limit={too_little}\)"):
+            mt.wrap(wide_model(), cluster.worker(0), example_input=x)
+    with LocalCluster(1, Config(wait_timeout_s=20, host_memory_limit=limit)) as cluster:
+        ps_model = mt.wrap(wide_model(), cluster.worker(0), example_input=x)
+        ps_model(x).sum().backward()
+        ps_model.step()
+        assert ps_model.clock == 1

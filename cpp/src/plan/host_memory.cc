@@ -1,0 +1,127 @@
+#include "plan/host_memory.h"
+
+#include <algorithm>
+#include <fstream>
+#include <sstream>
+
+#include "mltuner/update_step.h"
+
+namespace mltuner {
+
+namespace {
+
+// Rows of a table that shard `rank` of `num_workers` owns: ShardRange's even
+// contiguous split (server/shard.h), the first shards taking one extra row.
+// (Kept here so that the plan does not depend on the server;
+// tests/cpp/plan/host_memory_test.cc checks that both agree.)
+int64_t ShardRows(int64_t num_rows, int rank, int num_workers) {
+  if (num_workers <= 0) return 0;
+  return num_rows / num_workers + (rank < num_rows % num_workers ? 1 : 0);
+}
+
+std::string Mib(int64_t bytes) {
+  std::ostringstream out;
+  out.setf(std::ios::fixed);
+  out.precision(1);
+  out << static_cast<double>(bytes) / (1 << 20) << " MiB";
+  return out.str();
+}
+
+}  // namespace
+
+std::string HostMemoryNeed::Describe() const {
+  std::ostringstream out;
+  out << total() << " B (" << Mib(total()) << ": parameter stores and update logs " << parameter_stores
+      << " B, local data " << local_data << " B, device memory (pool and device stores) " << device_memory
+      << " B, staging " << staging << " B, update payloads in flight " << payloads << " B; the server shard holds "
+      << shard_per_branch << " B per branch " << (shard_in_host_memory ? "in host memory" : "on the device") << ")";
+  return out.str();
+}
+
+HostMemoryNeed CountHostMemory(const Config& config, const std::vector<TableInfo>& tables,
+                               const Recording& recording, const Placement& placement, const PlanSite& site) {
+  HostMemoryNeed need;
+  for (const TableInfo& table : tables) {
+    const TablePlacement& where = placement.tables[table.id];
+    if (table.local) {
+      need.local_data += where.host_rows * table.row_bytes();
+    } else {
+      need.parameter_stores += 2 * where.host_rows * table.row_bytes();  // cache row and update-log row
+      const UpdateRuleConfig& rule = table.update_rule ? *table.update_rule : config.update_rule;
+      need.shard_per_branch += ShardRows(table.num_rows, site.rank, site.num_workers) * table.row_bytes() *
+                               (1 + StateArraysPerValue(rule));
+    }
+  }
+  need.staging = placement.staging_bytes;
+  if (site.device_is_host) need.device_memory = placement.pool_bytes + placement.device_store_bytes;
+  need.shard_in_host_memory = site.device_is_host;
+
+  // Payloads: a clock's updates, sent as one payload per table and shard,
+  // are kept by the shards until every worker finished that clock; with the
+  // largest recorded slack s a worker runs up to s clocks ahead, so up to
+  // s + 2 clocks of this worker's updates are alive (the clocks not yet
+  // applied, and the one being sent). Those for a shard sharing the device
+  // live in device memory, those for other processes' shards in host memory.
+  int64_t update_bytes = 0;
+  int max_slack = 0;
+  for (const AccessRecord& access : recording.accesses) {
+    if (access.kind == OpKind::kPreUpdate) {
+      update_bytes += static_cast<int64_t>(access.rows.size()) * tables[access.table].row_bytes();
+    } else if (access.kind == OpKind::kRead) {
+      max_slack = std::max(max_slack, access.slack);
+    }
+  }
+  const int64_t in_flight = (max_slack + 2) * update_bytes;
+  if (site.device_is_host) {
+    need.payloads = in_flight;
+  } else if (site.num_workers > 1) {
+    need.payloads = in_flight / site.num_workers * (site.num_workers - 1);
+  }
+  return need;
+}
+
+int64_t ParseMemAvailable(const std::string& meminfo) {
+  std::istringstream in(meminfo);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("MemAvailable:", 0) != 0) continue;
+    std::istringstream fields(line.substr(13));
+    int64_t kib = -1;
+    std::string unit;
+    if (!(fields >> kib) || kib < 0) return -1;
+    fields >> unit;
+    return unit == "kB" || unit.empty() ? kib * 1024 : -1;
+  }
+  return -1;
+}
+
+int64_t HostMemoryAvailable() {
+  std::ifstream file("/proc/meminfo");
+  if (!file) return -1;
+  std::ostringstream text;
+  text << file.rdbuf();
+  return ParseMemAvailable(text.str());
+}
+
+Status CheckHostMemoryAgainst(const HostMemoryNeed& need, int64_t limit_bytes, const std::string& limit_source) {
+  if (need.total() <= limit_bytes) return Status::Ok();
+  std::ostringstream msg;
+  msg << "the plan needs " << need.Describe() << " of host memory, more than the " << limit_bytes << " B ("
+      << Mib(limit_bytes) << ") of " << limit_source << "; ";
+  if (need.device_memory > 0) {
+    msg << "on this backend the device's memory is host memory too: use smaller tables, fewer clocks in "
+           "flight (prefetch_clocks) or a machine with more memory";
+  } else {
+    msg << "a larger device_memory_budget keeps more rows on the device";
+  }
+  return Status::ResourceExhausted(msg.str());
+}
+
+Status CheckHostMemory(const HostMemoryNeed& need, int64_t host_memory_limit) {
+  if (host_memory_limit > 0) return CheckHostMemoryAgainst(need, host_memory_limit, "Config.host_memory_limit");
+  const int64_t available = HostMemoryAvailable();
+  if (available < 0) return Status::Ok();  // nothing to check against
+  return CheckHostMemoryAgainst(need, available, "the memory the kernel reports available (MemAvailable)");
+}
+
+}  // namespace mltuner

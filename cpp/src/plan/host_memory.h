@@ -1,0 +1,53 @@
+// Host memory of a worker's plan: what FinishVirtualIteration will hold in
+// host memory, counted from the placement, and the check of that against
+// the host's limit before anything is allocated (issue 16), so that a plan
+// too large for the machine is a clear error naming the sizes rather than
+// the kernel killing the process at a later clock.
+//
+// Counted (HostMemoryNeed): host-resident parameter rows with their update
+// logs and host-resident local data (the placement's host stores); the
+// staging buffer (the largest access buffer; pinned on CUDA); the update
+// payloads of the clocks in flight that live in host memory; and, when the
+// device's memory is host memory (the CPU backend), the access-buffer pool
+// and the device-resident stores. The server shard's state (its rows of
+// each table with the rule's optimizer state) is reported per branch but
+// not counted: CreateTable and each branch fork allocate it.
+// Pure functions; HostMemoryAvailable reads /proc/meminfo.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "mltuner/config.h"
+#include "mltuner/status.h"
+#include "mltuner/types.h"
+#include "plan/placement.h"
+#include "record/recorder.h"
+
+namespace mltuner {
+
+// Where a plan runs: which shard is this worker's, and whether the device's
+// memory is host memory (Device::host_addressable).
+struct PlanSite {
+  int rank = 0;
+  int num_workers = 1;
+  bool device_is_host = true;
+};
+
+HostMemoryNeed CountHostMemory(const Config& config, const std::vector<TableInfo>& tables,
+                               const Recording& recording, const Placement& placement, const PlanSite& site);
+
+// MemAvailable of a /proc/meminfo text, in bytes; -1 when it has none.
+int64_t ParseMemAvailable(const std::string& meminfo);
+// MemAvailable of this host; -1 when /proc/meminfo cannot be read.
+int64_t HostMemoryAvailable();
+
+// ResourceExhausted naming the need, its parts and the limit when
+// need.total() exceeds `limit_bytes`; `limit_source` says where the limit
+// comes from ("Config.host_memory_limit").
+Status CheckHostMemoryAgainst(const HostMemoryNeed& need, int64_t limit_bytes, const std::string& limit_source);
+// The check against Config::host_memory_limit, or, when that is 0, against
+// MemAvailable (no check when it cannot be read).
+Status CheckHostMemory(const HostMemoryNeed& need, int64_t host_memory_limit);
+
+}  // namespace mltuner

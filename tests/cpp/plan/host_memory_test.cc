@@ -1,0 +1,189 @@
+// The plan's host memory (plan/host_memory.h) and the dry run of the plan
+// (plan/iteration_plan.h), on placement_test.cc's example:
+//   t0 param 8 rows x 16 floats (64 B/row), t1 param 8 x 10 (40 B/row),
+//   t2 local 4 x 16 (64 B/row); reads of t0 {0,1,2} and t1 {0..4}, an update
+//   of t0 {0..4} (320 B), a local access of t2 {0,1}.
+// Least pool 2048 B (2 regions of 1024), unlimited pool 2560 B; the largest
+// buffer (the staging buffer) 512 B. Stores: t0 2 x 512 B, t1 2 x 320 B
+// (cache and update log), t2 256 B: 1920 B.
+#include "plan/host_memory.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "plan/iteration_plan.h"
+#include "record/recorder.h"
+#include "server/shard.h"
+#include "test_util.h"
+
+using namespace mltuner;
+
+namespace {
+
+TableInfo Table(TableId id, int64_t rows, int64_t width, bool local = false) {
+  TableInfo info;
+  info.id = id;
+  info.name = "t" + std::to_string(id);
+  info.num_rows = rows;
+  info.row_width = width;
+  info.local = local;
+  return info;
+}
+
+struct Example {
+  std::vector<TableInfo> tables;
+  Recording recording;
+};
+
+Status BuildExample(Example* ex, int slack = 0) {
+  ex->tables = {Table(0, 8, 16), Table(1, 8, 10), Table(2, 4, 16, true)};
+  Recorder rec;
+  Handle r0, r1, u, l;
+  MLT_RETURN_IF_ERROR(rec.Read(ex->tables[0], {0, 1, 2}, slack, &r0));
+  MLT_RETURN_IF_ERROR(rec.Read(ex->tables[1], {0, 1, 2, 3, 4}, 0, &r1));
+  MLT_RETURN_IF_ERROR(rec.PreUpdate(ex->tables[0], {0, 1, 2, 3, 4}, &u));
+  MLT_RETURN_IF_ERROR(rec.Update(u));
+  MLT_RETURN_IF_ERROR(rec.LocalAccess(ex->tables[2], {0, 1}, true, &l));
+  MLT_RETURN_IF_ERROR(rec.PostLocalAccess(l, true));
+  MLT_RETURN_IF_ERROR(rec.PostRead(r1));
+  MLT_RETURN_IF_ERROR(rec.PostRead(r0));
+  MLT_RETURN_IF_ERROR(rec.Clock());
+  return rec.Finish(&ex->recording);
+}
+
+Config WithBudget(int64_t budget) {
+  Config config;
+  config.device_memory_budget = budget;
+  return config;
+}
+
+Status Need(const Config& config, const Example& ex, const PlanSite& site, HostMemoryNeed* out) {
+  IterationPlan plan;
+  MLT_RETURN_IF_ERROR(PlanIteration(config, ex.tables, ex.recording, site, &plan));
+  *out = plan.placement.host;
+  return Status::Ok();
+}
+
+}  // namespace
+
+TEST(UnlimitedOnTheCpuCountsThePoolStoresStagingAndPayloads) {
+  Example ex;
+  ASSERT_OK(BuildExample(&ex));
+  HostMemoryNeed need;
+  ASSERT_OK(Need(WithBudget(0), ex, {0, 1, true}, &need));
+  EXPECT_EQ(need.parameter_stores, 0);
+  EXPECT_EQ(need.local_data, 0);
+  EXPECT_EQ(need.device_memory, 2560 + 1920);  // the device's memory is host memory
+  EXPECT_EQ(need.staging, 512);
+  EXPECT_EQ(need.payloads, 2 * 320);  // slack 0: the clock being sent and the one not yet applied
+  EXPECT_EQ(need.total(), 4480 + 512 + 640);
+  EXPECT_EQ(need.shard_per_branch, 8 * 64 + 8 * 40);  // the add rule keeps no state
+  EXPECT_TRUE(need.shard_in_host_memory);
+}
+
+TEST(TheLeastBudgetPutsTheStoresInHostMemory) {
+  Example ex;
+  ASSERT_OK(BuildExample(&ex));
+  HostMemoryNeed need;
+  ASSERT_OK(Need(WithBudget(2048), ex, {0, 1, false}, &need));
+  EXPECT_EQ(need.parameter_stores, 2 * (8 * 64 + 8 * 40));
+  EXPECT_EQ(need.local_data, 4 * 64);
+  EXPECT_EQ(need.device_memory, 0);  // an accelerator: the pool is on the device
+  EXPECT_EQ(need.staging, 512);
+  EXPECT_EQ(need.payloads, 0);  // one worker: its shard shares the device
+  EXPECT_EQ(need.total(), 1664 + 256 + 512);
+  EXPECT_TRUE(!need.shard_in_host_memory);
+  // On the CPU backend the same plan also holds the pool in host memory.
+  ASSERT_OK(Need(WithBudget(2048), ex, {0, 1, true}, &need));
+  EXPECT_EQ(need.device_memory, 2048);
+}
+
+TEST(SlackAndRemoteShardsScaleThePayloads) {
+  Example ex;
+  ASSERT_OK(BuildExample(&ex, 3));
+  HostMemoryNeed need;
+  ASSERT_OK(Need(WithBudget(0), ex, {0, 1, true}, &need));
+  EXPECT_EQ(need.payloads, 5 * 320);  // slack 3: up to 5 clocks of updates alive
+  ASSERT_OK(Need(WithBudget(0), ex, {1, 4, false}, &need));
+  EXPECT_EQ(need.payloads, 5 * 320 / 4 * 3);  // on a GPU, the 3 other processes' shares go through host memory
+}
+
+TEST(TheShardSliceFollowsShardRangeAndTheRulesState) {
+  Example ex;
+  ASSERT_OK(BuildExample(&ex));
+  Config config;
+  config.update_rule.kind = UpdateRuleKind::kAdam;  // m and v
+  for (int64_t rows : {1, 7, 8, 13}) {
+    ex.tables[0].num_rows = std::max<int64_t>(rows, 5);  // the recorded rows stay in range
+    for (int workers : {1, 2, 3, 5}) {
+      for (int rank = 0; rank < workers; ++rank) {
+        HostMemoryNeed need;
+        ASSERT_OK(Need(config, ex, {rank, workers, true}, &need));
+        const int64_t expected = 3 * (ShardRange(ex.tables[0].num_rows, rank, workers).count * 64 +
+                                      ShardRange(ex.tables[1].num_rows, rank, workers).count * 40);
+        EXPECT_EQ(need.shard_per_branch, expected);
+      }
+    }
+  }
+}
+
+TEST(APlanAboveTheLimitIsRefusedWithTheSizes) {
+  Example ex;
+  ASSERT_OK(BuildExample(&ex));
+  HostMemoryNeed need;
+  ASSERT_OK(Need(WithBudget(0), ex, {0, 1, true}, &need));
+  EXPECT_OK(CheckHostMemoryAgainst(need, need.total(), "a test limit"));
+  const Status refused = CheckHostMemoryAgainst(need, need.total() - 1, "a test limit");
+  EXPECT_CODE(refused, StatusCode::kResourceExhausted);
+  const std::string text = refused.ToString();
+  EXPECT_TRUE(text.find("needs 5632 B") != std::string::npos);
+  EXPECT_TRUE(text.find("staging 512 B") != std::string::npos);
+  EXPECT_TRUE(text.find("5631 B") != std::string::npos);
+  EXPECT_TRUE(text.find("a test limit") != std::string::npos);
+  // Config.host_memory_limit takes the place of MemAvailable.
+  EXPECT_CODE(CheckHostMemory(need, need.total() - 1), StatusCode::kResourceExhausted);
+  EXPECT_TRUE(CheckHostMemory(need, need.total() - 1).ToString().find("Config.host_memory_limit") !=
+              std::string::npos);
+  EXPECT_OK(CheckHostMemory(need, need.total()));
+}
+
+TEST(MemAvailableIsParsed) {
+  EXPECT_EQ(ParseMemAvailable("MemTotal:       16384 kB\nMemFree:  1 kB\nMemAvailable:    2048 kB\n"),
+            int64_t{2048} * 1024);
+  EXPECT_EQ(ParseMemAvailable("MemTotal:       16384 kB\n"), -1);
+  EXPECT_EQ(ParseMemAvailable("MemAvailable: lots\n"), -1);
+  EXPECT_TRUE(HostMemoryAvailable() != 0);  // a number, or -1 without /proc
+}
+
+TEST(ThePreviewGivesTheLeastPoolAndKeepsAFittingPlan) {
+  Example ex;
+  ASSERT_OK(BuildExample(&ex));
+  std::unique_ptr<IterationPlan> kept;
+  PlanPreview preview;
+  ASSERT_OK(PreviewIteration(WithBudget(2047), ex.tables, ex.recording, {0, 1, true}, &kept, &preview));
+  EXPECT_EQ(preview.pool_min_bytes, 2048);
+  EXPECT_TRUE(!preview.fits);
+  EXPECT_TRUE(kept == nullptr);
+  ASSERT_OK(PreviewIteration(WithBudget(2048), ex.tables, ex.recording, {0, 1, true}, &kept, &preview));
+  EXPECT_TRUE(preview.fits);
+  ASSERT_TRUE(kept != nullptr);
+  EXPECT_EQ(preview.pool_bytes, 2048);
+  EXPECT_EQ(preview.host_store_bytes, 1664 + 256);
+  EXPECT_EQ(preview.host.total(), kept->placement.host.total());
+  EXPECT_TRUE(preview.description.find("host memory") != std::string::npos);
+  // Asked again, the kept plan is described, not made again.
+  const IterationPlan* first = kept.get();
+  PlanPreview again;
+  ASSERT_OK(PreviewIteration(WithBudget(2048), ex.tables, ex.recording, {0, 1, true}, &kept, &again));
+  EXPECT_TRUE(kept.get() == first);
+  EXPECT_EQ(again.description, preview.description);
+  EXPECT_EQ(again.pool_min_bytes, 2048);
+  kept.reset();  // another budget: another plan
+  ASSERT_OK(PreviewIteration(WithBudget(0), ex.tables, ex.recording, {0, 1, true}, &kept, &preview));
+  EXPECT_TRUE(preview.fits);
+  EXPECT_EQ(preview.pool_min_bytes, 2048);
+  EXPECT_EQ(preview.pool_bytes, 2560);
+}
+
+MLT_TEST_MAIN

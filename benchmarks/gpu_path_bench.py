@@ -18,7 +18,8 @@ Per configuration: samples/s of both, their ratio (goal >= 0.90), the GPU
 stall (the training thread's time waiting for an engine buffer / the clock's
 time; GeePS reports < 8%), the training thread's CPU time per clock of both
 (plain PyTorch at these sizes is bound by it: kernel launches) and the engine
-threads' CPU time per clock (process CPU time minus the training thread's).
+threads' CPU time per clock (the threads named mlt-*: allocator, reclaimer,
+shard, installer; autograd's backward thread is not among them).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import argparse
 import collections
 import contextlib
 import json
+import os
 import tempfile
 import cProfile
 import pstats
@@ -129,7 +131,7 @@ def mltuner_run(case: Case, args: argparse.Namespace) -> tuple[float, float, flo
             if step == args.warmup:
                 torch.cuda.synchronize()
                 before = worker.stats
-                cpu_start, main_start = time.process_time(), time.thread_time()
+                cpu_start, main_start = engine_threads_cpu(), time.thread_time()
                 start = time.perf_counter()
                 if profiler:
                     profiler.enable()
@@ -147,11 +149,27 @@ def mltuner_run(case: Case, args: argparse.Namespace) -> tuple[float, float, flo
             profiler.disable()
             pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
         main_cpu = time.thread_time() - main_start
-        engine_cpu = (time.process_time() - cpu_start) - main_cpu
+        engine_cpu = engine_threads_cpu() - cpu_start
         stats = worker.stats
         worker.sync()
     stall = (stats["stall_seconds"] - before["stall_seconds"]) / elapsed
     return case.batch * args.steps / elapsed, stall, main_cpu / args.steps, engine_cpu / args.steps
+
+
+def engine_threads_cpu() -> float:
+    """CPU seconds so far of this process's engine threads (named mlt-*:
+    allocator, reclaimer, shard, installer), from /proc; 0 elsewhere."""
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for task in Path("/proc/self/task").glob("*"):
+        try:
+            if not (task / "comm").read_text().startswith("mlt-"):
+                continue
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
 
 
 @contextlib.contextmanager

@@ -4,10 +4,13 @@
 #include <utility>
 #include <vector>
 
+#include "common/thread_name.h"
+
 namespace mltuner {
 
-void Inbox::Start(std::function<void(Message&&)> deliver) {
-  thread_ = std::thread([this, deliver = std::move(deliver)] {
+void Inbox::Start(const char* thread_name, std::function<void(Message&&)> deliver) {
+  thread_ = std::thread([this, thread_name, deliver = std::move(deliver)] {
+    NameThisThread(thread_name);
     for (;;) {
       Message message;
       {
@@ -48,7 +51,7 @@ ShardHost::ShardHost(int rank, int num_workers, const Config& config, BufferPool
 }
 
 void ShardHost::Start(Engine* engine, Transport* transport) {
-  server_inbox_.Start([this, transport, engine](Message&& message) {
+  server_inbox_.Start("mlt-shard", [this, transport, engine](Message&& message) {
     std::vector<Message> replies;
     Status status;
     {
@@ -82,7 +85,7 @@ void ShardHost::Start(Engine* engine, Transport* transport) {
       if (!sent.ok()) Reject(sent, Message());
     }
   });
-  client_inbox_.Start([this, engine](Message&& message) {
+  client_inbox_.Start("mlt-installer", [this, engine](Message&& message) {
     const Status status = engine->HandleMessage(std::move(message));
     if (!status.ok()) Reject(status, Message());
     // Unless the engine kept the message (a request reply), its payload is

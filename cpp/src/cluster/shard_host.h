@@ -27,7 +27,8 @@ namespace mltuner {
 class Inbox {
  public:
   ~Inbox() { Stop(); }
-  void Start(std::function<void(Message&&)> deliver);
+  // `thread_name`: a string literal (it outlives the thread).
+  void Start(const char* thread_name, std::function<void(Message&&)> deliver);
   void Push(Message&& message);
   // Delivers what is queued, then joins the thread.
   void Stop();

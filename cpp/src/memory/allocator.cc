@@ -10,6 +10,7 @@
 // and waits only for an earlier op to be reclaimed (plan/buffer_schedule.h).
 // The application's wait for the buffer carries the deadline, and reports
 // what the allocator is waiting for (SharedState::allocator_waiting_for).
+#include "common/thread_name.h"
 #include "memory/allocator.h"
 
 #include <algorithm>
@@ -32,7 +33,12 @@ Allocator::Allocator(const Config& config, int rank, int num_workers, std::share
       plan_(plan),
       state_(state) {}
 
-void Allocator::Start() { thread_ = std::thread([this] { Loop(); }); }
+void Allocator::Start() {
+  thread_ = std::thread([this] {
+    NameThisThread("mlt-allocator");
+    Loop();
+  });
+}
 
 void Allocator::Join() {
   if (thread_.joinable()) thread_.join();

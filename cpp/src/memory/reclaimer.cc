@@ -6,6 +6,7 @@
 // still computing (Poseidon's wait-free backprop). Tables without updates
 // send a bare clock at the iteration's clock op. A table with a single update
 // per clock skips the log: its buffer is copied straight into the messages.
+#include "common/thread_name.h"
 #include "memory/reclaimer.h"
 
 #include <algorithm>
@@ -27,7 +28,12 @@ Reclaimer::Reclaimer(const Config& config, int rank, int num_workers, std::share
       // Idle payload buffers: a few clocks of a large model's updates in flight.
       payloads_(std::move(device), size_t{2} << 30) {}
 
-void Reclaimer::Start() { thread_ = std::thread([this] { Loop(); }); }
+void Reclaimer::Start() {
+  thread_ = std::thread([this] {
+    NameThisThread("mlt-reclaimer");
+    Loop();
+  });
+}
 
 void Reclaimer::Join() {
   if (thread_.joinable()) thread_.join();

@@ -3,6 +3,7 @@
 // launches live in cuda/kernels.
 #include "cuda_device.h"
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <cstring>
@@ -84,6 +85,27 @@ class EventPool {
   std::vector<cudaEvent_t> free_;
 };
 
+// A ticket: a pooled event and the stream it was recorded on. A wait on
+// the same stream is skipped: the stream's own order already gives it.
+class StreamTicket {
+ public:
+  StreamTicket(cudaEvent_t event, cudaStream_t stream, std::shared_ptr<EventPool> pool)
+      : event_(event), stream_(stream), pool_(std::move(pool)) {}
+  ~StreamTicket() { pool_->Return(event_); }
+  StreamTicket(const StreamTicket&) = delete;
+  StreamTicket& operator=(const StreamTicket&) = delete;
+
+  cudaEvent_t event() const { return event_; }
+  cudaStream_t stream() const { return stream_; }
+
+ private:
+  const cudaEvent_t event_;
+  const cudaStream_t stream_;
+  const std::shared_ptr<EventPool> pool_;
+};
+
+const StreamTicket& TicketOf(const DeviceEvent& event) { return *static_cast<const StreamTicket*>(event.get()); }
+
 // Threads: any method from any thread (each calls cudaSetDevice first).
 // Ownership: owns its streams, its upload stream and (shared) its event pool;
 // the memory and index copies it hands out belong to the caller until Free /
@@ -110,11 +132,24 @@ class CudaDevice final : public Device {
     int least = 0, greatest = 0;
     err = cudaDeviceGetStreamPriorityRange(&least, &greatest);
     if (err != cudaSuccess) return Fail("NewCudaDevice (cudaDeviceGetStreamPriorityRange)", err);
+    // One stream for the pipeline: the allocator's, the reclaimer's and the
+    // shard's work. Each thread queues work only after the host has seen the
+    // work it depends on queued (a data age, a reclaimed sequence number, a
+    // message), so the stream's order alone orders them, and the events
+    // between them need no wait (WaitEvent skips a ticket of its own stream):
+    // a third of the pipeline's driver calls, which contend with the training
+    // thread's launches. Its priority is the lowest, so that it fills the
+    // gaps between the application's kernels. Synchronous requests
+    // (kReceive) and init-phase work (kApp) keep streams of their own.
     for (int i = 0; i < kNumStreams; ++i) {
-      const int priority = i == static_cast<int>(Stream::kServer) ? least : 0;
+      const Stream kind = static_cast<Stream>(i);
+      if (kind == Stream::kWriteback || kind == Stream::kServer) continue;
+      const int priority = kind == Stream::kPrefetch ? least : 0;
       err = cudaStreamCreateWithPriority(&streams_[i], cudaStreamNonBlocking, priority);
       if (err != cudaSuccess) return Fail("NewCudaDevice (cudaStreamCreateWithPriority)", err);
     }
+    streams_[static_cast<int>(Stream::kWriteback)] = streams_[static_cast<int>(Stream::kPrefetch)];
+    streams_[static_cast<int>(Stream::kServer)] = streams_[static_cast<int>(Stream::kPrefetch)];
     err = cudaStreamCreateWithFlags(&upload_stream_, cudaStreamNonBlocking);
     if (err != cudaSuccess) return Fail("NewCudaDevice (cudaStreamCreateWithFlags)", err);
     return Status::Ok();
@@ -124,8 +159,11 @@ class CudaDevice final : public Device {
   // error state (or a runtime already unloading at exit) fails these calls.
   ~CudaDevice() override {
     cudaSetDevice(ordinal_);
-    for (cudaStream_t stream : streams_) {
-      if (stream == nullptr) continue;
+    for (int i = 0; i < kNumStreams; ++i) {
+      const cudaStream_t stream = streams_[i];
+      if (stream == nullptr || std::find(streams_.begin(), streams_.begin() + i, stream) != streams_.begin() + i) {
+        continue;  // none, or an alias of one destroyed already
+      }
       cudaStreamSynchronize(stream);
       cudaStreamDestroy(stream);
     }
@@ -298,24 +336,29 @@ class CudaDevice final : public Device {
   Status WaitEvent(Stream s, const DeviceEvent& event) override {
     if (!event) return Status::Ok();
     if (!ValidStream(s)) return Status::InvalidArgument("CudaDevice::WaitEvent: no stream " + std::to_string(static_cast<int>(s)));
+    const StreamTicket& ticket = TicketOf(event);
+    const cudaStream_t stream = streams_[static_cast<int>(s)];
+    if (ticket.stream() == stream) return Status::Ok();  // the stream's order already waits
     MLT_RETURN_IF_ERROR(MakeCurrent("WaitEvent"));
-    const cudaError_t err =
-        cudaStreamWaitEvent(streams_[static_cast<int>(s)], static_cast<cudaEvent_t>(event.get()), 0);
+    const cudaError_t err = cudaStreamWaitEvent(stream, ticket.event(), 0);
     if (err != cudaSuccess) return Fail("WaitEvent (cudaStreamWaitEvent)", err);
     return Status::Ok();
   }
 
   Status WaitOnAppStream(uintptr_t app_stream, const DeviceEvent& event) override {
     if (!event) return Status::Ok();
+    const StreamTicket& ticket = TicketOf(event);
+    const cudaStream_t stream = AppStream(app_stream);
+    if (ticket.stream() == stream) return Status::Ok();
     MLT_RETURN_IF_ERROR(MakeCurrent("WaitOnAppStream"));
-    const cudaError_t err = cudaStreamWaitEvent(AppStream(app_stream), static_cast<cudaEvent_t>(event.get()), 0);
+    const cudaError_t err = cudaStreamWaitEvent(stream, ticket.event(), 0);
     return err == cudaSuccess ? Status::Ok() : AppStreamError("WaitOnAppStream", app_stream, err);
   }
 
   Status WaitEventDone(const DeviceEvent& event) override {
     if (!event) return Status::Ok();
     MLT_RETURN_IF_ERROR(MakeCurrent("WaitEventDone"));
-    const cudaError_t err = cudaEventSynchronize(static_cast<cudaEvent_t>(event.get()));
+    const cudaError_t err = cudaEventSynchronize(TicketOf(event).event());
     if (err != cudaSuccess) return Fail("WaitEventDone (cudaEventSynchronize)", err);
     return Status::Ok();
   }
@@ -396,8 +439,7 @@ class CudaDevice final : public Device {
       cudaEventDestroy(event);
       return err;
     }
-    std::shared_ptr<EventPool> pool = events_;
-    *out = DeviceEvent(static_cast<void*>(event), [pool](void* e) { pool->Return(static_cast<cudaEvent_t>(e)); });
+    *out = std::make_shared<StreamTicket>(event, stream, events_);
     return cudaSuccess;
   }
 

@@ -224,6 +224,13 @@ class ClockOptimizer(torch.optim.Optimizer):
                 "scaler.step(model.optimizer) with a GradScaler that wrap() was not given: the gradients have "
                 "left scaled; pass it as wrap(..., grad_scaler=scaler)"
             )
+        if self._model._scaled is not None and hasattr(self, "found_inf") and getattr(self, "grad_scale", 0) is None:
+            # GradScaler.step passes grad_scale=None after scaler.unscale_(): the
+            # gradients were unscaled there, and the adapter would unscale again.
+            raise InvalidArgumentError(
+                "scaler.unscale_(model.optimizer) is not supported: wrap()'s grad_scaler unscales the gradients "
+                "itself before they leave; call scaler.step(model.optimizer) without unscale_"
+            )
         self._model.step()
         if self._source is not None:
             # What a scheduler built on the original optimizer checks to see

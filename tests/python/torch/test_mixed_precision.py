@@ -169,3 +169,20 @@ gpu = pytest.mark.skipif(mltuner.cuda_device_count() == 0 or not torch.cuda.is_a
 def test_mixed_precision_on_the_gpu(dtype: torch.dtype) -> None:
     scaler_args = {"init_scale": 2.0**30, "growth_interval": 4} if dtype == torch.float16 else None
     compare(torch.device("cuda", 0), dtype, scaler_args)
+
+
+def test_unscale_before_step_is_refused_not_applied_twice() -> None:
+    net = make_net()
+    x, y = make_batches(torch.device("cpu"))[0]
+    cluster = LocalCluster(1, Config(update_rule=UpdateRule("sgd", learning_rate=LR)))
+    try:
+        scaler = torch.amp.GradScaler("cpu")
+        model = mt.wrap(net, cluster.worker(0), example_input=x, grad_scaler=scaler)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(model.optimizer)
+        with pytest.raises(InvalidArgumentError, match=r"unscale_\(model.optimizer\) is not supported"):
+            scaler.step(model.optimizer)
+    finally:
+        cluster.shutdown()

@@ -131,15 +131,29 @@ class CudaDevice final : public Device {
     int least = 0, greatest = 0;
     err = cudaDeviceGetStreamPriorityRange(&least, &greatest);
     if (err != cudaSuccess) return Fail("NewCudaDevice (cudaDeviceGetStreamPriorityRange)", err);
-    // The pipeline's threads keep streams of their own: on one shared stream a wait for the
-    // application's work (the reclaimer's, before it reads an update) held
-    // back the allocator's gathers behind it, and a ResNet-18 clock got
-    // 0.2-0.5 ms slower on an H100, though it made a third fewer driver calls.
+    // So do the swap streams: a swap moves rows for ops the allocator
+    // prepares ahead of time, or (out) rows the application is done with.
+    // The pipeline's threads keep streams of their own: on one shared stream
+    // a wait for the application's work (the reclaimer's, before it reads an
+    // update) held back the allocator's gathers behind it, and a ResNet-18
+    // clock got 0.2-0.5 ms slower on an H100, though it made a third fewer
+    // driver calls.
     for (int i = 0; i < kNumStreams; ++i) {
-      const int priority = i == static_cast<int>(Stream::kServer) ? least : 0;
+      const Stream s = static_cast<Stream>(i);
+      const bool low = s == Stream::kServer || s == Stream::kSwapIn || s == Stream::kSwapOut;
+      const int priority = low ? least : 0;
       err = cudaStreamCreateWithPriority(&streams_[i], cudaStreamNonBlocking, priority);
       if (err != cudaSuccess) return Fail("NewCudaDevice (cudaStreamCreateWithPriority)", err);
     }
+    // Kernels may read and write pinned host memory in place when it is
+    // mapped at its host address: unified addressing (every 64-bit Linux
+    // system) and the ability to map host memory. Without them the engine
+    // swaps with a copy per run (Device::maps_host_memory).
+    int unified = 0, can_map = 0;
+    err = cudaDeviceGetAttribute(&unified, cudaDevAttrUnifiedAddressing, ordinal_);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&can_map, cudaDevAttrCanMapHostMemory, ordinal_);
+    if (err != cudaSuccess) return Fail("NewCudaDevice (cudaDeviceGetAttribute)", err);
+    maps_host_ = unified != 0 && can_map != 0;
     err = cudaStreamCreateWithFlags(&upload_stream_, cudaStreamNonBlocking);
     if (err != cudaSuccess) return Fail("NewCudaDevice (cudaStreamCreateWithFlags)", err);
     return Status::Ok();
@@ -163,6 +177,7 @@ class CudaDevice final : public Device {
 
   std::string name() const override { return name_; }
   bool host_addressable() const override { return false; }
+  bool maps_host_memory() const override { return maps_host_; }
   int ordinal() const override { return ordinal_; }
 
   Status Allocate(size_t bytes, void** out) override {
@@ -181,13 +196,28 @@ class CudaDevice final : public Device {
     Record("Free (cudaFree)", cudaFree(ptr));
   }
 
-  // Pinned, so that copies from it are true DMA and overlap with kernels.
+  // Pinned, so that copies from it are true DMA and overlap with kernels;
+  // portable (usable from every device of the process); and, when the device
+  // maps host memory, mapped, so that the gather and scatter-add kernels read
+  // and write it in place at its host address (checked, since the kernels
+  // are handed the host pointer).
   Status AllocateHost(size_t bytes, void** out) override {
     if (bytes == 0) return Status::InvalidArgument("CudaDevice::AllocateHost of 0 bytes");
     MLT_RETURN_IF_ERROR(MakeCurrent("AllocateHost"));
     void* ptr = nullptr;
-    const cudaError_t err = cudaMallocHost(&ptr, bytes);
-    if (err != cudaSuccess) return AllocationFailure("AllocateHost (cudaMallocHost)", bytes, err);
+    const unsigned flags = cudaHostAllocPortable | (maps_host_ ? cudaHostAllocMapped : 0u);
+    cudaError_t err = cudaHostAlloc(&ptr, bytes, flags);
+    if (err != cudaSuccess) return AllocationFailure("AllocateHost (cudaHostAlloc)", bytes, err);
+    if (maps_host_) {
+      void* mapped = nullptr;
+      err = cudaHostGetDevicePointer(&mapped, ptr, 0);
+      if (err != cudaSuccess || mapped != ptr) {
+        cudaFreeHost(ptr);
+        if (err != cudaSuccess) return Fail("AllocateHost (cudaHostGetDevicePointer)", err);
+        return Status::Internal("CudaDevice::AllocateHost: pinned memory mapped at a device address other than "
+                                "its host address, although the device has unified addressing");
+      }
+    }
     *out = ptr;
     return Status::Ok();
   }
@@ -246,6 +276,9 @@ class CudaDevice final : public Device {
     Copy(dst, src, bytes, cudaMemcpyDeviceToDevice, s, "CopyDeviceToDevice");
   }
 
+  // Either pointer may be mapped pinned memory from AllocateHost (when
+  // maps_host_): the same kernel then reads or writes host memory over PCIe,
+  // many runs in one launch, instead of a cudaMemcpyAsync per run.
   void Gather(float* dst, const float* src, const RunIndex& index, int64_t row_width, Stream s) override {
     RowRuns(&kernels::LaunchGatherRuns, "Gather", dst, src, index, row_width, s);
   }
@@ -541,6 +574,7 @@ class CudaDevice final : public Device {
 
   const int ordinal_;
   std::string name_;
+  bool maps_host_ = false;  // set by Init, constant afterwards
   std::array<cudaStream_t, kNumStreams> streams_{};
   cudaStream_t upload_stream_ = nullptr;  // PrepareIndex's uploads only
   std::shared_ptr<EventPool> events_;

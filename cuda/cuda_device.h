@@ -1,6 +1,9 @@
 // The CUDA backend of Device (cpp/include/mltuner/device.h): device memory
-// from cudaMalloc, pinned host staging from cudaMallocHost, one non-blocking
-// CUDA stream per mltuner::Stream, and the row-run kernels of cuda/kernels.
+// from cudaMalloc, pinned host memory from cudaHostAlloc (portable, and
+// mapped at its host address when the GPU has unified addressing, so that the
+// row-run kernels of cuda/kernels gather from and scatter-add into it in
+// place), one non-blocking CUDA stream per mltuner::Stream (the server and
+// swap streams at the lowest priority).
 //
 // Threads: every method may be called from any thread; each first makes its
 // GPU current on the calling thread (cudaSetDevice), so engine threads need

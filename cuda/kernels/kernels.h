@@ -4,7 +4,10 @@
 // device) are left for the caller to read with cudaGetLastError() or the next
 // cudaStreamSynchronize(), where the CUDA backend turns them into a Status.
 //
-// Every pointer is device memory. A launcher with nothing to do (zero runs,
+// Every pointer is device memory, except that the row-run launchers (gather,
+// scatter-add) also take pinned host memory mapped at its host address
+// (cudaHostAllocMapped with unified addressing): the kernel then reads or
+// writes it over PCIe, which is how host-resident rows are swapped. A launcher with nothing to do (zero runs,
 // zero rows or zero values) enqueues nothing. Launchers are thread-safe: they
 // hold no state, so any thread may call them on any stream.
 //

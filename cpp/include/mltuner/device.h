@@ -34,8 +34,13 @@ enum class Stream : int {
   kReceive = 3,    // synchronous requests (fetch replies, branch switches)
   kServer = 4,     // the process's server shard: sums, update rules, pushed rows
                    // (low priority on CUDA: it must not delay the application)
+  kSwapIn = 5,     // allocator thread: host-resident rows into access buffers
+  kSwapOut = 6,    // reclaimer thread: access buffers into host-resident rows
+                   // (both low priority on CUDA, and apart from each other, so a
+                   // swap-out waiting for the application never holds back a
+                   // swap-in queued behind it)
 };
-constexpr int kNumStreams = 5;
+constexpr int kNumStreams = 7;
 
 // A ticket for work queued on a stream; null means "already complete".
 using DeviceEvent = std::shared_ptr<void>;
@@ -78,7 +83,8 @@ class Device {
   // Device memory. REQUIRES: bytes > 0.
   virtual Status Allocate(size_t bytes, void** out) = 0;
   virtual void Free(void* ptr) = 0;
-  // Host staging memory (pinned on CUDA).
+  // Host staging memory (pinned on CUDA, and mapped into the device's address
+  // space at the same address when maps_host_memory()).
   virtual Status AllocateHost(size_t bytes, void** out) = 0;
   virtual void FreeHost(void* ptr) = 0;
   // As Allocate (host: AllocateHost), every byte zero; freed as such. The
@@ -88,6 +94,15 @@ class Device {
   // yet written takes no RAM (a plan's stores fill as training touches them).
   virtual Status AllocateZeroed(size_t bytes, bool host, void** out);
 
+  // True when Gather, ScatterAdd and Fill may take memory from AllocateHost
+  // (not arbitrary host memory) in place of device memory, for either
+  // pointer: the device reads and writes it where it lies (on CUDA, a kernel
+  // over PCIe on pinned memory mapped at the same address, which needs
+  // unified addressing). The engine then moves host-resident rows with one
+  // launch per access; otherwise with a copy per run through staging. The
+  // CPU backend's memory is all host memory: true. The default is false.
+  virtual bool maps_host_memory() const { return false; }
+
   virtual Status PrepareIndex(RunIndex* index) = 0;
   virtual void ReleaseIndex(RunIndex* index) = 0;
 
@@ -95,10 +110,12 @@ class Device {
   virtual void CopyDeviceToHost(void* dst, const void* src, size_t bytes, Stream s) = 0;
   virtual void CopyDeviceToDevice(void* dst, const void* src, size_t bytes, Stream s) = 0;
   // For each run: dst rows [run.dst, run.dst+count) = src rows [run.src, ...).
-  // Both pointers are device memory.
+  // Both pointers are device memory, or either is AllocateHost memory when
+  // maps_host_memory() (see there).
   virtual void Gather(float* dst, const float* src, const RunIndex& index, int64_t row_width,
                       Stream s) = 0;
   // For each run: dst rows [run.dst, ...) += src rows [run.src, ...).
+  // Pointers as for Gather. REQUIRES: no two runs write the same dst row.
   virtual void ScatterAdd(float* dst, const float* src, const RunIndex& index, int64_t row_width,
                           Stream s) = 0;
   virtual void Fill(float* dst, float value, size_t count, Stream s) = 0;

@@ -132,7 +132,7 @@ Status Engine::Impl::OpenInit(Handle handle, AccessBuffer* out) {
     MLT_RETURN_IF_ERROR(Fetch(access.table, access.rows, host.data(), 0));
     device_->CopyHostToDevice(block->floats(), host.data(), values * sizeof(float), Stream::kApp);
   } else if (access.kind == OpKind::kLocalAccess && access.fetch) {
-    allocator_.GatherInto(access, block->floats(), Stream::kApp);
+    MLT_RETURN_IF_ERROR(allocator_.GatherInto(access, block->floats(), Stream::kApp));
   } else {
     device_->Fill(block->floats(), 0.0f, values, Stream::kApp);
   }
@@ -164,8 +164,8 @@ Status Engine::Impl::PostInit(Handle handle, uintptr_t app_stream) {
     status = device_->Synchronize(Stream::kApp);
     if (status.ok()) status = InitAdd(access, host.data());
   } else if (access.kind == OpKind::kLocalAccess && access.keep) {
-    reclaimer_.WriteBackLocal(access, slot.data);
-    status = device_->Synchronize(Stream::kWriteback);
+    status = reclaimer_.WriteBackLocal(access, slot.data);
+    if (status.ok()) status = device_->Synchronize(Stream::kWriteback);
   }
   if (status.ok() && config_.debug_buffers) {
     // The buffer was read (synchronously) above: poison it for the

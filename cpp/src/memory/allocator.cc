@@ -17,6 +17,8 @@
 #include <cstring>
 #include <string>
 
+#include "memory/swap.h"
+
 namespace mltuner {
 
 namespace {
@@ -109,7 +111,7 @@ Status Allocator::PrepareSlot(int64_t seq, const AccessRecord& access, const Clo
       mltuner::Clock age = kNoClock;
       MLT_RETURN_IF_ERROR(WaitFresh(access, at, &age));
       auto guard = plan_->stores[access.table]->locks->LockShared(index.lock_begin, index.lock_count);
-      GatherInto(access, slot->data, Stream::kPrefetch);
+      MLT_RETURN_IF_ERROR(GatherInto(access, slot->data, Stream::kPrefetch));
       // The age is read again under the partition locks: installs of newer rows
       // may have landed, never older ones.
       slot->data_age = std::max(age, state_->DataAge(access.table));
@@ -122,9 +124,12 @@ Status Allocator::PrepareSlot(int64_t seq, const AccessRecord& access, const Clo
       if (access.fetch) {
         if (index.fetch_after_op >= 0) {
           const int64_t writer_clock = clock - (index.fetch_after_previous_clock ? 1 : 0);
-          if (writer_clock >= 0) MLT_RETURN_IF_ERROR(WaitForWriteBack(writer_clock * num_ops + index.fetch_after_op + 1));
+          if (writer_clock >= 0) {
+            MLT_RETURN_IF_ERROR(WaitForWriteBack(writer_clock * num_ops + index.fetch_after_op + 1,
+                                                 plan_->recording.ops[index.fetch_after_op].handle, writer_clock));
+          }
         }
-        GatherInto(access, slot->data, Stream::kPrefetch);
+        MLT_RETURN_IF_ERROR(GatherInto(access, slot->data, Stream::kPrefetch));
       }
       break;
     default:
@@ -195,14 +200,22 @@ Status Allocator::WaitForPoolSpace(const AccessRecord& access, mltuner::Clock cl
   return device_->WaitEvent(Stream::kPrefetch, released);
 }
 
-Status Allocator::WaitForWriteBack(int64_t seq_needed) {
-  MutexLock lock(&state_->mu);
-  while (!state_->stopping && state_->reclaimed_seq < seq_needed) state_->cv.Wait();
-  if (state_->stopping) return Status::Shutdown("stopping");
-  return Status::Ok();
+Status Allocator::WaitForWriteBack(int64_t seq_needed, Handle writer, mltuner::Clock writer_clock) {
+  DeviceEvent written;
+  {
+    MutexLock lock(&state_->mu);
+    while (!state_->stopping && state_->reclaimed_seq < seq_needed) state_->cv.Wait();
+    if (state_->stopping) return Status::Shutdown("stopping");
+    // The reclaimer does not wait for its write-back copies: the fetch waits
+    // on the device for the writer's release ticket, taken after them.
+    // Preparing a slot leaves its ticket alone, and a later release of the
+    // slot is a later ticket on the same (writeback) stream, which covers it.
+    written = state_->slots[writer][writer_clock % plan_->depth].released;
+  }
+  return device_->WaitEvent(Stream::kPrefetch, written);
 }
 
-void Allocator::GatherInto(const AccessRecord& access, float* buffer, Stream stream) {
+Status Allocator::GatherInto(const AccessRecord& access, float* buffer, Stream stream) {
   const AccessIndex& index = plan_->index.accesses[access.handle];
   const TableStore& store = *plan_->stores[access.table];
   const int64_t width = store.info.row_width;
@@ -210,15 +223,27 @@ void Allocator::GatherInto(const AccessRecord& access, float* buffer, Stream str
   if (index.device_gather.total_rows > 0) {
     device_->Gather(buffer, store.values(Residence::kDevice), index.device_gather, width, stream);
   }
-  // Host-resident rows are swapped in run by run, straight from the host store
-  // (pinned memory on CUDA) on the prefetch stream.
-  const float* host = store.values(Residence::kHost);
-  for (const RowRun& run : index.host_gather.runs) {
-    device_->CopyHostToDevice(buffer + run.dst * width, host + run.src * width, run.count * row_bytes, stream);
+  // Host-resident rows straight from the host store (pinned on CUDA): one
+  // gather over all runs where the device maps host memory, else a copy per
+  // run. Joined to `stream` while the caller still holds the partition
+  // locks, so an install (queued on the prefetch stream, or written on the
+  // host after a Synchronize of it) is ordered after this swap.
+  if (index.host_gather.total_rows > 0) {
+    const float* host = store.values(Residence::kHost);
+    MLT_RETURN_IF_ERROR(OnSwapStream(*device_, stream, Stream::kSwapIn, [&](Stream swap) {
+      if (device_->maps_host_memory()) {
+        device_->Gather(buffer, host, index.host_gather, width, swap);
+        return;
+      }
+      for (const RowRun& run : index.host_gather.runs) {
+        device_->CopyHostToDevice(buffer + run.dst * width, host + run.src * width, run.count * row_bytes, swap);
+      }
+    }));
   }
   MutexLock lock(&state_->mu);
   state_->stats.bytes_gathered += index.device_gather.total_rows * static_cast<int64_t>(row_bytes);
   state_->stats.bytes_swapped_in += index.host_gather.total_rows * static_cast<int64_t>(row_bytes);
+  return Status::Ok();
 }
 
 Status Allocator::SwitchCache(BranchId branch) {

@@ -35,8 +35,9 @@ class Allocator {
   void Join();
 
   // Queues the rows of a read or local fetch into `buffer` on `stream`:
-  // device-resident rows with one gather, host-resident rows copied run by run.
-  void GatherInto(const AccessRecord& access, float* buffer, Stream stream) EXCLUDES(state_->mu);
+  // device-resident rows with one gather, host-resident rows swapped in on
+  // the swap-in stream joined to `stream` (memory/swap.h).
+  Status GatherInto(const AccessRecord& access, float* buffer, Stream stream) EXCLUDES(state_->mu);
 
  private:
   void Loop();
@@ -46,7 +47,10 @@ class Allocator {
   // Points the cache at another branch: forgets every data age and asks the
   // shards for that branch's rows.
   Status SwitchCache(BranchId branch) EXCLUDES(state_->age_mu, state_->mu);
-  Status WaitForWriteBack(int64_t seq_needed) EXCLUDES(state_->mu);
+  // Waits until the reclaimer passed `seq_needed` (the post of `writer` at
+  // `writer_clock`), then makes the prefetch stream wait for that slot's
+  // release ticket (its write-back copies).
+  Status WaitForWriteBack(int64_t seq_needed, Handle writer, mltuner::Clock writer_clock) EXCLUDES(state_->mu);
   // Waits until the last earlier user of the buffer's static addresses is
   // reclaimed (BufferSchedule::WaitSeq).
   Status WaitForPoolSpace(const AccessRecord& access, mltuner::Clock clock) EXCLUDES(state_->mu);

@@ -14,6 +14,8 @@
 #include <limits>
 #include <string>
 
+#include "memory/swap.h"
+
 namespace mltuner {
 
 Reclaimer::Reclaimer(const Config& config, int rank, int num_workers, std::shared_ptr<Device> device,
@@ -98,16 +100,16 @@ Status Reclaimer::ReclaimOp(int64_t seq) {
   if (op.kind == OpKind::kUpdate && index.tables[access.table].direct.handle == op.handle) {
     MLT_RETURN_IF_ERROR(BuildDirectUpdate(access, slot->data, clock, &messages));
   } else if (op.kind == OpKind::kUpdate) {
-    ScatterAddUpdate(access, slot->data);
+    MLT_RETURN_IF_ERROR(ScatterAddUpdate(access, slot->data));
     if (index.accesses[op.handle].closes_table_clock) {
+      MLT_RETURN_IF_ERROR(FinishHostLog(access.table));
       MLT_RETURN_IF_ERROR(BuildTableClock(access.table, clock, &messages));
     }
   } else if (op.kind == OpKind::kPostLocalAccess && access.keep) {
     // Kept local data is fetched again after the allocator sees this op
-    // reclaimed (WaitForWriteBack), possibly from host memory: the copies
-    // must be complete by then.
-    WriteBackLocal(access, slot->data);
-    MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kWriteback));
+    // reclaimed (WaitForWriteBack); its fetch waits on the device for this
+    // slot's release ticket, taken below after these copies.
+    MLT_RETURN_IF_ERROR(WriteBackLocal(access, slot->data));
   }
   if (config_.debug_buffers) {  // after its copies
     device_->Fill(slot->data, std::numeric_limits<float>::quiet_NaN(), plan_->BufferValues(access), Stream::kWriteback);
@@ -133,7 +135,7 @@ void Reclaimer::ReleaseSlot(Slot* slot, DeviceEvent released) {
   state_->cv.NotifyAll();
 }
 
-void Reclaimer::ScatterAddUpdate(const AccessRecord& access, const float* buffer) {
+Status Reclaimer::ScatterAddUpdate(const AccessRecord& access, const float* buffer) {
   const AccessIndex& index = plan_->index.accesses[access.handle];
   const TableStore& store = *plan_->stores[access.table];
   const int64_t width = store.info.row_width;
@@ -142,28 +144,49 @@ void Reclaimer::ScatterAddUpdate(const AccessRecord& access, const float* buffer
                         Stream::kWriteback);
   }
   if (index.host_scatter.total_rows > 0) {
-    // Host-resident rows: bring the buffer's rows to host staging, then add
-    // them into the host log on this thread.
-    float* staging = plan_->staging->floats();
-    for (const RowRun& run : index.host_scatter.runs) {
-      device_->CopyDeviceToHost(staging + run.src * width, buffer + run.src * width,
-                                static_cast<size_t>(run.count * store.info.row_bytes()), Stream::kWriteback);
-    }
-    device_->Synchronize(Stream::kWriteback);
     float* log = store.log(Residence::kHost);
-    for (const RowRun& run : index.host_scatter.runs) {
-      float* __restrict dst = log + run.dst * width;
-      const float* __restrict src = staging + run.src * width;
-      const int64_t n = run.count * width;
-      for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
+    if (device_->maps_host_memory()) {
+      // Host-resident rows: one scatter-add kernel into the host log where
+      // it lies (pinned, mapped), on the swap-out stream. Nothing waits here;
+      // FinishHostLog waits before the log is read on the host.
+      MLT_RETURN_IF_ERROR(OnSwapStream(*device_, Stream::kWriteback, Stream::kSwapOut, [&](Stream swap) {
+        device_->ScatterAdd(log, buffer, index.host_scatter, width, swap);
+      }));
+      if (host_log_pending_.size() <= static_cast<size_t>(access.table)) {
+        host_log_pending_.resize(static_cast<size_t>(access.table) + 1, false);
+      }
+      host_log_pending_[static_cast<size_t>(access.table)] = true;
+    } else {
+      // A device that cannot write host memory: bring the buffer's rows to
+      // host staging, then add them into the host log on this thread.
+      float* staging = plan_->staging->floats();
+      for (const RowRun& run : index.host_scatter.runs) {
+        device_->CopyDeviceToHost(staging + run.src * width, buffer + run.src * width,
+                                  static_cast<size_t>(run.count * store.info.row_bytes()), Stream::kWriteback);
+      }
+      MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kWriteback));
+      for (const RowRun& run : index.host_scatter.runs) {
+        float* __restrict dst = log + run.dst * width;
+        const float* __restrict src = staging + run.src * width;
+        const int64_t n = run.count * width;
+        for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
+      }
     }
   }
   MutexLock lock(&state_->mu);
   state_->stats.bytes_scattered += static_cast<int64_t>(access.rows.size()) * store.info.row_bytes();
   state_->stats.bytes_swapped_out += index.host_scatter.total_rows * store.info.row_bytes();
+  return Status::Ok();
 }
 
-void Reclaimer::WriteBackLocal(const AccessRecord& access, const float* buffer) {
+Status Reclaimer::FinishHostLog(TableId table) {
+  const size_t t = static_cast<size_t>(table);
+  if (t >= host_log_pending_.size() || !host_log_pending_[t]) return Status::Ok();
+  host_log_pending_[t] = false;
+  return device_->Synchronize(Stream::kWriteback);
+}
+
+Status Reclaimer::WriteBackLocal(const AccessRecord& access, const float* buffer) {
   const AccessIndex& index = plan_->index.accesses[access.handle];
   const TableStore& store = *plan_->stores[access.table];
   const int64_t width = store.info.row_width;
@@ -172,13 +195,22 @@ void Reclaimer::WriteBackLocal(const AccessRecord& access, const float* buffer) 
   if (index.device_scatter.total_rows > 0) {
     device_->Gather(store.values(Residence::kDevice), buffer, index.device_scatter, width, Stream::kWriteback);
   }
-  float* host = store.values(Residence::kHost);
-  for (const RowRun& run : index.host_scatter.runs) {
-    device_->CopyDeviceToHost(host + run.dst * width, buffer + run.src * width,
-                              static_cast<size_t>(run.count * store.info.row_bytes()), Stream::kWriteback);
+  if (index.host_scatter.total_rows > 0) {
+    float* host = store.values(Residence::kHost);
+    MLT_RETURN_IF_ERROR(OnSwapStream(*device_, Stream::kWriteback, Stream::kSwapOut, [&](Stream swap) {
+      if (device_->maps_host_memory()) {
+        device_->Gather(host, buffer, index.host_scatter, width, swap);  // one kernel into the host store
+        return;
+      }
+      for (const RowRun& run : index.host_scatter.runs) {
+        device_->CopyDeviceToHost(host + run.dst * width, buffer + run.src * width,
+                                  static_cast<size_t>(run.count * store.info.row_bytes()), swap);
+      }
+    }));
   }
   MutexLock lock(&state_->mu);
   state_->stats.bytes_swapped_out += index.host_scatter.total_rows * store.info.row_bytes();
+  return Status::Ok();
 }
 
 Status Reclaimer::NewUpdateMessage(TableId table, int shard, mltuner::Clock clock, size_t values, Message* out,

@@ -37,13 +37,17 @@ class Reclaimer {
   void Join();
 
   // Queues the copies of a kept local access's buffer back into its table's
-  // store on the writeback stream.
-  void WriteBackLocal(const AccessRecord& access, const float* buffer) EXCLUDES(state_->mu);
+  // store on the writeback stream (host-resident rows on the swap-out stream
+  // joined to it, memory/swap.h).
+  Status WriteBackLocal(const AccessRecord& access, const float* buffer) EXCLUDES(state_->mu);
 
  private:
   void Loop();
   Status ReclaimOp(int64_t seq);
-  void ScatterAddUpdate(const AccessRecord& access, const float* buffer) EXCLUDES(state_->mu);
+  Status ScatterAddUpdate(const AccessRecord& access, const float* buffer) EXCLUDES(state_->mu);
+  // Before this thread reads or zeroes a table's host log on the host: waits
+  // for the scatter-adds queued into it on the device, if any.
+  Status FinishHostLog(TableId table);
   Status BuildTableClock(TableId table, mltuner::Clock clock, std::vector<Message>* messages);
   Status BuildDirectUpdate(const AccessRecord& access, const float* buffer, mltuner::Clock clock,
                            std::vector<Message>* messages) EXCLUDES(state_->mu);
@@ -68,6 +72,9 @@ class Reclaimer {
   SharedState* const state_;
   // Device buffers for update payloads to shards that share this device.
   DeviceBufferPool payloads_;
+  // Per table: a scatter-add into its host log is queued on the device and
+  // not yet waited for. This thread's only (and the init phase's, before it).
+  std::vector<bool> host_log_pending_;
   std::thread thread_;
 };
 

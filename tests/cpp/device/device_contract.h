@@ -458,6 +458,73 @@ inline void GatherAndScatterAdd(Device& device) {
   }
 }
 
+// Host-resident rows (Device::maps_host_memory): Gather from AllocateHost
+// memory into device memory (a swap in), ScatterAdd from device memory into
+// it (an update's rows into a host log) and Gather into it (local data
+// written back), on the swap streams, matching the reference bit for bit. The
+// host side is read and written on the host only after a Synchronize.
+inline void HostResidentRuns(Device& device) {
+  if (!device.maps_host_memory()) {
+    std::fprintf(stderr, "  (%s does not map host memory: the engine swaps with copies)\n", device.name().c_str());
+    return;
+  }
+  std::mt19937_64 rng(18);
+  const std::pair<int64_t, int64_t> shapes[] = {{1, 20000}, {3, 5000}, {64, 3000}, {1000, 500}};
+  for (const auto& [width, rows] : shapes) {
+    const std::vector<Layout> layouts = Layouts(rows, rng);
+    const size_t n = static_cast<size_t>(rows * width);
+    for (size_t li = 0; li < layouts.size(); ++li) {
+      const Layout& layout = layouts[li];
+      for (int mode = 0; mode < 3; ++mode) {  // 0: host -> device gather, 1: scatter-add into host, 2: gather into host
+        const bool add = mode == 1, host_dst = mode != 0;
+        const size_t offset = li == 0 ? 1 : 0;  // one misaligned case per shape
+        DeviceFloats device_side(device, n + offset);
+        HostFloats host_side(device, n + offset);
+        ASSERT_OK(device_side.status());
+        ASSERT_OK(host_side.status());
+        const std::vector<float> src = RandomNonZero(n + offset, rng);
+        std::vector<float> want = RandomNonZero(n + offset, rng);
+        float* dst = nullptr;
+        const float* srcp = nullptr;
+        if (host_dst) {
+          ASSERT_OK(Upload(device, device_side.data(), src, Stream::kReceive));
+          std::memcpy(host_side.data(), want.data(), want.size() * sizeof(float));
+          dst = host_side.data() + offset;
+          srcp = device_side.data() + offset;
+        } else {
+          ASSERT_OK(Upload(device, device_side.data(), want, Stream::kReceive));
+          std::memcpy(host_side.data(), src.data(), src.size() * sizeof(float));
+          dst = device_side.data() + offset;
+          srcp = host_side.data() + offset;
+        }
+        RunIndex index;
+        index.runs = layout.runs;
+        const bool prepare = li != 2;  // an unprepared index must work too
+        if (prepare) ASSERT_OK(device.PrepareIndex(&index));
+        const Stream s = host_dst ? Stream::kSwapOut : Stream::kSwapIn;
+        if (add) {
+          device.ScatterAdd(dst, srcp, index, width, s);
+        } else {
+          device.Gather(dst, srcp, index, width, s);
+        }
+        ASSERT_OK(device.Synchronize(s));
+        ReferenceRuns(add, want.data() + offset, src.data() + offset, layout.runs, width);
+        std::vector<float> got;
+        if (host_dst) {
+          got.assign(host_side.data(), host_side.data() + want.size());
+        } else {
+          ASSERT_OK(Download(device, device_side.data(), want.size(), &got, Stream::kApp));
+        }
+        const char* names[] = {"Gather from host memory", "ScatterAdd into host memory", "Gather into host memory"};
+        MLT_CONTRACT_EXPECT_SAME(got.data(), want.data(), got.size(),
+                                 std::string(names[mode]) + ", " + layout.name + ", width " + std::to_string(width) +
+                                     (prepare ? "" : ", unprepared index"));
+        device.ReleaseIndex(&index);
+      }
+    }
+  }
+}
+
 // Work issued on one stream runs in issue order: a chain of dependent steps
 // with a single Synchronize at the end gives the right result.
 inline void StreamOrder(Device& device) {
@@ -593,6 +660,7 @@ inline void RunDeviceContract(Device& device, const char* label, const AppWorkHo
       {"AllocatesZeroed", [&] { AllocatesZeroed(device); }},
       {"Indexes", [&] { Indexes(device); }},
       {"GatherAndScatterAdd", [&] { GatherAndScatterAdd(device); }},
+      {"HostResidentRuns", [&] { HostResidentRuns(device); }},
       {"StreamOrder", [&] { StreamOrder(device); }},
       {"ConcurrentThreads", [&] { ConcurrentThreads(device); }},
       {"AppWorkTickets", [&] { AppWorkTickets(device, hooks); }},

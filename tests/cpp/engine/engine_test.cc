@@ -495,14 +495,67 @@ void SwapWorker(Engine* e, int rank, ThreadLog* log, std::vector<double>* checks
   *stats = e->Stats();
 }
 
-void RunSwap(int64_t budget, int prefetch, SwapResult* result) {
+// The CPU backend as a device that cannot map host memory
+// (Device::maps_host_memory false): the engine then swaps with a copy per
+// run and sums host logs on the reclaimer thread, the path of a GPU without
+// unified addressing.
+class UnmappedCpuDevice final : public Device {
+ public:
+  std::string name() const override { return "cpu (unmapped)"; }
+  bool host_addressable() const override { return true; }
+  bool maps_host_memory() const override { return false; }
+  int ordinal() const override { return 0; }
+  Status Allocate(size_t b, void** out) override { return cpu_->Allocate(b, out); }
+  void Free(void* p) override { cpu_->Free(p); }
+  Status AllocateHost(size_t b, void** out) override { return cpu_->AllocateHost(b, out); }
+  void FreeHost(void* p) override { cpu_->FreeHost(p); }
+  Status AllocateZeroed(size_t b, bool host, void** out) override { return cpu_->AllocateZeroed(b, host, out); }
+  Status PrepareIndex(RunIndex* i) override { return cpu_->PrepareIndex(i); }
+  void ReleaseIndex(RunIndex* i) override { cpu_->ReleaseIndex(i); }
+  void CopyHostToDevice(void* d, const void* s, size_t b, Stream st) override { cpu_->CopyHostToDevice(d, s, b, st); }
+  void CopyDeviceToHost(void* d, const void* s, size_t b, Stream st) override { cpu_->CopyDeviceToHost(d, s, b, st); }
+  void CopyDeviceToDevice(void* d, const void* s, size_t b, Stream st) override {
+    cpu_->CopyDeviceToDevice(d, s, b, st);
+  }
+  void Gather(float* d, const float* s, const RunIndex& i, int64_t w, Stream st) override { cpu_->Gather(d, s, i, w, st); }
+  void ScatterAdd(float* d, const float* s, const RunIndex& i, int64_t w, Stream st) override {
+    cpu_->ScatterAdd(d, s, i, w, st);
+  }
+  void Fill(float* d, float v, size_t n, Stream st) override { cpu_->Fill(d, v, n, st); }
+  void AddInto(float* d, const float* s, int64_t n, Stream st) override { cpu_->AddInto(d, s, n, st); }
+  void ApplyUpdate(const UpdateStep& step, float* p, float* state, const float* sum, int64_t n, Stream st) override {
+    cpu_->ApplyUpdate(step, p, state, sum, n, st);
+  }
+  Status CountNonFinite(const float* d, int64_t n, Stream st, int64_t* out) override {
+    return cpu_->CountNonFinite(d, n, st, out);
+  }
+  Status Synchronize(Stream s) override { return cpu_->Synchronize(s); }
+  Status TakeError() override { return cpu_->TakeError(); }
+  Status RecordAppWork(uintptr_t a, DeviceEvent* out) override { return cpu_->RecordAppWork(a, out); }
+  Status CopyPiecesOnAppStream(uintptr_t a, float* dst, const std::vector<CopyPiece>& pieces) override {
+    return cpu_->CopyPiecesOnAppStream(a, dst, pieces);
+  }
+  Status RecordEvent(Stream s, DeviceEvent* out) override { return cpu_->RecordEvent(s, out); }
+  Status WaitEvent(Stream s, const DeviceEvent& e) override { return cpu_->WaitEvent(s, e); }
+  Status WaitOnAppStream(uintptr_t a, const DeviceEvent& e) override { return cpu_->WaitOnAppStream(a, e); }
+  Status WaitEventDone(const DeviceEvent& e) override { return cpu_->WaitEventDone(e); }
+
+ private:
+  std::unique_ptr<Device> cpu_ = NewCpuDevice();
+};
+
+void RunSwap(int64_t budget, int prefetch, SwapResult* result, bool mapped = true) {
   Config config;
   config.update_rule.kind = UpdateRuleKind::kAdd;
   config.device_memory_budget = budget;
   config.prefetch_clocks = prefetch;
   config.wait_timeout_ms = 10000;
   std::unique_ptr<LocalCluster> cluster;
-  ASSERT_OK(LocalCluster::Create(config, kSwapWorkers, &cluster));
+  DeviceFactory unmapped = [](int, std::unique_ptr<Device>* out) {
+    *out = std::make_unique<UnmappedCpuDevice>();
+    return Status::Ok();
+  };
+  ASSERT_OK(LocalCluster::Create(config, kSwapWorkers, &cluster, mapped ? nullptr : unmapped));
   std::vector<ThreadLog> logs(kSwapWorkers);
   std::vector<std::vector<double>> checksums(kSwapWorkers, std::vector<double>(kSwapClocks, 0.0));
   std::vector<std::thread> threads;
@@ -525,7 +578,9 @@ void RunSwap(int64_t budget, int prefetch, SwapResult* result) {
   EXPECT_OK(cluster->Shutdown());
 }
 
-void CheckSwapMatchesUnlimited(int prefetch) {
+// `mapped`: the swapping runs move host rows with one launch per access (as
+// on a GPU with unified addressing); otherwise with a copy per run.
+void CheckSwapMatchesUnlimited(int prefetch, bool mapped = true) {
   SwapResult unlimited;
   RunSwap(0, prefetch, &unlimited);
   EXPECT_TRUE(Contains(unlimited.plan, "peak " + std::to_string(kSwapPeak) + " B"));
@@ -549,8 +604,9 @@ void CheckSwapMatchesUnlimited(int prefetch) {
   const int64_t mixed = pool_min + kLocalBytes + 2 * kLayerRows * kLayerWidth * 4;
   for (int64_t budget : {tight, mixed}) {
     SwapResult swapped;
-    RunSwap(budget, prefetch, &swapped);
-    const std::string what = "budget " + std::to_string(budget) + " prefetch " + std::to_string(prefetch);
+    RunSwap(budget, prefetch, &swapped, mapped);
+    const std::string what = "budget " + std::to_string(budget) + " prefetch " + std::to_string(prefetch) +
+                             (mapped ? "" : " unmapped");
     ASSERT_EQ(swapped.final_values.size(), unlimited.final_values.size());
     int bad = 0;
     for (size_t i = 0; i < swapped.final_values.size(); ++i) {
@@ -589,6 +645,7 @@ void CheckSwapMatchesUnlimited(int prefetch) {
 
 TEST(SwapUnderPressureIsBitIdenticalPrefetch1) { CheckSwapMatchesUnlimited(1); }
 TEST(SwapUnderPressureIsBitIdenticalPrefetch3) { CheckSwapMatchesUnlimited(3); }
+TEST(SwapWithCopiesPerRunIsBitIdentical) { CheckSwapMatchesUnlimited(1, false); }
 
 // ============================================================================
 // d. Errors

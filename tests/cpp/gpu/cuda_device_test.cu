@@ -165,6 +165,25 @@ TEST(MatchesCpuBackendBitForBit) {
   }
 }
 
+// Host stores are mapped pinned memory at their host address, so the engine
+// swaps host-resident rows with one kernel per access (every GPU of a 64-bit
+// Linux host has unified addressing).
+TEST(MapsHostMemoryAtItsHostAddress) {
+  std::unique_ptr<Device> device;
+  ASSERT_OK(NewCudaDevice(0, &device));
+  int unified = 0;
+  cudaDeviceGetAttribute(&unified, cudaDevAttrUnifiedAddressing, 0);
+  EXPECT_EQ(device->maps_host_memory(), unified != 0);
+  void* host = nullptr;
+  ASSERT_OK(device->AllocateHost(4096, &host));
+  cudaPointerAttributes attributes{};
+  EXPECT_EQ(cudaPointerGetAttributes(&attributes, host), cudaSuccess);
+  EXPECT_TRUE(attributes.type == cudaMemoryTypeHost);
+  if (device->maps_host_memory()) EXPECT_TRUE(attributes.devicePointer == host);
+  device->FreeHost(host);
+  for (int s = 0; s < kNumStreams; ++s) EXPECT_OK(device->Synchronize(static_cast<Stream>(s)));
+}
+
 TEST(RejectsBadOrdinals) {
   const int count = CudaDeviceCount();
   for (int ordinal : {-1, count, count + 7}) {

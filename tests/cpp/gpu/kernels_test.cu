@@ -187,6 +187,130 @@ TEST(ScatterAddLongRunGridStride) {
   CheckRowRuns(true, 20000, 20000, 1024, {{0, 0, 20000}}, 0, 20);
 }
 
+// --- host-resident rows: one side in mapped pinned memory ----------------------
+
+// Pinned host memory mapped at its host address (as CudaDevice::AllocateHost
+// makes it), that frees itself.
+class MappedArray {
+ public:
+  explicit MappedArray(size_t n) : n_(n) {
+    void* p = nullptr;
+    if (cudaHostAlloc(&p, std::max<size_t>(n, 1) * sizeof(float), cudaHostAllocMapped | cudaHostAllocPortable) ==
+        cudaSuccess) {
+      ptr_ = static_cast<float*>(p);
+    }
+  }
+  ~MappedArray() { cudaFreeHost(ptr_); }
+  MappedArray(const MappedArray&) = delete;
+  MappedArray& operator=(const MappedArray&) = delete;
+  float* get() const { return ptr_; }
+  bool ok() const { return ptr_ != nullptr; }
+
+ private:
+  float* ptr_ = nullptr;
+  size_t n_;
+};
+
+// As CheckRowRuns, with the host side of a swap in mapped pinned memory:
+// gather reads a host store into a device buffer (swap in, local fetch),
+// scatter-add adds a device buffer into a host log (swap out of an update);
+// host_dst gathers a device buffer into a host store (local write-back). The
+// kernel is handed the host pointer itself (unified addressing).
+void CheckMappedRowRuns(bool add, bool host_dst, int64_t src_rows, int64_t dst_rows, int64_t width,
+                        const std::vector<RowRun>& runs, size_t offset, uint32_t seed) {
+  int unified = 0;
+  CUDA_ASSERT(cudaDeviceGetAttribute(&unified, cudaDevAttrUnifiedAddressing, 0));
+  if (unified == 0) {
+    std::printf("  (no unified addressing: mapped row runs not tested)\n");
+    return;
+  }
+  const std::vector<float> src = RandomValues(src_rows * width + offset, seed);
+  std::vector<float> want = RandomValues(dst_rows * width + offset, seed + 1);
+  DeviceArray<float> d_side(host_dst ? src.size() : want.size());
+  MappedArray h_side(host_dst ? want.size() : src.size());
+  DeviceArray<RowRun> d_runs(runs.size());
+  ASSERT_TRUE(d_side.ok() && h_side.ok() && d_runs.ok());
+  CUDA_ASSERT(d_runs.Upload(runs));
+  float* dst = nullptr;
+  const float* srcp = nullptr;
+  if (host_dst) {
+    CUDA_ASSERT(d_side.Upload(src));
+    std::memcpy(h_side.get(), want.data(), want.size() * sizeof(float));
+    dst = h_side.get() + offset;
+    srcp = d_side.get() + offset;
+  } else {
+    CUDA_ASSERT(d_side.Upload(want));
+    std::memcpy(h_side.get(), src.data(), src.size() * sizeof(float));
+    dst = d_side.get() + offset;
+    srcp = h_side.get() + offset;
+  }
+
+  cudaStream_t stream;
+  CUDA_ASSERT(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  if (add) {
+    LaunchScatterAddRuns(dst, srcp, d_runs.get(), runs.size(), TotalRows(runs), width, stream);
+  } else {
+    LaunchGatherRuns(dst, srcp, d_runs.get(), runs.size(), TotalRows(runs), width, stream);
+  }
+  const cudaError_t launched = cudaGetLastError();
+  const cudaError_t synced = cudaStreamSynchronize(stream);
+  cudaStreamDestroy(stream);
+  CUDA_ASSERT(launched);
+  CUDA_ASSERT(synced);
+
+  for (const RowRun& r : runs) {
+    for (int64_t i = 0; i < r.count * width; ++i) {
+      float& d = want[offset + r.dst * width + i];
+      const float s = src[offset + r.src * width + i];
+      d = add ? d + s : s;
+    }
+  }
+  std::vector<float> got;
+  if (host_dst) {
+    got.assign(h_side.get(), h_side.get() + want.size());
+  } else {
+    CUDA_ASSERT(d_side.Download(&got));
+  }
+  int64_t wrong = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (got[i] != want[i] && wrong++ < 5) EXPECT_EQ(got[i], want[i]);
+  }
+  EXPECT_EQ(wrong, int64_t{0});
+}
+
+TEST(GatherFromMappedHostVectorised) {
+  CheckMappedRowRuns(false, false, 3000, 2000, 64, RandomRuns(3000, 2000, 64, 40), 0, 41);
+}
+TEST(GatherFromMappedHostScalar) {
+  CheckMappedRowRuns(false, false, 3000, 2000, 5, RandomRuns(3000, 2000, 7, 42), 0, 43);
+  CheckMappedRowRuns(false, false, 3000, 2000, 8, RandomRuns(3000, 2000, 7, 44), 1, 45);
+}
+TEST(GatherFromMappedHostLongRun) {  // 80 MB over PCIe: grid-stride loop
+  CheckMappedRowRuns(false, false, 20000, 20000, 1024, {{0, 0, 20000}}, 0, 46);
+}
+TEST(GatherFromMappedHostManyOneRowRuns) {
+  std::vector<RowRun> runs;
+  for (int64_t i = 0; i < 70000; ++i) runs.push_back({69999 - i, i, 1});
+  CheckMappedRowRuns(false, false, 70000, 70000, 4, runs, 0, 47);
+}
+TEST(GatherIntoMappedHost) {  // local data written back to a host store
+  CheckMappedRowRuns(false, true, 3000, 2000, 32, RandomRuns(3000, 2000, 64, 48), 0, 49);
+  CheckMappedRowRuns(false, true, 3000, 2000, 7, RandomRuns(3000, 2000, 7, 50), 3, 51);
+}
+TEST(ScatterAddIntoMappedHostVectorised) {
+  CheckMappedRowRuns(true, true, 3000, 2000, 64, RandomRuns(3000, 2000, 64, 52), 0, 53);
+  CheckMappedRowRuns(true, true, 20000, 20000, 1024, {{0, 0, 20000}}, 0, 54);
+}
+TEST(ScatterAddIntoMappedHostScalar) {
+  CheckMappedRowRuns(true, true, 3000, 2000, 3, RandomRuns(3000, 2000, 7, 55), 0, 56);
+  CheckMappedRowRuns(true, true, 3000, 2000, 12, RandomRuns(3000, 2000, 7, 57), 3, 58);
+}
+TEST(ScatterAddIntoMappedHostManyOneRowRuns) {
+  std::vector<RowRun> runs;
+  for (int64_t i = 0; i < 70000; ++i) runs.push_back({i, 69999 - i, 1});
+  CheckMappedRowRuns(true, true, 70000, 70000, 8, runs, 0, 59);
+}
+
 // --- update rules -------------------------------------------------------------
 
 // Applies `steps` clocks of `rule` to `count` values, each clock with a fresh

@@ -104,6 +104,9 @@ class CpuDevice final : public Device {
  public:
   std::string name() const override { return "cpu"; }
   bool host_addressable() const override { return true; }
+  // Every pointer is host memory, so Gather and ScatterAdd take the host
+  // stores as they are.
+  bool maps_host_memory() const override { return true; }
 
   Status Allocate(size_t bytes, void** out) override { return AlignedAllocate(bytes, "CpuDevice::Allocate", out); }
   void Free(void* ptr) override { Release(ptr); }

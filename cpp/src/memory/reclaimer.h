@@ -6,8 +6,9 @@
 // Threading: Start() runs the thread; it ends when SharedState::stopping is
 // set or on a failure (SharedState::Fail). WriteBackLocal may also be called
 // by the application thread before Start (the initialisation phase).
-// Ownership: owns its thread and the device buffers of update payloads to
-// shards that share this device; the plan, state, device and transport are
+// Ownership: owns its thread, the device buffers of update payloads to
+// shards that share this device and the host frames of those to other
+// processes; the plan, state, device and transport are
 // the engine's and outlive it.
 #pragma once
 
@@ -66,8 +67,15 @@ class Reclaimer {
   Transport* const transport_;
   const PipelinePlan* const plan_;
   SharedState* const state_;
-  // Device buffers for update payloads to shards that share this device.
+  // The bytes of update payloads to other processes' shards that may be
+  // alive at once (the bound of idle frames).
+  int64_t RemotePayloadBytesInFlight() const;
+  // Device buffers for update payloads to shards that share this device, and
+  // the staging payloads packed for the others.
   DeviceBufferPool payloads_;
+  // Host frames (pinned on CUDA) of update payloads to other processes'
+  // shards, recycled; idle ones bounded by RemotePayloadBytesInFlight.
+  DeviceBufferPool frames_;
   std::thread thread_;
 };
 

@@ -36,8 +36,8 @@ class Wire {
         while (!stop_) {
           OutgoingMessage message;
           if (!from->NextOutgoing(20, &message)) continue;
-          const Status status = to->Deliver(message.header.data(), message.header.size(), message.payload.data(),
-                                            message.payload.size() * sizeof(float));
+          const Status status = to->Deliver(message.header.data(), message.header.size(), message.payload_values(),
+                                            message.payload_bytes());
           if (!status.ok()) ++refused_;
         }
       });

@@ -133,7 +133,9 @@ std::shared_ptr<DeviceBuffer> DeviceBufferPool::Hand(std::unique_ptr<DeviceBuffe
     std::lock_guard<std::mutex> lock(idle_->mu);
     idle_->in_use += buffer->block->bytes();
     idle_->peak_in_use = std::max(idle_->peak_in_use, idle_->in_use);
-    if (idle_->bound_to_peak) idle_->max_bytes = std::max(idle_->max_bytes, idle_->peak_in_use);
+    // Twice the peak: frames of one size left idle by a clock that needed
+    // others must not push out the ones the next clock needs.
+    if (idle_->bound_to_peak) idle_->max_bytes = std::max(idle_->max_bytes, 2 * idle_->peak_in_use);
   }
   std::shared_ptr<Idle> idle = idle_;
   return std::shared_ptr<DeviceBuffer>(buffer.release(), [idle](DeviceBuffer* returned) {

@@ -90,7 +90,7 @@ class DeviceBufferPool {
   // Bounds idle memory anew (the plan knows the bytes in flight only once
   // it is made); idle buffers above the new bound are freed.
   void set_max_idle_bytes(size_t bytes);
-  // Let idle memory reach the most bytes ever handed out at once (for a
+  // Let idle memory reach twice the most bytes ever handed out at once (for a
   // pool whose clock's bytes the plan does not name: what one clock needed
   // stays for the next, so the steady state allocates nothing).
   void set_idle_bound_to_peak(bool on);

@@ -19,10 +19,13 @@
 #include <thread>
 #include <vector>
 
+#include "cluster/two_process_model.h"
 #include "test_util.h"
 #include "wire/message.h"
 
 using namespace mltuner;
+using mltuner::testing::TrainModel;
+using mltuner::testing::Wire;
 
 namespace {
 
@@ -33,34 +36,6 @@ Config TestConfig(UpdateRuleKind kind = UpdateRuleKind::kAdd) {
   config.update_rule.learning_rate = 0.5f;
   return config;
 }
-
-// Moves every outgoing message of each node to the other until stopped.
-class Wire {
- public:
-  Wire(ProcessNode* a, ProcessNode* b) {
-    for (auto [from, to] : {std::pair{a, b}, std::pair{b, a}}) {
-      threads_.emplace_back([this, from, to] {
-        while (!stop_) {
-          OutgoingMessage message;
-          if (!from->NextOutgoing(20, &message)) continue;
-          const Status status = to->Deliver(message.header.data(), message.header.size(), message.payload_values(),
-                                            message.payload_bytes());
-          if (!status.ok()) ++refused_;
-        }
-      });
-    }
-  }
-  ~Wire() {
-    stop_ = true;
-    for (auto& thread : threads_) thread.join();
-  }
-  int refused() const { return refused_; }
-
- private:
-  std::atomic<bool> stop_{false};
-  std::atomic<int> refused_{0};
-  std::vector<std::thread> threads_;
-};
 
 struct Pair {
   std::unique_ptr<ProcessNode> node[2];
@@ -248,121 +223,48 @@ TEST(ShardExportImportRoundTrip) {
 
 MLT_TEST_MAIN
 
-namespace {
-
-// A model whose payloads take every send and receive path: table "a" has two
-// updates per clock (the update log; rows recorded out of id order, so a
-// shard's rows make several segments), table "b" one (sent straight from its
-// buffer). Updates are a deterministic function of the rows read, the rank
-// and the clock, so BSP gives the same bits however the payloads travel.
-// `at_clock` runs after each clock's Clock().
-void TrainModel(Engine* engine, int rank, int clocks, std::vector<float>* out,
-                const std::function<void(int clock)>& at_clock) {
-  TableId a, b;
-  Handle read_a, read_b, up_a1, up_a2, up_b;
-  ASSERT_OK(engine->CreateTable("a", 40, 7, false, &a));
-  ASSERT_OK(engine->CreateTable("b", 13, 5, false, &b));
-  std::vector<RowId> all_a, first_a, second_a, all_b;
-  for (RowId row = 0; row < 40; ++row) all_a.push_back((row * 17) % 40);  // a permutation
-  for (RowId row = 0; row < 40; row += 3) first_a.push_back(row);
-  for (RowId row = 39; row >= 0; row -= 2) second_a.push_back(row);
-  for (RowId row = 0; row < 13; ++row) all_b.push_back(row);
-  ASSERT_OK(engine->VirtualRead(a, all_a, 0, &read_a));
-  ASSERT_OK(engine->VirtualRead(b, all_b, 0, &read_b));
-  ASSERT_OK(engine->VirtualPostRead(read_a));
-  ASSERT_OK(engine->VirtualPostRead(read_b));
-  ASSERT_OK(engine->VirtualPreUpdate(a, first_a, &up_a1));
-  ASSERT_OK(engine->VirtualUpdate(up_a1));
-  ASSERT_OK(engine->VirtualPreUpdate(b, all_b, &up_b));
-  ASSERT_OK(engine->VirtualUpdate(up_b));
-  ASSERT_OK(engine->VirtualPreUpdate(a, second_a, &up_a2));
-  ASSERT_OK(engine->VirtualUpdate(up_a2));
-  ASSERT_OK(engine->VirtualClock());
-  ASSERT_OK(engine->FinishVirtualIteration());
-  ASSERT_OK(engine->StartIterations());
-  for (int clock = 0; clock < clocks; ++clock) {
-    AccessBuffer ra, rb, ua1, ub, ua2;
-    ASSERT_OK(engine->Read(read_a, &ra));
-    ASSERT_OK(engine->Read(read_b, &rb));
-    std::vector<float> va(ra.data, ra.data + 40 * 7), vb(rb.data, rb.data + 13 * 5);
-    ASSERT_OK(engine->PostRead(read_a));
-    ASSERT_OK(engine->PostRead(read_b));
-    const auto grad = [&](float x, size_t i) {
-      return static_cast<float>(std::sin(x * 0.37 + 0.01 * static_cast<double>(i) + rank + 0.1 * clock) * 0.01);
-    };
-    ASSERT_OK(engine->PreUpdate(up_a1, &ua1));
-    for (size_t i = 0; i < first_a.size() * 7; ++i) ua1.data[i] = grad(va[i % va.size()], i);
-    ASSERT_OK(engine->Update(up_a1));
-    ASSERT_OK(engine->PreUpdate(up_b, &ub));
-    for (size_t i = 0; i < vb.size(); ++i) ub.data[i] = grad(vb[i], i + 1000);
-    ASSERT_OK(engine->Update(up_b));
-    ASSERT_OK(engine->PreUpdate(up_a2, &ua2));
-    for (size_t i = 0; i < second_a.size() * 7; ++i) ua2.data[i] = grad(va[(i * 3) % va.size()], i + 2000);
-    ASSERT_OK(engine->Update(up_a2));
-    ASSERT_OK(engine->Clock());
-    if (at_clock) at_clock(clock);
-  }
-  ASSERT_OK(engine->Flush());
-  ASSERT_OK(engine->WaitForDataAge(a, clocks - 1));
-  ASSERT_OK(engine->WaitForDataAge(b, clocks - 1));
-  std::vector<RowId> ids_a(40), ids_b(13);
-  for (RowId row = 0; row < 40; ++row) ids_a[row] = row;
-  for (RowId row = 0; row < 13; ++row) ids_b[row] = row;
-  out->assign(40 * 7 + 13 * 5, 0.0f);
-  ASSERT_OK(engine->Fetch(a, ids_a, out->data()));
-  ASSERT_OK(engine->Fetch(b, ids_b, out->data() + 40 * 7));
-}
-
-}  // namespace
 
 // Payloads to another process travel in recycled host frames (packed by one
 // gather, landed by one scatter); within one process as device buffers. The
-// two must give the same bits, and after the first clocks the frame pools
-// allocate nothing.
-TEST(RemoteFramesAreBitIdenticalToInProcessPayloadsAndRecycled) {
+// two must give the same bits — with every row device-resident, and with a
+// budget that leaves some rows in host memory (the per-segment paths beside
+// the kernels) — and the frame pools must recycle.
+void ExpectRemoteFramesMatchOneProcess(const Config& config) {
   constexpr int kClocks = 24;
   std::vector<float> local[2];
-  {
-    std::unique_ptr<LocalCluster> cluster;
-    ASSERT_OK(LocalCluster::Create(TestConfig(UpdateRuleKind::kSgd), 2, &cluster));
-    std::thread other([&] { TrainModel(cluster->worker(1), 1, kClocks, &local[1], nullptr); });
-    TrainModel(cluster->worker(0), 0, kClocks, &local[0], nullptr);
-    other.join();
-    ASSERT_OK(cluster->Shutdown());
-  }
-  Pair pair = MakePair(UpdateRuleKind::kSgd);
-  std::vector<float> remote[2];
-  int64_t allocations_at[2][2] = {{-1, -1}, {-1, -1}};  // [rank][after clock 8, after the last]
-  {
-    Wire wire(pair.node[0].get(), pair.node[1].get());
-    const auto run = [&](int rank) {
-      ProcessNode* node = pair.node[rank].get();
-      TrainModel(node->engine(), rank, kClocks, &remote[rank], [&](int clock) {
-        if (clock == 8) allocations_at[rank][0] = node->receive_frames().allocations();
-        if (clock == kClocks - 1) allocations_at[rank][1] = node->receive_frames().allocations();
-      });
-    };
-    std::thread other(run, 1);
-    run(0);
-    other.join();
-    EXPECT_EQ(wire.refused(), 0);
-  }
+  testing::TrainInOneProcess(config, kClocks, local);
+  testing::TwoNodeRun remote;
+  testing::TrainInTwoProcesses(config, nullptr, kClocks, &remote);
+  EXPECT_EQ(remote.refused, 0);
+  EXPECT_EQ(remote.rejected, 0);
   for (int rank = 0; rank < 2; ++rank) {
-    ASSERT_TRUE(remote[rank].size() == local[rank].size());
-    EXPECT_TRUE(std::memcmp(remote[rank].data(), local[rank].data(), local[rank].size() * sizeof(float)) == 0);
-    EXPECT_TRUE(remote[rank] == remote[0]);
-    EXPECT_TRUE(std::any_of(remote[rank].begin(), remote[rank].end(), [](float v) { return v != 0.0f; }));
-    EXPECT_TRUE(allocations_at[rank][0] > 0);
+    ASSERT_TRUE(remote.values[rank].size() == local[rank].size());
+    EXPECT_TRUE(std::memcmp(remote.values[rank].data(), local[rank].data(), local[rank].size() * sizeof(float)) == 0);
+    EXPECT_TRUE(remote.values[rank] == remote.values[0]);
+    EXPECT_TRUE(std::any_of(remote.values[rank].begin(), remote.values[rank].end(), [](float v) { return v != 0.0f; }));
     // Each clock brings 4 payloads from the other process (updates and rows
     // of two tables): 96 in all. Frames are recycled, so the pool allocates
     // only for the most payloads ever alive at once, which BSP bounds to a
-    // few clocks' worth (more when a thread of a loaded machine falls
-    // behind), never one per message. The pool's own test checks the exact
-    // count with a fixed number in flight (memory/host_frames_test).
+    // few clocks' worth, never one per message. The pool's own test checks
+    // the exact count with a fixed number in flight (memory/host_frames_test).
     std::fprintf(stderr, "  rank %d: frames allocated %lld after clock 8, %lld after clock %d\n", rank,
-                 static_cast<long long>(allocations_at[rank][0]), static_cast<long long>(allocations_at[rank][1]),
+                 static_cast<long long>(remote.frames_at[rank][0]), static_cast<long long>(remote.frames_at[rank][1]),
                  kClocks - 1);
-    EXPECT_TRUE(allocations_at[rank][1] <= 4 * 4);
+    EXPECT_TRUE(remote.frames_at[rank][0] > 0);
+    EXPECT_TRUE(remote.frames_at[rank][1] <= 4 * 4);
   }
-  EXPECT_EQ(pair.node[0]->rejected_messages(), 0);
+}
+
+TEST(RemoteFramesAreBitIdenticalToInProcessPayloadsAndRecycled) {
+  ExpectRemoteFramesMatchOneProcess(TestConfig(UpdateRuleKind::kSgd));
+}
+
+TEST(RemoteFramesWithHostResidentRowsAreBitIdentical) {
+  Config config = TestConfig(UpdateRuleKind::kSgd);
+  const int64_t pool_min = testing::ModelPreview(config).pool_min_bytes;
+  ASSERT_TRUE(pool_min > 0);
+  config.device_memory_budget = pool_min + 1200;  // about half of table a's rows (cache + log) fit
+  const PlanPreview preview = testing::ModelPreview(config);
+  EXPECT_TRUE(preview.fits && preview.host_store_bytes > 0 && preview.device_store_bytes > 0);
+  ExpectRemoteFramesMatchOneProcess(config);
 }

@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "memory/device_block.h"
 #include "mltuner/cluster.h"
 #include "mltuner/engine.h"
 #include "mltuner/process_node.h"
@@ -25,7 +26,9 @@ namespace testing {
 class Wire {
  public:
   Wire(ProcessNode* a, ProcessNode* b) {
-    for (auto [from, to] : {std::pair{a, b}, std::pair{b, a}}) {
+    for (const auto& ends : {std::pair{a, b}, std::pair{b, a}}) {
+      ProcessNode* from = ends.first;
+      ProcessNode* to = ends.second;
       threads_.emplace_back([this, from, to] {
         while (!stop_) {
           OutgoingMessage message;

@@ -49,8 +49,8 @@ ShardHost::ShardHost(int rank, int num_workers, const Config& config, std::share
 void ShardHost::Start(Engine* engine, Transport* transport) {
   server_inbox_.Start([this, transport, engine](Message&& message) {
     std::vector<Message> replies;
-    // A host frame from a shard of this process (another GPU) may still be
-    // filling; one from another process is complete.
+    // A host frame from a worker of this process on another GPU may still
+    // be filling; one from another process is complete.
     Status status = WaitReady(message.host_frame.get());
     if (status.ok()) {
       std::lock_guard<std::mutex> lock(shard_mu_);
@@ -83,6 +83,7 @@ void ShardHost::Start(Engine* engine, Transport* transport) {
     }
   });
   client_inbox_.Start([this, engine](Message&& message) {
+    // The same for rows from a shard of this process on another GPU.
     Status status = WaitReady(message.host_frame.get());
     if (status.ok()) status = engine->HandleMessage(std::move(message));
     if (!status.ok()) Reject(status, Message());

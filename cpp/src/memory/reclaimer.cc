@@ -57,8 +57,26 @@ int64_t Reclaimer::RemotePayloadBytesInFlight() const {
   return per_clock * (max_slack + 2);
 }
 
+size_t Reclaimer::LargestRemotePayloadValues() const {
+  size_t largest = 0;
+  for (const TableInfo& table : plan_->tables) {
+    if (table.local) continue;
+    const TableIndex& index = plan_->index.tables[table.id];
+    for (int shard = 0; shard < num_workers_ && index.has_updates; ++shard) {
+      if (transport_->SharesDevice(rank_, shard)) continue;
+      int64_t rows = index.direct.handle >= 0 ? index.direct.runs[shard].total_rows : 0;
+      if (index.direct.handle < 0) {
+        for (const WireSegment& segment : index.send[shard]) rows += segment.count;
+      }
+      largest = std::max(largest, static_cast<size_t>(rows * table.row_width));
+    }
+  }
+  return largest;
+}
+
 void Reclaimer::Start() {
   frames_.set_max_idle_bytes(static_cast<size_t>(RemotePayloadBytesInFlight()));
+  staging_values_ = LargestRemotePayloadValues();
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -270,13 +288,14 @@ Status Reclaimer::BuildTableClock(TableId table, mltuner::Clock clock, std::vect
       float* target = out;
       std::shared_ptr<DeviceBuffer> staging;
       if (!host_device) {
-        MLT_RETURN_IF_ERROR(payloads_.Acquire(total, Stream::kWriteback, &staging));
+        MLT_RETURN_IF_ERROR(payloads_.Acquire(std::max(staging_values_, total), Stream::kWriteback, &staging));
         target = staging->data;
       }
       device_->Gather(target, store.log(Residence::kDevice), table_index.pack[shard], width, Stream::kWriteback);
       if (staging) device_->CopyDeviceToHost(out, staging->data, total * sizeof(float), Stream::kWriteback);
-      // `staging` goes back to the pool at once: its next user is this
-      // stream, which runs the copy first.
+      // `staging` (one size for every table: the largest remote payload, so
+      // one buffer serves them all) goes back to the pool at once: its next
+      // writer queues behind this copy, on this stream or after last_use.
     }
     for (const WireSegment& segment : segments) {
       message.spans.push_back({segment.begin, segment.count});
@@ -327,7 +346,7 @@ Status Reclaimer::BuildDirectUpdate(const AccessRecord& access, const float* buf
       std::shared_ptr<DeviceBuffer> staging;
       float* target = out;
       if (!on_device && !device_->host_addressable()) {
-        MLT_RETURN_IF_ERROR(payloads_.Acquire(total, Stream::kWriteback, &staging));
+        MLT_RETURN_IF_ERROR(payloads_.Acquire(std::max(staging_values_, total), Stream::kWriteback, &staging));
         target = staging->data;
       }
       device_->Gather(target, buffer, runs, width, Stream::kWriteback);

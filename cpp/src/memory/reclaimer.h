@@ -70,6 +70,10 @@ class Reclaimer {
   // The bytes of update payloads to other processes' shards that may be
   // alive at once (the bound of idle frames).
   int64_t RemotePayloadBytesInFlight() const;
+  // Floats of the largest update payload to one of those shards: the size
+  // of the device staging buffer every pack kernel fills.
+  size_t LargestRemotePayloadValues() const;
+  size_t staging_values_ = 0;  // set in Start
   // Device buffers for update payloads to shards that share this device, and
   // the staging payloads packed for the others.
   DeviceBufferPool payloads_;

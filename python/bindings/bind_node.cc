@@ -7,7 +7,7 @@
 #include <pybind11/stl.h>
 
 #include "bindings.h"
-#include "memory/buffer_pool.h"
+#include "memory/device_block.h"
 #include "mltuner/process_node.h"
 
 namespace py = pybind11;
@@ -16,23 +16,22 @@ namespace mltuner::python {
 
 namespace {
 
-// Owns a sent payload until ZeroMQ and Python are done with it, then gives
-// the buffer back to the node's pool (which may outlive the node).
-struct SentPayload {
-  std::vector<float> values;
-  std::shared_ptr<BufferPool> pool;
-};
-
-py::object PayloadArray(std::vector<float>&& values, std::shared_ptr<BufferPool> pool) {
-  if (values.empty()) return py::bytes();
-  auto* owned = new SentPayload{std::move(values), std::move(pool)};
-  py::capsule owner(owned, [](void* pointer) {
-    auto* payload = static_cast<SentPayload*>(pointer);
-    payload->pool->Release(std::move(payload->values));
-    delete payload;
-  });
-  const auto count = static_cast<py::ssize_t>(owned->values.size());
-  return py::array_t<float>({count}, {static_cast<py::ssize_t>(sizeof(float))}, owned->values.data(), owner);
+// A numpy view of a sent payload that owns it until ZeroMQ and Python are
+// done with it (pyzmq's copy=False keeps the array until the frame is sent).
+// A host frame then goes back to its pool, which may be gone (then it is
+// freed); a vector is freed.
+py::object PayloadArray(OutgoingMessage&& message) {
+  if (message.frame && message.frame->count > 0) {
+    auto* owned = new std::shared_ptr<DeviceBuffer>(std::move(message.frame));
+    py::capsule owner(owned, [](void* pointer) { delete static_cast<std::shared_ptr<DeviceBuffer>*>(pointer); });
+    const auto count = static_cast<py::ssize_t>((*owned)->count);
+    return py::array_t<float>({count}, {static_cast<py::ssize_t>(sizeof(float))}, (*owned)->data, owner);
+  }
+  if (message.payload.empty()) return py::bytes();
+  auto* owned = new std::vector<float>(std::move(message.payload));
+  py::capsule owner(owned, [](void* pointer) { delete static_cast<std::vector<float>*>(pointer); });
+  const auto count = static_cast<py::ssize_t>(owned->size());
+  return py::array_t<float>({count}, {static_cast<py::ssize_t>(sizeof(float))}, owned->data(), owner);
 }
 
 py::buffer_info ContiguousBytes(const py::buffer& buffer, const char* what) {
@@ -81,8 +80,9 @@ void RegisterNode(py::module_& m) {
               got = node.NextOutgoing(timeout_ms, &message);
             }
             if (!got) return py::none();
-            return py::make_tuple(message.receiver, py::bytes(message.header),
-                                  PayloadArray(std::move(message.payload), node.payload_pool()));
+            py::bytes header(message.header);
+            const int receiver = message.receiver;
+            return py::make_tuple(receiver, header, PayloadArray(std::move(message)));
           },
           py::arg("timeout_ms"),
           "(receiver, header frame, payload) of the next message for another process, or None "

@@ -33,13 +33,18 @@
 
 namespace mltuner {
 
-class BufferPool;
+class DeviceBufferPool;
+struct DeviceBuffer;
 
 // A message on its way to another process.
 struct OutgoingMessage {
   int receiver = -1;
-  std::string header;          // frame 0: header, spans and text
-  std::vector<float> payload;  // frame 1: the values, as raw float32
+  std::string header;                   // frame 0: header, spans and text
+  std::vector<float> payload;           // frame 1: the values, as raw float32,
+  std::shared_ptr<DeviceBuffer> frame;  //   or in a host frame (complete once
+                                        //   NextOutgoing returns it)
+  size_t payload_bytes() const;
+  const float* payload_values() const;  // the frame's or the vector's
 };
 
 class ProcessNode final : public Transport {
@@ -57,15 +62,15 @@ class ProcessNode final : public Transport {
   // Transport (called by the engine and the shard).
   Status Send(Message&& message) override;
   Status AddTableToShard(int rank, const TableInfo& info) override;
-  std::vector<float> NewPayload(size_t count) override;
   bool SharesDevice(int sender, int receiver) const override { return sender == rank_ && receiver == rank_; }
 
   // The next message for another process, waiting up to timeout_ms. False
   // when none came in time, or the node is closed and its outbox drained.
+  // A host frame's producer may still be copying into it when it is queued:
+  // this waits for its ticket (the engine's threads never do).
   bool NextOutgoing(int timeout_ms, OutgoingMessage* out);
-  // The payload pool, so a sent payload can be recycled once the transport
-  // is done with it (it may outlive the node).
-  std::shared_ptr<BufferPool> payload_pool() const { return pool_; }
+  // Host frames that received payloads land in (pinned on CUDA, recycled).
+  const DeviceBufferPool& receive_frames() const { return *frames_; }
   // Messages and payload bytes waiting in the outbox, and the most bytes it
   // has held.
   int64_t outbox_messages() const;
@@ -102,7 +107,7 @@ class ProcessNode final : public Transport {
   const int rank_;
   const int num_workers_;
   const int64_t wait_timeout_ms_;
-  std::shared_ptr<BufferPool> pool_;
+  std::shared_ptr<DeviceBufferPool> frames_;
   std::unique_ptr<Queues> queues_;
   std::unique_ptr<Engine> engine_;
 };

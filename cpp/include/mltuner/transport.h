@@ -26,9 +26,6 @@ class Transport {
   virtual Status Send(Message&& message) = 0;
   // Registers a communicated table with the shard of process `rank`.
   virtual Status AddTableToShard(int rank, const TableInfo& info) = 0;
-  // A payload vector of `count` floats (contents unspecified) for a message
-  // about to be sent; a transport may hand out recycled buffers.
-  virtual std::vector<float> NewPayload(size_t count) { return std::vector<float>(count); }
   // Whether a message from process `sender` to process `receiver` may carry
   // its values as a device buffer (Message::device_values): true when both
   // run in this process on memory the same device can address directly.

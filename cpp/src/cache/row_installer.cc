@@ -15,7 +15,9 @@ namespace mltuner {
 
 RowInstaller::RowInstaller(int rank, int num_workers, std::shared_ptr<Device> device, const PipelinePlan* plan,
                            SharedState* state)
-    : rank_(rank), num_workers_(num_workers), device_(std::move(device)), plan_(plan), state_(state) {}
+    : rank_(rank), num_workers_(num_workers), device_(device), plan_(plan), state_(state), landing_(std::move(device), 0) {
+  landing_.set_idle_bound_to_peak(true);
+}
 
 Status RowInstaller::Handle(Message&& message) {
   ++state_->messages_received;
@@ -81,31 +83,35 @@ Status RowInstaller::InstallRows(const Message& message) {
   // copies. Device payloads wait for their producer there too.
   const TableStore& store = *plan_->stores[table];
   const int64_t width = info.row_width;
-  const DeviceBuffer* on_device = message.device_values.get();
-  if (on_device != nullptr) MLT_RETURN_IF_ERROR(device_->WaitEvent(Stream::kPrefetch, on_device->ready));
-  const float* payload = on_device != nullptr ? on_device->data : message.values.data();
-  for (const WireSegment& segment : plan_->index.tables[table].receive[shard]) {
-    const float* src = payload + (segment.begin - range.begin) * width;
-    float* dst = store.values(segment.residence) + segment.slot * width;
-    const size_t bytes = static_cast<size_t>(segment.count * info.row_bytes());
-    auto guard = store.locks->LockExclusive(segment.first_position,
-                                            segment.last_position - segment.first_position + 1);
-    if (segment.residence == Residence::kDevice) {
-      if (on_device != nullptr) {
-        device_->CopyDeviceToDevice(dst, src, bytes, Stream::kPrefetch);
+  if (message.host_frame) {
+    MLT_RETURN_IF_ERROR(InstallFrame(message, range));
+  } else {
+    const DeviceBuffer* on_device = message.device_values.get();
+    if (on_device != nullptr) MLT_RETURN_IF_ERROR(device_->WaitEvent(Stream::kPrefetch, on_device->ready));
+    const float* payload = on_device != nullptr ? on_device->data : message.values.data();
+    for (const WireSegment& segment : plan_->index.tables[table].receive[shard]) {
+      const float* src = payload + (segment.begin - range.begin) * width;
+      float* dst = store.values(segment.residence) + segment.slot * width;
+      const size_t bytes = static_cast<size_t>(segment.count * info.row_bytes());
+      auto guard = store.locks->LockExclusive(segment.first_position,
+                                              segment.last_position - segment.first_position + 1);
+      if (segment.residence == Residence::kDevice) {
+        if (on_device != nullptr) {
+          device_->CopyDeviceToDevice(dst, src, bytes, Stream::kPrefetch);
+        } else {
+          device_->CopyHostToDevice(dst, src, bytes, Stream::kPrefetch);  // reads the pageable source at once
+        }
+      } else if (on_device != nullptr) {
+        device_->CopyDeviceToHost(dst, src, bytes, Stream::kPrefetch);  // into the pinned host store
       } else {
-        device_->CopyHostToDevice(dst, src, bytes, Stream::kPrefetch);  // reads the pageable source at once
+        // A host-side write: queued gathers may still be reading these rows.
+        MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kPrefetch));
+        std::memcpy(dst, src, bytes);
       }
-    } else if (on_device != nullptr) {
-      device_->CopyDeviceToHost(dst, src, bytes, Stream::kPrefetch);  // into the pinned host store
-    } else {
-      // A host-side write: queued gathers may still be reading these rows.
-      MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kPrefetch));
-      std::memcpy(dst, src, bytes);
     }
-  }
-  if (on_device != nullptr) {
-    MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kPrefetch, &message.device_values->last_use));
+    if (on_device != nullptr) {
+      MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kPrefetch, &message.device_values->last_use));
+    }
   }
   MLT_RETURN_IF_ERROR(device_->TakeError());
   {
@@ -119,6 +125,60 @@ Status RowInstaller::InstallRows(const Message& message) {
     state_->data_age[table] = *std::min_element(ages.begin(), ages.end());
   }
   state_->age_cv.NotifyAll();
+  return Status::Ok();
+}
+
+// Rows from another process, in a host frame (complete: the transport waited
+// for its ticket). The device-resident rows take one host -> device copy of
+// the whole frame into a landing buffer and one scatter kernel (the prepared
+// `unpack` index) into the cache, queued on the prefetch stream under the
+// partition locks of the rows' positions; on the CPU backend the kernel
+// reads the frame directly. Host-resident rows are copied on this thread
+// after one wait for the queued gathers. The frame and the landing buffer go
+// back to their pools with the install's ticket; data age advances at once,
+// since every gather that reads the rows queues behind the install.
+Status RowInstaller::InstallFrame(const Message& message, const RowSpan& range) {
+  const TableId table = message.header.table;
+  const int shard = message.header.sender;
+  const TableStore& store = *plan_->stores[table];
+  const TableIndex& index = plan_->index.tables[table];
+  const std::vector<WireSegment>& segments = index.receive[shard];
+  const int64_t width = store.info.row_width;
+  DeviceBuffer& frame = *message.host_frame;
+  if (segments.empty()) return Status::Ok();
+  int64_t first = segments.front().first_position;
+  int64_t last = segments.front().last_position;
+  for (const WireSegment& segment : segments) {
+    first = std::min(first, segment.first_position);
+    last = std::max(last, segment.last_position);
+  }
+  // One lock span for the one kernel: held only while the work is queued.
+  auto guard = store.locks->LockExclusive(first, last - first + 1);
+  const RunIndex& unpack = index.unpack[shard];
+  if (unpack.total_rows > 0) {
+    const float* source = frame.data;
+    std::shared_ptr<DeviceBuffer> landing;
+    if (!device_->host_addressable()) {
+      MLT_RETURN_IF_ERROR(landing_.Acquire(frame.count, Stream::kPrefetch, &landing));
+      device_->CopyHostToDevice(landing->data, frame.data, frame.count * sizeof(float), Stream::kPrefetch);
+      source = landing->data;
+    }
+    device_->Gather(store.values(Residence::kDevice), source, unpack, width, Stream::kPrefetch);
+    DeviceEvent installed;
+    MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kPrefetch, &installed));
+    if (landing) landing->last_use = installed;
+    frame.last_use = std::move(installed);
+  }
+  if (!index.receive_on_device[shard]) {
+    // A host-side write: queued gathers may still be reading these rows.
+    MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kPrefetch));
+    for (const WireSegment& segment : segments) {
+      if (segment.residence == Residence::kDevice) continue;
+      std::memcpy(store.values(Residence::kHost) + segment.slot * width,
+                  frame.data + (segment.begin - range.begin) * width,
+                  static_cast<size_t>(segment.count * store.info.row_bytes()));
+    }
+  }
   return Status::Ok();
 }
 

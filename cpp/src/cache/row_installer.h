@@ -4,12 +4,13 @@
 // requests of the application thread (fetch, initial values, branches).
 //
 // Threading: Handle() runs on the transport's receive thread, one message
-// at a time. Ownership: owns nothing; the plan, state and device are the
-// engine's and outlive it.
+// at a time. Ownership: owns the device landing buffers of rows from other
+// processes; the plan, state and device are the engine's and outlive it.
 #pragma once
 
 #include <memory>
 
+#include "memory/device_block.h"
 #include "mltuner/device.h"
 #include "pipeline/plan.h"
 #include "pipeline/shared_state.h"
@@ -29,6 +30,7 @@ class RowInstaller {
 
  private:
   Status InstallRows(const Message& message) EXCLUDES(state_->age_mu);
+  Status InstallFrame(const Message& message, const RowSpan& range);
   Status CompleteRequest(Message&& message) EXCLUDES(state_->age_mu);
 
   const int rank_;
@@ -36,6 +38,9 @@ class RowInstaller {
   const std::shared_ptr<Device> device_;
   const PipelinePlan* const plan_;
   SharedState* const state_;
+  // Device landing buffers for host frames (one whole-frame copy each);
+  // idle ones bounded by the most ever in use at once.
+  DeviceBufferPool landing_;
 };
 
 }  // namespace mltuner

@@ -2,7 +2,6 @@
 #include "mltuner/cluster.h"
 
 #include "cluster/shard_host.h"
-#include "memory/buffer_pool.h"
 #include "mltuner/transport.h"
 #include "wire/message.h"
 
@@ -15,7 +14,7 @@ class LocalCluster::Hub : public Transport {
   Hub(const Config& config, const std::vector<std::shared_ptr<Device>>& devices) : devices_(devices) {
     const int num_workers = static_cast<int>(devices.size());
     for (int rank = 0; rank < num_workers; ++rank) {
-      hosts_.push_back(std::make_unique<ShardHost>(rank, num_workers, config, &pool_, devices[rank],
+      hosts_.push_back(std::make_unique<ShardHost>(rank, num_workers, config, devices[rank],
                                                    [this, rank](int worker) { return SameMemory(rank, worker); }));
     }
   }
@@ -53,7 +52,6 @@ class LocalCluster::Hub : public Transport {
 
   Status AddTableToShard(int rank, const TableInfo& info) override { return hosts_[rank]->AddTable(info); }
 
-  std::vector<float> NewPayload(size_t count) override { return pool_.Acquire(count); }
   bool SharesDevice(int sender, int receiver) const override { return SameMemory(sender, receiver); }
 
   int64_t rejected() const {
@@ -63,8 +61,6 @@ class LocalCluster::Hub : public Transport {
   }
 
  private:
-  // Recycled payloads; 1 GiB bounds what idle buffers may hold.
-  BufferPool pool_{size_t{1} << 30};
   std::vector<std::shared_ptr<Device>> devices_;
   std::vector<std::unique_ptr<ShardHost>> hosts_;
 };

@@ -8,7 +8,6 @@
 #include <utility>
 
 #include "cluster/shard_host.h"
-#include "memory/buffer_pool.h"
 #include "memory/device_block.h"
 #include "wire/message.h"
 
@@ -17,8 +16,8 @@ namespace mltuner {
 // The shard host and the outbox of messages for other processes.
 class ProcessNode::Queues {
  public:
-  Queues(int rank, int num_workers, const Config& config, BufferPool* pool, std::shared_ptr<Device> device)
-      : host(rank, num_workers, config, pool, device, [rank](int worker) { return worker == rank; }),
+  Queues(int rank, int num_workers, const Config& config, std::shared_ptr<Device> device)
+      : host(rank, num_workers, config, device, [rank](int worker) { return worker == rank; }),
         device(std::move(device)) {}
 
   // Waits while the outbox is over its limit (none when it is empty), up to
@@ -26,7 +25,7 @@ class ProcessNode::Queues {
   // dropped (every call of the job already fails with the abort's reason);
   // once closed it is queued without waiting, as the send thread drains.
   Status PushOutgoing(OutgoingMessage&& message, int64_t timeout_ms) {
-    const auto bytes = static_cast<int64_t>(message.payload.size() * sizeof(float));
+    const auto bytes = static_cast<int64_t>(message.payload_bytes());
     {
       std::unique_lock<std::mutex> lock(mu);
       const auto has_room = [&] {
@@ -58,7 +57,7 @@ class ProcessNode::Queues {
       if (outbox.empty()) return false;
       *out = std::move(outbox.front());
       outbox.pop_front();
-      outbox_bytes -= static_cast<int64_t>(out->payload.size() * sizeof(float));
+      outbox_bytes -= static_cast<int64_t>(out->payload_bytes());
     }
     room.notify_all();
     return true;
@@ -86,6 +85,12 @@ class ProcessNode::Queues {
   bool aborted = false;                // guarded by mu
 };
 
+size_t OutgoingMessage::payload_bytes() const {
+  return frame ? frame->count * sizeof(float) : payload.size() * sizeof(float);
+}
+
+const float* OutgoingMessage::payload_values() const { return frame ? frame->data : payload.data(); }
+
 ProcessNode::ProcessNode(int rank, int num_workers, int64_t wait_timeout_ms)
     : rank_(rank), num_workers_(num_workers), wait_timeout_ms_(wait_timeout_ms) {}
 
@@ -98,10 +103,12 @@ Status ProcessNode::Create(const Config& config, int rank, int num_workers, std:
   }
   std::shared_ptr<Device> shared_device = device ? std::move(device) : NewCpuDevice();
   std::unique_ptr<ProcessNode> node(new ProcessNode(rank, num_workers, config.wait_timeout_ms));
-  // Payloads in flight through ZeroMQ hold their buffers; idle ones are kept
-  // up to 1 GiB for reuse.
-  node->pool_ = std::make_shared<BufferPool>(size_t{1} << 30);
-  node->queues_ = std::make_unique<Queues>(rank, num_workers, config, node->pool_.get(), shared_device);
+  // Received payloads land in host frames (pinned on CUDA). The bytes one
+  // clock brings are not known here: idle frames are kept up to the most
+  // bytes ever held at once, so the steady state allocates none.
+  node->frames_ = std::make_shared<DeviceBufferPool>(shared_device, 0, /*host=*/true);
+  node->frames_->set_idle_bound_to_peak(true);
+  node->queues_ = std::make_unique<Queues>(rank, num_workers, config, shared_device);
   MLT_RETURN_IF_ERROR(Engine::Create(config, rank, num_workers, shared_device, node.get(), &node->engine_));
   node->queues_->host.Start(node->engine_.get(), node.get());
   *out = std::move(node);
@@ -122,19 +129,23 @@ Status ProcessNode::Send(Message&& message) {
   }
   if (message.device_values) {
     // Another process: the values leave the device here, after the work that
-    // produced them.
-    const DeviceBuffer& buffer = *message.device_values;
+    // produced them, into a host frame the send thread waits for.
+    DeviceBuffer& buffer = *message.device_values;
     Device& device = *queues_->device;
-    message.values = pool_->Acquire(buffer.count);
+    std::shared_ptr<DeviceBuffer> frame;
+    MLT_RETURN_IF_ERROR(frames_->Acquire(buffer.count, Stream::kReceive, &frame));
     MLT_RETURN_IF_ERROR(device.WaitEvent(Stream::kReceive, buffer.ready));
-    device.CopyDeviceToHost(message.values.data(), buffer.data, buffer.count * sizeof(float), Stream::kReceive);
-    MLT_RETURN_IF_ERROR(device.Synchronize(Stream::kReceive));
+    device.CopyDeviceToHost(frame->data, buffer.data, buffer.count * sizeof(float), Stream::kReceive);
+    MLT_RETURN_IF_ERROR(device.RecordEvent(Stream::kReceive, &frame->ready));
+    buffer.last_use = frame->ready;
+    message.host_frame = std::move(frame);
     message.device_values.reset();
   }
   OutgoingMessage outgoing;
   outgoing.receiver = receiver;
   outgoing.header = EncodeHeaderFrame(message);
   outgoing.payload = std::move(message.values);
+  outgoing.frame = std::move(message.host_frame);
   const Status queued = queues_->PushOutgoing(std::move(outgoing), wait_timeout_ms_);
   if (queued.code() == StatusCode::kTimeout) Abort(queued);  // every wait of the job ends with it
   return queued;
@@ -148,10 +159,17 @@ Status ProcessNode::AddTableToShard(int rank, const TableInfo& info) {
   return queues_->host.AddTable(info);
 }
 
-std::vector<float> ProcessNode::NewPayload(size_t count) { return pool_->Acquire(count); }
-
 bool ProcessNode::NextOutgoing(int timeout_ms, OutgoingMessage* out) {
-  return queues_->PopOutgoing(timeout_ms, out);
+  if (!queues_->PopOutgoing(timeout_ms, out)) return false;
+  const Status copied = WaitReady(out->frame.get());
+  if (!copied.ok()) {
+    // The device failed under the copy: the engine's threads report it too.
+    Abort(copied.WithContext("worker " + std::to_string(rank_) + "'s send thread"));
+    *out = OutgoingMessage();
+    return false;
+  }
+  if (out->frame) out->frame->ready.reset();
+  return true;
 }
 
 int64_t ProcessNode::outbox_messages() const {
@@ -179,8 +197,17 @@ void ProcessNode::SetOutboxLimit(int64_t bytes) {
 
 Status ProcessNode::Deliver(const void* frame0, size_t frame0_bytes, const void* payload, size_t payload_bytes) {
   Message message;
+  // One copy out of ZeroMQ's memory, into a recycled host frame (pinned on
+  // CUDA), which the receiver copies to the device once.
+  DeviceBufferPool* frames = frames_.get();
   Status status = DecodeMessage(frame0, frame0_bytes, payload, payload_bytes, &message,
-                                pool_->Acquire(payload_bytes / sizeof(float)));
+                                [frames](Message* decoded, size_t count, float** destination) {
+                                  *destination = nullptr;
+                                  if (count == 0) return Status::Ok();
+                                  MLT_RETURN_IF_ERROR(frames->AcquireForHost(count, &decoded->host_frame));
+                                  *destination = decoded->host_frame->data;
+                                  return Status::Ok();
+                                });
   if (status.ok() && message.header.receiver != rank_) {
     status = Status::CorruptMessage("message for process " + std::to_string(message.header.receiver) +
                                     " reached process " + std::to_string(rank_));

@@ -42,10 +42,9 @@ void Inbox::Stop() {
   if (thread_.joinable()) thread_.join();
 }
 
-ShardHost::ShardHost(int rank, int num_workers, const Config& config, BufferPool* pool,
-                     std::shared_ptr<Device> device, std::function<bool(int worker)> device_receivers)
-    : pool_(pool), shard_(rank, num_workers, config.update_rule, config.max_branches, std::move(device)) {
-  shard_.set_buffer_pool(pool);
+ShardHost::ShardHost(int rank, int num_workers, const Config& config, std::shared_ptr<Device> device,
+                     std::function<bool(int worker)> device_receivers)
+    : shard_(rank, num_workers, config.update_rule, config.max_branches, std::move(device)) {
   shard_.set_check_finite(config.check_finite);
   shard_.set_device_receivers(std::move(device_receivers));
 }
@@ -53,8 +52,10 @@ ShardHost::ShardHost(int rank, int num_workers, const Config& config, BufferPool
 void ShardHost::Start(Engine* engine, Transport* transport) {
   server_inbox_.Start("mlt-shard", [this, transport, engine](Message&& message) {
     std::vector<Message> replies;
-    Status status;
-    {
+    // A host frame from a worker of this process on another GPU may still
+    // be filling; one from another process is complete.
+    Status status = WaitReady(message.host_frame.get());
+    if (status.ok()) {
       std::lock_guard<std::mutex> lock(shard_mu_);
       status = shard_.Handle(std::move(message), &replies);
     }
@@ -79,18 +80,16 @@ void ShardHost::Start(Engine* engine, Transport* transport) {
         engine->Abort(context);
       }
     }
-    pool_->Release(std::move(message.values));
     for (Message& reply : replies) {
       const Status sent = transport->Send(std::move(reply));
       if (!sent.ok()) Reject(sent, Message());
     }
   });
   client_inbox_.Start("mlt-installer", [this, engine](Message&& message) {
-    const Status status = engine->HandleMessage(std::move(message));
+    // The same for rows from a shard of this process on another GPU.
+    Status status = WaitReady(message.host_frame.get());
+    if (status.ok()) status = engine->HandleMessage(std::move(message));
     if (!status.ok()) Reject(status, Message());
-    // Unless the engine kept the message (a request reply), its payload is
-    // still here (moved-from vectors are empty and ignored).
-    pool_->Release(std::move(message.values));
   });
 }
 

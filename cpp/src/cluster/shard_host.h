@@ -15,7 +15,7 @@
 #include <mutex>
 #include <thread>
 
-#include "memory/buffer_pool.h"
+#include "memory/device_block.h"
 #include "mltuner/engine.h"
 #include "mltuner/transport.h"
 #include "server/shard.h"
@@ -46,7 +46,7 @@ class ShardHost {
   // `pool` recycles host payloads and must outlive the host. The shard keeps
   // its state in `device`'s memory and sends rows as device buffers to the
   // workers for which `device_receivers` is true.
-  ShardHost(int rank, int num_workers, const Config& config, BufferPool* pool, std::shared_ptr<Device> device,
+  ShardHost(int rank, int num_workers, const Config& config, std::shared_ptr<Device> device,
             std::function<bool(int worker)> device_receivers);
   ~ShardHost() { Stop(); }
   ShardHost(const ShardHost&) = delete;
@@ -74,7 +74,6 @@ class ShardHost {
   int64_t rejected() const { return rejected_; }
 
  private:
-  BufferPool* const pool_;
   ServerShard shard_;
   std::mutex shard_mu_;  // Handle (server inbox) vs the calls above
   Inbox server_inbox_;

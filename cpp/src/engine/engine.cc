@@ -41,7 +41,14 @@ Engine::Impl::Impl(const Config& config, int rank, int num_workers, std::shared_
   state_.branches.clocks[0] = 0;
 }
 
-Engine::Impl::~Impl() { Shutdown(); }
+Engine::Impl::~Impl() {
+  Shutdown();
+  // The receive thread may install rows until its transport stops, which is
+  // before the engine is destroyed.
+  for (TableIndex& table : plan_.index.tables) {
+    for (RunIndex& runs : table.unpack) device_->ReleaseIndex(&runs);
+  }
+}
 
 std::chrono::steady_clock::time_point Engine::Impl::Deadline() const {
   return std::chrono::steady_clock::now() + std::chrono::milliseconds(config_.wait_timeout_ms);
@@ -177,6 +184,11 @@ Status Engine::Impl::PlanAndPrepare() {
     for (RunIndex* runs : {&access.device_gather, &access.host_gather, &access.device_scatter,
                            &access.host_scatter}) {
       MLT_RETURN_IF_ERROR(device_->PrepareIndex(runs));
+    }
+  }
+  for (TableIndex& table : index.tables) {
+    for (std::vector<RunIndex>* by_shard : {&table.pack, &table.unpack, &table.direct.runs}) {
+      for (RunIndex& runs : *by_shard) MLT_RETURN_IF_ERROR(device_->PrepareIndex(&runs));
     }
   }
 
@@ -626,6 +638,11 @@ Status Engine::Impl::Shutdown() {
     }
   }
   plan_.index.accesses.clear();
+  for (TableIndex& table : plan_.index.tables) {  // `unpack` is the receive thread's: see ~Impl
+    for (std::vector<RunIndex>* by_shard : {&table.pack, &table.direct.runs}) {
+      for (RunIndex& runs : *by_shard) device_->ReleaseIndex(&runs);
+    }
+  }
   return unsent;
 }
 

@@ -86,11 +86,11 @@ Status Engine::Impl::Fetch(TableId table, const std::vector<RowId>& rows, float*
   for (const Message& reply : replies) {
     const int shard = reply.header.sender;
     const std::vector<int64_t>& order = sharded.order[shard];
-    if (reply.values.size() != order.size() * static_cast<size_t>(width)) {
+    if (reply.num_values() != order.size() * static_cast<size_t>(width)) {
       return Status::CorruptMessage("fetch reply of the wrong size: " + reply.DebugString());
     }
     for (size_t k = 0; k < order.size(); ++k) {
-      std::memcpy(out + order[k] * width, reply.values.data() + k * width, static_cast<size_t>(width) * sizeof(float));
+      std::memcpy(out + order[k] * width, reply.host_values() + k * width, static_cast<size_t>(width) * sizeof(float));
     }
   }
   return Status::Ok();

@@ -1,5 +1,7 @@
 #include "memory/device_block.h"
 
+#include <algorithm>
+#include <iterator>
 #include <utility>
 
 namespace mltuner {
@@ -28,17 +30,26 @@ DeviceBlock::~DeviceBlock() {
   }
 }
 
+Status WaitReady(const DeviceBuffer* buffer) {
+  if (buffer == nullptr || !buffer->ready) return Status::Ok();
+  return buffer->block->device()->WaitEventDone(buffer->ready);
+}
+
 struct DeviceBufferPool::Idle {
   std::mutex mu;
   bool open = true;
   size_t bytes = 0;
   size_t max_bytes = 0;
+  int64_t allocations = 0;
+  size_t in_use = 0;       // bytes handed out
+  size_t peak_in_use = 0;
+  bool bound_to_peak = false;
   // By exact float count: a model's tables repeat the same sizes every clock.
   std::multimap<size_t, std::unique_ptr<DeviceBuffer>> buffers;
 };
 
-DeviceBufferPool::DeviceBufferPool(std::shared_ptr<Device> device, size_t max_idle_bytes)
-    : device_(std::move(device)), idle_(std::make_shared<Idle>()) {
+DeviceBufferPool::DeviceBufferPool(std::shared_ptr<Device> device, size_t max_idle_bytes, bool host)
+    : device_(std::move(device)), host_(host), idle_(std::make_shared<Idle>()) {
   idle_->max_bytes = max_idle_bytes;
 }
 
@@ -48,40 +59,97 @@ DeviceBufferPool::~DeviceBufferPool() {
   idle_->buffers.clear();
 }
 
-Status DeviceBufferPool::Acquire(size_t count, Stream s, std::shared_ptr<DeviceBuffer>* out) {
-  std::unique_ptr<DeviceBuffer> buffer;
+void DeviceBufferPool::set_max_idle_bytes(size_t bytes) {
+  std::multimap<size_t, std::unique_ptr<DeviceBuffer>> freed;  // freed outside the lock
+  std::lock_guard<std::mutex> lock(idle_->mu);
+  idle_->max_bytes = bytes;
+  while (idle_->bytes > idle_->max_bytes && !idle_->buffers.empty()) {
+    auto largest = std::prev(idle_->buffers.end());
+    idle_->bytes -= largest->second->block->bytes();
+    freed.insert(std::move(*largest));
+    idle_->buffers.erase(largest);
+  }
+}
+
+void DeviceBufferPool::set_idle_bound_to_peak(bool on) {
+  std::lock_guard<std::mutex> lock(idle_->mu);
+  idle_->bound_to_peak = on;
+}
+
+int64_t DeviceBufferPool::allocations() const {
+  std::lock_guard<std::mutex> lock(idle_->mu);
+  return idle_->allocations;
+}
+
+size_t DeviceBufferPool::idle_bytes() const {
+  std::lock_guard<std::mutex> lock(idle_->mu);
+  return idle_->bytes;
+}
+
+Status DeviceBufferPool::Take(size_t count, std::unique_ptr<DeviceBuffer>* buffer, bool* recycled) {
   {
     std::lock_guard<std::mutex> lock(idle_->mu);
     auto found = idle_->buffers.find(count);
     if (found != idle_->buffers.end()) {
-      buffer = std::move(found->second);
+      *buffer = std::move(found->second);
       idle_->buffers.erase(found);
-      idle_->bytes -= buffer->block->bytes();
+      idle_->bytes -= (*buffer)->block->bytes();
+      *recycled = true;
+      return Status::Ok();
     }
+    ++idle_->allocations;
   }
-  if (buffer) {
-    MLT_RETURN_IF_ERROR(device_->WaitEvent(s, buffer->last_use));
-  } else {
-    buffer = std::make_unique<DeviceBuffer>();
-    MLT_RETURN_IF_ERROR(DeviceBlock::Make(device_, (count > 0 ? count : 1) * sizeof(float), false, &buffer->block));
-    buffer->data = buffer->block->floats();
-  }
+  *recycled = false;
+  *buffer = std::make_unique<DeviceBuffer>();
+  MLT_RETURN_IF_ERROR(
+      DeviceBlock::Make(device_, (count > 0 ? count : 1) * sizeof(float), host_, &(*buffer)->block));
+  (*buffer)->data = (*buffer)->block->floats();
+  return Status::Ok();
+}
+
+Status DeviceBufferPool::Acquire(size_t count, Stream s, std::shared_ptr<DeviceBuffer>* out) {
+  std::unique_ptr<DeviceBuffer> buffer;
+  bool recycled = false;
+  MLT_RETURN_IF_ERROR(Take(count, &buffer, &recycled));
+  if (recycled) MLT_RETURN_IF_ERROR(device_->WaitEvent(s, buffer->last_use));
+  *out = Hand(std::move(buffer), count);
+  return Status::Ok();
+}
+
+Status DeviceBufferPool::AcquireForHost(size_t count, std::shared_ptr<DeviceBuffer>* out) {
+  std::unique_ptr<DeviceBuffer> buffer;
+  bool recycled = false;
+  MLT_RETURN_IF_ERROR(Take(count, &buffer, &recycled));
+  if (recycled) MLT_RETURN_IF_ERROR(device_->WaitEventDone(buffer->last_use));
+  *out = Hand(std::move(buffer), count);
+  return Status::Ok();
+}
+
+std::shared_ptr<DeviceBuffer> DeviceBufferPool::Hand(std::unique_ptr<DeviceBuffer> buffer, size_t count) {
   buffer->count = count;
   buffer->ready.reset();
   buffer->last_use.reset();
+  {
+    std::lock_guard<std::mutex> lock(idle_->mu);
+    idle_->in_use += buffer->block->bytes();
+    idle_->peak_in_use = std::max(idle_->peak_in_use, idle_->in_use);
+    // Twice the peak: frames of one size left idle by a clock that needed
+    // others must not push out the ones the next clock needs.
+    if (idle_->bound_to_peak) idle_->max_bytes = std::max(idle_->max_bytes, 2 * idle_->peak_in_use);
+  }
   std::shared_ptr<Idle> idle = idle_;
-  *out = std::shared_ptr<DeviceBuffer>(buffer.release(), [idle](DeviceBuffer* returned) {
+  return std::shared_ptr<DeviceBuffer>(buffer.release(), [idle](DeviceBuffer* returned) {
     std::unique_ptr<DeviceBuffer> owned(returned);
     // A consumer that queued no reads still leaves the producer's writes to
     // wait for.
     if (!owned->last_use) owned->last_use = std::move(owned->ready);
     std::lock_guard<std::mutex> lock(idle->mu);
     const size_t bytes = owned->block->bytes();
+    idle->in_use -= bytes;
     if (!idle->open || idle->bytes + bytes > idle->max_bytes) return;  // freed here
     idle->bytes += bytes;
     idle->buffers.emplace(owned->count, std::move(owned));
   });
-  return Status::Ok();
 }
 
 }  // namespace mltuner

@@ -15,6 +15,11 @@
 
 namespace mltuner {
 
+// HostFrame: the same pool over host memory (Device::AllocateHost: pinned on
+// CUDA, plain on the CPU backend) carries payloads to and from other
+// processes: filled by one device -> host copy (`ready`), sent by the
+// transport without a copy, read by one host -> device copy (`last_use`).
+//
 // One allocation from a Device (device memory, or host staging memory when
 // `host`), freed when the last owner lets go. Holds the Device alive too, so
 // a buffer the application still holds stays valid after the engine is gone.
@@ -32,6 +37,8 @@ class DeviceBlock {
 
   float* floats() const { return static_cast<float*>(data_); }
   size_t bytes() const { return bytes_; }
+  bool host() const { return host_; }
+  Device* device() const { return device_.get(); }
 
  private:
   DeviceBlock(std::shared_ptr<Device> device, void* data, size_t bytes, bool host)
@@ -56,13 +63,20 @@ struct DeviceBuffer {
   std::shared_ptr<DeviceBlock> block;
 };
 
+// Blocks until a buffer's producer is done with it (`ready`), on the thread
+// of a consumer that reads it on the host. A null buffer or ticket is ready.
+Status WaitReady(const DeviceBuffer* buffer);
+
 // Recycles DeviceBuffers by size. Buffers handed out return to the pool when
 // their last owner lets go, whatever thread that is, also after the pool
 // itself is gone (then they are freed). Idle memory is bounded by
-// `max_idle_bytes`; above it, returned buffers are freed.
+// `max_idle_bytes`; above it, returned buffers are freed. A buffer returns
+// at once with its `last_use` ticket; nothing waits for it then: the next
+// user of the memory waits for the ticket (its stream, or its thread for a
+// host writer). With `host`, buffers are host frames (pinned on CUDA).
 class DeviceBufferPool {
  public:
-  DeviceBufferPool(std::shared_ptr<Device> device, size_t max_idle_bytes);
+  DeviceBufferPool(std::shared_ptr<Device> device, size_t max_idle_bytes, bool host = false);
   ~DeviceBufferPool();
   DeviceBufferPool(const DeviceBufferPool&) = delete;
   DeviceBufferPool& operator=(const DeviceBufferPool&) = delete;
@@ -70,12 +84,29 @@ class DeviceBufferPool {
   // A buffer of `count` floats (contents unspecified) whose memory stream `s`
   // may write: `s` waits for the previous user's last_use.
   Status Acquire(size_t count, Stream s, std::shared_ptr<DeviceBuffer>* out);
+  // The same for a writer on this thread (a host frame filled by memcpy):
+  // blocks until the previous user's last_use is complete.
+  Status AcquireForHost(size_t count, std::shared_ptr<DeviceBuffer>* out);
+  // Bounds idle memory anew (the plan knows the bytes in flight only once
+  // it is made); idle buffers above the new bound are freed.
+  void set_max_idle_bytes(size_t bytes);
+  // Let idle memory reach twice the most bytes ever handed out at once (for a
+  // pool whose clock's bytes the plan does not name: what one clock needed
+  // stays for the next, so the steady state allocates nothing).
+  void set_idle_bound_to_peak(bool on);
+  // Allocations made so far (a steady state makes none) and idle bytes.
+  int64_t allocations() const;
+  size_t idle_bytes() const;
+  bool host() const { return host_; }
   Device* device() const { return device_.get(); }
   const std::shared_ptr<Device>& shared_device() const { return device_; }
 
  private:
   struct Idle;  // shared with the buffers' deleters
+  Status Take(size_t count, std::unique_ptr<DeviceBuffer>* buffer, bool* recycled);
+  std::shared_ptr<DeviceBuffer> Hand(std::unique_ptr<DeviceBuffer> buffer, size_t count);
   std::shared_ptr<Device> device_;
+  const bool host_;
   std::shared_ptr<Idle> idle_;
 };
 

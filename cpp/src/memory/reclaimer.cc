@@ -28,9 +28,58 @@ Reclaimer::Reclaimer(const Config& config, int rank, int num_workers, std::share
       plan_(plan),
       state_(state),
       // Idle payload buffers: a few clocks of a large model's updates in flight.
-      payloads_(std::move(device), size_t{2} << 30) {}
+      payloads_(device, size_t{2} << 30),
+      // Bounded in Start, from the plan.
+      frames_(std::move(device), 0, /*host=*/true) {}
+
+int64_t Reclaimer::RemotePayloadBytesInFlight() const {
+  // One clock's updates for shards in other processes, times the clocks
+  // whose updates may be alive at once: with the largest recorded slack s, a
+  // worker runs up to s clocks ahead, plus the clock being sent (as
+  // plan/host_memory.cc counts them).
+  int max_slack = 0;
+  for (const AccessRecord& access : plan_->recording.accesses) {
+    if (access.kind == OpKind::kRead) max_slack = std::max(max_slack, access.slack);
+  }
+  int64_t per_clock = 0;
+  for (const TableInfo& table : plan_->tables) {
+    if (table.local) continue;
+    const TableIndex& index = plan_->index.tables[table.id];
+    if (!index.has_updates) continue;
+    for (int shard = 0; shard < num_workers_; ++shard) {
+      if (transport_->SharesDevice(rank_, shard)) continue;
+      int64_t rows = 0;
+      if (index.direct.handle >= 0) {
+        rows = index.direct.runs[shard].total_rows;
+      } else {
+        for (const WireSegment& segment : index.send[shard]) rows += segment.count;
+      }
+      per_clock += rows * table.row_bytes();
+    }
+  }
+  return per_clock * (max_slack + 2);
+}
+
+size_t Reclaimer::LargestRemotePayloadValues() const {
+  size_t largest = 0;
+  for (const TableInfo& table : plan_->tables) {
+    if (table.local) continue;
+    const TableIndex& index = plan_->index.tables[table.id];
+    for (int shard = 0; shard < num_workers_ && index.has_updates; ++shard) {
+      if (transport_->SharesDevice(rank_, shard)) continue;
+      int64_t rows = index.direct.handle >= 0 ? index.direct.runs[shard].total_rows : 0;
+      if (index.direct.handle < 0) {
+        for (const WireSegment& segment : index.send[shard]) rows += segment.count;
+      }
+      largest = std::max(largest, static_cast<size_t>(rows * table.row_width));
+    }
+  }
+  return largest;
+}
 
 void Reclaimer::Start() {
+  frames_.set_max_idle_bytes(static_cast<size_t>(RemotePayloadBytesInFlight()));
+  staging_values_ = LargestRemotePayloadValues();
   thread_ = std::thread([this] {
     NameThisThread("mlt-reclaimer");
     Loop();
@@ -236,9 +285,11 @@ Status Reclaimer::NewUpdateMessage(TableId table, int shard, mltuner::Clock cloc
   if (*on_device) {
     MLT_RETURN_IF_ERROR(payloads_.Acquire(values, Stream::kWriteback, &message.device_values));
     *data = message.device_values->data;
-  } else {
-    message.values = transport_->NewPayload(values);
-    *data = message.values.data();
+  } else if (values > 0) {
+    // Another process's shard: a recycled host frame (pinned on CUDA) that
+    // the transport sends as it is, once its ticket (MarkReady) is done.
+    MLT_RETURN_IF_ERROR(frames_.Acquire(values, Stream::kWriteback, &message.host_frame));
+    *data = message.host_frame->data;
   }
   *out = std::move(message);
   return Status::Ok();
@@ -246,13 +297,16 @@ Status Reclaimer::NewUpdateMessage(TableId table, int shard, mltuner::Clock cloc
 
 // The table's update log for `clock`: one message per shard, its payload
 // filled on the writeback stream. A shard of this process on this device gets
-// a device buffer (MarkReady gives it its ticket); the others get host values,
-// for which this thread waits.
+// a device buffer; another process's shard a host frame, filled by one pack
+// kernel (the prepared `pack` index: log slots -> a contiguous device
+// staging payload) and one device -> host copy when its rows are all
+// device-resident (on the CPU backend the kernel packs into the frame
+// directly). MarkReady gives both their ticket; nothing here waits, except
+// for host-resident log rows copied to a device payload (zeroed after).
 Status Reclaimer::BuildTableClock(TableId table, mltuner::Clock clock, std::vector<Message>* messages) {
   const TableStore& store = *plan_->stores[table];
   const int64_t width = store.info.row_width;
   const TableIndex& table_index = plan_->index.tables[table];
-  bool host_payloads = false;
   std::vector<std::pair<float*, size_t>> zero_after_copy;  // host log rows read by queued copies
   for (int shard = 0; shard < num_workers_; ++shard) {
     const std::vector<WireSegment>& segments = table_index.send[shard];
@@ -261,9 +315,24 @@ Status Reclaimer::BuildTableClock(TableId table, mltuner::Clock clock, std::vect
     Message message;
     float* out = nullptr;
     bool on_device = false;
-    MLT_RETURN_IF_ERROR(NewUpdateMessage(table, shard, clock, static_cast<size_t>(rows * width), &message, &out,
-                                         &on_device));
-    host_payloads |= !on_device && rows > 0;
+    const size_t total = static_cast<size_t>(rows * width);
+    MLT_RETURN_IF_ERROR(NewUpdateMessage(table, shard, clock, total, &message, &out, &on_device));
+    const bool remote = !on_device && rows > 0;
+    const bool host_device = device_->host_addressable();
+    const bool packed = remote && (host_device || table_index.send_on_device[shard]);
+    if (packed && table_index.pack[shard].total_rows > 0) {
+      float* target = out;
+      std::shared_ptr<DeviceBuffer> staging;
+      if (!host_device) {
+        MLT_RETURN_IF_ERROR(payloads_.Acquire(std::max(staging_values_, total), Stream::kWriteback, &staging));
+        target = staging->data;
+      }
+      device_->Gather(target, store.log(Residence::kDevice), table_index.pack[shard], width, Stream::kWriteback);
+      if (staging) device_->CopyDeviceToHost(out, staging->data, total * sizeof(float), Stream::kWriteback);
+      // `staging` (one size for every table: the largest remote payload, so
+      // one buffer serves them all) goes back to the pool at once: its next
+      // writer queues behind this copy, on this stream or after last_use.
+    }
     for (const WireSegment& segment : segments) {
       message.spans.push_back({segment.begin, segment.count});
       const size_t count = static_cast<size_t>(segment.count * width);
@@ -272,8 +341,8 @@ Status Reclaimer::BuildTableClock(TableId table, mltuner::Clock clock, std::vect
       if (segment.residence == Residence::kDevice) {
         if (on_device) {
           device_->CopyDeviceToDevice(out, log, bytes, Stream::kWriteback);
-        } else {
-          device_->CopyDeviceToHost(out, log, bytes, Stream::kWriteback);
+        } else if (!packed) {
+          device_->CopyDeviceToHost(out, log, bytes, Stream::kWriteback);  // into the frame
         }
         device_->Fill(log, 0.0f, count, Stream::kWriteback);
       } else if (on_device) {
@@ -288,7 +357,7 @@ Status Reclaimer::BuildTableClock(TableId table, mltuner::Clock clock, std::vect
     message.header.num_spans = static_cast<uint32_t>(message.spans.size());
     messages->push_back(std::move(message));
   }
-  if (host_payloads || !zero_after_copy.empty()) MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kWriteback));
+  if (!zero_after_copy.empty()) MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kWriteback));
   for (const auto& [log, count] : zero_after_copy) std::fill_n(log, count, 0.0f);
   return Status::Ok();
 }
@@ -298,40 +367,43 @@ Status Reclaimer::BuildDirectUpdate(const AccessRecord& access, const float* buf
   const TableInfo& info = plan_->tables[access.table];
   const DirectSend& direct = plan_->index.tables[access.table].direct;
   const int64_t width = info.row_width;
-  bool host_payloads = false;
   for (int shard = 0; shard < num_workers_; ++shard) {
     const RunIndex& runs = direct.runs[shard];
     Message message;
     float* out = nullptr;
     bool on_device = false;
-    MLT_RETURN_IF_ERROR(NewUpdateMessage(access.table, shard, clock, static_cast<size_t>(runs.total_rows * width),
-                                         &message, &out, &on_device));
-    host_payloads |= !on_device && runs.total_rows > 0;
+    const size_t total = static_cast<size_t>(runs.total_rows * width);
+    MLT_RETURN_IF_ERROR(NewUpdateMessage(access.table, shard, clock, total, &message, &out, &on_device));
     message.spans = direct.spans[shard];
     message.header.num_spans = static_cast<uint32_t>(message.spans.size());
-    for (const RowRun& run : runs.runs) {
-      const size_t bytes = static_cast<size_t>(run.count * info.row_bytes());
-      if (on_device) {
-        device_->CopyDeviceToDevice(out + run.dst * width, buffer + run.src * width, bytes, Stream::kWriteback);
-      } else {
-        device_->CopyDeviceToHost(out + run.dst * width, buffer + run.src * width, bytes, Stream::kWriteback);
+    if (runs.total_rows > 0) {
+      // One kernel packs the buffer's rows (the prepared run index); another
+      // process's shard then gets them by one device -> host copy.
+      std::shared_ptr<DeviceBuffer> staging;
+      float* target = out;
+      if (!on_device && !device_->host_addressable()) {
+        MLT_RETURN_IF_ERROR(payloads_.Acquire(std::max(staging_values_, total), Stream::kWriteback, &staging));
+        target = staging->data;
       }
+      device_->Gather(target, buffer, runs, width, Stream::kWriteback);
+      if (staging) device_->CopyDeviceToHost(out, staging->data, total * sizeof(float), Stream::kWriteback);
     }
     messages->push_back(std::move(message));
   }
-  if (host_payloads) MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kWriteback));
   MutexLock lock(&state_->mu);
   state_->stats.bytes_scattered += static_cast<int64_t>(access.rows.size()) * info.row_bytes();
   return Status::Ok();
 }
 
-// Gives every device payload of the batch `ready`, a ticket for everything
-// queued on the writeback stream; when null, one taken now if needed.
+// Gives every device payload and host frame of the batch `ready`, a ticket
+// for everything queued on the writeback stream; when null, one taken now if
+// needed. A frame's consumer (the transport's send thread) waits for it.
 Status Reclaimer::MarkReady(DeviceEvent ready, std::vector<Message>* messages) {
   for (Message& message : *messages) {
-    if (!message.device_values) continue;
+    DeviceBuffer* payload = message.device_values ? message.device_values.get() : message.host_frame.get();
+    if (payload == nullptr) continue;
     if (!ready) MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kWriteback, &ready));
-    message.device_values->ready = ready;
+    payload->ready = ready;
   }
   return Status::Ok();
 }

@@ -6,8 +6,9 @@
 // Threading: Start() runs the thread; it ends when SharedState::stopping is
 // set or on a failure (SharedState::Fail). WriteBackLocal may also be called
 // by the application thread before Start (the initialisation phase).
-// Ownership: owns its thread and the device buffers of update payloads to
-// shards that share this device; the plan, state, device and transport are
+// Ownership: owns its thread, the device buffers of update payloads to
+// shards that share this device and the host frames of those to other
+// processes; the plan, state, device and transport are
 // the engine's and outlive it.
 #pragma once
 
@@ -70,11 +71,22 @@ class Reclaimer {
   Transport* const transport_;
   const PipelinePlan* const plan_;
   SharedState* const state_;
-  // Device buffers for update payloads to shards that share this device.
+  // The bytes of update payloads to other processes' shards that may be
+  // alive at once (the bound of idle frames).
+  int64_t RemotePayloadBytesInFlight() const;
+  // Floats of the largest update payload to one of those shards: the size
+  // of the device staging buffer every pack kernel fills.
+  size_t LargestRemotePayloadValues() const;
+  size_t staging_values_ = 0;  // set in Start
+  // Device buffers for update payloads to shards that share this device, and
+  // the staging payloads packed for the others.
   DeviceBufferPool payloads_;
   // Per table: a scatter-add into its host log is queued on the device and
   // not yet waited for. This thread's only (and the init phase's, before it).
   std::vector<bool> host_log_pending_;
+  // Host frames (pinned on CUDA) of update payloads to other processes'
+  // shards, recycled; idle ones bounded by RemotePayloadBytesInFlight.
+  DeviceBufferPool frames_;
   std::thread thread_;
 };
 

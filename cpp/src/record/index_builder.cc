@@ -184,6 +184,31 @@ IterationIndex BuildIndexes(const std::vector<TableInfo>& tables,
                                        placement.tables[table.id], num_shards);
     table_index.receive = SegmentsByShard(table, nullptr, layouts[table.id],
                                           placement.tables[table.id], num_shards);
+    table_index.pack.resize(num_shards);
+    table_index.unpack.resize(num_shards);
+    table_index.send_on_device.assign(num_shards, true);
+    table_index.receive_on_device.assign(num_shards, true);
+    for (int shard = 0; shard < num_shards; ++shard) {
+      int64_t payload_row = 0;  // updates: the segments' rows in order
+      for (const WireSegment& segment : table_index.send[shard]) {
+        if (segment.residence == Residence::kDevice) {
+          table_index.pack[shard].runs.push_back({segment.slot, payload_row, segment.count});
+          table_index.pack[shard].total_rows += segment.count;
+        } else {
+          table_index.send_on_device[shard] = false;
+        }
+        payload_row += segment.count;
+      }
+      const RowSpan range = ShardRange(table.num_rows, shard, num_shards);  // rows: the shard's whole range
+      for (const WireSegment& segment : table_index.receive[shard]) {
+        if (segment.residence == Residence::kDevice) {
+          table_index.unpack[shard].runs.push_back({segment.begin - range.begin, segment.slot, segment.count});
+          table_index.unpack[shard].total_rows += segment.count;
+        } else {
+          table_index.receive_on_device[shard] = false;
+        }
+      }
+    }
   }
   LinkFetchDependencies(recording, &index);
   return index;

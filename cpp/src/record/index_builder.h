@@ -60,6 +60,17 @@ struct TableIndex {
   DirectSend direct;
   std::vector<std::vector<WireSegment>> send;     // by shard: updated rows
   std::vector<std::vector<WireSegment>> receive;  // by shard: all its rows
+  // The wire segments' device-resident rows as run indexes, by shard (made
+  // with the segments, prepared on the device with the access indexes):
+  // `pack` gathers update-log slots into payload rows (one kernel fills a
+  // contiguous staging payload), `unpack` scatters a received payload's rows
+  // into cache slots (one kernel installs them). `send_on_device` /
+  // `receive_on_device`: every row of the shard's segments is device-resident,
+  // so the packed payload is the whole message.
+  std::vector<RunIndex> pack;
+  std::vector<RunIndex> unpack;
+  std::vector<bool> send_on_device;
+  std::vector<bool> receive_on_device;
 };
 
 struct IterationIndex {

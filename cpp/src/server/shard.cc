@@ -94,7 +94,12 @@ ServerShard::ServerShard(int rank, int num_workers, const UpdateRuleConfig& rule
       rule_config_(rule),
       max_branches_(max_branches),
       device_(OrCpu(std::move(device))),
-      buffers_(device_, kMaxIdleShardBufferBytes) {}
+      buffers_(device_, kMaxIdleShardBufferBytes),
+      // Rows pushed to other processes: what one round of pushes held stays
+      // for the next (a frame returns once ZeroMQ has sent it).
+      frames_(device_, 0, /*host=*/true) {
+  frames_.set_idle_bound_to_peak(true);
+}
 
 Status ServerShard::NewTableState(const TableInfo& info, std::unique_ptr<TableState>* out) {
   auto table = std::make_unique<TableState>(num_workers_);
@@ -198,11 +203,14 @@ Status ServerShard::PayloadOnDevice(const Message& in, std::shared_ptr<DeviceBuf
     *out = in.device_values;
     return Status::Ok();
   }
-  if (in.values.empty()) return Status::Ok();
-  MLT_RETURN_IF_ERROR(buffers_.Acquire(in.values.size(), Stream::kServer, out));
-  device_->CopyHostToDevice((*out)->data, in.values.data(), in.values.size() * sizeof(float), Stream::kServer);
+  const size_t count = in.num_values();
+  if (count == 0) return Status::Ok();
+  MLT_RETURN_IF_ERROR(buffers_.Acquire(count, Stream::kServer, out));
+  device_->CopyHostToDevice((*out)->data, in.host_values(), count * sizeof(float), Stream::kServer);
   // A pageable source is read before the copy call returns; a CPU device
-  // copies at once. Either way `in` may go.
+  // copies at once; a host frame (pinned) is read by the queued copy, so it
+  // goes back to its pool with that copy's ticket.
+  if (in.host_frame) MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kServer, &in.host_frame->last_use));
   return Status::Ok();
 }
 
@@ -279,7 +287,7 @@ Status ServerShard::CheckFinite(const TableState& table, const Message& in) {
     MLT_RETURN_IF_ERROR(device_->WaitEvent(Stream::kServer, in.device_values->ready));
     MLT_RETURN_IF_ERROR(device_->CountNonFinite(in.device_values->data, count, Stream::kServer, &bad));
   } else {
-    bad = CountNonFiniteHost(in.values.data(), count);
+    bad = CountNonFiniteHost(in.host_values(), count);
   }
   if (bad == 0) return Status::Ok();
   return Status::NonFinite("table '" + table.info.name + "' (id " + std::to_string(table.info.id) + ") on branch " +
@@ -432,9 +440,11 @@ Status ServerShard::RowsMessage(const TableState& table, int worker, Message* ou
       device_->CopyDeviceToDevice(rows.device_values->data, table.data(), count * sizeof(float), Stream::kServer);
       MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kServer, &rows.device_values->ready));
     } else {
-      rows.values = NewBuffer(count);
-      device_->CopyDeviceToHost(rows.values.data(), table.data(), count * sizeof(float), Stream::kServer);
-      MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kServer));
+      // Into a host frame, ready with the copy's ticket: the transport's
+      // send thread waits for it, this thread does not.
+      MLT_RETURN_IF_ERROR(frames_.Acquire(count, Stream::kServer, &rows.host_frame));
+      device_->CopyDeviceToHost(rows.host_frame->data, table.data(), count * sizeof(float), Stream::kServer);
+      MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kServer, &rows.host_frame->ready));
     }
   }
   rows.header.num_spans = static_cast<uint32_t>(rows.spans.size());
@@ -510,10 +520,6 @@ Status ServerShard::TakeNewLearningRate(TableState* table, Clock finished) {
   }
   table->rule->set_learning_rate(rates.begin()->second);
   return Status::Ok();
-}
-
-std::vector<float> ServerShard::NewBuffer(size_t count) const {
-  return pool_ ? pool_->Acquire(count) : std::vector<float>(count);
 }
 
 std::unique_ptr<std::vector<float>> ServerShard::values(TableId table, BranchId branch) const {

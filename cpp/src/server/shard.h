@@ -25,7 +25,6 @@
 #include "mltuner/config.h"
 #include "mltuner/status.h"
 #include "mltuner/types.h"
-#include "memory/buffer_pool.h"
 #include "memory/device_block.h"
 #include "mltuner/device.h"
 #include "server/update_rules.h"
@@ -63,9 +62,6 @@ class ServerShard {
   // kClockUpdate that covers all of the shard's rows of its table).
   Status Handle(Message&& in, std::vector<Message>* out);
 
-  // Payload buffers come from, and go back to, `pool` (not owned; may be
-  // null, then they are allocated fresh).
-  void set_buffer_pool(BufferPool* pool) { pool_ = pool; }
   // Workers whose rows may be sent as device buffers (same process, same
   // memory space); the others get host values. Default: none.
   void set_device_receivers(std::function<bool(int worker)> takes_device_buffers) {
@@ -146,15 +142,14 @@ class ServerShard {
   void AddSpansOnDevice(const Message& in, const RowSpan& range, int64_t row_width, const DeviceBuffer& payload,
                         float* dense);
   Status NewTableState(const TableInfo& info, std::unique_ptr<TableState>* out);
-  std::vector<float> NewBuffer(size_t count) const;
 
   const int rank_;
   const int num_workers_;
   const UpdateRuleConfig rule_config_;
-  BufferPool* pool_ = nullptr;
   const int max_branches_;
   std::shared_ptr<Device> device_;
   DeviceBufferPool buffers_;
+  DeviceBufferPool frames_;  // host frames of rows pushed to other processes
   std::function<bool(int)> device_receivers_;
   bool check_finite_ = false;
   // Every table on every live branch, by (branch, table).

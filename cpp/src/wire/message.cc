@@ -15,7 +15,16 @@
 
 namespace mltuner {
 
-size_t Message::num_values() const { return device_values ? device_values->count : values.size(); }
+size_t Message::num_values() const {
+  if (device_values) return device_values->count;
+  if (host_frame) return host_frame->count;
+  return values.size();
+}
+
+const float* Message::host_values() const {
+  if (device_values) return nullptr;
+  return host_frame ? host_frame->data : values.data();
+}
 
 // The wire format is defined as little-endian and the codec copies integers
 // as they lie in memory, so a big-endian build would silently misread.
@@ -216,6 +225,18 @@ std::string EncodeHeaderFrame(const Message& message) {
 
 Status DecodeMessage(const void* frame0, size_t frame0_bytes, const void* payload, size_t payload_bytes,
                      Message* out, std::vector<float> storage) {
+  auto* kept = &storage;
+  return DecodeMessage(frame0, frame0_bytes, payload, payload_bytes, out,
+                       [kept](Message* message, size_t count, float** destination) {
+                         message->values = std::move(*kept);
+                         message->values.resize(count);
+                         *destination = message->values.data();
+                         return Status::Ok();
+                       });
+}
+
+Status DecodeMessage(const void* frame0, size_t frame0_bytes, const void* payload, size_t payload_bytes,
+                     Message* out, const PayloadPlacer& place) {
   if (frame0 == nullptr || frame0_bytes < kHeaderBytes) {
     return Status::CorruptMessage("frame 0 is " + std::to_string(frame0_bytes) + " bytes, shorter than the " +
                                   std::to_string(kHeaderBytes) + "-byte header");
@@ -236,9 +257,9 @@ Status DecodeMessage(const void* frame0, size_t frame0_bytes, const void* payloa
 
   const size_t text_offset = kHeaderBytes + size_t{h.num_spans} * kSpanBytes;
   message.text.assign(reinterpret_cast<const char*>(bytes + text_offset), h.text_bytes);
-  message.values = std::move(storage);
-  message.values.resize(payload_bytes / sizeof(float));
-  if (payload_bytes > 0) std::memcpy(message.values.data(), payload, payload_bytes);
+  float* destination = nullptr;
+  MLT_RETURN_IF_ERROR(place(&message, payload_bytes / sizeof(float), &destination));
+  if (payload_bytes > 0) std::memcpy(destination, payload, payload_bytes);
   *out = std::move(message);
   return Status::Ok();
 }

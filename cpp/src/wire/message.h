@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -103,8 +104,17 @@ struct Message {
   // memory: then they are here and `values` is empty. Never encoded; a
   // transport to another process copies them into `values` first.
   std::shared_ptr<DeviceBuffer> device_values;
+  // To and from another process the values travel in a host frame (pinned,
+  // recycled; memory/device_block.h): then they are here and `values` is
+  // empty. The frame's `ready` is the ticket of the device -> host copy that
+  // fills it; whoever reads it on the host waits for it first (WaitReady;
+  // the transport does before a frame leaves or is delivered), and a
+  // consumer that copies it to the device sets `last_use`.
+  std::shared_ptr<DeviceBuffer> host_frame;
 
   size_t num_values() const;
+  // The host values, from the frame or from `values`; null when on device.
+  const float* host_values() const;
 
   MessageType type() const { return static_cast<MessageType>(header.type); }
   int64_t total_rows() const;
@@ -133,5 +143,11 @@ std::string EncodeHeaderFrame(const Message& message);
 // payload is copied into `storage` (a recycled buffer, resized as needed).
 Status DecodeMessage(const void* frame0, size_t frame0_bytes, const void* payload,
                      size_t payload_bytes, Message* out, std::vector<float> storage = {});
+// The same, with the payload copied to where `place` says: it is called once
+// the message is valid, with the decoded message and the float count, and
+// returns the destination (a host frame it attached, say), or fails.
+using PayloadPlacer = std::function<Status(Message* message, size_t count, float** destination)>;
+Status DecodeMessage(const void* frame0, size_t frame0_bytes, const void* payload, size_t payload_bytes,
+                     Message* out, const PayloadPlacer& place);
 
 }  // namespace mltuner

@@ -7,8 +7,8 @@ each owning its sockets:
 
 - the send thread takes encoded messages from the node (waiting with the GIL
   released) and sends the header frame and the payload array with no copy
-  (ZeroMQ holds the array until the bytes are out, then the buffer returns to
-  the node's pool);
+  (ZeroMQ holds the array until the bytes are out; the array views a pinned,
+  recycled host frame, which then returns to its pool);
 - the receive thread hands data frames to the node, which validates them in
   C++ with the GIL released, and reads the data socket's connection guard
   (failed handshakes, the cap on connections).

@@ -4,18 +4,28 @@
 // without sockets. Also: refusal of misaddressed and corrupt frames, Abort
 // ending a blocked wait with kPeerLost, and shard export/import.
 #include "mltuner/process_node.h"
+#include "mltuner/cluster.h"
+#include "memory/device_block.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "cluster/two_process_model.h"
 #include "test_util.h"
 #include "wire/message.h"
 
 using namespace mltuner;
+using mltuner::testing::TrainModel;
+using mltuner::testing::Wire;
 
 namespace {
 
@@ -26,34 +36,6 @@ Config TestConfig(UpdateRuleKind kind = UpdateRuleKind::kAdd) {
   config.update_rule.learning_rate = 0.5f;
   return config;
 }
-
-// Moves every outgoing message of each node to the other until stopped.
-class Wire {
- public:
-  Wire(ProcessNode* a, ProcessNode* b) {
-    for (auto [from, to] : {std::pair{a, b}, std::pair{b, a}}) {
-      threads_.emplace_back([this, from, to] {
-        while (!stop_) {
-          OutgoingMessage message;
-          if (!from->NextOutgoing(20, &message)) continue;
-          const Status status = to->Deliver(message.header.data(), message.header.size(), message.payload.data(),
-                                            message.payload.size() * sizeof(float));
-          if (!status.ok()) ++refused_;
-        }
-      });
-    }
-  }
-  ~Wire() {
-    stop_ = true;
-    for (auto& thread : threads_) thread.join();
-  }
-  int refused() const { return refused_; }
-
- private:
-  std::atomic<bool> stop_{false};
-  std::atomic<int> refused_{0};
-  std::vector<std::thread> threads_;
-};
 
 struct Pair {
   std::unique_ptr<ProcessNode> node[2];
@@ -240,3 +222,49 @@ TEST(ShardExportImportRoundTrip) {
 }
 
 MLT_TEST_MAIN
+
+
+// Payloads to another process travel in recycled host frames (packed by one
+// gather, landed by one scatter); within one process as device buffers. The
+// two must give the same bits — with every row device-resident, and with a
+// budget that leaves some rows in host memory (the per-segment paths beside
+// the kernels) — and the frame pools must recycle.
+void ExpectRemoteFramesMatchOneProcess(const Config& config) {
+  constexpr int kClocks = 24;
+  std::vector<float> local[2];
+  testing::TrainInOneProcess(config, kClocks, local);
+  testing::TwoNodeRun remote;
+  testing::TrainInTwoProcesses(config, nullptr, kClocks, &remote);
+  EXPECT_EQ(remote.refused, 0);
+  EXPECT_EQ(remote.rejected, 0);
+  for (int rank = 0; rank < 2; ++rank) {
+    ASSERT_TRUE(remote.values[rank].size() == local[rank].size());
+    EXPECT_TRUE(std::memcmp(remote.values[rank].data(), local[rank].data(), local[rank].size() * sizeof(float)) == 0);
+    EXPECT_TRUE(remote.values[rank] == remote.values[0]);
+    EXPECT_TRUE(std::any_of(remote.values[rank].begin(), remote.values[rank].end(), [](float v) { return v != 0.0f; }));
+    // Each clock brings 4 payloads from the other process (updates and rows
+    // of two tables): 96 in all. Frames are recycled, so the pool allocates
+    // only for the most payloads ever alive at once, which BSP bounds to a
+    // few clocks' worth, never one per message. The pool's own test checks
+    // the exact count with a fixed number in flight (memory/host_frames_test).
+    std::fprintf(stderr, "  rank %d: frames allocated %lld after clock 8, %lld after clock %d\n", rank,
+                 static_cast<long long>(remote.frames_at[rank][0]), static_cast<long long>(remote.frames_at[rank][1]),
+                 kClocks - 1);
+    EXPECT_TRUE(remote.frames_at[rank][0] > 0);
+    EXPECT_TRUE(remote.frames_at[rank][1] <= 4 * 4);
+  }
+}
+
+TEST(RemoteFramesAreBitIdenticalToInProcessPayloadsAndRecycled) {
+  ExpectRemoteFramesMatchOneProcess(TestConfig(UpdateRuleKind::kSgd));
+}
+
+TEST(RemoteFramesWithHostResidentRowsAreBitIdentical) {
+  Config config = TestConfig(UpdateRuleKind::kSgd);
+  const int64_t pool_min = testing::ModelPreview(config).pool_min_bytes;
+  ASSERT_TRUE(pool_min > 0);
+  config.device_memory_budget = pool_min + 1200;  // about half of table a's rows (cache + log) fit
+  const PlanPreview preview = testing::ModelPreview(config);
+  EXPECT_TRUE(preview.fits && preview.host_store_bytes > 0 && preview.device_store_bytes > 0);
+  ExpectRemoteFramesMatchOneProcess(config);
+}

@@ -1,0 +1,192 @@
+// Test helpers for payloads between processes: Wire, which moves the
+// outgoing messages of two ProcessNodes to each other as the socket
+// transport does (NextOutgoing on one, Deliver on the other), and
+// TrainModel, a two-table model whose payloads take every send and receive
+// path. Shared by cluster/process_node_test and gpu/remote_frames_test.
+#pragma once
+
+#include <atomic>
+#include <cmath>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "memory/device_block.h"
+#include "mltuner/cluster.h"
+#include "mltuner/engine.h"
+#include "mltuner/process_node.h"
+#include "test_util.h"
+
+namespace mltuner {
+namespace testing {
+
+// Moves every outgoing message of each node to the other until stopped.
+class Wire {
+ public:
+  Wire(ProcessNode* a, ProcessNode* b) {
+    for (const auto& ends : {std::pair{a, b}, std::pair{b, a}}) {
+      ProcessNode* from = ends.first;
+      ProcessNode* to = ends.second;
+      threads_.emplace_back([this, from, to] {
+        while (!stop_) {
+          OutgoingMessage message;
+          if (!from->NextOutgoing(20, &message)) continue;
+          const Status status = to->Deliver(message.header.data(), message.header.size(), message.payload_values(),
+                                            message.payload_bytes());
+          if (!status.ok()) ++refused_;
+        }
+      });
+    }
+  }
+  ~Wire() {
+    stop_ = true;
+    for (auto& thread : threads_) thread.join();
+  }
+  int refused() const { return refused_; }
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::atomic<int> refused_{0};
+  std::vector<std::thread> threads_;
+};
+
+// A model whose payloads take every send and receive path: table "a" has two
+// updates per clock (the update log; rows recorded out of id order, so a
+// shard's rows make several segments), table "b" one (sent straight from its
+// buffer). Updates are a deterministic function of the rows read, the rank
+// and the clock, so BSP gives the same bits however the payloads travel.
+// `at_clock` runs after each clock's Clock().
+struct ModelHandles {
+  TableId a = -1, b = -1;
+  Handle read_a = -1, read_b = -1, up_a1 = -1, up_a2 = -1, up_b = -1;
+  std::vector<RowId> all_a, first_a, second_a, all_b;
+};
+
+// Creates the tables and records one iteration.
+inline Status RecordModel(Engine* engine, ModelHandles* m) {
+  MLT_RETURN_IF_ERROR(engine->CreateTable("a", 40, 7, false, &m->a));
+  MLT_RETURN_IF_ERROR(engine->CreateTable("b", 13, 5, false, &m->b));
+  for (RowId row = 0; row < 40; ++row) m->all_a.push_back((row * 17) % 40);  // a permutation
+  for (RowId row = 0; row < 40; row += 3) m->first_a.push_back(row);
+  for (RowId row = 39; row >= 0; row -= 2) m->second_a.push_back(row);
+  for (RowId row = 0; row < 13; ++row) m->all_b.push_back(row);
+  MLT_RETURN_IF_ERROR(engine->VirtualRead(m->a, m->all_a, 0, &m->read_a));
+  MLT_RETURN_IF_ERROR(engine->VirtualRead(m->b, m->all_b, 0, &m->read_b));
+  MLT_RETURN_IF_ERROR(engine->VirtualPostRead(m->read_a));
+  MLT_RETURN_IF_ERROR(engine->VirtualPostRead(m->read_b));
+  MLT_RETURN_IF_ERROR(engine->VirtualPreUpdate(m->a, m->first_a, &m->up_a1));
+  MLT_RETURN_IF_ERROR(engine->VirtualUpdate(m->up_a1));
+  MLT_RETURN_IF_ERROR(engine->VirtualPreUpdate(m->b, m->all_b, &m->up_b));
+  MLT_RETURN_IF_ERROR(engine->VirtualUpdate(m->up_b));
+  MLT_RETURN_IF_ERROR(engine->VirtualPreUpdate(m->a, m->second_a, &m->up_a2));
+  MLT_RETURN_IF_ERROR(engine->VirtualUpdate(m->up_a2));
+  return engine->VirtualClock();
+}
+
+// The model's plan under `config` for one of two workers: pool_min_bytes
+// is its least device budget; above it by less than the tables' cache and
+// update log, some rows are host-resident (host_store_bytes > 0).
+inline PlanPreview ModelPreview(const Config& config) {
+  PlanPreview preview;
+  preview.pool_min_bytes = -1;
+  std::unique_ptr<LocalCluster> cluster;
+  if (!LocalCluster::Create(config, 2, &cluster).ok()) return preview;
+  ModelHandles m;
+  if (!RecordModel(cluster->worker(0), &m).ok() || !cluster->worker(0)->PreviewPlan(&preview).ok()) {
+    preview.pool_min_bytes = -1;
+  }
+  return preview;
+}
+
+inline void TrainModel(Engine* engine, int rank, int clocks, std::vector<float>* out,
+                       const std::function<void(int clock)>& at_clock) {
+  ModelHandles m;
+  ASSERT_OK(RecordModel(engine, &m));
+  const TableId a = m.a, b = m.b;
+  const Handle read_a = m.read_a, read_b = m.read_b, up_a1 = m.up_a1, up_a2 = m.up_a2, up_b = m.up_b;
+  const std::vector<RowId>& first_a = m.first_a;
+  const std::vector<RowId>& second_a = m.second_a;
+  ASSERT_OK(engine->FinishVirtualIteration());
+  ASSERT_OK(engine->StartIterations());
+  for (int clock = 0; clock < clocks; ++clock) {
+    AccessBuffer ra, rb, ua1, ub, ua2;
+    ASSERT_OK(engine->Read(read_a, &ra));
+    ASSERT_OK(engine->Read(read_b, &rb));
+    std::vector<float> va(ra.data, ra.data + 40 * 7), vb(rb.data, rb.data + 13 * 5);
+    ASSERT_OK(engine->PostRead(read_a));
+    ASSERT_OK(engine->PostRead(read_b));
+    const auto grad = [&](float x, size_t i) {
+      return static_cast<float>(std::sin(x * 0.37 + 0.01 * static_cast<double>(i) + rank + 0.1 * clock) * 0.01);
+    };
+    ASSERT_OK(engine->PreUpdate(up_a1, &ua1));
+    for (size_t i = 0; i < first_a.size() * 7; ++i) ua1.data[i] = grad(va[i % va.size()], i);
+    ASSERT_OK(engine->Update(up_a1));
+    ASSERT_OK(engine->PreUpdate(up_b, &ub));
+    for (size_t i = 0; i < vb.size(); ++i) ub.data[i] = grad(vb[i], i + 1000);
+    ASSERT_OK(engine->Update(up_b));
+    ASSERT_OK(engine->PreUpdate(up_a2, &ua2));
+    for (size_t i = 0; i < second_a.size() * 7; ++i) ua2.data[i] = grad(va[(i * 3) % va.size()], i + 2000);
+    ASSERT_OK(engine->Update(up_a2));
+    ASSERT_OK(engine->Clock());
+    if (at_clock) at_clock(clock);
+  }
+  ASSERT_OK(engine->Flush());
+  ASSERT_OK(engine->WaitForDataAge(a, clocks - 1));
+  ASSERT_OK(engine->WaitForDataAge(b, clocks - 1));
+  std::vector<RowId> ids_a(40), ids_b(13);
+  for (RowId row = 0; row < 40; ++row) ids_a[row] = row;
+  for (RowId row = 0; row < 13; ++row) ids_b[row] = row;
+  out->assign(40 * 7 + 13 * 5, 0.0f);
+  ASSERT_OK(engine->Fetch(a, ids_a, out->data()));
+  ASSERT_OK(engine->Fetch(b, ids_b, out->data() + 40 * 7));
+}
+
+
+// Trains the model for `clocks` clocks on a LocalCluster of two workers
+// (payloads as device buffers: every shard shares the CPU's memory).
+inline void TrainInOneProcess(const Config& config, int clocks, std::vector<float> out[2]) {
+  std::unique_ptr<LocalCluster> cluster;
+  ASSERT_OK(LocalCluster::Create(config, 2, &cluster));
+  std::thread other([&] { TrainModel(cluster->worker(1), 1, clocks, &out[1], nullptr); });
+  TrainModel(cluster->worker(0), 0, clocks, &out[0], nullptr);
+  other.join();
+  ASSERT_OK(cluster->Shutdown());
+}
+
+struct TwoNodeRun {
+  std::vector<float> values[2];
+  int64_t frames_at[2][2] = {{-1, -1}, {-1, -1}};  // [rank]: received frames allocated after clock 8, the last
+  int refused = 0;
+  int64_t rejected = 0;
+};
+
+// The same on two ProcessNodes joined by a Wire (payloads in host frames),
+// each with a device from `make_device` (null: the CPU backend).
+inline void TrainInTwoProcesses(const Config& config, const DeviceFactory& make_device, int clocks, TwoNodeRun* out) {
+  std::unique_ptr<ProcessNode> nodes[2];
+  for (int rank = 0; rank < 2; ++rank) {
+    std::unique_ptr<Device> device;
+    if (make_device) ASSERT_OK(make_device(rank, &device));
+    ASSERT_OK(ProcessNode::Create(config, rank, 2, std::move(device), &nodes[rank]));
+  }
+  {
+    Wire wire(nodes[0].get(), nodes[1].get());
+    const auto run = [&](int rank) {
+      ProcessNode* node = nodes[rank].get();
+      TrainModel(node->engine(), rank, clocks, &out->values[rank], [&](int clock) {
+        if (clock == 8) out->frames_at[rank][0] = node->receive_frames().allocations();
+        if (clock == clocks - 1) out->frames_at[rank][1] = node->receive_frames().allocations();
+      });
+    };
+    std::thread other(run, 1);
+    run(0);
+    other.join();
+    out->refused = wire.refused();
+  }
+  out->rejected = nodes[0]->rejected_messages() + nodes[1]->rejected_messages();
+}
+
+}  // namespace testing
+}  // namespace mltuner

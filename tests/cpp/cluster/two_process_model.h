@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <thread>
@@ -100,8 +101,15 @@ inline PlanPreview ModelPreview(const Config& config) {
   return preview;
 }
 
+// How the test reaches a buffer's memory: memcpy for host-addressable
+// devices (the default); the GPU tests pass a cudaMemcpy.
+using BufferCopy = std::function<void(void* dst, const void* src, size_t bytes)>;
+
 inline void TrainModel(Engine* engine, int rank, int clocks, std::vector<float>* out,
-                       const std::function<void(int clock)>& at_clock) {
+                       const std::function<void(int clock)>& at_clock, const BufferCopy& copy_buffer = {}) {
+  const BufferCopy copy = copy_buffer ? copy_buffer : BufferCopy([](void* dst, const void* src, size_t bytes) {
+    std::memcpy(dst, src, bytes);
+  });
   ModelHandles m;
   ASSERT_OK(RecordModel(engine, &m));
   const TableId a = m.a, b = m.b;
@@ -114,20 +122,29 @@ inline void TrainModel(Engine* engine, int rank, int clocks, std::vector<float>*
     AccessBuffer ra, rb, ua1, ub, ua2;
     ASSERT_OK(engine->Read(read_a, &ra));
     ASSERT_OK(engine->Read(read_b, &rb));
-    std::vector<float> va(ra.data, ra.data + 40 * 7), vb(rb.data, rb.data + 13 * 5);
+    std::vector<float> va(40 * 7), vb(13 * 5);
+    copy(va.data(), ra.data, va.size() * sizeof(float));
+    copy(vb.data(), rb.data, vb.size() * sizeof(float));
     ASSERT_OK(engine->PostRead(read_a));
     ASSERT_OK(engine->PostRead(read_b));
     const auto grad = [&](float x, size_t i) {
       return static_cast<float>(std::sin(x * 0.37 + 0.01 * static_cast<double>(i) + rank + 0.1 * clock) * 0.01);
     };
+    std::vector<float> g;
     ASSERT_OK(engine->PreUpdate(up_a1, &ua1));
-    for (size_t i = 0; i < first_a.size() * 7; ++i) ua1.data[i] = grad(va[i % va.size()], i);
+    g.resize(first_a.size() * 7);
+    for (size_t i = 0; i < g.size(); ++i) g[i] = grad(va[i % va.size()], i);
+    copy(ua1.data, g.data(), g.size() * sizeof(float));
     ASSERT_OK(engine->Update(up_a1));
     ASSERT_OK(engine->PreUpdate(up_b, &ub));
-    for (size_t i = 0; i < vb.size(); ++i) ub.data[i] = grad(vb[i], i + 1000);
+    g.resize(vb.size());
+    for (size_t i = 0; i < g.size(); ++i) g[i] = grad(vb[i], i + 1000);
+    copy(ub.data, g.data(), g.size() * sizeof(float));
     ASSERT_OK(engine->Update(up_b));
     ASSERT_OK(engine->PreUpdate(up_a2, &ua2));
-    for (size_t i = 0; i < second_a.size() * 7; ++i) ua2.data[i] = grad(va[(i * 3) % va.size()], i + 2000);
+    g.resize(second_a.size() * 7);
+    for (size_t i = 0; i < g.size(); ++i) g[i] = grad(va[(i * 3) % va.size()], i + 2000);
+    copy(ua2.data, g.data(), g.size() * sizeof(float));
     ASSERT_OK(engine->Update(up_a2));
     ASSERT_OK(engine->Clock());
     if (at_clock) at_clock(clock);
@@ -164,7 +181,8 @@ struct TwoNodeRun {
 
 // The same on two ProcessNodes joined by a Wire (payloads in host frames),
 // each with a device from `make_device` (null: the CPU backend).
-inline void TrainInTwoProcesses(const Config& config, const DeviceFactory& make_device, int clocks, TwoNodeRun* out) {
+inline void TrainInTwoProcesses(const Config& config, const DeviceFactory& make_device, int clocks, TwoNodeRun* out,
+                                const BufferCopy& copy = {}) {
   std::unique_ptr<ProcessNode> nodes[2];
   for (int rank = 0; rank < 2; ++rank) {
     std::unique_ptr<Device> device;
@@ -178,7 +196,7 @@ inline void TrainInTwoProcesses(const Config& config, const DeviceFactory& make_
       TrainModel(node->engine(), rank, clocks, &out->values[rank], [&](int clock) {
         if (clock == 8) out->frames_at[rank][0] = node->receive_frames().allocations();
         if (clock == clocks - 1) out->frames_at[rank][1] = node->receive_frames().allocations();
-      });
+      }, copy);
     };
     std::thread other(run, 1);
     run(0);

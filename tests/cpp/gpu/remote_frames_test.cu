@@ -133,7 +133,13 @@ void ExpectCudaNodesMatchCpu(const Config& config) {
   const DeviceFactory on_gpu = [](int rank, std::unique_ptr<Device>* out) {
     return NewCudaDevice(rank % CudaDeviceCount(), out);
   };
-  testing::TrainInTwoProcesses(config, on_gpu, kClocks, &gpu);
+  // The engine's buffers are device memory: the test reads and writes them
+  // with cudaMemcpy (on the legacy stream, which the engine's buffers are
+  // handed to and taken back from).
+  const testing::BufferCopy device_copy = [](void* dst, const void* src, size_t bytes) {
+    ASSERT_TRUE(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault) == cudaSuccess);
+  };
+  testing::TrainInTwoProcesses(config, on_gpu, kClocks, &gpu, device_copy);
   EXPECT_EQ(gpu.refused, 0);
   EXPECT_EQ(gpu.rejected, 0);
   for (int rank = 0; rank < 2; ++rank) {

@@ -538,11 +538,7 @@ Status Engine::Impl::SetLearningRate(TableId table, float learning_rate) {
   return Status::Ok();
 }
 
-Status Engine::Impl::Flush() {
-  if (state_.phase.load() == Phase::kShutdown) return ShutdownError();
-  if (state_.phase.load() != Phase::kRunning) return Status::Ok();
-  MutexLock lock(&state_.mu);
-  const int64_t target = state_.app_seq;
+bool Engine::Impl::WaitReclaimedLocked(int64_t target) {
   const auto deadline = Deadline();
   bool done = state_.stopping || state_.reclaimed_seq >= target;
   while (!done) {
@@ -550,6 +546,15 @@ Status Engine::Impl::Flush() {
     done = state_.stopping || state_.reclaimed_seq >= target;
     if (!woken) break;
   }
+  return done;
+}
+
+Status Engine::Impl::Flush() {
+  if (state_.phase.load() == Phase::kShutdown) return ShutdownError();
+  if (state_.phase.load() != Phase::kRunning) return Status::Ok();
+  MutexLock lock(&state_.mu);
+  const int64_t target = state_.app_seq;
+  const bool done = WaitReclaimedLocked(target);
   if (!state_.background_error.ok()) return state_.background_error;
   if (!done) return Status::Timeout("flush: the reclaimer thread did not catch up in time");
   return Status::Ok();
@@ -605,13 +610,7 @@ Status Engine::Impl::Shutdown() {
   if (state_.phase.load() == Phase::kRunning) {
     MutexLock lock(&state_.mu);
     const int64_t target = state_.app_seq;
-    const auto deadline = Deadline();
-    bool done = state_.stopping || state_.reclaimed_seq >= target;
-    while (!done) {
-      const bool woken = state_.cv.WaitUntil(deadline);
-      done = state_.stopping || state_.reclaimed_seq >= target;
-      if (!woken) break;
-    }
+    const bool done = WaitReclaimedLocked(target);
     if (!done && state_.background_error.ok()) {
       unsent = Status::Timeout("shutdown: " + std::to_string(target - state_.reclaimed_seq) +
                                " posted operations of clock " + std::to_string(state_.app_clock) +

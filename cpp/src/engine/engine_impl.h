@@ -109,6 +109,9 @@ class Engine::Impl {
   Status SendBranchRequest(MessageType type, BranchId branch, const std::string& text);
 
   std::chrono::steady_clock::time_point Deadline() const;
+  // Waits, until the wait timeout, for the reclaimer to pass `target` (or
+  // stop); true if it did.
+  bool WaitReclaimedLocked(int64_t target) REQUIRES(state_.mu);
 
   // The pipeline's stages; they read plan_ and share state_.
   Allocator allocator_;

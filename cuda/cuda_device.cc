@@ -178,6 +178,7 @@ class CudaDevice final : public Device {
   std::string name() const override { return name_; }
   bool host_addressable() const override { return false; }
   bool maps_host_memory() const override { return maps_host_; }
+  bool swaps_by_kernel() const override { return false; }  // see Device::swaps_by_kernel
   int ordinal() const override { return ordinal_; }
 
   Status Allocate(size_t bytes, void** out) override {

@@ -231,7 +231,7 @@ Status Allocator::GatherInto(const AccessRecord& access, float* buffer, Stream s
   if (index.host_gather.total_rows > 0) {
     const float* host = store.values(Residence::kHost);
     MLT_RETURN_IF_ERROR(OnSwapStream(*device_, stream, Stream::kSwapIn, [&](Stream swap) {
-      if (device_->maps_host_memory()) {
+      if (device_->swaps_by_kernel()) {
         device_->Gather(buffer, host, index.host_gather, width, swap);
         return;
       }

@@ -194,7 +194,7 @@ Status Reclaimer::ScatterAddUpdate(const AccessRecord& access, const float* buff
   }
   if (index.host_scatter.total_rows > 0) {
     float* log = store.log(Residence::kHost);
-    if (device_->maps_host_memory()) {
+    if (device_->swaps_by_kernel()) {
       // Host-resident rows: one scatter-add kernel into the host log where
       // it lies (pinned, mapped), on the swap-out stream. Nothing waits here;
       // FinishHostLog waits before the log is read on the host.
@@ -247,7 +247,7 @@ Status Reclaimer::WriteBackLocal(const AccessRecord& access, const float* buffer
   if (index.host_scatter.total_rows > 0) {
     float* host = store.values(Residence::kHost);
     MLT_RETURN_IF_ERROR(OnSwapStream(*device_, Stream::kWriteback, Stream::kSwapOut, [&](Stream swap) {
-      if (device_->maps_host_memory()) {
+      if (device_->swaps_by_kernel()) {
         device_->Gather(host, buffer, index.host_scatter, width, swap);  // one kernel into the host store
         return;
       }

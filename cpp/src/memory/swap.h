@@ -8,8 +8,10 @@
 // queued on the caller's stream so far, and the caller's stream waits for it,
 // so work queued there afterwards (and a Synchronize of it, and a ticket
 // taken on it) covers the swap as if it had been queued there. On a device
-// that maps host memory (Device::maps_host_memory) one Gather or ScatterAdd
-// moves every run of an access; otherwise each run is its own copy.
+// that swaps by kernel (Device::swaps_by_kernel: the CPU backend) one Gather
+// or ScatterAdd moves every run of an access; otherwise (CUDA, whose copy
+// engines keep their bandwidth beside the application's kernels) each run is
+// its own copy.
 //
 // Threads: stateless; the caller's stream is the caller's (allocator thread:
 // prefetch; reclaimer thread: writeback; the init phase: the app stream).

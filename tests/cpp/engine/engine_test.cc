@@ -497,8 +497,8 @@ void SwapWorker(Engine* e, int rank, ThreadLog* log, std::vector<double>* checks
 
 // The CPU backend as a device that cannot map host memory
 // (Device::maps_host_memory false): the engine then swaps with a copy per
-// run and sums host logs on the reclaimer thread, the path of a GPU without
-// unified addressing.
+// run and sums host logs on the reclaimer thread, the path CUDA takes
+// (Device::swaps_by_kernel false).
 class UnmappedCpuDevice final : public Device {
  public:
   std::string name() const override { return "cpu (unmapped)"; }

@@ -173,6 +173,7 @@ def test_a_branch_keeps_the_rules_settings_the_space_does_not_tune() -> None:
             step.report(0.0)
             worker.update(handle)
             worker.clock()
+        worker.sync()  # fetch gives the servers' current values: wait for the last clock's update
         weights = worker.fetch(table, branch=1)
     np.testing.assert_allclose(weights, np.full((1, IN), -0.5 * (1 + 1.9 + 2.71)), rtol=1e-6)
 

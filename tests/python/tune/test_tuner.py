@@ -26,6 +26,7 @@ from mltuner.tune import (
     plateaued,
     summarize_progress,
 )
+from mltuner.tune.tuner import LR_STEP, lr_neighbours
 
 LR_SPACE = SearchSpace([LogUniform("lr", 1e-5, 1.0)])
 
@@ -232,6 +233,31 @@ def test_retune_forks_trials_from_the_training_branch(scripted_system: Any) -> N
     parents = {p for b, p, _, _ in system.forks if b in retune_trials | {retune_eval}}
     assert retune_trials and parents == {training}
     assert training in system.freed  # freed once the re-tune had a winner
+
+
+def test_a_retune_tries_the_current_setting_then_its_lr_a_step_up_and_down(scripted_system: Any) -> None:
+    """The first trials of a re-tune do not hang on the sampler: the current
+    setting, then its learning rate LR_STEP times higher and lower (clipped
+    to the range); the winner climbs when the higher rate progresses faster."""
+    space = SearchSpace([LogUniform("lr", 0.01, 1.0)])
+    _, log = scripted_run(scripted_system(decaying, accuracies=[0.1, 0.2, 0.3, 0.3]), space)
+    current = log.events("winner")[0]["tunables"]["lr"]
+    start = log.events("search_start")[1]
+    expected = [current, min(1.0, current * LR_STEP), max(0.01, current / LR_STEP)]
+    expected = [lr for i, lr in enumerate(expected) if lr not in expected[:i]]
+    assert [s["lr"] for s in start["first"]] == pytest.approx(expected)
+    tried = [r["tunables"]["lr"] for r in log.events("fork_trial") if r["search"] == 1]
+    assert tried[: len(expected)] == pytest.approx(expected)
+    assert log.events("winner")[1]["tunables"]["lr"] >= current  # decaying: a higher rate is faster
+
+
+def test_lr_neighbours_are_clipped_and_need_a_log_scale_lr() -> None:
+    space = SearchSpace([LogUniform("lr", 1e-3, 1.0), Uniform("momentum", 0.0, 0.99)])
+    assert lr_neighbours(space, {"lr": 1.0, "momentum": 0.5}) == [{"lr": pytest.approx(1.0 / LR_STEP),
+                                                                  "momentum": 0.5}]
+    low = lr_neighbours(space, {"lr": 1e-3, "momentum": 0.5})
+    assert [n["lr"] for n in low] == [pytest.approx(1e-3 * LR_STEP)]
+    assert lr_neighbours(SearchSpace([Uniform("momentum", 0.0, 0.99)]), {"momentum": 0.5}) == []
 
 
 def test_a_retune_that_finds_nothing_goes_back_to_the_best_model(scripted_system: Any) -> None:

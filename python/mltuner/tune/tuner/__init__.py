@@ -12,16 +12,18 @@ from mltuner.tune.tuner._trial import Trial
 from mltuner.tune.tuner._tuner import (
     AGGRESSIVE_DIRECTIONS,
     JOURNAL_NAME,
+    LR_STEP,
     Outcome,
     Tuner,
     TuningResult,
     at_least_as_aggressive,
+    lr_neighbours,
     plateaued,
 )
 
 __all__ = [
     "Tuner", "TuningResult", "Outcome", "plateaued", "at_least_as_aggressive",
-    "AGGRESSIVE_DIRECTIONS", "JOURNAL_NAME", "TrainingGuard", "Alarm", "SearchEpisode",
+    "lr_neighbours", "LR_STEP", "AGGRESSIVE_DIRECTIONS", "JOURNAL_NAME", "TrainingGuard", "Alarm", "SearchEpisode",
     "SearchResult", "SearchBudget", "halving_size", "halving_cost", "Searcher", "Proposal", "open_storage", "record_failure",
     "top_k_close", "Trial",
 ]

@@ -58,7 +58,12 @@ clock's first read waits for, is handled first. Shipping during backward
 overlaps an update's transfer with the layers below, which pays off only
 when the update crosses a socket; its price is a Python call per parameter
 and an engine call per layer on autograd's thread, about a millisecond per
-clock of a ResNet-18.
+clock of a ResNet-18. The forward opens every read in one call, points each
+layer's parameters into its read and then runs with the driver's layer hooks
+taken out of the modules (two Python calls per layer fewer; the user's own
+hooks stay): a layer that did not run shows at step() as a missing gradient.
+Between clocks the hooks are back, to refuse a layer called outside the
+wrapped model.
 
 The torch views of each engine buffer are made once per buffer address and
 reused (``Layer.buffer_views``): the engine's pool gives every access the
@@ -232,6 +237,10 @@ class ClockDriver:
         self._first_read = -1  # event index of the clock's first read
         self._next_pre_update: dict[int, int] = {}  # update event -> the next update's handle (-1: none)
         self._held_handle: dict[int, int] = {}  # layer -> handle of its forward read
+        self._forward_reads: list[tuple[int, int]] = []  # (read event, layer) in forward order
+        # Shipping at step(): this driver's forward hooks, (hook dict, key, hook),
+        # taken out for the clock's forward (module docstring).
+        self._layer_hooks: list[tuple[dict[int, Any], int, Any]] = []
         self._opened: dict[int, Any] = {}  # read event -> its buffer, opened by the batch
         self._update_buffer: Any = None  # the next update's buffer, opened by the last batch
         self._install_hooks()
@@ -257,6 +266,7 @@ class ClockDriver:
         for handle in self._hooks + self._grad_hooks:
             handle.remove()
         self._hooks.clear()
+        self._layer_hooks.clear()
         self._grad_hooks.clear()
 
     def _pre_hook(self, layer: Layer) -> Callable[[nn.Module, Any], None]:
@@ -448,8 +458,23 @@ class ClockDriver:
         self._first_read = reads[0]
         self._read_batch = [(_READ, self._handles[i]) for i in reads] + [(_PRE_UPDATE, self._handles[updates[0]])]
         self._held_handle = {self._events[i].layer: self._handles[i] for i in reads}
+        self._forward_reads = [(i, self._events[i].layer) for i in reads]
         self._next_pre_update = {u: (self._handles[n] if n >= 0 else -1) for u, n in zip(updates, updates[1:] + [-1])}
         self._batched = True
+
+    def _open_forward_reads(self) -> None:
+        """Shipping at step(): opens every forward read in one engine call and
+        points each layer's parameters into its read, which stays held until
+        step(); the forward then runs without the layer hooks."""
+        with self._mutating():
+            *reads, self._update_buffer = self.worker._run_ops(self._read_batch, self._stream)
+        for (index, number), buffer in zip(self._forward_reads, reads):
+            layer = self.layers[number]
+            flat, views = layer.buffer_views(buffer)
+            layer.bind(views)
+            self._held[index] = flat
+            self._held_by_layer[number] = [index]
+        self._cursor = self._forward_events
 
     # -- the forward pass --------------------------------------------------------------
     def forward(self, call: Callable[[], T]) -> T:
@@ -481,7 +506,14 @@ class ClockDriver:
             self._local_ptrs = {p for p in (storage_ptr(t) for t in self._local_tensors()) if p}
         try:
             if self._at_step:
-                output = call()
+                self._open_forward_reads()
+                for hooks, key, _ in self._layer_hooks:
+                    hooks.pop(key, None)
+                try:
+                    output = call()
+                finally:
+                    for hooks, key, hook in self._layer_hooks:
+                        hooks[key] = hook
                 self._watch_backward(output)
             elif self._light:
                 output = call()
@@ -810,7 +842,15 @@ class ClockDriver:
             return  # no backward pass yet: step() says so, and the clock stays usable
         for layer, layer_grads in zip(self.layers, grads):
             for position, grad in enumerate(layer_grads):
-                if grad is None or grad.layout != torch.strided:
+                if grad is None:
+                    self._grad_errors = True
+                    with self._mutating():
+                        raise IterationMismatchError(
+                            f"clock {self.clock}: {layer.params[position].name!r} got no gradient, but it did in the "
+                            f"recording pass of wrap(): module {layer.name!r} did not run in this forward pass, or "
+                            "its output did not reach the loss; every clock must run the same layers"
+                        )
+                if grad.layout != torch.strided:
                     self._grad_errors = True
                     self._bad_gradient(layer, position, grad)
         updates = [(i, self._events[i].layer) for i in range(self._forward_events, len(self._events))]
@@ -992,6 +1032,10 @@ class ClockDriver:
             for handle in self._grad_hooks:
                 handle.remove()
             self._grad_hooks.clear()
+            # The forward binds every layer up front: the layer hooks stay only
+            # to refuse a layer called outside the wrapped model's forward.
+            self._layer_hooks = [(hooks, handle.id, hooks[handle.id]) for handle in self._hooks
+                                 if (hooks := handle.hooks_dict_ref()) is not None]
 
     def _replay(self, tables: Tables, recorded: list[Event], hold: bool) -> None:
         """Takes the recorded clock with held reads or without, and records

@@ -212,7 +212,8 @@ def test_batch_size_change_with_stored_activations_is_a_clear_error(worker: Work
         ps_model(X)
 
 
-def test_skipping_a_layer_is_a_clear_error(worker: Worker) -> None:
+@pytest.mark.parametrize("overlap", [True, False], ids=["updates-in-backward", "updates-at-step"])
+def test_skipping_a_layer_is_a_clear_error(worker: Worker, overlap: bool) -> None:
     class Optional(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -224,10 +225,17 @@ def test_skipping_a_layer_is_a_clear_error(worker: Worker) -> None:
             return self.b(x if self.skip else self.a(x))
 
     model = Optional()
-    ps_model = mt.wrap(model, worker, example_input=X)
+    ps_model = mt.wrap(model, worker, example_input=X, overlap_updates=overlap)
     one_clock(ps_model)
     model.skip = True
-    with pytest.raises(mt.IterationMismatchError, match="forward read of layer 'b'.*forward read of layer 'a'"):
+    if overlap:  # the layer hooks check every read against the recording
+        with pytest.raises(mt.IterationMismatchError, match="forward read of layer 'b'.*forward read of layer 'a'"):
+            ps_model(X)
+    else:  # the forward binds every layer up front, hook-free: step() finds the gradient missing
+        ps_model(X).square().mean().backward()
+        with pytest.raises(mt.IterationMismatchError, match="'a.weight' got no gradient.*module 'a' did not run"):
+            ps_model.step()
+    with pytest.raises(mltuner.OutOfOrderError, match="earlier error left clock 1 incomplete"):
         ps_model(X)
 
 

@@ -176,3 +176,35 @@ def test_evaluation_between_forward_and_backward(max_rel_error: Callable[..., fl
         loss.backward()
         optimizer.step()
     assert max_rel_error(state, model.state_dict()) < 1e-5
+
+
+def test_the_forward_at_step_runs_without_the_layer_hooks_but_keeps_the_users(
+        max_rel_error: Callable[..., float]) -> None:
+    """Shipping at step(), the forward binds every layer up front and takes
+    the driver's layer hooks out while it runs: the driver's hooks never
+    fire, a hook of the user's on the same module still does (every clock),
+    and between clocks the driver's hooks are back to refuse a layer called
+    outside the wrapped model."""
+    clocks = 4
+    with LocalCluster(1, config()) as cluster:
+        model = cnn()
+        ps_model = mt.wrap(model, cluster.worker(0), example_input=batch(0)[0], overlap_updates=False)
+        driver = ps_model._driver
+        seen: list[int] = []
+        model[0].register_forward_hook(lambda module, args, out: seen.append(out.shape[0]))
+        fired = [0]
+        real_before = driver._before_layer
+
+        def counting_before(layer: Any) -> None:
+            fired[0] += 1
+            real_before(layer)
+        driver._before_layer = counting_before  # type: ignore[method-assign]
+        for clock in range(clocks):
+            loss_of(ps_model, clock).backward()
+            ps_model.step()
+        assert fired[0] == 0 and seen == [6] * clocks
+        with pytest.raises(mltuner.OutOfOrderError, match="outside a forward pass of the wrapped model"):
+            model[0](batch(0)[0])
+        assert fired[0] == 1
+        state = ps_model.state_dict()
+    assert max_rel_error(state, plain_run(clocks)) < 1e-5

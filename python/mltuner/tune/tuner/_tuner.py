@@ -42,11 +42,6 @@ AGGRESSIVE_DIRECTIONS = {"lr": 1, "momentum": 1, "staleness": 1, "batch_size": -
 # few trials a re-tune affords, random proposals over a wide log range mostly
 # land far from a good rate (seen under load: lr 0.012 kept for 50 epochs, 54%).
 LR_STEP = math.sqrt(10.0)
-# The initial search starts with the start setting and its learning rate a
-# decade up and down: three points that span the usual good range, so that a
-# short search does not pick from a handful of random rates alone (seen on the
-# 2-core machine: four random proposals, none with progress, or lr 0.012).
-LR_START_STEP = 10.0
 # The Optuna journal a job writes beside its decision log by default.
 JOURNAL_NAME = "optuna.journal"
 
@@ -115,16 +110,15 @@ def plateaued(accuracies: Sequence[float], size: int) -> bool:
     return max(accuracies[-size:]) <= max(accuracies[:-size])
 
 
-def lr_neighbours(space: SearchSpace, setting: Mapping[str, Any],
-                  step: float = LR_STEP) -> list[dict[str, Any]]:
-    """``setting`` with its learning rate ``step`` times higher, then lower,
+def lr_neighbours(space: SearchSpace, setting: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """``setting`` with its learning rate LR_STEP times higher, then lower,
     each clipped to the range; none when the space does not search a
     log-scale ``lr``."""
     lr = next((t for t in space.searched if t.name == "lr"), None)
     if not isinstance(lr, LogUniform) or "lr" not in setting:
         return []
     value = float(setting["lr"])
-    steps = (min(lr.high, value * step), max(lr.low, value / step))
+    steps = (min(lr.high, value * LR_STEP), max(lr.low, value / LR_STEP))
     return [{**setting, "lr": v} for v in steps if v != value]
 
 
@@ -465,13 +459,9 @@ class Tuner:
         )
         # A re-tune tries the current setting first: it can only end with
         # something at least as good as going on; then its learning rate a
-        # step up and down. The initial search starts from the start setting
-        # and a decade either way.
+        # step up and down.
         fixed = space.defaults()
-        if index == 0:
-            wanted = [tunables, *lr_neighbours(space, tunables, LR_START_STEP)]
-        else:
-            wanted = [*first, *([] if from_start else [tunables, *lr_neighbours(space, tunables)])]
+        wanted = [*first, *([] if from_start else [tunables, *lr_neighbours(space, tunables)])]
         enqueued = [s for s in ({**fixed, **{t.name: s[t.name] for t in space.searched}}
                                 for s in wanted) if searcher.enqueue(s)]
         self._studies.append(name)

@@ -13,6 +13,7 @@
 #include "mltuner/cluster.h"
 #include "mltuner/device.h"
 #include "mltuner/engine.h"
+#include "forwarding_device.h"
 #include "test_util.h"
 
 using namespace mltuner;
@@ -24,50 +25,25 @@ namespace {
 // "CopyDeviceToDevice") on that stream when a marker is given: that tells the
 // allocator (which zeroes update buffers) from the receive thread (which
 // copies rows in), both of which use the prefetch stream.
-class FaultyDevice final : public Device {
+class FaultyDevice final : public ForwardingDevice {
  public:
   FaultyDevice(std::string method, Stream stream, std::string marker)
-      : cpu_(NewCpuDevice()), method_(std::move(method)), stream_(stream), marker_(std::move(marker)) {}
+      : method_(std::move(method)), stream_(stream), marker_(std::move(marker)) {}
 
   void Arm() { armed_ = true; }
   bool fired() const { return fired_; }
 
   std::string name() const override { return "faulty-cpu"; }
-  bool host_addressable() const override { return true; }
-  int ordinal() const override { return 0; }
-  Status Allocate(size_t b, void** out) override { return cpu_->Allocate(b, out); }
-  void Free(void* p) override { cpu_->Free(p); }
-  Status AllocateHost(size_t b, void** out) override { return cpu_->AllocateHost(b, out); }
-  void FreeHost(void* p) override { cpu_->FreeHost(p); }
-  Status PrepareIndex(RunIndex* i) override { return cpu_->PrepareIndex(i); }
-  void ReleaseIndex(RunIndex* i) override { cpu_->ReleaseIndex(i); }
-  void CopyHostToDevice(void* d, const void* s, size_t b, Stream st) override { cpu_->CopyHostToDevice(d, s, b, st); }
-  void CopyDeviceToHost(void* d, const void* s, size_t b, Stream st) override { cpu_->CopyDeviceToHost(d, s, b, st); }
   void CopyDeviceToDevice(void* d, const void* s, size_t b, Stream st) override {
     Mark("CopyDeviceToDevice", st);
-    cpu_->CopyDeviceToDevice(d, s, b, st);
-  }
-  void Gather(float* d, const float* s, const RunIndex& i, int64_t w, Stream st) override { cpu_->Gather(d, s, i, w, st); }
-  void ScatterAdd(float* d, const float* s, const RunIndex& i, int64_t w, Stream st) override {
-    cpu_->ScatterAdd(d, s, i, w, st);
+    ForwardingDevice::CopyDeviceToDevice(d, s, b, st);
   }
   void Fill(float* d, float v, size_t n, Stream st) override {
     Mark("Fill", st);
-    cpu_->Fill(d, v, n, st);
-  }
-  void AddInto(float* d, const float* s, int64_t n, Stream st) override { cpu_->AddInto(d, s, n, st); }
-  void ApplyUpdate(const UpdateStep& step, float* p, float* state, const float* sum, int64_t n, Stream st) override {
-    cpu_->ApplyUpdate(step, p, state, sum, n, st);
-  }
-  Status CountNonFinite(const float* d, int64_t n, Stream st, int64_t* out) override {
-    return cpu_->CountNonFinite(d, n, st, out);
+    ForwardingDevice::Fill(d, v, n, st);
   }
   Status Synchronize(Stream s) override { return Inject("Synchronize", s); }
   Status TakeError() override { return Status::Ok(); }
-  Status RecordAppWork(uintptr_t a, DeviceEvent* out) override { return cpu_->RecordAppWork(a, out); }
-  Status CopyPiecesOnAppStream(uintptr_t a, float* dst, const std::vector<CopyPiece>& pieces) override {
-    return cpu_->CopyPiecesOnAppStream(a, dst, pieces);
-  }
   Status RecordEvent(Stream s, DeviceEvent* out) override {
     out->reset();
     return Inject("RecordEvent", s);
@@ -94,7 +70,6 @@ class FaultyDevice final : public Device {
                             std::to_string(static_cast<int>(s)) + ": injected");
   }
 
-  std::unique_ptr<Device> cpu_;
   const std::string method_;
   const Stream stream_;
   const std::string marker_;

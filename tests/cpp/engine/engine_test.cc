@@ -27,6 +27,7 @@
 #include "mltuner/cluster.h"
 #include "mltuner/device.h"
 #include "mltuner/transport.h"
+#include "forwarding_device.h"
 #include "test_util.h"
 #include "wire/message.h"
 
@@ -499,49 +500,10 @@ void SwapWorker(Engine* e, int rank, ThreadLog* log, std::vector<double>* checks
 // (Device::maps_host_memory false): the engine then swaps with a copy per
 // run and sums host logs on the reclaimer thread, the path CUDA takes
 // (Device::swaps_by_kernel false).
-class UnmappedCpuDevice final : public Device {
+class UnmappedCpuDevice final : public ForwardingDevice {
  public:
   std::string name() const override { return "cpu (unmapped)"; }
-  bool host_addressable() const override { return true; }
   bool maps_host_memory() const override { return false; }
-  int ordinal() const override { return 0; }
-  Status Allocate(size_t b, void** out) override { return cpu_->Allocate(b, out); }
-  void Free(void* p) override { cpu_->Free(p); }
-  Status AllocateHost(size_t b, void** out) override { return cpu_->AllocateHost(b, out); }
-  void FreeHost(void* p) override { cpu_->FreeHost(p); }
-  Status AllocateZeroed(size_t b, bool host, void** out) override { return cpu_->AllocateZeroed(b, host, out); }
-  Status PrepareIndex(RunIndex* i) override { return cpu_->PrepareIndex(i); }
-  void ReleaseIndex(RunIndex* i) override { cpu_->ReleaseIndex(i); }
-  void CopyHostToDevice(void* d, const void* s, size_t b, Stream st) override { cpu_->CopyHostToDevice(d, s, b, st); }
-  void CopyDeviceToHost(void* d, const void* s, size_t b, Stream st) override { cpu_->CopyDeviceToHost(d, s, b, st); }
-  void CopyDeviceToDevice(void* d, const void* s, size_t b, Stream st) override {
-    cpu_->CopyDeviceToDevice(d, s, b, st);
-  }
-  void Gather(float* d, const float* s, const RunIndex& i, int64_t w, Stream st) override { cpu_->Gather(d, s, i, w, st); }
-  void ScatterAdd(float* d, const float* s, const RunIndex& i, int64_t w, Stream st) override {
-    cpu_->ScatterAdd(d, s, i, w, st);
-  }
-  void Fill(float* d, float v, size_t n, Stream st) override { cpu_->Fill(d, v, n, st); }
-  void AddInto(float* d, const float* s, int64_t n, Stream st) override { cpu_->AddInto(d, s, n, st); }
-  void ApplyUpdate(const UpdateStep& step, float* p, float* state, const float* sum, int64_t n, Stream st) override {
-    cpu_->ApplyUpdate(step, p, state, sum, n, st);
-  }
-  Status CountNonFinite(const float* d, int64_t n, Stream st, int64_t* out) override {
-    return cpu_->CountNonFinite(d, n, st, out);
-  }
-  Status Synchronize(Stream s) override { return cpu_->Synchronize(s); }
-  Status TakeError() override { return cpu_->TakeError(); }
-  Status RecordAppWork(uintptr_t a, DeviceEvent* out) override { return cpu_->RecordAppWork(a, out); }
-  Status CopyPiecesOnAppStream(uintptr_t a, float* dst, const std::vector<CopyPiece>& pieces) override {
-    return cpu_->CopyPiecesOnAppStream(a, dst, pieces);
-  }
-  Status RecordEvent(Stream s, DeviceEvent* out) override { return cpu_->RecordEvent(s, out); }
-  Status WaitEvent(Stream s, const DeviceEvent& e) override { return cpu_->WaitEvent(s, e); }
-  Status WaitOnAppStream(uintptr_t a, const DeviceEvent& e) override { return cpu_->WaitOnAppStream(a, e); }
-  Status WaitEventDone(const DeviceEvent& e) override { return cpu_->WaitEventDone(e); }
-
- private:
-  std::unique_ptr<Device> cpu_ = NewCpuDevice();
 };
 
 void RunSwap(int64_t budget, int prefetch, SwapResult* result, bool mapped = true) {

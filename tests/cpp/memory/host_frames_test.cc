@@ -9,6 +9,7 @@
 #include <mutex>
 #include <vector>
 
+#include "forwarding_device.h"
 #include "test_util.h"
 
 namespace mltuner {
@@ -16,50 +17,23 @@ namespace {
 
 // The CPU backend, counting allocations by kind, handing out real (non-null)
 // tickets, and logging which tickets streams and threads waited for.
-class CountingDevice final : public Device {
+class CountingDevice final : public ForwardingDevice {
  public:
-  CountingDevice() : cpu_(NewCpuDevice()) {}
   std::string name() const override { return "counting-cpu"; }
-  bool host_addressable() const override { return true; }
-  int ordinal() const override { return 0; }
   Status Allocate(size_t b, void** out) override {
     ++device_allocations;
-    return cpu_->Allocate(b, out);
+    return ForwardingDevice::Allocate(b, out);
   }
-  void Free(void* p) override { cpu_->Free(p); }
   Status AllocateHost(size_t b, void** out) override {
     ++host_allocations;
-    return cpu_->AllocateHost(b, out);
+    return ForwardingDevice::AllocateHost(b, out);
   }
   void FreeHost(void* p) override {
     ++host_frees;
-    cpu_->FreeHost(p);
-  }
-  Status PrepareIndex(RunIndex* i) override { return cpu_->PrepareIndex(i); }
-  void ReleaseIndex(RunIndex* i) override { cpu_->ReleaseIndex(i); }
-  void CopyHostToDevice(void* d, const void* s, size_t b, Stream st) override { cpu_->CopyHostToDevice(d, s, b, st); }
-  void CopyDeviceToHost(void* d, const void* s, size_t b, Stream st) override { cpu_->CopyDeviceToHost(d, s, b, st); }
-  void CopyDeviceToDevice(void* d, const void* s, size_t b, Stream st) override {
-    cpu_->CopyDeviceToDevice(d, s, b, st);
-  }
-  void Gather(float* d, const float* s, const RunIndex& i, int64_t w, Stream st) override { cpu_->Gather(d, s, i, w, st); }
-  void ScatterAdd(float* d, const float* s, const RunIndex& i, int64_t w, Stream st) override {
-    cpu_->ScatterAdd(d, s, i, w, st);
-  }
-  void Fill(float* d, float v, size_t n, Stream st) override { cpu_->Fill(d, v, n, st); }
-  void AddInto(float* d, const float* s, int64_t n, Stream st) override { cpu_->AddInto(d, s, n, st); }
-  void ApplyUpdate(const UpdateStep& step, float* p, float* state, const float* sum, int64_t n, Stream st) override {
-    cpu_->ApplyUpdate(step, p, state, sum, n, st);
-  }
-  Status CountNonFinite(const float* d, int64_t n, Stream st, int64_t* out) override {
-    return cpu_->CountNonFinite(d, n, st, out);
+    ForwardingDevice::FreeHost(p);
   }
   Status Synchronize(Stream) override { return Status::Ok(); }
   Status TakeError() override { return Status::Ok(); }
-  Status RecordAppWork(uintptr_t a, DeviceEvent* out) override { return cpu_->RecordAppWork(a, out); }
-  Status CopyPiecesOnAppStream(uintptr_t a, float* dst, const std::vector<CopyPiece>& pieces) override {
-    return cpu_->CopyPiecesOnAppStream(a, dst, pieces);
-  }
   Status RecordEvent(Stream, DeviceEvent* out) override {
     *out = std::make_shared<int>(0);
     return Status::Ok();
@@ -82,9 +56,6 @@ class CountingDevice final : public Device {
   std::mutex mu;
   std::vector<std::pair<Stream, DeviceEvent>> stream_waits;
   std::vector<DeviceEvent> thread_waits;
-
- private:
-  std::unique_ptr<Device> cpu_;
 };
 
 TEST(HostFramesComeFromAllocateHostAndAreRecycledBySize) {

@@ -25,6 +25,7 @@ from mltuner.tune import (
 )
 from mltuner.testing import ScriptedSystem
 from mltuner.tune.tuner import halving_cost, halving_size
+from mltuner.tune.tuner._design import startup_design
 
 LR_SPACE = SearchSpace([LogUniform("lr", 1e-3, 1.0)])
 # 0.125 s clocks and a 1.25 s first trial time: exact binary fractions, so
@@ -403,3 +404,34 @@ def test_a_measured_trial_time_starts_at_the_first_samples(scripted_system: Any)
     assert first["trial_time_s"] == first["samples_s"] == pytest.approx(10 * CLOCK_S)
     assert [r["trial_time_s"] for r in log.events("trial_time")][1:3] == pytest.approx(
         [20 * CLOCK_S, 40 * CLOCK_S])
+
+
+# -- breadth where doubling is unaffordable ------------------------------------------------
+
+
+def test_a_budget_too_small_to_double_buys_new_trials_at_the_trial_time(
+        scripted_system: Any) -> None:
+    # Only the design's first setting trains. The evaluation branch and the
+    # enqueued setting's first round (10 clocks each) leave 2.5 of 5 s: too
+    # little to double the trial time (3.75 s), enough for new settings at
+    # 1.25 s; the first of them trains, and wins.
+    good = startup_design(LR_SPACE, 1, seed=0)[0]["lr"]
+
+    def only_good(t: Mapping[str, Any], c: int) -> float:
+        return decaying({"lr": 0.05}, c) if t["lr"] == good else rising(t, c)
+
+    system = scripted_system(only_good, seconds=lambda t: CLOCK_S, clocks_per_epoch=400)
+    result, log, _ = run_search(system, sampler="tpe", trial_cap=10, budget_s=5.0,
+                                enqueue={"lr": 1e-3})
+    assert [r["reason"] for r in log.events("trial_time")][:2] == ["initial", "widened"]
+    assert result.winner is not None and result.winner.tunables["lr"] == good
+    # Every trial ran the trial time, no more; the search kept to its budget.
+    assert all(clocks_by_branch(system)[b] == 10 for b in trial_branches(system))
+    assert result.seconds <= 5.0
+
+
+def test_without_budget_for_a_new_trial_the_search_stops(scripted_system: Any) -> None:
+    system = scripted_system(rising, seconds=lambda t: CLOCK_S, clocks_per_epoch=400)
+    result, log, _ = run_search(system, trial_cap=10, budget_s=3.0)
+    assert not [r for r in log.events("trial_time") if r["reason"] == "widened"]
+    assert result.trials == 1 and result.winner is None and result.budget_exhausted

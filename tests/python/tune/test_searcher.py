@@ -23,6 +23,7 @@ from mltuner.tune import (
     open_storage,
     top_k_close,
 )
+from mltuner.tune.tuner._design import startup_design, value_at
 from mltuner.tune.tuner._searcher import MAX_REPORTED_POINTS
 
 
@@ -256,3 +257,60 @@ def test_only_model_based_samplers_use_the_stop_rule() -> None:
     assert Searcher(default_space([8]), sampler="tpe").should_stop(close)
     assert not Searcher(default_space([8]), sampler="random").should_stop(close)
     assert not Searcher(default_space([8]), sampler="grid").should_stop(close)
+
+
+# -- the startup design ------------------------------------------------------------------
+
+DESIGN_SPACE = default_space([32, 64, 128], lr_range=(1e-5, 1.0))
+
+
+def test_every_prefix_of_the_design_spreads_over_the_learning_rate() -> None:
+    for seed in range(20):
+        design = startup_design(DESIGN_SPACE, 8, seed)
+        # Where in the log range each learning rate lies, in [0, 1).
+        units = [math.log(d["lr"] / 1e-5) / math.log(1e5) for d in design]
+        for size in (2, 4, 8):
+            assert sorted(int(u * size) for u in units[:size]) == list(range(size))
+        momenta = [int(d["momentum"] / 0.99 * 3) for d in design[:3]]
+        assert sorted(momenta) == [0, 1, 2]
+        for setting in design:
+            DESIGN_SPACE.check_setting(setting)
+    assert startup_design(DESIGN_SPACE, 4, 1) == startup_design(DESIGN_SPACE, 4, 1)
+    assert startup_design(DESIGN_SPACE, 4, 1) != startup_design(DESIGN_SPACE, 4, 2)
+
+
+def test_value_at_follows_each_tunables_scale() -> None:
+    assert value_at(LogUniform("lr", 1e-4, 1.0), 0.5) == pytest.approx(1e-2)
+    assert value_at(Uniform("m", 0.0, 0.5), 0.5) == pytest.approx(0.25)
+    assert [value_at(Choice("b", [8, 16, 32]), u) for u in (0.0, 0.34, 0.99)] == [8, 16, 32]
+
+
+@pytest.mark.parametrize("sampler", ["tpe", "cmaes", "gp"])
+def test_model_based_samplers_start_with_the_design_after_enqueued_settings(sampler: str) -> None:
+    if sampler == "gp" and not has("torch", "scipy") or sampler == "cmaes" and not has("cmaes"):
+        pytest.skip(f"{sampler} needs optional packages")
+    searcher = Searcher(DESIGN_SPACE, sampler=sampler, seed=3, n_startup_trials=4)
+    current = DESIGN_SPACE.defaults()
+    assert searcher.enqueue(current)
+    asked = []
+    for _ in range(4):
+        proposal = searcher.ask()
+        assert proposal is not None
+        asked.append(proposal)
+        searcher.tell(proposal, summary(-1.0), [1.0, 0.5])
+    assert asked[0].enqueued and asked[0].tunables == current
+    # The enqueued setting counts as one of the startup trials.
+    assert [p.tunables for p in asked[1:]] == startup_design(DESIGN_SPACE, 3, 3)
+    assert not any(p.enqueued for p in asked[1:])
+
+
+def test_random_and_marginal_searches_have_no_design() -> None:
+    design = startup_design(DESIGN_SPACE, 2, 0)
+    random_ = Searcher(DESIGN_SPACE, sampler="random", seed=0)
+    assert random_.ask().tunables != design[0]  # type: ignore[union-attr]
+    marginal = Searcher(DESIGN_SPACE, sampler="tpe", seed=0,
+                        base_setting=DESIGN_SPACE.defaults())
+    proposal = marginal.ask()
+    assert proposal is not None
+    changed = [k for k, v in proposal.tunables.items() if v != DESIGN_SPACE.defaults()[k]]
+    assert len(changed) <= 1

@@ -383,10 +383,20 @@ class SearchEpisode:
             if under_cap and affordable:
                 self._trial_time = doubled
                 self._note("trial_time", trial_time_s=self._trial_time, reason="doubled")
-            if not affordable:
+            # Where the doubled round is out of reach, what is left still buys
+            # new settings at the current trial time: breadth where depth is
+            # unaffordable (a short job's initial search otherwise stopped
+            # with half its budget unspent and four random settings tried).
+            widen = (not affordable and self._may_fork(len(open_trials))
+                     and self._affords(self._trial_time))
+            if not (affordable or widen):
                 self._stop_once("budget")
-            new = self._new_trial() if affordable and self._may_fork(len(open_trials)) else None
+            new = (self._new_trial() if (affordable or widen) and self._may_fork(len(open_trials))
+                   else None)
             if new is not None:
+                if widen:
+                    self._note("trial_time", trial_time_s=self._trial_time, reason="widened",
+                               branch=new.branch)
                 open_trials.append(new)
             elif not (under_cap and affordable):
                 # Nothing left to schedule: the best trial wins even if unstable;

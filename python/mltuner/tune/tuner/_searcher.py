@@ -29,6 +29,7 @@ from mltuner.exceptions import InvalidArgumentError
 from mltuner.tune._config import SAMPLERS
 from mltuner.tune._progress import ProgressSummary
 from mltuner.tune._space import SearchSpace
+from mltuner.tune.tuner._design import startup_design
 
 __all__ = [
     "Searcher",
@@ -56,6 +57,8 @@ MAX_EXCLUDED_ASKS = 50
 
 # Optional dependencies of some samplers, checked up front for a clear message.
 _NEEDS = {"gp": ("torch", "scipy"), "cmaes": ("cmaes",)}
+# Samplers whose first n_startup_trials proposals come from startup_design.
+_DESIGNED = ("tpe", "gp", "cmaes")
 
 
 def top_k_close(slopes: Iterable[float], k: int = STOP_TOP_K,
@@ -128,8 +131,10 @@ class Searcher:
             (§4), where every proposal changes one tunable of this setting,
             taking the searched tunables in turn. With ``"grid"`` it tries
             the base setting first, then every one-tunable grid change.
-        n_startup_trials: random proposals before TPE models the results
-            (Optuna's default 10; hyperopt's is 20).
+        n_startup_trials: proposals before TPE, GP or CMA-ES models the
+            results (Optuna's default 10; hyperopt's is 20). They come from a
+            space-filling design (:func:`startup_design`), not independent
+            random draws, after any settings queued by :meth:`enqueue`.
         excluded: a predicate on decoded settings; a proposal it accepts is
             told at once as no progress (value 0.0, user attribute
             ``outcome="excluded"``) and the searcher asks again, so the
@@ -174,6 +179,13 @@ class Searcher:
             space.check_setting(base_setting)
             self._base_params = space.encode(base_setting)
         self._sampler = self._make_sampler(n_startup_trials)
+        # The model-based samplers' random start, replaced by a space-filling
+        # design (tuner/_design.py); a marginal re-tune varies one tunable of
+        # its base setting instead.
+        self._n_startup = n_startup_trials
+        self._design: list[dict[str, Any]] = (
+            startup_design(space, n_startup_trials, seed)
+            if sampler in _DESIGNED and base_setting is None else [])
         self._grid_size = (
             math.prod(len(t.grid()) for t in space.searched) if sampler == "grid" else 0
         )
@@ -362,7 +374,9 @@ class Searcher:
                             None, enqueued=True)
         varied: str | None = None
         sampler: BaseSampler = self._sampler
-        if self._marginal_queue is not None:
+        if self._design and len(self._study.trials) < self._n_startup:
+            self._study.enqueue_trial(self._space.encode(self._design.pop(0)))
+        elif self._marginal_queue is not None:
             fixed, varied = self._marginal_queue.pop(0)
             sampler = self._partial_fixed(fixed, optuna.samplers.RandomSampler(seed=self._seed))
         elif self._base_params is not None:

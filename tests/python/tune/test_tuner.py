@@ -26,7 +26,7 @@ from mltuner.tune import (
     plateaued,
     summarize_progress,
 )
-from mltuner.tune.tuner import LR_STEP, lr_neighbours
+from mltuner.tune.tuner import LR_STEP, lr_neighbours, no_slower
 
 LR_SPACE = SearchSpace([LogUniform("lr", 1e-5, 1.0)])
 
@@ -335,3 +335,32 @@ def test_every_trial_branch_is_an_optuna_trial(scripted_system: Any, tmp_path: P
     trial_forks = [f for f in system.forks if f[2] is BranchKind.TRAINING
                    and f[0] not in {r["branch"] for r in log.events("freeze")}]
     assert recorded == result.trials == len(trial_forks) == len(log.events("fork_trial"))
+
+
+def test_a_periodic_retune_never_tries_a_lower_learning_rate(scripted_system: Any) -> None:
+    """Validation still climbs, so the re-tunes are periodic: they search
+    from the current learning rate up (short trials favour a lower rate by
+    its smaller noise, which would slow a model that is still improving)."""
+    system = scripted_system(decaying, accuracies=[0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7])
+    space = SearchSpace([LogUniform("lr", 1e-3, 1.0), Uniform("momentum", 0.0, 0.99)])
+    _, log = scripted_run(system, space, retune_every_epochs=2, max_epochs=6)
+    retunes = log.events("retune")
+    assert retunes and {r["reason"] for r in retunes} == {"periodic"}
+    for start in log.events("search_start")[1:]:
+        current = start["tunables"]["lr"]
+        tried = [r["tunables"]["lr"] for r in log.events("fork_trial")
+                 if r["search"] == start["search"]]
+        assert tried and min(tried) >= current
+        assert [s["lr"] for s in start["first"]] == pytest.approx(
+            [current, *([min(1.0, current * LR_STEP)] if current < 1.0 else [])])
+
+
+def test_no_slower_raises_the_learning_rates_floor() -> None:
+    space = SearchSpace([LogUniform("lr", 1e-3, 1.0), Uniform("momentum", 0.0, 0.99)])
+    raised = no_slower(space, {"lr": 0.05, "momentum": 0.5})
+    assert (raised["lr"].low, raised["lr"].high, raised["lr"].search) == (0.05, 1.0, True)
+    assert raised["momentum"] == space["momentum"]
+    top = no_slower(space, {"lr": 1.0, "momentum": 0.5})
+    assert not top["lr"].search and top["lr"].default == 1.0
+    flat = SearchSpace([Uniform("momentum", 0.0, 0.99)])
+    assert no_slower(flat, {"momentum": 0.5}) is flat

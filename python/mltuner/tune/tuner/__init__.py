@@ -18,12 +18,13 @@ from mltuner.tune.tuner._tuner import (
     TuningResult,
     at_least_as_aggressive,
     lr_neighbours,
+    no_slower,
     plateaued,
 )
 
 __all__ = [
     "Tuner", "TuningResult", "Outcome", "plateaued", "at_least_as_aggressive",
-    "lr_neighbours", "LR_STEP", "AGGRESSIVE_DIRECTIONS", "JOURNAL_NAME", "TrainingGuard", "Alarm", "SearchEpisode",
+    "lr_neighbours", "no_slower", "LR_STEP", "AGGRESSIVE_DIRECTIONS", "JOURNAL_NAME", "TrainingGuard", "Alarm", "SearchEpisode",
     "SearchResult", "SearchBudget", "halving_size", "halving_cost", "Searcher", "Proposal", "open_storage", "record_failure",
     "top_k_close", "Trial",
 ]

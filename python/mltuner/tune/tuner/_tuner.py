@@ -122,6 +122,22 @@ def lr_neighbours(space: SearchSpace, setting: Mapping[str, Any]) -> list[dict[s
     return [{**setting, "lr": v} for v in steps if v != value]
 
 
+def no_slower(space: SearchSpace, setting: Mapping[str, Any]) -> SearchSpace:
+    """``space`` with the learning rate's range starting at ``setting``'s
+    (fixed there when it is the top of the range); unchanged when the space
+    does not search a log-scale ``lr``. The space of a periodic re-tune:
+    short trials favour a lower rate whatever it does later (its loss drops
+    at once, by less noise, not by more learning), so a model still
+    improving would be slowed too early; a plateau re-tune may lower it."""
+    lr = next((t for t in space.searched if t.name == "lr"), None)
+    if not isinstance(lr, LogUniform) or "lr" not in setting:
+        return space
+    value = float(setting["lr"])
+    raised = (dataclasses.replace(lr, low=value, default=value) if value < lr.high
+              else dataclasses.replace(lr, search=False, default=value))
+    return SearchSpace([raised if t.name == "lr" else t for t in space])
+
+
 def at_least_as_aggressive(setting: Mapping[str, Any], failed: Mapping[str, Any]) -> bool:
     """Whether ``setting`` is at least as aggressive as ``failed`` in every
     tunable of AGGRESSIVE_DIRECTIONS that both name (equal to it when they
@@ -339,9 +355,15 @@ class Tuner:
                 self._note("retune_skipped", branch=stretch.branch, tunables=stretch.tunables,
                            epoch=epochs, reason="search_budget", search_seconds=self._search_seconds)
                 return stretch
+            space = self._search_space(stretch.branch, stretch.tunables, upward=not plateau)
+            if not space.searched:
+                self._note("retune_skipped", branch=stretch.branch, tunables=stretch.tunables,
+                           epoch=epochs, reason="at_fastest")
+                return stretch
             self._note("retune", branch=stretch.branch, tunables=stretch.tunables, epoch=epochs,
                        reason="plateau" if plateau else "periodic")
-            searcher, found = self._search(stretch.branch, stretch.tunables, retune=True)
+            searcher, found = self._search(stretch.branch, stretch.tunables, retune=True,
+                                           space=space)
             if found.winner is not None:
                 self._close(stretch, "retuned")
                 self._release_parent(stretch)
@@ -428,23 +450,33 @@ class Tuner:
             return None
         return {**failed, "lr": max(lr.low, float(failed["lr"]) / 2)}
 
+    def _search_space(self, parent: int, tunables: Mapping[str, Any], *,
+                      upward: bool = False) -> SearchSpace:
+        """What a search from ``parent`` varies. From the untrained root (the
+        initial search, or after a rollback there) every tunable, as the
+        start setting's batch size and staleness are only defaults; from a
+        trained branch ``retune_tunables``, the others kept; ``upward`` (a
+        periodic re-tune) no learning rate below the current one."""
+        space = self._space
+        if parent == self._root:
+            return space
+        if self._config.retune_tunables is not None:
+            narrowed = space.narrowed(self._config.retune_tunables, tunables)
+            space = narrowed if narrowed.searched else space
+        return no_slower(space, tunables) if upward else space
+
     def _search(self, parent: int, tunables: Mapping[str, Any], *, retune: bool = False,
-                first: Sequence[Mapping[str, Any]] = ()) -> tuple[Searcher, SearchResult]:
-        """A search from ``parent``; ``first`` are settings to try before the
-        sampler's (their tunables the search does not vary are set to its
-        fixed values)."""
+                first: Sequence[Mapping[str, Any]] = (),
+                space: SearchSpace | None = None) -> tuple[Searcher, SearchResult]:
+        """A search from ``parent`` over ``space`` (default: _search_space);
+        ``first`` are settings to try before the sampler's (their tunables
+        the search does not vary are set to its fixed values)."""
         config = self._config
         self._last_search_epoch = len(self._accuracies)
         index = len(self._studies)
         name = f"{self._prefix}-initial" if index == 0 else f"{self._prefix}-retune-{index}"
-        # A search from the untrained root (the initial one, or after a
-        # rollback there) chooses every tunable, as the initial search does:
-        # the start setting's batch size and staleness are only defaults.
         from_start = parent == self._root
-        space = self._space
-        if not from_start and config.retune_tunables is not None:
-            narrowed = space.narrowed(config.retune_tunables, tunables)
-            space = narrowed if narrowed.searched else space
+        space = space or self._search_space(parent, tunables)
         marginal = not from_start and config.retune == "marginal"
         trial_cap = config.max_trials_per_search if from_start else self._last_trials
         searcher = Searcher(

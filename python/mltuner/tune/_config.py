@@ -103,8 +103,9 @@ class TunerConfig:
             ignored; None searches every tunable, as the initial search.
         rollback: keep a frozen copy of the best-validated model and roll
             back to it when training collapses (the guard, see below).
-        rollback_margin: roll back when a validation accuracy falls this
-            far (absolute) below the best so far (0.05).
+        rollback_margin: roll back when two validation accuracies in a
+            row fall this far (absolute) below the best so far, or one falls
+            three times as far (0.05).
         guard_chunks_per_epoch: chunks each epoch of training is checked in
             (4): a chunk that diverges, or two in a row whose mean loss
             rises beyond the noise band, roll back before the validation.

@@ -21,6 +21,7 @@ from mltuner.tune import (
     Uniform,
     at_least_as_aggressive,
 )
+from mltuner.tune.tuner import validation_collapsed
 
 CLOCK_S = 0.125
 SPACE = SearchSpace([LogUniform("lr", 0.1, 1.0)])
@@ -288,3 +289,22 @@ def test_a_loss_clearly_above_the_start_raises_the_alarm() -> None:
     assert guard.check(*chunk(dead)) is None
     alarm = guard.check(*chunk(dead))
     assert alarm is not None and alarm.reason == "collapsed"
+
+
+def test_one_small_dip_is_noise_two_or_a_deep_one_a_collapse() -> None:
+    margin = 0.05
+    assert not validation_collapsed([], 0.8, margin)
+    assert not validation_collapsed([0.7], 0.8, margin)             # one dip of 10 points
+    assert validation_collapsed([0.72, 0.7], 0.8, margin)           # two in a row
+    assert not validation_collapsed([0.7, 0.78], 0.8, margin)       # recovered
+    assert validation_collapsed([0.8, 0.1], 0.8, margin)            # deeper than 3 margins
+    assert not validation_collapsed([0.76, 0.7], 0.8, margin)       # the first was within
+
+
+def test_a_single_dip_of_a_noisy_setting_is_not_rolled_back(
+        scripted_system: Any, tmp_path: Path) -> None:
+    system = scripted_system(lambda t, c: 10.0 * math.exp(-0.01 * c) + 0.1,
+                             seconds=lambda t: CLOCK_S, accuracies=[0.5, 0.6, 0.5, 0.65])
+    result, tuner = run(system, tmp_path, max_epochs=4, retune="off")
+    assert not tuner.log.events("rollback")
+    assert result.accuracies == [0.5, 0.6, 0.5, 0.65] and result.best_accuracy == 0.65

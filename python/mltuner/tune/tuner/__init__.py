@@ -19,12 +19,13 @@ from mltuner.tune.tuner._tuner import (
     at_least_as_aggressive,
     lr_neighbours,
     no_slower,
+    validation_collapsed,
     plateaued,
 )
 
 __all__ = [
     "Tuner", "TuningResult", "Outcome", "plateaued", "at_least_as_aggressive",
-    "lr_neighbours", "no_slower", "LR_STEP", "AGGRESSIVE_DIRECTIONS", "JOURNAL_NAME", "TrainingGuard", "Alarm", "SearchEpisode",
+    "lr_neighbours", "no_slower", "validation_collapsed", "LR_STEP", "AGGRESSIVE_DIRECTIONS", "JOURNAL_NAME", "TrainingGuard", "Alarm", "SearchEpisode",
     "SearchResult", "SearchBudget", "halving_size", "halving_cost", "Searcher", "Proposal", "open_storage", "record_failure",
     "top_k_close", "Trial",
 ]

@@ -102,12 +102,31 @@ class TuningResult:
     training_study: str | None = None
 
 
+# A validation this many rollback margins below the best is a collapse at once.
+SEVERE_DROP = 3.0
+
+
 def plateaued(accuracies: Sequence[float], size: int) -> bool:
     """§1.1 step 6: True when the last ``size`` accuracies include nothing
     strictly above the best accuracy before them."""
     if len(accuracies) <= size:
         return False
     return max(accuracies[-size:]) <= max(accuracies[:-size])
+
+
+def validation_collapsed(accuracies: Sequence[float], best: float, margin: float) -> bool:
+    """Whether a stretch's validation ``accuracies`` (the last one new) say
+    the model collapsed below the ``best`` accuracy so far: the last lies
+    more than SEVERE_DROP x ``margin`` below it, or the last two both more
+    than ``margin``. A single smaller dip is the noise of a fast or stale
+    setting (seen: SSP at slack 3 dipping 8-10 points for one epoch, each
+    dip rolled back, until the excluded settings left a crawling rate)."""
+    if not accuracies:
+        return False
+    last = best - accuracies[-1]
+    if last > SEVERE_DROP * margin:
+        return True
+    return last > margin and len(accuracies) >= 2 and best - accuracies[-2] > margin
 
 
 def lr_neighbours(space: SearchSpace, setting: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -332,8 +351,8 @@ class Tuner:
                                   reference=alarm.reference, band=alarm.band)
         accuracy = self._validate(stretch)
         best = self._best
-        if (config.rollback and best is not None
-                and accuracy < best.accuracy - config.rollback_margin):
+        if config.rollback and best is not None and validation_collapsed(
+                stretch.accuracies, best.accuracy, config.rollback_margin):
             return self._rollback(stretch, "accuracy", accuracy=accuracy)
         if stretch.guard.trained:
             self._release_parent(stretch)

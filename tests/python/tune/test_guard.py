@@ -12,6 +12,7 @@ import optuna
 import pytest
 
 from mltuner.tune import (
+    Choice,
     LogUniform,
     Outcome,
     SearchSpace,
@@ -43,11 +44,12 @@ def accuracy(t: Mapping[str, Any], c: int) -> float:
     return 0.1 if collapsed(t, c) else 0.9 * (1.0 - math.exp(-c / 150.0))
 
 
-def run(system: Any, tmp_path: Path, **config: Any) -> tuple[Any, Tuner]:
+def run(system: Any, tmp_path: Path, space: SearchSpace = SPACE,
+        **config: Any) -> tuple[Any, Tuner]:
     cfg = TunerConfig(sampler="random", seed=0, initial_trial_time_s=1.25, num_clocks_to_eval=10,
                       num_clocks_to_test=5, max_trials_per_search=6, study_name_prefix="job",
                       storage=f"journal:{tmp_path / 'optuna.journal'}", **config)
-    tuner = Tuner(system, SPACE, cfg)
+    tuner = Tuner(system, space, cfg)
     return tuner.run(), tuner
 
 
@@ -308,3 +310,16 @@ def test_a_single_dip_of_a_noisy_setting_is_not_rolled_back(
     result, tuner = run(system, tmp_path, max_epochs=4, retune="off")
     assert not tuner.log.events("rollback")
     assert result.accuracies == [0.5, 0.6, 0.5, 0.65] and result.best_accuracy == 0.65
+
+
+def test_the_backoff_after_a_collapse_also_drops_the_staleness(
+        scripted_system: Any, tmp_path: Path) -> None:
+    space = SearchSpace([LogUniform("lr", 0.1, 1.0), Choice("staleness", [0, 1, 3], default=3)])
+    system = scripted_system(loss, seconds=lambda t: CLOCK_S, clocks_per_epoch=100,
+                             accuracy=accuracy)
+    _, tuner = run(system, tmp_path, space, max_epochs=12)
+    rollback = tuner.log.events("rollback")[0]
+    after = [r for r in tuner.log.events("fork_trial") if r["time"] > rollback["time"]]
+    failed = rollback["tunables"]
+    assert after[0]["enqueued"] and after[0]["tunables"] == {
+        "lr": pytest.approx(max(0.1, failed["lr"] / 2)), "staleness": 0}

@@ -463,24 +463,32 @@ class Tuner:
 
     def _backoff(self, failed: Mapping[str, Any]) -> dict[str, Any] | None:
         """``failed`` with half its learning rate (no lower than the
-        space's), or None when the learning rate is not searched."""
+        space's) and, where staleness is searched, the least staleness
+        (stale gradients at a high rate are the usual way a setting that
+        looked fast in a short trial collapses; seen: slack 3 kept by two
+        backoffs in a row, both collapsing); None when the learning rate is
+        not searched."""
         lr = next((t for t in self._space.searched if t.name == "lr"), None)
         if not isinstance(lr, LogUniform) or "lr" not in failed:
             return None
-        return {**failed, "lr": max(lr.low, float(failed["lr"]) / 2)}
+        safer = {**failed, "lr": max(lr.low, float(failed["lr"]) / 2)}
+        slack = next((t for t in self._space.searched if t.name == "staleness"), None)
+        if isinstance(slack, Choice) and "staleness" in failed:
+            safer["staleness"] = min(slack.values)
+        return safer
 
     def _search_space(self, parent: int, tunables: Mapping[str, Any], *,
-                      upward: bool = False) -> SearchSpace:
+                      upward: bool = False, also: Sequence[str] = ()) -> SearchSpace:
         """What a search from ``parent`` varies. From the untrained root (the
         initial search, or after a rollback there) every tunable, as the
         start setting's batch size and staleness are only defaults; from a
-        trained branch ``retune_tunables``, the others kept; ``upward`` (a
-        periodic re-tune) no learning rate below the current one."""
+        trained branch ``retune_tunables`` and ``also``, the others kept;
+        ``upward`` (a periodic re-tune) no learning rate below the current one."""
         space = self._space
         if parent == self._root:
             return space
         if self._config.retune_tunables is not None:
-            narrowed = space.narrowed(self._config.retune_tunables, tunables)
+            narrowed = space.narrowed([*self._config.retune_tunables, *also], tunables)
             space = narrowed if narrowed.searched else space
         return no_slower(space, tunables) if upward else space
 
@@ -668,7 +676,10 @@ class Tuner:
         # collapsed (a search of random proposals from a trained model can
         # otherwise end with one that crawls and never plateaus).
         backoff = self._backoff(stretch.tunables) if exclude else None
-        searcher, found = self._search(target, tunables, first=[backoff] if backoff else [])
+        # The search may change what the backoff changes (the staleness too).
+        changed = [n for n, v in (backoff or {}).items() if v != tunables.get(n)]
+        searcher, found = self._search(target, tunables, first=[backoff] if backoff else [],
+                                       space=self._search_space(target, tunables, also=changed))
         if found.winner is not None:
             return self._begin_winner(found, searcher, target, tunables, clocks)
         if best is None:

@@ -56,14 +56,17 @@ int IdleSpan(const std::vector<Use>& uses, int num_ops) {
 void CostTableEntries(const TableInfo& table, const RowLayout& layout, const Recording& recording,
                       const PlanSite& site, std::vector<PlacementEntry>::iterator first,
                       std::vector<PlacementEntry>::iterator last) {
-  // Entry of each position: transient, 4 bytes a row of this table.
-  std::vector<int32_t> entry_of(static_cast<size_t>(table.num_rows));
-  for (auto it = first; it != last; ++it) {
-    std::fill_n(entry_of.begin() + it->first_position, it->rows, static_cast<int32_t>(it - first));
-  }
+  // The entry holding a position: a search over the entries' runs, not a
+  // table of one entry per row (the plan stays per run, architecture.md).
+  auto entry_of = [first, last](int64_t position) {
+    auto after = std::upper_bound(first, last, position, [](int64_t p, const PlacementEntry& entry) {
+      return p < entry.first_position;
+    });
+    return static_cast<size_t>(after - first) - 1;
+  };
   const int64_t row_bytes = table.row_bytes();
   ForEachHostTransfer(table, layout, recording, site, [&](SwapCause, int64_t position) {
-    (first + entry_of[static_cast<size_t>(position)])->moved_bytes += row_bytes;
+    (first + entry_of(position))->moved_bytes += row_bytes;
   });
   std::vector<std::vector<Use>> uses(static_cast<size_t>(last - first));
   std::vector<Handle> seen_by(uses.size(), -1);
@@ -72,7 +75,7 @@ void CostTableEntries(const TableInfo& table, const RowLayout& layout, const Rec
     const Use use{access.open_op, access.close_op,
                   access.kind == OpKind::kRead || (access.kind == OpKind::kLocalAccess && access.fetch)};
     for (RowId row : access.rows) {
-      const size_t entry = static_cast<size_t>(entry_of[static_cast<size_t>(layout.PositionOf(row))]);
+      const size_t entry = entry_of(layout.PositionOf(row));
       if (seen_by[entry] == access.handle) continue;
       seen_by[entry] = access.handle;
       uses[entry].push_back(use);

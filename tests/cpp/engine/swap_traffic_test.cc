@@ -13,6 +13,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "forwarding_device.h"
@@ -105,37 +106,71 @@ std::vector<RowId> Range(RowId first, RowId count) {
   return rows;
 }
 
+// The engine's virtual calls, each remembered in the model's op list for
+// RunClock to replay.
+class Script {
+ public:
+  Script(Engine* e, Model* m) : e_(e), m_(m) {}
+  Status Read(TableId table, std::vector<RowId> rows, Handle* h) {
+    MLT_RETURN_IF_ERROR(e_->VirtualRead(table, std::move(rows), 0, h));
+    return Add(OpKind::kRead, *h);
+  }
+  Status PostRead(Handle h) {
+    MLT_RETURN_IF_ERROR(e_->VirtualPostRead(h));
+    return Add(OpKind::kPostRead, h);
+  }
+  Status Update(TableId table, std::vector<RowId> rows) {  // pre_update and update at once
+    Handle h = -1;
+    MLT_RETURN_IF_ERROR(e_->VirtualPreUpdate(table, std::move(rows), &h));
+    MLT_RETURN_IF_ERROR(Add(OpKind::kPreUpdate, h));
+    MLT_RETURN_IF_ERROR(e_->VirtualUpdate(h));
+    return Add(OpKind::kUpdate, h);
+  }
+  Status Local(TableId table, std::vector<RowId> rows, bool fetch, Handle* h) {
+    MLT_RETURN_IF_ERROR(e_->VirtualLocalAccess(table, std::move(rows), fetch, h));
+    return Add(OpKind::kLocalAccess, *h);
+  }
+  Status PostLocal(Handle h, bool keep) {
+    MLT_RETURN_IF_ERROR(e_->VirtualPostLocalAccess(h, keep));
+    return Add(OpKind::kPostLocalAccess, h);
+  }
+
+ private:
+  Status Add(OpKind kind, Handle h) {
+    m_->kinds.push_back(kind);
+    m_->handles.push_back(h);
+    return Status::Ok();
+  }
+  Engine* e_;
+  Model* m_;
+};
+
 Status Record(Engine* e, Model* m) {
   MLT_RETURN_IF_ERROR(e->CreateTable("layer0", 16, kWidth, false, &m->layer0));
   MLT_RETURN_IF_ERROR(e->CreateTable("layer1", 16, kWidth / 2, false, &m->layer1));
   MLT_RETURN_IF_ERROR(e->CreateTable("acts", 24, kWidth, true, &m->acts));
-  auto op = [m](OpKind kind, Handle h) {
-    m->kinds.push_back(kind);
-    m->handles.push_back(h);
-  };
-  Handle r0, a0, r1, a1, b1, u1a, u1b, b0, r0b, u0;
-  MLT_RETURN_IF_ERROR(e->VirtualRead(m->layer0, Range(0, 12), 0, &r0)); op(OpKind::kRead, r0);
-  MLT_RETURN_IF_ERROR(e->VirtualLocalAccess(m->acts, Range(0, 12), false, &a0)); op(OpKind::kLocalAccess, a0);
-  MLT_RETURN_IF_ERROR(e->VirtualPostLocalAccess(a0, true)); op(OpKind::kPostLocalAccess, a0);
-  MLT_RETURN_IF_ERROR(e->VirtualPostRead(r0)); op(OpKind::kPostRead, r0);
-  MLT_RETURN_IF_ERROR(e->VirtualRead(m->layer1, Range(0, 16), 0, &r1)); op(OpKind::kRead, r1);
-  MLT_RETURN_IF_ERROR(e->VirtualLocalAccess(m->acts, Range(12, 12), false, &a1)); op(OpKind::kLocalAccess, a1);
-  MLT_RETURN_IF_ERROR(e->VirtualPostLocalAccess(a1, true)); op(OpKind::kPostLocalAccess, a1);
+  Script s(e, m);
+  Handle r0, a0, r1, a1, b1, b0, r0b;
+  // Forward.
+  MLT_RETURN_IF_ERROR(s.Read(m->layer0, Range(0, 12), &r0));
+  MLT_RETURN_IF_ERROR(s.Local(m->acts, Range(0, 12), false, &a0));
+  MLT_RETURN_IF_ERROR(s.PostLocal(a0, true));
+  MLT_RETURN_IF_ERROR(s.PostRead(r0));
+  MLT_RETURN_IF_ERROR(s.Read(m->layer1, Range(0, 16), &r1));
+  MLT_RETURN_IF_ERROR(s.Local(m->acts, Range(12, 12), false, &a1));
+  MLT_RETURN_IF_ERROR(s.PostLocal(a1, true));
   // Backward of layer 1: the activation fetched and kept, two updates.
-  MLT_RETURN_IF_ERROR(e->VirtualLocalAccess(m->acts, Range(12, 12), true, &b1)); op(OpKind::kLocalAccess, b1);
-  MLT_RETURN_IF_ERROR(e->VirtualPreUpdate(m->layer1, Range(0, 8), &u1a)); op(OpKind::kPreUpdate, u1a);
-  MLT_RETURN_IF_ERROR(e->VirtualUpdate(u1a)); op(OpKind::kUpdate, u1a);
-  MLT_RETURN_IF_ERROR(e->VirtualPreUpdate(m->layer1, Range(4, 12), &u1b)); op(OpKind::kPreUpdate, u1b);
-  MLT_RETURN_IF_ERROR(e->VirtualUpdate(u1b)); op(OpKind::kUpdate, u1b);
-  MLT_RETURN_IF_ERROR(e->VirtualPostLocalAccess(b1, true)); op(OpKind::kPostLocalAccess, b1);
-  MLT_RETURN_IF_ERROR(e->VirtualPostRead(r1)); op(OpKind::kPostRead, r1);
-  // Backward of layer 0.
-  MLT_RETURN_IF_ERROR(e->VirtualLocalAccess(m->acts, Range(0, 12), true, &b0)); op(OpKind::kLocalAccess, b0);
-  MLT_RETURN_IF_ERROR(e->VirtualRead(m->layer0, Range(0, 12), 0, &r0b)); op(OpKind::kRead, r0b);
-  MLT_RETURN_IF_ERROR(e->VirtualPreUpdate(m->layer0, Range(0, 12), &u0)); op(OpKind::kPreUpdate, u0);
-  MLT_RETURN_IF_ERROR(e->VirtualUpdate(u0)); op(OpKind::kUpdate, u0);
-  MLT_RETURN_IF_ERROR(e->VirtualPostRead(r0b)); op(OpKind::kPostRead, r0b);
-  MLT_RETURN_IF_ERROR(e->VirtualPostLocalAccess(b0, false)); op(OpKind::kPostLocalAccess, b0);
+  MLT_RETURN_IF_ERROR(s.Local(m->acts, Range(12, 12), true, &b1));
+  MLT_RETURN_IF_ERROR(s.Update(m->layer1, Range(0, 8)));
+  MLT_RETURN_IF_ERROR(s.Update(m->layer1, Range(4, 12)));
+  MLT_RETURN_IF_ERROR(s.PostLocal(b1, true));
+  MLT_RETURN_IF_ERROR(s.PostRead(r1));
+  // Backward of layer 0: read again, one update.
+  MLT_RETURN_IF_ERROR(s.Local(m->acts, Range(0, 12), true, &b0));
+  MLT_RETURN_IF_ERROR(s.Read(m->layer0, Range(0, 12), &r0b));
+  MLT_RETURN_IF_ERROR(s.Update(m->layer0, Range(0, 12)));
+  MLT_RETURN_IF_ERROR(s.PostRead(r0b));
+  MLT_RETURN_IF_ERROR(s.PostLocal(b0, false));
   MLT_RETURN_IF_ERROR(e->VirtualClock());
   return e->FinishVirtualIteration();
 }

@@ -17,8 +17,10 @@
 //  - a local keep of it: buffer -> host store (local out).
 // Other shards' payloads travel in host frames: their bytes cross anyway and
 // are not counted. Only shard == rank is taken to share the device (one
-// worker per process, ProcessNode); workers sharing one memory in a
-// LocalCluster move less than predicted.
+// worker per process, ProcessNode); workers of a LocalCluster that share one
+// memory also exchange device payloads with the other shards, so their
+// host-resident rows move more than predicted (those shards' sends and
+// installs).
 //
 // Threading: pure functions.
 #pragma once

@@ -184,7 +184,9 @@ def main() -> None:
         f"Under the budget: {small_stats['host_store_bytes'] / 1e6:.0f} MB in host memory, "
         f"{small_stats['device_store_bytes'] / 1e6:.0f} MB on the device, access-buffer pool "
         f"{small_stats['pool_bytes'] / 1e6:.0f} MB; {small_stats['bytes_swapped_in'] / 1e6 / small_stats['clock']:.0f} "
-        "MB swapped in per clock.",
+        "MB swapped in per clock; the plan predicts "
+        f"{small_stats['predicted_bytes_to_device_per_clock'] / 1e6:.0f} MB host->device and "
+        f"{small_stats['predicted_bytes_to_host_per_clock'] / 1e6:.0f} MB device->host per clock.",
     ]
     text = "\n".join(lines) + "\n"
     print(text)

@@ -87,6 +87,8 @@ void RegisterEngine(py::module_& m) {
       .def_readonly("device_store_bytes", &EngineStats::device_store_bytes)
       .def_readonly("host_store_bytes", &EngineStats::host_store_bytes)
       .def_readonly("host_memory_bytes", &EngineStats::host_memory_bytes)
+      .def_readonly("predicted_bytes_to_device_per_clock", &EngineStats::predicted_bytes_to_device_per_clock)
+      .def_readonly("predicted_bytes_to_host_per_clock", &EngineStats::predicted_bytes_to_host_per_clock)
       .def_readonly("branch", &EngineStats::branch)
       .def_readonly("branch_clock", &EngineStats::branch_clock)
       .def_readonly("branch_switches", &EngineStats::branch_switches);

@@ -84,6 +84,10 @@ struct EngineStats {
   int64_t device_store_bytes = 0;
   int64_t host_store_bytes = 0;
   int64_t host_memory_bytes = 0;   // the plan's host memory (HostMemoryNeed::total), checked at finish
+  // The plan's prediction of the bytes one steady-state clock moves between
+  // host and device memory (plan/swap_traffic.h), either way.
+  int64_t predicted_bytes_to_device_per_clock = 0;
+  int64_t predicted_bytes_to_host_per_clock = 0;
 };
 
 class Engine {

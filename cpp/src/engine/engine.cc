@@ -214,6 +214,8 @@ Status Engine::Impl::PlanAndPrepare() {
     state_.stats.device_store_bytes = plan_.placement.device_store_bytes;
     state_.stats.host_store_bytes = plan_.placement.host_store_bytes;
     state_.stats.host_memory_bytes = plan_.placement.host.total();
+    state_.stats.predicted_bytes_to_device_per_clock = plan_.placement.traffic.host_to_device();
+    state_.stats.predicted_bytes_to_host_per_clock = plan_.placement.traffic.device_to_host();
   }
   state_.phase = Phase::kRecorded;
   return Status::Ok();

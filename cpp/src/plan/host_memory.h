@@ -22,17 +22,10 @@
 #include "mltuner/status.h"
 #include "mltuner/types.h"
 #include "plan/placement.h"
+#include "plan/plan_site.h"
 #include "record/recorder.h"
 
 namespace mltuner {
-
-// Where a plan runs: which shard is this worker's, and whether the device's
-// memory is host memory (Device::host_addressable).
-struct PlanSite {
-  int rank = 0;
-  int num_workers = 1;
-  bool device_is_host = true;
-};
 
 HostMemoryNeed CountHostMemory(const Config& config, const std::vector<TableInfo>& tables,
                                const Recording& recording, const Placement& placement, const PlanSite& site);

@@ -8,7 +8,7 @@ Status PlanIteration(const Config& config, const std::vector<TableInfo>& tables,
                      const PlanSite& site, IterationPlan* out) {
   IterationPlan plan;
   plan.layouts = BuildRowLayouts(tables, recording);
-  MLT_RETURN_IF_ERROR(PlanPlacement(config, tables, plan.layouts, recording, &plan.placement));
+  MLT_RETURN_IF_ERROR(PlanPlacement(config, tables, plan.layouts, recording, &plan.placement, site));
   plan.placement.host = CountHostMemory(config, tables, recording, plan.placement, site);
   *out = std::move(plan);
   return Status::Ok();

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <sstream>
 
+#include "plan/placement_value.h"
+
 namespace mltuner {
 
 int64_t AlignedBufferBytes(const TableInfo& table, int64_t rows) {
@@ -39,27 +41,6 @@ int64_t PoolBytes(const BufferSchedule& schedule) {
   return std::max<int64_t>(schedule.pool_bytes(), kBufferAlignment);
 }
 
-// The rows of `access` not placed yet: they are the positions right after
-// those already placed (the layout is first-use order over the same ops), so
-// counting them is all placement needs. Internal when the layout breaks that.
-Status CountNewRows(const AccessRecord& access, const RowLayout& layout, const TablePlacement& placement,
-                    int64_t* out) {
-  const int64_t placed = placement.placed();
-  int64_t count = 0, last = -1;
-  for (RowId row : access.rows) {
-    const int64_t position = layout.PositionOf(row);
-    if (position < placed) continue;
-    ++count;
-    last = std::max(last, position);
-  }
-  if (count > 0 && last != placed + count - 1) {
-    return Status::Internal("placement: the new rows of handle " + std::to_string(access.handle) +
-                            " are not the next layout positions");
-  }
-  *out = count;
-  return Status::Ok();
-}
-
 }  // namespace
 
 void TablePlacement::Append(int64_t count, Residence where) {
@@ -86,6 +67,12 @@ std::string Placement::Describe() const {
       << " B, lookahead " << buffers.lookahead_ops << " ops; least " << pool_min_bytes << " B; peak "
       << peak_bytes << " B at op " << peak_op << "), device stores " << device_store_bytes
       << " B, host stores " << host_store_bytes << " B; host memory " << host.Describe();
+  for (const auto& [name, count] : {std::pair<const char*, const EntryCount&>{"parameters", parameters},
+                                    std::pair<const char*, const EntryCount&>{"local data", local_data}}) {
+    out << "\n" << name << ": " << count.device_entries << " entries on the device (" << count.device_bytes
+        << " B), " << count.host_entries << " in host memory (" << count.host_bytes << " B)";
+  }
+  out << "\npredicted per clock: " << traffic.Describe();
   return out.str();
 }
 
@@ -113,7 +100,7 @@ int64_t LeastPoolBytes(const Config& config, const std::vector<TableInfo>& table
 
 Status PlanPlacement(const Config& config, const std::vector<TableInfo>& tables,
                      const std::vector<RowLayout>& layouts, const Recording& recording,
-                     Placement* out) {
+                     Placement* out, const PlanSite& site) {
   Placement plan;
   FindPeak(tables, recording, &plan.peak_bytes, &plan.peak_op);
   const bool unlimited = config.device_memory_budget <= 0;
@@ -136,44 +123,40 @@ Status PlanPlacement(const Config& config, const std::vector<TableInfo>& tables,
 
   plan.tables.resize(tables.size());
 
-  // Local data: all on the device or all in host memory.
-  int64_t local_bytes = 0;
-  for (const TableInfo& table : tables) {
-    if (table.local) local_bytes += table.bytes();
+  // Stores by value (plan/placement_value.h): entries claim the budget in
+  // order while they fit; untouched rows may be split.
+  std::vector<PlacementEntry> entries;
+  MLT_RETURN_IF_ERROR(ListPlacementEntries(tables, layouts, recording, site, &entries));
+  std::vector<PlacementEntry*> claims;
+  for (PlacementEntry& entry : entries) claims.push_back(&entry);
+  std::sort(claims.begin(), claims.end(),
+            [](const PlacementEntry* a, const PlacementEntry* b) { return ClaimsBudgetFirst(*a, *b); });
+  for (PlacementEntry* entry : claims) {
+    if (unlimited || entry->device_bytes <= left) {
+      entry->device_rows = entry->rows;
+    } else if (entry->divisible()) {
+      entry->device_rows = std::max<int64_t>(0, left) / (entry->device_bytes / entry->rows);
+    }
+    if (!unlimited) left -= entry->device_bytes / entry->rows * entry->device_rows;
   }
-  const bool local_on_device = unlimited || local_bytes <= left;
-  if (!unlimited && local_on_device) left -= local_bytes;
-  for (const TableInfo& table : tables) {
-    if (table.local) {
-      plan.tables[table.id].Append(table.num_rows, local_on_device ? Residence::kDevice : Residence::kHost);
+  // Each table's entries in position order: its device part, then its host part.
+  for (const PlacementEntry& entry : entries) {
+    TablePlacement& placement = plan.tables[entry.table];
+    placement.Append(entry.device_rows, Residence::kDevice);
+    placement.Append(entry.rows - entry.device_rows, Residence::kHost);
+    if (entry.divisible()) continue;  // untouched rows are no entry of their own
+    Placement::EntryCount& count = tables[entry.table].local ? plan.local_data : plan.parameters;
+    const int64_t row_cost = entry.device_bytes / entry.rows;
+    if (entry.device_rows > 0) {
+      ++count.device_entries;
+      count.device_bytes += entry.device_rows * row_cost;
+    }
+    if (entry.device_rows < entry.rows) {
+      ++count.host_entries;
+      count.host_bytes += (entry.rows - entry.device_rows) * row_cost;
     }
   }
-
-  // Parameter rows: access by access in op order; each row costs its cache
-  // row plus its update-log row.
-  for (const RecordedOp& op : recording.ops) {
-    if (op.kind != OpKind::kRead && op.kind != OpKind::kPreUpdate) continue;
-    const AccessRecord& access = recording.accesses[op.handle];
-    const TableInfo& table = tables[access.table];
-    TablePlacement& placement = plan.tables[table.id];
-    int64_t new_rows = 0;
-    MLT_RETURN_IF_ERROR(CountNewRows(access, layouts[table.id], placement, &new_rows));
-    const int64_t cost = 2 * new_rows * table.row_bytes();
-    const bool fits = unlimited || cost <= left;
-    if (fits && !unlimited) left -= cost;
-    placement.Append(new_rows, fits ? Residence::kDevice : Residence::kHost);
-  }
-  // Rows no access touches (the end of each layout): to the device while
-  // there is room, row by row.
-  for (const TableInfo& table : tables) {
-    TablePlacement& placement = plan.tables[table.id];
-    const int64_t untouched = table.num_rows - placement.placed();
-    const int64_t row_cost = 2 * table.row_bytes();
-    const int64_t fitting = unlimited ? untouched : std::min(untouched, std::max<int64_t>(0, left) / row_cost);
-    if (!unlimited) left -= fitting * row_cost;
-    placement.Append(fitting, Residence::kDevice);
-    placement.Append(untouched - fitting, Residence::kHost);
-  }
+  plan.traffic = PredictSwapTraffic(tables, layouts, recording, plan.tables, site);
 
   for (const TableInfo& table : tables) {
     const TablePlacement& placement = plan.tables[table.id];

@@ -6,16 +6,21 @@
 //    (plan/buffer_schedule.h). Its least size packs the recorded lifetimes
 //    tightly (lookahead 0); a budget below that is refused with the exact
 //    bytes needed.
-// 2. Local data goes to the device if all of it fits in what is left.
-// 3. Parameter rows go to the device access by access, in op order (first
-//    layers first), each with its update log, while they fit; the rest stay
-//    in host memory and are swapped in by the allocator thread.
-// 4. Whatever budget is left buys lookahead: buffers of a clock reuse each
+// 2. Stores, by value (plan/placement_value.h): each entry — a layer's
+//    parameter rows with their update log, a stored activation (the rows one
+//    local access writes), a table's untouched rows — claims the rest of the
+//    budget in order of swap bytes saved per clock per device byte, short
+//    idle spans first at equal value, while it fits; untouched rows may be
+//    split. The rest stay in host memory and are swapped by the allocator
+//    (in) and the reclaimer (out), row by row as the indexes say, so one
+//    access may mix device and host rows.
+// 3. Whatever budget is left buys lookahead: buffers of a clock reuse each
 //    other's addresses less, so the allocator prepares them further ahead of
 //    the application. (More regions would not help: the allocator never runs
 //    more than prefetch_clocks ahead, so they would sit idle.)
 // A budget of 0 means unlimited: everything on the device, and the largest
 // lookahead (no buffer of a clock shares addresses with another).
+// The plan predicts the bytes it moves per clock (plan/swap_traffic.h).
 #pragma once
 
 #include <string>
@@ -25,7 +30,9 @@
 #include "mltuner/status.h"
 #include "mltuner/types.h"
 #include "plan/buffer_schedule.h"
+#include "plan/plan_site.h"
 #include "plan/row_layout.h"
+#include "plan/swap_traffic.h"
 #include "record/recorder.h"
 
 namespace mltuner {
@@ -72,6 +79,13 @@ struct Placement {
   int64_t host_store_bytes = 0;
   int64_t staging_bytes = 0;           // the largest access buffer, at least kBufferAlignment
   HostMemoryNeed host;                 // filled by PlanIteration (plan/iteration_plan.h)
+  // What went where, by kind of entry (plan/placement_value.h).
+  struct EntryCount {
+    int64_t device_entries = 0, device_bytes = 0;
+    int64_t host_entries = 0, host_bytes = 0;  // split entries count on both sides
+  };
+  EntryCount parameters, local_data;
+  SwapTraffic traffic;                 // predicted bytes moved per steady-state clock
   // A few lines for logs and the Python `plan` property.
   std::string Describe() const;
 };
@@ -86,6 +100,6 @@ int64_t LeastPoolBytes(const Config& config, const std::vector<TableInfo>& table
 
 Status PlanPlacement(const Config& config, const std::vector<TableInfo>& tables,
                      const std::vector<RowLayout>& layouts, const Recording& recording,
-                     Placement* out);
+                     Placement* out, const PlanSite& site = PlanSite{});
 
 }  // namespace mltuner

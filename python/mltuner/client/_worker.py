@@ -542,7 +542,10 @@ class Worker:
 
     @property
     def plan(self) -> str:
-        """A description of the placement made by finish_virtual_iteration."""
+        """A description of the placement made by finish_virtual_iteration:
+        the pool, the stores, the host memory, what went where (entries of
+        parameters and local data on the device and in host memory) and the
+        predicted bytes moved per clock host->device and device->host."""
         return str(self._engine.describe_plan())
 
     def shutdown(self) -> None:

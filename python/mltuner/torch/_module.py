@@ -109,7 +109,9 @@ class PSModule(nn.Module):
         bytes is below the ... bytes of access-buffer pool that held reads
         need; ...)``), then the placement: the access-buffer pool, the
         device and host stores, and the host memory the plan needs, part by
-        part (:attr:`mltuner.Worker.plan`)."""
+        part; how many layers' parameters and stored activations went to the
+        device and to host memory; and the bytes the plan predicts it moves
+        per clock each way (:attr:`mltuner.Worker.plan`)."""
         return f"{self._driver.hold_choice}; {self.worker.plan}"
 
     @property

@@ -560,11 +560,15 @@ void CheckSwapMatchesUnlimited(int prefetch, bool mapped = true) {
 
   // Tight: only the least pool (plus a little) fits; every parameter row and
   // all local data live in host memory and are swapped in for each access.
-  // Mixed: local data and the first layer fit on the device, the rest swaps.
+  // Split: half of the stored activations fit (they save 2 bytes moved per
+  // device byte, a layer's parameters 1.25: plan/placement_value.h), the
+  // other half and every parameter row swap.
+  // Mixed: local data and one layer fit on the device, the rest swaps.
   const int64_t pool_min = (1 + prefetch) * kSwapPeak;
   const int64_t tight = pool_min + 256;
+  const int64_t split = pool_min + kLocalBytes / 2;
   const int64_t mixed = pool_min + kLocalBytes + 2 * kLayerRows * kLayerWidth * 4;
-  for (int64_t budget : {tight, mixed}) {
+  for (int64_t budget : {tight, split, mixed}) {
     SwapResult swapped;
     RunSwap(budget, prefetch, &swapped, mapped);
     const std::string what = "budget " + std::to_string(budget) + " prefetch " + std::to_string(prefetch) +
@@ -595,6 +599,12 @@ void CheckSwapMatchesUnlimited(int prefetch, bool mapped = true) {
         EXPECT_EQ(swapped.stats[k].device_store_bytes, int64_t{0});
         EXPECT_TRUE(swapped.stats[k].bytes_swapped_out > 0);
       }
+    } else if (budget == split) {
+      for (int k = 0; k < kSwapWorkers; ++k) {
+        EXPECT_EQ(swapped.stats[k].device_store_bytes, kLocalBytes / 2);
+        EXPECT_TRUE(swapped.stats[k].bytes_swapped_out > 0);
+      }
+      EXPECT_TRUE(Contains(swapped.plan, "local data: 3 entries on the device (3072 B), 3 in host memory (3072 B)"));
     } else {
       for (int k = 0; k < kSwapWorkers; ++k) {
         EXPECT_EQ(swapped.stats[k].device_store_bytes, kLocalBytes + 2 * kLayerRows * kLayerWidth * 4);

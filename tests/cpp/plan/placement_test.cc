@@ -1,8 +1,8 @@
 // Placement: the peak of open buffers, the pool size (regions of packed
 // buffers, plan/buffer_schedule.h), the refusal of a budget too small with the
-// exact bytes needed, leftover budget buying lookahead, parameters placed on
-// the device layer by layer while they fit, local data all-or-nothing, and
-// dense unique slots per residence.
+// exact bytes needed, leftover budget buying lookahead, entries (layers,
+// stored activations) claiming the budget by value, the predicted bytes per
+// clock, and dense unique slots per residence.
 //
 // The shared example (sizes hand-computed, buffers rounded up to 256 bytes):
 //   t0 param 8 rows x 16 floats (64 B/row), t1 param 8 x 10 (40 B/row),
@@ -21,6 +21,7 @@
 // (lookahead >= the op count) a region is the sum, 1280 B. prefetch 1 gives
 // 2 regions: the least pool is 2048 B, the unlimited one 2560 B.
 #include "plan/placement.h"
+#include "plan/placement_value.h"
 
 #include <algorithm>
 #include <string>
@@ -202,51 +203,126 @@ TEST(BudgetBelowTheLeastPoolIsRefused) {
   EXPECT_EQ(plan.host_store_bytes, int64_t{2 * 8 * 64 + 2 * 8 * 40 + 4 * 64});
 }
 
-TEST(BudgetForFirstLayerOnly) {
+// The example's entries, their value (bytes moved per clock on the host /
+// device bytes; one worker, so its own shard installs every row each clock;
+// t0 has one update a clock, sent straight from its buffer) and idle span
+// (ops from the use before a swap-in to it, wrapping over the 9 ops):
+//   t2 rows {0,1}   local, 128 B: fetch 128 + keep 128     = 256 -> 2
+//   t1 rows {0..4}  400 B: read 200 + installs 200         = 400 -> 1, idle 4
+//   t0 rows {0,1,2} 384 B: read 192 + installs 192         = 384 -> 1, idle 6
+//   t0 rows {3,4}   256 B: installs 128                    -> 0.5 (no swap-in: idle 9)
+//   t0 rows 5..7 (384 B), t1 rows 5..7 (240 B): installs   -> 0.5, divisible
+//   t2 rows {2,3}: never used                              -> 0
+TEST(EntriesClaimTheBudgetByValue) {
   Example ex;
   ASSERT_OK(BuildExample(&ex));
-  // pool 2048 + local data 256 + first layer (3 rows of t0, values + log) 384.
+  // 640 B beyond the pool: the local entry (128, left 512), t1's layer (400,
+  // left 112: same value as t0's first layer, shorter idle span), not t0's
+  // layer (384) nor its rows {3,4} (256); of the untouched rows one row of t1
+  // (80, left 32).
   Placement plan;
-  ASSERT_OK(PlanPlacement(WithBudget(2048 + 256 + 384), ex.tables, ex.layouts, ex.recording, &plan));
+  ASSERT_OK(PlanPlacement(WithBudget(2048 + 640), ex.tables, ex.layouts, ex.recording, &plan));
   EXPECT_EQ(plan.pool_bytes, int64_t{2048});
-  // t0: the first-read rows on the device; rows first used later on the host.
-  for (RowId row : {0, 1, 2}) EXPECT_TRUE(ResidenceOfRow(ex, plan, 0, row) == Residence::kDevice);
-  for (RowId row : {3, 4, 5, 6, 7}) EXPECT_TRUE(ResidenceOfRow(ex, plan, 0, row) == Residence::kHost);
-  EXPECT_EQ(plan.tables[0].device_rows, int64_t{3});
-  EXPECT_EQ(plan.tables[0].host_rows, int64_t{5});
-  // t1 (second layer): all on the host.
-  EXPECT_EQ(plan.tables[1].device_rows, int64_t{0});
-  EXPECT_EQ(plan.tables[1].host_rows, int64_t{8});
-  // Local data fitted: all on the device.
-  EXPECT_EQ(plan.tables[2].device_rows, int64_t{4});
+  for (RowId row : {0, 1}) EXPECT_TRUE(ResidenceOfRow(ex, plan, 2, row) == Residence::kDevice);
+  for (RowId row : {2, 3}) EXPECT_TRUE(ResidenceOfRow(ex, plan, 2, row) == Residence::kHost);
+  for (RowId row : {0, 1, 2, 3, 4, 5}) EXPECT_TRUE(ResidenceOfRow(ex, plan, 1, row) == Residence::kDevice);
+  for (RowId row : {6, 7}) EXPECT_TRUE(ResidenceOfRow(ex, plan, 1, row) == Residence::kHost);
+  EXPECT_EQ(plan.tables[0].device_rows, int64_t{0});
   for (const TableInfo& table : ex.tables) ExpectDenseSlots(plan.tables[table.id], table.num_rows);
-  // First-use layout: t0's device rows take slots 0..2 in layout order.
-  for (RowId row : {0, 1, 2}) {
-    EXPECT_EQ(plan.tables[0].SlotOf(ex.layouts[0].PositionOf(row)), row);
-  }
-  EXPECT_EQ(plan.device_store_bytes, int64_t{2 * 3 * 64 + 4 * 64});
-  EXPECT_EQ(plan.host_store_bytes, int64_t{2 * 5 * 64 + 2 * 8 * 40});
+  EXPECT_EQ(plan.device_store_bytes, int64_t{2 * 64 + 2 * 6 * 40});
+  EXPECT_EQ(plan.host_store_bytes, int64_t{2 * 8 * 64 + 2 * 2 * 40 + 2 * 64});
+  // What went where, and the bytes t0 and t1's host rows move per clock:
+  // t0's read of rows {0,1,2}, and the installs of all of t0 and t1 rows 6, 7.
+  EXPECT_EQ(plan.local_data.device_entries, int64_t{1});
+  EXPECT_EQ(plan.local_data.host_entries, int64_t{0});
+  EXPECT_EQ(plan.parameters.device_entries, int64_t{1});
+  EXPECT_EQ(plan.parameters.host_entries, int64_t{2});
+  EXPECT_EQ(plan.traffic.params_in, int64_t{3 * 64});
+  EXPECT_EQ(plan.traffic.installs_out, int64_t{8 * 64 + 2 * 40});
+  EXPECT_EQ(plan.traffic.local_in + plan.traffic.local_out + plan.traffic.updates_out + plan.traffic.sends_in,
+            int64_t{0});
+  EXPECT_TRUE(plan.Describe().find("predicted per clock: host->device 192 B") != std::string::npos);
+  EXPECT_TRUE(plan.Describe().find("device->host 592 B") != std::string::npos);
 }
 
-TEST(LocalDataIsAllOnHostWhenItDoesNotFit) {
+TEST(LocalDataGoesToHostMemoryWhenItDoesNotFit) {
   Example ex;
   ASSERT_OK(BuildExample(&ex));
-  // 255 bytes beyond the pool: the 256 B of local data do not fit.
+  // 127 bytes beyond the pool: the local entry (128 B) does not fit, nor any
+  // layer; one untouched row of t1 (80 B) does.
   Placement plan;
-  ASSERT_OK(PlanPlacement(WithBudget(2048 + 255), ex.tables, ex.layouts, ex.recording, &plan));
+  ASSERT_OK(PlanPlacement(WithBudget(2048 + 127), ex.tables, ex.layouts, ex.recording, &plan));
   EXPECT_EQ(plan.tables[2].device_rows, int64_t{0});
   EXPECT_EQ(plan.tables[2].host_rows, int64_t{4});
-  for (int64_t p = 0; p < 4; ++p) EXPECT_TRUE(plan.tables[2].ResidenceOf(p) == Residence::kHost);
   for (const TableInfo& table : ex.tables) ExpectDenseSlots(plan.tables[table.id], table.num_rows);
-  // left = 255: no access fits (t0 layer 384, t1 layer 400, t0 rows 3,4: 256);
-  // then untouched rows while room remains: t0 row 5 (128, left 127), t1 row 5
-  // (80, left 47). 47 bytes buy no lookahead: the pool stays the least.
-  EXPECT_EQ(plan.tables[0].device_rows, int64_t{1});
-  EXPECT_TRUE(ResidenceOfRow(ex, plan, 0, 5) == Residence::kDevice);
+  EXPECT_EQ(plan.tables[0].device_rows, int64_t{0});
   EXPECT_EQ(plan.tables[1].device_rows, int64_t{1});
   EXPECT_TRUE(ResidenceOfRow(ex, plan, 1, 5) == Residence::kDevice);
-  EXPECT_EQ(plan.device_store_bytes, int64_t{2 * 64 + 2 * 40});
+  EXPECT_EQ(plan.device_store_bytes, int64_t{2 * 40});
   EXPECT_EQ(plan.pool_bytes, int64_t{2048});
+  EXPECT_EQ(plan.traffic.local_in, int64_t{128});
+  EXPECT_EQ(plan.traffic.local_out, int64_t{128});
+  EXPECT_EQ(plan.local_data.host_entries, int64_t{1});
+}
+
+// Two stored activations of the same size, each written once and read back
+// once: the same bytes saved per device byte. The one read back soon after it
+// is written (B: its swap-in could not hide behind compute) keeps the
+// device; the long-idle one (A, read back at the end of backward) goes to
+// host memory.
+TEST(ShortIdleEntryStaysOnTheDeviceBeforeALongIdleOne) {
+  const std::vector<TableInfo> tables = {Table(0, 8, 16), Table(1, 8, 16, true)};
+  Recorder rec;
+  Handle w, write_a, write_b, read_b, read_a, u;
+  ASSERT_OK(rec.Read(tables[0], {0, 1, 2, 3, 4, 5, 6, 7}, 0, &w));
+  ASSERT_OK(rec.LocalAccess(tables[1], {0, 1, 2, 3}, false, &write_a));  // A: forward, layer 1
+  ASSERT_OK(rec.PostLocalAccess(write_a, true));
+  ASSERT_OK(rec.LocalAccess(tables[1], {4, 5, 6, 7}, false, &write_b));  // B: forward, layer 2
+  ASSERT_OK(rec.PostLocalAccess(write_b, true));
+  ASSERT_OK(rec.LocalAccess(tables[1], {4, 5, 6, 7}, true, &read_b));    // B: backward, layer 2
+  ASSERT_OK(rec.PostLocalAccess(read_b, false));
+  ASSERT_OK(rec.PreUpdate(tables[0], {0, 1, 2, 3, 4, 5, 6, 7}, &u));
+  ASSERT_OK(rec.Update(u));
+  ASSERT_OK(rec.PostRead(w));
+  ASSERT_OK(rec.LocalAccess(tables[1], {0, 1, 2, 3}, true, &read_a));    // A: backward, layer 1
+  ASSERT_OK(rec.PostLocalAccess(read_a, false));
+  ASSERT_OK(rec.Clock());
+  Recording recording;
+  ASSERT_OK(rec.Finish(&recording));
+  const std::vector<RowLayout> layouts = BuildRowLayouts(tables, recording);
+
+  std::vector<PlacementEntry> entries;
+  ASSERT_OK(ListPlacementEntries(tables, layouts, recording, PlanSite{}, &entries));
+  const PlacementEntry* a = nullptr;
+  const PlacementEntry* b = nullptr;
+  for (const PlacementEntry& entry : entries) {
+    if (entry.first_handle == write_a) a = &entry;
+    if (entry.first_handle == write_b) b = &entry;
+  }
+  ASSERT_TRUE(a != nullptr && b != nullptr);
+  EXPECT_EQ(a->device_bytes, b->device_bytes);
+  EXPECT_EQ(a->moved_bytes, int64_t{2 * 4 * 64});  // out at the write, in at the read
+  EXPECT_EQ(a->moved_bytes, b->moved_bytes);
+  EXPECT_EQ(b->idle_ops, 1);  // written at ops 3-4, fetched at op 5
+  EXPECT_TRUE(a->idle_ops > b->idle_ops);
+  EXPECT_TRUE(ClaimsBudgetFirst(*b, *a));
+
+  // Room for one of them (and nothing else: the parameters' 1024 B do not fit).
+  const int64_t pool_min = LeastPoolBytes(WithBudget(1, 0), tables, recording);
+  Placement plan;
+  ASSERT_OK(PlanPlacement(WithBudget(pool_min + 4 * 64, 0), tables, layouts, recording, &plan));
+  for (RowId row : {4, 5, 6, 7}) {
+    EXPECT_TRUE(plan.tables[1].ResidenceOf(layouts[1].PositionOf(row)) == Residence::kDevice);
+  }
+  for (RowId row : {0, 1, 2, 3}) {
+    EXPECT_TRUE(plan.tables[1].ResidenceOf(layouts[1].PositionOf(row)) == Residence::kHost);
+  }
+  EXPECT_EQ(plan.local_data.device_entries, int64_t{1});
+  EXPECT_EQ(plan.local_data.host_entries, int64_t{1});
+  EXPECT_EQ(plan.traffic.local_in, int64_t{4 * 64});
+  EXPECT_EQ(plan.traffic.local_out, int64_t{4 * 64});
+  EXPECT_TRUE(plan.Describe().find("local data: 1 entries on the device (256 B), 1 in host memory (256 B)") !=
+              std::string::npos);
 }
 
 TEST(BudgetIsNeverExceeded) {
@@ -259,9 +335,10 @@ TEST(BudgetIsNeverExceeded) {
     EXPECT_TRUE(plan.pool_bytes >= plan.pool_min_bytes && plan.pool_min_bytes >= 2 * plan.peak_bytes);
     EXPECT_EQ(plan.pool_bytes, plan.buffers.pool_bytes());
     for (const TableInfo& table : ex.tables) ExpectDenseSlots(plan.tables[table.id], table.num_rows);
-    // Local data is all-or-nothing.
-    const TablePlacement& local = plan.tables[2];
-    EXPECT_TRUE(local.device_rows == 0 || local.host_rows == 0);
+    // The prediction counts host rows only: none at all moves nothing.
+    if (plan.host_store_bytes == 0) {
+      EXPECT_EQ(plan.traffic.host_to_device() + plan.traffic.device_to_host(), int64_t{0});
+    }
     // The total store size is fixed; only the split moves.
     EXPECT_EQ(plan.device_store_bytes + plan.host_store_bytes,
               int64_t{2 * 8 * 64 + 2 * 8 * 40 + 4 * 64});

@@ -101,9 +101,21 @@ def test_model_larger_than_the_budget_trains_bit_identically(run_workers: Callab
         assert small["bytes_swapped_in"] > CLOCKS * model_bytes, limited["plans"][rank]
         assert small["pool_bytes"] == budget
 
+    # A budget between: placed by value, some stored activations keep the
+    # device and the rest swap, within one clock.
+    local_bytes = unlimited["stats"][0]["device_store_bytes"] - 2 * model_bytes
+    assert local_bytes > 0, unlimited["plans"][0]
+    split = train(budget + local_bytes // 2, store_activations=True, run_workers=run_workers)
+    for rank in range(NUM_WORKERS):
+        assert re.search(r"local data: [1-9]\d* entries on the device \(\d+ B\), [1-9]\d* in host memory",
+                         split["plans"][rank]), split["plans"][rank]
+        assert "predicted per clock: host->device" in split["model_plans"][rank]
+        assert split["stats"][rank]["predicted_bytes_to_device_per_clock"] > 0
+
     # Storing activations and swapping change where bytes live, never a value.
     assert unlimited["losses"] == plain["losses"]
     assert limited["losses"] == plain["losses"]
+    assert split["losses"] == plain["losses"]
     assert plain["losses"][0][-1] < plain["losses"][0][0]  # it trains
     for name, value in plain["state"].items():
         assert torch.equal(unlimited["state"][name], value), name

@@ -59,6 +59,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import functools
 import math
 import os
 import platform
@@ -107,7 +108,7 @@ def cases(args: argparse.Namespace, device: torch.device) -> list[Case]:
     generator = torch.Generator().manual_seed(0)
     out: list[Case] = []
     if args.quick:
-        resnet: Callable[[], nn.Module] = lambda: cifar_resnet18(width=8)  # noqa: E731
+        resnet: Callable[[], nn.Module] = functools.partial(cifar_resnet18, width=8)
         resnet_name, batches = "CIFAR ResNet-18 width 8", (4, 8)
         width, heads, layers, seq, tbatch = 32, 2, 8, 16, 4
     else:
@@ -289,7 +290,7 @@ def fsdp_train(case: Case, args: argparse.Namespace, device: torch.device, api: 
     """(samples/s, torch's peak bytes over the timed steps, device bytes in use after them)."""
     memory = DeviceMemory(device)
     torch.manual_seed(0)
-    model = fsdp_wrap(case.make().to(device), case, device, api)
+    model = fsdp_wrap(case.make(), case, device, api)  # built on the CPU: FSDP moves, shards and offloads it
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, dampening=MOMENTUM)
     start = time.perf_counter()
     for step in range(args.warmup + args.steps):

@@ -412,8 +412,9 @@ def big_section(args: argparse.Namespace, device: torch.device, report: Report) 
                 f"{params / 1e6:,.1f} M parameters: {weights / 1e9:.3g} GB of float32 weights, "
                 f"{2 * weights / 1e9:.3g} GB with momentum, against {card / 1e9:.1f} GB of device memory and "
                 f"{memory_bytes() / 1e9:.1f} GB of host memory; batch {args.big_batch}, {args.big_steps} timed "
-                f"clocks after {args.big_warmup}. Config() with no device_memory_budget (0: 'as much as needed'; "
-                "this tree has no automatic budget from the device's free memory).")
+                f"clocks after {args.big_warmup}. No budget set by hand: Config's device_memory_budget left at its "
+                f"default ({mlt.Config().device_memory_budget}); what the worker chose shows in the stores column "
+                "and the plan below the table.")
     report.emit()
     report.emit("| run | result | samples/s | s/clock | swapped in / out GB per clock | "
                 "device / host stores, pool GB | device GB in use |")
@@ -421,11 +422,13 @@ def big_section(args: argparse.Namespace, device: torch.device, report: Report) 
     runs = [("no budget set", int(args.big_host_limit_gb * 1e9) if args.big_host_limit_gb else None)]
     if args.quick:
         runs.append(("host_memory_limit 1 MiB (the guard must refuse)", 1 << 20))
+    plans: list[str] = []
     for title, limit in runs:
         result, run = big_run(args, device, make, limit)
         if run is None:
             report.emit(f"| {title} | {result} | - | - | - | - | - |")
             continue
+        plans.append(f"plan of '{title}': {' '.join(run.plan.split())[:900]}")
         gb = 1e9
         report.emit(
             f"| {title} | trained | {run.samples_per_s:,.1f} | {args.big_batch / run.samples_per_s:.3f} | "
@@ -436,6 +439,9 @@ def big_section(args: argparse.Namespace, device: torch.device, report: Report) 
         report.figures.append(Figure("budget", f"{2 * weights / 1e9:.0f} GB of weights + momentum, no budget set",
                                      run.samples_per_s, "samples/s", "none", None, None, "-",
                                      note=f"{layers} x {args.big_width}^2 Linear"))
+    for plan in plans:
+        report.emit()
+        report.emit(plan)
 
 
 def main() -> None:

@@ -57,11 +57,10 @@ def resnet18() -> nn.Module:
         return cifar_resnet18()
 
 
-def transformer() -> nn.Module:
-    layer = nn.TransformerEncoderLayer(d_model=768, nhead=12, dim_feedforward=3072, dropout=0.0,
-                                       batch_first=True)
-    return nn.Sequential(*[layer.__class__(d_model=768, nhead=12, dim_feedforward=3072, dropout=0.0,
-                                           batch_first=True) for _ in range(12)])
+def transformer(layers: int = 12, width: int = 768, heads: int = 12) -> nn.Module:
+    """``layers`` nn.TransformerEncoderLayers of width ``width`` (feed-forward 4x), no dropout."""
+    return nn.Sequential(*[nn.TransformerEncoderLayer(d_model=width, nhead=heads, dim_feedforward=4 * width,
+                                                      dropout=0.0, batch_first=True) for _ in range(layers)])
 
 
 class Phases:

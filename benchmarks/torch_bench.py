@@ -27,6 +27,7 @@ they do with DDP.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import platform
 import time
@@ -36,8 +37,8 @@ import torch
 from torch import nn
 
 import mltuner as mlt
-import mltuner.torch as mtorch
 from figures import Figure, write_figures
+from torch_loops import measure_need, mltuner_train, synchronize  # synchronize: imported from here by other scripts
 
 
 class BasicBlock(nn.Module):
@@ -69,11 +70,6 @@ def resnet18(width: int = 64, num_classes: int = 10) -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def make_data(args: argparse.Namespace, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(args.batch, 3, 32, 32, generator=generator).to(device)
@@ -99,50 +95,26 @@ def plain_run(args: argparse.Namespace, device: torch.device) -> float:
 
 
 def mltuner_run(args: argparse.Namespace, device: torch.device, budget_fraction: float | None
-                ) -> tuple[float, float, dict[str, float]]:
+                ) -> tuple[float, tuple[float, float], dict[str, float]]:
     """(images/s, (stall, fresh-row wait) seconds per clock, engine stats) of one worker."""
-    torch.manual_seed(0)
-    model = resnet18(args.width).to(device)
     config = mlt.Config(update_rule=mlt.UpdateRule("momentum", learning_rate=0.05, momentum=0.9),
                         device="cuda" if device.type == "cuda" else "cpu", wait_timeout_s=120)
     x, y = make_data(args, device)
+
+    def make() -> nn.Module:
+        return resnet18(args.width)
+
+    def loss(out: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out, y)
+
     store = budget_fraction is not None
     if store:
-        need = measure_need(args, device, config, x, y)
-        config = mlt.Config(update_rule=config.update_rule, device=config.device, wait_timeout_s=120,
-                            device_memory_budget=int(need * budget_fraction))
-    with mlt.LocalCluster(1, config) as cluster:
-        worker = cluster.worker(0)
-        ps = mtorch.wrap(model, worker, example_input=x, store_activations=store,
-                         example_loss=lambda out: nn.functional.cross_entropy(out, y))
-        before = {"stall_seconds": 0.0, "wait_fresh_seconds": 0.0}
-        for step in range(args.warmup + args.steps):
-            if step == args.warmup:
-                synchronize(device)
-                before = worker.stats
-                start = time.perf_counter()
-            nn.functional.cross_entropy(ps(x), y).backward()
-            ps.step()
-        synchronize(device)
-        elapsed = time.perf_counter() - start
-        stats = worker.stats
-        worker.sync()
-    waits = tuple((stats[k] - before[k]) / args.steps for k in ("stall_seconds", "wait_fresh_seconds"))
-    return args.batch * args.steps / elapsed, waits, stats
-
-
-def measure_need(args: argparse.Namespace, device: torch.device, config: mlt.Config, x: torch.Tensor,
-                 y: torch.Tensor) -> int:
-    """Bytes of device memory the engine places for parameters and local data
-    with no budget, plus the least buffer pool it accepts: what 'a quarter of
-    their need' is a quarter of."""
-    model = resnet18(args.width).to(device)
-    with mlt.LocalCluster(1, config) as cluster:
-        worker = cluster.worker(0)
-        mtorch.wrap(model, worker, example_input=x, store_activations=True,
-                    example_loss=lambda out: nn.functional.cross_entropy(out, y))
-        stats = worker.stats
-    return int(stats["device_store_bytes"] + stats["host_store_bytes"] + stats["pool_min_bytes"])
+        need, _ = measure_need(make, x, loss, config, device)
+        config = dataclasses.replace(config, device_memory_budget=int(need * budget_fraction))
+    run = mltuner_train(make, x, loss, config, device, warmup=args.warmup, steps=args.steps,
+                        store_activations=store)
+    waits = (run.per_clock("stall_seconds"), run.per_clock("wait_fresh_seconds"))
+    return run.samples_per_s, waits, run.after
 
 
 def ms(waits: tuple[float, ...]) -> str:

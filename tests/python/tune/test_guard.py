@@ -323,3 +323,25 @@ def test_the_backoff_after_a_collapse_also_drops_the_staleness(
     failed = rollback["tunables"]
     assert after[0]["enqueued"] and after[0]["tunables"] == {
         "lr": pytest.approx(max(0.1, failed["lr"] / 2)), "staleness": 0}
+
+
+def test_after_a_rollback_that_finds_nothing_in_budget_training_goes_on_safer(
+        scripted_system: Any, tmp_path: Path) -> None:
+    # From clock 200 on every healthy loss creeps up from 1.0, the level of
+    # the lr = 0 branch there: the search after the collapse (from the model
+    # frozen at epoch 2, made by the setting that collapsed) sees no progress
+    # and runs out of budget. The job goes on with the backoff, not ends.
+    def late(t: Mapping[str, Any], c: int) -> float:
+        if collapsed(t, c):
+            return 10.0
+        return loss(t, c) if c < 200 else 1.0 + 0.001 * (c - 200)
+
+    system = scripted_system(late, seconds=lambda t: CLOCK_S, clocks_per_epoch=100,
+                             accuracy=accuracy, baseline=lambda c: 10.0 if c < 200 else 1.0)
+    result, tuner = run(system, tmp_path, max_epochs=8)
+    rollback = tuner.log.events("rollback")[0]
+    failed = rollback["tunables"]
+    assert tuner.log.events("no_progress")[-1]["time"] > rollback["time"]
+    resume = tuner.log.events("resume")[0]
+    assert resume["tunables"]["lr"] == pytest.approx(max(0.1, failed["lr"] / 2))
+    assert result.outcome is Outcome.MAX_EPOCHS and len(result.accuracies) == 8

@@ -11,8 +11,11 @@ each owning its sockets:
   (ZeroMQ holds the array until the bytes are out; the array views a pinned,
   recycled host frame, which then returns to its pool);
 - the receive thread hands data frames to the node, which validates them in
-  C++ with the GIL released, and reads the data socket's connection guard
-  (failed handshakes, the cap on connections).
+  C++ with the GIL released and, on the CPU backend, uses the payload where
+  ZeroMQ received it (no copy): the thread keeps each payload frame, by
+  token, until the node hands the token back (``take_released_payloads``:
+  the shard applied it, or the rows are installed); it also reads the data
+  sockets' connection guards (failed handshakes, the cap on connections).
 
 Liveness is not judged here: heartbeats travel on the control channel
 (:mod:`mltuner.transport._control`), so a backlog of data never makes a
@@ -95,6 +98,10 @@ class SocketTransport:
         # Messages refused here (the node counts the messages it refuses).
         self._rejected = 0
         self.rejections = RejectionLog(_log, f"rank {self._rank}'s data socket")
+        # Received payload frames the node may still read, by token (the
+        # receive thread's alone).
+        self._lent: dict[int, zmq.Frame] = {}
+        self._next_token = 0
         self._stopping = threading.Event()
         self._threads = [
             threading.Thread(target=self._send_loop, name="mltuner-send", daemon=True),
@@ -203,6 +210,17 @@ class SocketTransport:
                     self._drain(listener.socket)
                 if listener.guard.monitor in ready:
                     listener.guard.handle_events()
+            self._free_released()
+
+    def _free_released(self) -> None:
+        """Drops the payload frames the node no longer reads."""
+        for token in self._node.take_released_payloads():
+            self._lent.pop(token, None)
+
+    @property
+    def lent_payloads(self) -> int:
+        """Received payload frames kept for the node (used in place)."""
+        return len(self._lent)
 
     def _drain(self, inbox: zmq.Socket[bytes]) -> None:
         for _ in range(256):  # then look at the guards again
@@ -216,8 +234,12 @@ class SocketTransport:
                 self._reject(f"a message of {len(frames)} frames")
 
     def _on_data(self, header: zmq.Frame, payload: zmq.Frame) -> None:
+        # Kept before the node sees it: the token may come back at once.
+        token = self._next_token
+        self._next_token += 1
+        self._lent[token] = payload
         try:
-            self._node.deliver(header.buffer, payload.buffer)
+            self._node.deliver(header.buffer, payload.buffer, token)
         except CorruptMessageError as error:  # counted by the node
             self.rejections.record(str(error))
 

@@ -233,3 +233,26 @@ def test_a_killed_process_directory_is_removed_by_the_next_job(monkeypatch: pyte
     finally:
         first.close()
     assert not first.path.exists()
+
+
+def test_received_payloads_are_used_in_place_and_all_handed_back() -> None:
+    # On the CPU backend the node reads each received payload where ZeroMQ
+    # put it; the transport keeps the frame until the node hands it back.
+    # Payloads of a few KiB share ZeroMQ's receive buffer at any byte offset
+    # and are copied instead (a float array must be aligned): these are 32 KiB.
+    rows, width = 32, 512
+    jobs = start_pair()
+    try:
+        for result in train_adds(jobs, rows, width, CLOCKS):
+            np.testing.assert_array_equal(result, np.full((rows, width), 3.0 * CLOCKS, dtype=np.float32))
+        for job in jobs:
+            node, transport = job._node, job._transport  # noqa: SLF001 - the test looks at the counters
+            assert transport is not None
+            # Each clock brings the peer's update of this shard and its shard's rows.
+            assert node.payloads_used_in_place >= 2 * CLOCKS
+            deadline = time.monotonic() + 10
+            while (node.borrowed_payloads or transport.lent_payloads) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert node.borrowed_payloads == 0 and transport.lent_payloads == 0
+    finally:
+        close_pair(jobs)

@@ -117,6 +117,8 @@ void RegisterNode(py::module_& m) {
             return tokens;
           },
           "Tokens of delivered payloads that nothing reads any more: their memory may be freed.")
+      .def_property_readonly("lends_payloads", &ProcessNode::lends_payloads,
+                             "Whether deliver uses payloads in place on this device (the CPU backend).")
       .def_property_readonly("borrowed_payloads", &ProcessNode::borrowed_payloads,
                              "Payloads delivered with a token and not yet handed back.")
       .def_property_readonly("payloads_used_in_place", &ProcessNode::payloads_used_in_place,

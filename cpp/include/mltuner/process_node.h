@@ -95,6 +95,9 @@ class ProcessNode final : public Transport {
   // Tokens of delivered payloads that nothing reads any more (waits for the
   // device's last reads of them, which on the CPU backend are done).
   Status TakeReleasedPayloads(std::vector<int64_t>* tokens);
+  // Whether Deliver uses payloads in place on this node's device at all (a
+  // transport may skip tokens where it does not).
+  bool lends_payloads() const;
   // Payloads delivered with a token and not yet handed back, and those used
   // in place so far.
   int64_t borrowed_payloads() const;

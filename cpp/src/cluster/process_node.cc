@@ -269,6 +269,8 @@ int64_t ProcessNode::rejected_messages() const { return queues_->host.rejected()
 
 Status ProcessNode::TakeReleasedPayloads(std::vector<int64_t>* tokens) { return borrowed_->TakeReleased(tokens); }
 
+bool ProcessNode::lends_payloads() const { return borrowed_->device_reads_host_memory(); }
+
 int64_t ProcessNode::borrowed_payloads() const { return borrowed_->outstanding(); }
 
 int64_t ProcessNode::payloads_used_in_place() const { return borrowed_->borrowed_total(); }

@@ -17,11 +17,15 @@ BorrowedFrames::BorrowedFrames(std::shared_ptr<Device> device)
 
 BorrowedFrames::~BorrowedFrames() = default;
 
-bool BorrowedFrames::CanBorrow(const void* data) const {
+bool BorrowedFrames::device_reads_host_memory() const {
   // A host-addressable device's kernels take any host memory; a GPU would
   // copy from pageable memory, which synchronizes its stream, so there a
   // payload is still copied once into a pinned frame.
-  return device_->host_addressable() && reinterpret_cast<uintptr_t>(data) % alignof(float) == 0;
+  return device_->host_addressable();
+}
+
+bool BorrowedFrames::CanBorrow(const void* data) const {
+  return device_reads_host_memory() && reinterpret_cast<uintptr_t>(data) % alignof(float) == 0;
 }
 
 std::shared_ptr<DeviceBuffer> BorrowedFrames::Borrow(const float* data, size_t count, int64_t token) {

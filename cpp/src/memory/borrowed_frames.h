@@ -37,8 +37,9 @@ class BorrowedFrames {
   BorrowedFrames(const BorrowedFrames&) = delete;
   BorrowedFrames& operator=(const BorrowedFrames&) = delete;
 
-  // Whether a payload at `data` can be used in place on this device: the
-  // device reads host memory where it lies, and the floats are aligned.
+  // Whether this device reads received payloads where they lie at all, and
+  // whether the one at `data` can be (its floats are aligned).
+  bool device_reads_host_memory() const;
   bool CanBorrow(const void* data) const;
   // A read-only buffer over `count` floats at `data`; its death queues `token`.
   std::shared_ptr<DeviceBuffer> Borrow(const float* data, size_t count, int64_t token);

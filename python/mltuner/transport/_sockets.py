@@ -61,6 +61,10 @@ _POLL_S = 0.05
 # flow control makes the sender's queue grow (and its bound apply).
 SEND_QUEUE_MESSAGES = 1000
 RECEIVE_QUEUE_MESSAGES = 64
+# Payloads below this share ZeroMQ's receive buffer (its in_batch_size) at
+# any byte offset, which a float array may not have: the node copies them
+# anyway, so they go without a token (no bookkeeping per small message).
+_LEND_MIN_BYTES = 8192
 
 
 class SocketTransport:
@@ -102,6 +106,7 @@ class SocketTransport:
         # receive thread's alone).
         self._lent: dict[int, zmq.Frame] = {}
         self._next_token = 0
+        self._lends = bool(node.lends_payloads)
         self._stopping = threading.Event()
         self._threads = [
             threading.Thread(target=self._send_loop, name="mltuner-send", daemon=True),
@@ -210,7 +215,8 @@ class SocketTransport:
                     self._drain(listener.socket)
                 if listener.guard.monitor in ready:
                     listener.guard.handle_events()
-            self._free_released()
+            if self._lent:
+                self._free_released()
 
     def _free_released(self) -> None:
         """Drops the payload frames the node no longer reads."""
@@ -234,10 +240,12 @@ class SocketTransport:
                 self._reject(f"a message of {len(frames)} frames")
 
     def _on_data(self, header: zmq.Frame, payload: zmq.Frame) -> None:
-        # Kept before the node sees it: the token may come back at once.
-        token = self._next_token
-        self._next_token += 1
-        self._lent[token] = payload
+        token = -1  # copied by the node before deliver returns
+        if self._lends and len(payload) >= _LEND_MIN_BYTES:
+            # Kept before the node sees it: the token may come back at once.
+            token = self._next_token
+            self._next_token += 1
+            self._lent[token] = payload
         try:
             self._node.deliver(header.buffer, payload.buffer, token)
         except CorruptMessageError as error:  # counted by the node

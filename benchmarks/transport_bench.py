@@ -22,9 +22,11 @@ them to ``--out`` with a description of the machine.
    phase after the other: raw pyzmq moving the same bytes in the same pattern
    (numpy arrays, copy=False, PUSH to each peer, one PULL per process; a
    round ends when a process has received everything due to it), the same
-   over CURVE sockets (encrypted and authenticated, as every mltuner socket
-   is, loopback included: a diagnostic that prices the encryption), the same
-   with a copy of each received payload (diagnostic), the engine alone on a
+   over CURVE sockets (encrypted and authenticated, as mltuner's TCP sockets
+   are, loopback included; its ipc:// sockets between processes of one host
+   are plain: a diagnostic that prices the encryption), the same over
+   ipc:// sockets (diagnostic: the address mltuner uses between processes
+   of one host), the same with a copy of each received payload (diagnostic), the engine alone on a
    1-worker LocalCluster per process (diagnostic), then mltuner. Each phase
    times three segments of clocks after warm-up; the best segment counts,
    each segment as long as its slowest rank. Ratio = raw pyzmq time / mltuner
@@ -116,14 +118,20 @@ def curve_pair(seed: str) -> tuple[bytes, bytes]:
 
 class Mesh:
     """Raw pyzmq between the ranks of one group: one PULL per process bound on
-    127.0.0.1, one PUSH to each peer. Carries the baseline's bytes and the
-    benchmark's own control messages (start barrier, agreed clock counts).
-    With `curve`, every socket is a CURVE socket (each PULL a server, each PUSH
-    a client), as mltuner's are: the same pattern, encrypted."""
+    127.0.0.1 (or, given `ipc_dir`, on ipc:// in that directory), one PUSH to
+    each peer. Carries the baseline's bytes and the benchmark's own control
+    messages (start barrier, agreed clock counts). With `curve`, every socket
+    is a CURVE socket (each PULL a server, each PUSH a client), as mltuner's
+    TCP sockets are: the same pattern, encrypted."""
 
-    def __init__(self, rank: int, ports: list[int], timeout_s: float, curve: bool = False) -> None:
+    def __init__(self, rank: int, ports: list[int], timeout_s: float, curve: bool = False,
+                 ipc_dir: str | None = None) -> None:
         self.rank = rank
         self.size = len(ports)
+
+        def address(peer: int) -> str:
+            return f"ipc://{ipc_dir}/raw-{peer}" if ipc_dir else f"tcp://127.0.0.1:{ports[peer]}"
+
         self.timeout_s = timeout_s
         self.context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         server_public, server_secret = curve_pair("transport-bench server")
@@ -134,7 +142,7 @@ class Mesh:
             self.inbox.curve_secretkey = server_secret
             self.inbox.curve_publickey = server_public
             self.inbox.curve_server = True
-        self.inbox.bind(f"tcp://127.0.0.1:{ports[rank]}")
+        self.inbox.bind(address(rank))
         self.peers: dict[int, zmq.Socket[bytes]] = {}
         for peer, port in enumerate(ports):
             if peer != rank:
@@ -144,7 +152,7 @@ class Mesh:
                     sock.curve_serverkey = server_public
                     sock.curve_publickey = client_public
                     sock.curve_secretkey = client_secret
-                sock.connect(f"tcp://127.0.0.1:{port}")
+                sock.connect(address(peer))
                 self.peers[peer] = sock
         self.counts: collections.Counter[tuple[int, int]] = collections.Counter()
         self.values: dict[int, int] = {}
@@ -381,6 +389,13 @@ def throughput_worker(args: argparse.Namespace, mesh: Mesh) -> Json:
         curve_mesh.barrier(2)  # every rank is done before any of its sockets closes
     finally:
         curve_mesh.close()
+    ipc_mesh = Mesh(mesh.rank, [0] * mesh.size, args.timeout, ipc_dir=args.ipc_dir)
+    try:
+        ipc_mesh.barrier(1)
+        out["raw_ipc"] = raw_phase(ipc_mesh, model_rows, args, 10)
+        ipc_mesh.barrier(2)
+    finally:
+        ipc_mesh.close()
     out["raw_copy"] = raw_phase(mesh, model_rows, args, 20, copy_on_receive=True)
     out["raw_peak_rss"] = peak_rss_bytes()
     out["local"] = local_phase(mesh, model_rows, args, 30)
@@ -550,7 +565,8 @@ def run_group(n: int, worker_args: list[str], timeout_s: float, wait_s: float) -
                 log = open(Path(tmp) / f"rank-{rank}.log", "wb")
                 logs.append(log)
                 cmd = [sys.executable, str(Path(__file__).resolve()), *worker_args, "--raw-ports",
-                       ",".join(map(str, raw)), "--curve-ports", ",".join(map(str, curve)), "--result", str(Path(tmp) / f"rank-{rank}.json"),
+                       ",".join(map(str, raw)), "--curve-ports", ",".join(map(str, curve)), "--ipc-dir", tmp,
+                       "--result", str(Path(tmp) / f"rank-{rank}.json"),
                        "--parent-pid", str(os.getpid()), "--timeout", str(wait_s)]
                 procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
             deadline = time.monotonic() + timeout_s
@@ -615,6 +631,7 @@ class Row:
     size_mib: int
     raw_s: float = 0.0
     raw_curve_s: float = 0.0
+    raw_ipc_s: float = 0.0
     mlt_s: float = 0.0
     local_s: float = 0.0
     raw_copy_s: float = 0.0
@@ -657,6 +674,7 @@ def bench_throughput(args: argparse.Namespace) -> list[Row]:
             row.other_load = meter.others()
             row.raw_s = best_segment(ranks, "raw")
             row.raw_curve_s = best_segment(ranks, "raw_curve")
+            row.raw_ipc_s = best_segment(ranks, "raw_ipc")
             row.mlt_s = best_segment(ranks, "mltuner")
             row.local_s = best_segment(ranks, "local")
             row.raw_copy_s = best_segment(ranks, "raw_copy")
@@ -669,8 +687,8 @@ def bench_throughput(args: argparse.Namespace) -> list[Row]:
             row.mlt_faults = page * max(float(r["mltuner"]["faults_per_clock"]) for r in ranks)
             lo = float(ranks[0]["mltuner"]["lo_bytes_per_clock"])
             row.lo_check = lo / wire_bytes(n, model) if lo >= 0 else -1.0
-            print(f" {time.perf_counter() - start:.1f} s: ms per clock: raw {row.raw_s * 1e3:.1f}, raw over CURVE "
-                  f"{row.raw_curve_s * 1e3:.1f}, mltuner "
+            print(f" {time.perf_counter() - start:.1f} s: ms per clock: raw {row.raw_s * 1e3:.1f}, raw over ipc "
+                  f"{row.raw_ipc_s * 1e3:.1f}, raw over CURVE {row.raw_curve_s * 1e3:.1f}, mltuner "
                   f"{row.mlt_s * 1e3:.1f}, raw + receive copy {row.raw_copy_s * 1e3:.1f}, engine alone "
                   f"{row.local_s * 1e3:.1f}; peak RSS of all ranks "
                   f"{row.raw_peak_rss / GB:.2f} GB after the raw phase, {row.peak_rss / GB:.2f} GB in all; "
@@ -700,16 +718,17 @@ def load_text(share: float) -> str:
 def throughput_table(rows: list[Row]) -> list[str]:
     lines = [
         "| N | model | raw pyzmq ms/clock | mltuner ms/clock | ratio (raw/mltuner) | goal >= 0.80 "
-        "| raw GB/s | mltuner GB/s | raw over CURVE ms/clock | ratio (raw over CURVE/mltuner) "
+        "| raw GB/s | mltuner GB/s | raw over ipc ms/clock | ratio (raw over ipc/mltuner) "
+        "| raw over CURVE ms/clock | ratio (raw over CURVE/mltuner) "
         "| raw + receive copy ms/clock | engine alone ms/clock "
         "| page faults MiB/clock (raw, mltuner) | peak RSS, all processes | loopback bytes / expected "
         "| clocks (raw, mltuner) | other load |",
-        "|--:|--:|--:|--:|--:|:-:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "|--:|--:|--:|--:|--:|:-:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for r in rows:
         model = f"{r.size_mib} MiB"
         if r.note:
-            lines.append(f"| {r.n} | {model} | {r.note} | | | | | | | | | | | | | | |")
+            lines.append(f"| {r.n} | {model} | {r.note} | | | | | | | | | | | | | | | | |")
             continue
         wire = wire_bytes(r.n, r.size_mib * MIB)
         ratio = r.raw_s / r.mlt_s
@@ -717,6 +736,7 @@ def throughput_table(rows: list[Row]) -> list[str]:
         lines.append(
             f"| {r.n} | {model} | {r.raw_s * 1e3:.1f} | {r.mlt_s * 1e3:.1f} | {ratio:.2f} | "
             f"{'yes' if ratio >= GOAL else 'NO'} | {wire / r.raw_s / GB:.2f} | {wire / r.mlt_s / GB:.2f} | "
+            f"{r.raw_ipc_s * 1e3:.1f} | {r.raw_ipc_s / r.mlt_s:.2f} | "
             f"{r.raw_curve_s * 1e3:.1f} | {r.raw_curve_s / r.mlt_s:.2f} | "
             f"{r.raw_copy_s * 1e3:.1f} | {r.local_s * 1e3:.1f} | {r.raw_faults / MIB:.0f}, {r.mlt_faults / MIB:.0f} | "
             f"{r.peak_rss / GB:.1f} GB | {check} | "
@@ -732,9 +752,11 @@ slices and (N-1)/N as fresh rows, and as much comes in. Raw pyzmq moves the same
 due to it), in the same processes, before mltuner. ms/clock: after warm-up, the best of three segments of
 clocks, each segment as long as its slowest rank. GB/s = bytes crossing between processes per clock, all
 processes together (2 (N-1) x model), / time per clock. ratio = raw time / mltuner time (1.0 = as fast as
-raw pyzmq). Three diagnostics, not baselines: "raw over CURVE" is the raw pattern over CURVE sockets
-(encrypted, as every mltuner socket is, loopback included; no authenticator, which acts only at connection
-time), so "raw over CURVE / mltuner" is the ratio with encryption on both sides; "raw + receive copy" is the
+raw pyzmq). Four diagnostics, not baselines: "raw over ipc" is the raw pattern over ipc:// sockets, the
+address mltuner's processes of one host use (plain, authenticated by their private directory), so "raw
+over ipc / mltuner" is the ratio on the same kind of socket; "raw over CURVE" is the raw pattern over
+CURVE sockets (encrypted, as mltuner's TCP sockets are, loopback included; no authenticator, which acts
+only at connection time); "raw + receive copy" is the
 raw pattern where each process also
 copies every payload it receives into a buffer of its own (as mltuner's deliver copies into its pool);
 "engine alone" is the same clock on a 1-worker LocalCluster in each of the N processes at once (all rows in
@@ -852,6 +874,7 @@ def main() -> int:
     parser.add_argument("--worker", choices=["throughput", "busy"], help=argparse.SUPPRESS)
     parser.add_argument("--raw-ports", help=argparse.SUPPRESS)
     parser.add_argument("--curve-ports", help=argparse.SUPPRESS)
+    parser.add_argument("--ipc-dir", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--model-bytes", type=int, help=argparse.SUPPRESS)

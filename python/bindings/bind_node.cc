@@ -95,15 +95,34 @@ void RegisterNode(py::module_& m) {
            "Payload bytes the outbox may hold before the engine's sends wait (0: no bound).")
       .def(
           "deliver",
-          [](ProcessNode& node, const py::buffer& frame0, const py::buffer& payload) {
+          [](ProcessNode& node, const py::buffer& frame0, const py::buffer& payload, int64_t token) {
             const py::buffer_info header = ContiguousBytes(frame0, "frame 0");
             const py::buffer_info values = ContiguousBytes(payload, "the payload frame");
             py::gil_scoped_release release;
-            Check(node.Deliver(header.ptr, ByteCount(header), values.ptr, ByteCount(values)));
+            Check(node.Deliver(header.ptr, ByteCount(header), values.ptr, ByteCount(values), token));
           },
-          py::arg("frame0"), py::arg("payload"),
+          py::arg("frame0"), py::arg("payload"), py::arg("token") = -1,
           "Validates and delivers frames received from another process; raises CorruptMessageError "
-          "(and counts it) for a malformed or misaddressed message.")
+          "(and counts it) for a malformed or misaddressed message. With a token (>= 0) the payload "
+          "may be used where it lies: keep it alive and unchanged until take_released_payloads() "
+          "returns the token (it returns every token, the refused messages' too).")
+      .def(
+          "take_released_payloads",
+          [](ProcessNode& node) {
+            std::vector<int64_t> tokens;
+            {
+              py::gil_scoped_release release;
+              Check(node.TakeReleasedPayloads(&tokens));
+            }
+            return tokens;
+          },
+          "Tokens of delivered payloads that nothing reads any more: their memory may be freed.")
+      .def_property_readonly("lends_payloads", &ProcessNode::lends_payloads,
+                             "Whether deliver uses payloads in place on this device (the CPU backend).")
+      .def_property_readonly("borrowed_payloads", &ProcessNode::borrowed_payloads,
+                             "Payloads delivered with a token and not yet handed back.")
+      .def_property_readonly("payloads_used_in_place", &ProcessNode::payloads_used_in_place,
+                             "Received payloads used where they were received (no copy) so far.")
       .def(
           "abort",
           [](ProcessNode& node, const std::string& why) { node.Abort(Status::PeerLost(why)); },

@@ -77,7 +77,9 @@ class Device {
   Device& operator=(const Device&) = delete;
 
   virtual std::string name() const = 0;
-  // True when device memory is ordinary host memory (numpy can view it).
+  // True when device memory is ordinary host memory (numpy can view it); then
+  // any host memory may be passed where device memory is read (a received
+  // frame is used where it lies, memory/borrowed_frames.h).
   virtual bool host_addressable() const = 0;
 
   // Device memory. REQUIRES: bytes > 0.

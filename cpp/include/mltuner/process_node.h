@@ -7,7 +7,9 @@
 // thread takes them (NextOutgoing), already encoded: a header frame and the
 // float payload, which the transport sends without copying. Bytes received
 // from other processes come in through Deliver, which validates them before
-// anything else sees them.
+// anything else sees them; on a device whose memory is host memory a
+// payload is then used where it lies (memory/borrowed_frames.h), so the
+// transport keeps it until its token comes back (TakeReleasedPayloads).
 //
 // The outbox is bounded in payload bytes (SetOutboxLimit): Send waits while
 // it is full (back-pressure on the engine's threads) for at most the
@@ -33,6 +35,7 @@
 
 namespace mltuner {
 
+class BorrowedFrames;
 class DeviceBufferPool;
 struct DeviceBuffer;
 
@@ -83,7 +86,22 @@ class ProcessNode final : public Transport {
   // Frames received from another process. A message that fails validation
   // (malformed, foreign, not addressed to this rank, or from this rank or an
   // unknown one) is counted as rejected and returns why; nothing else sees it.
-  Status Deliver(const void* frame0, size_t frame0_bytes, const void* payload, size_t payload_bytes);
+  // With a token (>= 0) the payload may be used in place: the caller keeps
+  // its bytes alive and unchanged until TakeReleasedPayloads returns the
+  // token, which it does for every token, used in place or not, rejected or
+  // not. Without one (-1) the payload is copied before Deliver returns.
+  Status Deliver(const void* frame0, size_t frame0_bytes, const void* payload, size_t payload_bytes,
+                 int64_t token = -1);
+  // Tokens of delivered payloads that nothing reads any more (waits for the
+  // device's last reads of them, which on the CPU backend are done).
+  Status TakeReleasedPayloads(std::vector<int64_t>* tokens);
+  // Whether Deliver uses payloads in place on this node's device at all (a
+  // transport may skip tokens where it does not).
+  bool lends_payloads() const;
+  // Payloads delivered with a token and not yet handed back, and those used
+  // in place so far.
+  int64_t borrowed_payloads() const;
+  int64_t payloads_used_in_place() const;
 
   // A peer is gone: the engine's waits and later calls fail with `why`.
   void Abort(const Status& why);
@@ -108,6 +126,7 @@ class ProcessNode final : public Transport {
   const int num_workers_;
   const int64_t wait_timeout_ms_;
   std::shared_ptr<DeviceBufferPool> frames_;
+  std::unique_ptr<BorrowedFrames> borrowed_;
   std::unique_ptr<Queues> queues_;
   std::unique_ptr<Engine> engine_;
 };

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "cluster/shard_host.h"
+#include "memory/borrowed_frames.h"
 #include "memory/device_block.h"
 #include "wire/message.h"
 
@@ -108,6 +109,7 @@ Status ProcessNode::Create(const Config& config, int rank, int num_workers, std:
   // bytes ever held at once, so the steady state allocates none.
   node->frames_ = std::make_shared<DeviceBufferPool>(shared_device, 0, /*host=*/true);
   node->frames_->set_idle_bound_to_peak(true);
+  node->borrowed_ = std::make_unique<BorrowedFrames>(shared_device);
   node->queues_ = std::make_unique<Queues>(rank, num_workers, config, shared_device);
   MLT_RETURN_IF_ERROR(Engine::Create(config, rank, num_workers, shared_device, node.get(), &node->engine_));
   node->queues_->host.Start(node->engine_.get(), node.get());
@@ -195,19 +197,33 @@ void ProcessNode::SetOutboxLimit(int64_t bytes) {
   queues_->room.notify_all();
 }
 
-Status ProcessNode::Deliver(const void* frame0, size_t frame0_bytes, const void* payload, size_t payload_bytes) {
+Status ProcessNode::Deliver(const void* frame0, size_t frame0_bytes, const void* payload, size_t payload_bytes,
+                            int64_t token) {
   Message message;
-  // One copy out of ZeroMQ's memory, into a recycled host frame (pinned on
+  // On a device whose memory is host memory the payload is used where
+  // ZeroMQ put it (no copy: the message's host frame views it). Otherwise
+  // one copy out of ZeroMQ's memory, into a recycled host frame (pinned on
   // CUDA), which the receiver copies to the device once.
   DeviceBufferPool* frames = frames_.get();
+  BorrowedFrames* borrowed = borrowed_.get();
+  bool lent = false;
   Status status = DecodeMessage(frame0, frame0_bytes, payload, payload_bytes, &message,
-                                [frames](Message* decoded, size_t count, float** destination) {
+                                [&](Message* decoded, size_t count, float** destination) {
                                   *destination = nullptr;
                                   if (count == 0) return Status::Ok();
+                                  if (token >= 0 && borrowed->CanBorrow(payload)) {
+                                    decoded->host_frame =
+                                        borrowed->Borrow(static_cast<const float*>(payload), count, token);
+                                    lent = true;
+                                    return Status::Ok();
+                                  }
                                   MLT_RETURN_IF_ERROR(frames->AcquireForHost(count, &decoded->host_frame));
                                   *destination = decoded->host_frame->data;
                                   return Status::Ok();
                                 });
+  // A payload not lent is done with now; a lent one comes back when its
+  // buffer dies (also below, if the message is refused).
+  if (token >= 0 && !lent) borrowed_->Release(token);
   if (status.ok() && message.header.receiver != rank_) {
     status = Status::CorruptMessage("message for process " + std::to_string(message.header.receiver) +
                                     " reached process " + std::to_string(rank_));
@@ -250,6 +266,14 @@ Status ProcessNode::ImportShardTable(TableId table, const float* values, size_t 
 }
 
 int64_t ProcessNode::rejected_messages() const { return queues_->host.rejected(); }
+
+Status ProcessNode::TakeReleasedPayloads(std::vector<int64_t>* tokens) { return borrowed_->TakeReleased(tokens); }
+
+bool ProcessNode::lends_payloads() const { return borrowed_->device_reads_host_memory(); }
+
+int64_t ProcessNode::borrowed_payloads() const { return borrowed_->outstanding(); }
+
+int64_t ProcessNode::payloads_used_in_place() const { return borrowed_->borrowed_total(); }
 
 Status ProcessNode::Shutdown() {
   if (!engine_) return Status::Ok();

@@ -60,7 +60,10 @@ struct DeviceBuffer {
   size_t count = 0;     // floats in use (the block may be larger)
   DeviceEvent ready;
   DeviceEvent last_use;
-  std::shared_ptr<DeviceBlock> block;
+  std::shared_ptr<DeviceBlock> block;  // null when borrowed
+  // Views memory owned elsewhere (a received ZeroMQ frame, see
+  // memory/borrowed_frames.h): consumers read it and never write it.
+  bool borrowed = false;
 };
 
 // Blocks until a buffer's producer is done with it (`ready`), on the thread

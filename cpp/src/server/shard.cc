@@ -205,6 +205,10 @@ Status ServerShard::PayloadOnDevice(const Message& in, std::shared_ptr<DeviceBuf
   }
   const size_t count = in.num_values();
   if (count == 0) return Status::Ok();
+  if (in.host_frame && device_->host_addressable()) {
+    *out = in.host_frame;  // the device reads it where it lies: no copy
+    return Status::Ok();
+  }
   MLT_RETURN_IF_ERROR(buffers_.Acquire(count, Stream::kServer, out));
   device_->CopyHostToDevice((*out)->data, in.host_values(), count * sizeof(float), Stream::kServer);
   // A pageable source is read before the copy call returns; a CPU device
@@ -414,11 +418,14 @@ Status ServerShard::CheckSpans(const TableState& table, const Message& in) const
 
 // Sends every client all of this shard's rows of the table. The message goes
 // out even when the shard owns no rows (a table with fewer rows than shards):
-// the client counts shard pushes to advance the table's data age.
+// the client counts shard pushes to advance the table's data age. Workers in
+// other processes share one host frame: one device -> host copy, one frame
+// sent to each (the transport only reads it).
 Status ServerShard::PushRows(const TableState& table, std::vector<Message>* out) {
+  std::shared_ptr<DeviceBuffer> shared_frame;
   for (int worker = 0; worker < num_workers_; ++worker) {
     Message rows;
-    MLT_RETURN_IF_ERROR(RowsMessage(table, worker, &rows));
+    MLT_RETURN_IF_ERROR(RowsMessage(table, worker, &rows, &shared_frame));
     out->push_back(std::move(rows));
   }
   return Status::Ok();
@@ -427,7 +434,8 @@ Status ServerShard::PushRows(const TableState& table, std::vector<Message>* out)
 // A worker of this process gets a copy in device memory, queued on the server
 // stream after the rule (its install waits for `ready`); any other worker a
 // host copy, which waits for the device.
-Status ServerShard::RowsMessage(const TableState& table, int worker, Message* out) {
+Status ServerShard::RowsMessage(const TableState& table, int worker, Message* out,
+                                std::shared_ptr<DeviceBuffer>* shared_frame) {
   Message rows = NewMessage(MessageType::kRows, rank_, worker, table.info.id);
   rows.header.branch = table.branch;
   rows.header.clock = table.clock.global();
@@ -439,12 +447,15 @@ Status ServerShard::RowsMessage(const TableState& table, int worker, Message* ou
       MLT_RETURN_IF_ERROR(buffers_.Acquire(count, Stream::kServer, &rows.device_values));
       device_->CopyDeviceToDevice(rows.device_values->data, table.data(), count * sizeof(float), Stream::kServer);
       MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kServer, &rows.device_values->ready));
+    } else if (shared_frame != nullptr && *shared_frame) {
+      rows.host_frame = *shared_frame;  // this push's copy, already queued
     } else {
       // Into a host frame, ready with the copy's ticket: the transport's
       // send thread waits for it, this thread does not.
       MLT_RETURN_IF_ERROR(frames_.Acquire(count, Stream::kServer, &rows.host_frame));
       device_->CopyDeviceToHost(rows.host_frame->data, table.data(), count * sizeof(float), Stream::kServer);
       MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kServer, &rows.host_frame->ready));
+      if (shared_frame != nullptr) *shared_frame = rows.host_frame;
     }
   }
   rows.header.num_spans = static_cast<uint32_t>(rows.spans.size());
@@ -471,16 +482,9 @@ Status ServerShard::ApplyFinishedClocks(TableState* table) {
   if (!table->training) return Status::Ok();  // evaluation and testing branches never change
   // Sum in worker order 0..N-1, whatever order the updates arrived in, so
   // the float result is the same on every run. Workers that sent nothing
-  // have no buffer and add nothing. The first buffer becomes the sum.
+  // have no buffer and add nothing.
   std::shared_ptr<DeviceBuffer> sum;
-  for (std::shared_ptr<DeviceBuffer>& update : updates) {
-    if (!update) continue;
-    if (!sum) {
-      sum = update;
-      continue;
-    }
-    device_->AddInto(sum->data, update->data, table->num_values, Stream::kServer);
-  }
+  MLT_RETURN_IF_ERROR(SumInWorkerOrder(updates, table->num_values, &sum));
   if (!sum) {
     if (!table->rule->stateful() || table->num_values == 0) return Status::Ok();
     MLT_RETURN_IF_ERROR(buffers_.Acquire(static_cast<size_t>(table->num_values), Stream::kServer, &sum));
@@ -493,6 +497,37 @@ Status ServerShard::ApplyFinishedClocks(TableState* table) {
   MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kServer, &done));
   for (std::shared_ptr<DeviceBuffer>& update : updates) {
     if (update) update->last_use = done;
+  }
+  return Status::Ok();
+}
+
+// The first update becomes the sum, unless it is borrowed (a received frame,
+// read only): then the second, if it may be written, takes the first in
+// (a + b and b + a are the same float, bit for bit), else a pooled buffer
+// starts as a copy of the first. The rest are added in order.
+Status ServerShard::SumInWorkerOrder(std::vector<std::shared_ptr<DeviceBuffer>>& updates, int64_t count,
+                                     std::shared_ptr<DeviceBuffer>* sum) {
+  std::vector<std::shared_ptr<DeviceBuffer>> present;
+  for (const std::shared_ptr<DeviceBuffer>& update : updates) {
+    if (update) present.push_back(update);
+  }
+  sum->reset();
+  if (present.empty()) return Status::Ok();
+  size_t next = 1;
+  if (present.size() == 1 || !present[0]->borrowed) {
+    *sum = present[0];
+  } else if (!present[1]->borrowed) {
+    *sum = present[1];
+    device_->AddInto((*sum)->data, present[0]->data, count, Stream::kServer);
+    next = 2;
+  } else {
+    MLT_RETURN_IF_ERROR(buffers_.Acquire(static_cast<size_t>(count), Stream::kServer, sum));
+    device_->CopyDeviceToDevice((*sum)->data, present[0]->data, static_cast<size_t>(count) * sizeof(float),
+                                Stream::kServer);
+    updates.push_back(*sum);  // returns to its pool with the others' ticket
+  }
+  for (size_t i = next; i < present.size(); ++i) {
+    device_->AddInto((*sum)->data, present[i]->data, count, Stream::kServer);
   }
   return Status::Ok();
 }

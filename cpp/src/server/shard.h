@@ -126,17 +126,27 @@ class ServerShard {
                       const Message& in, std::map<WorkerId, std::pair<int64_t, std::string>>* requests);
   Status Fork(BranchId child, BranchId parent, const BranchSettings& settings);
   TableState* Find(BranchId branch, TableId table) const;
-  Status RowsMessage(const TableState& table, int worker, Message* out);
+  // `shared_frame`: the host frame of this push that every worker of
+  // another process gets (filled once, by the first that needs it); null
+  // for a reply to one worker.
+  Status RowsMessage(const TableState& table, int worker, Message* out,
+                     std::shared_ptr<DeviceBuffer>* shared_frame = nullptr);
   Status CheckSpans(const TableState& table, const Message& in) const;
   Status PushRows(const TableState& table, std::vector<Message>* out);
   Status ApplyFinishedClocks(TableState* table);
+  // *sum = the updates of one clock added in worker order (null when none
+  // was sent); may append a buffer it acquired to `updates`.
+  Status SumInWorkerOrder(std::vector<std::shared_ptr<DeviceBuffer>>& updates, int64_t count,
+                          std::shared_ptr<DeviceBuffer>* sum);
   // Sets the rule's learning rate for the finished clock when the workers
   // asked for a new one; an error when they asked for different ones.
   Status TakeNewLearningRate(TableState* table, Clock finished);
   // kNonFinite when the update in `in` holds a NaN or an infinity.
   Status CheckFinite(const TableState& table, const Message& in);
   // A message's values in device memory, queued after their producer's work
-  // on the server stream; null when it has none.
+  // on the server stream; null when it has none. On a device whose memory
+  // is host memory a host frame is used as it is (it may be borrowed: read
+  // only, see DeviceBuffer::borrowed).
   Status PayloadOnDevice(const Message& in, std::shared_ptr<DeviceBuffer>* out);
   // dense rows of `range` += the span-ordered payload, on the server stream.
   void AddSpansOnDevice(const Message& in, const RowSpan& range, int64_t row_width, const DeviceBuffer& payload,

@@ -259,7 +259,7 @@ Status DecodeMessage(const void* frame0, size_t frame0_bytes, const void* payloa
   message.text.assign(reinterpret_cast<const char*>(bytes + text_offset), h.text_bytes);
   float* destination = nullptr;
   MLT_RETURN_IF_ERROR(place(&message, payload_bytes / sizeof(float), &destination));
-  if (payload_bytes > 0) std::memcpy(destination, payload, payload_bytes);
+  if (payload_bytes > 0 && destination != nullptr) std::memcpy(destination, payload, payload_bytes);
   *out = std::move(message);
   return Status::Ok();
 }

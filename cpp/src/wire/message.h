@@ -145,7 +145,9 @@ Status DecodeMessage(const void* frame0, size_t frame0_bytes, const void* payloa
                      size_t payload_bytes, Message* out, std::vector<float> storage = {});
 // The same, with the payload copied to where `place` says: it is called once
 // the message is valid, with the decoded message and the float count, and
-// returns the destination (a host frame it attached, say), or fails.
+// returns the destination (a host frame it attached, say), or fails. A null
+// destination copies nothing: the placer took the payload where it lies
+// (it attached a host frame that views it), or there is none.
 using PayloadPlacer = std::function<Status(Message* message, size_t count, float** destination)>;
 Status DecodeMessage(const void* frame0, size_t frame0_bytes, const void* payload, size_t payload_bytes,
                      Message* out, const PayloadPlacer& place);

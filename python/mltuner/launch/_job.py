@@ -40,9 +40,10 @@ from mltuner.launch._rendezvous import ControlClient, Coordinator
 from mltuner.launch._torch_store import lookup_address, publish_address
 from mltuner.transport._address import Card, IpcDirectory, TransportKind, choose_address, host_identity
 from mltuner.transport._control import (CONTROL_IO_THREAD, CONTROL_RECEIVE_QUEUE, DATA_IO_THREAD, MAX_SIGNAL_BYTES,
-                                        ControlChannel)
-from mltuner.transport._guard import ConnectionGuard, limit_input
-from mltuner.transport._security import CurveKeys, derive_keys, secure_server, start_authenticator, user_loopback_secret
+                                        ControlChannel, refused_connections)
+from mltuner.transport._guard import ConnectionGuard, Listener, limit_input
+from mltuner.transport._security import (CurveKeys, SocketSecurity, derive_keys, secure_server, start_authenticator,
+                                         user_loopback_secret)
 from mltuner.transport._sockets import RECEIVE_QUEUE_MESSAGES, SocketTransport
 
 __all__ = ["Job", "DEFAULT_MAX_MESSAGE_BYTES"]
@@ -82,12 +83,16 @@ class Job:
         heartbeat_timeout_s: a peer silent this long is declared lost: every
             engine call on this process then raises
             :class:`~mltuner.PeerLostError` naming its rank.
-        secure: authenticate and encrypt every socket with ZeroMQ CURVE keys
-            derived from the job's secret (``MLTUNER_SECRET``, a file named by
-            ``MLTUNER_SECRET_FILE``, or on loopback this user's own key).
-            ``None`` or ``True`` (default): always. ``False`` turns it off,
-            which is only allowed on loopback addresses and lets any local
-            process inject messages: for measurements only.
+        secure: how sockets authenticate their peers. ``None`` (default):
+            every ``tcp://`` socket (loopback included) is a ZeroMQ CURVE
+            socket with keys derived from the job's secret
+            (``MLTUNER_SECRET``, a file named by ``MLTUNER_SECRET_FILE``, or
+            on loopback this user's own key); ``ipc://`` sockets are plain,
+            authenticated by their directory that only this user can open.
+            ``True``: CURVE on ``ipc://`` sockets too. ``False``: no CURVE,
+            only allowed on loopback addresses; any local process may then
+            inject messages: for measurements only (docs/distributed.md,
+            Security).
         max_message_bytes: the largest frame a data socket accepts (ZeroMQ
             refuses a larger announced frame before allocating it). Every
             table's slice on one shard must fit: ``create_table`` refuses a
@@ -158,7 +163,8 @@ class Job:
         _open_jobs.add(self)
         if self.world_size > 1:
             try:
-                self._connect(self._keys(secure), rendezvous_timeout_s, heartbeat_interval_s, heartbeat_timeout_s)
+                self._connect(SocketSecurity(self._keys(secure), curve_on_ipc=secure is True), rendezvous_timeout_s,
+                              heartbeat_interval_s, heartbeat_timeout_s)
             except BaseException:
                 self.close(graceful=False)
                 raise
@@ -175,8 +181,8 @@ class Job:
     def refused_connections(self) -> int:
         """Connections to this process's sockets that were cut: they failed
         the CURVE handshake (no or wrong keys) or exceeded the cap."""
-        total = self._transport.guard.refused.count if self._transport else 0
-        total += self._liveness.guard.refused.count if self._liveness else 0
+        total = refused_connections(self._transport.listeners) if self._transport else 0
+        total += refused_connections(self._liveness.listeners) if self._liveness else 0
         if self._coordinator is not None:
             total += self._coordinator.guard.refused.count
         return total
@@ -298,19 +304,20 @@ class Job:
                 "(mltuner launch does this for you)")
         return derive_keys(user_loopback_secret())
 
-    def _connect(self, keys: CurveKeys | None, rendezvous_timeout_s: float, heartbeat_interval_s: float,
+    def _connect(self, security: SocketSecurity, rendezvous_timeout_s: float, heartbeat_interval_s: float,
                  heartbeat_timeout_s: float) -> None:
         # Two I/O threads: data on the first, heartbeats and the rendezvous on
         # the second, so no backlog of data delays a heartbeat.
         self._context = zmq.Context(io_threads=2)
+        keys = security.keys
         if keys is not None:
             self._authenticator = start_authenticator(self._context, keys)
         if self.transport != "tcp":
             self._ipc = IpcDirectory()
-        data, data_guard, card_data = self._bind("data", self._max_message_bytes, DATA_IO_THREAD,
-                                                 RECEIVE_QUEUE_MESSAGES, keys)
-        control, control_guard, card_control = self._bind("control", MAX_SIGNAL_BYTES, CONTROL_IO_THREAD,
-                                                          CONTROL_RECEIVE_QUEUE, keys)
+        data, card_data = self._bind("data", self._max_message_bytes, DATA_IO_THREAD, RECEIVE_QUEUE_MESSAGES,
+                                     security)
+        control, card_control = self._bind("control", MAX_SIGNAL_BYTES, CONTROL_IO_THREAD, CONTROL_RECEIVE_QUEUE,
+                                           security)
         card = Card(host=host_identity(), tcp={"data": card_data[0], "control": card_control[0]},
                     ipc={name: ipc for name, ipc in (("data", card_data[1]), ("control", card_control[1])) if ipc})
         self.endpoint = card.tcp["data"]
@@ -323,35 +330,55 @@ class Job:
         peers = [r for r in range(self.world_size) if r != self.rank]
         self.peer_endpoints = {r: choose_address(self.transport, card, cards[r], "data", r) for r in peers}
         self._liveness = ControlChannel(
-            self.rank, self._context, control, control_guard,
-            {r: choose_address(self.transport, card, cards[r], "control", r) for r in peers}, keys,
+            self.rank, self._context, control,
+            {r: choose_address(self.transport, card, cards[r], "control", r) for r in peers}, security,
             heartbeat_interval_s=heartbeat_interval_s, heartbeat_timeout_s=heartbeat_timeout_s,
             on_lost=self._node.abort)
-        self._transport = SocketTransport(self._node, self._context, data, data_guard, self.peer_endpoints, keys,
+        self._transport = SocketTransport(self._node, self._context, data, self.peer_endpoints, security,
                                           queue_limit=self._queue_limit, wait_timeout_s=self._timeout_s)
 
-    def _bind(self, name: str, max_frame: int, io_thread: int, queue: int, keys: CurveKeys | None
-              ) -> tuple[zmq.Socket[bytes], ConnectionGuard, tuple[str, str | None]]:
+    def _bind(self, name: str, max_frame: int, io_thread: int, queue: int, security: SocketSecurity
+              ) -> tuple[list[Listener], tuple[str, str | None]]:
         """A PULL socket bound on a free TCP port and, unless the job uses TCP
-        only, on ``ipc://`` in this process's private directory; its guard;
-        and its (tcp, ipc) endpoints for the peers."""
-        assert self._context is not None
-        socket = self._context.socket(zmq.PULL)
-        socket.affinity = io_thread
-        socket.rcvhwm = queue
-        limit_input(socket, max_frame)
-        if keys is not None:
-            secure_server(socket, keys)
-        port = socket.bind_to_random_port(f"tcp://{_bracketed(self.env.bind_host)}")
-        bound: set[int | str] = {port}
+        only, one bound on ``ipc://`` in this process's private directory
+        (apart, since each has its own authentication: ``security``); their
+        guards; and their (tcp, ipc) endpoints for the peers."""
+        tcp, port = self._listen(f"tcp://{_bracketed(self.env.bind_host)}", name, max_frame, io_thread, queue,
+                                 security)
+        listeners = [tcp]
         ipc = None
         if self._ipc is not None:
+            self._ipc.check_private()  # what authenticates the peers of a plain ipc:// socket
             ipc = self._ipc.endpoint(name)
-            socket.bind(ipc)
-            bound.add(ipc.removeprefix("ipc://"))
-        guard = ConnectionGuard(socket, bound, f"rank {self.rank}'s {name} socket",
-                                self.world_size - 1 + _SPARE_CONNECTIONS, _log)
-        return socket, guard, (f"tcp://{_bracketed(_advertised_host(self.env))}:{port}", ipc)
+            listeners.append(self._listen(ipc, name, max_frame, io_thread, queue, security)[0])
+        return listeners, (f"tcp://{_bracketed(_advertised_host(self.env))}:{port}", ipc)
+
+    def _listen(self, address: str, name: str, max_frame: int, io_thread: int, queue: int,
+                security: SocketSecurity) -> tuple[Listener, int | str]:
+        """A PULL socket bound at ``address`` (a TCP host: on a free port),
+        and its port or path."""
+        assert self._context is not None
+        socket = self._context.socket(zmq.PULL)
+        try:
+            socket.affinity = io_thread
+            socket.rcvhwm = queue
+            limit_input(socket, max_frame)
+            keys = security.keys_for(address)
+            if keys is not None:
+                secure_server(socket, keys)
+            if address.startswith("tcp://"):
+                bound: int | str = socket.bind_to_random_port(address)
+                kind = "tcp"
+            else:
+                socket.bind(address)
+                bound = address.removeprefix("ipc://")
+                kind = "ipc"
+            guard = ConnectionGuard(socket, {bound}, f"rank {self.rank}'s {name} socket ({kind})",
+                                    self.world_size - 1 + _SPARE_CONNECTIONS, _log)
+        except BaseException:
+            socket.close(linger=0)
+            raise
+        return Listener(socket, guard), bound
 
     def _queue_limit(self) -> int:
         """The bytes that may wait for one peer, from the plan (see

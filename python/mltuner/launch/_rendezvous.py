@@ -15,7 +15,7 @@ its own thread). Every rank, rank 0 included, talks to it through a
 These sockets use the ZeroMQ I/O thread of the control channel, never
 queued behind data. Messages are single JSON frames of at most 1 MiB (ZeroMQ refuses a larger
 announced frame before reading it); anything else is dropped, counted and
-logged at a bounded rate. Both ends are CURVE sockets of the job. Every wait
+logged at a bounded rate. Both ends are CURVE sockets of the job (TCP). Every wait
 is bounded and polls ``should_stop`` so a lost peer ends it at once.
 """
 

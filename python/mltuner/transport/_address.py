@@ -6,11 +6,16 @@ only, on a Unix-domain socket (``ipc://``) in a private directory of its
 own. At the rendezvous it sends a :class:`Card` with both and the identity
 of its host; a peer on the same host (same host name, boot id and user) whose
 socket file it can see connects through ``ipc://``, anyone else through
-``tcp://``. Both carry the same CURVE handshake.
+``tcp://`` (CURVE on TCP; the private directory authenticates ``ipc://``).
 
 :class:`IpcDirectory` makes the directory (mode 0700, so only this user can
 reach the sockets in it) and removes it when the job ends; directories left
 by processes that were killed are removed by the next job of this user.
+The directory's privacy is what authenticates an ``ipc://`` peer (no CURVE
+there, :class:`mltuner.transport._security.SocketSecurity`), so it is
+checked before binding (:meth:`IpcDirectory.check_private`) and a peer's
+socket is used only in a private directory of this user
+(:func:`choose_address`).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import Any, Literal
 
 from mltuner.exceptions import InvalidArgumentError
 
-__all__ = ["Card", "IpcDirectory", "host_identity", "choose_address", "TransportKind"]
+__all__ = ["Card", "IpcDirectory", "host_identity", "choose_address", "private_directory_problem", "TransportKind"]
 
 TransportKind = Literal["auto", "tcp", "ipc"]
 # sockaddr_un holds 108 bytes with the final NUL; leave room for the names.
@@ -84,8 +89,12 @@ def choose_address(kind: TransportKind, mine: Card, theirs: Card, socket_name: s
                 f"MLTUNER_TRANSPORT / Job(transport=) is 'ipc' but rank {rank} "
                 f"{'runs on another host' if not same_host else 'offers no ipc:// socket'} "
                 f"({theirs.host.split('/')[0]}): use 'auto' or 'tcp'")
+        problem = _socket_problem(ipc)
+        if problem:
+            raise InvalidArgumentError(f"MLTUNER_TRANSPORT / Job(transport=) is 'ipc' but rank {rank}'s "
+                                       f"{socket_name} socket cannot be used: {problem}; use 'auto' or 'tcp'")
         return ipc
-    if kind == "auto" and same_host and ipc is not None and _visible_socket(ipc):
+    if kind == "auto" and same_host and ipc is not None and not _socket_problem(ipc):
         return ipc
     try:
         return theirs.tcp[socket_name]
@@ -93,13 +102,34 @@ def choose_address(kind: TransportKind, mine: Card, theirs: Card, socket_name: s
         raise InvalidArgumentError(f"rank {rank} offers no TCP endpoint for its {socket_name} socket") from None
 
 
-def _visible_socket(endpoint: str) -> bool:
-    # Same host but another mount namespace (a container) cannot see the file.
+def _socket_problem(endpoint: str) -> str:
+    """Why this process may not use a peer's ``ipc://`` socket, or "". Same
+    host but another mount namespace (a container) cannot see the file; a
+    socket outside a private directory of this user would not authenticate
+    whoever listens there."""
+    path = Path(endpoint.removeprefix("ipc://"))
     try:
-        info = os.stat(endpoint.removeprefix("ipc://"))
-    except OSError:
-        return False
-    return stat.S_ISSOCK(info.st_mode) and info.st_uid == os.getuid()
+        info = os.stat(path)
+    except OSError as error:
+        return f"{path} is not visible here ({error.strerror or error})"
+    if not stat.S_ISSOCK(info.st_mode) or info.st_uid != os.getuid():
+        return f"{path} is not a socket of this user"
+    return private_directory_problem(path.parent)
+
+
+def private_directory_problem(path: Path) -> str:
+    """Why ``path`` is not a directory that only this user can open, or ""."""
+    try:
+        info = os.stat(path, follow_symlinks=False)
+    except OSError as error:
+        return f"cannot look at {path}: {error.strerror or error}"
+    if not stat.S_ISDIR(info.st_mode):
+        return f"{path} is not a directory"
+    if info.st_uid != os.getuid():
+        return f"{path} belongs to uid {info.st_uid}, not to this user ({os.getuid()})"
+    if info.st_mode & 0o077:
+        return f"{path} may be opened by other users (mode {stat.S_IMODE(info.st_mode):o}, not 700)"
+    return ""
 
 
 class IpcDirectory:
@@ -114,6 +144,13 @@ class IpcDirectory:
 
     def endpoint(self, name: str) -> str:
         return f"ipc://{self.path / name}"
+
+    def check_private(self) -> None:
+        """Raises unless the directory is still this user's alone (the
+        authentication of every socket bound in it rests on that)."""
+        problem = private_directory_problem(self.path)
+        if problem:
+            raise InvalidArgumentError(f"the ipc:// socket directory is not private: {problem}")
 
     def close(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)

@@ -13,7 +13,8 @@ unreachable) is declared lost.
 
 A signal is one frame: ``MLTN-HB`` or ``MLTN-BYE`` and the sender's rank
 (int32, little-endian). Like everything else it arrives only through an
-authenticated CURVE connection.
+authenticated connection: CURVE over ``tcp://``, a private directory for
+``ipc://`` (:class:`mltuner.transport._security.SocketSecurity`).
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ from collections.abc import Callable
 
 import zmq
 
-from mltuner.transport._guard import ConnectionGuard, RejectionLog
-from mltuner.transport._security import CurveKeys, secure_client
+from mltuner.transport._guard import Listener, RejectionLog
+from mltuner.transport._security import SocketSecurity, secure_client
 
-__all__ = ["ControlChannel", "CONTROL_IO_THREAD", "CONTROL_RECEIVE_QUEUE", "DATA_IO_THREAD", "MAX_SIGNAL_BYTES"]
+__all__ = ["ControlChannel", "refused_connections", "push_sockets", "CONTROL_IO_THREAD", "CONTROL_RECEIVE_QUEUE", "DATA_IO_THREAD", "MAX_SIGNAL_BYTES"]
 
 _log = logging.getLogger("mltuner.transport")
 HEARTBEAT = b"MLTN-HB"
@@ -49,21 +50,27 @@ _POLL_MS = 50
 
 
 
-def push_sockets(context: zmq.Context[zmq.Socket[bytes]], peers: dict[int, str], keys: CurveKeys | None, *,
+def push_sockets(context: zmq.Context[zmq.Socket[bytes]], peers: dict[int, str], security: SocketSecurity, *,
                  io_thread: int, send_queue: int) -> dict[int, zmq.Socket[bytes]]:
     """A PUSH socket connected to each peer's endpoint, on ZeroMQ I/O thread
-    ``io_thread``, queueing at most ``send_queue`` messages, with CURVE when
-    ``keys`` are given."""
+    ``io_thread``, queueing at most ``send_queue`` messages, with CURVE where
+    ``security`` says so for its endpoint."""
     sockets: dict[int, zmq.Socket[bytes]] = {}
     for peer, endpoint in peers.items():
         socket = context.socket(zmq.PUSH)
         socket.affinity = io_thread
         socket.sndhwm = send_queue
+        keys = security.keys_for(endpoint)
         if keys is not None:
             secure_client(socket, keys)
         socket.connect(endpoint)
         sockets[peer] = socket
     return sockets
+
+
+def refused_connections(listeners: list[Listener]) -> int:
+    """Connections the listeners' guards cut or saw fail their handshake."""
+    return sum(listener.guard.refused.count for listener in listeners)
 
 class ControlChannel:
     """Heartbeats and goodbyes of one process (see the module doc).
@@ -71,24 +78,24 @@ class ControlChannel:
     Args:
         rank: this process's rank.
         context: the job's ZeroMQ context (two I/O threads).
-        inbox: the bound control socket; the channel owns it from here on.
-        guard: the inbox's connection guard (polled by the control thread).
+        listeners: the bound control sockets (one per address kind) with
+            their guards; the channel owns them from here on.
         peers: each peer's control endpoint, by rank.
+        security: which endpoints use CURVE.
         on_lost: called once, from the control thread, with the reason when
             a peer is lost (the job aborts its engine there).
     """
 
-    def __init__(self, rank: int, context: zmq.Context[zmq.Socket[bytes]], inbox: zmq.Socket[bytes],
-                 guard: ConnectionGuard, peers: dict[int, str], keys: CurveKeys | None, *,
+    def __init__(self, rank: int, context: zmq.Context[zmq.Socket[bytes]], listeners: list[Listener],
+                 peers: dict[int, str], security: SocketSecurity, *,
                  heartbeat_interval_s: float, heartbeat_timeout_s: float,
                  on_lost: Callable[[str], None]) -> None:
         self._rank = rank
-        self._inbox = inbox
-        self.guard = guard
+        self.listeners = listeners
         self._interval = heartbeat_interval_s
         self._timeout = heartbeat_timeout_s
         self._on_lost = on_lost
-        self._peers = push_sockets(context, peers, keys, io_thread=CONTROL_IO_THREAD, send_queue=_SEND_QUEUE)
+        self._peers = push_sockets(context, peers, security, io_thread=CONTROL_IO_THREAD, send_queue=_SEND_QUEUE)
         now = time.monotonic()
         self._last_heard = {peer: now for peer in self._peers}
         self._departed: set[int] = set()
@@ -116,13 +123,14 @@ class ControlChannel:
             except zmq.ZMQError:
                 pass
             socket.close(linger=linger_ms)
-        self.guard.close()
-        self._inbox.close(linger=0)
+        for listener in self.listeners:
+            listener.close()
 
     def _run(self) -> None:
         poller = zmq.Poller()
-        poller.register(self._inbox, zmq.POLLIN)
-        poller.register(self.guard.monitor, zmq.POLLIN)
+        for listener in self.listeners:
+            poller.register(listener.socket, zmq.POLLIN)
+            poller.register(listener.guard.monitor, zmq.POLLIN)
         next_beat = 0.0
         while not self._stopping.is_set():
             now = time.monotonic()
@@ -130,10 +138,11 @@ class ControlChannel:
                 self._broadcast(HEARTBEAT + _RANK.pack(self._rank))
                 next_beat = now + self._interval
             ready = dict(poller.poll(min(_POLL_MS, max(1, int((next_beat - now) * 1000)))))
-            if self._inbox in ready:
-                self._drain()
-            if self.guard.monitor in ready:
-                self.guard.handle_events()
+            for listener in self.listeners:
+                if listener.socket in ready:
+                    self._drain(listener.socket)
+                if listener.guard.monitor in ready:
+                    listener.guard.handle_events()
             self._check_peers()
 
     def _broadcast(self, frame: bytes) -> None:
@@ -143,10 +152,10 @@ class ControlChannel:
             except zmq.Again:
                 pass  # the peer has not read the last few: it is silent, and its own silence will tell
 
-    def _drain(self) -> None:
+    def _drain(self, inbox: zmq.Socket[bytes]) -> None:
         for _ in range(256):  # then look at the clock again
             try:
-                frames = self._inbox.recv_multipart(flags=zmq.NOBLOCK)
+                frames = inbox.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
             frame = frames[0] if len(frames) == 1 else b""

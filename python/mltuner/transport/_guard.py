@@ -9,6 +9,8 @@
   handshake can be cut (an authenticated peer's connection is older than any
   over the cap), and ZeroMQ keeps a peer's queued messages until a
   handshake succeeds, so cutting never loses data.
+- :class:`Listener` is one bound socket with its guard (a process binds one
+  per address kind: ``tcp://`` with CURVE, ``ipc://`` without).
 - :func:`limit_input` sets the options every listening socket gets: the
   largest frame it accepts (ZeroMQ refuses a larger announced frame before
   allocating it, and drops the connection) and how long a handshake may take.
@@ -19,6 +21,7 @@ guarded socket.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket as pysocket
@@ -28,7 +31,7 @@ from collections.abc import Collection
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-__all__ = ["RejectionLog", "ConnectionGuard", "limit_input", "describe_handshake_failure", "HANDSHAKE_TIMEOUT_MS"]
+__all__ = ["RejectionLog", "ConnectionGuard", "Listener", "limit_input", "describe_handshake_failure", "HANDSHAKE_TIMEOUT_MS"]
 
 # A peer that has not finished the CURVE handshake this long after connecting
 # is dropped: an honest peer needs milliseconds.
@@ -151,3 +154,16 @@ def _cut(descriptor: int, bound: frozenset[int | str]) -> None:
         pass
     finally:
         copy.close()
+
+
+@dataclasses.dataclass
+class Listener:
+    """A bound socket and its guard, both used by one thread (the one that
+    polls them); closed together."""
+
+    socket: zmq.Socket[bytes]
+    guard: ConnectionGuard
+
+    def close(self) -> None:
+        self.guard.close()
+        self.socket.close(linger=0)

@@ -1,12 +1,30 @@
-"""The job's secret and the ZeroMQ CURVE keys derived from it.
+"""The job's secret, the ZeroMQ CURVE keys derived from it, and which
+sockets use them.
 
-Every socket of a job, loopback included, is a CURVE socket. Every process
-of the job knows one secret and derives the keys from it: one key pair for
-the sockets that bind (servers) and one for the sockets that connect
-(clients). A server accepts a connection only when the client proves it holds
-the client secret key (the ZAP handler checks the client's public key), so a
-process without the secret cannot complete the handshake and none of its
-bytes reach the engine. CURVE also encrypts the traffic.
+Which sockets authenticate how (:class:`SocketSecurity`, the one place that
+decides):
+
+- ``tcp://``, loopback included: CURVE. Any local user can connect to a
+  127.0.0.1 port and TCP tells the receiver nothing about who connected, so
+  only the keys keep other users' processes out.
+- ``ipc://``: no CURVE by default. The socket file lives in a directory that
+  only the job's user can open (mode 0700, checked before binding and before
+  connecting, :mod:`mltuner.transport._address`), so the kernel refuses any
+  other user's connect: the operating system authenticates the peer, and the
+  bytes never leave the machine's memory, so there is nothing to encrypt
+  against. A process of the same user can connect, as it could ptrace the
+  job anyway (the same trust as the per-user loopback key below). CURVE
+  costs about 4x the throughput on one host (docs/transport_benchmarks.md).
+  ``Job(secure=True)`` keeps CURVE on ``ipc://`` too.
+- The rendezvous is TCP, so CURVE; ``Job(secure=False)`` turns CURVE off
+  everywhere, on loopback addresses only, for measurements.
+
+Every process of the job knows one secret and derives the keys from it: one
+key pair for the sockets that bind (servers) and one for the sockets that
+connect (clients). A server accepts a connection only when the client proves
+it holds the client secret key (the ZAP handler checks the client's public
+key), so a process without the secret cannot complete the handshake and none
+of its bytes reach the engine. CURVE also encrypts the traffic.
 
 Where the secret comes from (first found wins):
 
@@ -34,7 +52,7 @@ import zmq.auth.thread
 
 from mltuner.exceptions import InvalidArgumentError
 
-__all__ = ["CurveKeys", "derive_keys", "secure_server", "secure_client", "start_authenticator",
+__all__ = ["CurveKeys", "SocketSecurity", "derive_keys", "secure_server", "secure_client", "start_authenticator",
            "read_secret_file", "user_loopback_secret", "user_key_directory"]
 
 _MIN_SECRET_CHARS = 16
@@ -56,6 +74,33 @@ def _secret_key(secret: str, role: str) -> bytes:
     # server and client pairs independent.
     digest = hashlib.blake2b(secret.encode(), key=b"mltuner-curve-v1", person=role.encode()[:16], digest_size=32)
     return zmq.utils.z85.encode(digest.digest())
+
+
+@dataclasses.dataclass(frozen=True)
+class SocketSecurity:
+    """Which of a job's sockets use CURVE (see the module doc).
+
+    Attributes:
+        keys: the job's keys; None turns CURVE off everywhere
+            (``Job(secure=False)``, loopback only).
+        curve_on_ipc: CURVE on ``ipc://`` sockets as well
+            (``Job(secure=True)``); by default the private directory
+            authenticates them.
+    """
+
+    keys: CurveKeys | None
+    curve_on_ipc: bool = False
+
+    def keys_for(self, endpoint: str) -> CurveKeys | None:
+        """The keys a socket bound or connected at ``endpoint`` uses, or None
+        for a plain socket."""
+        if self.keys is None:
+            return None
+        if endpoint.startswith("ipc://") and not self.curve_on_ipc:
+            return None
+        if endpoint.startswith(("ipc://", "tcp://")):
+            return self.keys
+        raise InvalidArgumentError(f"no security rule for the endpoint {endpoint!r}: expected tcp:// or ipc://")
 
 
 def derive_keys(secret: str) -> CurveKeys:

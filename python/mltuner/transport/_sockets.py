@@ -1,6 +1,7 @@
 """Moves a ProcessNode's data messages between processes over ZeroMQ.
 
-Each process binds one data socket (PULL) that every peer sends to, and
+Each process binds its data sockets (PULL: one on ``tcp://`` with CURVE,
+one on ``ipc://`` in its private directory) that every peer sends to, and
 connects one PUSH to each peer's, through ``ipc://`` on one host and
 ``tcp://`` between hosts (:mod:`mltuner.transport._address`). Two threads,
 each owning its sockets:
@@ -10,8 +11,11 @@ each owning its sockets:
   (ZeroMQ holds the array until the bytes are out; the array views a pinned,
   recycled host frame, which then returns to its pool);
 - the receive thread hands data frames to the node, which validates them in
-  C++ with the GIL released, and reads the data socket's connection guard
-  (failed handshakes, the cap on connections).
+  C++ with the GIL released and, on the CPU backend, uses the payload where
+  ZeroMQ received it (no copy): the thread keeps each payload frame, by
+  token, until the node hands the token back (``take_released_payloads``:
+  the shard applied it, or the rows are installed); it also reads the data
+  sockets' connection guards (failed handshakes, the cap on connections).
 
 Liveness is not judged here: heartbeats travel on the control channel
 (:mod:`mltuner.transport._control`), so a backlog of data never makes a
@@ -43,8 +47,8 @@ import zmq
 from mltuner import _core
 from mltuner.exceptions import CorruptMessageError
 from mltuner.transport._control import DATA_IO_THREAD, push_sockets
-from mltuner.transport._guard import ConnectionGuard, RejectionLog
-from mltuner.transport._security import CurveKeys
+from mltuner.transport._guard import Listener, RejectionLog
+from mltuner.transport._security import SocketSecurity
 
 __all__ = ["SocketTransport", "SEND_QUEUE_MESSAGES", "RECEIVE_QUEUE_MESSAGES"]
 
@@ -57,6 +61,10 @@ _POLL_S = 0.05
 # flow control makes the sender's queue grow (and its bound apply).
 SEND_QUEUE_MESSAGES = 1000
 RECEIVE_QUEUE_MESSAGES = 64
+# Payloads below this share ZeroMQ's receive buffer (its in_batch_size) at
+# any byte offset, which a float array may not have: the node copies them
+# anyway, so they go without a token (no bookkeeping per small message).
+_LEND_MIN_BYTES = 8192
 
 
 class SocketTransport:
@@ -64,8 +72,10 @@ class SocketTransport:
 
     Args:
         node: this process's engine and shard.
-        inbox: the bound data socket; the transport owns it from here on.
+        listeners: the bound data sockets (one per address kind) with their
+            guards; the transport owns them from here on.
         peers: each peer's data endpoint, by rank.
+        security: which endpoints use CURVE.
         queue_limit: the payload bytes that may wait in ZeroMQ for one peer
             (a single larger message is let through alone); called for
             every message, so it can follow the plan.
@@ -73,16 +83,16 @@ class SocketTransport:
             fails.
     """
 
-    def __init__(self, node: _core.ProcessNode, context: zmq.Context[zmq.Socket[bytes]], inbox: zmq.Socket[bytes],
-                 guard: ConnectionGuard, peers: dict[int, str], keys: CurveKeys | None, *,
+    def __init__(self, node: _core.ProcessNode, context: zmq.Context[zmq.Socket[bytes]], listeners: list[Listener],
+                 peers: dict[int, str], security: SocketSecurity, *,
                  queue_limit: Callable[[], int], wait_timeout_s: float) -> None:
         self._node = node
         self._rank = int(node.rank)
-        self._inbox = inbox
-        self.guard = guard
+        self.listeners = listeners
         self._queue_limit = queue_limit
         self._wait_timeout = wait_timeout_s
-        self._peers = push_sockets(context, peers, keys, io_thread=DATA_IO_THREAD, send_queue=SEND_QUEUE_MESSAGES)
+        self._peers = push_sockets(context, peers, security, io_thread=DATA_IO_THREAD,
+                                   send_queue=SEND_QUEUE_MESSAGES)
         self.endpoints = dict(peers)
         # Payload bytes handed to ZeroMQ per peer and not yet released by it.
         self._queued = {rank: 0 for rank in self._peers}
@@ -92,6 +102,11 @@ class SocketTransport:
         # Messages refused here (the node counts the messages it refuses).
         self._rejected = 0
         self.rejections = RejectionLog(_log, f"rank {self._rank}'s data socket")
+        # Received payload frames the node may still read, by token (the
+        # receive thread's alone).
+        self._lent: dict[int, zmq.Frame] = {}
+        self._next_token = 0
+        self._lends = bool(node.lends_payloads)
         self._stopping = threading.Event()
         self._threads = [
             threading.Thread(target=self._send_loop, name="mltuner-send", daemon=True),
@@ -112,8 +127,8 @@ class SocketTransport:
         linger_ms = 1000 if graceful and not self._node.aborted else 0
         for socket in self._peers.values():
             socket.close(linger=linger_ms)
-        self.guard.close()
-        self._inbox.close(linger=0)
+        for listener in self.listeners:
+            listener.close()
 
     @property
     def rejected(self) -> int:
@@ -190,19 +205,33 @@ class SocketTransport:
     # -- receiving ----------------------------------------------------------------
     def _receive_loop(self) -> None:
         poller = zmq.Poller()
-        poller.register(self._inbox, zmq.POLLIN)
-        poller.register(self.guard.monitor, zmq.POLLIN)
+        for listener in self.listeners:
+            poller.register(listener.socket, zmq.POLLIN)
+            poller.register(listener.guard.monitor, zmq.POLLIN)
         while not self._stopping.is_set():
             ready = dict(poller.poll(int(_POLL_S * 1000)))
-            if self._inbox in ready:
-                self._drain()
-            if self.guard.monitor in ready:
-                self.guard.handle_events()
+            for listener in self.listeners:
+                if listener.socket in ready:
+                    self._drain(listener.socket)
+                if listener.guard.monitor in ready:
+                    listener.guard.handle_events()
+            if self._lent:
+                self._free_released()
 
-    def _drain(self) -> None:
-        for _ in range(256):  # then look at the guard again
+    def _free_released(self) -> None:
+        """Drops the payload frames the node no longer reads."""
+        for token in self._node.take_released_payloads():
+            self._lent.pop(token, None)
+
+    @property
+    def lent_payloads(self) -> int:
+        """Received payload frames kept for the node (used in place)."""
+        return len(self._lent)
+
+    def _drain(self, inbox: zmq.Socket[bytes]) -> None:
+        for _ in range(256):  # then look at the guards again
             try:
-                frames = self._inbox.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                frames = inbox.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             if len(frames) == 2:
@@ -211,8 +240,14 @@ class SocketTransport:
                 self._reject(f"a message of {len(frames)} frames")
 
     def _on_data(self, header: zmq.Frame, payload: zmq.Frame) -> None:
+        token = -1  # copied by the node before deliver returns
+        if self._lends and len(payload) >= _LEND_MIN_BYTES:
+            # Kept before the node sees it: the token may come back at once.
+            token = self._next_token
+            self._next_token += 1
+            self._lent[token] = payload
         try:
-            self._node.deliver(header.buffer, payload.buffer)
+            self._node.deliver(header.buffer, payload.buffer, token)
         except CorruptMessageError as error:  # counted by the node
             self.rejections.record(str(error))
 

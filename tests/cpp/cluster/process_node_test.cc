@@ -259,6 +259,30 @@ TEST(RemoteFramesAreBitIdenticalToInProcessPayloadsAndRecycled) {
   ExpectRemoteFramesMatchOneProcess(TestConfig(UpdateRuleKind::kSgd));
 }
 
+// The socket transport's receive path on the CPU backend: each payload is
+// used where it was received (no copy into a frame of the node's own), read
+// only, and handed back once applied or installed.
+TEST(PayloadsUsedInPlaceAreBitIdenticalNeverWrittenAndAllHandedBack) {
+  const Config config = TestConfig(UpdateRuleKind::kSgd);
+  const int kClocks = 12;
+  std::vector<float> local[2];
+  testing::TrainInOneProcess(config, kClocks, local);
+  testing::TwoNodeRun remote;
+  testing::TrainInTwoProcesses(config, nullptr, kClocks, &remote, {}, /*lend=*/true);
+  EXPECT_EQ(remote.refused, 0);
+  EXPECT_EQ(remote.rejected, 0);
+  for (int rank = 0; rank < 2; ++rank) {
+    ASSERT_TRUE(remote.values[rank].size() == local[rank].size());
+    EXPECT_TRUE(std::memcmp(remote.values[rank].data(), local[rank].data(), local[rank].size() * sizeof(float)) == 0);
+    // Used in place: no frame of the node's own was needed for any payload.
+    EXPECT_EQ(remote.frames_at[rank][1], 0);
+  }
+  // Every clock, each process receives 4 payloads (updates and rows of two tables).
+  EXPECT_TRUE(remote.lent_returned >= 2 * 4 * kClocks);
+  EXPECT_EQ(remote.lent_written, 0);
+  EXPECT_EQ(remote.lent_unreturned, 0);
+}
+
 TEST(RemoteFramesWithHostResidentRowsAreBitIdentical) {
   Config config = TestConfig(UpdateRuleKind::kSgd);
   const int64_t pool_min = testing::ModelPreview(config).pool_min_bytes;

@@ -6,9 +6,11 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <memory>
 #include <thread>
 #include <utility>
@@ -24,32 +26,79 @@ namespace mltuner {
 namespace testing {
 
 // Moves every outgoing message of each node to the other until stopped.
+// With `lend`, it does what the socket transport does on the CPU backend:
+// each payload is received into memory of the wire's own (a ZeroMQ frame
+// there), delivered with a token, and kept until the receiver hands the
+// token back; the wire then checks that nobody wrote into it.
 class Wire {
  public:
-  Wire(ProcessNode* a, ProcessNode* b) {
+  Wire(ProcessNode* a, ProcessNode* b, bool lend = false) {
     for (const auto& ends : {std::pair{a, b}, std::pair{b, a}}) {
       ProcessNode* from = ends.first;
       ProcessNode* to = ends.second;
-      threads_.emplace_back([this, from, to] {
+      threads_.emplace_back([this, from, to, lend] {
+        std::map<int64_t, std::pair<std::vector<float>, std::vector<float>>> kept;  // token: (lent, original)
+        int64_t next_token = 0;
         while (!stop_) {
+          if (lend) TakeBack(to, &kept);
           OutgoingMessage message;
           if (!from->NextOutgoing(20, &message)) continue;
-          const Status status = to->Deliver(message.header.data(), message.header.size(), message.payload_values(),
-                                            message.payload_bytes());
+          if (!lend) {
+            const Status status = to->Deliver(message.header.data(), message.header.size(),
+                                              message.payload_values(), message.payload_bytes());
+            if (!status.ok()) ++refused_;
+            continue;
+          }
+          const float* values = message.payload_values();
+          std::vector<float> received(values, values + message.payload_bytes() / sizeof(float));
+          const int64_t token = next_token++;
+          auto& entry = kept[token];
+          entry.second = received;
+          entry.first = std::move(received);  // the vector's heap block does not move
+          const Status status = to->Deliver(message.header.data(), message.header.size(), entry.first.data(),
+                                            entry.first.size() * sizeof(float), token);
           if (!status.ok()) ++refused_;
         }
+        // What the receiver still holds comes back once it is done (at the
+        // latest when its node shuts down, after this wire is gone).
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+        while (lend && !kept.empty() && std::chrono::steady_clock::now() < deadline) {
+          TakeBack(to, &kept);
+          std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        }
+        unreturned_ += static_cast<int>(kept.size());
       });
     }
   }
-  ~Wire() {
+  ~Wire() { Stop(); }
+  void Stop() {
     stop_ = true;
-    for (auto& thread : threads_) thread.join();
+    for (auto& thread : threads_) {
+      if (thread.joinable()) thread.join();
+    }
   }
   int refused() const { return refused_; }
+  int written() const { return written_; }        // lent payloads changed by the receiver
+  int returned() const { return returned_; }      // tokens handed back
+  int unreturned() const { return unreturned_; }  // tokens still out when the wire stopped
 
  private:
+  void TakeBack(ProcessNode* to, std::map<int64_t, std::pair<std::vector<float>, std::vector<float>>>* kept) {
+    std::vector<int64_t> tokens;
+    if (!to->TakeReleasedPayloads(&tokens).ok()) ++refused_;
+    for (int64_t token : tokens) {
+      auto found = kept->find(token);
+      if (found == kept->end()) continue;
+      if (found->second.first != found->second.second) ++written_;
+      ++returned_;
+      kept->erase(found);
+    }
+  }
   std::atomic<bool> stop_{false};
   std::atomic<int> refused_{0};
+  std::atomic<int> written_{0};
+  std::atomic<int> returned_{0};
+  std::atomic<int> unreturned_{0};
   std::vector<std::thread> threads_;
 };
 
@@ -177,12 +226,14 @@ struct TwoNodeRun {
   int64_t frames_at[2][2] = {{-1, -1}, {-1, -1}};  // [rank]: received frames allocated after clock 8, the last
   int refused = 0;
   int64_t rejected = 0;
+  int lent_returned = 0, lent_written = 0, lent_unreturned = 0;  // Wire's counts with `lend`
 };
 
-// The same on two ProcessNodes joined by a Wire (payloads in host frames),
-// each with a device from `make_device` (null: the CPU backend).
+// The same on two ProcessNodes joined by a Wire (payloads in host frames,
+// or lent to the receiver with `lend`), each with a device from
+// `make_device` (null: the CPU backend).
 inline void TrainInTwoProcesses(const Config& config, const DeviceFactory& make_device, int clocks, TwoNodeRun* out,
-                                const BufferCopy& copy = {}) {
+                                const BufferCopy& copy = {}, bool lend = false) {
   std::unique_ptr<ProcessNode> nodes[2];
   for (int rank = 0; rank < 2; ++rank) {
     std::unique_ptr<Device> device;
@@ -190,7 +241,7 @@ inline void TrainInTwoProcesses(const Config& config, const DeviceFactory& make_
     ASSERT_OK(ProcessNode::Create(config, rank, 2, std::move(device), &nodes[rank]));
   }
   {
-    Wire wire(nodes[0].get(), nodes[1].get());
+    Wire wire(nodes[0].get(), nodes[1].get(), lend);
     const auto run = [&](int rank) {
       ProcessNode* node = nodes[rank].get();
       TrainModel(node->engine(), rank, clocks, &out->values[rank], [&](int clock) {
@@ -201,7 +252,11 @@ inline void TrainInTwoProcesses(const Config& config, const DeviceFactory& make_
     std::thread other(run, 1);
     run(0);
     other.join();
+    wire.Stop();
     out->refused = wire.refused();
+    out->lent_returned = wire.returned();
+    out->lent_written = wire.written();
+    out->lent_unreturned = wire.unreturned();
   }
   out->rejected = nodes[0]->rejected_messages() + nodes[1]->rejected_messages();
 }

@@ -1,17 +1,24 @@
 """Distributed training over real processes and sockets on 127.0.0.1.
 
 BSP on N processes must give the parameters of sequential float64 SGD over
-the concatenated batches (the reference of the in-process BSP test); SSP must
-keep every read within its staleness bound while a slowed worker lets the
-others run ahead by at most the slack.
+the concatenated batches (the reference of the in-process BSP test), and be
+bit for bit those of the same training on an in-process LocalCluster of N
+workers (whatever path the bytes took: received frames used in place, one
+pushed frame shared by the workers of other processes); SSP must keep every
+read within its staleness bound while a slowed worker lets the others run
+ahead by at most the slack.
 """
 
 from __future__ import annotations
 
+import argparse
+import types
+
 import numpy as np
 import pytest
 
-from train_worker import BATCH, IN, OUT, make_data, make_layout  # type: ignore[import-not-found]
+import mltuner
+from train_worker import BATCH, IN, OUT, linear, make_data, make_layout  # type: ignore[import-not-found]
 
 CLOCKS = 30
 LR = 0.05
@@ -56,6 +63,42 @@ def test_bsp_equals_sequential_sgd(start_workers, n: int, rule: str) -> None:  #
         assert relative_error(unpack(final), want) <= REL_TOL, f"rank {rank}"
         np.testing.assert_array_equal(final, finals[0])  # every rank fetched the same servers
         assert int(workers.result(rank)["rejected"]) == 0
+
+
+# Rows of 64 bytes: a shard's slice of 1024 rows among 4 is 16 KiB, which
+# ZeroMQ receives into memory of its own (smaller payloads share its receive
+# buffer at unaligned offsets and are copied), so this table's payloads are
+# used in place on the CPU backend.
+EXTRA_ROWS = 1024
+
+
+def in_process(rule: str, num_workers: int) -> list[dict[str, np.ndarray]]:
+    """The final tables of train_worker's linear scenario with its extra
+    table, run by the workers of one LocalCluster (no sockets, no frames)."""
+    config = mltuner.Config(update_rule=mltuner.UpdateRule(rule, learning_rate=LR), wait_timeout_s=30)
+    args = argparse.Namespace(slack=0, data_workers=0, total_clocks=0, clocks=CLOCKS, seed=0, restore="",
+                              die_at=-1, die_rank=-1, slow_rank=-1, slow_s=0.0, nan_rank=-1, nan_at=-1, save_at=-1,
+                              checkpoint="", out="", extra_rows=EXTRA_ROWS)
+    with mltuner.LocalCluster(num_workers, config) as cluster:
+        return cluster.run(lambda worker: linear(types.SimpleNamespace(worker=worker, rank=worker.rank,
+                                                                       world_size=num_workers), args))
+
+
+@pytest.mark.parametrize("n,rule", [(2, "adam"), (4, "momentum")])
+def test_bsp_processes_equal_the_in_process_cluster_bit_for_bit(start_workers, n: int,  # type: ignore[no-untyped-def]
+                                                                rule: str) -> None:
+    workers = start_workers(n, "--rule", rule, "--clocks", str(CLOCKS), "--extra-rows", str(EXTRA_ROWS))
+    for rank, (code, output) in enumerate(workers.wait()):
+        assert code == 0, f"rank {rank} failed:\n{output}"
+    want = in_process(rule, n)
+    assert np.any(want[0]["extra"] != 0)
+    for rank in range(n):
+        for name in ("final", "extra"):
+            np.testing.assert_array_equal(want[rank][name], want[0][name])
+            np.testing.assert_array_equal(workers.result(rank)[name], want[0][name], err_msg=f"rank {rank}: {name}")
+        # The extra table's payloads came in place (on this CPU backend): its
+        # updates and rows from every other process, every clock.
+        assert int(workers.result(rank)["in_place"]) >= 2 * (n - 1) * CLOCKS
 
 
 @pytest.mark.parametrize("slack", [0, 1, 3])

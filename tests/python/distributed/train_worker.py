@@ -7,7 +7,10 @@ It joins the job described by the MLTUNER_* variables and runs one scenario:
   seed on every rank): each clock, rank r reads the parameters with the given
   slack, computes the float64 gradient on batch (clock, r) and sends it.
   Optional: save a checkpoint at a clock, restore one before training, die
-  (SIGKILL itself) at a clock, sleep each clock to be slow, send a NaN.
+  (SIGKILL itself) at a clock, sleep each clock to be slow, send a NaN, and
+  train a second, larger table ("extra", --extra-rows rows of 16 floats,
+  read and updated each clock with values derived from what was read) whose
+  payloads are large enough for ZeroMQ to give them memory of their own.
 - ``counters``: the SSP probe: every rank adds 1 per clock to its own row of a
   counter table and reads all rows with the given slack, recording
   (clock, row values) for the test to check against the staleness bound.
@@ -54,6 +57,13 @@ def linear(job: mltuner.Job, args: argparse.Namespace) -> dict[str, np.ndarray]:
     worker.virtual_post_read(read)
     update = worker.virtual_pre_update(table)
     worker.virtual_update(update)
+    extra = None
+    if args.extra_rows:
+        extra = worker.create_table("extra", args.extra_rows, ROW_WIDTH)
+        read_extra = worker.virtual_read(extra, slack=args.slack)
+        worker.virtual_post_read(read_extra)
+        update_extra = worker.virtual_pre_update(extra)
+        worker.virtual_update(update_extra)
     worker.virtual_clock()
     worker.finish_virtual_iteration()
     # Data for the whole run (restored runs continue the same data stream).
@@ -85,6 +95,11 @@ def linear(job: mltuner.Job, args: argparse.Namespace) -> dict[str, np.ndarray]:
         if job.rank == args.nan_rank and clock == args.nan_at:
             layout.view(grad, "weight")[0, 0] = np.nan
         worker.update(update)
+        if extra is not None:
+            seen = np.array(worker.read(read_extra))
+            worker.post_read(read_extra)
+            worker.pre_update(update_extra)[:] = np.sin(seen * 0.37 + job.rank + 0.1 * clock) * 0.01
+            worker.update(update_extra)
         worker.clock()
         if args.save_at == clock + 1:
             saved = job.save_checkpoint(args.checkpoint)
@@ -92,7 +107,10 @@ def linear(job: mltuner.Job, args: argparse.Namespace) -> dict[str, np.ndarray]:
             np.savez(os.path.join(args.out, f"rank-{job.rank}-saved.npz"), at_save=worker.fetch(table),
                      path=np.array(str(saved)))
     worker.sync()
-    return {"final": worker.fetch(table), "first_clock": np.array(first_clock)}
+    result = {"final": worker.fetch(table), "first_clock": np.array(first_clock)}
+    if extra is not None:
+        result["extra"] = worker.fetch(extra)
+    return result
 
 
 def counters(job: mltuner.Job, args: argparse.Namespace) -> dict[str, np.ndarray]:
@@ -131,6 +149,7 @@ def main() -> int:
     parser.add_argument("--data-workers", type=int, default=0, help="workers the data stream was made for")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--slack", type=int, default=0)
+    parser.add_argument("--extra-rows", type=int, default=0, help="rows of the second table (0: none)")
     parser.add_argument("--slow-rank", type=int, default=-1)
     parser.add_argument("--slow-s", type=float, default=0.0)
     parser.add_argument("--die-rank", type=int, default=-1)
@@ -151,6 +170,7 @@ def main() -> int:
                          heartbeat_timeout_s=args.heartbeat_timeout, rendezvous_timeout_s=30) as job:
             result = linear(job, args) if args.scenario == "linear" else counters(job, args)
             result["rejected"] = np.array(job.rejected_messages)
+            result["in_place"] = np.array(job._node.payloads_used_in_place)  # noqa: SLF001 - for the tests
             np.savez(os.path.join(args.out, f"rank-{job.rank}.npz"), **result)
     except mltuner.MltunerError as error:
         print(f"FAILED {type(error).__name__}: {error}", flush=True)

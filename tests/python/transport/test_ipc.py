@@ -1,6 +1,8 @@
 """Transports by distance: processes of one host talk through ipc:// in a
-private directory (mode 0700, removed at exit), authenticated with CURVE as
-TCP is; tcp:// between hosts; the choice is automatic and can be forced."""
+private directory (mode 0700, removed at exit), which authenticates the
+peers (no CURVE there unless Job(secure=True)); tcp:// between hosts, and
+on loopback when forced, always with CURVE; the choice is automatic and can
+be forced."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ import pytest
 import zmq
 
 import mltuner
-from mltuner.transport._address import Card, IpcDirectory, choose_address, host_identity
+from mltuner.transport._address import Card, IpcDirectory, choose_address, host_identity, private_directory_problem
+from mltuner.transport._security import SocketSecurity, derive_keys
 from pairs import close_pair, start_pair, train_adds  # type: ignore[import-not-found]
 
 ROWS, WIDTH, CLOCKS = 8, 16, 6
@@ -60,26 +63,132 @@ def test_the_environment_variable_chooses_and_a_bad_argument_is_named(monkeypatc
         mltuner.Job(transport="udp")  # type: ignore[arg-type]
 
 
-def test_ipc_sockets_refuse_a_process_without_the_keys() -> None:
+def _mechanisms(job: mltuner.Job) -> dict[str, int]:
+    """The ZeroMQ security mechanism of each of a job's data and control
+    sockets, by kind (listeners by their address, PUSH sockets by peer)."""
+    found: dict[str, int] = {}
+    for channel in (job._transport, job._liveness):  # noqa: SLF001 - the test looks at the sockets
+        assert channel is not None
+        name = "data" if channel is job._transport else "control"  # noqa: SLF001
+        for listener in channel.listeners:
+            kind = listener.socket.last_endpoint.decode().split(":", 1)[0]
+            found[f"{name} {kind} listener"] = listener.socket.mechanism
+        for peer, socket in channel._peers.items():  # noqa: SLF001
+            found[f"{name} push to {peer}"] = socket.mechanism
+    return found
+
+
+def test_ipc_sockets_are_plain_in_a_private_directory_and_tcp_keeps_curve() -> None:
     jobs = start_pair()
     try:
-        target = jobs[1].peer_endpoints[0]  # rank 0's data socket, as rank 1 reaches it
-        assert target.startswith("ipc://")
-        context = zmq.Context()
-        rogue = context.socket(zmq.PUSH)
-        rogue.connect(target)
-        rogue.send_multipart([b"\x00" * 64, b""], flags=zmq.NOBLOCK)
-        deadline = time.monotonic() + 10
-        while jobs[0].refused_connections == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        rogue.close(linger=0)
-        context.term()
-        assert jobs[0].refused_connections >= 1
-        assert jobs[0].rejected_messages == 0  # nothing got past the handshake
+        for job in jobs:
+            assert job._ipc is not None  # noqa: SLF001
+            assert private_directory_problem(job._ipc.path) == ""  # noqa: SLF001 - 0700, this user's
+            mechanisms = _mechanisms(job)
+            assert mechanisms["data tcp listener"] == zmq.CURVE
+            assert mechanisms["control tcp listener"] == zmq.CURVE
+            assert mechanisms["data ipc listener"] == zmq.NULL
+            assert mechanisms["control ipc listener"] == zmq.NULL
+            peer = 1 - job.rank
+            assert mechanisms[f"data push to {peer}"] == zmq.NULL  # through ipc://
+            assert mechanisms[f"control push to {peer}"] == zmq.NULL
+        # The TCP port still refuses a process without the keys (even on
+        # loopback, where any local user could connect).
+        rogue_refused(jobs[0], jobs[0].endpoint)
         for result in train_adds(jobs, ROWS, WIDTH, CLOCKS):
             np.testing.assert_array_equal(result, EXPECTED)
     finally:
         close_pair(jobs)
+
+
+def test_a_plain_ipc_peer_of_this_user_is_validated_like_any_message() -> None:
+    # What the private directory lets in is this user's processes only; what
+    # they send is still validated before the engine sees it.
+    jobs = start_pair()
+    try:
+        context = zmq.Context()
+        rogue = context.socket(zmq.PUSH)
+        rogue.connect(jobs[1].peer_endpoints[0])
+        rogue.send_multipart([b"\x00" * 64, b""])
+        deadline = time.monotonic() + 10
+        while jobs[0].rejected_messages == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        rogue.close(linger=0)
+        context.term()
+        assert jobs[0].rejected_messages == 1
+        for result in train_adds(jobs, ROWS, WIDTH, CLOCKS):
+            np.testing.assert_array_equal(result, EXPECTED)
+    finally:
+        close_pair(jobs)
+
+
+def test_secure_true_keeps_curve_on_ipc_and_forced_tcp_on_loopback_uses_curve() -> None:
+    for kwargs in ({"secure": True}, {"transport": "tcp"}):
+        jobs = start_pair(**kwargs)
+        try:
+            for job in jobs:
+                assert set(_mechanisms(job).values()) == {zmq.CURVE}, kwargs
+            endpoint = jobs[1].peer_endpoints[0]
+            assert endpoint.startswith("ipc://" if "secure" in kwargs else "tcp://127.0.0.1:")
+            rogue_refused(jobs[0], endpoint)
+            for result in train_adds(jobs, ROWS, WIDTH, CLOCKS):
+                np.testing.assert_array_equal(result, EXPECTED)
+        finally:
+            close_pair(jobs)
+
+
+def rogue_refused(job: mltuner.Job, endpoint: str) -> None:
+    """A socket without the job's keys connects to ``endpoint`` of ``job``:
+    its handshake fails (counted) and nothing reaches the validator."""
+    before = job.refused_connections
+    context = zmq.Context()
+    rogue = context.socket(zmq.PUSH)
+    rogue.connect(endpoint)
+    rogue.send_multipart([b"\x00" * 64, b""], flags=zmq.NOBLOCK)
+    deadline = time.monotonic() + 10
+    while job.refused_connections == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    rogue.close(linger=0)
+    context.term()
+    assert job.refused_connections > before
+    assert job.rejected_messages == 0
+
+
+def test_security_rule_per_address() -> None:
+    keys = derive_keys("a secret of enough characters")
+    default = SocketSecurity(keys)
+    assert default.keys_for("tcp://127.0.0.1:5000") is keys  # loopback TCP: any local user could connect
+    assert default.keys_for("tcp://10.0.0.2:5000") is keys
+    assert default.keys_for("tcp://[::1]:5000") is keys
+    assert default.keys_for("ipc:///run/user/1/mltuner-1-x/data") is None  # the directory authenticates
+    assert SocketSecurity(keys, curve_on_ipc=True).keys_for("ipc:///tmp/x/data") is keys
+    assert SocketSecurity(None).keys_for("tcp://127.0.0.1:5000") is None  # secure=False (loopback only)
+    with pytest.raises(mltuner.InvalidArgumentError, match="no security rule"):
+        default.keys_for("inproc://x")
+
+
+def test_an_ipc_directory_that_others_may_open_is_refused(tmp_path: Path) -> None:
+    directory = IpcDirectory()
+    try:
+        directory.check_private()
+        os.chmod(directory.path, 0o755)
+        with pytest.raises(mltuner.InvalidArgumentError, match="not private.*mode 755"):
+            directory.check_private()
+        # A peer's socket in such a directory is not used: TCP, or an error when ipc:// is forced.
+        listener = zmq.Context.instance().socket(zmq.PULL)
+        listener.bind(directory.endpoint("data"))
+        try:
+            here = host_identity()
+            theirs = _card(here, directory.endpoint("data"))
+            assert choose_address("auto", _card(here, None), theirs, "data", 1) == "tcp://10.0.0.2:5000"
+            with pytest.raises(mltuner.InvalidArgumentError, match="may be opened by other users"):
+                choose_address("ipc", _card(here, None), theirs, "data", 1)
+            os.chmod(directory.path, 0o700)
+            assert choose_address("auto", _card(here, None), theirs, "data", 1) == directory.endpoint("data")
+        finally:
+            listener.close(linger=0)
+    finally:
+        directory.close()
 
 
 def _card(host: str, ipc: str | None) -> Card:
@@ -124,3 +233,26 @@ def test_a_killed_process_directory_is_removed_by_the_next_job(monkeypatch: pyte
     finally:
         first.close()
     assert not first.path.exists()
+
+
+def test_received_payloads_are_used_in_place_and_all_handed_back() -> None:
+    # On the CPU backend the node reads each received payload where ZeroMQ
+    # put it; the transport keeps the frame until the node hands it back.
+    # Payloads of a few KiB share ZeroMQ's receive buffer at any byte offset
+    # and are copied instead (a float array must be aligned): these are 32 KiB.
+    rows, width = 32, 512
+    jobs = start_pair()
+    try:
+        for result in train_adds(jobs, rows, width, CLOCKS):
+            np.testing.assert_array_equal(result, np.full((rows, width), 3.0 * CLOCKS, dtype=np.float32))
+        for job in jobs:
+            node, transport = job._node, job._transport  # noqa: SLF001 - the test looks at the counters
+            assert transport is not None
+            # Each clock brings the peer's update of this shard and its shard's rows.
+            assert node.payloads_used_in_place >= 2 * CLOCKS
+            deadline = time.monotonic() + 10
+            while (node.borrowed_payloads or transport.lent_payloads) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert node.borrowed_payloads == 0 and transport.lent_payloads == 0
+    finally:
+        close_pair(jobs)

@@ -16,6 +16,7 @@
 #include "cuda_device.h"
 #include "device/device_contract.h"
 #include "mltuner/device.h"
+#include "gpu_test_main.h"
 #include "test_util.h"
 
 namespace mltuner {
@@ -284,10 +285,4 @@ TEST(ErrorsSurfaceAtTheNextSynchronize) {
 }  // namespace
 }  // namespace mltuner
 
-int main() {
-  if (mltuner::CudaDeviceCount() == 0) {
-    std::printf("SKIPPED: no CUDA device\n");
-    return 77;
-  }
-  return mltuner::testing::RunAll();
-}
+MLT_GPU_TEST_MAIN

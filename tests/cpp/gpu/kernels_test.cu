@@ -15,6 +15,7 @@
 
 #include "kernels/kernels.h"
 #include "rule_reference.h"
+#include "gpu_test_main.h"
 #include "test_util.h"
 
 namespace mltuner {
@@ -441,13 +442,4 @@ TEST(UpdateNothingToDo) {
 }  // namespace
 }  // namespace mltuner
 
-int main() {
-  int devices = 0;
-  const cudaError_t err = cudaGetDeviceCount(&devices);
-  if (err != cudaSuccess || devices == 0) {
-    std::printf("SKIPPED: no CUDA device (%s)\n",
-                err != cudaSuccess ? cudaGetErrorString(err) : "0 devices");
-    return 77;
-  }
-  return mltuner::testing::RunAll();
-}
+MLT_GPU_TEST_MAIN

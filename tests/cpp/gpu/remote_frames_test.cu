@@ -20,6 +20,7 @@
 #include "cuda_device.h"
 #include "memory/device_block.h"
 #include "mltuner/device.h"
+#include "gpu_test_main.h"
 #include "test_util.h"
 
 namespace mltuner {
@@ -165,12 +166,4 @@ TEST(TwoCudaProcessNodesWithHostResidentRowsMatchTheCpu) {
 }  // namespace
 }  // namespace mltuner
 
-int main() {
-  int devices = 0;
-  const cudaError_t err = cudaGetDeviceCount(&devices);
-  if (err != cudaSuccess || devices == 0) {
-    std::printf("SKIPPED: no CUDA device (%s)\n", err != cudaSuccess ? cudaGetErrorString(err) : "0 devices");
-    return 77;
-  }
-  return mltuner::testing::RunAll();
-}
+MLT_GPU_TEST_MAIN

@@ -391,7 +391,8 @@ class SearchEpisode:
                      and self._affords(self._trial_time))
             if not (affordable or widen):
                 self._stop_once("budget")
-            new = (self._new_trial() if (affordable or widen) and self._may_fork(len(open_trials))
+            # (widen already includes the branch check)
+            new = (self._new_trial() if widen or (affordable and self._may_fork(len(open_trials)))
                    else None)
             if new is not None:
                 if widen:

@@ -81,6 +81,8 @@ the engine.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import enum
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, NoReturn, TypeVar
@@ -95,7 +97,10 @@ from mltuner.torch._buffers import app_stream, as_tensor, placeholder, storage_p
 from mltuner.torch._errors import IterationMismatchError, UnsupportedModelError
 from mltuner.torch._layers import Layer
 from mltuner.torch._pattern import reason, refusal
+from mltuner.torch._recompute import Program, choose, remap_reads, run
+from mltuner.torch._recompute import describe as describe_program
 from mltuner.torch._recording import Event, Slot, Tables, create_tables, describe, for_holding, replay
+from mltuner.torch._trace import ForwardTrace, ParamRef, RandomStates
 
 __all__ = ["ClockDriver", "tensors_in"]
 
@@ -105,20 +110,15 @@ T = TypeVar("T")
 _READ, _POST_READ, _PRE_UPDATE, _UPDATE = (OP_KINDS[k] for k in ("read", "post_read", "pre_update", "update"))
 
 
-class _ParamRef(NamedTuple):
-    """What autograd keeps of a saved view of a layer's parameters."""
-
-    layer: int
-    read: int  # the event index of the forward read it was saved from
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-
-
 class _ActRef(NamedTuple):
-    """What autograd keeps of an activation stored in the local table."""
+    """What autograd keeps of a saved activation: stored in the local table,
+    or recomputed in the backward pass."""
 
     slot: int
+
+
+class _NotReproducible(Exception):
+    """The recording pass could not make a saved activation again bit for bit."""
 
 
 class _Mutating:
@@ -156,9 +156,22 @@ def tensors_in(value: Any) -> Iterator[torch.Tensor]:
             yield from tensors_in(item)
 
 
-def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor's contents as a flat uint8 tensor (a view when contiguous)."""
-    return tensor.detach().contiguous().view(-1).view(torch.uint8)
+def _bytes(tensor: torch.Tensor, slot: Slot) -> torch.Tensor:
+    """A tensor's contents as a flat uint8 tensor: its memory span in memory
+    order when the slot keeps the forward's layout (a view, no copy), else
+    contiguous (a view when contiguous already)."""
+    tensor = tensor.detach()
+    if slot.exact_layout:
+        return tensor.as_strided((tensor.numel(),), (1,), tensor.storage_offset()).view(torch.uint8)
+    return tensor.contiguous().view(-1).view(torch.uint8)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors are equal byte for byte, strides included."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.stride() != b.stride():
+        return False
+    return bool(torch.equal(a.detach().contiguous().view(-1).view(torch.uint8),
+                            b.detach().contiguous().view(-1).view(torch.uint8)))
 
 
 class ClockDriver:
@@ -168,7 +181,8 @@ class ClockDriver:
     device thread while the loop waits in ``backward``)."""
 
     def __init__(self, model: nn.Module, layers: list[Layer], worker: Worker, *, slack: int,
-                 store_activations: bool, row_width: int, overlap_updates: bool = True) -> None:
+                 store_activations: bool, row_width: int, overlap_updates: bool = True, recompute: bool = False,
+                 stored: frozenset[int] = frozenset()) -> None:
         self.model = model
         self.layers = layers
         self.worker = worker
@@ -189,6 +203,22 @@ class ClockDriver:
         self._forward_events = 0
         self._init: list[torch.Tensor] = []  # per layer: its initial values, flat
         self._recorded_acts: dict[int, torch.Tensor] = {}
+        # Recomputing saved activations (_recompute.py): the recording's op
+        # trace, each slot's value in it, the programs of recomputed slots,
+        # the random ops they replay, and slots that must be stored (the
+        # recording found them not reproducible: wrap() records again).
+        self._recompute = recompute and store_activations
+        self._stored = stored
+        self._trace: ForwardTrace | None = None
+        self._slot_values: list[int] = []
+        self._programs: dict[int, Program] = {}
+        self._random_wanted: set[int] = set()
+        self._random: RandomStates | None = None
+        self.unreproducible: dict[int, str] = {}  # slot -> why
+        # Each saved activation is loaded or recomputed once per clock and
+        # kept until its last use (the recording counts the uses): [tensor, uses left].
+        self._uses: list[int] = []
+        self._memo: dict[int, list[Any]] = {}
         self._handles: list[int] = []
         self._tables: list[Table] = []
 
@@ -332,6 +362,36 @@ class ClockDriver:
         """The recorded clock's accesses, in order, described in words."""
         return [self._describe(event) for event in self._events]
 
+    @property
+    def saved_activations(self) -> list[str]:
+        """Each saved activation of the recorded clock (with
+        ``store_activations``) in words: stored, or how it is recomputed."""
+        lines = []
+        for number, slot in enumerate(self._slots):
+            head = f"#{number} {slot.shape} {slot.dtype}"
+            program = self._programs.get(number)
+            if program is not None and self._trace is not None:
+                lines.append(f"{head}: {describe_program(program, self._trace)}")
+            else:
+                lines.append(f"{head}: stored")
+        return lines
+
+    @property
+    def recompute_summary(self) -> str:
+        """What recomputing saved activations does to this model, in words
+        (``PSModule.plan``); empty without stored activations."""
+        if not self._store_activations:
+            return ""
+        total = sum(s.nbytes for s in self._slots)
+        recomputed = [s for s in self._slots if s.recomputed]
+        gone = sum(s.nbytes for s in recomputed)
+        if not self._recompute:
+            return (f"saved activations: {len(self._slots)} stored ({total} B per clock), none recomputed "
+                    "(recompute='none', or 'auto' without a device_memory_budget)")
+        return (f"saved activations: {len(self._slots) - len(recomputed)} stored "
+                f"({total - gone} B per clock), {len(recomputed)} recomputed in the backward pass from stored "
+                f"ones ({gone} B not stored)")
+
     def _describe(self, event: Event) -> str:
         return describe(event, self.layers, self._slots)
 
@@ -381,7 +441,7 @@ class ClockDriver:
         handle = self._handles[index]
         buffer = self.worker.local_access(handle, stream=self._stream)
         target = as_tensor(buffer, self.device).view(-1).view(torch.uint8)
-        source = _bytes(tensor)
+        source = _bytes(tensor, self._slots[slot])
         target[: source.numel()].copy_(source)
         self.worker.post_local_access(handle, stream=self._stream)
 
@@ -394,8 +454,13 @@ class ClockDriver:
         buffer = self.worker.local_access(handle, stream=self._stream)
         source = as_tensor(buffer, self.device).view(-1).view(torch.uint8)
         spec = self._slots[slot]
-        out = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
-        out.view(-1).view(torch.uint8).copy_(source[: spec.nbytes])
+        if spec.exact_layout:  # the forward's strides: the ops a recomputation runs see the same inputs
+            out = torch.empty_strided(spec.shape, spec.strides, dtype=spec.dtype, device=self.device)
+            flat = out.as_strided((out.numel(),), (1,), 0)
+        else:
+            out = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+            flat = out.view(-1)
+        flat.view(torch.uint8).copy_(source[: spec.nbytes])
         self.worker.post_local_access(handle, stream=self._stream)
         return out
 
@@ -518,9 +583,10 @@ class ClockDriver:
             elif self._light:
                 output = call()
             else:
-                with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), self._dispatch_mode():
                     output = call()
             if self._recording:
+                self._choose_recomputed()
                 self._forward_events = len(self._events)
             elif self._cursor != self._forward_events:
                 with self._mutating():
@@ -621,7 +687,7 @@ class ClockDriver:
                     f"autograd saves a {tensor.dtype} reinterpretation of layer {self.layers[layer].name!r}'s "
                     "parameters; only float32 views are supported"
                 )
-            return _ParamRef(layer, read, tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset()))
+            return ParamRef(layer, read, tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset()))
         if address == self._placeholder_ptr:
             with self._mutating():
                 raise UnsupportedModelError(
@@ -639,9 +705,13 @@ class ClockDriver:
         with self._mutating():
             slot = self._next_slot
             if self._recording:
-                self._slots.append(Slot(tuple(tensor.shape), tensor.dtype))
-            index = self._next("store", slot=slot)
+                contiguous = tensor.is_contiguous()
+                self._slots.append(Slot(tuple(tensor.shape), tensor.dtype, () if contiguous else tuple(tensor.stride())))
+                self._uses.append(0)
+                if self._trace is not None:
+                    self._slot_values.append(self._trace.value_of(tensor))
             expected = self._slots[slot]
+            index = -1 if expected.recomputed else self._next("store", slot=slot)
             if (tuple(tensor.shape), tensor.dtype) != (expected.shape, expected.dtype):
                 raise IterationMismatchError(
                     f"clock {self.clock}: saved activation #{slot} is {tuple(tensor.shape)} {tensor.dtype}, the "
@@ -651,8 +721,16 @@ class ClockDriver:
                     + (" (another dtype only: under torch.autocast, call wrap() inside the same autocast)"
                        if tuple(tensor.shape) == expected.shape else "")
                 )
+            if tuple(tensor.stride()) != expected.strides:
+                raise IterationMismatchError(
+                    f"clock {self.clock}: saved activation #{slot} {expected.shape} has strides "
+                    f"{tuple(tensor.stride())}, the recorded one {expected.strides}; with store_activations=True "
+                    "a stored activation comes back with the recorded layout, so every clock must save the same "
+                    "layouts (the same memory format of the inputs)"
+                )
             self._next_slot += 1
-            self._store(index, slot, tensor)
+            if index >= 0:
+                self._store(index, slot, tensor)
             ref = _ActRef(slot)
             self._saved[key] = ref
             self._keepalive.append(tensor)  # no address reuse while the forward runs
@@ -668,14 +746,111 @@ class ClockDriver:
                 f"autograd needs a saved tensor of the wrapped model outside clock {self.clock}'s backward "
                 "pass: backward() can run once per forward pass, before step()"
             )
-        if isinstance(packed, _ParamRef):
+        if isinstance(packed, ParamRef):
             return self._grad_read(packed).as_strided(packed.size, packed.stride, packed.offset)
         assert isinstance(packed, _ActRef)
         with self._mutating():
-            index = self._next("load", slot=packed.slot)
-            return self._load(index, packed.slot)
+            return self._resolve(packed.slot)
 
-    def _grad_read(self, ref: _ParamRef) -> torch.Tensor:
+    def _resolve(self, slot: int) -> torch.Tensor:
+        """A saved activation for the backward pass: loaded from the local
+        table or recomputed at its first use in the clock, and kept until its
+        last one (the recording pass counts them), so each is loaded or
+        recomputed once per clock."""
+        entry = self._memo.get(slot)
+        if entry is not None:
+            if self._recording:
+                self._uses[slot] += 1
+            else:
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    del self._memo[slot]
+            return entry[0]  # type: ignore[no-any-return]
+        if self._slots[slot].recomputed:
+            tensor = self._recomputed(slot)
+        else:
+            tensor = self._load(self._next("load", slot=slot), slot)
+        if self._recording:
+            self._uses[slot] = 1
+            self._memo[slot] = [tensor, 0]
+        elif self._uses[slot] > 1:
+            self._memo[slot] = [tensor, self._uses[slot] - 1]
+        return tensor
+
+    def _recomputed(self, slot: int) -> torch.Tensor:
+        """Runs a recomputed slot's program. The recording pass checks the
+        result against the forward's tensor, byte for byte; one that differs
+        (or cannot run) is noted in :attr:`unreproducible`, and the forward's
+        tensor serves (``wrap()`` then records again with the slot stored)."""
+        program = self._programs[slot]
+        assert self._trace is not None
+        if not self._recording:
+            return run(program, self._trace, leaf=self._resolve, param=self._program_param,
+                       random_state=self._random_state)
+        original = self._recorded_acts[slot]
+        try:
+            tensor = run(program, self._trace, leaf=self._resolve, param=self._program_param,
+                         random_state=self._random_state)
+            if not _same_bits(tensor, original):
+                raise _NotReproducible("the ops run again made other bytes than the forward")
+        except Exception as error:  # noqa: BLE001 - any failure means: store it instead
+            self.unreproducible[slot] = f"{type(error).__name__}: {error}"
+        return original
+
+    def _program_param(self, ref: ParamRef) -> torch.Tensor:
+        if self._recording and ref.layer in self._updated:
+            raise _NotReproducible(f"needs layer {self.layers[ref.layer].name!r}'s parameters after its update")
+        return self._grad_read(ref).as_strided(ref.size, ref.stride, ref.offset)
+
+    def _random_state(self, number: int) -> torch.Tensor:
+        if self._recording:
+            assert self._trace is not None
+            return self._trace.random_states[number]
+        assert self._random is not None
+        return self._random.states[number]
+
+    def _dispatch_mode(self) -> Any:
+        """The forward's TorchDispatchMode: the op trace in the recording
+        pass (when recomputing), the random states of recomputed random ops
+        in later clocks, else none."""
+        if self._recording and self._recompute:
+            self._trace = ForwardTrace(self._trace_param, lambda t: storage_ptr(t) in self._local_ptrs)
+            return self._trace
+        if self._random_wanted and not self._recording:
+            self._random = RandomStates(self._random_wanted)
+            return self._random
+        return contextlib.nullcontext()
+
+    def _trace_param(self, tensor: torch.Tensor) -> ParamRef | None:
+        owner = self._param_ptrs.get(storage_ptr(tensor) or 0)
+        if owner is None or tensor.dtype != torch.float32:
+            return None
+        return ParamRef(owner[0], owner[1], tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset()))
+
+    def _choose_recomputed(self) -> None:
+        """End of the recording forward: chooses the slots to recompute
+        (``_recompute.choose``), drops their store events and renumbers the
+        forward reads the programs name."""
+        if self._trace is None:
+            return
+        programs = choose(self._trace, self._slot_values, self._slots, self._stored)
+        if not programs:
+            return
+        index: dict[int, int] = {}
+        kept: list[Event] = []
+        for number, event in enumerate(self._events):
+            if event.kind == "store" and event.slot in programs:
+                continue
+            index[number] = len(kept)
+            kept.append(event)
+        self._events = kept
+        remap_reads(self._trace, programs, index)
+        self._programs = programs
+        self._slots = [dataclasses.replace(s, recomputed=True) if k in programs else s for k, s in enumerate(self._slots)]
+        self._random_wanted = {self._trace.nodes[n].seeded for p in programs.values() for n in p.nodes
+                               if self._trace.nodes[n].seeded >= 0}
+
+    def _grad_read(self, ref: ParamRef) -> torch.Tensor:
         """The flat buffer of ``ref``'s layer for its backward: the held
         forward read, or the layer's backward read (opened on first use)."""
         held = self._held.get(ref.read) if self._hold else None
@@ -890,6 +1065,8 @@ class ClockDriver:
         self._update_buffer = None
         self._pending[:] = [0] * len(self._pending)
         self._updated.clear()
+        self._memo.clear()
+        self._random = None
 
     # -- recording and planning ---------------------------------------------------------
     def record(self, call: Callable[[], Any], loss_of: Callable[[Any], torch.Tensor]) -> None:

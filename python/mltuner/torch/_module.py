@@ -17,6 +17,7 @@ from mltuner.torch._clock import ClockDriver, tensors_in
 from mltuner.torch._errors import UnsupportedModelError
 from mltuner.torch._layers import DEFAULT_GROUP_BYTES, DEFAULT_WHOLE_MODULES, Layer, find_layers
 from mltuner.torch._optim import LearningRates, check_optimizer, groups_of_layers, rule_for_group
+from mltuner.torch._recompute import RECOMPUTE_CHOICES, Recompute
 
 __all__ = ["PSModule", "ClockOptimizer", "wrap"]
 
@@ -295,6 +296,23 @@ def _param_groups(optimizer: torch.optim.Optimizer | None, layers: list[Layer],
     return [{"params": params, "lr": float(rule.learning_rate) if rule is not None else 0.0}]
 
 
+def _recompute_choice(recompute: object, store_activations: bool, worker: Worker) -> bool:
+    """Whether to recompute cheap saved activations (``wrap(recompute=)``)."""
+    if recompute not in RECOMPUTE_CHOICES:
+        raise InvalidArgumentError(
+            f"recompute must be one of {', '.join(repr(c) for c in RECOMPUTE_CHOICES)}, got {recompute!r}"
+        )
+    if recompute == "cheap" and not store_activations:
+        raise InvalidArgumentError(
+            "recompute='cheap' needs store_activations=True: it decides which saved activations the engine's "
+            "local table stores and which the backward pass makes again; without store_activations torch keeps "
+            "every saved tensor itself"
+        )
+    if recompute == "auto":
+        return store_activations and worker.config.device_memory_budget > 0
+    return recompute == "cheap"
+
+
 def _parameter_device(module: nn.Module) -> torch.device:
     for param in module.parameters():
         return param.device
@@ -316,6 +334,7 @@ def wrap(
     overlap_updates: bool | None = None,
     grad_scaler: torch.amp.GradScaler | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    recompute: Recompute = "auto",
 ) -> PSModule:
     """Moves ``module``'s trainable parameters into ``worker``'s parameter
     server and returns the model to train with.
@@ -450,19 +469,21 @@ def wrap(
         raise InvalidArgumentError(f"group_bytes must be >= 0, got {group_bytes}")
     if hold_reads is not None and not isinstance(hold_reads, bool):
         raise ArgumentTypeError(f"hold_reads must be True, False or None (choose), got {type(hold_reads).__name__}")
+    recomputing = _recompute_choice(recompute, store_activations, worker)
     overlap = not worker.shards_in_process if overlap_updates is None else bool(overlap_updates)
     scaler = None if grad_scaler is None else check_scaler(grad_scaler, _parameter_device(module))
     if optimizer is not None:
         check_optimizer(optimizer)
     args = example_input if isinstance(example_input, tuple) else (example_input,)
     split: set[str] = set()  # groups whose members run outside the group's forward, or span param groups
+    stored: frozenset[int] = frozenset()  # saved activations the recording could not recompute bit for bit
     while True:
         layers = find_layers(module, row_width, whole_modules, group_bytes, split)
         layer_groups = _assign_rules(layers, optimizer, split)
         if layer_groups is None:
             continue  # a grouped layer spanned param groups: split it and look again
         driver = ClockDriver(module, layers, worker, slack=slack, store_activations=store_activations,
-                             row_width=row_width, overlap_updates=overlap)
+                             row_width=row_width, overlap_updates=overlap, recompute=recomputing, stored=stored)
         try:
             driver.record(lambda: module(*args), example_loss or _default_loss)
         except BaseException:
@@ -470,6 +491,10 @@ def wrap(
             if driver.misgrouped is None or driver.misgrouped in split:
                 raise
             split.add(driver.misgrouped)  # nothing reached the engine yet: record again
+            continue
+        if driver.unreproducible:  # recomputations that differ from the forward: record again, storing them
+            driver.abandon()
+            stored = stored | frozenset(driver.unreproducible)
             continue
         try:
             driver.plan(hold_reads)

@@ -48,14 +48,41 @@ class Event:
 @dataclasses.dataclass(frozen=True)
 class Slot:
     """A saved activation of the recorded clock: its rows in the local table
-    hold its bytes."""
+    hold its bytes, or (``recomputed``) the backward pass makes it again
+    (``_recompute.py``) and it has no rows."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+    stride: tuple[int, ...] = ()  # the forward's strides ((): contiguous)
+    recomputed: bool = False
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        """The forward's strides (contiguous ones when ``stride`` is empty)."""
+        if self.stride:
+            return self.stride
+        out, step = [], 1
+        for size in reversed(self.shape):
+            out.append(step)
+            step *= max(size, 1)
+        return tuple(reversed(out))
+
+    @property
+    def exact_layout(self) -> bool:
+        """Whether a stored copy comes back with the forward's strides: the
+        tensor covers its memory span exactly once (contiguous in some order
+        of its dimensions), so its bytes are kept in memory order. Others
+        (expanded, or with gaps) come back contiguous."""
+        expected = 1
+        for step, size in sorted((st, sz) for sz, st in zip(self.shape, self.strides) if sz != 1):
+            if step != expected:
+                return False
+            expected *= size
+        return True
 
 
 def describe(event: Event, layers: Sequence[Layer], slots: Sequence[Slot]) -> str:
@@ -91,14 +118,16 @@ class Tables(NamedTuple):
 
 
 def create_tables(worker: Worker, layers: Sequence[Layer], slots: Sequence[Slot], *, row_width: int) -> Tables:
-    """Creates one table per layer and, for the saved activations, a local table."""
+    """Creates one table per layer and, for the stored activations, a local
+    table (recomputed ones have no rows)."""
     tables = [worker.create_tensor_table(f"torch:{layer.name}", layer.layout, update_rule=layer.update_rule)
               for layer in layers]
     activations: Table | None = None
     act_layout = TensorLayout(row_width)
-    if slots:
+    if any(not slot.recomputed for slot in slots):
         for k, slot in enumerate(slots):
-            act_layout.add(f"a{k}", (max(1, -(-slot.nbytes // 4)),))  # whole float32 words
+            if not slot.recomputed:
+                act_layout.add(f"a{k}", (max(1, -(-slot.nbytes // 4)),))  # whole float32 words
         activations = worker.create_tensor_table("torch:activations", act_layout, local=True)
     return Tables(tables, activations, act_layout)
 

@@ -224,10 +224,9 @@ def test_accesses_describe_the_recorded_clock() -> None:
             "store of saved activation #1 (4, 8) torch.float32",  # ReLU's output, also the next input
             "forward read of layer '2'",
             "end of the forward of layer '2'",
-            "load of saved activation #1 (4, 8) torch.float32",
+            "load of saved activation #1 (4, 8) torch.float32",  # once: kept for ReLU's backward too
             "backward read of layer '2'",  # its weight, for the input gradient
             "update of layer '2'",
-            "load of saved activation #1 (4, 8) torch.float32",
             "load of saved activation #0 (4, 6) torch.float32",
             "update of layer '0'",
         ]

@@ -1,0 +1,284 @@
+"""Recompute or store: which saved activations the backward pass makes again.
+
+With ``store_activations`` every tensor autograd saves for the backward pass
+is copied into the engine's local table, and under a device-memory budget
+the engine swaps what does not fit to host memory and back. ``wrap(recompute=
+"auto")`` stores less: a saved tensor made by a few cheap ops from tensors
+that are stored anyway (or from parameters, buffers and random state) is not
+stored; the backward pass runs those ops again from the stored inputs, as
+selective activation checkpointing does (Korthikanti et al. 2022; torch's
+``create_selective_checkpoint_contexts``).
+
+Cost model. Storing a tensor of ``b`` bytes costs two copies of ``b`` on the
+device per clock (into the local table in the forward, out in the backward)
+and, when the plan puts it in host memory, ``2 b`` over the host link: at the
+~25 GB/s of pinned PCIe copies on an H100 host, 80 ps per byte stored.
+Running a memory-bound op again (elementwise, batch and layer norm, softmax,
+pooling, dropout, casts, concatenation) costs the bytes it reads and writes
+at device-memory bandwidth (~3 TB/s on an H100: 0.3 ps per byte touched); a
+view costs nothing. So a chain of such ops that touches at most
+:data:`MAX_TOUCHED_PER_BYTE` (16) bytes per byte it saves costs at most about
+a fifteenth of the swap it avoids, and at most about twice the two device
+copies of storing it. Compute-bound ops (matmul, convolution, attention) do
+``2 K`` flops per output element, K the reduction size (hundreds to
+thousands): running them again repeats the forward's arithmetic (full
+activation checkpointing, about a third of a step more), so their outputs
+are always stored, as are tensors made from unstored inputs.
+
+The rule, per saved tensor, in the order the forward made them:
+
+1. it is made by ops that are all memory-bound (:func:`memory_bound`), each
+   replayable (no write to a parameter or buffer, no ``out=``, no copy
+   between devices, random ops only with the default generator), from
+   stored or recomputed saved tensors, parameters, buffers no op of the
+   forward writes, and random state;
+2. its ops touch at most ``MAX_TOUCHED_PER_BYTE`` bytes per byte saved;
+3. its depth is at most :data:`MAX_DEPTH` (2): a recomputed tensor read by
+   another recomputed tensor's ops must itself read only stored ones. The
+   backward pass keeps a recomputed tensor until its last use, so the depth
+   bounds how many are alive at once, and how many layers' parameters are
+   read early (a residual network's block outputs, each made from the
+   previous one, are then stored at every third block);
+4. an in-place op writes only memory its own chain made (never a stored
+   input, which the backward pass shares), and uninitialised memory
+   (``empty_like``) is read only by ops that overwrite it (``bernoulli_``).
+
+Why not ``torch.utils.checkpoint``: its non-reentrant mode keeps what it
+saves (a region's inputs, and with a selective policy the outputs it must
+save) in its own Python objects, behind its own ``saved_tensors_hooks``,
+which take precedence over the adapter's: those tensors would stay on the
+device, outside the engine's budget and its swaps. Deciding per saved
+tensor in the adapter's own hook keeps every stored byte in the engine.
+
+Bit-identical results: the ops run again are the same aten ops on the same
+inputs (stored inputs come back with their strides, see ``_clock._load``),
+random ops with the generator state they had in the forward; batch norm's
+running statistics are not updated twice (scratch tensors take the write).
+The recording pass of ``wrap()`` checks every recomputed tensor against the
+one the forward made, byte for byte, and records again with those that
+differ stored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from mltuner.torch._buffers import storage_ptr
+from mltuner.torch._recording import Slot
+from mltuner.torch._trace import BufferArg, ForwardTrace, ParamRef, ScratchArg, ValueArg, generator_of
+
+__all__ = ["MAX_DEPTH", "MAX_TOUCHED_PER_BYTE", "Program", "RECOMPUTE_CHOICES", "Recompute", "choose", "describe", "memory_bound",
+           "remap_reads", "run"]
+
+Recompute = Literal["auto", "cheap", "none"]
+RECOMPUTE_CHOICES: tuple[Recompute, ...] = ("auto", "cheap", "none")
+
+MAX_DEPTH = 2
+MAX_TOUCHED_PER_BYTE = 16
+MAX_NODES = 64  # ops in one tensor's chain: a bound on the planning work, not a cost limit
+
+_aten = torch.ops.aten
+_MEMORY_BOUND = frozenset(p.__name__ for p in (
+    _aten.native_batch_norm, _aten.cudnn_batch_norm, _aten.miopen_batch_norm, _aten._native_batch_norm_legit,
+    _aten._batch_norm_with_update, _aten.native_layer_norm, _aten.native_group_norm, _aten._softmax,
+    _aten._log_softmax, _aten._safe_softmax, _aten.max_pool2d_with_indices, _aten.max_pool3d_with_indices,
+    _aten.avg_pool2d, _aten.avg_pool3d, _aten._adaptive_avg_pool2d, _aten._adaptive_avg_pool3d, _aten.mean,
+    _aten.sum, _aten.amax, _aten.amin, _aten.native_dropout, _aten.bernoulli, _aten.bernoulli_, _aten.uniform_,
+    _aten.normal_, _aten.fill_, _aten.zero_, _aten.copy_, _aten.cat, _aten.stack, _aten._to_copy, _aten.clone,
+    _aten.embedding, _aten.index_select, _aten.gather, _aten.constant_pad_nd, _aten.where, _aten.masked_fill,
+    _aten.repeat, _aten._unsafe_view, _aten.empty, _aten.empty_like, _aten.empty_strided, _aten.new_empty,
+    _aten.new_empty_strided, _aten.zeros_like, _aten.ones_like, _aten.full_like, _aten.new_zeros, _aten.new_ones,
+    _aten.new_full, _aten.zeros, _aten.ones, _aten.full, _aten.arange, _aten.scalar_tensor))
+# Ops that make uninitialised memory, and in-place ops that overwrite all of
+# their tensor without reading it (only these may take such memory).
+_UNINITIALISED = frozenset(p.__name__ for p in (_aten.empty, _aten.empty_like, _aten.empty_strided,
+                                                _aten.new_empty, _aten.new_empty_strided))
+_OVERWRITES = frozenset(p.__name__ for p in (_aten.bernoulli_, _aten.uniform_, _aten.normal_, _aten.fill_,
+                                             _aten.zero_, _aten.copy_))
+_DROPOUT = _aten.native_dropout.default
+
+
+def _name(func: torch._ops.OpOverload) -> str:
+    return str(func.overloadpacket.__name__)
+
+
+def memory_bound(func: torch._ops.OpOverload) -> bool:
+    """Whether an aten op does O(1) arithmetic per byte it touches, so that
+    running it again costs about its bytes at device-memory bandwidth:
+    elementwise ops (tag ``pointwise``), views, and a list of normalisation,
+    pooling, softmax, reduction, dropout, cast, copy and factory ops."""
+    if torch.Tag.pointwise in func.tags or _name(func) in _MEMORY_BOUND:
+        return True
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """How the backward pass makes a saved activation again: the traced ops
+    to run, in forward order, and the saved activations they read."""
+
+    slot: int
+    output: int  # the value the saved activation holds
+    nodes: tuple[int, ...]  # trace nodes, in forward order
+    leaves: tuple[tuple[int, int], ...]  # (value, slot) of the saved activations it reads
+    mask_only: tuple[tuple[int, ScratchArg], ...]  # dropouts run for their mask alone, on a stand-in input
+    depth: int  # 1 + the largest depth of the recomputed activations it reads (stored: 0)
+    touched_bytes: int
+
+
+def choose(trace: ForwardTrace, slot_values: Sequence[int], slots: Sequence[Slot],
+           stored: frozenset[int] = frozenset()) -> dict[int, Program]:
+    """The saved activations to recompute (by slot) and their programs,
+    under the rule of the module docstring. ``slot_values[k]`` is the value
+    saved activation ``k`` holds; ``stored`` are slots never to recompute."""
+    slot_of_value: dict[int, int] = {}
+    for slot, value in enumerate(slot_values):
+        slot_of_value.setdefault(value, slot)
+    depth: dict[int, int] = {}  # slot -> depth (0: stored)
+    programs: dict[int, Program] = {}
+    for slot in sorted(range(len(slot_values)), key=lambda k: slot_values[k]):  # producers first
+        program = None if slot in stored else _program(slot, trace, slot_values, slot_of_value, slots, depth)
+        if program is None or program.depth > MAX_DEPTH or \
+                program.touched_bytes > MAX_TOUCHED_PER_BYTE * slots[slot].nbytes:
+            depth[slot] = 0
+        else:
+            depth[slot] = program.depth
+            programs[slot] = program
+    return programs
+
+
+def _program(slot: int, trace: ForwardTrace, slot_values: Sequence[int], slot_of_value: dict[int, int],
+             slots: Sequence[Slot], depth: dict[int, int]) -> Program | None:
+    """The chain of ops that makes ``slot``'s value from other saved
+    activations, parameters, buffers and random state; None if there is
+    none under the rule's conditions 1 and 4."""
+    target = slot_values[slot]
+    wanted: dict[int, set[int]] = {}  # node -> its outputs the chain uses
+    leaves: dict[int, int] = {}
+    written: list[int] = []  # values that in-place ops of the chain write
+    stack = [(target, True, False)]  # (value, is the target, reached as the tensor an overwriting op writes)
+    while stack:
+        value, top, overwritten = stack.pop()
+        other = slot_of_value.get(value)
+        if not top and other is not None:
+            if other not in depth or (depth[other] == 0 and not slots[other].exact_layout):
+                return None  # read back with another layout than the forward's
+            leaves[value] = other
+            continue
+        producer = trace.producer[value]
+        if producer is None:
+            return None  # opaque: the model's input, or made outside the trace
+        number, position = producer
+        node = trace.nodes[number]
+        if not node.replayable or not memory_bound(node.func):
+            return None
+        if _name(node.func) in _UNINITIALISED and not overwritten:
+            return None
+        outputs = wanted.setdefault(number, set())
+        if position in outputs:
+            continue
+        first = not outputs
+        outputs.add(position)
+        if len(wanted) > MAX_NODES:
+            return None
+        if node.func is _DROPOUT:  # its mask depends on the random state alone, its output on the input too
+            if position == 0:
+                stack.append((_value_args(node)[0], False, False))
+            continue
+        if not first:
+            continue
+        for arg in tree_flatten((node.args, node.kwargs))[0]:
+            if isinstance(arg, ValueArg):
+                stack.append((arg.value, False, arg.value == node.mutates and _name(node.func) in _OVERWRITES))
+            elif isinstance(arg, BufferArg) and storage_ptr(arg.tensor) in trace.mutated_buffers:
+                return None  # its value in the backward pass may not be the forward's
+        if node.mutates >= 0:
+            written.append(node.mutates)
+    made = {value for number in wanted for value in trace.nodes[number].outputs if value >= 0}
+    for value in written:  # an in-place op writes only memory its own chain made
+        base = trace.base[value]
+        if base in leaves or base not in made or value in leaves:
+            return None
+    nodes = tuple(sorted(wanted))
+    mask_only = tuple((n, trace.meta[_value_args(trace.nodes[n])[0]]) for n in nodes
+                      if trace.nodes[n].func is _DROPOUT and 0 not in wanted[n])
+    return Program(slot, target, nodes, tuple(sorted(leaves.items())), mask_only,
+                   1 + max((depth[s] for s in leaves.values()), default=0),
+                   sum(trace.nodes[n].touched_bytes for n in nodes))
+
+
+def _value_args(node: object) -> list[int]:
+    return [a.value for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, ValueArg)]  # type: ignore[attr-defined]
+
+
+def remap_reads(trace: ForwardTrace, programs: dict[int, Program], index: dict[int, int]) -> None:
+    """Renumbers the forward-read events the programs' parameter references
+    name, after the recording dropped the store events of recomputed slots."""
+    def remap(item: object) -> object:
+        return dataclasses.replace(item, read=index[item.read]) if isinstance(item, ParamRef) else item
+    for number in {n for program in programs.values() for n in program.nodes}:
+        node = trace.nodes[number]
+        node.args = tree_map(remap, node.args)
+        node.kwargs = tree_map(remap, node.kwargs)
+
+
+def run(program: Program, trace: ForwardTrace, *, leaf: Callable[[int], torch.Tensor],
+        param: Callable[[ParamRef], torch.Tensor], random_state: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """Runs ``program``'s ops again and returns the saved activation.
+    ``leaf(slot)`` gives a saved activation it reads, ``param(ref)`` a view
+    of a layer's parameters, ``random_state(n)`` the generator state before
+    the forward's random op ``n``."""
+    env = {value: leaf(slot) for value, slot in program.leaves}
+    stand_ins = dict(program.mask_only)
+
+    def fill(item: object) -> object:
+        if isinstance(item, ValueArg):
+            return env[item.value]
+        if isinstance(item, ParamRef):
+            return param(item)
+        if isinstance(item, BufferArg):
+            return item.tensor
+        if isinstance(item, ScratchArg):
+            return item.make()
+        return item
+
+    with torch.no_grad():
+        for number in program.nodes:
+            node = trace.nodes[number]
+            if number in stand_ins:
+                args = (stand_ins[number].make(), *tree_map(fill, node.args[1:]))
+            else:
+                args = tree_map(fill, node.args)
+            kwargs = tree_map(fill, node.kwargs)
+            if node.seeded >= 0:
+                assert node.device is not None
+                generator = generator_of(node.device)
+                saved = generator.get_state()
+                generator.set_state(random_state(node.seeded))
+                try:
+                    out = node.func(*args, **kwargs)
+                finally:
+                    generator.set_state(saved)
+            else:
+                out = node.func(*args, **kwargs)
+            for value, item in zip(node.outputs, tree_flatten(out)[0]):
+                if value >= 0:
+                    env[value] = item
+    return env[program.output]
+
+
+def describe(program: Program, trace: ForwardTrace) -> str:
+    """A program in words: ``recomputed from #2 by native_batch_norm, relu_``."""
+    ops = [_name(trace.nodes[n].func) for n in program.nodes if trace.nodes[n].touched_bytes > 0]
+    sources = ", ".join(f"#{slot}" for _, slot in program.leaves)
+    source = f" from {sources}" if sources else ""
+    params = any(isinstance(a, ParamRef) for n in program.nodes
+                 for a in tree_flatten((trace.nodes[n].args, trace.nodes[n].kwargs))[0])
+    if params:
+        source += (" and parameters" if sources else " from parameters")
+    return f"recomputed{source} by {', '.join(ops) if ops else 'a view'}"

@@ -167,8 +167,9 @@ def _bytes(tensor: torch.Tensor, slot: Slot) -> torch.Tensor:
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors are equal byte for byte, strides included."""
-    if a.shape != b.shape or a.dtype != b.dtype or a.stride() != b.stride():
+    """Whether two tensors are equal byte for byte, layout included."""
+    layout = Slot(tuple(b.shape), b.dtype, tuple(b.stride()))
+    if a.shape != b.shape or a.dtype != b.dtype or not layout.same_layout(tuple(a.stride())):
         return False
     return bool(torch.equal(a.detach().contiguous().view(-1).view(torch.uint8),
                             b.detach().contiguous().view(-1).view(torch.uint8)))
@@ -219,6 +220,7 @@ class ClockDriver:
         # kept until its last use (the recording counts the uses): [tensor, uses left].
         self._uses: list[int] = []
         self._memo: dict[int, list[Any]] = {}
+        self._modes: list[bool] = []  # each module's training flag in the recording (_check_modes)
         self._handles: list[int] = []
         self._tables: list[Table] = []
 
@@ -388,9 +390,11 @@ class ClockDriver:
         if not self._recompute:
             return (f"saved activations: {len(self._slots)} stored ({total} B per clock), none recomputed "
                     "(recompute='none', or 'auto' without a device_memory_budget)")
+        spoiled = (f", {len(self._stored)} stored because running their ops again did not give the forward's "
+                   "bytes" if self._stored else "")
         return (f"saved activations: {len(self._slots) - len(recomputed)} stored "
                 f"({total - gone} B per clock), {len(recomputed)} recomputed in the backward pass from stored "
-                f"ones ({gone} B not stored)")
+                f"ones ({gone} B not stored{spoiled})")
 
     def _describe(self, event: Event) -> str:
         return describe(event, self.layers, self._slots)
@@ -554,6 +558,8 @@ class ClockDriver:
                 f"a second training forward pass in clock {self.clock}: call loss.backward() and step() once "
                 "per forward pass (run evaluation forwards under torch.no_grad())"
             )
+        if self._programs and not self._recording:
+            self._check_modes()  # nothing of the clock has reached the engine
         if self.clock_start is not None and not self._recording:
             self.clock_start()  # may raise: nothing of the clock has reached the engine
         if self._stale_grads:  # stale gradients of an aborted backward must not accumulate
@@ -705,8 +711,7 @@ class ClockDriver:
         with self._mutating():
             slot = self._next_slot
             if self._recording:
-                contiguous = tensor.is_contiguous()
-                self._slots.append(Slot(tuple(tensor.shape), tensor.dtype, () if contiguous else tuple(tensor.stride())))
+                self._slots.append(Slot(tuple(tensor.shape), tensor.dtype, tuple(tensor.stride())))
                 self._uses.append(0)
                 if self._trace is not None:
                     self._slot_values.append(self._trace.value_of(tensor))
@@ -721,7 +726,7 @@ class ClockDriver:
                     + (" (another dtype only: under torch.autocast, call wrap() inside the same autocast)"
                        if tuple(tensor.shape) == expected.shape else "")
                 )
-            if tuple(tensor.stride()) != expected.strides:
+            if not expected.same_layout(tuple(tensor.stride())):
                 raise IterationMismatchError(
                     f"clock {self.clock}: saved activation #{slot} {expected.shape} has strides "
                     f"{tuple(tensor.stride())}, the recorded one {expected.strides}; with store_activations=True "
@@ -821,6 +826,21 @@ class ClockDriver:
             return self._random
         return contextlib.nullcontext()
 
+    def _check_modes(self) -> None:
+        """Recomputing, the backward pass runs the recorded ops with the
+        recorded arguments, so a module switched between train and eval mode
+        since the recording (batch norm, dropout) would make other values
+        than its forward: refused before the clock starts."""
+        for (name, module), training in zip(self.model.named_modules(), self._modes):
+            if module.training != training:
+                raise IterationMismatchError(
+                    f"clock {self.clock}: module {name or type(module).__name__!r} is in "
+                    f"{'train' if module.training else 'eval'} mode, but it was in "
+                    f"{'train' if training else 'eval'} mode when wrap() recorded the clock; with recomputed "
+                    "activations the backward pass runs the recorded ops again, so the modes must stay as they "
+                    "were (or use wrap(..., recompute='none'))"
+                )
+
     def _trace_param(self, tensor: torch.Tensor) -> ParamRef | None:
         owner = self._param_ptrs.get(storage_ptr(tensor) or 0)
         if owner is None or tensor.dtype != torch.float32:
@@ -846,6 +866,7 @@ class ClockDriver:
         self._events = kept
         remap_reads(self._trace, programs, index)
         self._programs = programs
+        self._modes = [module.training for module in self.model.modules()]
         self._slots = [dataclasses.replace(s, recomputed=True) if k in programs else s for k, s in enumerate(self._slots)]
         self._random_wanted = {self._trace.nodes[n].seeded for p in programs.values() for n in p.nodes
                                if self._trace.nodes[n].seeded >= 0}
@@ -1192,7 +1213,10 @@ class ClockDriver:
             if False not in least:  # for the message: what reading again would need
                 self._replay(tables, recorded, False)
                 least[False] = worker.preview_plan().pool_min_bytes
-            raise ResourceExhaustedError(refusal(hold_reads, least, budget, 1 + worker.config.prefetch_clocks))
+            note = ("; recomputing saved activations (wrap(recompute='auto') under a budget) reads some layers' "
+                    "parameters earlier in the backward pass, which can raise the least budget: recompute='none' "
+                    "may need less" if self._programs else "")
+            raise ResourceExhaustedError(refusal(hold_reads, least, budget, 1 + worker.config.prefetch_clocks) + note)
         self.hold_choice = reason(hold_reads, self._store_activations, chosen, least, budget)
         worker.finish_virtual_iteration()
         if worker.rank == 0:  # the initial values: worker 0's model, added to the servers' zeros

@@ -112,8 +112,26 @@ class PSModule(nn.Module):
         device and host stores, and the host memory the plan needs, part by
         part; how many layers' parameters and stored activations went to the
         device and to host memory; and the bytes the plan predicts it moves
-        per clock each way (:attr:`mltuner.Worker.plan`)."""
-        return f"{self._driver.hold_choice}; {self.worker.plan}"
+        per clock each way (:attr:`mltuner.Worker.plan`). With
+        ``store_activations`` the access pattern is followed by how many
+        saved activations are stored and how many recomputed
+        (``saved activations: 63 stored (358080 B per clock), 16 recomputed
+        in the backward pass from stored ones (245760 B not stored)``; each
+        one in :attr:`saved_activations`)."""
+        summary = self._driver.recompute_summary
+        return f"{self._driver.hold_choice}; {summary + '; ' if summary else ''}{self.worker.plan}"
+
+    @property
+    def saved_activations(self) -> list[str]:
+        """With ``store_activations``: each tensor autograd saves in a clock
+        (other than parameters and buffers), in the order the forward saves
+        them, and what becomes of it: ``#3 (16, 64) torch.float32: stored``
+        (in the local table: the plan places it on the device or in host
+        memory), or ``#4 (16, 64) torch.float32: recomputed from #1 and
+        parameters by native_batch_norm, relu`` (the aten ops the backward
+        pass runs again, from the stored activations named). Empty without
+        ``store_activations``."""
+        return self._driver.saved_activations
 
     @property
     def accesses(self) -> list[str]:
@@ -434,6 +452,22 @@ def wrap(
             several groups becomes several tables; a module's own
             parameters must share a group's settings (one rule per table).
             None: ``Config.update_rule`` for every table.
+        recompute: with ``store_activations``, which saved activations the
+            backward pass makes again instead of storing them. ``"cheap"``:
+            those made by a few memory-bound ops (ReLU, GELU, batch and layer
+            norm, dropout with its random numbers replayed, adds, views,
+            casts, pooling) from stored ones, parameters or buffers; the
+            outputs of matmuls, convolutions and attention, and what cannot
+            be made from stored tensors, are stored. Fewer bytes are stored
+            and swapped per clock, for the time of running those ops again
+            (the cost model: ``mltuner.torch._recompute``). Results are bit
+            for bit those of storing everything (the recording pass checks
+            each recomputed tensor against the forward's and stores the ones
+            that differ). ``"none"``: store every saved activation.
+            ``"auto"`` (the default): ``"cheap"`` when storing activations
+            under a ``Config.device_memory_budget``, else ``"none"``.
+            ``model.plan`` and ``model.saved_activations`` say what was
+            chosen.
 
     Raises:
         UnsupportedModelError: a non-float32 or sparse trainable parameter,
@@ -444,7 +478,8 @@ def wrap(
             leaves out a trainable parameter, or a module whose own
             parameters are in groups with different settings.
         mltuner.InvalidArgumentError: a used worker, bad arguments, a model
-            on another device than the engine.
+            on another device than the engine; ``recompute="cheap"`` without
+            ``store_activations``.
         mltuner.ResourceExhaustedError: ``Config.device_memory_budget``
             cannot hold the access-buffer pool of the access pattern given
             (``hold_reads``), or of either when choosing (about the largest

@@ -56,6 +56,11 @@ class Slot:
     stride: tuple[int, ...] = ()  # the forward's strides ((): contiguous)
     recomputed: bool = False
 
+    def same_layout(self, stride: tuple[int, ...]) -> bool:
+        """Whether ``stride`` lays a tensor of this shape out as the slot's
+        strides do (a dimension of size 1 may have any stride)."""
+        return all(a == b for a, b, size in zip(stride, self.strides, self.shape) if size != 1)
+
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize

@@ -143,7 +143,7 @@ def _returns_alias(func: torch._ops.OpOverload) -> list[bool | None]:
     return [None if r.alias_info is None else bool(r.alias_info.is_write) for r in func._schema.returns]
 
 
-class ForwardTrace(TorchDispatchMode):
+class ForwardTrace(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Logs the recording forward's aten ops (module docstring).
 
     ``param_ref`` maps a tensor to the :class:`ParamRef` of the parameters
@@ -153,7 +153,7 @@ class ForwardTrace(TorchDispatchMode):
 
     def __init__(self, param_ref: Callable[[torch.Tensor], ParamRef | None],
                  is_local: Callable[[torch.Tensor], bool]) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self._param_ref = param_ref
         self._is_local = is_local
         self.nodes: list[Node] = []
@@ -177,7 +177,7 @@ class ForwardTrace(TorchDispatchMode):
 
     def value_of(self, tensor: torch.Tensor) -> int:
         """The value ``tensor`` holds now (an opaque one if no traced op made it)."""
-        known = self._values.get(tensor)
+        known = self._values.get(tensor)  # type: ignore[no-untyped-call]
         if known is not None and known[0] == tensor._version:
             return int(known[1])
         return self._new_value(tensor, None, -1, tensor._version)
@@ -285,12 +285,12 @@ class ForwardTrace(TorchDispatchMode):
         self.nodes.append(node)
 
 
-class RandomStates(TorchDispatchMode):
+class RandomStates(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Later clocks: keeps the generator state before each random op whose
     number is in ``wanted`` (the random ops of recomputed tensors)."""
 
     def __init__(self, wanted: set[int]) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.wanted = wanted
         self.states: dict[int, torch.Tensor] = {}
         self._count = 0

@@ -1,0 +1,356 @@
+"""Recomputing cheap saved activations (wrap(recompute=...), issue 16 item 1):
+fewer bytes stored, the same bits.
+
+Each model trains for a few clocks with every saved activation stored
+(recompute="none") and with the cheap ones recomputed in the backward pass,
+at budgets from the least the recomputing plan accepts up to unlimited; the
+parameters, buffers and losses must be equal bit for bit, and the bytes the
+engine stores must drop by the bytes of the tensors the test expects to be
+recomputed, counted from the model's shapes.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import mltuner  # noqa: E402
+import mltuner.torch as mt  # noqa: E402
+import mltuner.torch._recompute as recompute_module  # noqa: E402
+from mltuner import Config, LocalCluster, UpdateRule, Worker  # noqa: E402
+
+CLOCKS = 4
+BATCH, CHANNELS, SIDE, CLASSES = 4, 8, 8, 10  # one (B, C, H, W) activation: 2048 floats, 16 rows of 128
+
+
+class Block(nn.Module):
+    """A residual block: conv, batch norm, ReLU, conv, batch norm, plus the input, ReLU."""
+
+    def __init__(self, inplace: bool) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(CHANNELS, CHANNELS, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(CHANNELS)
+        self.conv2 = nn.Conv2d(CHANNELS, CHANNELS, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(CHANNELS)
+        self.relu = nn.ReLU(inplace=inplace)
+        self.inplace = inplace
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        if self.inplace:  # torchvision's BasicBlock: out += identity; relu(inplace=True)
+            out += x
+            return self.relu(out)
+        return self.relu(out + x)
+
+
+def resnet(inplace: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, CHANNELS, 3, padding=1, bias=False), nn.BatchNorm2d(CHANNELS),
+                         nn.ReLU(inplace=inplace), Block(inplace), Block(inplace), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(CHANNELS, CLASSES))
+
+
+WIDTH, SEQ = 32, 8
+
+
+def transformer(dropout: float) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.TransformerEncoderLayer(WIDTH, 2, 2 * WIDTH, dropout=dropout, batch_first=True,
+                                                      activation="gelu") for _ in range(2)])
+
+
+def resnet_data() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return (torch.randn(CLOCKS, BATCH, 3, SIDE, SIDE, generator=generator),
+            torch.randint(0, CLASSES, (CLOCKS, BATCH), generator=generator))
+
+
+def transformer_data() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(CLOCKS, BATCH, SEQ, WIDTH, generator=generator), torch.zeros(CLOCKS)
+
+
+def train(make: Callable[[], nn.Module], data: tuple[torch.Tensor, torch.Tensor], loss_of: Callable[..., Any],
+          recompute: str, budget: int = 0, **wrap_args: Any) -> dict[str, Any]:
+    """One worker, CLOCKS clocks; what the test compares."""
+    x, y = data
+    model = make()
+    config = Config(device_memory_budget=budget, wait_timeout_s=20,
+                    update_rule=UpdateRule("momentum", learning_rate=0.05, momentum=0.9))
+    torch.manual_seed(7)  # dropout draws from the global generator
+    with LocalCluster(1, config) as cluster:
+        worker = cluster.worker(0)
+        ps_model = mt.wrap(model, worker, example_input=x[0], store_activations=True, recompute=recompute,
+                           example_loss=lambda out: loss_of(out, y[0]), **wrap_args)
+        losses = []
+        for clock in range(CLOCKS):
+            loss = loss_of(ps_model(x[clock]), y[clock])
+            loss.backward()
+            ps_model.step()
+            losses.append(loss.item())
+        return {"state": ps_model.state_dict(), "losses": losses, "stats": worker.stats, "plan": ps_model.plan,
+                "saved": ps_model.saved_activations, "accesses": ps_model.accesses,
+                "after": torch.rand(4)}  # the global generator's state after training
+
+
+def resnet_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out, y)
+
+
+def transformer_loss(out: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+    return out.pow(2).mean()
+
+
+def assert_same_training(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert got["losses"] == want["losses"]
+    assert got["state"].keys() == want["state"].keys()
+    for name, value in want["state"].items():  # parameters and batch-norm statistics alike
+        assert torch.equal(got["state"][name], value), name
+    assert torch.equal(got["after"], want["after"])  # replaying dropout left the random stream alone
+
+
+def recomputed(saved: list[str]) -> list[str]:
+    return [line for line in saved if ": recomputed" in line]
+
+
+ACT = f"({BATCH}, {CHANNELS}, {SIDE}, {SIDE}) torch.float32"
+ACT_BYTES = BATCH * CHANNELS * SIDE * SIDE * 4
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["relu", "relu_inplace"])
+def test_resnet_recomputes_batch_norm_and_relu_outputs_bit_identically(inplace: bool) -> None:
+    data = resnet_data()
+    make = functools_partial(resnet, inplace)
+    stored = train(make, data, resnet_loss, "none")
+    cheap = train(make, data, resnet_loss, "cheap")  # no budget: recompute forced
+    assert_same_training(cheap, stored)
+    assert stored["losses"][-1] < stored["losses"][0]  # it trains
+
+    # What the rule gives, from the model's structure: the stem's ReLU output
+    # (batch norm and ReLU again from the stored convolution output, depth
+    # 1), each block's first ReLU output (depth 1) and the first block's
+    # output (from its stored second convolution output and the stem's
+    # recomputed output: depth 2). The second block's output would be depth
+    # 3: stored. The pooled features (a mean over 64 values each) touch 65
+    # bytes per byte saved, more than the 16 of the cost model: stored.
+    add = "add_" if inplace else "add"
+    relu = "relu_" if inplace else "relu"
+    lines = recomputed(cheap["saved"])
+    assert [line.split(": ")[0].split(" ", 1)[1] for line in lines] == [ACT] * 4, cheap["saved"]
+    assert lines[0].endswith(f"and parameters by native_batch_norm, {relu}"), lines
+    assert lines[1].endswith(f"and parameters by native_batch_norm, {relu}"), lines
+    assert lines[2].endswith(f"and parameters by native_batch_norm, {add}, {relu}"), lines
+    assert lines[3].endswith(f"and parameters by native_batch_norm, {relu}"), lines
+    # The stored activations: the input, 5 convolution outputs, 10 batch-norm
+    # statistics, the second block's output and the pooled features.
+    assert len(cheap["saved"]) - len(lines) == 18, cheap["saved"]
+    # Every activation here takes whole rows, so the engine's stores shrink
+    # by exactly the recomputed bytes.
+    assert stored["stats"]["device_store_bytes"] - cheap["stats"]["device_store_bytes"] == 4 * ACT_BYTES
+    assert (f"saved activations: 18 stored ({stored_bytes(cheap['saved'], lines)} B per clock), 4 recomputed in "
+            f"the backward pass from stored ones ({4 * ACT_BYTES} B not stored)") in cheap["plan"], cheap["plan"]
+    # Only stored activations reach the engine: no store or load of a recomputed one.
+    numbers = {line.split(" ")[0] for line in lines}
+    assert sum("store of saved activation" in access for access in cheap["accesses"]) == 18
+    assert not [access for access in cheap["accesses"] if access.split(" (")[0].rsplit(" ", 1)[-1] in numbers]
+
+
+def stored_bytes(saved: list[str], recomputed_lines: list[str]) -> int:
+    """The bytes of the stored activations, from their shapes and dtypes in words."""
+    total = 0
+    for line in saved:
+        if line in recomputed_lines:
+            continue
+        shape_text, dtype_text = line.split(" ", 1)[1].split(": ")[0].rsplit(" ", 1)
+        shape = [int(n) for n in shape_text.strip("(),").split(",") if n.strip()]
+        count = 1
+        for n in shape:
+            count *= n
+        total += count * getattr(torch, dtype_text.split(".")[1]).itemsize
+    return total
+
+
+def functools_partial(make: Callable[..., nn.Module], *args: Any) -> Callable[[], nn.Module]:
+    return lambda: make(*args)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_transformer_recomputes_layer_norm_gelu_and_dropout_bit_identically(dropout: float) -> None:
+    data = transformer_data()
+    make = functools_partial(transformer, dropout)
+    stored = train(make, data, transformer_loss, "none")
+    cheap = train(make, data, transformer_loss, "cheap")
+    assert_same_training(cheap, stored)
+
+    tokens = BATCH * SEQ
+    if dropout == 0.0:
+        # Per layer: the attention output's view for the output projection,
+        # the first layer norm's output (the first linear's input) and GELU's
+        # output (2x wide, the second linear's input); and the second
+        # layer's input, the first layer's last layer norm output.
+        expected = 2 * (tokens * WIDTH + tokens * WIDTH + tokens * 2 * WIDTH) + tokens * WIDTH
+        ops = ["by a view", "by native_layer_norm", "by gelu", "by native_layer_norm, clone"]
+    else:
+        # Per layer, besides the first layer norm's output: each dropout's
+        # mask (attention weights, after attention, in the feed-forward
+        # block, after it), made again from the random state; the dropped
+        # attention weights and the dropped GELU output (the second linear's
+        # input), made from stored inputs and the masks; and the second
+        # layer's input.
+        attention = BATCH * 2 * SEQ * SEQ
+        masks = attention + tokens * WIDTH + tokens * 2 * WIDTH + tokens * WIDTH
+        expected = 2 * (masks + attention + tokens * WIDTH + tokens * 2 * WIDTH) + tokens * WIDTH
+        ops = ["by empty_like, bernoulli_, div_", "by mul", "by gelu, mul", "by native_layer_norm"]
+    lines = recomputed(cheap["saved"])
+    assert all(any(line.endswith(op) for line in lines) for op in ops), cheap["saved"]
+    assert f"({expected * 4} B not stored)" in cheap["plan"], cheap["plan"]
+    assert stored["stats"]["device_store_bytes"] - cheap["stats"]["device_store_bytes"] == expected * 4
+
+
+class DropoutNet(nn.Module):
+    """Linear, GELU, then torch.native_dropout (the fused op F.dropout runs on
+    CUDA): its output is made again from GELU's stored input, its mask from
+    the random state alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(WIDTH, 2 * WIDTH)
+        self.fc2 = nn.Linear(2 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden, _ = torch.native_dropout(F.gelu(self.fc1(x)), 0.3, True)
+        return self.fc2(hidden)
+
+
+def test_native_dropout_is_replayed_with_its_random_state() -> None:
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return DropoutNet()
+
+    data = transformer_data()
+    stored = train(make, data, transformer_loss, "none")
+    cheap = train(make, data, transformer_loss, "cheap")
+    assert_same_training(cheap, stored)
+    lines = recomputed(cheap["saved"])
+    assert len(lines) == 2 and all("by gelu, native_dropout" in line or "by native_dropout" in line
+                                   for line in lines), cheap["saved"]
+    assert any("torch.bool: recomputed by native_dropout" in line for line in lines), lines  # the mask
+
+
+def test_every_budget_from_the_least_trains_bit_identically_with_fewer_bytes_moved() -> None:
+    """recompute='auto' recomputes under a budget: from the least budget the
+    recomputing plan accepts up to none, the same bits as storing everything
+    without a budget; at a budget both accept, the recomputing plan predicts
+    fewer bytes moved per clock."""
+    data = resnet_data()
+    make = functools_partial(resnet, False)
+    reference = train(make, data, resnet_loss, "none")
+    least_cheap = train(make, data, resnet_loss, "cheap")["stats"]["pool_min_bytes"]
+    least_stored = reference["stats"]["pool_min_bytes"]
+    need = reference["stats"]["device_store_bytes"] + least_stored
+    for budget in (least_cheap, max(least_cheap, least_stored), need // 2, 0):
+        run = train(make, data, resnet_loss, "auto", budget)
+        assert_same_training(run, reference)
+        if budget:
+            assert run["stats"]["pool_bytes"] <= budget
+            assert "4 recomputed in the backward pass" in run["plan"], (budget, run["plan"])
+        else:
+            assert "none recomputed (recompute='none', or 'auto' without a device_memory_budget)" in run["plan"]
+    budget = max(least_cheap, least_stored)
+    swapping = train(make, data, resnet_loss, "none", budget)
+    recomputing = train(make, data, resnet_loss, "auto", budget)
+    assert_same_training(swapping, reference)
+    moved = [r["stats"]["predicted_bytes_to_device_per_clock"] for r in (swapping, recomputing)]
+    assert moved[1] < moved[0], moved
+    stores = [r["stats"]["device_store_bytes"] + r["stats"]["host_store_bytes"] for r in (swapping, recomputing)]
+    assert stores[0] - stores[1] == 4 * ACT_BYTES, (swapping["plan"], recomputing["plan"])
+
+
+def test_weight_casts_under_autocast_are_recomputed_from_the_parameters() -> None:
+    """Under bfloat16 autocast each layer's bfloat16 weights, which autograd
+    saves for the backward pass, are cast again from the parameters."""
+    x, y = resnet_data()
+    results = {}
+    for recompute in ("none", "cheap"):
+        with LocalCluster(1, Config(wait_timeout_s=20, update_rule=UpdateRule("sgd", learning_rate=0.05))) as cluster:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                ps_model = mt.wrap(resnet(), cluster.worker(0), example_input=x[0], store_activations=True,
+                                   recompute=recompute, hold_reads=True,
+                                   example_loss=lambda out: F.cross_entropy(out, y[0]))
+            for clock in range(CLOCKS):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = F.cross_entropy(ps_model(x[clock]), y[clock])
+                loss.backward()
+                ps_model.step()
+            results[recompute] = ps_model.state_dict(), ps_model.saved_activations
+    for name, value in results["none"][0].items():
+        assert torch.equal(results["cheap"][0][name], value), name
+    casts = [line for line in results["cheap"][1] if line.endswith("recomputed from parameters by _to_copy")]
+    assert len(casts) == 6, results["cheap"][1]  # 5 convolutions and the linear layer
+
+
+def test_a_recomputation_that_differs_is_stored_instead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recording pass compares each recomputed tensor with the forward's,
+    byte for byte; wrap() records again with those that differ stored."""
+    import mltuner.torch._clock as clock_module
+
+    real_run = clock_module.run
+    spoiled: list[int] = []
+
+    def spoiling_run(program: recompute_module.Program, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = real_run(program, *args, **kwargs)
+        if not spoiled or program.slot == spoiled[0]:
+            spoiled[:1] = [program.slot]
+            return out + 1  # as a nondeterministic kernel might
+        return out
+
+    monkeypatch.setattr(clock_module, "run", spoiling_run)
+    data = resnet_data()
+    make = functools_partial(resnet, False)
+    cheap = train(make, data, resnet_loss, "cheap")
+    assert cheap["saved"][spoiled[0]].endswith(": stored"), cheap["saved"]
+    assert len(recomputed(cheap["saved"])) == 3
+    assert f"1 stored because running their ops again did not give the forward's bytes" in cheap["plan"]
+    monkeypatch.setattr(clock_module, "run", real_run)
+    assert_same_training(cheap, train(make, data, resnet_loss, "none"))
+
+
+def test_bad_recompute_arguments_are_refused() -> None:
+    x, y = resnet_data()
+    for kwargs, match in [
+        ({"recompute": "cheap"}, r"recompute='cheap' needs store_activations=True"),
+        ({"recompute": "always", "store_activations": True}, r"recompute must be one of 'auto', 'cheap', 'none', "
+                                                             r"got 'always'"),
+        ({"recompute": True, "store_activations": True}, r"recompute must be one of .* got True"),
+    ]:
+        model = resnet()
+        with LocalCluster(1, Config(wait_timeout_s=20)) as cluster:
+            with pytest.raises(mltuner.InvalidArgumentError, match=match):
+                mt.wrap(model, cluster.worker(0), example_input=x[0], **kwargs)
+        assert not any(m._forward_pre_hooks for m in model.modules())  # refused before anything was touched
+
+
+def test_a_module_switched_to_eval_mode_is_refused_while_recomputing(run_workers: Callable[..., Any]) -> None:
+    """The backward pass runs the recorded ops again, so batch norm must stay
+    in the mode of the recording; the clock can go on after switching back."""
+    x, y = resnet_data()
+    model = resnet()
+    with LocalCluster(1, Config(wait_timeout_s=20)) as cluster:
+        ps_model = mt.wrap(model, cluster.worker(0), example_input=x[0], store_activations=True, recompute="cheap")
+        model[1].eval()
+        with pytest.raises(mt.IterationMismatchError, match=r"module '1' is in eval mode, but it was in train mode "
+                                                            r"when wrap\(\) recorded the clock"):
+            ps_model(x[0])
+        model[1].train()
+        F.cross_entropy(ps_model(x[0]), y[0]).backward()
+        ps_model.step()
+        assert ps_model.clock == 1

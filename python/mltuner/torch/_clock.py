@@ -82,7 +82,6 @@ the engine.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import enum
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, NoReturn, TypeVar
@@ -97,10 +96,9 @@ from mltuner.torch._buffers import app_stream, as_tensor, placeholder, storage_p
 from mltuner.torch._errors import IterationMismatchError, UnsupportedModelError
 from mltuner.torch._layers import Layer
 from mltuner.torch._pattern import reason, refusal
-from mltuner.torch._recompute import Program, choose, remap_reads, run
-from mltuner.torch._recompute import describe as describe_program
-from mltuner.torch._recording import Event, Slot, Tables, create_tables, describe, for_holding, replay
-from mltuner.torch._trace import ForwardTrace, ParamRef, RandomStates
+from mltuner.torch._recording import Event, Tables, create_tables, describe, for_holding, replay
+from mltuner.torch._saved import SavedActivations, read_back, write_bytes
+from mltuner.torch._trace import ParamRef
 
 __all__ = ["ClockDriver", "tensors_in"]
 
@@ -115,10 +113,6 @@ class _ActRef(NamedTuple):
     or recomputed in the backward pass."""
 
     slot: int
-
-
-class _NotReproducible(Exception):
-    """The recording pass could not make a saved activation again bit for bit."""
 
 
 class _Mutating:
@@ -156,25 +150,6 @@ def tensors_in(value: Any) -> Iterator[torch.Tensor]:
             yield from tensors_in(item)
 
 
-def _bytes(tensor: torch.Tensor, slot: Slot) -> torch.Tensor:
-    """A tensor's contents as a flat uint8 tensor: its memory span in memory
-    order when the slot keeps the forward's layout (a view, no copy), else
-    contiguous (a view when contiguous already)."""
-    tensor = tensor.detach()
-    if slot.exact_layout:
-        return tensor.as_strided((tensor.numel(),), (1,), tensor.storage_offset()).view(torch.uint8)
-    return tensor.contiguous().view(-1).view(torch.uint8)
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors are equal byte for byte, layout included."""
-    layout = Slot(tuple(b.shape), b.dtype, tuple(b.stride()))
-    if a.shape != b.shape or a.dtype != b.dtype or not layout.same_layout(tuple(a.stride())):
-        return False
-    return bool(torch.equal(a.detach().contiguous().view(-1).view(torch.uint8),
-                            b.detach().contiguous().view(-1).view(torch.uint8)))
-
-
 class ClockDriver:
     """Records one clock, plans the virtual iteration, then drives the
     engine from the model's hooks. One per wrapped model; used by one thread
@@ -200,27 +175,10 @@ class ClockDriver:
         # The recording, then the plan made from it.
         self._recording = True
         self._events: list[Event] = []
-        self._slots: list[Slot] = []
         self._forward_events = 0
         self._init: list[torch.Tensor] = []  # per layer: its initial values, flat
-        self._recorded_acts: dict[int, torch.Tensor] = {}
-        # Recomputing saved activations (_recompute.py): the recording's op
-        # trace, each slot's value in it, the programs of recomputed slots,
-        # the random ops they replay, and slots that must be stored (the
-        # recording found them not reproducible: wrap() records again).
-        self._recompute = recompute and store_activations
-        self._stored = stored
-        self._trace: ForwardTrace | None = None
-        self._slot_values: list[int] = []
-        self._programs: dict[int, Program] = {}
-        self._random_wanted: set[int] = set()
-        self._random: RandomStates | None = None
-        self.unreproducible: dict[int, str] = {}  # slot -> why
-        # Each saved activation is loaded or recomputed once per clock and
-        # kept until its last use (the recording counts the uses): [tensor, uses left].
-        self._uses: list[int] = []
-        self._memo: dict[int, list[Any]] = {}
-        self._modes: list[bool] = []  # each module's training flag in the recording (_check_modes)
+        # The saved activations: stored or recomputed (_saved.py).
+        self._acts = SavedActivations(recompute=recompute and store_activations, stored=stored)
         self._handles: list[int] = []
         self._tables: list[Table] = []
 
@@ -368,36 +326,22 @@ class ClockDriver:
     def saved_activations(self) -> list[str]:
         """Each saved activation of the recorded clock (with
         ``store_activations``) in words: stored, or how it is recomputed."""
-        lines = []
-        for number, slot in enumerate(self._slots):
-            head = f"#{number} {slot.shape} {slot.dtype}"
-            program = self._programs.get(number)
-            if program is not None and self._trace is not None:
-                lines.append(f"{head}: {describe_program(program, self._trace)}")
-            else:
-                lines.append(f"{head}: stored")
-        return lines
+        return self._acts.describe()
 
     @property
     def recompute_summary(self) -> str:
-        """What recomputing saved activations does to this model, in words
-        (``PSModule.plan``); empty without stored activations."""
-        if not self._store_activations:
-            return ""
-        total = sum(s.nbytes for s in self._slots)
-        recomputed = [s for s in self._slots if s.recomputed]
-        gone = sum(s.nbytes for s in recomputed)
-        if not self._recompute:
-            return (f"saved activations: {len(self._slots)} stored ({total} B per clock), none recomputed "
-                    "(recompute='none', or 'auto' without a device_memory_budget)")
-        spoiled = (f", {len(self._stored)} stored because running their ops again did not give the forward's "
-                   "bytes" if self._stored else "")
-        return (f"saved activations: {len(self._slots) - len(recomputed)} stored "
-                f"({total - gone} B per clock), {len(recomputed)} recomputed in the backward pass from stored "
-                f"ones ({gone} B not stored{spoiled})")
+        """How many saved activations are stored and how many recomputed, in
+        words (``PSModule.plan``); empty without stored activations."""
+        return self._acts.summary() if self._store_activations else ""
+
+    @property
+    def unreproducible(self) -> dict[int, str]:
+        """Recording: the saved activations that could not be recomputed bit
+        for bit, and why (``wrap()`` records again with them stored)."""
+        return self._acts.unreproducible
 
     def _describe(self, event: Event) -> str:
-        return describe(event, self.layers, self._slots)
+        return describe(event, self.layers, self._acts.slots)
 
     def _next(self, kind: str, layer: int = -1, slot: int = -1) -> int:
         """Logs the event (recording) or checks that it is the next recorded
@@ -440,31 +384,22 @@ class ClockDriver:
 
     def _store(self, index: int, slot: int, tensor: torch.Tensor) -> None:
         if self._recording:
-            self._recorded_acts[slot] = tensor
             return
         handle = self._handles[index]
         buffer = self.worker.local_access(handle, stream=self._stream)
-        target = as_tensor(buffer, self.device).view(-1).view(torch.uint8)
-        source = _bytes(tensor, self._slots[slot])
-        target[: source.numel()].copy_(source)
+        write_bytes(as_tensor(buffer, self.device).view(-1).view(torch.uint8), tensor, self._acts.slots[slot])
         self.worker.post_local_access(handle, stream=self._stream)
 
-    def _load(self, index: int, slot: int) -> torch.Tensor:
+    def _load(self, slot: int) -> torch.Tensor:
+        """A stored activation, read back from the local table (its event
+        logged or checked first)."""
+        index = self._next("load", slot=slot)
         if self._recording:
-            return self._recorded_acts[slot]
-        # A copy: autograd gives no signal when the node is done with the
-        # tensor, so the buffer could not be handed back safely.
+            return self._acts.original(slot)
         handle = self._handles[index]
         buffer = self.worker.local_access(handle, stream=self._stream)
-        source = as_tensor(buffer, self.device).view(-1).view(torch.uint8)
-        spec = self._slots[slot]
-        if spec.exact_layout:  # the forward's strides: the ops a recomputation runs see the same inputs
-            out = torch.empty_strided(spec.shape, spec.strides, dtype=spec.dtype, device=self.device)
-            flat = out.as_strided((out.numel(),), (1,), 0)
-        else:
-            out = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
-            flat = out.view(-1)
-        flat.view(torch.uint8).copy_(source[: spec.nbytes])
+        out = read_back(as_tensor(buffer, self.device).view(-1).view(torch.uint8), self._acts.slots[slot],
+                        self.device)
         self.worker.post_local_access(handle, stream=self._stream)
         return out
 
@@ -558,8 +493,8 @@ class ClockDriver:
                 f"a second training forward pass in clock {self.clock}: call loss.backward() and step() once "
                 "per forward pass (run evaluation forwards under torch.no_grad())"
             )
-        if self._programs and not self._recording:
-            self._check_modes()  # nothing of the clock has reached the engine
+        if not self._recording:
+            self._acts.check_modes(self.model, self.clock)  # nothing of the clock has reached the engine
         if self.clock_start is not None and not self._recording:
             self.clock_start()  # may raise: nothing of the clock has reached the engine
         if self._stale_grads:  # stale gradients of an aborted backward must not accumulate
@@ -589,10 +524,13 @@ class ClockDriver:
             elif self._light:
                 output = call()
             else:
-                with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), self._dispatch_mode():
+                mode = self._acts.dispatch_mode(self._recording, self._trace_param,
+                                                lambda t: storage_ptr(t) in self._local_ptrs)
+                with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), \
+                        mode if mode is not None else contextlib.nullcontext():
                     output = call()
             if self._recording:
-                self._choose_recomputed()
+                self._events = self._acts.choose(self._events, self.model.modules())
                 self._forward_events = len(self._events)
             elif self._cursor != self._forward_events:
                 with self._mutating():
@@ -711,28 +649,9 @@ class ClockDriver:
         with self._mutating():
             slot = self._next_slot
             if self._recording:
-                self._slots.append(Slot(tuple(tensor.shape), tensor.dtype, tuple(tensor.stride())))
-                self._uses.append(0)
-                if self._trace is not None:
-                    self._slot_values.append(self._trace.value_of(tensor))
-            expected = self._slots[slot]
-            index = -1 if expected.recomputed else self._next("store", slot=slot)
-            if (tuple(tensor.shape), tensor.dtype) != (expected.shape, expected.dtype):
-                raise IterationMismatchError(
-                    f"clock {self.clock}: saved activation #{slot} is {tuple(tensor.shape)} {tensor.dtype}, the "
-                    f"recorded one {expected.shape} {expected.dtype}; with store_activations=True the local "
-                    "tables are sized by the recording pass, so every clock must save the same shapes (a "
-                    "fixed batch size); use store_activations=False for a varying batch size"
-                    + (" (another dtype only: under torch.autocast, call wrap() inside the same autocast)"
-                       if tuple(tensor.shape) == expected.shape else "")
-                )
-            if not expected.same_layout(tuple(tensor.stride())):
-                raise IterationMismatchError(
-                    f"clock {self.clock}: saved activation #{slot} {expected.shape} has strides "
-                    f"{tuple(tensor.stride())}, the recorded one {expected.strides}; with store_activations=True "
-                    "a stored activation comes back with the recorded layout, so every clock must save the same "
-                    "layouts (the same memory format of the inputs)"
-                )
+                self._acts.add(tensor)
+            index = -1 if self._acts.slots[slot].recomputed else self._next("store", slot=slot)
+            self._acts.check(slot, tensor, self.clock)
             self._next_slot += 1
             if index >= 0:
                 self._store(index, slot, tensor)
@@ -755,121 +674,21 @@ class ClockDriver:
             return self._grad_read(packed).as_strided(packed.size, packed.stride, packed.offset)
         assert isinstance(packed, _ActRef)
         with self._mutating():
-            return self._resolve(packed.slot)
-
-    def _resolve(self, slot: int) -> torch.Tensor:
-        """A saved activation for the backward pass: loaded from the local
-        table or recomputed at its first use in the clock, and kept until its
-        last one (the recording pass counts them), so each is loaded or
-        recomputed once per clock."""
-        entry = self._memo.get(slot)
-        if entry is not None:
-            if self._recording:
-                self._uses[slot] += 1
-            else:
-                entry[1] -= 1
-                if entry[1] <= 0:
-                    del self._memo[slot]
-            return entry[0]  # type: ignore[no-any-return]
-        if self._slots[slot].recomputed:
-            tensor = self._recomputed(slot)
-        else:
-            tensor = self._load(self._next("load", slot=slot), slot)
-        if self._recording:
-            self._uses[slot] = 1
-            self._memo[slot] = [tensor, 0]
-        elif self._uses[slot] > 1:
-            self._memo[slot] = [tensor, self._uses[slot] - 1]
-        return tensor
-
-    def _recomputed(self, slot: int) -> torch.Tensor:
-        """Runs a recomputed slot's program. The recording pass checks the
-        result against the forward's tensor, byte for byte; one that differs
-        (or cannot run) is noted in :attr:`unreproducible`, and the forward's
-        tensor serves (``wrap()`` then records again with the slot stored)."""
-        program = self._programs[slot]
-        assert self._trace is not None
-        if not self._recording:
-            return run(program, self._trace, leaf=self._resolve, param=self._program_param,
-                       random_state=self._random_state)
-        original = self._recorded_acts[slot]
-        try:
-            tensor = run(program, self._trace, leaf=self._resolve, param=self._program_param,
-                         random_state=self._random_state)
-            if not _same_bits(tensor, original):
-                raise _NotReproducible("the ops run again made other bytes than the forward")
-        except Exception as error:  # noqa: BLE001 - any failure means: store it instead
-            self.unreproducible[slot] = f"{type(error).__name__}: {error}"
-        return original
+            return self._acts.resolve(packed.slot, recording=self._recording, load=self._load,
+                                      param=self._program_param)
 
     def _program_param(self, ref: ParamRef) -> torch.Tensor:
+        """The parameters a recomputation reads: from the layer's backward read."""
         if self._recording and ref.layer in self._updated:
-            raise _NotReproducible(f"needs layer {self.layers[ref.layer].name!r}'s parameters after its update")
+            raise OutOfOrderError(f"needs layer {self.layers[ref.layer].name!r}'s parameters after its update")
         return self._grad_read(ref).as_strided(ref.size, ref.stride, ref.offset)
 
-    def _random_state(self, number: int) -> torch.Tensor:
-        if self._recording:
-            assert self._trace is not None
-            return self._trace.random_states[number]
-        assert self._random is not None
-        return self._random.states[number]
-
-    def _dispatch_mode(self) -> Any:
-        """The forward's TorchDispatchMode: the op trace in the recording
-        pass (when recomputing), the random states of recomputed random ops
-        in later clocks, else none."""
-        if self._recording and self._recompute:
-            self._trace = ForwardTrace(self._trace_param, lambda t: storage_ptr(t) in self._local_ptrs)
-            return self._trace
-        if self._random_wanted and not self._recording:
-            self._random = RandomStates(self._random_wanted)
-            return self._random
-        return contextlib.nullcontext()
-
-    def _check_modes(self) -> None:
-        """Recomputing, the backward pass runs the recorded ops with the
-        recorded arguments, so a module switched between train and eval mode
-        since the recording (batch norm, dropout) would make other values
-        than its forward: refused before the clock starts."""
-        for (name, module), training in zip(self.model.named_modules(), self._modes):
-            if module.training != training:
-                raise IterationMismatchError(
-                    f"clock {self.clock}: module {name or type(module).__name__!r} is in "
-                    f"{'train' if module.training else 'eval'} mode, but it was in "
-                    f"{'train' if training else 'eval'} mode when wrap() recorded the clock; with recomputed "
-                    "activations the backward pass runs the recorded ops again, so the modes must stay as they "
-                    "were (or use wrap(..., recompute='none'))"
-                )
 
     def _trace_param(self, tensor: torch.Tensor) -> ParamRef | None:
         owner = self._param_ptrs.get(storage_ptr(tensor) or 0)
         if owner is None or tensor.dtype != torch.float32:
             return None
         return ParamRef(owner[0], owner[1], tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset()))
-
-    def _choose_recomputed(self) -> None:
-        """End of the recording forward: chooses the slots to recompute
-        (``_recompute.choose``), drops their store events and renumbers the
-        forward reads the programs name."""
-        if self._trace is None:
-            return
-        programs = choose(self._trace, self._slot_values, self._slots, self._stored)
-        if not programs:
-            return
-        index: dict[int, int] = {}
-        kept: list[Event] = []
-        for number, event in enumerate(self._events):
-            if event.kind == "store" and event.slot in programs:
-                continue
-            index[number] = len(kept)
-            kept.append(event)
-        self._events = kept
-        remap_reads(self._trace, programs, index)
-        self._programs = programs
-        self._modes = [module.training for module in self.model.modules()]
-        self._slots = [dataclasses.replace(s, recomputed=True) if k in programs else s for k, s in enumerate(self._slots)]
-        self._random_wanted = {self._trace.nodes[n].seeded for p in programs.values() for n in p.nodes
-                               if self._trace.nodes[n].seeded >= 0}
 
     def _grad_read(self, ref: ParamRef) -> torch.Tensor:
         """The flat buffer of ``ref``'s layer for its backward: the held
@@ -1086,8 +905,7 @@ class ClockDriver:
         self._update_buffer = None
         self._pending[:] = [0] * len(self._pending)
         self._updated.clear()
-        self._memo.clear()
-        self._random = None
+        self._acts.reset_clock()
 
     # -- recording and planning ---------------------------------------------------------
     def record(self, call: Callable[[], Any], loss_of: Callable[[Any], torch.Tensor]) -> None:
@@ -1118,7 +936,7 @@ class ClockDriver:
                 handle.remove()
             self._recording_hooks.clear()
             self._restore_buffers(saved_buffers)
-            self._recorded_acts.clear()
+            self._acts.end_recording()
         self._check_recording()
         self._recording = False
         self._reset_clock()
@@ -1191,7 +1009,7 @@ class ClockDriver:
         """
         worker = self.worker
         budget = worker.config.device_memory_budget
-        tables = create_tables(worker, self.layers, self._slots, row_width=self._row_width)
+        tables = create_tables(worker, self.layers, self._acts.slots, row_width=self._row_width)
         self._tables = tables.layers
         recorded = list(self._events)
         preferred = not self._store_activations if hold_reads is None else hold_reads
@@ -1215,7 +1033,7 @@ class ClockDriver:
                 least[False] = worker.preview_plan().pool_min_bytes
             note = ("; recomputing saved activations (wrap(recompute='auto') under a budget) reads some layers' "
                     "parameters earlier in the backward pass, which can raise the least budget: recompute='none' "
-                    "may need less" if self._programs else "")
+                    "may need less" if self._acts.recomputing else "")
             raise ResourceExhaustedError(refusal(hold_reads, least, budget, 1 + worker.config.prefetch_clocks) + note)
         self.hold_choice = reason(hold_reads, self._store_activations, chosen, least, budget)
         worker.finish_virtual_iteration()

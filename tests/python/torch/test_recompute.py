@@ -301,9 +301,9 @@ def test_weight_casts_under_autocast_are_recomputed_from_the_parameters() -> Non
 def test_a_recomputation_that_differs_is_stored_instead(monkeypatch: pytest.MonkeyPatch) -> None:
     """The recording pass compares each recomputed tensor with the forward's,
     byte for byte; wrap() records again with those that differ stored."""
-    import mltuner.torch._clock as clock_module
+    import mltuner.torch._saved as saved_module
 
-    real_run = clock_module.run
+    real_run = saved_module.run
     spoiled: list[int] = []
 
     def spoiling_run(program: recompute_module.Program, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -313,14 +313,14 @@ def test_a_recomputation_that_differs_is_stored_instead(monkeypatch: pytest.Monk
             return out + 1  # as a nondeterministic kernel might
         return out
 
-    monkeypatch.setattr(clock_module, "run", spoiling_run)
+    monkeypatch.setattr(saved_module, "run", spoiling_run)
     data = resnet_data()
     make = functools_partial(resnet, False)
     cheap = train(make, data, resnet_loss, "cheap")
     assert cheap["saved"][spoiled[0]].endswith(": stored"), cheap["saved"]
     assert len(recomputed(cheap["saved"])) == 3
     assert f"1 stored because running their ops again did not give the forward's bytes" in cheap["plan"]
-    monkeypatch.setattr(clock_module, "run", real_run)
+    monkeypatch.setattr(saved_module, "run", real_run)
     assert_same_training(cheap, train(make, data, resnet_loss, "none"))
 
 

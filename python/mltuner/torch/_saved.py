@@ -1,0 +1,286 @@
+"""The activations a clock saves for its backward pass (``store_activations``):
+which are stored in the engine's local table and which recomputed, how a
+stored one is written and read back, and the per-clock bookkeeping.
+
+Each tensor autograd saves (other than parameters and buffers) is a *slot*,
+numbered in the order of the forward. A stored slot is copied into its rows
+of the local table in the forward and read back in the backward pass; a
+recomputed one (``_recompute.py``) has no rows, and the backward pass runs
+its program again. Either way a slot is made once per clock, at its first
+use in the backward pass, and kept until its last use: the recording pass
+counts the uses, so that, say, a ReLU output saved by the ReLU and by the
+next convolution is loaded once, not twice.
+
+A stored slot keeps the forward's strides when its tensor covers its memory
+exactly once (any permutation of a contiguous layout): its bytes are kept in
+memory order and come back with the same strides, so that the ops a
+recomputation runs see exactly the forward's inputs.
+
+One per :class:`~mltuner.torch._clock.ClockDriver`, used from its hooks
+(the driver's threading rules apply); the driver keeps the engine calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from mltuner.torch._errors import IterationMismatchError
+from mltuner.torch._recompute import Program, choose, remap_reads, run
+from mltuner.torch._recompute import describe as describe_program
+from mltuner.torch._recording import Event, Slot
+from mltuner.torch._trace import ForwardTrace, ParamRef, RandomStates
+
+__all__ = ["SavedActivations", "read_back", "write_bytes"]
+
+
+def write_bytes(target: torch.Tensor, tensor: torch.Tensor, slot: Slot) -> None:
+    """Copies a saved tensor into a local-table buffer (flat uint8): its
+    memory span in memory order when the slot keeps the forward's layout,
+    else its contiguous copy."""
+    tensor = tensor.detach()
+    if slot.exact_layout:
+        source = tensor.as_strided((tensor.numel(),), (1,), tensor.storage_offset()).view(torch.uint8)
+    else:
+        source = tensor.contiguous().view(-1).view(torch.uint8)
+    target[: source.numel()].copy_(source)
+
+
+def read_back(source: torch.Tensor, slot: Slot, device: torch.device) -> torch.Tensor:
+    """A new tensor with a stored slot's contents (from a flat uint8 buffer),
+    with the forward's strides where the slot keeps them. A copy: autograd
+    gives no signal when it is done with the tensor, so the engine's buffer
+    could not be handed back safely."""
+    if slot.exact_layout:
+        out = torch.empty_strided(slot.shape, slot.strides, dtype=slot.dtype, device=device)
+        flat = out.as_strided((out.numel(),), (1,), 0)
+    else:
+        out = torch.empty(slot.shape, dtype=slot.dtype, device=device)
+        flat = out.view(-1)
+    flat.view(torch.uint8).copy_(source[: slot.nbytes])
+    return out
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors are equal byte for byte, layout included."""
+    layout = Slot(tuple(b.shape), b.dtype, tuple(b.stride()))
+    if a.shape != b.shape or a.dtype != b.dtype or not layout.same_layout(tuple(a.stride())):
+        return False
+    return bool(torch.equal(a.detach().contiguous().view(-1).view(torch.uint8),
+                            b.detach().contiguous().view(-1).view(torch.uint8)))
+
+
+class _NotReproducible(Exception):
+    """The recording pass could not make a saved activation again bit for bit."""
+
+
+class SavedActivations:
+    """The slots of a wrapped model and their per-clock state (module docstring).
+
+    ``recompute``: choose slots to recompute at the end of the recording
+    forward; ``stored``: slots never to recompute (an earlier recording found
+    them not reproducible).
+    """
+
+    def __init__(self, *, recompute: bool, stored: frozenset[int]) -> None:
+        self.recompute = recompute
+        self.stored = stored
+        self.slots: list[Slot] = []
+        self.unreproducible: dict[int, str] = {}  # recording: slot -> why it could not be recomputed
+        self._originals: dict[int, torch.Tensor] = {}  # recording: the forward's tensors
+        self._uses: list[int] = []  # per slot: uses in a clock's backward pass (counted by the recording)
+        self._memo: dict[int, list[Any]] = {}  # slot -> [tensor, uses left this clock]
+        self._trace: ForwardTrace | None = None
+        self._values: list[int] = []  # per slot: its value in the trace
+        self._programs: dict[int, Program] = {}
+        self._random_wanted: set[int] = set()  # random ops (by number) the programs replay
+        self._random: RandomStates | None = None
+        self._modes: list[bool] = []  # each module's training flag in the recording
+
+    @property
+    def recomputing(self) -> bool:
+        """Whether some slot is recomputed."""
+        return bool(self._programs)
+
+    # -- the forward ---------------------------------------------------------------------
+    def dispatch_mode(self, recording: bool, param_ref: Callable[[torch.Tensor], ParamRef | None],
+                      is_local: Callable[[torch.Tensor], bool]) -> Any:
+        """The forward's TorchDispatchMode: the op trace in the recording pass
+        (when recomputing), the random states of recomputed random ops in
+        later clocks, else None."""
+        if recording and self.recompute:
+            self._trace = ForwardTrace(param_ref, is_local)
+            return self._trace
+        if self._random_wanted and not recording:
+            self._random = RandomStates(self._random_wanted)
+            return self._random
+        return None
+
+    def add(self, tensor: torch.Tensor) -> None:
+        """Recording: a new slot for ``tensor``."""
+        self._originals[len(self.slots)] = tensor
+        self.slots.append(Slot(tuple(tensor.shape), tensor.dtype, tuple(tensor.stride())))
+        self._uses.append(0)
+        if self._trace is not None:
+            self._values.append(self._trace.value_of(tensor))
+
+    def check(self, slot: int, tensor: torch.Tensor, clock: int) -> None:
+        """Raises IterationMismatchError unless ``tensor`` has the shape,
+        dtype and layout the recording saved in ``slot``."""
+        expected = self.slots[slot]
+        if (tuple(tensor.shape), tensor.dtype) != (expected.shape, expected.dtype):
+            raise IterationMismatchError(
+                f"clock {clock}: saved activation #{slot} is {tuple(tensor.shape)} {tensor.dtype}, the "
+                f"recorded one {expected.shape} {expected.dtype}; with store_activations=True the local "
+                "tables are sized by the recording pass, so every clock must save the same shapes (a "
+                "fixed batch size); use store_activations=False for a varying batch size"
+                + (" (another dtype only: under torch.autocast, call wrap() inside the same autocast)"
+                   if tuple(tensor.shape) == expected.shape else "")
+            )
+        if not expected.same_layout(tuple(tensor.stride())):
+            raise IterationMismatchError(
+                f"clock {clock}: saved activation #{slot} {expected.shape} has strides {tuple(tensor.stride())}, "
+                f"the recorded one {expected.strides}; with store_activations=True a stored activation comes "
+                "back with the recorded layout, so every clock must save the same layouts (the same memory "
+                "format of the inputs)"
+            )
+
+    def choose(self, events: list[Event], modules: Iterable[nn.Module]) -> list[Event]:
+        """End of the recording forward: chooses the slots to recompute
+        (``_recompute.choose``) and returns ``events`` without their stores,
+        renumbering the forward reads the programs name."""
+        if self._trace is None:
+            return events
+        programs = choose(self._trace, self._values, self.slots, self.stored)
+        if not programs:
+            return events
+        index: dict[int, int] = {}
+        kept: list[Event] = []
+        for number, event in enumerate(events):
+            if event.kind == "store" and event.slot in programs:
+                continue
+            index[number] = len(kept)
+            kept.append(event)
+        remap_reads(self._trace, programs, index)
+        self._programs = programs
+        self._modes = [module.training for module in modules]
+        self.slots = [dataclasses.replace(s, recomputed=True) if k in programs else s for k, s in enumerate(self.slots)]
+        nodes = self._trace.nodes
+        self._random_wanted = {nodes[n].seeded for p in programs.values() for n in p.nodes if nodes[n].seeded >= 0}
+        return kept
+
+    def check_modes(self, model: nn.Module, clock: int) -> None:
+        """Recomputing, the backward pass runs the recorded ops with the
+        recorded arguments, so a module switched between train and eval mode
+        since the recording (batch norm, dropout) would make other values
+        than its forward: refused before the clock starts."""
+        if not self._programs:
+            return
+        for (name, module), training in zip(model.named_modules(), self._modes):
+            if module.training != training:
+                raise IterationMismatchError(
+                    f"clock {clock}: module {name or type(module).__name__!r} is in "
+                    f"{'train' if module.training else 'eval'} mode, but it was in "
+                    f"{'train' if training else 'eval'} mode when wrap() recorded the clock; with recomputed "
+                    "activations the backward pass runs the recorded ops again, so the modes must stay as they "
+                    "were (or use wrap(..., recompute='none'))"
+                )
+
+    # -- the backward pass ---------------------------------------------------------------
+    def resolve(self, slot: int, *, recording: bool, load: Callable[[int], torch.Tensor],
+                param: Callable[[ParamRef], torch.Tensor]) -> torch.Tensor:
+        """A slot's tensor for the backward pass: ``load(slot)`` (a stored
+        slot, read back; in the recording, :meth:`original`) or its program run again, at its first use in the
+        clock; the same tensor for its later uses (module docstring).
+        ``param(ref)`` gives a program the parameters it reads."""
+        entry = self._memo.get(slot)
+        if entry is not None:
+            if recording:
+                self._uses[slot] += 1
+            else:
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    del self._memo[slot]
+            return entry[0]  # type: ignore[no-any-return]
+        if self.slots[slot].recomputed:
+            tensor = self._recomputed(slot, recording, load, param)
+        else:
+            tensor = load(slot)
+        if recording:
+            self._uses[slot] = 1
+            self._memo[slot] = [tensor, 0]
+        elif self._uses[slot] > 1:
+            self._memo[slot] = [tensor, self._uses[slot] - 1]
+        return tensor
+
+    def _recomputed(self, slot: int, recording: bool, load: Callable[[int], torch.Tensor],
+                    param: Callable[[ParamRef], torch.Tensor]) -> torch.Tensor:
+        """Runs a recomputed slot's program. The recording pass checks the
+        result against the forward's tensor, byte for byte; one that differs
+        (or cannot run) is noted in :attr:`unreproducible`, and the forward's
+        tensor serves (``wrap()`` then records again with the slot stored)."""
+        assert self._trace is not None
+        program = self._programs[slot]
+
+        def leaf(other: int) -> torch.Tensor:
+            return self.resolve(other, recording=recording, load=load, param=param)
+
+        if not recording:
+            return run(program, self._trace, leaf=leaf, param=param, random_state=self._random_state)
+        original = self._originals[slot]
+        try:
+            tensor = run(program, self._trace, leaf=leaf, param=param, random_state=self._random_state)
+            if not _same_bits(tensor, original):
+                raise _NotReproducible("the ops run again made other bytes than the forward")
+        except Exception as error:  # noqa: BLE001 - any failure means: store it instead
+            self.unreproducible[slot] = f"{type(error).__name__}: {error}"
+        return original
+
+    def original(self, slot: int) -> torch.Tensor:
+        """Recording: the forward's tensor of ``slot``."""
+        return self._originals[slot]
+
+    def _random_state(self, number: int) -> torch.Tensor:
+        if self._random is None:  # the recording
+            assert self._trace is not None
+            return self._trace.random_states[number]
+        return self._random.states[number]
+
+    def end_recording(self) -> None:
+        """The recording pass is over: its tensors can go."""
+        self._originals.clear()
+        self.reset_clock()
+
+    def reset_clock(self) -> None:
+        self._memo.clear()
+        self._random = None
+
+    # -- in words ------------------------------------------------------------------------
+    def describe(self) -> list[str]:
+        """Each slot in words: stored, or how it is recomputed."""
+        lines = []
+        for number, slot in enumerate(self.slots):
+            head = f"#{number} {slot.shape} {slot.dtype}"
+            program = self._programs.get(number)
+            if program is not None and self._trace is not None:
+                lines.append(f"{head}: {describe_program(program, self._trace)}")
+            else:
+                lines.append(f"{head}: stored")
+        return lines
+
+    def summary(self) -> str:
+        """How many slots are stored and recomputed, with their bytes."""
+        total = sum(s.nbytes for s in self.slots)
+        recomputed = [s for s in self.slots if s.recomputed]
+        gone = sum(s.nbytes for s in recomputed)
+        if not self.recompute:
+            return (f"saved activations: {len(self.slots)} stored ({total} B per clock), none recomputed "
+                    "(recompute='none', or 'auto' without a device_memory_budget)")
+        spoiled = (f", {len(self.stored)} stored because running their ops again did not give the forward's "
+                   "bytes" if self.stored else "")
+        return (f"saved activations: {len(self.slots) - len(recomputed)} stored ({total - gone} B per clock), "
+                f"{len(recomputed)} recomputed in the backward pass from stored ones ({gone} B not stored{spoiled})")

@@ -19,9 +19,14 @@ Sections:
 - ``quarter``: one worker with no budget against one worker whose
   ``Config.device_memory_budget`` is 1/4 of what the unconstrained plan
   needs (parameters, activations stored as local data and the least buffer
-  pool, as the plan's stats report them; torch_bench.py's quarter). Ratio =
-  budget / no-budget samples/s (goal >= 0.70, moonshot 0.85); bytes swapped
-  in and out per clock from the engine's stats.
+  pool, as the plan's stats report them; torch_bench.py's quarter). Under
+  the budget two runs side by side (``--recompute both``, the default):
+  every saved activation stored (``wrap(recompute="none")``), and the cheap
+  ones recomputed in the backward pass (``recompute="auto"``, wrap()'s
+  default under a budget). Ratio = budget / no-budget samples/s (goal >=
+  0.70, moonshot 0.85); bytes swapped in and out per clock from the
+  engine's stats; activation bytes stored and recomputed per clock from the
+  plan.
 - ``fsdp``: PyTorch FSDP with the parameters offloaded to the CPU
   (``fully_shard(offload_policy=CPUOffloadPolicy())``, FSDP2, the current
   API; ``FullyShardedDataParallel(cpu_offload=CPUOffload(offload_params=True))``
@@ -31,8 +36,9 @@ Sections:
   optimizer stepping on the CPU copies as FSDP's offload does. Its peak GPU
   memory (``torch.cuda.max_memory_allocated`` over the timed steps) becomes
   mltuner's budget, activations stored as local data so that they count
-  against it (``--fsdp-activations torch`` leaves them to torch). Ratio =
-  mltuner / FSDP samples/s (goal >= 1.0, moonshot 2).
+  against it (``--fsdp-activations torch`` leaves them to torch), the cheap
+  ones recomputed (wrap()'s default under a budget). Ratio = mltuner / FSDP
+  samples/s (goal >= 1.0, moonshot 2).
 - ``big`` (``--big``): a stack of ``--big-width`` square ``nn.Linear`` layers
   (no bias, ReLU between) whose float32 weights and momentum take
   ``--big-gb`` GB, built on the device and wrapped with a default Config:
@@ -191,52 +197,81 @@ def header(args: argparse.Namespace, device: torch.device, report: Report) -> No
 
 
 # -- quarter: no budget vs 1/4 of the need ----------------------------------------------
+QUARTER_MODES = {"both": ("none", "auto"), "none": ("none",), "auto": ("auto",)}
+
+
+def cells_of(values: list[float], form: str) -> str:
+    return "; ".join(form.format(v) for v in values)
+
+
+def stores_cell(run: MltunerRun) -> str:
+    return f"{mb(run.after['host_store_bytes'])} / {mb(run.after['device_store_bytes'])}"
+
+
+def swaps_cell(run: MltunerRun) -> str:
+    return f"{mb(run.per_clock('bytes_swapped_in'))} / {mb(run.per_clock('bytes_swapped_out'))}"
+
+
 def quarter_section(args: argparse.Namespace, device: torch.device, report: Report) -> None:
+    modes = QUARTER_MODES[args.recompute]
     report.emit()
     report.emit("## A quarter of the need vs no budget (goal >= 0.70, moonshot 0.85)")
     report.emit()
     report.emit("need = device + host stores + least pool of the unconstrained plan with activations "
-                "as local data; the budgeted run stores activations as local data, the unconstrained "
-                "one leaves them to torch. Device memory: torch peak / in use on the device after "
-                "the run (MB).")
+                "as local data; the budgeted runs store activations as local data, the unconstrained "
+                "one leaves them to torch. Under the budget, side by side: " +
+                " and ".join({"none": "every saved activation stored (recompute='none')",
+                              "auto": "cheap ones recomputed in the backward pass (recompute='auto')"}[m]
+                             for m in modes) +
+                "; cells with two values give them in that order. Device memory: torch peak / in use on "
+                "the device after the run (MB).")
     report.emit()
     report.emit("| model | no budget samples/s | 1/4 budget samples/s | ratio (min-max) | need MB | budget MB | "
-                "host / device stores MB (1/4) | swapped in / out MB per clock (1/4) | stall ms/clock "
-                "(none / 1/4) | device MB (none) | device MB (1/4) |")
-    report.emit("|:--|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+                "activations stored / recomputed MB per clock | host / device stores MB (1/4) | swapped in / "
+                "out MB per clock (1/4) | stall ms/clock (none; 1/4) | device MB (none) | device MB (1/4) |")
+    report.emit("|:--|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     for case in cases(args, device):
         try:
             need, _ = measure_need(case.make, case.x, case.loss, engine_config(device), device)
             budget = need // 4
-            runs: list[tuple[MltunerRun, MltunerRun]] = []
+            runs: list[tuple[MltunerRun, list[MltunerRun]]] = []
             for _ in range(args.rounds):
                 free = mltuner_train(case.make, case.x, case.loss, engine_config(device), device,
                                      warmup=args.warmup, steps=args.steps)
-                small = mltuner_train(case.make, case.x, case.loss,
-                                      engine_config(device, device_memory_budget=budget), device,
-                                      warmup=args.warmup, steps=args.steps, store_activations=True)
+                small = [mltuner_train(case.make, case.x, case.loss,
+                                       engine_config(device, device_memory_budget=budget), device,
+                                       warmup=args.warmup, steps=args.steps, store_activations=True, recompute=mode)
+                         for mode in modes]
                 runs.append((free, small))
         except Exception as error:  # noqa: BLE001 - a failed row is reported, the others go on
-            report.emit(f"| {case.name} | failed: {failure(error)} |||||||||")
+            report.emit(f"| {case.name} | failed: {failure(error)} ||||||||||")
             continue
-        ratios = [s.samples_per_s / f.samples_per_s for f, s in runs]
-        value = statistics.median(ratios)
         free_sps = statistics.median(f.samples_per_s for f, _ in runs)
-        small_sps = statistics.median(s.samples_per_s for _, s in runs)
+        ratios = [[s[k].samples_per_s / f.samples_per_s for f, s in runs] for k in range(len(modes))]
+        values = [statistics.median(r) for r in ratios]
+        small_sps = [statistics.median(s[k].samples_per_s for _, s in runs) for k in range(len(modes))]
         free, small = runs[-1]
-        span = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
+
+        def cells(cell: Callable[[MltunerRun], str]) -> str:  # one value per budgeted run, in mode order
+            return "; ".join(cell(run) for run in small)
+
+        span = [f" ({min(r):.2f}-{max(r):.2f})" if len(r) > 1 else "" for r in ratios]
         report.emit(
-            f"| {case.name} | {free_sps:,.0f} | {small_sps:,.0f} | {value:.2f}{span} | {mb(need)} | {mb(budget)} | "
-            f"{mb(small.after['host_store_bytes'])} / {mb(small.after['device_store_bytes'])} | "
-            f"{mb(small.per_clock('bytes_swapped_in'))} / {mb(small.per_clock('bytes_swapped_out'))} | "
-            f"{free.per_clock('stall_seconds') * 1e3:.2f} / {small.per_clock('stall_seconds') * 1e3:.2f} | "
+            f"| {case.name} | {free_sps:,.0f} | {cells_of(small_sps, '{:,.0f}')} | "
+            f"{'; '.join(f'{v:.2f}{s}' for v, s in zip(values, span))} | {mb(need)} | {mb(budget)} | "
+            f"{cells(lambda r: f'{mb(r.activation_bytes[0])} / {mb(r.activation_bytes[1])}')} | "
+            f"{cells(stores_cell)} | {cells(swaps_cell)} | "
+            f"{free.per_clock('stall_seconds') * 1e3:.2f}; "
+            f"{cells(lambda r: format(r.per_clock('stall_seconds') * 1e3, '.2f'))} | "
             f"{memory_cell(free.torch_peak_bytes, free.device_in_use_bytes, device)} | "
-            f"{memory_cell(small.torch_peak_bytes, small.device_in_use_bytes, device)} |")
-        report.figures.append(Figure(
-            "budget", f"{case.name}: budget 1/4 of need vs no budget", small_sps, "samples/s", "mltuner, no budget",
-            free_sps, value, "budget / no-budget samples/s", goal=0.70, ratio_range=spread(ratios),
-            note=f"{mb(small.per_clock('bytes_swapped_in'))} MB in, {mb(small.per_clock('bytes_swapped_out'))} MB "
-                 "out per clock"))
+            f"{cells(lambda r: memory_cell(r.torch_peak_bytes, r.device_in_use_bytes, device))} |")
+        for mode, run, value, sps, ratio in zip(modes, small, values, small_sps, ratios):
+            report.figures.append(Figure(
+                "budget", f"{case.name}: budget 1/4 of need (recompute='{mode}') vs no budget", sps, "samples/s",
+                "mltuner, no budget", free_sps, value, "budget / no-budget samples/s", goal=0.70,
+                ratio_range=spread(ratio),
+                note=f"{mb(run.per_clock('bytes_swapped_in'))} MB in, {mb(run.per_clock('bytes_swapped_out'))} MB "
+                     "out per clock"))
 
 
 # -- fsdp: PyTorch FSDP with CPU offload vs mltuner at FSDP's peak --------------------------
@@ -454,6 +489,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5, quick 1)")
     parser.add_argument("--rounds", type=int, default=1, help="alternating runs of both sides; medians reported")
     parser.add_argument("--match", default="", help="only the models whose name contains this")
+    parser.add_argument("--recompute", choices=tuple(QUARTER_MODES), default="both",
+                        help="quarter: the budgeted runs' wrap(recompute=): both side by side, or one")
     parser.add_argument("--fsdp-api", choices=("fsdp2", "fsdp1"), default="fsdp2")
     parser.add_argument("--fsdp-activations", choices=("store", "torch"), default="store",
                         help="mltuner's activations against FSDP: local data inside the budget, or torch's")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -81,20 +82,31 @@ class MltunerRun:
         """A counter of the engine's stats per timed clock."""
         return (self.after[key] - self.before[key]) / self.steps
 
+    @property
+    def activation_bytes(self) -> tuple[int, int]:
+        """(stored, recomputed) bytes of saved activations per clock, from
+        the plan's summary; (0, 0) without stored activations."""
+        stored = re.search(r"saved activations: \d+ stored \((\d+) B per clock\)", self.plan)
+        recomputed = re.search(r"recomputed in the backward pass from stored ones \((\d+) B not stored", self.plan)
+        return (int(stored.group(1)) if stored else 0, int(recomputed.group(1)) if recomputed else 0)
+
 
 def mltuner_train(make: Callable[[], nn.Module], x: torch.Tensor, loss: Loss, config: mlt.Config,
                   device: torch.device, *, warmup: int, steps: int, store_activations: bool = False,
-                  slack: int = 0, after_wrap: Callable[[], None] | None = None) -> MltunerRun:
+                  slack: int = 0, after_wrap: Callable[[], None] | None = None,
+                  recompute: str = "auto") -> MltunerRun:
     """Trains ``make()`` on ``x`` through one worker of a LocalCluster with
     ``config``; samples/s over the timed steps and the engine's stats.
-    ``after_wrap`` is called once wrap() returned (e.g. to report progress)."""
+    ``after_wrap`` is called once wrap() returned (e.g. to report progress).
+    ``recompute`` is wrap()'s (the default, "auto", recomputes cheap saved
+    activations when they are stored under a budget)."""
     memory = DeviceMemory(device)
     torch.manual_seed(0)
     model = make().to(device)
     with mlt.LocalCluster(1, config) as cluster:
         worker = cluster.worker(0)
         ps = mtorch.wrap(model, worker, example_input=x, store_activations=store_activations, slack=slack,
-                         example_loss=loss)
+                         example_loss=loss, recompute=recompute)
         if after_wrap is not None:
             after_wrap()
         before: dict[str, float] = {}
@@ -119,9 +131,10 @@ def mltuner_train(make: Callable[[], nn.Module], x: torch.Tensor, loss: Loss, co
 def measure_need(make: Callable[[], nn.Module], x: torch.Tensor, loss: Loss, config: mlt.Config,
                  device: torch.device) -> tuple[int, dict[str, Any]]:
     """Bytes of device memory the engine places for parameters and local data
-    (activations stored as local data) with no budget, plus the least buffer
-    pool it accepts: what 'a quarter of the need' is a quarter of; and the
-    stats of that plan. ``config`` must have no budget."""
+    (every saved activation stored as local data: without a budget nothing
+    is recomputed) with no budget, plus the least buffer pool it accepts:
+    what 'a quarter of the need' is a quarter of; and the stats of that
+    plan. ``config`` must have no budget."""
     torch.manual_seed(0)
     model = make().to(device)
     with mlt.LocalCluster(1, config) as cluster:

@@ -24,6 +24,7 @@ except ImportError as error:  # pragma: no cover - only without torch
 from mltuner.torch._errors import IterationMismatchError, UnsupportedModelError
 from mltuner.torch._layers import DEFAULT_WHOLE_MODULES
 from mltuner.torch._module import ClockOptimizer, PSModule, wrap
+from mltuner.torch._recompute import Recompute
 
 __all__ = [
     "wrap",
@@ -32,4 +33,5 @@ __all__ = [
     "UnsupportedModelError",
     "IterationMismatchError",
     "DEFAULT_WHOLE_MODULES",
+    "Recompute",
 ]

@@ -96,7 +96,7 @@ from mltuner.torch._buffers import app_stream, as_tensor, placeholder, storage_p
 from mltuner.torch._errors import IterationMismatchError, UnsupportedModelError
 from mltuner.torch._layers import Layer
 from mltuner.torch._pattern import reason, refusal
-from mltuner.torch._recording import Event, Tables, create_tables, describe, for_holding, replay
+from mltuner.torch._recording import Event, Tables, add_activations, create_tables, describe, for_holding, replay
 from mltuner.torch._saved import SavedActivations, read_back, write_bytes
 from mltuner.torch._trace import ParamRef
 
@@ -158,7 +158,7 @@ class ClockDriver:
 
     def __init__(self, model: nn.Module, layers: list[Layer], worker: Worker, *, slack: int,
                  store_activations: bool, row_width: int, overlap_updates: bool = True, recompute: bool = False,
-                 stored: frozenset[int] = frozenset()) -> None:
+                 recompute_fallback: bool = False, stored: frozenset[int] = frozenset()) -> None:
         self.model = model
         self.layers = layers
         self.worker = worker
@@ -179,6 +179,7 @@ class ClockDriver:
         self._init: list[torch.Tensor] = []  # per layer: its initial values, flat
         # The saved activations: stored or recomputed (_saved.py).
         self._acts = SavedActivations(recompute=recompute and store_activations, stored=stored)
+        self._recompute_fallback = recompute_fallback  # store everything if the recomputing plan does not fit
         self._handles: list[int] = []
         self._tables: list[Table] = []
 
@@ -670,9 +671,14 @@ class ClockDriver:
                 f"autograd needs a saved tensor of the wrapped model outside clock {self.clock}'s backward "
                 "pass: backward() can run once per forward pass, before step()"
             )
+        log = self._acts.store_all if self._recording else None
         if isinstance(packed, ParamRef):
+            if log is not None:
+                log.unpack_param(packed.layer)
             return self._grad_read(packed).as_strided(packed.size, packed.stride, packed.offset)
         assert isinstance(packed, _ActRef)
+        if log is not None:
+            log.unpack_slot(packed.slot)
         with self._mutating():
             return self._acts.resolve(packed.slot, recording=self._recording, load=self._load,
                                       param=self._program_param)
@@ -754,6 +760,8 @@ class ClockDriver:
                 self._bad_gradient(layer, position, grad)
         try:
             index = self._next("update", number)
+            if self._recording and self._acts.store_all is not None:
+                self._acts.store_all.update(number)
             for held in self._held_by_layer.pop(number, ()):
                 self._held.pop(held, None)
                 if not self._batched:  # else posted with the update
@@ -1027,15 +1035,33 @@ class ClockDriver:
                 chosen = hold
                 break
             worker.reset_virtual_iteration()
+            if self._acts.recomputing and self._recompute_fallback:
+                # Recomputing reads some layers' parameters early in the
+                # backward pass; storing everything may need a smaller pool.
+                recorded, self._forward_events = self._acts.store_everything(
+                    f"recompute='auto' stores them all: recomputing needs a device_memory_budget of at least "
+                    f"{preview.pool_min_bytes} bytes, above the {budget} bytes given")
+                tables = add_activations(worker, tables, {k: s for k, s in enumerate(self._acts.slots)
+                                                          if not any(f"a{k}" in layout
+                                                                     for _, layout in tables.activations)},
+                                         row_width=self._row_width)
+                self._replay(tables, recorded, hold)
+                preview = worker.preview_plan()
+                least[hold] = preview.pool_min_bytes
+                if preview.fits:
+                    chosen = hold
+                    break
+                worker.reset_virtual_iteration()
         if chosen is None:
             if False not in least:  # for the message: what reading again would need
                 self._replay(tables, recorded, False)
                 least[False] = worker.preview_plan().pool_min_bytes
-            note = ("; recomputing saved activations (wrap(recompute='auto') under a budget) reads some layers' "
-                    "parameters earlier in the backward pass, which can raise the least budget: recompute='none' "
-                    "may need less" if self._acts.recomputing else "")
+            note = ("; recomputing saved activations (recompute='cheap') reads some layers' parameters earlier in "
+                    "the backward pass, which can raise the least budget: recompute='none' may need less (and "
+                    "recompute='auto' falls back to it)" if self._acts.recomputing else "")
             raise ResourceExhaustedError(refusal(hold_reads, least, budget, 1 + worker.config.prefetch_clocks) + note)
         self.hold_choice = reason(hold_reads, self._store_activations, chosen, least, budget)
+        self._acts.end_planning()
         worker.finish_virtual_iteration()
         if worker.rank == 0:  # the initial values: worker 0's model, added to the servers' zeros
             updates = {e.layer: self._handles[i] for i, e in enumerate(self._events) if e.kind == "update"}

@@ -518,7 +518,8 @@ def wrap(
         if layer_groups is None:
             continue  # a grouped layer spanned param groups: split it and look again
         driver = ClockDriver(module, layers, worker, slack=slack, store_activations=store_activations,
-                             row_width=row_width, overlap_updates=overlap, recompute=recomputing, stored=stored)
+                             row_width=row_width, overlap_updates=overlap, recompute=recomputing,
+                             recompute_fallback=recompute == "auto", stored=stored)
         try:
             driver.record(lambda: module(*args), example_loss or _default_loss)
         except BaseException:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -23,7 +23,8 @@ from mltuner.client._layout import TensorLayout
 from mltuner.client._worker import Table, Worker
 from mltuner.torch._layers import Layer
 
-__all__ = ["Event", "EventKind", "Slot", "Tables", "create_tables", "describe", "for_holding", "replay"]
+__all__ = ["Event", "EventKind", "Slot", "Tables", "add_activations", "create_tables", "describe", "for_holding",
+           "replay"]
 
 EventKind = Literal["read", "post_read", "store", "load", "read_grad", "update"]
 
@@ -114,12 +115,20 @@ def for_holding(events: Sequence[Event]) -> list[Event]:
 
 
 class Tables(NamedTuple):
-    """The tables of a wrapped model: one per layer, and the local table of
-    the stored activations (None without any) with its layout."""
+    """The tables of a wrapped model: one per layer, and the local tables of
+    the stored activations with their layouts (none without any; a second
+    one when ``wrap(recompute="auto")`` falls back to storing the
+    activations it meant to recompute)."""
 
     layers: list[Table]
-    activations: Table | None
-    activation_layout: TensorLayout
+    activations: list[tuple[Table, TensorLayout]]
+
+    def slot_rows(self, slot: int) -> tuple[Table, Any]:
+        """The local table and rows of a stored activation."""
+        for table, layout in self.activations:
+            if f"a{slot}" in layout:
+                return table, layout.rows(f"a{slot}")
+        raise KeyError(f"saved activation #{slot} has no rows")
 
 
 def create_tables(worker: Worker, layers: Sequence[Layer], slots: Sequence[Slot], *, row_width: int) -> Tables:
@@ -127,14 +136,21 @@ def create_tables(worker: Worker, layers: Sequence[Layer], slots: Sequence[Slot]
     table (recomputed ones have no rows)."""
     tables = [worker.create_tensor_table(f"torch:{layer.name}", layer.layout, update_rule=layer.update_rule)
               for layer in layers]
-    activations: Table | None = None
-    act_layout = TensorLayout(row_width)
-    if any(not slot.recomputed for slot in slots):
-        for k, slot in enumerate(slots):
-            if not slot.recomputed:
-                act_layout.add(f"a{k}", (max(1, -(-slot.nbytes // 4)),))  # whole float32 words
-        activations = worker.create_tensor_table("torch:activations", act_layout, local=True)
-    return Tables(tables, activations, act_layout)
+    return add_activations(worker, Tables(tables, []), {k: s for k, s in enumerate(slots) if not s.recomputed},
+                           row_width=row_width)
+
+
+def add_activations(worker: Worker, tables: Tables, slots: dict[int, Slot], *, row_width: int) -> Tables:
+    """``tables`` with one more local table, holding ``slots`` (by number);
+    ``tables`` itself if there are none."""
+    if not slots:
+        return tables
+    layout = TensorLayout(row_width)
+    for k, slot in slots.items():
+        layout.add(f"a{k}", (max(1, -(-slot.nbytes // 4)),))  # whole float32 words
+    name = "torch:activations" if not tables.activations else f"torch:activations.{len(tables.activations)}"
+    table = worker.create_tensor_table(name, layout, local=True)
+    return Tables(tables.layers, [*tables.activations, (table, layout)])
 
 
 def replay(worker: Worker, tables: Tables, events: Sequence[Event], *, slack: int, hold_reads: bool,
@@ -145,7 +161,7 @@ def replay(worker: Worker, tables: Tables, events: Sequence[Event], *, slack: in
     buffer before the layer's reads are posted, so that the posts and the
     next update's open are consecutive ops, one engine call. Returns, per
     event, the handle of the access it opens (-1 for events that open none)."""
-    layer_tables, activations, act_layout = tables
+    layer_tables = tables.layers
     handles = [-1] * len(events)
     open_forward: dict[int, int] = {}
     held: dict[int, list[int]] = {}  # layer -> its held forward reads
@@ -159,9 +175,9 @@ def replay(worker: Worker, tables: Tables, events: Sequence[Event], *, slack: in
             else:
                 worker.virtual_post_read(open_forward.pop(event.layer))
         elif event.kind in ("store", "load"):
-            assert activations is not None
             fetch = event.kind == "load"
-            handles[index] = worker.virtual_local_access(activations, act_layout.rows(f"a{event.slot}"), fetch=fetch)
+            table, rows = tables.slot_rows(event.slot)
+            handles[index] = worker.virtual_local_access(table, rows, fetch=fetch)
             worker.virtual_post_local_access(handles[index], keep=not fetch)
         elif event.kind == "read_grad":
             handles[index] = open_backward[event.layer] = worker.virtual_read(layer_tables[event.layer], slack=slack)

@@ -35,7 +35,7 @@ from mltuner.torch._recompute import describe as describe_program
 from mltuner.torch._recording import Event, Slot
 from mltuner.torch._trace import ForwardTrace, ParamRef, RandomStates
 
-__all__ = ["SavedActivations", "read_back", "write_bytes"]
+__all__ = ["SavedActivations", "StoreAllLog", "read_back", "write_bytes"]
 
 
 def write_bytes(target: torch.Tensor, tensor: torch.Tensor, slot: Slot) -> None:
@@ -74,6 +74,37 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
                             b.detach().contiguous().view(-1).view(torch.uint8)))
 
 
+class StoreAllLog:
+    """While the recording pass recomputes: the clock's events as they would
+    be with every saved activation stored, for ``wrap(recompute="auto")`` to
+    fall back to when the recomputing plan does not fit the budget (reading
+    parameters for recomputations early in the backward pass can raise the
+    least pool). The driver reports autograd's unpacks and the updates; the
+    recomputations' own loads and reads are not in it."""
+
+    def __init__(self, forward: list[Event], slots: int) -> None:
+        self.events = list(forward)  # the forward's events with every store
+        self.forward_events = len(forward)
+        self.uses = [0] * slots  # per slot: autograd's unpacks in the backward pass
+        self._loaded: set[int] = set()
+        self._open: set[int] = set()  # layers whose backward read is open
+
+    def unpack_slot(self, slot: int) -> None:
+        if slot not in self._loaded:
+            self._loaded.add(slot)
+            self.events.append(Event("load", slot=slot))
+        self.uses[slot] += 1
+
+    def unpack_param(self, layer: int) -> None:
+        if layer not in self._open:
+            self._open.add(layer)
+            self.events.append(Event("read_grad", layer))
+
+    def update(self, layer: int) -> None:
+        self._open.discard(layer)
+        self.events.append(Event("update", layer))
+
+
 class _NotReproducible(Exception):
     """The recording pass could not make a saved activation again bit for bit."""
 
@@ -100,6 +131,8 @@ class SavedActivations:
         self._random_wanted: set[int] = set()  # random ops (by number) the programs replay
         self._random: RandomStates | None = None
         self._modes: list[bool] = []  # each module's training flag in the recording
+        self.store_all: StoreAllLog | None = None  # recording, while recomputing
+        self.fell_back = ""  # why wrap(recompute="auto") stores every activation after all
 
     @property
     def recomputing(self) -> bool:
@@ -166,12 +199,28 @@ class SavedActivations:
             index[number] = len(kept)
             kept.append(event)
         remap_reads(self._trace, programs, index)
+        self.store_all = StoreAllLog(events, len(self.slots))
         self._programs = programs
         self._modes = [module.training for module in modules]
         self.slots = [dataclasses.replace(s, recomputed=True) if k in programs else s for k, s in enumerate(self.slots)]
         nodes = self._trace.nodes
         self._random_wanted = {nodes[n].seeded for p in programs.values() for n in p.nodes if nodes[n].seeded >= 0}
         return kept
+
+    def store_everything(self, why: str) -> tuple[list[Event], int]:
+        """Gives up recomputing (``why``, for :meth:`summary`): every slot is
+        stored. Returns the clock's events with every activation stored and
+        the number of forward events (:class:`StoreAllLog`)."""
+        assert self.store_all is not None
+        log = self.store_all
+        self.slots = [dataclasses.replace(s, recomputed=False) for s in self.slots]
+        self._uses = list(log.uses)
+        self._programs = {}
+        self._random_wanted = set()
+        self.recompute = False
+        self.fell_back = why
+        self.store_all = None
+        return log.events, log.forward_events
 
     def check_modes(self, model: nn.Module, clock: int) -> None:
         """Recomputing, the backward pass runs the recorded ops with the
@@ -255,6 +304,10 @@ class SavedActivations:
         self._originals.clear()
         self.reset_clock()
 
+    def end_planning(self) -> None:
+        """The plan is made: the fallback log can go."""
+        self.store_all = None
+
     def reset_clock(self) -> None:
         self._memo.clear()
         self._random = None
@@ -277,6 +330,8 @@ class SavedActivations:
         total = sum(s.nbytes for s in self.slots)
         recomputed = [s for s in self.slots if s.recomputed]
         gone = sum(s.nbytes for s in recomputed)
+        if self.fell_back:
+            return f"saved activations: {len(self.slots)} stored ({total} B per clock), none recomputed ({self.fell_back})"
         if not self.recompute:
             return (f"saved activations: {len(self.slots)} stored ({total} B per clock), none recomputed "
                     "(recompute='none', or 'auto' without a device_memory_budget)")

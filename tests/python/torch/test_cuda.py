@@ -133,3 +133,59 @@ def test_a_cpu_model_on_a_cuda_engine_is_refused() -> None:
     with LocalCluster(1, Config(device="cuda", wait_timeout_s=30)) as cluster:
         with pytest.raises(mltuner.InvalidArgumentError, match="buffers are on cuda:0 but the model's parameters are on cpu"):
             mt.wrap(make_model().cpu(), cluster.worker(0), example_input=x[0].cpu())
+
+
+class _ConvBlock(nn.Module):
+    """Conv, batch norm (cuDNN's), in-place ReLU, plus the input: what
+    recomputing re-runs on the GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.bn(self.conv(x))
+        out += x
+        return self.relu(out)
+
+
+def test_cuda_recompute_matches_storing_bit_for_bit() -> None:
+    """Recomputing batch norm, ReLU and dropout (the fused native_dropout,
+    with its random state replayed) on the GPU gives the bits of storing
+    every saved activation, and leaves the random stream as it was."""
+    def conv_net() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+                             _ConvBlock(), _ConvBlock(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                             nn.Linear(8, 10)).to(GPU)
+
+    def encoder() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.TransformerEncoderLayer(32, 2, 64, dropout=0.1, batch_first=True)
+                               for _ in range(2)]).to(GPU)
+
+    generator = torch.Generator().manual_seed(2)
+    images = torch.randn(4, 8, 3, 8, 8, generator=generator).to(GPU)
+    tokens = torch.randn(4, 8, 16, 32, generator=generator).to(GPU)
+    for make, inputs in ((conv_net, images), (encoder, tokens)):
+        results = {}
+        for recompute in ("none", "cheap"):
+            torch.manual_seed(5)
+            with LocalCluster(1, Config(device="cuda", wait_timeout_s=30)) as cluster:
+                ps_model = mt.wrap(make(), cluster.worker(0), example_input=inputs[0], store_activations=True,
+                                   recompute=recompute)
+                for step in range(len(inputs)):
+                    ps_model(inputs[step]).float().pow(2).mean().backward()
+                    ps_model.step()
+                results[recompute] = (ps_model.state_dict(), ps_model.saved_activations,
+                                      torch.rand(4, device=GPU))
+        (want, _, want_random), (got, saved, got_random) = results["none"], results["cheap"]
+        for name, value in want.items():
+            assert torch.equal(got[name], value), name
+        assert torch.equal(got_random, want_random)
+        lines = [line for line in saved if ": recomputed" in line]
+        assert lines, saved
+        if make is encoder:
+            assert any("native_dropout" in line for line in lines), saved

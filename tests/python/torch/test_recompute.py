@@ -354,3 +354,26 @@ def test_a_module_switched_to_eval_mode_is_refused_while_recomputing(run_workers
         F.cross_entropy(ps_model(x[0]), y[0]).backward()
         ps_model.step()
         assert ps_model.clock == 1
+
+
+def test_auto_stores_everything_when_recomputing_needs_a_larger_pool() -> None:
+    """Recomputing reads some layers' parameters early in the backward pass
+    (a block's output is made again with the block's batch-norm parameters
+    while the next block runs backward), which can raise the least pool.
+    Under a budget between the two least pools, recompute='auto' stores
+    every activation instead, and says so; recompute='cheap' is refused
+    with the reason."""
+    data = resnet_data()
+    make = functools_partial(resnet, False)
+    least_stored = train(make, data, resnet_loss, "none")["stats"]["pool_min_bytes"]
+    least_cheap = train(make, data, resnet_loss, "cheap")["stats"]["pool_min_bytes"]
+    assert least_stored < least_cheap  # this model's parameters weigh as much as its activations
+    reference = train(make, data, resnet_loss, "none", least_cheap)
+    auto = train(make, data, resnet_loss, "auto", least_stored)
+    assert_same_training(auto, reference)
+    assert (f"none recomputed (recompute='auto' stores them all: recomputing needs a device_memory_budget of at "
+            f"least {least_cheap} bytes, above the {least_stored} bytes given)") in auto["plan"], auto["plan"]
+    assert not recomputed(auto["saved"])
+    assert auto["stats"]["pool_bytes"] <= least_stored
+    with pytest.raises(mltuner.ResourceExhaustedError, match=r"recompute='none' may need less"):
+        train(make, data, resnet_loss, "cheap", least_stored)

@@ -9,7 +9,9 @@ forward
     placeholder again. Autograd's saved tensors pass through
     ``saved_tensors_hooks``: a view of a parameter is saved as a reference
     to its rows, an activation (``store_activations``) is copied into a local
-    table (``store``), anything else is kept by torch as usual.
+    table (``store``) or, if cheap ops make it from stored ones, not stored
+    at all (``wrap(recompute=)``; ``_saved.py``, ``_recompute.py``), anything
+    else is kept by torch as usual.
     With ``hold_reads`` the read stays open for the backward pass; otherwise
     (GeePS's pattern, for models larger than the memory budget) it is posted
     at the end of the layer's forward (``post_read``), so only the running
@@ -23,7 +25,8 @@ backward
     the layer's read, copies the gradients into an update buffer and hands
     it to the engine (``update``), which ships it at once while autograd
     goes on with the layers below: wait-free backpropagation. Stored
-    activations come back from the local table on unpack (``load``).
+    activations come back from the local table on unpack (``load``, once per
+    clock), recomputed ones are made again from them.
 step
     ``Worker.clock``.
 
@@ -526,7 +529,7 @@ class ClockDriver:
                 output = call()
             else:
                 mode = self._acts.dispatch_mode(self._recording, self._trace_param,
-                                                lambda t: storage_ptr(t) in self._local_ptrs)
+                                                lambda t: storage_ptr(t) in self._local_ptrs, self.clock)
                 with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), \
                         mode if mode is not None else contextlib.nullcontext():
                     output = call()
@@ -540,6 +543,9 @@ class ClockDriver:
                         f"clock {self.clock}: the forward pass ended before the recorded {self._describe(event)}; "
                         "every clock must run the same layers as the recording pass of wrap()"
                     )
+            else:
+                with self._mutating():
+                    self._acts.end_forward()
         except BaseException as error:
             if self._cursor == 0 and not self._recording and self._broken is None:
                 self._phase = Phase.IDLE  # nothing reached the engine: the clock can start over

@@ -187,8 +187,11 @@ def _program(slot: int, trace: ForwardTrace, slot_values: Sequence[int], slot_of
         if len(wanted) > MAX_NODES:
             return None
         if node.func is _DROPOUT:  # its mask depends on the random state alone, its output on the input too
+            source = node.args[0] if node.args else None
+            if not isinstance(source, ValueArg):
+                return None  # dropout of a parameter: not worth the trouble
             if position == 0:
-                stack.append((_value_args(node)[0], False, False))
+                stack.append((source.value, False, False))
             continue
         if not first:
             continue
@@ -205,15 +208,11 @@ def _program(slot: int, trace: ForwardTrace, slot_values: Sequence[int], slot_of
         if base in leaves or base not in made or value in leaves:
             return None
     nodes = tuple(sorted(wanted))
-    mask_only = tuple((n, trace.meta[_value_args(trace.nodes[n])[0]]) for n in nodes
+    mask_only = tuple((n, trace.meta[trace.nodes[n].args[0].value]) for n in nodes
                       if trace.nodes[n].func is _DROPOUT and 0 not in wanted[n])
     return Program(slot, target, nodes, tuple(sorted(leaves.items())), mask_only,
                    1 + max((depth[s] for s in leaves.values()), default=0),
                    sum(trace.nodes[n].touched_bytes for n in nodes))
-
-
-def _value_args(node: object) -> list[int]:
-    return [a.value for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, ValueArg)]  # type: ignore[attr-defined]
 
 
 def remap_reads(trace: ForwardTrace, programs: dict[int, Program], index: dict[int, int]) -> None:

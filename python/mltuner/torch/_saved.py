@@ -128,7 +128,7 @@ class SavedActivations:
         self._trace: ForwardTrace | None = None
         self._values: list[int] = []  # per slot: its value in the trace
         self._programs: dict[int, Program] = {}
-        self._random_wanted: set[int] = set()  # random ops (by number) the programs replay
+        self._random_wanted: dict[int, Any] = {}  # random ops (by number) the programs replay, with their op
         self._random: RandomStates | None = None
         self._modes: list[bool] = []  # each module's training flag in the recording
         self.store_all: StoreAllLog | None = None  # recording, while recomputing
@@ -141,7 +141,7 @@ class SavedActivations:
 
     # -- the forward ---------------------------------------------------------------------
     def dispatch_mode(self, recording: bool, param_ref: Callable[[torch.Tensor], ParamRef | None],
-                      is_local: Callable[[torch.Tensor], bool]) -> Any:
+                      is_local: Callable[[torch.Tensor], bool], clock: int) -> Any:
         """The forward's TorchDispatchMode: the op trace in the recording pass
         (when recomputing), the random states of recomputed random ops in
         later clocks, else None."""
@@ -149,7 +149,8 @@ class SavedActivations:
             self._trace = ForwardTrace(param_ref, is_local)
             return self._trace
         if self._random_wanted and not recording:
-            self._random = RandomStates(self._random_wanted)
+            assert self._trace is not None
+            self._random = RandomStates(self._random_wanted, self._trace.random_ops, clock)
             return self._random
         return None
 
@@ -188,7 +189,12 @@ class SavedActivations:
         renumbering the forward reads the programs name."""
         if self._trace is None:
             return events
-        programs = choose(self._trace, self._values, self.slots, self.stored)
+        try:
+            programs = choose(self._trace, self._values, self.slots, self.stored)
+        except Exception as error:  # noqa: BLE001 - a model the planner does not understand: store everything
+            self.recompute = False
+            self.fell_back = f"choosing what to recompute failed: {type(error).__name__}: {error}"
+            return events
         if not programs:
             return events
         index: dict[int, int] = {}
@@ -204,7 +210,8 @@ class SavedActivations:
         self._modes = [module.training for module in modules]
         self.slots = [dataclasses.replace(s, recomputed=True) if k in programs else s for k, s in enumerate(self.slots)]
         nodes = self._trace.nodes
-        self._random_wanted = {nodes[n].seeded for p in programs.values() for n in p.nodes if nodes[n].seeded >= 0}
+        self._random_wanted = {nodes[n].seeded: nodes[n].func for p in programs.values() for n in p.nodes
+                               if nodes[n].seeded >= 0}
         return kept
 
     def store_everything(self, why: str) -> tuple[list[Event], int]:
@@ -216,11 +223,17 @@ class SavedActivations:
         self.slots = [dataclasses.replace(s, recomputed=False) for s in self.slots]
         self._uses = list(log.uses)
         self._programs = {}
-        self._random_wanted = set()
+        self._random_wanted = {}
         self.recompute = False
         self.fell_back = why
         self.store_all = None
         return log.events, log.forward_events
+
+    def end_forward(self) -> None:
+        """After a later clock's forward: raises IterationMismatchError if a
+        random op to replay did not run."""
+        if self._random is not None:
+            self._random.check_complete()
 
     def check_modes(self, model: nn.Module, clock: int) -> None:
         """Recomputing, the backward pass runs the recorded ops with the

@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from mltuner.torch._buffers import storage_ptr
+from mltuner.torch._errors import IterationMismatchError
 
 __all__ = ["BufferArg", "ForwardTrace", "Node", "ParamRef", "RandomStates", "ScratchArg", "ValueArg",
            "generator_of"]
@@ -162,8 +163,8 @@ class ForwardTrace(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.meta: list[ScratchArg] = []  # per value: its shape, stride, dtype and device
         self.mutated_buffers: set[int] = set()  # storage addresses of buffers an op wrote
         self.random_states: dict[int, torch.Tensor] = {}  # random op number -> generator state before it
+        self.random_ops = 0  # how many the forward ran
         self._values: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # tensor -> (version, value)
-        self._random_ops = 0
 
     # -- values --------------------------------------------------------------------------
     def _new_value(self, tensor: torch.Tensor, producer: tuple[int, int] | None, base: int, version: int) -> int:
@@ -187,8 +188,8 @@ class ForwardTrace(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs = kwargs or {}
         seeded = -1
         if _is_seeded(func):
-            seeded = self._random_ops
-            self._random_ops += 1
+            seeded = self.random_ops
+            self.random_ops += 1
             if kwargs.get("generator") is None:
                 self.random_states[seeded] = generator_of(_device_of(args, kwargs)).get_state()
         node = Node(func, (), {}, (), seeded=seeded)
@@ -287,18 +288,39 @@ class ForwardTrace(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
 class RandomStates(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Later clocks: keeps the generator state before each random op whose
-    number is in ``wanted`` (the random ops of recomputed tensors)."""
+    number is in ``wanted`` (the random ops of recomputed tensors, with the
+    op the recording saw there). A clock whose random ops differ from the
+    recording's raises :class:`IterationMismatchError` rather than replay
+    another op's random numbers."""
 
-    def __init__(self, wanted: set[int]) -> None:
+    def __init__(self, wanted: dict[int, Any], total: int, clock: int) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.wanted = wanted
+        self.total = total  # the recording's random ops
+        self.clock = clock
         self.states: dict[int, torch.Tensor] = {}
         self._count = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if _is_seeded(func):
-            if self._count in self.wanted:
+            expected = self.wanted.get(self._count)
+            if expected is not None:
+                if func is not expected:
+                    raise IterationMismatchError(
+                        f"clock {self.clock}: random op #{self._count} of the forward is {func}, the recorded one "
+                        f"{expected}; a recomputed activation replays its random numbers, so every clock must "
+                        "run the same random ops as the recording pass of wrap()"
+                    )
                 self.states[self._count] = generator_of(_device_of(args, kwargs)).get_state()
             self._count += 1
         return func(*args, **kwargs)
+
+    def check_complete(self) -> None:
+        """After the forward: it ran as many random ops as the recording."""
+        if self._count != self.total:
+            raise IterationMismatchError(
+                f"clock {self.clock}: the forward ran {self._count} random ops, the recording pass of wrap() "
+                f"{self.total}; a recomputed activation replays the random numbers of its op, so every clock must "
+                "run the same random ops"
+            )

@@ -377,3 +377,36 @@ def test_auto_stores_everything_when_recomputing_needs_a_larger_pool() -> None:
     assert auto["stats"]["pool_bytes"] <= least_stored
     with pytest.raises(mltuner.ResourceExhaustedError, match=r"recompute='none' may need less"):
         train(make, data, resnet_loss, "cheap", least_stored)
+
+
+class SometimesMoreDropout(nn.Module):
+    """A dropout recomputed in the backward pass, and one more before it when ``extra`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(WIDTH, WIDTH)
+        self.fc2 = nn.Linear(WIDTH, WIDTH)
+        self.extra = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.extra:
+            x = F.dropout(x, 0.5)
+        return self.fc2(F.dropout(F.gelu(self.fc1(x)), 0.2))
+
+
+def test_a_clock_with_other_random_ops_is_refused_while_replaying_them() -> None:
+    """Replaying a dropout's random numbers needs the forward's random ops in
+    the recorded order: a clock with one more is refused after its forward
+    pass, before any backward pass could use the wrong numbers."""
+    x, _ = transformer_data()
+    torch.manual_seed(0)
+    model = SometimesMoreDropout()
+    with LocalCluster(1, Config(wait_timeout_s=20)) as cluster:
+        ps_model = mt.wrap(model, cluster.worker(0), example_input=x[0], store_activations=True, recompute="cheap")
+        assert any("bernoulli_" in line for line in recomputed(ps_model.saved_activations))
+        ps_model(x[0]).sum().backward()
+        ps_model.step()
+        model.extra = True
+        with pytest.raises(mt.IterationMismatchError, match=r"the forward ran 2 random ops, the recording pass of "
+                                                            r"wrap\(\) 1"):
+            ps_model(x[1])

@@ -511,7 +511,7 @@ def wrap(
         check_optimizer(optimizer)
     args = example_input if isinstance(example_input, tuple) else (example_input,)
     split: set[str] = set()  # groups whose members run outside the group's forward, or span param groups
-    stored: frozenset[int] = frozenset()  # saved activations the recording could not recompute bit for bit
+    stored: dict[int, str] = {}  # saved activations the recording could not recompute bit for bit, and why
     while True:
         layers = find_layers(module, row_width, whole_modules, group_bytes, split)
         layer_groups = _assign_rules(layers, optimizer, split)
@@ -530,7 +530,7 @@ def wrap(
             continue
         if driver.unreproducible:  # recomputations that differ from the forward: record again, storing them
             driver.abandon()
-            stored = stored | frozenset(driver.unreproducible)
+            stored = {**stored, **driver.unreproducible}
             continue
         try:
             driver.plan(hold_reads)

@@ -249,11 +249,12 @@ def run(program: Program, trace: ForwardTrace, *, leaf: Callable[[int], torch.Te
     with torch.no_grad():
         for number in program.nodes:
             node = trace.nodes[number]
-            if number in stand_ins:
-                args = (stand_ins[number].make(), *tree_map(fill, node.args[1:]))
-            else:
-                args = tree_map(fill, node.args)
-            kwargs = tree_map(fill, node.kwargs)
+            if number in stand_ins:  # a dropout for its mask: its input is not made
+                args, kwargs = (stand_ins[number].make(), *node.args[1:]), node.kwargs
+            elif node.nested:  # a list of tensors (cat): the general, slower walk
+                args, kwargs = tree_map(fill, node.args), tree_map(fill, node.kwargs)
+            else:  # flat arguments, no tensor among the keywords: the common case, a Python call per argument
+                args, kwargs = tuple(fill(item) for item in node.args), node.kwargs
             if node.seeded >= 0:
                 assert node.device is not None
                 generator = generator_of(node.device)

@@ -113,11 +113,11 @@ class SavedActivations:
     """The slots of a wrapped model and their per-clock state (module docstring).
 
     ``recompute``: choose slots to recompute at the end of the recording
-    forward; ``stored``: slots never to recompute (an earlier recording found
-    them not reproducible).
+    forward; ``stored``: slots never to recompute, with the reason (an
+    earlier recording could not reproduce them).
     """
 
-    def __init__(self, *, recompute: bool, stored: frozenset[int]) -> None:
+    def __init__(self, *, recompute: bool, stored: dict[int, str]) -> None:
         self.recompute = recompute
         self.stored = stored
         self.slots: list[Slot] = []
@@ -190,7 +190,7 @@ class SavedActivations:
         if self._trace is None:
             return events
         try:
-            programs = choose(self._trace, self._values, self.slots, self.stored)
+            programs = choose(self._trace, self._values, self.slots, frozenset(self.stored))
         except Exception as error:  # noqa: BLE001 - a model the planner does not understand: store everything
             self.recompute = False
             self.fell_back = f"choosing what to recompute failed: {type(error).__name__}: {error}"
@@ -348,7 +348,8 @@ class SavedActivations:
         if not self.recompute:
             return (f"saved activations: {len(self.slots)} stored ({total} B per clock), none recomputed "
                     "(recompute='none', or 'auto' without a device_memory_budget)")
-        spoiled = (f", {len(self.stored)} stored because running their ops again did not give the forward's "
-                   "bytes" if self.stored else "")
+        first = min(self.stored, default=0)
+        spoiled = (f", {len(self.stored)} stored because running their ops again failed or gave other bytes "
+                   f"(#{first}: {self.stored[first]})" if self.stored else "")
         return (f"saved activations: {len(self.slots) - len(recomputed)} stored ({total - gone} B per clock), "
                 f"{len(recomputed)} recomputed in the backward pass from stored ones ({gone} B not stored{spoiled})")

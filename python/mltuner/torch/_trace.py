@@ -116,6 +116,7 @@ class Node:
     # with a generator of its own; or an op that moves data between devices
     touched_bytes: int = 0  # bytes read and written (0 for views): the cost model's measure
     device: torch.device | None = None  # random ops: the device whose generator they draw from
+    nested: bool = False  # a template sits in a list argument (cat's tensors), or in the keyword arguments
 
 
 def generator_of(device: torch.device) -> torch.Generator:
@@ -249,6 +250,9 @@ class ForwardTrace(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
         new_args = tuple(tree_map(lambda item, p=p: template(p, item), arg) for p, arg in enumerate(args))
         new_kwargs = {k: tree_map(lambda item, k=k: template(k, item), v) for k, v in kwargs.items()}
+        node.nested = any(isinstance(item, torch.Tensor) for arg in args if isinstance(arg, (list, tuple))
+                          for item in tree_flatten(arg)[0]) or any(
+            isinstance(item, torch.Tensor) for item in tree_flatten(kwargs)[0])
         if any(k == "out" for k in kwargs):
             node.replayable = False
         node.touched_bytes = touched

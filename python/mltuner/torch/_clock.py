@@ -161,7 +161,8 @@ class ClockDriver:
 
     def __init__(self, model: nn.Module, layers: list[Layer], worker: Worker, *, slack: int,
                  store_activations: bool, row_width: int, overlap_updates: bool = True, recompute: bool = False,
-                 recompute_fallback: bool = False, stored: dict[int, str] | None = None) -> None:
+                 recompute_fallback: bool = False, stored: dict[int, str] | None = None,
+                 hold_reads: bool | None = None) -> None:
         self.model = model
         self.layers = layers
         self.worker = worker
@@ -181,7 +182,8 @@ class ClockDriver:
         self._forward_events = 0
         self._init: list[torch.Tensor] = []  # per layer: its initial values, flat
         # The saved activations: stored or recomputed (_saved.py).
-        self._acts = SavedActivations(recompute=recompute and store_activations, stored=stored or {})
+        self._acts = SavedActivations(recompute=recompute and store_activations, stored=stored or {},
+                                      parameters=slack == 0 or hold_reads is True)  # hold_reads: as given to wrap()
         self._recompute_fallback = recompute_fallback  # store everything if the recomputing plan does not fit
         self._handles: list[int] = []
         self._tables: list[Table] = []

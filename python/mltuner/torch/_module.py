@@ -519,7 +519,7 @@ def wrap(
             continue  # a grouped layer spanned param groups: split it and look again
         driver = ClockDriver(module, layers, worker, slack=slack, store_activations=store_activations,
                              row_width=row_width, overlap_updates=overlap, recompute=recomputing,
-                             recompute_fallback=recompute == "auto", stored=stored)
+                             recompute_fallback=recompute == "auto", stored=stored, hold_reads=hold_reads)
         try:
             driver.record(lambda: module(*args), example_loss or _default_loss)
         except BaseException:

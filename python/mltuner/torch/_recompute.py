@@ -85,7 +85,7 @@ MAX_NODES = 64  # ops in one tensor's chain: a bound on the planning work, not a
 _aten = torch.ops.aten
 _MEMORY_BOUND = frozenset(p.__name__ for p in (
     _aten.native_batch_norm, _aten.cudnn_batch_norm, _aten.miopen_batch_norm, _aten._native_batch_norm_legit,
-    _aten._batch_norm_with_update, _aten.native_layer_norm, _aten.native_group_norm, _aten._softmax,
+    _aten._batch_norm_with_update, _aten._batch_norm_no_update, _aten.native_layer_norm, _aten.native_group_norm, _aten._softmax,
     _aten._log_softmax, _aten._safe_softmax, _aten.max_pool2d_with_indices, _aten.max_pool3d_with_indices,
     _aten.avg_pool2d, _aten.avg_pool3d, _aten._adaptive_avg_pool2d, _aten._adaptive_avg_pool3d, _aten.mean,
     _aten.sum, _aten.amax, _aten.amin, _aten.native_dropout, _aten.bernoulli, _aten.bernoulli_, _aten.uniform_,
@@ -132,17 +132,20 @@ class Program:
 
 
 def choose(trace: ForwardTrace, slot_values: Sequence[int], slots: Sequence[Slot],
-           stored: frozenset[int] = frozenset()) -> dict[int, Program]:
+           stored: frozenset[int] = frozenset(), *, parameters: bool = True) -> dict[int, Program]:
     """The saved activations to recompute (by slot) and their programs,
     under the rule of the module docstring. ``slot_values[k]`` is the value
-    saved activation ``k`` holds; ``stored`` are slots never to recompute."""
+    saved activation ``k`` holds; ``stored`` are slots never to recompute;
+    ``parameters=False`` recomputes only tensors made without parameters
+    (under SSP a backward read may hold newer values than the forward's)."""
     slot_of_value: dict[int, int] = {}
     for slot, value in enumerate(slot_values):
         slot_of_value.setdefault(value, slot)
     depth: dict[int, int] = {}  # slot -> depth (0: stored)
     programs: dict[int, Program] = {}
     for slot in sorted(range(len(slot_values)), key=lambda k: slot_values[k]):  # producers first
-        program = None if slot in stored else _program(slot, trace, slot_values, slot_of_value, slots, depth)
+        program = None if slot in stored else _program(slot, trace, slot_values, slot_of_value, slots, depth,
+                                                       parameters)
         if program is None or program.depth > MAX_DEPTH or \
                 program.touched_bytes > MAX_TOUCHED_PER_BYTE * slots[slot].nbytes:
             depth[slot] = 0
@@ -153,7 +156,7 @@ def choose(trace: ForwardTrace, slot_values: Sequence[int], slots: Sequence[Slot
 
 
 def _program(slot: int, trace: ForwardTrace, slot_values: Sequence[int], slot_of_value: dict[int, int],
-             slots: Sequence[Slot], depth: dict[int, int]) -> Program | None:
+             slots: Sequence[Slot], depth: dict[int, int], parameters: bool) -> Program | None:
     """The chain of ops that makes ``slot``'s value from other saved
     activations, parameters, buffers and random state; None if there is
     none under the rule's conditions 1 and 4."""
@@ -200,6 +203,8 @@ def _program(slot: int, trace: ForwardTrace, slot_values: Sequence[int], slot_of
                 stack.append((arg.value, False, arg.value == node.mutates and _name(node.func) in _OVERWRITES))
             elif isinstance(arg, BufferArg) and storage_ptr(arg.tensor) in trace.mutated_buffers:
                 return None  # its value in the backward pass may not be the forward's
+            elif isinstance(arg, ParamRef) and not parameters:
+                return None
         if node.mutates >= 0:
             written.append(node.mutates)
     made = {value for number in wanted for value in trace.nodes[number].outputs if value >= 0}

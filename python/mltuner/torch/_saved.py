@@ -114,11 +114,14 @@ class SavedActivations:
 
     ``recompute``: choose slots to recompute at the end of the recording
     forward; ``stored``: slots never to recompute, with the reason (an
-    earlier recording could not reproduce them).
+    earlier recording could not reproduce them); ``parameters``: whether a
+    recomputation may read parameters (not under SSP without held reads: a
+    backward read may hold newer values than the forward used).
     """
 
-    def __init__(self, *, recompute: bool, stored: dict[int, str]) -> None:
+    def __init__(self, *, recompute: bool, stored: dict[int, str], parameters: bool = True) -> None:
         self.recompute = recompute
+        self._parameters = parameters  # programs may read parameters (not under SSP without held reads)
         self.stored = stored
         self.slots: list[Slot] = []
         self.unreproducible: dict[int, str] = {}  # recording: slot -> why it could not be recomputed
@@ -190,7 +193,8 @@ class SavedActivations:
         if self._trace is None:
             return events
         try:
-            programs = choose(self._trace, self._values, self.slots, frozenset(self.stored))
+            programs = choose(self._trace, self._values, self.slots, frozenset(self.stored),
+                              parameters=self._parameters)
         except Exception as error:  # noqa: BLE001 - a model the planner does not understand: store everything
             self.recompute = False
             self.fell_back = f"choosing what to recompute failed: {type(error).__name__}: {error}"

@@ -411,3 +411,20 @@ def test_a_clock_with_other_random_ops_is_refused_while_replaying_them() -> None
         with pytest.raises(mt.IterationMismatchError, match=r"the forward ran 2 random ops, the recording pass of "
                                                             r"wrap\(\) 1"):
             ps_model(x[1])
+
+
+def test_under_ssp_without_held_reads_no_recomputation_reads_parameters() -> None:
+    """With slack > 0 a backward read may hold newer parameters than the
+    forward used: then only tensors made without parameters (GELU outputs,
+    views) are recomputed, not layer norms."""
+    data = transformer_data()
+    make = functools_partial(transformer, 0.0)
+    bsp = recomputed(train(make, data, transformer_loss, "cheap")["saved"])
+    ssp = train(make, data, transformer_loss, "cheap", slack=1)
+    lines = recomputed(ssp["saved"])
+    assert any("parameters" in line for line in bsp)
+    assert lines and not any("parameters" in line for line in lines), ssp["saved"]
+    assert len(lines) == len(bsp) - sum("parameters" in line for line in bsp)
+    held = recomputed(train(make, data, transformer_loss, "cheap", slack=1, hold_reads=True)["saved"])
+    assert held == bsp  # a held read gives the backward pass the forward's parameters
+    assert_same_training(ssp, train(make, data, transformer_loss, "none", slack=1))  # one worker: no staleness

@@ -427,4 +427,4 @@ def test_under_ssp_without_held_reads_no_recomputation_reads_parameters() -> Non
     assert len(lines) == len(bsp) - sum("parameters" in line for line in bsp)
     held = recomputed(train(make, data, transformer_loss, "cheap", slack=1, hold_reads=True)["saved"])
     assert held == bsp  # a held read gives the backward pass the forward's parameters
-    assert_same_training(ssp, train(make, data, transformer_loss, "none", slack=1))  # one worker: no staleness
+    # (No bitwise comparison here: under SSP what a read sees depends on timing, recomputing or not.)

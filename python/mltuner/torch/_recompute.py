@@ -18,8 +18,9 @@ pooling, dropout, casts, concatenation) costs the bytes it reads and writes
 at device-memory bandwidth (~3 TB/s on an H100: 0.3 ps per byte touched); a
 view costs nothing. So a chain of such ops that touches at most
 :data:`MAX_TOUCHED_PER_BYTE` (16) bytes per byte it saves costs at most about
-a fifteenth of the swap it avoids, and at most about twice the two device
-copies of storing it. Compute-bound ops (matmul, convolution, attention) do
+a fifteenth of the swap it avoids, and at most about four times the
+device-memory traffic of storing it (two copies, each reading and writing
+its bytes). Compute-bound ops (matmul, convolution, attention) do
 ``2 K`` flops per output element, K the reduction size (hundreds to
 thousands): running them again repeats the forward's arithmetic (full
 activation checkpointing, about a third of a step more), so their outputs
@@ -30,8 +31,9 @@ The rule, per saved tensor, in the order the forward made them:
 1. it is made by ops that are all memory-bound (:func:`memory_bound`), each
    replayable (no write to a parameter or buffer, no ``out=``, no copy
    between devices, random ops only with the default generator), from
-   stored or recomputed saved tensors, parameters, buffers no op of the
-   forward writes, and random state;
+   stored or recomputed saved tensors, parameters (not under SSP without
+   held reads, where a backward read may hold newer values than the
+   forward's), buffers no op of the forward writes, and random state;
 2. its ops touch at most ``MAX_TOUCHED_PER_BYTE`` bytes per byte saved;
 3. its depth is at most :data:`MAX_DEPTH` (2): a recomputed tensor read by
    another recomputed tensor's ops must itself read only stored ones. The
@@ -51,7 +53,7 @@ device, outside the engine's budget and its swaps. Deciding per saved
 tensor in the adapter's own hook keeps every stored byte in the engine.
 
 Bit-identical results: the ops run again are the same aten ops on the same
-inputs (stored inputs come back with their strides, see ``_clock._load``),
+inputs (stored inputs come back with their strides, see ``_saved.read_back``),
 random ops with the generator state they had in the forward; batch norm's
 running statistics are not updated twice (scratch tensors take the write).
 The recording pass of ``wrap()`` checks every recomputed tensor against the
@@ -72,8 +74,8 @@ from mltuner.torch._buffers import storage_ptr
 from mltuner.torch._recording import Slot
 from mltuner.torch._trace import BufferArg, ForwardTrace, ParamRef, ScratchArg, ValueArg, generator_of
 
-__all__ = ["MAX_DEPTH", "MAX_TOUCHED_PER_BYTE", "Program", "RECOMPUTE_CHOICES", "Recompute", "choose", "describe", "memory_bound",
-           "remap_reads", "run"]
+__all__ = ["MAX_DEPTH", "MAX_TOUCHED_PER_BYTE", "Program", "RECOMPUTE_CHOICES", "Recompute", "choose", "describe",
+           "memory_bound", "remap_reads", "run"]
 
 Recompute = Literal["auto", "cheap", "none"]
 RECOMPUTE_CHOICES: tuple[Recompute, ...] = ("auto", "cheap", "none")
@@ -85,7 +87,8 @@ MAX_NODES = 64  # ops in one tensor's chain: a bound on the planning work, not a
 _aten = torch.ops.aten
 _MEMORY_BOUND = frozenset(p.__name__ for p in (
     _aten.native_batch_norm, _aten.cudnn_batch_norm, _aten.miopen_batch_norm, _aten._native_batch_norm_legit,
-    _aten._batch_norm_with_update, _aten._batch_norm_no_update, _aten.native_layer_norm, _aten.native_group_norm, _aten._softmax,
+    _aten._batch_norm_with_update, _aten._batch_norm_no_update, _aten.native_layer_norm, _aten.native_group_norm,
+    _aten._softmax,
     _aten._log_softmax, _aten._safe_softmax, _aten.max_pool2d_with_indices, _aten.max_pool3d_with_indices,
     _aten.avg_pool2d, _aten.avg_pool3d, _aten._adaptive_avg_pool2d, _aten._adaptive_avg_pool3d, _aten.mean,
     _aten.sum, _aten.amax, _aten.amin, _aten.native_dropout, _aten.bernoulli, _aten.bernoulli_, _aten.uniform_,

@@ -348,7 +348,8 @@ class SavedActivations:
         recomputed = [s for s in self.slots if s.recomputed]
         gone = sum(s.nbytes for s in recomputed)
         if self.fell_back:
-            return f"saved activations: {len(self.slots)} stored ({total} B per clock), none recomputed ({self.fell_back})"
+            return (f"saved activations: {len(self.slots)} stored ({total} B per clock), none recomputed "
+                    f"({self.fell_back})")
         if not self.recompute:
             return (f"saved activations: {len(self.slots)} stored ({total} B per clock), none recomputed "
                     "(recompute='none', or 'auto' without a device_memory_budget)")

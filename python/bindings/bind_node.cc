@@ -93,6 +93,12 @@ void RegisterNode(py::module_& m) {
       .def("set_outbox_limit", &ProcessNode::SetOutboxLimit, py::arg("bytes"),
            py::call_guard<py::gil_scoped_release>(),
            "Payload bytes the outbox may hold before the engine's sends wait (0: no bound).")
+      .def("set_inbox_limit", &ProcessNode::SetInboxLimit, py::arg("bytes"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Payload bytes each inbox (shard's, engine's) lets other processes fill before deliver waits "
+           "for room (0: no bound).")
+      .def_property_readonly("inbox_bytes", &ProcessNode::inbox_bytes)
+      .def_property_readonly("peak_inbox_bytes", &ProcessNode::peak_inbox_bytes)
       .def(
           "deliver",
           [](ProcessNode& node, const py::buffer& frame0, const py::buffer& payload, int64_t token) {

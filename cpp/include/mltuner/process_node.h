@@ -83,6 +83,16 @@ class ProcessNode final : public Transport {
   // default until the transport knows the plan).
   void SetOutboxLimit(int64_t bytes);
 
+  // Payload bytes each of this process's two inboxes (the shard's, the
+  // engine's) may hold before Deliver, or an update of this process's engine
+  // for its own shard, waits for room, up to the wait timeout (then
+  // kTimeout, and the node is aborted); the shard's replies never wait. 0:
+  // no bound (the default until the transport knows the plan).
+  void SetInboxLimit(int64_t bytes);
+  // Payload bytes waiting in both inboxes, and the most one has held.
+  int64_t inbox_bytes() const;
+  int64_t peak_inbox_bytes() const;
+
   // Frames received from another process. A message that fails validation
   // (malformed, foreign, not addressed to this rank, or from this rank or an
   // unknown one) is counted as rejected and returns why; nothing else sees it.

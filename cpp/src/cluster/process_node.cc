@@ -22,25 +22,14 @@ class ProcessNode::Queues {
         device(std::move(device)) {}
 
   // Waits while the outbox is over its limit (none when it is empty), up to
-  // timeout_ms, then kTimeout. Once the node is aborted the message is
+  // timeout_ms, then kTimeout; a negative timeout_ms queues without waiting. Once the node is aborted the message is
   // dropped (every call of the job already fails with the abort's reason);
   // once closed it is queued without waiting, as the send thread drains.
   Status PushOutgoing(OutgoingMessage&& message, int64_t timeout_ms) {
     const auto bytes = static_cast<int64_t>(message.payload_bytes());
     {
       std::unique_lock<std::mutex> lock(mu);
-      const auto has_room = [&] {
-        return closed || aborted || limit == 0 || outbox_bytes == 0 || outbox_bytes + bytes <= limit;
-      };
-      if (!room.wait_for(lock, std::chrono::milliseconds(timeout_ms), has_room)) {
-        // The send thread takes messages in order: the oldest one's
-        // receiver is the peer that stopped taking them.
-        const int stuck = outbox.empty() ? -1 : outbox.front().receiver;
-        return Status::Timeout("the outbox to other processes has held " + std::to_string(outbox_bytes) +
-                               " bytes (its limit is " + std::to_string(limit) + ") for " +
-                               std::to_string(timeout_ms) + " ms: worker rank " + std::to_string(stuck) +
-                               " is not taking its messages");
-      }
+      if (timeout_ms >= 0) MLT_RETURN_IF_ERROR(WaitForRoom(lock, bytes, timeout_ms));
       if (aborted) return Status::Ok();
       outbox_bytes += bytes;
       peak_bytes = std::max(peak_bytes, outbox_bytes);
@@ -48,6 +37,13 @@ class ProcessNode::Queues {
     }
     ready.notify_one();
     return Status::Ok();
+  }
+
+  // Waits while the outbox is over its limit, as PushOutgoing does for a
+  // message of no bytes.
+  Status WaitForOutboxRoom(int64_t timeout_ms) {
+    std::unique_lock<std::mutex> lock(mu);
+    return WaitForRoom(lock, 0, timeout_ms);
   }
 
   bool PopOutgoing(int timeout_ms, OutgoingMessage* out) {
@@ -62,6 +58,19 @@ class ProcessNode::Queues {
     }
     room.notify_all();
     return true;
+  }
+
+  Status WaitForRoom(std::unique_lock<std::mutex>& lock, int64_t bytes, int64_t timeout_ms) {
+    const auto has_room = [&] {
+      return closed || aborted || limit == 0 || outbox_bytes == 0 || outbox_bytes + bytes <= limit;
+    };
+    if (room.wait_for(lock, std::chrono::milliseconds(timeout_ms), has_room)) return Status::Ok();
+    // The send thread takes messages in order: the oldest one's receiver is
+    // the peer that stopped taking them.
+    const int stuck = outbox.empty() ? -1 : outbox.front().receiver;
+    return Status::Timeout("the outbox to other processes has held " + std::to_string(outbox_bytes) +
+                           " bytes (its limit is " + std::to_string(limit) + ") for " + std::to_string(timeout_ms) +
+                           " ms: worker rank " + std::to_string(stuck) + " is not taking its messages");
   }
 
   void Close() {
@@ -125,9 +134,24 @@ Status ProcessNode::Send(Message&& message) {
     return Status::InvalidArgument("message to unknown process " + std::to_string(receiver) + ": " +
                                    message.DebugString());
   }
+  // Only the engine's messages wait for room (it makes all the traffic, so
+  // waiting there bounds every queue). The shard's replies never wait: its
+  // thread must keep draining its inbox, or two processes whose outboxes and
+  // inboxes were all full would wait on each other; they answer messages
+  // that waited on their way in.
+  const bool waits = IsServerBound(message.type());
   if (receiver == rank_) {
-    queues_->host.Push(std::move(message));
-    return Status::Ok();
+    if (!waits) {
+      queues_->host.Push(std::move(message));
+      return Status::Ok();
+    }
+    // The engine's update for its own shard also makes that shard's replies
+    // to every peer: it waits while they are not taken (the outbox is full)
+    // and while the shard is behind.
+    Status room = queues_->WaitForOutboxRoom(wait_timeout_ms_);
+    if (room.ok()) room = queues_->host.PushBounded(std::move(message), wait_timeout_ms_);
+    if (room.code() == StatusCode::kTimeout) Abort(room);
+    return room;
   }
   if (message.device_values) {
     // Another process: the values leave the device here, after the work that
@@ -148,7 +172,7 @@ Status ProcessNode::Send(Message&& message) {
   outgoing.header = EncodeHeaderFrame(message);
   outgoing.payload = std::move(message.values);
   outgoing.frame = std::move(message.host_frame);
-  const Status queued = queues_->PushOutgoing(std::move(outgoing), wait_timeout_ms_);
+  const Status queued = queues_->PushOutgoing(std::move(outgoing), waits ? wait_timeout_ms_ : -1);
   if (queued.code() == StatusCode::kTimeout) Abort(queued);  // every wait of the job ends with it
   return queued;
 }
@@ -237,9 +261,18 @@ Status ProcessNode::Deliver(const void* frame0, size_t frame0_bytes, const void*
     queues_->host.Reject(status, Message());
     return status;
   }
-  queues_->host.Push(std::move(message));
-  return Status::Ok();
+  status = queues_->host.PushBounded(std::move(message), wait_timeout_ms_);
+  // A full inbox for the whole wait: this process's shard or installer is
+  // stuck, and every worker would wait for its clocks forever.
+  if (!status.ok()) Abort(status);
+  return status;
 }
+
+void ProcessNode::SetInboxLimit(int64_t bytes) { queues_->host.SetInboxLimit(bytes); }
+
+int64_t ProcessNode::inbox_bytes() const { return queues_->host.inbox_bytes(); }
+
+int64_t ProcessNode::peak_inbox_bytes() const { return queues_->host.peak_inbox_bytes(); }
 
 void ProcessNode::Abort(const Status& why) {
   {
@@ -248,6 +281,7 @@ void ProcessNode::Abort(const Status& why) {
     queues_->aborted = true;
   }
   queues_->room.notify_all();
+  queues_->host.StopWaiting();
   engine_->Abort(why);
 }
 

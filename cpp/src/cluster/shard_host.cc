@@ -1,6 +1,9 @@
 #include "cluster/shard_host.h"
 
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -20,17 +23,74 @@ void Inbox::Start(const char* thread_name, std::function<void(Message&&)> delive
         message = std::move(queue_.front());
         queue_.pop_front();
       }
+      // Counted until delivered: the payload is held until then.
+      const auto bytes = static_cast<int64_t>(message.num_values() * sizeof(float));
       deliver(std::move(message));
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        queued_bytes_ -= bytes;
+      }
+      room_.notify_all();
     }
   });
 }
 
+void Inbox::Queue(Message&& message, int64_t bytes) {
+  queued_bytes_ += bytes;
+  peak_bytes_ = std::max(peak_bytes_, queued_bytes_);
+  queue_.push_back(std::move(message));
+}
+
 void Inbox::Push(Message&& message) {
+  const auto bytes = static_cast<int64_t>(message.num_values() * sizeof(float));
   {
     std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back(std::move(message));
+    Queue(std::move(message), bytes);
   }
   ready_.notify_one();
+}
+
+Status Inbox::PushBounded(Message&& message, int64_t timeout_ms) {
+  const auto bytes = static_cast<int64_t>(message.num_values() * sizeof(float));
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    const auto has_room = [&] {
+      return stopping_ || no_waiting_ || limit_ == 0 || queued_bytes_ == 0 || queued_bytes_ + bytes <= limit_;
+    };
+    if (!room_.wait_for(lock, std::chrono::milliseconds(std::max<int64_t>(timeout_ms, 0)), has_room)) {
+      return Status::Timeout("has held " + std::to_string(queued_bytes_) + " bytes (its limit is " +
+                             std::to_string(limit_) + ") for " + std::to_string(timeout_ms) + " ms");
+    }
+    Queue(std::move(message), bytes);
+  }
+  ready_.notify_one();
+  return Status::Ok();
+}
+
+void Inbox::SetLimit(int64_t bytes) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    limit_ = std::max<int64_t>(bytes, 0);
+  }
+  room_.notify_all();
+}
+
+void Inbox::StopWaiting() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    no_waiting_ = true;
+  }
+  room_.notify_all();
+}
+
+int64_t Inbox::queued_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return queued_bytes_;
+}
+
+int64_t Inbox::peak_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return peak_bytes_;
 }
 
 void Inbox::Stop() {
@@ -39,6 +99,7 @@ void Inbox::Stop() {
     stopping_ = true;
   }
   ready_.notify_one();
+  room_.notify_all();
   if (thread_.joinable()) thread_.join();
 }
 
@@ -99,6 +160,33 @@ void ShardHost::Push(Message&& message) {
   } else {
     client_inbox_.Push(std::move(message));
   }
+}
+
+Status ShardHost::PushBounded(Message&& message, int64_t timeout_ms) {
+  const bool to_shard = IsServerBound(message.type());
+  const std::string what = message.DebugString();
+  Status status = (to_shard ? server_inbox_ : client_inbox_).PushBounded(std::move(message), timeout_ms);
+  if (status.ok()) return status;
+  return Status::Timeout(std::string("the ") + (to_shard ? "shard's" : "engine's") + " inbox of worker " +
+                         std::to_string(shard_.rank()) + " " + status.message() + ": its " +
+                         (to_shard ? "shard" : "row installer") + " is stuck or far slower than the engines send (" +
+                         what + " waited)");
+}
+
+void ShardHost::SetInboxLimit(int64_t bytes) {
+  server_inbox_.SetLimit(bytes);
+  client_inbox_.SetLimit(bytes);
+}
+
+void ShardHost::StopWaiting() {
+  server_inbox_.StopWaiting();
+  client_inbox_.StopWaiting();
+}
+
+int64_t ShardHost::inbox_bytes() const { return server_inbox_.queued_bytes() + client_inbox_.queued_bytes(); }
+
+int64_t ShardHost::peak_inbox_bytes() const {
+  return std::max(server_inbox_.peak_bytes(), client_inbox_.peak_bytes());
 }
 
 void ShardHost::StopShard() { server_inbox_.Stop(); }

@@ -6,6 +6,12 @@
 //   client inbox: client-bound messages -> the engine.
 // A message its receiver rejects is dropped, counted and logged (the first
 // few); it never stops an inbox.
+// Inboxes are bounded in payload bytes for what engines send (PushBounded):
+// a full inbox makes this process's engine or the transport's receive
+// thread wait, so ZeroMQ's and the kernel's flow control push back on the
+// sender, whose own outbox then fills and its engine waits. The shard's
+// replies are counted but never wait (Push): the shard's thread must keep
+// draining its inbox.
 #pragma once
 
 #include <atomic>
@@ -23,21 +29,39 @@
 
 namespace mltuner {
 
-// A FIFO of messages drained by one thread.
+// A FIFO of messages drained by one thread, bounded in payload bytes.
 class Inbox {
  public:
   ~Inbox() { Stop(); }
   // `thread_name`: a string literal (it outlives the thread).
   void Start(const char* thread_name, std::function<void(Message&&)> deliver);
+  // Queues without waiting.
   void Push(Message&& message);
+  // Queues once the bytes queued (including the message being delivered)
+  // leave room under the limit; an empty inbox always has room, so one
+  // larger message goes alone. Waits up to timeout_ms, then kTimeout.
+  Status PushBounded(Message&& message, int64_t timeout_ms);
+  // Payload bytes PushBounded lets wait; 0: no bound.
+  void SetLimit(int64_t bytes);
+  // From now on PushBounded queues without waiting (the job is aborted).
+  void StopWaiting();
+  int64_t queued_bytes() const;
+  int64_t peak_bytes() const;
   // Delivers what is queued, then joins the thread.
   void Stop();
 
  private:
-  std::mutex mu_;
-  std::condition_variable ready_;
+  void Queue(Message&& message, int64_t bytes);  // with mu_ held
+
+  mutable std::mutex mu_;
+  std::condition_variable ready_;  // a message, or stopping
+  std::condition_variable room_;   // bytes delivered, a new limit, or no more waiting
   std::deque<Message> queue_;
+  int64_t queued_bytes_ = 0;       // queued and being delivered
+  int64_t peak_bytes_ = 0;
+  int64_t limit_ = 0;
   bool stopping_ = false;
+  bool no_waiting_ = false;
   std::thread thread_;
 };
 
@@ -56,6 +80,17 @@ class ShardHost {
   void Start(Engine* engine, Transport* transport);
   // Queues a message for this rank's shard or engine, by its type.
   void Push(Message&& message);
+  // The same for a message an engine sent (this process's or another's):
+  // waits up to timeout_ms for room in its inbox (see above), then kTimeout
+  // naming the inbox.
+  Status PushBounded(Message&& message, int64_t timeout_ms);
+  // Payload bytes each inbox lets other processes fill; 0: no bound.
+  void SetInboxLimit(int64_t bytes);
+  // The job is aborted: pushes stop waiting for room.
+  void StopWaiting();
+  // Payload bytes waiting in both inboxes, and the most each has held.
+  int64_t inbox_bytes() const;
+  int64_t peak_inbox_bytes() const;
   // Stops the shard's inbox (after handling what is queued), then Stop also
   // the engine's. A cluster stops every shard first, so the replies they
   // send while draining still reach the engines.

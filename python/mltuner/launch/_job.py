@@ -386,7 +386,7 @@ class Job:
         if self._max_queued_bytes is not None:
             if self._queue_plan[0] < 0:
                 self._queue_plan = (0, self._max_queued_bytes)
-                self._node.set_outbox_limit(self._max_queued_bytes * (self.world_size - 1))
+                self._set_node_limits(self._max_queued_bytes)
             return self._max_queued_bytes
         tables = [t for t in self.worker.tables if not t.local]
         if self._queue_plan[0] != len(tables):
@@ -397,10 +397,17 @@ class Job:
             largest = max((largest_frame_bytes(t.num_rows, t.row_width, shards) for t in tables), default=0)
             limit = max((self.config.prefetch_clocks + 2) * per_clock, 2 * largest, _MIN_QUEUE_BYTES)
             self._queue_plan = (len(tables), limit)
-            # The node's outbox, where messages wait while the send thread
-            # waits for a peer, holds as much for all peers together.
-            self._node.set_outbox_limit(limit * (self.world_size - 1))
+            self._set_node_limits(limit)
         return self._queue_plan[1]
+
+    def _set_node_limits(self, per_peer: int) -> None:
+        """The node's outbox (where messages wait while the send thread waits
+        for a peer) and each of its inboxes (where the peers' messages wait
+        for the shard or the installer) hold as much as ``per_peer`` for all
+        peers together: traffic is symmetric, one clock's worth each way."""
+        together = per_peer * (self.world_size - 1)
+        self._node.set_outbox_limit(together)
+        self._node.set_inbox_limit(together)
 
     def _rendezvous_address(self, keys: CurveKeys | None, timeout_s: float) -> tuple[str, int]:
         """Starts rank 0's coordinator; returns where every rank finds it.

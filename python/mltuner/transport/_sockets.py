@@ -28,6 +28,10 @@ until the peer has taken enough (back-pressure: the node's outbox then fills
 and the engine waits on it), for at most ``wait_timeout_s``; a peer that
 takes nothing for that long while its heartbeats still arrive is stuck, and
 the job fails naming it. ZeroMQ's own queues are bounded in messages too.
+On the receiving side the node's inboxes are bounded the same way: a
+delivery waits (up to ``wait_timeout_s``) while the shard or the installer
+is behind, the receive thread then reads nothing, and ZeroMQ's and the
+kernel's flow control carry the back-pressure to the sender.
 
 Messages between this process's own engine and shard never come here.
 """
@@ -45,7 +49,7 @@ import numpy as np
 import zmq
 
 from mltuner import _core
-from mltuner.exceptions import CorruptMessageError
+from mltuner.exceptions import CorruptMessageError, WaitTimeoutError
 from mltuner.transport._control import DATA_IO_THREAD, push_sockets
 from mltuner.transport._guard import Listener, RejectionLog
 from mltuner.transport._security import SocketSecurity
@@ -250,6 +254,10 @@ class SocketTransport:
             self._node.deliver(header.buffer, payload.buffer, token)
         except CorruptMessageError as error:  # counted by the node
             self.rejections.record(str(error))
+        except WaitTimeoutError as error:  # an inbox stayed full: the node is aborted with why
+            if self.stuck is None:
+                self.stuck = str(error)
+                _log.error("mltuner: %s", error)
 
     def _reject(self, what: str) -> None:
         self._rejected += 1

@@ -59,9 +59,16 @@ def test_a_receiver_stalled_longer_than_the_heartbeat_timeout_is_not_lost() -> N
         assert len(stall) == 2 and stall[1] - stall[0] >= 2.5  # the stall happened, 2.5x the timeout
         sender = jobs[0]._transport  # noqa: SLF001
         # Back-pressure: what waited for rank 1 reached the bound and never
-        # passed it, in ZeroMQ and in the node's outbox behind it.
+        # passed it in ZeroMQ; in the node's outbox behind it the engine's
+        # updates stopped at the bound, and the shard's replies (which never
+        # wait) of the clocks rank 0 ran ahead, at most what the bounds on the
+        # way let through (outbox, ZeroMQ, rank 1's inbox), may pass it.
         assert SLICE_BYTES <= sender.peak_queued[1] <= LIMIT
-        assert jobs[0]._node.peak_outbox_bytes <= LIMIT  # noqa: SLF001
+        assert jobs[0]._node.peak_outbox_bytes <= 4 * LIMIT  # noqa: SLF001
+        # The receiver's inboxes are bounded by the same plan (inbox_test in
+        # C++ tests the waiting): deliveries stop at it, and its own shard's
+        # replies to its own engine, which never wait, may pass it as above.
+        assert 0 < jobs[1]._node.peak_inbox_bytes <= 4 * LIMIT  # noqa: SLF001
         assert all(job._lost_peer() is None for job in jobs)  # noqa: SLF001
     finally:
         close_pair(jobs)
@@ -103,10 +110,21 @@ def test_a_receiver_that_takes_nothing_fails_the_sender_within_the_wait_timeout(
             assert "worker rank 1 stopped taking data" in str(error) and "heartbeats still arrive" in str(error)
         else:
             assert isinstance(error, mltuner.WaitTimeoutError), error
-            assert "the outbox to other processes" in str(error) and "worker rank 1 is not taking" in str(error)
+            if "for the buffer of pre_update" in str(error):
+                # The application's own wait for a buffer, which the engine
+                # thread blocked on the outbox holds, ran out first: that
+                # thread's wait then fails the node, naming rank 1.
+                deadline = time.monotonic() + 5.0
+                while not jobs[0]._node.aborted and time.monotonic() < deadline:  # noqa: SLF001
+                    time.sleep(0.05)
+                assert jobs[0]._node.aborted  # noqa: SLF001
+            else:
+                assert "the outbox to other processes" in str(error) and "worker rank 1 is not taking" in str(error)
         assert outcome["after 0"] < 6.0  # the wait timeout (2 s) ended it, not the end of the stall
         assert jobs[0]._transport.peak_queued[1] <= LIMIT  # noqa: SLF001
-        assert jobs[0]._node.peak_outbox_bytes <= LIMIT  # noqa: SLF001 - the engine waited instead
+        # The engine waited instead: its updates stopped at the bound; the
+        # shard's replies of the clocks in flight may pass it (see above).
+        assert jobs[0]._node.peak_outbox_bytes <= 4 * LIMIT  # noqa: SLF001
     finally:
         run_both(lambda rank: jobs[rank].close(graceful=False))
 

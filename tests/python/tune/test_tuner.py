@@ -343,7 +343,9 @@ def test_a_periodic_retune_never_tries_a_lower_learning_rate(scripted_system: An
     its smaller noise, which would slow a model that is still improving)."""
     system = scripted_system(decaying, accuracies=[0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7])
     space = SearchSpace([LogUniform("lr", 1e-3, 1.0), Uniform("momentum", 0.0, 0.99)])
-    _, log = scripted_run(system, space, retune_every_epochs=2, max_epochs=6)
+    # Unbounded searches: on a job this short no re-tune could pay for two
+    # trials at the job's trial time (see the climb-check tests).
+    _, log = scripted_run(system, space, retune_every_epochs=2, max_epochs=6, search_share=None)
     retunes = log.events("retune")
     assert retunes and {r["reason"] for r in retunes} == {"periodic"}
     for start in log.events("search_start")[1:]:

@@ -60,7 +60,11 @@ class TunerConfig:
             search, plateau or not (None: only on a plateau). A setting that
             trains too slowly climbs steadily and never plateaus; such a
             re-tune that finds nothing better goes on with the current
-            setting. It spends the searches' budget like any re-tune.
+            setting. It spends the searches' budget like any re-tune, with
+            no floor; when the job's searches cannot pay for it, it runs as a
+            climb check (the current setting against its learning rate a
+            step up) paid from ``max_search_share`` of the time trained since
+            the last search.
         max_trials_per_search: the trial cap of the initial search; each
             re-tune is capped at the previous search's count (§1.1). None is
             unbounded, as in the original code, where a random searcher, or a
@@ -89,8 +93,10 @@ class TunerConfig:
             the budget pays for trials too short to tell settings apart
             (they choose on noise); on a long one the share is above the
             floor and holds. A search is raised at most to this share less
-            what earlier searches spent. A plateau re-tune also gets no more
-            than what is left of it, and is skipped when nothing is; the
+            what earlier searches spent. A re-tune also gets no more than
+            what is left of it, and is skipped when that cannot pay for
+            comparing the current setting with one other (a periodic one
+            then runs as a climb check, see ``retune_every_epochs``); the
             initial search and a search after a rollback always get their
             own share. None: no floor, ``search_share`` is a hard limit.
         floor_trials: trials of the start length that the floor pays

@@ -57,6 +57,10 @@ class Outcome(enum.Enum):
     has converged."""
     MAX_EPOCHS = "max_epochs"
     """The max_epochs safety stop."""
+    TARGET = "target"
+    """A validation reached ``TunerConfig.target_accuracy``."""
+    TIME_BUDGET = "time_budget"
+    """The job's clocks reached ``TunerConfig.time_budget_s``."""
     ROLLBACK_LIMIT = "rollback_limit"
     """Training collapsed max_rollbacks + 1 times, or collapsed with nothing
     left to search; the job ends with the best-validated model."""
@@ -364,6 +368,11 @@ class Tuner:
         if config.rollback and (best is None or accuracy > best.accuracy):
             self._freeze(stretch, accuracy)
         epochs = len(self._accuracies)
+        if config.target_accuracy is not None and accuracy >= config.target_accuracy:
+            self._finish(Outcome.TARGET, stretch)
+        if (config.time_budget_s is not None
+                and self._seconds + self._search_seconds >= config.time_budget_s):
+            self._finish(Outcome.TIME_BUDGET, stretch)
         if plateaued(self._accuracies, config.plateau_size_for_convergence):
             self._finish(Outcome.CONVERGED, stretch)
         if config.max_epochs is not None and epochs >= config.max_epochs:

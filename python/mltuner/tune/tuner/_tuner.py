@@ -637,13 +637,15 @@ class Tuner:
     def _climb_budget(self, space: SearchSpace, tunables: Mapping[str, Any],
                       least: float) -> float | None:
         """The budget of a climb check, for a periodic re-tune that the job's
-        searches cannot pay for: ``max_search_share`` of the tuner's clock
-        time since the last search ended, when that is at least ``least``
-        and a learning rate a step up is in ``space`` and not excluded; else
-        None. A rate too low climbs steadily and never plateaus, and a
+        searches cannot pay for, or None: it runs when ``max_search_share``
+        of the tuner's clock time since the last search ended pays for
+        ``least`` and a learning rate a step up is in ``space`` and not
+        excluded. A rate too low climbs steadily and never plateaus, and a
         periodic re-tune is the only way up from it; paid from the time
         trained since the last search, the searches keep the same share of
-        the time that follows."""
+        the time that follows. The budget is ``least`` (two trials at the
+        known trial time); before any search chose a setting, when no trial
+        time is known, the whole share, for the trial-time rule to find one."""
         share = self._config.max_search_share
         if share is None or "lr" not in tunables:
             return None
@@ -651,8 +653,10 @@ class Tuner:
         if not any(float(s["lr"]) > current and not self._excluded(s)
                    for s in lr_neighbours(space, tunables)):
             return None
-        budget = share * (self._seconds - self._seconds_at_search)
-        return budget if budget >= least else None
+        paid = share * (self._seconds - self._seconds_at_search)
+        if paid < least:
+            return None
+        return least if self._trial_time is not None else paid
 
     def _search_budget(self, *, retune: bool = False, floor: bool = True) -> SearchBudget | None:
         """The next search's budget: its share of the job, and the ceiling

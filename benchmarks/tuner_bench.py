@@ -4,7 +4,8 @@ and Hyperband (Optuna's HyperbandPruner over epochs), over several seeds.
 
     python benchmarks/tuner_bench.py [--size small|large] [--seeds 0,1,2] [--parallel N]
                                      [--out PATH] [--json PATH] [--figures PATH]
-    python benchmarks/tuner_bench.py --merge A.json,B.json ...   (one table from earlier runs)
+    python benchmarks/tuner_bench.py --merge A.json,B.json ... [--target T]
+                                     (one table from earlier runs; a lower --target re-reads them)
 
 Every run is a real job: 2 worker processes under ``mltuner launch`` running
 ``python -m mltuner.apps.mnist1d``. Two sizes:
@@ -173,8 +174,35 @@ def rows_of(runs: list[Run], results: list[dict[str, Any]], seeds: list[int]) ->
             "fixed": reached[best_key]["time_to_target_s"] if best_key else None,
             "tune": mine[("tune", None)], "optuna": mine[("optuna", None)], "hyperband": mine[("hyperband", None)],
             "grid": {f"{k[0]:g}x{k[1]}": v.get("time_to_target_s") for k, v in sorted(fixed.items())},
+            # Each fixed run's validations, so that --merge --target can re-read the times.
+            "curves": {f"{k[0]:g}x{k[1]}": v.get("curve") for k, v in sorted(fixed.items())},
         })
     return rows
+
+
+def retarget(rows: list[dict[str, Any]], target: float) -> list[dict[str, Any]]:
+    """The rows with every time to the target re-read from the runs' curves
+    at a lower ``target``: a run that stopped at the higher target passed
+    the lower one first, on the same path (no driver decides anything by the
+    target before reaching it)."""
+    from mltuner.tune.baselines import time_to_target
+
+    out = []
+    for row in rows:
+        curves = row.get("curves")
+        if curves is None:
+            raise SystemExit(f"--target with --merge: seed {row['seed']}'s file has no fixed runs' curves "
+                             "(written by an older tuner_bench.py); run it again")
+        grid = {key: (time_to_target(curve, target) if curve else None) for key, curve in curves.items()}
+        reached = {key: value for key, value in grid.items() if value is not None}
+        best = min(reached, key=lambda key: reached[key]) if reached else None
+        new = {**row, "grid": grid, "fixed": reached[best] if best else None,
+               "best": [float(best.split("x")[0]), int(best.split("x")[1])] if best else None}
+        for side in ("tune", "optuna", "hyperband"):
+            if "error" not in row[side]:
+                new[side] = {**row[side], "time_to_target_s": time_to_target(row[side].get("curve") or [], target)}
+        out.append(new)
+    return out
 
 
 def fmt_time(seconds: Optional[float], stopped: Optional[float] = None) -> str:
@@ -381,6 +409,7 @@ def main() -> int:
     parser.add_argument("--figures", metavar="PATH", help="write the headline figures for the suite (JSON)")
     args = parser.parse_args()
     size = SIZES[args.size]
+    asked_target = args.target
     args.target = size.target if args.target is None else args.target
     args.max_epochs = size.max_epochs if args.max_epochs is None else args.max_epochs
     args.trials = size.trials if args.trials is None else args.trials
@@ -391,6 +420,14 @@ def main() -> int:
     args.timeout = size.timeout if args.timeout is None else args.timeout
     if args.merge:
         rows, meta = merge([p for p in args.merge.split(",") if p])
+        if asked_target is not None and asked_target != meta["target"]:
+            if asked_target > meta["target"]:
+                raise SystemExit(f"--target {asked_target} with --merge: the runs stopped at "
+                                 f"{meta['target']}; only a lower target can be re-read from them")
+            rows = retarget(rows, asked_target)
+            meta = {**meta, "target": asked_target,
+                    "runs": f"{meta['runs']}; times re-read at {asked_target:.1%} from runs that stopped at "
+                            f"{meta['target']:.1%}"}
     else:
         rows, meta = measure(args, size)
         json_path = Path(args.json or Path(args.out).with_suffix(".json"))

@@ -19,14 +19,16 @@ Every run is a real job: 2 worker processes under ``mltuner launch`` running
   (252,000 training, 28,000 validation), target 98.9%, per-worker batches
   of 32-256 searched: a job whose best fixed run takes about two minutes or
   more (the issue's condition; the table says on how many seeds it held),
-  so that a tuner's search can be amortised. Why these numbers (lr 1 x
-  batch 128, a likely best of the grid, on the 2-core machine under load):
-  with 100,000 samples it stalled at 98.7% by 46 s and the plateau rule
-  stopped it, with 200,000 at 98.6% by 60 s, so no target it reaches takes
-  2 minutes there; with 350,000 it kept climbing (98.2% at 31 s, 98.8% at
-  112 s, 98.9% at 221 s, 99.0% at 231 s). The target is set from that
-  constant setting's curve, not from any MLtuner run: at 98.9% the best
-  fixed run should take 2-4 minutes. 350,000 is the most samples whose
+  so that a tuner's search can be amortised. Why these numbers (single
+  fixed runs on the 2-core machine under load): with 100,000 samples lr 1
+  x batch 128 stalled at 98.7% by 46 s and the plateau rule stopped it,
+  with 200,000 at 98.6% by 60 s, so no target it reaches takes 2 minutes
+  there; with 350,000 it kept climbing (98.2% at 31 s, 98.8% at 112 s,
+  98.9% at 221 s, 99.0% at 231 s), and lr 1 x batch 256 reached 98.9% at
+  114 s (best 98.99%). The target is set from these constant settings'
+  curves, not from any MLtuner run: 98.9% is about where they top out, the
+  lowest target at which the best fixed run took about 2 minutes here
+  (``--merge --target`` re-reads the same runs at a lower one). 350,000 is the most samples whose
   cached data set (59 MB) still travels with a working tree to a device
   host (64 MiB); generating it takes about 3 minutes. Every run stops at
   the target or at its budget of clocks: MLtuner and the Optuna baselines
@@ -35,9 +37,13 @@ Every run is a real job: 2 worker processes under ``mltuner launch`` running
   (240 s: the reference must reach the target by then to count). A run
   that has not reached the target by then counts with the time it ran (a
   baseline's ratio is then a lower bound). One seed's 12 jobs on 8 slots
-  of 2 cores end within about 9 minutes: the three budgeted runs start
-  first, beside five fixed runs, and two waves of fixed runs fit in the
-  baselines' time.
+  of 2 cores end within about 9 minutes (each job also takes 10-15 s to
+  start and stop): the three budgeted runs start first, beside the five
+  fixed runs with the largest steps, which reach the target soonest and
+  free their slots for the other four; two waves of fixed runs fit in the
+  baselines' time. ``--deadline`` (560 s, counted from the command's
+  start, generating the data set included) stops any job still running
+  then, so the table is written before a device command's 10-minute limit.
 Time is the counted time of each driver (mltuner.tune's baselines): the sum
 of the wall time of every clock of every branch it ran (trials, evaluation
 and validation branches included), up to the first validation at or above
@@ -50,7 +56,7 @@ target for that seed (a setting that never reaches it does not count).
 
 On a host with more than 2 cores every job is pinned to 2 cores of its own
 (``taskset``) and ``--parallel`` jobs (default cores // 2) run side by side,
-longest first; GPUs should be hidden (``CUDA_VISIBLE_DEVICES=``: the
+the budgeted ones first; GPUs should be hidden (``CUDA_VISIBLE_DEVICES=``: the
 benchmark suite does it). ``--json`` keeps every run's summary, and
 ``--merge`` makes one table of several such files (seeds run in separate
 commands).
@@ -74,8 +80,9 @@ from typing import Any, Optional
 
 from cores import Cores, core_slots, run_pinned
 from figures import Figure, ratio, spread, write_figures
-from local_job import run_job
+from local_job import STOP_SECONDS, run_job
 
+COMMAND_START = time.perf_counter()  # --deadline counts from here
 WORKERS_CORES = 2  # each job: 2 workers on 2 cores
 BEST_FIXED_GOAL_S = 120.0  # the issue's condition on the job: the best fixed run takes >= 2 minutes
 
@@ -96,6 +103,7 @@ class Size:
     tune_options: tuple[str, ...] = ()  # for MLtuner's run only
     fixed_budget: Optional[float] = None  # seconds of clocks a fixed run may run
     timeout: float = 3600.0    # wall seconds one job may take
+    deadline: Optional[float] = None  # wall seconds the whole command may take
 
 
 SIZES = {
@@ -104,7 +112,7 @@ SIZES = {
     # The large job: see the module docstring for why these numbers.
     "large": Size("large", ("--model", "cnn", "--samples", "350000", "--batch-sizes", "32,64,128,256"),
                   0.989, 80, (0.1, 0.3, 1.0), (64, 128, 256), 30, 450.0, 350000,
-                  fixed_budget=240.0, timeout=560.0),
+                  fixed_budget=240.0, timeout=560.0, deadline=560.0),
 }
 
 
@@ -141,8 +149,16 @@ def run_one(run: Run, cores: Cores, size: Size, args: argparse.Namespace, work: 
     name = f"{run.mode}-{run.seed}" + (f"-{run.setting[0]:g}x{run.setting[1]}" if run.setting else "")
     result = work / f"{name}.json"
     started = time.perf_counter()
+    timeout = args.timeout
+    if args.deadline is not None:
+        # Every job ends by the command's deadline (a device command has a
+        # hard limit, and what a killed command measured would be lost).
+        timeout = min(timeout, args.deadline - (started - COMMAND_START) - STOP_SECONDS)
+        if timeout <= 0:
+            print(f"{name}: FAILED: not started, the command's deadline is past", flush=True)
+            return {"error": "not started: past the command's deadline", "wall_s": 0.0}
     try:
-        written = run_job(program(run, size, args, result), result, cores=cores, timeout_s=args.timeout)
+        written = run_job(program(run, size, args, result), result, cores=cores, timeout_s=timeout)
     except (RuntimeError, TimeoutError) as error:
         print(f"{name}: FAILED: {error}", flush=True)
         return {"error": str(error).splitlines()[0], "wall_s": time.perf_counter() - started}
@@ -157,8 +173,11 @@ def plan(seeds: list[int], grid: list[tuple[float, int]]) -> list[Run]:
     runs = []
     for seed in seeds:
         runs += [Run(seed, "optuna", weight=10), Run(seed, "hyperband", weight=10), Run(seed, "tune", weight=3)]
-        runs += [Run(seed, "fixed", setting) for setting in grid]
-    return sorted(runs, key=lambda r: -r.weight)  # the longest first: the pool ends together
+        # The largest steps first: they reach the target soonest (or diverge),
+        # so their slots free early for the slow settings, which run to their
+        # budget; a run the command's deadline cuts is then a slow one.
+        runs += [Run(seed, "fixed", setting) for setting in sorted(grid, key=lambda s: (-s[0], -s[1]))]
+    return sorted(runs, key=lambda r: -r.weight)  # the budgeted runs first: the pool ends together
 
 
 def rows_of(runs: list[Run], results: list[dict[str, Any]], seeds: list[int]) -> list[dict[str, Any]]:
@@ -402,6 +421,9 @@ def main() -> int:
                         help="seconds of clocks a fixed run may run (default: the size's; 0: unbounded)")
     parser.add_argument("--timeout", type=float, default=None,
                         help="wall seconds one job may take (default: the size's)")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="wall seconds the whole command may take, data set included: every job is "
+                             "stopped by then and the table written (default: the size's; 0: none)")
     parser.add_argument("--out", default="results/tuner_bench.md")
     parser.add_argument("--json", default=None, help="every run's summary (default: --out with .json)")
     parser.add_argument("--merge", default=None, metavar="FILES",
@@ -418,6 +440,8 @@ def main() -> int:
     fixed = size.fixed_budget if args.fixed_budget is None else args.fixed_budget
     args.fixed_budget = fixed if fixed else None
     args.timeout = size.timeout if args.timeout is None else args.timeout
+    deadline = size.deadline if args.deadline is None else args.deadline
+    args.deadline = deadline if deadline else None
     if args.merge:
         rows, meta = merge([p for p in args.merge.split(",") if p])
         if asked_target is not None and asked_target != meta["target"]:

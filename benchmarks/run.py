@@ -26,7 +26,7 @@ benchmarks/, with more options and tables):
   demo        (--long) `mltuner demo` over 10 seeds, each on 2 CPU cores:
               how many reach 94% test accuracy, median and worst time
   tuning-large (--long) the tuning benchmark on a job whose best fixed run
-              takes minutes (the MNIST-1D CNN on 100,000 samples), 3 seeds
+              takes minutes (the MNIST-1D CNN on 350,000 samples), 3 seeds
 
 --long adds the benchmarks that run for tens of minutes on 2 cores; on a
 host with many cores they run their jobs side by side, each pinned to 2

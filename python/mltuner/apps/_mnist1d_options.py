@@ -125,10 +125,11 @@ def add_program_options(parser: argparse.ArgumentParser | argparse._ArgumentGrou
     parser.add_argument("--samples", type=_samples, default=5000,
                         help="MNIST-1D samples, a multiple of 10 (80%% train, 20%% test)")
     parser.add_argument("--target-accuracy", type=_fraction, default=None,
-                        help="validation accuracy whose first reach is timed (baselines stop there)")
+                        help="validation accuracy whose first reach is timed; every mode stops there")
     parser.add_argument("--time-budget", type=_positive, default=None,
-                        help="the job's budget in seconds of clocks: the Optuna baselines stop there, and the "
-                             "tuner's searches each get --search-share of it (default: --max-epochs epochs)")
+                        help="the job's budget in seconds of clocks: every mode stops at the first validation "
+                             "past it, and the tuner's searches each get --search-share of it (default: "
+                             "--max-epochs epochs)")
     parser.add_argument("--search-share", type=_non_negative, default=0.1,
                         help="share of the job's budget each search may spend; 0 leaves searches bounded only "
                              "by --trials")

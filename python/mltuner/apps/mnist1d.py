@@ -96,6 +96,7 @@ def tuner_config(args: argparse.Namespace) -> TunerConfig:
     return TunerConfig(
         sampler=args.sampler, retune=args.retune, seed=args.seed, storage=args.storage,
         num_clocks_to_eval=args.eval_clocks, max_trials_per_search=args.trials, max_epochs=args.max_epochs,
+        target_accuracy=args.target_accuracy,
         initial_trial_time_s=args.trial_time, num_branches=30,
         search_share=args.search_share if args.search_share > 0 else None, time_budget_s=args.time_budget,
         max_search_share=max(args.max_search_share, args.search_share) if args.search_share > 0 else None,

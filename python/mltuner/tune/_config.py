@@ -60,7 +60,11 @@ class TunerConfig:
             search, plateau or not (None: only on a plateau). A setting that
             trains too slowly climbs steadily and never plateaus; such a
             re-tune that finds nothing better goes on with the current
-            setting. It spends the searches' budget like any re-tune.
+            setting. It spends the searches' budget like any re-tune, with
+            no floor; when the job's searches cannot pay for it, it runs as a
+            climb check (the current setting against its learning rate a
+            step up) paid from ``max_search_share`` of the time trained since
+            the last search.
         max_trials_per_search: the trial cap of the initial search; each
             re-tune is capped at the previous search's count (§1.1). None is
             unbounded, as in the original code, where a random searcher, or a
@@ -70,6 +74,11 @@ class TunerConfig:
             that runs are deterministic.
         max_epochs: a safety stop after this many epochs of training (not in
             the paper); None trains until convergence.
+        target_accuracy: end the job at the first validation accuracy at or
+            above this, in (0, 1] (``Outcome.TARGET``); None trains until
+            convergence or ``max_epochs``. It changes nothing before then: the
+            searches' budgets still come from ``max_epochs`` or
+            ``time_budget_s``.
         n_startup_trials: random proposals before a model-based sampler fits
             the results (Optuna's default 10; hyperopt's 20).
         search_share: the share of the job's budget each search (the
@@ -78,7 +87,8 @@ class TunerConfig:
             the measured epoch time; with neither, searches are bounded only
             by their trial cap (the paper's behaviour). None turns it off.
         time_budget_s: the job's budget in seconds of clocks, when it is
-            known better than ``max_epochs`` says.
+            known better than ``max_epochs`` says; the job ends at the first
+            validation after its clocks reached it (``Outcome.TIME_BUDGET``).
         max_search_share: the most the job's searches may spend together,
             as a share of the job's budget (0.2), when the floor raises a
             search above ``search_share``. The floor: a search may spend
@@ -89,8 +99,10 @@ class TunerConfig:
             the budget pays for trials too short to tell settings apart
             (they choose on noise); on a long one the share is above the
             floor and holds. A search is raised at most to this share less
-            what earlier searches spent. A plateau re-tune also gets no more
-            than what is left of it, and is skipped when nothing is; the
+            what earlier searches spent. A re-tune also gets no more than
+            what is left of it, and is skipped when that cannot pay for
+            comparing the current setting with one other (a periodic one
+            then runs as a climb check, see ``retune_every_epochs``); the
             initial search and a search after a rollback always get their
             own share. None: no floor, ``search_share`` is a hard limit.
         floor_trials: trials of the start length that the floor pays
@@ -130,6 +142,7 @@ class TunerConfig:
     max_trials_per_search: int | None = 100
     initial_trial_time_s: float | None = None
     max_epochs: int | None = None
+    target_accuracy: float | None = None
     n_startup_trials: int = 10
     search_share: float | None = 0.1
     time_budget_s: float | None = None
@@ -213,6 +226,12 @@ class TunerConfig:
         if not isinstance(self.floor_trials, int) or self.floor_trials < 1:
             raise InvalidArgumentError(
                 f"floor_trials must be an integer >= 1, got {self.floor_trials!r}"
+            )
+        if self.target_accuracy is not None and not (
+            isinstance(self.target_accuracy, (int, float)) and 0 < self.target_accuracy <= 1
+        ):
+            raise InvalidArgumentError(
+                f"target_accuracy must be in (0, 1] or None, got {self.target_accuracy!r}"
             )
         if self.time_budget_s is not None and not (
             isinstance(self.time_budget_s, (int, float)) and math.isfinite(self.time_budget_s)

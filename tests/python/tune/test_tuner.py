@@ -343,7 +343,9 @@ def test_a_periodic_retune_never_tries_a_lower_learning_rate(scripted_system: An
     its smaller noise, which would slow a model that is still improving)."""
     system = scripted_system(decaying, accuracies=[0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7])
     space = SearchSpace([LogUniform("lr", 1e-3, 1.0), Uniform("momentum", 0.0, 0.99)])
-    _, log = scripted_run(system, space, retune_every_epochs=2, max_epochs=6)
+    # Unbounded searches: on a job this short no re-tune could pay for two
+    # trials at the job's trial time (see the climb-check tests).
+    _, log = scripted_run(system, space, retune_every_epochs=2, max_epochs=6, search_share=None)
     retunes = log.events("retune")
     assert retunes and {r["reason"] for r in retunes} == {"periodic"}
     for start in log.events("search_start")[1:]:
@@ -364,3 +366,28 @@ def test_no_slower_raises_the_learning_rates_floor() -> None:
     assert not top["lr"].search and top["lr"].default == 1.0
     flat = SearchSpace([Uniform("momentum", 0.0, 0.99)])
     assert no_slower(flat, {"momentum": 0.5}) is flat
+
+
+def test_the_job_ends_at_the_target_accuracy(scripted_system: Any) -> None:
+    # Validation climbs 0.1 a epoch: 0.7 is first reached at epoch 7.
+    system = scripted_system(decaying, accuracies=[0.1 * (i + 1) for i in range(10)])
+    result, log = scripted_run(system, max_epochs=10, target_accuracy=0.7)
+    assert result.outcome is Outcome.TARGET and result.epochs == 7
+    assert result.best_accuracy == pytest.approx(0.7)
+    assert system.live() == [result.branch]
+    untargeted, _ = scripted_run(scripted_system(decaying, accuracies=[0.1 * (i + 1) for i in range(10)]),
+                                 max_epochs=10)
+    assert untargeted.outcome is Outcome.MAX_EPOCHS and untargeted.epochs == 10
+    with pytest.raises(ValueError, match="target_accuracy"):
+        TunerConfig(target_accuracy=1.5)
+
+
+def test_the_job_ends_once_its_time_budget_is_spent(scripted_system: Any) -> None:
+    # Clocks of 0.125 s, epochs of 100 + 5 validation clocks: 13.125 s each.
+    system = scripted_system(decaying, accuracies=[0.1 * (i + 1) for i in range(10)],
+                             seconds=lambda t: 0.125, clocks_per_epoch=100)
+    result, log = scripted_run(system, max_epochs=10, time_budget_s=60.0, search_share=None)
+    assert result.outcome is Outcome.TIME_BUDGET
+    # It stops at the first validation past the budget, not before.
+    assert result.seconds >= 60.0 > result.seconds - 13.125 - 1e-9
+    assert system.live() == [result.branch]

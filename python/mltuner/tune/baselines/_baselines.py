@@ -708,9 +708,10 @@ def run_mltuner(
     """Runs the :class:`~mltuner.tune.Tuner` with its time counted as the
     baselines count theirs (every clock of every branch, its evaluation
     branches and trials included), and returns its summary with the
-    :class:`TuningResult`. The Tuner does not stop at the target: it trains
-    until it converges or reaches ``config.max_epochs``, and the time to the
-    target is read from its validations.
+    :class:`TuningResult`. The time to ``target_accuracy`` is read from the
+    Tuner's validations; the Tuner stops there only when
+    ``config.target_accuracy`` says so (else it trains until it converges or
+    reaches ``config.max_epochs``).
 
     Args:
         log: a :class:`DecisionLog` (its records get no ``elapsed_s``; the

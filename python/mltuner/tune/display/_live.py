@@ -92,10 +92,17 @@ def describe(record: Mapping[str, Any]) -> str | None:
         return (f"{_search_name(record)}: budget raised from {_secs(record.get('share_s'))} to "
                 f"{_secs(record.get('budget_s'))} {why.get(str(record.get('reason')), '')}".rstrip())
     if event == "retune":
-        return f"epoch {record.get('epoch')}: validation stopped improving, re-tune"
+        if record.get("check"):
+            return (f"epoch {record.get('epoch')}: climb check, the current setting against its "
+                    f"learning rate a step up (the searches' share of the job is spent)")
+        why = ("validation stopped improving" if record.get("reason") == "plateau"
+               else f"{record.get('epoch')} epochs trained")
+        return f"epoch {record.get('epoch')}: {why}, re-tune"
     if event == "retune_skipped":
-        return (f"epoch {record.get('epoch')}: validation stopped improving; no re-tune, the searches "
-                f"have spent their share of the job ({_secs(record.get('search_seconds'))})")
+        if record.get("reason") == "at_fastest":
+            return f"epoch {record.get('epoch')}: no re-tune, the learning rate is at the top of its range"
+        return (f"epoch {record.get('epoch')}: no re-tune, the searches have spent their share of "
+                f"the job ({_secs(record.get('search_seconds'))})")
     if event == "rollback":
         reason = record.get("reason")
         why = {
@@ -114,6 +121,8 @@ def describe(record: Mapping[str, Any]) -> str | None:
         return (f"epoch {record.get('epoch', '?')}: val {_pct(record.get('accuracy'))} "
                 f"(best {_pct(record.get('best_accuracy', record.get('accuracy')))})")
     if event == "keep":
+        if record.get("reason") == "no_better":
+            return f"kept {tunables}: nothing better"
         return f"kept {tunables}: the search's budget ran out first"
     if event == "train_untuned":
         why = " (the search's budget ran out first)" if record.get("reason") else ""

@@ -190,6 +190,9 @@ class SearchEpisode:
             at the parent's setting.
         budget_s: shorthand for ``SearchBudget(budget_s)``: a hard limit in
             seconds, with no floor.
+        trial_time_s: the first trial time, in place of
+            ``config.initial_trial_time_s`` (a climb check runs its trials
+            at the length an earlier search measured).
     """
 
     def __init__(
@@ -207,11 +210,14 @@ class SearchEpisode:
         budget_s: float | None = None,
         epoch_seconds: float | None = None,
         untrained: bool = False,
+        trial_time_s: float | None = None,
     ) -> None:
         if budget is not None and budget_s is not None:
             raise InvalidArgumentError("give a search budget or budget_s, not both")
         if budget_s is not None:
             budget = SearchBudget(budget_s)
+        if trial_time_s is not None and not (math.isfinite(trial_time_s) and trial_time_s > 0):
+            raise InvalidArgumentError(f"trial_time_s must be > 0 or None, got {trial_time_s!r}")
         self._system = system
         self._config = config
         self._searcher = searcher
@@ -223,6 +229,8 @@ class SearchEpisode:
         self._planned = budget
         self._epoch_seconds = epoch_seconds
         self._untrained = untrained  # the parent is the untrained model (_clearly_lowest)
+        self._initial_trial_time = (trial_time_s if trial_time_s is not None
+                                    else config.initial_trial_time_s)
         self._eval_epoch_s: float | None = None  # one epoch at the parent's setting
         self._floor_s = 0.0  # what the floor asked for so far, in seconds
         self._trials: list[Trial] = []
@@ -242,7 +250,7 @@ class SearchEpisode:
         # trial runs less). Below that, a round only forks one more trial of
         # samples, which every later round then extends: rounds that cost
         # and decide nothing.
-        initial = self._config.initial_trial_time_s
+        initial = self._initial_trial_time
         if initial is not None:
             self._trial_time = initial
             self._note("trial_time", trial_time_s=self._trial_time, reason="initial")

@@ -57,6 +57,10 @@ class Outcome(enum.Enum):
     has converged."""
     MAX_EPOCHS = "max_epochs"
     """The max_epochs safety stop."""
+    TARGET = "target"
+    """A validation reached ``TunerConfig.target_accuracy``."""
+    TIME_BUDGET = "time_budget"
+    """The job's clocks reached ``TunerConfig.time_budget_s``."""
     ROLLBACK_LIMIT = "rollback_limit"
     """Training collapsed max_rollbacks + 1 times, or collapsed with nothing
     left to search; the job ends with the best-validated model."""
@@ -277,6 +281,11 @@ class Tuner:
         self._seconds = 0.0         # clocks run by the tuner itself
         self._search_seconds = 0.0  # clocks run by its searches
         self._epoch_seconds: float | None = None
+        self._clock_seconds: float | None = None  # one training clock, as last measured
+        # The trial time of the last search that chose a setting: the length
+        # at which a trial's progress could be told from its noise.
+        self._trial_time: float | None = None
+        self._seconds_at_search = 0.0  # self._seconds when the last search ended
         self._training_study: optuna.Study | None = None
         self._start_loss: float | None = None  # the first search's starting progress
         self._root: int | None = None  # the INIT branch: the untrained model
@@ -359,6 +368,11 @@ class Tuner:
         if config.rollback and (best is None or accuracy > best.accuracy):
             self._freeze(stretch, accuracy)
         epochs = len(self._accuracies)
+        if config.target_accuracy is not None and accuracy >= config.target_accuracy:
+            self._finish(Outcome.TARGET, stretch)
+        if (config.time_budget_s is not None
+                and self._seconds + self._search_seconds >= config.time_budget_s):
+            self._finish(Outcome.TIME_BUDGET, stretch)
         if plateaued(self._accuracies, config.plateau_size_for_convergence):
             self._finish(Outcome.CONVERGED, stretch)
         if config.max_epochs is not None and epochs >= config.max_epochs:
@@ -367,39 +381,62 @@ class Tuner:
         periodic = (config.retune_every_epochs is not None
                     and epochs - self._last_search_epoch >= config.retune_every_epochs)
         if config.retune != "off" and self._space.searched and (plateau or periodic):
-            left = self._search_allowance()
-            if left is not None and left <= 0:
-                # The job's searches have spent max_search_share: go on
-                # training; the plateau rule stops the job if nothing improves.
-                self._note("retune_skipped", branch=stretch.branch, tunables=stretch.tunables,
-                           epoch=epochs, reason="search_budget", search_seconds=self._search_seconds)
-                return stretch
-            space = self._search_space(stretch.branch, stretch.tunables, upward=not plateau)
-            if not space.searched:
-                self._note("retune_skipped", branch=stretch.branch, tunables=stretch.tunables,
-                           epoch=epochs, reason="at_fastest")
-                return stretch
-            self._note("retune", branch=stretch.branch, tunables=stretch.tunables, epoch=epochs,
-                       reason="plateau" if plateau else "periodic")
-            searcher, found = self._search(stretch.branch, stretch.tunables, retune=True,
-                                           space=space)
-            if found.winner is not None:
-                self._close(stretch, "retuned")
-                self._release_parent(stretch)
-                return self._begin_winner(found, searcher, stretch.branch, stretch.tunables,
-                                          stretch.clocks)
-            if found.budget_exhausted or not plateau:
-                # Out of budget before anything beat the current setting, or a
-                # periodic re-tune from a model still improving: go on.
-                self._note("keep", branch=stretch.branch, tunables=stretch.tunables,
-                           reason="search_budget")
-                return stretch
-            if not config.rollback or self._best is None:
-                self._finish(Outcome.NO_PROGRESS, stretch)
-            # §3 of issue 18: a search that finds nothing ends the job only
-            # from the best-validated model; from a worse one, go back first.
-            return self._rollback(stretch, "search_found_nothing", exclude=False)
+            return self._retune(stretch, plateau=plateau)
         return stretch
+
+    def _retune(self, stretch: _Stretch, *, plateau: bool) -> _Stretch:
+        """A re-tune from the training branch: on a plateau over the whole
+        range, else (periodic) no learning rate below the current one; a
+        climb check, or none, when the job's searches cannot pay for one
+        that can decide anything. Returns the stretch that trains next."""
+        config = self._config
+        epochs = len(self._accuracies)
+        space = self._search_space(stretch.branch, stretch.tunables, upward=not plateau)
+        if not space.searched:
+            self._note("retune_skipped", branch=stretch.branch, tunables=stretch.tunables,
+                       epoch=epochs, reason="at_fastest")
+            return stretch
+        reason = "plateau" if plateau else "periodic"
+        affordable = self._retune_affordable(floor=plateau)
+        least = self._least_retune_s()
+        climb: float | None = None
+        if affordable is not None and (affordable <= 0 or (least is not None
+                                                           and affordable < least)):
+            # What the job's searches have left cannot compare even the
+            # current setting with one other: such a re-tune only spends
+            # (seen: 0.1-0.3 s searches of one trial that found nothing). A
+            # periodic one still climbs, paid from the time trained since
+            # the last search (a climb check).
+            climb = (None if plateau or least is None
+                     else self._climb_budget(space, stretch.tunables, least))
+            if climb is None:
+                # Training goes on; the plateau rule stops the job if nothing
+                # improves.
+                self._note("retune_skipped", branch=stretch.branch, tunables=stretch.tunables,
+                           epoch=epochs, reason="search_budget", retune=reason,
+                           search_seconds=self._search_seconds, left_s=affordable,
+                           least_s=least)
+                return stretch
+        self._note("retune", branch=stretch.branch, tunables=stretch.tunables, epoch=epochs,
+                   reason=reason, check=climb is not None, budget_s=climb)
+        searcher, found = self._search(stretch.branch, stretch.tunables, retune=True,
+                                       space=space, floor=plateau, check_s=climb)
+        if found.winner is not None:
+            self._close(stretch, "retuned")
+            self._release_parent(stretch)
+            return self._begin_winner(found, searcher, stretch.branch, stretch.tunables,
+                                      stretch.clocks)
+        if found.budget_exhausted or not plateau:
+            # Out of budget before anything beat the current setting, or a
+            # periodic re-tune from a model still improving: go on.
+            self._note("keep", branch=stretch.branch, tunables=stretch.tunables,
+                       reason="search_budget" if found.budget_exhausted else "no_better")
+            return stretch
+        if not config.rollback or self._best is None:
+            self._finish(Outcome.NO_PROGRESS, stretch)
+        # §3 of issue 18: a search that finds nothing ends the job only
+        # from the best-validated model; from a worse one, go back first.
+        return self._rollback(stretch, "search_found_nothing", exclude=False)
 
     def _train(self, stretch: _Stretch, clocks: int, per_epoch: int) -> Alarm | None:
         """Runs ``clocks`` clocks in chunks; returns the guard's alarm, if any."""
@@ -429,7 +466,8 @@ class Tuner:
                     "search space's range, or initial_setting without initial tuning)"
                 )
         train_s = math.fsum(seconds)
-        self._epoch_seconds = train_s / len(losses) * per_epoch
+        self._clock_seconds = train_s / len(losses)
+        self._epoch_seconds = self._clock_seconds * per_epoch
         self._note("train", branch=stretch.branch, tunables=stretch.tunables, clocks=clocks,
                    loss=math.fsum(losses) / len(losses), epoch=epoch, seconds=train_s)
         return None
@@ -494,10 +532,13 @@ class Tuner:
 
     def _search(self, parent: int, tunables: Mapping[str, Any], *, retune: bool = False,
                 first: Sequence[Mapping[str, Any]] = (),
-                space: SearchSpace | None = None) -> tuple[Searcher, SearchResult]:
+                space: SearchSpace | None = None, floor: bool = True,
+                check_s: float | None = None) -> tuple[Searcher, SearchResult]:
         """A search from ``parent`` over ``space`` (default: _search_space);
         ``first`` are settings to try before the sampler's (their tunables
-        the search does not vary are set to its fixed values)."""
+        the search does not vary are set to its fixed values); ``floor``:
+        the floor may raise its budget; ``check_s``: a climb check with this
+        budget (see _climb_budget)."""
         config = self._config
         self._last_search_epoch = len(self._accuracies)
         index = len(self._studies)
@@ -506,6 +547,10 @@ class Tuner:
         space = space or self._search_space(parent, tunables)
         marginal = not from_start and config.retune == "marginal"
         trial_cap = config.max_trials_per_search if from_start else self._last_trials
+        check = check_s is not None
+        if check:
+            # The current setting and its learning rate a step up.
+            trial_cap = 2
         searcher = Searcher(
             space,
             sampler=config.sampler,
@@ -524,7 +569,8 @@ class Tuner:
         enqueued = [s for s in ({**fixed, **{t.name: s[t.name] for t in space.searched}}
                                 for s in wanted) if searcher.enqueue(s)]
         self._studies.append(name)
-        budget = self._search_budget(retune=retune)
+        budget = (SearchBudget(check_s) if check_s is not None
+                  else self._search_budget(retune=retune, floor=floor))
         seconds = budget is not None and budget.unit == "seconds"
         self._note("search_start", search=index, branch=parent, tunables=tunables,
                    study=name, marginal=marginal, trial_cap=trial_cap,
@@ -532,18 +578,27 @@ class Tuner:
                    first=enqueued,
                    budget_s=budget.share if seconds and budget else None,
                    ceiling_s=budget.ceiling if seconds and budget else None,
-                   from_start=from_start, excluded=len(self._exclusions))
+                   from_start=from_start, excluded=len(self._exclusions), check=check)
         episode = SearchEpisode(self._system, config, searcher, self.log, index=index,
                                 parent=parent, parent_tunables=tunables,
-                                trial_cap=trial_cap, budget=budget, untrained=from_start)
+                                trial_cap=trial_cap, budget=budget, untrained=from_start,
+                                trial_time_s=self._trial_time if check else None)
         found = episode.run()
         self._trials += found.trials
         self._search_seconds += found.seconds
+        self._seconds_at_search = self._seconds
         if self._start_loss is None:
             self._start_loss = found.starting_progress
-        if found.winner is not None:
-            # §1.1 step 6: a re-tune may not use more trials than the last search.
-            self._last_trials = found.trials
+        if found.winner is not None and math.isfinite(found.trial_time) and found.trial_time > 0:
+            self._trial_time = found.trial_time
+        if found.winner is not None and not check:
+            # §1.1 step 6: a re-tune may not use more trials than the last search
+            # (a climb check's two are no measure of what the job needs).
+            # At least two: a re-tune of one trial only runs the current
+            # setting again, and could never change it (seen: a winner alone
+            # in its search capped every later re-tune at one trial).
+            most = config.max_trials_per_search
+            self._last_trials = max(found.trials, 2 if most is None else min(2, most))
         return searcher, found
 
     def _search_allowance(self) -> float | None:
@@ -555,17 +610,66 @@ class Tuner:
             return None
         return config.max_search_share * job - self._search_seconds
 
-    def _search_budget(self, *, retune: bool = False) -> SearchBudget | None:
+    def _retune_affordable(self, *, floor: bool) -> float | None:
+        """Seconds a re-tune may spend now: what the job's searches have
+        left, and with no ``floor`` at most its share; None when unbounded."""
+        left = self._search_allowance()
+        job = self._config.job_budget_s(self._epoch_seconds)
+        share = self._config.search_share
+        if left is None or floor or job is None or share is None:
+            return left
+        return min(left, share * job)
+
+    def _least_retune_s(self) -> float | None:
+        """The least a re-tune can compare the current setting with one
+        other setting on: the evaluation branch, and two trials of the trial
+        time of the search that last chose a setting (the length at which a
+        trial's progress stood out from its noise; none before one did),
+        each branch's first samples counted again (they run before its time
+        per clock is known, and carry the switch to it). None before an
+        epoch of training has been timed."""
+        config = self._config
+        if self._clock_seconds is None:
+            return None
+        clocks = config.num_clocks_to_eval + 2 * config.num_progress_samples
+        return clocks * self._clock_seconds + 2 * (self._trial_time or 0.0)
+
+    def _climb_budget(self, space: SearchSpace, tunables: Mapping[str, Any],
+                      least: float) -> float | None:
+        """The budget of a climb check, for a periodic re-tune that the job's
+        searches cannot pay for, or None: it runs when ``max_search_share``
+        of the tuner's clock time since the last search ended pays for
+        ``least`` and a learning rate a step up is in ``space`` and not
+        excluded. A rate too low climbs steadily and never plateaus, and a
+        periodic re-tune is the only way up from it; paid from the time
+        trained since the last search, the searches keep the same share of
+        the time that follows. The budget is ``least`` (two trials at the
+        known trial time); before any search chose a setting, when no trial
+        time is known, the whole share, for the trial-time rule to find one."""
+        share = self._config.max_search_share
+        if share is None or "lr" not in tunables:
+            return None
+        current = float(tunables["lr"])
+        if not any(float(s["lr"]) > current and not self._excluded(s)
+                   for s in lr_neighbours(space, tunables)):
+            return None
+        paid = share * (self._seconds - self._seconds_at_search)
+        if paid < least:
+            return None
+        return least if self._trial_time is not None else paid
+
+    def _search_budget(self, *, retune: bool = False, floor: bool = True) -> SearchBudget | None:
         """The next search's budget: its share of the job, and the ceiling
         of the floor for the job's searches together; None when the job's
-        budget is not known. A plateau re-tune's share is also capped by
-        what the job's searches may still spend; the initial search and a
-        search after a rollback (which must choose a setting) always get
-        theirs."""
+        budget is not known. A re-tune's share is also capped by what the
+        job's searches may still spend; the initial search and a search
+        after a rollback (which must choose a setting) always get theirs.
+        Without ``floor`` (a periodic re-tune, which goes on with the
+        current setting when it finds nothing) the share is a hard limit."""
         config = self._config
         if config.search_share is None:
             return None
-        ceiling = config.max_search_share
+        ceiling = config.max_search_share if floor else None
         job = config.job_budget_s(self._epoch_seconds)
         if job is not None:
             share = config.search_share * job

@@ -240,7 +240,8 @@ class ClockDriver:
         # taken out for the clock's forward (module docstring).
         self._layer_hooks: list[tuple[dict[int, Any], int, Any]] = []
         self._opened: dict[int, Any] = {}  # read event -> its buffer, opened by the batch
-        self._posts: list[tuple[int, int]] = []  # posts for the next engine call (_post)
+        self._queued: list[tuple[Any, ...]] = []  # ops for the next engine call (_post, _store)
+        self._queued_stores: list[tuple[torch.Tensor, int, int]] = []  # queued stores: (tensor, _version, slot)
         self._local_views: dict[Any, torch.Tensor] = {}  # local-table buffer key -> flat uint8 view
         self._update_buffer: Any = None  # the next update's buffer, opened by the last batch
         self._install_hooks()
@@ -378,14 +379,16 @@ class ClockDriver:
     # -- the data behind each event -------------------------------------------------------
     def _open(self, kind: int, handle: int) -> Any:
         """Opens a recorded access (an engine op number) and returns its
-        buffer, in one engine call with the posts deferred so far
-        (:meth:`_post`)."""
-        ops = self._posts
+        buffer, in one engine call with the ops queued so far
+        (:meth:`_post`, :meth:`_store`)."""
+        ops = self._queued
         ops.append((kind, handle))
+        self._check_queued_stores()
         try:
-            (buffer,) = self.worker._run_ops(ops, self._stream)
+            buffer = self.worker._run_ops(ops, self._stream)[-1]
         finally:
             ops.clear()
+            self._queued_stores.clear()
         return buffer
 
     def _post(self, kind: int, handle: int) -> None:
@@ -394,22 +397,37 @@ class ClockDriver:
         order as with a call per post, one call later: the training thread
         pays one engine call per opened buffer instead of two, and on CUDA
         the posts of one call share one ticket of the stream's work."""
-        self._posts.append((kind, handle))
+        self._queued.append((kind, handle))
 
     def _flush_posts(self, *, clock: bool = False) -> None:
-        """Hands the deferred posts to the engine (and, with ``clock``, ends
-        the clock in the same call)."""
-        ops = self._posts
+        """Hands the queued ops to the engine (and, with ``clock``, ends the
+        clock in the same call)."""
+        ops = self._queued
         if clock and not ops:
             self.worker.clock()
             return
         if clock:
             ops.append((_CLOCK, -1))
         if ops:
+            self._check_queued_stores()
             try:
                 self.worker._run_ops(ops, self._stream)
             finally:
                 ops.clear()
+                self._queued_stores.clear()
+
+    def _check_queued_stores(self) -> None:
+        """A queued store's bytes are copied when the queue goes to the
+        engine: refuses an activation changed in place since autograd saved
+        it (torch's own backward refuses that too, by the same version
+        counter), rather than storing the changed bytes."""
+        for tensor, version, slot in self._queued_stores:
+            if tensor._version != version:
+                raise UnsupportedModelError(
+                    f"saved activation #{slot} {tuple(tensor.shape)} was modified in place after autograd saved "
+                    "it for the backward pass; torch refuses that in backward() too: make the in-place op "
+                    "out of place"
+                )
 
     def _local_bytes(self, buffer: Any) -> torch.Tensor:
         """A local-table buffer as a flat uint8 tensor, made once per buffer
@@ -439,10 +457,21 @@ class ClockDriver:
             self._post(_POST_READ, self._handles[index])
 
     def _store(self, index: int, slot: int, tensor: torch.Tensor) -> None:
+        """Copies a saved activation into its rows. Where the engine can copy
+        the bytes itself (one span of memory, 4-byte aligned), the store is
+        queued, open and post with the bytes to copy, for the next engine
+        call: the forward then costs an engine call per layer, not two per
+        saved tensor (the tensor stays alive in ``_keepalive`` until then)."""
         if self._recording:
             return
         handle = self._handles[index]
-        write_bytes(self._local_bytes(self._open(_LOCAL, handle)), tensor, self._acts.slots[slot])
+        layout = self._acts.slots[slot]
+        address = tensor.data_ptr()
+        if layout.exact_layout and address % 4 == 0 and layout.nbytes % 4 == 0:
+            self._queued += [(_LOCAL, handle), (_POST_LOCAL, handle, [(address, 0, layout.nbytes // 4)])]
+            self._queued_stores.append((tensor, tensor._version, slot))
+            return
+        write_bytes(self._local_bytes(self._open(_LOCAL, handle)), tensor, layout)
         self._post(_POST_LOCAL, handle)
 
     def _load(self, slot: int) -> torch.Tensor:
@@ -595,6 +624,8 @@ class ClockDriver:
             else:
                 with self._mutating():
                     self._acts.end_forward()
+                    if self._queued_stores:  # before _keepalive lets their tensors go
+                        self._flush_posts()
         except BaseException as error:
             if self._cursor == 0 and not self._recording and self._broken is None:
                 self._phase = Phase.IDLE  # nothing reached the engine: the clock can start over
@@ -965,7 +996,8 @@ class ClockDriver:
         self._held_by_layer.clear()
         self._grad_open.clear()
         self._opened.clear()
-        self._posts.clear()
+        self._queued.clear()
+        self._queued_stores.clear()
         self._update_buffer = None
         self._pending[:] = [0] * len(self._pending)
         self._updated.clear()

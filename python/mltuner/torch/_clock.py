@@ -68,6 +68,12 @@ hooks stay): a layer that did not run shows at step() as a missing gradient.
 Between clocks the hooks are back, to refuse a layer called outside the
 wrapped model.
 
+Otherwise (stored activations, or reads posted after each layer) the
+driver queues its posts, and the stores it can leave to the engine's own
+copy (``_store``), for the next engine call (``_open``): the same ops in the
+same order, about one engine call per layer in the forward and one per
+load, read and update in the backward pass, instead of two per access.
+
 The torch views of each engine buffer are made once per buffer address and
 reused (``Layer.buffer_views``): the engine's pool gives every access the
 same place clock after clock.

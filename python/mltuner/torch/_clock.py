@@ -69,10 +69,11 @@ Between clocks the hooks are back, to refuse a layer called outside the
 wrapped model.
 
 Otherwise (stored activations, or reads posted after each layer) the
-driver queues its posts, and the stores it can leave to the engine's own
-copy (``_store``), for the next engine call (``_open``): the same ops in the
-same order, about one engine call per layer in the forward and one per
-load, read and update in the backward pass, instead of two per access.
+driver queues its posts, and the stores and updates it can leave to the
+engine's own copy (``_store``, ``_update``), for the next engine call
+(``_open``): the same ops in the same order, about one engine call per layer
+in the forward and one per load and read in the backward pass, instead of
+two per access.
 
 The torch views of each engine buffer are made once per buffer address and
 reused (``Layer.buffer_views``): the engine's pool gives every access the
@@ -248,6 +249,7 @@ class ClockDriver:
         self._opened: dict[int, Any] = {}  # read event -> its buffer, opened by the batch
         self._queued: list[tuple[Any, ...]] = []  # ops for the next engine call (_post, _store)
         self._queued_stores: list[tuple[torch.Tensor, int, int]] = []  # queued stores: (tensor, _version, slot)
+        self._queued_grads: list[torch.Tensor] = []  # gradients the queued updates copy from
         self._local_views: dict[Any, torch.Tensor] = {}  # local-table buffer key -> flat uint8 view
         self._update_buffer: Any = None  # the next update's buffer, opened by the last batch
         self._install_hooks()
@@ -395,6 +397,7 @@ class ClockDriver:
         finally:
             ops.clear()
             self._queued_stores.clear()
+            self._queued_grads.clear()
         return buffer
 
     def _post(self, kind: int, handle: int) -> None:
@@ -421,6 +424,7 @@ class ClockDriver:
             finally:
                 ops.clear()
                 self._queued_stores.clear()
+                self._queued_grads.clear()
 
     def _check_queued_stores(self) -> None:
         """A queued store's bytes are copied when the queue goes to the
@@ -497,6 +501,12 @@ class ClockDriver:
             return
         if not self._recording:
             handle = self._handles[index]
+            pieces = None if self.grad_filter is not None else self._pieces(layer, grads)
+            if pieces is not None:  # the engine copies the gradients in: queued, like a store
+                self._queued += [(_PRE_UPDATE, handle), (_UPDATE, handle, pieces)]
+                self._queued_grads += grads  # alive until the queue goes to the engine
+                layer.clear_grads()
+                return
             _, views = layer.buffer_views(self._open(_PRE_UPDATE, handle))
             with torch.no_grad():
                 if self.grad_filter is not None:
@@ -1004,6 +1014,7 @@ class ClockDriver:
         self._opened.clear()
         self._queued.clear()
         self._queued_stores.clear()
+        self._queued_grads.clear()
         self._update_buffer = None
         self._pending[:] = [0] * len(self._pending)
         self._updated.clear()

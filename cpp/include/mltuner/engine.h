@@ -149,8 +149,10 @@ class Engine {
   // `opened` gets the buffers of the open ops, in order. The posts share one
   // ticket of `app_stream`'s work and the stream waits once for every buffer
   // opened: two driver calls per batch instead of one per op, for a caller
-  // that knows its next ops (the PyTorch adapter). An error stops the batch
-  // at the op that failed; the ops before it took effect.
+  // that knows its next ops (the PyTorch adapter). A post that carries pieces
+  // to copy in (OpCall::fill) may follow its own open in the same batch: the
+  // stream waits for the buffers opened so far before the copies. An error
+  // stops the batch at the op that failed; the ops before it took effect.
   Status Run(const std::vector<OpCall>& ops, std::vector<AccessBuffer>* opened, uintptr_t app_stream = 0);
 
   // Branches (Config::branches; mltuner.md §3). Every worker makes the same

@@ -437,6 +437,12 @@ Status Engine::Impl::Run(const std::vector<OpCall>& ops, std::vector<AccessBuffe
       opened->push_back(std::move(buffer));
     } else {
       if (!op.fill.empty()) {
+        // The copies write a buffer that may have been opened in this batch:
+        // the stream waits for the buffers opened so far first.
+        if (last_ready) {
+          MLT_RETURN_IF_ERROR(device_->WaitOnAppStream(app_stream, last_ready));
+          last_ready = DeviceEvent();
+        }
         MLT_RETURN_IF_ERROR(FillBeforePost(op, app_stream));
         app_done_taken = false;  // the post's ticket must come after the copies
       }

@@ -68,6 +68,13 @@ hooks stay): a layer that did not run shows at step() as a missing gradient.
 Between clocks the hooks are back, to refuse a layer called outside the
 wrapped model.
 
+Otherwise (stored activations, or reads posted after each layer) the
+driver queues its posts, and the stores and updates it can leave to the
+engine's own copy (``_store``, ``_update``), for the next engine call
+(``_open``): the same ops in the same order, about one engine call per layer
+in the forward and one per load and read in the backward pass, instead of
+two per access.
+
 The torch views of each engine buffer are made once per buffer address and
 reused (``Layer.buffer_views``): the engine's pool gives every access the
 same place clock after clock.
@@ -95,7 +102,7 @@ from torch import nn
 
 from mltuner.client._worker import OP_KINDS, Table, Worker
 from mltuner.exceptions import InvalidArgumentError, OutOfOrderError, ResourceExhaustedError
-from mltuner.torch._buffers import app_stream, as_tensor, placeholder, storage_ptr
+from mltuner.torch._buffers import app_stream, as_tensor, buffer_key, placeholder, storage_ptr
 from mltuner.torch._errors import IterationMismatchError, UnsupportedModelError
 from mltuner.torch._layers import Layer
 from mltuner.torch._pattern import reason, refusal
@@ -109,6 +116,8 @@ T = TypeVar("T")
 
 # The engine's op numbers for the light clock's batches (Worker._run_ops).
 _READ, _POST_READ, _PRE_UPDATE, _UPDATE = (OP_KINDS[k] for k in ("read", "post_read", "pre_update", "update"))
+_LOCAL, _POST_LOCAL, _CLOCK = (OP_KINDS[k] for k in ("local_access", "post_local_access", "clock"))
+_MAX_LOCAL_VIEWS = 4096  # cached torch views of local-table buffers (one per buffer address and shape)
 
 
 class _ActRef(NamedTuple):
@@ -238,6 +247,10 @@ class ClockDriver:
         # taken out for the clock's forward (module docstring).
         self._layer_hooks: list[tuple[dict[int, Any], int, Any]] = []
         self._opened: dict[int, Any] = {}  # read event -> its buffer, opened by the batch
+        self._queued: list[tuple[Any, ...]] = []  # ops for the next engine call (_post, _store)
+        self._queued_stores: list[tuple[torch.Tensor, int, int]] = []  # queued stores: (tensor, _version, slot)
+        self._queued_grads: list[torch.Tensor] = []  # gradients the queued updates copy from
+        self._local_views: dict[Any, torch.Tensor] = {}  # local-table buffer key -> flat uint8 view
         self._update_buffer: Any = None  # the next update's buffer, opened by the last batch
         self._install_hooks()
         self._recording_hooks: list[Any] = []
@@ -372,6 +385,71 @@ class ClockDriver:
         )
 
     # -- the data behind each event -------------------------------------------------------
+    def _open(self, kind: int, handle: int) -> Any:
+        """Opens a recorded access (an engine op number) and returns its
+        buffer, in one engine call with the ops queued so far
+        (:meth:`_post`, :meth:`_store`)."""
+        ops = self._queued
+        ops.append((kind, handle))
+        self._check_queued_stores()
+        try:
+            buffer = self.worker._run_ops(ops, self._stream)[-1]
+        finally:
+            ops.clear()
+            self._queued_stores.clear()
+            self._queued_grads.clear()
+        return buffer
+
+    def _post(self, kind: int, handle: int) -> None:
+        """Posts a recorded access with the next engine call (:meth:`_open`,
+        :meth:`_flush_posts`). The engine sees the same ops in the same
+        order as with a call per post, one call later: the training thread
+        pays one engine call per opened buffer instead of two, and on CUDA
+        the posts of one call share one ticket of the stream's work."""
+        self._queued.append((kind, handle))
+
+    def _flush_posts(self, *, clock: bool = False) -> None:
+        """Hands the queued ops to the engine (and, with ``clock``, ends the
+        clock in the same call)."""
+        ops = self._queued
+        if clock and not ops:
+            self.worker.clock()
+            return
+        if clock:
+            ops.append((_CLOCK, -1))
+        if ops:
+            self._check_queued_stores()
+            try:
+                self.worker._run_ops(ops, self._stream)
+            finally:
+                ops.clear()
+                self._queued_stores.clear()
+                self._queued_grads.clear()
+
+    def _check_queued_stores(self) -> None:
+        """A queued store's bytes are copied when the queue goes to the
+        engine: refuses an activation changed in place since autograd saved
+        it (torch's own backward refuses that too, by the same version
+        counter), rather than storing the changed bytes."""
+        for tensor, version, slot in self._queued_stores:
+            if tensor._version != version:
+                raise UnsupportedModelError(
+                    f"saved activation #{slot} {tuple(tensor.shape)} was modified in place after autograd saved "
+                    "it for the backward pass; torch refuses that in backward() too: make the in-place op "
+                    "out of place"
+                )
+
+    def _local_bytes(self, buffer: Any) -> torch.Tensor:
+        """A local-table buffer as a flat uint8 tensor, made once per buffer
+        address and shape (:func:`mltuner.torch._buffers.buffer_key`)."""
+        key = buffer_key(buffer)
+        flat = self._local_views.get(key)
+        if flat is None:
+            if len(self._local_views) >= _MAX_LOCAL_VIEWS:
+                del self._local_views[next(iter(self._local_views))]
+            flat = self._local_views[key] = as_tensor(buffer, self.device).view(-1).view(torch.uint8)
+        return flat
+
     def _open_read(self, index: int, layer: Layer) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The read's flat buffer and the parameters' views into it."""
         if self._recording:
@@ -382,19 +460,29 @@ class ClockDriver:
                 *reads, self._update_buffer = self.worker._run_ops(self._read_batch, self._stream)
                 self._opened = dict(zip((i for i, e in enumerate(self._events) if e.kind == "read"), reads))
             return layer.buffer_views(self._opened.pop(index))
-        return layer.buffer_views(self.worker.read(self._handles[index], stream=self._stream))
+        return layer.buffer_views(self._open(_READ, self._handles[index]))
 
     def _close_read(self, index: int) -> None:
         if not self._recording:
-            self.worker.post_read(self._handles[index], stream=self._stream)
+            self._post(_POST_READ, self._handles[index])
 
     def _store(self, index: int, slot: int, tensor: torch.Tensor) -> None:
+        """Copies a saved activation into its rows. Where the engine can copy
+        the bytes itself (one span of memory, 4-byte aligned), the store is
+        queued, open and post with the bytes to copy, for the next engine
+        call: the forward then costs an engine call per layer, not two per
+        saved tensor (the tensor stays alive in ``_keepalive`` until then)."""
         if self._recording:
             return
         handle = self._handles[index]
-        buffer = self.worker.local_access(handle, stream=self._stream)
-        write_bytes(as_tensor(buffer, self.device).view(-1).view(torch.uint8), tensor, self._acts.slots[slot])
-        self.worker.post_local_access(handle, stream=self._stream)
+        layout = self._acts.slots[slot]
+        address = tensor.data_ptr()
+        if layout.exact_layout and address % 4 == 0 and layout.nbytes % 4 == 0:
+            self._queued += [(_LOCAL, handle), (_POST_LOCAL, handle, [(address, 0, layout.nbytes // 4)])]
+            self._queued_stores.append((tensor, tensor._version, slot))
+            return
+        write_bytes(self._local_bytes(self._open(_LOCAL, handle)), tensor, layout)
+        self._post(_POST_LOCAL, handle)
 
     def _load(self, slot: int) -> torch.Tensor:
         """A stored activation, read back from the local table (its event
@@ -403,10 +491,8 @@ class ClockDriver:
         if self._recording:
             return self._acts.original(slot)
         handle = self._handles[index]
-        buffer = self.worker.local_access(handle, stream=self._stream)
-        out = read_back(as_tensor(buffer, self.device).view(-1).view(torch.uint8), self._acts.slots[slot],
-                        self.device)
-        self.worker.post_local_access(handle, stream=self._stream)
+        out = read_back(self._local_bytes(self._open(_LOCAL, handle)), self._acts.slots[slot], self.device)
+        self._post(_POST_LOCAL, handle)
         return out
 
     def _update(self, index: int, layer: Layer, grads: list[torch.Tensor]) -> None:
@@ -415,12 +501,18 @@ class ClockDriver:
             return
         if not self._recording:
             handle = self._handles[index]
-            _, views = layer.buffer_views(self.worker.pre_update(handle, stream=self._stream))
+            pieces = None if self.grad_filter is not None else self._pieces(layer, grads)
+            if pieces is not None:  # the engine copies the gradients in: queued, like a store
+                self._queued += [(_PRE_UPDATE, handle), (_UPDATE, handle, pieces)]
+                self._queued_grads += grads  # alive until the queue goes to the engine
+                layer.clear_grads()
+                return
+            _, views = layer.buffer_views(self._open(_PRE_UPDATE, handle))
             with torch.no_grad():
                 if self.grad_filter is not None:
                     self.grad_filter(grads)
                 torch._foreach_copy_(views, grads)
-            self.worker.update(handle, stream=self._stream)
+            self._post(_UPDATE, handle)
         layer.clear_grads()
 
     def _batched_update(self, index: int, layer: Layer, grads: list[torch.Tensor], *, filtered: bool = False) -> None:
@@ -548,6 +640,8 @@ class ClockDriver:
             else:
                 with self._mutating():
                     self._acts.end_forward()
+                    if self._queued_stores:  # before _keepalive lets their tensors go
+                        self._flush_posts()
         except BaseException as error:
             if self._cursor == 0 and not self._recording and self._broken is None:
                 self._phase = Phase.IDLE  # nothing reached the engine: the clock can start over
@@ -818,7 +912,7 @@ class ClockDriver:
                     f"clock {self.clock}: the backward pass ended before the recorded "
                     f"{self._describe(self._events[self._cursor])}"
                 )
-            self.worker.clock()
+            self._flush_posts(clock=True)
         self.clock += 1
         self._stale_grads = self._grad_errors  # unless a refused gradient left some behind: all handed over
         self._grad_errors = False
@@ -918,6 +1012,9 @@ class ClockDriver:
         self._held_by_layer.clear()
         self._grad_open.clear()
         self._opened.clear()
+        self._queued.clear()
+        self._queued_stores.clear()
+        self._queued_grads.clear()
         self._update_buffer = None
         self._pending[:] = [0] * len(self._pending)
         self._updated.clear()
@@ -1149,6 +1246,7 @@ class ClockDriver:
         if self._eval_clock == (self.clock, branch):
             return
         with self._mutating():
+            self._flush_posts()  # the clock's posts so far, before waiting on the servers
             self.worker.sync()
             for layer, table in zip(self.layers, self._tables):
                 values = np.ascontiguousarray(self.worker.fetch(table, branch=branch), dtype=np.float32)

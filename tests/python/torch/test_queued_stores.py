@@ -1,0 +1,92 @@
+"""With store_activations, the forward's stores go to the engine queued with
+the next layer's read (the engine copies the saved bytes itself), and every
+post rides with the next engine call: fewer engine calls per clock, the same
+ops in the same order, the same bits. An activation changed in place after
+autograd saved it is refused, as torch's own backward refuses it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch import nn  # noqa: E402
+
+import mltuner.torch as mt  # noqa: E402
+from mltuner import Config, LocalCluster, UpdateRule  # noqa: E402
+from mltuner.torch import UnsupportedModelError  # noqa: E402
+
+CLOCKS = 3
+
+
+def make_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def config(**kwargs: Any) -> Config:
+    return Config(wait_timeout_s=20, update_rule=UpdateRule("sgd", learning_rate=0.1), **kwargs)
+
+
+def test_the_forward_costs_one_engine_call_per_read_and_training_matches_torch() -> None:
+    model, reference = make_model(), make_model()
+    x = torch.randn(8, 16)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    with LocalCluster(1, config()) as cluster:
+        worker = cluster.worker(0)
+        ps_model = mt.wrap(model, worker, example_input=x, store_activations=True, recompute="none",
+                           example_loss=lambda out: out.square().mean())
+        reads = sum(a.startswith("forward read of") for a in ps_model.accesses)
+        stores = sum(a.startswith("store of") for a in ps_model.accesses)
+        assert stores >= 3
+        calls: list[int] = []
+        real_run = worker._run_ops
+
+        def spy_run(ops: Any, stream: int) -> Any:
+            calls.append(len(ops))
+            return real_run(ops, stream)
+
+        worker._run_ops = spy_run  # type: ignore[method-assign]
+        for _ in range(CLOCKS):
+            calls.clear()
+            out = ps_model(x)
+            assert len(calls) <= reads + 1  # a call per read, one for the stores queued at the end
+            out.square().mean().backward()
+            ps_model.step()
+            optimizer.zero_grad()
+            reference(x).square().mean().backward()
+            optimizer.step()
+        for (name, got), want in zip(ps_model.unwrap().named_parameters(), reference.parameters()):
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), name
+
+
+class ChangesSaved(nn.Module):
+    """Changes tanh's saved output in place before the next layer's read
+    (when the queued store's bytes are copied): torch's backward refuses this
+    (version counter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.first(x))
+        hidden.mul_(2)
+        return self.second(hidden)
+
+
+def test_an_activation_changed_in_place_after_it_was_saved_is_refused() -> None:
+    torch.manual_seed(0)
+    model = ChangesSaved()
+    x = torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        copy_model = ChangesSaved()
+        copy_model(x).sum().backward()  # torch refuses it too
+    with LocalCluster(1, config()) as cluster:
+        ps_model = mt.wrap(model, cluster.worker(0), example_input=x, store_activations=True, recompute="none",
+                           example_loss=lambda out: out.sum())
+        with pytest.raises(UnsupportedModelError, match="modified in place after autograd saved it"):
+            ps_model(x).sum().backward()
+            ps_model.step()

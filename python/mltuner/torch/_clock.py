@@ -102,7 +102,8 @@ __all__ = ["ClockDriver", "tensors_in"]
 T = TypeVar("T")
 
 # The engine's op numbers for the light clock's batches (Worker._run_ops).
-_READ, _POST_READ, _PRE_UPDATE, _UPDATE = (OP_KINDS[k] for k in ("read", "post_read", "pre_update", "update"))
+_READ, _POST_READ, _PRE_UPDATE, _UPDATE, _CLOCK = (OP_KINDS[k] for k in ("read", "post_read", "pre_update", "update",
+                                                                        "clock"))
 
 
 class _ParamRef(NamedTuple):
@@ -181,6 +182,7 @@ class ClockDriver:
         self._hold = False
         self.hold_choice = ""  # which pattern plan() chose, and why (PSModule.plan)
         self._overlap = overlap_updates
+        self.overlap_choice = ""  # when updates ship, and why (PSModule.plan)
 
         # The recording, then the plan made from it.
         self._recording = True
@@ -326,6 +328,11 @@ class ClockDriver:
     def hold_reads(self) -> bool:
         """Whether the plan holds forward reads through the backward pass."""
         return self._hold
+
+    @property
+    def overlap_updates(self) -> bool:
+        """Whether updates ship from the backward pass (as given to the driver)."""
+        return self._overlap
 
     @property
     def accesses(self) -> list[str]:
@@ -773,8 +780,7 @@ class ClockDriver:
             raise OutOfOrderError(f"step() in clock {self.clock} without a forward pass and loss.backward()")
         if self._phase is Phase.FORWARD:
             raise OutOfOrderError("step() inside the forward pass")
-        if self._at_step:
-            self._ship_updates()
+        clocked = self._ship_updates() if self._at_step else False
         if len(self._updated) < len(self.layers):
             missing = [layer.name for layer in self.layers if layer.index not in self._updated]
             raise OutOfOrderError(
@@ -787,7 +793,8 @@ class ClockDriver:
                     f"clock {self.clock}: the backward pass ended before the recorded "
                     f"{self._describe(self._events[self._cursor])}"
                 )
-            self.worker.clock()
+            if not clocked:
+                self.worker.clock()
         self.clock += 1
         self._stale_grads = self._grad_errors  # unless a refused gradient left some behind: all handed over
         self._grad_errors = False
@@ -833,13 +840,15 @@ class ClockDriver:
             self.grad_filter(grads)
         self._filtered = self._serial
 
-    def _ship_updates(self) -> None:
+    def _ship_updates(self) -> bool:
         """The light clock's updates at step() (module docstring): every
         layer's gradients, final now, handed to the engine in forward order,
-        in one engine call when the engine can copy them all itself."""
+        in one engine call when the engine can copy them all itself; that
+        call also ends the clock (every update is then the recorded clock's
+        last event). Returns whether it did."""
         grads = [layer.grads() for layer in self.layers]
         if all(grad is None for layer_grads in grads for grad in layer_grads):
-            return  # no backward pass yet: step() says so, and the clock stays usable
+            return False  # no backward pass yet: step() says so, and the clock stays usable
         for layer, layer_grads in zip(self.layers, grads):
             for position, grad in enumerate(layer_grads):
                 if grad is None:
@@ -865,16 +874,20 @@ class ClockDriver:
                     following = self._next_pre_update[index]
                     if following >= 0:
                         ops.append((_PRE_UPDATE, following))
+                ops.append((_CLOCK, -1))
                 self.worker._run_ops(ops, self._stream)
                 self._update_buffer = None
+                clocked = True
             else:  # gradients torch must copy: layer by layer
                 for index, number in updates:
                     self._next("update", number)
                     self._batched_update(index, self.layers[number], grads[number], filtered=True)
+                clocked = False
             for layer in self.layers:
                 layer.clear_grads()
                 layer.unbind()
                 self._updated.add(layer.index)
+        return clocked
 
     def _reset_clock(self) -> None:
         self._phase = Phase.IDLE

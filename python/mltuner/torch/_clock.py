@@ -25,7 +25,7 @@ backward
     goes on with the layers below: wait-free backpropagation. Stored
     activations come back from the local table on unpack (``load``).
 step
-    ``Worker.clock``.
+    ``Worker.clock`` (shipping at step(): the last op of the updates' call).
 
 The light clock: holding reads without stored activations (the default),
 with every layer read once per clock, the saved-tensor hooks have nothing
@@ -48,17 +48,18 @@ pre_update before the read's post so that these ops are consecutive). On
 CUDA that is one event record and one stream wait per layer instead of
 three driver calls.
 
-Where every shard lives in this process (a ``LocalCluster``, or a job of
-one process), the light clock ships the updates at :meth:`ClockDriver.step`
-instead (``overlap_updates=False``): the gradient hooks are removed after
-the recording, autograd accumulates into ``.grad`` as it does for a torch
-optimizer, and step() hands every layer's gradients to the engine in one
-call, in forward order, so that the first layer's update, which the next
-clock's first read waits for, is handled first. Shipping during backward
-overlaps an update's transfer with the layers below, which pays off only
-when the update crosses a socket; its price is a Python call per parameter
-and an engine call per layer on autograd's thread, about a millisecond per
-clock of a ResNet-18. The forward opens every read in one call, points each
+Unless the worker is on a GPU with a shard in another process
+(``_shipping.py`` has the rule and why), the light clock ships the updates
+at :meth:`ClockDriver.step` instead (``overlap_updates=False``): the
+gradient hooks are removed after the recording, autograd accumulates into
+``.grad`` as it does for a torch optimizer, and step() hands every layer's
+gradients to the engine in one call, in forward order, so that the first
+layer's update, which the next clock's first read waits for, is handled
+first; the same call ends the clock. Shipping during backward overlaps an
+update's transfer with the layers below, which pays off only when the
+update crosses a socket while a GPU computes; its price is a Python call
+per parameter and an engine call per layer on autograd's thread, about a
+millisecond per clock of a ResNet-18. The forward opens every read in one call, points each
 layer's parameters into its read and then runs with the driver's layer hooks
 taken out of the modules (two Python calls per layer fewer; the user's own
 hooks stay): a layer that did not run shows at step() as a missing gradient.

@@ -3,7 +3,8 @@
 model, data, per-worker batch, update rule and number of workers.
 
     python benchmarks/throughput_bench.py [--device cpu|cuda] [--model cnn|resnet18] [--workers 1,2]
-        [--slacks 0,1] [--batch B] [--steps K] [--warmup W] [--quick] [--out PATH.md] [--figures PATH.json]
+        [--slacks 0,1] [--batch B] [--steps K] [--warmup W] [--overlap auto|step|backward] [--quick]
+        [--out PATH.md] [--figures PATH.json]
 
 The runs:
 
@@ -27,6 +28,11 @@ takes its first step with the undamped gradient, the only difference). The
 loss of rank 0's last step is in the table as a check that the runs train
 alike. Batch-norm running statistics stay local to each worker (mltuner does
 so; DDP is told not to broadcast them).
+
+``--overlap`` says when mltuner's updates leave: ``auto`` (wrap()'s rule:
+at step() on the CPU and within one process, from the backward pass on GPUs
+across processes), ``step`` or ``backward`` (``wrap(overlap_updates=)``);
+run the benchmark once with each to compare the two on a machine.
 
 Each run takes ``--warmup`` untimed steps, then meets at a barrier so that
 the ranks start together, then ``--steps`` timed steps, CUDA synchronised at
@@ -92,6 +98,7 @@ class Run:
     batch: int
     steps: int
     warmup: int
+    overlap: str = "auto"  # mltuner's wrap(overlap_updates=): auto (None), step (False), backward (True)
 
     @property
     def label(self) -> str:
@@ -99,7 +106,8 @@ class Run:
             return "plain PyTorch, 1 process"
         if self.system == "ddp":
             return f"DDP ({backend(self.device)}), {self.workers} workers"
-        return f"mltuner, {self.workers} worker{'s' if self.workers > 1 else ''}, slack {self.slack}"
+        shipped = {"auto": "", "step": ", updates at step()", "backward": ", updates from backward"}[self.overlap]
+        return f"mltuner, {self.workers} worker{'s' if self.workers > 1 else ''}, slack {self.slack}{shipped}"
 
 
 @dataclasses.dataclass
@@ -252,7 +260,8 @@ def mltuner_worker(run: Run) -> Optional[dict[str, Any]]:
         params = parameter_count(model)
         model.to(device)
         x, y = make_batch(run, job.rank, device)
-        ps = mtorch.wrap(model, job.worker, example_input=x, slack=run.slack,
+        overlap = {"auto": None, "step": False, "backward": True}[run.overlap]
+        ps = mtorch.wrap(model, job.worker, example_input=x, slack=run.slack, overlap_updates=overlap,
                          example_loss=lambda out: nn.functional.cross_entropy(out, y))
 
         def step() -> torch.Tensor:
@@ -328,10 +337,10 @@ def plan(args: argparse.Namespace) -> list[Run]:
     """The runs, in order; 1 worker (plain PyTorch and mltuner) always, as
     the baseline of the scaling figures."""
     common = dict(model=args.model, device=args.device, batch=args.batch, steps=args.steps, warmup=args.warmup)
-    runs = [Run("plain", 1, 0, **common), Run("mltuner", 1, 0, **common)]
+    runs = [Run("plain", 1, 0, **common), Run("mltuner", 1, 0, **common, overlap=args.overlap)]
     for n in sorted(set(args.workers) - {1}):
         runs.append(Run("ddp", n, 0, **common))
-        runs += [Run("mltuner", n, s, **common) for s in args.slacks]
+        runs += [Run("mltuner", n, s, **common, overlap=args.overlap) for s in args.slacks]
     return runs
 
 
@@ -488,6 +497,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=128, help="per worker")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default by model; fewer with --quick)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first")
+    parser.add_argument("--overlap", choices=["auto", "step", "backward"], default="auto",
+                        help="when mltuner's updates leave: wrap()'s rule, at step(), or from the backward pass")
     parser.add_argument("--quick", action="store_true", help="fewer steps: a smoke run")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per launched job (default 300; quick 120)")
     parser.add_argument("--out", default=None, help="write the table here (markdown)")

@@ -87,6 +87,28 @@ void RegisterNode(py::module_& m) {
           py::arg("timeout_ms"),
           "(receiver, header frame, payload) of the next message for another process, or None "
           "after timeout_ms or once the node is shut down and the outbox is empty.")
+      .def(
+          "next_outgoing_batch",
+          [](ProcessNode& node, int timeout_ms, size_t max_messages, size_t max_bytes) {
+            std::vector<OutgoingMessage> batch;
+            {
+              py::gil_scoped_release release;
+              batch = node.NextOutgoingBatch(timeout_ms, max_messages, max_bytes);
+            }
+            py::list out;
+            for (OutgoingMessage& message : batch) {
+              py::bytes header(message.header);
+              const int receiver = message.receiver;
+              out.append(py::make_tuple(receiver, header, PayloadArray(std::move(message))));
+            }
+            return out;
+          },
+          py::arg("timeout_ms"), py::arg("max_messages"), py::arg("max_bytes"),
+          "The socket messages to send next, [(receiver, header frame, payload), ...]: every message waiting "
+          "for another process (at most max_messages, past the first only while their payloads total at most "
+          "max_bytes), each run of small ones for one receiver joined into one batch, which deliver opens. "
+          "Waits up to timeout_ms for the first; empty after that, or once the node is shut down and the "
+          "outbox is empty.")
       .def_property_readonly("outbox_messages", &ProcessNode::outbox_messages)
       .def_property_readonly("outbox_bytes", &ProcessNode::outbox_bytes)
       .def_property_readonly("peak_outbox_bytes", &ProcessNode::peak_outbox_bytes)

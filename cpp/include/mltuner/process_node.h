@@ -16,9 +16,9 @@
 // config's wait timeout, then fails the node with kTimeout naming the bytes
 // that did not leave. A single message larger than the limit goes alone.
 //
-// Threading: NextOutgoing from one send thread, Deliver from one receive
-// thread, the rest from the application thread; Abort and SetOutboxLimit
-// from any thread.
+// Threading: NextOutgoing / NextOutgoingBatch from one send thread, Deliver
+// from one receive thread, the rest from the application thread; Abort and
+// SetOutboxLimit from any thread.
 #pragma once
 
 #include <cstddef>
@@ -72,6 +72,23 @@ class ProcessNode final : public Transport {
   // A host frame's producer may still be copying into it when it is queued:
   // this waits for its ticket (the engine's threads never do).
   bool NextOutgoing(int timeout_ms, OutgoingMessage* out);
+  // The socket messages to send next: every message waiting in the outbox
+  // (at most max_messages, and past the first only while their payloads
+  // total at most max_bytes), where each run of consecutive messages for one
+  // receiver whose payloads are under kBatchBelowBytes is joined into one
+  // batch (wire/batch.h; Deliver opens it). Per receiver the order is the
+  // outbox's. Waits up to timeout_ms for the first message; empty when none
+  // came in time, or the node is closed and its outbox drained. One wake-up
+  // of the send thread so takes what a clock queued together (the updates
+  // of a step(), a shard's pushes of a clock) as one socket message per
+  // peer, instead of one per table.
+  std::vector<OutgoingMessage> NextOutgoingBatch(int timeout_ms, size_t max_messages, size_t max_bytes);
+  // Payloads under this size join batches: they are copied at both ends
+  // anyway (pyzmq copies a frame under 64 KiB into the message it sends, and
+  // ZeroMQ receives one under 8 KiB into a shared buffer at any byte offset,
+  // which Deliver then copies), so the batch's one copy replaces the send's.
+  // Larger payloads go alone, to be used in place on arrival.
+  static constexpr size_t kBatchBelowBytes = size_t{8} << 10;
   // Host frames that received payloads land in (pinned on CUDA, recycled).
   const DeviceBufferPool& receive_frames() const { return *frames_; }
   // Messages and payload bytes waiting in the outbox, and the most bytes it
@@ -93,7 +110,9 @@ class ProcessNode final : public Transport {
   int64_t inbox_bytes() const;
   int64_t peak_inbox_bytes() const;
 
-  // Frames received from another process. A message that fails validation
+  // Frames received from another process: one message, or a batch of them
+  // (each part delivered as if it came alone; the first refusal is
+  // returned, every one counted). A message that fails validation
   // (malformed, foreign, not addressed to this rank, or from this rank or an
   // unknown one) is counted as rejected and returns why; nothing else sees it.
   // With a token (>= 0) the payload may be used in place: the caller keeps
@@ -132,6 +151,11 @@ class ProcessNode final : public Transport {
 
  private:
   ProcessNode(int rank, int num_workers, int64_t wait_timeout_ms);
+  Status DeliverOne(const void* frame0, size_t frame0_bytes, const void* payload, size_t payload_bytes,
+                    int64_t token);
+  // The messages at `run` (all for `receiver`) copied into one batch.
+  Status JoinBatch(int receiver, const std::vector<OutgoingMessage>& messages, const std::vector<size_t>& run,
+                   OutgoingMessage* batch) const;
   const int rank_;
   const int num_workers_;
   const int64_t wait_timeout_ms_;

@@ -10,6 +10,7 @@
 #include "cluster/shard_host.h"
 #include "memory/borrowed_frames.h"
 #include "memory/device_block.h"
+#include "wire/batch.h"
 #include "wire/message.h"
 
 namespace mltuner {
@@ -46,18 +47,27 @@ class ProcessNode::Queues {
     return WaitForRoom(lock, 0, timeout_ms);
   }
 
-  bool PopOutgoing(int timeout_ms, OutgoingMessage* out) {
+  // Waits up to timeout_ms for a message, then takes the queued ones in
+  // order: at most max_messages, past the first only while their payloads
+  // total at most max_bytes.
+  std::vector<OutgoingMessage> PopOutgoing(int timeout_ms, size_t max_messages, size_t max_bytes) {
+    std::vector<OutgoingMessage> taken;
     {
       std::unique_lock<std::mutex> lock(mu);
       ready.wait_for(lock, std::chrono::milliseconds(timeout_ms < 0 ? 0 : timeout_ms),
                      [&] { return closed || !outbox.empty(); });
-      if (outbox.empty()) return false;
-      *out = std::move(outbox.front());
-      outbox.pop_front();
-      outbox_bytes -= static_cast<int64_t>(out->payload_bytes());
+      size_t bytes = 0;
+      while (!outbox.empty() && taken.size() < std::max<size_t>(max_messages, 1)) {
+        const size_t next = outbox.front().payload_bytes();
+        if (!taken.empty() && bytes + next > max_bytes) break;
+        bytes += next;
+        taken.push_back(std::move(outbox.front()));
+        outbox.pop_front();
+        outbox_bytes -= static_cast<int64_t>(next);
+      }
     }
-    room.notify_all();
-    return true;
+    if (!taken.empty()) room.notify_all();
+    return taken;
   }
 
   Status WaitForRoom(std::unique_lock<std::mutex>& lock, int64_t bytes, int64_t timeout_ms) {
@@ -186,16 +196,70 @@ Status ProcessNode::AddTableToShard(int rank, const TableInfo& info) {
 }
 
 bool ProcessNode::NextOutgoing(int timeout_ms, OutgoingMessage* out) {
-  if (!queues_->PopOutgoing(timeout_ms, out)) return false;
-  const Status copied = WaitReady(out->frame.get());
-  if (!copied.ok()) {
-    // The device failed under the copy: the engine's threads report it too.
-    Abort(copied.WithContext("worker " + std::to_string(rank_) + "'s send thread"));
-    *out = OutgoingMessage();
-    return false;
-  }
-  if (out->frame) out->frame->ready.reset();
+  std::vector<OutgoingMessage> batch = NextOutgoingBatch(timeout_ms, 1, 0);
+  if (batch.empty()) return false;
+  *out = std::move(batch.front());
   return true;
+}
+
+std::vector<OutgoingMessage> ProcessNode::NextOutgoingBatch(int timeout_ms, size_t max_messages, size_t max_bytes) {
+  std::vector<OutgoingMessage> taken = queues_->PopOutgoing(timeout_ms, max_messages, max_bytes);
+  for (OutgoingMessage& message : taken) {
+    const Status copied = WaitReady(message.frame.get());
+    if (!copied.ok()) {
+      // The device failed under the copy: the engine's threads report it too.
+      Abort(copied.WithContext("worker " + std::to_string(rank_) + "'s send thread"));
+      return {};
+    }
+    if (message.frame) message.frame->ready.reset();
+  }
+  if (taken.size() < 2) return taken;
+  // Per receiver, in order: each run of small messages becomes one batch (a
+  // run of one stays as it is); a large one goes alone, zero-copy.
+  std::vector<OutgoingMessage> out;
+  std::vector<bool> done(taken.size(), false);
+  for (size_t first = 0; first < taken.size(); ++first) {
+    if (done[first]) continue;
+    const int receiver = taken[first].receiver;
+    std::vector<size_t> run;
+    const auto flush = [&] {
+      OutgoingMessage batch;
+      if (run.size() > 1 && JoinBatch(receiver, taken, run, &batch).ok()) {
+        out.push_back(std::move(batch));
+      } else {  // one message, or (never expected) one the batch could not hold
+        for (size_t i : run) out.push_back(std::move(taken[i]));
+      }
+      run.clear();
+    };
+    for (size_t i = first; i < taken.size(); ++i) {
+      if (done[i] || taken[i].receiver != receiver) continue;
+      done[i] = true;
+      if (taken[i].payload_bytes() < kBatchBelowBytes && run.size() < kMaxBatchParts) {
+        run.push_back(i);
+        continue;
+      }
+      flush();
+      if (taken[i].payload_bytes() < kBatchBelowBytes) {
+        run.push_back(i);
+      } else {
+        out.push_back(std::move(taken[i]));
+      }
+    }
+    flush();
+  }
+  return out;
+}
+
+Status ProcessNode::JoinBatch(int receiver, const std::vector<OutgoingMessage>& messages,
+                              const std::vector<size_t>& run, OutgoingMessage* batch) const {
+  std::vector<FramePair> parts;
+  parts.reserve(run.size());
+  for (size_t i : run) {
+    const OutgoingMessage& message = messages[i];
+    parts.push_back({message.header.data(), message.header.size(), message.payload_values(), message.payload_bytes()});
+  }
+  batch->receiver = receiver;
+  return EncodeBatch(rank_, receiver, parts, &batch->header, &batch->payload);
 }
 
 int64_t ProcessNode::outbox_messages() const {
@@ -223,6 +287,32 @@ void ProcessNode::SetOutboxLimit(int64_t bytes) {
 
 Status ProcessNode::Deliver(const void* frame0, size_t frame0_bytes, const void* payload, size_t payload_bytes,
                             int64_t token) {
+  if (!IsBatch(frame0, frame0_bytes)) return DeliverOne(frame0, frame0_bytes, payload, payload_bytes, token);
+  // A batch's parts are small: each is copied out, and the frames are done
+  // with before this returns.
+  if (token >= 0) borrowed_->Release(token);
+  std::vector<FramePair> parts;
+  int sender = -1;
+  int receiver = -1;
+  Status status = DecodeBatch(frame0, frame0_bytes, payload, payload_bytes, &parts, &sender, &receiver);
+  if (status.ok() && (receiver != rank_ || sender < 0 || sender >= num_workers_ || sender == rank_)) {
+    status = Status::CorruptMessage("a batch from process " + std::to_string(sender) + " for process " +
+                                    std::to_string(receiver) + " reached process " + std::to_string(rank_));
+  }
+  if (!status.ok()) {
+    queues_->host.Reject(status, Message());
+    return status;
+  }
+  Status first_refusal;
+  for (const FramePair& part : parts) {
+    const Status delivered = DeliverOne(part.frame0, part.frame0_bytes, part.payload, part.payload_bytes, -1);
+    if (!delivered.ok() && first_refusal.ok()) first_refusal = delivered;  // each refusal is counted
+  }
+  return first_refusal;
+}
+
+Status ProcessNode::DeliverOne(const void* frame0, size_t frame0_bytes, const void* payload, size_t payload_bytes,
+                               int64_t token) {
   Message message;
   // On a device whose memory is host memory the payload is used where
   // ZeroMQ put it (no copy: the message's host frame views it). Otherwise

@@ -165,6 +165,7 @@ const char* MessageTypeName(MessageType type) {
     case MessageType::kFork: return "Fork";
     case MessageType::kFreeBranch: return "FreeBranch";
     case MessageType::kBranchRows: return "BranchRows";
+    case MessageType::kBatch: return "Batch";
   }
   return "Unknown";
 }
@@ -249,6 +250,9 @@ Status DecodeMessage(const void* frame0, size_t frame0_bytes, const void* payloa
   std::memcpy(&message.header, bytes, kHeaderBytes);
   const MessageHeader& h = message.header;
   MLT_RETURN_IF_ERROR(CheckHeaderIdentity(h));
+  if (static_cast<MessageType>(h.type) == MessageType::kBatch) {
+    return Status::CorruptMessage("a batch envelope where one message belongs (batches do not nest)");
+  }
   MLT_RETURN_IF_ERROR(CheckFrame0Size(h, frame0_bytes));
 
   int64_t total_rows = 0;

@@ -46,8 +46,11 @@ enum class MessageType : uint16_t {
                      //   every worker asked
   kBranchRows = 12,  // client -> shard: push me every table's rows of `branch`
                      //   (after a branch switch emptied my cache)
+  kBatch = 13,       // process -> process: several messages in one pair of
+                     //   frames (wire/batch.h); the transport's envelope,
+                     //   opened on arrival, never seen by engine or shard
 };
-constexpr uint16_t kMaxMessageType = 12;
+constexpr uint16_t kMaxMessageType = 13;
 
 const char* MessageTypeName(MessageType type);
 
@@ -136,7 +139,8 @@ Status ErrorOf(const Message& error);
 std::string EncodeHeaderFrame(const Message& message);
 
 // Parses and validates both frames into *out. Rejects (kCorruptMessage, with
-// the reason) a wrong magic or version, an unknown type, a frame-0 size that
+// the reason) a wrong magic or version, an unknown type or a kBatch
+// envelope (wire/batch.h opens those), a frame-0 size that
 // does not match num_spans and text_bytes, negative or overflowing spans, a
 // payload size that is not sum(count) * row_width * 4, and a non-positive
 // row_width when there is payload. Never reads past either frame. The

@@ -28,7 +28,7 @@ backward
     activations come back from the local table on unpack (``load``, once per
     clock), recomputed ones are made again from them.
 step
-    ``Worker.clock``.
+    ``Worker.clock`` (shipping at step(): the last op of the updates' call).
 
 The light clock: holding reads without stored activations (the default),
 with every layer read once per clock, the saved-tensor hooks have nothing
@@ -51,17 +51,18 @@ pre_update before the read's post so that these ops are consecutive). On
 CUDA that is one event record and one stream wait per layer instead of
 three driver calls.
 
-Where every shard lives in this process (a ``LocalCluster``, or a job of
-one process), the light clock ships the updates at :meth:`ClockDriver.step`
-instead (``overlap_updates=False``): the gradient hooks are removed after
-the recording, autograd accumulates into ``.grad`` as it does for a torch
-optimizer, and step() hands every layer's gradients to the engine in one
-call, in forward order, so that the first layer's update, which the next
-clock's first read waits for, is handled first. Shipping during backward
-overlaps an update's transfer with the layers below, which pays off only
-when the update crosses a socket; its price is a Python call per parameter
-and an engine call per layer on autograd's thread, about a millisecond per
-clock of a ResNet-18. The forward opens every read in one call, points each
+Unless the worker is on a GPU with a shard in another process
+(``_shipping.py`` has the rule and why), the light clock ships the updates
+at :meth:`ClockDriver.step` instead (``overlap_updates=False``): the
+gradient hooks are removed after the recording, autograd accumulates into
+``.grad`` as it does for a torch optimizer, and step() hands every layer's
+gradients to the engine in one call, in forward order, so that the first
+layer's update, which the next clock's first read waits for, is handled
+first; the same call ends the clock. Shipping during backward overlaps an
+update's transfer with the layers below, which pays off only when the
+update crosses a socket while a GPU computes; its price is a Python call
+per parameter and an engine call per layer on autograd's thread, about a
+millisecond per clock of a ResNet-18. The forward opens every read in one call, points each
 layer's parameters into its read and then runs with the driver's layer hooks
 taken out of the modules (two Python calls per layer fewer; the user's own
 hooks stay): a layer that did not run shows at step() as a missing gradient.
@@ -184,6 +185,7 @@ class ClockDriver:
         self._hold = False
         self.hold_choice = ""  # which pattern plan() chose, and why (PSModule.plan)
         self._overlap = overlap_updates
+        self.overlap_choice = ""  # when updates ship, and why (PSModule.plan)
 
         # The recording, then the plan made from it.
         self._recording = True
@@ -335,6 +337,11 @@ class ClockDriver:
     def hold_reads(self) -> bool:
         """Whether the plan holds forward reads through the backward pass."""
         return self._hold
+
+    @property
+    def overlap_updates(self) -> bool:
+        """Whether updates ship from the backward pass (as given to the driver)."""
+        return self._overlap
 
     @property
     def accesses(self) -> list[str]:
@@ -898,8 +905,7 @@ class ClockDriver:
             raise OutOfOrderError(f"step() in clock {self.clock} without a forward pass and loss.backward()")
         if self._phase is Phase.FORWARD:
             raise OutOfOrderError("step() inside the forward pass")
-        if self._at_step:
-            self._ship_updates()
+        clocked = self._ship_updates() if self._at_step else False
         if len(self._updated) < len(self.layers):
             missing = [layer.name for layer in self.layers if layer.index not in self._updated]
             raise OutOfOrderError(
@@ -912,7 +918,8 @@ class ClockDriver:
                     f"clock {self.clock}: the backward pass ended before the recorded "
                     f"{self._describe(self._events[self._cursor])}"
                 )
-            self._flush_posts(clock=True)
+            if not clocked:
+                self._flush_posts(clock=True)
         self.clock += 1
         self._stale_grads = self._grad_errors  # unless a refused gradient left some behind: all handed over
         self._grad_errors = False
@@ -958,13 +965,15 @@ class ClockDriver:
             self.grad_filter(grads)
         self._filtered = self._serial
 
-    def _ship_updates(self) -> None:
+    def _ship_updates(self) -> bool:
         """The light clock's updates at step() (module docstring): every
         layer's gradients, final now, handed to the engine in forward order,
-        in one engine call when the engine can copy them all itself."""
+        in one engine call when the engine can copy them all itself; that
+        call also ends the clock (every update is then the recorded clock's
+        last event). Returns whether it did."""
         grads = [layer.grads() for layer in self.layers]
         if all(grad is None for layer_grads in grads for grad in layer_grads):
-            return  # no backward pass yet: step() says so, and the clock stays usable
+            return False  # no backward pass yet: step() says so, and the clock stays usable
         for layer, layer_grads in zip(self.layers, grads):
             for position, grad in enumerate(layer_grads):
                 if grad is None:
@@ -990,16 +999,21 @@ class ClockDriver:
                     following = self._next_pre_update[index]
                     if following >= 0:
                         ops.append((_PRE_UPDATE, following))
+                ops.append((_CLOCK, -1))
+                self._flush_posts()  # posts queued before (none in the light clock), in their order
                 self.worker._run_ops(ops, self._stream)
                 self._update_buffer = None
+                clocked = True
             else:  # gradients torch must copy: layer by layer
                 for index, number in updates:
                     self._next("update", number)
                     self._batched_update(index, self.layers[number], grads[number], filtered=True)
+                clocked = False
             for layer in self.layers:
                 layer.clear_grads()
                 layer.unbind()
                 self._updated.add(layer.index)
+        return clocked
 
     def _reset_clock(self) -> None:
         self._phase = Phase.IDLE

@@ -18,6 +18,7 @@ from mltuner.torch._errors import UnsupportedModelError
 from mltuner.torch._layers import DEFAULT_GROUP_BYTES, DEFAULT_WHOLE_MODULES, Layer, find_layers
 from mltuner.torch._optim import LearningRates, check_optimizer, groups_of_layers, rule_for_group
 from mltuner.torch._recompute import RECOMPUTE_CHOICES, Recompute
+from mltuner.torch._shipping import choose_overlap
 
 __all__ = ["PSModule", "ClockOptimizer", "wrap"]
 
@@ -27,11 +28,11 @@ class PSModule(nn.Module):
 
     Each clock is one ``model(x)`` with gradients enabled, one
     ``loss.backward()`` and one :meth:`step`. The gradients never stay on the
-    worker: each layer's update goes to the engine as its gradient is final
-    (or, with every shard in this process, all of them at :meth:`step`; see
-    ``wrap(overlap_updates=)``), and the servers apply the update rule: the one of the torch
-    optimizer given to :func:`wrap` (SGD, Adam, AdamW, per param group), or
-    :class:`mltuner.Config`'s. No torch optimizer step runs on the worker;
+    worker: all layers' updates go to the engine at :meth:`step` (or, on a
+    GPU with a shard in another process, each layer's as its gradient is
+    final; see ``wrap(overlap_updates=)``), and the servers apply the
+    update rule: the one of the torch optimizer given to :func:`wrap` (SGD,
+    Adam, AdamW, per param group), or :class:`mltuner.Config`'s. No torch optimizer step runs on the worker;
     :attr:`optimizer` stands in for one, with the optimizer's param groups.
 
     A forward under ``torch.no_grad()`` (or ``torch.inference_mode()``) is an
@@ -104,11 +105,21 @@ class PSModule(nn.Module):
         return self._driver.hold_reads
 
     @property
+    def overlap_updates(self) -> bool:
+        """Whether each layer's update ships from the backward pass (True)
+        or all of them at :meth:`step` (False): as given to :func:`wrap`, or
+        chosen by it (see :attr:`plan`). Only a clock with held reads and no
+        stored activations ships at step(); otherwise the backward pass
+        ships each layer's update whatever this says."""
+        return self._driver.overlap_updates
+
+    @property
     def plan(self) -> str:
         """The engine's plan in words: which access pattern :func:`wrap`
         chose and why (``hold_reads=False (the device_memory_budget of ...
         bytes is below the ... bytes of access-buffer pool that held reads
-        need; ...)``), then the placement: the access-buffer pool, the
+        need; ...)``) and when updates ship (``overlap_updates=False (a CPU
+        worker: ...)``), then the placement: the access-buffer pool, the
         device and host stores, and the host memory the plan needs, part by
         part; how many layers' parameters and stored activations went to the
         device and to host memory; and the bytes the plan predicts it moves
@@ -119,7 +130,8 @@ class PSModule(nn.Module):
         in the backward pass from stored ones (245760 B not stored)``; each
         one in :attr:`saved_activations`)."""
         summary = self._driver.recompute_summary
-        return f"{self._driver.hold_choice}; {summary + '; ' if summary else ''}{self.worker.plan}"
+        return (f"{self._driver.hold_choice}; {self._driver.overlap_choice}; "
+                f"{summary + '; ' if summary else ''}{self.worker.plan}")
 
     @property
     def saved_activations(self) -> list[str]:
@@ -430,14 +442,21 @@ def wrap(
         overlap_updates: ship each layer's update from the backward pass as
             soon as its gradients are final (Poseidon's wait-free
             backpropagation: the transfer overlaps the layers below) rather
-            than all at :meth:`PSModule.step`. Default: overlap when some
-            shard lives in another process (``Worker.shards_in_process`` is
-            False), where the transfer is worth hiding; with every shard in
-            this process, shipping at step() saves a Python call per
-            parameter and an engine call per layer on autograd's thread.
-            Either way the values are the same. Applies when reads are held
-            and activations are not stored (otherwise the backward pass
-            ships each layer's update).
+            than all at :meth:`PSModule.step`, in one engine call that also
+            ends the clock. None (the default) chooses: overlap only on a
+            GPU worker (``Config.device == "cuda"``) with a shard in another
+            process (``Worker.shards_in_process`` is False), where a
+            transfer runs while the GPU computes. Elsewhere shipping at
+            step() wins: within one process nothing crosses a socket, and
+            on a CPU worker the backward pass, the engine's threads and the
+            transport share the cores and the GIL, so shipping early adds a
+            Python call per parameter and an engine call per layer to
+            autograd's thread and hides nothing (docs/torch.md, "When updates
+            leave", has the measurements). ``model.overlap_updates`` and
+            ``model.plan`` say what was chosen and why. Either way the
+            values are the same. Applies when reads are held and activations
+            are not stored (otherwise the backward pass ships each layer's
+            update).
         grad_scaler: the ``torch.amp.GradScaler`` of a float16 autocast
             loop (``scaler.scale(loss).backward(); scaler.step(optimizer);
             scaler.update()`` with ``optimizer = model.optimizer``): the
@@ -505,7 +524,10 @@ def wrap(
     if hold_reads is not None and not isinstance(hold_reads, bool):
         raise ArgumentTypeError(f"hold_reads must be True, False or None (choose), got {type(hold_reads).__name__}")
     recomputing = _recompute_choice(recompute, store_activations, worker)
-    overlap = not worker.shards_in_process if overlap_updates is None else bool(overlap_updates)
+    if overlap_updates is not None and not isinstance(overlap_updates, bool):
+        raise ArgumentTypeError(
+            f"overlap_updates must be True, False or None (choose), got {type(overlap_updates).__name__}")
+    overlap, overlap_choice = choose_overlap(worker, overlap_updates)
     scaler = None if grad_scaler is None else check_scaler(grad_scaler, _parameter_device(module))
     if optimizer is not None:
         check_optimizer(optimizer)
@@ -520,6 +542,7 @@ def wrap(
         driver = ClockDriver(module, layers, worker, slack=slack, store_activations=store_activations,
                              row_width=row_width, overlap_updates=overlap, recompute=recomputing,
                              recompute_fallback=recompute == "auto", stored=stored, hold_reads=hold_reads)
+        driver.overlap_choice = overlap_choice
         try:
             driver.record(lambda: module(*args), example_loss or _default_loss)
         except BaseException:

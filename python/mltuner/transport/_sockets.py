@@ -17,6 +17,15 @@ each owning its sockets:
   the shard applied it, or the rows are installed); it also reads the data
   sockets' connection guards (failed handshakes, the cap on connections).
 
+Batches: each wake-up of the send thread takes every message waiting in the
+node's outbox (``next_outgoing_batch``), which joins the small ones for one
+peer into one batch (``cpp/src/wire/batch.h``; the receiving node opens it):
+a clock's updates of all its tables, or a shard's pushes of one clock,
+queue together and leave as one socket message per peer. A small model's
+clock then costs each thread one Python round and one GIL hand-off per
+peer instead of one per table. Only payloads under 8 KiB join batches (both
+ends copy those anyway); larger ones go alone, to be used in place.
+
 Liveness is not judged here: heartbeats travel on the control channel
 (:mod:`mltuner.transport._control`), so a backlog of data never makes a
 healthy peer look dead.
@@ -69,6 +78,10 @@ RECEIVE_QUEUE_MESSAGES = 64
 # any byte offset, which a float array may not have: the node copies them
 # anyway, so they go without a token (no bookkeeping per small message).
 _LEND_MIN_BYTES = 8192
+# One wake-up of the send thread takes at most this many messages, and past
+# the first at most this many payload bytes (the node batches the small ones).
+_TAKE_MESSAGES = 256
+_TAKE_BYTES = 1 << 20
 
 
 class SocketTransport:
@@ -147,22 +160,25 @@ class SocketTransport:
     # -- sending ------------------------------------------------------------------
     def _send_loop(self) -> None:
         while True:
-            item = self._node.next_outgoing(int(_POLL_S * 1000))
-            if item is None:
+            taken = self._node.next_outgoing_batch(int(_POLL_S * 1000), _TAKE_MESSAGES, _TAKE_BYTES)
+            if not taken:
                 if self._stopping.is_set():
                     return
                 continue
-            receiver, header, payload = item
-            size = payload.nbytes if isinstance(payload, np.ndarray) else len(payload)
-            if not self._wait_for_room(receiver, size):
-                continue  # aborted or stopping: the message is dropped with the job
-            if self._send_frames(receiver, [header, payload]) and isinstance(payload, np.ndarray) and size:
-                with self._room:
-                    self._queued[receiver] += size
-                    self.peak_queued[receiver] = max(self.peak_queued[receiver], self._queued[receiver])
-                # ZeroMQ drops its reference once the bytes are out; then the
-                # array dies and its bytes leave the count.
-                weakref.finalize(payload, self._release, receiver, size)
+            for receiver, header, payload in taken:
+                self._send(receiver, header, payload)
+
+    def _send(self, receiver: int, header: bytes, payload: Any) -> None:
+        size = payload.nbytes if isinstance(payload, np.ndarray) else len(payload)
+        if not self._wait_for_room(receiver, size):
+            return  # aborted or stopping: the message is dropped with the job
+        if self._send_frames(receiver, [header, payload]) and isinstance(payload, np.ndarray) and size:
+            with self._room:
+                self._queued[receiver] += size
+                self.peak_queued[receiver] = max(self.peak_queued[receiver], self._queued[receiver])
+            # ZeroMQ drops its reference once the bytes are out; then the
+            # array dies and its bytes leave the count.
+            weakref.finalize(payload, self._release, receiver, size)
 
     def _release(self, receiver: int, size: int) -> None:
         with self._room:

@@ -21,6 +21,7 @@
 
 #include "cluster/two_process_model.h"
 #include "test_util.h"
+#include "wire/batch.h"
 #include "wire/message.h"
 
 using namespace mltuner;
@@ -205,6 +206,128 @@ TEST(DeliverRefusesMisaddressedAndCorruptFrames) {
   const char garbage[] = "definitely not a message";
   EXPECT_TRUE((node->Deliver(garbage, sizeof(garbage), nullptr, 0).code() == StatusCode::kCorruptMessage));
   EXPECT_EQ(node->rejected_messages(), 4);
+}
+
+// A kRows of `rows` rows of width 4 for `receiver`, numbered by request_id.
+Message Numbered(int sender, int receiver, int64_t number, int64_t rows) {
+  Message message = NewMessage(MessageType::kRows, sender, receiver, 0);
+  message.header.request_id = number;
+  message.header.row_width = 4;
+  message.spans = {{0, rows}};
+  message.values.assign(static_cast<size_t>(rows * 4), static_cast<float>(number));
+  return message;
+}
+
+// The request ids of the messages in one socket message (a batch, or one).
+std::vector<int64_t> Numbers(const OutgoingMessage& out) {
+  std::vector<FramePair> parts;
+  int sender = -1, receiver = -1;
+  if (IsBatch(out.header.data(), out.header.size())) {
+    if (!DecodeBatch(out.header.data(), out.header.size(), out.payload_values(), out.payload_bytes(), &parts,
+                     &sender, &receiver).ok()) {
+      return {-1};
+    }
+  } else {
+    parts.push_back({out.header.data(), out.header.size(), out.payload_values(), out.payload_bytes()});
+  }
+  std::vector<int64_t> numbers;
+  for (const FramePair& part : parts) {
+    Message message;
+    if (!DecodeMessage(part.frame0, part.frame0_bytes, part.payload, part.payload_bytes, &message).ok()) return {-2};
+    numbers.push_back(message.header.request_id);
+  }
+  return numbers;
+}
+
+TEST(WaitingSmallMessagesLeaveAsOneBatchPerPeerInOrder) {
+  std::unique_ptr<ProcessNode> node;
+  ASSERT_OK(ProcessNode::Create(TestConfig(), 0, 3, nullptr, &node));
+  const int64_t large = ProcessNode::kBatchBelowBytes / 16;  // rows of 16 bytes: a payload at the bound
+  // For rank 1: 1, 2, then a large one (alone, as it is), then 4, 5. For rank 2: 3, 6.
+  const std::vector<std::pair<int, int64_t>> sends = {{1, 2}, {1, 1}, {2, 3}, {1, large}, {1, 2}, {1, 5}, {2, 1}};
+  for (size_t i = 0; i < sends.size(); ++i) {
+    ASSERT_OK(node->Send(Numbered(0, sends[i].first, static_cast<int64_t>(i + 1), sends[i].second)));
+  }
+  std::vector<OutgoingMessage> out = node->NextOutgoingBatch(0, 64, size_t{1} << 20);
+  ASSERT_EQ(out.size(), size_t{4});
+  EXPECT_EQ(out[0].receiver, 1);
+  EXPECT_TRUE(Numbers(out[0]) == (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(out[1].receiver, 1);
+  EXPECT_TRUE(Numbers(out[1]) == (std::vector<int64_t>{4}));
+  EXPECT_TRUE(!IsBatch(out[1].header.data(), out[1].header.size()));  // the large one, zero-copy
+  EXPECT_TRUE(out[1].frame != nullptr || !out[1].payload.empty());
+  EXPECT_EQ(out[2].receiver, 1);
+  EXPECT_TRUE(Numbers(out[2]) == (std::vector<int64_t>{5, 6}));
+  EXPECT_EQ(out[3].receiver, 2);
+  EXPECT_TRUE(Numbers(out[3]) == (std::vector<int64_t>{3, 7}));
+  EXPECT_EQ(node->outbox_messages(), 0);
+  EXPECT_EQ(node->outbox_bytes(), 0);
+  EXPECT_TRUE(node->NextOutgoingBatch(0, 64, size_t{1} << 20).empty());
+}
+
+TEST(ABatchTakesAtMostItsMessagesAndBytes) {
+  std::unique_ptr<ProcessNode> node;
+  ASSERT_OK(ProcessNode::Create(TestConfig(), 0, 2, nullptr, &node));
+  for (int64_t i = 1; i <= 5; ++i) ASSERT_OK(node->Send(Numbered(0, 1, i, 2)));  // 32 bytes each
+  std::vector<OutgoingMessage> out = node->NextOutgoingBatch(0, 2, size_t{1} << 20);
+  ASSERT_EQ(out.size(), size_t{1});
+  EXPECT_TRUE(Numbers(out[0]) == (std::vector<int64_t>{1, 2}));
+  out = node->NextOutgoingBatch(0, 64, 64);  // past the first, 64 payload bytes in all
+  ASSERT_EQ(out.size(), size_t{1});
+  EXPECT_TRUE(Numbers(out[0]) == (std::vector<int64_t>{3, 4}));
+  out = node->NextOutgoingBatch(0, 64, 0);  // the first is always taken
+  ASSERT_EQ(out.size(), size_t{1});
+  EXPECT_TRUE(Numbers(out[0]) == (std::vector<int64_t>{5}));
+}
+
+TEST(DeliverOpensABatchAndRefusesItsBadPartsAlone) {
+  Pair pair = MakePair();
+  ProcessNode* node = pair.node[0].get();
+  const auto encoded = [](const Message& message) {
+    return std::pair<std::string, std::vector<float>>(EncodeHeaderFrame(message), message.values);
+  };
+  const auto batch = [&](int sender, int receiver, const std::vector<Message>& messages, std::string* frame0,
+                         std::vector<float>* payload) {
+    std::vector<std::pair<std::string, std::vector<float>>> kept;
+    for (const Message& message : messages) kept.push_back(encoded(message));
+    std::vector<FramePair> parts;
+    for (const auto& [head, values] : kept) {
+      parts.push_back({head.data(), head.size(), values.data(), values.size() * sizeof(float)});
+    }
+    return EncodeBatch(sender, receiver, parts, frame0, payload);
+  };
+  std::string frame0;
+  std::vector<float> payload;
+  // An envelope for another rank: refused whole, counted once.
+  ASSERT_OK(batch(1, 1, {NewMessage(MessageType::kStart, 1, 0, 0)}, &frame0, &payload));
+  EXPECT_TRUE((node->Deliver(frame0.data(), frame0.size(), payload.data(), payload.size() * 4).code() == StatusCode::kCorruptMessage));
+  EXPECT_EQ(node->rejected_messages(), 1);
+  // A good envelope with one part from myself and one not for me: both parts
+  // refused and counted, the call reports the first.
+  ASSERT_OK(batch(1, 0, {NewMessage(MessageType::kStart, 0, 0, 0), NewMessage(MessageType::kStart, 1, 1, 0)}, &frame0,
+                  &payload));
+  const Status refused = node->Deliver(frame0.data(), frame0.size(), payload.data(), payload.size() * 4);
+  EXPECT_TRUE((refused.code() == StatusCode::kCorruptMessage));
+  EXPECT_TRUE(refused.message().find("from process 0") != std::string::npos);
+  EXPECT_EQ(node->rejected_messages(), 3);
+}
+
+// Training through a wire that takes batches (as the socket transport does)
+// gives the bits of one process, and batches did form.
+TEST(BatchedTrafficIsBitIdenticalToInProcessPayloads) {
+  const Config config = TestConfig(UpdateRuleKind::kSgd);
+  const int kClocks = 12;
+  std::vector<float> local[2];
+  testing::TrainInOneProcess(config, kClocks, local);
+  testing::TwoNodeRun remote;
+  testing::TrainInTwoProcesses(config, nullptr, kClocks, &remote, {}, /*lend=*/false, /*batches=*/true);
+  EXPECT_EQ(remote.refused, 0);
+  EXPECT_EQ(remote.rejected, 0);
+  EXPECT_TRUE(remote.batches > 0);
+  for (int rank = 0; rank < 2; ++rank) {
+    ASSERT_TRUE(remote.values[rank].size() == local[rank].size());
+    EXPECT_TRUE(std::memcmp(remote.values[rank].data(), local[rank].data(), local[rank].size() * sizeof(float)) == 0);
+  }
 }
 
 TEST(AbortEndsABlockedWaitWithPeerLost) {

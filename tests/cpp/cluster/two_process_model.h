@@ -21,6 +21,7 @@
 #include "mltuner/engine.h"
 #include "mltuner/process_node.h"
 #include "test_util.h"
+#include "wire/batch.h"
 
 namespace mltuner {
 namespace testing {
@@ -29,20 +30,39 @@ namespace testing {
 // With `lend`, it does what the socket transport does on the CPU backend:
 // each payload is received into memory of the wire's own (a ZeroMQ frame
 // there), delivered with a token, and kept until the receiver hands the
-// token back; the wire then checks that nobody wrote into it.
+// token back; the wire then checks that nobody wrote into it. With
+// `batches`, it takes what waits as the socket transport does
+// (NextOutgoingBatch), after 2 ms, as a busy send thread would, so that a
+// clock's messages queue up and leave joined.
 class Wire {
  public:
-  Wire(ProcessNode* a, ProcessNode* b, bool lend = false) {
+  Wire(ProcessNode* a, ProcessNode* b, bool lend = false, bool batches = false) {
     for (const auto& ends : {std::pair{a, b}, std::pair{b, a}}) {
       ProcessNode* from = ends.first;
       ProcessNode* to = ends.second;
-      threads_.emplace_back([this, from, to, lend] {
+      threads_.emplace_back([this, from, to, lend, batches] {
         std::map<int64_t, std::pair<std::vector<float>, std::vector<float>>> kept;  // token: (lent, original)
         int64_t next_token = 0;
+        std::vector<OutgoingMessage> taken;
         while (!stop_) {
           if (lend) TakeBack(to, &kept);
           OutgoingMessage message;
-          if (!from->NextOutgoing(20, &message)) continue;
+          if (batches) {
+            if (taken.empty()) {
+              if (from->outbox_messages() == 0) {
+                std::this_thread::sleep_for(std::chrono::microseconds(200));
+                continue;
+              }
+              std::this_thread::sleep_for(std::chrono::milliseconds(2));
+              taken = from->NextOutgoingBatch(20, 64, size_t{1} << 20);
+              if (taken.empty()) continue;
+            }
+            message = std::move(taken.front());
+            taken.erase(taken.begin());
+            if (IsBatch(message.header.data(), message.header.size())) ++batches_;
+          } else if (!from->NextOutgoing(20, &message)) {
+            continue;
+          }
           if (!lend) {
             const Status status = to->Deliver(message.header.data(), message.header.size(),
                                               message.payload_values(), message.payload_bytes());
@@ -81,6 +101,7 @@ class Wire {
   int written() const { return written_; }        // lent payloads changed by the receiver
   int returned() const { return returned_; }      // tokens handed back
   int unreturned() const { return unreturned_; }  // tokens still out when the wire stopped
+  int batches() const { return batches_; }        // socket messages that were batches
 
  private:
   void TakeBack(ProcessNode* to, std::map<int64_t, std::pair<std::vector<float>, std::vector<float>>>* kept) {
@@ -99,6 +120,7 @@ class Wire {
   std::atomic<int> written_{0};
   std::atomic<int> returned_{0};
   std::atomic<int> unreturned_{0};
+  std::atomic<int> batches_{0};
   std::vector<std::thread> threads_;
 };
 
@@ -227,13 +249,14 @@ struct TwoNodeRun {
   int refused = 0;
   int64_t rejected = 0;
   int lent_returned = 0, lent_written = 0, lent_unreturned = 0;  // Wire's counts with `lend`
+  int batches = 0;                                               // Wire's count with `batches`
 };
 
 // The same on two ProcessNodes joined by a Wire (payloads in host frames,
 // or lent to the receiver with `lend`), each with a device from
 // `make_device` (null: the CPU backend).
 inline void TrainInTwoProcesses(const Config& config, const DeviceFactory& make_device, int clocks, TwoNodeRun* out,
-                                const BufferCopy& copy = {}, bool lend = false) {
+                                const BufferCopy& copy = {}, bool lend = false, bool batches = false) {
   std::unique_ptr<ProcessNode> nodes[2];
   for (int rank = 0; rank < 2; ++rank) {
     std::unique_ptr<Device> device;
@@ -241,7 +264,7 @@ inline void TrainInTwoProcesses(const Config& config, const DeviceFactory& make_
     ASSERT_OK(ProcessNode::Create(config, rank, 2, std::move(device), &nodes[rank]));
   }
   {
-    Wire wire(nodes[0].get(), nodes[1].get(), lend);
+    Wire wire(nodes[0].get(), nodes[1].get(), lend, batches);
     const auto run = [&](int rank) {
       ProcessNode* node = nodes[rank].get();
       TrainModel(node->engine(), rank, clocks, &out->values[rank], [&](int clock) {
@@ -257,6 +280,7 @@ inline void TrainInTwoProcesses(const Config& config, const DeviceFactory& make_
     out->lent_returned = wire.returned();
     out->lent_written = wire.written();
     out->lent_unreturned = wire.unreturned();
+    out->batches = wire.batches();
   }
   out->rejected = nodes[0]->rejected_messages() + nodes[1]->rejected_messages();
 }

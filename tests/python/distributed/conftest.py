@@ -22,7 +22,7 @@ sys.path.insert(0, str(WORKER.parent))
 class Workers:
     """N worker processes of one job, started with the MLTUNER_* variables."""
 
-    def __init__(self, n: int, args: list[str], out: Path) -> None:
+    def __init__(self, n: int, args: list[str], out: Path, program: Path = WORKER) -> None:
         port = free_port()
         self.out = out
         self.procs = []
@@ -30,7 +30,7 @@ class Workers:
             env = dict(os.environ, MLTUNER_RANK=str(rank), MLTUNER_WORLD_SIZE=str(n), MLTUNER_LOCAL_RANK=str(rank),
                        MLTUNER_MASTER_ADDR="127.0.0.1", MLTUNER_MASTER_PORT=str(port),
                        MLTUNER_SECRET="test-secret", PYTHONUNBUFFERED="1")
-            self.procs.append(subprocess.Popen([sys.executable, str(WORKER), "--out", str(out), *args], env=env,
+            self.procs.append(subprocess.Popen([sys.executable, str(program), "--out", str(out), *args], env=env,
                                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
 
     def wait(self, timeout_s: float = 90.0) -> list[tuple[int, str]]:
@@ -62,10 +62,10 @@ class Workers:
 def start_workers(tmp_path: Path):  # type: ignore[no-untyped-def]
     started: list[Workers] = []
 
-    def start(n: int, *args: str, out: Path | None = None) -> Workers:
+    def start(n: int, *args: str, out: Path | None = None, program: Path = WORKER) -> Workers:
         directory = out or tmp_path / f"job-{len(started)}"
         directory.mkdir(exist_ok=True)
-        workers = Workers(n, list(args), directory)
+        workers = Workers(n, list(args), directory, program)
         started.append(workers)
         return workers
 

@@ -1,0 +1,78 @@
+"""One worker process of the distributed PyTorch tests (run as a program,
+one per rank): trains the MNIST-1D CNN through :func:`mltuner.torch.wrap`
+for some clocks on batches made from a seed (rank r takes batch (clock, r)),
+then writes the servers' parameters and what wrap() chose to OUT/rank-R.npz.
+:func:`train` is also the tests' in-process reference, run by the workers of
+a LocalCluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+import mltuner
+import mltuner.torch as mt
+from mltuner.apps._cnn import mnist1d_cnn
+
+BATCH, LENGTH, CLASSES = 16, 40, 10
+
+
+def config() -> mltuner.Config:
+    return mltuner.Config(update_rule=mltuner.UpdateRule("damped_momentum", learning_rate=0.1, momentum=0.9),
+                          wait_timeout_s=30)
+
+
+def batches(clocks: int, num_workers: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(clocks, num_workers, BATCH, 1, LENGTH, generator=generator)
+    y = torch.randint(0, CLASSES, (clocks, num_workers, BATCH), generator=generator)
+    return x, y
+
+
+def train(worker: mltuner.Worker, rank: int, num_workers: int, clocks: int, *, overlap: bool | None = None,
+          slack: int = 0) -> dict[str, Any]:
+    """Trains and returns the servers' parameters (numpy) and wrap()'s choice."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)  # the same initial weights everywhere (worker 0's count)
+    x, y = batches(clocks, num_workers)
+    model = mt.wrap(mnist1d_cnn(LENGTH, CLASSES), worker, example_input=x[0, rank], overlap_updates=overlap,
+                    slack=slack)
+    for clock in range(clocks):
+        loss = nn.functional.cross_entropy(model(x[clock, rank]), y[clock, rank])
+        loss.backward()  # type: ignore[no-untyped-call]
+        model.step()
+    state = model.state_dict()
+    result: dict[str, Any] = {name: value.numpy() for name, value in state.items()}
+    result["overlap_updates"] = np.array(model.overlap_updates)
+    result["plan"] = np.array(model.plan)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--clocks", type=int, default=10)
+    parser.add_argument("--overlap", choices=["auto", "true", "false"], default="auto")
+    parser.add_argument("--slack", type=int, default=0)
+    args = parser.parse_args()
+    overlap = None if args.overlap == "auto" else args.overlap == "true"
+    try:
+        with mltuner.Job(config()) as job:
+            result = train(job.worker, job.rank, job.world_size, args.clocks, overlap=overlap, slack=args.slack)
+            job.barrier("done")
+        np.savez(os.path.join(args.out, f"rank-{job.rank}.npz"), **result)
+    except mltuner.MltunerError as error:
+        print(f"FAILED {type(error).__name__}: {error}", flush=True)
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

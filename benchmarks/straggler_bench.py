@@ -16,7 +16,8 @@ forward + backward time for one batch, measured here first:
   as from a noisy neighbour).
 
 Time is the seconds of training to the first validation at or above the
-target (mltuner counts its validation clocks too; DDP does not). One seed.
+target, validations included (mltuner's validation clocks; DDP's forward pass
+over the validation split on rank 0). One seed.
 ``--quick`` runs slack 0 and 3 under no straggler, constant 3x and bursts.
 """
 

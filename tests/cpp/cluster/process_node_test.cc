@@ -98,11 +98,15 @@ TEST(TwoNodesTrainThroughTheWire) {
   EXPECT_EQ(pair.node[0]->rejected_messages(), 0);
 }
 
-TEST(ATinyOutboxLimitSlowsNothingButTheQueue) {
-  // One message at a time in each outbox: sends wait for the wire to take
-  // the last one, and training still ends with the same values.
+TEST(TinyQueueLimitsSlowNothingButTheQueues) {
+  // One message at a time in each outbox and inbox: sends wait for the wire
+  // to take the last one, deliveries for the shard or the installer to
+  // finish the last one, and training still ends with the same values.
   Pair pair = MakePair();
-  for (auto& node : pair.node) node->SetOutboxLimit(1);
+  for (auto& node : pair.node) {
+    node->SetOutboxLimit(1);
+    node->SetInboxLimit(1);
+  }
   Wire wire(pair.node[0].get(), pair.node[1].get());
   std::vector<float> result[2];
   std::thread other([&] { Train(pair.node[1].get(), 6, &result[1]); });
@@ -118,28 +122,7 @@ TEST(ATinyOutboxLimitSlowsNothingButTheQueue) {
     // outbox, the wire, the peer's inbox: a message each) let through, may
     // sit beside the engine's message.
     EXPECT_TRUE(pair.node[rank]->peak_outbox_bytes() <= 4 * (3 * 3 * 4));
-  }
-}
-
-TEST(TinyInboxLimitsSlowNothingButTheQueues) {
-  // One message at a time in each inbox and outbox: deliveries wait for the
-  // shard or the installer to finish the last one, and training still ends
-  // with the same values.
-  Pair pair = MakePair();
-  for (auto& node : pair.node) {
-    node->SetOutboxLimit(1);
-    node->SetInboxLimit(1);
-  }
-  Wire wire(pair.node[0].get(), pair.node[1].get());
-  std::vector<float> result[2];
-  std::thread other([&] { Train(pair.node[1].get(), 6, &result[1]); });
-  Train(pair.node[0].get(), 6, &result[0]);
-  other.join();
-  for (int rank = 0; rank < 2; ++rank) {
-    ASSERT_TRUE(result[rank].size() == 15);
-    for (float value : result[rank]) EXPECT_EQ(value, 18.0f);
-    // The inboxes counted what passed (the bound itself: inbox_test).
-    EXPECT_TRUE(pair.node[rank]->peak_inbox_bytes() > 0);
+    EXPECT_TRUE(pair.node[rank]->peak_inbox_bytes() > 0);  // the bound itself: inbox_test
   }
   EXPECT_EQ(wire.refused(), 0);
 }

@@ -36,14 +36,25 @@ def batches(clocks: int, num_workers: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
+def initialized(model: nn.Module) -> nn.Module:
+    """The same initial weights in every process and thread (worker 0's
+    count), from a generator of its own: the workers of a LocalCluster are
+    threads of one process, and seeding torch's global generator there races
+    with the other worker's own initialisation."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+    return model
+
+
 def train(worker: mltuner.Worker, rank: int, num_workers: int, clocks: int, *, overlap: bool | None = None,
           slack: int = 0) -> dict[str, Any]:
     """Trains and returns the servers' parameters (numpy) and wrap()'s choice."""
     torch.set_num_threads(1)
-    torch.manual_seed(0)  # the same initial weights everywhere (worker 0's count)
     x, y = batches(clocks, num_workers)
-    model = mt.wrap(mnist1d_cnn(LENGTH, CLASSES), worker, example_input=x[0, rank], overlap_updates=overlap,
-                    slack=slack)
+    model = mt.wrap(initialized(mnist1d_cnn(LENGTH, CLASSES)), worker, example_input=x[0, rank],
+                    overlap_updates=overlap, slack=slack)
     for clock in range(clocks):
         loss = nn.functional.cross_entropy(model(x[clock, rank]), y[clock, rank])
         loss.backward()  # type: ignore[no-untyped-call]

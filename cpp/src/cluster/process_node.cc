@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "cluster/shard_host.h"
+#include "common/byte_bound.h"
 #include "memory/borrowed_frames.h"
 #include "memory/device_block.h"
 #include "wire/batch.h"
@@ -23,17 +24,17 @@ class ProcessNode::Queues {
         device(std::move(device)) {}
 
   // Waits while the outbox is over its limit (none when it is empty), up to
-  // timeout_ms, then kTimeout; a negative timeout_ms queues without waiting. Once the node is aborted the message is
-  // dropped (every call of the job already fails with the abort's reason);
-  // once closed it is queued without waiting, as the send thread drains.
+  // timeout_ms, then kTimeout; a negative timeout_ms queues without waiting.
+  // Once the node is aborted the message is dropped (every call of the job
+  // already fails with the abort's reason); once closed it is queued without
+  // waiting, as the send thread drains.
   Status PushOutgoing(OutgoingMessage&& message, int64_t timeout_ms) {
     const auto bytes = static_cast<int64_t>(message.payload_bytes());
     {
       std::unique_lock<std::mutex> lock(mu);
       if (timeout_ms >= 0) MLT_RETURN_IF_ERROR(WaitForRoom(lock, bytes, timeout_ms));
       if (aborted) return Status::Ok();
-      outbox_bytes += bytes;
-      peak_bytes = std::max(peak_bytes, outbox_bytes);
+      outbox_bytes.Add(bytes);
       outbox.push_back(std::move(message));
     }
     ready.notify_one();
@@ -63,7 +64,7 @@ class ProcessNode::Queues {
         bytes += next;
         taken.push_back(std::move(outbox.front()));
         outbox.pop_front();
-        outbox_bytes -= static_cast<int64_t>(next);
+        outbox_bytes.Remove(static_cast<int64_t>(next));
       }
     }
     if (!taken.empty()) room.notify_all();
@@ -71,15 +72,13 @@ class ProcessNode::Queues {
   }
 
   Status WaitForRoom(std::unique_lock<std::mutex>& lock, int64_t bytes, int64_t timeout_ms) {
-    const auto has_room = [&] {
-      return closed || aborted || limit == 0 || outbox_bytes == 0 || outbox_bytes + bytes <= limit;
-    };
+    const auto has_room = [&] { return closed || aborted || outbox_bytes.HasRoom(bytes); };
     if (room.wait_for(lock, std::chrono::milliseconds(timeout_ms), has_room)) return Status::Ok();
     // The send thread takes messages in order: the oldest one's receiver is
     // the peer that stopped taking them.
     const int stuck = outbox.empty() ? -1 : outbox.front().receiver;
-    return Status::Timeout("the outbox to other processes has held " + std::to_string(outbox_bytes) +
-                           " bytes (its limit is " + std::to_string(limit) + ") for " + std::to_string(timeout_ms) +
+    return Status::Timeout("the outbox to other processes has held " + std::to_string(outbox_bytes.held) +
+                           " bytes (its limit is " + std::to_string(outbox_bytes.limit) + ") for " + std::to_string(timeout_ms) +
                            " ms: worker rank " + std::to_string(stuck) + " is not taking its messages");
   }
 
@@ -98,9 +97,7 @@ class ProcessNode::Queues {
   std::condition_variable ready;       // a message arrived, or closed
   std::condition_variable room;        // bytes left, or closed or aborted
   std::deque<OutgoingMessage> outbox;  // guarded by mu
-  int64_t outbox_bytes = 0;            // payload bytes in outbox; guarded by mu
-  int64_t peak_bytes = 0;              // guarded by mu
-  int64_t limit = 0;                   // 0: no bound; guarded by mu
+  ByteBound outbox_bytes;              // payload bytes in outbox; guarded by mu
   bool closed = false;                 // guarded by mu
   bool aborted = false;                // guarded by mu
 };
@@ -269,18 +266,18 @@ int64_t ProcessNode::outbox_messages() const {
 
 int64_t ProcessNode::outbox_bytes() const {
   std::lock_guard<std::mutex> lock(queues_->mu);
-  return queues_->outbox_bytes;
+  return queues_->outbox_bytes.held;
 }
 
 int64_t ProcessNode::peak_outbox_bytes() const {
   std::lock_guard<std::mutex> lock(queues_->mu);
-  return queues_->peak_bytes;
+  return queues_->outbox_bytes.peak;
 }
 
 void ProcessNode::SetOutboxLimit(int64_t bytes) {
   {
     std::lock_guard<std::mutex> lock(queues_->mu);
-    queues_->limit = bytes < 0 ? 0 : bytes;
+    queues_->outbox_bytes.SetLimit(bytes);
   }
   queues_->room.notify_all();
 }

@@ -28,7 +28,7 @@ void Inbox::Start(const char* thread_name, std::function<void(Message&&)> delive
       deliver(std::move(message));
       {
         std::lock_guard<std::mutex> lock(mu_);
-        queued_bytes_ -= bytes;
+        bytes_.Remove(bytes);
       }
       room_.notify_all();
     }
@@ -36,8 +36,7 @@ void Inbox::Start(const char* thread_name, std::function<void(Message&&)> delive
 }
 
 void Inbox::Queue(Message&& message, int64_t bytes) {
-  queued_bytes_ += bytes;
-  peak_bytes_ = std::max(peak_bytes_, queued_bytes_);
+  bytes_.Add(bytes);
   queue_.push_back(std::move(message));
 }
 
@@ -55,11 +54,11 @@ Status Inbox::PushBounded(Message&& message, int64_t timeout_ms) {
   {
     std::unique_lock<std::mutex> lock(mu_);
     const auto has_room = [&] {
-      return stopping_ || no_waiting_ || limit_ == 0 || queued_bytes_ == 0 || queued_bytes_ + bytes <= limit_;
+      return stopping_ || no_waiting_ || bytes_.HasRoom(bytes);
     };
     if (!room_.wait_for(lock, std::chrono::milliseconds(std::max<int64_t>(timeout_ms, 0)), has_room)) {
-      return Status::Timeout("has held " + std::to_string(queued_bytes_) + " bytes (its limit is " +
-                             std::to_string(limit_) + ") for " + std::to_string(timeout_ms) + " ms");
+      return Status::Timeout("has held " + std::to_string(bytes_.held) + " bytes (its limit is " +
+                             std::to_string(bytes_.limit) + ") for " + std::to_string(timeout_ms) + " ms");
     }
     Queue(std::move(message), bytes);
   }
@@ -70,7 +69,7 @@ Status Inbox::PushBounded(Message&& message, int64_t timeout_ms) {
 void Inbox::SetLimit(int64_t bytes) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    limit_ = std::max<int64_t>(bytes, 0);
+    bytes_.SetLimit(bytes);
   }
   room_.notify_all();
 }
@@ -85,12 +84,12 @@ void Inbox::StopWaiting() {
 
 int64_t Inbox::queued_bytes() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return queued_bytes_;
+  return bytes_.held;
 }
 
 int64_t Inbox::peak_bytes() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return peak_bytes_;
+  return bytes_.peak;
 }
 
 void Inbox::Stop() {

@@ -21,6 +21,7 @@
 #include <mutex>
 #include <thread>
 
+#include "common/byte_bound.h"
 #include "memory/device_block.h"
 #include "mltuner/engine.h"
 #include "mltuner/transport.h"
@@ -57,9 +58,7 @@ class Inbox {
   std::condition_variable ready_;  // a message, or stopping
   std::condition_variable room_;   // bytes delivered, a new limit, or no more waiting
   std::deque<Message> queue_;
-  int64_t queued_bytes_ = 0;       // queued and being delivered
-  int64_t peak_bytes_ = 0;
-  int64_t limit_ = 0;
+  ByteBound bytes_;                // queued and being delivered
   bool stopping_ = false;
   bool no_waiting_ = false;
   std::thread thread_;

@@ -119,12 +119,36 @@ Status PlanPlacement(const Config& config, const std::vector<TableInfo>& tables,
         << "at once is " << plan.peak_bytes << " bytes at op " << plan.peak_op << ")";
     return Status::ResourceExhausted(msg.str());
   }
-  int64_t left = unlimited ? 0 : config.device_memory_budget - pool_min;
+  // Lookahead first: the largest whose pool fits the budget. Without it the
+  // allocator can fill a buffer only once the one before it on the same
+  // addresses is reclaimed, so every swap waits for the op before it; with
+  // it, swaps overlap compute, which pays more than the bytes the stores
+  // below would have kept on the device (budget_profile.py: the 12-layer
+  // transformer at a quarter of its need, 0.61 -> 0.78 of no budget, moving
+  // 40% more bytes per clock).
+  const int num_ops = static_cast<int>(recording.ops.size());
+  if (unlimited) {
+    plan.buffers = ScheduleBuffers(recording, buffer_bytes, regions, num_ops);
+  } else {
+    int fits = 0, too_big = num_ops + 1;  // the packing need not grow monotonically: keep what was checked
+    while (too_big - fits > 1) {
+      const int mid = fits + (too_big - fits) / 2;
+      BufferSchedule trial = ScheduleBuffers(recording, buffer_bytes, regions, mid);
+      if (PoolBytes(trial) <= config.device_memory_budget) {
+        fits = mid;
+        plan.buffers = std::move(trial);
+      } else {
+        too_big = mid;
+      }
+    }
+  }
+  plan.pool_bytes = PoolBytes(plan.buffers);
+  int64_t left = unlimited ? 0 : config.device_memory_budget - plan.pool_bytes;
 
   plan.tables.resize(tables.size());
 
-  // Stores by value (plan/placement_value.h): entries claim the budget in
-  // order while they fit; untouched rows may be split.
+  // Stores by value (plan/placement_value.h): entries claim what the pool
+  // left in order while they fit; untouched rows may be split.
   std::vector<PlacementEntry> entries;
   MLT_RETURN_IF_ERROR(ListPlacementEntries(tables, layouts, recording, site, &entries));
   std::vector<PlacementEntry*> claims;
@@ -164,24 +188,6 @@ Status PlanPlacement(const Config& config, const std::vector<TableInfo>& tables,
     plan.device_store_bytes += copies * placement.device_rows * table.row_bytes();
     plan.host_store_bytes += copies * placement.host_rows * table.row_bytes();
   }
-  // The budget left over buys lookahead: the largest that fits.
-  const int num_ops = static_cast<int>(recording.ops.size());
-  if (unlimited) {
-    plan.buffers = ScheduleBuffers(recording, buffer_bytes, regions, num_ops);
-  } else {
-    int fits = 0, too_big = num_ops + 1;  // the packing need not grow monotonically: keep what was checked
-    while (too_big - fits > 1) {
-      const int mid = fits + (too_big - fits) / 2;
-      BufferSchedule trial = ScheduleBuffers(recording, buffer_bytes, regions, mid);
-      if (PoolBytes(trial) <= pool_min + left) {
-        fits = mid;
-        plan.buffers = std::move(trial);
-      } else {
-        too_big = mid;
-      }
-    }
-  }
-  plan.pool_bytes = PoolBytes(plan.buffers);
   *out = std::move(plan);
   return Status::Ok();
 }

@@ -419,9 +419,9 @@ TEST(PayloadsUsedInPlaceAreBitIdenticalNeverWrittenAndAllHandedBack) {
 
 TEST(RemoteFramesWithHostResidentRowsAreBitIdentical) {
   Config config = TestConfig(UpdateRuleKind::kSgd);
-  const int64_t pool_min = testing::ModelPreview(config).pool_min_bytes;
-  ASSERT_TRUE(pool_min > 0);
-  config.device_memory_budget = pool_min + 1200;  // about half of table a's rows (cache + log) fit
+  const int64_t deepest_pool = testing::ModelPreview(config).pool_bytes;  // no budget: the deepest lookahead
+  ASSERT_TRUE(deepest_pool > 0);
+  config.device_memory_budget = deepest_pool + 1200;  // beside it, about half of table a's rows (cache + log) fit
   const PlanPreview preview = testing::ModelPreview(config);
   EXPECT_TRUE(preview.fits && preview.host_store_bytes > 0 && preview.device_store_bytes > 0);
   ExpectRemoteFramesMatchOneProcess(config);

@@ -560,15 +560,19 @@ void CheckSwapMatchesUnlimited(int prefetch, bool mapped = true) {
 
   // Tight: only the least pool (plus a little) fits; every parameter row and
   // all local data live in host memory and are swapped in for each access.
-  // Split: half of the stored activations fit (they save 2 bytes moved per
-  // device byte, a layer's parameters 1.25: plan/placement_value.h), the
-  // other half and every parameter row swap.
-  // Mixed: local data and one layer fit on the device, the rest swaps.
+  // Deep: the pool with the deepest lookahead (it claims the budget before
+  // the stores), every store in host memory.
+  // Split: beside the deepest pool, half of the stored activations fit (they
+  // save 2 bytes moved per device byte, a layer's parameters 1.25:
+  // plan/placement_value.h), the other half and every parameter row swap.
+  // Mixed: beside it, local data and one layer fit on the device, the rest swaps.
   const int64_t pool_min = (1 + prefetch) * kSwapPeak;
+  const int64_t deepest_pool = (1 + prefetch) * kSwapAllBuffers;
   const int64_t tight = pool_min + 256;
-  const int64_t split = pool_min + kLocalBytes / 2;
-  const int64_t mixed = pool_min + kLocalBytes + 2 * kLayerRows * kLayerWidth * 4;
-  for (int64_t budget : {tight, split, mixed}) {
+  const int64_t deep = deepest_pool;
+  const int64_t split = deepest_pool + kLocalBytes / 2;
+  const int64_t mixed = deepest_pool + kLocalBytes + 2 * kLayerRows * kLayerWidth * 4;
+  for (int64_t budget : {tight, deep, split, mixed}) {
     SwapResult swapped;
     RunSwap(budget, prefetch, &swapped, mapped);
     const std::string what = "budget " + std::to_string(budget) + " prefetch " + std::to_string(prefetch) +
@@ -591,10 +595,10 @@ void CheckSwapMatchesUnlimited(int prefetch, bool mapped = true) {
     for (int k = 0; k < kSwapWorkers; ++k) {
       EXPECT_TRUE(swapped.stats[k].bytes_swapped_in > 0);
       EXPECT_TRUE(swapped.stats[k].host_store_bytes > 0);
-      EXPECT_EQ(swapped.stats[k].pool_bytes, pool_min);  // leftovers too small to buy lookahead
+      EXPECT_EQ(swapped.stats[k].pool_bytes, budget == tight ? pool_min : deepest_pool);
       EXPECT_TRUE(swapped.stats[k].pool_bytes + swapped.stats[k].device_store_bytes <= budget);
     }
-    if (budget == tight) {
+    if (budget == tight || budget == deep) {
       for (int k = 0; k < kSwapWorkers; ++k) {
         EXPECT_EQ(swapped.stats[k].device_store_bytes, int64_t{0});
         EXPECT_TRUE(swapped.stats[k].bytes_swapped_out > 0);

@@ -1,7 +1,7 @@
 // Placement: the peak of open buffers, the pool size (regions of packed
 // buffers, plan/buffer_schedule.h), the refusal of a budget too small with the
-// exact bytes needed, leftover budget buying lookahead, entries (layers,
-// stored activations) claiming the budget by value, the predicted bytes per
+// exact bytes needed, lookahead claiming the budget first, entries (layers,
+// stored activations) claiming what it leaves by value, the predicted bytes per
 // clock, and dense unique slots per residence.
 //
 // The shared example (sizes hand-computed, buffers rounded up to 256 bytes):
@@ -216,13 +216,13 @@ TEST(BudgetBelowTheLeastPoolIsRefused) {
 TEST(EntriesClaimTheBudgetByValue) {
   Example ex;
   ASSERT_OK(BuildExample(&ex));
-  // 640 B beyond the pool: the local entry (128, left 512), t1's layer (400,
+  // 640 B beyond the unpacked pool (2560 B: lookahead comes first): the local entry (128, left 512), t1's layer (400,
   // left 112: same value as t0's first layer, shorter idle span), not t0's
   // layer (384) nor its rows {3,4} (256); of the untouched rows one row of t1
   // (80, left 32).
   Placement plan;
-  ASSERT_OK(PlanPlacement(WithBudget(2048 + 640), ex.tables, ex.layouts, ex.recording, &plan));
-  EXPECT_EQ(plan.pool_bytes, int64_t{2048});
+  ASSERT_OK(PlanPlacement(WithBudget(2560 + 640), ex.tables, ex.layouts, ex.recording, &plan));
+  EXPECT_EQ(plan.pool_bytes, int64_t{2560});
   for (RowId row : {0, 1}) EXPECT_TRUE(ResidenceOfRow(ex, plan, 2, row) == Residence::kDevice);
   for (RowId row : {2, 3}) EXPECT_TRUE(ResidenceOfRow(ex, plan, 2, row) == Residence::kHost);
   for (RowId row : {0, 1, 2, 3, 4, 5}) EXPECT_TRUE(ResidenceOfRow(ex, plan, 1, row) == Residence::kDevice);
@@ -307,10 +307,12 @@ TEST(ShortIdleEntryStaysOnTheDeviceBeforeALongIdleOne) {
   EXPECT_TRUE(a->idle_ops > b->idle_ops);
   EXPECT_TRUE(ClaimsBudgetFirst(*b, *a));
 
-  // Room for one of them (and nothing else: the parameters' 1024 B do not fit).
-  const int64_t pool_min = LeastPoolBytes(WithBudget(1, 0), tables, recording);
+  // Room for one of them beside the deepest pool (and nothing else: the
+  // parameters' 1024 B do not fit).
+  Placement unlimited;
+  ASSERT_OK(PlanPlacement(WithBudget(0, 0), tables, layouts, recording, &unlimited));
   Placement plan;
-  ASSERT_OK(PlanPlacement(WithBudget(pool_min + 4 * 64, 0), tables, layouts, recording, &plan));
+  ASSERT_OK(PlanPlacement(WithBudget(unlimited.pool_bytes + 4 * 64, 0), tables, layouts, recording, &plan));
   for (RowId row : {4, 5, 6, 7}) {
     EXPECT_TRUE(plan.tables[1].ResidenceOf(layouts[1].PositionOf(row)) == Residence::kDevice);
   }
@@ -350,27 +352,34 @@ TEST(BudgetIsNeverExceeded) {
   EXPECT_EQ(plan.pool_bytes, int64_t{2560});
 }
 
-TEST(LeftoverBudgetBuysLookahead) {
+TEST(LookaheadClaimsTheBudgetBeforeStores) {
   Example ex;
   ASSERT_OK(BuildExample(&ex));
   const int64_t stores = 2 * 8 * 64 + 2 * 8 * 40 + 4 * 64;
   // One byte short of the unpacked pool: any lookahead >= 1 keeps the local
-  // access off the update's addresses (region 1280), so none fits.
+  // access off the update's addresses (region 1280), so none fits, and the
+  // stores get the 511 B left.
   Placement short_plan;
-  ASSERT_OK(PlanPlacement(WithBudget(2559 + stores), ex.tables, ex.layouts, ex.recording, &short_plan));
-  EXPECT_EQ(short_plan.device_store_bytes, stores);
+  ASSERT_OK(PlanPlacement(WithBudget(2559), ex.tables, ex.layouts, ex.recording, &short_plan));
   EXPECT_EQ(short_plan.buffers.lookahead_ops, 0);
   EXPECT_EQ(short_plan.pool_bytes, int64_t{2048});
+  EXPECT_TRUE(short_plan.device_store_bytes > 0 && short_plan.device_store_bytes <= 511);
+  // Exactly the unpacked pool: the lookahead takes it all, before any store.
   Placement plan;
-  ASSERT_OK(PlanPlacement(WithBudget(2560 + stores), ex.tables, ex.layouts, ex.recording, &plan));
-  EXPECT_EQ(plan.device_store_bytes, stores);
+  ASSERT_OK(PlanPlacement(WithBudget(2560), ex.tables, ex.layouts, ex.recording, &plan));
   EXPECT_TRUE(plan.buffers.lookahead_ops >= 1);
   EXPECT_EQ(plan.pool_bytes, int64_t{2560});
   EXPECT_EQ(plan.pool_min_bytes, int64_t{2048});
+  EXPECT_EQ(plan.device_store_bytes, int64_t{0});
   // The local access (handle 3) no longer shares the update's (handle 2) addresses.
   const BufferAddress& local = plan.buffers.buffers[3];
   const BufferAddress& update = plan.buffers.buffers[2];
   EXPECT_TRUE(local.offset >= update.offset + update.bytes || update.offset >= local.offset + local.bytes);
+  // The stores get what the deepest pool leaves.
+  Placement full;
+  ASSERT_OK(PlanPlacement(WithBudget(2560 + stores), ex.tables, ex.layouts, ex.recording, &full));
+  EXPECT_EQ(full.pool_bytes, int64_t{2560});
+  EXPECT_EQ(full.device_store_bytes, stores);
 }
 
 MLT_TEST_MAIN

@@ -444,10 +444,13 @@ TEST(MixedResidenceSegmentsFromPlanner) {
   Recording recording;
   ASSERT_OK(rec.Finish(&recording));
   const std::vector<RowLayout> layouts = BuildRowLayouts(tables, recording);
+  // The deepest pool (what no budget gets; lookahead claims the budget
+  // first) + one layer: the second (both save as many bytes per clock, and
+  // the second is read again sooner: plan/placement_value.h).
   Config config;
-  // Pool + one layer: the second (both save as many bytes per clock, and the
-  // second is read again sooner: plan/placement_value.h).
-  config.device_memory_budget = 2 * 2048 + 2 * 32 * 64;
+  Placement unlimited;
+  ASSERT_OK(PlanPlacement(config, tables, layouts, recording, &unlimited));
+  config.device_memory_budget = unlimited.pool_bytes + 2 * 32 * 64;
   Placement placement;
   ASSERT_OK(PlanPlacement(config, tables, layouts, recording, &placement));
   ASSERT_EQ(placement.tables[0].device_rows, int64_t{32});

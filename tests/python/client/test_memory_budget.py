@@ -26,10 +26,13 @@ NUM_LAYERS, ROWS, WIDTH, BATCH, CLOCKS, NUM_WORKERS = 4, 64, 32, 8, 12, 2
 TABLE_BYTES = ROWS * WIDTH * 4  # 8192: a multiple of the engine's 256-byte buffer alignment
 PEAK_BYTES = (NUM_LAYERS + 1) * TABLE_BYTES  # 40960
 POOL_MIN = 2 * PEAK_BYTES  # 81920: a region of packed buffers per clock in flight (prefetch_clocks = 1: two)
+# The pool a budget buys first: the deepest lookahead, where no two buffers of
+# a clock share addresses (4 reads + 4 updates a region).
+DEEPEST_POOL = 2 * 2 * NUM_LAYERS * TABLE_BYTES  # 131072
 # Each device-resident parameter row costs its cache row and its update-log
-# row. This budget fits the pool and two of the four layers, so the other two
-# live in host memory and are swapped in on every read.
-SMALL_BUDGET = POOL_MIN + 2 * (2 * TABLE_BYTES)
+# row. This budget fits the deepest pool and two of the four layers, so the
+# other two live in host memory and are swapped in on every read.
+SMALL_BUDGET = DEEPEST_POOL + 2 * (2 * TABLE_BYTES)
 LR = 0.5
 
 
@@ -117,7 +120,8 @@ def test_small_budget_swaps_and_gives_bit_identical_results(run_workers: Callabl
         assert small["host_store_bytes"] > 0, limited["plans"][rank]
         # The budget is respected: pool plus device stores fit in it.
         assert small["pool_bytes"] + small["device_store_bytes"] <= SMALL_BUDGET, limited["plans"][rank]
-        assert small["pool_bytes"] >= POOL_MIN == small["pool_min_bytes"]
+        assert small["pool_bytes"] == DEEPEST_POOL == big["pool_bytes"], limited["plans"][rank]
+        assert small["pool_min_bytes"] == POOL_MIN
         # All four layers are read every clock, each row either gathered from
         # the device or swapped in; the allocator may already have prefetched
         # the reads of the next clock (prefetch_clocks = 1).

@@ -17,93 +17,16 @@
 #include "kernels/fill.h"
 #include "kernels/finite.h"
 #include "kernels/kernels.h"
+#include "cuda_ipc.h"
+#include "stream_ticket.h"
 
 namespace mltuner {
 namespace {
 
-std::string ErrorText(cudaError_t err) {
-  return std::string(cudaGetErrorName(err)) + " (" + cudaGetErrorString(err) + ")";
-}
-
-// Recycled CUDA events for RecordAppWork tickets. The engine takes a ticket
-// on every post, so creating and destroying an event each time would put a
-// driver call pair on that path; a handful of reusable events covers the
-// tickets in flight at once.
-//
-// Threads: Take and Return may be called from any thread. Ownership: shared
-// by the CudaDevice and every outstanding ticket's deleter, so a ticket that
-// outlives its device still returns (and then destroys) its event safely.
-class EventPool {
- public:
-  EventPool(int ordinal, unsigned flags) : ordinal_(ordinal), flags_(flags) {}
-  ~EventPool() {
-    // Errors are ignored: at process exit the runtime may already be gone.
-    cudaSetDevice(ordinal_);
-    for (cudaEvent_t event : free_) cudaEventDestroy(event);
-    cudaGetLastError();
-  }
-  EventPool(const EventPool&) = delete;
-  EventPool& operator=(const EventPool&) = delete;
-
-  // The error of creating one, if the pool had none; the caller words it.
-  // REQUIRES: the pool's device is current on the calling thread (an event
-  // belongs to the device current when it is created).
-  cudaError_t Take(cudaEvent_t* out) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!free_.empty()) {
-        *out = free_.back();
-        free_.pop_back();
-        return cudaSuccess;
-      }
-    }
-    return cudaEventCreateWithFlags(out, flags_);
-  }
-
-  // Re-recording a returned event is safe even while a stream still waits on
-  // it: cudaStreamWaitEvent captures the event's state when it is called.
-  void Return(cudaEvent_t event) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (free_.size() < kMaxPooled) {
-        free_.push_back(event);
-        return;
-      }
-    }
-    cudaEventDestroy(event);
-  }
-
- private:
-  // Enough for every ticket alive at once (slots, payloads in flight, idle
-  // payload buffers' last uses): beyond it events are created and destroyed
-  // per ticket, a driver call pair on the engine's hot path.
-  static constexpr size_t kMaxPooled = 4096;
-  const int ordinal_;
-  const unsigned flags_;
-  std::mutex mu_;
-  std::vector<cudaEvent_t> free_;
-};
-
-// A ticket: a pooled event and the stream it was recorded on. A wait on
-// the same stream is skipped: the stream's own order already gives it.
-class StreamTicket {
- public:
-  StreamTicket(cudaEvent_t event, cudaStream_t stream, std::shared_ptr<EventPool> pool)
-      : event_(event), stream_(stream), pool_(std::move(pool)) {}
-  ~StreamTicket() { pool_->Return(event_); }
-  StreamTicket(const StreamTicket&) = delete;
-  StreamTicket& operator=(const StreamTicket&) = delete;
-
-  cudaEvent_t event() const { return event_; }
-  cudaStream_t stream() const { return stream_; }
-
- private:
-  const cudaEvent_t event_;
-  const cudaStream_t stream_;
-  const std::shared_ptr<EventPool> pool_;
-};
-
-const StreamTicket& TicketOf(const DeviceEvent& event) { return *static_cast<const StreamTicket*>(event.get()); }
+using cuda_detail::ErrorText;
+using cuda_detail::EventPool;
+using cuda_detail::StreamTicket;
+using cuda_detail::TicketOf;
 
 // Threads: any method from any thread (each calls cudaSetDevice first).
 // Ownership: owns its streams, its upload stream and (shared) its event pool;
@@ -180,6 +103,10 @@ class CudaDevice final : public Device {
   bool maps_host_memory() const override { return maps_host_; }
   bool swaps_by_kernel() const override { return false; }  // see Device::swaps_by_kernel
   int ordinal() const override { return ordinal_; }
+
+  Status ExportIpc(size_t region_bytes, std::unique_ptr<DeviceIpc>* out) override {
+    return NewCudaIpc(ordinal_, region_bytes, out);
+  }
 
   Status Allocate(size_t bytes, void** out) override {
     if (bytes == 0) return Status::InvalidArgument("CudaDevice::Allocate of 0 bytes");

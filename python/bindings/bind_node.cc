@@ -191,6 +191,53 @@ void RegisterNode(py::module_& m) {
           py::arg("table"), py::arg("values"), py::arg("state"),
           "Replaces this shard's slice of a table (same sizes as export_shard_table).")
       .def_property_readonly("rejected_messages", &ProcessNode::rejected_messages)
+      .def(
+          "export_cuda_ipc",
+          [](ProcessNode& node, size_t slice_bytes) {
+            std::string handle;
+            {
+              py::gil_scoped_release release;
+              Check(node.ExportCudaIpc(slice_bytes, &handle));
+            }
+            return py::bytes(handle);
+          },
+          py::arg("slice_bytes"),
+          "Exports this process's CUDA IPC landing region (slice_bytes per peer) and returns the handle "
+          "peers pass to open_cuda_ipc_peer. Raises with the reason where CUDA IPC is unavailable.")
+      .def(
+          "open_cuda_ipc_peer",
+          [](ProcessNode& node, int peer, const py::bytes& handle, size_t slice_bytes) {
+            std::string bytes = handle;
+            py::gil_scoped_release release;
+            Check(node.OpenCudaIpcPeer(peer, bytes, slice_bytes));
+          },
+          py::arg("peer"), py::arg("handle"), py::arg("slice_bytes"),
+          "Opens peer's exported region and event; raises with the driver's reason where it cannot.")
+      .def(
+          "enable_cuda_ipc_peer", [](ProcessNode& node, int peer) { Check(node.EnableCudaIpcPeer(peer)); },
+          py::arg("peer"), "From now on, device payloads to and from peer go device -> device.")
+      .def_property_readonly("cuda_ipc_peers", &ProcessNode::cuda_ipc_peers,
+                             "The ranks this process exchanges device payloads with by CUDA IPC.")
+      .def_property_readonly(
+          "cuda_ipc_stats",
+          [](const ProcessNode& node) {
+            const IpcStats stats = node.cuda_ipc_stats();
+            py::dict out;
+            out["sent_messages"] = stats.sent_messages;
+            out["sent_bytes"] = stats.sent_bytes;
+            out["fallbacks"] = stats.fallbacks;
+            out["received_messages"] = stats.received_messages;
+            out["received_bytes"] = stats.received_bytes;
+            out["releases_sent"] = stats.releases_sent;
+            out["releases_received"] = stats.releases_received;
+            return out;
+          },
+          "CUDA IPC traffic so far: payloads and bytes sent and received device -> device, fallbacks to "
+          "host frames (a full slice), releases sent and received.")
+      .def_property_readonly("socket_payload_bytes", &ProcessNode::socket_payload_bytes,
+                             "Payload bytes sent to other processes through the socket.")
+      .def_property_readonly("device_payload_bytes_by_host", &ProcessNode::device_payload_bytes_by_host,
+                             "Of those, bytes of device payloads copied device -> host to be sent (no CUDA IPC).")
       .def("shutdown", [](ProcessNode& node) { Check(node.Shutdown()); }, py::call_guard<py::gil_scoped_release>());
 }
 

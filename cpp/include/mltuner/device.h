@@ -26,6 +26,8 @@
 
 namespace mltuner {
 
+class DeviceIpc;  // mltuner/device_ipc.h
+
 // The engine's streams. The CPU backend runs everything synchronously.
 enum class Stream : int {
   kApp = 0,        // the application's own work (init-phase accesses)
@@ -172,6 +174,12 @@ class Device {
   virtual Status CopyPiecesOnAppStream(uintptr_t app_stream, float* dst, const std::vector<CopyPiece>& pieces) = 0;
   // The index of the accelerator (DLPack device id); 0 for the CPU.
   virtual int ordinal() const = 0;
+
+  // Memory and an event shared with other processes of this host
+  // (mltuner/device_ipc.h): exports a landing region of `region_bytes`.
+  // The default (the CPU backend) has none: InvalidArgument naming the
+  // device.
+  virtual Status ExportIpc(size_t region_bytes, std::unique_ptr<DeviceIpc>* out);
 
  protected:
   Device() = default;

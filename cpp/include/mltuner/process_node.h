@@ -21,6 +21,7 @@
 // SetOutboxLimit from any thread.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -37,7 +38,20 @@ namespace mltuner {
 
 class BorrowedFrames;
 class DeviceBufferPool;
+class IpcLinks;
 struct DeviceBuffer;
+
+// CUDA IPC traffic of one process (cluster/ipc_links.h), in payloads.
+struct IpcStats {
+  int64_t sent_messages = 0;      // payloads copied device -> device into a peer's region
+  int64_t sent_bytes = 0;
+  int64_t fallbacks = 0;          // payloads for an IPC peer that found its slice full
+                                  //   and went through a host frame instead
+  int64_t received_messages = 0;  // payloads that landed in this process's region
+  int64_t received_bytes = 0;
+  int64_t releases_sent = 0;      // landed payloads handed back to their senders
+  int64_t releases_received = 0;
+};
 
 // A message on its way to another process.
 struct OutgoingMessage {
@@ -46,6 +60,9 @@ struct OutgoingMessage {
   std::vector<float> payload;           // frame 1: the values, as raw float32,
   std::shared_ptr<DeviceBuffer> frame;  //   or in a host frame (complete once
                                         //   NextOutgoing returns it)
+  DeviceEvent after;                    // leaves only once this ticket is complete
+                                        //   (a CUDA IPC release: the reads it allows
+                                        //   to be overwritten)
   size_t payload_bytes() const;
   const float* payload_values() const;  // the frame's or the vector's
 };
@@ -65,7 +82,9 @@ class ProcessNode final : public Transport {
   // Transport (called by the engine and the shard).
   Status Send(Message&& message) override;
   Status AddTableToShard(int rank, const TableInfo& info) override;
-  bool SharesDevice(int sender, int receiver) const override { return sender == rank_ && receiver == rank_; }
+  // This process's engine and shard, and (sender = this rank) a peer
+  // reached by CUDA IPC: its payloads leave as device buffers.
+  bool SharesDevice(int sender, int receiver) const override;
 
   // The next message for another process, waiting up to timeout_ms. False
   // when none came in time, or the node is closed and its outbox drained.
@@ -143,6 +162,25 @@ class ProcessNode final : public Transport {
 
   int64_t rejected_messages() const;
 
+  // CUDA IPC with processes of this host (cluster/ipc_links.h). The job
+  // calls these at the rendezvous, before any traffic: Export makes this
+  // process's landing region (one slice of `slice_bytes` per peer) and
+  // returns the handle its peers open with OpenCudaIpcPeer; once both
+  // processes of a pair opened each other's, EnableCudaIpcPeer on each side
+  // sends their device payloads device -> device (falling back to host
+  // frames where a slice is full). Fails with the reason where CUDA IPC is
+  // unavailable (a CPU engine, another container, the driver refuses).
+  Status ExportCudaIpc(size_t slice_bytes, std::string* handle);
+  Status OpenCudaIpcPeer(int peer, const std::string& handle, size_t slice_bytes);
+  Status EnableCudaIpcPeer(int peer);
+  std::vector<int> cuda_ipc_peers() const;
+  IpcStats cuda_ipc_stats() const;
+  // Payload bytes sent to other processes through the socket (host frames
+  // and vectors), and those of them that left a device payload's memory by
+  // a device -> host copy (no CUDA IPC to that peer, or its slice was full).
+  int64_t socket_payload_bytes() const;
+  int64_t device_payload_bytes_by_host() const;
+
   // Shuts the engine down, stops the shard and closes the outbox (what is
   // queued can still be taken). Idempotent.
   Status Shutdown();
@@ -153,6 +191,13 @@ class ProcessNode final : public Transport {
   ProcessNode(int rank, int num_workers, int64_t wait_timeout_ms);
   Status DeliverOne(const void* frame0, size_t frame0_bytes, const void* payload, size_t payload_bytes,
                     int64_t token);
+  // A CUDA IPC notice or release (wire/ipc_envelope.h).
+  Status DeliverIpc(const void* frame0, size_t frame0_bytes, size_t payload_bytes);
+  // Checks a decoded message's routing (`status`: the decode's) and queues it.
+  Status Admit(Message&& message, Status status);
+  // A device payload for another process into a host frame (the path
+  // without CUDA IPC).
+  Status MoveToHostFrame(Message* message);
   // The messages at `run` (all for `receiver`) copied into one batch.
   Status JoinBatch(int receiver, const std::vector<OutgoingMessage>& messages, const std::vector<size_t>& run,
                    OutgoingMessage* batch) const;
@@ -161,7 +206,10 @@ class ProcessNode final : public Transport {
   const int64_t wait_timeout_ms_;
   std::shared_ptr<DeviceBufferPool> frames_;
   std::unique_ptr<BorrowedFrames> borrowed_;
+  std::unique_ptr<IpcLinks> ipc_;  // before queues_: the shard host asks it
   std::unique_ptr<Queues> queues_;
+  std::atomic<int64_t> socket_payload_bytes_{0};
+  std::atomic<int64_t> device_payload_bytes_by_host_{0};
   std::unique_ptr<Engine> engine_;
 };
 

@@ -28,7 +28,9 @@ class Transport {
   virtual Status AddTableToShard(int rank, const TableInfo& info) = 0;
   // Whether a message from process `sender` to process `receiver` may carry
   // its values as a device buffer (Message::device_values): true when both
-  // run in this process on memory the same device can address directly.
+  // run in this process on memory the same device can address directly, or
+  // (ProcessNode) the receiver is a process of this host reached by CUDA
+  // IPC, where the transport copies them device -> device.
   virtual bool SharesDevice(int sender, int receiver) const {
     (void)sender;
     (void)receiver;

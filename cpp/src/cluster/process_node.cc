@@ -7,11 +7,13 @@
 #include <mutex>
 #include <utility>
 
+#include "cluster/ipc_links.h"
 #include "cluster/shard_host.h"
 #include "common/byte_bound.h"
 #include "memory/borrowed_frames.h"
 #include "memory/device_block.h"
 #include "wire/batch.h"
+#include "wire/ipc_envelope.h"
 #include "wire/message.h"
 
 namespace mltuner {
@@ -19,8 +21,11 @@ namespace mltuner {
 // The shard host and the outbox of messages for other processes.
 class ProcessNode::Queues {
  public:
-  Queues(int rank, int num_workers, const Config& config, std::shared_ptr<Device> device)
-      : host(rank, num_workers, config, device, [rank](int worker) { return worker == rank; }),
+  // The shard sends rows as device buffers to its own engine and to the
+  // processes it reaches by CUDA IPC (`ipc` outlives the host's threads).
+  Queues(int rank, int num_workers, const Config& config, std::shared_ptr<Device> device, const IpcLinks* ipc)
+      : host(rank, num_workers, config, device,
+             [rank, ipc](int worker) { return worker == rank || ipc->enabled(worker); }),
         device(std::move(device)) {}
 
   // Waits while the outbox is over its limit (none when it is empty), up to
@@ -126,14 +131,27 @@ Status ProcessNode::Create(const Config& config, int rank, int num_workers, std:
   node->frames_ = std::make_shared<DeviceBufferPool>(shared_device, 0, /*host=*/true);
   node->frames_->set_idle_bound_to_peak(true);
   node->borrowed_ = std::make_unique<BorrowedFrames>(shared_device);
-  node->queues_ = std::make_unique<Queues>(rank, num_workers, config, shared_device);
+  node->ipc_ = std::make_unique<IpcLinks>(rank, num_workers, shared_device);
+  node->queues_ = std::make_unique<Queues>(rank, num_workers, config, shared_device, node->ipc_.get());
+  // A landed payload's release leaves through the outbox, after the reads.
+  Queues* queues = node->queues_.get();
+  node->ipc_->SetPost([queues](int receiver, std::string frame0, DeviceEvent after) {
+    OutgoingMessage release;
+    release.receiver = receiver;
+    release.header = std::move(frame0);
+    release.after = std::move(after);
+    (void)queues->PushOutgoing(std::move(release), -1);  // never waits; dropped once aborted
+  });
   MLT_RETURN_IF_ERROR(Engine::Create(config, rank, num_workers, shared_device, node.get(), &node->engine_));
   node->queues_->host.Start(node->engine_.get(), node.get());
   *out = std::move(node);
   return Status::Ok();
 }
 
-ProcessNode::~ProcessNode() { Shutdown(); }
+ProcessNode::~ProcessNode() {
+  Shutdown();
+  ipc_->StopPosting();  // landing buffers that die later must not reach the outbox, which dies first
+}
 
 Status ProcessNode::Send(Message&& message) {
   const int receiver = message.header.receiver;
@@ -160,28 +178,50 @@ Status ProcessNode::Send(Message&& message) {
     if (room.code() == StatusCode::kTimeout) Abort(room);
     return room;
   }
-  if (message.device_values) {
-    // Another process: the values leave the device here, after the work that
-    // produced them, into a host frame the send thread waits for.
-    DeviceBuffer& buffer = *message.device_values;
-    Device& device = *queues_->device;
-    std::shared_ptr<DeviceBuffer> frame;
-    MLT_RETURN_IF_ERROR(frames_->Acquire(buffer.count, Stream::kReceive, &frame));
-    MLT_RETURN_IF_ERROR(device.WaitEvent(Stream::kReceive, buffer.ready));
-    device.CopyDeviceToHost(frame->data, buffer.data, buffer.count * sizeof(float), Stream::kReceive);
-    MLT_RETURN_IF_ERROR(device.RecordEvent(Stream::kReceive, &frame->ready));
-    buffer.last_use = frame->ready;
-    message.host_frame = std::move(frame);
-    message.device_values.reset();
-  }
   OutgoingMessage outgoing;
   outgoing.receiver = receiver;
-  outgoing.header = EncodeHeaderFrame(message);
-  outgoing.payload = std::move(message.values);
-  outgoing.frame = std::move(message.host_frame);
+  bool by_ipc = false;
+  if (message.device_values) {
+    // A process of this host reached by CUDA IPC: the values go device ->
+    // device into its landing region, and only a notice takes the socket.
+    MLT_RETURN_IF_ERROR(ipc_->TrySend(receiver, message.device_values.get(), EncodeHeaderFrame(message),
+                                      &outgoing.header, &by_ipc));
+    if (by_ipc) {
+      message.device_values.reset();
+    } else {
+      MLT_RETURN_IF_ERROR(MoveToHostFrame(&message));
+      device_payload_bytes_by_host_ += static_cast<int64_t>(message.num_values() * sizeof(float));
+    }
+  }
+  if (!by_ipc) {
+    outgoing.header = EncodeHeaderFrame(message);
+    outgoing.payload = std::move(message.values);
+    outgoing.frame = std::move(message.host_frame);
+    socket_payload_bytes_ += static_cast<int64_t>(outgoing.payload_bytes());
+  }
   const Status queued = queues_->PushOutgoing(std::move(outgoing), waits ? wait_timeout_ms_ : -1);
   if (queued.code() == StatusCode::kTimeout) Abort(queued);  // every wait of the job ends with it
   return queued;
+}
+
+Status ProcessNode::MoveToHostFrame(Message* message) {
+  // The values leave the device here, after the work that produced them,
+  // into a host frame the send thread waits for.
+  DeviceBuffer& buffer = *message->device_values;
+  Device& device = *queues_->device;
+  std::shared_ptr<DeviceBuffer> frame;
+  MLT_RETURN_IF_ERROR(frames_->Acquire(buffer.count, Stream::kReceive, &frame));
+  MLT_RETURN_IF_ERROR(device.WaitEvent(Stream::kReceive, buffer.ready));
+  device.CopyDeviceToHost(frame->data, buffer.data, buffer.count * sizeof(float), Stream::kReceive);
+  MLT_RETURN_IF_ERROR(device.RecordEvent(Stream::kReceive, &frame->ready));
+  buffer.last_use = frame->ready;
+  message->host_frame = std::move(frame);
+  message->device_values.reset();
+  return Status::Ok();
+}
+
+bool ProcessNode::SharesDevice(int sender, int receiver) const {
+  return sender == rank_ && (receiver == rank_ || ipc_->enabled(receiver));
 }
 
 Status ProcessNode::AddTableToShard(int rank, const TableInfo& info) {
@@ -202,7 +242,11 @@ bool ProcessNode::NextOutgoing(int timeout_ms, OutgoingMessage* out) {
 std::vector<OutgoingMessage> ProcessNode::NextOutgoingBatch(int timeout_ms, size_t max_messages, size_t max_bytes) {
   std::vector<OutgoingMessage> taken = queues_->PopOutgoing(timeout_ms, max_messages, max_bytes);
   for (OutgoingMessage& message : taken) {
-    const Status copied = WaitReady(message.frame.get());
+    Status copied = WaitReady(message.frame.get());
+    if (copied.ok() && message.after) {
+      copied = ipc_->WaitDone(message.after, wait_timeout_ms_);
+      message.after.reset();
+    }
     if (!copied.ok()) {
       // The device failed under the copy: the engine's threads report it too.
       Abort(copied.WithContext("worker " + std::to_string(rank_) + "'s send thread"));
@@ -310,6 +354,10 @@ Status ProcessNode::Deliver(const void* frame0, size_t frame0_bytes, const void*
 
 Status ProcessNode::DeliverOne(const void* frame0, size_t frame0_bytes, const void* payload, size_t payload_bytes,
                                int64_t token) {
+  if (IsIpcEnvelope(frame0, frame0_bytes)) {
+    if (token >= 0) borrowed_->Release(token);  // an envelope's payload frame is empty: nothing to keep
+    return DeliverIpc(frame0, frame0_bytes, payload_bytes);
+  }
   Message message;
   // On a device whose memory is host memory the payload is used where
   // ZeroMQ put it (no copy: the message's host frame views it). Otherwise
@@ -335,6 +383,43 @@ Status ProcessNode::DeliverOne(const void* frame0, size_t frame0_bytes, const vo
   // A payload not lent is done with now; a lent one comes back when its
   // buffer dies (also below, if the message is refused).
   if (token >= 0 && !lent) borrowed_->Release(token);
+  return Admit(std::move(message), status);
+}
+
+Status ProcessNode::DeliverIpc(const void* frame0, size_t frame0_bytes, size_t payload_bytes) {
+  IpcEnvelope envelope;
+  Status status = DecodeIpcEnvelope(frame0, frame0_bytes, payload_bytes, &envelope);
+  if (status.ok() && (envelope.receiver != rank_ || envelope.sender < 0 || envelope.sender >= num_workers_ ||
+                      envelope.sender == rank_)) {
+    status = Status::CorruptMessage("a CUDA IPC envelope from process " + std::to_string(envelope.sender) +
+                                    " for process " + std::to_string(envelope.receiver) + " reached process " +
+                                    std::to_string(rank_));
+  }
+  if (status.ok() && envelope.type == MessageType::kIpcRelease) status = ipc_->OnRelease(envelope);
+  if (!status.ok() || envelope.type == MessageType::kIpcRelease) {
+    if (!status.ok()) queues_->host.Reject(status, Message());
+    return status;
+  }
+  // The payload lies in this process's landing region: DecodeMessage checks
+  // the notice's size against the message's spans, and Land its place
+  // against the sender's slice, before anything reads it. The payload
+  // pointer only tells DecodeMessage there is one; nothing reads it here.
+  IpcLinks* ipc = ipc_.get();
+  Message message;
+  status = DecodeMessage(envelope.inner, envelope.inner_bytes, frame0, static_cast<size_t>(envelope.span.bytes),
+                         &message, [&](Message* decoded, size_t count, float** destination) {
+                           *destination = nullptr;
+                           if (count == 0) return Status::CorruptMessage("a CUDA IPC notice of an empty payload");
+                           return ipc->Land(envelope, &decoded->device_values);
+                         });
+  if (status.ok() && message.header.sender != envelope.sender) {
+    status = Status::CorruptMessage("a CUDA IPC notice from process " + std::to_string(envelope.sender) +
+                                    " announces a message from process " + std::to_string(message.header.sender));
+  }
+  return Admit(std::move(message), status);
+}
+
+Status ProcessNode::Admit(Message&& message, Status status) {
   if (status.ok() && message.header.receiver != rank_) {
     status = Status::CorruptMessage("message for process " + std::to_string(message.header.receiver) +
                                     " reached process " + std::to_string(rank_));
@@ -395,6 +480,22 @@ bool ProcessNode::lends_payloads() const { return borrowed_->device_reads_host_m
 int64_t ProcessNode::borrowed_payloads() const { return borrowed_->outstanding(); }
 
 int64_t ProcessNode::payloads_used_in_place() const { return borrowed_->borrowed_total(); }
+
+Status ProcessNode::ExportCudaIpc(size_t slice_bytes, std::string* handle) { return ipc_->Export(slice_bytes, handle); }
+
+Status ProcessNode::OpenCudaIpcPeer(int peer, const std::string& handle, size_t slice_bytes) {
+  return ipc_->OpenPeer(peer, handle, slice_bytes);
+}
+
+Status ProcessNode::EnableCudaIpcPeer(int peer) { return ipc_->Enable(peer); }
+
+std::vector<int> ProcessNode::cuda_ipc_peers() const { return ipc_->peers(); }
+
+IpcStats ProcessNode::cuda_ipc_stats() const { return ipc_->stats(); }
+
+int64_t ProcessNode::socket_payload_bytes() const { return socket_payload_bytes_.load(); }
+
+int64_t ProcessNode::device_payload_bytes_by_host() const { return device_payload_bytes_by_host_.load(); }
 
 Status ProcessNode::Shutdown() {
   if (!engine_) return Status::Ok();

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "mltuner/device.h"
+#include "mltuner/device_ipc.h"
 
 namespace mltuner {
 
@@ -36,6 +37,12 @@ Status Device::AllocateZeroed(size_t bytes, bool host, void** out) {
   }
   *out = data;
   return Status::Ok();
+}
+
+Status Device::ExportIpc(size_t region_bytes, std::unique_ptr<DeviceIpc>* out) {
+  (void)region_bytes;
+  out->reset();
+  return Status::InvalidArgument("the " + name() + " device shares no memory with other processes (CUDA IPC needs a CUDA engine)");
 }
 
 }  // namespace mltuner

@@ -167,7 +167,10 @@ Status ServerShard::Handle(const Message& in, std::vector<Message>* out) {
       return Status::InvalidArgument("client-bound message (type " +
                                      std::to_string(in.header.type) + ") sent to a shard");
     case MessageType::kBatch:  // opened by the receiving ProcessNode: never reaches a shard
-      return Status::InvalidArgument("a batch envelope sent to a shard");
+    case MessageType::kIpcNotice:
+    case MessageType::kIpcRelease:
+      return Status::InvalidArgument("a transport envelope (type " + std::to_string(in.header.type) +
+                                     ") sent to a shard");
   }
   return Status::InvalidArgument("unknown message type " + std::to_string(in.header.type));
 }

@@ -166,6 +166,8 @@ const char* MessageTypeName(MessageType type) {
     case MessageType::kFreeBranch: return "FreeBranch";
     case MessageType::kBranchRows: return "BranchRows";
     case MessageType::kBatch: return "Batch";
+    case MessageType::kIpcNotice: return "IpcNotice";
+    case MessageType::kIpcRelease: return "IpcRelease";
   }
   return "Unknown";
 }
@@ -252,6 +254,10 @@ Status DecodeMessage(const void* frame0, size_t frame0_bytes, const void* payloa
   MLT_RETURN_IF_ERROR(CheckHeaderIdentity(h));
   if (static_cast<MessageType>(h.type) == MessageType::kBatch) {
     return Status::CorruptMessage("a batch envelope where one message belongs (batches do not nest)");
+  }
+  if (static_cast<MessageType>(h.type) == MessageType::kIpcNotice ||
+      static_cast<MessageType>(h.type) == MessageType::kIpcRelease) {
+    return Status::CorruptMessage("a CUDA IPC envelope where one message belongs (envelopes do not nest)");
   }
   MLT_RETURN_IF_ERROR(CheckFrame0Size(h, frame0_bytes));
 

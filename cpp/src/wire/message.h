@@ -49,8 +49,13 @@ enum class MessageType : uint16_t {
   kBatch = 13,       // process -> process: several messages in one pair of
                      //   frames (wire/batch.h); the transport's envelope,
                      //   opened on arrival, never seen by engine or shard
+  kIpcNotice = 14,   // process -> process of one host: a message whose payload
+                     //   the sender copied into the receiver's CUDA IPC
+                     //   landing region (wire/ipc_envelope.h); an envelope
+  kIpcRelease = 15,  // the receiver is done with a landed payload: the sender
+                     //   may write those bytes again; an envelope
 };
-constexpr uint16_t kMaxMessageType = 13;
+constexpr uint16_t kMaxMessageType = 15;
 
 const char* MessageTypeName(MessageType type);
 

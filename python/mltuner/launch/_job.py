@@ -39,6 +39,7 @@ from mltuner.launch._env import TRANSPORTS, ProcessEnv, detect_environment, is_l
 from mltuner.launch._rendezvous import ControlClient, Coordinator
 from mltuner.launch._torch_store import lookup_address, publish_address
 from mltuner.transport._address import Card, IpcDirectory, TransportKind, choose_address, host_identity
+from mltuner.transport import _cuda_ipc
 from mltuner.transport._control import (CONTROL_IO_THREAD, CONTROL_RECEIVE_QUEUE, DATA_IO_THREAD, MAX_SIGNAL_BYTES,
                                         ControlChannel, refused_connections)
 from mltuner.transport._guard import ConnectionGuard, Listener, limit_input
@@ -108,6 +109,16 @@ class Job:
             job fails naming it. ``None`` (default): from the plan,
             ``prefetch_clocks + 2`` clocks of this process's traffic to one
             peer, and at least twice the largest message and 4 MiB.
+        cuda_ipc: whether CUDA engines of processes on one host move updates
+            and fresh rows device -> device by CUDA IPC (a small notice on
+            the socket) instead of through pinned host frames. Used per pair
+            of processes where both can; elsewhere host frames. ``None``:
+            ``MLTUNER_CUDA_IPC`` (``0`` turns it off), by default on.
+        cuda_ipc_slice_bytes: device memory each process sets aside per peer
+            for payloads landing by CUDA IPC (outside the engine's budget);
+            a payload that does not fit beside those in flight goes by host
+            frames. ``None``: ``MLTUNER_CUDA_IPC_SLICE_BYTES``, by default
+            256 MiB.
 
     Attributes:
         worker: the access API (:class:`mltuner.Worker`).
@@ -118,7 +129,8 @@ class Job:
                  rendezvous_timeout_s: float = 120.0, heartbeat_interval_s: float = 0.5,
                  heartbeat_timeout_s: float = 5.0, secure: bool | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, transport: TransportKind | None = None,
-                 max_queued_bytes: int | None = None) -> None:
+                 max_queued_bytes: int | None = None, cuda_ipc: bool | None = None,
+                 cuda_ipc_slice_bytes: int | None = None) -> None:
         if config is not None and not isinstance(config, Config):
             raise ArgumentTypeError(f"Job: config must be a Config, got {type(config).__name__}")
         rendezvous_timeout_s = real("Job: rendezvous_timeout_s", rendezvous_timeout_s, 0, MAX_WAIT_S, low_open=True)
@@ -135,6 +147,10 @@ class Job:
             raise InvalidArgumentError(f"Job: transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         if max_queued_bytes is not None:
             max_queued_bytes = integer("Job: max_queued_bytes", max_queued_bytes, 1, 1 << 62)
+        if cuda_ipc is not None:
+            boolean("Job: cuda_ipc", cuda_ipc)
+        self._cuda_ipc = _cuda_ipc.cuda_ipc_wanted(cuda_ipc)
+        self._cuda_ipc_slice = _cuda_ipc.slice_bytes_setting(cuda_ipc_slice_bytes)
         self._max_message_bytes = max_message_bytes
         self._max_queued_bytes = max_queued_bytes
         self.config = config or Config()
@@ -156,6 +172,8 @@ class Job:
         self._queue_plan: tuple[int, int] = (-1, 0)  # (tables seen, the limit for them)
         self.endpoint = ""  # where peers on other hosts send to this process (empty when alone)
         self.peer_endpoints: dict[int, str] = {}  # where this process sends each peer's data
+        # How device payloads reach each peer: "cuda-ipc" or "host-frames (why)".
+        self.data_paths: dict[int, str] = {}
         self._node = _core.ProcessNode(self.config.to_core(), self.rank, self.world_size, self.config.device,
                                        self.local_rank)
         self.worker = Worker(self._node.engine, owner=self._node, config=self.config,
@@ -186,6 +204,18 @@ class Job:
         if self._coordinator is not None:
             total += self._coordinator.guard.refused.count
         return total
+
+    @property
+    def transport_stats(self) -> dict[str, int]:
+        """Payload traffic to and from the peers so far: ``socket_payload_bytes``
+        (sent through the socket), ``device_payload_bytes_by_host`` (of those,
+        device payloads copied to host frames first) and the CUDA IPC
+        counters (``cuda_ipc_sent_bytes``, ``cuda_ipc_received_bytes``,
+        ``cuda_ipc_fallbacks``, ...: see ``ProcessNode.cuda_ipc_stats``)."""
+        stats = {"socket_payload_bytes": int(self._node.socket_payload_bytes),
+                 "device_payload_bytes_by_host": int(self._node.device_payload_bytes_by_host)}
+        stats.update({f"cuda_ipc_{name}": int(value) for name, value in self._node.cuda_ipc_stats.items()})
+        return stats
 
     def barrier(self, name: str = "barrier", timeout_s: float | None = None) -> None:
         """Returns once every rank has called ``barrier`` with this name."""
@@ -318,8 +348,10 @@ class Job:
                                      security)
         control, card_control = self._bind("control", MAX_SIGNAL_BYTES, CONTROL_IO_THREAD, CONTROL_RECEIVE_QUEUE,
                                            security)
+        cuda_ipc, no_cuda_ipc = _cuda_ipc.export(self._node, self.config.device, self._cuda_ipc, self._cuda_ipc_slice)
         card = Card(host=host_identity(), tcp={"data": card_data[0], "control": card_control[0]},
-                    ipc={name: ipc for name, ipc in (("data", card_data[1]), ("control", card_control[1])) if ipc})
+                    ipc={name: ipc for name, ipc in (("data", card_data[1]), ("control", card_control[1])) if ipc},
+                    cuda_ipc=cuda_ipc)
         self.endpoint = card.tcp["data"]
         host, port = self._rendezvous_address(keys, rendezvous_timeout_s)
         self._control = ControlClient(self._context, host, port, self.rank, keys, self._lost_peer)
@@ -328,6 +360,10 @@ class Job:
             self._control.join(self.world_size, card.to_json(), _fingerprint(self.config), rendezvous_timeout_s,
                                missing))]
         peers = [r for r in range(self.world_size) if r != self.rank]
+        control_client = self._control
+        self.data_paths = _cuda_ipc.connect(
+            self._node, card, cards, no_cuda_ipc,
+            lambda name, value: control_client.allgather(name, value, rendezvous_timeout_s))
         self.peer_endpoints = {r: choose_address(self.transport, card, cards[r], "data", r) for r in peers}
         self._liveness = ControlChannel(
             self.rank, self._context, control,

@@ -60,9 +60,15 @@ class Card:
     host: str
     tcp: dict[str, str]
     ipc: dict[str, str]
+    # The CUDA IPC export of a GPU engine (mltuner.transport._cuda_ipc):
+    # {"handle": hex, "slice_bytes": n}; None when it offers none.
+    cuda_ipc: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"host": self.host, "tcp": self.tcp, "ipc": self.ipc}
+        card: dict[str, Any] = {"host": self.host, "tcp": self.tcp, "ipc": self.ipc}
+        if self.cuda_ipc is not None:
+            card["cuda_ipc"] = self.cuda_ipc
+        return card
 
     @staticmethod
     def from_json(value: Any, rank: int) -> Card:
@@ -76,7 +82,15 @@ class Card:
 
         if not isinstance(value, dict) or not isinstance(value.get("host"), str):
             raise InvalidArgumentError(f"rank {rank} sent a malformed rendezvous card: {value!r:.200}")
-        return Card(host=value["host"], tcp=names(value.get("tcp")), ipc=names(value.get("ipc")))
+        cuda_ipc = value.get("cuda_ipc")
+        if cuda_ipc is not None and not (
+                isinstance(cuda_ipc, dict) and isinstance(cuda_ipc.get("handle"), str)
+                and len(cuda_ipc["handle"]) <= 1024 and isinstance(cuda_ipc.get("slice_bytes"), int)
+                and not isinstance(cuda_ipc["slice_bytes"], bool) and 0 < cuda_ipc["slice_bytes"] <= 1 << 50):
+            raise InvalidArgumentError(f"rank {rank} sent a malformed CUDA IPC entry in its rendezvous card: "
+                                       f"{cuda_ipc!r:.200}")
+        return Card(host=value["host"], tcp=names(value.get("tcp")), ipc=names(value.get("ipc")),
+                    cuda_ipc=dict(cuda_ipc) if cuda_ipc is not None else None)
 
 
 def choose_address(kind: TransportKind, mine: Card, theirs: Card, socket_name: str, rank: int) -> str:

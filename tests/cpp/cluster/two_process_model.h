@@ -250,19 +250,27 @@ struct TwoNodeRun {
   int64_t rejected = 0;
   int lent_returned = 0, lent_written = 0, lent_unreturned = 0;  // Wire's counts with `lend`
   int batches = 0;                                               // Wire's count with `batches`
+  IpcStats ipc[2];                                               // each node's CUDA IPC counts
+  int64_t by_host[2] = {0, 0};                                   // device payload bytes sent by host frames
 };
+
+// Called with both nodes once they exist, before any traffic (the IPC test
+// sets up its links there).
+using NodesSetup = std::function<void(std::unique_ptr<ProcessNode>* nodes)>;
 
 // The same on two ProcessNodes joined by a Wire (payloads in host frames,
 // or lent to the receiver with `lend`), each with a device from
 // `make_device` (null: the CPU backend).
 inline void TrainInTwoProcesses(const Config& config, const DeviceFactory& make_device, int clocks, TwoNodeRun* out,
-                                const BufferCopy& copy = {}, bool lend = false, bool batches = false) {
+                                const BufferCopy& copy = {}, bool lend = false, bool batches = false,
+                                const NodesSetup& setup = {}) {
   std::unique_ptr<ProcessNode> nodes[2];
   for (int rank = 0; rank < 2; ++rank) {
     std::unique_ptr<Device> device;
     if (make_device) ASSERT_OK(make_device(rank, &device));
     ASSERT_OK(ProcessNode::Create(config, rank, 2, std::move(device), &nodes[rank]));
   }
+  if (setup) setup(nodes);
   {
     Wire wire(nodes[0].get(), nodes[1].get(), lend, batches);
     const auto run = [&](int rank) {
@@ -283,6 +291,10 @@ inline void TrainInTwoProcesses(const Config& config, const DeviceFactory& make_
     out->batches = wire.batches();
   }
   out->rejected = nodes[0]->rejected_messages() + nodes[1]->rejected_messages();
+  for (int rank = 0; rank < 2; ++rank) {
+    out->ipc[rank] = nodes[rank]->cuda_ipc_stats();
+    out->by_host[rank] = nodes[rank]->device_payload_bytes_by_host();
+  }
 }
 
 }  // namespace testing

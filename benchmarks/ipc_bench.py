@@ -1,0 +1,127 @@
+"""CUDA IPC benchmark: update and fresh-row traffic between 2 processes on
+one GPU, with CUDA IPC on and off, as a ratio to the same-device copy
+bandwidth measured in the same run.
+
+    python benchmarks/ipc_bench.py [--sizes 16,64,256] [--clocks 20] [--out PATH]
+
+For each model size (MiB; one table of rows of 1024 floats, plus a tiny
+one), two worker processes (tests/python/gpu/cuda_ipc_worker.py --bench, both
+on GPU 0, on 127.0.0.1) read every row (slack 0), write a constant update
+and clock; per clock each process sends the other's shard its half of the
+update and that shard sends it its half of the rows: 2 x model bytes cross
+between the processes per clock. Each configuration runs twice, IPC on and
+off interleaved; the faster run counts. Rate = 2 x model / seconds per clock
+(the slower rank's, after 3 warm-up clocks). Baseline: cudaMemcpy device ->
+device (torch copy_) of model bytes on the same GPU in this process, best of
+20. Ratio = rate / baseline: 1.0 means the clock moves its cross-process
+bytes as fast as one copy engine pass moves them on the card; the goal is
+>= 0.8. The clock's own work (gathers, the update rule, installs) counts
+against the ratio, as it does in training.
+
+Prints a markdown table; --out writes it with the GPU's name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+WORKER = Path(__file__).resolve().parent.parent / "tests" / "python" / "gpu" / "cuda_ipc_worker.py"
+WIDTH = 1024
+
+
+def run_pair(size_mib: int, clocks: int, cuda_ipc: bool, timeout_s: float) -> dict:
+    from mltuner.launch._env import free_port
+
+    rows = size_mib * (1 << 20) // (4 * WIDTH)
+    with tempfile.TemporaryDirectory() as out:
+        port = free_port()
+        procs = []
+        for rank in range(2):
+            env = dict(os.environ, MLTUNER_RANK=str(rank), MLTUNER_WORLD_SIZE="2", MLTUNER_LOCAL_RANK="0",
+                       MLTUNER_MASTER_ADDR="127.0.0.1", MLTUNER_MASTER_PORT=str(port),
+                       MLTUNER_SECRET="ipc-bench", MLTUNER_CUDA_IPC="1" if cuda_ipc else "0",
+                       MLTUNER_CUDA_IPC_SLICE_BYTES=str(max(256 << 20, 4 * size_mib << 20)))
+            procs.append(subprocess.Popen(
+                [sys.executable, str(WORKER), "--out", out, "--bench", "--clocks", str(clocks), "--rows", str(rows),
+                 "--width", str(WIDTH)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outputs = []
+        try:
+            for proc in procs:
+                outputs.append(proc.communicate(timeout=timeout_s)[0])
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.communicate()
+        if any(p.returncode != 0 for p in procs):
+            raise RuntimeError("a worker failed:\n" + "\n".join(outputs))
+        reports = [json.loads((Path(out) / f"rank-{r}.json").read_text()) for r in range(2)]
+    return {"seconds": max(r["seconds_per_clock"] for r in reports), "paths": [r["data_paths"] for r in reports],
+            "stats": [r["stats"] for r in reports]}
+
+
+def memcpy_bandwidth(nbytes: int) -> float:
+    import torch
+
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").fill_(1.0)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(20):
+        start = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="16,64,256", help="model sizes in MiB")
+    parser.add_argument("--clocks", type=int, default=20)
+    parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    import torch
+
+    gpu = torch.cuda.get_device_name(0)
+    lines = [f"CUDA IPC benchmark on {gpu}: 2 processes on GPU 0, update + fresh-row traffic per clock",
+             "", "| model MiB | memcpy GB/s | IPC s/clock | IPC GB/s | IPC ratio | host s/clock | host GB/s | "
+             "host ratio | IPC / host speed | IPC bytes (rank 0) | host-frame bytes (rank 0) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
+    for size in (int(s) for s in args.sizes.split(",")):
+        baseline = memcpy_bandwidth(size << 20)
+        best: dict[bool, dict] = {}
+        for _ in range(2):
+            for cuda_ipc in (True, False):
+                run = run_pair(size, args.clocks, cuda_ipc, args.timeout)
+                if cuda_ipc not in best or run["seconds"] < best[cuda_ipc]["seconds"]:
+                    best[cuda_ipc] = run
+        traffic = 2 * (size << 20)
+        on, off = best[True], best[False]
+        if on["paths"][0].get("1") != "cuda-ipc":
+            print(f"warning: IPC run took {on['paths']}", flush=True)
+        line = (f"| {size} | {baseline / 1e9:.1f} | {on['seconds']:.5f} | {traffic / on['seconds'] / 1e9:.1f} | "
+                f"{traffic / on['seconds'] / baseline:.2f} | {off['seconds']:.5f} | "
+                f"{traffic / off['seconds'] / 1e9:.1f} | {traffic / off['seconds'] / baseline:.2f} | "
+                f"{off['seconds'] / on['seconds']:.2f} | {on['stats'][0]['cuda_ipc_sent_bytes']} | "
+                f"{on['stats'][0]['device_payload_bytes_by_host']} |")
+        lines.append(line)
+        print(line, flush=True)
+    if args.out:
+        args.out.write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+// DeviceIpc: device memory and an event shared with other processes of one
+// host (CUDA IPC), so payloads between their engines and shards go device ->
+// device instead of through pinned host frames and a socket.
+//
+// Each process exports one landing region (device memory peers copy into)
+// and one interprocess event (recorded after each copy it makes into a
+// peer's region). A peer opens both from handle(): it writes into this
+// region and this process waits on that peer's event before reading what
+// it wrote. Which bytes are whose, and when they may be written again, is
+// the caller's business (cluster/ipc_links.h).
+//
+// Thread safety: every method may be called from any thread.
+// Ownership: made by Device::ExportIpc; destroy it before its Device. The
+// tickets it hands out may outlive it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "mltuner/device.h"
+#include "mltuner/status.h"
+
+namespace mltuner {
+
+class DeviceIpc {
+ public:
+  virtual ~DeviceIpc() = default;
+  DeviceIpc(const DeviceIpc&) = delete;
+  DeviceIpc& operator=(const DeviceIpc&) = delete;
+
+  // This process's landing region, and the bytes peers pass to OpenPeer.
+  virtual float* region() const = 0;
+  virtual size_t region_bytes() const = 0;
+  virtual const std::string& handle() const = 0;
+
+  // Opens peer `peer`'s export (its region of `region_bytes`, its event).
+  // Fails with the driver's reason where IPC is unavailable (another
+  // container, no peer access between the GPUs, a malformed handle).
+  virtual Status OpenPeer(int peer, const std::string& handle, size_t region_bytes) = 0;
+  // Queues, after the work of ticket `after`, the copy of `bytes` from `src`
+  // (this device's memory) to byte `offset` of peer's region, then records
+  // this process's event; *done: a ticket complete after the copy.
+  // InvalidArgument when the peer is not open or the range is outside its
+  // region.
+  virtual Status CopyToPeer(int peer, size_t offset, const void* src, size_t bytes, const DeviceEvent& after,
+                            DeviceEvent* done) = 0;
+  // *ready: a ticket of this device complete once everything `peer`
+  // recorded on its event so far is (what a notice received from it
+  // announces was queued before its notice was sent).
+  virtual Status PeerWrites(int peer, DeviceEvent* ready) = 0;
+  // Blocks until ticket `event` (of this device) completes, for at most
+  // timeout_ms, then kTimeout.
+  virtual Status WaitDone(const DeviceEvent& event, int64_t timeout_ms) = 0;
+
+ protected:
+  DeviceIpc() = default;
+};
+
+}  // namespace mltuner

@@ -1,0 +1,210 @@
+#include "cluster/ipc_links.h"
+
+#include <utility>
+
+namespace mltuner {
+
+// The receiving side's state, shared with the landing buffers' deleters
+// (which run on the shard's or the installer's thread, or later).
+struct IpcLinks::Receiving {
+  std::mutex mu;
+  std::vector<std::unique_ptr<ByteRanges>> ranges;  // per sender: its slice of my region
+  PostRelease post;                                 // null once stopped
+  IpcStats stats;  // received_* and releases_sent
+};
+
+IpcLinks::IpcLinks(int rank, int num_workers, std::shared_ptr<Device> device)
+    : rank_(rank),
+      num_workers_(num_workers),
+      device_(std::move(device)),
+      peer_slice_bytes_(static_cast<size_t>(num_workers), 0),
+      enabled_(new std::atomic<bool>[static_cast<size_t>(num_workers)]),
+      sending_(static_cast<size_t>(num_workers)),
+      receiving_(std::make_shared<Receiving>()) {
+  for (int peer = 0; peer < num_workers; ++peer) enabled_[peer].store(false);
+  receiving_->ranges.resize(static_cast<size_t>(num_workers));
+}
+
+IpcLinks::~IpcLinks() { StopPosting(); }
+
+Status IpcLinks::Export(size_t slice_bytes, std::string* handle) {
+  if (ipc_) return Status::InvalidArgument("worker " + std::to_string(rank_) + " exported its CUDA IPC region already");
+  if (num_workers_ < 2) return Status::InvalidArgument("CUDA IPC needs a peer; this job has one worker");
+  if (slice_bytes == 0 || slice_bytes % kAlignment != 0) {
+    return Status::InvalidArgument("a CUDA IPC landing slice must be a positive multiple of " +
+                                   std::to_string(kAlignment) + " bytes, not " + std::to_string(slice_bytes));
+  }
+  const size_t peers = static_cast<size_t>(num_workers_ - 1);
+  if (slice_bytes > SIZE_MAX / peers) return Status::InvalidArgument("the CUDA IPC landing region would overflow");
+  std::unique_ptr<DeviceIpc> ipc;
+  MLT_RETURN_IF_ERROR(device_->ExportIpc(slice_bytes * peers, &ipc));
+  {
+    std::lock_guard<std::mutex> lock(receiving_->mu);
+    for (int peer = 0; peer < num_workers_; ++peer) {
+      if (peer != rank_) receiving_->ranges[peer] = std::make_unique<ByteRanges>(slice_bytes);
+    }
+  }
+  slice_bytes_ = slice_bytes;
+  *handle = ipc->handle();
+  ipc_ = std::move(ipc);
+  return Status::Ok();
+}
+
+Status IpcLinks::OpenPeer(int peer, const std::string& handle, size_t slice_bytes) {
+  if (!ValidPeer(peer)) return Status::InvalidArgument("no peer rank " + std::to_string(peer) + " to open by CUDA IPC");
+  if (!ipc_) return Status::InvalidArgument("export this process's CUDA IPC region before opening peers'");
+  if (slice_bytes == 0 || slice_bytes % kAlignment != 0) {
+    return Status::InvalidArgument("peer " + std::to_string(peer) + "'s CUDA IPC slice of " +
+                                   std::to_string(slice_bytes) + " bytes is not a positive multiple of " +
+                                   std::to_string(kAlignment));
+  }
+  const size_t peers = static_cast<size_t>(num_workers_ - 1);
+  if (slice_bytes > SIZE_MAX / peers) return Status::InvalidArgument("peer's CUDA IPC region would overflow");
+  MLT_RETURN_IF_ERROR(ipc_->OpenPeer(peer, handle, slice_bytes * peers));
+  std::lock_guard<std::mutex> lock(send_mu_);
+  peer_slice_bytes_[peer] = slice_bytes;
+  sending_[peer] = std::make_unique<ByteRanges>(slice_bytes);
+  return Status::Ok();
+}
+
+Status IpcLinks::Enable(int peer) {
+  if (!ValidPeer(peer)) return Status::InvalidArgument("no peer rank " + std::to_string(peer) + " for CUDA IPC");
+  {
+    std::lock_guard<std::mutex> lock(send_mu_);
+    if (!ipc_ || peer_slice_bytes_[peer] == 0) {
+      return Status::InvalidArgument("CUDA IPC with rank " + std::to_string(peer) +
+                                     " needs this process's export and the peer's opened first");
+    }
+  }
+  enabled_[peer].store(true);
+  return Status::Ok();
+}
+
+bool IpcLinks::enabled(int peer) const { return ValidPeer(peer) && enabled_[peer].load(std::memory_order_acquire); }
+
+std::vector<int> IpcLinks::peers() const {
+  std::vector<int> out;
+  for (int peer = 0; peer < num_workers_; ++peer) {
+    if (enabled(peer)) out.push_back(peer);
+  }
+  return out;
+}
+
+void IpcLinks::SetPost(PostRelease post) {
+  std::lock_guard<std::mutex> lock(receiving_->mu);
+  receiving_->post = std::move(post);
+}
+
+void IpcLinks::StopPosting() {
+  std::lock_guard<std::mutex> lock(receiving_->mu);
+  receiving_->post = nullptr;
+}
+
+Status IpcLinks::TrySend(int peer, DeviceBuffer* buffer, const std::string& message_frame0, std::string* notice,
+                         bool* sent) {
+  *sent = false;
+  if (!enabled(peer) || buffer->count == 0) return Status::Ok();
+  const uint64_t bytes = buffer->count * sizeof(float);
+  IpcSpan span;
+  {
+    std::lock_guard<std::mutex> lock(send_mu_);
+    ByteRanges& ranges = *sending_[peer];
+    if (!ranges.FindFree(bytes, kAlignment, &span.offset)) {
+      ++send_stats_.fallbacks;
+      return Status::Ok();
+    }
+    MLT_RETURN_IF_ERROR(ranges.Claim(span.offset, bytes));
+    span.bytes = bytes;
+    const size_t at = static_cast<size_t>(SlotIn(peer, rank_)) * peer_slice_bytes_[peer] + span.offset;
+    DeviceEvent done;
+    const Status copied = ipc_->CopyToPeer(peer, at, buffer->data, bytes, buffer->ready, &done);
+    if (!copied.ok()) {
+      (void)ranges.Free(span.offset, bytes);
+      return copied.WithContext("worker " + std::to_string(rank_) + "'s CUDA IPC copy to worker " + std::to_string(peer));
+    }
+    buffer->last_use = std::move(done);
+    ++send_stats_.sent_messages;
+    send_stats_.sent_bytes += static_cast<int64_t>(bytes);
+  }
+  *notice = EncodeIpcNotice(rank_, peer, span, message_frame0);
+  *sent = true;
+  return Status::Ok();
+}
+
+Status IpcLinks::OnRelease(const IpcEnvelope& release) {
+  const int peer = release.sender;  // the process that read the payload
+  if (!enabled(peer)) {
+    return Status::CorruptMessage("a CUDA IPC release from worker " + std::to_string(peer) +
+                                  ", with which this process uses no CUDA IPC");
+  }
+  std::lock_guard<std::mutex> lock(send_mu_);
+  MLT_RETURN_IF_ERROR(sending_[peer]->Free(release.span.offset, release.span.bytes)
+                          .WithContext("a CUDA IPC release from worker " + std::to_string(peer)));
+  ++send_stats_.releases_received;
+  return Status::Ok();
+}
+
+Status IpcLinks::Land(const IpcEnvelope& notice, std::shared_ptr<DeviceBuffer>* out) {
+  const int sender = notice.sender;
+  const std::string from = "a CUDA IPC notice from worker " + std::to_string(sender);
+  if (!ipc_ || !enabled(sender)) return Status::CorruptMessage(from + ", with which this process uses no CUDA IPC");
+  const IpcSpan span = notice.span;
+  if (span.offset % sizeof(float) != 0 || span.bytes % sizeof(float) != 0) {
+    return Status::CorruptMessage(from + ": bytes [" + std::to_string(span.offset) + ", +" +
+                                  std::to_string(span.bytes) + ") are not whole floats");
+  }
+  {
+    std::lock_guard<std::mutex> lock(receiving_->mu);
+    MLT_RETURN_IF_ERROR(receiving_->ranges[sender]->Claim(span.offset, span.bytes).WithContext(from));
+  }
+  DeviceEvent ready;
+  const Status waited = ipc_->PeerWrites(sender, &ready);
+  if (!waited.ok()) {
+    std::lock_guard<std::mutex> lock(receiving_->mu);
+    (void)receiving_->ranges[sender]->Free(span.offset, span.bytes);
+    return waited;
+  }
+  auto* buffer = new DeviceBuffer();
+  char* base = reinterpret_cast<char*>(ipc_->region()) + static_cast<size_t>(SlotIn(rank_, sender)) * slice_bytes_;
+  buffer->data = reinterpret_cast<float*>(base + span.offset);
+  buffer->count = static_cast<size_t>(span.bytes / sizeof(float));
+  buffer->ready = std::move(ready);
+  buffer->borrowed = true;  // read-only: the sender's bytes
+  const int rank = rank_;
+  std::weak_ptr<Receiving> receiving = receiving_;
+  *out = std::shared_ptr<DeviceBuffer>(buffer, [receiving, rank, sender, span](DeviceBuffer* done) {
+    std::unique_ptr<DeviceBuffer> owned(done);
+    auto alive = receiving.lock();
+    if (!alive) return;
+    std::lock_guard<std::mutex> lock(alive->mu);
+    (void)alive->ranges[sender]->Free(span.offset, span.bytes);
+    if (!alive->post) return;  // the node is shutting down: the sender is done too
+    ++alive->stats.releases_sent;
+    alive->post(sender, EncodeIpcRelease(rank, sender, span), std::move(owned->last_use));
+  });
+  std::lock_guard<std::mutex> lock(receiving_->mu);
+  ++receiving_->stats.received_messages;
+  receiving_->stats.received_bytes += static_cast<int64_t>(span.bytes);
+  return Status::Ok();
+}
+
+Status IpcLinks::WaitDone(const DeviceEvent& event, int64_t timeout_ms) {
+  if (!event) return Status::Ok();
+  if (!ipc_) return device_->WaitEventDone(event);
+  return ipc_->WaitDone(event, timeout_ms);
+}
+
+IpcStats IpcLinks::stats() const {
+  IpcStats out;
+  {
+    std::lock_guard<std::mutex> lock(send_mu_);
+    out = send_stats_;
+  }
+  std::lock_guard<std::mutex> lock(receiving_->mu);
+  out.received_messages = receiving_->stats.received_messages;
+  out.received_bytes = receiving_->stats.received_bytes;
+  out.releases_sent = receiving_->stats.releases_sent;
+  return out;
+}
+
+}  // namespace mltuner

@@ -1,0 +1,112 @@
+// IpcLinks: a process's CUDA IPC with the processes of its host (issue 19,
+// item 3). Payloads of messages between their engines and shards go device
+// -> device; the socket carries only a small notice (wire/ipc_envelope.h).
+//
+// Layout: each process exports one landing region (Device::ExportIpc) made
+// of one slice of `slice_bytes` per peer, in rank order (this rank has
+// none). A sender owns its slice of each receiver's region: it places each
+// payload in a free range of it (cluster/byte_ranges.h), queues the copy
+// after the payload's producer, records its interprocess event, and sends
+// the notice. The receiver checks the notice's range against the sender's
+// slice (outside it, or over bytes still in use: refused as corrupt, never
+// read), makes its stream wait on the sender's event, and hands the bytes
+// on as a read-only device buffer. When that buffer's last reader lets go,
+// a release goes back (after the reads' ticket completes, which the send
+// thread waits for with a timeout) and the sender may use the range again.
+// A payload that finds no room in its slice, or a peer without IPC, goes
+// through pinned host frames as before: nothing ever waits for room here,
+// so the shard's replies keep their rule of never waiting.
+//
+// A pair of processes uses IPC only when both opened each other's export
+// (Enable, decided by the job from an exchange at the rendezvous), so a
+// notice never reaches a process that cannot read it.
+//
+// Thread safety: every method from any thread; Export, OpenPeer and Enable
+// before traffic starts. Landing buffers may die on any thread, also after
+// this object is gone (then nothing is posted).
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "cluster/byte_ranges.h"
+#include "memory/device_block.h"
+#include "mltuner/device.h"
+#include "mltuner/device_ipc.h"
+#include "mltuner/process_node.h"
+#include "mltuner/status.h"
+#include "wire/ipc_envelope.h"
+
+namespace mltuner {
+
+class IpcLinks {
+ public:
+  // Alignment of every payload placed in a slice (a float4 and a cache
+  // line of the GPU; the copies stay aligned).
+  static constexpr uint64_t kAlignment = 256;
+  // Queues a release for the transport: frame 0 for `receiver`, to leave
+  // once ticket `after` is complete.
+  using PostRelease = std::function<void(int receiver, std::string frame0, DeviceEvent after)>;
+
+  IpcLinks(int rank, int num_workers, std::shared_ptr<Device> device);
+  ~IpcLinks();
+  IpcLinks(const IpcLinks&) = delete;
+  IpcLinks& operator=(const IpcLinks&) = delete;
+
+  // Exports this process's landing region: one slice of `slice_bytes` (a
+  // multiple of kAlignment, > 0) per peer. *handle: what peers open.
+  Status Export(size_t slice_bytes, std::string* handle);
+  // Opens peer `peer`'s export, whose slices are `slice_bytes` each.
+  Status OpenPeer(int peer, const std::string& handle, size_t slice_bytes);
+  // Uses IPC with `peer` both ways. REQUIRES: exported, and peer opened.
+  Status Enable(int peer);
+  bool enabled(int peer) const;
+  std::vector<int> peers() const;
+  // Where releases go (the node's outbox); StopPosting ends it for good.
+  void SetPost(PostRelease post);
+  void StopPosting();
+
+  // Sender: tries to move `buffer`'s values (device memory, ready with its
+  // ticket) into peer's landing slice. *sent: whether it did; then *notice
+  // is frame 0 to send in place of the message's (whose frame 0 is
+  // `message_frame0`), and buffer->last_use the copy's ticket. Not sent:
+  // IPC is not enabled for `peer`, or the slice has no room (counted as a
+  // fallback). Fails only when the device does.
+  Status TrySend(int peer, DeviceBuffer* buffer, const std::string& message_frame0, std::string* notice, bool* sent);
+  // Sender: a release from the peer that received a payload.
+  Status OnRelease(const IpcEnvelope& release);
+  // Receiver: checks a notice's span against its sender's slice and claims
+  // it; *out: a read-only buffer over the landed bytes, ready once the
+  // sender's copy is. kCorruptMessage naming the problem otherwise.
+  Status Land(const IpcEnvelope& notice, std::shared_ptr<DeviceBuffer>* out);
+  // Blocks until ticket `event` completes, up to timeout_ms (kTimeout).
+  Status WaitDone(const DeviceEvent& event, int64_t timeout_ms);
+
+  IpcStats stats() const;
+
+ private:
+  struct Receiving;  // shared with the landing buffers' deleters
+  // This process's slot in a region of `peer` (rank order, skipping peer).
+  int SlotIn(int owner, int peer) const { return peer < owner ? peer : peer - 1; }
+  bool ValidPeer(int peer) const { return peer >= 0 && peer < num_workers_ && peer != rank_; }
+
+  const int rank_;
+  const int num_workers_;
+  const std::shared_ptr<Device> device_;
+  std::unique_ptr<DeviceIpc> ipc_;       // set by Export
+  size_t slice_bytes_ = 0;               // of this process's region
+  std::vector<size_t> peer_slice_bytes_;  // of each opened peer's region; 0: not open
+  std::unique_ptr<std::atomic<bool>[]> enabled_;
+  mutable std::mutex send_mu_;           // the copy and its event record, in one order
+  std::vector<std::unique_ptr<ByteRanges>> sending_;  // per peer: my slice of its region; guarded by send_mu_
+  IpcStats send_stats_;                  // guarded by send_mu_
+  std::shared_ptr<Receiving> receiving_;
+};
+
+}  // namespace mltuner

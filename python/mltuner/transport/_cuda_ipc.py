@@ -1,0 +1,125 @@
+"""CUDA IPC between the processes of one host (GPU engines).
+
+At the rendezvous each process with a CUDA engine exports a landing region
+(one slice per peer) and an interprocess event, and puts their handle in its
+card. After the cards are exchanged, each opens the exports of the peers on
+its host (same :func:`~mltuner.transport._address.host_identity`), and the
+ranks tell each other which they opened (an allgather on the control
+channel): a pair uses CUDA IPC only when both sides opened the other's, so
+a notice never reaches a process that cannot read it. Everything else, and
+every payload that finds its slice full, goes through pinned host frames
+over the socket as before (``cpp/src/cluster/ipc_links.h`` has the protocol).
+
+Settings: ``Job(cuda_ipc=...)`` or ``MLTUNER_CUDA_IPC`` (``1``/``0``;
+default on) and ``Job(cuda_ipc_slice_bytes=...)`` or
+``MLTUNER_CUDA_IPC_SLICE_BYTES`` (default 256 MiB per peer, device memory
+outside the engine's budget). The path chosen for each peer is logged and
+kept in ``Job.data_paths``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from mltuner import _core
+from mltuner.exceptions import InvalidArgumentError, MltunerError
+from mltuner.transport._address import Card
+
+__all__ = ["DEFAULT_SLICE_BYTES", "cuda_ipc_wanted", "slice_bytes_setting", "export", "connect"]
+
+_log = logging.getLogger("mltuner.transport")
+DEFAULT_SLICE_BYTES = 256 << 20
+_ALIGNMENT = 256  # IpcLinks::kAlignment
+_GATHER = "mltuner-cuda-ipc"
+CUDA_IPC = "cuda-ipc"
+HOST_FRAMES = "host-frames"
+
+
+def cuda_ipc_wanted(setting: bool | None, env: Mapping[str, str] | None = None) -> bool:
+    """``setting`` when given, else ``MLTUNER_CUDA_IPC`` (default on)."""
+    if setting is not None:
+        return setting
+    raw = (env if env is not None else os.environ).get("MLTUNER_CUDA_IPC", "").strip().lower()
+    if raw in ("", "1", "on", "true", "yes"):
+        return True
+    if raw in ("0", "off", "false", "no"):
+        return False
+    raise InvalidArgumentError(f"MLTUNER_CUDA_IPC={raw!r} is not one of 1, 0, on, off, true, false, yes, no")
+
+
+def slice_bytes_setting(setting: int | None, env: Mapping[str, str] | None = None) -> int:
+    """The landing slice per peer: ``setting``, else
+    ``MLTUNER_CUDA_IPC_SLICE_BYTES``, else :data:`DEFAULT_SLICE_BYTES`;
+    rounded up to 256 bytes."""
+    if setting is None:
+        raw = (env if env is not None else os.environ).get("MLTUNER_CUDA_IPC_SLICE_BYTES", "").strip()
+        try:
+            setting = int(raw) if raw else DEFAULT_SLICE_BYTES
+        except ValueError:
+            raise InvalidArgumentError(f"MLTUNER_CUDA_IPC_SLICE_BYTES={raw!r} is not an integer") from None
+    if isinstance(setting, bool) or not isinstance(setting, int) or not 1 <= setting <= 1 << 40:
+        raise InvalidArgumentError(f"the CUDA IPC slice must be an integer in [1, 2**40] bytes, got {setting!r}")
+    return -(-setting // _ALIGNMENT) * _ALIGNMENT
+
+
+def export(node: _core.ProcessNode, device: str, wanted: bool, slice_bytes: int) -> tuple[dict[str, Any] | None, str]:
+    """This process's card entry (None when it offers no CUDA IPC) and why
+    not, in words."""
+    if not wanted:
+        return None, "turned off (Job(cuda_ipc=False) or MLTUNER_CUDA_IPC=0)"
+    if device != "cuda":
+        return None, f"a {device} engine"
+    try:
+        handle = node.export_cuda_ipc(slice_bytes)
+    except MltunerError as error:
+        _log.warning("mltuner: rank %d cannot export CUDA IPC memory, so its peers on this host get host frames: %s",
+                     node.rank, error)
+        return None, f"export failed: {error}"
+    return {"handle": handle.hex(), "slice_bytes": slice_bytes}, ""
+
+
+def connect(node: _core.ProcessNode, mine: Card, cards: list[Card], why_not: str,
+            allgather: Callable[[str, Any], list[Any]]) -> dict[int, str]:
+    """Opens the exports of the peers on this host, agrees with them which
+    pairs use CUDA IPC, and enables those. Every rank calls it with the same
+    cards (it calls ``allgather`` only when some card offers CUDA IPC).
+    Returns each peer's data path in words: ``"cuda-ipc"`` or
+    ``"host-frames (<why>)"``."""
+    rank = int(node.rank)
+    peers = [r for r in range(len(cards)) if r != rank]
+    reasons: dict[int, str] = {}
+    opened: list[int] = []
+    for peer in peers:
+        theirs = cards[peer]
+        if mine.cuda_ipc is None:
+            reasons[peer] = why_not
+        elif theirs.host != mine.host:
+            reasons[peer] = "another host"
+        elif theirs.cuda_ipc is None:
+            reasons[peer] = "the peer offers no CUDA IPC"
+        else:
+            try:
+                handle = bytes.fromhex(theirs.cuda_ipc["handle"])
+            except ValueError:
+                reasons[peer] = "the peer's handle is not hex"
+                continue
+            try:
+                node.open_cuda_ipc_peer(peer, handle, int(theirs.cuda_ipc["slice_bytes"]))
+                opened.append(peer)
+            except MltunerError as error:
+                reasons[peer] = f"opening its export failed: {error}"
+    if any(card.cuda_ipc is not None for card in cards):
+        everyone = allgather(_GATHER, opened)
+        for peer in opened:
+            theirs = everyone[peer]
+            if isinstance(theirs, list) and rank in theirs:
+                node.enable_cuda_ipc_peer(peer)
+            else:
+                reasons[peer] = "the peer could not open this process's export"
+    paths = {peer: CUDA_IPC if peer not in reasons else f"{HOST_FRAMES} ({reasons[peer]})" for peer in peers}
+    for peer, path in paths.items():
+        _log.info("mltuner: rank %d -> rank %d: device payloads by %s", rank, peer, path)
+    return paths

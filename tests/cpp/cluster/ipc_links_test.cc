@@ -1,0 +1,287 @@
+// CUDA IPC between processes of one host, on the CPU: the protocol of
+// cluster/ipc_links.h run over a fake DeviceIpc whose landing regions are
+// host memory and whose handles are addresses (both nodes live in this
+// process). Covers: ByteRanges, the envelopes' encoding and refusals,
+// training through the IPC path bit-identical to one process (and with a
+// slice too small for some payloads, which fall back to host frames), and
+// the refusal of malformed notices and releases, none of which reads or
+// writes out of bounds. The real CUDA path is tests/python/.../test_cuda_ipc.py.
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "cluster/byte_ranges.h"
+#include "cluster/ipc_links.h"
+#include "cluster/two_process_model.h"
+#include "forwarding_device.h"
+#include "mltuner/device_ipc.h"
+#include "mltuner/process_node.h"
+#include "test_util.h"
+#include "wire/ipc_envelope.h"
+#include "wire/message.h"
+
+using namespace mltuner;
+
+namespace {
+
+// A landing region in host memory; the handle is its address and size.
+class HostIpc final : public DeviceIpc {
+ public:
+  explicit HostIpc(size_t bytes) : region_(bytes / sizeof(float) + 1, 0.0f), bytes_(bytes) {
+    handle_.resize(2 * sizeof(uint64_t));
+    const auto address = reinterpret_cast<uint64_t>(region_.data());
+    const uint64_t size = bytes;
+    std::memcpy(&handle_[0], &address, sizeof(address));
+    std::memcpy(&handle_[sizeof(address)], &size, sizeof(size));
+  }
+  float* region() const override { return const_cast<float*>(region_.data()); }
+  size_t region_bytes() const override { return bytes_; }
+  const std::string& handle() const override { return handle_; }
+  Status OpenPeer(int peer, const std::string& handle, size_t region_bytes) override {
+    if (handle.size() != 2 * sizeof(uint64_t)) return Status::InvalidArgument("bad fake handle");
+    uint64_t address = 0, size = 0;
+    std::memcpy(&address, handle.data(), sizeof(address));
+    std::memcpy(&size, handle.data() + sizeof(address), sizeof(size));
+    if (size != region_bytes) return Status::InvalidArgument("fake handle of another size");
+    std::lock_guard<std::mutex> lock(mu_);
+    peers_[peer] = {reinterpret_cast<char*>(address), size};
+    return Status::Ok();
+  }
+  Status CopyToPeer(int peer, size_t offset, const void* src, size_t bytes, const DeviceEvent&, DeviceEvent* done) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto found = peers_.find(peer);
+    if (found == peers_.end()) return Status::InvalidArgument("peer not open");
+    if (offset > found->second.second || bytes > found->second.second - offset) {
+      return Status::InvalidArgument("copy outside the peer's region");
+    }
+    std::memcpy(found->second.first + offset, src, bytes);
+    done->reset();
+    return Status::Ok();
+  }
+  Status PeerWrites(int, DeviceEvent* ready) override {
+    ready->reset();
+    return Status::Ok();
+  }
+  Status WaitDone(const DeviceEvent&, int64_t) override { return Status::Ok(); }
+
+ private:
+  std::vector<float> region_;
+  size_t bytes_;
+  std::string handle_;
+  std::mutex mu_;
+  std::map<int, std::pair<char*, size_t>> peers_;
+};
+
+class HostIpcDevice final : public ForwardingDevice {
+ public:
+  Status ExportIpc(size_t region_bytes, std::unique_ptr<DeviceIpc>* out) override {
+    *out = std::make_unique<HostIpc>(region_bytes);
+    return Status::Ok();
+  }
+};
+
+Config TestConfig() {
+  Config config;
+  config.wait_timeout_ms = 10000;
+  config.update_rule.kind = UpdateRuleKind::kSgd;
+  config.update_rule.learning_rate = 0.5f;
+  return config;
+}
+
+Status MakeHostIpcDevice(int, std::unique_ptr<Device>* out) {
+  *out = std::make_unique<HostIpcDevice>();
+  return Status::Ok();
+}
+
+// Both nodes export slices of `slice` bytes, open each other's, enable.
+testing::NodesSetup LinkBoth(size_t slice) {
+  return [slice](std::unique_ptr<ProcessNode>* nodes) {
+    std::string handle[2];
+    for (int rank = 0; rank < 2; ++rank) ASSERT_OK(nodes[rank]->ExportCudaIpc(slice, &handle[rank]));
+    for (int rank = 0; rank < 2; ++rank) ASSERT_OK(nodes[rank]->OpenCudaIpcPeer(1 - rank, handle[1 - rank], slice));
+    for (int rank = 0; rank < 2; ++rank) ASSERT_OK(nodes[rank]->EnableCudaIpcPeer(1 - rank));
+  };
+}
+
+void ExpectSame(const std::vector<float>& a, const std::vector<float>& b) {
+  ASSERT_TRUE(a.size() == b.size());
+  EXPECT_TRUE(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+}
+
+}  // namespace
+
+TEST(ByteRangesPlaceClaimAndFree) {
+  ByteRanges ranges(1024);
+  uint64_t at = 1;
+  ASSERT_TRUE(ranges.FindFree(100, 256, &at));
+  EXPECT_EQ(at, 0u);
+  ASSERT_OK(ranges.Claim(0, 100));
+  ASSERT_TRUE(ranges.FindFree(300, 256, &at));
+  EXPECT_EQ(at, 256u);
+  ASSERT_OK(ranges.Claim(256, 300));
+  ASSERT_TRUE(ranges.FindFree(256, 256, &at));
+  EXPECT_EQ(at, 768u);
+  EXPECT_TRUE(!ranges.FindFree(257, 256, &at));  // 768 + 257 > 1024; the gap 100..256 is too small
+  ASSERT_OK(ranges.Free(0, 100));
+  ASSERT_TRUE(ranges.FindFree(256, 256, &at));
+  EXPECT_EQ(at, 0u);  // first fit, out of order release
+  EXPECT_EQ(ranges.used_bytes(), 300u);
+  EXPECT_TRUE(!ranges.FindFree(2048, 256, &at));
+  EXPECT_TRUE(!ranges.FindFree(0, 256, &at));
+}
+
+TEST(ByteRangesRefuseWhatNoSenderMayClaim) {
+  ByteRanges ranges(1024);
+  ASSERT_OK(ranges.Claim(256, 256));
+  EXPECT_CODE(ranges.Claim(0, 0), StatusCode::kCorruptMessage);                   // empty
+  EXPECT_CODE(ranges.Claim(1000, 100), StatusCode::kCorruptMessage);              // past the end
+  EXPECT_CODE(ranges.Claim(2048, 4), StatusCode::kCorruptMessage);                // starts past the end
+  EXPECT_CODE(ranges.Claim(UINT64_MAX - 3, 8), StatusCode::kCorruptMessage);      // wraps around
+  EXPECT_CODE(ranges.Claim(8, UINT64_MAX - 4), StatusCode::kCorruptMessage);      // wraps around
+  EXPECT_CODE(ranges.Claim(200, 100), StatusCode::kCorruptMessage);               // overlaps from below
+  EXPECT_CODE(ranges.Claim(300, 4), StatusCode::kCorruptMessage);                 // inside
+  EXPECT_CODE(ranges.Claim(500, 100), StatusCode::kCorruptMessage);               // overlaps from above
+  EXPECT_CODE(ranges.Free(256, 255), StatusCode::kCorruptMessage);                // not the claimed range
+  EXPECT_CODE(ranges.Free(0, 4), StatusCode::kCorruptMessage);                    // never claimed
+  ASSERT_OK(ranges.Claim(0, 256));                                                // adjacent is fine
+  ASSERT_OK(ranges.Claim(512, 512));
+  EXPECT_EQ(ranges.used_bytes(), 1024u);
+}
+
+TEST(IpcEnvelopesRoundTripAndRefuseMalformedFrames) {
+  Message inner = NewMessage(MessageType::kRows, 1, 0, 3);
+  inner.header.row_width = 2;
+  inner.spans = {{0, 4}};
+  inner.header.num_spans = 1;
+  const std::string inner0 = EncodeHeaderFrame(inner);
+  const std::string notice = EncodeIpcNotice(1, 0, IpcSpan{512, 32}, inner0);
+  ASSERT_TRUE(IsIpcEnvelope(notice.data(), notice.size()));
+  IpcEnvelope envelope;
+  ASSERT_OK(DecodeIpcEnvelope(notice.data(), notice.size(), 0, &envelope));
+  EXPECT_TRUE(envelope.type == MessageType::kIpcNotice);
+  EXPECT_EQ(envelope.sender, 1);
+  EXPECT_EQ(envelope.receiver, 0);
+  EXPECT_EQ(envelope.span.offset, 512u);
+  EXPECT_EQ(envelope.span.bytes, 32u);
+  ASSERT_TRUE(envelope.inner_bytes == inner0.size());
+  EXPECT_TRUE(std::memcmp(envelope.inner, inner0.data(), inner0.size()) == 0);
+  const std::string release = EncodeIpcRelease(0, 1, IpcSpan{512, 32});
+  ASSERT_OK(DecodeIpcEnvelope(release.data(), release.size(), 0, &envelope));
+  EXPECT_TRUE(envelope.type == MessageType::kIpcRelease);
+  EXPECT_TRUE(envelope.inner == nullptr);
+
+  // A payload frame beside an envelope, a truncated or lengthened frame 0,
+  // a release with more than its span, a notice without its message.
+  EXPECT_CODE(DecodeIpcEnvelope(notice.data(), notice.size(), 4, &envelope), StatusCode::kCorruptMessage);
+  EXPECT_CODE(DecodeIpcEnvelope(notice.data(), notice.size() - 1, 0, &envelope), StatusCode::kCorruptMessage);
+  EXPECT_CODE(DecodeIpcEnvelope((notice + "x").data(), notice.size() + 1, 0, &envelope), StatusCode::kCorruptMessage);
+  std::string long_release = EncodeIpcNotice(0, 1, IpcSpan{0, 4}, "abcd");
+  long_release[6] = static_cast<char>(MessageType::kIpcRelease);  // the type field (little-endian uint16)
+  EXPECT_CODE(DecodeIpcEnvelope(long_release.data(), long_release.size(), 0, &envelope), StatusCode::kCorruptMessage);
+  const std::string empty_notice = EncodeIpcNotice(1, 0, IpcSpan{0, 4}, "");
+  EXPECT_CODE(DecodeIpcEnvelope(empty_notice.data(), empty_notice.size(), 0, &envelope), StatusCode::kCorruptMessage);
+  // An envelope is never one message: DecodeMessage refuses it.
+  Message decoded;
+  EXPECT_CODE(DecodeMessage(notice.data(), notice.size(), nullptr, 0, &decoded), StatusCode::kCorruptMessage);
+}
+
+TEST(TrainingThroughIpcIsBitIdenticalToOneProcess) {
+  const Config config = TestConfig();
+  constexpr int kClocks = 16;
+  std::vector<float> local[2];
+  testing::TrainInOneProcess(config, kClocks, local);
+  testing::TwoNodeRun remote;
+  testing::TrainInTwoProcesses(config, MakeHostIpcDevice, kClocks, &remote, {}, false, /*batches=*/true,
+                               LinkBoth(size_t{1} << 20));
+  EXPECT_EQ(remote.refused, 0);
+  EXPECT_EQ(remote.rejected, 0);
+  for (int rank = 0; rank < 2; ++rank) {
+    ExpectSame(remote.values[rank], local[rank]);
+    const IpcStats& ipc = remote.ipc[rank];
+    const IpcStats& peer = remote.ipc[1 - rank];
+    // Every device payload went device -> device: updates and rows of two
+    // tables each clock, none by a host frame.
+    EXPECT_TRUE(ipc.sent_messages >= 4 * kClocks);
+    EXPECT_EQ(ipc.fallbacks, 0);
+    EXPECT_EQ(remote.by_host[rank], 0);
+    EXPECT_EQ(ipc.sent_bytes, peer.received_bytes);
+    EXPECT_EQ(ipc.sent_messages, peer.received_messages);
+    // Landed payloads go back to their senders once read (the last few
+    // may still be on the wire when it stops).
+    EXPECT_TRUE(ipc.releases_received > 0 && ipc.releases_received <= ipc.sent_messages);
+    EXPECT_TRUE(peer.releases_sent >= ipc.releases_received);
+  }
+}
+
+TEST(PayloadsThatDoNotFitTheSliceFallBackToHostFrames) {
+  // 256 bytes: the update of table b's slice (7 rows x 5 floats = 140 bytes)
+  // fits one at a time; table a's (20 rows x 7 floats = 560) never does.
+  const Config config = TestConfig();
+  constexpr int kClocks = 8;
+  std::vector<float> local[2];
+  testing::TrainInOneProcess(config, kClocks, local);
+  testing::TwoNodeRun remote;
+  testing::TrainInTwoProcesses(config, MakeHostIpcDevice, kClocks, &remote, {}, false, false, LinkBoth(256));
+  EXPECT_EQ(remote.refused, 0);
+  EXPECT_EQ(remote.rejected, 0);
+  for (int rank = 0; rank < 2; ++rank) {
+    ExpectSame(remote.values[rank], local[rank]);
+    EXPECT_TRUE(remote.ipc[rank].sent_messages > 0);
+    EXPECT_TRUE(remote.ipc[rank].fallbacks > 0);
+    EXPECT_TRUE(remote.by_host[rank] > 0);
+  }
+}
+
+TEST(MalformedNoticesAndReleasesAreRefusedNeverRead) {
+  std::unique_ptr<ProcessNode> nodes[2];
+  for (int rank = 0; rank < 2; ++rank) {
+    std::unique_ptr<Device> device;
+    ASSERT_OK(MakeHostIpcDevice(rank, &device));
+    ASSERT_OK(ProcessNode::Create(TestConfig(), rank, 2, std::move(device), &nodes[rank]));
+  }
+  LinkBoth(1024)(nodes);
+  ProcessNode& node = *nodes[0];
+  // A rows message of 4 rows x 2 floats = 32 bytes, "from" rank 1.
+  Message rows = NewMessage(MessageType::kRows, 1, 0, 0);
+  rows.header.row_width = 2;
+  rows.spans = {{0, 4}};
+  rows.header.num_spans = 1;
+  const std::string inner = EncodeHeaderFrame(rows);
+  const auto deliver = [&](const std::string& frame0) { return node.Deliver(frame0.data(), frame0.size(), nullptr, 0); };
+  int refused = 0;
+  const auto refuses = [&](const std::string& frame0) {
+    const Status status = deliver(frame0);
+    ++refused;
+    return status.code() == StatusCode::kCorruptMessage;
+  };
+  EXPECT_TRUE(refuses(EncodeIpcNotice(1, 0, IpcSpan{1024, 32}, inner)));                // starts at the slice's end
+  EXPECT_TRUE(refuses(EncodeIpcNotice(1, 0, IpcSpan{1000, 32}, inner)));                // runs past it
+  EXPECT_TRUE(refuses(EncodeIpcNotice(1, 0, IpcSpan{UINT64_MAX - 15, 32}, inner)));     // wraps around
+  EXPECT_TRUE(refuses(EncodeIpcNotice(1, 0, IpcSpan{2, 32}, inner)));                   // not float-aligned
+  EXPECT_TRUE(refuses(EncodeIpcNotice(1, 0, IpcSpan{0, 36}, inner)));                   // size != the spans' rows
+  EXPECT_TRUE(refuses(EncodeIpcNotice(1, 0, IpcSpan{0, UINT64_MAX - 3}, inner)));       // absurd size
+  EXPECT_TRUE(refuses(EncodeIpcNotice(0, 0, IpcSpan{0, 32}, inner)));                   // from itself
+  EXPECT_TRUE(refuses(EncodeIpcNotice(1, 1, IpcSpan{0, 32}, inner)));                   // for another rank
+  EXPECT_TRUE(refuses(EncodeIpcNotice(7, 0, IpcSpan{0, 32}, inner)));                   // from no rank
+  Message spoofed = rows;
+  spoofed.header.sender = 0;
+  EXPECT_TRUE(refuses(EncodeIpcNotice(1, 0, IpcSpan{0, 32}, EncodeHeaderFrame(spoofed))));  // inner sender differs
+  EXPECT_TRUE(refuses(EncodeIpcRelease(1, 0, IpcSpan{0, 32})));                         // releases nothing sent
+  EXPECT_EQ(node.rejected_messages(), refused);
+  // A node whose peer has no IPC enabled refuses every notice.
+  std::unique_ptr<ProcessNode> plain;
+  ASSERT_OK(ProcessNode::Create(TestConfig(), 0, 2, nullptr, &plain));
+  const std::string valid = EncodeIpcNotice(1, 0, IpcSpan{0, 32}, inner);
+  EXPECT_CODE(plain->Deliver(valid.data(), valid.size(), nullptr, 0), StatusCode::kCorruptMessage);
+  EXPECT_EQ(plain->rejected_messages(), 1);
+  std::string handle;
+  EXPECT_CODE(plain->ExportCudaIpc(1024, &handle), StatusCode::kInvalidArgument);  // a CPU device has none
+  EXPECT_CODE(plain->EnableCudaIpcPeer(1), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(plain->cuda_ipc_peers().empty());
+}
+
+MLT_TEST_MAIN

@@ -1,0 +1,103 @@
+"""CUDA IPC between two processes on one GPU: the path is taken, and the
+results equal those of the pinned-host-frame path bit for bit.
+
+Runs real processes on 127.0.0.1 (tests/python/gpu/cuda_ipc_worker.py), both
+on GPU 0. Self-diagnosing: each worker prints the data path it chose per
+peer and its transport counters, and a failure shows every worker's output
+(including any cudaIpc* error that sent it to host frames).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mltuner as mlt
+from mltuner.launch._env import free_port
+
+pytestmark = pytest.mark.gpu
+
+if mlt.cuda_device_count() == 0:
+    pytest.skip(f"needs the CUDA backend and a visible GPU (built with CUDA: {mlt.cuda_built()}, "
+                f"devices: {mlt.cuda_device_count()})", allow_module_level=True)
+pytest.importorskip("torch")
+
+WORKER = Path(__file__).with_name("cuda_ipc_worker.py")
+
+
+def run_pair(out: Path, cuda_ipc: bool, *args: str, timeout_s: float = 180.0) -> list[dict]:
+    """Two ranks on GPU 0; returns each rank's json report plus its arrays
+    and output. Raises with both outputs when a rank fails."""
+    out.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, MLTUNER_RANK=str(rank), MLTUNER_WORLD_SIZE="2", MLTUNER_LOCAL_RANK="0",
+                   MLTUNER_MASTER_ADDR="127.0.0.1", MLTUNER_MASTER_PORT=str(port), MLTUNER_SECRET="test-secret",
+                   MLTUNER_CUDA_IPC="1" if cuda_ipc else "0", PYTHONUNBUFFERED="1")
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), "--out", str(out), *args], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=timeout_s)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    report = "\n".join(f"--- rank {r} (exit {p.returncode}, cuda_ipc={cuda_ipc}) ---\n{o}"
+                       for r, (p, o) in enumerate(zip(procs, outputs)))
+    print(report)
+    assert all(p.returncode == 0 for p in procs), report
+    results = []
+    for rank in range(2):
+        result = json.loads((out / f"rank-{rank}.json").read_text())
+        with np.load(out / f"rank-{rank}.npz") as arrays:
+            result["arrays"] = dict(arrays)
+        result["output"] = outputs[rank]
+        results.append(result)
+    return results
+
+
+def test_two_processes_on_one_gpu_take_cuda_ipc_and_match_host_frames(tmp_path: Path) -> None:
+    ipc = run_pair(tmp_path / "ipc", True, "--clocks", "10")
+    host = run_pair(tmp_path / "host", False, "--clocks", "10")
+    for rank in range(2):
+        peer = str(1 - rank)
+        on, off = ipc[rank], host[rank]
+        # The path taken, asserted from both the choice and the counters.
+        assert on["data_paths"] == {peer: "cuda-ipc"}, on["output"]
+        assert on["stats"]["cuda_ipc_sent_bytes"] > 0 and on["stats"]["cuda_ipc_received_bytes"] > 0, on["stats"]
+        assert on["stats"]["device_payload_bytes_by_host"] == 0, on["stats"]  # no fallback: every payload by IPC
+        assert on["stats"]["cuda_ipc_fallbacks"] == 0, on["stats"]
+        assert off["data_paths"][peer].startswith("host-frames (turned off"), off["output"]
+        assert off["stats"]["cuda_ipc_sent_bytes"] == 0 and off["stats"]["device_payload_bytes_by_host"] > 0
+        # What one sends by IPC, the other receives.
+        assert on["stats"]["cuda_ipc_sent_bytes"] == ipc[1 - rank]["stats"]["cuda_ipc_received_bytes"]
+        # Same bits by either path, every clock and at the end.
+        for name in ("seen", "final_big", "final_small"):
+            np.testing.assert_array_equal(on["arrays"][name], off["arrays"][name], err_msg=f"rank {rank} {name}")
+        assert np.any(on["arrays"]["final_big"] != ipc[0]["arrays"]["seen"][0]), "training changed nothing"
+    np.testing.assert_array_equal(ipc[0]["arrays"]["final_big"], ipc[1]["arrays"]["final_big"])
+
+
+def test_payloads_larger_than_the_slice_fall_back_and_still_match(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A 64 KiB slice: "small"'s payloads fit, "big"'s (512 KiB per shard) do not.
+    monkeypatch.setenv("MLTUNER_CUDA_IPC_SLICE_BYTES", str(64 << 10))
+    ipc = run_pair(tmp_path / "ipc", True, "--clocks", "6")
+    monkeypatch.delenv("MLTUNER_CUDA_IPC_SLICE_BYTES")
+    host = run_pair(tmp_path / "host", False, "--clocks", "6")
+    for rank in range(2):
+        stats = ipc[rank]["stats"]
+        assert ipc[rank]["data_paths"] == {str(1 - rank): "cuda-ipc"}, ipc[rank]["output"]
+        assert stats["cuda_ipc_sent_bytes"] > 0 and stats["cuda_ipc_fallbacks"] > 0, stats
+        assert stats["device_payload_bytes_by_host"] > 0, stats
+        for name in ("seen", "final_big", "final_small"):
+            np.testing.assert_array_equal(ipc[rank]["arrays"][name], host[rank]["arrays"][name])

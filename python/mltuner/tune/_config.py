@@ -113,6 +113,18 @@ class TunerConfig:
             the ones that can help late in training (a smaller batch or more
             staleness rarely does). Names not searched in the space are
             ignored; None searches every tunable, as the initial search.
+        batch_check: after the first validation of each training stretch
+            (the steep start is over), compare the current setting with the
+            next larger batch size of the space, its learning rate scaled
+            by the same factor (the linear scaling rule, clipped to the
+            range): two trials of the last search's trial time from the
+            training branch, the larger batch kept when its progress per
+            second is better, and checked again at once while it wins.
+            Short trials from the untrained model favour small batches
+            (more steps per second) whatever they cost per epoch, and a
+            re-tune searches only ``retune_tunables``. Paid like a re-tune
+            from the searches' allowance, else from ``max_search_share``
+            of the time trained since the last search (as a climb check).
         rollback: keep a frozen copy of the best-validated model and roll
             back to it when training collapses (the guard, see below).
         rollback_margin: roll back when two validation accuracies in a
@@ -149,6 +161,7 @@ class TunerConfig:
     max_search_share: float | None = 0.2
     floor_trials: int = 4
     retune_tunables: tuple[str, ...] | None = ("lr", "momentum")
+    batch_check: bool = True
     rollback: bool = True
     rollback_margin: float = 0.05
     guard_chunks_per_epoch: int = 4

@@ -22,6 +22,7 @@ from mltuner.tune._config import TunerConfig
 from mltuner.tune._errors import TuningError
 from mltuner.tune.tuner._guard import Alarm, TrainingGuard
 from mltuner.tune._log import DecisionLog
+from mltuner.tune.tuner._batch_check import BatchCheck
 from mltuner.tune.tuner._search import SearchBudget, SearchEpisode, SearchResult, run_clocks
 from mltuner.tune.tuner._searcher import Searcher, open_storage
 from mltuner.tune._space import Choice, LogUniform, SearchSpace, Uniform
@@ -223,7 +224,9 @@ class _Stretch:
     guard: TrainingGuard
     accuracies: list[float] = dataclasses.field(default_factory=list)
     first_epoch: int = 0
-    batch_checked: bool = False  # its setting was checked against a larger batch
+    batch_done: bool = False     # no larger batch to check against
+    batch_lost: int = 0          # checks its setting won against a larger batch
+    batch_chosen: bool = False   # its batch size came from a search over batch sizes
 
 
 class _End(Exception):
@@ -406,29 +409,44 @@ class Tuner:
                     and epochs - self._last_search_epoch >= config.retune_every_epochs)
         if config.retune != "off" and self._space.searched and (plateau or periodic):
             return self._retune(stretch, plateau=plateau)
-        if config.batch_check and not stretch.batch_checked:
+        if config.batch_check and not stretch.batch_done:
             return self._batch_check(stretch)
         return stretch
 
     def _batch_check(self, stretch: _Stretch) -> _Stretch:
         """After a stretch's first validation (the steep start is over): its
         setting against the next larger batch with the learning rate scaled
-        alike (:func:`larger_batch`), two trials of the last search's trial
-        time, checked again at once while the larger batch wins. Short
-        trials from the untrained model pick a small batch for its many
-        steps per second, whatever it costs per epoch (seen: batch 32 at 20
-        s an epoch where batch 256 took 5 s and reached the target 6x
-        sooner); a re-tune keeps the batch size. Paid from the searches'
-        allowance, else from max_search_share of the time trained since the
-        last search (as a climb check); waits for the next validation when
-        neither pays. Returns the stretch that trains next."""
+        alike (:func:`larger_batch`, :class:`BatchCheck`), checked again at
+        once while the larger batch wins. Short trials from the untrained
+        model pick a small batch for its many steps per second, whatever it
+        costs per epoch (seen: batch 32 at 20 s an epoch where batch 256
+        took 5 s and reached the target 6x sooner), and a re-tune keeps the
+        batch size. A check that completes a choice of batch size (the
+        stretch's batch came from a search over batch sizes, or from a
+        check it won) is paid as part of that search, as the initial search
+        always gets its share; any other from the searches' allowance, else
+        from max_search_share of the time trained since the last search (as
+        a climb check), and waits for the next validation when neither
+        pays. Returns the stretch that trains next."""
+        config = self._config
         while True:
             larger = larger_batch(self._space, stretch.tunables)
-            if larger is None or self._excluded(larger) or self._trial_time is None:
-                stretch.batch_checked = True
+            if (larger is None or self._excluded(larger) or self._trial_time is None
+                    or self._clock_seconds is None):
+                stretch.batch_done = True
                 return stretch
-            least = self._least_retune_s()
-            budget, paid = self._check_budget(least)
+            # Long enough to average a trained model's loss noise: the trial
+            # time, and at least a guard chunk of the current setting.
+            per_epoch = self._system.clocks_per_epoch(stretch.tunables)
+            chunk = max(config.num_progress_samples,
+                        math.ceil(per_epoch / config.guard_chunks_per_epoch))
+            length = max(self._trial_time, chunk * self._clock_seconds)
+            least = 2 * (length + config.num_progress_samples * self._clock_seconds)
+            budget: float | None
+            if stretch.batch_chosen and not stretch.batch_lost:
+                budget, paid = least, "choice"
+            else:
+                budget, paid = self._check_budget(least, trained_only=stretch.batch_lost > 0)
             epochs = len(self._accuracies)
             if budget is None:
                 self._note("retune_skipped", branch=stretch.branch, tunables=stretch.tunables,
@@ -436,39 +454,62 @@ class Tuner:
                            search_seconds=self._search_seconds,
                            left_s=self._retune_affordable(floor=False), least_s=least)
                 return stretch
+            index = len(self._studies)
+            name = f"{self._prefix}-batch-{index}"
             self._note("retune", branch=stretch.branch, tunables=stretch.tunables, epoch=epochs,
-                       reason="batch", check="batch", budget_s=budget, paid=paid, larger=larger)
+                       reason="batch", check="batch", budget_s=budget, paid=paid,
+                       larger=larger, length_s=length)
             space = self._space.narrowed(["batch_size", "lr"], stretch.tunables)
-            searcher, found = self._search(stretch.branch, stretch.tunables, retune=True,
-                                           space=space, floor=False, check_s=budget,
-                                           check_kind="batch", only=[stretch.tunables, larger])
+            searcher = Searcher(space, sampler="random", seed=None if config.seed is None
+                                else config.seed + index, storage=self._storage, study_name=name)
+            self._studies.append(name)
+            self._note("search_start", search=index, branch=stretch.branch,
+                       tunables=stretch.tunables, study=name, marginal=False, trial_cap=2,
+                       searched=[t.name for t in space.searched], enqueued=True,
+                       first=[stretch.tunables, larger], budget_s=budget, ceiling_s=None,
+                       from_start=False, excluded=len(self._exclusions), check="batch")
+            found = BatchCheck(self._system, searcher, self.log, index=index,
+                               parent=stretch.branch, current=stretch.tunables, larger=larger,
+                               length_s=length, first_clocks=config.num_progress_samples).run()
+            self._trials += 2
+            self._search_seconds += found.seconds
+            self._seconds_at_search = self._seconds
             if found.winner is None:
+                # Both diverged from a model that trained: go on as it was.
                 self._note("keep", branch=stretch.branch, tunables=stretch.tunables,
-                           reason="search_budget" if found.budget_exhausted else "no_better")
-                stretch.batch_checked = True
+                           reason="no_better")
+                stretch.batch_done = True
                 return stretch
             self._close(stretch, "batch_check")
             self._release_parent(stretch)
-            won = self._begin_winner(found, searcher, stretch.branch, stretch.tunables,
-                                     stretch.clocks)
-            if won.tunables["batch_size"] == stretch.tunables["batch_size"]:
-                won.batch_checked = True
+            winner = found.winner
+            won = self._begin(winner.branch, winner.tunables, winner.clocks, stretch.branch,
+                              index, searcher, stretch.tunables, stretch.clocks)
+            if not found.larger_won:
+                # Checked again once the time trained since pays for it: the
+                # larger batch's turn comes as the loss nears its noise floor.
+                won.batch_chosen = stretch.batch_chosen
+                won.batch_lost = stretch.batch_lost + 1
                 return won
+            won.batch_chosen = True
             stretch = won
 
-    def _check_budget(self, least: float | None) -> tuple[float | None, str | None]:
+    def _check_budget(self, least: float | None, *,
+                      trained_only: bool = False) -> tuple[float | None, str | None]:
         """A batch check's budget, ``least`` (see _least_retune_s), and who
         pays for it: ``allowance`` (what the job's searches have left, at
         most a search's share), ``trained`` (max_search_share of the
         tuner's time since the last search, as a climb check) or
         ``unbounded`` (no job budget known); (None, None) when nothing
-        pays yet."""
+        pays yet. ``trained_only``: only the last (a check after one the
+        current setting won, so that repeated checks cost at most that share
+        of the training time)."""
         if least is None:
             return None, None
-        affordable = self._retune_affordable(floor=False)
-        if affordable is None:
+        affordable = None if trained_only else self._retune_affordable(floor=False)
+        if affordable is None and not trained_only:
             return least, "unbounded"
-        if affordable >= least:
+        if affordable is not None and affordable >= least:
             return least, "allowance"
         share = self._config.max_search_share
         if share is not None and share * (self._seconds - self._seconds_at_search) >= least:
@@ -624,16 +665,12 @@ class Tuner:
     def _search(self, parent: int, tunables: Mapping[str, Any], *, retune: bool = False,
                 first: Sequence[Mapping[str, Any]] = (),
                 space: SearchSpace | None = None, floor: bool = True,
-                check_s: float | None = None, check_kind: str = "climb",
-                only: Sequence[Mapping[str, Any]] | None = None,
-                ) -> tuple[Searcher, SearchResult]:
+                check_s: float | None = None) -> tuple[Searcher, SearchResult]:
         """A search from ``parent`` over ``space`` (default: _search_space);
         ``first`` are settings to try before the sampler's (their tunables
         the search does not vary are set to its fixed values); ``floor``:
-        the floor may raise its budget; ``check_s``: a check (``check_kind``
-        ``climb``, see _climb_budget, or ``batch``, see _batch_check) of two
-        trials with this budget; ``only``: the settings to try in place of
-        the current one and its learning-rate steps."""
+        the floor may raise its budget; ``check_s``: a climb check with this
+        budget (see _climb_budget)."""
         config = self._config
         self._last_search_epoch = len(self._accuracies)
         index = len(self._studies)
@@ -644,8 +681,7 @@ class Tuner:
         trial_cap = config.max_trials_per_search if from_start else self._last_trials
         check = check_s is not None
         if check:
-            # The current setting and one other: its learning rate a step
-            # up (climb), or the next larger batch (batch).
+            # The current setting and its learning rate a step up.
             trial_cap = 2
         searcher = Searcher(
             space,
@@ -661,8 +697,7 @@ class Tuner:
         # something at least as good as going on; then its learning rate a
         # step up and down.
         fixed = space.defaults()
-        wanted = (list(only) if only is not None else
-                  [*first, *([] if from_start else [tunables, *lr_neighbours(space, tunables)])])
+        wanted = [*first, *([] if from_start else [tunables, *lr_neighbours(space, tunables)])]
         enqueued = [s for s in ({**fixed, **{t.name: s[t.name] for t in space.searched}}
                                 for s in wanted) if searcher.enqueue(s)]
         self._studies.append(name)
@@ -676,7 +711,7 @@ class Tuner:
                    budget_s=budget.share if seconds and budget else None,
                    ceiling_s=budget.ceiling if seconds and budget else None,
                    from_start=from_start, excluded=len(self._exclusions),
-                   check=check_kind if check else False)
+                   check="climb" if check else False)
         episode = SearchEpisode(self._system, config, searcher, self.log, index=index,
                                 parent=parent, parent_tunables=tunables,
                                 trial_cap=trial_cap, budget=budget, untrained=from_start,
@@ -812,8 +847,10 @@ class Tuner:
                       parent_tunables: Mapping[str, Any], parent_clocks: int) -> _Stretch:
         winner = found.winner
         assert winner is not None
-        return self._begin(winner.branch, winner.tunables, winner.clocks, parent,
-                           len(self._studies) - 1, searcher, parent_tunables, parent_clocks)
+        stretch = self._begin(winner.branch, winner.tunables, winner.clocks, parent,
+                              len(self._studies) - 1, searcher, parent_tunables, parent_clocks)
+        stretch.batch_chosen = any(t.name == "batch_size" for t in searcher.space.searched)
+        return stretch
 
     def _release_parent(self, stretch: _Stretch) -> None:
         # The winner survived a validation with a loss clearly below the

@@ -141,6 +141,9 @@ def add_program_options(parser: argparse.ArgumentParser | argparse._ArgumentGrou
                              "(default: only on a plateau)")
     parser.add_argument("--retune-search", default="lr,momentum",
                         help="tunables a re-tune searches, the others kept (comma-separated, or 'all')")
+    parser.add_argument("--no-batch-check", action="store_true",
+                        help="no batch check (the training setting against the next larger batch, lr scaled "
+                             "alike, after a stretch's first validation)")
     parser.add_argument("--no-rollback", action="store_true",
                         help="no frozen copy of the best model and no rollback when training collapses")
     parser.add_argument("--slow-rank", type=_rank, default=-1, help="the rank to slow down (benchmarks)")

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from mltuner.exceptions import InvalidArgumentError
 from mltuner.tune import (BranchKind, Choice, ClockReport, LogUniform, SearchSpace, TunerConfig,
                           Uniform)
 from mltuner.tune.baselines import BaselineConfig, run_fixed, run_mltuner
@@ -89,9 +90,11 @@ def best_fixed_s() -> float:
     return min(times)
 
 
-def tune(seed: int, budget_s: float, batch_check: bool) -> tuple[Any, Any, Any]:
+def tune(seed: int, budget_s: float, batch_check: bool,
+         lr_scaling: str = "sqrt") -> tuple[Any, Any, Any]:
     config = TunerConfig(seed=seed, num_clocks_to_test=10, max_epochs=200, time_budget_s=budget_s,
-                         target_accuracy=TARGET, batch_check=batch_check)
+                         target_accuracy=TARGET, batch_check=batch_check,
+                         batch_check_lr_scaling=lr_scaling)
     system = NoiseFloorSystem(seed=seed)
     measured, result = run_mltuner(system, SPACE, config, target_accuracy=TARGET, keep_branch=True)
     return measured, result, system
@@ -102,14 +105,15 @@ def best_fixture() -> float:
     return best_fixed_s()
 
 
+@pytest.mark.parametrize("lr_scaling", ["sqrt", "linear"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_the_batch_check_reaches_the_target_where_the_old_rule_sat_at_the_floor(
-        best: float, seed: int) -> None:
+        best: float, seed: int, lr_scaling: str) -> None:
     # The job's budget: six times the best fixed run (as in the large MNIST-1D
     # benchmark, 450 s against 69 s), so each search's share is 0.6 of it.
     budget = 6 * best
     old, old_result, _ = tune(seed, budget, batch_check=False)
-    new, new_result, system = tune(seed, budget, batch_check=True)
+    new, new_result, system = tune(seed, budget, batch_check=True, lr_scaling=lr_scaling)
     final = new_result.tunables
     # The initial search picks a small batch on every seed (its short trials
     # from the untrained model see steps, not samples); the old rule keeps
@@ -117,13 +121,21 @@ def test_the_batch_check_reaches_the_target_where_the_old_rule_sat_at_the_floor(
     # reach the target within the budget).
     assert old_result.tunables["batch_size"] <= 32
     assert old.time_to_target_s is None or old.time_to_target_s > 2 * best
-    # The new rule moves to a larger batch and reaches the target within
-    # 2.5x of the best fixed run (measured 1.77, 1.73, 2.02: the initial
-    # search alone costs about the best fixed run here), sooner than the old.
+    # The new rule reaches the target on every seed, within 2.5x of the best
+    # fixed run (the initial search alone costs about the best fixed run
+    # here): linear 2.28, 1.73, 2.02; sqrt 2.28, 2.19, 2.02 (old: missed,
+    # 2.12, missed).
     assert new.time_to_target_s is not None and new.time_to_target_s <= 2.5 * best
-    assert old.time_to_target_s is None or new.time_to_target_s < old.time_to_target_s
-    assert final["batch_size"] > old_result.tunables["batch_size"]
     assert system.live() == [new_result.branch]
+    if old.time_to_target_s is None:
+        assert final["batch_size"] > old_result.tunables["batch_size"]
+    elif lr_scaling == "linear":
+        # This model's progress per clock is linear in the rate with no limit
+        # to it, where the linear rule is exact and wins the check on every
+        # seed. The sqrt rule (the default: on a real CNN the linear one
+        # killed the network) loses seed 1's checks and is 3% slower there.
+        assert new.time_to_target_s < old.time_to_target_s
+        assert final["batch_size"] > old_result.tunables["batch_size"]
 
 
 def test_every_check_is_logged_and_recorded_in_its_study(best: float) -> None:
@@ -149,7 +161,7 @@ def test_every_check_is_logged_and_recorded_in_its_study(best: float) -> None:
     for index, start in starts.items():
         forks = [r for r in log.events("fork_trial") if r["search"] == index]
         current, larger = start["first"]
-        # The larger batch first, with its learning rate scaled alike.
+        # The larger batch first, with its learning rate scaled (sqrt).
         assert [f["tunables"] for f in forks] == [larger, current]
         assert larger == larger_batch(SPACE, current)
         # Within its budget: two trials of equal run time.
@@ -163,8 +175,14 @@ def test_every_check_is_logged_and_recorded_in_its_study(best: float) -> None:
 
 
 def test_larger_batch_scales_the_learning_rate_and_clips_it() -> None:
+    # sqrt by default: batch 16 -> 32 at lr 0.1 * 2 ** 0.5.
     assert larger_batch(SPACE, {"lr": 0.1, "momentum": 0.9, "batch_size": 16}) == {
-        "lr": pytest.approx(0.2), "momentum": 0.9, "batch_size": 32}
+        "lr": pytest.approx(0.1 * math.sqrt(2)), "momentum": 0.9, "batch_size": 32}
+    assert larger_batch(SPACE, {"lr": 0.1, "momentum": 0.9, "batch_size": 16},
+                        lr_scaling="linear")["lr"] == pytest.approx(0.2)
+    assert larger_batch(SPACE, {"lr": 0.1, "momentum": 0.9, "batch_size": 16},
+                        lr_scaling="none")["lr"] == 0.1
+    # From 32 to 64 (the next value of the space, not twice the batch).
     assert larger_batch(SPACE, {"lr": 0.4, "momentum": 0.9, "batch_size": 32})["lr"] == 0.5
     assert larger_batch(SPACE, {"lr": 0.1, "momentum": 0.9, "batch_size": 128}) is None
     fixed_lr = SearchSpace([LogUniform("lr", 1e-3, 0.5, default=0.01, search=False),
@@ -172,6 +190,10 @@ def test_larger_batch_scales_the_learning_rate_and_clips_it() -> None:
     assert larger_batch(fixed_lr, {"lr": 0.1, "batch_size": 16}) == {"lr": 0.1, "batch_size": 32}
     no_batch = SearchSpace([LogUniform("lr", 1e-3, 0.5)])
     assert larger_batch(no_batch, {"lr": 0.1}) is None
+    with pytest.raises(InvalidArgumentError, match="lr_scaling"):
+        larger_batch(SPACE, {"lr": 0.1, "batch_size": 16}, lr_scaling="cube")
+    with pytest.raises(InvalidArgumentError, match="batch_check_lr_scaling"):
+        TunerConfig(batch_check_lr_scaling="linear-ish")
 
 
 def test_tail_mean_is_the_last_quarter() -> None:
@@ -179,3 +201,41 @@ def test_tail_mean_is_the_last_quarter() -> None:
     assert tail_mean([4.0]) == 4.0
     assert math.isnan(tail_mean([]))
     assert math.isnan(tail_mean([1.0, 2.0, 3.0, math.nan]))
+
+
+class RightBatchSystem(NoiseFloorSystem):
+    """The batch is already right: a clock costs the same per sample
+    whatever its batch (no fixed overhead) and there is no noise floor to
+    lower, so a larger batch takes as many seconds for each clock's worth of
+    progress as its batch grows, and a learning rate scaled less than
+    linearly makes it lose every check."""
+
+    K, FLOOR, OVERHEAD_S, NOISE = 0.00005, 0.0, 0.0, 0.0
+
+
+def test_a_check_that_keeps_losing_backs_off() -> None:
+    share = 0.2
+    config = TunerConfig(seed=0, num_clocks_to_test=10, max_epochs=400, time_budget_s=60.0,
+                         max_search_share=share, retune="off")
+    from mltuner.tune import DecisionLog, Tuner
+    tuner = Tuner(RightBatchSystem(seed=0), SPACE, config, log=DecisionLog())
+    tuner.run()
+    log = tuner.log
+    checks = [r for r in log.events("retune") if r["reason"] == "batch"]
+    ends = [r for r in log.records
+            if r["event"] in ("winner", "no_progress") and r.get("check") == "batch"]
+    assert len(checks) >= 3
+    # The current setting wins every check (the larger batch is worse here).
+    assert all(r["tunables"] == c["tunables"] for r, c in zip(ends, checks))
+    # After each lost check, the next waits for twice the training time.
+    for check in checks[1:]:
+        assert check["paid"] == "trained"
+        assert share * check["trained_s"] >= check["budget_s"] * 2 ** (check["lost"] - 1) - 1e-9
+    assert [c["lost"] for c in checks] == list(range(len(checks)))
+    # So their cost shrinks against the training time: the last check's is
+    # at most a quarter of the first retried one's share of its wait.
+    assert checks[-1]["budget_s"] / checks[-1]["trained_s"] <= (
+        checks[1]["budget_s"] / checks[1]["trained_s"]) / 2 ** (len(checks) - 3) + 1e-9
+    trained = log.events("end")[-1]["seconds"] - log.events("end")[-1]["search_seconds"]
+    spent = sum(r["seconds"] for r in ends)
+    assert spent <= share * trained + checks[0]["budget_s"]

@@ -143,7 +143,7 @@ def add_program_options(parser: argparse.ArgumentParser | argparse._ArgumentGrou
                         help="tunables a re-tune searches, the others kept (comma-separated, or 'all')")
     parser.add_argument("--no-batch-check", action="store_true",
                         help="no batch check (the training setting against the next larger batch, lr scaled "
-                             "alike, after a stretch's first validation)")
+                             "per --batch-check-lr, after a stretch's first validation)")
     parser.add_argument("--batch-check-lr", choices=["sqrt", "linear", "none"], default="sqrt",
                         help="how the batch check scales the learning rate for the larger batch: by the "
                              "square root of the batch ratio (default), by the ratio, or not at all")

@@ -56,6 +56,10 @@ def _pct(value: Any) -> str:
     return f"{value:.1%}" if isinstance(value, (int, float)) else "-"
 
 
+def _num(value: Any) -> str:
+    return f"{value:.3g}" if isinstance(value, (int, float)) else "?"
+
+
 def _secs(value: Any) -> str:
     return f"{value:.1f} s" if isinstance(value, (int, float)) else "-"
 
@@ -95,7 +99,7 @@ def describe(record: Mapping[str, Any]) -> str | None:
         if record.get("check") == "batch":
             larger = record.get("larger") or {}
             return (f"epoch {record.get('epoch')}: batch check, the current setting against batch "
-                    f"{larger.get('batch_size', '?')} with its learning rate scaled alike")
+                    f"{larger.get('batch_size', '?')} at learning rate {_num(larger.get('lr'))}")
         if record.get("check"):
             return (f"epoch {record.get('epoch')}: climb check, the current setting against its "
                     f"learning rate a step up (the searches' share of the job is spent)")

@@ -1,5 +1,5 @@
 """A batch check: the training setting against the next larger batch size
-(learning rate scaled alike), two trials of equal run time from the
+(learning rate scaled for it, see larger_batch), two trials of equal run time from the
 training branch, judged by the loss they end at.
 
 Short trials from the untrained model favour small batches: far from a

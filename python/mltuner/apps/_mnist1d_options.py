@@ -141,6 +141,12 @@ def add_program_options(parser: argparse.ArgumentParser | argparse._ArgumentGrou
                              "(default: only on a plateau)")
     parser.add_argument("--retune-search", default="lr,momentum",
                         help="tunables a re-tune searches, the others kept (comma-separated, or 'all')")
+    parser.add_argument("--no-batch-check", action="store_true",
+                        help="no batch check (the training setting against the next larger batch, lr scaled "
+                             "per --batch-check-lr, after a stretch's first validation)")
+    parser.add_argument("--batch-check-lr", choices=["sqrt", "linear", "none"], default="sqrt",
+                        help="how the batch check scales the learning rate for the larger batch: by the "
+                             "square root of the batch ratio (default), by the ratio, or not at all")
     parser.add_argument("--no-rollback", action="store_true",
                         help="no frozen copy of the best model and no rollback when training collapses")
     parser.add_argument("--slow-rank", type=_rank, default=-1, help="the rank to slow down (benchmarks)")

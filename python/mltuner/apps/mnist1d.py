@@ -101,7 +101,8 @@ def tuner_config(args: argparse.Namespace) -> TunerConfig:
         search_share=args.search_share if args.search_share > 0 else None, time_budget_s=args.time_budget,
         max_search_share=max(args.max_search_share, args.search_share) if args.search_share > 0 else None,
         retune_tunables=None if args.retune_search == "all" else tuple(args.retune_search.split(",")),
-        rollback=not args.no_rollback, retune_every_epochs=args.retune_every)
+        rollback=not args.no_rollback, retune_every_epochs=args.retune_every,
+        batch_check=not args.no_batch_check, batch_check_lr_scaling=args.batch_check_lr)
 
 
 def check_args(args: argparse.Namespace, world_size: int | None = None) -> None:

@@ -2,8 +2,8 @@
 parameter server's damped_momentum rule (h = (1 - m) g + m h; w -= lr h, mltuner.md
 §2), curvatures from 10 down to 0.01, so a learning rate above about 0.2
 diverges and a small one crawls along the flat directions. Mini-batch noise
-shrinks with the batch size; a clock's simulated time grows with the batch
-size and shrinks with staleness, and a stale branch computes its gradient on
+shrinks with the batch size; a clock's simulated time is a fixed overhead
+plus a cost per sample, and shrinks with staleness, and a stale branch computes its gradient on
 old weights. Every branch has its own seeded random stream, forked with the
 branch, so trials from one parent see the same data and every run is
 deterministic."""
@@ -54,13 +54,20 @@ class QuadraticSystem:
         seed: seeds the data stream of the root branch.
         loss_scale: multiplies every loss (the starting loss is about 10).
         nan_from_start: every reported loss is NaN (a broken model).
+        clock_overhead_s: the simulated time of a clock before its samples
+            (0.002 s); a large one makes small batches cost more per sample,
+            as on a CPU host, where the per-clock work outweighs the batch.
+        sample_s: the simulated time of one sample of a batch (0.0002 s).
     """
 
     def __init__(self, samples_per_epoch: int = 6400, seed: int = 0,
-                 loss_scale: float = 1.0, nan_from_start: bool = False) -> None:
+                 loss_scale: float = 1.0, nan_from_start: bool = False,
+                 clock_overhead_s: float = 0.002, sample_s: float = 0.0002) -> None:
         self.samples_per_epoch = samples_per_epoch
         self.loss_scale = loss_scale
         self.nan_from_start = nan_from_start
+        self.clock_overhead_s = clock_overhead_s
+        self.sample_s = sample_s
         self._seed = seed
         self._branches: dict[int, _Branch] = {}
         self._next_id = 0
@@ -114,7 +121,7 @@ class QuadraticSystem:
         self.clocks_run += 1
         batch = int(b.tunables.get("batch_size", 32))
         slack = int(b.tunables.get("staleness", 0))
-        seconds = (0.002 + 0.0002 * batch) / (1.0 + 0.2 * min(slack, 3))
+        seconds = (self.clock_overhead_s + self.sample_s * batch) / (1.0 + 0.2 * min(slack, 3))
         with np.errstate(over="ignore", invalid="ignore"):
             loss = self.true_loss(b.w)
             noisy_loss = loss * (1.0 + LOSS_NOISE * b.rng.standard_normal())

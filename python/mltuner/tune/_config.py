@@ -113,6 +113,22 @@ class TunerConfig:
             the ones that can help late in training (a smaller batch or more
             staleness rarely does). Names not searched in the space are
             ignored; None searches every tunable, as the initial search.
+        batch_check: after the first validation of each training stretch
+            (the steep start is over), compare the current setting with the
+            next larger batch size of the space, its learning rate scaled
+            per ``batch_check_lr_scaling`` (clipped to the range): two
+            trials of equal run time from the training branch, the larger
+            batch kept when the mean loss of its last quarter is no higher,
+            and checked again at once while it wins. Short trials from the
+            untrained model favour small batches (more steps per second)
+            whatever they cost per epoch, and a re-tune searches only
+            ``retune_tunables``. Paid like a re-tune from the searches'
+            allowance, else from ``max_search_share`` of the time trained
+            since the last search (as a climb check); after each check the
+            current setting won, the next needs twice the trained time.
+        batch_check_lr_scaling: the larger batch's learning rate: ``sqrt``
+            (the current one times the square root of the batch ratio,
+            the default), ``linear`` (times the ratio) or ``none``.
         rollback: keep a frozen copy of the best-validated model and roll
             back to it when training collapses (the guard, see below).
         rollback_margin: roll back when two validation accuracies in a
@@ -149,6 +165,8 @@ class TunerConfig:
     max_search_share: float | None = 0.2
     floor_trials: int = 4
     retune_tunables: tuple[str, ...] | None = ("lr", "momentum")
+    batch_check: bool = True
+    batch_check_lr_scaling: str = "sqrt"
     rollback: bool = True
     rollback_margin: float = 0.05
     guard_chunks_per_epoch: int = 4
@@ -248,6 +266,11 @@ class TunerConfig:
                     f"got {self.retune_tunables!r}"
                 )
             object.__setattr__(self, "retune_tunables", names)
+        if self.batch_check_lr_scaling not in ("sqrt", "linear", "none"):
+            raise InvalidArgumentError(
+                f"batch_check_lr_scaling must be 'sqrt', 'linear' or 'none', "
+                f"got {self.batch_check_lr_scaling!r}"
+            )
         if not (isinstance(self.rollback_margin, (int, float))
                 and math.isfinite(self.rollback_margin) and self.rollback_margin >= 0):
             raise InvalidArgumentError(

@@ -56,6 +56,10 @@ def _pct(value: Any) -> str:
     return f"{value:.1%}" if isinstance(value, (int, float)) else "-"
 
 
+def _num(value: Any) -> str:
+    return f"{value:.3g}" if isinstance(value, (int, float)) else "?"
+
+
 def _secs(value: Any) -> str:
     return f"{value:.1f} s" if isinstance(value, (int, float)) else "-"
 
@@ -92,6 +96,10 @@ def describe(record: Mapping[str, Any]) -> str | None:
         return (f"{_search_name(record)}: budget raised from {_secs(record.get('share_s'))} to "
                 f"{_secs(record.get('budget_s'))} {why.get(str(record.get('reason')), '')}".rstrip())
     if event == "retune":
+        if record.get("check") == "batch":
+            larger = record.get("larger") or {}
+            return (f"epoch {record.get('epoch')}: batch check, the current setting against batch "
+                    f"{larger.get('batch_size', '?')} at learning rate {_num(larger.get('lr'))}")
         if record.get("check"):
             return (f"epoch {record.get('epoch')}: climb check, the current setting against its "
                     f"learning rate a step up (the searches' share of the job is spent)")
@@ -101,6 +109,9 @@ def describe(record: Mapping[str, Any]) -> str | None:
     if event == "retune_skipped":
         if record.get("reason") == "at_fastest":
             return f"epoch {record.get('epoch')}: no re-tune, the learning rate is at the top of its range"
+        if record.get("retune") == "batch":
+            return (f"epoch {record.get('epoch')}: no batch check yet, the searches have spent "
+                    f"their share of the job ({_secs(record.get('search_seconds'))})")
         return (f"epoch {record.get('epoch')}: no re-tune, the searches have spent their share of "
                 f"the job ({_secs(record.get('search_seconds'))})")
     if event == "rollback":

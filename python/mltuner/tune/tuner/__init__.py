@@ -17,6 +17,7 @@ from mltuner.tune.tuner._tuner import (
     Tuner,
     TuningResult,
     at_least_as_aggressive,
+    larger_batch,
     lr_neighbours,
     no_slower,
     validation_collapsed,
@@ -25,7 +26,7 @@ from mltuner.tune.tuner._tuner import (
 
 __all__ = [
     "Tuner", "TuningResult", "Outcome", "plateaued", "at_least_as_aggressive",
-    "lr_neighbours", "no_slower", "validation_collapsed", "LR_STEP", "AGGRESSIVE_DIRECTIONS", "JOURNAL_NAME", "TrainingGuard", "Alarm", "SearchEpisode",
+    "lr_neighbours", "larger_batch", "no_slower", "validation_collapsed", "LR_STEP", "AGGRESSIVE_DIRECTIONS", "JOURNAL_NAME", "TrainingGuard", "Alarm", "SearchEpisode",
     "SearchResult", "SearchBudget", "halving_size", "halving_cost", "Searcher", "Proposal", "open_storage", "record_failure",
     "top_k_close", "Trial",
 ]

@@ -410,16 +410,19 @@ class Searcher:
         attrs: Mapping[str, Any] | None = None,
         *,
         seconds: Sequence[float] | None = None,
+        value: float | None = None,
     ) -> None:
         """Records a trial's result: its loss curve as intermediate values,
         its summary and ``attrs`` as user attributes, and its slope as the
-        value (0.0 when there was no progress). Each proposal is told
-        exactly once.
+        value (0.0 when there was no progress), or ``value`` when given (a
+        batch check's objective, the mean loss of the trial's last
+        quarter). Each proposal is told exactly once.
 
         With ``seconds`` (each clock's run time) the intermediate values are
         the loss against the trial's own run time, step = milliseconds since
         its start (what optuna-dashboard plots); without, step = clock index.
         """
+        objective = value
         trial = self._running.pop(proposal.number, None)
         if trial is None:
             raise InvalidArgumentError(f"trial {proposal.number} was already told or never asked")
@@ -440,10 +443,11 @@ class Searcher:
             "enqueued": proposal.enqueued,
         }
         record.update(attrs or {})
-        for key, value in record.items():
-            trial.set_user_attr(key, value)
-        value = summary.slope if math.isfinite(summary.slope) else 0.0
-        self._study.tell(trial, value)
+        for key, attr in record.items():
+            trial.set_user_attr(key, attr)
+        if objective is None or not math.isfinite(objective):
+            objective = summary.slope if math.isfinite(summary.slope) else 0.0
+        self._study.tell(trial, objective)
 
     def pending(self) -> list[int]:
         """Trial numbers asked but not told yet."""

@@ -22,13 +22,14 @@ from mltuner.tune._config import TunerConfig
 from mltuner.tune._errors import TuningError
 from mltuner.tune.tuner._guard import Alarm, TrainingGuard
 from mltuner.tune._log import DecisionLog
+from mltuner.tune.tuner._batch_check import BatchCheck
 from mltuner.tune.tuner._search import SearchBudget, SearchEpisode, SearchResult, run_clocks
 from mltuner.tune.tuner._searcher import Searcher, open_storage
-from mltuner.tune._space import Choice, LogUniform, SearchSpace
+from mltuner.tune._space import Choice, LogUniform, SearchSpace, Uniform
 from mltuner.tune._system import BranchKind, BranchSystem, ClockReport
 
 __all__ = ["Tuner", "TuningResult", "Outcome", "plateaued", "at_least_as_aggressive", "lr_neighbours",
-           "LR_STEP", "AGGRESSIVE_DIRECTIONS", "JOURNAL_NAME"]
+           "larger_batch", "LR_STEP", "AGGRESSIVE_DIRECTIONS", "JOURNAL_NAME"]
 
 _PHASES = {"start": "init", "init": "init", "search_start": "search", "end": "end"}
 
@@ -145,6 +146,40 @@ def lr_neighbours(space: SearchSpace, setting: Mapping[str, Any]) -> list[dict[s
     return [{**setting, "lr": v} for v in steps if v != value]
 
 
+LR_SCALINGS: dict[str, float] = {"linear": 1.0, "sqrt": 0.5, "none": 0.0}
+
+
+def larger_batch(space: SearchSpace, setting: Mapping[str, Any], *,
+                 lr_scaling: str = "sqrt") -> dict[str, Any] | None:
+    """``setting`` with the next larger ``batch_size`` the space searches
+    and its learning rate scaled for it, clipped to the range; None when
+    the space searches no numeric batch size or the setting's is the
+    largest. ``lr_scaling``: ``sqrt`` (by the square root of the batch
+    ratio: half the gradient noise's variance per step, a step only a
+    little longer), ``linear`` (by the ratio: the same step per sample;
+    seen to kill a trained CNN, batch 64 at lr 0.34 to 128 at 0.68 ended at
+    chance loss) or ``none``. A learning rate the space does not search
+    stays as it is."""
+    if lr_scaling not in LR_SCALINGS:
+        raise InvalidArgumentError(
+            f"lr_scaling must be one of {sorted(LR_SCALINGS)}, got {lr_scaling!r}")
+    batch = next((t for t in space.searched if t.name == "batch_size"), None)
+    if not isinstance(batch, Choice) or "batch_size" not in setting:
+        return None
+    current = setting["batch_size"]
+    if not isinstance(current, (int, float)) or current <= 0:
+        return None
+    larger = sorted(v for v in batch.values if isinstance(v, (int, float)) and v > current)
+    if not larger:
+        return None
+    out = {**setting, "batch_size": larger[0]}
+    lr = next((t for t in space.searched if t.name == "lr"), None)
+    if isinstance(lr, (LogUniform, Uniform)) and "lr" in setting:
+        factor = (larger[0] / current) ** LR_SCALINGS[lr_scaling]
+        out["lr"] = min(lr.high, float(setting["lr"]) * factor)
+    return out
+
+
 def no_slower(space: SearchSpace, setting: Mapping[str, Any]) -> SearchSpace:
     """``space`` with the learning rate's range starting at ``setting``'s
     (fixed there when it is the top of the range); unchanged when the space
@@ -200,6 +235,9 @@ class _Stretch:
     guard: TrainingGuard
     accuracies: list[float] = dataclasses.field(default_factory=list)
     first_epoch: int = 0
+    batch_done: bool = False     # no larger batch to check against
+    batch_lost: int = 0          # checks its setting won against a larger batch
+    batch_chosen: bool = False   # its batch size came from a search over batch sizes
 
 
 class _End(Exception):
@@ -277,6 +315,7 @@ class Tuner:
         self._best: _Frozen | None = None
         self._exclusions: list[dict[str, Any]] = []
         self._rollbacks = 0
+        self._batch_losses = 0  # batch checks lost since the last one a larger batch won
         self._last_trials = self._config.max_trials_per_search
         self._seconds = 0.0         # clocks run by the tuner itself
         self._search_seconds = 0.0  # clocks run by its searches
@@ -382,7 +421,121 @@ class Tuner:
                     and epochs - self._last_search_epoch >= config.retune_every_epochs)
         if config.retune != "off" and self._space.searched and (plateau or periodic):
             return self._retune(stretch, plateau=plateau)
+        if config.batch_check and not stretch.batch_done:
+            return self._batch_check(stretch)
         return stretch
+
+    def _batch_check(self, stretch: _Stretch) -> _Stretch:
+        """After a stretch's first validation (the steep start is over): its
+        setting against the next larger batch with the learning rate scaled
+        alike (:func:`larger_batch`, :class:`BatchCheck`), checked again at
+        once while the larger batch wins. Short trials from the untrained
+        model pick a small batch for its many steps per second, whatever it
+        costs per epoch (seen: batch 32 at 20 s an epoch where batch 256
+        took 5 s and reached the target 6x sooner), and a re-tune keeps the
+        batch size. A check that completes a choice of batch size (the
+        stretch's batch came from a search over batch sizes, or from a
+        check it won) is paid as part of that search, as the initial search
+        always gets its share; any other from the searches' allowance, else
+        from max_search_share of the time trained since the last search (as
+        a climb check), and waits for the next validation when neither
+        pays. Returns the stretch that trains next."""
+        config = self._config
+        while True:
+            larger = larger_batch(self._space, stretch.tunables,
+                                  lr_scaling=config.batch_check_lr_scaling)
+            if (larger is None or self._excluded(larger) or self._trial_time is None
+                    or self._clock_seconds is None):
+                stretch.batch_done = True
+                return stretch
+            # Long enough to average a trained model's loss noise: the trial
+            # time, and at least a guard chunk of the current setting.
+            per_epoch = self._system.clocks_per_epoch(stretch.tunables)
+            chunk = max(config.num_progress_samples,
+                        math.ceil(per_epoch / config.guard_chunks_per_epoch))
+            length = max(self._trial_time, chunk * self._clock_seconds)
+            least = 2 * (length + config.num_progress_samples * self._clock_seconds)
+            budget: float | None
+            if stretch.batch_chosen and not stretch.batch_lost:
+                budget, paid = least, "choice"
+            else:
+                budget, paid = self._check_budget(least, backoff=self._batch_losses)
+            epochs = len(self._accuracies)
+            if budget is None:
+                self._note("retune_skipped", branch=stretch.branch, tunables=stretch.tunables,
+                           epoch=epochs, reason="search_budget", retune="batch",
+                           search_seconds=self._search_seconds,
+                           left_s=self._retune_affordable(floor=False), least_s=least,
+                           lost=self._batch_losses)
+                return stretch
+            index = len(self._studies)
+            name = f"{self._prefix}-batch-{index}"
+            self._note("retune", branch=stretch.branch, tunables=stretch.tunables, epoch=epochs,
+                       reason="batch", check="batch", budget_s=budget, paid=paid,
+                       lost=self._batch_losses, trained_s=self._seconds - self._seconds_at_search,
+                       larger=larger, length_s=length)
+            space = self._space.narrowed(["batch_size", "lr"], stretch.tunables)
+            searcher = Searcher(space, sampler="random", seed=None if config.seed is None
+                                else config.seed + index, storage=self._storage, study_name=name)
+            self._studies.append(name)
+            self._note("search_start", search=index, branch=stretch.branch,
+                       tunables=stretch.tunables, study=name, marginal=False, trial_cap=2,
+                       searched=[t.name for t in space.searched], enqueued=True,
+                       first=[stretch.tunables, larger], budget_s=budget, ceiling_s=None,
+                       from_start=False, excluded=len(self._exclusions), check="batch")
+            found = BatchCheck(self._system, searcher, self.log, index=index,
+                               parent=stretch.branch, current=stretch.tunables, larger=larger,
+                               length_s=length, first_clocks=config.num_progress_samples).run()
+            self._trials += 2
+            self._search_seconds += found.seconds
+            self._seconds_at_search = self._seconds
+            if found.winner is None:
+                # Both diverged from a model that trained: go on as it was.
+                self._note("keep", branch=stretch.branch, tunables=stretch.tunables,
+                           reason="no_better")
+                stretch.batch_done = True
+                return stretch
+            self._close(stretch, "batch_check")
+            self._release_parent(stretch)
+            winner = found.winner
+            won = self._begin(winner.branch, winner.tunables, winner.clocks, stretch.branch,
+                              index, searcher, stretch.tunables, stretch.clocks)
+            if not found.larger_won:
+                # Checked again once the time trained since pays for it: the
+                # larger batch's turn comes as the loss nears its noise floor.
+                won.batch_chosen = stretch.batch_chosen
+                won.batch_lost = stretch.batch_lost + 1
+                self._batch_losses += 1
+                return won
+            self._batch_losses = 0
+            won.batch_chosen = True
+            stretch = won
+
+    def _check_budget(self, least: float | None, *,
+                      backoff: int = 0) -> tuple[float | None, str | None]:
+        """A batch check's budget, ``least`` (see _least_retune_s), and who
+        pays for it: ``allowance`` (what the job's searches have left, at
+        most a search's share), ``trained`` (max_search_share of the
+        tuner's time since the last search, as a climb check) or
+        ``unbounded`` (no job budget known); (None, None) when nothing
+        pays yet. ``backoff``: checks the current setting won since a
+        larger batch last did; when > 0 only the time trained pays, and it
+        must pay 2**(backoff - 1) times ``least``, so that a job whose batch
+        is already right spends less and less on checking it (at most
+        max_search_share of the training time in all, and the searches'
+        allowance is kept for re-tunes)."""
+        if least is None:
+            return None, None
+        affordable = None if backoff > 0 else self._retune_affordable(floor=False)
+        if affordable is None and backoff == 0:
+            return least, "unbounded"
+        if affordable is not None and affordable >= least:
+            return least, "allowance"
+        share = self._config.max_search_share
+        owed = least * 2 ** max(0, backoff - 1)
+        if share is not None and share * (self._seconds - self._seconds_at_search) >= owed:
+            return least, "trained"
+        return None, None
 
     def _retune(self, stretch: _Stretch, *, plateau: bool) -> _Stretch:
         """A re-tune from the training branch: on a plateau over the whole
@@ -418,7 +571,7 @@ class Tuner:
                            least_s=least)
                 return stretch
         self._note("retune", branch=stretch.branch, tunables=stretch.tunables, epoch=epochs,
-                   reason=reason, check=climb is not None, budget_s=climb)
+                   reason=reason, check="climb" if climb is not None else False, budget_s=climb)
         searcher, found = self._search(stretch.branch, stretch.tunables, retune=True,
                                        space=space, floor=plateau, check_s=climb)
         if found.winner is not None:
@@ -578,7 +731,8 @@ class Tuner:
                    first=enqueued,
                    budget_s=budget.share if seconds and budget else None,
                    ceiling_s=budget.ceiling if seconds and budget else None,
-                   from_start=from_start, excluded=len(self._exclusions), check=check)
+                   from_start=from_start, excluded=len(self._exclusions),
+                   check="climb" if check else False)
         episode = SearchEpisode(self._system, config, searcher, self.log, index=index,
                                 parent=parent, parent_tunables=tunables,
                                 trial_cap=trial_cap, budget=budget, untrained=from_start,
@@ -714,8 +868,10 @@ class Tuner:
                       parent_tunables: Mapping[str, Any], parent_clocks: int) -> _Stretch:
         winner = found.winner
         assert winner is not None
-        return self._begin(winner.branch, winner.tunables, winner.clocks, parent,
-                           len(self._studies) - 1, searcher, parent_tunables, parent_clocks)
+        stretch = self._begin(winner.branch, winner.tunables, winner.clocks, parent,
+                              len(self._studies) - 1, searcher, parent_tunables, parent_clocks)
+        stretch.batch_chosen = any(t.name == "batch_size" for t in searcher.space.searched)
+        return stretch
 
     def _release_parent(self, stretch: _Stretch) -> None:
         # The winner survived a validation with a loss clearly below the

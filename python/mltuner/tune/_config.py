@@ -113,8 +113,10 @@ class TunerConfig:
             the ones that can help late in training (a smaller batch or more
             staleness rarely does). Names not searched in the space are
             ignored; None searches every tunable, as the initial search.
-        batch_check: after the first validation of each training stretch
-            (the steep start is over), compare the current setting with the
+        batch_check: in a job bounded by time (``time_budget_s`` or
+            ``target_accuracy`` set: :attr:`time_bounded`), after the first
+            validation of each training stretch (the steep start is over),
+            compare the current setting with the
             next larger batch size of the space, its learning rate scaled
             per ``batch_check_lr_scaling`` (clipped to the range): two
             trials of equal run time from the training branch, the larger
@@ -125,7 +127,12 @@ class TunerConfig:
             ``retune_tunables``. Paid like a re-tune from the searches'
             allowance, else from ``max_search_share`` of the time trained
             since the last search (as a climb check); after each check the
-            current setting won, the next needs twice the trained time.
+            current setting won, the next needs twice the trained time. A
+            job bounded by ``max_epochs`` alone gets no check: its samples
+            are fixed, so a larger batch takes fewer steps to the end, which
+            trials of equal time do not see (demo, 10 seeds on 16 cores:
+            with the check, seed 1 moved to batch 128 and ended at
+            max_epochs with 78.7% test accuracy; without it, 96.7%).
         batch_check_lr_scaling: the larger batch's learning rate: ``sqrt``
             (the current one times the square root of the batch ratio,
             the default), ``linear`` (times the ratio) or ``none``.
@@ -180,6 +187,12 @@ class TunerConfig:
         if self.max_epochs is None or epoch_seconds is None:
             return None
         return self.max_epochs * epoch_seconds
+
+    @property
+    def time_bounded(self) -> bool:
+        """Whether the job ends by time (a time budget, or reaching a target
+        accuracy) rather than by ``max_epochs`` or convergence alone."""
+        return self.time_budget_s is not None or self.target_accuracy is not None
 
     def __post_init__(self) -> None:
         if self.sampler not in SAMPLERS:

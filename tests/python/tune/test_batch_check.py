@@ -239,3 +239,19 @@ def test_a_check_that_keeps_losing_backs_off() -> None:
     trained = log.events("end")[-1]["seconds"] - log.events("end")[-1]["search_seconds"]
     spent = sum(r["seconds"] for r in ends)
     assert spent <= share * trained + checks[0]["budget_s"]
+
+
+def test_a_job_bounded_by_epochs_alone_gets_no_check() -> None:
+    # Its samples are fixed: a larger batch takes fewer steps to the end,
+    # which trials of equal time do not see. The same job with a time budget
+    # (or a target) does check.
+    from mltuner.tune import DecisionLog, Tuner
+    checks = {}
+    for name, bounds in {"epochs": {}, "time": {"time_budget_s": 60.0}, "target": {"target_accuracy": TARGET}}.items():
+        config = TunerConfig(seed=0, num_clocks_to_test=10, max_epochs=30, **bounds)
+        assert config.time_bounded == (name != "epochs")
+        tuner = Tuner(NoiseFloorSystem(seed=0), SPACE, config, log=DecisionLog())
+        tuner.run()
+        checks[name] = [r for r in tuner.log.events("retune") if r["reason"] == "batch"]
+    assert checks["epochs"] == []
+    assert checks["time"] and checks["target"]

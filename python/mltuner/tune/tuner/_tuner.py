@@ -421,7 +421,7 @@ class Tuner:
                     and epochs - self._last_search_epoch >= config.retune_every_epochs)
         if config.retune != "off" and self._space.searched and (plateau or periodic):
             return self._retune(stretch, plateau=plateau)
-        if config.batch_check and not stretch.batch_done:
+        if config.batch_check and config.time_bounded and not stretch.batch_done:
             return self._batch_check(stretch)
         return stretch
 

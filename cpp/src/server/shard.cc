@@ -11,6 +11,8 @@
 #include <string>
 #include <utility>
 
+#include "plan/device_budget.h"
+
 namespace mltuner {
 namespace {
 
@@ -101,17 +103,56 @@ ServerShard::ServerShard(int rank, int num_workers, const UpdateRuleConfig& rule
   frames_.set_idle_bound_to_peak(true);
 }
 
-Status ServerShard::NewTableState(const TableInfo& info, std::unique_ptr<TableState>* out) {
+Status ServerShard::NewTableState(const TableInfo& info, bool allocate, std::unique_ptr<TableState>* out) {
   auto table = std::make_unique<TableState>(num_workers_);
   table->info = info;
   // Every process hosts one shard, so shards are numbered like the workers.
   table->range = ShardRange(info.num_rows, rank_, num_workers_);
   table->num_values = table->range.count * info.row_width;
-  if (table->num_values > 0) {
-    MLT_RETURN_IF_ERROR(DeviceBlock::Make(device_, static_cast<size_t>(table->num_values) * sizeof(float), false,
-                                          &table->values));
+  table->rule_config = info.update_rule ? *info.update_rule : rule_config_;
+  if (allocate && table->num_values > 0) {
+    MLT_RETURN_IF_ERROR(DeviceBlock::Make(device_, static_cast<size_t>(table->num_values) * sizeof(float),
+                                          state_in_host_, &table->values));
   }
   *out = std::move(table);
+  return Status::Ok();
+}
+
+Status ServerShard::AllocateState(TableState* table) {
+  if (table->num_values > 0 && !table->values) {
+    MLT_RETURN_IF_ERROR(DeviceBlock::Make(device_, static_cast<size_t>(table->num_values) * sizeof(float),
+                                          state_in_host_, &table->values));
+  }
+  if (table->values) device_->Fill(table->data(), 0.0f, static_cast<size_t>(table->num_values), Stream::kServer);
+  table->rule = NewUpdateRule(table->rule_config, table->num_values, device_, state_in_host_);
+  if (table->rule == nullptr) {
+    return Status::InvalidArgument("unknown update rule kind " +
+                                   std::to_string(static_cast<int>(table->rule_config.kind)) + ", or no " +
+                                   (state_in_host_ ? "host" : "device") + " memory for its state");
+  }
+  return device_->Synchronize(Stream::kServer);
+}
+
+void ServerShard::PlaceStateWhenReady(const Config& config) {
+  defer_state_ = true;
+  state_placed_ = tables_.empty() ? false : state_placed_;
+  int64_t free_bytes = -1, total_bytes = -1;
+  if (!device_->MemoryInfo(&free_bytes, &total_bytes).ok()) total_bytes = -1;
+  device_memory_reserve_ = DeviceReserve(config, total_bytes);
+}
+
+Status ServerShard::PlaceState() {
+  if (state_placed_) return Status::Ok();
+  state_placed_ = true;
+  int64_t state_bytes = 0;
+  for (const auto& entry : tables_) {
+    const TableState& table = *entry.second;
+    state_bytes += table.num_values * static_cast<int64_t>(sizeof(float)) * (1 + StateArraysPerValue(table.rule_config));
+  }
+  int64_t free_bytes = -1, total_bytes = -1;
+  MLT_RETURN_IF_ERROR(device_->MemoryInfo(&free_bytes, &total_bytes));
+  state_in_host_ = ShardStateInHostMemory(state_bytes, free_bytes, device_memory_reserve_, device_->maps_host_memory());
+  for (auto& entry : tables_) MLT_RETURN_IF_ERROR(AllocateState(entry.second.get()));
   return Status::Ok();
 }
 
@@ -134,23 +175,17 @@ Status ServerShard::AddTable(const TableInfo& info) {
                                    std::to_string(info.row_width) + "; both must be >= 1");
   }
   std::unique_ptr<TableState> table;
-  MLT_RETURN_IF_ERROR(NewTableState(info, &table));
-  if (table->values) {
-    device_->Fill(table->data(), 0.0f, static_cast<size_t>(table->num_values), Stream::kServer);
-  }
-  const UpdateRuleConfig& rule = info.update_rule ? *info.update_rule : rule_config_;
-  table->rule = NewUpdateRule(rule, table->num_values, device_);
-  if (table->rule == nullptr) {
-    return Status::InvalidArgument("unknown update rule kind " + std::to_string(static_cast<int>(rule.kind)) +
-                                   ", or no memory for its state");
-  }
-  MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kServer));
+  MLT_RETURN_IF_ERROR(NewTableState(info, /*allocate=*/false, &table));
+  if (state_placed_) MLT_RETURN_IF_ERROR(AllocateState(table.get()));
   tables_.emplace(std::make_pair(BranchId{0}, info.id), std::move(table));
   return Status::Ok();
 }
 
 Status ServerShard::Handle(const Message& in, std::vector<Message>* out) {
   if (out == nullptr) return Status::InvalidArgument("ServerShard::Handle: out is null");
+  // The state is placed once every worker is ready (HandleReady); anything
+  // else that arrives first needs it now.
+  if (in.type() != MessageType::kReady) MLT_RETURN_IF_ERROR(PlaceState());
   switch (in.type()) {
     case MessageType::kStart: return HandleStart(in, out);
     case MessageType::kClockUpdate: return HandleClockUpdate(in, out);
@@ -388,8 +423,10 @@ Status ServerShard::HandleReady(const Message& in, std::vector<Message>* out) {
     mismatches += " worker " + std::to_string(worker) +
                   (decoded.ok() ? " created [" + DescribeTables(theirs) + "];" : " sent " + decoded.ToString() + ";");
   }
+  // Every worker's plan is made and its memory taken: the state goes where
+  // there is room for it now (PlaceStateWhenReady).
   const Status status = mismatches.empty()
-                            ? Status::Ok()
+                            ? PlaceState()
                             : Status::InvalidArgument("shard " + std::to_string(rank_) + " has tables [" +
                                                       DescribeTables(mine) + "] but" + mismatches +
                                                       " every worker must create the same tables in the same order");
@@ -563,7 +600,7 @@ std::unique_ptr<std::vector<float>> ServerShard::values(TableId table, BranchId 
   const TableState* found = Find(branch, table);
   if (found == nullptr) return nullptr;
   auto out = std::make_unique<std::vector<float>>(static_cast<size_t>(found->num_values));
-  if (found->num_values > 0) {
+  if (found->values) {  // not yet placed: the values are still their initial zeros
     device_->CopyDeviceToHost(out->data(), found->data(), out->size() * sizeof(float), Stream::kServer);
     if (!device_->Synchronize(Stream::kServer).ok()) return nullptr;
   }
@@ -579,6 +616,7 @@ Status ServerShard::ExportTable(TableId table, ShardSlice* out, BranchId branch)
   const TableState* found = Find(branch, table);
   if (found == nullptr) return UnknownTable(table, branch);
   const TableState& state = *found;
+  if (!state.rule) return Status::OutOfOrder(TableText(table) + ": the shard's state is placed once every worker is ready");
   out->first_row = state.range.begin;
   out->num_rows = state.range.count;
   out->values.resize(static_cast<size_t>(state.num_values));
@@ -596,6 +634,7 @@ Status ServerShard::ImportTable(TableId table, const float* values, size_t num_v
                                 size_t num_state) {
   TableState* found = Find(0, table);
   if (found == nullptr) return UnknownTable(table);
+  MLT_RETURN_IF_ERROR(PlaceState());
   TableState& target = *found;
   const size_t state_size = target.rule->state_size();
   if (num_values != static_cast<size_t>(target.num_values) || num_state != state_size) {
@@ -677,7 +716,7 @@ Status ServerShard::Fork(BranchId child, BranchId parent, const BranchSettings& 
   for (const auto& [key, table] : tables_) {
     if (key.first != parent) continue;
     std::unique_ptr<TableState> copy;
-    MLT_RETURN_IF_ERROR(NewTableState(table->info, &copy));
+    MLT_RETURN_IF_ERROR(NewTableState(table->info, /*allocate=*/true, &copy));
     copy->branch = child;
     copy->training = settings.training;
     if (copy->values) {

@@ -68,6 +68,18 @@ class ServerShard {
     device_receivers_ = std::move(takes_device_buffers);
   }
 
+  // Defers the allocation of the tables' values and optimizer state until
+  // every worker is ready (kReady: each worker's plan is made and its memory
+  // taken), and then places all of it at once: on the device when its free
+  // memory less `device_memory_reserve` (Config's, resolved by
+  // DeviceReserve) holds it, else in host memory that the device's kernels
+  // update in place (plan/device_budget.h). A message that needs the state
+  // earlier allocates it then. Call before AddTable. Default: allocated by
+  // AddTable, on the device.
+  void PlaceStateWhenReady(const Config& config);
+  // Whether the tables' state lives in host memory (false until placed).
+  bool state_in_host_memory() const { return state_in_host_; }
+
   // Config::check_finite: refuse (kNonFinite, naming the table, branch,
   // clock and worker) a training branch's clock update holding a NaN or an
   // infinity, before any of it is kept. Default: off.
@@ -98,7 +110,8 @@ class ServerShard {
     bool training = true;          // only training branches apply updates
     RowSpan range;                 // the rows this shard owns
     int64_t num_values = 0;        // range.count * row_width
-    std::shared_ptr<DeviceBlock> values;  // num_values floats in device memory; null when 0
+    std::shared_ptr<DeviceBlock> values;  // num_values floats (device or host memory); null when 0 or not yet placed
+    UpdateRuleConfig rule_config;         // the rule `rule` is made with once the state is placed
     std::unique_ptr<UpdateRule> rule;
     VectorClock clock;
     // Updates of clocks not yet finished by every worker: clock -> one dense
@@ -151,7 +164,14 @@ class ServerShard {
   // dense rows of `range` += the span-ordered payload, on the server stream.
   void AddSpansOnDevice(const Message& in, const RowSpan& range, int64_t row_width, const DeviceBuffer& payload,
                         float* dense);
-  Status NewTableState(const TableInfo& info, std::unique_ptr<TableState>* out);
+  // A table's state record; its values (zero) and rule are allocated only
+  // when `allocate`.
+  Status NewTableState(const TableInfo& info, bool allocate, std::unique_ptr<TableState>* out);
+  // Values (zero) and the rule with zero state, where the shard's state lives.
+  Status AllocateState(TableState* table);
+  // PlaceStateWhenReady's placement: the first call allocates every table's
+  // state; later calls do nothing.
+  Status PlaceState();
 
   const int rank_;
   const int num_workers_;
@@ -162,6 +182,10 @@ class ServerShard {
   DeviceBufferPool frames_;  // host frames of rows pushed to other processes
   std::function<bool(int)> device_receivers_;
   bool check_finite_ = false;
+  bool defer_state_ = false;   // PlaceStateWhenReady was called
+  bool state_placed_ = true;   // false while deferred and not yet placed
+  int64_t device_memory_reserve_ = 0;
+  bool state_in_host_ = false;
   // Every table on every live branch, by (branch, table).
   std::map<std::pair<BranchId, TableId>, std::unique_ptr<TableState>> tables_;
   std::set<BranchId> branches_{0};

@@ -56,9 +56,11 @@ class PlanPreview:
     ``pool_min_bytes`` is the least access-buffer pool of the recording (one
     region per clock in flight, each one clock's buffers packed by
     lifetime): the smallest ``Config.device_memory_budget`` it accepts.
-    ``fits`` says whether the budget holds it (always, with a budget of 0);
-    the other sizes are those of the plan the engine will make, and are 0
-    when it does not fit.
+    ``fits`` says whether the budget holds it; the other sizes are those of
+    the plan the engine will make, and are 0 when it does not fit.
+    ``budget_bytes`` is the budget the plan is made under: Config's, or,
+    with none set, the automatic one (``automatic_budget``) when the device
+    cannot hold the plan (0: no budget, everything on the device).
     """
 
     pool_min_bytes: int
@@ -76,15 +78,18 @@ class PlanPreview:
     host_memory: dict[str, int]
     host_memory_detail: str  # the same in words
     description: str  # the plan as Worker.plan will give it
+    budget_bytes: int = 0
+    automatic_budget: bool = False
 
     @classmethod
     def from_core(cls, core: _core.PlanPreview) -> PlanPreview:
         host = core.host
         parts = {name: int(getattr(host, name)) for name in
-                 ("parameter_stores", "local_data", "device_memory", "staging", "payloads", "shard_per_branch")}
+                 ("parameter_stores", "local_data", "device_memory", "staging", "payloads", "shard_per_branch",
+                  "shard_in_host_memory")}
         return cls(int(core.pool_min_bytes), bool(core.fits), int(core.pool_bytes), int(core.device_store_bytes),
                    int(core.host_store_bytes), int(host.total()), parts, str(host.describe()),
-                   str(core.description))
+                   str(core.description), int(core.budget_bytes), bool(core.automatic_budget))
 
 
 class Worker:

@@ -7,6 +7,7 @@
 #include "server/shard.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <string>
 #include <utility>
@@ -139,6 +140,7 @@ void ServerShard::PlaceStateWhenReady(const Config& config) {
   int64_t free_bytes = -1, total_bytes = -1;
   if (!device_->MemoryInfo(&free_bytes, &total_bytes).ok()) total_bytes = -1;
   device_memory_reserve_ = DeviceReserve(config, total_bytes);
+  wait_timeout_ms_ = config.wait_timeout_ms;
 }
 
 Status ServerShard::PlaceState() {
@@ -471,7 +473,8 @@ Status ServerShard::PushRows(const TableState& table, std::vector<Message>* out)
 }
 
 // A worker of this process gets a copy in device memory, queued on the server
-// stream after the rule (its install waits for `ready`); any other worker a
+// stream after the rule (its install waits for `ready`), or with the state in
+// host memory a view of the state itself (LendValues); any other worker a
 // host copy, which waits for the device.
 Status ServerShard::RowsMessage(const TableState& table, int worker, Message* out,
                                 std::shared_ptr<DeviceBuffer>* shared_frame) {
@@ -482,7 +485,9 @@ Status ServerShard::RowsMessage(const TableState& table, int worker, Message* ou
   if (table.range.count > 0) {
     rows.spans.push_back(table.range);
     const size_t count = static_cast<size_t>(table.num_values);
-    if (device_receivers_ && device_receivers_(worker)) {
+    if (device_receivers_ && device_receivers_(worker) && state_in_host_) {
+      MLT_RETURN_IF_ERROR(LendValues(table, &rows.host_frame));
+    } else if (device_receivers_ && device_receivers_(worker)) {
       MLT_RETURN_IF_ERROR(buffers_.Acquire(count, Stream::kServer, &rows.device_values));
       device_->CopyDeviceToDevice(rows.device_values->data, table.data(), count * sizeof(float), Stream::kServer);
       MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kServer, &rows.device_values->ready));
@@ -499,6 +504,52 @@ Status ServerShard::RowsMessage(const TableState& table, int worker, Message* ou
   }
   rows.header.num_spans = static_cast<uint32_t>(rows.spans.size());
   *out = std::move(rows);
+  return Status::Ok();
+}
+
+Status ServerShard::LendValues(const TableState& table, std::shared_ptr<DeviceBuffer>* out) {
+  auto view = std::make_unique<DeviceBuffer>();
+  view->data = table.data();
+  view->count = static_cast<size_t>(table.num_values);
+  view->borrowed = true;  // read only: the installer never writes a frame
+  MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kServer, &view->ready));
+  std::shared_ptr<Loans> loans = table.loans;
+  {
+    std::lock_guard<std::mutex> lock(loans->mu);
+    ++loans->out;
+  }
+  // The deleter keeps the values alive (a freed branch's view may still be
+  // out) and hands the last read's ticket back.
+  std::shared_ptr<DeviceBlock> values = table.values;
+  *out = std::shared_ptr<DeviceBuffer>(view.release(), [loans, values](DeviceBuffer* returned) {
+    {
+      std::lock_guard<std::mutex> lock(loans->mu);
+      if (returned->last_use) loans->last_uses.push_back(returned->last_use);
+      --loans->out;
+    }
+    loans->returned.notify_all();
+    delete returned;
+  });
+  return Status::Ok();
+}
+
+Status ServerShard::WaitForLoans(const TableState& table) {
+  Loans& loans = *table.loans;
+  std::vector<DeviceEvent> last_uses;
+  {
+    std::unique_lock<std::mutex> lock(loans.mu);
+    const bool returned = loans.returned.wait_for(lock, std::chrono::milliseconds(wait_timeout_ms_),
+                                                  [&loans] { return loans.out == 0; });
+    if (!returned) {
+      return Status::Timeout(TableText(table.info.id) + " (" + table.info.name + ") on branch " +
+                             std::to_string(table.branch) + ": " + std::to_string(loans.out) +
+                             " worker(s) of this process did not install the shard's last rows within " +
+                             std::to_string(wait_timeout_ms_) + " ms (Config.wait_timeout_ms), so the update "
+                             "rule cannot change them");
+    }
+    last_uses.swap(loans.last_uses);
+  }
+  for (const DeviceEvent& last_use : last_uses) MLT_RETURN_IF_ERROR(device_->WaitEvent(Stream::kServer, last_use));
   return Status::Ok();
 }
 
@@ -530,6 +581,7 @@ Status ServerShard::ApplyFinishedClocks(TableState* table) {
     device_->Fill(sum->data, 0.0f, sum->count, Stream::kServer);
     updates.push_back(sum);
   }
+  MLT_RETURN_IF_ERROR(WaitForLoans(*table));  // workers of this process still reading the last rows
   table->rule->Apply(table->data(), sum->data, table->num_values, num_workers_, Stream::kServer);
   // The buffers go back to their pools once the server stream has read them.
   DeviceEvent done;
@@ -647,6 +699,7 @@ Status ServerShard::ImportTable(TableId table, const float* values, size_t num_v
     return Status::OutOfOrder(TableText(table) + " (" + target.info.name +
                               "): a restore must come before training starts");
   }
+  MLT_RETURN_IF_ERROR(WaitForLoans(target));
   if (num_values > 0) {
     device_->CopyHostToDevice(target.data(), values, num_values * sizeof(float), Stream::kServer);
   }

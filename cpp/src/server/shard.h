@@ -14,8 +14,10 @@
 // Ownership: the shard owns its tables' values and optimizer state.
 #pragma once
 
+#include <condition_variable>
 #include <functional>
 #include <map>
+#include <mutex>
 #include <memory>
 #include <set>
 #include <string>
@@ -77,6 +79,13 @@ class ServerShard {
   // earlier allocates it then. Call before AddTable. Default: allocated by
   // AddTable, on the device.
   void PlaceStateWhenReady(const Config& config);
+  // With the state in host memory, a worker of this process (a device
+  // receiver) gets its rows as a read-only view of the state itself, not a
+  // copy: a copy would be device memory outside the worker's budget, or for
+  // the kStart push of every table at once, a second host copy of the
+  // model. The rule waits until every view of a table is installed
+  // (returned, and its install's ticket passed) before it changes the
+  // values; the wait is bounded by Config.wait_timeout_ms.
   // Whether the tables' state lives in host memory (false until placed).
   bool state_in_host_memory() const { return state_in_host_; }
 
@@ -103,6 +112,16 @@ class ServerShard {
                      size_t num_state);  // into branch 0
 
  private:
+  // Views of a table's host-resident values lent to device receivers
+  // (RowsMessage): how many are out, and the tickets of the returned ones'
+  // last reads. Shared with the views' deleters, which may outlive the table.
+  struct Loans {
+    std::mutex mu;
+    std::condition_variable returned;
+    int out = 0;
+    std::vector<DeviceEvent> last_uses;
+  };
+
   // One table on one branch.
   struct TableState {
     TableInfo info;
@@ -120,6 +139,7 @@ class ServerShard {
     // Learning rates the workers' clock updates carried (kNewLearningRate),
     // by clock and worker, until the clock is applied.
     std::map<Clock, std::map<WorkerId, float>> new_rates;
+    std::shared_ptr<Loans> loans = std::make_shared<Loans>();
     float* data() const { return values ? values->floats() : nullptr; }
     explicit TableState(int num_workers) : clock(num_workers) {}
   };
@@ -144,6 +164,13 @@ class ServerShard {
   // for a reply to one worker.
   Status RowsMessage(const TableState& table, int worker, Message* out,
                      std::shared_ptr<DeviceBuffer>* shared_frame = nullptr);
+  // A view of the table's host-resident values for a device receiver
+  // (see Loans), ready after the work queued on the server stream so far.
+  Status LendValues(const TableState& table, std::shared_ptr<DeviceBuffer>* out);
+  // Blocks until every view of the table's values is returned, then queues
+  // their last reads before the server stream's next work (which writes the
+  // values); a Timeout after Config.wait_timeout_ms.
+  Status WaitForLoans(const TableState& table);
   Status CheckSpans(const TableState& table, const Message& in) const;
   Status PushRows(const TableState& table, std::vector<Message>* out);
   Status ApplyFinishedClocks(TableState* table);
@@ -185,6 +212,7 @@ class ServerShard {
   bool defer_state_ = false;   // PlaceStateWhenReady was called
   bool state_placed_ = true;   // false while deferred and not yet placed
   int64_t device_memory_reserve_ = 0;
+  int64_t wait_timeout_ms_ = Config().wait_timeout_ms;
   bool state_in_host_ = false;
   // Every table on every live branch, by (branch, table).
   std::map<std::pair<BranchId, TableId>, std::unique_ptr<TableState>> tables_;

@@ -1067,6 +1067,12 @@ class ClockDriver:
         self._check_recording()
         self._recording = False
         self._reset_clock()
+        if self.device.type == "cuda":
+            # The initial values wait for the plan in host memory: on the
+            # device they would hold a whole model's worth of memory that the
+            # plan (the automatic budget, the shard's placement) then could
+            # not use, and they are written once, layer by layer.
+            self._init = [flat.cpu() for flat in self._init]
 
     def _install_member_checks(self) -> None:
         """For the recording pass: every module inside a grouped layer must
@@ -1280,7 +1286,7 @@ class ClockDriver:
         removes the hooks, so the plain module is usable again."""
         self.remove_hooks()
         for layer, flat in zip(self.layers, self._init):
-            layer.bind_flat(flat)
+            layer.bind_flat(flat.to(self.device))  # kept in host memory for the plan on CUDA (record)
         self._closed = True
 
     def close(self) -> None:

@@ -55,8 +55,6 @@ def model_bytes() -> int:
     return sum(p.numel() * 4 for p in make_model().parameters())
 
 
-@pytest.mark.xfail(strict=True, reason="kStart pushes every table's rows to the local worker as device copies at "
-                   "once, outside the budget (ServerShard::RowsMessage): the device runs out at the first push")
 def test_model_larger_than_the_device_trains_bit_identically_with_an_automatic_budget() -> None:
     unconstrained = train()
     stats = unconstrained["stats"]

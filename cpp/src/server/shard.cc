@@ -12,6 +12,7 @@
 #include <string>
 #include <utility>
 
+#include "mltuner/update_step.h"
 #include "plan/device_budget.h"
 
 namespace mltuner {
@@ -85,6 +86,18 @@ Message ErrorReply(int rank, const Message& request, const Status& error) {
 // rows of a large model's clocks in flight.
 constexpr size_t kMaxIdleShardBufferBytes = size_t{4} << 30;
 
+bool KnownRuleKind(UpdateRuleKind kind) {
+  switch (kind) {
+    case UpdateRuleKind::kAdd:
+    case UpdateRuleKind::kSgd:
+    case UpdateRuleKind::kDampedMomentum:
+    case UpdateRuleKind::kAdam:
+    case UpdateRuleKind::kAdamW:
+      return true;
+  }
+  return false;
+}
+
 std::shared_ptr<Device> OrCpu(std::shared_ptr<Device> device) {
   return device ? std::move(device) : std::shared_ptr<Device>(NewCpuDevice());
 }
@@ -126,10 +139,11 @@ Status ServerShard::AllocateState(TableState* table) {
   }
   if (table->values) device_->Fill(table->data(), 0.0f, static_cast<size_t>(table->num_values), Stream::kServer);
   table->rule = NewUpdateRule(table->rule_config, table->num_values, device_, state_in_host_);
-  if (table->rule == nullptr) {
-    return Status::InvalidArgument("unknown update rule kind " +
-                                   std::to_string(static_cast<int>(table->rule_config.kind)) + ", or no " +
-                                   (state_in_host_ ? "host" : "device") + " memory for its state");
+  if (table->rule == nullptr) {  // the kind was checked by AddTable
+    return Status::ResourceExhausted(
+        TableText(table->info.id) + " (" + table->info.name + "): no " + (state_in_host_ ? "host" : "device") +
+        " memory for the " + UpdateRuleName(table->rule_config.kind) + " rule's state (" +
+        std::to_string(table->num_values * StateArraysPerValue(table->rule_config) * int64_t{sizeof(float)}) + " B)");
   }
   return device_->Synchronize(Stream::kServer);
 }
@@ -178,6 +192,12 @@ Status ServerShard::AddTable(const TableInfo& info) {
   }
   std::unique_ptr<TableState> table;
   MLT_RETURN_IF_ERROR(NewTableState(info, /*allocate=*/false, &table));
+  if (!KnownRuleKind(table->rule_config.kind)) {
+    // Checked here, not when the state is placed (after every worker's
+    // kReady), so that CreateTable names the mistake.
+    return Status::InvalidArgument(TableText(info.id) + " (" + info.name + "): unknown update rule kind " +
+                                   std::to_string(static_cast<int>(table->rule_config.kind)));
+  }
   if (state_placed_) MLT_RETURN_IF_ERROR(AllocateState(table.get()));
   tables_.emplace(std::make_pair(BranchId{0}, info.id), std::move(table));
   return Status::Ok();

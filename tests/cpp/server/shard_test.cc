@@ -800,4 +800,19 @@ TEST(HostResidentStateIsLentToLocalWorkersAndTheRuleWaitsForTheViews) {
   EXPECT_TRUE(stuck.message().find("did not install the shard's last rows within 400 ms") != std::string::npos);
 }
 
+// The state is placed only once every worker is ready, but a table whose
+// rule is unknown is refused when it is added (CreateTable), naming it.
+TEST(AnUnknownRuleKindIsRefusedByAddTableWhenTheStateIsDeferred) {
+  ServerShard shard(0, kWorkers, Rule(UpdateRuleKind::kAdd));
+  shard.PlaceStateWhenReady(Config());
+  TableInfo info = Table();
+  UpdateRuleConfig bad = Rule(UpdateRuleKind::kAdd);
+  bad.kind = static_cast<UpdateRuleKind>(42);
+  info.update_rule = bad;
+  const Status refused = shard.AddTable(info);
+  EXPECT_CODE(refused, StatusCode::kInvalidArgument);
+  EXPECT_TRUE(refused.message().find("table 5 (t5): unknown update rule kind 42") != std::string::npos);
+  ASSERT_OK(shard.AddTable(Table()));  // nothing was kept
+}
+
 MLT_TEST_MAIN

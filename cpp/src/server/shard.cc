@@ -134,10 +134,12 @@ Status ServerShard::NewTableState(const TableInfo& info, bool allocate, std::uni
 
 Status ServerShard::AllocateState(TableState* table) {
   if (table->num_values > 0 && !table->values) {
-    MLT_RETURN_IF_ERROR(DeviceBlock::Make(device_, static_cast<size_t>(table->num_values) * sizeof(float),
-                                          state_in_host_, &table->values));
+    // Zero pages: on the CPU backend they take memory only once written.
+    MLT_RETURN_IF_ERROR(DeviceBlock::MakeZeroed(device_, static_cast<size_t>(table->num_values) * sizeof(float),
+                                                state_in_host_, &table->values));
+  } else if (table->values) {
+    device_->Fill(table->data(), 0.0f, static_cast<size_t>(table->num_values), Stream::kServer);
   }
-  if (table->values) device_->Fill(table->data(), 0.0f, static_cast<size_t>(table->num_values), Stream::kServer);
   table->rule = NewUpdateRule(table->rule_config, table->num_values, device_, state_in_host_);
   if (table->rule == nullptr) {  // the kind was checked by AddTable
     return Status::ResourceExhausted(

@@ -30,9 +30,8 @@ bool UpdateRule::AllocateState(int arrays) {
   state_.reset();
   const int64_t floats = arrays * num_values_;
   if (floats == 0) return true;
-  if (!DeviceBlock::Make(device_, static_cast<size_t>(floats) * sizeof(float), host_, &state_).ok()) return false;
-  device_->Fill(state_->floats(), 0.0f, static_cast<size_t>(floats), Stream::kServer);
-  return true;
+  // Zero pages: on the CPU backend they take memory only once written.
+  return DeviceBlock::MakeZeroed(device_, static_cast<size_t>(floats) * sizeof(float), host_, &state_).ok();
 }
 
 bool UpdateRule::keeps_step_count() const {

@@ -47,9 +47,9 @@ Sections:
   for the plan is the host-memory guard's refusal before the first clock.
   ``--big-host-limit-gb`` sets ``Config.host_memory_limit`` for that run
   (the guard's limit); ``--quick`` adds a run under a 1 MiB limit, which
-  the guard must refuse. ``--big-fallback-gb`` is a second size, tried when
-  the first does not train (the guard refused it: the largest size the
-  host holds). The worker chooses the budget (the device's free memory
+  the guard must refuse. ``--big-fallback-gb`` takes further sizes
+  (comma-separated, largest first), tried in order until one trains (the
+  guard refused the larger: the largest size the host holds). The worker chooses the budget (the device's free memory
   less ``Config.device_memory_reserve``) and where the server shard's state
   lives; each run prints its progress, that choice, the plan and the host's
   memory as it goes.
@@ -479,7 +479,7 @@ def big_run(args: argparse.Namespace, device: torch.device, make: Callable[[], n
 
 
 def big_section(args: argparse.Namespace, device: torch.device, report: Report) -> None:
-    sizes = [args.big_gb] + ([args.big_fallback_gb] if args.big_fallback_gb else [])
+    sizes = [args.big_gb] + (args.big_fallback_gb or [])
     plans: list[str] = []
     for number, size in enumerate(sizes):
         trained = big_size(args, device, report, size, plans, fallback=number > 0)
@@ -559,9 +559,10 @@ def main() -> None:
     parser.add_argument("--big-batch", type=int, default=None, help="rows per batch (default 64, quick 8)")
     parser.add_argument("--big-steps", type=int, default=None, help="timed clocks (default 3)")
     parser.add_argument("--big-warmup", type=int, default=1)
-    parser.add_argument("--big-fallback-gb", type=float, default=None,
-                        help="weights + momentum, GB, of a second size tried when --big-gb does not train "
-                             "(e.g. the guard refused it)")
+    parser.add_argument("--big-fallback-gb", type=lambda text: [float(size) for size in text.split(",")],
+                        default=None,
+                        help="weights + momentum, GB, of further sizes (comma-separated, largest first) tried in "
+                             "order when --big-gb does not train (e.g. the guard refused it)")
     parser.add_argument("--big-host-limit-gb", type=float, default=None,
                         help="Config.host_memory_limit of the big run (the guard's limit), GB")
     parser.add_argument("--out", type=Path, help="write the tables here (markdown)")

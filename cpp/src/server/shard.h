@@ -17,8 +17,8 @@
 #include <condition_variable>
 #include <functional>
 #include <map>
-#include <mutex>
 #include <memory>
+#include <mutex>
 #include <set>
 #include <string>
 #include <utility>
@@ -79,14 +79,13 @@ class ServerShard {
   // earlier allocates it then. Call before AddTable. Default: allocated by
   // AddTable, on the device.
   void PlaceStateWhenReady(const Config& config);
-  // With the state in host memory, a worker of this process (a device
-  // receiver) gets its rows as a read-only view of the state itself, not a
-  // copy: a copy would be device memory outside the worker's budget, or for
-  // the kStart push of every table at once, a second host copy of the
-  // model. The rule waits until every view of a table is installed
-  // (returned, and its install's ticket passed) before it changes the
-  // values; the wait is bounded by Config.wait_timeout_ms.
   // Whether the tables' state lives in host memory (false until placed).
+  // Then a worker of this process (a device receiver) gets its rows as a
+  // read-only view of the state itself, not a copy: a copy would be device
+  // memory outside the worker's budget or, for the kStart push of every
+  // table at once, a second host copy of the model. The rule waits until
+  // every view of a table is installed (returned, and its install's ticket
+  // passed) before it changes the values, up to Config.wait_timeout_ms.
   bool state_in_host_memory() const { return state_in_host_; }
 
   // Config::check_finite: refuse (kNonFinite, naming the table, branch,

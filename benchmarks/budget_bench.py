@@ -47,7 +47,12 @@ Sections:
   for the plan is the host-memory guard's refusal before the first clock.
   ``--big-host-limit-gb`` sets ``Config.host_memory_limit`` for that run
   (the guard's limit); ``--quick`` adds a run under a 1 MiB limit, which
-  the guard must refuse.
+  the guard must refuse. ``--big-fallback-gb`` takes further sizes
+  (comma-separated, largest first), tried in order until one trains (the
+  guard refused the larger: the largest size the host holds). The worker chooses the budget (the device's free memory
+  less ``Config.device_memory_reserve``) and where the server shard's state
+  lives; each run prints its progress, that choice, the plan and the host's
+  memory as it goes.
 
 Every run reports the device memory it used: torch's peak allocation and the
 memory in use on the device at the end of the timed steps above the level
@@ -73,6 +78,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -411,10 +417,27 @@ def big_model(args: argparse.Namespace, device: torch.device) -> tuple[Callable[
     return make, layers, layers * width * width
 
 
+def host_memory_line() -> str:
+    """MemAvailable and this process's resident memory, for the log."""
+    fields = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            name, _, rest = line.partition(":")
+            fields[name] = int(rest.split()[0]) * 1024
+    rss = 0
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1]) * 1024
+    return (f"host: MemAvailable {fields.get('MemAvailable', -1) / 1e9:.1f} GB of {fields.get('MemTotal', -1) / 1e9:.1f}"
+            f" GB, this process's RSS {rss / 1e9:.1f} GB")
+
+
 def big_run(args: argparse.Namespace, device: torch.device, make: Callable[[], nn.Module],
             host_limit: int | None) -> tuple[str, MltunerRun | None]:
     """Trains the big stack with no budget; ("trained", run) or (where it
-    failed and why, None)."""
+    failed and why, None). Prints its progress, the plan the worker chose
+    (budget, shard placement, host memory) and the host's memory as it goes."""
     stage = "building the model on the device"
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(args.big_batch, args.big_width, generator=generator).to(device)
@@ -423,25 +446,60 @@ def big_run(args: argparse.Namespace, device: torch.device, make: Callable[[], n
 
     def wrapped() -> None:
         holder["stage"] = "the first clock"
+        print(f"  wrap() done after {time.perf_counter() - started:.1f} s; {host_memory_line()}", flush=True)
 
+    def show(worker: Any, ps: Any) -> None:
+        stats = worker.stats
+        print("  chosen: " + ", ".join(f"{k}={stats[k]}" for k in (
+            "budget_bytes", "automatic_budget", "device_free_at_plan_bytes", "device_reserve_bytes",
+            "shard_in_host_memory", "pool_bytes", "device_store_bytes", "host_store_bytes", "host_memory_bytes")),
+            flush=True)
+        print("  plan: " + " | ".join(worker.plan.splitlines()), flush=True)
+        print(f"  hold_reads: {ps.hold_reads}", flush=True)
+
+    started = time.perf_counter()
     try:
         synchronize(device)
         probe = make()  # built once here, to tell a build failure from the adapter's
+        synchronize(device)
+        print(f"  model built in {time.perf_counter() - started:.1f} s; {host_memory_line()}", flush=True)
         del probe
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the probe's memory back to the device, where the engine can see it
         holder["stage"] = "wrap() (recording pass, plan, host-memory guard)"
+        started = time.perf_counter()
         run = mltuner_train(make, x, lambda o: o.pow(2).mean(), config, device, warmup=args.big_warmup,
-                            steps=args.big_steps, after_wrap=wrapped)
+                            steps=args.big_steps, after_wrap=wrapped, on_wrapped=show)
     except Exception as error:  # noqa: BLE001
+        print(f"  failed at {holder['stage']} after {time.perf_counter() - started:.1f} s: {error}; "
+              f"{host_memory_line()}", flush=True)
         return f"failed at {holder['stage']}: {failure(error, 700)}", None
+    print(f"  trained: {run.samples_per_s:.2f} samples/s; {host_memory_line()}", flush=True)
     return "trained", run
 
 
 def big_section(args: argparse.Namespace, device: torch.device, report: Report) -> None:
+    sizes = [args.big_gb] + (args.big_fallback_gb or [])
+    plans: list[str] = []
+    for number, size in enumerate(sizes):
+        trained = big_size(args, device, report, size, plans, fallback=number > 0)
+        if trained:
+            break
+    for plan in plans:
+        report.emit()
+        report.emit(plan)
+
+
+def big_size(args: argparse.Namespace, device: torch.device, report: Report, size_gb: float, plans: list[str],
+             *, fallback: bool) -> bool:
+    """The runs at one size; True when the one without a host limit trained."""
+    args = argparse.Namespace(**{**vars(args), "big_gb": size_gb})
     make, layers, params = big_model(args, device)
     weights = params * 4
     card = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else memory_bytes()
     report.emit()
-    report.emit(f"## A model larger than the {'GPU' if device.type == 'cuda' else 'device (cpu: host memory)'}")
+    report.emit(f"## A model larger than the {'GPU' if device.type == 'cuda' else 'device (cpu: host memory)'}"
+                + (" (the largest size tried that the host holds)" if fallback else ""))
     report.emit()
     report.emit(f"{layers} x Linear({args.big_width}, {args.big_width}, bias=False), ReLU between; "
                 f"{params / 1e6:,.1f} M parameters: {weights / 1e9:.3g} GB of float32 weights, "
@@ -452,31 +510,33 @@ def big_section(args: argparse.Namespace, device: torch.device, report: Report) 
                 "and the plan below the table.")
     report.emit()
     report.emit("| run | result | samples/s | s/clock | swapped in / out GB per clock | "
-                "device / host stores, pool GB | device GB in use |")
-    report.emit("|:--|:--|--:|--:|--:|--:|--:|")
+                "device / host stores, pool GB | budget GB (automatic?) | shard state | device GB in use |")
+    report.emit("|:--|:--|--:|--:|--:|--:|--:|:--|--:|")
     runs = [("no budget set", int(args.big_host_limit_gb * 1e9) if args.big_host_limit_gb else None)]
     if args.quick:
         runs.append(("host_memory_limit 1 MiB (the guard must refuse)", 1 << 20))
-    plans: list[str] = []
+    trained = False
     for title, limit in runs:
+        print(f"big: {2 * weights / 1e9:.3g} GB of weights + momentum, {title}", flush=True)
         result, run = big_run(args, device, make, limit)
         if run is None:
-            report.emit(f"| {title} | {result} | - | - | - | - | - |")
+            report.emit(f"| {title} | {result} | - | - | - | - | - | - | - |")
             continue
-        plans.append(f"plan of '{title}': {' '.join(run.plan.split())[:900]}")
+        trained = trained or limit is None
+        plans.append(f"plan of '{title}' at {2 * weights / 1e9:.3g} GB: {' '.join(run.plan.split())[:1200]}")
         gb = 1e9
         report.emit(
             f"| {title} | trained | {run.samples_per_s:,.1f} | {args.big_batch / run.samples_per_s:.3f} | "
             f"{run.per_clock('bytes_swapped_in') / gb:.2f} / {run.per_clock('bytes_swapped_out') / gb:.2f} | "
             f"{run.after['device_store_bytes'] / gb:.2f} / {run.after['host_store_bytes'] / gb:.2f}, "
-            f"{run.after['pool_bytes'] / gb:.2f} | "
+            f"{run.after['pool_bytes'] / gb:.2f} | {run.after['budget_bytes'] / gb:.2f} "
+            f"({'yes' if run.after['automatic_budget'] else 'no'}) | "
+            f"{'host' if run.after['shard_in_host_memory'] else 'device'} | "
             f"{f'{run.device_in_use_bytes / gb:.1f}' if device.type == 'cuda' else '-'} |")
         report.figures.append(Figure("budget", f"{2 * weights / 1e9:.0f} GB of weights + momentum, no budget set",
                                      run.samples_per_s, "samples/s", "none", None, None, "-",
                                      note=f"{layers} x {args.big_width}^2 Linear"))
-    for plan in plans:
-        report.emit()
-        report.emit(plan)
+    return trained
 
 
 def main() -> None:
@@ -499,6 +559,10 @@ def main() -> None:
     parser.add_argument("--big-batch", type=int, default=None, help="rows per batch (default 64, quick 8)")
     parser.add_argument("--big-steps", type=int, default=None, help="timed clocks (default 3)")
     parser.add_argument("--big-warmup", type=int, default=1)
+    parser.add_argument("--big-fallback-gb", type=lambda text: [float(size) for size in text.split(",")],
+                        default=None,
+                        help="weights + momentum, GB, of further sizes (comma-separated, largest first) tried in "
+                             "order when --big-gb does not train (e.g. the guard refused it)")
     parser.add_argument("--big-host-limit-gb", type=float, default=None,
                         help="Config.host_memory_limit of the big run (the guard's limit), GB")
     parser.add_argument("--out", type=Path, help="write the tables here (markdown)")

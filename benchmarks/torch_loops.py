@@ -94,12 +94,13 @@ class MltunerRun:
 def mltuner_train(make: Callable[[], nn.Module], x: torch.Tensor, loss: Loss, config: mlt.Config,
                   device: torch.device, *, warmup: int, steps: int, store_activations: bool = False,
                   slack: int = 0, after_wrap: Callable[[], None] | None = None,
-                  recompute: str = "auto") -> MltunerRun:
+                  recompute: str = "auto", on_wrapped: Callable[[Any, Any], None] | None = None) -> MltunerRun:
     """Trains ``make()`` on ``x`` through one worker of a LocalCluster with
     ``config``; samples/s over the timed steps and the engine's stats.
     ``after_wrap`` is called once wrap() returned (e.g. to report progress).
     ``recompute`` is wrap()'s (the default, "auto", recomputes cheap saved
-    activations when they are stored under a budget)."""
+    activations when they are stored under a budget). ``on_wrapped(worker,
+    ps_model)`` is called then too (e.g. to print the plan)."""
     memory = DeviceMemory(device)
     torch.manual_seed(0)
     model = make().to(device)
@@ -109,6 +110,8 @@ def mltuner_train(make: Callable[[], nn.Module], x: torch.Tensor, loss: Loss, co
                          example_loss=loss, recompute=recompute)
         if after_wrap is not None:
             after_wrap()
+        if on_wrapped is not None:
+            on_wrapped(worker, ps)
         before: dict[str, float] = {}
         start = time.perf_counter()
         for step in range(warmup + steps):

@@ -108,6 +108,16 @@ class CudaDevice final : public Device {
     return NewCudaIpc(ordinal_, region_bytes, out);
   }
 
+  Status MemoryInfo(int64_t* free_bytes, int64_t* total_bytes) override {
+    MLT_RETURN_IF_ERROR(MakeCurrent("MemoryInfo"));
+    size_t free_now = 0, total = 0;
+    const cudaError_t err = cudaMemGetInfo(&free_now, &total);
+    if (err != cudaSuccess) return Fail("MemoryInfo (cudaMemGetInfo)", err);
+    *free_bytes = static_cast<int64_t>(free_now);
+    *total_bytes = static_cast<int64_t>(total);
+    return Status::Ok();
+  }
+
   Status Allocate(size_t bytes, void** out) override {
     if (bytes == 0) return Status::InvalidArgument("CudaDevice::Allocate of 0 bytes");
     MLT_RETURN_IF_ERROR(MakeCurrent("Allocate"));
@@ -195,13 +205,17 @@ class CudaDevice final : public Device {
   // (pageable ones are staged by the driver, and the call returns only once
   // the source has been read, so the caller may reuse it at once).
   void CopyHostToDevice(void* dst, const void* src, size_t bytes, Stream s) override {
-    Copy(dst, src, bytes, cudaMemcpyHostToDevice, s, "CopyHostToDevice");
+    Copy(dst, src, bytes, maps_host_ ? cudaMemcpyDefault : cudaMemcpyHostToDevice, s, "CopyHostToDevice");
   }
   void CopyDeviceToHost(void* dst, const void* src, size_t bytes, Stream s) override {
-    Copy(dst, src, bytes, cudaMemcpyDeviceToHost, s, "CopyDeviceToHost");
+    Copy(dst, src, bytes, maps_host_ ? cudaMemcpyDefault : cudaMemcpyDeviceToHost, s, "CopyDeviceToHost");
   }
+  // "Device memory" may be mapped pinned memory from AllocateHost where the
+  // device maps host memory (the server shard's state when the device cannot
+  // hold it): with unified addressing cudaMemcpyDefault takes the direction
+  // from the pointers, where a fixed kind would not match.
   void CopyDeviceToDevice(void* dst, const void* src, size_t bytes, Stream s) override {
-    Copy(dst, src, bytes, cudaMemcpyDeviceToDevice, s, "CopyDeviceToDevice");
+    Copy(dst, src, bytes, maps_host_ ? cudaMemcpyDefault : cudaMemcpyDeviceToDevice, s, "CopyDeviceToDevice");
   }
 
   // Either pointer may be mapped pinned memory from AllocateHost (when

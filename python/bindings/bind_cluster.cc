@@ -32,8 +32,14 @@ int CudaCount() {
 
 }  // namespace
 
-DeviceFactory FactoryFor(const std::string& device) {
-  if (device == "cpu") return nullptr;
+DeviceFactory FactoryFor(const std::string& device, const Config& config) {
+  if (device == "cpu") {
+    const int64_t capacity = config.cpu_device_capacity;
+    return [capacity](int, std::unique_ptr<Device>* out) {
+      *out = NewCpuDevice(capacity);
+      return Status::Ok();
+    };
+  }
   if (device != "cuda") {
     throw StatusError(Status::InvalidArgument("unknown device '" + device + "': use 'cpu' or 'cuda'"));
   }
@@ -57,7 +63,7 @@ void RegisterCluster(py::module_& m) {
   py::class_<LocalCluster>(m, "LocalCluster")
       .def(py::init([](const Config& config, int num_workers, const std::string& device) {
              std::unique_ptr<LocalCluster> cluster;
-             const DeviceFactory factory = FactoryFor(device);
+             const DeviceFactory factory = FactoryFor(device, config);
              py::gil_scoped_release release;
              Check(LocalCluster::Create(config, num_workers, &cluster, factory));
              return cluster;

@@ -34,6 +34,8 @@ void RegisterConfig(py::module_& m) {
   py::class_<Config>(m, "Config")
       .def(py::init<>())
       .def_readwrite("device_memory_budget", &Config::device_memory_budget)
+      .def_readwrite("device_memory_reserve", &Config::device_memory_reserve)
+      .def_readwrite("cpu_device_capacity", &Config::cpu_device_capacity)
       .def_readwrite("host_memory_limit", &Config::host_memory_limit)
       .def_readwrite("wait_timeout_ms", &Config::wait_timeout_ms)
       .def_readwrite("prefetch_clocks", &Config::prefetch_clocks)

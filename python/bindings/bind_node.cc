@@ -57,7 +57,7 @@ void RegisterNode(py::module_& m) {
   py::class_<ProcessNode>(m, "ProcessNode")
       .def(py::init([](const Config& config, int rank, int num_workers, const std::string& device,
                        int device_index) {
-             const DeviceFactory factory = FactoryFor(device);
+             const DeviceFactory factory = FactoryFor(device, config);
              std::unique_ptr<ProcessNode> node;
              py::gil_scoped_release release;
              std::unique_ptr<Device> made;

@@ -9,6 +9,7 @@
 
 #include <string>
 
+#include "mltuner/config.h"
 #include "mltuner/device.h"
 #include "mltuner/status.h"
 
@@ -28,9 +29,10 @@ inline void Check(const Status& status) {
   if (!status.ok()) throw StatusError(status);
 }
 
-// The device factory for a device name ("cpu": null, the CPU backend;
-// "cuda": worker r on visible GPU r mod count). Throws StatusError.
-DeviceFactory FactoryFor(const std::string& device);
+// The device factory for a device name ("cpu": the CPU backend, with
+// Config::cpu_device_capacity; "cuda": worker r on visible GPU r mod
+// count). Throws StatusError.
+DeviceFactory FactoryFor(const std::string& device, const Config& config);
 
 void RegisterErrors(pybind11::module_& m);
 void RegisterConfig(pybind11::module_& m);

@@ -136,7 +136,26 @@ class Config:
             (``1 + prefetch_clocks`` regions, each one clock's buffers packed
             by lifetime; ``Worker.stats["pool_min_bytes"]``),
             :class:`~mltuner.ResourceExhaustedError` says exactly how much is
-            needed.
+            needed. Left at 0 on a device of known capacity (CUDA), a plan
+            that needs more device memory than the device has free when the
+            plan is made, less ``device_memory_reserve``, is made under a
+            budget of exactly that (an automatic budget;
+            ``Worker.stats["budget_bytes"]`` and ``["automatic_budget"]``,
+            and the plan's first line, say which was used).
+        device_memory_reserve: bytes of device memory the automatic budget
+            leaves to what the engine does not allocate: the framework's own
+            tensors (activations not stored as local data, gradients before
+            they are handed over, workspaces, its allocator's cache) and the
+            server shard's buffers in flight. None: a tenth of the device's
+            memory. The server shard's state (values and optimizer state)
+            stays on the device when the room left after the workers' plans,
+            less this reserve, holds it; otherwise it lives in pinned host
+            memory that the device's update kernels read and write in place
+            (``Worker.stats["shard_in_host_memory"]``).
+        cpu_device_capacity: for tests, on the CPU backend: make it behave as
+            a device of this many bytes (allocations past it fail, and the
+            automatic budget and the shard's placement see its free memory).
+            0 (the default): unbounded, as before.
         wait_timeout_s: every blocking wait gives up after this many seconds
             with :class:`~mltuner.WaitTimeoutError`.
         prefetch_clocks: how many clocks the allocator thread may prepare
@@ -160,8 +179,9 @@ class Config:
             part and the limit, before anything is allocated. A plan's need
             (``Worker.preview_plan().host_memory``) counts its host-resident
             caches, update logs and local data, the staging buffer, update
-            payloads in flight and, on the CPU backend, the buffer pool and
-            the device-resident stores.
+            payloads in flight, the server shard's state when it lives in
+            host memory and, on the CPU backend, the buffer pool and the
+            device-resident stores.
         check_finite: the servers refuse an update of a training branch that
             holds a NaN or an infinity, before any of it is applied: the
             clock fails and every worker's next call raises
@@ -193,6 +213,8 @@ class Config:
     host_memory_limit: int | None = None
     check_finite: bool = False
     debug_buffers: bool | None = None
+    device_memory_reserve: int | None = None
+    cpu_device_capacity: int = 0
 
     def __post_init__(self) -> None:
         choice("Config.device", self.device, ("cpu", "cuda"))
@@ -210,6 +232,9 @@ class Config:
             if 0 < limit < 1 << 20:
                 raise InvalidArgumentError(f"Config.host_memory_limit must be 0 (detect) or in [1048576, 2**62], "
                                            f"got {limit}")
+        if self.device_memory_reserve is not None:
+            integer("Config.device_memory_reserve", self.device_memory_reserve, 0, MAX_BYTES)
+        integer("Config.cpu_device_capacity", self.cpu_device_capacity, 0, MAX_BYTES)
         boolean("Config.check_finite", self.check_finite)
         if self.debug_buffers is None:
             object.__setattr__(self, "debug_buffers", debug_buffers_from_environment())
@@ -220,6 +245,8 @@ class Config:
         core = _core.Config()
         core.device_memory_budget = int(self.device_memory_budget)
         core.host_memory_limit = int(self.host_memory_limit or 0)
+        core.device_memory_reserve = -1 if self.device_memory_reserve is None else int(self.device_memory_reserve)
+        core.cpu_device_capacity = int(self.cpu_device_capacity)
         core.wait_timeout_ms = max(1, int(self.wait_timeout_s * 1000))
         core.prefetch_clocks = int(self.prefetch_clocks)
         core.partitions_per_table = int(self.partitions_per_table)

@@ -59,7 +59,31 @@ struct Config {
   // local data to host memory; they are swapped in ahead of use. Too small for
   // the access-buffer pool (1 + prefetch_clocks regions, each a clock's
   // buffers packed by lifetime) gives an error with the exact bytes needed.
+  //
+  // Automatic budget: with 0 here and a device of known capacity
+  // (Device::MemoryInfo), a plan that needs more device memory (pool and
+  // device-resident stores) than the device has free when the plan is made,
+  // less device_memory_reserve, is made again under a budget of exactly
+  // that; the plan's description and EngineStats say which budget was used
+  // and why.
   int64_t device_memory_budget = 0;
+
+  // Bytes of device memory the automatic budget leaves free for what the
+  // engine does not allocate: the framework's own tensors (activations that
+  // are not stored as local data, gradients before they are handed over,
+  // workspaces, its allocator's cache) and the server shard's buffers in
+  // flight. -1: a tenth of the device's total memory (8 GB of an 80-GB
+  // card). The server shard's state (values and optimizer state) stays on
+  // the device when what is free after the workers' plans, less this,
+  // holds it; otherwise it lives in pinned host memory, which the device's
+  // update kernels read and write in place over PCIe.
+  int64_t device_memory_reserve = -1;
+
+  // The CPU backend's device capacity in bytes, for tests: 0 (the default)
+  // leaves it unbounded; a positive value makes it behave as a device of that
+  // size (allocations past it fail, MemoryInfo reports what is free), so the
+  // automatic budget and the shard's placement run without a GPU.
+  int64_t cpu_device_capacity = 0;
 
   // Bytes of host memory the plan may need (HostMemoryNeed::total: host
   // stores, staging, payloads in flight, and on the CPU backend the pool and

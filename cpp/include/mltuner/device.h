@@ -181,12 +181,22 @@ class Device {
   // device.
   virtual Status ExportIpc(size_t region_bytes, std::unique_ptr<DeviceIpc>* out);
 
+  // Device memory free now and in all (CUDA: cudaMemGetInfo), for the
+  // automatic budget (Config::device_memory_reserve) and the placement of the
+  // server shard's state. Both -1 where the device has no fixed capacity:
+  // the CPU backend unless it was given one (NewCpuDevice). The default: -1.
+  virtual Status MemoryInfo(int64_t* free_bytes, int64_t* total_bytes);
+
  protected:
   Device() = default;
 };
 
-// The reference backend: "device" memory is host memory.
-std::unique_ptr<Device> NewCpuDevice();
+// The reference backend: "device" memory is host memory. With a capacity
+// (bytes > 0) it behaves as a device of that size: Allocate (and
+// AllocateZeroed of device memory) fails with ResourceExhausted past it, as
+// cudaMalloc does, and MemoryInfo reports what is left, so that a model
+// larger than the device is testable without a GPU (Config::cpu_device_capacity).
+std::unique_ptr<Device> NewCpuDevice(int64_t capacity_bytes = 0);
 
 // Makes the Device of worker `rank`. LocalCluster takes one so that the
 // layer that knows which backends were built (the Python module) chooses.

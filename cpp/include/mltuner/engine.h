@@ -84,6 +84,14 @@ struct EngineStats {
   int64_t device_store_bytes = 0;
   int64_t host_store_bytes = 0;
   int64_t host_memory_bytes = 0;   // the plan's host memory (HostMemoryNeed::total), checked at finish
+  // The device-memory budget the plan was made under (0: none), and whether
+  // the engine chose it (Config::device_memory_budget unset, the device too
+  // small for the plan): the device's free memory then, less the reserve.
+  int64_t budget_bytes = 0;
+  bool automatic_budget = false;
+  int64_t device_reserve_bytes = 0;       // Config::device_memory_reserve, resolved
+  int64_t device_free_at_plan_bytes = -1;  // -1: the device reports no capacity
+  bool shard_in_host_memory = false;      // where the plan expects this rank's shard state
   // The plan's prediction of the bytes one steady-state clock moves between
   // host and device memory (plan/swap_traffic.h), either way.
   int64_t predicted_bytes_to_device_per_clock = 0;

@@ -84,14 +84,20 @@ struct HostMemoryNeed {
   int64_t staging = 0;           // the staging buffer for host-resident updates (pinned on CUDA)
   int64_t payloads = 0;          // update payloads of the clocks in flight that live in host memory (an upper estimate)
   // This rank's server shard: its rows of every communicated table with the
-  // rule's optimizer state, for one branch (in host memory when the device's
-  // memory is). Allocated by CreateTable and by each branch fork, so not in
-  // total(); each live branch beyond the first adds this much.
+  // rule's optimizer state, for one branch. In host memory when the
+  // device's memory is, or when the device cannot hold it after the plan
+  // (plan/device_budget.h; the shard allocates it once every worker's plan
+  // is made). In total() then, for the first branch; each live branch
+  // beyond the first adds this much (forks are not counted).
   int64_t shard_per_branch = 0;
   bool shard_in_host_memory = false;
 
-  // What FinishVirtualIteration allocates or will hold: every field but the shard's.
-  int64_t total() const { return parameter_stores + local_data + device_memory + staging + payloads; }
+  // What FinishVirtualIteration allocates or will hold, the shard's state of
+  // branch 0 when it lives in host memory.
+  int64_t total() const {
+    return parameter_stores + local_data + device_memory + staging + payloads +
+           (shard_in_host_memory ? shard_per_branch : 0);
+  }
   // "12345 B (parameter stores 1000 B, local data 0 B, ...)"
   std::string Describe() const;
 };
@@ -100,7 +106,11 @@ struct HostMemoryNeed {
 // (Engine::PreviewPlan) made before FinishVirtualIteration commits to it.
 struct PlanPreview {
   int64_t pool_min_bytes = 0;  // the least access-buffer pool: the smallest device_memory_budget accepted
-  bool fits = false;           // the budget holds that pool (always with a budget of 0); the rest only then
+  bool fits = false;           // the budget holds that pool; the rest only then
+  // The budget the plan is made under: Config's, or the automatic one when
+  // none is set and the device cannot hold the plan (0: none).
+  int64_t budget_bytes = 0;
+  bool automatic_budget = false;
   int64_t pool_bytes = 0;
   int64_t device_store_bytes = 0;
   int64_t host_store_bytes = 0;

@@ -107,6 +107,7 @@ ShardHost::ShardHost(int rank, int num_workers, const Config& config, std::share
     : shard_(rank, num_workers, config.update_rule, config.max_branches, std::move(device)) {
   shard_.set_check_finite(config.check_finite);
   shard_.set_device_receivers(std::move(device_receivers));
+  shard_.PlaceStateWhenReady(config);  // after the workers' plans: on the device if it has room (issue 16)
 }
 
 void ShardHost::Start(Engine* engine, Transport* transport) {

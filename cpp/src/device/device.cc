@@ -21,6 +21,12 @@ int64_t CountNonFiniteHost(const float* data, int64_t count) {
   return found;
 }
 
+Status Device::MemoryInfo(int64_t* free_bytes, int64_t* total_bytes) {
+  *free_bytes = -1;
+  *total_bytes = -1;
+  return Status::Ok();
+}
+
 Status Device::AllocateZeroed(size_t bytes, bool host, void** out) {
   void* data = nullptr;
   MLT_RETURN_IF_ERROR(host ? AllocateHost(bytes, &data) : Allocate(bytes, &data));

@@ -142,8 +142,20 @@ Status Engine::Impl::FinishVirtualIteration() {
 Status Engine::Impl::PreviewPlan(PlanPreview* out) {
   const Recording* recording = nullptr;
   MLT_RETURN_IF_ERROR(recorder_.Peek("preview_plan", &recording));
-  return PreviewIteration(config_, plan_.tables, *recording, {rank_, num_workers_, device_->host_addressable()},
-                          &previewed_, out);
+  PlanSite site;
+  MLT_RETURN_IF_ERROR(Site(&site));
+  return PreviewIteration(config_, plan_.tables, *recording, site, &previewed_, out);
+}
+
+Status Engine::Impl::Site(PlanSite* out) const {
+  PlanSite site;
+  site.rank = rank_;
+  site.num_workers = num_workers_;
+  site.device_is_host = device_->host_addressable();
+  site.maps_host_memory = device_->maps_host_memory();
+  MLT_RETURN_IF_ERROR(device_->MemoryInfo(&site.device_free, &site.device_total));
+  *out = site;
+  return Status::Ok();
 }
 
 Status Engine::Impl::ResetVirtualIteration() {
@@ -160,8 +172,9 @@ Status Engine::Impl::PlanAndPrepare() {
   std::unique_ptr<IterationPlan> plan = std::move(previewed_);
   if (!plan || !plan->Covers(plan_.tables)) {
     plan = std::make_unique<IterationPlan>();
-    MLT_RETURN_IF_ERROR(PlanIteration(config_, plan_.tables, *recorded, {rank_, num_workers_, device_->host_addressable()},
-                                      plan.get()));
+    PlanSite site;
+    MLT_RETURN_IF_ERROR(Site(&site));
+    MLT_RETURN_IF_ERROR(PlanIteration(config_, plan_.tables, *recorded, site, plan.get()));
   }
   MLT_RETURN_IF_ERROR(CheckHostMemory(plan->placement.host, config_.host_memory_limit));
   Recording recording;
@@ -214,6 +227,11 @@ Status Engine::Impl::PlanAndPrepare() {
     state_.stats.device_store_bytes = plan_.placement.device_store_bytes;
     state_.stats.host_store_bytes = plan_.placement.host_store_bytes;
     state_.stats.host_memory_bytes = plan_.placement.host.total();
+    state_.stats.budget_bytes = plan_.placement.budget.budget;
+    state_.stats.automatic_budget = plan_.placement.budget.automatic;
+    state_.stats.device_reserve_bytes = plan_.placement.budget.reserve;
+    state_.stats.device_free_at_plan_bytes = plan_.placement.budget.device_free;
+    state_.stats.shard_in_host_memory = plan_.placement.host.shard_in_host_memory;
     state_.stats.predicted_bytes_to_device_per_clock = plan_.placement.traffic.host_to_device();
     state_.stats.predicted_bytes_to_host_per_clock = plan_.placement.traffic.device_to_host();
   }
@@ -668,6 +686,9 @@ Status Engine::Create(const Config& config, int rank, int num_workers, std::shar
   if (config.wait_timeout_ms <= 0) return Status::InvalidArgument("wait_timeout_ms must be > 0");
   if (config.prefetch_clocks < 1) return Status::InvalidArgument("prefetch_clocks must be >= 1");
   if (config.device_memory_budget < 0) return Status::InvalidArgument("device_memory_budget must be >= 0");
+  if (config.device_memory_reserve < -1) {
+    return Status::InvalidArgument("device_memory_reserve must be >= 0, or -1 for a tenth of the device");
+  }
   MLT_RETURN_IF_ERROR(CheckUpdateRule(config.update_rule, "Config.update_rule"));
   out->reset(new Engine(std::make_unique<Impl>(config, rank, num_workers, std::move(device), transport)));
   return Status::Ok();

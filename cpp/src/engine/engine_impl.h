@@ -41,6 +41,8 @@ class Engine::Impl {
   Status LookupTable(TableId table, const TableInfo** out) const;
   Status PreviewPlan(PlanPreview* out);
   Status ResetVirtualIteration();
+  // Where a plan is made: this worker and its device's memory now.
+  Status Site(PlanSite* out) const;
   Status FinishVirtualIteration();
   Status StartIterations();
   Status Open(Handle handle, OpKind kind, AccessBuffer* out, uintptr_t app_stream);

@@ -9,6 +9,8 @@
 #include "common/thread_name.h"
 #include "memory/reclaimer.h"
 
+#include "plan/device_budget.h"
+
 #include <algorithm>
 #include <cstring>
 #include <limits>
@@ -77,7 +79,19 @@ size_t Reclaimer::LargestRemotePayloadValues() const {
   return largest;
 }
 
+// Payloads to this device's shards are device memory outside the plan's
+// budget: a share of Config.device_memory_reserve (half, at most the pool's
+// 2 GiB of idle buffers), so that a shard slower than the backward pass
+// (its state in host memory) cannot exhaust the device. No bound on a
+// device of unknown capacity.
+int64_t Reclaimer::LocalPayloadLimit() const {
+  int64_t free_bytes = -1, total_bytes = -1;
+  if (!device_->MemoryInfo(&free_bytes, &total_bytes).ok() || total_bytes < 0) return 0;
+  return std::max<int64_t>(1, std::min<int64_t>(int64_t{2} << 30, DeviceReserve(config_, total_bytes) / 2));
+}
+
 void Reclaimer::Start() {
+  local_payloads_ = std::make_unique<PayloadBound>(LocalPayloadLimit());
   frames_.set_max_idle_bytes(static_cast<size_t>(RemotePayloadBytesInFlight()));
   staging_values_ = LargestRemotePayloadValues();
   thread_ = std::thread([this] {
@@ -283,7 +297,16 @@ Status Reclaimer::NewUpdateMessage(TableId table, int shard, mltuner::Clock cloc
   message.header.row_width = plan_->tables[table].row_width;
   *on_device = values > 0 && transport_->SharesDevice(rank_, shard);
   if (*on_device) {
-    MLT_RETURN_IF_ERROR(payloads_.Acquire(values, Stream::kWriteback, &message.device_values));
+    MLT_RETURN_IF_ERROR(local_payloads_->Take(
+        values, config_.wait_timeout_ms,
+        [this] {
+          MutexLock lock(&state_->mu);
+          return state_->stopping;
+        },
+        [this, values](std::shared_ptr<DeviceBuffer>* buffer) {
+          return payloads_.Acquire(values, Stream::kWriteback, buffer);
+        },
+        &message.device_values));
     *data = message.device_values->data;
   } else if (values > 0) {
     // Another process's shard: a recycled host frame (pinned on CUDA) that

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "memory/device_block.h"
+#include "memory/payload_bound.h"
 #include "mltuner/config.h"
 #include "mltuner/device.h"
 #include "mltuner/transport.h"
@@ -77,10 +78,13 @@ class Reclaimer {
   // Floats of the largest update payload to one of those shards: the size
   // of the device staging buffer every pack kernel fills.
   size_t LargestRemotePayloadValues() const;
+  int64_t LocalPayloadLimit() const;
   size_t staging_values_ = 0;  // set in Start
   // Device buffers for update payloads to shards that share this device, and
   // the staging payloads packed for the others.
   DeviceBufferPool payloads_;
+  // The bytes of those to this device's shards alive at once (set in Start).
+  std::unique_ptr<PayloadBound> local_payloads_;
   // Per table: a scatter-add into its host log is queued on the device and
   // not yet waited for. This thread's only (and the init phase's, before it).
   std::vector<bool> host_log_pending_;

@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "mltuner/update_step.h"
+#include "plan/device_budget.h"
 
 namespace mltuner {
 
@@ -33,8 +34,9 @@ std::string HostMemoryNeed::Describe() const {
   std::ostringstream out;
   out << total() << " B (" << Mib(total()) << ": parameter stores and update logs " << parameter_stores
       << " B, local data " << local_data << " B, device memory (pool and device stores) " << device_memory
-      << " B, staging " << staging << " B, update payloads in flight " << payloads << " B; the server shard holds "
-      << shard_per_branch << " B per branch " << (shard_in_host_memory ? "in host memory" : "on the device") << ")";
+      << " B, staging " << staging << " B, update payloads in flight " << payloads << " B, the server shard's state "
+      << (shard_in_host_memory ? shard_per_branch : 0) << " B; the server shard holds " << shard_per_branch
+      << " B per branch " << (shard_in_host_memory ? "in host memory" : "on the device") << ")";
   return out.str();
 }
 
@@ -54,7 +56,13 @@ HostMemoryNeed CountHostMemory(const Config& config, const std::vector<TableInfo
   }
   need.staging = placement.staging_bytes;
   if (site.device_is_host) need.device_memory = placement.pool_bytes + placement.device_store_bytes;
-  need.shard_in_host_memory = site.device_is_host;
+  // The shard's state goes where the device has room for it after this
+  // plan's allocations (the rule the shard applies, plan/device_budget.h).
+  const int64_t free_after_plan =
+      site.device_free < 0 ? -1 : site.device_free - placement.pool_bytes - placement.device_store_bytes;
+  need.shard_in_host_memory =
+      site.device_is_host || ShardStateInHostMemory(need.shard_per_branch, std::max<int64_t>(free_after_plan, 0),
+                                                    DeviceReserve(config, site.device_total), site.maps_host_memory);
 
   // Payloads: a clock's updates, sent as one payload per table and shard,
   // are kept by the shards until every worker finished that clock; with the

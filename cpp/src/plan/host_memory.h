@@ -9,9 +9,12 @@
 // staging buffer (the largest access buffer; pinned on CUDA); the update
 // payloads of the clocks in flight that live in host memory; and, when the
 // device's memory is host memory (the CPU backend), the access-buffer pool
-// and the device-resident stores. The server shard's state (its rows of
-// each table with the rule's optimizer state) is reported per branch but
-// not counted: CreateTable and each branch fork allocate it.
+// and the device-resident stores; and the server shard's state of branch 0
+// (its rows of each table with the rule's optimizer state) when it will live
+// in host memory: on the CPU backend, or where the device has too little
+// room left after the plan (plan/device_budget.h). The shard allocates it
+// once every worker has planned, after this check. Branch forks add a copy
+// each, not counted here.
 // Pure functions; HostMemoryAvailable reads /proc/meminfo.
 #pragma once
 

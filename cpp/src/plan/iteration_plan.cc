@@ -8,8 +8,27 @@ Status PlanIteration(const Config& config, const std::vector<TableInfo>& tables,
                      const PlanSite& site, IterationPlan* out) {
   IterationPlan plan;
   plan.layouts = BuildRowLayouts(tables, recording);
+  BudgetChoice budget = ChooseBudget(config, site.device_free, site.device_total, 0);
   MLT_RETURN_IF_ERROR(PlanPlacement(config, tables, plan.layouts, recording, &plan.placement, site));
-  plan.placement.host = CountHostMemory(config, tables, recording, plan.placement, site);
+  Config planned = config;
+  if (config.device_memory_budget == 0) {
+    // No budget set: the plan with everything on the device, unless the
+    // device cannot hold it; then again under what the device has free.
+    budget = ChooseBudget(config, site.device_free, site.device_total,
+                          plan.placement.pool_bytes + plan.placement.device_store_bytes);
+    if (budget.automatic) {
+      planned.device_memory_budget = budget.budget;
+      out->placement.budget = budget;  // for the caller's message, also when the plan is refused
+      const Status status = PlanPlacement(planned, tables, plan.layouts, recording, &plan.placement, site);
+      if (!status.ok()) {
+        if (status.code() != StatusCode::kResourceExhausted) return status;
+        return Status::ResourceExhausted("no device_memory_budget was set and the device cannot hold the plan: the " +
+                                         budget.Describe() + " is too small: " + status.message());
+      }
+    }
+  }
+  plan.placement.budget = budget;
+  plan.placement.host = CountHostMemory(planned, tables, recording, plan.placement, site);
   *out = std::move(plan);
   return Status::Ok();
 }
@@ -24,14 +43,26 @@ Status PreviewIteration(const Config& config, const std::vector<TableInfo>& tabl
   } else {
     result.pool_min_bytes = LeastPoolBytes(config, tables, recording);
     result.fits = config.device_memory_budget <= 0 || result.pool_min_bytes <= config.device_memory_budget;
+    result.budget_bytes = config.device_memory_budget;
     if (result.fits) {
       auto plan = std::make_unique<IterationPlan>();
-      MLT_RETURN_IF_ERROR(PlanIteration(config, tables, recording, site, plan.get()));
-      *kept = std::move(plan);
+      const Status status = PlanIteration(config, tables, recording, site, plan.get());
+      if (!status.ok() && !(status.code() == StatusCode::kResourceExhausted && plan->placement.budget.automatic)) {
+        return status;
+      }
+      if (status.ok()) {
+        *kept = std::move(plan);
+      } else {  // the automatic budget cannot hold the least pool
+        result.fits = false;
+        result.budget_bytes = plan->placement.budget.budget;
+        result.automatic_budget = true;
+      }
     }
   }
   if (result.fits) {
     const Placement& placement = (*kept)->placement;
+    result.budget_bytes = placement.budget.budget;
+    result.automatic_budget = placement.budget.automatic;
     result.pool_bytes = placement.pool_bytes;
     result.device_store_bytes = placement.device_store_bytes;
     result.host_store_bytes = placement.host_store_bytes;

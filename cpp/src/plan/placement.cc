@@ -63,6 +63,7 @@ const TablePlacement::Run& TablePlacement::RunOf(int64_t position) const {
 
 std::string Placement::Describe() const {
   std::ostringstream out;
+  out << budget.Describe() << "\n";
   out << "pool " << pool_bytes << " B (" << buffers.regions << " regions of " << buffers.region_bytes
       << " B, lookahead " << buffers.lookahead_ops << " ops; least " << pool_min_bytes << " B; peak "
       << peak_bytes << " B at op " << peak_op << "), device stores " << device_store_bytes

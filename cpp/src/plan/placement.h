@@ -35,6 +35,7 @@
 #include "mltuner/status.h"
 #include "mltuner/types.h"
 #include "plan/buffer_schedule.h"
+#include "plan/device_budget.h"
 #include "plan/plan_site.h"
 #include "plan/row_layout.h"
 #include "plan/swap_traffic.h"
@@ -84,6 +85,7 @@ struct Placement {
   int64_t host_store_bytes = 0;
   int64_t staging_bytes = 0;           // the largest access buffer, at least kBufferAlignment
   HostMemoryNeed host;                 // filled by PlanIteration (plan/iteration_plan.h)
+  BudgetChoice budget;                 // the budget planned under, set or automatic: also PlanIteration's
   // What went where, by kind of entry (plan/placement_value.h).
   struct EntryCount {
     int64_t device_entries = 0, device_bytes = 0;

@@ -4,12 +4,20 @@
 // (plan/swap_traffic.h) both depend on it.
 #pragma once
 
+#include <cstdint>
+
 namespace mltuner {
 
 struct PlanSite {
   int rank = 0;
   int num_workers = 1;
   bool device_is_host = true;
+  // The device's memory when the plan is made (Device::MemoryInfo; -1: no
+  // fixed capacity), for the automatic budget and the prediction of where
+  // the server shard's state goes (plan/device_budget.h).
+  int64_t device_free = -1;
+  int64_t device_total = -1;
+  bool maps_host_memory = false;  // Device::maps_host_memory
 };
 
 }  // namespace mltuner

@@ -7,9 +7,13 @@
 #include "server/shard.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <string>
 #include <utility>
+
+#include "mltuner/update_step.h"
+#include "plan/device_budget.h"
 
 namespace mltuner {
 namespace {
@@ -82,6 +86,18 @@ Message ErrorReply(int rank, const Message& request, const Status& error) {
 // rows of a large model's clocks in flight.
 constexpr size_t kMaxIdleShardBufferBytes = size_t{4} << 30;
 
+bool KnownRuleKind(UpdateRuleKind kind) {
+  switch (kind) {
+    case UpdateRuleKind::kAdd:
+    case UpdateRuleKind::kSgd:
+    case UpdateRuleKind::kDampedMomentum:
+    case UpdateRuleKind::kAdam:
+    case UpdateRuleKind::kAdamW:
+      return true;
+  }
+  return false;
+}
+
 std::shared_ptr<Device> OrCpu(std::shared_ptr<Device> device) {
   return device ? std::move(device) : std::shared_ptr<Device>(NewCpuDevice());
 }
@@ -101,17 +117,60 @@ ServerShard::ServerShard(int rank, int num_workers, const UpdateRuleConfig& rule
   frames_.set_idle_bound_to_peak(true);
 }
 
-Status ServerShard::NewTableState(const TableInfo& info, std::unique_ptr<TableState>* out) {
+Status ServerShard::NewTableState(const TableInfo& info, bool allocate, std::unique_ptr<TableState>* out) {
   auto table = std::make_unique<TableState>(num_workers_);
   table->info = info;
   // Every process hosts one shard, so shards are numbered like the workers.
   table->range = ShardRange(info.num_rows, rank_, num_workers_);
   table->num_values = table->range.count * info.row_width;
-  if (table->num_values > 0) {
-    MLT_RETURN_IF_ERROR(DeviceBlock::Make(device_, static_cast<size_t>(table->num_values) * sizeof(float), false,
-                                          &table->values));
+  table->rule_config = info.update_rule ? *info.update_rule : rule_config_;
+  if (allocate && table->num_values > 0) {
+    MLT_RETURN_IF_ERROR(DeviceBlock::Make(device_, static_cast<size_t>(table->num_values) * sizeof(float),
+                                          state_in_host_, &table->values));
   }
   *out = std::move(table);
+  return Status::Ok();
+}
+
+Status ServerShard::AllocateState(TableState* table) {
+  if (table->num_values > 0 && !table->values) {
+    // Zero pages: on the CPU backend they take memory only once written.
+    MLT_RETURN_IF_ERROR(DeviceBlock::MakeZeroed(device_, static_cast<size_t>(table->num_values) * sizeof(float),
+                                                state_in_host_, &table->values));
+  } else if (table->values) {
+    device_->Fill(table->data(), 0.0f, static_cast<size_t>(table->num_values), Stream::kServer);
+  }
+  table->rule = NewUpdateRule(table->rule_config, table->num_values, device_, state_in_host_);
+  if (table->rule == nullptr) {  // the kind was checked by AddTable
+    return Status::ResourceExhausted(
+        TableText(table->info.id) + " (" + table->info.name + "): no " + (state_in_host_ ? "host" : "device") +
+        " memory for the " + UpdateRuleName(table->rule_config.kind) + " rule's state (" +
+        std::to_string(table->num_values * StateArraysPerValue(table->rule_config) * int64_t{sizeof(float)}) + " B)");
+  }
+  return device_->Synchronize(Stream::kServer);
+}
+
+void ServerShard::PlaceStateWhenReady(const Config& config) {
+  defer_state_ = true;
+  state_placed_ = tables_.empty() ? false : state_placed_;
+  int64_t free_bytes = -1, total_bytes = -1;
+  if (!device_->MemoryInfo(&free_bytes, &total_bytes).ok()) total_bytes = -1;
+  device_memory_reserve_ = DeviceReserve(config, total_bytes);
+  wait_timeout_ms_ = config.wait_timeout_ms;
+}
+
+Status ServerShard::PlaceState() {
+  if (state_placed_) return Status::Ok();
+  state_placed_ = true;
+  int64_t state_bytes = 0;
+  for (const auto& entry : tables_) {
+    const TableState& table = *entry.second;
+    state_bytes += table.num_values * static_cast<int64_t>(sizeof(float)) * (1 + StateArraysPerValue(table.rule_config));
+  }
+  int64_t free_bytes = -1, total_bytes = -1;
+  MLT_RETURN_IF_ERROR(device_->MemoryInfo(&free_bytes, &total_bytes));
+  state_in_host_ = ShardStateInHostMemory(state_bytes, free_bytes, device_memory_reserve_, device_->maps_host_memory());
+  for (auto& entry : tables_) MLT_RETURN_IF_ERROR(AllocateState(entry.second.get()));
   return Status::Ok();
 }
 
@@ -134,23 +193,23 @@ Status ServerShard::AddTable(const TableInfo& info) {
                                    std::to_string(info.row_width) + "; both must be >= 1");
   }
   std::unique_ptr<TableState> table;
-  MLT_RETURN_IF_ERROR(NewTableState(info, &table));
-  if (table->values) {
-    device_->Fill(table->data(), 0.0f, static_cast<size_t>(table->num_values), Stream::kServer);
+  MLT_RETURN_IF_ERROR(NewTableState(info, /*allocate=*/false, &table));
+  if (!KnownRuleKind(table->rule_config.kind)) {
+    // Checked here, not when the state is placed (after every worker's
+    // kReady), so that CreateTable names the mistake.
+    return Status::InvalidArgument(TableText(info.id) + " (" + info.name + "): unknown update rule kind " +
+                                   std::to_string(static_cast<int>(table->rule_config.kind)));
   }
-  const UpdateRuleConfig& rule = info.update_rule ? *info.update_rule : rule_config_;
-  table->rule = NewUpdateRule(rule, table->num_values, device_);
-  if (table->rule == nullptr) {
-    return Status::InvalidArgument("unknown update rule kind " + std::to_string(static_cast<int>(rule.kind)) +
-                                   ", or no memory for its state");
-  }
-  MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kServer));
+  if (state_placed_) MLT_RETURN_IF_ERROR(AllocateState(table.get()));
   tables_.emplace(std::make_pair(BranchId{0}, info.id), std::move(table));
   return Status::Ok();
 }
 
 Status ServerShard::Handle(const Message& in, std::vector<Message>* out) {
   if (out == nullptr) return Status::InvalidArgument("ServerShard::Handle: out is null");
+  // The state is placed once every worker is ready (HandleReady); anything
+  // else that arrives first needs it now.
+  if (in.type() != MessageType::kReady) MLT_RETURN_IF_ERROR(PlaceState());
   switch (in.type()) {
     case MessageType::kStart: return HandleStart(in, out);
     case MessageType::kClockUpdate: return HandleClockUpdate(in, out);
@@ -391,8 +450,10 @@ Status ServerShard::HandleReady(const Message& in, std::vector<Message>* out) {
     mismatches += " worker " + std::to_string(worker) +
                   (decoded.ok() ? " created [" + DescribeTables(theirs) + "];" : " sent " + decoded.ToString() + ";");
   }
+  // Every worker's plan is made and its memory taken: the state goes where
+  // there is room for it now (PlaceStateWhenReady).
   const Status status = mismatches.empty()
-                            ? Status::Ok()
+                            ? PlaceState()
                             : Status::InvalidArgument("shard " + std::to_string(rank_) + " has tables [" +
                                                       DescribeTables(mine) + "] but" + mismatches +
                                                       " every worker must create the same tables in the same order");
@@ -437,7 +498,8 @@ Status ServerShard::PushRows(const TableState& table, std::vector<Message>* out)
 }
 
 // A worker of this process gets a copy in device memory, queued on the server
-// stream after the rule (its install waits for `ready`); any other worker a
+// stream after the rule (its install waits for `ready`), or with the state in
+// host memory a view of the state itself (LendValues); any other worker a
 // host copy, which waits for the device.
 Status ServerShard::RowsMessage(const TableState& table, int worker, Message* out,
                                 std::shared_ptr<DeviceBuffer>* shared_frame) {
@@ -448,7 +510,9 @@ Status ServerShard::RowsMessage(const TableState& table, int worker, Message* ou
   if (table.range.count > 0) {
     rows.spans.push_back(table.range);
     const size_t count = static_cast<size_t>(table.num_values);
-    if (device_receivers_ && device_receivers_(worker)) {
+    if (device_receivers_ && device_receivers_(worker) && state_in_host_) {
+      MLT_RETURN_IF_ERROR(LendValues(table, &rows.host_frame));
+    } else if (device_receivers_ && device_receivers_(worker)) {
       MLT_RETURN_IF_ERROR(buffers_.Acquire(count, Stream::kServer, &rows.device_values));
       device_->CopyDeviceToDevice(rows.device_values->data, table.data(), count * sizeof(float), Stream::kServer);
       MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kServer, &rows.device_values->ready));
@@ -465,6 +529,52 @@ Status ServerShard::RowsMessage(const TableState& table, int worker, Message* ou
   }
   rows.header.num_spans = static_cast<uint32_t>(rows.spans.size());
   *out = std::move(rows);
+  return Status::Ok();
+}
+
+Status ServerShard::LendValues(const TableState& table, std::shared_ptr<DeviceBuffer>* out) {
+  auto view = std::make_unique<DeviceBuffer>();
+  view->data = table.data();
+  view->count = static_cast<size_t>(table.num_values);
+  view->borrowed = true;  // read only: the installer never writes a frame
+  MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kServer, &view->ready));
+  std::shared_ptr<Loans> loans = table.loans;
+  {
+    std::lock_guard<std::mutex> lock(loans->mu);
+    ++loans->out;
+  }
+  // The deleter keeps the values alive (a freed branch's view may still be
+  // out) and hands the last read's ticket back.
+  std::shared_ptr<DeviceBlock> values = table.values;
+  *out = std::shared_ptr<DeviceBuffer>(view.release(), [loans, values](DeviceBuffer* returned) {
+    {
+      std::lock_guard<std::mutex> lock(loans->mu);
+      if (returned->last_use) loans->last_uses.push_back(returned->last_use);
+      --loans->out;
+    }
+    loans->returned.notify_all();
+    delete returned;
+  });
+  return Status::Ok();
+}
+
+Status ServerShard::WaitForLoans(const TableState& table) {
+  Loans& loans = *table.loans;
+  std::vector<DeviceEvent> last_uses;
+  {
+    std::unique_lock<std::mutex> lock(loans.mu);
+    const bool returned = loans.returned.wait_for(lock, std::chrono::milliseconds(wait_timeout_ms_),
+                                                  [&loans] { return loans.out == 0; });
+    if (!returned) {
+      return Status::Timeout(TableText(table.info.id) + " (" + table.info.name + ") on branch " +
+                             std::to_string(table.branch) + ": " + std::to_string(loans.out) +
+                             " worker(s) of this process did not install the shard's last rows within " +
+                             std::to_string(wait_timeout_ms_) + " ms (Config.wait_timeout_ms), so the update "
+                             "rule cannot change them");
+    }
+    last_uses.swap(loans.last_uses);
+  }
+  for (const DeviceEvent& last_use : last_uses) MLT_RETURN_IF_ERROR(device_->WaitEvent(Stream::kServer, last_use));
   return Status::Ok();
 }
 
@@ -496,6 +606,7 @@ Status ServerShard::ApplyFinishedClocks(TableState* table) {
     device_->Fill(sum->data, 0.0f, sum->count, Stream::kServer);
     updates.push_back(sum);
   }
+  MLT_RETURN_IF_ERROR(WaitForLoans(*table));  // workers of this process still reading the last rows
   table->rule->Apply(table->data(), sum->data, table->num_values, num_workers_, Stream::kServer);
   // The buffers go back to their pools once the server stream has read them.
   DeviceEvent done;
@@ -566,7 +677,7 @@ std::unique_ptr<std::vector<float>> ServerShard::values(TableId table, BranchId 
   const TableState* found = Find(branch, table);
   if (found == nullptr) return nullptr;
   auto out = std::make_unique<std::vector<float>>(static_cast<size_t>(found->num_values));
-  if (found->num_values > 0) {
+  if (found->values) {  // not yet placed: the values are still their initial zeros
     device_->CopyDeviceToHost(out->data(), found->data(), out->size() * sizeof(float), Stream::kServer);
     if (!device_->Synchronize(Stream::kServer).ok()) return nullptr;
   }
@@ -582,6 +693,7 @@ Status ServerShard::ExportTable(TableId table, ShardSlice* out, BranchId branch)
   const TableState* found = Find(branch, table);
   if (found == nullptr) return UnknownTable(table, branch);
   const TableState& state = *found;
+  if (!state.rule) return Status::OutOfOrder(TableText(table) + ": the shard's state is placed once every worker is ready");
   out->first_row = state.range.begin;
   out->num_rows = state.range.count;
   out->values.resize(static_cast<size_t>(state.num_values));
@@ -599,6 +711,7 @@ Status ServerShard::ImportTable(TableId table, const float* values, size_t num_v
                                 size_t num_state) {
   TableState* found = Find(0, table);
   if (found == nullptr) return UnknownTable(table);
+  MLT_RETURN_IF_ERROR(PlaceState());
   TableState& target = *found;
   const size_t state_size = target.rule->state_size();
   if (num_values != static_cast<size_t>(target.num_values) || num_state != state_size) {
@@ -611,6 +724,7 @@ Status ServerShard::ImportTable(TableId table, const float* values, size_t num_v
     return Status::OutOfOrder(TableText(table) + " (" + target.info.name +
                               "): a restore must come before training starts");
   }
+  MLT_RETURN_IF_ERROR(WaitForLoans(target));
   if (num_values > 0) {
     device_->CopyHostToDevice(target.data(), values, num_values * sizeof(float), Stream::kServer);
   }
@@ -680,7 +794,7 @@ Status ServerShard::Fork(BranchId child, BranchId parent, const BranchSettings& 
   for (const auto& [key, table] : tables_) {
     if (key.first != parent) continue;
     std::unique_ptr<TableState> copy;
-    MLT_RETURN_IF_ERROR(NewTableState(table->info, &copy));
+    MLT_RETURN_IF_ERROR(NewTableState(table->info, /*allocate=*/true, &copy));
     copy->branch = child;
     copy->training = settings.training;
     if (copy->values) {

@@ -14,9 +14,11 @@
 // Ownership: the shard owns its tables' values and optimizer state.
 #pragma once
 
+#include <condition_variable>
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <set>
 #include <string>
 #include <utility>
@@ -68,6 +70,24 @@ class ServerShard {
     device_receivers_ = std::move(takes_device_buffers);
   }
 
+  // Defers the allocation of the tables' values and optimizer state until
+  // every worker is ready (kReady: each worker's plan is made and its memory
+  // taken), and then places all of it at once: on the device when its free
+  // memory less `device_memory_reserve` (Config's, resolved by
+  // DeviceReserve) holds it, else in host memory that the device's kernels
+  // update in place (plan/device_budget.h). A message that needs the state
+  // earlier allocates it then. Call before AddTable. Default: allocated by
+  // AddTable, on the device.
+  void PlaceStateWhenReady(const Config& config);
+  // Whether the tables' state lives in host memory (false until placed).
+  // Then a worker of this process (a device receiver) gets its rows as a
+  // read-only view of the state itself, not a copy: a copy would be device
+  // memory outside the worker's budget or, for the kStart push of every
+  // table at once, a second host copy of the model. The rule waits until
+  // every view of a table is installed (returned, and its install's ticket
+  // passed) before it changes the values, up to Config.wait_timeout_ms.
+  bool state_in_host_memory() const { return state_in_host_; }
+
   // Config::check_finite: refuse (kNonFinite, naming the table, branch,
   // clock and worker) a training branch's clock update holding a NaN or an
   // infinity, before any of it is kept. Default: off.
@@ -91,6 +111,16 @@ class ServerShard {
                      size_t num_state);  // into branch 0
 
  private:
+  // Views of a table's host-resident values lent to device receivers
+  // (RowsMessage): how many are out, and the tickets of the returned ones'
+  // last reads. Shared with the views' deleters, which may outlive the table.
+  struct Loans {
+    std::mutex mu;
+    std::condition_variable returned;
+    int out = 0;
+    std::vector<DeviceEvent> last_uses;
+  };
+
   // One table on one branch.
   struct TableState {
     TableInfo info;
@@ -98,7 +128,8 @@ class ServerShard {
     bool training = true;          // only training branches apply updates
     RowSpan range;                 // the rows this shard owns
     int64_t num_values = 0;        // range.count * row_width
-    std::shared_ptr<DeviceBlock> values;  // num_values floats in device memory; null when 0
+    std::shared_ptr<DeviceBlock> values;  // num_values floats (device or host memory); null when 0 or not yet placed
+    UpdateRuleConfig rule_config;         // the rule `rule` is made with once the state is placed
     std::unique_ptr<UpdateRule> rule;
     VectorClock clock;
     // Updates of clocks not yet finished by every worker: clock -> one dense
@@ -107,6 +138,7 @@ class ServerShard {
     // Learning rates the workers' clock updates carried (kNewLearningRate),
     // by clock and worker, until the clock is applied.
     std::map<Clock, std::map<WorkerId, float>> new_rates;
+    std::shared_ptr<Loans> loans = std::make_shared<Loans>();
     float* data() const { return values ? values->floats() : nullptr; }
     explicit TableState(int num_workers) : clock(num_workers) {}
   };
@@ -131,6 +163,13 @@ class ServerShard {
   // for a reply to one worker.
   Status RowsMessage(const TableState& table, int worker, Message* out,
                      std::shared_ptr<DeviceBuffer>* shared_frame = nullptr);
+  // A view of the table's host-resident values for a device receiver
+  // (see Loans), ready after the work queued on the server stream so far.
+  Status LendValues(const TableState& table, std::shared_ptr<DeviceBuffer>* out);
+  // Blocks until every view of the table's values is returned, then queues
+  // their last reads before the server stream's next work (which writes the
+  // values); a Timeout after Config.wait_timeout_ms.
+  Status WaitForLoans(const TableState& table);
   Status CheckSpans(const TableState& table, const Message& in) const;
   Status PushRows(const TableState& table, std::vector<Message>* out);
   Status ApplyFinishedClocks(TableState* table);
@@ -151,7 +190,14 @@ class ServerShard {
   // dense rows of `range` += the span-ordered payload, on the server stream.
   void AddSpansOnDevice(const Message& in, const RowSpan& range, int64_t row_width, const DeviceBuffer& payload,
                         float* dense);
-  Status NewTableState(const TableInfo& info, std::unique_ptr<TableState>* out);
+  // A table's state record; its values (zero) and rule are allocated only
+  // when `allocate`.
+  Status NewTableState(const TableInfo& info, bool allocate, std::unique_ptr<TableState>* out);
+  // Values (zero) and the rule with zero state, where the shard's state lives.
+  Status AllocateState(TableState* table);
+  // PlaceStateWhenReady's placement: the first call allocates every table's
+  // state; later calls do nothing.
+  Status PlaceState();
 
   const int rank_;
   const int num_workers_;
@@ -162,6 +208,11 @@ class ServerShard {
   DeviceBufferPool frames_;  // host frames of rows pushed to other processes
   std::function<bool(int)> device_receivers_;
   bool check_finite_ = false;
+  bool defer_state_ = false;   // PlaceStateWhenReady was called
+  bool state_placed_ = true;   // false while deferred and not yet placed
+  int64_t device_memory_reserve_ = 0;
+  int64_t wait_timeout_ms_ = Config().wait_timeout_ms;
+  bool state_in_host_ = false;
   // Every table on every live branch, by (branch, table).
   std::map<std::pair<BranchId, TableId>, std::unique_ptr<TableState>> tables_;
   std::set<BranchId> branches_{0};

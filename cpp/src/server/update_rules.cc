@@ -7,7 +7,7 @@
 namespace mltuner {
 
 std::unique_ptr<UpdateRule> NewUpdateRule(const UpdateRuleConfig& config, int64_t num_values,
-                                          std::shared_ptr<Device> device) {
+                                          std::shared_ptr<Device> device, bool host) {
   switch (config.kind) {
     case UpdateRuleKind::kAdd:
     case UpdateRuleKind::kSgd:
@@ -20,7 +20,7 @@ std::unique_ptr<UpdateRule> NewUpdateRule(const UpdateRuleConfig& config, int64_
   }
   if (!device) device = NewCpuDevice();
   if (num_values < 0) num_values = 0;
-  std::unique_ptr<UpdateRule> rule(new UpdateRule(device, config, num_values));
+  std::unique_ptr<UpdateRule> rule(new UpdateRule(device, config, num_values, host));
   if (!rule->AllocateState(StateArraysPerValue(config))) return nullptr;
   return rule;
 }
@@ -30,9 +30,8 @@ bool UpdateRule::AllocateState(int arrays) {
   state_.reset();
   const int64_t floats = arrays * num_values_;
   if (floats == 0) return true;
-  if (!DeviceBlock::Make(device_, static_cast<size_t>(floats) * sizeof(float), false, &state_).ok()) return false;
-  device_->Fill(state_->floats(), 0.0f, static_cast<size_t>(floats), Stream::kServer);
-  return true;
+  // Zero pages: on the CPU backend they take memory only once written.
+  return DeviceBlock::MakeZeroed(device_, static_cast<size_t>(floats) * sizeof(float), host_, &state_).ok();
 }
 
 bool UpdateRule::keeps_step_count() const {
@@ -88,12 +87,12 @@ Status UpdateRule::ImportState(const float* state, size_t n) {
 Status UpdateRule::Clone(const UpdateRuleConfig& config, std::unique_ptr<UpdateRule>* out) const {
   UpdateRuleConfig copy_config = config;
   copy_config.kind = config_.kind;
-  std::unique_ptr<UpdateRule> copy(new UpdateRule(device_, copy_config, num_values_));
+  std::unique_ptr<UpdateRule> copy(new UpdateRule(device_, copy_config, num_values_, host_));
   // The state as it is (an sgd buffer stays, unused, when momentum drops to
   // 0, as torch keeps it), or fresh for an sgd copy that gains momentum.
   const bool fresh_buffer = state_arrays_ == 0 && SgdHasMomentum(copy_config);
   if (!copy->AllocateState(fresh_buffer ? 1 : state_arrays_)) {
-    return Status::ResourceExhausted("no device memory for a copy of an update rule's state");
+    return Status::ResourceExhausted(std::string("no ") + (host_ ? "host" : "device") + " memory for a copy of an update rule's state");
   }
   copy->steps_ = fresh_buffer ? 0 : steps_;
   if (state_) {

@@ -55,9 +55,9 @@ class UpdateRule {
   Status Clone(const UpdateRuleConfig& config, std::unique_ptr<UpdateRule>* out) const;
 
  private:
-  friend std::unique_ptr<UpdateRule> NewUpdateRule(const UpdateRuleConfig&, int64_t, std::shared_ptr<Device>);
-  UpdateRule(std::shared_ptr<Device> device, const UpdateRuleConfig& config, int64_t num_values)
-      : device_(std::move(device)), config_(config), num_values_(num_values) {}
+  friend std::unique_ptr<UpdateRule> NewUpdateRule(const UpdateRuleConfig&, int64_t, std::shared_ptr<Device>, bool);
+  UpdateRule(std::shared_ptr<Device> device, const UpdateRuleConfig& config, int64_t num_values, bool host)
+      : device_(std::move(device)), config_(config), num_values_(num_values), host_(host) {}
   // Allocates `arrays` zeroed state arrays. False when out of memory.
   bool AllocateState(int arrays);
   bool keeps_step_count() const;
@@ -65,14 +65,18 @@ class UpdateRule {
   std::shared_ptr<Device> device_;
   UpdateRuleConfig config_;
   int64_t num_values_;
+  bool host_;  // the state lives in host memory (Device::AllocateHost)
   int state_arrays_ = 0;
   int64_t steps_ = 0;                   // steps taken with the state (Adam's t)
   std::shared_ptr<DeviceBlock> state_;  // state_arrays_ x num_values floats, or null
 };
 
 // A rule over num_values values with zero state on `device` (the CPU backend
-// when null). Null for an unknown kind or when the state cannot be allocated.
+// when null), in its memory or, with `host`, in host memory that its kernels
+// read and write in place (REQUIRES: device->maps_host_memory()); copies
+// (Clone) keep the placement. Null for an unknown kind or when the state
+// cannot be allocated.
 std::unique_ptr<UpdateRule> NewUpdateRule(const UpdateRuleConfig& config, int64_t num_values,
-                                          std::shared_ptr<Device> device = nullptr);
+                                          std::shared_ptr<Device> device = nullptr, bool host = false);
 
 }  // namespace mltuner

@@ -123,19 +123,22 @@ class HostMemory:
         self.held = 0
         self._lock = threading.Lock()
 
-    def reserve(self, what: str, needed: int, detail: str) -> None:
+    def reserve(self, what: str, needed: int, detail: str, *, in_place_of: int = 0) -> None:
         """Counts ``needed`` bytes as held, or raises ResourceExhaustedError
-        (naming ``what`` and the sizes) when this process may not have them."""
+        (naming ``what`` and the sizes) when this process may not have them.
+        ``in_place_of``: bytes reserved earlier that ``needed`` includes
+        (given back with it; kept when refused)."""
         with self._lock:
+            held = max(0, self.held - in_place_of)
             room = headroom()
-            if self.limit is not None and self.limit - self.held < room.bytes:
-                room = Headroom(self.limit - self.held, f"Config(host_memory_limit={self.limit}) minus the "
-                                                        f"{self.held} bytes this process's engines already hold")
+            if self.limit is not None and self.limit - held < room.bytes:
+                room = Headroom(self.limit - held, f"Config(host_memory_limit={self.limit}) minus the "
+                                                   f"{held} bytes this process's engines already hold")
             if needed > room.bytes:
                 raise ResourceExhaustedError(
                     f"{what} needs {needed} bytes ({_mib(needed)}) of host memory ({detail}), but this process may "
                     f"use only {max(room.bytes, 0)} bytes ({_mib(max(room.bytes, 0))}) more: {room.source}")
-            self.held += needed
+            self.held = held + needed
 
     def release(self, amount: int) -> None:
         with self._lock:

@@ -56,9 +56,11 @@ class PlanPreview:
     ``pool_min_bytes`` is the least access-buffer pool of the recording (one
     region per clock in flight, each one clock's buffers packed by
     lifetime): the smallest ``Config.device_memory_budget`` it accepts.
-    ``fits`` says whether the budget holds it (always, with a budget of 0);
-    the other sizes are those of the plan the engine will make, and are 0
-    when it does not fit.
+    ``fits`` says whether the budget holds it; the other sizes are those of
+    the plan the engine will make, and are 0 when it does not fit.
+    ``budget_bytes`` is the budget the plan is made under: Config's, or,
+    with none set, the automatic one (``automatic_budget``) when the device
+    cannot hold the plan (0: no budget, everything on the device).
     """
 
     pool_min_bytes: int
@@ -70,21 +72,26 @@ class PlanPreview:
     # and its parts: parameter_stores (host-resident parameter rows with
     # their update logs), local_data, device_memory (the pool and the
     # device-resident stores, on the CPU backend), staging, payloads (update
-    # payloads of the clocks in flight in host memory, an upper estimate) and,
-    # not in the sum, shard_per_branch (this rank's shard, per branch).
+    # payloads of the clocks in flight in host memory, an upper estimate),
+    # shard_per_branch (this rank's shard's state, per branch: in the sum
+    # when shard_in_host_memory, i.e. on the CPU backend or when the device
+    # has no room for it after the plan).
     host_memory_bytes: int
     host_memory: dict[str, int]
     host_memory_detail: str  # the same in words
     description: str  # the plan as Worker.plan will give it
+    budget_bytes: int = 0
+    automatic_budget: bool = False
 
     @classmethod
     def from_core(cls, core: _core.PlanPreview) -> PlanPreview:
         host = core.host
         parts = {name: int(getattr(host, name)) for name in
-                 ("parameter_stores", "local_data", "device_memory", "staging", "payloads", "shard_per_branch")}
+                 ("parameter_stores", "local_data", "device_memory", "staging", "payloads", "shard_per_branch",
+                  "shard_in_host_memory")}
         return cls(int(core.pool_min_bytes), bool(core.fits), int(core.pool_bytes), int(core.device_store_bytes),
                    int(core.host_store_bytes), int(host.total()), parts, str(host.describe()),
-                   str(core.description))
+                   str(core.description), int(core.budget_bytes), bool(core.automatic_budget))
 
 
 class Worker:
@@ -125,6 +132,7 @@ class Worker:
         self._config = config or Config()
         # What this process's engines hold (shared by a LocalCluster's workers).
         self._host_memory = host_memory or HostMemory(self._config.host_memory_limit)
+        self._shard_bytes_reserved = 0  # the shard's state, reserved by create_table
         # The largest frame the job's data sockets accept (None: in memory).
         self._max_message_bytes = max_message_bytes
         # Writable numpy buffers handed out, by handle, made read-only at their
@@ -179,7 +187,10 @@ class Worker:
             _check_frames_fit(name, num_rows, row_width, self.num_workers, self._max_message_bytes)
         shard_bytes = 0
         rule = update_rule or self._config.update_rule
-        if not local:  # the shard allocates its slice and the rule's state now
+        if not local:
+            # The shard allocates its slice and the rule's state once every
+            # worker is ready, in host memory when the device has no room:
+            # counted now, settled by finish_virtual_iteration's plan.
             base, extra = divmod(num_rows, self.num_workers)
             slice_rows = base + (1 if self.rank < extra else 0)
             arrays = 1 + rule.state_arrays
@@ -193,6 +204,7 @@ class Worker:
         except BaseException:
             self._host_memory.release(shard_bytes)
             raise
+        self._shard_bytes_reserved += shard_bytes
         table = Table(table_id, name, num_rows, row_width, local, update_rule=update_rule)
         self._tables[table_id] = table
         return table
@@ -346,14 +358,22 @@ class Worker:
         except OutOfOrderError:
             preview = None  # no clock yet, or finished: the engine's finish says which
         needed = preview.host_memory_bytes if preview is not None and preview.fits else 0
+        # The plan counts the shard's state where it will live; create_table
+        # reserved it as host memory already.
+        shard = self._shard_bytes_reserved if needed else 0
+        in_host = bool(preview.host_memory["shard_in_host_memory"]) if needed and preview is not None else False
         if needed:
             assert preview is not None
-            self._host_memory.reserve("finish_virtual_iteration", needed, preview.host_memory_detail)
+            self._host_memory.reserve("finish_virtual_iteration", needed, preview.host_memory_detail,
+                                      in_place_of=shard if in_host else 0)
         try:
             self._engine.finish_virtual_iteration()
         except BaseException:
-            self._host_memory.release(needed)
+            self._host_memory.release(needed - (shard if in_host else 0))
             raise
+        if shard and not in_host:
+            self._host_memory.release(shard)  # the state goes to the device
+        self._shard_bytes_reserved -= shard
 
     def start_iterations(self) -> None:
         """Ends initialisation and starts the background threads."""

@@ -1067,6 +1067,12 @@ class ClockDriver:
         self._check_recording()
         self._recording = False
         self._reset_clock()
+        if self.device.type == "cuda":
+            # The initial values wait for the plan in host memory: on the
+            # device they would hold a whole model's worth of memory that the
+            # plan (the automatic budget, the shard's placement) then could
+            # not use, and they are written once, layer by layer.
+            self._init = [flat.cpu() for flat in self._init]
 
     def _install_member_checks(self) -> None:
         """For the recording pass: every module inside a grouped layer must
@@ -1124,10 +1130,12 @@ class ClockDriver:
         ``hold_reads``: hold each layer's forward read until its update, or
         (False) post it after the layer's forward and read the rows again
         for the backward pass (GeePS). None chooses: held reads unless
-        ``store_activations`` or ``Config.device_memory_budget`` cannot hold
-        the access-buffer pool they need, which the engine's plan says
+        ``store_activations`` or the device-memory budget cannot hold the
+        access-buffer pool they need, which the engine's plan says
         (:meth:`Worker.preview_plan`, a dry run) before anything is
-        committed.
+        committed. The budget is ``Config.device_memory_budget`` or, with
+        none set and a device too small for the plan, the engine's automatic
+        one (the device's free memory less ``Config.device_memory_reserve``).
 
         Raises:
             mltuner.ResourceExhaustedError: the budget cannot hold the pool of
@@ -1136,6 +1144,11 @@ class ClockDriver:
         """
         worker = self.worker
         budget = worker.config.device_memory_budget
+        if self.device.type == "cuda":
+            # Memory torch cached and no longer uses (the model's parameters
+            # before the recording moved them) back to the device, so that
+            # the engine's automatic budget and the shard's placement see it.
+            torch.cuda.empty_cache()
         tables = create_tables(worker, self.layers, self._acts.slots, row_width=self._row_width)
         self._tables = tables.layers
         recorded = list(self._events)
@@ -1145,10 +1158,11 @@ class ClockDriver:
         chosen: bool | None = None
         for hold in candidates:
             self._replay(tables, recorded, hold)
-            if budget == 0:
+            preview = worker.preview_plan()  # the engine keeps a plan that fits: finish uses it
+            if budget == 0 and not preview.automatic_budget:  # none set, and the device holds the plan
                 chosen = hold
                 break
-            preview = worker.preview_plan()  # the engine keeps a plan that fits: finish uses it
+            budget = preview.budget_bytes  # Config's, or the engine's automatic one
             least[hold] = preview.pool_min_bytes
             if preview.fits:
                 chosen = hold
@@ -1272,7 +1286,7 @@ class ClockDriver:
         removes the hooks, so the plain module is usable again."""
         self.remove_hooks()
         for layer, flat in zip(self.layers, self._init):
-            layer.bind_flat(flat)
+            layer.bind_flat(flat.to(self.device))  # kept in host memory for the plan on CUDA (record)
         self._closed = True
 
     def close(self) -> None:

@@ -7,14 +7,17 @@
 #include "server/shard.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <deque>
 #include <limits>
 #include <memory>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "rule_reference.h"
+#include "wire/table_schema.h"
 #include "test_util.h"
 
 using namespace mltuner;
@@ -714,6 +717,102 @@ TEST(BranchSettingsKeepTheParentsRateAndMomentumWhenNotGiven) {
   }
   EXPECT_TRUE(Gather(shards, 1) == Gather(shards, 0));
   EXPECT_TRUE(Gather(shards, 2) != Gather(shards, 0));
+}
+
+// A shard whose state lives in host memory (a device too small for it) gives
+// the worker of its process views of the state, not copies, and its rule
+// waits until the view of the last push is given back; the results equal a
+// device-resident shard's bit for bit. (The device holds the update
+// payloads of one worker but not values and momentum: worker 1's clocks are
+// bare.) Another process's worker still gets
+// a copy. A view never given back is a Timeout naming the wait.
+TEST(HostResidentStateIsLentToLocalWorkersAndTheRuleWaitsForTheViews) {
+  constexpr int kTwo = 2;
+  const TableInfo info = Table(kTable, 4, kWidth);  // shard 0 of 2 owns rows [0, 2)
+  const std::vector<RowSpan> mine = {{0, 2}};
+  auto make = [&](bool small, std::unique_ptr<ServerShard>* out) {
+    std::shared_ptr<Device> device(NewCpuDevice(small ? 48 : 0));  // values 32 B, momentum 32 B
+    auto shard = std::make_unique<ServerShard>(0, kTwo, Rule(UpdateRuleKind::kDampedMomentum), 40, device);
+    shard->set_device_receivers([](int worker) { return worker == 0; });
+    Config config;
+    config.device_memory_reserve = 0;
+    config.wait_timeout_ms = 400;
+    shard->PlaceStateWhenReady(config);
+    ASSERT_OK(shard->AddTable(info));
+    std::vector<Message> replies;
+    for (WorkerId w = 0; w < kTwo; ++w) {
+      Message ready = Header(MessageType::kReady, w, 0, -1);
+      ready.header.request_id = 10 + w;
+      ready.text = EncodeTableSchema({info});
+      ready.header.text_bytes = static_cast<uint32_t>(ready.text.size());
+      ASSERT_OK(shard->Handle(ready, &replies));
+    }
+    EXPECT_EQ(shard->state_in_host_memory(), small);
+    *out = std::move(shard);
+  };
+  std::unique_ptr<ServerShard> lent, reference;
+  make(true, &lent);
+  make(false, &reference);
+  std::mt19937 rng(91);
+  const std::vector<float> initial = RandomValues(&rng, 2 * kWidth);
+  const std::vector<float> update0 = RandomValues(&rng, 2 * kWidth);
+
+  std::vector<Message> pushed, ignored;
+  for (ServerShard* shard : {lent.get(), reference.get()}) {
+    std::vector<Message>& out = shard == lent.get() ? pushed : ignored;
+    ASSERT_OK(shard->Handle(InitAdd(0, 0, 1, mine, initial), &out));
+    out.clear();
+    for (WorkerId w = 0; w < kTwo; ++w) ASSERT_OK(shard->Handle(Start(w, 0), &out));
+  }
+  ASSERT_EQ(pushed.size(), size_t{kTwo});
+  ASSERT_TRUE(pushed[0].host_frame != nullptr && pushed[0].host_frame->borrowed);  // a view, to worker 0
+  EXPECT_TRUE(pushed[0].device_values == nullptr);
+  ASSERT_TRUE(pushed[1].host_frame != nullptr && !pushed[1].host_frame->borrowed);  // a copy, to worker 1
+  EXPECT_TRUE(HostValues(pushed[0]) == initial && HostValues(pushed[1]) == initial);
+
+  // Worker 0 holds its view while the clock finishes: the rule waits, and the
+  // view still shows the initial values until it is given back.
+  std::vector<float> seen_when_returned;
+  std::thread installer([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    seen_when_returned = HostValues(pushed[0]);
+    pushed.clear();
+  });
+  const auto started = std::chrono::steady_clock::now();
+  std::vector<Message> out;
+  ASSERT_OK(lent->Handle(ClockUpdate(0, 0, 0, mine, update0), &out));
+  ASSERT_OK(lent->Handle(ClockUpdate(1, 0, 0), &out));
+  const auto waited = std::chrono::steady_clock::now() - started;
+  installer.join();
+  EXPECT_TRUE(waited >= std::chrono::milliseconds(90));
+  EXPECT_TRUE(seen_when_returned == initial);
+  for (WorkerId w = 0; w < kTwo; ++w) {
+    ASSERT_OK(reference->Handle(w == 0 ? ClockUpdate(0, 0, 0, mine, update0) : ClockUpdate(1, 0, 0), &ignored));
+  }
+  EXPECT_TRUE(*lent->values(kTable) == *reference->values(kTable));
+  EXPECT_TRUE(*lent->values(kTable) != initial);
+
+  // The clock-0 rows' view is never given back: the next clock times out.
+  ASSERT_EQ(out.size(), size_t{kTwo});
+  ASSERT_OK(lent->Handle(ClockUpdate(0, 0, 1, mine, update0), &out));
+  const Status stuck = lent->Handle(ClockUpdate(1, 0, 1), &out);
+  EXPECT_CODE(stuck, StatusCode::kTimeout);
+  EXPECT_TRUE(stuck.message().find("did not install the shard's last rows within 400 ms") != std::string::npos);
+}
+
+// The state is placed only once every worker is ready, but a table whose
+// rule is unknown is refused when it is added (CreateTable), naming it.
+TEST(AnUnknownRuleKindIsRefusedByAddTableWhenTheStateIsDeferred) {
+  ServerShard shard(0, kWorkers, Rule(UpdateRuleKind::kAdd));
+  shard.PlaceStateWhenReady(Config());
+  TableInfo info = Table();
+  UpdateRuleConfig bad = Rule(UpdateRuleKind::kAdd);
+  bad.kind = static_cast<UpdateRuleKind>(42);
+  info.update_rule = bad;
+  const Status refused = shard.AddTable(info);
+  EXPECT_CODE(refused, StatusCode::kInvalidArgument);
+  EXPECT_TRUE(refused.message().find("table 5 (t5): unknown update rule kind 42") != std::string::npos);
+  ASSERT_OK(shard.AddTable(Table()));  // nothing was kept
 }
 
 MLT_TEST_MAIN

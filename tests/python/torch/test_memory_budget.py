@@ -207,9 +207,10 @@ def test_hold_reads_true_under_a_budget_too_small_for_it_is_refused_at_wrap(
 
 def test_the_host_memory_guard_refuses_a_plan_over_the_limit_at_wrap() -> None:
     """Config.host_memory_limit below what the plan needs (on the CPU
-    backend: the pool, the caches and update logs, staging and the update
-    payloads in flight, on top of the shard's slice that create_table
-    counted) is refused at wrap() with the sizes; at the need, it trains."""
+    backend: the pool, the caches and update logs, staging, the update
+    payloads in flight and the shard's state, which create_table counted
+    and the plan counts in its place) is refused at wrap() with the sizes;
+    at the need, it trains."""
     width = 384  # 4 layers of 0.6 MB: the plan needs several MiB (the limit's least is 1 MiB)
 
     def wide_model() -> nn.Module:
@@ -223,15 +224,16 @@ def test_the_host_memory_guard_refuses_a_plan_over_the_limit_at_wrap() -> None:
         match = re.search(r"the server shard holds (\d+) B per branch in host memory", ps_model.plan)
         assert match is not None, ps_model.plan
         shard_bytes = int(match.group(1))
-    limit = shard_bytes + plan_bytes
-    too_little = limit - plan_bytes // 2  # the shard's slice fits, the plan does not
+    assert f"the server shard's state {shard_bytes} B" in ps_model.plan, ps_model.plan  # in plan_bytes
+    limit = plan_bytes
+    too_little = limit - plan_bytes // 4  # the shard's slice fits (create_table), the plan does not
     assert too_little > max(shard_bytes, 2**20), (shard_bytes, plan_bytes)
     with LocalCluster(1, Config(wait_timeout_s=20, host_memory_limit=too_little)) as cluster:
         with pytest.raises(mltuner.ResourceExhaustedError,
                            match=rf"finish_virtual_iteration needs {plan_bytes} bytes .*: parameter stores and "
                                  rf"update logs 0 B, local data 0 B, device memory \(pool and device stores\) \d+ "
                                  rf"B, staging \d+ B, update payloads in flight \d+ B.* may use only "
-                                 rf"{too_little - shard_bytes} bytes .*Config\(host_memory_limit={too_little}\)"):
+                                 rf"{too_little} bytes .*Config\(host_memory_limit={too_little}\) minus the 0 bytes"):
             mt.wrap(wide_model(), cluster.worker(0), example_input=x)
     with LocalCluster(1, Config(wait_timeout_s=20, host_memory_limit=limit)) as cluster:
         ps_model = mt.wrap(wide_model(), cluster.worker(0), example_input=x)

@@ -112,35 +112,53 @@ constexpr size_t kMappedBytes = size_t{1} << 20;
 
 class CpuDevice final : public Device {
  public:
+  explicit CpuDevice(int64_t capacity) : capacity_(capacity > 0 ? capacity : 0) {}
   std::string name() const override { return "cpu"; }
   bool host_addressable() const override { return true; }
   // Every pointer is host memory, so Gather and ScatterAdd take the host
   // stores as they are.
   bool maps_host_memory() const override { return true; }
 
-  Status Allocate(size_t bytes, void** out) override { return AlignedAllocate(bytes, "CpuDevice::Allocate", out); }
-  void Free(void* ptr) override { Release(ptr); }
+  Status Allocate(size_t bytes, void** out) override {
+    MLT_RETURN_IF_ERROR(Reserve(bytes, "CpuDevice::Allocate"));
+    const Status status = AlignedAllocate(bytes, "CpuDevice::Allocate", out);
+    if (status.ok()) {
+      Count(*out, bytes);
+    } else {
+      Unreserve(bytes);
+    }
+    return status;
+  }
+  void Free(void* ptr) override {
+    Uncount(ptr);
+    Release(ptr);
+  }
+
+  Status MemoryInfo(int64_t* free_bytes, int64_t* total_bytes) override {
+    if (capacity_ == 0) return Device::MemoryInfo(free_bytes, total_bytes);
+    std::lock_guard<std::mutex> lock(capacity_mu_);
+    *free_bytes = capacity_ - in_use_;
+    *total_bytes = capacity_;
+    return Status::Ok();
+  }
   Status AllocateHost(size_t bytes, void** out) override {
     return AlignedAllocate(bytes, "CpuDevice::AllocateHost", out);
   }
   void FreeHost(void* ptr) override { Release(ptr); }
 
   // Host and device memory are the same here.
-  Status AllocateZeroed(size_t bytes, bool, void** out) override {
-    if (bytes < kMappedBytes) {
-      MLT_RETURN_IF_ERROR(AlignedAllocate(bytes, "CpuDevice::AllocateZeroed", out));
-      std::memset(*out, 0, bytes);
-      return Status::Ok();
+  Status AllocateZeroed(size_t bytes, bool host, void** out) override {
+    if (!host) {
+      MLT_RETURN_IF_ERROR(Reserve(bytes, "CpuDevice::AllocateZeroed"));
+      const Status status = AllocateZeroedMemory(bytes, out);
+      if (status.ok()) {
+        Count(*out, bytes);
+      } else {
+        Unreserve(bytes);
+      }
+      return status;
     }
-    void* ptr = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (ptr == MAP_FAILED) {
-      return Status::ResourceExhausted("CpuDevice::AllocateZeroed of " + std::to_string(bytes) +
-                                       " bytes failed: out of host memory or address space (mmap)");
-    }
-    std::lock_guard<std::mutex> lock(mapped_mu_);
-    mapped_[ptr] = bytes;
-    *out = ptr;
-    return Status::Ok();
+    return AllocateZeroedMemory(bytes, out);
   }
 
   Status PrepareIndex(RunIndex* index) override {
@@ -221,6 +239,24 @@ class CpuDevice final : public Device {
   int ordinal() const override { return 0; }
 
  private:
+  // Zeroed memory: small blocks zeroed here, large ones fresh pages.
+  Status AllocateZeroedMemory(size_t bytes, void** out) {
+    if (bytes < kMappedBytes) {
+      MLT_RETURN_IF_ERROR(AlignedAllocate(bytes, "CpuDevice::AllocateZeroed", out));
+      std::memset(*out, 0, bytes);
+      return Status::Ok();
+    }
+    void* ptr = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (ptr == MAP_FAILED) {
+      return Status::ResourceExhausted("CpuDevice::AllocateZeroed of " + std::to_string(bytes) +
+                                       " bytes failed: out of host memory or address space (mmap)");
+    }
+    std::lock_guard<std::mutex> lock(mapped_mu_);
+    mapped_[ptr] = bytes;
+    *out = ptr;
+    return Status::Ok();
+  }
+
   // Memory of either allocator: a mapping is unmapped, anything else freed.
   void Release(void* ptr) {
     if (ptr == nullptr) return;
@@ -245,12 +281,49 @@ class CpuDevice final : public Device {
     if (bytes > 0) std::memcpy(dst, src, bytes);
   }
 
+  // The capacity's account (nothing is counted without one): device bytes
+  // taken before the allocation, so two threads cannot both pass the check.
+  Status Reserve(size_t bytes, const char* what) {
+    if (capacity_ == 0) return Status::Ok();
+    std::lock_guard<std::mutex> lock(capacity_mu_);
+    if (static_cast<int64_t>(bytes) > capacity_ - in_use_) {
+      return Status::ResourceExhausted(std::string(what) + " of " + std::to_string(bytes) + " bytes: out of memory (" +
+                                       std::to_string(capacity_ - in_use_) + " of the device's " +
+                                       std::to_string(capacity_) + " bytes free)");
+    }
+    in_use_ += static_cast<int64_t>(bytes);
+    return Status::Ok();
+  }
+  void Unreserve(size_t bytes) {
+    if (capacity_ == 0) return;
+    std::lock_guard<std::mutex> lock(capacity_mu_);
+    in_use_ -= static_cast<int64_t>(bytes);
+  }
+  void Count(void* ptr, size_t bytes) {
+    if (capacity_ == 0) return;
+    std::lock_guard<std::mutex> lock(capacity_mu_);
+    device_bytes_[ptr] = bytes;
+  }
+  // Host memory (AllocateHost) is not in the account: nothing to do for it.
+  void Uncount(void* ptr) {
+    if (capacity_ == 0 || ptr == nullptr) return;
+    std::lock_guard<std::mutex> lock(capacity_mu_);
+    auto found = device_bytes_.find(ptr);
+    if (found == device_bytes_.end()) return;
+    in_use_ -= static_cast<int64_t>(found->second);
+    device_bytes_.erase(found);
+  }
+
   std::mutex mapped_mu_;
   std::unordered_map<void*, size_t> mapped_;  // guarded by mapped_mu_: mappings from AllocateZeroed
+  const int64_t capacity_;  // 0: no capacity
+  std::mutex capacity_mu_;
+  int64_t in_use_ = 0;                             // guarded by capacity_mu_
+  std::unordered_map<void*, size_t> device_bytes_;  // guarded by capacity_mu_: device allocations
 };
 
 }  // namespace
 
-std::unique_ptr<Device> NewCpuDevice() { return std::make_unique<CpuDevice>(); }
+std::unique_ptr<Device> NewCpuDevice(int64_t capacity_bytes) { return std::make_unique<CpuDevice>(capacity_bytes); }
 
 }  // namespace mltuner

@@ -71,6 +71,7 @@ import contextlib
 import dataclasses
 import datetime
 import functools
+import gc
 import math
 import os
 import platform
@@ -471,9 +472,16 @@ def big_run(args: argparse.Namespace, device: torch.device, make: Callable[[], n
         run = mltuner_train(make, x, lambda o: o.pow(2).mean(), config, device, warmup=args.big_warmup,
                             steps=args.big_steps, after_wrap=wrapped, on_wrapped=show)
     except Exception as error:  # noqa: BLE001
-        print(f"  failed at {holder['stage']} after {time.perf_counter() - started:.1f} s: {error}; "
-              f"{host_memory_line()}", flush=True)
-        return f"failed at {holder['stage']}: {failure(error, 700)}", None
+        why = f"failed at {holder['stage']}: {failure(error, 700)}"
+        # The traceback's frames hold the model (on the device) and the
+        # engine's host stores: let them go before the next size is tried.
+        error.__traceback__ = None
+        del error
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        print(f"  {why} after {time.perf_counter() - started:.1f} s; {host_memory_line()}", flush=True)
+        return why, None
     print(f"  trained: {run.samples_per_s:.2f} samples/s; {host_memory_line()}", flush=True)
     return "trained", run
 

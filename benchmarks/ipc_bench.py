@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,30 +35,15 @@ WIDTH = 1024
 
 
 def run_pair(size_mib: int, clocks: int, cuda_ipc: bool, timeout_s: float) -> dict:
-    from mltuner.launch._env import free_port
+    sys.path.insert(0, str(WORKER.parent))
+    from ipc_pair import launch_pair
 
     rows = size_mib * (1 << 20) // (4 * WIDTH)
     with tempfile.TemporaryDirectory() as out:
-        port = free_port()
-        procs = []
-        for rank in range(2):
-            env = dict(os.environ, MLTUNER_RANK=str(rank), MLTUNER_WORLD_SIZE="2", MLTUNER_LOCAL_RANK="0",
-                       MLTUNER_MASTER_ADDR="127.0.0.1", MLTUNER_MASTER_PORT=str(port),
-                       MLTUNER_SECRET="ipc-bench", MLTUNER_CUDA_IPC="1" if cuda_ipc else "0",
-                       MLTUNER_CUDA_IPC_SLICE_BYTES=str(max(256 << 20, 4 * size_mib << 20)))
-            procs.append(subprocess.Popen(
-                [sys.executable, str(WORKER), "--out", out, "--bench", "--clocks", str(clocks), "--rows", str(rows),
-                 "--width", str(WIDTH)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        outputs = []
-        try:
-            for proc in procs:
-                outputs.append(proc.communicate(timeout=timeout_s)[0])
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.communicate()
-        if any(p.returncode != 0 for p in procs):
+        codes, outputs = launch_pair(
+            Path(out), cuda_ipc, ["--bench", "--clocks", str(clocks), "--rows", str(rows), "--width", str(WIDTH)],
+            timeout_s=timeout_s, env={"MLTUNER_CUDA_IPC_SLICE_BYTES": str(max(256 << 20, 4 * size_mib << 20))})
+        if any(code != 0 for code in codes):
             raise RuntimeError("a worker failed:\n" + "\n".join(outputs))
         reports = [json.loads((Path(out) / f"rank-{r}.json").read_text()) for r in range(2)]
     return {"seconds": max(r["seconds_per_clock"] for r in reports), "paths": [r["data_paths"] for r in reports],

@@ -10,8 +10,6 @@ peer and its transport counters, and a failure shows every worker's output
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +17,6 @@ import numpy as np
 import pytest
 
 import mltuner as mlt
-from mltuner.launch._env import free_port
 
 pytestmark = pytest.mark.gpu
 
@@ -28,34 +25,19 @@ if mlt.cuda_device_count() == 0:
                 f"devices: {mlt.cuda_device_count()})", allow_module_level=True)
 pytest.importorskip("torch")
 
-WORKER = Path(__file__).with_name("cuda_ipc_worker.py")
+sys.path.insert(0, str(Path(__file__).parent))
+from ipc_pair import launch_pair  # noqa: E402  (beside this file)
 
 
 def run_pair(out: Path, cuda_ipc: bool, *args: str, timeout_s: float = 180.0) -> list[dict]:
     """Two ranks on GPU 0; returns each rank's json report plus its arrays
     and output. Raises with both outputs when a rank fails."""
     out.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, MLTUNER_RANK=str(rank), MLTUNER_WORLD_SIZE="2", MLTUNER_LOCAL_RANK="0",
-                   MLTUNER_MASTER_ADDR="127.0.0.1", MLTUNER_MASTER_PORT=str(port), MLTUNER_SECRET="test-secret",
-                   MLTUNER_CUDA_IPC="1" if cuda_ipc else "0", PYTHONUNBUFFERED="1")
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), "--out", str(out), *args], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=timeout_s)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-    report = "\n".join(f"--- rank {r} (exit {p.returncode}, cuda_ipc={cuda_ipc}) ---\n{o}"
-                       for r, (p, o) in enumerate(zip(procs, outputs)))
+    codes, outputs = launch_pair(out, cuda_ipc, list(args), timeout_s=timeout_s)
+    report = "\n".join(f"--- rank {r} (exit {code}, cuda_ipc={cuda_ipc}) ---\n{o}"
+                       for r, (code, o) in enumerate(zip(codes, outputs)))
     print(report)
-    assert all(p.returncode == 0 for p in procs), report
+    assert all(code == 0 for code in codes), report
     results = []
     for rank in range(2):
         result = json.loads((out / f"rank-{rank}.json").read_text())

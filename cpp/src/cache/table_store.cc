@@ -18,13 +18,13 @@ Status MakeZeroed(const std::shared_ptr<Device>& device, int64_t rows, const Tab
 }  // namespace
 
 Status MakeTableStore(const std::shared_ptr<Device>& device, const TableInfo& info,
-                      const TablePlacement& placement, int partitions,
+                      const TablePlacement& placement, int partitions, bool keeps_log,
                       std::unique_ptr<TableStore>* out) {
   auto store = std::make_unique<TableStore>();
   store->info = info;
   MLT_RETURN_IF_ERROR(MakeZeroed(device, placement.device_rows, info, false, &store->device_values));
   MLT_RETURN_IF_ERROR(MakeZeroed(device, placement.host_rows, info, true, &store->host_values));
-  if (!info.local) {
+  if (keeps_log) {
     MLT_RETURN_IF_ERROR(MakeZeroed(device, placement.device_rows, info, false, &store->device_log));
     MLT_RETURN_IF_ERROR(MakeZeroed(device, placement.host_rows, info, true, &store->host_log));
   }

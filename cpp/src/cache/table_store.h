@@ -1,8 +1,8 @@
 // TableStore: one table's rows inside a worker — the parameter cache (or the
 // local data) split into a device-resident part and a host-resident part as
-// the placement decided, each indexed by slot; for parameter tables also the
-// update log of the same shape, where the reclaimer scatter-adds updates
-// until the table's clock is shipped.
+// the placement decided, each indexed by slot; for parameter tables updated
+// more than once a clock also the update log of the same shape, where the
+// reclaimer scatter-adds updates until the table's clock is shipped.
 //
 // The values are guarded by `locks`, partitioned over layout positions:
 // gathers take shared locks, installs of fresh rows exclusive ones. The log
@@ -38,9 +38,10 @@ struct TableStore {
   }
 };
 
-// Allocates and zeroes the stores of one table.
+// Allocates and zeroes the stores of one table; the update log only where
+// `keeps_log` (KeepsUpdateLog, record/recorder.h).
 Status MakeTableStore(const std::shared_ptr<Device>& device, const TableInfo& info,
-                      const TablePlacement& placement, int partitions,
+                      const TablePlacement& placement, int partitions, bool keeps_log,
                       std::unique_ptr<TableStore>* out);
 
 }  // namespace mltuner

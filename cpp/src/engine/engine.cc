@@ -186,8 +186,8 @@ Status Engine::Impl::PlanAndPrepare() {
   std::vector<std::unique_ptr<TableStore>> stores;
   for (const TableInfo& table : plan_.tables) {
     std::unique_ptr<TableStore> store;
-    MLT_RETURN_IF_ERROR(MakeTableStore(device_, table, placement.tables[table.id],
-                                       config_.partitions_per_table, &store));
+    MLT_RETURN_IF_ERROR(MakeTableStore(device_, table, placement.tables[table.id], config_.partitions_per_table,
+                                       KeepsUpdateLog(table, recording), &store));
     stores.push_back(std::move(store));
   }
   MLT_RETURN_IF_ERROR(DeviceBlock::Make(device_, static_cast<size_t>(placement.pool_bytes), false,

@@ -48,7 +48,8 @@ HostMemoryNeed CountHostMemory(const Config& config, const std::vector<TableInfo
     if (table.local) {
       need.local_data += where.host_rows * table.row_bytes();
     } else {
-      need.parameter_stores += 2 * where.host_rows * table.row_bytes();  // cache row and update-log row
+      // The cache row, and its update-log row where the table keeps a log.
+      need.parameter_stores += (KeepsUpdateLog(table, recording) ? 2 : 1) * where.host_rows * table.row_bytes();
       const UpdateRuleConfig& rule = table.update_rule ? *table.update_rule : config.update_rule;
       need.shard_per_branch += ShardRows(table.num_rows, site.rank, site.num_workers) * table.row_bytes() *
                                (1 + StateArraysPerValue(rule));

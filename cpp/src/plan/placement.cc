@@ -185,7 +185,7 @@ Status PlanPlacement(const Config& config, const std::vector<TableInfo>& tables,
 
   for (const TableInfo& table : tables) {
     const TablePlacement& placement = plan.tables[table.id];
-    const int64_t copies = table.local ? 1 : 2;  // parameters also keep an update log
+    const int64_t copies = KeepsUpdateLog(table, recording) ? 2 : 1;  // values, and the update log
     plan.device_store_bytes += copies * placement.device_rows * table.row_bytes();
     plan.host_store_bytes += copies * placement.host_rows * table.row_bytes();
   }

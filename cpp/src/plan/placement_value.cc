@@ -116,7 +116,7 @@ Status ListPlacementEntries(const std::vector<TableInfo>& tables, const std::vec
       untouched.rows = table.num_rows - placed[t];
       by_table[t].push_back(untouched);
     }
-    const int64_t copies = table.local ? 1 : 2;  // parameters also keep an update log
+    const int64_t copies = KeepsUpdateLog(table, recording) ? 2 : 1;  // values, and the update log
     for (PlacementEntry& entry : by_table[t]) entry.device_bytes = copies * entry.rows * table.row_bytes();
     CostTableEntries(table, layouts[t], recording, site, by_table[t].begin(), by_table[t].end());
     entries.insert(entries.end(), by_table[t].begin(), by_table[t].end());

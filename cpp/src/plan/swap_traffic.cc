@@ -33,11 +33,7 @@ std::string SwapTraffic::Describe() const {
 
 void ForEachHostTransfer(const TableInfo& table, const RowLayout& layout, const Recording& recording,
                          const PlanSite& site, const std::function<void(SwapCause, int64_t)>& visit) {
-  int updates = 0;
-  for (const AccessRecord& access : recording.accesses) {
-    if (access.table == table.id && access.kind == OpKind::kPreUpdate) ++updates;
-  }
-  const bool logged = updates >= 2;  // one update a clock goes straight from its buffer to the shards
+  const bool logged = KeepsUpdateLog(table, recording);  // else the update goes straight from its buffer
   std::vector<bool> updated;         // rows whose log the table's clock sends
   if (logged) updated.assign(static_cast<size_t>(table.num_rows), false);
   for (const AccessRecord& access : recording.accesses) {

@@ -161,11 +161,8 @@ IterationIndex BuildIndexes(const std::vector<TableInfo>& tables,
 
   // The last update of each table in the op list closes its clock.
   std::vector<int> last_update(tables.size(), -1);
-  std::vector<int> updates(tables.size(), 0);
   for (const RecordedOp& op : recording.ops) {
-    if (op.kind != OpKind::kUpdate) continue;
-    last_update[recording.accesses[op.handle].table] = op.handle;
-    ++updates[recording.accesses[op.handle].table];
+    if (op.kind == OpKind::kUpdate) last_update[recording.accesses[op.handle].table] = op.handle;
   }
   for (const TableInfo& table : tables) {
     if (table.local) continue;
@@ -177,7 +174,7 @@ IterationIndex BuildIndexes(const std::vector<TableInfo>& tables,
     }
     table_index.has_updates = last_update[table.id] >= 0;
     if (table_index.has_updates) index.accesses[last_update[table.id]].closes_table_clock = true;
-    if (updates[table.id] == 1) {
+    if (table_index.has_updates && !KeepsUpdateLog(table, recording)) {
       table_index.direct = PlanDirectSend(table, recording.accesses[last_update[table.id]], num_shards);
     }
     table_index.send = SegmentsByShard(table, &updated, layouts[table.id],

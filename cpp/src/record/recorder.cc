@@ -182,4 +182,13 @@ Status Recorder::Finish(Recording* out) {
   return Status::Ok();
 }
 
+bool KeepsUpdateLog(const TableInfo& table, const Recording& recording) {
+  if (table.local) return false;
+  int updates = 0;
+  for (const RecordedOp& op : recording.ops) {
+    if (op.kind == OpKind::kUpdate && recording.accesses[op.handle].table == table.id && ++updates >= 2) return true;
+  }
+  return false;
+}
+
 }  // namespace mltuner

@@ -50,6 +50,12 @@ struct Recording {
   std::vector<AccessRecord> accesses;  // indexed by handle
 };
 
+// Whether a parameter table keeps an update log: only when its clock holds
+// two or more updates, which the log sums. A table updated once a clock
+// ships that update straight from its buffer (record/index_builder.h,
+// DirectSend), so a log would be memory never written.
+bool KeepsUpdateLog(const TableInfo& table, const Recording& recording);
+
 class Recorder {
  public:
   Recorder() = default;

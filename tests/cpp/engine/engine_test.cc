@@ -562,10 +562,11 @@ void CheckSwapMatchesUnlimited(int prefetch, bool mapped = true) {
   // all local data live in host memory and are swapped in for each access.
   // Deep: the pool with the deepest lookahead (it claims the budget before
   // the stores), every store in host memory.
-  // Split: beside the deepest pool, half of the stored activations fit (they
-  // save 2 bytes moved per device byte, a layer's parameters 1.25:
-  // plan/placement_value.h), the other half and every parameter row swap.
-  // Mixed: beside it, local data and one layer fit on the device, the rest swaps.
+  // Split: beside the deepest pool, half of the layers' parameters fit (a
+  // layer updated once a clock keeps no update log, so its rows save more
+  // bytes moved per device byte than a stored activation's:
+  // plan/placement_value.h), the other half and all local data swap.
+  // Mixed: beside it, local data and two layers fit on the device, the rest swaps.
   const int64_t pool_min = (1 + prefetch) * kSwapPeak;
   const int64_t deepest_pool = (1 + prefetch) * kSwapAllBuffers;
   const int64_t tight = pool_min + 256;
@@ -608,7 +609,8 @@ void CheckSwapMatchesUnlimited(int prefetch, bool mapped = true) {
         EXPECT_EQ(swapped.stats[k].device_store_bytes, kLocalBytes / 2);
         EXPECT_TRUE(swapped.stats[k].bytes_swapped_out > 0);
       }
-      EXPECT_TRUE(Contains(swapped.plan, "local data: 3 entries on the device (3072 B), 3 in host memory (3072 B)"));
+      EXPECT_TRUE(Contains(swapped.plan, "parameters: 3 entries on the device (3072 B), 3 in host memory (3072 B)"));
+      EXPECT_TRUE(Contains(swapped.plan, "local data: 0 entries on the device (0 B), 6 in host memory (6144 B)"));
     } else {
       for (int k = 0; k < kSwapWorkers; ++k) {
         EXPECT_EQ(swapped.stats[k].device_store_bytes, kLocalBytes + 2 * kLayerRows * kLayerWidth * 4);

@@ -4,8 +4,9 @@
 //   t2 local 4 x 16 (64 B/row); reads of t0 {0,1,2} and t1 {0..4}, an update
 //   of t0 {0..4} (320 B), a local access of t2 {0,1}.
 // Least pool 2048 B (2 regions of 1024), unlimited pool 2560 B; the largest
-// buffer (the staging buffer) 512 B. Stores: t0 2 x 512 B, t1 2 x 320 B
-// (cache and update log), t2 256 B: 1920 B.
+// buffer (the staging buffer) 512 B. Stores: t0 512 B, t1 320 B (no update
+// log: t0 is updated once a clock, from its buffer; t1 never), t2 256 B:
+// 1088 B.
 #include "plan/host_memory.h"
 
 #include <memory>
@@ -74,12 +75,12 @@ TEST(UnlimitedOnTheCpuCountsThePoolStoresStagingAndPayloads) {
   ASSERT_OK(Need(WithBudget(0), ex, {0, 1, true}, &need));
   EXPECT_EQ(need.parameter_stores, 0);
   EXPECT_EQ(need.local_data, 0);
-  EXPECT_EQ(need.device_memory, 2560 + 1920);  // the device's memory is host memory
+  EXPECT_EQ(need.device_memory, 2560 + 1088);  // the device's memory is host memory
   EXPECT_EQ(need.staging, 512);
   EXPECT_EQ(need.payloads, 2 * 320);  // slack 0: the clock being sent and the one not yet applied
   EXPECT_EQ(need.shard_per_branch, 8 * 64 + 8 * 40);  // the add rule keeps no state
   EXPECT_TRUE(need.shard_in_host_memory);
-  EXPECT_EQ(need.total(), 4480 + 512 + 640 + 832);  // with the shard's state: the CPU's memory is host memory
+  EXPECT_EQ(need.total(), 3648 + 512 + 640 + 832);  // with the shard's state: the CPU's memory is host memory
 }
 
 TEST(TheLeastBudgetPutsTheStoresInHostMemory) {
@@ -87,12 +88,12 @@ TEST(TheLeastBudgetPutsTheStoresInHostMemory) {
   ASSERT_OK(BuildExample(&ex));
   HostMemoryNeed need;
   ASSERT_OK(Need(WithBudget(2048), ex, {0, 1, false}, &need));
-  EXPECT_EQ(need.parameter_stores, 2 * (8 * 64 + 8 * 40));
+  EXPECT_EQ(need.parameter_stores, 8 * 64 + 8 * 40);  // no update logs
   EXPECT_EQ(need.local_data, 4 * 64);
   EXPECT_EQ(need.device_memory, 0);  // an accelerator: the pool is on the device
   EXPECT_EQ(need.staging, 512);
   EXPECT_EQ(need.payloads, 0);  // one worker: its shard shares the device
-  EXPECT_EQ(need.total(), 1664 + 256 + 512);
+  EXPECT_EQ(need.total(), 832 + 256 + 512);
   EXPECT_TRUE(!need.shard_in_host_memory);
   // On the CPU backend the same plan also holds the pool in host memory.
   ASSERT_OK(Need(WithBudget(2048), ex, {0, 1, true}, &need));
@@ -137,9 +138,9 @@ TEST(APlanAboveTheLimitIsRefusedWithTheSizes) {
   const Status refused = CheckHostMemoryAgainst(need, need.total() - 1, "a test limit");
   EXPECT_CODE(refused, StatusCode::kResourceExhausted);
   const std::string text = refused.ToString();
-  EXPECT_TRUE(text.find("needs 6464 B") != std::string::npos);
+  EXPECT_TRUE(text.find("needs 5632 B") != std::string::npos);
   EXPECT_TRUE(text.find("staging 512 B") != std::string::npos);
-  EXPECT_TRUE(text.find("6463 B") != std::string::npos);
+  EXPECT_TRUE(text.find("5631 B") != std::string::npos);
   EXPECT_TRUE(text.find("a test limit") != std::string::npos);
   // Config.host_memory_limit takes the place of MemAvailable.
   EXPECT_CODE(CheckHostMemory(need, need.total() - 1), StatusCode::kResourceExhausted);
@@ -169,7 +170,7 @@ TEST(ThePreviewGivesTheLeastPoolAndKeepsAFittingPlan) {
   EXPECT_TRUE(preview.fits);
   ASSERT_TRUE(kept != nullptr);
   EXPECT_EQ(preview.pool_bytes, 2048);
-  EXPECT_EQ(preview.host_store_bytes, 1664 + 256);
+  EXPECT_EQ(preview.host_store_bytes, 832 + 256);
   EXPECT_EQ(preview.host.total(), kept->placement.host.total());
   EXPECT_TRUE(preview.description.find("host memory") != std::string::npos);
   // Asked again, the kept plan is described, not made again.

@@ -168,8 +168,9 @@ TEST(UnlimitedBudgetPutsEverythingOnDevice) {
       EXPECT_EQ(t.runs.size(), size_t{1});  // one run: everything on the device
       ExpectDenseSlots(t, table.num_rows);
     }
-    // 2 copies (values + update log) of each parameter table, 1 of local data.
-    EXPECT_EQ(plan.device_store_bytes, int64_t{2 * 8 * 64 + 2 * 8 * 40 + 4 * 64});
+    // One copy of each table: t0 is updated once a clock (straight from its
+    // buffer) and t1 never, so neither keeps an update log.
+    EXPECT_EQ(plan.device_store_bytes, int64_t{8 * 64 + 8 * 40 + 4 * 64});
     EXPECT_EQ(plan.host_store_bytes, int64_t{0});
   }
 }
@@ -200,65 +201,69 @@ TEST(BudgetBelowTheLeastPoolIsRefused) {
     EXPECT_EQ(plan.tables[table.id].device_rows, int64_t{0});
     ExpectDenseSlots(plan.tables[table.id], table.num_rows);
   }
-  EXPECT_EQ(plan.host_store_bytes, int64_t{2 * 8 * 64 + 2 * 8 * 40 + 4 * 64});
+  EXPECT_EQ(plan.host_store_bytes, int64_t{8 * 64 + 8 * 40 + 4 * 64});
 }
 
 // The example's entries, their value (bytes moved per clock on the host /
 // device bytes; one worker, so its own shard installs every row each clock;
-// t0 has one update a clock, sent straight from its buffer) and idle span
-// (ops from the use before a swap-in to it, wrapping over the 9 ops):
-//   t2 rows {0,1}   local, 128 B: fetch 128 + keep 128     = 256 -> 2
-//   t1 rows {0..4}  400 B: read 200 + installs 200         = 400 -> 1, idle 4
-//   t0 rows {0,1,2} 384 B: read 192 + installs 192         = 384 -> 1, idle 6
-//   t0 rows {3,4}   256 B: installs 128                    -> 0.5 (no swap-in: idle 9)
-//   t0 rows 5..7 (384 B), t1 rows 5..7 (240 B): installs   -> 0.5, divisible
+// t0 has one update a clock, sent straight from its buffer, so no table keeps
+// an update log) and idle span (ops from the use before a swap-in to it,
+// wrapping over the 9 ops), in the order they claim the budget:
+//   t1 rows {0..4}  200 B: read 200 + installs 200         = 400 -> 2, idle 4
+//   t0 rows {0,1,2} 192 B: read 192 + installs 192         = 384 -> 2, idle 6
+//   t2 rows {0,1}   local, 128 B: fetch 128 + keep 128     = 256 -> 2, idle 8
+//   t0 rows {3,4}   128 B: installs 128                    -> 1 (no swap-in: idle 9)
+//   t0 rows 5..7 (192 B), t1 rows 5..7 (120 B): installs   -> 1, divisible
 //   t2 rows {2,3}: never used                              -> 0
 TEST(EntriesClaimTheBudgetByValue) {
   Example ex;
   ASSERT_OK(BuildExample(&ex));
-  // 640 B beyond the unpacked pool (2560 B: lookahead comes first): the local entry (128, left 512), t1's layer (400,
-  // left 112: same value as t0's first layer, shorter idle span), not t0's
-  // layer (384) nor its rows {3,4} (256); of the untouched rows one row of t1
-  // (80, left 32).
+  // 450 B beyond the unpacked pool (2560 B: lookahead comes first): t1's
+  // layer (200, left 250), t0's (192, left 58: the same value, a longer idle
+  // span), not the local entry (128: the longest idle span of the three) nor
+  // t0's rows {3,4} (128); of the untouched rows none of t0 (64 B a row) and
+  // one of t1 (40, left 18).
   Placement plan;
-  ASSERT_OK(PlanPlacement(WithBudget(2560 + 640), ex.tables, ex.layouts, ex.recording, &plan));
+  ASSERT_OK(PlanPlacement(WithBudget(2560 + 450), ex.tables, ex.layouts, ex.recording, &plan));
   EXPECT_EQ(plan.pool_bytes, int64_t{2560});
-  for (RowId row : {0, 1}) EXPECT_TRUE(ResidenceOfRow(ex, plan, 2, row) == Residence::kDevice);
-  for (RowId row : {2, 3}) EXPECT_TRUE(ResidenceOfRow(ex, plan, 2, row) == Residence::kHost);
+  for (RowId row : {0, 1, 2, 3}) EXPECT_TRUE(ResidenceOfRow(ex, plan, 2, row) == Residence::kHost);
   for (RowId row : {0, 1, 2, 3, 4, 5}) EXPECT_TRUE(ResidenceOfRow(ex, plan, 1, row) == Residence::kDevice);
   for (RowId row : {6, 7}) EXPECT_TRUE(ResidenceOfRow(ex, plan, 1, row) == Residence::kHost);
-  EXPECT_EQ(plan.tables[0].device_rows, int64_t{0});
+  for (RowId row : {0, 1, 2}) EXPECT_TRUE(ResidenceOfRow(ex, plan, 0, row) == Residence::kDevice);
+  EXPECT_EQ(plan.tables[0].device_rows, int64_t{3});
   for (const TableInfo& table : ex.tables) ExpectDenseSlots(plan.tables[table.id], table.num_rows);
-  EXPECT_EQ(plan.device_store_bytes, int64_t{2 * 64 + 2 * 6 * 40});
-  EXPECT_EQ(plan.host_store_bytes, int64_t{2 * 8 * 64 + 2 * 2 * 40 + 2 * 64});
-  // What went where, and the bytes t0 and t1's host rows move per clock:
-  // t0's read of rows {0,1,2}, and the installs of all of t0 and t1 rows 6, 7.
-  EXPECT_EQ(plan.local_data.device_entries, int64_t{1});
-  EXPECT_EQ(plan.local_data.host_entries, int64_t{0});
-  EXPECT_EQ(plan.parameters.device_entries, int64_t{1});
-  EXPECT_EQ(plan.parameters.host_entries, int64_t{2});
-  EXPECT_EQ(plan.traffic.params_in, int64_t{3 * 64});
-  EXPECT_EQ(plan.traffic.installs_out, int64_t{8 * 64 + 2 * 40});
-  EXPECT_EQ(plan.traffic.local_in + plan.traffic.local_out + plan.traffic.updates_out + plan.traffic.sends_in,
-            int64_t{0});
-  EXPECT_TRUE(plan.Describe().find("predicted per clock: host->device 192 B") != std::string::npos);
-  EXPECT_TRUE(plan.Describe().find("device->host 592 B") != std::string::npos);
+  EXPECT_EQ(plan.device_store_bytes, int64_t{5 * 40 + 3 * 64 + 40});
+  EXPECT_EQ(plan.host_store_bytes, int64_t{5 * 64 + 2 * 40 + 4 * 64});
+  // What went where, and the bytes the host rows move per clock: the local
+  // entry's fetch and keep, and the installs of t0 rows 3-7 and t1 rows 6, 7.
+  EXPECT_EQ(plan.local_data.device_entries, int64_t{0});
+  EXPECT_EQ(plan.local_data.host_entries, int64_t{1});
+  EXPECT_EQ(plan.parameters.device_entries, int64_t{2});
+  EXPECT_EQ(plan.parameters.host_entries, int64_t{1});
+  EXPECT_EQ(plan.traffic.params_in, int64_t{0});
+  EXPECT_EQ(plan.traffic.local_in, int64_t{128});
+  EXPECT_EQ(plan.traffic.local_out, int64_t{128});
+  EXPECT_EQ(plan.traffic.installs_out, int64_t{5 * 64 + 2 * 40});
+  EXPECT_EQ(plan.traffic.updates_out + plan.traffic.sends_in, int64_t{0});
+  EXPECT_TRUE(plan.Describe().find("predicted per clock: host->device 128 B") != std::string::npos);
+  EXPECT_TRUE(plan.Describe().find("device->host 528 B") != std::string::npos);
 }
 
 TEST(LocalDataGoesToHostMemoryWhenItDoesNotFit) {
   Example ex;
   ASSERT_OK(BuildExample(&ex));
   // 127 bytes beyond the pool: the local entry (128 B) does not fit, nor any
-  // layer; one untouched row of t1 (80 B) does.
+  // layer; one untouched row of t0 (64 B) and one of t1 (40 B) do.
   Placement plan;
   ASSERT_OK(PlanPlacement(WithBudget(2048 + 127), ex.tables, ex.layouts, ex.recording, &plan));
   EXPECT_EQ(plan.tables[2].device_rows, int64_t{0});
   EXPECT_EQ(plan.tables[2].host_rows, int64_t{4});
   for (const TableInfo& table : ex.tables) ExpectDenseSlots(plan.tables[table.id], table.num_rows);
-  EXPECT_EQ(plan.tables[0].device_rows, int64_t{0});
+  EXPECT_EQ(plan.tables[0].device_rows, int64_t{1});
   EXPECT_EQ(plan.tables[1].device_rows, int64_t{1});
+  EXPECT_TRUE(ResidenceOfRow(ex, plan, 0, 5) == Residence::kDevice);
   EXPECT_TRUE(ResidenceOfRow(ex, plan, 1, 5) == Residence::kDevice);
-  EXPECT_EQ(plan.device_store_bytes, int64_t{2 * 40});
+  EXPECT_EQ(plan.device_store_bytes, int64_t{64 + 40});
   EXPECT_EQ(plan.pool_bytes, int64_t{2048});
   EXPECT_EQ(plan.traffic.local_in, int64_t{128});
   EXPECT_EQ(plan.traffic.local_out, int64_t{128});
@@ -343,7 +348,7 @@ TEST(BudgetIsNeverExceeded) {
     }
     // The total store size is fixed; only the split moves.
     EXPECT_EQ(plan.device_store_bytes + plan.host_store_bytes,
-              int64_t{2 * 8 * 64 + 2 * 8 * 40 + 4 * 64});
+              int64_t{8 * 64 + 8 * 40 + 4 * 64});
   }
   // A generous budget puts everything on the device, with the unlimited pool.
   Placement plan;
@@ -355,7 +360,7 @@ TEST(BudgetIsNeverExceeded) {
 TEST(LookaheadClaimsTheBudgetBeforeStores) {
   Example ex;
   ASSERT_OK(BuildExample(&ex));
-  const int64_t stores = 2 * 8 * 64 + 2 * 8 * 40 + 4 * 64;
+  const int64_t stores = 8 * 64 + 8 * 40 + 4 * 64;
   // One byte short of the unpacked pool: any lookahead >= 1 keeps the local
   // access off the update's addresses (region 1280), so none fits, and the
   // stores get the 511 B left.

@@ -144,20 +144,20 @@ def test_local_tables_keep_discard_and_fetch(
         assert stats["bytes_swapped_in"] == 0
 
 
-PARAM_BYTES = 2 * 4 * WIDTH * 4  # the parameter table's cache and update log
+PARAM_BYTES = 4 * WIDTH * 4  # the parameter table's cache rows (updated once a clock: no update log)
 
 
 @pytest.mark.parametrize(
     ("extra", "host_bytes"),
     [
-        # No local table (192 bytes each) fits, nor the parameters (256).
-        (191, LOCAL_BYTES + PARAM_BYTES),
+        # No local table (192 bytes each) fits; the parameters (128) do.
+        (191, LOCAL_BYTES),
         # Split by value (bytes moved per clock from host memory per device
         # byte): frozen (fetched twice, kept once: 3) and out (2; before acc
         # at equal value: it is fetched right after it is written, acc only a
-        # clock after its last use) fit; acc and the parameters (0.75) stay
-        # in host memory.
-        (575, ROWS * WIDTH * 4 + PARAM_BYTES),
+        # clock after its last use) fit, then the parameters in the 191 bytes
+        # left; acc stays in host memory.
+        (575, ROWS * WIDTH * 4),
     ],
 )
 def test_local_data_in_host_memory_gives_the_same_results(

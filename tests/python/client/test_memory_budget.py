@@ -29,10 +29,11 @@ POOL_MIN = 2 * PEAK_BYTES  # 81920: a region of packed buffers per clock in flig
 # The pool a budget buys first: the deepest lookahead, where no two buffers of
 # a clock share addresses (4 reads + 4 updates a region).
 DEEPEST_POOL = 2 * 2 * NUM_LAYERS * TABLE_BYTES  # 131072
-# Each device-resident parameter row costs its cache row and its update-log
-# row. This budget fits the deepest pool and two of the four layers, so the
-# other two live in host memory and are swapped in on every read.
-SMALL_BUDGET = DEEPEST_POOL + 2 * (2 * TABLE_BYTES)
+# Each layer is updated once a clock, straight from its buffer, so a
+# device-resident row costs its cache row alone (no update log). This budget
+# fits the deepest pool and two of the four layers, so the other two live in
+# host memory and are swapped in on every read.
+SMALL_BUDGET = DEEPEST_POOL + 2 * TABLE_BYTES
 LR = 0.5
 
 

@@ -7,10 +7,10 @@ namespace mltuner {
 // The receiving side's state, shared with the landing buffers' deleters
 // (which run on the shard's or the installer's thread, or later).
 struct IpcLinks::Receiving {
-  std::mutex mu;
-  std::vector<std::unique_ptr<ByteRanges>> ranges;  // per sender: its slice of my region
-  PostRelease post;                                 // null once stopped
-  IpcStats stats;  // received_* and releases_sent
+  Mutex mu;
+  std::vector<std::unique_ptr<ByteRanges>> ranges GUARDED_BY(mu);  // per sender: its slice of my region
+  PostRelease post GUARDED_BY(mu);                                 // null once stopped
+  IpcStats stats GUARDED_BY(mu);  // received_* and releases_sent
 };
 
 IpcLinks::IpcLinks(int rank, int num_workers, std::shared_ptr<Device> device)
@@ -22,6 +22,7 @@ IpcLinks::IpcLinks(int rank, int num_workers, std::shared_ptr<Device> device)
       sending_(static_cast<size_t>(num_workers)),
       receiving_(std::make_shared<Receiving>()) {
   for (int peer = 0; peer < num_workers; ++peer) enabled_[peer].store(false);
+  MutexLock lock(&receiving_->mu);
   receiving_->ranges.resize(static_cast<size_t>(num_workers));
 }
 
@@ -39,7 +40,7 @@ Status IpcLinks::Export(size_t slice_bytes, std::string* handle) {
   std::unique_ptr<DeviceIpc> ipc;
   MLT_RETURN_IF_ERROR(device_->ExportIpc(slice_bytes * peers, &ipc));
   {
-    std::lock_guard<std::mutex> lock(receiving_->mu);
+    MutexLock lock(&receiving_->mu);
     for (int peer = 0; peer < num_workers_; ++peer) {
       if (peer != rank_) receiving_->ranges[peer] = std::make_unique<ByteRanges>(slice_bytes);
     }
@@ -61,7 +62,7 @@ Status IpcLinks::OpenPeer(int peer, const std::string& handle, size_t slice_byte
   const size_t peers = static_cast<size_t>(num_workers_ - 1);
   if (slice_bytes > SIZE_MAX / peers) return Status::InvalidArgument("peer's CUDA IPC region would overflow");
   MLT_RETURN_IF_ERROR(ipc_->OpenPeer(peer, handle, slice_bytes * peers));
-  std::lock_guard<std::mutex> lock(send_mu_);
+  MutexLock lock(&send_mu_);
   peer_slice_bytes_[peer] = slice_bytes;
   sending_[peer] = std::make_unique<ByteRanges>(slice_bytes);
   return Status::Ok();
@@ -70,7 +71,7 @@ Status IpcLinks::OpenPeer(int peer, const std::string& handle, size_t slice_byte
 Status IpcLinks::Enable(int peer) {
   if (!ValidPeer(peer)) return Status::InvalidArgument("no peer rank " + std::to_string(peer) + " for CUDA IPC");
   {
-    std::lock_guard<std::mutex> lock(send_mu_);
+    MutexLock lock(&send_mu_);
     if (!ipc_ || peer_slice_bytes_[peer] == 0) {
       return Status::InvalidArgument("CUDA IPC with rank " + std::to_string(peer) +
                                      " needs this process's export and the peer's opened first");
@@ -91,12 +92,12 @@ std::vector<int> IpcLinks::peers() const {
 }
 
 void IpcLinks::SetPost(PostRelease post) {
-  std::lock_guard<std::mutex> lock(receiving_->mu);
+  MutexLock lock(&receiving_->mu);
   receiving_->post = std::move(post);
 }
 
 void IpcLinks::StopPosting() {
-  std::lock_guard<std::mutex> lock(receiving_->mu);
+  MutexLock lock(&receiving_->mu);
   receiving_->post = nullptr;
 }
 
@@ -107,7 +108,7 @@ Status IpcLinks::TrySend(int peer, DeviceBuffer* buffer, const std::string& mess
   const uint64_t bytes = buffer->count * sizeof(float);
   IpcSpan span;
   {
-    std::lock_guard<std::mutex> lock(send_mu_);
+    MutexLock lock(&send_mu_);
     ByteRanges& ranges = *sending_[peer];
     if (!ranges.FindFree(bytes, kAlignment, &span.offset)) {
       ++send_stats_.fallbacks;
@@ -137,7 +138,7 @@ Status IpcLinks::OnRelease(const IpcEnvelope& release) {
     return Status::CorruptMessage("a CUDA IPC release from worker " + std::to_string(peer) +
                                   ", with which this process uses no CUDA IPC");
   }
-  std::lock_guard<std::mutex> lock(send_mu_);
+  MutexLock lock(&send_mu_);
   MLT_RETURN_IF_ERROR(sending_[peer]->Free(release.span.offset, release.span.bytes)
                           .WithContext("a CUDA IPC release from worker " + std::to_string(peer)));
   ++send_stats_.releases_received;
@@ -154,13 +155,13 @@ Status IpcLinks::Land(const IpcEnvelope& notice, std::shared_ptr<DeviceBuffer>* 
                                   std::to_string(span.bytes) + ") are not whole floats");
   }
   {
-    std::lock_guard<std::mutex> lock(receiving_->mu);
+    MutexLock lock(&receiving_->mu);
     MLT_RETURN_IF_ERROR(receiving_->ranges[sender]->Claim(span.offset, span.bytes).WithContext(from));
   }
   DeviceEvent ready;
   const Status waited = ipc_->PeerWrites(sender, &ready);
   if (!waited.ok()) {
-    std::lock_guard<std::mutex> lock(receiving_->mu);
+    MutexLock lock(&receiving_->mu);
     (void)receiving_->ranges[sender]->Free(span.offset, span.bytes);
     return waited;
   }
@@ -176,13 +177,13 @@ Status IpcLinks::Land(const IpcEnvelope& notice, std::shared_ptr<DeviceBuffer>* 
     std::unique_ptr<DeviceBuffer> owned(done);
     auto alive = receiving.lock();
     if (!alive) return;
-    std::lock_guard<std::mutex> lock(alive->mu);
+    MutexLock lock(&alive->mu);
     (void)alive->ranges[sender]->Free(span.offset, span.bytes);
     if (!alive->post) return;  // the node is shutting down: the sender is done too
     ++alive->stats.releases_sent;
     alive->post(sender, EncodeIpcRelease(rank, sender, span), std::move(owned->last_use));
   });
-  std::lock_guard<std::mutex> lock(receiving_->mu);
+  MutexLock lock(&receiving_->mu);
   ++receiving_->stats.received_messages;
   receiving_->stats.received_bytes += static_cast<int64_t>(span.bytes);
   return Status::Ok();
@@ -197,10 +198,10 @@ Status IpcLinks::WaitDone(const DeviceEvent& event, int64_t timeout_ms) {
 IpcStats IpcLinks::stats() const {
   IpcStats out;
   {
-    std::lock_guard<std::mutex> lock(send_mu_);
+    MutexLock lock(&send_mu_);
     out = send_stats_;
   }
-  std::lock_guard<std::mutex> lock(receiving_->mu);
+  MutexLock lock(&receiving_->mu);
   out.received_messages = receiving_->stats.received_messages;
   out.received_bytes = receiving_->stats.received_bytes;
   out.releases_sent = receiving_->stats.releases_sent;

@@ -31,11 +31,11 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "cluster/byte_ranges.h"
+#include "common/mutex.h"
 #include "memory/device_block.h"
 #include "mltuner/device.h"
 #include "mltuner/device_ipc.h"
@@ -103,9 +103,9 @@ class IpcLinks {
   size_t slice_bytes_ = 0;               // of this process's region
   std::vector<size_t> peer_slice_bytes_;  // of each opened peer's region; 0: not open
   std::unique_ptr<std::atomic<bool>[]> enabled_;
-  mutable std::mutex send_mu_;           // the copy and its event record, in one order
-  std::vector<std::unique_ptr<ByteRanges>> sending_;  // per peer: my slice of its region; guarded by send_mu_
-  IpcStats send_stats_;                  // guarded by send_mu_
+  mutable Mutex send_mu_;  // the copy and its event record, in one order
+  std::vector<std::unique_ptr<ByteRanges>> sending_ GUARDED_BY(send_mu_);  // per peer: my slice of its region
+  IpcStats send_stats_ GUARDED_BY(send_mu_);
   std::shared_ptr<Receiving> receiving_;
 };
 

@@ -540,7 +540,7 @@ Status ServerShard::LendValues(const TableState& table, std::shared_ptr<DeviceBu
   MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kServer, &view->ready));
   std::shared_ptr<Loans> loans = table.loans;
   {
-    std::lock_guard<std::mutex> lock(loans->mu);
+    MutexLock lock(&loans->mu);
     ++loans->out;
   }
   // The deleter keeps the values alive (a freed branch's view may still be
@@ -548,11 +548,11 @@ Status ServerShard::LendValues(const TableState& table, std::shared_ptr<DeviceBu
   std::shared_ptr<DeviceBlock> values = table.values;
   *out = std::shared_ptr<DeviceBuffer>(view.release(), [loans, values](DeviceBuffer* returned) {
     {
-      std::lock_guard<std::mutex> lock(loans->mu);
+      MutexLock lock(&loans->mu);
       if (returned->last_use) loans->last_uses.push_back(returned->last_use);
       --loans->out;
     }
-    loans->returned.notify_all();
+    loans->returned.NotifyAll();
     delete returned;
   });
   return Status::Ok();
@@ -562,10 +562,11 @@ Status ServerShard::WaitForLoans(const TableState& table) {
   Loans& loans = *table.loans;
   std::vector<DeviceEvent> last_uses;
   {
-    std::unique_lock<std::mutex> lock(loans.mu);
-    const bool returned = loans.returned.wait_for(lock, std::chrono::milliseconds(wait_timeout_ms_),
-                                                  [&loans] { return loans.out == 0; });
-    if (!returned) {
+    MutexLock lock(&loans.mu);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(wait_timeout_ms_);
+    while (loans.out > 0 && loans.returned.WaitUntil(deadline)) {
+    }
+    if (loans.out > 0) {
       return Status::Timeout(TableText(table.info.id) + " (" + table.info.name + ") on branch " +
                              std::to_string(table.branch) + ": " + std::to_string(loans.out) +
                              " worker(s) of this process did not install the shard's last rows within " +

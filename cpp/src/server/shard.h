@@ -14,16 +14,15 @@
 // Ownership: the shard owns its tables' values and optimizer state.
 #pragma once
 
-#include <condition_variable>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <set>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "common/mutex.h"
 #include "mltuner/config.h"
 #include "mltuner/status.h"
 #include "mltuner/types.h"
@@ -115,10 +114,10 @@ class ServerShard {
   // (RowsMessage): how many are out, and the tickets of the returned ones'
   // last reads. Shared with the views' deleters, which may outlive the table.
   struct Loans {
-    std::mutex mu;
-    std::condition_variable returned;
-    int out = 0;
-    std::vector<DeviceEvent> last_uses;
+    Mutex mu;
+    CondVar returned{&mu};
+    int out GUARDED_BY(mu) = 0;
+    std::vector<DeviceEvent> last_uses GUARDED_BY(mu);
   };
 
   // One table on one branch.

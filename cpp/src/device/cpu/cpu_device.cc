@@ -6,12 +6,12 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
 #include <string>
 #include <unordered_map>
 
 #include <sys/mman.h>
 
+#include "common/mutex.h"
 #include "mltuner/device.h"
 
 #if defined(__SSE2__)
@@ -136,7 +136,7 @@ class CpuDevice final : public Device {
 
   Status MemoryInfo(int64_t* free_bytes, int64_t* total_bytes) override {
     if (capacity_ == 0) return Device::MemoryInfo(free_bytes, total_bytes);
-    std::lock_guard<std::mutex> lock(capacity_mu_);
+    MutexLock lock(&capacity_mu_);
     *free_bytes = capacity_ - in_use_;
     *total_bytes = capacity_;
     return Status::Ok();
@@ -251,7 +251,7 @@ class CpuDevice final : public Device {
       return Status::ResourceExhausted("CpuDevice::AllocateZeroed of " + std::to_string(bytes) +
                                        " bytes failed: out of host memory or address space (mmap)");
     }
-    std::lock_guard<std::mutex> lock(mapped_mu_);
+    MutexLock lock(&mapped_mu_);
     mapped_[ptr] = bytes;
     *out = ptr;
     return Status::Ok();
@@ -262,7 +262,7 @@ class CpuDevice final : public Device {
     if (ptr == nullptr) return;
     size_t mapped_bytes = 0;
     {
-      std::lock_guard<std::mutex> lock(mapped_mu_);
+      MutexLock lock(&mapped_mu_);
       auto found = mapped_.find(ptr);
       if (found != mapped_.end()) {
         mapped_bytes = found->second;
@@ -285,7 +285,7 @@ class CpuDevice final : public Device {
   // taken before the allocation, so two threads cannot both pass the check.
   Status Reserve(size_t bytes, const char* what) {
     if (capacity_ == 0) return Status::Ok();
-    std::lock_guard<std::mutex> lock(capacity_mu_);
+    MutexLock lock(&capacity_mu_);
     if (static_cast<int64_t>(bytes) > capacity_ - in_use_) {
       return Status::ResourceExhausted(std::string(what) + " of " + std::to_string(bytes) + " bytes: out of memory (" +
                                        std::to_string(capacity_ - in_use_) + " of the device's " +
@@ -296,30 +296,30 @@ class CpuDevice final : public Device {
   }
   void Unreserve(size_t bytes) {
     if (capacity_ == 0) return;
-    std::lock_guard<std::mutex> lock(capacity_mu_);
+    MutexLock lock(&capacity_mu_);
     in_use_ -= static_cast<int64_t>(bytes);
   }
   void Count(void* ptr, size_t bytes) {
     if (capacity_ == 0) return;
-    std::lock_guard<std::mutex> lock(capacity_mu_);
+    MutexLock lock(&capacity_mu_);
     device_bytes_[ptr] = bytes;
   }
   // Host memory (AllocateHost) is not in the account: nothing to do for it.
   void Uncount(void* ptr) {
     if (capacity_ == 0 || ptr == nullptr) return;
-    std::lock_guard<std::mutex> lock(capacity_mu_);
+    MutexLock lock(&capacity_mu_);
     auto found = device_bytes_.find(ptr);
     if (found == device_bytes_.end()) return;
     in_use_ -= static_cast<int64_t>(found->second);
     device_bytes_.erase(found);
   }
 
-  std::mutex mapped_mu_;
-  std::unordered_map<void*, size_t> mapped_;  // guarded by mapped_mu_: mappings from AllocateZeroed
+  Mutex mapped_mu_;
+  std::unordered_map<void*, size_t> mapped_ GUARDED_BY(mapped_mu_);  // mappings from AllocateZeroed
   const int64_t capacity_;  // 0: no capacity
-  std::mutex capacity_mu_;
-  int64_t in_use_ = 0;                             // guarded by capacity_mu_
-  std::unordered_map<void*, size_t> device_bytes_;  // guarded by capacity_mu_: device allocations
+  Mutex capacity_mu_;
+  int64_t in_use_ GUARDED_BY(capacity_mu_) = 0;
+  std::unordered_map<void*, size_t> device_bytes_ GUARDED_BY(capacity_mu_);  // device allocations
 };
 
 }  // namespace

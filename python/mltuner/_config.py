@@ -159,7 +159,12 @@ class Config:
         wait_timeout_s: every blocking wait gives up after this many seconds
             with :class:`~mltuner.WaitTimeoutError`.
         prefetch_clocks: how many clocks the allocator thread may prepare
-            ahead of the application (1 = double buffering).
+            ahead of the application (1 = double buffering). 0: only the
+            clock the application is in, so the access-buffer pool is one
+            region, half the least pool of 1, which leaves more of a tight
+            ``device_memory_budget`` to lookahead within the clock; nothing
+            of the next clock is prepared before this one ends (under BSP,
+            its reads wait for this clock's updates anyway).
         partitions_per_table: partition locks per table in the client cache.
         update_rule: the server-side update rule.
         device: ``"cpu"`` (host memory, buffers are numpy arrays) or ``"cuda"``
@@ -220,7 +225,7 @@ class Config:
         choice("Config.device", self.device, ("cpu", "cuda"))
         integer("Config.device_memory_budget", self.device_memory_budget, 0, MAX_BYTES)
         real("Config.wait_timeout_s", self.wait_timeout_s, 0, MAX_WAIT_S, low_open=True)
-        integer("Config.prefetch_clocks", self.prefetch_clocks, 1, MAX_PREFETCH_CLOCKS)
+        integer("Config.prefetch_clocks", self.prefetch_clocks, 0, MAX_PREFETCH_CLOCKS)
         integer("Config.partitions_per_table", self.partitions_per_table, 1, MAX_PARTITIONS)
         if not isinstance(self.update_rule, UpdateRule):
             raise InvalidArgumentError(f"Config.update_rule must be an UpdateRule, got "

@@ -101,7 +101,8 @@ struct Config {
 
   // How many clocks the allocator thread may run ahead of the application.
   // 1 is double buffering (GeePS); each clock more adds a region (a clock's
-  // buffers) to the access-buffer pool.
+  // buffers) to the access-buffer pool. 0: one region, half the least pool;
+  // nothing of the next clock is prepared before this one ends.
   int32_t prefetch_clocks = 1;
 
   // Partition locks per table in the client cache: a gather locks only the

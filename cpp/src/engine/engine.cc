@@ -684,7 +684,7 @@ Status Engine::Create(const Config& config, int rank, int num_workers, std::shar
   }
   if (!device || !transport) return Status::InvalidArgument("an engine needs a device and a transport");
   if (config.wait_timeout_ms <= 0) return Status::InvalidArgument("wait_timeout_ms must be > 0");
-  if (config.prefetch_clocks < 1) return Status::InvalidArgument("prefetch_clocks must be >= 1");
+  if (config.prefetch_clocks < 0) return Status::InvalidArgument("prefetch_clocks must be >= 0");
   if (config.device_memory_budget < 0) return Status::InvalidArgument("device_memory_budget must be >= 0");
   if (config.device_memory_reserve < -1) {
     return Status::InvalidArgument("device_memory_reserve must be >= 0, or -1 for a tenth of the device");

@@ -621,6 +621,7 @@ void CheckSwapMatchesUnlimited(int prefetch, bool mapped = true) {
 
 }  // namespace
 
+TEST(SwapUnderPressureIsBitIdenticalPrefetch0) { CheckSwapMatchesUnlimited(0); }
 TEST(SwapUnderPressureIsBitIdenticalPrefetch1) { CheckSwapMatchesUnlimited(1); }
 TEST(SwapUnderPressureIsBitIdenticalPrefetch3) { CheckSwapMatchesUnlimited(3); }
 TEST(SwapWithCopiesPerRunIsBitIdentical) { CheckSwapMatchesUnlimited(1, false); }

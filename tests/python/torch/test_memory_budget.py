@@ -50,11 +50,11 @@ def make_data() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def train(budget: int, store_activations: bool, run_workers: Callable[..., list[Any]],
-          hold_reads: bool | None = None) -> dict[str, Any]:
+          hold_reads: bool | None = None, prefetch_clocks: int = 1) -> dict[str, Any]:
     x, y = make_data()
     initial = make_model()
     models = [copy.deepcopy(initial) for _ in range(NUM_WORKERS)]
-    config = Config(device_memory_budget=budget, wait_timeout_s=20,
+    config = Config(device_memory_budget=budget, wait_timeout_s=20, prefetch_clocks=prefetch_clocks,
                     update_rule=UpdateRule("momentum", learning_rate=0.05, momentum=0.9))
 
     def body(worker: Worker) -> tuple[dict[str, torch.Tensor], list[float], bool, str]:
@@ -121,6 +121,22 @@ def test_model_larger_than_the_budget_trains_bit_identically(run_workers: Callab
     for name, value in plain["state"].items():
         assert torch.equal(unlimited["state"][name], value), name
         assert torch.equal(limited["state"][name], value), name
+
+
+def test_one_pool_region_trains_bit_identically(run_workers: Callable[..., list[Any]]) -> None:
+    # prefetch_clocks=0: one region, so the least pool is half that of two,
+    # and the budget beside it buys lookahead or stores; nothing is prepared
+    # across the clock boundary, and no value changes.
+    plain = train(0, store_activations=False, run_workers=run_workers)
+    two = train(0, store_activations=True, run_workers=run_workers)["stats"][0]["pool_min_bytes"]
+    one = train(0, store_activations=True, run_workers=run_workers, prefetch_clocks=0)["stats"][0]["pool_min_bytes"]
+    assert 2 * one == two, (one, two)
+    for budget in (one, one + one // 2):
+        limited = train(budget, store_activations=True, run_workers=run_workers, prefetch_clocks=0)
+        assert limited["stats"][0]["bytes_swapped_in"] > 0, limited["plans"][0]
+        assert limited["losses"] == plain["losses"]
+        for name, value in plain["state"].items():
+            assert torch.equal(limited["state"][name], value), name
 
 
 def test_budget_below_twice_the_largest_layer_is_refused_clearly() -> None:

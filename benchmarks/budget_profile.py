@@ -108,22 +108,20 @@ def run(args: argparse.Namespace, budget: int, label: str, x: torch.Tensor, loss
             loss(ps(x)).backward()
             ps.step()
 
-        for _ in range(8):
-            step()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(args.clocks):
-            step()
-        torch.cuda.synchronize()
-        plain = (time.perf_counter() - start) / args.clocks * 1000
+        def ms_per_clock(clocks: int) -> float:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(clocks):
+                step()
+            torch.cuda.synchronize()
+            return (time.perf_counter() - start) / clocks * 1000
+
+        ms_per_clock(8)  # warm-up
+        plain = ms_per_clock(args.clocks)
         before = worker.stats
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
-            start = time.perf_counter()
-            for _ in range(args.clocks):
-                step()
-            torch.cuda.synchronize()
-            traced = (time.perf_counter() - start) / args.clocks * 1000
+            traced = ms_per_clock(args.clocks)
         after = worker.stats
         print(f"\n## {label}: {plain:.2f} ms/clock untraced, {traced:.2f} traced", flush=True)
         per = {k: (after[k] - before[k]) / args.clocks for k in after

@@ -17,7 +17,7 @@ Status PayloadBound::Take(size_t count, int64_t timeout_ms, const std::function<
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
   std::shared_ptr<Shared> shared = shared_;
   {
-    std::unique_lock<std::mutex> lock(shared->mu);
+    MutexLock lock(&shared->mu);
     while (!shared->bytes.HasRoom(bytes)) {
       if (stopping()) return Status::Shutdown("the engine is shut down");
       if (std::chrono::steady_clock::now() >= deadline) {
@@ -27,7 +27,7 @@ Status PayloadBound::Take(size_t count, int64_t timeout_ms, const std::function<
                                " B");
       }
       // Short slices: `stopping` has no condition variable of ours to wake.
-      shared->room.wait_for(lock, std::chrono::milliseconds(20));
+      shared->room.WaitFor(std::chrono::milliseconds(20));
     }
     shared->bytes.Add(bytes);
   }
@@ -35,36 +35,36 @@ Status PayloadBound::Take(size_t count, int64_t timeout_ms, const std::function<
   const Status acquired = acquire(&buffer);
   if (!acquired.ok()) {
     {
-      std::lock_guard<std::mutex> lock(shared->mu);
+      MutexLock lock(&shared->mu);
       shared->bytes.Remove(bytes);
     }
-    shared->room.notify_all();
+    shared->room.NotifyAll();
     return acquired;
   }
   DeviceBuffer* raw = buffer.get();
   *out = std::shared_ptr<DeviceBuffer>(raw, [shared, buffer = std::move(buffer), bytes](DeviceBuffer*) mutable {
     buffer.reset();  // back to its pool, with the last_use its users set
     {
-      std::lock_guard<std::mutex> lock(shared->mu);
+      MutexLock lock(&shared->mu);
       shared->bytes.Remove(bytes);
     }
-    shared->room.notify_all();
+    shared->room.NotifyAll();
   });
   return Status::Ok();
 }
 
 int64_t PayloadBound::held_bytes() const {
-  std::lock_guard<std::mutex> lock(shared_->mu);
+  MutexLock lock(&shared_->mu);
   return shared_->bytes.held;
 }
 
 int64_t PayloadBound::peak_bytes() const {
-  std::lock_guard<std::mutex> lock(shared_->mu);
+  MutexLock lock(&shared_->mu);
   return shared_->bytes.peak;
 }
 
 int64_t PayloadBound::limit_bytes() const {
-  std::lock_guard<std::mutex> lock(shared_->mu);
+  MutexLock lock(&shared_->mu);
   return shared_->bytes.limit;
 }
 

@@ -10,13 +10,12 @@
 // from any thread (the shard's), also after the bound is gone.
 #pragma once
 
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
 
 #include "common/byte_bound.h"
+#include "common/mutex.h"
 #include "memory/device_block.h"
 #include "mltuner/status.h"
 
@@ -40,9 +39,9 @@ class PayloadBound {
 
  private:
   struct Shared {
-    mutable std::mutex mu;
-    std::condition_variable room;
-    ByteBound bytes;
+    mutable Mutex mu;
+    CondVar room{&mu};
+    ByteBound bytes GUARDED_BY(mu);
   };
   std::shared_ptr<Shared> shared_;
 };

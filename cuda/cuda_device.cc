@@ -275,10 +275,12 @@ class CudaDevice final : public Device {
     return err == cudaSuccess ? Status::Ok() : AppStreamError("RecordAppWork", app_stream, err);
   }
 
-  Status CopyPiecesOnAppStream(uintptr_t app_stream, float* dst, const std::vector<CopyPiece>& pieces) override {
+  Status CopyPiecesOnAppStream(uintptr_t app_stream, float* buffer, const std::vector<CopyPiece>& pieces,
+                               CopyDirection direction) override {
     if (pieces.empty()) return Status::Ok();
     MLT_RETURN_IF_ERROR(MakeCurrent("CopyPiecesOnAppStream"));
-    kernels::LaunchCopyPieces(dst, pieces.data(), static_cast<int>(pieces.size()), AppStream(app_stream));
+    kernels::LaunchCopyPieces(buffer, pieces.data(), static_cast<int>(pieces.size()),
+                              direction == CopyDirection::kIntoBuffer, AppStream(app_stream));
     const cudaError_t err = cudaGetLastError();
     return err == cudaSuccess ? Status::Ok() : AppStreamError("CopyPiecesOnAppStream", app_stream, err);
   }

@@ -12,16 +12,17 @@ constexpr int64_t kMaxBlocksPerPiece = 1024;
 // The pieces of one launch, as a kernel parameter (3 KiB, under the 4 KiB
 // that every architecture takes).
 struct PieceBatch {
-  const float* src[kMaxPiecesPerLaunch];
+  float* memory[kMaxPiecesPerLaunch];
   int64_t offset[kMaxPiecesPerLaunch];
   int64_t count[kMaxPiecesPerLaunch];
 };
 
 // blockIdx.y picks the piece; the x blocks stride over it.
-__global__ void CopyPiecesKernel(float* __restrict__ dst, PieceBatch batch) {
+__global__ void CopyPiecesKernel(float* buffer, PieceBatch batch, bool into_buffer) {
   const int piece = blockIdx.y;
-  const float* __restrict__ src = batch.src[piece];
-  float* __restrict__ out = dst + batch.offset[piece];
+  float* const span = buffer + batch.offset[piece];
+  const float* __restrict__ src = into_buffer ? batch.memory[piece] : span;
+  float* __restrict__ out = into_buffer ? span : batch.memory[piece];
   const int64_t count = batch.count[piece];
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride) {
@@ -31,21 +32,21 @@ __global__ void CopyPiecesKernel(float* __restrict__ dst, PieceBatch batch) {
 
 }  // namespace
 
-void LaunchCopyPieces(float* dst, const CopyPiece* pieces, int num_pieces, cudaStream_t stream) {
+void LaunchCopyPieces(float* buffer, const CopyPiece* pieces, int num_pieces, bool into_buffer, cudaStream_t stream) {
   for (int first = 0; first < num_pieces; first += kMaxPiecesPerLaunch) {
     const int n = std::min(kMaxPiecesPerLaunch, num_pieces - first);
     PieceBatch batch{};
     int64_t largest = 0;
     for (int i = 0; i < n; ++i) {
-      batch.src[i] = pieces[first + i].src;
+      batch.memory[i] = pieces[first + i].memory;
       batch.offset[i] = pieces[first + i].offset;
       batch.count[i] = pieces[first + i].count;
       largest = std::max(largest, batch.count[i]);
     }
     if (largest == 0) continue;
     const int64_t blocks = std::clamp<int64_t>((largest + kThreads - 1) / kThreads, 1, kMaxBlocksPerPiece);
-    CopyPiecesKernel<<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(n)), kThreads, 0, stream>>>(dst,
-                                                                                                            batch);
+    CopyPiecesKernel<<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(n)), kThreads, 0, stream>>>(
+        buffer, batch, into_buffer);
   }
 }
 

@@ -51,10 +51,11 @@ void LaunchScatterAddRuns(float* dst, const float* src, const RowRun* runs_on_de
 void LaunchApplyUpdate(const UpdateStep& step, float* params, float* state, const float* update_sum,
                        int64_t count, cudaStream_t stream);
 
-// For each piece: dst[offset, offset + count) = src[0, count). The pieces go
-// to the kernel by value, up to kMaxPiecesPerLaunch per launch.
+// For each piece: buffer[offset, offset + count) = memory[0, count)
+// (`into_buffer`), or the other way. The pieces go to the kernel by value,
+// up to kMaxPiecesPerLaunch per launch.
 constexpr int kMaxPiecesPerLaunch = 128;
-void LaunchCopyPieces(float* dst, const CopyPiece* pieces, int num_pieces, cudaStream_t stream);
+void LaunchCopyPieces(float* buffer, const CopyPiece* pieces, int num_pieces, bool into_buffer, cudaStream_t stream);
 
 // dst[i] += src[i]: the shard's sum of the workers' updates, in worker order.
 void LaunchAddInto(float* dst, const float* src, int64_t count, cudaStream_t stream);

@@ -53,8 +53,9 @@ class ForwardingDevice : public Device {
   Status WaitOnAppStream(uintptr_t a, const DeviceEvent& e) override { return inner_->WaitOnAppStream(a, e); }
   Status WaitEventDone(const DeviceEvent& e) override { return inner_->WaitEventDone(e); }
   Status RecordAppWork(uintptr_t a, DeviceEvent* out) override { return inner_->RecordAppWork(a, out); }
-  Status CopyPiecesOnAppStream(uintptr_t a, float* dst, const std::vector<CopyPiece>& pieces) override {
-    return inner_->CopyPiecesOnAppStream(a, dst, pieces);
+  Status CopyPiecesOnAppStream(uintptr_t a, float* buffer, const std::vector<CopyPiece>& pieces,
+                               CopyDirection direction) override {
+    return inner_->CopyPiecesOnAppStream(a, buffer, pieces, direction);
   }
 
  protected:

@@ -55,13 +55,16 @@ struct RunIndex {
   void* device_copy = nullptr;  // owned by the Device; see ReleaseIndex
 };
 
-// A piece of the application's memory to copy into an engine buffer:
-// buffer[offset, offset + count) = src[0, count), in floats.
+// A piece of the application's memory and a span of an engine buffer, in
+// floats: copied into the buffer (buffer[offset, offset + count) =
+// memory[0, count)) or out of it (the other way), see CopyDirection.
 struct CopyPiece {
-  const float* src = nullptr;
+  float* memory = nullptr;
   int64_t offset = 0;
   int64_t count = 0;
 };
+
+enum class CopyDirection { kIntoBuffer, kOutOfBuffer };
 
 // The rows an index moves (the sum of its runs' counts); InvalidArgument for a
 // run with a negative field. Every backend's PrepareIndex starts with it.
@@ -166,12 +169,14 @@ class Device {
   // tickets are null.
   virtual Status RecordAppWork(uintptr_t app_stream, DeviceEvent* out) = 0;
   // Queues on the application's stream, after its own work there, the copy
-  // of each piece into `dst` (device memory); the sources are memory of this
-  // device that the application wrote on that stream (a PyTorch gradient).
-  // One launch for many pieces: the adapter's way to hand a layer's
-  // gradients over without a framework call per tensor. The CPU backend
-  // copies at once. REQUIRES: pieces in bounds (the engine checks).
-  virtual Status CopyPiecesOnAppStream(uintptr_t app_stream, float* dst, const std::vector<CopyPiece>& pieces) = 0;
+  // of each piece into `buffer` (device memory) or out of it into the
+  // piece's memory (memory of this device that the application uses on that
+  // stream: a PyTorch gradient in, a saved activation out). One launch for
+  // many pieces: the adapter's way to move a layer's gradients or a stored
+  // activation without a framework call per tensor. The CPU backend copies
+  // at once. REQUIRES: pieces in bounds (the engine checks).
+  virtual Status CopyPiecesOnAppStream(uintptr_t app_stream, float* buffer, const std::vector<CopyPiece>& pieces,
+                                       CopyDirection direction) = 0;
   // The index of the accelerator (DLPack device id); 0 for the CPU.
   virtual int ordinal() const = 0;
 

@@ -58,12 +58,15 @@ struct AccessBuffer {
 
 // One op of a batch (Engine::Run): an open or post of a recorded handle, or
 // the clock (handle unused). An update or post_local_access may carry
-// pieces of the application's memory, copied into its buffer on the
-// application's stream just before the post (Device::CopyPiecesOnAppStream).
+// pieces of the application's memory to copy into its buffer (`fill`), a
+// post_local_access pieces to copy out of it (`drain`: a stored activation
+// read back), on the application's stream just before the post
+// (Device::CopyPiecesOnAppStream).
 struct OpCall {
   OpKind kind = OpKind::kClock;
   Handle handle = -1;
   std::vector<CopyPiece> fill;
+  std::vector<CopyPiece> drain;
 };
 
 struct EngineStats {

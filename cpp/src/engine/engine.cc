@@ -444,7 +444,9 @@ Status Engine::Impl::Run(const std::vector<OpCall>& ops, std::vector<AccessBuffe
     }
     MLT_RETURN_IF_ERROR(CheckAccessCall(op.handle, op.kind));
     if (state_.phase.load() != Phase::kRunning) {  // the initialisation phase: synchronous anyway
-      if (!op.fill.empty()) return Status::OutOfOrder("pieces to copy in are for the running phase's posts");
+      if (!op.fill.empty() || !op.drain.empty()) {
+        return Status::OutOfOrder("pieces to copy are for the running phase's posts");
+      }
       AccessBuffer buffer;
       MLT_RETURN_IF_ERROR(opens ? Open(op.handle, op.kind, &buffer, app_stream) : Post(op.handle, op.kind, app_stream));
       if (opens) opened->push_back(std::move(buffer));
@@ -454,14 +456,14 @@ Status Engine::Impl::Run(const std::vector<OpCall>& ops, std::vector<AccessBuffe
       if (buffer.ready) last_ready = buffer.ready;
       opened->push_back(std::move(buffer));
     } else {
-      if (!op.fill.empty()) {
-        // The copies write a buffer that may have been opened in this batch:
+      if (!op.fill.empty() || !op.drain.empty()) {
+        // The copies touch a buffer that may have been opened in this batch:
         // the stream waits for the buffers opened so far first.
         if (last_ready) {
           MLT_RETURN_IF_ERROR(device_->WaitOnAppStream(app_stream, last_ready));
           last_ready = DeviceEvent();
         }
-        MLT_RETURN_IF_ERROR(FillBeforePost(op, app_stream));
+        MLT_RETURN_IF_ERROR(CopyBeforePost(op, app_stream));
         app_done_taken = false;  // the post's ticket must come after the copies
       }
       if (!app_done_taken) {
@@ -474,18 +476,25 @@ Status Engine::Impl::Run(const std::vector<OpCall>& ops, std::vector<AccessBuffe
   return device_->WaitOnAppStream(app_stream, last_ready);
 }
 
-Status Engine::Impl::FillBeforePost(const OpCall& op, uintptr_t app_stream) {
+Status Engine::Impl::CopyBeforePost(const OpCall& op, uintptr_t app_stream) {
   if (op.kind != OpKind::kUpdate && op.kind != OpKind::kPostLocalAccess) {
     return Status::InvalidArgument(std::string("pieces to copy in come with an update or post_local_access, not ") +
                                    OpKindName(op.kind));
   }
+  if (!op.drain.empty() && op.kind != OpKind::kPostLocalAccess) {
+    return Status::InvalidArgument(std::string("pieces to copy out come with a post_local_access, not ") +
+                                   OpKindName(op.kind));
+  }
   const AccessRecord& access = plan_.recording.accesses[op.handle];
   const int64_t capacity = static_cast<int64_t>(access.rows.size()) * plan_.tables[access.table].row_width;
-  for (const CopyPiece& piece : op.fill) {
-    if (piece.src == nullptr || piece.offset < 0 || piece.count < 0 || piece.offset > capacity - piece.count) {
-      return Status::InvalidArgument("a piece of " + std::to_string(piece.count) + " floats at offset " +
-                                     std::to_string(piece.offset) + " does not fit the " + std::to_string(capacity) +
-                                     " floats of the " + access.Describe(plan_.tables[access.table].name));
+  for (const std::vector<CopyPiece>* pieces : {&op.fill, &op.drain}) {
+    for (const CopyPiece& piece : *pieces) {
+      if (piece.memory == nullptr || piece.offset < 0 || piece.count < 0 || piece.offset > capacity - piece.count) {
+        return Status::InvalidArgument("a piece of " + std::to_string(piece.count) + " floats at offset " +
+                                       std::to_string(piece.offset) + " does not fit the " +
+                                       std::to_string(capacity) + " floats of the " +
+                                       access.Describe(plan_.tables[access.table].name));
+      }
     }
   }
   float* data = nullptr;
@@ -495,7 +504,8 @@ Status Engine::Impl::FillBeforePost(const OpCall& op, uintptr_t app_stream) {
     MLT_RETURN_IF_ERROR(CheckNextOp(op.kind, op.handle));
     data = state_.slots[op.handle][state_.app_clock % plan_.depth].data;
   }
-  return device_->CopyPiecesOnAppStream(app_stream, data, op.fill);
+  MLT_RETURN_IF_ERROR(device_->CopyPiecesOnAppStream(app_stream, data, op.drain, CopyDirection::kOutOfBuffer));
+  return device_->CopyPiecesOnAppStream(app_stream, data, op.fill, CopyDirection::kIntoBuffer);
 }
 
 void Engine::Impl::Poison(const AccessRecord& access, float* data, Stream s) {

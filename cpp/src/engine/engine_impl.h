@@ -93,8 +93,9 @@ class Engine::Impl {
   // ticket already taken. REQUIRES: CheckAccessCall passed.
   Status OpenSlot(Handle handle, OpKind kind, AccessBuffer* out) EXCLUDES(state_.mu);
   Status PostSlot(Handle handle, OpKind kind, DeviceEvent app_done, uintptr_t app_stream) EXCLUDES(state_.mu);
-  // Copies a batch op's pieces into its buffer on the application's stream.
-  Status FillBeforePost(const OpCall& op, uintptr_t app_stream) EXCLUDES(state_.mu);
+  // Copies a batch op's pieces out of and into its buffer on the application's
+  // stream.
+  Status CopyBeforePost(const OpCall& op, uintptr_t app_stream) EXCLUDES(state_.mu);
   // OutOfOrder unless (kind, handle) is the next recorded op.
   Status CheckNextOp(OpKind kind, Handle handle) const REQUIRES(state_.mu);
   // The buffer handed to the application for `access`.

@@ -421,11 +421,13 @@ class Worker:
     def _run_ops(self, ops: list[tuple[Any, ...]], stream: int) -> list[Buffer]:
         """:meth:`run` for the PyTorch adapter, without the per-op checks
         (its handles and kinds come from its own recording): ``ops`` hold
-        OpKind numbers, and an update may carry a third item, pieces
-        ``(address, offset, count)`` of float32 memory on the worker's device
-        that the engine copies into the buffer on ``stream`` before the post.
-        The addresses are trusted: the adapter takes them from tensors it
-        checked (dtype, device, contiguity)."""
+        OpKind numbers, and an update or post_local_access may carry a third
+        item, pieces ``(address, offset, count)`` of float32 memory on the
+        worker's device that the engine copies into the buffer on ``stream``
+        before the post; a post_local_access a fourth, pieces it copies out
+        of the buffer (a stored activation read back). The addresses are
+        trusted: the adapter takes them from tensors it checked (dtype,
+        device, contiguity) or made."""
         return list(self._engine.run(ops, stream))
 
     def _hand_out(self, handle: int, buffer: Buffer) -> Buffer:

@@ -13,6 +13,7 @@ choose between them by what the engine's plan needs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
@@ -62,11 +63,13 @@ class Slot:
         strides do (a dimension of size 1 may have any stride)."""
         return all(a == b for a, b, size in zip(stride, self.strides, self.shape) if size != 1)
 
-    @property
+    # The derived properties are cached: the adapter asks for them per saved
+    # tensor per clock, and a slot never changes (replace() makes a new one).
+    @functools.cached_property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
-    @property
+    @functools.cached_property
     def strides(self) -> tuple[int, ...]:
         """The forward's strides (contiguous ones when ``stride`` is empty)."""
         if self.stride:
@@ -77,7 +80,7 @@ class Slot:
             step *= max(size, 1)
         return tuple(reversed(out))
 
-    @property
+    @functools.cached_property
     def exact_layout(self) -> bool:
         """Whether a stored copy comes back with the forward's strides: the
         tensor covers its memory span exactly once (contiguous in some order

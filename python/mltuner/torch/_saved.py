@@ -35,7 +35,7 @@ from mltuner.torch._recompute import describe as describe_program
 from mltuner.torch._recording import Event, Slot
 from mltuner.torch._trace import ForwardTrace, ParamRef, RandomStates
 
-__all__ = ["SavedActivations", "StoreAllLog", "read_back", "write_bytes"]
+__all__ = ["SavedActivations", "StoreAllLog", "empty_for", "read_back", "write_bytes"]
 
 
 def write_bytes(target: torch.Tensor, tensor: torch.Tensor, slot: Slot) -> None:
@@ -50,17 +50,21 @@ def write_bytes(target: torch.Tensor, tensor: torch.Tensor, slot: Slot) -> None:
     target[: source.numel()].copy_(source)
 
 
+def empty_for(slot: Slot, device: torch.device) -> torch.Tensor:
+    """An uninitialised tensor for a stored slot's contents, with the
+    forward's strides where the slot keeps them (else contiguous); its
+    ``slot.nbytes`` bytes start at its ``data_ptr()`` in either case."""
+    if slot.exact_layout:
+        return torch.empty_strided(slot.shape, slot.strides, dtype=slot.dtype, device=device)
+    return torch.empty(slot.shape, dtype=slot.dtype, device=device)
+
+
 def read_back(source: torch.Tensor, slot: Slot, device: torch.device) -> torch.Tensor:
     """A new tensor with a stored slot's contents (from a flat uint8 buffer),
-    with the forward's strides where the slot keeps them. A copy: autograd
-    gives no signal when it is done with the tensor, so the engine's buffer
-    could not be handed back safely."""
-    if slot.exact_layout:
-        out = torch.empty_strided(slot.shape, slot.strides, dtype=slot.dtype, device=device)
-        flat = out.as_strided((out.numel(),), (1,), 0)
-    else:
-        out = torch.empty(slot.shape, dtype=slot.dtype, device=device)
-        flat = out.view(-1)
+    copied by torch. A copy: autograd gives no signal when it is done with
+    the tensor, so the engine's buffer could not be handed back safely."""
+    out = empty_for(slot, device)
+    flat = out.as_strided((out.numel(),), (1,), 0) if slot.exact_layout else out.view(-1)
     flat.view(torch.uint8).copy_(source[: slot.nbytes])
     return out
 

@@ -392,36 +392,42 @@ TEST(AdamUpdateGridStride) { CheckRule(Rule(UpdateRuleKind::kAdam), 2500001, 2, 
 
 // --- copy pieces ------------------------------------------------------------
 
-// `num_pieces` pieces of lengths 0..max_len from one source array, placed
-// back to back with gaps in the destination; untouched floats must stay.
-void CheckCopyPieces(int num_pieces, int64_t max_len, uint32_t seed) {
+// `num_pieces` pieces of lengths 0..max_len: spans of one buffer, back to
+// back with gaps, and spans of one application array, back to back. Copied
+// into the buffer or out of it; untouched floats must stay.
+void CheckCopyPieces(int num_pieces, int64_t max_len, uint32_t seed, bool into_buffer) {
   std::mt19937 rng(seed);
   std::vector<CopyPiece> pieces;
-  int64_t src_total = 0, dst_end = 0;
-  std::vector<std::pair<int64_t, int64_t>> src_at;  // (source offset, count)
+  int64_t memory_total = 0, buffer_end = 0;
+  std::vector<std::pair<int64_t, int64_t>> memory_at;  // (offset in the application array, count)
   for (int i = 0; i < num_pieces; ++i) {
     const int64_t count = static_cast<int64_t>(rng() % (max_len + 1));
-    dst_end += static_cast<int64_t>(rng() % 5);  // a gap
-    src_at.push_back({src_total, count});
-    pieces.push_back({nullptr, dst_end, count});
-    src_total += count;
-    dst_end += count;
+    buffer_end += static_cast<int64_t>(rng() % 5);  // a gap
+    memory_at.push_back({memory_total, count});
+    pieces.push_back({nullptr, buffer_end, count});
+    memory_total += count;
+    buffer_end += count;
   }
-  const std::vector<float> src = RandomValues(src_total + 1, seed);
-  std::vector<float> want = RandomValues(dst_end + 1, seed + 1);
-  DeviceArray<float> d_src(src.size()), d_dst(want.size());
-  ASSERT_TRUE(d_src.ok() && d_dst.ok());
-  CUDA_ASSERT(d_src.Upload(src));
-  CUDA_ASSERT(d_dst.Upload(want));
-  for (int i = 0; i < num_pieces; ++i) pieces[i].src = d_src.get() + src_at[i].first;
-  kernels::LaunchCopyPieces(d_dst.get(), pieces.data(), num_pieces, nullptr);
+  std::vector<float> memory = RandomValues(memory_total + 1, seed);
+  std::vector<float> buffer = RandomValues(buffer_end + 1, seed + 1);
+  DeviceArray<float> d_memory(memory.size()), d_buffer(buffer.size());
+  ASSERT_TRUE(d_memory.ok() && d_buffer.ok());
+  CUDA_ASSERT(d_memory.Upload(memory));
+  CUDA_ASSERT(d_buffer.Upload(buffer));
+  for (int i = 0; i < num_pieces; ++i) pieces[i].memory = d_memory.get() + memory_at[i].first;
+  kernels::LaunchCopyPieces(d_buffer.get(), pieces.data(), num_pieces, into_buffer, nullptr);
   CUDA_ASSERT(cudaGetLastError());
   CUDA_ASSERT(cudaDeviceSynchronize());
+  std::vector<float>& want = into_buffer ? buffer : memory;
   for (int i = 0; i < num_pieces; ++i) {
-    for (int64_t k = 0; k < src_at[i].second; ++k) want[pieces[i].offset + k] = src[src_at[i].first + k];
+    for (int64_t k = 0; k < memory_at[i].second; ++k) {
+      float& buffer_value = buffer[pieces[i].offset + k];
+      float& memory_value = memory[memory_at[i].first + k];
+      (into_buffer ? buffer_value : memory_value) = into_buffer ? memory_value : buffer_value;
+    }
   }
   std::vector<float> got;
-  CUDA_ASSERT(d_dst.Download(&got));
+  CUDA_ASSERT((into_buffer ? d_buffer : d_memory).Download(&got));
   int64_t wrong = 0;
   for (size_t i = 0; i < got.size(); ++i) {
     if (got[i] != want[i] && wrong++ < 5) EXPECT_EQ(got[i], want[i]);
@@ -429,9 +435,12 @@ void CheckCopyPieces(int num_pieces, int64_t max_len, uint32_t seed) {
   EXPECT_EQ(wrong, int64_t{0});
 }
 
-TEST(CopyPiecesFew) { CheckCopyPieces(7, 1000, 11); }
-TEST(CopyPiecesMoreThanOneLaunch) { CheckCopyPieces(300, 50, 12); }  // > kMaxPiecesPerLaunch
-TEST(CopyPiecesGridStride) { CheckCopyPieces(3, 600000, 13); }      // > 1024 blocks * 256
+TEST(CopyPiecesFew) { CheckCopyPieces(7, 1000, 11, true); }
+TEST(CopyPiecesMoreThanOneLaunch) { CheckCopyPieces(300, 50, 12, true); }  // > kMaxPiecesPerLaunch
+TEST(CopyPiecesGridStride) { CheckCopyPieces(3, 600000, 13, true); }      // > 1024 blocks * 256
+TEST(CopyPiecesOutFew) { CheckCopyPieces(7, 1000, 14, false); }
+TEST(CopyPiecesOutMoreThanOneLaunch) { CheckCopyPieces(300, 50, 15, false); }
+TEST(CopyPiecesOutGridStride) { CheckCopyPieces(3, 600000, 16, false); }
 
 TEST(UpdateNothingToDo) {
   kernels::LaunchApplyUpdate(UpdateStep{}, nullptr, nullptr, nullptr, 0, nullptr);

@@ -135,3 +135,50 @@ def test_an_update_takes_pieces_copied_in_before_its_post() -> None:
     expected[:15] = pieces_src[0]
     expected[16:19] = pieces_src[1]
     np.testing.assert_array_equal(got[0].reshape(-1), expected)
+
+
+def test_a_local_post_takes_pieces_copied_out_before_it() -> None:
+    """Worker._run_ops: a post_local_access may carry pieces that the engine
+    copies out of its buffer before the post (the PyTorch adapter reads a
+    stored activation back this way); they hold exactly what the clock
+    wrote, in the same call that opens the rows. A piece outside the buffer,
+    or pieces to copy out of an update, are refused."""
+    config = Config(update_rule=UpdateRule("add"), wait_timeout_s=20)
+    out = [np.full(10, np.nan, dtype=np.float32) for _ in range(2)]
+    written = np.arange(24, dtype=np.float32).reshape(3, 8) * 0.5
+
+    def start_clock(worker: Worker) -> tuple[int, int]:
+        table = worker.create_tensor_table("t", layout())
+        local = worker.create_table("acts", 3, 8, local=True)
+        write = worker.virtual_local_access(local, fetch=False)
+        worker.virtual_post_local_access(write, keep=True)
+        update = worker.virtual_pre_update(table)
+        worker.virtual_update(update)
+        back = worker.virtual_local_access(local, fetch=True)
+        worker.virtual_post_local_access(back, keep=False)
+        worker.virtual_clock()
+        worker.finish_virtual_iteration()
+        worker.start_iterations()
+        worker.local_access(write)[...] = written
+        worker.post_local_access(write)
+        worker.pre_update(update)
+        return update, back
+
+    def refused(worker: Worker) -> None:
+        update, back = start_clock(worker)
+        with pytest.raises(InvalidArgumentError, match="pieces to copy out come with a post_local_access"):
+            worker._run_ops([(3, update, [], [(out[0].ctypes.data, 0, 4)])], 0)
+        worker.update(update)
+        with pytest.raises(InvalidArgumentError, match="does not fit the 24 floats"):
+            worker._run_ops([(4, back), (5, back, [], [(out[0].ctypes.data, 20, 5)])], 0)
+
+    def copied_out(worker: Worker) -> None:
+        update, back = start_clock(worker)
+        pieces = [(out[0].ctypes.data, 0, 10), (out[1].ctypes.data, 14, 10)]
+        worker._run_ops([(3, update), (4, back), (5, back, [], pieces), (6, -1)], 0)
+
+    for body in (refused, copied_out):  # a fresh cluster each: a refused op leaves its clock half done
+        with LocalCluster(1, config) as cluster:
+            cluster.run(body)
+    np.testing.assert_array_equal(out[0], written.reshape(-1)[:10])
+    np.testing.assert_array_equal(out[1], written.reshape(-1)[14:24])

@@ -210,9 +210,15 @@ class CpuDevice final : public Device {
   Status WaitOnAppStream(uintptr_t, const DeviceEvent&) override { return Status::Ok(); }
   Status WaitEventDone(const DeviceEvent&) override { return Status::Ok(); }
 
-  Status CopyPiecesOnAppStream(uintptr_t, float* dst, const std::vector<CopyPiece>& pieces) override {
+  Status CopyPiecesOnAppStream(uintptr_t, float* buffer, const std::vector<CopyPiece>& pieces,
+                               CopyDirection direction) override {
     for (const CopyPiece& piece : pieces) {
-      std::memcpy(dst + piece.offset, piece.src, static_cast<size_t>(piece.count) * sizeof(float));
+      const size_t bytes = static_cast<size_t>(piece.count) * sizeof(float);
+      if (direction == CopyDirection::kIntoBuffer) {
+        std::memcpy(buffer + piece.offset, piece.memory, bytes);
+      } else {
+        std::memcpy(piece.memory, buffer + piece.offset, bytes);
+      }
     }
     return Status::Ok();
   }

@@ -767,7 +767,7 @@ class ClockDriver:
             if self._recording:
                 self._acts.add(tensor)
             index = -1 if self._acts.slots[slot].recomputed else self._next("store", slot=slot)
-            self._acts.check(slot, tensor, self.clock)
+            self._acts.check(slot, key[2], key[4], key[3], self.clock)
             self._next_slot += 1
             if index >= 0:
                 self._store(index, slot, tensor)

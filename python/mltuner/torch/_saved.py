@@ -169,22 +169,25 @@ class SavedActivations:
         if self._trace is not None:
             self._values.append(self._trace.value_of(tensor))
 
-    def check(self, slot: int, tensor: torch.Tensor, clock: int) -> None:
-        """Raises IterationMismatchError unless ``tensor`` has the shape,
-        dtype and layout the recording saved in ``slot``."""
+    def check(self, slot: int, shape: tuple[int, ...], dtype: torch.dtype, stride: tuple[int, ...],
+              clock: int) -> None:
+        """Raises IterationMismatchError unless a saved tensor of this shape,
+        dtype and strides matches what the recording saved in ``slot``."""
         expected = self.slots[slot]
-        if (tuple(tensor.shape), tensor.dtype) != (expected.shape, expected.dtype):
+        if stride == expected.stride and shape == expected.shape and dtype == expected.dtype:
+            return  # the common case: exactly the recorded tensor's layout
+        if (shape, dtype) != (expected.shape, expected.dtype):
             raise IterationMismatchError(
-                f"clock {clock}: saved activation #{slot} is {tuple(tensor.shape)} {tensor.dtype}, the "
+                f"clock {clock}: saved activation #{slot} is {shape} {dtype}, the "
                 f"recorded one {expected.shape} {expected.dtype}; with store_activations=True the local "
                 "tables are sized by the recording pass, so every clock must save the same shapes (a "
                 "fixed batch size); use store_activations=False for a varying batch size"
                 + (" (another dtype only: under torch.autocast, call wrap() inside the same autocast)"
-                   if tuple(tensor.shape) == expected.shape else "")
+                   if shape == expected.shape else "")
             )
-        if not expected.same_layout(tuple(tensor.stride())):
+        if not expected.same_layout(stride):
             raise IterationMismatchError(
-                f"clock {clock}: saved activation #{slot} {expected.shape} has strides {tuple(tensor.stride())}, "
+                f"clock {clock}: saved activation #{slot} {expected.shape} has strides {stride}, "
                 f"the recorded one {expected.strides}; with store_activations=True a stored activation comes "
                 "back with the recorded layout, so every clock must save the same layouts (the same memory "
                 "format of the inputs)"

@@ -317,6 +317,9 @@ Status Engine::Impl::WaitForSlot(Handle handle, mltuner::Clock clock, Slot** out
   const auto deadline = Deadline();
   // As cv.wait_until(deadline, predicate), written out for the analysis.
   bool ready = state_.stopping || (slot->state == SlotState::kReady && slot->clock == clock);
+  // A batch defers its wake-ups (Run): the threads that prepare the slot
+  // must hear of the ops before this one before the application blocks.
+  if (!ready) state_.cv.NotifyAll();
   while (!ready) {
     const bool woken = state_.cv.WaitUntil(deadline);
     ready = state_.stopping || (slot->state == SlotState::kReady && slot->clock == clock);
@@ -375,7 +378,7 @@ Status Engine::Impl::CheckAccessCall(Handle handle, OpKind kind) const {
   return Status::Ok();
 }
 
-Status Engine::Impl::OpenSlot(Handle handle, OpKind kind, AccessBuffer* out) {
+Status Engine::Impl::OpenSlot(Handle handle, OpKind kind, AccessBuffer* out, bool notify) {
   const AccessRecord& access = plan_.recording.accesses[handle];
   mltuner::Clock clock;
   {
@@ -398,11 +401,11 @@ Status Engine::Impl::OpenSlot(Handle handle, OpKind kind, AccessBuffer* out) {
     MutexLock lock(&state_.mu);
     ++state_.app_seq;
   }
-  state_.cv.NotifyAll();
+  if (notify) state_.cv.NotifyAll();
   return Status::Ok();
 }
 
-Status Engine::Impl::PostSlot(Handle handle, OpKind kind, DeviceEvent app_done, uintptr_t app_stream) {
+Status Engine::Impl::PostSlot(Handle handle, OpKind kind, DeviceEvent app_done, uintptr_t app_stream, bool notify) {
   Slot* slot = nullptr;
   {
     MutexLock lock(&state_.mu);
@@ -421,21 +424,29 @@ Status Engine::Impl::PostSlot(Handle handle, OpKind kind, DeviceEvent app_done, 
     slot->state = SlotState::kPosted;
     ++state_.app_seq;
   }
-  state_.cv.NotifyAll();
+  if (notify) state_.cv.NotifyAll();
   return Status::Ok();
 }
 
-// A batch runs its ops one by one, as separate calls would, with two
+// A batch runs its ops one by one, as separate calls would, with three
 // savings while running: the posts share one ticket of the application's
 // work (taken before the first post; the batch itself queues no application
-// work), and the application's stream waits once, at the end, for the last
-// buffer opened. The allocator fills buffers in op order on one stream, so
-// the ticket of the last one covers the others.
+// work), the application's stream waits once, at the end, for the last
+// buffer opened (the allocator fills buffers in op order on one stream, so
+// the ticket of the last one covers the others), and the background threads
+// are woken once, at the end or before an open blocks, not per op.
 Status Engine::Impl::Run(const std::vector<OpCall>& ops, std::vector<AccessBuffer>* opened, uintptr_t app_stream) {
   opened->clear();
   DeviceEvent app_done;
   bool app_done_taken = false;
   DeviceEvent last_ready;
+  struct WakeOnExit {  // the background threads hear of the batch's ops however it ends
+    CondVar* cv;
+    bool due = false;
+    ~WakeOnExit() {
+      if (due) cv->NotifyAll();
+    }
+  } wake{&state_.cv};
   for (const OpCall& op : ops) {
     const bool opens = op.kind == OpKind::kRead || op.kind == OpKind::kPreUpdate || op.kind == OpKind::kLocalAccess;
     if (op.kind == OpKind::kClock) {
@@ -452,7 +463,8 @@ Status Engine::Impl::Run(const std::vector<OpCall>& ops, std::vector<AccessBuffe
       if (opens) opened->push_back(std::move(buffer));
     } else if (opens) {
       AccessBuffer buffer;
-      MLT_RETURN_IF_ERROR(OpenSlot(op.handle, op.kind, &buffer));
+      MLT_RETURN_IF_ERROR(OpenSlot(op.handle, op.kind, &buffer, /*notify=*/false));
+      wake.due = true;
       if (buffer.ready) last_ready = buffer.ready;
       opened->push_back(std::move(buffer));
     } else {
@@ -470,7 +482,8 @@ Status Engine::Impl::Run(const std::vector<OpCall>& ops, std::vector<AccessBuffe
         MLT_RETURN_IF_ERROR(device_->RecordAppWork(app_stream, &app_done));
         app_done_taken = true;
       }
-      MLT_RETURN_IF_ERROR(PostSlot(op.handle, op.kind, app_done, app_stream));
+      MLT_RETURN_IF_ERROR(PostSlot(op.handle, op.kind, app_done, app_stream, /*notify=*/false));
+      wake.due = true;
     }
   }
   return device_->WaitOnAppStream(app_stream, last_ready);

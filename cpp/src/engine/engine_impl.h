@@ -91,8 +91,11 @@ class Engine::Impl {
   // The running phase's open without the application stream's wait (the
   // caller waits, once per batch), and its post with the application's
   // ticket already taken. REQUIRES: CheckAccessCall passed.
-  Status OpenSlot(Handle handle, OpKind kind, AccessBuffer* out) EXCLUDES(state_.mu);
-  Status PostSlot(Handle handle, OpKind kind, DeviceEvent app_done, uintptr_t app_stream) EXCLUDES(state_.mu);
+  // `notify`: wake the background threads now; a batch wakes them once, at
+  // its end (WaitForSlot wakes them before it blocks).
+  Status OpenSlot(Handle handle, OpKind kind, AccessBuffer* out, bool notify = true) EXCLUDES(state_.mu);
+  Status PostSlot(Handle handle, OpKind kind, DeviceEvent app_done, uintptr_t app_stream, bool notify = true)
+      EXCLUDES(state_.mu);
   // Copies a batch op's pieces out of and into its buffer on the application's
   // stream.
   Status CopyBeforePost(const OpCall& op, uintptr_t app_stream) EXCLUDES(state_.mu);

@@ -199,7 +199,8 @@ def header(args: argparse.Namespace, device: torch.device, report: Report) -> No
                 f"{platform.system()} {platform.release()}; GPU: {gpu}")
     report.emit(f"software: Python {platform.python_version()}, torch {torch.__version__}, mltuner "
                 f"{mlt.__version__} (tree at commit {git_commit()}); device {device}; {args.steps} timed steps "
-                f"after {args.warmup}, {args.rounds} round(s), medians; prefetch_clocks {args.prefetch_clocks} under "
+                f"after {args.warmup}, {args.rounds} round(s), medians; prefetch_clocks "
+                f"{'chosen by the plan' if args.prefetch_clocks is None else args.prefetch_clocks} under "
                 f"the quarter budget; rule momentum SGD "
                 f"(lr {LR}, m {MOMENTUM}, dampened)")
 
@@ -561,9 +562,10 @@ def main() -> None:
     parser.add_argument("--match", default="", help="only the models whose name contains this")
     parser.add_argument("--recompute", choices=tuple(QUARTER_MODES), default="both",
                         help="quarter: the budgeted runs' wrap(recompute=): both side by side, or one")
-    parser.add_argument("--prefetch-clocks", type=int, default=1,
-                        help="Config.prefetch_clocks of the quarter-budget runs (0: one pool region, half the "
-                             "least pool, more of the budget for lookahead)")
+    parser.add_argument("--prefetch-clocks", type=lambda text: None if text == "auto" else int(text), default=None,
+                        help="Config.prefetch_clocks of the quarter-budget runs: auto (the default: the plan "
+                             "chooses), or 0 (one pool region, half the least pool, more of the budget for "
+                             "lookahead) or 1")
     parser.add_argument("--fsdp-api", choices=("fsdp2", "fsdp1"), default="fsdp2")
     parser.add_argument("--fsdp-activations", choices=("store", "torch"), default="store",
                         help="mltuner's activations against FSDP: local data inside the budget, or torch's")

@@ -88,6 +88,7 @@ void RegisterEngine(py::module_& m) {
       .def_readonly("messages_received", &EngineStats::messages_received)
       .def_readonly("pool_bytes", &EngineStats::pool_bytes)
       .def_readonly("pool_min_bytes", &EngineStats::pool_min_bytes)
+      .def_readonly("prefetch_clocks", &EngineStats::prefetch_clocks)
       .def_readonly("device_store_bytes", &EngineStats::device_store_bytes)
       .def_readonly("host_store_bytes", &EngineStats::host_store_bytes)
       .def_readonly("host_memory_bytes", &EngineStats::host_memory_bytes)
@@ -115,6 +116,7 @@ void RegisterEngine(py::module_& m) {
 
   py::class_<PlanPreview>(m, "PlanPreview")
       .def_readonly("pool_min_bytes", &PlanPreview::pool_min_bytes)
+      .def_readonly("prefetch_clocks", &PlanPreview::prefetch_clocks)
       .def_readonly("fits", &PlanPreview::fits)
       .def_readonly("budget_bytes", &PlanPreview::budget_bytes)
       .def_readonly("automatic_budget", &PlanPreview::automatic_budget)

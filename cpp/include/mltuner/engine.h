@@ -80,7 +80,8 @@ struct EngineStats {
   int64_t messages_sent = 0;
   int64_t messages_received = 0;
   int64_t pool_bytes = 0;          // the access-buffer pool
-  int64_t pool_min_bytes = 0;      // the least pool the plan accepts: the smallest device_memory_budget
+  int64_t pool_min_bytes = 0;      // the least pool (lookahead 0) of the plan's 1 + prefetch_clocks regions
+  int32_t prefetch_clocks = 0;     // clocks the allocator may prepare ahead: Config's, or the plan's choice
   BranchId branch = 0;             // the branch of the last finished clock
   Clock branch_clock = 0;          // clocks that branch has finished
   int64_t branch_switches = 0;     // times the cache was reloaded for another branch

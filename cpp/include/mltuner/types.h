@@ -105,8 +105,15 @@ struct HostMemoryNeed {
 // What the plan of a recorded virtual iteration needs, from a dry run
 // (Engine::PreviewPlan) made before FinishVirtualIteration commits to it.
 struct PlanPreview {
-  int64_t pool_min_bytes = 0;  // the least access-buffer pool: the smallest device_memory_budget accepted
-  bool fits = false;           // the budget holds that pool; the rest only then
+  // The least access-buffer pool (lookahead 0): the smallest budget
+  // accepted. Of 1 + prefetch_clocks regions; with prefetch_clocks left to
+  // the plan, of one region under a budget (set or automatic), of two
+  // without one (LeastPoolBytes, plan/placement.h).
+  int64_t pool_min_bytes = 0;
+  // The plan's prefetch_clocks (Config's, or its choice) when the budget
+  // holds the least pool; when it does not, that of the least pool.
+  int prefetch_clocks = 0;
+  bool fits = false;           // the budget holds the least pool; the rest only then
   // The budget the plan is made under: Config's, or the automatic one when
   // none is set and the device cannot hold the plan (0: none).
   int64_t budget_bytes = 0;

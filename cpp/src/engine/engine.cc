@@ -29,7 +29,7 @@ Engine::Impl::Impl(const Config& config, int rank, int num_workers, std::shared_
       num_workers_(num_workers),
       device_(std::move(device)),
       transport_(transport),
-      allocator_(config_, rank, num_workers, device_, transport, &plan_, &state_),
+      allocator_(rank, num_workers, device_, transport, &plan_, &state_),
       reclaimer_(config_, rank, num_workers, device_, transport, &plan_, &state_),
       installer_(rank, num_workers, device_, &plan_, &state_) {
   BranchSettings initial;
@@ -224,6 +224,7 @@ Status Engine::Impl::PlanAndPrepare() {
     MutexLock lock(&state_.mu);
     state_.stats.pool_bytes = plan_.placement.pool_bytes;
     state_.stats.pool_min_bytes = plan_.placement.pool_min_bytes;
+    state_.stats.prefetch_clocks = plan_.placement.prefetch_clocks;
     state_.stats.device_store_bytes = plan_.placement.device_store_bytes;
     state_.stats.host_store_bytes = plan_.placement.host_store_bytes;
     state_.stats.host_memory_bytes = plan_.placement.host.total();
@@ -707,7 +708,9 @@ Status Engine::Create(const Config& config, int rank, int num_workers, std::shar
   }
   if (!device || !transport) return Status::InvalidArgument("an engine needs a device and a transport");
   if (config.wait_timeout_ms <= 0) return Status::InvalidArgument("wait_timeout_ms must be > 0");
-  if (config.prefetch_clocks < 0) return Status::InvalidArgument("prefetch_clocks must be >= 0");
+  if (config.prefetch_clocks < 0 && config.prefetch_clocks != kAutoPrefetchClocks) {
+    return Status::InvalidArgument("prefetch_clocks must be >= 0, or -1 for the plan to choose");
+  }
   if (config.device_memory_budget < 0) return Status::InvalidArgument("device_memory_budget must be >= 0");
   if (config.device_memory_reserve < -1) {
     return Status::InvalidArgument("device_memory_reserve must be >= 0, or -1 for a tenth of the device");

@@ -25,10 +25,9 @@ namespace {
 constexpr auto kPollInterval = std::chrono::milliseconds(100);
 }  // namespace
 
-Allocator::Allocator(const Config& config, int rank, int num_workers, std::shared_ptr<Device> device,
-                     Transport* transport, const PipelinePlan* plan, SharedState* state)
-    : config_(config),
-      rank_(rank),
+Allocator::Allocator(int rank, int num_workers, std::shared_ptr<Device> device, Transport* transport,
+                     const PipelinePlan* plan, SharedState* state)
+    : rank_(rank),
       num_workers_(num_workers),
       device_(std::move(device)),
       transport_(transport),
@@ -48,6 +47,7 @@ void Allocator::Join() {
 
 void Allocator::Loop() {
   const int64_t num_ops = plan_->num_ops();
+  const int prefetch_clocks = plan_->placement.prefetch_clocks;
   // An iteration without accesses (only clocks) leaves nothing to prepare;
   // walking its ops would spin without ever waiting.
   if (plan_->recording.accesses.empty()) return;
@@ -61,11 +61,11 @@ void Allocator::Loop() {
     ClockBranch at;
     {
       // The slot must be free (its previous clock reclaimed), we must not run
-      // more than prefetch_clocks ahead of the application, and the clock
-      // must be scheduled on a branch.
+      // more than the plan's prefetch_clocks (Config's, or its choice) ahead
+      // of the application, and the clock must be scheduled on a branch.
       MutexLock lock(&state_->mu);
       while (!state_->stopping &&
-             !(slot->state == SlotState::kEmpty && clock <= state_->app_clock + config_.prefetch_clocks &&
+             !(slot->state == SlotState::kEmpty && clock <= state_->app_clock + prefetch_clocks &&
                state_->branches.Scheduled(clock))) {
         state_->cv.Wait();
       }

@@ -14,7 +14,6 @@
 #include <memory>
 #include <thread>
 
-#include "mltuner/config.h"
 #include "mltuner/device.h"
 #include "mltuner/transport.h"
 #include "pipeline/plan.h"
@@ -24,7 +23,9 @@ namespace mltuner {
 
 class Allocator {
  public:
-  Allocator(const Config& config, int rank, int num_workers, std::shared_ptr<Device> device, Transport* transport,
+  // How far ahead it prepares is the plan's (Placement::prefetch_clocks):
+  // Config's prefetch_clocks, or the plan's choice.
+  Allocator(int rank, int num_workers, std::shared_ptr<Device> device, Transport* transport,
             const PipelinePlan* plan, SharedState* state);
   ~Allocator() { Join(); }
   Allocator(const Allocator&) = delete;
@@ -55,7 +56,6 @@ class Allocator {
   // reclaimed (BufferSchedule::WaitSeq).
   Status WaitForPoolSpace(const AccessRecord& access, mltuner::Clock clock) EXCLUDES(state_->mu);
 
-  const Config& config_;
   const int rank_;
   const int num_workers_;
   const std::shared_ptr<Device> device_;

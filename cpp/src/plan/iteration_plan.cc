@@ -38,10 +38,10 @@ Status PreviewIteration(const Config& config, const std::vector<TableInfo>& tabl
   PlanPreview result;
   if (*kept && !(*kept)->Covers(tables)) kept->reset();
   if (*kept) {  // this recording's plan, made by an earlier preview
-    result.pool_min_bytes = (*kept)->placement.pool_min_bytes;
     result.fits = true;
   } else {
     result.pool_min_bytes = LeastPoolBytes(config, tables, recording);
+    result.prefetch_clocks = LeastPoolPrefetchClocks(config);
     result.fits = config.device_memory_budget <= 0 || result.pool_min_bytes <= config.device_memory_budget;
     result.budget_bytes = config.device_memory_budget;
     if (result.fits) {
@@ -56,11 +56,19 @@ Status PreviewIteration(const Config& config, const std::vector<TableInfo>& tabl
         result.fits = false;
         result.budget_bytes = plan->placement.budget.budget;
         result.automatic_budget = true;
+        Config planned = config;  // the least pool under that budget (one region when the plan chooses)
+        planned.device_memory_budget = result.budget_bytes;
+        result.pool_min_bytes = LeastPoolBytes(planned, tables, recording);
+        result.prefetch_clocks = LeastPoolPrefetchClocks(planned);
       }
     }
   }
   if (result.fits) {
     const Placement& placement = (*kept)->placement;
+    Config planned = config;  // the least budget accepted: under the budget planned with, set or automatic
+    planned.device_memory_budget = placement.budget.budget;
+    result.pool_min_bytes = LeastPoolBytes(planned, tables, recording);
+    result.prefetch_clocks = placement.prefetch_clocks;
     result.budget_bytes = placement.budget.budget;
     result.automatic_budget = placement.budget.automatic;
     result.pool_bytes = placement.pool_bytes;

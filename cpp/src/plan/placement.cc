@@ -64,8 +64,9 @@ const TablePlacement::Run& TablePlacement::RunOf(int64_t position) const {
 std::string Placement::Describe() const {
   std::ostringstream out;
   out << budget.Describe() << "\n";
-  out << "pool " << pool_bytes << " B (" << buffers.regions << " regions of " << buffers.region_bytes
-      << " B, lookahead " << buffers.lookahead_ops << " ops; least " << pool_min_bytes << " B; peak "
+  out << "prefetch_clocks " << prefetch_clocks << " (" << prefetch_choice << ")\n";
+  out << "pool " << pool_bytes << " B (" << buffers.regions << (buffers.regions == 1 ? " region" : " regions")
+      << " of " << buffers.region_bytes << " B, lookahead " << buffers.lookahead_ops << " ops; least " << pool_min_bytes << " B; peak "
       << peak_bytes << " B at op " << peak_op << "), device stores " << device_store_bytes
       << " B, host stores " << host_store_bytes << " B; host memory " << host.Describe();
   for (const auto& [name, count] : {std::pair<const char*, const EntryCount&>{"parameters", parameters},
@@ -88,36 +89,39 @@ std::vector<int64_t> BufferBytes(const std::vector<TableInfo>& tables, const Rec
   return bytes;
 }
 
-}  // namespace
+const char* Regions(int regions) { return regions == 1 ? " region" : " regions"; }
 
-int64_t LeastPoolBytes(const Config& config, const std::vector<TableInfo>& tables, const Recording& recording,
-                       BufferSchedule* schedule) {
-  const int regions = 1 + std::max(0, config.prefetch_clocks);
+int64_t LeastPool(const std::vector<TableInfo>& tables, const Recording& recording, int regions,
+                  BufferSchedule* schedule) {
   BufferSchedule least = ScheduleBuffers(recording, BufferBytes(tables, recording), regions, 0);
   const int64_t bytes = PoolBytes(least);
   if (schedule != nullptr) *schedule = std::move(least);
   return bytes;
 }
 
-Status PlanPlacement(const Config& config, const std::vector<TableInfo>& tables,
-                     const std::vector<RowLayout>& layouts, const Recording& recording,
-                     Placement* out, const PlanSite& site) {
+// The placement with `prefetch` clocks ahead (1 + prefetch regions); the
+// caller names the choice. `refusal_note` ends the message of a budget below
+// the least pool.
+Status PlanWithPrefetch(const Config& config, int prefetch, const std::vector<TableInfo>& tables,
+                        const std::vector<RowLayout>& layouts, const Recording& recording, Placement* out,
+                        const PlanSite& site, const std::string& refusal_note) {
   Placement plan;
   FindPeak(tables, recording, &plan.peak_bytes, &plan.peak_op);
   const bool unlimited = config.device_memory_budget <= 0;
-  const int regions = 1 + std::max(0, config.prefetch_clocks);
+  const int regions = 1 + prefetch;
+  plan.prefetch_clocks = prefetch;
   const std::vector<int64_t> buffer_bytes = BufferBytes(tables, recording);
-  const int64_t pool_min = LeastPoolBytes(config, tables, recording, &plan.buffers);
+  const int64_t pool_min = LeastPool(tables, recording, regions, &plan.buffers);
   plan.pool_min_bytes = pool_min;
   plan.staging_bytes = kBufferAlignment;
   for (int64_t bytes : buffer_bytes) plan.staging_bytes = std::max(plan.staging_bytes, bytes);
   if (!unlimited && pool_min > config.device_memory_budget) {
     std::ostringstream msg;
     msg << "device_memory_budget of " << config.device_memory_budget
-        << " bytes is too small: the access-buffer pool needs " << pool_min << " bytes ("
-        << regions << " regions, one per clock in flight (1 + prefetch_clocks), of "
-        << plan.buffers.region_bytes << " bytes: one clock's buffers packed by lifetime; the largest set open "
-        << "at once is " << plan.peak_bytes << " bytes at op " << plan.peak_op << ")";
+        << " bytes is too small: the access-buffer pool needs " << pool_min << " bytes (" << regions
+        << Regions(regions) << ", one per clock in flight (1 + prefetch_clocks), of " << plan.buffers.region_bytes
+        << " bytes: one clock's buffers packed by lifetime; the largest set open at once is " << plan.peak_bytes
+        << " bytes at op " << plan.peak_op << ")" << refusal_note;
     return Status::ResourceExhausted(msg.str());
   }
   // Lookahead first: the largest whose pool fits the budget. Without it the
@@ -190,6 +194,65 @@ Status PlanPlacement(const Config& config, const std::vector<TableInfo>& tables,
     plan.host_store_bytes += copies * placement.host_rows * table.row_bytes();
   }
   *out = std::move(plan);
+  return Status::Ok();
+}
+
+}  // namespace
+
+int LeastPoolPrefetchClocks(const Config& config) {
+  if (config.prefetch_clocks != kAutoPrefetchClocks) return std::max(0, config.prefetch_clocks);
+  return config.device_memory_budget > 0 ? 0 : 1;
+}
+
+int64_t LeastPoolBytes(const Config& config, const std::vector<TableInfo>& tables, const Recording& recording,
+                       BufferSchedule* schedule) {
+  return LeastPool(tables, recording, 1 + LeastPoolPrefetchClocks(config), schedule);
+}
+
+Status PlanPlacement(const Config& config, const std::vector<TableInfo>& tables,
+                     const std::vector<RowLayout>& layouts, const Recording& recording,
+                     Placement* out, const PlanSite& site) {
+  if (config.prefetch_clocks != kAutoPrefetchClocks) {
+    MLT_RETURN_IF_ERROR(PlanWithPrefetch(config, std::max(0, config.prefetch_clocks), tables, layouts, recording,
+                                         out, site, ""));
+    out->prefetch_choice = "set in Config";
+    return Status::Ok();
+  }
+  // Chosen (item 4 of placement.h): two regions unless one does better.
+  const int64_t budget = config.device_memory_budget;
+  const int num_ops = static_cast<int>(recording.ops.size());
+  Placement two;
+  const Status with_two = PlanWithPrefetch(config, 1, tables, layouts, recording, &two, site, "");
+  if (!with_two.ok() && with_two.code() != StatusCode::kResourceExhausted) return with_two;
+  if (with_two.ok() && (budget <= 0 || two.buffers.lookahead_ops >= num_ops)) {
+    // One region cannot prepare more ops ahead than all of them.
+    two.prefetch_choice = budget <= 0 ? "chosen: no device_memory_budget"
+                                      : "chosen: the budget holds two regions at the full lookahead";
+    *out = std::move(two);
+    return Status::Ok();
+  }
+  const int64_t two_least = LeastPool(tables, recording, 2, nullptr);
+  Placement one;
+  MLT_RETURN_IF_ERROR(PlanWithPrefetch(
+      config, 0, tables, layouts, recording, &one, site,
+      "; prefetch_clocks was left to the plan, which takes one region when the budget cannot hold two (" +
+          std::to_string(two_least) + " bytes)"));
+  std::ostringstream why;
+  Placement* chosen = &two;
+  if (!with_two.ok()) {
+    why << "chosen: the budget of " << budget << " bytes is below the least pool of two regions (" << two_least
+        << " bytes), not of one (" << one.pool_min_bytes << " bytes)";
+    chosen = &one;
+  } else if (one.buffers.lookahead_ops > two.buffers.lookahead_ops) {
+    why << "chosen: under the budget one region prepares " << one.buffers.lookahead_ops
+        << " ops ahead, two regions " << two.buffers.lookahead_ops;
+    chosen = &one;
+  } else {
+    why << "chosen: under the budget two regions prepare " << two.buffers.lookahead_ops
+        << " ops ahead, one region " << one.buffers.lookahead_ops;
+  }
+  chosen->prefetch_choice = why.str();
+  *out = std::move(*chosen);
   return Status::Ok();
 }
 

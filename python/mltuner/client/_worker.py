@@ -55,9 +55,13 @@ class PlanPreview:
 
     ``pool_min_bytes`` is the least access-buffer pool of the recording (one
     region per clock in flight, each one clock's buffers packed by
-    lifetime): the smallest ``Config.device_memory_budget`` it accepts.
-    ``fits`` says whether the budget holds it; the other sizes are those of
-    the plan the engine will make, and are 0 when it does not fit.
+    lifetime): the smallest ``Config.device_memory_budget`` it accepts. With
+    ``Config.prefetch_clocks`` None that is one region's under a budget (the
+    plan then falls back to one), two regions' without one. ``fits`` says
+    whether the budget holds it; ``prefetch_clocks`` is then the plan's
+    (Config's, or its choice), else that of the least pool. The other sizes
+    are those of the plan the engine will make, and are 0 when it does not
+    fit.
     ``budget_bytes`` is the budget the plan is made under: Config's, or,
     with none set, the automatic one (``automatic_budget``) when the device
     cannot hold the plan (0: no budget, everything on the device).
@@ -82,6 +86,7 @@ class PlanPreview:
     description: str  # the plan as Worker.plan will give it
     budget_bytes: int = 0
     automatic_budget: bool = False
+    prefetch_clocks: int = 1
 
     @classmethod
     def from_core(cls, core: _core.PlanPreview) -> PlanPreview:
@@ -91,7 +96,8 @@ class PlanPreview:
                   "shard_in_host_memory")}
         return cls(int(core.pool_min_bytes), bool(core.fits), int(core.pool_bytes), int(core.device_store_bytes),
                    int(core.host_store_bytes), int(host.total()), parts, str(host.describe()),
-                   str(core.description), int(core.budget_bytes), bool(core.automatic_budget))
+                   str(core.description), int(core.budget_bytes), bool(core.automatic_budget),
+                   int(core.prefetch_clocks))
 
 
 class Worker:
@@ -557,7 +563,9 @@ class Worker:
 
     @property
     def stats(self) -> dict[str, float]:
-        """Counters: clock, stall seconds, bytes gathered, swapped and scattered, ..."""
+        """Counters: clock, stall seconds, bytes gathered, swapped and scattered, ...;
+        and the plan's sizes, budget and ``prefetch_clocks`` (Config's, or
+        the plan's choice when Config leaves it None)."""
         core = self._engine.stats()
         names = [n for n in dir(core) if not n.startswith("_")]
         return {n: getattr(core, n) for n in names}
@@ -565,7 +573,8 @@ class Worker:
     @property
     def plan(self) -> str:
         """A description of the placement made by finish_virtual_iteration:
-        the pool, the stores, the host memory, what went where (entries of
+        the budget, ``prefetch_clocks`` and why (``prefetch_clocks 0 (chosen:
+        ...)``), the pool, the stores, the host memory, what went where (entries of
         parameters and local data on the device and in host memory) and the
         predicted bytes moved per clock host->device and device->host."""
         return str(self._engine.describe_plan())

@@ -30,7 +30,7 @@ from typing import Any
 import zmq
 
 from mltuner import _core
-from mltuner._config import MAX_WAIT_S, Config
+from mltuner._config import MAX_WAIT_S, MOST_AUTO_PREFETCH_CLOCKS, Config
 from mltuner._validate import boolean, integer, real, text
 from mltuner.client._worker import Worker, largest_frame_bytes
 from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError, MltunerError
@@ -108,7 +108,8 @@ class Job:
             (back-pressure), for at most ``config.wait_timeout_s``, then the
             job fails naming it. ``None`` (default): from the plan,
             ``prefetch_clocks + 2`` clocks of this process's traffic to one
-            peer, and at least twice the largest message and 4 MiB.
+            peer (with ``prefetch_clocks`` None, the most the plan chooses:
+            1), and at least twice the largest message and 4 MiB.
         cuda_ipc: whether CUDA engines of processes on one host move updates
             and fresh rows device -> device by CUDA IPC (a small notice on
             the socket) instead of through pinned host frames. Used per pair
@@ -431,7 +432,9 @@ class Job:
             # shard's slice of every table, and this shard's rows of it.
             per_clock = sum(2 * -(-t.num_rows // shards) * t.row_width * 4 for t in tables)
             largest = max((largest_frame_bytes(t.num_rows, t.row_width, shards) for t in tables), default=0)
-            limit = max((self.config.prefetch_clocks + 2) * per_clock, 2 * largest, _MIN_QUEUE_BYTES)
+            # prefetch_clocks None: the plan chooses, at most MOST_AUTO_PREFETCH_CLOCKS.
+            ahead = MOST_AUTO_PREFETCH_CLOCKS if self.config.prefetch_clocks is None else self.config.prefetch_clocks
+            limit = max((ahead + 2) * per_clock, 2 * largest, _MIN_QUEUE_BYTES)
             self._queue_plan = (len(tables), limit)
             self._set_node_limits(limit)
         return self._queue_plan[1]

@@ -1198,7 +1198,7 @@ class ClockDriver:
             note = ("; recomputing saved activations (recompute='cheap') reads some layers' parameters earlier in "
                     "the backward pass, which can raise the least budget: recompute='none' may need less (and "
                     "recompute='auto' falls back to it)" if self._acts.recomputing else "")
-            raise ResourceExhaustedError(refusal(hold_reads, least, budget, 1 + worker.config.prefetch_clocks) + note)
+            raise ResourceExhaustedError(refusal(hold_reads, least, budget, worker.config.prefetch_clocks) + note)
         self.hold_choice = reason(hold_reads, self._store_activations, chosen, least, budget)
         self._acts.end_planning()
         worker.finish_virtual_iteration()

@@ -31,11 +31,18 @@ def reason(given: bool | None, store_activations: bool, hold: bool, least: dict[
             f"{least[False]} bytes)")
 
 
-def refusal(given: bool | None, least: dict[bool, int], budget: int, regions: int) -> str:
+def refusal(given: bool | None, least: dict[bool, int], budget: int, prefetch_clocks: int | None) -> str:
     """The message of a budget too small for the pattern given (or, choosing,
-    for either): the bytes each needs, and the budget."""
-    pool = (f"the access-buffer pool: {regions} regions, one per clock in flight (1 + prefetch_clocks), each "
-            "holding a clock's buffers packed by lifetime")
+    for either): the bytes each needs, and the budget. ``prefetch_clocks``
+    is Config's; None (the plan chooses) refuses only a budget below one
+    region's least pool, which ``least`` then holds."""
+    if prefetch_clocks is None:
+        pool = ("the access-buffer pool: 1 region (Config.prefetch_clocks=None takes one, prefetch_clocks 0, "
+                "when the budget cannot hold two), holding a clock's buffers packed by lifetime")
+    else:
+        regions = 1 + prefetch_clocks
+        pool = (f"the access-buffer pool: {regions} region{'s' if regions > 1 else ''}, one per clock in flight "
+                "(1 + prefetch_clocks), each holding a clock's buffers packed by lifetime")
     if given is True:
         other = least[False]
         advice = (f"without hold_reads (unset, or False) each layer's rows are read again for its backward "

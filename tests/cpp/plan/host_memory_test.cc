@@ -4,7 +4,8 @@
 //   t2 local 4 x 16 (64 B/row); reads of t0 {0,1,2} and t1 {0..4}, an update
 //   of t0 {0..4} (320 B), a local access of t2 {0,1}.
 // Least pool 2048 B (2 regions of 1024), unlimited pool 2560 B; the largest
-// buffer (the staging buffer) 512 B. Stores: t0 512 B, t1 320 B (no update
+// buffer (the staging buffer) 512 B. The counts below pin prefetch_clocks 1
+// (two regions); the preview test also checks the plan's own choice. Stores: t0 512 B, t1 320 B (no update
 // log: t0 is updated once a clock, from its buffer; t1 never), t2 256 B:
 // 1088 B.
 #include "plan/host_memory.h"
@@ -53,9 +54,10 @@ Status BuildExample(Example* ex, int slack = 0) {
   return rec.Finish(&ex->recording);
 }
 
-Config WithBudget(int64_t budget) {
+Config WithBudget(int64_t budget, int prefetch = 1) {
   Config config;
   config.device_memory_budget = budget;
+  config.prefetch_clocks = prefetch;
   return config;
 }
 
@@ -185,6 +187,66 @@ TEST(ThePreviewGivesTheLeastPoolAndKeepsAFittingPlan) {
   EXPECT_TRUE(preview.fits);
   EXPECT_EQ(preview.pool_min_bytes, 2048);
   EXPECT_EQ(preview.pool_bytes, 2560);
+}
+
+// With prefetch_clocks left to the plan, the least budget is one region's
+// pool (1024 B), and the preview says so whether it fits or not; its
+// prefetch_clocks is the plan's when it fits.
+TEST(ThePreviewOfAChosenPrefetchNamesOneRegionsLeastPool) {
+  Example ex;
+  ASSERT_OK(BuildExample(&ex));
+  std::unique_ptr<IterationPlan> kept;
+  PlanPreview preview;
+  ASSERT_OK(PreviewIteration(WithBudget(1023, kAutoPrefetchClocks), ex.tables, ex.recording, {0, 1, true}, &kept,
+                             &preview));
+  EXPECT_TRUE(!preview.fits);
+  EXPECT_EQ(preview.pool_min_bytes, 1024);
+  EXPECT_EQ(preview.prefetch_clocks, 0);
+  // 2047: two regions (2048 B) do not fit, one does, at the full lookahead (1280 B).
+  ASSERT_OK(PreviewIteration(WithBudget(2047, kAutoPrefetchClocks), ex.tables, ex.recording, {0, 1, true}, &kept,
+                             &preview));
+  EXPECT_TRUE(preview.fits);
+  EXPECT_EQ(preview.prefetch_clocks, 0);
+  EXPECT_EQ(preview.pool_min_bytes, 1024);
+  EXPECT_EQ(preview.pool_bytes, 1280);
+  EXPECT_TRUE(preview.description.find("prefetch_clocks 0 (chosen: the budget of 2047 bytes is below the least "
+                                       "pool of two regions (2048 bytes)") != std::string::npos);
+  PlanPreview again;  // the kept plan, described the same
+  ASSERT_OK(PreviewIteration(WithBudget(2047, kAutoPrefetchClocks), ex.tables, ex.recording, {0, 1, true}, &kept,
+                             &again));
+  EXPECT_EQ(again.pool_min_bytes, 1024);
+  EXPECT_EQ(again.prefetch_clocks, 0);
+  kept.reset();
+  // 2560: two regions take the full lookahead; the least budget is still one region's.
+  ASSERT_OK(PreviewIteration(WithBudget(2560, kAutoPrefetchClocks), ex.tables, ex.recording, {0, 1, true}, &kept,
+                             &preview));
+  EXPECT_TRUE(preview.fits);
+  EXPECT_EQ(preview.prefetch_clocks, 1);
+  EXPECT_EQ(preview.pool_min_bytes, 1024);
+  EXPECT_EQ(preview.pool_bytes, 2560);
+  EXPECT_EQ(kept->placement.pool_min_bytes, 2048);  // the plan's own regions' least pool
+  kept.reset();
+  // No budget: two regions, as with prefetch_clocks 1.
+  ASSERT_OK(PreviewIteration(WithBudget(0, kAutoPrefetchClocks), ex.tables, ex.recording, {0, 1, true}, &kept,
+                             &preview));
+  EXPECT_EQ(preview.prefetch_clocks, 1);
+  EXPECT_EQ(preview.pool_min_bytes, 2048);
+  EXPECT_EQ(preview.pool_bytes, 2560);
+  kept.reset();
+  // The automatic budget (none set, a device of 1000 B, a tenth reserved:
+  // 900 B) is below one region's least pool: refused, naming it.
+  PlanSite small{0, 1, false, 1000, 1000, false};
+  ASSERT_OK(PreviewIteration(WithBudget(0, kAutoPrefetchClocks), ex.tables, ex.recording, small, &kept, &preview));
+  EXPECT_TRUE(!preview.fits && preview.automatic_budget);
+  EXPECT_EQ(preview.budget_bytes, 900);
+  EXPECT_EQ(preview.pool_min_bytes, 1024);
+  EXPECT_EQ(preview.prefetch_clocks, 0);
+  // A device of 1500 B (1350 B after the reserve) holds one region, not two.
+  PlanSite larger{0, 1, false, 1500, 1500, false};
+  ASSERT_OK(PreviewIteration(WithBudget(0, kAutoPrefetchClocks), ex.tables, ex.recording, larger, &kept, &preview));
+  EXPECT_TRUE(preview.fits && preview.automatic_budget);
+  EXPECT_EQ(preview.prefetch_clocks, 0);
+  EXPECT_TRUE(preview.pool_bytes <= 1350);
 }
 
 MLT_TEST_MAIN

@@ -2,7 +2,8 @@
 // buffers, plan/buffer_schedule.h), the refusal of a budget too small with the
 // exact bytes needed, lookahead claiming the budget first, entries (layers,
 // stored activations) claiming what it leaves by value, the predicted bytes per
-// clock, and dense unique slots per residence.
+// clock, dense unique slots per residence, and prefetch_clocks chosen by the
+// plan when Config leaves it (kAutoPrefetchClocks).
 //
 // The shared example (sizes hand-computed, buffers rounded up to 256 bytes):
 //   t0 param 8 rows x 16 floats (64 B/row), t1 param 8 x 10 (40 B/row),
@@ -385,6 +386,135 @@ TEST(LookaheadClaimsTheBudgetBeforeStores) {
   ASSERT_OK(PlanPlacement(WithBudget(2560 + stores), ex.tables, ex.layouts, ex.recording, &full));
   EXPECT_EQ(full.pool_bytes, int64_t{2560});
   EXPECT_EQ(full.device_store_bytes, stores);
+}
+
+// prefetch_clocks left to the plan (kAutoPrefetchClocks) on the shared
+// example: least pools 1024 B (one region) and 2048 B (two); at any
+// lookahead >= 1 a region is 1280 B, so one region takes the full lookahead
+// from 1280 B and two from 2560 B.
+TEST(ChosenPrefetchIsOneWithoutABudget) {
+  Example ex;
+  ASSERT_OK(BuildExample(&ex));
+  Placement plan;
+  ASSERT_OK(PlanPlacement(WithBudget(0, kAutoPrefetchClocks), ex.tables, ex.layouts, ex.recording, &plan));
+  EXPECT_EQ(plan.prefetch_clocks, 1);
+  EXPECT_EQ(plan.buffers.regions, 2);
+  EXPECT_EQ(plan.pool_bytes, int64_t{2560});
+  EXPECT_EQ(plan.pool_min_bytes, int64_t{2048});  // the least pool of two regions, as with prefetch_clocks 1
+  EXPECT_TRUE(plan.Describe().find("\nprefetch_clocks 1 (chosen: no device_memory_budget)\n") != std::string::npos);
+  EXPECT_EQ(LeastPoolBytes(WithBudget(0, kAutoPrefetchClocks), ex.tables, ex.recording), int64_t{2048});
+  // A value set in Config is kept, and said to be.
+  for (int prefetch : {0, 1, 2}) {
+    Placement set;
+    ASSERT_OK(PlanPlacement(WithBudget(0, prefetch), ex.tables, ex.layouts, ex.recording, &set));
+    EXPECT_EQ(set.prefetch_clocks, prefetch);
+    EXPECT_EQ(set.buffers.regions, 1 + prefetch);
+    EXPECT_TRUE(set.Describe().find("prefetch_clocks " + std::to_string(prefetch) + " (set in Config)") !=
+                std::string::npos);
+  }
+}
+
+TEST(ChosenPrefetchIsZeroWhenTwoRegionsDoNotFit) {
+  Example ex;
+  ASSERT_OK(BuildExample(&ex));
+  for (int64_t budget : {int64_t{1024}, int64_t{1279}, int64_t{1280}, int64_t{2047}}) {
+    Placement plan;
+    ASSERT_OK(PlanPlacement(WithBudget(budget, kAutoPrefetchClocks), ex.tables, ex.layouts, ex.recording, &plan));
+    EXPECT_EQ(plan.prefetch_clocks, 0);
+    EXPECT_EQ(plan.buffers.regions, 1);
+    EXPECT_EQ(plan.pool_min_bytes, int64_t{1024});
+    EXPECT_TRUE(plan.pool_bytes + plan.device_store_bytes <= budget);
+    EXPECT_EQ(plan.buffers.lookahead_ops, budget >= 1280 ? 9 : 0);
+    EXPECT_TRUE(plan.Describe().find("prefetch_clocks 0 (chosen: the budget of " + std::to_string(budget) +
+                                     " bytes is below the least pool of two regions (2048 bytes), not of one "
+                                     "(1024 bytes))") != std::string::npos);
+    // The same placement as prefetch_clocks 0 set by hand.
+    Placement set;
+    ASSERT_OK(PlanPlacement(WithBudget(budget, 0), ex.tables, ex.layouts, ex.recording, &set));
+    EXPECT_EQ(plan.pool_bytes, set.pool_bytes);
+    EXPECT_EQ(plan.device_store_bytes, set.device_store_bytes);
+    EXPECT_EQ(plan.buffers.lookahead_ops, set.buffers.lookahead_ops);
+  }
+  // Below one region's least pool: refused, naming it and two regions' least.
+  Placement plan;
+  const Status s = PlanPlacement(WithBudget(1023, kAutoPrefetchClocks), ex.tables, ex.layouts, ex.recording, &plan);
+  EXPECT_CODE(s, StatusCode::kResourceExhausted);
+  EXPECT_TRUE(s.message().find("budget of 1023 bytes is too small: the access-buffer pool needs 1024 bytes (1 region,") !=
+              std::string::npos);
+  EXPECT_TRUE(s.message().find("takes one region when the budget cannot hold two (2048 bytes)") != std::string::npos);
+  EXPECT_EQ(LeastPoolBytes(WithBudget(1023, kAutoPrefetchClocks), ex.tables, ex.recording), int64_t{1024});
+}
+
+TEST(ChosenPrefetchIsZeroWhenOneRegionLooksFurtherAhead) {
+  Example ex;
+  ASSERT_OK(BuildExample(&ex));
+  // 2048-2559 B: two regions fit only at lookahead 0; one region at the full lookahead.
+  for (int64_t budget : {int64_t{2048}, int64_t{2300}, int64_t{2559}}) {
+    Placement two, one, plan;
+    ASSERT_OK(PlanPlacement(WithBudget(budget, 1), ex.tables, ex.layouts, ex.recording, &two));
+    ASSERT_OK(PlanPlacement(WithBudget(budget, 0), ex.tables, ex.layouts, ex.recording, &one));
+    EXPECT_EQ(two.buffers.lookahead_ops, 0);
+    EXPECT_EQ(one.buffers.lookahead_ops, 9);
+    ASSERT_OK(PlanPlacement(WithBudget(budget, kAutoPrefetchClocks), ex.tables, ex.layouts, ex.recording, &plan));
+    EXPECT_EQ(plan.prefetch_clocks, 0);
+    EXPECT_EQ(plan.buffers.lookahead_ops, 9);
+    EXPECT_EQ(plan.pool_bytes, int64_t{1280});
+    EXPECT_EQ(plan.device_store_bytes, one.device_store_bytes);  // the 768+ B left buy stores too
+    EXPECT_TRUE(plan.Describe().find("prefetch_clocks 0 (chosen: under the budget one region prepares 9 ops "
+                                     "ahead, two regions 0)") != std::string::npos);
+  }
+}
+
+TEST(ChosenPrefetchIsOneWhenTwoRegionsLookAsFarAhead) {
+  Example ex;
+  ASSERT_OK(BuildExample(&ex));
+  // From 2560 B two regions take the full lookahead: one cannot do better.
+  for (int64_t budget : {int64_t{2560}, int64_t{1} << 20}) {
+    Placement plan;
+    ASSERT_OK(PlanPlacement(WithBudget(budget, kAutoPrefetchClocks), ex.tables, ex.layouts, ex.recording, &plan));
+    EXPECT_EQ(plan.prefetch_clocks, 1);
+    EXPECT_EQ(plan.buffers.regions, 2);
+    EXPECT_EQ(plan.buffers.lookahead_ops, 9);
+    EXPECT_EQ(plan.pool_min_bytes, int64_t{2048});
+    EXPECT_TRUE(plan.Describe().find("prefetch_clocks 1 (chosen: the budget holds two regions at the full "
+                                     "lookahead)") != std::string::npos);
+  }
+  // Both short of the full lookahead, and equal. Four reads one after the
+  // other, of 1280, 1280, 1024 and 1536 B (rows of 64 floats): at lookahead
+  // 0 a region is the largest, 1536 B (two: 3072 B); at lookahead >= 1 each
+  // read overlaps the next and the packing (largest first, lowest offset
+  // clear) needs 3584 B. From 3072 to 3583 B both sit at lookahead 0: two
+  // regions, which prepare the next clock too. From 3584 B one region looks ahead.
+  std::vector<TableInfo> tables = {Table(0, 8, 64), Table(1, 8, 64), Table(2, 8, 64)};
+  Recorder rec;
+  Handle h;
+  for (const auto& [table, rows] : std::vector<std::pair<int, int>>{{0, 5}, {1, 5}, {2, 4}, {0, 6}}) {
+    std::vector<RowId> ids;
+    for (int r = 0; r < rows; ++r) ids.push_back(r);
+    ASSERT_OK(rec.Read(tables[table], ids, 0, &h));
+    ASSERT_OK(rec.PostRead(h));
+  }
+  ASSERT_OK(rec.Clock());
+  Recording recording;
+  ASSERT_OK(rec.Finish(&recording));
+  const std::vector<RowLayout> layouts = BuildRowLayouts(tables, recording);
+  for (int64_t budget : {int64_t{3072}, int64_t{3583}}) {
+    Placement two, one, plan;
+    ASSERT_OK(PlanPlacement(WithBudget(budget, 1), tables, layouts, recording, &two));
+    ASSERT_OK(PlanPlacement(WithBudget(budget, 0), tables, layouts, recording, &one));
+    EXPECT_EQ(two.buffers.lookahead_ops, 0);
+    EXPECT_EQ(one.buffers.lookahead_ops, 0);
+    ASSERT_OK(PlanPlacement(WithBudget(budget, kAutoPrefetchClocks), tables, layouts, recording, &plan));
+    EXPECT_EQ(plan.prefetch_clocks, 1);
+    EXPECT_EQ(plan.pool_bytes, int64_t{3072});
+    EXPECT_TRUE(plan.Describe().find("prefetch_clocks 1 (chosen: under the budget two regions prepare 0 ops ahead, "
+                                     "one region 0)") != std::string::npos);
+  }
+  Placement plan;
+  ASSERT_OK(PlanPlacement(WithBudget(3584, kAutoPrefetchClocks), tables, layouts, recording, &plan));
+  EXPECT_EQ(plan.prefetch_clocks, 0);
+  EXPECT_TRUE(plan.buffers.lookahead_ops >= 1);
+  EXPECT_EQ(plan.pool_bytes, int64_t{3584});
 }
 
 MLT_TEST_MAIN

@@ -125,7 +125,8 @@ def test_a_config_is_valid_for_the_engine_or_refused(settings_: dict[str, Any], 
     except MltunerError:
         return
     core = config.to_core()  # every accepted value fits the engine's types
-    assert core.wait_timeout_ms >= 1 and 0 <= core.prefetch_clocks <= 64
+    assert core.wait_timeout_ms >= 1
+    assert core.prefetch_clocks == -1 if config.prefetch_clocks is None else 0 <= core.prefetch_clocks <= 64
     assert np.isfinite(core.update_rule.learning_rate)
 
 

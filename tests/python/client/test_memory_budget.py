@@ -26,6 +26,9 @@ NUM_LAYERS, ROWS, WIDTH, BATCH, CLOCKS, NUM_WORKERS = 4, 64, 32, 8, 12, 2
 TABLE_BYTES = ROWS * WIDTH * 4  # 8192: a multiple of the engine's 256-byte buffer alignment
 PEAK_BYTES = (NUM_LAYERS + 1) * TABLE_BYTES  # 40960
 POOL_MIN = 2 * PEAK_BYTES  # 81920: a region of packed buffers per clock in flight (prefetch_clocks = 1: two)
+# With prefetch_clocks None (the default) a budget below POOL_MIN gets one
+# region: the least budget is then one region's.
+ONE_REGION_POOL_MIN = PEAK_BYTES
 # The pool a budget buys first: the deepest lookahead, where no two buffers of
 # a clock share addresses (4 reads + 4 updates a region).
 DEEPEST_POOL = 2 * 2 * NUM_LAYERS * TABLE_BYTES  # 131072
@@ -59,8 +62,10 @@ def record(worker: Worker) -> tuple[list[Any], list[int], list[int]]:
     return tables, reads, updates
 
 
-def train(budget: int, data: dict[str, np.ndarray], run_workers: Callable[..., list[Any]]) -> dict[str, Any]:
-    config = Config(device_memory_budget=budget, wait_timeout_s=20, update_rule=UpdateRule("sgd", learning_rate=LR))
+def train(budget: int, data: dict[str, np.ndarray], run_workers: Callable[..., list[Any]],
+          prefetch_clocks: int | None = None) -> dict[str, Any]:
+    config = Config(device_memory_budget=budget, wait_timeout_s=20, update_rule=UpdateRule("sgd", learning_rate=LR),
+                    prefetch_clocks=prefetch_clocks)
     with LocalCluster(NUM_WORKERS, config) as cluster:
         setups = [record(worker) for worker in cluster.workers]
         w0 = cluster.workers[0]
@@ -123,6 +128,8 @@ def test_small_budget_swaps_and_gives_bit_identical_results(run_workers: Callabl
         assert small["pool_bytes"] + small["device_store_bytes"] <= SMALL_BUDGET, limited["plans"][rank]
         assert small["pool_bytes"] == DEEPEST_POOL == big["pool_bytes"], limited["plans"][rank]
         assert small["pool_min_bytes"] == POOL_MIN
+        # The budget holds two regions at the deepest lookahead: the plan keeps prefetch_clocks 1.
+        assert small["prefetch_clocks"] == 1 == big["prefetch_clocks"], limited["plans"][rank]
         # All four layers are read every clock, each row either gathered from
         # the device or swapped in; the allocator may already have prefetched
         # the reads of the next clock (prefetch_clocks = 1).
@@ -134,26 +141,36 @@ def test_small_budget_swaps_and_gives_bit_identical_results(run_workers: Callabl
         assert 2 * CLOCKS * TABLE_BYTES <= small["bytes_swapped_in"] <= 2 * (CLOCKS + 1) * TABLE_BYTES
 
 
-def test_budget_below_the_least_pool_is_refused_with_the_bytes_needed() -> None:
-    config = Config(device_memory_budget=POOL_MIN - 1, wait_timeout_s=20)
+@pytest.mark.parametrize(("prefetch_clocks", "least", "regions"),
+                         [(1, POOL_MIN, "2 regions"), (None, ONE_REGION_POOL_MIN, "1 region")])
+def test_budget_below_the_least_pool_is_refused_with_the_bytes_needed(prefetch_clocks: int | None, least: int,
+                                                                       regions: str) -> None:
+    config = Config(device_memory_budget=least - 1, wait_timeout_s=20, prefetch_clocks=prefetch_clocks)
     with LocalCluster(1, config) as cluster:
         worker = cluster.workers[0]
         record(worker)
-        with pytest.raises(mltuner.ResourceExhaustedError, match=f"pool needs {POOL_MIN} bytes") as raised:
+        with pytest.raises(mltuner.ResourceExhaustedError, match=f"pool needs {least} bytes \\({regions},") as raised:
             worker.finish_virtual_iteration()
         assert isinstance(raised.value, MemoryError)
         assert str(PEAK_BYTES) in str(raised.value)
-        assert str(POOL_MIN - 1) in str(raised.value)
+        assert str(least - 1) in str(raised.value)
+        if prefetch_clocks is None:  # why one region: two need POOL_MIN
+            assert f"takes one region when the budget cannot hold two ({POOL_MIN} bytes)" in str(raised.value)
 
 
-def test_budget_of_exactly_the_least_pool_is_enough(run_workers: Callable[..., list[Any]]) -> None:
+@pytest.mark.parametrize(("prefetch_clocks", "least"), [(1, POOL_MIN), (None, ONE_REGION_POOL_MIN)])
+def test_budget_of_exactly_the_least_pool_is_enough(run_workers: Callable[..., list[Any]],
+                                                    prefetch_clocks: int | None, least: int) -> None:
     """The smallest legal budget (all parameters in host memory) still trains
-    to the same result."""
+    to the same result: two regions' least with prefetch_clocks=1, one
+    region's with the default (the plan takes prefetch_clocks 0)."""
     data = make_data(8)
     unlimited = train(0, data, run_workers)
-    tight = train(POOL_MIN, data, run_workers)
+    tight = train(least, data, run_workers, prefetch_clocks=prefetch_clocks)
     np.testing.assert_array_equal(tight["final"], unlimited["final"])
-    for stats in tight["stats"]:
+    for stats, plan in zip(tight["stats"], tight["plans"]):
+        assert stats["prefetch_clocks"] == (1 if prefetch_clocks == 1 else 0), plan
+        assert stats["pool_bytes"] == stats["pool_min_bytes"] == least, plan
         assert stats["device_store_bytes"] == 0
         assert stats["bytes_gathered"] == 0
         swapped = stats["bytes_swapped_in"]

@@ -21,7 +21,8 @@ def test_python_defaults_are_the_engines() -> None:
     python, core = mltuner.Config(), _core.Config()
     assert python.device_memory_budget == core.device_memory_budget
     assert int(python.wait_timeout_s * 1000) == core.wait_timeout_ms
-    assert python.prefetch_clocks == core.prefetch_clocks
+    assert python.prefetch_clocks is None and core.prefetch_clocks == -1  # both: the plan chooses
+    assert python.to_core().prefetch_clocks == core.prefetch_clocks
     assert python.partitions_per_table == core.partitions_per_table
     assert python.branches == core.branches
     assert python.max_branches == core.max_branches
@@ -46,9 +47,11 @@ CONFIG_CASES: list[tuple[dict[str, Any], str]] = [
     ({"wait_timeout_s": INF}, r"Config.wait_timeout_s must be a finite number in \(0, 1e\+06\], got inf"),
     ({"wait_timeout_s": NAN}, r"Config.wait_timeout_s must be a finite number"),
     ({"wait_timeout_s": 0}, r"Config.wait_timeout_s must be a finite number in \(0"),
-    ({"prefetch_clocks": 2**31}, r"Config.prefetch_clocks must be in \[0, 64\], got 2147483648"),
-    ({"prefetch_clocks": 1.5}, r"Config.prefetch_clocks must be an integer"),
-    ({"prefetch_clocks": -1}, r"Config.prefetch_clocks must be in \[0, 64\]"),
+    ({"prefetch_clocks": 2**31},
+     r"Config.prefetch_clocks must be in \[0, 64\] or None \(the plan chooses\), got 2147483648"),
+    ({"prefetch_clocks": 1.5}, r"Config.prefetch_clocks must be an integer in \[0, 64\] or None"),
+    ({"prefetch_clocks": "1"}, r"Config.prefetch_clocks must be an integer in \[0, 64\] or None"),
+    ({"prefetch_clocks": -1}, r"Config.prefetch_clocks must be in \[0, 64\] or None \(the plan chooses\), got -1"),
     ({"device_memory_budget": -1}, r"Config.device_memory_budget must be in \[0, 2\*\*62\]"),
     ({"device_memory_budget": 2**70}, r"Config.device_memory_budget must be in \[0, 2\*\*62\]"),
     ({"partitions_per_table": 0}, r"Config.partitions_per_table must be in \[1, 65536\]"),

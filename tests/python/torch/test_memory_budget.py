@@ -50,7 +50,9 @@ def make_data() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def train(budget: int, store_activations: bool, run_workers: Callable[..., list[Any]],
-          hold_reads: bool | None = None, prefetch_clocks: int = 1) -> dict[str, Any]:
+          hold_reads: bool | None = None, prefetch_clocks: int | None = 1) -> dict[str, Any]:
+    """Trains a model on 2 workers. ``prefetch_clocks`` is 1 unless given
+    (None: the plan chooses), so the sizes asserted on are two regions'."""
     x, y = make_data()
     initial = make_model()
     models = [copy.deepcopy(initial) for _ in range(NUM_WORKERS)]
@@ -139,6 +141,38 @@ def test_one_pool_region_trains_bit_identically(run_workers: Callable[..., list[
             assert torch.equal(limited["state"][name], value), name
 
 
+def test_the_plan_chooses_one_region_below_two_regions_least_pool(run_workers: Callable[..., list[Any]]) -> None:
+    # Config.prefetch_clocks left at None: without a budget the plan takes 1
+    # (two regions, the next clock prepared during this one); under a budget
+    # below two regions' least pool but above one's, 0, and the run is the
+    # same bit for bit.
+    plain = train(0, store_activations=False, run_workers=run_workers, prefetch_clocks=None)
+    free = train(0, store_activations=True, run_workers=run_workers, prefetch_clocks=None)
+    two = free["stats"][0]["pool_min_bytes"]
+    one = train(0, store_activations=True, run_workers=run_workers, prefetch_clocks=0)["stats"][0]["pool_min_bytes"]
+    assert 2 * one == two, (one, two)
+    for rank in range(NUM_WORKERS):
+        assert free["stats"][rank]["prefetch_clocks"] == 1, free["plans"][rank]
+        assert "\nprefetch_clocks 1 (chosen: no device_memory_budget)\n" in free["plans"][rank]
+    budget = (one + two) // 2
+    limited = train(budget, store_activations=True, run_workers=run_workers, prefetch_clocks=None)
+    for rank in range(NUM_WORKERS):
+        stats, plan = limited["stats"][rank], limited["plans"][rank]
+        assert stats["prefetch_clocks"] == 0, plan
+        assert (f"\nprefetch_clocks 0 (chosen: the budget of {budget} bytes is below the least pool of two regions "
+                f"({two} bytes), not of one ({one} bytes))\n") in plan, plan
+        assert stats["pool_min_bytes"] == one and one <= stats["pool_bytes"] <= budget, plan
+        assert stats["bytes_swapped_in"] > 0, plan
+    # prefetch_clocks=1 set by hand: refused (run_workers re-raises a worker's error as an AssertionError).
+    with pytest.raises(AssertionError, match=rf"ResourceExhaustedError: Config.device_memory_budget of {budget} bytes "
+                                             rf"is too small for this model: it needs at least {two} bytes"):
+        train(budget, store_activations=True, run_workers=run_workers, prefetch_clocks=1)
+    assert limited["losses"] == plain["losses"] == free["losses"]
+    for name, value in plain["state"].items():
+        assert torch.equal(limited["state"][name], value), name
+        assert torch.equal(free["state"][name], value), name
+
+
 def test_budget_below_twice_the_largest_layer_is_refused_clearly() -> None:
     x, _ = make_data()
     model = make_model()
@@ -153,11 +187,15 @@ def test_budget_below_twice_the_largest_layer_is_refused_clearly() -> None:
     model(x[0, 0]).sum().backward()
 
 
-def least_pools(run_workers: Callable[..., list[Any]]) -> tuple[int, int]:
+def least_pools(run_workers: Callable[..., list[Any]], prefetch_clocks: int = 1) -> tuple[int, int]:
     """The least budgets of the two access patterns (pool_min_bytes of each
-    plan): reading each layer again for its backward pass, and holding reads."""
-    rereading = train(0, False, run_workers, hold_reads=False)["stats"][0]["pool_min_bytes"]
-    holding = train(0, False, run_workers, hold_reads=True)["stats"][0]["pool_min_bytes"]
+    plan): reading each layer again for its backward pass, and holding reads.
+    With prefetch_clocks 0 (one region), those of the default Config
+    (prefetch_clocks None), which takes one region rather than refuse."""
+    rereading = train(0, False, run_workers, hold_reads=False,
+                      prefetch_clocks=prefetch_clocks)["stats"][0]["pool_min_bytes"]
+    holding = train(0, False, run_workers, hold_reads=True,
+                    prefetch_clocks=prefetch_clocks)["stats"][0]["pool_min_bytes"]
     return rereading, holding
 
 
@@ -190,23 +228,27 @@ def test_wrap_chooses_held_reads_when_they_fit_and_rereads_below(run_workers: Ca
 
 
 def test_a_budget_below_the_least_is_refused_at_wrap_with_the_bytes(run_workers: Callable[..., list[Any]]) -> None:
-    rereading, holding = least_pools(run_workers)
     x, _ = make_data()
-    model = make_model()
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    with LocalCluster(1, Config(device_memory_budget=rereading - 1, wait_timeout_s=20)) as cluster:
-        with pytest.raises(mltuner.ResourceExhaustedError,
-                           match=rf"Config.device_memory_budget of {rereading - 1} bytes is too small for this "
-                                 rf"model: it needs at least {rereading} bytes .*\(hold_reads=False; the access-"
-                                 rf"buffer pool: 2 regions.*\); holding reads would need {holding} bytes"):
-            mt.wrap(model, cluster.worker(0), example_input=x[0, 0])
-    for name, param in model.named_parameters():
-        assert torch.equal(param.detach(), before[name]), name  # given back as it was
+    # The default Config refuses a budget below one region's least pool;
+    # prefetch_clocks=1 one below two regions'.
+    for prefetch_clocks, pool in [(None, r"1 region \(Config.prefetch_clocks=None takes one"), (1, "2 regions")]:
+        rereading, holding = least_pools(run_workers, 0 if prefetch_clocks is None else 1)
+        model = make_model()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        config = Config(device_memory_budget=rereading - 1, wait_timeout_s=20, prefetch_clocks=prefetch_clocks)
+        with LocalCluster(1, config) as cluster:
+            with pytest.raises(mltuner.ResourceExhaustedError,
+                               match=rf"Config.device_memory_budget of {rereading - 1} bytes is too small for this "
+                                     rf"model: it needs at least {rereading} bytes .*\(hold_reads=False; the access-"
+                                     rf"buffer pool: {pool}.*\); holding reads would need {holding} bytes"):
+                mt.wrap(model, cluster.worker(0), example_input=x[0, 0])
+        for name, param in model.named_parameters():
+            assert torch.equal(param.detach(), before[name]), name  # given back as it was
 
 
 def test_hold_reads_true_under_a_budget_too_small_for_it_is_refused_at_wrap(
         run_workers: Callable[..., list[Any]]) -> None:
-    rereading, holding = least_pools(run_workers)
+    rereading, holding = least_pools(run_workers, prefetch_clocks=0)  # the default Config's: one region
     x, _ = make_data()
     for budget, advice in [(holding - 1, rf"without hold_reads \(unset, or False\) each layer's rows are read "
                                           rf"again for its backward pass, which needs {rereading} bytes"),

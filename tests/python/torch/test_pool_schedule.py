@@ -53,12 +53,15 @@ def resnet18(width: int) -> nn.Module:
 
 def train(clocks: int, budget: int = 0) -> dict[str, float]:
     """Trains the width-4 ResNet-18 on one 2x3x4x4 batch for ``clocks``
-    clocks at slack 1 on one worker; returns the worker's stats."""
+    clocks at slack 1 on one worker; returns the worker's stats. With
+    prefetch_clocks 1 set by hand: the case of the issue is the next clock's
+    prefetches beside this clock's buffers (two regions), which the plan's
+    own choice would drop under the least budget of two regions."""
     torch.manual_seed(0)
     model = resnet18(4)
     x = torch.randn(2, 3, 4, 4)
     y = torch.tensor([1, 2])
-    config = Config(wait_timeout_s=WAIT_TIMEOUT_S, device_memory_budget=budget)
+    config = Config(wait_timeout_s=WAIT_TIMEOUT_S, device_memory_budget=budget, prefetch_clocks=1)
     with LocalCluster(1, config) as cluster:
         worker = cluster.worker(0)
         ps_model = mt.wrap(model, worker, example_input=x, slack=1,
@@ -74,6 +77,7 @@ def test_slack_1_runs_2000_clocks_with_the_default_pool() -> None:
     assert stats["clock"] == 2000
     # The default pool holds every buffer of a clock at its own address, one
     # region per clock in flight (prefetch_clocks = 1: two); more than the least.
+    assert stats["prefetch_clocks"] == 1
     assert stats["pool_bytes"] > stats["pool_min_bytes"] > 0
 
 

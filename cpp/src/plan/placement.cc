@@ -41,6 +41,8 @@ int64_t PoolBytes(const BufferSchedule& schedule) {
   return std::max<int64_t>(schedule.pool_bytes(), kBufferAlignment);
 }
 
+const char* Regions(int regions) { return regions == 1 ? " region" : " regions"; }
+
 }  // namespace
 
 void TablePlacement::Append(int64_t count, Residence where) {
@@ -65,9 +67,9 @@ std::string Placement::Describe() const {
   std::ostringstream out;
   out << budget.Describe() << "\n";
   out << "prefetch_clocks " << prefetch_clocks << " (" << prefetch_choice << ")\n";
-  out << "pool " << pool_bytes << " B (" << buffers.regions << (buffers.regions == 1 ? " region" : " regions")
-      << " of " << buffers.region_bytes << " B, lookahead " << buffers.lookahead_ops << " ops; least " << pool_min_bytes << " B; peak "
-      << peak_bytes << " B at op " << peak_op << "), device stores " << device_store_bytes
+  out << "pool " << pool_bytes << " B (" << buffers.regions << Regions(buffers.regions) << " of "
+      << buffers.region_bytes << " B, lookahead " << buffers.lookahead_ops << " ops; least " << pool_min_bytes
+      << " B; peak " << peak_bytes << " B at op " << peak_op << "), device stores " << device_store_bytes
       << " B, host stores " << host_store_bytes << " B; host memory " << host.Describe();
   for (const auto& [name, count] : {std::pair<const char*, const EntryCount&>{"parameters", parameters},
                                     std::pair<const char*, const EntryCount&>{"local data", local_data}}) {
@@ -88,8 +90,6 @@ std::vector<int64_t> BufferBytes(const std::vector<TableInfo>& tables, const Rec
   }
   return bytes;
 }
-
-const char* Regions(int regions) { return regions == 1 ? " region" : " regions"; }
 
 int64_t LeastPool(const std::vector<TableInfo>& tables, const Recording& recording, int regions,
                   BufferSchedule* schedule) {
@@ -231,7 +231,7 @@ Status PlanPlacement(const Config& config, const std::vector<TableInfo>& tables,
     *out = std::move(two);
     return Status::Ok();
   }
-  const int64_t two_least = LeastPool(tables, recording, 2, nullptr);
+  const int64_t two_least = with_two.ok() ? two.pool_min_bytes : LeastPool(tables, recording, 2, nullptr);
   Placement one;
   MLT_RETURN_IF_ERROR(PlanWithPrefetch(
       config, 0, tables, layouts, recording, &one, site,

@@ -29,6 +29,7 @@ class CAPABILITY("mutex") Mutex {
 
  private:
   friend class CondVar;
+  friend class SpinningCondVar;
   std::mutex mu_;
 };
 

@@ -320,7 +320,7 @@ Status Engine::Impl::WaitForSlot(Handle handle, mltuner::Clock clock, Slot** out
   bool ready = state_.stopping || (slot->state == SlotState::kReady && slot->clock == clock);
   // A batch defers its wake-ups (Run): the threads that prepare the slot
   // must hear of the ops before this one before the application blocks.
-  if (!ready) state_.cv.NotifyAll();
+  if (!ready) state_.cv.NotifyAllHeld();
   while (!ready) {
     const bool woken = state_.cv.WaitUntil(deadline);
     ready = state_.stopping || (slot->state == SlotState::kReady && slot->clock == clock);
@@ -442,7 +442,7 @@ Status Engine::Impl::Run(const std::vector<OpCall>& ops, std::vector<AccessBuffe
   bool app_done_taken = false;
   DeviceEvent last_ready;
   struct WakeOnExit {  // the background threads hear of the batch's ops however it ends
-    CondVar* cv;
+    SpinningCondVar* cv;
     bool due = false;
     ~WakeOnExit() {
       if (due) cv->NotifyAll();

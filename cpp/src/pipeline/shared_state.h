@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "common/mutex.h"
+#include "common/spinning_cond_var.h"
 #include "common/thread_annotations.h"
 #include "mltuner/config.h"
 #include "mltuner/device.h"
@@ -80,7 +81,9 @@ class SharedState {
 
   // --- pipeline state -------------------------------------------------------
   mutable Mutex mu;
-  CondVar cv{&mu};
+  // Spins before sleeping: the pipeline's threads hand ops to one another
+  // (common/spinning_cond_var.h).
+  SpinningCondVar cv{&mu, SpinningCondVar::DefaultSpin()};
   // [handle][clock % depth]: sized before the pipeline threads start; see
   // Slot for which fields mu guards.
   std::vector<std::vector<Slot>> slots;

@@ -107,7 +107,7 @@ from mltuner.torch._buffers import app_stream, as_tensor, buffer_key, placeholde
 from mltuner.torch._errors import IterationMismatchError, UnsupportedModelError
 from mltuner.torch._layers import Layer
 from mltuner.torch._pattern import reason, refusal
-from mltuner.torch._recording import Event, Tables, add_activations, create_tables, describe, for_holding, replay
+from mltuner.torch._recording import Event, Slot, Tables, add_activations, create_tables, describe, for_holding, replay
 from mltuner.torch._saved import SavedActivations, empty_for, read_back, write_bytes
 from mltuner.torch._trace import ParamRef
 
@@ -119,6 +119,7 @@ T = TypeVar("T")
 _READ, _POST_READ, _PRE_UPDATE, _UPDATE = (OP_KINDS[k] for k in ("read", "post_read", "pre_update", "update"))
 _LOCAL, _POST_LOCAL, _CLOCK = (OP_KINDS[k] for k in ("local_access", "post_local_access", "clock"))
 _MAX_LOCAL_VIEWS = 4096  # cached torch views of local-table buffers (one per buffer address and shape)
+_MAX_LOADS_AHEAD = 32  # stored activations read back ahead of their use, in one engine call with the first
 
 
 class _ActRef(NamedTuple):
@@ -174,6 +175,7 @@ class ClockDriver:
                  recompute_fallback: bool = False, stored: dict[int, str] | None = None,
                  hold_reads: bool | None = None) -> None:
         self.model = model
+        self._modules = list(model.modules())  # walked per clock for its buffers (_local_storage)
         self.layers = layers
         self.worker = worker
         self.device = layers[0].device
@@ -249,6 +251,7 @@ class ClockDriver:
         # taken out for the clock's forward (module docstring).
         self._layer_hooks: list[tuple[dict[int, Any], int, Any]] = []
         self._opened: dict[int, Any] = {}  # read event -> its buffer, opened by the batch
+        self._loaded: dict[int, torch.Tensor] = {}  # load event -> its tensor, read back ahead (_load)
         self._queued: list[tuple[Any, ...]] = []  # ops for the next engine call (_post, _store)
         self._queued_stores: list[tuple[torch.Tensor, int, int]] = []  # queued stores: (tensor, _version, slot)
         self._queued_grads: list[torch.Tensor] = []  # gradients the queued updates copy from
@@ -493,19 +496,36 @@ class ClockDriver:
 
     def _load(self, slot: int) -> torch.Tensor:
         """A stored activation, read back from the local table (its event
-        logged or checked first)."""
+        logged or checked first). The loads recorded right after it (the
+        rest of a layer's saved tensors, as a rule) are read back in the
+        same engine call and handed out when autograd asks for them."""
         index = self._next("load", slot=slot)
         if self._recording:
             return self._acts.original(slot)
-        handle = self._handles[index]
+        out = self._loaded.pop(index, None)
+        if out is not None:
+            return out
         layout = self._acts.slots[slot]
         if layout.nbytes % 4 == 0:  # the engine copies the bytes out, in the same call that opens the rows
-            out = empty_for(layout, self.device)
-            self._queued += [(_LOCAL, handle), (_POST_LOCAL, handle, (), [(out.data_ptr(), 0, layout.nbytes // 4)])]
+            out = self._queue_load(index, layout)
+            events = self._events
+            ahead = index + 1
+            while (ahead < len(events) and ahead - index <= _MAX_LOADS_AHEAD and events[ahead].kind == "load"
+                   and (following := self._acts.slots[events[ahead].slot]).nbytes % 4 == 0):
+                self._loaded[ahead] = self._queue_load(ahead, following)
+                ahead += 1
             self._flush_posts()
             return out
-        out = read_back(self._local_bytes(self._open(_LOCAL, handle)), layout, self.device)
-        self._post(_POST_LOCAL, handle)
+        out = read_back(self._local_bytes(self._open(_LOCAL, self._handles[index])), layout, self.device)
+        self._post(_POST_LOCAL, self._handles[index])
+        return out
+
+    def _queue_load(self, index: int, layout: Slot) -> torch.Tensor:
+        """Queues the open and the post of load event ``index``, the post
+        copying the rows out into the tensor returned."""
+        handle = self._handles[index]
+        out = empty_for(layout, self.device)
+        self._queued += [(_LOCAL, handle), (_POST_LOCAL, handle, (), [(out.data_ptr(), 0, layout.nbytes // 4)])]
         return out
 
     def _update(self, index: int, layer: Layer, grads: list[torch.Tensor]) -> None:
@@ -620,7 +640,7 @@ class ClockDriver:
         # autograd runs each backward op on its forward op's stream.
         self._stream = app_stream(self.device)
         if self._store_activations:
-            self._local_ptrs = {p for p in (storage_ptr(t) for t in self._local_tensors()) if p}
+            self._local_ptrs = self._local_storage()
         try:
             if self._at_step:
                 self._open_forward_reads()
@@ -667,13 +687,23 @@ class ClockDriver:
         self._phase = Phase.BACKWARD
         return output
 
-    def _local_tensors(self) -> Iterator[torch.Tensor]:
-        """Tensors the model keeps anyway: buffers and frozen parameters.
-        Saved, they pass through (no point storing a copy)."""
-        yield from self.model.buffers()
-        for param in self.model.parameters():
-            if not param.requires_grad:
-                yield param
+    def _local_storage(self) -> set[int]:
+        """The storage addresses of tensors the model keeps anyway: buffers
+        and frozen parameters. Saved, they pass through (no point storing a
+        copy). Read per clock (a buffer may be replaced between clocks) from
+        the module list taken at wrap(), whose structure the clocks keep:
+        a third of the time of walking ``model.buffers()``."""
+        ptrs: set[int | None] = set()
+        for module in self._modules:
+            for tensor in module._buffers.values():
+                if tensor is not None:
+                    ptrs.add(storage_ptr(tensor))
+            for param in module._parameters.values():
+                if param is not None and not param.requires_grad:
+                    ptrs.add(storage_ptr(param))
+        ptrs.discard(None)
+        ptrs.discard(0)  # empty storages
+        return ptrs  # type: ignore[return-value]
 
     def _before_layer(self, layer: Layer) -> None:
         if self._eval_active:
@@ -1032,6 +1062,7 @@ class ClockDriver:
         self._held_by_layer.clear()
         self._grad_open.clear()
         self._opened.clear()
+        self._loaded.clear()
         self._queued.clear()
         self._queued_stores.clear()
         self._queued_grads.clear()

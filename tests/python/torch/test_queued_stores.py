@@ -62,6 +62,56 @@ def test_the_forward_costs_one_engine_call_per_read_and_training_matches_torch()
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), name
 
 
+class SavesMany(nn.Module):
+    """A layer whose backward needs several saved tensors: a run of loads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.first(x)
+        hidden = torch.sigmoid(hidden) * torch.tanh(hidden) * hidden.exp().clamp(max=4.0)
+        return self.second(hidden)
+
+
+def test_a_run_of_loads_is_read_back_in_one_engine_call_and_training_matches_torch() -> None:
+    torch.manual_seed(0)
+    model = SavesMany()
+    reference = SavesMany()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(8, 16)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    local_access = 4  # mltuner.client._worker.OP_KINDS["local_access"]
+    with LocalCluster(1, config()) as cluster:
+        worker = cluster.worker(0)
+        ps_model = mt.wrap(model, worker, example_input=x, store_activations=True, recompute="none",
+                           example_loss=lambda out: out.square().mean())
+        kinds = [a.split(" ")[0] for a in ps_model.accesses]
+        runs = sum(1 for k, kind in enumerate(kinds) if kind == "load" and (k == 0 or kinds[k - 1] != "load"))
+        assert kinds.count("load") >= runs + 3  # runs of several loads, else the test shows nothing
+        opened: list[int] = []  # per backward engine call: the local accesses it opens
+        real_run = worker._run_ops
+
+        def spy_run(ops: Any, stream: int) -> Any:
+            opened.append(sum(1 for op in ops if op[0] == local_access))
+            return real_run(ops, stream)
+
+        worker._run_ops = spy_run  # type: ignore[method-assign]
+        for _ in range(CLOCKS):
+            loss = ps_model(x).square().mean()
+            opened.clear()
+            loss.backward()
+            assert len([n for n in opened if n]) == runs  # one engine call per run of loads
+            assert sum(opened) == kinds.count("load")
+            ps_model.step()
+            optimizer.zero_grad()
+            reference(x).square().mean().backward()
+            optimizer.step()
+        for (name, got), want in zip(ps_model.unwrap().named_parameters(), reference.parameters()):
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), name
+
+
 class ChangesSaved(nn.Module):
     """Changes tanh's saved output in place before the next layer's read
     (when the queued store's bytes are copied): torch's backward refuses this

@@ -30,6 +30,17 @@ def config(**kwargs: Any) -> Config:
     return Config(wait_timeout_s=20, update_rule=UpdateRule("sgd", learning_rate=0.1), **kwargs)
 
 
+def reference_step(reference: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    optimizer.zero_grad()
+    reference(x).square().mean().backward()
+    optimizer.step()
+
+
+def assert_same_parameters(ps_model: Any, reference: nn.Module) -> None:
+    for (name, got), want in zip(ps_model.unwrap().named_parameters(), reference.parameters()):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), name
+
+
 def test_the_forward_costs_one_engine_call_per_read_and_training_matches_torch() -> None:
     model, reference = make_model(), make_model()
     x = torch.randn(8, 16)
@@ -55,11 +66,8 @@ def test_the_forward_costs_one_engine_call_per_read_and_training_matches_torch()
             assert len(calls) <= reads + 1  # a call per read, one for the stores queued at the end
             out.square().mean().backward()
             ps_model.step()
-            optimizer.zero_grad()
-            reference(x).square().mean().backward()
-            optimizer.step()
-        for (name, got), want in zip(ps_model.unwrap().named_parameters(), reference.parameters()):
-            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), name
+            reference_step(reference, optimizer, x)
+        assert_same_parameters(ps_model, reference)
 
 
 class SavesMany(nn.Module):
@@ -105,11 +113,8 @@ def test_a_run_of_loads_is_read_back_in_one_engine_call_and_training_matches_tor
             assert len([n for n in opened if n]) == runs  # one engine call per run of loads
             assert sum(opened) == kinds.count("load")
             ps_model.step()
-            optimizer.zero_grad()
-            reference(x).square().mean().backward()
-            optimizer.step()
-        for (name, got), want in zip(ps_model.unwrap().named_parameters(), reference.parameters()):
-            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), name
+            reference_step(reference, optimizer, x)
+        assert_same_parameters(ps_model, reference)
 
 
 class ChangesSaved(nn.Module):

@@ -2,14 +2,14 @@
 
 #include <algorithm>
 #include <chrono>
-#include <condition_variable>
 #include <deque>
-#include <mutex>
 #include <utility>
 
 #include "cluster/ipc_links.h"
 #include "cluster/shard_host.h"
 #include "common/byte_bound.h"
+#include "common/mutex.h"
+#include "common/thread_annotations.h"
 #include "memory/borrowed_frames.h"
 #include "memory/device_block.h"
 #include "wire/batch.h"
@@ -36,21 +36,21 @@ class ProcessNode::Queues {
   Status PushOutgoing(OutgoingMessage&& message, int64_t timeout_ms) {
     const auto bytes = static_cast<int64_t>(message.payload_bytes());
     {
-      std::unique_lock<std::mutex> lock(mu);
-      if (timeout_ms >= 0) MLT_RETURN_IF_ERROR(WaitForRoom(lock, bytes, timeout_ms));
+      MutexLock lock(&mu);
+      if (timeout_ms >= 0) MLT_RETURN_IF_ERROR(WaitForRoom(bytes, timeout_ms));
       if (aborted) return Status::Ok();
       outbox_bytes.Add(bytes);
       outbox.push_back(std::move(message));
     }
-    ready.notify_one();
+    ready.NotifyAll();
     return Status::Ok();
   }
 
   // Waits while the outbox is over its limit, as PushOutgoing does for a
   // message of no bytes.
   Status WaitForOutboxRoom(int64_t timeout_ms) {
-    std::unique_lock<std::mutex> lock(mu);
-    return WaitForRoom(lock, 0, timeout_ms);
+    MutexLock lock(&mu);
+    return WaitForRoom(0, timeout_ms);
   }
 
   // Waits up to timeout_ms for a message, then takes the queued ones in
@@ -59,9 +59,11 @@ class ProcessNode::Queues {
   std::vector<OutgoingMessage> PopOutgoing(int timeout_ms, size_t max_messages, size_t max_bytes) {
     std::vector<OutgoingMessage> taken;
     {
-      std::unique_lock<std::mutex> lock(mu);
-      ready.wait_for(lock, std::chrono::milliseconds(timeout_ms < 0 ? 0 : timeout_ms),
-                     [&] { return closed || !outbox.empty(); });
+      MutexLock lock(&mu);
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms < 0 ? 0 : timeout_ms);
+      while (!closed && outbox.empty()) {
+        if (!ready.WaitUntil(deadline)) break;
+      }
       size_t bytes = 0;
       while (!outbox.empty() && taken.size() < std::max<size_t>(max_messages, 1)) {
         const size_t next = outbox.front().payload_bytes();
@@ -72,13 +74,19 @@ class ProcessNode::Queues {
         outbox_bytes.Remove(static_cast<int64_t>(next));
       }
     }
-    if (!taken.empty()) room.notify_all();
+    if (!taken.empty()) room.NotifyAll();
     return taken;
   }
 
-  Status WaitForRoom(std::unique_lock<std::mutex>& lock, int64_t bytes, int64_t timeout_ms) {
-    const auto has_room = [&] { return closed || aborted || outbox_bytes.HasRoom(bytes); };
-    if (room.wait_for(lock, std::chrono::milliseconds(timeout_ms), has_room)) return Status::Ok();
+  Status WaitForRoom(int64_t bytes, int64_t timeout_ms) REQUIRES(mu) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+    bool has_room = closed || aborted || outbox_bytes.HasRoom(bytes);
+    while (!has_room) {
+      const bool woken = room.WaitUntil(deadline);
+      has_room = closed || aborted || outbox_bytes.HasRoom(bytes);
+      if (!woken) break;
+    }
+    if (has_room) return Status::Ok();
     // The send thread takes messages in order: the oldest one's receiver is
     // the peer that stopped taking them.
     const int stuck = outbox.empty() ? -1 : outbox.front().receiver;
@@ -89,22 +97,22 @@ class ProcessNode::Queues {
 
   void Close() {
     {
-      std::lock_guard<std::mutex> lock(mu);
+      MutexLock lock(&mu);
       closed = true;
     }
-    ready.notify_all();
-    room.notify_all();
+    ready.NotifyAll();
+    room.NotifyAll();
   }
 
   ShardHost host;
   std::shared_ptr<Device> device;  // shared with the engine and the shard
-  mutable std::mutex mu;
-  std::condition_variable ready;       // a message arrived, or closed
-  std::condition_variable room;        // bytes left, or closed or aborted
-  std::deque<OutgoingMessage> outbox;  // guarded by mu
-  ByteBound outbox_bytes;              // payload bytes in outbox; guarded by mu
-  bool closed = false;                 // guarded by mu
-  bool aborted = false;                // guarded by mu
+  mutable Mutex mu;
+  CondVar ready{&mu};  // a message arrived, or closed
+  CondVar room{&mu};   // bytes left, or closed or aborted
+  std::deque<OutgoingMessage> outbox GUARDED_BY(mu);
+  ByteBound outbox_bytes GUARDED_BY(mu);  // payload bytes in outbox
+  bool closed GUARDED_BY(mu) = false;
+  bool aborted GUARDED_BY(mu) = false;
 };
 
 size_t OutgoingMessage::payload_bytes() const {
@@ -304,26 +312,26 @@ Status ProcessNode::JoinBatch(int receiver, const std::vector<OutgoingMessage>& 
 }
 
 int64_t ProcessNode::outbox_messages() const {
-  std::lock_guard<std::mutex> lock(queues_->mu);
+  MutexLock lock(&queues_->mu);
   return static_cast<int64_t>(queues_->outbox.size());
 }
 
 int64_t ProcessNode::outbox_bytes() const {
-  std::lock_guard<std::mutex> lock(queues_->mu);
+  MutexLock lock(&queues_->mu);
   return queues_->outbox_bytes.held;
 }
 
 int64_t ProcessNode::peak_outbox_bytes() const {
-  std::lock_guard<std::mutex> lock(queues_->mu);
+  MutexLock lock(&queues_->mu);
   return queues_->outbox_bytes.peak;
 }
 
 void ProcessNode::SetOutboxLimit(int64_t bytes) {
   {
-    std::lock_guard<std::mutex> lock(queues_->mu);
+    MutexLock lock(&queues_->mu);
     queues_->outbox_bytes.SetLimit(bytes);
   }
-  queues_->room.notify_all();
+  queues_->room.NotifyAll();
 }
 
 Status ProcessNode::Deliver(const void* frame0, size_t frame0_bytes, const void* payload, size_t payload_bytes,
@@ -448,17 +456,17 @@ int64_t ProcessNode::peak_inbox_bytes() const { return queues_->host.peak_inbox_
 
 void ProcessNode::Abort(const Status& why) {
   {
-    std::lock_guard<std::mutex> lock(queues_->mu);
+    MutexLock lock(&queues_->mu);
     if (queues_->aborted) return;
     queues_->aborted = true;
   }
-  queues_->room.notify_all();
+  queues_->room.NotifyAll();
   queues_->host.StopWaiting();
   engine_->Abort(why);
 }
 
 bool ProcessNode::aborted() const {
-  std::lock_guard<std::mutex> lock(queues_->mu);
+  MutexLock lock(&queues_->mu);
   return queues_->aborted;
 }
 

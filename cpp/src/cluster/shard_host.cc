@@ -17,8 +17,8 @@ void Inbox::Start(const char* thread_name, std::function<void(Message&&)> delive
     for (;;) {
       Message message;
       {
-        std::unique_lock<std::mutex> lock(mu_);
-        ready_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        MutexLock lock(&mu_);
+        while (!stopping_ && queue_.empty()) ready_.Wait();
         if (queue_.empty()) return;  // stopping and drained
         message = std::move(queue_.front());
         queue_.pop_front();
@@ -27,10 +27,10 @@ void Inbox::Start(const char* thread_name, std::function<void(Message&&)> delive
       const auto bytes = static_cast<int64_t>(message.num_values() * sizeof(float));
       deliver(std::move(message));
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(&mu_);
         bytes_.Remove(bytes);
       }
-      room_.notify_all();
+      room_.NotifyAll();
     }
   });
 }
@@ -43,68 +43,74 @@ void Inbox::Queue(Message&& message, int64_t bytes) {
 void Inbox::Push(Message&& message) {
   const auto bytes = static_cast<int64_t>(message.num_values() * sizeof(float));
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     Queue(std::move(message), bytes);
   }
-  ready_.notify_one();
+  ready_.NotifyAll();
 }
 
 Status Inbox::PushBounded(Message&& message, int64_t timeout_ms) {
   const auto bytes = static_cast<int64_t>(message.num_values() * sizeof(float));
   {
-    std::unique_lock<std::mutex> lock(mu_);
-    const auto has_room = [&] {
-      return stopping_ || no_waiting_ || bytes_.HasRoom(bytes);
-    };
-    if (!room_.wait_for(lock, std::chrono::milliseconds(std::max<int64_t>(timeout_ms, 0)), has_room)) {
+    MutexLock lock(&mu_);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(std::max<int64_t>(timeout_ms, 0));
+    bool has_room = stopping_ || no_waiting_ || bytes_.HasRoom(bytes);
+    while (!has_room) {
+      const bool woken = room_.WaitUntil(deadline);
+      has_room = stopping_ || no_waiting_ || bytes_.HasRoom(bytes);
+      if (!woken) break;
+    }
+    if (!has_room) {
       return Status::Timeout("has held " + std::to_string(bytes_.held) + " bytes (its limit is " +
                              std::to_string(bytes_.limit) + ") for " + std::to_string(timeout_ms) + " ms");
     }
     Queue(std::move(message), bytes);
   }
-  ready_.notify_one();
+  ready_.NotifyAll();
   return Status::Ok();
 }
 
 void Inbox::SetLimit(int64_t bytes) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     bytes_.SetLimit(bytes);
   }
-  room_.notify_all();
+  room_.NotifyAll();
 }
 
 void Inbox::StopWaiting() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     no_waiting_ = true;
   }
-  room_.notify_all();
+  room_.NotifyAll();
 }
 
 int64_t Inbox::queued_bytes() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return bytes_.held;
 }
 
 int64_t Inbox::peak_bytes() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return bytes_.peak;
 }
 
 void Inbox::Stop() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     stopping_ = true;
   }
-  ready_.notify_one();
-  room_.notify_all();
+  ready_.NotifyAll();
+  room_.NotifyAll();
   if (thread_.joinable()) thread_.join();
 }
 
 ShardHost::ShardHost(int rank, int num_workers, const Config& config, std::shared_ptr<Device> device,
                      std::function<bool(int worker)> device_receivers)
-    : shard_(rank, num_workers, config.update_rule, config.max_branches, std::move(device)) {
+    : rank_(rank),
+      num_workers_(num_workers),
+      shard_(rank, num_workers, config.update_rule, config.max_branches, std::move(device)) {
   shard_.set_check_finite(config.check_finite);
   shard_.set_device_receivers(std::move(device_receivers));
   shard_.PlaceStateWhenReady(config);  // after the workers' plans: on the device if it has room (issue 16)
@@ -117,7 +123,7 @@ void ShardHost::Start(Engine* engine, Transport* transport) {
     // be filling; one from another process is complete.
     Status status = WaitReady(message.host_frame.get());
     if (status.ok()) {
-      std::lock_guard<std::mutex> lock(shard_mu_);
+      MutexLock lock(&shard_mu_);
       status = shard_.Handle(std::move(message), &replies);
     }
     if (!status.ok()) {
@@ -128,14 +134,14 @@ void ShardHost::Start(Engine* engine, Transport* transport) {
       // worker learns at once, with the status code (a NaN update is a
       // NonFinite error everywhere), and this process's own worker fails too.
       if (status.code() != StatusCode::kShutdown && message.header.request_id == 0) {
-        const Status context = status.WithContext("shard " + std::to_string(shard_.rank()) +
+        const Status context = status.WithContext("shard " + std::to_string(rank_) +
                                                   " refused a message from worker " +
                                                   std::to_string(message.header.sender));
         // Sent before this worker fails: a process whose worker failed may
         // exit, and the others must hear why rather than only that it left.
-        for (int worker = 0; worker < shard_.num_workers(); ++worker) {
-          if (worker == shard_.rank()) continue;
-          const Status sent = transport->Send(RefusalMessage(shard_.rank(), worker, message.header.table, context));
+        for (int worker = 0; worker < num_workers_; ++worker) {
+          if (worker == rank_) continue;
+          const Status sent = transport->Send(RefusalMessage(rank_, worker, message.header.table, context));
           if (!sent.ok()) Reject(sent, Message());
         }
         engine->Abort(context);
@@ -168,7 +174,7 @@ Status ShardHost::PushBounded(Message&& message, int64_t timeout_ms) {
   Status status = (to_shard ? server_inbox_ : client_inbox_).PushBounded(std::move(message), timeout_ms);
   if (status.ok()) return status;
   return Status::Timeout(std::string("the ") + (to_shard ? "shard's" : "engine's") + " inbox of worker " +
-                         std::to_string(shard_.rank()) + " " + status.message() + ": its " +
+                         std::to_string(rank_) + " " + status.message() + ": its " +
                          (to_shard ? "shard" : "row installer") + " is stuck or far slower than the engines send (" +
                          what + " waited)");
 }
@@ -197,18 +203,18 @@ void ShardHost::Stop() {
 }
 
 Status ShardHost::AddTable(const TableInfo& info) {
-  std::lock_guard<std::mutex> lock(shard_mu_);
+  MutexLock lock(&shard_mu_);
   return shard_.AddTable(info);
 }
 
 Status ShardHost::ExportTable(TableId table, ShardSlice* out) {
-  std::lock_guard<std::mutex> lock(shard_mu_);
+  MutexLock lock(&shard_mu_);
   return shard_.ExportTable(table, out);
 }
 
 Status ShardHost::ImportTable(TableId table, const float* values, size_t num_values, const float* state,
                               size_t num_state) {
-  std::lock_guard<std::mutex> lock(shard_mu_);
+  MutexLock lock(&shard_mu_);
   return shard_.ImportTable(table, values, num_values, state, num_state);
 }
 

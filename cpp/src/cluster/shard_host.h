@@ -15,13 +15,13 @@
 #pragma once
 
 #include <atomic>
-#include <condition_variable>
 #include <deque>
 #include <functional>
-#include <mutex>
 #include <thread>
 
 #include "common/byte_bound.h"
+#include "common/mutex.h"
+#include "common/thread_annotations.h"
 #include "memory/device_block.h"
 #include "mltuner/engine.h"
 #include "mltuner/transport.h"
@@ -52,15 +52,15 @@ class Inbox {
   void Stop();
 
  private:
-  void Queue(Message&& message, int64_t bytes);  // with mu_ held
+  void Queue(Message&& message, int64_t bytes) REQUIRES(mu_);
 
-  mutable std::mutex mu_;
-  std::condition_variable ready_;  // a message, or stopping
-  std::condition_variable room_;   // bytes delivered, a new limit, or no more waiting
-  std::deque<Message> queue_;
-  ByteBound bytes_;                // queued and being delivered
-  bool stopping_ = false;
-  bool no_waiting_ = false;
+  mutable Mutex mu_;
+  CondVar ready_{&mu_};  // a message, or stopping
+  CondVar room_{&mu_};   // bytes delivered, a new limit, or no more waiting
+  std::deque<Message> queue_ GUARDED_BY(mu_);
+  ByteBound bytes_ GUARDED_BY(mu_);  // queued and being delivered
+  bool stopping_ GUARDED_BY(mu_) = false;
+  bool no_waiting_ GUARDED_BY(mu_) = false;
   std::thread thread_;
 };
 
@@ -108,8 +108,10 @@ class ShardHost {
   int64_t rejected() const { return rejected_; }
 
  private:
-  ServerShard shard_;
-  std::mutex shard_mu_;  // Handle (server inbox) vs the calls above
+  const int rank_;
+  const int num_workers_;
+  Mutex shard_mu_;  // Handle (server inbox) vs the calls above
+  ServerShard shard_ GUARDED_BY(shard_mu_);
   Inbox server_inbox_;
   Inbox client_inbox_;
   std::atomic<int64_t> rejected_{0};

@@ -68,6 +68,13 @@ Status Need(const Config& config, const Example& ex, const PlanSite& site, HostM
   return Status::Ok();
 }
 
+// PreviewIteration of the example under `config`, on one local device
+// unless `site` says otherwise.
+Status Preview(const Example& ex, const Config& config, std::unique_ptr<IterationPlan>* kept, PlanPreview* out,
+               const PlanSite& site = {0, 1, true}) {
+  return PreviewIteration(config, ex.tables, ex.recording, site, kept, out);
+}
+
 }  // namespace
 
 TEST(UnlimitedOnTheCpuCountsThePoolStoresStagingAndPayloads) {
@@ -164,11 +171,11 @@ TEST(ThePreviewGivesTheLeastPoolAndKeepsAFittingPlan) {
   ASSERT_OK(BuildExample(&ex));
   std::unique_ptr<IterationPlan> kept;
   PlanPreview preview;
-  ASSERT_OK(PreviewIteration(WithBudget(2047), ex.tables, ex.recording, {0, 1, true}, &kept, &preview));
+  ASSERT_OK(Preview(ex, WithBudget(2047), &kept, &preview));
   EXPECT_EQ(preview.pool_min_bytes, 2048);
   EXPECT_TRUE(!preview.fits);
   EXPECT_TRUE(kept == nullptr);
-  ASSERT_OK(PreviewIteration(WithBudget(2048), ex.tables, ex.recording, {0, 1, true}, &kept, &preview));
+  ASSERT_OK(Preview(ex, WithBudget(2048), &kept, &preview));
   EXPECT_TRUE(preview.fits);
   ASSERT_TRUE(kept != nullptr);
   EXPECT_EQ(preview.pool_bytes, 2048);
@@ -178,12 +185,12 @@ TEST(ThePreviewGivesTheLeastPoolAndKeepsAFittingPlan) {
   // Asked again, the kept plan is described, not made again.
   const IterationPlan* first = kept.get();
   PlanPreview again;
-  ASSERT_OK(PreviewIteration(WithBudget(2048), ex.tables, ex.recording, {0, 1, true}, &kept, &again));
+  ASSERT_OK(Preview(ex, WithBudget(2048), &kept, &again));
   EXPECT_TRUE(kept.get() == first);
   EXPECT_EQ(again.description, preview.description);
   EXPECT_EQ(again.pool_min_bytes, 2048);
   kept.reset();  // another budget: another plan
-  ASSERT_OK(PreviewIteration(WithBudget(0), ex.tables, ex.recording, {0, 1, true}, &kept, &preview));
+  ASSERT_OK(Preview(ex, WithBudget(0), &kept, &preview));
   EXPECT_TRUE(preview.fits);
   EXPECT_EQ(preview.pool_min_bytes, 2048);
   EXPECT_EQ(preview.pool_bytes, 2560);
@@ -197,14 +204,12 @@ TEST(ThePreviewOfAChosenPrefetchNamesOneRegionsLeastPool) {
   ASSERT_OK(BuildExample(&ex));
   std::unique_ptr<IterationPlan> kept;
   PlanPreview preview;
-  ASSERT_OK(PreviewIteration(WithBudget(1023, kAutoPrefetchClocks), ex.tables, ex.recording, {0, 1, true}, &kept,
-                             &preview));
+  ASSERT_OK(Preview(ex, WithBudget(1023, kAutoPrefetchClocks), &kept, &preview));
   EXPECT_TRUE(!preview.fits);
   EXPECT_EQ(preview.pool_min_bytes, 1024);
   EXPECT_EQ(preview.prefetch_clocks, 0);
   // 2047: two regions (2048 B) do not fit, one does, at the full lookahead (1280 B).
-  ASSERT_OK(PreviewIteration(WithBudget(2047, kAutoPrefetchClocks), ex.tables, ex.recording, {0, 1, true}, &kept,
-                             &preview));
+  ASSERT_OK(Preview(ex, WithBudget(2047, kAutoPrefetchClocks), &kept, &preview));
   EXPECT_TRUE(preview.fits);
   EXPECT_EQ(preview.prefetch_clocks, 0);
   EXPECT_EQ(preview.pool_min_bytes, 1024);
@@ -212,14 +217,12 @@ TEST(ThePreviewOfAChosenPrefetchNamesOneRegionsLeastPool) {
   EXPECT_TRUE(preview.description.find("prefetch_clocks 0 (chosen: the budget of 2047 bytes is below the least "
                                        "pool of two regions (2048 bytes)") != std::string::npos);
   PlanPreview again;  // the kept plan, described the same
-  ASSERT_OK(PreviewIteration(WithBudget(2047, kAutoPrefetchClocks), ex.tables, ex.recording, {0, 1, true}, &kept,
-                             &again));
+  ASSERT_OK(Preview(ex, WithBudget(2047, kAutoPrefetchClocks), &kept, &again));
   EXPECT_EQ(again.pool_min_bytes, 1024);
   EXPECT_EQ(again.prefetch_clocks, 0);
   kept.reset();
   // 2560: two regions take the full lookahead; the least budget is still one region's.
-  ASSERT_OK(PreviewIteration(WithBudget(2560, kAutoPrefetchClocks), ex.tables, ex.recording, {0, 1, true}, &kept,
-                             &preview));
+  ASSERT_OK(Preview(ex, WithBudget(2560, kAutoPrefetchClocks), &kept, &preview));
   EXPECT_TRUE(preview.fits);
   EXPECT_EQ(preview.prefetch_clocks, 1);
   EXPECT_EQ(preview.pool_min_bytes, 1024);
@@ -227,8 +230,7 @@ TEST(ThePreviewOfAChosenPrefetchNamesOneRegionsLeastPool) {
   EXPECT_EQ(kept->placement.pool_min_bytes, 2048);  // the plan's own regions' least pool
   kept.reset();
   // No budget: two regions, as with prefetch_clocks 1.
-  ASSERT_OK(PreviewIteration(WithBudget(0, kAutoPrefetchClocks), ex.tables, ex.recording, {0, 1, true}, &kept,
-                             &preview));
+  ASSERT_OK(Preview(ex, WithBudget(0, kAutoPrefetchClocks), &kept, &preview));
   EXPECT_EQ(preview.prefetch_clocks, 1);
   EXPECT_EQ(preview.pool_min_bytes, 2048);
   EXPECT_EQ(preview.pool_bytes, 2560);
@@ -236,14 +238,14 @@ TEST(ThePreviewOfAChosenPrefetchNamesOneRegionsLeastPool) {
   // The automatic budget (none set, a device of 1000 B, a tenth reserved:
   // 900 B) is below one region's least pool: refused, naming it.
   PlanSite small{0, 1, false, 1000, 1000, false};
-  ASSERT_OK(PreviewIteration(WithBudget(0, kAutoPrefetchClocks), ex.tables, ex.recording, small, &kept, &preview));
+  ASSERT_OK(Preview(ex, WithBudget(0, kAutoPrefetchClocks), &kept, &preview, small));
   EXPECT_TRUE(!preview.fits && preview.automatic_budget);
   EXPECT_EQ(preview.budget_bytes, 900);
   EXPECT_EQ(preview.pool_min_bytes, 1024);
   EXPECT_EQ(preview.prefetch_clocks, 0);
   // A device of 1500 B (1350 B after the reserve) holds one region, not two.
   PlanSite larger{0, 1, false, 1500, 1500, false};
-  ASSERT_OK(PreviewIteration(WithBudget(0, kAutoPrefetchClocks), ex.tables, ex.recording, larger, &kept, &preview));
+  ASSERT_OK(Preview(ex, WithBudget(0, kAutoPrefetchClocks), &kept, &preview, larger));
   EXPECT_TRUE(preview.fits && preview.automatic_budget);
   EXPECT_EQ(preview.prefetch_clocks, 0);
   EXPECT_TRUE(preview.pool_bytes <= 1350);

@@ -67,7 +67,11 @@ Status PreviewIteration(const Config& config, const std::vector<TableInfo>& tabl
     const Placement& placement = (*kept)->placement;
     Config planned = config;  // the least budget accepted: under the budget planned with, set or automatic
     planned.device_memory_budget = placement.budget.budget;
-    result.pool_min_bytes = LeastPoolBytes(planned, tables, recording);
+    // The plan already has the least pool of its own regions; another count
+    // of regions (two chosen where the least is one's) is scheduled here.
+    result.pool_min_bytes = LeastPoolPrefetchClocks(planned) == placement.prefetch_clocks
+                                ? placement.pool_min_bytes
+                                : LeastPoolBytes(planned, tables, recording);
     result.prefetch_clocks = placement.prefetch_clocks;
     result.budget_bytes = placement.budget.budget;
     result.automatic_budget = placement.budget.automatic;

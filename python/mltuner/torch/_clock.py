@@ -94,6 +94,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, NoReturn, TypeVar
 
@@ -221,8 +222,11 @@ class ClockDriver:
         self._pending: list[int] = [0] * len(layers)
         self._grad_errors = False  # a gradient hook refused a gradient this clock
         self._updated: set[int] = set()
-        self._saved: dict[tuple[Any, ...], _ActRef] = {}
-        self._keepalive: list[torch.Tensor] = []
+        # Saved activations seen this forward, by address, layout and version,
+        # each with a weak reference to its storage: an entry counts only
+        # while that memory is alive, so a tensor that reuses the address of
+        # one freed earlier in the forward is not taken for it.
+        self._saved: dict[tuple[Any, ...], tuple[weakref.ref[torch.UntypedStorage], _ActRef]] = {}
         self._local_ptrs: set[int] = set()
         self._stale_grads = True  # parameters may hold gradients that step() did not see handed over
         self._light = False  # the light clock (module docstring): no saved-tensor hooks after the recording
@@ -481,7 +485,8 @@ class ClockDriver:
         the bytes itself (one span of memory, 4-byte aligned), the store is
         queued, open and post with the bytes to copy, for the next engine
         call: the forward then costs an engine call per layer, not two per
-        saved tensor (the tensor stays alive in ``_keepalive`` until then)."""
+        saved tensor (the queue holds the tensor until then; after it the
+        copy is on the stream, and torch may free and reuse its memory)."""
         if self._recording:
             return
         handle = self._handles[index]
@@ -673,7 +678,7 @@ class ClockDriver:
             else:
                 with self._mutating():
                     self._acts.end_forward()
-                    if self._queued_stores:  # before _keepalive lets their tensors go
+                    if self._queued_stores:
                         self._flush_posts()
         except BaseException as error:
             if self._cursor == 0 and not self._recording and self._broken is None:
@@ -683,7 +688,6 @@ class ClockDriver:
             raise
         finally:
             self._saved.clear()
-            self._keepalive.clear()  # the stored activations' memory can go now
         self._phase = Phase.BACKWARD
         return output
 
@@ -789,9 +793,9 @@ class ClockDriver:
             return tensor
         key = (address, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype,
                tensor._version)
-        ref = self._saved.get(key)
-        if ref is not None:
-            return ref  # the same tensor saved again (e.g. by ReLU and by the next Linear)
+        seen = self._saved.get(key)
+        if seen is not None and seen[0]() is not None:
+            return seen[1]  # the same tensor saved again (e.g. by ReLU and by the next Linear)
         with self._mutating():
             slot = self._next_slot
             if self._recording:
@@ -802,8 +806,7 @@ class ClockDriver:
             if index >= 0:
                 self._store(index, slot, tensor)
             ref = _ActRef(slot)
-            self._saved[key] = ref
-            self._keepalive.append(tensor)  # no address reuse while the forward runs
+            self._saved[key] = (weakref.ref(tensor.untyped_storage()), ref)
             return ref
 
     # -- the backward pass -------------------------------------------------------------

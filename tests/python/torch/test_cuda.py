@@ -189,3 +189,39 @@ def test_cuda_recompute_matches_storing_bit_for_bit() -> None:
         assert lines, saved
         if make is encoder:
             assert any("native_dropout" in line for line in lines), saved
+
+
+def test_stored_activations_leave_torch_during_the_forward_and_reused_addresses_stay_apart() -> None:
+    """Once a stored activation's copy is on the stream, the adapter holds
+    nothing of it: torch's peak during the forward stays near one block's
+    activations, not all of them (a budget would bound only the engine's
+    memory otherwise). Torch's caching allocator then hands each block the
+    address the block before freed, with the same shape and version: each
+    is still a saved activation of its own, and training matches torch."""
+    blocks, batch, width = 8, 1024, 256  # 1 MiB per activation
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(blocks))).to(GPU)
+
+    x = torch.randn(batch, width, device=GPU)
+    activation = batch * width * 4
+    reference = build()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
+    with LocalCluster(1, Config(device="cuda", wait_timeout_s=30, update_rule=UpdateRule("sgd", learning_rate=0.05))
+                      ) as cluster:
+        ps_model = mt.wrap(build(), cluster.worker(0), example_input=x, store_activations=True, recompute="none")
+        for _ in range(4):
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated(GPU)
+            torch.cuda.reset_peak_memory_stats(GPU)
+            out = ps_model(x)
+            peak = torch.cuda.max_memory_allocated(GPU) - before
+            assert peak <= 4 * activation, f"{peak / activation:.1f} activations alive at once"
+            out.square().mean().backward()
+            ps_model.step()
+            optimizer.zero_grad()
+            reference(x).square().mean().backward()
+            optimizer.step()
+        for (name, got), want in zip(ps_model.unwrap().named_parameters(), reference.parameters()):
+            assert torch.allclose(got, want, rtol=1e-4, atol=1e-6), name

@@ -6,6 +6,7 @@ autograd saved it is refused, as torch's own backward refuses it."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import pytest
@@ -145,3 +146,59 @@ def test_an_activation_changed_in_place_after_it_was_saved_is_refused() -> None:
         with pytest.raises(UnsupportedModelError, match="modified in place after autograd saved it"):
             ps_model(x).sum().backward()
             ps_model.step()
+
+
+class Watch:
+    """Weak references to the storage of each block's output, and which of
+    them the last block found alive (None: not watching)."""
+
+    def __init__(self) -> None:
+        self.refs: list[Any] | None = None
+        self.alive: list[bool] = []
+
+
+class Watched(nn.Module):
+    """A Linear and a tanh whose output (saved by tanh and by the next
+    layer) is watched through a weak reference to its storage."""
+
+    def __init__(self, width: int, watch: Watch, last: bool = False) -> None:
+        super().__init__()
+        self.linear, self.watch, self.last = nn.Linear(width, width), watch, last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.tanh(self.linear(x))
+        refs = self.watch.refs
+        if refs is not None and self.last:
+            self.watch.alive = [ref() is not None for ref in refs]
+        elif refs is not None:
+            refs.append(weakref.ref(out.untyped_storage()))
+        return out
+
+
+def test_stored_activations_are_freed_during_the_forward_and_training_matches_torch() -> None:
+    # Each block is a layer: a block's saved output goes to the engine with
+    # a later block's read, after which nothing of the adapter's holds it.
+    # Under a budget this is what keeps the framework's own memory from
+    # holding every activation of the forward at once.
+    watch, blocks = Watch(), 6
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(*(Watched(16, watch, last=k == blocks - 1) for k in range(blocks)))
+
+    model, reference = build(), build()
+    x = torch.randn(8, 16)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    with LocalCluster(1, config()) as cluster:
+        ps_model = mt.wrap(model, cluster.worker(0), example_input=x, store_activations=True, recompute="none",
+                           example_loss=lambda out: out.square().mean())
+        for _ in range(CLOCKS):
+            watch.refs = []
+            out = ps_model(x)
+            watch.refs = None
+            assert watch.alive[:2] == [False, False], watch.alive  # gone before the forward ends
+            out.square().mean().backward()
+            ps_model.step()
+            reference_step(reference, optimizer, x)
+        assert_same_parameters(ps_model, reference)
+

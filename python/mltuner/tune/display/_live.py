@@ -103,8 +103,9 @@ def describe(record: Mapping[str, Any]) -> str | None:
         if record.get("check"):
             return (f"epoch {record.get('epoch')}: climb check, the current setting against its "
                     f"learning rate a step up (the searches' share of the job is spent)")
-        why = ("validation stopped improving" if record.get("reason") == "plateau"
-               else f"{record.get('epoch')} epochs trained")
+        why = {"plateau": "validation stopped improving",
+               "untuned": "the start setting moved the loss off its start (the initial search saw no progress)"
+               }.get(str(record.get("reason")), f"{record.get('epoch')} epochs trained")
         return f"epoch {record.get('epoch')}: {why}, re-tune"
     if event == "retune_skipped":
         if record.get("reason") == "at_fastest":

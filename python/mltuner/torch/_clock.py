@@ -226,7 +226,7 @@ class ClockDriver:
         # each with a weak reference to its storage: an entry counts only
         # while that memory is alive, so a tensor that reuses the address of
         # one freed earlier in the forward is not taken for it.
-        self._saved: dict[tuple[Any, ...], tuple[weakref.ref[torch.UntypedStorage], _ActRef]] = {}
+        self._saved: dict[tuple[Any, ...], tuple[weakref.ref[torch.UntypedStorage], _ActRef | None]] = {}
         self._local_ptrs: set[int] = set()
         self._stale_grads = True  # parameters may hold gradients that step() did not see handed over
         self._light = False  # the light clock (module docstring): no saved-tensor hooks after the recording
@@ -795,19 +795,21 @@ class ClockDriver:
                tensor._version)
         seen = self._saved.get(key)
         if seen is not None and seen[0]() is not None:
-            return seen[1]  # the same tensor saved again (e.g. by ReLU and by the next Linear)
+            # The same tensor saved again (e.g. by ReLU and by the next Linear).
+            return tensor if seen[1] is None else seen[1]
         with self._mutating():
             slot = self._next_slot
             if self._recording:
                 self._acts.add(tensor)
-            index = -1 if self._acts.slots[slot].recomputed else self._next("store", slot=slot)
+            layout = self._acts.slots[slot]
+            index = self._next("store", slot=slot) if layout.stored else -1
             self._acts.check(slot, key[2], key[4], key[3], self.clock)
             self._next_slot += 1
             if index >= 0:
                 self._store(index, slot, tensor)
-            ref = _ActRef(slot)
+            ref = None if layout.kept else _ActRef(slot)  # None: autograd keeps the tensor itself
             self._saved[key] = (weakref.ref(tensor.untyped_storage()), ref)
-            return ref
+            return tensor if ref is None else ref
 
     # -- the backward pass -------------------------------------------------------------
     def _unpack(self, packed: Any) -> torch.Tensor:
@@ -1215,8 +1217,8 @@ class ClockDriver:
                     f"recompute='auto' stores them all: recomputing needs a device_memory_budget of at least "
                     f"{preview.pool_min_bytes} bytes, above the {budget} bytes given")
                 tables = add_activations(worker, tables, {k: s for k, s in enumerate(self._acts.slots)
-                                                          if not any(f"a{k}" in layout
-                                                                     for _, layout in tables.activations)},
+                                                          if s.stored and not any(f"a{k}" in layout
+                                                                                  for _, layout in tables.activations)},
                                          row_width=self._row_width)
                 self._replay(tables, recorded, hold)
                 preview = worker.preview_plan()

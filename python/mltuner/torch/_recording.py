@@ -50,13 +50,20 @@ class Event:
 @dataclasses.dataclass(frozen=True)
 class Slot:
     """A saved activation of the recorded clock: its rows in the local table
-    hold its bytes, or (``recomputed``) the backward pass makes it again
-    (``_recompute.py``) and it has no rows."""
+    hold its bytes, or it has no rows: (``recomputed``) the backward pass
+    makes it again (``_recompute.py``), or (``kept``) autograd keeps the
+    tensor itself, as without ``store_activations`` (``_saved.keep_small``)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     stride: tuple[int, ...] = ()  # the forward's strides ((): contiguous)
     recomputed: bool = False
+    kept: bool = False
+
+    @property
+    def stored(self) -> bool:
+        """Whether the slot has rows in the local table."""
+        return not (self.recomputed or self.kept)
 
     def same_layout(self, stride: tuple[int, ...]) -> bool:
         """Whether ``stride`` lays a tensor of this shape out as the slot's
@@ -136,10 +143,10 @@ class Tables(NamedTuple):
 
 def create_tables(worker: Worker, layers: Sequence[Layer], slots: Sequence[Slot], *, row_width: int) -> Tables:
     """Creates one table per layer and, for the stored activations, a local
-    table (recomputed ones have no rows)."""
+    table (recomputed and kept ones have no rows)."""
     tables = [worker.create_tensor_table(f"torch:{layer.name}", layer.layout, update_rule=layer.update_rule)
               for layer in layers]
-    return add_activations(worker, Tables(tables, []), {k: s for k, s in enumerate(slots) if not s.recomputed},
+    return add_activations(worker, Tables(tables, []), {k: s for k, s in enumerate(slots) if s.stored},
                            row_width=row_width)
 
 

@@ -6,7 +6,9 @@ Each tensor autograd saves (other than parameters and buffers) is a *slot*,
 numbered in the order of the forward. A stored slot is copied into its rows
 of the local table in the forward and read back in the backward pass; a
 recomputed one (``_recompute.py``) has no rows, and the backward pass runs
-its program again. Either way a slot is made once per clock, at its first
+its program again; a kept one (:func:`keep_small`: a tiny tensor, such as
+batch norm's per-channel statistics) stays with autograd, as it would
+without ``store_activations``. Either way a slot is made once per clock, at its first
 use in the backward pass, and kept until its last use: the recording pass
 counts the uses, so that, say, a ReLU output saved by the ReLU and by the
 next convolution is loaded once, not twice.
@@ -23,7 +25,7 @@ One per :class:`~mltuner.torch._clock.ClockDriver`, used from its hooks
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -35,7 +37,39 @@ from mltuner.torch._recompute import describe as describe_program
 from mltuner.torch._recording import Event, Slot
 from mltuner.torch._trace import ForwardTrace, ParamRef, RandomStates
 
-__all__ = ["SavedActivations", "StoreAllLog", "empty_for", "read_back", "write_bytes"]
+__all__ = ["KEEP_MAX_BYTES", "KEEP_SHARE", "SavedActivations", "StoreAllLog", "empty_for", "keep_small", "read_back",
+           "write_bytes"]
+
+
+KEEP_MAX_BYTES = 64 * 1024  # the largest saved tensor autograd may keep (keep_small)
+KEEP_SHARE = 1 / 64  # ... and the most of a clock's saved bytes all kept ones may hold
+
+
+def keep_small(slots: Sequence[Slot], excluded: Iterable[int] = ()) -> set[int]:
+    """The slots autograd keeps instead of the local table: the smallest,
+    each of at most :data:`KEEP_MAX_BYTES`, while together they hold at most
+    :data:`KEEP_SHARE` of the clock's saved bytes; never one in ``excluded``
+    (recomputed, or read by a recomputation).
+
+    Why: storing a tensor costs the training thread a fixed amount per
+    tensor (a pack and an unpack hook, two engine ops into the local table
+    and two out, each a step of the access-buffer pool's chain under a
+    budget), tens of microseconds whatever its size, while 64 KiB cross
+    PCIe in under 3 us. Batch norm saves two per-channel vectors per layer:
+    half of ResNet-18's saved tensors and a thousandth of their bytes. The
+    share bounds the device memory kept outside the engine's budget."""
+    excluded = set(excluded)
+    allowed = KEEP_SHARE * sum(slot.nbytes for slot in slots)
+    kept: set[int] = set()
+    total = 0
+    for number in sorted(range(len(slots)), key=lambda k: (slots[k].nbytes, k)):
+        size = slots[number].nbytes
+        if size > KEEP_MAX_BYTES or total + size > allowed:
+            break
+        if number not in excluded and not slots[number].recomputed:
+            kept.add(number)
+            total += size
+    return kept
 
 
 def write_bytes(target: torch.Tensor, tensor: torch.Tensor, slot: Slot) -> None:
@@ -86,14 +120,17 @@ class StoreAllLog:
     least pool). The driver reports autograd's unpacks and the updates; the
     recomputations' own loads and reads are not in it."""
 
-    def __init__(self, forward: list[Event], slots: int) -> None:
-        self.events = list(forward)  # the forward's events with every store
+    def __init__(self, forward: list[Event], slots: int, kept: set[int]) -> None:
+        self.events = list(forward)  # the forward's events with every store (of a slot not kept)
         self.forward_events = len(forward)
         self.uses = [0] * slots  # per slot: autograd's unpacks in the backward pass
+        self._kept = kept
         self._loaded: set[int] = set()
         self._open: set[int] = set()  # layers whose backward read is open
 
     def unpack_slot(self, slot: int) -> None:
+        if slot in self._kept:
+            return
         if slot not in self._loaded:
             self._loaded.add(slot)
             self.events.append(Event("load", slot=slot))
@@ -195,35 +232,41 @@ class SavedActivations:
 
     def choose(self, events: list[Event], modules: Iterable[nn.Module]) -> list[Event]:
         """End of the recording forward: chooses the slots to recompute
-        (``_recompute.choose``) and returns ``events`` without their stores,
-        renumbering the forward reads the programs name."""
-        if self._trace is None:
-            return events
-        try:
-            programs = choose(self._trace, self._values, self.slots, frozenset(self.stored),
-                              parameters=self._parameters)
-        except Exception as error:  # noqa: BLE001 - a model the planner does not understand: store everything
-            self.recompute = False
-            self.fell_back = f"choosing what to recompute failed: {type(error).__name__}: {error}"
-            return events
-        if not programs:
+        (``_recompute.choose``) and those autograd keeps (:func:`keep_small`),
+        and returns ``events`` without their stores, renumbering the forward
+        reads the programs name."""
+        programs: dict[int, Program] = {}
+        if self._trace is not None:
+            try:
+                programs = choose(self._trace, self._values, self.slots, frozenset(self.stored),
+                                  parameters=self._parameters)
+            except Exception as error:  # noqa: BLE001 - a model the planner does not understand: store everything
+                self.recompute = False
+                self.fell_back = f"choosing what to recompute failed: {type(error).__name__}: {error}"
+        kept = keep_small(self.slots, {slot for p in programs.values() for _, slot in p.leaves} | programs.keys())
+        if not programs and not kept:
             return events
         index: dict[int, int] = {}
-        kept: list[Event] = []
+        left: list[Event] = []
         for number, event in enumerate(events):
-            if event.kind == "store" and event.slot in programs:
+            if event.kind == "store" and (event.slot in programs or event.slot in kept):
                 continue
-            index[number] = len(kept)
-            kept.append(event)
+            index[number] = len(left)
+            left.append(event)
+        self.slots = [dataclasses.replace(s, recomputed=k in programs, kept=k in kept)
+                      for k, s in enumerate(self.slots)]
+        if not programs:
+            return left
+        assert self._trace is not None
         remap_reads(self._trace, programs, index)
-        self.store_all = StoreAllLog(events, len(self.slots))
+        self.store_all = StoreAllLog([e for e in events if not (e.kind == "store" and e.slot in kept)],
+                                     len(self.slots), kept)
         self._programs = programs
         self._modes = [module.training for module in modules]
-        self.slots = [dataclasses.replace(s, recomputed=True) if k in programs else s for k, s in enumerate(self.slots)]
         nodes = self._trace.nodes
         self._random_wanted = {nodes[n].seeded: nodes[n].func for p in programs.values() for n in p.nodes
                                if nodes[n].seeded >= 0}
-        return kept
+        return left
 
     def store_everything(self, why: str) -> tuple[list[Event], int]:
         """Gives up recomputing (``why``, for :meth:`summary`): every slot is
@@ -279,6 +322,9 @@ class SavedActivations:
                 if entry[1] <= 0:
                     del self._memo[slot]
             return entry[0]  # type: ignore[no-any-return]
+        if self.slots[slot].kept:  # the recording only: later clocks hand autograd the tensor itself
+            assert recording
+            return self._originals[slot]
         if self.slots[slot].recomputed:
             tensor = self._recomputed(slot, recording, load, param)
         else:
@@ -345,23 +391,29 @@ class SavedActivations:
             program = self._programs.get(number)
             if program is not None and self._trace is not None:
                 lines.append(f"{head}: {describe_program(program, self._trace)}")
+            elif slot.kept:
+                lines.append(f"{head}: kept by autograd (small)")
             else:
                 lines.append(f"{head}: stored")
         return lines
 
     def summary(self) -> str:
-        """How many slots are stored and recomputed, with their bytes."""
-        total = sum(s.nbytes for s in self.slots)
-        recomputed = [s for s in self.slots if s.recomputed]
+        """How many slots are stored, recomputed and kept, with their bytes."""
+        kept = [s for s in self.slots if s.kept]
+        slots = [s for s in self.slots if not s.kept]
+        total = sum(s.nbytes for s in slots)
+        recomputed = [s for s in slots if s.recomputed]
         gone = sum(s.nbytes for s in recomputed)
+        small = (f"; {len(kept)} small ones kept by autograd ({sum(s.nbytes for s in kept)} B)" if kept else "")
         if self.fell_back:
-            return (f"saved activations: {len(self.slots)} stored ({total} B per clock), none recomputed "
-                    f"({self.fell_back})")
+            return (f"saved activations: {len(slots)} stored ({total} B per clock), none recomputed "
+                    f"({self.fell_back}){small}")
         if not self.recompute:
-            return (f"saved activations: {len(self.slots)} stored ({total} B per clock), none recomputed "
-                    "(recompute='none', or 'auto' without a device_memory_budget)")
+            return (f"saved activations: {len(slots)} stored ({total} B per clock), none recomputed "
+                    f"(recompute='none', or 'auto' without a device_memory_budget){small}")
         first = min(self.stored, default=0)
         spoiled = (f", {len(self.stored)} stored because running their ops again failed or gave other bytes "
                    f"(#{first}: {self.stored[first]})" if self.stored else "")
-        return (f"saved activations: {len(self.slots) - len(recomputed)} stored ({total - gone} B per clock), "
-                f"{len(recomputed)} recomputed in the backward pass from stored ones ({gone} B not stored{spoiled})")
+        return (f"saved activations: {len(slots) - len(recomputed)} stored ({total - gone} B per clock), "
+                f"{len(recomputed)} recomputed in the backward pass from stored ones ({gone} B not stored{spoiled})"
+                f"{small}")

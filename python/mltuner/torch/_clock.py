@@ -108,7 +108,8 @@ from mltuner.torch._buffers import app_stream, as_tensor, buffer_key, placeholde
 from mltuner.torch._errors import IterationMismatchError, UnsupportedModelError
 from mltuner.torch._layers import Layer
 from mltuner.torch._pattern import reason, refusal
-from mltuner.torch._recording import Event, Slot, Tables, add_activations, create_tables, describe, for_holding, replay
+from mltuner.torch._recording import (Event, Tables, add_activations, create_tables, describe, for_holding, replay,
+                                      store_groups)
 from mltuner.torch._saved import SavedActivations, empty_for, read_back, write_bytes
 from mltuner.torch._trace import ParamRef
 
@@ -255,7 +256,12 @@ class ClockDriver:
         # taken out for the clock's forward (module docstring).
         self._layer_hooks: list[tuple[dict[int, Any], int, Any]] = []
         self._opened: dict[int, Any] = {}  # read event -> its buffer, opened by the batch
-        self._loaded: dict[int, torch.Tensor] = {}  # load event -> its tensor, read back ahead (_load)
+        self._read_back: dict[int, torch.Tensor] = {}  # slot -> its tensor, read back ahead of its use (_load)
+        # Stored activations sharing one local access (_recording.store_groups):
+        # slot -> its group's slots, and slot -> (offset, floats) in the access.
+        self._groups: dict[int, tuple[int, ...]] = {}
+        self._spans: dict[int, tuple[int, int]] = {}
+        self._filling: dict[int, list[tuple[int, int, int]]] = {}  # group (first slot) -> pieces to store
         self._queued: list[tuple[Any, ...]] = []  # ops for the next engine call (_post, _store)
         self._queued_stores: list[tuple[torch.Tensor, int, int]] = []  # queued stores: (tensor, _version, slot)
         self._queued_grads: list[torch.Tensor] = []  # gradients the queued updates copy from
@@ -492,6 +498,19 @@ class ClockDriver:
         handle = self._handles[index]
         layout = self._acts.slots[slot]
         address = tensor.data_ptr()
+        if slot in self._groups:  # one access for the group, opened at its first slot's store
+            if address % 4:  # a view at an odd offset: the engine copies whole words
+                tensor = tensor.clone(memory_format=torch.preserve_format)
+                address = tensor.data_ptr()
+            piece = (address, *self._spans[slot])
+            first = self._groups[slot][0]
+            if handle >= 0:  # the post goes to the engine with the next call, after the group's last store
+                pieces = self._filling[first] = [piece]
+                self._queued += [(_LOCAL, handle), (_POST_LOCAL, handle, pieces)]
+            else:
+                self._filling[first].append(piece)
+            self._queued_stores.append((tensor, tensor._version, slot))
+            return
         if layout.exact_layout and address % 4 == 0 and layout.nbytes % 4 == 0:
             self._queued += [(_LOCAL, handle), (_POST_LOCAL, handle, [(address, 0, layout.nbytes // 4)])]
             self._queued_stores.append((tensor, tensor._version, slot))
@@ -507,31 +526,43 @@ class ClockDriver:
         index = self._next("load", slot=slot)
         if self._recording:
             return self._acts.original(slot)
-        out = self._loaded.pop(index, None)
+        out = self._read_back.pop(slot, None)
         if out is not None:
             return out
-        layout = self._acts.slots[slot]
-        if layout.nbytes % 4 == 0:  # the engine copies the bytes out, in the same call that opens the rows
-            out = self._queue_load(index, layout)
-            events = self._events
+        if self._handles[index] < 0:
+            raise AssertionError(f"saved activation #{slot} was not read back with its group")
+        if self._by_engine(slot):  # the engine copies the bytes out, in the same call that opens the rows
+            self._queue_load(index)
+            events, handles = self._events, self._handles
             ahead = index + 1
             while (ahead < len(events) and ahead - index <= _MAX_LOADS_AHEAD and events[ahead].kind == "load"
-                   and (following := self._acts.slots[events[ahead].slot]).nbytes % 4 == 0):
-                self._loaded[ahead] = self._queue_load(ahead, following)
+                   and self._by_engine(events[ahead].slot)):
+                if handles[ahead] >= 0:  # (else a slot of a group queued here already)
+                    self._queue_load(ahead)
                 ahead += 1
             self._flush_posts()
-            return out
+            return self._read_back.pop(slot)
+        layout = self._acts.slots[slot]
         out = read_back(self._local_bytes(self._open(_LOCAL, self._handles[index])), layout, self.device)
         self._post(_POST_LOCAL, self._handles[index])
         return out
 
-    def _queue_load(self, index: int, layout: Slot) -> torch.Tensor:
+    def _by_engine(self, slot: int) -> bool:
+        """Whether the engine copies a stored activation out itself (whole
+        float32 words; a group's slots always)."""
+        return slot in self._groups or self._acts.slots[slot].nbytes % 4 == 0
+
+    def _queue_load(self, index: int) -> None:
         """Queues the open and the post of load event ``index``, the post
-        copying the rows out into the tensor returned."""
-        handle = self._handles[index]
-        out = empty_for(layout, self.device)
-        self._queued += [(_LOCAL, handle), (_POST_LOCAL, handle, (), [(out.data_ptr(), 0, layout.nbytes // 4)])]
-        return out
+        copying the rows out into new tensors, one per slot of its group
+        (or its slot alone), kept in ``_read_back`` until autograd asks."""
+        handle, slot = self._handles[index], self._events[index].slot
+        pieces = []
+        for member in self._groups.get(slot, (slot,)):
+            layout = self._acts.slots[member]
+            out = self._read_back[member] = empty_for(layout, self.device)
+            pieces.append((out.data_ptr(), *self._spans.get(member, (0, layout.nbytes // 4))))
+        self._queued += [(_LOCAL, handle), (_POST_LOCAL, handle, (), pieces)]
 
     def _update(self, index: int, layer: Layer, grads: list[torch.Tensor]) -> None:
         if self._batched:
@@ -1067,7 +1098,8 @@ class ClockDriver:
         self._held_by_layer.clear()
         self._grad_open.clear()
         self._opened.clear()
-        self._loaded.clear()
+        self._read_back.clear()
+        self._filling.clear()
         self._queued.clear()
         self._queued_stores.clear()
         self._queued_grads.clear()
@@ -1276,8 +1308,16 @@ class ClockDriver:
             first_read = {e.layer: i for i, e in enumerate(self._events[: self._forward_events]) if e.kind == "read"}
             self._events[self._forward_events:] = sorted(self._events[self._forward_events:],
                                                          key=lambda e: first_read[e.layer])
+        self._groups = store_groups(self._events, self._acts.slots, tables,
+                                    max(4 * layer.num_values for layer in self.layers))
+        self._spans = {}
+        for members in set(self._groups.values()):
+            offset = 0
+            for slot in members:
+                self._spans[slot] = (offset, self._acts.slots[slot].nbytes // 4)
+                offset += len(tables.slot_rows(slot)[1]) * self._row_width
         self._handles = replay(self.worker, tables, self._events, slack=self._slack, hold_reads=hold,
-                               batched=self._light)
+                               batched=self._light, groups=self._groups)
 
     @property
     def tables(self) -> list[Table]:

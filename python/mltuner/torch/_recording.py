@@ -24,8 +24,10 @@ from mltuner.client._layout import TensorLayout
 from mltuner.client._worker import Table, Worker
 from mltuner.torch._layers import Layer
 
-__all__ = ["Event", "EventKind", "Slot", "Tables", "add_activations", "create_tables", "describe", "for_holding",
-           "replay"]
+__all__ = ["GROUP_MAX_BYTES", "Event", "EventKind", "Slot", "Tables", "add_activations", "create_tables", "describe",
+           "for_holding", "replay", "store_groups"]
+
+GROUP_MAX_BYTES = 4 << 20  # the most bytes of saved activations one local access moves together (store_groups)
 
 EventKind = Literal["read", "post_read", "store", "load", "read_grad", "update"]
 
@@ -133,12 +135,17 @@ class Tables(NamedTuple):
     layers: list[Table]
     activations: list[tuple[Table, TensorLayout]]
 
-    def slot_rows(self, slot: int) -> tuple[Table, Any]:
-        """The local table and rows of a stored activation."""
+    def slot_rows(self, *slots: int) -> tuple[Table, Any]:
+        """The local table and rows of stored activations (of one table), in
+        the order given."""
         for table, layout in self.activations:
-            if f"a{slot}" in layout:
-                return table, layout.rows(f"a{slot}")
-        raise KeyError(f"saved activation #{slot} has no rows")
+            if f"a{slots[0]}" in layout:
+                return table, layout.rows(*(f"a{slot}" for slot in slots))
+        raise KeyError(f"saved activation #{slots[0]} has no rows")
+
+    def table_of(self, slot: int) -> int:
+        """Which local table holds a stored activation's rows (-1: none)."""
+        return next((n for n, (_, layout) in enumerate(self.activations) if f"a{slot}" in layout), -1)
 
 
 def create_tables(worker: Worker, layers: Sequence[Layer], slots: Sequence[Slot], *, row_width: int) -> Tables:
@@ -163,19 +170,69 @@ def add_activations(worker: Worker, tables: Tables, slots: dict[int, Slot], *, r
     return Tables(tables.layers, [*tables.activations, (table, layout)])
 
 
+def store_groups(events: Sequence[Event], slots: Sequence[Slot], tables: Tables,
+                 largest: int) -> dict[int, tuple[int, ...]]:
+    """The stored activations that share one local access: within each run
+    of consecutive store events (a layer's saved tensors, as a rule), those
+    of one table whose slots the engine copies itself (one span of memory,
+    whole float32 words), in forward order, up to :data:`GROUP_MAX_BYTES`
+    and to the ``largest`` access without groups (a layer's parameters, or
+    a stored activation) a group, so that no access buffer outgrows the
+    largest one. Maps each slot of a group of two or more to the group's
+    slots.
+
+    Why: each local access costs the training thread and the engine's
+    pipeline a fixed amount (an open and a post, each a step of the
+    access-buffer pool's chain under a budget), whatever its size; a
+    group's slots are stored with one access in the forward and read back
+    with one at the first use of any of them in the backward pass."""
+    limit = min(GROUP_MAX_BYTES, max([largest, *(slot.nbytes for slot in slots if slot.stored)]))
+    groups: dict[int, tuple[int, ...]] = {}
+    filling: dict[int, tuple[list[int], int]] = {}  # table -> (its open group's slots, their bytes)
+
+    def close(table: int) -> None:
+        members, _ = filling.pop(table)
+        if len(members) > 1:
+            groups.update((number, tuple(members)) for number in members)
+
+    for index, event in enumerate(events):
+        if event.kind != "store":
+            if filling and (index == 0 or events[index - 1].kind == "store"):  # a run of stores ends
+                for table in list(filling):
+                    close(table)
+            continue
+        slot = slots[event.slot]
+        if not (slot.stored and slot.exact_layout and slot.nbytes % 4 == 0):
+            continue
+        table = tables.table_of(event.slot)
+        if table in filling and filling[table][1] + slot.nbytes > limit:
+            close(table)
+        members, size = filling.get(table, ([], 0))
+        filling[table] = ([*members, event.slot], size + slot.nbytes)
+    for table in list(filling):
+        close(table)
+    return groups
+
+
 def replay(worker: Worker, tables: Tables, events: Sequence[Event], *, slack: int, hold_reads: bool,
-           batched: bool = False) -> list[int]:
+           batched: bool = False, groups: dict[int, tuple[int, ...]] | None = None) -> list[int]:
     """Records ``events`` as the worker's virtual iteration, ending with
     ``virtual_clock``. With ``hold_reads`` a layer's forward reads stay open
     until its update. ``batched`` (the light clock) opens each update's
     buffer before the layer's reads are posted, so that the posts and the
-    next update's open are consecutive ops, one engine call. Returns, per
-    event, the handle of the access it opens (-1 for events that open none)."""
+    next update's open are consecutive ops, one engine call. ``groups``
+    (:func:`store_groups`): stored activations that share one access, at
+    the store of the group's first slot and at the first load of any of
+    them. Returns, per event, the handle of the access it opens (-1 for
+    events that open none, such as the stores and later loads of a group's
+    other slots)."""
     layer_tables = tables.layers
+    groups = groups or {}
     handles = [-1] * len(events)
     open_forward: dict[int, int] = {}
     held: dict[int, list[int]] = {}  # layer -> its held forward reads
     open_backward: dict[int, int] = {}
+    loaded: set[int] = set()  # groups (by first slot) whose load is recorded
     for index, event in enumerate(events):
         if event.kind == "read":
             handles[index] = open_forward[event.layer] = worker.virtual_read(layer_tables[event.layer], slack=slack)
@@ -186,7 +243,12 @@ def replay(worker: Worker, tables: Tables, events: Sequence[Event], *, slack: in
                 worker.virtual_post_read(open_forward.pop(event.layer))
         elif event.kind in ("store", "load"):
             fetch = event.kind == "load"
-            table, rows = tables.slot_rows(event.slot)
+            members = groups.get(event.slot, (event.slot,))
+            if members[0] in loaded if fetch else event.slot != members[0]:
+                continue  # the group's access is recorded already
+            if fetch:
+                loaded.add(members[0])
+            table, rows = tables.slot_rows(*members)
             handles[index] = worker.virtual_local_access(table, rows, fetch=fetch)
             worker.virtual_post_local_access(handles[index], keep=not fetch)
         elif event.kind == "read_grad":

@@ -99,7 +99,7 @@ def test_a_run_of_loads_is_read_back_in_one_engine_call_and_training_matches_tor
         kinds = [a.split(" ")[0] for a in ps_model.accesses]
         runs = sum(1 for k, kind in enumerate(kinds) if kind == "load" and (k == 0 or kinds[k - 1] != "load"))
         assert kinds.count("load") >= runs + 3  # runs of several loads, else the test shows nothing
-        opened: list[int] = []  # per backward engine call: the local accesses it opens
+        opened: list[int] = []  # per engine call: the local accesses it opens
         real_run = worker._run_ops
 
         def spy_run(ops: Any, stream: int) -> Any:
@@ -108,11 +108,15 @@ def test_a_run_of_loads_is_read_back_in_one_engine_call_and_training_matches_tor
 
         worker._run_ops = spy_run  # type: ignore[method-assign]
         for _ in range(CLOCKS):
+            opened.clear()
             loss = ps_model(x).square().mean()
+            # The saved tensors stored one after another share local accesses
+            # (_recording.store_groups): fewer accesses than stores.
+            assert 0 < sum(opened) < kinds.count("store")
             opened.clear()
             loss.backward()
             assert len([n for n in opened if n]) == runs  # one engine call per run of loads
-            assert sum(opened) == kinds.count("load")
+            assert 0 < sum(opened) < kinds.count("load")  # ... and a group is read back with one access
             ps_model.step()
             reference_step(reference, optimizer, x)
         assert_same_parameters(ps_model, reference)
@@ -202,3 +206,24 @@ def test_stored_activations_are_freed_during_the_forward_and_training_matches_to
             reference_step(reference, optimizer, x)
         assert_same_parameters(ps_model, reference)
 
+
+
+def test_store_groups_join_a_run_of_stores_per_table_up_to_the_largest_access() -> None:
+    from mltuner.client._layout import TensorLayout
+    from mltuner.torch._recording import Event, Slot, Tables, store_groups
+
+    slots = [Slot((256,), torch.float32) for _ in range(6)]  # 1 KiB each
+    slots.append(Slot((256,), torch.float16))  # 512 B: joins too (whole float32 words)
+    slots.append(Slot((3,), torch.float16))  # 6 B: not whole words, stored alone
+    first, second = TensorLayout(64), TensorLayout(64)
+    for number in range(len(slots)):
+        (second if number == 4 else first).add(f"a{number}", (-(-slots[number].nbytes // 4),))
+    tables = Tables([], [(None, first), (None, second)])  # type: ignore[list-item]
+    events = [Event("store", slot=0), Event("store", slot=1), Event("store", slot=2), Event("read", 0),
+              Event("store", slot=3), Event("store", slot=4), Event("store", slot=5), Event("store", slot=6),
+              Event("store", slot=7)]
+    # Groups of at most 2 KiB (the largest access); a run ends at the read;
+    # slot 4's rows are in the other table.
+    assert store_groups(events, slots, tables, largest=2048) == {0: (0, 1), 1: (0, 1), 3: (3, 5), 5: (3, 5)}
+    assert store_groups(events, slots, tables, largest=4096) == {
+        0: (0, 1, 2), 1: (0, 1, 2), 2: (0, 1, 2), 3: (3, 5, 6), 5: (3, 5, 6), 6: (3, 5, 6)}

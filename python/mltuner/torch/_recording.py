@@ -195,11 +195,10 @@ def store_groups(events: Sequence[Event], slots: Sequence[Slot], tables: Tables,
         if len(members) > 1:
             groups.update((number, tuple(members)) for number in members)
 
-    for index, event in enumerate(events):
+    for event in events:
         if event.kind != "store":
-            if filling and (index == 0 or events[index - 1].kind == "store"):  # a run of stores ends
-                for table in list(filling):
-                    close(table)
+            for table in list(filling):  # a run of stores ends
+                close(table)
             continue
         slot = slots[event.slot]
         if not (slot.stored and slot.exact_layout and slot.nbytes % 4 == 0):

@@ -8,8 +8,8 @@ of the local table in the forward and read back in the backward pass; a
 recomputed one (``_recompute.py``) has no rows, and the backward pass runs
 its program again; a kept one (:func:`keep_small`: a tiny tensor, such as
 batch norm's per-channel statistics) stays with autograd, as it would
-without ``store_activations``. Either way a slot is made once per clock, at its first
-use in the backward pass, and kept until its last use: the recording pass
+without ``store_activations``. A stored or recomputed slot is made once per
+clock, at its first use in the backward pass, and kept until its last use: the recording pass
 counts the uses, so that, say, a ReLU output saved by the ReLU and by the
 next convolution is loaded once, not twice.
 

@@ -138,10 +138,11 @@ class Tables(NamedTuple):
     def slot_rows(self, *slots: int) -> tuple[Table, Any]:
         """The local table and rows of stored activations (of one table), in
         the order given."""
-        for table, layout in self.activations:
-            if f"a{slots[0]}" in layout:
-                return table, layout.rows(*(f"a{slot}" for slot in slots))
-        raise KeyError(f"saved activation #{slots[0]} has no rows")
+        number = self.table_of(slots[0])
+        if number < 0:
+            raise KeyError(f"saved activation #{slots[0]} has no rows")
+        table, layout = self.activations[number]
+        return table, layout.rows(*(f"a{slot}" for slot in slots))
 
     def table_of(self, slot: int) -> int:
         """Which local table holds a stored activation's rows (-1: none)."""

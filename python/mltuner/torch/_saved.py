@@ -9,8 +9,8 @@ recomputed one (``_recompute.py``) has no rows, and the backward pass runs
 its program again; a kept one (:func:`keep_small`: a tiny tensor, such as
 batch norm's per-channel statistics) stays with autograd, as it would
 without ``store_activations``. A stored or recomputed slot is made once per
-clock, at its first use in the backward pass, and kept until its last use: the recording pass
-counts the uses, so that, say, a ReLU output saved by the ReLU and by the
+clock, at its first use in the backward pass, and kept until its last use:
+the recording pass counts the uses, so that, say, a ReLU output saved by the ReLU and by the
 next convolution is loaded once, not twice.
 
 A stored slot keeps the forward's strides when its tensor covers its memory
@@ -66,7 +66,7 @@ def keep_small(slots: Sequence[Slot], excluded: Iterable[int] = ()) -> set[int]:
         size = slots[number].nbytes
         if size > KEEP_MAX_BYTES or total + size > allowed:
             break
-        if number not in excluded and not slots[number].recomputed:
+        if number not in excluded:
             kept.add(number)
             total += size
     return kept

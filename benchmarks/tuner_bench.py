@@ -83,7 +83,7 @@ from figures import Figure, ratio, spread, write_figures
 from local_job import STOP_SECONDS, run_job
 
 COMMAND_START = time.perf_counter()  # --deadline counts from here
-WORKERS_CORES = 2  # each job: 2 workers on 2 cores
+CORES_PER_JOB = 2  # each job's 2 workers get 2 cores (the default of --cores-per-job)
 BEST_FIXED_GOAL_S = 120.0  # the condition on the job: the best fixed run takes >= 2 minutes
 
 
@@ -177,7 +177,9 @@ def plan(seeds: list[int], grid: list[tuple[float, int]]) -> list[Run]:
         # so their slots free early for the slow settings, which run to their
         # budget; a run the command's deadline cuts is then a slow one.
         runs += [Run(seed, "fixed", setting) for setting in sorted(grid, key=lambda s: (-s[0], -s[1]))]
-    return sorted(runs, key=lambda r: -r.weight)  # the budgeted runs first: the pool ends together
+    # The budgeted runs first, so that the pool ends together; then the fixed
+    # runs by setting across seeds, so that no seed's fast settings wait.
+    return sorted(runs, key=lambda r: (-r.weight, *((-r.setting[0], -r.setting[1]) if r.setting else (0, 0))))
 
 
 def rows_of(runs: list[Run], results: list[dict[str, Any]], seeds: list[int]) -> list[dict[str, Any]]:
@@ -361,10 +363,11 @@ def measure(args: argparse.Namespace, size: Size) -> tuple[list[dict[str, Any]],
     batches = ([int(x) for x in args.batches.split(",")] if args.batches
                else list(size.batches[1:] if args.quick else size.batches))
     grid = list(itertools.product(lrs, batches))
-    slots = core_slots(WORKERS_CORES, args.parallel)
+    slots = core_slots(args.cores_per_job, args.parallel)
     runs = plan(seeds, grid)
+    each = f"{args.cores_per_job} core{'s' if args.cores_per_job > 1 else ''} each"
     print(f"{len(runs)} jobs, {len(slots)} at once"
-          + ("" if slots[0] is None else f" (2 cores each: {', '.join(map(str, slots))})"), flush=True)
+          + ("" if slots[0] is None else f" ({each}: {', '.join(map(str, slots))})"), flush=True)
     # Generated once here, not by every job's workers at once.
     from mltuner.datasets import load_mnist1d
 
@@ -382,7 +385,7 @@ def measure(args: argparse.Namespace, size: Size) -> tuple[list[dict[str, Any]],
         "date": f"{datetime.datetime.now():%Y-%m-%d %H:%M}",
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
                    f"{platform.python_version()}, {platform.system()} {platform.release()}",
-        "runs": (f"{len(slots)} at once, 2 cores each (taskset)" if slots[0] is not None else "one at a time"),
+        "runs": (f"{len(slots)} at once, {each} (taskset)" if slots[0] is not None else "one at a time"),
         "total_s": time.perf_counter() - started,
     }
     return rows, meta
@@ -416,7 +419,11 @@ def main() -> int:
     parser.add_argument("--baseline-budget", type=float, default=None,
                         help="seconds of clocks MLtuner and each Optuna baseline may run: their job budget "
                              "(default: the size's; 0: unbounded)")
-    parser.add_argument("--parallel", type=int, default=None, help="jobs at once, 2 cores each (default cores // 2)")
+    parser.add_argument("--cores-per-job", type=int, default=CORES_PER_JOB,
+                        help="cores each job (2 workers) is pinned to on a many-core host (default 2); "
+                             "1 makes every job about twice as long")
+    parser.add_argument("--parallel", type=int, default=None,
+                        help="jobs at once (default cores // --cores-per-job)")
     parser.add_argument("--fixed-budget", type=float, default=None,
                         help="seconds of clocks a fixed run may run (default: the size's; 0: unbounded)")
     parser.add_argument("--timeout", type=float, default=None,
@@ -430,6 +437,8 @@ def main() -> int:
                         help="comma-separated --json files: one table from them, nothing run")
     parser.add_argument("--figures", metavar="PATH", help="write the headline figures for the suite (JSON)")
     args = parser.parse_args()
+    if args.cores_per_job < 1:
+        parser.error("--cores-per-job must be at least 1")
     size = SIZES[args.size]
     asked_target = args.target
     args.target = size.target if args.target is None else args.target

@@ -56,7 +56,10 @@ target for that seed (a setting that never reaches it does not count).
 
 On a host with more than 2 cores every job is pinned to 2 cores of its own
 (``taskset``) and ``--parallel`` jobs (default cores // 2) run side by side,
-the budgeted ones first; GPUs should be hidden (``CUDA_VISIBLE_DEVICES=``: the
+the budgeted ones first (``--cores-per-job 1``: one core each, twice the
+jobs at once, and every job about twice as long: on a 16-core H100 host this
+is what gives the large job a best fixed run of about 2 minutes, where 2
+cores give 70-80 s); GPUs should be hidden (``CUDA_VISIBLE_DEVICES=``: the
 benchmark suite does it). ``--json`` keeps every run's summary, and
 ``--merge`` makes one table of several such files (seeds run in separate
 commands).

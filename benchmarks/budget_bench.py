@@ -8,7 +8,7 @@ larger than the GPU. One GPU, every side measured in the same run.
 
 Models (as gpu_path_bench.py): torchvision ``resnet18(num_classes=10)`` (the
 CIFAR ResNet-18 of torch_bench.py where torchvision is missing) on 3x32x32
-inputs, batch 128 and 512, cross-entropy; 12 ``nn.TransformerEncoderLayer``
+inputs (``--image-size``), batch 128 and 512, cross-entropy; 12 ``nn.TransformerEncoderLayer``
 of width 768 (12 heads, sequence 256, batch 16), loss mean(out^2). The rule
 is momentum SGD everywhere: the servers' damped momentum
 (``h = (1-m) g + m h; w -= lr h``), which is
@@ -23,7 +23,9 @@ Sections:
   the budget two runs side by side (``--recompute both``, the default):
   every saved activation stored (``wrap(recompute="none")``), and the cheap
   ones recomputed in the backward pass (``recompute="auto"``, wrap()'s
-  default under a budget). Ratio = budget / no-budget samples/s (goal >=
+  default under a budget); ``--recompute auto,compute`` runs that and
+  ``recompute="compute"`` (convolutions and matrix products recomputed too)
+  side by side instead. Ratio = budget / no-budget samples/s (goal >=
   0.70, moonshot 0.85); bytes swapped in and out per clock from the
   engine's stats; activation bytes stored and recomputed per clock from the
   plan.
@@ -134,9 +136,10 @@ def cases(args: argparse.Namespace, device: torch.device) -> list[Case]:
         batches = (128, 512)
         width, heads, layers, seq, tbatch = 768, 12, 12, 256, 16
     for batch in batches:
-        x = torch.randn(batch, 3, 32, 32, generator=generator).to(device)
+        x = torch.randn(batch, 3, args.image_size, args.image_size, generator=generator).to(device)
         y = torch.randint(0, 10, (batch,), generator=generator).to(device)
-        out.append(Case(f"{resnet_name}, batch {batch}", resnet, x,
+        size = "" if args.image_size == 32 else f", {args.image_size}x{args.image_size}"
+        out.append(Case(f"{resnet_name}{size}, batch {batch}", resnet, x,
                         lambda o, y=y: nn.functional.cross_entropy(o, y), block_types(resnet())))
     x = torch.randn(tbatch, seq, width, generator=generator).to(device)
 
@@ -206,7 +209,8 @@ def header(args: argparse.Namespace, device: torch.device, report: Report) -> No
 
 
 # -- quarter: no budget vs 1/4 of the need ----------------------------------------------
-QUARTER_MODES = {"both": ("none", "auto"), "none": ("none",), "auto": ("auto",)}
+QUARTER_MODES = {"both": ("none", "auto"), "none": ("none",), "auto": ("auto",), "compute": ("compute",),
+                 "auto,compute": ("auto", "compute")}
 
 
 def cells_of(values: list[float], form: str) -> str:
@@ -230,7 +234,9 @@ def quarter_section(args: argparse.Namespace, device: torch.device, report: Repo
                 "as local data; the budgeted runs store activations as local data, the unconstrained "
                 "one leaves them to torch. Under the budget, side by side: " +
                 " and ".join({"none": "every saved activation stored (recompute='none')",
-                              "auto": "cheap ones recomputed in the backward pass (recompute='auto')"}[m]
+                              "auto": "cheap ones recomputed in the backward pass (recompute='auto')",
+                              "compute": "convolutions and matrix products recomputed too "
+                                         "(recompute='compute')"}[m]
                              for m in modes) +
                 "; cells with two values give them in that order. Device memory: torch peak / in use on "
                 "the device after the run (MB).")
@@ -560,8 +566,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5, quick 1)")
     parser.add_argument("--rounds", type=int, default=1, help="alternating runs of both sides; medians reported")
     parser.add_argument("--match", default="", help="only the models whose name contains this")
+    parser.add_argument("--image-size", type=int, default=32,
+                        help="ResNet-18's input height and width (default 32; 224 is ImageNet's, where the "
+                             "GPU's work, not the host's, bounds the clock)")
     parser.add_argument("--recompute", choices=tuple(QUARTER_MODES), default="both",
-                        help="quarter: the budgeted runs' wrap(recompute=): both side by side, or one")
+                        help="quarter: the budgeted runs' wrap(recompute=): both (none and auto) side by side, "
+                             "one, or auto and compute side by side")
     parser.add_argument("--prefetch-clocks", type=lambda text: None if text == "auto" else int(text), default=None,
                         help="Config.prefetch_clocks of the quarter-budget runs: auto (the default: the plan "
                              "chooses), or 0 (one pool region, half the least pool, more of the budget for "

@@ -173,7 +173,7 @@ class ClockDriver:
     device thread while the loop waits in ``backward``)."""
 
     def __init__(self, model: nn.Module, layers: list[Layer], worker: Worker, *, slack: int,
-                 store_activations: bool, row_width: int, overlap_updates: bool = True, recompute: bool = False,
+                 store_activations: bool, row_width: int, overlap_updates: bool = True, recompute: str = "none",
                  recompute_fallback: bool = False, stored: dict[int, str] | None = None,
                  hold_reads: bool | None = None) -> None:
         self.model = model
@@ -197,8 +197,10 @@ class ClockDriver:
         self._forward_events = 0
         self._init: list[torch.Tensor] = []  # per layer: its initial values, flat
         # The saved activations: stored or recomputed (_saved.py).
-        self._acts = SavedActivations(recompute=recompute and store_activations, stored=stored or {},
-                                      parameters=slack == 0 or hold_reads is True)  # hold_reads: as given to wrap()
+        # recompute: "cheap", "compute" or "none" (wrap()'s choice, "auto" resolved).
+        self._acts = SavedActivations(recompute=recompute != "none" and store_activations, stored=stored or {},
+                                      parameters=slack == 0 or hold_reads is True,  # hold_reads: as given to wrap()
+                                      compute_bound=recompute == "compute")
         self._recompute_fallback = recompute_fallback  # store everything if the recomputing plan does not fit
         self._handles: list[int] = []
         self._tables: list[Table] = []
@@ -1263,7 +1265,7 @@ class ClockDriver:
             if False not in least:  # for the message: what reading again would need
                 self._replay(tables, recorded, False)
                 least[False] = worker.preview_plan().pool_min_bytes
-            note = ("; recomputing saved activations (recompute='cheap') reads some layers' parameters earlier in "
+            note = ("; recomputing saved activations (recompute='cheap' or 'compute') reads some layers' parameters earlier in "
                     "the backward pass, which can raise the least budget: recompute='none' may need less (and "
                     "recompute='auto' falls back to it)" if self._acts.recomputing else "")
             raise ResourceExhaustedError(refusal(hold_reads, least, budget, worker.config.prefetch_clocks) + note)

@@ -23,18 +23,29 @@ device-memory traffic of storing it (two copies, each reading and writing
 its bytes). Compute-bound ops (matmul, convolution, attention) do
 ``2 K`` flops per output element, K the reduction size (hundreds to
 thousands): running them again repeats the forward's arithmetic (full
-activation checkpointing, about a third of a step more), so their outputs
-are always stored, as are tensors made from unstored inputs.
+activation checkpointing, about a third of a step more). ``"cheap"``
+always stores their outputs. ``"compute"`` also runs convolutions and
+matrix products again when the chain's work is at most
+:data:`MAX_FLOPS_PER_BYTE` (2,048) per byte it saves, counting a byte
+touched as :data:`FLOPS_PER_TOUCHED_BYTE` (16) flops (a float32 H100 does
+~50 TFLOP/s against ~3 TB/s): at 20 fs a flop that is at most 40 ps a byte,
+half the swap it avoids, and far less on tensor cores. It pays where
+the host link bounds the clock (large activations swapped to host memory:
+ImageNet-sized images), not where the host's launches do (small ones), so
+it is a choice, not the default. Attention and other compute-bound ops
+stay stored, as do tensors made from unstored inputs.
 
 The rule, per saved tensor, in the order the forward made them:
 
-1. it is made by ops that are all memory-bound (:func:`memory_bound`), each
-   replayable (no write to a parameter or buffer, no ``out=``, no copy
+1. it is made by ops that are all memory-bound (:func:`memory_bound`) or,
+   with ``"compute"``, convolutions and matrix products, each replayable (no write to a parameter or buffer, no ``out=``, no copy
    between devices, random ops only with the default generator), from
    stored or recomputed saved tensors, parameters (not under SSP without
    held reads, where a backward read may hold newer values than the
    forward's), buffers no op of the forward writes, and random state;
-2. its ops touch at most ``MAX_TOUCHED_PER_BYTE`` bytes per byte saved;
+2. its ops touch at most ``MAX_TOUCHED_PER_BYTE`` bytes per byte saved
+   (a chain with convolutions or matrix products: its work, as above, is at
+   most ``MAX_FLOPS_PER_BYTE`` per byte saved);
 3. its depth is at most :data:`MAX_DEPTH` (2): a recomputed tensor read by
    another recomputed tensor's ops must itself read only stored ones. The
    backward pass keeps a recomputed tensor until its last use, so the depth
@@ -74,14 +85,16 @@ from mltuner.torch._buffers import storage_ptr
 from mltuner.torch._recording import Slot
 from mltuner.torch._trace import BufferArg, ForwardTrace, ParamRef, ScratchArg, ValueArg, generator_of
 
-__all__ = ["MAX_DEPTH", "MAX_TOUCHED_PER_BYTE", "Program", "RECOMPUTE_CHOICES", "Recompute", "choose", "describe",
+__all__ = ["FLOPS_PER_TOUCHED_BYTE", "MAX_DEPTH", "MAX_FLOPS_PER_BYTE", "MAX_TOUCHED_PER_BYTE", "Program", "RECOMPUTE_CHOICES", "Recompute", "choose", "describe",
            "memory_bound", "remap_reads", "run"]
 
-Recompute = Literal["auto", "cheap", "none"]
-RECOMPUTE_CHOICES: tuple[Recompute, ...] = ("auto", "cheap", "none")
+Recompute = Literal["auto", "cheap", "compute", "none"]
+RECOMPUTE_CHOICES: tuple[Recompute, ...] = ("auto", "cheap", "compute", "none")
 
 MAX_DEPTH = 2
 MAX_TOUCHED_PER_BYTE = 16
+MAX_FLOPS_PER_BYTE = 2048  # "compute": a chain's work per byte saved, in flops
+FLOPS_PER_TOUCHED_BYTE = 16  # a byte read or written, in flops of work (device bandwidth against arithmetic)
 MAX_NODES = 64  # ops in one tensor's chain: a bound on the planning work, not a cost limit
 
 _aten = torch.ops.aten
@@ -132,15 +145,19 @@ class Program:
     mask_only: tuple[tuple[int, ScratchArg], ...]  # dropouts run for their mask alone, on a stand-in input
     depth: int  # 1 + the largest depth of the recomputed activations it reads (stored: 0)
     touched_bytes: int
+    flops: int  # of its convolutions and matrix products
 
 
 def choose(trace: ForwardTrace, slot_values: Sequence[int], slots: Sequence[Slot],
-           stored: frozenset[int] = frozenset(), *, parameters: bool = True) -> dict[int, Program]:
+           stored: frozenset[int] = frozenset(), *, parameters: bool = True,
+           compute_bound: bool = False) -> dict[int, Program]:
     """The saved activations to recompute (by slot) and their programs,
     under the rule of the module docstring. ``slot_values[k]`` is the value
     saved activation ``k`` holds; ``stored`` are slots never to recompute;
     ``parameters=False`` recomputes only tensors made without parameters
-    (under SSP a backward read may hold newer values than the forward's)."""
+    (under SSP a backward read may hold newer values than the forward's);
+    ``compute_bound=True`` lets chains run convolutions and matrix products
+    (``recompute="compute"``)."""
     slot_of_value: dict[int, int] = {}
     for slot, value in enumerate(slot_values):
         slot_of_value.setdefault(value, slot)
@@ -148,9 +165,8 @@ def choose(trace: ForwardTrace, slot_values: Sequence[int], slots: Sequence[Slot
     programs: dict[int, Program] = {}
     for slot in sorted(range(len(slot_values)), key=lambda k: slot_values[k]):  # producers first
         program = None if slot in stored else _program(slot, trace, slot_values, slot_of_value, slots, depth,
-                                                       parameters)
-        if program is None or program.depth > MAX_DEPTH or \
-                program.touched_bytes > MAX_TOUCHED_PER_BYTE * slots[slot].nbytes:
+                                                       parameters, compute_bound)
+        if program is None or program.depth > MAX_DEPTH or _too_costly(program, slots[slot].nbytes):
             depth[slot] = 0
         else:
             depth[slot] = program.depth
@@ -158,8 +174,16 @@ def choose(trace: ForwardTrace, slot_values: Sequence[int], slots: Sequence[Slot
     return programs
 
 
+def _too_costly(program: Program, nbytes: int) -> bool:
+    """Rule 2: the chain's cost against the bytes it saves."""
+    if program.flops == 0:
+        return program.touched_bytes > MAX_TOUCHED_PER_BYTE * nbytes
+    return program.flops + FLOPS_PER_TOUCHED_BYTE * program.touched_bytes > MAX_FLOPS_PER_BYTE * nbytes
+
+
 def _program(slot: int, trace: ForwardTrace, slot_values: Sequence[int], slot_of_value: dict[int, int],
-             slots: Sequence[Slot], depth: dict[int, int], parameters: bool) -> Program | None:
+             slots: Sequence[Slot], depth: dict[int, int], parameters: bool,
+             compute_bound: bool) -> Program | None:
     """The chain of ops that makes ``slot``'s value from other saved
     activations, parameters, buffers and random state; None if there is
     none under the rule's conditions 1 and 4."""
@@ -181,7 +205,7 @@ def _program(slot: int, trace: ForwardTrace, slot_values: Sequence[int], slot_of
             return None  # opaque: the model's input, or made outside the trace
         number, position = producer
         node = trace.nodes[number]
-        if not node.replayable or not memory_bound(node.func):
+        if not node.replayable or not (memory_bound(node.func) or (compute_bound and node.flops > 0)):
             return None
         if _name(node.func) in _UNINITIALISED and not overwritten:
             return None
@@ -220,7 +244,7 @@ def _program(slot: int, trace: ForwardTrace, slot_values: Sequence[int], slot_of
                       if trace.nodes[n].func is _DROPOUT and 0 not in wanted[n])
     return Program(slot, target, nodes, tuple(sorted(leaves.items())), mask_only,
                    1 + max((depth[s] for s in leaves.values()), default=0),
-                   sum(trace.nodes[n].touched_bytes for n in nodes))
+                   sum(trace.nodes[n].touched_bytes for n in nodes), sum(trace.nodes[n].flops for n in nodes))
 
 
 def remap_reads(trace: ForwardTrace, programs: dict[int, Program], index: dict[int, int]) -> None:

@@ -157,12 +157,16 @@ class SavedActivations:
     forward; ``stored``: slots never to recompute, with the reason (an
     earlier recording could not reproduce them); ``parameters``: whether a
     recomputation may read parameters (not under SSP without held reads: a
-    backward read may hold newer values than the forward used).
+    backward read may hold newer values than the forward used);
+    ``compute_bound``: whether a recomputation may run convolutions and
+    matrix products (``wrap(recompute="compute")``).
     """
 
-    def __init__(self, *, recompute: bool, stored: dict[int, str], parameters: bool = True) -> None:
+    def __init__(self, *, recompute: bool, stored: dict[int, str], parameters: bool = True,
+                 compute_bound: bool = False) -> None:
         self.recompute = recompute
         self._parameters = parameters  # programs may read parameters (not under SSP without held reads)
+        self._compute_bound = compute_bound
         self.stored = stored
         self.slots: list[Slot] = []
         self.unreproducible: dict[int, str] = {}  # recording: slot -> why it could not be recomputed
@@ -239,7 +243,7 @@ class SavedActivations:
         if self._trace is not None:
             try:
                 programs = choose(self._trace, self._values, self.slots, frozenset(self.stored),
-                                  parameters=self._parameters)
+                                  parameters=self._parameters, compute_bound=self._compute_bound)
             except Exception as error:  # noqa: BLE001 - a model the planner does not understand: store everything
                 self.recompute = False
                 self.fell_back = f"choosing what to recompute failed: {type(error).__name__}: {error}"

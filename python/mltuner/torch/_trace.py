@@ -115,6 +115,7 @@ class Node:
     replayable: bool = True  # False: writes a parameter, buffer or out= tensor, or two tensors; a random op
     # with a generator of its own; or an op that moves data between devices
     touched_bytes: int = 0  # bytes read and written (0 for views): the cost model's measure
+    flops: int = 0  # convolutions and matrix products: their arithmetic (2 per multiply-add); else 0
     device: torch.device | None = None  # random ops: the device whose generator they draw from
     nested: bool = False  # a template sits in a list argument (cat's tensors), or in the keyword arguments
 
@@ -137,6 +138,23 @@ def _device_of(args: Any, kwargs: dict[str, Any]) -> torch.device:
 
 def _is_seeded(func: torch._ops.OpOverload) -> bool:
     return torch.Tag.nondeterministic_seeded in func.tags
+
+
+_MATRIX_PRODUCTS = {_aten.mm.default: 0, _aten.bmm.default: 0, _aten.addmm.default: 1, _aten.baddbmm.default: 1}
+
+
+def arithmetic(func: Any, args: Any, out: Any) -> int:
+    """The flops of a convolution (not transposed) or a matrix product: 2 per
+    multiply-add, from the tensors of the call; 0 for any other op."""
+    if not isinstance(out, torch.Tensor):
+        return 0
+    if func is _aten.convolution.default and len(args) > 6 and not args[6]:  # args[6]: transposed
+        weight = args[1]
+        return 2 * out.numel() * (weight.numel() // max(1, weight.shape[0]))  # C_in / groups x kernel per output
+    position = _MATRIX_PRODUCTS.get(func)
+    if position is not None:
+        return 2 * out.numel() * int(args[position].shape[-1])
+    return 0
 
 
 def _returns_alias(func: torch._ops.OpOverload) -> list[bool | None]:
@@ -199,6 +217,7 @@ class ForwardTrace(TorchDispatchMode):  # type: ignore[no-untyped-call]
             node.replayable = kwargs.get("generator") is None
         node.args, node.kwargs = self._templates(func, node, args, kwargs)
         out = func(*args, **kwargs)
+        node.flops = arithmetic(func, args, out)
         self._add(node, out)
         return out
 

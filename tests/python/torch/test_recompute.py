@@ -168,6 +168,52 @@ def test_resnet_recomputes_batch_norm_and_relu_outputs_bit_identically(inplace: 
     assert not [access for access in cheap["accesses"] if access.split(" (")[0].rsplit(" ", 1)[-1] in numbers]
 
 
+def test_compute_also_recomputes_convolutions_bit_identically() -> None:
+    data = resnet_data()
+    make = functools_partial(resnet, False)
+    stored = train(make, data, resnet_loss, "none")
+    cheap = train(make, data, resnet_loss, "cheap")
+    compute = train(make, data, resnet_loss, "compute")
+    assert_same_training(compute, stored)
+    assert not [line for line in recomputed(cheap["saved"]) if "convolution" in line]
+    # Three convolution outputs are made again, each from its stored or
+    # recomputed input (depth 1 or 2): the stem's from the model's input, the
+    # first block's second one from its recomputed ReLU output, the second
+    # block's first one from the first block's stored output. The others
+    # would be depth 3: stored. Each does 36 flops per byte saved (2 x 3 x 3 x 8 / 4).
+    convolutions = [line for line in recomputed(compute["saved"]) if line.endswith("and parameters by convolution")]
+    assert [line.split(" ")[0] for line in convolutions] == ["#1", "#9", "#13"], compute["saved"]
+    assert len(recomputed(compute["saved"])) == 7, compute["saved"]
+    assert stored["stats"]["device_store_bytes"] - compute["stats"]["device_store_bytes"] == 7 * ACT_BYTES
+    assert sum("store of saved activation" in access for access in compute["accesses"]) == 4
+
+
+@pytest.mark.parametrize("features", [64, 8192])
+def test_compute_recomputes_a_matrix_product_within_its_flops_per_byte(features: int) -> None:
+    """Linear(features, 16) then ReLU on 2 samples: the ReLU output (saved by
+    ReLU and by the next Linear, 128 B) is made by addmm and relu from the
+    stored input. With 64 features the chain does 4,096 flops and touches
+    about 5 KB (its weight, mostly): about 650 flops of work per byte saved,
+    recomputed. With 8,192 it does 524,288 and touches about 580 KB: far
+    over the bound (2,048), stored."""
+    generator = torch.Generator().manual_seed(1)
+    data = (torch.randn(CLOCKS, 2, features, generator=generator), torch.randint(0, 4, (CLOCKS, 2), generator=generator))
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(features, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    compute = train(make, data, resnet_loss, "compute")
+    lines = recomputed(compute["saved"])
+    assert (recompute_module.MAX_FLOPS_PER_BYTE, recompute_module.FLOPS_PER_TOUCHED_BYTE) == (2048, 16)
+    if features == 64:
+        assert len(lines) == 1 and lines[0].endswith("by addmm, relu"), compute["saved"]
+        assert_same_training(compute, train(make, data, resnet_loss, "none"))
+    else:
+        assert not lines, compute["saved"]
+    assert not recomputed(train(make, data, resnet_loss, "cheap")["saved"])  # cheap never runs addmm again
+
+
 def stored_bytes(saved: list[str], left_out: list[str]) -> int:
     """The bytes of the saved activations but those ``left_out``, from their shapes and dtypes in words."""
     total = 0
@@ -333,8 +379,9 @@ def test_bad_recompute_arguments_are_refused() -> None:
     x, y = resnet_data()
     for kwargs, match in [
         ({"recompute": "cheap"}, r"recompute='cheap' needs store_activations=True"),
-        ({"recompute": "always", "store_activations": True}, r"recompute must be one of 'auto', 'cheap', 'none', "
-                                                             r"got 'always'"),
+        ({"recompute": "compute"}, r"recompute='compute' needs store_activations=True"),
+        ({"recompute": "always", "store_activations": True}, r"recompute must be one of 'auto', 'cheap', "
+                                                             r"'compute', 'none', got 'always'"),
         ({"recompute": True, "store_activations": True}, r"recompute must be one of .* got True"),
     ]:
         model = resnet()

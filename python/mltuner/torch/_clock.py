@@ -1265,9 +1265,9 @@ class ClockDriver:
             if False not in least:  # for the message: what reading again would need
                 self._replay(tables, recorded, False)
                 least[False] = worker.preview_plan().pool_min_bytes
-            note = ("; recomputing saved activations (recompute='cheap' or 'compute') reads some layers' parameters earlier in "
-                    "the backward pass, which can raise the least budget: recompute='none' may need less (and "
-                    "recompute='auto' falls back to it)" if self._acts.recomputing else "")
+            note = ("; recomputing saved activations (recompute='cheap' or 'compute') reads some layers' "
+                    "parameters earlier in the backward pass, which can raise the least budget: recompute='none' "
+                    "may need less (and recompute='auto' falls back to it)" if self._acts.recomputing else "")
             raise ResourceExhaustedError(refusal(hold_reads, least, budget, worker.config.prefetch_clocks) + note)
         self.hold_choice = reason(hold_reads, self._store_activations, chosen, least, budget)
         self._acts.end_planning()

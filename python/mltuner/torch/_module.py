@@ -335,9 +335,9 @@ def _recompute_choice(recompute: object, store_activations: bool, worker: Worker
         )
     if recompute in ("cheap", "compute") and not store_activations:
         raise InvalidArgumentError(
-            f"recompute={recompute!r} needs store_activations=True: it decides which saved activations the engine's "
-            "local table stores and which the backward pass makes again; without store_activations torch keeps "
-            "every saved tensor itself"
+            f"recompute={recompute!r} needs store_activations=True: it decides which saved activations the "
+            "engine's local table stores and which the backward pass makes again; without store_activations "
+            "torch keeps every saved tensor itself"
         )
     if recompute == "auto":
         return "cheap" if store_activations and worker.config.device_memory_budget > 0 else "none"
@@ -484,11 +484,12 @@ def wrap(
             for bit those of storing everything (the recording pass checks
             each recomputed tensor against the forward's and stores the ones
             that differ). ``"compute"``: ``"cheap"``, and convolutions and
-            matrix products run again too where they do at most 2,048 flops
-            per byte saved (activation checkpointing's trade): for budgets
-            where the host link bounds the clock, i.e. large activations
-            swapped to host memory (ResNet-18 on 224x224 images at a quarter
-            of its need: 1.3-1.4x faster than ``"cheap"`` on an H100).
+            matrix products run again too where their work is at most 2,048
+            flops per byte saved (activation checkpointing's trade): for
+            budgets where the host link bounds the clock, i.e. large
+            activations swapped to host memory (ResNet-18 on 224x224 images
+            at a quarter of its need: about 1.3x faster than ``"cheap"`` on
+            an H100).
             ``"none"``: store every saved activation. ``"auto"`` (the
             default): ``"cheap"`` when storing activations under a
             ``Config.device_memory_budget``, else ``"none"``.

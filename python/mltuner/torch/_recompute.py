@@ -38,8 +38,9 @@ stay stored, as do tensors made from unstored inputs.
 The rule, per saved tensor, in the order the forward made them:
 
 1. it is made by ops that are all memory-bound (:func:`memory_bound`) or,
-   with ``"compute"``, convolutions and matrix products, each replayable (no write to a parameter or buffer, no ``out=``, no copy
-   between devices, random ops only with the default generator), from
+   with ``"compute"``, convolutions and matrix products, each replayable
+   (no write to a parameter or buffer, no ``out=``, no copy between
+   devices, random ops only with the default generator), from
    stored or recomputed saved tensors, parameters (not under SSP without
    held reads, where a backward read may hold newer values than the
    forward's), buffers no op of the forward writes, and random state;
@@ -85,8 +86,8 @@ from mltuner.torch._buffers import storage_ptr
 from mltuner.torch._recording import Slot
 from mltuner.torch._trace import BufferArg, ForwardTrace, ParamRef, ScratchArg, ValueArg, generator_of
 
-__all__ = ["FLOPS_PER_TOUCHED_BYTE", "MAX_DEPTH", "MAX_FLOPS_PER_BYTE", "MAX_TOUCHED_PER_BYTE", "Program", "RECOMPUTE_CHOICES", "Recompute", "choose", "describe",
-           "memory_bound", "remap_reads", "run"]
+__all__ = ["FLOPS_PER_TOUCHED_BYTE", "MAX_DEPTH", "MAX_FLOPS_PER_BYTE", "MAX_TOUCHED_PER_BYTE", "Program",
+           "RECOMPUTE_CHOICES", "Recompute", "choose", "describe", "memory_bound", "remap_reads", "run"]
 
 Recompute = Literal["auto", "cheap", "compute", "none"]
 RECOMPUTE_CHOICES: tuple[Recompute, ...] = ("auto", "cheap", "compute", "none")

@@ -197,7 +197,8 @@ def test_compute_recomputes_a_matrix_product_within_its_flops_per_byte(features:
     recomputed. With 8,192 it does 524,288 and touches about 580 KB: far
     over the bound (2,048), stored."""
     generator = torch.Generator().manual_seed(1)
-    data = (torch.randn(CLOCKS, 2, features, generator=generator), torch.randint(0, 4, (CLOCKS, 2), generator=generator))
+    data = (torch.randn(CLOCKS, 2, features, generator=generator),
+            torch.randint(0, 4, (CLOCKS, 2), generator=generator))
 
     def make() -> nn.Module:
         torch.manual_seed(0)

@@ -308,20 +308,29 @@ class ClockDriver:
     def _grad_hook(self, layer: Layer, position: int) -> Callable[[torch.Tensor], None]:
         """One parameter's gradient hook: marks the gradient as arrived and,
         for the layer's last one, ships the update (:meth:`_layer_done`).
-        Anything unusual goes to :meth:`_refuse_gradient`, which raises."""
+        Anything unusual goes to :meth:`_refuse_gradient`, which raises.
+
+        The hook holds the driver and its layer weakly: torch keeps a
+        tensor's post-accumulate hooks in C++, where the garbage collector
+        does not see them, so a strong reference would keep the driver, its
+        worker and the engine's memory alive after the model is dropped."""
         index = layer.index
         marks = self._marks[index]
         pending = self._pending
+        driver_ref = weakref.ref(self)
 
         def hook(param: torch.Tensor) -> None:
-            serial = self._serial
-            if (self._phase is not Phase.BACKWARD or marks[position] == serial or pending[index] <= 0
-                    or self._broken is not None):
-                self._refuse_gradient(layer, position, param)
+            driver = driver_ref()
+            if driver is None:
+                return  # the wrapped model is gone: its gradients go nowhere
+            serial = driver._serial
+            if (driver._phase is not Phase.BACKWARD or marks[position] == serial or pending[index] <= 0
+                    or driver._broken is not None):
+                driver._refuse_gradient(driver.layers[index], position, param)
             marks[position] = serial
             pending[index] -= 1
             if pending[index] == 0:
-                self._layer_done(layer)
+                driver._layer_done(driver.layers[index])
         return hook
 
     # -- state checks ----------------------------------------------------------------

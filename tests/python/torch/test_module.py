@@ -5,6 +5,8 @@ recorded accesses."""
 from __future__ import annotations
 
 import argparse
+import gc
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -178,6 +180,24 @@ def test_evaluation_state_dict_and_unwrap() -> None:
     for name in state:
         assert torch.equal(state[name], state_mid[name]), name
     assert not torch.equal(state["0.weight"], mlp().state_dict()["0.weight"])
+
+
+@pytest.mark.parametrize("store_activations", [False, True], ids=["plain", "store_activations"])
+def test_a_dropped_wrapped_model_leaves_nothing_alive(store_activations: bool) -> None:
+    """Once the training loop drops the wrapped model, its clock driver (and
+    with it the worker's tables and the engine's memory) can be collected:
+    torch keeps parameter hooks in C++, out of the garbage collector's sight,
+    so a hook holding the driver would keep it forever."""
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    with LocalCluster(1, Config(wait_timeout_s=20)) as cluster:
+        ps_model = mt.wrap(mlp(), cluster.worker(0), example_input=x, store_activations=store_activations)
+        for _ in range(2):
+            F.cross_entropy(ps_model(x), y).backward()
+            ps_model.step()
+        driver = weakref.ref(ps_model._driver)
+        del ps_model
+    gc.collect()
+    assert driver() is None
 
 
 def test_frozen_parameters_and_buffers_stay_with_each_worker(run_workers: Callable[..., list[Any]]) -> None:

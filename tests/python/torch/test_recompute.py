@@ -188,6 +188,21 @@ def test_compute_also_recomputes_convolutions_bit_identically() -> None:
     assert sum("store of saved activation" in access for access in compute["accesses"]) == 4
 
 
+def test_compute_recomputes_a_transformers_projections_bit_identically() -> None:
+    """With dropout replayed: the attention's projections (mm, addmm) and
+    its scores (bmm, softmax) are made again; the same bits as storing all."""
+    data = transformer_data()
+    make = functools_partial(transformer, 0.1)
+    cheap = train(make, data, transformer_loss, "cheap")
+    compute = train(make, data, transformer_loss, "compute")
+    assert_same_training(compute, train(make, data, transformer_loss, "none"))
+    products = [line for line in recomputed(compute["saved"]) if " by mm" in line or " by addmm" in line
+                or " by bmm" in line]
+    assert products, compute["saved"]
+    assert len(recomputed(compute["saved"])) > len(recomputed(cheap["saved"]))
+    assert compute["stats"]["device_store_bytes"] < cheap["stats"]["device_store_bytes"]
+
+
 @pytest.mark.parametrize("features", [64, 8192])
 def test_compute_recomputes_a_matrix_product_within_its_flops_per_byte(features: int) -> None:
     """Linear(features, 16) then ReLU on 2 samples: the ReLU output (saved by

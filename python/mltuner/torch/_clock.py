@@ -310,10 +310,11 @@ class ClockDriver:
         for the layer's last one, ships the update (:meth:`_layer_done`).
         Anything unusual goes to :meth:`_refuse_gradient`, which raises.
 
-        The hook holds the driver and its layer weakly: torch keeps a
-        tensor's post-accumulate hooks in C++, where the garbage collector
-        does not see them, so a strong reference would keep the driver, its
-        worker and the engine's memory alive after the model is dropped."""
+        The hook holds the driver weakly and finds the layer through it:
+        torch keeps a tensor's post-accumulate hooks in C++, where the
+        garbage collector does not see them, so a strong reference would
+        keep the driver, its worker and the engine's memory alive after the
+        model is dropped."""
         index = layer.index
         marks = self._marks[index]
         pending = self._pending

@@ -99,6 +99,30 @@ int64_t LeastPool(const std::vector<TableInfo>& tables, const Recording& recordi
   return bytes;
 }
 
+// The host link carries both directions at once: a clock moves at least the
+// busier one's bytes.
+int64_t BusierLinkBytes(const Placement& plan) {
+  return std::max(plan.traffic.host_to_device(), plan.traffic.device_to_host());
+}
+
+// Raises `schedule` (which fits `budget`) to the largest lookahead up to
+// `most_ops` whose pool fits `budget`. The packing need not grow
+// monotonically with the lookahead: the search keeps what it checked.
+void LargestLookahead(const Recording& recording, const std::vector<int64_t>& buffer_bytes, int regions,
+                      int64_t budget, int most_ops, BufferSchedule* schedule) {
+  int fits = schedule->lookahead_ops, too_big = most_ops + 1;
+  while (too_big - fits > 1) {
+    const int mid = fits + (too_big - fits) / 2;
+    BufferSchedule trial = ScheduleBuffers(recording, buffer_bytes, regions, mid);
+    if (PoolBytes(trial) <= budget) {
+      fits = mid;
+      *schedule = std::move(trial);
+    } else {
+      too_big = mid;
+    }
+  }
+}
+
 // The placement with `prefetch` clocks ahead (1 + prefetch regions); the
 // caller names the choice. `refusal_note` ends the message of a budget below
 // the least pool.
@@ -124,28 +148,14 @@ Status PlanWithPrefetch(const Config& config, int prefetch, const std::vector<Ta
         << " bytes at op " << plan.peak_op << ")" << refusal_note;
     return Status::ResourceExhausted(msg.str());
   }
-  // Lookahead first: the largest whose pool fits the budget. Without it the
-  // allocator can fill a buffer only once the one before it on the same
-  // addresses is reclaimed, so every swap waits for the op before it; with
-  // it, swaps overlap compute, which pays more than the bytes the stores
-  // below would have kept on the device (budget_profile.py: the 12-layer
-  // transformer at a quarter of its need, 0.61 -> 0.78 of no budget, moving
-  // 40% more bytes per clock).
+  // Lookahead up to a floor first, then stores, then more lookahead with what
+  // the stores left (item 2 of placement.h).
   const int num_ops = static_cast<int>(recording.ops.size());
+  const int floor_ops = std::min(num_ops, kLookaheadFloorOps);
   if (unlimited) {
     plan.buffers = ScheduleBuffers(recording, buffer_bytes, regions, num_ops);
   } else {
-    int fits = 0, too_big = num_ops + 1;  // the packing need not grow monotonically: keep what was checked
-    while (too_big - fits > 1) {
-      const int mid = fits + (too_big - fits) / 2;
-      BufferSchedule trial = ScheduleBuffers(recording, buffer_bytes, regions, mid);
-      if (PoolBytes(trial) <= config.device_memory_budget) {
-        fits = mid;
-        plan.buffers = std::move(trial);
-      } else {
-        too_big = mid;
-      }
-    }
+    LargestLookahead(recording, buffer_bytes, regions, config.device_memory_budget, floor_ops, &plan.buffers);
   }
   plan.pool_bytes = PoolBytes(plan.buffers);
   int64_t left = unlimited ? 0 : config.device_memory_budget - plan.pool_bytes;
@@ -167,6 +177,13 @@ Status PlanWithPrefetch(const Config& config, int prefetch, const std::vector<Ta
       entry->device_rows = std::max<int64_t>(0, left) / (entry->device_bytes / entry->rows);
     }
     if (!unlimited) left -= entry->device_bytes / entry->rows * entry->device_rows;
+  }
+  if (!unlimited && plan.buffers.lookahead_ops < num_ops) {
+    // What the stores left may lengthen the lookahead further.
+    const int64_t stores = config.device_memory_budget - plan.pool_bytes - left;
+    LargestLookahead(recording, buffer_bytes, regions, config.device_memory_budget - stores, num_ops,
+                     &plan.buffers);
+    plan.pool_bytes = PoolBytes(plan.buffers);
   }
   // Each table's entries in position order: its device part, then its host part.
   for (const PlacementEntry& entry : entries) {
@@ -243,7 +260,14 @@ Status PlanPlacement(const Config& config, const std::vector<TableInfo>& tables,
     why << "chosen: the budget of " << budget << " bytes is below the least pool of two regions (" << two_least
         << " bytes), not of one (" << one.pool_min_bytes << " bytes)";
     chosen = &one;
-  } else if (one.buffers.lookahead_ops > two.buffers.lookahead_ops) {
+  } else if (BusierLinkBytes(one) != BusierLinkBytes(two) &&
+             std::min(one.buffers.lookahead_ops, kLookaheadFloorOps) ==
+                 std::min(two.buffers.lookahead_ops, kLookaheadFloorOps)) {
+    chosen = BusierLinkBytes(one) < BusierLinkBytes(two) ? &one : &two;
+    why << "chosen: under the budget " << (chosen == &one ? "one region" : "two regions")
+        << " moves fewer bytes over the busier direction of the host link a clock (" << BusierLinkBytes(one)
+        << " B with one region, " << BusierLinkBytes(two) << " B with two)";
+  } else if (one.buffers.lookahead_ops > two.buffers.lookahead_ops) {  // up to the floor, this comes first
     why << "chosen: under the budget one region prepares " << one.buffers.lookahead_ops
         << " ops ahead, two regions " << two.buffers.lookahead_ops;
     chosen = &one;

@@ -1,6 +1,6 @@
 // Placement: the peak of open buffers, the pool size (regions of packed
 // buffers, plan/buffer_schedule.h), the refusal of a budget too small with the
-// exact bytes needed, lookahead claiming the budget first, entries (layers,
+// exact bytes needed, lookahead up to a floor claiming the budget first, entries (layers,
 // stored activations) claiming what it leaves by value, the predicted bytes per
 // clock, dense unique slots per residence, and prefetch_clocks chosen by the
 // plan when Config leaves it (kAutoPrefetchClocks).
@@ -358,7 +358,7 @@ TEST(BudgetIsNeverExceeded) {
   EXPECT_EQ(plan.pool_bytes, int64_t{2560});
 }
 
-TEST(LookaheadClaimsTheBudgetBeforeStores) {
+TEST(LookaheadWithinTheFloorClaimsTheBudgetBeforeStores) {
   Example ex;
   ASSERT_OK(BuildExample(&ex));
   const int64_t stores = 8 * 64 + 8 * 40 + 4 * 64;
@@ -370,7 +370,8 @@ TEST(LookaheadClaimsTheBudgetBeforeStores) {
   EXPECT_EQ(short_plan.buffers.lookahead_ops, 0);
   EXPECT_EQ(short_plan.pool_bytes, int64_t{2048});
   EXPECT_TRUE(short_plan.device_store_bytes > 0 && short_plan.device_store_bytes <= 511);
-  // Exactly the unpacked pool: the lookahead takes it all, before any store.
+  // Exactly the unpacked pool: the lookahead (here within the floor) takes
+  // it all, before any store.
   Placement plan;
   ASSERT_OK(PlanPlacement(WithBudget(2560), ex.tables, ex.layouts, ex.recording, &plan));
   EXPECT_TRUE(plan.buffers.lookahead_ops >= 1);
@@ -386,6 +387,49 @@ TEST(LookaheadClaimsTheBudgetBeforeStores) {
   ASSERT_OK(PlanPlacement(WithBudget(2560 + stores), ex.tables, ex.layouts, ex.recording, &full));
   EXPECT_EQ(full.pool_bytes, int64_t{2560});
   EXPECT_EQ(full.device_store_bytes, stores);
+}
+
+TEST(StoresComeBeforeLookaheadPastTheFloor) {
+  // Twelve reads of 256 B (a table of 4 rows x 16 floats each), each closed
+  // before the next opens: at lookahead L a region holds 1 + (L + 1) / 2 of
+  // them, so lookahead past the floor costs pool bytes the stores could take.
+  std::vector<TableInfo> tables;
+  Recorder rec;
+  for (int t = 0; t < 12; ++t) {
+    tables.push_back(Table(t, 4, 16));
+    Handle h;
+    ASSERT_OK(rec.Read(tables[t], {0, 1, 2, 3}, 0, &h));
+    ASSERT_OK(rec.PostRead(h));
+  }
+  ASSERT_OK(rec.Clock());
+  Recording recording;
+  ASSERT_OK(rec.Finish(&recording));
+  const std::vector<RowLayout> layouts = BuildRowLayouts(tables, recording);
+  const int num_ops = static_cast<int>(recording.ops.size());
+  const auto pool_at = [&](int lookahead) {
+    return ScheduleBuffers(recording, std::vector<int64_t>(12, 256), 1, lookahead).pool_bytes();
+  };
+  const int64_t floor_pool = pool_at(kLookaheadFloorOps), full_pool = pool_at(num_ops), stores = 12 * 256;
+  ASSERT_TRUE(kLookaheadFloorOps < num_ops && pool_at(0) < floor_pool && floor_pool < full_pool);
+  // Room for the floor's pool and every store: every row stays on the
+  // device, nothing moves, and the lookahead stops where the budget ends.
+  Placement plan;
+  ASSERT_OK(PlanPlacement(WithBudget(floor_pool + stores, 0), tables, layouts, recording, &plan));
+  EXPECT_EQ(plan.device_store_bytes, stores);
+  EXPECT_EQ(plan.pool_bytes, floor_pool);
+  EXPECT_TRUE(plan.buffers.lookahead_ops >= kLookaheadFloorOps);
+  EXPECT_EQ(plan.traffic.host_to_device(), int64_t{0});
+  // What the stores leave lengthens the lookahead: room for the whole pool too.
+  Placement roomy;
+  ASSERT_OK(PlanPlacement(WithBudget(full_pool + stores, 0), tables, layouts, recording, &roomy));
+  EXPECT_EQ(roomy.buffers.lookahead_ops, num_ops);
+  EXPECT_EQ(roomy.device_store_bytes, stores);
+  // Short of the floor's pool: the largest lookahead that fits, the stores get the rest.
+  Placement tight;
+  ASSERT_OK(PlanPlacement(WithBudget(floor_pool - 1, 0), tables, layouts, recording, &tight));
+  EXPECT_TRUE(tight.buffers.lookahead_ops < kLookaheadFloorOps);
+  EXPECT_EQ(tight.pool_bytes, pool_at(tight.buffers.lookahead_ops));
+  EXPECT_EQ(tight.device_store_bytes, (floor_pool - 1 - tight.pool_bytes) / 256 * 256);
 }
 
 // prefetch_clocks left to the plan (kAutoPrefetchClocks) on the shared
@@ -479,12 +523,16 @@ TEST(ChosenPrefetchIsOneWhenTwoRegionsLookAsFarAhead) {
     EXPECT_TRUE(plan.Describe().find("prefetch_clocks 1 (chosen: the budget holds two regions at the full "
                                      "lookahead)") != std::string::npos);
   }
-  // Both short of the full lookahead, and equal. Four reads one after the
-  // other, of 1280, 1280, 1024 and 1536 B (rows of 64 floats): at lookahead
-  // 0 a region is the largest, 1536 B (two: 3072 B); at lookahead >= 1 each
-  // read overlaps the next and the packing (largest first, lowest offset
-  // clear) needs 3584 B. From 3072 to 3583 B both sit at lookahead 0: two
-  // regions, which prepare the next clock too. From 3584 B one region looks ahead.
+}
+
+TEST(ChosenPrefetchMovesFewerBytesAtEqualLookahead) {
+  // Four reads one after the other, of 1280, 1280, 1024 and 1536 B (rows of
+  // 64 floats, 256 B): at lookahead 0 a region is the
+  // largest, 1536 B (two: 3072 B); at lookahead >= 1 each read overlaps the
+  // next and the packing (largest first, lowest offset clear) needs 3584 B.
+  // From 3072 to 3583 B both sit at lookahead 0, and one region leaves
+  // 1536 B or more to rows on the device, two regions at most 511 B: one
+  // region, which moves fewer bytes. From 3584 B one region looks ahead.
   std::vector<TableInfo> tables = {Table(0, 8, 64), Table(1, 8, 64), Table(2, 8, 64)};
   Recorder rec;
   Handle h;
@@ -504,11 +552,20 @@ TEST(ChosenPrefetchIsOneWhenTwoRegionsLookAsFarAhead) {
     ASSERT_OK(PlanPlacement(WithBudget(budget, 0), tables, layouts, recording, &one));
     EXPECT_EQ(two.buffers.lookahead_ops, 0);
     EXPECT_EQ(one.buffers.lookahead_ops, 0);
+    EXPECT_TRUE(two.device_store_bytes <= budget - 3072 && one.device_store_bytes >= 1536 - 255);
+    const auto busier = [](const Placement& p) {
+      return std::max(p.traffic.host_to_device(), p.traffic.device_to_host());
+    };
+    EXPECT_TRUE(busier(one) < busier(two));
     ASSERT_OK(PlanPlacement(WithBudget(budget, kAutoPrefetchClocks), tables, layouts, recording, &plan));
-    EXPECT_EQ(plan.prefetch_clocks, 1);
-    EXPECT_EQ(plan.pool_bytes, int64_t{3072});
-    EXPECT_TRUE(plan.Describe().find("prefetch_clocks 1 (chosen: under the budget two regions prepare 0 ops ahead, "
-                                     "one region 0)") != std::string::npos);
+    EXPECT_EQ(plan.prefetch_clocks, 0);
+    EXPECT_EQ(plan.pool_bytes, int64_t{1536});
+    EXPECT_EQ(plan.device_store_bytes, one.device_store_bytes);
+    EXPECT_TRUE(plan.Describe().find("prefetch_clocks 0 (chosen: under the budget one region moves fewer bytes "
+                                     "over the busier direction of the host link a clock (" +
+                                     std::to_string(busier(one)) + " B with one region, " +
+                                     std::to_string(busier(two)) + " B with two))") !=
+                std::string::npos);
   }
   Placement plan;
   ASSERT_OK(PlanPlacement(WithBudget(3584, kAutoPrefetchClocks), tables, layouts, recording, &plan));

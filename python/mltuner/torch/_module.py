@@ -488,7 +488,7 @@ def wrap(
             flops per byte saved (activation checkpointing's trade): for
             budgets where the host link bounds the clock, i.e. large
             activations swapped to host memory (ResNet-18 on 224x224 images
-            at a quarter of its need: about 1.3x faster than ``"cheap"`` on
+            at a quarter of its need: about 1.5x faster than ``"cheap"`` on
             an H100).
             ``"none"``: store every saved activation. ``"auto"`` (the
             default): ``"cheap"`` when storing activations under a

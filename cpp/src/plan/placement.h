@@ -17,12 +17,12 @@
 //    off the host link. So the stores come next, and what they leave
 //    lengthens the lookahead further. (More regions would not help: the
 //    allocator never runs more than prefetch_clocks ahead, so they would
-//    sit idle.) Measured on an H100 (floors of 0, 2, 8, 16 and none):
-//    the 12-layer transformer at a quarter of its need ran at 0.56, 0.68,
-//    0.75, - and 0.75 of no budget; ResNet-18 on 224x224 images at batch 128
-//    at 0.38, 0.40, 0.41, 0.32 and 0.32, and given FSDP's peak memory at
-//    0.76 with any floor against 0.42 with none, which sent 1.26 GB of its
-//    1.45 GB of activations over the link each way a clock.
+//    sit idle.) Measured on an H100, ratios to no budget at floors of 0,
+//    2 and 8 ops and with none: the 12-layer transformer at a quarter of
+//    its need 0.56, 0.68, 0.75 and 0.75; ResNet-18 on 224x224 images at
+//    batch 128, a quarter, 0.38, 0.40, 0.41 and 0.32-0.37; the same given
+//    FSDP's peak memory 0.76 at any floor and 0.42 with none, which sent
+//    1.26 GB of its 1.45 GB of activations over the link each way a clock.
 // 3. Stores, by value (plan/placement_value.h): each entry — a layer's
 //    parameter rows with their update log, a stored activation (the rows one
 //    local access writes), a table's untouched rows — claims what the pool

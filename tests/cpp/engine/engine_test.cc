@@ -562,10 +562,10 @@ void CheckSwapMatchesUnlimited(int prefetch, bool mapped = true) {
 
   // Tight: only the least pool (plus a little) fits; every parameter row and
   // all local data live in host memory and are swapped in for each access.
-  // Split: half of the stores' bytes beyond the least pool, shared by a
-  // pool that looks a few ops ahead (up to kLookaheadFloorOps,
-  // plan/placement.h) and the stores: some rows live on the device, the
-  // rest swap.
+  // Split: half of the stores' bytes beyond the least pool, for a pool that
+  // looks a few ops ahead (up to kLookaheadFloorOps, plan/placement.h) and
+  // then the stores: with one region some rows live on the device, with
+  // more the lookahead takes it all; the rest swaps.
   // Deep: the pool with the deepest lookahead fits, and the stores claim
   // the budget before any lookahead past the floor: everything stays on
   // the device, nothing moves, and the values are still the same.

@@ -1261,8 +1261,7 @@ class ClockDriver:
                     f"recompute='auto' stores them all: recomputing needs a device_memory_budget of at least "
                     f"{preview.pool_min_bytes} bytes, above the {budget} bytes given")
                 tables = add_activations(worker, tables, {k: s for k, s in enumerate(self._acts.slots)
-                                                          if s.stored and not any(f"a{k}" in layout
-                                                                                  for _, layout in tables.activations)},
+                                                          if s.stored and tables.table_of(k) < 0},
                                          row_width=self._row_width)
                 self._replay(tables, recorded, hold)
                 preview = worker.preview_plan()

@@ -123,6 +123,8 @@ void RegisterEngine(py::module_& m) {
       .def_readonly("pool_bytes", &PlanPreview::pool_bytes)
       .def_readonly("device_store_bytes", &PlanPreview::device_store_bytes)
       .def_readonly("host_store_bytes", &PlanPreview::host_store_bytes)
+      .def_readonly("host_to_device_bytes", &PlanPreview::host_to_device_bytes)
+      .def_readonly("device_to_host_bytes", &PlanPreview::device_to_host_bytes)
       .def_readonly("host", &PlanPreview::host)
       .def_readonly("description", &PlanPreview::description);
 

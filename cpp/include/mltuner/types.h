@@ -121,6 +121,10 @@ struct PlanPreview {
   int64_t pool_bytes = 0;
   int64_t device_store_bytes = 0;
   int64_t host_store_bytes = 0;
+  // The bytes the plan predicts it moves over the host link per
+  // steady-state clock, each way (plan/swap_traffic.h).
+  int64_t host_to_device_bytes = 0;
+  int64_t device_to_host_bytes = 0;
   HostMemoryNeed host;
   std::string description;     // as Engine::DescribePlan will give it
 };

@@ -78,6 +78,8 @@ Status PreviewIteration(const Config& config, const std::vector<TableInfo>& tabl
     result.pool_bytes = placement.pool_bytes;
     result.device_store_bytes = placement.device_store_bytes;
     result.host_store_bytes = placement.host_store_bytes;
+    result.host_to_device_bytes = placement.traffic.host_to_device();
+    result.device_to_host_bytes = placement.traffic.device_to_host();
     result.host = placement.host;
     result.description = placement.Describe();
   }

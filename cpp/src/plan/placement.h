@@ -73,7 +73,9 @@ struct TablePlacement {
     Residence residence = Residence::kHost;
     int64_t first_slot = 0;  // in the store of `residence`
   };
-  std::vector<Run> runs;  // ascending, covering positions [0, placed())
+  // Ascending, covering positions [0, placed()): every row of a parameter
+  // table, the touched ones of a local table (placement_value.h).
+  std::vector<Run> runs;
   int64_t device_rows = 0;
   int64_t host_rows = 0;
 

@@ -109,7 +109,11 @@ Status ListPlacementEntries(const std::vector<TableInfo>& tables, const std::vec
   std::vector<PlacementEntry> entries;
   for (const TableInfo& table : tables) {
     const size_t t = static_cast<size_t>(table.id);
-    if (placed[t] < table.num_rows) {
+    // A local table's untouched rows are placed nowhere and take no memory:
+    // local data exists only through recorded accesses, so no later call can
+    // reach them (the PyTorch adapter's activation table keeps rows for
+    // saved tensors that a later choice recomputes instead).
+    if (placed[t] < table.num_rows && !table.local) {
       PlacementEntry untouched;
       untouched.table = table.id;
       untouched.first_position = placed[t];

@@ -4,10 +4,10 @@
 //
 // An entry is the rows of a table that one access touches first — a
 // layer's parameters (the rows of its first read or update), a stored
-// activation (the rows of the local access that writes it) — or a table's
-// rows that no access touches. Entries are runs of consecutive layout
-// positions (the layout is first-use order), so deciding per entry keeps a
-// table's placement a few runs.
+// activation (the rows of the local access that writes it) — or a
+// parameter table's rows that no access touches. Entries are runs of
+// consecutive layout positions (the layout is first-use order), so deciding
+// per entry keeps a table's placement a few runs.
 //
 // Cost model. Keeping an entry on the device costs `device_bytes` of the
 // budget: its values, plus the update log for parameters. Leaving it in host
@@ -49,7 +49,9 @@ struct PlacementEntry {
 };
 
 // The entries of `recording`, by table and ascending position, covering
-// every row of every table, with their costs. Internal when a layout is not
+// every row of every parameter table and the touched rows of local tables
+// (their untouched rows, which no access can reach, are placed nowhere),
+// with their costs. Internal when a layout is not
 // first-use order over the same ops.
 Status ListPlacementEntries(const std::vector<TableInfo>& tables, const std::vector<RowLayout>& layouts,
                             const Recording& recording, const PlanSite& site, std::vector<PlacementEntry>* out);

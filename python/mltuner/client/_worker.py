@@ -87,6 +87,11 @@ class PlanPreview:
     budget_bytes: int = 0
     automatic_budget: bool = False
     prefetch_clocks: int = 1
+    # The bytes the plan predicts it moves over the host link per clock,
+    # each way (the swaps of host-resident rows: Worker.plan's "predicted
+    # per clock").
+    host_to_device_bytes: int = 0
+    device_to_host_bytes: int = 0
 
     @classmethod
     def from_core(cls, core: _core.PlanPreview) -> PlanPreview:
@@ -97,7 +102,7 @@ class PlanPreview:
         return cls(int(core.pool_min_bytes), bool(core.fits), int(core.pool_bytes), int(core.device_store_bytes),
                    int(core.host_store_bytes), int(host.total()), parts, str(host.describe()),
                    str(core.description), int(core.budget_bytes), bool(core.automatic_budget),
-                   int(core.prefetch_clocks))
+                   int(core.prefetch_clocks), int(core.host_to_device_bytes), int(core.device_to_host_bytes))
 
 
 class Worker:

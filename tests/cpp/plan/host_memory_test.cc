@@ -6,8 +6,8 @@
 // Least pool 2048 B (2 regions of 1024), unlimited pool 2560 B; the largest
 // buffer (the staging buffer) 512 B. The counts below pin prefetch_clocks 1
 // (two regions); the preview test also checks the plan's own choice. Stores: t0 512 B, t1 320 B (no update
-// log: t0 is updated once a clock, from its buffer; t1 never), t2 256 B:
-// 1088 B.
+// log: t0 is updated once a clock, from its buffer; t1 never), t2 128 B
+// (its touched rows; untouched local rows are placed nowhere): 960 B.
 #include "plan/host_memory.h"
 
 #include <memory>
@@ -84,12 +84,12 @@ TEST(UnlimitedOnTheCpuCountsThePoolStoresStagingAndPayloads) {
   ASSERT_OK(Need(WithBudget(0), ex, {0, 1, true}, &need));
   EXPECT_EQ(need.parameter_stores, 0);
   EXPECT_EQ(need.local_data, 0);
-  EXPECT_EQ(need.device_memory, 2560 + 1088);  // the device's memory is host memory
+  EXPECT_EQ(need.device_memory, 2560 + 960);  // the device's memory is host memory
   EXPECT_EQ(need.staging, 512);
   EXPECT_EQ(need.payloads, 2 * 320);  // slack 0: the clock being sent and the one not yet applied
   EXPECT_EQ(need.shard_per_branch, 8 * 64 + 8 * 40);  // the add rule keeps no state
   EXPECT_TRUE(need.shard_in_host_memory);
-  EXPECT_EQ(need.total(), 3648 + 512 + 640 + 832);  // with the shard's state: the CPU's memory is host memory
+  EXPECT_EQ(need.total(), 3520 + 512 + 640 + 832);  // with the shard's state: the CPU's memory is host memory
 }
 
 TEST(TheLeastBudgetPutsTheStoresInHostMemory) {
@@ -98,11 +98,11 @@ TEST(TheLeastBudgetPutsTheStoresInHostMemory) {
   HostMemoryNeed need;
   ASSERT_OK(Need(WithBudget(2048), ex, {0, 1, false}, &need));
   EXPECT_EQ(need.parameter_stores, 8 * 64 + 8 * 40);  // no update logs
-  EXPECT_EQ(need.local_data, 4 * 64);
+  EXPECT_EQ(need.local_data, 2 * 64);  // the local table's touched rows
   EXPECT_EQ(need.device_memory, 0);  // an accelerator: the pool is on the device
   EXPECT_EQ(need.staging, 512);
   EXPECT_EQ(need.payloads, 0);  // one worker: its shard shares the device
-  EXPECT_EQ(need.total(), 832 + 256 + 512);
+  EXPECT_EQ(need.total(), 832 + 128 + 512);
   EXPECT_TRUE(!need.shard_in_host_memory);
   // On the CPU backend the same plan also holds the pool in host memory.
   ASSERT_OK(Need(WithBudget(2048), ex, {0, 1, true}, &need));
@@ -147,9 +147,9 @@ TEST(APlanAboveTheLimitIsRefusedWithTheSizes) {
   const Status refused = CheckHostMemoryAgainst(need, need.total() - 1, "a test limit");
   EXPECT_CODE(refused, StatusCode::kResourceExhausted);
   const std::string text = refused.ToString();
-  EXPECT_TRUE(text.find("needs 5632 B") != std::string::npos);
+  EXPECT_TRUE(text.find("needs 5504 B") != std::string::npos);
   EXPECT_TRUE(text.find("staging 512 B") != std::string::npos);
-  EXPECT_TRUE(text.find("5631 B") != std::string::npos);
+  EXPECT_TRUE(text.find("5503 B") != std::string::npos);
   EXPECT_TRUE(text.find("a test limit") != std::string::npos);
   // Config.host_memory_limit takes the place of MemAvailable.
   EXPECT_CODE(CheckHostMemory(need, need.total() - 1), StatusCode::kResourceExhausted);
@@ -179,7 +179,12 @@ TEST(ThePreviewGivesTheLeastPoolAndKeepsAFittingPlan) {
   EXPECT_TRUE(preview.fits);
   ASSERT_TRUE(kept != nullptr);
   EXPECT_EQ(preview.pool_bytes, 2048);
-  EXPECT_EQ(preview.host_store_bytes, 832 + 256);
+  EXPECT_EQ(preview.host_store_bytes, 832 + 128);
+  // Everything in host memory: the traffic the plan predicts (placement_test's
+  // example at the least pool).
+  EXPECT_EQ(preview.host_to_device_bytes, kept->placement.traffic.host_to_device());
+  EXPECT_EQ(preview.device_to_host_bytes, kept->placement.traffic.device_to_host());
+  EXPECT_TRUE(preview.host_to_device_bytes > 0 && preview.device_to_host_bytes > 0);
   EXPECT_EQ(preview.host.total(), kept->placement.host.total());
   EXPECT_TRUE(preview.description.find("host memory") != std::string::npos);
   // Asked again, the kept plan is described, not made again.

@@ -7,7 +7,8 @@
 //
 // The shared example (sizes hand-computed, buffers rounded up to 256 bytes):
 //   t0 param 8 rows x 16 floats (64 B/row), t1 param 8 x 10 (40 B/row),
-//   t2 local 4 x 16 (64 B/row, 256 B in all)
+//   t2 local 4 x 16 (64 B/row; rows 2 and 3 are untouched, so placed
+//      nowhere: its stores hold 2 rows, 128 B)
 //   op 0 read t0 {0,1,2}          192 B -> 256   open  256
 //   op 1 read t1 {0..4}           200 B -> 256   open  512
 //   op 2 pre_update t0 {0..4}     320 B -> 512   open 1024  <- peak
@@ -100,6 +101,10 @@ void ExpectDenseSlots(const TablePlacement& t, int64_t num_rows) {
   for (size_t i = 0; i < host.size(); ++i) EXPECT_EQ(host[i], static_cast<int64_t>(i));
 }
 
+// The rows placement gives a table of the example: all of a parameter
+// table, the touched ones (0 and 1) of the local one.
+int64_t PlacedRows(const TableInfo& table) { return table.local ? 2 : table.num_rows; }
+
 Residence ResidenceOfRow(const Example& ex, const Placement& plan, TableId table, RowId row) {
   return plan.tables[table].ResidenceOf(ex.layouts[table].PositionOf(row));
 }
@@ -163,15 +168,15 @@ TEST(UnlimitedBudgetPutsEverythingOnDevice) {
     ASSERT_EQ(plan.tables.size(), size_t{3});
     for (const TableInfo& table : ex.tables) {
       const TablePlacement& t = plan.tables[table.id];
-      EXPECT_EQ(t.device_rows, table.num_rows);
+      EXPECT_EQ(t.device_rows, PlacedRows(table));
       EXPECT_EQ(t.host_rows, int64_t{0});
-      for (int64_t p = 0; p < table.num_rows; ++p) EXPECT_TRUE(t.ResidenceOf(p) == Residence::kDevice);
+      for (int64_t p = 0; p < PlacedRows(table); ++p) EXPECT_TRUE(t.ResidenceOf(p) == Residence::kDevice);
       EXPECT_EQ(t.runs.size(), size_t{1});  // one run: everything on the device
-      ExpectDenseSlots(t, table.num_rows);
+      ExpectDenseSlots(t, PlacedRows(table));
     }
     // One copy of each table: t0 is updated once a clock (straight from its
     // buffer) and t1 never, so neither keeps an update log.
-    EXPECT_EQ(plan.device_store_bytes, int64_t{8 * 64 + 8 * 40 + 4 * 64});
+    EXPECT_EQ(plan.device_store_bytes, int64_t{8 * 64 + 8 * 40 + 2 * 64});
     EXPECT_EQ(plan.host_store_bytes, int64_t{0});
   }
 }
@@ -200,9 +205,9 @@ TEST(BudgetBelowTheLeastPoolIsRefused) {
   EXPECT_EQ(plan.device_store_bytes, int64_t{0});
   for (const TableInfo& table : ex.tables) {
     EXPECT_EQ(plan.tables[table.id].device_rows, int64_t{0});
-    ExpectDenseSlots(plan.tables[table.id], table.num_rows);
+    ExpectDenseSlots(plan.tables[table.id], PlacedRows(table));
   }
-  EXPECT_EQ(plan.host_store_bytes, int64_t{8 * 64 + 8 * 40 + 4 * 64});
+  EXPECT_EQ(plan.host_store_bytes, int64_t{8 * 64 + 8 * 40 + 2 * 64});
 }
 
 // The example's entries, their value (bytes moved per clock on the host /
@@ -215,7 +220,7 @@ TEST(BudgetBelowTheLeastPoolIsRefused) {
 //   t2 rows {0,1}   local, 128 B: fetch 128 + keep 128     = 256 -> 2, idle 8
 //   t0 rows {3,4}   128 B: installs 128                    -> 1 (no swap-in: idle 9)
 //   t0 rows 5..7 (192 B), t1 rows 5..7 (120 B): installs   -> 1, divisible
-//   t2 rows {2,3}: never used                              -> 0
+//   t2 rows {2,3}: untouched rows of a local table: placed nowhere
 TEST(EntriesClaimTheBudgetByValue) {
   Example ex;
   ASSERT_OK(BuildExample(&ex));
@@ -227,14 +232,14 @@ TEST(EntriesClaimTheBudgetByValue) {
   Placement plan;
   ASSERT_OK(PlanPlacement(WithBudget(2560 + 450), ex.tables, ex.layouts, ex.recording, &plan));
   EXPECT_EQ(plan.pool_bytes, int64_t{2560});
-  for (RowId row : {0, 1, 2, 3}) EXPECT_TRUE(ResidenceOfRow(ex, plan, 2, row) == Residence::kHost);
+  for (RowId row : {0, 1}) EXPECT_TRUE(ResidenceOfRow(ex, plan, 2, row) == Residence::kHost);
   for (RowId row : {0, 1, 2, 3, 4, 5}) EXPECT_TRUE(ResidenceOfRow(ex, plan, 1, row) == Residence::kDevice);
   for (RowId row : {6, 7}) EXPECT_TRUE(ResidenceOfRow(ex, plan, 1, row) == Residence::kHost);
   for (RowId row : {0, 1, 2}) EXPECT_TRUE(ResidenceOfRow(ex, plan, 0, row) == Residence::kDevice);
   EXPECT_EQ(plan.tables[0].device_rows, int64_t{3});
-  for (const TableInfo& table : ex.tables) ExpectDenseSlots(plan.tables[table.id], table.num_rows);
+  for (const TableInfo& table : ex.tables) ExpectDenseSlots(plan.tables[table.id], PlacedRows(table));
   EXPECT_EQ(plan.device_store_bytes, int64_t{5 * 40 + 3 * 64 + 40});
-  EXPECT_EQ(plan.host_store_bytes, int64_t{5 * 64 + 2 * 40 + 4 * 64});
+  EXPECT_EQ(plan.host_store_bytes, int64_t{5 * 64 + 2 * 40 + 2 * 64});
   // What went where, and the bytes the host rows move per clock: the local
   // entry's fetch and keep, and the installs of t0 rows 3-7 and t1 rows 6, 7.
   EXPECT_EQ(plan.local_data.device_entries, int64_t{0});
@@ -258,8 +263,8 @@ TEST(LocalDataGoesToHostMemoryWhenItDoesNotFit) {
   Placement plan;
   ASSERT_OK(PlanPlacement(WithBudget(2048 + 127), ex.tables, ex.layouts, ex.recording, &plan));
   EXPECT_EQ(plan.tables[2].device_rows, int64_t{0});
-  EXPECT_EQ(plan.tables[2].host_rows, int64_t{4});
-  for (const TableInfo& table : ex.tables) ExpectDenseSlots(plan.tables[table.id], table.num_rows);
+  EXPECT_EQ(plan.tables[2].host_rows, int64_t{2});
+  for (const TableInfo& table : ex.tables) ExpectDenseSlots(plan.tables[table.id], PlacedRows(table));
   EXPECT_EQ(plan.tables[0].device_rows, int64_t{1});
   EXPECT_EQ(plan.tables[1].device_rows, int64_t{1});
   EXPECT_TRUE(ResidenceOfRow(ex, plan, 0, 5) == Residence::kDevice);
@@ -342,14 +347,14 @@ TEST(BudgetIsNeverExceeded) {
     EXPECT_TRUE(plan.pool_bytes + plan.device_store_bytes <= budget);
     EXPECT_TRUE(plan.pool_bytes >= plan.pool_min_bytes && plan.pool_min_bytes >= 2 * plan.peak_bytes);
     EXPECT_EQ(plan.pool_bytes, plan.buffers.pool_bytes());
-    for (const TableInfo& table : ex.tables) ExpectDenseSlots(plan.tables[table.id], table.num_rows);
+    for (const TableInfo& table : ex.tables) ExpectDenseSlots(plan.tables[table.id], PlacedRows(table));
     // The prediction counts host rows only: none at all moves nothing.
     if (plan.host_store_bytes == 0) {
       EXPECT_EQ(plan.traffic.host_to_device() + plan.traffic.device_to_host(), int64_t{0});
     }
     // The total store size is fixed; only the split moves.
     EXPECT_EQ(plan.device_store_bytes + plan.host_store_bytes,
-              int64_t{8 * 64 + 8 * 40 + 4 * 64});
+              int64_t{8 * 64 + 8 * 40 + 2 * 64});
   }
   // A generous budget puts everything on the device, with the unlimited pool.
   Placement plan;
@@ -361,7 +366,7 @@ TEST(BudgetIsNeverExceeded) {
 TEST(LookaheadWithinTheFloorClaimsTheBudgetBeforeStores) {
   Example ex;
   ASSERT_OK(BuildExample(&ex));
-  const int64_t stores = 8 * 64 + 8 * 40 + 4 * 64;
+  const int64_t stores = 8 * 64 + 8 * 40 + 2 * 64;
   // One byte short of the unpacked pool: any lookahead >= 1 keeps the local
   // access off the update's addresses (region 1280), so none fits, and the
   // stores get the 511 B left.

@@ -221,6 +221,11 @@ def stores_cell(run: MltunerRun) -> str:
     return f"{mb(run.after['host_store_bytes'])} / {mb(run.after['device_store_bytes'])}"
 
 
+def activations_cell(run: MltunerRun) -> str:
+    choice = run.auto_choice
+    return f"{mb(run.activation_bytes[0])} / {mb(run.activation_bytes[1])}{f' ({choice})' if choice else ''}"
+
+
 def swaps_cell(run: MltunerRun) -> str:
     return f"{mb(run.per_clock('bytes_swapped_in'))} / {mb(run.per_clock('bytes_swapped_out'))}"
 
@@ -238,7 +243,8 @@ def quarter_section(args: argparse.Namespace, device: torch.device, report: Repo
                               "compute": "convolutions and matrix products recomputed too "
                                          "(recompute='compute')"}[m]
                              for m in modes) +
-                "; cells with two values give them in that order. Device memory: torch peak / in use on "
+                "; cells with two values give them in that order; recompute='auto' names what it recorded "
+                "again with, if anything. Device memory: torch peak / in use on "
                 "the device after the run (MB).")
     report.emit()
     report.emit("| model | no budget samples/s | 1/4 budget samples/s | ratio (min-max) | need MB | budget MB | "
@@ -275,7 +281,7 @@ def quarter_section(args: argparse.Namespace, device: torch.device, report: Repo
         report.emit(
             f"| {case.name} | {free_sps:,.0f} | {cells_of(small_sps, '{:,.0f}')} | "
             f"{'; '.join(f'{v:.2f}{s}' for v, s in zip(values, span))} | {mb(need)} | {mb(budget)} | "
-            f"{cells(lambda r: f'{mb(r.activation_bytes[0])} / {mb(r.activation_bytes[1])}')} | "
+            f"{cells(activations_cell)} | "
             f"{cells(stores_cell)} | {cells(swaps_cell)} | "
             f"{free.per_clock('stall_seconds') * 1e3:.2f}; "
             f"{cells(lambda r: format(r.per_clock('stall_seconds') * 1e3, '.2f'))} | "

@@ -90,6 +90,15 @@ class MltunerRun:
         recomputed = re.search(r"recomputed in the backward pass from stored ones \((\d+) B not stored", self.plan)
         return (int(stored.group(1)) if stored else 0, int(recomputed.group(1)) if recomputed else 0)
 
+    @property
+    def auto_choice(self) -> str:
+        """What ``recompute="auto"`` recorded again with, from the plan's
+        summary: "compute (N flops/B)", "cheap (compute tried)", or ""."""
+        chose = re.search(r"recompute='auto' chose 'compute': .*?, (\d+) flops of a step per byte", self.plan)
+        if chose:
+            return f"compute ({chose.group(1)} flops/B)"
+        return "cheap (compute tried)" if "recompute='auto' went back to 'cheap'" in self.plan else ""
+
 
 def mltuner_train(make: Callable[[], nn.Module], x: torch.Tensor, loss: Loss, config: mlt.Config,
                   device: torch.device, *, warmup: int, steps: int, store_activations: bool = False,

@@ -102,14 +102,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from mltuner.client._worker import OP_KINDS, Table, Worker
+from mltuner.client._worker import OP_KINDS, PlanPreview, Table, Worker
 from mltuner.exceptions import InvalidArgumentError, OutOfOrderError, ResourceExhaustedError
 from mltuner.torch._buffers import app_stream, as_tensor, buffer_key, placeholder, storage_ptr
 from mltuner.torch._errors import IterationMismatchError, UnsupportedModelError
 from mltuner.torch._layers import Layer
 from mltuner.torch._pattern import reason, refusal
 from mltuner.torch._recording import (Event, Tables, add_activations, create_tables, describe, for_holding, replay,
-                                      store_groups)
+                                      reuse_tables, store_groups)
 from mltuner.torch._saved import SavedActivations, empty_for, read_back, write_bytes
 from mltuner.torch._trace import ParamRef
 
@@ -184,10 +184,10 @@ class ClockDriver:
         self._slack = slack
         self._store_activations = store_activations
         self._row_width = row_width
-        # Held reads or the GeePS pattern: chosen by plan(). The recording
+        # Held reads or the GeePS pattern: chosen by prepare_plan(). The recording
         # pass logs the clock without held reads (_recording.for_holding).
         self._hold = False
-        self.hold_choice = ""  # which pattern plan() chose, and why (PSModule.plan)
+        self.hold_choice = ""  # which pattern prepare_plan() chose, and why (PSModule.plan)
         self._overlap = overlap_updates
         self.overlap_choice = ""  # when updates ship, and why (PSModule.plan)
 
@@ -202,8 +202,11 @@ class ClockDriver:
                                       parameters=slack == 0 or hold_reads is True,  # hold_reads: as given to wrap()
                                       compute_bound=recompute == "compute")
         self._recompute_fallback = recompute_fallback  # store everything if the recomputing plan does not fit
+        self.auto_choice = ""  # why wrap(recompute="auto") recorded the clock again (wrap sets it)
         self._handles: list[int] = []
         self._tables: list[Table] = []
+        self._all_tables: Tables | None = None  # the layers' tables and the local ones (prepare_plan)
+        self._preview: PlanPreview | None = None  # of the plan prepare_plan chose
 
         # Per clock.
         self.clock = 0  # clocks finished
@@ -383,7 +386,9 @@ class ClockDriver:
     def recompute_summary(self) -> str:
         """How many saved activations are stored and how many recomputed, in
         words (``PSModule.plan``); empty without stored activations."""
-        return self._acts.summary() if self._store_activations else ""
+        if not self._store_activations:
+            return ""
+        return f"{self._acts.summary()} ({self.auto_choice})" if self.auto_choice else self._acts.summary()
 
     @property
     def unreproducible(self) -> dict[int, str]:
@@ -1208,10 +1213,12 @@ class ClockDriver:
                     "(unused, or used under torch.no_grad()): freeze them (requires_grad_(False)) or remove them"
                 )
 
-    def plan(self, hold_reads: bool | None) -> None:
-        """Creates the tables, replays the recording as the virtual
-        iteration, writes the initial values (worker 0) and starts the
-        engine's iterations. A barrier over all workers.
+    def prepare_plan(self, hold_reads: bool | None, tables: Tables | None = None) -> None:
+        """Creates the tables (or takes ``tables``, those of an earlier
+        recording of the same model: :meth:`release_tables`) and replays the
+        recording as the worker's virtual iteration, in the access pattern
+        chosen; the engine's dry run keeps the plan that fits, for
+        :meth:`commit_plan` or :meth:`release_tables` next.
 
         ``hold_reads``: hold each layer's forward read until its update, or
         (False) post it after the layer's forward and read the rows again
@@ -1235,7 +1242,9 @@ class ClockDriver:
             # before the recording moved them) back to the device, so that
             # the engine's automatic budget and the shard's placement see it.
             torch.cuda.empty_cache()
-        tables = create_tables(worker, self.layers, self._acts.slots, row_width=self._row_width)
+        tables = (create_tables(worker, self.layers, self._acts.slots, row_width=self._row_width) if tables is None
+                  else reuse_tables(worker, tables, self.layers, self._acts.slots, row_width=self._row_width))
+        self._all_tables = tables
         self._tables = tables.layers
         recorded = list(self._events)
         preferred = not self._store_activations if hold_reads is None else hold_reads
@@ -1245,6 +1254,7 @@ class ClockDriver:
         for hold in candidates:
             self._replay(tables, recorded, hold)
             preview = worker.preview_plan()  # the engine keeps a plan that fits: finish uses it
+            self._preview = preview
             if budget == 0 and not preview.automatic_budget:  # none set, and the device holds the plan
                 chosen = hold
                 break
@@ -1260,11 +1270,11 @@ class ClockDriver:
                 recorded, self._forward_events = self._acts.store_everything(
                     f"recompute='auto' stores them all: recomputing needs a device_memory_budget of at least "
                     f"{preview.pool_min_bytes} bytes, above the {budget} bytes given")
-                tables = add_activations(worker, tables, {k: s for k, s in enumerate(self._acts.slots)
-                                                          if s.stored and tables.table_of(k) < 0},
-                                         row_width=self._row_width)
+                tables = add_activations(worker, tables, self._acts.slots, row_width=self._row_width)
+                self._all_tables = tables
                 self._replay(tables, recorded, hold)
                 preview = worker.preview_plan()
+                self._preview = preview
                 least[hold] = preview.pool_min_bytes
                 if preview.fits:
                     chosen = hold
@@ -1279,6 +1289,33 @@ class ClockDriver:
                     "may need less (and recompute='auto' falls back to it)" if self._acts.recomputing else "")
             raise ResourceExhaustedError(refusal(hold_reads, least, budget, worker.config.prefetch_clocks) + note)
         self.hold_choice = reason(hold_reads, self._store_activations, chosen, least, budget)
+
+    @property
+    def link_bytes(self) -> int:
+        """The bytes the prepared plan moves per clock over the busier
+        direction of the host link (its swaps)."""
+        assert self._preview is not None
+        return max(self._preview.host_to_device_bytes, self._preview.device_to_host_bytes)
+
+    @property
+    def forward_flops(self) -> int:
+        """The recorded forward's convolutions and matrix products, in flops
+        (0 unless the recording traced the forward to recompute)."""
+        return self._acts.forward_flops
+
+    def release_tables(self) -> Tables:
+        """Gives up the prepared plan (or a failed one) and the recording:
+        the worker's virtual iteration is dropped and the model gets its
+        initial values back. Returns the tables, for the next recording."""
+        assert self._all_tables is not None
+        self.worker.reset_virtual_iteration()
+        self.abandon()
+        return self._all_tables
+
+    def commit_plan(self) -> None:
+        """Commits the prepared plan, writes the initial values (worker 0)
+        and starts the engine's iterations. A barrier over all workers."""
+        worker = self.worker
         self._acts.end_planning()
         worker.finish_virtual_iteration()
         if worker.rank == 0:  # the initial values: worker 0's model, added to the servers' zeros
@@ -1332,7 +1369,7 @@ class ClockDriver:
 
     @property
     def tables(self) -> list[Table]:
-        """The layers' tables, in layer order (empty before :meth:`plan`)."""
+        """The layers' tables, in layer order (empty before :meth:`prepare_plan`)."""
         return list(self._tables)
 
     # -- evaluation and export ------------------------------------------------------------

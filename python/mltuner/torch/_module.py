@@ -11,13 +11,14 @@ from torch import nn
 
 from mltuner._config import UpdateRule
 from mltuner.client._worker import Worker
-from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError, OutOfOrderError
+from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError, OutOfOrderError, ResourceExhaustedError
 from mltuner.torch._amp import ScaledGradients, check_scaler
 from mltuner.torch._clock import ClockDriver, tensors_in
 from mltuner.torch._errors import UnsupportedModelError
 from mltuner.torch._layers import DEFAULT_GROUP_BYTES, DEFAULT_WHOLE_MODULES, Layer, find_layers
 from mltuner.torch._optim import LearningRates, check_optimizer, groups_of_layers, rule_for_group
-from mltuner.torch._recompute import RECOMPUTE_CHOICES, Recompute
+from mltuner.torch._recompute import LINK_BOUND_FLOPS_PER_BYTE, RECOMPUTE_CHOICES, Recompute, link_bound
+from mltuner.torch._recording import Tables
 from mltuner.torch._shipping import choose_overlap
 
 __all__ = ["PSModule", "ClockOptimizer", "wrap"]
@@ -344,6 +345,25 @@ def _recompute_choice(recompute: object, store_activations: bool, worker: Worker
     return str(recompute)
 
 
+def _record_again(driver: ClockDriver, planned: str, link_bytes: dict[str, int]) -> tuple[str, str]:
+    """``recompute="auto"``, after a plan with ``planned`` ("cheap" or
+    "compute"; ``link_bytes``: what each plan made so far moves over the
+    busier direction of the host link a clock): the choice to record the
+    clock again with, and why; ("", "") to keep this plan. "compute" where
+    the link bounds the "cheap" plan (``_recompute.link_bound``), then
+    "cheap" again unless "compute" moves fewer bytes."""
+    cheap = link_bytes["cheap"]
+    if planned == "cheap" and "compute" not in link_bytes and link_bound(driver.device, driver.forward_flops, cheap):
+        return "compute", (f"recompute='auto' chose 'compute': with 'cheap' the plan moves {cheap} B a clock over the "
+                           f"busier direction of the host link, {3 * driver.forward_flops // cheap} flops of a step "
+                           f"per byte (the link bounds the clock below "
+                           f"{LINK_BOUND_FLOPS_PER_BYTE[driver.device.type]})")
+    if planned == "compute" and link_bytes["compute"] >= cheap:
+        return "cheap", (f"recompute='auto' went back to 'cheap': 'compute' moves {link_bytes['compute']} B a clock "
+                         f"over the host link, not fewer than {cheap} B")
+    return "", ""
+
+
 def _parameter_device(module: nn.Module) -> torch.device:
     for param in module.parameters():
         return param.device
@@ -491,8 +511,11 @@ def wrap(
             at a quarter of its need: about 1.5x faster than ``"cheap"`` on
             an H100).
             ``"none"``: store every saved activation. ``"auto"`` (the
-            default): ``"cheap"`` when storing activations under a
-            ``Config.device_memory_budget``, else ``"none"``.
+            default), when storing activations under a
+            ``Config.device_memory_budget``: ``"cheap"``, or ``"compute"``
+            where the plan with ``"cheap"`` would be bound by the host link
+            (a step does under 1,024 flops per byte its swaps move; the
+            clock is then recorded again); else ``"none"``.
             ``model.plan`` and ``model.saved_activations`` say what was
             chosen.
 
@@ -542,15 +565,22 @@ def wrap(
     args = example_input if isinstance(example_input, tuple) else (example_input,)
     split: set[str] = set()  # groups whose members run outside the group's forward, or span param groups
     stored: dict[int, str] = {}  # saved activations the recording could not recompute bit for bit, and why
+    tables: Tables | None = None  # made by the first plan, kept when the clock is recorded again
+    link_bytes: dict[str, int] = {}  # recompute="auto": each choice planned, and the bytes over the busier link way
+    auto_choice = ""  # why recompute="auto" recorded again with "compute", or went back to "cheap"
     while True:
         layers = find_layers(module, row_width, whole_modules, group_bytes, split)
         layer_groups = _assign_rules(layers, optimizer, split)
         if layer_groups is None:
             continue  # a grouped layer spanned param groups: split it and look again
+        # recompute="auto": storing everything is the fallback of "cheap" when
+        # its plan does not fit; "compute" falls back to "cheap", which did.
         driver = ClockDriver(module, layers, worker, slack=slack, store_activations=store_activations,
                              row_width=row_width, overlap_updates=overlap, recompute=recomputing,
-                             recompute_fallback=recompute == "auto", stored=stored, hold_reads=hold_reads)
+                             recompute_fallback=recompute == "auto" and recomputing == "cheap", stored=stored,
+                             hold_reads=hold_reads)
         driver.overlap_choice = overlap_choice
+        driver.auto_choice = auto_choice
         try:
             driver.record(lambda: module(*args), example_loss or _default_loss)
         except BaseException:
@@ -564,7 +594,26 @@ def wrap(
             stored = {**stored, **driver.unreproducible}
             continue
         try:
-            driver.plan(hold_reads)
+            driver.prepare_plan(hold_reads, tables)
+        except ResourceExhaustedError as error:
+            if recomputing != "compute" or "cheap" not in link_bytes:
+                driver.abandon()
+                raise
+            tables, recomputing = driver.release_tables(), "cheap"
+            link_bytes["compute"] = -1
+            auto_choice = f"recompute='auto' went back to 'cheap': 'compute' did not fit ({error})"
+            continue
+        except BaseException:
+            driver.abandon()
+            raise
+        if recompute == "auto" and recomputing != "none" and recomputing not in link_bytes:
+            link_bytes[recomputing] = driver.link_bytes
+            again, why = _record_again(driver, recomputing, link_bytes)
+            if again:
+                tables, recomputing, auto_choice = driver.release_tables(), again, why
+                continue
+        try:
+            driver.commit_plan()
         except BaseException:
             driver.abandon()
             raise

@@ -22,10 +22,11 @@ import torch
 
 from mltuner.client._layout import TensorLayout
 from mltuner.client._worker import Table, Worker
+from mltuner.exceptions import InternalError
 from mltuner.torch._layers import Layer
 
 __all__ = ["GROUP_MAX_BYTES", "Event", "EventKind", "Slot", "Tables", "add_activations", "create_tables", "describe",
-           "for_holding", "replay", "store_groups"]
+           "for_holding", "replay", "reuse_tables", "store_groups"]
 
 GROUP_MAX_BYTES = 4 << 20  # the most bytes of saved activations one local access moves together (store_groups)
 
@@ -154,17 +155,33 @@ def create_tables(worker: Worker, layers: Sequence[Layer], slots: Sequence[Slot]
     table (recomputed and kept ones have no rows)."""
     tables = [worker.create_tensor_table(f"torch:{layer.name}", layer.layout, update_rule=layer.update_rule)
               for layer in layers]
-    return add_activations(worker, Tables(tables, []), {k: s for k, s in enumerate(slots) if s.stored},
-                           row_width=row_width)
+    return add_activations(worker, Tables(tables, []), slots, row_width=row_width)
 
 
-def add_activations(worker: Worker, tables: Tables, slots: dict[int, Slot], *, row_width: int) -> Tables:
-    """``tables`` with one more local table, holding ``slots`` (by number);
-    ``tables`` itself if there are none."""
-    if not slots:
+def reuse_tables(worker: Worker, tables: Tables, layers: Sequence[Layer], slots: Sequence[Slot], *,
+                 row_width: int) -> Tables:
+    """The tables of an earlier recording of the same model (``wrap()``
+    records again after a plan, ``recompute="auto"``), with a local table
+    more for the stored slots that have no rows yet. The rows of slots no
+    longer stored stay, untouched: the engine places them nowhere."""
+    names = [table.name for table in tables.layers]
+    if names != [f"torch:{layer.name}" for layer in layers]:
+        raise InternalError(f"recording again found other layers ({len(layers)}) than the tables ({len(names)})")
+    for k, slot in enumerate(slots):
+        number = tables.table_of(k)
+        if number >= 0 and tables.activations[number][1].slot(f"a{k}").shape != (max(1, -(-slot.nbytes // 4)),):
+            raise InternalError(f"recording again saved activation #{k} with another size ({slot.nbytes} B)")
+    return add_activations(worker, tables, slots, row_width=row_width)
+
+
+def add_activations(worker: Worker, tables: Tables, slots: Sequence[Slot], *, row_width: int) -> Tables:
+    """``tables`` with one more local table, holding the stored ``slots``
+    that have no rows in ``tables`` yet; ``tables`` itself if there are none."""
+    new = {k: s for k, s in enumerate(slots) if s.stored and tables.table_of(k) < 0}
+    if not new:
         return tables
     layout = TensorLayout(row_width)
-    for k, slot in slots.items():
+    for k, slot in new.items():
         layout.add(f"a{k}", (max(1, -(-slot.nbytes // 4)),))  # whole float32 words
     name = "torch:activations" if not tables.activations else f"torch:activations.{len(tables.activations)}"
     table = worker.create_tensor_table(name, layout, local=True)

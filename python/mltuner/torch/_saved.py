@@ -183,6 +183,12 @@ class SavedActivations:
         self.fell_back = ""  # why wrap(recompute="auto") stores every activation after all
 
     @property
+    def forward_flops(self) -> int:
+        """The recorded forward's convolutions and matrix products, in flops
+        (0 when the recording kept no trace: nothing is recomputed)."""
+        return sum(node.flops for node in self._trace.nodes) if self._trace is not None else 0
+
+    @property
     def recomputing(self) -> bool:
         """Whether some slot is recomputed."""
         return bool(self._programs)

@@ -25,6 +25,7 @@ from torch import nn  # noqa: E402
 import mltuner  # noqa: E402
 import mltuner.torch as mt  # noqa: E402
 import mltuner.torch._recompute as recompute_module  # noqa: E402
+from mltuner.torch._clock import ClockDriver  # noqa: E402
 from mltuner import Config, LocalCluster, UpdateRule, Worker  # noqa: E402
 
 CLOCKS = 4
@@ -447,6 +448,77 @@ def test_auto_stores_everything_when_recomputing_needs_a_larger_pool() -> None:
     assert auto["stats"]["pool_bytes"] <= least_stored
     with pytest.raises(mltuner.ResourceExhaustedError, match=r"recompute='none' may need less"):
         train(make, data, resnet_loss, "cheap", least_stored)
+
+
+def test_auto_records_again_with_compute_where_the_link_bounds_the_cheap_plan(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """recompute='auto' under a budget plans with 'cheap', and records the
+    clock again with 'compute' when the link bounds that plan (on the CPU
+    never by default: the test lends it a GPU's rule, at any work per byte).
+    The tables of the first plan are reused: the rows of activations that
+    'compute' no longer stores are placed nowhere, so the stores are those
+    of 'compute' alone, and training is bit for bit that of storing
+    everything."""
+    data = resnet_data()
+    make = functools_partial(resnet, False)
+    reference = train(make, data, resnet_loss, "none")
+    assert "cpu" not in recompute_module.LINK_BOUND_FLOPS_PER_BYTE
+    budget = train(make, data, resnet_loss, "cheap")["stats"]["pool_min_bytes"]  # everything swapped
+    monkeypatch.setitem(recompute_module.LINK_BOUND_FLOPS_PER_BYTE, "cpu", 1 << 40)
+    auto = train(make, data, resnet_loss, "auto", budget)
+    compute = train(make, data, resnet_loss, "compute", budget)
+    assert_same_training(auto, reference)
+    assert "recompute='auto' chose 'compute': with 'cheap' the plan moves " in auto["plan"], auto["plan"]
+    assert auto["saved"] == compute["saved"]
+    for key in ("device_store_bytes", "host_store_bytes", "predicted_bytes_to_device_per_clock"):
+        assert auto["stats"][key] == compute["stats"][key], key
+    # No budget: nothing is recomputed, nothing recorded again.
+    assert "recompute='auto' chose" not in train(make, data, resnet_loss, "auto")["plan"]
+
+
+def test_auto_goes_back_to_cheap_where_compute_moves_no_fewer_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A matrix product too costly to run again (8,192 features, as in the
+    test above): 'compute' recomputes what 'cheap' does, so its plan moves
+    as many bytes, and recompute='auto' records the clock a third time, with
+    'cheap'."""
+    features = 8192
+    generator = torch.Generator().manual_seed(1)
+    data = (torch.randn(CLOCKS, 2, features, generator=generator),
+            torch.randint(0, 4, (CLOCKS, 2), generator=generator))
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(features, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    budget = train(make, data, resnet_loss, "cheap")["stats"]["pool_min_bytes"]
+    monkeypatch.setitem(recompute_module.LINK_BOUND_FLOPS_PER_BYTE, "cpu", 1 << 40)
+    auto = train(make, data, resnet_loss, "auto", budget)
+    assert_same_training(auto, train(make, data, resnet_loss, "none"))
+    assert "recompute='auto' went back to 'cheap': 'compute' moves " in auto["plan"], auto["plan"]
+    assert auto["saved"] == train(make, data, resnet_loss, "cheap", budget)["saved"]
+
+
+def test_auto_goes_back_to_cheap_where_compute_does_not_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Should the 'compute' plan not fit the budget ('cheap' did), the clock
+    is recorded again with 'cheap' (the refusal is made to happen here:
+    recomputing convolutions reads their weights early in the backward
+    pass, which can raise the least pool)."""
+    data = resnet_data()
+    make = functools_partial(resnet, False)
+    budget = train(make, data, resnet_loss, "cheap")["stats"]["pool_min_bytes"]
+    monkeypatch.setitem(recompute_module.LINK_BOUND_FLOPS_PER_BYTE, "cpu", 1 << 40)
+    prepare = ClockDriver.prepare_plan
+
+    def refuse_compute(driver: ClockDriver, *args: Any) -> None:
+        prepare(driver, *args)
+        if "chose 'compute'" in driver.auto_choice:
+            raise mltuner.ResourceExhaustedError("a test refusal")
+
+    monkeypatch.setattr(ClockDriver, "prepare_plan", refuse_compute)
+    auto = train(make, data, resnet_loss, "auto", budget)
+    assert_same_training(auto, train(make, data, resnet_loss, "none"))
+    assert "recompute='auto' went back to 'cheap': 'compute' did not fit (a test refusal)" in auto["plan"]
+    assert auto["saved"] == train(make, data, resnet_loss, "cheap", budget)["saved"]
 
 
 class SometimesMoreDropout(nn.Module):

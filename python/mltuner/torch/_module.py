@@ -349,15 +349,17 @@ def _record_again(driver: ClockDriver, planned: str, link_bytes: dict[str, int])
     """``recompute="auto"``, after a plan with ``planned`` ("cheap" or
     "compute"; ``link_bytes``: what each plan made so far moves over the
     busier direction of the host link a clock): the choice to record the
-    clock again with, and why; ("", "") to keep this plan. "compute" where
+    clock again with, and why; ("", why) to keep this plan. "compute" where
     the link bounds the "cheap" plan (``_recompute.link_bound``), then
     "cheap" again unless "compute" moves fewer bytes."""
     cheap = link_bytes["cheap"]
-    if planned == "cheap" and "compute" not in link_bytes and link_bound(driver.device, driver.forward_flops, cheap):
-        return "compute", (f"recompute='auto' chose 'compute': with 'cheap' the plan moves {cheap} B a clock over the "
-                           f"busier direction of the host link, {3 * driver.forward_flops // cheap} flops of a step "
-                           f"per byte (the link bounds the clock below "
-                           f"{LINK_BOUND_FLOPS_PER_BYTE[driver.device.type]})")
+    if planned == "cheap" and "compute" not in link_bytes and cheap > 0:
+        work = (f"with 'cheap' the plan moves {cheap} B a clock over the busier direction of the host link, "
+                f"{3 * driver.forward_flops // cheap} flops of a step per byte")
+        bound = LINK_BOUND_FLOPS_PER_BYTE.get(driver.device.type, 0)
+        if link_bound(driver.device, driver.forward_flops, cheap):
+            return "compute", f"recompute='auto' chose 'compute': {work} (the link bounds the clock below {bound})"
+        return "", f"recompute='auto' kept 'cheap': {work}" + (f", at least {bound}" if bound else "")
     if planned == "compute" and link_bytes["compute"] >= cheap:
         return "cheap", (f"recompute='auto' went back to 'cheap': 'compute' moves {link_bytes['compute']} B a clock "
                          f"over the host link, not fewer than {cheap} B")
@@ -514,7 +516,7 @@ def wrap(
             default), when storing activations under a
             ``Config.device_memory_budget``: ``"cheap"``, or ``"compute"``
             where the plan with ``"cheap"`` would be bound by the host link
-            (a step does under 1,024 flops per byte its swaps move; the
+            (a step does under 1,280 flops per byte its swaps move; the
             clock is then recorded again); else ``"none"``.
             ``model.plan`` and ``model.saved_activations`` say what was
             chosen.
@@ -612,6 +614,7 @@ def wrap(
             if again:
                 tables, recomputing, auto_choice = driver.release_tables(), again, why
                 continue
+            driver.auto_choice = why or auto_choice
         try:
             driver.commit_plan()
         except BaseException:

@@ -38,15 +38,20 @@ inputs.
 ``"auto"`` (under a device-memory budget) plans with ``"cheap"`` first and
 asks the plan for the bytes its swaps move per clock. When a step's work
 (three times the forward's convolutions and matrix products) is under
-:data:`LINK_BOUND_FLOPS_PER_BYTE` (1,024 on a GPU) flops per byte over the
-busier direction of the host link, the link bounds the clock (at ~25 GB/s against
-the ~25 TFLOP/s a float32 step sustains on an H100, about 1,000 flops cross
-per byte), so ``wrap()`` records the clock again with ``"compute"`` and
-keeps that plan if it moves fewer bytes (:func:`link_bound`). Measured on
-an H100 at a quarter of the memory each model needs: ResNet-18 on 224x224
-images (about 530 flops per byte) ran at 0.40 of no budget with
-``"cheap"`` and 0.59-0.61 with ``"compute"``; the 12-layer transformer
-(about 1,700) at 0.75 and 0.72.
+:data:`LINK_BOUND_FLOPS_PER_BYTE` (1,280 on a GPU) flops per byte over the
+busier direction of the host link, the link bounds the clock, so ``wrap()``
+records the clock again with ``"compute"`` and keeps that plan if it moves
+fewer bytes (:func:`link_bound`). Why 1,280: a float32 training step on an
+H100 sustains 33-50 TFLOP/s (matrix products in float32, convolutions in
+TF32: measured without a budget), and pinned copies ~25 GB/s, so the link
+and the arithmetic balance at 1,300-2,000 flops per byte; below the lower
+end the link surely bounds the step, while ``"compute"`` surely costs its
+recomputations, so doubt keeps ``"cheap"``. Measured on an H100 at a
+quarter of the memory each model needs: ResNet-18 on 224x224 images (about
+1,070 flops per byte) ran at 0.39-0.40 of no budget with ``"cheap"`` and
+0.59-0.61 with ``"compute"``; the 12-layer transformer (about 1,640) at
+0.75 and 0.72. Under autocast the arithmetic runs several times faster, so
+the rule keeps ``"cheap"`` for some steps the link bounds.
 
 The rule, per saved tensor, in the order the forward made them:
 
@@ -114,7 +119,7 @@ MAX_NODES = 64  # ops in one tensor's chain: a bound on the planning work, not a
 # "auto": below this much work of a step per byte over the host link, the
 # link bounds the clock, by device type. None on the CPU, where a swap is a
 # copy within one memory and recomputing a convolution costs far more.
-LINK_BOUND_FLOPS_PER_BYTE = {"cuda": 1024}
+LINK_BOUND_FLOPS_PER_BYTE = {"cuda": 1280}
 
 _aten = torch.ops.aten
 _MEMORY_BOUND = frozenset(p.__name__ for p in (

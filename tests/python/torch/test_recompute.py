@@ -464,6 +464,8 @@ def test_auto_records_again_with_compute_where_the_link_bounds_the_cheap_plan(
     reference = train(make, data, resnet_loss, "none")
     assert "cpu" not in recompute_module.LINK_BOUND_FLOPS_PER_BYTE
     budget = train(make, data, resnet_loss, "cheap")["stats"]["pool_min_bytes"]  # everything swapped
+    kept = train(make, data, resnet_loss, "auto", budget)
+    assert "recompute='auto' kept 'cheap': with 'cheap' the plan moves " in kept["plan"], kept["plan"]
     monkeypatch.setitem(recompute_module.LINK_BOUND_FLOPS_PER_BYTE, "cpu", 1 << 40)
     auto = train(make, data, resnet_loss, "auto", budget)
     compute = train(make, data, resnet_loss, "compute", budget)

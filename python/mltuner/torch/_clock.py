@@ -1298,10 +1298,10 @@ class ClockDriver:
         return max(self._preview.host_to_device_bytes, self._preview.device_to_host_bytes)
 
     @property
-    def forward_flops(self) -> int:
-        """The recorded forward's convolutions and matrix products, in flops
-        (0 unless the recording traced the forward to recompute)."""
-        return self._acts.forward_flops
+    def forward_work(self) -> tuple[int, int]:
+        """The recorded forward's flops (convolutions and matrix products)
+        and aten ops; (0, 0) unless the recording traced it to recompute."""
+        return self._acts.forward_work
 
     def release_tables(self) -> Tables:
         """Gives up the prepared plan (or a failed one) and the recording:

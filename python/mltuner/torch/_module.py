@@ -17,7 +17,8 @@ from mltuner.torch._clock import ClockDriver, tensors_in
 from mltuner.torch._errors import UnsupportedModelError
 from mltuner.torch._layers import DEFAULT_GROUP_BYTES, DEFAULT_WHOLE_MODULES, Layer, find_layers
 from mltuner.torch._optim import LearningRates, check_optimizer, groups_of_layers, rule_for_group
-from mltuner.torch._recompute import LINK_BOUND_FLOPS_PER_BYTE, RECOMPUTE_CHOICES, Recompute, link_bound
+from mltuner.torch._recompute import (LINK_BOUND_BYTES_PER_OP, LINK_BOUND_FLOPS_PER_BYTE, RECOMPUTE_CHOICES, Recompute,
+                                      link_bound)
 from mltuner.torch._recording import Tables
 from mltuner.torch._shipping import choose_overlap
 
@@ -354,12 +355,14 @@ def _record_again(driver: ClockDriver, planned: str, link_bytes: dict[str, int])
     "cheap" again unless "compute" moves fewer bytes."""
     cheap = link_bytes["cheap"]
     if planned == "cheap" and "compute" not in link_bytes and cheap > 0:
+        flops, ops = driver.forward_work
         work = (f"with 'cheap' the plan moves {cheap} B a clock over the busier direction of the host link, "
-                f"{3 * driver.forward_flops // cheap} flops of a step per byte")
+                f"{3 * flops // cheap} flops of a step per byte and {cheap // max(1, ops)} B per op of the forward")
         bound = LINK_BOUND_FLOPS_PER_BYTE.get(driver.device.type, 0)
-        if link_bound(driver.device, driver.forward_flops, cheap):
-            return "compute", f"recompute='auto' chose 'compute': {work} (the link bounds the clock below {bound})"
-        return "", f"recompute='auto' kept 'cheap': {work}" + (f", at least {bound}" if bound else "")
+        limits = f"below {bound} flops per byte and above {LINK_BOUND_BYTES_PER_OP} B per op"
+        if link_bound(driver.device, driver.forward_work, cheap):
+            return "compute", f"recompute='auto' chose 'compute': {work} (the link bounds the clock {limits})"
+        return "", f"recompute='auto' kept 'cheap': {work}" + (f" (the link bounds the clock {limits})" if bound else "")
     if planned == "compute" and link_bytes["compute"] >= cheap:
         return "cheap", (f"recompute='auto' went back to 'cheap': 'compute' moves {link_bytes['compute']} B a clock "
                          f"over the host link, not fewer than {cheap} B")
@@ -516,8 +519,9 @@ def wrap(
             default), when storing activations under a
             ``Config.device_memory_budget``: ``"cheap"``, or ``"compute"``
             where the plan with ``"cheap"`` would be bound by the host link
-            (a step does under 1,280 flops per byte its swaps move; the
-            clock is then recorded again); else ``"none"``.
+            (a step does under 1,280 flops per byte its swaps move, and they
+            move over 1 MiB per op of the forward; the clock is then
+            recorded again); else ``"none"``.
             ``model.plan`` and ``model.saved_activations`` say what was
             chosen.
 

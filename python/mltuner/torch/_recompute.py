@@ -46,12 +46,20 @@ H100 sustains 33-50 TFLOP/s (matrix products in float32, convolutions in
 TF32: measured without a budget), and pinned copies ~25 GB/s, so the link
 and the arithmetic balance at 1,300-2,000 flops per byte; below the lower
 end the link surely bounds the step, while ``"compute"`` surely costs its
-recomputations, so doubt keeps ``"cheap"``. Measured on an H100 at a
-quarter of the memory each model needs: ResNet-18 on 224x224 images (about
-1,070 flops per byte) ran at 0.39-0.40 of no budget with ``"cheap"`` and
-0.59-0.61 with ``"compute"``; the 12-layer transformer (about 1,640) at
-0.75 and 0.72. Under autocast the arithmetic runs several times faster, so
-the rule keeps ``"cheap"`` for some steps the link bounds.
+recomputations, so doubt keeps ``"cheap"``. A small step is bound by the
+host instead, whatever its flops: each op of the forward costs a step about
+50 us of the host's time (its kernels forward and backward, the adapter's
+hooks: ResNet-18 on 32x32 images at batch 128 without a budget, 233 traced
+ops, 11.7 ms a step on an H100 host), in which the link moves about 1.25
+MB, so the link bounds the clock only above :data:`LINK_BOUND_BYTES_PER_OP`
+(1 MiB) per op. Measured on an H100 at a quarter of the memory each model needs:
+ResNet-18 on 224x224 images (about 1,070 flops and 5 MB per op) ran at
+0.39-0.40 of no budget with ``"cheap"`` and 0.55-0.61 with ``"compute"``;
+the 12-layer transformer (about 1,640 flops per byte) at 0.73-0.75 and
+0.72; ResNet-18 on 32x32 images at batch 128 (about 500 KB per op) at 0.48
+with ``"cheap"`` and 0.39 with ``"compute"``. Under autocast the arithmetic
+runs several times faster, so the rule keeps ``"cheap"`` for some steps the
+link bounds.
 
 The rule, per saved tensor, in the order the forward made them:
 
@@ -104,7 +112,7 @@ from mltuner.torch._buffers import storage_ptr
 from mltuner.torch._recording import Slot
 from mltuner.torch._trace import BufferArg, ForwardTrace, ParamRef, ScratchArg, ValueArg, generator_of
 
-__all__ = ["FLOPS_PER_TOUCHED_BYTE", "LINK_BOUND_FLOPS_PER_BYTE", "MAX_DEPTH", "MAX_FLOPS_PER_BYTE",
+__all__ = ["FLOPS_PER_TOUCHED_BYTE", "LINK_BOUND_BYTES_PER_OP", "LINK_BOUND_FLOPS_PER_BYTE", "MAX_DEPTH", "MAX_FLOPS_PER_BYTE",
            "MAX_TOUCHED_PER_BYTE", "Program", "RECOMPUTE_CHOICES", "Recompute", "choose", "describe", "link_bound",
            "memory_bound", "remap_reads", "run"]
 
@@ -120,6 +128,9 @@ MAX_NODES = 64  # ops in one tensor's chain: a bound on the planning work, not a
 # link bounds the clock, by device type. None on the CPU, where a swap is a
 # copy within one memory and recomputing a convolution costs far more.
 LINK_BOUND_FLOPS_PER_BYTE = {"cuda": 1280}
+# ... and above this many bytes per op of the forward: below, the host's time
+# per op (its launches, the adapter's hooks) bounds the clock, not the link.
+LINK_BOUND_BYTES_PER_OP = 1 << 20
 
 _aten = torch.ops.aten
 _MEMORY_BOUND = frozenset(p.__name__ for p in (
@@ -143,11 +154,14 @@ _OVERWRITES = frozenset(p.__name__ for p in (_aten.bernoulli_, _aten.uniform_, _
 _DROPOUT = _aten.native_dropout.default
 
 
-def link_bound(device: torch.device, forward_flops: int, link_bytes: int) -> bool:
+def link_bound(device: torch.device, forward_work: tuple[int, int], link_bytes: int) -> bool:
     """Whether a plan on ``device`` that moves ``link_bytes`` per clock over
     the busier direction of the host link is bound by it, for a forward of
-    ``forward_flops`` (a step: three times as much; module docstring)."""
-    return 3 * forward_flops < LINK_BOUND_FLOPS_PER_BYTE.get(device.type, 0) * link_bytes
+    ``forward_work`` (flops, aten ops; a step: three times as much; module
+    docstring)."""
+    flops, ops = forward_work
+    return (3 * flops < LINK_BOUND_FLOPS_PER_BYTE.get(device.type, 0) * link_bytes
+            and link_bytes > LINK_BOUND_BYTES_PER_OP * ops)
 
 
 def _name(func: torch._ops.OpOverload) -> str:

@@ -183,10 +183,12 @@ class SavedActivations:
         self.fell_back = ""  # why wrap(recompute="auto") stores every activation after all
 
     @property
-    def forward_flops(self) -> int:
-        """The recorded forward's convolutions and matrix products, in flops
-        (0 when the recording kept no trace: nothing is recomputed)."""
-        return sum(node.flops for node in self._trace.nodes) if self._trace is not None else 0
+    def forward_work(self) -> tuple[int, int]:
+        """The recorded forward's work: the flops of its convolutions and
+        matrix products, and its aten ops ((0, 0) when the recording kept no
+        trace: nothing is recomputed)."""
+        nodes = self._trace.nodes if self._trace is not None else []
+        return sum(node.flops for node in nodes), len(nodes)
 
     @property
     def recomputing(self) -> bool:

@@ -454,7 +454,9 @@ def test_auto_records_again_with_compute_where_the_link_bounds_the_cheap_plan(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """recompute='auto' under a budget plans with 'cheap', and records the
     clock again with 'compute' when the link bounds that plan (on the CPU
-    never by default: the test lends it a GPU's rule, at any work per byte).
+    never by default: the test lends it a GPU's rule, at any work per byte;
+    the bytes per op of so small a model are the host's to bound, until
+    the test allows any).
     The tables of the first plan are reused: the rows of activations that
     'compute' no longer stores are placed nowhere, so the stores are those
     of 'compute' alone, and training is bit for bit that of storing
@@ -467,6 +469,9 @@ def test_auto_records_again_with_compute_where_the_link_bounds_the_cheap_plan(
     kept = train(make, data, resnet_loss, "auto", budget)
     assert "recompute='auto' kept 'cheap': with 'cheap' the plan moves " in kept["plan"], kept["plan"]
     monkeypatch.setitem(recompute_module.LINK_BOUND_FLOPS_PER_BYTE, "cpu", 1 << 40)
+    kept = train(make, data, resnet_loss, "auto", budget)
+    assert "recompute='auto' kept 'cheap': " in kept["plan"] and " B per op of the forward" in kept["plan"]
+    monkeypatch.setattr(recompute_module, "LINK_BOUND_BYTES_PER_OP", 0)
     auto = train(make, data, resnet_loss, "auto", budget)
     compute = train(make, data, resnet_loss, "compute", budget)
     assert_same_training(auto, reference)
@@ -494,6 +499,7 @@ def test_auto_goes_back_to_cheap_where_compute_moves_no_fewer_bytes(monkeypatch:
 
     budget = train(make, data, resnet_loss, "cheap")["stats"]["pool_min_bytes"]
     monkeypatch.setitem(recompute_module.LINK_BOUND_FLOPS_PER_BYTE, "cpu", 1 << 40)
+    monkeypatch.setattr(recompute_module, "LINK_BOUND_BYTES_PER_OP", 0)
     auto = train(make, data, resnet_loss, "auto", budget)
     assert_same_training(auto, train(make, data, resnet_loss, "none"))
     assert "recompute='auto' went back to 'cheap': 'compute' moves " in auto["plan"], auto["plan"]
@@ -509,6 +515,7 @@ def test_auto_goes_back_to_cheap_where_compute_does_not_fit(monkeypatch: pytest.
     make = functools_partial(resnet, False)
     budget = train(make, data, resnet_loss, "cheap")["stats"]["pool_min_bytes"]
     monkeypatch.setitem(recompute_module.LINK_BOUND_FLOPS_PER_BYTE, "cpu", 1 << 40)
+    monkeypatch.setattr(recompute_module, "LINK_BOUND_BYTES_PER_OP", 0)
     prepare = ClockDriver.prepare_plan
 
     def refuse_compute(driver: ClockDriver, *args: Any) -> None:

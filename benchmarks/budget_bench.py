@@ -243,8 +243,8 @@ def quarter_section(args: argparse.Namespace, device: torch.device, report: Repo
                               "compute": "convolutions and matrix products recomputed too "
                                          "(recompute='compute')"}[m]
                              for m in modes) +
-                "; cells with two values give them in that order; recompute='auto' names what it recorded "
-                "again with, if anything. Device memory: torch peak / in use on "
+                "; cells with two values give them in that order; recompute='auto' names what it chose "
+                "after its plan with 'cheap' moved bytes over the link. Device memory: torch peak / in use on "
                 "the device after the run (MB).")
     report.emit()
     report.emit("| model | no budget samples/s | 1/4 budget samples/s | ratio (min-max) | need MB | budget MB | "

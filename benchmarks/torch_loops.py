@@ -93,12 +93,12 @@ class MltunerRun:
     @property
     def auto_choice(self) -> str:
         """What ``recompute="auto"`` chose after its plan with "cheap", from
-        the plan's summary: "compute (F flops/B, M MB/op)" (or "cheap kept"
-        with those figures), "cheap (compute tried)", or ""."""
-        found = re.search(r"recompute='auto' (chose 'compute'|kept 'cheap'): .*?, (\d+) flops of a step per byte and "
+        the plan's summary: "compute (F flops/B, M MiB/op)" (or "first plan
+        kept" with those figures), "cheap (compute tried)", or ""."""
+        found = re.search(r"recompute='auto' (chose 'compute'|kept its first plan): .*?, (\d+) flops of a step per byte and "
                           r"(\d+) B per op", self.plan)
         if found:
-            what = "compute" if "compute" in found.group(1) else "cheap kept"
+            what = "compute" if "compute" in found.group(1) else "first plan kept"
             return f"{what} ({found.group(2)} flops/B, {int(found.group(3)) / 2**20:.2f} MiB/op)"
         return "cheap (compute tried)" if "recompute='auto' went back to 'cheap'" in self.plan else ""
 

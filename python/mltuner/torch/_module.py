@@ -356,13 +356,13 @@ def _record_again(driver: ClockDriver, planned: str, link_bytes: dict[str, int])
     cheap = link_bytes["cheap"]
     if planned == "cheap" and "compute" not in link_bytes and cheap > 0:
         flops, ops = driver.forward_work
-        work = (f"with 'cheap' the plan moves {cheap} B a clock over the busier direction of the host link, "
+        work = (f"its first plan moves {cheap} B a clock over the busier direction of the host link, "
                 f"{3 * flops // cheap} flops of a step per byte and {cheap // max(1, ops)} B per op of the forward")
         bound = LINK_BOUND_FLOPS_PER_BYTE.get(driver.device.type, 0)
         limits = f"below {bound} flops per byte and above {LINK_BOUND_BYTES_PER_OP} B per op"
         if link_bound(driver.device, driver.forward_work, cheap):
             return "compute", f"recompute='auto' chose 'compute': {work} (the link bounds the clock {limits})"
-        return "", f"recompute='auto' kept 'cheap': {work}" + (f" (the link bounds the clock {limits})" if bound else "")
+        return "", f"recompute='auto' kept its first plan: {work}" + (f" (the link bounds the clock {limits})" if bound else "")
     if planned == "compute" and link_bytes["compute"] >= cheap:
         return "cheap", (f"recompute='auto' went back to 'cheap': 'compute' moves {link_bytes['compute']} B a clock "
                          f"over the host link, not fewer than {cheap} B")
@@ -520,7 +520,7 @@ def wrap(
             ``Config.device_memory_budget``: ``"cheap"``, or ``"compute"``
             where the plan with ``"cheap"`` would be bound by the host link
             (a step does under 1,280 flops per byte its swaps move, and they
-            move over 1 MiB per op of the forward; the clock is then
+            move over 640 KiB per op of the forward; the clock is then
             recorded again); else ``"none"``.
             ``model.plan`` and ``model.saved_activations`` say what was
             chosen.

@@ -47,17 +47,19 @@ TF32: measured without a budget), and pinned copies ~25 GB/s, so the link
 and the arithmetic balance at 1,300-2,000 flops per byte; below the lower
 end the link surely bounds the step, while ``"compute"`` surely costs its
 recomputations, so doubt keeps ``"cheap"``. A small step is bound by the
-host instead, whatever its flops: each op of the forward costs a step about
-50 us of the host's time (its kernels forward and backward, the adapter's
-hooks: ResNet-18 on 32x32 images at batch 128 without a budget, 233 traced
-ops, 11.7 ms a step on an H100 host), in which the link moves about 1.25
-MB, so the link bounds the clock only above :data:`LINK_BOUND_BYTES_PER_OP`
-(1 MiB) per op. Measured on an H100 at a quarter of the memory each model needs:
-ResNet-18 on 224x224 images (about 1,070 flops and 5 MB per op) ran at
-0.39-0.40 of no budget with ``"cheap"`` and 0.55-0.61 with ``"compute"``;
+host instead, whatever its flops: each op of the forward costs a step tens
+of microseconds of the host's time (its kernels forward and backward, the
+adapter's hooks), and ``"compute"`` adds more (each op it runs again is
+dispatched from Python), so the link must also move more than
+:data:`LINK_BOUND_BYTES_PER_OP` (640 KiB) per op of the forward. Where that
+line lies was measured on an H100 host, one run each: ResNet-18 on 32x32
+images at a quarter of its need, batch 128 (0.52 MiB per op), ran at
+0.46-0.48 of no budget with ``"cheap"`` and 0.39 with ``"compute"``, batch
+512 (0.80 MiB per op) at 0.42-0.45 and 0.51. At a quarter of the need
+too: ResNet-18 on 224x224 images (about 1,070 flops per byte, 5 MiB per
+op) ran at 0.39-0.40 with ``"cheap"`` and 0.55-0.61 with ``"compute"``;
 the 12-layer transformer (about 1,640 flops per byte) at 0.73-0.75 and
-0.72; ResNet-18 on 32x32 images at batch 128 (about 500 KB per op) at 0.48
-with ``"cheap"`` and 0.39 with ``"compute"``. Under autocast the arithmetic
+0.72. Under autocast the arithmetic
 runs several times faster, so the rule keeps ``"cheap"`` for some steps the
 link bounds.
 
@@ -130,7 +132,7 @@ MAX_NODES = 64  # ops in one tensor's chain: a bound on the planning work, not a
 LINK_BOUND_FLOPS_PER_BYTE = {"cuda": 1280}
 # ... and above this many bytes per op of the forward: below, the host's time
 # per op (its launches, the adapter's hooks) bounds the clock, not the link.
-LINK_BOUND_BYTES_PER_OP = 1 << 20
+LINK_BOUND_BYTES_PER_OP = 640 << 10
 
 _aten = torch.ops.aten
 _MEMORY_BOUND = frozenset(p.__name__ for p in (

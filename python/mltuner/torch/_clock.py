@@ -202,7 +202,7 @@ class ClockDriver:
                                       parameters=slack == 0 or hold_reads is True,  # hold_reads: as given to wrap()
                                       compute_bound=recompute == "compute")
         self._recompute_fallback = recompute_fallback  # store everything if the recomputing plan does not fit
-        self.auto_choice = ""  # why wrap(recompute="auto") recorded the clock again (wrap sets it)
+        self.auto_choice = ""  # what wrap(recompute="auto") chose after its first plan, and why (wrap sets it)
         self._handles: list[int] = []
         self._tables: list[Table] = []
         self._all_tables: Tables | None = None  # the layers' tables and the local ones (prepare_plan)

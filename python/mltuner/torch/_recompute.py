@@ -60,9 +60,8 @@ keeps the smallest steps on ``"cheap"``, which recomputes less. At a
 quarter of the need too: ResNet-18 on 224x224 images (about 1,070 flops
 per byte, 6 MiB per op) ran at 0.39-0.40 with ``"cheap"`` and 0.55-0.61
 with ``"compute"``; the 12-layer transformer (about 1,630 flops per byte)
-at 0.73-0.75 and 0.72. Under autocast the arithmetic
-runs several times faster, so the rule keeps ``"cheap"`` for some steps the
-link bounds.
+at 0.73-0.75 and 0.72. Under autocast the arithmetic runs several times
+faster, so the rule keeps ``"cheap"`` for some steps the link bounds.
 
 The rule, per saved tensor, in the order the forward made them:
 
@@ -115,8 +114,8 @@ from mltuner.torch._buffers import storage_ptr
 from mltuner.torch._recording import Slot
 from mltuner.torch._trace import BufferArg, ForwardTrace, ParamRef, ScratchArg, ValueArg, generator_of
 
-__all__ = ["FLOPS_PER_TOUCHED_BYTE", "LINK_BOUND_BYTES_PER_OP", "LINK_BOUND_FLOPS_PER_BYTE", "MAX_DEPTH", "MAX_FLOPS_PER_BYTE",
-           "MAX_TOUCHED_PER_BYTE", "Program", "RECOMPUTE_CHOICES", "Recompute", "choose", "describe", "link_bound",
+__all__ = ["FLOPS_PER_TOUCHED_BYTE", "LINK_BOUND_BYTES_PER_OP", "LINK_BOUND_FLOPS_PER_BYTE", "MAX_DEPTH",
+           "MAX_FLOPS_PER_BYTE", "MAX_TOUCHED_PER_BYTE", "Program", "RECOMPUTE_CHOICES", "Recompute", "choose", "describe", "link_bound",
            "memory_bound", "remap_reads", "run"]
 
 Recompute = Literal["auto", "cheap", "compute", "none"]

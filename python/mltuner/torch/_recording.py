@@ -169,9 +169,14 @@ def reuse_tables(worker: Worker, tables: Tables, layers: Sequence[Layer], slots:
         raise InternalError(f"recording again found other layers ({len(layers)}) than the tables ({len(names)})")
     for k, slot in enumerate(slots):
         number = tables.table_of(k)
-        if number >= 0 and tables.activations[number][1].slot(f"a{k}").shape != (max(1, -(-slot.nbytes // 4)),):
+        if number >= 0 and tables.activations[number][1].slot(f"a{k}").shape != (_words(slot),):
             raise InternalError(f"recording again saved activation #{k} with another size ({slot.nbytes} B)")
     return add_activations(worker, tables, slots, row_width=row_width)
+
+
+def _words(slot: Slot) -> int:
+    """The float32 words of a stored slot's rows: its bytes, rounded up."""
+    return max(1, -(-slot.nbytes // 4))
 
 
 def add_activations(worker: Worker, tables: Tables, slots: Sequence[Slot], *, row_width: int) -> Tables:
@@ -182,7 +187,7 @@ def add_activations(worker: Worker, tables: Tables, slots: Sequence[Slot], *, ro
         return tables
     layout = TensorLayout(row_width)
     for k, slot in new.items():
-        layout.add(f"a{k}", (max(1, -(-slot.nbytes // 4)),))  # whole float32 words
+        layout.add(f"a{k}", (_words(slot),))
     name = "torch:activations" if not tables.activations else f"torch:activations.{len(tables.activations)}"
     table = worker.create_tensor_table(name, layout, local=True)
     return Tables(tables.layers, [*tables.activations, (table, layout)])

@@ -122,7 +122,9 @@ def test_the_engine_refuses_a_plan_over_its_limit_with_the_sizes() -> None:
 
 def test_a_table_created_after_a_preview_is_planned_too() -> None:
     """The preview's plan is kept for finish_virtual_iteration, unless a
-    table was created since (allowed until the iteration is finished)."""
+    table was created since (allowed until the iteration is finished). A
+    local table no access touches takes no memory: only recorded accesses
+    reach local data."""
     with mltuner.LocalCluster(1) as cluster:
         worker = cluster.worker(0)
         table = worker.create_table("t", 64, 16)
@@ -131,7 +133,9 @@ def test_a_table_created_after_a_preview_is_planned_too() -> None:
         worker.virtual_clock()
         before = worker.preview_plan()
         assert before.fits and before.host_store_bytes == 0
-        worker.create_table("late", 32, 16, local=True)
+        worker.create_table("untouched local", 32, 16, local=True)
+        assert worker.preview_plan().device_store_bytes == before.device_store_bytes
+        worker.create_table("late", 32, 16)
         after = worker.preview_plan()
         assert after.device_store_bytes == before.device_store_bytes + 32 * 16 * 4
         worker.finish_virtual_iteration()

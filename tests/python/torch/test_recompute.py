@@ -204,6 +204,19 @@ def test_compute_recomputes_a_transformers_projections_bit_identically() -> None
     assert compute["stats"]["device_store_bytes"] < cheap["stats"]["device_store_bytes"]
 
 
+def mlp(features: int) -> tuple[Callable[[], nn.Module], tuple[torch.Tensor, torch.Tensor]]:
+    """Linear(features, 16), ReLU, Linear(16, 4) on 2 samples, and its data."""
+    generator = torch.Generator().manual_seed(1)
+    data = (torch.randn(CLOCKS, 2, features, generator=generator),
+            torch.randint(0, 4, (CLOCKS, 2), generator=generator))
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(features, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    return make, data
+
+
 @pytest.mark.parametrize("features", [64, 8192])
 def test_compute_recomputes_a_matrix_product_within_its_flops_per_byte(features: int) -> None:
     """Linear(features, 16) then ReLU on 2 samples: the ReLU output (saved by
@@ -212,13 +225,7 @@ def test_compute_recomputes_a_matrix_product_within_its_flops_per_byte(features:
     about 5 KB (its weight, mostly): about 650 flops of work per byte saved,
     recomputed. With 8,192 it does 524,288 and touches about 580 KB: far
     over the bound (2,048), stored."""
-    generator = torch.Generator().manual_seed(1)
-    data = (torch.randn(CLOCKS, 2, features, generator=generator),
-            torch.randint(0, 4, (CLOCKS, 2), generator=generator))
-
-    def make() -> nn.Module:
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(features, 16), nn.ReLU(), nn.Linear(16, 4))
+    make, data = mlp(features)
 
     compute = train(make, data, resnet_loss, "compute")
     lines = recomputed(compute["saved"])
@@ -488,14 +495,7 @@ def test_auto_goes_back_to_cheap_where_compute_moves_no_fewer_bytes(monkeypatch:
     test above): 'compute' recomputes what 'cheap' does, so its plan moves
     as many bytes, and recompute='auto' records the clock a third time, with
     'cheap'."""
-    features = 8192
-    generator = torch.Generator().manual_seed(1)
-    data = (torch.randn(CLOCKS, 2, features, generator=generator),
-            torch.randint(0, 4, (CLOCKS, 2), generator=generator))
-
-    def make() -> nn.Module:
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(features, 16), nn.ReLU(), nn.Linear(16, 4))
+    make, data = mlp(8192)
 
     budget = train(make, data, resnet_loss, "cheap")["stats"]["pool_min_bytes"]
     monkeypatch.setitem(recompute_module.LINK_BOUND_FLOPS_PER_BYTE, "cpu", 1 << 40)

@@ -355,14 +355,15 @@ def _record_again(driver: ClockDriver, planned: str, link_bytes: dict[str, int])
     "cheap" again unless "compute" moves fewer bytes."""
     cheap = link_bytes["cheap"]
     if planned == "cheap" and "compute" not in link_bytes and cheap > 0:
-        flops, ops = driver.forward_work
-        work = (f"its first plan moves {cheap} B a clock over the busier direction of the host link, "
-                f"{3 * flops // cheap} flops of a step per byte and {cheap // max(1, ops)} B per op of the forward")
+        flops, ops = work = driver.forward_work
+        moved = (f"its first plan moves {cheap} B a clock over the busier direction of the host link, "
+                 f"{3 * flops // cheap} flops of a step per byte and {cheap // max(1, ops)} B per op of the forward")
         bound = LINK_BOUND_FLOPS_PER_BYTE.get(driver.device.type, 0)
-        limits = f"below {bound} flops per byte and above {LINK_BOUND_BYTES_PER_OP} B per op"
-        if link_bound(driver.device, driver.forward_work, cheap):
-            return "compute", f"recompute='auto' chose 'compute': {work} (the link bounds the clock {limits})"
-        return "", f"recompute='auto' kept its first plan: {work}" + (f" (the link bounds the clock {limits})" if bound else "")
+        limits = (f" (the link bounds the clock below {bound} flops per byte and above {LINK_BOUND_BYTES_PER_OP} B "
+                  "per op)")
+        if link_bound(driver.device, work, cheap):
+            return "compute", f"recompute='auto' chose 'compute': {moved}{limits}"
+        return "", f"recompute='auto' kept its first plan: {moved}{limits if bound else ''}"
     if planned == "compute" and link_bytes["compute"] >= cheap:
         return "cheap", (f"recompute='auto' went back to 'cheap': 'compute' moves {link_bytes['compute']} B a clock "
                          f"over the host link, not fewer than {cheap} B")

@@ -125,6 +125,7 @@ void RegisterEngine(py::module_& m) {
       .def_readonly("host_store_bytes", &PlanPreview::host_store_bytes)
       .def_readonly("host_to_device_bytes", &PlanPreview::host_to_device_bytes)
       .def_readonly("device_to_host_bytes", &PlanPreview::device_to_host_bytes)
+      .def_readonly("device_local_accesses", &PlanPreview::device_local_accesses)
       .def_readonly("host", &PlanPreview::host)
       .def_readonly("description", &PlanPreview::description);
 
@@ -176,6 +177,8 @@ void RegisterEngine(py::module_& m) {
              return preview;
            })
       .def("reset_virtual_iteration", [](Engine& e) { Check(e.ResetVirtualIteration()); })
+      .def("reserve_device_memory", [](Engine& e, int64_t bytes) { Check(e.ReserveDeviceMemory(bytes)); },
+           py::arg("bytes"))
       .def("finish_virtual_iteration", [](Engine& e) { Check(e.FinishVirtualIteration()); }, Release())
       .def("start_iterations", [](Engine& e) { Check(e.StartIterations()); }, Release())
       .def("read", &OpenBuffer<&Engine::Read>, py::arg("handle"), py::arg("stream") = 0)

@@ -137,6 +137,11 @@ class Engine {
   // Drops the recorded iteration (tables stay), so that another one can be
   // recorded: for a caller whose preview did not fit. Handles start from 0.
   Status ResetVirtualIteration();
+  // Device memory the application will hold beside the engine during each
+  // clock (saved activations that autograd keeps instead of local data):
+  // plans leave it out of the budget, set or automatic. 0 until set; a
+  // later call replaces it. Defining phase only.
+  Status ReserveDeviceMemory(int64_t bytes);
   // Plans the iteration (or takes PreviewPlan's plan), refuses it when it
   // needs more host memory than Config::host_memory_limit (or MemAvailable)
   // allows, allocates, and waits until every worker finished its own.

@@ -125,6 +125,8 @@ struct PlanPreview {
   // steady-state clock, each way (plan/swap_traffic.h).
   int64_t host_to_device_bytes = 0;
   int64_t device_to_host_bytes = 0;
+  // The handles of local accesses whose rows all stay on the device.
+  std::vector<Handle> device_local_accesses;
   HostMemoryNeed host;
   std::string description;     // as Engine::DescribePlan will give it
 };

@@ -144,7 +144,23 @@ Status Engine::Impl::PreviewPlan(PlanPreview* out) {
   MLT_RETURN_IF_ERROR(recorder_.Peek("preview_plan", &recording));
   PlanSite site;
   MLT_RETURN_IF_ERROR(Site(&site));
-  return PreviewIteration(config_, plan_.tables, *recording, site, &previewed_, out);
+  return PreviewIteration(PlanConfig(), plan_.tables, *recording, site, &previewed_, out);
+}
+
+Status Engine::Impl::ReserveDeviceMemory(int64_t bytes) {
+  if (bytes < 0) return Status::InvalidArgument("reserve_device_memory needs bytes >= 0, got " + std::to_string(bytes));
+  if (bytes != application_device_bytes_) previewed_.reset();  // planned under the old reservation
+  application_device_bytes_ = bytes;
+  return Status::Ok();
+}
+
+Config Engine::Impl::PlanConfig() const {
+  Config planned = config_;
+  if (planned.device_memory_budget > 0 && application_device_bytes_ > 0) {
+    // At least 1 byte, so that a refusal names the least budget.
+    planned.device_memory_budget = std::max<int64_t>(1, planned.device_memory_budget - application_device_bytes_);
+  }
+  return planned;
 }
 
 Status Engine::Impl::Site(PlanSite* out) const {
@@ -154,6 +170,8 @@ Status Engine::Impl::Site(PlanSite* out) const {
   site.device_is_host = device_->host_addressable();
   site.maps_host_memory = device_->maps_host_memory();
   MLT_RETURN_IF_ERROR(device_->MemoryInfo(&site.device_free, &site.device_total));
+  site.application_bytes = application_device_bytes_;
+  if (site.device_free >= 0) site.device_free = std::max<int64_t>(0, site.device_free - application_device_bytes_);
   *out = site;
   return Status::Ok();
 }
@@ -174,7 +192,7 @@ Status Engine::Impl::PlanAndPrepare() {
     plan = std::make_unique<IterationPlan>();
     PlanSite site;
     MLT_RETURN_IF_ERROR(Site(&site));
-    MLT_RETURN_IF_ERROR(PlanIteration(config_, plan_.tables, *recorded, site, plan.get()));
+    MLT_RETURN_IF_ERROR(PlanIteration(PlanConfig(), plan_.tables, *recorded, site, plan.get()));
   }
   MLT_RETURN_IF_ERROR(CheckHostMemory(plan->placement.host, config_.host_memory_limit));
   Recording recording;
@@ -801,6 +819,11 @@ Status Engine::PreviewPlan(PlanPreview* out) {
 Status Engine::ResetVirtualIteration() {
   MLT_REQUIRE_DEFINING("reset_virtual_iteration");
   return impl_->ResetVirtualIteration();
+}
+
+Status Engine::ReserveDeviceMemory(int64_t bytes) {
+  MLT_REQUIRE_DEFINING("reserve_device_memory");
+  return impl_->ReserveDeviceMemory(bytes);
 }
 
 #undef MLT_REQUIRE_DEFINING

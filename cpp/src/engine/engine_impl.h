@@ -41,8 +41,13 @@ class Engine::Impl {
   Status LookupTable(TableId table, const TableInfo** out) const;
   Status PreviewPlan(PlanPreview* out);
   Status ResetVirtualIteration();
-  // Where a plan is made: this worker and its device's memory now.
+  Status ReserveDeviceMemory(int64_t bytes);
+  // Where a plan is made: this worker and its device's memory now, less
+  // what the application reserved.
   Status Site(PlanSite* out) const;
+  // config_ with the budget, when one is set, less what the application
+  // reserved (ReserveDeviceMemory): what plans are made under.
+  Config PlanConfig() const;
   Status FinishVirtualIteration();
   Status StartIterations();
   Status Open(Handle handle, OpKind kind, AccessBuffer* out, uintptr_t app_stream);
@@ -71,6 +76,7 @@ class Engine::Impl {
   Recorder recorder_;
   std::unique_ptr<IterationPlan> previewed_;  // PreviewPlan's plan of the recording, for FinishVirtualIteration
   Status finish_error_;  // why the one FinishVirtualIteration failed, if it did
+  int64_t application_device_bytes_ = 0;  // ReserveDeviceMemory
   PipelinePlan plan_;    // tables while defining; all of it constant after FinishVirtualIteration
   SharedState state_;
 

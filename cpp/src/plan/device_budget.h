@@ -21,6 +21,10 @@ struct BudgetChoice {
   int64_t device_free = -1;  // the device's free memory when the plan was made; -1: no fixed capacity
   int64_t device_total = -1;
   int64_t reserve = 0;       // left free for the framework (device_memory_reserve, resolved)
+  // Device memory the application holds beside the engine
+  // (Engine::ReserveDeviceMemory), already left out of `budget` and
+  // `device_free`: for Describe.
+  int64_t application_bytes = 0;
   // "budget 123 B set by hand" / "no budget: ..." / "automatic budget ...".
   std::string Describe() const;
 };

@@ -3,12 +3,37 @@
 #include <utility>
 
 namespace mltuner {
+namespace {
+
+// The local accesses whose rows all live on the device under `plan`.
+std::vector<Handle> DeviceResidentLocalAccesses(const std::vector<TableInfo>& tables, const Recording& recording,
+                                                const IterationPlan& plan) {
+  std::vector<Handle> out;
+  for (const AccessRecord& access : recording.accesses) {
+    if (access.kind != OpKind::kLocalAccess || !tables[access.table].local) continue;
+    const RowLayout& layout = plan.layouts[access.table];
+    const TablePlacement& where = plan.placement.tables[access.table];
+    bool on_device = true;
+    for (RowId row : access.rows) {
+      const int64_t position = layout.PositionOf(row);
+      if (position >= where.placed() || where.ResidenceOf(position) != Residence::kDevice) {
+        on_device = false;
+        break;
+      }
+    }
+    if (on_device) out.push_back(access.handle);
+  }
+  return out;
+}
+
+}  // namespace
 
 Status PlanIteration(const Config& config, const std::vector<TableInfo>& tables, const Recording& recording,
                      const PlanSite& site, IterationPlan* out) {
   IterationPlan plan;
   plan.layouts = BuildRowLayouts(tables, recording);
   BudgetChoice budget = ChooseBudget(config, site.device_free, site.device_total, 0);
+  budget.application_bytes = site.application_bytes;
   MLT_RETURN_IF_ERROR(PlanPlacement(config, tables, plan.layouts, recording, &plan.placement, site));
   Config planned = config;
   if (config.device_memory_budget == 0) {
@@ -16,6 +41,7 @@ Status PlanIteration(const Config& config, const std::vector<TableInfo>& tables,
     // device cannot hold it; then again under what the device has free.
     budget = ChooseBudget(config, site.device_free, site.device_total,
                           plan.placement.pool_bytes + plan.placement.device_store_bytes);
+    budget.application_bytes = site.application_bytes;
     if (budget.automatic) {
       planned.device_memory_budget = budget.budget;
       out->placement.budget = budget;  // for the caller's message, also when the plan is refused
@@ -80,6 +106,7 @@ Status PreviewIteration(const Config& config, const std::vector<TableInfo>& tabl
     result.host_store_bytes = placement.host_store_bytes;
     result.host_to_device_bytes = placement.traffic.host_to_device();
     result.device_to_host_bytes = placement.traffic.device_to_host();
+    result.device_local_accesses = DeviceResidentLocalAccesses(tables, recording, **kept);
     result.host = placement.host;
     result.description = placement.Describe();
   }

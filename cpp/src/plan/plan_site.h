@@ -18,6 +18,9 @@ struct PlanSite {
   int64_t device_free = -1;
   int64_t device_total = -1;
   bool maps_host_memory = false;  // Device::maps_host_memory
+  // Device memory the application holds beside the engine
+  // (Engine::ReserveDeviceMemory), already left out of device_free.
+  int64_t application_bytes = 0;
 };
 
 }  // namespace mltuner

@@ -12,7 +12,7 @@ import numpy as np
 
 from mltuner import _core
 from mltuner._config import MAX_LEARNING_RATE, Config, UpdateRule
-from mltuner._validate import INT32_MAX, boolean, integer, real, text
+from mltuner._validate import INT32_MAX, INT64_MAX, boolean, integer, real, text
 from mltuner.client._host_memory import HostMemory
 from mltuner.client._layout import TensorLayout
 from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError, NotFoundError, OutOfOrderError
@@ -92,6 +92,9 @@ class PlanPreview:
     # per clock").
     host_to_device_bytes: int = 0
     device_to_host_bytes: int = 0
+    # The handles of local accesses (virtual_local_access) whose rows all
+    # stay on the device: no swap ever moves them.
+    device_local_accesses: frozenset[int] = frozenset()
 
     @classmethod
     def from_core(cls, core: _core.PlanPreview) -> PlanPreview:
@@ -102,7 +105,8 @@ class PlanPreview:
         return cls(int(core.pool_min_bytes), bool(core.fits), int(core.pool_bytes), int(core.device_store_bytes),
                    int(core.host_store_bytes), int(host.total()), parts, str(host.describe()),
                    str(core.description), int(core.budget_bytes), bool(core.automatic_budget),
-                   int(core.prefetch_clocks), int(core.host_to_device_bytes), int(core.device_to_host_bytes))
+                   int(core.prefetch_clocks), int(core.host_to_device_bytes), int(core.device_to_host_bytes),
+                   frozenset(int(h) for h in core.device_local_accesses))
 
 
 class Worker:
@@ -341,6 +345,19 @@ class Worker:
             OutOfOrderError: after ``finish_virtual_iteration``.
         """
         self._engine.reset_virtual_iteration()
+
+    def reserve_device_memory(self, nbytes: int) -> None:
+        """Declares the device memory the application will hold beside the
+        engine during each clock (say, saved activations autograd keeps
+        rather than local data): plans made from now on leave it out of the
+        budget, ``Config.device_memory_budget`` or the automatic one. 0
+        until set; a later call replaces it.
+
+        Raises:
+            InvalidArgumentError: ``nbytes`` is negative.
+            OutOfOrderError: after ``finish_virtual_iteration``.
+        """
+        self._engine.reserve_device_memory(integer("nbytes", nbytes, 0, INT64_MAX))
 
     def planned_host_bytes(self) -> int:
         """The host memory ``finish_virtual_iteration`` will hold, as the

@@ -175,7 +175,7 @@ class ClockDriver:
     def __init__(self, model: nn.Module, layers: list[Layer], worker: Worker, *, slack: int,
                  store_activations: bool, row_width: int, overlap_updates: bool = True, recompute: str = "none",
                  recompute_fallback: bool = False, stored: dict[int, str] | None = None,
-                 hold_reads: bool | None = None) -> None:
+                 hold_reads: bool | None = None, keep: frozenset[int] = frozenset()) -> None:
         self.model = model
         self._modules = list(model.modules())  # walked per clock for its buffers (_local_storage)
         self.layers = layers
@@ -200,9 +200,10 @@ class ClockDriver:
         # recompute: "cheap", "compute" or "none" (wrap()'s choice, "auto" resolved).
         self._acts = SavedActivations(recompute=recompute != "none" and store_activations, stored=stored or {},
                                       parameters=slack == 0 or hold_reads is True,  # hold_reads: as given to wrap()
-                                      compute_bound=recompute == "compute")
+                                      compute_bound=recompute == "compute", keep=keep)
         self._recompute_fallback = recompute_fallback  # store everything if the recomputing plan does not fit
         self.auto_choice = ""  # what wrap(recompute="auto") chose after its first plan, and why (wrap sets it)
+        self.keep_choice = ""  # what wrap() kept with autograd on the device, and why (wrap sets it)
         self._handles: list[int] = []
         self._tables: list[Table] = []
         self._all_tables: Tables | None = None  # the layers' tables and the local ones (prepare_plan)
@@ -387,8 +388,9 @@ class ClockDriver:
         """How many saved activations are stored and how many recomputed, in
         words (``PSModule.plan``); empty without stored activations."""
         if not self._store_activations:
-            return ""
-        return f"{self._acts.summary()} ({self.auto_choice})" if self.auto_choice else self._acts.summary()
+            return self.keep_choice  # why wrap() stopped storing them, if it did
+        choices = "; ".join(why for why in (self.auto_choice, self.keep_choice) if why)
+        return f"{self._acts.summary()} ({choices})" if choices else self._acts.summary()
 
     @property
     def unreproducible(self) -> dict[int, str]:
@@ -856,6 +858,8 @@ class ClockDriver:
             if index >= 0:
                 self._store(index, slot, tensor)
             ref = None if layout.kept else _ActRef(slot)  # None: autograd keeps the tensor itself
+            if ref is None and not self._recording:
+                self._acts.hold(slot, tensor)  # for the recomputations that read it
             self._saved[key] = (weakref.ref(tensor.untyped_storage()), ref)
             return tensor if ref is None else ref
 
@@ -1213,12 +1217,14 @@ class ClockDriver:
                     "(unused, or used under torch.no_grad()): freeze them (requires_grad_(False)) or remove them"
                 )
 
-    def prepare_plan(self, hold_reads: bool | None, tables: Tables | None = None) -> None:
+    def prepare_plan(self, hold_reads: bool | None, tables: Tables | None = None, reserved: int = 0) -> None:
         """Creates the tables (or takes ``tables``, those of an earlier
         recording of the same model: :meth:`release_tables`) and replays the
         recording as the worker's virtual iteration, in the access pattern
         chosen; the engine's dry run keeps the plan that fits, for
-        :meth:`commit_plan` or :meth:`release_tables` next.
+        :meth:`commit_plan` or :meth:`release_tables` next. ``reserved``:
+        the device memory saved activations autograd keeps take beside the
+        engine (left out of its budget).
 
         ``hold_reads``: hold each layer's forward read until its update, or
         (False) post it after the layer's forward and read the rows again
@@ -1236,7 +1242,10 @@ class ClockDriver:
                 gives the bytes each needs.
         """
         worker = self.worker
+        worker.reserve_device_memory(reserved)
         budget = worker.config.device_memory_budget
+        if budget > 0:  # as the engine plans (Worker.reserve_device_memory)
+            budget = max(1, budget - reserved)
         if self.device.type == "cuda":
             # Memory torch cached and no longer uses (the model's parameters
             # before the recording moved them) back to the device, so that
@@ -1296,6 +1305,31 @@ class ClockDriver:
         direction of the host link (its swaps)."""
         assert self._preview is not None
         return max(self._preview.host_to_device_bytes, self._preview.device_to_host_bytes)
+
+    @property
+    def budget_bytes(self) -> int:
+        """The device budget the prepared plan is made under (0: none)."""
+        assert self._preview is not None
+        return self._preview.budget_bytes
+
+    @property
+    def slot_bytes(self) -> list[int]:
+        """The bytes of each saved activation the recording found."""
+        return [slot.nbytes for slot in self._acts.slots]
+
+    def device_slots(self) -> tuple[frozenset[int], bool]:
+        """The stored activations the prepared plan keeps on the device
+        (never swapped), and whether that is all of them."""
+        assert self._preview is not None
+        on_device = self._preview.device_local_accesses
+        slots: set[int] = set()
+        stored: set[int] = set()
+        for event, handle in zip(self._events, self._handles):
+            if event.kind == "store":
+                stored.add(event.slot)
+                if handle >= 0 and handle in on_device:
+                    slots.update(self._groups.get(event.slot, (event.slot,)))
+        return frozenset(slots), slots == stored
 
     @property
     def forward_work(self) -> tuple[int, int]:

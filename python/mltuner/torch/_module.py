@@ -15,6 +15,7 @@ from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError, OutOfOrd
 from mltuner.torch._amp import ScaledGradients, check_scaler
 from mltuner.torch._clock import ClockDriver, tensors_in
 from mltuner.torch._errors import UnsupportedModelError
+from mltuner.torch._keep import KeepOnDevice, Variant
 from mltuner.torch._layers import DEFAULT_GROUP_BYTES, DEFAULT_WHOLE_MODULES, Layer, find_layers
 from mltuner.torch._optim import LearningRates, check_optimizer, groups_of_layers, rule_for_group
 from mltuner.torch._recompute import (LINK_BOUND_BYTES_PER_OP, LINK_BOUND_FLOPS_PER_BYTE, RECOMPUTE_CHOICES, Recompute,
@@ -575,6 +576,8 @@ def wrap(
     tables: Tables | None = None  # made by the first plan, kept when the clock is recorded again
     link_bytes: dict[str, int] = {}  # recompute="auto": each choice planned, and the bytes over the busier link way
     auto_choice = ""  # why recompute="auto" recorded again with "compute", or went back to "cheap"
+    storing, keep, reserved = store_activations, frozenset[int](), 0  # the keep step's variant (_keep.py)
+    keeper = KeepOnDevice(recompute_auto=recompute == "auto")
     while True:
         layers = find_layers(module, row_width, whole_modules, group_bytes, split)
         layer_groups = _assign_rules(layers, optimizer, split)
@@ -582,10 +585,10 @@ def wrap(
             continue  # a grouped layer spanned param groups: split it and look again
         # recompute="auto": storing everything is the fallback of "cheap" when
         # its plan does not fit; "compute" falls back to "cheap", which did.
-        driver = ClockDriver(module, layers, worker, slack=slack, store_activations=store_activations,
+        driver = ClockDriver(module, layers, worker, slack=slack, store_activations=storing,
                              row_width=row_width, overlap_updates=overlap, recompute=recomputing,
                              recompute_fallback=recompute == "auto" and recomputing == "cheap", stored=stored,
-                             hold_reads=hold_reads)
+                             hold_reads=hold_reads, keep=keep)
         driver.overlap_choice = overlap_choice
         driver.auto_choice = auto_choice
         try:
@@ -601,8 +604,13 @@ def wrap(
             stored = {**stored, **driver.unreproducible}
             continue
         try:
-            driver.prepare_plan(hold_reads, tables)
+            driver.prepare_plan(hold_reads, tables, reserved)
         except ResourceExhaustedError as error:
+            variant = keeper.refused(str(error))
+            if variant is not None:
+                tables = driver.release_tables()
+                recomputing, storing, keep, reserved = variant.recompute, variant.store, variant.keep, variant.reserved
+                continue
             if recomputing != "compute" or "cheap" not in link_bytes:
                 driver.abandon()
                 raise
@@ -619,7 +627,13 @@ def wrap(
             if again:
                 tables, recomputing, auto_choice = driver.release_tables(), again, why
                 continue
-            driver.auto_choice = why or auto_choice
+            auto_choice = driver.auto_choice = why or auto_choice
+        variant = keeper.after_plan(driver, Variant(recomputing, storing, keep, reserved))
+        if variant is not None:
+            tables = driver.release_tables()
+            recomputing, storing, keep, reserved = variant.recompute, variant.store, variant.keep, variant.reserved
+            continue
+        driver.keep_choice = keeper.choice
         try:
             driver.commit_plan()
         except BaseException:

@@ -6,9 +6,12 @@ Each tensor autograd saves (other than parameters and buffers) is a *slot*,
 numbered in the order of the forward. A stored slot is copied into its rows
 of the local table in the forward and read back in the backward pass; a
 recomputed one (``_recompute.py``) has no rows, and the backward pass runs
-its program again; a kept one (:func:`keep_small`: a tiny tensor, such as
-batch norm's per-channel statistics) stays with autograd, as it would
-without ``store_activations``. A stored or recomputed slot is made once per
+its program again; a kept one stays with autograd, as it would without
+``store_activations``: a tiny tensor (:func:`keep_small`, such as batch
+norm's per-channel statistics), or one the plan would have kept on the
+device anyway (``keep``: ``wrap()`` records again with those, and reserves
+their bytes from the engine's device budget); a recomputation that reads a
+kept slot gets the tensor autograd keeps. A stored or recomputed slot is made once per
 clock, at its first use in the backward pass, and kept until its last use:
 the recording pass counts the uses, so that, say, a ReLU output saved by the ReLU and by the
 next convolution is loaded once, not twice.
@@ -159,19 +162,24 @@ class SavedActivations:
     recomputation may read parameters (not under SSP without held reads: a
     backward read may hold newer values than the forward used);
     ``compute_bound``: whether a recomputation may run convolutions and
-    matrix products (``wrap(recompute="compute")``).
+    matrix products (``wrap(recompute="compute")``); ``keep``: slots autograd
+    keeps on the device unless recomputed (those an earlier plan kept on the
+    device).
     """
 
     def __init__(self, *, recompute: bool, stored: dict[int, str], parameters: bool = True,
-                 compute_bound: bool = False) -> None:
+                 compute_bound: bool = False, keep: frozenset[int] = frozenset()) -> None:
         self.recompute = recompute
+        self.keep = keep
         self._parameters = parameters  # programs may read parameters (not under SSP without held reads)
         self._compute_bound = compute_bound
         self.stored = stored
         self.slots: list[Slot] = []
         self.unreproducible: dict[int, str] = {}  # recording: slot -> why it could not be recomputed
         self._originals: dict[int, torch.Tensor] = {}  # recording: the forward's tensors
-        self._uses: list[int] = []  # per slot: uses in a clock's backward pass (counted by the recording)
+        # Per slot: uses in a clock's backward pass (counted by the recording);
+        # of a kept slot, the recomputations' reads of it only.
+        self._uses: list[int] = []
         self._memo: dict[int, list[Any]] = {}  # slot -> [tensor, uses left this clock]
         self._trace: ForwardTrace | None = None
         self._values: list[int] = []  # per slot: its value in the trace
@@ -255,7 +263,8 @@ class SavedActivations:
             except Exception as error:  # noqa: BLE001 - a model the planner does not understand: store everything
                 self.recompute = False
                 self.fell_back = f"choosing what to recompute failed: {type(error).__name__}: {error}"
-        kept = keep_small(self.slots, {slot for p in programs.values() for _, slot in p.leaves} | programs.keys())
+        kept = (keep_small(self.slots, {slot for p in programs.values() for _, slot in p.leaves} | programs.keys())
+                | (self.keep - programs.keys()))
         if not programs and not kept:
             return events
         index: dict[int, int] = {}
@@ -358,6 +367,8 @@ class SavedActivations:
         program = self._programs[slot]
 
         def leaf(other: int) -> torch.Tensor:
+            if recording and self.slots[other].kept:
+                self._uses[other] += 1  # later clocks hold the tensor for this read (hold)
             return self.resolve(other, recording=recording, load=load, param=param)
 
         if not recording:
@@ -370,6 +381,18 @@ class SavedActivations:
         except Exception as error:  # noqa: BLE001 - any failure means: store it instead
             self.unreproducible[slot] = f"{type(error).__name__}: {error}"
         return original
+
+    def hold(self, slot: int, tensor: torch.Tensor) -> None:
+        """A later clock's forward saved kept ``slot``: held for the
+        recomputations that read it, until their last read."""
+        if self._uses[slot]:
+            self._memo[slot] = [tensor, self._uses[slot]]
+
+    @property
+    def kept_bytes(self) -> int:
+        """The bytes of the slots kept because of ``keep`` (device memory
+        outside the engine's tables for the whole forward)."""
+        return sum(s.nbytes for k, s in enumerate(self.slots) if s.kept and k in self.keep)
 
     def original(self, slot: int) -> torch.Tensor:
         """Recording: the forward's tensor of ``slot``."""
@@ -404,19 +427,23 @@ class SavedActivations:
             if program is not None and self._trace is not None:
                 lines.append(f"{head}: {describe_program(program, self._trace)}")
             elif slot.kept:
-                lines.append(f"{head}: kept by autograd (small)")
+                lines.append(f"{head}: kept by autograd ({'on the device' if number in self.keep else 'small'})")
             else:
                 lines.append(f"{head}: stored")
         return lines
 
     def summary(self) -> str:
         """How many slots are stored, recomputed and kept, with their bytes."""
-        kept = [s for s in self.slots if s.kept]
-        slots = [s for s in self.slots if not s.kept]
+        kept = [s for k, s in enumerate(self.slots) if s.kept and k not in self.keep]
+        slots = [s for k, s in enumerate(self.slots) if not s.kept or k in self.keep]
         total = sum(s.nbytes for s in slots)
         recomputed = [s for s in slots if s.recomputed]
         gone = sum(s.nbytes for s in recomputed)
         small = (f"; {len(kept)} small ones kept by autograd ({sum(s.nbytes for s in kept)} B)" if kept else "")
+        on_device = sum(s.kept for k, s in enumerate(self.slots) if k in self.keep)
+        if on_device:
+            small += (f"; {on_device} of the stored ones kept by autograd on the device ({self.kept_bytes} B, reserved "
+                      "from the device budget)")
         if self.fell_back:
             return (f"saved activations: {len(slots)} stored ({total} B per clock), none recomputed "
                     f"({self.fell_back}){small}")

@@ -175,3 +175,52 @@ def test_budget_of_exactly_the_least_pool_is_enough(run_workers: Callable[..., l
         assert stats["bytes_gathered"] == 0
         swapped = stats["bytes_swapped_in"]
         assert CLOCKS * NUM_LAYERS * TABLE_BYTES <= swapped <= (CLOCKS + 1) * NUM_LAYERS * TABLE_BYTES
+
+
+def test_device_memory_the_application_reserves_is_left_out_of_the_budget() -> None:
+    """Worker.reserve_device_memory: plans are made under the budget less the
+    reservation, and say so; the preview names the local accesses whose
+    rows stay on the device (all of them without a budget, none when the
+    budget holds no more than the pool)."""
+    def record_with_local_data(worker: Worker) -> list[int]:
+        tables, _, _ = record(worker)
+        worker.reset_virtual_iteration()
+        local = worker.create_table("acts", ROWS, WIDTH, local=True)
+        read = worker.virtual_read(tables[0], slack=0)
+        stores = [worker.virtual_local_access(local, range(k * 16, k * 16 + 16), fetch=False) for k in range(2)]
+        for handle in stores:
+            worker.virtual_post_local_access(handle)
+        loads = [worker.virtual_local_access(local, range(k * 16, k * 16 + 16)) for k in (1, 0)]
+        for handle in loads:
+            worker.virtual_post_local_access(handle, keep=False)
+        update = worker.virtual_pre_update(tables[0])
+        worker.virtual_update(update)
+        worker.virtual_post_read(read)
+        worker.virtual_clock()
+        return stores + loads
+
+    with LocalCluster(1, Config(wait_timeout_s=20)) as cluster:
+        worker = cluster.workers[0]
+        local_accesses = record_with_local_data(worker)
+        assert worker.preview_plan().device_local_accesses == frozenset(local_accesses)
+    budget = 4 * POOL_MIN
+    with LocalCluster(1, Config(device_memory_budget=budget, wait_timeout_s=20)) as cluster:
+        worker = cluster.workers[0]
+        record_with_local_data(worker)
+        least = worker.preview_plan().pool_min_bytes
+        worker.reserve_device_memory(budget - least)  # room for the least pool and nothing else
+        preview = worker.preview_plan()
+        assert preview.fits and preview.budget_bytes == least and preview.pool_bytes == least
+        assert preview.device_local_accesses == frozenset() and preview.host_store_bytes > 0
+        assert (f"device_memory_budget {least} B for the engine ({budget} B set by hand, less the "
+                f"{budget - least} B the application keeps beside it)") in preview.description
+        worker.reserve_device_memory(budget - least + 1)
+        assert not worker.preview_plan().fits
+        with pytest.raises(mltuner.InvalidArgumentError, match="nbytes must be in"):
+            worker.reserve_device_memory(-1)
+        worker.reserve_device_memory(0)
+        preview = worker.preview_plan()
+        assert preview.budget_bytes == budget and "set by hand)" in preview.description
+        worker.finish_virtual_iteration()
+        with pytest.raises(mltuner.OutOfOrderError, match="reserve_device_memory after finish_virtual_iteration"):
+            worker.reserve_device_memory(0)

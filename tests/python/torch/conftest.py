@@ -7,10 +7,16 @@ without it; this file imports torch only inside fixtures.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+
+# test_keep imports test_recompute's models and training loop (pytest runs
+# with --import-mode=importlib, which does not put test folders on sys.path).
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture(autouse=True)
@@ -52,3 +58,13 @@ def max_rel_error_fixture() -> Any:
     """:func:`max_rel_error` (test modules get helpers through fixtures under
     --import-mode=importlib)."""
     return max_rel_error
+
+
+@pytest.fixture
+def stores_as_planned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """wrap() without its keep step (mltuner/torch/_keep.py): every stored
+    activation stays in the engine's local table where the plan put it, for
+    tests of the placement of stored activations itself."""
+    from mltuner.torch import _keep
+
+    monkeypatch.setattr(_keep.KeepOnDevice, "_variants", lambda self, driver, current: [])

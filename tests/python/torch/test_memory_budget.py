@@ -141,6 +141,7 @@ def test_one_pool_region_trains_bit_identically(run_workers: Callable[..., list[
             assert torch.equal(limited["state"][name], value), name
 
 
+@pytest.mark.usefixtures("stores_as_planned")
 def test_the_plan_chooses_one_region_below_two_regions_least_pool(run_workers: Callable[..., list[Any]]) -> None:
     # Config.prefetch_clocks left at None: without a budget the plan takes 1
     # (two regions, the next clock prepared during this one); under a budget

@@ -320,6 +320,7 @@ def test_native_dropout_is_replayed_with_its_random_state() -> None:
     assert any("torch.bool: recomputed by native_dropout" in line for line in lines), lines  # the mask
 
 
+@pytest.mark.usefixtures("stores_as_planned")
 def test_every_budget_from_the_least_trains_bit_identically_with_fewer_bytes_moved() -> None:
     """recompute='auto' recomputes under a budget: from the least budget the
     recomputing plan accepts up to none, the same bits as storing everything
@@ -490,6 +491,7 @@ def test_auto_records_again_with_compute_where_the_link_bounds_the_cheap_plan(
     assert "recompute='auto' chose" not in train(make, data, resnet_loss, "auto")["plan"]
 
 
+@pytest.mark.usefixtures("stores_as_planned")
 def test_auto_goes_back_to_cheap_where_compute_moves_no_fewer_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     """A matrix product too costly to run again (8,192 features, as in the
     test above): 'compute' recomputes what 'cheap' does, so its plan moves

@@ -222,8 +222,8 @@ def stores_cell(run: MltunerRun) -> str:
 
 
 def activations_cell(run: MltunerRun) -> str:
-    choice = run.auto_choice
-    return f"{mb(run.activation_bytes[0])} / {mb(run.activation_bytes[1])}{f' ({choice})' if choice else ''}"
+    choices = ", ".join(choice for choice in (run.auto_choice, run.keep_choice) if choice)
+    return f"{mb(run.activation_bytes[0])} / {mb(run.activation_bytes[1])}{f' ({choices})' if choices else ''}"
 
 
 def swaps_cell(run: MltunerRun) -> str:
@@ -379,8 +379,9 @@ def fsdp_section(args: argparse.Namespace, device: torch.device, report: Report)
                 "the server shard's values and momentum, which live on the device outside the budget.")
     report.emit()
     report.emit("| model | FSDP samples/s | FSDP peak MB = budget | mltuner samples/s | ratio (min-max) | "
-                "swapped in / out MB per clock | device MB (FSDP) | device MB (mltuner) |")
-    report.emit("|:--|--:|--:|--:|--:|--:|--:|--:|")
+                "swapped in / out MB per clock | activations stored / recomputed MB per clock | device MB (FSDP) | "
+                "device MB (mltuner) |")
+    report.emit("|:--|--:|--:|--:|--:|--:|--:|--:|--:|")
     with process_group(device):
         for case in cases(args, device):
             try:
@@ -395,7 +396,7 @@ def fsdp_section(args: argparse.Namespace, device: torch.device, report: Report)
                                          warmup=args.warmup, steps=args.steps, store_activations=store)
                     rows.append((fsdp_sps, peak, fsdp_in_use, ours))
             except Exception as error:  # noqa: BLE001
-                report.emit(f"| {case.name} | failed: {failure(error)} ||||||")
+                report.emit(f"| {case.name} | failed: {failure(error)} |||||||")
                 continue
             ratios = [r[3].samples_per_s / r[0] for r in rows]
             value = statistics.median(ratios)
@@ -407,7 +408,7 @@ def fsdp_section(args: argparse.Namespace, device: torch.device, report: Report)
             report.emit(
                 f"| {case.name} | {fsdp_sps:,.0f} | {budget_cell} | {ours_sps:,.0f} | {value:.2f}{span} | "
                 f"{mb(ours.per_clock('bytes_swapped_in'))} / {mb(ours.per_clock('bytes_swapped_out'))} | "
-                f"{memory_cell(peak, fsdp_in_use, device)} | "
+                f"{activations_cell(ours)} | {memory_cell(peak, fsdp_in_use, device)} | "
                 f"{memory_cell(ours.torch_peak_bytes, ours.device_in_use_bytes, device)} |")
             report.figures.append(Figure(
                 "budget", f"{case.name}: budget = FSDP peak vs FSDP CPU offload ({api})", ours_sps, "samples/s",

@@ -102,6 +102,16 @@ class MltunerRun:
             return f"{what} ({found.group(2)} flops/B, {int(found.group(3)) / 2**20:.2f} MiB/op)"
         return "cheap (compute tried)" if "recompute='auto' went back to 'cheap'" in self.plan else ""
 
+    @property
+    def keep_choice(self) -> str:
+        """What wrap()'s keep step left to autograd on the device, from the
+        plan: "none stored (B MB)", "K kept (B MB)", or ""."""
+        every = re.search(r"no activation stored: .*?, (\d+) B reserved", self.plan)
+        if every:
+            return f"none stored ({int(every.group(1)) / 1e6:.0f} MB kept by autograd)"
+        some = re.search(r"(\d+) of the stored ones kept by autograd on the device \((\d+) B", self.plan)
+        return f"{some.group(1)} kept ({int(some.group(2)) / 1e6:.0f} MB)" if some else ""
+
 
 def mltuner_train(make: Callable[[], nn.Module], x: torch.Tensor, loss: Loss, config: mlt.Config,
                   device: torch.device, *, warmup: int, steps: int, store_activations: bool = False,

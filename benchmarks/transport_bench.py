@@ -323,8 +323,11 @@ def mltuner_config(args: argparse.Namespace) -> mt.Config:
 
 def open_job(args: argparse.Namespace) -> mt.Job:
     # A long heartbeat timeout: a 2-core machine running 4 workers that move
-    # 1 GB per clock may leave a receive thread unscheduled for a while.
-    return mt.Job(mltuner_config(args), rendezvous_timeout_s=args.timeout, heartbeat_timeout_s=60.0)
+    # 1 GB per clock may leave a receive thread unscheduled for a while. The
+    # frame limit admits the model as one table's shard slice (the 1-GiB model
+    # on 2 processes sends 512-MiB slices, over the default 256 MiB).
+    return mt.Job(mltuner_config(args), rendezvous_timeout_s=args.timeout, heartbeat_timeout_s=60.0,
+                  max_message_bytes=max(256 << 20, 2 * (args.model_bytes or 0)))
 
 
 def record_full_clock(worker: mt.Worker, num_rows: int) -> tuple[int, int]:

@@ -439,20 +439,20 @@ class SavedActivations:
         total = sum(s.nbytes for s in slots)
         recomputed = [s for s in slots if s.recomputed]
         gone = sum(s.nbytes for s in recomputed)
-        small = (f"; {len(kept)} small ones kept by autograd ({sum(s.nbytes for s in kept)} B)" if kept else "")
+        notes = (f"; {len(kept)} small ones kept by autograd ({sum(s.nbytes for s in kept)} B)" if kept else "")
         on_device = sum(s.kept for k, s in enumerate(self.slots) if k in self.keep)
         if on_device:
-            small += (f"; {on_device} of the stored ones kept by autograd on the device ({self.kept_bytes} B, reserved "
+            notes += (f"; {on_device} of the stored ones kept by autograd on the device ({self.kept_bytes} B, reserved "
                       "from the device budget)")
         if self.fell_back:
             return (f"saved activations: {len(slots)} stored ({total} B per clock), none recomputed "
-                    f"({self.fell_back}){small}")
+                    f"({self.fell_back}){notes}")
         if not self.recompute:
             return (f"saved activations: {len(slots)} stored ({total} B per clock), none recomputed "
-                    f"(recompute='none', or 'auto' without a device_memory_budget){small}")
+                    f"(recompute='none', or 'auto' without a device_memory_budget){notes}")
         first = min(self.stored, default=0)
         spoiled = (f", {len(self.stored)} stored because running their ops again failed or gave other bytes "
                    f"(#{first}: {self.stored[first]})" if self.stored else "")
         return (f"saved activations: {len(slots) - len(recomputed)} stored ({total - gone} B per clock), "
                 f"{len(recomputed)} recomputed in the backward pass from stored ones ({gone} B not stored{spoiled})"
-                f"{small}")
+                f"{notes}")

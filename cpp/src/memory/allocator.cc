@@ -35,6 +35,20 @@ Allocator::Allocator(int rank, int num_workers, std::shared_ptr<Device> device, 
       state_(state) {}
 
 void Allocator::Start() {
+  int max_slack = 0;
+  std::vector<bool> read(plan_->tables.size(), false), updated(plan_->tables.size(), false);
+  for (const AccessRecord& access : plan_->recording.accesses) {
+    if (access.kind == OpKind::kRead) {
+      read[access.table] = true;
+      max_slack = std::max(max_slack, access.slack);
+    } else if (access.kind == OpKind::kPreUpdate) {
+      updated[access.table] = true;
+    }
+  }
+  unread_slack_.assign(plan_->tables.size(), -1);
+  for (size_t table = 0; table < plan_->tables.size(); ++table) {
+    if (updated[table] && !read[table]) unread_slack_[table] = max_slack;
+  }
   thread_ = std::thread([this] {
     NameThisThread("mlt-allocator");
     Loop();
@@ -118,6 +132,15 @@ Status Allocator::PrepareSlot(int64_t seq, const AccessRecord& access, const Clo
       break;
     }
     case OpKind::kPreUpdate:
+      if (unread_slack_[access.table] >= 0) {
+        // No read of this table holds this worker back, so without a bound
+        // its updates could run ahead of the other workers' without limit,
+        // piling up in the shards' pending clocks. A clock's updates wait
+        // one clock longer than a read with the largest slack recorded would.
+        const int slack = std::max(at.slack, unread_slack_[access.table]);
+        mltuner::Clock age = kNoClock;
+        MLT_RETURN_IF_ERROR(WaitForAge(access.table, at.internal - slack - 2, &age));
+      }
       device_->Fill(slot->data, 0.0f, values, Stream::kPrefetch);
       break;
     case OpKind::kLocalAccess:
@@ -145,23 +168,30 @@ Status Allocator::WaitFresh(const AccessRecord& access, const ClockBranch& at, m
   // SSP: a read at clock c (of its branch) with slack s needs every worker's
   // updates through clock c - s - 1 of that branch.
   const int slack = at.slack >= 0 ? at.slack : access.slack;
-  const mltuner::Clock needed = at.internal - slack - 1;
+  return WaitForAge(access.table, at.internal - slack - 1, age);
+}
+
+Status Allocator::WaitForAge(TableId table, mltuner::Clock needed, mltuner::Clock* age) {
   const auto start = std::chrono::steady_clock::now();
   {
     MutexLock lock(&state_->age_mu);
-    while (state_->data_age[access.table] < needed) {
+    while (state_->data_age[table] < needed) {
       if (state_->phase.load() == Phase::kShutdown) return Status::Shutdown("stopping");
       {
         MutexLock pipeline(&state_->mu);
         if (state_->stopping) return Status::Shutdown("stopping");
+        std::string behind;  // the shards whose rows hold the age back
+        for (size_t shard = 0; shard < state_->shard_age[table].size(); ++shard) {
+          if (state_->shard_age[table][shard] < needed) behind += (behind.empty() ? "" : ", ") + std::to_string(shard);
+        }
         state_->allocator_waiting_for = "data age >= " + std::to_string(needed) + " of table '" +
-                                        plan_->tables[access.table].name + "' (it is at " +
-                                        std::to_string(state_->data_age[access.table]) +
-                                        "): a worker is slow, stopped or gone";
+                                        plan_->tables[table].name + "' (it is at " +
+                                        std::to_string(state_->data_age[table]) + "; behind: the rows of shard " +
+                                        behind + "): a worker is slow, stopped or gone";
       }
       state_->age_cv.WaitFor(kPollInterval);
     }
-    *age = state_->data_age[access.table];
+    *age = state_->data_age[table];
   }
   const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   MutexLock pipeline(&state_->mu);

@@ -13,6 +13,7 @@
 
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "mltuner/device.h"
 #include "mltuner/transport.h"
@@ -45,6 +46,9 @@ class Allocator {
   Status PrepareSlot(int64_t seq, const AccessRecord& access, const ClockBranch& at, Slot* slot);
   Status WaitFresh(const AccessRecord& access, const ClockBranch& at, mltuner::Clock* age)
       EXCLUDES(state_->age_mu, state_->mu);
+  // Waits until `table`'s data age (every worker's clocks in this worker's
+  // cache) reaches `needed`; `*age` gets the age then.
+  Status WaitForAge(TableId table, mltuner::Clock needed, mltuner::Clock* age) EXCLUDES(state_->age_mu, state_->mu);
   // Points the cache at another branch: forgets every data age and asks the
   // shards for that branch's rows.
   Status SwitchCache(BranchId branch) EXCLUDES(state_->age_mu, state_->mu);
@@ -62,6 +66,10 @@ class Allocator {
   Transport* const transport_;
   const PipelinePlan* const plan_;
   SharedState* const state_;
+  // Per table this worker updates but never reads: the largest slack
+  // recorded for any read (what bounds how far ahead its updates of that
+  // table may run, see PrepareSlot); -1 for the others. Set by Start.
+  std::vector<int> unread_slack_;
   std::thread thread_;
 };
 

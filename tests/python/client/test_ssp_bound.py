@@ -133,3 +133,53 @@ def test_slack_zero_reads_are_exactly_current(run_workers: Callable[..., list[An
         for seen in run_workers(body, cluster.workers, on_error=cluster.shutdown):
             for c, rows in enumerate(seen):
                 np.testing.assert_array_equal(rows, np.full((2, WIDTH), float(c), dtype=np.float32))
+
+
+def test_a_worker_that_reads_no_table_stays_within_two_clocks_of_the_others(
+        run_workers: Callable[..., list[Any]]) -> None:
+    """No read holds back a worker that only updates a table, so its updates
+    wait instead: those of clock c until every worker finished clock c - 2
+    (one clock more than a read of the largest slack recorded, 0 here), so
+    that the shards never pile up its clocks."""
+    config = Config(wait_timeout_s=20, update_rule=UpdateRule(kind="add"))
+    clocks = 6
+    finished = [0, 0]  # clocks each worker finished
+    lead: list[int] = []  # worker 0's lead over worker 1, after each of its clocks
+    released = threading.Semaphore(0)  # worker 1's clocks, let through one at a time
+    with LocalCluster(2, config) as cluster:
+        setup = []
+        for worker in cluster.workers:
+            table = worker.create_table("counts", 2, WIDTH)
+            update = worker.virtual_pre_update(table, [worker.rank])
+            worker.virtual_update(update)
+            worker.virtual_clock()
+            setup.append(update)
+
+        def body(worker: Worker) -> None:
+            worker.finish_virtual_iteration()
+            worker.start_iterations()
+            for _ in range(clocks):
+                if worker.rank == 1:
+                    assert released.acquire(timeout=20)
+                worker.pre_update(setup[worker.rank])[...] = 1.0
+                worker.update(setup[worker.rank])
+                worker.clock()
+                finished[worker.rank] += 1
+                if worker.rank == 0:
+                    lead.append(finished[0] - finished[1])
+
+        def pace() -> None:
+            for _ in range(clocks):
+                time.sleep(0.3)  # room for worker 0 to run ahead, if it could
+                assert finished[0] <= finished[1] + 2, finished
+                released.release()
+
+        pacer = threading.Thread(target=pace)
+        pacer.start()
+        run_workers(body, cluster.workers, on_error=cluster.shutdown)
+        pacer.join()
+        assert max(lead) == 2, lead  # it did run ahead, as far as the bound
+        for worker in cluster.workers:
+            worker.flush()
+        values = cluster.workers[0].fetch(cluster.workers[0].tables[0])
+        np.testing.assert_array_equal(values, np.full((2, WIDTH), float(clocks), dtype=np.float32))

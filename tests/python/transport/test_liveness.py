@@ -91,8 +91,9 @@ def test_a_receiver_that_takes_nothing_fails_the_sender_within_the_wait_timeout(
             worker.start_iterations()
             started = time.monotonic()
             try:
-                # An unread table: rank 0 clocks on while its updates for
-                # rank 1 wait, until the transport gives up on rank 1.
+                # An unread table: rank 0 clocks on, two clocks ahead of rank
+                # 1 at most, while its updates for rank 1 wait, until the
+                # transport or that bound gives up on rank 1.
                 while time.monotonic() - started < 10.0 and "error 0" not in outcome:
                     worker.pre_update(update)[:] = 1.0
                     worker.update(update)
@@ -110,7 +111,9 @@ def test_a_receiver_that_takes_nothing_fails_the_sender_within_the_wait_timeout(
             assert "worker rank 1 stopped taking data" in str(error) and "heartbeats still arrive" in str(error)
         else:
             assert isinstance(error, mltuner.WaitTimeoutError), error
-            if "for the buffer of pre_update" in str(error):
+            if "the rows of shard 1): a worker is slow" in str(error):
+                pass  # the bound on an unread table's lead (memory/allocator.cc): rank 1's shard is behind
+            elif "for the buffer of pre_update" in str(error):
                 # The application's own wait for a buffer, which the engine
                 # thread blocked on the outbox holds, ran out first: that
                 # thread's wait then fails the node, naming rank 1.

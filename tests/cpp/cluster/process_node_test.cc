@@ -132,13 +132,17 @@ TEST(AFullOutboxMakesSendsWaitThenFailsTheJob) {
   config.wait_timeout_ms = 300;
   Pair pair;
   for (int rank = 0; rank < 2; ++rank) ASSERT_OK(ProcessNode::Create(config, rank, 2, nullptr, &pair.node[rank]));
-  Handle update[2];
+  Handle read[2], update[2];
   {
     Wire wire(pair.node[0].get(), pair.node[1].get());  // for the set-up only
     auto set_up = [&](int rank) {
       Engine* engine = pair.node[rank]->engine();
       TableId table;
       ASSERT_OK(engine->CreateTable("t", 4, 3, false, &table));
+      // A read with a large slack lets rank 0 run far ahead of the silent
+      // rank 1 (an unread table would hold it two clocks ahead).
+      ASSERT_OK(engine->VirtualRead(table, {0, 1, 2, 3}, 1000, &read[rank]));
+      ASSERT_OK(engine->VirtualPostRead(read[rank]));
       ASSERT_OK(engine->VirtualPreUpdate(table, {0, 1, 2, 3}, &update[rank]));
       ASSERT_OK(engine->VirtualUpdate(update[rank]));
       ASSERT_OK(engine->VirtualClock());
@@ -156,7 +160,9 @@ TEST(AFullOutboxMakesSendsWaitThenFailsTheJob) {
   const auto start = std::chrono::steady_clock::now();
   for (int clock = 0; clock < 1000 && status.ok(); ++clock) {
     AccessBuffer buffer;
-    status = engine->PreUpdate(update[0], &buffer);
+    status = engine->Read(read[0], &buffer);
+    if (status.ok()) status = engine->PostRead(read[0]);
+    if (status.ok()) status = engine->PreUpdate(update[0], &buffer);
     if (status.ok()) status = engine->Update(update[0]);
     if (status.ok()) status = engine->Clock();
   }

@@ -7,19 +7,16 @@ namespace mltuner {
 
 std::string BudgetChoice::Describe() const {
   std::ostringstream out;
-  const std::string beside =
-      application_bytes > 0 ? ", less the " + std::to_string(application_bytes) + " B the application keeps beside it" : "";
-  if (budget > 0 && !automatic) {
-    if (application_bytes > 0) {
-      out << "device_memory_budget " << budget << " B for the engine (" << budget + application_bytes
-          << " B set by hand" << beside << ")";
-    } else {
-      out << "device_memory_budget " << budget << " B (set by hand)";
-    }
+  const std::string beside = std::to_string(application_bytes) + " B the application keeps beside it";
+  if (budget > 0 && !automatic && application_bytes > 0) {
+    out << "device_memory_budget " << budget << " B for the engine (" << budget + application_bytes
+        << " B set by hand, less the " << beside << ")";
+  } else if (budget > 0 && !automatic) {
+    out << "device_memory_budget " << budget << " B (set by hand)";
   } else if (budget > 0) {
     out << "automatic device_memory_budget " << budget << " B (none set; the plan needs more than the device's "
-        << device_free << " B free" << beside << " of " << device_total << " B less the reserve of " << reserve
-        << " B)";
+        << device_free << " B free of " << device_total << " B less the reserve of " << reserve << " B"
+        << (application_bytes > 0 ? " and the " + beside : "") << ")";
   } else if (device_free >= 0) {
     out << "no device_memory_budget (none set; the plan fits the device's " << device_free << " B free of "
         << device_total << " B less the reserve of " << reserve << " B)";

@@ -5,7 +5,7 @@ A stored activation costs the clock two device copies (into the local
 table in the forward, out of it in the backward pass), a hook each way and
 two engine ops, even when the plan never swaps it: measured on an H100,
 ResNet-18 on 224x224 images given FSDP's peak memory ran at 0.75 of no
-budget with nothing swapped. Kept by autograd, as without
+budget with nothing swapped (1.00 with this step). Kept by autograd, as without
 ``store_activations``, it costs nothing; its bytes are reserved from the
 engine's budget instead (:meth:`mltuner.Worker.reserve_device_memory`), so
 that the two together hold what the budget allows.

@@ -1243,9 +1243,7 @@ class ClockDriver:
         """
         worker = self.worker
         worker.reserve_device_memory(reserved)
-        budget = worker.config.device_memory_budget
-        if budget > 0:  # as the engine plans (Worker.reserve_device_memory)
-            budget = max(1, budget - reserved)
+        budget = worker.config.device_memory_budget  # until a preview says what the plan is made under
         if self.device.type == "cuda":
             # Memory torch cached and no longer uses (the model's parameters
             # before the recording moved them) back to the device, so that

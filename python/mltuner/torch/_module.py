@@ -3,6 +3,7 @@ and :func:`wrap`, which makes one."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -562,7 +563,9 @@ def wrap(
         raise InvalidArgumentError(f"group_bytes must be >= 0, got {group_bytes}")
     if hold_reads is not None and not isinstance(hold_reads, bool):
         raise ArgumentTypeError(f"hold_reads must be True, False or None (choose), got {type(hold_reads).__name__}")
-    recomputing = _recompute_choice(recompute, store_activations, worker)
+    # How the clock is recorded: what is recomputed, stored and kept (changed
+    # by recompute="auto" and the keep step, which record the clock again).
+    attempt = Variant(_recompute_choice(recompute, store_activations, worker), store_activations)
     if overlap_updates is not None and not isinstance(overlap_updates, bool):
         raise ArgumentTypeError(
             f"overlap_updates must be True, False or None (choose), got {type(overlap_updates).__name__}")
@@ -576,7 +579,6 @@ def wrap(
     tables: Tables | None = None  # made by the first plan, kept when the clock is recorded again
     link_bytes: dict[str, int] = {}  # recompute="auto": each choice planned, and the bytes over the busier link way
     auto_choice = ""  # why recompute="auto" recorded again with "compute", or went back to "cheap"
-    storing, keep, reserved = store_activations, frozenset[int](), 0  # the keep step's variant (_keep.py)
     keeper = KeepOnDevice(recompute_auto=recompute == "auto")
     while True:
         layers = find_layers(module, row_width, whole_modules, group_bytes, split)
@@ -585,10 +587,10 @@ def wrap(
             continue  # a grouped layer spanned param groups: split it and look again
         # recompute="auto": storing everything is the fallback of "cheap" when
         # its plan does not fit; "compute" falls back to "cheap", which did.
-        driver = ClockDriver(module, layers, worker, slack=slack, store_activations=storing,
-                             row_width=row_width, overlap_updates=overlap, recompute=recomputing,
-                             recompute_fallback=recompute == "auto" and recomputing == "cheap", stored=stored,
-                             hold_reads=hold_reads, keep=keep)
+        driver = ClockDriver(module, layers, worker, slack=slack, store_activations=attempt.store,
+                             row_width=row_width, overlap_updates=overlap, recompute=attempt.recompute,
+                             recompute_fallback=recompute == "auto" and attempt.recompute == "cheap", stored=stored,
+                             hold_reads=hold_reads, keep=attempt.keep)
         driver.overlap_choice = overlap_choice
         driver.auto_choice = auto_choice
         try:
@@ -604,34 +606,33 @@ def wrap(
             stored = {**stored, **driver.unreproducible}
             continue
         try:
-            driver.prepare_plan(hold_reads, tables, reserved)
+            driver.prepare_plan(hold_reads, tables, attempt.reserved)
         except ResourceExhaustedError as error:
             variant = keeper.refused(str(error))
             if variant is not None:
-                tables = driver.release_tables()
-                recomputing, storing, keep, reserved = variant.recompute, variant.store, variant.keep, variant.reserved
+                tables, attempt = driver.release_tables(), variant
                 continue
-            if recomputing != "compute" or "cheap" not in link_bytes:
+            if attempt.recompute != "compute" or "cheap" not in link_bytes:
                 driver.abandon()
                 raise
-            tables, recomputing = driver.release_tables(), "cheap"
+            tables, attempt = driver.release_tables(), dataclasses.replace(attempt, recompute="cheap")
             link_bytes["compute"] = -1
             auto_choice = f"recompute='auto' went back to 'cheap': 'compute' did not fit ({error})"
             continue
         except BaseException:
             driver.abandon()
             raise
-        if recompute == "auto" and recomputing != "none" and recomputing not in link_bytes:
-            link_bytes[recomputing] = driver.link_bytes
-            again, why = _record_again(driver, recomputing, link_bytes)
+        if recompute == "auto" and attempt.recompute != "none" and attempt.recompute not in link_bytes:
+            link_bytes[attempt.recompute] = driver.link_bytes
+            again, why = _record_again(driver, attempt.recompute, link_bytes)
             if again:
-                tables, recomputing, auto_choice = driver.release_tables(), again, why
+                tables, auto_choice = driver.release_tables(), why
+                attempt = dataclasses.replace(attempt, recompute=again)
                 continue
             auto_choice = driver.auto_choice = why or auto_choice
-        variant = keeper.after_plan(driver, Variant(recomputing, storing, keep, reserved))
+        variant = keeper.after_plan(driver, attempt)
         if variant is not None:
-            tables = driver.release_tables()
-            recomputing, storing, keep, reserved = variant.recompute, variant.store, variant.keep, variant.reserved
+            tables, attempt = driver.release_tables(), variant
             continue
         driver.keep_choice = keeper.choice
         try:

@@ -6,8 +6,8 @@ copies and events included). Per clock: wall time, the GPU's busy time
 engine's stall, and each thread's CUDA runtime calls. A diagnostic, not a
 benchmark: budget_bench.py has the comparison.
 
-    python benchmarks/budget_profile.py [--model resnet18|transformer] [--batch 128] [--fraction 0.25]
-                                        [--clocks 6] [--prefetch-clocks 1] [--trace-dir DIR]
+    python benchmarks/budget_profile.py [--model resnet18|transformer] [--batch 128] [--image-size 32]
+                                        [--fraction 0.25] [--clocks 6] [--prefetch-clocks 1] [--trace-dir DIR]
 
 ``--trace-dir`` keeps each run's Chrome trace (gzipped JSON) for offline
 reading.
@@ -118,19 +118,22 @@ def run(args: argparse.Namespace, budget: int, label: str, x: torch.Tensor, loss
             return (time.perf_counter() - start) / clocks * 1000
 
         ms_per_clock(8)  # warm-up
+        torch.cuda.reset_peak_memory_stats()
         plain = ms_per_clock(args.clocks)
+        torch_peak = torch.cuda.max_memory_allocated()
         before = worker.stats
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
             traced = ms_per_clock(args.clocks)
         after = worker.stats
-        print(f"\n## {label}: {plain:.2f} ms/clock untraced, {traced:.2f} traced", flush=True)
+        print(f"\n## {label}: {plain:.2f} ms/clock untraced, {traced:.2f} traced; torch's peak "
+              f"{torch_peak / 1e6:.0f} MB", flush=True)
         per = {k: (after[k] - before[k]) / args.clocks for k in after
                if isinstance(after[k], (int, float)) and k in before and after[k] != before[k]}
         print("stats per clock: " + ", ".join(
             f"{k} {v * 1000:.2f}ms" if k.endswith("seconds") else f"{k} {v / 1e6:.1f}MB" if k.startswith("bytes")
             else f"{k} {v:.1f}" for k, v in sorted(per.items())))
-        print(ps.plan.splitlines()[0] if ps.plan else "")
+        print("\n".join(ps.plan.splitlines()[:12]) if ps.plan else "")
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "trace.json")
             prof.export_chrome_trace(path)
@@ -149,6 +152,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=("resnet18", "transformer"), default="resnet18")
     parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--image-size", type=int, default=32, help="ResNet-18's input images, pixels a side")
     parser.add_argument("--fraction", type=float, default=0.25)
     parser.add_argument("--clocks", type=int, default=6)
     parser.add_argument("--recompute", default="auto")
@@ -159,7 +163,7 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     if args.model == "resnet18":
         make: Any = vision_resnet18
-        x = torch.randn(args.batch, 3, 32, 32, generator=generator).to(device)
+        x = torch.randn(args.batch, 3, args.image_size, args.image_size, generator=generator).to(device)
         y = torch.randint(0, 10, (args.batch,), generator=generator).to(device)
 
         def loss(o: torch.Tensor) -> torch.Tensor:

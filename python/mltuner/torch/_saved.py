@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from mltuner.torch._errors import IterationMismatchError
-from mltuner.torch._recompute import Program, choose, remap_reads, run
+from mltuner.torch._recompute import MAX_DEPTH, Program, choose, compute_depth, remap_reads, run
 from mltuner.torch._recompute import describe as describe_program
 from mltuner.torch._recording import Event, Slot
 from mltuner.torch._trace import ForwardTrace, ParamRef, RandomStates
@@ -258,8 +258,10 @@ class SavedActivations:
         programs: dict[int, Program] = {}
         if self._trace is not None:
             try:
+                depth = (compute_depth(len(self.slots) - len(keep_small(self.slots))) if self._compute_bound
+                         else MAX_DEPTH)
                 programs = choose(self._trace, self._values, self.slots, frozenset(self.stored),
-                                  parameters=self._parameters, compute_bound=self._compute_bound)
+                                  parameters=self._parameters, compute_bound=self._compute_bound, max_depth=depth)
             except Exception as error:  # noqa: BLE001 - a model the planner does not understand: store everything
                 self.recompute = False
                 self.fell_back = f"choosing what to recompute failed: {type(error).__name__}: {error}"

@@ -177,13 +177,18 @@ def test_compute_also_recomputes_convolutions_bit_identically() -> None:
     compute = train(make, data, resnet_loss, "compute")
     assert_same_training(compute, stored)
     assert not [line for line in recomputed(cheap["saved"]) if "convolution" in line]
-    # Three convolution outputs are made again, each from its stored or
-    # recomputed input (depth 1 or 2): the stem's from the model's input, the
-    # first block's second one from its recomputed ReLU output, the second
-    # block's first one from the first block's stored output. The others
-    # would be depth 3: stored. Each does 36 flops per byte saved (2 x 3 x 3 x 8 / 4).
+    # 11 of the 22 saved tensors are worth storing (the others are small
+    # enough for autograd to keep), so "compute" allows chains 3 deep
+    # (round(sqrt(11)), "cheap": 2). Four convolution outputs are made again,
+    # each from its stored or recomputed input: the stem's from the model's
+    # input (depth 1), the first block's first one from the stem's recomputed
+    # ReLU output (depth 3: the deepest), each block's second one from its
+    # stored or recomputed inner ReLU output (depth 1 and 2). The first
+    # block's inner ReLU output, the second block's first convolution output
+    # and its output would be depth 4: stored. Each does 36 flops per byte
+    # saved (2 x 3 x 3 x 8 / 4).
     convolutions = [line for line in recomputed(compute["saved"]) if line.endswith("and parameters by convolution")]
-    assert [line.split(" ")[0] for line in convolutions] == ["#1", "#9", "#13"], compute["saved"]
+    assert [line.split(" ")[0] for line in convolutions] == ["#1", "#5", "#9", "#17"], compute["saved"]
     assert len(recomputed(compute["saved"])) == 7, compute["saved"]
     assert stored["stats"]["device_store_bytes"] - compute["stats"]["device_store_bytes"] == 7 * ACT_BYTES
     assert sum("store of saved activation" in access for access in compute["accesses"]) == 4

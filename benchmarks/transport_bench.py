@@ -4,7 +4,7 @@ same processes in the same run, and the latency a busy Python main thread
 adds to each clock.
 
     python benchmarks/transport_bench.py [--quick] [--out PATH] [--figures PATH]
-                                         [--sizes 10,100,1024] [--procs 2,4]
+                                         [--sizes 10,100,1024] [--procs 2,4] [--tables 1,16]
                                          [--switch-interval 0.0005]
                                          [--memory-limit-gb 16]
 
@@ -13,8 +13,11 @@ started with the MLTUNER_* variables of ``mltuner launch`` on 127.0.0.1; each
 rank writes one JSON file, and the parent prints markdown tables and writes
 them to ``--out`` with a description of the machine.
 
-1. Throughput, for each N and model size (MiB). One table of rows of 1024
-   floats covering the model. Every worker reads all rows (slack 0), updates
+1. Throughput, for each N, model size (MiB) and table count K. The model as
+   K equal tables of rows of 1024 floats (default K = 1: one table, which
+   the engine's clock cannot pipeline, since a table's update leaves, is
+   applied and comes back as a whole; a model of layers has many tables,
+   and their sends, applies and installs overlap). Every worker reads all rows (slack 0), updates
    all rows with rule "add" (zeros: the engine sends its dense slice of the
    update log whatever the values) and clocks. Per clock each process sends
    each other shard its slice of the update (model/N bytes) and each shard
@@ -52,6 +55,7 @@ import collections
 import ctypes
 import datetime
 import hashlib
+import itertools
 import json
 import os
 import platform
@@ -98,7 +102,7 @@ def machine_lines(args: argparse.Namespace) -> list[str]:
         f"{platform.system()} {platform.release()}",
         f"software: Python {platform.python_version()}, pyzmq {zmq.__version__}, libzmq {zmq.zmq_version()}, "
         f"numpy {np.__version__}, mltuner {mt.__version__} (tree at commit {git_commit()})",
-        f"mode: {'quick' if args.quick else 'full'}; processes {args.procs}; models {args.sizes} MiB; "
+        f"mode: {'quick' if args.quick else 'full'}; processes {args.procs}; models {args.sizes} MiB in {args.tables} table(s); "
         f"default GIL switch interval {sys.getswitchinterval() * 1e3:g} ms",
     ]
 
@@ -330,30 +334,37 @@ def open_job(args: argparse.Namespace) -> mt.Job:
                   max_message_bytes=max(256 << 20, 2 * (args.model_bytes or 0)))
 
 
-def record_full_clock(worker: mt.Worker, num_rows: int) -> tuple[int, int]:
-    table = worker.create_table("model", num_rows, ROW_WIDTH)
-    read = worker.virtual_read(table, slack=0)
-    worker.virtual_post_read(read)
-    update = worker.virtual_pre_update(table)
-    worker.virtual_update(update)
+def record_full_clock(worker: mt.Worker, num_rows: int, tables: int) -> tuple[list[int], list[int]]:
+    """Every row of the model, as `tables` equal tables, read and updated in a clock."""
+    ids = [worker.create_table(f"model-{k}", num_rows // tables, ROW_WIDTH) for k in range(tables)]
+    reads = [worker.virtual_read(table, slack=0) for table in ids]
+    for read in reads:
+        worker.virtual_post_read(read)
+    updates = []
+    for table in ids:  # each table's update is final, and leaves, before the next one's opens
+        updates.append(worker.virtual_pre_update(table))
+        worker.virtual_update(updates[-1])
     worker.virtual_clock()
     worker.finish_virtual_iteration()
     worker.start_iterations()
-    return read, update
+    return reads, updates
 
 
-def clock_step(worker: mt.Worker, read: int, update: int,
+def clock_step(worker: mt.Worker, reads: list[int], updates: list[int],
                between: Callable[[], object] | None = None) -> Callable[[], float]:
-    """One clock of the benchmark as a function returning the moment the read
+    """One clock of the benchmark as a function returning the moment the reads
     returned, i.e. when every worker's previous clock was in this worker's
     cache (slack 0). `between` runs after the clock, while the transport moves
     this clock's updates."""
     def step() -> float:
-        worker.read(read)
+        for read in reads:
+            worker.read(read)
         mark = time.perf_counter()
-        worker.post_read(read)
-        worker.pre_update(update)  # zeros: the engine still sends the dense slice
-        worker.update(update)
+        for read in reads:
+            worker.post_read(read)
+        for update in updates:
+            worker.pre_update(update)  # zeros: the engine still sends the dense slice
+            worker.update(update)
         worker.clock()
         if between is not None:
             between()
@@ -365,7 +376,7 @@ def clock_step(worker: mt.Worker, read: int, update: int,
 def mltuner_phase(mesh: Mesh, model_rows: int, args: argparse.Namespace, key: int) -> Json:
     with open_job(args) as job:
         worker = job.worker
-        step = clock_step(worker, *record_full_clock(worker, model_rows))
+        step = clock_step(worker, *record_full_clock(worker, model_rows, args.table_count))
         mesh.barrier(key)
         result = TimedLoop(mesh, key + 1, args.warmup, args.target_s, 2, 200).run(step)
         worker.sync()
@@ -377,7 +388,7 @@ def local_phase(mesh: Mesh, model_rows: int, args: argparse.Namespace, key: int)
     at once (all rows in its own shard): the engine's copies without transport."""
     with mt.LocalCluster(1, mltuner_config(args)) as cluster:
         worker = cluster.workers[0]
-        step = clock_step(worker, *record_full_clock(worker, model_rows))
+        step = clock_step(worker, *record_full_clock(worker, model_rows, args.table_count))
         mesh.barrier(key)
         return TimedLoop(mesh, key + 1, args.warmup, args.target_s, 2, 200).run(step)
 
@@ -451,7 +462,7 @@ def busy_worker(args: argparse.Namespace, mesh: Mesh) -> Json:
     alone: dict[tuple[float, str], list[float]] = collections.defaultdict(list)
     with open_job(args) as job:
         worker = job.worker
-        read, update = record_full_clock(worker, model_rows)
+        read, update = record_full_clock(worker, model_rows, 1)
         key = 100
         # Round robin over the cases in short segments, so that drift in the
         # machine's speed (a VM's pure-Python speed was seen to vary 2x from
@@ -632,6 +643,7 @@ def estimated_bytes(n: int, model_bytes: int) -> int:
 class Row:
     n: int
     size_mib: int
+    tables: int
     raw_s: float = 0.0
     raw_curve_s: float = 0.0
     raw_ipc_s: float = 0.0
@@ -652,50 +664,49 @@ class Row:
 def bench_throughput(args: argparse.Namespace) -> list[Row]:
     rows: list[Row] = []
     limit = int(args.memory_limit_gb * GB)
-    for n in args.procs:
-        for size in args.sizes:
-            row = Row(n, size)
-            rows.append(row)
-            model = size * MIB
-            need = estimated_bytes(n, model)
-            if need > limit:
-                row.note = (f"skipped: needs about {need / GB:.1f} GB ({n} x {MEMORY_FACTOR:g} x model), "
-                            f"over the {args.memory_limit_gb:g} GB limit")
-                print(f"N={n} {size} MiB: {row.note}", flush=True)
-                continue
-            print(f"N={n} {size} MiB: running ...", end="", flush=True)
-            start = time.perf_counter()
-            meter = CpuMeter()
-            try:
-                ranks = run_group(n, ["--worker", "throughput", "--model-bytes", str(model),
-                                      "--warmup", str(args.warmup), "--target-s", str(args.target_s)],
-                                  timeout_s=args.group_timeout, wait_s=120.0)
-            except GroupError as error:
-                row.note = f"failed: {str(error).splitlines()[0]}"
-                print(f"\n{error}", flush=True)
-                continue
-            row.other_load = meter.others()
-            row.raw_s = best_segment(ranks, "raw")
-            row.raw_curve_s = best_segment(ranks, "raw_curve")
-            row.raw_ipc_s = best_segment(ranks, "raw_ipc")
-            row.mlt_s = best_segment(ranks, "mltuner")
-            row.local_s = best_segment(ranks, "local")
-            row.raw_copy_s = best_segment(ranks, "raw_copy")
-            row.raw_clocks = int(ranks[0]["raw"]["clocks"])
-            row.mlt_clocks = int(ranks[0]["mltuner"]["clocks"])
-            row.peak_rss = sum(int(r["peak_rss"]) for r in ranks)
-            row.raw_peak_rss = sum(int(r["raw_peak_rss"]) for r in ranks)
-            page = os.sysconf("SC_PAGE_SIZE")
-            row.raw_faults = page * max(float(r["raw"]["faults_per_clock"]) for r in ranks)
-            row.mlt_faults = page * max(float(r["mltuner"]["faults_per_clock"]) for r in ranks)
-            lo = float(ranks[0]["mltuner"]["lo_bytes_per_clock"])
-            row.lo_check = lo / wire_bytes(n, model) if lo >= 0 else -1.0
-            print(f" {time.perf_counter() - start:.1f} s: ms per clock: raw {row.raw_s * 1e3:.1f}, raw over ipc "
-                  f"{row.raw_ipc_s * 1e3:.1f}, raw over CURVE {row.raw_curve_s * 1e3:.1f}, mltuner "
-                  f"{row.mlt_s * 1e3:.1f}, raw + receive copy {row.raw_copy_s * 1e3:.1f}, engine alone "
-                  f"{row.local_s * 1e3:.1f}; peak RSS of all ranks "
-                  f"{row.raw_peak_rss / GB:.2f} GB after the raw phase, {row.peak_rss / GB:.2f} GB in all; "
-                  f"other processes used {100 * row.other_load:.0f}% of the CPUs", flush=True)
+    for n, size, tables in itertools.product(args.procs, args.sizes, args.tables):
+        row = Row(n, size, tables)
+        rows.append(row)
+        model = size * MIB
+        need = estimated_bytes(n, model)
+        if need > limit:
+            row.note = (f"skipped: needs about {need / GB:.1f} GB ({n} x {MEMORY_FACTOR:g} x model), "
+                        f"over the {args.memory_limit_gb:g} GB limit")
+            print(f"N={n} {size} MiB in {tables} table(s): {row.note}", flush=True)
+            continue
+        print(f"N={n} {size} MiB in {tables} table(s): running ...", end="", flush=True)
+        start = time.perf_counter()
+        meter = CpuMeter()
+        try:
+            ranks = run_group(n, ["--worker", "throughput", "--model-bytes", str(model),
+                                  "--table-count", str(tables), "--warmup", str(args.warmup), "--target-s", str(args.target_s)],
+                              timeout_s=args.group_timeout, wait_s=120.0)
+        except GroupError as error:
+            row.note = f"failed: {str(error).splitlines()[0]}"
+            print(f"\n{error}", flush=True)
+            continue
+        row.other_load = meter.others()
+        row.raw_s = best_segment(ranks, "raw")
+        row.raw_curve_s = best_segment(ranks, "raw_curve")
+        row.raw_ipc_s = best_segment(ranks, "raw_ipc")
+        row.mlt_s = best_segment(ranks, "mltuner")
+        row.local_s = best_segment(ranks, "local")
+        row.raw_copy_s = best_segment(ranks, "raw_copy")
+        row.raw_clocks = int(ranks[0]["raw"]["clocks"])
+        row.mlt_clocks = int(ranks[0]["mltuner"]["clocks"])
+        row.peak_rss = sum(int(r["peak_rss"]) for r in ranks)
+        row.raw_peak_rss = sum(int(r["raw_peak_rss"]) for r in ranks)
+        page = os.sysconf("SC_PAGE_SIZE")
+        row.raw_faults = page * max(float(r["raw"]["faults_per_clock"]) for r in ranks)
+        row.mlt_faults = page * max(float(r["mltuner"]["faults_per_clock"]) for r in ranks)
+        lo = float(ranks[0]["mltuner"]["lo_bytes_per_clock"])
+        row.lo_check = lo / wire_bytes(n, model) if lo >= 0 else -1.0
+        print(f" {time.perf_counter() - start:.1f} s: ms per clock: raw {row.raw_s * 1e3:.1f}, raw over ipc "
+              f"{row.raw_ipc_s * 1e3:.1f}, raw over CURVE {row.raw_curve_s * 1e3:.1f}, mltuner "
+              f"{row.mlt_s * 1e3:.1f}, raw + receive copy {row.raw_copy_s * 1e3:.1f}, engine alone "
+              f"{row.local_s * 1e3:.1f}; peak RSS of all ranks "
+              f"{row.raw_peak_rss / GB:.2f} GB after the raw phase, {row.peak_rss / GB:.2f} GB in all; "
+              f"other processes used {100 * row.other_load:.0f}% of the CPUs", flush=True)
     return rows
 
 
@@ -729,7 +740,7 @@ def throughput_table(rows: list[Row]) -> list[str]:
         "|--:|--:|--:|--:|--:|:-:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for r in rows:
-        model = f"{r.size_mib} MiB"
+        model = f"{r.size_mib} MiB" + (f" in {r.tables} tables" if r.tables > 1 else "")
         if r.note:
             lines.append(f"| {r.n} | {model} | {r.note} | | | | | | | | | | | | | | | | |")
             continue
@@ -775,7 +786,8 @@ used while the configuration ran (from /proc/stat); above a few percent, its row
 def throughput_figures(rows: list[Row]) -> list[Figure]:
     figures = []
     for r in rows:
-        name = f"N={r.n}, {r.size_mib} MiB model: updates + fresh rows per clock"
+        tables = f" in {r.tables} tables" if r.tables > 1 else ""
+        name = f"N={r.n}, {r.size_mib} MiB model{tables}: updates + fresh rows per clock"
         if r.note:
             figures.append(Figure("transport", name, None, "ms/clock", "raw pyzmq", None, None,
                                   "raw time / mltuner time", goal=GOAL, note=r.note))
@@ -867,6 +879,7 @@ def main() -> int:
     parser.add_argument("--figures", metavar="PATH", help="write the headline figures for the suite (JSON)")
     parser.add_argument("--sizes", help="model sizes in MiB (default 10,100,1024; quick 10,100)")
     parser.add_argument("--procs", help="process counts (default 2,4; quick 2)")
+    parser.add_argument("--tables", default="1", help="the model as this many equal tables (default 1)")
     parser.add_argument("--switch-interval", type=float, default=DEFAULT_SWITCH_S,
                         help=f"GIL switch interval of the mitigation, seconds (default {DEFAULT_SWITCH_S})")
     parser.add_argument("--memory-limit-gb", type=float, default=16.0,
@@ -881,6 +894,7 @@ def main() -> int:
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--model-bytes", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--table-count", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--warmup", type=int, default=3, help=argparse.SUPPRESS)
     parser.add_argument("--target-s", type=float, default=2.0, help=argparse.SUPPRESS)
     parser.add_argument("--timeout", type=float, default=120.0, help=argparse.SUPPRESS)
@@ -894,6 +908,7 @@ def main() -> int:
 
     args.sizes = [int(x) for x in (args.sizes or ("10,100" if args.quick else "10,100,1024")).split(",")]
     args.procs = [int(x) for x in (args.procs or ("2" if args.quick else "2,4")).split(",")]
+    args.tables = [int(x) for x in args.tables.split(",")]
     args.target_s = 1.5 if args.quick else 3.0  # seconds of timed clocks per phase
     args.warmup = 3
     args.busy_mib = 1

@@ -209,8 +209,17 @@ def header(args: argparse.Namespace, device: torch.device, report: Report) -> No
 
 
 # -- quarter: no budget vs 1/4 of the need ----------------------------------------------
-QUARTER_MODES = {"both": ("none", "auto"), "none": ("none",), "auto": ("auto",), "compute": ("compute",),
-                 "auto,compute": ("auto", "compute")}
+RECOMPUTE_MODES = ("none", "cheap", "compute", "auto")
+
+
+def quarter_modes(text: str) -> tuple[str, ...]:
+    """--recompute: "both" (none and auto), or a comma-separated list of wrap()'s choices."""
+    modes = ("none", "auto") if text == "both" else tuple(text.split(","))
+    unknown = [m for m in modes if m not in RECOMPUTE_MODES]
+    if unknown or not modes:
+        raise argparse.ArgumentTypeError(f"--recompute takes 'both' or a comma-separated list of "
+                                         f"{', '.join(RECOMPUTE_MODES)}; got {text!r}")
+    return modes
 
 
 def cells_of(values: list[float], form: str) -> str:
@@ -231,7 +240,7 @@ def swaps_cell(run: MltunerRun) -> str:
 
 
 def quarter_section(args: argparse.Namespace, device: torch.device, report: Report) -> None:
-    modes = QUARTER_MODES[args.recompute]
+    modes = args.recompute
     report.emit()
     report.emit("## A quarter of the need vs no budget (goal >= 0.70, moonshot 0.85)")
     report.emit()
@@ -239,9 +248,10 @@ def quarter_section(args: argparse.Namespace, device: torch.device, report: Repo
                 "as local data; the budgeted runs store activations as local data, the unconstrained "
                 "one leaves them to torch. Under the budget, side by side: " +
                 " and ".join({"none": "every saved activation stored (recompute='none')",
-                              "auto": "cheap ones recomputed in the backward pass (recompute='auto')",
+                              "cheap": "cheap ones recomputed in the backward pass (recompute='cheap')",
                               "compute": "convolutions and matrix products recomputed too "
-                                         "(recompute='compute')"}[m]
+                                         "(recompute='compute')",
+                              "auto": "wrap()'s choice among those (recompute='auto')"}[m]
                              for m in modes) +
                 "; cells with two values give them in that order; recompute='auto' names what it chose "
                 "after its plan with 'cheap' moved bytes over the link. Device memory: torch peak / in use on "
@@ -576,9 +586,9 @@ def main() -> None:
     parser.add_argument("--image-size", type=int, default=32,
                         help="ResNet-18's input height and width (default 32; 224 is ImageNet's, where the "
                              "GPU's work, not the host's, bounds the clock)")
-    parser.add_argument("--recompute", choices=tuple(QUARTER_MODES), default="both",
-                        help="quarter: the budgeted runs' wrap(recompute=): both (none and auto) side by side, "
-                             "one, or auto and compute side by side")
+    parser.add_argument("--recompute", type=quarter_modes, default=quarter_modes("both"),
+                        help="quarter: the budgeted runs' wrap(recompute=), side by side: both (none and auto), "
+                             "or a comma-separated list of none, cheap, compute, auto")
     parser.add_argument("--prefetch-clocks", type=lambda text: None if text == "auto" else int(text), default=None,
                         help="Config.prefetch_clocks of the quarter-budget runs: auto (the default: the plan "
                              "chooses), or 0 (one pool region, half the least pool, more of the budget for "

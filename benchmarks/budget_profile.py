@@ -7,7 +7,7 @@ engine's stall, and each thread's CUDA runtime calls. A diagnostic, not a
 benchmark: budget_bench.py has the comparison.
 
     python benchmarks/budget_profile.py [--model resnet18|transformer] [--batch 128] [--image-size 32]
-                                        [--fraction 0.25] [--clocks 6] [--prefetch-clocks 1] [--trace-dir DIR]
+                                        [--fraction 0.25] [--clocks 6] [--prefetch-clocks auto] [--trace-dir DIR]
 
 ``--trace-dir`` keeps each run's Chrome trace (gzipped JSON) for offline
 reading.
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace, budget: int, label: str, x: torch.Tensor, loss
     device = torch.device("cuda")
     config = mlt.Config(update_rule=mlt.UpdateRule("momentum", learning_rate=LR, momentum=MOMENTUM),
                         device="cuda", wait_timeout_s=300, device_memory_budget=budget,
-                        prefetch_clocks=args.prefetch_clocks if budget > 0 else 1)
+                        prefetch_clocks=args.prefetch_clocks if budget > 0 else None)
     torch.manual_seed(0)
     model = make().to(device)
     with mlt.LocalCluster(1, config) as cluster:
@@ -157,7 +157,9 @@ def main() -> None:
     parser.add_argument("--clocks", type=int, default=6)
     parser.add_argument("--recompute", default="auto")
     parser.add_argument("--trace-dir", default=None)
-    parser.add_argument("--prefetch-clocks", type=int, default=1, help="Config.prefetch_clocks under the budget")
+    parser.add_argument("--prefetch-clocks", type=lambda text: None if text == "auto" else int(text), default=None,
+                        help="Config.prefetch_clocks under the budget: auto (the default: the plan chooses, as "
+                             "budget_bench.py's runs do) or a number")
     args = parser.parse_args()
     device = torch.device("cuda")
     generator = torch.Generator().manual_seed(0)

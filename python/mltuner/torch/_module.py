@@ -523,7 +523,7 @@ def wrap(
             ``Config.device_memory_budget``: ``"cheap"``, or ``"compute"``
             where the plan with ``"cheap"`` would be bound by the host link
             (a step does under 1,280 flops per byte its swaps move, and they
-            move over 640 KiB per op of the forward; the clock is then
+            move over 2 MiB per op of the forward; the clock is then
             recorded again); else ``"none"``.
             ``model.plan`` and ``model.saved_activations`` say what was
             chosen.

@@ -51,17 +51,20 @@ host instead, whatever its flops: each op of the forward costs a step tens
 of microseconds of the host's time (its kernels forward and backward, the
 adapter's hooks), and ``"compute"`` adds more (each op it runs again is
 dispatched from Python), so the link must also move more than
-:data:`LINK_BOUND_BYTES_PER_OP` (640 KiB) per op of the forward. Where that
-line lies was measured on an H100 host: ResNet-18 on 32x32 images at a
-quarter of its need, batch 128 (0.52 MiB per op), ran at 0.40-0.48 of no
-budget with ``"cheap"`` and 0.39 with ``"compute"``, batch 512 (0.80 MiB
-per op) at 0.42-0.45 and 0.42-0.51: within that host's noise, so the line
-keeps the smallest steps on ``"cheap"``, which recomputes less. At a
-quarter of the need too: ResNet-18 on 224x224 images (about 1,070 flops
-per byte, 6 MiB per op) ran at 0.39-0.40 with ``"cheap"`` and 0.55-0.61
-with ``"compute"``; the 12-layer transformer (about 1,630 flops per byte)
-at 0.73-0.75 and 0.72. Under autocast the arithmetic runs several times
-faster, so the rule keeps ``"cheap"`` for some steps the link bounds.
+:data:`LINK_BOUND_BYTES_PER_OP` (2 MiB) per op of the forward. Where that
+line lies was measured at a quarter of the need on ResNet-18 with 32x32
+images, bound by the host: batch 128 (0.52 MiB per op) ran at 0.40-0.48 of
+no budget with ``"cheap"`` and 0.39 with ``"compute"`` (an H100 host),
+batch 512 (0.80 MiB per op) at 0.47 with ``"cheap"`` and 0.42 with
+``"compute"``, whose chains now run up to :func:`compute_depth` deep and
+so dispatch more ops again (an H200 host, two rounds each, the same run:
+stop 35 in docs/results.md). Both stay on ``"cheap"``; ResNet-18 on
+224x224 images (about 1,070 flops per byte, 6 MiB per op at batch 128,
+23 at 512) ran at 0.39-0.40 with ``"cheap"`` and 0.55-0.61 with
+``"compute"`` at depth 2 (0.78-0.79 at :func:`compute_depth`); the 12-layer
+transformer (about 1,630 flops per byte, 1.5 MiB per op) at 0.73-0.75 and
+0.72. Under autocast the arithmetic runs several times faster, so the rule
+keeps ``"cheap"`` for some steps the link bounds.
 
 The rule, per saved tensor, in the order the forward made them:
 
@@ -143,7 +146,7 @@ MAX_NODES = 64  # ops in one tensor's chain: a bound on the planning work, not a
 LINK_BOUND_FLOPS_PER_BYTE = {"cuda": 1280}
 # ... and above this many bytes per op of the forward: below, the host's time
 # per op (its launches, the adapter's hooks) bounds the clock, not the link.
-LINK_BOUND_BYTES_PER_OP = 640 << 10
+LINK_BOUND_BYTES_PER_OP = 2 << 20
 
 _aten = torch.ops.aten
 _MEMORY_BOUND = frozenset(p.__name__ for p in (

@@ -1232,7 +1232,9 @@ class ClockDriver:
         ``store_activations`` or the device-memory budget cannot hold the
         access-buffer pool they need, which the engine's plan says
         (:meth:`Worker.preview_plan`, a dry run) before anything is
-        committed. The budget is ``Config.device_memory_budget`` or, with
+        committed; where held reads fit but their plan swaps parameters over
+        the host link, reading again is planned too and taken if it moves
+        fewer bytes. The budget is ``Config.device_memory_budget`` or, with
         none set and a device too small for the plan, the engine's automatic
         one (the device's free memory less ``Config.device_memory_reserve``).
 
@@ -1287,6 +1289,23 @@ class ClockDriver:
                     chosen = hold
                     break
                 worker.reset_virtual_iteration()
+        swaps: tuple[int, int] | None = None  # held reads' and reading again's bytes over the link, when compared
+        if chosen is True and hold_reads is None and budget > 0 and self.link_bytes > 0:
+            # Held reads fit, but their pool takes budget the stores then
+            # lack: parameters swap over the host link each clock. Reading
+            # again needs a pool of about two layers, so the stores keep
+            # more; it wins where it moves fewer bytes.
+            held = self.link_bytes
+            worker.reset_virtual_iteration()
+            self._replay(tables, recorded, False)
+            self._preview = worker.preview_plan()
+            least[False] = self._preview.pool_min_bytes
+            if self._preview.fits and self.link_bytes < held:
+                chosen, swaps = False, (held, self.link_bytes)
+            else:
+                worker.reset_virtual_iteration()
+                self._replay(tables, recorded, True)
+                self._preview = worker.preview_plan()  # the engine keeps this plan for finish
         if chosen is None:
             if False not in least:  # for the message: what reading again would need
                 self._replay(tables, recorded, False)
@@ -1295,7 +1314,7 @@ class ClockDriver:
                     "parameters earlier in the backward pass, which can raise the least budget: recompute='none' "
                     "may need less (and recompute='auto' falls back to it)" if self._acts.recomputing else "")
             raise ResourceExhaustedError(refusal(hold_reads, least, budget, worker.config.prefetch_clocks) + note)
-        self.hold_choice = reason(hold_reads, self._store_activations, chosen, least, budget)
+        self.hold_choice = reason(hold_reads, self._store_activations, chosen, least, budget, swaps)
 
     @property
     def link_bytes(self) -> int:

@@ -464,7 +464,9 @@ def wrap(
             time). None (the default) chooses: False with
             ``store_activations``; otherwise True when
             ``Config.device_memory_budget`` is 0 or holds the pool that held
-            reads need (the engine's plan says, by a dry run), else False.
+            reads need (the engine's plan says, by a dry run) and their plan
+            swaps no more bytes over the host link than reading again
+            would, else False.
             ``model.hold_reads`` and ``model.plan`` say what was chosen and
             why. Under BSP both give the same values; under SSP a held read
             gives the backward the forward's values.

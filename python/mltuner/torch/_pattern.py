@@ -15,8 +15,11 @@ from __future__ import annotations
 __all__ = ["reason", "refusal"]
 
 
-def reason(given: bool | None, store_activations: bool, hold: bool, least: dict[bool, int], budget: int) -> str:
-    """Which pattern the plan uses, and why, in words (``PSModule.plan``)."""
+def reason(given: bool | None, store_activations: bool, hold: bool, least: dict[bool, int], budget: int,
+           swaps: tuple[int, int] | None = None) -> str:
+    """Which pattern the plan uses, and why, in words (``PSModule.plan``).
+    ``swaps``: the bytes a clock of each pattern (held, reading again) moves
+    over the host link, where held reads fit but reading again moved fewer."""
     if given is not None:
         return f"hold_reads={hold} (given to wrap())"
     if store_activations:
@@ -26,6 +29,11 @@ def reason(given: bool | None, store_activations: bool, hold: bool, least: dict[
     if hold:
         return (f"hold_reads=True (the device_memory_budget of {budget} bytes holds the {least[True]} bytes of "
                 "access-buffer pool that held reads need)")
+    if swaps is not None:
+        return (f"hold_reads=False (the device_memory_budget of {budget} bytes holds the {least[True]} bytes of "
+                f"access-buffer pool that held reads need, but then swaps {swaps[0]} bytes a clock over the host "
+                f"link; reading each layer again for its backward pass needs {least[False]} bytes of pool and "
+                f"swaps {swaps[1]})")
     return (f"hold_reads=False (the device_memory_budget of {budget} bytes is below the {least[True]} bytes of "
             f"access-buffer pool that held reads need; reading each layer again for its backward pass needs "
             f"{least[False]} bytes)")

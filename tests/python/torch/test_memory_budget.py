@@ -202,25 +202,37 @@ def least_pools(run_workers: Callable[..., list[Any]], prefetch_clocks: int = 1)
 
 def test_wrap_chooses_held_reads_when_they_fit_and_rereads_below(run_workers: Callable[..., list[Any]]) -> None:
     """Every budget from the least up to unlimited trains to the same bits;
-    wrap() holds reads while the budget holds their pool, and below it
-    posts each layer's read after its forward and reads it again for the
-    backward pass (what hold_reads=False used to have to be told)."""
+    wrap() holds reads where the budget holds their pool and the plan swaps
+    no more than reading again would, and otherwise posts each layer's read
+    after its forward and reads it again for the backward pass (what
+    hold_reads=False used to have to be told): below held reads' least pool,
+    and at it, where their pool leaves the parameters in host memory."""
     rereading, holding = least_pools(run_workers)
     assert rereading < holding / 2, (rereading, holding)  # one layer at a time against every layer at once
     reference = train(0, False, run_workers)
     assert reference["hold_reads"] == [True] * NUM_WORKERS
     assert "hold_reads=True (no Config.device_memory_budget)" in reference["model_plans"][0]
+    # Held reads with every parameter on the device: their pool, and the stores.
+    everything = max(stats["pool_bytes"] + stats["device_store_bytes"] for stats in reference["stats"])
     middle = (rereading + holding) // 2
-    for budget, holds in [(rereading, False), (middle, False), (holding - 1, False), (holding, True)]:
+    for budget, holds in [(rereading, False), (middle, False), (holding - 1, False), (holding, False),
+                          (everything, True)]:
         run = train(budget, False, run_workers)
         assert run["hold_reads"] == [holds] * NUM_WORKERS, (budget, run["model_plans"])
         plan = run["model_plans"][0]
         if holds:
             assert f"the device_memory_budget of {budget} bytes holds the {holding} bytes" in plan, plan
-        else:
+            assert all(stats["predicted_bytes_to_device_per_clock"] == 0 for stats in run["stats"]), run["plans"]
+        elif budget < holding:
             assert (f"hold_reads=False (the device_memory_budget of {budget} bytes is below the {holding} bytes "
                     f"of access-buffer pool that held reads need; reading each layer again for its backward pass "
                     f"needs {rereading} bytes)") in plan, plan
+        else:  # held reads fit, with every parameter swapped in each clock: reading again keeps them
+            match = re.search(rf"hold_reads=False \(the device_memory_budget of {budget} bytes holds the {holding} "
+                              rf"bytes of access-buffer pool that held reads need, but then swaps (\d+) bytes a clock "
+                              rf"over the host link; reading each layer again for its backward pass needs "
+                              rf"{rereading} bytes of pool and swaps (\d+)\)", plan)
+            assert match and int(match[2]) < int(match[1]), plan
         assert all(stats["pool_bytes"] <= budget for stats in run["stats"]), run["plans"]
         assert run["losses"] == reference["losses"], budget
         for name, value in reference["state"].items():

@@ -179,6 +179,8 @@ void RegisterEngine(py::module_& m) {
       .def("reset_virtual_iteration", [](Engine& e) { Check(e.ResetVirtualIteration()); })
       .def("reserve_device_memory", [](Engine& e, int64_t bytes) { Check(e.ReserveDeviceMemory(bytes)); },
            py::arg("bytes"))
+      .def("release_host_memory_during_init",
+           [](Engine& e, int64_t bytes) { Check(e.ReleaseHostMemoryDuringInit(bytes)); }, py::arg("bytes"))
       .def("finish_virtual_iteration", [](Engine& e) { Check(e.FinishVirtualIteration()); }, Release())
       .def("start_iterations", [](Engine& e) { Check(e.StartIterations()); }, Release())
       .def("read", &OpenBuffer<&Engine::Read>, py::arg("handle"), py::arg("stream") = 0)

@@ -142,6 +142,14 @@ class Engine {
   // plans leave it out of the budget, set or automatic. 0 until set; a
   // later call replaces it. Defining phase only.
   Status ReserveDeviceMemory(int64_t bytes);
+  // Host memory the application holds now and frees while it writes initial
+  // values in the initialisation phase (worker 0's copy of the model, freed
+  // table by table as written). A server shard whose state lives in host
+  // memory allocates each table's state as those writes arrive, so the host
+  // check lets that state take up to these bytes beyond what is available
+  // now; everything else the plan allocates must fit now. 0 until set; a
+  // later call replaces it. Defining phase only.
+  Status ReleaseHostMemoryDuringInit(int64_t bytes);
   // Plans the iteration (or takes PreviewPlan's plan), refuses it when it
   // needs more host memory than Config::host_memory_limit (or MemAvailable)
   // allows, allocates, and waits until every worker finished its own.

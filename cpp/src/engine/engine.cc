@@ -154,6 +154,14 @@ Status Engine::Impl::ReserveDeviceMemory(int64_t bytes) {
   return Status::Ok();
 }
 
+Status Engine::Impl::ReleaseHostMemoryDuringInit(int64_t bytes) {
+  if (bytes < 0) {
+    return Status::InvalidArgument("release_host_memory_during_init needs bytes >= 0, got " + std::to_string(bytes));
+  }
+  host_bytes_freed_during_init_ = bytes;
+  return Status::Ok();
+}
+
 Config Engine::Impl::PlanConfig() const {
   Config planned = config_;
   if (planned.device_memory_budget > 0 && application_device_bytes_ > 0) {
@@ -194,7 +202,7 @@ Status Engine::Impl::PlanAndPrepare() {
     MLT_RETURN_IF_ERROR(Site(&site));
     MLT_RETURN_IF_ERROR(PlanIteration(PlanConfig(), plan_.tables, *recorded, site, plan.get()));
   }
-  MLT_RETURN_IF_ERROR(CheckHostMemory(plan->placement.host, config_.host_memory_limit));
+  MLT_RETURN_IF_ERROR(CheckHostMemory(plan->placement.host, config_.host_memory_limit, host_bytes_freed_during_init_));
   Recording recording;
   MLT_RETURN_IF_ERROR(recorder_.Finish(&recording));
   std::vector<RowLayout> layouts = std::move(plan->layouts);
@@ -824,6 +832,11 @@ Status Engine::ResetVirtualIteration() {
 Status Engine::ReserveDeviceMemory(int64_t bytes) {
   MLT_REQUIRE_DEFINING("reserve_device_memory");
   return impl_->ReserveDeviceMemory(bytes);
+}
+
+Status Engine::ReleaseHostMemoryDuringInit(int64_t bytes) {
+  MLT_REQUIRE_DEFINING("release_host_memory_during_init");
+  return impl_->ReleaseHostMemoryDuringInit(bytes);
 }
 
 #undef MLT_REQUIRE_DEFINING

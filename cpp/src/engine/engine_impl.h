@@ -42,6 +42,7 @@ class Engine::Impl {
   Status PreviewPlan(PlanPreview* out);
   Status ResetVirtualIteration();
   Status ReserveDeviceMemory(int64_t bytes);
+  Status ReleaseHostMemoryDuringInit(int64_t bytes);
   // Where a plan is made: this worker and its device's memory now, less
   // what the application reserved.
   Status Site(PlanSite* out) const;
@@ -77,6 +78,7 @@ class Engine::Impl {
   std::unique_ptr<IterationPlan> previewed_;  // PreviewPlan's plan of the recording, for FinishVirtualIteration
   Status finish_error_;  // why the one FinishVirtualIteration failed, if it did
   int64_t application_device_bytes_ = 0;  // ReserveDeviceMemory
+  int64_t host_bytes_freed_during_init_ = 0;  // ReleaseHostMemoryDuringInit
   PipelinePlan plan_;    // tables while defining; all of it constant after FinishVirtualIteration
   SharedState state_;
 

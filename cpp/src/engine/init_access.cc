@@ -159,10 +159,20 @@ Status Engine::Impl::PostInit(Handle handle, uintptr_t app_stream) {
   if (status.ok()) status = device_->WaitEvent(Stream::kWriteback, app_done);
   if (!status.ok()) return status;
   if (access.kind == OpKind::kPreUpdate) {
-    std::vector<float> host(values);
-    device_->CopyDeviceToHost(host.data(), slot.data, values * sizeof(float), Stream::kApp);
+    // Through the plan's staging buffer (host memory, as large as the
+    // largest access, idle until start_iterations starts the reclaimer), not
+    // a buffer of its own: worker 0 writes the whole model this way, so a
+    // layer's worth of host memory more would come on top of everything the
+    // plan holds (the host-memory guard counts the staging buffer).
+    if (static_cast<int64_t>(values * sizeof(float)) > plan_.placement.staging_bytes) {
+      return Status::Internal("initialisation write of " + std::to_string(values * sizeof(float)) +
+                              " bytes is larger than the staging buffer's " +
+                              std::to_string(plan_.placement.staging_bytes));
+    }
+    float* host = plan_.staging->floats();
+    device_->CopyDeviceToHost(host, slot.data, values * sizeof(float), Stream::kApp);
     status = device_->Synchronize(Stream::kApp);
-    if (status.ok()) status = InitAdd(access, host.data());
+    if (status.ok()) status = InitAdd(access, host);
   } else if (access.kind == OpKind::kLocalAccess && access.keep) {
     status = reclaimer_.WriteBackLocal(access, slot.data);
     if (status.ok()) status = device_->Synchronize(Stream::kWriteback);

@@ -126,11 +126,23 @@ Status CheckHostMemoryAgainst(const HostMemoryNeed& need, int64_t limit_bytes, c
   return Status::ResourceExhausted(msg.str());
 }
 
-Status CheckHostMemory(const HostMemoryNeed& need, int64_t host_memory_limit) {
+Status CheckHostMemory(const HostMemoryNeed& need, int64_t host_memory_limit, int64_t freed_during_init) {
   if (host_memory_limit > 0) return CheckHostMemoryAgainst(need, host_memory_limit, "Config.host_memory_limit");
   const int64_t available = HostMemoryAvailable();
   if (available < 0) return Status::Ok();  // nothing to check against
-  return CheckHostMemoryAgainst(need, available, "the memory the kernel reports available (MemAvailable)");
+  return CheckHostMemoryAvailable(need, available, freed_during_init);
+}
+
+Status CheckHostMemoryAvailable(const HostMemoryNeed& need, int64_t available, int64_t freed_during_init) {
+  // The shard's state in host memory is allocated table by table as the
+  // application writes initial values and frees its copies of them.
+  const int64_t later = need.shard_in_host_memory ? std::min(need.shard_per_branch, freed_during_init) : 0;
+  if (later <= 0) {
+    return CheckHostMemoryAgainst(need, available, "the memory the kernel reports available (MemAvailable)");
+  }
+  return CheckHostMemoryAgainst(need, available + later,
+                                "the memory the kernel reports available (MemAvailable) and the " +
+                                    std::to_string(later) + " B the application frees while it writes initial values");
 }
 
 }  // namespace mltuner

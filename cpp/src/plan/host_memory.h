@@ -43,7 +43,13 @@ int64_t HostMemoryAvailable();
 // comes from ("Config.host_memory_limit").
 Status CheckHostMemoryAgainst(const HostMemoryNeed& need, int64_t limit_bytes, const std::string& limit_source);
 // The check against Config::host_memory_limit, or, when that is 0, against
-// MemAvailable (no check when it cannot be read).
-Status CheckHostMemory(const HostMemoryNeed& need, int64_t host_memory_limit);
+// MemAvailable (no check when it cannot be read). `freed_during_init`:
+// host memory the application frees while the shard's state in host memory
+// is allocated (Engine::ReleaseHostMemoryDuringInit); up to that much of the
+// state may lie beyond MemAvailable (not beyond Config::host_memory_limit,
+// which counts the engine's memory alone).
+Status CheckHostMemory(const HostMemoryNeed& need, int64_t host_memory_limit, int64_t freed_during_init = 0);
+// Its check against `available` bytes of MemAvailable.
+Status CheckHostMemoryAvailable(const HostMemoryNeed& need, int64_t available, int64_t freed_during_init);
 
 }  // namespace mltuner

@@ -170,8 +170,38 @@ Status ServerShard::PlaceState() {
   int64_t free_bytes = -1, total_bytes = -1;
   MLT_RETURN_IF_ERROR(device_->MemoryInfo(&free_bytes, &total_bytes));
   state_in_host_ = ShardStateInHostMemory(state_bytes, free_bytes, device_memory_reserve_, device_->maps_host_memory());
+  // In host memory each table's state is allocated when a message first
+  // needs it (EnsureState): worker 0's initial values arrive table by table,
+  // and its process frees its copy of each as it is written, so the state
+  // and those copies never take the host's memory twice over.
+  if (state_in_host_) return Status::Ok();
   for (auto& entry : tables_) MLT_RETURN_IF_ERROR(AllocateState(entry.second.get()));
   return Status::Ok();
+}
+
+Status ServerShard::EnsureState(TableState* table) {
+  return table->rule == nullptr ? AllocateState(table) : Status::Ok();
+}
+
+Status ServerShard::EnsureStateFor(const Message& in) {
+  if (!state_in_host_) return Status::Ok();  // on the device: all allocated when placed
+  if (in.header.table >= 0) {
+    TableState* table = Find(in.header.branch, in.header.table);
+    return table == nullptr ? Status::Ok() : EnsureState(table);  // an unknown table: its handler says so
+  }
+  for (auto& entry : tables_) MLT_RETURN_IF_ERROR(EnsureState(entry.second.get()));
+  return Status::Ok();
+}
+
+int64_t ServerShard::state_bytes_allocated() const {
+  int64_t bytes = 0;
+  for (const auto& entry : tables_) {
+    const TableState& table = *entry.second;
+    if (table.rule != nullptr) {
+      bytes += table.num_values * static_cast<int64_t>(sizeof(float)) * (1 + StateArraysPerValue(table.rule_config));
+    }
+  }
+  return bytes;
 }
 
 ServerShard::TableState* ServerShard::Find(BranchId branch, TableId table) const {
@@ -209,7 +239,10 @@ Status ServerShard::Handle(const Message& in, std::vector<Message>* out) {
   if (out == nullptr) return Status::InvalidArgument("ServerShard::Handle: out is null");
   // The state is placed once every worker is ready (HandleReady); anything
   // else that arrives first needs it now.
-  if (in.type() != MessageType::kReady) MLT_RETURN_IF_ERROR(PlaceState());
+  if (in.type() != MessageType::kReady) {
+    MLT_RETURN_IF_ERROR(PlaceState());
+    MLT_RETURN_IF_ERROR(EnsureStateFor(in));
+  }
   switch (in.type()) {
     case MessageType::kStart: return HandleStart(in, out);
     case MessageType::kClockUpdate: return HandleClockUpdate(in, out);
@@ -713,6 +746,7 @@ Status ServerShard::ImportTable(TableId table, const float* values, size_t num_v
   TableState* found = Find(0, table);
   if (found == nullptr) return UnknownTable(table);
   MLT_RETURN_IF_ERROR(PlaceState());
+  MLT_RETURN_IF_ERROR(EnsureState(found));
   TableState& target = *found;
   const size_t state_size = target.rule->state_size();
   if (num_values != static_cast<size_t>(target.num_values) || num_state != state_size) {

@@ -74,7 +74,8 @@ class ServerShard {
   // taken), and then places all of it at once: on the device when its free
   // memory less `device_memory_reserve` (Config's, resolved by
   // DeviceReserve) holds it, else in host memory that the device's kernels
-  // update in place (plan/device_budget.h). A message that needs the state
+  // update in place (plan/device_budget.h), table by table as messages need
+  // it (state_in_host_memory). A message that needs the state
   // earlier allocates it then. Call before AddTable. Default: allocated by
   // AddTable, on the device.
   void PlaceStateWhenReady(const Config& config);
@@ -85,7 +86,13 @@ class ServerShard {
   // table at once, a second host copy of the model. The rule waits until
   // every view of a table is installed (returned, and its install's ticket
   // passed) before it changes the values, up to Config.wait_timeout_ms.
+  // In host memory a table's state is allocated by the first message that
+  // needs it (worker 0's initial values, table by table; kStart takes the
+  // rest), not all at once when placed.
   bool state_in_host_memory() const { return state_in_host_; }
+  // Bytes of values and optimizer state allocated so far, branch 0 and
+  // forks together (for tests).
+  int64_t state_bytes_allocated() const;
 
   // Config::check_finite: refuse (kNonFinite, naming the table, branch,
   // clock and worker) a training branch's clock update holding a NaN or an
@@ -194,9 +201,14 @@ class ServerShard {
   Status NewTableState(const TableInfo& info, bool allocate, std::unique_ptr<TableState>* out);
   // Values (zero) and the rule with zero state, where the shard's state lives.
   Status AllocateState(TableState* table);
-  // PlaceStateWhenReady's placement: the first call allocates every table's
-  // state; later calls do nothing.
+  // PlaceStateWhenReady's placement: the first call decides where the state
+  // lives and, on the device, allocates every table's; later calls do nothing.
   Status PlaceState();
+  // A table's state allocated if it is not yet (state in host memory).
+  Status EnsureState(TableState* table);
+  // The state a message needs: its table's, or every table's for one that
+  // names none (kStart, forks).
+  Status EnsureStateFor(const Message& in);
 
   const int rank_;
   const int num_workers_;

@@ -123,14 +123,20 @@ class HostMemory:
         self.held = 0
         self._lock = threading.Lock()
 
-    def reserve(self, what: str, needed: int, detail: str, *, in_place_of: int = 0) -> None:
+    def reserve(self, what: str, needed: int, detail: str, *, in_place_of: int = 0, freed_meanwhile: int = 0) -> None:
         """Counts ``needed`` bytes as held, or raises ResourceExhaustedError
         (naming ``what`` and the sizes) when this process may not have them.
         ``in_place_of``: bytes reserved earlier that ``needed`` includes
-        (given back with it; kept when refused)."""
+        (given back with it; kept when refused). ``freed_meanwhile``: bytes
+        the application frees before the last of ``needed`` is allocated
+        (room beyond what the kernel, the cgroup and RLIMIT_AS allow now; not
+        beyond ``Config.host_memory_limit``, which counts the engines alone)."""
         with self._lock:
             held = max(0, self.held - in_place_of)
             room = headroom()
+            if freed_meanwhile > 0:
+                room = Headroom(room.bytes + freed_meanwhile, f"{room.source}, and the {freed_meanwhile} bytes the "
+                                                              "application frees while it writes initial values")
             if self.limit is not None and self.limit - held < room.bytes:
                 room = Headroom(self.limit - held, f"Config(host_memory_limit={self.limit}) minus the "
                                                    f"{held} bytes this process's engines already hold")

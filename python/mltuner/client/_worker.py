@@ -148,6 +148,7 @@ class Worker:
         # What this process's engines hold (shared by a LocalCluster's workers).
         self._host_memory = host_memory or HostMemory(self._config.host_memory_limit)
         self._shard_bytes_reserved = 0  # the shard's state, reserved by create_table
+        self._host_freed_during_init = 0  # release_host_memory_during_init
         # The largest frame the job's data sockets accept (None: in memory).
         self._max_message_bytes = max_message_bytes
         # Writable numpy buffers handed out, by handle, made read-only at their
@@ -359,6 +360,24 @@ class Worker:
         """
         self._engine.reserve_device_memory(integer("nbytes", nbytes, 0, INT64_MAX))
 
+    def release_host_memory_during_init(self, nbytes: int) -> None:
+        """Declares host memory the application holds now and frees while it
+        writes initial values between ``finish_virtual_iteration`` and
+        ``start_iterations`` (worker 0's copy of a model, freed table by
+        table as written). A server shard whose state lives in host memory
+        allocates each table's state as those writes arrive, so the host
+        checks of ``finish_virtual_iteration`` let that state take up to
+        ``nbytes`` beyond the memory available now; everything else the plan
+        allocates must fit now. 0 until set; a later call replaces it.
+
+        Raises:
+            InvalidArgumentError: ``nbytes`` is negative.
+            OutOfOrderError: after ``finish_virtual_iteration``.
+        """
+        nbytes = integer("nbytes", nbytes, 0, INT64_MAX)
+        self._engine.release_host_memory_during_init(nbytes)
+        self._host_freed_during_init = nbytes
+
     def planned_host_bytes(self) -> int:
         """The host memory ``finish_virtual_iteration`` will hold, as the
         engine's plan counts it (``PlanPreview.host_memory_bytes``; the
@@ -392,8 +411,11 @@ class Worker:
         in_host = bool(preview.host_memory["shard_in_host_memory"]) if needed and preview is not None else False
         if needed:
             assert preview is not None
+            # A shard's state in host memory is allocated as worker 0 writes
+            # initial values, while the application frees its copies of them.
+            later = min(shard, self._host_freed_during_init) if in_host else 0
             self._host_memory.reserve("finish_virtual_iteration", needed, preview.host_memory_detail,
-                                      in_place_of=shard if in_host else 0)
+                                      in_place_of=shard if in_host else 0, freed_meanwhile=later)
         try:
             self._engine.finish_virtual_iteration()
         except BaseException:

@@ -120,6 +120,8 @@ T = TypeVar("T")
 # The engine's op numbers for the light clock's batches (Worker._run_ops).
 _READ, _POST_READ, _PRE_UPDATE, _UPDATE = (OP_KINDS[k] for k in ("read", "post_read", "pre_update", "update"))
 _LOCAL, _POST_LOCAL, _CLOCK = (OP_KINDS[k] for k in ("local_access", "post_local_access", "clock"))
+# An initial value worker 0 wrote to the servers and freed (commit_plan).
+_WRITTEN = torch.empty(0)
 _MAX_LOCAL_VIEWS = 4096  # cached torch views of local-table buffers (one per buffer address and shape)
 _MAX_LOADS_AHEAD = 32  # stored activations read back ahead of their use, in one engine call with the first
 
@@ -1368,13 +1370,24 @@ class ClockDriver:
         and starts the engine's iterations. A barrier over all workers."""
         worker = self.worker
         self._acts.end_planning()
+        # The initial values in host memory are freed as they are written (a
+        # shard whose state lives in host memory allocates each table's then):
+        # the plan may count them as room for that state.
+        worker.release_host_memory_during_init(
+            sum(flat.numel() * flat.element_size() for flat in self._init if flat.device.type == "cpu"))
         worker.finish_virtual_iteration()
         if worker.rank == 0:  # the initial values: worker 0's model, added to the servers' zeros
+            # Each layer's copy freed once written, where it makes room for the
+            # shard's state; else all at the end, so that a failed write can
+            # still give the module its initial values back (abandon).
+            free_as_written = bool(worker.stats["shard_in_host_memory"])
             updates = {e.layer: self._handles[i] for i, e in enumerate(self._events) if e.kind == "update"}
             for layer in self.layers:
                 handle = updates[layer.index]
                 as_tensor(worker.pre_update(handle), self.device).view(-1).copy_(self._init[layer.index])
                 worker.update(handle, stream=app_stream(self.device))
+                if free_as_written:
+                    self._init[layer.index] = _WRITTEN
         self._init.clear()
         worker.start_iterations()
         if self._light:
@@ -1467,7 +1480,8 @@ class ClockDriver:
         removes the hooks, so the plain module is usable again."""
         self.remove_hooks()
         for layer, flat in zip(self.layers, self._init):
-            layer.bind_flat(flat.to(self.device))  # kept in host memory for the plan on CUDA (record)
+            if flat is not _WRITTEN:  # written to the servers and freed (commit_plan): its placeholder stays
+                layer.bind_flat(flat.to(self.device))  # kept in host memory for the plan on CUDA (record)
         self._closed = True
 
     def close(self) -> None:

@@ -158,6 +158,34 @@ TEST(APlanAboveTheLimitIsRefusedWithTheSizes) {
   EXPECT_OK(CheckHostMemory(need, need.total()));
 }
 
+// Memory the application frees while it writes initial values is room for
+// a shard's state in host memory (allocated table by table as they arrive),
+// and for nothing else: the rest of the plan must fit what is available now.
+// Config.host_memory_limit counts the engine alone and takes none of it.
+TEST(MemoryFreedDuringInitIsRoomForAHostShardStateOnly) {
+  HostMemoryNeed need;
+  need.parameter_stores = 1000;
+  need.staging = 100;
+  need.shard_per_branch = 4000;
+  need.shard_in_host_memory = true;
+  ASSERT_EQ(need.total(), int64_t{5100});
+  EXPECT_CODE(CheckHostMemoryAvailable(need, 3000, 0), StatusCode::kResourceExhausted);
+  EXPECT_OK(CheckHostMemoryAvailable(need, 3000, 2100));
+  const Status short_by_one = CheckHostMemoryAvailable(need, 3000, 2099);
+  EXPECT_CODE(short_by_one, StatusCode::kResourceExhausted);
+  EXPECT_TRUE(short_by_one.ToString().find("the 2099 B the application frees while it writes initial values") !=
+              std::string::npos);
+  // No more than the state itself: the plan's own 1100 B must fit now.
+  EXPECT_CODE(CheckHostMemoryAvailable(need, 1099, 1 << 20), StatusCode::kResourceExhausted);
+  EXPECT_OK(CheckHostMemoryAvailable(need, 1100, 1 << 20));
+  // A state on the device takes no host memory, and the freed bytes count for nothing.
+  need.shard_in_host_memory = false;
+  EXPECT_OK(CheckHostMemoryAvailable(need, 1100, 0));
+  EXPECT_CODE(CheckHostMemoryAvailable(need, 1099, 1 << 20), StatusCode::kResourceExhausted);
+  need.shard_in_host_memory = true;
+  EXPECT_CODE(CheckHostMemory(need, 5099, 1 << 20), StatusCode::kResourceExhausted);
+}
+
 TEST(MemAvailableIsParsed) {
   EXPECT_EQ(ParseMemAvailable("MemTotal:       16384 kB\nMemFree:  1 kB\nMemAvailable:    2048 kB\n"),
             int64_t{2048} * 1024);

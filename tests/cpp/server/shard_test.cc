@@ -800,6 +800,40 @@ TEST(HostResidentStateIsLentToLocalWorkersAndTheRuleWaitsForTheViews) {
   EXPECT_TRUE(stuck.message().find("did not install the shard's last rows within 400 ms") != std::string::npos);
 }
 
+// A shard whose state lives in host memory allocates each table's state when
+// a message first needs it: worker 0's initial values arrive table by table
+// (its process frees its copy of each as it is written), and kStart takes
+// the rest; the values are what a device-resident shard holds.
+TEST(HostResidentStateIsAllocatedTableByTableAsMessagesNeedIt) {
+  constexpr TableId kOther = 6;
+  std::shared_ptr<Device> device(NewCpuDevice(48));  // an update payload, not the 160 B of state
+  ServerShard shard(0, 1, Rule(UpdateRuleKind::kDampedMomentum), 40, device);
+  Config config;
+  config.device_memory_reserve = 0;
+  shard.PlaceStateWhenReady(config);
+  ASSERT_OK(shard.AddTable(Table(kTable, 2, kWidth)));
+  ASSERT_OK(shard.AddTable(Table(kOther, 3, kWidth)));
+  std::vector<Message> out;
+  Message ready = Header(MessageType::kReady, 0, 0, -1);
+  ready.header.request_id = 1;
+  ready.text = EncodeTableSchema({Table(kTable, 2, kWidth), Table(kOther, 3, kWidth)});
+  ready.header.text_bytes = static_cast<uint32_t>(ready.text.size());
+  ASSERT_OK(shard.Handle(ready, &out));
+  EXPECT_TRUE(shard.state_in_host_memory());
+  EXPECT_EQ(shard.state_bytes_allocated(), int64_t{0});
+
+  const int64_t table_bytes = 2 * kWidth * 4 * 2;  // values and momentum
+  std::mt19937 rng(5);
+  const std::vector<float> initial = RandomValues(&rng, 2 * kWidth);
+  ASSERT_OK(shard.Handle(InitAdd(0, 0, 2, {{0, 2}}, initial), &out));
+  EXPECT_EQ(shard.state_bytes_allocated(), table_bytes);  // this table's only
+  EXPECT_TRUE(*shard.values(kTable) == initial);
+  ASSERT_OK(shard.Handle(Start(0, 0), &out));
+  EXPECT_EQ(shard.state_bytes_allocated(), table_bytes + 3 * kWidth * 4 * 2);  // kStart: the rest
+  EXPECT_TRUE(*shard.values(kTable) == initial);
+  EXPECT_TRUE(*shard.values(kOther) == std::vector<float>(3 * kWidth, 0.0f));
+}
+
 // The state is placed only once every worker is ready, but a table whose
 // rule is unknown is refused when it is added (CreateTable), naming it.
 TEST(AnUnknownRuleKindIsRefusedByAddTableWhenTheStateIsDeferred) {

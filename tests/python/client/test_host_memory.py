@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 import mltuner
@@ -212,3 +213,51 @@ def test_the_plan_takes_little_host_memory_beyond_what_it_keeps() -> None:
         pytest.skip(f"this kernel does not let a process reset its peak RSS: {out.stdout}")
     growth, table_bytes = (int(field) for field in out.stdout.split("GROWTH")[1].split()[:2])
     assert growth <= 0.25 * table_bytes, out.stdout
+
+
+def test_memory_freed_while_initial_values_are_written_is_room_for_a_host_shard_state(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An application that frees its copies of the initial values as it
+    writes them (release_host_memory_during_init) lets a shard whose state
+    lives in host memory take up to those bytes beyond the memory available
+    now: the state is allocated table by table as the writes arrive. The
+    rest of the plan must fit now, and the values written are the values
+    trained from. (The kernel's headroom is patched to sit between the two.)"""
+    import mltuner.client._host_memory as host_memory
+
+    rule = mltuner.UpdateRule("momentum", learning_rate=0.5, momentum=0.9)
+    config = mltuner.Config(update_rule=rule, cpu_device_capacity=4 * 2**20, device_memory_reserve=2**20)
+    with mltuner.LocalCluster(1, config) as cluster:
+        worker = cluster.worker(0)
+        tables = [worker.create_table(f"t{k}", 512, 256) for k in range(4)]  # 2 MiB of state each
+        updates = []
+        for table in tables:
+            read = worker.virtual_read(table)
+            worker.virtual_post_read(read)
+            updates.append(worker.virtual_pre_update(table))
+            worker.virtual_update(updates[-1])
+        worker.virtual_clock()
+        preview = worker.preview_plan()
+        shard = preview.host_memory["shard_per_branch"]
+        assert preview.host_memory["shard_in_host_memory"] and shard == 4 * 512 * 256 * 4 * 2
+        rest = preview.host_memory_bytes - shard
+        now = rest + shard // 2  # the plan's own memory fits, the shard's state only half
+        monkeypatch.setattr(host_memory, "headroom", lambda: host_memory.Headroom(now, "a patched headroom"))
+        with pytest.raises(mltuner.ResourceExhaustedError, match=rf"may use only {now} bytes .*a patched headroom"):
+            worker.finish_virtual_iteration()
+        with pytest.raises(mltuner.InvalidArgumentError, match="nbytes"):
+            worker.release_host_memory_during_init(-1)
+        worker.release_host_memory_during_init(shard // 2 - 1)
+        with pytest.raises(mltuner.ResourceExhaustedError, match=rf"the {shard // 2 - 1} bytes the application frees"):
+            worker.finish_virtual_iteration()
+        worker.release_host_memory_during_init(shard // 2)
+        worker.finish_virtual_iteration()
+        with pytest.raises(mltuner.OutOfOrderError):
+            worker.release_host_memory_during_init(0)
+        initial = [np.random.default_rng(k).standard_normal((512, 256)).astype(np.float32) for k in range(4)]
+        for update, values in zip(updates, initial):
+            worker.pre_update(update)[...] = values
+            worker.update(update)
+        worker.start_iterations()
+        for k, table in enumerate(tables):
+            assert np.array_equal(worker.fetch(table, range(512)), initial[k])

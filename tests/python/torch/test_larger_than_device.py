@@ -48,7 +48,7 @@ def train(**config: Any) -> dict[str, Any]:
             model(x[c]).pow(2).mean().backward()
             model.step()
         return {"state": model.state_dict(), "stats": worker.stats, "plan": worker.plan,
-                "hold_reads": model.hold_reads}
+                "hold_reads": model.hold_reads, "released": worker._host_freed_during_init}
 
 
 def model_bytes() -> int:
@@ -83,6 +83,32 @@ def test_model_larger_than_the_device_trains_bit_identically_with_an_automatic_b
     for name, value in unconstrained["state"].items():
         assert torch.equal(small["state"][name], value), name
     assert not torch.equal(unconstrained["state"]["0.weight"], make_model().state_dict()["0.weight"])  # it trained
+
+
+def test_the_initial_values_freed_as_written_make_room_for_the_shard_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """wrap() frees its host copy of each layer's initial values once worker
+    0 wrote it, and says so (Worker.release_host_memory_during_init): a
+    shard whose state lives in host memory allocates each table's as it is
+    written, so the host needs the state, not the state and the copies. With
+    the kernel's headroom patched to exactly that, the model trains to the
+    same bits."""
+    import mltuner.client._host_memory as host_memory
+
+    weights = model_bytes()
+    reserve = 4 * WIDTH * WIDTH * 4
+    config = {"cpu_device_capacity": weights + reserve, "device_memory_reserve": reserve}
+    reference = train(**config)
+    assert reference["stats"]["shard_in_host_memory"] and reference["released"] == weights
+    need = reference["stats"]["host_memory_bytes"]  # the shard's state (2 x weights) included
+    monkeypatch.setattr(host_memory, "headroom", lambda: host_memory.Headroom(need - weights, "a patched headroom"))
+    tight = train(**config)
+    for name, value in reference["state"].items():
+        assert torch.equal(tight["state"][name], value), name
+    monkeypatch.setattr(host_memory, "headroom", lambda: host_memory.Headroom(need - weights - 1, "a patched headroom"))
+    with pytest.raises(mltuner.ResourceExhaustedError,
+                       match=rf"may use only {need - 1} bytes .*a patched headroom, and the {weights} bytes the "
+                             r"application frees while it writes initial values"):
+        train(**config)
 
 
 def test_host_too_small_for_the_shard_state_is_refused_at_wrap_with_the_sizes() -> None:

@@ -240,8 +240,14 @@ Status ServerShard::Handle(const Message& in, std::vector<Message>* out) {
   // The state is placed once every worker is ready (HandleReady); anything
   // else that arrives first needs it now.
   if (in.type() != MessageType::kReady) {
-    MLT_RETURN_IF_ERROR(PlaceState());
-    MLT_RETURN_IF_ERROR(EnsureStateFor(in));
+    Status placed = PlaceState();
+    if (placed.ok()) placed = EnsureStateFor(in);
+    if (!placed.ok()) {
+      // No room for the state (pinned host memory, say): a request's sender
+      // waits for a reply, so it gets the reason rather than a timeout.
+      if (in.header.request_id != 0) out->push_back(ErrorReply(rank_, in, placed));
+      return placed;
+    }
   }
   switch (in.type()) {
     case MessageType::kStart: return HandleStart(in, out);

@@ -216,7 +216,7 @@ def quarter_modes(text: str) -> tuple[str, ...]:
     """--recompute: "both" (none and auto), or a comma-separated list of wrap()'s choices."""
     modes = ("none", "auto") if text == "both" else tuple(text.split(","))
     unknown = [m for m in modes if m not in RECOMPUTE_MODES]
-    if unknown or not modes:
+    if unknown:
         raise argparse.ArgumentTypeError(f"--recompute takes 'both' or a comma-separated list of "
                                          f"{', '.join(RECOMPUTE_MODES)}; got {text!r}")
     return modes

@@ -32,6 +32,9 @@ DeviceBlock::~DeviceBlock() {
 
 Status WaitReady(const DeviceBuffer* buffer) {
   if (buffer == nullptr || !buffer->ready) return Status::Ok();
+  if (buffer->block == nullptr) {
+    return Status::Internal("a payload with a ticket to wait for names no device (DeviceBuffer::block is null)");
+  }
   return buffer->block->device()->WaitEventDone(buffer->ready);
 }
 

@@ -60,7 +60,10 @@ struct DeviceBuffer {
   size_t count = 0;     // floats in use (the block may be larger)
   DeviceEvent ready;
   DeviceEvent last_use;
-  std::shared_ptr<DeviceBlock> block;  // null when borrowed
+  // Null when borrowed from a received frame or a peer. A shard's lent view
+  // of its state (borrowed too) names the state's block: its device is the
+  // one whose ticket `ready` is.
+  std::shared_ptr<DeviceBlock> block;
   // Views memory owned elsewhere (a received ZeroMQ frame, see
   // memory/borrowed_frames.h): consumers read it and never write it.
   bool borrowed = false;

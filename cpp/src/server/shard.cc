@@ -576,6 +576,7 @@ Status ServerShard::LendValues(const TableState& table, std::shared_ptr<DeviceBu
   view->data = table.data();
   view->count = static_cast<size_t>(table.num_values);
   view->borrowed = true;  // read only: the installer never writes a frame
+  view->block = table.values;  // names the device whose ticket `ready` is (WaitReady)
   MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kServer, &view->ready));
   std::shared_ptr<Loans> loans = table.loans;
   {

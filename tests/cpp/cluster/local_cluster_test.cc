@@ -7,12 +7,14 @@
 // handed to Engine::HandleMessage directly, as the Hub's inbox thread would.
 #include "mltuner/cluster.h"
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "forwarding_device.h"
 #include "mltuner/engine.h"
 #include "test_util.h"
 #include "wire/message.h"
@@ -82,9 +84,109 @@ Message RowsMessage(int sender, int receiver, TableId table, Clock clock, RowSpa
   return m;
 }
 
+// The CPU backend, but with the two things of a GPU that the host-resident
+// shard path depends on: no free device memory for the shard's state (so it
+// lives in host memory and is lent to local workers as a view), and a
+// non-null ticket for every event, which a reader on the host must wait for
+// through the buffer's device (the CPU backend's tickets are null).
+class TicketingDevice final : public ForwardingDevice {
+ public:
+  explicit TicketingDevice(std::atomic<int64_t>* waits) : waits_(waits) {}
+  bool maps_host_memory() const override { return true; }
+  Status MemoryInfo(int64_t* free_bytes, int64_t* total_bytes) override {
+    *free_bytes = 1;
+    *total_bytes = int64_t{1} << 30;
+    return Status::Ok();
+  }
+  Status RecordEvent(Stream s, DeviceEvent* out) override {
+    MLT_RETURN_IF_ERROR(ForwardingDevice::RecordEvent(s, out));
+    *out = std::make_shared<int>(0);
+    return Status::Ok();
+  }
+  Status WaitEventDone(const DeviceEvent& e) override {
+    ++*waits_;
+    return ForwardingDevice::WaitEventDone(e);
+  }
+
+ private:
+  std::atomic<int64_t>* waits_;
+};
+
+// Runs `clocks` clocks of the Tables clock (worker k adds k + 1 to row 1 of
+// b) and gives b's two rows as worker 0 fetches them.
+void RunClocks(LocalCluster* cluster, int clocks, std::vector<float>* b) {
+  const int n = cluster->num_workers();
+  std::vector<Tables> tables(n);
+  for (int k = 0; k < n; ++k) ASSERT_OK(CreateTables(cluster->worker(k), &tables[k]));
+  ASSERT_OK(RecordAll(cluster, &tables));
+  for (int k = 0; k < n; ++k) ASSERT_OK(cluster->worker(k)->StartIterations());
+  std::vector<std::string> errors(n);
+  std::vector<std::thread> threads;
+  for (int k = 0; k < n; ++k) {
+    threads.emplace_back([&, k] {
+      Engine* e = cluster->worker(k);
+      const Tables& t = tables[k];
+      Status s;
+      for (int c = 0; c < clocks && s.ok(); ++c) {
+        AccessBuffer r, u, l;
+        s = e->Read(t.ra, &r);
+        if (s.ok()) s = e->PreUpdate(t.ub, &u);
+        for (int j = 0; s.ok() && j < 5; ++j) u.data[j] = static_cast<float>(k + 1);
+        if (s.ok()) s = e->LocalAccess(t.l, &l);
+        if (s.ok()) s = e->PostLocalAccess(t.l);
+        if (s.ok()) s = e->Update(t.ub);
+        if (s.ok()) s = e->PostRead(t.ra);
+        if (s.ok()) s = e->Clock();
+      }
+      if (s.ok()) s = e->Flush();
+      if (s.ok()) s = e->WaitForDataAge(t.b, clocks - 1);
+      if (!s.ok()) errors[k] = s.ToString();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int k = 0; k < n; ++k) {
+    if (!errors[k].empty()) ::mltuner::testing::ReportFailure(__FILE__, __LINE__, errors[k]);
+  }
+  b->assign(10, -1.0f);
+  ASSERT_OK(cluster->worker(0)->Fetch(tables[0].b, {0, 1}, b->data()));
+}
+
 }  // namespace
 
+// A shard whose state lives in host memory lends its local worker a view of
+// the state, with the rule's ticket; the installer waits for that ticket on
+// the host through the view's device. (The view once named no device, and
+// the first rows pushed crashed the process on a GPU.)
+TEST(HostResidentShardStateLentWithTicketsGivesTheSameRows) {
+  constexpr int kClocks = 4;
+  Config config = Quick();
+  config.update_rule.kind = UpdateRuleKind::kAdd;
+  config.device_memory_reserve = 0;
+  config.device_memory_budget = int64_t{1} << 30;  // the cache keeps all its rows: only the shard's state moves
+  std::vector<float> reference;
+  {
+    std::unique_ptr<LocalCluster> cluster;
+    ASSERT_OK(LocalCluster::Create(config, 2, &cluster));
+    RunClocks(cluster.get(), kClocks, &reference);
+    EXPECT_OK(cluster->Shutdown());
+  }
+  std::atomic<int64_t> waits{0};
+  std::unique_ptr<LocalCluster> cluster;
+  ASSERT_OK(LocalCluster::Create(config, 2, &cluster, [&](int, std::unique_ptr<Device>* out) {
+    *out = std::make_unique<TicketingDevice>(&waits);
+    return Status::Ok();
+  }));
+  std::vector<float> lent;
+  RunClocks(cluster.get(), kClocks, &lent);
+  EXPECT_TRUE(lent == reference);
+  EXPECT_EQ(lent[5], static_cast<float>(3 * kClocks));  // (1 + 2) a clock to row 1
+  EXPECT_TRUE(waits.load() > 0);
+  EXPECT_EQ(cluster->rejected_messages(), int64_t{0});
+  EXPECT_OK(cluster->Shutdown());
+}
+
 TEST(CreateRejectsZeroWorkers) {
+
   std::unique_ptr<LocalCluster> cluster;
   EXPECT_CODE(LocalCluster::Create(Config(), 0, &cluster), StatusCode::kInvalidArgument);
   Config bad;

@@ -1,8 +1,9 @@
 """CUDA IPC benchmark: update and fresh-row traffic between 2 processes on
-one GPU, with CUDA IPC on and off, as a ratio to the same-device copy
-bandwidth measured in the same run.
+one GPU (or, with ``--gpus 2``, one each on GPUs 0 and 1), with CUDA IPC on
+and off, as a ratio to the copy bandwidth between their memories measured
+in the same run.
 
-    python benchmarks/ipc_bench.py [--sizes 16,64,256] [--clocks 20] [--out PATH]
+    python benchmarks/ipc_bench.py [--sizes 16,64,256] [--clocks 20] [--gpus 1|2] [--out PATH]
 
 For each model size (MiB; one table of rows of 1024 floats, plus a tiny
 one), two worker processes (tests/python/gpu/cuda_ipc_worker.py --bench, both
@@ -12,7 +13,8 @@ update and that shard sends it its half of the rows: 2 x model bytes cross
 between the processes per clock. Each configuration runs twice, IPC on and
 off interleaved; the faster run counts. Rate = 2 x model / seconds per clock
 (the slower rank's, after 3 warm-up clocks). Baseline: cudaMemcpy device ->
-device (torch copy_) of model bytes on the same GPU in this process, best of
+device (torch copy_) of model bytes on the same GPU in this process, or with
+two GPUs from GPU 0 to GPU 1 (cudaMemcpyPeer: NVLink where present), best of
 20. Ratio = rate / baseline: 1.0 means the clock moves its cross-process
 bytes as fast as one copy engine pass moves them on the card; the goal is
 >= 0.8. The clock's own work (gathers, the update rule, installs) counts
@@ -34,7 +36,7 @@ WORKER = Path(__file__).resolve().parent.parent / "tests" / "python" / "gpu" / "
 WIDTH = 1024
 
 
-def run_pair(size_mib: int, clocks: int, cuda_ipc: bool, timeout_s: float) -> dict:
+def run_pair(size_mib: int, clocks: int, cuda_ipc: bool, timeout_s: float, gpus: int) -> dict:
     sys.path.insert(0, str(WORKER.parent))
     from ipc_pair import launch_pair
 
@@ -42,7 +44,7 @@ def run_pair(size_mib: int, clocks: int, cuda_ipc: bool, timeout_s: float) -> di
     with tempfile.TemporaryDirectory() as out:
         codes, outputs = launch_pair(
             Path(out), cuda_ipc, ["--bench", "--clocks", str(clocks), "--rows", str(rows), "--width", str(WIDTH)],
-            timeout_s=timeout_s, env={"MLTUNER_CUDA_IPC_SLICE_BYTES": str(max(256 << 20, 4 * size_mib << 20))})
+            timeout_s=timeout_s, env={"MLTUNER_CUDA_IPC_SLICE_BYTES": str(max(256 << 20, 4 * size_mib << 20))}, gpus=gpus)
         if any(code != 0 for code in codes):
             raise RuntimeError("a worker failed:\n" + "\n".join(outputs))
         reports = [json.loads((Path(out) / f"rank-{r}.json").read_text()) for r in range(2)]
@@ -50,11 +52,12 @@ def run_pair(size_mib: int, clocks: int, cuda_ipc: bool, timeout_s: float) -> di
             "stats": [r["stats"] for r in reports]}
 
 
-def memcpy_bandwidth(nbytes: int) -> float:
+def memcpy_bandwidth(nbytes: int, gpus: int) -> float:
+    """Bytes a second of one copy of ``nbytes`` from GPU 0 to GPU gpus - 1."""
     import torch
 
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").fill_(1.0)
-    dst = torch.empty_like(src)
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda:0").fill_(1.0)
+    dst = torch.empty_like(src, device=f"cuda:{gpus - 1}")
     for _ in range(3):
         dst.copy_(src)
     torch.cuda.synchronize()
@@ -62,7 +65,8 @@ def memcpy_bandwidth(nbytes: int) -> float:
     for _ in range(20):
         start = time.perf_counter()
         dst.copy_(src)
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(src.device)
+        torch.cuda.synchronize(dst.device)
         best = min(best, time.perf_counter() - start)
     return nbytes / best
 
@@ -72,22 +76,28 @@ def main() -> int:
     parser.add_argument("--sizes", default="16,64,256", help="model sizes in MiB")
     parser.add_argument("--clocks", type=int, default=20)
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--gpus", type=int, choices=(1, 2), default=1, help="both ranks on GPU 0, or one per GPU")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     import torch
 
+    if torch.cuda.device_count() < args.gpus:
+        parser.error(f"--gpus {args.gpus}: this machine shows {torch.cuda.device_count()} GPU(s)")
     gpu = torch.cuda.get_device_name(0)
-    lines = [f"CUDA IPC benchmark on {gpu}: 2 processes on GPU 0, update + fresh-row traffic per clock",
-             "", "| model MiB | memcpy GB/s | IPC s/clock | IPC GB/s | IPC ratio | host s/clock | host GB/s | "
+    where = "GPU 0" if args.gpus == 1 else "GPUs 0 and 1, one each"
+    copy = "same-device" if args.gpus == 1 else "GPU 0 -> GPU 1"
+    lines = [f"CUDA IPC benchmark on {gpu}: 2 processes on {where}, update + fresh-row traffic per clock; "
+             f"baseline: {copy} copy_", "",
+             "| model MiB | memcpy GB/s | IPC s/clock | IPC GB/s | IPC ratio | host s/clock | host GB/s | "
              "host ratio | IPC / host speed | IPC bytes (rank 0) | host-frame bytes (rank 0) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     for size in (int(s) for s in args.sizes.split(",")):
-        baseline = memcpy_bandwidth(size << 20)
+        baseline = memcpy_bandwidth(size << 20, args.gpus)
         best: dict[bool, dict] = {}
         for _ in range(2):
             for cuda_ipc in (True, False):
-                run = run_pair(size, args.clocks, cuda_ipc, args.timeout)
+                run = run_pair(size, args.clocks, cuda_ipc, args.timeout, args.gpus)
                 if cuda_ipc not in best or run["seconds"] < best[cuda_ipc]["seconds"]:
                     best[cuda_ipc] = run
         traffic = 2 * (size << 20)

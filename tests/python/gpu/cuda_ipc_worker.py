@@ -35,6 +35,7 @@ def main() -> int:
     config = mltuner.Config(device="cuda", wait_timeout_s=60, update_rule=mltuner.UpdateRule("sgd", learning_rate=0.01))
     try:
         with mltuner.Job(config) as job:
+            torch.cuda.set_device(job.local_rank % torch.cuda.device_count())  # the engine's GPU (ipc_pair's gpus)
             print(f"rank {job.rank}: data paths {job.data_paths}", flush=True)
             result = _train(job, args)
             stats = job.transport_stats

@@ -29,11 +29,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from ipc_pair import launch_pair  # noqa: E402  (beside this file)
 
 
-def run_pair(out: Path, cuda_ipc: bool, *args: str, timeout_s: float = 180.0) -> list[dict]:
-    """Two ranks on GPU 0; returns each rank's json report plus its arrays
-    and output. Raises with both outputs when a rank fails."""
+def run_pair(out: Path, cuda_ipc: bool, *args: str, timeout_s: float = 180.0, gpus: int = 1) -> list[dict]:
+    """Two ranks, on GPU 0 or rank r on GPU r (``gpus``); returns each
+    rank's json report plus its arrays and output. Raises with both outputs
+    when a rank fails."""
     out.mkdir(parents=True, exist_ok=True)
-    codes, outputs = launch_pair(out, cuda_ipc, list(args), timeout_s=timeout_s)
+    codes, outputs = launch_pair(out, cuda_ipc, list(args), timeout_s=timeout_s, gpus=gpus)
     report = "\n".join(f"--- rank {r} (exit {code}, cuda_ipc={cuda_ipc}) ---\n{o}"
                        for r, (code, o) in enumerate(zip(codes, outputs)))
     print(report)
@@ -48,9 +49,12 @@ def run_pair(out: Path, cuda_ipc: bool, *args: str, timeout_s: float = 180.0) ->
     return results
 
 
-def test_two_processes_on_one_gpu_take_cuda_ipc_and_match_host_frames(tmp_path: Path) -> None:
-    ipc = run_pair(tmp_path / "ipc", True, "--clocks", "10")
-    host = run_pair(tmp_path / "host", False, "--clocks", "10")
+@pytest.mark.parametrize("gpus", [1, pytest.param(2, marks=pytest.mark.skipif(
+    mlt.cuda_device_count() < 2, reason="needs two GPUs"))])
+def test_two_processes_take_cuda_ipc_and_match_host_frames(tmp_path: Path, gpus: int) -> None:
+    """On one GPU, or one process on each of two (peer memory: NVLink or PCIe)."""
+    ipc = run_pair(tmp_path / "ipc", True, "--clocks", "10", gpus=gpus)
+    host = run_pair(tmp_path / "host", False, "--clocks", "10", gpus=gpus)
     for rank in range(2):
         peer = str(1 - rank)
         on, off = ipc[rank], host[rank]

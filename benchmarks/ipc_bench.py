@@ -3,10 +3,10 @@ one GPU (or, with ``--gpus 2``, one each on GPUs 0 and 1), with CUDA IPC on
 and off, as a ratio to the copy bandwidth between their memories measured
 in the same run.
 
-    python benchmarks/ipc_bench.py [--sizes 16,64,256] [--clocks 20] [--gpus 1|2] [--out PATH]
+    python benchmarks/ipc_bench.py [--sizes 16,64,256] [--clocks 20] [--gpus 1|2] [--tables 1,16] [--out PATH]
 
-For each model size (MiB; one table of rows of 1024 floats, plus a tiny
-one), two worker processes (tests/python/gpu/cuda_ipc_worker.py --bench, both
+For each model size (MiB; one table of rows of 1024 floats, or with
+``--tables K`` K equal tables as a model of layers, plus a tiny one), two worker processes (tests/python/gpu/cuda_ipc_worker.py --bench, both
 on GPU 0, on 127.0.0.1) read every row (slack 0), write a constant update
 and clock; per clock each process sends the other's shard its half of the
 update and that shard sends it its half of the rows: 2 x model bytes cross
@@ -26,6 +26,7 @@ Prints a markdown table; --out writes it with the GPU's name.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import tempfile
@@ -36,14 +37,15 @@ WORKER = Path(__file__).resolve().parent.parent / "tests" / "python" / "gpu" / "
 WIDTH = 1024
 
 
-def run_pair(size_mib: int, clocks: int, cuda_ipc: bool, timeout_s: float, gpus: int) -> dict:
+def run_pair(size_mib: int, clocks: int, cuda_ipc: bool, timeout_s: float, gpus: int, tables: int) -> dict:
     sys.path.insert(0, str(WORKER.parent))
     from ipc_pair import launch_pair
 
     rows = size_mib * (1 << 20) // (4 * WIDTH)
     with tempfile.TemporaryDirectory() as out:
         codes, outputs = launch_pair(
-            Path(out), cuda_ipc, ["--bench", "--clocks", str(clocks), "--rows", str(rows), "--width", str(WIDTH)],
+            Path(out), cuda_ipc, ["--bench", "--clocks", str(clocks), "--rows", str(rows), "--width", str(WIDTH),
+                                  "--tables", str(tables)],
             timeout_s=timeout_s, env={"MLTUNER_CUDA_IPC_SLICE_BYTES": str(max(256 << 20, 4 * size_mib << 20))}, gpus=gpus)
         if any(code != 0 for code in codes):
             raise RuntimeError("a worker failed:\n" + "\n".join(outputs))
@@ -77,6 +79,8 @@ def main() -> int:
     parser.add_argument("--clocks", type=int, default=20)
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--gpus", type=int, choices=(1, 2), default=1, help="both ranks on GPU 0, or one per GPU")
+    parser.add_argument("--ipc-only", action="store_true", help="skip the host-frame runs (slow at large sizes)")
+    parser.add_argument("--tables", default="1", help="the model as this many equal tables (a list: each)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     import torch
@@ -88,27 +92,29 @@ def main() -> int:
     copy = "same-device" if args.gpus == 1 else "GPU 0 -> GPU 1"
     lines = [f"CUDA IPC benchmark on {gpu}: 2 processes on {where}, update + fresh-row traffic per clock; "
              f"baseline: {copy} copy_", "",
-             "| model MiB | memcpy GB/s | IPC s/clock | IPC GB/s | IPC ratio | host s/clock | host GB/s | "
+             "| model MiB | tables | memcpy GB/s | IPC s/clock | IPC GB/s | IPC ratio | host s/clock | host GB/s | "
              "host ratio | IPC / host speed | IPC bytes (rank 0) | host-frame bytes (rank 0) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
-    for size in (int(s) for s in args.sizes.split(",")):
+    for size, tables in itertools.product((int(s) for s in args.sizes.split(",")),
+                                          (int(k) for k in args.tables.split(","))):
         baseline = memcpy_bandwidth(size << 20, args.gpus)
         best: dict[bool, dict] = {}
         for _ in range(2):
-            for cuda_ipc in (True, False):
-                run = run_pair(size, args.clocks, cuda_ipc, args.timeout, args.gpus)
+            for cuda_ipc in (True,) if args.ipc_only else (True, False):
+                run = run_pair(size, args.clocks, cuda_ipc, args.timeout, args.gpus, tables)
                 if cuda_ipc not in best or run["seconds"] < best[cuda_ipc]["seconds"]:
                     best[cuda_ipc] = run
         traffic = 2 * (size << 20)
-        on, off = best[True], best[False]
+        on, off = best[True], best.get(False)
         if on["paths"][0].get("1") != "cuda-ipc":
             print(f"warning: IPC run took {on['paths']}", flush=True)
-        line = (f"| {size} | {baseline / 1e9:.1f} | {on['seconds']:.5f} | {traffic / on['seconds'] / 1e9:.1f} | "
-                f"{traffic / on['seconds'] / baseline:.2f} | {off['seconds']:.5f} | "
-                f"{traffic / off['seconds'] / 1e9:.1f} | {traffic / off['seconds'] / baseline:.2f} | "
-                f"{off['seconds'] / on['seconds']:.2f} | {on['stats'][0]['cuda_ipc_sent_bytes']} | "
-                f"{on['stats'][0]['device_payload_bytes_by_host']} |")
+        host = (f"{off['seconds']:.5f} | {traffic / off['seconds'] / 1e9:.1f} | "
+                f"{traffic / off['seconds'] / baseline:.2f} | {off['seconds'] / on['seconds']:.2f}"
+                if off else "- | - | - | -")
+        line = (f"| {size} | {tables} | {baseline / 1e9:.1f} | {on['seconds']:.5f} | "
+                f"{traffic / on['seconds'] / 1e9:.1f} | {traffic / on['seconds'] / baseline:.2f} | {host} | "
+                f"{on['stats'][0]['cuda_ipc_sent_bytes']} | {on['stats'][0]['device_payload_bytes_by_host']} |")
         lines.append(line)
         print(line, flush=True)
     if args.out:

@@ -31,6 +31,7 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=4096)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--bench", action="store_true", help="constant updates, no host reads: time the traffic")
+    parser.add_argument("--tables", type=int, default=1, help="--rows split into this many equal tables (--bench)")
     args = parser.parse_args()
     config = mltuner.Config(device="cuda", wait_timeout_s=60, update_rule=mltuner.UpdateRule("sgd", learning_rate=0.01))
     try:
@@ -52,9 +53,12 @@ def main() -> int:
 
 def _train(job: mltuner.Job, args: argparse.Namespace) -> dict:
     worker = job.worker
-    big = worker.create_table("big", args.rows, args.width)
+    # As a model of layers: each table's update leaves, is applied and
+    # comes back on its own (the last of them is "big" for the reports).
+    parts = [worker.create_table(f"big-{k}", args.rows // args.tables, args.width) for k in range(args.tables - 1)]
+    big = worker.create_table("big", args.rows - (args.tables - 1) * (args.rows // args.tables), args.width)
     small = worker.create_table("small", 7, 5)
-    tables = [big, small]
+    tables = [*parts, big, small]
     reads = [worker.virtual_read(t, slack=0) for t in tables]
     updates = []
     for t in reversed(tables):

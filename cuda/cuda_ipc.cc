@@ -1,9 +1,12 @@
 // CudaIpc: see cuda_ipc.h. Plain C++ against the CUDA runtime.
 #include "cuda_ipc.h"
 
+#include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -21,7 +24,6 @@ using cuda_detail::TicketOf;
 
 constexpr size_t kMemHandleBytes = sizeof(cudaIpcMemHandle_t);
 constexpr size_t kEventHandleBytes = sizeof(cudaIpcEventHandle_t);
-constexpr size_t kHandleBytes = kMemHandleBytes + 2 * kEventHandleBytes;  // region, copy event, release event
 
 Status Fail(const std::string& what, cudaError_t err) {
   cudaGetLastError();
@@ -39,19 +41,15 @@ class CudaIpc final : public DeviceIpc {
   ~CudaIpc() override {
     // Errors are ignored: at exit the runtime or a peer may be gone.
     cudaSetDevice(ordinal_);
-    for (cudaStream_t stream : {send_, receive_, release_}) {
-      if (stream) cudaStreamSynchronize(stream);
-    }
+    if (send_) cudaStreamSynchronize(send_);
+    if (receive_) cudaStreamSynchronize(receive_);
     for (Peer& peer : peers_) {
       if (peer.region) cudaIpcCloseMemHandle(peer.region);
       if (peer.event) cudaEventDestroy(peer.event);
-      if (peer.released) cudaEventDestroy(peer.released);
     }
     if (event_) cudaEventDestroy(event_);
-    if (released_) cudaEventDestroy(released_);
-    for (cudaStream_t stream : {send_, receive_, release_}) {
-      if (stream) cudaStreamDestroy(stream);
-    }
+    if (send_) cudaStreamDestroy(send_);
+    if (receive_) cudaStreamDestroy(receive_);
     if (region_) cudaFree(region_);
     cudaGetLastError();
   }
@@ -66,17 +64,17 @@ class CudaIpc final : public DeviceIpc {
     cudaIpcMemHandle_t memory{};
     err = cudaIpcGetMemHandle(&memory, region_);
     if (err != cudaSuccess) return Fail("cudaIpcGetMemHandle", err);
-    cudaIpcEventHandle_t event{}, released{};
-    MLT_RETURN_IF_ERROR(ExportEvent(&event_, &event));
-    MLT_RETURN_IF_ERROR(ExportEvent(&released_, &released));
-    for (cudaStream_t* stream : {&send_, &receive_, &release_}) {
-      err = cudaStreamCreateWithFlags(stream, cudaStreamNonBlocking);
-      if (err != cudaSuccess) return Fail("cudaStreamCreateWithFlags", err);
-    }
-    handle_.assign(kHandleBytes, '\0');
+    err = cudaEventCreateWithFlags(&event_, cudaEventDisableTiming | cudaEventInterprocess);
+    if (err != cudaSuccess) return Fail("cudaEventCreateWithFlags(cudaEventInterprocess)", err);
+    cudaIpcEventHandle_t event{};
+    err = cudaIpcGetEventHandle(&event, event_);
+    if (err != cudaSuccess) return Fail("cudaIpcGetEventHandle", err);
+    err = cudaStreamCreateWithFlags(&send_, cudaStreamNonBlocking);
+    if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&receive_, cudaStreamNonBlocking);
+    if (err != cudaSuccess) return Fail("cudaStreamCreateWithFlags", err);
+    handle_.assign(kMemHandleBytes + kEventHandleBytes, '\0');
     std::memcpy(&handle_[0], &memory, kMemHandleBytes);
     std::memcpy(&handle_[kMemHandleBytes], &event, kEventHandleBytes);
-    std::memcpy(&handle_[kMemHandleBytes + kEventHandleBytes], &released, kEventHandleBytes);
     return Status::Ok();
   }
 
@@ -86,15 +84,15 @@ class CudaIpc final : public DeviceIpc {
 
   Status OpenPeer(int peer, const std::string& handle, size_t region_bytes) override {
     if (peer < 0) return Status::InvalidArgument("CUDA IPC: no peer rank " + std::to_string(peer));
-    if (handle.size() != kHandleBytes) {
+    if (handle.size() != kMemHandleBytes + kEventHandleBytes) {
       return Status::InvalidArgument("CUDA IPC: peer " + std::to_string(peer) + "'s handle is " +
-                                     std::to_string(handle.size()) + " bytes, not " + std::to_string(kHandleBytes));
+                                     std::to_string(handle.size()) + " bytes, not " +
+                                     std::to_string(kMemHandleBytes + kEventHandleBytes));
     }
     cudaIpcMemHandle_t memory{};
-    cudaIpcEventHandle_t event{}, released{};
+    cudaIpcEventHandle_t event{};
     std::memcpy(&memory, handle.data(), kMemHandleBytes);
     std::memcpy(&event, handle.data() + kMemHandleBytes, kEventHandleBytes);
-    std::memcpy(&released, handle.data() + kMemHandleBytes + kEventHandleBytes, kEventHandleBytes);
     std::lock_guard<std::mutex> lock(mu_);
     if (static_cast<size_t>(peer) >= peers_.size()) peers_.resize(static_cast<size_t>(peer) + 1);
     Peer& slot = peers_[peer];
@@ -112,17 +110,9 @@ class CudaIpc final : public DeviceIpc {
       cudaIpcCloseMemHandle(region);
       return Fail("cudaIpcOpenEventHandle of peer " + std::to_string(peer) + "'s event", err);
     }
-    cudaEvent_t opened_release = nullptr;
-    err = cudaIpcOpenEventHandle(&opened_release, released);
-    if (err != cudaSuccess) {
-      cudaEventDestroy(opened);
-      cudaIpcCloseMemHandle(region);
-      return Fail("cudaIpcOpenEventHandle of peer " + std::to_string(peer) + "'s release event", err);
-    }
     slot.region = region;
     slot.region_bytes = region_bytes;
     slot.event = opened;
-    slot.released = opened_release;
     return Status::Ok();
   }
 
@@ -166,32 +156,22 @@ class CudaIpc final : public DeviceIpc {
     return Ticket(receive_, ready, "a landing ticket");
   }
 
-  Status ReleaseAfter(const DeviceEvent& reads) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    cudaError_t err = cudaSetDevice(ordinal_);
-    if (err != cudaSuccess) return Fail("cudaSetDevice", err);
-    // A stream of its own: the landing tickets of later payloads
-    // (receive_) never wait for earlier payloads' reads.
-    if (reads) {
-      err = cudaStreamWaitEvent(release_, TicketOf(reads).event(), 0);
-      if (err != cudaSuccess) return Fail("cudaStreamWaitEvent (the reads of landed bytes)", err);
+  Status WaitDone(const DeviceEvent& event, int64_t timeout_ms) override {
+    if (!event) return Status::Ok();
+    const cudaEvent_t handle = TicketOf(event).event();
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+    auto pause = std::chrono::microseconds(20);
+    while (true) {
+      const cudaError_t err = cudaEventQuery(handle);
+      if (err == cudaSuccess) return Status::Ok();
+      if (err != cudaErrorNotReady) return Fail("cudaEventQuery", err);
+      if (std::chrono::steady_clock::now() >= deadline) {
+        return Status::Timeout("CUDA IPC: the device work a release waits for did not finish within " +
+                               std::to_string(timeout_ms) + " ms (a peer's copy never completed?)");
+      }
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::microseconds(1000));
     }
-    err = cudaEventRecord(released_, release_);
-    if (err != cudaSuccess) return Fail("cudaEventRecord (the interprocess release event)", err);
-    return Status::Ok();
-  }
-
-  Status PeerReleases(int peer) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    const Peer* source = Find(peer);
-    if (source == nullptr || source->released == nullptr) {
-      return Status::InvalidArgument("CUDA IPC: peer " + std::to_string(peer) + " is not open");
-    }
-    cudaError_t err = cudaSetDevice(ordinal_);
-    if (err != cudaSuccess) return Fail("cudaSetDevice", err);
-    err = cudaStreamWaitEvent(send_, source->released, 0);
-    if (err != cudaSuccess) return Fail("cudaStreamWaitEvent on peer " + std::to_string(peer) + "'s release event", err);
-    return Status::Ok();
   }
 
  private:
@@ -199,20 +179,10 @@ class CudaIpc final : public DeviceIpc {
     void* region = nullptr;
     size_t region_bytes = 0;
     cudaEvent_t event = nullptr;
-    cudaEvent_t released = nullptr;
   };
 
   const Peer* Find(int peer) const {
     return peer >= 0 && static_cast<size_t>(peer) < peers_.size() ? &peers_[peer] : nullptr;
-  }
-
-  // An interprocess event and the handle peers open it by.
-  static Status ExportEvent(cudaEvent_t* event, cudaIpcEventHandle_t* handle) {
-    cudaError_t err = cudaEventCreateWithFlags(event, cudaEventDisableTiming | cudaEventInterprocess);
-    if (err != cudaSuccess) return Fail("cudaEventCreateWithFlags(cudaEventInterprocess)", err);
-    err = cudaIpcGetEventHandle(handle, *event);
-    if (err != cudaSuccess) return Fail("cudaIpcGetEventHandle", err);
-    return Status::Ok();
   }
 
   // REQUIRES: mu_ held, the device current.
@@ -233,11 +203,9 @@ class CudaIpc final : public DeviceIpc {
   const size_t region_bytes_;
   std::shared_ptr<EventPool> events_;
   void* region_ = nullptr;
-  cudaEvent_t event_ = nullptr;     // interprocess: recorded after each copy to a peer
-  cudaEvent_t released_ = nullptr;  // interprocess: recorded after the reads of landed bytes
+  cudaEvent_t event_ = nullptr;  // interprocess: peers wait on it
   cudaStream_t send_ = nullptr;
   cudaStream_t receive_ = nullptr;
-  cudaStream_t release_ = nullptr;
   std::string handle_;
   std::mutex mu_;
   std::vector<Peer> peers_;  // by rank; guarded by mu_

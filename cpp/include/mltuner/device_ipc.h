@@ -1,16 +1,13 @@
-// DeviceIpc: device memory and events shared with other processes of one
+// DeviceIpc: device memory and an event shared with other processes of one
 // host (CUDA IPC), so payloads between their engines and shards go device ->
 // device instead of through pinned host frames and a socket.
 //
 // Each process exports one landing region (device memory peers copy into)
-// and two interprocess events: one recorded after each copy it makes into a
-// peer's region, one after the reads of bytes that landed in its own. A
-// peer opens all three from handle(): it writes into this region, this
-// process waits on that peer's copy event before reading what it wrote, and
-// the peer waits on this process's release event before writing again where
-// those bytes were. Every wait is queued on a stream: no thread blocks.
-// Which bytes are whose, and when they may be written again, is the
-// caller's business (cluster/ipc_links.h).
+// and one interprocess event (recorded after each copy it makes into a
+// peer's region). A peer opens both from handle(): it writes into this
+// region and this process waits on that peer's event before reading what
+// it wrote. Which bytes are whose, and when they may be written again, is
+// the caller's business (cluster/ipc_links.h).
 //
 // Thread safety: every method may be called from any thread.
 // Ownership: made by Device::ExportIpc; destroy it before its Device. The
@@ -52,12 +49,9 @@ class DeviceIpc {
   // recorded on its event so far is (what a notice received from it
   // announces was queued before its notice was sent).
   virtual Status PeerWrites(int peer, DeviceEvent* ready) = 0;
-  // Records this process's release event after ticket `reads` (of this
-  // device): the reads of landed bytes that a release sent next announces.
-  virtual Status ReleaseAfter(const DeviceEvent& reads) = 0;
-  // Makes every later CopyToPeer wait for everything `peer` recorded on its
-  // release event so far (what a release received from it announces).
-  virtual Status PeerReleases(int peer) = 0;
+  // Blocks until ticket `event` (of this device) completes, for at most
+  // timeout_ms, then kTimeout.
+  virtual Status WaitDone(const DeviceEvent& event, int64_t timeout_ms) = 0;
 
  protected:
   DeviceIpc() = default;

@@ -60,6 +60,9 @@ struct OutgoingMessage {
   std::vector<float> payload;           // frame 1: the values, as raw float32,
   std::shared_ptr<DeviceBuffer> frame;  //   or in a host frame (complete once
                                         //   NextOutgoing returns it)
+  DeviceEvent after;                    // leaves only once this ticket is complete
+                                        //   (a CUDA IPC release: the reads it allows
+                                        //   to be overwritten)
   size_t payload_bytes() const;
   const float* payload_values() const;  // the frame's or the vector's
 };

@@ -10,7 +10,6 @@ struct IpcLinks::Receiving {
   Mutex mu;
   std::vector<std::unique_ptr<ByteRanges>> ranges GUARDED_BY(mu);  // per sender: its slice of my region
   PostRelease post GUARDED_BY(mu);                                 // null once stopped
-  DeviceIpc* ipc GUARDED_BY(mu) = nullptr;                         // records releases; null once stopped
   IpcStats stats GUARDED_BY(mu);  // received_* and releases_sent
 };
 
@@ -49,8 +48,6 @@ Status IpcLinks::Export(size_t slice_bytes, std::string* handle) {
   slice_bytes_ = slice_bytes;
   *handle = ipc->handle();
   ipc_ = std::move(ipc);
-  MutexLock lock(&receiving_->mu);
-  receiving_->ipc = ipc_.get();
   return Status::Ok();
 }
 
@@ -102,7 +99,6 @@ void IpcLinks::SetPost(PostRelease post) {
 void IpcLinks::StopPosting() {
   MutexLock lock(&receiving_->mu);
   receiving_->post = nullptr;
-  receiving_->ipc = nullptr;
 }
 
 Status IpcLinks::TrySend(int peer, DeviceBuffer* buffer, const std::string& message_frame0, std::string* notice,
@@ -143,9 +139,6 @@ Status IpcLinks::OnRelease(const IpcEnvelope& release) {
                                   ", with which this process uses no CUDA IPC");
   }
   MutexLock lock(&send_mu_);
-  // Queued before the range is free: a copy into it waits on the device
-  // for the peer's reads, and no thread waits here.
-  MLT_RETURN_IF_ERROR(ipc_->PeerReleases(peer).WithContext("a CUDA IPC release from worker " + std::to_string(peer)));
   MLT_RETURN_IF_ERROR(sending_[peer]->Free(release.span.offset, release.span.bytes)
                           .WithContext("a CUDA IPC release from worker " + std::to_string(peer)));
   ++send_stats_.releases_received;
@@ -187,17 +180,19 @@ Status IpcLinks::Land(const IpcEnvelope& notice, std::shared_ptr<DeviceBuffer>* 
     MutexLock lock(&alive->mu);
     (void)alive->ranges[sender]->Free(span.offset, span.bytes);
     if (!alive->post) return;  // the node is shutting down: the sender is done too
-    // The release event follows the reads; a device that cannot record it
-    // has failed (its errors reach the engine's threads), and the range
-    // stays the sender's to avoid (it falls back to host frames).
-    if (!alive->ipc->ReleaseAfter(owned->last_use).ok()) return;
     ++alive->stats.releases_sent;
-    alive->post(sender, EncodeIpcRelease(rank, sender, span));
+    alive->post(sender, EncodeIpcRelease(rank, sender, span), std::move(owned->last_use));
   });
   MutexLock lock(&receiving_->mu);
   ++receiving_->stats.received_messages;
   receiving_->stats.received_bytes += static_cast<int64_t>(span.bytes);
   return Status::Ok();
+}
+
+Status IpcLinks::WaitDone(const DeviceEvent& event, int64_t timeout_ms) {
+  if (!event) return Status::Ok();
+  if (!ipc_) return device_->WaitEventDone(event);
+  return ipc_->WaitDone(event, timeout_ms);
 }
 
 IpcStats IpcLinks::stats() const {

@@ -11,11 +11,8 @@
 // slice (outside it, or over bytes still in use: refused as corrupt, never
 // read), makes its stream wait on the sender's event, and hands the bytes
 // on as a read-only device buffer. When that buffer's last reader lets go,
-// the receiver records its release event after the reads' ticket and a
-// release goes back at once; the sender queues a wait on that event before
-// its next copy and may use the range again. No thread waits for the
-// device on either side (a send thread that waited for each release's
-// reads held up every message behind it: 0.2 ms a table a clock).
+// a release goes back (after the reads' ticket completes, which the send
+// thread waits for with a timeout) and the sender may use the range again.
 // A payload that finds no room in its slice, or a peer without IPC, goes
 // through pinned host frames as before: nothing ever waits for room here,
 // so the shard's replies keep their rule of never waiting.
@@ -53,10 +50,9 @@ class IpcLinks {
   // Alignment of every payload placed in a slice (a float4 and a cache
   // line of the GPU; the copies stay aligned).
   static constexpr uint64_t kAlignment = 256;
-  // Queues a release for the transport: frame 0 for `receiver`. It may
-  // leave at once: the device orders the reads it announces (ReleaseAfter)
-  // before the sender's next copy there (PeerReleases).
-  using PostRelease = std::function<void(int receiver, std::string frame0)>;
+  // Queues a release for the transport: frame 0 for `receiver`, to leave
+  // once ticket `after` is complete.
+  using PostRelease = std::function<void(int receiver, std::string frame0, DeviceEvent after)>;
 
   IpcLinks(int rank, int num_workers, std::shared_ptr<Device> device);
   ~IpcLinks();
@@ -89,6 +85,8 @@ class IpcLinks {
   // it; *out: a read-only buffer over the landed bytes, ready once the
   // sender's copy is. kCorruptMessage naming the problem otherwise.
   Status Land(const IpcEnvelope& notice, std::shared_ptr<DeviceBuffer>* out);
+  // Blocks until ticket `event` completes, up to timeout_ms (kTimeout).
+  Status WaitDone(const DeviceEvent& event, int64_t timeout_ms);
 
   IpcStats stats() const;
 

@@ -141,13 +141,13 @@ Status ProcessNode::Create(const Config& config, int rank, int num_workers, std:
   node->borrowed_ = std::make_unique<BorrowedFrames>(shared_device);
   node->ipc_ = std::make_unique<IpcLinks>(rank, num_workers, shared_device);
   node->queues_ = std::make_unique<Queues>(rank, num_workers, config, shared_device, node->ipc_.get());
-  // A landed payload's release leaves through the outbox at once (its
-  // reads are ordered on the device, see IpcLinks::PostRelease).
+  // A landed payload's release leaves through the outbox, after the reads.
   Queues* queues = node->queues_.get();
-  node->ipc_->SetPost([queues](int receiver, std::string frame0) {
+  node->ipc_->SetPost([queues](int receiver, std::string frame0, DeviceEvent after) {
     OutgoingMessage release;
     release.receiver = receiver;
     release.header = std::move(frame0);
+    release.after = std::move(after);
     (void)queues->PushOutgoing(std::move(release), -1);  // never waits; dropped once aborted
   });
   MLT_RETURN_IF_ERROR(Engine::Create(config, rank, num_workers, shared_device, node.get(), &node->engine_));
@@ -250,7 +250,11 @@ bool ProcessNode::NextOutgoing(int timeout_ms, OutgoingMessage* out) {
 std::vector<OutgoingMessage> ProcessNode::NextOutgoingBatch(int timeout_ms, size_t max_messages, size_t max_bytes) {
   std::vector<OutgoingMessage> taken = queues_->PopOutgoing(timeout_ms, max_messages, max_bytes);
   for (OutgoingMessage& message : taken) {
-    const Status copied = WaitReady(message.frame.get());
+    Status copied = WaitReady(message.frame.get());
+    if (copied.ok() && message.after) {
+      copied = ipc_->WaitDone(message.after, wait_timeout_ms_);
+      message.after.reset();
+    }
     if (!copied.ok()) {
       // The device failed under the copy: the engine's threads report it too.
       Abort(copied.WithContext("worker " + std::to_string(rank_) + "'s send thread"));

@@ -6,7 +6,6 @@
 // slice too small for some payloads, which fall back to host frames), and
 // the refusal of malformed notices and releases, none of which reads or
 // writes out of bounds. The real CUDA path is tests/python/.../test_cuda_ipc.py.
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -67,17 +66,7 @@ class HostIpc final : public DeviceIpc {
     ready->reset();
     return Status::Ok();
   }
-  Status ReleaseAfter(const DeviceEvent&) override {
-    ++releases_recorded;
-    return Status::Ok();
-  }
-  Status PeerReleases(int) override {
-    ++releases_awaited;
-    return Status::Ok();
-  }
-  // The release protocol's two ends, over every HostIpc (tests reset them).
-  static inline std::atomic<int64_t> releases_recorded{0};
-  static inline std::atomic<int64_t> releases_awaited{0};
+  Status WaitDone(const DeviceEvent&, int64_t) override { return Status::Ok(); }
 
  private:
   std::vector<float> region_;
@@ -206,8 +195,6 @@ TEST(TrainingThroughIpcIsBitIdenticalToOneProcess) {
   std::vector<float> local[2];
   testing::TrainInOneProcess(config, kClocks, local);
   testing::TwoNodeRun remote;
-  HostIpc::releases_recorded = 0;
-  HostIpc::releases_awaited = 0;
   testing::TrainInTwoProcesses(config, MakeHostIpcDevice, kClocks, &remote, {}, false, /*batches=*/true,
                                LinkBoth(size_t{1} << 20));
   EXPECT_EQ(remote.refused, 0);
@@ -228,10 +215,6 @@ TEST(TrainingThroughIpcIsBitIdenticalToOneProcess) {
     EXPECT_TRUE(ipc.releases_received > 0 && ipc.releases_received <= ipc.sent_messages);
     EXPECT_TRUE(peer.releases_sent >= ipc.releases_received);
   }
-  // Each release sent follows its reads on the device, and each one
-  // received orders the sender's next copies after them.
-  EXPECT_EQ(HostIpc::releases_recorded.load(), remote.ipc[0].releases_sent + remote.ipc[1].releases_sent);
-  EXPECT_EQ(HostIpc::releases_awaited.load(), remote.ipc[0].releases_received + remote.ipc[1].releases_received);
 }
 
 TEST(PayloadsThatDoNotFitTheSliceFallBackToHostFrames) {

@@ -91,6 +91,12 @@ struct HostMemoryNeed {
   // beyond the first adds this much (forks are not counted).
   int64_t shard_per_branch = 0;
   bool shard_in_host_memory = false;
+  // What that state moves over an accelerator's host link a clock when it
+  // lives in host memory (0 otherwise): the update rule reads and writes it
+  // in place, and this process's worker installs its fresh rows from it.
+  // An estimate that takes every table as updated and pushed once a clock.
+  int64_t shard_link_to_device = 0;
+  int64_t shard_link_to_host = 0;
 
   // What FinishVirtualIteration allocates or will hold, the shard's state of
   // branch 0 when it lives in host memory.

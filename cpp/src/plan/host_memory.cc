@@ -43,6 +43,7 @@ std::string HostMemoryNeed::Describe() const {
 HostMemoryNeed CountHostMemory(const Config& config, const std::vector<TableInfo>& tables,
                                const Recording& recording, const Placement& placement, const PlanSite& site) {
   HostMemoryNeed need;
+  int64_t shard_values = 0;
   for (const TableInfo& table : tables) {
     const TablePlacement& where = placement.tables[table.id];
     if (table.local) {
@@ -51,8 +52,9 @@ HostMemoryNeed CountHostMemory(const Config& config, const std::vector<TableInfo
       // The cache row, and its update-log row where the table keeps a log.
       need.parameter_stores += (KeepsUpdateLog(table, recording) ? 2 : 1) * where.host_rows * table.row_bytes();
       const UpdateRuleConfig& rule = table.update_rule ? *table.update_rule : config.update_rule;
-      need.shard_per_branch += ShardRows(table.num_rows, site.rank, site.num_workers) * table.row_bytes() *
-                               (1 + StateArraysPerValue(rule));
+      const int64_t values = ShardRows(table.num_rows, site.rank, site.num_workers) * table.row_bytes();
+      shard_values += values;
+      need.shard_per_branch += values * (1 + StateArraysPerValue(rule));
     }
   }
   need.staging = placement.staging_bytes;
@@ -64,6 +66,10 @@ HostMemoryNeed CountHostMemory(const Config& config, const std::vector<TableInfo
   need.shard_in_host_memory =
       site.device_is_host || ShardStateInHostMemory(need.shard_per_branch, std::max<int64_t>(free_after_plan, 0),
                                                     DeviceReserve(config, site.device_total), site.maps_host_memory);
+  if (need.shard_in_host_memory && !site.device_is_host) {
+    need.shard_link_to_device = need.shard_per_branch + shard_values;
+    need.shard_link_to_host = need.shard_per_branch;
+  }
 
   // Payloads: a clock's updates, sent as one payload per table and shard,
   // are kept by the shards until every worker finished that clock; with the

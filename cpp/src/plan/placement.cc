@@ -77,6 +77,12 @@ std::string Placement::Describe() const {
         << " B), " << count.host_entries << " in host memory (" << count.host_bytes << " B)";
   }
   out << "\npredicted per clock: " << traffic.Describe();
+  if (host.shard_link_to_device > 0 || host.shard_link_to_host > 0) {
+    out << "; the server shard's state in host memory about " << host.shard_link_to_device
+        << " B host->device and " << host.shard_link_to_host
+        << " B device->host more (its update rule reads and writes the state in place, and this worker "
+           "installs its fresh rows from it)";
+  }
   return out.str();
 }
 

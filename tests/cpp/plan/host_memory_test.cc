@@ -109,6 +109,39 @@ TEST(TheLeastBudgetPutsTheStoresInHostMemory) {
   EXPECT_EQ(need.device_memory, 2048);
 }
 
+TEST(AShardStateInHostMemoryCrossesAnAcceleratorsLinkEachClock) {
+  Example ex;
+  ASSERT_OK(BuildExample(&ex));
+  Config config = WithBudget(1 << 20);
+  config.update_rule.kind = UpdateRuleKind::kDampedMomentum;  // values and one state array
+  config.device_memory_reserve = 0;
+  PlanSite site{0, 1, false};
+  site.maps_host_memory = true;
+  site.device_total = int64_t{1} << 30;
+  site.device_free = 1;  // no room for the shard's state after the plan
+  HostMemoryNeed need;
+  ASSERT_OK(Need(config, ex, site, &need));
+  constexpr int64_t kValues = 8 * 64 + 8 * 40;
+  EXPECT_TRUE(need.shard_in_host_memory);
+  EXPECT_EQ(need.shard_per_branch, 2 * kValues);
+  EXPECT_EQ(need.shard_link_to_device, 2 * kValues + kValues);  // the rule reads it, the install reads the values
+  EXPECT_EQ(need.shard_link_to_host, 2 * kValues);              // the rule writes it
+  // With room on the device the state stays there; on the CPU backend there is no link.
+  site.device_free = int64_t{1} << 30;
+  ASSERT_OK(Need(config, ex, site, &need));
+  EXPECT_TRUE(!need.shard_in_host_memory);
+  EXPECT_EQ(need.shard_link_to_device + need.shard_link_to_host, int64_t{0});
+  ASSERT_OK(Need(config, ex, {0, 1, true}, &need));
+  EXPECT_TRUE(need.shard_in_host_memory);
+  EXPECT_EQ(need.shard_link_to_device + need.shard_link_to_host, int64_t{0});
+  // The plan says so beside its own prediction.
+  Placement placement;
+  placement.host.shard_link_to_device = 3;
+  placement.host.shard_link_to_host = 2;
+  EXPECT_TRUE(placement.Describe().find("the server shard's state in host memory about 3 B host->device and 2 B "
+                                        "device->host more") != std::string::npos);
+}
+
 TEST(SlackAndRemoteShardsScaleThePayloads) {
   Example ex;
   ASSERT_OK(BuildExample(&ex, 3));

@@ -1,7 +1,8 @@
 // LocalCluster: creation, tables on every worker, the kStart handshake that
 // gives every table data age -1, rejection of invalid client-bound messages
-// by an engine (through its public HandleMessage), and the start race
-// between workers that have and have not yet created their tables.
+// by an engine (through its public HandleMessage), the start race
+// between workers that have and have not yet created their tables, and a
+// shard whose state lives in host memory on a device with real tickets.
 //
 // The Hub (transport) has no public injection hook, so invalid messages are
 // handed to Engine::HandleMessage directly, as the Hub's inbox thread would.
@@ -112,24 +113,26 @@ class TicketingDevice final : public ForwardingDevice {
   std::atomic<int64_t>* waits_;
 };
 
-// Runs `clocks` clocks of the Tables clock (worker k adds k + 1 to row 1 of
-// b) and gives b's two rows as worker 0 fetches them.
-void RunClocks(LocalCluster* cluster, int clocks, std::vector<float>* b) {
+// Runs `clocks` clocks of the Tables clock on every worker (worker k adds
+// k + 1 to row 1 of b; each read sees data age c - 1) until every worker
+// has both tables' rows of the last clock; *tables: the handles.
+void RunClocks(LocalCluster* cluster, int clocks, std::vector<Tables>* tables) {
   const int n = cluster->num_workers();
-  std::vector<Tables> tables(n);
-  for (int k = 0; k < n; ++k) ASSERT_OK(CreateTables(cluster->worker(k), &tables[k]));
-  ASSERT_OK(RecordAll(cluster, &tables));
+  tables->assign(n, Tables());
+  for (int k = 0; k < n; ++k) ASSERT_OK(CreateTables(cluster->worker(k), &(*tables)[k]));
+  ASSERT_OK(RecordAll(cluster, tables));
   for (int k = 0; k < n; ++k) ASSERT_OK(cluster->worker(k)->StartIterations());
   std::vector<std::string> errors(n);
   std::vector<std::thread> threads;
   for (int k = 0; k < n; ++k) {
     threads.emplace_back([&, k] {
       Engine* e = cluster->worker(k);
-      const Tables& t = tables[k];
+      const Tables& t = (*tables)[k];
       Status s;
       for (int c = 0; c < clocks && s.ok(); ++c) {
         AccessBuffer r, u, l;
         s = e->Read(t.ra, &r);
+        if (s.ok() && r.data_age != c - 1) errors[k] += "age;";
         if (s.ok()) s = e->PreUpdate(t.ub, &u);
         for (int j = 0; s.ok() && j < 5; ++j) u.data[j] = static_cast<float>(k + 1);
         if (s.ok()) s = e->LocalAccess(t.l, &l);
@@ -139,16 +142,23 @@ void RunClocks(LocalCluster* cluster, int clocks, std::vector<float>* b) {
         if (s.ok()) s = e->Clock();
       }
       if (s.ok()) s = e->Flush();
+      // Each table's rows come in their own messages: wait for both.
       if (s.ok()) s = e->WaitForDataAge(t.b, clocks - 1);
-      if (!s.ok()) errors[k] = s.ToString();
+      if (s.ok()) s = e->WaitForDataAge(t.a, clocks - 1);
+      if (!s.ok()) errors[k] += s.ToString();
     });
   }
   for (std::thread& t : threads) t.join();
   for (int k = 0; k < n; ++k) {
     if (!errors[k].empty()) ::mltuner::testing::ReportFailure(__FILE__, __LINE__, errors[k]);
   }
-  b->assign(10, -1.0f);
-  ASSERT_OK(cluster->worker(0)->Fetch(tables[0].b, {0, 1}, b->data()));
+}
+
+// b's two rows as worker `rank` fetches them.
+std::vector<float> FetchB(LocalCluster* cluster, const std::vector<Tables>& tables, int rank) {
+  std::vector<float> b(10, -1.0f);
+  EXPECT_OK(cluster->worker(rank)->Fetch(tables[rank].b, {0, 1}, b.data()));
+  return b;
 }
 
 }  // namespace
@@ -163,11 +173,13 @@ TEST(HostResidentShardStateLentWithTicketsGivesTheSameRows) {
   config.update_rule.kind = UpdateRuleKind::kAdd;
   config.device_memory_reserve = 0;
   config.device_memory_budget = int64_t{1} << 30;  // the cache keeps all its rows: only the shard's state moves
+  std::vector<Tables> tables;
   std::vector<float> reference;
   {
     std::unique_ptr<LocalCluster> cluster;
     ASSERT_OK(LocalCluster::Create(config, 2, &cluster));
-    RunClocks(cluster.get(), kClocks, &reference);
+    RunClocks(cluster.get(), kClocks, &tables);
+    reference = FetchB(cluster.get(), tables, 0);
     EXPECT_OK(cluster->Shutdown());
   }
   std::atomic<int64_t> waits{0};
@@ -176,8 +188,8 @@ TEST(HostResidentShardStateLentWithTicketsGivesTheSameRows) {
     *out = std::make_unique<TicketingDevice>(&waits);
     return Status::Ok();
   }));
-  std::vector<float> lent;
-  RunClocks(cluster.get(), kClocks, &lent);
+  RunClocks(cluster.get(), kClocks, &tables);
+  const std::vector<float> lent = FetchB(cluster.get(), tables, 0);
   EXPECT_TRUE(lent == reference);
   EXPECT_EQ(lent[5], static_cast<float>(3 * kClocks));  // (1 + 2) a clock to row 1
   EXPECT_TRUE(waits.load() > 0);
@@ -246,49 +258,11 @@ TEST(ThreeWorkersRunAFewClocks) {
   config.update_rule.kind = UpdateRuleKind::kAdd;
   std::unique_ptr<LocalCluster> cluster;
   ASSERT_OK(LocalCluster::Create(config, kWorkers, &cluster));
-  std::vector<Tables> tables(kWorkers);
-  for (int k = 0; k < kWorkers; ++k) ASSERT_OK(CreateTables(cluster->worker(k), &tables[k]));
-  ASSERT_OK(RecordAll(cluster.get(), &tables));
-  for (int k = 0; k < kWorkers; ++k) ASSERT_OK(cluster->worker(k)->StartIterations());
   constexpr int kClocks = 5;
-  std::vector<std::string> errors(kWorkers);
-  std::vector<std::thread> threads;
-  for (int k = 0; k < kWorkers; ++k) {
-    threads.emplace_back([&, k] {
-      Engine* e = cluster->worker(k);
-      const Tables& t = tables[k];
-      for (int c = 0; c < kClocks; ++c) {
-        AccessBuffer r, u, l;
-        Status s = e->Read(t.ra, &r);
-        if (s.ok() && r.data_age != c - 1) errors[k] += "age;";
-        if (s.ok()) s = e->PreUpdate(t.ub, &u);
-        if (s.ok()) {
-          for (int j = 0; j < 5; ++j) u.data[j] = static_cast<float>(k + 1);
-          s = e->LocalAccess(t.l, &l);
-        }
-        if (s.ok()) s = e->PostLocalAccess(t.l);
-        if (s.ok()) s = e->Update(t.ub);
-        if (s.ok()) s = e->PostRead(t.ra);
-        if (s.ok()) s = e->Clock();
-        if (!s.ok()) {
-          errors[k] += s.ToString();
-          return;
-        }
-      }
-      Status s = e->Flush();
-      // Each table's rows come in their own messages: wait for both.
-      if (s.ok()) s = e->WaitForDataAge(t.b, kClocks - 1);
-      if (s.ok()) s = e->WaitForDataAge(t.a, kClocks - 1);
-      if (!s.ok()) errors[k] += s.ToString();
-    });
-  }
-  for (std::thread& t : threads) t.join();
-  for (int k = 0; k < kWorkers; ++k) {
-    if (!errors[k].empty()) ::mltuner::testing::ReportFailure(__FILE__, __LINE__, errors[k]);
-  }
+  std::vector<Tables> tables;
+  RunClocks(cluster.get(), kClocks, &tables);
   // Row 1 of b got (1 + 2 + 3) per clock; row 0 nothing.
-  std::vector<float> b(10);
-  ASSERT_OK(cluster->worker(2)->Fetch(tables[2].b, {0, 1}, b.data()));
+  const std::vector<float> b = FetchB(cluster.get(), tables, 2);
   for (int j = 0; j < 5; ++j) {
     EXPECT_EQ(b[j], 0.0f);
     EXPECT_EQ(b[5 + j], static_cast<float>(6 * kClocks));

@@ -3,15 +3,17 @@ one GPU (or, with ``--gpus 2``, one each on GPUs 0 and 1), with CUDA IPC on
 and off, as a ratio to the copy bandwidth between their memories measured
 in the same run.
 
-    python benchmarks/ipc_bench.py [--sizes 16,64,256] [--clocks 20] [--gpus 1|2] [--tables 1,16] [--out PATH]
+    python benchmarks/ipc_bench.py [--sizes 16,64,256] [--clocks 20] [--gpus 1|2] [--tables 1,16]
+                                   [--ipc-only] [--out PATH]
 
 For each model size (MiB; one table of rows of 1024 floats, or with
-``--tables K`` K equal tables as a model of layers, plus a tiny one), two worker processes (tests/python/gpu/cuda_ipc_worker.py --bench, both
-on GPU 0, on 127.0.0.1) read every row (slack 0), write a constant update
-and clock; per clock each process sends the other's shard its half of the
-update and that shard sends it its half of the rows: 2 x model bytes cross
-between the processes per clock. Each configuration runs twice, IPC on and
-off interleaved; the faster run counts. Rate = 2 x model / seconds per clock
+``--tables K`` K equal tables as a model of layers, plus a tiny one), two
+worker processes (tests/python/gpu/cuda_ipc_worker.py --bench, on
+127.0.0.1) read every row (slack 0), write a constant update and clock; per
+clock each process sends the other's shard its half of the update and that
+shard sends it its half of the rows: 2 x model bytes cross between the
+processes per clock. Each configuration runs twice, IPC on and off
+interleaved (IPC only with ``--ipc-only``); the faster run counts. Rate = 2 x model / seconds per clock
 (the slower rank's, after 3 warm-up clocks). Baseline: cudaMemcpy device ->
 device (torch copy_) of model bytes on the same GPU in this process, or with
 two GPUs from GPU 0 to GPU 1 (cudaMemcpyPeer: NVLink where present), best of
@@ -46,7 +48,8 @@ def run_pair(size_mib: int, clocks: int, cuda_ipc: bool, timeout_s: float, gpus:
         codes, outputs = launch_pair(
             Path(out), cuda_ipc, ["--bench", "--clocks", str(clocks), "--rows", str(rows), "--width", str(WIDTH),
                                   "--tables", str(tables)],
-            timeout_s=timeout_s, env={"MLTUNER_CUDA_IPC_SLICE_BYTES": str(max(256 << 20, 4 * size_mib << 20))}, gpus=gpus)
+            timeout_s=timeout_s, gpus=gpus,
+            env={"MLTUNER_CUDA_IPC_SLICE_BYTES": str(max(256 << 20, 4 * size_mib << 20))})
         if any(code != 0 for code in codes):
             raise RuntimeError("a worker failed:\n" + "\n".join(outputs))
         reports = [json.loads((Path(out) / f"rank-{r}.json").read_text()) for r in range(2)]
@@ -80,7 +83,7 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--gpus", type=int, choices=(1, 2), default=1, help="both ranks on GPU 0, or one per GPU")
     parser.add_argument("--ipc-only", action="store_true", help="skip the host-frame runs (slow at large sizes)")
-    parser.add_argument("--tables", default="1", help="the model as this many equal tables (a list: each)")
+    parser.add_argument("--tables", default="1", help="comma list of table counts: the model as each many equal tables")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     import torch

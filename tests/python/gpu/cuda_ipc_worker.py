@@ -31,7 +31,7 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=4096)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--bench", action="store_true", help="constant updates, no host reads: time the traffic")
-    parser.add_argument("--tables", type=int, default=1, help="--rows split into this many equal tables (--bench)")
+    parser.add_argument("--tables", type=int, default=1, help="--rows split into this many equal tables")
     args = parser.parse_args()
     config = mltuner.Config(device="cuda", wait_timeout_s=60, update_rule=mltuner.UpdateRule("sgd", learning_rate=0.01))
     try:

@@ -22,8 +22,9 @@ def launch_pair(out: Path, cuda_ipc: bool, args: list[str], *, timeout_s: float,
     port = free_port()
     procs = []
     for rank in range(2):
-        rank_env = dict(os.environ, MLTUNER_RANK=str(rank), MLTUNER_WORLD_SIZE="2", MLTUNER_LOCAL_RANK=str(rank % gpus),
-                        MLTUNER_MASTER_ADDR="127.0.0.1", MLTUNER_MASTER_PORT=str(port),
+        rank_env = dict(os.environ, MLTUNER_RANK=str(rank), MLTUNER_WORLD_SIZE="2",
+                        MLTUNER_LOCAL_RANK=str(rank % gpus), MLTUNER_MASTER_ADDR="127.0.0.1",
+                        MLTUNER_MASTER_PORT=str(port),
                         MLTUNER_SECRET="cuda-ipc-pair", MLTUNER_CUDA_IPC="1" if cuda_ipc else "0",
                         PYTHONUNBUFFERED="1", **(env or {}))
         procs.append(subprocess.Popen([sys.executable, str(WORKER), "--out", str(out), *args], env=rank_env,

@@ -1,8 +1,9 @@
-"""CUDA IPC between two processes on one GPU: the path is taken, and the
-results equal those of the pinned-host-frame path bit for bit.
+"""CUDA IPC between two processes on one GPU, and on two where the machine
+has them: the path is taken, and the results equal those of the
+pinned-host-frame path bit for bit.
 
 Runs real processes on 127.0.0.1 (tests/python/gpu/cuda_ipc_worker.py), both
-on GPU 0. Self-diagnosing: each worker prints the data path it chose per
+on GPU 0 or one on each of GPUs 0 and 1. Self-diagnosing: each worker prints the data path it chose per
 peer and its transport counters, and a failure shows every worker's output
 (including any cudaIpc* error that sent it to host frames).
 """

@@ -54,7 +54,15 @@ Status Engine::Impl::ForkBranch(BranchId child, BranchId parent, const BranchSet
   }
   // Our updates of the parent must reach the shards before the fork request.
   MLT_RETURN_IF_ERROR(Flush());
-  MLT_RETURN_IF_ERROR(SendBranchRequest(MessageType::kFork, child, EncodeBranchSettings(parent, settings)));
+  const Status forked = SendBranchRequest(MessageType::kFork, child, EncodeBranchSettings(parent, settings));
+  if (forked.code() == StatusCode::kInvalidArgument) {
+    // A shard refused (no memory for its copy, say) while the others may
+    // have forked. Each shard answers every worker, so every worker got this
+    // refusal and asks every shard to free the child; a shard without it
+    // says so, which is expected here.
+    (void)SendBranchRequest(MessageType::kFreeBranch, child, "");
+  }
+  MLT_RETURN_IF_ERROR(forked);
   MutexLock lock(&state_.mu);
   state_.branches.live[child] = settings;
   state_.branches.clocks[child] = 0;

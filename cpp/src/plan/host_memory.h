@@ -14,7 +14,7 @@
 // in host memory: on the CPU backend, or where the device has too little
 // room left after the plan (plan/device_budget.h). The shard allocates it
 // once every worker has planned, after this check. Branch forks add a copy
-// each, not counted here.
+// each, not counted here (the shard checks each fork: ServerShard::Fork).
 // Pure functions; HostMemoryAvailable reads /proc/meminfo.
 #pragma once
 

@@ -14,6 +14,7 @@
 
 #include "mltuner/update_step.h"
 #include "plan/device_budget.h"
+#include "plan/host_memory.h"
 
 namespace mltuner {
 namespace {
@@ -832,6 +833,7 @@ Status ServerShard::Fork(BranchId child, BranchId parent, const BranchSettings& 
                                      std::to_string(branches_.size()) + " branches are live, the limit is " +
                                      std::to_string(max_branches_) + " (free some, or raise Config.max_branches)");
   }
+  MLT_RETURN_IF_ERROR(CheckForkFits(child, parent));
   std::vector<std::pair<std::pair<BranchId, TableId>, std::unique_ptr<TableState>>> copies;
   for (const auto& [key, table] : tables_) {
     if (key.first != parent) continue;
@@ -857,6 +859,23 @@ Status ServerShard::Fork(BranchId child, BranchId parent, const BranchSettings& 
   for (auto& entry : copies) tables_.emplace(std::move(entry.first), std::move(entry.second));
   branches_.insert(child);
   return Status::Ok();
+}
+
+Status ServerShard::CheckForkFits(BranchId child, BranchId parent) const {
+  if (!state_in_host_ && !device_->host_addressable()) return Status::Ok();  // device memory: cudaMalloc says
+  int64_t need = 0;
+  for (const auto& [key, table] : tables_) {
+    if (key.first == parent) {
+      need += table->num_values * static_cast<int64_t>(sizeof(float)) * (1 + StateArraysPerValue(table->rule_config));
+    }
+  }
+  const int64_t available = host_available_ ? host_available_() : HostMemoryAvailable();
+  if (available < 0 || need <= available) return Status::Ok();
+  return Status::ResourceExhausted(
+      "cannot fork branch " + std::to_string(child) + " from branch " + std::to_string(parent) + ": shard " +
+      std::to_string(rank_) + "'s copy of its values and optimizer state needs " + std::to_string(need) +
+      " bytes of host memory, but only " + std::to_string(available) +
+      " are available (MemAvailable); free a branch first, or trial fewer branches at once");
 }
 
 Status ServerShard::HandleFreeBranch(const Message& in, std::vector<Message>* out) {

@@ -99,6 +99,13 @@ class ServerShard {
   // infinity, before any of it is kept. Default: off.
   void set_check_finite(bool check) { check_finite_ = check; }
 
+  // Host memory available for a fork's copy of the state where that lives in
+  // host memory (the CPU backend, or state_in_host_memory): bytes, or -1 for
+  // unknown (no check). Default: MemAvailable (plan/host_memory.h). A fork
+  // whose copy would not fit is refused with the sizes, not left to the
+  // kernel's OOM killer.
+  void set_host_memory_available(std::function<int64_t()> available) { host_available_ = std::move(available); }
+
   int rank() const { return rank_; }
   int num_workers() const { return num_workers_; }
   // For tests and checkpoints: the shard's current values of a table on a
@@ -206,6 +213,9 @@ class ServerShard {
   Status PlaceState();
   // A table's state allocated if it is not yet (state in host memory).
   Status EnsureState(TableState* table);
+  // ResourceExhausted when a copy of `parent`'s state for fork `child` would
+  // take more host memory than is available.
+  Status CheckForkFits(BranchId child, BranchId parent) const;
   // The state a message needs: its table's, or every table's for one that
   // names none (kStart, forks).
   Status EnsureStateFor(const Message& in);
@@ -218,6 +228,7 @@ class ServerShard {
   DeviceBufferPool buffers_;
   DeviceBufferPool frames_;  // host frames of rows pushed to other processes
   std::function<bool(int)> device_receivers_;
+  std::function<int64_t()> host_available_;
   bool check_finite_ = false;
   bool defer_state_ = false;   // PlaceStateWhenReady was called
   bool state_placed_ = true;   // false while deferred and not yet placed

@@ -161,6 +161,39 @@ std::vector<float> FetchB(LocalCluster* cluster, const std::vector<Tables>& tabl
   return b;
 }
 
+// The CPU backend with allocations that fail while armed (a shard out of
+// memory for a fork's copy).
+class AllocationFailingDevice final : public ForwardingDevice {
+ public:
+  explicit AllocationFailingDevice(std::atomic<bool>* armed) : armed_(armed) {}
+  Status Allocate(size_t b, void** out) override {
+    if (armed_->load()) return Status::ResourceExhausted("injected: no memory for " + std::to_string(b) + " bytes");
+    return ForwardingDevice::Allocate(b, out);
+  }
+  Status AllocateHost(size_t b, void** out) override {
+    if (armed_->load()) return Status::ResourceExhausted("injected: no host memory for " + std::to_string(b) + " bytes");
+    return ForwardingDevice::AllocateHost(b, out);
+  }
+
+ private:
+  std::atomic<bool>* armed_;
+};
+
+// Every worker forks `child` from branch 0 at once (the shards wait for all).
+std::vector<Status> ForkOnEveryWorker(LocalCluster* cluster, BranchId child) {
+  std::vector<Status> status(cluster->num_workers());
+  std::vector<std::thread> threads;
+  for (int k = 0; k < cluster->num_workers(); ++k) {
+    threads.emplace_back([&, k] {
+      BranchSettings settings;
+      settings.training = true;
+      status[k] = cluster->worker(k)->ForkBranch(child, 0, settings);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  return status;
+}
+
 }  // namespace
 
 // A shard whose state lives in host memory lends its local worker a view of
@@ -251,6 +284,38 @@ TEST(ThreeWorkersStartOnlyGivesDataAgeMinusOne) {
   EXPECT_EQ(cluster->rejected_messages(), int64_t{0});
   EXPECT_OK(cluster->Shutdown());
   EXPECT_OK(cluster->Shutdown());  // idempotent
+}
+
+// A fork one shard refuses (it cannot allocate its copy) fails on every
+// worker, and the shards that did fork free the child again: the same fork
+// succeeds once there is room, and no shard still holds the first attempt.
+TEST(AForkOneShardRefusesIsUndoneOnTheOthers) {
+  Config config = Quick();
+  config.update_rule.kind = UpdateRuleKind::kAdd;
+  config.branches = true;
+  std::atomic<bool> armed{false};
+  std::unique_ptr<LocalCluster> cluster;
+  ASSERT_OK(LocalCluster::Create(config, 2, &cluster, [&](int rank, std::unique_ptr<Device>* out) {
+    if (rank == 1) {
+      *out = std::make_unique<AllocationFailingDevice>(&armed);
+    } else {
+      *out = NewCpuDevice();
+    }
+    return Status::Ok();
+  }));
+  std::vector<Tables> tables(2);
+  for (int k = 0; k < 2; ++k) ASSERT_OK(CreateTables(cluster->worker(k), &tables[k]));
+  ASSERT_OK(RecordAll(cluster.get(), &tables));
+  for (int k = 0; k < 2; ++k) ASSERT_OK(cluster->worker(k)->StartIterations());
+  armed = true;
+  for (const Status& status : ForkOnEveryWorker(cluster.get(), 1)) {
+    EXPECT_CODE(status, StatusCode::kInvalidArgument);
+    EXPECT_TRUE(status.message().find("shard 1 refused") != std::string::npos);
+    EXPECT_TRUE(status.message().find("injected") != std::string::npos);
+  }
+  armed = false;
+  for (const Status& status : ForkOnEveryWorker(cluster.get(), 1)) EXPECT_OK(status);  // not "already exists"
+  EXPECT_OK(cluster->Shutdown());
 }
 
 TEST(ThreeWorkersRunAFewClocks) {

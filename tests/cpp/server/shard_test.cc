@@ -684,6 +684,52 @@ TEST(WorkersThatDisagreeOnTheRateFailTheClock) {
   EXPECT_TRUE(status.message().find("worker 1: none") != std::string::npos);
 }
 
+// A fork copies the parent's values and optimizer state; where they live in
+// host memory (here: the CPU backend) a copy the host cannot hold is refused
+// with the sizes, every worker is told, and nothing of it stays allocated.
+TEST(AForkTheHostCannotHoldIsRefusedWithTheSizes) {
+  auto shards = MakeShards(UpdateRuleKind::kDampedMomentum);
+  std::mt19937 rng(66);
+  InitialiseAndStart(shards, RandomValues(&rng, kRows * kWidth));
+  const int64_t allocated = shards[0]->state_bytes_allocated();
+  const int64_t need = allocated;  // one branch: values and momentum of shard 0's rows
+  ASSERT_TRUE(need > 0);
+  for (auto& shard : shards) {
+    shard->set_host_memory_available([need] { return need - 1; });
+  }
+  BranchSettings settings;
+  settings.training = true;
+  std::vector<Message> replies;
+  for (WorkerId worker = 0; worker < kWorkers; ++worker) {
+    Message fork = Header(MessageType::kFork, worker, 0, -1);
+    fork.header.branch = 1;
+    fork.header.request_id = 100 + worker;
+    fork.text = EncodeBranchSettings(0, settings);
+    const Status status = shards[0]->Handle(fork, &replies);
+    if (worker + 1 < kWorkers) {
+      ASSERT_OK(status);  // waits for the other workers' requests
+    } else {
+      EXPECT_CODE(status, StatusCode::kResourceExhausted);
+      EXPECT_TRUE(status.message().find("needs " + std::to_string(need) + " bytes of host memory, but only " +
+                                        std::to_string(need - 1) + " are available") != std::string::npos);
+    }
+  }
+  ASSERT_EQ(replies.size(), size_t{kWorkers});
+  for (const Message& reply : replies) {
+    EXPECT_TRUE(reply.type() == MessageType::kError);
+    EXPECT_TRUE(reply.text.find("cannot fork branch 1 from branch 0") != std::string::npos);
+  }
+  EXPECT_EQ(shards[0]->state_bytes_allocated(), allocated);
+  EXPECT_TRUE(shards[0]->values(kTable, 1) == nullptr);
+  // Exactly enough: the fork goes ahead, on every shard.
+  for (auto& shard : shards) {
+    shard->set_host_memory_available([need] { return need; });
+  }
+  ASSERT_OK(ForkEverywhere(shards, 1, 0, settings));
+  EXPECT_EQ(shards[0]->state_bytes_allocated(), 2 * allocated);
+  EXPECT_TRUE(Gather(shards, 1) == Gather(shards, 0));
+}
+
 TEST(BranchSettingsKeepTheParentsRateAndMomentumWhenNotGiven) {
   BranchSettings keep;
   keep.training = true;

@@ -79,15 +79,41 @@ size_t Reclaimer::LargestRemotePayloadValues() const {
   return largest;
 }
 
+// The most bytes one table's update of a clock sends to the shards of this
+// device at once: its payloads for all of them are taken before any leaves.
+int64_t Reclaimer::LargestLocalUpdateBytes() const {
+  int64_t largest = 0;
+  for (const TableInfo& table : plan_->tables) {
+    if (table.local) continue;
+    const TableIndex& index = plan_->index.tables[table.id];
+    if (!index.has_updates) continue;
+    int64_t rows = 0;
+    for (int shard = 0; shard < num_workers_; ++shard) {
+      if (!transport_->SharesDevice(rank_, shard)) continue;
+      if (index.direct.handle >= 0) {
+        rows += index.direct.runs[shard].total_rows;
+      } else {
+        for (const WireSegment& segment : index.send[shard]) rows += segment.count;
+      }
+    }
+    largest = std::max(largest, rows * table.row_bytes());
+  }
+  return largest;
+}
+
 // Payloads to this device's shards are device memory outside the plan's
 // budget: a share of Config.device_memory_reserve (half, at most the pool's
 // 2 GiB of idle buffers), so that a shard slower than the backward pass
-// (its state in host memory) cannot exhaust the device. No bound on a
-// device of unknown capacity.
+// (its state in host memory) cannot exhaust the device. At least one
+// table's update to all of them, though: a worker whose shards wait for the
+// others' parts of a table while it waits for room for its own next part
+// would never go on (several workers of one process, a small reserve). No
+// bound on a device of unknown capacity.
 int64_t Reclaimer::LocalPayloadLimit() const {
   int64_t free_bytes = -1, total_bytes = -1;
   if (!device_->MemoryInfo(&free_bytes, &total_bytes).ok() || total_bytes < 0) return 0;
-  return std::max<int64_t>(1, std::min<int64_t>(int64_t{2} << 30, DeviceReserve(config_, total_bytes) / 2));
+  const int64_t share = std::min<int64_t>(int64_t{2} << 30, DeviceReserve(config_, total_bytes) / 2);
+  return std::max<int64_t>({1, share, LargestLocalUpdateBytes()});
 }
 
 void Reclaimer::Start() {

@@ -78,6 +78,9 @@ class Reclaimer {
   // Floats of the largest update payload to one of those shards: the size
   // of the device staging buffer every pack kernel fills.
   size_t LargestRemotePayloadValues() const;
+  // Bytes of the largest update one table sends this device's shards in a
+  // clock, and the bound of those payloads in flight (at least that).
+  int64_t LargestLocalUpdateBytes() const;
   int64_t LocalPayloadLimit() const;
   size_t staging_values_ = 0;  // set in Start
   // Device buffers for update payloads to shards that share this device, and

@@ -2,7 +2,7 @@
 // gives every table data age -1, rejection of invalid client-bound messages
 // by an engine (through its public HandleMessage), the start race
 // between workers that have and have not yet created their tables, and a
-// shard whose state lives in host memory on a device with real tickets.
+// fork that one shard refuses.
 //
 // The Hub (transport) has no public injection hook, so invalid messages are
 // handed to Engine::HandleMessage directly, as the Hub's inbox thread would.
@@ -85,34 +85,6 @@ Message RowsMessage(int sender, int receiver, TableId table, Clock clock, RowSpa
   return m;
 }
 
-// The CPU backend, but with the two things of a GPU that the host-resident
-// shard path depends on: no free device memory for the shard's state (so it
-// lives in host memory and is lent to local workers as a view), and a
-// non-null ticket for every event, which a reader on the host must wait for
-// through the buffer's device (the CPU backend's tickets are null).
-class TicketingDevice final : public ForwardingDevice {
- public:
-  explicit TicketingDevice(std::atomic<int64_t>* waits) : waits_(waits) {}
-  bool maps_host_memory() const override { return true; }
-  Status MemoryInfo(int64_t* free_bytes, int64_t* total_bytes) override {
-    *free_bytes = 1;
-    *total_bytes = int64_t{1} << 30;
-    return Status::Ok();
-  }
-  Status RecordEvent(Stream s, DeviceEvent* out) override {
-    MLT_RETURN_IF_ERROR(ForwardingDevice::RecordEvent(s, out));
-    *out = std::make_shared<int>(0);
-    return Status::Ok();
-  }
-  Status WaitEventDone(const DeviceEvent& e) override {
-    ++*waits_;
-    return ForwardingDevice::WaitEventDone(e);
-  }
-
- private:
-  std::atomic<int64_t>* waits_;
-};
-
 // Runs `clocks` clocks of the Tables clock on every worker (worker k adds
 // k + 1 to row 1 of b; each read sees data age c - 1) until every worker
 // has both tables' rows of the last clock; *tables: the handles.
@@ -154,13 +126,6 @@ void RunClocks(LocalCluster* cluster, int clocks, std::vector<Tables>* tables) {
   }
 }
 
-// b's two rows as worker `rank` fetches them.
-std::vector<float> FetchB(LocalCluster* cluster, const std::vector<Tables>& tables, int rank) {
-  std::vector<float> b(10, -1.0f);
-  EXPECT_OK(cluster->worker(rank)->Fetch(tables[rank].b, {0, 1}, b.data()));
-  return b;
-}
-
 // The CPU backend with allocations that fail while armed (a shard out of
 // memory for a fork's copy).
 class AllocationFailingDevice final : public ForwardingDevice {
@@ -195,40 +160,6 @@ std::vector<Status> ForkOnEveryWorker(LocalCluster* cluster, BranchId child) {
 }
 
 }  // namespace
-
-// A shard whose state lives in host memory lends its local worker a view of
-// the state, with the rule's ticket; the installer waits for that ticket on
-// the host through the view's device. (The view once named no device, and
-// the first rows pushed crashed the process on a GPU.)
-TEST(HostResidentShardStateLentWithTicketsGivesTheSameRows) {
-  constexpr int kClocks = 4;
-  Config config = Quick();
-  config.update_rule.kind = UpdateRuleKind::kAdd;
-  config.device_memory_reserve = 0;
-  config.device_memory_budget = int64_t{1} << 30;  // the cache keeps all its rows: only the shard's state moves
-  std::vector<Tables> tables;
-  std::vector<float> reference;
-  {
-    std::unique_ptr<LocalCluster> cluster;
-    ASSERT_OK(LocalCluster::Create(config, 2, &cluster));
-    RunClocks(cluster.get(), kClocks, &tables);
-    reference = FetchB(cluster.get(), tables, 0);
-    EXPECT_OK(cluster->Shutdown());
-  }
-  std::atomic<int64_t> waits{0};
-  std::unique_ptr<LocalCluster> cluster;
-  ASSERT_OK(LocalCluster::Create(config, 2, &cluster, [&](int, std::unique_ptr<Device>* out) {
-    *out = std::make_unique<TicketingDevice>(&waits);
-    return Status::Ok();
-  }));
-  RunClocks(cluster.get(), kClocks, &tables);
-  const std::vector<float> lent = FetchB(cluster.get(), tables, 0);
-  EXPECT_TRUE(lent == reference);
-  EXPECT_EQ(lent[5], static_cast<float>(3 * kClocks));  // (1 + 2) a clock to row 1
-  EXPECT_TRUE(waits.load() > 0);
-  EXPECT_EQ(cluster->rejected_messages(), int64_t{0});
-  EXPECT_OK(cluster->Shutdown());
-}
 
 TEST(CreateRejectsZeroWorkers) {
 
@@ -307,6 +238,11 @@ TEST(AForkOneShardRefusesIsUndoneOnTheOthers) {
   for (int k = 0; k < 2; ++k) ASSERT_OK(CreateTables(cluster->worker(k), &tables[k]));
   ASSERT_OK(RecordAll(cluster.get(), &tables));
   for (int k = 0; k < 2; ++k) ASSERT_OK(cluster->worker(k)->StartIterations());
+  for (int k = 0; k < 2; ++k) {
+    // Every shard has started (and allocated) once its start rows are here.
+    ASSERT_OK(cluster->worker(k)->WaitForDataAge(tables[k].a, -1));
+    ASSERT_OK(cluster->worker(k)->WaitForDataAge(tables[k].b, -1));
+  }
   armed = true;
   for (const Status& status : ForkOnEveryWorker(cluster.get(), 1)) {
     EXPECT_CODE(status, StatusCode::kInvalidArgument);
@@ -327,7 +263,8 @@ TEST(ThreeWorkersRunAFewClocks) {
   std::vector<Tables> tables;
   RunClocks(cluster.get(), kClocks, &tables);
   // Row 1 of b got (1 + 2 + 3) per clock; row 0 nothing.
-  const std::vector<float> b = FetchB(cluster.get(), tables, 2);
+  std::vector<float> b(10);
+  ASSERT_OK(cluster->worker(2)->Fetch(tables[2].b, {0, 1}, b.data()));
   for (int j = 0; j < 5; ++j) {
     EXPECT_EQ(b[j], 0.0f);
     EXPECT_EQ(b[5 + j], static_cast<float>(6 * kClocks));

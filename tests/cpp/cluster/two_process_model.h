@@ -233,10 +233,12 @@ inline void TrainModel(Engine* engine, int rank, int clocks, std::vector<float>*
 
 
 // Trains the model for `clocks` clocks on a LocalCluster of two workers
-// (payloads as device buffers: every shard shares the CPU's memory).
-inline void TrainInOneProcess(const Config& config, int clocks, std::vector<float> out[2]) {
+// (payloads as device buffers: every shard shares the device's memory), on
+// the CPU backend unless `make_device` makes the devices.
+inline void TrainInOneProcess(const Config& config, int clocks, std::vector<float> out[2],
+                              const DeviceFactory& make_device = nullptr) {
   std::unique_ptr<LocalCluster> cluster;
-  ASSERT_OK(LocalCluster::Create(config, 2, &cluster));
+  ASSERT_OK(LocalCluster::Create(config, 2, &cluster, make_device));
   std::thread other([&] { TrainModel(cluster->worker(1), 1, clocks, &out[1], nullptr); });
   TrainModel(cluster->worker(0), 0, clocks, &out[0], nullptr);
   other.join();

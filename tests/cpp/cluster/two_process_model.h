@@ -176,59 +176,68 @@ inline PlanPreview ModelPreview(const Config& config) {
 // devices (the default); the GPU tests pass a cudaMemcpy.
 using BufferCopy = std::function<void(void* dst, const void* src, size_t bytes)>;
 
-inline void TrainModel(Engine* engine, int rank, int clocks, std::vector<float>* out,
-                       const std::function<void(int clock)>& at_clock, const BufferCopy& copy_buffer = {}) {
-  const BufferCopy copy = copy_buffer ? copy_buffer : BufferCopy([](void* dst, const void* src, size_t bytes) {
-    std::memcpy(dst, src, bytes);
-  });
-  ModelHandles m;
-  ASSERT_OK(RecordModel(engine, &m));
-  const TableId a = m.a, b = m.b;
-  const Handle read_a = m.read_a, read_b = m.read_b, up_a1 = m.up_a1, up_a2 = m.up_a2, up_b = m.up_b;
-  const std::vector<RowId>& first_a = m.first_a;
-  const std::vector<RowId>& second_a = m.second_a;
-  ASSERT_OK(engine->FinishVirtualIteration());
-  ASSERT_OK(engine->StartIterations());
-  for (int clock = 0; clock < clocks; ++clock) {
-    AccessBuffer ra, rb, ua1, ub, ua2;
-    ASSERT_OK(engine->Read(read_a, &ra));
-    ASSERT_OK(engine->Read(read_b, &rb));
-    std::vector<float> va(40 * 7), vb(13 * 5);
-    copy(va.data(), ra.data, va.size() * sizeof(float));
-    copy(vb.data(), rb.data, vb.size() * sizeof(float));
-    ASSERT_OK(engine->PostRead(read_a));
-    ASSERT_OK(engine->PostRead(read_b));
-    const auto grad = [&](float x, size_t i) {
-      return static_cast<float>(std::sin(x * 0.37 + 0.01 * static_cast<double>(i) + rank + 0.1 * clock) * 0.01);
-    };
-    std::vector<float> g;
-    ASSERT_OK(engine->PreUpdate(up_a1, &ua1));
-    g.resize(first_a.size() * 7);
-    for (size_t i = 0; i < g.size(); ++i) g[i] = grad(va[i % va.size()], i);
-    copy(ua1.data, g.data(), g.size() * sizeof(float));
-    ASSERT_OK(engine->Update(up_a1));
-    ASSERT_OK(engine->PreUpdate(up_b, &ub));
-    g.resize(vb.size());
-    for (size_t i = 0; i < g.size(); ++i) g[i] = grad(vb[i], i + 1000);
-    copy(ub.data, g.data(), g.size() * sizeof(float));
-    ASSERT_OK(engine->Update(up_b));
-    ASSERT_OK(engine->PreUpdate(up_a2, &ua2));
-    g.resize(second_a.size() * 7);
-    for (size_t i = 0; i < g.size(); ++i) g[i] = grad(va[(i * 3) % va.size()], i + 2000);
-    copy(ua2.data, g.data(), g.size() * sizeof(float));
-    ASSERT_OK(engine->Update(up_a2));
-    ASSERT_OK(engine->Clock());
-    if (at_clock) at_clock(clock);
-  }
-  ASSERT_OK(engine->Flush());
-  ASSERT_OK(engine->WaitForDataAge(a, clocks - 1));
-  ASSERT_OK(engine->WaitForDataAge(b, clocks - 1));
+// One clock of the model: reads both tables, then updates a (twice) and b
+// with values made from what it read, the rank and the clock.
+inline Status TrainClock(Engine* engine, const ModelHandles& m, int rank, int clock, const BufferCopy& copy) {
+  AccessBuffer ra, rb, ua1, ub, ua2;
+  MLT_RETURN_IF_ERROR(engine->Read(m.read_a, &ra));
+  MLT_RETURN_IF_ERROR(engine->Read(m.read_b, &rb));
+  std::vector<float> va(40 * 7), vb(13 * 5);
+  copy(va.data(), ra.data, va.size() * sizeof(float));
+  copy(vb.data(), rb.data, vb.size() * sizeof(float));
+  MLT_RETURN_IF_ERROR(engine->PostRead(m.read_a));
+  MLT_RETURN_IF_ERROR(engine->PostRead(m.read_b));
+  const auto grad = [&](float x, size_t i) {
+    return static_cast<float>(std::sin(x * 0.37 + 0.01 * static_cast<double>(i) + rank + 0.1 * clock) * 0.01);
+  };
+  std::vector<float> g;
+  MLT_RETURN_IF_ERROR(engine->PreUpdate(m.up_a1, &ua1));
+  g.resize(m.first_a.size() * 7);
+  for (size_t i = 0; i < g.size(); ++i) g[i] = grad(va[i % va.size()], i);
+  copy(ua1.data, g.data(), g.size() * sizeof(float));
+  MLT_RETURN_IF_ERROR(engine->Update(m.up_a1));
+  MLT_RETURN_IF_ERROR(engine->PreUpdate(m.up_b, &ub));
+  g.resize(vb.size());
+  for (size_t i = 0; i < g.size(); ++i) g[i] = grad(vb[i], i + 1000);
+  copy(ub.data, g.data(), g.size() * sizeof(float));
+  MLT_RETURN_IF_ERROR(engine->Update(m.up_b));
+  MLT_RETURN_IF_ERROR(engine->PreUpdate(m.up_a2, &ua2));
+  g.resize(m.second_a.size() * 7);
+  for (size_t i = 0; i < g.size(); ++i) g[i] = grad(va[(i * 3) % va.size()], i + 2000);
+  copy(ua2.data, g.data(), g.size() * sizeof(float));
+  MLT_RETURN_IF_ERROR(engine->Update(m.up_a2));
+  return engine->Clock();
+}
+
+// Both tables' values (a then b), of `branch` (-1: the one the cache holds).
+inline Status FetchModel(Engine* engine, const ModelHandles& m, std::vector<float>* out, BranchId branch = -1) {
   std::vector<RowId> ids_a(40), ids_b(13);
   for (RowId row = 0; row < 40; ++row) ids_a[row] = row;
   for (RowId row = 0; row < 13; ++row) ids_b[row] = row;
   out->assign(40 * 7 + 13 * 5, 0.0f);
-  ASSERT_OK(engine->Fetch(a, ids_a, out->data()));
-  ASSERT_OK(engine->Fetch(b, ids_b, out->data() + 40 * 7));
+  MLT_RETURN_IF_ERROR(engine->Fetch(m.a, ids_a, out->data(), branch));
+  return engine->Fetch(m.b, ids_b, out->data() + 40 * 7, branch);
+}
+
+inline BufferCopy Memcpy() {
+  return [](void* dst, const void* src, size_t bytes) { std::memcpy(dst, src, bytes); };
+}
+
+inline void TrainModel(Engine* engine, int rank, int clocks, std::vector<float>* out,
+                       const std::function<void(int clock)>& at_clock, const BufferCopy& copy_buffer = {}) {
+  const BufferCopy copy = copy_buffer ? copy_buffer : Memcpy();
+  ModelHandles m;
+  ASSERT_OK(RecordModel(engine, &m));
+  ASSERT_OK(engine->FinishVirtualIteration());
+  ASSERT_OK(engine->StartIterations());
+  for (int clock = 0; clock < clocks; ++clock) {
+    ASSERT_OK(TrainClock(engine, m, rank, clock, copy));
+    if (at_clock) at_clock(clock);
+  }
+  ASSERT_OK(engine->Flush());
+  ASSERT_OK(engine->WaitForDataAge(m.a, clocks - 1));
+  ASSERT_OK(engine->WaitForDataAge(m.b, clocks - 1));
+  ASSERT_OK(FetchModel(engine, m, out));
 }
 
 

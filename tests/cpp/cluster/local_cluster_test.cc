@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "forwarding_device.h"
+#include "gpu_like_device.h"
 #include "mltuner/engine.h"
 #include "test_util.h"
 #include "wire/message.h"
@@ -39,14 +40,19 @@ Status CreateTables(Engine* e, Tables* t) {
   return Status::Ok();
 }
 
-Status Record(Engine* e, Tables* t) {
+// The clock's accesses, recorded; Record also finishes the recording.
+Status RecordOps(Engine* e, Tables* t) {
   MLT_RETURN_IF_ERROR(e->VirtualRead(t->a, {0, 6, 3}, 0, &t->ra));
   MLT_RETURN_IF_ERROR(e->VirtualPreUpdate(t->b, {1}, &t->ub));
   MLT_RETURN_IF_ERROR(e->VirtualLocalAccess(t->local, {0, 1}, false, &t->l));
   MLT_RETURN_IF_ERROR(e->VirtualPostLocalAccess(t->l, true));
   MLT_RETURN_IF_ERROR(e->VirtualUpdate(t->ub));
   MLT_RETURN_IF_ERROR(e->VirtualPostRead(t->ra));
-  MLT_RETURN_IF_ERROR(e->VirtualClock());
+  return e->VirtualClock();
+}
+
+Status Record(Engine* e, Tables* t) {
+  MLT_RETURN_IF_ERROR(RecordOps(e, t));
   return e->FinishVirtualIteration();
 }
 
@@ -254,11 +260,11 @@ TEST(AForkOneShardRefusesIsUndoneOnTheOthers) {
   EXPECT_OK(cluster->Shutdown());
 }
 
-TEST(ThreeWorkersRunAFewClocks) {
-  Config config = Quick();
-  config.update_rule.kind = UpdateRuleKind::kAdd;
+// Three workers run five clocks under `config` on `make_device`'s devices:
+// the sums, data ages and traffic are right.
+void ExpectThreeWorkersRun(const Config& config, const DeviceFactory& make_device) {
   std::unique_ptr<LocalCluster> cluster;
-  ASSERT_OK(LocalCluster::Create(config, kWorkers, &cluster));
+  ASSERT_OK(LocalCluster::Create(config, kWorkers, &cluster, make_device));
   constexpr int kClocks = 5;
   std::vector<Tables> tables;
   RunClocks(cluster.get(), kClocks, &tables);
@@ -277,6 +283,44 @@ TEST(ThreeWorkersRunAFewClocks) {
   }
   EXPECT_EQ(cluster->rejected_messages(), int64_t{0});
   EXPECT_OK(cluster->Shutdown());
+}
+
+TEST(ThreeWorkersRunAFewClocks) {
+  Config config = Quick();
+  config.update_rule.kind = UpdateRuleKind::kAdd;
+  ExpectThreeWorkersRun(config, nullptr);
+}
+
+// The same on GPU-like devices (gpu_like_device.h) under the least budget
+// the plan accepts: parameter rows and the local table live in host memory
+// and are swapped in and out through the device's copies.
+TEST(ThreeWorkersRunUnderTheLeastBudgetOnGpuLikeDevices) {
+  Config config = Quick();
+  config.update_rule.kind = UpdateRuleKind::kAdd;
+  config.device_memory_reserve = 0;
+  const DeviceFactory gpu_like = [](int, std::unique_ptr<Device>* out) {
+    *out = std::make_unique<GpuLikeDevice>();
+    return Status::Ok();
+  };
+  // Worker 0's plan under `budget` (0: none).
+  const auto preview = [&](int64_t budget) {
+    Config previewed = config;
+    previewed.device_memory_budget = budget;
+    PlanPreview out;
+    std::unique_ptr<LocalCluster> cluster;
+    EXPECT_OK(LocalCluster::Create(previewed, kWorkers, &cluster, gpu_like));
+    Tables t;
+    EXPECT_OK(CreateTables(cluster->worker(0), &t));
+    EXPECT_OK(RecordOps(cluster->worker(0), &t));
+    EXPECT_OK(cluster->worker(0)->PreviewPlan(&out));
+    return out;
+  };
+  const int64_t least = preview(0).pool_min_bytes;
+  ASSERT_TRUE(least > 0);
+  const PlanPreview squeezed = preview(least);
+  EXPECT_TRUE(squeezed.host_store_bytes > 0 && squeezed.host_to_device_bytes > 0);  // rows do move
+  config.device_memory_budget = least;
+  ExpectThreeWorkersRun(config, gpu_like);
 }
 
 TEST(EngineRejectsInvalidClientMessagesAndFails) {

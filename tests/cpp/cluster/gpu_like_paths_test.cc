@@ -51,13 +51,13 @@ void ExpectGpuLikeRunsMatch(const Config& config, int64_t free_bytes) {
   auto waits = std::make_shared<std::atomic<int64_t>>(0);
   std::vector<float> local[2];
   testing::TrainInOneProcess(config, kClocks, local, GpuLike(free_bytes, waits));
-  testing::TwoNodeRun remote;
-  testing::TrainInTwoProcesses(config, GpuLike(free_bytes, waits), kClocks, &remote);
-  EXPECT_EQ(remote.refused, 0);
-  EXPECT_EQ(remote.rejected, 0);
-  for (int rank = 0; rank < 2; ++rank) {
-    ExpectSameBits(local[rank], reference[rank]);
-    ExpectSameBits(remote.values[rank], reference[rank]);
+  for (int rank = 0; rank < 2; ++rank) ExpectSameBits(local[rank], reference[rank]);
+  for (const bool batches : {false, true}) {  // one message at a time, or as the socket transport takes them
+    testing::TwoNodeRun remote;
+    testing::TrainInTwoProcesses(config, GpuLike(free_bytes, waits), kClocks, &remote, {}, false, batches);
+    EXPECT_EQ(remote.refused, 0);
+    EXPECT_EQ(remote.rejected, 0);
+    for (int rank = 0; rank < 2; ++rank) ExpectSameBits(remote.values[rank], reference[rank]);
   }
   EXPECT_TRUE(waits->load() > 0);  // host readers waited on tickets through the device
 }

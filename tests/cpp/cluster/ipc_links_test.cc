@@ -18,6 +18,7 @@
 #include "cluster/ipc_links.h"
 #include "cluster/two_process_model.h"
 #include "forwarding_device.h"
+#include "gpu_like_device.h"
 #include "mltuner/device_ipc.h"
 #include "mltuner/process_node.h"
 #include "test_util.h"
@@ -76,8 +77,10 @@ class HostIpc final : public DeviceIpc {
   std::map<int, std::pair<char*, size_t>> peers_;
 };
 
+// The CPU backend, or another device, with HostIpc exports.
 class HostIpcDevice final : public ForwardingDevice {
  public:
+  explicit HostIpcDevice(std::unique_ptr<Device> inner = NewCpuDevice()) : ForwardingDevice(std::move(inner)) {}
   Status ExportIpc(size_t region_bytes, std::unique_ptr<DeviceIpc>* out) override {
     *out = std::make_unique<HostIpc>(region_bytes);
     return Status::Ok();
@@ -94,6 +97,12 @@ Config TestConfig() {
 
 Status MakeHostIpcDevice(int, std::unique_ptr<Device>* out) {
   *out = std::make_unique<HostIpcDevice>();
+  return Status::Ok();
+}
+
+// The same over a GPU-like device (gpu_like_device.h): the paths a GPU takes.
+Status MakeGpuLikeIpcDevice(int, std::unique_ptr<Device>* out) {
+  *out = std::make_unique<HostIpcDevice>(std::make_unique<GpuLikeDevice>());
   return Status::Ok();
 }
 
@@ -194,26 +203,29 @@ TEST(TrainingThroughIpcIsBitIdenticalToOneProcess) {
   constexpr int kClocks = 16;
   std::vector<float> local[2];
   testing::TrainInOneProcess(config, kClocks, local);
-  testing::TwoNodeRun remote;
-  testing::TrainInTwoProcesses(config, MakeHostIpcDevice, kClocks, &remote, {}, false, /*batches=*/true,
-                               LinkBoth(size_t{1} << 20));
-  EXPECT_EQ(remote.refused, 0);
-  EXPECT_EQ(remote.rejected, 0);
-  for (int rank = 0; rank < 2; ++rank) {
-    ExpectSame(remote.values[rank], local[rank]);
-    const IpcStats& ipc = remote.ipc[rank];
-    const IpcStats& peer = remote.ipc[1 - rank];
-    // Every device payload went device -> device: updates and rows of two
-    // tables each clock, none by a host frame.
-    EXPECT_TRUE(ipc.sent_messages >= 4 * kClocks);
-    EXPECT_EQ(ipc.fallbacks, 0);
-    EXPECT_EQ(remote.by_host[rank], 0);
-    EXPECT_EQ(ipc.sent_bytes, peer.received_bytes);
-    EXPECT_EQ(ipc.sent_messages, peer.received_messages);
-    // Landed payloads go back to their senders once read (the last few
-    // may still be on the wire when it stops).
-    EXPECT_TRUE(ipc.releases_received > 0 && ipc.releases_received <= ipc.sent_messages);
-    EXPECT_TRUE(peer.releases_sent >= ipc.releases_received);
+  // On the CPU backend, and on a GPU-like device: a GPU's paths.
+  for (const DeviceFactory& make_device : {DeviceFactory(MakeHostIpcDevice), DeviceFactory(MakeGpuLikeIpcDevice)}) {
+    testing::TwoNodeRun remote;
+    testing::TrainInTwoProcesses(config, make_device, kClocks, &remote, {}, false, /*batches=*/true,
+                                 LinkBoth(size_t{1} << 20));
+    EXPECT_EQ(remote.refused, 0);
+    EXPECT_EQ(remote.rejected, 0);
+    for (int rank = 0; rank < 2; ++rank) {
+      ExpectSame(remote.values[rank], local[rank]);
+      const IpcStats& ipc = remote.ipc[rank];
+      const IpcStats& peer = remote.ipc[1 - rank];
+      // Every device payload went device -> device: updates and rows of two
+      // tables each clock, none by a host frame.
+      EXPECT_TRUE(ipc.sent_messages >= 4 * kClocks);
+      EXPECT_EQ(ipc.fallbacks, 0);
+      EXPECT_EQ(remote.by_host[rank], 0);
+      EXPECT_EQ(ipc.sent_bytes, peer.received_bytes);
+      EXPECT_EQ(ipc.sent_messages, peer.received_messages);
+      // Landed payloads go back to their senders once read (the last few
+      // may still be on the wire when it stops).
+      EXPECT_TRUE(ipc.releases_received > 0 && ipc.releases_received <= ipc.sent_messages);
+      EXPECT_TRUE(peer.releases_sent >= ipc.releases_received);
+    }
   }
 }
 

@@ -1,7 +1,8 @@
 // The CPU backend seen as an accelerator, so that the paths the engine, the
 // shard and the transport take on a GPU run in CPU-only CI: its memory is
 // not host-addressable (staging copies, host frames for other processes,
-// device payloads within one), every event is a real ticket that readers
+// device payloads within one, swaps by copies rather than a gather kernel,
+// as the CUDA backend does), every event is a real ticket that readers
 // on the host wait for through the buffer's device, and its free memory is
 // what the test says (a shard's state in host memory, automatic budgets).
 // The work itself stays the CPU backend's: synchronous, so every ticket is
@@ -30,6 +31,7 @@ class GpuLikeDevice final : public ForwardingDevice {
   std::string name() const override { return "gpu-like " + ForwardingDevice::name(); }
   bool host_addressable() const override { return false; }
   bool maps_host_memory() const override { return true; }
+  bool swaps_by_kernel() const override { return false; }  // as the CUDA backend: copies, not a gather kernel
   Status MemoryInfo(int64_t* free_bytes, int64_t* total_bytes) override {
     *free_bytes = free_bytes_;
     *total_bytes = free_bytes_ < 0 ? -1 : free_bytes_ + (int64_t{1} << 30);

@@ -549,7 +549,10 @@ class Worker:
         is read by the sgd and damped_momentum rules), training flag (only
         training branches apply updates) and staleness (``None``: each read's
         own slack). Every worker calls it at the same clock boundary; it
-        returns once the fork is done everywhere."""
+        returns once the fork is done everywhere. A shard that cannot hold
+        the copy (where its state lives in host memory: more than the host
+        has available) refuses it with the sizes, every worker raises
+        InvalidArgumentError, and the fork is undone on every shard."""
         keep = -1.0  # the engine's BranchSettings::kKeepParent
         self._engine.fork_branch(
             integer("fork_branch: child", child, 0, INT32_MAX), integer("fork_branch: parent", parent, 0, INT32_MAX),

@@ -166,7 +166,7 @@ Status ServerShard::PlaceState() {
   int64_t state_bytes = 0;
   for (const auto& entry : tables_) {
     const TableState& table = *entry.second;
-    state_bytes += table.num_values * static_cast<int64_t>(sizeof(float)) * (1 + StateArraysPerValue(table.rule_config));
+    state_bytes += table.state_bytes();
   }
   int64_t free_bytes = -1, total_bytes = -1;
   MLT_RETURN_IF_ERROR(device_->MemoryInfo(&free_bytes, &total_bytes));
@@ -199,7 +199,7 @@ int64_t ServerShard::state_bytes_allocated() const {
   for (const auto& entry : tables_) {
     const TableState& table = *entry.second;
     if (table.rule != nullptr) {
-      bytes += table.num_values * static_cast<int64_t>(sizeof(float)) * (1 + StateArraysPerValue(table.rule_config));
+      bytes += table.state_bytes();
     }
   }
   return bytes;
@@ -866,7 +866,7 @@ Status ServerShard::CheckForkFits(BranchId child, BranchId parent) const {
   int64_t need = 0;
   for (const auto& [key, table] : tables_) {
     if (key.first == parent) {
-      need += table->num_values * static_cast<int64_t>(sizeof(float)) * (1 + StateArraysPerValue(table->rule_config));
+      need += table->state_bytes();
     }
   }
   const int64_t available = host_available_ ? host_available_() : HostMemoryAvailable();

@@ -26,6 +26,7 @@
 #include "mltuner/config.h"
 #include "mltuner/status.h"
 #include "mltuner/types.h"
+#include "mltuner/update_step.h"
 #include "memory/device_block.h"
 #include "mltuner/device.h"
 #include "server/update_rules.h"
@@ -153,6 +154,10 @@ class ServerShard {
     std::map<Clock, std::map<WorkerId, float>> new_rates;
     std::shared_ptr<Loans> loans = std::make_shared<Loans>();
     float* data() const { return values ? values->floats() : nullptr; }
+    // Bytes of values and the rule's optimizer state, allocated or not.
+    int64_t state_bytes() const {
+      return num_values * static_cast<int64_t>(sizeof(float)) * (1 + StateArraysPerValue(rule_config));
+    }
     explicit TableState(int num_workers) : clock(num_workers) {}
   };
 

@@ -19,6 +19,18 @@
 #include "memory/swap.h"
 
 namespace mltuner {
+namespace {
+
+// Rows of a table's update that go to `shard` in a clock: the single
+// update's runs, or the update log's segments.
+int64_t UpdateRows(const TableIndex& index, int shard) {
+  if (index.direct.handle >= 0) return index.direct.runs[shard].total_rows;
+  int64_t rows = 0;
+  for (const WireSegment& segment : index.send[shard]) rows += segment.count;
+  return rows;
+}
+
+}  // namespace
 
 Reclaimer::Reclaimer(const Config& config, int rank, int num_workers, std::shared_ptr<Device> device,
                      Transport* transport, const PipelinePlan* plan, SharedState* state)
@@ -49,14 +61,7 @@ int64_t Reclaimer::RemotePayloadBytesInFlight() const {
     const TableIndex& index = plan_->index.tables[table.id];
     if (!index.has_updates) continue;
     for (int shard = 0; shard < num_workers_; ++shard) {
-      if (transport_->SharesDevice(rank_, shard)) continue;
-      int64_t rows = 0;
-      if (index.direct.handle >= 0) {
-        rows = index.direct.runs[shard].total_rows;
-      } else {
-        for (const WireSegment& segment : index.send[shard]) rows += segment.count;
-      }
-      per_clock += rows * table.row_bytes();
+      if (!transport_->SharesDevice(rank_, shard)) per_clock += UpdateRows(index, shard) * table.row_bytes();
     }
   }
   return per_clock * (max_slack + 2);
@@ -69,11 +74,7 @@ size_t Reclaimer::LargestRemotePayloadValues() const {
     const TableIndex& index = plan_->index.tables[table.id];
     for (int shard = 0; shard < num_workers_ && index.has_updates; ++shard) {
       if (transport_->SharesDevice(rank_, shard)) continue;
-      int64_t rows = index.direct.handle >= 0 ? index.direct.runs[shard].total_rows : 0;
-      if (index.direct.handle < 0) {
-        for (const WireSegment& segment : index.send[shard]) rows += segment.count;
-      }
-      largest = std::max(largest, static_cast<size_t>(rows * table.row_width));
+      largest = std::max(largest, static_cast<size_t>(UpdateRows(index, shard) * table.row_width));
     }
   }
   return largest;
@@ -89,12 +90,7 @@ int64_t Reclaimer::LargestLocalUpdateBytes() const {
     if (!index.has_updates) continue;
     int64_t rows = 0;
     for (int shard = 0; shard < num_workers_; ++shard) {
-      if (!transport_->SharesDevice(rank_, shard)) continue;
-      if (index.direct.handle >= 0) {
-        rows += index.direct.runs[shard].total_rows;
-      } else {
-        for (const WireSegment& segment : index.send[shard]) rows += segment.count;
-      }
+      if (transport_->SharesDevice(rank_, shard)) rows += UpdateRows(index, shard);
     }
     largest = std::max(largest, rows * table.row_bytes());
   }

@@ -3,7 +3,6 @@
 // the shard's state on the device or in host memory, with a device budget
 // that keeps some rows in host memory, and with branches forked from a
 // host-resident state.
-#include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
@@ -38,11 +37,6 @@ DeviceFactory GpuLike(int64_t free_bytes, const GpuLikeDevice::WaitCount& waits)
   };
 }
 
-void ExpectSameBits(const std::vector<float>& got, const std::vector<float>& want) {
-  ASSERT_EQ(got.size(), want.size());
-  EXPECT_TRUE(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)) == 0);
-}
-
 // The model trained on the CPU backend in one process, and on GPU-like
 // devices (`free_bytes` free) in one process and in two, all with `config`.
 void ExpectGpuLikeRunsMatch(const Config& config, int64_t free_bytes) {
@@ -51,13 +45,13 @@ void ExpectGpuLikeRunsMatch(const Config& config, int64_t free_bytes) {
   auto waits = std::make_shared<std::atomic<int64_t>>(0);
   std::vector<float> local[2];
   testing::TrainInOneProcess(config, kClocks, local, GpuLike(free_bytes, waits));
-  for (int rank = 0; rank < 2; ++rank) ExpectSameBits(local[rank], reference[rank]);
+  for (int rank = 0; rank < 2; ++rank) testing::ExpectSameBits(local[rank], reference[rank]);
   for (const bool batches : {false, true}) {  // one message at a time, or as the socket transport takes them
     testing::TwoNodeRun remote;
     testing::TrainInTwoProcesses(config, GpuLike(free_bytes, waits), kClocks, &remote, {}, false, batches);
     EXPECT_EQ(remote.refused, 0);
     EXPECT_EQ(remote.rejected, 0);
-    for (int rank = 0; rank < 2; ++rank) ExpectSameBits(remote.values[rank], reference[rank]);
+    for (int rank = 0; rank < 2; ++rank) testing::ExpectSameBits(remote.values[rank], reference[rank]);
   }
   EXPECT_TRUE(waits->load() > 0);  // host readers waited on tickets through the device
 }
@@ -133,7 +127,7 @@ TEST(BranchesOfAShardStateInHostMemory) {
   auto waits = std::make_shared<std::atomic<int64_t>>(0);
   TrainBranches(config, GpuLike(1, waits), gpu_like);
   for (int rank = 0; rank < 2; ++rank) {
-    for (int branch = 0; branch < 2; ++branch) ExpectSameBits(gpu_like[rank][branch], reference[rank][branch]);
+    for (int branch = 0; branch < 2; ++branch) testing::ExpectSameBits(gpu_like[rank][branch], reference[rank][branch]);
   }
   EXPECT_TRUE(reference[0][0] != reference[0][1]);  // the fork's own rate took
   EXPECT_TRUE(waits->load() > 0);

@@ -116,11 +116,6 @@ testing::NodesSetup LinkBoth(size_t slice) {
   };
 }
 
-void ExpectSame(const std::vector<float>& a, const std::vector<float>& b) {
-  ASSERT_TRUE(a.size() == b.size());
-  EXPECT_TRUE(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
-}
-
 }  // namespace
 
 TEST(ByteRangesPlaceClaimAndFree) {
@@ -211,7 +206,7 @@ TEST(TrainingThroughIpcIsBitIdenticalToOneProcess) {
     EXPECT_EQ(remote.refused, 0);
     EXPECT_EQ(remote.rejected, 0);
     for (int rank = 0; rank < 2; ++rank) {
-      ExpectSame(remote.values[rank], local[rank]);
+      testing::ExpectSameBits(remote.values[rank], local[rank]);
       const IpcStats& ipc = remote.ipc[rank];
       const IpcStats& peer = remote.ipc[1 - rank];
       // Every device payload went device -> device: updates and rows of two
@@ -241,7 +236,7 @@ TEST(PayloadsThatDoNotFitTheSliceFallBackToHostFrames) {
   EXPECT_EQ(remote.refused, 0);
   EXPECT_EQ(remote.rejected, 0);
   for (int rank = 0; rank < 2; ++rank) {
-    ExpectSame(remote.values[rank], local[rank]);
+    testing::ExpectSameBits(remote.values[rank], local[rank]);
     EXPECT_TRUE(remote.ipc[rank].sent_messages > 0);
     EXPECT_TRUE(remote.ipc[rank].fallbacks > 0);
     EXPECT_TRUE(remote.by_host[rank] > 0);

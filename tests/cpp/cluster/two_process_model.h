@@ -219,6 +219,12 @@ inline Status FetchModel(Engine* engine, const ModelHandles& m, std::vector<floa
   return engine->Fetch(m.b, ids_b, out->data() + 40 * 7, branch);
 }
 
+// Same length and the same bits (NaN payloads included).
+inline void ExpectSameBits(const std::vector<float>& got, const std::vector<float>& want) {
+  ASSERT_TRUE(got.size() == want.size());
+  EXPECT_TRUE(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)) == 0);
+}
+
 inline BufferCopy Memcpy() {
   return [](void* dst, const void* src, size_t bytes) { std::memcpy(dst, src, bytes); };
 }

@@ -40,5 +40,6 @@ void RegisterEngine(pybind11::module_& m);
 void RegisterCluster(pybind11::module_& m);
 void RegisterBuffers(pybind11::module_& m);
 void RegisterNode(pybind11::module_& m);
+void RegisterSockets(pybind11::module_& m);
 
 }  // namespace mltuner::python

@@ -10,4 +10,5 @@ PYBIND11_MODULE(_core, m) {
   mltuner::python::RegisterEngine(m);
   mltuner::python::RegisterCluster(m);
   mltuner::python::RegisterNode(m);
+  mltuner::python::RegisterSockets(m);
 }

@@ -3,28 +3,35 @@
 Each process binds its data sockets (PULL: one on ``tcp://`` with CURVE,
 one on ``ipc://`` in its private directory) that every peer sends to, and
 connects one PUSH to each peer's, through ``ipc://`` on one host and
-``tcp://`` between hosts (:mod:`mltuner.transport._address`). Two threads,
-each owning its sockets:
+``tcp://`` between hosts (:mod:`mltuner.transport._address`). Python creates,
+secures and connects the sockets; two threads then move the bytes, each
+owning its sockets:
 
-- the send thread takes encoded messages from the node (waiting with the GIL
-  released) and sends the header frame and the payload array with no copy
-  (ZeroMQ holds the array until the bytes are out; the array views a pinned,
-  recycled host frame, which then returns to its pool);
-- the receive thread hands data frames to the node, which validates them in
-  C++ with the GIL released and, on the CPU backend, uses the payload where
-  ZeroMQ received it (no copy): the thread keeps each payload frame, by
-  token, until the node hands the token back (``take_released_payloads``:
-  the shard applied it, or the rows are installed); it also reads the data
-  sockets' connection guards (failed handshakes, the cap on connections).
+- the send thread takes encoded messages from the node and sends the header
+  frame and the payload with no copy (ZeroMQ holds the payload until the
+  bytes are out; a pinned, recycled host frame then returns to its pool);
+- the receive thread hands data frames to the node, which validates them
+  and, on the CPU backend, uses the payload where ZeroMQ received it (no
+  copy): the thread keeps each payload frame, by token, until the node
+  hands the token back (the shard applied it, or the rows are installed).
+
+Both threads are C++ (``_core.SocketPump``, ``cpp/include/mltuner/socket_pump.h``):
+they call the libzmq that pyzmq loaded, through the sockets' handles, and
+never take the GIL, so a clock of many small messages (every table's
+update, rows, CUDA IPC notices and releases) does not queue behind the
+training thread's Python, nor it behind them. Where that library cannot be
+found (a pyzmq built with a static libzmq) or ``MLTUNER_SOCKET_THREADS=python``
+asks for it, Python threads do the same (:mod:`mltuner.transport._python_loops`).
+With the C++ threads, a Python thread here watches the sockets' connection
+guards (failed handshakes, the cap on connections), logs refused input and
+passes on the plan's queue bound.
 
 Batches: each wake-up of the send thread takes every message waiting in the
-node's outbox (``next_outgoing_batch``), which joins the small ones for one
-peer into one batch (``cpp/src/wire/batch.h``; the receiving node opens it):
-a clock's updates of all its tables, or a shard's pushes of one clock,
-queue together and leave as one socket message per peer. A small model's
-clock then costs each thread one Python round and one GIL hand-off per
-peer instead of one per table. Only payloads under 8 KiB join batches (both
-ends copy those anyway); larger ones go alone, to be used in place.
+node's outbox, which joins the small ones for one peer into one batch
+(``cpp/src/wire/batch.h``; the receiving node opens it): a clock's updates
+of all its tables, or a shard's pushes of one clock, leave as one socket
+message per peer. Only payloads under 8 KiB join batches; larger ones go
+alone, to be used in place.
 
 Liveness is not judged here: heartbeats travel on the control channel
 (:mod:`mltuner.transport._control`), so a backlog of data never makes a
@@ -48,40 +55,44 @@ Messages between this process's own engine and shard never come here.
 from __future__ import annotations
 
 import logging
+import os
 import threading
-import time
-import weakref
 from collections.abc import Callable
-from typing import Any
 
-import numpy as np
 import zmq
 
 from mltuner import _core
-from mltuner.exceptions import CorruptMessageError, WaitTimeoutError
+from mltuner.exceptions import MltunerError
 from mltuner.transport._control import DATA_IO_THREAD, push_sockets
 from mltuner.transport._guard import Listener, RejectionLog
+from mltuner.transport._python_loops import PythonLoops
 from mltuner.transport._security import SocketSecurity
 
-__all__ = ["SocketTransport", "SEND_QUEUE_MESSAGES", "RECEIVE_QUEUE_MESSAGES"]
+__all__ = ["SocketTransport", "SEND_QUEUE_MESSAGES", "RECEIVE_QUEUE_MESSAGES", "find_zmq_library"]
 
 _log = logging.getLogger("mltuner.transport")
-_POLL_S = 0.05
+_WATCH_S = 0.05
 # ZeroMQ's queues in messages (bytes are bounded by queue_limit on the send
-# side; pyzmq copies frames below 64 KiB, so small messages are bounded too).
+# side; small messages are copied into ZeroMQ's, so they are bounded too).
 # The receive thread hands each message on at once; when it falls behind, a
 # peer's connection holds at most RECEIVE_QUEUE_MESSAGES before the kernel's
 # flow control makes the sender's queue grow (and its bound apply).
 SEND_QUEUE_MESSAGES = 1000
 RECEIVE_QUEUE_MESSAGES = 64
-# Payloads below this share ZeroMQ's receive buffer (its in_batch_size) at
-# any byte offset, which a float array may not have: the node copies them
-# anyway, so they go without a token (no bookkeeping per small message).
-_LEND_MIN_BYTES = 8192
-# One wake-up of the send thread takes at most this many messages, and past
-# the first at most this many payload bytes (the node batches the small ones).
-_TAKE_MESSAGES = 256
-_TAKE_BYTES = 1 << 20
+# MLTUNER_SOCKET_THREADS=python: the Python threads, even where C++ could run.
+_THREADS_VARIABLE = "MLTUNER_SOCKET_THREADS"
+
+
+def find_zmq_library() -> str | None:
+    """The path of the shared libzmq loaded in this process (pyzmq's), or
+    None where there is not exactly one (a static libzmq, or no /proc)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            paths = {line.split(maxsplit=5)[-1].strip() for line in maps if "libzmq" in line}
+    except OSError:
+        return None
+    paths = {path for path in paths if os.path.basename(path).startswith("libzmq")}
+    return paths.pop() if len(paths) == 1 else None
 
 
 class SocketTransport:
@@ -94,8 +105,8 @@ class SocketTransport:
         peers: each peer's data endpoint, by rank.
         security: which endpoints use CURVE.
         queue_limit: the payload bytes that may wait in ZeroMQ for one peer
-            (a single larger message is let through alone); called for
-            every message, so it can follow the plan.
+            (a single larger message is let through alone); asked again as
+            the plan changes.
         wait_timeout_s: how long a send may wait for room before the job
             fails.
     """
@@ -104,43 +115,55 @@ class SocketTransport:
                  peers: dict[int, str], security: SocketSecurity, *,
                  queue_limit: Callable[[], int], wait_timeout_s: float) -> None:
         self._node = node
-        self._rank = int(node.rank)
         self.listeners = listeners
+        self.endpoints = dict(peers)
         self._queue_limit = queue_limit
-        self._wait_timeout = wait_timeout_s
         self._peers = push_sockets(context, peers, security, io_thread=DATA_IO_THREAD,
                                    send_queue=SEND_QUEUE_MESSAGES)
-        self.endpoints = dict(peers)
-        # Payload bytes handed to ZeroMQ per peer and not yet released by it.
-        self._queued = {rank: 0 for rank in self._peers}
-        self.peak_queued = {rank: 0 for rank in self._peers}
-        self._room = threading.Condition()
-        self.stuck: str | None = None  # why a peer was declared stuck, once it is
-        # Messages refused here (the node counts the messages it refuses).
-        self._rejected = 0
-        self.rejections = RejectionLog(_log, f"rank {self._rank}'s data socket")
-        # Received payload frames the node may still read, by token (the
-        # receive thread's alone).
-        self._lent: dict[int, zmq.Frame] = {}
-        self._next_token = 0
-        self._lends = bool(node.lends_payloads)
+        self.rejections = RejectionLog(_log, f"rank {int(node.rank)}'s data socket")
+        self._pump = self._start_pump(wait_timeout_s)
+        self._loops: PythonLoops | None = None
         self._stopping = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._send_loop, name="mltuner-send", daemon=True),
-            threading.Thread(target=self._receive_loop, name="mltuner-receive", daemon=True),
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._watcher: threading.Thread | None = None
+        if self._pump is None:
+            self._loops = PythonLoops(node, listeners, self._peers, self.rejections, queue_limit=queue_limit,
+                                      wait_timeout_s=wait_timeout_s)
+        else:
+            self._watcher = threading.Thread(target=self._watch, name="mltuner-guards", daemon=True)
+            self._watcher.start()
+
+    @property
+    def native(self) -> bool:
+        """Whether the C++ threads move the data (else Python threads do)."""
+        return self._pump is not None
+
+    def _start_pump(self, wait_timeout_s: float) -> _core.SocketPump | None:
+        if os.environ.get(_THREADS_VARIABLE, "").strip().lower() == "python":
+            return None
+        library = find_zmq_library()
+        if library is None:
+            _log.info("mltuner: no shared libzmq found in this process; the data plane runs on Python threads")
+            return None
+        try:
+            return _core.SocketPump(
+                self._node, library, {rank: socket.underlying for rank, socket in self._peers.items()},
+                [listener.socket.underlying for listener in self.listeners],
+                max(1, int(wait_timeout_s * 1000)), int(self._queue_limit()))
+        except MltunerError as error:
+            _log.info("mltuner: the data plane runs on Python threads: %s", error)
+            return None
 
     def stop(self, *, graceful: bool = True) -> None:
-        """Joins both threads and closes the sockets. Call after the node is
+        """Joins the threads and closes the sockets. Call after the node is
         shut down (its outbox is then closed and drains). Graceful, queued
         bytes get a second to leave."""
         self._stopping.set()
-        with self._room:
-            self._room.notify_all()
-        for thread in self._threads:
-            thread.join(10.0)
+        if self._watcher is not None:
+            self._watcher.join(10.0)
+        if self._pump is not None:
+            self._pump.stop()
+        if self._loops is not None:
+            self._loops.stop()
         linger_ms = 1000 if graceful and not self._node.aborted else 0
         for socket in self._peers.values():
             socket.close(linger=linger_ms)
@@ -149,132 +172,60 @@ class SocketTransport:
 
     @property
     def rejected(self) -> int:
-        """Frames refused here (the node counts the messages it refuses)."""
-        return self._rejected
+        """Messages refused here for their frame count (the node counts
+        the messages it refuses)."""
+        if self._pump is not None:
+            return int(self._pump.stats["refused_messages"])
+        assert self._loops is not None
+        return self._loops.rejected
+
+    @property
+    def stuck(self) -> str | None:
+        """Why a peer was declared stuck, once it is."""
+        if self._pump is not None:
+            return self._pump.stuck or None
+        assert self._loops is not None
+        return self._loops.stuck
+
+    @property
+    def peak_queued(self) -> dict[int, int]:
+        """The most payload bytes that waited in ZeroMQ for each peer."""
+        if self._pump is not None:
+            return dict(self._pump.stats["peak_queued_bytes"])
+        assert self._loops is not None
+        return dict(self._loops.peak_queued)
 
     def queued_bytes(self, rank: int) -> int:
         """Payload bytes waiting in ZeroMQ for peer ``rank``."""
-        with self._room:
-            return self._queued[rank]
-
-    # -- sending ------------------------------------------------------------------
-    def _send_loop(self) -> None:
-        while True:
-            taken = self._node.next_outgoing_batch(int(_POLL_S * 1000), _TAKE_MESSAGES, _TAKE_BYTES)
-            if not taken:
-                if self._stopping.is_set():
-                    return
-                continue
-            for receiver, header, payload in taken:
-                self._send(receiver, header, payload)
-
-    def _send(self, receiver: int, header: bytes, payload: Any) -> None:
-        size = payload.nbytes if isinstance(payload, np.ndarray) else len(payload)
-        if not self._wait_for_room(receiver, size):
-            return  # aborted or stopping: the message is dropped with the job
-        if self._send_frames(receiver, [header, payload]) and isinstance(payload, np.ndarray) and size:
-            with self._room:
-                self._queued[receiver] += size
-                self.peak_queued[receiver] = max(self.peak_queued[receiver], self._queued[receiver])
-            # ZeroMQ drops its reference once the bytes are out; then the
-            # array dies and its bytes leave the count.
-            weakref.finalize(payload, self._release, receiver, size)
-
-    def _release(self, receiver: int, size: int) -> None:
-        with self._room:
-            self._queued[receiver] -= size
-            self._room.notify_all()
-
-    def _wait_for_room(self, receiver: int, size: int) -> bool:
-        """Waits until peer ``receiver``'s queue can take ``size`` more bytes
-        (or is empty). False when the job stops or aborts first."""
-        deadline = time.monotonic() + self._wait_timeout
-        limit = self._queue_limit()
-        with self._room:
-            while self._queued[receiver] and self._queued[receiver] + size > limit:
-                if self._node.aborted or self._stopping.is_set():
-                    return False
-                if time.monotonic() >= deadline:
-                    self._declare_stuck(receiver)
-                    return False
-                self._room.wait(_POLL_S)
-        return True
-
-    def _send_frames(self, receiver: int, frames: list[Any]) -> bool:
-        # Non-blocking with a poll so that a stop or an abort ends the wait.
-        socket = self._peers[receiver]
-        deadline = time.monotonic() + self._wait_timeout
-        while not self._node.aborted:
-            try:
-                socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-                return True
-            except zmq.Again:
-                if time.monotonic() >= deadline:
-                    self._declare_stuck(receiver)
-                    return False
-                socket.poll(int(_POLL_S * 1000), zmq.POLLOUT)
-        return False
-
-    def _declare_stuck(self, receiver: int) -> None:
-        self.stuck = (f"worker rank {receiver} stopped taking data: {self._queued[receiver]} bytes have waited "
-                      f"for it for {self._wait_timeout:g} s (Config.wait_timeout_s) although its heartbeats still "
-                      "arrive: it is stuck, or far slower than this process")
-        _log.error("mltuner: %s", self.stuck)
-        self._node.abort(self.stuck)
-
-    # -- receiving ----------------------------------------------------------------
-    def _receive_loop(self) -> None:
-        poller = zmq.Poller()
-        for listener in self.listeners:
-            poller.register(listener.socket, zmq.POLLIN)
-            poller.register(listener.guard.monitor, zmq.POLLIN)
-        while not self._stopping.is_set():
-            ready = dict(poller.poll(int(_POLL_S * 1000)))
-            for listener in self.listeners:
-                if listener.socket in ready:
-                    self._drain(listener.socket)
-                if listener.guard.monitor in ready:
-                    listener.guard.handle_events()
-            if self._lent:
-                self._free_released()
-
-    def _free_released(self) -> None:
-        """Drops the payload frames the node no longer reads."""
-        for token in self._node.take_released_payloads():
-            self._lent.pop(token, None)
+        if self._pump is not None:
+            return int(self._pump.stats["queued_bytes"][rank])
+        assert self._loops is not None
+        return self._loops.queued_bytes(rank)
 
     @property
     def lent_payloads(self) -> int:
         """Received payload frames kept for the node (used in place)."""
-        return len(self._lent)
+        if self._pump is not None:
+            return int(self._pump.stats["lent_payloads"])
+        assert self._loops is not None
+        return self._loops.lent_payloads
 
-    def _drain(self, inbox: zmq.Socket[bytes]) -> None:
-        for _ in range(256):  # then look at the guards again
-            try:
-                frames = inbox.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            if len(frames) == 2:
-                self._on_data(frames[0], frames[1])
-            else:
-                self._reject(f"a message of {len(frames)} frames")
-
-    def _on_data(self, header: zmq.Frame, payload: zmq.Frame) -> None:
-        token = -1  # copied by the node before deliver returns
-        if self._lends and len(payload) >= _LEND_MIN_BYTES:
-            # Kept before the node sees it: the token may come back at once.
-            token = self._next_token
-            self._next_token += 1
-            self._lent[token] = payload
-        try:
-            self._node.deliver(header.buffer, payload.buffer, token)
-        except CorruptMessageError as error:  # counted by the node
-            self.rejections.record(str(error))
-        except WaitTimeoutError as error:  # an inbox stayed full: the node is aborted with why
-            if self.stuck is None:
-                self.stuck = str(error)
-                _log.error("mltuner: %s", error)
-
-    def _reject(self, what: str) -> None:
-        self._rejected += 1
-        self.rejections.record(what)
+    def _watch(self) -> None:
+        """With the C++ threads: the guards, the log of refused input and the
+        plan's queue bound (which changes as tables are made)."""
+        assert self._pump is not None
+        poller = zmq.Poller()
+        for listener in self.listeners:
+            poller.register(listener.guard.monitor, zmq.POLLIN)
+        limit = -1
+        while not self._stopping.is_set():
+            ready = dict(poller.poll(int(_WATCH_S * 1000)))
+            for listener in self.listeners:
+                if listener.guard.monitor in ready:
+                    listener.guard.handle_events()
+            for why in self._pump.take_refusals():
+                self.rejections.record(why)
+            latest = int(self._queue_limit())
+            if latest != limit:
+                self._pump.set_queue_limit(latest)
+                limit = latest

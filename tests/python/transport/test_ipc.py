@@ -235,7 +235,7 @@ def test_a_killed_process_directory_is_removed_by_the_next_job(monkeypatch: pyte
     assert not first.path.exists()
 
 
-def test_received_payloads_are_used_in_place_and_all_handed_back() -> None:
+def test_received_payloads_are_used_in_place_and_all_handed_back(socket_threads: str) -> None:
     # On the CPU backend the node reads each received payload where ZeroMQ
     # put it; the transport keeps the frame until the node hands it back.
     # Payloads of a few KiB share ZeroMQ's receive buffer at any byte offset

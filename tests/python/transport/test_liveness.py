@@ -13,7 +13,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -27,13 +27,19 @@ SLICE_BYTES = ROWS // 2 * WIDTH * 4
 LIMIT = 1 << 20
 
 
-def stall_receiver(job: mltuner.Job, seconds: float) -> list[float]:
+def stall_receiver(job: mltuner.Job, seconds: float) -> Callable[[], bool]:
     """Makes the job's data receive thread sleep once, at the first update
     of the training (the first message with a large payload), as a receiver
-    far slower than its sender would; returns the times the stall started
-    and ended."""
+    far slower than its sender would; returns a check that the stall was
+    done in full."""
     transport = job._transport  # noqa: SLF001 - the test reaches into the receive path
-    deliver = transport._on_data  # noqa: SLF001
+    assert transport is not None
+    pump = transport._pump  # noqa: SLF001
+    if pump is not None:
+        pump.stall_next_delivery(SLICE_BYTES, int(seconds * 1000))
+        return lambda: bool(pump.stats["stalls"] == 1)
+    loops = transport._loops  # noqa: SLF001
+    deliver = loops._on_data  # noqa: SLF001
     times: list[float] = []
 
     def slow(header: Any, payload: Any) -> None:
@@ -43,20 +49,21 @@ def stall_receiver(job: mltuner.Job, seconds: float) -> list[float]:
             times.append(time.monotonic())
         deliver(header, payload)
 
-    transport._on_data = slow  # noqa: SLF001
-    return times
+    loops._on_data = slow  # noqa: SLF001
+    return lambda: len(times) == 2 and times[1] - times[0] >= seconds
 
 
-def test_a_receiver_stalled_longer_than_the_heartbeat_timeout_is_not_lost() -> None:
+def test_a_receiver_stalled_longer_than_the_heartbeat_timeout_is_not_lost(socket_threads: str) -> None:
     jobs = start_pair(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, max_queued_bytes=LIMIT)
+    assert all(job._transport.native == (socket_threads == "c++") for job in jobs)  # noqa: SLF001
     try:
-        stall = stall_receiver(jobs[1], 2.5)
+        stalled = stall_receiver(jobs[1], 2.5)
         # An unread table: nothing holds rank 0 back but the transport, so its
         # updates pile up behind the stalled receiver.
         results = train_adds(jobs, ROWS, WIDTH, clocks=120, read=False)
         for result in results:
             np.testing.assert_array_equal(result, np.full((ROWS, WIDTH), 3.0 * 120, dtype=np.float32))
-        assert len(stall) == 2 and stall[1] - stall[0] >= 2.5  # the stall happened, 2.5x the timeout
+        assert stalled()  # the stall happened, 2.5x the timeout
         sender = jobs[0]._transport  # noqa: SLF001
         # Back-pressure: what waited for rank 1 reached the bound and never
         # passed it in ZeroMQ; in the node's outbox behind it the engine's
@@ -74,7 +81,7 @@ def test_a_receiver_stalled_longer_than_the_heartbeat_timeout_is_not_lost() -> N
         close_pair(jobs)
 
 
-def test_a_receiver_that_takes_nothing_fails_the_sender_within_the_wait_timeout() -> None:
+def test_a_receiver_that_takes_nothing_fails_the_sender_within_the_wait_timeout(socket_threads: str) -> None:
     config = mltuner.Config(update_rule=mltuner.UpdateRule("add"), wait_timeout_s=2.0)
     jobs = start_pair(config, heartbeat_interval_s=0.1, heartbeat_timeout_s=10.0, max_queued_bytes=LIMIT)
     try:

@@ -50,7 +50,7 @@ class DeviceIpc {
   // announces was queued before its notice was sent).
   virtual Status PeerWrites(int peer, DeviceEvent* ready) = 0;
   // Blocks until ticket `event` (of this device) completes, for at most
-  // timeout_ms, then kTimeout.
+  // timeout_ms, then kTimeout (0: a query, never a wait).
   virtual Status WaitDone(const DeviceEvent& event, int64_t timeout_ms) = 0;
 
  protected:

@@ -22,8 +22,10 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <string>
 #include <vector>
@@ -204,6 +206,17 @@ class ProcessNode final : public Transport {
   const int rank_;
   const int num_workers_;
   const int64_t wait_timeout_ms_;
+  // CUDA IPC releases taken from the outbox before the reads they allow to
+  // be overwritten were done (the send thread's). They leave once those
+  // are, so no message behind them waits for the device.
+  struct HeldRelease {
+    OutgoingMessage message;
+    std::chrono::steady_clock::time_point since;
+  };
+  std::deque<HeldRelease> held_releases_;
+  // Moves the held releases whose reads are done to *out; kTimeout once one
+  // has waited longer than the wait timeout.
+  Status TakeFinishedReleases(std::vector<OutgoingMessage>* out);
   std::shared_ptr<DeviceBufferPool> frames_;
   std::unique_ptr<BorrowedFrames> borrowed_;
   std::unique_ptr<IpcLinks> ipc_;  // before queues_: the shard host asks it

@@ -189,10 +189,15 @@ Status IpcLinks::Land(const IpcEnvelope& notice, std::shared_ptr<DeviceBuffer>* 
   return Status::Ok();
 }
 
-Status IpcLinks::WaitDone(const DeviceEvent& event, int64_t timeout_ms) {
+Status IpcLinks::IsDone(const DeviceEvent& event, bool* done) {
+  *done = true;
   if (!event) return Status::Ok();
-  if (!ipc_) return device_->WaitEventDone(event);
-  return ipc_->WaitDone(event, timeout_ms);
+  const Status waited = ipc_ ? ipc_->WaitDone(event, 0) : device_->WaitEventDone(event);
+  if (waited.code() == StatusCode::kTimeout) {
+    *done = false;
+    return Status::Ok();
+  }
+  return waited;
 }
 
 IpcStats IpcLinks::stats() const {

@@ -11,8 +11,9 @@
 // slice (outside it, or over bytes still in use: refused as corrupt, never
 // read), makes its stream wait on the sender's event, and hands the bytes
 // on as a read-only device buffer. When that buffer's last reader lets go,
-// a release goes back (after the reads' ticket completes, which the send
-// thread waits for with a timeout) and the sender may use the range again.
+// a release goes back (once the reads' ticket completes: the send thread
+// holds it until then, up to the wait timeout, and sends what queued behind
+// it meanwhile) and the sender may use the range again.
 // A payload that finds no room in its slice, or a peer without IPC, goes
 // through pinned host frames as before: nothing ever waits for room here,
 // so the shard's replies keep their rule of never waiting.
@@ -85,8 +86,8 @@ class IpcLinks {
   // it; *out: a read-only buffer over the landed bytes, ready once the
   // sender's copy is. kCorruptMessage naming the problem otherwise.
   Status Land(const IpcEnvelope& notice, std::shared_ptr<DeviceBuffer>* out);
-  // Blocks until ticket `event` completes, up to timeout_ms (kTimeout).
-  Status WaitDone(const DeviceEvent& event, int64_t timeout_ms);
+  // Whether ticket `event` is complete (no wait).
+  Status IsDone(const DeviceEvent& event, bool* done);
 
   IpcStats stats() const;
 

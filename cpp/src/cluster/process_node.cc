@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <deque>
+#include <thread>
 #include <utility>
 
 #include "cluster/ipc_links.h"
@@ -248,19 +249,43 @@ bool ProcessNode::NextOutgoing(int timeout_ms, OutgoingMessage* out) {
 }
 
 std::vector<OutgoingMessage> ProcessNode::NextOutgoingBatch(int timeout_ms, size_t max_messages, size_t max_bytes) {
-  std::vector<OutgoingMessage> taken = queues_->PopOutgoing(timeout_ms, max_messages, max_bytes);
-  for (OutgoingMessage& message : taken) {
-    Status copied = WaitReady(message.frame.get());
-    if (copied.ok() && message.after) {
-      copied = ipc_->WaitDone(message.after, wait_timeout_ms_);
-      message.after.reset();
+  using SteadyClock = std::chrono::steady_clock;
+  const auto deadline = SteadyClock::now() + std::chrono::milliseconds(std::max(timeout_ms, 0));
+  std::vector<OutgoingMessage> taken;
+  auto pause = std::chrono::microseconds(10);
+  while (true) {
+    Status checked = TakeFinishedReleases(&taken);
+    // While releases wait for the device, look at the outbox without
+    // sleeping on it, and look at them again soon.
+    const bool look_only = !taken.empty() || !held_releases_.empty();
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - SteadyClock::now());
+    std::vector<OutgoingMessage> popped =
+        queues_->PopOutgoing(look_only ? 0 : static_cast<int>(std::max<int64_t>(left.count(), 0)), max_messages,
+                             max_bytes);
+    for (OutgoingMessage& message : popped) {
+      if (!checked.ok()) break;
+      checked = WaitReady(message.frame.get());
+      if (message.frame) message.frame->ready.reset();
+      if (message.after) {
+        held_releases_.push_back({std::move(message), SteadyClock::now()});
+      } else {
+        taken.push_back(std::move(message));
+      }
     }
-    if (!copied.ok()) {
-      // The device failed under the copy: the engine's threads report it too.
-      Abort(copied.WithContext("worker " + std::to_string(rank_) + "'s send thread"));
+    if (checked.ok() && !popped.empty()) checked = TakeFinishedReleases(&taken);
+    if (!checked.ok()) {
+      // The device failed under a copy or a release's reads: the engine's
+      // threads report it too.
+      Abort(checked.WithContext("worker " + std::to_string(rank_) + "'s send thread"));
       return {};
     }
-    if (message.frame) message.frame->ready.reset();
+    if (!taken.empty() || SteadyClock::now() >= deadline) break;
+    if (held_releases_.empty()) {
+      if (popped.empty()) break;  // the wait ran out, or the outbox is closed and drained
+      continue;
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(200));
   }
   if (taken.size() < 2) return taken;
   // Per receiver, in order: each run of small messages becomes one batch (a
@@ -297,6 +322,26 @@ std::vector<OutgoingMessage> ProcessNode::NextOutgoingBatch(int timeout_ms, size
     flush();
   }
   return out;
+}
+
+Status ProcessNode::TakeFinishedReleases(std::vector<OutgoingMessage>* out) {
+  for (auto held = held_releases_.begin(); held != held_releases_.end();) {
+    bool done = false;
+    MLT_RETURN_IF_ERROR(ipc_->IsDone(held->message.after, &done));
+    if (!done) {
+      const auto waited = std::chrono::steady_clock::now() - held->since;
+      if (waited > std::chrono::milliseconds(wait_timeout_ms_)) {
+        return Status::Timeout("CUDA IPC: the reads a release waits for did not finish within " +
+                               std::to_string(wait_timeout_ms_) + " ms");
+      }
+      ++held;
+      continue;
+    }
+    held->message.after.reset();
+    out->push_back(std::move(held->message));
+    held = held_releases_.erase(held);
+  }
+  return Status::Ok();
 }
 
 Status ProcessNode::JoinBatch(int receiver, const std::vector<OutgoingMessage>& messages,

@@ -6,6 +6,7 @@
 // slice too small for some payloads, which fall back to host frames), and
 // the refusal of malformed notices and releases, none of which reads or
 // writes out of bounds. The real CUDA path is tests/python/.../test_cuda_ipc.py.
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -30,9 +31,13 @@ using namespace mltuner;
 namespace {
 
 // A landing region in host memory; the handle is its address and size.
+// With `not_done_answers` n > 0, WaitDone answers "not done yet" n times
+// in every n + 1 queries, as a GPU's reads still running would.
+std::atomic<int64_t> not_done_answers_given{0};
 class HostIpc final : public DeviceIpc {
  public:
-  explicit HostIpc(size_t bytes) : region_(bytes / sizeof(float) + 1, 0.0f), bytes_(bytes) {
+  explicit HostIpc(size_t bytes, int not_done_answers = 0)
+      : region_(bytes / sizeof(float) + 1, 0.0f), bytes_(bytes), not_done_answers_(not_done_answers) {
     handle_.resize(2 * sizeof(uint64_t));
     const auto address = reinterpret_cast<uint64_t>(region_.data());
     const uint64_t size = bytes;
@@ -67,11 +72,19 @@ class HostIpc final : public DeviceIpc {
     ready->reset();
     return Status::Ok();
   }
-  Status WaitDone(const DeviceEvent&, int64_t) override { return Status::Ok(); }
+  Status WaitDone(const DeviceEvent&, int64_t timeout_ms) override {
+    if (timeout_ms == 0 && not_done_answers_ > 0 && ++queries_ % (not_done_answers_ + 1) != 0) {
+      not_done_answers_given.fetch_add(1);
+      return Status::Timeout("not done yet");
+    }
+    return Status::Ok();
+  }
 
  private:
   std::vector<float> region_;
   size_t bytes_;
+  const int not_done_answers_;
+  std::atomic<int64_t> queries_{0};
   std::string handle_;
   std::mutex mu_;
   std::map<int, std::pair<char*, size_t>> peers_;
@@ -80,11 +93,15 @@ class HostIpc final : public DeviceIpc {
 // The CPU backend, or another device, with HostIpc exports.
 class HostIpcDevice final : public ForwardingDevice {
  public:
-  explicit HostIpcDevice(std::unique_ptr<Device> inner = NewCpuDevice()) : ForwardingDevice(std::move(inner)) {}
+  explicit HostIpcDevice(std::unique_ptr<Device> inner = NewCpuDevice(), int not_done_answers = 0)
+      : ForwardingDevice(std::move(inner)), not_done_answers_(not_done_answers) {}
   Status ExportIpc(size_t region_bytes, std::unique_ptr<DeviceIpc>* out) override {
-    *out = std::make_unique<HostIpc>(region_bytes);
+    *out = std::make_unique<HostIpc>(region_bytes, not_done_answers_);
     return Status::Ok();
   }
+
+ private:
+  const int not_done_answers_;
 };
 
 Config TestConfig() {
@@ -103,6 +120,13 @@ Status MakeHostIpcDevice(int, std::unique_ptr<Device>* out) {
 // The same over a GPU-like device (gpu_like_device.h): the paths a GPU takes.
 Status MakeGpuLikeIpcDevice(int, std::unique_ptr<Device>* out) {
   *out = std::make_unique<HostIpcDevice>(std::make_unique<GpuLikeDevice>());
+  return Status::Ok();
+}
+
+// GPU-like, with releases whose reads are "not done" the first 3 times the
+// send thread asks: it holds them and sends what queued behind them.
+Status MakeSlowReleaseIpcDevice(int, std::unique_ptr<Device>* out) {
+  *out = std::make_unique<HostIpcDevice>(std::make_unique<GpuLikeDevice>(), 3);
   return Status::Ok();
 }
 
@@ -221,6 +245,25 @@ TEST(TrainingThroughIpcIsBitIdenticalToOneProcess) {
       EXPECT_TRUE(ipc.releases_received > 0 && ipc.releases_received <= ipc.sent_messages);
       EXPECT_TRUE(peer.releases_sent >= ipc.releases_received);
     }
+  }
+}
+
+TEST(ReleasesWaitingForTheirReadsHoldNothingBackAndAllLeave) {
+  const Config config = TestConfig();
+  constexpr int kClocks = 16;
+  std::vector<float> local[2];
+  testing::TrainInOneProcess(config, kClocks, local);
+  not_done_answers_given = 0;
+  testing::TwoNodeRun remote;
+  testing::TrainInTwoProcesses(config, MakeSlowReleaseIpcDevice, kClocks, &remote, {}, false, /*batches=*/true,
+                               LinkBoth(size_t{1} << 20));
+  EXPECT_TRUE(not_done_answers_given.load() > 0);  // releases were held
+  EXPECT_EQ(remote.rejected, 0);
+  for (int rank = 0; rank < 2; ++rank) {
+    testing::ExpectSameBits(remote.values[rank], local[rank]);
+    const IpcStats& ipc = remote.ipc[rank];
+    EXPECT_EQ(ipc.fallbacks, 0);  // every range came back in time for the next clock's payloads
+    EXPECT_TRUE(ipc.releases_received > 0 && remote.ipc[1 - rank].releases_sent >= ipc.releases_received);
   }
 }
 

@@ -1,5 +1,6 @@
 #include "cluster/ipc_links.h"
 
+#include <chrono>
 #include <utility>
 
 namespace mltuner {
@@ -110,9 +111,17 @@ Status IpcLinks::TrySend(int peer, DeviceBuffer* buffer, const std::string& mess
   {
     MutexLock lock(&send_mu_);
     ByteRanges& ranges = *sending_[peer];
-    if (!ranges.FindFree(bytes, kAlignment, &span.offset)) {
-      ++send_stats_.fallbacks;
-      return Status::Ok();
+    // A full slice gets back what the peer reads as soon as its releases
+    // come, typically within a clock's kernels: wait for that as long as
+    // the host-frame path would take (about kHostPathBytesPerSecond), never
+    // longer, and never when nothing is out to come back.
+    const auto deadline = std::chrono::steady_clock::now() +
+                          std::chrono::microseconds(static_cast<int64_t>(bytes * 1e6 / kHostPathBytesPerSecond));
+    while (!ranges.FindFree(bytes, kAlignment, &span.offset)) {
+      if (bytes > ranges.capacity() || ranges.used_bytes() == 0 || !released_.WaitUntil(deadline)) {
+        ++send_stats_.fallbacks;
+        return Status::Ok();
+      }
     }
     MLT_RETURN_IF_ERROR(ranges.Claim(span.offset, bytes));
     span.bytes = bytes;
@@ -142,6 +151,7 @@ Status IpcLinks::OnRelease(const IpcEnvelope& release) {
   MLT_RETURN_IF_ERROR(sending_[peer]->Free(release.span.offset, release.span.bytes)
                           .WithContext("a CUDA IPC release from worker " + std::to_string(peer)));
   ++send_stats_.releases_received;
+  released_.NotifyAll();
   return Status::Ok();
 }
 

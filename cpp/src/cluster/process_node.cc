@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <chrono>
 #include <deque>
-#include <thread>
 #include <utility>
 
 #include "cluster/ipc_links.h"
@@ -54,14 +53,14 @@ class ProcessNode::Queues {
     return WaitForRoom(0, timeout_ms);
   }
 
-  // Waits up to timeout_ms for a message, then takes the queued ones in
+  // Waits up to `timeout` for a message, then takes the queued ones in
   // order: at most max_messages, past the first only while their payloads
   // total at most max_bytes.
-  std::vector<OutgoingMessage> PopOutgoing(int timeout_ms, size_t max_messages, size_t max_bytes) {
+  std::vector<OutgoingMessage> PopOutgoing(std::chrono::microseconds timeout, size_t max_messages, size_t max_bytes) {
     std::vector<OutgoingMessage> taken;
     {
       MutexLock lock(&mu);
-      const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms < 0 ? 0 : timeout_ms);
+      const auto deadline = std::chrono::steady_clock::now() + std::max(timeout, std::chrono::microseconds(0));
       while (!closed && outbox.empty()) {
         if (!ready.WaitUntil(deadline)) break;
       }
@@ -255,13 +254,16 @@ std::vector<OutgoingMessage> ProcessNode::NextOutgoingBatch(int timeout_ms, size
   auto pause = std::chrono::microseconds(10);
   while (true) {
     Status checked = TakeFinishedReleases(&taken);
-    // While releases wait for the device, look at the outbox without
-    // sleeping on it, and look at them again soon.
-    const bool look_only = !taken.empty() || !held_releases_.empty();
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - SteadyClock::now());
-    std::vector<OutgoingMessage> popped =
-        queues_->PopOutgoing(look_only ? 0 : static_cast<int>(std::max<int64_t>(left.count(), 0)), max_messages,
-                             max_bytes);
+    // While releases wait for the device, wait for the outbox only briefly
+    // (a new message still wakes this at once), and look at them again.
+    std::chrono::microseconds wait = std::chrono::duration_cast<std::chrono::microseconds>(deadline - SteadyClock::now());
+    if (!taken.empty()) {
+      wait = std::chrono::microseconds(0);
+    } else if (!held_releases_.empty()) {
+      wait = std::min(wait, pause);
+      pause = std::min(pause * 2, std::chrono::microseconds(200));
+    }
+    std::vector<OutgoingMessage> popped = queues_->PopOutgoing(wait, max_messages, max_bytes);
     for (OutgoingMessage& message : popped) {
       if (!checked.ok()) break;
       checked = WaitReady(message.frame.get());
@@ -280,12 +282,8 @@ std::vector<OutgoingMessage> ProcessNode::NextOutgoingBatch(int timeout_ms, size
       return {};
     }
     if (!taken.empty() || SteadyClock::now() >= deadline) break;
-    if (held_releases_.empty()) {
-      if (popped.empty()) break;  // the wait ran out, or the outbox is closed and drained
-      continue;
-    }
-    std::this_thread::sleep_for(pause);
-    pause = std::min(pause * 2, std::chrono::microseconds(200));
+    // The wait ran out with nothing held, or the outbox is closed and drained.
+    if (held_releases_.empty() && popped.empty()) break;
   }
   if (taken.size() < 2) return taken;
   // Per receiver, in order: each run of small messages becomes one batch (a

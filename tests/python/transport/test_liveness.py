@@ -85,7 +85,6 @@ def test_a_receiver_that_takes_nothing_fails_the_sender_within_the_wait_timeout(
     config = mltuner.Config(update_rule=mltuner.UpdateRule("add"), wait_timeout_s=2.0)
     jobs = start_pair(config, heartbeat_interval_s=0.1, heartbeat_timeout_s=10.0, max_queued_bytes=LIMIT)
     try:
-        stall_receiver(jobs[1], 6.0)
         outcome: dict[str, Any] = {}
 
         def run(rank: int) -> None:
@@ -96,6 +95,10 @@ def test_a_receiver_that_takes_nothing_fails_the_sender_within_the_wait_timeout(
             worker.virtual_clock()
             worker.finish_virtual_iteration()
             worker.start_iterations()
+            if rank == 1:
+                # Armed now, so the stall takes a training update, not the
+                # initial values (whose wait has the same short timeout).
+                stall_receiver(jobs[1], 6.0)
             started = time.monotonic()
             try:
                 # An unread table: rank 0 clocks on, two clocks ahead of rank

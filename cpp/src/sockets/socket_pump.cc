@@ -185,8 +185,14 @@ class SocketPump::Impl {
         counts_->peak[receiver] = std::max(counts_->peak[receiver], queued);
       }
       // ZeroMQ calls FreeSentPayload once the bytes are out (or the send fails).
-      zmq_.msg_init_data(&payload, const_cast<float*>(sent->message.payload_values()), bytes, &FreeSentPayload,
-                         sent);
+      if (zmq_.msg_init_data(&payload, const_cast<float*>(sent->message.payload_values()), bytes, &FreeSentPayload,
+                             sent) != 0) {
+        const std::string why = zmq_.Describe(zmq_.errno_());
+        FreeSentPayload(nullptr, sent);
+        zmq_.msg_close(&header);
+        node_->Abort(Status::ResourceExhausted("the send thread could not make a message: " + why));
+        return;
+      }
     } else {
       zmq_.msg_init_size(&payload, bytes);
       if (bytes > 0) std::memcpy(zmq_.msg_data(&payload), message.payload_values(), bytes);

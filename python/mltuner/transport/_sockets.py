@@ -95,6 +95,64 @@ def find_zmq_library() -> str | None:
     return paths.pop() if len(paths) == 1 else None
 
 
+class NativeLoops:
+    """The C++ send and receive threads (``_core.SocketPump``) and the Python
+    thread beside them that watches the guards, logs refused input and
+    passes on the plan's queue bound (which changes as tables are made)."""
+
+    def __init__(self, pump: _core.SocketPump, listeners: list[Listener], rejections: RejectionLog,
+                 queue_limit: Callable[[], int]) -> None:
+        self.pump = pump
+        self._listeners = listeners
+        self._rejections = rejections
+        self._queue_limit = queue_limit
+        self._stopping = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="mltuner-guards", daemon=True)
+        self._watcher.start()
+
+    def stop(self) -> None:
+        """Joins every thread (the sockets stay open)."""
+        self._stopping.set()
+        self._watcher.join(10.0)
+        self.pump.stop()
+
+    @property
+    def rejected(self) -> int:
+        return int(self.pump.stats["refused_messages"])
+
+    @property
+    def stuck(self) -> str | None:
+        return self.pump.stuck or None
+
+    @property
+    def peak_queued(self) -> dict[int, int]:
+        return dict(self.pump.stats["peak_queued_bytes"])
+
+    def queued_bytes(self, rank: int) -> int:
+        return int(self.pump.stats["queued_bytes"][rank])
+
+    @property
+    def lent_payloads(self) -> int:
+        return int(self.pump.stats["lent_payloads"])
+
+    def _watch(self) -> None:
+        poller = zmq.Poller()
+        for listener in self._listeners:
+            poller.register(listener.guard.monitor, zmq.POLLIN)
+        limit = -1
+        while not self._stopping.is_set():
+            ready = dict(poller.poll(int(_WATCH_S * 1000)))
+            for listener in self._listeners:
+                if listener.guard.monitor in ready:
+                    listener.guard.handle_events()
+            for why in self.pump.take_refusals():
+                self._rejections.record(why)
+            latest = int(self._queue_limit())
+            if latest != limit:
+                self.pump.set_queue_limit(latest)
+                limit = latest
+
+
 class SocketTransport:
     """The data send and receive threads of one process (see the module doc).
 
@@ -121,21 +179,16 @@ class SocketTransport:
         self._peers = push_sockets(context, peers, security, io_thread=DATA_IO_THREAD,
                                    send_queue=SEND_QUEUE_MESSAGES)
         self.rejections = RejectionLog(_log, f"rank {int(node.rank)}'s data socket")
-        self._pump = self._start_pump(wait_timeout_s)
-        self._loops: PythonLoops | None = None
-        self._stopping = threading.Event()
-        self._watcher: threading.Thread | None = None
-        if self._pump is None:
-            self._loops = PythonLoops(node, listeners, self._peers, self.rejections, queue_limit=queue_limit,
-                                      wait_timeout_s=wait_timeout_s)
-        else:
-            self._watcher = threading.Thread(target=self._watch, name="mltuner-guards", daemon=True)
-            self._watcher.start()
+        pump = self._start_pump(wait_timeout_s)
+        self._loops: NativeLoops | PythonLoops = (
+            NativeLoops(pump, listeners, self.rejections, queue_limit) if pump is not None
+            else PythonLoops(node, listeners, self._peers, self.rejections, queue_limit=queue_limit,
+                             wait_timeout_s=wait_timeout_s))
 
     @property
     def native(self) -> bool:
         """Whether the C++ threads move the data (else Python threads do)."""
-        return self._pump is not None
+        return isinstance(self._loops, NativeLoops)
 
     def _start_pump(self, wait_timeout_s: float) -> _core.SocketPump | None:
         if os.environ.get(_THREADS_VARIABLE, "").strip().lower() == "python":
@@ -157,13 +210,7 @@ class SocketTransport:
         """Joins the threads and closes the sockets. Call after the node is
         shut down (its outbox is then closed and drains). Graceful, queued
         bytes get a second to leave."""
-        self._stopping.set()
-        if self._watcher is not None:
-            self._watcher.join(10.0)
-        if self._pump is not None:
-            self._pump.stop()
-        if self._loops is not None:
-            self._loops.stop()
+        self._loops.stop()
         linger_ms = 1000 if graceful and not self._node.aborted else 0
         for socket in self._peers.values():
             socket.close(linger=linger_ms)
@@ -174,58 +221,23 @@ class SocketTransport:
     def rejected(self) -> int:
         """Messages refused here for their frame count (the node counts
         the messages it refuses)."""
-        if self._pump is not None:
-            return int(self._pump.stats["refused_messages"])
-        assert self._loops is not None
         return self._loops.rejected
 
     @property
     def stuck(self) -> str | None:
         """Why a peer was declared stuck, once it is."""
-        if self._pump is not None:
-            return self._pump.stuck or None
-        assert self._loops is not None
         return self._loops.stuck
 
     @property
     def peak_queued(self) -> dict[int, int]:
         """The most payload bytes that waited in ZeroMQ for each peer."""
-        if self._pump is not None:
-            return dict(self._pump.stats["peak_queued_bytes"])
-        assert self._loops is not None
         return dict(self._loops.peak_queued)
 
     def queued_bytes(self, rank: int) -> int:
         """Payload bytes waiting in ZeroMQ for peer ``rank``."""
-        if self._pump is not None:
-            return int(self._pump.stats["queued_bytes"][rank])
-        assert self._loops is not None
         return self._loops.queued_bytes(rank)
 
     @property
     def lent_payloads(self) -> int:
         """Received payload frames kept for the node (used in place)."""
-        if self._pump is not None:
-            return int(self._pump.stats["lent_payloads"])
-        assert self._loops is not None
         return self._loops.lent_payloads
-
-    def _watch(self) -> None:
-        """With the C++ threads: the guards, the log of refused input and the
-        plan's queue bound (which changes as tables are made)."""
-        assert self._pump is not None
-        poller = zmq.Poller()
-        for listener in self.listeners:
-            poller.register(listener.guard.monitor, zmq.POLLIN)
-        limit = -1
-        while not self._stopping.is_set():
-            ready = dict(poller.poll(int(_WATCH_S * 1000)))
-            for listener in self.listeners:
-                if listener.guard.monitor in ready:
-                    listener.guard.handle_events()
-            for why in self._pump.take_refusals():
-                self.rejections.record(why)
-            latest = int(self._queue_limit())
-            if latest != limit:
-                self._pump.set_queue_limit(latest)
-                limit = latest

@@ -34,11 +34,11 @@ def stall_receiver(job: mltuner.Job, seconds: float) -> Callable[[], bool]:
     done in full."""
     transport = job._transport  # noqa: SLF001 - the test reaches into the receive path
     assert transport is not None
-    pump = transport._pump  # noqa: SLF001
-    if pump is not None:
+    loops = transport._loops  # noqa: SLF001
+    if transport.native:
+        pump = loops.pump
         pump.stall_next_delivery(SLICE_BYTES, int(seconds * 1000))
         return lambda: bool(pump.stats["stalls"] == 1)
-    loops = transport._loops  # noqa: SLF001
     deliver = loops._on_data  # noqa: SLF001
     times: list[float] = []
 

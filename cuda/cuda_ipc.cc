@@ -113,6 +113,13 @@ class CudaIpc final : public DeviceIpc {
     slot.region = region;
     slot.region_bytes = region_bytes;
     slot.event = opened;
+    // Where the peer's region lives, in this process's numbering of devices.
+    cudaPointerAttributes where{};
+    if (cudaPointerGetAttributes(&where, region) == cudaSuccess) {
+      slot.same_device = where.device == ordinal_;
+    } else {
+      cudaGetLastError();  // unknown: treated as another device
+    }
     return Status::Ok();
   }
 
@@ -174,11 +181,18 @@ class CudaIpc final : public DeviceIpc {
     }
   }
 
+  bool SameDevice(int peer) const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    const Peer* found = Find(peer);
+    return found != nullptr && found->same_device;
+  }
+
  private:
   struct Peer {
     void* region = nullptr;
     size_t region_bytes = 0;
     cudaEvent_t event = nullptr;
+    bool same_device = false;
   };
 
   const Peer* Find(int peer) const {
@@ -207,7 +221,7 @@ class CudaIpc final : public DeviceIpc {
   cudaStream_t send_ = nullptr;
   cudaStream_t receive_ = nullptr;
   std::string handle_;
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::vector<Peer> peers_;  // by rank; guarded by mu_
 };
 

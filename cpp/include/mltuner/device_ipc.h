@@ -52,6 +52,9 @@ class DeviceIpc {
   // Blocks until ticket `event` (of this device) completes, for at most
   // timeout_ms, then kTimeout (0: a query, never a wait).
   virtual Status WaitDone(const DeviceEvent& event, int64_t timeout_ms) = 0;
+  // Whether open peer `peer`'s region lives on this process's device (two
+  // processes time-sharing one GPU). Default: no.
+  virtual bool SameDevice(int /*peer*/) const { return false; }
 
  protected:
   DeviceIpc() = default;

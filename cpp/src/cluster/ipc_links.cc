@@ -199,10 +199,14 @@ Status IpcLinks::Land(const IpcEnvelope& notice, std::shared_ptr<DeviceBuffer>* 
   return Status::Ok();
 }
 
+Status IpcLinks::WaitDone(const DeviceEvent& event, int64_t timeout_ms) {
+  if (!event) return Status::Ok();
+  return ipc_ ? ipc_->WaitDone(event, timeout_ms) : device_->WaitEventDone(event);
+}
+
 Status IpcLinks::IsDone(const DeviceEvent& event, bool* done) {
   *done = true;
-  if (!event) return Status::Ok();
-  const Status waited = ipc_ ? ipc_->WaitDone(event, 0) : device_->WaitEventDone(event);
+  const Status waited = WaitDone(event, 0);
   if (waited.code() == StatusCode::kTimeout) {
     *done = false;
     return Status::Ok();

@@ -96,6 +96,13 @@ class IpcLinks {
   Status Land(const IpcEnvelope& notice, std::shared_ptr<DeviceBuffer>* out);
   // Whether ticket `event` is complete (no wait).
   Status IsDone(const DeviceEvent& event, bool* done);
+  // Blocks until ticket `event` completes, up to timeout_ms (kTimeout).
+  Status WaitDone(const DeviceEvent& event, int64_t timeout_ms);
+  // Whether peer's landing region lives on this process's device: the two
+  // processes time-share one GPU, which finishes a release's reads late, so
+  // releases to that peer leave in order (a release held aside would let the
+  // notices behind it overtake, and the peer's next payload wait for room).
+  bool SharesDeviceWith(int peer) const { return ipc_ != nullptr && ipc_->SameDevice(peer); }
 
   IpcStats stats() const;
 

@@ -268,9 +268,12 @@ std::vector<OutgoingMessage> ProcessNode::NextOutgoingBatch(int timeout_ms, size
       if (!checked.ok()) break;
       checked = WaitReady(message.frame.get());
       if (message.frame) message.frame->ready.reset();
-      if (message.after) {
+      if (message.after && !ipc_->SharesDeviceWith(message.receiver)) {
         held_releases_.push_back({std::move(message), SteadyClock::now()});
       } else {
+        // In order: a release for a peer on this device waits here (IpcLinks::SharesDeviceWith).
+        if (checked.ok() && message.after) checked = ipc_->WaitDone(message.after, wait_timeout_ms_);
+        message.after.reset();
         taken.push_back(std::move(message));
       }
     }

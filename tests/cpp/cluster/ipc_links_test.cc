@@ -32,12 +32,14 @@ namespace {
 
 // A landing region in host memory; the handle is its address and size.
 // With `not_done_answers` n > 0, WaitDone answers "not done yet" n times
-// in every n + 1 queries, as a GPU's reads still running would.
+// in every n + 1 queries, as a GPU's reads still running would; with
+// `same_device`, every peer's region is on this process's device.
 std::atomic<int64_t> not_done_answers_given{0};
 class HostIpc final : public DeviceIpc {
  public:
-  explicit HostIpc(size_t bytes, int not_done_answers = 0)
-      : region_(bytes / sizeof(float) + 1, 0.0f), bytes_(bytes), not_done_answers_(not_done_answers) {
+  explicit HostIpc(size_t bytes, int not_done_answers = 0, bool same_device = false)
+      : region_(bytes / sizeof(float) + 1, 0.0f), bytes_(bytes), not_done_answers_(not_done_answers),
+        same_device_(same_device) {
     handle_.resize(2 * sizeof(uint64_t));
     const auto address = reinterpret_cast<uint64_t>(region_.data());
     const uint64_t size = bytes;
@@ -79,11 +81,13 @@ class HostIpc final : public DeviceIpc {
     }
     return Status::Ok();
   }
+  bool SameDevice(int) const override { return same_device_; }
 
  private:
   std::vector<float> region_;
   size_t bytes_;
   const int not_done_answers_;
+  const bool same_device_;
   std::atomic<int64_t> queries_{0};
   std::string handle_;
   std::mutex mu_;
@@ -93,15 +97,17 @@ class HostIpc final : public DeviceIpc {
 // The CPU backend, or another device, with HostIpc exports.
 class HostIpcDevice final : public ForwardingDevice {
  public:
-  explicit HostIpcDevice(std::unique_ptr<Device> inner = NewCpuDevice(), int not_done_answers = 0)
-      : ForwardingDevice(std::move(inner)), not_done_answers_(not_done_answers) {}
+  explicit HostIpcDevice(std::unique_ptr<Device> inner = NewCpuDevice(), int not_done_answers = 0,
+                         bool same_device = false)
+      : ForwardingDevice(std::move(inner)), not_done_answers_(not_done_answers), same_device_(same_device) {}
   Status ExportIpc(size_t region_bytes, std::unique_ptr<DeviceIpc>* out) override {
-    *out = std::make_unique<HostIpc>(region_bytes, not_done_answers_);
+    *out = std::make_unique<HostIpc>(region_bytes, not_done_answers_, same_device_);
     return Status::Ok();
   }
 
  private:
   const int not_done_answers_;
+  const bool same_device_;
 };
 
 Config TestConfig() {
@@ -127,6 +133,12 @@ Status MakeGpuLikeIpcDevice(int, std::unique_ptr<Device>* out) {
 // send thread asks: it holds them and sends what queued behind them.
 Status MakeSlowReleaseIpcDevice(int, std::unique_ptr<Device>* out) {
   *out = std::make_unique<HostIpcDevice>(std::make_unique<GpuLikeDevice>(), 3);
+  return Status::Ok();
+}
+
+// The same, both processes on one device: releases leave in order.
+Status MakeSlowReleaseOneDeviceIpcDevice(int, std::unique_ptr<Device>* out) {
+  *out = std::make_unique<HostIpcDevice>(std::make_unique<GpuLikeDevice>(), 3, /*same_device=*/true);
   return Status::Ok();
 }
 
@@ -248,22 +260,28 @@ TEST(TrainingThroughIpcIsBitIdenticalToOneProcess) {
   }
 }
 
-TEST(ReleasesWaitingForTheirReadsHoldNothingBackAndAllLeave) {
+// Releases whose reads are still running: held aside (the messages behind
+// them leave first) for a peer on another device, waited for in order for
+// one on this device. Both train bit-identically to one process.
+TEST(ReleasesWaitingForTheirReadsAreHeldAsideOnlyForAnotherDevice) {
   const Config config = TestConfig();
   constexpr int kClocks = 16;
   std::vector<float> local[2];
   testing::TrainInOneProcess(config, kClocks, local);
-  not_done_answers_given = 0;
-  testing::TwoNodeRun remote;
-  testing::TrainInTwoProcesses(config, MakeSlowReleaseIpcDevice, kClocks, &remote, {}, false, /*batches=*/true,
-                               LinkBoth(size_t{1} << 20));
-  EXPECT_TRUE(not_done_answers_given.load() > 0);  // releases were held
-  EXPECT_EQ(remote.rejected, 0);
-  for (int rank = 0; rank < 2; ++rank) {
-    testing::ExpectSameBits(remote.values[rank], local[rank]);
-    const IpcStats& ipc = remote.ipc[rank];
-    EXPECT_EQ(ipc.fallbacks, 0);  // every range came back in time for the next clock's payloads
-    EXPECT_TRUE(ipc.releases_received > 0 && remote.ipc[1 - rank].releases_sent >= ipc.releases_received);
+  for (const bool same_device : {false, true}) {
+    not_done_answers_given = 0;
+    testing::TwoNodeRun remote;
+    testing::TrainInTwoProcesses(config, same_device ? MakeSlowReleaseOneDeviceIpcDevice : MakeSlowReleaseIpcDevice,
+                                 kClocks, &remote, {}, false, /*batches=*/true, LinkBoth(size_t{1} << 20));
+    // Held releases are asked "done yet?"; in-order ones are waited for.
+    EXPECT_EQ(not_done_answers_given.load() > 0, !same_device);
+    EXPECT_EQ(remote.rejected, 0);
+    for (int rank = 0; rank < 2; ++rank) {
+      testing::ExpectSameBits(remote.values[rank], local[rank]);
+      const IpcStats& ipc = remote.ipc[rank];
+      EXPECT_EQ(ipc.fallbacks, 0);  // every range came back in time for the next clock's payloads
+      EXPECT_TRUE(ipc.releases_received > 0 && remote.ipc[1 - rank].releases_sent >= ipc.releases_received);
+    }
   }
 }
 

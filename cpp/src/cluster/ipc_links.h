@@ -13,7 +13,8 @@
 // on as a read-only device buffer. When that buffer's last reader lets go,
 // a release goes back (once the reads' ticket completes: the send thread
 // holds it until then, up to the wait timeout, and sends what queued behind
-// it meanwhile) and the sender may use the range again.
+// it meanwhile, except to a peer on its own device, SharesDeviceWith) and
+// the sender may use the range again.
 // A payload that finds no room in its slice waits for the peer's releases
 // at most as long as the host-frame path would take it (a large payload's
 // fallback costs tens of milliseconds; a release comes within a clock's

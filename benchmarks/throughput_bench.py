@@ -3,8 +3,8 @@
 model, data, per-worker batch, update rule and number of workers.
 
     python benchmarks/throughput_bench.py [--device cpu|cuda] [--model cnn|resnet18] [--workers 1,2]
-        [--slacks 0,1] [--batch B] [--steps K] [--warmup W] [--overlap auto|step|backward] [--quick]
-        [--out PATH.md] [--figures PATH.json]
+        [--slacks 0,1] [--batch B] [--steps K] [--warmup W] [--overlap auto|step|backward] [--repeat R]
+        [--quick] [--trace DIR] [--out PATH.md] [--figures PATH.json]
 
 The runs:
 
@@ -84,6 +84,7 @@ CLASSES = 10
 STEPS = {"cnn": (300, 30), "resnet18": (50, 10)}
 QUICK_STEPS = {"cnn": (60, 10), "resnet18": (10, 3)}
 MODEL_NAMES = {"cnn": "MNIST-1D CNN", "resnet18": "ResNet-18"}
+TRACE_STEPS = 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +100,7 @@ class Run:
     steps: int
     warmup: int
     overlap: str = "auto"  # mltuner's wrap(overlap_updates=): auto (None), step (False), backward (True)
+    trace: str = ""  # a folder: profile TRACE_STEPS more steps per rank with torch.profiler into it
 
     @property
     def label(self) -> str:
@@ -163,7 +165,7 @@ def prepare(run: Run, local_rank: int) -> torch.device:
 
 
 def timed_steps(step: Callable[[], torch.Tensor], run: Run, device: torch.device,
-                barrier: Callable[[], None]) -> tuple[float, float]:
+                barrier: Callable[[], None], rank: int = 0) -> tuple[float, float]:
     """(seconds of the timed steps, loss of the last step)."""
     for _ in range(run.warmup):
         step()
@@ -174,7 +176,32 @@ def timed_steps(step: Callable[[], torch.Tensor], run: Run, device: torch.device
         loss = step()
     synchronize(device)
     elapsed = time.perf_counter() - start
+    if run.trace and run.system != "ddp":  # torch 2.13's profiler aborts a gloo job at its end
+        traced_steps(step, run, device, rank)
     return elapsed, float(loss.item())
+
+
+def traced_steps(step: Callable[[], torch.Tensor], run: Run, device: torch.device, rank: int) -> None:
+    """TRACE_STEPS more steps under torch.profiler (every thread's operators
+    and CUDA calls, the engine's included), after the timed ones so that the
+    profiler does not slow what is timed: a Chrome trace and an operator
+    table per rank in ``run.trace``."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profiler:
+        for _ in range(TRACE_STEPS):
+            step()
+        synchronize(device)
+    folder = Path(run.trace)
+    folder.mkdir(parents=True, exist_ok=True)
+    name = f"{run.system}-{run.workers}w-s{run.slack}-rank{rank}"
+    profiler.export_chrome_trace(str(folder / f"{name}.json"))
+    averages = profiler.key_averages()
+    tables = [averages.table(sort_by="self_cpu_time_total", row_limit=40)]
+    if device.type == "cuda":
+        tables.append(averages.table(sort_by="self_cuda_time_total", row_limit=40))
+    (folder / f"{name}.txt").write_text("\n\n".join(tables))
 
 
 def torch_optimizer(model: nn.Module) -> torch.optim.Optimizer:
@@ -237,7 +264,7 @@ def ddp_worker(run: Run) -> Optional[dict[str, Any]]:
         ddp = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None, **local_buffers())
         x, y = make_batch(run, rank, device)
-        elapsed, loss = timed_steps(torch_step(ddp, torch_optimizer(ddp), x, y), run, device, dist.barrier)
+        elapsed, loss = timed_steps(torch_step(ddp, torch_optimizer(ddp), x, y), run, device, dist.barrier, rank)
         times = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(world)]
         dist.all_gather(times, torch.tensor([elapsed], dtype=torch.float64, device=device))
     finally:
@@ -277,7 +304,7 @@ def mltuner_worker(run: Run) -> Optional[dict[str, Any]]:
             job.barrier("timed")
             stall_before = job.worker.stats["stall_seconds"]
 
-        elapsed, loss = timed_steps(step, run, device, barrier)
+        elapsed, loss = timed_steps(step, run, device, barrier, job.rank)
         stall_s = job.worker.stats["stall_seconds"] - stall_before
         gathered = job.allgather("elapsed", [elapsed, stall_s])
         job.worker.sync()  # every update applied before the job closes
@@ -333,10 +360,24 @@ def measure(run: Run, params: int, timeout_s: float) -> Outcome:
     return outcome
 
 
+def median_outcome(outcomes: list[Outcome]) -> Outcome:
+    """One run's rounds as one outcome: the median samples/s, with the
+    spread of the rounds in its note."""
+    measured = sorted((o for o in outcomes if o.samples_per_s is not None), key=lambda o: o.samples_per_s or 0.0)
+    if len(outcomes) == 1 or not measured:
+        return outcomes[0]
+    middle = measured[len(measured) // 2]
+    notes = [f"median of {len(measured)} rounds ({measured[0].samples_per_s:.0f}-{measured[-1].samples_per_s:.0f})"]
+    if len(measured) < len(outcomes):
+        notes.append(f"{len(outcomes) - len(measured)} rounds failed")
+    return dataclasses.replace(middle, note="; ".join(filter(None, [middle.note, *notes])))
+
+
 def plan(args: argparse.Namespace) -> list[Run]:
     """The runs, in order; 1 worker (plain PyTorch and mltuner) always, as
     the baseline of the scaling figures."""
-    common = dict(model=args.model, device=args.device, batch=args.batch, steps=args.steps, warmup=args.warmup)
+    common = dict(model=args.model, device=args.device, batch=args.batch, steps=args.steps, warmup=args.warmup,
+                  trace=str(Path(args.trace).resolve()) if args.trace else "")
     runs = [Run("plain", 1, 0, **common), Run("mltuner", 1, 0, **common, overlap=args.overlap)]
     for n in sorted(set(args.workers) - {1}):
         runs.append(Run("ddp", n, 0, **common))
@@ -499,8 +540,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first")
     parser.add_argument("--overlap", choices=["auto", "step", "backward"], default="auto",
                         help="when mltuner's updates leave: wrap()'s rule, at step(), or from the backward pass")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="rounds of every run, alternated; each figure is the median (for shared, noisy hosts)")
     parser.add_argument("--quick", action="store_true", help="fewer steps: a smoke run")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per launched job (default 300; quick 120)")
+    parser.add_argument("--trace", default="", metavar="DIR",
+                        help=f"after the timed steps, profile {TRACE_STEPS} more per rank of plain PyTorch and mltuner "
+                        "with torch.profiler into DIR")
     parser.add_argument("--out", default=None, help="write the table here (markdown)")
     parser.add_argument("--figures", metavar="PATH", help="write the headline figures for the suite (JSON)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a launched worker's run, as JSON
@@ -517,8 +563,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args.steps = steps if args.steps is None else args.steps
     args.warmup = warmup if args.warmup is None else args.warmup
     args.timeout = args.timeout or (120.0 if args.quick else 300.0)
-    if args.steps < 1 or args.warmup < 0 or args.batch < 1:
-        parser.error("need --steps >= 1, --warmup >= 0 and --batch >= 1")
+    if args.steps < 1 or args.warmup < 0 or args.batch < 1 or args.repeat < 1:
+        parser.error("need --steps >= 1, --warmup >= 0, --batch >= 1 and --repeat >= 1")
     if not args.workers or min(args.workers) < 1 or not args.slacks or min(args.slacks) < 0:
         parser.error("need --workers >= 1 and --slacks >= 0, at least one of each")
     return args
@@ -531,10 +577,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     started = time.perf_counter()
     gpus = min(torch.cuda.device_count(), mlt.cuda_device_count()) if args.device == "cuda" else 0
     params = parameter_count(build_model(args.model))
-    outcomes: dict[Key, Outcome] = {}
-    for run in plan(args):
-        reason = skip_reason(run, gpus)
-        outcomes[key(run)] = Outcome(run, skipped=reason) if reason else measure(run, params, args.timeout)
+    rounds: dict[Key, list[Outcome]] = {}
+    for _ in range(args.repeat):  # whole rounds, so that drift of a shared host touches every run alike
+        for run in plan(args):
+            reason = skip_reason(run, gpus)
+            outcome = Outcome(run, skipped=reason) if reason else measure(run, params, args.timeout)
+            rounds.setdefault(key(run), []).append(outcome)
+    outcomes = {k: median_outcome(v) for k, v in rounds.items()}
     scaling = scalings(args, outcomes)
     text = table(args, outcomes, scaling, params, time.perf_counter() - started)
     print(text)

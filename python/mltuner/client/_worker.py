@@ -151,6 +151,7 @@ class Worker:
         self._host_freed_during_init = 0  # release_host_memory_during_init
         # The largest frame the job's data sockets accept (None: in memory).
         self._max_message_bytes = max_message_bytes
+        self._cuda_ipc_to_every_peer = False  # set by the Job once its data paths are agreed
         # Writable numpy buffers handed out, by handle, made read-only at their
         # post. Weak references: the engine reuses a buffer's memory only once
         # Python holds none to it, so the worker must not extend its life.
@@ -173,6 +174,14 @@ class Worker:
         ``LocalCluster``, or a job of one process): updates then never
         cross a socket."""
         return self._max_message_bytes is None
+
+    @property
+    def peers_by_cuda_ipc(self) -> bool:
+        """Whether this worker's payloads reach every shard in another
+        process device to device (CUDA IPC between processes of one host,
+        ``Job.data_paths``); False where some peer takes host frames, and in
+        a job of one process."""
+        return self._cuda_ipc_to_every_peer
 
     @property
     def config(self) -> Config:

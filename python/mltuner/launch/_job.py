@@ -365,6 +365,7 @@ class Job:
         self.data_paths = _cuda_ipc.connect(
             self._node, card, cards, no_cuda_ipc,
             lambda name, value: control_client.allgather(name, value, rendezvous_timeout_s))
+        self.worker._cuda_ipc_to_every_peer = all(path == "cuda-ipc" for path in self.data_paths.values())
         self.peer_endpoints = {r: choose_address(self.transport, card, cards[r], "data", r) for r in peers}
         self._liveness = ControlChannel(
             self.rank, self._context, control,

@@ -476,14 +476,17 @@ def wrap(
             than all at :meth:`PSModule.step`, in one engine call that also
             ends the clock. None (the default) chooses: overlap only on a
             GPU worker (``Config.device == "cuda"``) with a shard in another
-            process (``Worker.shards_in_process`` is False), where a
-            transfer runs while the GPU computes. Elsewhere shipping at
-            step() wins: within one process nothing crosses a socket, and
-            on a CPU worker the backward pass, the engine's threads and the
+            process (``Worker.shards_in_process`` is False) that some
+            payloads reach through host frames (``Worker.peers_by_cuda_ipc``
+            is False: another host, or no CUDA IPC), where a transfer of
+            milliseconds runs while the GPU computes. Elsewhere shipping at
+            step() wins: within one process nothing crosses a socket; on a
+            CPU worker the backward pass, the engine's threads and the
             transport share the cores and the GIL, so shipping early adds a
             Python call per parameter and an engine call per layer to
-            autograd's thread and hides nothing (docs/torch.md, "When updates
-            leave", has the measurements). ``model.overlap_updates`` and
+            autograd's thread and hides nothing; and a CUDA IPC copy costs
+            less than those hooks (docs/torch.md, "When updates leave", has
+            the measurements). ``model.overlap_updates`` and
             ``model.plan`` say what was chosen and why. Either way the
             values are the same. Applies when reads are held and activations
             are not stored (otherwise the backward pass ships each layer's

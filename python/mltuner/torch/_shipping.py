@@ -4,7 +4,7 @@ each layer's gradients are final (wait-free backpropagation), or all at
 
 Shipping from the backward pass hides a transfer behind the layers still to
 compute, at a price paid on autograd's thread: a Python hook per parameter
-and an engine call per layer. That pays only where both hold:
+and an engine call per layer. That pays only where all three hold:
 
 - some shard lives in another process (``Worker.shards_in_process`` is
   False): within one process an update never crosses a socket, so there is
@@ -15,9 +15,18 @@ and an engine call per layer. That pays only where both hold:
   one GIL: shipping early moves the same work into the backward pass instead
   of overlapping it, and adds the hooks. Measured on the MNIST-1D CNN with 2
   CPU processes, shipping at step() took 11-23% less time per clock, 17-19%
-  less CPU and 10% fewer context switches, at slack 0 and 3 alike
-  (docs/torch.md, "When updates leave"; ``benchmarks/throughput_bench.py
-  --overlap step|backward`` measures it on any machine).
+  less CPU and 10% fewer context switches, at slack 0 and 3 alike;
+- some peer takes host frames (another host, or no CUDA IPC between the
+  two processes: ``Worker.peers_by_cuda_ipc`` is False), so that a transfer
+  takes milliseconds. Where every peer is reached by CUDA IPC, the transfer
+  is a device-to-device copy of a fraction of a millisecond and the hooks
+  cost more than it: ResNet-18 on two H200s (batch 128 per GPU) reached
+  1.08-1.10 of DDP's throughput shipping at step() and 0.84-0.94 shipping
+  from the backward pass, alternated twice in one sitting.
+
+docs/torch.md, "When updates leave", has the tables;
+``benchmarks/throughput_bench.py --overlap step|backward`` measures it on
+any machine.
 """
 
 from __future__ import annotations
@@ -40,5 +49,8 @@ def choose_overlap(worker: Worker, given: bool | None) -> tuple[bool, str]:
     if worker.config.device != "cuda":
         return False, ("overlap_updates=False (a CPU worker: the backward pass and the transfer share the cores "
                        "and the GIL; updates ship at step())")
-    return True, ("overlap_updates=True (a GPU worker with a shard in another process: each layer's update ships "
-                  "from the backward pass while the layers below compute)")
+    if worker.peers_by_cuda_ipc:
+        return False, ("overlap_updates=False (a GPU worker whose peers all take CUDA IPC: a device-to-device "
+                       "copy costs less than the backward pass's hooks; updates ship at step())")
+    return True, ("overlap_updates=True (a GPU worker with a shard in another process reached through host "
+                  "frames: each layer's update ships from the backward pass while the layers below compute)")

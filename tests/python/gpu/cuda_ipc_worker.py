@@ -44,7 +44,8 @@ def main() -> int:
             job.barrier("done")
             np.savez(args.out / f"rank-{job.rank}.npz", **result.pop("arrays"))
             (args.out / f"rank-{job.rank}.json").write_text(json.dumps(
-                {"data_paths": {str(k): v for k, v in job.data_paths.items()}, "stats": stats, **result}))
+                {"data_paths": {str(k): v for k, v in job.data_paths.items()},
+                 "peers_by_cuda_ipc": job.worker.peers_by_cuda_ipc, "stats": stats, **result}))
     except mltuner.MltunerError as error:
         print(f"FAILED {type(error).__name__}: {error}", flush=True)
         return 3

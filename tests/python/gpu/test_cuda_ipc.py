@@ -61,6 +61,7 @@ def test_two_processes_take_cuda_ipc_and_match_host_frames(tmp_path: Path, gpus:
         on, off = ipc[rank], host[rank]
         # The path taken, asserted from both the choice and the counters.
         assert on["data_paths"] == {peer: "cuda-ipc"}, on["output"]
+        assert on["peers_by_cuda_ipc"] and not off["peers_by_cuda_ipc"]  # what wrap()'s shipping rule reads
         assert on["stats"]["cuda_ipc_sent_bytes"] > 0 and on["stats"]["cuda_ipc_received_bytes"] > 0, on["stats"]
         assert on["stats"]["device_payload_bytes_by_host"] == 0, on["stats"]  # no fallback: every payload by IPC
         assert on["stats"]["cuda_ipc_fallbacks"] == 0, on["stats"]

@@ -52,15 +52,17 @@ def test_a_choice_that_is_not_a_bool_is_refused() -> None:
         assert not cluster.worker(0).tables  # refused before anything reached the engine
 
 
-@pytest.mark.parametrize("in_process,device,expected,why", [
-    (True, "cpu", False, "every shard is in this process"),
-    (True, "cuda", False, "every shard is in this process"),
-    (False, "cpu", False, "a CPU worker"),
-    (False, "cuda", True, "a GPU worker with a shard in another process"),
+@pytest.mark.parametrize("in_process,device,by_cuda_ipc,expected,why", [
+    (True, "cpu", False, False, "every shard is in this process"),
+    (True, "cuda", False, False, "every shard is in this process"),
+    (False, "cpu", False, False, "a CPU worker"),
+    (False, "cuda", True, False, "a GPU worker whose peers all take CUDA IPC"),
+    (False, "cuda", False, True, "a GPU worker with a shard in another process reached through host frames"),
 ])
-def test_the_rule(in_process: bool, device: str, expected: bool, why: str) -> None:
-    # The worker's two facts the rule reads; the real processes are in the distributed tests.
-    worker = types.SimpleNamespace(shards_in_process=in_process, config=Config(device=device))  # type: ignore[arg-type]
+def test_the_rule(in_process: bool, device: str, by_cuda_ipc: bool, expected: bool, why: str) -> None:
+    # The worker's three facts the rule reads; the real processes are in the distributed tests.
+    worker = types.SimpleNamespace(shards_in_process=in_process, config=Config(device=device),  # type: ignore[arg-type]
+                                   peers_by_cuda_ipc=by_cuda_ipc)
     chosen, reason = choose_overlap(worker, None)  # type: ignore[arg-type]
     assert chosen is expected
     assert why in reason

@@ -60,6 +60,7 @@ import datetime
 import inspect
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -361,16 +362,18 @@ def measure(run: Run, params: int, timeout_s: float) -> Outcome:
 
 
 def median_outcome(outcomes: list[Outcome]) -> Outcome:
-    """One run's rounds as one outcome: the median samples/s, with the
-    spread of the rounds in its note."""
+    """One run's rounds as one outcome: the median samples/s (of an even
+    count, the mean of the middle two), with the rounds' spread in its note."""
     measured = sorted((o for o in outcomes if o.samples_per_s is not None), key=lambda o: o.samples_per_s or 0.0)
     if len(outcomes) == 1 or not measured:
         return outcomes[0]
-    middle = measured[len(measured) // 2]
-    notes = [f"median of {len(measured)} rounds ({measured[0].samples_per_s:.0f}-{measured[-1].samples_per_s:.0f})"]
+    values = [o.samples_per_s or 0.0 for o in measured]
+    notes = [f"median of {len(values)} rounds: {', '.join(f'{v:.0f}' for v in values)}"]
     if len(measured) < len(outcomes):
         notes.append(f"{len(outcomes) - len(measured)} rounds failed")
-    return dataclasses.replace(middle, note="; ".join(filter(None, [middle.note, *notes])))
+    middle = measured[(len(measured) - 1) // 2]
+    return dataclasses.replace(middle, samples_per_s=statistics.median(values),
+                               note="; ".join(filter(None, [middle.note, *notes])))
 
 
 def plan(args: argparse.Namespace) -> list[Run]:

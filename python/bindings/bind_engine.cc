@@ -6,6 +6,7 @@
 #include "bindings.h"
 #include "buffers.h"
 #include "mltuner/engine.h"
+#include "mltuner/host_headroom.h"
 
 namespace py = pybind11;
 
@@ -113,6 +114,15 @@ void RegisterEngine(py::module_& m) {
       .def_readonly("shard_in_host_memory", &HostMemoryNeed::shard_in_host_memory)
       .def("total", &HostMemoryNeed::total)
       .def("describe", &HostMemoryNeed::Describe);
+
+  m.def(
+      "host_memory_headroom",
+      [] {
+        const HostHeadroom room = HostMemoryHeadroom();
+        return py::make_tuple(room.bytes, room.source);
+      },
+      "(bytes, source): host memory this process may still allocate, the smallest of MemAvailable, its "
+      "cgroups' limits and RLIMIT_AS, and which limit says so; bytes is -1 when none can be read.");
 
   py::class_<PlanPreview>(m, "PlanPreview")
       .def_readonly("pool_min_bytes", &PlanPreview::pool_min_bytes)

@@ -93,8 +93,9 @@ struct Config {
   // stores, staging, payloads in flight, and on the CPU backend the pool and
   // device stores). FinishVirtualIteration refuses a plan that needs more,
   // with the sizes, instead of the kernel killing the process at a later
-  // clock. 0 means "what the kernel reports available" (MemAvailable of
-  // /proc/meminfo; no check where that cannot be read).
+  // clock. 0 means "what this process may still allocate"
+  // (HostMemoryHeadroom: MemAvailable, the cgroups' limits, RLIMIT_AS; no
+  // check where none can be read).
   int64_t host_memory_limit = 0;
 
   // Every blocking wait (freshness, buffer, pool space, replies) gives up

@@ -151,7 +151,7 @@ class Engine {
   // later call replaces it. Defining phase only.
   Status ReleaseHostMemoryDuringInit(int64_t bytes);
   // Plans the iteration (or takes PreviewPlan's plan), refuses it when it
-  // needs more host memory than Config::host_memory_limit (or MemAvailable)
+  // needs more host memory than Config::host_memory_limit (or HostMemoryHeadroom)
   // allows, allocates, and waits until every worker finished its own.
   Status FinishVirtualIteration();
   Status StartIterations();

@@ -89,7 +89,7 @@ struct HostMemoryNeed {
   // (plan/device_budget.h; the shard allocates it once every worker's plan
   // is made). In total() then, for the first branch; each live branch
   // beyond the first adds this much (forks are not counted; the shard checks
-  // each one's copy against MemAvailable).
+  // each one's copy against HostMemoryHeadroom).
   int64_t shard_per_branch = 0;
   bool shard_in_host_memory = false;
   // What that state moves over an accelerator's host link a clock when it

@@ -1,7 +1,6 @@
 #include "plan/host_memory.h"
 
 #include <algorithm>
-#include <fstream>
 #include <sstream>
 
 #include "mltuner/update_step.h"
@@ -95,29 +94,6 @@ HostMemoryNeed CountHostMemory(const Config& config, const std::vector<TableInfo
   return need;
 }
 
-int64_t ParseMemAvailable(const std::string& meminfo) {
-  std::istringstream in(meminfo);
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("MemAvailable:", 0) != 0) continue;
-    std::istringstream fields(line.substr(13));
-    int64_t kib = -1;
-    std::string unit;
-    if (!(fields >> kib) || kib < 0) return -1;
-    fields >> unit;
-    return unit == "kB" || unit.empty() ? kib * 1024 : -1;
-  }
-  return -1;
-}
-
-int64_t HostMemoryAvailable() {
-  std::ifstream file("/proc/meminfo");
-  if (!file) return -1;
-  std::ostringstream text;
-  text << file.rdbuf();
-  return ParseMemAvailable(text.str());
-}
-
 Status CheckHostMemoryAgainst(const HostMemoryNeed& need, int64_t limit_bytes, const std::string& limit_source) {
   if (need.total() <= limit_bytes) return Status::Ok();
   std::ostringstream msg;
@@ -134,21 +110,20 @@ Status CheckHostMemoryAgainst(const HostMemoryNeed& need, int64_t limit_bytes, c
 
 Status CheckHostMemory(const HostMemoryNeed& need, int64_t host_memory_limit, int64_t freed_during_init) {
   if (host_memory_limit > 0) return CheckHostMemoryAgainst(need, host_memory_limit, "Config.host_memory_limit");
-  const int64_t available = HostMemoryAvailable();
-  if (available < 0) return Status::Ok();  // nothing to check against
-  return CheckHostMemoryAvailable(need, available, freed_during_init);
+  const HostHeadroom headroom = HostMemoryHeadroom();
+  if (!headroom.known()) return Status::Ok();  // nothing to check against
+  return CheckHostMemoryAvailable(need, headroom, freed_during_init);
 }
 
-Status CheckHostMemoryAvailable(const HostMemoryNeed& need, int64_t available, int64_t freed_during_init) {
+Status CheckHostMemoryAvailable(const HostMemoryNeed& need, const HostHeadroom& headroom,
+                                int64_t freed_during_init) {
   // The shard's state in host memory is allocated table by table as the
   // application writes initial values and frees its copies of them.
   const int64_t later = need.shard_in_host_memory ? std::min(need.shard_per_branch, freed_during_init) : 0;
-  if (later <= 0) {
-    return CheckHostMemoryAgainst(need, available, "the memory the kernel reports available (MemAvailable)");
-  }
-  return CheckHostMemoryAgainst(need, available + later,
-                                "the memory the kernel reports available (MemAvailable) and the " +
-                                    std::to_string(later) + " B the application frees while it writes initial values");
+  if (later <= 0) return CheckHostMemoryAgainst(need, headroom.bytes, headroom.source);
+  return CheckHostMemoryAgainst(need, headroom.bytes + later,
+                                headroom.source + " and the " + std::to_string(later) +
+                                    " B the application frees while it writes initial values");
 }
 
 }  // namespace mltuner

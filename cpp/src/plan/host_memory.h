@@ -15,12 +15,14 @@
 // room left after the plan (plan/device_budget.h). The shard allocates it
 // once every worker has planned, after this check. Branch forks add a copy
 // each, not counted here (the shard checks each fork: ServerShard::Fork).
-// Pure functions; HostMemoryAvailable reads /proc/meminfo.
+// Pure functions but CheckHostMemory, which asks HostMemoryHeadroom
+// (mltuner/host_headroom.h).
 #pragma once
 
 #include <string>
 #include <vector>
 
+#include "mltuner/host_headroom.h"
 #include "mltuner/config.h"
 #include "mltuner/status.h"
 #include "mltuner/types.h"
@@ -33,23 +35,20 @@ namespace mltuner {
 HostMemoryNeed CountHostMemory(const Config& config, const std::vector<TableInfo>& tables,
                                const Recording& recording, const Placement& placement, const PlanSite& site);
 
-// MemAvailable of a /proc/meminfo text, in bytes; -1 when it has none.
-int64_t ParseMemAvailable(const std::string& meminfo);
-// MemAvailable of this host; -1 when /proc/meminfo cannot be read.
-int64_t HostMemoryAvailable();
-
 // ResourceExhausted naming the need, its parts and the limit when
 // need.total() exceeds `limit_bytes`; `limit_source` says where the limit
 // comes from ("Config.host_memory_limit").
 Status CheckHostMemoryAgainst(const HostMemoryNeed& need, int64_t limit_bytes, const std::string& limit_source);
 // The check against Config::host_memory_limit, or, when that is 0, against
-// MemAvailable (no check when it cannot be read). `freed_during_init`:
-// host memory the application frees while the shard's state in host memory
-// is allocated (Engine::ReleaseHostMemoryDuringInit); up to that much of the
-// state may lie beyond MemAvailable (not beyond Config::host_memory_limit,
-// which counts the engine's memory alone).
+// the process's headroom (MemAvailable, its cgroups' limits, RLIMIT_AS; no
+// check when none can be read). `freed_during_init`: host memory the
+// application frees while the shard's state in host memory is allocated
+// (Engine::ReleaseHostMemoryDuringInit); up to that much of the state may
+// lie beyond the headroom (not beyond Config::host_memory_limit, which
+// counts the engine's memory alone).
 Status CheckHostMemory(const HostMemoryNeed& need, int64_t host_memory_limit, int64_t freed_during_init = 0);
-// Its check against `available` bytes of MemAvailable.
-Status CheckHostMemoryAvailable(const HostMemoryNeed& need, int64_t available, int64_t freed_during_init);
+// Its check against a known headroom.
+Status CheckHostMemoryAvailable(const HostMemoryNeed& need, const HostHeadroom& headroom,
+                                int64_t freed_during_init);
 
 }  // namespace mltuner

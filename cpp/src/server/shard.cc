@@ -14,7 +14,7 @@
 
 #include "mltuner/update_step.h"
 #include "plan/device_budget.h"
-#include "plan/host_memory.h"
+#include "mltuner/host_headroom.h"
 
 namespace mltuner {
 namespace {
@@ -869,13 +869,13 @@ Status ServerShard::CheckForkFits(BranchId child, BranchId parent) const {
       need += table->state_bytes();
     }
   }
-  const int64_t available = host_available_ ? host_available_() : HostMemoryAvailable();
-  if (available < 0 || need <= available) return Status::Ok();
+  const HostHeadroom available = host_available_ ? host_available_() : HostMemoryHeadroom();
+  if (!available.known() || need <= available.bytes) return Status::Ok();
   return Status::ResourceExhausted(
       "cannot fork branch " + std::to_string(child) + " from branch " + std::to_string(parent) + ": shard " +
       std::to_string(rank_) + "'s copy of its values and optimizer state needs " + std::to_string(need) +
-      " bytes of host memory, but only " + std::to_string(available) +
-      " are available (MemAvailable); free a branch first, or trial fewer branches at once");
+      " bytes of host memory, but only " + std::to_string(available.bytes) + " are available (" +
+      available.source + "); free a branch first, or trial fewer branches at once");
 }
 
 Status ServerShard::HandleFreeBranch(const Message& in, std::vector<Message>* out) {

@@ -22,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include "mltuner/host_headroom.h"
 #include "common/mutex.h"
 #include "mltuner/config.h"
 #include "mltuner/status.h"
@@ -101,11 +102,11 @@ class ServerShard {
   void set_check_finite(bool check) { check_finite_ = check; }
 
   // Host memory available for a fork's copy of the state where that lives in
-  // host memory (the CPU backend, or state_in_host_memory): bytes, or -1 for
-  // unknown (no check). Default: MemAvailable (plan/host_memory.h). A fork
-  // whose copy would not fit is refused with the sizes, not left to the
-  // kernel's OOM killer.
-  void set_host_memory_available(std::function<int64_t()> available) { host_available_ = std::move(available); }
+  // host memory (the CPU backend, or state_in_host_memory); an unknown
+  // headroom means no check. Default: HostMemoryHeadroom (MemAvailable, the
+  // cgroups' limits, RLIMIT_AS). A fork whose copy would not fit is refused
+  // with the sizes, not left to the kernel's OOM killer.
+  void set_host_memory_available(std::function<HostHeadroom()> available) { host_available_ = std::move(available); }
 
   int rank() const { return rank_; }
   int num_workers() const { return num_workers_; }
@@ -233,7 +234,7 @@ class ServerShard {
   DeviceBufferPool buffers_;
   DeviceBufferPool frames_;  // host frames of rows pushed to other processes
   std::function<bool(int)> device_receivers_;
-  std::function<int64_t()> host_available_;
+  std::function<HostHeadroom()> host_available_;
   bool check_finite_ = false;
   bool defer_state_ = false;   // PlaceStateWhenReady was called
   bool state_placed_ = true;   // false while deferred and not yet placed

@@ -18,17 +18,16 @@ may still have, the smallest of:
 and refuses with :class:`~mltuner.ResourceExhaustedError`, giving both sizes,
 instead of letting the kernel kill the process. The prediction counts the
 buffers the engine keeps; short-lived copies while the plan is built are not
-counted. The engine checks its plan once more itself, against
-``Config.host_memory_limit`` or ``MemAvailable`` alone.
+counted. The engine checks its plan once more itself, and the shard each
+fork of a branch, against ``Config.host_memory_limit`` or the same headroom.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import resource
 import threading
-from pathlib import Path
 
+from mltuner import _core
 from mltuner.exceptions import ResourceExhaustedError
 
 __all__ = ["HostMemory", "Headroom", "headroom"]
@@ -44,74 +43,14 @@ class Headroom:
     source: str
 
 
-def _meminfo_available() -> Headroom | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return Headroom(int(line.split()[1]) * 1024, "the memory the kernel reports available")
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _read_int(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
-
-
-def _cgroup_headroom() -> Headroom | None:
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    best: Headroom | None = None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":  # v2: every level up to the root may set a limit
-            directory = Path("/sys/fs/cgroup") / path.lstrip("/")
-            while True:
-                limit, usage = _read_int(directory / "memory.max"), _read_int(directory / "memory.current")
-                if limit is not None and usage is not None:
-                    room = Headroom(limit - usage, f"the cgroup's memory.max of {limit} bytes minus its usage "
-                                                   f"of {usage} bytes ({directory})")
-                    best = room if best is None or room.bytes < best.bytes else best
-                if directory == Path("/sys/fs/cgroup") or directory.parent == directory:
-                    break
-                directory = directory.parent
-        elif "memory" in controllers.split(","):
-            directory = Path("/sys/fs/cgroup/memory") / path.lstrip("/")
-            limit = _read_int(directory / "memory.limit_in_bytes")
-            usage = _read_int(directory / "memory.usage_in_bytes")
-            if limit is not None and usage is not None and limit < _UNLIMITED:
-                room = Headroom(limit - usage, f"the cgroup's memory limit of {limit} bytes minus its usage "
-                                               f"of {usage} bytes")
-                best = room if best is None or room.bytes < best.bytes else best
-    return best
-
-
-def _address_space_headroom() -> Headroom | None:
-    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    if soft == resource.RLIM_INFINITY:
-        return None
-    used = 0
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmSize:"):
-                used = int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return Headroom(soft - used, f"RLIMIT_AS of {soft} bytes minus this process's address space of {used} bytes")
-
-
 def headroom() -> Headroom:
-    """The smallest of what the kernel, the cgroup and RLIMIT_AS still allow."""
-    found = [room for room in (_meminfo_available(), _cgroup_headroom(), _address_space_headroom()) if room]
-    if not found:
+    """The smallest of what the kernel, the cgroups and RLIMIT_AS still
+    allow (the engine's own reading, ``mltuner/host_headroom.h``, which its
+    plan check and the shard's fork check use too)."""
+    room, source = _core.host_memory_headroom()
+    if room < 0:
         return Headroom(_UNLIMITED, "no limit found")
-    return min(found, key=lambda room: room.bytes)
+    return Headroom(room, source)
 
 
 class HostMemory:

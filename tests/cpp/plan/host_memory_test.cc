@@ -23,6 +23,8 @@ using namespace mltuner;
 
 namespace {
 
+HostHeadroom Room(int64_t bytes) { return {bytes, "a test's headroom"}; }
+
 TableInfo Table(TableId id, int64_t rows, int64_t width, bool local = false) {
   TableInfo info;
   info.id = id;
@@ -202,29 +204,21 @@ TEST(MemoryFreedDuringInitIsRoomForAHostShardStateOnly) {
   need.shard_per_branch = 4000;
   need.shard_in_host_memory = true;
   ASSERT_EQ(need.total(), int64_t{5100});
-  EXPECT_CODE(CheckHostMemoryAvailable(need, 3000, 0), StatusCode::kResourceExhausted);
-  EXPECT_OK(CheckHostMemoryAvailable(need, 3000, 2100));
-  const Status short_by_one = CheckHostMemoryAvailable(need, 3000, 2099);
+  EXPECT_CODE(CheckHostMemoryAvailable(need, Room(3000), 0), StatusCode::kResourceExhausted);
+  EXPECT_OK(CheckHostMemoryAvailable(need, Room(3000), 2100));
+  const Status short_by_one = CheckHostMemoryAvailable(need, Room(3000), 2099);
   EXPECT_CODE(short_by_one, StatusCode::kResourceExhausted);
   EXPECT_TRUE(short_by_one.ToString().find("the 2099 B the application frees while it writes initial values") !=
               std::string::npos);
   // No more than the state itself: the plan's own 1100 B must fit now.
-  EXPECT_CODE(CheckHostMemoryAvailable(need, 1099, 1 << 20), StatusCode::kResourceExhausted);
-  EXPECT_OK(CheckHostMemoryAvailable(need, 1100, 1 << 20));
+  EXPECT_CODE(CheckHostMemoryAvailable(need, Room(1099), 1 << 20), StatusCode::kResourceExhausted);
+  EXPECT_OK(CheckHostMemoryAvailable(need, Room(1100), 1 << 20));
   // A state on the device takes no host memory, and the freed bytes count for nothing.
   need.shard_in_host_memory = false;
-  EXPECT_OK(CheckHostMemoryAvailable(need, 1100, 0));
-  EXPECT_CODE(CheckHostMemoryAvailable(need, 1099, 1 << 20), StatusCode::kResourceExhausted);
+  EXPECT_OK(CheckHostMemoryAvailable(need, Room(1100), 0));
+  EXPECT_CODE(CheckHostMemoryAvailable(need, Room(1099), 1 << 20), StatusCode::kResourceExhausted);
   need.shard_in_host_memory = true;
   EXPECT_CODE(CheckHostMemory(need, 5099, 1 << 20), StatusCode::kResourceExhausted);
-}
-
-TEST(MemAvailableIsParsed) {
-  EXPECT_EQ(ParseMemAvailable("MemTotal:       16384 kB\nMemFree:  1 kB\nMemAvailable:    2048 kB\n"),
-            int64_t{2048} * 1024);
-  EXPECT_EQ(ParseMemAvailable("MemTotal:       16384 kB\n"), -1);
-  EXPECT_EQ(ParseMemAvailable("MemAvailable: lots\n"), -1);
-  EXPECT_TRUE(HostMemoryAvailable() != 0);  // a number, or -1 without /proc
 }
 
 TEST(ThePreviewGivesTheLeastPoolAndKeepsAFittingPlan) {

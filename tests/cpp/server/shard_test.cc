@@ -695,7 +695,7 @@ TEST(AForkTheHostCannotHoldIsRefusedWithTheSizes) {
   const int64_t need = allocated;  // one branch: values and momentum of shard 0's rows
   ASSERT_TRUE(need > 0);
   for (auto& shard : shards) {
-    shard->set_host_memory_available([need] { return need - 1; });
+    shard->set_host_memory_available([need] { return HostHeadroom{need - 1, "a test's limit"}; });
   }
   BranchSettings settings;
   settings.training = true;
@@ -711,7 +711,8 @@ TEST(AForkTheHostCannotHoldIsRefusedWithTheSizes) {
     } else {
       EXPECT_CODE(status, StatusCode::kResourceExhausted);
       EXPECT_TRUE(status.message().find("needs " + std::to_string(need) + " bytes of host memory, but only " +
-                                        std::to_string(need - 1) + " are available") != std::string::npos);
+                                        std::to_string(need - 1) + " are available (a test's limit)") !=
+                  std::string::npos);
     }
   }
   ASSERT_EQ(replies.size(), size_t{kWorkers});
@@ -723,7 +724,7 @@ TEST(AForkTheHostCannotHoldIsRefusedWithTheSizes) {
   EXPECT_TRUE(shards[0]->values(kTable, 1) == nullptr);
   // Exactly enough: the fork goes ahead, on every shard.
   for (auto& shard : shards) {
-    shard->set_host_memory_available([need] { return need; });
+    shard->set_host_memory_available([need] { return HostHeadroom{need, "a test's limit"}; });
   }
   ASSERT_OK(ForkEverywhere(shards, 1, 0, settings));
   EXPECT_EQ(shards[0]->state_bytes_allocated(), 2 * allocated);

@@ -105,10 +105,17 @@ Status Engine::Impl::InitAdd(const AccessRecord& access, const float* host_value
     if (sharded.spans[shard].empty()) continue;
     Message request = RequestTo(MessageType::kInitAdd, rank_, shard, info);
     request.spans = sharded.spans[shard];
-    request.values.resize(sharded.order[shard].size() * static_cast<size_t>(width));
-    for (size_t k = 0; k < sharded.order[shard].size(); ++k) {
-      std::memcpy(request.values.data() + k * width, host_values + sharded.order[shard][k] * width,
-                  static_cast<size_t>(width) * sizeof(float));
+    // Appended run by run (consecutive rows of the access at once), never
+    // zero-filled first: worker 0 writes the whole model this way, and a
+    // pass over a fresh layer-sized vector costs as much as the copy.
+    const std::vector<int64_t>& order = sharded.order[shard];
+    request.values.reserve(order.size() * static_cast<size_t>(width));
+    for (size_t k = 0; k < order.size();) {
+      size_t end = k + 1;
+      while (end < order.size() && order[end] == order[end - 1] + 1) ++end;
+      const float* first = host_values + order[k] * width;
+      request.values.insert(request.values.end(), first, first + (end - k) * width);
+      k = end;
     }
     requests.push_back(std::move(request));
   }
@@ -169,8 +176,12 @@ Status Engine::Impl::PostInit(Handle handle, uintptr_t app_stream) {
                               " bytes is larger than the staging buffer's " +
                               std::to_string(plan_.placement.staging_bytes));
     }
-    float* host = plan_.staging->floats();
-    device_->CopyDeviceToHost(host, slot.data, values * sizeof(float), Stream::kApp);
+    // Device memory that is host memory (the CPU backend) is read in place.
+    float* host = slot.data;
+    if (!device_->host_addressable()) {
+      host = plan_.staging->floats();
+      device_->CopyDeviceToHost(host, slot.data, values * sizeof(float), Stream::kApp);
+    }
     status = device_->Synchronize(Stream::kApp);
     if (status.ok()) status = InitAdd(access, host);
   } else if (access.kind == OpKind::kLocalAccess && access.keep) {

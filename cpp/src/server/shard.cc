@@ -323,8 +323,7 @@ Status ServerShard::PayloadOnDevice(const Message& in, std::shared_ptr<DeviceBuf
 }
 
 void ServerShard::AddSpansOnDevice(const Message& in, const RowSpan& range, int64_t row_width,
-                                   const DeviceBuffer& payload, float* dense) {
-  const float* source = payload.data;
+                                   const float* source, float* dense) {
   for (const RowSpan& span : in.spans) {
     const int64_t count = span.count * row_width;
     device_->AddInto(dense + (span.begin - range.begin) * row_width, source, count, Stream::kServer);
@@ -372,7 +371,7 @@ Status ServerShard::HandleClockUpdate(const Message& in, std::vector<Message>* o
         MLT_RETURN_IF_ERROR(buffers_.Acquire(static_cast<size_t>(table.num_values), Stream::kServer, &dense));
         device_->Fill(dense->data, 0.0f, dense->count, Stream::kServer);
       }
-      AddSpansOnDevice(in, table.range, table.info.row_width, *payload, dense->data);
+      AddSpansOnDevice(in, table.range, table.info.row_width, payload->data, dense->data);
       MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kServer, &payload->last_use));
     }
   }
@@ -449,11 +448,19 @@ Status ServerShard::HandleInitAdd(const Message& in, std::vector<Message>* out) 
     return status;
   }
   TableState& table = *found;
-  std::shared_ptr<DeviceBuffer> payload;
-  MLT_RETURN_IF_ERROR(PayloadOnDevice(in, &payload));
-  if (payload) {
-    AddSpansOnDevice(in, table.range, table.info.row_width, *payload, table.data());
-    MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kServer, &payload->last_use));
+  if (device_->host_addressable() && !in.device_values && !in.host_frame && in.num_values() > 0) {
+    // Worker 0's initial values, added from the message where they lie
+    // rather than through a payload buffer: a pass less over the model.
+    // Waited for before the message goes away.
+    AddSpansOnDevice(in, table.range, table.info.row_width, in.host_values(), table.data());
+    MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kServer));
+  } else {
+    std::shared_ptr<DeviceBuffer> payload;
+    MLT_RETURN_IF_ERROR(PayloadOnDevice(in, &payload));
+    if (payload) {
+      AddSpansOnDevice(in, table.range, table.info.row_width, payload->data, table.data());
+      MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kServer, &payload->last_use));
+    }
   }
   out->push_back(Reply(MessageType::kAck, rank_, in));
   return Status::Ok();

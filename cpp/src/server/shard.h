@@ -206,8 +206,10 @@ class ServerShard {
   // is host memory a host frame is used as it is (it may be borrowed: read
   // only, see DeviceBuffer::borrowed).
   Status PayloadOnDevice(const Message& in, std::shared_ptr<DeviceBuffer>* out);
-  // dense rows of `range` += the span-ordered payload, on the server stream.
-  void AddSpansOnDevice(const Message& in, const RowSpan& range, int64_t row_width, const DeviceBuffer& payload,
+  // dense rows of `range` += the span-ordered payload at `source` (device
+  // memory, or any host memory on a host-addressable device), on the
+  // server stream.
+  void AddSpansOnDevice(const Message& in, const RowSpan& range, int64_t row_width, const float* source,
                         float* dense);
   // A table's state record; its values (zero) and rule are allocated only
   // when `allocate`.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Union
 
 import numpy as np
@@ -141,7 +141,8 @@ class Worker:
     """
 
     def __init__(self, engine: _core.Engine, owner: object = None, *, config: Config | None = None,
-                 host_memory: HostMemory | None = None, max_message_bytes: int | None = None) -> None:
+                 host_memory: HostMemory | None = None, max_message_bytes: int | None = None,
+                 data_paths: Mapping[int, str] | None = None) -> None:
         self._engine = engine
         self._owner = owner  # keeps the cluster alive while the worker is used
         self._config = config or Config()
@@ -151,7 +152,7 @@ class Worker:
         self._host_freed_during_init = 0  # release_host_memory_during_init
         # The largest frame the job's data sockets accept (None: in memory).
         self._max_message_bytes = max_message_bytes
-        self._cuda_ipc_to_every_peer = False  # set by the Job once its data paths are agreed
+        self._data_paths = data_paths if data_paths is not None else {}  # the Job's, filled at its rendezvous
         # Writable numpy buffers handed out, by handle, made read-only at their
         # post. Weak references: the engine reuses a buffer's memory only once
         # Python holds none to it, so the worker must not extend its life.
@@ -181,7 +182,8 @@ class Worker:
         process device to device (CUDA IPC between processes of one host,
         ``Job.data_paths``); False where some peer takes host frames, and in
         a job of one process."""
-        return self._cuda_ipc_to_every_peer
+        paths = self._data_paths
+        return bool(paths) and all(path == "cuda-ipc" for path in paths.values())
 
     @property
     def config(self) -> Config:

@@ -178,7 +178,8 @@ class Job:
         self._node = _core.ProcessNode(self.config.to_core(), self.rank, self.world_size, self.config.device,
                                        self.local_rank)
         self.worker = Worker(self._node.engine, owner=self._node, config=self.config,
-                             max_message_bytes=self._max_message_bytes if self.world_size > 1 else None)
+                             max_message_bytes=self._max_message_bytes if self.world_size > 1 else None,
+                             data_paths=self.data_paths)
         _open_jobs.add(self)
         if self.world_size > 1:
             try:
@@ -362,10 +363,9 @@ class Job:
                                missing))]
         peers = [r for r in range(self.world_size) if r != self.rank]
         control_client = self._control
-        self.data_paths = _cuda_ipc.connect(
+        self.data_paths.update(_cuda_ipc.connect(
             self._node, card, cards, no_cuda_ipc,
-            lambda name, value: control_client.allgather(name, value, rendezvous_timeout_s))
-        self.worker._cuda_ipc_to_every_peer = all(path == "cuda-ipc" for path in self.data_paths.values())
+            lambda name, value: control_client.allgather(name, value, rendezvous_timeout_s)))
         self.peer_endpoints = {r: choose_address(self.transport, card, cards[r], "data", r) for r in peers}
         self._liveness = ControlChannel(
             self.rank, self._context, control,

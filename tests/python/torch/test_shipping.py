@@ -1,5 +1,6 @@
 """When updates leave (mltuner/torch/_shipping.py): wrap() ships them at
-step() unless the worker is on a GPU with a shard in another process, says
+step() unless the worker is on a GPU with a shard in another process that
+some payloads reach through host frames, says
 so in ``model.overlap_updates`` and ``model.plan``, and takes an explicit
 choice as given. The processes' side is in
 tests/python/distributed/test_torch_processes.py.
@@ -16,7 +17,7 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 import mltuner.torch as mt  # noqa: E402
-from mltuner import ArgumentTypeError, Config, LocalCluster, UpdateRule  # noqa: E402
+from mltuner import ArgumentTypeError, Config, LocalCluster, UpdateRule, Worker  # noqa: E402
 from mltuner.torch._shipping import choose_overlap  # noqa: E402
 
 
@@ -66,3 +67,16 @@ def test_the_rule(in_process: bool, device: str, by_cuda_ipc: bool, expected: bo
     chosen, reason = choose_overlap(worker, None)  # type: ignore[arg-type]
     assert chosen is expected
     assert why in reason
+
+
+def test_peers_by_cuda_ipc_follows_the_jobs_data_paths() -> None:
+    # The Job hands its (still empty) data paths to the worker and fills them
+    # at the rendezvous; the worker reads them when wrap() asks.
+    paths: dict[int, str] = {}
+    with LocalCluster(1, config()) as cluster:
+        worker = Worker(cluster.worker(0)._engine, owner=cluster, config=config(), data_paths=paths)
+        assert not worker.peers_by_cuda_ipc  # one process: no peers at all
+        paths.update({1: "cuda-ipc", 2: "cuda-ipc"})
+        assert worker.peers_by_cuda_ipc
+        paths[2] = "host-frames (another host)"
+        assert not worker.peers_by_cuda_ipc

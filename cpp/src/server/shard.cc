@@ -12,9 +12,9 @@
 #include <string>
 #include <utility>
 
+#include "mltuner/host_headroom.h"
 #include "mltuner/update_step.h"
 #include "plan/device_budget.h"
-#include "mltuner/host_headroom.h"
 
 namespace mltuner {
 namespace {

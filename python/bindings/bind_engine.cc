@@ -192,6 +192,14 @@ void RegisterEngine(py::module_& m) {
       .def("release_host_memory_during_init",
            [](Engine& e, int64_t bytes) { Check(e.ReleaseHostMemoryDuringInit(bytes)); }, py::arg("bytes"))
       .def("finish_virtual_iteration", [](Engine& e) { Check(e.FinishVirtualIteration()); }, Release())
+      .def("write_initial",
+           [](Engine& e, Handle handle, const py::array_t<float, py::array::c_style | py::array::forcecast>& values) {
+             const float* data = values.data();
+             const int64_t count = static_cast<int64_t>(values.size());
+             py::gil_scoped_release release;
+             Check(e.WriteInitial(handle, data, count));
+           },
+           py::arg("handle"), py::arg("values"))
       .def("start_iterations", [](Engine& e) { Check(e.StartIterations()); }, Release())
       .def("read", &OpenBuffer<&Engine::Read>, py::arg("handle"), py::arg("stream") = 0)
       .def("post_read", &PostBuffer<&Engine::PostRead>, py::arg("handle"), py::arg("stream") = 0)

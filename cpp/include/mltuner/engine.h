@@ -154,6 +154,12 @@ class Engine {
   // needs more host memory than Config::host_memory_limit (or HostMemoryHeadroom)
   // allows, allocates, and waits until every worker finished its own.
   Status FinishVirtualIteration();
+  // Initialisation phase only (after FinishVirtualIteration, before
+  // StartIterations): adds `count` floats of host memory (the update
+  // access's rows in its row order, rows x row_width) to the shards'
+  // values, as PreUpdate, writing the buffer and Update would, without a
+  // device buffer in between. How worker 0 writes a model's initial values.
+  Status WriteInitial(Handle handle, const float* values, int64_t count);
   Status StartIterations();
 
   // Real accesses with recorded handles. A post call hands the buffer back;

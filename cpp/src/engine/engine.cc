@@ -855,6 +855,9 @@ Status Engine::PreUpdate(Handle h, AccessBuffer* out, uintptr_t s) {
   return impl_->Open(h, OpKind::kPreUpdate, out, s);
 }
 Status Engine::Update(Handle h, uintptr_t s) { return impl_->Post(h, OpKind::kUpdate, s); }
+Status Engine::WriteInitial(Handle h, const float* values, int64_t count) {
+  return impl_->WriteInitial(h, values, count);
+}
 Status Engine::LocalAccess(Handle h, AccessBuffer* out, uintptr_t s) {
   return impl_->Open(h, OpKind::kLocalAccess, out, s);
 }

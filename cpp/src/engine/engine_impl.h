@@ -56,6 +56,7 @@ class Engine::Impl {
   Status Run(const std::vector<OpCall>& ops, std::vector<AccessBuffer>* opened, uintptr_t app_stream);
   Status Clock();
   Status Fetch(TableId table, const std::vector<RowId>& rows, float* out, BranchId branch);
+  Status WriteInitial(Handle handle, const float* values, int64_t count);
   Status ForkBranch(BranchId child, BranchId parent, const BranchSettings& settings);
   Status FreeBranch(BranchId branch);
   Status ScheduleBranch(BranchId branch, int64_t clocks);

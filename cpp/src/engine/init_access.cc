@@ -123,6 +123,32 @@ Status Engine::Impl::InitAdd(const AccessRecord& access, const float* host_value
   return SendRequests(std::move(requests), &replies);
 }
 
+Status Engine::Impl::WriteInitial(Handle handle, const float* values, int64_t count) {
+  const Phase phase = state_.phase.load();
+  if (phase == Phase::kShutdown) return Status::Shutdown("the engine is shut down");
+  if (phase != Phase::kRecorded) {
+    return Status::OutOfOrder("write_initial outside the initialisation phase: call it after "
+                              "finish_virtual_iteration and before start_iterations");
+  }
+  MLT_RETURN_IF_ERROR(CheckExpected(handle, OpKind::kPreUpdate));
+  const AccessRecord& access = plan_.recording.accesses[handle];
+  const TableInfo& info = plan_.tables[access.table];
+  if (access.kind != OpKind::kPreUpdate) {
+    return Status::InvalidArgument("write_initial of handle " + std::to_string(handle) + ", which was recorded as a " +
+                                   access.Describe(info.name) + "; it takes an update's handle");
+  }
+  if (init_slots_[handle].state != SlotState::kEmpty) {
+    return Status::OutOfOrder("handle " + std::to_string(handle) + " (" + access.Describe(info.name) +
+                              ") is open: post it before writing through it");
+  }
+  const int64_t expected = static_cast<int64_t>(access.rows.size()) * info.row_width;
+  if (count != expected) {
+    return Status::InvalidArgument("write_initial of " + access.Describe(info.name) + " got " +
+                                   std::to_string(count) + " values; its rows hold " + std::to_string(expected));
+  }
+  return InitAdd(access, values);
+}
+
 Status Engine::Impl::OpenInit(Handle handle, AccessBuffer* out) {
   const AccessRecord& access = plan_.recording.accesses[handle];
   const TableInfo& info = plan_.tables[access.table];

@@ -436,6 +436,18 @@ class Worker:
             self._host_memory.release(shard)  # the state goes to the device
         self._shard_bytes_reserved -= shard
 
+    def write_initial(self, handle: int, values: np.ndarray) -> None:
+        """Initialisation phase only (after :meth:`finish_virtual_iteration`,
+        before :meth:`start_iterations`): adds ``values``, float32 host
+        memory holding the recorded update's rows in its row order, to the
+        servers' values, as :meth:`pre_update`, writing the buffer and
+        :meth:`update` would, with no device buffer in between: how worker
+        0 writes a model's initial values."""
+        if not isinstance(values, np.ndarray) or values.dtype != np.float32:
+            what = f"an array of {values.dtype}" if isinstance(values, np.ndarray) else type(values).__name__
+            raise ArgumentTypeError(f"write_initial: values must be a float32 numpy array, got {what}")
+        self._engine.write_initial(_handle(handle), np.ascontiguousarray(values).reshape(-1))
+
     def start_iterations(self) -> None:
         """Ends initialisation and starts the background threads."""
         self._engine.start_iterations()

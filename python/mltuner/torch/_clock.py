@@ -1384,8 +1384,9 @@ class ClockDriver:
             updates = {e.layer: self._handles[i] for i, e in enumerate(self._events) if e.kind == "update"}
             for layer in self.layers:
                 handle = updates[layer.index]
-                as_tensor(worker.pre_update(handle), self.device).view(-1).copy_(self._init[layer.index])
-                worker.update(handle, stream=app_stream(self.device))
+                # From host memory straight to the servers (record() keeps the
+                # initial values there), with no device buffer in between.
+                worker.write_initial(handle, self._init[layer.index].cpu().numpy())
                 if free_as_written:
                     self._init[layer.index] = _WRITTEN
         self._init.clear()

@@ -202,3 +202,66 @@ def test_double_open_and_post_of_closed_handle() -> None:
         worker.post_read(h["read"])
         worker.start_iterations()
         run_one_clock(worker, h)
+
+
+def test_write_initial_adds_as_pre_update_and_update_do(
+    run_workers: Callable[..., list[Any]], nonzero_uniform: Callable[..., np.ndarray]
+) -> None:
+    """write_initial from host memory gives the values that writing the
+    pre_update buffer and posting it gives, rows in the access's order, on
+    both shards."""
+    rng = np.random.default_rng(24)
+    whole = nonzero_uniform(rng, (ROWS, WIDTH))
+    some = nonzero_uniform(rng, (3, WIDTH))
+    results = []
+    for direct in (False, True):
+        with LocalCluster(2, Config(wait_timeout_s=20, update_rule=RULE)) as cluster:
+            handles = [record(worker) for worker in cluster.workers]
+
+            def body(worker: Worker) -> np.ndarray:
+                h = handles[worker.rank]
+                worker.finish_virtual_iteration()
+                if worker.rank == 0:
+                    for name, values in (("update", whole), ("update_some", some)):
+                        if direct:
+                            worker.write_initial(h[name], values)
+                        else:
+                            worker.pre_update(h[name])[...] = values
+                            worker.update(h[name])
+                worker.start_iterations()
+                return worker.fetch(h["table"])
+
+            results.append(run_workers(body, cluster.workers, on_error=cluster.shutdown)[0])
+    expected = whole.copy()
+    expected[[5, 0, 2]] += some
+    np.testing.assert_array_equal(results[0], expected)
+    np.testing.assert_array_equal(results[1], results[0])
+
+
+def test_write_initial_refuses_what_it_cannot_take() -> None:
+    with LocalCluster(1, Config(wait_timeout_s=20)) as cluster:
+        worker = cluster.workers[0]
+        h = record(worker)
+        values = np.zeros((ROWS, WIDTH), np.float32)
+        with pytest.raises(mltuner.OutOfOrderError, match="outside the initialisation phase"):
+            worker.write_initial(h["update"], values)
+        worker.finish_virtual_iteration()
+        with pytest.raises(mltuner.InvalidArgumentError, match="recorded as a read.*takes an update's handle"):
+            worker.write_initial(h["read"], values)
+        with pytest.raises(mltuner.InvalidArgumentError, match="got 5 values; its rows hold 30"):
+            worker.write_initial(h["update"], values[:1])
+        with pytest.raises(mltuner.ArgumentTypeError, match="float32 numpy array, got an array of float64"):
+            worker.write_initial(h["update"], values.astype(np.float64))
+        with pytest.raises(mltuner.ArgumentTypeError, match="got list"):
+            worker.write_initial(h["update"], [0.0] * 30)  # type: ignore[arg-type]
+        with pytest.raises(mltuner.NotFoundError, match="unknown handle 99"):
+            worker.write_initial(99, values)
+        worker.pre_update(h["update"])
+        with pytest.raises(mltuner.OutOfOrderError, match="is open: post it"):
+            worker.write_initial(h["update"], values)
+        worker.update(h["update"])
+        worker.write_initial(h["update"], values)  # posted: fine again
+        worker.start_iterations()
+        with pytest.raises(mltuner.OutOfOrderError, match="outside the initialisation phase"):
+            worker.write_initial(h["update"], values)
+        run_one_clock(worker, h)

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "engine/engine_impl.h"
+#include "memory/device_block.h"
 #include "sharding/shard_range.h"
 
 namespace mltuner {
@@ -105,10 +106,23 @@ Status Engine::Impl::InitAdd(const AccessRecord& access, const float* host_value
     if (sharded.spans[shard].empty()) continue;
     Message request = RequestTo(MessageType::kInitAdd, rank_, shard, info);
     request.spans = sharded.spans[shard];
+    const std::vector<int64_t>& order = sharded.order[shard];
+    const bool one_run =
+        std::adjacent_find(order.begin(), order.end(), [](int64_t a, int64_t b) { return b != a + 1; }) == order.end();
+    if (one_run && device_->host_addressable() && transport_->SharesDevice(rank_, shard)) {
+      // A shard of this process on host memory reads the rows where they
+      // lie: the request waits for its reply, so they outlive its use.
+      auto lent = std::make_shared<DeviceBuffer>();
+      lent->data = const_cast<float*>(host_values + order.front() * width);
+      lent->count = order.size() * static_cast<size_t>(width);
+      lent->borrowed = true;
+      request.device_values = std::move(lent);
+      requests.push_back(std::move(request));
+      continue;
+    }
     // Appended run by run (consecutive rows of the access at once), never
     // zero-filled first: worker 0 writes the whole model this way, and a
     // pass over a fresh layer-sized vector costs as much as the copy.
-    const std::vector<int64_t>& order = sharded.order[shard];
     request.values.reserve(order.size() * static_cast<size_t>(width));
     for (size_t k = 0; k < order.size();) {
       size_t end = k + 1;

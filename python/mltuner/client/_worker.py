@@ -446,7 +446,7 @@ class Worker:
         if not isinstance(values, np.ndarray) or values.dtype != np.float32:
             what = f"an array of {values.dtype}" if isinstance(values, np.ndarray) else type(values).__name__
             raise ArgumentTypeError(f"write_initial: values must be a float32 numpy array, got {what}")
-        self._engine.write_initial(_handle(handle), np.ascontiguousarray(values).reshape(-1))
+        self._engine.write_initial(_handle(handle), values)  # the binding takes any shape, made contiguous
 
     def start_iterations(self) -> None:
         """Ends initialisation and starts the background threads."""

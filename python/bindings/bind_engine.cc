@@ -142,6 +142,7 @@ void RegisterEngine(py::module_& m) {
   py::class_<Engine>(m, "Engine")
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("num_workers", &Engine::num_workers)
+      .def_property_readonly("device", &Engine::device_name)
       .def("create_table",
            [](Engine& e, const std::string& name, int64_t num_rows, int64_t row_width, bool local,
               std::optional<UpdateRuleConfig> update_rule) {

@@ -218,6 +218,8 @@ class Engine {
   std::string DescribePlan() const;
   int rank() const;
   int num_workers() const;
+  // Where the engine's buffers live, as torch names devices: "cpu" or "cuda:N".
+  std::string device_name() const;
   const Config& config() const;
 
   // Called by the transport with a client-bound message.

@@ -885,6 +885,10 @@ std::string Engine::DescribePlan() const {
 }
 int Engine::rank() const { return impl_->rank_; }
 int Engine::num_workers() const { return impl_->num_workers_; }
+std::string Engine::device_name() const {
+  const Device& device = *impl_->device_;
+  return device.host_addressable() ? "cpu" : "cuda:" + std::to_string(device.ordinal());
+}
 const Config& Engine::config() const { return impl_->config_; }
 Status Engine::HandleMessage(Message&& message) { return impl_->HandleMessage(std::move(message)); }
 Status Engine::Shutdown() { return impl_->Shutdown(); }

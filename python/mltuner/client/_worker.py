@@ -170,6 +170,12 @@ class Worker:
         return int(self._engine.num_workers)
 
     @property
+    def device(self) -> str:
+        """Where the engine's buffers live, as torch names devices: ``"cpu"``
+        or ``"cuda:N"`` (worker r uses GPU r mod the visible count)."""
+        return str(self._engine.device)
+
+    @property
     def shards_in_process(self) -> bool:
         """Whether every shard of the job lives in this process (a
         ``LocalCluster``, or a job of one process): updates then never

@@ -39,6 +39,25 @@ class _WritableAlias:
         self.__array_interface__ = interface
 
 
+def check_same_device(engine: torch.device, model: torch.device) -> None:
+    """Refuses a model whose parameters are on another device than the
+    engine's buffers.
+
+    Raises:
+        InvalidArgumentError: the two differ; the message says how to match them.
+    """
+    if engine == model:
+        return
+    hint = ""
+    if model.type == "cuda" and engine.type == "cpu":
+        hint = ": use mltuner.Config(device='cuda')"
+    elif model.type == "cpu" and engine.type == "cuda":
+        hint = ": move the model to the worker's GPU before wrap(), or use Config(device='cpu')"
+    elif model.type == "cuda":
+        hint = f": move the model to {engine} before wrap() (worker r uses GPU r mod count)"
+    raise InvalidArgumentError(f"the engine's buffers are on {engine} but the model's parameters are on {model}{hint}")
+
+
 def as_tensor(buffer: Any, device: torch.device) -> torch.Tensor:
     """The torch tensor over an engine buffer's memory, shaped (rows, width).
 
@@ -64,17 +83,7 @@ def as_tensor(buffer: Any, device: torch.device) -> torch.Tensor:
             f"the engine returned a buffer of type {type(buffer).__name__}; the torch adapter knows numpy "
             "arrays (CPU backend) and mltuner.DeviceArray (CUDA backend)"
         )
-    if tensor.device != device:
-        hint = ""
-        if device.type == "cuda" and tensor.device.type == "cpu":
-            hint = ": use mltuner.Config(device='cuda')"
-        elif device.type == "cpu" and tensor.device.type == "cuda":
-            hint = ": move the model to the worker's GPU before wrap(), or use Config(device='cpu')"
-        elif device.type == "cuda":
-            hint = f": move the model to {tensor.device} before wrap() (worker r uses GPU r mod count)"
-        raise InvalidArgumentError(
-            f"the engine's buffers are on {tensor.device} but the model's parameters are on {device}{hint}"
-        )
+    check_same_device(tensor.device, device)
     if tensor.data_ptr() != address or tensor.dtype != torch.float32:
         raise InternalError("converting an engine buffer to a torch tensor copied it")
     return tensor

@@ -14,6 +14,7 @@ from mltuner._config import UpdateRule
 from mltuner.client._worker import Worker
 from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError, OutOfOrderError, ResourceExhaustedError
 from mltuner.torch._amp import ScaledGradients, check_scaler
+from mltuner.torch._buffers import check_same_device
 from mltuner.torch._clock import ClockDriver, tensors_in
 from mltuner.torch._errors import UnsupportedModelError
 from mltuner.torch._keep import KeepOnDevice, Variant
@@ -560,6 +561,8 @@ def wrap(
             f"worker {worker.rank} already has tables ({', '.join(t.name for t in worker.tables)}): wrap() needs "
             "a fresh worker, whose virtual iteration it records"
         )
+    if isinstance(module, nn.Module):  # find_layers refuses anything else
+        check_same_device(torch.device(worker.device), _parameter_device(module))
     if slack < 0:
         raise InvalidArgumentError(f"slack must be >= 0, got {slack}")
     if row_width < 1:

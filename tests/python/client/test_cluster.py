@@ -19,6 +19,7 @@ def test_workers_and_ranks() -> None:
         assert cluster.num_workers == 3
         assert [w.rank for w in cluster.workers] == [0, 1, 2]
         assert all(w.num_workers == 3 for w in cluster.workers)
+        assert all(w.device == "cpu" for w in cluster.workers)
         assert cluster.worker(2) is cluster.workers[2]
         assert cluster.rejected_messages == 0
     with pytest.raises(ValueError, match=r"num_workers must be in \[1, 1024\], got 0"):

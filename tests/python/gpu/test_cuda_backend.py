@@ -145,6 +145,7 @@ def test_device_array_is_dlpack_and_copyable() -> None:
     config = mlt.Config(device="cuda", wait_timeout_s=30)
     with mlt.LocalCluster(1, config) as cluster:
         worker = cluster.worker(0)
+        assert worker.device == "cuda:0"
         table = worker.create_table("t", 5, 8)
         h = worker.virtual_pre_update(table)
         worker.virtual_update(h)

@@ -24,6 +24,11 @@ class Transport {
  public:
   virtual ~Transport() = default;
   virtual Status Send(Message&& message) = 0;
+  // Sends messages built together (a burst of small tables' updates) in
+  // order; a transport may hand them on as one, so that the burst costs one
+  // wake-up of each thread on its way instead of one per message. Stops at
+  // the first failure.
+  virtual Status SendAll(std::vector<Message>&& messages);
   // Registers a communicated table with the shard of process `rank`.
   virtual Status AddTableToShard(int rank, const TableInfo& info) = 0;
   // Whether a message from process `sender` to process `receiver` may carry

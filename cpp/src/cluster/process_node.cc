@@ -34,13 +34,29 @@ class ProcessNode::Queues {
   // already fails with the abort's reason); once closed it is queued without
   // waiting, as the send thread drains.
   Status PushOutgoing(OutgoingMessage&& message, int64_t timeout_ms) {
-    const auto bytes = static_cast<int64_t>(message.payload_bytes());
+    std::vector<OutgoingMessage> one;
+    one.push_back(std::move(message));
+    return PushOutgoing(std::move(one), timeout_ms);
+  }
+
+  // The same for several messages in order, with one wake-up of the send
+  // thread (or one before each wait for room, so that it makes the room).
+  Status PushOutgoing(std::vector<OutgoingMessage>&& messages, int64_t timeout_ms) {
     {
       MutexLock lock(&mu);
-      if (timeout_ms >= 0) MLT_RETURN_IF_ERROR(WaitForRoom(bytes, timeout_ms));
-      if (aborted) return Status::Ok();
-      outbox_bytes.Add(bytes);
-      outbox.push_back(std::move(message));
+      bool unannounced = false;
+      for (OutgoingMessage& message : messages) {
+        const auto bytes = static_cast<int64_t>(message.payload_bytes());
+        if (timeout_ms >= 0 && !outbox_bytes.HasRoom(bytes)) {
+          if (unannounced) ready.NotifyAll();
+          unannounced = false;
+          MLT_RETURN_IF_ERROR(WaitForRoom(bytes, timeout_ms));
+        }
+        if (aborted) return Status::Ok();
+        outbox_bytes.Add(bytes);
+        outbox.push_back(std::move(message));
+        unannounced = true;
+      }
     }
     ready.NotifyAll();
     return Status::Ok();
@@ -162,38 +178,63 @@ ProcessNode::~ProcessNode() {
 }
 
 Status ProcessNode::Send(Message&& message) {
-  const int receiver = message.header.receiver;
-  if (receiver < 0 || receiver >= num_workers_) {
-    return Status::InvalidArgument("message to unknown process " + std::to_string(receiver) + ": " +
-                                   message.DebugString());
+  std::vector<Message> one;
+  one.push_back(std::move(message));
+  return SendAll(std::move(one));
+}
+
+Status ProcessNode::SendAll(std::vector<Message>&& messages) {
+  std::vector<OutgoingMessage> outgoing;
+  bool waits = false;
+  for (Message& message : messages) {
+    const int receiver = message.header.receiver;
+    if (receiver < 0 || receiver >= num_workers_) {
+      return Status::InvalidArgument("message to unknown process " + std::to_string(receiver) + ": " +
+                                     message.DebugString());
+    }
+    if (receiver == rank_) {
+      MLT_RETURN_IF_ERROR(SendToSelf(std::move(message)));
+      continue;
+    }
+    // Only the engine's messages wait for room (see SendToSelf).
+    waits = waits || IsServerBound(message.type());
+    outgoing.emplace_back();
+    MLT_RETURN_IF_ERROR(ToOutgoing(std::move(message), &outgoing.back()));
   }
+  if (outgoing.empty()) return Status::Ok();
+  const Status queued = queues_->PushOutgoing(std::move(outgoing), waits ? wait_timeout_ms_ : -1);
+  if (queued.code() == StatusCode::kTimeout) Abort(queued);  // every wait of the job ends with it
+  return queued;
+}
+
+Status ProcessNode::SendToSelf(Message&& message) {
   // Only the engine's messages wait for room (it makes all the traffic, so
   // waiting there bounds every queue). The shard's replies never wait: its
   // thread must keep draining its inbox, or two processes whose outboxes and
   // inboxes were all full would wait on each other; they answer messages
   // that waited on their way in.
-  const bool waits = IsServerBound(message.type());
-  if (receiver == rank_) {
-    if (!waits) {
-      queues_->host.Push(std::move(message));
-      return Status::Ok();
-    }
-    // The engine's update for its own shard also makes that shard's replies
-    // to every peer: it waits while they are not taken (the outbox is full)
-    // and while the shard is behind.
-    Status room = queues_->WaitForOutboxRoom(wait_timeout_ms_);
-    if (room.ok()) room = queues_->host.PushBounded(std::move(message), wait_timeout_ms_);
-    if (room.code() == StatusCode::kTimeout) Abort(room);
-    return room;
+  if (!IsServerBound(message.type())) {
+    queues_->host.Push(std::move(message));
+    return Status::Ok();
   }
-  OutgoingMessage outgoing;
-  outgoing.receiver = receiver;
+  // The engine's update for its own shard also makes that shard's replies
+  // to every peer: it waits while they are not taken (the outbox is full)
+  // and while the shard is behind.
+  Status room = queues_->WaitForOutboxRoom(wait_timeout_ms_);
+  if (room.ok()) room = queues_->host.PushBounded(std::move(message), wait_timeout_ms_);
+  if (room.code() == StatusCode::kTimeout) Abort(room);
+  return room;
+}
+
+Status ProcessNode::ToOutgoing(Message&& message, OutgoingMessage* outgoing) {
+  const int receiver = message.header.receiver;
+  outgoing->receiver = receiver;
   bool by_ipc = false;
   if (message.device_values) {
     // A process of this host reached by CUDA IPC: the values go device ->
     // device into its landing region, and only a notice takes the socket.
     MLT_RETURN_IF_ERROR(ipc_->TrySend(receiver, message.device_values.get(), EncodeHeaderFrame(message),
-                                      &outgoing.header, &by_ipc));
+                                      &outgoing->header, &by_ipc));
     if (by_ipc) {
       message.device_values.reset();
     } else {
@@ -202,14 +243,12 @@ Status ProcessNode::Send(Message&& message) {
     }
   }
   if (!by_ipc) {
-    outgoing.header = EncodeHeaderFrame(message);
-    outgoing.payload = std::move(message.values);
-    outgoing.frame = std::move(message.host_frame);
-    socket_payload_bytes_ += static_cast<int64_t>(outgoing.payload_bytes());
+    outgoing->header = EncodeHeaderFrame(message);
+    outgoing->payload = std::move(message.values);
+    outgoing->frame = std::move(message.host_frame);
+    socket_payload_bytes_ += static_cast<int64_t>(outgoing->payload_bytes());
   }
-  const Status queued = queues_->PushOutgoing(std::move(outgoing), waits ? wait_timeout_ms_ : -1);
-  if (queued.code() == StatusCode::kTimeout) Abort(queued);  // every wait of the job ends with it
-  return queued;
+  return Status::Ok();
 }
 
 Status ProcessNode::MoveToHostFrame(Message* message) {

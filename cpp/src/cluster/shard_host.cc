@@ -11,11 +11,24 @@
 
 namespace mltuner {
 
-void Inbox::Start(const char* thread_name, std::function<void(Message&&)> deliver) {
-  thread_ = std::thread([this, thread_name, deliver = std::move(deliver)] {
+void Inbox::Start(const char* thread_name, std::function<void(Message&&)> deliver,
+                  std::function<void()> drained) {
+  thread_ = std::thread([this, thread_name, deliver = std::move(deliver), drained = std::move(drained)] {
     NameThisThread(thread_name);
+    bool delivered = false;  // since `drained` last ran
     for (;;) {
       Message message;
+      if (delivered && drained) {
+        bool idle;
+        {
+          MutexLock lock(&mu_);
+          idle = queue_.empty();
+        }
+        if (idle) {
+          drained();
+          delivered = false;
+        }
+      }
       {
         MutexLock lock(&mu_);
         while (!stopping_ && queue_.empty()) ready_.Wait();
@@ -26,6 +39,7 @@ void Inbox::Start(const char* thread_name, std::function<void(Message&&)> delive
       // Counted until delivered: the payload is held until then.
       const auto bytes = static_cast<int64_t>(message.num_values() * sizeof(float));
       deliver(std::move(message));
+      delivered = true;
       {
         MutexLock lock(&mu_);
         bytes_.Remove(bytes);
@@ -147,17 +161,30 @@ void ShardHost::Start(Engine* engine, Transport* transport) {
         engine->Abort(context);
       }
     }
+    // Replies leave once the inbox is drained (or past kHeldReplyBytes), as
+    // one burst: the rows of a clock's tables then take one hand-off to the
+    // send thread and one socket message per worker instead of one per table.
     for (Message& reply : replies) {
-      const Status sent = transport->Send(std::move(reply));
-      if (!sent.ok()) Reject(sent, Message());
+      held_reply_bytes_ += reply.num_values() * sizeof(float);
+      held_replies_.push_back(std::move(reply));
     }
-  });
+    if (held_reply_bytes_ >= kHeldReplyBytes) SendHeldReplies(transport);
+  }, [this, transport] { SendHeldReplies(transport); });
   client_inbox_.Start("mlt-installer", [this, engine](Message&& message) {
     // The same for rows from a shard of this process on another GPU.
     Status status = WaitReady(message.host_frame.get());
     if (status.ok()) status = engine->HandleMessage(std::move(message));
     if (!status.ok()) Reject(status, Message());
   });
+}
+
+void ShardHost::SendHeldReplies(Transport* transport) {
+  if (held_replies_.empty()) return;
+  std::vector<Message> burst = std::move(held_replies_);
+  held_replies_.clear();
+  held_reply_bytes_ = 0;
+  const Status sent = transport->SendAll(std::move(burst));
+  if (!sent.ok()) Reject(sent, Message());
 }
 
 void ShardHost::Push(Message&& message) {

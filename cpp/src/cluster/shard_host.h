@@ -18,6 +18,7 @@
 #include <deque>
 #include <functional>
 #include <thread>
+#include <vector>
 
 #include "common/byte_bound.h"
 #include "common/mutex.h"
@@ -34,8 +35,11 @@ namespace mltuner {
 class Inbox {
  public:
   ~Inbox() { Stop(); }
-  // `thread_name`: a string literal (it outlives the thread).
-  void Start(const char* thread_name, std::function<void(Message&&)> deliver);
+  // `thread_name`: a string literal (it outlives the thread). `drained`, if
+  // given, runs on the thread whenever it has delivered what was queued and
+  // finds the inbox empty (before it waits).
+  void Start(const char* thread_name, std::function<void(Message&&)> deliver,
+             std::function<void()> drained = nullptr);
   // Queues without waiting.
   void Push(Message&& message);
   // Queues once the bytes queued (including the message being delivered)
@@ -115,6 +119,12 @@ class ShardHost {
   Inbox server_inbox_;
   Inbox client_inbox_;
   std::atomic<int64_t> rejected_{0};
+  // The shard's replies not yet sent (its inbox thread's only): they leave
+  // together when the inbox is drained, or past kHeldReplyBytes.
+  static constexpr size_t kHeldReplyBytes = size_t{4} << 20;
+  std::vector<Message> held_replies_;
+  size_t held_reply_bytes_ = 0;
+  void SendHeldReplies(Transport* transport);
 };
 
 }  // namespace mltuner

@@ -133,16 +133,19 @@ void Reclaimer::Loop() {
       while (!state_->stopping && state_->app_seq <= seq) state_->cv.Wait();
       if (state_->stopping) return;
     }
-    const Status status = ReclaimOp(seq);
+    Status status = ReclaimOp(seq);
+    bool caught_up = false;
+    if (status.ok()) {
+      MutexLock lock(&state_->mu);
+      state_->reclaimed_seq = seq + 1;
+      caught_up = state_->app_seq <= seq + 1;
+    }
+    if (status.ok()) state_->cv.NotifyAll();
+    if (status.ok() && caught_up) status = Flush();
     if (!status.ok()) {
       if (status.code() != StatusCode::kShutdown) state_->Fail(status.WithContext(ThreadContext(rank_, "reclaimer")));
       return;
     }
-    {
-      MutexLock lock(&state_->mu);
-      state_->reclaimed_seq = seq + 1;
-    }
-    state_->cv.NotifyAll();
   }
 }
 
@@ -157,10 +160,10 @@ Status Reclaimer::ReclaimOp(int64_t seq) {
         std::vector<Message> messages;
         MLT_RETURN_IF_ERROR(BuildTableClock(table.id, clock, &messages));
         MLT_RETURN_IF_ERROR(MarkReady(nullptr, &messages));
-        MLT_RETURN_IF_ERROR(SendAll(std::move(messages)));
+        MLT_RETURN_IF_ERROR(Ship(std::move(messages)));
       }
     }
-    return Status::Ok();
+    return Flush();
   }
   if (op.kind != OpKind::kPostRead && op.kind != OpKind::kUpdate && op.kind != OpKind::kPostLocalAccess) {
     return Status::Ok();  // open ops belong to the allocator
@@ -203,7 +206,7 @@ Status Reclaimer::ReclaimOp(int64_t seq) {
   MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kWriteback, &released));
   MLT_RETURN_IF_ERROR(MarkReady(released, &messages));
   ReleaseSlot(slot, std::move(released));
-  MLT_RETURN_IF_ERROR(SendAll(std::move(messages)));
+  MLT_RETURN_IF_ERROR(Ship(std::move(messages)));
   return device_->TakeError();
 }
 
@@ -453,12 +456,27 @@ Status Reclaimer::MarkReady(DeviceEvent ready, std::vector<Message>* messages) {
   return Status::Ok();
 }
 
-Status Reclaimer::SendAll(std::vector<Message> messages) {
+Status Reclaimer::Ship(std::vector<Message> messages) {
   for (Message& message : messages) {
-    MLT_RETURN_IF_ERROR(transport_->Send(std::move(message)));
-    ++state_->messages_sent;
+    if (message.device_values) {
+      MLT_RETURN_IF_ERROR(Flush());  // in order: nothing overtakes what is held
+      MLT_RETURN_IF_ERROR(transport_->Send(std::move(message)));
+      ++state_->messages_sent;
+      continue;
+    }
+    held_bytes_ += message.num_values() * sizeof(float);
+    held_.push_back(std::move(message));
   }
-  return Status::Ok();
+  return held_bytes_ >= kHeldBytes ? Flush() : Status::Ok();
+}
+
+Status Reclaimer::Flush() {
+  if (held_.empty()) return Status::Ok();
+  std::vector<Message> burst = std::move(held_);
+  held_.clear();
+  held_bytes_ = 0;
+  state_->messages_sent += static_cast<int64_t>(burst.size());
+  return transport_->SendAll(std::move(burst));
 }
 
 }  // namespace mltuner

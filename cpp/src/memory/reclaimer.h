@@ -60,7 +60,11 @@ class Reclaimer {
   Status NewUpdateMessage(TableId table, int shard, mltuner::Clock clock, size_t values, Message* out,
                           float** data, bool* on_device) EXCLUDES(state_->mu);
   Status MarkReady(DeviceEvent ready, std::vector<Message>* messages);
-  Status SendAll(std::vector<Message> messages);
+  // Sends `messages`, or holds those for other processes' shards (host
+  // frames and bare clocks) to leave with the next ones: see held_.
+  Status Ship(std::vector<Message> messages);
+  // Sends the held messages, if any, as one burst.
+  Status Flush();
   // Frees the slot; `released` is the ticket after which the device no
   // longer touches its addresses (the next user's fill waits for it).
   void ReleaseSlot(Slot* slot, DeviceEvent released) EXCLUDES(state_->mu);
@@ -94,6 +98,16 @@ class Reclaimer {
   // Host frames (pinned on CUDA) of update payloads to other processes'
   // shards, recycled; idle ones bounded by RemotePayloadBytesInFlight.
   DeviceBufferPool frames_;
+  // Updates for other processes built while the application had already
+  // posted the next op: they leave together (Transport::SendAll) once this
+  // thread catches up with the application, at the clock's end, or past
+  // kHeldBytes, as DDP's buckets do, so a burst of small tables costs each
+  // thread on the way one wake-up rather than one per table; never held
+  // across a wait of this thread. Device payloads are never held (their
+  // bound may make this thread wait for the shard that would get them).
+  static constexpr size_t kHeldBytes = size_t{4} << 20;
+  std::vector<Message> held_;
+  size_t held_bytes_ = 0;
   std::thread thread_;
 };
 

@@ -65,11 +65,11 @@ def test_bsp_equals_sequential_sgd(start_workers, n: int, rule: str) -> None:  #
         assert int(workers.result(rank)["rejected"]) == 0
 
 
-# Rows of 64 bytes: a shard's slice of 1024 rows among 4 is 16 KiB, which
-# ZeroMQ receives into memory of its own (smaller payloads share its receive
-# buffer at unaligned offsets and are copied), so this table's payloads are
+# Rows of 64 bytes: a shard's slice of 20480 rows among 4 is 320 KiB, above
+# ProcessNode::kBatchBelowBytes (256 KiB; smaller payloads are joined into
+# batches, copied at both ends), so this table's payloads go alone and are
 # used in place on the CPU backend.
-EXTRA_ROWS = 1024
+EXTRA_ROWS = 20480
 
 
 def in_process(rule: str, num_workers: int) -> list[dict[str, np.ndarray]]:

@@ -238,9 +238,9 @@ def test_a_killed_process_directory_is_removed_by_the_next_job(monkeypatch: pyte
 def test_received_payloads_are_used_in_place_and_all_handed_back(socket_threads: str) -> None:
     # On the CPU backend the node reads each received payload where ZeroMQ
     # put it; the transport keeps the frame until the node hands it back.
-    # Payloads of a few KiB share ZeroMQ's receive buffer at any byte offset
-    # and are copied instead (a float array must be aligned): these are 32 KiB.
-    rows, width = 32, 512
+    # Payloads under 256 KiB (ProcessNode::kBatchBelowBytes) join batches and
+    # are copied at both ends: these are 320 KiB, half a table each.
+    rows, width = 320, 512
     jobs = start_pair()
     try:
         for result in train_adds(jobs, rows, width, CLOCKS):

@@ -161,10 +161,17 @@ void ShardHost::Start(Engine* engine, Transport* transport) {
         engine->Abort(context);
       }
     }
-    // Replies leave once the inbox is drained (or past kHeldReplyBytes), as
-    // one burst: the rows of a clock's tables then take one hand-off to the
-    // send thread and one socket message per worker instead of one per table.
+    // Replies to other ranks leave once the inbox is drained (or past
+    // kHeldReplyBytes), as one burst: the rows of a clock's tables then take
+    // one hand-off to the send thread and one socket message per worker
+    // instead of one per table. This rank's engine gets its rows at once
+    // (its next read may be waiting for them).
     for (Message& reply : replies) {
+      if (reply.header.receiver == rank_) {
+        const Status sent = transport->Send(std::move(reply));
+        if (!sent.ok()) Reject(sent, Message());
+        continue;
+      }
       held_reply_bytes_ += reply.num_values() * sizeof(float);
       held_replies_.push_back(std::move(reply));
     }

@@ -119,8 +119,9 @@ class ShardHost {
   Inbox server_inbox_;
   Inbox client_inbox_;
   std::atomic<int64_t> rejected_{0};
-  // The shard's replies not yet sent (its inbox thread's only): they leave
-  // together when the inbox is drained, or past kHeldReplyBytes.
+  // The shard's replies to other ranks not yet sent (its inbox thread's
+  // only): they leave together when the inbox is drained, or past
+  // kHeldReplyBytes.
   static constexpr size_t kHeldReplyBytes = size_t{4} << 20;
   std::vector<Message> held_replies_;
   size_t held_reply_bytes_ = 0;

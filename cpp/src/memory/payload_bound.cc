@@ -53,6 +53,11 @@ Status PayloadBound::Take(size_t count, int64_t timeout_ms, const std::function<
   return Status::Ok();
 }
 
+bool PayloadBound::HasRoom(size_t count) const {
+  MutexLock lock(&shared_->mu);
+  return shared_->bytes.HasRoom(static_cast<int64_t>(count * sizeof(float)));
+}
+
 int64_t PayloadBound::held_bytes() const {
   MutexLock lock(&shared_->mu);
   return shared_->bytes.held;

@@ -33,6 +33,9 @@ class PayloadBound {
   Status Take(size_t count, int64_t timeout_ms, const std::function<bool()>& stopping,
               const std::function<Status(std::shared_ptr<DeviceBuffer>*)>& acquire,
               std::shared_ptr<DeviceBuffer>* out);
+  // Whether Take of `count` floats would go ahead without waiting (Take's
+  // caller is the only taker, and room only grows meanwhile).
+  bool HasRoom(size_t count) const;
   int64_t held_bytes() const;
   int64_t peak_bytes() const;
   int64_t limit_bytes() const;

@@ -322,6 +322,9 @@ Status Reclaimer::NewUpdateMessage(TableId table, int shard, mltuner::Clock cloc
   message.header.row_width = plan_->tables[table].row_width;
   *on_device = values > 0 && transport_->SharesDevice(rank_, shard);
   if (*on_device) {
+    // Take may wait for the shards to give payloads back: never while some
+    // wait here unsent.
+    if (!local_payloads_->HasRoom(values)) MLT_RETURN_IF_ERROR(Flush());
     MLT_RETURN_IF_ERROR(local_payloads_->Take(
         values, config_.wait_timeout_ms,
         [this] {
@@ -458,8 +461,9 @@ Status Reclaimer::MarkReady(DeviceEvent ready, std::vector<Message>* messages) {
 
 Status Reclaimer::Ship(std::vector<Message> messages) {
   for (Message& message : messages) {
-    if (message.device_values) {
-      MLT_RETURN_IF_ERROR(Flush());  // in order: nothing overtakes what is held
+    if (message.header.receiver == rank_) {
+      // This process's own shard gets its part at once: with one worker, or
+      // at slack 0, the next clock's first read waits for its apply.
       MLT_RETURN_IF_ERROR(transport_->Send(std::move(message)));
       ++state_->messages_sent;
       continue;

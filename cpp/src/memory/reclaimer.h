@@ -60,8 +60,8 @@ class Reclaimer {
   Status NewUpdateMessage(TableId table, int shard, mltuner::Clock clock, size_t values, Message* out,
                           float** data, bool* on_device) EXCLUDES(state_->mu);
   Status MarkReady(DeviceEvent ready, std::vector<Message>* messages);
-  // Sends `messages`, or holds those for other processes' shards (host
-  // frames and bare clocks) to leave with the next ones: see held_.
+  // Sends this rank's own shard its messages; holds those for other ranks'
+  // shards to leave with the next ones (see held_).
   Status Ship(std::vector<Message> messages);
   // Sends the held messages, if any, as one burst.
   Status Flush();
@@ -98,13 +98,12 @@ class Reclaimer {
   // Host frames (pinned on CUDA) of update payloads to other processes'
   // shards, recycled; idle ones bounded by RemotePayloadBytesInFlight.
   DeviceBufferPool frames_;
-  // Updates for other processes built while the application had already
-  // posted the next op: they leave together (Transport::SendAll) once this
-  // thread catches up with the application, at the clock's end, or past
-  // kHeldBytes, as DDP's buckets do, so a burst of small tables costs each
-  // thread on the way one wake-up rather than one per table; never held
-  // across a wait of this thread. Device payloads are never held (their
-  // bound may make this thread wait for the shard that would get them).
+  // Updates for other ranks' shards built while the application had
+  // already posted the next op: they leave together (Transport::SendAll) once this thread catches up
+  // with the application, at the clock's end, or past kHeldBytes, as DDP's
+  // buckets do, so a burst of small tables costs each thread on the way one
+  // wake-up rather than one per table. Never held across a wait of this
+  // thread (the payload bound's waits for the shards first send them).
   static constexpr size_t kHeldBytes = size_t{4} << 20;
   std::vector<Message> held_;
   size_t held_bytes_ = 0;

@@ -81,6 +81,44 @@ TEST(AFullInboxMakesPushesWaitThenTimesOut) {
   EXPECT_TRUE(inbox.peak_bytes() <= 100);
 }
 
+TEST(DrainedRunsOnceABurstIsDeliveredBeforeTheThreadWaits) {
+  // The shard sends its held replies from `drained`: once per burst of
+  // messages, after the last of them, never while more are queued.
+  Gate gate;
+  std::mutex mu;
+  std::vector<std::string> events;
+  Inbox inbox;
+  inbox.Start(
+      "test-inbox",
+      [&](Message&& m) {
+        const int64_t tag = m.header.clock;
+        gate.Deliver(std::move(m));
+        std::lock_guard<std::mutex> lock(mu);
+        events.push_back("m" + std::to_string(tag));
+      },
+      [&] {
+        std::lock_guard<std::mutex> lock(mu);
+        events.push_back("drained");
+      });
+  for (int64_t tag = 0; tag < 3; ++tag) inbox.Push(Payload(1, tag));  // the first waits at the gate
+  gate.Open();
+  const auto settled = [&](size_t count) {
+    for (int i = 0; i < 500; ++i) {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (events.size() >= count) return;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  };
+  settled(4);
+  inbox.Push(Payload(1, 3));
+  settled(6);
+  inbox.Stop();
+  std::lock_guard<std::mutex> lock(mu);
+  EXPECT_TRUE((events == std::vector<std::string>{"m0", "m1", "m2", "drained", "m3", "drained"}));
+}
+
 TEST(AnEmptyInboxTakesOneMessageLargerThanTheLimit) {
   Gate gate;
   Inbox inbox;

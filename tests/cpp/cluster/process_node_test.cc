@@ -254,6 +254,31 @@ TEST(WaitingSmallMessagesLeaveAsOneBatchPerPeerInOrder) {
   EXPECT_TRUE(node->NextOutgoingBatch(0, 64, size_t{1} << 20).empty());
 }
 
+TEST(SendAllQueuesABurstThatLeavesAsOneBatch) {
+  std::unique_ptr<ProcessNode> node;
+  ASSERT_OK(ProcessNode::Create(TestConfig(), 0, 2, nullptr, &node));
+  // Sixteen tables' updates of 64 KiB each (under kBatchBelowBytes), as the
+  // reclaimer hands them on after a step(): one socket message.
+  const int64_t rows = (int64_t{64} << 10) / 16;
+  std::vector<Message> burst;
+  for (int64_t i = 1; i <= 16; ++i) burst.push_back(Numbered(0, 1, i, rows));
+  ASSERT_OK(node->SendAll(std::move(burst)));
+  EXPECT_EQ(node->outbox_messages(), 16);
+  std::vector<OutgoingMessage> out = node->NextOutgoingBatch(0, 64, size_t{64} << 20);
+  ASSERT_EQ(out.size(), size_t{1});
+  EXPECT_TRUE(IsBatch(out[0].header.data(), out[0].header.size()));
+  std::vector<int64_t> want(16);
+  for (int64_t i = 0; i < 16; ++i) want[static_cast<size_t>(i)] = i + 1;
+  EXPECT_TRUE(Numbers(out[0]) == want);
+  EXPECT_TRUE(ProcessNode::kBatchBelowBytes > static_cast<size_t>(rows * 16));
+  // A message to an unknown rank is refused, naming it.
+  std::vector<Message> bad;
+  bad.push_back(Numbered(0, 5, 1, 1));
+  const Status refused = node->SendAll(std::move(bad));
+  EXPECT_TRUE((refused.code() == StatusCode::kInvalidArgument));
+  EXPECT_TRUE(refused.message().find("unknown process 5") != std::string::npos);
+}
+
 TEST(ABatchTakesAtMostItsMessagesAndBytes) {
   std::unique_ptr<ProcessNode> node;
   ASSERT_OK(ProcessNode::Create(TestConfig(), 0, 2, nullptr, &node));

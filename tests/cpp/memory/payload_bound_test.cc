@@ -25,8 +25,10 @@ TEST(APayloadPastTheLimitWaitsForOneToBeGivenBack) {
   PayloadBound bound(64);  // 16 floats
   std::shared_ptr<DeviceBuffer> first, second;
   ASSERT_OK(bound.Take(8, 1000, kNever, From(&pool, 8), &first));
+  EXPECT_TRUE(bound.HasRoom(8));
   ASSERT_OK(bound.Take(8, 1000, kNever, From(&pool, 8), &second));
   EXPECT_EQ(bound.held_bytes(), 64);
+  EXPECT_TRUE(!bound.HasRoom(1));  // Take would wait: the reclaimer sends what it holds first
   std::shared_ptr<DeviceBuffer> copy = first;  // a second owner: the bytes stay until both let go
   std::thread shard([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(30));

@@ -202,12 +202,12 @@ class ProcessNode final : public Transport {
   Status DeliverIpc(const void* frame0, size_t frame0_bytes, size_t payload_bytes);
   // Checks a decoded message's routing (`status`: the decode's) and queues it.
   Status Admit(Message&& message, Status status);
-  // A device payload for another process into a host frame (the path
-  // without CUDA IPC).
   // SendAll's two halves: a message to this process's shard or engine, and
   // one for another process made into what the send thread takes.
   Status SendToSelf(Message&& message);
   Status ToOutgoing(Message&& message, OutgoingMessage* outgoing);
+  // A device payload for another process into a host frame (the path
+  // without CUDA IPC).
   Status MoveToHostFrame(Message* message);
   // The messages at `run` (all for `receiver`) copied into one batch.
   Status JoinBatch(int receiver, const std::vector<OutgoingMessage>& messages, const std::vector<size_t>& run,

@@ -184,27 +184,34 @@ Status ProcessNode::Send(Message&& message) {
 }
 
 Status ProcessNode::SendAll(std::vector<Message>&& messages) {
-  std::vector<OutgoingMessage> outgoing;
-  bool waits = false;
-  for (Message& message : messages) {
+  // Every receiver is checked before anything leaves (a CUDA IPC copy is
+  // issued as a message is made outgoing).
+  for (const Message& message : messages) {
     const int receiver = message.header.receiver;
     if (receiver < 0 || receiver >= num_workers_) {
       return Status::InvalidArgument("message to unknown process " + std::to_string(receiver) + ": " +
                                      message.DebugString());
     }
-    if (receiver == rank_) {
-      MLT_RETURN_IF_ERROR(SendToSelf(std::move(message)));
-      continue;
-    }
-    // Only the engine's messages wait for room (see SendToSelf).
-    waits = waits || IsServerBound(message.type());
-    outgoing.emplace_back();
-    MLT_RETURN_IF_ERROR(ToOutgoing(std::move(message), &outgoing.back()));
   }
-  if (outgoing.empty()) return Status::Ok();
+  std::vector<OutgoingMessage> outgoing;
+  bool waits = false;
+  Status status;
+  for (Message& message : messages) {
+    if (message.header.receiver == rank_) {
+      status = SendToSelf(std::move(message));
+    } else {
+      // Only the engine's messages wait for room (see SendToSelf).
+      waits = waits || IsServerBound(message.type());
+      outgoing.emplace_back();
+      status = ToOutgoing(std::move(message), &outgoing.back());
+      if (!status.ok()) outgoing.pop_back();
+    }
+    if (!status.ok()) break;  // what was made outgoing still leaves, in order
+  }
+  if (outgoing.empty()) return status;
   const Status queued = queues_->PushOutgoing(std::move(outgoing), waits ? wait_timeout_ms_ : -1);
   if (queued.code() == StatusCode::kTimeout) Abort(queued);  // every wait of the job ends with it
-  return queued;
+  return status.ok() ? queued : status;
 }
 
 Status ProcessNode::SendToSelf(Message&& message) {

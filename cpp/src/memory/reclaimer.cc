@@ -134,18 +134,25 @@ void Reclaimer::Loop() {
       if (state_->stopping) return;
     }
     Status status = ReclaimOp(seq);
-    bool caught_up = false;
     if (status.ok()) {
-      MutexLock lock(&state_->mu);
-      state_->reclaimed_seq = seq + 1;
-      caught_up = state_->app_seq <= seq + 1;
+      bool caught_up;
+      {
+        MutexLock lock(&state_->mu);
+        caught_up = state_->app_seq <= seq + 1;
+      }
+      // Before the op counts as reclaimed: Engine::Flush's callers find
+      // every message of the ops it waited for handed on.
+      if (caught_up) status = Flush();
     }
-    if (status.ok()) state_->cv.NotifyAll();
-    if (status.ok() && caught_up) status = Flush();
     if (!status.ok()) {
       if (status.code() != StatusCode::kShutdown) state_->Fail(status.WithContext(ThreadContext(rank_, "reclaimer")));
       return;
     }
+    {
+      MutexLock lock(&state_->mu);
+      state_->reclaimed_seq = seq + 1;
+    }
+    state_->cv.NotifyAll();
   }
 }
 

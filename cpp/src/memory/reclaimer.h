@@ -98,12 +98,13 @@ class Reclaimer {
   // Host frames (pinned on CUDA) of update payloads to other processes'
   // shards, recycled; idle ones bounded by RemotePayloadBytesInFlight.
   DeviceBufferPool frames_;
-  // Updates for other ranks' shards built while the application had
-  // already posted the next op: they leave together (Transport::SendAll) once this thread catches up
-  // with the application, at the clock's end, or past kHeldBytes, as DDP's
-  // buckets do, so a burst of small tables costs each thread on the way one
-  // wake-up rather than one per table. Never held across a wait of this
-  // thread (the payload bound's waits for the shards first send them).
+  // Updates for other ranks' shards built while the application had already
+  // posted the next op: they leave together (Transport::SendAll) once this
+  // thread catches up with the application, at the clock's end, or past
+  // kHeldBytes, as DDP's buckets do, so a burst of small tables costs each
+  // thread on the way one wake-up rather than one per table. Never held
+  // across a wait of this thread (before the payload bound's wait for the
+  // shards, they are sent).
   static constexpr size_t kHeldBytes = size_t{4} << 20;
   std::vector<Message> held_;
   size_t held_bytes_ = 0;

@@ -30,7 +30,7 @@ Batches: each wake-up of the send thread takes every message waiting in the
 node's outbox, which joins the small ones for one peer into one batch
 (``cpp/src/wire/batch.h``; the receiving node opens it): a clock's updates
 of all its tables, or a shard's pushes of one clock, leave as one socket
-message per peer. Only payloads under 8 KiB join batches; larger ones go
+message per peer. Only payloads under 256 KiB join batches; larger ones go
 alone, to be used in place.
 
 Liveness is not judged here: heartbeats travel on the control channel

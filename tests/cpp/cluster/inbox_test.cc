@@ -103,7 +103,7 @@ TEST(DrainedRunsOnceABurstIsDeliveredBeforeTheThreadWaits) {
   for (int64_t tag = 0; tag < 3; ++tag) inbox.Push(Payload(1, tag));  // the first waits at the gate
   gate.Open();
   const auto settled = [&](size_t count) {
-    for (int i = 0; i < 500; ++i) {
+    for (int i = 0; i < 5000; ++i) {  // up to 10 s on a loaded machine
       {
         std::lock_guard<std::mutex> lock(mu);
         if (events.size() >= count) return;

@@ -22,8 +22,8 @@
 #include <string>
 #include <vector>
 
-#include "mltuner/host_headroom.h"
 #include "mltuner/config.h"
+#include "mltuner/host_headroom.h"
 #include "mltuner/status.h"
 #include "mltuner/types.h"
 #include "plan/placement.h"

@@ -22,9 +22,9 @@
 #include <utility>
 #include <vector>
 
-#include "mltuner/host_headroom.h"
 #include "common/mutex.h"
 #include "mltuner/config.h"
+#include "mltuner/host_headroom.h"
 #include "mltuner/status.h"
 #include "mltuner/types.h"
 #include "mltuner/update_step.h"

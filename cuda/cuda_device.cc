@@ -336,11 +336,11 @@ class CudaDevice final : public Device {
   }
 
   void ApplyUpdate(const UpdateStep& step, float* params, float* state, const float* update_sum, int64_t count,
-                   Stream s) override {
+                   int64_t state_stride, Stream s) override {
     if (count <= 0) return;
     cudaStream_t stream = nullptr;
     if (!Prepare(s, "ApplyUpdate", &stream)) return;
-    kernels::LaunchApplyUpdate(step, params, state, update_sum, count, stream);
+    kernels::LaunchApplyUpdate(step, params, state, update_sum, count, state_stride, stream);
     Record("ApplyUpdate (kernel launch)", cudaGetLastError());
   }
 

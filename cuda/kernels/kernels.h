@@ -46,10 +46,11 @@ void LaunchScatterAddRuns(float* dst, const float* src, const RowRun* runs_on_de
                           cudaStream_t stream);
 
 // One step of an update rule (see mltuner/update_step.h) over `count`
-// values; the state holds StateArraysPerValue(step.kind) arrays of `count`.
+// values; the state holds StateArraysPerValue(step.kind) arrays,
+// `state_stride` (>= count) floats apart.
 // REQUIRES: params, state and update_sum do not overlap.
 void LaunchApplyUpdate(const UpdateStep& step, float* params, float* state, const float* update_sum,
-                       int64_t count, cudaStream_t stream);
+                       int64_t count, int64_t state_stride, cudaStream_t stream);
 
 // For each piece: buffer[offset, offset + count) = memory[0, count)
 // (`into_buffer`), or the other way. The pieces go to the kernel by value,

@@ -22,8 +22,8 @@ __device__ inline int64_t FirstIndex() { return static_cast<int64_t>(blockIdx.x)
 __device__ inline int64_t GridStride() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
 
 __global__ void UpdateKernel(UpdateStep step, float* __restrict__ params, float* __restrict__ state,
-                             const float* __restrict__ update_sum, int64_t count) {
-  for (int64_t i = FirstIndex(); i < count; i += GridStride()) UpdateValue(step, params, state, update_sum, count, i);
+                             const float* __restrict__ update_sum, int64_t count, int64_t stride) {
+  for (int64_t i = FirstIndex(); i < count; i += GridStride()) UpdateValue(step, params, state, update_sum, stride, i);
 }
 
 __global__ void AddIntoKernel(float* __restrict__ dst, const float* __restrict__ src, int64_t count) {
@@ -33,9 +33,9 @@ __global__ void AddIntoKernel(float* __restrict__ dst, const float* __restrict__
 }  // namespace
 
 void LaunchApplyUpdate(const UpdateStep& step, float* params, float* state, const float* update_sum, int64_t count,
-                       cudaStream_t stream) {
+                       int64_t state_stride, cudaStream_t stream) {
   if (count <= 0) return;
-  UpdateKernel<<<GridFor(count), kThreads, 0, stream>>>(step, params, state, update_sum, count);
+  UpdateKernel<<<GridFor(count), kThreads, 0, stream>>>(step, params, state, update_sum, count, state_stride);
 }
 
 void LaunchAddInto(float* dst, const float* src, int64_t count, cudaStream_t stream) {

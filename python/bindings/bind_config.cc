@@ -40,6 +40,7 @@ void RegisterConfig(py::module_& m) {
       .def_readwrite("wait_timeout_ms", &Config::wait_timeout_ms)
       .def_readwrite("prefetch_clocks", &Config::prefetch_clocks)
       .def_readwrite("partitions_per_table", &Config::partitions_per_table)
+      .def_readwrite("clock_part_bytes", &Config::clock_part_bytes)
       .def_readwrite("update_rule", &Config::update_rule)
       .def_readwrite("branches", &Config::branches)
       .def_readwrite("max_branches", &Config::max_branches)

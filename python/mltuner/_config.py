@@ -179,6 +179,16 @@ class Config:
             why are on the plan's second line (``Worker.plan``), and in
             ``Worker.stats["prefetch_clocks"]``.
         partitions_per_table: partition locks per table in the client cache.
+        clock_part_bytes: a table whose rows on one server shard exceed this
+            many bytes moves its clock in parts of about this size (at most
+            64 per shard): each part's update leaves as soon as it is packed,
+            the shard applies the rule to a part once every worker's part is
+            in and pushes its fresh rows at once, so one large table's
+            copies, sends, rule and installs overlap as those of many smaller
+            tables do. Results are bit-identical; between the parts of a
+            clock a worker's cache may hold some rows a clock fresher than
+            the table's data age (as between shards). 0: every shard's rows
+            move whole. Every worker of a job must use the same value.
         update_rule: the server-side update rule.
         device: ``"cpu"`` (host memory, buffers are numpy arrays) or ``"cuda"``
             (worker r on GPU r mod count; buffers are :class:`DeviceArray`
@@ -224,6 +234,7 @@ class Config:
     wait_timeout_s: float = 60.0
     prefetch_clocks: int | None = None
     partitions_per_table: int = 8
+    clock_part_bytes: int = 4 << 20
     update_rule: UpdateRule = dataclasses.field(default_factory=UpdateRule)
     device: Literal["cpu", "cuda"] = "cpu"
     branches: bool = False
@@ -240,6 +251,7 @@ class Config:
         real("Config.wait_timeout_s", self.wait_timeout_s, 0, MAX_WAIT_S, low_open=True)
         _check_prefetch_clocks(self.prefetch_clocks)
         integer("Config.partitions_per_table", self.partitions_per_table, 1, MAX_PARTITIONS)
+        integer("Config.clock_part_bytes", self.clock_part_bytes, 0, MAX_BYTES)
         if not isinstance(self.update_rule, UpdateRule):
             raise InvalidArgumentError(f"Config.update_rule must be an UpdateRule, got "
                                        f"{type(self.update_rule).__name__}")
@@ -268,6 +280,7 @@ class Config:
         core.wait_timeout_ms = max(1, int(self.wait_timeout_s * 1000))
         core.prefetch_clocks = _AUTO_PREFETCH_CLOCKS if self.prefetch_clocks is None else int(self.prefetch_clocks)
         core.partitions_per_table = int(self.partitions_per_table)
+        core.clock_part_bytes = int(self.clock_part_bytes)
         core.update_rule = self.update_rule.to_core()
         core.branches = bool(self.branches)
         core.max_branches = int(self.max_branches)

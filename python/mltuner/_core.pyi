@@ -39,6 +39,7 @@ class Config:
     wait_timeout_ms: int
     prefetch_clocks: int
     partitions_per_table: int
+    clock_part_bytes: int
     update_rule: UpdateRuleConfig
     branches: bool
     max_branches: int

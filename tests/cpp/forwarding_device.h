@@ -40,8 +40,9 @@ class ForwardingDevice : public Device {
   }
   void Fill(float* d, float v, size_t n, Stream st) override { inner_->Fill(d, v, n, st); }
   void AddInto(float* d, const float* s, int64_t n, Stream st) override { inner_->AddInto(d, s, n, st); }
-  void ApplyUpdate(const UpdateStep& step, float* p, float* state, const float* sum, int64_t n, Stream st) override {
-    inner_->ApplyUpdate(step, p, state, sum, n, st);
+  void ApplyUpdate(const UpdateStep& step, float* p, float* state, const float* sum, int64_t n, int64_t stride,
+                   Stream st) override {
+    inner_->ApplyUpdate(step, p, state, sum, n, stride, st);
   }
   Status CountNonFinite(const float* d, int64_t n, Stream st, int64_t* out) override {
     return inner_->CountNonFinite(d, n, st, out);

@@ -54,6 +54,9 @@ std::string UpdateRuleText(const UpdateRuleConfig& rule);
 
 // Config::prefetch_clocks: chosen by the plan.
 constexpr int32_t kAutoPrefetchClocks = -1;
+// Config::clock_part_bytes's default, and the most parts of one shard's rows.
+constexpr int64_t kDefaultClockPartBytes = int64_t{4} << 20;
+constexpr int kMaxClockParts = 64;
 
 struct Config {
   // Bytes of device memory the engine may use for the parameter cache, local
@@ -115,6 +118,18 @@ struct Config {
   // ResNet-18 at a quarter of its need ran at 0.37 of no budget with 0,
   // 0.27 with 1. The plan's description and EngineStats give the value used.
   int32_t prefetch_clocks = kAutoPrefetchClocks;
+
+  // A table whose rows on one shard exceed this many bytes moves its clock
+  // in parts of about this size (at most kMaxClockParts per shard): each
+  // part's update leaves once packed, the shard applies the rule to a part
+  // once every worker's part is in and pushes its fresh rows at once, so a
+  // large table's packing, sending, applying and installing overlap, as a
+  // model of many smaller tables' do. Results are the same bit for bit;
+  // between the parts of a clock, a cache may hold some rows one clock
+  // fresher than the table's data age, as it may between shards. 0: every
+  // shard's rows move whole. Every worker of a job must use the same value
+  // (it is part of the table schema the shards compare).
+  int64_t clock_part_bytes = kDefaultClockPartBytes;
 
   // Partition locks per table in the client cache: a gather locks only the
   // partitions it reads, so installs of fresh rows in other partitions run

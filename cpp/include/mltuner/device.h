@@ -137,9 +137,10 @@ class Device {
   // dst[i] += src[i] for i < count. Both pointers are device memory.
   virtual void AddInto(float* dst, const float* src, int64_t count, Stream s) = 0;
   // One step of an update rule over `count` values (see update_step.h):
-  // params, state and update_sum are device memory.
+  // params, state and update_sum are device memory; the rule's state arrays
+  // lie `state_stride` floats apart (>= count: a part of a larger slice).
   virtual void ApplyUpdate(const UpdateStep& step, float* params, float* state, const float* update_sum,
-                           int64_t count, Stream s) = 0;
+                           int64_t count, int64_t state_stride, Stream s) = 0;
   // *out = how many of the `count` floats at `data` (device memory) are NaN
   // or infinite, counted after the work queued on `s` so far. Blocks the
   // calling thread until the count is known (on CUDA: a synchronize of `s`),

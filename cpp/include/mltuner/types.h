@@ -43,6 +43,10 @@ struct TableInfo {
   bool local = false;     // local data: per worker, never communicated
   // The table's own update rule; none: Config::update_rule.
   std::optional<UpdateRuleConfig> update_rule;
+  // A communicated table's clock (updates, the rule, fresh rows) moves each
+  // shard's rows in parts of about this many bytes (Config::clock_part_bytes,
+  // sharding/shard_range.h's ShardParts); 0: each shard's rows whole.
+  int64_t part_bytes = 0;
 
   int64_t row_bytes() const { return row_width * static_cast<int64_t>(sizeof(float)); }
   int64_t bytes() const { return num_rows * row_bytes(); }

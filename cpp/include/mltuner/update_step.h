@@ -94,10 +94,11 @@ inline UpdateStep MakeUpdateStep(const UpdateRuleConfig& rule, int num_workers, 
   return out;
 }
 
-// Value i of `count`: params[i] takes one step with update_sum[i] (the sum of
-// the workers' updates); state holds the rule's arrays of `count` floats.
+// Value i: params[i] takes one step with update_sum[i] (the sum of the
+// workers' updates); state holds the rule's arrays, `stride` floats apart
+// (the values of the rule's whole slice; a part of it starts at an offset).
 MLT_HOST_DEVICE inline void UpdateValue(const UpdateStep& s, float* params, float* state, const float* update_sum,
-                                        int64_t count, int64_t i) {
+                                        int64_t stride, int64_t i) {
   switch (s.kind) {
     case UpdateRuleKind::kAdd:  // GeePS: workers send deltas, the shard adds them
       params[i] = params[i] + update_sum[i];
@@ -135,15 +136,15 @@ MLT_HOST_DEVICE inline void UpdateValue(const UpdateStep& s, float* params, floa
       const float m_old = state[i];
       const float m = s.one_minus_beta1 < 0.5f ? m_old + s.one_minus_beta1 * (g - m_old)
                                                : g - (g - m_old) * (1.0f - s.one_minus_beta1);
-      const float v_scaled = state[count + i] * s.beta2;
+      const float v_scaled = state[stride + i] * s.beta2;
       const float v = v_scaled + (s.one_minus_beta2 * g) * g;
       state[i] = m;
-      state[count + i] = v;
+      state[stride + i] = v;
       float v_used = v;
       if (s.amsgrad) {  // torch.maximum: a NaN on either side wins
-        const float v_max = state[2 * count + i];
+        const float v_max = state[2 * stride + i];
         v_used = (v_max != v_max || v_max > v) ? v_max : v;
-        state[2 * count + i] = v_used;
+        state[2 * stride + i] = v_used;
       }
       const float denom = sqrtf(v_used) / s.bias2_sqrt + s.epsilon;
       params[i] = w + (s.neg_step_size * m) / denom;

@@ -61,17 +61,29 @@ Status RowInstaller::InstallRows(const Message& message) {
     return Status::InvalidArgument("rows from unknown shard " + std::to_string(shard));
   }
   const TableInfo& info = tables[table];
-  const RowSpan range = ShardRange(info.num_rows, shard, num_workers_);
-  const bool whole_range = range.count == 0
-                               ? message.spans.empty()
-                               : message.spans.size() == 1 && message.spans[0].begin == range.begin &&
-                                     message.spans[0].count == range.count;
-  if (!whole_range || message.header.row_width != info.row_width ||
+  // A shard pushes its rows whole or, for a table whose clock moves in
+  // parts, part by part in row order (sharding/shard_range.h, ShardParts).
+  const TableIndex& index = plan_->index.tables[table];
+  const int piece = message.spans.empty() ? (index.pieces[index.first_piece[shard]].range.count == 0
+                                                 ? index.first_piece[shard]
+                                                 : -1)
+                                          : FindPiece(index, shard, message.spans[0].begin);
+  const RowSpan range = piece >= 0 ? index.pieces[piece].range : RowSpan{};
+  const bool whole_piece = piece >= 0 && (range.count == 0 ? message.spans.empty()
+                                                           : message.spans.size() == 1 &&
+                                                                 message.spans[0].count == range.count);
+  if (!whole_piece || message.header.row_width != info.row_width ||
       message.num_values() != static_cast<size_t>(range.count * info.row_width)) {
+    const RowSpan rows = ShardRange(info.num_rows, shard, num_workers_);
     return Status::InvalidArgument("rows for table '" + info.name + "' from shard " + std::to_string(shard) +
-                                   " do not match its rows " + std::to_string(range.begin) + "+" +
-                                   std::to_string(range.count) + ": " + message.DebugString());
+                                   " do not match its rows " + std::to_string(rows.begin) + "+" +
+                                   std::to_string(rows.count) + " or one of their " +
+                                   std::to_string(index.first_piece[shard + 1] - index.first_piece[shard]) +
+                                   " parts: " + message.DebugString());
   }
+  // The shard's last part completes its push: only then is the table's
+  // data age from this shard the message's clock.
+  const bool completes_push = piece + 1 == index.first_piece[shard + 1];
   {
     MutexLock lock(&state_->age_mu);
     if (message.header.branch != state_->cache_branch) return Status::Ok();  // the cache moved to another branch
@@ -84,12 +96,12 @@ Status RowInstaller::InstallRows(const Message& message) {
   const TableStore& store = *plan_->stores[table];
   const int64_t width = info.row_width;
   if (message.host_frame) {
-    MLT_RETURN_IF_ERROR(InstallFrame(message, range));
+    MLT_RETURN_IF_ERROR(InstallFrame(message, piece, range));
   } else {
     const DeviceBuffer* on_device = message.device_values.get();
     if (on_device != nullptr) MLT_RETURN_IF_ERROR(device_->WaitEvent(Stream::kPrefetch, on_device->ready));
     const float* payload = on_device != nullptr ? on_device->data : message.values.data();
-    for (const WireSegment& segment : plan_->index.tables[table].receive[shard]) {
+    for (const WireSegment& segment : index.receive[piece]) {
       const float* src = payload + (segment.begin - range.begin) * width;
       float* dst = store.values(segment.residence) + segment.slot * width;
       const size_t bytes = static_cast<size_t>(segment.count * info.row_bytes());
@@ -114,6 +126,7 @@ Status RowInstaller::InstallRows(const Message& message) {
     }
   }
   MLT_RETURN_IF_ERROR(device_->TakeError());
+  if (!completes_push) return Status::Ok();
   {
     MutexLock lock(&state_->age_mu);
     // Rows of a branch the cache left while they were copied are overwritten
@@ -137,12 +150,11 @@ Status RowInstaller::InstallRows(const Message& message) {
 // after one wait for the queued gathers. The frame and the landing buffer go
 // back to their pools with the install's ticket; data age advances at once,
 // since every gather that reads the rows queues behind the install.
-Status RowInstaller::InstallFrame(const Message& message, const RowSpan& range) {
+Status RowInstaller::InstallFrame(const Message& message, int piece, const RowSpan& range) {
   const TableId table = message.header.table;
-  const int shard = message.header.sender;
   const TableStore& store = *plan_->stores[table];
   const TableIndex& index = plan_->index.tables[table];
-  const std::vector<WireSegment>& segments = index.receive[shard];
+  const std::vector<WireSegment>& segments = index.receive[piece];
   const int64_t width = store.info.row_width;
   DeviceBuffer& frame = *message.host_frame;
   if (segments.empty()) return Status::Ok();
@@ -154,7 +166,7 @@ Status RowInstaller::InstallFrame(const Message& message, const RowSpan& range) 
   }
   // One lock span for the one kernel: held only while the work is queued.
   auto guard = store.locks->LockExclusive(first, last - first + 1);
-  const RunIndex& unpack = index.unpack[shard];
+  const RunIndex& unpack = index.unpack[piece];
   if (unpack.total_rows > 0) {
     const float* source = frame.data;
     std::shared_ptr<DeviceBuffer> landing;
@@ -169,7 +181,7 @@ Status RowInstaller::InstallFrame(const Message& message, const RowSpan& range) 
     if (landing) landing->last_use = installed;
     frame.last_use = std::move(installed);
   }
-  if (!index.receive_on_device[shard]) {
+  if (!index.receive_on_device[piece]) {
     // A host-side write: queued gathers may still be reading these rows.
     MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kPrefetch));
     for (const WireSegment& segment : segments) {

@@ -30,7 +30,8 @@ class RowInstaller {
 
  private:
   Status InstallRows(const Message& message) EXCLUDES(state_->age_mu);
-  Status InstallFrame(const Message& message, const RowSpan& range);
+  // `piece` of the table's index (TableIndex::pieces), whose rows are `range`.
+  Status InstallFrame(const Message& message, int piece, const RowSpan& range);
   Status CompleteRequest(Message&& message) EXCLUDES(state_->age_mu);
 
   const int rank_;

@@ -21,12 +21,21 @@
 namespace mltuner {
 namespace {
 
-// Rows of a table's update that go to `shard` in a clock: the single
+// Rows of a table's update that go to piece `piece` in a clock: the single
 // update's runs, or the update log's segments.
-int64_t UpdateRows(const TableIndex& index, int shard) {
-  if (index.direct.handle >= 0) return index.direct.runs[shard].total_rows;
+int64_t PieceUpdateRows(const TableIndex& index, int piece) {
+  if (index.direct.handle >= 0) return index.direct.runs[piece].total_rows;
   int64_t rows = 0;
-  for (const WireSegment& segment : index.send[shard]) rows += segment.count;
+  for (const WireSegment& segment : index.send[piece]) rows += segment.count;
+  return rows;
+}
+
+// The same for all of `shard`'s pieces.
+int64_t UpdateRows(const TableIndex& index, int shard) {
+  int64_t rows = 0;
+  for (int piece = index.first_piece[shard]; piece < index.first_piece[shard + 1]; ++piece) {
+    rows += PieceUpdateRows(index, piece);
+  }
   return rows;
 }
 
@@ -72,9 +81,9 @@ size_t Reclaimer::LargestRemotePayloadValues() const {
   for (const TableInfo& table : plan_->tables) {
     if (table.local) continue;
     const TableIndex& index = plan_->index.tables[table.id];
-    for (int shard = 0; shard < num_workers_ && index.has_updates; ++shard) {
-      if (transport_->SharesDevice(rank_, shard)) continue;
-      largest = std::max(largest, static_cast<size_t>(UpdateRows(index, shard) * table.row_width));
+    for (int piece = 0; piece < static_cast<int>(index.pieces.size()) && index.has_updates; ++piece) {
+      if (transport_->SharesDevice(rank_, index.pieces[piece].shard)) continue;
+      largest = std::max(largest, static_cast<size_t>(PieceUpdateRows(index, piece) * table.row_width));
     }
   }
   return largest;
@@ -353,8 +362,9 @@ Status Reclaimer::NewUpdateMessage(TableId table, int shard, mltuner::Clock cloc
   return Status::Ok();
 }
 
-// The table's update log for `clock`: one message per shard, its payload
-// filled on the writeback stream. A shard of this process on this device gets
+// The table's update log for `clock`: one message per piece (a shard's rows,
+// or a part of them), its payload filled on the writeback stream. A shard
+// of this process on this device gets
 // a device buffer; another process's shard a host frame, filled by one pack
 // kernel (the prepared `pack` index: log slots -> a contiguous device
 // staging payload) and one device -> host copy when its rows are all
@@ -366,8 +376,9 @@ Status Reclaimer::BuildTableClock(TableId table, mltuner::Clock clock, std::vect
   const int64_t width = store.info.row_width;
   const TableIndex& table_index = plan_->index.tables[table];
   std::vector<std::pair<float*, size_t>> zero_after_copy;  // host log rows read by queued copies
-  for (int shard = 0; shard < num_workers_; ++shard) {
-    const std::vector<WireSegment>& segments = table_index.send[shard];
+  for (int piece = 0; piece < static_cast<int>(table_index.pieces.size()); ++piece) {
+    const int shard = table_index.pieces[piece].shard;
+    const std::vector<WireSegment>& segments = table_index.send[piece];
     int64_t rows = 0;
     for (const WireSegment& segment : segments) rows += segment.count;
     Message message;
@@ -377,15 +388,15 @@ Status Reclaimer::BuildTableClock(TableId table, mltuner::Clock clock, std::vect
     MLT_RETURN_IF_ERROR(NewUpdateMessage(table, shard, clock, total, &message, &out, &on_device));
     const bool remote = !on_device && rows > 0;
     const bool host_device = device_->host_addressable();
-    const bool packed = remote && (host_device || table_index.send_on_device[shard]);
-    if (packed && table_index.pack[shard].total_rows > 0) {
+    const bool packed = remote && (host_device || table_index.send_on_device[piece]);
+    if (packed && table_index.pack[piece].total_rows > 0) {
       float* target = out;
       std::shared_ptr<DeviceBuffer> staging;
       if (!host_device) {
         MLT_RETURN_IF_ERROR(payloads_.Acquire(std::max(staging_values_, total), Stream::kWriteback, &staging));
         target = staging->data;
       }
-      device_->Gather(target, store.log(Residence::kDevice), table_index.pack[shard], width, Stream::kWriteback);
+      device_->Gather(target, store.log(Residence::kDevice), table_index.pack[piece], width, Stream::kWriteback);
       if (staging) device_->CopyDeviceToHost(out, staging->data, total * sizeof(float), Stream::kWriteback);
       // `staging` (one size for every table: the largest remote payload, so
       // one buffer serves them all) goes back to the pool at once: its next
@@ -414,6 +425,7 @@ Status Reclaimer::BuildTableClock(TableId table, mltuner::Clock clock, std::vect
     }
     message.header.num_spans = static_cast<uint32_t>(message.spans.size());
     messages->push_back(std::move(message));
+    if (InParts(table_index)) MLT_RETURN_IF_ERROR(SendPart(messages));
   }
   if (!zero_after_copy.empty()) MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kWriteback));
   for (const auto& [log, count] : zero_after_copy) std::fill_n(log, count, 0.0f);
@@ -423,16 +435,18 @@ Status Reclaimer::BuildTableClock(TableId table, mltuner::Clock clock, std::vect
 Status Reclaimer::BuildDirectUpdate(const AccessRecord& access, const float* buffer, mltuner::Clock clock,
                                        std::vector<Message>* messages) {
   const TableInfo& info = plan_->tables[access.table];
-  const DirectSend& direct = plan_->index.tables[access.table].direct;
+  const TableIndex& table_index = plan_->index.tables[access.table];
+  const DirectSend& direct = table_index.direct;
   const int64_t width = info.row_width;
-  for (int shard = 0; shard < num_workers_; ++shard) {
-    const RunIndex& runs = direct.runs[shard];
+  for (int piece = 0; piece < static_cast<int>(table_index.pieces.size()); ++piece) {
+    const RunIndex& runs = direct.runs[piece];
     Message message;
     float* out = nullptr;
     bool on_device = false;
     const size_t total = static_cast<size_t>(runs.total_rows * width);
-    MLT_RETURN_IF_ERROR(NewUpdateMessage(access.table, shard, clock, total, &message, &out, &on_device));
-    message.spans = direct.spans[shard];
+    MLT_RETURN_IF_ERROR(
+        NewUpdateMessage(access.table, table_index.pieces[piece].shard, clock, total, &message, &out, &on_device));
+    message.spans = direct.spans[piece];
     message.header.num_spans = static_cast<uint32_t>(message.spans.size());
     if (runs.total_rows > 0) {
       // One kernel packs the buffer's rows (the prepared run index); another
@@ -447,6 +461,7 @@ Status Reclaimer::BuildDirectUpdate(const AccessRecord& access, const float* buf
       if (staging) device_->CopyDeviceToHost(out, staging->data, total * sizeof(float), Stream::kWriteback);
     }
     messages->push_back(std::move(message));
+    if (InParts(table_index)) MLT_RETURN_IF_ERROR(SendPart(messages));
   }
   MutexLock lock(&state_->mu);
   state_->stats.bytes_scattered += static_cast<int64_t>(access.rows.size()) * info.row_bytes();
@@ -464,6 +479,18 @@ Status Reclaimer::MarkReady(DeviceEvent ready, std::vector<Message>* messages) {
     payload->ready = ready;
   }
   return Status::Ok();
+}
+
+bool Reclaimer::InParts(const TableIndex& index) const {
+  return index.pieces.size() > static_cast<size_t>(num_workers_);
+}
+
+Status Reclaimer::SendPart(std::vector<Message>* messages) {
+  MLT_RETURN_IF_ERROR(MarkReady(nullptr, messages));
+  std::vector<Message> part = std::move(*messages);
+  messages->clear();
+  MLT_RETURN_IF_ERROR(Ship(std::move(part)));
+  return Flush();
 }
 
 Status Reclaimer::Ship(std::vector<Message> messages) {

@@ -60,6 +60,13 @@ class Reclaimer {
   Status NewUpdateMessage(TableId table, int shard, mltuner::Clock clock, size_t values, Message* out,
                           float** data, bool* on_device) EXCLUDES(state_->mu);
   Status MarkReady(DeviceEvent ready, std::vector<Message>* messages);
+  // Whether the table's clock moves its shards' rows in parts (more pieces
+  // than shards).
+  bool InParts(const TableIndex& index) const;
+  // A part of a large table's clock leaves as soon as it is built, with a
+  // ticket of its own, so that its copy, its trip and the shard's apply of
+  // it overlap the packing of the next part. Empties *messages.
+  Status SendPart(std::vector<Message>* messages);
   // Sends this rank's own shard its messages; holds those for other ranks'
   // shards to leave with the next ones (see held_).
   Status Ship(std::vector<Message> messages);

@@ -63,20 +63,31 @@ void AppendToSegments(std::vector<WireSegment>* segments, RowId row, const RowLa
   segments->push_back({row, 1, where, slot, position, position});
 }
 
-// The wanted rows (all when `wanted` is null) of each shard as wire segments.
-std::vector<std::vector<WireSegment>> SegmentsByShard(const TableInfo& table,
+// The wanted rows (all when `wanted` is null) of each piece as wire segments.
+std::vector<std::vector<WireSegment>> SegmentsByPiece(const std::vector<WirePiece>& pieces,
                                                       const std::vector<bool>* wanted,
                                                       const RowLayout& layout,
-                                                      const TablePlacement& placement,
-                                                      int num_shards) {
-  std::vector<std::vector<WireSegment>> by_shard(num_shards);
-  for (int shard = 0; shard < num_shards; ++shard) {
-    const RowSpan range = ShardRange(table.num_rows, shard, num_shards);
+                                                      const TablePlacement& placement) {
+  std::vector<std::vector<WireSegment>> by_piece(pieces.size());
+  for (size_t p = 0; p < pieces.size(); ++p) {
+    const RowSpan& range = pieces[p].range;
     for (RowId row = range.begin; row < range.begin + range.count; ++row) {
-      if (wanted == nullptr || (*wanted)[row]) AppendToSegments(&by_shard[shard], row, layout, placement);
+      if (wanted == nullptr || (*wanted)[row]) AppendToSegments(&by_piece[p], row, layout, placement);
     }
   }
-  return by_shard;
+  return by_piece;
+}
+
+// Every shard's parts of the table, in row order.
+void ListPieces(const TableInfo& table, int num_shards, TableIndex* index) {
+  index->first_piece.assign(1, 0);
+  for (int shard = 0; shard < num_shards; ++shard) {
+    const std::vector<RowSpan> parts = ShardParts(table, shard, num_shards);
+    for (size_t part = 0; part < parts.size(); ++part) {
+      index->pieces.push_back({shard, static_cast<int>(part), parts[part]});
+    }
+    index->first_piece.push_back(static_cast<int>(index->pieces.size()));
+  }
 }
 
 bool Overlaps(const AccessRecord& a, const AccessRecord& b) {
@@ -109,12 +120,12 @@ void LinkFetchDependencies(const Recording& recording, IterationIndex* index) {
   }
 }
 
-// For a table updated by exactly one access per clock: per shard, the row
+// For a table updated by exactly one access per clock: per piece, the row
 // spans of that access (sorted by id) and the runs that copy its buffer rows
 // into the message in span order. Rows recorded in ascending order (the
 // usual case) are walked as they are; others through a sorted copy of their
 // buffer order.
-DirectSend PlanDirectSend(const TableInfo& table, const AccessRecord& update, int num_shards) {
+DirectSend PlanDirectSend(const std::vector<WirePiece>& pieces, const AccessRecord& update) {
   const std::vector<RowId>& rows = update.rows;
   const int64_t n = static_cast<int64_t>(rows.size());
   std::vector<int64_t> by_id;  // buffer rows in ascending row id; empty when already so
@@ -125,29 +136,35 @@ DirectSend PlanDirectSend(const TableInfo& table, const AccessRecord& update, in
   }
   DirectSend direct;
   direct.handle = update.handle;
-  direct.spans.resize(num_shards);
-  direct.runs.resize(num_shards);
-  std::vector<int64_t> message_rows(num_shards, 0);
-  int shard = 0;
-  RowSpan range = ShardRange(table.num_rows, shard, num_shards);
+  direct.spans.resize(pieces.size());
+  direct.runs.resize(pieces.size());
+  std::vector<int64_t> message_rows(pieces.size(), 0);
+  size_t piece = 0;
   for (int64_t k = 0; k < n; ++k) {
     const int64_t buffer_row = by_id.empty() ? k : by_id[k];
     const RowId row = rows[buffer_row];
-    while (row >= range.begin + range.count && shard + 1 < num_shards) {
-      range = ShardRange(table.num_rows, ++shard, num_shards);
-    }
-    std::vector<RowSpan>& spans = direct.spans[shard];
+    while (row >= pieces[piece].range.begin + pieces[piece].range.count && piece + 1 < pieces.size()) ++piece;
+    std::vector<RowSpan>& spans = direct.spans[piece];
     if (!spans.empty() && spans.back().begin + spans.back().count == row) {
       ++spans.back().count;
     } else {
       spans.push_back({row, 1});
     }
-    AppendToRuns(&direct.runs[shard], buffer_row, message_rows[shard]++);
+    AppendToRuns(&direct.runs[piece], buffer_row, message_rows[piece]++);
   }
   return direct;
 }
 
 }  // namespace
+
+int FindPiece(const TableIndex& index, int shard, RowId begin) {
+  if (shard < 0 || shard + 1 >= static_cast<int>(index.first_piece.size())) return -1;
+  const auto first = index.pieces.begin() + index.first_piece[shard];
+  const auto last = index.pieces.begin() + index.first_piece[shard + 1];
+  const auto found =
+      std::lower_bound(first, last, begin, [](const WirePiece& piece, RowId row) { return piece.range.begin < row; });
+  return found != last && found->range.begin == begin ? static_cast<int>(found - index.pieces.begin()) : -1;
+}
 
 IterationIndex BuildIndexes(const std::vector<TableInfo>& tables,
                             const std::vector<RowLayout>& layouts, const Placement& placement,
@@ -172,37 +189,37 @@ IterationIndex BuildIndexes(const std::vector<TableInfo>& tables,
       if (access.table != table.id || access.kind != OpKind::kPreUpdate) continue;
       for (RowId row : access.rows) updated[row] = true;
     }
+    ListPieces(table, num_shards, &table_index);
+    const std::vector<WirePiece>& pieces = table_index.pieces;
     table_index.has_updates = last_update[table.id] >= 0;
     if (table_index.has_updates) index.accesses[last_update[table.id]].closes_table_clock = true;
     if (table_index.has_updates && !KeepsUpdateLog(table, recording)) {
-      table_index.direct = PlanDirectSend(table, recording.accesses[last_update[table.id]], num_shards);
+      table_index.direct = PlanDirectSend(pieces, recording.accesses[last_update[table.id]]);
     }
-    table_index.send = SegmentsByShard(table, &updated, layouts[table.id],
-                                       placement.tables[table.id], num_shards);
-    table_index.receive = SegmentsByShard(table, nullptr, layouts[table.id],
-                                          placement.tables[table.id], num_shards);
-    table_index.pack.resize(num_shards);
-    table_index.unpack.resize(num_shards);
-    table_index.send_on_device.assign(num_shards, true);
-    table_index.receive_on_device.assign(num_shards, true);
-    for (int shard = 0; shard < num_shards; ++shard) {
+    table_index.send = SegmentsByPiece(pieces, &updated, layouts[table.id], placement.tables[table.id]);
+    table_index.receive = SegmentsByPiece(pieces, nullptr, layouts[table.id], placement.tables[table.id]);
+    table_index.pack.resize(pieces.size());
+    table_index.unpack.resize(pieces.size());
+    table_index.send_on_device.assign(pieces.size(), true);
+    table_index.receive_on_device.assign(pieces.size(), true);
+    for (size_t p = 0; p < pieces.size(); ++p) {
       int64_t payload_row = 0;  // updates: the segments' rows in order
-      for (const WireSegment& segment : table_index.send[shard]) {
+      for (const WireSegment& segment : table_index.send[p]) {
         if (segment.residence == Residence::kDevice) {
-          table_index.pack[shard].runs.push_back({segment.slot, payload_row, segment.count});
-          table_index.pack[shard].total_rows += segment.count;
+          table_index.pack[p].runs.push_back({segment.slot, payload_row, segment.count});
+          table_index.pack[p].total_rows += segment.count;
         } else {
-          table_index.send_on_device[shard] = false;
+          table_index.send_on_device[p] = false;
         }
         payload_row += segment.count;
       }
-      const RowSpan range = ShardRange(table.num_rows, shard, num_shards);  // rows: the shard's whole range
-      for (const WireSegment& segment : table_index.receive[shard]) {
+      const RowSpan& range = pieces[p].range;  // rows: the piece's whole range
+      for (const WireSegment& segment : table_index.receive[p]) {
         if (segment.residence == Residence::kDevice) {
-          table_index.unpack[shard].runs.push_back({segment.begin - range.begin, segment.slot, segment.count});
-          table_index.unpack[shard].total_rows += segment.count;
+          table_index.unpack[p].runs.push_back({segment.begin - range.begin, segment.slot, segment.count});
+          table_index.unpack[p].total_rows += segment.count;
         } else {
-          table_index.receive_on_device[shard] = false;
+          table_index.receive_on_device[p] = false;
         }
       }
     }

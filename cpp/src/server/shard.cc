@@ -119,10 +119,12 @@ ServerShard::ServerShard(int rank, int num_workers, const UpdateRuleConfig& rule
 }
 
 Status ServerShard::NewTableState(const TableInfo& info, bool allocate, std::unique_ptr<TableState>* out) {
-  auto table = std::make_unique<TableState>(num_workers_);
-  table->info = info;
   // Every process hosts one shard, so shards are numbered like the workers.
+  std::vector<RowSpan> parts = ShardParts(info, rank_, num_workers_);
+  auto table = std::make_unique<TableState>(num_workers_, static_cast<int>(parts.size()));
+  table->info = info;
   table->range = ShardRange(info.num_rows, rank_, num_workers_);
+  table->parts = std::move(parts);
   table->num_values = table->range.count * info.row_width;
   table->rule_config = info.update_rule ? *info.update_rule : rule_config_;
   if (allocate && table->num_values > 0) {
@@ -291,7 +293,7 @@ Status ServerShard::HandleStart(const Message& in, std::vector<Message>* out) {
     TableState& table = *entry.second;
     bool global_advanced = false;
     MLT_RETURN_IF_ERROR(table.clock.Advance(sender, kInitClock, &global_advanced));
-    if (global_advanced) MLT_RETURN_IF_ERROR(PushRows(table, out));
+    if (global_advanced) MLT_RETURN_IF_ERROR(PushAllRows(table, out));
   }
   return Status::Ok();
 }
@@ -336,7 +338,6 @@ Status ServerShard::HandleClockUpdate(const Message& in, std::vector<Message>* o
   TableState* found = Find(in.header.branch, in.header.table);
   if (found == nullptr) return UnknownTable(in.header.table, in.header.branch);
   TableState& table = *found;
-  MLT_RETURN_IF_ERROR(CheckSpans(table, in));
   MLT_RETURN_IF_ERROR(CheckPayload(in, table.info));
 
   const WorkerId sender = in.header.sender;
@@ -347,31 +348,38 @@ Status ServerShard::HandleClockUpdate(const Message& in, std::vector<Message>* o
     return Status::OutOfOrder(TableText(table.info.id) + ": worker " + std::to_string(sender) +
                               " sent clock " + std::to_string(clock) + " before kStart");
   }
-  if (clock != last + 1) {
+  // Which part this is follows from the order: every worker sends the
+  // parts of a clock one after the other.
+  int part = 0;
+  if (!table.clock.NextPart(sender, clock, &part).ok()) {
     return Status::OutOfOrder(TableText(table.info.id) + ": worker " + std::to_string(sender) +
-                              " sent clock " + std::to_string(clock) + ", expected " +
-                              std::to_string(last + 1));
+                              " sent clock " + std::to_string(clock) + ", expected " + std::to_string(last + 1) +
+                              (table.clock.parts() > 1 ? " (a clock of " + std::to_string(table.clock.parts()) +
+                                                             " parts, each sent once, in order)"
+                                                       : ""));
   }
+  const RowSpan& rows = table.parts[static_cast<size_t>(part)];
+  MLT_RETURN_IF_ERROR(CheckSpans(table, rows, in));
 
   if (check_finite_ && table.training && in.num_values() > 0) MLT_RETURN_IF_ERROR(CheckFinite(table, in));
 
-  if ((in.header.flags & kNewLearningRate) != 0) table.new_rates[clock][sender] = in.header.learning_rate;
+  // Every part carries the clock's rate; the first one records it.
+  if ((in.header.flags & kNewLearningRate) != 0 && part == 0) table.new_rates[clock][sender] = in.header.learning_rate;
   if (in.num_values() > 0) {
     std::shared_ptr<DeviceBuffer> payload;
     MLT_RETURN_IF_ERROR(PayloadOnDevice(in, &payload));
-    std::vector<std::shared_ptr<DeviceBuffer>>& per_worker = table.pending[clock];
+    std::vector<std::shared_ptr<DeviceBuffer>>& per_worker = table.pending[{clock, part}];
     per_worker.resize(static_cast<size_t>(num_workers_));
     std::shared_ptr<DeviceBuffer>& dense = per_worker[static_cast<size_t>(sender)];
-    const bool whole_range = in.spans.size() == 1 && in.spans[0].begin == table.range.begin &&
-                             in.spans[0].count == table.range.count;
-    if (!dense && whole_range) {
-      dense = std::move(payload);  // already dense in the shard's row order
+    const bool whole_part = in.spans.size() == 1 && in.spans[0].begin == rows.begin && in.spans[0].count == rows.count;
+    if (!dense && whole_part) {
+      dense = std::move(payload);  // already dense in the part's row order
     } else {
       if (!dense) {
-        MLT_RETURN_IF_ERROR(buffers_.Acquire(static_cast<size_t>(table.num_values), Stream::kServer, &dense));
+        MLT_RETURN_IF_ERROR(buffers_.Acquire(static_cast<size_t>(table.values_of(part)), Stream::kServer, &dense));
         device_->Fill(dense->data, 0.0f, dense->count, Stream::kServer);
       }
-      AddSpansOnDevice(in, table.range, table.info.row_width, payload->data, dense->data);
+      AddSpansOnDevice(in, rows, table.info.row_width, payload->data, dense->data);
       MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kServer, &payload->last_use));
     }
   }
@@ -379,8 +387,8 @@ Status ServerShard::HandleClockUpdate(const Message& in, std::vector<Message>* o
   bool global_advanced = false;
   MLT_RETURN_IF_ERROR(table.clock.Advance(sender, clock, &global_advanced));
   if (global_advanced) {
-    MLT_RETURN_IF_ERROR(ApplyFinishedClocks(&table));
-    MLT_RETURN_IF_ERROR(PushRows(table, out));
+    MLT_RETURN_IF_ERROR(ApplyFinishedPart(&table));
+    MLT_RETURN_IF_ERROR(PushRows(table, table.clock.finished_part(), table.clock.finished_clock(), out));
   }
   return Status::Ok();
 }
@@ -407,7 +415,7 @@ Status ServerShard::HandleFetch(const Message& in, std::vector<Message>* out) {
   // A sender out of range has no client to tell, so it only gets the Status.
   MLT_RETURN_IF_ERROR(CheckSender(in, num_workers_));
   const TableState* found = Find(in.header.branch, in.header.table);
-  Status status = found == nullptr ? UnknownTable(in.header.table, in.header.branch) : CheckSpans(*found, in);
+  Status status = found == nullptr ? UnknownTable(in.header.table, in.header.branch) : CheckSpans(*found, found->range, in);
   if (!status.ok()) {
     out->push_back(ErrorReply(rank_, in, status));
     return status;
@@ -437,7 +445,7 @@ Status ServerShard::HandleFetch(const Message& in, std::vector<Message>* out) {
 Status ServerShard::HandleInitAdd(const Message& in, std::vector<Message>* out) {
   MLT_RETURN_IF_ERROR(CheckSender(in, num_workers_));
   TableState* found = Find(in.header.branch, in.header.table);
-  Status status = found == nullptr ? UnknownTable(in.header.table, in.header.branch) : CheckSpans(*found, in);
+  Status status = found == nullptr ? UnknownTable(in.header.table, in.header.branch) : CheckSpans(*found, found->range, in);
   if (status.ok()) status = CheckPayload(in, found->info);
   if (status.ok() && found->clock.Get(in.header.sender) != kNoClock) {
     status = Status::OutOfOrder(TableText(in.header.table) + ": worker " +
@@ -514,8 +522,7 @@ Status ServerShard::HandleReady(const Message& in, std::vector<Message>* out) {
   return status;
 }
 
-Status ServerShard::CheckSpans(const TableState& table, const Message& in) const {
-  const RowSpan& range = table.range;
+Status ServerShard::CheckSpans(const TableState& table, const RowSpan& range, const Message& in) const {
   const int64_t range_end = range.begin + range.count;
   for (const RowSpan& span : in.spans) {
     // Written as begin <= end - count so a huge count cannot overflow.
@@ -523,23 +530,34 @@ Status ServerShard::CheckSpans(const TableState& table, const Message& in) const
     if (!inside) {
       return Status::InvalidArgument(TableText(table.info.id) + ": span " + SpanText(span) +
                                      " (count " + std::to_string(span.count) +
-                                     ") is outside this shard's rows " + SpanText(range));
+                                     ") is outside this shard's rows " + SpanText(range) +
+                                     (range.count != table.range.count ? " (a part of its rows " + SpanText(table.range) +
+                                                                             ", the one this message is in order for)"
+                                                                       : ""));
     }
   }
   return Status::Ok();
 }
 
-// Sends every client all of this shard's rows of the table. The message goes
-// out even when the shard owns no rows (a table with fewer rows than shards):
-// the client counts shard pushes to advance the table's data age. Workers in
-// other processes share one host frame: one device -> host copy, one frame
-// sent to each (the transport only reads it).
-Status ServerShard::PushRows(const TableState& table, std::vector<Message>* out) {
+// Sends every client a part of this shard's rows of the table (all of them
+// when the table is not split). The message goes out even when the shard
+// owns no rows (a table with fewer rows than shards): the client's data age
+// moves with each shard's last part. Workers in other processes share one
+// host frame: one device -> host copy, one frame sent to each (the
+// transport only reads it).
+Status ServerShard::PushRows(const TableState& table, int part, Clock age, std::vector<Message>* out) {
   std::shared_ptr<DeviceBuffer> shared_frame;
   for (int worker = 0; worker < num_workers_; ++worker) {
     Message rows;
-    MLT_RETURN_IF_ERROR(RowsMessage(table, worker, &rows, &shared_frame));
+    MLT_RETURN_IF_ERROR(RowsMessage(table, part, age, worker, &rows, &shared_frame));
     out->push_back(std::move(rows));
+  }
+  return Status::Ok();
+}
+
+Status ServerShard::PushAllRows(const TableState& table, std::vector<Message>* out) {
+  for (int part = 0; part < static_cast<int>(table.parts.size()); ++part) {
+    MLT_RETURN_IF_ERROR(PushRows(table, part, table.clock.global(), out));
   }
   return Status::Ok();
 }
@@ -548,20 +566,22 @@ Status ServerShard::PushRows(const TableState& table, std::vector<Message>* out)
 // stream after the rule (its install waits for `ready`), or with the state in
 // host memory a view of the state itself (LendValues); any other worker a
 // host copy, which waits for the device.
-Status ServerShard::RowsMessage(const TableState& table, int worker, Message* out,
+Status ServerShard::RowsMessage(const TableState& table, int part, Clock age, int worker, Message* out,
                                 std::shared_ptr<DeviceBuffer>* shared_frame) {
   Message rows = NewMessage(MessageType::kRows, rank_, worker, table.info.id);
   rows.header.branch = table.branch;
-  rows.header.clock = table.clock.global();
+  rows.header.clock = age;
   rows.header.row_width = table.info.row_width;
-  if (table.range.count > 0) {
-    rows.spans.push_back(table.range);
-    const size_t count = static_cast<size_t>(table.num_values);
+  const RowSpan& range = table.parts[static_cast<size_t>(part)];
+  if (range.count > 0) {
+    rows.spans.push_back(range);
+    const size_t count = static_cast<size_t>(table.values_of(part));
+    const float* values = table.data() + table.offset_of(part);
     if (device_receivers_ && device_receivers_(worker) && state_in_host_) {
-      MLT_RETURN_IF_ERROR(LendValues(table, &rows.host_frame));
+      MLT_RETURN_IF_ERROR(LendValues(table, part, &rows.host_frame));
     } else if (device_receivers_ && device_receivers_(worker)) {
       MLT_RETURN_IF_ERROR(buffers_.Acquire(count, Stream::kServer, &rows.device_values));
-      device_->CopyDeviceToDevice(rows.device_values->data, table.data(), count * sizeof(float), Stream::kServer);
+      device_->CopyDeviceToDevice(rows.device_values->data, values, count * sizeof(float), Stream::kServer);
       MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kServer, &rows.device_values->ready));
     } else if (shared_frame != nullptr && *shared_frame) {
       rows.host_frame = *shared_frame;  // this push's copy, already queued
@@ -569,7 +589,7 @@ Status ServerShard::RowsMessage(const TableState& table, int worker, Message* ou
       // Into a host frame, ready with the copy's ticket: the transport's
       // send thread waits for it, this thread does not.
       MLT_RETURN_IF_ERROR(frames_.Acquire(count, Stream::kServer, &rows.host_frame));
-      device_->CopyDeviceToHost(rows.host_frame->data, table.data(), count * sizeof(float), Stream::kServer);
+      device_->CopyDeviceToHost(rows.host_frame->data, values, count * sizeof(float), Stream::kServer);
       MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kServer, &rows.host_frame->ready));
       if (shared_frame != nullptr) *shared_frame = rows.host_frame;
     }
@@ -579,10 +599,10 @@ Status ServerShard::RowsMessage(const TableState& table, int worker, Message* ou
   return Status::Ok();
 }
 
-Status ServerShard::LendValues(const TableState& table, std::shared_ptr<DeviceBuffer>* out) {
+Status ServerShard::LendValues(const TableState& table, int part, std::shared_ptr<DeviceBuffer>* out) {
   auto view = std::make_unique<DeviceBuffer>();
-  view->data = table.data();
-  view->count = static_cast<size_t>(table.num_values);
+  view->data = table.data() + table.offset_of(part);
+  view->count = static_cast<size_t>(table.values_of(part));
   view->borrowed = true;  // read only: the installer never writes a frame
   view->block = table.values;  // names the device whose ticket `ready` is (WaitReady)
   MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kServer, &view->ready));
@@ -627,36 +647,42 @@ Status ServerShard::WaitForLoans(const TableState& table) {
   return Status::Ok();
 }
 
-// Called when the table's global clock has just advanced. A kClockUpdate moves
-// one worker by one clock, so the global clock moves by at most one: exactly
-// the clock `global()` is newly finished (earlier ones were applied when they
-// finished). The rule runs once per finished clock, also when no worker sent
-// values: for a stateful rule (momentum, Adam) a clock without updates is a
-// zero-gradient step that still decays its history. For the stateless rules
-// (add, SGD) a zero update changes nothing, so the step is skipped.
-Status ServerShard::ApplyFinishedClocks(TableState* table) {
-  const Clock finished = table->clock.global();
-  auto pending = table->pending.find(finished);
+// Called when the table's global position has just advanced. A kClockUpdate
+// moves one worker by one part, so the global position moves by at most
+// one: exactly the part finished_part() of clock finished_clock() is newly
+// finished (earlier ones were applied when they finished; parts finish in
+// order, clock by clock). The rule runs once per finished part, also when
+// no worker sent values: for a stateful rule (momentum, Adam) a clock
+// without updates is a zero-gradient step that still decays its history.
+// For the stateless rules (add, SGD) a zero update changes nothing, so the
+// step is skipped. A clock's first part takes its new learning rate and
+// starts the rule's step.
+Status ServerShard::ApplyFinishedPart(TableState* table) {
+  const Clock finished = table->clock.finished_clock();
+  const int part = table->clock.finished_part();
+  auto pending = table->pending.find({finished, part});
   std::vector<std::shared_ptr<DeviceBuffer>> updates;
   if (pending != table->pending.end()) {
     updates = std::move(pending->second);
     table->pending.erase(pending);
   }
-  MLT_RETURN_IF_ERROR(TakeNewLearningRate(table, finished));
+  if (part == 0) MLT_RETURN_IF_ERROR(TakeNewLearningRate(table, finished));
   if (!table->training) return Status::Ok();  // evaluation and testing branches never change
   // Sum in worker order 0..N-1, whatever order the updates arrived in, so
   // the float result is the same on every run. Workers that sent nothing
   // have no buffer and add nothing.
+  const int64_t count = table->values_of(part);
   std::shared_ptr<DeviceBuffer> sum;
-  MLT_RETURN_IF_ERROR(SumInWorkerOrder(updates, table->num_values, &sum));
+  MLT_RETURN_IF_ERROR(SumInWorkerOrder(updates, count, &sum));
   if (!sum) {
-    if (!table->rule->stateful() || table->num_values == 0) return Status::Ok();
-    MLT_RETURN_IF_ERROR(buffers_.Acquire(static_cast<size_t>(table->num_values), Stream::kServer, &sum));
+    if (!table->rule->stateful() || count == 0) return Status::Ok();
+    MLT_RETURN_IF_ERROR(buffers_.Acquire(static_cast<size_t>(count), Stream::kServer, &sum));
     device_->Fill(sum->data, 0.0f, sum->count, Stream::kServer);
     updates.push_back(sum);
   }
   MLT_RETURN_IF_ERROR(WaitForLoans(*table));  // workers of this process still reading the last rows
-  table->rule->Apply(table->data(), sum->data, table->num_values, num_workers_, Stream::kServer);
+  const int64_t offset = table->offset_of(part);
+  table->rule->ApplyPart(table->data() + offset, sum->data, offset, count, num_workers_, part == 0, Stream::kServer);
   // The buffers go back to their pools once the server stream has read them.
   DeviceEvent done;
   MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kServer, &done));
@@ -916,9 +942,11 @@ Status ServerShard::HandleBranchRows(const Message& in, std::vector<Message>* ou
   }
   for (const auto& [key, table] : tables_) {
     if (key.first != branch) continue;
-    Message rows;
-    MLT_RETURN_IF_ERROR(RowsMessage(*table, in.header.sender, &rows));
-    out->push_back(std::move(rows));
+    for (int part = 0; part < static_cast<int>(table->parts.size()); ++part) {
+      Message rows;
+      MLT_RETURN_IF_ERROR(RowsMessage(*table, part, table->clock.global(), in.header.sender, &rows));
+      out->push_back(std::move(rows));
+    }
   }
   return Status::Ok();
 }

@@ -2,13 +2,15 @@
 // it: master values, a vector clock per table, the update rule, and the fresh
 // rows pushed to every client when a table's global clock advances.
 //
-// Rows are split over shards contiguously by row id (ShardRange). Each client
-// sends a shard, per table and clock, one kClockUpdate with its updates to
-// the shard's rows. The shard keeps each worker's updates of a clock apart
-// until every worker has finished that clock, then sums them in worker order
-// (so results do not depend on arrival order) and applies the update rule
-// once. Then it sends every client a kRows message with all its rows of the
-// table, stamped with the new global clock as their data age.
+// Rows are split over shards contiguously by row id (ShardRange), and a
+// shard's rows of a large table into parts (ShardParts, TableInfo::part_bytes;
+// one part, the whole range, otherwise). Each client sends a shard, per
+// table, clock and part, in that order, one kClockUpdate with its updates to
+// the part's rows. The shard keeps each worker's updates of a part apart
+// until every worker has sent it, then sums them in worker order (so results
+// do not depend on arrival order) and applies the update rule to the part.
+// Then it sends every client a kRows message with the part's rows, stamped
+// with their clock as data age; a client's data age moves at the last part.
 //
 // Threading: not thread-safe. A transport calls Handle() from one thread.
 // Ownership: the shard owns its tables' values and optimizer state.
@@ -142,24 +144,29 @@ class ServerShard {
     BranchId branch = 0;
     bool training = true;          // only training branches apply updates
     RowSpan range;                 // the rows this shard owns
+    std::vector<RowSpan> parts;    // `range` as the clock moves it (ShardParts)
     int64_t num_values = 0;        // range.count * row_width
     std::shared_ptr<DeviceBlock> values;  // num_values floats (device or host memory); null when 0 or not yet placed
     UpdateRuleConfig rule_config;         // the rule `rule` is made with once the state is placed
     std::unique_ptr<UpdateRule> rule;
     VectorClock clock;
-    // Updates of clocks not yet finished by every worker: clock -> one dense
-    // device buffer per worker (null until that worker sends a nonempty update).
-    std::map<Clock, std::vector<std::shared_ptr<DeviceBuffer>>> pending;
+    // Updates of parts not yet sent by every worker: (clock, part) -> one
+    // dense device buffer of the part's rows per worker (null until that
+    // worker sends a nonempty update).
+    std::map<std::pair<Clock, int>, std::vector<std::shared_ptr<DeviceBuffer>>> pending;
     // Learning rates the workers' clock updates carried (kNewLearningRate),
     // by clock and worker, until the clock is applied.
     std::map<Clock, std::map<WorkerId, float>> new_rates;
     std::shared_ptr<Loans> loans = std::make_shared<Loans>();
     float* data() const { return values ? values->floats() : nullptr; }
+    // Floats before part `part`'s rows in `values`, and in the part.
+    int64_t offset_of(int part) const { return (parts[part].begin - range.begin) * info.row_width; }
+    int64_t values_of(int part) const { return parts[part].count * info.row_width; }
     // Bytes of values and the rule's optimizer state, allocated or not.
     int64_t state_bytes() const {
       return num_values * static_cast<int64_t>(sizeof(float)) * (1 + StateArraysPerValue(rule_config));
     }
-    explicit TableState(int num_workers) : clock(num_workers) {}
+    TableState(int num_workers, int num_parts) : clock(num_workers, num_parts) {}
   };
 
   // `owned` is in.values when the caller gives them up, else null.
@@ -177,21 +184,27 @@ class ServerShard {
                       const Message& in, std::map<WorkerId, std::pair<int64_t, std::string>>* requests);
   Status Fork(BranchId child, BranchId parent, const BranchSettings& settings);
   TableState* Find(BranchId branch, TableId table) const;
+  // Part `part`'s rows for `worker`, stamped with data age `age`.
   // `shared_frame`: the host frame of this push that every worker of
   // another process gets (filled once, by the first that needs it); null
   // for a reply to one worker.
-  Status RowsMessage(const TableState& table, int worker, Message* out,
+  Status RowsMessage(const TableState& table, int part, Clock age, int worker, Message* out,
                      std::shared_ptr<DeviceBuffer>* shared_frame = nullptr);
-  // A view of the table's host-resident values for a device receiver
-  // (see Loans), ready after the work queued on the server stream so far.
-  Status LendValues(const TableState& table, std::shared_ptr<DeviceBuffer>* out);
+  // A view of a part of the table's host-resident values for a device
+  // receiver (see Loans), ready after the work queued on the server stream so far.
+  Status LendValues(const TableState& table, int part, std::shared_ptr<DeviceBuffer>* out);
   // Blocks until every view of the table's values is returned, then queues
   // their last reads before the server stream's next work (which writes the
   // values); a Timeout after Config.wait_timeout_ms.
   Status WaitForLoans(const TableState& table);
-  Status CheckSpans(const TableState& table, const Message& in) const;
-  Status PushRows(const TableState& table, std::vector<Message>* out);
-  Status ApplyFinishedClocks(TableState* table);
+  // Whether every span of `in` lies in `rows` (the shard's, or a part's).
+  Status CheckSpans(const TableState& table, const RowSpan& rows, const Message& in) const;
+  // Sends every client part `part`'s rows, stamped with data age `age`.
+  Status PushRows(const TableState& table, int part, Clock age, std::vector<Message>* out);
+  // Every part's rows, stamped with the table's global clock.
+  Status PushAllRows(const TableState& table, std::vector<Message>* out);
+  // Applies the rule to the part whose every update has just arrived.
+  Status ApplyFinishedPart(TableState* table);
   // *sum = the updates of one clock added in worker order (null when none
   // was sent); may append a buffer it acquired to `updates`.
   Status SumInWorkerOrder(std::vector<std::shared_ptr<DeviceBuffer>>& updates, int64_t count,

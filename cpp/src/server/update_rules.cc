@@ -43,12 +43,13 @@ bool UpdateRule::keeps_step_count() const {
   }
 }
 
-void UpdateRule::Apply(float* params, const float* update_sum, int64_t count, int num_workers, Stream s) {
+void UpdateRule::ApplyPart(float* params, const float* update_sum, int64_t offset, int64_t count, int num_workers,
+                           bool first_part, Stream s) {
   // sgd's step count moves only while its buffer is in use (momentum != 0),
   // as torch's buffer is only touched then.
-  if (config_.kind != UpdateRuleKind::kSgd || config_.momentum != 0.0f) ++steps_;
+  if (first_part && (config_.kind != UpdateRuleKind::kSgd || config_.momentum != 0.0f)) ++steps_;
   const UpdateStep step = MakeUpdateStep(config_, num_workers, steps_);
-  device_->ApplyUpdate(step, params, state_ ? state_->floats() : nullptr, update_sum, count, s);
+  device_->ApplyUpdate(step, params, state_ ? state_->floats() + offset : nullptr, update_sum, count, num_values_, s);
 }
 
 size_t UpdateRule::state_size() const {

@@ -28,7 +28,16 @@ class UpdateRule {
   // Applies one clock on stream `s`: `update_sum` holds the sum over all
   // `num_workers` workers' updates, `count` floats aligned with `params` (both
   // in the device's memory). REQUIRES: count == the rule's num_values.
-  void Apply(float* params, const float* update_sum, int64_t count, int num_workers, Stream s = Stream::kServer);
+  void Apply(float* params, const float* update_sum, int64_t count, int num_workers, Stream s = Stream::kServer) {
+    ApplyPart(params, update_sum, 0, count, num_workers, /*first_part=*/true, s);
+  }
+  // The same step over values [offset, offset + count) of the slice, for a
+  // shard that applies a clock part by part (sharding/shard_range.h,
+  // ShardParts): `params` and `update_sum` start at value `offset`. A
+  // clock's first part starts its step (the step count, Adam's t, moves once
+  // a clock); its other parts take the same step.
+  void ApplyPart(float* params, const float* update_sum, int64_t offset, int64_t count, int num_workers,
+                 bool first_part, Stream s = Stream::kServer);
 
   // Whether a clock without updates still changes something: a rule with
   // state takes a zero-gradient step (its history decays), and weight decay

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <utility>
 
+#include "mltuner/config.h"
+
 namespace mltuner {
 
 RowSpan ShardRange(int64_t num_rows, int shard, int num_shards) {
@@ -13,6 +15,22 @@ RowSpan ShardRange(int64_t num_rows, int shard, int num_shards) {
   range.begin = shard * base + std::min<int64_t>(shard, extra);
   range.count = base + (shard < extra ? 1 : 0);
   return range;
+}
+
+std::vector<RowSpan> ShardParts(const TableInfo& table, int shard, int num_shards) {
+  const RowSpan range = ShardRange(table.num_rows, shard, num_shards);
+  const int64_t range_bytes = range.count * table.row_bytes();
+  if (table.part_bytes <= 0 || range_bytes <= table.part_bytes) return {range};
+  const int64_t rows_per_part = std::max<int64_t>(1, table.part_bytes / table.row_bytes());
+  const int64_t parts = std::min<int64_t>(kMaxClockParts, (range.count + rows_per_part - 1) / rows_per_part);
+  std::vector<RowSpan> out;
+  out.reserve(static_cast<size_t>(parts));
+  for (int64_t part = 0; part < parts; ++part) {
+    RowSpan span = ShardRange(range.count, static_cast<int>(part), static_cast<int>(parts));
+    span.begin += range.begin;
+    out.push_back(span);
+  }
+  return out;
 }
 
 ShardedRows ShardRows(const TableInfo& table, const std::vector<RowId>& rows, int num_shards) {

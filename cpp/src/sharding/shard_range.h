@@ -22,6 +22,15 @@ namespace mltuner {
 // extra row when it does not divide.
 RowSpan ShardRange(int64_t num_rows, int shard, int num_shards);
 
+// The parts a table's clock moves a shard's rows in (TableInfo::part_bytes):
+// ShardRange split evenly into consecutive spans of at most about
+// part_bytes each, at most kMaxClockParts (mltuner/config.h); one span, the
+// whole range (possibly empty), when the table is not split. Every worker
+// sends a shard each part of each clock in this order, the shard applies
+// and pushes the rows part by part, and each side finds a message's part
+// from that order and its rows.
+std::vector<RowSpan> ShardParts(const TableInfo& table, int shard, int num_shards);
+
 // Row ids grouped by the shard that owns them: per shard, spans of
 // consecutive ids (ascending) and, in the same order, each row's position in
 // the caller's array. Used to address shards (fetch, initial values, the

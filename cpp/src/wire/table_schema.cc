@@ -77,6 +77,7 @@ std::string EncodeTableSchema(const std::vector<TableInfo>& tables) {
     record.name_bytes = static_cast<uint16_t>(std::min<size_t>(table.name.size(), UINT16_MAX));
     record.num_rows = table.num_rows;
     record.row_width = table.row_width;
+    record.part_bytes = table.part_bytes;
     if (table.update_rule) PutRule(*table.update_rule, &record);
     out.append(reinterpret_cast<const char*>(&record), sizeof(record));
     out.append(table.name, 0, record.name_bytes);
@@ -117,9 +118,10 @@ Status DecodeTableSchema(const std::string& bytes, std::vector<TableInfo>* out) 
     std::memcpy(&record, bytes.data() + at, sizeof(record));
     at += sizeof(record);
     if (bytes.size() - at < record.name_bytes) return Corrupt(t, "its name runs past the payload");
-    if (record.id < 0 || record.num_rows <= 0 || record.row_width <= 0) {
+    if (record.id < 0 || record.num_rows <= 0 || record.row_width <= 0 || record.part_bytes < 0) {
       return Corrupt(t, "id " + std::to_string(record.id) + ", " + std::to_string(record.num_rows) + " x " +
-                            std::to_string(record.row_width) + " rows");
+                            std::to_string(record.row_width) + " rows, parts of " +
+                            std::to_string(record.part_bytes) + " bytes");
     }
     if (record.has_rule > 1 || record.nesterov > 1 || record.amsgrad > 1 || record.rule_kind > kMaxRuleKind ||
         (record.has_rule == 0 && record.rule_kind != 0) || record.reserved[0] != 0 || record.reserved[1] != 0) {
@@ -132,6 +134,7 @@ Status DecodeTableSchema(const std::string& bytes, std::vector<TableInfo>* out) 
     at += record.name_bytes;
     info.num_rows = record.num_rows;
     info.row_width = record.row_width;
+    info.part_bytes = record.part_bytes;
     if (record.has_rule == 1) info.update_rule = GetRule(record);
     tables.push_back(std::move(info));
   }
@@ -150,6 +153,7 @@ std::string DescribeTables(const std::vector<TableInfo>& tables) {
     text += std::to_string(table.id) + ":" + table.name + ":" + std::to_string(table.num_rows) + ":" +
             std::to_string(table.row_width);
     if (table.update_rule) text += ":" + UpdateRuleText(*table.update_rule);
+    if (table.part_bytes > 0) text += ":parts of " + std::to_string(table.part_bytes) + " B";
     text += ";";
   }
   return text;

@@ -4,7 +4,7 @@
 // little-endian, packed:
 //
 //   TableSchemaHeader (8 bytes), then per table a TableSchemaRecord
-//   (56 bytes) followed by its name (name_bytes of UTF-8, no terminator).
+//   (64 bytes) followed by its name (name_bytes of UTF-8, no terminator).
 //
 // A rule's fields that its formula does not read are sent as zero, so two
 // workers whose rules differ only there agree (as UpdateRuleText prints
@@ -23,12 +23,12 @@
 
 namespace mltuner {
 
-constexpr uint16_t kTableSchemaWireVersion = 1;
+constexpr uint16_t kTableSchemaWireVersion = 2;  // 2: part_bytes
 
 #pragma pack(push, 1)
 struct TableSchemaHeader {
   uint16_t version = kTableSchemaWireVersion;
-  uint16_t record_bytes = 56;  // sizeof(TableSchemaRecord): another layout is refused
+  uint16_t record_bytes = 64;  // sizeof(TableSchemaRecord): another layout is refused
   uint32_t num_tables = 0;
 };
 struct TableSchemaRecord {
@@ -48,12 +48,13 @@ struct TableSchemaRecord {
   uint8_t nesterov = 0;
   uint8_t amsgrad = 0;
   uint8_t reserved[2] = {0, 0};
+  int64_t part_bytes = 0;   // TableInfo::part_bytes: how a clock's rows travel
 };
 #pragma pack(pop)
 static_assert(sizeof(TableSchemaHeader) == 8, "TableSchemaHeader must stay 8 bytes");
-static_assert(sizeof(TableSchemaRecord) == 56, "TableSchemaRecord must stay 56 bytes");
+static_assert(sizeof(TableSchemaRecord) == 64, "TableSchemaRecord must stay 64 bytes");
 static_assert(offsetof(TableSchemaRecord, num_rows) == 8 && offsetof(TableSchemaRecord, learning_rate) == 24 &&
-                  offsetof(TableSchemaRecord, nesterov) == 52,
+                  offsetof(TableSchemaRecord, nesterov) == 52 && offsetof(TableSchemaRecord, part_bytes) == 56,
               "TableSchemaRecord's layout is the wire format");
 
 // The bytes of kReady's text frame for `tables` (local tables are left out).
@@ -62,12 +63,12 @@ std::string EncodeTableSchema(const std::vector<TableInfo>& tables);
 // Parses and checks `bytes` into *out (kCorruptMessage with the reason on a
 // short or trailing payload, a wrong version or record size, a name that
 // overruns, an unknown rule kind, a flag other than 0 or 1, nonzero
-// reserved bytes, or sizes <= 0).
+// reserved bytes, or sizes <= 0, or a negative part_bytes).
 Status DecodeTableSchema(const std::string& bytes, std::vector<TableInfo>* out);
 
 // For messages: the communicated tables as one line
 // ("0:name:rows:width;..." with ":<rule>" after the width of a table with its
-// own update rule).
+// own update rule, and ":parts of N B" after that of a table split into parts).
 std::string DescribeTables(const std::vector<TableInfo>& tables);
 
 }  // namespace mltuner

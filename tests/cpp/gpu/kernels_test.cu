@@ -333,7 +333,7 @@ void CheckRule(const UpdateRuleConfig& rule, int64_t count, int workers, int ste
     for (float& x : sum) x *= static_cast<float>(workers);  // a sum of N updates
     CUDA_ASSERT(d_sum.Upload(sum));
     const UpdateStep step = MakeUpdateStep(rule, workers, t);
-    kernels::LaunchApplyUpdate(step, d_w.get(), d_state.get(), d_sum.get(), count, nullptr);
+    kernels::LaunchApplyUpdate(step, d_w.get(), d_state.get(), d_sum.get(), count, count, nullptr);
     CUDA_ASSERT(cudaGetLastError());
     CUDA_ASSERT(cudaDeviceSynchronize());
     for (int64_t i = 0; i < count; ++i) UpdateValue(step, cpu_w.data(), cpu_state.data(), sum.data(), count, i);
@@ -443,7 +443,7 @@ TEST(CopyPiecesOutMoreThanOneLaunch) { CheckCopyPieces(300, 50, 15, false); }
 TEST(CopyPiecesOutGridStride) { CheckCopyPieces(3, 600000, 16, false); }
 
 TEST(UpdateNothingToDo) {
-  kernels::LaunchApplyUpdate(UpdateStep{}, nullptr, nullptr, nullptr, 0, nullptr);
+  kernels::LaunchApplyUpdate(UpdateStep{}, nullptr, nullptr, nullptr, 0, 0, nullptr);
   kernels::LaunchAddInto(nullptr, nullptr, 0, nullptr);
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }

@@ -97,13 +97,15 @@ def reference(rule: str, data: dict[str, Any]) -> list[tuple[np.ndarray, np.ndar
 
 
 def train(
-    rule: str, num_workers: int, data: dict[str, Any], run_workers: Callable[..., list[Any]]
+    rule: str, num_workers: int, data: dict[str, Any], run_workers: Callable[..., list[Any]],
+    clock_part_bytes: int = Config().clock_part_bytes, stats: dict[str, float] | None = None,
 ) -> tuple[np.ndarray, list[list[tuple[np.ndarray, np.ndarray]]]]:
     """Trains on the engine; returns the servers' final rows and, per worker,
-    the parameters each clock's read showed."""
+    the parameters each clock's read showed; `stats` gets worker 0's."""
     layout = make_layout()
     config = Config(
         wait_timeout_s=20,
+        clock_part_bytes=clock_part_bytes,
         update_rule=UpdateRule(kind=rule, learning_rate=LR[rule],  # type: ignore[arg-type]
                                momentum=MOMENTUM if rule == "momentum" else None),
     )
@@ -152,19 +154,27 @@ def train(
         # Every worker sees the same server values.
         for worker in cluster.workers[1:]:
             np.testing.assert_array_equal(worker.fetch(setup[worker.rank][0]), final)
+        if stats is not None:
+            stats.update(cluster.workers[0].stats)
     return final, seen
 
 
-CASES = [(rule, n) for rule in ("sgd", "momentum", "add") for n in (1, 2, 4)] + [("adam", 2)]
+# A row is 64 bytes: a part of one or two rows splits each shard's 10 / N
+# rows into several parts (Config.clock_part_bytes).
+IN_PARTS = 100
+CASES = ([(rule, n, 0) for rule in ("sgd", "momentum", "add") for n in (1, 2, 4)] + [("adam", 2, 0)]
+         + [("momentum", 2, IN_PARTS), ("adam", 2, IN_PARTS), ("add", 4, IN_PARTS), ("sgd", 1, IN_PARTS)])
 
 
-@pytest.mark.parametrize(("rule", "num_workers"), CASES, ids=[f"{r}-N{n}" for r, n in CASES])
+@pytest.mark.parametrize(("rule", "num_workers", "part_bytes"), CASES,
+                         ids=[f"{r}-N{n}" + ("-parts" if p else "") for r, n, p in CASES])
 def test_bsp_training_equals_sequential_sgd(
-    rule: str, num_workers: int, run_workers: Callable[..., list[Any]], rel_error: Callable[..., float]
+    rule: str, num_workers: int, part_bytes: int, run_workers: Callable[..., list[Any]],
+    rel_error: Callable[..., float]
 ) -> None:
     data = make_data(num_workers, seed=1000 + 17 * num_workers + len(rule))
     want = reference(rule, data)
-    final, seen = train(rule, num_workers, data, run_workers)
+    final, seen = train(rule, num_workers, data, run_workers, clock_part_bytes=part_bytes)
     layout = make_layout()
 
     w_end, b_end = want[CLOCKS]
@@ -187,6 +197,25 @@ def test_bsp_training_equals_sequential_sgd(
         # Clock 0 shows the initial weights bit for bit.
         np.testing.assert_array_equal(per_clock[0][0], data["w0"])
         np.testing.assert_array_equal(per_clock[0][1], data["b0"])
+
+
+@pytest.mark.parametrize("rule", ["momentum", "adam"])
+def test_a_clock_in_parts_is_bit_identical_to_a_whole_one(rule: str, run_workers: Callable[..., list[Any]]) -> None:
+    """Each shard's rows moved in parts of one or two rows (each part applied
+    and pushed on its own, Adam's step count moving once a clock) give the
+    servers' values and every read bit for bit as whole ones do."""
+    data = make_data(2, seed=77)
+    stats_whole: dict[str, float] = {}
+    stats_parts: dict[str, float] = {}
+    whole, seen_whole = train(rule, 2, data, run_workers, clock_part_bytes=0, stats=stats_whole)
+    parts, seen_parts = train(rule, 2, data, run_workers, clock_part_bytes=IN_PARTS, stats=stats_parts)
+    # 5 rows a shard, a part a row: 5 updates and 5 pushes where 1 went.
+    assert stats_parts["messages_received"] >= 4 * stats_whole["messages_received"]
+    np.testing.assert_array_equal(parts, whole)
+    for reads_whole, reads_parts in zip(seen_whole, seen_parts):
+        for (w0, b0), (w1, b1) in zip(reads_whole, reads_parts):
+            np.testing.assert_array_equal(w1, w0)
+            np.testing.assert_array_equal(b1, b0)
 
 
 def test_reads_of_a_stale_clock_would_be_detected(rel_error: Callable[..., float]) -> None:

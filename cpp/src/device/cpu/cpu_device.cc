@@ -51,10 +51,11 @@ Status AlignedAllocate(size_t bytes, const char* what, void** out) {
 // UpdateValue's per-value switch and vectorizes the element-wise arithmetic
 // (each value's operations are the same in a vector lane: same bits).
 template <UpdateRuleKind Kind>
-void ApplyRule(const UpdateStep& step, float* params, float* state, const float* update_sum, int64_t count) {
+void ApplyRule(const UpdateStep& step, float* params, float* state, const float* update_sum, int64_t count,
+               int64_t stride) {
   UpdateStep constant = step;
   constant.kind = Kind;
-  for (int64_t i = 0; i < count; ++i) UpdateValue(constant, params, state, update_sum, count, i);
+  for (int64_t i = 0; i < count; ++i) UpdateValue(constant, params, state, update_sum, stride, i);
 }
 
 void AddFloats(float* __restrict dst, const float* __restrict src, int64_t n) {
@@ -227,16 +228,16 @@ class CpuDevice final : public Device {
     if (count > 0) AddFloats(dst, src, count);
   }
   void ApplyUpdate(const UpdateStep& step, float* params, float* state, const float* update_sum, int64_t count,
-                   Stream) override {
+                   int64_t stride, Stream) override {
     switch (step.kind) {
-      case UpdateRuleKind::kAdd: return ApplyRule<UpdateRuleKind::kAdd>(step, params, state, update_sum, count);
-      case UpdateRuleKind::kSgd: return ApplyRule<UpdateRuleKind::kSgd>(step, params, state, update_sum, count);
+      case UpdateRuleKind::kAdd: return ApplyRule<UpdateRuleKind::kAdd>(step, params, state, update_sum, count, stride);
+      case UpdateRuleKind::kSgd: return ApplyRule<UpdateRuleKind::kSgd>(step, params, state, update_sum, count, stride);
       case UpdateRuleKind::kDampedMomentum:
-        return ApplyRule<UpdateRuleKind::kDampedMomentum>(step, params, state, update_sum, count);
-      case UpdateRuleKind::kAdam: return ApplyRule<UpdateRuleKind::kAdam>(step, params, state, update_sum, count);
-      case UpdateRuleKind::kAdamW: return ApplyRule<UpdateRuleKind::kAdamW>(step, params, state, update_sum, count);
+        return ApplyRule<UpdateRuleKind::kDampedMomentum>(step, params, state, update_sum, count, stride);
+      case UpdateRuleKind::kAdam: return ApplyRule<UpdateRuleKind::kAdam>(step, params, state, update_sum, count, stride);
+      case UpdateRuleKind::kAdamW: return ApplyRule<UpdateRuleKind::kAdamW>(step, params, state, update_sum, count, stride);
     }
-    for (int64_t i = 0; i < count; ++i) UpdateValue(step, params, state, update_sum, count, i);
+    for (int64_t i = 0; i < count; ++i) UpdateValue(step, params, state, update_sum, stride, i);
   }
   Status CountNonFinite(const float* data, int64_t count, Stream, int64_t* out) override {
     *out = CountNonFiniteHost(data, count);

@@ -4,7 +4,7 @@ and off, as a ratio to the copy bandwidth between their memories measured
 in the same run.
 
     python benchmarks/ipc_bench.py [--sizes 16,64,256] [--clocks 20] [--gpus 1|2] [--tables 1,16]
-                                   [--ipc-only] [--out PATH]
+                                   [--part-mib 0,4] [--ipc-only] [--out PATH]
 
 For each model size (MiB; one table of rows of 1024 floats, or with
 ``--tables K`` K equal tables as a model of layers, plus a tiny one), two
@@ -39,7 +39,8 @@ WORKER = Path(__file__).resolve().parent.parent / "tests" / "python" / "gpu" / "
 WIDTH = 1024
 
 
-def run_pair(size_mib: int, clocks: int, cuda_ipc: bool, timeout_s: float, gpus: int, tables: int) -> dict:
+def run_pair(size_mib: int, clocks: int, cuda_ipc: bool, timeout_s: float, gpus: int, tables: int,
+             part_mib: float | None = None) -> dict:
     sys.path.insert(0, str(WORKER.parent))
     from ipc_pair import launch_pair
 
@@ -47,7 +48,8 @@ def run_pair(size_mib: int, clocks: int, cuda_ipc: bool, timeout_s: float, gpus:
     with tempfile.TemporaryDirectory() as out:
         codes, outputs = launch_pair(
             Path(out), cuda_ipc, ["--bench", "--clocks", str(clocks), "--rows", str(rows), "--width", str(WIDTH),
-                                  "--tables", str(tables)],
+                                  "--tables", str(tables)]
+            + ([] if part_mib is None else ["--part-bytes", str(int(part_mib * (1 << 20)))]),
             timeout_s=timeout_s, gpus=gpus,
             env={"MLTUNER_CUDA_IPC_SLICE_BYTES": str(max(256 << 20, 4 * size_mib << 20))})
         if any(code != 0 for code in codes):
@@ -84,8 +86,11 @@ def main() -> int:
     parser.add_argument("--gpus", type=int, choices=(1, 2), default=1, help="both ranks on GPU 0, or one per GPU")
     parser.add_argument("--ipc-only", action="store_true", help="skip the host-frame runs (slow at large sizes)")
     parser.add_argument("--tables", default="1", help="comma list of table counts: the model as each many equal tables")
+    parser.add_argument("--part-mib", help="comma list of Config.clock_part_bytes in MiB to compare (0: each "
+                        "shard's rows whole; default: Config's)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    part_settings = [None] if args.part_mib is None else [float(p) for p in args.part_mib.split(",")]
     import torch
 
     if torch.cuda.device_count() < args.gpus:
@@ -95,31 +100,35 @@ def main() -> int:
     copy = "same-device" if args.gpus == 1 else "GPU 0 -> GPU 1"
     lines = [f"CUDA IPC benchmark on {gpu}: 2 processes on {where}, update + fresh-row traffic per clock; "
              f"baseline: {copy} copy_", "",
-             "| model MiB | tables | memcpy GB/s | IPC s/clock | IPC GB/s | IPC ratio | host s/clock | host GB/s | "
-             "host ratio | IPC / host speed | IPC bytes (rank 0) | host-frame bytes (rank 0) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| model MiB | tables | parts of MiB | memcpy GB/s | IPC s/clock | IPC GB/s | IPC ratio | host s/clock | "
+             "host GB/s | host ratio | IPC / host speed | IPC bytes (rank 0) | host-frame bytes (rank 0) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     for size, tables in itertools.product((int(s) for s in args.sizes.split(",")),
                                           (int(k) for k in args.tables.split(","))):
         baseline = memcpy_bandwidth(size << 20, args.gpus)
-        best: dict[bool, dict] = {}
-        for _ in range(2):
-            for cuda_ipc in (True,) if args.ipc_only else (True, False):
-                run = run_pair(size, args.clocks, cuda_ipc, args.timeout, args.gpus, tables)
-                if cuda_ipc not in best or run["seconds"] < best[cuda_ipc]["seconds"]:
-                    best[cuda_ipc] = run
+        best: dict[tuple[float | None, bool], dict] = {}
+        for _ in range(2):  # every setting twice, alternated; the faster run counts
+            for part_mib in part_settings:
+                for cuda_ipc in (True,) if args.ipc_only else (True, False):
+                    run = run_pair(size, args.clocks, cuda_ipc, args.timeout, args.gpus, tables, part_mib)
+                    key = (part_mib, cuda_ipc)
+                    if key not in best or run["seconds"] < best[key]["seconds"]:
+                        best[key] = run
         traffic = 2 * (size << 20)
-        on, off = best[True], best.get(False)
-        if on["paths"][0].get("1") != "cuda-ipc":
-            print(f"warning: IPC run took {on['paths']}", flush=True)
-        host = (f"{off['seconds']:.5f} | {traffic / off['seconds'] / 1e9:.1f} | "
-                f"{traffic / off['seconds'] / baseline:.2f} | {off['seconds'] / on['seconds']:.2f}"
-                if off else "- | - | - | -")
-        line = (f"| {size} | {tables} | {baseline / 1e9:.1f} | {on['seconds']:.5f} | "
-                f"{traffic / on['seconds'] / 1e9:.1f} | {traffic / on['seconds'] / baseline:.2f} | {host} | "
-                f"{on['stats'][0]['cuda_ipc_sent_bytes']} | {on['stats'][0]['device_payload_bytes_by_host']} |")
-        lines.append(line)
-        print(line, flush=True)
+        for part_mib in part_settings:
+            on, off = best[(part_mib, True)], best.get((part_mib, False))
+            if on["paths"][0].get("1") != "cuda-ipc":
+                print(f"warning: IPC run took {on['paths']}", flush=True)
+            host = (f"{off['seconds']:.5f} | {traffic / off['seconds'] / 1e9:.1f} | "
+                    f"{traffic / off['seconds'] / baseline:.2f} | {off['seconds'] / on['seconds']:.2f}"
+                    if off else "- | - | - | -")
+            parts = "default" if part_mib is None else f"{part_mib:g}"
+            line = (f"| {size} | {tables} | {parts} | {baseline / 1e9:.1f} | {on['seconds']:.5f} | "
+                    f"{traffic / on['seconds'] / 1e9:.1f} | {traffic / on['seconds'] / baseline:.2f} | {host} | "
+                    f"{on['stats'][0]['cuda_ipc_sent_bytes']} | {on['stats'][0]['device_payload_bytes_by_host']} |")
+            lines.append(line)
+            print(line, flush=True)
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")
     return 0

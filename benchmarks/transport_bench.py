@@ -4,7 +4,7 @@ same processes in the same run, and the latency a busy Python main thread
 adds to each clock.
 
     python benchmarks/transport_bench.py [--quick] [--out PATH] [--figures PATH]
-                                         [--sizes 10,100,1024] [--procs 2,4] [--tables 1,16]
+                                         [--sizes 10,100,1024] [--procs 2,4] [--tables 1,16] [--part-mib 4]
                                          [--switch-interval 0.0005]
                                          [--memory-limit-gb 16]
 
@@ -322,7 +322,8 @@ def raw_phase(mesh: Mesh, model_rows: int, args: argparse.Namespace, key: int, *
 
 
 def mltuner_config(args: argparse.Namespace) -> mt.Config:
-    return mt.Config(update_rule=mt.UpdateRule("add"), wait_timeout_s=args.timeout)
+    parts = {} if args.part_bytes is None else {"clock_part_bytes": args.part_bytes}
+    return mt.Config(update_rule=mt.UpdateRule("add"), wait_timeout_s=args.timeout, **parts)
 
 
 def open_job(args: argparse.Namespace) -> mt.Job:
@@ -679,7 +680,8 @@ def bench_throughput(args: argparse.Namespace) -> list[Row]:
         meter = CpuMeter()
         try:
             ranks = run_group(n, ["--worker", "throughput", "--model-bytes", str(model),
-                                  "--table-count", str(tables), "--warmup", str(args.warmup), "--target-s", str(args.target_s)],
+                                  "--table-count", str(tables), "--warmup", str(args.warmup), "--target-s", str(args.target_s)]
+                             + ([] if args.part_mib is None else ["--part-bytes", str(int(args.part_mib * MIB))]),
                               timeout_s=args.group_timeout, wait_s=120.0)
         except GroupError as error:
             row.note = f"failed: {str(error).splitlines()[0]}"
@@ -880,6 +882,8 @@ def main() -> int:
     parser.add_argument("--sizes", help="model sizes in MiB (default 10,100,1024; quick 10,100)")
     parser.add_argument("--procs", help="process counts (default 2,4; quick 2)")
     parser.add_argument("--tables", default="1", help="the model as this many equal tables (default 1)")
+    parser.add_argument("--part-mib", type=float,
+                        help="Config.clock_part_bytes in MiB (0: every shard's rows whole; default: Config's)")
     parser.add_argument("--switch-interval", type=float, default=DEFAULT_SWITCH_S,
                         help=f"GIL switch interval of the mitigation, seconds (default {DEFAULT_SWITCH_S})")
     parser.add_argument("--memory-limit-gb", type=float, default=16.0,
@@ -895,6 +899,7 @@ def main() -> int:
     parser.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--model-bytes", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--table-count", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--part-bytes", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--warmup", type=int, default=3, help=argparse.SUPPRESS)
     parser.add_argument("--target-s", type=float, default=2.0, help=argparse.SUPPRESS)
     parser.add_argument("--timeout", type=float, default=120.0, help=argparse.SUPPRESS)

@@ -412,6 +412,116 @@ void RunArrivalOrder(UpdateRuleKind kind) {
   }
 }
 
+// A shard's part of a whole-shard update message: the spans and values that
+// fall in `part`, with the same header (a bare message when none do).
+Message PartOf(const Message& whole, const RowSpan& part) {
+  Message m = Header(whole.type(), whole.header.sender, whole.header.receiver, whole.header.table);
+  m.header.clock = whole.header.clock;
+  std::vector<RowSpan> spans;
+  std::vector<float> values;
+  const float* source = whole.values.data();
+  for (const RowSpan& span : whole.spans) {
+    const int64_t begin = std::max(span.begin, part.begin);
+    const int64_t end = std::min(span.begin + span.count, part.begin + part.count);
+    if (begin < end) {
+      spans.push_back({begin, end - begin});
+      values.insert(values.end(), source + (begin - span.begin) * kWidth, source + (end - span.begin) * kWidth);
+    }
+    source += span.count * kWidth;
+  }
+  return WithRows(std::move(m), std::move(spans), std::move(values));
+}
+
+// A table whose clock moves in parts of one row (TableInfo::part_bytes):
+// each worker sends each shard its parts in order, interleaved with the
+// other workers' at random. Each part is applied once every worker's is in
+// and pushed at once, stamped with its clock; the values equal those of
+// whole-shard updates bit for bit (Adam: its step count moves once a clock).
+void RunInParts(UpdateRuleKind kind) {
+  std::mt19937 rng(57);
+  const std::vector<float> initial = RandomValues(&rng, kRows * kWidth);
+  TableInfo in_parts = Table();
+  in_parts.part_bytes = kWidth * sizeof(float);  // one row a part: 3, 2 and 2 parts
+  const int clocks = 5;
+  std::vector<std::deque<Message>> whole_queue(kWorkers), part_queue(kWorkers);
+  for (Clock clock = 0; clock < clocks; ++clock) {
+    for (WorkerId worker = 0; worker < kWorkers; ++worker) {
+      WorkerUpdate update = MakeUpdate(&rng, worker, clock, clock == 3 && worker == 2);
+      for (int s = 0; s < kWorkers; ++s) {
+        for (const RowSpan& part : ShardParts(in_parts, s, kWorkers)) {
+          part_queue[worker].push_back(PartOf(update.per_shard[s], part));
+        }
+        whole_queue[worker].push_back(std::move(update.per_shard[s]));
+      }
+    }
+  }
+  auto whole = MakeShards(kind);
+  InitialiseAndStart(whole, initial);
+  for (std::deque<Message>& messages : whole_queue) {
+    for (const Message& m : messages) {
+      std::vector<Message> out;
+      ASSERT_OK(whole[m.header.receiver]->Handle(m, &out));
+    }
+  }
+  for (int trial = 0; trial < 5; ++trial) {
+    auto shards = MakeShards(kind, in_parts);
+    InitialiseAndStart(shards, initial);
+    std::vector<std::deque<Message>> remaining = part_queue;
+    size_t pushes = 0;
+    for (;;) {
+      std::vector<int> ready;
+      for (int w = 0; w < kWorkers; ++w) if (!remaining[w].empty()) ready.push_back(w);
+      if (ready.empty()) break;
+      Message m = std::move(remaining[ready[rng() % ready.size()]].front());
+      remaining[m.header.sender].pop_front();
+      const int s = m.header.receiver;
+      const Clock before = shards[s]->global_clock(kTable);
+      std::vector<Message> out;
+      ASSERT_OK(shards[s]->Handle(m, &out));
+      pushes += out.size();
+      for (const Message& rows : out) {  // one part's rows, of the clock this message finished
+        ASSERT_EQ(rows.spans.size(), size_t{1});
+        EXPECT_EQ(rows.spans[0].count, 1);
+        EXPECT_EQ(rows.header.clock, m.header.clock);
+      }
+      // The global clock moves only once the shard's last part is in.
+      const RowSpan range = ShardRange(kRows, s, kWorkers);
+      const bool last_part = !out.empty() && out[0].spans[0].begin == range.begin + range.count - 1;
+      EXPECT_EQ(shards[s]->global_clock(kTable), last_part ? m.header.clock : before);
+    }
+    EXPECT_EQ(pushes, size_t{clocks * kRows * kWorkers});  // every part of every clock, to every worker
+    for (int s = 0; s < kWorkers; ++s) {
+      EXPECT_EQ(shards[s]->global_clock(kTable), clocks - 1);
+      EXPECT_TRUE(*shards[s]->values(kTable) == *whole[s]->values(kTable));
+    }
+  }
+}
+
+TEST(AClockInPartsEqualsAWholeOneWithAdd) { RunInParts(UpdateRuleKind::kAdd); }
+TEST(AClockInPartsEqualsAWholeOneWithAdam) { RunInParts(UpdateRuleKind::kAdam); }
+
+TEST(APartOutOfOrderIsRefusedWithoutChange) {
+  TableInfo in_parts = Table();
+  in_parts.part_bytes = kWidth * sizeof(float);
+  auto shards = MakeShards(UpdateRuleKind::kAdd, in_parts);
+  std::mt19937 rng(5);
+  const std::vector<float> initial = RandomValues(&rng, kRows * kWidth);
+  InitialiseAndStart(shards, initial);
+  // Shard 0 owns rows 0-2 in three parts: worker 0's first message of clock 0
+  // must be part 0 (row 0); rows of part 1 are refused.
+  std::vector<Message> out;
+  EXPECT_CODE(shards[0]->Handle(ClockUpdate(0, 0, 0, {{1, 1}}, std::vector<float>(kWidth, 1.0f)), &out),
+              StatusCode::kInvalidArgument);
+  EXPECT_CODE(shards[0]->Handle(ClockUpdate(0, 0, 1), &out), StatusCode::kOutOfOrder);  // a clock ahead
+  EXPECT_TRUE(out.empty());
+  EXPECT_TRUE(*shards[0]->values(kTable) == Slice(initial, 0));
+  // In order, the three parts go through.
+  for (int64_t row = 0; row < 3; ++row) {
+    ASSERT_OK(shards[0]->Handle(ClockUpdate(0, 0, 0, {{row, 1}}, std::vector<float>(kWidth, 1.0f)), &out));
+  }
+  EXPECT_CODE(shards[0]->Handle(ClockUpdate(0, 0, 0), &out), StatusCode::kOutOfOrder);  // a fourth part
+}
+
 TEST(ArrivalOrderDoesNotChangeAddResults) { RunArrivalOrder(UpdateRuleKind::kAdd); }
 TEST(ArrivalOrderDoesNotChangeAdamResults) { RunArrivalOrder(UpdateRuleKind::kAdam); }
 

@@ -81,3 +81,44 @@ TEST(GlobalIsTheMinimumUnderRandomInterleavings) {
 }
 
 MLT_TEST_MAIN
+
+TEST(PartsOfAClockFinishInOrderAndTheClockAtTheLast) {
+  VectorClock clock(2, 3);
+  EXPECT_EQ(clock.parts(), 3);
+  bool advanced = false;
+  ASSERT_OK(clock.Advance(0, kInitClock, &advanced));
+  ASSERT_OK(clock.Advance(1, kInitClock, &advanced));
+  EXPECT_TRUE(advanced);
+  EXPECT_EQ(clock.global(), kInitClock);
+  int part = -1;
+  ASSERT_OK(clock.NextPart(0, 0, &part));
+  EXPECT_EQ(part, 0);
+  // Worker 0 sends all three parts of clock 0 and the first of clock 1.
+  for (int k = 0; k < 3; ++k) {
+    ASSERT_OK(clock.Advance(0, 0, &advanced));
+    EXPECT_TRUE(!advanced);
+  }
+  EXPECT_EQ(clock.Get(0), 0);
+  ASSERT_OK(clock.NextPart(0, 1, &part));
+  EXPECT_EQ(part, 0);
+  ASSERT_OK(clock.Advance(0, 1, &advanced));
+  EXPECT_EQ(clock.Get(0), 0);  // clock 1 not complete
+  // Worker 1's parts finish each part of clock 0 for everyone, in order.
+  for (int k = 0; k < 3; ++k) {
+    ASSERT_OK(clock.NextPart(1, 0, &part));
+    EXPECT_EQ(part, k);
+    ASSERT_OK(clock.Advance(1, 0, &advanced));
+    EXPECT_TRUE(advanced);
+    EXPECT_EQ(clock.finished_clock(), 0);
+    EXPECT_EQ(clock.finished_part(), k);
+    EXPECT_EQ(clock.global(), k == 2 ? 0 : kInitClock);
+  }
+  ASSERT_OK(clock.Advance(1, 1, &advanced));
+  EXPECT_TRUE(advanced);
+  EXPECT_EQ(clock.finished_clock(), 1);
+  EXPECT_EQ(clock.finished_part(), 0);
+  EXPECT_EQ(clock.global(), 0);
+  // A clock's parts cannot be skipped: worker 1 is in clock 1, not 2.
+  EXPECT_CODE(clock.Advance(1, 2, &advanced), StatusCode::kOutOfOrder);
+  EXPECT_CODE(clock.NextPart(1, 0, &part), StatusCode::kOutOfOrder);
+}

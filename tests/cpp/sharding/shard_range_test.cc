@@ -2,8 +2,10 @@
 // grouping of a caller's row ids by owning shard.
 #include "sharding/shard_range.h"
 
+#include <algorithm>
 #include <vector>
 
+#include "mltuner/config.h"
 #include "test_util.h"
 
 using namespace mltuner;
@@ -51,3 +53,42 @@ TEST(ShardRowsGroupsIdsIntoAscendingSpansAndKeepsPositions) {
 }
 
 MLT_TEST_MAIN
+
+TEST(ShardPartsSplitALargeShardEvenlyAndCoverItInOrder) {
+  TableInfo table;
+  table.num_rows = 1000;
+  table.row_width = 256;  // 1 KiB rows: shards of 2 own 500 KiB each
+  EXPECT_EQ(ShardParts(table, 1, 2).size(), size_t{1});  // not split: part_bytes 0
+  EXPECT_EQ(ShardParts(table, 1, 2)[0].begin, 500);
+  table.part_bytes = 1 << 20;  // larger than a shard's rows: whole
+  EXPECT_EQ(ShardParts(table, 0, 2).size(), size_t{1});
+  for (int64_t part_bytes : {int64_t{100} << 10, int64_t{64} << 10, int64_t{1000}, int64_t{1}}) {
+    table.part_bytes = part_bytes;
+    for (int shard = 0; shard < 2; ++shard) {
+      const RowSpan range = ShardRange(table.num_rows, shard, 2);
+      const std::vector<RowSpan> parts = ShardParts(table, shard, 2);
+      EXPECT_TRUE(static_cast<int>(parts.size()) <= kMaxClockParts);
+      int64_t next = range.begin;
+      int64_t smallest = range.count, largest = 0;
+      for (const RowSpan& part : parts) {
+        EXPECT_EQ(part.begin, next);
+        next = part.begin + part.count;
+        smallest = std::min(smallest, part.count);
+        largest = std::max(largest, part.count);
+      }
+      EXPECT_EQ(next, range.begin + range.count);
+      EXPECT_TRUE(largest - smallest <= 1);  // even: no small tail part
+      // At most about part_bytes each, unless the cap on parts says otherwise.
+      if (static_cast<int>(parts.size()) < kMaxClockParts) {
+        EXPECT_TRUE(largest * table.row_bytes() <= std::max<int64_t>(part_bytes, table.row_bytes()));
+      }
+    }
+  }
+  table.part_bytes = 100 << 10;  // 500 rows in parts of at most 100 rows: 5
+  EXPECT_EQ(ShardParts(table, 0, 2).size(), size_t{5});
+  table.part_bytes = 1;  // a part a row would be 500: capped
+  EXPECT_EQ(static_cast<int>(ShardParts(table, 0, 2).size()), kMaxClockParts);
+  table.num_rows = 1;  // shard 1 of 2 owns no row: one empty part
+  EXPECT_EQ(ShardParts(table, 1, 2).size(), size_t{1});
+  EXPECT_EQ(ShardParts(table, 1, 2)[0].count, 0);
+}

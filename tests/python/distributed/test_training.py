@@ -101,6 +101,22 @@ def test_bsp_processes_equal_the_in_process_cluster_bit_for_bit(start_workers, n
         assert int(workers.result(rank)["in_place"]) >= 2 * (n - 1) * CLOCKS
 
 
+def test_bsp_processes_in_parts_equal_the_in_process_cluster_whole(start_workers) -> None:  # type: ignore[no-untyped-def]
+    """The extra table's 640 KiB a shard moved in parts of 64 KiB between two
+    processes (ten updates and ten pushes a clock each way, each part
+    applied on its own): the same bits as whole payloads in one process."""
+    workers = start_workers(2, "--rule", "adam", "--clocks", str(CLOCKS), "--extra-rows", str(EXTRA_ROWS),
+                            "--part-bytes", str(64 << 10))
+    for rank, (code, output) in enumerate(workers.wait()):
+        assert code == 0, f"rank {rank} failed:\n{output}"
+    want = in_process("adam", 2)
+    for rank in range(2):
+        for name in ("final", "extra"):
+            np.testing.assert_array_equal(workers.result(rank)[name], want[0][name], err_msg=f"rank {rank}: {name}")
+        # Ten parts from each of the two shards, every clock.
+        assert int(workers.result(rank)["messages_received"]) >= 2 * 10 * CLOCKS
+
+
 @pytest.mark.parametrize("slack", [0, 1, 3])
 def test_ssp_bound_with_a_slow_worker(start_workers, slack: int) -> None:  # type: ignore[no-untyped-def]
     n, clocks = 3, 25

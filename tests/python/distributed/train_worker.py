@@ -162,15 +162,18 @@ def main() -> int:
     parser.add_argument("--check-finite", action="store_true")
     parser.add_argument("--secure", action="store_true")
     parser.add_argument("--heartbeat-timeout", type=float, default=5.0)
+    parser.add_argument("--part-bytes", type=int, help="Config.clock_part_bytes (default: Config's)")
     args = parser.parse_args()
+    parts = {} if args.part_bytes is None else {"clock_part_bytes": args.part_bytes}
     config = mltuner.Config(update_rule=mltuner.UpdateRule(args.rule, learning_rate=args.lr), wait_timeout_s=30,
-                            check_finite=args.check_finite)
+                            check_finite=args.check_finite, **parts)
     try:
         with mltuner.Job(config, secure=True if args.secure else None,
                          heartbeat_timeout_s=args.heartbeat_timeout, rendezvous_timeout_s=30) as job:
             result = linear(job, args) if args.scenario == "linear" else counters(job, args)
             result["rejected"] = np.array(job.rejected_messages)
             result["in_place"] = np.array(job._node.payloads_used_in_place)  # noqa: SLF001 - for the tests
+            result["messages_received"] = np.array(job.worker.stats["messages_received"])
             np.savez(os.path.join(args.out, f"rank-{job.rank}.npz"), **result)
     except mltuner.MltunerError as error:
         print(f"FAILED {type(error).__name__}: {error}", flush=True)

@@ -32,8 +32,11 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--bench", action="store_true", help="constant updates, no host reads: time the traffic")
     parser.add_argument("--tables", type=int, default=1, help="--rows split into this many equal tables")
+    parser.add_argument("--part-bytes", type=int, help="Config.clock_part_bytes (default: Config's)")
     args = parser.parse_args()
-    config = mltuner.Config(device="cuda", wait_timeout_s=60, update_rule=mltuner.UpdateRule("sgd", learning_rate=0.01))
+    parts = {} if args.part_bytes is None else {"clock_part_bytes": args.part_bytes}
+    config = mltuner.Config(device="cuda", wait_timeout_s=60, update_rule=mltuner.UpdateRule("sgd", learning_rate=0.01),
+                            **parts)
     try:
         with mltuner.Job(config) as job:
             torch.cuda.set_device(job.local_rank % torch.cuda.device_count())  # the engine's GPU (ipc_pair's gpus)
@@ -45,7 +48,8 @@ def main() -> int:
             np.savez(args.out / f"rank-{job.rank}.npz", **result.pop("arrays"))
             (args.out / f"rank-{job.rank}.json").write_text(json.dumps(
                 {"data_paths": {str(k): v for k, v in job.data_paths.items()},
-                 "peers_by_cuda_ipc": job.worker.peers_by_cuda_ipc, "stats": stats, **result}))
+                 "peers_by_cuda_ipc": job.worker.peers_by_cuda_ipc, "stats": stats,
+                 "messages_received": job.worker.stats["messages_received"], **result}))
     except mltuner.MltunerError as error:
         print(f"FAILED {type(error).__name__}: {error}", flush=True)
         return 3

@@ -78,6 +78,20 @@ def test_two_processes_take_cuda_ipc_and_match_host_frames(tmp_path: Path, gpus:
     np.testing.assert_array_equal(ipc[0]["arrays"]["final_big"], ipc[1]["arrays"]["final_big"])
 
 
+def test_a_clock_in_parts_by_cuda_ipc_matches_whole_host_frames(tmp_path: Path) -> None:
+    """"big" (4096 x 64 floats: 512 KiB a shard) in parts of 64 KiB: eight
+    updates and eight pushes a clock each way by IPC, each applied on its own;
+    the same bits as whole payloads by host frames."""
+    ipc = run_pair(tmp_path / "ipc", True, "--clocks", "8", "--part-bytes", str(64 << 10))
+    host = run_pair(tmp_path / "host", False, "--clocks", "8", "--part-bytes", "0")
+    for rank in range(2):
+        on, off = ipc[rank], host[rank]
+        assert on["stats"]["cuda_ipc_sent_bytes"] > 0 and on["stats"]["cuda_ipc_fallbacks"] == 0, on["stats"]
+        assert on["messages_received"] > 4 * off["messages_received"], (on["messages_received"], off["messages_received"])
+        for name in ("seen", "final_big", "final_small"):
+            np.testing.assert_array_equal(on["arrays"][name], off["arrays"][name], err_msg=f"rank {rank} {name}")
+
+
 def test_payloads_larger_than_the_slice_fall_back_and_still_match(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A 64 KiB slice: "small"'s payloads fit, "big"'s (512 KiB per shard) do not.
     monkeypatch.setenv("MLTUNER_CUDA_IPC_SLICE_BYTES", str(64 << 10))

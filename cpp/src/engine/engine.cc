@@ -91,7 +91,11 @@ Status Engine::Impl::CreateTable(const std::string& name, int64_t num_rows, int6
   info.row_width = row_width;
   info.local = local;
   info.update_rule = update_rule;
-  if (!local) info.part_bytes = config_.clock_part_bytes;
+  if (!local) {
+    info.part_bytes = config_.clock_part_bytes != kAutoClockPartBytes ? config_.clock_part_bytes
+                      : device_->host_addressable()                  ? kHostClockPartBytes
+                                                                     : 0;
+  }
   if (!local) MLT_RETURN_IF_ERROR(transport_->AddTableToShard(rank_, info));
   plan_.tables.push_back(info);
   *out = info.id;
@@ -739,7 +743,9 @@ Status Engine::Create(const Config& config, int rank, int num_workers, std::shar
     return Status::InvalidArgument("prefetch_clocks must be >= 0, or -1 for the plan to choose");
   }
   if (config.device_memory_budget < 0) return Status::InvalidArgument("device_memory_budget must be >= 0");
-  if (config.clock_part_bytes < 0) return Status::InvalidArgument("clock_part_bytes must be >= 0");
+  if (config.clock_part_bytes < 0 && config.clock_part_bytes != kAutoClockPartBytes) {
+    return Status::InvalidArgument("clock_part_bytes must be >= 0, or -1 for the device to choose");
+  }
   if (config.device_memory_reserve < -1) {
     return Status::InvalidArgument("device_memory_reserve must be >= 0, or -1 for a tenth of the device");
   }

@@ -98,7 +98,7 @@ def reference(rule: str, data: dict[str, Any]) -> list[tuple[np.ndarray, np.ndar
 
 def train(
     rule: str, num_workers: int, data: dict[str, Any], run_workers: Callable[..., list[Any]],
-    clock_part_bytes: int = Config().clock_part_bytes, stats: dict[str, float] | None = None,
+    clock_part_bytes: int | None = None, stats: dict[str, float] | None = None,
 ) -> tuple[np.ndarray, list[list[tuple[np.ndarray, np.ndarray]]]]:
     """Trains on the engine; returns the servers' final rows and, per worker,
     the parameters each clock's read showed; `stats` gets worker 0's."""

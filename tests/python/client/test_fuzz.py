@@ -102,6 +102,7 @@ config_fields = st.fixed_dictionaries({}, optional={
     "wait_timeout_s": st.floats(-1, 1e7) | anything,
     "prefetch_clocks": st.integers(-2, 100) | anything,
     "partitions_per_table": st.integers(-2, 2**17) | anything,
+    "clock_part_bytes": st.integers(-2, 2**20) | st.none() | anything,
     "branches": anything,
     "max_branches": st.integers(-2, 2**17) | anything,
     "host_memory_limit": st.integers(0, 2**63) | anything,

@@ -24,6 +24,8 @@ def test_python_defaults_are_the_engines() -> None:
     assert python.prefetch_clocks is None and core.prefetch_clocks == -1  # both: the plan chooses
     assert python.to_core().prefetch_clocks == core.prefetch_clocks
     assert python.partitions_per_table == core.partitions_per_table
+    assert python.clock_part_bytes is None and core.clock_part_bytes == -1  # both: the device chooses
+    assert python.to_core().clock_part_bytes == core.clock_part_bytes
     assert python.branches == core.branches
     assert python.max_branches == core.max_branches
     assert python.check_finite == core.check_finite
@@ -55,6 +57,8 @@ CONFIG_CASES: list[tuple[dict[str, Any], str]] = [
     ({"device_memory_budget": -1}, r"Config.device_memory_budget must be in \[0, 2\*\*62\]"),
     ({"device_memory_budget": 2**70}, r"Config.device_memory_budget must be in \[0, 2\*\*62\]"),
     ({"partitions_per_table": 0}, r"Config.partitions_per_table must be in \[1, 65536\]"),
+    ({"clock_part_bytes": -1}, r"Config.clock_part_bytes must be in \[0, 2\*\*62\]"),
+    ({"clock_part_bytes": 1.5}, r"Config.clock_part_bytes must be an integer"),
     ({"max_branches": 2**62}, r"Config.max_branches must be in \[1, 65536\]"),
     ({"branches": 1}, r"Config.branches must be True or False"),
     ({"device": "gpu"}, r"Config.device must be one of 'cpu', 'cuda', got 'gpu'"),

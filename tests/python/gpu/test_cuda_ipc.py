@@ -87,7 +87,8 @@ def test_a_clock_in_parts_by_cuda_ipc_matches_whole_host_frames(tmp_path: Path) 
     for rank in range(2):
         on, off = ipc[rank], host[rank]
         assert on["stats"]["cuda_ipc_sent_bytes"] > 0 and on["stats"]["cuda_ipc_fallbacks"] == 0, on["stats"]
-        assert on["messages_received"] > 4 * off["messages_received"], (on["messages_received"], off["messages_received"])
+        # 16 pushes of "big" a clock where 2 went (and "small"'s 2 as before).
+        assert on["messages_received"] > 3 * off["messages_received"], (on["messages_received"], off["messages_received"])
         for name in ("seen", "final_big", "final_small"):
             np.testing.assert_array_equal(on["arrays"][name], off["arrays"][name], err_msg=f"rank {rank} {name}")
 

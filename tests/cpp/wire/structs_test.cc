@@ -33,6 +33,7 @@ std::vector<TableInfo> Tables() {
   tables[0].name = "weights";
   tables[0].num_rows = 10;
   tables[0].row_width = 4;
+  tables[0].part_bytes = 1 << 20;
   tables[1].id = 1;
   tables[1].name = "data";
   tables[1].num_rows = 5;
@@ -112,6 +113,8 @@ TEST(TableSchemaRoundTripsCommunicatedTables) {
   ASSERT_EQ(out.size(), 2u);  // the local table stays home
   EXPECT_EQ(out[0].name, std::string("weights"));
   EXPECT_EQ(out[0].num_rows, 10);
+  EXPECT_EQ(out[0].part_bytes, 1 << 20);
+  EXPECT_EQ(out[1].part_bytes, 0);
   EXPECT_TRUE(!out[0].update_rule);
   EXPECT_EQ(out[1].id, 2);
   ASSERT_TRUE(out[1].update_rule.has_value());
@@ -132,6 +135,11 @@ TEST(TableSchemaSendsOnlyTheFieldsTheRuleReads) {
   EXPECT_TRUE(EncodeTableSchema(a) == EncodeTableSchema(b));
   b[2].update_rule->beta2 = 0.99f;
   EXPECT_TRUE(EncodeTableSchema(a) != EncodeTableSchema(b));
+  // Workers that would split a table's clock differently disagree.
+  std::vector<TableInfo> c = Tables();
+  c[0].part_bytes = 4 << 20;
+  EXPECT_TRUE(EncodeTableSchema(a) != EncodeTableSchema(c));
+  EXPECT_TRUE(DescribeTables(c).find(":parts of 4194304 B") != std::string::npos);
 }
 
 TEST(TableSchemaRejectsMalformedPayloads) {
@@ -155,6 +163,7 @@ TEST(TableSchemaRejectsMalformedPayloads) {
   EXPECT_CODE(DecodeTableSchema(patched(record + 6, uint8_t{2}), &out), StatusCode::kCorruptMessage);
   EXPECT_CODE(DecodeTableSchema(patched(record + 7, uint8_t{3}), &out), StatusCode::kCorruptMessage);  // rule, no flag
   EXPECT_CODE(DecodeTableSchema(patched(record + 54, uint8_t{1}), &out), StatusCode::kCorruptMessage);
+  EXPECT_CODE(DecodeTableSchema(patched(record + 56, int64_t{-1}), &out), StatusCode::kCorruptMessage);  // parts
   EXPECT_CODE(DecodeTableSchema("0:w:10:4;", &out), StatusCode::kCorruptMessage);  // the old text
   EXPECT_EQ(out.size(), 1u);  // untouched by every refusal
 }

@@ -92,8 +92,13 @@ def train(worker: Worker) -> tuple[dict[int, np.ndarray], list[np.ndarray]]:
     return finals, seen
 
 
-def test_branches_follow_their_own_sequential_reference(run_workers: Callable[..., list[Any]]) -> None:
-    config = Config(update_rule=UpdateRule("sgd", learning_rate=LR0), branches=True, wait_timeout_s=20)
+# A row is 12 bytes: parts of one row split each shard's 3 rows into 3, so
+# forks, switches and the branch rows a switch asks for go part by part.
+@pytest.mark.parametrize("part_bytes", [None, 12], ids=["whole", "parts"])
+def test_branches_follow_their_own_sequential_reference(run_workers: Callable[..., list[Any]],
+                                                        part_bytes: int | None) -> None:
+    config = Config(update_rule=UpdateRule("sgd", learning_rate=LR0), branches=True, wait_timeout_s=20,
+                    clock_part_bytes=part_bytes)
     with LocalCluster(N, config) as cluster:
         results = run_workers(train, cluster.workers, on_error=cluster.shutdown)
         switches = cluster.worker(0).stats["branch_switches"]

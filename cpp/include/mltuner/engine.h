@@ -215,6 +215,8 @@ class Engine {
   Status WaitForDataAge(TableId table, mltuner::Clock age);
   mltuner::Clock DataAge(TableId table) const;
   EngineStats Stats() const;
+  // The placement (Placement::Describe) and which tables' clocks move in
+  // parts (Config::clock_part_bytes), once the virtual iteration is finished.
   std::string DescribePlan() const;
   int rank() const;
   int num_workers() const;

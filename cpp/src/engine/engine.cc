@@ -889,7 +889,21 @@ mltuner::Clock Engine::DataAge(TableId table) const { return impl_->DataAge(tabl
 EngineStats Engine::Stats() const { return impl_->Stats(); }
 std::string Engine::DescribePlan() const {
   if (impl_->state_.phase.load() == Phase::kDefining) return "no plan yet: finish the virtual iteration first";
-  return impl_->plan_.placement.Describe();
+  const PipelinePlan& plan = impl_->plan_;
+  // Which tables' clocks move in parts (Config.clock_part_bytes).
+  std::string parts;
+  for (const TableInfo& table : plan.tables) {
+    if (table.local) continue;
+    const TableIndex& index = plan.index.tables[table.id];
+    int most = 1;
+    for (size_t shard = 0; shard + 1 < index.first_piece.size(); ++shard) {
+      most = std::max(most, index.first_piece[shard + 1] - index.first_piece[shard]);
+    }
+    if (most == 1) continue;
+    parts += (parts.empty() ? "" : ", ") + ("'" + table.name + "' in up to " + std::to_string(most) +
+                                           " parts a shard of about " + std::to_string(table.part_bytes) + " B");
+  }
+  return plan.placement.Describe() + "\nclock in parts: " + (parts.empty() ? "none (each shard's rows whole)" : parts);
 }
 int Engine::rank() const { return impl_->rank_; }
 int Engine::num_workers() const { return impl_->num_workers_; }

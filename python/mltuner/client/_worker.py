@@ -651,8 +651,9 @@ class Worker:
         """A description of the placement made by finish_virtual_iteration:
         the budget, ``prefetch_clocks`` and why (``prefetch_clocks 0 (chosen:
         ...)``), the pool, the stores, the host memory, what went where (entries of
-        parameters and local data on the device and in host memory) and the
-        predicted bytes moved per clock host->device and device->host."""
+        parameters and local data on the device and in host memory), the
+        predicted bytes moved per clock host->device and device->host, and
+        which tables' clocks move in parts (``Config.clock_part_bytes``)."""
         return str(self._engine.describe_plan())
 
     def shutdown(self) -> None:

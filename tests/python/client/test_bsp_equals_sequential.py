@@ -98,10 +98,10 @@ def reference(rule: str, data: dict[str, Any]) -> list[tuple[np.ndarray, np.ndar
 
 def train(
     rule: str, num_workers: int, data: dict[str, Any], run_workers: Callable[..., list[Any]],
-    clock_part_bytes: int | None = None, stats: dict[str, float] | None = None,
+    clock_part_bytes: int | None = None, stats: dict[str, Any] | None = None,
 ) -> tuple[np.ndarray, list[list[tuple[np.ndarray, np.ndarray]]]]:
     """Trains on the engine; returns the servers' final rows and, per worker,
-    the parameters each clock's read showed; `stats` gets worker 0's."""
+    the parameters each clock's read showed; `stats` gets worker 0's, and its plan."""
     layout = make_layout()
     config = Config(
         wait_timeout_s=20,
@@ -155,7 +155,7 @@ def train(
         for worker in cluster.workers[1:]:
             np.testing.assert_array_equal(worker.fetch(setup[worker.rank][0]), final)
         if stats is not None:
-            stats.update(cluster.workers[0].stats)
+            stats.update(cluster.workers[0].stats, plan=cluster.workers[0].plan)
     return final, seen
 
 
@@ -205,12 +205,14 @@ def test_a_clock_in_parts_is_bit_identical_to_a_whole_one(rule: str, run_workers
     and pushed on its own, Adam's step count moving once a clock) give the
     servers' values and every read bit for bit as whole ones do."""
     data = make_data(2, seed=77)
-    stats_whole: dict[str, float] = {}
-    stats_parts: dict[str, float] = {}
+    stats_whole: dict[str, Any] = {}
+    stats_parts: dict[str, Any] = {}
     whole, seen_whole = train(rule, 2, data, run_workers, clock_part_bytes=0, stats=stats_whole)
     parts, seen_parts = train(rule, 2, data, run_workers, clock_part_bytes=IN_PARTS, stats=stats_parts)
     # 5 rows a shard, a part a row: 5 updates and 5 pushes where 1 went.
     assert stats_parts["messages_received"] >= 4 * stats_whole["messages_received"]
+    assert "clock in parts: 'linear' in up to 5 parts a shard of about 100 B" in stats_parts["plan"]
+    assert "clock in parts: none" in stats_whole["plan"]
     np.testing.assert_array_equal(parts, whole)
     for reads_whole, reads_parts in zip(seen_whole, seen_parts):
         for (w0, b0), (w1, b1) in zip(reads_whole, reads_parts):

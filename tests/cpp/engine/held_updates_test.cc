@@ -4,7 +4,8 @@
 // shard gets its part of each table at once (Send). Rank 0 of 2 workers
 // over a transport that records how each message left. (Where the
 // application's call waits for a buffer midway, the reclaimer catches up
-// and a clock's burst leaves in two: the test allows that.)
+// and a clock's burst leaves in two: the test allows that.) A table whose
+// clock moves in parts sends each part as soon as it is built instead.
 #include <chrono>
 #include <memory>
 #include <mutex>
@@ -37,9 +38,12 @@ class RecordingTransport : public Transport {
     std::string call;  // "Send", or "SendAll#n" for the n-th SendAll
     int receiver;
     TableId table;
+    RowId first_row;  // of its spans, or -1 for a bare update
   };
 
   Engine* engine = nullptr;
+  int num_tables = kTables;           // the engine's, each pushed at kStart
+  int64_t rows_per_part = kRows / 2;  // of a shard's rows in a push; 1 for a table in parts of a row
 
   Status Send(Message&& message) override { return Take(std::move(message), "Send"); }
   Status SendAll(std::vector<Message>&& messages) override {
@@ -67,23 +71,31 @@ class RecordingTransport : public Transport {
       return engine->HandleMessage(std::move(ack));
     }
     if (message.type() == MessageType::kStart) {
-      for (TableId table = 0; table < kTables; ++table) MLT_RETURN_IF_ERROR(Rows(h.receiver, table, kInitClock));
+      for (TableId table = 0; table < num_tables; ++table) {
+        for (RowId row = h.receiver * kRows / 2; row < (h.receiver + 1) * kRows / 2; row += rows_per_part) {
+          MLT_RETURN_IF_ERROR(Rows(h.receiver, table, kInitClock, {row, rows_per_part}));
+        }
+      }
       return Status::Ok();
     }
     if (message.type() == MessageType::kClockUpdate) {
       std::lock_guard<std::mutex> lock(mu_);
-      updates_.push_back({call, h.receiver, h.table});
+      updates_.push_back({call, h.receiver, h.table, message.spans.empty() ? -1 : message.spans[0].begin});
     }
-    return message.type() == MessageType::kClockUpdate ? Rows(h.receiver, h.table, h.clock) : Status::Ok();
+    if (message.type() != MessageType::kClockUpdate) return Status::Ok();
+    // The rows the update covered (a part's, when the table moves in parts).
+    const RowSpan rows = message.spans.empty() ? RowSpan{h.receiver * kRows / 2, kRows / 2} : message.spans[0];
+    return Rows(h.receiver, h.table, h.clock, rows);
   }
 
-  Status Rows(int shard, TableId table, Clock clock) {
+  Status Rows(int shard, TableId table, Clock clock, RowSpan span = {-1, 0}) {
+    if (span.begin < 0) span = {shard * kRows / 2, kRows / 2};
     Message rows = NewMessage(MessageType::kRows, shard, 0, table);
     rows.header.clock = clock;
     rows.header.row_width = kWidth;
-    rows.spans.push_back({shard * kRows / 2, kRows / 2});
+    rows.spans.push_back(span);
     rows.header.num_spans = 1;
-    rows.values.assign(static_cast<size_t>(kRows / 2 * kWidth), 0.5f);
+    rows.values.assign(static_cast<size_t>(span.count * kWidth), 0.5f);
     return engine->HandleMessage(std::move(rows));
   }
 
@@ -149,6 +161,60 @@ TEST(AStepsUpdatesForOtherRanksLeaveAsOneBurstInOrder) {
   for (size_t i = 0; i < to_peer.size(); ++i) EXPECT_EQ(to_peer[i], static_cast<TableId>(i % kTables));
   // At most two bursts a clock (one when nothing waited), never one per table.
   EXPECT_TRUE(bursts.size() <= static_cast<size_t>(2 * kClocks));
+}
+
+// A table whose clock moves in parts of one row: each part's update leaves
+// as soon as it is built (the peer's each in a SendAll of its own, this
+// rank's own shard's by Send), in row order; the read of the next clock
+// waits for the last part of every shard (a wrong data age would stall it
+// into the wait timeout).
+TEST(APartOfALargeTableLeavesAsSoonAsItIsBuilt) {
+  Config config;
+  config.wait_timeout_ms = 10000;
+  config.clock_part_bytes = kWidth * sizeof(float);  // a row a part: 4 a shard
+  RecordingTransport transport;
+  std::unique_ptr<Engine> engine;
+  ASSERT_OK(Engine::Create(config, 0, 2, NewCpuDevice(), &transport, &engine));
+  transport.engine = engine.get();
+  transport.num_tables = 1;
+  transport.rows_per_part = 1;
+  TableId table = -1;
+  ASSERT_OK(engine->CreateTable("t0", kRows, kWidth, false, &table));
+  std::vector<RowId> rows;
+  for (RowId row = 0; row < kRows; ++row) rows.push_back(row);
+  Handle read = -1, update = -1;
+  ASSERT_OK(engine->VirtualRead(table, rows, 0, &read));
+  ASSERT_OK(engine->VirtualPostRead(read));
+  ASSERT_OK(engine->VirtualPreUpdate(table, rows, &update));
+  ASSERT_OK(engine->VirtualUpdate(update));
+  ASSERT_OK(engine->VirtualClock());
+  ASSERT_OK(engine->FinishVirtualIteration());
+  EXPECT_TRUE(engine->DescribePlan().find("'t0' in up to 4 parts a shard") != std::string::npos);
+  ASSERT_OK(engine->StartIterations());
+  constexpr int kClocks = 4;
+  for (int clock = 0; clock < kClocks; ++clock) {
+    std::vector<OpCall> ops = {{OpKind::kRead, read, {}, {}},        {OpKind::kPostRead, read, {}, {}},
+                               {OpKind::kPreUpdate, update, {}, {}}, {OpKind::kUpdate, update, {}, {}},
+                               {OpKind::kClock, -1, {}, {}}};
+    std::vector<AccessBuffer> opened;
+    ASSERT_OK(engine->Run(ops, &opened));
+  }
+  ASSERT_OK(engine->Flush());
+  ASSERT_OK(engine->Shutdown());
+
+  const std::vector<RecordingTransport::Sent> sent = transport.updates();
+  ASSERT_EQ(sent.size(), static_cast<size_t>(kRows * kClocks));  // a message a row: every part of both shards
+  std::vector<std::string> peer_calls;
+  for (size_t i = 0; i < sent.size(); ++i) {
+    EXPECT_EQ(sent[i].first_row, static_cast<RowId>(i % kRows));  // in row order, part by part
+    EXPECT_EQ(sent[i].receiver, sent[i].first_row < kRows / 2 ? 0 : 1);
+    if (sent[i].receiver == 0) {
+      EXPECT_EQ(sent[i].call, std::string("Send"));
+    } else {
+      peer_calls.push_back(sent[i].call);
+    }
+  }
+  for (size_t i = 1; i < peer_calls.size(); ++i) EXPECT_TRUE(peer_calls[i] != peer_calls[i - 1]);  // each alone
 }
 
 MLT_TEST_MAIN

@@ -64,10 +64,12 @@ Status RowInstaller::InstallRows(const Message& message) {
   // A shard pushes its rows whole or, for a table whose clock moves in
   // parts, part by part in row order (sharding/shard_range.h, ShardParts).
   const TableIndex& index = plan_->index.tables[table];
-  const int piece = message.spans.empty() ? (index.pieces[index.first_piece[shard]].range.count == 0
-                                                 ? index.first_piece[shard]
-                                                 : -1)
-                                          : FindPiece(index, shard, message.spans[0].begin);
+  int piece = -1;
+  if (!message.spans.empty()) {
+    piece = FindPiece(index, shard, message.spans[0].begin);
+  } else if (index.pieces[index.first_piece[shard]].range.count == 0) {
+    piece = index.first_piece[shard];  // a shard that owns no rows: its one empty piece
+  }
   const RowSpan range = piece >= 0 ? index.pieces[piece].range : RowSpan{};
   const bool whole_piece = piece >= 0 && (range.count == 0 ? message.spans.empty()
                                                            : message.spans.size() == 1 &&

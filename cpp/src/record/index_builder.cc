@@ -83,9 +83,7 @@ void ListPieces(const TableInfo& table, int num_shards, TableIndex* index) {
   index->first_piece.assign(1, 0);
   for (int shard = 0; shard < num_shards; ++shard) {
     const std::vector<RowSpan> parts = ShardParts(table, shard, num_shards);
-    for (size_t part = 0; part < parts.size(); ++part) {
-      index->pieces.push_back({shard, static_cast<int>(part), parts[part]});
-    }
+    for (const RowSpan& part : parts) index->pieces.push_back({shard, part});
     index->first_piece.push_back(static_cast<int>(index->pieces.size()));
   }
 }

@@ -53,7 +53,6 @@ struct WireSegment {
 // own update message, and each piece's fresh rows come back in their own.
 struct WirePiece {
   int shard = 0;
-  int part = 0;
   RowSpan range;  // possibly empty: a shard that owns no rows has one empty piece
 };
 

@@ -6,7 +6,7 @@ shard, the send and receive threads, ZeroMQ's I/O thread), read from
 /proc/PID/task. A diagnostic, not a benchmark: transport_bench.py has the
 comparison with raw pyzmq. Linux only.
 
-    mltuner launch -n 2 -- python benchmarks/thread_profile.py [--tables 16] [--mib 1] [--clocks 600]
+    mltuner launch -n 2 -- python benchmarks/thread_profile.py [--tables 16] [--mib 1] [--clocks 600] [--part-mib 1]
 
 Stop 39 used it to find that each table's trip through the threads, not its
 bytes, set the clock of many small tables (docs/results.md, "Transport").
@@ -47,13 +47,16 @@ def main() -> None:
     parser.add_argument("--mib", type=float, default=1.0, help="the model's size in MiB")
     parser.add_argument("--clocks", type=int, default=600,
                         help="timed clocks (after 50 untimed); /proc counts CPU in 10-ms ticks, so keep it long")
+    parser.add_argument("--part-mib", type=float,
+                        help="Config.clock_part_bytes in MiB (0: every shard's rows whole; default: Config's)")
     args = parser.parse_args()
     if args.tables < 1 or args.clocks < 1:
         parser.error("need --tables >= 1 and --clocks >= 1")
     rows = int(args.mib * (1 << 20) / 4 / ROW_WIDTH) // args.tables
     if rows < 1:
         parser.error(f"--mib {args.mib:g} leaves no row of {ROW_WIDTH} floats for each of {args.tables} tables")
-    with mlt.Job(mlt.Config(update_rule=mlt.UpdateRule("add"), wait_timeout_s=60)) as job:
+    parts = {} if args.part_mib is None else {"clock_part_bytes": int(args.part_mib * (1 << 20))}
+    with mlt.Job(mlt.Config(update_rule=mlt.UpdateRule("add"), wait_timeout_s=60, **parts)) as job:
         worker = job.worker
         tables = [worker.create_table(f"model-{k}", rows, ROW_WIDTH) for k in range(args.tables)]
         reads = [worker.virtual_read(table, slack=0) for table in tables]

@@ -1097,4 +1097,53 @@ TEST(RowsArrivingDuringStartAreNeverRefused) {
   }
 }
 
+// A table whose clock moves in parts (8 rows of 8 bytes, parts of 2 rows on
+// the one shard): rows are installed part by part; rows that are not exactly
+// one part (a whole shard's, or a part's rows from the wrong row) are
+// refused with the parts named, and fail the engine rather than leave it
+// waiting for a data age that never comes.
+TEST(RowsOfATableInPartsMustBeOnePart) {
+  const auto make = [](AckReadyTransport* transport, std::unique_ptr<Engine>* e) {
+    Config config;
+    config.wait_timeout_ms = 5000;
+    config.clock_part_bytes = 16;
+    MLT_RETURN_IF_ERROR(Engine::Create(config, 0, 1, NewCpuDevice(), transport, e));
+    transport->engine = e->get();
+    TableId t = -1;
+    Handle r = -1;
+    MLT_RETURN_IF_ERROR((*e)->CreateTable("t", 8, 2, false, &t));
+    MLT_RETURN_IF_ERROR((*e)->VirtualRead(t, {0, 1, 2, 3, 4, 5, 6, 7}, 0, &r));
+    MLT_RETURN_IF_ERROR((*e)->VirtualPostRead(r));
+    MLT_RETURN_IF_ERROR((*e)->VirtualClock());
+    return (*e)->FinishVirtualIteration();
+  };
+  const auto rows = [](RowSpan span) {
+    Message m = NewMessage(MessageType::kRows, 0, 0, 0);
+    m.header.clock = kInitClock;
+    m.header.row_width = 2;
+    m.spans.push_back(span);
+    m.header.num_spans = 1;
+    m.values.assign(static_cast<size_t>(span.count * 2), 1.0f);
+    return m;
+  };
+  for (const RowSpan bad : {RowSpan{0, 8}, RowSpan{1, 2}, RowSpan{2, 1}}) {
+    AckReadyTransport transport;
+    std::unique_ptr<Engine> e;
+    ASSERT_OK(make(&transport, &e));
+    const Status refused = e->HandleMessage(rows(bad));
+    EXPECT_CODE(refused, StatusCode::kInvalidArgument);
+    EXPECT_TRUE(refused.message().find("or one of their 4 parts") != std::string::npos);
+    ASSERT_OK(e->Shutdown());
+  }
+  AckReadyTransport transport;
+  std::unique_ptr<Engine> e;
+  ASSERT_OK(make(&transport, &e));
+  for (RowId first = 0; first < 8; first += 2) {
+    EXPECT_EQ(e->DataAge(0), kNoClock);  // until the last part
+    ASSERT_OK(e->HandleMessage(rows({first, 2})));
+  }
+  EXPECT_EQ(e->DataAge(0), kInitClock);
+  ASSERT_OK(e->Shutdown());
+}
+
 MLT_TEST_MAIN

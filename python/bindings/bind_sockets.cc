@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include "bindings.h"
+#include "mltuner/frame_memory.h"
 #include "mltuner/process_node.h"
 #include "mltuner/socket_pump.h"
 
@@ -62,6 +63,16 @@ void RegisterSockets(py::module_& m) {
       .def("stall_next_delivery", &SocketPump::StallNextDelivery, py::arg("min_payload_bytes"), py::arg("milliseconds"),
            "For tests: the next received message with a payload of at least min_payload_bytes waits this long "
            "before delivery, as a receiver far slower than its sender.");
+  m.def(
+      "keep_freed_memory_for_frames",
+      [] {
+        std::string why;
+        const bool changed = KeepFreedMemoryForFrames(&why);
+        return py::make_tuple(changed, why);
+      },
+      "(changed, why): raise glibc's mmap and trim thresholds once per process, so that received frames freed "
+      "together are not handed back to the kernel and faulted in again next clock (mltuner/frame_memory.h); "
+      "not where the environment tunes malloc or MLTUNER_MALLOC_TUNING=0.");
 }
 
 }  // namespace mltuner::python

@@ -179,6 +179,9 @@ class SocketTransport:
         self._peers = push_sockets(context, peers, security, io_thread=DATA_IO_THREAD,
                                    send_queue=SEND_QUEUE_MESSAGES)
         self.rejections = RejectionLog(_log, f"rank {int(node.rank)}'s data socket")
+        # ZeroMQ mallocs every received payload; keep what a clock frees for the next.
+        changed, why = _core.keep_freed_memory_for_frames()
+        _log.debug("mltuner: malloc for received frames: %s%s", why, "" if changed else " (left as it is)")
         pump = self._start_pump(wait_timeout_s)
         self._loops: NativeLoops | PythonLoops = (
             NativeLoops(pump, listeners, self.rejections, queue_limit) if pump is not None

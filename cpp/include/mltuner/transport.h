@@ -43,4 +43,26 @@ class Transport {
   }
 };
 
+// Messages for other processes held to leave together (Transport::SendAll):
+// a thread that builds many small ones (a clock's updates of many tables, a
+// shard's replies) sends them as one burst once it has nothing more to do,
+// or once their payloads pass `flush_bytes`, so the burst costs each thread
+// on its way one wake-up rather than one per message. Not thread-safe: one
+// owner thread.
+class HeldMessages {
+ public:
+  explicit HeldMessages(size_t flush_bytes);
+  ~HeldMessages();  // in transport.cc, where Message is complete
+  // Holds `message`; true once the held payloads reach flush_bytes (time to Flush).
+  bool Hold(Message&& message);
+  // Sends what is held, in order, as one burst (nothing when none is);
+  // *sent, when given, is the number of messages handed on.
+  Status Flush(Transport* transport, int64_t* sent = nullptr);
+
+ private:
+  const size_t flush_bytes_;
+  std::vector<Message> messages_;
+  size_t bytes_ = 0;
+};
+
 }  // namespace mltuner

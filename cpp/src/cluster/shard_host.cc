@@ -166,16 +166,16 @@ void ShardHost::Start(Engine* engine, Transport* transport) {
     // one hand-off to the send thread and one socket message per worker
     // instead of one per table. This rank's engine gets its rows at once
     // (its next read may be waiting for them).
+    bool full = false;
     for (Message& reply : replies) {
       if (reply.header.receiver == rank_) {
         const Status sent = transport->Send(std::move(reply));
         if (!sent.ok()) Reject(sent, Message());
         continue;
       }
-      held_reply_bytes_ += reply.num_values() * sizeof(float);
-      held_replies_.push_back(std::move(reply));
+      full = held_replies_.Hold(std::move(reply)) || full;
     }
-    if (held_reply_bytes_ >= kHeldReplyBytes) SendHeldReplies(transport);
+    if (full) SendHeldReplies(transport);
   }, [this, transport] { SendHeldReplies(transport); });
   client_inbox_.Start("mlt-installer", [this, engine](Message&& message) {
     // The same for rows from a shard of this process on another GPU.
@@ -186,11 +186,7 @@ void ShardHost::Start(Engine* engine, Transport* transport) {
 }
 
 void ShardHost::SendHeldReplies(Transport* transport) {
-  if (held_replies_.empty()) return;
-  std::vector<Message> burst = std::move(held_replies_);
-  held_replies_.clear();
-  held_reply_bytes_ = 0;
-  const Status sent = transport->SendAll(std::move(burst));
+  const Status sent = held_replies_.Flush(transport);
   if (!sent.ok()) Reject(sent, Message());
 }
 

@@ -123,8 +123,7 @@ class ShardHost {
   // only): they leave together when the inbox is drained, or past
   // kHeldReplyBytes.
   static constexpr size_t kHeldReplyBytes = size_t{4} << 20;
-  std::vector<Message> held_replies_;
-  size_t held_reply_bytes_ = 0;
+  HeldMessages held_replies_{kHeldReplyBytes};
   void SendHeldReplies(Transport* transport);
 };
 

@@ -11,4 +11,22 @@ Status Transport::SendAll(std::vector<Message>&& messages) {
   return Status::Ok();
 }
 
+HeldMessages::HeldMessages(size_t flush_bytes) : flush_bytes_(flush_bytes) {}
+HeldMessages::~HeldMessages() = default;
+
+bool HeldMessages::Hold(Message&& message) {
+  bytes_ += message.num_values() * sizeof(float);
+  messages_.push_back(std::move(message));
+  return bytes_ >= flush_bytes_;
+}
+
+Status HeldMessages::Flush(Transport* transport, int64_t* sent) {
+  if (sent != nullptr) *sent = static_cast<int64_t>(messages_.size());
+  if (messages_.empty()) return Status::Ok();
+  std::vector<Message> burst = std::move(messages_);
+  messages_.clear();
+  bytes_ = 0;
+  return transport->SendAll(std::move(burst));
+}
+
 }  // namespace mltuner

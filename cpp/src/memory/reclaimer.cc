@@ -494,6 +494,7 @@ Status Reclaimer::SendPart(std::vector<Message>* messages) {
 }
 
 Status Reclaimer::Ship(std::vector<Message> messages) {
+  bool full = false;
   for (Message& message : messages) {
     if (message.header.receiver == rank_) {
       // This process's own shard gets its part at once: with one worker, or
@@ -502,19 +503,16 @@ Status Reclaimer::Ship(std::vector<Message> messages) {
       ++state_->messages_sent;
       continue;
     }
-    held_bytes_ += message.num_values() * sizeof(float);
-    held_.push_back(std::move(message));
+    full = held_.Hold(std::move(message)) || full;
   }
-  return held_bytes_ >= kHeldBytes ? Flush() : Status::Ok();
+  return full ? Flush() : Status::Ok();
 }
 
 Status Reclaimer::Flush() {
-  if (held_.empty()) return Status::Ok();
-  std::vector<Message> burst = std::move(held_);
-  held_.clear();
-  held_bytes_ = 0;
-  state_->messages_sent += static_cast<int64_t>(burst.size());
-  return transport_->SendAll(std::move(burst));
+  int64_t sent = 0;
+  const Status status = held_.Flush(transport_, &sent);
+  state_->messages_sent += sent;
+  return status;
 }
 
 }  // namespace mltuner

@@ -113,8 +113,7 @@ class Reclaimer {
   // across a wait of this thread (before the payload bound's wait for the
   // shards, they are sent).
   static constexpr size_t kHeldBytes = size_t{4} << 20;
-  std::vector<Message> held_;
-  size_t held_bytes_ = 0;
+  HeldMessages held_{kHeldBytes};
   std::thread thread_;
 };
 

@@ -40,7 +40,7 @@ WIDTH = 1024
 
 
 def run_pair(size_mib: int, clocks: int, cuda_ipc: bool, timeout_s: float, gpus: int, tables: int,
-             part_mib: float | None = None) -> dict:
+             part_mib: float | None = None, profile: Path | None = None) -> dict:
     sys.path.insert(0, str(WORKER.parent))
     from ipc_pair import launch_pair
 
@@ -49,7 +49,8 @@ def run_pair(size_mib: int, clocks: int, cuda_ipc: bool, timeout_s: float, gpus:
         codes, outputs = launch_pair(
             Path(out), cuda_ipc, ["--bench", "--clocks", str(clocks), "--rows", str(rows), "--width", str(WIDTH),
                                   "--tables", str(tables)]
-            + ([] if part_mib is None else ["--part-bytes", str(int(part_mib * (1 << 20)))]),
+            + ([] if part_mib is None else ["--part-bytes", str(int(part_mib * (1 << 20)))])
+            + ([] if profile is None else ["--profile", str(profile)]),
             timeout_s=timeout_s, gpus=gpus,
             env={"MLTUNER_CUDA_IPC_SLICE_BYTES": str(max(256 << 20, 4 * size_mib << 20))})
         if any(code != 0 for code in codes):
@@ -88,6 +89,9 @@ def main() -> int:
     parser.add_argument("--tables", default="1", help="comma list of table counts: the model as each many equal tables")
     parser.add_argument("--part-mib", help="comma list of Config.clock_part_bytes in MiB to compare (0: each "
                         "shard's rows whole; default: Config's)")
+    parser.add_argument("--profile", type=Path, metavar="DIR",
+                        help="profile one more IPC run of the first setting instead: torch.profiler traces "
+                        "(CUPTI: the engine's copies and kernels too) of each rank's timed clocks in DIR")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     part_settings = [None] if args.part_mib is None else [float(p) for p in args.part_mib.split(",")]
@@ -95,6 +99,12 @@ def main() -> int:
 
     if torch.cuda.device_count() < args.gpus:
         parser.error(f"--gpus {args.gpus}: this machine shows {torch.cuda.device_count()} GPU(s)")
+    if args.profile:
+        size, tables = int(args.sizes.split(",")[0]), int(args.tables.split(",")[0])
+        run = run_pair(size, args.clocks, True, args.timeout, args.gpus, tables, part_settings[0], args.profile)
+        print(f"profiled {size} MiB in {tables} table(s): {run['seconds'] * 1e3:.3f} ms a clock; traces in "
+              f"{args.profile}", flush=True)
+        return 0
     gpu = torch.cuda.get_device_name(0)
     where = "GPU 0" if args.gpus == 1 else "GPUs 0 and 1, one each"
     copy = "same-device" if args.gpus == 1 else "GPU 0 -> GPU 1"

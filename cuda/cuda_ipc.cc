@@ -2,6 +2,7 @@
 #include "cuda_ipc.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstring>
 #include <mutex>
@@ -24,6 +25,7 @@ using cuda_detail::TicketOf;
 
 constexpr size_t kMemHandleBytes = sizeof(cudaIpcMemHandle_t);
 constexpr size_t kEventHandleBytes = sizeof(cudaIpcEventHandle_t);
+constexpr size_t kHandleBytes = kMemHandleBytes + DeviceIpc::kCopyEvents * kEventHandleBytes;
 
 Status Fail(const std::string& what, cudaError_t err) {
   cudaGetLastError();
@@ -42,14 +44,20 @@ class CudaIpc final : public DeviceIpc {
     // Errors are ignored: at exit the runtime or a peer may be gone.
     cudaSetDevice(ordinal_);
     if (send_) cudaStreamSynchronize(send_);
-    if (receive_) cudaStreamSynchronize(receive_);
     for (Peer& peer : peers_) {
+      if (peer.receive) {
+        cudaStreamSynchronize(peer.receive);
+        cudaStreamDestroy(peer.receive);
+      }
       if (peer.region) cudaIpcCloseMemHandle(peer.region);
-      if (peer.event) cudaEventDestroy(peer.event);
+      for (cudaEvent_t event : peer.events) {
+        if (event) cudaEventDestroy(event);
+      }
     }
-    if (event_) cudaEventDestroy(event_);
+    for (cudaEvent_t event : events_out_) {
+      if (event) cudaEventDestroy(event);
+    }
     if (send_) cudaStreamDestroy(send_);
-    if (receive_) cudaStreamDestroy(receive_);
     if (region_) cudaFree(region_);
     cudaGetLastError();
   }
@@ -64,17 +72,18 @@ class CudaIpc final : public DeviceIpc {
     cudaIpcMemHandle_t memory{};
     err = cudaIpcGetMemHandle(&memory, region_);
     if (err != cudaSuccess) return Fail("cudaIpcGetMemHandle", err);
-    err = cudaEventCreateWithFlags(&event_, cudaEventDisableTiming | cudaEventInterprocess);
-    if (err != cudaSuccess) return Fail("cudaEventCreateWithFlags(cudaEventInterprocess)", err);
-    cudaIpcEventHandle_t event{};
-    err = cudaIpcGetEventHandle(&event, event_);
-    if (err != cudaSuccess) return Fail("cudaIpcGetEventHandle", err);
-    err = cudaStreamCreateWithFlags(&send_, cudaStreamNonBlocking);
-    if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&receive_, cudaStreamNonBlocking);
-    if (err != cudaSuccess) return Fail("cudaStreamCreateWithFlags", err);
-    handle_.assign(kMemHandleBytes + kEventHandleBytes, '\0');
+    handle_.assign(kHandleBytes, '\0');
     std::memcpy(&handle_[0], &memory, kMemHandleBytes);
-    std::memcpy(&handle_[kMemHandleBytes], &event, kEventHandleBytes);
+    for (int i = 0; i < kCopyEvents; ++i) {
+      err = cudaEventCreateWithFlags(&events_out_[i], cudaEventDisableTiming | cudaEventInterprocess);
+      if (err != cudaSuccess) return Fail("cudaEventCreateWithFlags(cudaEventInterprocess)", err);
+      cudaIpcEventHandle_t event{};
+      err = cudaIpcGetEventHandle(&event, events_out_[i]);
+      if (err != cudaSuccess) return Fail("cudaIpcGetEventHandle", err);
+      std::memcpy(&handle_[kMemHandleBytes + i * kEventHandleBytes], &event, kEventHandleBytes);
+    }
+    err = cudaStreamCreateWithFlags(&send_, cudaStreamNonBlocking);
+    if (err != cudaSuccess) return Fail("cudaStreamCreateWithFlags", err);
     return Status::Ok();
   }
 
@@ -84,15 +93,12 @@ class CudaIpc final : public DeviceIpc {
 
   Status OpenPeer(int peer, const std::string& handle, size_t region_bytes) override {
     if (peer < 0) return Status::InvalidArgument("CUDA IPC: no peer rank " + std::to_string(peer));
-    if (handle.size() != kMemHandleBytes + kEventHandleBytes) {
+    if (handle.size() != kHandleBytes) {
       return Status::InvalidArgument("CUDA IPC: peer " + std::to_string(peer) + "'s handle is " +
-                                     std::to_string(handle.size()) + " bytes, not " +
-                                     std::to_string(kMemHandleBytes + kEventHandleBytes));
+                                     std::to_string(handle.size()) + " bytes, not " + std::to_string(kHandleBytes));
     }
     cudaIpcMemHandle_t memory{};
-    cudaIpcEventHandle_t event{};
     std::memcpy(&memory, handle.data(), kMemHandleBytes);
-    std::memcpy(&event, handle.data() + kMemHandleBytes, kEventHandleBytes);
     std::lock_guard<std::mutex> lock(mu_);
     if (static_cast<size_t>(peer) >= peers_.size()) peers_.resize(static_cast<size_t>(peer) + 1);
     Peer& slot = peers_[peer];
@@ -104,15 +110,28 @@ class CudaIpc final : public DeviceIpc {
     // NVLink or PCIe where the two can; on the same GPU it is plain memory.
     err = cudaIpcOpenMemHandle(&region, memory, cudaIpcMemLazyEnablePeerAccess);
     if (err != cudaSuccess) return Fail("cudaIpcOpenMemHandle of peer " + std::to_string(peer) + "'s region", err);
-    cudaEvent_t opened = nullptr;
-    err = cudaIpcOpenEventHandle(&opened, event);
+    std::array<cudaEvent_t, kCopyEvents> opened{};
+    for (int i = 0; i < kCopyEvents; ++i) {
+      cudaIpcEventHandle_t event{};
+      std::memcpy(&event, handle.data() + kMemHandleBytes + i * kEventHandleBytes, kEventHandleBytes);
+      err = cudaIpcOpenEventHandle(&opened[i], event);
+      if (err != cudaSuccess) {
+        for (int j = 0; j < i; ++j) cudaEventDestroy(opened[j]);
+        cudaIpcCloseMemHandle(region);
+        return Fail("cudaIpcOpenEventHandle of peer " + std::to_string(peer) + "'s event " + std::to_string(i), err);
+      }
+    }
+    cudaStream_t receive = nullptr;
+    err = cudaStreamCreateWithFlags(&receive, cudaStreamNonBlocking);
     if (err != cudaSuccess) {
+      for (cudaEvent_t event : opened) cudaEventDestroy(event);
       cudaIpcCloseMemHandle(region);
-      return Fail("cudaIpcOpenEventHandle of peer " + std::to_string(peer) + "'s event", err);
+      return Fail("cudaStreamCreateWithFlags (peer " + std::to_string(peer) + "'s landings)", err);
     }
     slot.region = region;
     slot.region_bytes = region_bytes;
-    slot.event = opened;
+    slot.events = opened;
+    slot.receive = receive;
     // Where the peer's region lives, in this process's numbering of devices.
     cudaPointerAttributes where{};
     if (cudaPointerGetAttributes(&where, region) == cudaSuccess) {
@@ -123,12 +142,15 @@ class CudaIpc final : public DeviceIpc {
     return Status::Ok();
   }
 
-  Status CopyToPeer(int peer, size_t offset, const void* src, size_t bytes, const DeviceEvent& after,
+  Status CopyToPeer(int peer, size_t offset, const void* src, size_t bytes, const DeviceEvent& after, int event,
                     DeviceEvent* done) override {
     std::lock_guard<std::mutex> lock(mu_);
     const Peer* target = Find(peer);
     if (target == nullptr || target->region == nullptr) {
       return Status::InvalidArgument("CUDA IPC: peer " + std::to_string(peer) + " is not open");
+    }
+    if (event < 0 || event >= kCopyEvents) {
+      return Status::InvalidArgument("CUDA IPC: no copy event " + std::to_string(event));
     }
     if (offset > target->region_bytes || bytes > target->region_bytes - offset) {
       return Status::InvalidArgument("CUDA IPC: bytes [" + std::to_string(offset) + ", +" + std::to_string(bytes) +
@@ -143,24 +165,30 @@ class CudaIpc final : public DeviceIpc {
     }
     err = cudaMemcpyAsync(static_cast<char*>(target->region) + offset, src, bytes, cudaMemcpyDeviceToDevice, send_);
     if (err != cudaSuccess) return Fail("cudaMemcpyAsync to peer " + std::to_string(peer), err);
-    // Recorded after every copy, under mu_: whatever record a receiver
-    // waits on is at or after the copy its notice announces.
-    err = cudaEventRecord(event_, send_);
+    // Recorded after the copy, under mu_: whatever record of this event a
+    // receiver waits on is at or after the copy its notice announces (a
+    // later one, when the caller reused the event meanwhile: the wait is
+    // longer, never too short, since every copy goes on send_).
+    err = cudaEventRecord(events_out_[event], send_);
     if (err != cudaSuccess) return Fail("cudaEventRecord (the interprocess event)", err);
     return Ticket(send_, done, "the copy's ticket");
   }
 
-  Status PeerWrites(int peer, DeviceEvent* ready) override {
+  Status PeerWrites(int peer, int event, DeviceEvent* ready) override {
     std::lock_guard<std::mutex> lock(mu_);
     const Peer* source = Find(peer);
-    if (source == nullptr || source->event == nullptr) {
+    if (source == nullptr || source->region == nullptr) {
       return Status::InvalidArgument("CUDA IPC: peer " + std::to_string(peer) + " is not open");
+    }
+    if (event < 0 || event >= kCopyEvents) {
+      return Status::InvalidArgument("CUDA IPC: peer " + std::to_string(peer) + " has no copy event " +
+                                     std::to_string(event));
     }
     cudaError_t err = cudaSetDevice(ordinal_);
     if (err != cudaSuccess) return Fail("cudaSetDevice", err);
-    err = cudaStreamWaitEvent(receive_, source->event, 0);
+    err = cudaStreamWaitEvent(source->receive, source->events[event], 0);
     if (err != cudaSuccess) return Fail("cudaStreamWaitEvent on peer " + std::to_string(peer) + "'s event", err);
-    return Ticket(receive_, ready, "a landing ticket");
+    return Ticket(source->receive, ready, "a landing ticket");
   }
 
   Status WaitDone(const DeviceEvent& event, int64_t timeout_ms) override {
@@ -191,7 +219,8 @@ class CudaIpc final : public DeviceIpc {
   struct Peer {
     void* region = nullptr;
     size_t region_bytes = 0;
-    cudaEvent_t event = nullptr;
+    std::array<cudaEvent_t, kCopyEvents> events{};
+    cudaStream_t receive = nullptr;  // waits for this peer's events alone
     bool same_device = false;
   };
 
@@ -217,9 +246,8 @@ class CudaIpc final : public DeviceIpc {
   const size_t region_bytes_;
   std::shared_ptr<EventPool> events_;
   void* region_ = nullptr;
-  cudaEvent_t event_ = nullptr;  // interprocess: peers wait on it
+  std::array<cudaEvent_t, kCopyEvents> events_out_{};  // interprocess: peers wait on them
   cudaStream_t send_ = nullptr;
-  cudaStream_t receive_ = nullptr;
   std::string handle_;
   mutable std::mutex mu_;
   std::vector<Peer> peers_;  // by rank; guarded by mu_

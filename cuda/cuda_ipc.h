@@ -1,8 +1,9 @@
 // The CUDA backend of DeviceIpc (mltuner/device_ipc.h): a landing region
-// from cudaMalloc exported with cudaIpcGetMemHandle, an event made with
-// cudaEventInterprocess exported with cudaIpcGetEventHandle, and two
-// streams of its own (copies to peers; waits for peers' events), so IPC
-// traffic never queues behind the engine's streams.
+// from cudaMalloc exported with cudaIpcGetMemHandle, kCopyEvents events made
+// with cudaEventInterprocess exported with cudaIpcGetEventHandle, and
+// streams of its own, so IPC traffic never queues behind the engine's
+// streams: one for copies to peers, and one per peer for waits on its
+// events (a late copy from one peer holds back no other's landings).
 #pragma once
 
 #include <cstddef>

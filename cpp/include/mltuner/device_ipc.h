@@ -3,11 +3,15 @@
 // device instead of through pinned host frames and a socket.
 //
 // Each process exports one landing region (device memory peers copy into)
-// and one interprocess event (recorded after each copy it makes into a
-// peer's region). A peer opens both from handle(): it writes into this
-// region and this process waits on that peer's event before reading what
-// it wrote. Which bytes are whose, and when they may be written again, is
-// the caller's business (cluster/ipc_links.h).
+// and kCopyEvents interprocess events (the caller names one to record after
+// each copy it makes into a peer's region). A peer opens them all from
+// handle(): it writes into this region and this process waits on the event
+// that peer named before reading what it wrote. Several events, not one: a
+// wait takes an event's latest record, so with one event a receiver would
+// also wait for every copy the sender queued after the one it reads (a
+// clock's pushed rows behind its update, or the next parts of a table).
+// Which bytes are whose, which event a copy records, and when either may be
+// used again, is the caller's business (cluster/ipc_links.h).
 //
 // Thread safety: every method may be called from any thread.
 // Ownership: made by Device::ExportIpc; destroy it before its Device. The
@@ -25,6 +29,10 @@ namespace mltuner {
 
 class DeviceIpc {
  public:
+  // Interprocess events each process exports (their handles are in
+  // handle(), so this bounds the rendezvous card: 64 bytes each).
+  static constexpr int kCopyEvents = 32;
+
   virtual ~DeviceIpc() = default;
   DeviceIpc(const DeviceIpc&) = delete;
   DeviceIpc& operator=(const DeviceIpc&) = delete;
@@ -40,15 +48,16 @@ class DeviceIpc {
   virtual Status OpenPeer(int peer, const std::string& handle, size_t region_bytes) = 0;
   // Queues, after the work of ticket `after`, the copy of `bytes` from `src`
   // (this device's memory) to byte `offset` of peer's region, then records
-  // this process's event; *done: a ticket complete after the copy.
-  // InvalidArgument when the peer is not open or the range is outside its
-  // region.
+  // this process's event `event` (in [0, kCopyEvents)); *done: a ticket
+  // complete after the copy. InvalidArgument when the peer is not open, the
+  // range is outside its region or there is no such event.
   virtual Status CopyToPeer(int peer, size_t offset, const void* src, size_t bytes, const DeviceEvent& after,
-                            DeviceEvent* done) = 0;
+                            int event, DeviceEvent* done) = 0;
   // *ready: a ticket of this device complete once everything `peer`
-  // recorded on its event so far is (what a notice received from it
-  // announces was queued before its notice was sent).
-  virtual Status PeerWrites(int peer, DeviceEvent* ready) = 0;
+  // recorded on its event `event` so far is (what a notice received from it
+  // announces was queued before its notice was sent). InvalidArgument when
+  // the peer is not open or there is no such event.
+  virtual Status PeerWrites(int peer, int event, DeviceEvent* ready) = 0;
   // Blocks until ticket `event` (of this device) completes, for at most
   // timeout_ms, then kTimeout (0: a query, never a wait).
   virtual Status WaitDone(const DeviceEvent& event, int64_t timeout_ms) = 0;

@@ -21,6 +21,7 @@ IpcLinks::IpcLinks(int rank, int num_workers, std::shared_ptr<Device> device)
       peer_slice_bytes_(static_cast<size_t>(num_workers), 0),
       enabled_(new std::atomic<bool>[static_cast<size_t>(num_workers)]),
       sending_(static_cast<size_t>(num_workers)),
+      event_uses_(DeviceIpc::kCopyEvents, 0),
       receiving_(std::make_shared<Receiving>()) {
   for (int peer = 0; peer < num_workers; ++peer) enabled_[peer].store(false);
   MutexLock lock(&receiving_->mu);
@@ -125,11 +126,14 @@ Status IpcLinks::TrySend(int peer, DeviceBuffer* buffer, const std::string& mess
     }
     MLT_RETURN_IF_ERROR(ranges.Claim(span.offset, bytes));
     span.bytes = bytes;
+    const int event = TakeEvent();
+    span.event = static_cast<uint64_t>(event);
     const size_t at = static_cast<size_t>(SlotIn(peer, rank_)) * peer_slice_bytes_[peer] + span.offset;
     DeviceEvent done;
-    const Status copied = ipc_->CopyToPeer(peer, at, buffer->data, bytes, buffer->ready, &done);
+    const Status copied = ipc_->CopyToPeer(peer, at, buffer->data, bytes, buffer->ready, event, &done);
     if (!copied.ok()) {
       (void)ranges.Free(span.offset, bytes);
+      --event_uses_[event];
       return copied.WithContext("worker " + std::to_string(rank_) + "'s CUDA IPC copy to worker " + std::to_string(peer));
     }
     buffer->last_use = std::move(done);
@@ -141,6 +145,21 @@ Status IpcLinks::TrySend(int peer, DeviceBuffer* buffer, const std::string& mess
   return Status::Ok();
 }
 
+int IpcLinks::TakeEvent() {
+  const int count = static_cast<int>(event_uses_.size());
+  int event = next_event_;
+  for (int i = 0; i < count; ++i) {
+    const int candidate = (next_event_ + i) % count;
+    if (event_uses_[candidate] == 0) {
+      event = candidate;
+      break;
+    }
+  }
+  ++event_uses_[event];
+  next_event_ = (event + 1) % count;
+  return event;
+}
+
 Status IpcLinks::OnRelease(const IpcEnvelope& release) {
   const int peer = release.sender;  // the process that read the payload
   if (!enabled(peer)) {
@@ -148,8 +167,14 @@ Status IpcLinks::OnRelease(const IpcEnvelope& release) {
                                   ", with which this process uses no CUDA IPC");
   }
   MutexLock lock(&send_mu_);
+  const uint64_t event = release.span.event;
+  if (event >= event_uses_.size() || event_uses_[event] == 0) {
+    return Status::CorruptMessage("a CUDA IPC release from worker " + std::to_string(peer) + " names copy event " +
+                                  std::to_string(event) + ", which no payload out uses");
+  }
   MLT_RETURN_IF_ERROR(sending_[peer]->Free(release.span.offset, release.span.bytes)
                           .WithContext("a CUDA IPC release from worker " + std::to_string(peer)));
+  --event_uses_[event];
   ++send_stats_.releases_received;
   released_.NotifyAll();
   return Status::Ok();
@@ -164,12 +189,16 @@ Status IpcLinks::Land(const IpcEnvelope& notice, std::shared_ptr<DeviceBuffer>* 
     return Status::CorruptMessage(from + ": bytes [" + std::to_string(span.offset) + ", +" +
                                   std::to_string(span.bytes) + ") are not whole floats");
   }
+  if (span.event >= static_cast<uint64_t>(DeviceIpc::kCopyEvents)) {
+    return Status::CorruptMessage(from + " names copy event " + std::to_string(span.event) + " of " +
+                                  std::to_string(DeviceIpc::kCopyEvents));
+  }
   {
     MutexLock lock(&receiving_->mu);
     MLT_RETURN_IF_ERROR(receiving_->ranges[sender]->Claim(span.offset, span.bytes).WithContext(from));
   }
   DeviceEvent ready;
-  const Status waited = ipc_->PeerWrites(sender, &ready);
+  const Status waited = ipc_->PeerWrites(sender, static_cast<int>(span.event), &ready);
   if (!waited.ok()) {
     MutexLock lock(&receiving_->mu);
     (void)receiving_->ranges[sender]->Free(span.offset, span.bytes);

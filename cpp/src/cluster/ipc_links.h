@@ -6,8 +6,10 @@
 // of one slice of `slice_bytes` per peer, in rank order (this rank has
 // none). A sender owns its slice of each receiver's region: it places each
 // payload in a free range of it (cluster/byte_ranges.h), queues the copy
-// after the payload's producer, records its interprocess event, and sends
-// the notice. The receiver checks the notice's range against the sender's
+// after the payload's producer, records one of its interprocess events (one
+// no payload still out uses, where there is one: a receiver's wait then
+// covers its own copy and no later one), and sends the notice naming range
+// and event. The receiver checks the notice's range against the sender's
 // slice (outside it, or over bytes still in use: refused as corrupt, never
 // read), makes its stream wait on the sender's event, and hands the bytes
 // on as a read-only device buffer. When that buffer's last reader lets go,
@@ -112,6 +114,9 @@ class IpcLinks {
   // This process's slot in a region of `peer` (rank order, skipping peer).
   int SlotIn(int owner, int peer) const { return peer < owner ? peer : peer - 1; }
   bool ValidPeer(int peer) const { return peer >= 0 && peer < num_workers_ && peer != rank_; }
+  // The copy event for the next payload: the first unused one from
+  // next_event_ on, or next_event_ itself when every one is in use.
+  int TakeEvent() REQUIRES(send_mu_);
 
   const int rank_;
   const int num_workers_;
@@ -124,6 +129,9 @@ class IpcLinks {
   CondVar released_{&send_mu_};  // a release freed a range of some peer's slice
   std::vector<std::unique_ptr<ByteRanges>> sending_ GUARDED_BY(send_mu_);  // per peer: my slice of its region
   IpcStats send_stats_ GUARDED_BY(send_mu_);
+  // Per copy event: how many payloads recorded with it are not released yet.
+  std::vector<int> event_uses_ GUARDED_BY(send_mu_);
+  int next_event_ GUARDED_BY(send_mu_) = 0;  // where the search for a free one starts
   std::shared_ptr<Receiving> receiving_;
 };
 

@@ -3,8 +3,9 @@
 //
 // kIpcNotice, sender -> receiver: frame 0 is a kIpcNotice header (sender,
 // receiver; no spans, flags or row width) whose text is an IpcSpan (where in
-// the sender's slice of the receiver's landing region the payload lies)
-// followed by the message's own frame 0; the payload frame is empty. The
+// the sender's slice of the receiver's landing region the payload lies, and
+// which of the sender's copy events to wait on before reading it) followed
+// by the message's own frame 0; the payload frame is empty. The
 // receiver validates the span against its region before anything reads it.
 // kIpcRelease, receiver -> sender: the same header whose text is exactly the
 // IpcSpan of a landed payload the receiver no longer reads.
@@ -26,9 +27,10 @@ namespace mltuner {
 struct IpcSpan {
   uint64_t offset = 0;  // bytes from the start of the sender's slice
   uint64_t bytes = 0;   // payload bytes there
+  uint64_t event = 0;   // the sender's copy event recorded after the copy (DeviceIpc::kCopyEvents)
 };
 #pragma pack(pop)
-static_assert(sizeof(IpcSpan) == 16, "IpcSpan must stay 16 bytes");
+static_assert(sizeof(IpcSpan) == 24, "IpcSpan must stay 24 bytes");
 
 // A decoded envelope; `inner` points into the frame it came from (a
 // notice's message frame 0; empty for a release).

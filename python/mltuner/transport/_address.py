@@ -32,11 +32,14 @@ from typing import Any, Literal
 
 from mltuner.exceptions import InvalidArgumentError
 
-__all__ = ["Card", "IpcDirectory", "host_identity", "choose_address", "private_directory_problem", "TransportKind"]
+__all__ = ["Card", "MAX_CUDA_IPC_HANDLE_HEX", "IpcDirectory", "host_identity", "choose_address", "private_directory_problem", "TransportKind"]
 
 TransportKind = Literal["auto", "tcp", "ipc"]
 # sockaddr_un holds 108 bytes with the final NUL; leave room for the names.
 _MAX_SOCKET_PATH = 100
+# A CUDA IPC handle in hex: a memory handle and DeviceIpc::kCopyEvents (32)
+# event handles of 64 bytes each take 2,112 bytes; twice that as the bound.
+MAX_CUDA_IPC_HANDLE_HEX = 8192
 _PREFIX = "mltuner-"
 
 
@@ -85,7 +88,7 @@ class Card:
         cuda_ipc = value.get("cuda_ipc")
         if cuda_ipc is not None and not (
                 isinstance(cuda_ipc, dict) and isinstance(cuda_ipc.get("handle"), str)
-                and len(cuda_ipc["handle"]) <= 1024 and isinstance(cuda_ipc.get("slice_bytes"), int)
+                and len(cuda_ipc["handle"]) <= MAX_CUDA_IPC_HANDLE_HEX and isinstance(cuda_ipc.get("slice_bytes"), int)
                 and not isinstance(cuda_ipc["slice_bytes"], bool) and 0 < cuda_ipc["slice_bytes"] <= 1 << 50):
             raise InvalidArgumentError(f"rank {rank} sent a malformed CUDA IPC entry in its rendezvous card: "
                                        f"{cuda_ipc!r:.200}")

@@ -59,8 +59,10 @@ class HostIpc final : public DeviceIpc {
     peers_[peer] = {reinterpret_cast<char*>(address), size};
     return Status::Ok();
   }
-  Status CopyToPeer(int peer, size_t offset, const void* src, size_t bytes, const DeviceEvent&, DeviceEvent* done) override {
+  Status CopyToPeer(int peer, size_t offset, const void* src, size_t bytes, const DeviceEvent&, int event,
+                    DeviceEvent* done) override {
     std::lock_guard<std::mutex> lock(mu_);
+    if (event < 0 || event >= kCopyEvents) return Status::InvalidArgument("no such copy event");
     auto found = peers_.find(peer);
     if (found == peers_.end()) return Status::InvalidArgument("peer not open");
     if (offset > found->second.second || bytes > found->second.second - offset) {
@@ -70,7 +72,8 @@ class HostIpc final : public DeviceIpc {
     done->reset();
     return Status::Ok();
   }
-  Status PeerWrites(int, DeviceEvent* ready) override {
+  Status PeerWrites(int, int event, DeviceEvent* ready) override {
+    if (event < 0 || event >= kCopyEvents) return Status::InvalidArgument("no such copy event");
     ready->reset();
     return Status::Ok();
   }
@@ -198,7 +201,7 @@ TEST(IpcEnvelopesRoundTripAndRefuseMalformedFrames) {
   inner.spans = {{0, 4}};
   inner.header.num_spans = 1;
   const std::string inner0 = EncodeHeaderFrame(inner);
-  const std::string notice = EncodeIpcNotice(1, 0, IpcSpan{512, 32}, inner0);
+  const std::string notice = EncodeIpcNotice(1, 0, IpcSpan{512, 32, 5}, inner0);
   ASSERT_TRUE(IsIpcEnvelope(notice.data(), notice.size()));
   IpcEnvelope envelope;
   ASSERT_OK(DecodeIpcEnvelope(notice.data(), notice.size(), 0, &envelope));
@@ -207,6 +210,7 @@ TEST(IpcEnvelopesRoundTripAndRefuseMalformedFrames) {
   EXPECT_EQ(envelope.receiver, 0);
   EXPECT_EQ(envelope.span.offset, 512u);
   EXPECT_EQ(envelope.span.bytes, 32u);
+  EXPECT_EQ(envelope.span.event, 5u);
   ASSERT_TRUE(envelope.inner_bytes == inner0.size());
   EXPECT_TRUE(std::memcmp(envelope.inner, inner0.data(), inner0.size()) == 0);
   const std::string release = EncodeIpcRelease(0, 1, IpcSpan{512, 32});
@@ -227,6 +231,65 @@ TEST(IpcEnvelopesRoundTripAndRefuseMalformedFrames) {
   // An envelope is never one message: DecodeMessage refuses it.
   Message decoded;
   EXPECT_CODE(DecodeMessage(notice.data(), notice.size(), nullptr, 0, &decoded), StatusCode::kCorruptMessage);
+}
+
+// Each payload out records a copy event no other payload out uses, so a
+// receiver's wait covers its own copy and none queued after it; with every
+// event in use, one is shared (a longer wait, never a wrong one), and an
+// event comes free when its payload's release does. A release naming an
+// event its payload did not use is refused.
+TEST(EachPayloadOutWaitsOnItsOwnCopyEvent) {
+  std::shared_ptr<Device> devices[2] = {std::make_shared<HostIpcDevice>(), std::make_shared<HostIpcDevice>()};
+  std::unique_ptr<IpcLinks> links[2];
+  std::string handle[2];
+  constexpr size_t kSlice = 64 << 10;
+  for (int rank = 0; rank < 2; ++rank) {
+    links[rank] = std::make_unique<IpcLinks>(rank, 2, devices[rank]);
+    ASSERT_OK(links[rank]->Export(kSlice, &handle[rank]));
+  }
+  for (int rank = 0; rank < 2; ++rank) {
+    ASSERT_OK(links[rank]->OpenPeer(1 - rank, handle[1 - rank], kSlice));
+    ASSERT_OK(links[rank]->Enable(1 - rank));
+  }
+  std::vector<float> values(64, 1.0f);
+  DeviceBuffer buffer;
+  buffer.data = values.data();
+  buffer.count = values.size();
+  const auto send = [&](IpcSpan* span) {
+    std::string notice;
+    bool sent = false;
+    ASSERT_OK(links[0]->TrySend(1, &buffer, EncodeHeaderFrame(NewMessage(MessageType::kRows, 0, 1, 0)), &notice, &sent));
+    ASSERT_TRUE(sent);
+    IpcEnvelope envelope;
+    ASSERT_OK(DecodeIpcEnvelope(notice.data(), notice.size(), 0, &envelope));
+    *span = envelope.span;
+  };
+  const auto release = [&](const IpcSpan& span) {
+    const std::string frame0 = EncodeIpcRelease(1, 0, span);
+    IpcEnvelope envelope;
+    EXPECT_OK(DecodeIpcEnvelope(frame0.data(), frame0.size(), 0, &envelope));
+    return links[0]->OnRelease(envelope);
+  };
+  std::vector<IpcSpan> out(DeviceIpc::kCopyEvents);
+  std::vector<bool> seen(DeviceIpc::kCopyEvents, false);
+  for (IpcSpan& span : out) {
+    send(&span);
+    ASSERT_TRUE(span.event < static_cast<uint64_t>(DeviceIpc::kCopyEvents));
+    EXPECT_TRUE(!seen[span.event]);  // none shared while one is free
+    seen[span.event] = true;
+  }
+  IpcSpan shared;
+  send(&shared);  // every event in use: one is shared
+  ASSERT_TRUE(shared.event < static_cast<uint64_t>(DeviceIpc::kCopyEvents));
+  const size_t freed = out[0].event == shared.event ? 1 : 0;  // a payload whose event nothing else uses
+  const size_t kept = freed + 1;
+  ASSERT_OK(release(out[freed]));
+  // A release naming the event that just came free (not its payload's).
+  EXPECT_CODE(release(IpcSpan{out[kept].offset, out[kept].bytes, out[freed].event}), StatusCode::kCorruptMessage);
+  IpcSpan again;
+  send(&again);
+  EXPECT_EQ(again.event, out[freed].event);  // the one event free again
+  ASSERT_OK(release(out[kept]));  // the refused release left its range out
 }
 
 TEST(TrainingThroughIpcIsBitIdenticalToOneProcess) {
@@ -335,6 +398,7 @@ TEST(MalformedNoticesAndReleasesAreRefusedNeverRead) {
   EXPECT_TRUE(refuses(EncodeIpcNotice(0, 0, IpcSpan{0, 32}, inner)));                   // from itself
   EXPECT_TRUE(refuses(EncodeIpcNotice(1, 1, IpcSpan{0, 32}, inner)));                   // for another rank
   EXPECT_TRUE(refuses(EncodeIpcNotice(7, 0, IpcSpan{0, 32}, inner)));                   // from no rank
+  EXPECT_TRUE(refuses(EncodeIpcNotice(1, 0, IpcSpan{0, 32, DeviceIpc::kCopyEvents}, inner)));  // no such event
   Message spoofed = rows;
   spoofed.header.sender = 0;
   EXPECT_TRUE(refuses(EncodeIpcNotice(1, 0, IpcSpan{0, 32}, EncodeHeaderFrame(spoofed))));  // inner sender differs

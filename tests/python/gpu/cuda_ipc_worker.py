@@ -33,6 +33,7 @@ def main() -> int:
     parser.add_argument("--bench", action="store_true", help="constant updates, no host reads: time the traffic")
     parser.add_argument("--tables", type=int, default=1, help="--rows split into this many equal tables")
     parser.add_argument("--part-bytes", type=int, help="Config.clock_part_bytes (default: Config's)")
+    parser.add_argument("--profile", type=Path, help="write a torch.profiler trace of the timed clocks here")
     args = parser.parse_args()
     parts = {} if args.part_bytes is None else {"clock_part_bytes": args.part_bytes}
     config = mltuner.Config(device="cuda", wait_timeout_s=60, update_rule=mltuner.UpdateRule("sgd", learning_rate=0.01),
@@ -82,10 +83,15 @@ def _train(job: mltuner.Job, args: argparse.Namespace) -> dict:
     seen = []
     started = 0.0
     warmup = min(3, args.clocks - 1)
+    profiler = None
     for clock in range(args.clocks):
         if clock == warmup:
             torch.cuda.synchronize()
             started = time.perf_counter()
+            if args.profile:  # CUPTI sees the engine's copies and kernels too: one process, one context
+                profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                              torch.profiler.ProfilerActivity.CUDA])
+                profiler.__enter__()
         weights = [torch.from_dlpack(worker.read(h)) for h in reads]
         for i, h in enumerate(updates):
             target = torch.from_dlpack(worker.pre_update(h))
@@ -103,6 +109,10 @@ def _train(job: mltuner.Job, args: argparse.Namespace) -> dict:
     worker.sync()
     torch.cuda.synchronize()
     seconds = (time.perf_counter() - started) / max(args.clocks - warmup, 1)
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        args.profile.mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(str(args.profile / f"rank-{worker.rank}.trace.json"))
     arrays = {"final_big": worker.fetch(big), "final_small": worker.fetch(small)}
     if seen:
         arrays["seen"] = np.stack(seen)

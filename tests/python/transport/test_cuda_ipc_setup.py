@@ -21,7 +21,7 @@ import mltuner
 from mltuner import _core
 from mltuner.exceptions import CorruptMessageError, InvalidArgumentError, MltunerError
 from mltuner.transport import _cuda_ipc
-from mltuner.transport._address import Card
+from mltuner.transport._address import MAX_CUDA_IPC_HANDLE_HEX, Card
 
 _HEADER = "<IHHiiiiqqqIIfI"  # MessageHeader, 64 bytes
 _NOTICE, _RELEASE, _ROWS = 14, 15, 3
@@ -31,9 +31,13 @@ def _header(kind: int, sender: int, receiver: int, *, row_width: int = 0, spans:
     return struct.pack(_HEADER, 0x4E544C4D, 1, kind, sender, receiver, 0, 0, 0, 0, row_width, spans, text, 0.0, 0)
 
 
-def _notice(sender: int, receiver: int, offset: int, size: int) -> bytes:
+def _span(offset: int, size: int, event: int = 0) -> bytes:
+    return struct.pack("<QQQ", offset, size, event)  # IpcSpan, 24 bytes
+
+
+def _notice(sender: int, receiver: int, offset: int, size: int, event: int = 0) -> bytes:
     inner = _header(_ROWS, sender, receiver, row_width=2, spans=1) + struct.pack("<qq", 0, 4)  # 4 rows x 2 floats
-    span = struct.pack("<QQ", offset, size)
+    span = _span(offset, size, event)
     return _header(_NOTICE, sender, receiver, text=len(span) + len(inner)) + span + inner
 
 
@@ -70,11 +74,12 @@ def test_a_cpu_engine_offers_no_export_and_says_why() -> None:
 def test_malformed_cards_are_refused() -> None:
     base: dict[str, Any] = {"host": "h", "tcp": {"data": "tcp://1.2.3.4:5"}, "ipc": {}}
     assert Card.from_json(base, 1).cuda_ipc is None
-    good = dict(base, cuda_ipc={"handle": "ab" * 64, "slice_bytes": 1 << 20})
-    assert Card.from_json(good, 1).cuda_ipc == {"handle": "ab" * 64, "slice_bytes": 1 << 20}
+    real_size = "ab" * (64 + 32 * 64)  # a memory handle and 32 event handles
+    good = dict(base, cuda_ipc={"handle": real_size, "slice_bytes": 1 << 20})
+    assert Card.from_json(good, 1).cuda_ipc == {"handle": real_size, "slice_bytes": 1 << 20}
     assert Card.from_json(good, 1).to_json() == good
     for entry in ("x", {"handle": 5, "slice_bytes": 1}, {"handle": "ab", "slice_bytes": 0},
-                  {"handle": "ab", "slice_bytes": True}, {"handle": "ab" * 600, "slice_bytes": 256},
+                  {"handle": "ab", "slice_bytes": True}, {"handle": "a" * (MAX_CUDA_IPC_HANDLE_HEX + 1), "slice_bytes": 256},
                   {"handle": "ab", "slice_bytes": 1 << 51}):
         with pytest.raises(InvalidArgumentError, match="CUDA IPC"):
             Card.from_json(dict(base, cuda_ipc=entry), 1)
@@ -144,9 +149,11 @@ def test_without_any_export_nobody_gathers() -> None:
     _notice(1, 0, 0, 36),                      # not the size of the rows it announces
     _notice(1, 1, 0, 32),                      # for another rank
     _notice(0, 0, 0, 32),                      # from itself
-    _header(_RELEASE, 1, 0, text=16) + struct.pack("<QQ", 0, 32),   # releases nothing this node sent
-    _header(_NOTICE, 1, 0, text=16) + struct.pack("<QQ", 0, 32),    # a notice without its message
-    _header(_RELEASE, 1, 0, text=20) + struct.pack("<QQ", 0, 32),   # shorter than its header says
+    _notice(1, 0, 0, 32, event=32),            # names a copy event the sender does not have
+    _header(_RELEASE, 1, 0, text=24) + _span(0, 32),   # releases nothing this node sent
+    _header(_NOTICE, 1, 0, text=24) + _span(0, 32),    # a notice without its message
+    _header(_RELEASE, 1, 0, text=28) + _span(0, 32),   # shorter than its header says
+    _header(_RELEASE, 1, 0, text=16) + _span(0, 32)[:16],  # a span of the old 16 bytes
 ])
 def test_a_node_refuses_notices_it_cannot_check(frame0: bytes) -> None:
     node = _core.ProcessNode(mltuner.Config(wait_timeout_s=1).to_core(), 0, 2)

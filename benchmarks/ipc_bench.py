@@ -4,7 +4,7 @@ and off, as a ratio to the copy bandwidth between their memories measured
 in the same run.
 
     python benchmarks/ipc_bench.py [--sizes 16,64,256] [--clocks 20] [--gpus 1|2] [--tables 1,16]
-                                   [--part-mib 0,4] [--ipc-only] [--out PATH]
+                                   [--part-mib 0,4] [--ipc-only] [--profile DIR] [--out PATH]
 
 For each model size (MiB; one table of rows of 1024 floats, or with
 ``--tables K`` K equal tables as a model of layers, plus a tiny one), two
@@ -22,7 +22,12 @@ bytes as fast as one copy engine pass moves them on the card; the goal is
 >= 0.8. The clock's own work (gathers, the update rule, installs) counts
 against the ratio, as it does in training.
 
-Prints a markdown table; --out writes it with the GPU's name.
+Prints a markdown table; --out writes it with the GPU's name. ``--profile
+DIR`` instead runs the first setting once more under torch.profiler and
+writes each rank's Chrome trace of its timed clocks to DIR (CUPTI records
+every kernel and copy of the process, the engine's included; the two ranks'
+timestamps share one clock, so their traces can be merged). The profiler's
+start makes the reported time per clock meaningless; read the traces.
 """
 
 from __future__ import annotations

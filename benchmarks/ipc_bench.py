@@ -27,7 +27,9 @@ DIR`` instead runs the first setting once more under torch.profiler and
 writes each rank's Chrome trace of its timed clocks to DIR (CUPTI records
 every kernel and copy of the process, the engine's included; the two ranks'
 timestamps share one clock, so their traces can be merged). The profiler's
-start makes the reported time per clock meaningless; read the traces.
+start makes the reported time per clock meaningless; read the traces
+(``trace_timeline.py DIR/rank-0.trace.json DIR/rank-1.trace.json --marker
+aten::fill_ --per-clock K``, K = the tables plus one).
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ from typing import Any, Literal
 
 from mltuner.exceptions import InvalidArgumentError
 
-__all__ = ["Card", "MAX_CUDA_IPC_HANDLE_HEX", "IpcDirectory", "host_identity", "choose_address", "private_directory_problem", "TransportKind"]
+__all__ = ["Card", "MAX_CUDA_IPC_HANDLE_HEX", "IpcDirectory", "host_identity", "choose_address",
+           "private_directory_problem", "TransportKind"]
 
 TransportKind = Literal["auto", "tcp", "ipc"]
 # sockaddr_un holds 108 bytes with the final NUL; leave room for the names.

@@ -78,8 +78,9 @@ def test_malformed_cards_are_refused() -> None:
     good = dict(base, cuda_ipc={"handle": real_size, "slice_bytes": 1 << 20})
     assert Card.from_json(good, 1).cuda_ipc == {"handle": real_size, "slice_bytes": 1 << 20}
     assert Card.from_json(good, 1).to_json() == good
+    too_long = "a" * (MAX_CUDA_IPC_HANDLE_HEX + 1)
     for entry in ("x", {"handle": 5, "slice_bytes": 1}, {"handle": "ab", "slice_bytes": 0},
-                  {"handle": "ab", "slice_bytes": True}, {"handle": "a" * (MAX_CUDA_IPC_HANDLE_HEX + 1), "slice_bytes": 256},
+                  {"handle": "ab", "slice_bytes": True}, {"handle": too_long, "slice_bytes": 256},
                   {"handle": "ab", "slice_bytes": 1 << 51}):
         with pytest.raises(InvalidArgumentError, match="CUDA IPC"):
             Card.from_json(dict(base, cuda_ipc=entry), 1)

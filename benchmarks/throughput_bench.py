@@ -2,7 +2,8 @@
 (gloo on the CPU, NCCL on GPUs) and plain single-process PyTorch, on the same
 model, data, per-worker batch, update rule and number of workers.
 
-    python benchmarks/throughput_bench.py [--device cpu|cuda] [--model cnn|resnet18] [--workers 1,2]
+    python benchmarks/throughput_bench.py [--device cpu|cuda] [--model cnn|resnet18] [--rule momentum|adam]
+        [--workers 1,2]
         [--slacks 0,1] [--batch B] [--steps K] [--warmup W] [--overlap auto|step|backward] [--repeat R]
         [--quick] [--trace DIR] [--out PATH.md] [--figures PATH.json]
 
@@ -24,7 +25,8 @@ figure is of the training step and its communication, not of data loading.
 The update rule is the same everywhere: the servers' momentum
 ``h = (1-m) g + m h; w -= lr h`` on the gradient averaged over the workers,
 which is torch's SGD with ``momentum=m, dampening=m`` (lr 0.05, m 0.9; torch
-takes its first step with the undamped gradient, the only difference). The
+takes its first step with the undamped gradient, the only difference); with
+``--rule adam``, torch's Adam (lr 0.001) on both sides. The
 loss of rank 0's last step is in the table as a check that the runs train
 alike. Batch-norm running statistics stay local to each worker (mltuner does
 so; DDP is told not to broadcast them).
@@ -79,6 +81,8 @@ from machine import cpu_name
 System = Literal["plain", "ddp", "mltuner"]
 
 LR, MOMENTUM = 0.05, 0.9
+ADAM_LR = 1e-3
+RULES = ("momentum", "adam")
 SEED = 0
 CLASSES = 10
 # (timed steps, warmup steps) per model, full and --quick.
@@ -101,6 +105,7 @@ class Run:
     steps: int
     warmup: int
     overlap: str = "auto"  # mltuner's wrap(overlap_updates=): auto (None), step (False), backward (True)
+    rule: str = "momentum"  # RULES: the servers' damped momentum (= torch SGD with dampening m) or Adam
     trace: str = ""  # a folder: profile TRACE_STEPS more steps per rank with torch.profiler into it
 
     @property
@@ -205,9 +210,18 @@ def traced_steps(step: Callable[[], torch.Tensor], run: Run, device: torch.devic
     (folder / f"{name}.txt").write_text("\n\n".join(tables))
 
 
-def torch_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+def torch_optimizer(model: nn.Module, rule: str) -> torch.optim.Optimizer:
+    if rule == "adam":
+        return torch.optim.Adam(model.parameters(), lr=ADAM_LR)
     # The servers' rule h = (1-m) g + m h; w -= lr h is torch's SGD with dampening m.
     return torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, dampening=MOMENTUM)
+
+
+def server_rule(rule: str) -> mlt.UpdateRule:
+    """The servers' side of ``torch_optimizer``."""
+    if rule == "adam":
+        return mlt.UpdateRule("adam", learning_rate=ADAM_LR)
+    return mlt.UpdateRule("momentum", learning_rate=LR, momentum=MOMENTUM)
 
 
 def torch_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
@@ -233,7 +247,7 @@ def plain_run(run: Run) -> dict[str, Any]:
     params = parameter_count(model)
     model.to(device)
     x, y = make_batch(run, 0, device)
-    elapsed, loss = timed_steps(torch_step(model, torch_optimizer(model), x, y), run, device, lambda: None)
+    elapsed, loss = timed_steps(torch_step(model, torch_optimizer(model, run.rule), x, y), run, device, lambda: None)
     if device.type == "cuda":
         del model, x, y
         torch.cuda.empty_cache()  # leave the GPU to the launched workers
@@ -265,7 +279,8 @@ def ddp_worker(run: Run) -> Optional[dict[str, Any]]:
         ddp = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None, **local_buffers())
         x, y = make_batch(run, rank, device)
-        elapsed, loss = timed_steps(torch_step(ddp, torch_optimizer(ddp), x, y), run, device, dist.barrier, rank)
+        step = torch_step(ddp, torch_optimizer(ddp, run.rule), x, y)
+        elapsed, loss = timed_steps(step, run, device, dist.barrier, rank)
         times = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(world)]
         dist.all_gather(times, torch.tensor([elapsed], dtype=torch.float64, device=device))
     finally:
@@ -280,8 +295,8 @@ def mltuner_worker(run: Run) -> Optional[dict[str, Any]]:
     """One mltuner rank under ``mltuner launch``; rank 0 returns the result."""
     import mltuner.torch as mtorch
 
-    config = mlt.Config(update_rule=mlt.UpdateRule("momentum", learning_rate=LR, momentum=MOMENTUM),
-                        device="cuda" if run.device == "cuda" else "cpu", wait_timeout_s=120)
+    config = mlt.Config(update_rule=server_rule(run.rule), device="cuda" if run.device == "cuda" else "cpu",
+                        wait_timeout_s=120)
     with mlt.Job(config) as job:
         device = prepare(run, job.local_rank)
         model = build_model(run.model)
@@ -380,7 +395,7 @@ def plan(args: argparse.Namespace) -> list[Run]:
     """The runs, in order; 1 worker (plain PyTorch and mltuner) always, as
     the baseline of the scaling figures."""
     common = dict(model=args.model, device=args.device, batch=args.batch, steps=args.steps, warmup=args.warmup,
-                  trace=str(Path(args.trace).resolve()) if args.trace else "")
+                  trace=str(Path(args.trace).resolve()) if args.trace else "", rule=args.rule)
     runs = [Run("plain", 1, 0, **common), Run("mltuner", 1, 0, **common, overlap=args.overlap)]
     for n in sorted(set(args.workers) - {1}):
         runs.append(Run("ddp", n, 0, **common))
@@ -494,7 +509,7 @@ def table(args: argparse.Namespace, outcomes: dict[Key, Outcome], scaling: list[
         f"# Training throughput: mltuner vs DDP ({backend(args.device)}) and plain PyTorch, {model}, {args.device}",
         "",
         f"date {datetime.datetime.now():%Y-%m-%d %H:%M}; device {device_name(args.device)}; {os.cpu_count()} cores; "
-        f"torch {torch.__version__}; {model} ({params:,} parameters); batch {args.batch} per worker; "
+        f"torch {torch.__version__}; {model} ({params:,} parameters); rule {args.rule}; batch {args.batch} per worker; "
         f"{args.steps} timed steps after {args.warmup}; total {total_s:.0f} s",
         "",
         "Samples/s of all workers together (higher is better); loss: rank 0's at the last step.",
@@ -535,6 +550,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="default: cuda when torch and the engine see a GPU, else cpu")
     parser.add_argument("--model", choices=list(MODEL_NAMES), default=None,
                         help="default: cnn on the CPU, resnet18 on a GPU")
+    parser.add_argument("--rule", choices=RULES, default="momentum",
+                        help="the update rule on both sides: damped momentum (SGD), or Adam")
     parser.add_argument("--workers", type=numbers, default=[1, 2],
                         help="numbers of workers, comma-separated (1 is always run: the scaling baseline)")
     parser.add_argument("--slacks", type=numbers, default=[0, 1], help="mltuner's slacks for N >= 2 workers")

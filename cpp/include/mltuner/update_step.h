@@ -26,14 +26,20 @@ struct UpdateStep {
   UpdateRuleKind kind = UpdateRuleKind::kAdd;
   float inv_workers = 1;  // updates are averaged over workers (not for add)
   float learning_rate = 0;
-  // sgd: momentum m; 1 - dampening; nesterov; the first step with the
-  // momentum buffer (torch sets b = g then). damped_momentum: m.
+  // sgd: momentum m (with_momentum: m != 0); 1 - dampening; nesterov; the
+  // first step with the momentum buffer (torch sets b = g then).
+  // damped_momentum: m.
   float momentum = 0;
+  bool with_momentum = false;
   float one_minus_dampening = 1;
   bool nesterov = false;
   bool first_step = false;
   // sgd, adam: g += weight_decay w. adamw: w *= decay_factor = 1 - lr wd.
+  // with_decay: weight_decay != 0. The rule's choices are flags, not
+  // comparisons of values, so that a loop can fix them (the CPU backend
+  // compiles one branch-free loop per combination).
   float weight_decay = 0;
+  bool with_decay = false;
   float decay_factor = 1;
   // adam, adamw (torch's order of operations):
   //   m = lerp(m, g, 1 - beta1); v = v beta2 + (1 - beta2) g g;
@@ -71,10 +77,12 @@ inline UpdateStep MakeUpdateStep(const UpdateRuleConfig& rule, int num_workers, 
   out.inv_workers = 1.0f / static_cast<float>(num_workers > 0 ? num_workers : 1);
   out.learning_rate = rule.learning_rate;
   out.momentum = rule.momentum;
+  out.with_momentum = rule.momentum != 0.0f;
   out.one_minus_dampening = static_cast<float>(1.0 - static_cast<double>(rule.dampening));
   out.nesterov = rule.nesterov;
   out.first_step = step <= 1;
   out.weight_decay = rule.weight_decay;
+  out.with_decay = rule.weight_decay != 0.0f;
   const double lr = rule.learning_rate;
   if (rule.kind == UpdateRuleKind::kAdamW) {
     out.decay_factor = static_cast<float>(1.0 - lr * static_cast<double>(rule.weight_decay));
@@ -105,8 +113,8 @@ MLT_HOST_DEVICE inline void UpdateValue(const UpdateStep& s, float* params, floa
       return;
     case UpdateRuleKind::kSgd: {  // torch.optim.SGD
       float g = update_sum[i] * s.inv_workers;
-      if (s.weight_decay != 0.0f) g = g + s.weight_decay * params[i];
-      if (s.momentum != 0.0f) {
+      if (s.with_decay) g = g + s.weight_decay * params[i];
+      if (s.with_momentum) {
         const float b = s.first_step ? g : s.momentum * state[i] + s.one_minus_dampening * g;
         state[i] = b;
         g = s.nesterov ? g + s.momentum * b : b;
@@ -125,7 +133,7 @@ MLT_HOST_DEVICE inline void UpdateValue(const UpdateStep& s, float* params, floa
     case UpdateRuleKind::kAdamW: {  // torch.optim.Adam / AdamW
       float g = update_sum[i] * s.inv_workers;
       float w = params[i];
-      if (s.weight_decay != 0.0f) {
+      if (s.with_decay) {
         if (s.kind == UpdateRuleKind::kAdamW) {
           w = w * s.decay_factor;
         } else {

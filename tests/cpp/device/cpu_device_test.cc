@@ -1,14 +1,17 @@
 // CpuDevice: the Device contract (device_contract.h, shared with the CUDA
 // backend), then CPU-specific checks against a naive per-element reference.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <memory>
 #include <random>
 #include <vector>
 
 #include "device/device_contract.h"
 #include "mltuner/device.h"
+#include "mltuner/update_step.h"
 #include "test_util.h"
 
 namespace mltuner {
@@ -222,6 +225,63 @@ TEST(ScatterAddMatchesReference) {
       EXPECT_TRUE(std::vector<float>(dst.data, dst.data + dst.count) == want);
       device->ReleaseIndex(&index);
     }
+  }
+}
+
+
+// The vectorized rule loops (one per combination of the step's flags) give
+// the bits of UpdateValue applied value by value, for every rule and
+// combination, lengths that leave a remainder past the vector width, a
+// state stride past the count (a part's slice of the state), and values
+// that are NaN, infinite, signed zeros or subnormal.
+TEST(ApplyUpdateMatchesUpdateValueForEveryChoice) {
+  auto device = NewCpuDevice();
+  std::mt19937_64 rng(5);
+  const float specials[] = {std::nanf(""), INFINITY, -INFINITY, 0.0f, -0.0f, 1e-40f, -3.0f};
+  const auto values = [&](int64_t n) {
+    std::vector<float> out(static_cast<size_t>(n));
+    std::uniform_real_distribution<float> real(-2.0f, 2.0f);
+    for (float& v : out) v = real(rng);
+    for (size_t i = 0; i < std::size(specials) && 7 * i < out.size(); ++i) out[7 * i] = specials[i];
+    return out;
+  };
+  int cases = 0;
+  for (UpdateRuleKind kind : {UpdateRuleKind::kAdd, UpdateRuleKind::kSgd, UpdateRuleKind::kDampedMomentum,
+                              UpdateRuleKind::kAdam, UpdateRuleKind::kAdamW}) {
+    for (int choice = 0; choice < 16; ++choice) {
+      UpdateRuleConfig rule;
+      rule.kind = kind;
+      rule.learning_rate = 0.03f;
+      rule.weight_decay = (choice & 1) ? 0.01f : 0.0f;
+      rule.momentum = (choice & 2) ? 0.9f : 0.0f;
+      rule.nesterov = (choice & 4) != 0 && rule.momentum != 0.0f;
+      rule.dampening = rule.nesterov ? 0.0f : 0.1f;
+      rule.amsgrad = (choice & 8) != 0;
+      for (int64_t step_number : {1, 4}) {
+        const UpdateStep step = MakeUpdateStep(rule, 3, step_number);
+        for (int64_t count : {1, 5, 67}) {
+          const int64_t stride = count + 3;
+          const std::vector<float> params = values(count), sum = values(count), state = values(3 * stride);
+          std::vector<float> want_params = params, want_state = state, got_params = params, got_state = state;
+          for (int64_t i = 0; i < count; ++i) UpdateValue(step, want_params.data(), want_state.data(), sum.data(), stride, i);
+          device->ApplyUpdate(step, got_params.data(), got_state.data(), sum.data(), count, stride, Stream::kServer);
+          EXPECT_TRUE(std::memcmp(got_params.data(), want_params.data(), params.size() * sizeof(float)) == 0);
+          EXPECT_TRUE(std::memcmp(got_state.data(), want_state.data(), state.size() * sizeof(float)) == 0);
+          ++cases;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(cases, 5 * 16 * 2 * 3);
+}
+
+TEST(FillWritesEveryValueAndTheSignOfZero) {
+  auto device = NewCpuDevice();
+  for (float value : {0.0f, -0.0f, 1.5f}) {
+    std::vector<float> dst(37, 7.0f);
+    device->Fill(dst.data(), value, 36, Stream::kServer);
+    for (size_t i = 0; i < 36; ++i) EXPECT_TRUE(std::memcmp(&dst[i], &value, sizeof(float)) == 0);
+    EXPECT_EQ(dst[36], 7.0f);  // nothing past the count
   }
 }
 

@@ -2,6 +2,7 @@
 // operation runs synchronously on the calling thread, so streams impose no
 // ordering beyond program order and Synchronize has nothing to wait for.
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -47,15 +48,45 @@ Status AlignedAllocate(size_t bytes, const char* what, void** out) {
 // count GCC can vectorise even under -O2's "very cheap" cost model (no
 // epilogue or alias check needed: __restrict promises no overlap), and a
 // 64-byte block matches a cache line.
-// One rule's loop: with the kind a constant, the compiler drops
-// UpdateValue's per-value switch and vectorizes the element-wise arithmetic
-// (each value's operations are the same in a vector lane: same bits).
-template <UpdateRuleKind Kind>
+// One rule's loop for one combination of its choices: with the kind and
+// the flags constants, UpdateValue has no branch left, and the compiler
+// vectorizes the element-wise arithmetic (each value's operations are the
+// same in a vector lane: same bits). This file is built with
+// -fno-math-errno, so that Adam's sqrtf is the instruction, not a call that
+// may set errno. Before: 10 MiB of values took 1.5 ms with sgd and momentum
+// and 6.8 ms with Adam on one core, 5 and 22x the time of "add".
+template <UpdateRuleKind Kind, bool Decay, bool Momentum, bool Nesterov, bool FirstStep, bool Amsgrad>
+void ApplyRuleLoop(const UpdateStep& step, float* __restrict params, float* __restrict state,
+                   const float* __restrict update_sum, int64_t count, int64_t stride) {
+  UpdateStep fixed = step;
+  fixed.kind = Kind;
+  fixed.with_decay = Decay;
+  fixed.with_momentum = Momentum;
+  fixed.nesterov = Nesterov;
+  fixed.first_step = FirstStep;
+  fixed.amsgrad = Amsgrad;
+  for (int64_t i = 0; i < count; ++i) UpdateValue(fixed, params, state, update_sum, stride, i);
+}
+
+// Picks the loop of `step`'s choices, one flag at a time: F... are the flags
+// fixed so far, in ApplyRuleLoop's order. Flags a kind never reads are
+// fixed false, so each kind compiles only the loops it can use.
+template <UpdateRuleKind Kind, bool... F>
 void ApplyRule(const UpdateStep& step, float* params, float* state, const float* update_sum, int64_t count,
                int64_t stride) {
-  UpdateStep constant = step;
-  constant.kind = Kind;
-  for (int64_t i = 0; i < count; ++i) UpdateValue(constant, params, state, update_sum, stride, i);
+  constexpr size_t kFixed = sizeof...(F);
+  if constexpr (kFixed == 5) {
+    ApplyRuleLoop<Kind, F...>(step, params, state, update_sum, count, stride);
+  } else {
+    constexpr bool sgd = Kind == UpdateRuleKind::kSgd;
+    constexpr bool adam = Kind == UpdateRuleKind::kAdam || Kind == UpdateRuleKind::kAdamW;
+    constexpr bool kRead[5] = {sgd || adam, sgd, sgd, sgd, adam};  // decay, momentum, nesterov, first, amsgrad
+    const bool flags[5] = {step.with_decay, step.with_momentum, step.nesterov, step.first_step, step.amsgrad};
+    if constexpr (kRead[kFixed]) {
+      if (flags[kFixed]) return ApplyRule<Kind, F..., true>(step, params, state, update_sum, count, stride);
+    }
+    ApplyRule<Kind, F..., false>(step, params, state, update_sum, count, stride);
+  }
 }
 
 void AddFloats(float* __restrict dst, const float* __restrict src, int64_t n) {
@@ -195,7 +226,15 @@ class CpuDevice final : public Device {
     }
   }
 
-  void Fill(float* dst, float value, size_t count, Stream) override { std::fill_n(dst, count, value); }
+  void Fill(float* dst, float value, size_t count, Stream) override {
+    // +0.0f is all zero bytes: memset is twice as fast as the float loop
+    // (the zeroed update buffer of every clock).
+    if (value == 0.0f && !std::signbit(value)) {
+      if (count > 0) std::memset(dst, 0, count * sizeof(float));
+    } else {
+      std::fill_n(dst, count, value);
+    }
+  }
   Status Synchronize(Stream) override { return Status::Ok(); }
   Status TakeError() override { return Status::Ok(); }
   // Application work on the CPU is done by the time it calls a post.

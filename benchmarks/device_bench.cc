@@ -1,8 +1,9 @@
-// device_bench: the CPU backend's Gather and ScatterAdd kernels, timed
-// against std::memcpy and a plain "a += b" loop over the same bytes in the
-// same run. No Python, no engine threads: just Device calls over prebuilt
-// RunIndex lists, the way the allocator (reads) and the reclaimer (updates)
-// issue them.
+// device_bench: the CPU backend's Gather and ScatterAdd kernels and its
+// update rules (ApplyUpdate), timed against std::memcpy and a plain
+// "a += b" loop over the same bytes in the same run. No Python, no engine
+// threads: just Device calls over prebuilt RunIndex lists, the way the
+// allocator (reads) and the reclaimer (updates) issue them, and the rule
+// steps a shard takes (once per table size, at the first width).
 //
 // For each table size and row width three index shapes are timed:
 //   layers    one run per "layer": the rows cut into 20 equal blocks, taken
@@ -38,6 +39,7 @@
 
 #include "index_shapes.h"
 #include "mltuner/device.h"
+#include "mltuner/update_step.h"
 
 #ifdef MLTUNER_WITH_CUDA
 #include "cuda_bench.h"
@@ -201,6 +203,8 @@ int main(int argc, char** argv) {
       const double payload = static_cast<double>(floats) * sizeof(float);
       float* table = AllocFloats(device.get(), floats, 1.0f);   // cache values / update log
       float* buffer = AllocFloats(device.get(), floats, 0.5f);  // the access buffer
+      const bool rules = width == widths.front();
+      float* state = rules ? AllocFloats(device.get(), 2 * floats, 0.0f) : nullptr;  // a rule's arrays
 
       const mltuner_bench::IndexShapes shapes = mltuner_bench::MakeIndexShapes(num_rows, kLayers, rng);
       std::vector<RunIndex> gathers(shapes.size()), scatters(shapes.size());
@@ -233,6 +237,24 @@ int main(int argc, char** argv) {
                            (void)device->Synchronize(Stream::kWriteback);
                          }});
       }
+      // A shard's step of each rule over the table (buffer = the summed
+      // update); passes = arrays read + arrays written.
+      struct RuleCase { const char* name; mltuner::UpdateRuleKind kind; float momentum; double passes; };
+      const RuleCase rule_cases[] = {{"add", mltuner::UpdateRuleKind::kAdd, 0, 3},
+                                     {"sgd+mom", mltuner::UpdateRuleKind::kSgd, 0.9f, 5},
+                                     {"damped", mltuner::UpdateRuleKind::kDampedMomentum, 0.9f, 5},
+                                     {"adam", mltuner::UpdateRuleKind::kAdam, 0, 7}};
+      for (const RuleCase& rc : rule_cases) {
+        if (!rules) break;
+        mltuner::UpdateRuleConfig config;
+        config.kind = rc.kind;
+        config.learning_rate = 1e-4f;
+        config.momentum = rc.momentum;
+        const mltuner::UpdateStep step = mltuner::MakeUpdateStep(config, 2, 3);
+        cases.push_back({"rule", rc.name, 1, rc.passes, [&, step] {
+                           device->ApplyUpdate(step, table, state, buffer, floats, floats, Stream::kServer);
+                         }});
+      }
       std::vector<double> best = BestSecondsRoundRobin(cases, min_time);
       const double t_memcpy = best[0], t_add = best[1];
       for (size_t c = 0; c < cases.size(); ++c) {
@@ -248,6 +270,7 @@ int main(int argc, char** argv) {
       }
       device->Free(table);
       device->Free(buffer);
+      if (state != nullptr) device->Free(state);
     }
   }
 
@@ -259,6 +282,8 @@ int main(int argc, char** argv) {
       "  x memcpy     = memcpy time / op time for the same payload (= ratio of payload GB/s).\n"
       "  x memcpy(mv) = ratio of moved GB/s to memcpy's moved GB/s (scatter-add: 1.5 x the payload ratio).\n"
       "  x a+=b       = a+=b loop time / op time for the same payload.\n"
+      "  rule rows    = one server step of the rule over the table (ApplyUpdate), at the first width only;\n"
+      "                 moved = arrays read + written (add 3, sgd with momentum and damped momentum 5, adam 7).\n"
       "  Times are the best of >= 3 calls (>= %.2f s per figure), single thread.\n",
       min_time);
   std::printf("%-11s %-9s %6s %5s %8s %9s %8s %8s %8s %8s %7s\n", "op", "index", "MB", "width", "runs", "ms",

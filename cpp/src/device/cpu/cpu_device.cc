@@ -44,17 +44,14 @@ Status AlignedAllocate(size_t bytes, const char* what, void** out) {
   return Status::Ok();
 }
 
-// dst[i] += src[i] for n floats. The fixed 16-float inner block has a trip
-// count GCC can vectorise even under -O2's "very cheap" cost model (no
-// epilogue or alias check needed: __restrict promises no overlap), and a
-// 64-byte block matches a cache line.
 // One rule's loop for one combination of its choices: with the kind and
 // the flags constants, UpdateValue has no branch left, and the compiler
 // vectorizes the element-wise arithmetic (each value's operations are the
 // same in a vector lane: same bits). This file is built with
 // -fno-math-errno, so that Adam's sqrtf is the instruction, not a call that
-// may set errno. Before: 10 MiB of values took 1.5 ms with sgd and momentum
-// and 6.8 ms with Adam on one core, 5 and 22x the time of "add".
+// may set errno. Before, a step over 10 MiB of values took 1.9 ms with sgd
+// and momentum and 6.6 ms with Adam on one core, 7 and 24x the time of
+// "add"; now 0.67 and 1.6 ms (benchmarks/device_bench.cc, rule rows).
 template <UpdateRuleKind Kind, bool Decay, bool Momentum, bool Nesterov, bool FirstStep, bool Amsgrad>
 void ApplyRuleLoop(const UpdateStep& step, float* __restrict params, float* __restrict state,
                    const float* __restrict update_sum, int64_t count, int64_t stride) {
@@ -89,6 +86,10 @@ void ApplyRule(const UpdateStep& step, float* params, float* state, const float*
   }
 }
 
+// dst[i] += src[i] for n floats. The fixed 16-float inner block has a trip
+// count GCC can vectorise even under -O2's "very cheap" cost model (no
+// epilogue or alias check needed: __restrict promises no overlap), and a
+// 64-byte block matches a cache line.
 void AddFloats(float* __restrict dst, const float* __restrict src, int64_t n) {
   constexpr int64_t kBlock = 16;
   int64_t i = 0;

@@ -33,19 +33,14 @@ import mltuner.torch as mtorch
 from gpu_path_bench import resnet18 as vision_resnet18
 from gpu_path_bench import transformer
 from torch_loops import measure_need
+from trace_timeline import union_us
 
 LR, MOMENTUM = 0.05, 0.9  # budget_bench's rule
 
 
 def union_ms(intervals: list[tuple[float, float]]) -> float:
     """Length of the union of [start, end) intervals (microseconds in, ms out)."""
-    total, end = 0.0, float("-inf")
-    for start, stop in sorted(intervals):
-        if stop <= end:
-            continue
-        total += stop - max(start, end)
-        end = stop
-    return total / 1000
+    return union_us(intervals) / 1000
 
 
 def summarize(trace: dict[str, Any], clocks: int) -> list[str]:

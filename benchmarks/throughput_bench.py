@@ -3,8 +3,7 @@
 model, data, per-worker batch, update rule and number of workers.
 
     python benchmarks/throughput_bench.py [--device cpu|cuda] [--model cnn|resnet18] [--rule momentum|adam]
-        [--workers 1,2]
-        [--slacks 0,1] [--batch B] [--steps K] [--warmup W] [--overlap auto|step|backward] [--repeat R]
+        [--workers 1,2] [--slacks 0,1] [--batch B] [--steps K] [--warmup W] [--overlap auto|step|backward] [--repeat R]
         [--quick] [--trace DIR] [--out PATH.md] [--figures PATH.json]
 
 The runs:

@@ -263,7 +263,9 @@ TEST(ApplyUpdateMatchesUpdateValueForEveryChoice) {
           const int64_t stride = count + 3;
           const std::vector<float> params = values(count), sum = values(count), state = values(3 * stride);
           std::vector<float> want_params = params, want_state = state, got_params = params, got_state = state;
-          for (int64_t i = 0; i < count; ++i) UpdateValue(step, want_params.data(), want_state.data(), sum.data(), stride, i);
+          for (int64_t i = 0; i < count; ++i) {
+            UpdateValue(step, want_params.data(), want_state.data(), sum.data(), stride, i);
+          }
           device->ApplyUpdate(step, got_params.data(), got_state.data(), sum.data(), count, stride, Stream::kServer);
           EXPECT_TRUE(std::memcmp(got_params.data(), want_params.data(), params.size() * sizeof(float)) == 0);
           EXPECT_TRUE(std::memcmp(got_state.data(), want_state.data(), state.size() * sizeof(float)) == 0);

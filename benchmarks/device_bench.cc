@@ -245,7 +245,7 @@ int main(int argc, char** argv) {
                                      {"damped", mltuner::UpdateRuleKind::kDampedMomentum, 0.9f, 5},
                                      {"adam", mltuner::UpdateRuleKind::kAdam, 0, 7}};
       for (const RuleCase& rc : rule_cases) {
-        if (!rules) break;
+        if (!rules) break;  // timed once per size: at its first width
         mltuner::UpdateRuleConfig config;
         config.kind = rc.kind;
         config.learning_rate = 1e-4f;

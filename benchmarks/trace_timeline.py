@@ -109,14 +109,15 @@ def summarize(ops: Sequence[DeviceOp], starts: Sequence[float], ranks: int) -> l
         streams: list[list[tuple[str, float]]] = []
         every: list[tuple[float, float]] = []
         for rank in range(ranks):
-            intervals = [span for op in ops if op.rank == rank for span in [clip(op, start, stop)] if span]
-            every += intervals
-            busy.append(union_us(intervals))
+            intervals: list[tuple[float, float]] = []
             by_stream: dict[str, float] = collections.defaultdict(float)
             for op in ops:
                 span = clip(op, start, stop) if op.rank == rank else None
                 if span:
+                    intervals.append(span)
                     by_stream[op.stream] += span[1] - span[0]
+            every += intervals
+            busy.append(union_us(intervals))
             streams.append(sorted(by_stream.items(), key=lambda item: -item[1])[:3])
         rows.append({"clock": number, "wall_us": stop - start, "busy_us": busy, "streams": streams,
                      "idle_us": longest_idle_us(every, start, stop)})

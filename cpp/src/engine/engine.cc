@@ -95,8 +95,8 @@ Status Engine::Impl::CreateTable(const std::string& name, int64_t num_rows, int6
     info.part_bytes = config_.clock_part_bytes != kAutoClockPartBytes ? config_.clock_part_bytes
                       : device_->host_addressable()                  ? kHostClockPartBytes
                                                                      : kDeviceClockPartBytes;
+    MLT_RETURN_IF_ERROR(transport_->AddTableToShard(rank_, info));
   }
-  if (!local) MLT_RETURN_IF_ERROR(transport_->AddTableToShard(rank_, info));
   plan_.tables.push_back(info);
   *out = info.id;
   return Status::Ok();

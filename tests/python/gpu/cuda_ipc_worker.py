@@ -91,7 +91,7 @@ def _train(job: mltuner.Job, args: argparse.Namespace) -> dict:
             if args.profile:  # CUPTI sees the engine's copies and kernels too: one process, one context
                 profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                               torch.profiler.ProfilerActivity.CUDA])
-                profiler.__enter__()
+                profiler.start()
         weights = [torch.from_dlpack(worker.read(h)) for h in reads]
         for i, h in enumerate(updates):
             target = torch.from_dlpack(worker.pre_update(h))
@@ -110,7 +110,7 @@ def _train(job: mltuner.Job, args: argparse.Namespace) -> dict:
     torch.cuda.synchronize()
     seconds = (time.perf_counter() - started) / max(args.clocks - warmup, 1)
     if profiler is not None:
-        profiler.__exit__(None, None, None)
+        profiler.stop()
         args.profile.mkdir(parents=True, exist_ok=True)
         profiler.export_chrome_trace(str(args.profile / f"rank-{worker.rank}.trace.json"))
     arrays = {"final_big": worker.fetch(big), "final_small": worker.fetch(small)}

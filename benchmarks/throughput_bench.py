@@ -2,7 +2,7 @@
 (gloo on the CPU, NCCL on GPUs) and plain single-process PyTorch, on the same
 model, data, per-worker batch, update rule and number of workers.
 
-    python benchmarks/throughput_bench.py [--device cpu|cuda] [--model cnn|resnet18] [--rule momentum|adam]
+    python benchmarks/throughput_bench.py [--device cpu|cuda] [--model cnn|resnet18|transformer] [--rule momentum|adam]
         [--workers 1,2] [--slacks 0,1] [--batch B] [--steps K] [--warmup W] [--overlap auto|step|backward] [--repeat R]
         [--quick] [--trace DIR] [--out PATH.md] [--figures PATH.json]
 
@@ -17,7 +17,10 @@ The runs:
 
 Models: ``cnn`` is the MNIST-1D CNN on inputs of shape (B, 1, 40), the
 default on the CPU; ``resnet18`` is torch_bench.py's ResNet-18 on 32x32x3
-images, the default on a GPU; 10 classes, synthetic data. Every run starts
+images, the default on a GPU; ``transformer`` is a BERT-base-sized text
+classifier (a 30,522-token embedding, 12 ``nn.TransformerEncoderLayer`` of
+width 768, 256 tokens a sample, mean-pooled into a linear head; 108.5 M
+parameters, default batch 16); 10 classes, synthetic data. Every run starts
 from the same weights (seed 0); rank r trains on its own fixed batch, the
 same in every run (plain PyTorch uses rank 0's), kept on the device, so the
 figure is of the training step and its communication, not of data loading.
@@ -85,9 +88,12 @@ RULES = ("momentum", "adam")
 SEED = 0
 CLASSES = 10
 # (timed steps, warmup steps) per model, full and --quick.
-STEPS = {"cnn": (300, 30), "resnet18": (50, 10)}
-QUICK_STEPS = {"cnn": (60, 10), "resnet18": (10, 3)}
-MODEL_NAMES = {"cnn": "MNIST-1D CNN", "resnet18": "ResNet-18"}
+STEPS = {"cnn": (300, 30), "resnet18": (50, 10), "transformer": (30, 10)}
+QUICK_STEPS = {"cnn": (60, 10), "resnet18": (10, 3), "transformer": (5, 2)}
+MODEL_NAMES = {"cnn": "MNIST-1D CNN", "resnet18": "ResNet-18", "transformer": "Transformer encoder 12 x 768"}
+BATCH = {"cnn": 128, "resnet18": 128, "transformer": 16}  # per worker, when --batch is not given
+# The transformer: BERT-base's sizes (vocabulary, layers, width, heads) at 256 tokens a sample.
+VOCABULARY, LAYERS, WIDTH, HEADS, TOKENS = 30522, 12, 768, 12, 256
 TRACE_STEPS = 10
 
 
@@ -143,14 +149,35 @@ def build_model(name: str) -> nn.Module:
         from mltuner.apps._cnn import mnist1d_cnn
 
         return mnist1d_cnn(40, CLASSES)
+    if name == "transformer":
+        return TextClassifier()
     return resnet18(num_classes=CLASSES)
+
+
+class TextClassifier(nn.Module):
+    """Token embedding, TransformerEncoder layers (feed-forward 4x, no
+    dropout, so that every run computes the same), mean over the tokens,
+    a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCABULARY, WIDTH)
+        self.encoder = nn.Sequential(*[nn.TransformerEncoderLayer(
+            d_model=WIDTH, nhead=HEADS, dim_feedforward=4 * WIDTH, dropout=0.0, batch_first=True)
+            for _ in range(LAYERS)])
+        self.head = nn.Linear(WIDTH, CLASSES)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(tokens)).mean(dim=1))
 
 
 def make_batch(run: Run, rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank ``rank``'s fixed batch: the same in every run."""
     generator = torch.Generator().manual_seed(1000 * SEED + rank)
-    shape = (run.batch, 1, 40) if run.model == "cnn" else (run.batch, 3, 32, 32)
-    x = torch.randn(*shape, generator=generator)
+    if run.model == "transformer":
+        x = torch.randint(0, VOCABULARY, (run.batch, TOKENS), generator=generator)
+    else:
+        x = torch.randn(*((run.batch, 1, 40) if run.model == "cnn" else (run.batch, 3, 32, 32)), generator=generator)
     y = torch.randint(0, CLASSES, (run.batch,), generator=generator)
     return x.to(device), y.to(device)
 
@@ -313,20 +340,23 @@ def mltuner_worker(run: Run) -> Optional[dict[str, Any]]:
             return loss
 
         stall_before = 0.0
+        traffic_before: dict[str, int] = {}
 
         def barrier() -> None:
-            nonlocal stall_before
+            nonlocal stall_before, traffic_before
             job.barrier("timed")
             stall_before = job.worker.stats["stall_seconds"]
+            traffic_before = job.transport_stats
 
         elapsed, loss = timed_steps(step, run, device, barrier, job.rank)
         stall_s = job.worker.stats["stall_seconds"] - stall_before
+        traffic = {k: v - traffic_before.get(k, 0) for k, v in job.transport_stats.items()}
         gathered = job.allgather("elapsed", [elapsed, stall_s])
         job.worker.sync()  # every update applied before the job closes
     if job.rank != 0:
         return None
     return {"elapsed_s": [g[0] for g in gathered], "stall_s": [g[1] for g in gathered], "loss": loss,
-            "batch": run.batch, "steps": run.steps, "params": params}
+            "batch": run.batch, "steps": run.steps, "params": params, "traffic": traffic}
 
 
 def worker_main(spec: str, result: str) -> int:
@@ -367,12 +397,24 @@ def measure(run: Run, params: int, timeout_s: float) -> Outcome:
     outcome = Outcome(run, run.workers * run.batch * run.steps / slowest, result["loss"])
     if "stall_s" in result:
         outcome.note = f"stall {max(result['stall_s']) / run.steps * 1e3:.2f} ms/clock (slowest rank)"
+    if run.workers > 1 and result.get("traffic"):
+        outcome.note += "; " + traffic_note(result["traffic"], run.steps)
     if run.workers > 1:
         spread = min(result["elapsed_s"]) / slowest
         outcome.note = "; ".join(filter(None, [outcome.note, f"fastest rank {spread:.2f} of slowest's time"]))
     print(f"{run.label}: {outcome.samples_per_s:.0f} samples/s, loss {outcome.loss:.3f} "
           f"({time.perf_counter() - started:.1f} s)", flush=True)
     return outcome
+
+
+def traffic_note(traffic: dict[str, int], clocks: int) -> str:
+    """Rank 0's payload bytes a timed clock, by path: what crossed by CUDA
+    IPC and what went through the socket (device payloads through host
+    frames among them)."""
+    def mb(name: str) -> str:
+        return f"{traffic.get(name, 0) / clocks / 1e6:.2f}"
+    return (f"rank 0 a clock: CUDA IPC {mb('cuda_ipc_sent_bytes')} MB out, socket {mb('socket_payload_bytes')} MB out "
+            f"({mb('device_payload_bytes_by_host')} MB of device rows by host)")
 
 
 def median_outcome(outcomes: list[Outcome]) -> Outcome:
@@ -554,7 +596,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--workers", type=numbers, default=[1, 2],
                         help="numbers of workers, comma-separated (1 is always run: the scaling baseline)")
     parser.add_argument("--slacks", type=numbers, default=[0, 1], help="mltuner's slacks for N >= 2 workers")
-    parser.add_argument("--batch", type=int, default=128, help="per worker")
+    parser.add_argument("--batch", type=int, default=None, help="per worker (default by model: 128; transformer 16)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default by model; fewer with --quick)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first")
     parser.add_argument("--overlap", choices=["auto", "step", "backward"], default="auto",
@@ -579,6 +621,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         parser.error("--device cuda: torch and the engine (built with CUDA) must both see a GPU")
     args.model = args.model or ("resnet18" if args.device == "cuda" else "cnn")
     steps, warmup = (QUICK_STEPS if args.quick else STEPS)[args.model]
+    args.batch = BATCH[args.model] if args.batch is None else args.batch
     args.steps = steps if args.steps is None else args.steps
     args.warmup = warmup if args.warmup is None else args.warmup
     args.timeout = args.timeout or (120.0 if args.quick else 300.0)

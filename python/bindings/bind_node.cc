@@ -228,12 +228,14 @@ void RegisterNode(py::module_& m) {
             out["fallbacks"] = stats.fallbacks;
             out["received_messages"] = stats.received_messages;
             out["received_bytes"] = stats.received_bytes;
+            out["copied_out_messages"] = stats.copied_out_messages;
+            out["copied_out_bytes"] = stats.copied_out_bytes;
             out["releases_sent"] = stats.releases_sent;
             out["releases_received"] = stats.releases_received;
             return out;
           },
           "CUDA IPC traffic so far: payloads and bytes sent and received device -> device, fallbacks to "
-          "host frames (a full slice), releases sent and received.")
+          "host frames (a full slice), payloads copied out of a crowded slice on landing, releases sent and received.")
       .def_property_readonly("socket_payload_bytes", &ProcessNode::socket_payload_bytes,
                              "Payload bytes sent to other processes through the socket.")
       .def_property_readonly("device_payload_bytes_by_host", &ProcessNode::device_payload_bytes_by_host,

@@ -51,6 +51,8 @@ struct IpcStats {
                                   //   and went through a host frame instead
   int64_t received_messages = 0;  // payloads that landed in this process's region
   int64_t received_bytes = 0;
+  int64_t copied_out_messages = 0;  // of those, copied out of a slice more than half held
+  int64_t copied_out_bytes = 0;
   int64_t releases_sent = 0;      // landed payloads handed back to their senders
   int64_t releases_received = 0;
 };

@@ -11,7 +11,7 @@ struct IpcLinks::Receiving {
   Mutex mu;
   std::vector<std::unique_ptr<ByteRanges>> ranges GUARDED_BY(mu);  // per sender: its slice of my region
   PostRelease post GUARDED_BY(mu);                                 // null once stopped
-  IpcStats stats GUARDED_BY(mu);  // received_* and releases_sent
+  IpcStats stats GUARDED_BY(mu);  // received_*, copied_out_* and releases_sent
 };
 
 IpcLinks::IpcLinks(int rank, int num_workers, std::shared_ptr<Device> device)
@@ -48,6 +48,8 @@ Status IpcLinks::Export(size_t slice_bytes, std::string* handle) {
     }
   }
   slice_bytes_ = slice_bytes;
+  copies_ = std::make_shared<DeviceBufferPool>(device_, 0);
+  copies_->set_idle_bound_to_peak(true);  // a clock's copies stay for the next: no allocation in the steady state
   *handle = ipc->handle();
   ipc_ = std::move(ipc);
   return Status::Ok();
@@ -193,9 +195,12 @@ Status IpcLinks::Land(const IpcEnvelope& notice, std::shared_ptr<DeviceBuffer>* 
     return Status::CorruptMessage(from + " names copy event " + std::to_string(span.event) + " of " +
                                   std::to_string(DeviceIpc::kCopyEvents));
   }
+  bool crowded = false;
   {
     MutexLock lock(&receiving_->mu);
-    MLT_RETURN_IF_ERROR(receiving_->ranges[sender]->Claim(span.offset, span.bytes).WithContext(from));
+    ByteRanges& ranges = *receiving_->ranges[sender];
+    MLT_RETURN_IF_ERROR(ranges.Claim(span.offset, span.bytes).WithContext(from));
+    crowded = ranges.used_bytes() > ranges.capacity() / 2;
   }
   DeviceEvent ready;
   const Status waited = ipc_->PeerWrites(sender, static_cast<int>(span.event), &ready);
@@ -222,10 +227,40 @@ Status IpcLinks::Land(const IpcEnvelope& notice, std::shared_ptr<DeviceBuffer>* 
     ++alive->stats.releases_sent;
     alive->post(sender, EncodeIpcRelease(rank, sender, span), std::move(owned->last_use));
   });
+  const bool copied = crowded && CopyOut(out);
   MutexLock lock(&receiving_->mu);
   ++receiving_->stats.received_messages;
   receiving_->stats.received_bytes += static_cast<int64_t>(span.bytes);
+  if (copied) {
+    ++receiving_->stats.copied_out_messages;
+    receiving_->stats.copied_out_bytes += static_cast<int64_t>(span.bytes);
+  }
   return Status::Ok();
+}
+
+// A payload's consumer may hold it for most of a clock (a shard waits for
+// every worker's part, an installer for the reads of the rows it replaces).
+// Held in place, the payloads of a model larger than the slice fill it, and
+// the sender's next ones wait and then take the host path, tens of
+// milliseconds each. A copy into pooled device memory (one pass at the
+// device's bandwidth) lets the range go back as soon as it is done. A copy
+// that cannot be made leaves the payload where it landed.
+bool IpcLinks::CopyOut(std::shared_ptr<DeviceBuffer>* landed) {
+  DeviceBuffer& source = **landed;
+  std::shared_ptr<DeviceBuffer> copy;
+  if (!copies_->Acquire(source.count, Stream::kReceive, &copy).ok() ||
+      !device_->WaitEvent(Stream::kReceive, source.ready).ok()) {
+    return false;
+  }
+  device_->CopyDeviceToDevice(copy->data, source.data, source.count * sizeof(float), Stream::kReceive);
+  if (!device_->RecordEvent(Stream::kReceive, &copy->ready).ok()) {
+    // No ticket for the copy: wait for it here, so that the range goes
+    // back only once it has been read.
+    if (!device_->Synchronize(Stream::kReceive).ok()) return false;
+  }
+  source.last_use = copy->ready;  // the release leaves once the copy has read the range
+  *landed = std::move(copy);
+  return true;
 }
 
 Status IpcLinks::WaitDone(const DeviceEvent& event, int64_t timeout_ms) {
@@ -252,6 +287,8 @@ IpcStats IpcLinks::stats() const {
   MutexLock lock(&receiving_->mu);
   out.received_messages = receiving_->stats.received_messages;
   out.received_bytes = receiving_->stats.received_bytes;
+  out.copied_out_messages = receiving_->stats.copied_out_messages;
+  out.copied_out_bytes = receiving_->stats.copied_out_bytes;
   out.releases_sent = receiving_->stats.releases_sent;
   return out;
 }

@@ -12,7 +12,10 @@
 // and event. The receiver checks the notice's range against the sender's
 // slice (outside it, or over bytes still in use: refused as corrupt, never
 // read), makes its stream wait on the sender's event, and hands the bytes
-// on as a read-only device buffer. When that buffer's last reader lets go,
+// on as a read-only device buffer, or, when the sender's slice is more
+// than half held, as a copy in pooled device memory, the range released
+// once the copy is done (a shard may hold an update for most of a clock).
+// When that buffer's last reader lets go,
 // a release goes back (once the reads' ticket completes: the send thread
 // holds it until then, up to the wait timeout, and sends what queued behind
 // it meanwhile, except to a peer on its own device, SharesDeviceWith) and
@@ -95,7 +98,9 @@ class IpcLinks {
   Status OnRelease(const IpcEnvelope& release);
   // Receiver: checks a notice's span against its sender's slice and claims
   // it; *out: a read-only buffer over the landed bytes, ready once the
-  // sender's copy is. kCorruptMessage naming the problem otherwise.
+  // sender's copy is, or, when more than half of the sender's slice is
+  // held, a copy of them in pooled device memory (the range goes back once
+  // the copy is done). kCorruptMessage naming the problem otherwise.
   Status Land(const IpcEnvelope& notice, std::shared_ptr<DeviceBuffer>* out);
   // Whether ticket `event` is complete (no wait).
   Status IsDone(const DeviceEvent& event, bool* done);
@@ -117,12 +122,16 @@ class IpcLinks {
   // The copy event for the next payload: the first unused one from
   // next_event_ on, or next_event_ itself when every one is in use.
   int TakeEvent() REQUIRES(send_mu_);
+  // Replaces a landed buffer by a copy in copies_ (see Land); false, and
+  // nothing changed, when the copy cannot be queued.
+  bool CopyOut(std::shared_ptr<DeviceBuffer>* landed);
 
   const int rank_;
   const int num_workers_;
   const std::shared_ptr<Device> device_;
   std::unique_ptr<DeviceIpc> ipc_;       // set by Export
   size_t slice_bytes_ = 0;               // of this process's region
+  std::shared_ptr<DeviceBufferPool> copies_;  // set by Export: payloads copied out of a crowded slice
   std::vector<size_t> peer_slice_bytes_;  // of each opened peer's region; 0: not open
   std::unique_ptr<std::atomic<bool>[]> enabled_;
   mutable Mutex send_mu_;  // the copy and its event record, in one order

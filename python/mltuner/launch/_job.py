@@ -119,7 +119,8 @@ class Job:
             for payloads landing by CUDA IPC (outside the engine's budget);
             a payload that does not fit beside those in flight goes by host
             frames. ``None``: ``MLTUNER_CUDA_IPC_SLICE_BYTES``, by default
-            256 MiB.
+            2 GiB shared by the peers, at least 256 MiB each (a slice holds
+            a clock of a model up to about 1 GiB on two processes).
 
     Attributes:
         worker: the access API (:class:`mltuner.Worker`).
@@ -350,7 +351,8 @@ class Job:
                                      security)
         control, card_control = self._bind("control", MAX_SIGNAL_BYTES, CONTROL_IO_THREAD, CONTROL_RECEIVE_QUEUE,
                                            security)
-        cuda_ipc, no_cuda_ipc = _cuda_ipc.export(self._node, self.config.device, self._cuda_ipc, self._cuda_ipc_slice)
+        cuda_ipc, no_cuda_ipc = _cuda_ipc.export(self._node, self.config.device, self._cuda_ipc,
+                                                   _cuda_ipc.slice_bytes_for(self._cuda_ipc_slice, self.world_size - 1))
         card = Card(host=host_identity(), tcp={"data": card_data[0], "control": card_control[0]},
                     ipc={name: ipc for name, ipc in (("data", card_data[1]), ("control", card_control[1])) if ipc},
                     cuda_ipc=cuda_ipc)

@@ -367,6 +367,31 @@ TEST(PayloadsThatDoNotFitTheSliceFallBackToHostFrames) {
   }
 }
 
+// A slice more than half held copies each payload landing in it out to
+// pooled device memory and gives the range back at once; payloads that find
+// room stay in place. 1,024 bytes: table a's update slice (560 bytes) is
+// more than half of it on its own.
+TEST(PayloadsLandingInACrowdedSliceAreCopiedOut) {
+  const Config config = TestConfig();
+  constexpr int kClocks = 8;
+  std::vector<float> local[2];
+  testing::TrainInOneProcess(config, kClocks, local);
+  for (const DeviceFactory& make_device : {DeviceFactory(MakeHostIpcDevice), DeviceFactory(MakeGpuLikeIpcDevice)}) {
+    testing::TwoNodeRun remote;
+    testing::TrainInTwoProcesses(config, make_device, kClocks, &remote, {}, false, false, LinkBoth(1024));
+    EXPECT_EQ(remote.refused, 0);
+    EXPECT_EQ(remote.rejected, 0);
+    for (int rank = 0; rank < 2; ++rank) {
+      testing::ExpectSameBits(remote.values[rank], local[rank]);
+      const IpcStats& ipc = remote.ipc[rank];
+      EXPECT_TRUE(ipc.copied_out_messages > 0);
+      EXPECT_TRUE(ipc.copied_out_messages < ipc.received_messages);  // table b's alone fit in place
+      EXPECT_TRUE(ipc.copied_out_bytes > 0 && ipc.copied_out_bytes < ipc.received_bytes);
+      EXPECT_EQ(ipc.sent_bytes, remote.ipc[1 - rank].received_bytes);
+    }
+  }
+}
+
 TEST(MalformedNoticesAndReleasesAreRefusedNeverRead) {
   std::unique_ptr<ProcessNode> nodes[2];
   for (int rank = 0; rank < 2; ++rank) {

@@ -48,7 +48,11 @@ def test_settings_come_from_the_argument_then_the_environment() -> None:
     assert _cuda_ipc.cuda_ipc_wanted(False, {"MLTUNER_CUDA_IPC": "1"}) is False
     with pytest.raises(InvalidArgumentError, match="MLTUNER_CUDA_IPC"):
         _cuda_ipc.cuda_ipc_wanted(None, {"MLTUNER_CUDA_IPC": "maybe"})
-    assert _cuda_ipc.slice_bytes_setting(None, {}) == _cuda_ipc.DEFAULT_SLICE_BYTES
+    assert _cuda_ipc.slice_bytes_setting(None, {}) is None  # automatic: by the number of peers
+    assert _cuda_ipc.slice_bytes_for(None, 1) == 2 << 30
+    assert _cuda_ipc.slice_bytes_for(None, 3) == 715_827_968  # 2 GiB / 3, up to 256-byte units
+    assert _cuda_ipc.slice_bytes_for(None, 15) == 256 << 20  # never below 256 MiB
+    assert _cuda_ipc.slice_bytes_for(4096, 3) == 4096
     assert _cuda_ipc.slice_bytes_setting(None, {"MLTUNER_CUDA_IPC_SLICE_BYTES": "1000"}) == 1024  # 256-byte units
     assert _cuda_ipc.slice_bytes_setting(4096, {"MLTUNER_CUDA_IPC_SLICE_BYTES": "1"}) == 4096
     for bad in (0, -1, True, 1 << 41):

@@ -13,7 +13,8 @@ benchmarks/, with more options and tables):
   transport   per-clock updates and fresh rows between processes vs raw pyzmq
   torch       the PyTorch adapter vs plain PyTorch, 1 worker; budget 1/4
   throughput  mltuner on N workers vs DDP (gloo on CPU, NCCL on GPU) and
-              1 worker vs plain PyTorch
+              1 worker vs plain PyTorch; with --gpu also throughput-transformer,
+              a BERT-base-sized encoder with Adam
   stragglers  time to accuracy with one slowed worker, slack 0..7 vs DDP
   tuning      MLtuner vs the best fixed setting, Optuna TPE and Hyperband,
               time to accuracy over seeds (median and spread)
@@ -108,6 +109,9 @@ def plan(quick: bool, gpu: bool, long: bool = False) -> list[Step]:
                                                   "128", "--steps", "30"], 400, True),
             Step("throughput", "throughput_bench.py", ["--out", "{dir}/throughput.md", "--device", "cuda"]
                  + (["--quick"] if quick else []), 600, True),
+            Step("throughput-transformer", "throughput_bench.py",
+                 ["--out", "{dir}/throughput-transformer.md", "--device", "cuda", "--model", "transformer", "--rule",
+                  "adam"] + (["--quick"] if quick else []), 600, True),
             Step("gpu-path", "gpu_path_bench.py", ["--out", "{dir}/gpu-path.md", "--steps", "20" if quick else "50"],
                  600, True),
         ]

@@ -152,7 +152,8 @@ class Job:
         if cuda_ipc is not None:
             boolean("Job: cuda_ipc", cuda_ipc)
         self._cuda_ipc = _cuda_ipc.cuda_ipc_wanted(cuda_ipc)
-        self._cuda_ipc_slice = _cuda_ipc.slice_bytes_setting(cuda_ipc_slice_bytes)
+        self._cuda_ipc_slice_asked = _cuda_ipc.slice_bytes_setting(cuda_ipc_slice_bytes)
+        self._cuda_ipc_slice = 0  # chosen at the rendezvous
         self._max_message_bytes = max_message_bytes
         self._max_queued_bytes = max_queued_bytes
         self.config = config or Config()
@@ -351,8 +352,8 @@ class Job:
                                      security)
         control, card_control = self._bind("control", MAX_SIGNAL_BYTES, CONTROL_IO_THREAD, CONTROL_RECEIVE_QUEUE,
                                            security)
-        cuda_ipc, no_cuda_ipc = _cuda_ipc.export(self._node, self.config.device, self._cuda_ipc,
-                                                   _cuda_ipc.slice_bytes_for(self._cuda_ipc_slice, self.world_size - 1))
+        self._cuda_ipc_slice = _cuda_ipc.slice_bytes_for(self._cuda_ipc_slice_asked, self.world_size - 1)
+        cuda_ipc, no_cuda_ipc = _cuda_ipc.export(self._node, self.config.device, self._cuda_ipc, self._cuda_ipc_slice)
         card = Card(host=host_identity(), tcp={"data": card_data[0], "control": card_control[0]},
                     ipc={name: ipc for name, ipc in (("data", card_data[1]), ("control", card_control[1])) if ipc},
                     cuda_ipc=cuda_ipc)
@@ -439,6 +440,9 @@ class Job:
             ahead = MOST_AUTO_PREFETCH_CLOCKS if self.config.prefetch_clocks is None else self.config.prefetch_clocks
             limit = max((ahead + 2) * per_clock, 2 * largest, _MIN_QUEUE_BYTES)
             self._queue_plan = (len(tables), limit)
+            advice = _cuda_ipc.slice_advice(per_clock, self._cuda_ipc_slice)
+            if advice and _cuda_ipc.CUDA_IPC in self.data_paths.values():
+                _log.warning(advice)
             self._set_node_limits(limit)
         return self._queue_plan[1]
 

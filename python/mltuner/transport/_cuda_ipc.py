@@ -30,7 +30,7 @@ from mltuner.exceptions import InvalidArgumentError, MltunerError
 from mltuner.transport._address import Card
 
 __all__ = ["DEFAULT_REGION_BYTES", "MIN_SLICE_BYTES", "cuda_ipc_wanted", "slice_bytes_setting", "slice_bytes_for",
-           "export", "connect"]
+           "slice_advice", "export", "connect"]
 
 _log = logging.getLogger("mltuner.transport")
 DEFAULT_REGION_BYTES = 2 << 30
@@ -85,6 +85,20 @@ def slice_bytes_for(setting: int | None, peers: int) -> int:
     if setting is not None:
         return setting
     return _aligned(max(MIN_SLICE_BYTES, DEFAULT_REGION_BYTES // max(peers, 1)))
+
+
+def slice_advice(per_clock_bytes: int, slice_bytes: int) -> str | None:
+    """A warning, in words, when a clock's payloads from one peer
+    (``per_clock_bytes``, from the tables) exceed the landing slice; None
+    when they fit."""
+    if per_clock_bytes <= slice_bytes:
+        return None
+    mib = 1 << 20
+    wanted = -(-per_clock_bytes // mib)
+    return (f"mltuner: a clock moves about {per_clock_bytes / mib:.0f} MiB from each peer to this process, more than "
+            f"its {slice_bytes / mib:.0f}-MiB CUDA IPC landing slice per peer: payloads that find the slice full "
+            f"wait, then go through host frames, tens of milliseconds each. Job(cuda_ipc_slice_bytes=) or "
+            f"MLTUNER_CUDA_IPC_SLICE_BYTES={wanted * mib} (device memory per peer) sets a slice that holds a clock.")
 
 
 def _aligned(nbytes: int) -> int:

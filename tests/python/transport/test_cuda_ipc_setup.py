@@ -53,6 +53,14 @@ def test_settings_come_from_the_argument_then_the_environment() -> None:
     assert _cuda_ipc.slice_bytes_for(None, 3) == 715_827_968  # 2 GiB / 3, up to 256-byte units
     assert _cuda_ipc.slice_bytes_for(None, 15) == 256 << 20  # never below 256 MiB
     assert _cuda_ipc.slice_bytes_for(4096, 3) == 4096
+
+
+def test_a_slice_smaller_than_a_clock_of_traffic_is_named_with_the_setting_that_holds_one() -> None:
+    assert _cuda_ipc.slice_advice(256 << 20, 256 << 20) is None
+    advice = _cuda_ipc.slice_advice(434_000_000, 256 << 20)
+    assert advice is not None
+    assert "about 414 MiB" in advice and "256-MiB" in advice
+    assert f"MLTUNER_CUDA_IPC_SLICE_BYTES={414 << 20}" in advice  # whole MiB, at least the clock's bytes
     assert _cuda_ipc.slice_bytes_setting(None, {"MLTUNER_CUDA_IPC_SLICE_BYTES": "1000"}) == 1024  # 256-byte units
     assert _cuda_ipc.slice_bytes_setting(4096, {"MLTUNER_CUDA_IPC_SLICE_BYTES": "1"}) == 4096
     for bad in (0, -1, True, 1 << 41):

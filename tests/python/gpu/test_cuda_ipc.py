@@ -93,6 +93,25 @@ def test_a_clock_in_parts_by_cuda_ipc_matches_whole_host_frames(tmp_path: Path) 
             np.testing.assert_array_equal(on["arrays"][name], off["arrays"][name], err_msg=f"rank {rank} {name}")
 
 
+def test_payloads_landing_in_a_crowded_slice_are_copied_out_and_still_match(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 256 KiB slice and "big" in parts of 64 KiB (eight updates and eight
+    pushes a clock each way): past half of the slice held, a payload that
+    lands is copied into pooled device memory on the receive stream and its
+    range released; the same bits as whole payloads by host frames."""
+    monkeypatch.setenv("MLTUNER_CUDA_IPC_SLICE_BYTES", str(256 << 10))
+    ipc = run_pair(tmp_path / "ipc", True, "--clocks", "8", "--part-bytes", str(64 << 10))
+    monkeypatch.delenv("MLTUNER_CUDA_IPC_SLICE_BYTES")
+    host = run_pair(tmp_path / "host", False, "--clocks", "8", "--part-bytes", "0")
+    for rank in range(2):
+        stats = ipc[rank]["stats"]
+        assert stats["cuda_ipc_copied_out_bytes"] > 0, stats
+        assert stats["cuda_ipc_copied_out_bytes"] <= stats["cuda_ipc_received_bytes"], stats
+        for name in ("seen", "final_big", "final_small"):
+            np.testing.assert_array_equal(ipc[rank]["arrays"][name], host[rank]["arrays"][name],
+                                          err_msg=f"rank {rank} {name}")
+
+
 def test_payloads_larger_than_the_slice_fall_back_and_still_match(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A 64 KiB slice: "small"'s payloads fit, "big"'s (512 KiB per shard) do not.
     monkeypatch.setenv("MLTUNER_CUDA_IPC_SLICE_BYTES", str(64 << 10))

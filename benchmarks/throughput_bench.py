@@ -216,7 +216,7 @@ def timed_steps(step: Callable[[], torch.Tensor], run: Run, device: torch.device
 def traced_steps(step: Callable[[], torch.Tensor], run: Run, device: torch.device, rank: int) -> None:
     """TRACE_STEPS more steps under torch.profiler (every thread's operators
     and CUDA calls, the engine's included), after the timed ones so that the
-    profiler does not slow what is timed: a Chrome trace and an operator
+    profiler does not slow what is timed: a gzipped Chrome trace and an operator
     table per rank in ``run.trace``."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -228,7 +228,7 @@ def traced_steps(step: Callable[[], torch.Tensor], run: Run, device: torch.devic
     folder = Path(run.trace)
     folder.mkdir(parents=True, exist_ok=True)
     name = f"{run.system}-{run.workers}w-s{run.slack}-rank{rank}"
-    profiler.export_chrome_trace(str(folder / f"{name}.json"))
+    profiler.export_chrome_trace(str(folder / f"{name}.json.gz"))  # gzipped: a transformer's is 30 MB plain
     averages = profiler.key_averages()
     tables = [averages.table(sort_by="self_cpu_time_total", row_limit=40)]
     if device.type == "cuda":
@@ -398,7 +398,7 @@ def measure(run: Run, params: int, timeout_s: float) -> Outcome:
     if "stall_s" in result:
         outcome.note = f"stall {max(result['stall_s']) / run.steps * 1e3:.2f} ms/clock (slowest rank)"
     if run.workers > 1 and result.get("traffic"):
-        outcome.note += "; " + traffic_note(result["traffic"], run.steps)
+        outcome.note += "; " + traffic_note(result["traffic"], run.steps, run.device == "cuda")
     if run.workers > 1:
         spread = min(result["elapsed_s"]) / slowest
         outcome.note = "; ".join(filter(None, [outcome.note, f"fastest rank {spread:.2f} of slowest's time"]))
@@ -407,12 +407,14 @@ def measure(run: Run, params: int, timeout_s: float) -> Outcome:
     return outcome
 
 
-def traffic_note(traffic: dict[str, int], clocks: int) -> str:
-    """Rank 0's payload bytes a timed clock, by path: what crossed by CUDA
-    IPC and what went through the socket (device payloads through host
-    frames among them)."""
+def traffic_note(traffic: dict[str, int], clocks: int, gpu: bool) -> str:
+    """Rank 0's payload bytes a timed clock, by path: what went through the
+    socket and, on GPUs, what crossed by CUDA IPC and which device payloads
+    took host frames instead."""
     def mb(name: str) -> str:
         return f"{traffic.get(name, 0) / clocks / 1e6:.2f}"
+    if not gpu:
+        return f"rank 0 a clock: socket {mb('socket_payload_bytes')} MB out"
     return (f"rank 0 a clock: CUDA IPC {mb('cuda_ipc_sent_bytes')} MB out, socket {mb('socket_payload_bytes')} MB out "
             f"({mb('device_payload_bytes_by_host')} MB of device rows by host)")
 

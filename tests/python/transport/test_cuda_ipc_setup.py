@@ -53,6 +53,13 @@ def test_settings_come_from_the_argument_then_the_environment() -> None:
     assert _cuda_ipc.slice_bytes_for(None, 3) == 715_827_968  # 2 GiB / 3, up to 256-byte units
     assert _cuda_ipc.slice_bytes_for(None, 15) == 256 << 20  # never below 256 MiB
     assert _cuda_ipc.slice_bytes_for(4096, 3) == 4096
+    assert _cuda_ipc.slice_bytes_setting(None, {"MLTUNER_CUDA_IPC_SLICE_BYTES": "1000"}) == 1024  # 256-byte units
+    assert _cuda_ipc.slice_bytes_setting(4096, {"MLTUNER_CUDA_IPC_SLICE_BYTES": "1"}) == 4096
+    for bad in (0, -1, True, 1 << 41):
+        with pytest.raises(InvalidArgumentError):
+            _cuda_ipc.slice_bytes_setting(bad, {})
+    with pytest.raises(InvalidArgumentError, match="SLICE_BYTES"):
+        _cuda_ipc.slice_bytes_setting(None, {"MLTUNER_CUDA_IPC_SLICE_BYTES": "lots"})
 
 
 def test_a_slice_smaller_than_a_clock_of_traffic_is_named_with_the_setting_that_holds_one() -> None:
@@ -61,13 +68,6 @@ def test_a_slice_smaller_than_a_clock_of_traffic_is_named_with_the_setting_that_
     assert advice is not None
     assert "about 414 MiB" in advice and "256-MiB" in advice
     assert f"MLTUNER_CUDA_IPC_SLICE_BYTES={414 << 20}" in advice  # whole MiB, at least the clock's bytes
-    assert _cuda_ipc.slice_bytes_setting(None, {"MLTUNER_CUDA_IPC_SLICE_BYTES": "1000"}) == 1024  # 256-byte units
-    assert _cuda_ipc.slice_bytes_setting(4096, {"MLTUNER_CUDA_IPC_SLICE_BYTES": "1"}) == 4096
-    for bad in (0, -1, True, 1 << 41):
-        with pytest.raises(InvalidArgumentError):
-            _cuda_ipc.slice_bytes_setting(bad, {})
-    with pytest.raises(InvalidArgumentError, match="SLICE_BYTES"):
-        _cuda_ipc.slice_bytes_setting(None, {"MLTUNER_CUDA_IPC_SLICE_BYTES": "lots"})
 
 
 def test_a_cpu_engine_offers_no_export_and_says_why() -> None:

@@ -13,8 +13,11 @@ operator name the training loop runs a fixed number of times a clock
 workers (one per table), or ``ProfilerStep#`` style annotations.
 
 Prints one row per whole clock: its wall time, each rank's GPU busy time
-(the union of its kernels, copies and memsets) and its busiest streams, and
-the longest stretch in which no rank's GPU did anything, a hint of a wait
+(the union of its kernels, copies and memsets) and its busiest streams, the
+longest stretch in which each rank's compute stream (its busiest over the
+whole trace: the training's kernels) did nothing, a GPU waiting for data
+while copies and the shard's kernels may still run beside it, and the
+longest stretch in which no rank's GPU did anything, a hint of a wait
 between processes or threads. ``--clock N`` also prints clock N's device
 operations of every rank in time order.
 """
@@ -100,32 +103,51 @@ def clip(op: DeviceOp, start: float, stop: float) -> tuple[float, float] | None:
     return (begin, end) if end > begin else None
 
 
+def compute_streams(ops: Sequence[DeviceOp], ranks: int) -> list[str]:
+    """Each rank's busiest stream over all its operations: the one the
+    training's kernels run on ("?" for a rank without any)."""
+    totals: list[dict[str, float]] = [collections.defaultdict(float) for _ in range(ranks)]
+    for op in ops:
+        totals[op.rank][op.stream] += op.duration_us
+    return [max(total.items(), key=lambda item: item[1])[0] if total else "?" for total in totals]
+
+
 def summarize(ops: Sequence[DeviceOp], starts: Sequence[float], ranks: int) -> list[dict]:
     """Per whole clock (between consecutive starts): wall, each rank's busy
-    time and busiest streams, and the longest idle stretch of all GPUs."""
+    time, busiest streams and its compute stream's longest idle stretch, and
+    the longest idle stretch of all GPUs."""
+    compute = compute_streams(ops, ranks)
     rows = []
     for number, (start, stop) in enumerate(zip(starts, starts[1:])):
         busy: list[float] = []
         streams: list[list[tuple[str, float]]] = []
+        compute_idle: list[float] = []
         every: list[tuple[float, float]] = []
         for rank in range(ranks):
             intervals: list[tuple[float, float]] = []
+            on_compute: list[tuple[float, float]] = []
             by_stream: dict[str, float] = collections.defaultdict(float)
             for op in ops:
                 span = clip(op, start, stop) if op.rank == rank else None
                 if span:
                     intervals.append(span)
                     by_stream[op.stream] += span[1] - span[0]
+                    if op.stream == compute[rank]:
+                        on_compute.append(span)
             every += intervals
             busy.append(union_us(intervals))
             streams.append(sorted(by_stream.items(), key=lambda item: -item[1])[:3])
+            compute_idle.append(longest_idle_us(on_compute, start, stop))
         rows.append({"clock": number, "wall_us": stop - start, "busy_us": busy, "streams": streams,
+                     "compute_stream": compute, "compute_idle_us": compute_idle,
                      "idle_us": longest_idle_us(every, start, stop)})
     return rows
 
 
 def table(rows: Sequence[dict], ranks: int) -> list[str]:
+    compute = rows[0]["compute_stream"] if rows else ["?"] * ranks
     head = ["clock", "wall ms"] + [f"rank {r} GPU busy ms (busiest streams, ms)" for r in range(ranks)]
+    head += [f"rank {r} longest idle of s{compute[r]} ms" for r in range(ranks)]
     lines = ["| " + " | ".join(head + ["longest idle of all GPUs ms"]) + " |",
              "|" + "--:|" * (len(head) + 1)]
     for row in rows:
@@ -133,6 +155,7 @@ def table(rows: Sequence[dict], ranks: int) -> list[str]:
         for busy, streams in zip(row["busy_us"], row["streams"]):
             named = ", ".join(f"s{stream} {us / 1e3:.3f}" for stream, us in streams)
             cells.append(f"{busy / 1e3:.3f} ({named})")
+        cells += [f"{idle / 1e3:.3f}" for idle in row["compute_idle_us"]]
         cells.append(f"{row['idle_us'] / 1e3:.3f}")
         lines.append("| " + " | ".join(cells) + " |")
     return lines

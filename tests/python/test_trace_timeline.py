@@ -74,13 +74,19 @@ def test_two_ranks_are_one_timeline_cut_into_clocks(tool: ModuleType, tmp_path: 
     assert rows[0]["idle_us"] == 300.0  # 700-1000, longer than 400-600
     assert rows[1]["busy_us"] == [100.0, 400.0]
     assert rows[1]["idle_us"] == 500.0  # 1500-2000
+    # The compute streams: rank 0's stream 7 (300 us in all, stream 9 200),
+    # rank 1's 22. Clock 0: 300-1000 and 0-600 idle; clock 1: 1300-2000 and 1500-2000.
+    assert rows[0]["compute_stream"] == ["7", "22"]
+    assert rows[0]["compute_idle_us"] == [700.0, 600.0]
+    assert rows[1]["compute_idle_us"] == [700.0, 500.0]
 
     out = tmp_path / "table.md"
     assert tool.main([str(p) for p in traces] + ["--marker", "aten::fill_", "--per-clock", "2", "--clock", "0",
                                                  "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert out.read_text() == printed
-    assert "| 0 | 1.000 | 0.300 (s7 0.200, s9 0.200) | 0.100 (s22 0.100) | 0.300 |" in printed
+    assert "| rank 0 longest idle of s7 ms | rank 1 longest idle of s22 ms |" in printed
+    assert "| 0 | 1.000 | 0.300 (s7 0.200, s9 0.200) | 0.100 (s22 0.100) | 0.700 | 0.600 | 0.300 |" in printed
     assert "| 1 | 600.0 | 100.0 | 22 | copy | 1048576 |" in printed  # clock 0's timeline, rank 1's copy
     assert "| 0 | 1200.0 |" not in printed  # clock 1's ops are not in clock 0's list
 

@@ -216,6 +216,8 @@ void RegisterNode(py::module_& m) {
       .def(
           "enable_cuda_ipc_peer", [](ProcessNode& node, int peer) { Check(node.EnableCudaIpcPeer(peer)); },
           py::arg("peer"), "From now on, device payloads to and from peer go device -> device.")
+      .def_property_readonly("device_total_bytes", &ProcessNode::device_total_bytes,
+                             "The memory of this process's device in bytes (-1 where unknown).")
       .def_property_readonly("cuda_ipc_peers", &ProcessNode::cuda_ipc_peers,
                              "The ranks this process exchanges device payloads with by CUDA IPC.")
       .def_property_readonly(

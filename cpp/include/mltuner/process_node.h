@@ -184,6 +184,9 @@ class ProcessNode final : public Transport {
   Status EnableCudaIpcPeer(int peer);
   std::vector<int> cuda_ipc_peers() const;
   IpcStats cuda_ipc_stats() const;
+  // The memory of this process's device in bytes, -1 where unknown: what
+  // the job sizes the CUDA IPC landing region by.
+  int64_t device_total_bytes() const;
   // Payload bytes sent to other processes through the socket (host frames
   // and vectors), and those of them that left a device payload's memory by
   // a device -> host copy (no CUDA IPC to that peer, or its slice was full).

@@ -583,6 +583,13 @@ int64_t ProcessNode::payloads_used_in_place() const { return borrowed_->borrowed
 
 Status ProcessNode::ExportCudaIpc(size_t slice_bytes, std::string* handle) { return ipc_->Export(slice_bytes, handle); }
 
+int64_t ProcessNode::device_total_bytes() const {
+  int64_t free_bytes = -1;
+  int64_t total_bytes = -1;
+  if (!queues_->device || !queues_->device->MemoryInfo(&free_bytes, &total_bytes).ok()) return -1;
+  return total_bytes;
+}
+
 Status ProcessNode::OpenCudaIpcPeer(int peer, const std::string& handle, size_t slice_bytes) {
   return ipc_->OpenPeer(peer, handle, slice_bytes);
 }

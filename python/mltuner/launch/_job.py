@@ -119,8 +119,9 @@ class Job:
             for payloads landing by CUDA IPC (outside the engine's budget);
             a payload that does not fit beside those in flight goes by host
             frames. ``None``: ``MLTUNER_CUDA_IPC_SLICE_BYTES``, by default
-            2 GiB shared by the peers, at least 256 MiB each (a slice holds
-            a clock of a model up to about 1 GiB on two processes).
+            2 GiB or a sixteenth of the GPU's memory, whichever is less,
+            shared by the peers, at least 256 MiB each (2 GiB holds a clock
+            of a model up to about 1 GiB on two processes).
 
     Attributes:
         worker: the access API (:class:`mltuner.Worker`).
@@ -352,7 +353,8 @@ class Job:
                                      security)
         control, card_control = self._bind("control", MAX_SIGNAL_BYTES, CONTROL_IO_THREAD, CONTROL_RECEIVE_QUEUE,
                                            security)
-        self._cuda_ipc_slice = _cuda_ipc.slice_bytes_for(self._cuda_ipc_slice_asked, self.world_size - 1)
+        self._cuda_ipc_slice = _cuda_ipc.slice_bytes_for(self._cuda_ipc_slice_asked, self.world_size - 1,
+                                                         int(self._node.device_total_bytes))
         cuda_ipc, no_cuda_ipc = _cuda_ipc.export(self._node, self.config.device, self._cuda_ipc, self._cuda_ipc_slice)
         card = Card(host=host_identity(), tcp={"data": card_data[0], "control": card_control[0]},
                     ipc={name: ipc for name, ipc in (("data", card_data[1]), ("control", card_control[1])) if ipc},

@@ -13,7 +13,8 @@ over the socket as before (``cpp/src/cluster/ipc_links.h`` has the protocol).
 Settings: ``Job(cuda_ipc=...)`` or ``MLTUNER_CUDA_IPC`` (``1``/``0``;
 default on) and ``Job(cuda_ipc_slice_bytes=...)`` or
 ``MLTUNER_CUDA_IPC_SLICE_BYTES`` (device memory outside the engine's
-budget; by default 2 GiB over the peers, at least 256 MiB each: see
+budget; by default 2 GiB or a sixteenth of the device's memory, whichever
+is less, over the peers, at least 256 MiB each: see
 :func:`slice_bytes_for`). The path chosen for each peer is logged and kept
 in ``Job.data_paths``.
 """
@@ -29,11 +30,12 @@ from mltuner import _core
 from mltuner.exceptions import InvalidArgumentError, MltunerError
 from mltuner.transport._address import Card
 
-__all__ = ["DEFAULT_REGION_BYTES", "MIN_SLICE_BYTES", "cuda_ipc_wanted", "slice_bytes_setting", "slice_bytes_for",
+__all__ = ["DEFAULT_REGION_BYTES", "REGION_SHARE_OF_DEVICE", "MIN_SLICE_BYTES", "cuda_ipc_wanted", "slice_bytes_setting", "slice_bytes_for",
            "slice_advice", "export", "connect"]
 
 _log = logging.getLogger("mltuner.transport")
 DEFAULT_REGION_BYTES = 2 << 30
+REGION_SHARE_OF_DEVICE = 16  # the default region takes at most this fraction (1/16) of the device's memory
 MIN_SLICE_BYTES = 256 << 20
 _ALIGNMENT = 256  # IpcLinks::kAlignment
 _GATHER = "mltuner-cuda-ipc"
@@ -70,10 +72,11 @@ def slice_bytes_setting(setting: int | None, env: Mapping[str, str] | None = Non
     return _aligned(setting)
 
 
-def slice_bytes_for(setting: int | None, peers: int) -> int:
+def slice_bytes_for(setting: int | None, peers: int, device_bytes: int = -1) -> int:
     """The landing slice per peer: the setting, else
-    :data:`DEFAULT_REGION_BYTES` shared by the ``peers``, at least
-    :data:`MIN_SLICE_BYTES`.
+    :data:`DEFAULT_REGION_BYTES` or 1/:data:`REGION_SHARE_OF_DEVICE` of
+    ``device_bytes`` (the device's memory; -1: unknown), whichever is less,
+    shared by the ``peers``, at least :data:`MIN_SLICE_BYTES`.
 
     In a clock a peer sends this process about 2 x model bytes / N (its
     update of this shard's rows and the rows of its shard read here), and
@@ -81,10 +84,13 @@ def slice_bytes_for(setting: int | None, peers: int) -> int:
     goes through host frames, tens of milliseconds a payload: a
     108-M-parameter transformer on two H200s ran at 0.70 of DDP's speed with
     256-MiB slices and 0.97 with 1 GiB. A region of 2 GiB holds a clock of
-    a model up to 1-2 GiB, whatever N."""
+    a model up to 1-2 GiB, whatever N; on a small GPU the share bounds what
+    the region takes from the model."""
     if setting is not None:
         return setting
-    return _aligned(max(MIN_SLICE_BYTES, DEFAULT_REGION_BYTES // max(peers, 1)))
+    region = DEFAULT_REGION_BYTES if device_bytes < 0 else min(DEFAULT_REGION_BYTES,
+                                                               device_bytes // REGION_SHARE_OF_DEVICE)
+    return _aligned(max(MIN_SLICE_BYTES, region // max(peers, 1)))
 
 
 def slice_advice(per_clock_bytes: int, slice_bytes: int) -> str | None:

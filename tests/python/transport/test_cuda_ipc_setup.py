@@ -53,6 +53,11 @@ def test_settings_come_from_the_argument_then_the_environment() -> None:
     assert _cuda_ipc.slice_bytes_for(None, 3) == 715_827_968  # 2 GiB / 3, up to 256-byte units
     assert _cuda_ipc.slice_bytes_for(None, 15) == 256 << 20  # never below 256 MiB
     assert _cuda_ipc.slice_bytes_for(4096, 3) == 4096
+    # A sixteenth of the device at most: an 8-GiB GPU gives 512 MiB, an 80-GB one the 2 GiB.
+    assert _cuda_ipc.slice_bytes_for(None, 1, 8 << 30) == 512 << 20
+    assert _cuda_ipc.slice_bytes_for(None, 1, 80 * 10**9) == 2 << 30
+    assert _cuda_ipc.slice_bytes_for(None, 7, 8 << 30) == 256 << 20  # the floor: what every peer had before
+    assert _cuda_ipc.slice_bytes_for(4096, 1, 8 << 30) == 4096  # a setting is kept
     assert _cuda_ipc.slice_bytes_setting(None, {"MLTUNER_CUDA_IPC_SLICE_BYTES": "1000"}) == 1024  # 256-byte units
     assert _cuda_ipc.slice_bytes_setting(4096, {"MLTUNER_CUDA_IPC_SLICE_BYTES": "1"}) == 4096
     for bad in (0, -1, True, 1 << 41):
@@ -80,6 +85,7 @@ def test_a_cpu_engine_offers_no_export_and_says_why() -> None:
     with pytest.raises(InvalidArgumentError):
         node.enable_cuda_ipc_peer(1)
     assert node.cuda_ipc_peers == []
+    assert node.device_total_bytes == -1  # host memory has no fixed size: the region takes its default
     node.shutdown()
 
 

@@ -73,6 +73,7 @@ from typing import Any, Callable, Literal, Optional
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 import mltuner as mlt
 from figures import Figure, ratio, write_figures
@@ -95,6 +96,9 @@ BATCH = {"cnn": 128, "resnet18": 128, "transformer": 16}  # per worker, when --b
 # The transformer: BERT-base's sizes (vocabulary, layers, width, heads) at 256 tokens a sample.
 VOCABULARY, LAYERS, WIDTH, HEADS, TOKENS = 30522, 12, 768, 12, 256
 TRACE_STEPS = 10
+# The training thread's parts of a step, as annotations in --trace's traces
+# (trace_timeline.py --phases sums them a clock; nothing records them otherwise).
+PHASES = ("step.forward", "step.backward", "step.update")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,9 +258,12 @@ def torch_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tens
                y: torch.Tensor) -> Callable[[], torch.Tensor]:
     def step() -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()  # type: ignore[no-untyped-call]
-        optimizer.step()
+        with record_function(PHASES[0]):
+            loss = nn.functional.cross_entropy(model(x), y)
+        with record_function(PHASES[1]):
+            loss.backward()  # type: ignore[no-untyped-call]
+        with record_function(PHASES[2]):
+            optimizer.step()
         return loss
 
     return step
@@ -334,9 +341,12 @@ def mltuner_worker(run: Run) -> Optional[dict[str, Any]]:
                          example_loss=lambda out: nn.functional.cross_entropy(out, y))
 
         def step() -> torch.Tensor:
-            loss = nn.functional.cross_entropy(ps(x), y)
-            loss.backward()  # type: ignore[no-untyped-call]
-            ps.step()
+            with record_function(PHASES[0]):
+                loss = nn.functional.cross_entropy(ps(x), y)
+            with record_function(PHASES[1]):
+                loss.backward()  # type: ignore[no-untyped-call]
+            with record_function(PHASES[2]):
+                ps.step()
             return loss
 
         stall_before = 0.0

@@ -3,7 +3,7 @@
 --trace-dir``) as one timeline: where each clock's time goes on every GPU.
 
     python benchmarks/trace_timeline.py TRACE [TRACE ...] --marker aten::fill_ [--per-clock K]
-                                        [--clock N] [--out PATH]
+                                        [--phases NAME,...] [--clock N] [--out PATH]
 
 CUPTI records every kernel, copy and memset of a process, the engine's
 included, and the ranks' timestamps share one clock, so the traces of a
@@ -18,8 +18,11 @@ longest stretch in which each rank's compute stream (its busiest over the
 whole trace: the training's kernels) did nothing, a GPU waiting for data
 while copies and the shard's kernels may still run beside it, and the
 longest stretch in which no rank's GPU did anything, a hint of a wait
-between processes or threads. ``--clock N`` also prints clock N's device
-operations of every rank in time order.
+between processes or threads. ``--phases`` adds, per rank, the host time a
+clock spent in each named annotation (``throughput_bench.py``'s
+``step.forward,step.backward,step.update``): where the training thread
+waited. ``--clock N`` also prints clock N's device operations of every rank
+in time order.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+# Host events by name: a record_function annotation (torch also draws it on
+# the GPU's timeline as "gpu_user_annotation", which is not host time) or an operator.
+HOST_CATEGORIES = ("user_annotation", "cpu_op")
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,24 @@ def device_ops(events: Sequence[dict], rank: int) -> list[DeviceOp]:
         ops.append(DeviceOp(rank, float(event["ts"]), float(event["dur"]), str(args.get("stream", "?")),
                             str(event.get("name", "")), args.get("bytes")))
     return ops
+
+
+def host_spans(events: Sequence[dict], names: Sequence[str]) -> dict[str, list[tuple[float, float]]]:
+    """Per name, the (start, end) of every host event of that name (the
+    annotations a training loop makes with ``record_function``)."""
+    spans: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
+    for event in events:
+        name = event.get("name")
+        if name in spans and event.get("cat") in HOST_CATEGORIES:
+            start = float(event["ts"])
+            spans[name].append((start, start + float(event["dur"])))
+    return spans
+
+
+def phase_ms(spans: dict[str, list[tuple[float, float]]], start: float, stop: float) -> dict[str, float]:
+    """Per name, the milliseconds of its spans that begin in [start, stop)."""
+    return {name: sum(end - begin for begin, end in found if start <= begin < stop) / 1e3
+            for name, found in spans.items()}
 
 
 def clock_starts(events: Sequence[dict], marker: str, per_clock: int) -> list[float]:
@@ -161,6 +185,19 @@ def table(rows: Sequence[dict], ranks: int) -> list[str]:
     return lines
 
 
+def phase_table(phases: Sequence[dict[str, list[tuple[float, float]]]], starts: Sequence[float],
+                names: Sequence[str]) -> list[str]:
+    head = ["clock"] + [f"rank {rank} {name}" for rank in range(len(phases)) for name in names]
+    lines = ["| " + " | ".join(head) + " |", "|" + "--:|" * len(head)]
+    for number, (start, stop) in enumerate(zip(starts, starts[1:])):
+        cells = [str(number)]
+        for spans in phases:
+            found = phase_ms(spans, start, stop)
+            cells += [f"{found[name]:.3f}" for name in names]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def timeline(ops: Sequence[DeviceOp], start: float, stop: float) -> list[str]:
     lines = ["| rank | start us | us | stream | operation | bytes |", "|--:|--:|--:|--:|:--|--:|"]
     for op in sorted(ops, key=lambda op: op.start_us):
@@ -175,16 +212,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("traces", nargs="+", type=Path, help="one Chrome trace per rank, rank order")
     parser.add_argument("--marker", required=True, help="an operator the loop runs --per-clock times a clock")
     parser.add_argument("--per-clock", type=int, default=1)
+    parser.add_argument("--phases", default="", help="comma list of host annotations to sum a clock, per rank")
     parser.add_argument("--clock", type=int, help="also list this clock's device operations")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if args.per_clock < 1:
         parser.error("--per-clock must be at least 1")
+    names = [name for name in args.phases.split(",") if name]
     ops: list[DeviceOp] = []
     starts: list[float] = []
+    phases: list[dict[str, list[tuple[float, float]]]] = []
     for rank, path in enumerate(args.traces):
         events = load_trace(path)
         ops += device_ops(events, rank)
+        phases.append(host_spans(events, names))
         if rank == 0:
             starts = clock_starts(events, args.marker, args.per_clock)
     if len(starts) < 2:
@@ -192,6 +233,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     rows = summarize(ops, starts, len(args.traces))
     lines = table(rows, len(args.traces))
+    if names:
+        lines += ["", "Host time a clock in each annotation (ms; an annotation counts in the clock it begins in):", ""]
+        lines += phase_table(phases, starts, names)
     if args.clock is not None:
         if not 0 <= args.clock < len(rows):
             parser.error(f"--clock {args.clock}: the traces hold clocks 0-{len(rows) - 1}")

@@ -59,7 +59,11 @@ def test_two_ranks_are_one_timeline_cut_into_clocks(tool: ModuleType, tmp_path: 
         _op("k", "kernel", 1200, 100, stream=7),
         _op("cudaLaunchKernel", "cuda_runtime", 50, 10),  # host calls are not device time
     ]
+    rank0 += [_op("step.forward", "user_annotation", 20, 300), _op("step.update", "user_annotation", 900, 150),
+              _op("step.forward", "user_annotation", 1020, 200),  # the update counts in clock 0, where it begins
+              _op("step.forward", "gpu_user_annotation", 1020, 500)]  # its span on the GPU: not host time
     rank1 = [_op("aten::fill_", "cpu_op", 3000, 5),  # markers of other ranks do not cut clocks
+             _op("step.update", "user_annotation", 1800, 40),
              _op("copy", "gpu_memcpy", 600, 100, stream=22, nbytes=1 << 20),
              _op("copy", "gpu_memcpy", 1100, 400, stream=22, nbytes=1 << 20)]
     traces = [_write(tmp_path / "rank-0.json", rank0), _write(tmp_path / "rank-1.json.gz", rank1)]
@@ -82,13 +86,16 @@ def test_two_ranks_are_one_timeline_cut_into_clocks(tool: ModuleType, tmp_path: 
 
     out = tmp_path / "table.md"
     assert tool.main([str(p) for p in traces] + ["--marker", "aten::fill_", "--per-clock", "2", "--clock", "0",
-                                                 "--out", str(out)]) == 0
+                                                 "--phases", "step.forward,step.update", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert out.read_text() == printed
     assert "| rank 0 longest idle of s7 ms | rank 1 longest idle of s22 ms |" in printed
     assert "| 0 | 1.000 | 0.300 (s7 0.200, s9 0.200) | 0.100 (s22 0.100) | 0.700 | 0.600 | 0.300 |" in printed
     assert "| 1 | 600.0 | 100.0 | 22 | copy | 1048576 |" in printed  # clock 0's timeline, rank 1's copy
     assert "| 0 | 1200.0 |" not in printed  # clock 1's ops are not in clock 0's list
+    assert "| clock | rank 0 step.forward | rank 0 step.update | rank 1 step.forward | rank 1 step.update |" in printed
+    assert "| 0 | 0.300 | 0.150 | 0.000 | 0.000 |" in printed
+    assert "| 1 | 0.200 | 0.000 | 0.000 | 0.040 |" in printed
 
 
 def test_too_few_markers_is_an_error_not_an_empty_table(tool: ModuleType, tmp_path: Path) -> None:

@@ -200,21 +200,37 @@ def prepare(run: Run, local_rank: int) -> torch.device:
     return device
 
 
-def timed_steps(step: Callable[[], torch.Tensor], run: Run, device: torch.device,
-                barrier: Callable[[], None], rank: int = 0) -> tuple[float, float]:
-    """(seconds of the timed steps, loss of the last step)."""
+def timed_steps(step: Callable[[], torch.Tensor], run: Run, device: torch.device, barrier: Callable[[], None],
+                rank: int = 0, counters: Callable[[], dict[str, float]] | None = None,
+                ) -> tuple[float, float, dict[str, float]]:
+    """(seconds of the timed steps, loss of the last step, how much each of
+    ``counters()`` grew over the timed steps alone: not over the traced ones)."""
     for _ in range(run.warmup):
         step()
     synchronize(device)
     barrier()  # the ranks start the clock together: no rank's start-up is timed
+    before = counters() if counters else {}
     start = time.perf_counter()
     for _ in range(run.steps):
         loss = step()
     synchronize(device)
     elapsed = time.perf_counter() - start
+    grown = {name: value - before.get(name, 0) for name, value in counters().items()} if counters else {}
     if run.trace and run.system != "ddp":  # torch 2.13's profiler aborts a gloo job at its end
         traced_steps(step, run, device, rank)
-    return elapsed, float(loss.item())
+    return elapsed, float(loss.item()), grown
+
+
+def phased_step(forward: Callable[[], torch.Tensor], update: Callable[[], object]) -> torch.Tensor:
+    """A training step (``forward`` returns the loss), its parts annotated
+    with PHASES for the traces."""
+    with record_function(PHASES[0]):
+        loss = forward()
+    with record_function(PHASES[1]):
+        loss.backward()  # type: ignore[no-untyped-call]
+    with record_function(PHASES[2]):
+        update()
+    return loss
 
 
 def traced_steps(step: Callable[[], torch.Tensor], run: Run, device: torch.device, rank: int) -> None:
@@ -258,13 +274,7 @@ def torch_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tens
                y: torch.Tensor) -> Callable[[], torch.Tensor]:
     def step() -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
-        with record_function(PHASES[0]):
-            loss = nn.functional.cross_entropy(model(x), y)
-        with record_function(PHASES[1]):
-            loss.backward()  # type: ignore[no-untyped-call]
-        with record_function(PHASES[2]):
-            optimizer.step()
-        return loss
+        return phased_step(lambda: nn.functional.cross_entropy(model(x), y), optimizer.step)
 
     return step
 
@@ -280,7 +290,8 @@ def plain_run(run: Run) -> dict[str, Any]:
     params = parameter_count(model)
     model.to(device)
     x, y = make_batch(run, 0, device)
-    elapsed, loss = timed_steps(torch_step(model, torch_optimizer(model, run.rule), x, y), run, device, lambda: None)
+    elapsed, loss, _ = timed_steps(torch_step(model, torch_optimizer(model, run.rule), x, y), run, device,
+                                   lambda: None)
     if device.type == "cuda":
         del model, x, y
         torch.cuda.empty_cache()  # leave the GPU to the launched workers
@@ -313,7 +324,7 @@ def ddp_worker(run: Run) -> Optional[dict[str, Any]]:
             model, device_ids=[device.index] if device.type == "cuda" else None, **local_buffers())
         x, y = make_batch(run, rank, device)
         step = torch_step(ddp, torch_optimizer(ddp, run.rule), x, y)
-        elapsed, loss = timed_steps(step, run, device, dist.barrier, rank)
+        elapsed, loss, _ = timed_steps(step, run, device, dist.barrier, rank)
         times = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(world)]
         dist.all_gather(times, torch.tensor([elapsed], dtype=torch.float64, device=device))
     finally:
@@ -341,26 +352,13 @@ def mltuner_worker(run: Run) -> Optional[dict[str, Any]]:
                          example_loss=lambda out: nn.functional.cross_entropy(out, y))
 
         def step() -> torch.Tensor:
-            with record_function(PHASES[0]):
-                loss = nn.functional.cross_entropy(ps(x), y)
-            with record_function(PHASES[1]):
-                loss.backward()  # type: ignore[no-untyped-call]
-            with record_function(PHASES[2]):
-                ps.step()
-            return loss
+            return phased_step(lambda: nn.functional.cross_entropy(ps(x), y), ps.step)
 
-        stall_before = 0.0
-        traffic_before: dict[str, int] = {}
+        def counters() -> dict[str, float]:
+            return {"stall_seconds": job.worker.stats["stall_seconds"], **job.transport_stats}
 
-        def barrier() -> None:
-            nonlocal stall_before, traffic_before
-            job.barrier("timed")
-            stall_before = job.worker.stats["stall_seconds"]
-            traffic_before = job.transport_stats
-
-        elapsed, loss = timed_steps(step, run, device, barrier, job.rank)
-        stall_s = job.worker.stats["stall_seconds"] - stall_before
-        traffic = {k: v - traffic_before.get(k, 0) for k, v in job.transport_stats.items()}
+        elapsed, loss, traffic = timed_steps(step, run, device, lambda: job.barrier("timed"), job.rank, counters)
+        stall_s = traffic.pop("stall_seconds")
         gathered = job.allgather("elapsed", [elapsed, stall_s])
         job.worker.sync()  # every update applied before the job closes
     if job.rank != 0:

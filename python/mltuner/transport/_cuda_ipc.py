@@ -30,8 +30,8 @@ from mltuner import _core
 from mltuner.exceptions import InvalidArgumentError, MltunerError
 from mltuner.transport._address import Card
 
-__all__ = ["DEFAULT_REGION_BYTES", "REGION_SHARE_OF_DEVICE", "MIN_SLICE_BYTES", "cuda_ipc_wanted", "slice_bytes_setting", "slice_bytes_for",
-           "slice_advice", "export", "connect"]
+__all__ = ["DEFAULT_REGION_BYTES", "REGION_SHARE_OF_DEVICE", "MIN_SLICE_BYTES", "cuda_ipc_wanted",
+           "slice_bytes_setting", "slice_bytes_for", "slice_advice", "export", "connect"]
 
 _log = logging.getLogger("mltuner.transport")
 DEFAULT_REGION_BYTES = 2 << 30

@@ -43,11 +43,14 @@ class CudaIpc final : public DeviceIpc {
   ~CudaIpc() override {
     // Errors are ignored: at exit the runtime or a peer may be gone.
     cudaSetDevice(ordinal_);
-    if (send_) cudaStreamSynchronize(send_);
+    for (cudaStream_t stream : send_) {
+      if (stream) cudaStreamSynchronize(stream);
+    }
     for (Peer& peer : peers_) {
-      if (peer.receive) {
-        cudaStreamSynchronize(peer.receive);
-        cudaStreamDestroy(peer.receive);
+      for (cudaStream_t stream : peer.receive) {
+        if (!stream) continue;
+        cudaStreamSynchronize(stream);
+        cudaStreamDestroy(stream);
       }
       if (peer.region) cudaIpcCloseMemHandle(peer.region);
       for (cudaEvent_t event : peer.events) {
@@ -57,7 +60,9 @@ class CudaIpc final : public DeviceIpc {
     for (cudaEvent_t event : events_out_) {
       if (event) cudaEventDestroy(event);
     }
-    if (send_) cudaStreamDestroy(send_);
+    for (cudaStream_t stream : send_) {
+      if (stream) cudaStreamDestroy(stream);
+    }
     if (region_) cudaFree(region_);
     cudaGetLastError();
   }
@@ -82,8 +87,10 @@ class CudaIpc final : public DeviceIpc {
       if (err != cudaSuccess) return Fail("cudaIpcGetEventHandle", err);
       std::memcpy(&handle_[kMemHandleBytes + i * kEventHandleBytes], &event, kEventHandleBytes);
     }
-    err = cudaStreamCreateWithFlags(&send_, cudaStreamNonBlocking);
-    if (err != cudaSuccess) return Fail("cudaStreamCreateWithFlags", err);
+    for (cudaStream_t& stream : send_) {
+      err = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+      if (err != cudaSuccess) return Fail("cudaStreamCreateWithFlags", err);
+    }
     return Status::Ok();
   }
 
@@ -121,12 +128,17 @@ class CudaIpc final : public DeviceIpc {
         return Fail("cudaIpcOpenEventHandle of peer " + std::to_string(peer) + "'s event " + std::to_string(i), err);
       }
     }
-    cudaStream_t receive = nullptr;
-    err = cudaStreamCreateWithFlags(&receive, cudaStreamNonBlocking);
-    if (err != cudaSuccess) {
-      for (cudaEvent_t event : opened) cudaEventDestroy(event);
-      cudaIpcCloseMemHandle(region);
-      return Fail("cudaStreamCreateWithFlags (peer " + std::to_string(peer) + "'s landings)", err);
+    std::array<cudaStream_t, kLanes> receive{};
+    for (cudaStream_t& stream : receive) {
+      err = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+      if (err != cudaSuccess) {
+        for (cudaStream_t made : receive) {
+          if (made) cudaStreamDestroy(made);
+        }
+        for (cudaEvent_t event : opened) cudaEventDestroy(event);
+        cudaIpcCloseMemHandle(region);
+        return Fail("cudaStreamCreateWithFlags (peer " + std::to_string(peer) + "'s landings)", err);
+      }
     }
     slot.region = region;
     slot.region_bytes = region_bytes;
@@ -159,19 +171,21 @@ class CudaIpc final : public DeviceIpc {
     }
     cudaError_t err = cudaSetDevice(ordinal_);
     if (err != cudaSuccess) return Fail("cudaSetDevice", err);
+    const cudaStream_t send = send_[LaneOf(event)];
     if (after) {
-      err = cudaStreamWaitEvent(send_, TicketOf(after).event(), 0);
+      err = cudaStreamWaitEvent(send, TicketOf(after).event(), 0);
       if (err != cudaSuccess) return Fail("cudaStreamWaitEvent (the payload's producer)", err);
     }
-    err = cudaMemcpyAsync(static_cast<char*>(target->region) + offset, src, bytes, cudaMemcpyDeviceToDevice, send_);
+    err = cudaMemcpyAsync(static_cast<char*>(target->region) + offset, src, bytes, cudaMemcpyDeviceToDevice, send);
     if (err != cudaSuccess) return Fail("cudaMemcpyAsync to peer " + std::to_string(peer), err);
     // Recorded after the copy, under mu_: whatever record of this event a
     // receiver waits on is at or after the copy its notice announces (a
     // later one, when the caller reused the event meanwhile: the wait is
-    // longer, never too short, since every copy goes on send_).
-    err = cudaEventRecord(events_out_[event], send_);
+    // longer, never too short, since every copy of the event's lane goes on
+    // that lane's stream).
+    err = cudaEventRecord(events_out_[event], send);
     if (err != cudaSuccess) return Fail("cudaEventRecord (the interprocess event)", err);
-    return Ticket(send_, done, "the copy's ticket");
+    return Ticket(send, done, "the copy's ticket");
   }
 
   Status PeerWrites(int peer, int event, DeviceEvent* ready) override {
@@ -186,9 +200,10 @@ class CudaIpc final : public DeviceIpc {
     }
     cudaError_t err = cudaSetDevice(ordinal_);
     if (err != cudaSuccess) return Fail("cudaSetDevice", err);
-    err = cudaStreamWaitEvent(source->receive, source->events[event], 0);
+    const cudaStream_t receive = source->receive[LaneOf(event)];
+    err = cudaStreamWaitEvent(receive, source->events[event], 0);
     if (err != cudaSuccess) return Fail("cudaStreamWaitEvent on peer " + std::to_string(peer) + "'s event", err);
-    return Ticket(source->receive, ready, "a landing ticket");
+    return Ticket(receive, ready, "a landing ticket");
   }
 
   Status WaitDone(const DeviceEvent& event, int64_t timeout_ms) override {
@@ -220,7 +235,7 @@ class CudaIpc final : public DeviceIpc {
     void* region = nullptr;
     size_t region_bytes = 0;
     std::array<cudaEvent_t, kCopyEvents> events{};
-    cudaStream_t receive = nullptr;  // waits for this peer's events alone
+    std::array<cudaStream_t, kLanes> receive{};  // a lane's waits for this peer's events alone
     bool same_device = false;
   };
 
@@ -247,7 +262,7 @@ class CudaIpc final : public DeviceIpc {
   std::shared_ptr<EventPool> events_;
   void* region_ = nullptr;
   std::array<cudaEvent_t, kCopyEvents> events_out_{};  // interprocess: peers wait on them
-  cudaStream_t send_ = nullptr;
+  std::array<cudaStream_t, kLanes> send_{};  // a lane's copies and its events' records
   std::string handle_;
   mutable std::mutex mu_;
   std::vector<Peer> peers_;  // by rank; guarded by mu_

@@ -228,6 +228,8 @@ void RegisterNode(py::module_& m) {
             out["sent_messages"] = stats.sent_messages;
             out["sent_bytes"] = stats.sent_bytes;
             out["fallbacks"] = stats.fallbacks;
+            out["room_waits"] = stats.room_waits;
+            out["room_wait_us"] = stats.room_wait_us;
             out["received_messages"] = stats.received_messages;
             out["received_bytes"] = stats.received_bytes;
             out["copied_out_messages"] = stats.copied_out_messages;
@@ -237,7 +239,7 @@ void RegisterNode(py::module_& m) {
             return out;
           },
           "CUDA IPC traffic so far: payloads and bytes sent and received device -> device, fallbacks to "
-          "host frames (a full slice), payloads copied out of a crowded slice on landing, releases sent and received.")
+          "host frames (a full slice), payloads that waited for room in a full slice and the microseconds they waited, payloads copied out of a crowded slice on landing, releases sent and received.")
       .def_property_readonly("socket_payload_bytes", &ProcessNode::socket_payload_bytes,
                              "Payload bytes sent to other processes through the socket.")
       .def_property_readonly("device_payload_bytes_by_host", &ProcessNode::device_payload_bytes_by_host,

@@ -41,8 +41,11 @@ enum class Stream : int {
                    // (both low priority on CUDA, and apart from each other, so a
                    // swap-out waiting for the application never holds back a
                    // swap-in queued behind it)
+  kInstall = 7,    // receive thread: fresh rows into the parameter cache (its
+                   // own stream: behind the allocator's, which waits for the
+                   // application, a clock's rows arrived a clock late at slack 1)
 };
-constexpr int kNumStreams = 7;
+constexpr int kNumStreams = 8;
 
 // A ticket for work queued on a stream; null means "already complete".
 using DeviceEvent = std::shared_ptr<void>;

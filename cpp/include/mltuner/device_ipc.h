@@ -32,6 +32,14 @@ class DeviceIpc {
   // Interprocess events each process exports (their handles are in
   // handle(), so this bounds the rendezvous card: 64 bytes each).
   static constexpr int kCopyEvents = 32;
+  // The copies travel in lanes, each on a stream of its own at both ends, so
+  // a payload whose producer is late (an update, behind the application's
+  // backward pass) never holds back another lane's (a shard's rows, which a
+  // worker needs before that pass ends at slack >= 1). Each copy event
+  // belongs to one lane, so it is only ever recorded on that lane's stream.
+  static constexpr int kLanes = 2;
+  static constexpr int kEventsPerLane = kCopyEvents / kLanes;
+  static constexpr int LaneOf(int event) { return event / kEventsPerLane; }
 
   virtual ~DeviceIpc() = default;
   DeviceIpc(const DeviceIpc&) = delete;
@@ -48,7 +56,8 @@ class DeviceIpc {
   virtual Status OpenPeer(int peer, const std::string& handle, size_t region_bytes) = 0;
   // Queues, after the work of ticket `after`, the copy of `bytes` from `src`
   // (this device's memory) to byte `offset` of peer's region, then records
-  // this process's event `event` (in [0, kCopyEvents)); *done: a ticket
+  // this process's event `event` (in [0, kCopyEvents)), all on the stream
+  // of the event's lane; *done: a ticket
   // complete after the copy. InvalidArgument when the peer is not open, the
   // range is outside its region or there is no such event.
   virtual Status CopyToPeer(int peer, size_t offset, const void* src, size_t bytes, const DeviceEvent& after,

@@ -49,6 +49,8 @@ struct IpcStats {
   int64_t sent_bytes = 0;
   int64_t fallbacks = 0;          // payloads for an IPC peer that found its slice full
                                   //   and went through a host frame instead
+  int64_t room_waits = 0;         // payloads that found the slice full and waited for
+  int64_t room_wait_us = 0;       //   a release (the sending thread waits with them)
   int64_t received_messages = 0;  // payloads that landed in this process's region
   int64_t received_bytes = 0;
   int64_t copied_out_messages = 0;  // of those, copied out of a slice more than half held

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "memory/device_block.h"
+#include "memory/partition_locks.h"
 #include "sharding/shard_range.h"
 
 namespace mltuner {
@@ -91,41 +92,14 @@ Status RowInstaller::InstallRows(const Message& message) {
     if (message.header.branch != state_->cache_branch) return Status::Ok();  // the cache moved to another branch
     if (message.header.clock <= state_->shard_age[table][shard]) return Status::Ok();  // not newer
   }
-  // Installs are queued on the prefetch stream, the stream of every gather:
-  // the partition locks order the two on this side, the stream orders them
-  // on the device, so neither this thread nor the allocator waits for the
-  // copies. Device payloads wait for their producer there too.
-  const TableStore& store = *plan_->stores[table];
-  const int64_t width = info.row_width;
+  // Installs are queued on the install stream (CacheTickets, table_store.h,
+  // orders them against the gathers), so neither this thread nor the
+  // allocator waits for the copies. Device payloads wait for their producer
+  // there too.
   if (message.host_frame) {
     MLT_RETURN_IF_ERROR(InstallFrame(message, piece, range));
   } else {
-    const DeviceBuffer* on_device = message.device_values.get();
-    if (on_device != nullptr) MLT_RETURN_IF_ERROR(device_->WaitEvent(Stream::kPrefetch, on_device->ready));
-    const float* payload = on_device != nullptr ? on_device->data : message.values.data();
-    for (const WireSegment& segment : index.receive[piece]) {
-      const float* src = payload + (segment.begin - range.begin) * width;
-      float* dst = store.values(segment.residence) + segment.slot * width;
-      const size_t bytes = static_cast<size_t>(segment.count * info.row_bytes());
-      auto guard = store.locks->LockExclusive(segment.first_position,
-                                              segment.last_position - segment.first_position + 1);
-      if (segment.residence == Residence::kDevice) {
-        if (on_device != nullptr) {
-          device_->CopyDeviceToDevice(dst, src, bytes, Stream::kPrefetch);
-        } else {
-          device_->CopyHostToDevice(dst, src, bytes, Stream::kPrefetch);  // reads the pageable source at once
-        }
-      } else if (on_device != nullptr) {
-        device_->CopyDeviceToHost(dst, src, bytes, Stream::kPrefetch);  // into the pinned host store
-      } else {
-        // A host-side write: queued gathers may still be reading these rows.
-        MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kPrefetch));
-        std::memcpy(dst, src, bytes);
-      }
-    }
-    if (on_device != nullptr) {
-      MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kPrefetch, &message.device_values->last_use));
-    }
+    MLT_RETURN_IF_ERROR(InstallValues(message, piece, range));
   }
   MLT_RETURN_IF_ERROR(device_->TakeError());
   if (!completes_push) return Status::Ok();
@@ -143,15 +117,75 @@ Status RowInstaller::InstallRows(const Message& message) {
   return Status::Ok();
 }
 
+namespace {
+
+// The held lock span of one install: from the first to the last layout
+// position of its segments, so that the install's ticket is set before any
+// of its rows can be gathered again.
+PartitionLocks::Guard LockInstall(const TableStore& store, const std::vector<WireSegment>& segments) {
+  int64_t first = segments.front().first_position;
+  int64_t last = segments.front().last_position;
+  for (const WireSegment& segment : segments) {
+    first = std::min(first, segment.first_position);
+    last = std::max(last, segment.last_position);
+  }
+  return store.locks->LockExclusive(first, last - first + 1);
+}
+
+}  // namespace
+
+// Rows in a host vector (this process's shard on the CPU backend) or in a
+// device payload (this process's shard, or CUDA IPC): a copy per segment.
+Status RowInstaller::InstallValues(const Message& message, int piece, const RowSpan& range) {
+  const TableStore& store = *plan_->stores[message.header.table];
+  const std::vector<WireSegment>& segments = plan_->index.tables[message.header.table].receive[piece];
+  if (segments.empty()) return Status::Ok();
+  const int64_t width = store.info.row_width;
+  const DeviceBuffer* on_device = message.device_values.get();
+  const float* payload = on_device != nullptr ? on_device->data : message.values.data();
+  auto guard = LockInstall(store, segments);
+  MLT_RETURN_IF_ERROR(device_->WaitEvent(Stream::kInstall, store.tickets.last_gather()));
+  if (on_device != nullptr) MLT_RETURN_IF_ERROR(device_->WaitEvent(Stream::kInstall, on_device->ready));
+  bool host_writes = false;
+  for (const WireSegment& segment : segments) {
+    const float* src = payload + (segment.begin - range.begin) * width;
+    float* dst = store.values(segment.residence) + segment.slot * width;
+    const size_t bytes = static_cast<size_t>(segment.count * store.info.row_bytes());
+    if (segment.residence == Residence::kDevice) {
+      if (on_device != nullptr) {
+        device_->CopyDeviceToDevice(dst, src, bytes, Stream::kInstall);
+      } else {
+        device_->CopyHostToDevice(dst, src, bytes, Stream::kInstall);  // reads the pageable source at once
+      }
+    } else if (on_device != nullptr) {
+      device_->CopyDeviceToHost(dst, src, bytes, Stream::kInstall);  // into the pinned host store
+    } else {
+      host_writes = true;
+    }
+  }
+  if (host_writes) MLT_RETURN_IF_ERROR(WaitForCopiesOf(store));
+  for (const WireSegment& segment : segments) {
+    if (segment.residence != Residence::kHost || on_device != nullptr) continue;
+    std::memcpy(store.values(Residence::kHost) + segment.slot * width,
+                payload + (segment.begin - range.begin) * width,
+                static_cast<size_t>(segment.count * store.info.row_bytes()));
+  }
+  DeviceEvent installed;
+  MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kInstall, &installed));
+  if (on_device != nullptr) message.device_values->last_use = installed;
+  store.tickets.set_last_install(std::move(installed));
+  return Status::Ok();
+}
+
 // Rows from another process, in a host frame (complete: the transport waited
 // for its ticket). The device-resident rows take one host -> device copy of
 // the whole frame into a landing buffer and one scatter kernel (the prepared
-// `unpack` index) into the cache, queued on the prefetch stream under the
+// `unpack` index) into the cache, queued on the install stream under the
 // partition locks of the rows' positions; on the CPU backend the kernel
 // reads the frame directly. Host-resident rows are copied on this thread
-// after one wait for the queued gathers. The frame and the landing buffer go
-// back to their pools with the install's ticket; data age advances at once,
-// since every gather that reads the rows queues behind the install.
+// once the table's queued copies are done. The frame and the landing buffer
+// go back to their pools with the install's ticket; data age advances at
+// once, since every gather that reads the rows waits for the install.
 Status RowInstaller::InstallFrame(const Message& message, int piece, const RowSpan& range) {
   const TableId table = message.header.table;
   const TableStore& store = *plan_->stores[table];
@@ -160,32 +194,27 @@ Status RowInstaller::InstallFrame(const Message& message, int piece, const RowSp
   const int64_t width = store.info.row_width;
   DeviceBuffer& frame = *message.host_frame;
   if (segments.empty()) return Status::Ok();
-  int64_t first = segments.front().first_position;
-  int64_t last = segments.front().last_position;
-  for (const WireSegment& segment : segments) {
-    first = std::min(first, segment.first_position);
-    last = std::max(last, segment.last_position);
-  }
   // One lock span for the one kernel: held only while the work is queued.
-  auto guard = store.locks->LockExclusive(first, last - first + 1);
+  auto guard = LockInstall(store, segments);
   const RunIndex& unpack = index.unpack[piece];
   if (unpack.total_rows > 0) {
+    MLT_RETURN_IF_ERROR(device_->WaitEvent(Stream::kInstall, store.tickets.last_gather()));
     const float* source = frame.data;
     std::shared_ptr<DeviceBuffer> landing;
     if (!device_->host_addressable()) {
-      MLT_RETURN_IF_ERROR(landing_.Acquire(frame.count, Stream::kPrefetch, &landing));
-      device_->CopyHostToDevice(landing->data, frame.data, frame.count * sizeof(float), Stream::kPrefetch);
+      MLT_RETURN_IF_ERROR(landing_.Acquire(frame.count, Stream::kInstall, &landing));
+      device_->CopyHostToDevice(landing->data, frame.data, frame.count * sizeof(float), Stream::kInstall);
       source = landing->data;
     }
-    device_->Gather(store.values(Residence::kDevice), source, unpack, width, Stream::kPrefetch);
+    device_->Gather(store.values(Residence::kDevice), source, unpack, width, Stream::kInstall);
     DeviceEvent installed;
-    MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kPrefetch, &installed));
+    MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kInstall, &installed));
     if (landing) landing->last_use = installed;
-    frame.last_use = std::move(installed);
+    frame.last_use = installed;
+    store.tickets.set_last_install(std::move(installed));
   }
   if (!index.receive_on_device[piece]) {
-    // A host-side write: queued gathers may still be reading these rows.
-    MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kPrefetch));
+    MLT_RETURN_IF_ERROR(WaitForCopiesOf(store));
     for (const WireSegment& segment : segments) {
       if (segment.residence == Residence::kDevice) continue;
       std::memcpy(store.values(Residence::kHost) + segment.slot * width,
@@ -194,6 +223,13 @@ Status RowInstaller::InstallFrame(const Message& message, int piece, const RowSp
     }
   }
   return Status::Ok();
+}
+
+// Before a host-side write of host-resident rows: the queued gathers may
+// still read them, and queued installs may still write them.
+Status RowInstaller::WaitForCopiesOf(const TableStore& store) {
+  MLT_RETURN_IF_ERROR(device_->WaitEventDone(store.tickets.last_gather()));
+  return device_->WaitEventDone(store.tickets.last_install());
 }
 
 Status RowInstaller::CompleteRequest(Message&& message) {

@@ -10,6 +10,7 @@
 
 #include <memory>
 
+#include "cache/table_store.h"
 #include "memory/device_block.h"
 #include "mltuner/device.h"
 #include "pipeline/plan.h"
@@ -30,8 +31,11 @@ class RowInstaller {
 
  private:
   Status InstallRows(const Message& message) EXCLUDES(state_->age_mu);
-  // `piece` of the table's index (TableIndex::pieces), whose rows are `range`.
+  // `piece` of the table's index (TableIndex::pieces), whose rows are `range`:
+  // from a host frame, or from host values or a device payload.
   Status InstallFrame(const Message& message, int piece, const RowSpan& range);
+  Status InstallValues(const Message& message, int piece, const RowSpan& range);
+  Status WaitForCopiesOf(const TableStore& store);
   Status CompleteRequest(Message&& message) EXCLUDES(state_->age_mu);
 
   const int rank_;

@@ -105,9 +105,12 @@ void IpcLinks::StopPosting() {
   receiving_->post = nullptr;
 }
 
-Status IpcLinks::TrySend(int peer, DeviceBuffer* buffer, const std::string& message_frame0, std::string* notice,
-                         bool* sent) {
+Status IpcLinks::TrySend(int peer, int lane, DeviceBuffer* buffer, const std::string& message_frame0,
+                         std::string* notice, bool* sent) {
   *sent = false;
+  if (lane < 0 || lane >= DeviceIpc::kLanes) {
+    return Status::InvalidArgument("CUDA IPC: no lane " + std::to_string(lane));
+  }
   if (!enabled(peer) || buffer->count == 0) return Status::Ok();
   const uint64_t bytes = buffer->count * sizeof(float);
   IpcSpan span;
@@ -118,17 +121,25 @@ Status IpcLinks::TrySend(int peer, DeviceBuffer* buffer, const std::string& mess
     // come, typically within a clock's kernels: wait for that as long as
     // the host-frame path would take (about kHostPathBytesPerSecond), never
     // longer, and never when nothing is out to come back.
-    const auto deadline = std::chrono::steady_clock::now() +
-                          std::chrono::microseconds(static_cast<int64_t>(bytes * 1e6 / kHostPathBytesPerSecond));
+    const auto start = std::chrono::steady_clock::now();
+    const auto deadline =
+        start + std::chrono::microseconds(static_cast<int64_t>(bytes * 1e6 / kHostPathBytesPerSecond));
+    bool waited = false;
     while (!ranges.FindFree(bytes, kAlignment, &span.offset)) {
       if (bytes > ranges.capacity() || ranges.used_bytes() == 0 || !released_.WaitUntil(deadline)) {
         ++send_stats_.fallbacks;
         return Status::Ok();
       }
+      waited = true;
+    }
+    if (waited) {
+      ++send_stats_.room_waits;
+      send_stats_.room_wait_us +=
+          std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - start).count();
     }
     MLT_RETURN_IF_ERROR(ranges.Claim(span.offset, bytes));
     span.bytes = bytes;
-    const int event = TakeEvent();
+    const int event = TakeEvent(lane);
     span.event = static_cast<uint64_t>(event);
     const size_t at = static_cast<size_t>(SlotIn(peer, rank_)) * peer_slice_bytes_[peer] + span.offset;
     DeviceEvent done;
@@ -147,18 +158,19 @@ Status IpcLinks::TrySend(int peer, DeviceBuffer* buffer, const std::string& mess
   return Status::Ok();
 }
 
-int IpcLinks::TakeEvent() {
-  const int count = static_cast<int>(event_uses_.size());
-  int event = next_event_;
-  for (int i = 0; i < count; ++i) {
-    const int candidate = (next_event_ + i) % count;
+int IpcLinks::TakeEvent(int lane) {
+  const int first = lane * DeviceIpc::kEventsPerLane;
+  int& next = next_event_[lane];
+  int event = first + next;
+  for (int i = 0; i < DeviceIpc::kEventsPerLane; ++i) {
+    const int candidate = first + (next + i) % DeviceIpc::kEventsPerLane;
     if (event_uses_[candidate] == 0) {
       event = candidate;
       break;
     }
   }
   ++event_uses_[event];
-  next_event_ = (event + 1) % count;
+  next = (event - first + 1) % DeviceIpc::kEventsPerLane;
   return event;
 }
 

@@ -11,7 +11,9 @@
 // covers its own copy and no later one), and sends the notice naming range
 // and event. The receiver checks the notice's range against the sender's
 // slice (outside it, or over bytes still in use: refused as corrupt, never
-// read), makes its stream wait on the sender's event, and hands the bytes
+// read), makes its stream wait on the sender's event (updates for shards
+// and rows for workers each have a lane of streams and events of their
+// own: DeviceIpc::kLanes), and hands the bytes
 // on as a read-only device buffer, or, when the sender's slice is more
 // than half held, as a copy in pooled device memory, the range released
 // once the copy is done (a shard may hold an update for most of a clock).
@@ -36,6 +38,7 @@
 // this object is gone (then nothing is posted).
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -87,13 +90,19 @@ class IpcLinks {
   void SetPost(PostRelease post);
   void StopPosting();
 
+  // The lanes of DeviceIpc: an update for a shard waits for the
+  // application's work, rows for a worker for the shard's.
+  static constexpr int kToShards = 0;
+  static constexpr int kToWorkers = 1;
+
   // Sender: tries to move `buffer`'s values (device memory, ready with its
-  // ticket) into peer's landing slice. *sent: whether it did; then *notice
+  // ticket) into peer's landing slice, on `lane` (kToShards, kToWorkers). *sent: whether it did; then *notice
   // is frame 0 to send in place of the message's (whose frame 0 is
   // `message_frame0`), and buffer->last_use the copy's ticket. Not sent:
   // IPC is not enabled for `peer`, or the slice has no room (counted as a
   // fallback). Fails only when the device does.
-  Status TrySend(int peer, DeviceBuffer* buffer, const std::string& message_frame0, std::string* notice, bool* sent);
+  Status TrySend(int peer, int lane, DeviceBuffer* buffer, const std::string& message_frame0, std::string* notice,
+                 bool* sent);
   // Sender: a release from the peer that received a payload.
   Status OnRelease(const IpcEnvelope& release);
   // Receiver: checks a notice's span against its sender's slice and claims
@@ -119,9 +128,9 @@ class IpcLinks {
   // This process's slot in a region of `peer` (rank order, skipping peer).
   int SlotIn(int owner, int peer) const { return peer < owner ? peer : peer - 1; }
   bool ValidPeer(int peer) const { return peer >= 0 && peer < num_workers_ && peer != rank_; }
-  // The copy event for the next payload: the first unused one from
-  // next_event_ on, or next_event_ itself when every one is in use.
-  int TakeEvent() REQUIRES(send_mu_);
+  // The copy event of `lane` for the next payload: the lane's first unused
+  // one from its next_event_ on, or next_event_ itself when all are in use.
+  int TakeEvent(int lane) REQUIRES(send_mu_);
   // Replaces a landed buffer by a copy in copies_ (see Land); false, and
   // nothing changed, when the copy cannot be queued.
   bool CopyOut(std::shared_ptr<DeviceBuffer>* landed);
@@ -140,7 +149,8 @@ class IpcLinks {
   IpcStats send_stats_ GUARDED_BY(send_mu_);
   // Per copy event: how many payloads recorded with it are not released yet.
   std::vector<int> event_uses_ GUARDED_BY(send_mu_);
-  int next_event_ GUARDED_BY(send_mu_) = 0;  // where the search for a free one starts
+  // Per lane: where the search for a free event starts.
+  std::array<int, DeviceIpc::kLanes> next_event_ GUARDED_BY(send_mu_){};
   std::shared_ptr<Receiving> receiving_;
 };
 

@@ -240,7 +240,8 @@ Status ProcessNode::ToOutgoing(Message&& message, OutgoingMessage* outgoing) {
   if (message.device_values) {
     // A process of this host reached by CUDA IPC: the values go device ->
     // device into its landing region, and only a notice takes the socket.
-    MLT_RETURN_IF_ERROR(ipc_->TrySend(receiver, message.device_values.get(), EncodeHeaderFrame(message),
+    const int lane = IsServerBound(message.type()) ? IpcLinks::kToShards : IpcLinks::kToWorkers;
+    MLT_RETURN_IF_ERROR(ipc_->TrySend(receiver, lane, message.device_values.get(), EncodeHeaderFrame(message),
                                       &outgoing->header, &by_ipc));
     if (by_ipc) {
       message.device_values.reset();

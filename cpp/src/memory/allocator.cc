@@ -250,14 +250,16 @@ Status Allocator::GatherInto(const AccessRecord& access, float* buffer, Stream s
   const TableStore& store = *plan_->stores[access.table];
   const int64_t width = store.info.row_width;
   const size_t row_bytes = static_cast<size_t>(store.info.row_bytes());
+  // The rows of the data age read under the caller's partition locks were
+  // installed on another stream (CacheTickets).
+  MLT_RETURN_IF_ERROR(device_->WaitEvent(stream, store.tickets.last_install()));
   if (index.device_gather.total_rows > 0) {
     device_->Gather(buffer, store.values(Residence::kDevice), index.device_gather, width, stream);
   }
   // Host-resident rows straight from the host store (pinned on CUDA): one
   // gather over all runs where the device maps host memory, else a copy per
   // run. Joined to `stream` while the caller still holds the partition
-  // locks, so an install (queued on the prefetch stream, or written on the
-  // host after a Synchronize of it) is ordered after this swap.
+  // locks, so the ticket below covers this swap too.
   if (index.host_gather.total_rows > 0) {
     const float* host = store.values(Residence::kHost);
     MLT_RETURN_IF_ERROR(OnSwapStream(*device_, stream, Stream::kSwapIn, [&](Stream swap) {
@@ -269,6 +271,11 @@ Status Allocator::GatherInto(const AccessRecord& access, float* buffer, Stream s
         device_->CopyHostToDevice(buffer + run.dst * width, host + run.src * width, run.count * row_bytes, swap);
       }
     }));
+  }
+  if (!store.info.local) {  // a later install of these rows waits for this gather
+    DeviceEvent gathered;
+    MLT_RETURN_IF_ERROR(device_->RecordEvent(stream, &gathered));
+    store.tickets.set_last_gather(std::move(gathered));
   }
   MutexLock lock(&state_->mu);
   state_->stats.bytes_gathered += index.device_gather.total_rows * static_cast<int64_t>(row_bytes);

@@ -142,7 +142,7 @@ TEST(ReclaimerThreadErrorFailsTheEngine) {
   ExpectFailureNamed("RecordEvent", Stream::kWriteback, "", "worker 0's reclaimer thread");
 }
 TEST(ReceiveThreadErrorFailsTheEngine) {
-  ExpectFailureNamed("WaitEvent", Stream::kPrefetch, "CopyDeviceToDevice", "worker 0's receive thread");
+  ExpectFailureNamed("WaitEvent", Stream::kInstall, "CopyDeviceToDevice", "worker 0's receive thread");
 }
 TEST(ShardErrorFailsTheEngine) { ExpectFailureNamed("RecordEvent", Stream::kServer, "", "shard 0"); }
 

@@ -235,7 +235,8 @@ TEST(IpcEnvelopesRoundTripAndRefuseMalformedFrames) {
 
 // Each payload out records a copy event no other payload out uses, so a
 // receiver's wait covers its own copy and none queued after it; with every
-// event in use, one is shared (a longer wait, never a wrong one), and an
+// event of its lane in use, one is shared (a longer wait, never a wrong one:
+// the lane's copies share a stream), never one of another lane's, and an
 // event comes free when its payload's release does. A release naming an
 // event its payload did not use is refused.
 TEST(EachPayloadOutWaitsOnItsOwnCopyEvent) {
@@ -255,10 +256,11 @@ TEST(EachPayloadOutWaitsOnItsOwnCopyEvent) {
   DeviceBuffer buffer;
   buffer.data = values.data();
   buffer.count = values.size();
-  const auto send = [&](IpcSpan* span) {
+  const auto send = [&](int lane, IpcSpan* span) {
     std::string notice;
     bool sent = false;
-    ASSERT_OK(links[0]->TrySend(1, &buffer, EncodeHeaderFrame(NewMessage(MessageType::kRows, 0, 1, 0)), &notice, &sent));
+    ASSERT_OK(links[0]->TrySend(1, lane, &buffer, EncodeHeaderFrame(NewMessage(MessageType::kRows, 0, 1, 0)),
+                                &notice, &sent));
     ASSERT_TRUE(sent);
     IpcEnvelope envelope;
     ASSERT_OK(DecodeIpcEnvelope(notice.data(), notice.size(), 0, &envelope));
@@ -270,24 +272,34 @@ TEST(EachPayloadOutWaitsOnItsOwnCopyEvent) {
     EXPECT_OK(DecodeIpcEnvelope(frame0.data(), frame0.size(), 0, &envelope));
     return links[0]->OnRelease(envelope);
   };
-  std::vector<IpcSpan> out(DeviceIpc::kCopyEvents);
+  const auto in_lane = [](const IpcSpan& span, int lane) {
+    return span.event < static_cast<uint64_t>(DeviceIpc::kCopyEvents) &&
+           DeviceIpc::LaneOf(static_cast<int>(span.event)) == lane;
+  };
+  const int lane = IpcLinks::kToWorkers;
+  std::vector<IpcSpan> out(DeviceIpc::kEventsPerLane);
   std::vector<bool> seen(DeviceIpc::kCopyEvents, false);
   for (IpcSpan& span : out) {
-    send(&span);
-    ASSERT_TRUE(span.event < static_cast<uint64_t>(DeviceIpc::kCopyEvents));
+    send(lane, &span);
+    ASSERT_TRUE(in_lane(span, lane));
     EXPECT_TRUE(!seen[span.event]);  // none shared while one is free
     seen[span.event] = true;
   }
+  // The other lane's events are its own: free although this lane's are not.
+  IpcSpan other;
+  send(IpcLinks::kToShards, &other);
+  EXPECT_TRUE(in_lane(other, IpcLinks::kToShards));
+  ASSERT_OK(release(other));
   IpcSpan shared;
-  send(&shared);  // every event in use: one is shared
-  ASSERT_TRUE(shared.event < static_cast<uint64_t>(DeviceIpc::kCopyEvents));
+  send(lane, &shared);  // every event of the lane in use: one of them is shared
+  ASSERT_TRUE(in_lane(shared, lane));
   const size_t freed = out[0].event == shared.event ? 1 : 0;  // a payload whose event nothing else uses
   const size_t kept = freed + 1;
   ASSERT_OK(release(out[freed]));
   // A release naming the event that just came free (not its payload's).
   EXPECT_CODE(release(IpcSpan{out[kept].offset, out[kept].bytes, out[freed].event}), StatusCode::kCorruptMessage);
   IpcSpan again;
-  send(&again);
+  send(lane, &again);
   EXPECT_EQ(again.event, out[freed].event);  // the one event free again
   ASSERT_OK(release(out[kept]));  // the refused release left its range out
 }

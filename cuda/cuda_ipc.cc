@@ -25,7 +25,13 @@ using cuda_detail::TicketOf;
 
 constexpr size_t kMemHandleBytes = sizeof(cudaIpcMemHandle_t);
 constexpr size_t kEventHandleBytes = sizeof(cudaIpcEventHandle_t);
-constexpr size_t kHandleBytes = kMemHandleBytes + DeviceIpc::kCopyEvents * kEventHandleBytes;
+constexpr size_t kUuidBytes = sizeof(cudaUUID_t);
+// The region, the copy events, and the exporting device's UUID: the one
+// device identity two processes agree on (their ordinals may differ, and
+// cudaPointerGetAttributes names the importing device for an IPC mapping).
+constexpr size_t kEventsAt = kMemHandleBytes;
+constexpr size_t kUuidAt = kEventsAt + DeviceIpc::kCopyEvents * kEventHandleBytes;
+constexpr size_t kHandleBytes = kUuidAt + kUuidBytes;
 
 Status Fail(const std::string& what, cudaError_t err) {
   cudaGetLastError();
@@ -85,8 +91,12 @@ class CudaIpc final : public DeviceIpc {
       cudaIpcEventHandle_t event{};
       err = cudaIpcGetEventHandle(&event, events_out_[i]);
       if (err != cudaSuccess) return Fail("cudaIpcGetEventHandle", err);
-      std::memcpy(&handle_[kMemHandleBytes + i * kEventHandleBytes], &event, kEventHandleBytes);
+      std::memcpy(&handle_[kEventsAt + i * kEventHandleBytes], &event, kEventHandleBytes);
     }
+    cudaDeviceProp properties{};
+    err = cudaGetDeviceProperties(&properties, ordinal_);
+    if (err != cudaSuccess) return Fail("cudaGetDeviceProperties", err);
+    std::memcpy(&handle_[kUuidAt], &properties.uuid, kUuidBytes);
     for (cudaStream_t& stream : send_) {
       err = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
       if (err != cudaSuccess) return Fail("cudaStreamCreateWithFlags", err);
@@ -120,7 +130,7 @@ class CudaIpc final : public DeviceIpc {
     std::array<cudaEvent_t, kCopyEvents> opened{};
     for (int i = 0; i < kCopyEvents; ++i) {
       cudaIpcEventHandle_t event{};
-      std::memcpy(&event, handle.data() + kMemHandleBytes + i * kEventHandleBytes, kEventHandleBytes);
+      std::memcpy(&event, handle.data() + kEventsAt + i * kEventHandleBytes, kEventHandleBytes);
       err = cudaIpcOpenEventHandle(&opened[i], event);
       if (err != cudaSuccess) {
         for (int j = 0; j < i; ++j) cudaEventDestroy(opened[j]);
@@ -144,13 +154,7 @@ class CudaIpc final : public DeviceIpc {
     slot.region_bytes = region_bytes;
     slot.events = opened;
     slot.receive = receive;
-    // Where the peer's region lives, in this process's numbering of devices.
-    cudaPointerAttributes where{};
-    if (cudaPointerGetAttributes(&where, region) == cudaSuccess) {
-      slot.same_device = where.device == ordinal_;
-    } else {
-      cudaGetLastError();  // unknown: treated as another device
-    }
+    slot.same_device = handle.compare(kUuidAt, kUuidBytes, handle_, kUuidAt, kUuidBytes) == 0;
     return Status::Ok();
   }
 

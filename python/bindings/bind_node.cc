@@ -220,6 +220,8 @@ void RegisterNode(py::module_& m) {
                              "The memory of this process's device in bytes (-1 where unknown).")
       .def_property_readonly("cuda_ipc_peers", &ProcessNode::cuda_ipc_peers,
                              "The ranks this process exchanges device payloads with by CUDA IPC.")
+      .def_property_readonly("cuda_ipc_same_device_peers", &ProcessNode::cuda_ipc_same_device_peers,
+                             "Of cuda_ipc_peers, those whose GPU is this process's (they time-share it).")
       .def_property_readonly(
           "cuda_ipc_stats",
           [](const ProcessNode& node) {

@@ -185,6 +185,9 @@ class ProcessNode final : public Transport {
   Status OpenCudaIpcPeer(int peer, const std::string& handle, size_t slice_bytes);
   Status EnableCudaIpcPeer(int peer);
   std::vector<int> cuda_ipc_peers() const;
+  // Of those, the ones whose GPU is this process's (processes time-sharing
+  // a GPU): releases to them leave in order (IpcLinks::SharesDeviceWith).
+  std::vector<int> cuda_ipc_same_device_peers() const;
   IpcStats cuda_ipc_stats() const;
   // The memory of this process's device in bytes, -1 where unknown: what
   // the job sizes the CUDA IPC landing region by.

@@ -599,6 +599,14 @@ Status ProcessNode::EnableCudaIpcPeer(int peer) { return ipc_->Enable(peer); }
 
 std::vector<int> ProcessNode::cuda_ipc_peers() const { return ipc_->peers(); }
 
+std::vector<int> ProcessNode::cuda_ipc_same_device_peers() const {
+  std::vector<int> same;
+  for (int peer : ipc_->peers()) {
+    if (ipc_->SharesDeviceWith(peer)) same.push_back(peer);
+  }
+  return same;
+}
+
 IpcStats ProcessNode::cuda_ipc_stats() const { return ipc_->stats(); }
 
 int64_t ProcessNode::socket_payload_bytes() const { return socket_payload_bytes_.load(); }

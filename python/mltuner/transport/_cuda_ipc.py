@@ -166,6 +166,8 @@ def connect(node: _core.ProcessNode, mine: Card, cards: list[Card], why_not: str
             else:
                 reasons[peer] = "the peer could not open this process's export"
     paths = {peer: CUDA_IPC if peer not in reasons else f"{HOST_FRAMES} ({reasons[peer]})" for peer in peers}
+    same_gpu = set(node.cuda_ipc_same_device_peers)
     for peer, path in paths.items():
-        _log.info("mltuner: rank %d -> rank %d: device payloads by %s", rank, peer, path)
+        _log.info("mltuner: rank %d -> rank %d: device payloads by %s%s", rank, peer, path,
+                  " (on this process's GPU)" if peer in same_gpu else "")
     return paths

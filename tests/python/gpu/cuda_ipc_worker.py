@@ -50,6 +50,7 @@ def main() -> int:
             (args.out / f"rank-{job.rank}.json").write_text(json.dumps(
                 {"data_paths": {str(k): v for k, v in job.data_paths.items()},
                  "peers_by_cuda_ipc": job.worker.peers_by_cuda_ipc, "stats": stats,
+                 "same_device_peers": job._node.cuda_ipc_same_device_peers,
                  "messages_received": job.worker.stats["messages_received"], **result}))
     except mltuner.MltunerError as error:
         print(f"FAILED {type(error).__name__}: {error}", flush=True)

@@ -62,6 +62,10 @@ def test_two_processes_take_cuda_ipc_and_match_host_frames(tmp_path: Path, gpus:
         # The path taken, asserted from both the choice and the counters.
         assert on["data_paths"] == {peer: "cuda-ipc"}, on["output"]
         assert on["peers_by_cuda_ipc"] and not off["peers_by_cuda_ipc"]  # what wrap()'s shipping rule reads
+        # Releases leave in order only to a peer on this GPU: one on another
+        # GPU held every later message for its reads (the region's pointer
+        # attributes name the importing GPU; the UUID in the handle does not).
+        assert on["same_device_peers"] == ([1 - rank] if gpus == 1 else []), on["output"]
         assert on["stats"]["cuda_ipc_sent_bytes"] > 0 and on["stats"]["cuda_ipc_received_bytes"] > 0, on["stats"]
         assert on["stats"]["device_payload_bytes_by_host"] == 0, on["stats"]  # no fallback: every payload by IPC
         assert on["stats"]["cuda_ipc_fallbacks"] == 0, on["stats"]

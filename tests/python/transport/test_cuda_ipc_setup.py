@@ -121,6 +121,10 @@ class _FakeNode:
     def enable_cuda_ipc_peer(self, peer: int) -> None:
         self.enabled.append(peer)
 
+    @property
+    def cuda_ipc_same_device_peers(self) -> list[int]:
+        return []
+
 
 def _card(host: str, ipc: bool = True) -> Card:
     return Card(host=host, tcp={}, ipc={}, cuda_ipc={"handle": "0a0b", "slice_bytes": 512} if ipc else None)

@@ -1,6 +1,6 @@
 // The receive side of a worker: installs fresh rows pushed by the shards into
 // the parameter cache under the partition locks, advances data age, and
-// completes synchronous requests. Runs on the transport's receive thread.
+// completes synchronous requests. Runs on the engine inbox thread.
 #include "cache/row_installer.h"
 
 #include <algorithm>

@@ -3,7 +3,7 @@
 // the table's data age (waking the allocator), and completes the synchronous
 // requests of the application thread (fetch, initial values, branches).
 //
-// Threading: Handle() runs on the transport's receive thread, one message
+// Threading: Handle() runs on the engine inbox thread (ShardHost), one message
 // at a time. Ownership: owns the device landing buffers of rows from other
 // processes; the plan, state and device are the engine's and outlive it.
 #pragma once

@@ -5,6 +5,7 @@
 #include <deque>
 #include <utility>
 
+#include "cluster/hop_log.h"
 #include "cluster/ipc_links.h"
 #include "cluster/shard_host.h"
 #include "common/byte_bound.h"
@@ -197,6 +198,7 @@ Status ProcessNode::SendAll(std::vector<Message>&& messages) {
   bool waits = false;
   Status status;
   for (Message& message : messages) {
+    HopLog::Record(rank_, "queued", message);
     if (message.header.receiver == rank_) {
       status = SendToSelf(std::move(message));
     } else {
@@ -319,7 +321,11 @@ std::vector<OutgoingMessage> ProcessNode::NextOutgoingBatch(int timeout_ms, size
         held_releases_.push_back({std::move(message), SteadyClock::now()});
       } else {
         // In order: a release for a peer on this device waits here (IpcLinks::SharesDeviceWith).
-        if (checked.ok() && message.after) checked = ipc_->WaitDone(message.after, wait_timeout_ms_);
+        if (checked.ok() && message.after) {
+          HopLog::Record(rank_, "release-wait", message.receiver, 0);
+          checked = ipc_->WaitDone(message.after, wait_timeout_ms_);
+          HopLog::Record(rank_, "release-waited", message.receiver, 0);
+        }
         message.after.reset();
         taken.push_back(std::move(message));
       }
@@ -534,6 +540,7 @@ Status ProcessNode::Admit(Message&& message, Status status) {
     queues_->host.Reject(status, Message());
     return status;
   }
+  HopLog::Record(rank_, "admitted", message);
   status = queues_->host.PushBounded(std::move(message), wait_timeout_ms_);
   // A full inbox for the whole wait: this process's shard or installer is
   // stuck, and every worker would wait for its clocks forever.

@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "cluster/hop_log.h"
 #include "common/thread_name.h"
 
 namespace mltuner {
@@ -132,6 +133,9 @@ ShardHost::ShardHost(int rank, int num_workers, const Config& config, std::share
 
 void ShardHost::Start(Engine* engine, Transport* transport) {
   server_inbox_.Start("mlt-shard", [this, transport, engine](Message&& message) {
+    const MessageHeader header = message.header;
+    const size_t bytes = message.num_values() * sizeof(float);
+    HopLog::Record(rank_, "shard", header, bytes);
     std::vector<Message> replies;
     // A host frame from a worker of this process on another GPU may still
     // be filling; one from another process is complete.
@@ -176,12 +180,17 @@ void ShardHost::Start(Engine* engine, Transport* transport) {
       full = held_replies_.Hold(std::move(reply)) || full;
     }
     if (full) SendHeldReplies(transport);
+    HopLog::Record(rank_, "shard-done", header, bytes);
   }, [this, transport] { SendHeldReplies(transport); });
   client_inbox_.Start("mlt-installer", [this, engine](Message&& message) {
+    const MessageHeader header = message.header;
+    const size_t bytes = message.num_values() * sizeof(float);
+    HopLog::Record(rank_, "engine", header, bytes);
     // The same for rows from a shard of this process on another GPU.
     Status status = WaitReady(message.host_frame.get());
     if (status.ok()) status = engine->HandleMessage(std::move(message));
     if (!status.ok()) Reject(status, Message());
+    HopLog::Record(rank_, "engine-done", header, bytes);
   });
 }
 

@@ -10,6 +10,7 @@
 #include <thread>
 #include <utility>
 
+#include "cluster/hop_log.h"
 #include "common/mutex.h"
 #include "common/thread_name.h"
 #include "sockets/zmq_api.h"
@@ -165,6 +166,7 @@ class SocketPump::Impl {
 
   void Send(OutgoingMessage&& message) {
     const int receiver = message.receiver;
+    HopLog::Record(node_->rank(), "socket", receiver, message.header.size() + message.payload_bytes());
     const auto peer = options_.peers.find(receiver);
     if (peer == options_.peers.end()) {
       node_->Abort(Status::Internal("the send thread has no socket for rank " + std::to_string(receiver)));

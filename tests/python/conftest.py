@@ -8,16 +8,22 @@ error on a worker thread can never pass silently.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 import pytest
 
 from mltuner import Worker
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 # Generous enough for a loaded 2-core machine, far below pytest's 300 s timeout.
 DEFAULT_THREAD_TIMEOUT_S = 60.0
@@ -96,6 +102,30 @@ def nonzero_uniform(rng: np.random.Generator, shape: Sequence[int] | int, low: f
     magnitude = rng.uniform(low, high, size=shape)
     sign = rng.choice(np.array([-1.0, 1.0]), size=shape)
     return (magnitude * sign).astype(np.float32)
+
+
+@contextlib.contextmanager
+def benchmark_module(file_name: str, module_name: str) -> Iterator[ModuleType]:
+    """benchmarks/``file_name`` imported as ``module_name`` while in use:
+    registered in sys.modules (dataclasses look their module up there), with
+    benchmarks/ on sys.path for the modules beside it that it imports."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        spec = importlib.util.spec_from_file_location(module_name, BENCHMARKS / file_name)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(module_name, None)
+        sys.path.remove(str(BENCHMARKS))
+
+
+@pytest.fixture(name="benchmark_module", scope="session")
+def benchmark_module_fixture() -> Callable[[str, str], contextlib.AbstractContextManager[ModuleType]]:
+    """The :func:`benchmark_module` helper."""
+    return benchmark_module
 
 
 @pytest.fixture(name="run_workers")

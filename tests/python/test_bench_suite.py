@@ -5,14 +5,14 @@ and reports failures and timeouts without stopping the others."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from types import ModuleType
 
@@ -25,18 +25,9 @@ BENCH = REPO / "benchmarks"
 
 
 @pytest.fixture(scope="module")
-def suite() -> Iterator[ModuleType]:
-    sys.path.insert(0, str(BENCH))  # the suite imports figures.py beside it
-    try:
-        spec = importlib.util.spec_from_file_location("bench_suite", BENCH / "run.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses look their module up there
-        spec.loader.exec_module(module)
+def suite(benchmark_module: Callable[[str, str], AbstractContextManager[ModuleType]]) -> Iterator[ModuleType]:
+    with benchmark_module("run.py", "bench_suite") as module:  # the suite imports figures.py beside it
         yield module
-    finally:
-        sys.modules.pop("bench_suite", None)
-        sys.path.remove(str(BENCH))
 
 
 def fake_benchmark(tmp_path: Path, body: str) -> str:

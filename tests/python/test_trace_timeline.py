@@ -5,29 +5,20 @@ hand, so every figure the tool prints is known in advance."""
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
-import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
-def tool() -> Iterator[ModuleType]:
-    spec = importlib.util.spec_from_file_location("trace_timeline", BENCH / "trace_timeline.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
+def tool(benchmark_module: Callable[[str, str], AbstractContextManager[ModuleType]]) -> Iterator[ModuleType]:
+    with benchmark_module("trace_timeline.py", "trace_timeline") as module:
         yield module
-    finally:
-        sys.modules.pop("trace_timeline", None)
 
 
 def _op(name: str, cat: str, ts: float, dur: float, stream: int = 0, nbytes: int | None = None) -> dict:

@@ -5,11 +5,11 @@ tells the legs apart."""
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from types import ModuleType
 
@@ -22,16 +22,9 @@ CLOCKS = 20
 
 
 @pytest.fixture(scope="module")
-def tool() -> Iterator[ModuleType]:
-    spec = importlib.util.spec_from_file_location("hop_timeline", ROOT / "benchmarks" / "hop_timeline.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
+def tool(benchmark_module: Callable[[str, str], AbstractContextManager[ModuleType]]) -> Iterator[ModuleType]:
+    with benchmark_module("hop_timeline.py", "hop_timeline") as module:
         yield module
-    finally:
-        sys.modules.pop("hop_timeline", None)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ model, data, per-worker batch, update rule and number of workers.
 
     python benchmarks/throughput_bench.py [--device cpu|cuda] [--model cnn|resnet18|transformer] [--rule momentum|adam]
         [--workers 1,2] [--slacks 0,1] [--batch B] [--steps K] [--warmup W] [--overlap auto|step|backward] [--repeat R]
-        [--quick] [--trace DIR] [--out PATH.md] [--figures PATH.json]
+        [--quick] [--trace DIR] [--hops DIR] [--out PATH.md] [--figures PATH.json]
 
 The runs:
 
@@ -116,6 +116,11 @@ class Run:
     overlap: str = "auto"  # mltuner's wrap(overlap_updates=): auto (None), step (False), backward (True)
     rule: str = "momentum"  # RULES: the servers' damped momentum (= torch SGD with dampening m) or Adam
     trace: str = ""  # a folder: profile TRACE_STEPS more steps per rank with torch.profiler into it
+    hops: str = ""  # a folder: mltuner's hop logs (MLTUNER_HOP_LOG), a subfolder per run
+
+    @property
+    def slug(self) -> str:
+        return f"{self.system}-{self.workers}w-s{self.slack}"
 
     @property
     def label(self) -> str:
@@ -247,7 +252,7 @@ def traced_steps(step: Callable[[], torch.Tensor], run: Run, device: torch.devic
         synchronize(device)
     folder = Path(run.trace)
     folder.mkdir(parents=True, exist_ok=True)
-    name = f"{run.system}-{run.workers}w-s{run.slack}-rank{rank}"
+    name = f"{run.slug}-rank{rank}"
     profiler.export_chrome_trace(str(folder / f"{name}.json.gz"))  # gzipped: a transformer's is 30 MB plain
     averages = profiler.key_averages()
     tables = [averages.table(sort_by="self_cpu_time_total", row_limit=40)]
@@ -339,6 +344,8 @@ def mltuner_worker(run: Run) -> Optional[dict[str, Any]]:
     """One mltuner rank under ``mltuner launch``; rank 0 returns the result."""
     import mltuner.torch as mtorch
 
+    if run.hops:  # read by the engine at its first message
+        os.environ["MLTUNER_HOP_LOG"] = str(hop_folder(run))
     config = mlt.Config(update_rule=server_rule(run.rule), device="cuda" if run.device == "cuda" else "cpu",
                         wait_timeout_s=120)
     with mlt.Job(config) as job:
@@ -379,6 +386,30 @@ def worker_main(spec: str, result: str) -> int:
 # -- the benchmark: plan, launch, tabulate ------------------------------------------
 
 
+def hop_folder(run: Run) -> Path:
+    folder = Path(run.hops) / run.slug
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def hops_note(run: Run) -> str:
+    """From the run's hop logs (the whole run, warm-up included): each rank's
+    send-thread waits for CUDA IPC releases, and the 90th percentile of the
+    way of rows and updates to another process (hop_timeline.py)."""
+    import hop_timeline  # beside this script
+
+    hops = hop_timeline.read_hops([hop_folder(run)])
+    legs = hop_timeline.legs(hops)
+    waits = hop_timeline.release_waits(hops)
+    parts = [f"rank {rank} release waits {len(waits.get(rank, []))} ({sum(waits.get(rank, [])):.0f} ms)"
+             for rank in sorted({hop.rank for hop in hops})]
+    for kind in ("clock update", "rows"):
+        values = legs.get((kind, "to another process", "queued -> admitted"))
+        if values:
+            parts.append(f"{kind} to a peer p90 {hop_timeline.percentile(values, 0.9):.2f} ms")
+    return "hops: " + ", ".join(parts)
+
+
 def launched_run(run: Run, timeout_s: float) -> dict[str, Any]:
     """Runs ``run`` on its workers through this script's --worker mode."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -407,6 +438,8 @@ def measure(run: Run, params: int, timeout_s: float) -> Outcome:
         outcome.note = f"stall {max(result['stall_s']) / run.steps * 1e3:.2f} ms/clock (slowest rank)"
     if run.workers > 1 and result.get("traffic"):
         outcome.note += "; " + traffic_note(result["traffic"], run.steps, run.device == "cuda")
+    if run.hops and run.system == "mltuner" and run.workers > 1:
+        outcome.note += "; " + hops_note(run)
     if run.workers > 1:
         spread = min(result["elapsed_s"]) / slowest
         outcome.note = "; ".join(filter(None, [outcome.note, f"fastest rank {spread:.2f} of slowest's time"]))
@@ -446,7 +479,8 @@ def plan(args: argparse.Namespace) -> list[Run]:
     """The runs, in order; 1 worker (plain PyTorch and mltuner) always, as
     the baseline of the scaling figures."""
     common = dict(model=args.model, device=args.device, batch=args.batch, steps=args.steps, warmup=args.warmup,
-                  trace=str(Path(args.trace).resolve()) if args.trace else "", rule=args.rule)
+                  trace=str(Path(args.trace).resolve()) if args.trace else "", rule=args.rule,
+                  hops=str(Path(args.hops).resolve()) if args.hops else "")
     runs = [Run("plain", 1, 0, **common), Run("mltuner", 1, 0, **common, overlap=args.overlap)]
     for n in sorted(set(args.workers) - {1}):
         runs.append(Run("ddp", n, 0, **common))
@@ -618,6 +652,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--trace", default="", metavar="DIR",
                         help=f"after the timed steps, profile {TRACE_STEPS} more per rank of plain PyTorch and mltuner "
                         "with torch.profiler into DIR")
+    parser.add_argument("--hops", default="", metavar="DIR",
+                        help="log every message's hops in mltuner's runs (MLTUNER_HOP_LOG) into DIR/<run>, and note "
+                        "each rank's send-thread release waits and the messages' way to a peer "
+                        "(benchmarks/hop_timeline.py DIR/<run> prints all of it)")
     parser.add_argument("--out", default=None, help="write the table here (markdown)")
     parser.add_argument("--figures", metavar="PATH", help="write the headline figures for the suite (JSON)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a launched worker's run, as JSON

@@ -327,6 +327,19 @@ class CudaDevice final : public Device {
     return Status::Ok();
   }
 
+  Status QueryEvent(const DeviceEvent& event, bool* done) override {
+    *done = true;
+    if (!event) return Status::Ok();
+    MLT_RETURN_IF_ERROR(MakeCurrent("QueryEvent"));
+    const cudaError_t err = cudaEventQuery(TicketOf(event).event());
+    if (err == cudaErrorNotReady) {
+      *done = false;
+      return Status::Ok();
+    }
+    if (err != cudaSuccess) return Fail("QueryEvent (cudaEventQuery)", err);
+    return Status::Ok();
+  }
+
   void AddInto(float* dst, const float* src, int64_t count, Stream s) override {
     if (count <= 0) return;
     cudaStream_t stream = nullptr;

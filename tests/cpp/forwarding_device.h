@@ -53,6 +53,7 @@ class ForwardingDevice : public Device {
   Status WaitEvent(Stream s, const DeviceEvent& e) override { return inner_->WaitEvent(s, e); }
   Status WaitOnAppStream(uintptr_t a, const DeviceEvent& e) override { return inner_->WaitOnAppStream(a, e); }
   Status WaitEventDone(const DeviceEvent& e) override { return inner_->WaitEventDone(e); }
+  Status QueryEvent(const DeviceEvent& e, bool* done) override { return inner_->QueryEvent(e, done); }
   Status RecordAppWork(uintptr_t a, DeviceEvent* out) override { return inner_->RecordAppWork(a, out); }
   Status CopyPiecesOnAppStream(uintptr_t a, float* buffer, const std::vector<CopyPiece>& pieces,
                                CopyDirection direction) override {

@@ -159,11 +159,13 @@ class Device {
   // stream `s` wait for a ticket (from any stream of this device); a null
   // ticket is complete. WaitOnAppStream makes the application's stream wait,
   // so a buffer prepared on an engine stream is complete before the
-  // application's kernels touch it. WaitEventDone blocks the calling thread.
+  // application's kernels touch it. WaitEventDone blocks the calling thread;
+  // QueryEvent only says whether the ticket is complete.
   virtual Status RecordEvent(Stream s, DeviceEvent* out) = 0;
   virtual Status WaitEvent(Stream s, const DeviceEvent& event) = 0;
   virtual Status WaitOnAppStream(uintptr_t app_stream, const DeviceEvent& event) = 0;
   virtual Status WaitEventDone(const DeviceEvent& event) = 0;
+  virtual Status QueryEvent(const DeviceEvent& event, bool* done) = 0;
 
   // The application hands buffers back (post calls) while its own kernels
   // may still be using them on its own stream. RecordAppWork takes a ticket

@@ -69,6 +69,10 @@ struct OutgoingMessage {
   DeviceEvent after;                    // leaves only once this ticket is complete
                                         //   (a CUDA IPC release: the reads it allows
                                         //   to be overwritten)
+  // The receiver's inbox it is for: each keeps its own order; none for a
+  // CUDA IPC release, which keeps none.
+  enum class Lane : uint8_t { kNone, kToShard, kToEngine };
+  Lane lane = Lane::kNone;
   size_t payload_bytes() const;
   const float* payload_values() const;  // the frame's or the vector's
 };
@@ -99,7 +103,9 @@ class ProcessNode final : public Transport {
   // The next message for another process, waiting up to timeout_ms. False
   // when none came in time, or the node is closed and its outbox drained.
   // A host frame's producer may still be copying into it when it is queued:
-  // this waits for its ticket (the engine's threads never do).
+  // such a message waits aside, with the later ones for the same receiver's
+  // shard (or engine), while the others go on; the engine's threads never
+  // wait for a frame.
   bool NextOutgoing(int timeout_ms, OutgoingMessage* out);
   // The socket messages to send next: every message waiting in the outbox
   // (at most max_messages, and past the first only while their payloads
@@ -225,17 +231,27 @@ class ProcessNode final : public Transport {
   const int rank_;
   const int num_workers_;
   const int64_t wait_timeout_ms_;
-  // CUDA IPC releases taken from the outbox before the reads they allow to
-  // be overwritten were done (the send thread's). They leave once those
-  // are, so no message behind them waits for the device.
-  struct HeldRelease {
+  // Messages taken from the outbox that wait for the device (the send
+  // thread's): CUDA IPC releases whose reads are not done, which leave as
+  // soon as they are; and messages whose host frame is still being filled,
+  // with the later ones for the same receiver and inbox (shard or engine),
+  // which leave in their order. No other message waits behind them: an
+  // update still behind the application's backward pass once held back the
+  // rows of the clock before.
+  struct HeldMessage {
     OutgoingMessage message;
     std::chrono::steady_clock::time_point since;
   };
-  std::deque<HeldRelease> held_releases_;
-  // Moves the held releases whose reads are done to *out; kTimeout once one
-  // has waited longer than the wait timeout.
+  std::deque<HeldMessage> held_releases_;
+  std::deque<HeldMessage> held_frames_;
+  // Moves the held releases whose reads are done, and the held frames that
+  // are ready and first of their receiver's inbox, to *out; kTimeout once
+  // one has waited longer than the wait timeout.
   Status TakeFinishedReleases(std::vector<OutgoingMessage>* out);
+  Status TakeReadyFrames(std::vector<OutgoingMessage>* out);
+  // Whether `message` must wait in held_frames_: its frame is not ready, or
+  // one for the same receiver and inbox waits there already.
+  Status MustWaitForFrame(const OutgoingMessage& message, bool* wait) const;
   std::shared_ptr<DeviceBufferPool> frames_;
   std::unique_ptr<BorrowedFrames> borrowed_;
   std::unique_ptr<IpcLinks> ipc_;  // before queues_: the shard host asks it

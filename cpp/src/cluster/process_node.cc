@@ -238,6 +238,7 @@ Status ProcessNode::SendToSelf(Message&& message) {
 Status ProcessNode::ToOutgoing(Message&& message, OutgoingMessage* outgoing) {
   const int receiver = message.header.receiver;
   outgoing->receiver = receiver;
+  outgoing->lane = IsServerBound(message.type()) ? OutgoingMessage::Lane::kToShard : OutgoingMessage::Lane::kToEngine;
   bool by_ipc = false;
   if (message.device_values) {
     // A process of this host reached by CUDA IPC: the values go device ->
@@ -303,19 +304,25 @@ std::vector<OutgoingMessage> ProcessNode::NextOutgoingBatch(int timeout_ms, size
   auto pause = std::chrono::microseconds(10);
   while (true) {
     Status checked = TakeFinishedReleases(&taken);
-    // While releases wait for the device, wait for the outbox only briefly
+    if (checked.ok()) checked = TakeReadyFrames(&taken);
+    // While messages wait for the device, wait for the outbox only briefly
     // (a new message still wakes this at once), and look at them again.
     std::chrono::microseconds wait = std::chrono::duration_cast<std::chrono::microseconds>(deadline - SteadyClock::now());
     if (!taken.empty()) {
       wait = std::chrono::microseconds(0);
-    } else if (!held_releases_.empty()) {
+    } else if (!held_releases_.empty() || !held_frames_.empty()) {
       wait = std::min(wait, pause);
       pause = std::min(pause * 2, std::chrono::microseconds(200));
     }
     std::vector<OutgoingMessage> popped = queues_->PopOutgoing(wait, max_messages, max_bytes);
     for (OutgoingMessage& message : popped) {
       if (!checked.ok()) break;
-      checked = WaitReady(message.frame.get());
+      bool wait_for_frame = false;
+      checked = MustWaitForFrame(message, &wait_for_frame);
+      if (wait_for_frame) {
+        held_frames_.push_back({std::move(message), SteadyClock::now()});
+        continue;
+      }
       if (message.frame) message.frame->ready.reset();
       if (message.after && !ipc_->SharesDeviceWith(message.receiver)) {
         held_releases_.push_back({std::move(message), SteadyClock::now()});
@@ -331,6 +338,7 @@ std::vector<OutgoingMessage> ProcessNode::NextOutgoingBatch(int timeout_ms, size
       }
     }
     if (checked.ok() && !popped.empty()) checked = TakeFinishedReleases(&taken);
+    if (checked.ok() && !popped.empty()) checked = TakeReadyFrames(&taken);
     if (!checked.ok()) {
       // The device failed under a copy or a release's reads: the engine's
       // threads report it too.
@@ -339,7 +347,7 @@ std::vector<OutgoingMessage> ProcessNode::NextOutgoingBatch(int timeout_ms, size
     }
     if (!taken.empty() || SteadyClock::now() >= deadline) break;
     // The wait ran out with nothing held, or the outbox is closed and drained.
-    if (held_releases_.empty() && popped.empty()) break;
+    if (held_releases_.empty() && held_frames_.empty() && popped.empty()) break;
   }
   if (taken.size() < 2) return taken;
   // Per receiver, in order: each run of small messages becomes one batch (a
@@ -394,6 +402,53 @@ Status ProcessNode::TakeFinishedReleases(std::vector<OutgoingMessage>* out) {
     held->message.after.reset();
     out->push_back(std::move(held->message));
     held = held_releases_.erase(held);
+  }
+  return Status::Ok();
+}
+
+Status ProcessNode::MustWaitForFrame(const OutgoingMessage& message, bool* wait) const {
+  *wait = false;
+  if (message.lane == OutgoingMessage::Lane::kNone) return Status::Ok();
+  for (const HeldMessage& held : held_frames_) {
+    if (held.message.receiver == message.receiver && held.message.lane == message.lane) {
+      *wait = true;
+      return Status::Ok();
+    }
+  }
+  const DeviceBuffer* frame = message.frame.get();
+  if (frame == nullptr || !frame->ready) return Status::Ok();
+  if (frame->block == nullptr) {
+    return Status::Internal("a frame with a ticket to wait for names no device (DeviceBuffer::block is null)");
+  }
+  bool done = false;
+  MLT_RETURN_IF_ERROR(frame->block->device()->QueryEvent(frame->ready, &done));
+  *wait = !done;
+  return Status::Ok();
+}
+
+Status ProcessNode::TakeReadyFrames(std::vector<OutgoingMessage>* out) {
+  // A receiver's inbox whose first held message is not ready keeps the
+  // later ones held too.
+  std::vector<std::pair<int, OutgoingMessage::Lane>> blocked;
+  for (auto held = held_frames_.begin(); held != held_frames_.end();) {
+    OutgoingMessage& message = held->message;
+    const std::pair<int, OutgoingMessage::Lane> inbox{message.receiver, message.lane};
+    bool done = std::find(blocked.begin(), blocked.end(), inbox) == blocked.end();
+    if (done && message.frame && message.frame->ready) {
+      MLT_RETURN_IF_ERROR(message.frame->block->device()->QueryEvent(message.frame->ready, &done));
+    }
+    if (!done) {
+      if (std::chrono::steady_clock::now() - held->since > std::chrono::milliseconds(wait_timeout_ms_)) {
+        return Status::Timeout("the device work filling a host frame for rank " + std::to_string(message.receiver) +
+                               " did not finish within " + std::to_string(wait_timeout_ms_) + " ms");
+      }
+      blocked.push_back(inbox);
+      ++held;
+      continue;
+    }
+    if (message.frame) message.frame->ready.reset();
+    out->push_back(std::move(message));
+    held = held_frames_.erase(held);
   }
   return Status::Ok();
 }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks of a lent GPU machine, in one go: installs mltuner (with
 # CUDA) into the machine's Python, runs the CUDA C++ tests (CTest label gpu),
-# the Python GPU tests, and the GPU data-path benchmark. Writes logs to $OUT
+# the Python GPU tests, and the GPU data-path benchmark (and, with two GPUs or
+# more, the transformer on two against DDP, its hop logs kept). Writes logs to $OUT
 # (or ./gpu-out). Offline machines: wheels for pyzmq/optuna in .wheelhouse.
 #   bash scripts/gpu_checks.sh [benchmark args...]
 set -uo pipefail
@@ -24,3 +25,9 @@ echo "== Python GPU tests"
 python3 -m pytest -q -x tests/python/gpu tests/python/torch/test_cuda.py tests/python/torch/test_mixed_precision.py -p no:cacheprovider 2>&1 | tail -15 | tee "$out/pytest-gpu.log"
 echo "== benchmark"
 (cd benchmarks && python3 gpu_path_bench.py "$@" 2>&1 | tee "$out/gpu_path_bench.md")
+if (( $(nvidia-smi -L | wc -l) >= 2 )); then
+  echo "== two GPUs: the transformer against DDP, with each run's message hops"
+  (cd benchmarks && python3 throughput_bench.py --device cuda --model transformer --rule adam --workers 2 \
+     --slacks 0,1 --hops "$out/hops" 2>&1 | grep '^|' | tee "$out/throughput_transformer.md")
+  tar czf "$out/hops.tgz" -C "$out" hops && rm -rf "$out/hops"  # few files to fetch: hop_timeline.py reads them
+fi

@@ -95,6 +95,20 @@ class ProcessNode::Queues {
     return taken;
   }
 
+  // A message the send thread took but holds (its frame still being filled)
+  // keeps its bytes counted against the limit until it leaves.
+  void CountHeld(int64_t bytes) {
+    {
+      MutexLock lock(&mu);
+      if (bytes >= 0) {
+        outbox_bytes.Add(bytes);
+      } else {
+        outbox_bytes.Remove(-bytes);
+      }
+    }
+    if (bytes < 0) room.NotifyAll();
+  }
+
   Status WaitForRoom(int64_t bytes, int64_t timeout_ms) REQUIRES(mu) {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
     bool has_room = closed || aborted || outbox_bytes.HasRoom(bytes);
@@ -238,13 +252,14 @@ Status ProcessNode::SendToSelf(Message&& message) {
 Status ProcessNode::ToOutgoing(Message&& message, OutgoingMessage* outgoing) {
   const int receiver = message.header.receiver;
   outgoing->receiver = receiver;
-  outgoing->lane = IsServerBound(message.type()) ? OutgoingMessage::Lane::kToShard : OutgoingMessage::Lane::kToEngine;
+  const bool to_shard = IsServerBound(message.type());
+  outgoing->lane = to_shard ? OutgoingMessage::Lane::kToShard : OutgoingMessage::Lane::kToEngine;
   bool by_ipc = false;
   if (message.device_values) {
     // A process of this host reached by CUDA IPC: the values go device ->
     // device into its landing region, and only a notice takes the socket.
-    const int lane = IsServerBound(message.type()) ? IpcLinks::kToShards : IpcLinks::kToWorkers;
-    MLT_RETURN_IF_ERROR(ipc_->TrySend(receiver, lane, message.device_values.get(), EncodeHeaderFrame(message),
+    MLT_RETURN_IF_ERROR(ipc_->TrySend(receiver, to_shard ? IpcLinks::kToShards : IpcLinks::kToWorkers,
+                                      message.device_values.get(), EncodeHeaderFrame(message),
                                       &outgoing->header, &by_ipc));
     if (by_ipc) {
       message.device_values.reset();
@@ -320,6 +335,7 @@ std::vector<OutgoingMessage> ProcessNode::NextOutgoingBatch(int timeout_ms, size
       bool wait_for_frame = false;
       checked = MustWaitForFrame(message, &wait_for_frame);
       if (wait_for_frame) {
+        queues_->CountHeld(static_cast<int64_t>(message.payload_bytes()));
         held_frames_.push_back({std::move(message), SteadyClock::now()});
         continue;
       }
@@ -447,6 +463,7 @@ Status ProcessNode::TakeReadyFrames(std::vector<OutgoingMessage>* out) {
       continue;
     }
     if (message.frame) message.frame->ready.reset();
+    queues_->CountHeld(-static_cast<int64_t>(message.payload_bytes()));
     out->push_back(std::move(message));
     held = held_frames_.erase(held);
   }

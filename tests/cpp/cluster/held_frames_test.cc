@@ -4,7 +4,8 @@
 // while the others leave: a shard's rows of the clock before never wait
 // behind it. The device here is the CPU backend seen as a GPU
 // (host frames for another process) whose writeback tickets stay incomplete
-// until the test lets them go.
+// until the test lets them go. A held message's bytes still count against
+// the outbox's bound.
 #include <atomic>
 #include <chrono>
 #include <memory>
@@ -138,6 +139,7 @@ TEST(RowsLeaveWhileAnEarlierUpdateFrameIsStillBeingFilled) {
   }
   EXPECT_TRUE(std::find(sent.begin(), sent.end(), MessageType::kRows) != sent.end());
   EXPECT_TRUE(std::find(sent.begin(), sent.end(), MessageType::kClockUpdate) == sent.end());
+  EXPECT_TRUE(node[0]->outbox_bytes() >= kRows / 2 * kWidth * 4);  // the held update's frame still counts
   // Once its frame is filled the update leaves too, and the clock finishes.
   device0->Release();
   std::thread zero_to_one([&] {
@@ -155,6 +157,7 @@ TEST(RowsLeaveWhileAnEarlierUpdateFrameIsStillBeingFilled) {
   for (RowId r = 0; r < kRows; ++r) rows.push_back(r);
   ASSERT_OK(node[1]->engine()->Fetch(table[1], rows, values.data()));
   for (float value : values) EXPECT_EQ(value, 3.0f);  // 1 + 2: both updates applied
+  EXPECT_EQ(node[0]->outbox_bytes(), 0);
   stop = true;
   one_to_zero.join();
   zero_to_one.join();

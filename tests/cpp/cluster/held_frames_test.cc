@@ -6,8 +6,10 @@
 // (host frames for another process) whose writeback tickets stay incomplete
 // until the test lets them go. A held message's bytes still count against
 // the outbox's bound.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -61,6 +63,19 @@ class HeldWritebackDevice final : public ForwardingDevice {
   std::atomic<bool> holding_{false};
   std::shared_ptr<std::atomic<bool>> released_ = std::make_shared<std::atomic<bool>>(false);
 };
+
+// Hands what `from` sends to `to` until `stop`.
+std::thread Forward(ProcessNode* from, ProcessNode* to, const std::atomic<bool>* stop) {
+  return std::thread([from, to, stop] {
+    OutgoingMessage message;
+    while (!*stop) {
+      if (from->NextOutgoing(20, &message)) {
+        ASSERT_OK(to->Deliver(message.header.data(), message.header.size(), message.payload_values(),
+                              message.payload_bytes()));
+      }
+    }
+  });
+}
 
 MessageType TypeOf(const OutgoingMessage& message) {
   MessageHeader header;
@@ -116,15 +131,7 @@ TEST(RowsLeaveWhileAnEarlierUpdateFrameIsStillBeingFilled) {
   run_clock(1);
   ASSERT_OK(node[1]->engine()->Flush());
   std::atomic<bool> stop{false};
-  std::thread one_to_zero([&] {
-    OutgoingMessage message;
-    while (!stop) {
-      if (node[1]->NextOutgoing(20, &message)) {
-        ASSERT_OK(node[0]->Deliver(message.header.data(), message.header.size(), message.payload_values(),
-                                   message.payload_bytes()));
-      }
-    }
-  });
+  std::thread one_to_zero = Forward(node[1].get(), node[0].get(), &stop);
   // From rank 0: shard 0's rows for rank 1 come out while the update that
   // was queued before them still waits for its frame.
   std::vector<MessageType> sent;
@@ -142,15 +149,7 @@ TEST(RowsLeaveWhileAnEarlierUpdateFrameIsStillBeingFilled) {
   EXPECT_TRUE(node[0]->outbox_bytes() >= kRows / 2 * kWidth * 4);  // the held update's frame still counts
   // Once its frame is filled the update leaves too, and the clock finishes.
   device0->Release();
-  std::thread zero_to_one([&] {
-    OutgoingMessage message;
-    while (!stop) {
-      if (node[0]->NextOutgoing(20, &message)) {
-        ASSERT_OK(node[1]->Deliver(message.header.data(), message.header.size(), message.payload_values(),
-                                   message.payload_bytes()));
-      }
-    }
-  });
+  std::thread zero_to_one = Forward(node[0].get(), node[1].get(), &stop);
   for (int rank = 0; rank < 2; ++rank) ASSERT_OK(node[rank]->engine()->WaitForDataAge(table[rank], 0));
   std::vector<float> values(kRows * kWidth);
   std::vector<RowId> rows;

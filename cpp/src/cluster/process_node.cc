@@ -422,6 +422,20 @@ Status ProcessNode::TakeFinishedReleases(std::vector<OutgoingMessage>* out) {
   return Status::Ok();
 }
 
+namespace {
+
+// Whether `frame` (null: none) is filled: its ticket, if it has one, done.
+Status FrameFilled(const DeviceBuffer* frame, bool* filled) {
+  *filled = true;
+  if (frame == nullptr || !frame->ready) return Status::Ok();
+  if (frame->block == nullptr) {
+    return Status::Internal("a frame with a ticket to wait for names no device (DeviceBuffer::block is null)");
+  }
+  return frame->block->device()->QueryEvent(frame->ready, filled);
+}
+
+}  // namespace
+
 Status ProcessNode::MustWaitForFrame(const OutgoingMessage& message, bool* wait) const {
   *wait = false;
   if (message.lane == OutgoingMessage::Lane::kNone) return Status::Ok();
@@ -431,14 +445,9 @@ Status ProcessNode::MustWaitForFrame(const OutgoingMessage& message, bool* wait)
       return Status::Ok();
     }
   }
-  const DeviceBuffer* frame = message.frame.get();
-  if (frame == nullptr || !frame->ready) return Status::Ok();
-  if (frame->block == nullptr) {
-    return Status::Internal("a frame with a ticket to wait for names no device (DeviceBuffer::block is null)");
-  }
-  bool done = false;
-  MLT_RETURN_IF_ERROR(frame->block->device()->QueryEvent(frame->ready, &done));
-  *wait = !done;
+  bool filled = true;
+  MLT_RETURN_IF_ERROR(FrameFilled(message.frame.get(), &filled));
+  *wait = !filled;
   return Status::Ok();
 }
 
@@ -450,9 +459,7 @@ Status ProcessNode::TakeReadyFrames(std::vector<OutgoingMessage>* out) {
     OutgoingMessage& message = held->message;
     const std::pair<int, OutgoingMessage::Lane> inbox{message.receiver, message.lane};
     bool done = std::find(blocked.begin(), blocked.end(), inbox) == blocked.end();
-    if (done && message.frame && message.frame->ready) {
-      MLT_RETURN_IF_ERROR(message.frame->block->device()->QueryEvent(message.frame->ready, &done));
-    }
+    if (done) MLT_RETURN_IF_ERROR(FrameFilled(message.frame.get(), &done));
     if (!done) {
       if (std::chrono::steady_clock::now() - held->since > std::chrono::milliseconds(wait_timeout_ms_)) {
         return Status::Timeout("the device work filling a host frame for rank " + std::to_string(message.receiver) +

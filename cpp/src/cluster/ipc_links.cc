@@ -105,12 +105,11 @@ void IpcLinks::StopPosting() {
   receiving_->post = nullptr;
 }
 
-Status IpcLinks::TrySend(int peer, int lane, DeviceBuffer* buffer, const std::string& message_frame0,
-                         std::string* notice, bool* sent) {
+Status IpcLinks::TrySend(int peer, OutgoingMessage::Lane message_lane, DeviceBuffer* buffer,
+                         const std::string& message_frame0, std::string* notice, bool* sent) {
   *sent = false;
-  if (lane < 0 || lane >= DeviceIpc::kLanes) {
-    return Status::InvalidArgument("CUDA IPC: no lane " + std::to_string(lane));
-  }
+  const int lane = EventLane(message_lane);
+  if (lane < 0) return Status::InvalidArgument("CUDA IPC: a payload for no inbox (OutgoingMessage::Lane::kNone)");
   if (!enabled(peer) || buffer->count == 0) return Status::Ok();
   const uint64_t bytes = buffer->count * sizeof(float);
   IpcSpan span;

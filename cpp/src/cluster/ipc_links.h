@@ -90,19 +90,21 @@ class IpcLinks {
   void SetPost(PostRelease post);
   void StopPosting();
 
-  // The lanes of DeviceIpc: an update for a shard waits for the
-  // application's work, rows for a worker for the shard's.
-  static constexpr int kToShards = 0;
-  static constexpr int kToWorkers = 1;
+  // The DeviceIpc lane of a message's lane (-1 for none): an update for a
+  // shard waits for the application's work, rows for an engine for the shard's.
+  static int EventLane(OutgoingMessage::Lane lane) {
+    return lane == OutgoingMessage::Lane::kToShard ? 0 : lane == OutgoingMessage::Lane::kToEngine ? 1 : -1;
+  }
 
   // Sender: tries to move `buffer`'s values (device memory, ready with its
-  // ticket) into peer's landing slice, on `lane` (kToShards, kToWorkers). *sent: whether it did; then *notice
+  // ticket) into peer's landing slice, in the event lane of the message's
+  // `lane` (kNone: InvalidArgument). *sent: whether it did; then *notice
   // is frame 0 to send in place of the message's (whose frame 0 is
   // `message_frame0`), and buffer->last_use the copy's ticket. Not sent:
   // IPC is not enabled for `peer`, or the slice has no room (counted as a
   // fallback). Fails only when the device does.
-  Status TrySend(int peer, int lane, DeviceBuffer* buffer, const std::string& message_frame0, std::string* notice,
-                 bool* sent);
+  Status TrySend(int peer, OutgoingMessage::Lane lane, DeviceBuffer* buffer, const std::string& message_frame0,
+                 std::string* notice, bool* sent);
   // Sender: a release from the peer that received a payload.
   Status OnRelease(const IpcEnvelope& release);
   // Receiver: checks a notice's span against its sender's slice and claims

@@ -252,15 +252,13 @@ Status ProcessNode::SendToSelf(Message&& message) {
 Status ProcessNode::ToOutgoing(Message&& message, OutgoingMessage* outgoing) {
   const int receiver = message.header.receiver;
   outgoing->receiver = receiver;
-  const bool to_shard = IsServerBound(message.type());
-  outgoing->lane = to_shard ? OutgoingMessage::Lane::kToShard : OutgoingMessage::Lane::kToEngine;
+  outgoing->lane = IsServerBound(message.type()) ? OutgoingMessage::Lane::kToShard : OutgoingMessage::Lane::kToEngine;
   bool by_ipc = false;
   if (message.device_values) {
     // A process of this host reached by CUDA IPC: the values go device ->
     // device into its landing region, and only a notice takes the socket.
-    MLT_RETURN_IF_ERROR(ipc_->TrySend(receiver, to_shard ? IpcLinks::kToShards : IpcLinks::kToWorkers,
-                                      message.device_values.get(), EncodeHeaderFrame(message),
-                                      &outgoing->header, &by_ipc));
+    MLT_RETURN_IF_ERROR(ipc_->TrySend(receiver, outgoing->lane, message.device_values.get(),
+                                      EncodeHeaderFrame(message), &outgoing->header, &by_ipc));
     if (by_ipc) {
       message.device_values.reset();
     } else {

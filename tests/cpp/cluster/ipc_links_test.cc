@@ -155,6 +155,21 @@ testing::NodesSetup LinkBoth(size_t slice) {
   };
 }
 
+// `clocks` clocks of the test model on two nodes linked by slices of
+// `slice` bytes, devices from `make_device`: nothing refused or rejected, and
+// both ranks' values the bits of one process's.
+testing::TwoNodeRun TrainThroughIpc(const Config& config, const DeviceFactory& make_device, int clocks, size_t slice,
+                                    bool batches) {
+  std::vector<float> local[2];
+  testing::TrainInOneProcess(config, clocks, local);
+  testing::TwoNodeRun remote;
+  testing::TrainInTwoProcesses(config, make_device, clocks, &remote, {}, false, batches, LinkBoth(slice));
+  EXPECT_EQ(remote.refused, 0);
+  EXPECT_EQ(remote.rejected, 0);
+  for (int rank = 0; rank < 2; ++rank) testing::ExpectSameBits(remote.values[rank], local[rank]);
+  return remote;
+}
+
 }  // namespace
 
 TEST(ByteRangesPlaceClaimAndFree) {
@@ -256,7 +271,7 @@ TEST(EachPayloadOutWaitsOnItsOwnCopyEvent) {
   DeviceBuffer buffer;
   buffer.data = values.data();
   buffer.count = values.size();
-  const auto send = [&](int lane, IpcSpan* span) {
+  const auto send = [&](OutgoingMessage::Lane lane, IpcSpan* span) {
     std::string notice;
     bool sent = false;
     ASSERT_OK(links[0]->TrySend(1, lane, &buffer, EncodeHeaderFrame(NewMessage(MessageType::kRows, 0, 1, 0)),
@@ -272,11 +287,11 @@ TEST(EachPayloadOutWaitsOnItsOwnCopyEvent) {
     EXPECT_OK(DecodeIpcEnvelope(frame0.data(), frame0.size(), 0, &envelope));
     return links[0]->OnRelease(envelope);
   };
-  const auto in_lane = [](const IpcSpan& span, int lane) {
+  const auto in_lane = [](const IpcSpan& span, OutgoingMessage::Lane lane) {
     return span.event < static_cast<uint64_t>(DeviceIpc::kCopyEvents) &&
-           DeviceIpc::LaneOf(static_cast<int>(span.event)) == lane;
+           DeviceIpc::LaneOf(static_cast<int>(span.event)) == IpcLinks::EventLane(lane);
   };
-  const int lane = IpcLinks::kToWorkers;
+  const OutgoingMessage::Lane lane = OutgoingMessage::Lane::kToEngine;
   std::vector<IpcSpan> out(DeviceIpc::kEventsPerLane);
   std::vector<bool> seen(DeviceIpc::kCopyEvents, false);
   for (IpcSpan& span : out) {
@@ -287,8 +302,8 @@ TEST(EachPayloadOutWaitsOnItsOwnCopyEvent) {
   }
   // The other lane's events are its own: free although this lane's are not.
   IpcSpan other;
-  send(IpcLinks::kToShards, &other);
-  EXPECT_TRUE(in_lane(other, IpcLinks::kToShards));
+  send(OutgoingMessage::Lane::kToShard, &other);
+  EXPECT_TRUE(in_lane(other, OutgoingMessage::Lane::kToShard));
   ASSERT_OK(release(other));
   IpcSpan shared;
   send(lane, &shared);  // every event of the lane in use: one of them is shared
@@ -305,19 +320,12 @@ TEST(EachPayloadOutWaitsOnItsOwnCopyEvent) {
 }
 
 TEST(TrainingThroughIpcIsBitIdenticalToOneProcess) {
-  const Config config = TestConfig();
   constexpr int kClocks = 16;
-  std::vector<float> local[2];
-  testing::TrainInOneProcess(config, kClocks, local);
   // On the CPU backend, and on a GPU-like device: a GPU's paths.
   for (const DeviceFactory& make_device : {DeviceFactory(MakeHostIpcDevice), DeviceFactory(MakeGpuLikeIpcDevice)}) {
-    testing::TwoNodeRun remote;
-    testing::TrainInTwoProcesses(config, make_device, kClocks, &remote, {}, false, /*batches=*/true,
-                                 LinkBoth(size_t{1} << 20));
-    EXPECT_EQ(remote.refused, 0);
-    EXPECT_EQ(remote.rejected, 0);
+    const testing::TwoNodeRun remote =
+        TrainThroughIpc(TestConfig(), make_device, kClocks, size_t{1} << 20, /*batches=*/true);
     for (int rank = 0; rank < 2; ++rank) {
-      testing::ExpectSameBits(remote.values[rank], local[rank]);
       const IpcStats& ipc = remote.ipc[rank];
       const IpcStats& peer = remote.ipc[1 - rank];
       // Every device payload went device -> device: updates and rows of two
@@ -363,16 +371,8 @@ TEST(ReleasesWaitingForTheirReadsAreHeldAsideOnlyForAnotherDevice) {
 TEST(PayloadsThatDoNotFitTheSliceFallBackToHostFrames) {
   // 256 bytes: the update of table b's slice (7 rows x 5 floats = 140 bytes)
   // fits one at a time; table a's (20 rows x 7 floats = 560) never does.
-  const Config config = TestConfig();
-  constexpr int kClocks = 8;
-  std::vector<float> local[2];
-  testing::TrainInOneProcess(config, kClocks, local);
-  testing::TwoNodeRun remote;
-  testing::TrainInTwoProcesses(config, MakeHostIpcDevice, kClocks, &remote, {}, false, false, LinkBoth(256));
-  EXPECT_EQ(remote.refused, 0);
-  EXPECT_EQ(remote.rejected, 0);
+  const testing::TwoNodeRun remote = TrainThroughIpc(TestConfig(), MakeHostIpcDevice, 8, 256, false);
   for (int rank = 0; rank < 2; ++rank) {
-    testing::ExpectSameBits(remote.values[rank], local[rank]);
     EXPECT_TRUE(remote.ipc[rank].sent_messages > 0);
     EXPECT_TRUE(remote.ipc[rank].fallbacks > 0);
     EXPECT_TRUE(remote.by_host[rank] > 0);
@@ -384,17 +384,9 @@ TEST(PayloadsThatDoNotFitTheSliceFallBackToHostFrames) {
 // room stay in place. 1,024 bytes: table a's update slice (560 bytes) is
 // more than half of it on its own.
 TEST(PayloadsLandingInACrowdedSliceAreCopiedOut) {
-  const Config config = TestConfig();
-  constexpr int kClocks = 8;
-  std::vector<float> local[2];
-  testing::TrainInOneProcess(config, kClocks, local);
   for (const DeviceFactory& make_device : {DeviceFactory(MakeHostIpcDevice), DeviceFactory(MakeGpuLikeIpcDevice)}) {
-    testing::TwoNodeRun remote;
-    testing::TrainInTwoProcesses(config, make_device, kClocks, &remote, {}, false, false, LinkBoth(1024));
-    EXPECT_EQ(remote.refused, 0);
-    EXPECT_EQ(remote.rejected, 0);
+    const testing::TwoNodeRun remote = TrainThroughIpc(TestConfig(), make_device, 8, 1024, false);
     for (int rank = 0; rank < 2; ++rank) {
-      testing::ExpectSameBits(remote.values[rank], local[rank]);
       const IpcStats& ipc = remote.ipc[rank];
       EXPECT_TRUE(ipc.copied_out_messages > 0);
       EXPECT_TRUE(ipc.copied_out_messages < ipc.received_messages);  // table b's alone fit in place

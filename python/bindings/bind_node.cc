@@ -241,7 +241,8 @@ void RegisterNode(py::module_& m) {
             return out;
           },
           "CUDA IPC traffic so far: payloads and bytes sent and received device -> device, fallbacks to "
-          "host frames (a full slice), payloads that waited for room in a full slice and the microseconds they waited, payloads copied out of a crowded slice on landing, releases sent and received.")
+          "host frames (a full slice), payloads that waited for room in a full slice and the microseconds they "
+          "waited, payloads copied out of a crowded slice on landing, releases sent and received.")
       .def_property_readonly("socket_payload_bytes", &ProcessNode::socket_payload_bytes,
                              "Payload bytes sent to other processes through the socket.")
       .def_property_readonly("device_payload_bytes_by_host", &ProcessNode::device_payload_bytes_by_host,

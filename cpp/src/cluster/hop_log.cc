@@ -1,6 +1,7 @@
 // HopLog: see hop_log.h.
 #include "cluster/hop_log.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -51,11 +52,13 @@ class HopFile {
 };
 
 // Null when off (no MLTUNER_HOP_LOG, or a folder that cannot be written:
-// said once on stderr).
+// said once on stderr). The folder itself is made if missing (not its parents),
+// so launching a job with a new folder name needs no step before.
 HopFile* File() {
   static const std::unique_ptr<HopFile> file = []() -> std::unique_ptr<HopFile> {
     const char* folder = std::getenv("MLTUNER_HOP_LOG");
     if (folder == nullptr || *folder == '\0') return nullptr;
+    mkdir(folder, 0755);  // EEXIST (or any failure) shows at the fopen below
     const std::string path = std::string(folder) + "/hops-" + std::to_string(getpid()) + ".tsv";
     std::FILE* opened = std::fopen(path.c_str(), "w");
     if (opened == nullptr) {

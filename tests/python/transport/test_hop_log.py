@@ -29,7 +29,7 @@ def tool(benchmark_module: Callable[[str, str], AbstractContextManager[ModuleTyp
 
 @pytest.fixture(scope="module")
 def hop_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("hops")
+    folder = tmp_path_factory.mktemp("hops") / "made-by-the-job"  # the processes make the folder
     out = io.StringIO()
     code = launch([sys.executable, str(ROOT / "examples" / "softmax_regression.py"), "--clocks", str(CLOCKS)], 2,
                   env={**os.environ, "MLTUNER_HOP_LOG": str(folder)}, stdout=out, grace_seconds=10)

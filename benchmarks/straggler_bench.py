@@ -1,7 +1,7 @@
-"""Stragglers: time to a target validation accuracy with one of 2 workers
-slowed, for mltuner at slack 0, 1, 3 and 7 against PyTorch DDP (gloo).
+"""Stragglers: time to a target validation accuracy with one of 2 (or 4)
+workers slowed, for mltuner at slack 0, 1, 3 and 7 against PyTorch DDP (gloo).
 
-    python benchmarks/straggler_bench.py [--quick] [--target 0.7] [--out PATH] [--figures PATH]
+    python benchmarks/straggler_bench.py [--quick] [--workers 2,4] [--target 0.7] [--out PATH] [--figures PATH]
 
 The model is the MNIST-1D CNN, trained with a fixed setting (lr 0.3,
 dampened momentum 0.9, 32 samples per worker and clock) by
@@ -17,7 +17,9 @@ forward + backward time for one batch, measured here first:
 
 Time is the seconds of training to the first validation at or above the
 target, validations included (mltuner's validation clocks; DDP's forward pass
-over the validation split on rank 0). One seed.
+over the validation split on rank 0). One seed. ``--workers`` lists the job
+sizes (default 2); each worker takes 32 samples a clock, so 4 workers train
+with twice the global batch of 2, and each size has its own DDP baseline.
 ``--quick`` runs slack 0 and 3 under no straggler, constant 3x and bursts.
 """
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
 import sys
 import tempfile
@@ -63,6 +66,8 @@ def main() -> int:
     parser.add_argument("--out", default="results/straggler_bench.md")
     parser.add_argument("--figures", metavar="PATH", help="write the headline figures for the suite (JSON)")
     parser.add_argument("--quick", action="store_true", help="slack 0 and 3; no straggler, constant 3x, bursts")
+    parser.add_argument("--workers", type=lambda text: [int(n) for n in text.split(",")], default=[2],
+                        help="comma list of worker counts (default 2)")
     args = parser.parse_args()
     slacks = QUICK_SLACKS if args.quick else SLACKS
     t = batch_seconds()
@@ -76,46 +81,47 @@ def main() -> int:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
-        for name, (sleep_s, probability) in patterns.items():
-            slow = ["--slow-rank", "1", "--slow-ms", str(sleep_s * 1000), "--slow-probability", str(probability)]
-            times: dict[str, float | None] = {}
-            for slack in slacks:
-                summary = run_job([sys.executable, "-m", "mltuner.apps.mnist1d", "--model", "cnn", "--mode",
-                                   "fixed", "--search", "", "--staleness", str(slack), "--result", str(result),
-                                   *common, *slow], result)["summary"]
-                times[f"slack {slack}"] = summary["time_to_target_s"]
-            ddp = run_job([sys.executable, str(BENCH / "ddp_mnist1d.py"), "--result", str(result), *common,
-                           *slow], result)
-            times["DDP"] = ddp["time_to_target_s"]
-            print(name, times, flush=True)
-            rows.append((name, times))
+        for workers in args.workers:
+            for name, (sleep_s, probability) in patterns.items():
+                slow = ["--slow-rank", "1", "--slow-ms", str(sleep_s * 1000), "--slow-probability", str(probability)]
+                times: dict[str, float | None] = {}
+                for slack in slacks:
+                    summary = run_job([sys.executable, "-m", "mltuner.apps.mnist1d", "--model", "cnn", "--mode",
+                                       "fixed", "--search", "", "--staleness", str(slack), "--result", str(result),
+                                       *common, *slow], result, workers=workers)["summary"]
+                    times[f"slack {slack}"] = summary["time_to_target_s"]
+                ddp = run_job([sys.executable, str(BENCH / "ddp_mnist1d.py"), "--result", str(result), *common,
+                               *slow], result, workers=workers)
+                times["DDP"] = ddp["time_to_target_s"]
+                print(workers, name, times, flush=True)
+                rows.append((workers, name, times))
     lines = table(rows, slacks, t, args, time.perf_counter() - started)
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
     write_figures(args.figures, [
-        Figure("stragglers", f"rank 1 slowed: {name}; slack {slack} vs DDP", times[f"slack {slack}"],
+        Figure("stragglers", f"{workers} workers, rank 1 slowed: {name}; slack {slack} vs DDP", times[f"slack {slack}"],
                "s to target", "DDP (gloo)", times["DDP"], ratio(times["DDP"], times[f"slack {slack}"]),
                "DDP time / mltuner time", note=f"target {args.target:.0%}, t = {t * 1e3:.2f} ms")
-        for name, times in rows for slack in slacks])
+        for workers, name, times in rows for slack in slacks])
     return 0
 
 
-def table(rows: list[tuple[str, dict[str, float | None]]], slacks: tuple[int, ...], t: float,
+def table(rows: list[tuple[int, str, dict[str, float | None]]], slacks: tuple[int, ...], t: float,
           args: argparse.Namespace, total_s: float) -> list[str]:
     columns = [f"slack {s}" for s in slacks] + ["DDP"]
     lines = [
         "```",
         f"date: {datetime.datetime.now():%Y-%m-%d %H:%M}; machine: {platform.machine()}, "
-        f"torch {torch.__version__}; 2 workers; t = {t * 1e3:.2f} ms; target {args.target:.0%}; "
+        f"torch {torch.__version__}; {os.cpu_count()} cores; t = {t * 1e3:.2f} ms; target {args.target:.0%}; "
         f"total {total_s:.0f} s",
         "```", "",
         "Seconds to the target (lower is better); in brackets, the ratio to DDP under the same straggler.", "",
-        "| rank 1 slowed | " + " | ".join(columns) + " |",
-        "|:--|" + "--:|" * len(columns),
+        "| workers | rank 1 slowed | " + " | ".join(columns) + " |",
+        "|--:|:--|" + "--:|" * len(columns),
     ]
-    for name, times in rows:
+    for workers, name, times in rows:
         ddp = times["DDP"]
         cells = []
         for column in columns:
@@ -126,7 +132,7 @@ def table(rows: list[tuple[str, dict[str, float | None]]], slacks: tuple[int, ..
                 cells.append(f"{value:.1f}")
             else:
                 cells.append(f"{value:.1f} ({value / ddp:.2f})")
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append(f"| {workers} | {name} | " + " | ".join(cells) + " |")
     return lines
 
 

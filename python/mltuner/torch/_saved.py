@@ -187,6 +187,7 @@ class SavedActivations:
         self._random_wanted: dict[int, Any] = {}  # random ops (by number) the programs replay, with their op
         self._random: RandomStates | None = None
         self._modes: list[bool] = []  # each module's training flag in the recording
+        self._moded: list[nn.Module] = []  # ... and those modules, in the same order
         self.store_all: StoreAllLog | None = None  # recording, while recomputing
         self.fell_back = ""  # why wrap(recompute="auto") stores every activation after all
 
@@ -285,7 +286,8 @@ class SavedActivations:
         self.store_all = StoreAllLog([e for e in events if not (e.kind == "store" and e.slot in kept)],
                                      len(self.slots), kept)
         self._programs = programs
-        self._modes = [module.training for module in modules]
+        self._moded = list(modules)
+        self._modes = [module.training for module in self._moded]
         nodes = self._trace.nodes
         self._random_wanted = {nodes[n].seeded: nodes[n].func for p in programs.values() for n in p.nodes
                                if nodes[n].seeded >= 0}
@@ -317,8 +319,8 @@ class SavedActivations:
         recorded arguments, so a module switched between train and eval mode
         since the recording (batch norm, dropout) would make other values
         than its forward: refused before the clock starts."""
-        if not self._programs:
-            return
+        if not self._programs or [module.training for module in self._moded] == self._modes:
+            return  # the common case, checked without named_modules()' walk (a per-clock cost)
         for (name, module), training in zip(model.named_modules(), self._modes):
             if module.training != training:
                 raise IterationMismatchError(

@@ -89,17 +89,26 @@ class BufferArg:
 
 @dataclasses.dataclass(frozen=True)
 class ScratchArg:
-    """A fresh tensor shaped like the original argument (zeros, or uninitialised)."""
+    """A fresh tensor shaped like the original argument (uninitialised), or
+    with ``zeros`` a tensor only written (batch norm's running statistics in
+    training: the output never reads them), made once as zeros and reused by
+    every later run: an allocation and a fill kernel fewer per batch norm run
+    again, and its values stay finite."""
 
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
     zeros: bool
+    _written: list[torch.Tensor] = dataclasses.field(default_factory=list, compare=False, repr=False)
 
     def make(self) -> torch.Tensor:
+        if self._written:
+            return self._written[0]
         tensor = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
-        return tensor.zero_() if self.zeros else tensor
+        if self.zeros:
+            self._written.append(tensor.zero_())
+        return tensor
 
 
 @dataclasses.dataclass

@@ -326,8 +326,10 @@ def remap_reads(trace: ForwardTrace, programs: dict[int, Program], index: dict[i
 
 
 def run(program: Program, trace: ForwardTrace, *, leaf: Callable[[int], torch.Tensor],
-        param: Callable[[ParamRef], torch.Tensor], random_state: Callable[[int], torch.Tensor]) -> torch.Tensor:
-    """Runs ``program``'s ops again and returns the saved activation.
+        param: Callable[[ParamRef], torch.Tensor],
+        random_state: Callable[[int], torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Runs ``program``'s ops again and returns the values they made, by
+    value number: the saved activation is ``[program.output]``.
     ``leaf(slot)`` gives a saved activation it reads, ``param(ref)`` a view
     of a layer's parameters, ``random_state(n)`` the generator state before
     the forward's random op ``n``."""
@@ -368,7 +370,7 @@ def run(program: Program, trace: ForwardTrace, *, leaf: Callable[[int], torch.Te
             for value, item in zip(node.outputs, tree_flatten(out)[0]):
                 if value >= 0:
                     env[value] = item
-    return env[program.output]
+    return env
 
 
 def describe(program: Program, trace: ForwardTrace) -> str:

@@ -106,6 +106,25 @@ def read_back(source: torch.Tensor, slot: Slot, device: torch.device) -> torch.T
     return out
 
 
+def siblings(programs: dict[int, Program], trace: ForwardTrace,
+             slot_values: Sequence[int]) -> dict[int, tuple[tuple[int, int], ...]]:
+    """Per recomputed slot, the other recomputed slots (value, slot) that
+    the last op of its program makes too: the other outputs of one op (a max
+    pool's values and indices), run once for both. Only the last op's, so
+    that no later op of the program can have written them in place."""
+    out: dict[int, tuple[tuple[int, int], ...]] = {}
+    for slot, program in programs.items():
+        producer = trace.producer[program.output]
+        if producer is None or not program.nodes or producer[0] != program.nodes[-1]:
+            continue
+        found = tuple((slot_values[other], other) for other in programs
+                      if other != slot and slot_values[other] != program.output
+                      and (trace.producer[slot_values[other]] or (-1,))[0] == producer[0])
+        if found:
+            out[slot] = found
+    return out
+
+
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors are equal byte for byte, layout included."""
     layout = Slot(tuple(b.shape), b.dtype, tuple(b.stride()))
@@ -181,6 +200,8 @@ class SavedActivations:
         # of a kept slot, the recomputations' reads of it only.
         self._uses: list[int] = []
         self._memo: dict[int, list[Any]] = {}  # slot -> [tensor, uses left this clock]
+        self._made: set[int] = set()  # later clocks: the slots made this clock (memoised or used up)
+        self._siblings: dict[int, tuple[tuple[int, int], ...]] = {}  # slot -> (value, slot) made by its last op
         self._trace: ForwardTrace | None = None
         self._values: list[int] = []  # per slot: its value in the trace
         self._programs: dict[int, Program] = {}
@@ -286,6 +307,7 @@ class SavedActivations:
         self.store_all = StoreAllLog([e for e in events if not (e.kind == "store" and e.slot in kept)],
                                      len(self.slots), kept)
         self._programs = programs
+        self._siblings = siblings(programs, self._trace, self._values)
         self._moded = list(modules)
         self._modes = [module.training for module in self._moded]
         nodes = self._trace.nodes
@@ -357,7 +379,9 @@ class SavedActivations:
         if recording:
             self._uses[slot] = 1
             self._memo[slot] = [tensor, 0]
-        elif self._uses[slot] > 1:
+            return tensor
+        self._made.add(slot)
+        if self._uses[slot] > 1:
             self._memo[slot] = [tensor, self._uses[slot] - 1]
         return tensor
 
@@ -376,10 +400,17 @@ class SavedActivations:
             return self.resolve(other, recording=recording, load=load, param=param)
 
         if not recording:
-            return run(program, self._trace, leaf=leaf, param=param, random_state=self._random_state)
+            env = run(program, self._trace, leaf=leaf, param=param, random_state=self._random_state)
+            for value, other in self._siblings.get(slot, ()):
+                # Made by the same op (a max pool's indices beside its values):
+                # kept for its first use rather than run again then.
+                if other not in self._made and self._uses[other] > 0:
+                    self._made.add(other)
+                    self._memo[other] = [env[value], self._uses[other]]
+            return env[program.output]
         original = self._originals[slot]
         try:
-            tensor = run(program, self._trace, leaf=leaf, param=param, random_state=self._random_state)
+            tensor = run(program, self._trace, leaf=leaf, param=param, random_state=self._random_state)[program.output]
             if not _same_bits(tensor, original):
                 raise _NotReproducible("the ops run again made other bytes than the forward")
         except Exception as error:  # noqa: BLE001 - any failure means: store it instead
@@ -419,6 +450,7 @@ class SavedActivations:
 
     def reset_clock(self) -> None:
         self._memo.clear()
+        self._made.clear()
         self._random = None
 
     # -- in words ------------------------------------------------------------------------

@@ -169,6 +169,49 @@ def test_resnet_recomputes_batch_norm_and_relu_outputs_bit_identically(inplace: 
     assert not [access for access in cheap["accesses"] if access.split(" (")[0].rsplit(" ", 1)[-1] in numbers]
 
 
+def pooled_resnet() -> nn.Module:
+    """torchvision's stem: a max pool after the first ReLU, whose values and
+    indices autograd saves for two different ops."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, CHANNELS, 3, padding=1, bias=False), nn.BatchNorm2d(CHANNELS), nn.ReLU(),
+                         nn.MaxPool2d(3, stride=2, padding=1), Block(False), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(CHANNELS, CLASSES))
+
+
+def test_an_op_with_two_recomputed_outputs_runs_once_per_backward_pass() -> None:
+    """The max pool's values (saved by the next convolution) and indices
+    (saved by its own backward) are both recomputed: the backward pass runs
+    the pool once for the two, with the same training as storing them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountPools(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pools = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.pools += func is torch.ops.aten.max_pool2d_with_indices.default
+            return func(*args, **(kwargs or {}))
+
+    data = resnet_data()
+    stored = train(pooled_resnet, data, resnet_loss, "none")
+    cheap = train(pooled_resnet, data, resnet_loss, "cheap")
+    assert_same_training(cheap, stored)
+    pools = [line for line in recomputed(cheap["saved"]) if "max_pool2d_with_indices" in line]
+    assert len(pools) == 2, cheap["saved"]  # the values and the indices
+
+    x, y = data
+    with LocalCluster(1, Config(wait_timeout_s=20)) as cluster:
+        ps_model = mt.wrap(pooled_resnet(), cluster.worker(0), example_input=x[0], store_activations=True,
+                           recompute="cheap")
+        for clock in range(2):
+            loss = resnet_loss(ps_model(x[clock]), y[clock])
+            with CountPools() as counter:  # CPU: the backward pass runs on this thread
+                loss.backward()
+            ps_model.step()
+            assert counter.pools == 1, (clock, counter.pools)
+
+
 def test_compute_also_recomputes_convolutions_bit_identically() -> None:
     data = resnet_data()
     make = functools_partial(resnet, False)
@@ -386,12 +429,12 @@ def test_a_recomputation_that_differs_is_stored_instead(monkeypatch: pytest.Monk
     real_run = saved_module.run
     spoiled: list[int] = []
 
-    def spoiling_run(program: recompute_module.Program, *args: Any, **kwargs: Any) -> torch.Tensor:
-        out = real_run(program, *args, **kwargs)
+    def spoiling_run(program: recompute_module.Program, *args: Any, **kwargs: Any) -> dict[int, torch.Tensor]:
+        made = real_run(program, *args, **kwargs)
         if not spoiled or program.slot == spoiled[0]:
             spoiled[:1] = [program.slot]
-            return out + 1  # as a nondeterministic kernel might
-        return out
+            made[program.output] = made[program.output] + 1  # as a nondeterministic kernel might
+        return made
 
     monkeypatch.setattr(saved_module, "run", spoiling_run)
     data = resnet_data()

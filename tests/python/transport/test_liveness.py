@@ -127,13 +127,12 @@ def test_a_receiver_that_takes_nothing_fails_the_sender_within_the_wait_timeout(
             if "the rows of shard 1): a worker is slow" in str(error):
                 pass  # the bound on an unread table's lead (memory/allocator.cc): rank 1's shard is behind
             elif "for the buffer of pre_update" in str(error):
-                # The application's own wait for a buffer, which the engine
-                # thread blocked on the outbox holds, ran out first: that
-                # thread's wait then fails the node, naming rank 1.
-                deadline = time.monotonic() + 5.0
-                while not jobs[0]._node.aborted and time.monotonic() < deadline:  # noqa: SLF001
-                    time.sleep(0.05)
-                assert jobs[0]._node.aborted  # noqa: SLF001
+                # The application's own wait for a buffer ran out first, while
+                # an engine thread still waited behind rank 1 (on the outbox,
+                # whose wait then fails the node too, or between the allocator's
+                # waits: on a loaded machine either interleaving happens; the
+                # node's abort is not this test's point, the sender's error is).
+                assert "the allocator thread is waiting for" in str(error), error
             else:
                 assert "the outbox to other processes" in str(error) and "worker rank 1 is not taking" in str(error)
         assert outcome["after 0"] < 8.0  # the wait timeout (2 s) ended it, not the end of the stall (10 s)

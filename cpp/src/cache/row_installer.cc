@@ -163,13 +163,7 @@ Status RowInstaller::InstallValues(const Message& message, int piece, const RowS
       host_writes = true;
     }
   }
-  if (host_writes) MLT_RETURN_IF_ERROR(WaitForCopiesOf(store));
-  for (const WireSegment& segment : segments) {
-    if (segment.residence != Residence::kHost || on_device != nullptr) continue;
-    std::memcpy(store.values(Residence::kHost) + segment.slot * width,
-                payload + (segment.begin - range.begin) * width,
-                static_cast<size_t>(segment.count * store.info.row_bytes()));
-  }
+  if (host_writes) MLT_RETURN_IF_ERROR(WriteHostRows(store, segments, range, payload));
   DeviceEvent installed;
   MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kInstall, &installed));
   if (on_device != nullptr) message.device_values->last_use = installed;
@@ -213,23 +207,24 @@ Status RowInstaller::InstallFrame(const Message& message, int piece, const RowSp
     frame.last_use = installed;
     store.tickets.set_last_install(std::move(installed));
   }
-  if (!index.receive_on_device[piece]) {
-    MLT_RETURN_IF_ERROR(WaitForCopiesOf(store));
-    for (const WireSegment& segment : segments) {
-      if (segment.residence == Residence::kDevice) continue;
-      std::memcpy(store.values(Residence::kHost) + segment.slot * width,
-                  frame.data + (segment.begin - range.begin) * width,
-                  static_cast<size_t>(segment.count * store.info.row_bytes()));
-    }
-  }
+  if (!index.receive_on_device[piece]) MLT_RETURN_IF_ERROR(WriteHostRows(store, segments, range, frame.data));
   return Status::Ok();
 }
 
-// Before a host-side write of host-resident rows: the queued gathers may
-// still read them, and queued installs may still write them.
-Status RowInstaller::WaitForCopiesOf(const TableStore& store) {
+// The host-resident rows of `segments`, copied on the host from `source`
+// (whose first row is range.begin): once the queued gathers, which may still
+// read them, and the queued installs, which may still write them, are done.
+Status RowInstaller::WriteHostRows(const TableStore& store, const std::vector<WireSegment>& segments,
+                                   const RowSpan& range, const float* source) {
   MLT_RETURN_IF_ERROR(device_->WaitEventDone(store.tickets.last_gather()));
-  return device_->WaitEventDone(store.tickets.last_install());
+  MLT_RETURN_IF_ERROR(device_->WaitEventDone(store.tickets.last_install()));
+  const int64_t width = store.info.row_width;
+  for (const WireSegment& segment : segments) {
+    if (segment.residence != Residence::kHost) continue;
+    std::memcpy(store.values(Residence::kHost) + segment.slot * width, source + (segment.begin - range.begin) * width,
+                static_cast<size_t>(segment.count * store.info.row_bytes()));
+  }
+  return Status::Ok();
 }
 
 Status RowInstaller::CompleteRequest(Message&& message) {

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include "cache/table_store.h"
 #include "memory/device_block.h"
@@ -35,7 +36,8 @@ class RowInstaller {
   // from a host frame, or from host values or a device payload.
   Status InstallFrame(const Message& message, int piece, const RowSpan& range);
   Status InstallValues(const Message& message, int piece, const RowSpan& range);
-  Status WaitForCopiesOf(const TableStore& store);
+  Status WriteHostRows(const TableStore& store, const std::vector<WireSegment>& segments, const RowSpan& range,
+                       const float* source);
   Status CompleteRequest(Message&& message) EXCLUDES(state_->age_mu);
 
   const int rank_;

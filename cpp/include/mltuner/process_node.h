@@ -247,6 +247,7 @@ class ProcessNode final : public Transport {
   // Moves the held releases whose reads are done, and the held frames that
   // are ready and first of their receiver's inbox, to *out; kTimeout once
   // one has waited longer than the wait timeout.
+  Status TakeHeldMessages(std::vector<OutgoingMessage>* out);
   Status TakeFinishedReleases(std::vector<OutgoingMessage>* out);
   Status TakeReadyFrames(std::vector<OutgoingMessage>* out);
   // Whether `message` must wait in held_frames_: its frame is not ready, or

@@ -316,8 +316,7 @@ std::vector<OutgoingMessage> ProcessNode::NextOutgoingBatch(int timeout_ms, size
   std::vector<OutgoingMessage> taken;
   auto pause = std::chrono::microseconds(10);
   while (true) {
-    Status checked = TakeFinishedReleases(&taken);
-    if (checked.ok()) checked = TakeReadyFrames(&taken);
+    Status checked = TakeHeldMessages(&taken);
     // While messages wait for the device, wait for the outbox only briefly
     // (a new message still wakes this at once), and look at them again.
     std::chrono::microseconds wait = std::chrono::duration_cast<std::chrono::microseconds>(deadline - SteadyClock::now());
@@ -351,8 +350,7 @@ std::vector<OutgoingMessage> ProcessNode::NextOutgoingBatch(int timeout_ms, size
         taken.push_back(std::move(message));
       }
     }
-    if (checked.ok() && !popped.empty()) checked = TakeFinishedReleases(&taken);
-    if (checked.ok() && !popped.empty()) checked = TakeReadyFrames(&taken);
+    if (checked.ok() && !popped.empty()) checked = TakeHeldMessages(&taken);
     if (!checked.ok()) {
       // The device failed under a copy or a release's reads: the engine's
       // threads report it too.
@@ -398,6 +396,11 @@ std::vector<OutgoingMessage> ProcessNode::NextOutgoingBatch(int timeout_ms, size
     flush();
   }
   return out;
+}
+
+Status ProcessNode::TakeHeldMessages(std::vector<OutgoingMessage>* out) {
+  MLT_RETURN_IF_ERROR(TakeFinishedReleases(out));
+  return TakeReadyFrames(out);
 }
 
 Status ProcessNode::TakeFinishedReleases(std::vector<OutgoingMessage>* out) {

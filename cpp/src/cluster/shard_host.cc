@@ -170,8 +170,18 @@ void ShardHost::Start(Engine* engine, Transport* transport) {
     // one hand-off to the send thread and one socket message per worker
     // instead of one per table. This rank's engine gets its rows at once
     // (its next read may be waiting for them).
+    // Rows lent from the shard's state to a process reached by shared
+    // memory leave at once too: their send copies them into its region, and
+    // the shard's next apply to the table waits for that (ServerShard::
+    // WaitForLoans). What was held leaves before them, in order.
     bool full = false;
     for (Message& reply : replies) {
+      if (reply.header.receiver != rank_ && reply.device_values && reply.device_values->borrowed) {
+        SendHeldReplies(transport);
+        const Status sent = transport->Send(std::move(reply));
+        if (!sent.ok()) Reject(sent, Message());
+        continue;
+      }
       if (reply.header.receiver == rank_) {
         const Status sent = transport->Send(std::move(reply));
         if (!sent.ok()) Reject(sent, Message());

@@ -564,8 +564,10 @@ Status ServerShard::PushAllRows(const TableState& table, std::vector<Message>* o
 
 // A worker of this process gets a copy in device memory, queued on the server
 // stream after the rule (its install waits for `ready`), or with the state in
-// host memory a view of the state itself (LendValues); any other worker a
-// host copy, which waits for the device.
+// host memory a view of the state itself (LendValues); so does a worker of
+// another process reached by shared memory (CPU engines), whose copy into its
+// landing region is made as the message leaves, on this thread, which ends
+// the loan at once; any other worker a host copy, which waits for the device.
 Status ServerShard::RowsMessage(const TableState& table, int part, Clock age, int worker, Message* out,
                                 std::shared_ptr<DeviceBuffer>* shared_frame) {
   Message rows = NewMessage(MessageType::kRows, rank_, worker, table.info.id);
@@ -577,9 +579,12 @@ Status ServerShard::RowsMessage(const TableState& table, int part, Clock age, in
     rows.spans.push_back(range);
     const size_t count = static_cast<size_t>(table.values_of(part));
     const float* values = table.data() + table.offset_of(part);
-    if (device_receivers_ && device_receivers_(worker) && state_in_host_) {
+    const bool direct = device_receivers_ && device_receivers_(worker);
+    if (direct && worker != rank_ && device_->host_addressable()) {
+      MLT_RETURN_IF_ERROR(LendValues(table, part, &rows.device_values));
+    } else if (direct && state_in_host_) {
       MLT_RETURN_IF_ERROR(LendValues(table, part, &rows.host_frame));
-    } else if (device_receivers_ && device_receivers_(worker)) {
+    } else if (direct) {
       MLT_RETURN_IF_ERROR(buffers_.Acquire(count, Stream::kServer, &rows.device_values));
       device_->CopyDeviceToDevice(rows.device_values->data, values, count * sizeof(float), Stream::kServer);
       MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kServer, &rows.device_values->ready));

@@ -369,7 +369,7 @@ class Job:
         peers = [r for r in range(self.world_size) if r != self.rank]
         control_client = self._control
         self.data_paths.update(_cuda_ipc.connect(
-            self._node, card, cards, no_cuda_ipc,
+            self._node, self.config.device, card, cards, no_cuda_ipc,
             lambda name, value: control_client.allgather(name, value, rendezvous_timeout_s)))
         self.peer_endpoints = {r: choose_address(self.transport, card, cards[r], "data", r) for r in peers}
         self._liveness = ControlChannel(

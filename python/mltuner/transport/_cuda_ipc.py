@@ -1,22 +1,26 @@
-"""CUDA IPC between the processes of one host (GPU engines).
+"""Device payloads between the processes of one host: CUDA IPC between GPU
+engines, shared memory between CPU engines.
 
-At the rendezvous each process with a CUDA engine exports a landing region
-(one slice per peer) and an interprocess event, and puts their handle in its
-card. After the cards are exchanged, each opens the exports of the peers on
+At the rendezvous each process exports a landing region (one slice per
+peer; on a GPU, device memory and interprocess events; on a CPU, a memory
+file its peers map, ``cpp/src/device/cpu/shared_memory_ipc.h``), and puts
+its handle in its card. After the cards are exchanged, each opens the exports of the peers on
 its host (same :func:`~mltuner.transport._address.host_identity`), and the
 ranks tell each other which they opened (an allgather on the control
 channel): a pair uses CUDA IPC only when both sides opened the other's, so
 a notice never reaches a process that cannot read it. Everything else, and
-every payload that finds its slice full, goes through pinned host frames
-over the socket as before (``cpp/src/cluster/ipc_links.h`` has the protocol).
+every payload that finds its slice full, goes through (pinned) host frames
+over the socket (``cpp/src/cluster/ipc_links.h`` has the protocol).
 
 Settings: ``Job(cuda_ipc=...)`` or ``MLTUNER_CUDA_IPC`` (``1``/``0``;
 default on) and ``Job(cuda_ipc_slice_bytes=...)`` or
 ``MLTUNER_CUDA_IPC_SLICE_BYTES`` (device memory outside the engine's
 budget; by default 2 GiB or a sixteenth of the device's memory, whichever
 is less, over the peers, at least 256 MiB each: see
-:func:`slice_bytes_for`). The path chosen for each peer is logged and kept
-in ``Job.data_paths``.
+:func:`slice_bytes_for`; on a CPU only what is written takes RAM). The
+settings keep their CUDA names for both kinds. The path chosen for each peer
+is logged and kept in ``Job.data_paths``: ``"cuda-ipc"``,
+``"shared-memory"`` or ``"host-frames (<why>)"``.
 """
 
 from __future__ import annotations
@@ -40,7 +44,9 @@ MIN_SLICE_BYTES = 256 << 20
 _ALIGNMENT = 256  # IpcLinks::kAlignment
 _GATHER = "mltuner-cuda-ipc"
 CUDA_IPC = "cuda-ipc"
+SHARED_MEMORY = "shared-memory"
 HOST_FRAMES = "host-frames"
+DIRECT_PATHS = {"cuda": CUDA_IPC, "cpu": SHARED_MEMORY}  # by engine device
 
 
 def cuda_ipc_wanted(setting: bool | None, env: Mapping[str, str] | None = None) -> bool:
@@ -116,24 +122,26 @@ def export(node: _core.ProcessNode, device: str, wanted: bool, slice_bytes: int)
     not, in words."""
     if not wanted:
         return None, "turned off (Job(cuda_ipc=False) or MLTUNER_CUDA_IPC=0)"
-    if device != "cuda":
+    if device not in DIRECT_PATHS:
         return None, f"a {device} engine"
+    if int(node.num_workers) < 2:
+        return None, "a job of one process"
     try:
         handle = node.export_cuda_ipc(slice_bytes)
     except MltunerError as error:
-        _log.warning("mltuner: rank %d cannot export CUDA IPC memory, so its peers on this host get host frames: %s",
-                     node.rank, error)
+        _log.warning("mltuner: rank %d cannot export its %s region, so its peers on this host get host frames: %s",
+                     node.rank, DIRECT_PATHS[device], error)
         return None, f"export failed: {error}"
     return {"handle": handle.hex(), "slice_bytes": slice_bytes}, ""
 
 
-def connect(node: _core.ProcessNode, mine: Card, cards: list[Card], why_not: str,
+def connect(node: _core.ProcessNode, device: str, mine: Card, cards: list[Card], why_not: str,
             allgather: Callable[[str, Any], list[Any]]) -> dict[int, str]:
     """Opens the exports of the peers on this host, agrees with them which
-    pairs use CUDA IPC, and enables those. Every rank calls it with the same
-    cards (it calls ``allgather`` only when some card offers CUDA IPC).
-    Returns each peer's data path in words: ``"cuda-ipc"`` or
-    ``"host-frames (<why>)"``."""
+    pairs use them, and enables those. Every rank calls it with the same
+    cards (it calls ``allgather`` only when some card offers an export).
+    Returns each peer's data path in words: ``"cuda-ipc"`` (``device``
+    ``"cuda"``), ``"shared-memory"`` (``"cpu"``) or ``"host-frames (<why>)"``."""
     rank = int(node.rank)
     peers = [r for r in range(len(cards)) if r != rank]
     reasons: dict[int, str] = {}
@@ -145,7 +153,7 @@ def connect(node: _core.ProcessNode, mine: Card, cards: list[Card], why_not: str
         elif theirs.host != mine.host:
             reasons[peer] = "another host"
         elif theirs.cuda_ipc is None:
-            reasons[peer] = "the peer offers no CUDA IPC"
+            reasons[peer] = "the peer offers no export"
         else:
             try:
                 handle = bytes.fromhex(theirs.cuda_ipc["handle"])
@@ -165,7 +173,8 @@ def connect(node: _core.ProcessNode, mine: Card, cards: list[Card], why_not: str
                 node.enable_cuda_ipc_peer(peer)
             else:
                 reasons[peer] = "the peer could not open this process's export"
-    paths = {peer: CUDA_IPC if peer not in reasons else f"{HOST_FRAMES} ({reasons[peer]})" for peer in peers}
+    direct = DIRECT_PATHS.get(device, CUDA_IPC)
+    paths = {peer: direct if peer not in reasons else f"{HOST_FRAMES} ({reasons[peer]})" for peer in peers}
     same_gpu = set(node.cuda_ipc_same_device_peers)
     for peer, path in paths.items():
         _log.info("mltuner: rank %d -> rank %d: device payloads by %s%s", rank, peer, path,

@@ -22,12 +22,14 @@ sys.path.insert(0, str(WORKER.parent))
 class Workers:
     """N worker processes of one job, started with the MLTUNER_* variables."""
 
-    def __init__(self, n: int, args: list[str], out: Path, program: Path = WORKER) -> None:
+    def __init__(self, n: int, args: list[str], out: Path, program: Path = WORKER,
+                 extra_env: dict[str, str] | None = None) -> None:
         port = free_port()
         self.out = out
         self.procs = []
         for rank in range(n):
-            env = dict(os.environ, MLTUNER_RANK=str(rank), MLTUNER_WORLD_SIZE=str(n), MLTUNER_LOCAL_RANK=str(rank),
+            env = dict(os.environ, **(extra_env or {}))
+            env.update(MLTUNER_RANK=str(rank), MLTUNER_WORLD_SIZE=str(n), MLTUNER_LOCAL_RANK=str(rank),
                        MLTUNER_MASTER_ADDR="127.0.0.1", MLTUNER_MASTER_PORT=str(port),
                        MLTUNER_SECRET="test-secret", PYTHONUNBUFFERED="1")
             self.procs.append(subprocess.Popen([sys.executable, str(program), "--out", str(out), *args], env=env,
@@ -62,10 +64,11 @@ class Workers:
 def start_workers(tmp_path: Path):  # type: ignore[no-untyped-def]
     started: list[Workers] = []
 
-    def start(n: int, *args: str, out: Path | None = None, program: Path = WORKER) -> Workers:
+    def start(n: int, *args: str, out: Path | None = None, program: Path = WORKER,
+              env: dict[str, str] | None = None) -> Workers:
         directory = out or tmp_path / f"job-{len(started)}"
         directory.mkdir(exist_ok=True)
-        workers = Workers(n, list(args), directory, program)
+        workers = Workers(n, list(args), directory, program, env)
         started.append(workers)
         return workers
 

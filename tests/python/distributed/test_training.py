@@ -84,21 +84,31 @@ def in_process(rule: str, num_workers: int) -> list[dict[str, np.ndarray]]:
                                                                        world_size=num_workers), args))
 
 
+@pytest.mark.parametrize("path", ["shared-memory", "host-frames"])
 @pytest.mark.parametrize("n,rule", [(2, "adam"), (4, "momentum")])
 def test_bsp_processes_equal_the_in_process_cluster_bit_for_bit(start_workers, n: int,  # type: ignore[no-untyped-def]
-                                                                rule: str) -> None:
-    workers = start_workers(n, "--rule", rule, "--clocks", str(CLOCKS), "--extra-rows", str(EXTRA_ROWS))
+                                                                rule: str, path: str) -> None:
+    env = {"MLTUNER_CUDA_IPC": "1" if path == "shared-memory" else "0"}
+    workers = start_workers(n, "--rule", rule, "--clocks", str(CLOCKS), "--extra-rows", str(EXTRA_ROWS), env=env)
     for rank, (code, output) in enumerate(workers.wait()):
         assert code == 0, f"rank {rank} failed:\n{output}"
     want = in_process(rule, n)
     assert np.any(want[0]["extra"] != 0)
     for rank in range(n):
+        result = workers.result(rank)
         for name in ("final", "extra"):
             np.testing.assert_array_equal(want[rank][name], want[0][name])
-            np.testing.assert_array_equal(workers.result(rank)[name], want[0][name], err_msg=f"rank {rank}: {name}")
-        # The extra table's payloads came in place (on this CPU backend): its
-        # updates and rows from every other process, every clock.
-        assert int(workers.result(rank)["in_place"]) >= 2 * (n - 1) * CLOCKS
+            np.testing.assert_array_equal(result[name], want[0][name], err_msg=f"rank {rank}: {name}")
+        # The extra table's payloads (its updates and rows from every other
+        # process, every clock) came in place: mapped from the sender's copy
+        # into this process's shared memory, or the received frames.
+        if path == "shared-memory":
+            assert list(result["data_paths"]) == ["shared-memory"]
+            assert int(result["ipc_received_bytes"]) >= 2 * (n - 1) * CLOCKS * EXTRA_ROWS * 64 // n
+        else:
+            assert list(result["data_paths"]) == ["host-frames (turned off (Job(cuda_ipc=False) or MLTUNER_CUDA_IPC=0))"]
+            assert int(result["ipc_received_bytes"]) == 0
+            assert int(result["in_place"]) >= 2 * (n - 1) * CLOCKS
 
 
 def test_bsp_processes_in_parts_equal_the_in_process_cluster_whole(start_workers) -> None:  # type: ignore[no-untyped-def]

@@ -174,6 +174,8 @@ def main() -> int:
             result["rejected"] = np.array(job.rejected_messages)
             result["in_place"] = np.array(job._node.payloads_used_in_place)  # noqa: SLF001 - for the tests
             result["messages_received"] = np.array(job.worker.stats["messages_received"])
+            result["ipc_received_bytes"] = np.array(job.transport_stats["cuda_ipc_received_bytes"])
+            result["data_paths"] = np.array(sorted(set(job.data_paths.values())))
             np.savez(os.path.join(args.out, f"rank-{job.rank}.npz"), **result)
     except mltuner.MltunerError as error:
         print(f"FAILED {type(error).__name__}: {error}", flush=True)

@@ -1,13 +1,14 @@
-"""CUDA IPC setup and notice checks that run without a GPU.
+"""CUDA IPC and shared-memory setup and notice checks that run without a GPU.
 
 The settings (``MLTUNER_CUDA_IPC``, the slice), the card's ``cuda_ipc``
 entry (it comes over the network), the pairwise agreement of
 :func:`mltuner.transport._cuda_ipc.connect` (a pair uses CUDA IPC only
 when both sides opened the other's export), and a node's refusal of
-hand-made IPC notices and releases: a CPU node has no landing region, so
-every one is corrupt, counted, and never read. The protocol itself runs on
-the CPU in tests/cpp/cluster/ipc_links_test.cc; the real CUDA path in
-tests/python/gpu/test_cuda_ipc.py.
+hand-made IPC notices and releases: a node that exported no landing region
+finds every one corrupt, counts it, and never reads it. The protocol itself
+runs on the CPU in tests/cpp/cluster/ipc_links_test.cc; shared memory
+between real processes in tests/python/distributed/test_training.py; the
+real CUDA path in tests/python/gpu/test_cuda_ipc.py.
 """
 
 from __future__ import annotations
@@ -75,13 +76,38 @@ def test_a_slice_smaller_than_a_clock_of_traffic_is_named_with_the_setting_that_
     assert f"MLTUNER_CUDA_IPC_SLICE_BYTES={414 << 20}" in advice  # whole MiB, at least the clock's bytes
 
 
-def test_a_cpu_engine_offers_no_export_and_says_why() -> None:
+def test_cpu_engines_of_one_host_share_memory() -> None:
+    nodes = [_core.ProcessNode(mltuner.Config().to_core(), rank, 2) for rank in range(2)]
+    entries = [_cuda_ipc.export(node, "cpu", True, 1 << 20) for node in nodes]
+    for entry, why in entries:
+        assert entry is not None and why == ""
+        assert bytes.fromhex(entry["handle"]).startswith(b"mltuner-memfd:")
+    nodes[0].open_cuda_ipc_peer(1, bytes.fromhex(entries[1][0]["handle"]), 1 << 20)
+    nodes[0].enable_cuda_ipc_peer(1)
+    assert nodes[0].cuda_ipc_peers == [1] and nodes[0].cuda_ipc_same_device_peers == []
+    # Another process's handle that names a file which is not its region (or
+    # not a CPU engine's handle at all) is refused, and the pair keeps host frames.
+    real = bytes.fromhex(entries[1][0]["handle"])
+    forged = real[:-1] + (b"1" if real.endswith(b"0") else b"0")  # its random name, one digit off
+    for handle in (forged, b"\x01" * 64):
+        with pytest.raises(InvalidArgumentError):
+            nodes[1].open_cuda_ipc_peer(0, handle, 1 << 20)
+    with pytest.raises(InvalidArgumentError, match="bytes"):  # more than the peer exported
+        nodes[1].open_cuda_ipc_peer(0, bytes.fromhex(entries[0][0]["handle"]), 2 << 20)
+    with pytest.raises(InvalidArgumentError):
+        nodes[1].enable_cuda_ipc_peer(0)
+    for node in nodes:
+        node.shutdown()
+
+
+def test_an_engine_without_peers_or_the_setting_offers_no_export() -> None:
+    alone = _core.ProcessNode(mltuner.Config().to_core(), 0, 1)
+    assert _cuda_ipc.export(alone, "cpu", True, 1 << 20) == (None, "a job of one process")
+    alone.shutdown()
     node = _core.ProcessNode(mltuner.Config().to_core(), 0, 2)
-    assert _cuda_ipc.export(node, "cpu", True, 1 << 20) == (None, "a cpu engine")
     entry, why = _cuda_ipc.export(node, "cpu", False, 1 << 20)
     assert entry is None and "turned off" in why
-    with pytest.raises(InvalidArgumentError, match="CUDA IPC needs a CUDA engine"):
-        node.export_cuda_ipc(1 << 20)
+    assert _cuda_ipc.export(node, "tpu", True, 1 << 20) == (None, "a tpu engine")
     with pytest.raises(InvalidArgumentError):
         node.enable_cuda_ipc_peer(1)
     assert node.cuda_ipc_peers == []
@@ -144,9 +170,9 @@ def test_a_pair_uses_cuda_ipc_only_where_both_sides_opened_the_other() -> None:
         def record(name: str, value: Any, rank: int = rank) -> list[Any]:
             opened[rank] = value
             return [[] for _ in cards]
-        _cuda_ipc.connect(_FakeNode(rank, node.refuse), cards[rank], cards, "", record)  # type: ignore[arg-type]
+        _cuda_ipc.connect(_FakeNode(rank, node.refuse), "cuda", cards[rank], cards, "", record)  # type: ignore[arg-type]
     for rank, node in enumerate(nodes):
-        results[rank] = _cuda_ipc.connect(node, cards[rank], cards, "", lambda name, value: [opened[r] for r in range(4)])  # type: ignore[arg-type]
+        results[rank] = _cuda_ipc.connect(node, "cuda", cards[rank], cards, "", lambda name, value: [opened[r] for r in range(4)])  # type: ignore[arg-type]
     assert opened == {0: [1, 2], 1: [0, 2], 2: [1], 3: []}
     assert nodes[0].enabled == [1] and nodes[1].enabled == [0, 2] and nodes[2].enabled == [1] and nodes[3].enabled == []
     assert nodes[0].opened[0] == (1, b"\x0a\x0b", 512)
@@ -162,8 +188,8 @@ def test_without_any_export_nobody_gathers() -> None:
     def gather(name: str, value: Any) -> list[Any]:
         raise AssertionError("no rank offers CUDA IPC: no exchange")
 
-    paths = _cuda_ipc.connect(_FakeNode(0), cards[0], cards, "a cpu engine", gather)  # type: ignore[arg-type]
-    assert paths == {1: "host-frames (a cpu engine)"}
+    paths = _cuda_ipc.connect(_FakeNode(0), "cpu", cards[0], cards, "turned off", gather)  # type: ignore[arg-type]
+    assert paths == {1: "host-frames (turned off)"}
 
 
 @pytest.mark.parametrize("frame0", [

@@ -13,7 +13,9 @@
 #include <sys/mman.h>
 
 #include "common/mutex.h"
+#include "device/cpu/shared_memory_ipc.h"
 #include "mltuner/device.h"
+#include "mltuner/device_ipc.h"
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -192,6 +194,11 @@ class CpuDevice final : public Device {
       return status;
     }
     return AllocateZeroedMemory(bytes, out);
+  }
+
+  // Processes of one host share landing regions as memory (shared_memory_ipc.h).
+  Status ExportIpc(size_t region_bytes, std::unique_ptr<DeviceIpc>* out) override {
+    return ExportSharedMemoryIpc(region_bytes, out);
   }
 
   Status PrepareIndex(RunIndex* index) override {

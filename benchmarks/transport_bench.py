@@ -30,7 +30,10 @@ them to ``--out`` with a description of the machine.
    are plain: a diagnostic that prices the encryption), the same over
    ipc:// sockets (diagnostic: the address mltuner uses between processes
    of one host), the same with a copy of each received payload (diagnostic), the engine alone on a
-   1-worker LocalCluster per process (diagnostic), then mltuner. Each phase
+   1-worker LocalCluster per process (diagnostic), then mltuner (by default
+   its CPU processes of one host share memory: each payload is copied into
+   the peer's landing region, only a notice takes the socket), then mltuner
+   with every payload on its socket (diagnostic). Each phase
    times three segments of clocks after warm-up; the best segment counts,
    each segment as long as its slowest rank. Ratio = raw pyzmq time / mltuner
    time: higher is better, 1.0 = as fast as raw pyzmq; the goal is >= 0.80.
@@ -326,13 +329,13 @@ def mltuner_config(args: argparse.Namespace) -> mt.Config:
     return mt.Config(update_rule=mt.UpdateRule("add"), wait_timeout_s=args.timeout, **parts)
 
 
-def open_job(args: argparse.Namespace) -> mt.Job:
+def open_job(args: argparse.Namespace, cuda_ipc: bool | None = None) -> mt.Job:
     # A long heartbeat timeout: a 2-core machine running 4 workers that move
     # 1 GB per clock may leave a receive thread unscheduled for a while. The
     # frame limit admits the model as one table's shard slice (the 1-GiB model
     # on 2 processes sends 512-MiB slices, over the default 256 MiB).
     return mt.Job(mltuner_config(args), rendezvous_timeout_s=args.timeout, heartbeat_timeout_s=60.0,
-                  max_message_bytes=max(256 << 20, 2 * (args.model_bytes or 0)))
+                  max_message_bytes=max(256 << 20, 2 * (args.model_bytes or 0)), cuda_ipc=cuda_ipc)
 
 
 def record_full_clock(worker: mt.Worker, num_rows: int, tables: int) -> tuple[list[int], list[int]]:
@@ -374,13 +377,17 @@ def clock_step(worker: mt.Worker, reads: list[int], updates: list[int],
     return step
 
 
-def mltuner_phase(mesh: Mesh, model_rows: int, args: argparse.Namespace, key: int) -> Json:
-    with open_job(args) as job:
+def mltuner_phase(mesh: Mesh, model_rows: int, args: argparse.Namespace, key: int,
+                  cuda_ipc: bool | None = None) -> Json:
+    """mltuner's clock; cuda_ipc=False keeps every payload on the sockets
+    (by default CPU processes of one host share memory)."""
+    with open_job(args, cuda_ipc) as job:
         worker = job.worker
         step = clock_step(worker, *record_full_clock(worker, model_rows, args.table_count))
         mesh.barrier(key)
         result = TimedLoop(mesh, key + 1, args.warmup, args.target_s, 2, 200).run(step)
         worker.sync()
+        result["paths"] = sorted(set(job.data_paths.values()))
     return result
 
 
@@ -415,6 +422,7 @@ def throughput_worker(args: argparse.Namespace, mesh: Mesh) -> Json:
     out["raw_peak_rss"] = peak_rss_bytes()
     out["local"] = local_phase(mesh, model_rows, args, 30)
     out["mltuner"] = mltuner_phase(mesh, model_rows, args, 40)
+    out["mltuner_sockets"] = mltuner_phase(mesh, model_rows, args, 50, cuda_ipc=False)
     out["peak_rss"] = peak_rss_bytes()
     return out
 
@@ -649,6 +657,8 @@ class Row:
     raw_curve_s: float = 0.0
     raw_ipc_s: float = 0.0
     mlt_s: float = 0.0
+    mlt_sockets_s: float = 0.0  # shared memory off
+    mlt_path: str = ""
     local_s: float = 0.0
     raw_copy_s: float = 0.0
     raw_clocks: int = 0
@@ -692,6 +702,8 @@ def bench_throughput(args: argparse.Namespace) -> list[Row]:
         row.raw_curve_s = best_segment(ranks, "raw_curve")
         row.raw_ipc_s = best_segment(ranks, "raw_ipc")
         row.mlt_s = best_segment(ranks, "mltuner")
+        row.mlt_sockets_s = best_segment(ranks, "mltuner_sockets")
+        row.mlt_path = ", ".join(sorted({path for r in ranks for path in r["mltuner"]["paths"]}))
         row.local_s = best_segment(ranks, "local")
         row.raw_copy_s = best_segment(ranks, "raw_copy")
         row.raw_clocks = int(ranks[0]["raw"]["clocks"])
@@ -705,7 +717,8 @@ def bench_throughput(args: argparse.Namespace) -> list[Row]:
         row.lo_check = lo / wire_bytes(n, model) if lo >= 0 else -1.0
         print(f" {time.perf_counter() - start:.1f} s: ms per clock: raw {row.raw_s * 1e3:.1f}, raw over ipc "
               f"{row.raw_ipc_s * 1e3:.1f}, raw over CURVE {row.raw_curve_s * 1e3:.1f}, mltuner "
-              f"{row.mlt_s * 1e3:.1f}, raw + receive copy {row.raw_copy_s * 1e3:.1f}, engine alone "
+              f"{row.mlt_s * 1e3:.1f} ({row.mlt_path}), over sockets only {row.mlt_sockets_s * 1e3:.1f}, "
+              f"raw + receive copy {row.raw_copy_s * 1e3:.1f}, engine alone "
               f"{row.local_s * 1e3:.1f}; peak RSS of all ranks "
               f"{row.raw_peak_rss / GB:.2f} GB after the raw phase, {row.peak_rss / GB:.2f} GB in all; "
               f"other processes used {100 * row.other_load:.0f}% of the CPUs", flush=True)
@@ -734,17 +747,18 @@ def load_text(share: float) -> str:
 def throughput_table(rows: list[Row]) -> list[str]:
     lines = [
         "| N | model | raw pyzmq ms/clock | mltuner ms/clock | ratio (raw/mltuner) | goal >= 0.80 "
-        "| raw GB/s | mltuner GB/s | raw over ipc ms/clock | ratio (raw over ipc/mltuner) "
+        "| raw GB/s | mltuner GB/s | mltuner's path | mltuner over sockets ms/clock | ratio (raw/sockets) "
+        "| raw over ipc ms/clock | ratio (raw over ipc/mltuner) "
         "| raw over CURVE ms/clock | ratio (raw over CURVE/mltuner) "
         "| raw + receive copy ms/clock | engine alone ms/clock "
         "| page faults MiB/clock (raw, mltuner) | peak RSS, all processes | loopback bytes / expected "
         "| clocks (raw, mltuner) | other load |",
-        "|--:|--:|--:|--:|--:|:-:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "|--:|--:|--:|--:|--:|:-:|--:|--:|:--|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for r in rows:
         model = f"{r.size_mib} MiB" + (f" in {r.tables} tables" if r.tables > 1 else "")
         if r.note:
-            lines.append(f"| {r.n} | {model} | {r.note} | | | | | | | | | | | | | | | | |")
+            lines.append(f"| {r.n} | {model} | {r.note} | | | | | | | | | | | | | | | | | | | |")
             continue
         wire = wire_bytes(r.n, r.size_mib * MIB)
         ratio = r.raw_s / r.mlt_s
@@ -752,6 +766,7 @@ def throughput_table(rows: list[Row]) -> list[str]:
         lines.append(
             f"| {r.n} | {model} | {r.raw_s * 1e3:.1f} | {r.mlt_s * 1e3:.1f} | {ratio:.2f} | "
             f"{'yes' if ratio >= GOAL else 'NO'} | {wire / r.raw_s / GB:.2f} | {wire / r.mlt_s / GB:.2f} | "
+            f"{r.mlt_path} | {r.mlt_sockets_s * 1e3:.1f} | {r.raw_s / r.mlt_sockets_s:.2f} | "
             f"{r.raw_ipc_s * 1e3:.1f} | {r.raw_ipc_s / r.mlt_s:.2f} | "
             f"{r.raw_curve_s * 1e3:.1f} | {r.raw_curve_s / r.mlt_s:.2f} | "
             f"{r.raw_copy_s * 1e3:.1f} | {r.local_s * 1e3:.1f} | {r.raw_faults / MIB:.0f}, {r.mlt_faults / MIB:.0f} | "
@@ -768,9 +783,12 @@ slices and (N-1)/N as fresh rows, and as much comes in. Raw pyzmq moves the same
 due to it), in the same processes, before mltuner. ms/clock: after warm-up, the best of three segments of
 clocks, each segment as long as its slowest rank. GB/s = bytes crossing between processes per clock, all
 processes together (2 (N-1) x model), / time per clock. ratio = raw time / mltuner time (1.0 = as fast as
-raw pyzmq). Four diagnostics, not baselines: "raw over ipc" is the raw pattern over ipc:// sockets, the
-address mltuner's processes of one host use (plain, authenticated by their private directory), so "raw
-over ipc / mltuner" is the ratio on the same kind of socket; "raw over CURVE" is the raw pattern over
+raw pyzmq). mltuner's path: how its payloads crossed ("shared-memory": CPU processes of one host copy
+each payload into the peer's mapped landing region and send only a notice, the default; "host-frames (...)":
+through the sockets). Five diagnostics, not baselines: "mltuner over sockets" is mltuner with shared memory
+off (Job(cuda_ipc=False)), every payload on its ipc:// socket; "raw over ipc" is the raw pattern over ipc://
+sockets, the address mltuner's processes of one host use (plain, authenticated by their private
+directory); "raw over CURVE" is the raw pattern over
 CURVE sockets (encrypted, as mltuner's TCP sockets are, loopback included; no authenticator, which acts
 only at connection time); "raw + receive copy" is the
 raw pattern where each process also

@@ -110,18 +110,21 @@ class Job:
             ``prefetch_clocks + 2`` clocks of this process's traffic to one
             peer (with ``prefetch_clocks`` None, the most the plan chooses:
             1), and at least twice the largest message and 4 MiB.
-        cuda_ipc: whether CUDA engines of processes on one host move updates
-            and fresh rows device -> device by CUDA IPC (a small notice on
-            the socket) instead of through pinned host frames. Used per pair
-            of processes where both can; elsewhere host frames. ``None``:
-            ``MLTUNER_CUDA_IPC`` (``0`` turns it off), by default on.
+        cuda_ipc: whether engines of processes on one host move updates
+            and fresh rows directly (a small notice on the socket) instead
+            of through host frames: CUDA engines device -> device by CUDA
+            IPC, CPU engines through shared memory (a memory file their
+            peers map). Used per pair of processes where both can;
+            elsewhere host frames. ``None``: ``MLTUNER_CUDA_IPC`` (``0``
+            turns it off), by default on.
         cuda_ipc_slice_bytes: device memory each process sets aside per peer
             for payloads landing by CUDA IPC (outside the engine's budget);
             a payload that does not fit beside those in flight goes by host
             frames. ``None``: ``MLTUNER_CUDA_IPC_SLICE_BYTES``, by default
             2 GiB or a sixteenth of the GPU's memory, whichever is less,
             shared by the peers, at least 256 MiB each (2 GiB holds a clock
-            of a model up to about 1 GiB on two processes).
+            of a model up to about 1 GiB on two processes). On a CPU the
+            region is shared memory that takes RAM only where written.
 
     Attributes:
         worker: the access API (:class:`mltuner.Worker`).
@@ -443,7 +446,7 @@ class Job:
             limit = max((ahead + 2) * per_clock, 2 * largest, _MIN_QUEUE_BYTES)
             self._queue_plan = (len(tables), limit)
             advice = _cuda_ipc.slice_advice(per_clock, self._cuda_ipc_slice)
-            if advice and _cuda_ipc.CUDA_IPC in self.data_paths.values():
+            if advice and any(path in _cuda_ipc.DIRECT_PATHS.values() for path in self.data_paths.values()):
                 _log.warning(advice)
             self._set_node_limits(limit)
         return self._queue_plan[1]

@@ -108,9 +108,10 @@ def slice_advice(per_clock_bytes: int, slice_bytes: int) -> str | None:
     mib = 1 << 20
     wanted = -(-per_clock_bytes // mib)
     return (f"mltuner: a clock moves about {per_clock_bytes / mib:.0f} MiB from each peer to this process, more than "
-            f"its {slice_bytes / mib:.0f}-MiB CUDA IPC landing slice per peer: payloads that find the slice full "
-            f"wait, then go through host frames, tens of milliseconds each. Job(cuda_ipc_slice_bytes=) or "
-            f"MLTUNER_CUDA_IPC_SLICE_BYTES={wanted * mib} (device memory per peer) sets a slice that holds a clock.")
+            f"its {slice_bytes / mib:.0f}-MiB landing slice per peer (CUDA IPC or shared memory): payloads that "
+            f"find the slice full wait, then go through host frames, tens of milliseconds each. "
+            f"Job(cuda_ipc_slice_bytes=) or MLTUNER_CUDA_IPC_SLICE_BYTES={wanted * mib} (memory per peer) sets a "
+            f"slice that holds a clock.")
 
 
 def _aligned(nbytes: int) -> int:

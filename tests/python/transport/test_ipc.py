@@ -239,9 +239,10 @@ def test_received_payloads_are_used_in_place_and_all_handed_back(socket_threads:
     # On the CPU backend the node reads each received payload where ZeroMQ
     # put it; the transport keeps the frame until the node hands it back.
     # Payloads under 256 KiB (ProcessNode::kBatchBelowBytes) join batches and
-    # are copied at both ends: these are 320 KiB, half a table each.
+    # are copied at both ends: these are 320 KiB, half a table each. Shared
+    # memory is off: with it the payloads would not take the socket.
     rows, width = 320, 512
-    jobs = start_pair()
+    jobs = start_pair(cuda_ipc=False)
     try:
         for result in train_adds(jobs, rows, width, CLOCKS):
             np.testing.assert_array_equal(result, np.full((rows, width), 3.0 * CLOCKS, dtype=np.float32))
@@ -254,5 +255,34 @@ def test_received_payloads_are_used_in_place_and_all_handed_back(socket_threads:
             while (node.borrowed_payloads or transport.lent_payloads) and time.monotonic() < deadline:
                 time.sleep(0.02)
             assert node.borrowed_payloads == 0 and transport.lent_payloads == 0
+    finally:
+        close_pair(jobs)
+
+
+def test_cpu_engines_of_one_host_move_payloads_through_shared_memory() -> None:
+    # The same training with shared memory on (the default): every payload
+    # is copied into the peer's landing region and only its notice takes the
+    # socket; every range comes back by a release, so nothing stays held.
+    rows, width = 320, 512
+    jobs = start_pair()
+    try:
+        assert [job.data_paths for job in jobs] == [{1: "shared-memory"}, {0: "shared-memory"}]
+        for result in train_adds(jobs, rows, width, CLOCKS):
+            np.testing.assert_array_equal(result, np.full((rows, width), 3.0 * CLOCKS, dtype=np.float32))
+        for job in jobs:
+            stats = job.transport_stats
+            # Each clock sends the peer's shard its update and the peer's worker this shard's rows.
+            assert stats["cuda_ipc_sent_messages"] >= 2 * CLOCKS
+            assert stats["cuda_ipc_received_bytes"] >= 2 * CLOCKS * rows // 2 * width * 4
+            assert stats["cuda_ipc_fallbacks"] == 0
+            assert stats["socket_payload_bytes"] < rows * width * 4  # the initial values at most, no clock's
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(
+                job.transport_stats["cuda_ipc_releases_received"] < job.transport_stats["cuda_ipc_sent_messages"]
+                for job in jobs):
+            time.sleep(0.02)
+        for job in jobs:
+            stats = job.transport_stats
+            assert stats["cuda_ipc_releases_received"] == stats["cuda_ipc_sent_messages"]
     finally:
         close_pair(jobs)

@@ -2,7 +2,10 @@
 a receiver whose data path stalls longer than the heartbeat timeout is not
 declared lost, and what waits for it is bounded (back-pressure, then a clear
 error after the wait timeout); a truly silent peer (SIGSTOP) is still named
-within the heartbeat timeout."""
+within the heartbeat timeout. The back-pressure tests keep every payload on
+the sockets (``cuda_ipc=False``: by default CPU processes of one host move
+payloads through shared memory, and only notices take the socket); one test
+stalls a receiver of shared-memory notices."""
 
 from __future__ import annotations
 
@@ -27,23 +30,23 @@ SLICE_BYTES = ROWS // 2 * WIDTH * 4
 LIMIT = 1 << 20
 
 
-def stall_receiver(job: mltuner.Job, seconds: float) -> Callable[[], bool]:
-    """Makes the job's data receive thread sleep once, at the first update
-    of the training (the first message with a large payload), as a receiver
-    far slower than its sender would; returns a check that the stall was
-    done in full."""
+def stall_receiver(job: mltuner.Job, seconds: float, min_bytes: int = SLICE_BYTES) -> Callable[[], bool]:
+    """Makes the job's data receive thread sleep once, at the first message
+    with a payload of min_bytes or more (by default the first update of the
+    training; 0: the next message), as a receiver far slower than its sender
+    would; returns a check that the stall was done in full."""
     transport = job._transport  # noqa: SLF001 - the test reaches into the receive path
     assert transport is not None
     loops = transport._loops  # noqa: SLF001
     if transport.native:
         pump = loops.pump
-        pump.stall_next_delivery(SLICE_BYTES, int(seconds * 1000))
+        pump.stall_next_delivery(min_bytes, int(seconds * 1000))
         return lambda: bool(pump.stats["stalls"] == 1)
     deliver = loops._on_data  # noqa: SLF001
     times: list[float] = []
 
     def slow(header: Any, payload: Any) -> None:
-        if not times and len(payload) >= SLICE_BYTES:
+        if not times and len(payload) >= min_bytes:
             times.append(time.monotonic())
             time.sleep(seconds)
             times.append(time.monotonic())
@@ -54,7 +57,7 @@ def stall_receiver(job: mltuner.Job, seconds: float) -> Callable[[], bool]:
 
 
 def test_a_receiver_stalled_longer_than_the_heartbeat_timeout_is_not_lost(socket_threads: str) -> None:
-    jobs = start_pair(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, max_queued_bytes=LIMIT)
+    jobs = start_pair(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, max_queued_bytes=LIMIT, cuda_ipc=False)
     assert all(job._transport.native == (socket_threads == "c++") for job in jobs)  # noqa: SLF001
     try:
         stalled = stall_receiver(jobs[1], 2.5)
@@ -83,7 +86,8 @@ def test_a_receiver_stalled_longer_than_the_heartbeat_timeout_is_not_lost(socket
 
 def test_a_receiver_that_takes_nothing_fails_the_sender_within_the_wait_timeout(socket_threads: str) -> None:
     config = mltuner.Config(update_rule=mltuner.UpdateRule("add"), wait_timeout_s=2.0)
-    jobs = start_pair(config, heartbeat_interval_s=0.1, heartbeat_timeout_s=10.0, max_queued_bytes=LIMIT)
+    jobs = start_pair(config, heartbeat_interval_s=0.1, heartbeat_timeout_s=10.0, max_queued_bytes=LIMIT,
+                      cuda_ipc=False)
     try:
         outcome: dict[str, Any] = {}
 
@@ -140,6 +144,51 @@ def test_a_receiver_that_takes_nothing_fails_the_sender_within_the_wait_timeout(
         # The engine waited instead: its updates stopped at the bound; the
         # shard's replies of the clocks in flight may pass it (see above).
         assert jobs[0]._node.peak_outbox_bytes <= 4 * LIMIT  # noqa: SLF001
+    finally:
+        run_both(lambda rank: jobs[rank].close(graceful=False))
+
+
+def test_a_receiver_of_shared_memory_that_takes_nothing_fails_the_sender_within_the_wait_timeout(
+        socket_threads: str) -> None:
+    # With shared memory only notices take the socket. Rank 1 stops taking
+    # them: its shard never gets rank 0's updates, so rank 0, whose table is
+    # unread, may run at most a bounded lead ahead before its wait for rank
+    # 1's rows runs out; meanwhile what it sent is bounded by its landing
+    # slice in rank 1's region.
+    config = mltuner.Config(update_rule=mltuner.UpdateRule("add"), wait_timeout_s=2.0)
+    jobs = start_pair(config, heartbeat_interval_s=0.1, heartbeat_timeout_s=10.0)
+    assert [job.data_paths for job in jobs] == [{1: "shared-memory"}, {0: "shared-memory"}]
+    try:
+        outcome: dict[str, Any] = {}
+
+        def run(rank: int) -> None:
+            worker = jobs[rank].worker
+            table = worker.create_table("t", ROWS, WIDTH)
+            update = worker.virtual_pre_update(table)
+            worker.virtual_update(update)
+            worker.virtual_clock()
+            worker.finish_virtual_iteration()
+            worker.start_iterations()
+            if rank == 1:
+                stall_receiver(jobs[1], 10.0, min_bytes=0)
+            started = time.monotonic()
+            try:
+                while time.monotonic() - started < 10.0 and "error 0" not in outcome:
+                    worker.pre_update(update)[:] = 1.0
+                    worker.update(update)
+                    worker.clock()
+                    time.sleep(0.01)
+            except mltuner.MltunerError as error:
+                outcome[f"error {rank}"] = error
+                outcome[f"after {rank}"] = time.monotonic() - started
+
+        run_both(run, timeout_s=30)
+        error = outcome["error 0"]
+        assert isinstance(error, mltuner.WaitTimeoutError), error
+        assert "behind: the rows of shard 1" in str(error), error
+        assert outcome["after 0"] < 8.0  # the wait timeout (2 s) ended it, not the end of the stall (10 s)
+        stats = jobs[0].transport_stats
+        assert stats["cuda_ipc_sent_bytes"] > 0 and stats["cuda_ipc_fallbacks"] == 0
     finally:
         run_both(lambda rank: jobs[rank].close(graceful=False))
 

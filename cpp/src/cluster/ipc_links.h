@@ -1,5 +1,7 @@
 // IpcLinks: a process's CUDA IPC with the processes of its host (issue 19,
-// item 3). Payloads of messages between their engines and shards go device
+// item 3), or on the CPU backend its shared memory with them
+// (device/cpu/shared_memory_ipc.h): the protocol is the same over any
+// DeviceIpc. Payloads of messages between their engines and shards go device
 // -> device; the socket carries only a small notice (wire/ipc_envelope.h).
 //
 // Layout: each process exports one landing region (Device::ExportIpc) made

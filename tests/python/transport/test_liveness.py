@@ -84,43 +84,51 @@ def test_a_receiver_stalled_longer_than_the_heartbeat_timeout_is_not_lost(socket
         close_pair(jobs)
 
 
+def clock_until_rank_0_fails(jobs: list[mltuner.Job], stall_from_bytes: int) -> dict[str, Any]:
+    """Both ranks clock an unread table for up to 10 s while rank 1's data
+    receive thread stalls for 10 s at its first message of stall_from_bytes
+    or more; returns each rank's error ("error R") and when it came ("after R")."""
+    outcome: dict[str, Any] = {}
+
+    def run(rank: int) -> None:
+        worker = jobs[rank].worker
+        table = worker.create_table("t", ROWS, WIDTH)
+        update = worker.virtual_pre_update(table)
+        worker.virtual_update(update)
+        worker.virtual_clock()
+        worker.finish_virtual_iteration()
+        worker.start_iterations()
+        if rank == 1:
+            # Armed now, so the stall takes a training update, not the
+            # initial values (whose wait has the same short timeout). Long
+            # beside the 2 s waits: on a loaded machine rank 0's engine
+            # thread may start its wait seconds after the stall began, and
+            # that wait must still run out before rank 1 takes data again.
+            stall_receiver(jobs[1], 10.0, stall_from_bytes)
+        started = time.monotonic()
+        try:
+            # An unread table: rank 0 clocks on, two clocks ahead of rank
+            # 1 at most, while its updates for rank 1 wait, until the
+            # transport or that bound gives up on rank 1.
+            while time.monotonic() - started < 10.0 and "error 0" not in outcome:
+                worker.pre_update(update)[:] = 1.0
+                worker.update(update)
+                worker.clock()
+                time.sleep(0.01)
+        except mltuner.MltunerError as error:
+            outcome[f"error {rank}"] = error
+            outcome[f"after {rank}"] = time.monotonic() - started
+
+    run_both(run, timeout_s=30)
+    return outcome
+
+
 def test_a_receiver_that_takes_nothing_fails_the_sender_within_the_wait_timeout(socket_threads: str) -> None:
     config = mltuner.Config(update_rule=mltuner.UpdateRule("add"), wait_timeout_s=2.0)
     jobs = start_pair(config, heartbeat_interval_s=0.1, heartbeat_timeout_s=10.0, max_queued_bytes=LIMIT,
                       cuda_ipc=False)
     try:
-        outcome: dict[str, Any] = {}
-
-        def run(rank: int) -> None:
-            worker = jobs[rank].worker
-            table = worker.create_table("t", ROWS, WIDTH)
-            update = worker.virtual_pre_update(table)
-            worker.virtual_update(update)
-            worker.virtual_clock()
-            worker.finish_virtual_iteration()
-            worker.start_iterations()
-            if rank == 1:
-                # Armed now, so the stall takes a training update, not the
-                # initial values (whose wait has the same short timeout). Long
-                # beside the 2 s waits: on a loaded machine rank 0's engine
-                # thread may start its wait seconds after the stall began, and
-                # that wait must still run out before rank 1 takes data again.
-                stall_receiver(jobs[1], 10.0)
-            started = time.monotonic()
-            try:
-                # An unread table: rank 0 clocks on, two clocks ahead of rank
-                # 1 at most, while its updates for rank 1 wait, until the
-                # transport or that bound gives up on rank 1.
-                while time.monotonic() - started < 10.0 and "error 0" not in outcome:
-                    worker.pre_update(update)[:] = 1.0
-                    worker.update(update)
-                    worker.clock()
-                    time.sleep(0.01)
-            except mltuner.MltunerError as error:
-                outcome[f"error {rank}"] = error
-                outcome[f"after {rank}"] = time.monotonic() - started
-
-        run_both(run, timeout_s=30)
+        outcome = clock_until_rank_0_fails(jobs, SLICE_BYTES)
         # Whichever bound ran out first says so and names rank 1: the bytes
         # in ZeroMQ (the send thread) or the outbox behind them (the engine).
         error = outcome["error 0"]
@@ -159,30 +167,7 @@ def test_a_receiver_of_shared_memory_that_takes_nothing_fails_the_sender_within_
     jobs = start_pair(config, heartbeat_interval_s=0.1, heartbeat_timeout_s=10.0)
     assert [job.data_paths for job in jobs] == [{1: "shared-memory"}, {0: "shared-memory"}]
     try:
-        outcome: dict[str, Any] = {}
-
-        def run(rank: int) -> None:
-            worker = jobs[rank].worker
-            table = worker.create_table("t", ROWS, WIDTH)
-            update = worker.virtual_pre_update(table)
-            worker.virtual_update(update)
-            worker.virtual_clock()
-            worker.finish_virtual_iteration()
-            worker.start_iterations()
-            if rank == 1:
-                stall_receiver(jobs[1], 10.0, min_bytes=0)
-            started = time.monotonic()
-            try:
-                while time.monotonic() - started < 10.0 and "error 0" not in outcome:
-                    worker.pre_update(update)[:] = 1.0
-                    worker.update(update)
-                    worker.clock()
-                    time.sleep(0.01)
-            except mltuner.MltunerError as error:
-                outcome[f"error {rank}"] = error
-                outcome[f"after {rank}"] = time.monotonic() - started
-
-        run_both(run, timeout_s=30)
+        outcome = clock_until_rank_0_fails(jobs, 0)  # notices have no payload: stall at the next message
         error = outcome["error 0"]
         assert isinstance(error, mltuner.WaitTimeoutError), error
         assert "behind: the rows of shard 1" in str(error), error

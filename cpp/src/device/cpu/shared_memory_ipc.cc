@@ -2,7 +2,7 @@
 
 #include <atomic>
 #include <cerrno>
-#include <cinttypes>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <random>
@@ -70,7 +70,6 @@ class SharedMemoryIpc final : public DeviceIpc {
     if (base == MAP_FAILED) return Status::ResourceExhausted(Errno("mapping the shared-memory region"));
     ipc->region_ = static_cast<float*>(base);
     ipc->region_bytes_ = region_bytes;
-    ipc->name_ = name;
     ipc->handle_ = MakeHandle(getpid(), ipc->fd_, name);
     *out = std::move(ipc);
     return Status::Ok();
@@ -124,20 +123,13 @@ class SharedMemoryIpc final : public DeviceIpc {
   Status CopyToPeer(int peer, size_t offset, const void* src, size_t bytes, const DeviceEvent& /*after*/, int event,
                     DeviceEvent* done) override {
     if (event < 0 || event >= kCopyEvents) return Status::InvalidArgument("no copy event " + std::to_string(event));
-    char* base = nullptr;
-    {
-      MutexLock lock(&mu_);
-      if (peer < 0 || static_cast<size_t>(peer) >= peers_.size() || peers_[peer].base == nullptr) {
-        return Status::InvalidArgument("shared memory with rank " + std::to_string(peer) + " is not open");
-      }
-      const Mapping& mapping = peers_[static_cast<size_t>(peer)];
-      if (offset > mapping.bytes || bytes > mapping.bytes - offset) {
-        return Status::InvalidArgument("bytes [" + std::to_string(offset) + ", +" + std::to_string(bytes) +
-                                       ") are outside rank " + std::to_string(peer) + "'s region");
-      }
-      base = mapping.base;
+    Mapping mapping;
+    MLT_RETURN_IF_ERROR(Mapped(peer, &mapping));
+    if (offset > mapping.bytes || bytes > mapping.bytes - offset) {
+      return Status::InvalidArgument("bytes [" + std::to_string(offset) + ", +" + std::to_string(bytes) +
+                                     ") are outside rank " + std::to_string(peer) + "'s region");
     }
-    if (bytes > 0) std::memcpy(base + offset, src, bytes);
+    if (bytes > 0) std::memcpy(mapping.base + offset, src, bytes);
     // The notice leaves after this: the peer that takes it sees the bytes.
     std::atomic_thread_fence(std::memory_order_release);
     done->reset();
@@ -146,12 +138,8 @@ class SharedMemoryIpc final : public DeviceIpc {
 
   Status PeerWrites(int peer, int event, DeviceEvent* ready) override {
     if (event < 0 || event >= kCopyEvents) return Status::InvalidArgument("no copy event " + std::to_string(event));
-    {
-      MutexLock lock(&mu_);
-      if (peer < 0 || static_cast<size_t>(peer) >= peers_.size() || peers_[peer].base == nullptr) {
-        return Status::InvalidArgument("shared memory with rank " + std::to_string(peer) + " is not open");
-      }
-    }
+    Mapping mapping;
+    MLT_RETURN_IF_ERROR(Mapped(peer, &mapping));
     std::atomic_thread_fence(std::memory_order_acquire);
     ready->reset();
     return Status::Ok();
@@ -166,12 +154,21 @@ class SharedMemoryIpc final : public DeviceIpc {
   };
   SharedMemoryIpc() = default;
 
+  // Peer's mapping (fixed once opened: peers are opened before traffic).
+  Status Mapped(int peer, Mapping* out) const {
+    MutexLock lock(&mu_);
+    if (peer < 0 || static_cast<size_t>(peer) >= peers_.size() || peers_[peer].base == nullptr) {
+      return Status::InvalidArgument("shared memory with rank " + std::to_string(peer) + " is not open");
+    }
+    *out = peers_[static_cast<size_t>(peer)];
+    return Status::Ok();
+  }
+
   int fd_ = -1;
   float* region_ = nullptr;
   size_t region_bytes_ = 0;
-  std::string name_;
   std::string handle_;
-  Mutex mu_;
+  mutable Mutex mu_;
   std::vector<Mapping> peers_ GUARDED_BY(mu_);
 };
 

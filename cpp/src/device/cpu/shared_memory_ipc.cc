@@ -41,7 +41,8 @@ bool ParseHandle(const std::string& handle, long* pid, int* fd, std::string* nam
   if (handle.size() - prefix.size() >= sizeof(tail)) return false;
   if (std::sscanf(handle.c_str() + prefix.size(), "%ld:%d:%63s", pid, fd, tail) != 3) return false;
   *name = tail;
-  return *pid > 0 && *fd >= 0 && name->size() == kNameBytes && name->compare(0, sizeof(kNamePrefix) - 1, kNamePrefix) == 0;
+  return *pid > 0 && *fd >= 0 && name->size() == kNameBytes &&
+         name->compare(0, sizeof(kNamePrefix) - 1, kNamePrefix) == 0;
 }
 
 class SharedMemoryIpc final : public DeviceIpc {

@@ -176,13 +176,10 @@ void ShardHost::Start(Engine* engine, Transport* transport) {
     // WaitForLoans). What was held leaves before them, in order.
     bool full = false;
     for (Message& reply : replies) {
-      if (reply.header.receiver != rank_ && reply.device_values && reply.device_values->borrowed) {
-        SendHeldReplies(transport);
-        const Status sent = transport->Send(std::move(reply));
-        if (!sent.ok()) Reject(sent, Message());
-        continue;
-      }
-      if (reply.header.receiver == rank_) {
+      const bool own = reply.header.receiver == rank_;
+      const bool lent = reply.device_values && reply.device_values->borrowed;
+      if (own || lent) {
+        if (!own) SendHeldReplies(transport);
         const Status sent = transport->Send(std::move(reply));
         if (!sent.ok()) Reject(sent, Message());
         continue;

@@ -22,7 +22,10 @@ cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DMLTUNER_BUILD_TEST
   && cmake --build build/gpu -j 16 >> "$out/ctest-build.log" 2>&1 \
   && ctest --test-dir build/gpu -L gpu --output-on-failure 2>&1 | tail -15 | tee "$out/ctest.log"
 echo "== Python GPU tests"
-python3 -m pytest -q -x tests/python/gpu tests/python/torch/test_cuda.py tests/python/torch/test_mixed_precision.py -p no:cacheprovider 2>&1 | tail -15 | tee "$out/pytest-gpu.log"
+# faulthandler and the whole log: a crash in a CUDA test leaves its trace.
+python3 -X faulthandler -m pytest -q -x tests/python/gpu tests/python/torch/test_cuda.py tests/python/torch/test_mixed_precision.py \
+  -p no:cacheprovider > "$out/pytest-gpu.log" 2>&1
+tail -15 "$out/pytest-gpu.log"
 echo "== benchmark"
 (cd benchmarks && python3 gpu_path_bench.py "$@" 2>&1 | tee "$out/gpu_path_bench.md")
 if (( $(nvidia-smi -L | wc -l) >= 2 )); then
@@ -30,4 +33,9 @@ if (( $(nvidia-smi -L | wc -l) >= 2 )); then
   (cd benchmarks && python3 throughput_bench.py --device cuda --model transformer --rule adam --workers 2 \
      --slacks 0,1 --hops "$out/hops" 2>&1 | grep '^|' | tee "$out/throughput_transformer.md")
   tar czf "$out/hops.tgz" -C "$out" hops && rm -rf "$out/hops"  # few files to fetch: hop_timeline.py reads them
+fi
+if (( $(nvidia-smi -L | wc -l) >= 4 )); then
+  echo "== four GPUs: ResNet-18 on 1, 2 and 4 workers against DDP"
+  (cd benchmarks && python3 throughput_bench.py --device cuda --model resnet18 --workers 1,2,4 \
+     --slacks 0,1 2>&1 | grep '^|' | tee "$out/throughput_resnet18_4.md")
 fi

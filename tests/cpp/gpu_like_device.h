@@ -25,11 +25,16 @@ class GpuLikeDevice final : public ForwardingDevice {
   using WaitCount = std::shared_ptr<std::atomic<int64_t>>;
 
   // `free_bytes`: what MemoryInfo reports free (-1: no fixed capacity).
-  explicit GpuLikeDevice(int64_t free_bytes = -1, WaitCount waits = nullptr)
-      : free_bytes_(free_bytes), waits_(waits ? std::move(waits) : std::make_shared<std::atomic<int64_t>>(0)) {}
+  // `ordinal`: devices of different ordinals do not share memory (the
+  // GPUs of one process: rows between them go through host frames).
+  explicit GpuLikeDevice(int64_t free_bytes = -1, WaitCount waits = nullptr, int ordinal = 0)
+      : free_bytes_(free_bytes),
+        waits_(waits ? std::move(waits) : std::make_shared<std::atomic<int64_t>>(0)),
+        ordinal_(ordinal) {}
 
   std::string name() const override { return "gpu-like " + ForwardingDevice::name(); }
   bool host_addressable() const override { return false; }
+  int ordinal() const override { return ordinal_; }
   bool maps_host_memory() const override { return true; }
   bool swaps_by_kernel() const override { return false; }  // as the CUDA backend: copies, not a gather kernel
   Status MemoryInfo(int64_t* free_bytes, int64_t* total_bytes) override {
@@ -55,6 +60,7 @@ class GpuLikeDevice final : public ForwardingDevice {
  private:
   const int64_t free_bytes_;
   WaitCount waits_;
+  const int ordinal_;
 };
 
 }  // namespace mltuner

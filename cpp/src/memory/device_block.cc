@@ -38,6 +38,34 @@ Status WaitReady(const DeviceBuffer* buffer) {
   return buffer->block->device()->WaitEventDone(buffer->ready);
 }
 
+std::shared_ptr<DeviceBuffer> ShareView(const std::shared_ptr<DeviceBuffer>& buffer) {
+  if (!buffer->shared_uses) buffer->shared_uses = std::make_shared<SharedUses>();
+  auto view = std::make_unique<DeviceBuffer>();
+  view->data = buffer->data;
+  view->count = buffer->count;
+  view->ready = buffer->ready;
+  view->block = buffer->block;
+  view->borrowed = true;  // the memory is `buffer`'s
+  return std::shared_ptr<DeviceBuffer>(view.release(), [buffer](DeviceBuffer* returned) {
+    std::unique_ptr<DeviceBuffer> owned(returned);
+    if (!owned->last_use) return;
+    SharedUses& uses = *buffer->shared_uses;
+    std::lock_guard<std::mutex> lock(uses.mu);
+    uses.tickets.push_back(std::move(owned->last_use));
+  });
+}
+
+// Every ticket the previous users of a recycled buffer left: its last use,
+// and each view's where it was shared. No view is alive: each held the buffer.
+static std::vector<DeviceEvent> LastUses(DeviceBuffer& buffer) {
+  std::vector<DeviceEvent> uses;
+  if (buffer.last_use) uses.push_back(buffer.last_use);
+  if (buffer.shared_uses) {
+    for (DeviceEvent& ticket : buffer.shared_uses->tickets) uses.push_back(std::move(ticket));
+  }
+  return uses;
+}
+
 struct DeviceBufferPool::Idle {
   std::mutex mu;
   bool open = true;
@@ -114,7 +142,9 @@ Status DeviceBufferPool::Acquire(size_t count, Stream s, std::shared_ptr<DeviceB
   std::unique_ptr<DeviceBuffer> buffer;
   bool recycled = false;
   MLT_RETURN_IF_ERROR(Take(count, &buffer, &recycled));
-  if (recycled) MLT_RETURN_IF_ERROR(device_->WaitEvent(s, buffer->last_use));
+  if (recycled) {
+    for (const DeviceEvent& use : LastUses(*buffer)) MLT_RETURN_IF_ERROR(device_->WaitEvent(s, use));
+  }
   *out = Hand(std::move(buffer), count);
   return Status::Ok();
 }
@@ -123,7 +153,9 @@ Status DeviceBufferPool::AcquireForHost(size_t count, std::shared_ptr<DeviceBuff
   std::unique_ptr<DeviceBuffer> buffer;
   bool recycled = false;
   MLT_RETURN_IF_ERROR(Take(count, &buffer, &recycled));
-  if (recycled) MLT_RETURN_IF_ERROR(device_->WaitEventDone(buffer->last_use));
+  if (recycled) {
+    for (const DeviceEvent& use : LastUses(*buffer)) MLT_RETURN_IF_ERROR(device_->WaitEventDone(use));
+  }
   *out = Hand(std::move(buffer), count);
   return Status::Ok();
 }
@@ -132,6 +164,7 @@ std::shared_ptr<DeviceBuffer> DeviceBufferPool::Hand(std::unique_ptr<DeviceBuffe
   buffer->count = count;
   buffer->ready.reset();
   buffer->last_use.reset();
+  buffer->shared_uses.reset();
   {
     std::lock_guard<std::mutex> lock(idle_->mu);
     idle_->in_use += buffer->block->bytes();

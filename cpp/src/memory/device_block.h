@@ -49,6 +49,12 @@ class DeviceBlock {
   bool host_;
 };
 
+// The last uses of a buffer read by several consumers at once (ShareView).
+struct SharedUses {
+  std::mutex mu;
+  std::vector<DeviceEvent> tickets;
+};
+
 // A float array in device memory, handed from a producer to one consumer at
 // a time. `ready` is the ticket of the work that filled it: a consumer's
 // stream waits for it before reading. A consumer that queued reads sets
@@ -67,7 +73,18 @@ struct DeviceBuffer {
   // Views memory owned elsewhere (a received ZeroMQ frame, see
   // memory/borrowed_frames.h): consumers read it and never write it.
   bool borrowed = false;
+  // Set once the buffer is shared (ShareView): every view's last use, which
+  // the pool's next user waits for as for `last_use`.
+  std::shared_ptr<SharedUses> shared_uses;
 };
+
+// One more consumer of `buffer`, which several read at once (a pushed host
+// frame that every worker on another GPU of a process installs): a view of
+// its own, whose `last_use` the consumer sets without racing the others, and
+// which hands that ticket to `buffer` as it goes. `buffer` returns to its
+// pool once every view is gone. Call on the producer's thread, once `ready`
+// is set, before any view leaves it.
+std::shared_ptr<DeviceBuffer> ShareView(const std::shared_ptr<DeviceBuffer>& buffer);
 
 // Blocks until a buffer's producer is done with it (`ready`), on the thread
 // of a consumer that reads it on the host. A null buffer or ticket is ready.

@@ -542,9 +542,9 @@ Status ServerShard::CheckSpans(const TableState& table, const RowSpan& range, co
 // Sends every client a part of this shard's rows of the table (all of them
 // when the table is not split). The message goes out even when the shard
 // owns no rows (a table with fewer rows than shards): the client's data age
-// moves with each shard's last part. Workers in other processes share one
-// host frame: one device -> host copy, one frame sent to each (the
-// transport only reads it).
+// moves with each shard's last part. Workers outside the shard's memory
+// (other processes, other GPUs of a LocalCluster) share one host frame: one
+// device -> host copy, one view of it sent to each.
 Status ServerShard::PushRows(const TableState& table, int part, Clock age, std::vector<Message>* out) {
   std::shared_ptr<DeviceBuffer> shared_frame;
   for (int worker = 0; worker < num_workers_; ++worker) {
@@ -588,15 +588,19 @@ Status ServerShard::RowsMessage(const TableState& table, int part, Clock age, in
       MLT_RETURN_IF_ERROR(buffers_.Acquire(count, Stream::kServer, &rows.device_values));
       device_->CopyDeviceToDevice(rows.device_values->data, values, count * sizeof(float), Stream::kServer);
       MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kServer, &rows.device_values->ready));
-    } else if (shared_frame != nullptr && *shared_frame) {
-      rows.host_frame = *shared_frame;  // this push's copy, already queued
     } else {
       // Into a host frame, ready with the copy's ticket: the transport's
-      // send thread waits for it, this thread does not.
-      MLT_RETURN_IF_ERROR(frames_.Acquire(count, Stream::kServer, &rows.host_frame));
-      device_->CopyDeviceToHost(rows.host_frame->data, values, count * sizeof(float), Stream::kServer);
-      MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kServer, &rows.host_frame->ready));
-      if (shared_frame != nullptr) *shared_frame = rows.host_frame;
+      // send thread waits for it, this thread does not. One copy per push:
+      // each receiver gets a view of it, since the workers of a LocalCluster
+      // on other GPUs install it at once and each leaves its own last use.
+      std::shared_ptr<DeviceBuffer> frame = shared_frame != nullptr ? *shared_frame : nullptr;
+      if (!frame) {
+        MLT_RETURN_IF_ERROR(frames_.Acquire(count, Stream::kServer, &frame));
+        device_->CopyDeviceToHost(frame->data, values, count * sizeof(float), Stream::kServer);
+        MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kServer, &frame->ready));
+        if (shared_frame != nullptr) *shared_frame = frame;
+      }
+      rows.host_frame = shared_frame != nullptr ? ShareView(frame) : std::move(frame);
     }
   }
   rows.header.num_spans = static_cast<uint32_t>(rows.spans.size());

@@ -185,9 +185,9 @@ class ServerShard {
   Status Fork(BranchId child, BranchId parent, const BranchSettings& settings);
   TableState* Find(BranchId branch, TableId table) const;
   // Part `part`'s rows for `worker`, stamped with data age `age`.
-  // `shared_frame`: the host frame of this push that every worker of
-  // another process gets (filled once, by the first that needs it); null
-  // for a reply to one worker.
+  // `shared_frame`: the host frame of this push that every worker outside
+  // the shard's memory gets, each through a view (filled once, by the first
+  // that needs it); null for a reply to one worker.
   Status RowsMessage(const TableState& table, int part, Clock age, int worker, Message* out,
                      std::shared_ptr<DeviceBuffer>* shared_frame = nullptr);
   // A view of a part of the table's host-resident values for a device

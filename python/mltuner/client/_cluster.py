@@ -53,13 +53,14 @@ class LocalCluster:
         """Runs ``fn(worker)`` for every worker, each on its own thread, and
         returns the results by rank.
 
-        The first exception a worker raises is re-raised here (the others are
-        attached as notes). If a worker is still running after ``timeout_s``
+        One worker's exception is re-raised here, the others attached as
+        notes: the first by rank that is a cause rather than an effect (a
+        worker that failed makes the others time out waiting for it). If a worker is still running after ``timeout_s``
         (default: the config's wait timeout times four), the cluster is shut
         down, which makes every blocked call raise ShutdownError, and
         :class:`~mltuner.WaitTimeoutError` is raised.
         """
-        from mltuner.exceptions import WaitTimeoutError
+        from mltuner.exceptions import ShutdownError, WaitTimeoutError
 
         results: list[T | None] = [None] * self.num_workers
         errors: list[BaseException | None] = [None] * self.num_workers
@@ -91,6 +92,8 @@ class LocalCluster:
             raise WaitTimeoutError(f"workers still running after {limit} s: {', '.join(stuck)}")
         raised = [(rank, e) for rank, e in enumerate(errors) if e is not None]
         if raised:
+            effects = (WaitTimeoutError, ShutdownError)
+            raised.sort(key=lambda item: isinstance(item[1], effects))  # stable: by rank within each kind
             rank, first = raised[0]
             for other_rank, other in raised[1:]:
                 if hasattr(first, "add_note"):

@@ -323,6 +323,20 @@ TEST(ThreeWorkersRunUnderTheLeastBudgetOnGpuLikeDevices) {
   ExpectThreeWorkersRun(config, gpu_like);
 }
 
+// Three GPU-like devices of different ordinals, as a LocalCluster on three
+// GPUs: each shard's push reaches the two other workers as one host frame,
+// which both install at once from their own threads (each through its own
+// view: sharing the frame itself once crashed such clusters on real GPUs).
+TEST(ThreeWorkersRunOnThreeGpuLikeDevicesOfDifferentOrdinals) {
+  Config config = Quick();
+  config.update_rule.kind = UpdateRuleKind::kAdd;
+  const DeviceFactory three_gpus = [](int rank, std::unique_ptr<Device>* out) {
+    *out = std::make_unique<GpuLikeDevice>(-1, nullptr, rank);
+    return Status::Ok();
+  };
+  ExpectThreeWorkersRun(config, three_gpus);
+}
+
 TEST(EngineRejectsInvalidClientMessagesAndFails) {
   std::unique_ptr<LocalCluster> cluster;
   ASSERT_OK(LocalCluster::Create(Quick(), kWorkers, &cluster));

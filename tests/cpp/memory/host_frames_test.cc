@@ -7,6 +7,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include "forwarding_device.h"
@@ -117,6 +118,52 @@ TEST(ARecycledFramesNextWriterWaitsForItsLastUse) {
   ASSERT_OK(WaitReady(frame.get()));
   EXPECT_TRUE(device->thread_waits.size() == 2 && device->thread_waits[1] == frame->ready);
   ASSERT_OK(WaitReady(nullptr));
+}
+
+// A frame read by several consumers at once (one push to the workers of
+// other GPUs of a LocalCluster): each reads through its own view and leaves
+// its own last use from its own thread; the frame goes back only with the
+// last view, and its next writer waits for every consumer's ticket. (Once
+// the consumers wrote one `last_use` of the shared frame: a data race that
+// crashed multi-GPU LocalClusters, and the pool waited for one reader only.)
+TEST(ASharedFramesNextWriterWaitsForEveryViewsLastUse) {
+  auto device = std::make_shared<CountingDevice>();
+  DeviceBufferPool frames(device, 1 << 20, /*host=*/true);
+  constexpr int kReaders = 3;
+  std::vector<DeviceEvent> reads(kReaders);
+  {
+    std::shared_ptr<DeviceBuffer> frame;
+    ASSERT_OK(frames.Acquire(64, Stream::kServer, &frame));
+    ASSERT_OK(device->RecordEvent(Stream::kServer, &frame->ready));
+    std::vector<std::shared_ptr<DeviceBuffer>> views;
+    for (int k = 0; k < kReaders; ++k) views.push_back(ShareView(frame));
+    frame.reset();  // the views keep it
+    EXPECT_EQ(frames.idle_bytes(), 0u);
+    for (int k = 0; k < kReaders; ++k) {
+      EXPECT_TRUE(views[k]->data == views[0]->data && views[k]->count == 64u && views[k]->ready == views[0]->ready);
+      EXPECT_TRUE(views[k]->borrowed);
+      ASSERT_OK(device->RecordEvent(Stream::kInstall, &reads[k]));
+    }
+    std::vector<std::thread> readers;
+    for (int k = 0; k < kReaders; ++k) {
+      readers.emplace_back([&views, &reads, k] {
+        views[k]->last_use = reads[k];
+        views[k].reset();
+      });
+    }
+    for (std::thread& reader : readers) reader.join();
+  }
+  EXPECT_EQ(frames.idle_bytes(), 256u);  // back once the last view went
+  std::shared_ptr<DeviceBuffer> frame;
+  ASSERT_OK(frames.Acquire(64, Stream::kServer, &frame));
+  EXPECT_EQ(frames.allocations(), 1);
+  ASSERT_TRUE(device->stream_waits.size() == static_cast<size_t>(kReaders) + 1);  // the producer's `ready` too
+  for (const DeviceEvent& read : reads) {
+    bool waited = false;
+    for (const auto& [stream, ticket] : device->stream_waits) waited |= stream == Stream::kServer && ticket == read;
+    EXPECT_TRUE(waited);
+  }
+  EXPECT_TRUE(frame->shared_uses == nullptr);  // a fresh frame
 }
 
 // Clocks of payloads (sizes repeating every clock), each alive for `in_flight`

@@ -120,6 +120,34 @@ def test_run_reraises_a_worker_error() -> None:
             cluster.run(fn, timeout_s=10)
 
 
+def test_run_reraises_the_cause_before_the_timeouts_it_caused() -> None:
+    """Worker 1 fails before its first clock; worker 0, rank first, times
+    out waiting for its rows. The cause is raised, the timeout a note."""
+
+    class Boom(Exception):
+        pass
+
+    def fn(worker: Worker) -> None:
+        table = worker.create_table("t", 2, 4)
+        read = worker.virtual_read(table)
+        worker.virtual_post_read(read)
+        worker.virtual_clock()
+        worker.finish_virtual_iteration()
+        worker.start_iterations()
+        if worker.rank == 1:
+            raise Boom("worker 1 failed")
+        for _ in range(2):
+            worker.read(read)
+            worker.post_read(read)
+            worker.clock()
+
+    with LocalCluster(2, Config(wait_timeout_s=1)) as cluster:
+        with pytest.raises(Boom, match="worker 1 failed") as raised:
+            cluster.run(fn, timeout_s=10)
+    notes = getattr(raised.value, "__notes__", [])
+    assert any("worker 0 also failed: WaitTimeoutError" in note for note in notes), notes
+
+
 def test_run_shuts_a_stuck_cluster_down() -> None:
     """Worker 0 never clocks, so worker 1 blocks in its read at clock 1 (its
     wait_timeout_s is far away): run gives up after timeout_s, shuts the

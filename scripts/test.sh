@@ -33,13 +33,24 @@ echo "== thread-safety analysis (clang -Wthread-safety over cpp/src)"
 scripts/check_thread_safety.sh "$PY"
 tsa_rc=$?
 
+echo "== data races (the C++ tests again, built with ThreadSanitizer in build/tsan)"
+# A race between engine threads shows here on any machine, also one whose
+# path only a GPU takes on its own (the GPU-like test device takes it here).
+tsan_generator=()
+if [[ ! -f build/tsan/CMakeCache.txt ]] && command -v ninja >/dev/null; then tsan_generator=(-G Ninja); fi
+cmake -S . -B build/tsan "${tsan_generator[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMLTUNER_SANITIZE=thread \
+      -DMLTUNER_CUDA=OFF -DMLTUNER_BUILD_TESTS=ON -DMLTUNER_BUILD_PYTHON=OFF > /dev/null \
+  && cmake --build build/tsan -j "$jobs" \
+  && TSAN_OPTIONS="halt_on_error=1" ctest --output-on-failure -j2 --test-dir build/tsan -LE gpu
+tsan_rc=$?
+
 echo "== Python tests (tests/python)"
 "$PY" -m pytest
 pytest_rc=$?   # 5 (no tests collected) counts as a failure
 
-if [[ $ctest_rc -eq 0 && $tsa_rc -eq 0 && $pytest_rc -eq 0 ]]; then
-  echo "mltuner tests: PASSED (ctest ok, thread-safety ok, pytest ok)"
+if [[ $ctest_rc -eq 0 && $tsa_rc -eq 0 && $tsan_rc -eq 0 && $pytest_rc -eq 0 ]]; then
+  echo "mltuner tests: PASSED (ctest ok, thread-safety ok, data races ok, pytest ok)"
 else
-  echo "mltuner tests: FAILED (ctest exit $ctest_rc, thread-safety exit $tsa_rc, pytest exit $pytest_rc)"
+  echo "mltuner tests: FAILED (ctest exit $ctest_rc, thread-safety exit $tsa_rc, data races exit $tsan_rc, pytest exit $pytest_rc)"
   exit 1
 fi

@@ -22,9 +22,12 @@ cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DMLTUNER_BUILD_TEST
   && cmake --build build/gpu -j 16 >> "$out/ctest-build.log" 2>&1 \
   && ctest --test-dir build/gpu -L gpu --output-on-failure 2>&1 | tail -15 | tee "$out/ctest.log"
 echo "== Python GPU tests"
-# faulthandler and the whole log: a crash in a CUDA test leaves its trace.
-python3 -X faulthandler -m pytest -q -x tests/python/gpu tests/python/torch/test_cuda.py tests/python/torch/test_mixed_precision.py \
-  -p no:cacheprovider > "$out/pytest-gpu.log" 2>&1
+# faulthandler, a native stack (scripts/native_stack.c) and the whole log:
+# a crash in a CUDA test leaves its trace, also in an engine thread.
+preload=""
+if cc -shared -fPIC -O1 -o /tmp/native_stack.so scripts/native_stack.c -ldl 2>/dev/null; then preload=/tmp/native_stack.so; fi
+LD_PRELOAD="$preload" python3 -X faulthandler -m pytest -q -x tests/python/gpu tests/python/torch/test_cuda.py \
+  tests/python/torch/test_mixed_precision.py -p no:cacheprovider > "$out/pytest-gpu.log" 2>&1
 tail -15 "$out/pytest-gpu.log"
 echo "== benchmark"
 (cd benchmarks && python3 gpu_path_bench.py "$@" 2>&1 | tee "$out/gpu_path_bench.md")

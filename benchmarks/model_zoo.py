@@ -1,0 +1,223 @@
+"""Models no issue names: does ``mltuner.torch.wrap`` take torchvision's
+classification models, train them as plain PyTorch does, and at what speed?
+
+    python benchmarks/model_zoo.py [--models all|NAME,...] [--steps 6] [--batch 8] [--out PATH]
+
+For each model (by default one or two of each family; ``--models all``: every
+classification model of torchvision with at most ``--max-params`` millions
+of parameters), built with 10 classes from the same seed: plain PyTorch with
+``torch.optim.SGD(lr=0.01, momentum=0.9)`` and mltuner (a 1-worker
+LocalCluster, ``wrap(..., optimizer=SGD(same))``) train ``--steps`` steps on
+the same random batches, the RNG seeded alike before each step (dropout,
+stochastic depth).
+
+The verdict is the first step's: the same first loss, and every parameter
+after one step within ``--tolerance`` (relative to the tensor's largest
+value) of torch's. The two sides then differ by float rounding only (torch's
+SGD rounds its step in another order than the servers' rule, about 1e-7),
+where a lost, doubled or wrong update shows at 1e-4 and more. Later losses
+are not the test: batch-normed networks at batch 8 on random labels carry a
+1e-7 difference to 1e-2 within a few steps, which the table shows beside the
+same difference between two plain runs (nonzero where an algorithm is
+nondeterministic; on a GPU torch's deterministic algorithms are on unless
+``--nondeterministic``). Samples/s of each over the steps after the first
+two, with the ratio. Runs on the GPU when there is one; needs torchvision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import os
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mltuner as mlt
+import mltuner.torch as mtorch
+
+# One or two of each family of torchvision's classification models.
+FAMILIES = [
+    "alexnet", "convnext_tiny", "densenet121", "efficientnet_b0", "efficientnet_v2_s", "googlenet",
+    "inception_v3", "maxvit_t", "mnasnet0_5", "mobilenet_v2", "mobilenet_v3_small", "regnet_x_400mf",
+    "regnet_y_400mf", "resnet50", "resnext50_32x4d", "shufflenet_v2_x0_5", "squeezenet1_1", "swin_t",
+    "swin_v2_t", "vgg11_bn", "vit_b_16", "wide_resnet50_2",
+]
+# Image side per model name prefix: the transformers fix theirs, inception needs >= 75.
+SIDES = {"vit_": 224, "swin": 224, "maxvit": 224, "inception": 96}
+CLASSES, LR, MOMENTUM = 10, 0.01, 0.9
+TIMED_FROM = 2  # the first steps warm caches and allocators up
+
+
+def build(name: str) -> nn.Module:
+    import torchvision
+
+    extra: dict[str, Any] = {}
+    if name in ("googlenet", "inception_v3"):
+        extra = {"aux_logits": False, "init_weights": True}  # one output in training
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torchvision.models.get_model(name, weights=None, num_classes=CLASSES, **extra)
+
+
+def batches(name: str, count: int, size: int, device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    side = next((s for prefix, s in SIDES.items() if name.startswith(prefix)), 64)
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(size, 3, side, side, generator=generator).to(device),
+             torch.randint(0, CLASSES, (size,), generator=generator).to(device)) for _ in range(count)]
+
+
+Trained = tuple[list[float], dict[str, torch.Tensor], float]
+
+
+def train(step: Any, parameters: Any, data: list[tuple[torch.Tensor, torch.Tensor]], device: str) -> Trained:
+    """Losses of every step, the parameters after the first (``parameters()``:
+    name -> tensor), and samples/s from TIMED_FROM on."""
+    losses = []
+    first: dict[str, torch.Tensor] = {}
+    start = 0.0
+    for index, (x, y) in enumerate(data):
+        if index == 1:
+            first = {name: value.detach().to("cpu", torch.float32, copy=True) for name, value in parameters().items()}
+        if index == TIMED_FROM:
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+        torch.manual_seed(100 + index)
+        losses.append(step(x, y))
+    if device == "cuda":
+        torch.cuda.synchronize()
+    timed = sum(len(y) for _, y in data[TIMED_FROM:])
+    return losses, first, timed / (time.perf_counter() - start)
+
+
+def plain(model: nn.Module, data: list, device: str) -> Trained:
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.item()
+
+    return train(step, lambda: dict(model.named_parameters()), data, device)
+
+
+def wrapped(model: nn.Module, data: list, device: str) -> Trained:
+    config = mlt.Config(device=device, wait_timeout_s=120)
+    with mlt.LocalCluster(1, config) as cluster:
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+        torch.manual_seed(99)
+        ps = mtorch.wrap(model, cluster.worker(0), example_input=data[0][0], optimizer=optimizer,
+                         example_loss=lambda out: F.cross_entropy(out, data[0][1]))
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> float:
+            loss = F.cross_entropy(ps(x), y)
+            loss.backward()
+            ps.step()
+            return loss.item()
+
+        trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+        return train(step, lambda: {name: ps.state_dict()[name] for name in trainable}, data, device)
+
+
+def check(name: str, args: argparse.Namespace, device: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = build(name).to(device)
+    params = sum(p.numel() for p in model.parameters()) / 1e6
+    row: dict[str, Any] = {"model": name, "params": params}
+    if params > args.max_params:
+        return {**row, "result": f"skipped (over {args.max_params:g} M parameters)"}
+    data = batches(name, args.steps, args.batch, device)
+    want, want_first, plain_rate = plain(copy.deepcopy(model), data, device)
+    again, _, _ = plain(copy.deepcopy(model), data, device)
+    row["noise"] = largest_difference(again, want)
+    try:
+        got, got_first, rate = wrapped(copy.deepcopy(model), data, device)
+    except mtorch.UnsupportedModelError as error:
+        return {**row, "result": f"refused: {error}"}
+    except Exception as error:  # noqa: BLE001 - the table reports it
+        traceback.print_exc()
+        return {**row, "result": f"error: {type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+    step_error = max(float((got_first[n] - w).abs().max() / w.abs().max().clamp_min(1e-30))
+                     for n, w in want_first.items())
+    same = got[0] == want[0] and step_error <= args.tolerance
+    verdict = "trains, as plain PyTorch" if same else "**differs from plain PyTorch at the first step**"
+    return {**row, "result": verdict, "step_error": step_error, "difference": largest_difference(got, want),
+            "plain": plain_rate, "mltuner": rate}
+
+
+def largest_difference(got: list[float], want: list[float]) -> float:
+    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(got, want))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="", help="comma list, or 'all' (default: one or two per family)")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--max-params", type=float, default=100.0, help="millions; larger models are skipped")
+    parser.add_argument("--tolerance", type=float, default=1e-5,
+                        help="largest relative parameter difference after the first step")
+    parser.add_argument("--nondeterministic", action="store_true",
+                        help="leave torch's nondeterministic GPU algorithms on (faster; see above)")
+    parser.add_argument("--out", default="results/model_zoo.md")
+    args = parser.parse_args()
+    if args.steps <= TIMED_FROM:
+        parser.error(f"--steps must exceed {TIMED_FROM}")
+    try:
+        import torchvision
+    except ImportError as error:
+        print(f"model_zoo: needs torchvision ({error})")
+        return 2
+    device = "cuda" if mlt.cuda_device_count() > 0 and torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not args.nondeterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's condition for determinism
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+    if args.models == "all":
+        names = torchvision.models.list_models(module=torchvision.models)
+    else:
+        names = args.models.split(",") if args.models else FAMILIES
+    rows = []
+    for name in names:
+        row = check(name, args, device)
+        rows.append(row)
+        print(f"{name}: {row['result']}", flush=True)
+    machine = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    lines = [
+        f"# wrap() over torchvision's models ({datetime.date.today()}, {machine}, torch {torch.__version__}, "
+        f"torchvision {torchvision.__version__})",
+        "",
+        f"batch {args.batch}, {args.steps} steps of SGD (lr {LR}, momentum {MOMENTUM}); samples/s over steps "
+        f"{TIMED_FROM + 1}-{args.steps}; deterministic algorithms "
+        f"{'off' if args.nondeterministic or device == 'cpu' else 'on'}",
+        "",
+        "| model | M params | result | parameters after step 1 | losses of every step | two plain runs "
+        "| plain samples/s | mltuner samples/s | ratio |",
+        "|:--|--:|:--|--:|--:|--:|--:|--:|--:|",
+    ]
+    for row in rows:
+        speed = (f"{row['plain']:,.0f} | {row['mltuner']:,.0f} | {row['mltuner'] / row['plain']:.2f}"
+                 if "mltuner" in row else " | | ")
+        figures = " | ".join(f"{row[key]:.1e}" if key in row else "" for key in ("step_error", "difference", "noise"))
+        lines.append(f"| {row['model']} | {row['params']:.1f} | {row['result']} | {figures} | {speed} |")
+    table = "\n".join(lines)
+    print(table)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(table + "\n")
+    failed = [r for r in rows if r["result"].startswith(("error", "**"))]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -21,7 +21,10 @@ are not the test: batch-normed networks at batch 8 on random labels carry a
 same difference between two plain runs (nonzero where an algorithm is
 nondeterministic; on a GPU torch's deterministic algorithms are on unless
 ``--nondeterministic``). Samples/s of each over the steps after the first
-two, with the ratio. Runs on the GPU when there is one; needs torchvision.
+two, with the ratio. ``--budget 0.25``: mltuner stores the activations as
+local data under a quarter of its device-memory need, and wrap() chooses what
+to recompute (issue 16's machinery on models it was not built on). Runs on
+the GPU when there is one; needs torchvision.
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ import argparse
 import copy
 import datetime
 import os
+import sys
 import time
 import traceback
+import types
 import warnings
 from pathlib import Path
 from typing import Any
@@ -42,6 +47,7 @@ from torch import nn
 
 import mltuner as mlt
 import mltuner.torch as mtorch
+from torch_loops import measure_need
 
 # One or two of each family of torchvision's classification models.
 FAMILIES = [
@@ -56,9 +62,23 @@ CLASSES, LR, MOMENTUM = 10, 0.01, 0.9
 TIMED_FROM = 2  # the first steps warm caches and allocators up
 
 
-def build(name: str) -> nn.Module:
-    import torchvision
+def import_torchvision() -> Any:
+    """torchvision; where its compiled operators do not load (a wheel built
+    for another torch, as PyPI's with torch's CPU build), without the
+    operators' registrations, which the classification models never use."""
+    try:
+        import torchvision
+    except RuntimeError as error:  # "operator torchvision::nms does not exist"
+        print(f"model_zoo: torchvision's operators did not load ({error}); its models need none")
+        for name in [m for m in sys.modules if m.startswith("torchvision")]:
+            del sys.modules[name]
+        sys.modules["torchvision._meta_registrations"] = types.ModuleType("torchvision._meta_registrations")
+        import torchvision
+    return torchvision
 
+
+def build(name: str) -> nn.Module:
+    torchvision = import_torchvision()
     extra: dict[str, Any] = {}
     if name in ("googlenet", "inception_v3"):
         extra = {"aux_logits": False, "init_weights": True}  # one output in training
@@ -111,13 +131,21 @@ def plain(model: nn.Module, data: list, device: str) -> Trained:
     return train(step, lambda: dict(model.named_parameters()), data, device)
 
 
-def wrapped(model: nn.Module, data: list, device: str) -> Trained:
+def wrapped(model: nn.Module, data: list, device: str, budget: float) -> Trained:
+    """Under a budget (a fraction of the need, see torch_loops.measure_need)
+    the activations are local data and wrap() chooses what to recompute."""
+    def loss_of(out: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out, data[0][1])
+
     config = mlt.Config(device=device, wait_timeout_s=120)
+    if budget:
+        need, _ = measure_need(lambda: copy.deepcopy(model), data[0][0], loss_of, config, torch.device(device))
+        config = mlt.Config(device=device, wait_timeout_s=120, device_memory_budget=int(need * budget))
     with mlt.LocalCluster(1, config) as cluster:
         optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
         torch.manual_seed(99)
         ps = mtorch.wrap(model, cluster.worker(0), example_input=data[0][0], optimizer=optimizer,
-                         example_loss=lambda out: F.cross_entropy(out, data[0][1]))
+                         example_loss=loss_of, store_activations=bool(budget))
 
         def step(x: torch.Tensor, y: torch.Tensor) -> float:
             loss = F.cross_entropy(ps(x), y)
@@ -141,9 +169,9 @@ def check(name: str, args: argparse.Namespace, device: str) -> dict[str, Any]:
     again, _, _ = plain(copy.deepcopy(model), data, device)
     row["noise"] = largest_difference(again, want)
     try:
-        got, got_first, rate = wrapped(copy.deepcopy(model), data, device)
-    except mtorch.UnsupportedModelError as error:
-        return {**row, "result": f"refused: {error}"}
+        got, got_first, rate = wrapped(copy.deepcopy(model), data, device, args.budget)
+    except (mtorch.UnsupportedModelError, mlt.ResourceExhaustedError) as error:  # a model or budget wrap() declines
+        return {**row, "result": f"refused: {str(error).splitlines()[0][:300]}"}
     except Exception as error:  # noqa: BLE001 - the table reports it
         traceback.print_exc()
         return {**row, "result": f"error: {type(error).__name__}: {str(error).splitlines()[0][:200]}"}
@@ -167,6 +195,8 @@ def main() -> int:
     parser.add_argument("--max-params", type=float, default=100.0, help="millions; larger models are skipped")
     parser.add_argument("--tolerance", type=float, default=1e-5,
                         help="largest relative parameter difference after the first step")
+    parser.add_argument("--budget", type=float, default=0.0,
+                        help="mltuner's device_memory_budget as a fraction of the need (0: none), activations stored")
     parser.add_argument("--nondeterministic", action="store_true",
                         help="leave torch's nondeterministic GPU algorithms on (faster; see above)")
     parser.add_argument("--out", default="results/model_zoo.md")
@@ -174,7 +204,7 @@ def main() -> int:
     if args.steps <= TIMED_FROM:
         parser.error(f"--steps must exceed {TIMED_FROM}")
     try:
-        import torchvision
+        torchvision = import_torchvision()
     except ImportError as error:
         print(f"model_zoo: needs torchvision ({error})")
         return 2
@@ -199,7 +229,8 @@ def main() -> int:
         "",
         f"batch {args.batch}, {args.steps} steps of SGD (lr {LR}, momentum {MOMENTUM}); samples/s over steps "
         f"{TIMED_FROM + 1}-{args.steps}; deterministic algorithms "
-        f"{'off' if args.nondeterministic or device == 'cpu' else 'on'}",
+        f"{'off' if args.nondeterministic or device == 'cpu' else 'on'}"
+        + (f"; mltuner under a budget of {args.budget:g} of its need, activations stored" if args.budget else ""),
         "",
         "| model | M params | result | parameters after step 1 | losses of every step | two plain runs "
         "| plain samples/s | mltuner samples/s | ratio |",

@@ -472,6 +472,10 @@ class ClockDriver:
         engine: refuses an activation changed in place since autograd saved
         it (torch's own backward refuses that too, by the same version
         counter), rather than storing the changed bytes."""
+        if self._filling:  # a group's post would leave without its later slots' pieces
+            first = next(iter(self._filling))
+            raise AssertionError(f"the stored activations {self._groups[first]} were posted to the engine "
+                                 f"after {len(self._filling[first])} of their stores")
         for tensor, version, slot in self._queued_stores:
             if tensor._version != version:
                 raise UnsupportedModelError(
@@ -518,26 +522,30 @@ class ClockDriver:
             return
         handle = self._handles[index]
         layout = self._acts.slots[slot]
+        if not (layout.exact_layout and layout.nbytes % 4 == 0):
+            # Through a buffer of its own, now: an engine call, which also
+            # posts whatever is queued (store_groups ends every group there).
+            write_bytes(self._local_bytes(self._open(_LOCAL, handle)), tensor, layout)
+            self._post(_POST_LOCAL, handle)
+            return
+        if tensor.data_ptr() % 4:  # a view at an odd offset: the engine copies whole words
+            tensor = tensor.clone(memory_format=torch.preserve_format)
         address = tensor.data_ptr()
-        if slot in self._groups:  # one access for the group, opened at its first slot's store
-            if address % 4:  # a view at an odd offset: the engine copies whole words
-                tensor = tensor.clone(memory_format=torch.preserve_format)
-                address = tensor.data_ptr()
-            piece = (address, *self._spans[slot])
-            first = self._groups[slot][0]
-            if handle >= 0:  # the post goes to the engine with the next call, after the group's last store
-                pieces = self._filling[first] = [piece]
-                self._queued += [(_LOCAL, handle), (_POST_LOCAL, handle, pieces)]
-            else:
-                self._filling[first].append(piece)
-            self._queued_stores.append((tensor, tensor._version, slot))
-            return
-        if layout.exact_layout and address % 4 == 0 and layout.nbytes % 4 == 0:
+        self._queued_stores.append((tensor, tensor._version, slot))
+        if slot not in self._groups:
             self._queued += [(_LOCAL, handle), (_POST_LOCAL, handle, [(address, 0, layout.nbytes // 4)])]
-            self._queued_stores.append((tensor, tensor._version, slot))
             return
-        write_bytes(self._local_bytes(self._open(_LOCAL, handle)), tensor, layout)
-        self._post(_POST_LOCAL, handle)
+        # One access for the group, opened at its first slot's store; its
+        # post goes to the engine with the next call, after the last one.
+        members = self._groups[slot]
+        piece = (address, *self._spans[slot])
+        if handle >= 0:
+            pieces = self._filling[members[0]] = [piece]
+            self._queued += [(_LOCAL, handle), (_POST_LOCAL, handle, pieces)]
+        else:
+            self._filling[members[0]].append(piece)
+        if slot == members[-1]:
+            del self._filling[members[0]]
 
     def _load(self, slot: int) -> torch.Tensor:
         """A stored activation, read back from the local table (its event

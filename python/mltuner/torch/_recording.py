@@ -219,12 +219,15 @@ def store_groups(events: Sequence[Event], slots: Sequence[Slot], tables: Tables,
             groups.update((number, tuple(members)) for number in members)
 
     for event in events:
-        if event.kind != "store":
-            for table in list(filling):  # a run of stores ends
-                close(table)
+        slot = slots[event.slot] if event.kind == "store" else None
+        if slot is not None and not slot.stored:
             continue
-        slot = slots[event.slot]
-        if not (slot.stored and slot.exact_layout and slot.nbytes % 4 == 0):
+        if slot is None or not (slot.exact_layout and slot.nbytes % 4 == 0):
+            # The run of stores ends, or a slot the engine cannot copy itself
+            # is stored through an engine call of its own, which posts what
+            # is queued: a group still open would leave without its later slots.
+            for table in list(filling):
+                close(table)
             continue
         table = tables.table_of(event.slot)
         if table in filling and filling[table][1] + slot.nbytes > limit:

@@ -227,3 +227,69 @@ def test_store_groups_join_a_run_of_stores_per_table_up_to_the_largest_access() 
     assert store_groups(events, slots, tables, largest=2048) == {0: (0, 1), 1: (0, 1), 3: (3, 5), 5: (3, 5)}
     assert store_groups(events, slots, tables, largest=4096) == {
         0: (0, 1, 2), 1: (0, 1, 2), 2: (0, 1, 2), 3: (3, 5, 6), 5: (3, 5, 6), 6: (3, 5, 6)}
+
+
+def test_a_store_through_its_own_engine_call_ends_every_open_group() -> None:
+    """A slot the engine cannot copy itself (not whole float32 words, or not
+    one dense span: a chunk of a batch) is stored through an engine call of
+    its own, which posts what is queued: the groups open then close before
+    it, or their later slots' pieces would never reach the engine."""
+    from mltuner.client._layout import TensorLayout
+    from mltuner.torch._recording import Event, Slot, Tables, store_groups
+
+    dense = Slot((4, 64), torch.float32)
+    chunk = Slot((4, 32), torch.float32, stride=(64, 1))  # x.chunk(2, dim=1)[1]: gaps between its rows
+    odd = Slot((3,), torch.float16)
+    assert dense.exact_layout and not chunk.exact_layout
+    slots = [dense, dense, chunk, dense, dense, odd, dense, dense]
+    layout = TensorLayout(64)
+    for number, slot in enumerate(slots):
+        layout.add(f"a{number}", (-(-slot.nbytes // 4),))
+    tables = Tables([], [(None, layout)])  # type: ignore[list-item]
+    events = [Event("store", slot=number) for number in range(len(slots))]
+    assert store_groups(events, slots, tables, largest=1 << 20) == {
+        0: (0, 1), 1: (0, 1), 3: (3, 4), 4: (3, 4), 6: (6, 7), 7: (6, 7)}
+
+
+class ShuffleBlock(nn.Module):
+    """ShuffleNet V2's unit in miniature: half the channels pass, the other
+    half go through a branch; the branch's first layer saves a chunk of its
+    input (no dense span), between saved tensors that are."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        half = channels // 2
+        self.branch = nn.Sequential(nn.Conv2d(half, half, 1, bias=False), nn.BatchNorm2d(half), nn.ReLU(),
+                                    nn.Conv2d(half, half, 3, padding=1, groups=half, bias=False),
+                                    nn.BatchNorm2d(half), nn.Conv2d(half, half, 1, bias=False), nn.ReLU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kept, branched = x.chunk(2, dim=1)
+        out = torch.cat((kept, self.branch(branched)), dim=1)
+        batch, channels, height, width = out.shape
+        return out.view(batch, 2, channels // 2, height, width).transpose(1, 2).reshape(batch, channels, height, width)
+
+
+def test_a_layer_of_blocks_whose_saved_chunks_split_the_groups_trains_as_torch() -> None:
+    """Three such blocks as one layer (one table of stored activations):
+    each block's chunk is stored through its own engine call in the middle
+    of the layer's run of stores. Until stop 46 the groups open there were
+    posted without their later slots, whose rows then read back stale bytes:
+    torchvision's shufflenet_v2 trained on wrong gradients under a budget."""
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Sequential(*(ShuffleBlock(8) for _ in range(3))),
+                             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+
+    model, reference = make(), make()
+    x = torch.randn(4, 3, 8, 8)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    with LocalCluster(1, config()) as cluster:
+        ps_model = mt.wrap(model, cluster.worker(0), example_input=x, store_activations=True, recompute="none",
+                           example_loss=lambda out: out.square().mean())
+        for _ in range(CLOCKS):
+            ps_model(x).square().mean().backward()
+            ps_model.step()
+            reference_step(reference, optimizer, x)
+        assert_same_parameters(ps_model, reference)

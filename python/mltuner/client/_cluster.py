@@ -55,9 +55,10 @@ class LocalCluster:
 
         One worker's exception is re-raised here, the others attached as
         notes: the first by rank that is a cause rather than an effect (a
-        worker that failed makes the others time out waiting for it). If a worker is still running after ``timeout_s``
-        (default: the config's wait timeout times four), the cluster is shut
-        down, which makes every blocked call raise ShutdownError, and
+        worker that failed makes the others time out waiting for it). If a
+        worker is still running after ``timeout_s`` (default: the config's
+        wait timeout times four), the cluster is shut down, which makes
+        every blocked call raise ShutdownError, and
         :class:`~mltuner.WaitTimeoutError` is raised.
         """
         from mltuner.exceptions import ShutdownError, WaitTimeoutError

@@ -196,9 +196,10 @@ def add_activations(worker: Worker, tables: Tables, slots: Sequence[Slot], *, ro
 def store_groups(events: Sequence[Event], slots: Sequence[Slot], tables: Tables,
                  largest: int) -> dict[int, tuple[int, ...]]:
     """The stored activations that share one local access: within each run
-    of consecutive store events (a layer's saved tensors, as a rule), those
-    of one table whose slots the engine copies itself (one span of memory,
-    whole float32 words), in forward order, up to :data:`GROUP_MAX_BYTES`
+    of consecutive store events (a layer's saved tensors, as a rule) and
+    not split by a slot the engine cannot copy itself, those of one table
+    whose slots it copies itself (one span of memory, whole float32 words),
+    in forward order, up to :data:`GROUP_MAX_BYTES`
     and to the ``largest`` access without groups (a layer's parameters, or
     a stored activation) a group, so that no access buffer outgrows the
     largest one. Maps each slot of a group of two or more to the group's

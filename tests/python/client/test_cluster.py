@@ -120,6 +120,17 @@ def test_run_reraises_a_worker_error() -> None:
             cluster.run(fn, timeout_s=10)
 
 
+def start_one_read(worker: Worker) -> int:
+    """Records a clock of one read of a small table, starts the iterations,
+    and returns the read's handle."""
+    read = worker.virtual_read(worker.create_table("t", 2, 4))
+    worker.virtual_post_read(read)
+    worker.virtual_clock()
+    worker.finish_virtual_iteration()
+    worker.start_iterations()
+    return read
+
+
 def test_run_reraises_the_cause_before_the_timeouts_it_caused() -> None:
     """Worker 1 fails before its first clock; worker 0, rank first, times
     out waiting for its rows. The cause is raised, the timeout a note."""
@@ -128,12 +139,7 @@ def test_run_reraises_the_cause_before_the_timeouts_it_caused() -> None:
         pass
 
     def fn(worker: Worker) -> None:
-        table = worker.create_table("t", 2, 4)
-        read = worker.virtual_read(table)
-        worker.virtual_post_read(read)
-        worker.virtual_clock()
-        worker.finish_virtual_iteration()
-        worker.start_iterations()
+        read = start_one_read(worker)
         if worker.rank == 1:
             raise Boom("worker 1 failed")
         for _ in range(2):
@@ -156,12 +162,7 @@ def test_run_shuts_a_stuck_cluster_down() -> None:
         released: list[BaseException] = []
 
         def fn(worker: Worker) -> None:
-            table = worker.create_table("t", 2, 4)
-            read = worker.virtual_read(table)
-            worker.virtual_post_read(read)
-            worker.virtual_clock()
-            worker.finish_virtual_iteration()
-            worker.start_iterations()
+            read = start_one_read(worker)
             if worker.rank == 0:
                 return
             worker.read(read)

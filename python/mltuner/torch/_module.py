@@ -549,7 +549,8 @@ def wrap(
             cannot hold the access-buffer pool of the access pattern given
             (``hold_reads``), or of either when choosing (about the largest
             layer's working set once per clock in flight); the message gives
-            the bytes each pattern needs and the budget. Also: the plan
+            the bytes each pattern needs and the budget, and names smaller
+            ``group_bytes`` where the model has grouped layers. Also: the plan
             needs more host memory than the process may have (see
             ``Config.host_memory_limit``; the message gives the need part by
             part and the limit).
@@ -622,6 +623,10 @@ def wrap(
                 continue
             if attempt.recompute != "compute" or "cheap" not in link_bytes:
                 driver.abandon()
+                if group_bytes > 0 and len(find_layers(module, row_width, whole_modules, 0, split)) > len(layers):
+                    raise ResourceExhaustedError(
+                        f"{error}; wrap() read children of up to group_bytes={group_bytes} as one layer each: "
+                        "smaller groups (group_bytes=4 << 20, or 0 for one module at a time) need less") from error
                 raise
             tables, attempt = driver.release_tables(), dataclasses.replace(attempt, recompute="cheap")
             link_bytes["compute"] = -1

@@ -312,3 +312,33 @@ def test_the_host_memory_guard_refuses_a_plan_over_the_limit_at_wrap() -> None:
         ps_model(x).sum().backward()
         ps_model.step()
         assert ps_model.clock == 1
+
+
+def test_a_budget_that_smaller_layer_groups_would_fit_says_so() -> None:
+    """A child of four Linear layers is one layer (group_bytes): its least
+    budget reads all four at once. Between that and the least of one module
+    at a time, wrap() refuses and names group_bytes; group_bytes=0 fits."""
+    x = torch.randn(BATCH, WIDTH)
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(4))), nn.Linear(WIDTH, CLASSES))
+
+    def least(group_bytes: int) -> int:
+        with LocalCluster(1, Config(device_memory_budget=4096, wait_timeout_s=20)) as cluster:
+            with pytest.raises(mltuner.ResourceExhaustedError) as refused:
+                mt.wrap(make(), cluster.worker(0), example_input=x, group_bytes=group_bytes)
+        found = re.search(r"it needs at least (\d+) bytes", str(refused.value))
+        assert found is not None, refused.value
+        return int(found.group(1))
+
+    grouped, one_by_one = least(32 << 20), least(0)
+    assert one_by_one < grouped
+    budget = (grouped + one_by_one) // 2
+    with LocalCluster(1, Config(device_memory_budget=budget, wait_timeout_s=20)) as cluster:
+        with pytest.raises(mltuner.ResourceExhaustedError, match=r"smaller groups \(group_bytes=4 << 20, or 0"):
+            mt.wrap(make(), cluster.worker(0), example_input=x)
+    with LocalCluster(1, Config(device_memory_budget=budget, wait_timeout_s=20)) as cluster:
+        ps_model = mt.wrap(make(), cluster.worker(0), example_input=x, group_bytes=0)
+        ps_model(x).sum().backward()
+        ps_model.step()

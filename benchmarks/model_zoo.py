@@ -131,7 +131,8 @@ def plain(model: nn.Module, data: list, device: str) -> Trained:
     return train(step, lambda: dict(model.named_parameters()), data, device)
 
 
-def wrapped(model: nn.Module, data: list, device: str, budget: float, recompute: str = "auto") -> Trained:
+def wrapped(model: nn.Module, data: list, device: str, budget: float, recompute: str = "auto",
+            overlap: bool | None = None) -> Trained:
     """Under a budget (a fraction of the need, see torch_loops.measure_need)
     the activations are local data and wrap() chooses what to recompute."""
     def loss_of(out: torch.Tensor) -> torch.Tensor:
@@ -145,7 +146,8 @@ def wrapped(model: nn.Module, data: list, device: str, budget: float, recompute:
         optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
         torch.manual_seed(99)
         ps = mtorch.wrap(model, cluster.worker(0), example_input=data[0][0], optimizer=optimizer,
-                         example_loss=loss_of, store_activations=bool(budget), recompute=recompute)
+                         example_loss=loss_of, store_activations=bool(budget), recompute=recompute,
+                         overlap_updates=overlap)
 
         def step(x: torch.Tensor, y: torch.Tensor) -> float:
             loss = F.cross_entropy(ps(x), y)
@@ -169,7 +171,8 @@ def check(name: str, args: argparse.Namespace, device: str) -> dict[str, Any]:
     again, _, _ = plain(copy.deepcopy(model), data, device)
     row["noise"] = largest_difference(again, want)
     try:
-        got, got_first, rate = wrapped(copy.deepcopy(model), data, device, args.budget, args.recompute)
+        got, got_first, rate = wrapped(copy.deepcopy(model), data, device, args.budget, args.recompute,
+                                        args.overlap)
     except (mtorch.UnsupportedModelError, mlt.ResourceExhaustedError) as error:  # a model or budget wrap() declines
         return {**row, "result": f"refused: {str(error).splitlines()[0][:300]}"}
     except Exception as error:  # noqa: BLE001 - the table reports it
@@ -199,6 +202,8 @@ def main() -> int:
                         help="mltuner's device_memory_budget as a fraction of the need (0: none), activations stored")
     parser.add_argument("--recompute", choices=["auto", "none", "cheap", "compute"], default="auto",
                         help="wrap(recompute=) under --budget")
+    parser.add_argument("--overlap", action="store_true", default=None,
+                        help="wrap(overlap_updates=True): each layer's update ships from the backward pass")
     parser.add_argument("--nondeterministic", action="store_true",
                         help="leave torch's nondeterministic GPU algorithms on (faster; see above)")
     parser.add_argument("--out", default="results/model_zoo.md")
@@ -233,7 +238,8 @@ def main() -> int:
         f"{TIMED_FROM + 1}-{args.steps}; deterministic algorithms "
         f"{'off' if args.nondeterministic or device == 'cpu' else 'on'}"
         + (f"; mltuner under a budget of {args.budget:g} of its need, activations stored, recompute="
-           f"{args.recompute!r}" if args.budget else ""),
+           f"{args.recompute!r}" if args.budget else "")
+        + ("; updates shipped from the backward pass (overlap_updates=True)" if args.overlap else ""),
         "",
         "| model | M params | result | parameters after step 1 | losses of every step | two plain runs "
         "| plain samples/s | mltuner samples/s | ratio |",

@@ -4,11 +4,12 @@ engines, shared memory between CPU engines.
 At the rendezvous each process exports a landing region (one slice per
 peer; on a GPU, device memory and interprocess events; on a CPU, a memory
 file its peers map, ``cpp/src/device/cpu/shared_memory_ipc.h``), and puts
-its handle in its card. After the cards are exchanged, each opens the exports of the peers on
-its host (same :func:`~mltuner.transport._address.host_identity`), and the
-ranks tell each other which they opened (an allgather on the control
-channel): a pair uses CUDA IPC only when both sides opened the other's, so
-a notice never reaches a process that cannot read it. Everything else, and
+its handle in its card. After the cards are exchanged, each opens the
+exports of the peers on its host (same
+:func:`~mltuner.transport._address.host_identity`), and the ranks tell each
+other which they opened (an allgather on the control channel): a pair moves
+payloads directly only when both sides opened the other's, so a notice never
+reaches a process that cannot read it. Everything else, and
 every payload that finds its slice full, goes through (pinned) host frames
 over the socket (``cpp/src/cluster/ipc_links.h`` has the protocol).
 

@@ -25,7 +25,7 @@
 
 namespace mltuner {
 
-// Linux only; elsewhere Unimplemented.
+// Linux only; elsewhere an InvalidArgument error (the pair uses host frames).
 Status ExportSharedMemoryIpc(size_t region_bytes, std::unique_ptr<DeviceIpc>* out);
 
 }  // namespace mltuner

@@ -37,7 +37,7 @@ from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError, MltunerE
 from mltuner.launch import _checkpoint
 from mltuner.launch._env import TRANSPORTS, ProcessEnv, detect_environment, is_loopback
 from mltuner.launch._rendezvous import ControlClient, Coordinator
-from mltuner.launch._torch_store import lookup_address, publish_address
+from mltuner.launch._torch_store import job_key, lookup_address, publish_address
 from mltuner.transport._address import Card, IpcDirectory, TransportKind, choose_address, host_identity
 from mltuner.transport import _cuda_ipc
 from mltuner.transport._control import (CONTROL_IO_THREAD, CONTROL_RECEIVE_QUEUE, DATA_IO_THREAD, MAX_SIGNAL_BYTES,
@@ -288,7 +288,7 @@ class Job:
         if graceful and self._control is not None and self._lost_peer() is None:
             try:
                 self.worker.flush()
-                self._control.barrier("close", self._timeout_s)
+                self._control.barrier("close", self._timeout_s, final=True)
             except MltunerError:
                 pass  # a lost peer was reported by the calls that met it
         self._node.shutdown()
@@ -467,14 +467,15 @@ class Job:
         a free port and publishes it there, and the others read it."""
         env = self.env
         assert self._context is not None
+        store_key = job_key(env.torch_store_key) if env.torch_store_key else None
         if self.rank == 0:
-            self._coordinator = Coordinator(self._context, env.bind_host, 0 if env.torch_store_key else env.master_port,
+            self._coordinator = Coordinator(self._context, env.bind_host, 0 if store_key else env.master_port,
                                             self.world_size, keys)
-            if env.torch_store_key:
+            if store_key:
                 address = f"{_bracketed(_advertised_host(env))}:{self._coordinator.port}"
-                publish_address(env.master_addr, env.master_port, env.torch_store_key, address, timeout_s)
-        if env.torch_store_key:
-            return lookup_address(env.master_addr, env.master_port, env.torch_store_key, timeout_s)
+                publish_address(env.master_addr, env.master_port, store_key, address, timeout_s)
+        if store_key:
+            return lookup_address(env.master_addr, env.master_port, store_key, timeout_s)
         return env.master_addr, env.master_port
 
     def _lost_peer(self) -> str | None:

@@ -9,8 +9,15 @@ its own thread). Every rank, rank 0 included, talks to it through a
   returns every rank's card once all ranks have joined with the same
   fingerprint;
 - ``barrier`` returns once every rank has entered the barrier of that name;
+  the job's last one (``final``, at close) marks the coordinator as closing;
 - ``allgather`` is a barrier that carries one JSON value per rank and returns
   them all, by rank (the tuner's commands and clock reports travel this way).
+
+One process may open jobs one after another on the same master port. A
+rank that leaves a job's final barrier may join the next job before rank 0
+has closed the last coordinator; that coordinator answers ``retry``, and the
+rank sends its join again until the next coordinator (on the same port, a
+new connection) has it.
 
 These sockets use the ZeroMQ I/O thread of the control channel, never
 queued behind data. Messages are single JSON frames of at most 1 MiB (ZeroMQ refuses a larger
@@ -41,6 +48,9 @@ __all__ = ["Coordinator", "ControlClient"]
 _log = logging.getLogger("mltuner.launch")
 _MAX_FRAME = 1 << 20
 _POLL_MS = 100
+# How long a rank waits before joining again when the coordinator it reached
+# is the previous job's, closing.
+_RETRY_S = 0.05
 # Connections the coordinator accepts beyond one per rank (reconnects).
 _SPARE_CONNECTIONS = 16
 _FAILED_HANDSHAKE = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -94,6 +104,8 @@ class Coordinator:
         self._members: dict[int, tuple[bytes, Any, str]] = {}  # rank -> (routing id, card, fingerprint)
         self._barriers: dict[str, set[int]] = {}
         self._gathers: dict[str, dict[int, Any]] = {}
+        self._welcome: dict[str, Any] | None = None  # the answer to a complete join
+        self._closing = False  # the final barrier was passed: joins are the next job's
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="mltuner-coordinator", daemon=True)
@@ -145,7 +157,7 @@ class Coordinator:
         if message["op"] == "join":
             self._join(routing_id, rank, message)
         elif message["op"] == "barrier":
-            self._barrier(routing_id, rank, str(message.get("name", "")))
+            self._barrier(routing_id, rank, str(message.get("name", "")), message.get("final") is True)
         elif message["op"] == "gather":
             self._gather(routing_id, rank, str(message.get("name", "")), message.get("value"))
 
@@ -157,8 +169,15 @@ class Coordinator:
             return
         with self._lock:
             known = self._members.get(rank)
-            if known is not None and known[0] != routing_id:
-                self._send(routing_id, {"op": "error", "message": f"two processes claim rank {rank}"})
+            if known is not None and known[0] == routing_id:  # sent again after a reconnect
+                if self._welcome is not None:
+                    self._send(routing_id, self._welcome)
+                return
+            if known is not None:
+                if self._closing:
+                    self._send(routing_id, {"op": "retry"})
+                else:
+                    self._send(routing_id, {"op": "error", "message": f"two processes claim rank {rank}"})
                 return
             card = message.get("card")
             if not isinstance(card, dict):
@@ -168,17 +187,17 @@ class Coordinator:
             if len(self._members) < self._world_size:
                 return
             members = [self._members[r] for r in range(self._world_size)]
-        fingerprints = {m[2] for m in members}
-        if len(fingerprints) > 1:
-            reply: dict[str, Any] = {"op": "error", "message": (
-                "the workers were started with different settings: " +
-                "; ".join(f"rank {r}: {m[2]}" for r, m in enumerate(members)))}
-        else:
-            reply = {"op": "welcome", "cards": [m[1] for m in members]}
+            fingerprints = {m[2] for m in members}
+            if len(fingerprints) > 1:
+                self._welcome = {"op": "error", "message": (
+                    "the workers were started with different settings: " +
+                    "; ".join(f"rank {r}: {m[2]}" for r, m in enumerate(members)))}
+            else:
+                self._welcome = {"op": "welcome", "cards": [m[1] for m in members]}
         for member in members:
-            self._send(member[0], reply)
+            self._send(member[0], self._welcome)
 
-    def _barrier(self, routing_id: bytes, rank: int, name: str) -> None:
+    def _barrier(self, routing_id: bytes, rank: int, name: str, final: bool) -> None:
         with self._lock:
             if self._members.get(rank, (None,))[0] != routing_id:
                 self._send(routing_id, {"op": "error", "message": f"rank {rank} entered a barrier before joining"})
@@ -188,6 +207,7 @@ class Coordinator:
             if len(arrived) < self._world_size:
                 return
             del self._barriers[name]
+            self._closing = self._closing or final
             routing_ids = [self._members[r][0] for r in range(self._world_size)]
         for member in routing_ids:
             self._send(member, {"op": "release", "name": name})
@@ -235,7 +255,9 @@ class ControlClient:
         self._monitor = self._socket.get_monitor_socket(_CLIENT_EVENTS)
         self._connected = False  # a TCP connection was made at least once
         self._handshaken = False  # and completed mltuner's ZeroMQ handshake
+        self._reconnects = 0  # handshakes after the first: a message in flight may be lost
         self._failed_handshakes = 0
+        self._retried = False  # the last wait met the previous job's coordinator
         bracketed = f"[{host}]" if ":" in host else host
         self._socket.connect(f"tcp://{bracketed}:{port}")
 
@@ -243,23 +265,27 @@ class ControlClient:
              missing: Callable[[], list[int]] | None = None) -> list[Any]:
         """Every rank's card, by rank, once all have joined (the caller
         checks each: they came over the network)."""
-        self._send({"op": "join", "rank": self._rank, "world_size": world_size, "card": card,
-                    "fingerprint": fingerprint})
+        join = _encode({"op": "join", "rank": self._rank, "world_size": world_size, "card": card,
+                        "fingerprint": fingerprint})
+        self._socket.send(join)
 
         def timed_out() -> str:
             who = f"ranks {missing()} never joined" if missing else "not every rank joined"
+            if self._retried:
+                who = "rank 0 there still served the previous job on this port"
             return (f"rendezvous at {self._address} timed out after {timeout_s:g} s: {who}. Check that every "
                     "process was started with the same master address, port and world size (and secret)")
 
-        reply = self._expect("welcome", timeout_s, timed_out)
+        reply = self._expect("welcome", timeout_s, timed_out, resend=join)
         cards = reply.get("cards")
         if not isinstance(cards, list) or len(cards) != world_size:
             raise InvalidArgumentError(f"malformed rendezvous reply from {self._address}")
         return cards
 
-    def barrier(self, name: str, timeout_s: float) -> None:
-        """Returns once every rank has called ``barrier(name)``."""
-        self._send({"op": "barrier", "rank": self._rank, "name": name})
+    def barrier(self, name: str, timeout_s: float, *, final: bool = False) -> None:
+        """Returns once every rank has called ``barrier(name)``. ``final``:
+        the job's last; joins after it are the next job's."""
+        self._send({"op": "barrier", "rank": self._rank, "name": name, "final": final})
         reply = self._expect("release", timeout_s,
                              lambda: f"barrier {name!r} timed out after {timeout_s:g} s: not every worker reached it")
         if reply.get("name") != name:
@@ -303,6 +329,7 @@ class ControlClient:
             if event == zmq.EVENT_CONNECTED:
                 self._connected = True
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._reconnects += self._handshaken
                 self._handshaken = True
             elif event & _FAILED_HANDSHAKE and not self._handshaken:
                 self._failed_handshakes += 1
@@ -326,18 +353,30 @@ class ControlClient:
     def _send(self, message: dict[str, Any]) -> None:
         self._socket.send(_encode(message))
 
-    def _expect(self, op: str, timeout_s: float, timeout_message: Callable[[], str]) -> dict[str, Any]:
+    def _expect(self, op: str, timeout_s: float, timeout_message: Callable[[], str],
+                resend: bytes | None = None) -> dict[str, Any]:
+        """The next message of kind ``op``. With ``resend`` (the join), the
+        request goes out again when the coordinator answers ``retry`` (it is
+        the previous job's, closing) and after every reconnect (the request
+        may have reached a coordinator that closed without answering)."""
         deadline = time.monotonic() + timeout_s
+        self._retried = False
+        resend_at: float | None = None
+        reconnects = self._reconnects
         while True:
             lost = self._should_stop()
             if lost:
                 raise PeerLostError(lost)
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            remaining = deadline - now
             if remaining <= 0:
                 self._watch_connection()
                 why = self._unanswered()
                 raise WaitTimeoutError(timeout_message() + (f" ({why})" if why else ""))
             self._watch_connection()
+            if resend is not None and (self._reconnects != reconnects or (resend_at is not None and now >= resend_at)):
+                self._socket.send(resend)
+                reconnects, resend_at = self._reconnects, None
             if not self._socket.poll(min(_POLL_MS, int(remaining * 1000) + 1)):
                 continue
             message = _decode(self._socket.recv())
@@ -345,5 +384,8 @@ class ControlClient:
                 continue
             if message["op"] == "error":
                 raise InvalidArgumentError(str(message.get("message")))
+            if message["op"] == "retry" and resend is not None:
+                self._retried = True
+                resend_at = time.monotonic() + _RETRY_S
             if message["op"] == op:
                 return message

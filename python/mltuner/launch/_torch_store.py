@@ -10,12 +10,27 @@ installed by definition.
 
 from __future__ import annotations
 
+import collections
 import datetime
+import threading
 from typing import Any
 
 from mltuner.exceptions import InvalidArgumentError, WaitTimeoutError
 
-__all__ = ["publish_address", "lookup_address"]
+__all__ = ["job_key", "publish_address", "lookup_address"]
+
+_jobs_opened: collections.Counter[str] = collections.Counter()
+_jobs_lock = threading.Lock()
+
+
+def job_key(run_key: str) -> str:
+    """The key of this process's next job in the run. A script may open jobs
+    one after another (every rank in the same order); with one key a rank
+    could read the previous job's address, whose coordinator is closing."""
+    with _jobs_lock:
+        number = _jobs_opened[run_key]
+        _jobs_opened[run_key] += 1
+    return f"{run_key}/job-{number}"
 
 
 def _connect(host: str, port: int, timeout_s: float) -> Any:

@@ -1,0 +1,114 @@
+"""A script may open jobs one after another on the same master port. A rank
+that leaves a job first may reach the last job's coordinator, which rank 0
+has not closed yet; it must wait for the next one, not fail as a second
+process claiming its rank. Both ranks run on threads of this process with
+real sockets on 127.0.0.1."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import mltuner
+from mltuner.launch import ProcessEnv
+from mltuner.launch._env import free_port
+from mltuner.launch._rendezvous import Coordinator
+from mltuner.launch._torch_store import job_key
+
+ROWS, WIDTH = 4, 3
+
+
+def _env(rank: int, port: int) -> ProcessEnv:
+    return ProcessEnv(rank=rank, world_size=2, local_rank=rank, master_addr="127.0.0.1", master_port=port,
+                      bind_host="127.0.0.1", secret="jobs-in-sequence-secret", source="mltuner")
+
+
+def _train(job: mltuner.Job, value: float) -> np.ndarray:
+    """Each rank adds `value` to every row for two clocks; returns the rows
+    read in the third (slack 0: both ranks' updates)."""
+    worker = job.worker
+    table = worker.create_table("t", ROWS, WIDTH)
+    read = worker.virtual_read(table, slack=0)
+    worker.virtual_post_read(read)
+    update = worker.virtual_pre_update(table)
+    worker.virtual_update(update)
+    worker.virtual_clock()
+    worker.finish_virtual_iteration()
+    worker.start_iterations()
+    for _ in range(3):
+        rows = np.array(worker.read(read), copy=True)
+        worker.post_read(read)
+        worker.pre_update(update)[:] = value
+        worker.update(update)
+        worker.clock()
+    return rows
+
+
+def test_the_next_job_waits_for_rank_0_to_close_the_last(monkeypatch: pytest.MonkeyPatch) -> None:
+    port = free_port()
+    close = Coordinator.close
+
+    def slow_close(self: Coordinator) -> None:
+        time.sleep(1.0)  # rank 1 has left the job and joins the next meanwhile
+        close(self)
+
+    monkeypatch.setattr(Coordinator, "close", slow_close)
+    results: dict[int, list[np.ndarray]] = {0: [], 1: []}
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            for job_number in range(2):
+                with mltuner.Job(mltuner.Config(update_rule=mltuner.UpdateRule("add")), env=_env(r, port),
+                                 rendezvous_timeout_s=20.0) as job:
+                    results[r].append(_train(job, 1.0 + job_number))
+        except BaseException as error:  # reported by the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads), "a rank hung"
+    assert not errors, errors
+    # Two clocks of two workers adding 1 (the first job), then 2 (the second, fresh tables).
+    for r in (0, 1):
+        np.testing.assert_array_equal(results[r][0], np.full((ROWS, WIDTH), 4.0, np.float32))
+        np.testing.assert_array_equal(results[r][1], np.full((ROWS, WIDTH), 8.0, np.float32))
+
+
+def test_a_second_process_claiming_a_rank_during_the_job_fails_at_once() -> None:
+    port = free_port()
+    leave = threading.Event()
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            with mltuner.Job(env=_env(r, port), rendezvous_timeout_s=20.0):
+                leave.wait(30)
+        except BaseException as error:  # reported by the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(1.0)  # both have joined
+        start = time.monotonic()
+        with pytest.raises(mltuner.InvalidArgumentError, match="two processes claim rank 1"):
+            mltuner.Job(env=_env(1, port), rendezvous_timeout_s=20.0)
+        assert time.monotonic() - start < 5
+    finally:
+        leave.set()
+        for thread in threads:
+            thread.join(30)
+    assert not errors, errors
+
+
+def test_each_job_of_a_torchrun_process_has_its_own_store_key() -> None:
+    assert [job_key("mltuner/run/0/rendezvous") for _ in range(2)] == [
+        "mltuner/run/0/rendezvous/job-0", "mltuner/run/0/rendezvous/job-1"]

@@ -188,6 +188,7 @@ void RegisterEngine(py::module_& m) {
              return preview;
            })
       .def("reset_virtual_iteration", [](Engine& e) { Check(e.ResetVirtualIteration()); })
+      .def("drop_tables", [](Engine& e, int32_t first) { Check(e.DropTables(first)); }, py::arg("first"))
       .def("reserve_device_memory", [](Engine& e, int64_t bytes) { Check(e.ReserveDeviceMemory(bytes)); },
            py::arg("bytes"))
       .def("release_host_memory_during_init",

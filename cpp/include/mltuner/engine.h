@@ -137,6 +137,11 @@ class Engine {
   // Drops the recorded iteration (tables stay), so that another one can be
   // recorded: for a caller whose preview did not fit. Handles start from 0.
   Status ResetVirtualIteration();
+  // Drops table `first` and every table created after it, so that their
+  // names and memory are free again: for a caller whose plan did not fit
+  // and who will record with other tables. Defining phase, with nothing
+  // recorded (ResetVirtualIteration first); ids are reused from `first`.
+  Status DropTables(TableId first);
   // Device memory the application will hold beside the engine during each
   // clock (saved activations that autograd keeps instead of local data):
   // plans leave it out of the budget, set or automatic. 0 until set; a

@@ -96,6 +96,7 @@ class ProcessNode final : public Transport {
   // says.
   Status SendAll(std::vector<Message>&& messages) override;
   Status AddTableToShard(int rank, const TableInfo& info) override;
+  Status DropTableFromShard(int rank, TableId table) override;
   // This process's engine and shard, and (sender = this rank) a peer
   // reached by CUDA IPC: its payloads leave as device buffers.
   bool SharesDevice(int sender, int receiver) const override;

@@ -31,6 +31,8 @@ class Transport {
   virtual Status SendAll(std::vector<Message>&& messages);
   // Registers a communicated table with the shard of process `rank`.
   virtual Status AddTableToShard(int rank, const TableInfo& info) = 0;
+  // Unregisters one again, before any worker is ready (Engine::DropTables).
+  virtual Status DropTableFromShard(int rank, TableId table) = 0;
   // Whether a message from process `sender` to process `receiver` may carry
   // its values as a device buffer (Message::device_values): true when both
   // run in this process on memory the same device can address directly, or

@@ -51,6 +51,7 @@ class LocalCluster::Hub : public Transport {
   }
 
   Status AddTableToShard(int rank, const TableInfo& info) override { return hosts_[rank]->AddTable(info); }
+  Status DropTableFromShard(int rank, TableId table) override { return hosts_[rank]->DropTable(table); }
 
   bool SharesDevice(int sender, int receiver) const override { return SameMemory(sender, receiver); }
 

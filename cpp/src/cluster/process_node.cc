@@ -303,6 +303,14 @@ Status ProcessNode::AddTableToShard(int rank, const TableInfo& info) {
   return queues_->host.AddTable(info);
 }
 
+Status ProcessNode::DropTableFromShard(int rank, TableId table) {
+  if (rank != rank_) {
+    return Status::Internal("process " + std::to_string(rank_) + " asked to drop a table of shard " +
+                            std::to_string(rank) + ", which lives in another process");
+  }
+  return queues_->host.DropTable(table);
+}
+
 bool ProcessNode::NextOutgoing(int timeout_ms, OutgoingMessage* out) {
   std::vector<OutgoingMessage> batch = NextOutgoingBatch(timeout_ms, 1, 0);
   if (batch.empty()) return false;

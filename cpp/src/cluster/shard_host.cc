@@ -253,6 +253,11 @@ Status ShardHost::AddTable(const TableInfo& info) {
   return shard_.AddTable(info);
 }
 
+Status ShardHost::DropTable(TableId table) {
+  MutexLock lock(&shard_mu_);
+  return shard_.DropTable(table);
+}
+
 Status ShardHost::ExportTable(TableId table, ShardSlice* out) {
   MutexLock lock(&shard_mu_);
   return shard_.ExportTable(table, out);

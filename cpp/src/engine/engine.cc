@@ -194,6 +194,24 @@ Status Engine::Impl::ResetVirtualIteration() {
   return recorder_.Reset();
 }
 
+Status Engine::Impl::DropTables(TableId first) {
+  const TableInfo* info = nullptr;
+  MLT_RETURN_IF_ERROR(LookupTable(first, &info));
+  if (!recorder_.empty()) {
+    return Status::OutOfOrder("drop_tables while the virtual iteration has recorded calls: reset it first");
+  }
+  for (auto table = static_cast<TableId>(plan_.tables.size()) - 1; table >= first; --table) {
+    if (!plan_.tables[table].local) MLT_RETURN_IF_ERROR(transport_->DropTableFromShard(rank_, table));
+    plan_.tables.pop_back();
+  }
+  {
+    MutexLock lock(&state_.mu);
+    state_.new_rates.erase(state_.new_rates.lower_bound(first), state_.new_rates.end());
+  }
+  previewed_.reset();
+  return Status::Ok();
+}
+
 Status Engine::Impl::PlanAndPrepare() {
   // The plan (plan/iteration_plan.h), or the one PreviewPlan kept: the
   // recording cannot change after its clock but by ResetVirtualIteration.
@@ -830,6 +848,11 @@ Status Engine::VirtualClock() {
 Status Engine::PreviewPlan(PlanPreview* out) {
   MLT_REQUIRE_DEFINING("preview_plan");
   return impl_->PreviewPlan(out);
+}
+
+Status Engine::DropTables(TableId first) {
+  MLT_REQUIRE_DEFINING("drop_tables");
+  return impl_->DropTables(first);
 }
 
 Status Engine::ResetVirtualIteration() {

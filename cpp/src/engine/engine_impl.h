@@ -41,6 +41,7 @@ class Engine::Impl {
   Status LookupTable(TableId table, const TableInfo** out) const;
   Status PreviewPlan(PlanPreview* out);
   Status ResetVirtualIteration();
+  Status DropTables(TableId first);
   Status ReserveDeviceMemory(int64_t bytes);
   Status ReleaseHostMemoryDuringInit(int64_t bytes);
   // Where a plan is made: this worker and its device's memory now, less

@@ -81,6 +81,8 @@ class Recorder {
   Status Reset();
 
   bool clocked() const { return clocked_; }
+  // Nothing recorded since the start or the last Reset.
+  bool empty() const { return recording_.ops.empty(); }
   bool finished() const { return finished_; }
 
  private:

@@ -238,6 +238,14 @@ Status ServerShard::AddTable(const TableInfo& info) {
   return Status::Ok();
 }
 
+Status ServerShard::DropTable(TableId table) {
+  if (static_cast<int>(ready_requests_.size()) == num_workers_) {
+    return Status::OutOfOrder(TableText(table) + " cannot be dropped: every worker is ready");
+  }
+  if (tables_.erase({0, table}) == 0) return Status::NotFound(TableText(table) + " is not registered");
+  return Status::Ok();
+}
+
 Status ServerShard::Handle(const Message& in, std::vector<Message>* out) {
   if (out == nullptr) return Status::InvalidArgument("ServerShard::Handle: out is null");
   // The state is placed once every worker is ready (HandleReady); anything

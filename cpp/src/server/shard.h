@@ -55,6 +55,9 @@ class ServerShard {
   // its own update rule or, without one, the shard's. Values start at zero.
   // InvalidArgument on a duplicate id or bad sizes.
   Status AddTable(const TableInfo& info);
+  // Forgets a table again, before every worker is ready (they compare
+  // tables then): for a worker that gives up a recording and its tables.
+  Status DropTable(TableId table);
 
   // Handles one server-bound message and appends the replies to send to
   // *out (their header.receiver is set). A message that is invalid for this

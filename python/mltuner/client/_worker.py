@@ -149,6 +149,7 @@ class Worker:
         # What this process's engines hold (shared by a LocalCluster's workers).
         self._host_memory = host_memory or HostMemory(self._config.host_memory_limit)
         self._shard_bytes_reserved = 0  # the shard's state, reserved by create_table
+        self._shard_bytes_of: dict[int, int] = {}  # the same, by table (drop_tables gives it back)
         self._host_freed_during_init = 0  # release_host_memory_during_init
         # The largest frame the job's data sockets accept (None: in memory).
         self._max_message_bytes = max_message_bytes
@@ -238,6 +239,7 @@ class Worker:
             self._host_memory.release(shard_bytes)
             raise
         self._shard_bytes_reserved += shard_bytes
+        self._shard_bytes_of[table_id] = shard_bytes
         table = Table(table_id, name, num_rows, row_width, local, update_rule=update_rule)
         self._tables[table_id] = table
         return table
@@ -363,6 +365,26 @@ class Worker:
             OutOfOrderError: after ``finish_virtual_iteration``.
         """
         self._engine.reset_virtual_iteration()
+
+    def drop_tables(self, first: Table) -> None:
+        """Drops ``first`` and every table created after it: their names,
+        ids and host memory are free again, for a caller whose plan did not
+        fit and who records with other tables. Every worker must drop the
+        same tables.
+
+        Raises:
+            OutOfOrderError: after ``finish_virtual_iteration``, or while the
+                virtual iteration has recorded calls
+                (:meth:`reset_virtual_iteration` first).
+            NotFoundError: ``first`` is not this worker's table.
+        """
+        first_id = self._table_id(first)
+        self._engine.drop_tables(first_id)
+        for table_id in [t for t in self._tables if t >= first_id]:
+            del self._tables[table_id]
+            reserved = self._shard_bytes_of.pop(table_id, 0)
+            self._host_memory.release(reserved)
+            self._shard_bytes_reserved -= reserved
 
     def reserve_device_memory(self, nbytes: int) -> None:
         """Declares the device memory the application will hold beside the

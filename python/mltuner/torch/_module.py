@@ -12,7 +12,8 @@ from torch import nn
 
 from mltuner._config import UpdateRule
 from mltuner.client._worker import Worker
-from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError, OutOfOrderError, ResourceExhaustedError
+from mltuner.exceptions import (ArgumentTypeError, InvalidArgumentError, MltunerError, OutOfOrderError,
+                                ResourceExhaustedError)
 from mltuner.torch._amp import ScaledGradients, check_scaler
 from mltuner.torch._buffers import check_same_device
 from mltuner.torch._clock import ClockDriver, tensors_in
@@ -331,6 +332,33 @@ def _param_groups(optimizer: torch.optim.Optimizer | None, layers: list[Layer],
     return [{"params": params, "lr": float(rule.learning_rate) if rule is not None else 0.0}]
 
 
+def _give_tables_back(worker: Worker) -> None:
+    """After a failed wrap(): drops the recording and the tables it made,
+    unless the plan was committed (then the worker is spent)."""
+    try:
+        worker.reset_virtual_iteration()
+        if worker.tables:
+            worker.drop_tables(worker.tables[0])
+    except MltunerError:
+        pass  # finished, or shut down: nothing to give back
+
+
+# wrap(group_bytes=None) under a budget: groups are made 4x smaller down to
+# this size, then 0 (one layer per module).
+_SMALLEST_GROUP_BYTES = 1 << 20
+
+
+def _smaller_groups(module: nn.Module, row_width: int, whole_modules: Sequence[type[nn.Module]], group_bytes: int,
+                    split: set[str], layer_count: int) -> int | None:
+    """The largest of group_bytes / 4, / 16, ... (0 last) that reads the
+    model as more layers than ``layer_count``; None when none does."""
+    while group_bytes > 0:
+        group_bytes = group_bytes // 4 if group_bytes > _SMALLEST_GROUP_BYTES else 0
+        if len(find_layers(module, row_width, whole_modules, group_bytes, split)) > layer_count:
+            return group_bytes
+    return None
+
+
 def _recompute_choice(recompute: object, store_activations: bool, worker: Worker) -> str:
     """What to recompute (``wrap(recompute=)``, "auto" resolved): "cheap",
     "compute" or "none"."""
@@ -389,7 +417,7 @@ def wrap(
     store_activations: bool = False,
     row_width: int = 128,
     whole_modules: Sequence[type[nn.Module]] = DEFAULT_WHOLE_MODULES,
-    group_bytes: int = DEFAULT_GROUP_BYTES,
+    group_bytes: int | None = None,
     hold_reads: bool | None = None,
     overlap_updates: bool | None = None,
     grad_scaler: torch.amp.GradScaler | None = None,
@@ -456,7 +484,10 @@ def wrap(
             and one update per clock); larger children are split into their
             own parameters and their children, recursively. 0: one layer per
             module that owns parameters directly. A group whose submodule
-            runs outside the group's forward is split automatically.
+            runs outside the group's forward is split automatically. None
+            (the default): 32 MiB, or, where the device-memory budget cannot
+            hold the plan of such groups, the first of 8 MiB, 2 MiB, 512 KiB
+            and 0 whose plan it holds (smaller layers need a smaller pool).
         hold_reads: keep each layer's forward read open for its backward
             pass (True: half the reads, the light clock, but the buffer pool
             holds every layer's parameters at once) or post it after the
@@ -550,7 +581,8 @@ def wrap(
             (``hold_reads``), or of either when choosing (about the largest
             layer's working set once per clock in flight); the message gives
             the bytes each pattern needs and the budget, and names smaller
-            ``group_bytes`` where the model has grouped layers. Also: the plan
+            ``group_bytes`` where the model has grouped layers (with
+            ``group_bytes=None``: even one module at a time). Also: the plan
             needs more host memory than the process may have (see
             ``Config.host_memory_limit``; the message gives the need part by
             part and the limit).
@@ -568,7 +600,10 @@ def wrap(
         raise InvalidArgumentError(f"slack must be >= 0, got {slack}")
     if row_width < 1:
         raise InvalidArgumentError(f"row_width must be >= 1, got {row_width}")
-    if group_bytes < 0:
+    choose_groups = group_bytes is None
+    if group_bytes is None:
+        group_bytes = DEFAULT_GROUP_BYTES
+    elif group_bytes < 0:
         raise InvalidArgumentError(f"group_bytes must be >= 0, got {group_bytes}")
     if hold_reads is not None and not isinstance(hold_reads, bool):
         raise ArgumentTypeError(f"hold_reads must be True, False or None (choose), got {type(hold_reads).__name__}")
@@ -589,77 +624,94 @@ def wrap(
     link_bytes: dict[str, int] = {}  # recompute="auto": each choice planned, and the bytes over the busier link way
     auto_choice = ""  # why recompute="auto" recorded again with "compute", or went back to "cheap"
     keeper = KeepOnDevice(recompute_auto=recompute == "auto")
-    while True:
-        layers = find_layers(module, row_width, whole_modules, group_bytes, split)
-        layer_groups = _assign_rules(layers, optimizer, split)
-        if layer_groups is None:
-            continue  # a grouped layer spanned param groups: split it and look again
-        # recompute="auto": storing everything is the fallback of "cheap" when
-        # its plan does not fit; "compute" falls back to "cheap", which did.
-        driver = ClockDriver(module, layers, worker, slack=slack, store_activations=attempt.store,
-                             row_width=row_width, overlap_updates=overlap, recompute=attempt.recompute,
-                             recompute_fallback=recompute == "auto" and attempt.recompute == "cheap", stored=stored,
-                             hold_reads=hold_reads, keep=attempt.keep)
-        driver.overlap_choice = overlap_choice
-        driver.auto_choice = auto_choice
-        try:
-            driver.record(lambda: module(*args), example_loss or _default_loss)
-        except BaseException:
-            driver.abandon()
-            if driver.misgrouped is None or driver.misgrouped in split:
+    try:
+        while True:
+            layers = find_layers(module, row_width, whole_modules, group_bytes, split)
+            layer_groups = _assign_rules(layers, optimizer, split)
+            if layer_groups is None:
+                continue  # a grouped layer spanned param groups: split it and look again
+            # recompute="auto": storing everything is the fallback of "cheap" when
+            # its plan does not fit; "compute" falls back to "cheap", which did.
+            driver = ClockDriver(module, layers, worker, slack=slack, store_activations=attempt.store,
+                                 row_width=row_width, overlap_updates=overlap, recompute=attempt.recompute,
+                                 recompute_fallback=recompute == "auto" and attempt.recompute == "cheap", stored=stored,
+                                 hold_reads=hold_reads, keep=attempt.keep)
+            driver.overlap_choice = overlap_choice
+            driver.auto_choice = auto_choice
+            try:
+                driver.record(lambda: module(*args), example_loss or _default_loss)
+            except BaseException:
+                driver.abandon()
+                if driver.misgrouped is None or driver.misgrouped in split:
+                    raise
+                split.add(driver.misgrouped)  # nothing reached the engine yet: record again
+                continue
+            if driver.unreproducible:  # recomputations that differ from the forward: record again, storing them
+                driver.abandon()
+                stored = {**stored, **driver.unreproducible}
+                continue
+            try:
+                driver.prepare_plan(hold_reads, tables, attempt.reserved)
+            except ResourceExhaustedError as error:
+                variant = keeper.refused(str(error))
+                if variant is not None:
+                    tables, attempt = driver.release_tables(), variant
+                    continue
+                if attempt.recompute != "compute" or "cheap" not in link_bytes:
+                    smaller = _smaller_groups(module, row_width, whole_modules, group_bytes, split, len(layers))
+                    if choose_groups and smaller is not None:
+                        # Smaller layers need a smaller pool: record again with
+                        # them, on new tables (the refused plan's are dropped).
+                        driver.release_tables()
+                        worker.drop_tables(worker.tables[0])
+                        group_bytes, tables, link_bytes, auto_choice = smaller, None, {}, ""
+                        attempt = Variant(_recompute_choice(recompute, store_activations, worker), store_activations)
+                        keeper = KeepOnDevice(recompute_auto=recompute == "auto")
+                        continue
+                    driver.abandon()
+                    if smaller is not None:
+                        raise ResourceExhaustedError(
+                            f"{error}; wrap() read children of up to group_bytes={group_bytes} as one layer each: "
+                            "smaller groups (group_bytes=4 << 20, or 0 for one module at a time) need less") from error
+                    if choose_groups and group_bytes < DEFAULT_GROUP_BYTES:
+                        raise ResourceExhaustedError(
+                            f"{error} (wrap() tried smaller layer groups, down to group_bytes={group_bytes})") from error
+                    raise
+                tables, attempt = driver.release_tables(), dataclasses.replace(attempt, recompute="cheap")
+                link_bytes["compute"] = -1
+                auto_choice = f"recompute='auto' went back to 'cheap': 'compute' did not fit ({error})"
+                continue
+            except BaseException:
+                driver.abandon()
                 raise
-            split.add(driver.misgrouped)  # nothing reached the engine yet: record again
-            continue
-        if driver.unreproducible:  # recomputations that differ from the forward: record again, storing them
-            driver.abandon()
-            stored = {**stored, **driver.unreproducible}
-            continue
-        try:
-            driver.prepare_plan(hold_reads, tables, attempt.reserved)
-        except ResourceExhaustedError as error:
-            variant = keeper.refused(str(error))
+            if recompute == "auto" and attempt.recompute != "none" and attempt.recompute not in link_bytes:
+                link_bytes[attempt.recompute] = driver.link_bytes
+                again, why = _record_again(driver, attempt.recompute, link_bytes)
+                if again:
+                    tables, auto_choice = driver.release_tables(), why
+                    attempt = dataclasses.replace(attempt, recompute=again)
+                    continue
+                auto_choice = driver.auto_choice = why or auto_choice
+            variant = keeper.after_plan(driver, attempt)
             if variant is not None:
                 tables, attempt = driver.release_tables(), variant
                 continue
-            if attempt.recompute != "compute" or "cheap" not in link_bytes:
+            driver.keep_choice = keeper.choice
+            try:
+                driver.commit_plan()
+            except BaseException:
                 driver.abandon()
-                if group_bytes > 0 and len(find_layers(module, row_width, whole_modules, 0, split)) > len(layers):
-                    raise ResourceExhaustedError(
-                        f"{error}; wrap() read children of up to group_bytes={group_bytes} as one layer each: "
-                        "smaller groups (group_bytes=4 << 20, or 0 for one module at a time) need less") from error
                 raise
-            tables, attempt = driver.release_tables(), dataclasses.replace(attempt, recompute="cheap")
-            link_bytes["compute"] = -1
-            auto_choice = f"recompute='auto' went back to 'cheap': 'compute' did not fit ({error})"
-            continue
-        except BaseException:
-            driver.abandon()
-            raise
-        if recompute == "auto" and attempt.recompute != "none" and attempt.recompute not in link_bytes:
-            link_bytes[attempt.recompute] = driver.link_bytes
-            again, why = _record_again(driver, attempt.recompute, link_bytes)
-            if again:
-                tables, auto_choice = driver.release_tables(), why
-                attempt = dataclasses.replace(attempt, recompute=again)
-                continue
-            auto_choice = driver.auto_choice = why or auto_choice
-        variant = keeper.after_plan(driver, attempt)
-        if variant is not None:
-            tables, attempt = driver.release_tables(), variant
-            continue
-        driver.keep_choice = keeper.choice
-        try:
-            driver.commit_plan()
-        except BaseException:
-            driver.abandon()
-            raise
-        scaled = None
-        if scaler is not None:
-            scaled = ScaledGradients(scaler, driver)
-            driver.grad_filter = scaled
-        config_rule = None if optimizer is not None else worker.update_rule_of(driver.tables[0])
-        groups = _param_groups(optimizer, layers, config_rule)
-        rates = LearningRates(worker, groups, layer_groups, optimizer, config_rule)
-        rates.set_tables(driver.tables)
-        driver.clock_start = rates.sync
-        return PSModule(module, driver, groups, scaled, optimizer)
+            scaled = None
+            if scaler is not None:
+                scaled = ScaledGradients(scaler, driver)
+                driver.grad_filter = scaled
+            config_rule = None if optimizer is not None else worker.update_rule_of(driver.tables[0])
+            groups = _param_groups(optimizer, layers, config_rule)
+            rates = LearningRates(worker, groups, layer_groups, optimizer, config_rule)
+            rates.set_tables(driver.tables)
+            driver.clock_start = rates.sync
+            return PSModule(module, driver, groups, scaled, optimizer)
+    except BaseException:
+        _give_tables_back(worker)  # the worker can be wrapped again, say with other arguments
+        raise

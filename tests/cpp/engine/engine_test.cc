@@ -987,6 +987,7 @@ class AckReadyTransport : public Transport {
     return engine->HandleMessage(std::move(ack));
   }
   Status AddTableToShard(int, const TableInfo&) override { return Status::Ok(); }
+  Status DropTableFromShard(int, TableId) override { return Status::Ok(); }
 };
 
 // A receive thread that installs the same rows, over and over, into whichever

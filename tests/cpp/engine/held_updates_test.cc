@@ -56,6 +56,7 @@ class RecordingTransport : public Transport {
     return Status::Ok();
   }
   Status AddTableToShard(int, const TableInfo&) override { return Status::Ok(); }
+  Status DropTableFromShard(int, TableId) override { return Status::Ok(); }
 
   std::vector<Sent> updates() {
     std::lock_guard<std::mutex> lock(mu_);

@@ -238,6 +238,27 @@ TEST(AddTableRejectsLocalDuplicateAndEmptyTables) {
   EXPECT_EQ(shard.global_clock(99), kNoClock);
 }
 
+TEST(DropTableForgetsATableUntilEveryWorkerIsReady) {
+  ServerShard shard(0, 1, Rule(UpdateRuleKind::kAdd));
+  shard.PlaceStateWhenReady(Config());
+  ASSERT_OK(shard.AddTable(Table(kTable, 9, 4)));
+  ASSERT_OK(shard.DropTable(kTable));
+  EXPECT_CODE(shard.DropTable(kTable), StatusCode::kNotFound);
+  const TableInfo again = Table();  // the id again, another shape
+  ASSERT_OK(shard.AddTable(again));
+  Message ready = Header(MessageType::kReady, 0, 0, -1);
+  ready.header.request_id = 7;
+  ready.text = EncodeTableSchema({again});  // the worker's tables: the dropped one is gone from both
+  ready.header.text_bytes = static_cast<uint32_t>(ready.text.size());
+  std::vector<Message> replies;
+  ASSERT_OK(shard.Handle(ready, &replies));
+  ASSERT_EQ(replies.size(), size_t{1});
+  EXPECT_TRUE(replies[0].type() == MessageType::kAck);
+  EXPECT_CODE(shard.DropTable(kTable), StatusCode::kOutOfOrder);
+  ASSERT_TRUE(shard.values(kTable) != nullptr);
+  EXPECT_EQ(shard.values(kTable)->size(), static_cast<size_t>(kRows * kWidth));
+}
+
 TEST(InitAddAccumulatesAndAcks) {
   std::mt19937 rng(11);
   ServerShard shard(1, kWorkers, Rule(UpdateRuleKind::kAdd));  // rows [3,5)

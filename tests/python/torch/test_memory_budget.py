@@ -314,10 +314,14 @@ def test_the_host_memory_guard_refuses_a_plan_over_the_limit_at_wrap() -> None:
         assert ps_model.clock == 1
 
 
-def test_a_budget_that_smaller_layer_groups_would_fit_says_so() -> None:
+def test_under_a_budget_wrap_chooses_smaller_layer_groups() -> None:
     """A child of four Linear layers is one layer (group_bytes): its least
     budget reads all four at once. Between that and the least of one module
-    at a time, wrap() refuses and names group_bytes; group_bytes=0 fits."""
+    at a time, group_bytes=32 MiB is refused, naming smaller groups; the
+    default (None) drops the refused plan's tables, reads the model in
+    smaller layers and trains as group_bytes=0 does. Below the least of one
+    module at a time the default is refused, saying what it tried. A
+    refused wrap() leaves the worker without tables, to be wrapped again."""
     x = torch.randn(BATCH, WIDTH)
 
     def make() -> nn.Module:
@@ -337,8 +341,24 @@ def test_a_budget_that_smaller_layer_groups_would_fit_says_so() -> None:
     budget = (grouped + one_by_one) // 2
     with LocalCluster(1, Config(device_memory_budget=budget, wait_timeout_s=20)) as cluster:
         with pytest.raises(mltuner.ResourceExhaustedError, match=r"smaller groups \(group_bytes=4 << 20, or 0"):
+            mt.wrap(make(), cluster.worker(0), example_input=x, group_bytes=32 << 20)
+        # The refusal gave the tables back: the same worker takes other arguments.
+        mt.wrap(make(), cluster.worker(0), example_input=x, group_bytes=0)
+    losses = {}
+    for group_bytes in (None, 0):
+        with LocalCluster(1, Config(device_memory_budget=budget, wait_timeout_s=20)) as cluster:
+            worker = cluster.worker(0)
+            ps_model = mt.wrap(make(), worker, example_input=x, group_bytes=group_bytes)
+            assert [t.name for t in worker.tables if not t.local] == [f"torch:0.{i}" for i in range(4)] + ["torch:1"], worker.tables
+            steps = []
+            for _ in range(3):
+                loss = ps_model(x).square().mean()
+                loss.backward()
+                ps_model.step()
+                steps.append(loss.item())
+            losses[group_bytes] = steps
+    assert losses[None] == losses[0]
+    with LocalCluster(1, Config(device_memory_budget=one_by_one // 2, wait_timeout_s=20)) as cluster:
+        with pytest.raises(mltuner.ResourceExhaustedError, match=r"tried smaller layer groups, down to group_bytes=0"):
             mt.wrap(make(), cluster.worker(0), example_input=x)
-    with LocalCluster(1, Config(device_memory_budget=budget, wait_timeout_s=20)) as cluster:
-        ps_model = mt.wrap(make(), cluster.worker(0), example_input=x, group_bytes=0)
-        ps_model(x).sum().backward()
-        ps_model.step()
+        assert cluster.worker(0).tables == []

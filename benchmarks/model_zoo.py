@@ -1,7 +1,7 @@
 """Models no issue names: does ``mltuner.torch.wrap`` take torchvision's
 classification models, train them as plain PyTorch does, and at what speed?
 
-    python benchmarks/model_zoo.py [--models all|NAME,...] [--steps 6] [--batch 8] [--out PATH]
+    python benchmarks/model_zoo.py [--models all|NAME,...] [--steps 6] [--batch 8] [--workers 1] [--out PATH]
 
 For each model (by default one or two of each family; ``--models all``: every
 classification model of torchvision with at most ``--max-params`` millions
@@ -23,8 +23,15 @@ nondeterministic; on a GPU torch's deterministic algorithms are on unless
 ``--nondeterministic``). Samples/s of each over the steps after the first
 two, with the ratio. ``--budget 0.25``: mltuner stores the activations as
 local data under a quarter of its device-memory need, and wrap() chooses what
-to recompute (issue 16's machinery on models it was not built on). Runs on
-the GPU when there is one; needs torchvision.
+to recompute (issue 16's machinery on models it was not built on).
+``--workers N``: mltuner runs N workers of a LocalCluster (on the GPUs there
+are, round robin), each training its 1/N of every batch, whose gradients the
+servers average; plain PyTorch trains the whole batch in one process. Both
+sides then run in eval mode: batch norm normalizes by its running statistics
+and dropout is off, so a sample's gradient does not depend on the rest of
+its batch, and N workers at slack 0 must train as one process does (the
+first loss is the workers' mean). Runs on the GPU when there is one; needs
+torchvision.
 """
 
 from __future__ import annotations
@@ -99,7 +106,9 @@ Trained = tuple[list[float], dict[str, torch.Tensor], float]
 
 def train(step: Any, parameters: Any, data: list[tuple[torch.Tensor, torch.Tensor]], device: str) -> Trained:
     """Losses of every step, the parameters after the first (``parameters()``:
-    name -> tensor), and samples/s from TIMED_FROM on."""
+    name -> tensor), and samples/s from TIMED_FROM on (``device``: a torch
+    device name)."""
+    cuda = torch.device(device).type == "cuda"
     losses = []
     first: dict[str, torch.Tensor] = {}
     start = 0.0
@@ -107,13 +116,13 @@ def train(step: Any, parameters: Any, data: list[tuple[torch.Tensor, torch.Tenso
         if index == 1:
             first = {name: value.detach().to("cpu", torch.float32, copy=True) for name, value in parameters().items()}
         if index == TIMED_FROM:
-            if device == "cuda":
-                torch.cuda.synchronize()
+            if cuda:
+                torch.cuda.synchronize(device)
             start = time.perf_counter()
         torch.manual_seed(100 + index)
         losses.append(step(x, y))
-    if device == "cuda":
-        torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize(device)
     timed = sum(len(y) for _, y in data[TIMED_FROM:])
     return losses, first, timed / (time.perf_counter() - start)
 
@@ -132,20 +141,29 @@ def plain(model: nn.Module, data: list, device: str) -> Trained:
 
 
 def wrapped(model: nn.Module, data: list, device: str, budget: float, recompute: str = "auto",
-            overlap: bool | None = None) -> Trained:
+            overlap: bool | None = None, workers: int = 1) -> Trained:
     """Under a budget (a fraction of the need, see torch_loops.measure_need)
-    the activations are local data and wrap() chooses what to recompute."""
+    the activations are local data and wrap() chooses what to recompute.
+    Worker r of ``workers`` trains the r-th share of every batch; the loss
+    of a step is the workers' mean, the parameters worker 0's, the rate
+    the sum of the workers'."""
+    shares = [[(x.chunk(workers)[r], y.chunk(workers)[r]) for x, y in data] for r in range(workers)]
+
     def loss_of(out: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(out, data[0][1])
+        return F.cross_entropy(out, shares[0][0][1].to(out.device))
 
     config = mlt.Config(device=device, wait_timeout_s=120)
     if budget:
-        need, _ = measure_need(lambda: copy.deepcopy(model), data[0][0], loss_of, config, torch.device(device))
+        need, _ = measure_need(lambda: copy.deepcopy(model), shares[0][0][0], loss_of, config, torch.device(device))
         config = mlt.Config(device=device, wait_timeout_s=120, device_memory_budget=int(need * budget))
-    with mlt.LocalCluster(1, config) as cluster:
-        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+
+    def run(worker: mlt.Worker) -> Trained:
+        mine = copy.deepcopy(model).to(worker.device)
+        batches_of_mine = [(x.to(worker.device), y.to(worker.device)) for x, y in shares[worker.rank]]
+        optimizer = torch.optim.SGD(mine.parameters(), lr=LR, momentum=MOMENTUM)
         torch.manual_seed(99)
-        ps = mtorch.wrap(model, cluster.worker(0), example_input=data[0][0], optimizer=optimizer,
+        ps = mtorch.wrap(mine, worker, example_input=batches_of_mine[0][0], optimizer=optimizer,
                          example_loss=loss_of, store_activations=bool(budget), recompute=recompute,
                          overlap_updates=overlap)
 
@@ -155,13 +173,20 @@ def wrapped(model: nn.Module, data: list, device: str, budget: float, recompute:
             ps.step()
             return loss.item()
 
-        trainable = [name for name, p in model.named_parameters() if p.requires_grad]
-        return train(step, lambda: {name: ps.state_dict()[name] for name in trainable}, data, device)
+        return train(step, lambda: {name: ps.state_dict()[name] for name in trainable}, batches_of_mine,
+                     worker.device)
+
+    with mlt.LocalCluster(workers, config) as cluster:
+        results = cluster.run(run, timeout_s=1800)
+    losses = [sum(step) / workers for step in zip(*(r[0] for r in results))]
+    return losses, results[0][1], sum(r[2] for r in results)
 
 
 def check(name: str, args: argparse.Namespace, device: str) -> dict[str, Any]:
     torch.manual_seed(0)
     model = build(name).to(device)
+    if args.workers > 1:
+        model.eval()  # see the module's docstring
     params = sum(p.numel() for p in model.parameters()) / 1e6
     row: dict[str, Any] = {"model": name, "params": params}
     if params > args.max_params:
@@ -172,7 +197,7 @@ def check(name: str, args: argparse.Namespace, device: str) -> dict[str, Any]:
     row["noise"] = largest_difference(again, want)
     try:
         got, got_first, rate = wrapped(copy.deepcopy(model), data, device, args.budget, args.recompute,
-                                        args.overlap)
+                                        args.overlap, args.workers)
     except (mtorch.UnsupportedModelError, mlt.ResourceExhaustedError) as error:  # a model or budget wrap() declines
         return {**row, "result": f"refused: {str(error).splitlines()[0][:300]}"}
     except Exception as error:  # noqa: BLE001 - the table reports it
@@ -204,12 +229,16 @@ def main() -> int:
                         help="wrap(recompute=) under --budget")
     parser.add_argument("--overlap", action="store_true", default=None,
                         help="wrap(overlap_updates=True): each layer's update ships from the backward pass")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="mltuner workers, each on its share of every batch (both sides in eval mode)")
     parser.add_argument("--nondeterministic", action="store_true",
                         help="leave torch's nondeterministic GPU algorithms on (faster; see above)")
     parser.add_argument("--out", default="results/model_zoo.md")
     args = parser.parse_args()
     if args.steps <= TIMED_FROM:
         parser.error(f"--steps must exceed {TIMED_FROM}")
+    if args.workers < 1 or args.batch % args.workers:
+        parser.error("--workers must be >= 1 and divide --batch")
     try:
         torchvision = import_torchvision()
     except ImportError as error:
@@ -239,7 +268,9 @@ def main() -> int:
         f"{'off' if args.nondeterministic or device == 'cpu' else 'on'}"
         + (f"; mltuner under a budget of {args.budget:g} of its need, activations stored, recompute="
            f"{args.recompute!r}" if args.budget else "")
-        + ("; updates shipped from the backward pass (overlap_updates=True)" if args.overlap else ""),
+        + ("; updates shipped from the backward pass (overlap_updates=True)" if args.overlap else "")
+        + (f"; mltuner on {args.workers} workers (a LocalCluster), each on {args.batch // args.workers} samples "
+           "of every batch, both sides in eval mode" if args.workers > 1 else ""),
         "",
         "| model | M params | result | parameters after step 1 | losses of every step | two plain runs "
         "| plain samples/s | mltuner samples/s | ratio |",

@@ -21,7 +21,7 @@ are not the test: batch-normed networks at batch 8 on random labels carry a
 1e-7 difference to 1e-2 within a few steps, which the table shows beside the
 same difference between two plain runs (nonzero where an algorithm is
 nondeterministic; on a GPU torch's deterministic algorithms are on unless
-``--nondeterministic``). Samples/s of each over the steps after the first
+``--nondeterministic``, and TF32 is off). Samples/s of each over the steps after the first
 two, with the ratio. ``--budget 0.25``: mltuner stores the activations as
 local data under a quarter of its device-memory need, and wrap() chooses what
 to recompute (issue 16's machinery on models it was not built on).
@@ -253,6 +253,11 @@ def main() -> int:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's condition for determinism
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.benchmark = False
+        # TF32 off: the workers' shares of a batch run other kernels than the
+        # whole batch, and TF32 rounds each product to 1e-3, which sums that
+        # nearly cancel (a zero-initialised bias's gradient) carry to 1e-1.
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
     if args.models == "all":
         names = torchvision.models.list_models(module=torchvision.models)
     else:

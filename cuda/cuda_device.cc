@@ -4,6 +4,7 @@
 #include "cuda_device.h"
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -543,6 +544,10 @@ class CudaDevice final : public Device {
 
 }  // namespace
 
+namespace {
+std::atomic<bool> g_cuda_device_made{false};  // or counted: see CurrentCudaDeviceIfChanged
+}  // namespace
+
 int CudaDeviceCount() {
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
@@ -550,10 +555,28 @@ int CudaDeviceCount() {
     cudaGetLastError();
     return 0;
   }
+  if (count > 0) g_cuda_device_made.store(true, std::memory_order_relaxed);
   return count;
 }
 
+int CurrentCudaDeviceIfChanged() {
+  int current = -1;
+  if (!g_cuda_device_made.load(std::memory_order_relaxed)) return -1;
+  if (cudaGetDevice(&current) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  return current;
+}
+
+void RestoreCurrentCudaDevice(int ordinal) {
+  int current = -1;
+  if (ordinal < 0 || (cudaGetDevice(&current) == cudaSuccess && current == ordinal)) return;
+  if (cudaSetDevice(ordinal) != cudaSuccess) cudaGetLastError();
+}
+
 Status NewCudaDevice(int ordinal, std::unique_ptr<Device>* out) {
+  g_cuda_device_made.store(true, std::memory_order_relaxed);
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess) {

@@ -35,4 +35,12 @@ Status NewCudaDevice(int ordinal, std::unique_ptr<Device>* out);
 // Never throws or aborts, so callers may probe with it on any machine.
 int CudaDeviceCount();
 
+// The calling thread's current GPU, for a caller that must leave it as it
+// found it (the methods of a CUDA Device make theirs current and keep it):
+// -1 until this process has counted a GPU or made a CUDA Device (before,
+// nothing of ours can have changed it, and asking would start the CUDA
+// runtime on machines without a GPU). RestoreCurrentCudaDevice(-1) does nothing.
+int CurrentCudaDeviceIfChanged();
+void RestoreCurrentCudaDevice(int ordinal);
+
 }  // namespace mltuner

@@ -126,9 +126,9 @@ void RegisterBuffers(py::module_& m) {
              return ToDlpack(a);
            },
            py::kw_only(), py::arg("stream") = py::none(), py::arg("max_version") = py::none(),
-           py::arg("dl_device") = py::none(), py::arg("copy") = py::none())
+           py::arg("dl_device") = py::none(), py::arg("copy") = py::none(), Keep())
       .def("numpy", &CopyToNumpy, py::arg("stream") = 0,
-           "A host copy of the buffer as a numpy array, taken after the work queued on `stream`.")
+           "A host copy of the buffer as a numpy array, taken after the work queued on `stream`.", Keep())
       .def("__repr__", [](const DeviceArray& a) {
         return "DeviceArray(shape=(" + std::to_string(a.buffer.rows) + ", " + std::to_string(a.buffer.row_width) +
                "), device=" + a.buffer.device->name() + ")";

@@ -32,6 +32,14 @@ int CudaCount() {
 
 }  // namespace
 
+#ifdef MLTUNER_WITH_CUDA
+KeepCallerDevice::KeepCallerDevice() : device_(CurrentCudaDeviceIfChanged()) {}
+KeepCallerDevice::~KeepCallerDevice() { RestoreCurrentCudaDevice(device_); }
+#else
+KeepCallerDevice::KeepCallerDevice() : device_(-1) {}
+KeepCallerDevice::~KeepCallerDevice() = default;
+#endif
+
 DeviceFactory FactoryFor(const std::string& device, const Config& config) {
   if (device == "cpu") {
     const int64_t capacity = config.cpu_device_capacity;
@@ -60,13 +68,14 @@ DeviceFactory FactoryFor(const std::string& device, const Config& config) {
 void RegisterCluster(py::module_& m) {
   m.def("cuda_built", &CudaBuilt, "Whether this module was built with the CUDA backend.");
   m.def("cuda_device_count", &CudaCount, "Visible CUDA devices (0 without the CUDA backend).");
-  py::class_<LocalCluster>(m, "LocalCluster")
+  py::class_<LocalCluster, KeepingPtr<LocalCluster>>(m, "LocalCluster")
       .def(py::init([](const Config& config, int num_workers, const std::string& device) {
              std::unique_ptr<LocalCluster> cluster;
-             const DeviceFactory factory = FactoryFor(device, config);
+             const DeviceFactory factory = FactoryFor(device, config);  // counts the GPUs: see Keep
+             KeepCallerDevice keep;
              py::gil_scoped_release release;
              Check(LocalCluster::Create(config, num_workers, &cluster, factory));
-             return cluster;
+             return KeepingPtr<LocalCluster>(cluster.release());
            }),
            py::arg("config"), py::arg("num_workers"), py::arg("device") = "cpu")
       .def_property_readonly("num_workers", &LocalCluster::num_workers)
@@ -79,9 +88,9 @@ void RegisterCluster(py::module_& m) {
             }
             return c.worker(rank);
           },
-          py::return_value_policy::reference_internal)
+          py::return_value_policy::reference_internal, Keep())
       .def_property_readonly("rejected_messages", &LocalCluster::rejected_messages)
-      .def("shutdown", [](LocalCluster& c) { Check(c.Shutdown()); }, py::call_guard<py::gil_scoped_release>());
+      .def("shutdown", [](LocalCluster& c) { Check(c.Shutdown()); }, KeepAndRelease());
 }
 
 }  // namespace mltuner::python

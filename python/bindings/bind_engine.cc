@@ -15,7 +15,7 @@ namespace mltuner::python {
 namespace {
 
 using RowArray = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
-using Release = py::call_guard<py::gil_scoped_release>;
+using Release = KeepAndRelease;
 
 std::vector<RowId> ToRows(const RowArray& rows) {
   if (rows.ndim() != 1) throw py::value_error("rows must be a 1-D sequence of row ids");
@@ -151,33 +151,33 @@ void RegisterEngine(py::module_& m) {
              return id;
            },
            py::arg("name"), py::arg("num_rows"), py::arg("row_width"), py::arg("local"),
-           py::arg("update_rule") = py::none())
+           py::arg("update_rule") = py::none(), Keep())
       .def("set_learning_rate",
            [](Engine& e, TableId table, float learning_rate) { Check(e.SetLearningRate(table, learning_rate)); },
-           py::arg("table"), py::arg("learning_rate"))
-      .def("tables", &Engine::tables)
+           py::arg("table"), py::arg("learning_rate"), Keep())
+      .def("tables", &Engine::tables, Keep())
       .def("virtual_read",
            [](Engine& e, TableId table, const RowArray& rows, int slack) {
              Handle h;
              Check(e.VirtualRead(table, ToRows(rows), slack, &h));
              return h;
-           })
-      .def("virtual_post_read", [](Engine& e, Handle h) { Check(e.VirtualPostRead(h)); })
+           }, Keep())
+      .def("virtual_post_read", [](Engine& e, Handle h) { Check(e.VirtualPostRead(h)); }, Keep())
       .def("virtual_pre_update",
            [](Engine& e, TableId table, const RowArray& rows) {
              Handle h;
              Check(e.VirtualPreUpdate(table, ToRows(rows), &h));
              return h;
-           })
-      .def("virtual_update", [](Engine& e, Handle h) { Check(e.VirtualUpdate(h)); })
+           }, Keep())
+      .def("virtual_update", [](Engine& e, Handle h) { Check(e.VirtualUpdate(h)); }, Keep())
       .def("virtual_local_access",
            [](Engine& e, TableId table, const RowArray& rows, bool fetch) {
              Handle h;
              Check(e.VirtualLocalAccess(table, ToRows(rows), fetch, &h));
              return h;
-           })
-      .def("virtual_post_local_access", [](Engine& e, Handle h, bool keep) { Check(e.VirtualPostLocalAccess(h, keep)); })
-      .def("virtual_clock", [](Engine& e) { Check(e.VirtualClock()); })
+           }, Keep())
+      .def("virtual_post_local_access", [](Engine& e, Handle h, bool keep) { Check(e.VirtualPostLocalAccess(h, keep)); }, Keep())
+      .def("virtual_clock", [](Engine& e) { Check(e.VirtualClock()); }, Keep())
       .def("preview_plan",
            [](Engine& e) {
              PlanPreview preview;
@@ -186,13 +186,13 @@ void RegisterEngine(py::module_& m) {
                Check(e.PreviewPlan(&preview));
              }
              return preview;
-           })
-      .def("reset_virtual_iteration", [](Engine& e) { Check(e.ResetVirtualIteration()); })
-      .def("drop_tables", [](Engine& e, int32_t first) { Check(e.DropTables(first)); }, py::arg("first"))
+           }, Keep())
+      .def("reset_virtual_iteration", [](Engine& e) { Check(e.ResetVirtualIteration()); }, Keep())
+      .def("drop_tables", [](Engine& e, int32_t first) { Check(e.DropTables(first)); }, py::arg("first"), Keep())
       .def("reserve_device_memory", [](Engine& e, int64_t bytes) { Check(e.ReserveDeviceMemory(bytes)); },
-           py::arg("bytes"))
+           py::arg("bytes"), Keep())
       .def("release_host_memory_during_init",
-           [](Engine& e, int64_t bytes) { Check(e.ReleaseHostMemoryDuringInit(bytes)); }, py::arg("bytes"))
+           [](Engine& e, int64_t bytes) { Check(e.ReleaseHostMemoryDuringInit(bytes)); }, py::arg("bytes"), Keep())
       .def("finish_virtual_iteration", [](Engine& e) { Check(e.FinishVirtualIteration()); }, Release())
       .def("write_initial",
            [](Engine& e, Handle handle, const py::array_t<float, py::array::c_style | py::array::forcecast>& values) {
@@ -201,16 +201,16 @@ void RegisterEngine(py::module_& m) {
              py::gil_scoped_release release;
              Check(e.WriteInitial(handle, data, count));
            },
-           py::arg("handle"), py::arg("values"))
+           py::arg("handle"), py::arg("values"), Keep())
       .def("start_iterations", [](Engine& e) { Check(e.StartIterations()); }, Release())
-      .def("read", &OpenBuffer<&Engine::Read>, py::arg("handle"), py::arg("stream") = 0)
-      .def("post_read", &PostBuffer<&Engine::PostRead>, py::arg("handle"), py::arg("stream") = 0)
-      .def("pre_update", &OpenBuffer<&Engine::PreUpdate>, py::arg("handle"), py::arg("stream") = 0)
-      .def("update", &PostBuffer<&Engine::Update>, py::arg("handle"), py::arg("stream") = 0)
-      .def("local_access", &OpenBuffer<&Engine::LocalAccess>, py::arg("handle"), py::arg("stream") = 0)
-      .def("post_local_access", &PostBuffer<&Engine::PostLocalAccess>, py::arg("handle"), py::arg("stream") = 0)
+      .def("read", &OpenBuffer<&Engine::Read>, py::arg("handle"), py::arg("stream") = 0, Keep())
+      .def("post_read", &PostBuffer<&Engine::PostRead>, py::arg("handle"), py::arg("stream") = 0, Keep())
+      .def("pre_update", &OpenBuffer<&Engine::PreUpdate>, py::arg("handle"), py::arg("stream") = 0, Keep())
+      .def("update", &PostBuffer<&Engine::Update>, py::arg("handle"), py::arg("stream") = 0, Keep())
+      .def("local_access", &OpenBuffer<&Engine::LocalAccess>, py::arg("handle"), py::arg("stream") = 0, Keep())
+      .def("post_local_access", &PostBuffer<&Engine::PostLocalAccess>, py::arg("handle"), py::arg("stream") = 0, Keep())
       .def("clock", [](Engine& e) { Check(e.Clock()); }, Release())
-      .def("run", &RunBatch, py::arg("ops"), py::arg("stream") = 0)
+      .def("run", &RunBatch, py::arg("ops"), py::arg("stream") = 0, Keep())
       .def("fetch",
            [](Engine& e, TableId table, const RowArray& rows, int64_t row_width, BranchId branch) {
              std::vector<RowId> ids = ToRows(rows);
@@ -222,7 +222,7 @@ void RegisterEngine(py::module_& m) {
              }
              return out;
            },
-           py::arg("table"), py::arg("rows"), py::arg("row_width"), py::arg("branch") = -1)
+           py::arg("table"), py::arg("rows"), py::arg("row_width"), py::arg("branch") = -1, Keep())
       .def("fork_branch",
            [](Engine& e, BranchId child, BranchId parent, float learning_rate, float momentum, bool training,
               int slack) {
@@ -235,16 +235,16 @@ void RegisterEngine(py::module_& m) {
              Check(e.ForkBranch(child, parent, settings));
            },
            py::arg("child"), py::arg("parent"), py::arg("learning_rate"), py::arg("momentum"), py::arg("training"),
-           py::arg("slack"))
+           py::arg("slack"), Keep())
       .def("free_branch", [](Engine& e, BranchId branch) { Check(e.FreeBranch(branch)); }, Release())
       .def("schedule_branch", [](Engine& e, BranchId branch, int64_t clocks) { Check(e.ScheduleBranch(branch, clocks)); },
            Release())
       .def("flush", [](Engine& e) { Check(e.Flush()); }, Release())
       .def("wait_for_data_age", [](Engine& e, TableId table, int64_t age) { Check(e.WaitForDataAge(table, age)); },
            Release())
-      .def("data_age", &Engine::DataAge)
-      .def("stats", &Engine::Stats)
-      .def("describe_plan", &Engine::DescribePlan)
+      .def("data_age", &Engine::DataAge, Keep())
+      .def("stats", &Engine::Stats, Keep())
+      .def("describe_plan", &Engine::DescribePlan, Keep())
       .def("shutdown", [](Engine& e) { Check(e.Shutdown()); }, Release());
 }
 

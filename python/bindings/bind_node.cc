@@ -54,16 +54,17 @@ py::array_t<float> ToNumpy(std::vector<float>&& values) {
 }  // namespace
 
 void RegisterNode(py::module_& m) {
-  py::class_<ProcessNode>(m, "ProcessNode")
+  py::class_<ProcessNode, KeepingPtr<ProcessNode>>(m, "ProcessNode")
       .def(py::init([](const Config& config, int rank, int num_workers, const std::string& device,
                        int device_index) {
-             const DeviceFactory factory = FactoryFor(device, config);
+             const DeviceFactory factory = FactoryFor(device, config);  // counts the GPUs: see Keep
+             KeepCallerDevice keep;
              std::unique_ptr<ProcessNode> node;
              py::gil_scoped_release release;
              std::unique_ptr<Device> made;
              if (factory) Check(factory(device_index, &made));
              Check(ProcessNode::Create(config, rank, num_workers, std::move(made), &node));
-             return node;
+             return KeepingPtr<ProcessNode>(node.release());
            }),
            py::arg("config"), py::arg("rank"), py::arg("num_workers"), py::arg("device") = "cpu",
            py::arg("device_index") = 0)
@@ -86,7 +87,7 @@ void RegisterNode(py::module_& m) {
           },
           py::arg("timeout_ms"),
           "(receiver, header frame, payload) of the next message for another process, or None "
-          "after timeout_ms or once the node is shut down and the outbox is empty.")
+          "after timeout_ms or once the node is shut down and the outbox is empty.", Keep())
       .def(
           "next_outgoing_batch",
           [](ProcessNode& node, int timeout_ms, size_t max_messages, size_t max_bytes) {
@@ -108,15 +109,15 @@ void RegisterNode(py::module_& m) {
           "for another process (at most max_messages, past the first only while their payloads total at most "
           "max_bytes), each run of small ones for one receiver joined into one batch, which deliver opens. "
           "Waits up to timeout_ms for the first; empty after that, or once the node is shut down and the "
-          "outbox is empty.")
+          "outbox is empty.", Keep())
       .def_property_readonly("outbox_messages", &ProcessNode::outbox_messages)
       .def_property_readonly("outbox_bytes", &ProcessNode::outbox_bytes)
       .def_property_readonly("peak_outbox_bytes", &ProcessNode::peak_outbox_bytes)
       .def("set_outbox_limit", &ProcessNode::SetOutboxLimit, py::arg("bytes"),
-           py::call_guard<py::gil_scoped_release>(),
+           KeepAndRelease(),
            "Payload bytes the outbox may hold before the engine's sends wait (0: no bound).")
       .def("set_inbox_limit", &ProcessNode::SetInboxLimit, py::arg("bytes"),
-           py::call_guard<py::gil_scoped_release>(),
+           KeepAndRelease(),
            "Payload bytes each inbox (shard's, engine's) lets other processes fill before deliver waits "
            "for room (0: no bound).")
       .def_property_readonly("inbox_bytes", &ProcessNode::inbox_bytes)
@@ -133,7 +134,7 @@ void RegisterNode(py::module_& m) {
           "Validates and delivers frames received from another process; raises CorruptMessageError "
           "(and counts it) for a malformed or misaddressed message. With a token (>= 0) the payload "
           "may be used where it lies: keep it alive and unchanged until take_released_payloads() "
-          "returns the token (it returns every token, the refused messages' too).")
+          "returns the token (it returns every token, the refused messages' too).", Keep())
       .def(
           "take_released_payloads",
           [](ProcessNode& node) {
@@ -144,7 +145,7 @@ void RegisterNode(py::module_& m) {
             }
             return tokens;
           },
-          "Tokens of delivered payloads that nothing reads any more: their memory may be freed.")
+          "Tokens of delivered payloads that nothing reads any more: their memory may be freed.", Keep())
       .def_property_readonly("lends_payloads", &ProcessNode::lends_payloads,
                              "Whether deliver uses payloads in place on this device (the CPU backend).")
       .def_property_readonly("borrowed_payloads", &ProcessNode::borrowed_payloads,
@@ -154,7 +155,7 @@ void RegisterNode(py::module_& m) {
       .def(
           "abort",
           [](ProcessNode& node, const std::string& why) { node.Abort(Status::PeerLost(why)); },
-          py::arg("why"), py::call_guard<py::gil_scoped_release>(),
+          py::arg("why"), KeepAndRelease(),
           "Makes every engine wait and later call raise PeerLostError(why).")
       .def_property_readonly("aborted", &ProcessNode::aborted)
       .def(
@@ -176,7 +177,7 @@ void RegisterNode(py::module_& m) {
           },
           py::arg("table"),
           "This shard's slice of a table: first_row, num_rows, values, optimizer state "
-          "(state_arrays arrays of len(values) floats, then scalars) and global_clock.")
+          "(state_arrays arrays of len(values) floats, then scalars) and global_clock.", Keep())
       .def(
           "import_shard_table",
           [](ProcessNode& node, int table, py::array_t<float, py::array::c_style | py::array::forcecast> values,
@@ -189,7 +190,7 @@ void RegisterNode(py::module_& m) {
             Check(node.ImportShardTable(table, v, nv, s, ns));
           },
           py::arg("table"), py::arg("values"), py::arg("state"),
-          "Replaces this shard's slice of a table (same sizes as export_shard_table).")
+          "Replaces this shard's slice of a table (same sizes as export_shard_table).", Keep())
       .def_property_readonly("rejected_messages", &ProcessNode::rejected_messages)
       .def(
           "export_cuda_ipc",
@@ -203,7 +204,7 @@ void RegisterNode(py::module_& m) {
           },
           py::arg("slice_bytes"),
           "Exports this process's CUDA IPC landing region (slice_bytes per peer) and returns the handle "
-          "peers pass to open_cuda_ipc_peer. Raises with the reason where CUDA IPC is unavailable.")
+          "peers pass to open_cuda_ipc_peer. Raises with the reason where CUDA IPC is unavailable.", Keep())
       .def(
           "open_cuda_ipc_peer",
           [](ProcessNode& node, int peer, const py::bytes& handle, size_t slice_bytes) {
@@ -212,10 +213,10 @@ void RegisterNode(py::module_& m) {
             Check(node.OpenCudaIpcPeer(peer, bytes, slice_bytes));
           },
           py::arg("peer"), py::arg("handle"), py::arg("slice_bytes"),
-          "Opens peer's exported region and event; raises with the driver's reason where it cannot.")
+          "Opens peer's exported region and event; raises with the driver's reason where it cannot.", Keep())
       .def(
           "enable_cuda_ipc_peer", [](ProcessNode& node, int peer) { Check(node.EnableCudaIpcPeer(peer)); },
-          py::arg("peer"), "From now on, device payloads to and from peer go device -> device.")
+          py::arg("peer"), "From now on, device payloads to and from peer go device -> device.", Keep())
       .def_property_readonly("device_total_bytes", &ProcessNode::device_total_bytes,
                              "The memory of this process's device in bytes (-1 where unknown).")
       .def_property_readonly("cuda_ipc_peers", &ProcessNode::cuda_ipc_peers,
@@ -247,7 +248,7 @@ void RegisterNode(py::module_& m) {
                              "Payload bytes sent to other processes through the socket.")
       .def_property_readonly("device_payload_bytes_by_host", &ProcessNode::device_payload_bytes_by_host,
                              "Of those, bytes of device payloads copied device -> host to be sent (no CUDA IPC).")
-      .def("shutdown", [](ProcessNode& node) { Check(node.Shutdown()); }, py::call_guard<py::gil_scoped_release>());
+      .def("shutdown", [](ProcessNode& node) { Check(node.Shutdown()); }, KeepAndRelease());
 }
 
 }  // namespace mltuner::python

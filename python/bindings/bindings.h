@@ -5,6 +5,7 @@
 
 #include <pybind11/pybind11.h>
 
+#include <memory>
 #include <stdexcept>
 
 #include <string>
@@ -28,6 +29,37 @@ class StatusError : public std::runtime_error {
 inline void Check(const Status& status) {
   if (!status.ok()) throw StatusError(status);
 }
+
+// The CUDA backend makes its GPU current on whichever thread calls it, and
+// leaves it so (cuda/cuda_device.h). A call from Python must leave the
+// caller's current device as it found it: PyTorch resolves "cuda", new
+// tensors and torch.cuda.current_stream() by it, so a LocalCluster made on
+// the main thread would otherwise move the script's later tensors to the
+// last worker's GPU. A no-op without the CUDA backend.
+class KeepCallerDevice {
+ public:
+  KeepCallerDevice();
+  ~KeepCallerDevice();
+  KeepCallerDevice(const KeepCallerDevice&) = delete;
+  KeepCallerDevice& operator=(const KeepCallerDevice&) = delete;
+
+ private:
+  int device_;  // -1: nothing to restore
+};
+using Keep = pybind11::call_guard<KeepCallerDevice>;
+// The holder's deleter of what owns devices: Python may free it on any of
+// its threads (garbage collection), and freeing device memory makes the GPU
+// current there too.
+template <typename T>
+struct DeleteKeepingCallerDevice {
+  void operator()(T* object) const {
+    KeepCallerDevice keep;
+    delete object;
+  }
+};
+template <typename T>
+using KeepingPtr = std::unique_ptr<T, DeleteKeepingCallerDevice<T>>;
+using KeepAndRelease = pybind11::call_guard<KeepCallerDevice, pybind11::gil_scoped_release>;
 
 // The device factory for a device name ("cpu": the CPU backend, with
 // Config::cpu_device_capacity; "cuda": worker r on visible GPU r mod

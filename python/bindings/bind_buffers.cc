@@ -29,7 +29,12 @@ struct Exported {
   AccessBuffer buffer;
 };
 
-void DeleteExported(dlpack::ManagedTensor* self) { delete static_cast<Exported*>(self->manager_ctx); }
+// On any thread (a tensor freed by the garbage collector or by autograd's
+// device thread): dropping the buffer may free engine memory.
+void DeleteExported(dlpack::ManagedTensor* self) {
+  KeepCallerDevice keep;
+  delete static_cast<Exported*>(self->manager_ctx);
+}
 
 // A consumer that took the tensor renames the capsule to "used_dltensor" and
 // becomes responsible for calling the deleter; otherwise we call it.
@@ -103,7 +108,7 @@ py::object BufferToPython(const AccessBuffer& buffer) {
 }
 
 void RegisterBuffers(py::module_& m) {
-  py::class_<DeviceArray>(m, "DeviceArray",
+  py::class_<DeviceArray, KeepingPtr<DeviceArray>>(m, "DeviceArray",
                           "An access buffer in accelerator memory; pass it to torch.from_dlpack or "
                           "cupy.from_dlpack for a zero-copy tensor.")
       .def_property_readonly("shape", [](const DeviceArray& a) { return py::make_tuple(a.buffer.rows, a.buffer.row_width); })

@@ -122,6 +122,20 @@ def benchmark_module(file_name: str, module_name: str) -> Iterator[ModuleType]:
         sys.path.remove(str(BENCHMARKS))
 
 
+def record_read_update(worker: Worker, table: Any) -> tuple[int, int]:
+    """Records the simplest clock, a read of every row (slack 0) and an
+    update of every row, finishes the virtual iteration and starts; returns
+    the read's and the update's handles."""
+    read = worker.virtual_read(table, slack=0)
+    worker.virtual_post_read(read)
+    update = worker.virtual_pre_update(table)
+    worker.virtual_update(update)
+    worker.virtual_clock()
+    worker.finish_virtual_iteration()
+    worker.start_iterations()
+    return read, update
+
+
 @pytest.fixture(name="benchmark_module", scope="session")
 def benchmark_module_fixture() -> Callable[[str, str], contextlib.AbstractContextManager[ModuleType]]:
     """The :func:`benchmark_module` helper."""
@@ -133,6 +147,11 @@ def run_workers_fixture() -> Callable[..., list[Any]]:
     """The :func:`run_workers` helper (test modules are imported with
     --import-mode=importlib, so they get helpers through fixtures)."""
     return run_workers
+
+
+@pytest.fixture(name="record_read_update")
+def record_read_update_fixture() -> Callable[[Worker, Any], tuple[int, int]]:
+    return record_read_update
 
 
 @pytest.fixture(name="rel_error")

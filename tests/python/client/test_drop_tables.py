@@ -5,6 +5,8 @@ trains as if they had never been made."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
@@ -14,19 +16,8 @@ from mltuner import Config, LocalCluster, UpdateRule, Worker
 CLOCKS = 3
 
 
-def _record_clock(worker: Worker, table: mltuner.Table) -> tuple[int, int]:
-    read = worker.virtual_read(table, slack=0)
-    worker.virtual_post_read(read)
-    update = worker.virtual_pre_update(table)
-    worker.virtual_update(update)
-    worker.virtual_clock()
-    return read, update
-
-
 def _train(worker: Worker, read: int, update: int) -> np.ndarray:
     """Every worker adds its rank + 1 each clock; the rows read last."""
-    worker.finish_virtual_iteration()
-    worker.start_iterations()
     rows = np.empty(0)
     for _ in range(CLOCKS + 1):
         rows = np.array(worker.read(read), copy=True)
@@ -37,7 +28,13 @@ def _train(worker: Worker, read: int, update: int) -> np.ndarray:
     return rows
 
 
-def test_dropped_tables_leave_no_trace() -> None:
+def _record_clock(worker: Worker, table: mltuner.Table) -> None:
+    read = worker.virtual_read(table, slack=0)
+    worker.virtual_post_read(read)
+    worker.virtual_clock()
+
+
+def test_dropped_tables_leave_no_trace(record_read_update: Callable[..., tuple[int, int]]) -> None:
     def fn(worker: Worker) -> tuple[np.ndarray, list[str]]:
         kept = worker.create_table("kept", 6, 2)
         first = worker.create_table("big", 40, 8)
@@ -47,9 +44,8 @@ def test_dropped_tables_leave_no_trace() -> None:
         worker.drop_tables(first)
         again = worker.create_table("big", 10, 3)  # the name is free, the id is reused
         assert again.id == first.id
-        read, update = _record_clock(worker, again)
         del kept
-        return _train(worker, read, update), [t.name for t in worker.tables]
+        return _train(worker, *record_read_update(worker, again)), [t.name for t in worker.tables]
 
     with LocalCluster(2, Config(update_rule=UpdateRule("add"), wait_timeout_s=20)) as cluster:
         results = cluster.run(fn, timeout_s=60)
@@ -63,7 +59,7 @@ def test_drop_tables_refuses_what_it_cannot_do() -> None:
     with LocalCluster(1, Config(wait_timeout_s=20)) as cluster:
         worker = cluster.workers[0]
         table = worker.create_table("t", 4, 2)
-        read, update = _record_clock(worker, table)
+        _record_clock(worker, table)
         with pytest.raises(mltuner.OutOfOrderError, match="reset it first"):
             worker.drop_tables(table)
         foreign = mltuner.Table(7, "nobody", 4, 2, False)

@@ -8,6 +8,7 @@ GPU cannot tell)."""
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 
 import pytest
 
@@ -22,19 +23,13 @@ torch = pytest.importorskip("torch")
 
 
 @pytest.mark.parametrize("main_device", [0, 1])
-def test_the_callers_device_stays_current(main_device: int) -> None:
+def test_the_callers_device_stays_current(main_device: int, record_read_update: Callable[..., tuple[int, int]]
+                                          ) -> None:
     torch.cuda.set_device(main_device)
     seen: dict[int, list[int]] = {}
 
     def train(worker: mlt.Worker) -> None:
-        table = worker.create_table("t", 8, 4)
-        read = worker.virtual_read(table)
-        worker.virtual_post_read(read)
-        update = worker.virtual_pre_update(table)
-        worker.virtual_update(update)
-        worker.virtual_clock()
-        worker.finish_virtual_iteration()
-        worker.start_iterations()
+        read, update = record_read_update(worker, worker.create_table("t", 8, 4))
         before = torch.cuda.current_device()  # a new thread's: 0
         for _ in range(2):
             rows = torch.from_dlpack(worker.read(read))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -26,28 +27,8 @@ def _env(rank: int, port: int) -> ProcessEnv:
                       bind_host="127.0.0.1", secret="jobs-in-sequence-secret", source="mltuner")
 
 
-def _train(job: mltuner.Job, value: float) -> np.ndarray:
-    """Each rank adds `value` to every row for two clocks; returns the rows
-    read in the third (slack 0: both ranks' updates)."""
-    worker = job.worker
-    table = worker.create_table("t", ROWS, WIDTH)
-    read = worker.virtual_read(table, slack=0)
-    worker.virtual_post_read(read)
-    update = worker.virtual_pre_update(table)
-    worker.virtual_update(update)
-    worker.virtual_clock()
-    worker.finish_virtual_iteration()
-    worker.start_iterations()
-    for _ in range(3):
-        rows = np.array(worker.read(read), copy=True)
-        worker.post_read(read)
-        worker.pre_update(update)[:] = value
-        worker.update(update)
-        worker.clock()
-    return rows
-
-
-def test_the_next_job_waits_for_rank_0_to_close_the_last(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_next_job_waits_for_rank_0_to_close_the_last(monkeypatch: pytest.MonkeyPatch,
+                                                         record_read_update: Callable[..., tuple[int, int]]) -> None:
     port = free_port()
     close = Coordinator.close
 
@@ -64,7 +45,15 @@ def test_the_next_job_waits_for_rank_0_to_close_the_last(monkeypatch: pytest.Mon
             for job_number in range(2):
                 with mltuner.Job(mltuner.Config(update_rule=mltuner.UpdateRule("add")), env=_env(r, port),
                                  rendezvous_timeout_s=20.0) as job:
-                    results[r].append(_train(job, 1.0 + job_number))
+                    # Each rank adds job_number + 1 to every row for two clocks; the third reads both ranks' sums.
+                    read, update = record_read_update(job.worker, job.worker.create_table("t", ROWS, WIDTH))
+                    for _ in range(3):
+                        rows = np.array(job.worker.read(read), copy=True)
+                        job.worker.post_read(read)
+                        job.worker.pre_update(update)[:] = 1.0 + job_number
+                        job.worker.update(update)
+                        job.worker.clock()
+                    results[r].append(rows)
         except BaseException as error:  # reported by the main thread
             errors.append(error)
 

@@ -545,7 +545,8 @@ class CudaDevice final : public Device {
 }  // namespace
 
 namespace {
-std::atomic<bool> g_cuda_device_made{false};  // or counted: see CurrentCudaDeviceIfChanged
+// A GPU was counted or a CUDA Device made: see CurrentCudaDeviceIfChanged.
+std::atomic<bool> g_cuda_seen{false};
 }  // namespace
 
 int CudaDeviceCount() {
@@ -555,13 +556,13 @@ int CudaDeviceCount() {
     cudaGetLastError();
     return 0;
   }
-  if (count > 0) g_cuda_device_made.store(true, std::memory_order_relaxed);
+  if (count > 0) g_cuda_seen.store(true, std::memory_order_relaxed);
   return count;
 }
 
 int CurrentCudaDeviceIfChanged() {
   int current = -1;
-  if (!g_cuda_device_made.load(std::memory_order_relaxed)) return -1;
+  if (!g_cuda_seen.load(std::memory_order_relaxed)) return -1;
   if (cudaGetDevice(&current) != cudaSuccess) {
     cudaGetLastError();
     return -1;
@@ -576,7 +577,7 @@ void RestoreCurrentCudaDevice(int ordinal) {
 }
 
 Status NewCudaDevice(int ordinal, std::unique_ptr<Device>* out) {
-  g_cuda_device_made.store(true, std::memory_order_relaxed);
+  g_cuda_seen.store(true, std::memory_order_relaxed);
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess) {

@@ -176,7 +176,8 @@ void RegisterEngine(py::module_& m) {
              Check(e.VirtualLocalAccess(table, ToRows(rows), fetch, &h));
              return h;
            }, Keep())
-      .def("virtual_post_local_access", [](Engine& e, Handle h, bool keep) { Check(e.VirtualPostLocalAccess(h, keep)); }, Keep())
+      .def("virtual_post_local_access",
+           [](Engine& e, Handle h, bool keep) { Check(e.VirtualPostLocalAccess(h, keep)); }, Keep())
       .def("virtual_clock", [](Engine& e) { Check(e.VirtualClock()); }, Keep())
       .def("preview_plan",
            [](Engine& e) {

@@ -674,8 +674,8 @@ def wrap(
                             f"{error}; wrap() read children of up to group_bytes={group_bytes} as one layer each: "
                             "smaller groups (group_bytes=4 << 20, or 0 for one module at a time) need less") from error
                     if choose_groups and group_bytes < DEFAULT_GROUP_BYTES:
-                        raise ResourceExhaustedError(
-                            f"{error} (wrap() tried smaller layer groups, down to group_bytes={group_bytes})") from error
+                        tried = f"wrap() tried smaller layer groups, down to group_bytes={group_bytes}"
+                        raise ResourceExhaustedError(f"{error} ({tried})") from error
                     raise
                 tables, attempt = driver.release_tables(), dataclasses.replace(attempt, recompute="cheap")
                 link_bytes["compute"] = -1

@@ -1,0 +1,104 @@
+// The recorded iteration of a small model for engine tests that run whole
+// clocks: two parameter tables and a local table of stored activations,
+// with reads, reads again, updates sent straight from their buffer and
+// through an update log, and activations stored, fetched and kept.
+#pragma once
+
+#include <vector>
+
+#include "mltuner/engine.h"
+
+namespace mltuner {
+
+constexpr int64_t kWidth = 16;
+
+// A two-layer model: layer 0 (16 rows, 12 used: 4 untouched) read in forward
+// and backward and updated once a clock (sent straight from its buffer);
+// layer 1 updated twice a clock (through its update log); two stored
+// activations, one written, fetched-and-kept, fetched again.
+struct Model {
+  TableId layer0 = -1, layer1 = -1, acts = -1;
+  std::vector<OpKind> kinds;
+  std::vector<Handle> handles;
+  std::vector<bool> fetches;  // by op: a local access that fetches its rows
+};
+
+inline std::vector<RowId> Range(RowId first, RowId count) {
+  std::vector<RowId> rows;
+  for (RowId r = first; r < first + count; ++r) rows.push_back(r);
+  return rows;
+}
+
+// The engine's virtual calls, each remembered in the model's op list for
+// RunClock to replay.
+class Script {
+ public:
+  Script(Engine* e, Model* m) : e_(e), m_(m) {}
+  Status Read(TableId table, std::vector<RowId> rows, Handle* h) {
+    MLT_RETURN_IF_ERROR(e_->VirtualRead(table, std::move(rows), 0, h));
+    return Add(OpKind::kRead, *h);
+  }
+  Status PostRead(Handle h) {
+    MLT_RETURN_IF_ERROR(e_->VirtualPostRead(h));
+    return Add(OpKind::kPostRead, h);
+  }
+  Status Update(TableId table, std::vector<RowId> rows) {  // pre_update and update at once
+    Handle h = -1;
+    MLT_RETURN_IF_ERROR(e_->VirtualPreUpdate(table, std::move(rows), &h));
+    MLT_RETURN_IF_ERROR(Add(OpKind::kPreUpdate, h));
+    MLT_RETURN_IF_ERROR(e_->VirtualUpdate(h));
+    return Add(OpKind::kUpdate, h);
+  }
+  Status Local(TableId table, std::vector<RowId> rows, bool fetch, Handle* h) {
+    MLT_RETURN_IF_ERROR(e_->VirtualLocalAccess(table, std::move(rows), fetch, h));
+    MLT_RETURN_IF_ERROR(Add(OpKind::kLocalAccess, *h));
+    m_->fetches.back() = fetch;
+    return Status::Ok();
+  }
+  Status PostLocal(Handle h, bool keep) {
+    MLT_RETURN_IF_ERROR(e_->VirtualPostLocalAccess(h, keep));
+    return Add(OpKind::kPostLocalAccess, h);
+  }
+
+ private:
+  Status Add(OpKind kind, Handle h) {
+    m_->kinds.push_back(kind);
+    m_->handles.push_back(h);
+    m_->fetches.push_back(false);
+    return Status::Ok();
+  }
+  Engine* e_;
+  Model* m_;
+};
+
+inline Status Record(Engine* e, Model* m) {
+  MLT_RETURN_IF_ERROR(e->CreateTable("layer0", 16, kWidth, false, &m->layer0));
+  MLT_RETURN_IF_ERROR(e->CreateTable("layer1", 16, kWidth / 2, false, &m->layer1));
+  MLT_RETURN_IF_ERROR(e->CreateTable("acts", 24, kWidth, true, &m->acts));
+  Script s(e, m);
+  Handle r0, a0, r1, a1, b1, b0, r0b;
+  // Forward.
+  MLT_RETURN_IF_ERROR(s.Read(m->layer0, Range(0, 12), &r0));
+  MLT_RETURN_IF_ERROR(s.Local(m->acts, Range(0, 12), false, &a0));
+  MLT_RETURN_IF_ERROR(s.PostLocal(a0, true));
+  MLT_RETURN_IF_ERROR(s.PostRead(r0));
+  MLT_RETURN_IF_ERROR(s.Read(m->layer1, Range(0, 16), &r1));
+  MLT_RETURN_IF_ERROR(s.Local(m->acts, Range(12, 12), false, &a1));
+  MLT_RETURN_IF_ERROR(s.PostLocal(a1, true));
+  // Backward of layer 1: the activation fetched and kept, two updates.
+  MLT_RETURN_IF_ERROR(s.Local(m->acts, Range(12, 12), true, &b1));
+  MLT_RETURN_IF_ERROR(s.Update(m->layer1, Range(0, 8)));
+  MLT_RETURN_IF_ERROR(s.Update(m->layer1, Range(4, 12)));
+  MLT_RETURN_IF_ERROR(s.PostLocal(b1, true));
+  MLT_RETURN_IF_ERROR(s.PostRead(r1));
+  // Backward of layer 0: read again, one update.
+  MLT_RETURN_IF_ERROR(s.Local(m->acts, Range(0, 12), true, &b0));
+  MLT_RETURN_IF_ERROR(s.Read(m->layer0, Range(0, 12), &r0b));
+  MLT_RETURN_IF_ERROR(s.Update(m->layer0, Range(0, 12)));
+  MLT_RETURN_IF_ERROR(s.PostRead(r0b));
+  MLT_RETURN_IF_ERROR(s.PostLocal(b0, false));
+  MLT_RETURN_IF_ERROR(e->VirtualClock());
+  return e->FinishVirtualIteration();
+}
+
+}  // namespace mltuner

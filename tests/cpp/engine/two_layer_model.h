@@ -21,7 +21,11 @@ struct Model {
   std::vector<OpKind> kinds;
   std::vector<Handle> handles;
   std::vector<bool> fetches;  // by op: a local access that fetches its rows
+  std::vector<int64_t> values;  // by op: the floats of the buffer it opens (0: a post)
 };
+
+// Floats per row of a table of Record's.
+inline int64_t WidthOf(const Model& m, TableId table) { return table == m.layer1 ? kWidth / 2 : kWidth; }
 
 inline std::vector<RowId> Range(RowId first, RowId count) {
   std::vector<RowId> rows;
@@ -35,8 +39,9 @@ class Script {
  public:
   Script(Engine* e, Model* m) : e_(e), m_(m) {}
   Status Read(TableId table, std::vector<RowId> rows, Handle* h) {
+    const int64_t values = static_cast<int64_t>(rows.size()) * WidthOf(*m_, table);
     MLT_RETURN_IF_ERROR(e_->VirtualRead(table, std::move(rows), 0, h));
-    return Add(OpKind::kRead, *h);
+    return Add(OpKind::kRead, *h, values);
   }
   Status PostRead(Handle h) {
     MLT_RETURN_IF_ERROR(e_->VirtualPostRead(h));
@@ -44,14 +49,16 @@ class Script {
   }
   Status Update(TableId table, std::vector<RowId> rows) {  // pre_update and update at once
     Handle h = -1;
+    const int64_t values = static_cast<int64_t>(rows.size()) * WidthOf(*m_, table);
     MLT_RETURN_IF_ERROR(e_->VirtualPreUpdate(table, std::move(rows), &h));
-    MLT_RETURN_IF_ERROR(Add(OpKind::kPreUpdate, h));
+    MLT_RETURN_IF_ERROR(Add(OpKind::kPreUpdate, h, values));
     MLT_RETURN_IF_ERROR(e_->VirtualUpdate(h));
     return Add(OpKind::kUpdate, h);
   }
   Status Local(TableId table, std::vector<RowId> rows, bool fetch, Handle* h) {
+    const int64_t values = static_cast<int64_t>(rows.size()) * WidthOf(*m_, table);
     MLT_RETURN_IF_ERROR(e_->VirtualLocalAccess(table, std::move(rows), fetch, h));
-    MLT_RETURN_IF_ERROR(Add(OpKind::kLocalAccess, *h));
+    MLT_RETURN_IF_ERROR(Add(OpKind::kLocalAccess, *h, values));
     m_->fetches.back() = fetch;
     return Status::Ok();
   }
@@ -61,10 +68,11 @@ class Script {
   }
 
  private:
-  Status Add(OpKind kind, Handle h) {
+  Status Add(OpKind kind, Handle h, int64_t values = 0) {
     m_->kinds.push_back(kind);
     m_->handles.push_back(h);
     m_->fetches.push_back(false);
+    m_->values.push_back(values);
     return Status::Ok();
   }
   Engine* e_;

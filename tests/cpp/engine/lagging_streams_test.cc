@@ -106,9 +106,27 @@ class BatchedClock {
                                : Mod(app->carried + 3.0f * static_cast<float>(k), 11.0f);
           }
         });
+        // In two pieces, as a group of saved tensors is stored.
+        const int64_t half = count / 2;
         batch_.push_back(OpCall{kind, h, {}, {}});
-        batch_.push_back(OpCall{m_.kinds[i + 1], h, {CopyPiece{staged, 0, count}}, {}});
+        const std::vector<CopyPiece> pieces = {{staged, 0, half}, {staged + half, half, count - half}};
+        batch_.push_back(OpCall{m_.kinds[i + 1], h, pieces, {}});
         ++i;
+        continue;
+      }
+      if (kind == OpKind::kLocalAccess && m_.fetches[i] && paired && m_.kinds[i + 1] == OpKind::kPostLocalAccess) {
+        // Read back and dropped at once: copied out into the application's memory at the post.
+        float* staged = staged_[i].data();
+        const int64_t count = m_.values[i];
+        batch_.push_back(OpCall{kind, h, {}, {}});
+        batch_.push_back(OpCall{m_.kinds[i + 1], h, {}, {CopyPiece{staged, 0, count}}});
+        ++i;
+        std::vector<AccessBuffer> opened;
+        MLT_RETURN_IF_ERROR(Flush(&opened));
+        device_->OnAppStream([=] {
+          for (int64_t k = 0; k < count; ++k) app->carried = Mod(app->carried + staged[k], 7.0f);
+          app->seen.push_back(app->carried);
+        });
         continue;
       }
       batch_.push_back(OpCall{kind, h, {}, {}});
@@ -178,7 +196,9 @@ void Train(uint32_t seed, int64_t budget, int prefetch_clocks, bool batched, Tra
   std::vector<Status> recorded(kWorkers);
   std::vector<std::thread> threads;
   for (int r = 0; r < kWorkers; ++r) {
-    threads.emplace_back([&, r] { recorded[r] = Record(cluster->worker(r), &models[r]); });
+    threads.emplace_back([&, r] {
+      recorded[r] = Record(cluster->worker(r), &models[r], /*read_back_at_once=*/true);
+    });
   }
   for (std::thread& t : threads) t.join();
   threads.clear();

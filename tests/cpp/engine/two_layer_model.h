@@ -79,7 +79,9 @@ class Script {
   Model* m_;
 };
 
-inline Status Record(Engine* e, Model* m) {
+// `read_back_at_once`: after the second store, its rows are fetched and
+// dropped at once, as the PyTorch adapter reads a stored activation back.
+inline Status Record(Engine* e, Model* m, bool read_back_at_once = false) {
   MLT_RETURN_IF_ERROR(e->CreateTable("layer0", 16, kWidth, false, &m->layer0));
   MLT_RETURN_IF_ERROR(e->CreateTable("layer1", 16, kWidth / 2, false, &m->layer1));
   MLT_RETURN_IF_ERROR(e->CreateTable("acts", 24, kWidth, true, &m->acts));
@@ -93,6 +95,11 @@ inline Status Record(Engine* e, Model* m) {
   MLT_RETURN_IF_ERROR(s.Read(m->layer1, Range(0, 16), &r1));
   MLT_RETURN_IF_ERROR(s.Local(m->acts, Range(12, 12), false, &a1));
   MLT_RETURN_IF_ERROR(s.PostLocal(a1, true));
+  if (read_back_at_once) {
+    Handle c = -1;
+    MLT_RETURN_IF_ERROR(s.Local(m->acts, Range(12, 12), true, &c));
+    MLT_RETURN_IF_ERROR(s.PostLocal(c, false));
+  }
   // Backward of layer 1: the activation fetched and kept, two updates.
   MLT_RETURN_IF_ERROR(s.Local(m->acts, Range(12, 12), true, &b1));
   MLT_RETURN_IF_ERROR(s.Update(m->layer1, Range(0, 8)));

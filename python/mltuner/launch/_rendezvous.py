@@ -169,7 +169,10 @@ class Coordinator:
             return
         with self._lock:
             known = self._members.get(rank)
-            if known is not None and known[0] == routing_id:  # sent again after a reconnect
+            if known is not None and known[1] == message.get("card") and not self._closing:
+                # The same process (its card names its own sockets) sent its join
+                # again, after a reconnect perhaps: answer it where it is now.
+                self._members[rank] = (routing_id, known[1], known[2])
                 if self._welcome is not None:
                     self._send(routing_id, self._welcome)
                 return

@@ -6,12 +6,14 @@ real sockets on 127.0.0.1."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
 
 import numpy as np
 import pytest
+import zmq
 
 import mltuner
 from mltuner.launch import ProcessEnv
@@ -101,3 +103,33 @@ def test_a_second_process_claiming_a_rank_during_the_job_fails_at_once() -> None
 def test_each_job_of_a_torchrun_process_has_its_own_store_key() -> None:
     assert [job_key("mltuner/run/0/rendezvous") for _ in range(2)] == [
         "mltuner/run/0/rendezvous/job-0", "mltuner/run/0/rendezvous/job-1"]
+
+
+def test_a_rank_that_joins_again_on_a_new_connection_is_answered_there() -> None:
+    """A join sent again by the same process (its card is the same), say
+    after a reconnect, gets the welcome on its new connection; another
+    process's join for that rank is an error."""
+    context = zmq.Context(io_threads=2)  # the coordinator uses the control channel's I/O thread
+    coordinator = Coordinator(context, "127.0.0.1", 0, world_size=1, keys=None)
+    sockets = []
+
+    def join(card: dict[str, str]) -> dict[str, object]:
+        socket = context.socket(zmq.DEALER)
+        socket.linger = 0
+        socket.rcvtimeo = 5000
+        socket.connect(f"tcp://127.0.0.1:{coordinator.port}")
+        sockets.append(socket)
+        socket.send(json.dumps({"op": "join", "rank": 0, "world_size": 1, "card": card, "fingerprint": "f"}).encode())
+        return json.loads(socket.recv())
+
+    try:
+        mine = {"data": "tcp://127.0.0.1:1"}
+        assert join(mine) == {"op": "welcome", "cards": [mine]}
+        assert join(mine) == {"op": "welcome", "cards": [mine]}
+        other = join({"data": "tcp://127.0.0.1:2"})
+        assert other["op"] == "error" and "two processes claim rank 0" in str(other["message"])
+    finally:
+        for socket in sockets:
+            socket.close()
+        coordinator.close()
+        context.term()

@@ -545,7 +545,7 @@ class CudaDevice final : public Device {
 }  // namespace
 
 namespace {
-// A GPU was counted or a CUDA Device made: see CurrentCudaDeviceIfChanged.
+// A GPU was counted or a CUDA Device made: see CurrentCudaDeviceOnceSeen.
 std::atomic<bool> g_cuda_seen{false};
 }  // namespace
 
@@ -560,7 +560,7 @@ int CudaDeviceCount() {
   return count;
 }
 
-int CurrentCudaDeviceIfChanged() {
+int CurrentCudaDeviceOnceSeen() {
   int current = -1;
   if (!g_cuda_seen.load(std::memory_order_relaxed)) return -1;
   if (cudaGetDevice(&current) != cudaSuccess) {

@@ -40,7 +40,7 @@ int CudaDeviceCount();
 // -1 until this process has counted a GPU or made a CUDA Device (before,
 // nothing of ours can have changed it, and asking would start the CUDA
 // runtime on machines without a GPU). RestoreCurrentCudaDevice(-1) does nothing.
-int CurrentCudaDeviceIfChanged();
+int CurrentCudaDeviceOnceSeen();
 void RestoreCurrentCudaDevice(int ordinal);
 
 }  // namespace mltuner

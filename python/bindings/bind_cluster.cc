@@ -33,7 +33,7 @@ int CudaCount() {
 }  // namespace
 
 #ifdef MLTUNER_WITH_CUDA
-KeepCallerDevice::KeepCallerDevice() : device_(CurrentCudaDeviceIfChanged()) {}
+KeepCallerDevice::KeepCallerDevice() : device_(CurrentCudaDeviceOnceSeen()) {}
 KeepCallerDevice::~KeepCallerDevice() { RestoreCurrentCudaDevice(device_); }
 #else
 KeepCallerDevice::KeepCallerDevice() : device_(-1) {}

@@ -8,6 +8,7 @@ host payloads between processes."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -15,19 +16,14 @@ import pytest
 import mltuner
 
 ROWS, WIDTH, CLOCKS, BAD_CLOCK, BAD_WORKER = 8, 4, 5, 2, 1
+Recorder = Callable[[mltuner.Worker, mltuner.Table], tuple[int, int]]
 
 
-def _train(worker: mltuner.Worker, bad_value: float) -> np.ndarray:
+def _train(worker: mltuner.Worker, bad_value: float, record: Recorder) -> np.ndarray:
     """SGD on a constant gradient; BAD_WORKER puts `bad_value` into one value
-    of its gradient at BAD_CLOCK."""
+    of its gradient at BAD_CLOCK. `record`: the record_read_update fixture."""
     table = worker.create_table("weights", ROWS, WIDTH)
-    read = worker.virtual_read(table)
-    worker.virtual_post_read(read)
-    update = worker.virtual_pre_update(table)
-    worker.virtual_update(update)
-    worker.virtual_clock()
-    worker.finish_virtual_iteration()
-    worker.start_iterations()
+    read, update = record(worker, table)
     for clock in range(CLOCKS):
         worker.read(read)
         worker.post_read(read)
@@ -47,13 +43,14 @@ def _config(check_finite: bool) -> mltuner.Config:
 
 
 @pytest.mark.parametrize("bad_value", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
-def test_a_non_finite_gradient_fails_every_worker_naming_table_and_worker(bad_value: float) -> None:
+def test_a_non_finite_gradient_fails_every_worker_naming_table_and_worker(bad_value: float,
+                                                                          record_read_update: Recorder) -> None:
     with mltuner.LocalCluster(num_workers=2, config=_config(True)) as cluster:
         errors: dict[int, BaseException] = {}
 
         def body(worker: mltuner.Worker) -> None:
             try:
-                _train(worker, bad_value)
+                _train(worker, bad_value, record_read_update)
             except mltuner.MltunerError as error:
                 errors[worker.rank] = error
 
@@ -68,19 +65,19 @@ def test_a_non_finite_gradient_fails_every_worker_naming_table_and_worker(bad_va
         assert f"clock {BAD_CLOCK}: worker {BAD_WORKER}'s update holds 1 of" in text, text
 
 
-def test_without_the_check_the_non_finite_update_is_applied() -> None:
+def test_without_the_check_the_non_finite_update_is_applied(record_read_update: Recorder) -> None:
     with mltuner.LocalCluster(num_workers=2, config=_config(False)) as cluster:
-        finals = cluster.run(lambda worker: _train(worker, math.nan), timeout_s=30)
+        finals = cluster.run(lambda worker: _train(worker, math.nan, record_read_update), timeout_s=30)
     for final in finals:
         assert np.isnan(final[3, 1])
         assert np.isfinite(np.delete(final.ravel(), 3 * WIDTH + 1)).all()
 
 
-def test_finite_training_is_unchanged_by_the_check() -> None:
+def test_finite_training_is_unchanged_by_the_check(record_read_update: Recorder) -> None:
     runs = []
     for check in (False, True):
         with mltuner.LocalCluster(num_workers=2, config=_config(check)) as cluster:
-            runs.append(cluster.run(lambda worker: _train(worker, 0.5), timeout_s=30))
+            runs.append(cluster.run(lambda worker: _train(worker, 0.5, record_read_update), timeout_s=30))
     np.testing.assert_array_equal(runs[0][0], runs[1][0])
     np.testing.assert_allclose(runs[0][0], -0.1 * 0.5 * CLOCKS, rtol=1e-6)
 

@@ -7,6 +7,8 @@ GPU code through DLPack (torch), with no copy.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
@@ -184,7 +186,8 @@ def test_device_array_is_dlpack_and_copyable() -> None:
         np.testing.assert_array_equal(worker.fetch(table), values)
 
 
-def test_cuda_debug_buffers_poison_without_changing_training() -> None:
+def test_cuda_debug_buffers_poison_without_changing_training(
+        record_read_update: Callable[[mlt.Worker, mlt.Table], tuple[int, int]]) -> None:
     """Config(debug_buffers=True) on the GPU: the same numbers as without, and
     a tensor read on the application's stream after its post sees NaN."""
     np.testing.assert_array_equal(_train("cuda", 2, budget=0, debug_buffers=True)[0],
@@ -192,14 +195,7 @@ def test_cuda_debug_buffers_poison_without_changing_training() -> None:
     config = mlt.Config(device="cuda", wait_timeout_s=30, debug_buffers=True)
     with mlt.LocalCluster(1, config) as cluster:
         worker = cluster.worker(0)
-        table = worker.create_table("t", 5, 8)
-        read = worker.virtual_read(table)
-        worker.virtual_post_read(read)
-        update = worker.virtual_pre_update(table)
-        worker.virtual_update(update)
-        worker.virtual_clock()
-        worker.finish_virtual_iteration()
-        worker.start_iterations()
+        read, update = record_read_update(worker, worker.create_table("t", 5, 8))
         params = torch.from_dlpack(worker.read(read))
         assert torch.isfinite(params).all()
         worker.post_read(read)

@@ -204,7 +204,7 @@ Status Allocator::WaitForPoolSpace(const AccessRecord& access, mltuner::Clock cl
   const int64_t needed = schedule.WaitSeq(access.handle, clock);
   const BufferAddress& buffer = schedule.buffers[access.handle];
   const std::vector<TableInfo>& tables = plan_->tables;
-  DeviceEvent released;
+  DeviceEvent released, written;
   {
     MutexLock lock(&state_->mu);
     if (state_->reclaimed_seq < needed) {
@@ -223,10 +223,17 @@ Status Allocator::WaitForPoolSpace(const AccessRecord& access, mltuner::Clock cl
     // On the device too: the fill below waits for the last user's release
     // ticket. That slot is not prepared again before this buffer (a later
     // user of the same addresses would be the one named), so its ticket is
-    // still the right one; earlier users are ordered before it the same way.
+    // still the right one; earlier users are ordered before it the same way,
+    // except copies on the writeback stream after a read's ticket: the
+    // schedule names the last such user too (BufferSchedule).
     const mltuner::Clock holder_clock = clock - buffer.wait_clocks_back;
     released = state_->slots[buffer.wait_handle][holder_clock % plan_->depth].released;
+    const mltuner::Clock writer_clock = clock - buffer.writeback_wait_clocks_back;
+    if (buffer.writeback_wait_handle >= 0 && writer_clock >= 0) {
+      written = state_->slots[buffer.writeback_wait_handle][writer_clock % plan_->depth].released;
+    }
   }
+  MLT_RETURN_IF_ERROR(device_->WaitEvent(Stream::kPrefetch, written));
   return device_->WaitEvent(Stream::kPrefetch, released);
 }
 

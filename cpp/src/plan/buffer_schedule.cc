@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <cassert>
 #include <numeric>
+#include <utility>
+#include <vector>
 
 namespace mltuner {
 
@@ -27,6 +29,62 @@ bool Overlap(const Lifetime& a, const Lifetime& b) { return a.begin <= b.end && 
 
 bool SharesAddresses(const BufferAddress& a, const BufferAddress& b) {
   return a.bytes > 0 && b.bytes > 0 && a.offset < b.offset + b.bytes && b.offset < a.offset + a.bytes;
+}
+
+// A read's buffer is released by the application's ticket at its post;
+// every other access's by the writeback stream, after its copies out.
+bool ReleasedByApplication(OpKind kind) { return kind == OpKind::kRead; }
+
+struct EarlierUser {
+  Handle handle = -1;
+  int clocks_back = 0;  // 0: this clock; `regions`: the region's previous clock
+};
+
+// For each byte of h's buffer, its latest user before h opens: a buffer of
+// the same clock that closed before h opens, or else one of the region's
+// previous clock (h itself there, at the least). Each such user once,
+// latest first.
+std::vector<EarlierUser> LatestUsersByByte(const Recording& recording, const BufferSchedule& schedule, Handle h) {
+  const BufferAddress& mine = schedule.buffers[h];
+  const int open = recording.accesses[h].open_op;
+  const int num_ops = static_cast<int>(recording.ops.size());
+  struct Candidate {
+    int at;  // close op, counted from the start of h's clock (negative: the previous one)
+    EarlierUser user;
+  };
+  std::vector<Candidate> candidates;
+  for (Handle other = 0; other < static_cast<Handle>(schedule.buffers.size()); ++other) {
+    if (!SharesAddresses(mine, schedule.buffers[other])) continue;
+    const int close = recording.accesses[other].close_op;
+    if (close < open) {
+      candidates.push_back({close, {other, 0}});
+    } else {
+      candidates.push_back({close - num_ops, {other, schedule.regions}});
+    }
+  }
+  std::sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) { return a.at > b.at; });
+  // Bytes of h not yet claimed by a later user, as sorted disjoint ranges.
+  std::vector<std::pair<int64_t, int64_t>> unclaimed = {{mine.offset, mine.offset + mine.bytes}};
+  std::vector<EarlierUser> users;
+  for (const Candidate& candidate : candidates) {
+    const BufferAddress& theirs = schedule.buffers[candidate.user.handle];
+    const int64_t begin = theirs.offset, end = theirs.offset + theirs.bytes;
+    std::vector<std::pair<int64_t, int64_t>> left;
+    bool claims = false;
+    for (const auto& [from, to] : unclaimed) {
+      if (to <= begin || end <= from) {
+        left.push_back({from, to});
+        continue;
+      }
+      claims = true;
+      if (from < begin) left.push_back({from, begin});
+      if (end < to) left.push_back({end, to});
+    }
+    if (claims) users.push_back(candidate.user);
+    unclaimed = std::move(left);
+    if (unclaimed.empty()) break;
+  }
+  return users;
 }
 
 }  // namespace
@@ -89,23 +147,24 @@ BufferSchedule ScheduleBuffers(const Recording& recording, const std::vector<int
     placed.push_back(h);
   }
 
-  // Waits: the latest earlier user of each buffer's addresses.
+  // Waits: the latest earlier user of each buffer's addresses, and the
+  // latest one released on the writeback stream where that one is a read.
   for (int h = 0; h < count; ++h) {
     BufferAddress& buffer = schedule.buffers[h];
     if (buffer.bytes == 0) continue;
-    const int open = recording.accesses[h].open_op;
-    int same_clock = -1;  // the latest same-clock user closed before h opens
-    int previous = -1;    // the latest user in the region's previous clock
-    for (int other = 0; other < count; ++other) {
-      if (!SharesAddresses(buffer, schedule.buffers[other])) continue;
-      const int close = recording.accesses[other].close_op;
-      if (close < open && (same_clock < 0 || close > recording.accesses[same_clock].close_op)) same_clock = other;
-      if (previous < 0 || close > recording.accesses[previous].close_op) previous = other;
+    const std::vector<EarlierUser> users = LatestUsersByByte(recording, schedule, h);
+    const EarlierUser& latest = users.front();  // h itself, a region's clock ago, at the least
+    buffer.wait_handle = latest.handle;
+    buffer.wait_op = recording.accesses[latest.handle].close_op;
+    buffer.wait_clocks_back = latest.clocks_back;
+    if (!ReleasedByApplication(recording.accesses[latest.handle].kind)) continue;
+    for (const EarlierUser& user : users) {
+      if (!ReleasedByApplication(recording.accesses[user.handle].kind)) {
+        buffer.writeback_wait_handle = user.handle;
+        buffer.writeback_wait_clocks_back = user.clocks_back;
+        break;
+      }
     }
-    const int wait = same_clock >= 0 ? same_clock : previous;  // previous >= 0: h shares with itself
-    buffer.wait_handle = wait;
-    buffer.wait_op = recording.accesses[wait].close_op;
-    buffer.wait_clocks_back = same_clock >= 0 ? 0 : regions;
   }
   return schedule;
 }

@@ -21,6 +21,18 @@
 // never waits for anything the application does after needing it: the
 // schedule cannot deadlock, whatever the timing, and cannot fragment.
 //
+// On the device a fill waits for release tickets, which come from two
+// streams: a read is released by the application's ticket at its post; an
+// update or a local access by the writeback stream's, after the copies that
+// read its buffer. A later ticket of either stream covers the earlier ones
+// of that stream, and a writeback ticket covers every application ticket
+// before it (the writeback stream waited for it) but not the reverse. So
+// when the latest earlier user of h's addresses is a read, h also waits for
+// the latest writeback-released user of any of its bytes: a buffer over two
+// earlier ones that lived side by side, an update and a read that closed
+// after it, must not be filled while the update's rows are still being
+// copied out.
+//
 // A pure function of the recording and the buffer sizes; the engine keeps
 // the result constant from the end of the virtual iteration.
 #pragma once
@@ -45,6 +57,12 @@ struct BufferAddress {
   Handle wait_handle = -1;
   int wait_op = -1;  // wait_handle's close op
   int wait_clocks_back = 0;
+  // When wait_handle is a read: the latest earlier user of any of these
+  // bytes that the writeback stream releases (an update or a local access),
+  // which the read's ticket does not cover; -1 when there is none. Its
+  // close op is never after wait_handle's, so WaitSeq covers it on the host.
+  Handle writeback_wait_handle = -1;
+  int writeback_wait_clocks_back = 0;
 };
 
 struct BufferSchedule {

@@ -35,6 +35,32 @@ struct App {
   std::vector<float> seen;
 };
 
+// A recording whose least pool has a buffer over two earlier ones that
+// lived side by side: the second read of layer 0 takes the addresses of
+// layer 1's read and of layer 1's update, and the read closes last. (Any
+// lookahead needs a larger pool, so the least budget keeps this layout.)
+Status RecordSpanningBuffer(Engine* e, Model* m) {
+  MLT_RETURN_IF_ERROR(e->CreateTable("layer0", 16, kWidth, false, &m->layer0));
+  MLT_RETURN_IF_ERROR(e->CreateTable("layer1", 16, kWidth / 2, false, &m->layer1));
+  Script s(e, m);
+  Handle r0, r1, u1, r0b;
+  MLT_RETURN_IF_ERROR(s.Read(m->layer0, Range(0, 16), &r0));
+  MLT_RETURN_IF_ERROR(s.PostRead(r0));
+  MLT_RETURN_IF_ERROR(s.Read(m->layer1, Range(0, 16), &r1));
+  MLT_RETURN_IF_ERROR(s.PreUpdate(m->layer1, Range(0, 8), &u1));
+  MLT_RETURN_IF_ERROR(s.PostUpdate(u1));
+  MLT_RETURN_IF_ERROR(s.PostRead(r1));
+  MLT_RETURN_IF_ERROR(s.Read(m->layer0, Range(0, 16), &r0b));
+  MLT_RETURN_IF_ERROR(s.Update(m->layer0, Range(0, 4)));
+  MLT_RETURN_IF_ERROR(s.PostRead(r0b));
+  MLT_RETURN_IF_ERROR(e->VirtualClock());
+  return e->FinishVirtualIteration();
+}
+
+Status RecordTwoLayers(Engine* e, Model* m) { return Record(e, m, /*read_back_at_once=*/true); }
+
+using RecordFn = Status (*)(Engine*, Model*);
+
 // One clock of worker `rank`. The application's work on each buffer goes on
 // its (lagging) stream, as a GPU application's kernels do; what it writes
 // depends on what it read.
@@ -177,7 +203,8 @@ struct Trained {
 
 // Trains kClocks clocks on kWorkers workers with lagging devices of `seed`
 // (0: synchronous, the reference).
-void Train(uint32_t seed, int64_t budget, int prefetch_clocks, bool batched, Trained* out, bool* refused) {
+void Train(RecordFn record, uint32_t seed, int64_t budget, int prefetch_clocks, bool batched, Trained* out,
+           bool* refused) {
   std::vector<LaggingDevice*> devices(kWorkers, nullptr);
   const DeviceFactory factory = [seed, &devices](int rank, std::unique_ptr<Device>* made) {
     auto device = std::make_unique<LaggingDevice>(seed + 1000u * static_cast<uint32_t>(rank), 300, seed == 0);
@@ -197,7 +224,7 @@ void Train(uint32_t seed, int64_t budget, int prefetch_clocks, bool batched, Tra
   std::vector<std::thread> threads;
   for (int r = 0; r < kWorkers; ++r) {
     threads.emplace_back([&, r] {
-      recorded[r] = Record(cluster->worker(r), &models[r], /*read_back_at_once=*/true);
+      recorded[r] = record(cluster->worker(r), &models[r]);
     });
   }
   for (std::thread& t : threads) t.join();
@@ -240,10 +267,10 @@ void Train(uint32_t seed, int64_t budget, int prefetch_clocks, bool batched, Tra
 
 // `batched`: the clock as the PyTorch adapter makes it, against the
 // reference of one call per op.
-void CheckEveryBudget(int prefetch_clocks, bool batched) {
+void CheckEveryBudget(int prefetch_clocks, bool batched, RecordFn record = RecordTwoLayers) {
   Trained reference;
   bool refused = false;
-  Train(0, 0, prefetch_clocks, false, &reference, &refused);
+  Train(record, 0, 0, prefetch_clocks, false, &reference, &refused);
   ASSERT_TRUE(!refused);
   const int64_t least = reference.pool_min_bytes;  // the least pool of this plan's regions
   ASSERT_TRUE(least > 0);
@@ -252,7 +279,7 @@ void CheckEveryBudget(int prefetch_clocks, bool batched) {
   for (const int64_t budget : {int64_t{0}, least, least + least / 2, 2 * least, 4 * least}) {
     for (uint32_t seed = 1; seed <= 3; ++seed) {
       Trained lagging;
-      Train(seed, budget, prefetch_clocks, batched, &lagging, &refused);
+      Train(record, seed, budget, prefetch_clocks, batched, &lagging, &refused);
       if (refused) break;
       ++tried;
       swapped = swapped || lagging.host_store_bytes[0] > 0;
@@ -277,5 +304,7 @@ TEST(LaggingStreamsTrainAsTheCpuWithTwoRegions) { CheckEveryBudget(1, false); }
 TEST(LaggingStreamsTrainAsTheCpuWithOneRegion) { CheckEveryBudget(0, false); }
 TEST(BatchedClocksOnLaggingStreamsTrainAsTheCpuWithTwoRegions) { CheckEveryBudget(1, true); }
 TEST(BatchedClocksOnLaggingStreamsTrainAsTheCpuWithOneRegion) { CheckEveryBudget(0, true); }
+TEST(ABufferOverTwoEarlierOnesWaitsForBoth) { CheckEveryBudget(0, false, RecordSpanningBuffer); }
+TEST(ABufferOverTwoEarlierOnesWaitsForBothBatched) { CheckEveryBudget(0, true, RecordSpanningBuffer); }
 
 MLT_TEST_MAIN

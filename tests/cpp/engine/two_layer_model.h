@@ -47,13 +47,19 @@ class Script {
     MLT_RETURN_IF_ERROR(e_->VirtualPostRead(h));
     return Add(OpKind::kPostRead, h);
   }
-  Status Update(TableId table, std::vector<RowId> rows) {  // pre_update and update at once
-    Handle h = -1;
+  Status PreUpdate(TableId table, std::vector<RowId> rows, Handle* h) {
     const int64_t values = static_cast<int64_t>(rows.size()) * WidthOf(*m_, table);
-    MLT_RETURN_IF_ERROR(e_->VirtualPreUpdate(table, std::move(rows), &h));
-    MLT_RETURN_IF_ERROR(Add(OpKind::kPreUpdate, h, values));
+    MLT_RETURN_IF_ERROR(e_->VirtualPreUpdate(table, std::move(rows), h));
+    return Add(OpKind::kPreUpdate, *h, values);
+  }
+  Status PostUpdate(Handle h) {
     MLT_RETURN_IF_ERROR(e_->VirtualUpdate(h));
     return Add(OpKind::kUpdate, h);
+  }
+  Status Update(TableId table, std::vector<RowId> rows) {  // pre_update and update at once
+    Handle h = -1;
+    MLT_RETURN_IF_ERROR(PreUpdate(table, std::move(rows), &h));
+    return PostUpdate(h);
   }
   Status Local(TableId table, std::vector<RowId> rows, bool fetch, Handle* h) {
     const int64_t values = static_cast<int64_t>(rows.size()) * WidthOf(*m_, table);

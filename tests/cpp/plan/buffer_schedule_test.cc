@@ -5,11 +5,15 @@
 //   - the wait covers every earlier user of its addresses, in any clock;
 //   - a simulated pipeline (allocator at most regions - 1 clocks ahead,
 //     application, reclaimer, in random interleavings) never stalls for
-//     good, and the buffers it holds never overlap in the pool.
+//     good, and the buffers it holds never overlap in the pool;
+//   - on the device, where reads are released by the application's ticket
+//     and updates by the writeback stream's, the tickets each fill waits for
+//     cover every earlier user of its addresses.
 #include "plan/buffer_schedule.h"
 
 #include <algorithm>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -53,6 +57,18 @@ Recording RandomRecording(std::mt19937& rng, int handles) {
   return FromEvents(events, handles);
 }
 
+bool Opens(OpKind kind) { return kind == OpKind::kRead || kind == OpKind::kPreUpdate || kind == OpKind::kLocalAccess; }
+
+// Makes about one access in three an update (pre_update ... update).
+void MixInUpdates(std::mt19937& rng, Recording* recording) {
+  for (AccessRecord& access : recording->accesses) access.kind = rng() % 3 == 0 ? OpKind::kPreUpdate : OpKind::kRead;
+  for (RecordedOp& op : recording->ops) {
+    if (op.kind == OpKind::kClock) continue;
+    const OpKind kind = recording->accesses[op.handle].kind;
+    op.kind = Opens(op.kind) ? kind : PostKindOf(kind);
+  }
+}
+
 bool AddressesOverlap(const BufferAddress& a, const BufferAddress& b) {
   return a.bytes > 0 && b.bytes > 0 && a.offset < b.offset + b.bytes && b.offset < a.offset + a.bytes;
 }
@@ -61,7 +77,7 @@ int64_t PeakOpenBytes(const Recording& recording, const BufferSchedule& schedule
   int64_t open = 0, peak = 0;
   for (const RecordedOp& op : recording.ops) {
     if (op.kind == OpKind::kClock) continue;
-    open += (op.kind == OpKind::kRead ? 1 : -1) * schedule.buffers[op.handle].bytes;
+    open += (Opens(op.kind) ? 1 : -1) * schedule.buffers[op.handle].bytes;
     peak = std::max(peak, open);
   }
   return peak;
@@ -163,13 +179,13 @@ void SimulatePipeline(const Recording& recording, const BufferSchedule& s, std::
     if (alloc_seq < end) {
       const RecordedOp& op = recording.ops[alloc_seq % n];
       const int64_t clock = alloc_seq / n;
-      alloc_can = op.kind != OpKind::kRead ||
+      alloc_can = !Opens(op.kind) ||
                   (clock <= app_seq / n + prefetch && reclaimed >= s.WaitSeq(op.handle, clock));
     }
     bool app_can = false;
     if (app_seq < end) {
       const RecordedOp& op = recording.ops[app_seq % n];
-      app_can = op.kind != OpKind::kRead || prepared_clock[op.handle][(app_seq / n) % s.regions] == app_seq / n;
+      app_can = !Opens(op.kind) || prepared_clock[op.handle][(app_seq / n) % s.regions] == app_seq / n;
     }
     const bool reclaim_can = reclaimed < app_seq;
     std::vector<int> actors;
@@ -187,7 +203,7 @@ void SimulatePipeline(const Recording& recording, const BufferSchedule& s, std::
       case 0: {
         const RecordedOp& op = recording.ops[alloc_seq % n];
         const int64_t clock = alloc_seq / n;
-        if (op.kind == OpKind::kRead) {
+        if (Opens(op.kind)) {
           const BufferAddress& mine = s.buffers[op.handle];
           const int64_t base = s.PoolOffset(op.handle, clock);
           for (const Held& other : held) {
@@ -214,7 +230,7 @@ void SimulatePipeline(const Recording& recording, const BufferSchedule& s, std::
         break;
       default: {
         const RecordedOp& op = recording.ops[reclaimed % n];
-        if (op.kind == OpKind::kPostRead) {
+        if (!Opens(op.kind)) {
           const int64_t clock = reclaimed / n;
           held.erase(std::remove_if(held.begin(), held.end(),
                                     [&](const Held& x) { return x.handle == op.handle && x.clock == clock; }),
@@ -226,7 +242,87 @@ void SimulatePipeline(const Recording& recording, const BufferSchedule& s, std::
   }
 }
 
+// The device's side of the waits, in the order of the ops: each fill waits
+// for the release tickets the schedule names; the application waits for the
+// fill of each buffer it opens; a read is released by the application's
+// ticket at its post, an update by the writeback stream's, which waits for
+// the application's ticket first. Each stream knows the releases done before
+// its next work (a ticket knows what its stream knew); every fill must know
+// every earlier user of its addresses released.
+void CheckDeviceTickets(const Recording& recording, const BufferSchedule& s, int clocks, const std::string& where) {
+  const int64_t n = static_cast<int64_t>(recording.ops.size());
+  const int64_t count = static_cast<int64_t>(recording.accesses.size());
+  auto id = [count](Handle h, int64_t clock) { return clock * count + h; };
+  std::vector<std::set<int64_t>> release_knows(static_cast<size_t>(clocks * count));
+  std::set<int64_t> app, writeback, prefetch;
+  for (int64_t seq = 0; seq < clocks * n; ++seq) {
+    const RecordedOp& op = recording.ops[seq % n];
+    const int64_t clock = seq / n;
+    if (op.kind == OpKind::kClock) continue;
+    const Handle h = op.handle;
+    const BufferAddress& mine = s.buffers[h];
+    if (!Opens(op.kind)) {
+      if (recording.accesses[h].kind == OpKind::kRead) {
+        app.insert(id(h, clock));
+        release_knows[id(h, clock)] = app;
+      } else {
+        writeback.insert(app.begin(), app.end());
+        writeback.insert(id(h, clock));
+        release_knows[id(h, clock)] = writeback;
+      }
+      continue;
+    }
+    if (mine.bytes == 0) continue;
+    for (const auto& [waited, back] : {std::pair<Handle, int>{mine.wait_handle, mine.wait_clocks_back},
+                                       std::pair<Handle, int>{mine.writeback_wait_handle,
+                                                              mine.writeback_wait_clocks_back}}) {
+      if (waited >= 0 && clock - back >= 0) {
+        const std::set<int64_t>& known = release_knows[id(waited, clock - back)];
+        prefetch.insert(known.begin(), known.end());
+      }
+    }
+    for (int64_t c1 = std::max<int64_t>(0, clock - 2 * s.regions); c1 <= clock; ++c1) {
+      if (c1 % s.regions != clock % s.regions) continue;
+      for (Handle h1 = 0; h1 < count; ++h1) {
+        if (c1 * n + recording.accesses[h1].open_op >= seq || !AddressesOverlap(mine, s.buffers[h1])) continue;
+        if (prefetch.count(id(h1, c1)) == 0) {
+          ::mltuner::testing::ReportFailure(
+              __FILE__, __LINE__,
+              where + ": the fill of handle " + std::to_string(h) + " at clock " + std::to_string(clock) +
+                  " may run before the release of handle " + std::to_string(h1) + " of clock " +
+                  std::to_string(c1) + ", an earlier user of its addresses");
+          return;
+        }
+      }
+    }
+    app.insert(prefetch.begin(), prefetch.end());  // the application waits for the fill
+  }
+}
+
 }  // namespace
+
+TEST(AFillOverAnUpdateAndALaterReadWaitsForBoth) {
+  // op 0 open r0 (1024)   op 1 close r0   op 2 open r1 (512)   op 3 open u (256)
+  // op 4 close u          op 5 close r1   op 6 open r2 (1024)  op 7 close r2
+  // At lookahead 0 r2 takes r0's addresses, which r1 and u took side by side
+  // before it: r1 closed last, but its ticket (the application's) does not
+  // cover the writeback stream's copies out of u's buffer.
+  Recording recording = FromEvents(
+      {{true, 0}, {false, 0}, {true, 1}, {true, 2}, {false, 2}, {false, 1}, {true, 3}, {false, 3}}, 4);
+  recording.accesses[2].kind = OpKind::kPreUpdate;
+  recording.ops[3].kind = OpKind::kPreUpdate;
+  recording.ops[4].kind = OpKind::kUpdate;
+  const BufferSchedule s = ScheduleBuffers(recording, {1024, 512, 256, 1024}, 1, 0);
+  EXPECT_EQ(s.buffers[1].offset, int64_t{0});
+  EXPECT_EQ(s.buffers[2].offset, int64_t{512});
+  EXPECT_EQ(s.buffers[3].offset, int64_t{0});
+  EXPECT_EQ(s.buffers[3].wait_handle, Handle{1});
+  EXPECT_EQ(s.buffers[3].writeback_wait_handle, Handle{2});
+  EXPECT_EQ(s.buffers[3].writeback_wait_clocks_back, 0);
+  // r1 shares only with r0 and the earlier clock's r2 and r1, all reads.
+  EXPECT_EQ(s.buffers[1].writeback_wait_handle, Handle{-1});
+  CheckDeviceTickets(recording, s, 4, "the example");
+}
 
 TEST(HandComputedExample) {
   // op 0 open r0 (256)   op 1 open r1 (256)   op 2 open u (512)   op 3 close u
@@ -279,9 +375,11 @@ TEST(EmptyAndZeroByteBuffers) {
 
 TEST(RandomRecordingsNeverShareLiveAddressesOrWaitOnLaterBuffers) {
   std::mt19937 rng(20240614);
+  const int failed_before = ::mltuner::testing::Failures();
   for (int trial = 0; trial < 400; ++trial) {
     const int handles = 1 + static_cast<int>(rng() % 14);
-    const Recording recording = RandomRecording(rng, handles);
+    Recording recording = RandomRecording(rng, handles);
+    MixInUpdates(rng, &recording);
     std::vector<int64_t> bytes(handles);
     for (int64_t& b : bytes) b = 1 + static_cast<int64_t>(rng() % 2000);
     const int regions = 1 + static_cast<int>(rng() % 4);
@@ -291,7 +389,8 @@ TEST(RandomRecordingsNeverShareLiveAddressesOrWaitOnLaterBuffers) {
       const std::string where = Where(trial, regions, lookahead);
       CheckStaticProperties(recording, bytes, s, where);
       SimulatePipeline(recording, s, rng, 3 * regions + 3, where);
-      if (::mltuner::testing::Failures() > 0) return;  // one counterexample is enough
+      CheckDeviceTickets(recording, s, 3 * regions + 3, where);
+      if (::mltuner::testing::Failures() > failed_before) return;  // one counterexample is enough
     }
   }
 }

@@ -215,6 +215,33 @@ def check(name: str, args: argparse.Namespace, device: str) -> dict[str, Any]:
             "plain": plain_rate, "mltuner": rate}
 
 
+def table_of(rows: list[dict[str, Any]], args: argparse.Namespace, device: str, torchvision_version: str) -> str:
+    machine = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    lines = [
+        f"# wrap() over torchvision's models ({datetime.date.today()}, {machine}, torch {torch.__version__}, "
+        f"torchvision {torchvision_version})",
+        "",
+        f"batch {args.batch}, {args.steps} steps of SGD (lr {LR}, momentum {MOMENTUM}); samples/s over steps "
+        f"{TIMED_FROM + 1}-{args.steps}; deterministic algorithms "
+        f"{'off' if args.nondeterministic or device == 'cpu' else 'on'}"
+        + (f"; mltuner under a budget of {args.budget:g} of its need, activations stored, recompute="
+           f"{args.recompute!r}" if args.budget else "")
+        + ("; updates shipped from the backward pass (overlap_updates=True)" if args.overlap else "")
+        + (f"; mltuner on {args.workers} workers (a LocalCluster), each on {args.batch // args.workers} samples "
+           "of every batch, both sides in eval mode" if args.workers > 1 else ""),
+        "",
+        "| model | M params | result | parameters after step 1 | losses of every step | two plain runs "
+        "| plain samples/s | mltuner samples/s | ratio |",
+        "|:--|--:|:--|--:|--:|--:|--:|--:|--:|",
+    ]
+    for row in rows:
+        speed = (f"{row['plain']:,.0f} | {row['mltuner']:,.0f} | {row['mltuner'] / row['plain']:.2f}"
+                 if "mltuner" in row else " | | ")
+        figures = " | ".join(f"{row[key]:.1e}" if key in row else "" for key in ("step_error", "difference", "noise"))
+        lines.append(f"| {row['model']} | {row['params']:.1f} | {row['result']} | {figures} | {speed} |")
+    return "\n".join(lines)
+
+
 def largest_difference(got: list[float], want: list[float]) -> float:
     return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(got, want))
 
@@ -262,39 +289,15 @@ def main() -> int:
         names = torchvision.models.list_models(module=torchvision.models)
     else:
         names = args.models.split(",") if args.models else FAMILIES
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     for name in names:
         row = check(name, args, device)
         rows.append(row)
         print(f"{name}: {row['result']}", flush=True)
-    machine = torch.cuda.get_device_name() if device == "cuda" else "CPU"
-    lines = [
-        f"# wrap() over torchvision's models ({datetime.date.today()}, {machine}, torch {torch.__version__}, "
-        f"torchvision {torchvision.__version__})",
-        "",
-        f"batch {args.batch}, {args.steps} steps of SGD (lr {LR}, momentum {MOMENTUM}); samples/s over steps "
-        f"{TIMED_FROM + 1}-{args.steps}; deterministic algorithms "
-        f"{'off' if args.nondeterministic or device == 'cpu' else 'on'}"
-        + (f"; mltuner under a budget of {args.budget:g} of its need, activations stored, recompute="
-           f"{args.recompute!r}" if args.budget else "")
-        + ("; updates shipped from the backward pass (overlap_updates=True)" if args.overlap else "")
-        + (f"; mltuner on {args.workers} workers (a LocalCluster), each on {args.batch // args.workers} samples "
-           "of every batch, both sides in eval mode" if args.workers > 1 else ""),
-        "",
-        "| model | M params | result | parameters after step 1 | losses of every step | two plain runs "
-        "| plain samples/s | mltuner samples/s | ratio |",
-        "|:--|--:|:--|--:|--:|--:|--:|--:|--:|",
-    ]
-    for row in rows:
-        speed = (f"{row['plain']:,.0f} | {row['mltuner']:,.0f} | {row['mltuner'] / row['plain']:.2f}"
-                 if "mltuner" in row else " | | ")
-        figures = " | ".join(f"{row[key]:.1e}" if key in row else "" for key in ("step_error", "difference", "noise"))
-        lines.append(f"| {row['model']} | {row['params']:.1f} | {row['result']} | {figures} | {speed} |")
-    table = "\n".join(lines)
-    print(table)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(table + "\n")
+        out.write_text(table_of(rows, args, device, torchvision.__version__) + "\n")  # what ran, should a limit stop the rest
+    print(table_of(rows, args, device, torchvision.__version__))
     failed = [r for r in rows if r["result"].startswith(("error", "**"))]
     return 1 if failed else 0
 

@@ -5,7 +5,8 @@
 // from the least pool to unlimited, with one region and with two. Each
 // clock's values depend on what it read, so a row read stale, an activation
 // fetched before its write-back landed, or a buffer filled while another
-// user still reads it changes the result.
+// user still reads it changes the result. Also with branches: a fork, a
+// switch to it and back, each reloading the cache.
 #include <cmath>
 #include <cstdio>
 #include <memory>
@@ -194,9 +195,14 @@ class BatchedClock {
   std::vector<OpCall> batch_;
 };
 
+// With branches: clocks 0-1 on branch 0, 2-3 on a fork of it with half the
+// rate, 4-5 on branch 0 again (the cache reloaded at each switch).
+const std::vector<std::pair<BranchId, int>> kBranchBlocks = {{0, 2}, {1, 2}, {0, 2}};
+
 struct Trained {
   std::vector<std::vector<float>> seen;  // by worker
-  std::vector<float> layer0, layer1;     // the servers' values at the end
+  std::vector<float> layer0, layer1;     // the servers' values at the end (of branch 0)
+  std::vector<float> fork0, fork1;       // with branches: the fork's
   std::vector<int64_t> host_store_bytes;
   int64_t pool_min_bytes = 0;
 };
@@ -204,7 +210,7 @@ struct Trained {
 // Trains kClocks clocks on kWorkers workers with lagging devices of `seed`
 // (0: synchronous, the reference).
 void Train(RecordFn record, uint32_t seed, int64_t budget, int prefetch_clocks, bool batched, Trained* out,
-           bool* refused) {
+           bool* refused, bool branches = false) {
   std::vector<LaggingDevice*> devices(kWorkers, nullptr);
   const DeviceFactory factory = [seed, &devices](int rank, std::unique_ptr<Device>* made) {
     auto device = std::make_unique<LaggingDevice>(seed + 1000u * static_cast<uint32_t>(rank), 300, seed == 0);
@@ -217,6 +223,11 @@ void Train(RecordFn record, uint32_t seed, int64_t budget, int prefetch_clocks, 
   config.device_memory_budget = budget;
   config.prefetch_clocks = prefetch_clocks;
   config.wait_timeout_ms = 20000;
+  if (branches) {
+    config.branches = true;
+    config.update_rule.kind = UpdateRuleKind::kSgd;  // a rate for the fork to change
+    config.update_rule.learning_rate = 1.0f;
+  }
   std::unique_ptr<LocalCluster> cluster;
   ASSERT_OK(LocalCluster::Create(config, kWorkers, &cluster, factory));
   std::vector<Model> models(kWorkers);
@@ -242,13 +253,26 @@ void Train(RecordFn record, uint32_t seed, int64_t budget, int prefetch_clocks, 
       Engine* e = cluster->worker(r);
       Status s = e->StartIterations();
       BatchedClock batches(e, devices[r], models[r]);
-      for (int c = 0; s.ok() && c < kClocks; ++c) {
-        s = batched ? batches.Run(r, c, &apps[r]) : RunClock(e, devices[r], models[r], r, c, &apps[r]);
+      const std::vector<std::pair<BranchId, int>> blocks =
+          branches ? kBranchBlocks : std::vector<std::pair<BranchId, int>>{{0, kClocks}};
+      int c = 0;
+      for (const auto& [branch, clocks] : blocks) {
+        if (s.ok() && branches && branch == 1) {
+          BranchSettings half_rate;
+          half_rate.learning_rate = 0.5f;
+          s = e->ForkBranch(1, 0, half_rate);
+        }
+        if (s.ok() && branches) s = e->ScheduleBranch(branch, clocks);
+        for (int k = 0; s.ok() && k < clocks; ++k, ++c) {
+          s = batched ? batches.Run(r, c, &apps[r]) : RunClock(e, devices[r], models[r], r, c, &apps[r]);
+        }
       }
       devices[r]->FinishApp();
       if (s.ok()) s = e->Flush();
-      if (s.ok()) s = e->WaitForDataAge(models[r].layer0, kClocks - 1);
-      if (s.ok()) s = e->WaitForDataAge(models[r].layer1, kClocks - 1);
+      // Branch 0's clocks; the fork's updates were sent before its last ones.
+      const int age = branches ? 3 : kClocks - 1;
+      if (s.ok()) s = e->WaitForDataAge(models[r].layer0, age);
+      if (s.ok()) s = e->WaitForDataAge(models[r].layer1, age);
       ran[r] = s;
     });
   }
@@ -260,6 +284,12 @@ void Train(RecordFn record, uint32_t seed, int64_t budget, int prefetch_clocks, 
   out->layer1.assign(16 * (kWidth / 2), 0.0f);
   ASSERT_OK(e->Fetch(models[0].layer0, Range(0, 16), out->layer0.data()));
   ASSERT_OK(e->Fetch(models[0].layer1, Range(0, 16), out->layer1.data()));
+  if (branches) {
+    out->fork0.assign(16 * kWidth, 0.0f);
+    out->fork1.assign(16 * (kWidth / 2), 0.0f);
+    ASSERT_OK(e->Fetch(models[0].layer0, Range(0, 16), out->fork0.data(), 1));
+    ASSERT_OK(e->Fetch(models[0].layer1, Range(0, 16), out->fork1.data(), 1));
+  }
   for (int r = 0; r < kWorkers; ++r) out->host_store_bytes.push_back(cluster->worker(r)->Stats().host_store_bytes);
   out->pool_min_bytes = e->Stats().pool_min_bytes;
   ASSERT_OK(cluster->Shutdown());
@@ -267,10 +297,11 @@ void Train(RecordFn record, uint32_t seed, int64_t budget, int prefetch_clocks, 
 
 // `batched`: the clock as the PyTorch adapter makes it, against the
 // reference of one call per op.
-void CheckEveryBudget(int prefetch_clocks, bool batched, RecordFn record = RecordTwoLayers) {
+void CheckEveryBudget(int prefetch_clocks, bool batched, RecordFn record = RecordTwoLayers, bool branches = false) {
   Trained reference;
   bool refused = false;
-  Train(record, 0, 0, prefetch_clocks, false, &reference, &refused);
+  Train(record, 0, 0, prefetch_clocks, false, &reference, &refused, branches);
+  if (branches) EXPECT_TRUE(reference.fork0 != reference.layer0);  // the fork's own rate took
   ASSERT_TRUE(!refused);
   const int64_t least = reference.pool_min_bytes;  // the least pool of this plan's regions
   ASSERT_TRUE(least > 0);
@@ -279,7 +310,7 @@ void CheckEveryBudget(int prefetch_clocks, bool batched, RecordFn record = Recor
   for (const int64_t budget : {int64_t{0}, least, least + least / 2, 2 * least, 4 * least}) {
     for (uint32_t seed = 1; seed <= 3; ++seed) {
       Trained lagging;
-      Train(record, seed, budget, prefetch_clocks, batched, &lagging, &refused);
+      Train(record, seed, budget, prefetch_clocks, batched, &lagging, &refused, branches);
       if (refused) break;
       ++tried;
       swapped = swapped || lagging.host_store_bytes[0] > 0;
@@ -289,7 +320,8 @@ void CheckEveryBudget(int prefetch_clocks, bool batched, RecordFn record = Recor
       EXPECT_TRUE(lagging.seen == reference.seen);
       EXPECT_TRUE(lagging.layer0 == reference.layer0);
       EXPECT_TRUE(lagging.layer1 == reference.layer1);
-      if (lagging.seen != reference.seen || lagging.layer0 != reference.layer0) {
+      EXPECT_TRUE(lagging.fork0 == reference.fork0 && lagging.fork1 == reference.fork1);
+      if (lagging.seen != reference.seen || lagging.layer0 != reference.layer0 || lagging.fork0 != reference.fork0) {
         std::fprintf(stderr, "  differs at %s\n", where.c_str());
       }
     }
@@ -304,6 +336,8 @@ TEST(LaggingStreamsTrainAsTheCpuWithTwoRegions) { CheckEveryBudget(1, false); }
 TEST(LaggingStreamsTrainAsTheCpuWithOneRegion) { CheckEveryBudget(0, false); }
 TEST(BatchedClocksOnLaggingStreamsTrainAsTheCpuWithTwoRegions) { CheckEveryBudget(1, true); }
 TEST(BatchedClocksOnLaggingStreamsTrainAsTheCpuWithOneRegion) { CheckEveryBudget(0, true); }
+TEST(BranchesOnLaggingStreamsTrainAsTheCpuWithTwoRegions) { CheckEveryBudget(1, false, RecordTwoLayers, true); }
+TEST(BatchedBranchesOnLaggingStreamsTrainAsTheCpuWithOneRegion) { CheckEveryBudget(0, true, RecordTwoLayers, true); }
 TEST(ABufferOverTwoEarlierOnesWaitsForBoth) { CheckEveryBudget(0, false, RecordSpanningBuffer); }
 TEST(ABufferOverTwoEarlierOnesWaitsForBothBatched) { CheckEveryBudget(0, true, RecordSpanningBuffer); }
 

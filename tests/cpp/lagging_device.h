@@ -5,10 +5,11 @@
 // ticket between two streams (or a host read without a Synchronize) can
 // never show on it; here it shows as wrong values, as on a GPU.
 //
-// The application's stream lags too: a test queues its own work on buffers
+// The application's streams lag too: a test queues its own work on buffers
 // with OnAppStream, as a GPU application queues kernels, and RecordAppWork,
-// WaitOnAppStream and CopyPiecesOnAppStream go on that stream; FinishApp
-// waits for it. Memory is host memory, but the device reports itself
+// WaitOnAppStream and CopyPiecesOnAppStream go on the stream they name (a
+// lane per handle modulo kAppLanes, each lagging on its own); FinishApp
+// waits for them all. Memory is host memory, but the device reports itself
 // GPU-like, so the engine never reads it on the host without a copy. Free,
 // FreeHost and ReleaseIndex wait for every stream first, as cudaFree does.
 // Made `synchronous`, the device runs everything at once on the calling
@@ -121,9 +122,9 @@ class LaggingDevice final : public ForwardingDevice {
     if (event && !event->done()) Later(s, [event] { event->Wait(); }, /*delay=*/false);
     return Status::Ok();
   }
-  Status WaitOnAppStream(uintptr_t, const DeviceEvent& e) override {
+  Status WaitOnAppStream(uintptr_t app, const DeviceEvent& e) override {
     std::shared_ptr<Event> event = std::static_pointer_cast<Event>(e);
-    if (event && !event->done()) OnLane(kAppLane, [event] { event->Wait(); }, false);
+    if (event && !event->done()) OnLane(AppLane(app), [event] { event->Wait(); }, false);
     return Status::Ok();
   }
   Status WaitEventDone(const DeviceEvent& e) override {
@@ -135,29 +136,33 @@ class LaggingDevice final : public ForwardingDevice {
     *done = !event || event->done();
     return Status::Ok();
   }
-  Status RecordAppWork(uintptr_t, DeviceEvent* out) override {
+  Status RecordAppWork(uintptr_t app, DeviceEvent* out) override {
     auto event = std::make_shared<Event>();
     *out = event;
-    OnLane(kAppLane, [event] { event->Set(); }, false);
+    OnLane(AppLane(app), [event] { event->Set(); }, false);
     return Status::Ok();
   }
   Status CopyPiecesOnAppStream(uintptr_t app, float* buffer, const std::vector<CopyPiece>& pieces,
                                CopyDirection direction) override {
-    OnLane(kAppLane, [this, app, buffer, pieces, direction] {
+    OnLane(AppLane(app), [this, app, buffer, pieces, direction] {
       inner().CopyPiecesOnAppStream(app, buffer, pieces, direction);
     });
     return Status::Ok();
   }
 
-  // The application's own work on the buffers it opened, queued after
-  // everything the engine made its stream wait for.
-  void OnAppStream(std::function<void()> work) { OnLane(kAppLane, std::move(work)); }
-  // Waits until the application's stream has run everything queued on it.
-  void FinishApp() { Drain(*lanes_[kAppLane]); }
+  // The application's own work on the buffers it opened, queued on stream
+  // `app` after everything the engine made that stream wait for.
+  void OnAppStream(std::function<void()> work, uintptr_t app = 0) { OnLane(AppLane(app), std::move(work)); }
+  // Waits until the application's streams have run everything queued on them.
+  void FinishApp() {
+    for (int lane = kEngineLanes; lane < kEngineLanes + kAppLanes; ++lane) Drain(*lanes_[lane]);
+  }
 
  private:
-  static constexpr int kStreams = 16;  // more than Stream has values
-  static constexpr int kAppLane = kStreams - 1;  // the application's stream
+  static constexpr int kEngineLanes = 15;  // more than Stream has values
+  static constexpr int kAppLanes = 3;      // the application's streams
+  static constexpr int kStreams = kEngineLanes + kAppLanes;
+  static int AppLane(uintptr_t app) { return kEngineLanes + static_cast<int>(app % kAppLanes); }
 
   class Event {
    public:
@@ -194,7 +199,7 @@ class LaggingDevice final : public ForwardingDevice {
   };
 
   void Later(Stream s, std::function<void()> work, bool delay = true) {
-    OnLane(static_cast<int>(s) % kAppLane, std::move(work), delay);
+    OnLane(static_cast<int>(s) % kEngineLanes, std::move(work), delay);
   }
 
   void OnLane(int index, std::function<void()> work, bool delay = true) {
@@ -211,8 +216,9 @@ class LaggingDevice final : public ForwardingDevice {
   }
 
   void Run(Lane* lane) {
-    // The application's stream lags most, as a GPU busy with its kernels.
-    const bool app = lane == lanes_[kAppLane].get();
+    // The application's streams lag most, as a GPU busy with its kernels.
+    bool app = false;
+    for (int index = kEngineLanes; index < kStreams; ++index) app = app || lane == lanes_[index].get();
     std::uniform_int_distribution<int> delay_us(0, app ? 4 * max_delay_us_ : max_delay_us_);
     for (;;) {
       std::pair<std::function<void()>, bool> next;

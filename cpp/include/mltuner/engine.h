@@ -171,7 +171,10 @@ class Engine {
   // `app_stream` is the stream on which the application queued its own work
   // on the buffer (a CUDA stream handle; 0 = the legacy default stream): the
   // engine waits for that work before it reads, reuses or frees the buffer.
-  // The CPU backend ignores it.
+  // Buffers may be used on different streams; a post on another stream than
+  // the previous post's first makes its stream wait for the work queued on
+  // that one up to that post, so posts complete in their call order. The
+  // CPU backend ignores it.
   // app_stream (CUDA): the stream the application will use the buffer on;
   // it is made to wait until the buffer is complete, without blocking.
   Status Read(Handle handle, AccessBuffer* out, uintptr_t app_stream = 0);

@@ -405,8 +405,18 @@ Status Engine::Impl::Post(Handle handle, OpKind kind, uintptr_t app_stream) {
   MLT_RETURN_IF_ERROR(CheckAccessCall(handle, kind));
   if (state_.phase.load() == Phase::kRecorded) return PostInit(handle, app_stream);
   DeviceEvent app_done;
-  MLT_RETURN_IF_ERROR(device_->RecordAppWork(app_stream, &app_done));
+  MLT_RETURN_IF_ERROR(TakeAppTicket(app_stream, &app_done));
   return PostSlot(handle, kind, std::move(app_done), app_stream);
+}
+
+Status Engine::Impl::TakeAppTicket(uintptr_t app_stream, DeviceEvent* out) {
+  if (last_app_ticket_ && app_stream != last_app_stream_) {
+    MLT_RETURN_IF_ERROR(device_->WaitOnAppStream(app_stream, last_app_ticket_));
+  }
+  MLT_RETURN_IF_ERROR(device_->RecordAppWork(app_stream, out));
+  last_app_ticket_ = *out;
+  last_app_stream_ = app_stream;
+  return Status::Ok();
 }
 
 Status Engine::Impl::CheckAccessCall(Handle handle, OpKind kind) const {
@@ -529,7 +539,7 @@ Status Engine::Impl::Run(const std::vector<OpCall>& ops, std::vector<AccessBuffe
         app_done_taken = false;  // the post's ticket must come after the copies
       }
       if (!app_done_taken) {
-        MLT_RETURN_IF_ERROR(device_->RecordAppWork(app_stream, &app_done));
+        MLT_RETURN_IF_ERROR(TakeAppTicket(app_stream, &app_done));
         app_done_taken = true;
       }
       MLT_RETURN_IF_ERROR(PostSlot(op.handle, op.kind, app_done, app_stream, /*notify=*/false));
@@ -585,6 +595,7 @@ Status Engine::Impl::PoisonPostedRead(const AccessRecord& access, float* data, u
   MLT_RETURN_IF_ERROR(device_->WaitEvent(Stream::kApp, *app_done));
   Poison(access, data, Stream::kApp);
   MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kApp, app_done));
+  last_app_ticket_ = *app_done;  // the release ticket now; app_stream waits for it below
   return device_->WaitOnAppStream(app_stream, *app_done);
 }
 

@@ -119,6 +119,12 @@ class Engine::Impl {
   // with NaN, on stream `s` after the work queued there.
   void Poison(const AccessRecord& access, float* data, Stream s);
   Status PoisonPostedRead(const AccessRecord& access, float* data, uintptr_t app_stream, DeviceEvent* app_done);
+  // The application's ticket of a post, on `app_stream`. Release tickets
+  // must follow one another in post order whatever stream each post names:
+  // a fill waits only for the last earlier user's (BufferSchedule). So a
+  // post on another stream than the last first makes its stream wait for
+  // the last ticket; with one stream this is RecordAppWork alone.
+  Status TakeAppTicket(uintptr_t app_stream, DeviceEvent* out);
   std::string DescribeOp(int op_index) const;
 
   // --- branches (engine/branches.cc) -------------------------------------------
@@ -136,6 +142,9 @@ class Engine::Impl {
   // The initialisation phase's buffers, by handle (application thread only).
   std::vector<Slot> init_slots_;
   std::vector<std::shared_ptr<DeviceBlock>> init_blocks_;
+  // The last post's ticket and its stream (application thread only).
+  DeviceEvent last_app_ticket_;
+  uintptr_t last_app_stream_ = 0;
 };
 
 }  // namespace mltuner

@@ -137,6 +137,8 @@ class Worker:
     your kernels used on the buffer (``stream=torch.cuda.current_stream().cuda_stream``;
     the default 0 is the legacy default stream, which torch and cupy use unless
     told otherwise): the engine waits for that work before it touches the buffer.
+    Buffers may be used on different streams: a post on another stream than the
+    previous post's makes its stream wait for the previous post's work first.
     Blocking calls release the GIL, so several workers can run on threads.
     """
 

@@ -29,11 +29,13 @@ constexpr int kClocks = 6;
 
 float Mod(float value, float by) { return std::fmod(std::fabs(value), by); }
 
-// The application's side of one worker: what it read, folded into small
-// integers (every sum is exact), and everything it saw.
+constexpr int kAppStreams = 2;
+
+// The application's side of one worker, per stream it uses: what it read,
+// folded into small integers (every sum is exact), and everything it saw.
 struct App {
-  float carried = 0;
-  std::vector<float> seen;
+  float carried[kAppStreams] = {};
+  std::vector<float> seen[kAppStreams];
 };
 
 // A recording whose least pool has a buffer over two earlier ones that
@@ -58,30 +60,71 @@ Status RecordSpanningBuffer(Engine* e, Model* m) {
   return e->FinishVirtualIteration();
 }
 
+// Two reads of layer 1 side by side, each used on a stream of its own (see
+// StreamOf), then layer 0's second read over both: it waits for the read
+// that closed last, whose ticket covers the other only if the two streams
+// are joined. (Any lookahead needs a larger pool.)
+Status RecordReadsSideBySide(Engine* e, Model* m) {
+  MLT_RETURN_IF_ERROR(e->CreateTable("layer0", 16, kWidth, false, &m->layer0));
+  MLT_RETURN_IF_ERROR(e->CreateTable("layer1", 16, kWidth / 2, false, &m->layer1));
+  Script s(e, m);
+  Handle r0, ra, rb, r0b;
+  MLT_RETURN_IF_ERROR(s.Read(m->layer0, Range(0, 16), &r0));
+  MLT_RETURN_IF_ERROR(s.PostRead(r0));
+  MLT_RETURN_IF_ERROR(s.Read(m->layer1, Range(0, 8), &ra));
+  MLT_RETURN_IF_ERROR(s.Read(m->layer1, Range(8, 8), &rb));
+  MLT_RETURN_IF_ERROR(s.PostRead(ra));
+  MLT_RETURN_IF_ERROR(s.PostRead(rb));
+  MLT_RETURN_IF_ERROR(s.Read(m->layer0, Range(0, 16), &r0b));
+  MLT_RETURN_IF_ERROR(s.Update(m->layer0, Range(0, 4)));
+  MLT_RETURN_IF_ERROR(s.Update(m->layer1, Range(0, 16)));
+  MLT_RETURN_IF_ERROR(s.PostRead(r0b));
+  MLT_RETURN_IF_ERROR(e->VirtualClock());
+  return e->FinishVirtualIteration();
+}
+
 Status RecordTwoLayers(Engine* e, Model* m) { return Record(e, m, /*read_back_at_once=*/true); }
 
 using RecordFn = Status (*)(Engine*, Model*);
 
+// What one test trains: the recording, the regions, the clock's calls, and
+// whether clocks run on branches and the application on two streams.
+struct Setup {
+  RecordFn record = RecordTwoLayers;
+  int prefetch_clocks = 0;
+  bool batched = false;   // the clock as the PyTorch adapter makes it (BatchedClock)
+  bool branches = false;  // kBranchBlocks
+  bool two_streams = false;  // each buffer's work on the stream of its handle's parity
+  uint32_t seeds = 3;        // lagging runs per budget
+};
+
+uintptr_t StreamOf(const Setup& setup, Handle h) { return setup.two_streams ? static_cast<uintptr_t>(h % 2) : 0; }
+
 // One clock of worker `rank`. The application's work on each buffer goes on
 // its (lagging) stream, as a GPU application's kernels do; what it writes
-// depends on what it read.
-Status RunClock(Engine* e, LaggingDevice* device, const Model& m, int rank, int clock, App* app) {
-  device->OnAppStream([app, rank, clock] { app->carried = static_cast<float>(rank + clock); });
+// depends on what it read on that stream.
+Status RunClock(Engine* e, LaggingDevice* device, const Model& m, const Setup& setup, int rank, int clock, App* app) {
+  for (int stream = 0; stream < kAppStreams; ++stream) {
+    device->OnAppStream([app, rank, clock, stream] { app->carried[stream] = static_cast<float>(rank + clock); },
+                        static_cast<uintptr_t>(stream));
+  }
   for (size_t i = 0; i < m.kinds.size(); ++i) {
     AccessBuffer buffer;
+    const Handle h = m.handles[i];
+    const uintptr_t stream = StreamOf(setup, h);
     switch (m.kinds[i]) {
       case OpKind::kRead:
-        MLT_RETURN_IF_ERROR(e->Read(m.handles[i], &buffer));
+        MLT_RETURN_IF_ERROR(e->Read(h, &buffer, stream));
         break;
       case OpKind::kPreUpdate:
-        MLT_RETURN_IF_ERROR(e->PreUpdate(m.handles[i], &buffer));
+        MLT_RETURN_IF_ERROR(e->PreUpdate(h, &buffer, stream));
         break;
       case OpKind::kLocalAccess:
-        MLT_RETURN_IF_ERROR(e->LocalAccess(m.handles[i], &buffer));
+        MLT_RETURN_IF_ERROR(e->LocalAccess(h, &buffer, stream));
         break;
-      case OpKind::kPostRead: MLT_RETURN_IF_ERROR(e->PostRead(m.handles[i])); continue;
-      case OpKind::kUpdate: MLT_RETURN_IF_ERROR(e->Update(m.handles[i])); continue;
-      case OpKind::kPostLocalAccess: MLT_RETURN_IF_ERROR(e->PostLocalAccess(m.handles[i])); continue;
+      case OpKind::kPostRead: MLT_RETURN_IF_ERROR(e->PostRead(h, stream)); continue;
+      case OpKind::kUpdate: MLT_RETURN_IF_ERROR(e->Update(h, stream)); continue;
+      case OpKind::kPostLocalAccess: MLT_RETURN_IF_ERROR(e->PostLocalAccess(h, stream)); continue;
       default: return Status::Internal("unexpected op");
     }
     float* data = buffer.data;
@@ -89,18 +132,19 @@ Status RunClock(Engine* e, LaggingDevice* device, const Model& m, int rank, int 
     const OpKind kind = m.kinds[i];
     const bool fetch = m.fetches[i];
     device->OnAppStream([=] {
+      float& carried = app->carried[stream];
       if (kind == OpKind::kRead || fetch) {  // a read, or stored rows read back (then changed: kept)
-        for (int64_t k = 0; k < count; ++k) app->carried = Mod(app->carried + data[k], 7.0f);
-        app->seen.push_back(app->carried);
+        for (int64_t k = 0; k < count; ++k) carried = Mod(carried + data[k], 7.0f);
+        app->seen[stream].push_back(carried);
         if (fetch) {
           for (int64_t k = 0; k < count; ++k) data[k] += 1.0f;
         }
       } else if (kind == OpKind::kPreUpdate) {
-        for (int64_t k = 0; k < count; ++k) data[k] = Mod(app->carried + static_cast<float>(k), 5.0f);
+        for (int64_t k = 0; k < count; ++k) data[k] = Mod(carried + static_cast<float>(k), 5.0f);
       } else {  // an activation stored
-        for (int64_t k = 0; k < count; ++k) data[k] = Mod(app->carried + 3.0f * static_cast<float>(k), 11.0f);
+        for (int64_t k = 0; k < count; ++k) data[k] = Mod(carried + 3.0f * static_cast<float>(k), 11.0f);
       }
-    });
+    }, stream);
   }
   return e->Clock();
 }
@@ -117,7 +161,7 @@ class BatchedClock {
   }
 
   Status Run(int rank, int clock, App* app) {
-    device_->OnAppStream([app, rank, clock] { app->carried = static_cast<float>(rank + clock); });
+    device_->OnAppStream([app, rank, clock] { app->carried[0] = static_cast<float>(rank + clock); });
     for (size_t i = 0; i < m_.kinds.size(); ++i) {
       const OpKind kind = m_.kinds[i];
       const Handle h = m_.handles[i];
@@ -129,8 +173,8 @@ class BatchedClock {
         const bool update = kind == OpKind::kPreUpdate;
         device_->OnAppStream([=] {
           for (int64_t k = 0; k < count; ++k) {
-            staged[k] = update ? Mod(app->carried + static_cast<float>(k), 5.0f)
-                               : Mod(app->carried + 3.0f * static_cast<float>(k), 11.0f);
+            staged[k] = update ? Mod(app->carried[0] + static_cast<float>(k), 5.0f)
+                               : Mod(app->carried[0] + 3.0f * static_cast<float>(k), 11.0f);
           }
         });
         // In two pieces, as a group of saved tensors is stored.
@@ -151,8 +195,8 @@ class BatchedClock {
         std::vector<AccessBuffer> opened;
         MLT_RETURN_IF_ERROR(Flush(&opened));
         device_->OnAppStream([=] {
-          for (int64_t k = 0; k < count; ++k) app->carried = Mod(app->carried + staged[k], 7.0f);
-          app->seen.push_back(app->carried);
+          for (int64_t k = 0; k < count; ++k) app->carried[0] = Mod(app->carried[0] + staged[k], 7.0f);
+          app->seen[0].push_back(app->carried[0]);
         });
         continue;
       }
@@ -166,11 +210,11 @@ class BatchedClock {
       const bool fetch = m_.fetches[i];
       device_->OnAppStream([=] {
         if (kind == OpKind::kPreUpdate) {
-          for (int64_t k = 0; k < count; ++k) data[k] = Mod(app->carried + static_cast<float>(k), 5.0f);
+          for (int64_t k = 0; k < count; ++k) data[k] = Mod(app->carried[0] + static_cast<float>(k), 5.0f);
           return;
         }
-        for (int64_t k = 0; k < count; ++k) app->carried = Mod(app->carried + data[k], 7.0f);
-        app->seen.push_back(app->carried);
+        for (int64_t k = 0; k < count; ++k) app->carried[0] = Mod(app->carried[0] + data[k], 7.0f);
+        app->seen[0].push_back(app->carried[0]);
         if (fetch) {
           for (int64_t k = 0; k < count; ++k) data[k] += 1.0f;
         }
@@ -209,8 +253,8 @@ struct Trained {
 
 // Trains kClocks clocks on kWorkers workers with lagging devices of `seed`
 // (0: synchronous, the reference).
-void Train(RecordFn record, uint32_t seed, int64_t budget, int prefetch_clocks, bool batched, Trained* out,
-           bool* refused, bool branches = false) {
+void Train(const Setup& setup, uint32_t seed, int64_t budget, Trained* out, bool* refused) {
+  const bool branches = setup.branches;
   std::vector<LaggingDevice*> devices(kWorkers, nullptr);
   const DeviceFactory factory = [seed, &devices](int rank, std::unique_ptr<Device>* made) {
     auto device = std::make_unique<LaggingDevice>(seed + 1000u * static_cast<uint32_t>(rank), 300, seed == 0);
@@ -221,7 +265,7 @@ void Train(RecordFn record, uint32_t seed, int64_t budget, int prefetch_clocks, 
   Config config;
   config.update_rule.kind = UpdateRuleKind::kAdd;
   config.device_memory_budget = budget;
-  config.prefetch_clocks = prefetch_clocks;
+  config.prefetch_clocks = setup.prefetch_clocks;
   config.wait_timeout_ms = 20000;
   if (branches) {
     config.branches = true;
@@ -235,7 +279,7 @@ void Train(RecordFn record, uint32_t seed, int64_t budget, int prefetch_clocks, 
   std::vector<std::thread> threads;
   for (int r = 0; r < kWorkers; ++r) {
     threads.emplace_back([&, r] {
-      recorded[r] = record(cluster->worker(r), &models[r]);
+      recorded[r] = setup.record(cluster->worker(r), &models[r]);
     });
   }
   for (std::thread& t : threads) t.join();
@@ -264,7 +308,7 @@ void Train(RecordFn record, uint32_t seed, int64_t budget, int prefetch_clocks, 
         }
         if (s.ok() && branches) s = e->ScheduleBranch(branch, clocks);
         for (int k = 0; s.ok() && k < clocks; ++k, ++c) {
-          s = batched ? batches.Run(r, c, &apps[r]) : RunClock(e, devices[r], models[r], r, c, &apps[r]);
+          s = setup.batched ? batches.Run(r, c, &apps[r]) : RunClock(e, devices[r], models[r], setup, r, c, &apps[r]);
         }
       }
       devices[r]->FinishApp();
@@ -278,7 +322,9 @@ void Train(RecordFn record, uint32_t seed, int64_t budget, int prefetch_clocks, 
   }
   for (std::thread& t : threads) t.join();
   for (const Status& s : ran) ASSERT_OK(s);
-  for (const App& app : apps) out->seen.push_back(app.seen);
+  for (const App& app : apps) {
+    for (const std::vector<float>& seen : app.seen) out->seen.push_back(seen);
+  }
   Engine* e = cluster->worker(0);
   out->layer0.assign(16 * kWidth, 0.0f);
   out->layer1.assign(16 * (kWidth / 2), 0.0f);
@@ -295,28 +341,30 @@ void Train(RecordFn record, uint32_t seed, int64_t budget, int prefetch_clocks, 
   ASSERT_OK(cluster->Shutdown());
 }
 
-// `batched`: the clock as the PyTorch adapter makes it, against the
-// reference of one call per op.
-void CheckEveryBudget(int prefetch_clocks, bool batched, RecordFn record = RecordTwoLayers, bool branches = false) {
+// Against the reference of the same setup, synchronous, with one call per op.
+void CheckEveryBudget(const Setup& setup) {
   Trained reference;
   bool refused = false;
-  Train(record, 0, 0, prefetch_clocks, false, &reference, &refused, branches);
-  if (branches) EXPECT_TRUE(reference.fork0 != reference.layer0);  // the fork's own rate took
+  Setup unbatched = setup;
+  unbatched.batched = false;
+  Train(unbatched, 0, 0, &reference, &refused);
+  if (setup.branches) EXPECT_TRUE(reference.fork0 != reference.layer0);  // the fork's own rate took
   ASSERT_TRUE(!refused);
   const int64_t least = reference.pool_min_bytes;  // the least pool of this plan's regions
   ASSERT_TRUE(least > 0);
   int tried = 0;
   bool swapped = false;
   for (const int64_t budget : {int64_t{0}, least, least + least / 2, 2 * least, 4 * least}) {
-    for (uint32_t seed = 1; seed <= 3; ++seed) {
+    for (uint32_t seed = 1; seed <= setup.seeds; ++seed) {
       Trained lagging;
-      Train(record, seed, budget, prefetch_clocks, batched, &lagging, &refused, branches);
+      Train(setup, seed, budget, &lagging, &refused);
       if (refused) break;
       ++tried;
       swapped = swapped || lagging.host_store_bytes[0] > 0;
       const std::string where = "budget " + std::to_string(budget) + ", prefetch_clocks " +
-                                std::to_string(prefetch_clocks) + ", seed " + std::to_string(seed) +
-                                (batched ? ", batched" : "");
+                                std::to_string(setup.prefetch_clocks) + ", seed " + std::to_string(seed) +
+                                (setup.batched ? ", batched" : "") + (setup.branches ? ", branches" : "") +
+                                (setup.two_streams ? ", two streams" : "");
       EXPECT_TRUE(lagging.seen == reference.seen);
       EXPECT_TRUE(lagging.layer0 == reference.layer0);
       EXPECT_TRUE(lagging.layer1 == reference.layer1);
@@ -332,13 +380,41 @@ void CheckEveryBudget(int prefetch_clocks, bool batched, RecordFn record = Recor
 
 }  // namespace
 
-TEST(LaggingStreamsTrainAsTheCpuWithTwoRegions) { CheckEveryBudget(1, false); }
-TEST(LaggingStreamsTrainAsTheCpuWithOneRegion) { CheckEveryBudget(0, false); }
-TEST(BatchedClocksOnLaggingStreamsTrainAsTheCpuWithTwoRegions) { CheckEveryBudget(1, true); }
-TEST(BatchedClocksOnLaggingStreamsTrainAsTheCpuWithOneRegion) { CheckEveryBudget(0, true); }
-TEST(BranchesOnLaggingStreamsTrainAsTheCpuWithTwoRegions) { CheckEveryBudget(1, false, RecordTwoLayers, true); }
-TEST(BatchedBranchesOnLaggingStreamsTrainAsTheCpuWithOneRegion) { CheckEveryBudget(0, true, RecordTwoLayers, true); }
-TEST(ABufferOverTwoEarlierOnesWaitsForBoth) { CheckEveryBudget(0, false, RecordSpanningBuffer); }
-TEST(ABufferOverTwoEarlierOnesWaitsForBothBatched) { CheckEveryBudget(0, true, RecordSpanningBuffer); }
+Setup With(int prefetch_clocks, bool batched, RecordFn record = RecordTwoLayers) {
+  Setup setup;
+  setup.prefetch_clocks = prefetch_clocks;
+  setup.batched = batched;
+  setup.record = record;
+  return setup;
+}
+
+TEST(LaggingStreamsTrainAsTheCpuWithTwoRegions) { CheckEveryBudget(With(1, false)); }
+TEST(LaggingStreamsTrainAsTheCpuWithOneRegion) { CheckEveryBudget(With(0, false)); }
+TEST(BatchedClocksOnLaggingStreamsTrainAsTheCpuWithTwoRegions) { CheckEveryBudget(With(1, true)); }
+TEST(BatchedClocksOnLaggingStreamsTrainAsTheCpuWithOneRegion) { CheckEveryBudget(With(0, true)); }
+TEST(BranchesOnLaggingStreamsTrainAsTheCpuWithTwoRegions) {
+  Setup setup = With(1, false);
+  setup.branches = true;
+  CheckEveryBudget(setup);
+}
+TEST(BatchedBranchesOnLaggingStreamsTrainAsTheCpuWithOneRegion) {
+  Setup setup = With(0, true);
+  setup.branches = true;
+  CheckEveryBudget(setup);
+}
+TEST(ABufferOverTwoEarlierOnesWaitsForBoth) { CheckEveryBudget(With(0, false, RecordSpanningBuffer)); }
+TEST(ABufferOverTwoEarlierOnesWaitsForBothBatched) { CheckEveryBudget(With(0, true, RecordSpanningBuffer)); }
+TEST(ApplicationStreamsAreJoinedWherePostsSwitchStreams) {
+  // Each buffer used on a stream of its own: a fill over two reads posted on
+  // different streams waits for the later post's ticket, which must cover
+  // the other stream's work too.
+  Setup setup = With(0, false, RecordReadsSideBySide);
+  setup.two_streams = true;
+  setup.seeds = 10;  // the race needs the other stream to lag at the right moment
+  CheckEveryBudget(setup);
+  setup.record = RecordTwoLayers;
+  setup.seeds = 3;
+  CheckEveryBudget(setup);
+}
 
 MLT_TEST_MAIN

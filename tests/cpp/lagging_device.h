@@ -8,7 +8,7 @@
 // The application's streams lag too: a test queues its own work on buffers
 // with OnAppStream, as a GPU application queues kernels, and RecordAppWork,
 // WaitOnAppStream and CopyPiecesOnAppStream go on the stream they name (a
-// lane per handle modulo kAppLanes, each lagging on its own); FinishApp
+// lane per stream handle modulo kAppLanes, each lagging on its own); FinishApp
 // waits for them all. Memory is host memory, but the device reports itself
 // GPU-like, so the engine never reads it on the host without a copy. Free,
 // FreeHost and ReleaseIndex wait for every stream first, as cudaFree does.
@@ -155,7 +155,7 @@ class LaggingDevice final : public ForwardingDevice {
   void OnAppStream(std::function<void()> work, uintptr_t app = 0) { OnLane(AppLane(app), std::move(work)); }
   // Waits until the application's streams have run everything queued on them.
   void FinishApp() {
-    for (int lane = kEngineLanes; lane < kEngineLanes + kAppLanes; ++lane) Drain(*lanes_[lane]);
+    for (int lane = kEngineLanes; lane < kStreams; ++lane) Drain(*lanes_[lane]);
   }
 
  private:

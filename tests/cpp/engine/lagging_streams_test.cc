@@ -43,8 +43,7 @@ struct App {
 // layer 1's read and of layer 1's update, and the read closes last. (Any
 // lookahead needs a larger pool, so the least budget keeps this layout.)
 Status RecordSpanningBuffer(Engine* e, Model* m) {
-  MLT_RETURN_IF_ERROR(e->CreateTable("layer0", 16, kWidth, false, &m->layer0));
-  MLT_RETURN_IF_ERROR(e->CreateTable("layer1", 16, kWidth / 2, false, &m->layer1));
+  MLT_RETURN_IF_ERROR(CreateLayerTables(e, m));
   Script s(e, m);
   Handle r0, r1, u1, r0b;
   MLT_RETURN_IF_ERROR(s.Read(m->layer0, Range(0, 16), &r0));
@@ -65,8 +64,7 @@ Status RecordSpanningBuffer(Engine* e, Model* m) {
 // that closed last, whose ticket covers the other only if the two streams
 // are joined. (Any lookahead needs a larger pool.)
 Status RecordReadsSideBySide(Engine* e, Model* m) {
-  MLT_RETURN_IF_ERROR(e->CreateTable("layer0", 16, kWidth, false, &m->layer0));
-  MLT_RETURN_IF_ERROR(e->CreateTable("layer1", 16, kWidth / 2, false, &m->layer1));
+  MLT_RETURN_IF_ERROR(CreateLayerTables(e, m));
   Script s(e, m);
   Handle r0, ra, rb, r0b;
   MLT_RETURN_IF_ERROR(s.Read(m->layer0, Range(0, 16), &r0));

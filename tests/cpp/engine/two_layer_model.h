@@ -85,11 +85,16 @@ class Script {
   Model* m_;
 };
 
+// The two parameter tables of the model: 16 rows each, layer 1 half as wide.
+inline Status CreateLayerTables(Engine* e, Model* m) {
+  MLT_RETURN_IF_ERROR(e->CreateTable("layer0", 16, kWidth, false, &m->layer0));
+  return e->CreateTable("layer1", 16, kWidth / 2, false, &m->layer1);
+}
+
 // `read_back_at_once`: after the second store, its rows are fetched and
 // dropped at once, as the PyTorch adapter reads a stored activation back.
 inline Status Record(Engine* e, Model* m, bool read_back_at_once = false) {
-  MLT_RETURN_IF_ERROR(e->CreateTable("layer0", 16, kWidth, false, &m->layer0));
-  MLT_RETURN_IF_ERROR(e->CreateTable("layer1", 16, kWidth / 2, false, &m->layer1));
+  MLT_RETURN_IF_ERROR(CreateLayerTables(e, m));
   MLT_RETURN_IF_ERROR(e->CreateTable("acts", 24, kWidth, true, &m->acts));
   Script s(e, m);
   Handle r0, a0, r1, a1, b1, b0, r0b;

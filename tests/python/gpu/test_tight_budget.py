@@ -34,7 +34,7 @@ from torch import nn  # noqa: E402
 
 import mltuner.torch as mtorch  # noqa: E402
 
-WORKERS, SHARE, SIDE, STEPS = 2, 4, 64, 2
+WORKERS, SHARE, SIDE, STEPS = 2, 4, 64, 1
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -71,9 +71,22 @@ def train(model: nn.Module, data: list, budget: int) -> dict[str, torch.Tensor]:
         return cluster.run(run, timeout_s=600)[0]
 
 
-def test_two_workers_of_one_gpu_at_a_quarter_train_as_with_no_budget() -> None:
+@pytest.fixture
+def deterministic_kernels():
+    """Deterministic convolutions and no TF32, as plain torch's own
+    reproducibility needs; the settings as they were afterwards."""
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved[2:]
+
+
+def test_two_workers_of_one_gpu_at_a_quarter_train_as_with_no_budget(deterministic_kernels: None) -> None:
     torch.manual_seed(0)
     # Eval mode: batch norm on its running statistics, so the run is the
     # same function of the data however the engine keeps the activations.
@@ -85,4 +98,6 @@ def test_two_workers_of_one_gpu_at_a_quarter_train_as_with_no_budget() -> None:
     for name, value in want.items():
         scale = float(value.abs().max().clamp_min(1e-30))
         difference = float((got[name] - value).abs().max()) / scale
-        assert difference <= 1e-4, f"{name}: {difference:.2e} of its largest value apart"
+        # On an H200 they are bit for bit equal; the race put whole rows of
+        # other values here.
+        assert difference <= 1e-5, f"{name}: {difference:.2e} of its largest value apart"

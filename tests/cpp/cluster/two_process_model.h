@@ -50,12 +50,15 @@ class Wire {
           if (batches) {
             if (taken.empty()) {
               if (from->outbox_messages() == 0) {
-                std::this_thread::sleep_for(std::chrono::microseconds(200));
-                continue;
+                // Nothing queued; messages held for their frames' tickets
+                // still leave once the device is done with them.
+                taken = from->NextOutgoingBatch(1, 64, size_t{1} << 20);
+                if (taken.empty()) continue;
+              } else {
+                std::this_thread::sleep_for(std::chrono::milliseconds(2));
+                taken = from->NextOutgoingBatch(20, 64, size_t{1} << 20);
+                if (taken.empty()) continue;
               }
-              std::this_thread::sleep_for(std::chrono::milliseconds(2));
-              taken = from->NextOutgoingBatch(20, 64, size_t{1} << 20);
-              if (taken.empty()) continue;
             }
             message = std::move(taken.front());
             taken.erase(taken.begin());

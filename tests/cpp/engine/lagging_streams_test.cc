@@ -81,6 +81,25 @@ Status RecordReadsSideBySide(Engine* e, Model* m) {
   return e->FinishVirtualIteration();
 }
 
+// The PyTorch adapter's light clock (held reads): both layers read for the
+// forward pass and held through the backward pass; at step() each layer's
+// read posted, its update posted and the next update opened, in forward order.
+Status RecordLightClock(Engine* e, Model* m) {
+  MLT_RETURN_IF_ERROR(CreateLayerTables(e, m));
+  Script s(e, m);
+  Handle r0, r1, u0, u1;
+  MLT_RETURN_IF_ERROR(s.Read(m->layer0, Range(0, 16), &r0));
+  MLT_RETURN_IF_ERROR(s.Read(m->layer1, Range(0, 16), &r1));
+  MLT_RETURN_IF_ERROR(s.PreUpdate(m->layer0, Range(0, 16), &u0));
+  MLT_RETURN_IF_ERROR(s.PostRead(r0));
+  MLT_RETURN_IF_ERROR(s.PostUpdate(u0));
+  MLT_RETURN_IF_ERROR(s.PreUpdate(m->layer1, Range(0, 16), &u1));
+  MLT_RETURN_IF_ERROR(s.PostRead(r1));
+  MLT_RETURN_IF_ERROR(s.PostUpdate(u1));
+  MLT_RETURN_IF_ERROR(e->VirtualClock());
+  return e->FinishVirtualIteration();
+}
+
 Status RecordTwoLayers(Engine* e, Model* m) { return Record(e, m, /*read_back_at_once=*/true); }
 
 using RecordFn = Status (*)(Engine*, Model*);
@@ -90,7 +109,8 @@ using RecordFn = Status (*)(Engine*, Model*);
 struct Setup {
   RecordFn record = RecordTwoLayers;
   int prefetch_clocks = 0;
-  bool batched = false;   // the clock as the PyTorch adapter makes it (BatchedClock)
+  bool batched = false;   // the clock as the PyTorch adapter makes it (BatchedClock; LightClock for
+                          // RecordLightClock)
   bool branches = false;  // kBranchBlocks
   bool two_streams = false;  // each buffer's work on the stream of its handle's parity
   uint32_t seeds = 3;        // lagging runs per budget
@@ -241,6 +261,54 @@ class BatchedClock {
 // rate, 4-5 on branch 0 again (the cache reloaded at each switch).
 const std::vector<std::pair<BranchId, int>> kBranchBlocks = {{0, 2}, {1, 2}, {0, 2}};
 
+// RecordLightClock's clock as the adapter runs it: one engine call opens
+// the reads and the first update; the application reads both layers and
+// stages both layers' updates in its memory; one call at step() posts each
+// read and each update (copied in by fill pieces), opens the second update
+// and ends the clock.
+class LightClock {
+ public:
+  // The staged memory is made once: only the application's stream touches it.
+  LightClock(Engine* e, LaggingDevice* device, const Model& m)
+      : e_(e), device_(device), m_(m), staged0_(static_cast<size_t>(m.values[2])),
+        staged1_(static_cast<size_t>(m.values[5])) {}
+
+  Status Run(int rank, int clock, App* app) {
+    const std::vector<Handle>& h = m_.handles;  // r0, r1, u0, _, _, u1 (by op)
+    const Handle r0 = h[0], r1 = h[1], u0 = h[2], u1 = h[5];
+    std::vector<AccessBuffer> opened;
+    MLT_RETURN_IF_ERROR(e_->Run({{OpKind::kRead, r0, {}, {}}, {OpKind::kRead, r1, {}, {}},
+                                 {OpKind::kPreUpdate, u0, {}, {}}}, &opened));
+    const AccessBuffer read0 = opened[0], read1 = opened[1];
+    float* staged0 = staged0_.data();
+    float* staged1 = staged1_.data();
+    const int64_t count0 = static_cast<int64_t>(staged0_.size()), count1 = static_cast<int64_t>(staged1_.size());
+    device_->OnAppStream([=] {
+      float& carried = app->carried[0];
+      carried = static_cast<float>(rank + clock);
+      for (const AccessBuffer& read : {read0, read1}) {
+        for (int64_t k = 0; k < read.rows * read.row_width; ++k) carried = Mod(carried + read.data[k], 7.0f);
+        app->seen[0].push_back(carried);
+      }
+      for (int64_t k = 0; k < count0; ++k) staged0[k] = Mod(carried + static_cast<float>(k), 5.0f);
+      for (int64_t k = 0; k < count1; ++k) staged1[k] = Mod(carried + static_cast<float>(k), 5.0f);
+    });
+    return e_->Run({{OpKind::kPostRead, r0, {}, {}},
+                    {OpKind::kUpdate, u0, {CopyPiece{staged0, 0, count0}}, {}},
+                    {OpKind::kPreUpdate, u1, {}, {}},
+                    {OpKind::kPostRead, r1, {}, {}},
+                    {OpKind::kUpdate, u1, {CopyPiece{staged1, 0, count1}}, {}},
+                    {OpKind::kClock, -1, {}, {}}},
+                   &opened);
+  }
+
+ private:
+  Engine* e_;
+  LaggingDevice* device_;
+  const Model& m_;
+  std::vector<float> staged0_, staged1_;  // the application's memory of the updates
+};
+
 struct Trained {
   std::vector<std::vector<float>> seen;  // by worker
   std::vector<float> layer0, layer1;     // the servers' values at the end (of branch 0)
@@ -295,6 +363,8 @@ void Train(const Setup& setup, uint32_t seed, int64_t budget, Trained* out, bool
       Engine* e = cluster->worker(r);
       Status s = e->StartIterations();
       BatchedClock batches(e, devices[r], models[r]);
+      LightClock light(e, devices[r], models[r]);
+      const bool held_reads = setup.record == RecordLightClock;
       const std::vector<std::pair<BranchId, int>> blocks =
           branches ? kBranchBlocks : std::vector<std::pair<BranchId, int>>{{0, kClocks}};
       int c = 0;
@@ -306,7 +376,11 @@ void Train(const Setup& setup, uint32_t seed, int64_t budget, Trained* out, bool
         }
         if (s.ok() && branches) s = e->ScheduleBranch(branch, clocks);
         for (int k = 0; s.ok() && k < clocks; ++k, ++c) {
-          s = setup.batched ? batches.Run(r, c, &apps[r]) : RunClock(e, devices[r], models[r], setup, r, c, &apps[r]);
+          if (!setup.batched) {
+            s = RunClock(e, devices[r], models[r], setup, r, c, &apps[r]);
+          } else {
+            s = held_reads ? light.Run(r, c, &apps[r]) : batches.Run(r, c, &apps[r]);
+          }
         }
       }
       devices[r]->FinishApp();
@@ -402,6 +476,10 @@ TEST(BatchedBranchesOnLaggingStreamsTrainAsTheCpuWithOneRegion) {
 }
 TEST(ABufferOverTwoEarlierOnesWaitsForBoth) { CheckEveryBudget(With(0, false, RecordSpanningBuffer)); }
 TEST(ABufferOverTwoEarlierOnesWaitsForBothBatched) { CheckEveryBudget(With(0, true, RecordSpanningBuffer)); }
+TEST(TheLightClockOnLaggingStreamsTrainsAsTheCpu) {
+  CheckEveryBudget(With(1, true, RecordLightClock));
+  CheckEveryBudget(With(0, true, RecordLightClock));
+}
 TEST(ApplicationStreamsAreJoinedWherePostsSwitchStreams) {
   // Each buffer used on a stream of its own: a fill over two reads posted on
   // different streams waits for the later post's ticket, which must cover

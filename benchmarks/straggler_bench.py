@@ -1,5 +1,7 @@
 """Stragglers: time to a target validation accuracy with one of 2 (or 4)
-workers slowed, for mltuner at slack 0, 1, 3 and 7 against PyTorch DDP (gloo).
+workers slowed, for mltuner at slack 0, 1, 3 and 7, each with equal batches
+and with batches balanced by speed (``--balance-batches``), against PyTorch
+DDP (gloo), whose batches are equal.
 
     python benchmarks/straggler_bench.py [--quick] [--workers 2,4] [--target 0.7] [--out PATH] [--figures PATH]
 
@@ -21,6 +23,10 @@ over the validation split on rank 0). One seed. ``--workers`` lists the job
 sizes (default 2); each worker takes 32 samples a clock, so 4 workers train
 with twice the global batch of 2, and each size has its own DDP baseline.
 ``--quick`` runs slack 0 and 3 under no straggler, constant 3x and bursts.
+
+Balanced batches keep each clock's samples and summed update (each worker's
+loss weighted by its share) and move samples from the slow rank to the
+others; a slack absorbs the delays that come and go.
 """
 
 from __future__ import annotations
@@ -85,11 +91,13 @@ def main() -> int:
             for name, (sleep_s, probability) in patterns.items():
                 slow = ["--slow-rank", "1", "--slow-ms", str(sleep_s * 1000), "--slow-probability", str(probability)]
                 times: dict[str, float | None] = {}
-                for slack in slacks:
-                    summary = run_job([sys.executable, "-m", "mltuner.apps.mnist1d", "--model", "cnn", "--mode",
-                                       "fixed", "--search", "", "--staleness", str(slack), "--result", str(result),
-                                       *common, *slow], result, workers=workers)["summary"]
-                    times[f"slack {slack}"] = summary["time_to_target_s"]
+                for balanced in (False, True):
+                    for slack in slacks:
+                        summary = run_job([sys.executable, "-m", "mltuner.apps.mnist1d", "--model", "cnn", "--mode",
+                                           "fixed", "--search", "", "--staleness", str(slack), "--result",
+                                           str(result), *common, *slow, *(["--balance-batches"] if balanced else [])],
+                                          result, workers=workers)["summary"]
+                        times[column_name(slack, balanced)] = summary["time_to_target_s"]
                 ddp = run_job([sys.executable, str(BENCH / "ddp_mnist1d.py"), "--result", str(result), *common,
                                *slow], result, workers=workers)
                 times["DDP"] = ddp["time_to_target_s"]
@@ -101,16 +109,21 @@ def main() -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
     write_figures(args.figures, [
-        Figure("stragglers", f"{workers} workers, rank 1 slowed: {name}; slack {slack} vs DDP", times[f"slack {slack}"],
-               "s to target", "DDP (gloo)", times["DDP"], ratio(times["DDP"], times[f"slack {slack}"]),
-               "DDP time / mltuner time", note=f"target {args.target:.0%}, t = {t * 1e3:.2f} ms")
-        for workers, name, times in rows for slack in slacks])
+        Figure("stragglers", f"{workers} workers, rank 1 slowed: {name}; {column_name(slack, balanced)} vs DDP",
+               times[column_name(slack, balanced)], "s to target", "DDP (gloo)", times["DDP"],
+               ratio(times["DDP"], times[column_name(slack, balanced)]), "DDP time / mltuner time",
+               note=f"target {args.target:.0%}, t = {t * 1e3:.2f} ms")
+        for workers, name, times in rows for balanced in (False, True) for slack in slacks])
     return 0
+
+
+def column_name(slack: int, balanced: bool) -> str:
+    return f"slack {slack}, balanced" if balanced else f"slack {slack}"
 
 
 def table(rows: list[tuple[int, str, dict[str, float | None]]], slacks: tuple[int, ...], t: float,
           args: argparse.Namespace, total_s: float) -> list[str]:
-    columns = [f"slack {s}" for s in slacks] + ["DDP"]
+    columns = [column_name(s, b) for b in (False, True) for s in slacks] + ["DDP"]
     lines = [
         "```",
         f"date: {datetime.datetime.now():%Y-%m-%d %H:%M}; machine: {platform.machine()}, "

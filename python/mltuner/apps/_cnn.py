@@ -73,7 +73,7 @@ class TorchCNN:
         index = torch.as_tensor(step.indices, device=self._device, dtype=torch.long)
         logits = self._model(x[index])
         loss = nn.functional.cross_entropy(logits, y[index])
-        loss.backward()  # type: ignore[no-untyped-call]
+        (loss * step.weight).backward()  # type: ignore[no-untyped-call]
         self._model.step()
         if testing:
             accuracy = (logits.argmax(1) == y[index]).float().mean().item() if len(index) else 0.0

@@ -149,6 +149,9 @@ def add_program_options(parser: argparse.ArgumentParser | argparse._ArgumentGrou
                              "square root of the batch ratio (default), by the ratio, or not at all")
     parser.add_argument("--no-rollback", action="store_true",
                         help="no frozen copy of the best model and no rollback when training collapses")
+    parser.add_argument("--balance-batches", action="store_true",
+                        help="size each worker's part of a clock's samples by its measured speed (the "
+                             "clock's samples and the summed update stay those of equal parts)")
     parser.add_argument("--slow-rank", type=_rank, default=-1, help="the rank to slow down (benchmarks)")
     parser.add_argument("--slow-ms", type=_non_negative, default=0.0, help="its sleep after a clock, in ms")
     parser.add_argument("--slow-probability", type=_probability, default=1.0, help="chance of that sleep per clock")

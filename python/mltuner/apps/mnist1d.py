@@ -234,7 +234,7 @@ class NumpyMLP:
             loss, gradient = self._model.loss_and_grad(params, data.x_train[step.indices],
                                                         data.y_train[step.indices])
             worker.post_read(self._read)
-            layout.view(host(worker.pre_update(self._grad)), "params")[...] = gradient
+            layout.view(host(worker.pre_update(self._grad)), "params")[...] = gradient * step.weight
             step.report(loss)
         worker.update(self._grad)
         worker.clock()
@@ -288,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             trainer = NumpyMLP(args, data, job.worker)
         session = TuningSession(job, space, num_train=len(data.x_train), num_validation=len(data.x_val),
-                                config=tuner_config(args), seed=args.seed)
+                                config=tuner_config(args), seed=args.seed, balance_batches=args.balance_batches)
         session.driver = make_driver(args, space, session, log)
         straggler = Straggler(args, job.rank)
         for step in session:
@@ -297,22 +297,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         final = session.final_branch
         test_accuracy = trainer.test_accuracy(final) if final is not None else None
         outcome = session.result
+        shares = session.batch_shares
     elapsed = time.perf_counter() - start
     if log is not None:
         log.close()
     if job.rank == 0:
-        report(args, outcome, elapsed, job.world_size, test_accuracy)
+        report(args, outcome, elapsed, job.world_size, test_accuracy, shares)
     return 0
 
 
 def report(args: argparse.Namespace, outcome: _Outcome, elapsed: float, workers: int,
-           test_accuracy: float | None) -> None:
+           test_accuracy: float | None, batch_shares: Sequence[float] | None = None) -> None:
     """Prints the result and writes it as JSON (rank 0)."""
     summary = outcome.summary
     result: dict[str, Any] = {
         "model": args.model, "mode": args.mode, "workers": workers, "seed": args.seed, "seconds": elapsed,
         "test_accuracy": test_accuracy, "tunables": outcome.tunables,
-        "summary": dataclasses.asdict(summary), "log": args.log}
+        "summary": dataclasses.asdict(summary), "log": args.log,
+        "batch_shares": list(batch_shares) if batch_shares is not None else None}
     if outcome.tuning is not None:
         result["validation_accuracies"] = outcome.tuning.accuracies
         result["outcome"] = outcome.tuning.outcome.value

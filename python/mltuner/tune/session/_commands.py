@@ -5,6 +5,7 @@ each. They travel as JSON objects through ``Job.allgather`` (never pickle):
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any, Union
 
@@ -41,13 +42,19 @@ class FreeCommand:
 
 @dataclasses.dataclass(frozen=True)
 class RunCommand:
-    """Run ``branch`` for ``clocks`` clocks, then report the losses."""
+    """Run ``branch`` for ``clocks`` clocks, then report the losses. With
+    ``shares``, rank r takes that fraction of each clock's samples (batch
+    balancing); without, equal parts."""
 
     branch: int
     clocks: int
+    shares: tuple[float, ...] | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {"op": "run", "branch": self.branch, "clocks": self.clocks}
+        wire: dict[str, Any] = {"op": "run", "branch": self.branch, "clocks": self.clocks}
+        if self.shares is not None:
+            wire["shares"] = list(self.shares)
+        return wire
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +101,19 @@ def _dict(wire: Mapping[str, Any], key: str, *, optional: bool = False) -> Any:
     return dict(value)
 
 
+def _shares(wire: Mapping[str, Any]) -> tuple[float, ...] | None:
+    value = wire.get("shares")
+    if value is None:
+        return None
+    if not isinstance(value, list) or not value or not all(
+            isinstance(f, (int, float)) and not isinstance(f, bool) and math.isfinite(f) and f >= 0
+            for f in value) or sum(value) <= 0:
+        raise TuningError(f"rank 0 sent a malformed tuning command ('shares' is not a list of fractions): "
+                          f"{dict(wire)!r}")
+    total = float(sum(value))
+    return tuple(float(f) / total for f in value)
+
+
 def parse_command(wire: Any) -> Command:
     """The command in a JSON object from rank 0; raises TuningError for
     anything else."""
@@ -110,7 +130,7 @@ def parse_command(wire: Any) -> Command:
     if op == "free":
         return FreeCommand(_int(wire, "branch"))
     if op == "run":
-        return RunCommand(_int(wire, "branch"), _int(wire, "clocks"))
+        return RunCommand(_int(wire, "branch"), _int(wire, "clocks"), _shares(wire))
     if op == "end":
         return EndCommand(_int(wire, "branch", optional=True), _dict(wire, "tunables", optional=True))
     if op == "error":

@@ -30,7 +30,10 @@ training stream, copied at a fork) and picks each worker's sample indices:
 the training set is shuffled once per epoch with the same seed on every
 rank, each clock takes the next ``batch_size x world_size`` samples and
 worker r takes the r-th slice; a TESTING branch runs the validation set
-once from its start, split among the workers.
+once from its start, split among the workers. With ``balance_batches``,
+the slices are sized by each worker's speed instead (``_balance.py``): rank
+0 fits every rank's busy time per clock at the end of each run and sends
+the next run's shares with its command.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from mltuner.tune._errors import TuningError
 from mltuner.tune._log import DecisionLog
 from mltuner.tune._space import SearchSpace
 from mltuner.tune._system import BranchKind, BranchSystem, ClockReport
+from mltuner.tune.session._balance import BatchBalancer, split_counts
 from mltuner.tune.session._sampler import StepBatchSampler
 from mltuner.tune.session._commands import (
     Command,
@@ -126,6 +130,12 @@ class Step:
             loader over the whole session see :meth:`TuningSession.batch_sampler`.
         epoch: the branch's epoch in the training stream (0-based).
         clock: the branch's own clock count before this clock.
+        weight: this worker's share of the clock's samples against an equal
+            share (its samples x workers / the clock's samples). The servers
+            sum the workers' updates: multiply the mean loss (or gradient) by
+            it, and unequal batches sum to the update of equal ones. 1.0
+            unless the session balances batches (a TESTING clock whose
+            samples do not divide among the workers aside).
     """
 
     branch: int
@@ -135,6 +145,7 @@ class Step:
     epoch: int
     clock: int
     _session: TuningSession = dataclasses.field(repr=False, compare=False)
+    weight: float = 1.0
 
     @property
     def batch_size(self) -> int:
@@ -175,6 +186,12 @@ class TuningSession:
         seed: the shuffle seed of the training stream.
         timeout_s: bound of every wait for the other ranks and for the driver
             (default: the job's ``wait_timeout_s``, at least 60 s).
+        balance_batches: size each worker's part of a clock's samples by its
+            speed, measured over the runs so far (the clock's samples stay
+            the same set), so that a slower worker takes fewer and nobody
+            waits for it. The training loop must then weight its loss by
+            :attr:`Step.weight`. Off by default: the split then depends on
+            timing, so runs are not bit-for-bit repeatable.
 
     After the loop, :attr:`result` holds the driver's result on rank 0, and
     :attr:`final_branch` / :attr:`final_tunables` the branch the job ended
@@ -184,7 +201,8 @@ class TuningSession:
     def __init__(self, job: Collective, space: SearchSpace, *, num_train: int, num_validation: int,
                  batch_size: int | None = None, validation_batch_size: int | None = None,
                  config: TunerConfig | None = None, log: DecisionLog | str | None = None,
-                 driver: Driver | None = None, seed: int = 0, timeout_s: float | None = None) -> None:
+                 driver: Driver | None = None, seed: int = 0, timeout_s: float | None = None,
+                 balance_batches: bool = False) -> None:
         job_config = getattr(job, "config", None)
         if job_config is not None and not getattr(job_config, "branches", False):
             raise InvalidArgumentError("tuning needs branches in the parameter server: create the job with "
@@ -222,6 +240,10 @@ class TuningSession:
         self._sequence = 0  # allgathers so far: their names
         self._pending: Step | None = None
         self._run: tuple[int, int] | None = None  # (branch, clocks left) of the run being yielded
+        self._shares: tuple[float, ...] | None = None  # the run's batch shares; None: equal
+        self._balancer = BatchBalancer(self._world) if balance_batches and self._world > 1 else None
+        self._run_kind = BranchKind.TRAINING
+        self._stall_at_run_start = 0.0
         self._reports: list[tuple[float, float | None, int]] = []  # (loss, accuracy, samples) per clock
         self._times: list[float] = []
         self._clock_start = 0.0
@@ -285,6 +307,13 @@ class TuningSession:
         return self._num_train // (self._batch_of(tunables) * self._world)
 
     @property
+    def batch_shares(self) -> tuple[float, ...] | None:
+        """Every rank's fraction of a clock's samples in the current (or
+        last) run; None while they are equal (``balance_batches`` off, or no
+        run measured yet)."""
+        return self._shares
+
+    @property
     def config(self) -> TunerConfig:
         """The tuner's settings, with ``num_clocks_to_test`` covering the
         validation set once (drivers should validate with it too)."""
@@ -313,6 +342,12 @@ class TuningSession:
 
     def _gather_command(self) -> Command:
         mine = self.system._next_command(self._timeout_s) if self.system is not None else None
+        if self._balancer is not None and mine is not None and mine.get("op") == "run":
+            branch = self._branches.get(mine.get("branch"))  # type: ignore[arg-type]
+            if branch is not None and branch.kind is not BranchKind.TESTING:
+                mine["shares"] = self._balancer.fractions(self._batch_of(branch.tunables) * self._world)
+            elif self._shares is not None:
+                mine["shares"] = list(self._shares)
         return parse_command(self._allgather("command", mine)[0])
 
     def _execute(self, command: Command) -> bool:
@@ -322,9 +357,15 @@ class TuningSession:
             self._branches.pop(command.branch, None)
             self._worker.free_branch(command.branch)
         elif isinstance(command, RunCommand):
+            if command.shares is not None and len(command.shares) != self._world:
+                raise TuningError(f"rank 0 sent batch shares for {len(command.shares)} workers; the job has "
+                                  f"{self._world}")
             self._worker.schedule_branch(command.branch, command.clocks)
             self._run = (command.branch, command.clocks)
+            self._shares = command.shares
+            self._run_kind = self._branches[command.branch].kind
             self._reports, self._times = [], []
+            self._stall_at_run_start = self._stall_seconds()
             return True
         elif isinstance(command, EndCommand):
             self.final_branch = command.branch
@@ -359,24 +400,35 @@ class TuningSession:
         losses = [r[0] for r in self._reports]
         accuracy = [r[1] for r in self._reports]
         samples = [r[2] for r in self._reports]
+        # Busy: the clocks' time less the engine's waits, which are waits for other ranks.
+        busy = max(0.0, math.fsum(self._times) - (self._stall_seconds() - self._stall_at_run_start))
         waited = time.perf_counter()
-        everyone = self._allgather("reports", {"loss": losses, "accuracy": accuracy, "samples": samples})
+        everyone = self._allgather("reports", {"loss": losses, "accuracy": accuracy, "samples": samples,
+                                               "busy": busy})
         waited = time.perf_counter() - waited
         if self.system is None:
             return
+        if self._balancer is not None and self._run_kind is not BranchKind.TESTING and self._times:
+            clocks = len(self._times)
+            self._balancer.observe([sum(r["samples"]) / clocks for r in everyone],
+                                   [float(r["busy"]) / clocks for r in everyone])
         # The run ends when the slowest worker has clocked it: rank 0's wait
         # here is part of its time. Spread over its clocks, so that a high
         # slack (rank 0 running ahead) is not counted cheaper than it is.
         extra = waited / len(self._times) if self._times else 0.0
         reports = []
         for clock, seconds in enumerate(t + extra for t in self._times):
-            loss = math.fsum(float(r["loss"][clock]) for r in everyone) / len(everyone)
+            loss = _mean_by_samples([(float(r["loss"][clock]), r["samples"][clock]) for r in everyone])
             weighted = [(r["accuracy"][clock], r["samples"][clock]) for r in everyone
                         if r["samples"][clock] and r["accuracy"][clock] is not None]
             total = sum(n for _, n in weighted)
             acc = math.fsum(a * n for a, n in weighted) / total if total else None
             reports.append(ClockReport(loss=loss, seconds=seconds, accuracy=acc))
         self.system._done(reports)
+
+    def _stall_seconds(self) -> float:
+        stats = getattr(self._worker, "stats", None)
+        return float(stats.get("stall_seconds", 0.0)) if isinstance(stats, Mapping) else 0.0
 
     def _allgather(self, what: str, value: Any) -> list[Any]:
         self._sequence += 1
@@ -394,7 +446,7 @@ class TuningSession:
             # Clocks of near-equal size: the tuner averages their accuracies.
             clocks = self._config.num_clocks_to_test
             part = np.array_split(np.arange(self._num_validation), clocks)[cursor.offset % clocks]
-            indices = np.array_split(part, self._world)[self._rank]
+            indices, clock_samples = self._my_part(part), len(part)
             cursor.offset += 1
         else:
             batch = self._batch_of(branch.tunables)
@@ -402,12 +454,20 @@ class TuningSession:
             if cursor.offset + chunk > self._num_train:  # the rest of the epoch is dropped
                 cursor.epoch, cursor.offset = cursor.epoch + 1, 0
             order = self._permutation(cursor.epoch)
-            begin = cursor.offset + self._rank * batch
-            indices = order[begin:begin + batch]
+            indices, clock_samples = self._my_part(order[cursor.offset:cursor.offset + chunk]), chunk
             cursor.offset += chunk
-        step = Step(branch_id, branch.kind, branch.tunables, indices, cursor.epoch, branch.clocks, self)
+        weight = len(indices) * self._world / clock_samples if clock_samples else 1.0
+        step = Step(branch_id, branch.kind, branch.tunables, indices, cursor.epoch, branch.clocks, self, weight)
         branch.clocks += 1
         return step
+
+    def _my_part(self, samples: np.ndarray) -> np.ndarray:
+        """This rank's slice of a clock's samples: equal parts, or by the run's shares."""
+        if self._shares is None:
+            return np.array_split(samples, self._world)[self._rank]
+        counts = split_counts(len(samples), self._shares)
+        begin = sum(counts[:self._rank])
+        return samples[begin:begin + counts[self._rank]]
 
     def _permutation(self, epoch: int) -> np.ndarray:
         order = self._permutations.get(epoch)
@@ -438,6 +498,15 @@ class TuningSession:
 
     def _default_driver(self, system: BranchSystem) -> Any:
         return Tuner(system, self._space, self._config, log=self._log).run()
+
+
+def _mean_by_samples(values: Sequence[tuple[float, int]]) -> float:
+    """The mean of per-worker means, each weighted by its samples (plain
+    when their samples are equal)."""
+    total = sum(n for _, n in values)
+    if not total or len({n for _, n in values}) == 1:
+        return math.fsum(v for v, _ in values) / len(values)
+    return math.fsum(v * n for v, n in values) / total
 
 
 def _check_momentum_rules(job: Collective) -> None:

@@ -1,0 +1,111 @@
+"""One worker process of the batch-balancing test (run as a program, one per
+rank): linear regression in a TuningSession with ``balance_batches=True``;
+``--slow-rank`` sleeps after each of its clocks.
+
+Rank 0's driver trains one branch for ``--runs`` runs of ``--clocks`` clocks
+and then validates it once. Each rank writes to OUT/rank-R.npz the indices it
+trained on per clock, its steps' weights, the final parameters and the
+shares of the last run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+import mltuner
+from mltuner.tune import BranchKind, BranchSystem, Choice, LogUniform, SearchSpace, TuningSession
+
+IN, NUM_TRAIN, NUM_VAL, BATCH, LR = 6, 400, 40, 8, 0.05
+
+
+def make_data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(NUM_TRAIN + NUM_VAL, IN))
+    return x, x @ rng.normal(size=IN) + 0.1 * rng.normal(size=NUM_TRAIN + NUM_VAL)
+
+
+class _Ended:
+    def __init__(self, branch: int, tunables: dict[str, Any]) -> None:
+        self.branch, self.tunables = branch, tunables
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--clocks", type=int, default=8)
+    parser.add_argument("--slow-rank", type=int, default=1)
+    parser.add_argument("--slow-s", type=float, default=0.02)
+    args = parser.parse_args()
+    setting = {"lr": LR, "batch_size": BATCH}
+
+    def driver(system: BranchSystem) -> _Ended:
+        root = system.fork(None, setting, BranchKind.INIT)
+        branch = system.fork(root, setting, BranchKind.TRAINING)
+        for _ in range(args.runs):
+            system.run(branch, args.clocks)
+        testing = system.fork(branch, setting, BranchKind.TESTING)
+        system.run(testing, session.config.num_clocks_to_test)
+        system.free(testing)
+        return _Ended(branch, setting)
+
+    config = mltuner.Config(update_rule=mltuner.UpdateRule("sgd", learning_rate=LR), branches=True,
+                            max_branches=40, wait_timeout_s=30)
+    space = SearchSpace([LogUniform("lr", 1e-3, 1.0, default=LR),
+                         Choice("batch_size", [BATCH], default=BATCH, search=False)])
+    x, y = make_data()
+    try:
+        with mltuner.Job(config, rendezvous_timeout_s=30) as job:
+            worker = job.worker
+            table = worker.create_table("w", 1, IN)
+            read = worker.virtual_read(table)
+            worker.virtual_post_read(read)
+            grad = worker.virtual_pre_update(table)
+            worker.virtual_update(grad)
+            worker.virtual_clock()
+            worker.finish_virtual_iteration()
+            worker.start_iterations()
+            session = TuningSession(job, space, num_train=NUM_TRAIN, num_validation=NUM_VAL, driver=driver,
+                                    balance_batches=True)
+            trained: list[np.ndarray] = []
+            validated: list[np.ndarray] = []
+            weights: list[float] = []
+            for step in session:
+                w = np.asarray(worker.read(read), dtype=np.float64)[0]
+                worker.post_read(read)
+                if step.kind is BranchKind.TESTING:
+                    validated.append(step.indices)
+                    worker.pre_update(grad)[:] = 0.0
+                    step.report(0.0, accuracy=1.0)
+                else:
+                    trained.append(step.indices)
+                    weights.append(step.weight)
+                    xs, ys = x[step.indices], y[step.indices]
+                    residual = xs @ w - ys
+                    worker.pre_update(grad)[0] = xs.T @ residual / len(xs) * step.weight
+                    step.report(float(np.mean(residual ** 2)))
+                worker.update(grad)
+                worker.clock()
+                if job.rank == args.slow_rank:
+                    time.sleep(args.slow_s)
+            worker.sync()
+            assert session.final_branch is not None
+            np.savez(os.path.join(args.out, f"rank-{job.rank}.npz"),
+                     final=np.asarray(worker.fetch(table, branch=session.final_branch))[0],
+                     trained=np.concatenate(trained), counts=np.array([len(i) for i in trained]),
+                     weights=np.array(weights), validated=np.concatenate(validated),
+                     shares=np.array(session.batch_shares or []))
+    except mltuner.MltunerError as error:
+        print(f"FAILED {type(error).__name__}: {error}", flush=True)
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""The batch balancer's arithmetic: integer splits, and shares that make
+simulated ranks' busy times equal, from measurements alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mltuner.tune._errors import TuningError
+from mltuner.tune.session._balance import BatchBalancer, split_counts
+from mltuner.tune.session._commands import RunCommand, parse_command
+
+
+@pytest.mark.parametrize("total,fractions,want", [
+    (64, [0.5, 0.5], [32, 32]),
+    (10, [1 / 3, 1 / 3, 1 / 3], [4, 3, 3]),  # the remainder to the lower rank
+    (64, [0.999, 0.001], [63, 1]),  # one sample at least
+    (3, [0.0, 0.5, 0.5], [1, 1, 1]),
+    (1, [0.5, 0.5], [1, 0]),  # fewer samples than ranks
+    (0, [0.5, 0.5], [0, 0]),
+])
+def test_split_counts(total: int, fractions: list[float], want: list[int]) -> None:
+    assert split_counts(total, fractions) == want
+
+
+def busy(fixed: list[float], per_sample: list[float], counts: list[int], rng: np.random.Generator,
+         noise: float) -> list[float]:
+    return [(a + b * n) * (1 + noise * rng.standard_normal()) for a, b, n in zip(fixed, per_sample, counts)]
+
+
+@pytest.mark.parametrize("fixed,per_sample", [
+    ([0.1, 2.1], [0.1, 0.1]),    # rank 1 sleeps after each clock: the straggler benchmark's kind
+    ([0.2, 0.2], [0.05, 0.15]),  # rank 1 computes 3x slower
+    ([0.1, 0.1, 0.1, 0.5], [0.1, 0.1, 0.2, 0.1]),
+])
+def test_shares_converge_to_equal_busy_times(fixed: list[float], per_sample: list[float]) -> None:
+    total, world = 64, len(fixed)
+    rng = np.random.default_rng(0)
+    balancer = BatchBalancer(world)
+    counts = split_counts(total, balancer.fractions(total))
+    assert counts == [total // world] * world  # nothing measured yet: equal parts
+    for _ in range(6):
+        balancer.observe(counts, busy(fixed, per_sample, counts, rng, noise=0.03))
+        counts = split_counts(total, balancer.fractions(total))
+    times = [a + b * n for a, b, n in zip(fixed, per_sample, counts)]
+    slowest_equal = max(a + b * total / world for a, b in zip(fixed, per_sample))
+    # Every rank busy for about as long (one sample's time, the noise), or
+    # at its floor of one sample when its fixed cost alone is longer.
+    for t, n in zip(times, counts):
+        assert n == 1 or t >= max(times) - 0.1 * max(times), (counts, times)
+    assert max(times) < 0.85 * slowest_equal, (counts, times)
+
+
+def test_equal_ranks_keep_about_equal_shares() -> None:
+    rng = np.random.default_rng(1)
+    balancer = BatchBalancer(2)
+    counts = [32, 32]
+    for _ in range(8):
+        balancer.observe(counts, busy([0.5, 0.5], [0.1, 0.1], counts, rng, noise=0.02))
+        counts = split_counts(64, balancer.fractions(64))
+        assert abs(counts[0] - 32) <= 3, counts
+
+
+def test_run_commands_carry_shares() -> None:
+    command = RunCommand(3, 10, (0.75, 0.25))
+    assert parse_command(command.to_wire()) == command
+    assert parse_command(RunCommand(3, 10).to_wire()).shares is None
+    assert parse_command({"op": "run", "branch": 1, "clocks": 2, "shares": [3, 1]}).shares == (0.75, 0.25)
+
+
+@pytest.mark.parametrize("shares", [[], "half", [0.5, float("nan")], [0.5, -0.1], [0, 0], [True, False]])
+def test_malformed_shares_are_refused(shares: object) -> None:
+    with pytest.raises(TuningError, match="shares"):
+        parse_command({"op": "run", "branch": 1, "clocks": 2, "shares": shares})

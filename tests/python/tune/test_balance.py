@@ -51,14 +51,15 @@ def test_shares_converge_to_equal_busy_times(fixed: list[float], per_sample: lis
     assert max(times) < 0.85 * slowest_equal, (counts, times)
 
 
-def test_equal_ranks_keep_about_equal_shares() -> None:
+def test_equal_ranks_keep_equal_shares_through_noise() -> None:
+    """Shares that followed the noise would make one rank the slow one."""
     rng = np.random.default_rng(1)
     balancer = BatchBalancer(2)
     counts = [32, 32]
     for _ in range(8):
         balancer.observe(counts, busy([0.5, 0.5], [0.1, 0.1], counts, rng, noise=0.02))
         counts = split_counts(64, balancer.fractions(64))
-        assert abs(counts[0] - 32) <= 3, counts
+        assert counts == [32, 32]
 
 
 def test_run_commands_carry_shares() -> None:

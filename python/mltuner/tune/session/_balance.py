@@ -32,6 +32,9 @@ __all__ = ["BatchBalancer", "split_counts"]
 _HISTORY = 6
 # Below this relative spread of the sizes seen, a fit of a and b is noise.
 _MIN_SPREAD = 0.05
+# New shares must promise a clock this much shorter: measurements of equal
+# ranks differ by noise, and shares that follow it cost more than they gain.
+_MIN_GAIN = 0.05
 
 
 def split_counts(total: int, fractions: Sequence[float]) -> list[int]:
@@ -97,12 +100,19 @@ class BatchBalancer:
     def fractions(self, total: int) -> list[float]:
         """Each rank's fraction of a clock of ``total`` samples: equal busy
         times under the fitted models; the previous fractions while a rank
-        has no model yet."""
+        has no model yet or the new ones would not shorten the clock by
+        ``_MIN_GAIN``."""
         fits = [model.fit() for model in self._models]
         if any(fit is None for fit in fits) or total < len(fits):
             return list(self._fractions)
-        counts = _equal_time_counts(total, [fit for fit in fits if fit is not None])
-        self._fractions = [n / total for n in counts]
+        known = [fit for fit in fits if fit is not None]
+        counts = _equal_time_counts(total, known)
+
+        def clock_seconds(ns: Sequence[float]) -> float:
+            return max(a + b * n for (a, b), n in zip(known, ns))
+
+        if clock_seconds(counts) < (1 - _MIN_GAIN) * clock_seconds([f * total for f in self._fractions]):
+            self._fractions = [n / total for n in counts]
         return list(self._fractions)
 
 

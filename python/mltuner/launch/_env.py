@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import os
+import random
 import socket
 from collections.abc import Iterator, Mapping
 from typing import Literal, Union
@@ -108,17 +109,49 @@ def is_loopback(host: str) -> bool:
     return address.is_loopback
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that was free a moment ago.
+# Ports below the kernel's ephemeral range from this one up: the kernel never
+# hands them to a socket bound to port 0 or to an outgoing connection.
+_LOWEST_CHOSEN_PORT = 10000
+_PORT_TRIES = 64
 
-    The port is only reserved while this call holds it: another process may
-    take it before the caller binds it, so callers should fail clearly on
-    "address in use" rather than assume the port is theirs.
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that was free a moment ago, below the kernel's
+    ephemeral range where the system has one (Linux).
+
+    The port is only reserved while this call holds it, so callers should
+    fail clearly on "address in use" rather than assume the port is theirs.
+    A port from the ephemeral range could be taken in that moment by any
+    socket of the job itself: a worker's own sockets bound to port 0, or its
+    connections to rank 0 while rank 0 is still starting (one of them could
+    even reach itself: TCP's self-connect). Below that range only another
+    program choosing the same number can take it.
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    address = host.strip("[]")
+    ephemeral_low = _ephemeral_low()
+    if ephemeral_low is not None and ephemeral_low - _LOWEST_CHOSEN_PORT >= _PORT_TRIES:
+        rng = random.SystemRandom()
+        for _ in range(_PORT_TRIES):
+            port = rng.randrange(_LOWEST_CHOSEN_PORT, ephemeral_low)
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                try:
+                    probe.bind((address, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.bind((host.strip("[]"), 0))
+        probe.bind((address, 0))
         return int(probe.getsockname()[1])
+
+
+def _ephemeral_low() -> int | None:
+    """The lowest port of the kernel's ephemeral range, where it says."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as ports:
+            return int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def detect_environment(env: Mapping[str, str] | None = None) -> ProcessEnv:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
@@ -287,6 +288,9 @@ def test_loopback_addresses(host: str) -> None:
     assert is_loopback(host)
 
 
+EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
 @pytest.mark.parametrize("host", ["10.0.0.1", "0.0.0.0", "192.168.1.1", "node01", "::", "", "128.0.0.1"])
 def test_non_loopback_addresses(host: str) -> None:
     assert not is_loopback(host)
@@ -297,6 +301,17 @@ def test_free_port_can_be_bound() -> None:
     assert 1 <= port <= 65535
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", port))
+
+
+@pytest.mark.skipif(not os.path.exists(EPHEMERAL_RANGE), reason="the kernel states no ephemeral port range")
+def test_free_port_is_below_the_ephemeral_range() -> None:
+    """Where a socket bound to port 0 or a connection's own end could not take it
+    between the choice and rank 0's bind."""
+    with open(EPHEMERAL_RANGE, encoding="ascii") as ports:
+        low = int(ports.read().split()[0])
+    chosen = {free_port() for _ in range(20)}
+    assert all(port < low for port in chosen), (chosen, low)
+    assert len(chosen) > 1  # drawn at random: two launchers rarely meet
 
 
 @pytest.mark.parametrize("hostlist, hosts", [

@@ -662,6 +662,13 @@ class Worker:
                 self._engine.wait_for_data_age(table.id, finished - 1)
 
     @property
+    def stall_seconds(self) -> float:
+        """Seconds this worker's application has waited for buffers so far
+        (``stats["stall_seconds"]``, without building the whole dict: cheap
+        enough to read every clock)."""
+        return float(self._engine.stats().stall_seconds)
+
+    @property
     def stats(self) -> dict[str, float]:
         """Counters: clock, stall seconds, bytes gathered, swapped and scattered, ...;
         and the plan's sizes, budget and ``prefetch_clocks`` (Config's, or

@@ -73,3 +73,44 @@ def test_run_commands_carry_shares() -> None:
 def test_malformed_shares_are_refused(shares: object) -> None:
     with pytest.raises(TuningError, match="shares"):
         parse_command({"op": "run", "branch": 1, "clocks": 2, "shares": shares})
+
+
+def ssp_seconds_per_clock(counts: list[int], slack: int, clocks: int = 4000) -> float:
+    """An independent replay of SSP with rank 1 in bursts (10 t after 10% of
+    its clocks), t = 32 samples' time: a rank starts clock c when every rank
+    has finished clock c - slack - 1."""
+    rng = np.random.default_rng(123)
+    per_sample = 1 / 32
+    done = [[0.0] * clocks for _ in counts]
+    for c in range(clocks):
+        gate = max(d[c - slack - 1] for d in done) if c > slack else 0.0
+        for r, n in enumerate(counts):
+            burst = 10.0 if r == 1 and rng.random() < 0.1 else 0.0
+            done[r][c] = max(done[r][c - 1] if c else 0.0, gate) + n * per_sample + burst
+    return max(d[-1] for d in done) / clocks
+
+
+def bursty_balancer(slack: int) -> list[int]:
+    rng = np.random.default_rng(5)
+    balancer = BatchBalancer(2)
+    counts = [32, 32]
+    for _ in range(6):
+        clocks = np.array([[n / 32 for n in counts]] * 64)
+        clocks[:, 1] += 10.0 * (rng.random(64) < 0.1)
+        balancer.observe(counts, clocks.mean(axis=0).tolist(), clocks.T.tolist())
+        counts = split_counts(64, balancer.fractions(64, slack))
+    return counts
+
+
+def test_bursts_keep_their_share_under_bsp() -> None:
+    """Under BSP a clock costs its slowest rank's time: a burst costs the same
+    whatever the bursty rank computes, so shares by mean time would be slower."""
+    counts = bursty_balancer(slack=0)
+    assert counts == [32, 32]
+    assert ssp_seconds_per_clock([48, 16], 0) > 1.1 * ssp_seconds_per_clock([32, 32], 0)
+
+
+def test_bursts_move_samples_where_a_slack_lets_the_bursty_rank_catch_up() -> None:
+    counts = bursty_balancer(slack=7)
+    assert counts[1] < 28, counts
+    assert ssp_seconds_per_clock(counts, 7) < 0.92 * ssp_seconds_per_clock([32, 32], 7)

@@ -74,6 +74,8 @@ __all__ = ["TuningSession", "Step", "PSBranchSystem", "Driver", "Collective"]
 # A run longer than this is split into several, so that one allgather of its
 # losses stays far below the control channel's 1 MiB frame.
 _MAX_CLOCKS_PER_RUN = 2000
+# Clocks whose busy times a rank sends at the end of a run, for the balancer.
+_BUSY_CLOCKS_SENT = 128
 _ROOT = 0  # the engine's branch 0 holds the initial weights
 
 
@@ -241,9 +243,10 @@ class TuningSession:
         self._pending: Step | None = None
         self._run: tuple[int, int] | None = None  # (branch, clocks left) of the run being yielded
         self._shares: tuple[float, ...] | None = None  # the run's batch shares; None: equal
-        self._balancer = BatchBalancer(self._world) if balance_batches and self._world > 1 else None
+        self._balance = balance_batches and self._world > 1  # every rank measures its clocks
+        self._balancer = BatchBalancer(self._world, seed) if self._balance and self._rank == 0 else None
         self._run_kind = BranchKind.TRAINING
-        self._stall_at_run_start = 0.0
+        self._busy: list[float] = []  # per clock of the run: its time less the engine's waits
         self._reports: list[tuple[float, float | None, int]] = []  # (loss, accuracy, samples) per clock
         self._times: list[float] = []
         self._clock_start = 0.0
@@ -273,12 +276,16 @@ class TuningSession:
                     return
                 self._pending = step
                 self._clocks_yielded += 1
+                stalled = self._stall_seconds() if self._balance else 0.0
                 self._clock_start = time.perf_counter()
                 yield step
                 if self._pending is not None:
                     raise InvalidArgumentError(f"step {step.clock} of branch {step.branch} was not reported: "
                                                "call step.report(loss) once per step")
                 self._times.append(time.perf_counter() - self._clock_start)
+                if self._balance:
+                    # The engine's waits are waits for other ranks: not this rank's own time.
+                    self._busy.append(max(0.0, self._times[-1] - (self._stall_seconds() - stalled)))
         finally:
             if self.system is not None:
                 self.system._close()
@@ -345,7 +352,10 @@ class TuningSession:
         if self._balancer is not None and mine is not None and mine.get("op") == "run":
             branch = self._branches.get(mine.get("branch"))  # type: ignore[arg-type]
             if branch is not None and branch.kind is not BranchKind.TESTING:
-                mine["shares"] = self._balancer.fractions(self._batch_of(branch.tunables) * self._world)
+                # A space without staleness leaves the reads' own slack, unknown here: 0 is the
+                # cautious guess (variations then cost their full length).
+                slack = int(branch.tunables.get("staleness") or 0)
+                mine["shares"] = self._balancer.fractions(self._batch_of(branch.tunables) * self._world, slack)
             elif self._shares is not None:
                 mine["shares"] = list(self._shares)
         return parse_command(self._allgather("command", mine)[0])
@@ -364,8 +374,7 @@ class TuningSession:
             self._run = (command.branch, command.clocks)
             self._shares = command.shares
             self._run_kind = self._branches[command.branch].kind
-            self._reports, self._times = [], []
-            self._stall_at_run_start = self._stall_seconds()
+            self._reports, self._times, self._busy = [], [], []
             return True
         elif isinstance(command, EndCommand):
             self.final_branch = command.branch
@@ -400,18 +409,20 @@ class TuningSession:
         losses = [r[0] for r in self._reports]
         accuracy = [r[1] for r in self._reports]
         samples = [r[2] for r in self._reports]
-        # Busy: the clocks' time less the engine's waits, which are waits for other ranks.
-        busy = max(0.0, math.fsum(self._times) - (self._stall_seconds() - self._stall_at_run_start))
+        mine: dict[str, Any] = {"loss": losses, "accuracy": accuracy, "samples": samples}
+        if self._balance:
+            # The mean, and the last clocks' own (a bounded message at any run length).
+            mine["busy"] = math.fsum(self._busy) / len(self._busy) if self._busy else 0.0
+            mine["busy_clocks"] = [round(t, 6) for t in self._busy[-_BUSY_CLOCKS_SENT:]]
         waited = time.perf_counter()
-        everyone = self._allgather("reports", {"loss": losses, "accuracy": accuracy, "samples": samples,
-                                               "busy": busy})
+        everyone = self._allgather("reports", mine)
         waited = time.perf_counter() - waited
         if self.system is None:
             return
         if self._balancer is not None and self._run_kind is not BranchKind.TESTING and self._times:
             clocks = len(self._times)
             self._balancer.observe([sum(r["samples"]) / clocks for r in everyone],
-                                   [float(r["busy"]) / clocks for r in everyone])
+                                   [float(r["busy"]) for r in everyone], [r["busy_clocks"] for r in everyone])
         # The run ends when the slowest worker has clocked it: rank 0's wait
         # here is part of its time. Spread over its clocks, so that a high
         # slack (rank 0 running ahead) is not counted cheaper than it is.
@@ -427,8 +438,7 @@ class TuningSession:
         self.system._done(reports)
 
     def _stall_seconds(self) -> float:
-        stats = getattr(self._worker, "stats", None)
-        return float(stats.get("stall_seconds", 0.0)) if isinstance(stats, Mapping) else 0.0
+        return float(getattr(self._worker, "stall_seconds", 0.0))
 
     def _allgather(self, what: str, value: Any) -> list[Any]:
         self._sequence += 1

@@ -3,7 +3,8 @@ workers slowed, for mltuner at slack 0, 1, 3 and 7, each with equal batches
 and with batches balanced by speed (``--balance-batches``), against PyTorch
 DDP (gloo), whose batches are equal.
 
-    python benchmarks/straggler_bench.py [--quick] [--workers 2,4] [--target 0.7] [--out PATH] [--figures PATH]
+    python benchmarks/straggler_bench.py [--quick] [--workers 2,4] [--only 3x,bursts] [--target 0.7]
+                                         [--out PATH] [--figures PATH]
 
 The model is the MNIST-1D CNN, trained with a fixed setting (lr 0.3,
 dampened momentum 0.9, 32 samples per worker and clock) by
@@ -74,6 +75,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="slack 0 and 3; no straggler, constant 3x, bursts")
     parser.add_argument("--workers", type=lambda text: [int(n) for n in text.split(",")], default=[2],
                         help="comma list of worker counts (default 2)")
+    parser.add_argument("--only", type=lambda text: text.split(","), default=None,
+                        help="comma list of the patterns to run, by a word of their names (none, 1.5x, 3x, bursts)")
     args = parser.parse_args()
     slacks = QUICK_SLACKS if args.quick else SLACKS
     t = batch_seconds()
@@ -81,6 +84,9 @@ def main() -> int:
                 "bursts (10t, p=0.1)": (10 * t, 0.1)}
     if args.quick:
         del patterns["constant 1.5x"]
+    if args.only:
+        patterns = {name: pattern for name, pattern in patterns.items()
+                    if any(word in name.split() for word in args.only)}
     common = ["--target-accuracy", str(args.target), "--max-epochs", str(args.max_epochs), "--lr", "0.3",
               "--momentum", "0.9", "--batch-size", "32", "--seed", "0"]
     rows = []

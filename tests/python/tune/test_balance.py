@@ -44,11 +44,16 @@ def test_shares_converge_to_equal_busy_times(fixed: list[float], per_sample: lis
         counts = split_counts(total, balancer.fractions(total))
     times = [a + b * n for a, b, n in zip(fixed, per_sample, counts)]
     slowest_equal = max(a + b * total / world for a, b in zip(fixed, per_sample))
-    # Every rank busy for about as long (one sample's time, the noise), or
-    # at its floor of one sample when its fixed cost alone is longer.
-    for t, n in zip(times, counts):
-        assert n == 1 or t >= max(times) - 0.1 * max(times), (counts, times)
     assert max(times) < 0.85 * slowest_equal, (counts, times)
+    # Within the balancer's 5% (it keeps shares that promise less) and a
+    # sample's rounding of the best clock: the least T at which the ranks,
+    # each at one sample or more, can compute the clock's samples.
+    low, high = 0.0, slowest_equal
+    for _ in range(60):
+        middle = (low + high) / 2
+        fits = sum(max(1.0, (middle - a) / b) for a, b in zip(fixed, per_sample)) >= total
+        low, high = (low, middle) if fits else (middle, high)
+    assert max(times) <= 1.05 * high + max(per_sample), (counts, times, high)
 
 
 def test_equal_ranks_keep_equal_shares_through_noise() -> None:
@@ -114,3 +119,16 @@ def test_bursts_move_samples_where_a_slack_lets_the_bursty_rank_catch_up() -> No
     counts = bursty_balancer(slack=7)
     assert counts[1] < 28, counts
     assert ssp_seconds_per_clock(counts, 7) < 0.92 * ssp_seconds_per_clock([32, 32], 7)
+
+
+def test_a_fixed_delay_is_found_within_three_runs_when_each_clock_costs_more_than_its_samples() -> None:
+    """As measured on the 2-core machine: a clock costs about 3 ms whatever its
+    size, 32 samples 1 ms, rank 1 sleeps 2 ms after each. Rank 0's own runs
+    cannot tell its small slope from noise; the slope of both ranks' runs can."""
+    rng = np.random.default_rng(2)
+    balancer = BatchBalancer(2)
+    counts = [32, 32]
+    for _ in range(3):
+        balancer.observe(counts, busy([3.0, 5.0], [1 / 32, 1 / 32], counts, rng, noise=0.05))
+        counts = split_counts(64, balancer.fractions(64, slack=3))
+    assert counts == [63, 1]

@@ -13,9 +13,14 @@ Each rank's busy time per clock (its step time less the time it waited for
 the engine, which is waiting for the others) is modelled as ``a + b n + e``
 for n samples: ``a`` what a clock costs whatever its size (the clock's own
 work, a straggler's sleep), ``b`` the time per sample, both from a
-least-squares fit over the rank's recent runs (proportional, ``a = 0``,
-until the runs have spread in n), and ``e`` the clock's deviation from its
-run's mean, drawn from the rank's recent clocks. Shares that give every
+least-squares fit over the recent runs, and ``e`` the clock's deviation
+from its run's mean, drawn from the rank's recent clocks. ``b`` is one slope
+for all ranks, fitted to every rank's runs about the rank's own mean: the
+ranks train one model, and one rank's few sizes cannot tell a slope of a
+few percent of its clock from noise. (Ranks whose devices differ get the
+mean slope; their ``a`` absorbs the rest at the sizes they run, and the next
+runs correct it.) Before any rank's size has moved the model is
+proportional (``a = 0``), which moves the shares enough to measure. Shares that give every
 rank the same mean time are best only when nothing varies: under BSP
 (slack 0) each clock costs the slowest rank's time, so a rank with bursts of
 delay should keep its part, since its bursts cost the same whatever it
@@ -74,24 +79,34 @@ class _RankModel:
         self.points: deque[tuple[float, float]] = deque(maxlen=_HISTORY)
         self.deviations: deque[float] = deque(maxlen=_DEVIATIONS)
 
-    def fit(self) -> tuple[float, float] | None:
-        """(a, b), or None before any run with samples and time."""
-        points = [(n, t) for n, t in self.points if n > 0 and t > 0]
+    def usable(self) -> list[tuple[float, float]]:
+        return [(n, t) for n, t in self.points if n > 0 and t > 0]
+
+    def moments(self) -> tuple[float, float] | None:
+        """(covariance, variance) of time and size about this rank's means,
+        or None while its sizes have too little spread to fit."""
+        points = self.usable()
         if not points:
             return None
-        sizes = [n for n, _ in points]
-        mean_n = sum(sizes) / len(sizes)
+        mean_n = sum(n for n, _ in points) / len(points)
         mean_t = sum(t for _, t in points) / len(points)
-        spread = max(sizes) - min(sizes)
-        if spread > _MIN_SPREAD * mean_n:
-            covariance = sum((n - mean_n) * (t - mean_t) for n, t in points)
-            variance = sum((n - mean_n) ** 2 for n in sizes)
-            b = covariance / variance
-            a = mean_t - b * mean_n
-            if b > 0 and a >= 0:
-                return a, b
+        if max(n for n, _ in points) - min(n for n, _ in points) <= _MIN_SPREAD * mean_n:
+            return None
+        return (sum((n - mean_n) * (t - mean_t) for n, t in points),
+                sum((n - mean_n) ** 2 for n, _ in points))
+
+    def fit(self, slope: float | None) -> tuple[float, float] | None:
+        """(a, b) with b = ``slope`` (None: proportional), or None before any
+        run with samples and time."""
+        points = self.usable()
+        if not points:
+            return None
+        mean_n = sum(n for n, _ in points) / len(points)
+        mean_t = sum(t for _, t in points) / len(points)
+        if slope is not None and slope * mean_n <= mean_t:
+            return mean_t - slope * mean_n, slope
         # Proportional: least squares through the origin.
-        return 0.0, sum(n * t for n, t in points) / sum(n * n for n in sizes)
+        return 0.0, sum(n * t for n, t in points) / sum(n * n for n, _ in points)
 
 
 class BatchBalancer:
@@ -106,6 +121,7 @@ class BatchBalancer:
         self._models = [_RankModel() for _ in range(world_size)]
         self._fractions = [1.0 / world_size] * world_size
         self._rng = np.random.default_rng(seed)
+        self._slope: float | None = None  # seconds per sample, the last positive fit
 
     def observe(self, samples_per_clock: Sequence[float], busy_per_clock: Sequence[float],
                 busy_clocks: Sequence[Sequence[float]] | None = None) -> None:
@@ -123,7 +139,10 @@ class BatchBalancer:
         the fastest of the candidates by the replayed model; the previous
         fractions while a rank has no model yet, or when no candidate is
         ``_MIN_GAIN`` faster than them."""
-        fits = [model.fit() for model in self._models]
+        moments = [m for m in (model.moments() for model in self._models) if m is not None]
+        if moments and sum(c for c, _ in moments) > 0:
+            self._slope = sum(c for c, _ in moments) / sum(v for _, v in moments)
+        fits = [model.fit(self._slope) for model in self._models]
         if any(fit is None for fit in fits) or total < len(fits):
             return list(self._fractions)
         known = [fit for fit in fits if fit is not None]

@@ -15,7 +15,7 @@ benchmarks/, with more options and tables):
   throughput  mltuner on N workers vs DDP (gloo on CPU, NCCL on GPU) and
               1 worker vs plain PyTorch; with --gpu also throughput-transformer,
               a BERT-base-sized encoder with Adam
-  stragglers  time to accuracy with one slowed worker, slack 0..7 vs DDP
+  stragglers  time to accuracy with one slowed worker, slack 0..7, equal or balanced batches, vs DDP
   tuning      MLtuner vs the best fixed setting, Optuna TPE and Hyperband,
               time to accuracy over seeds (median and spread)
   gpu-path    (--gpu) torchvision ResNet-18 (batch 128/256/512, slack 0/1) and

@@ -316,8 +316,7 @@ class TuningSession:
     @property
     def batch_shares(self) -> tuple[float, ...] | None:
         """Every rank's fraction of a clock's samples in the current (or
-        last) run; None while they are equal (``balance_batches`` off, or no
-        run measured yet)."""
+        last) run; None without ``balance_batches`` (equal parts)."""
         return self._shares
 
     @property

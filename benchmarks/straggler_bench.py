@@ -97,17 +97,20 @@ def main() -> int:
             for name, (sleep_s, probability) in patterns.items():
                 slow = ["--slow-rank", "1", "--slow-ms", str(sleep_s * 1000), "--slow-probability", str(probability)]
                 times: dict[str, float | None] = {}
+                shares: dict[str, list[float]] = {}
                 for balanced in (False, True):
                     for slack in slacks:
-                        summary = run_job([sys.executable, "-m", "mltuner.apps.mnist1d", "--model", "cnn", "--mode",
+                        outcome = run_job([sys.executable, "-m", "mltuner.apps.mnist1d", "--model", "cnn", "--mode",
                                            "fixed", "--search", "", "--staleness", str(slack), "--result",
                                            str(result), *common, *slow, *(["--balance-batches"] if balanced else [])],
-                                          result, workers=workers)["summary"]
-                        times[column_name(slack, balanced)] = summary["time_to_target_s"]
+                                          result, workers=workers)
+                        times[column_name(slack, balanced)] = outcome["summary"]["time_to_target_s"]
+                        if outcome.get("batch_shares"):
+                            shares[column_name(slack, balanced)] = [round(f, 3) for f in outcome["batch_shares"]]
                 ddp = run_job([sys.executable, str(BENCH / "ddp_mnist1d.py"), "--result", str(result), *common,
                                *slow], result, workers=workers)
                 times["DDP"] = ddp["time_to_target_s"]
-                print(workers, name, times, flush=True)
+                print(workers, name, times, "final shares:", shares, flush=True)
                 rows.append((workers, name, times))
     lines = table(rows, slacks, t, args, time.perf_counter() - started)
     text = "\n".join(lines) + "\n"

@@ -161,6 +161,7 @@ class Worker:
         # Python holds none to it, so the worker must not extend its life.
         self._handed_out: dict[int, weakref.ref[np.ndarray]] = {}
         self._tables: dict[int, Table] = {}
+        self._read_slack: int | None = None  # the least slack of the recorded reads
         self._last_data_age = -2
 
     # -- tables ---------------------------------------------------------------
@@ -317,7 +318,9 @@ class Worker:
         """Records a read of ``rows`` (all rows by default) that may be ``slack``
         clocks stale (0 = BSP); returns its handle."""
         row_ids = self._rows(table, rows)
-        handle = int(self._engine.virtual_read(table.id, row_ids, integer("slack", slack, 0, INT32_MAX)))
+        slack = integer("slack", slack, 0, INT32_MAX)
+        handle = int(self._engine.virtual_read(table.id, row_ids, slack))
+        self._read_slack = slack if self._read_slack is None else min(self._read_slack, slack)
         return handle
 
     def virtual_post_read(self, handle: int) -> None:
@@ -660,6 +663,13 @@ class Worker:
         for table in self._tables.values():
             if not table.local:
                 self._engine.wait_for_data_age(table.id, finished - 1)
+
+    @property
+    def read_slack(self) -> int | None:
+        """The least slack of the recorded reads (the one that binds the
+        clocks), None before any; a branch forked with its own slack
+        overrides it for that branch."""
+        return self._read_slack
 
     @property
     def stall_seconds(self) -> float:

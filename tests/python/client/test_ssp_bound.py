@@ -189,3 +189,15 @@ def test_a_worker_that_reads_no_table_stays_within_two_clocks_of_the_others(
             worker.flush()
         values = cluster.workers[0].fetch(cluster.workers[0].tables[0])
         np.testing.assert_array_equal(values, np.full((2, WIDTH), float(clocks), dtype=np.float32))
+
+
+def test_the_worker_knows_the_least_slack_of_its_reads() -> None:
+    """The batch balancer replays clocks under it when no branch sets its own."""
+    with LocalCluster(1, Config(update_rule=UpdateRule("sgd", learning_rate=0.1))) as cluster:
+        worker = cluster.worker(0)
+        assert worker.read_slack is None
+        table = worker.create_table("t", 2, 4)
+        worker.virtual_post_read(worker.virtual_read(table, slack=3))
+        worker.virtual_post_read(worker.virtual_read(table, [1], slack=1))
+        worker.virtual_post_read(worker.virtual_read(table, [0], slack=5))
+        assert worker.read_slack == 1

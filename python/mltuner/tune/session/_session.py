@@ -351,9 +351,9 @@ class TuningSession:
         if self._balancer is not None and mine is not None and mine.get("op") == "run":
             branch = self._branches.get(mine.get("branch"))  # type: ignore[arg-type]
             if branch is not None and branch.kind is not BranchKind.TESTING:
-                # A space without staleness leaves the reads' own slack, unknown here: 0 is the
-                # cautious guess (variations then cost their full length).
-                slack = int(branch.tunables.get("staleness") or 0)
+                # A space without staleness leaves the reads' own slack.
+                staleness = branch.tunables.get("staleness")
+                slack = int(staleness if staleness is not None else getattr(self._worker, "read_slack", 0) or 0)
                 mine["shares"] = self._balancer.fractions(self._batch_of(branch.tunables) * self._world, slack)
             elif self._shares is not None:
                 mine["shares"] = list(self._shares)

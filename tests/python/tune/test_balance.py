@@ -9,6 +9,7 @@ import pytest
 from mltuner.tune._errors import TuningError
 from mltuner.tune.session._balance import BatchBalancer, split_counts
 from mltuner.tune.session._commands import RunCommand, parse_command
+from mltuner.tune.session._session import _check_report
 
 
 @pytest.mark.parametrize("total,fractions,want", [
@@ -132,3 +133,29 @@ def test_a_fixed_delay_is_found_within_three_runs_when_each_clock_costs_more_tha
         balancer.observe(counts, busy([3.0, 5.0], [1 / 32, 1 / 32], counts, rng, noise=0.05))
         counts = split_counts(64, balancer.fractions(64, slack=3))
     assert counts == [63, 1]
+
+
+GOOD_REPORT = {"loss": [0.5, float("nan")], "accuracy": [None, 0.25], "samples": [3, 0], "busy": 0.01,
+               "busy_clocks": [0.01, 0.02]}
+
+
+def test_a_runs_reports_are_checked_as_they_come_over_the_network() -> None:
+    _check_report(1, GOOD_REPORT, 2, balanced=True)
+    _check_report(1, {k: v for k, v in GOOD_REPORT.items() if not k.startswith("busy")}, 2, balanced=False)
+
+
+@pytest.mark.parametrize("change", [
+    {"loss": [0.5]},  # a clock short
+    {"loss": [0.5, "x"]},
+    {"accuracy": [True, 0.1]},
+    {"samples": [3, -1]},
+    {"samples": [3, 1.5]},
+    {"busy": None},
+    {"busy_clocks": "fast"},
+    {"busy_clocks": [0.1, None]},
+])
+def test_malformed_reports_name_the_rank(change: dict[str, object]) -> None:
+    with pytest.raises(TuningError, match="rank 1 sent a malformed report"):
+        _check_report(1, {**GOOD_REPORT, **change}, 2, balanced=True)
+    with pytest.raises(TuningError, match="rank 1 sent a malformed report"):
+        _check_report(1, ["not", "a", "report"], 2, balanced=False)

@@ -331,7 +331,7 @@ class TuningSession:
         if step.kind is BranchKind.TESTING and accuracy is None and len(step.indices):
             raise InvalidArgumentError("a TESTING step must report its accuracy: step.report(loss, accuracy=...)")
         self._pending = None
-        self._reports.append((loss, accuracy, len(step.indices)))
+        self._reports.append((loss, None if accuracy is None else float(accuracy), len(step.indices)))
 
     # -- commands -------------------------------------------------------------------
 
@@ -418,6 +418,8 @@ class TuningSession:
         waited = time.perf_counter() - waited
         if self.system is None:
             return
+        for rank, report in enumerate(everyone):
+            _check_report(rank, report, len(self._times), self._balance)
         if self._balancer is not None and self._run_kind is not BranchKind.TESTING and self._times:
             clocks = len(self._times)
             self._balancer.observe([sum(r["samples"]) / clocks for r in everyone],
@@ -507,6 +509,28 @@ class TuningSession:
 
     def _default_driver(self, system: BranchSystem) -> Any:
         return Tuner(system, self._space, self._config, log=self._log).run()
+
+
+def _check_report(rank: int, report: Any, clocks: int, balanced: bool) -> None:
+    """Raises TuningError unless ``report`` is a run's report of ``clocks``
+    clocks as every rank sends it (it came over the network)."""
+
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    def clocks_of(key: str, check: Callable[[Any], bool]) -> bool:
+        values = report.get(key)
+        return isinstance(values, list) and len(values) == clocks and all(check(v) for v in values)
+
+    ok = (isinstance(report, dict)
+          and clocks_of("loss", number)
+          and clocks_of("accuracy", lambda v: v is None or number(v))
+          and clocks_of("samples", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0))
+    if ok and balanced:
+        busy_clocks = report.get("busy_clocks")
+        ok = number(report.get("busy")) and isinstance(busy_clocks, list) and all(number(v) for v in busy_clocks)
+    if not ok:
+        raise TuningError(f"rank {rank} sent a malformed report of a run of {clocks} clocks: {str(report)[:200]}")
 
 
 def _mean_by_samples(values: Sequence[tuple[float, int]]) -> float:

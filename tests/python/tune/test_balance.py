@@ -8,8 +8,7 @@ import pytest
 
 from mltuner.tune._errors import TuningError
 from mltuner.tune.session._balance import BatchBalancer, split_counts
-from mltuner.tune.session._commands import RunCommand, parse_command
-from mltuner.tune.session._session import _check_report
+from mltuner.tune.session._commands import RunCommand, check_report, parse_command
 
 
 @pytest.mark.parametrize("total,fractions,want", [
@@ -140,8 +139,8 @@ GOOD_REPORT = {"loss": [0.5, float("nan")], "accuracy": [None, 0.25], "samples":
 
 
 def test_a_runs_reports_are_checked_as_they_come_over_the_network() -> None:
-    _check_report(1, GOOD_REPORT, 2, balanced=True)
-    _check_report(1, {k: v for k, v in GOOD_REPORT.items() if not k.startswith("busy")}, 2, balanced=False)
+    check_report(1, GOOD_REPORT, 2, balanced=True)
+    check_report(1, {k: v for k, v in GOOD_REPORT.items() if not k.startswith("busy")}, 2, balanced=False)
 
 
 @pytest.mark.parametrize("change", [
@@ -156,6 +155,6 @@ def test_a_runs_reports_are_checked_as_they_come_over_the_network() -> None:
 ])
 def test_malformed_reports_name_the_rank(change: dict[str, object]) -> None:
     with pytest.raises(TuningError, match="rank 1 sent a malformed report"):
-        _check_report(1, {**GOOD_REPORT, **change}, 2, balanced=True)
+        check_report(1, {**GOOD_REPORT, **change}, 2, balanced=True)
     with pytest.raises(TuningError, match="rank 1 sent a malformed report"):
-        _check_report(1, ["not", "a", "report"], 2, balanced=False)
+        check_report(1, ["not", "a", "report"], 2, balanced=False)

@@ -1,19 +1,21 @@
 """The commands rank 0's driver sends to every rank, one typed dataclass
-each. They travel as JSON objects through ``Job.allgather`` (never pickle):
-:meth:`to_wire` writes one, :func:`parse_command` reads and checks one."""
+each, and the reports every rank sends back at the end of a run. They
+travel as JSON objects through ``Job.allgather`` (never pickle):
+:meth:`to_wire` writes a command, :func:`parse_command` reads and checks
+one, :func:`check_report` checks a report."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Union
 
 from mltuner.tune._errors import TuningError
 from mltuner.tune._system import BranchKind
 
 __all__ = ["ForkCommand", "FreeCommand", "RunCommand", "EndCommand", "ErrorCommand", "Command",
-           "parse_command"]
+           "parse_command", "check_report"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,11 +83,20 @@ class ErrorCommand:
 Command = Union[ForkCommand, FreeCommand, RunCommand, EndCommand, ErrorCommand]
 
 
+def _is_number(value: Any) -> bool:
+    """A JSON number (bool is an int to Python, not to JSON)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _int(wire: Mapping[str, Any], key: str, *, optional: bool = False) -> Any:
     value = wire.get(key)
     if value is None and optional:
         return None
-    if not isinstance(value, int) or isinstance(value, bool):
+    if not _is_int(value):
         raise TuningError(f"rank 0 sent a malformed tuning command ({key!r} is not an integer): "
                           f"{dict(wire)!r}")
     return value
@@ -106,8 +117,7 @@ def _shares(wire: Mapping[str, Any]) -> tuple[float, ...] | None:
     if value is None:
         return None
     if not isinstance(value, list) or not value or not all(
-            isinstance(f, (int, float)) and not isinstance(f, bool) and math.isfinite(f) and f >= 0
-            for f in value) or sum(value) <= 0:
+            _is_number(f) and math.isfinite(f) and f >= 0 for f in value) or sum(value) <= 0:
         raise TuningError(f"rank 0 sent a malformed tuning command ('shares' is not a list of fractions): "
                           f"{dict(wire)!r}")
     total = float(sum(value))
@@ -136,3 +146,22 @@ def parse_command(wire: Any) -> Command:
     if op == "error":
         return ErrorCommand(str(wire.get("message")))
     raise TuningError(f"unknown tuning command {op!r} from rank 0")
+
+
+def check_report(rank: int, report: Any, clocks: int, balanced: bool) -> None:
+    """Raises TuningError unless ``report`` is a run's report of ``clocks``
+    clocks as every rank sends it (it came over the network)."""
+
+    def clocks_of(key: str, check: Callable[[Any], bool]) -> bool:
+        values = report.get(key)
+        return isinstance(values, list) and len(values) == clocks and all(check(v) for v in values)
+
+    ok = (isinstance(report, dict)
+          and clocks_of("loss", _is_number)
+          and clocks_of("accuracy", lambda v: v is None or _is_number(v))
+          and clocks_of("samples", lambda v: _is_int(v) and v >= 0))
+    if ok and balanced:
+        busy_clocks = report.get("busy_clocks")
+        ok = _is_number(report.get("busy")) and isinstance(busy_clocks, list) and all(map(_is_number, busy_clocks))
+    if not ok:
+        raise TuningError(f"rank {rank} sent a malformed report of a run of {clocks} clocks: {str(report)[:200]}")

@@ -65,6 +65,7 @@ from mltuner.tune.session._commands import (
     ForkCommand,
     FreeCommand,
     RunCommand,
+    check_report,
     parse_command,
 )
 from mltuner.tune.tuner._tuner import Tuner
@@ -419,7 +420,7 @@ class TuningSession:
         if self.system is None:
             return
         for rank, report in enumerate(everyone):
-            _check_report(rank, report, len(self._times), self._balance)
+            check_report(rank, report, len(self._times), self._balance)
         if self._balancer is not None and self._run_kind is not BranchKind.TESTING and self._times:
             clocks = len(self._times)
             self._balancer.observe([sum(r["samples"]) / clocks for r in everyone],
@@ -509,28 +510,6 @@ class TuningSession:
 
     def _default_driver(self, system: BranchSystem) -> Any:
         return Tuner(system, self._space, self._config, log=self._log).run()
-
-
-def _check_report(rank: int, report: Any, clocks: int, balanced: bool) -> None:
-    """Raises TuningError unless ``report`` is a run's report of ``clocks``
-    clocks as every rank sends it (it came over the network)."""
-
-    def number(value: Any) -> bool:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-    def clocks_of(key: str, check: Callable[[Any], bool]) -> bool:
-        values = report.get(key)
-        return isinstance(values, list) and len(values) == clocks and all(check(v) for v in values)
-
-    ok = (isinstance(report, dict)
-          and clocks_of("loss", number)
-          and clocks_of("accuracy", lambda v: v is None or number(v))
-          and clocks_of("samples", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0))
-    if ok and balanced:
-        busy_clocks = report.get("busy_clocks")
-        ok = number(report.get("busy")) and isinstance(busy_clocks, list) and all(number(v) for v in busy_clocks)
-    if not ok:
-        raise TuningError(f"rank {rank} sent a malformed report of a run of {clocks} clocks: {str(report)[:200]}")
 
 
 def _mean_by_samples(values: Sequence[tuple[float, int]]) -> float:

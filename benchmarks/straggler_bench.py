@@ -100,13 +100,14 @@ def main() -> int:
                 shares: dict[str, list[float]] = {}
                 for balanced in (False, True):
                     for slack in slacks:
+                        column = column_name(slack, balanced)
                         outcome = run_job([sys.executable, "-m", "mltuner.apps.mnist1d", "--model", "cnn", "--mode",
                                            "fixed", "--search", "", "--staleness", str(slack), "--result",
                                            str(result), *common, *slow, *(["--balance-batches"] if balanced else [])],
                                           result, workers=workers)
-                        times[column_name(slack, balanced)] = outcome["summary"]["time_to_target_s"]
+                        times[column] = outcome["summary"]["time_to_target_s"]
                         if outcome.get("batch_shares"):
-                            shares[column_name(slack, balanced)] = [round(f, 3) for f in outcome["batch_shares"]]
+                            shares[column] = [round(f, 3) for f in outcome["batch_shares"]]
                 ddp = run_job([sys.executable, str(BENCH / "ddp_mnist1d.py"), "--result", str(result), *common,
                                *slow], result, workers=workers)
                 times["DDP"] = ddp["time_to_target_s"]
@@ -117,12 +118,12 @@ def main() -> int:
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
+    columns = [column_name(slack, balanced) for balanced in (False, True) for slack in slacks]
     write_figures(args.figures, [
-        Figure("stragglers", f"{workers} workers, rank 1 slowed: {name}; {column_name(slack, balanced)} vs DDP",
-               times[column_name(slack, balanced)], "s to target", "DDP (gloo)", times["DDP"],
-               ratio(times["DDP"], times[column_name(slack, balanced)]), "DDP time / mltuner time",
-               note=f"target {args.target:.0%}, t = {t * 1e3:.2f} ms")
-        for workers, name, times in rows for balanced in (False, True) for slack in slacks])
+        Figure("stragglers", f"{workers} workers, rank 1 slowed: {name}; {column} vs DDP", times[column],
+               "s to target", "DDP (gloo)", times["DDP"], ratio(times["DDP"], times[column]),
+               "DDP time / mltuner time", note=f"target {args.target:.0%}, t = {t * 1e3:.2f} ms")
+        for workers, name, times in rows for column in columns])
     return 0
 
 

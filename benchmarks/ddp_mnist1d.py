@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mltuner.apps._cnn import mnist1d_cnn
+from mltuner.apps._cnn import forward_backward_seconds, mnist1d_cnn
 from mltuner.apps.mnist1d import Straggler, load
 
 
@@ -41,6 +41,7 @@ def main() -> None:
     parser.add_argument("--max-epochs", type=int, default=40)
     parser.add_argument("--target-accuracy", type=float, required=True)
     parser.add_argument("--slow-rank", type=int, default=-1)
+    parser.add_argument("--slow-factor", type=float, default=1.0)
     parser.add_argument("--slow-ms", type=float, default=0.0)
     parser.add_argument("--slow-probability", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -61,7 +62,9 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, dampening=args.momentum)
     for param in model.parameters():
         optimizer.state[param]["momentum_buffer"] = torch.zeros_like(param)
-    straggler = Straggler(args, rank)
+    # The slowed rank's pause, from the same measure as mltuner's (a plain copy of the model).
+    straggler = Straggler(args, rank, lambda n: forward_backward_seconds(mnist1d_cnn(), x_train[:n], y_train[:n]),
+                          args.batch_size)
     chunk = args.batch_size * world
     trained_s, curve, reached = 0.0, [], None
     for epoch in range(args.max_epochs):
@@ -72,7 +75,7 @@ def main() -> None:
             optimizer.zero_grad(set_to_none=True)
             nn.functional.cross_entropy(model(x_train[index]), y_train[index]).backward()
             optimizer.step()
-            straggler.after_clock()
+            straggler.after_clock(len(index))
         with torch.no_grad():
             accuracy = float((model.module(x_val).argmax(1) == y_val).float().mean())
         done = torch.tensor([1.0 if accuracy >= args.target_accuracy else 0.0])

@@ -10,13 +10,21 @@ The model is the MNIST-1D CNN, trained with a fixed setting (lr 0.3,
 dampened momentum 0.9, 32 samples per worker and clock) by
 ``python -m mltuner.apps.mnist1d --mode fixed`` and by
 ``benchmarks/ddp_mnist1d.py`` (the same data order, batches and update rule).
-Rank 1 is slowed by sleeping after its clocks, in units of t = the CNN's own
-forward + backward time for one batch, measured here first:
+Rank 1 is slowed by sleeping after its clocks:
 
 - none;
-- constant 1.5x and 3x: a sleep of 0.5 t and 2 t after every clock;
-- bursts: a sleep of 10 t after a clock with probability 0.1 (2x on average,
-  as from a noisy neighbour).
+- constant 1.5x and 3x (``--slow-factor``): rank 1 computes 1.5 or 3 times
+  as slowly, as a slower device would: after each training clock it sleeps
+  0.5 or 2 times its own forward + backward time for that clock's samples
+  (measured before training, in each job the same way). With balanced
+  batches it computes fewer samples, and so sleeps less;
+- bursts: a sleep of 10 t after a clock with probability 0.1, whatever the
+  rank computes (2x on average, as from a noisy neighbour), t = the CNN's
+  forward + backward time for one batch of 32, measured here first.
+
+Before stop 50 the constant patterns were fixed sleeps of 0.5 t and 2 t
+after every clock: a rank that then computed one sample still slept as long
+as for 32, slower than the stated factor.
 
 Time is the seconds of training to the first validation at or above the
 target, validations included (mltuner's validation clocks; DDP's forward pass
@@ -80,8 +88,8 @@ def main() -> int:
     args = parser.parse_args()
     slacks = QUICK_SLACKS if args.quick else SLACKS
     t = batch_seconds()
-    patterns = {"none": (0.0, 1.0), "constant 1.5x": (0.5 * t, 1.0), "constant 3x": (2 * t, 1.0),
-                "bursts (10t, p=0.1)": (10 * t, 0.1)}
+    patterns = {"none": [], "constant 1.5x": ["--slow-factor", "1.5"], "constant 3x": ["--slow-factor", "3"],
+                "bursts (10t, p=0.1)": ["--slow-ms", str(10 * t * 1000), "--slow-probability", "0.1"]}
     if args.quick:
         del patterns["constant 1.5x"]
     if args.only:
@@ -94,8 +102,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         for workers in args.workers:
-            for name, (sleep_s, probability) in patterns.items():
-                slow = ["--slow-rank", "1", "--slow-ms", str(sleep_s * 1000), "--slow-probability", str(probability)]
+            for name, pattern in patterns.items():
+                slow = ["--slow-rank", "1", *pattern]
                 times: dict[str, float | None] = {}
                 shares: dict[str, list[float]] = {}
                 for balanced in (False, True):

@@ -61,6 +61,7 @@ BAD_CALLS = [
     (["tune", "--lr-min", "0.5", "--lr-max", "0.1"], "--lr-min (0.5) must be smaller than --lr-max (0.1)"),
     (["tune", "--sampler", "bogus"], "unknown sampler 'bogus'"),
     (["tune", "-n", "2", "--slow-rank", "2"], "--slow-rank 2: there are only 2 workers"),
+    (["tune", "--slow-factor", "0.5"], "argument --slow-factor: expected a number >= 1, got '0.5'"),
     (["demo", "--lr-max", "0"], "argument --lr-max: expected a number > 0, got '0'"),
     (["demo", "--trial-time", "0"], "argument --trial-time: expected a number > 0"),
     (["run"], "give the training command after --"),

@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 import mltuner as mlt
-from mltuner.apps.mnist1d import Data
+from mltuner.apps.mnist1d import Data, median_seconds
 from mltuner.torch import wrap
 from mltuner.tune import BranchKind, Step
 
-__all__ = ["TorchCNN", "mnist1d_cnn", "engine_device"]
+__all__ = ["TorchCNN", "mnist1d_cnn", "engine_device", "forward_backward_seconds"]
 
 CHANNELS = 25
 
@@ -35,6 +35,17 @@ def mnist1d_cnn(input_length: int = 40, num_classes: int = 10) -> nn.Module:
         nn.Conv1d(CHANNELS, CHANNELS, 3, stride=2, padding=1), nn.ReLU(),
         nn.Conv1d(CHANNELS, CHANNELS, 3, stride=2, padding=1), nn.ReLU(),
         nn.Flatten(), nn.Linear(CHANNELS * length, num_classes))
+
+
+def forward_backward_seconds(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Median seconds of one forward and backward pass of ``model`` on a
+    batch (``x``, ``y``), cross-entropy loss, waiting for the device."""
+    def run() -> None:
+        nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)
+
+    return median_seconds(run)
 
 
 def engine_device() -> Literal["cpu", "cuda"]:
@@ -80,6 +91,11 @@ class TorchCNN:
             step.report(loss.item(), accuracy=accuracy)
         else:
             step.report(loss.item())
+
+    def compute_seconds(self, samples: int) -> float:
+        model = mnist1d_cnn(self._tensors["x_train"].shape[2], int(self._tensors["y_train"].max()) + 1)
+        return forward_backward_seconds(model.to(self._device), self._tensors["x_train"][:samples],
+                                        self._tensors["y_train"][:samples])
 
     def test_accuracy(self, branch: int) -> float:
         model = mnist1d_cnn(self._tensors["x_train"].shape[2], int(self._tensors["y_train"].max()) + 1)

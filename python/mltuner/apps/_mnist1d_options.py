@@ -84,6 +84,7 @@ def _samples(text: str) -> int:
 _positive_int = _number(int, lambda v: v >= 1, "an integer >= 1")
 _positive = _number(float, lambda v: v > 0, "a number > 0")
 _non_negative = _number(float, lambda v: v >= 0, "a number >= 0")
+_at_least_one = _number(float, lambda v: v >= 1, "a number >= 1")
 _fraction = _number(float, lambda v: 0 < v <= 1, "a number in (0, 1]")
 _probability = _number(float, lambda v: 0 <= v <= 1, "a number in [0, 1]")
 _seed = _number(int, lambda v: 0 <= v < 2**32, "an integer in [0, 2**32)")
@@ -153,6 +154,9 @@ def add_program_options(parser: argparse.ArgumentParser | argparse._ArgumentGrou
                         help="size each worker's part of a clock's samples by its measured speed (the "
                              "clock's samples and the summed update stay those of equal parts)")
     parser.add_argument("--slow-rank", type=_rank, default=-1, help="the rank to slow down (benchmarks)")
+    parser.add_argument("--slow-factor", type=_at_least_one, default=1.0,
+                        help="that rank computes this many times as slowly: after a training clock it sleeps "
+                             "(factor - 1) x its model's forward and backward time for the clock's samples")
     parser.add_argument("--slow-ms", type=_non_negative, default=0.0, help="its sleep after a clock, in ms")
     parser.add_argument("--slow-probability", type=_probability, default=1.0, help="chance of that sleep per clock")
     parser.add_argument("--seed", type=_seed, default=DEFAULT_SEED,

@@ -24,7 +24,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -153,6 +153,10 @@ class Trainer(Protocol):
     def test_accuracy(self, branch: int) -> float:
         """Accuracy of ``branch``'s parameters on the test split."""
 
+    def compute_seconds(self, samples: int) -> float:
+        """Seconds of the model's forward and backward pass over ``samples``
+        training samples, outside the engine."""
+
 
 def host(buffer: object) -> np.ndarray:
     """The engine's buffer as numpy (the engine runs on the CPU here)."""
@@ -244,22 +248,77 @@ class NumpyMLP:
         weights = self._layout.view(host(self._worker.fetch(self._table, branch=branch)), "params")
         return self._model.accuracy(weights, self._data.x_test, self._data.y_test)
 
+    def compute_seconds(self, samples: int) -> float:
+        params = self._model.init_params(np.random.default_rng(0))
+        x, y = self._data.x_train[:samples], self._data.y_train[:samples]
+        return median_seconds(lambda: self._model.loss_and_grad(params, x, y))
+
+
+def median_seconds(run: Callable[[], object], repeats: int = 15, warmup: int = 3) -> float:
+    """Median wall seconds of ``run()`` after ``warmup`` calls."""
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
 
 class Straggler:
-    """Slows one rank on purpose (benchmarks of bounded staleness): after a
-    clock, ``--slow-rank`` sleeps ``--slow-ms`` with probability
-    ``--slow-probability`` (1: every clock, a constantly slow worker; lower:
-    bursts, as from a noisy neighbour)."""
+    """Slows one rank on purpose (benchmarks of bounded staleness).
 
-    def __init__(self, args: argparse.Namespace, rank: int) -> None:
-        self._active = rank == args.slow_rank and args.slow_ms > 0
-        self._seconds = args.slow_ms / 1000.0
+    - ``--slow-factor F``: the rank computes F times as slowly, as a slower
+      device would. After a training clock of n samples it sleeps (F - 1) x
+      its model's forward and backward time for n samples, measured before
+      training at powers of two up to the clock's samples and interpolated.
+      So a rank given fewer samples (``--balance-batches``) also sleeps
+      less, as a slower device computing less would.
+    - ``--slow-ms``: a sleep after a clock, with probability
+      ``--slow-probability`` (lower than 1: bursts of delay, as from a noisy
+      neighbour, whatever the rank computes).
+
+    Args:
+        args: the program's options.
+        rank: this process's rank.
+        compute_seconds: the model's forward and backward seconds for n
+            samples (needed with a slow factor).
+        max_samples: the most samples a clock of this rank can hold.
+    """
+
+    def __init__(self, args: argparse.Namespace, rank: int, compute_seconds: Callable[[int], float] | None = None,
+                 max_samples: int = 1) -> None:
+        slowed = rank == args.slow_rank
+        self._delay_s = args.slow_ms / 1000.0 if slowed else 0.0
         self._probability = args.slow_probability
         self._rng = np.random.default_rng([args.seed, rank])
+        self._extra = (args.slow_factor - 1.0) if slowed else 0.0
+        self._sizes: list[int] = []
+        self._seconds: list[float] = []
+        if self._extra > 0:
+            if compute_seconds is None:
+                raise InvalidArgumentError("--slow-factor needs the model's compute time")
+            self._sizes = sorted({*(2**k for k in range(max(max_samples, 1).bit_length())), max(max_samples, 1)})
+            self._seconds = [compute_seconds(n) for n in self._sizes]
 
-    def after_clock(self) -> None:
-        if self._active and self._rng.random() < self._probability:
-            time.sleep(self._seconds)
+    def sleep_seconds(self, samples: int) -> float:
+        """The factor's sleep after a training clock of ``samples`` samples."""
+        if self._extra <= 0 or samples <= 0:
+            return 0.0
+        if samples > self._sizes[-1] and len(self._sizes) > 1:  # a larger batch than planned: the last slope
+            slope = (self._seconds[-1] - self._seconds[-2]) / (self._sizes[-1] - self._sizes[-2])
+            return self._extra * (self._seconds[-1] + slope * (samples - self._sizes[-1]))
+        return self._extra * float(np.interp(samples, self._sizes, self._seconds))
+
+    def after_clock(self, samples: int = 0) -> None:
+        """Sleeps after a clock: ``samples`` are its training samples (0 for
+        a validation clock, which the factor does not slow)."""
+        pause = self.sleep_seconds(samples)
+        if self._delay_s > 0 and self._rng.random() < self._probability:
+            pause += self._delay_s
+        if pause > 0:
+            time.sleep(pause)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -290,10 +349,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         session = TuningSession(job, space, num_train=len(data.x_train), num_validation=len(data.x_val),
                                 config=tuner_config(args), seed=args.seed, balance_batches=args.balance_batches)
         session.driver = make_driver(args, space, session, log)
-        straggler = Straggler(args, job.rank)
+        straggler = Straggler(args, job.rank, trainer.compute_seconds, args.batch_size * job.world_size)
         for step in session:
             trainer.clock(step)
-            straggler.after_clock()
+            straggler.after_clock(0 if step.kind is BranchKind.TESTING else len(step.indices))
         final = session.final_branch
         test_accuracy = trainer.test_accuracy(final) if final is not None else None
         outcome = session.result

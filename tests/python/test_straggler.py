@@ -1,0 +1,69 @@
+"""The benchmarks' straggler: a slow factor scales with the samples the rank
+computes; a burst does not."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from mltuner.apps import mnist1d
+from mltuner.apps.mnist1d import Straggler
+from mltuner.exceptions import InvalidArgumentError
+
+
+def options(**given: float) -> argparse.Namespace:
+    values = {"slow_rank": 1, "slow_factor": 1.0, "slow_ms": 0.0, "slow_probability": 1.0, "seed": 0}
+    values.update(given)
+    return argparse.Namespace(**values)
+
+
+def linear_cost(samples: int) -> float:
+    return 1e-3 + 1e-4 * samples
+
+
+def test_a_slow_factor_sleeps_its_share_of_the_compute_time_for_the_clocks_samples() -> None:
+    measured: list[int] = []
+
+    def cost(samples: int) -> float:
+        measured.append(samples)
+        return linear_cost(samples)
+
+    straggler = Straggler(options(slow_factor=3.0), 1, cost, max_samples=64)
+    assert measured == [1, 2, 4, 8, 16, 32, 64]  # measured once, before training
+    for samples in (1, 7, 32, 48, 64, 100):  # between, at and beyond the measured sizes
+        assert straggler.sleep_seconds(samples) == pytest.approx(2 * linear_cost(samples))
+    assert straggler.sleep_seconds(0) == 0.0  # a validation clock
+    assert measured == [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_fewer_samples_sleep_less_and_other_ranks_never_sleep(monkeypatch: pytest.MonkeyPatch) -> None:
+    slept: list[float] = []
+    monkeypatch.setattr(mnist1d.time, "sleep", slept.append)
+    slow = Straggler(options(slow_factor=1.5), 1, linear_cost, max_samples=32)
+    slow.after_clock(32)
+    slow.after_clock(4)
+    slow.after_clock(0)
+    assert slept == [pytest.approx(0.5 * linear_cost(32)), pytest.approx(0.5 * linear_cost(4))]
+
+    def never(samples: int) -> float:
+        raise AssertionError("a rank that is not slowed measures nothing")
+
+    other = Straggler(options(slow_factor=3.0, slow_ms=5.0), 0, never, max_samples=32)
+    other.after_clock(32)
+    assert len(slept) == 2
+
+
+def test_a_burst_is_the_same_whatever_the_rank_computes(monkeypatch: pytest.MonkeyPatch) -> None:
+    slept: list[float] = []
+    monkeypatch.setattr(mnist1d.time, "sleep", slept.append)
+    straggler = Straggler(options(slow_ms=20.0, slow_probability=0.5), 1)
+    for samples in [32, 1] * 200:
+        straggler.after_clock(samples)
+    assert set(slept) == {0.02}
+    assert 150 < len(slept) < 250  # about half the clocks
+
+
+def test_a_slow_factor_needs_the_compute_time() -> None:
+    with pytest.raises(InvalidArgumentError, match="--slow-factor"):
+        Straggler(options(slow_factor=2.0), 1)

@@ -112,7 +112,8 @@ def add_program_options(parser: argparse.ArgumentParser | argparse._ArgumentGrou
     parser.add_argument("--batch-sizes", type=_int_list(1), default=[8, 16, 32, 64],
                         help="batch sizes per worker to search, comma-separated")
     parser.add_argument("--staleness", type=_int_list(0), default=[0, 1, 3],
-                        help="staleness bounds to search, comma-separated (0 is BSP)")
+                        help="staleness bounds to search, comma-separated (0 is BSP); the first is the "
+                             "training staleness when staleness is not searched")
     parser.add_argument("--sampler", default="tpe", help="searcher: tpe, random, grid, gp or cmaes")
     parser.add_argument("--retune", choices=["full", "marginal", "off"], default="full",
                         help="what a plateau of the validation accuracy starts")

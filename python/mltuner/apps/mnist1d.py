@@ -71,7 +71,7 @@ def build_space(args: argparse.Namespace) -> SearchSpace:
         raise InvalidArgumentError(
             f"--search: unknown tunables {sorted(unknown)}; choose from {', '.join(SEARCHABLE)}")
     space = default_space(args.batch_sizes if "batch_size" in searched else [args.batch_size],
-                          staleness=args.staleness if "staleness" in searched else [0],
+                          staleness=args.staleness if "staleness" in searched else args.staleness[:1],
                           lr_range=(min(args.lr_min, args.lr), max(args.lr_max, args.lr)))
     defaults = {"lr": args.lr, "momentum": args.momentum}
     tunables = [dataclasses.replace(t, search=t.name in searched, **({"default": defaults[t.name]}

@@ -1,5 +1,6 @@
-"""The benchmarks' straggler: a slow factor scales with the samples the rank
-computes; a burst does not."""
+"""The MNIST-1D program's settings for benchmarks: the staleness of a run
+that does not search it, and the straggler (a slow factor scales with the
+samples the rank computes; a burst does not)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,20 @@ import argparse
 import pytest
 
 from mltuner.apps import mnist1d
-from mltuner.apps.mnist1d import Straggler
+from mltuner.apps.mnist1d import Straggler, build_space, parse_args
 from mltuner.exceptions import InvalidArgumentError
+
+
+@pytest.mark.parametrize("given, expected", [([], 0), (["--staleness", "3"], 3), (["--staleness", "7,1"], 7)])
+def test_a_run_that_does_not_search_staleness_trains_at_the_first_given(given: list[str], expected: int) -> None:
+    args = parse_args(["--mode", "fixed", "--search", "lr", *given])
+    assert build_space(args).defaults()["staleness"] == expected
+
+
+def test_a_searched_staleness_searches_every_given_value() -> None:
+    args = parse_args(["--search", "staleness", "--staleness", "1,3"])
+    staleness = next(t for t in build_space(args) if t.name == "staleness")
+    assert staleness.search and list(staleness.values) == [1, 3]
 
 
 def options(**given: float) -> argparse.Namespace:

@@ -65,7 +65,7 @@ PROG = "python -m mltuner.apps.mnist1d"
 
 def build_space(args: argparse.Namespace) -> SearchSpace:
     """The paper's tunables, searched only where ``--search`` names them."""
-    searched = {name.strip() for name in args.search.split(",") if name.strip()}
+    searched = searched_names(args)
     unknown = searched - set(SEARCHABLE)
     if unknown:
         raise InvalidArgumentError(
@@ -78,6 +78,11 @@ def build_space(args: argparse.Namespace) -> SearchSpace:
                                                                       if t.name in defaults else {}))
                 for t in space]
     return SearchSpace(tunables)
+
+
+def searched_names(args: argparse.Namespace) -> set[str]:
+    """The tunables ``--search`` names."""
+    return {name.strip() for name in args.search.split(",") if name.strip()}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -299,7 +304,8 @@ class Straggler:
         if self._extra > 0:
             if compute_seconds is None:
                 raise InvalidArgumentError("--slow-factor needs the model's compute time")
-            self._sizes = sorted({*(2**k for k in range(max(max_samples, 1).bit_length())), max(max_samples, 1)})
+            top = max(max_samples, 1)
+            self._sizes = sorted({2**k for k in range(top.bit_length())} | {top})
             self._seconds = [compute_seconds(n) for n in self._sizes]
 
     def sleep_seconds(self, samples: int) -> float:
@@ -349,7 +355,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         session = TuningSession(job, space, num_train=len(data.x_train), num_validation=len(data.x_val),
                                 config=tuner_config(args), seed=args.seed, balance_batches=args.balance_batches)
         session.driver = make_driver(args, space, session, log)
-        straggler = Straggler(args, job.rank, trainer.compute_seconds, args.batch_size * job.world_size)
+        searched = searched_names(args)
+        largest_batch = max(args.batch_size, *args.batch_sizes) if "batch_size" in searched else args.batch_size
+        straggler = Straggler(args, job.rank, trainer.compute_seconds, largest_batch * job.world_size)
         for step in session:
             trainer.clock(step)
             straggler.after_clock(0 if step.kind is BranchKind.TESTING else len(step.indices))

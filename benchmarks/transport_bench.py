@@ -92,8 +92,11 @@ DEFAULT_SWITCH_S = 0.0005  # the mitigation's GIL switch interval
 # measured with 2 and 4 processes: 7.4x-7.6x at 100 MiB, 6.6x at 1 GiB (the
 # message pool keeps at most 1 GiB idle). Parameter cache and update log (2x),
 # read and update buffers, double-buffered (2x), the shard's slice, and the
-# pooled message buffers of a clock in flight (2-3x).
-MEMORY_FACTOR = 7.0
+# pooled message buffers of a clock in flight (2-3x). Since CPU processes of
+# one host share memory (stop 45) each also holds the landing region its
+# peers copy into: 1 GiB on 2 processes took over 9.3x (20 GB of a 25-GB
+# machine, stopped there) where it had taken 6.6x.
+MEMORY_FACTOR = 10.0
 BASE_PROCESS_BYTES = 60 * MIB  # Python, numpy, zmq and mltuner loaded
 MIN_AVAILABLE_BYTES = 2 * 1024 * MIB  # kill a group that leaves the machine less than this
 

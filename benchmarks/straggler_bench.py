@@ -53,9 +53,8 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
-from mltuner.apps._cnn import mnist1d_cnn
+from mltuner.apps._cnn import forward_backward_seconds, mnist1d_cnn
 from figures import Figure, ratio, write_figures
 from local_job import run_job
 
@@ -67,14 +66,8 @@ BENCH = Path(__file__).resolve().parent
 def batch_seconds() -> float:
     """The CNN's forward + backward time for one batch of 32, one thread."""
     torch.set_num_threads(1)
-    model = mnist1d_cnn()
-    x, y = torch.randn(32, 1, 40), torch.randint(0, 10, (32,))
-    for _ in range(20):
-        nn.functional.cross_entropy(model(x), y).backward()
-    start = time.perf_counter()
-    for _ in range(200):
-        nn.functional.cross_entropy(model(x), y).backward()
-    return (time.perf_counter() - start) / 200
+    return forward_backward_seconds(mnist1d_cnn(), torch.randn(32, 1, 40), torch.randint(0, 10, (32,)),
+                                    repeats=200, warmup=20)
 
 
 def main() -> int:

@@ -37,7 +37,8 @@ def mnist1d_cnn(input_length: int = 40, num_classes: int = 10) -> nn.Module:
         nn.Flatten(), nn.Linear(CHANNELS * length, num_classes))
 
 
-def forward_backward_seconds(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+def forward_backward_seconds(model: nn.Module, x: torch.Tensor, y: torch.Tensor, repeats: int = 15,
+                             warmup: int = 3) -> float:
     """Median seconds of one forward and backward pass of ``model`` on a
     batch (``x``, ``y``), cross-entropy loss, waiting for the device."""
     def run() -> None:
@@ -45,7 +46,7 @@ def forward_backward_seconds(model: nn.Module, x: torch.Tensor, y: torch.Tensor)
         if x.is_cuda:
             torch.cuda.synchronize(x.device)
 
-    return median_seconds(run)
+    return median_seconds(run, repeats, warmup)
 
 
 def engine_device() -> Literal["cpu", "cuda"]:
@@ -77,6 +78,10 @@ class TorchCNN:
                            example_loss=lambda out: nn.functional.cross_entropy(
                                out, self._tensors["y_train"][:args.batch_size]))
 
+    def _new_model(self) -> nn.Module:
+        """A fresh CNN of this data's input length and classes, on the CPU."""
+        return mnist1d_cnn(self._tensors["x_train"].shape[2], int(self._tensors["y_train"].max()) + 1)
+
     def clock(self, step: Step) -> None:
         testing = step.kind is BranchKind.TESTING
         x = self._tensors["x_val" if testing else "x_train"]
@@ -93,12 +98,11 @@ class TorchCNN:
             step.report(loss.item())
 
     def compute_seconds(self, samples: int) -> float:
-        model = mnist1d_cnn(self._tensors["x_train"].shape[2], int(self._tensors["y_train"].max()) + 1)
-        return forward_backward_seconds(model.to(self._device), self._tensors["x_train"][:samples],
+        return forward_backward_seconds(self._new_model().to(self._device), self._tensors["x_train"][:samples],
                                         self._tensors["y_train"][:samples])
 
     def test_accuracy(self, branch: int) -> float:
-        model = mnist1d_cnn(self._tensors["x_train"].shape[2], int(self._tensors["y_train"].max()) + 1)
+        model = self._new_model()
         model.load_state_dict(self._model.state_dict(branch=branch))
         model.to(self._device).eval()
         with torch.no_grad():

@@ -44,6 +44,7 @@ void RegisterConfig(py::module_& m) {
       .def_readwrite("update_rule", &Config::update_rule)
       .def_readwrite("branches", &Config::branches)
       .def_readwrite("max_branches", &Config::max_branches)
+      .def_readwrite("read_my_writes", &Config::read_my_writes)
       .def_readwrite("check_finite", &Config::check_finite)
       .def_readwrite("debug_buffers", &Config::debug_buffers);
 

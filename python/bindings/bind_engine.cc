@@ -102,7 +102,8 @@ void RegisterEngine(py::module_& m) {
       .def_readonly("predicted_bytes_to_host_per_clock", &EngineStats::predicted_bytes_to_host_per_clock)
       .def_readonly("branch", &EngineStats::branch)
       .def_readonly("branch_clock", &EngineStats::branch_clock)
-      .def_readonly("branch_switches", &EngineStats::branch_switches);
+      .def_readonly("branch_switches", &EngineStats::branch_switches)
+      .def_readonly("own_steps", &EngineStats::own_steps);
 
   py::class_<HostMemoryNeed>(m, "HostMemoryNeed")
       .def_readonly("parameter_stores", &HostMemoryNeed::parameter_stores)

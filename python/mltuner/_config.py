@@ -203,6 +203,15 @@ class Config:
             clock runs on branch 0 and nothing needs scheduling.
         max_branches: live branches (copies of the parameters and optimizer
             state) a shard may hold at once.
+        read_my_writes: a read with slack >= 1 sees this worker's own
+            updates through the previous clock (the step the servers' rule
+            takes for them is added to the worker's cache at once), while the
+            other workers' may arrive up to the slack late, as in Bösen's
+            SSP. For tables whose rule is ``add``, ``sgd`` or
+            ``damped_momentum`` without weight decay and whose rows all live
+            on the device; the others read as without it. Reads at slack 0
+            are the same either way. Costs device memory of the table's size
+            per clock the reads may lag.
         host_memory_limit: bytes of host memory this process's engines may
             hold; None or 0 means no limit of its own (the host's is
             detected). Tables and plans that need more than the smallest of
@@ -244,6 +253,7 @@ class Config:
     device: Literal["cpu", "cuda"] = "cpu"
     branches: bool = False
     max_branches: int = 40
+    read_my_writes: bool = True
     host_memory_limit: int | None = None
     check_finite: bool = False
     debug_buffers: bool | None = None
@@ -263,6 +273,7 @@ class Config:
                                        f"{type(self.update_rule).__name__}")
         boolean("Config.branches", self.branches)
         integer("Config.max_branches", self.max_branches, 1, MAX_BRANCHES)
+        boolean("Config.read_my_writes", self.read_my_writes)
         if self.host_memory_limit is not None:
             limit = integer("Config.host_memory_limit", self.host_memory_limit, 0, MAX_BYTES)
             if 0 < limit < 1 << 20:
@@ -290,6 +301,7 @@ class Config:
         core.update_rule = self.update_rule.to_core()
         core.branches = bool(self.branches)
         core.max_branches = int(self.max_branches)
+        core.read_my_writes = bool(self.read_my_writes)
         core.check_finite = bool(self.check_finite)
         core.debug_buffers = bool(self.debug_buffers)
         return core

@@ -43,6 +43,7 @@ class Config:
     update_rule: UpdateRuleConfig
     branches: bool
     max_branches: int
+    read_my_writes: bool
     check_finite: bool
     debug_buffers: bool
     def __init__(self) -> None: ...
@@ -112,6 +113,8 @@ class EngineStats:
     def branch_clock(self) -> int: ...
     @property
     def branch_switches(self) -> int: ...
+    @property
+    def own_steps(self) -> int: ...
 
 class HostMemoryNeed:
     @property

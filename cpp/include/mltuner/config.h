@@ -157,6 +157,16 @@ struct Config {
   // and optimizer state). MLtuner's configs use 30-40.
   int32_t max_branches = 40;
 
+  // Read-my-writes under bounded staleness (cache/own_updates.h): a read
+  // with slack >= 1 sees this worker's own updates through the clock before
+  // it, the step the shards' rule takes for them added to the cache at once,
+  // while the other workers' may come up to the slack late. For tables whose
+  // rule is add, sgd or damped momentum without weight decay, and whose rows
+  // all live on the device; other tables read as without it. Reads at slack
+  // 0 are the same either way. It costs device memory of the table's size
+  // per clock the reads may lag, plus the rule's state.
+  bool read_my_writes = true;
+
   // The shards refuse a clock's update that holds a NaN or an infinity, on a
   // training branch, and fail that clock with a kNonFinite error naming the
   // table, branch, clock and worker, instead of letting one bad gradient

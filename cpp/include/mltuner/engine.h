@@ -85,6 +85,7 @@ struct EngineStats {
   BranchId branch = 0;             // the branch of the last finished clock
   Clock branch_clock = 0;          // clocks that branch has finished
   int64_t branch_switches = 0;     // times the cache was reloaded for another branch
+  int64_t own_steps = 0;           // own updates added to the cache at once (Config::read_my_writes)
   int64_t device_store_bytes = 0;
   int64_t host_store_bytes = 0;
   int64_t host_memory_bytes = 0;   // the plan's host memory (HostMemoryNeed::total), checked at finish

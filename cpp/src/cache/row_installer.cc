@@ -112,6 +112,7 @@ Status RowInstaller::InstallRows(const Message& message) {
     std::vector<mltuner::Clock>& ages = state_->shard_age[table];
     ages[shard] = std::max(ages[shard], message.header.clock);
     state_->data_age[table] = *std::min_element(ages.begin(), ages.end());
+    if (plan_->own_updates[table]) plan_->own_updates[table]->Forget(message.header.branch, state_->data_age[table]);
   }
   state_->age_cv.NotifyAll();
   return Status::Ok();
@@ -164,6 +165,7 @@ Status RowInstaller::InstallValues(const Message& message, int piece, const RowS
     }
   }
   if (host_writes) MLT_RETURN_IF_ERROR(WriteHostRows(store, segments, range, payload));
+  MLT_RETURN_IF_ERROR(ReapplyOwnSteps(message, segments));
   DeviceEvent installed;
   MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kInstall, &installed));
   if (on_device != nullptr) message.device_values->last_use = installed;
@@ -201,6 +203,7 @@ Status RowInstaller::InstallFrame(const Message& message, int piece, const RowSp
       source = landing->data;
     }
     device_->Gather(store.values(Residence::kDevice), source, unpack, width, Stream::kInstall);
+    MLT_RETURN_IF_ERROR(ReapplyOwnSteps(message, segments));
     DeviceEvent installed;
     MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kInstall, &installed));
     if (landing) landing->last_use = installed;
@@ -209,6 +212,14 @@ Status RowInstaller::InstallFrame(const Message& message, int piece, const RowSp
   }
   if (!index.receive_on_device[piece]) MLT_RETURN_IF_ERROR(WriteHostRows(store, segments, range, frame.data));
   return Status::Ok();
+}
+
+// Read-my-writes: the rows just queued for install are the shard's of the
+// message's clock; this worker's own steps of later clocks go back on top.
+Status RowInstaller::ReapplyOwnSteps(const Message& message, const std::vector<WireSegment>& segments) {
+  OwnUpdates* own = plan_->own_updates[message.header.table].get();
+  if (own == nullptr) return Status::Ok();
+  return own->Reinstall(message.header.branch, message.header.clock, segments);
 }
 
 // The host-resident rows of `segments`, copied on the host from `source`

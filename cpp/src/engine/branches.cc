@@ -65,6 +65,10 @@ Status Engine::Impl::ForkBranch(BranchId child, BranchId parent, const BranchSet
   MLT_RETURN_IF_ERROR(forked);
   MutexLock lock(&state_.mu);
   state_.branches.live[child] = settings;
+  BranchSettings overrides = state_.branches.rule_overrides[parent];
+  if (settings.learning_rate >= 0) overrides.learning_rate = settings.learning_rate;
+  if (settings.momentum >= 0) overrides.momentum = settings.momentum;
+  state_.branches.rule_overrides[child] = overrides;
   state_.branches.clocks[child] = 0;
   return Status::Ok();
 }
@@ -87,6 +91,7 @@ Status Engine::Impl::FreeBranch(BranchId branch) {
   MLT_RETURN_IF_ERROR(SendBranchRequest(MessageType::kFreeBranch, branch, ""));
   MutexLock lock(&state_.mu);
   state_.branches.live.erase(branch);
+  state_.branches.rule_overrides.erase(branch);
   state_.branches.clocks.erase(branch);
   return Status::Ok();
 }

@@ -38,6 +38,7 @@ Engine::Impl::Impl(const Config& config, int rank, int num_workers, std::shared_
   MutexLock lock(&state_.mu);
   state_.branches.enabled = config.branches;
   state_.branches.live[0] = initial;
+  state_.branches.rule_overrides[0] = BranchSettings();
   state_.branches.clocks[0] = 0;
 }
 
@@ -259,6 +260,7 @@ Status Engine::Impl::PlanAndPrepare() {
   plan_.placement = std::move(placement);
   plan_.index = std::move(index);
   plan_.stores = std::move(stores);
+  MLT_RETURN_IF_ERROR(MakeOwnUpdates());
   plan_.depth = plan_.placement.buffers.regions;  // clock c's buffers live in region c % depth
   state_.slots.assign(plan_.recording.accesses.size(), std::vector<Slot>(plan_.depth));
   init_slots_.assign(plan_.recording.accesses.size(), Slot());
@@ -705,9 +707,38 @@ Status Engine::Impl::WaitForDataAge(TableId table, mltuner::Clock age) {
   return Status::Ok();
 }
 
+// Read-my-writes (Config::read_my_writes) for each communicated table that
+// is read and updated, whose reads may be stale: a recorded slack >= 1, or
+// branches, which may set one.
+Status Engine::Impl::MakeOwnUpdates() {
+  plan_.own_updates.clear();
+  plan_.own_updates.resize(plan_.tables.size());
+  if (!config_.read_my_writes) return Status::Ok();
+  std::vector<bool> read(plan_.tables.size(), false), updated(plan_.tables.size(), false);
+  std::vector<int> slack(plan_.tables.size(), 0);
+  for (const AccessRecord& access : plan_.recording.accesses) {
+    if (access.kind == OpKind::kRead) {
+      read[access.table] = true;
+      slack[access.table] = std::max(slack[access.table], access.slack);
+    }
+    if (access.kind == OpKind::kPreUpdate) updated[access.table] = true;
+  }
+  for (const TableInfo& table : plan_.tables) {
+    if (table.local || !read[table.id] || !updated[table.id]) continue;
+    if (slack[table.id] == 0 && !config_.branches) continue;
+    const UpdateRuleConfig& rule = table.update_rule ? *table.update_rule : config_.update_rule;
+    MLT_RETURN_IF_ERROR(
+        OwnUpdates::ForTable(device_, *plan_.stores[table.id], rule, num_workers_, &plan_.own_updates[table.id]));
+  }
+  return Status::Ok();
+}
+
 EngineStats Engine::Impl::Stats() const {
   MutexLock lock(&state_.mu);
   EngineStats stats = state_.stats;
+  for (const std::unique_ptr<OwnUpdates>& own : plan_.own_updates) {
+    if (own) stats.own_steps += own->steps_applied();
+  }
   stats.messages_sent = state_.messages_sent;
   stats.messages_received = state_.messages_received;
   return stats;

@@ -45,6 +45,11 @@ void Allocator::Start() {
       updated[access.table] = true;
     }
   }
+  last_update_op_.assign(plan_->tables.size(), -1);
+  for (int64_t i = 0; i < plan_->num_ops(); ++i) {
+    const RecordedOp& op = plan_->recording.ops[i];
+    if (op.kind == OpKind::kUpdate) last_update_op_[plan_->recording.accesses[op.handle].table] = i;
+  }
   unread_slack_.assign(plan_->tables.size(), -1);
   for (size_t table = 0; table < plan_->tables.size(); ++table) {
     if (updated[table] && !read[table]) unread_slack_[table] = max_slack;
@@ -124,6 +129,10 @@ Status Allocator::PrepareSlot(int64_t seq, const AccessRecord& access, const Clo
     case OpKind::kRead: {
       mltuner::Clock age = kNoClock;
       MLT_RETURN_IF_ERROR(WaitFresh(access, at, &age));
+      const int slack = at.slack >= 0 ? at.slack : access.slack;
+      if (plan_->own_updates[access.table] && slack >= 1 && clock > 0) {
+        MLT_RETURN_IF_ERROR(WaitForOwnStep(access.table, clock - 1));
+      }
       auto guard = plan_->stores[access.table]->locks->LockShared(index.lock_begin, index.lock_count);
       MLT_RETURN_IF_ERROR(GatherInto(access, slot->data, Stream::kPrefetch));
       // The age is read again under the partition locks: installs of newer rows
@@ -166,9 +175,12 @@ Status Allocator::PrepareSlot(int64_t seq, const AccessRecord& access, const Clo
 
 Status Allocator::WaitFresh(const AccessRecord& access, const ClockBranch& at, mltuner::Clock* age) {
   // SSP: a read at clock c (of its branch) with slack s needs every worker's
-  // updates through clock c - s - 1 of that branch.
+  // updates through clock c - s - 1 of that branch, and at least the
+  // branch's initial rows: without them a read in the first s clocks (of a
+  // run, or of a branch the cache just switched to) would see zeros or
+  // another branch's rows.
   const int slack = at.slack >= 0 ? at.slack : access.slack;
-  return WaitForAge(access.table, at.internal - slack - 1, age);
+  return WaitForAge(access.table, std::max<mltuner::Clock>(at.internal - slack - 1, kInitClock), age);
 }
 
 Status Allocator::WaitForAge(TableId table, mltuner::Clock needed, mltuner::Clock* age) {
@@ -197,6 +209,19 @@ Status Allocator::WaitForAge(TableId table, mltuner::Clock needed, mltuner::Cloc
   MutexLock pipeline(&state_->mu);
   state_->stats.wait_fresh_seconds += waited;
   return Status::Ok();
+}
+
+Status Allocator::WaitForOwnStep(TableId table, mltuner::Clock clock) {
+  const int64_t op = last_update_op_[table];
+  if (op < 0) return Status::Ok();
+  const int64_t needed = clock * plan_->num_ops() + op + 1;
+  MutexLock lock(&state_->mu);
+  if (state_->reclaimed_seq >= needed) return Status::Ok();
+  state_->allocator_waiting_for = "this worker's own update of table '" + plan_->tables[table].name +
+                                  "' at clock " + std::to_string(clock) + " (read-my-writes): the application " +
+                                  "has not posted it, or the reclaimer is behind";
+  while (!state_->stopping && state_->reclaimed_seq < needed) state_->cv.Wait();
+  return state_->stopping ? Status::Shutdown("stopping") : Status::Ok();
 }
 
 Status Allocator::WaitForPoolSpace(const AccessRecord& access, mltuner::Clock clock) {

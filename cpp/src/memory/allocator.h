@@ -56,6 +56,10 @@ class Allocator {
   // `writer_clock`), then makes the prefetch stream wait for that slot's
   // release ticket (its write-back copies).
   Status WaitForWriteBack(int64_t seq_needed, Handle writer, mltuner::Clock writer_clock) EXCLUDES(state_->mu);
+  // Read-my-writes: waits until the reclaimer has added this worker's own
+  // step of `clock` for `table` to the cache (OwnUpdates::Apply; the
+  // gather then waits for it on the device, as for an install).
+  Status WaitForOwnStep(TableId table, mltuner::Clock clock) EXCLUDES(state_->mu);
   // Waits until the last earlier user of the buffer's static addresses is
   // reclaimed (BufferSchedule::WaitSeq).
   Status WaitForPoolSpace(const AccessRecord& access, mltuner::Clock clock) EXCLUDES(state_->mu);
@@ -70,6 +74,9 @@ class Allocator {
   // recorded for any read (what bounds how far ahead its updates of that
   // table may run, see PrepareSlot); -1 for the others. Set by Start.
   std::vector<int> unread_slack_;
+  // Per table: the op of the iteration whose reclaim ships its clock's
+  // update (its last update); -1 for a table without updates. Set by Start.
+  std::vector<int64_t> last_update_op_;
   std::thread thread_;
 };
 

@@ -122,6 +122,10 @@ int64_t Reclaimer::LocalPayloadLimit() const {
 }
 
 void Reclaimer::Start() {
+  read_slack_.assign(plan_->tables.size(), 0);
+  for (const AccessRecord& access : plan_->recording.accesses) {
+    if (access.kind == OpKind::kRead) read_slack_[access.table] = std::max(read_slack_[access.table], access.slack);
+  }
   local_payloads_ = std::make_unique<PayloadBound>(LocalPayloadLimit());
   frames_.set_max_idle_bytes(static_cast<size_t>(RemotePayloadBytesInFlight()));
   staging_values_ = LargestRemotePayloadValues();
@@ -202,11 +206,13 @@ Status Reclaimer::ReclaimOp(int64_t seq) {
   slot->app_done.reset();
   std::vector<Message> messages;
   if (op.kind == OpKind::kUpdate && index.tables[access.table].direct.handle == op.handle) {
+    MLT_RETURN_IF_ERROR(ApplyOwnStep(access, slot->data, clock));
     MLT_RETURN_IF_ERROR(BuildDirectUpdate(access, slot->data, clock, &messages));
   } else if (op.kind == OpKind::kUpdate) {
     MLT_RETURN_IF_ERROR(ScatterAddUpdate(access, slot->data));
     if (index.accesses[op.handle].closes_table_clock) {
       MLT_RETURN_IF_ERROR(FinishHostLog(access.table));
+      MLT_RETURN_IF_ERROR(ApplyOwnStep(access, nullptr, clock));
       MLT_RETURN_IF_ERROR(BuildTableClock(access.table, clock, &messages));
     }
   } else if (op.kind == OpKind::kPostLocalAccess && access.keep) {
@@ -281,6 +287,46 @@ Status Reclaimer::ScatterAddUpdate(const AccessRecord& access, const float* buff
   state_->stats.bytes_scattered += static_cast<int64_t>(access.rows.size()) * store.info.row_bytes();
   state_->stats.bytes_swapped_out += index.host_scatter.total_rows * store.info.row_bytes();
   return Status::Ok();
+}
+
+// Read-my-writes (cache/own_updates.h): the table's update of `clock`, from
+// the single update's `buffer` (access layout) or, when null, from the
+// update log (the cache's layout), before the log is shipped and zeroed.
+Status Reclaimer::ApplyOwnStep(const AccessRecord& access, const float* buffer, mltuner::Clock clock) {
+  OwnUpdates* own = plan_->own_updates[access.table].get();
+  if (own == nullptr) return Status::Ok();
+  const TableStore& store = *plan_->stores[access.table];
+  ClockBranch at;
+  OwnUpdates::Rule rule;
+  {
+    MutexLock lock(&state_->mu);
+    at = state_->branches.At(clock);
+    rule.config = state_->branches.RuleOn(at.branch, own->base_rule());
+    rule.training = at.training;
+    auto rates = state_->new_rates.find(access.table);
+    if (rates != state_->new_rates.end()) {
+      auto rate = rates->second.find(clock);
+      if (rate != rates->second.end()) rule.new_learning_rate = rate->second;
+    }
+  }
+  const float* update = store.log(Residence::kDevice);
+  if (buffer != nullptr) {
+    const int64_t width = store.info.row_width;
+    device_->Fill(own->scratch(), 0.0f, static_cast<size_t>(own->values()), Stream::kWriteback);
+    device_->ScatterAdd(own->scratch(), buffer, plan_->index.accesses[access.handle].device_scatter, width,
+                        Stream::kWriteback);
+    update = own->scratch();
+  }
+  const int slack = at.slack >= 0 ? at.slack : read_slack_[access.table];
+  // Exclusive: no gather reads the rows half stepped, no install lands
+  // between the step and its record (partition locks come before age_mu).
+  auto guard = store.locks->LockExclusive(0, store.info.num_rows);
+  BranchId cached;
+  {
+    MutexLock lock(&state_->age_mu);
+    cached = state_->cache_branch;
+  }
+  return own->Apply(at.branch, at.internal, rule, slack >= 1, cached, update);
 }
 
 Status Reclaimer::FinishHostLog(TableId table) {

@@ -50,6 +50,7 @@ class Reclaimer {
   // Before this thread reads or zeroes a table's host log on the host: waits
   // for the scatter-adds queued into it on the device, if any.
   Status FinishHostLog(TableId table);
+  Status ApplyOwnStep(const AccessRecord& access, const float* buffer, mltuner::Clock clock) EXCLUDES(state_->mu);
   Status BuildTableClock(TableId table, mltuner::Clock clock, std::vector<Message>* messages);
   Status BuildDirectUpdate(const AccessRecord& access, const float* buffer, mltuner::Clock clock,
                            std::vector<Message>* messages) EXCLUDES(state_->mu);
@@ -94,6 +95,7 @@ class Reclaimer {
   int64_t LargestLocalUpdateBytes() const;
   int64_t LocalPayloadLimit() const;
   size_t staging_values_ = 0;  // set in Start
+  std::vector<int> read_slack_;  // by table: the largest recorded slack of its reads (set in Start)
   // Device buffers for update payloads to shards that share this device, and
   // the staging payloads packed for the others.
   DeviceBufferPool payloads_;

@@ -16,8 +16,20 @@ ClockBranch BranchSchedule::At(mltuner::Clock clock) const {
   at.branch = block->branch;
   at.internal = block->first_internal + (clock - block->first);
   auto settings = live.find(block->branch);
-  at.slack = settings == live.end() ? -1 : settings->second.slack;
+  if (settings != live.end()) {
+    at.slack = settings->second.slack;
+    at.training = settings->second.training;
+  }
   return at;
+}
+
+UpdateRuleConfig BranchSchedule::RuleOn(BranchId branch, const UpdateRuleConfig& base) const {
+  UpdateRuleConfig rule = base;
+  auto overrides = rule_overrides.find(branch);
+  if (overrides == rule_overrides.end()) return rule;
+  if (overrides->second.learning_rate >= 0) rule.learning_rate = overrides->second.learning_rate;
+  if (overrides->second.momentum >= 0) rule.momentum = overrides->second.momentum;
+  return rule;
 }
 
 }  // namespace mltuner

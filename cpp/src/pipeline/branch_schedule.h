@@ -20,6 +20,7 @@ struct ClockBranch {
   BranchId branch = 0;
   mltuner::Clock internal = 0;
   int32_t slack = -1;
+  bool training = true;  // the branch applies updates
 };
 
 // A run of consecutive application clocks scheduled on one branch.
@@ -37,6 +38,10 @@ struct BranchSchedule {
   std::vector<ScheduledBlock> blocks;
   mltuner::Clock scheduled_until = 0;         // clocks [0, this) have a branch
   std::map<BranchId, BranchSettings> live;    // live branches
+  // What each live branch's rules take from it and its ancestors: the
+  // learning rate and momentum the nearest of them set (kKeepParent: none
+  // did, each table keeps its own). Branch 0 sets none.
+  std::map<BranchId, BranchSettings> rule_overrides;
   std::map<BranchId, mltuner::Clock> clocks;  // clocks scheduled per branch
 
   // The branch of an application clock. REQUIRES: the clock is scheduled
@@ -44,6 +49,8 @@ struct BranchSchedule {
   ClockBranch At(mltuner::Clock clock) const;
   // Whether the allocator may prepare `clock`: it has a branch.
   bool Scheduled(mltuner::Clock clock) const { return !enabled || clock < scheduled_until; }
+  // A table's rule on a live branch: `base` with the branch's overrides.
+  UpdateRuleConfig RuleOn(BranchId branch, const UpdateRuleConfig& base) const;
 };
 
 }  // namespace mltuner

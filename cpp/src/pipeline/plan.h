@@ -10,6 +10,7 @@
 #include <memory>
 #include <vector>
 
+#include "cache/own_updates.h"
 #include "cache/table_store.h"
 #include "memory/device_block.h"
 #include "mltuner/types.h"
@@ -27,6 +28,8 @@ struct PipelinePlan {
   Placement placement;
   IterationIndex index;
   std::vector<std::unique_ptr<TableStore>> stores;  // by table id
+  // By table id: read-my-writes (Config::read_my_writes), null where off.
+  std::vector<std::unique_ptr<OwnUpdates>> own_updates;
   int depth = 2;                                    // slots per handle = pool regions
   std::shared_ptr<DeviceBlock> pool_memory;
   std::shared_ptr<DeviceBlock> staging;  // reclaimer: device -> host for host-resident updates

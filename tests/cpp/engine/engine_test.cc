@@ -98,14 +98,22 @@ struct Params {
   std::vector<double> v = std::vector<double>(kVRows * kVWidth);
 };
 
-// history[c] = parameters after c steps.
-std::vector<Params> SequentialReference(int workers, int clocks) {
+// history[c] = parameters after c steps of SGD with the workers' mean
+// gradient, or of damped momentum (h = (1 - m) g + m h; p -= lr h).
+std::vector<Params> SequentialReference(int workers, int clocks, double momentum = 0) {
   Params p;
   for (int64_t r = 0; r < kWRows; ++r)
     for (int64_t j = 0; j < kWWidth; ++j) p.w[r * kWWidth + j] = static_cast<float>(InitW(r, j));
   for (int64_t r = 0; r < kVRows; ++r)
     for (int64_t j = 0; j < kVWidth; ++j) p.v[r * kVWidth + j] = static_cast<float>(InitV(r, j));
   std::vector<Params> history = {p};
+  Params h;  // momentum
+  std::fill(h.w.begin(), h.w.end(), 0.0);
+  std::fill(h.v.begin(), h.v.end(), 0.0);
+  auto step = [momentum](double g, double* history) {
+    *history = (1 - momentum) * g + momentum * *history;
+    return kLr * *history;
+  };
   for (int c = 0; c < clocks; ++c) {
     Params next = p;
     for (int64_t r = 0; r < kWRows; ++r) {
@@ -114,14 +122,14 @@ std::vector<Params> SequentialReference(int workers, int clocks) {
         for (int k = 0; k < workers; ++k) {
           sum += GradW(k, c, r, j, p.w[r * kWWidth + j], p.v[(r % kVRows) * kVWidth + j % kVWidth]);
         }
-        next.w[r * kWWidth + j] -= kLr * sum / workers;
+        next.w[r * kWWidth + j] -= step(sum / workers, &h.w[r * kWWidth + j]);
       }
     }
     for (int64_t r = 0; r < kVRows; ++r) {
       for (int64_t j = 0; j < kVWidth; ++j) {
         double sum = 0;
         for (int k = 0; k < workers; ++k) sum += GradV(k, c, r, j, p.v[r * kVWidth + j], p.w[r * kWWidth + j]);
-        next.v[r * kVWidth + j] -= kLr * sum / workers;
+        next.v[r * kVWidth + j] -= step(sum / workers, &h.v[r * kVWidth + j]);
       }
     }
     p = next;
@@ -135,11 +143,11 @@ struct BspHandles {
   Handle rw = -1, rv = -1, uw = -1, uv = -1;
 };
 
-Status DefineBsp(Engine* e, BspHandles* h) {
+Status DefineBsp(Engine* e, BspHandles* h, int slack) {
   MLT_RETURN_IF_ERROR(e->CreateTable("w", kWRows, kWWidth, false, &h->w));
   MLT_RETURN_IF_ERROR(e->CreateTable("v", kVRows, kVWidth, false, &h->v));
-  MLT_RETURN_IF_ERROR(e->VirtualRead(h->w, kWOrder, 0, &h->rw));
-  MLT_RETURN_IF_ERROR(e->VirtualRead(h->v, kVOrder, 0, &h->rv));
+  MLT_RETURN_IF_ERROR(e->VirtualRead(h->w, kWOrder, slack, &h->rw));
+  MLT_RETURN_IF_ERROR(e->VirtualRead(h->v, kVOrder, slack, &h->rv));
   MLT_RETURN_IF_ERROR(e->VirtualPreUpdate(h->w, kWOrder, &h->uw));
   MLT_RETURN_IF_ERROR(e->VirtualUpdate(h->uw));
   MLT_RETURN_IF_ERROR(e->VirtualPostRead(h->rw));
@@ -155,9 +163,9 @@ struct BspObserved {
   std::vector<Clock> w_ages, v_ages;
 };
 
-void BspWorker(Engine* e, int rank, ThreadLog* log, BspObserved* seen) {
+void BspWorker(Engine* e, int rank, ThreadLog* log, BspObserved* seen, int slack) {
   BspHandles h;
-  T_CHECK(*log, DefineBsp(e, &h));
+  T_CHECK(*log, DefineBsp(e, &h, slack));
   if (rank == 0) {
     // Initial values through the init phase (added directly on the servers).
     AccessBuffer buf;
@@ -234,7 +242,7 @@ void RunBsp(int workers) {
   std::vector<BspObserved> seen(workers);
   std::vector<std::thread> threads;
   for (int k = 0; k < workers; ++k) {
-    threads.emplace_back(BspWorker, cluster->worker(k), k, &logs[k], &seen[k]);
+    threads.emplace_back(BspWorker, cluster->worker(k), k, &logs[k], &seen[k], 0);
   }
   for (std::thread& t : threads) t.join();
   REPORT_LOGS(logs);
@@ -263,6 +271,7 @@ void RunBsp(int workers) {
     }
     EXPECT_EQ(cluster->worker(k)->DataAge(0), Clock{kBspClocks - 1});
     EXPECT_EQ(cluster->worker(k)->Stats().clock, Clock{kBspClocks});
+    EXPECT_EQ(cluster->worker(k)->Stats().own_steps, int64_t{0});  // nothing stale: read-my-writes stays off
   }
   // The values moved: the test is not vacuous.
   EXPECT_TRUE(std::fabs(ref.back().w[0] - ref.front().w[0]) > 1e-2);
@@ -300,6 +309,49 @@ void RunBsp(int workers) {
 }  // namespace
 
 TEST(BspEqualsSequentialOneWorker) { RunBsp(1); }
+
+// Read-my-writes: a single worker's own updates are all the updates, so at
+// any slack its every read equals the sequential run's parameters, whatever
+// data age the shard's rows had; damped momentum mirrors the shard's state.
+// Without read-my-writes a read of rows that are still on their way would
+// miss the last steps.
+void RunOwnWritesOneWorker(UpdateRuleKind kind, double momentum) {
+  Config config;
+  config.update_rule.kind = kind;
+  config.update_rule.learning_rate = kLr;
+  config.update_rule.momentum = static_cast<float>(momentum);
+  config.wait_timeout_ms = 10000;
+  std::unique_ptr<LocalCluster> cluster;
+  ASSERT_OK(LocalCluster::Create(config, 1, &cluster));
+  ThreadLog log;
+  BspObserved seen;
+  std::thread worker(BspWorker, cluster->worker(0), 0, &log, &seen, 3);
+  worker.join();
+  REPORT_LOGS(std::vector<ThreadLog>{log});
+  const std::vector<Params> ref = SequentialReference(1, kBspClocks, momentum);
+  ASSERT_EQ(static_cast<int>(seen.w_reads.size()), kBspClocks);
+  int bad = 0;
+  for (int c = 0; c < kBspClocks; ++c) {
+    for (size_t i = 0; i < seen.w_reads[c].size(); ++i) {
+      if (std::fabs(seen.w_reads[c][i] - ref[c].w[i]) > Tolerance(ref[c].w[i]) && ++bad <= 3) {
+        EXPECT_NEAR(seen.w_reads[c][i], ref[c].w[i], Tolerance(ref[c].w[i]));
+      }
+    }
+    for (size_t i = 0; i < seen.v_reads[c].size(); ++i) {
+      if (std::fabs(seen.v_reads[c][i] - ref[c].v[i]) > Tolerance(ref[c].v[i]) && ++bad <= 3) {
+        EXPECT_NEAR(seen.v_reads[c][i], ref[c].v[i], Tolerance(ref[c].v[i]));
+      }
+    }
+  }
+  EXPECT_TRUE(std::fabs(ref.back().w[0] - ref.front().w[0]) > 1e-2);
+  EXPECT_EQ(cluster->worker(0)->Stats().own_steps, int64_t{2 * kBspClocks});  // both tables, every clock
+  EXPECT_OK(cluster->Shutdown());
+}
+
+TEST(OwnWritesSgdOneWorkerAtSlack3EqualsSequential) { RunOwnWritesOneWorker(UpdateRuleKind::kSgd, 0); }
+TEST(OwnWritesDampedMomentumOneWorkerAtSlack3EqualsSequential) {
+  RunOwnWritesOneWorker(UpdateRuleKind::kDampedMomentum, 0.9);
+}
 TEST(BspEqualsSequentialTwoWorkers) { RunBsp(2); }
 TEST(BspEqualsSequentialFourWorkers) { RunBsp(4); }
 
@@ -344,6 +396,10 @@ void SspWorker(Engine* e, int rank, int slack, unsigned seed, ThreadLog* log) {
         }
         // Rows are pushed with their data age: value == age + 1 at least.
         if (value < buf.data_age + 1) log->Add(where + ": value below its data age");
+        // Read-my-writes: this worker's own adds through clock c-1 are in.
+        if (row == rank && value != static_cast<float>(c)) {
+          log->Add(where + ": own row = " + std::to_string(value) + ", want " + std::to_string(c));
+        }
       }
     }
     AccessBuffer upd;

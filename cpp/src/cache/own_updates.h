@@ -1,0 +1,122 @@
+// OwnUpdates: read-my-writes for one parameter table under bounded
+// staleness. A read at slack s may see the other workers' updates up to s
+// clocks late; with this, it sees this worker's own updates through the
+// clock before it at once, as Bösen's SSP promises. Without it a worker's
+// own last steps are missing for the round trip through the shards, and at
+// a high rate with momentum that is what stops slack from training
+// (docs/results.md, "Read-my-writes").
+//
+// How: the reclaimer turns the worker's update of each clock into the step
+// the shards' rule takes for it, adds that step to the cache's rows at once
+// and keeps it. For the rules where the step is linear in the update (add,
+// sgd and damped momentum without weight decay) the shards' step is the sum
+// of the workers' own steps, each with its own share of the momentum, so the
+// mirror here is exact for this worker's part. An install of rows of data
+// age d adds back the kept steps of the clocks after d, which the shard's
+// rows do not hold yet; steps at or below the table's data age are dropped.
+//
+// The state follows one training branch: a step of another branch, or a
+// clock whose reads are not stale, starts it afresh (kept steps dropped, the
+// momentum share zero). After a fork the mirror's momentum starts at zero
+// while the shard's carries on: it then predicts less of its own step until
+// the momentum builds up again, an error that the next install corrects.
+//
+// Threading: Apply runs on the reclaimer thread while it holds the table's
+// partition locks exclusively; Reinstall and Forget on the receive thread,
+// Reinstall under the install's partition locks. mu_ guards the rest; it is
+// a leaf (nothing is taken while it is held). Device work: steps are made
+// on the writeback stream and added to the cache on the install stream, in
+// the cache's order of installs (table_store.h, CacheTickets).
+#pragma once
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "cache/table_store.h"
+#include "common/mutex.h"
+#include "memory/device_block.h"
+#include "mltuner/config.h"
+#include "mltuner/device.h"
+#include "record/index_builder.h"
+
+namespace mltuner {
+
+// Whether the mirror is exact for `rule`: a step linear in the update,
+// independent of the parameters.
+bool OwnStepIsLinear(const UpdateRuleConfig& rule);
+
+class OwnUpdates {
+ public:
+  // For a table whose rows all live on the device (`store` has no host
+  // rows). Null when the rule's step is not linear (OwnStepIsLinear).
+  static Status ForTable(std::shared_ptr<Device> device, const TableStore& store, const UpdateRuleConfig& rule,
+                         int num_workers, std::unique_ptr<OwnUpdates>* out);
+  OwnUpdates(const OwnUpdates&) = delete;
+  OwnUpdates& operator=(const OwnUpdates&) = delete;
+
+  // What the shards apply to this table on a branch: its rule, with the
+  // branch's learning rate and momentum where it set them, and whether the
+  // branch trains at all.
+  // A rate the application set for this clock (Engine::SetLearningRate)
+  // holds for the branch's later clocks too, as on the shards. (A fork
+  // that keeps its parent's rate gets the rule's, not such a set one.)
+  struct Rule {
+    UpdateRuleConfig config;
+    bool training = true;
+    std::optional<float> new_learning_rate;
+  };
+
+  // The table's base rule.
+  const UpdateRuleConfig& base_rule() const { return base_rule_; }
+
+  // This worker's update of `clock` (the branch's own clock numbering, as
+  // data ages are), in the cache's device layout (`update`, ready on the
+  // writeback stream): its step is made, added to the cache and kept.
+  // `stale`: the clock's reads of the table may be stale (slack >= 1); when
+  // not, nothing is added and the state starts afresh. `cache_branch`: the
+  // branch whose rows the cache holds now. REQUIRES: the caller holds the
+  // table's partition locks exclusively.
+  Status Apply(BranchId branch, mltuner::Clock clock, const Rule& rule, bool stale, BranchId cache_branch,
+               const float* update) EXCLUDES(mu_);
+  // After the device rows of `segments` were installed from a shard's rows
+  // of data age `age` on `branch` (queued on the install stream): adds the
+  // kept steps of later clocks to them. REQUIRES: the caller holds the
+  // install's partition locks.
+  Status Reinstall(BranchId branch, mltuner::Clock age, const std::vector<WireSegment>& segments) EXCLUDES(mu_);
+  // No install older than `age` (the table's data age) can come any more.
+  void Forget(BranchId branch, mltuner::Clock age) EXCLUDES(mu_);
+
+  // A device buffer of the cache's device layout for the reclaimer to
+  // gather an update into (one whose buffer is not in that layout).
+  float* scratch() const { return scratch_->floats(); }
+  // Floats of the cache's device rows (of `scratch` and of each step).
+  int64_t values() const;
+  int64_t steps_applied() const EXCLUDES(mu_);
+
+ private:
+  OwnUpdates(std::shared_ptr<Device> device, const TableStore& store, const UpdateRuleConfig& rule, int num_workers)
+      : device_(std::move(device)), store_(store), base_rule_(rule), num_workers_(num_workers) {}
+  void Restart(BranchId branch) REQUIRES(mu_);
+  // Adds `step` (cache layout) to `count` values of the cache from `offset`
+  // on the install stream.
+  void AddToCache(const float* step, int64_t offset, int64_t count);
+
+  const std::shared_ptr<Device> device_;
+  const TableStore& store_;
+  const UpdateRuleConfig base_rule_;
+  const int num_workers_;
+  std::shared_ptr<DeviceBlock> scratch_;  // set by ForTable
+
+  mutable Mutex mu_;
+  BranchId branch_ GUARDED_BY(mu_) = -1;  // the branch the state follows; -1: none yet
+  int state_arrays_ GUARDED_BY(mu_) = 0;
+  std::shared_ptr<DeviceBlock> state_ GUARDED_BY(mu_);  // the rule's state for this worker's share
+  std::map<mltuner::Clock, std::shared_ptr<DeviceBlock>> steps_ GUARDED_BY(mu_);  // kept steps by clock
+  std::vector<std::shared_ptr<DeviceBlock>> spare_ GUARDED_BY(mu_);              // blocks of dropped steps
+  std::map<BranchId, float> set_rates_ GUARDED_BY(mu_);  // the application's rates, by branch
+  int64_t steps_applied_ GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace mltuner

@@ -36,9 +36,11 @@ with twice the global batch of 2, and each size has its own DDP baseline.
 Balanced batches keep each clock's samples and summed update (each worker's
 loss weighted by its share) and move samples from the slow rank to the
 others; a slack absorbs the delays that come and go. Every column shares one
-setting, a good one for BSP: at slack 3 and 7 it trains too slowly to reach
-70% in 40 epochs (stop 50; until then the program ignored ``--staleness``
-unless it searched staleness, so the slack columns of earlier runs were BSP).
+setting, a good one for BSP. Until stop 50 the program ignored
+``--staleness`` unless it searched staleness, so the slack columns of
+earlier runs were BSP; until stop 51 (read-my-writes, ``Config.read_my_writes``)
+a stale read also missed the worker's own last steps, and at slack 3 and 7
+this setting never reached 70%.
 """
 
 from __future__ import annotations

@@ -209,9 +209,10 @@ class Config:
             other workers' may arrive up to the slack late, as in Bösen's
             SSP. For tables whose rule is ``add``, ``sgd`` or
             ``damped_momentum`` without weight decay and whose rows all live
-            on the device; the others read as without it. Reads at slack 0
+            on the device, with no device-memory budget (set or automatic),
+            at slack 1 to 8; other reads are as without it. Reads at slack 0
             are the same either way. Costs device memory of the table's size
-            per clock the reads may lag.
+            per clock the reads may lag (at most slack + 1).
         host_memory_limit: bytes of host memory this process's engines may
             hold; None or 0 means no limit of its own (the host's is
             detected). Tables and plans that need more than the smallest of

@@ -162,9 +162,10 @@ struct Config {
   // it, the step the shards' rule takes for them added to the cache at once,
   // while the other workers' may come up to the slack late. For tables whose
   // rule is add, sgd or damped momentum without weight decay, and whose rows
-  // all live on the device; other tables read as without it. Reads at slack
+  // all live on the device, with no device-memory budget (set or automatic),
+  // for reads at slack 1 to 8; other reads are as without it. Reads at slack
   // 0 are the same either way. It costs device memory of the table's size
-  // per clock the reads may lag, plus the rule's state.
+  // per clock the reads may lag (at most slack + 1), plus the rule's state.
   bool read_my_writes = true;
 
   // The shards refuse a clock's update that holds a NaN or an infinity, on a

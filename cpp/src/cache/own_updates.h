@@ -47,6 +47,12 @@ namespace mltuner {
 // independent of the parameters.
 bool OwnStepIsLinear(const UpdateRuleConfig& rule);
 
+// The largest slack read-my-writes serves: it keeps a table-sized step per
+// clock the rows may lag, up to slack + 1 of them. Reads at a larger slack
+// go without it.
+constexpr int kOwnUpdatesMaxSlack = 8;
+inline bool ServesSlack(int slack) { return slack >= 1 && slack <= kOwnUpdatesMaxSlack; }
+
 class OwnUpdates {
  public:
   // For a table whose rows all live on the device (`store` has no host

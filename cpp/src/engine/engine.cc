@@ -709,11 +709,12 @@ Status Engine::Impl::WaitForDataAge(TableId table, mltuner::Clock age) {
 
 // Read-my-writes (Config::read_my_writes) for each communicated table that
 // is read and updated, whose reads may be stale: a recorded slack >= 1, or
-// branches, which may set one.
+// branches, which may set one. Not under a device-memory budget: its steps
+// are device memory the plan does not count.
 Status Engine::Impl::MakeOwnUpdates() {
   plan_.own_updates.clear();
   plan_.own_updates.resize(plan_.tables.size());
-  if (!config_.read_my_writes) return Status::Ok();
+  if (!config_.read_my_writes || plan_.placement.budget.budget != 0) return Status::Ok();
   std::vector<bool> read(plan_.tables.size(), false), updated(plan_.tables.size(), false);
   std::vector<int> slack(plan_.tables.size(), 0);
   for (const AccessRecord& access : plan_.recording.accesses) {
@@ -725,7 +726,7 @@ Status Engine::Impl::MakeOwnUpdates() {
   }
   for (const TableInfo& table : plan_.tables) {
     if (table.local || !read[table.id] || !updated[table.id]) continue;
-    if (slack[table.id] == 0 && !config_.branches) continue;
+    if (!ServesSlack(slack[table.id]) && !config_.branches) continue;
     const UpdateRuleConfig& rule = table.update_rule ? *table.update_rule : config_.update_rule;
     MLT_RETURN_IF_ERROR(
         OwnUpdates::ForTable(device_, *plan_.stores[table.id], rule, num_workers_, &plan_.own_updates[table.id]));

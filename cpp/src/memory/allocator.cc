@@ -130,7 +130,7 @@ Status Allocator::PrepareSlot(int64_t seq, const AccessRecord& access, const Clo
       mltuner::Clock age = kNoClock;
       MLT_RETURN_IF_ERROR(WaitFresh(access, at, &age));
       const int slack = at.slack >= 0 ? at.slack : access.slack;
-      if (plan_->own_updates[access.table] && slack >= 1 && clock > 0) {
+      if (plan_->own_updates[access.table] && ServesSlack(slack) && clock > 0) {
         MLT_RETURN_IF_ERROR(WaitForOwnStep(access.table, clock - 1));
       }
       auto guard = plan_->stores[access.table]->locks->LockShared(index.lock_begin, index.lock_count);

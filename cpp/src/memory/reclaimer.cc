@@ -326,7 +326,7 @@ Status Reclaimer::ApplyOwnStep(const AccessRecord& access, const float* buffer, 
     MutexLock lock(&state_->age_mu);
     cached = state_->cache_branch;
   }
-  return own->Apply(at.branch, at.internal, rule, slack >= 1, cached, update);
+  return own->Apply(at.branch, at.internal, rule, ServesSlack(slack), cached, update);
 }
 
 Status Reclaimer::FinishHostLog(TableId table) {

@@ -2,6 +2,7 @@
 // again over each install of rows that do not hold them yet.
 #include "cache/own_updates.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "mltuner/update_step.h"
@@ -20,11 +21,23 @@ bool OwnStepIsLinear(const UpdateRuleConfig& rule) {
   }
 }
 
+namespace {
+
+// The momentum an sgd or damped-momentum rule carries a step forward with
+// (0: none).
+float CarriedMomentum(const UpdateRuleConfig& rule) {
+  const bool with_history = rule.kind == UpdateRuleKind::kSgd || rule.kind == UpdateRuleKind::kDampedMomentum;
+  return with_history && rule.momentum > 0.0f ? rule.momentum : 0.0f;
+}
+
+}  // namespace
+
 Status OwnUpdates::ForTable(std::shared_ptr<Device> device, const TableStore& store, const UpdateRuleConfig& rule,
-                            int num_workers, std::unique_ptr<OwnUpdates>* out) {
+                            int num_workers, int num_pieces, std::unique_ptr<OwnUpdates>* out) {
   out->reset();
   if (!OwnStepIsLinear(rule) || store.host_values || !store.device_values) return Status::Ok();
   std::unique_ptr<OwnUpdates> own(new OwnUpdates(device, store, rule, num_workers));
+  own->raw_age_.assign(static_cast<size_t>(num_pieces), kNoClock);
   MLT_RETURN_IF_ERROR(DeviceBlock::MakeZeroed(std::move(device), store.device_values->bytes(), false, &own->scratch_));
   *out = std::move(own);
   return Status::Ok();
@@ -45,10 +58,40 @@ void OwnUpdates::Restart(BranchId branch) {
   branch_ = branch;
   state_.reset();
   state_arrays_ = 0;
+  latest_ = kNoClock;
+  StopCarrying();
+}
+
+void OwnUpdates::StopCarrying() {
+  carried_momentum_ = 0.0f;
+  std::fill(raw_age_.begin(), raw_age_.end(), kNoClock);
 }
 
 void OwnUpdates::AddToCache(const float* step, int64_t offset, int64_t count) {
   device_->AddInto(store_.device_values->floats() + offset, step + offset, count, Stream::kInstall);
+}
+
+void OwnUpdates::AddScaled(float* y, float a, const float* x, int64_t count) {
+  // y -= (-a) x: the rule arithmetic's plain sgd step, with no mean over
+  // workers (its loops take y and x as not overlapping).
+  UpdateStep axpy;
+  axpy.kind = UpdateRuleKind::kSgd;
+  axpy.learning_rate = -a;
+  axpy.inv_workers = 1.0f;
+  device_->ApplyUpdate(axpy, y, nullptr, x, count, count, Stream::kInstall);
+}
+
+Status OwnUpdates::StartCarrying(float momentum) {
+  if (momentum == carried_momentum_) return Status::Ok();
+  StopCarrying();
+  if (momentum == 0.0f) return Status::Ok();
+  const size_t bytes = store_.device_values->bytes();
+  if (!raw_) MLT_RETURN_IF_ERROR(DeviceBlock::MakeZeroed(device_, bytes, false, &raw_));
+  if (!drift_) MLT_RETURN_IF_ERROR(DeviceBlock::MakeZeroed(device_, bytes, false, &drift_));
+  if (!others_) MLT_RETURN_IF_ERROR(DeviceBlock::MakeZeroed(device_, bytes, false, &others_));
+  device_->Fill(drift_->floats(), 0.0f, static_cast<size_t>(values()), Stream::kInstall);
+  carried_momentum_ = momentum;
+  return Status::Ok();
 }
 
 Status OwnUpdates::Apply(BranchId branch, mltuner::Clock clock, const Rule& rule, bool stale, BranchId cache_branch,
@@ -65,6 +108,7 @@ Status OwnUpdates::Apply(BranchId branch, mltuner::Clock clock, const Rule& rule
     return Status::Ok();
   }
   if (branch != branch_) Restart(branch);
+  MLT_RETURN_IF_ERROR(StartCarrying(CarriedMomentum(config)));
   const int64_t n = values();
   const int arrays = StateArraysPerValue(config);
   if (arrays != state_arrays_) {  // a branch that gained momentum starts its share at zero
@@ -98,23 +142,63 @@ Status OwnUpdates::Apply(BranchId branch, mltuner::Clock clock, const Rule& rule
   MLT_RETURN_IF_ERROR(device_->WaitEvent(Stream::kInstall, made));
   MLT_RETURN_IF_ERROR(device_->WaitEvent(Stream::kInstall, store_.tickets.last_gather()));
   AddToCache(step->floats(), 0, n);
+  if (carried_momentum_ > 0.0f) {
+    // One more clock of the other workers' momentum on every row whose last
+    // two installs gave it (zero elsewhere), decayed for the next.
+    device_->AddInto(store_.device_values->floats(), drift_->floats(), n, Stream::kInstall);
+    device_->Fill(others_->floats(), 0.0f, static_cast<size_t>(n), Stream::kInstall);
+    AddScaled(others_->floats(), carried_momentum_, drift_->floats(), n);
+    std::swap(drift_, others_);
+  }
   DeviceEvent added;
   MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kInstall, &added));
   store_.tickets.set_last_install(std::move(added));
   steps_[clock] = std::move(step);
+  latest_ = clock;
   ++steps_applied_;
   return Status::Ok();
 }
 
-Status OwnUpdates::Reinstall(BranchId branch, mltuner::Clock age, const std::vector<WireSegment>& segments) {
+Status OwnUpdates::Reinstall(BranchId branch, int piece, mltuner::Clock age, const std::vector<WireSegment>& segments) {
   MutexLock lock(&mu_);
   if (branch != branch_) return Status::Ok();
   const int64_t width = store_.info.row_width;
-  for (auto it = steps_.upper_bound(age); it != steps_.end(); ++it) {
-    for (const WireSegment& segment : segments) {
-      if (segment.residence == Residence::kDevice) AddToCache(it->second->floats(), segment.slot * width, segment.count * width);
+  const float m = carried_momentum_;
+  // The others' step at `age`: these rows' change since the piece's install
+  // of the clock before, less this worker's own step of `age`.
+  const auto own_step = steps_.find(age);
+  const bool known = m > 0.0f && raw_age_[static_cast<size_t>(piece)] == age - 1 && own_step != steps_.end() &&
+                     latest_ >= age;
+  double ahead = 0.0, power = 1.0;  // sum of m^j for j = 1..latest - age; then m^(latest - age + 1)
+  for (mltuner::Clock j = age; known && j < latest_; ++j) {
+    power *= m;
+    ahead += power;
+  }
+  power *= m;
+  float* const cache = store_.device_values->floats();
+  for (const WireSegment& segment : segments) {
+    if (segment.residence != Residence::kDevice) continue;
+    const int64_t offset = segment.slot * width, count = segment.count * width;
+    const size_t bytes = static_cast<size_t>(count) * sizeof(float);
+    float* const others = known ? others_->floats() + offset : nullptr;
+    if (known) {
+      device_->CopyDeviceToDevice(others, cache + offset, bytes, Stream::kInstall);
+      AddScaled(others, -1.0f, raw_->floats() + offset, count);
+      AddScaled(others, -1.0f, own_step->second->floats() + offset, count);
+    }
+    if (m > 0.0f) {
+      device_->CopyDeviceToDevice(raw_->floats() + offset, cache + offset, bytes, Stream::kInstall);
+      device_->Fill(drift_->floats() + offset, 0.0f, static_cast<size_t>(count), Stream::kInstall);
+    }
+    for (auto it = steps_.upper_bound(age); it != steps_.end(); ++it) AddToCache(it->second->floats(), offset, count);
+    if (known) {
+      // The others' momentum, carried over the clocks this worker is ahead
+      // of the rows; `drift_` keeps the next clock's share.
+      AddScaled(cache + offset, static_cast<float>(ahead), others, count);
+      AddScaled(drift_->floats() + offset, static_cast<float>(power), others, count);
     }
   }
+  if (m > 0.0f) raw_age_[static_cast<size_t>(piece)] = age;
   return Status::Ok();
 }
 

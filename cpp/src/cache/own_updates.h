@@ -58,7 +58,7 @@ class OwnUpdates {
   // For a table whose rows all live on the device (`store` has no host
   // rows). Null when the rule's step is not linear (OwnStepIsLinear).
   static Status ForTable(std::shared_ptr<Device> device, const TableStore& store, const UpdateRuleConfig& rule,
-                         int num_workers, std::unique_ptr<OwnUpdates>* out);
+                         int num_workers, int num_pieces, std::unique_ptr<OwnUpdates>* out);
   OwnUpdates(const OwnUpdates&) = delete;
   OwnUpdates& operator=(const OwnUpdates&) = delete;
 
@@ -90,7 +90,8 @@ class OwnUpdates {
   // of data age `age` on `branch` (queued on the install stream): adds the
   // kept steps of later clocks to them. REQUIRES: the caller holds the
   // install's partition locks.
-  Status Reinstall(BranchId branch, mltuner::Clock age, const std::vector<WireSegment>& segments) EXCLUDES(mu_);
+  Status Reinstall(BranchId branch, int piece, mltuner::Clock age, const std::vector<WireSegment>& segments)
+      EXCLUDES(mu_);
   // No install older than `age` (the table's data age) can come any more.
   void Forget(BranchId branch, mltuner::Clock age) EXCLUDES(mu_);
 
@@ -105,6 +106,12 @@ class OwnUpdates {
   OwnUpdates(std::shared_ptr<Device> device, const TableStore& store, const UpdateRuleConfig& rule, int num_workers)
       : device_(std::move(device)), store_(store), base_rule_(rule), num_workers_(num_workers) {}
   void Restart(BranchId branch) REQUIRES(mu_);
+  // The other workers' momentum (see the class comment): carried with
+  // `momentum` from now on (0: not), every piece's rows unknown again.
+  Status StartCarrying(float momentum) REQUIRES(mu_);
+  void StopCarrying() REQUIRES(mu_);
+  // y += a x on the install stream.
+  void AddScaled(float* y, float a, const float* x, int64_t count);
   // Adds `step` (cache layout) to `count` values of the cache from `offset`
   // on the install stream.
   void AddToCache(const float* step, int64_t offset, int64_t count);
@@ -123,6 +130,17 @@ class OwnUpdates {
   std::vector<std::shared_ptr<DeviceBlock>> spare_ GUARDED_BY(mu_);              // blocks of dropped steps
   std::map<BranchId, float> set_rates_ GUARDED_BY(mu_);  // the application's rates, by branch
   int64_t steps_applied_ GUARDED_BY(mu_) = 0;
+  mltuner::Clock latest_ GUARDED_BY(mu_) = kNoClock;  // the clock of the last step kept
+  // The other workers' momentum: with momentum m, a row the shard last sent
+  // at clock d, when this worker is at clock L, also gets m + ... + m^(L-d)
+  // times the others' step at d. `raw_` holds the shard's rows as last
+  // installed, `raw_age_` their clock by piece, `drift_` the share of each
+  // row for the next clock.
+  float carried_momentum_ GUARDED_BY(mu_) = 0.0f;
+  std::vector<mltuner::Clock> raw_age_ GUARDED_BY(mu_);
+  std::shared_ptr<DeviceBlock> raw_ GUARDED_BY(mu_);
+  std::shared_ptr<DeviceBlock> drift_ GUARDED_BY(mu_);
+  std::shared_ptr<DeviceBlock> others_ GUARDED_BY(mu_);  // scratch of drift_'s size
 };
 
 }  // namespace mltuner

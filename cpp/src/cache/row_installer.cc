@@ -165,7 +165,7 @@ Status RowInstaller::InstallValues(const Message& message, int piece, const RowS
     }
   }
   if (host_writes) MLT_RETURN_IF_ERROR(WriteHostRows(store, segments, range, payload));
-  MLT_RETURN_IF_ERROR(ReapplyOwnSteps(message, segments));
+  MLT_RETURN_IF_ERROR(ReapplyOwnSteps(message, piece, segments));
   DeviceEvent installed;
   MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kInstall, &installed));
   if (on_device != nullptr) message.device_values->last_use = installed;
@@ -203,7 +203,7 @@ Status RowInstaller::InstallFrame(const Message& message, int piece, const RowSp
       source = landing->data;
     }
     device_->Gather(store.values(Residence::kDevice), source, unpack, width, Stream::kInstall);
-    MLT_RETURN_IF_ERROR(ReapplyOwnSteps(message, segments));
+    MLT_RETURN_IF_ERROR(ReapplyOwnSteps(message, piece, segments));
     DeviceEvent installed;
     MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kInstall, &installed));
     if (landing) landing->last_use = installed;
@@ -216,10 +216,10 @@ Status RowInstaller::InstallFrame(const Message& message, int piece, const RowSp
 
 // Read-my-writes: the rows just queued for install are the shard's of the
 // message's clock; this worker's own steps of later clocks go back on top.
-Status RowInstaller::ReapplyOwnSteps(const Message& message, const std::vector<WireSegment>& segments) {
+Status RowInstaller::ReapplyOwnSteps(const Message& message, int piece, const std::vector<WireSegment>& segments) {
   OwnUpdates* own = plan_->own_updates[message.header.table].get();
   if (own == nullptr) return Status::Ok();
-  return own->Reinstall(message.header.branch, message.header.clock, segments);
+  return own->Reinstall(message.header.branch, piece, message.header.clock, segments);
 }
 
 // The host-resident rows of `segments`, copied on the host from `source`

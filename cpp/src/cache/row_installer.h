@@ -38,7 +38,7 @@ class RowInstaller {
   Status InstallValues(const Message& message, int piece, const RowSpan& range);
   Status WriteHostRows(const TableStore& store, const std::vector<WireSegment>& segments, const RowSpan& range,
                        const float* source);
-  Status ReapplyOwnSteps(const Message& message, const std::vector<WireSegment>& segments);
+  Status ReapplyOwnSteps(const Message& message, int piece, const std::vector<WireSegment>& segments);
   Status CompleteRequest(Message&& message) EXCLUDES(state_->age_mu);
 
   const int rank_;

@@ -729,7 +729,8 @@ Status Engine::Impl::MakeOwnUpdates() {
     if (!ServesSlack(slack[table.id]) && !config_.branches) continue;
     const UpdateRuleConfig& rule = table.update_rule ? *table.update_rule : config_.update_rule;
     MLT_RETURN_IF_ERROR(
-        OwnUpdates::ForTable(device_, *plan_.stores[table.id], rule, num_workers_, &plan_.own_updates[table.id]));
+        OwnUpdates::ForTable(device_, *plan_.stores[table.id], rule, num_workers_,
+                             static_cast<int>(plan_.index.tables[table.id].pieces.size()), &plan_.own_updates[table.id]));
   }
   return Status::Ok();
 }

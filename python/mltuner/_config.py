@@ -207,7 +207,8 @@ class Config:
             updates through the previous clock (the step the servers' rule
             takes for them is added to the worker's cache at once), while the
             other workers' may arrive up to the slack late, as in Bösen's
-            SSP. For tables whose rule is ``add``, ``sgd`` or
+            SSP; with momentum, the other workers' momentum is carried over
+            the clocks their rows lag. For tables whose rule is ``add``, ``sgd`` or
             ``damped_momentum`` without weight decay and whose rows all live
             on the device, with no device-memory budget (set or automatic),
             at slack 1 to 8; other reads are as without it. Reads at slack 0

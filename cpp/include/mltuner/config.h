@@ -160,7 +160,8 @@ struct Config {
   // Read-my-writes under bounded staleness (cache/own_updates.h): a read
   // with slack >= 1 sees this worker's own updates through the clock before
   // it, the step the shards' rule takes for them added to the cache at once,
-  // while the other workers' may come up to the slack late. For tables whose
+  // while the other workers' may come up to the slack late (with momentum,
+  // their momentum is carried over the clocks their rows lag). For tables whose
   // rule is add, sgd or damped momentum without weight decay, and whose rows
   // all live on the device, with no device-memory budget (set or automatic),
   // for reads at slack 1 to 8; other reads are as without it. Reads at slack

@@ -14,6 +14,9 @@
 // mirror here is exact for this worker's part. An install of rows of data
 // age d adds back the kept steps of the clocks after d, which the shard's
 // rows do not hold yet; steps at or below the table's data age are dropped.
+// With momentum the other workers' share is carried forward too (see
+// carried_momentum_): between installs their momentum alone moves the
+// shard's rows on, and that part can be predicted.
 //
 // The state follows one training branch: a step of another branch, or a
 // clock whose reads are not stale, starts it afresh (kept steps dropped, the

@@ -129,8 +129,7 @@ Status Allocator::PrepareSlot(int64_t seq, const AccessRecord& access, const Clo
     case OpKind::kRead: {
       mltuner::Clock age = kNoClock;
       MLT_RETURN_IF_ERROR(WaitFresh(access, at, &age));
-      const int slack = at.slack >= 0 ? at.slack : access.slack;
-      if (plan_->own_updates[access.table] && ServesSlack(slack) && clock > 0) {
+      if (plan_->own_updates[access.table] && ServesSlack(at.SlackOf(access.slack)) && clock > 0) {
         MLT_RETURN_IF_ERROR(WaitForOwnStep(access.table, clock - 1));
       }
       auto guard = plan_->stores[access.table]->locks->LockShared(index.lock_begin, index.lock_count);
@@ -179,8 +178,8 @@ Status Allocator::WaitFresh(const AccessRecord& access, const ClockBranch& at, m
   // branch's initial rows: without them a read in the first s clocks (of a
   // run, or of a branch the cache just switched to) would see zeros or
   // another branch's rows.
-  const int slack = at.slack >= 0 ? at.slack : access.slack;
-  return WaitForAge(access.table, std::max<mltuner::Clock>(at.internal - slack - 1, kInitClock), age);
+  return WaitForAge(access.table, std::max<mltuner::Clock>(at.internal - at.SlackOf(access.slack) - 1, kInitClock),
+                    age);
 }
 
 Status Allocator::WaitForAge(TableId table, mltuner::Clock needed, mltuner::Clock* age) {

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <string>
 
 #include "memory/swap.h"
@@ -303,21 +304,17 @@ Status Reclaimer::ApplyOwnStep(const AccessRecord& access, const float* buffer, 
     at = state_->branches.At(clock);
     rule.config = state_->branches.RuleOn(at.branch, own->base_rule());
     rule.training = at.training;
-    auto rates = state_->new_rates.find(access.table);
-    if (rates != state_->new_rates.end()) {
-      auto rate = rates->second.find(clock);
-      if (rate != rates->second.end()) rule.new_learning_rate = rate->second;
-    }
+    rule.new_learning_rate = RateSetFor(access.table, clock);
   }
+  const bool stale = ServesSlack(at.SlackOf(read_slack_[access.table]));
   const float* update = store.log(Residence::kDevice);
-  if (buffer != nullptr) {
+  if (buffer != nullptr && stale && rule.training) {
     const int64_t width = store.info.row_width;
     device_->Fill(own->scratch(), 0.0f, static_cast<size_t>(own->values()), Stream::kWriteback);
     device_->ScatterAdd(own->scratch(), buffer, plan_->index.accesses[access.handle].device_scatter, width,
                         Stream::kWriteback);
     update = own->scratch();
   }
-  const int slack = at.slack >= 0 ? at.slack : read_slack_[access.table];
   // Exclusive: no gather reads the rows half stepped, no install lands
   // between the step and its record (partition locks come before age_mu).
   auto guard = store.locks->LockExclusive(0, store.info.num_rows);
@@ -326,7 +323,7 @@ Status Reclaimer::ApplyOwnStep(const AccessRecord& access, const float* buffer, 
     MutexLock lock(&state_->age_mu);
     cached = state_->cache_branch;
   }
-  return own->Apply(at.branch, at.internal, rule, ServesSlack(slack), cached, update);
+  return own->Apply(at.branch, at.internal, rule, stale, cached, update);
 }
 
 Status Reclaimer::FinishHostLog(TableId table) {
@@ -363,6 +360,14 @@ Status Reclaimer::WriteBackLocal(const AccessRecord& access, const float* buffer
   return Status::Ok();
 }
 
+std::optional<float> Reclaimer::RateSetFor(TableId table, mltuner::Clock clock) const {
+  auto rates = state_->new_rates.find(table);
+  if (rates == state_->new_rates.end()) return std::nullopt;
+  auto rate = rates->second.find(clock);
+  if (rate == rates->second.end()) return std::nullopt;
+  return rate->second;
+}
+
 Status Reclaimer::NewUpdateMessage(TableId table, int shard, mltuner::Clock clock, size_t values, Message* out,
                                       float** data, bool* on_device) {
   ClockBranch at;
@@ -370,13 +375,9 @@ Status Reclaimer::NewUpdateMessage(TableId table, int shard, mltuner::Clock cloc
   {
     MutexLock lock(&state_->mu);
     at = state_->branches.At(clock);
-    auto rates = state_->new_rates.find(table);
-    if (rates != state_->new_rates.end()) {
-      auto rate = rates->second.find(clock);
-      if (rate != rates->second.end()) {
-        message.header.flags |= kNewLearningRate;
-        message.header.learning_rate = rate->second;
-      }
+    if (std::optional<float> rate = RateSetFor(table, clock)) {
+      message.header.flags |= kNewLearningRate;
+      message.header.learning_rate = *rate;
     }
   }
   message.header.branch = at.branch;

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -51,6 +52,9 @@ class Reclaimer {
   // for the scatter-adds queued into it on the device, if any.
   Status FinishHostLog(TableId table);
   Status ApplyOwnStep(const AccessRecord& access, const float* buffer, mltuner::Clock clock) EXCLUDES(state_->mu);
+  // The learning rate the application set for `table` from `clock` on
+  // (Engine::SetLearningRate), if it set one.
+  std::optional<float> RateSetFor(TableId table, mltuner::Clock clock) const REQUIRES(state_->mu);
   Status BuildTableClock(TableId table, mltuner::Clock clock, std::vector<Message>* messages);
   Status BuildDirectUpdate(const AccessRecord& access, const float* buffer, mltuner::Clock clock,
                            std::vector<Message>* messages) EXCLUDES(state_->mu);

@@ -21,6 +21,9 @@ struct ClockBranch {
   mltuner::Clock internal = 0;
   int32_t slack = -1;
   bool training = true;  // the branch applies updates
+
+  // The slack of a read recorded with `recorded` on this clock.
+  int SlackOf(int recorded) const { return slack >= 0 ? slack : recorded; }
 };
 
 // A run of consecutive application clocks scheduled on one branch.

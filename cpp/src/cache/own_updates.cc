@@ -36,8 +36,7 @@ Status OwnUpdates::ForTable(std::shared_ptr<Device> device, const TableStore& st
                             int num_workers, int num_pieces, std::unique_ptr<OwnUpdates>* out) {
   out->reset();
   if (!OwnStepIsLinear(rule) || store.host_values || !store.device_values) return Status::Ok();
-  std::unique_ptr<OwnUpdates> own(new OwnUpdates(device, store, rule, num_workers));
-  own->raw_age_.assign(static_cast<size_t>(num_pieces), kNoClock);
+  std::unique_ptr<OwnUpdates> own(new OwnUpdates(device, store, rule, num_workers, num_pieces));
   MLT_RETURN_IF_ERROR(DeviceBlock::MakeZeroed(std::move(device), store.device_values->bytes(), false, &own->scratch_));
   *out = std::move(own);
   return Status::Ok();

@@ -106,8 +106,13 @@ class OwnUpdates {
   int64_t steps_applied() const EXCLUDES(mu_);
 
  private:
-  OwnUpdates(std::shared_ptr<Device> device, const TableStore& store, const UpdateRuleConfig& rule, int num_workers)
-      : device_(std::move(device)), store_(store), base_rule_(rule), num_workers_(num_workers) {}
+  OwnUpdates(std::shared_ptr<Device> device, const TableStore& store, const UpdateRuleConfig& rule, int num_workers,
+             int num_pieces)
+      : device_(std::move(device)),
+        store_(store),
+        base_rule_(rule),
+        num_workers_(num_workers),
+        raw_age_(static_cast<size_t>(num_pieces), kNoClock) {}
   void Restart(BranchId branch) REQUIRES(mu_);
   // The other workers' momentum (see the class comment): carried with
   // `momentum` from now on (0: not), every piece's rows unknown again.

@@ -358,6 +358,24 @@ class CudaDevice final : public Device {
     Record("ApplyUpdate (kernel launch)", cudaGetLastError());
   }
 
+  void OwnStep(const UpdateStep& step, float momentum, float* own_step, float* state, const float* update,
+               float* cache, float* drift, int64_t count, int64_t state_stride, Stream s) override {
+    if (count <= 0) return;
+    cudaStream_t stream = nullptr;
+    if (!Prepare(s, "OwnStep", &stream)) return;
+    kernels::LaunchOwnStep(step, momentum, own_step, state, update, cache, drift, count, state_stride, stream);
+    Record("OwnStep (kernel launch)", cudaGetLastError());
+  }
+
+  void Carry(float ahead, float next, float* cache, float* raw, float* drift, const float* own_step_d, int64_t count,
+             Stream s) override {
+    if (count <= 0) return;
+    cudaStream_t stream = nullptr;
+    if (!Prepare(s, "Carry", &stream)) return;
+    kernels::LaunchCarry(ahead, next, cache, raw, drift, own_step_d, count, stream);
+    Record("Carry (kernel launch)", cudaGetLastError());
+  }
+
   // The counter is a stream-ordered temporary (cheap from the stream's pool),
   // so concurrent calls on different streams need no shared scratch. The
   // wait is Synchronize's blocking event: the server thread sleeps, it does

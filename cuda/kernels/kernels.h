@@ -61,4 +61,11 @@ void LaunchCopyPieces(float* buffer, const CopyPiece* pieces, int num_pieces, bo
 // dst[i] += src[i]: the shard's sum of the workers' updates, in worker order.
 void LaunchAddInto(float* dst, const float* src, int64_t count, cudaStream_t stream);
 
+// Read-my-writes (mltuner/own_step.h): OwnStepValue and CarryValue over
+// `count` values. REQUIRES: the arrays do not overlap.
+void LaunchOwnStep(const UpdateStep& step, float momentum, float* own_step, float* state, const float* update,
+                   float* cache, float* drift, int64_t count, int64_t state_stride, cudaStream_t stream);
+void LaunchCarry(float ahead, float next, float* cache, float* raw, float* drift, const float* own_step_d,
+                 int64_t count, cudaStream_t stream);
+
 }  // namespace mltuner::kernels

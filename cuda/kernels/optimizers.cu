@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "kernels/kernels.h"
+#include "mltuner/own_step.h"
 #include "mltuner/update_step.h"
 
 namespace mltuner::kernels {
@@ -30,7 +31,33 @@ __global__ void AddIntoKernel(float* __restrict__ dst, const float* __restrict__
   for (int64_t i = FirstIndex(); i < count; i += GridStride()) dst[i] = dst[i] + src[i];
 }
 
+__global__ void OwnStepKernel(UpdateStep step, float momentum, float* __restrict__ own_step,
+                              float* __restrict__ state, const float* __restrict__ update, float* __restrict__ cache,
+                              float* __restrict__ drift, int64_t count, int64_t stride) {
+  for (int64_t i = FirstIndex(); i < count; i += GridStride()) {
+    OwnStepValue(step, momentum, own_step, state, update, cache, drift, stride, i);
+  }
+}
+
+__global__ void CarryKernel(float ahead, float next, float* __restrict__ cache, float* __restrict__ raw,
+                            float* __restrict__ drift, const float* __restrict__ own_step_d, int64_t count) {
+  for (int64_t i = FirstIndex(); i < count; i += GridStride()) CarryValue(ahead, next, cache, raw, drift, own_step_d, i);
+}
+
 }  // namespace
+
+void LaunchOwnStep(const UpdateStep& step, float momentum, float* own_step, float* state, const float* update,
+                   float* cache, float* drift, int64_t count, int64_t state_stride, cudaStream_t stream) {
+  if (count <= 0) return;
+  OwnStepKernel<<<GridFor(count), kThreads, 0, stream>>>(step, momentum, own_step, state, update, cache, drift, count,
+                                                         state_stride);
+}
+
+void LaunchCarry(float ahead, float next, float* cache, float* raw, float* drift, const float* own_step_d,
+                 int64_t count, cudaStream_t stream) {
+  if (count <= 0) return;
+  CarryKernel<<<GridFor(count), kThreads, 0, stream>>>(ahead, next, cache, raw, drift, own_step_d, count);
+}
 
 void LaunchApplyUpdate(const UpdateStep& step, float* params, float* state, const float* update_sum, int64_t count,
                        int64_t state_stride, cudaStream_t stream) {

@@ -213,7 +213,11 @@ class Config:
             on the device, with no device-memory budget (set or automatic),
             at slack 1 to 8; other reads are as without it. Reads at slack 0
             are the same either way. Costs device memory of the table's size
-            per clock the reads may lag (at most slack + 1).
+            per clock the reads may lag (at most slack + 1), and a pass over
+            each such table a clock on the worker (the step) plus one per
+            install. None (the default) takes it from the environment
+            variable ``MLTUNER_READ_MY_WRITES`` (``0`` turns it off; unset:
+            on).
         host_memory_limit: bytes of host memory this process's engines may
             hold; None or 0 means no limit of its own (the host's is
             detected). Tables and plans that need more than the smallest of
@@ -255,7 +259,7 @@ class Config:
     device: Literal["cpu", "cuda"] = "cpu"
     branches: bool = False
     max_branches: int = 40
-    read_my_writes: bool = True
+    read_my_writes: bool | None = None
     host_memory_limit: int | None = None
     check_finite: bool = False
     debug_buffers: bool | None = None
@@ -275,6 +279,8 @@ class Config:
                                        f"{type(self.update_rule).__name__}")
         boolean("Config.branches", self.branches)
         integer("Config.max_branches", self.max_branches, 1, MAX_BRANCHES)
+        if self.read_my_writes is None:
+            object.__setattr__(self, "read_my_writes", read_my_writes_from_environment())
         boolean("Config.read_my_writes", self.read_my_writes)
         if self.host_memory_limit is not None:
             limit = integer("Config.host_memory_limit", self.host_memory_limit, 0, MAX_BYTES)
@@ -336,17 +342,28 @@ def _check_fields_used(rule: UpdateRule) -> None:
 
 
 DEBUG_BUFFERS_VARIABLE = "MLTUNER_DEBUG_BUFFERS"
+READ_MY_WRITES_VARIABLE = "MLTUNER_READ_MY_WRITES"
 
 
 def debug_buffers_from_environment() -> bool:
     """``MLTUNER_DEBUG_BUFFERS``: unset, empty or ``0`` is off, ``1`` is on;
     anything else is refused (a typo must not silently leave it off)."""
-    value = os.environ.get(DEBUG_BUFFERS_VARIABLE, "").strip()
-    if value in ("", "0"):
-        return False
-    if value == "1":
-        return True
-    raise InvalidArgumentError(f"{DEBUG_BUFFERS_VARIABLE} must be 0 or 1, got {value!r}")
+    return _switch_from_environment(DEBUG_BUFFERS_VARIABLE, default=False)
+
+
+def read_my_writes_from_environment() -> bool:
+    """``MLTUNER_READ_MY_WRITES``: unset or empty is on, ``0`` off, ``1`` on;
+    anything else is refused."""
+    return _switch_from_environment(READ_MY_WRITES_VARIABLE, default=True)
+
+
+def _switch_from_environment(variable: str, *, default: bool) -> bool:
+    value = os.environ.get(variable, "").strip()
+    if value == "":
+        return default
+    if value in ("0", "1"):
+        return value == "1"
+    raise InvalidArgumentError(f"{variable} must be 0 or 1, got {value!r}")
 
 
 def _validate_rule(rule: UpdateRule) -> None:

@@ -40,6 +40,14 @@ class ForwardingDevice : public Device {
   }
   void Fill(float* d, float v, size_t n, Stream st) override { inner_->Fill(d, v, n, st); }
   void AddInto(float* d, const float* s, int64_t n, Stream st) override { inner_->AddInto(d, s, n, st); }
+  void OwnStep(const UpdateStep& step, float m, float* own, float* state, const float* update, float* cache,
+               float* drift, int64_t n, int64_t stride, Stream st) override {
+    inner_->OwnStep(step, m, own, state, update, cache, drift, n, stride, st);
+  }
+  void Carry(float ahead, float next, float* cache, float* raw, float* drift, const float* own, int64_t n,
+             Stream st) override {
+    inner_->Carry(ahead, next, cache, raw, drift, own, n, st);
+  }
   void ApplyUpdate(const UpdateStep& step, float* p, float* state, const float* sum, int64_t n, int64_t stride,
                    Stream st) override {
     inner_->ApplyUpdate(step, p, state, sum, n, stride, st);

@@ -97,6 +97,14 @@ class LaggingDevice final : public ForwardingDevice {
   void AddInto(float* d, const float* s, int64_t n, Stream st) override {
     Later(st, [=] { inner().AddInto(d, s, n, Stream::kApp); });
   }
+  void OwnStep(const UpdateStep& step, float m, float* own, float* state, const float* update, float* cache,
+               float* drift, int64_t n, int64_t stride, Stream st) override {
+    Later(st, [=] { inner().OwnStep(step, m, own, state, update, cache, drift, n, stride, Stream::kApp); });
+  }
+  void Carry(float ahead, float next, float* cache, float* raw, float* drift, const float* own, int64_t n,
+             Stream st) override {
+    Later(st, [=] { inner().Carry(ahead, next, cache, raw, drift, own, n, Stream::kApp); });
+  }
   void ApplyUpdate(const UpdateStep& step, float* p, float* state, const float* sum, int64_t n, int64_t stride,
                    Stream st) override {
     Later(st, [=] { inner().ApplyUpdate(step, p, state, sum, n, stride, Stream::kApp); });

@@ -73,29 +73,38 @@ def _write(buffer: object, values: np.ndarray, device: str) -> None:
     torch.from_dlpack(buffer).copy_(torch.from_numpy(values))
 
 
-def _train_one_worker(device: str, rule: str, slack: int, **config: object) -> tuple[list[np.ndarray], int]:
+def _train_one_worker(device: str, rule: str, slack: int, halves: bool = False,
+                      **config: object) -> tuple[list[np.ndarray], int]:
     """One worker at `slack`: what it read before each clock, and the
-    engine's count of own steps added to its cache."""
+    engine's count of own steps added to its cache. With `halves`, each
+    clock updates the table twice, half its rows each (the engine then sums
+    them in an update log)."""
     cfg = mlt.Config(device=device, update_rule=RULES[rule], wait_timeout_s=30, **config)  # type: ignore[arg-type]
     out: dict[str, object] = {}
 
     def body(worker: mlt.Worker) -> None:
         table = worker.create_table("w", ROWS, WIDTH)
         read = worker.virtual_read(table, slack=slack)
-        update = worker.virtual_pre_update(table)
-        worker.virtual_update(update)
+        parts = [list(range(ROWS // 2, ROWS)), list(range(ROWS // 2))] if halves else [list(range(ROWS))]
+        updates = []
+        for rows in parts:
+            updates.append(worker.virtual_pre_update(table, rows=rows))
+            worker.virtual_update(updates[-1])
         worker.virtual_post_read(read)
         worker.virtual_clock()
         worker.finish_virtual_iteration()
-        _write(worker.pre_update(update), _initial(), device)
-        worker.update(update)
+        for rows, update in zip(parts, updates):
+            _write(worker.pre_update(update), _initial()[rows], device)
+            worker.update(update)
         worker.start_iterations()
         seen = []
         for clock in range(CLOCKS):
             weights = _as_numpy(worker.read(read), device)
             seen.append(weights)
-            _write(worker.pre_update(update), _gradient(weights, clock), device)
-            worker.update(update)
+            gradient = _gradient(weights, clock)
+            for rows, update in zip(parts, updates):
+                _write(worker.pre_update(update), gradient[rows], device)
+                worker.update(update)
             worker.post_read(read)
             worker.clock()
         worker.sync()
@@ -112,6 +121,14 @@ def _train_one_worker(device: str, rule: str, slack: int, **config: object) -> t
 def test_one_worker_at_slack_3_reads_what_sequential_training_has(device: str, rule: str) -> None:
     seen, own_steps = _train_one_worker(device, rule, slack=3)
     for clock, (got, want) in enumerate(zip(seen, _sequential(rule))):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"clock {clock}")
+    assert own_steps == CLOCKS
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_table_updated_twice_a_clock_is_mirrored_from_its_update_log(device: str) -> None:
+    seen, own_steps = _train_one_worker(device, "damped_momentum", slack=3, halves=True)
+    for clock, (got, want) in enumerate(zip(seen, _sequential("damped_momentum"))):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"clock {clock}")
     assert own_steps == CLOCKS
 
@@ -163,3 +180,16 @@ def test_each_worker_sees_its_own_adds_at_once_and_the_others_within_the_slack()
     with mlt.LocalCluster(workers, cfg) as cluster:
         cluster.run(body, timeout_s=120)
     assert problems == []
+
+
+def test_the_environment_sets_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MLTUNER_READ_MY_WRITES", raising=False)
+    assert mlt.Config().read_my_writes is True
+    monkeypatch.setenv("MLTUNER_READ_MY_WRITES", "0")
+    assert mlt.Config().read_my_writes is False
+    assert mlt.Config(read_my_writes=True).read_my_writes is True  # an explicit value wins
+    monkeypatch.setenv("MLTUNER_READ_MY_WRITES", "1")
+    assert mlt.Config().read_my_writes is True
+    monkeypatch.setenv("MLTUNER_READ_MY_WRITES", "off")
+    with pytest.raises(mlt.InvalidArgumentError, match="MLTUNER_READ_MY_WRITES must be 0 or 1"):
+        mlt.Config()

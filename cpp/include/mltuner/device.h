@@ -144,6 +144,13 @@ class Device {
   // lie `state_stride` floats apart (>= count: a part of a larger slice).
   virtual void ApplyUpdate(const UpdateStep& step, float* params, float* state, const float* update_sum,
                            int64_t count, int64_t state_stride, Stream s) = 0;
+  // Read-my-writes, one pass each (mltuner/own_step.h): OwnStepValue and
+  // CarryValue for i < count. All pointers are device memory; `drift` and
+  // `own_step_d` may be null as there.
+  virtual void OwnStep(const UpdateStep& step, float momentum, float* own_step, float* state, const float* update,
+                       float* cache, float* drift, int64_t count, int64_t state_stride, Stream s) = 0;
+  virtual void Carry(float ahead, float next, float* cache, float* raw, float* drift, const float* own_step_d,
+                     int64_t count, Stream s) = 0;
   // *out = how many of the `count` floats at `data` (device memory) are NaN
   // or infinite, counted after the work queued on `s` so far. Blocks the
   // calling thread until the count is known (on CUDA: a synchronize of `s`),

@@ -37,8 +37,14 @@ Status OwnUpdates::ForTable(std::shared_ptr<Device> device, const TableStore& st
   out->reset();
   if (!OwnStepIsLinear(rule) || store.host_values || !store.device_values) return Status::Ok();
   std::unique_ptr<OwnUpdates> own(new OwnUpdates(device, store, rule, num_workers, num_pieces));
-  MLT_RETURN_IF_ERROR(DeviceBlock::MakeZeroed(std::move(device), store.device_values->bytes(), false, &own->scratch_));
   *out = std::move(own);
+  return Status::Ok();
+}
+
+Status OwnUpdates::Scratch(float** out) {
+  MutexLock lock(&mu_);
+  if (!scratch_) MLT_RETURN_IF_ERROR(DeviceBlock::Make(device_, store_.device_values->bytes(), false, &scratch_));
+  *out = scratch_->floats();
   return Status::Ok();
 }
 
@@ -70,16 +76,6 @@ void OwnUpdates::AddToCache(const float* step, int64_t offset, int64_t count) {
   device_->AddInto(store_.device_values->floats() + offset, step + offset, count, Stream::kInstall);
 }
 
-void OwnUpdates::AddScaled(float* y, float a, const float* x, int64_t count) {
-  // y -= (-a) x: the rule arithmetic's plain sgd step, with no mean over
-  // workers (its loops take y and x as not overlapping).
-  UpdateStep axpy;
-  axpy.kind = UpdateRuleKind::kSgd;
-  axpy.learning_rate = -a;
-  axpy.inv_workers = 1.0f;
-  device_->ApplyUpdate(axpy, y, nullptr, x, count, count, Stream::kInstall);
-}
-
 Status OwnUpdates::StartCarrying(float momentum) {
   if (momentum == carried_momentum_) return Status::Ok();
   StopCarrying();
@@ -87,7 +83,6 @@ Status OwnUpdates::StartCarrying(float momentum) {
   const size_t bytes = store_.device_values->bytes();
   if (!raw_) MLT_RETURN_IF_ERROR(DeviceBlock::MakeZeroed(device_, bytes, false, &raw_));
   if (!drift_) MLT_RETURN_IF_ERROR(DeviceBlock::MakeZeroed(device_, bytes, false, &drift_));
-  if (!others_) MLT_RETURN_IF_ERROR(DeviceBlock::MakeZeroed(device_, bytes, false, &others_));
   device_->Fill(drift_->floats(), 0.0f, static_cast<size_t>(values()), Stream::kInstall);
   carried_momentum_ = momentum;
   return Status::Ok();
@@ -125,32 +120,24 @@ Status OwnUpdates::Apply(BranchId branch, mltuner::Clock clock, const Rule& rule
   } else {
     MLT_RETURN_IF_ERROR(DeviceBlock::Make(device_, static_cast<size_t>(n) * sizeof(float), false, &step));
   }
-  // A reused block may still be read by an earlier add on the install
-  // stream; the writeback stream, which fills it, waits for those.
-  MLT_RETURN_IF_ERROR(device_->WaitEvent(Stream::kWriteback, store_.tickets.last_install()));
-  // The rule's step from zero is the step itself: -lr h for momentum, the
-  // update for add. Step 1 is sgd's first (its buffer set to the update)
-  // only at a run's very first clock.
-  device_->Fill(step->floats(), 0.0f, static_cast<size_t>(n), Stream::kWriteback);
-  const UpdateStep arithmetic = MakeUpdateStep(config, num_workers_, clock + 1);
-  device_->ApplyUpdate(arithmetic, step->floats(), state_ ? state_->floats() : nullptr, update, n, n,
-                       Stream::kWriteback);
+  // The update was made on the writeback stream; the step goes into the
+  // cache on the install stream, after the gathers queued before it, as an
+  // install. Step 1 is sgd's first (its buffer set to the update) only at a
+  // run's very first clock. With the others' momentum carried, the cache
+  // also takes one more clock of it on every row whose last two installs
+  // gave it (zero elsewhere).
   DeviceEvent made;
   MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kWriteback, &made));
-  // Into the cache after the gathers queued before it, as an install.
   MLT_RETURN_IF_ERROR(device_->WaitEvent(Stream::kInstall, made));
   MLT_RETURN_IF_ERROR(device_->WaitEvent(Stream::kInstall, store_.tickets.last_gather()));
-  AddToCache(step->floats(), 0, n);
-  if (carried_momentum_ > 0.0f) {
-    // One more clock of the other workers' momentum on every row whose last
-    // two installs gave it (zero elsewhere), decayed for the next.
-    device_->AddInto(store_.device_values->floats(), drift_->floats(), n, Stream::kInstall);
-    device_->Fill(others_->floats(), 0.0f, static_cast<size_t>(n), Stream::kInstall);
-    AddScaled(others_->floats(), carried_momentum_, drift_->floats(), n);
-    std::swap(drift_, others_);
-  }
+  device_->OwnStep(MakeUpdateStep(config, num_workers_, clock + 1), carried_momentum_, step->floats(),
+                   state_ ? state_->floats() : nullptr, update, store_.device_values->floats(),
+                   carried_momentum_ > 0.0f ? drift_->floats() : nullptr, n, n, Stream::kInstall);
   DeviceEvent added;
   MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kInstall, &added));
+  // The writeback stream zeroes the update log, or fills the reclaimer's
+  // scratch again, only once this pass has read it.
+  MLT_RETURN_IF_ERROR(device_->WaitEvent(Stream::kWriteback, added));
   store_.tickets.set_last_install(std::move(added));
   steps_[clock] = std::move(step);
   latest_ = clock;
@@ -178,24 +165,14 @@ Status OwnUpdates::Reinstall(BranchId branch, int piece, mltuner::Clock age, con
   for (const WireSegment& segment : segments) {
     if (segment.residence != Residence::kDevice) continue;
     const int64_t offset = segment.slot * width, count = segment.count * width;
-    const size_t bytes = static_cast<size_t>(count) * sizeof(float);
-    float* const others = known ? others_->floats() + offset : nullptr;
-    if (known) {
-      device_->CopyDeviceToDevice(others, cache + offset, bytes, Stream::kInstall);
-      AddScaled(others, -1.0f, raw_->floats() + offset, count);
-      AddScaled(others, -1.0f, own_step->second->floats() + offset, count);
-    }
     if (m > 0.0f) {
-      device_->CopyDeviceToDevice(raw_->floats() + offset, cache + offset, bytes, Stream::kInstall);
-      device_->Fill(drift_->floats() + offset, 0.0f, static_cast<size_t>(count), Stream::kInstall);
-    }
-    for (auto it = steps_.upper_bound(age); it != steps_.end(); ++it) AddToCache(it->second->floats(), offset, count);
-    if (known) {
       // The others' momentum, carried over the clocks this worker is ahead
       // of the rows; `drift_` keeps the next clock's share.
-      AddScaled(cache + offset, static_cast<float>(ahead), others, count);
-      AddScaled(drift_->floats() + offset, static_cast<float>(power), others, count);
+      device_->Carry(static_cast<float>(ahead), static_cast<float>(power), cache + offset, raw_->floats() + offset,
+                     drift_->floats() + offset, known ? own_step->second->floats() + offset : nullptr, count,
+                     Stream::kInstall);
     }
+    for (auto it = steps_.upper_bound(age); it != steps_.end(); ++it) AddToCache(it->second->floats(), offset, count);
   }
   if (m > 0.0f) raw_age_[static_cast<size_t>(piece)] = age;
   return Status::Ok();

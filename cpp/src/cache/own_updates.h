@@ -27,9 +27,10 @@
 // Threading: Apply runs on the reclaimer thread while it holds the table's
 // partition locks exclusively; Reinstall and Forget on the receive thread,
 // Reinstall under the install's partition locks. mu_ guards the rest; it is
-// a leaf (nothing is taken while it is held). Device work: steps are made
-// on the writeback stream and added to the cache on the install stream, in
-// the cache's order of installs (table_store.h, CacheTickets).
+// a leaf (nothing is taken while it is held). Device work: all on the
+// install stream (after the update's ticket from the writeback stream), in
+// the cache's order of installs (table_store.h, CacheTickets), one pass a
+// clock (Device::OwnStep) and one per install (Device::Carry).
 #pragma once
 
 #include <map>
@@ -82,7 +83,8 @@ class OwnUpdates {
 
   // This worker's update of `clock` (the branch's own clock numbering, as
   // data ages are), in the cache's device layout (`update`, ready on the
-  // writeback stream): its step is made, added to the cache and kept.
+  // writeback stream, which waits for this pass before it writes `update`
+  // again): its step is made, added to the cache and kept.
   // `stale`: the clock's reads of the table may be stale (slack >= 1); when
   // not, nothing is added and the state starts afresh. `cache_branch`: the
   // branch whose rows the cache holds now. REQUIRES: the caller holds the
@@ -99,9 +101,10 @@ class OwnUpdates {
   void Forget(BranchId branch, mltuner::Clock age) EXCLUDES(mu_);
 
   // A device buffer of the cache's device layout for the reclaimer to
-  // gather an update into (one whose buffer is not in that layout).
-  float* scratch() const { return scratch_->floats(); }
-  // Floats of the cache's device rows (of `scratch` and of each step).
+  // gather an update into (one whose buffer is not in that layout), made at
+  // the first call. Only the reclaimer thread uses it.
+  Status Scratch(float** out) EXCLUDES(mu_);
+  // Floats of the cache's device rows (of the scratch and of each step).
   int64_t values() const;
   int64_t steps_applied() const EXCLUDES(mu_);
 
@@ -118,8 +121,6 @@ class OwnUpdates {
   // `momentum` from now on (0: not), every piece's rows unknown again.
   Status StartCarrying(float momentum) REQUIRES(mu_);
   void StopCarrying() REQUIRES(mu_);
-  // y += a x on the install stream.
-  void AddScaled(float* y, float a, const float* x, int64_t count);
   // Adds `step` (cache layout) to `count` values of the cache from `offset`
   // on the install stream.
   void AddToCache(const float* step, int64_t offset, int64_t count);
@@ -128,7 +129,6 @@ class OwnUpdates {
   const TableStore& store_;
   const UpdateRuleConfig base_rule_;
   const int num_workers_;
-  std::shared_ptr<DeviceBlock> scratch_;  // set by ForTable
 
   mutable Mutex mu_;
   BranchId branch_ GUARDED_BY(mu_) = -1;  // the branch the state follows; -1: none yet
@@ -136,7 +136,8 @@ class OwnUpdates {
   std::shared_ptr<DeviceBlock> state_ GUARDED_BY(mu_);  // the rule's state for this worker's share
   std::map<mltuner::Clock, std::shared_ptr<DeviceBlock>> steps_ GUARDED_BY(mu_);  // kept steps by clock
   std::vector<std::shared_ptr<DeviceBlock>> spare_ GUARDED_BY(mu_);              // blocks of dropped steps
-  std::map<BranchId, float> set_rates_ GUARDED_BY(mu_);  // the application's rates, by branch
+  std::map<BranchId, float> set_rates_ GUARDED_BY(mu_);
+  std::shared_ptr<DeviceBlock> scratch_ GUARDED_BY(mu_);  // made at the first Scratch  // the application's rates, by branch
   int64_t steps_applied_ GUARDED_BY(mu_) = 0;
   mltuner::Clock latest_ GUARDED_BY(mu_) = kNoClock;  // the clock of the last step kept
   // The other workers' momentum: with momentum m, a row the shard last sent
@@ -148,7 +149,6 @@ class OwnUpdates {
   std::vector<mltuner::Clock> raw_age_ GUARDED_BY(mu_);
   std::shared_ptr<DeviceBlock> raw_ GUARDED_BY(mu_);
   std::shared_ptr<DeviceBlock> drift_ GUARDED_BY(mu_);
-  std::shared_ptr<DeviceBlock> others_ GUARDED_BY(mu_);  // scratch of drift_'s size
 };
 
 }  // namespace mltuner

@@ -308,12 +308,18 @@ Status Reclaimer::ApplyOwnStep(const AccessRecord& access, const float* buffer, 
   }
   const bool stale = ServesSlack(at.SlackOf(read_slack_[access.table]));
   const float* update = store.log(Residence::kDevice);
-  if (buffer != nullptr && stale && rule.training) {
-    const int64_t width = store.info.row_width;
-    device_->Fill(own->scratch(), 0.0f, static_cast<size_t>(own->values()), Stream::kWriteback);
-    device_->ScatterAdd(own->scratch(), buffer, plan_->index.accesses[access.handle].device_scatter, width,
-                        Stream::kWriteback);
-    update = own->scratch();
+  const RunIndex& scatter = plan_->index.accesses[access.handle].device_scatter;
+  const int64_t rows = own->values() / store.info.row_width;
+  const bool in_cache_layout = scatter.runs.size() == 1 && scatter.runs[0].src == 0 && scatter.runs[0].dst == 0 &&
+                               scatter.runs[0].count == rows;
+  if (buffer != nullptr && in_cache_layout) {
+    update = buffer;  // a whole layer's update, in the cache's row order (the common case)
+  } else if (buffer != nullptr && stale && rule.training) {
+    float* scratch = nullptr;
+    MLT_RETURN_IF_ERROR(own->Scratch(&scratch));
+    device_->Fill(scratch, 0.0f, static_cast<size_t>(own->values()), Stream::kWriteback);
+    device_->ScatterAdd(scratch, buffer, scatter, store.info.row_width, Stream::kWriteback);
+    update = scratch;
   }
   // Exclusive: no gather reads the rows half stepped, no install lands
   // between the step and its record (partition locks come before age_mu).

@@ -16,6 +16,7 @@
 #include "device/cpu/shared_memory_ipc.h"
 #include "mltuner/device.h"
 #include "mltuner/device_ipc.h"
+#include "mltuner/own_step.h"
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -289,6 +290,14 @@ class CpuDevice final : public Device {
       case UpdateRuleKind::kAdamW: return ApplyRule<UpdateRuleKind::kAdamW>(step, params, state, update_sum, count, stride);
     }
     for (int64_t i = 0; i < count; ++i) UpdateValue(step, params, state, update_sum, stride, i);
+  }
+  void OwnStep(const UpdateStep& step, float momentum, float* own_step, float* state, const float* update,
+               float* cache, float* drift, int64_t count, int64_t stride, Stream) override {
+    for (int64_t i = 0; i < count; ++i) OwnStepValue(step, momentum, own_step, state, update, cache, drift, stride, i);
+  }
+  void Carry(float ahead, float next, float* cache, float* raw, float* drift, const float* own_step_d, int64_t count,
+             Stream) override {
+    for (int64_t i = 0; i < count; ++i) CarryValue(ahead, next, cache, raw, drift, own_step_d, i);
   }
   Status CountNonFinite(const float* data, int64_t count, Stream, int64_t* out) override {
     *out = CountNonFiniteHost(data, count);

@@ -38,6 +38,19 @@ struct Shard {
   }
 };
 
+// A table of kRows x kWidth, all of it on the (CPU) device.
+Status MakeStore(const std::shared_ptr<Device>& device, std::unique_ptr<TableStore>* store) {
+  TableInfo info;
+  info.id = 0;
+  info.name = "w";
+  info.num_rows = kRows;
+  info.row_width = kWidth;
+  TablePlacement placement;
+  placement.runs.push_back({0, kRows, Residence::kDevice, 0});
+  placement.device_rows = kRows;
+  return MakeTableStore(device, info, placement, 1, false, store);
+}
+
 struct Fixture {
   std::shared_ptr<Device> device{NewCpuDevice()};
   std::unique_ptr<TableStore> store;
@@ -45,15 +58,7 @@ struct Fixture {
   std::vector<WireSegment> segments;
 
   Fixture() {
-    TableInfo info;
-    info.id = 0;
-    info.name = "w";
-    info.num_rows = kRows;
-    info.row_width = kWidth;
-    TablePlacement placement;
-    placement.runs.push_back({0, kRows, Residence::kDevice, 0});
-    placement.device_rows = kRows;
-    EXPECT_OK(MakeTableStore(device, info, placement, 1, false, &store));
+    EXPECT_OK(MakeStore(device, &store));
     UpdateRuleConfig rule;
     rule.kind = UpdateRuleKind::kDampedMomentum;
     rule.learning_rate = static_cast<float>(kLr);
@@ -139,16 +144,8 @@ TEST(OthersMomentumIsCarriedOverTheClocksTheRowsLag) {
 
 TEST(AdamIsNotMirrored) {
   std::shared_ptr<Device> device(NewCpuDevice());
-  TableInfo info;
-  info.id = 0;
-  info.name = "w";
-  info.num_rows = kRows;
-  info.row_width = kWidth;
-  TablePlacement placement;
-  placement.runs.push_back({0, kRows, Residence::kDevice, 0});
-  placement.device_rows = kRows;
   std::unique_ptr<TableStore> store;
-  ASSERT_OK(MakeTableStore(device, info, placement, 1, false, &store));
+  ASSERT_OK(MakeStore(device, &store));
   UpdateRuleConfig adam;
   adam.kind = UpdateRuleKind::kAdam;
   std::unique_ptr<OwnUpdates> own;

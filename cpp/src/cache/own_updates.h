@@ -68,10 +68,10 @@ class OwnUpdates {
 
   // What the shards apply to this table on a branch: its rule, with the
   // branch's learning rate and momentum where it set them, and whether the
-  // branch trains at all.
-  // A rate the application set for this clock (Engine::SetLearningRate)
-  // holds for the branch's later clocks too, as on the shards. (A fork
-  // that keeps its parent's rate gets the rule's, not such a set one.)
+  // branch trains at all. A rate the application set for this clock
+  // (Engine::SetLearningRate) holds for the branch's later clocks too, as
+  // on the shards. (A fork that keeps its parent's rate gets the rule's,
+  // not such a set one.)
   struct Rule {
     UpdateRuleConfig config;
     bool training = true;
@@ -116,6 +116,7 @@ class OwnUpdates {
         base_rule_(rule),
         num_workers_(num_workers),
         raw_age_(static_cast<size_t>(num_pieces), kNoClock) {}
+  // Drops the kept steps and the state; they follow `branch` (-1: none) now.
   void Restart(BranchId branch) REQUIRES(mu_);
   // The other workers' momentum (see the class comment): carried with
   // `momentum` from now on (0: not), every piece's rows unknown again.
@@ -136,8 +137,8 @@ class OwnUpdates {
   std::shared_ptr<DeviceBlock> state_ GUARDED_BY(mu_);  // the rule's state for this worker's share
   std::map<mltuner::Clock, std::shared_ptr<DeviceBlock>> steps_ GUARDED_BY(mu_);  // kept steps by clock
   std::vector<std::shared_ptr<DeviceBlock>> spare_ GUARDED_BY(mu_);              // blocks of dropped steps
-  std::map<BranchId, float> set_rates_ GUARDED_BY(mu_);
-  std::shared_ptr<DeviceBlock> scratch_ GUARDED_BY(mu_);  // made at the first Scratch  // the application's rates, by branch
+  std::map<BranchId, float> set_rates_ GUARDED_BY(mu_);   // the application's rates, by branch
+  std::shared_ptr<DeviceBlock> scratch_ GUARDED_BY(mu_);  // made at the first Scratch
   int64_t steps_applied_ GUARDED_BY(mu_) = 0;
   mltuner::Clock latest_ GUARDED_BY(mu_) = kNoClock;  // the clock of the last step kept
   // The other workers' momentum: with momentum m, a row the shard last sent

@@ -32,13 +32,12 @@ float CarriedMomentum(const UpdateRuleConfig& rule) {
 
 }  // namespace
 
-Status OwnUpdates::ForTable(std::shared_ptr<Device> device, const TableStore& store, const UpdateRuleConfig& rule,
-                            int num_workers, int num_pieces, std::unique_ptr<OwnUpdates>* out) {
-  out->reset();
-  if (!OwnStepIsLinear(rule) || store.host_values || !store.device_values) return Status::Ok();
-  std::unique_ptr<OwnUpdates> own(new OwnUpdates(device, store, rule, num_workers, num_pieces));
-  *out = std::move(own);
-  return Status::Ok();
+std::unique_ptr<OwnUpdates> OwnUpdates::ForTable(std::shared_ptr<Device> device, const TableStore& store,
+                                                 const UpdateRuleConfig& rule, int read_slack, int num_workers,
+                                                 int num_pieces) {
+  if (!OwnStepIsLinear(rule) || store.host_values || !store.device_values) return nullptr;
+  return std::unique_ptr<OwnUpdates>(
+      new OwnUpdates(std::move(device), store, rule, read_slack, num_workers, num_pieces));
 }
 
 Status OwnUpdates::Scratch(float** out) {

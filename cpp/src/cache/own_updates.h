@@ -60,9 +60,11 @@ inline bool ServesSlack(int slack) { return slack >= 1 && slack <= kOwnUpdatesMa
 class OwnUpdates {
  public:
   // For a table whose rows all live on the device (`store` has no host
-  // rows). Null when the rule's step is not linear (OwnStepIsLinear).
-  static Status ForTable(std::shared_ptr<Device> device, const TableStore& store, const UpdateRuleConfig& rule,
-                         int num_workers, int num_pieces, std::unique_ptr<OwnUpdates>* out);
+  // rows), read with `read_slack` at most as recorded. Null when the rule's
+  // step is not linear (OwnStepIsLinear) or some rows are in host memory.
+  static std::unique_ptr<OwnUpdates> ForTable(std::shared_ptr<Device> device, const TableStore& store,
+                                              const UpdateRuleConfig& rule, int read_slack, int num_workers,
+                                              int num_pieces);
   OwnUpdates(const OwnUpdates&) = delete;
   OwnUpdates& operator=(const OwnUpdates&) = delete;
 
@@ -80,6 +82,9 @@ class OwnUpdates {
 
   // The table's base rule.
   const UpdateRuleConfig& base_rule() const { return base_rule_; }
+  // The largest slack recorded for the table's reads (a branch may set
+  // another, ClockBranch::SlackOf).
+  int read_slack() const { return read_slack_; }
 
   // This worker's update of `clock` (the branch's own clock numbering, as
   // data ages are), in the cache's device layout (`update`, ready on the
@@ -109,11 +114,12 @@ class OwnUpdates {
   int64_t steps_applied() const EXCLUDES(mu_);
 
  private:
-  OwnUpdates(std::shared_ptr<Device> device, const TableStore& store, const UpdateRuleConfig& rule, int num_workers,
-             int num_pieces)
+  OwnUpdates(std::shared_ptr<Device> device, const TableStore& store, const UpdateRuleConfig& rule, int read_slack,
+             int num_workers, int num_pieces)
       : device_(std::move(device)),
         store_(store),
         base_rule_(rule),
+        read_slack_(read_slack),
         num_workers_(num_workers),
         raw_age_(static_cast<size_t>(num_pieces), kNoClock) {}
   // Drops the kept steps and the state; they follow `branch` (-1: none) now.
@@ -129,6 +135,7 @@ class OwnUpdates {
   const std::shared_ptr<Device> device_;
   const TableStore& store_;
   const UpdateRuleConfig base_rule_;
+  const int read_slack_;
   const int num_workers_;
 
   mutable Mutex mu_;

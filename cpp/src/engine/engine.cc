@@ -260,7 +260,7 @@ Status Engine::Impl::PlanAndPrepare() {
   plan_.placement = std::move(placement);
   plan_.index = std::move(index);
   plan_.stores = std::move(stores);
-  MLT_RETURN_IF_ERROR(MakeOwnUpdates());
+  MakeOwnUpdates();
   plan_.depth = plan_.placement.buffers.regions;  // clock c's buffers live in region c % depth
   state_.slots.assign(plan_.recording.accesses.size(), std::vector<Slot>(plan_.depth));
   init_slots_.assign(plan_.recording.accesses.size(), Slot());
@@ -711,10 +711,10 @@ Status Engine::Impl::WaitForDataAge(TableId table, mltuner::Clock age) {
 // is read and updated, whose reads may be stale: a recorded slack >= 1, or
 // branches, which may set one. Not under a device-memory budget: its steps
 // are device memory the plan does not count.
-Status Engine::Impl::MakeOwnUpdates() {
+void Engine::Impl::MakeOwnUpdates() {
   plan_.own_updates.clear();
   plan_.own_updates.resize(plan_.tables.size());
-  if (!config_.read_my_writes || plan_.placement.budget.budget != 0) return Status::Ok();
+  if (!config_.read_my_writes || plan_.placement.budget.budget != 0) return;
   std::vector<bool> read(plan_.tables.size(), false), updated(plan_.tables.size(), false);
   std::vector<int> slack(plan_.tables.size(), 0);
   for (const AccessRecord& access : plan_.recording.accesses) {
@@ -728,11 +728,10 @@ Status Engine::Impl::MakeOwnUpdates() {
     if (table.local || !read[table.id] || !updated[table.id]) continue;
     if (!ServesSlack(slack[table.id]) && !config_.branches) continue;
     const UpdateRuleConfig& rule = table.update_rule ? *table.update_rule : config_.update_rule;
-    MLT_RETURN_IF_ERROR(
-        OwnUpdates::ForTable(device_, *plan_.stores[table.id], rule, num_workers_,
-                             static_cast<int>(plan_.index.tables[table.id].pieces.size()), &plan_.own_updates[table.id]));
+    plan_.own_updates[table.id] =
+        OwnUpdates::ForTable(device_, *plan_.stores[table.id], rule, slack[table.id], num_workers_,
+                             static_cast<int>(plan_.index.tables[table.id].pieces.size()));
   }
-  return Status::Ok();
 }
 
 EngineStats Engine::Impl::Stats() const {

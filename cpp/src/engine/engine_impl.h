@@ -92,7 +92,7 @@ class Engine::Impl {
   Status SendRequests(std::vector<Message> requests, std::vector<Message>* replies) EXCLUDES(state_.age_mu);
   Status WaitUntilAllReady();
   Status PlanAndPrepare();
-  Status MakeOwnUpdates();
+  void MakeOwnUpdates();
 
   // --- real phase (engine/engine.cc) -----------------------------------------
   Status CheckExpected(Handle handle, OpKind kind) const;

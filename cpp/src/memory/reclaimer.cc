@@ -123,10 +123,6 @@ int64_t Reclaimer::LocalPayloadLimit() const {
 }
 
 void Reclaimer::Start() {
-  read_slack_.assign(plan_->tables.size(), 0);
-  for (const AccessRecord& access : plan_->recording.accesses) {
-    if (access.kind == OpKind::kRead) read_slack_[access.table] = std::max(read_slack_[access.table], access.slack);
-  }
   local_payloads_ = std::make_unique<PayloadBound>(LocalPayloadLimit());
   frames_.set_max_idle_bytes(static_cast<size_t>(RemotePayloadBytesInFlight()));
   staging_values_ = LargestRemotePayloadValues();
@@ -306,7 +302,7 @@ Status Reclaimer::ApplyOwnStep(const AccessRecord& access, const float* buffer, 
     rule.training = at.training;
     rule.new_learning_rate = RateSetFor(access.table, clock);
   }
-  const bool stale = ServesSlack(at.SlackOf(read_slack_[access.table]));
+  const bool stale = ServesSlack(at.SlackOf(own->read_slack()));
   const float* update = store.log(Residence::kDevice);
   const RunIndex& scatter = plan_->index.accesses[access.handle].device_scatter;
   const int64_t rows = own->values() / store.info.row_width;

@@ -99,7 +99,6 @@ class Reclaimer {
   int64_t LargestLocalUpdateBytes() const;
   int64_t LocalPayloadLimit() const;
   size_t staging_values_ = 0;  // set in Start
-  std::vector<int> read_slack_;  // by table: the largest recorded slack of its reads (set in Start)
   // Device buffers for update payloads to shards that share this device, and
   // the staging payloads packed for the others.
   DeviceBufferPool payloads_;

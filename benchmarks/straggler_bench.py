@@ -61,6 +61,9 @@ from figures import Figure, ratio, write_figures
 from local_job import run_job
 
 SLACKS = (0, 1, 3, 7)
+# How mltuner splits a clock's samples: the options of each column's run.
+MODES = {"equal": [], "balanced": ["--balance-batches"], "stealing": ["--steal-batches"],
+         "balanced+stealing": ["--balance-batches", "--steal-batches"]}
 QUICK_SLACKS = (0, 3)
 BENCH = Path(__file__).resolve().parent
 
@@ -81,10 +84,16 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="slack 0 and 3; no straggler, constant 3x, bursts")
     parser.add_argument("--workers", type=lambda text: [int(n) for n in text.split(",")], default=[2],
                         help="comma list of worker counts (default 2)")
+    parser.add_argument("--modes", type=lambda text: text.split(","), default=list(MODES),
+                        help=f"how mltuner splits a clock's samples, comma list of {', '.join(MODES)} (default all)")
     parser.add_argument("--only", type=lambda text: text.split(","), default=None,
                         help="comma list of the patterns to run, by a word of their names (none, 1.5x, 3x, bursts)")
     args = parser.parse_args()
     slacks = QUICK_SLACKS if args.quick else SLACKS
+    if set(args.modes) - set(MODES):
+        parser.error(f"--modes: unknown {', '.join(sorted(set(args.modes) - set(MODES)))}")
+    # Stealing needs a slack: at slack 0 no rank is ever a whole clock behind.
+    columns = [(slack, mode) for mode in args.modes for slack in slacks if slack > 0 or "stealing" not in mode]
     t = batch_seconds()
     patterns = {"none": [], "constant 1.5x": ["--slow-factor", "1.5"], "constant 3x": ["--slow-factor", "3"],
                 "bursts (10t, p=0.1)": ["--slow-ms", str(10 * t * 1000), "--slow-probability", "0.1"]}
@@ -104,42 +113,43 @@ def main() -> int:
                 slow = ["--slow-rank", "1", *pattern]
                 times: dict[str, float | None] = {}
                 shares: dict[str, list[float]] = {}
-                for balanced in (False, True):
-                    for slack in slacks:
-                        column = column_name(slack, balanced)
-                        outcome = run_job([sys.executable, "-m", "mltuner.apps.mnist1d", "--model", "cnn", "--mode",
-                                           "fixed", "--search", "", "--staleness", str(slack), "--result",
-                                           str(result), *common, *slow, *(["--balance-batches"] if balanced else [])],
-                                          result, workers=workers)
-                        times[column] = outcome["summary"]["time_to_target_s"]
-                        if outcome.get("batch_shares"):
-                            shares[column] = [round(f, 3) for f in outcome["batch_shares"]]
+                taken: dict[str, int] = {}
+                for slack, mode in columns:
+                    column = column_name(slack, mode)
+                    outcome = run_job([sys.executable, "-m", "mltuner.apps.mnist1d", "--model", "cnn", "--mode",
+                                       "fixed", "--search", "", "--staleness", str(slack), "--result",
+                                       str(result), *common, *slow, *MODES[mode]], result, workers=workers)
+                    times[column] = outcome["summary"]["time_to_target_s"]
+                    if outcome.get("batch_shares"):
+                        shares[column] = [round(f, 3) for f in outcome["batch_shares"]]
+                    if outcome.get("clocks_taken"):
+                        taken[column] = outcome["clocks_taken"]
                 ddp = run_job([sys.executable, str(BENCH / "ddp_mnist1d.py"), "--result", str(result), *common,
                                *slow], result, workers=workers)
                 times["DDP"] = ddp["time_to_target_s"]
-                print(workers, name, times, "final shares:", shares, flush=True)
+                print(workers, name, times, "final shares:", shares, "clocks rank 0 took parts in:", taken,
+                      flush=True)
                 rows.append((workers, name, times))
-    lines = table(rows, slacks, t, args, time.perf_counter() - started)
+    lines = table(rows, columns, t, args, time.perf_counter() - started)
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
-    columns = [column_name(slack, balanced) for balanced in (False, True) for slack in slacks]
     write_figures(args.figures, [
         Figure("stragglers", f"{workers} workers, rank 1 slowed: {name}; {column} vs DDP", times[column],
                "s to target", "DDP (gloo)", times["DDP"], ratio(times["DDP"], times[column]),
                "DDP time / mltuner time", note=f"target {args.target:.0%}, t = {t * 1e3:.2f} ms")
-        for workers, name, times in rows for column in columns])
+        for workers, name, times in rows for column in (column_name(*c) for c in columns)])
     return 0
 
 
-def column_name(slack: int, balanced: bool) -> str:
-    return f"slack {slack}, balanced" if balanced else f"slack {slack}"
+def column_name(slack: int, mode: str) -> str:
+    return f"slack {slack}" if mode == "equal" else f"slack {slack}, {mode}"
 
 
-def table(rows: list[tuple[int, str, dict[str, float | None]]], slacks: tuple[int, ...], t: float,
+def table(rows: list[tuple[int, str, dict[str, float | None]]], columns: list[tuple[int, str]], t: float,
           args: argparse.Namespace, total_s: float) -> list[str]:
-    columns = [column_name(s, b) for b in (False, True) for s in slacks] + ["DDP"]
+    names = [column_name(*c) for c in columns] + ["DDP"]
     lines = [
         "```",
         f"date: {datetime.datetime.now():%Y-%m-%d %H:%M}; machine: {platform.machine()}, "
@@ -147,13 +157,13 @@ def table(rows: list[tuple[int, str, dict[str, float | None]]], slacks: tuple[in
         f"total {total_s:.0f} s",
         "```", "",
         "Seconds to the target (lower is better); in brackets, the ratio to DDP under the same straggler.", "",
-        "| workers | rank 1 slowed | " + " | ".join(columns) + " |",
-        "|--:|:--|" + "--:|" * len(columns),
+        "| workers | rank 1 slowed | " + " | ".join(names) + " |",
+        "|--:|:--|" + "--:|" * len(names),
     ]
     for workers, name, times in rows:
         ddp = times["DDP"]
         cells = []
-        for column in columns:
+        for column in names:
             value = times[column]
             if value is None:
                 cells.append("not reached")

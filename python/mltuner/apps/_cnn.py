@@ -88,7 +88,10 @@ class TorchCNN:
         y = self._tensors["y_val" if testing else "y_train"]
         index = torch.as_tensor(step.indices, device=self._device, dtype=torch.long)
         logits = self._model(x[index])
-        loss = nn.functional.cross_entropy(logits, y[index])
+        if len(index):
+            loss = nn.functional.cross_entropy(logits, y[index])
+        else:  # a part the others took, or no validation samples left: a zero update, not NaN
+            loss = logits.sum() * 0.0
         (loss * step.weight).backward()  # type: ignore[no-untyped-call]
         self._model.step()
         if testing:

@@ -240,8 +240,11 @@ class NumpyMLP:
             host(worker.pre_update(self._grad))[...] = 0.0
             step.report(0.0, accuracy=accuracy)
         else:
-            loss, gradient = self._model.loss_and_grad(params, data.x_train[step.indices],
-                                                        data.y_train[step.indices])
+            if len(step.indices):
+                loss, gradient = self._model.loss_and_grad(params, data.x_train[step.indices],
+                                                            data.y_train[step.indices])
+            else:  # the others took this clock's part (--steal-batches)
+                loss, gradient = 0.0, np.zeros_like(params)
             worker.post_read(self._read)
             layout.view(host(worker.pre_update(self._grad)), "params")[...] = gradient * step.weight
             step.report(loss)
@@ -353,7 +356,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             trainer = NumpyMLP(args, data, job.worker)
         session = TuningSession(job, space, num_train=len(data.x_train), num_validation=len(data.x_val),
-                                config=tuner_config(args), seed=args.seed, balance_batches=args.balance_batches)
+                                config=tuner_config(args), seed=args.seed, balance_batches=args.balance_batches,
+                                steal_batches=args.steal_batches)
         session.driver = make_driver(args, space, session, log)
         searched = searched_names(args)
         largest_batch = max(args.batch_size, *args.batch_sizes) if "batch_size" in searched else args.batch_size
@@ -365,23 +369,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         test_accuracy = trainer.test_accuracy(final) if final is not None else None
         outcome = session.result
         shares = session.batch_shares
+        stolen = session.clocks_taken
     elapsed = time.perf_counter() - start
     if log is not None:
         log.close()
     if job.rank == 0:
-        report(args, outcome, elapsed, job.world_size, test_accuracy, shares)
+        report(args, outcome, elapsed, job.world_size, test_accuracy, shares, stolen)
     return 0
 
 
 def report(args: argparse.Namespace, outcome: _Outcome, elapsed: float, workers: int,
-           test_accuracy: float | None, batch_shares: Sequence[float] | None = None) -> None:
+           test_accuracy: float | None, batch_shares: Sequence[float] | None = None, clocks_taken: int = 0) -> None:
     """Prints the result and writes it as JSON (rank 0)."""
     summary = outcome.summary
     result: dict[str, Any] = {
         "model": args.model, "mode": args.mode, "workers": workers, "seed": args.seed, "seconds": elapsed,
         "test_accuracy": test_accuracy, "tunables": outcome.tunables,
         "summary": dataclasses.asdict(summary), "log": args.log,
-        "batch_shares": list(batch_shares) if batch_shares is not None else None}
+        "batch_shares": list(batch_shares) if batch_shares is not None else None,
+        "clocks_taken": clocks_taken}  # rank 0's clocks with part of a late rank's samples (--steal-batches)
     if outcome.tuning is not None:
         result["validation_accuracies"] = outcome.tuning.accuracies
         result["outcome"] = outcome.tuning.outcome.value

@@ -23,6 +23,7 @@ import logging
 import os
 import socket
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -173,6 +174,7 @@ class Job:
         self._authenticator: object | None = None
         self._coordinator: Coordinator | None = None
         self._control: ControlClient | None = None
+        self._local_services: dict[str, Callable[[int, Any], Any]] = {}  # serve() without a coordinator
         self._transport: SocketTransport | None = None
         self._liveness: ControlChannel | None = None
         self._ipc: IpcDirectory | None = None
@@ -247,6 +249,47 @@ class Job:
                 raise InvalidArgumentError(f"allgather {name!r}: the value is not JSON: {error}") from None
             return [value]
         return self._control.allgather(name, value, timeout)
+
+    def serve(self, name: str, handler: Callable[[int, Any], Any] | None) -> None:
+        """Rank 0 only: answers every rank's :meth:`request` of ``name``
+        with ``handler(rank, value)``, a JSON value; None stops serving it.
+        Other ranks' requests run the handler on the control channel's
+        thread, rank 0's own on its caller's: the handler must be
+        thread-safe and quick (it delays every control message behind it).
+        Raising :class:`~mltuner.InvalidArgumentError` answers the asking
+        rank with that error."""
+        text("serve: name", name)
+        if self.rank != 0:
+            raise InvalidArgumentError(f"serve({name!r}): only rank 0 serves requests; this is rank {self.rank}")
+        if handler is not None and not callable(handler):
+            raise ArgumentTypeError(f"serve({name!r}): handler must be callable, got {type(handler).__name__}")
+        if self._coordinator is not None:
+            self._coordinator.serve(name, handler)
+        elif handler is None:
+            self._local_services.pop(name, None)
+        else:
+            self._local_services[name] = handler
+
+    def request(self, name: str, value: Any, timeout_s: float | None = None) -> Any:
+        """Rank 0's answer to ``value`` from the handler it serves as
+        ``name`` (:meth:`serve`), without waiting for the other ranks.
+        Values travel as JSON (no pickle), at most 1 MiB. Raises
+        InvalidArgumentError when rank 0 serves no ``name`` or its handler
+        refuses the value, WaitTimeoutError when no answer comes in time."""
+        text("request: name", name)
+        timeout = self._wait_limit("request", timeout_s)
+        try:
+            json.dumps(value)  # the check the wire makes, for rank 0's own requests too
+        except (TypeError, ValueError) as error:
+            raise InvalidArgumentError(f"request {name!r}: the value is not JSON: {error}") from None
+        if self._coordinator is not None:
+            return self._coordinator.answer(0, name, value)
+        if self._control is not None:
+            return self._control.request(name, value, timeout)
+        handler = self._local_services.get(name)
+        if handler is None:
+            raise InvalidArgumentError(f"rank 0 serves no {name!r}")
+        return handler(0, value)
 
     def save_checkpoint(self, root: str | os.PathLike[str], *, keep: int = 2) -> Path:
         """Saves every shard's parameters and optimizer state at this clock.

@@ -11,7 +11,10 @@ its own thread). Every rank, rank 0 included, talks to it through a
 - ``barrier`` returns once every rank has entered the barrier of that name;
   the job's last one (``final``, at close) marks the coordinator as closing;
 - ``allgather`` is a barrier that carries one JSON value per rank and returns
-  them all, by rank (the tuner's commands and clock reports travel this way).
+  them all, by rank (the tuner's commands and clock reports travel this way);
+- ``request`` asks one of rank 0's services (a function rank 0 registered
+  with :meth:`Coordinator.serve`) and returns its JSON answer, without waiting
+  for the other ranks (the tuning session's batch claims travel this way).
 
 One process may open jobs one after another on the same master port. A
 rank that leaves a job's final barrier may join the next job before rank 0
@@ -104,12 +107,34 @@ class Coordinator:
         self._members: dict[int, tuple[bytes, Any, str]] = {}  # rank -> (routing id, card, fingerprint)
         self._barriers: dict[str, set[int]] = {}
         self._gathers: dict[str, dict[int, Any]] = {}
+        self._services: dict[str, Callable[[int, Any], Any]] = {}
         self._welcome: dict[str, Any] | None = None  # the answer to a complete join
         self._closing = False  # the final barrier was passed: joins are the next job's
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="mltuner-coordinator", daemon=True)
         self._thread.start()
+
+    def serve(self, name: str, handler: Callable[[int, Any], Any] | None) -> None:
+        """Answers every rank's ``request(name, value)`` with
+        ``handler(rank, value)`` (JSON in and out), called on the
+        coordinator's thread; None stops serving ``name``. A handler that
+        raises InvalidArgumentError answers with its message, which the
+        asking rank raises."""
+        with self._lock:
+            if handler is None:
+                self._services.pop(name, None)
+            else:
+                self._services[name] = handler
+
+    def answer(self, rank: int, name: str, value: Any) -> Any:
+        """``handler(rank, value)`` of the service ``name`` (rank 0's own
+        requests come here directly)."""
+        with self._lock:
+            handler = self._services.get(name)
+        if handler is None:
+            raise InvalidArgumentError(f"rank 0 serves no {name!r}")
+        return handler(rank, value)
 
     def missing_ranks(self) -> list[int]:
         """Ranks that have not joined yet (for timeout messages)."""
@@ -160,6 +185,8 @@ class Coordinator:
             self._barrier(routing_id, rank, str(message.get("name", "")), message.get("final") is True)
         elif message["op"] == "gather":
             self._gather(routing_id, rank, str(message.get("name", "")), message.get("value"))
+        elif message["op"] == "request":
+            self._request(routing_id, rank, str(message.get("name", "")), message.get("value"))
 
     def _join(self, routing_id: bytes, rank: int, message: dict[str, Any]) -> None:
         if message.get("world_size") != self._world_size:
@@ -232,6 +259,19 @@ class Coordinator:
             reply = {"op": "error", "message": f"allgather {name!r}: the values exceed {_MAX_FRAME} bytes"}
         for member in routing_ids:
             self._send(member, reply)
+
+
+    def _request(self, routing_id: bytes, rank: int, name: str, value: Any) -> None:
+        with self._lock:
+            joined = self._members.get(rank, (None,))[0] == routing_id
+        if not joined:
+            self._send(routing_id, {"op": "error", "message": f"rank {rank} sent a request before joining"})
+            return
+        try:
+            reply = {"op": "answer", "name": name, "value": self.answer(rank, name, value)}
+        except InvalidArgumentError as error:
+            reply = {"op": "error", "message": str(error)}
+        self._send(routing_id, reply)
 
 
 class ControlClient:
@@ -308,6 +348,19 @@ class ControlClient:
         if reply.get("name") != name or not isinstance(values, list):
             raise InvalidArgumentError(f"allgather {name!r} was answered for {reply.get('name')!r}")
         return values
+
+    def request(self, name: str, value: Any, timeout_s: float) -> Any:
+        """The answer of rank 0's service ``name`` to ``value`` (JSON)."""
+        message = _encode({"op": "request", "rank": self._rank, "name": name, "value": value})
+        if len(message) > _MAX_FRAME:
+            raise InvalidArgumentError(f"request {name!r}: the value is {len(message)} bytes encoded, "
+                                       f"more than {_MAX_FRAME}")
+        self._socket.send(message)
+        reply = self._expect("answer", timeout_s,
+                             lambda: f"request {name!r} timed out after {timeout_s:g} s: rank 0 did not answer")
+        if reply.get("name") != name:
+            raise InvalidArgumentError(f"request {name!r} was answered for {reply.get('name')!r}")
+        return reply.get("value")
 
     def close(self) -> None:
         try:

@@ -1,11 +1,15 @@
-"""One worker process of the batch-balancing test (run as a program, one per
-rank): linear regression in a TuningSession with ``balance_batches=True``;
-``--slow-rank`` sleeps after each of its clocks.
+"""One worker process of the batch-balancing and -stealing tests (run as a
+program, one per rank): linear regression in a TuningSession with
+``balance_batches=True`` (or ``--steal``: ``steal_batches=True`` at read
+slack ``--slack``); ``--slow-rank`` sleeps after every ``--slow-every``-th
+of its clocks. ``--rule add`` sums each step's weighted mean input row
+instead of a gradient step, so that the final table is the same sum
+whoever computed which sample.
 
 Rank 0's driver trains one branch for ``--runs`` runs of ``--clocks`` clocks
 and then validates it once. Each rank writes to OUT/rank-R.npz the indices it
-trained on per clock, its steps' weights, the final parameters and the
-shares of the last run.
+trained on per clock, its steps' weights, the final parameters, the
+shares of the last run and the clocks it gave and took.
 """
 
 from __future__ import annotations
@@ -42,6 +46,10 @@ def main() -> int:
     parser.add_argument("--clocks", type=int, default=8)
     parser.add_argument("--slow-rank", type=int, default=1)
     parser.add_argument("--slow-s", type=float, default=0.02)
+    parser.add_argument("--slow-every", type=int, default=1)
+    parser.add_argument("--steal", action="store_true")
+    parser.add_argument("--slack", type=int, default=0)
+    parser.add_argument("--rule", choices=("sgd", "add"), default="sgd")
     args = parser.parse_args()
     setting = {"lr": LR, "batch_size": BATCH}
 
@@ -55,8 +63,8 @@ def main() -> int:
         system.free(testing)
         return _Ended(branch, setting)
 
-    config = mltuner.Config(update_rule=mltuner.UpdateRule("sgd", learning_rate=LR), branches=True,
-                            max_branches=40, wait_timeout_s=30)
+    rule = mltuner.UpdateRule("sgd", learning_rate=LR) if args.rule == "sgd" else mltuner.UpdateRule("add")
+    config = mltuner.Config(update_rule=rule, branches=True, max_branches=40, wait_timeout_s=30)
     space = SearchSpace([LogUniform("lr", 1e-3, 1.0, default=LR),
                          Choice("batch_size", [BATCH], default=BATCH, search=False)])
     x, y = make_data()
@@ -64,7 +72,7 @@ def main() -> int:
         with mltuner.Job(config, rendezvous_timeout_s=30) as job:
             worker = job.worker
             table = worker.create_table("w", 1, IN)
-            read = worker.virtual_read(table)
+            read = worker.virtual_read(table, slack=args.slack)
             worker.virtual_post_read(read)
             grad = worker.virtual_pre_update(table)
             worker.virtual_update(grad)
@@ -72,7 +80,7 @@ def main() -> int:
             worker.finish_virtual_iteration()
             worker.start_iterations()
             session = TuningSession(job, space, num_train=NUM_TRAIN, num_validation=NUM_VAL, driver=driver,
-                                    balance_batches=True)
+                                    balance_batches=not args.steal, steal_batches=args.steal)
             trained: list[np.ndarray] = []
             validated: list[np.ndarray] = []
             weights: list[float] = []
@@ -87,12 +95,19 @@ def main() -> int:
                     trained.append(step.indices)
                     weights.append(step.weight)
                     xs, ys = x[step.indices], y[step.indices]
-                    residual = xs @ w - ys
-                    worker.pre_update(grad)[0] = xs.T @ residual / len(xs) * step.weight
-                    step.report(float(np.mean(residual ** 2)))
+                    if not len(xs):  # the other rank took this clock's part
+                        worker.pre_update(grad)[:] = 0.0
+                        step.report(0.0)
+                    elif args.rule == "add":
+                        worker.pre_update(grad)[0] = xs.mean(axis=0) * step.weight
+                        step.report(0.0)
+                    else:
+                        residual = xs @ w - ys
+                        worker.pre_update(grad)[0] = xs.T @ residual / len(xs) * step.weight
+                        step.report(float(np.mean(residual ** 2)))
                 worker.update(grad)
                 worker.clock()
-                if job.rank == args.slow_rank:
+                if job.rank == args.slow_rank and len(trained) % args.slow_every == 0:
                     time.sleep(args.slow_s)
             worker.sync()
             assert session.final_branch is not None
@@ -100,7 +115,8 @@ def main() -> int:
                      final=np.asarray(worker.fetch(table, branch=session.final_branch))[0],
                      trained=np.concatenate(trained), counts=np.array([len(i) for i in trained]),
                      weights=np.array(weights), validated=np.concatenate(validated),
-                     shares=np.array(session.batch_shares or []))
+                     shares=np.array(session.batch_shares or []),
+                     given=session.clocks_given, taken=session.clocks_taken)
     except mltuner.MltunerError as error:
         print(f"FAILED {type(error).__name__}: {error}", flush=True)
         return 3

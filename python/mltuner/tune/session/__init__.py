@@ -14,9 +14,9 @@ from mltuner.tune.session._commands import (
     parse_command,
 )
 from mltuner.tune.session._sampler import StepBatchSampler
-from mltuner.tune.session._session import Collective, Driver, PSBranchSystem, Step, TuningSession
+from mltuner.tune.session._session import Collective, Driver, PSBranchSystem, ServingCollective, Step, TuningSession
 
 __all__ = [
-    "TuningSession", "Step", "StepBatchSampler", "PSBranchSystem", "Driver", "Collective", "Command", "ForkCommand",
-    "FreeCommand", "RunCommand", "EndCommand", "ErrorCommand", "parse_command",
+    "TuningSession", "Step", "StepBatchSampler", "PSBranchSystem", "Driver", "Collective", "ServingCollective",
+    "Command", "ForkCommand", "FreeCommand", "RunCommand", "EndCommand", "ErrorCommand", "parse_command",
 ]

@@ -33,7 +33,9 @@ worker r takes the r-th slice; a TESTING branch runs the validation set
 once from its start, split among the workers. With ``balance_batches``,
 the slices are sized by each worker's speed instead (``_balance.py``): rank
 0 fits every rank's busy time per clock at the end of each run and sends
-the next run's shares with its command.
+the next run's shares with its command. With ``steal_batches``, a worker a
+whole clock behind the others loses its slice of the clock to them
+(``_steal.py``): every rank claims each training clock from rank 0 first.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -58,6 +60,7 @@ from mltuner.tune._space import SearchSpace
 from mltuner.tune._system import BranchKind, BranchSystem, ClockReport
 from mltuner.tune.session._balance import BatchBalancer, split_counts
 from mltuner.tune.session._sampler import StepBatchSampler
+from mltuner.tune.session._steal import CLAIM_SERVICE, ClaimBoard, check_owners
 from mltuner.tune.session._commands import (
     Command,
     EndCommand,
@@ -70,7 +73,7 @@ from mltuner.tune.session._commands import (
 )
 from mltuner.tune.tuner._tuner import Tuner
 
-__all__ = ["TuningSession", "Step", "PSBranchSystem", "Driver", "Collective"]
+__all__ = ["TuningSession", "Step", "PSBranchSystem", "Driver", "Collective", "ServingCollective"]
 
 # A run longer than this is split into several, so that one allgather of its
 # losses stays far below the control channel's 1 MiB frame.
@@ -88,6 +91,14 @@ class Collective(Protocol):
     worker: Worker
 
     def allgather(self, name: str, value: Any, timeout_s: float | None = None) -> list[Any]: ...
+
+
+class ServingCollective(Collective, Protocol):
+    """A job whose rank 0 answers requests (``steal_batches`` needs it)."""
+
+    def serve(self, name: str, handler: Callable[[int, Any], Any] | None) -> None: ...
+
+    def request(self, name: str, value: Any, timeout_s: float | None = None) -> Any: ...
 
 
 Driver = Callable[[BranchSystem], Any]
@@ -129,7 +140,9 @@ class Step:
         indices: this worker's sample indices for this clock, into the
             training set or, for TESTING, the validation set. May be empty on
             the last TESTING clock when the validation set does not divide
-            among the workers. A DataLoader takes them as ``sampler=``; for one
+            among the workers, and on a training clock whose part the others
+            took (``steal_batches``): read, update with zeros (the gradient
+            of no samples) and clock as usual; the reported loss is ignored. A DataLoader takes them as ``sampler=``; for one
             loader over the whole session see :meth:`TuningSession.batch_sampler`.
         epoch: the branch's epoch in the training stream (0-based).
         clock: the branch's own clock count before this clock.
@@ -137,8 +150,9 @@ class Step:
             share (its samples x workers / the clock's samples). The servers
             sum the workers' updates: multiply the mean loss (or gradient) by
             it, and unequal batches sum to the update of equal ones. 1.0
-            unless the session balances batches (a TESTING clock whose
-            samples do not divide among the workers aside).
+            unless the session balances or steals batches (a TESTING clock
+            whose samples do not divide among the workers aside); 0.0 for a
+            clock whose part went to the others (``steal_batches``).
     """
 
     branch: int
@@ -195,17 +209,28 @@ class TuningSession:
             waits for it. The training loop must then weight its loss by
             :attr:`Step.weight`. Off by default: the split then depends on
             timing, so runs are not bit-for-bit repeatable.
+        steal_batches: a worker that falls a whole clock behind the others
+            (a burst of load on its host, a pause; possible at slack >= 1)
+            loses its part of the clock to them, so nobody waits for it
+            while every sample is still computed once. Each rank asks rank 0
+            before each training clock (the job must serve requests, as
+            :class:`mltuner.Job` does). The training loop weights its loss
+            by :attr:`Step.weight` and handles empty steps. Off by default,
+            for the same reason as ``balance_batches``.
 
     After the loop, :attr:`result` holds the driver's result on rank 0, and
     :attr:`final_branch` / :attr:`final_tunables` the branch the job ended
-    with on every rank (None when the driver freed it).
+    with on every rank (None when the driver freed it). With
+    ``steal_batches``, :attr:`clocks_given` counts this rank's training
+    clocks whose part the others took, and :attr:`clocks_taken` those in
+    which it took part of another's.
     """
 
     def __init__(self, job: Collective, space: SearchSpace, *, num_train: int, num_validation: int,
                  batch_size: int | None = None, validation_batch_size: int | None = None,
                  config: TunerConfig | None = None, log: DecisionLog | str | None = None,
                  driver: Driver | None = None, seed: int = 0, timeout_s: float | None = None,
-                 balance_batches: bool = False) -> None:
+                 balance_batches: bool = False, steal_batches: bool = False) -> None:
         job_config = getattr(job, "config", None)
         if job_config is not None and not getattr(job_config, "branches", False):
             raise InvalidArgumentError("tuning needs branches in the parameter server: create the job with "
@@ -223,6 +248,8 @@ class TuningSession:
         if num_train < 1 or num_validation < 1:
             raise InvalidArgumentError(f"num_train and num_validation must be >= 1, got {num_train} and "
                                        f"{num_validation}")
+        if steal_batches and not (callable(getattr(job, "serve", None)) and callable(getattr(job, "request", None))):
+            raise InvalidArgumentError("steal_batches needs a job whose rank 0 answers requests (a mltuner.Job)")
         self._job = job
         self._worker = job.worker
         self._rank, self._world = job.rank, job.world_size
@@ -246,6 +273,14 @@ class TuningSession:
         self._shares: tuple[float, ...] | None = None  # the run's batch shares; None: equal
         self._balance = balance_batches and self._world > 1  # every rank measures its clocks
         self._balancer = BatchBalancer(self._world, seed) if self._balance and self._rank == 0 else None
+        self._steal = steal_batches and self._world > 1
+        # The job that answers claims (checked above), and rank 0's board.
+        self._claim_job = cast(ServingCollective, job) if self._steal else None
+        self._claims = ClaimBoard(self._world) if self._steal and self._rank == 0 else None
+        self._run_id = 0  # the allgather that started the run: its number in every rank's claims
+        self._run_clock = 0  # clocks made in the run so far
+        self.clocks_given = 0  # training clocks whose part this rank lost to the others (steal_batches)
+        self.clocks_taken = 0  # training clocks in which it computed a part of another rank's
         self._run_kind = BranchKind.TRAINING
         self._busy: list[float] = []  # per clock of the run: its time less the engine's waits
         self._reports: list[tuple[float, float | None, int]] = []  # (loss, accuracy, samples) per clock
@@ -268,6 +303,8 @@ class TuningSession:
         if self._started:
             raise InvalidArgumentError("a TuningSession can be iterated once")
         self._started = True
+        if self._claim_job is not None and self._claims is not None:
+            self._claim_job.serve(CLAIM_SERVICE, self._claims.answer)
         if self._rank == 0:
             self._start_driver()
         try:
@@ -288,6 +325,8 @@ class TuningSession:
                     # The engine's waits are waits for other ranks: not this rank's own time.
                     self._busy.append(max(0.0, self._times[-1] - (self._stall_seconds() - stalled)))
         finally:
+            if self._claim_job is not None and self._claims is not None:
+                self._claim_job.serve(CLAIM_SERVICE, None)
             if self.system is not None:
                 self.system._close()
             if self._thread is not None:
@@ -372,6 +411,7 @@ class TuningSession:
                                   f"{self._world}")
             self._worker.schedule_branch(command.branch, command.clocks)
             self._run = (command.branch, command.clocks)
+            self._run_id, self._run_clock = self._sequence, 0
             self._shares = command.shares
             self._run_kind = self._branches[command.branch].kind
             self._reports, self._times, self._busy = [], [], []
@@ -466,20 +506,37 @@ class TuningSession:
             if cursor.offset + chunk > self._num_train:  # the rest of the epoch is dropped
                 cursor.epoch, cursor.offset = cursor.epoch + 1, 0
             order = self._permutation(cursor.epoch)
-            indices, clock_samples = self._my_part(order[cursor.offset:cursor.offset + chunk]), chunk
+            indices, clock_samples = self._my_part(order[cursor.offset:cursor.offset + chunk],
+                                                   self._claim() if self._claim_job else None), chunk
             cursor.offset += chunk
         weight = len(indices) * self._world / clock_samples if clock_samples else 1.0
         step = Step(branch_id, branch.kind, branch.tunables, indices, cursor.epoch, branch.clocks, self, weight)
         branch.clocks += 1
         return step
 
-    def _my_part(self, samples: np.ndarray) -> np.ndarray:
-        """This rank's slice of a clock's samples: equal parts, or by the run's shares."""
+    def _my_part(self, samples: np.ndarray, owners: list[list[int]] | None = None) -> np.ndarray:
+        """This rank's samples of a clock: its slice (equal parts, or by the
+        run's shares), or with ``owners`` its pieces of every slice it owns."""
         if self._shares is None:
-            return np.array_split(samples, self._world)[self._rank]
-        counts = split_counts(len(samples), self._shares)
-        begin = sum(counts[:self._rank])
-        return samples[begin:begin + counts[self._rank]]
+            slices = np.array_split(samples, self._world)
+        else:
+            slices = np.split(samples, np.cumsum(split_counts(len(samples), self._shares))[:-1])
+        if owners is None:
+            return slices[self._rank]
+        self.clocks_given += owners[self._rank] != [self._rank]
+        self.clocks_taken += any(self._rank in who for rank, who in enumerate(owners) if rank != self._rank)
+        mine = [np.array_split(part, len(who))[who.index(self._rank)]
+                for part, who in zip(slices, owners, strict=True) if self._rank in who]
+        return np.concatenate(mine) if mine else samples[:0]
+
+    def _claim(self) -> list[list[int]]:
+        """Who computes each slice of this training clock (rank 0's board)."""
+        assert self._claim_job is not None
+        clock, self._run_clock = self._run_clock, self._run_clock + 1
+        if self._claims is not None:
+            return self._claims.claim(self._rank, self._run_id, clock)
+        owners = self._claim_job.request(CLAIM_SERVICE, {"run": self._run_id, "clock": clock}, self._timeout_s)
+        return check_owners(owners, self._world)
 
     def _permutation(self, epoch: int) -> np.ndarray:
         order = self._permutations.get(epoch)
@@ -514,7 +571,9 @@ class TuningSession:
 
 def _mean_by_samples(values: Sequence[tuple[float, int]]) -> float:
     """The mean of per-worker means, each weighted by its samples (plain
-    when their samples are equal)."""
+    when their samples are equal; a worker with none counts nothing)."""
+    if len({n for _, n in values}) > 1:
+        values = [(v, n) for v, n in values if n]
     total = sum(n for _, n in values)
     if not total or len({n for _, n in values}) == 1:
         return math.fsum(v for v, _ in values) / len(values)

@@ -4,6 +4,7 @@ and with batches balanced by speed (``--balance-batches``), against PyTorch
 DDP (gloo), whose batches are equal.
 
     python benchmarks/straggler_bench.py [--quick] [--workers 2,4] [--only 3x,bursts] [--target 0.7]
+                                         [--slacks 0,1,3,7] [--modes equal,balanced,stealing,balanced+stealing]
                                          [--out PATH] [--figures PATH]
 
 The model is the MNIST-1D CNN, trained with a fixed setting (lr 0.3,
@@ -84,15 +85,18 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="slack 0 and 3; no straggler, constant 3x, bursts")
     parser.add_argument("--workers", type=lambda text: [int(n) for n in text.split(",")], default=[2],
                         help="comma list of worker counts (default 2)")
+    parser.add_argument("--slacks", type=lambda text: tuple(int(n) for n in text.split(",")), default=None,
+                        help=f"comma list of the slacks to run (default {','.join(map(str, SLACKS))}; --quick "
+                        f"{','.join(map(str, QUICK_SLACKS))})")
     parser.add_argument("--modes", type=lambda text: text.split(","), default=list(MODES),
                         help=f"how mltuner splits a clock's samples, comma list of {', '.join(MODES)} (default all)")
     parser.add_argument("--only", type=lambda text: text.split(","), default=None,
                         help="comma list of the patterns to run, by a word of their names (none, 1.5x, 3x, bursts)")
     args = parser.parse_args()
-    slacks = QUICK_SLACKS if args.quick else SLACKS
+    slacks = args.slacks or (QUICK_SLACKS if args.quick else SLACKS)
     if set(args.modes) - set(MODES):
         parser.error(f"--modes: unknown {', '.join(sorted(set(args.modes) - set(MODES)))}")
-    # Stealing needs a slack: at slack 0 no rank is ever a whole clock behind.
+    # The session steals only at slack >= 1 (under BSP a thief would wait for the late rank anyway).
     columns = [(slack, mode) for mode in args.modes for slack in slacks if slack > 0 or "stealing" not in mode]
     t = batch_seconds()
     patterns = {"none": [], "constant 1.5x": ["--slow-factor", "1.5"], "constant 3x": ["--slow-factor", "3"],

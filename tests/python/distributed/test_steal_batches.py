@@ -54,3 +54,15 @@ def test_a_paused_rank_loses_its_parts_and_every_sample_counts_once(start_worker
     final = ranks[0]["final"]
     np.testing.assert_array_equal(final, ranks[1]["final"])
     np.testing.assert_allclose(final, want, rtol=1e-5, atol=1e-5)
+
+
+def test_under_bsp_nothing_is_stolen(start_workers) -> None:  # type: ignore[no-untyped-def]
+    """A thief under BSP would wait for the late rank's last clock, then
+    compute its part after it: the session steals only at slack >= 1."""
+    workers = start_workers(2, "--runs", "1", "--clocks", "12", "--steal", "--slack", "0", "--rule", "add",
+                            "--slow-rank", "1", "--slow-s", "0.3", "--slow-every", "6", program=PROGRAM)
+    for rank, (code, output) in enumerate(workers.wait()):
+        assert code == 0, f"rank {rank} failed:\n{output}"
+    ranks = [workers.result(r) for r in range(2)]
+    assert [int(r["taken"]) for r in ranks] == [0, 0] and [int(r["given"]) for r in ranks] == [0, 0]
+    np.testing.assert_array_equal(ranks[1]["counts"], BATCH)

@@ -46,16 +46,20 @@ class FreeCommand:
 class RunCommand:
     """Run ``branch`` for ``clocks`` clocks, then report the losses. With
     ``shares``, rank r takes that fraction of each clock's samples (batch
-    balancing); without, equal parts."""
+    balancing); without, equal parts. With ``steal``, every rank claims each
+    clock from rank 0 first (batch stealing)."""
 
     branch: int
     clocks: int
     shares: tuple[float, ...] | None = None
+    steal: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {"op": "run", "branch": self.branch, "clocks": self.clocks}
         if self.shares is not None:
             wire["shares"] = list(self.shares)
+        if self.steal:
+            wire["steal"] = True
         return wire
 
 
@@ -140,7 +144,10 @@ def parse_command(wire: Any) -> Command:
     if op == "free":
         return FreeCommand(_int(wire, "branch"))
     if op == "run":
-        return RunCommand(_int(wire, "branch"), _int(wire, "clocks"), _shares(wire))
+        steal = wire.get("steal", False)
+        if not isinstance(steal, bool):
+            raise TuningError(f"rank 0 sent a malformed tuning command ('steal' is not true or false): {wire!r}")
+        return RunCommand(_int(wire, "branch"), _int(wire, "clocks"), _shares(wire), steal)
     if op == "end":
         return EndCommand(_int(wire, "branch", optional=True), _dict(wire, "tunables", optional=True))
     if op == "error":

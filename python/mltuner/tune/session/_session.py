@@ -209,14 +209,14 @@ class TuningSession:
             waits for it. The training loop must then weight its loss by
             :attr:`Step.weight`. Off by default: the split then depends on
             timing, so runs are not bit-for-bit repeatable.
-        steal_batches: a worker that falls a whole clock behind the others
-            (a burst of load on its host, a pause; possible at slack >= 1)
+        steal_batches: in runs at slack >= 1, a worker that falls a whole
+            clock behind the others (a burst of load on its host, a pause)
             loses its part of the clock to them, so nobody waits for it
             while every sample is still computed once. Each rank asks rank 0
-            before each training clock (the job must serve requests, as
-            :class:`mltuner.Job` does). The training loop weights its loss
-            by :attr:`Step.weight` and handles empty steps. Off by default,
-            for the same reason as ``balance_batches``.
+            before each training clock of such a run (the job must serve
+            requests, as :class:`mltuner.Job` does). The training loop
+            weights its loss by :attr:`Step.weight` and handles empty steps.
+            Off by default, for the same reason as ``balance_batches``.
 
     After the loop, :attr:`result` holds the driver's result on rank 0, and
     :attr:`final_branch` / :attr:`final_tunables` the branch the job ended
@@ -279,6 +279,7 @@ class TuningSession:
         self._claims = ClaimBoard(self._world) if self._steal and self._rank == 0 else None
         self._run_id = 0  # the allgather that started the run: its number in every rank's claims
         self._run_clock = 0  # clocks made in the run so far
+        self._run_steals = False  # rank 0's word: this run's clocks are claimed
         self.clocks_given = 0  # training clocks whose part this rank lost to the others (steal_batches)
         self.clocks_taken = 0  # training clocks in which it computed a part of another rank's
         self._run_kind = BranchKind.TRAINING
@@ -388,15 +389,19 @@ class TuningSession:
 
     def _gather_command(self) -> Command:
         mine = self.system._next_command(self._timeout_s) if self.system is not None else None
-        if self._balancer is not None and mine is not None and mine.get("op") == "run":
+        if mine is not None and mine.get("op") == "run":
             branch = self._branches.get(mine.get("branch"))  # type: ignore[arg-type]
-            if branch is not None and branch.kind is not BranchKind.TESTING:
-                # A space without staleness leaves the reads' own slack.
-                staleness = branch.tunables.get("staleness")
-                slack = int(staleness if staleness is not None else getattr(self._worker, "read_slack", 0) or 0)
+            training = branch is not None and branch.kind is not BranchKind.TESTING
+            # A space without staleness leaves the reads' own slack.
+            staleness = branch.tunables.get("staleness") if branch is not None else None
+            slack = int(staleness if staleness is not None else getattr(self._worker, "read_slack", 0) or 0)
+            if self._balancer is not None and branch is not None and training:
                 mine["shares"] = self._balancer.fractions(self._batch_of(branch.tunables) * self._world, slack)
-            elif self._shares is not None:
+            elif self._balancer is not None and self._shares is not None:
                 mine["shares"] = list(self._shares)
+            # Under BSP a thief would wait for the late rank's last clock anyway, then compute its part
+            # after it instead of beside it: stealing needs a slack.
+            mine["steal"] = self._steal and training and slack >= 1
         return parse_command(self._allgather("command", mine)[0])
 
     def _execute(self, command: Command) -> bool:
@@ -412,6 +417,7 @@ class TuningSession:
             self._worker.schedule_branch(command.branch, command.clocks)
             self._run = (command.branch, command.clocks)
             self._run_id, self._run_clock = self._sequence, 0
+            self._run_steals = command.steal
             self._shares = command.shares
             self._run_kind = self._branches[command.branch].kind
             self._reports, self._times, self._busy = [], [], []
@@ -507,7 +513,7 @@ class TuningSession:
                 cursor.epoch, cursor.offset = cursor.epoch + 1, 0
             order = self._permutation(cursor.epoch)
             indices, clock_samples = self._my_part(order[cursor.offset:cursor.offset + chunk],
-                                                   self._claim() if self._claim_job else None), chunk
+                                                   self._claim() if self._run_steals else None), chunk
             cursor.offset += chunk
         weight = len(indices) * self._world / clock_samples if clock_samples else 1.0
         step = Step(branch_id, branch.kind, branch.tunables, indices, cursor.epoch, branch.clocks, self, weight)
@@ -531,7 +537,8 @@ class TuningSession:
 
     def _claim(self) -> list[list[int]]:
         """Who computes each slice of this training clock (rank 0's board)."""
-        assert self._claim_job is not None
+        if self._claim_job is None:
+            raise TuningError("rank 0 runs with batch stealing, but this rank's session has steal_batches off")
         clock, self._run_clock = self._run_clock, self._run_clock + 1
         if self._claims is not None:
             return self._claims.claim(self._rank, self._run_id, clock)

@@ -1,10 +1,11 @@
 """Stragglers: time to a target validation accuracy with one of 2 (or 4)
-workers slowed, for mltuner at slack 0, 1, 3 and 7, each with equal batches
-and with batches balanced by speed (``--balance-batches``), against PyTorch
+workers slowed, for mltuner at slack 0, 1, 3 and 7, each with equal batches,
+with batches balanced by speed (``--balance-batches``) and, at slack >= 1,
+balanced and stolen from a late worker (``--steal-batches``), against PyTorch
 DDP (gloo), whose batches are equal.
 
     python benchmarks/straggler_bench.py [--quick] [--workers 2,4] [--only 3x,bursts] [--target 0.7]
-                                         [--slacks 0,1,3,7] [--modes equal,balanced,stealing,balanced+stealing]
+                                         [--slacks 0,1,3,7] [--modes equal,balanced,balanced+stealing]
                                          [--out PATH] [--figures PATH]
 
 The model is the MNIST-1D CNN, trained with a fixed setting (lr 0.3,
@@ -36,7 +37,11 @@ with twice the global batch of 2, and each size has its own DDP baseline.
 
 Balanced batches keep each clock's samples and summed update (each worker's
 loss weighted by its share) and move samples from the slow rank to the
-others; a slack absorbs the delays that come and go. Every column shares one
+others; a slack absorbs the delays that come and go. Stealing (since stop
+52) gives a rank's part of a clock to the others when the rank is a whole
+clock behind, so its empty clocks let it catch up. ``--modes`` picks the
+columns: ``equal``, ``balanced``, ``stealing``, ``balanced+stealing``
+(default: all but ``stealing``). Every column shares one
 setting, a good one for BSP. Until stop 50 the program ignored
 ``--staleness`` unless it searched staleness, so the slack columns of
 earlier runs were BSP; until stop 51 (read-my-writes, ``Config.read_my_writes``)
@@ -88,8 +93,10 @@ def main() -> int:
     parser.add_argument("--slacks", type=lambda text: tuple(int(n) for n in text.split(",")), default=None,
                         help=f"comma list of the slacks to run (default {','.join(map(str, SLACKS))}; --quick "
                         f"{','.join(map(str, QUICK_SLACKS))})")
-    parser.add_argument("--modes", type=lambda text: text.split(","), default=list(MODES),
-                        help=f"how mltuner splits a clock's samples, comma list of {', '.join(MODES)} (default all)")
+    parser.add_argument("--modes", type=lambda text: text.split(","),
+                        default=[mode for mode in MODES if mode != "stealing"],
+                        help=f"how mltuner splits a clock's samples, comma list of {', '.join(MODES)} (default "
+                        "all but stealing)")
     parser.add_argument("--only", type=lambda text: text.split(","), default=None,
                         help="comma list of the patterns to run, by a word of their names (none, 1.5x, 3x, bursts)")
     args = parser.parse_args()

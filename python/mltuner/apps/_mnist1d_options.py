@@ -155,9 +155,8 @@ def add_program_options(parser: argparse.ArgumentParser | argparse._ArgumentGrou
                         help="size each worker's part of a clock's samples by its measured speed (the "
                              "clock's samples and the summed update stay those of equal parts)")
     parser.add_argument("--steal-batches", action="store_true",
-                        help="a worker a whole clock behind the others (possible at staleness >= 1) loses its "
-                             "part of the clock to them, so nobody waits for it; every sample is still "
-                             "computed once")
+                        help="at staleness >= 1, a worker a whole clock behind the others loses its part of "
+                             "the clock to them, so nobody waits for it; every sample is still computed once")
     parser.add_argument("--slow-rank", type=_rank, default=-1, help="the rank to slow down (benchmarks)")
     parser.add_argument("--slow-factor", type=_at_least_one, default=1.0,
                         help="that rank computes this many times as slowly: after a training clock it sleeps "

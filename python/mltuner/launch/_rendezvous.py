@@ -337,30 +337,31 @@ class ControlClient:
     def allgather(self, name: str, value: Any, timeout_s: float) -> list[Any]:
         """Every rank's ``value`` (JSON), by rank, once all have called
         ``allgather(name, ...)``."""
-        message = _encode({"op": "gather", "rank": self._rank, "name": name, "value": value})
-        if len(message) > _MAX_FRAME:
-            raise InvalidArgumentError(f"allgather {name!r}: the value is {len(message)} bytes encoded, "
-                                       f"more than {_MAX_FRAME}")
-        self._socket.send(message)
-        reply = self._expect("gathered", timeout_s,
-                             lambda: f"allgather {name!r} timed out after {timeout_s:g} s: not every worker reached it")
+        reply = self._ask("allgather", {"op": "gather", "value": value}, "gathered", name, timeout_s,
+                          "not every worker reached it")
         values = reply.get("values")
-        if reply.get("name") != name or not isinstance(values, list):
-            raise InvalidArgumentError(f"allgather {name!r} was answered for {reply.get('name')!r}")
+        if not isinstance(values, list):
+            raise InvalidArgumentError(f"allgather {name!r} was answered without values")
         return values
 
     def request(self, name: str, value: Any, timeout_s: float) -> Any:
         """The answer of rank 0's service ``name`` to ``value`` (JSON)."""
-        message = _encode({"op": "request", "rank": self._rank, "name": name, "value": value})
-        if len(message) > _MAX_FRAME:
-            raise InvalidArgumentError(f"request {name!r}: the value is {len(message)} bytes encoded, "
+        return self._ask("request", {"op": "request", "value": value}, "answer", name, timeout_s,
+                         "rank 0 did not answer").get("value")
+
+    def _ask(self, what: str, message: dict[str, Any], answer: str, name: str, timeout_s: float,
+             unanswered: str) -> dict[str, Any]:
+        """Sends ``message`` named ``name`` and returns the ``answer`` to it."""
+        frame = _encode({**message, "rank": self._rank, "name": name})
+        if len(frame) > _MAX_FRAME:
+            raise InvalidArgumentError(f"{what} {name!r}: the value is {len(frame)} bytes encoded, "
                                        f"more than {_MAX_FRAME}")
-        self._socket.send(message)
-        reply = self._expect("answer", timeout_s,
-                             lambda: f"request {name!r} timed out after {timeout_s:g} s: rank 0 did not answer")
+        self._socket.send(frame)
+        reply = self._expect(answer, timeout_s,
+                             lambda: f"{what} {name!r} timed out after {timeout_s:g} s: {unanswered}")
         if reply.get("name") != name:
-            raise InvalidArgumentError(f"request {name!r} was answered for {reply.get('name')!r}")
-        return reply.get("value")
+            raise InvalidArgumentError(f"{what} {name!r} was answered for {reply.get('name')!r}")
+        return reply
 
     def close(self) -> None:
         try:

@@ -15,16 +15,20 @@ PROGRAM = WORKER.with_name("balance_worker.py")
 RUNS, CLOCKS = 3, 12
 
 
+def _results(workers) -> list[dict[str, np.ndarray]]:  # type: ignore[no-untyped-def]
+    """What both ranks wrote, once both exited cleanly."""
+    for rank, (code, output) in enumerate(workers.wait()):
+        assert code == 0, f"rank {rank} failed:\n{output}"
+    return [workers.result(r) for r in range(2)]
+
+
 def test_a_paused_rank_loses_its_parts_and_every_sample_counts_once(start_workers) -> None:  # type: ignore[no-untyped-def]
     workers = start_workers(2, "--runs", str(RUNS), "--clocks", str(CLOCKS), "--steal", "--slack", "2",
                             "--rule", "add", "--slow-rank", "1", "--slow-s", "0.3", "--slow-every", "6",
                             program=PROGRAM)
-    for rank, (code, output) in enumerate(workers.wait()):
-        assert code == 0, f"rank {rank} failed:\n{output}"
-    ranks = [workers.result(r) for r in range(2)]
+    ranks = _results(workers)
     counts = [r["counts"] for r in ranks]
-    assert len(counts[0]) == len(counts[1]) == RUNS * CLOCKS
-    np.testing.assert_array_equal(counts[0] + counts[1], 2 * BATCH)
+    assert len(counts[0]) == len(counts[1]) == RUNS * CLOCKS and (counts[0] + counts[1] == 2 * BATCH).all()
     # Rank 1's pauses (0.3 s, far longer than a clock) let rank 0 run two clocks
     # ahead: it takes rank 1's part of some clocks, which rank 1 then runs empty.
     assert int(ranks[0]["taken"]) > 0 and int(ranks[1]["given"]) == int(ranks[0]["taken"])
@@ -61,8 +65,6 @@ def test_under_bsp_nothing_is_stolen(start_workers) -> None:  # type: ignore[no-
     compute its part after it: the session steals only at slack >= 1."""
     workers = start_workers(2, "--runs", "1", "--clocks", "12", "--steal", "--slack", "0", "--rule", "add",
                             "--slow-rank", "1", "--slow-s", "0.3", "--slow-every", "6", program=PROGRAM)
-    for rank, (code, output) in enumerate(workers.wait()):
-        assert code == 0, f"rank {rank} failed:\n{output}"
-    ranks = [workers.result(r) for r in range(2)]
+    ranks = _results(workers)
     assert [int(r["taken"]) for r in ranks] == [0, 0] and [int(r["given"]) for r in ranks] == [0, 0]
     np.testing.assert_array_equal(ranks[1]["counts"], BATCH)

@@ -6,6 +6,7 @@ process with real sockets on 127.0.0.1."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -26,49 +27,42 @@ def _echo(rank: int, value: Any) -> Any:
     return {"rank": rank, "value": value}
 
 
-def test_rank_0_answers_each_rank_alone_and_refuses_bad_requests() -> None:
+def test_rank_0_answers_each_rank_alone_and_refuses_bad_requests(run_workers: Callable[..., list[Any]]) -> None:
     port = free_port()
     served, asked = threading.Event(), threading.Event()
-    answers: dict[int, list[Any]] = {0: [], 1: []}
-    errors: list[BaseException] = []
 
-    def rank(r: int) -> None:
-        try:
-            with mltuner.Job(env=_env(r, port), rendezvous_timeout_s=20.0) as job:
-                if r == 0:
+    def rank(r: int) -> list[Any]:
+        answers = []
+        with mltuner.Job(env=_env(r, port), rendezvous_timeout_s=20.0) as job:
+            if r == 0:
+                job.serve("echo", _echo)
+                answers.append(job.request("echo", [1, 2]))
+                served.set()
+                # Rank 1's requests are answered while rank 0 waits here, in no collective call.
+                assert asked.wait(30), "rank 1 never finished asking"
+                job.serve("echo", None)
+                with pytest.raises(mltuner.InvalidArgumentError, match="serves no 'echo'"):
+                    job.request("echo", 1)
+            else:
+                assert served.wait(30)
+                answers.append(job.request("echo", {"x": 3}, timeout_s=10))
+                with pytest.raises(mltuner.InvalidArgumentError, match="echo refuses"):
+                    job.request("echo", "refuse")
+                with pytest.raises(mltuner.InvalidArgumentError, match="serves no 'other'"):
+                    job.request("other", 1)
+                with pytest.raises(mltuner.InvalidArgumentError, match="not JSON"):
+                    job.request("echo", {1, 2})
+                with pytest.raises(mltuner.InvalidArgumentError, match="only rank 0 serves"):
                     job.serve("echo", _echo)
-                    answers[0].append(job.request("echo", [1, 2]))
-                    served.set()
-                    # Rank 1's requests are answered while rank 0 waits here, in no collective call.
-                    assert asked.wait(30), "rank 1 never finished asking"
-                    job.serve("echo", None)
-                    with pytest.raises(mltuner.InvalidArgumentError, match="serves no 'echo'"):
-                        job.request("echo", 1)
-                else:
-                    assert served.wait(30)
-                    answers[1].append(job.request("echo", {"x": 3}, timeout_s=10))
-                    with pytest.raises(mltuner.InvalidArgumentError, match="echo refuses"):
-                        job.request("echo", "refuse")
-                    with pytest.raises(mltuner.InvalidArgumentError, match="serves no 'other'"):
-                        job.request("other", 1)
-                    with pytest.raises(mltuner.InvalidArgumentError, match="not JSON"):
-                        job.request("echo", {1, 2})
-                    with pytest.raises(mltuner.InvalidArgumentError, match="only rank 0 serves"):
-                        job.serve("echo", _echo)
-                    answers[1].append(job.request("echo", None))  # still answered after the refusals
-                    asked.set()
-        except BaseException as error:  # reported by the main thread
-            errors.append(error)
-            served.set()
-            asked.set()
+                answers.append(job.request("echo", None))  # still answered after the refusals
+                asked.set()
+        return answers
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert not any(thread.is_alive() for thread in threads), "a rank hung"
-    assert not errors, errors
+    def release() -> None:  # a failed rank must not leave the other waiting
+        served.set()
+        asked.set()
+
+    answers = run_workers(rank, [0, 1], on_error=release)
     assert answers[0] == [{"rank": 0, "value": [1, 2]}]
     assert answers[1] == [{"rank": 1, "value": {"x": 3}}, {"rank": 1, "value": None}]
 

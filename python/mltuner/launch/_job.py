@@ -174,7 +174,7 @@ class Job:
         self._authenticator: object | None = None
         self._coordinator: Coordinator | None = None
         self._control: ControlClient | None = None
-        self._local_services: dict[str, Callable[[int, Any], Any]] = {}  # serve() without a coordinator
+        self._services: dict[str, Callable[[int, Any], Any]] = {}  # rank 0's handlers (serve)
         self._transport: SocketTransport | None = None
         self._liveness: ControlChannel | None = None
         self._ipc: IpcDirectory | None = None
@@ -263,12 +263,10 @@ class Job:
             raise InvalidArgumentError(f"serve({name!r}): only rank 0 serves requests; this is rank {self.rank}")
         if handler is not None and not callable(handler):
             raise ArgumentTypeError(f"serve({name!r}): handler must be callable, got {type(handler).__name__}")
-        if self._coordinator is not None:
-            self._coordinator.serve(name, handler)
-        elif handler is None:
-            self._local_services.pop(name, None)
+        if handler is None:
+            self._services.pop(name, None)
         else:
-            self._local_services[name] = handler
+            self._services[name] = handler
 
     def request(self, name: str, value: Any, timeout_s: float | None = None) -> Any:
         """Rank 0's answer to ``value`` from the handler it serves as
@@ -282,11 +280,9 @@ class Job:
             json.dumps(value)  # the check the wire makes, for rank 0's own requests too
         except (TypeError, ValueError) as error:
             raise InvalidArgumentError(f"request {name!r}: the value is not JSON: {error}") from None
-        if self._coordinator is not None:
-            return self._coordinator.answer(0, name, value)
-        if self._control is not None:
+        if self.rank != 0 and self._control is not None:
             return self._control.request(name, value, timeout)
-        handler = self._local_services.get(name)
+        handler = self._services.get(name)
         if handler is None:
             raise InvalidArgumentError(f"rank 0 serves no {name!r}")
         return handler(0, value)
@@ -513,7 +509,7 @@ class Job:
         store_key = job_key(env.torch_store_key) if env.torch_store_key else None
         if self.rank == 0:
             self._coordinator = Coordinator(self._context, env.bind_host, 0 if store_key else env.master_port,
-                                            self.world_size, keys)
+                                            self.world_size, keys, services=self._services)
             if store_key:
                 address = f"{_bracketed(_advertised_host(env))}:{self._coordinator.port}"
                 publish_address(env.master_addr, env.master_port, store_key, address, timeout_s)

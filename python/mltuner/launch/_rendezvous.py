@@ -13,8 +13,9 @@ its own thread). Every rank, rank 0 included, talks to it through a
 - ``allgather`` is a barrier that carries one JSON value per rank and returns
   them all, by rank (the tuner's commands and clock reports travel this way);
 - ``request`` asks one of rank 0's services (a function rank 0 registered
-  with :meth:`Coordinator.serve`) and returns its JSON answer, without waiting
-  for the other ranks (the tuning session's batch claims travel this way).
+  with ``Job.serve``, called on the coordinator's thread) and returns its
+  JSON answer, without waiting for the other ranks (the tuning session's
+  batch claims travel this way).
 
 One process may open jobs one after another on the same master port. A
 rank that leaves a job's final barrier may join the next job before rank 0
@@ -35,7 +36,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import zmq
@@ -80,8 +81,10 @@ class Coordinator:
     """Rank 0's side of the control channel (a thread serving a ROUTER)."""
 
     def __init__(self, context: zmq.Context[zmq.Socket[bytes]], bind_host: str, port: int, world_size: int,
-                 keys: CurveKeys | None) -> None:
+                 keys: CurveKeys | None, services: Mapping[str, Callable[[int, Any], Any]] | None = None) -> None:
         self._world_size = world_size
+        # Rank 0's handlers by name (Job.serve), read here on every request.
+        self._services = services if services is not None else {}
         self._socket = context.socket(zmq.ROUTER)
         self._socket.affinity = CONTROL_IO_THREAD  # never behind data
         self._socket.linger = 0
@@ -107,34 +110,12 @@ class Coordinator:
         self._members: dict[int, tuple[bytes, Any, str]] = {}  # rank -> (routing id, card, fingerprint)
         self._barriers: dict[str, set[int]] = {}
         self._gathers: dict[str, dict[int, Any]] = {}
-        self._services: dict[str, Callable[[int, Any], Any]] = {}
         self._welcome: dict[str, Any] | None = None  # the answer to a complete join
         self._closing = False  # the final barrier was passed: joins are the next job's
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="mltuner-coordinator", daemon=True)
         self._thread.start()
-
-    def serve(self, name: str, handler: Callable[[int, Any], Any] | None) -> None:
-        """Answers every rank's ``request(name, value)`` with
-        ``handler(rank, value)`` (JSON in and out), called on the
-        coordinator's thread; None stops serving ``name``. A handler that
-        raises InvalidArgumentError answers with its message, which the
-        asking rank raises."""
-        with self._lock:
-            if handler is None:
-                self._services.pop(name, None)
-            else:
-                self._services[name] = handler
-
-    def answer(self, rank: int, name: str, value: Any) -> Any:
-        """``handler(rank, value)`` of the service ``name`` (rank 0's own
-        requests come here directly)."""
-        with self._lock:
-            handler = self._services.get(name)
-        if handler is None:
-            raise InvalidArgumentError(f"rank 0 serves no {name!r}")
-        return handler(rank, value)
 
     def missing_ranks(self) -> list[int]:
         """Ranks that have not joined yet (for timeout messages)."""
@@ -267,8 +248,12 @@ class Coordinator:
         if not joined:
             self._send(routing_id, {"op": "error", "message": f"rank {rank} sent a request before joining"})
             return
+        handler = self._services.get(name)
+        if handler is None:
+            self._send(routing_id, {"op": "error", "message": f"rank 0 serves no {name!r}"})
+            return
         try:
-            reply = {"op": "answer", "name": name, "value": self.answer(rank, name, value)}
+            reply = {"op": "answer", "name": name, "value": handler(rank, value)}
         except InvalidArgumentError as error:
             reply = {"op": "error", "message": str(error)}
         self._send(routing_id, reply)

@@ -142,8 +142,9 @@ class Step:
             the last TESTING clock when the validation set does not divide
             among the workers, and on a training clock whose part the others
             took (``steal_batches``): read, update with zeros (the gradient
-            of no samples) and clock as usual; the reported loss is ignored. A DataLoader takes them as ``sampler=``; for one
-            loader over the whole session see :meth:`TuningSession.batch_sampler`.
+            of no samples) and clock as usual; the reported loss is ignored.
+            A DataLoader takes them as ``sampler=``; for one loader over the
+            whole session see :meth:`TuningSession.batch_sampler`.
         epoch: the branch's epoch in the training stream (0-based).
         clock: the branch's own clock count before this clock.
         weight: this worker's share of the clock's samples against an equal

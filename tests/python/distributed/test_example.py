@@ -42,8 +42,10 @@ def test_larger_than_budget_example_matches_the_unconstrained_run() -> None:
 
 def test_mnist1d_cnn_example_tunes_under_mltuner_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("torch")
-    code = main(["run", "--plain", "--out", str(tmp_path), "--", sys.executable, str(EXAMPLES / "mnist1d_cnn.py"),
-                 "--max-epochs", "1", "--samples", "5000", "--trials", "4"])
+    # Two workers with batch stealing: its loop must also take steps of no samples.
+    code = main(["run", "--plain", "-n", "2", "--out", str(tmp_path), "--", sys.executable,
+                 str(EXAMPLES / "mnist1d_cnn.py"), "--max-epochs", "1", "--samples", "5000", "--trials", "4",
+                 "--steal-batches"])
     text = capsys.readouterr().out
     assert code == 0, text
     assert re.search(r"test accuracy [\d.]+%", text) and (tmp_path / "report.png").exists()

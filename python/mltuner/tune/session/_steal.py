@@ -8,7 +8,11 @@ so the clock's samples are still computed once each, by someone else, and
 the late worker's own clock is empty: it only reads and clocks, catches up
 fast, and sends an update of zero. Its empty clocks cost the others no
 staleness either (read-my-writes carries the shards' momentum over them),
-where the clocks it computed late would.
+where the clocks it computed late would. (That holds for two workers: with
+more, the on-time ones still miss each other's steps while the shards wait
+for the clock the late one held when its delay began.) The session steals
+only in runs at slack >= 1: under BSP the thief would wait for the late
+worker's previous clock anyway.
 
 Rank 0 keeps a :class:`ClaimBoard`; every rank claims each clock of a run
 before computing it (rank 0 directly, the others through

@@ -135,7 +135,7 @@ def test_a_fixed_delay_is_found_within_three_runs_when_each_clock_costs_more_tha
 
 
 GOOD_REPORT = {"loss": [0.5, float("nan")], "accuracy": [None, 0.25], "samples": [3, 0], "busy": 0.01,
-               "busy_clocks": [0.01, 0.02]}
+               "busy_samples": 3.0, "busy_clocks": [0.01, 0.02]}
 
 
 def test_a_runs_reports_are_checked_as_they_come_over_the_network() -> None:
@@ -150,6 +150,7 @@ def test_a_runs_reports_are_checked_as_they_come_over_the_network() -> None:
     {"samples": [3, -1]},
     {"samples": [3, 1.5]},
     {"busy": None},
+    {"busy_samples": "3"},
     {"busy_clocks": "fast"},
     {"busy_clocks": [0.1, None]},
 ])

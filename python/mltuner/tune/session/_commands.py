@@ -169,6 +169,7 @@ def check_report(rank: int, report: Any, clocks: int, balanced: bool) -> None:
           and clocks_of("samples", lambda v: _is_int(v) and v >= 0))
     if ok and balanced:
         busy_clocks = report.get("busy_clocks")
-        ok = _is_number(report.get("busy")) and isinstance(busy_clocks, list) and all(map(_is_number, busy_clocks))
+        ok = (_is_number(report.get("busy")) and _is_number(report.get("busy_samples"))
+              and isinstance(busy_clocks, list) and all(map(_is_number, busy_clocks)))
     if not ok:
         raise TuningError(f"rank {rank} sent a malformed report of a run of {clocks} clocks: {str(report)[:200]}")

@@ -284,7 +284,11 @@ class TuningSession:
         self.clocks_given = 0  # training clocks whose part this rank lost to the others (steal_batches)
         self.clocks_taken = 0  # training clocks in which it computed a part of another rank's
         self._run_kind = BranchKind.TRAINING
-        self._busy: list[float] = []  # per clock of the run: its time less the engine's waits
+        # Per clock of the run whose part did not move (stealing): its time less the engine's
+        # waits, and its samples. The balancer models a rank's speed on its own part.
+        self._busy: list[float] = []
+        self._busy_samples: list[int] = []
+        self._part_moved = False  # this step's part went to others or took another's
         self._reports: list[tuple[float, float | None, int]] = []  # (loss, accuracy, samples) per clock
         self._times: list[float] = []
         self._clock_start = 0.0
@@ -323,9 +327,10 @@ class TuningSession:
                     raise InvalidArgumentError(f"step {step.clock} of branch {step.branch} was not reported: "
                                                "call step.report(loss) once per step")
                 self._times.append(time.perf_counter() - self._clock_start)
-                if self._balance:
+                if self._balance and not self._part_moved:
                     # The engine's waits are waits for other ranks: not this rank's own time.
                     self._busy.append(max(0.0, self._times[-1] - (self._stall_seconds() - stalled)))
+                    self._busy_samples.append(len(step.indices))
         finally:
             if self._claim_job is not None and self._claims is not None:
                 self._claim_job.serve(CLAIM_SERVICE, None)
@@ -421,7 +426,7 @@ class TuningSession:
             self._run_steals = command.steal
             self._shares = command.shares
             self._run_kind = self._branches[command.branch].kind
-            self._reports, self._times, self._busy = [], [], []
+            self._reports, self._times, self._busy, self._busy_samples = [], [], [], []
             return True
         elif isinstance(command, EndCommand):
             self.final_branch = command.branch
@@ -460,6 +465,7 @@ class TuningSession:
         if self._balance:
             # The mean, and the last clocks' own (a bounded message at any run length).
             mine["busy"] = math.fsum(self._busy) / len(self._busy) if self._busy else 0.0
+            mine["busy_samples"] = sum(self._busy_samples) / len(self._busy_samples) if self._busy_samples else 0.0
             mine["busy_clocks"] = [round(t, 6) for t in self._busy[-_BUSY_CLOCKS_SENT:]]
         waited = time.perf_counter()
         everyone = self._allgather("reports", mine)
@@ -469,8 +475,7 @@ class TuningSession:
         for rank, report in enumerate(everyone):
             check_report(rank, report, len(self._times), self._balance)
         if self._balancer is not None and self._run_kind is not BranchKind.TESTING and self._times:
-            clocks = len(self._times)
-            self._balancer.observe([sum(r["samples"]) / clocks for r in everyone],
+            self._balancer.observe([float(r["busy_samples"]) for r in everyone],
                                    [float(r["busy"]) for r in everyone], [r["busy_clocks"] for r in everyone])
         # The run ends when the slowest worker has clocked it: rank 0's wait
         # here is part of its time. Spread over its clocks, so that a high
@@ -528,10 +533,14 @@ class TuningSession:
             slices = np.array_split(samples, self._world)
         else:
             slices = np.split(samples, np.cumsum(split_counts(len(samples), self._shares))[:-1])
+        self._part_moved = False
         if owners is None:
             return slices[self._rank]
-        self.clocks_given += owners[self._rank] != [self._rank]
-        self.clocks_taken += any(self._rank in who for rank, who in enumerate(owners) if rank != self._rank)
+        given = owners[self._rank] != [self._rank]
+        taken = any(self._rank in who for rank, who in enumerate(owners) if rank != self._rank)
+        self.clocks_given += given
+        self.clocks_taken += taken
+        self._part_moved = given or taken
         mine = [np.array_split(part, len(who))[who.index(self._rank)]
                 for part, who in zip(slices, owners, strict=True) if self._rank in who]
         return np.concatenate(mine) if mine else samples[:0]

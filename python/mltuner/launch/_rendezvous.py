@@ -254,8 +254,12 @@ class Coordinator:
             return
         try:
             reply = {"op": "answer", "name": name, "value": handler(rank, value)}
+            _encode(reply)  # an answer JSON cannot hold is the handler's fault, not the channel's
         except InvalidArgumentError as error:
             reply = {"op": "error", "message": str(error)}
+        except Exception as error:  # a handler's bug must not stop the control channel
+            _log.error("rank 0's %r handler failed on rank %d's request: %r", name, rank, error)
+            reply = {"op": "error", "message": f"rank 0's {name!r} handler failed: {type(error).__name__}: {error}"}
         self._send(routing_id, reply)
 
 

@@ -24,6 +24,10 @@ def _env(rank: int, port: int) -> ProcessEnv:
 def _echo(rank: int, value: Any) -> Any:
     if value == "refuse":
         raise mltuner.InvalidArgumentError("echo refuses 'refuse'")
+    if value == "crash":
+        raise RuntimeError("a bug in the handler")
+    if value == "set":
+        return {1, 2}  # not JSON
     return {"rank": rank, "value": value}
 
 
@@ -48,6 +52,11 @@ def test_rank_0_answers_each_rank_alone_and_refuses_bad_requests(run_workers: Ca
                 answers.append(job.request("echo", {"x": 3}, timeout_s=10))
                 with pytest.raises(mltuner.InvalidArgumentError, match="echo refuses"):
                     job.request("echo", "refuse")
+                # A handler that fails or answers what JSON cannot hold is reported, and serving goes on.
+                with pytest.raises(mltuner.InvalidArgumentError, match="handler failed: RuntimeError: a bug"):
+                    job.request("echo", "crash")
+                with pytest.raises(mltuner.InvalidArgumentError, match="handler failed: TypeError"):
+                    job.request("echo", "set")
                 with pytest.raises(mltuner.InvalidArgumentError, match="serves no 'other'"):
                     job.request("other", 1)
                 with pytest.raises(mltuner.InvalidArgumentError, match="not JSON"):

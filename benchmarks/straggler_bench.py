@@ -5,7 +5,7 @@ balanced and stolen from a late worker (``--steal-batches``), against PyTorch
 DDP (gloo), whose batches are equal.
 
     python benchmarks/straggler_bench.py [--quick] [--workers 2,4] [--only 3x,bursts] [--target 0.7]
-                                         [--slacks 0,1,3,7] [--modes equal,balanced,balanced+stealing]
+                                         [--slacks 0,1,3,7] [--modes equal,balanced,balanced+stealing] [--rounds 1]
                                          [--out PATH] [--figures PATH]
 
 The model is the MNIST-1D CNN, trained with a fixed setting (lr 0.3,
@@ -29,8 +29,9 @@ after every clock: a rank that then computed one sample still slept as long
 as for 32, slower than the stated factor.
 
 Time is the seconds of training to the first validation at or above the
-target, validations included (mltuner's validation clocks; DDP's forward pass
-over the validation split on rank 0). One seed. ``--workers`` lists the job
+target, validations included (mltuner's validation clocks; DDP's forward
+pass over the validation split on rank 0); with ``--rounds N``, the median
+of N runs, the columns alternated. One seed. ``--workers`` lists the job
 sizes (default 2); each worker takes 32 samples a clock, so 4 workers train
 with twice the global batch of 2, and each size has its own DDP baseline.
 ``--quick`` runs slack 0 and 3 under no straggler, constant 3x and bursts.
@@ -53,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import platform
 import sys
@@ -97,6 +99,8 @@ def main() -> int:
                         default=[mode for mode in MODES if mode != "stealing"],
                         help=f"how mltuner splits a clock's samples, comma list of {', '.join(MODES)} (default "
                         "all but stealing)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="runs of every column, alternated; the table shows their median (default 1)")
     parser.add_argument("--only", type=lambda text: text.split(","), default=None,
                         help="comma list of the patterns to run, by a word of their names (none, 1.5x, 3x, bursts)")
     args = parser.parse_args()
@@ -122,23 +126,25 @@ def main() -> int:
         for workers in args.workers:
             for name, pattern in patterns.items():
                 slow = ["--slow-rank", "1", *pattern]
-                times: dict[str, float | None] = {}
+                runs: dict[str, list[float | None]] = {}
                 shares: dict[str, list[float]] = {}
                 taken: dict[str, int] = {}
-                for slack, mode in columns:
-                    column = column_name(slack, mode)
-                    outcome = run_job([sys.executable, "-m", "mltuner.apps.mnist1d", "--model", "cnn", "--mode",
-                                       "fixed", "--search", "", "--staleness", str(slack), "--result",
-                                       str(result), *common, *slow, *MODES[mode]], result, workers=workers)
-                    times[column] = outcome["summary"]["time_to_target_s"]
-                    if outcome.get("batch_shares"):
-                        shares[column] = [round(f, 3) for f in outcome["batch_shares"]]
-                    if outcome.get("clocks_taken"):
-                        taken[column] = outcome["clocks_taken"]
-                ddp = run_job([sys.executable, str(BENCH / "ddp_mnist1d.py"), "--result", str(result), *common,
-                               *slow], result, workers=workers)
-                times["DDP"] = ddp["time_to_target_s"]
-                print(workers, name, times, "final shares:", shares, "clocks rank 0 took parts in:", taken,
+                for _ in range(args.rounds):  # every column once per round: drift hits them alike
+                    for slack, mode in columns:
+                        column = column_name(slack, mode)
+                        outcome = run_job([sys.executable, "-m", "mltuner.apps.mnist1d", "--model", "cnn", "--mode",
+                                           "fixed", "--search", "", "--staleness", str(slack), "--result",
+                                           str(result), *common, *slow, *MODES[mode]], result, workers=workers)
+                        runs.setdefault(column, []).append(outcome["summary"]["time_to_target_s"])
+                        if outcome.get("batch_shares"):
+                            shares[column] = [round(f, 3) for f in outcome["batch_shares"]]
+                        if outcome.get("clocks_taken"):
+                            taken[column] = outcome["clocks_taken"]
+                    ddp = run_job([sys.executable, str(BENCH / "ddp_mnist1d.py"), "--result", str(result), *common,
+                                   *slow], result, workers=workers)
+                    runs.setdefault("DDP", []).append(ddp["time_to_target_s"])
+                times = {column: median_reached(values) for column, values in runs.items()}
+                print(workers, name, runs, "final shares:", shares, "clocks rank 0 took parts in:", taken,
                       flush=True)
                 rows.append((workers, name, times))
     lines = table(rows, columns, t, args, time.perf_counter() - started)
@@ -154,6 +160,17 @@ def main() -> int:
     return 0
 
 
+def median_reached(seconds: list[float | None]) -> float | None:
+    """The median time of the rounds, None (not reached) unless more than
+    half reached the target; the rounds that did not count as the slowest."""
+    reached = sorted(s for s in seconds if s is not None)
+    if 2 * len(reached) <= len(seconds):
+        return None
+    ordered = reached + [math.inf] * (len(seconds) - len(reached))  # more than half are finite
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
 def column_name(slack: int, mode: str) -> str:
     return f"slack {slack}" if mode == "equal" else f"slack {slack}, {mode}"
 
@@ -167,7 +184,8 @@ def table(rows: list[tuple[int, str, dict[str, float | None]]], columns: list[tu
         f"torch {torch.__version__}; {os.cpu_count()} cores; t = {t * 1e3:.2f} ms; target {args.target:.0%}; "
         f"total {total_s:.0f} s",
         "```", "",
-        "Seconds to the target (lower is better); in brackets, the ratio to DDP under the same straggler.", "",
+        f"Seconds to the target (lower is better{f'; median of {args.rounds} rounds' if args.rounds > 1 else ''}); "
+        "in brackets, the ratio to DDP under the same straggler.", "",
         "| workers | rank 1 slowed | " + " | ".join(names) + " |",
         "|--:|:--|" + "--:|" * len(names),
     ]

@@ -274,10 +274,10 @@ class TuningSession:
         self._shares: tuple[float, ...] | None = None  # the run's batch shares; None: equal
         self._balance = balance_batches and self._world > 1  # every rank measures its clocks
         self._balancer = BatchBalancer(self._world, seed) if self._balance and self._rank == 0 else None
-        self._steal = steal_batches and self._world > 1
-        # The job that answers claims (checked above), and rank 0's board.
-        self._claim_job = cast(ServingCollective, job) if self._steal else None
-        self._claims = ClaimBoard(self._world) if self._steal and self._rank == 0 else None
+        steal = steal_batches and self._world > 1
+        # The job that answers claims (checked above; None: no stealing), and rank 0's board.
+        self._claim_job = cast(ServingCollective, job) if steal else None
+        self._claims = ClaimBoard(self._world) if steal and self._rank == 0 else None
         self._run_id = 0  # the allgather that started the run: its number in every rank's claims
         self._run_clock = 0  # clocks made in the run so far
         self._run_steals = False  # rank 0's word: this run's clocks are claimed
@@ -407,7 +407,7 @@ class TuningSession:
                 mine["shares"] = list(self._shares)
             # Under BSP a thief would wait for the late rank's last clock anyway, then compute its part
             # after it instead of beside it: stealing needs a slack.
-            mine["steal"] = self._steal and training and slack >= 1
+            mine["steal"] = self._claim_job is not None and training and slack >= 1
         return parse_command(self._allgather("command", mine)[0])
 
     def _execute(self, command: Command) -> bool:

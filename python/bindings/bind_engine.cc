@@ -241,6 +241,11 @@ void RegisterEngine(py::module_& m) {
       .def("free_branch", [](Engine& e, BranchId branch) { Check(e.FreeBranch(branch)); }, Release())
       .def("schedule_branch", [](Engine& e, BranchId branch, int64_t clocks) { Check(e.ScheduleBranch(branch, clocks)); },
            Release())
+      .def("declare_empty_clock",
+           [](Engine& e, WorkerId worker, BranchId branch, int64_t clock) {
+             Check(e.DeclareEmptyClock(worker, branch, clock));
+           },
+           py::arg("worker"), py::arg("branch"), py::arg("clock"), Release())
       .def("flush", [](Engine& e) { Check(e.Flush()); }, Release())
       .def("wait_for_data_age", [](Engine& e, TableId table, int64_t age) { Check(e.WaitForDataAge(table, age)); },
            Release())

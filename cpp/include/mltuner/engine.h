@@ -205,6 +205,13 @@ class Engine {
   Status ForkBranch(BranchId child, BranchId parent, const BranchSettings& settings);
   Status FreeBranch(BranchId branch);
   Status ScheduleBranch(BranchId branch, int64_t clocks);
+  // Batch stealing: `worker`'s clock `clock` of `branch` computes nothing
+  // (its samples went to the others), so every shard counts it now rather
+  // than when that worker's own update arrives, which it then drops; that
+  // update must be zero (a shard refuses it otherwise). Any worker may
+  // declare it, once the clock is scheduled; a declaration that reaches a
+  // shard after the worker's own update changes nothing. No reply.
+  Status DeclareEmptyClock(WorkerId worker, BranchId branch, mltuner::Clock clock);
 
   // Sets a communicated table's learning rate, from the first clock the
   // application has not started on (clock 0 before start_iterations): that

@@ -116,4 +116,41 @@ Status Engine::Impl::ScheduleBranch(BranchId branch, int64_t clocks) {
   return Status::Ok();
 }
 
+// Batch stealing: the late worker's clock is counted on every shard now,
+// instead of when its (zero) update arrives.
+Status Engine::Impl::DeclareEmptyClock(WorkerId worker, BranchId branch, mltuner::Clock clock) {
+  if (state_.phase.load() == Phase::kShutdown) return Status::Shutdown("the engine is shut down");
+  if (state_.phase.load() != Phase::kRunning) return Status::OutOfOrder("declare_empty_clock before start_iterations");
+  if (worker < 0 || worker >= num_workers_) {
+    return Status::InvalidArgument("declare_empty_clock: worker " + std::to_string(worker) + " is not in [0, " +
+                                   std::to_string(num_workers_) + ")");
+  }
+  if (clock < 0) return Status::InvalidArgument("declare_empty_clock: clock " + std::to_string(clock) + " < 0");
+  {
+    MutexLock lock(&state_.mu);
+    if (state_.branches.enabled) {
+      const auto scheduled = state_.branches.clocks.find(branch);
+      if (scheduled == state_.branches.clocks.end()) {
+        return Status::NotFound("declare_empty_clock: branch " + std::to_string(branch) + " does not exist");
+      }
+      if (clock >= scheduled->second) {
+        return Status::OutOfOrder("declare_empty_clock: clock " + std::to_string(clock) + " of branch " +
+                                  std::to_string(branch) + " is not scheduled (it has " +
+                                  std::to_string(scheduled->second) + ")");
+      }
+    } else if (branch != 0) {
+      return Status::NotFound("declare_empty_clock: branch " + std::to_string(branch) +
+                              " does not exist (Config.branches is off)");
+    }
+  }
+  for (int shard = 0; shard < num_workers_; ++shard) {
+    Message notice = NewMessage(MessageType::kEmptyClock, rank_, shard, -1);
+    notice.header.branch = branch;
+    notice.header.clock = clock;
+    notice.header.request_id = worker;
+    MLT_RETURN_IF_ERROR(transport_->Send(std::move(notice)));
+  }
+  return Status::Ok();
+}
+
 }  // namespace mltuner

@@ -945,6 +945,9 @@ Status Engine::ForkBranch(BranchId child, BranchId parent, const BranchSettings&
 }
 Status Engine::FreeBranch(BranchId branch) { return impl_->FreeBranch(branch); }
 Status Engine::ScheduleBranch(BranchId branch, int64_t clocks) { return impl_->ScheduleBranch(branch, clocks); }
+Status Engine::DeclareEmptyClock(WorkerId worker, BranchId branch, mltuner::Clock clock) {
+  return impl_->DeclareEmptyClock(worker, branch, clock);
+}
 
 Status Engine::Fetch(TableId table, const std::vector<RowId>& rows, float* out, BranchId branch) {
   return impl_->Fetch(table, rows, out, branch);

@@ -269,6 +269,7 @@ Status ServerShard::Handle(const Message& in, std::vector<Message>* out) {
     case MessageType::kFork: return HandleFork(in, out);
     case MessageType::kFreeBranch: return HandleFreeBranch(in, out);
     case MessageType::kBranchRows: return HandleBranchRows(in, out);
+    case MessageType::kEmptyClock: return HandleEmptyClock(in, out);
     case MessageType::kRows:
     case MessageType::kFetchReply:
     case MessageType::kAck:
@@ -350,7 +351,7 @@ Status ServerShard::HandleClockUpdate(const Message& in, std::vector<Message>* o
 
   const WorkerId sender = in.header.sender;
   const Clock clock = in.header.clock;
-  const Clock last = table.clock.Get(sender);
+  const Clock last = table.clock.Sent(sender);
   // Training clocks start at 0; clock -1 is entered only through kStart.
   if (last == kNoClock) {
     return Status::OutOfOrder(TableText(table.info.id) + ": worker " + std::to_string(sender) +
@@ -369,6 +370,7 @@ Status ServerShard::HandleClockUpdate(const Message& in, std::vector<Message>* o
   const RowSpan& rows = table.parts[static_cast<size_t>(part)];
   MLT_RETURN_IF_ERROR(CheckSpans(table, rows, in));
 
+  if (table.clock.DeclaredEmpty(sender, clock)) return DropDeclaredEmpty(&table, in);
   if (check_finite_ && table.training && in.num_values() > 0) MLT_RETURN_IF_ERROR(CheckFinite(table, in));
 
   // Every part carries the clock's rate; the first one records it.
@@ -392,11 +394,76 @@ Status ServerShard::HandleClockUpdate(const Message& in, std::vector<Message>* o
     }
   }
 
-  bool global_advanced = false;
-  MLT_RETURN_IF_ERROR(table.clock.Advance(sender, clock, &global_advanced));
-  if (global_advanced) {
-    MLT_RETURN_IF_ERROR(ApplyFinishedPart(&table));
-    MLT_RETURN_IF_ERROR(PushRows(table, table.clock.finished_part(), table.clock.finished_clock(), out));
+  const int64_t before = table.clock.global_position();
+  MLT_RETURN_IF_ERROR(table.clock.Advance(sender, clock, nullptr));
+  return FinishParts(&table, before, out);
+}
+
+// A worker's own update of a clock another worker declared empty: its
+// samples were computed by others, so it must be zero; it is dropped (the
+// clock was counted when declared), only its order checked.
+Status ServerShard::DropDeclaredEmpty(TableState* table, const Message& in) {
+  const size_t count = in.num_values();
+  std::vector<float> copied;
+  const float* values = in.host_values();
+  if (count > 0 && values == nullptr) {
+    // In device memory: a rare message (a late worker's), read back to check.
+    MLT_RETURN_IF_ERROR(device_->WaitEvent(Stream::kServer, in.device_values->ready));
+    copied.resize(count);
+    device_->CopyDeviceToHost(copied.data(), in.device_values->data, count * sizeof(float), Stream::kServer);
+    MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kServer));
+    values = copied.data();
+  }
+  const size_t nonzero = static_cast<size_t>(std::count_if(values, values + count, [](float v) { return v != 0.0f; }));
+  if (nonzero != 0) {
+    return Status::InvalidArgument(TableText(table->info.id) + " on branch " + std::to_string(table->branch) +
+                                   ": worker " + std::to_string(in.header.sender) + " sent " +
+                                   std::to_string(nonzero) + " nonzero values for clock " +
+                                   std::to_string(in.header.clock) +
+                                   ", which another worker declared empty (its samples went to the others); "
+                                   "an empty step must update by zero");
+  }
+  return table->clock.Advance(in.header.sender, in.header.clock, nullptr);
+}
+
+// kEmptyClock: every table of the branch counts the worker's clock at once.
+// Everything is checked before any table changes.
+Status ServerShard::HandleEmptyClock(const Message& in, std::vector<Message>* out) {
+  MLT_RETURN_IF_ERROR(CheckSender(in, num_workers_));
+  const int64_t late = in.header.request_id;
+  const std::string what = "an empty clock " + std::to_string(in.header.clock) + " of worker " + std::to_string(late) +
+                           " on branch " + std::to_string(in.header.branch);
+  if (late < 0 || late >= num_workers_) {
+    return Status::InvalidArgument(what + ": no such worker (the job has " + std::to_string(num_workers_) + ")");
+  }
+  if (in.header.clock < 0) return Status::InvalidArgument(what + ": only training clocks (>= 0) can be empty");
+  if (branches_.count(in.header.branch) == 0) return Status::InvalidArgument(what + ": no such branch");
+  if (in.num_values() != 0 || !in.spans.empty()) return Status::InvalidArgument(what + ": it carries rows");
+  std::vector<TableState*> tables;
+  for (auto& entry : tables_) {
+    if (entry.first.first != in.header.branch) continue;
+    if (entry.second->clock.Sent(static_cast<WorkerId>(late)) == kNoClock) {
+      return Status::OutOfOrder(what + ": that worker has not started");
+    }
+    tables.push_back(entry.second.get());
+  }
+  for (TableState* table : tables) {
+    const int64_t before = table->clock.global_position();
+    MLT_RETURN_IF_ERROR(table->clock.DeclareEmpty(static_cast<WorkerId>(late), in.header.clock, nullptr));
+    MLT_RETURN_IF_ERROR(FinishParts(table, before, out));
+  }
+  return Status::Ok();
+}
+
+// Applies every part the global position passed since `before`, in order,
+// then pushes each part once, at the last clock of it that finished.
+Status ServerShard::FinishParts(TableState* table, int64_t before, std::vector<Message>* out) {
+  const int64_t now = table->clock.global_position();
+  for (int64_t position = before + 1; position <= now; ++position) {
+    MLT_RETURN_IF_ERROR(ApplyPart(table, table->clock.ClockOf(position), table->clock.PartOf(position)));
+  }
+  for (int64_t position = std::max(before + 1, now - table->clock.parts() + 1); position <= now; ++position) {
+    MLT_RETURN_IF_ERROR(PushRows(*table, table->clock.PartOf(position), table->clock.ClockOf(position), out));
   }
   return Status::Ok();
 }
@@ -664,19 +731,14 @@ Status ServerShard::WaitForLoans(const TableState& table) {
   return Status::Ok();
 }
 
-// Called when the table's global position has just advanced. A kClockUpdate
-// moves one worker by one part, so the global position moves by at most
-// one: exactly the part finished_part() of clock finished_clock() is newly
-// finished (earlier ones were applied when they finished; parts finish in
-// order, clock by clock). The rule runs once per finished part, also when
+// Called for each part the table's global position passes, in order (parts
+// finish clock by clock). The rule runs once per finished part, also when
 // no worker sent values: for a stateful rule (momentum, Adam) a clock
 // without updates is a zero-gradient step that still decays its history.
 // For the stateless rules (add, SGD) a zero update changes nothing, so the
 // step is skipped. A clock's first part takes its new learning rate and
 // starts the rule's step.
-Status ServerShard::ApplyFinishedPart(TableState* table) {
-  const Clock finished = table->clock.finished_clock();
-  const int part = table->clock.finished_part();
+Status ServerShard::ApplyPart(TableState* table, Clock finished, int part) {
   auto pending = table->pending.find({finished, part});
   std::vector<std::shared_ptr<DeviceBuffer>> updates;
   if (pending != table->pending.end()) {

@@ -1,6 +1,8 @@
 // ServerShard: one process's slice of every table, and the logic that keeps
 // it: master values, a vector clock per table, the update rule, and the fresh
 // rows pushed to every client when a table's global clock advances.
+// A worker's clock may be declared empty by another (kEmptyClock, batch
+// stealing): it is counted at once and the worker's own update dropped.
 //
 // Rows are split over shards contiguously by row id (ShardRange), and a
 // shard's rows of a large table into parts (ShardParts, TableInfo::part_bytes;
@@ -206,8 +208,16 @@ class ServerShard {
   Status PushRows(const TableState& table, int part, Clock age, std::vector<Message>* out);
   // Every part's rows, stamped with the table's global clock.
   Status PushAllRows(const TableState& table, std::vector<Message>* out);
-  // Applies the rule to the part whose every update has just arrived.
-  Status ApplyFinishedPart(TableState* table);
+  // Applies the rule to part `part` of clock `finished`, whose every update
+  // has just arrived (or been declared empty).
+  Status ApplyPart(TableState* table, Clock finished, int part);
+  // Applies and pushes the parts the table's global position passed since
+  // position `before` (VectorClock::global_position).
+  Status FinishParts(TableState* table, int64_t before, std::vector<Message>* out);
+  // kEmptyClock (VectorClock::DeclareEmpty), and a late worker's own update
+  // of such a clock, checked to be zero and dropped.
+  Status HandleEmptyClock(const Message& in, std::vector<Message>* out);
+  Status DropDeclaredEmpty(TableState* table, const Message& in);
   // *sum = the updates of one clock added in worker order (null when none
   // was sent); may append a buffer it acquired to `updates`.
   Status SumInWorkerOrder(std::vector<std::shared_ptr<DeviceBuffer>>& updates, int64_t count,

@@ -168,6 +168,7 @@ const char* MessageTypeName(MessageType type) {
     case MessageType::kBatch: return "Batch";
     case MessageType::kIpcNotice: return "IpcNotice";
     case MessageType::kIpcRelease: return "IpcRelease";
+    case MessageType::kEmptyClock: return "EmptyClock";
   }
   return "Unknown";
 }
@@ -182,6 +183,7 @@ bool IsServerBound(MessageType type) {
     case MessageType::kFork:
     case MessageType::kFreeBranch:
     case MessageType::kBranchRows:
+    case MessageType::kEmptyClock:
       return true;
     default:
       return false;

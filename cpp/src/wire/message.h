@@ -54,8 +54,12 @@ enum class MessageType : uint16_t {
                      //   landing region (wire/ipc_envelope.h); an envelope
   kIpcRelease = 15,  // the receiver is done with a landed payload: the sender
                      //   may write those bytes again; an envelope
+  kEmptyClock = 16,  // client -> shard: worker `request_id`'s `clock` of
+                     //   `branch` computes nothing (batch stealing): count
+                     //   it in every table now, drop that worker's own update
+                     //   of it (server/vector_clock.h); no reply
 };
-constexpr uint16_t kMaxMessageType = 15;
+constexpr uint16_t kMaxMessageType = 16;
 
 const char* MessageTypeName(MessageType type);
 

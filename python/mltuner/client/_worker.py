@@ -627,6 +627,19 @@ class Worker:
         self._engine.schedule_branch(integer("schedule_branch: branch", branch, 0, INT32_MAX),
                                      integer("schedule_branch: clocks", clocks, 1, 2**62))
 
+    def declare_empty_clock(self, worker: int, branch: int, clock: int) -> None:
+        """Tells every shard that ``worker``'s ``clock`` of ``branch`` computes
+        nothing: its samples went to the other workers (batch stealing,
+        ``TuningSession(steal_batches=True)``). The shards count that clock
+        at once instead of waiting for the worker, and drop the update it
+        still sends for it, which must be zero (a shard refuses any other,
+        and the job stops). Any worker may declare it once the clock is
+        scheduled; one that reaches a shard after the worker's own update
+        changes nothing there. Returns without waiting for the shards."""
+        self._engine.declare_empty_clock(integer("declare_empty_clock: worker", worker, 0, INT32_MAX),
+                                         integer("declare_empty_clock: branch", branch, 0, INT32_MAX),
+                                         integer("declare_empty_clock: clock", clock, 0, 2**62))
+
     @property
     def branch(self) -> int:
         """The branch of the last finished clock (0 before any)."""

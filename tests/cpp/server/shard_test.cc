@@ -1029,3 +1029,150 @@ TEST(AnUnknownRuleKindIsRefusedByAddTableWhenTheStateIsDeferred) {
 }
 
 MLT_TEST_MAIN
+
+namespace {
+
+Message EmptyClock(WorkerId sender, int shard, WorkerId late, Clock clock, BranchId branch = 0) {
+  Message m = Header(MessageType::kEmptyClock, sender, shard, -1);
+  m.header.clock = clock;
+  m.header.branch = branch;
+  m.header.request_id = late;
+  return m;
+}
+
+// Zeros on every row of the shard's range (a late worker's empty clock).
+Message ZeroUpdate(WorkerId sender, int shard, Clock clock) {
+  const RowSpan range = ShardRange(kRows, shard, kWorkers);
+  return ClockUpdate(sender, shard, clock, {range}, std::vector<float>(range.count * kWidth, 0.0f));
+}
+
+// Worker 1's clocks 1 and 2 are declared empty before the others send them:
+// each shard applies them as soon as workers 0 and 2 are in, and the values
+// equal a run where worker 1 sent bare clocks in its turn, bit for bit.
+void RunDeclaredEmpty(UpdateRuleKind kind) {
+  std::mt19937 rng(41 + static_cast<int>(kind));
+  auto declared = MakeShards(kind);
+  auto reference = MakeShards(kind);
+  const std::vector<float> initial = RandomValues(&rng, kRows * kWidth);
+  InitialiseAndStart(declared, initial);
+  InitialiseAndStart(reference, initial);
+  auto both = [&](int s, const Message& m, std::vector<Message>* out) {
+    std::vector<Message> ignored;
+    EXPECT_OK(reference[s]->Handle(m, &ignored));
+    ASSERT_OK(declared[s]->Handle(m, out));
+  };
+  for (WorkerId worker = 0; worker < kWorkers; ++worker) {
+    WorkerUpdate update = MakeUpdate(&rng, worker, 0, false);
+    for (int s = 0; s < kWorkers; ++s) {
+      std::vector<Message> out;
+      both(s, update.per_shard[s], &out);
+    }
+  }
+  for (int s = 0; s < kWorkers; ++s) {
+    std::vector<Message> out;
+    ASSERT_OK(declared[s]->Handle(EmptyClock(0, s, 1, 1), &out));
+    ASSERT_OK(declared[s]->Handle(EmptyClock(2, s, 1, 2), &out));
+    EXPECT_EQ(out.size(), size_t{0});  // workers 0 and 2 have not sent clock 1
+  }
+  for (Clock clock = 1; clock <= 2; ++clock) {
+    for (WorkerId worker : {0, 2}) {
+      WorkerUpdate update = MakeUpdate(&rng, worker, clock, false);
+      for (int s = 0; s < kWorkers; ++s) {
+        std::vector<Message> out;
+        both(s, update.per_shard[s], &out);
+        EXPECT_EQ(out.size(), worker == 2 ? size_t{kWorkers} : size_t{0});
+        for (const Message& rows : out) EXPECT_EQ(rows.header.clock, clock);
+        EXPECT_EQ(declared[s]->global_clock(kTable), worker == 2 ? clock : clock - 1);
+        if (worker == 2) {
+          std::vector<Message> ignored;
+          ASSERT_OK(reference[s]->Handle(ClockUpdate(1, s, clock), &ignored));  // its bare clock, in its turn
+        }
+      }
+    }
+    EXPECT_TRUE(Gather(declared) == Gather(reference));
+  }
+  // Worker 1's own updates of the empty clocks come late: dropped.
+  const std::vector<float> before = Gather(declared);
+  for (Clock clock = 1; clock <= 2; ++clock) {
+    for (int s = 0; s < kWorkers; ++s) {
+      std::vector<Message> out;
+      ASSERT_OK(declared[s]->Handle(ZeroUpdate(1, s, clock), &out));
+      EXPECT_EQ(out.size(), size_t{0});
+    }
+  }
+  EXPECT_TRUE(Gather(declared) == before);
+  // Clock 3 is everyone's again.
+  for (WorkerId worker = 0; worker < kWorkers; ++worker) {
+    WorkerUpdate update = MakeUpdate(&rng, worker, 3, false);
+    for (int s = 0; s < kWorkers; ++s) {
+      std::vector<Message> out;
+      both(s, update.per_shard[s], &out);
+      EXPECT_EQ(out.size(), worker == kWorkers - 1 ? size_t{kWorkers} : size_t{0});
+    }
+  }
+  EXPECT_TRUE(Gather(declared) == Gather(reference));
+}
+
+}  // namespace
+
+TEST(AClockDeclaredEmptyIsAppliedWithoutItsWorkerWithAdd) { RunDeclaredEmpty(UpdateRuleKind::kAdd); }
+TEST(AClockDeclaredEmptyIsAppliedWithoutItsWorkerWithMomentum) { RunDeclaredEmpty(UpdateRuleKind::kDampedMomentum); }
+
+// The late worker had not sent clock 0 when its clock 1 was declared empty:
+// its clock 0 then finishes clocks 0 and 1 at once, each pushed once.
+TEST(ADeclarationAheadOfTheLateWorkerFinishesTwoClocksAtOnce) {
+  std::mt19937 rng(5);
+  auto shards = MakeShards(UpdateRuleKind::kAdd);
+  InitialiseAndStart(shards, std::vector<float>(kRows * kWidth, 0.0f));
+  std::vector<float> expected(kRows * kWidth, 0.0f);
+  for (int s = 0; s < kWorkers; ++s) {
+    std::vector<Message> out;
+    ASSERT_OK(shards[s]->Handle(EmptyClock(0, s, 1, 1), &out));
+  }
+  for (Clock clock = 0; clock <= 1; ++clock) {
+    for (WorkerId worker : {0, 2}) {
+      WorkerUpdate update = MakeUpdate(&rng, worker, clock, false);
+      for (size_t i = 0; i < expected.size(); ++i) expected[i] += update.dense[i];
+      for (int s = 0; s < kWorkers; ++s) {
+        std::vector<Message> out;
+        ASSERT_OK(shards[s]->Handle(update.per_shard[s], &out));
+        EXPECT_EQ(out.size(), size_t{0});
+      }
+    }
+  }
+  WorkerUpdate late = MakeUpdate(&rng, 1, 0, false);
+  for (size_t i = 0; i < expected.size(); ++i) expected[i] += late.dense[i];
+  for (int s = 0; s < kWorkers; ++s) {
+    std::vector<Message> out;
+    ASSERT_OK(shards[s]->Handle(late.per_shard[s], &out));
+    EXPECT_EQ(out.size(), size_t{kWorkers});  // one push per worker, at data age 1
+    for (const Message& rows : out) EXPECT_EQ(rows.header.clock, 1);
+    EXPECT_EQ(shards[s]->global_clock(kTable), 1);
+  }
+  const std::vector<float> got = Gather(shards);
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], expected[i], 1e-5);
+}
+
+TEST(BadEmptyClocksAreRefusedWithoutChange) {
+  auto shards = MakeShards(UpdateRuleKind::kAdd);
+  std::vector<Message> out;
+  // Before the late worker started.
+  EXPECT_CODE(shards[0]->Handle(EmptyClock(0, 0, 1, 0), &out), StatusCode::kOutOfOrder);
+  InitialiseAndStart(shards, std::vector<float>(kRows * kWidth, 0.0f));
+  EXPECT_CODE(shards[0]->Handle(EmptyClock(0, 0, kWorkers, 0), &out), StatusCode::kInvalidArgument);
+  EXPECT_CODE(shards[0]->Handle(EmptyClock(0, 0, -1, 0), &out), StatusCode::kInvalidArgument);
+  EXPECT_CODE(shards[0]->Handle(EmptyClock(0, 0, 1, -1), &out), StatusCode::kInvalidArgument);
+  EXPECT_CODE(shards[0]->Handle(EmptyClock(0, 0, 1, 0, /*branch=*/3), &out), StatusCode::kInvalidArgument);
+  EXPECT_CODE(shards[0]->Handle(WithRows(EmptyClock(0, 0, 1, 0), {{0, 1}}, std::vector<float>(kWidth, 1.0f)), &out),
+              StatusCode::kInvalidArgument);
+  // A nonzero update of a declared empty clock is refused, and changes nothing.
+  ASSERT_OK(shards[0]->Handle(EmptyClock(0, 0, 1, 0), &out));
+  const std::vector<float> before = *shards[0]->values(kTable);
+  const RowSpan range = ShardRange(kRows, 0, kWorkers);
+  std::vector<float> values(range.count * kWidth, 0.0f);
+  values[3] = 0.5f;
+  EXPECT_CODE(shards[0]->Handle(ClockUpdate(1, 0, 0, {range}, values), &out), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(*shards[0]->values(kTable) == before);
+  ASSERT_OK(shards[0]->Handle(ZeroUpdate(1, 0, 0), &out));
+  EXPECT_TRUE(out.empty());
+}

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <random>
+#include <set>
 #include <vector>
 
 #include "test_util.h"
@@ -121,4 +122,130 @@ TEST(PartsOfAClockFinishInOrderAndTheClockAtTheLast) {
   // A clock's parts cannot be skipped: worker 1 is in clock 1, not 2.
   EXPECT_CODE(clock.Advance(1, 2, &advanced), StatusCode::kOutOfOrder);
   EXPECT_CODE(clock.NextPart(1, 0, &part), StatusCode::kOutOfOrder);
+}
+
+// Batch stealing: a clock declared empty counts for its worker at once (once
+// the clock before it is in), and the worker's own update of it is dropped.
+TEST(AClockDeclaredEmptyCountsWithoutItsWorker) {
+  VectorClock clock(3);
+  bool advanced = false;
+  for (int w = 0; w < 3; ++w) ASSERT_OK(clock.Advance(w, kInitClock, &advanced));
+  for (int w = 0; w < 3; ++w) ASSERT_OK(clock.Advance(w, 0, &advanced));
+  EXPECT_EQ(clock.global(), 0);
+  ASSERT_OK(clock.DeclareEmpty(1, 1, &advanced));
+  EXPECT_TRUE(!advanced);  // the others have not sent clock 1 yet
+  ASSERT_OK(clock.DeclareEmpty(1, 2, &advanced));
+  EXPECT_EQ(clock.Get(1), 2);
+  EXPECT_EQ(clock.Sent(1), 0);
+  ASSERT_OK(clock.Advance(0, 1, &advanced));
+  ASSERT_OK(clock.Advance(2, 1, &advanced));
+  EXPECT_TRUE(advanced);
+  EXPECT_EQ(clock.global(), 1);
+  ASSERT_OK(clock.Advance(0, 2, &advanced));
+  ASSERT_OK(clock.Advance(2, 2, &advanced));
+  EXPECT_EQ(clock.global(), 2);
+  // The late worker's own updates: in order, dropped, the global unmoved.
+  EXPECT_TRUE(clock.DeclaredEmpty(1, 1));
+  EXPECT_CODE(clock.Advance(1, 2, &advanced), StatusCode::kOutOfOrder);  // clock 1 first
+  ASSERT_OK(clock.Advance(1, 1, &advanced));
+  EXPECT_TRUE(!advanced);
+  EXPECT_TRUE(!clock.DeclaredEmpty(1, 1));
+  ASSERT_OK(clock.Advance(1, 2, &advanced));
+  EXPECT_EQ(clock.Sent(1), 2);
+  ASSERT_OK(clock.Advance(1, 3, &advanced));  // its own again
+  EXPECT_EQ(clock.Get(1), 3);
+  EXPECT_EQ(clock.global(), 2);
+}
+
+TEST(ADeclarationAheadWaitsForTheClockBeforeIt) {
+  VectorClock clock(2);
+  bool advanced = false;
+  for (int w = 0; w < 2; ++w) ASSERT_OK(clock.Advance(w, kInitClock, &advanced));
+  ASSERT_OK(clock.DeclareEmpty(1, 1, &advanced));  // worker 1 has not sent clock 0
+  EXPECT_EQ(clock.Get(1), kInitClock);
+  ASSERT_OK(clock.Advance(0, 0, &advanced));
+  ASSERT_OK(clock.Advance(0, 1, &advanced));
+  EXPECT_EQ(clock.global(), kInitClock);
+  const int64_t before = clock.global_position();
+  ASSERT_OK(clock.Advance(1, 0, &advanced));  // clocks 0 and 1 finish at once
+  EXPECT_TRUE(advanced);
+  EXPECT_EQ(clock.global(), 1);
+  EXPECT_EQ(clock.global_position(), before + 2);
+}
+
+TEST(ADeclarationAfterTheWorkerSentPartOfTheClockChangesNothing) {
+  VectorClock clock(2, 3);
+  bool advanced = false;
+  for (int w = 0; w < 2; ++w) ASSERT_OK(clock.Advance(w, kInitClock, &advanced));
+  ASSERT_OK(clock.Advance(1, 0, &advanced));  // part 0 of clock 0
+  ASSERT_OK(clock.DeclareEmpty(1, 0, &advanced));
+  EXPECT_TRUE(!clock.DeclaredEmpty(1, 0));
+  EXPECT_EQ(clock.Get(1), kInitClock);
+  // Declared empty with parts: counted whole, all three parts at once.
+  ASSERT_OK(clock.DeclareEmpty(0, 0, &advanced));
+  EXPECT_EQ(clock.Get(0), 0);
+  ASSERT_OK(clock.DeclareEmpty(0, 0, &advanced));  // twice: nothing more
+  const int64_t before = clock.global_position();
+  ASSERT_OK(clock.Advance(1, 0, &advanced));
+  ASSERT_OK(clock.Advance(1, 0, &advanced));
+  EXPECT_EQ(clock.global(), 0);
+  EXPECT_EQ(clock.global_position(), before + 2);
+  EXPECT_EQ(clock.finished_part(), 2);
+  // Worker 0's own three parts of clock 0 are dropped, in order.
+  for (int k = 0; k < 3; ++k) {
+    int part = -1;
+    ASSERT_OK(clock.NextPart(0, 0, &part));
+    EXPECT_EQ(part, k);
+    ASSERT_OK(clock.Advance(0, 0, &advanced));
+    EXPECT_TRUE(!advanced);
+  }
+  EXPECT_TRUE(!clock.DeclaredEmpty(0, 0));
+}
+
+TEST(RefusesBadDeclarations) {
+  VectorClock clock(2);
+  bool advanced = false;
+  EXPECT_CODE(clock.DeclareEmpty(2, 0, &advanced), StatusCode::kInvalidArgument);
+  EXPECT_CODE(clock.DeclareEmpty(-1, 0, &advanced), StatusCode::kInvalidArgument);
+  EXPECT_CODE(clock.DeclareEmpty(0, kInitClock, &advanced), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(!clock.DeclaredEmpty(5, 0));
+}
+
+// Random sends and declarations against a brute-force count: a worker counts
+// through clock c when each clock up to c was sent by it or declared empty
+// before it sent any of it.
+TEST(DeclarationsUnderRandomInterleavings) {
+  std::mt19937 rng(11);
+  for (int parts : {1, 2}) {
+    const int workers = 4;
+    VectorClock clock(workers, parts);
+    std::vector<int64_t> sent(workers, -1);  // parts sent by each worker from clock 0 on, less one
+    std::vector<std::set<Clock>> declared(workers);
+    bool advanced = false;
+    for (int w = 0; w < workers; ++w) ASSERT_OK(clock.Advance(w, kInitClock, &advanced));
+    auto counted = [&](int w) {
+      Clock c = static_cast<Clock>((sent[w] + 1) / parts) - 1;  // the last clock it sent whole
+      while (declared[w].count(c + 1) != 0) ++c;
+      return c;
+    };
+    for (int step = 0; step < 3000; ++step) {
+      const int w = static_cast<int>(rng() % workers);
+      Clock before = counted(0);
+      for (int q = 1; q < workers; ++q) before = std::min(before, counted(q));
+      if (rng() % 4 == 0) {
+        const Clock target = (sent[w] + 1) / parts + static_cast<Clock>(rng() % 3);
+        ASSERT_OK(clock.DeclareEmpty(w, target, &advanced));
+        if (sent[w] < target * parts) declared[w].insert(target);
+      } else {
+        const Clock c = static_cast<Clock>((sent[w] + 1) / parts);
+        ASSERT_OK(clock.Advance(w, c, &advanced));
+        ++sent[w];
+      }
+      Clock after = counted(0);
+      for (int q = 1; q < workers; ++q) after = std::min(after, counted(q));
+      EXPECT_EQ(clock.global(), after);
+      for (int q = 0; q < workers; ++q) EXPECT_EQ(clock.Get(q), counted(q));
+      if (after > before) EXPECT_TRUE(advanced);
+    }
+  }
 }

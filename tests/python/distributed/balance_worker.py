@@ -2,14 +2,17 @@
 program, one per rank): linear regression in a TuningSession with
 ``balance_batches=True`` (or ``--steal``: ``steal_batches=True`` at read
 slack ``--slack``); ``--slow-rank`` sleeps after every ``--slow-every``-th
-of its clocks. ``--rule add`` sums each step's weighted mean input row
+of its clocks; ``--work-s`` makes each clock's compute take time in
+proportion to its samples. ``--rule add`` sums each step's weighted mean input row
 instead of a gradient step, so that the final table is the same sum
 whoever computed which sample.
 
 Rank 0's driver trains one branch for ``--runs`` runs of ``--clocks`` clocks
 and then validates it once. Each rank writes to OUT/rank-R.npz the indices it
 trained on per clock, its steps' weights, the final parameters, the
-shares of the last run and the clocks it gave and took.
+shares of the last run and the clocks it gave and took; per training
+clock its branch clock, its read's data age and the time of the read; and
+the slow rank its pauses (start, end, the branch clock before them).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ def main() -> int:
     parser.add_argument("--slow-rank", type=int, default=1)
     parser.add_argument("--slow-s", type=float, default=0.02)
     parser.add_argument("--slow-every", type=int, default=1)
+    parser.add_argument("--work-s", type=float, default=0.0, help="seconds of compute per BATCH samples")
     parser.add_argument("--steal", action="store_true")
     parser.add_argument("--slack", type=int, default=0)
     parser.add_argument("--rule", choices=("sgd", "add"), default="sgd")
@@ -84,8 +88,12 @@ def main() -> int:
             trained: list[np.ndarray] = []
             validated: list[np.ndarray] = []
             weights: list[float] = []
+            seen: list[tuple[float, int, int]] = []  # (time, branch clock, data age) of training reads
+            pauses: list[tuple[float, float, int]] = []
             for step in session:
                 w = np.asarray(worker.read(read), dtype=np.float64)[0]
+                if step.kind is not BranchKind.TESTING:
+                    seen.append((time.time(), step.clock, worker.last_read_data_age))
                 worker.post_read(read)
                 if step.kind is BranchKind.TESTING:
                     validated.append(step.indices)
@@ -95,6 +103,7 @@ def main() -> int:
                     trained.append(step.indices)
                     weights.append(step.weight)
                     xs, ys = x[step.indices], y[step.indices]
+                    time.sleep(args.work_s * len(xs) / BATCH)  # compute in proportion to the samples
                     if not len(xs):  # the other rank took this clock's part
                         worker.pre_update(grad)[:] = 0.0
                         step.report(0.0)
@@ -108,7 +117,9 @@ def main() -> int:
                 worker.update(grad)
                 worker.clock()
                 if job.rank == args.slow_rank and len(trained) % args.slow_every == 0:
+                    began = time.time()
                     time.sleep(args.slow_s)
+                    pauses.append((began, time.time(), step.clock))
             worker.sync()
             assert session.final_branch is not None
             np.savez(os.path.join(args.out, f"rank-{job.rank}.npz"),
@@ -116,7 +127,8 @@ def main() -> int:
                      trained=np.concatenate(trained), counts=np.array([len(i) for i in trained]),
                      weights=np.array(weights), validated=np.concatenate(validated),
                      shares=np.array(session.batch_shares or []),
-                     given=session.clocks_given, taken=session.clocks_taken)
+                     given=session.clocks_given, taken=session.clocks_taken,
+                     seen=np.array(seen).reshape(-1, 3), pauses=np.array(pauses).reshape(-1, 3))
     except mltuner.MltunerError as error:
         print(f"FAILED {type(error).__name__}: {error}", flush=True)
         return 3

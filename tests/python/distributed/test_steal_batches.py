@@ -1,8 +1,11 @@
-"""Batch stealing on 2 real worker processes at slack 2: rank 1 pauses now
-and then, rank 0 takes its part of the clocks it is late for, every clock's
-samples are still computed exactly once, and the servers' sum of the steps'
-weighted updates equals the sum over the clocks' whole batches (an
-independent float64 reference) whoever computed which sample."""
+"""Batch stealing on real worker processes at slack 2: a rank that pauses
+now and then loses its parts of the clocks it is late for, and its
+unclaimed part of the clock before, to the ranks on time; every sample is
+still computed exactly once, in its clock or the next; the servers' sum of
+the steps' weighted updates equals the sum over the clocks' whole batches
+(an independent float64 reference) whoever computed which sample; and with
+three workers the on-time ones read each other's updates while the paused
+one sleeps (its clocks are declared empty on the shards)."""
 
 from __future__ import annotations
 
@@ -15,49 +18,91 @@ PROGRAM = WORKER.with_name("balance_worker.py")
 RUNS, CLOCKS = 3, 12
 
 
-def _results(workers) -> list[dict[str, np.ndarray]]:  # type: ignore[no-untyped-def]
-    """What both ranks wrote, once both exited cleanly."""
+def _results(workers, world: int) -> list[dict[str, np.ndarray]]:  # type: ignore[no-untyped-def]
+    """What every rank wrote, once all exited cleanly."""
     for rank, (code, output) in enumerate(workers.wait()):
         assert code == 0, f"rank {rank} failed:\n{output}"
-    return [workers.result(r) for r in range(2)]
+    return [workers.result(r) for r in range(world)]
+
+
+def _check_every_sample_counts_once(ranks: list[dict[str, np.ndarray]]) -> None:
+    """Each clock's whole batch (the next world x BATCH of the epoch's order,
+    seed 0) is computed once, in its own clock or the next; the final table
+    is the float64 sum of every clock's whole-batch mean x world."""
+    world = len(ranks)
+    chunk = world * BATCH
+    epoch_clocks = NUM_TRAIN // chunk
+    x, _ = make_data()
+    counts = [r["counts"] for r in ranks]
+    assert all(len(c) == RUNS * CLOCKS for c in counts)
+    assert sum(int(c.sum()) for c in counts) == RUNS * CLOCKS * chunk
+    for r in range(world):
+        np.testing.assert_allclose(ranks[r]["weights"], counts[r] * world / chunk)
+    begin = [0] * world
+    want = np.zeros(x.shape[1])
+    batches, computed = [], []
+    for clock in range(RUNS * CLOCKS):
+        epoch, offset = divmod(clock, epoch_clocks)
+        order = np.random.default_rng([0, epoch]).permutation(NUM_TRAIN)
+        batches.append(order[offset * chunk:(offset + 1) * chunk])
+        # Each rank adds weight x its mean, weight = its share x world: a clock adds world x its whole mean.
+        want += world * x[batches[-1]].mean(axis=0)
+        got = []
+        for r in range(world):
+            got.append(ranks[r]["trained"][begin[r]:begin[r] + counts[r][clock]])
+            begin[r] += counts[r][clock]
+        computed.append(np.concatenate(got))
+        allowed = set(batches[-1].tolist()) | (set(batches[-2].tolist()) if clock else set())
+        assert set(computed[-1].tolist()) <= allowed, f"clock {clock}"
+    assert sorted(np.concatenate(computed).tolist()) == sorted(np.concatenate(batches).tolist())
+    validated = np.concatenate([r["validated"] for r in ranks])
+    assert sorted(validated.tolist()) == list(range(NUM_VAL))
+    final = ranks[0]["final"]
+    for r in range(1, world):
+        np.testing.assert_array_equal(final, ranks[r]["final"])
+    np.testing.assert_allclose(final, want, rtol=1e-5, atol=1e-5)
 
 
 def test_a_paused_rank_loses_its_parts_and_every_sample_counts_once(start_workers) -> None:  # type: ignore[no-untyped-def]
     workers = start_workers(2, "--runs", str(RUNS), "--clocks", str(CLOCKS), "--steal", "--slack", "2",
                             "--rule", "add", "--slow-rank", "1", "--slow-s", "0.3", "--slow-every", "6",
                             program=PROGRAM)
-    ranks = _results(workers)
+    ranks = _results(workers, 2)
     counts = [r["counts"] for r in ranks]
-    assert len(counts[0]) == len(counts[1]) == RUNS * CLOCKS and (counts[0] + counts[1] == 2 * BATCH).all()
-    # Rank 1's pauses (0.3 s, far longer than a clock) let rank 0 run two clocks
-    # ahead: it takes rank 1's part of some clocks, which rank 1 then runs empty.
-    assert int(ranks[0]["taken"]) > 0 and int(ranks[1]["given"]) == int(ranks[0]["taken"])
+    # Rank 1's pauses (0.3 s, far longer than a clock) let rank 0 run ahead: it
+    # takes rank 1's parts of some clocks, which rank 1 then runs empty (two of
+    # them in one of rank 0's clocks when the part of the clock before moves too).
+    assert int(ranks[1]["given"]) >= int(ranks[0]["taken"]) > 0
     assert int(ranks[0]["given"]) == 0 and int(ranks[1]["taken"]) == 0
     assert (counts[1] == 0).sum() == int(ranks[1]["given"])
-    assert set(counts[0][counts[1] == 0].tolist()) == {2 * BATCH}
-    for r in range(2):
-        np.testing.assert_allclose(ranks[r]["weights"], counts[r] * 2 / (2 * BATCH))
-    # Each clock's samples are exactly the next 2 x BATCH of the epoch's order (seed 0).
-    begin = [0, 0]
-    epoch_clocks = NUM_TRAIN // (2 * BATCH)
-    x, _ = make_data()
-    want = np.zeros(x.shape[1])
-    for clock in range(RUNS * CLOCKS):
-        epoch, offset = divmod(clock, epoch_clocks)
-        order = np.random.default_rng([0, epoch]).permutation(NUM_TRAIN)
-        expected = order[offset * 2 * BATCH:(offset + 1) * 2 * BATCH]
-        got = []
-        for r in range(2):
-            got.append(ranks[r]["trained"][begin[r]:begin[r] + counts[r][clock]])
-            begin[r] += counts[r][clock]
-        assert sorted(np.concatenate(got).tolist()) == sorted(expected.tolist()), f"clock {clock}"
-        # Each rank adds weight x its mean, weight = its share x 2: the clock adds twice the whole mean.
-        want += 2 * x[expected].mean(axis=0)
-    validated = np.concatenate([ranks[0]["validated"], ranks[1]["validated"]])
-    assert sorted(validated.tolist()) == list(range(NUM_VAL))
-    final = ranks[0]["final"]
-    np.testing.assert_array_equal(final, ranks[1]["final"])
-    np.testing.assert_allclose(final, want, rtol=1e-5, atol=1e-5)
+    # Rank 0's clocks hold its own part, and rank 1's of this clock, the clock before, or both.
+    assert set(counts[0].tolist()) <= {BATCH, 2 * BATCH, 3 * BATCH} and 3 * BATCH in counts[0].tolist()
+    _check_every_sample_counts_once(ranks)
+
+
+def test_the_others_read_each_others_steps_while_a_rank_sleeps(start_workers) -> None:  # type: ignore[no-untyped-def]
+    """Three workers at slack 2, each clock computing for 20 ms a part, rank
+    1 pausing 0.6 s after every 6th clock: without the empty clocks
+    declared, the shards could apply no clock past rank 1's last until it
+    woke, and ranks 0 and 2 would read data ages of at most that clock while
+    it slept."""
+    workers = start_workers(3, "--runs", str(RUNS), "--clocks", str(CLOCKS), "--steal", "--slack", "2",
+                            "--rule", "add", "--slow-rank", "1", "--slow-s", "0.6", "--slow-every", "6",
+                            "--work-s", "0.02", program=PROGRAM)
+    ranks = _results(workers, 3)
+    assert int(ranks[1]["given"]) > 0
+    assert int(ranks[0]["taken"]) > 0 and int(ranks[2]["taken"]) > 0
+    ahead = 0
+    for began, ended, clock in ranks[1]["pauses"]:
+        for r in (0, 2):
+            seen = ranks[r]["seen"]
+            during = seen[(seen[:, 0] > began) & (seen[:, 0] < ended)]
+            # Data ages are per branch and run; rank 1 had finished `clock` of this branch.
+            same_run = during[(during[:, 1] > clock) & (during[:, 1] <= clock + CLOCKS)]
+            if len(same_run) and same_run[:, 2].max() > clock:
+                ahead += 1
+    assert ahead >= 2, f"ranks 0 and 2 saw no clock past rank 1's while it slept ({ahead})"
+    _check_every_sample_counts_once(ranks)
 
 
 def test_under_bsp_nothing_is_stolen(start_workers) -> None:  # type: ignore[no-untyped-def]
@@ -65,6 +110,6 @@ def test_under_bsp_nothing_is_stolen(start_workers) -> None:  # type: ignore[no-
     compute its part after it: the session steals only at slack >= 1."""
     workers = start_workers(2, "--runs", "1", "--clocks", "12", "--steal", "--slack", "0", "--rule", "add",
                             "--slow-rank", "1", "--slow-s", "0.3", "--slow-every", "6", program=PROGRAM)
-    ranks = _results(workers)
+    ranks = _results(workers, 2)
     assert [int(r["taken"]) for r in ranks] == [0, 0] and [int(r["given"]) for r in ranks] == [0, 0]
     np.testing.assert_array_equal(ranks[1]["counts"], BATCH)

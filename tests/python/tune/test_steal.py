@@ -1,7 +1,8 @@
 """The claim board of ``steal_batches``: a rank a whole clock behind loses
-its part of the clock to the ranks that are on time, each part gets exactly
-one set of owners whatever order the claims come in, and bad claims are
-refused."""
+its part of the clock, and its unclaimed part of the clock before, to the
+ranks that are on time; those clocks are declared empty once; every part
+gets exactly one set of owners whatever order the claims come in; and bad
+claims and answers are refused."""
 
 from __future__ import annotations
 
@@ -10,56 +11,87 @@ import random
 import pytest
 
 from mltuner.exceptions import InvalidArgumentError
-from mltuner.tune.session._steal import ClaimBoard, check_owners
+from mltuner.tune.session._steal import Claim, ClaimBoard
 
 
 def test_ranks_in_step_keep_their_parts() -> None:
     board = ClaimBoard(2)
     for clock in range(5):
-        assert board.claim(0, 1, clock) == [[0], [1]]
-        assert board.claim(1, 1, clock) == [[0], [1]]
+        for rank in (0, 1):
+            assert board.claim(rank, 1, clock) == Claim([[0], [1]], [[], []], [])
 
 
-def test_a_rank_a_clock_behind_loses_its_part_and_gets_the_same_answer_later() -> None:
+def test_a_rank_a_clock_behind_loses_its_part_and_its_unclaimed_one_before() -> None:
     board = ClaimBoard(2)
     board.claim(0, 1, 0)
     board.claim(1, 1, 0)
-    assert board.claim(0, 1, 1) == [[0], [1]]  # rank 1 is within the clock: not late
-    assert board.claim(0, 1, 2) == [[0], [0]]  # rank 1 has not started clock 1: late
-    assert board.claim(0, 1, 3) == [[0], [0]]
-    assert board.claim(1, 1, 1) == [[0], [1]]  # clock 1 was decided before it fell behind
-    assert board.claim(1, 1, 2) == [[0], [0]]  # the decision of clock 2 stands: rank 1 computes nothing
-    assert board.claim(1, 1, 3) == [[0], [0]]
-    assert board.claim(1, 1, 4) == [[0], [1]]  # rank 1 is first at clock 4: rank 0 claimed 3
-    assert board.claim(0, 1, 4) == [[0], [1]]
+    assert board.claim(0, 1, 1).owners == [[0], [1]]  # rank 1 is within the clock: not late
+    # Rank 1 has not started clock 1: its parts of clocks 1 and 2 go to rank 0, in clock 2.
+    assert board.claim(0, 1, 2) == Claim([[0], [0]], [[], [0]], [(1, 1), (1, 2)])
+    assert board.claim(0, 1, 3) == Claim([[0], [0]], [[], []], [(1, 3)])  # nothing left to carry
+    late = board.claim(1, 1, 1)
+    assert late == Claim([[0], []], [[], []], [])  # clock 1's part moved on: rank 1 computes nothing
+    assert not late.computes(1)
+    assert not board.claim(1, 1, 2).computes(1)
+    assert not board.claim(1, 1, 3).computes(1)
+    assert board.claim(1, 1, 4) == Claim([[0], [1]], [[], []], [])  # first at clock 4: rank 0 claimed 3
+    assert board.claim(0, 1, 4).owners == [[0], [1]]
 
 
-def test_a_late_part_is_split_among_the_ranks_on_time_and_a_new_run_starts_afresh() -> None:
+def test_late_parts_are_split_among_the_ranks_on_time_and_a_new_run_starts_afresh() -> None:
     board = ClaimBoard(4)
     for rank in range(4):
         board.claim(rank, 7, 0)
     for rank in (0, 2, 3):
         board.claim(rank, 7, 1)
-    assert board.claim(2, 7, 2) == [[0], [0, 2, 3], [2], [3]]
-    assert board.claim(0, 8, 0) == [[0], [1], [2], [3]]  # a new run: nobody is behind yet
+    assert board.claim(2, 7, 2) == Claim([[0], [0, 2, 3], [2], [3]], [[], [0, 2, 3], [], []], [(1, 1), (1, 2)])
+    assert board.claim(0, 7, 2).declare == []  # only the claim that decided declares
+    assert board.claim(0, 8, 0) == Claim([[0], [1], [2], [3]], [[], [], [], []], [])  # a new run
     with pytest.raises(InvalidArgumentError, match="run 7, which ended"):
         board.claim(1, 7, 1)
 
 
-def test_any_order_of_claims_gives_every_part_one_set_of_owners() -> None:
+def test_a_late_rank_that_had_others_parts_keeps_its_clock() -> None:
+    board = ClaimBoard(3)
+    board.claim(0, 0, 0)
+    board.claim(1, 0, 0)
+    # Rank 2 has claimed nothing: its parts of clocks 0 and 1 go to ranks 0 and 1.
+    assert board.claim(0, 0, 1) == Claim([[0], [1], [0, 1]], [[], [], [0, 1]], [(2, 0), (2, 1)])
+    # Rank 1 falls behind too, but its clock 1 holds a piece of rank 2's part: not carried on.
+    assert board.claim(0, 0, 2) == Claim([[0], [0], [0]], [[], [], []], [(1, 2), (2, 2)])
+    assert board.claim(1, 0, 1).computes(1)
+
+
+def test_any_order_of_claims_computes_every_part_once() -> None:
     rng = random.Random(3)
-    for _ in range(50):
+    for _ in range(60):
         world, clocks = rng.randint(2, 5), 12
         board = ClaimBoard(world)
         next_clock = [0] * world
-        seen: dict[int, list[list[int]]] = {}
+        # (clock of the samples, rank whose part) -> the owners seen, and who claimed a piece of it
+        owners_of: dict[tuple[int, int], list[int]] = {}
+        computed: dict[tuple[int, int], set[int]] = {}
+        declared: set[tuple[int, int]] = set()
+        answers: dict[tuple[int, int], Claim] = {}
         while min(next_clock) < clocks:
             rank = rng.choice([r for r in range(world) if next_clock[r] < clocks])
-            owners = board.claim(rank, 0, next_clock[rank])
-            assert seen.setdefault(next_clock[rank], owners) == owners
-            for part, who in enumerate(owners):
-                assert who == [part] or part not in who and who == sorted(who) and who
+            clock = next_clock[rank]
+            claim = board.claim(rank, 0, clock)
+            answers[rank, clock] = claim
+            for source, parts in ((clock, claim.owners), (clock - 1, claim.carried)):
+                for part, who in enumerate(parts):
+                    if rank in who:
+                        assert owners_of.setdefault((source, part), who) == who
+                        computed.setdefault((source, part), set()).add(rank)
+            for pair in claim.declare:
+                assert pair not in declared
+                declared.add(pair)
             next_clock[rank] += 1
+        for clock in range(clocks):
+            for part in range(world):
+                assert sorted(computed[clock, part]) == sorted(owners_of[clock, part])
+        for late, clock in declared:
+            assert not answers[late, clock].computes(late)
 
 
 def test_bad_claims_are_refused() -> None:
@@ -74,11 +106,16 @@ def test_bad_claims_are_refused() -> None:
             board.answer(1, value)
     with pytest.raises(InvalidArgumentError, match="outside 0..1"):
         board.answer(2, {"run": 0, "clock": 0})
-    assert board.answer(1, {"run": 0, "clock": 0}) == [[0], [1]]
+    assert board.answer(1, {"run": 0, "clock": 0}) == {"owners": [[0], [1]], "carried": [[], []], "declare": []}
 
 
 def test_a_malformed_answer_is_refused() -> None:
-    assert check_owners([[0], [0, 1]], 2) == [[0], [0, 1]]
-    for owners in ([[0]], [[0], []], [[0], [2]], [[0], [1, 1]], [[0], "1"], None, [[0], [True]]):
+    good = {"owners": [[0], [0, 1]], "carried": [[], [0]], "declare": [[1, 3]]}
+    assert Claim.from_wire(good, 2) == Claim([[0], [0, 1]], [[], [0]], [(1, 3)])
+    assert Claim.from_wire(Claim([[0], [1]], [[], []], [(0, 2)]).to_wire(), 2).declare == [(0, 2)]
+    bad_owners = ([[0]], [[0], [2]], [[0], [1, 1]], [[0], "1"], None, [[0], [True]])
+    for bad in ([{**good, "owners": owners} for owners in bad_owners]
+                + [{**good, "carried": [[0]]}, {**good, "declare": [[2, 0]]}, {**good, "declare": [[0, -1]]},
+                   {**good, "declare": [[0]]}, {**good, "declare": None}, {"owners": [[0], [1]]}, None, [[0], [1]]]):
         with pytest.raises(InvalidArgumentError, match="answered a batch claim"):
-            check_owners(owners, 2)
+            Claim.from_wire(bad, 2)

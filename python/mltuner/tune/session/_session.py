@@ -60,7 +60,7 @@ from mltuner.tune._space import SearchSpace
 from mltuner.tune._system import BranchKind, BranchSystem, ClockReport
 from mltuner.tune.session._balance import BatchBalancer, split_counts
 from mltuner.tune.session._sampler import StepBatchSampler
-from mltuner.tune.session._steal import CLAIM_SERVICE, ClaimBoard, check_owners
+from mltuner.tune.session._steal import CLAIM_SERVICE, Claim, ClaimBoard
 from mltuner.tune.session._commands import (
     Command,
     EndCommand,
@@ -289,6 +289,7 @@ class TuningSession:
         self._busy: list[float] = []
         self._busy_samples: list[int] = []
         self._part_moved = False  # this step's part went to others or took another's
+        self._previous_slices: list[np.ndarray] | None = None  # the run's last training clock's, per rank
         self._reports: list[tuple[float, float | None, int]] = []  # (loss, accuracy, samples) per clock
         self._times: list[float] = []
         self._clock_start = 0.0
@@ -423,6 +424,7 @@ class TuningSession:
             self._worker.schedule_branch(command.branch, command.clocks)
             self._run = (command.branch, command.clocks)
             self._run_id, self._run_clock = self._sequence, 0
+            self._previous_slices = None
             self._run_steals = command.steal
             self._shares = command.shares
             self._run_kind = self._branches[command.branch].kind
@@ -518,42 +520,55 @@ class TuningSession:
             if cursor.offset + chunk > self._num_train:  # the rest of the epoch is dropped
                 cursor.epoch, cursor.offset = cursor.epoch + 1, 0
             order = self._permutation(cursor.epoch)
-            indices, clock_samples = self._my_part(order[cursor.offset:cursor.offset + chunk],
-                                                   self._claim() if self._run_steals else None), chunk
+            claim = self._claim(branch_id, branch.clocks) if self._run_steals else None
+            indices, clock_samples = self._my_part(order[cursor.offset:cursor.offset + chunk], claim), chunk
             cursor.offset += chunk
         weight = len(indices) * self._world / clock_samples if clock_samples else 1.0
         step = Step(branch_id, branch.kind, branch.tunables, indices, cursor.epoch, branch.clocks, self, weight)
         branch.clocks += 1
         return step
 
-    def _my_part(self, samples: np.ndarray, owners: list[list[int]] | None = None) -> np.ndarray:
+    def _my_part(self, samples: np.ndarray, claim: Claim | None = None) -> np.ndarray:
         """This rank's samples of a clock: its slice (equal parts, or by the
-        run's shares), or with ``owners`` its pieces of every slice it owns."""
+        run's shares), or with a ``claim`` its pieces of every slice of this
+        clock and of the previous one that it computes now."""
         if self._shares is None:
             slices = np.array_split(samples, self._world)
         else:
             slices = np.split(samples, np.cumsum(split_counts(len(samples), self._shares))[:-1])
         self._part_moved = False
-        if owners is None:
+        previous, self._previous_slices = self._previous_slices, slices
+        if claim is None:
             return slices[self._rank]
-        given = owners[self._rank] != [self._rank]
-        taken = any(self._rank in who for rank, who in enumerate(owners) if rank != self._rank)
+        given = claim.owners[self._rank] != [self._rank]
+        taken = (any(self._rank in who for rank, who in enumerate(claim.owners) if rank != self._rank)
+                 or any(self._rank in who for who in claim.carried))
         self.clocks_given += given
         self.clocks_taken += taken
         self._part_moved = given or taken
-        mine = [np.array_split(part, len(who))[who.index(self._rank)]
-                for part, who in zip(slices, owners, strict=True) if self._rank in who]
+        parts = list(zip(slices, claim.owners, strict=True))
+        if any(claim.carried):
+            if previous is None:
+                raise TuningError("rank 0 moved a part of the clock before the run's first to it")
+            parts += zip(previous, claim.carried, strict=True)
+        mine = [np.array_split(part, len(who))[who.index(self._rank)] for part, who in parts if self._rank in who]
         return np.concatenate(mine) if mine else samples[:0]
 
-    def _claim(self) -> list[list[int]]:
-        """Who computes each slice of this training clock (rank 0's board)."""
+    def _claim(self, branch: int, branch_clock: int) -> Claim:
+        """Who computes what in this training clock (rank 0's board); the
+        decision's empty clocks are declared to every shard from here."""
         if self._claim_job is None:
             raise TuningError("rank 0 runs with batch stealing, but this rank's session has steal_batches off")
         clock, self._run_clock = self._run_clock, self._run_clock + 1
         if self._claims is not None:
-            return self._claims.claim(self._rank, self._run_id, clock)
-        owners = self._claim_job.request(CLAIM_SERVICE, {"run": self._run_id, "clock": clock}, self._timeout_s)
-        return check_owners(owners, self._world)
+            claim = self._claims.claim(self._rank, self._run_id, clock)
+        else:
+            answer = self._claim_job.request(CLAIM_SERVICE, {"run": self._run_id, "clock": clock}, self._timeout_s)
+            claim = Claim.from_wire(answer, self._world)
+        for late, empty in claim.declare:
+            # The run's clocks are the branch's, counted from the run's start.
+            self._worker.declare_empty_clock(late, branch, branch_clock - clock + empty)
+        return claim
 
     def _permutation(self, epoch: int) -> np.ndarray:
         order = self._permutations.get(epoch)

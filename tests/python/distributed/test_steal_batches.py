@@ -73,8 +73,8 @@ def test_a_paused_rank_loses_its_parts_and_every_sample_counts_once(start_worker
     # takes rank 1's parts of some clocks, which rank 1 then runs empty (two of
     # them in one of rank 0's clocks when the part of the clock before moves too).
     assert int(ranks[1]["given"]) >= int(ranks[0]["taken"]) > 0
-    assert int(ranks[0]["given"]) == 0 and int(ranks[1]["taken"]) == 0
-    assert (counts[1] == 0).sum() == int(ranks[1]["given"])
+    for r in range(2):  # a rank that lost its part computes nothing in that clock
+        assert (counts[r] == 0).sum() == int(ranks[r]["given"])
     # Rank 0's clocks hold its own part, and rank 1's of this clock, the clock before, or both.
     assert set(counts[0].tolist()) <= {BATCH, 2 * BATCH, 3 * BATCH} and 3 * BATCH in counts[0].tolist()
     _check_every_sample_counts_once(ranks)

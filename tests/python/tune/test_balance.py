@@ -159,3 +159,13 @@ def test_malformed_reports_name_the_rank(change: dict[str, object]) -> None:
         check_report(1, {**GOOD_REPORT, **change}, 2, balanced=True)
     with pytest.raises(TuningError, match="rank 1 sent a malformed report"):
         check_report(1, ["not", "a", "report"], 2, balanced=False)
+
+
+def test_with_stealing_a_rank_is_modelled_on_its_typical_clock() -> None:
+    """A rank with bursts of delay: its mean clock is long, its median is
+    not. Stealing absorbs the bursts, so its share must not shrink for them."""
+    from mltuner.tune.session._session import typical_busy
+    clocks = [0.01] * 9 + [0.1]
+    assert typical_busy(clocks, stealing=False) == pytest.approx(0.019)
+    assert typical_busy(clocks, stealing=True) == pytest.approx(0.01)
+    assert typical_busy([], stealing=True) == 0.0

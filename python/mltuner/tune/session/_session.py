@@ -466,7 +466,7 @@ class TuningSession:
         mine: dict[str, Any] = {"loss": losses, "accuracy": accuracy, "samples": samples}
         if self._balance:
             # The mean, and the last clocks' own (a bounded message at any run length).
-            mine["busy"] = math.fsum(self._busy) / len(self._busy) if self._busy else 0.0
+            mine["busy"] = typical_busy(self._busy, stealing=self._claim_job is not None)
             mine["busy_samples"] = sum(self._busy_samples) / len(self._busy_samples) if self._busy_samples else 0.0
             mine["busy_clocks"] = [round(t, 6) for t in self._busy[-_BUSY_CLOCKS_SENT:]]
         waited = time.perf_counter()
@@ -599,6 +599,17 @@ class TuningSession:
 
     def _default_driver(self, system: BranchSystem) -> Any:
         return Tuner(system, self._space, self._config, log=self._log).run()
+
+
+def typical_busy(busy: Sequence[float], stealing: bool) -> float:
+    """A rank's busy seconds per clock of a run, as the balancer models it:
+    the mean, or with stealing the median. A delay that comes and goes is
+    then the thieves' to absorb; the mean of a rank with bursts of delay
+    would give it a smaller share for good (down to one sample a clock on 4
+    workers, measured), and the others its work on every clock."""
+    if not busy:
+        return 0.0
+    return float(np.median(busy)) if stealing else math.fsum(busy) / len(busy)
 
 
 def _mean_by_samples(values: Sequence[tuple[float, int]]) -> float:

@@ -1,7 +1,7 @@
 """Batch stealing on real worker processes at slack 2: a rank that pauses
 now and then loses its parts of the clocks it is late for, and its
 unclaimed part of the clock before, to the ranks on time; every sample is
-still computed exactly once, in its clock or the next; the servers' sum of
+still computed exactly once, in its clock or a later one; the servers' sum of
 the steps' weighted updates equals the sum over the clocks' whole batches
 (an independent float64 reference) whoever computed which sample; and with
 three workers the on-time ones read each other's updates while the paused
@@ -27,7 +27,7 @@ def _results(workers, world: int) -> list[dict[str, np.ndarray]]:  # type: ignor
 
 def _check_every_sample_counts_once(ranks: list[dict[str, np.ndarray]]) -> None:
     """Each clock's whole batch (the next world x BATCH of the epoch's order,
-    seed 0) is computed once, in its own clock or the next; the final table
+    seed 0) is computed once, in its own clock or a later one; the final table
     is the float64 sum of every clock's whole-batch mean x world."""
     world = len(ranks)
     chunk = world * BATCH
@@ -52,7 +52,7 @@ def _check_every_sample_counts_once(ranks: list[dict[str, np.ndarray]]) -> None:
             got.append(ranks[r]["trained"][begin[r]:begin[r] + counts[r][clock]])
             begin[r] += counts[r][clock]
         computed.append(np.concatenate(got))
-        allowed = set(batches[-1].tolist()) | (set(batches[-2].tolist()) if clock else set())
+        allowed = set(np.concatenate(batches[-3:]).tolist())  # at slack 2 a late rank's parts move up to 2 clocks
         assert set(computed[-1].tolist()) <= allowed, f"clock {clock}"
     assert sorted(np.concatenate(computed).tolist()) == sorted(np.concatenate(batches).tolist())
     validated = np.concatenate([r["validated"] for r in ranks])
@@ -66,17 +66,18 @@ def _check_every_sample_counts_once(ranks: list[dict[str, np.ndarray]]) -> None:
 def test_a_paused_rank_loses_its_parts_and_every_sample_counts_once(start_workers) -> None:  # type: ignore[no-untyped-def]
     workers = start_workers(2, "--runs", str(RUNS), "--clocks", str(CLOCKS), "--steal", "--slack", "2",
                             "--rule", "add", "--slow-rank", "1", "--slow-s", "0.3", "--slow-every", "6",
-                            program=PROGRAM)
+                            "--work-s", "0.01", program=PROGRAM)
     ranks = _results(workers, 2)
     counts = [r["counts"] for r in ranks]
-    # Rank 1's pauses (0.3 s, far longer than a clock) let rank 0 run ahead: it
-    # takes rank 1's parts of some clocks, which rank 1 then runs empty (two of
-    # them in one of rank 0's clocks when the part of the clock before moves too).
+    # Rank 1's pauses (0.3 s, 30 clocks of 10 ms) let rank 0 run ahead: it
+    # takes rank 1's parts of some clocks, which rank 1 then runs empty (several
+    # of them in one of rank 0's clocks when the parts of earlier clocks move too).
     assert int(ranks[1]["given"]) >= int(ranks[0]["taken"]) > 0
     for r in range(2):  # a rank that lost its part computes nothing in that clock
         assert (counts[r] == 0).sum() == int(ranks[r]["given"])
-    # Rank 0's clocks hold its own part, and rank 1's of this clock, the clock before, or both.
-    assert set(counts[0].tolist()) <= {BATCH, 2 * BATCH, 3 * BATCH} and 3 * BATCH in counts[0].tolist()
+    # Rank 0's clocks hold its own part, and rank 1's of this clock, of the clocks it had not
+    # claimed when it became late, or both.
+    assert (counts[0] % BATCH == 0).all() and counts[0].max() >= 3 * BATCH
     _check_every_sample_counts_once(ranks)
 
 

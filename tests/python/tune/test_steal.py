@@ -15,50 +15,50 @@ from mltuner.tune.session._steal import Claim, ClaimBoard
 
 
 def test_ranks_in_step_keep_their_parts() -> None:
-    board = ClaimBoard(2)
+    board = ClaimBoard(2, late_after=0)
     for clock in range(5):
         for rank in (0, 1):
-            assert board.claim(rank, 1, clock) == Claim([[0], [1]], [[], []], [])
+            assert board.claim(rank, 1, clock) == Claim([[0], [1]], {}, [])
 
 
 def test_a_rank_a_clock_behind_loses_its_part_and_its_unclaimed_one_before() -> None:
-    board = ClaimBoard(2)
+    board = ClaimBoard(2, late_after=0)
     board.claim(0, 1, 0)
     board.claim(1, 1, 0)
     assert board.claim(0, 1, 1).owners == [[0], [1]]  # rank 1 is within the clock: not late
     # Rank 1 has not started clock 1: its parts of clocks 1 and 2 go to rank 0, in clock 2.
-    assert board.claim(0, 1, 2) == Claim([[0], [0]], [[], [0]], [(1, 1), (1, 2)])
-    assert board.claim(0, 1, 3) == Claim([[0], [0]], [[], []], [(1, 3)])  # nothing left to carry
+    assert board.claim(0, 1, 2) == Claim([[0], [0]], {1: [[], [0]]}, [(1, 1), (1, 2)])
+    assert board.claim(0, 1, 3) == Claim([[0], [0]], {}, [(1, 3)])  # nothing left to carry
     late = board.claim(1, 1, 1)
-    assert late == Claim([[0], []], [[], []], [])  # clock 1's part moved on: rank 1 computes nothing
+    assert late == Claim([[0], []], {}, [])  # clock 1's part moved on: rank 1 computes nothing
     assert not late.computes(1)
     assert not board.claim(1, 1, 2).computes(1)
     assert not board.claim(1, 1, 3).computes(1)
-    assert board.claim(1, 1, 4) == Claim([[0], [1]], [[], []], [])  # first at clock 4: rank 0 claimed 3
+    assert board.claim(1, 1, 4) == Claim([[0], [1]], {}, [])  # first at clock 4: rank 0 claimed 3
     assert board.claim(0, 1, 4).owners == [[0], [1]]
 
 
 def test_late_parts_are_split_among_the_ranks_on_time_and_a_new_run_starts_afresh() -> None:
-    board = ClaimBoard(4)
+    board = ClaimBoard(4, late_after=0)
     for rank in range(4):
         board.claim(rank, 7, 0)
     for rank in (0, 2, 3):
         board.claim(rank, 7, 1)
-    assert board.claim(2, 7, 2) == Claim([[0], [0, 2, 3], [2], [3]], [[], [0, 2, 3], [], []], [(1, 1), (1, 2)])
+    assert board.claim(2, 7, 2) == Claim([[0], [0, 2, 3], [2], [3]], {1: [[], [0, 2, 3], [], []]}, [(1, 1), (1, 2)])
     assert board.claim(0, 7, 2).declare == []  # only the claim that decided declares
-    assert board.claim(0, 8, 0) == Claim([[0], [1], [2], [3]], [[], [], [], []], [])  # a new run
+    assert board.claim(0, 8, 0) == Claim([[0], [1], [2], [3]], {}, [])  # a new run
     with pytest.raises(InvalidArgumentError, match="run 7, which ended"):
         board.claim(1, 7, 1)
 
 
 def test_a_late_rank_that_had_others_parts_keeps_its_clock() -> None:
-    board = ClaimBoard(3)
+    board = ClaimBoard(3, late_after=0)
     board.claim(0, 0, 0)
     board.claim(1, 0, 0)
     # Rank 2 has claimed nothing: its parts of clocks 0 and 1 go to ranks 0 and 1.
-    assert board.claim(0, 0, 1) == Claim([[0], [1], [0, 1]], [[], [], [0, 1]], [(2, 0), (2, 1)])
+    assert board.claim(0, 0, 1) == Claim([[0], [1], [0, 1]], {0: [[], [], [0, 1]]}, [(2, 0), (2, 1)])
     # Rank 1 falls behind too, but its clock 1 holds a piece of rank 2's part: not carried on.
-    assert board.claim(0, 0, 2) == Claim([[0], [0], [0]], [[], [], []], [(1, 2), (2, 2)])
+    assert board.claim(0, 0, 2) == Claim([[0], [0], [0]], {}, [(1, 2), (2, 2)])
     assert board.claim(1, 0, 1).computes(1)
 
 
@@ -66,7 +66,7 @@ def test_any_order_of_claims_computes_every_part_once() -> None:
     rng = random.Random(3)
     for _ in range(60):
         world, clocks = rng.randint(2, 5), 12
-        board = ClaimBoard(world)
+        board = ClaimBoard(world, late_after=0)
         next_clock = [0] * world
         # (clock of the samples, rank whose part) -> the owners seen, and who claimed a piece of it
         owners_of: dict[tuple[int, int], list[int]] = {}
@@ -78,7 +78,7 @@ def test_any_order_of_claims_computes_every_part_once() -> None:
             clock = next_clock[rank]
             claim = board.claim(rank, 0, clock)
             answers[rank, clock] = claim
-            for source, parts in ((clock, claim.owners), (clock - 1, claim.carried)):
+            for source, parts in [(clock, claim.owners), *claim.carried.items()]:
                 for part, who in enumerate(parts):
                     if rank in who:
                         assert owners_of.setdefault((source, part), who) == who
@@ -95,7 +95,7 @@ def test_any_order_of_claims_computes_every_part_once() -> None:
 
 
 def test_bad_claims_are_refused() -> None:
-    board = ClaimBoard(2)
+    board = ClaimBoard(2, late_after=0)
     with pytest.raises(InvalidArgumentError, match="its next is 0"):
         board.claim(0, 0, 1)
     board.claim(0, 0, 0)
@@ -106,16 +106,56 @@ def test_bad_claims_are_refused() -> None:
             board.answer(1, value)
     with pytest.raises(InvalidArgumentError, match="outside 0..1"):
         board.answer(2, {"run": 0, "clock": 0})
-    assert board.answer(1, {"run": 0, "clock": 0}) == {"owners": [[0], [1]], "carried": [[], []], "declare": []}
+    assert board.answer(1, {"run": 0, "clock": 0}) == {"owners": [[0], [1]], "carried": [], "declare": []}
 
 
 def test_a_malformed_answer_is_refused() -> None:
-    good = {"owners": [[0], [0, 1]], "carried": [[], [0]], "declare": [[1, 3]]}
-    assert Claim.from_wire(good, 2) == Claim([[0], [0, 1]], [[], [0]], [(1, 3)])
-    assert Claim.from_wire(Claim([[0], [1]], [[], []], [(0, 2)]).to_wire(), 2).declare == [(0, 2)]
+    good = {"owners": [[0], [0, 1]], "carried": [[2, [[], [0]]]], "declare": [[1, 3]]}
+    assert Claim.from_wire(good, 2) == Claim([[0], [0, 1]], {2: [[], [0]]}, [(1, 3)])
+    claim = Claim([[0], [1]], {4: [[0], []]}, [(0, 2)])
+    assert Claim.from_wire(claim.to_wire(), 2) == claim
     bad_owners = ([[0]], [[0], [2]], [[0], [1, 1]], [[0], "1"], None, [[0], [True]])
     for bad in ([{**good, "owners": owners} for owners in bad_owners]
-                + [{**good, "carried": [[0]]}, {**good, "declare": [[2, 0]]}, {**good, "declare": [[0, -1]]},
-                   {**good, "declare": [[0]]}, {**good, "declare": None}, {"owners": [[0], [1]]}, None, [[0], [1]]]):
+                + [{**good, "carried": [[2, owners]]} for owners in bad_owners]
+                + [{**good, "carried": [[-1, [[], [0]]]]}, {**good, "carried": {"2": [[], [0]]}},
+                   {**good, "declare": [[2, 0]]}, {**good, "declare": [[0, -1]]}, {**good, "declare": [[0]]},
+                   {**good, "declare": None}, {"owners": [[0], [1]]}, None, [[0], [1]]]):
         with pytest.raises(InvalidArgumentError, match="answered a batch claim"):
             Claim.from_wire(bad, 2)
+
+
+class _Clock:
+    """A hand-moved clock for the board's claim times."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_rank_is_late_only_after_two_typical_clocks_of_silence() -> None:
+    clock = _Clock()
+    board = ClaimBoard(2, now=clock)
+    for k in range(5):  # clocks of 1 s in step: the typical clock is 1 s
+        board.claim(0, 0, k)
+        board.claim(1, 0, k)
+        clock.now += 1.0
+    # Rank 1 claimed clock 4 at t = 4 and is silent; rank 0 runs on.
+    board.claim(0, 0, 5)
+    clock.now = 5.9
+    assert board.claim(0, 0, 6).owners == [[0], [1]]  # 1.9 typical clocks: not yet late
+    clock.now = 6.5
+    # Late now: its unclaimed parts of clocks 5 and 6 move to clock 7, with its own.
+    assert board.claim(0, 0, 7) == Claim([[0], [0]], {5: [[], [0]], 6: [[], [0]]}, [(1, 5), (1, 6), (1, 7)])
+    assert not board.claim(1, 0, 5).computes(1)
+
+
+def test_nobody_is_late_before_the_run_knows_its_typical_clock() -> None:
+    clock = _Clock()
+    board = ClaimBoard(2, now=clock)
+    board.claim(0, 0, 0)
+    board.claim(1, 0, 0)
+    clock.now = 100.0
+    assert board.claim(0, 0, 1).owners == [[0], [1]]
+    assert board.claim(0, 0, 2).owners == [[0], [1]]  # rank 1 is a clock behind, but no clock is typical yet

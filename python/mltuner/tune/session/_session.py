@@ -60,7 +60,7 @@ from mltuner.tune._space import SearchSpace
 from mltuner.tune._system import BranchKind, BranchSystem, ClockReport
 from mltuner.tune.session._balance import BatchBalancer, split_counts
 from mltuner.tune.session._sampler import StepBatchSampler
-from mltuner.tune.session._steal import CLAIM_SERVICE, Claim, ClaimBoard
+from mltuner.tune.session._steal import CARRY_WINDOW, CLAIM_SERVICE, Claim, ClaimBoard
 from mltuner.tune.session._commands import (
     Command,
     EndCommand,
@@ -289,7 +289,7 @@ class TuningSession:
         self._busy: list[float] = []
         self._busy_samples: list[int] = []
         self._part_moved = False  # this step's part went to others or took another's
-        self._previous_slices: list[np.ndarray] | None = None  # the run's last training clock's, per rank
+        self._recent_slices: dict[int, list[np.ndarray]] = {}  # the run's last clocks' per-rank samples (stealing)
         self._reports: list[tuple[float, float | None, int]] = []  # (loss, accuracy, samples) per clock
         self._times: list[float] = []
         self._clock_start = 0.0
@@ -424,7 +424,7 @@ class TuningSession:
             self._worker.schedule_branch(command.branch, command.clocks)
             self._run = (command.branch, command.clocks)
             self._run_id, self._run_clock = self._sequence, 0
-            self._previous_slices = None
+            self._recent_slices = {}
             self._run_steals = command.steal
             self._shares = command.shares
             self._run_kind = self._branches[command.branch].kind
@@ -520,37 +520,42 @@ class TuningSession:
             if cursor.offset + chunk > self._num_train:  # the rest of the epoch is dropped
                 cursor.epoch, cursor.offset = cursor.epoch + 1, 0
             order = self._permutation(cursor.epoch)
+            run_clock = self._run_clock
             claim = self._claim(branch_id, branch.clocks) if self._run_steals else None
-            indices, clock_samples = self._my_part(order[cursor.offset:cursor.offset + chunk], claim), chunk
+            indices, clock_samples = self._my_part(order[cursor.offset:cursor.offset + chunk], claim, run_clock), chunk
             cursor.offset += chunk
         weight = len(indices) * self._world / clock_samples if clock_samples else 1.0
         step = Step(branch_id, branch.kind, branch.tunables, indices, cursor.epoch, branch.clocks, self, weight)
         branch.clocks += 1
         return step
 
-    def _my_part(self, samples: np.ndarray, claim: Claim | None = None) -> np.ndarray:
+    def _my_part(self, samples: np.ndarray, claim: Claim | None = None, run_clock: int = 0) -> np.ndarray:
         """This rank's samples of a clock: its slice (equal parts, or by the
         run's shares), or with a ``claim`` its pieces of every slice of this
-        clock and of the previous one that it computes now."""
+        clock and of earlier ones (``run_clock``: this clock's number in the
+        run) that it computes now."""
         if self._shares is None:
             slices = np.array_split(samples, self._world)
         else:
             slices = np.split(samples, np.cumsum(split_counts(len(samples), self._shares))[:-1])
         self._part_moved = False
-        previous, self._previous_slices = self._previous_slices, slices
         if claim is None:
             return slices[self._rank]
+        self._recent_slices[run_clock] = slices
+        for old in [c for c in self._recent_slices if c < run_clock - CARRY_WINDOW]:
+            del self._recent_slices[old]
         given = claim.owners[self._rank] != [self._rank]
         taken = (any(self._rank in who for rank, who in enumerate(claim.owners) if rank != self._rank)
-                 or any(self._rank in who for who in claim.carried))
+                 or any(self._rank in who for owners in claim.carried.values() for who in owners))
         self.clocks_given += given
         self.clocks_taken += taken
         self._part_moved = given or taken
         parts = list(zip(slices, claim.owners, strict=True))
-        if any(claim.carried):
-            if previous is None:
-                raise TuningError("rank 0 moved a part of the clock before the run's first to it")
-            parts += zip(previous, claim.carried, strict=True)
+        for earlier, owners in sorted(claim.carried.items()):
+            if earlier not in self._recent_slices:
+                raise TuningError(f"rank 0 moved parts of the run's clock {earlier} to clock {run_clock}; this rank "
+                                  f"keeps the samples of the last {CARRY_WINDOW} only")
+            parts += zip(self._recent_slices[earlier], owners, strict=True)
         mine = [np.array_split(part, len(who))[who.index(self._rank)] for part, who in parts if self._rank in who]
         return np.concatenate(mine) if mine else samples[:0]
 

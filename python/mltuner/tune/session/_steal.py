@@ -16,29 +16,50 @@ BSP the thief would wait for the late worker's previous clock anyway.
 Rank 0 keeps a :class:`ClaimBoard`; every rank claims each clock of a run
 before computing it (rank 0 directly, the others through
 :meth:`mltuner.Job.request`). The first claim of clock k decides who
-computes each rank's part of it: a rank that has not claimed clock k - 1
-yet is late (a whole clock behind the first to arrive), and its part of k
-is split among the ranks that are not, in rank order; every other part
-stays with its rank. The late rank's part of k - 1, unclaimed, moves too:
-the on-time ranks compute it in clock k, beside their own (one clock later
-than its turn), unless the late rank also had others' parts to compute in
-k - 1. So the clock the late rank was on time for when its delay began is
-empty too, and no shard waits for it. The decision is kept until every
-rank has claimed k, so each part has exactly one set of owners whatever
-order the claims come in.
+computes each rank's part of it. A rank is late when it has not claimed
+clock k - 1 yet (a whole clock behind the first to arrive) and its last
+claim is older than ``late_after`` typical clocks (the median time between
+a rank's claims in the run). The time keeps the jitter of ranks in step
+from moving parts back and forth: under a slack they drift a clock apart
+now and then, and a thief's clock, longer by the parts it took, would make
+it the next one robbed. A late rank's part of k is split among the ranks
+that are not, in rank order; every other part stays with its rank. Its
+parts of the clocks before k that it has not claimed move too: the on-time
+ranks compute them in clock k, beside their own (later than their turn),
+unless the late rank also had others' parts to compute there. So the
+clocks it was still on time for when its delay began are empty too, and no
+shard waits for it. The decision is kept until every rank has claimed k,
+so each part has exactly one set of owners whatever order the claims come
+in.
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from mltuner.exceptions import InvalidArgumentError
 
-__all__ = ["CLAIM_SERVICE", "Claim", "ClaimBoard", "Owners"]
+__all__ = ["CARRY_WINDOW", "CLAIM_SERVICE", "Claim", "ClaimBoard", "Owners"]
 
 CLAIM_SERVICE = "mltuner-batch-claims"
+
+# A rank a clock behind is late once its last claim is this many typical
+# clocks old: a thief's clock, longer by the parts it took, stays below it.
+_LATE_AFTER = 2.0
+# Intervals between claims the typical clock is the median of, and how many
+# a run needs before anyone can be late.
+_INTERVALS = 64
+_INTERVALS_TO_JUDGE = 8
+# How far back a late rank's unclaimed parts move to the current clock (each
+# rank keeps that many clocks' samples); older ones stay with it.
+CARRY_WINDOW = 64
 
 Owners = list[list[int]]
 """Per rank's part of a clock (by the run's shares), the ranks that compute
@@ -52,7 +73,8 @@ class Claim:
 
     Attributes:
         owners: who computes each rank's part of clock k, in clock k.
-        carried: who computes each rank's part of clock k - 1 in clock k
+        carried: earlier clocks of the run whose parts some ranks compute
+            in clock k: clock -> who computes each rank's part of it now
             (``[]`` for a part computed in its own clock).
         declare: ``(rank, clock)`` pairs of the run's clocks that the
             claimant declares empty on every shard: only the claim that
@@ -60,34 +82,44 @@ class Claim:
     """
 
     owners: Owners
-    carried: Owners
+    carried: dict[int, Owners] = field(default_factory=dict)
     declare: list[tuple[int, int]] = field(default_factory=list)
 
     def computes(self, rank: int) -> bool:
         """Whether ``rank`` computes any samples in this clock."""
-        return any(rank in who for who in self.owners + self.carried)
+        return any(rank in who for owners in [self.owners, *self.carried.values()] for who in owners)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"owners": self.owners, "carried": self.carried, "declare": [list(p) for p in self.declare]}
+        return {"owners": self.owners, "carried": [[clock, owners] for clock, owners in self.carried.items()],
+                "declare": [list(pair) for pair in self.declare]}
 
     @staticmethod
     def from_wire(value: Any, world_size: int) -> Claim:
         """The answer rank 0 sent (it came over the network), checked: one
-        list of distinct ranks per rank in ``owners`` and ``carried``, and
-        ``declare`` pairs of a rank and a clock."""
+        list of distinct ranks per rank in ``owners`` and in each carried
+        clock's, and ``declare`` pairs of a rank and a clock."""
         def owners_ok(owners: Any) -> bool:
             return (isinstance(owners, list) and len(owners) == world_size
                     and all(isinstance(part, list) and len(set(part)) == len(part) and all(_rank_ok(q, world_size)
                                                                                            for q in part)
                             for part in owners))
+
+        def pairs_ok(pairs: Any, second_ok: Callable[[Any], bool]) -> bool:
+            return isinstance(pairs, list) and all(isinstance(p, list) and len(p) == 2 and second_ok(p[1])
+                                                   for p in pairs)
+        carried = value.get("carried") if isinstance(value, dict) else None
         declare = value.get("declare") if isinstance(value, dict) else None
-        ok = (isinstance(value, dict) and owners_ok(value.get("owners")) and owners_ok(value.get("carried"))
-              and isinstance(declare, list)
-              and all(isinstance(p, list) and len(p) == 2 and _rank_ok(p[0], world_size)
-                      and isinstance(p[1], int) and not isinstance(p[1], bool) and p[1] >= 0 for p in declare))
+        ok = (isinstance(value, dict) and owners_ok(value.get("owners"))
+              and pairs_ok(carried, owners_ok) and all(_clock_ok(c) for c, _ in carried)
+              and pairs_ok(declare, _clock_ok) and all(_rank_ok(r, world_size) for r, _ in declare))
         if not ok:
             raise InvalidArgumentError(f"rank 0 answered a batch claim with {str(value)[:200]}")
-        return Claim(value["owners"], value["carried"], [(int(r), int(c)) for r, c in declare])
+        return Claim(value["owners"], {int(c): owners for c, owners in carried},
+                     [(int(r), int(c)) for r, c in declare])
+
+
+def _clock_ok(clock: Any) -> bool:
+    return isinstance(clock, int) and not isinstance(clock, bool) and clock >= 0
 
 
 def _rank_ok(q: Any, world_size: int) -> bool:
@@ -99,24 +131,36 @@ class ClaimBoard:
 
     Args:
         world_size: the ranks that share each clock's samples.
+        late_after: how many typical clocks a rank a clock behind must have
+            been silent to be late; 0: no wait (a clock behind is late).
+        now: the clock of the claims' times (tests give their own).
     """
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, late_after: float = _LATE_AFTER,
+                 now: Callable[[], float] = time.monotonic) -> None:
         self._world = world_size
+        self._late_after = late_after
+        self._now = now
         self._lock = threading.Lock()
         self._run: int | None = None
         self._last: list[int] = []  # per rank: the last clock it claimed in the run
-        # Clocks some rank has not claimed yet: their owners (rewritten when a part is carried on) and carried parts.
+        self._claimed_at: list[float] = []  # per rank: when
+        self._intervals: deque[float] = deque(maxlen=_INTERVALS)  # between a rank's claims, recent ones
+        # Clocks some rank has not claimed yet: their owners (rewritten when a part moves on) and the
+        # earlier clocks' parts computed in them.
         self._owners: dict[int, Owners] = {}
-        self._carried: dict[int, Owners] = {}
+        self._carried: dict[int, dict[int, Owners]] = {}
 
     def claim(self, rank: int, run: int, clock: int) -> Claim:
         """``rank`` starts ``clock`` (0-based) of ``run``: who computes what
         in that clock. Runs are numbered upwards, and each rank claims the
         clocks of a run in order, once each."""
         with self._lock:
+            now = self._now()
             if self._run is None or run > self._run:
                 self._run, self._last, self._owners, self._carried = run, [-1] * self._world, {}, {}
+                self._claimed_at = [now] * self._world
+                self._intervals.clear()
             elif run < self._run:
                 raise InvalidArgumentError(f"rank {rank} claimed a clock of run {run}, which ended (run "
                                            f"{self._run} is on)")
@@ -125,32 +169,44 @@ class ClaimBoard:
                                            f"{self._last[rank] + 1}")
             declare: list[tuple[int, int]] = []
             if clock not in self._owners:
-                declare = self._decide(clock)
-            self._last[rank] = clock
-            answer = Claim([list(p) for p in self._owners[clock]], [list(p) for p in self._carried[clock]], declare)
+                declare = self._decide(clock, now)
+            if clock > 0:
+                self._intervals.append(now - self._claimed_at[rank])
+            self._last[rank], self._claimed_at[rank] = clock, now
+            answer = Claim([list(p) for p in self._owners[clock]],
+                           {c: [list(p) for p in owners] for c, owners in self._carried[clock].items()}, declare)
             everyone = min(self._last)
             for done in [k for k in self._owners if k <= everyone]:
                 del self._owners[done], self._carried[done]
             return answer
 
-    def _decide(self, clock: int) -> list[tuple[int, int]]:
+    def _decide(self, clock: int, now: float) -> list[tuple[int, int]]:
         """The first claim of ``clock``: moves the late ranks' parts to the
         ranks on time; the clocks it empties."""
-        late = [q for q in range(self._world) if self._last[q] < clock - 1]
+        if self._late_after > 0 and len(self._intervals) < _INTERVALS_TO_JUDGE:
+            late = []  # no typical clock yet
+        else:
+            patience = self._late_after * float(np.median(self._intervals)) if self._late_after > 0 else 0.0
+            late = [q for q in range(self._world)
+                    if self._last[q] < clock - 1 and now - self._claimed_at[q] > patience]
         on_time = [q for q in range(self._world) if q not in late]
-        owners = [list(on_time) if q in late else [q] for q in range(self._world)]
-        carried: Owners = [[] for _ in range(self._world)]
+        self._owners[clock] = [list(on_time) if q in late else [q] for q in range(self._world)]
+        carried: dict[int, Owners] = {}
         declare = []
-        previous, previous_carried = self._owners.get(clock - 1), self._carried.get(clock - 1)
         for q in late:
-            # Its part of the clock before, if that was all it had to compute there, moves here too.
-            if (previous is not None and previous_carried is not None and previous[q] == [q]
-                    and not any(q in who for r, who in enumerate(previous + previous_carried) if r != q)):
-                carried[q], previous[q] = list(on_time), []
-                declare.append((q, clock - 1))
+            # Its parts of the clocks it has not claimed, where that was all it had to compute
+            # there, move here too: then no shard waits for it.
+            for earlier in range(max(self._last[q] + 1, clock - CARRY_WINDOW), clock):
+                owners = self._owners[earlier]
+                others = [who for r, who in enumerate(owners) if r != q]
+                others += [who for moved in self._carried[earlier].values() for who in moved]
+                if owners[q] == [q] and not any(q in who for who in others):
+                    carried.setdefault(earlier, [[] for _ in range(self._world)])[q] = list(on_time)
+                    owners[q] = []
+                    declare.append((q, earlier))
             declare.append((q, clock))
-        self._owners[clock], self._carried[clock] = owners, carried
-        return declare
+        self._carried[clock] = carried
+        return sorted(declare)
 
     def answer(self, rank: int, value: Any) -> dict[str, Any]:
         """:meth:`claim` for a request that came over the network:

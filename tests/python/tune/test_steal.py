@@ -159,3 +159,30 @@ def test_nobody_is_late_before_the_run_knows_its_typical_clock() -> None:
     clock.now = 100.0
     assert board.claim(0, 0, 1).owners == [[0], [1]]
     assert board.claim(0, 0, 2).owners == [[0], [1]]  # rank 1 is a clock behind, but no clock is typical yet
+
+
+def test_a_thief_gets_the_time_of_the_parts_it_took() -> None:
+    clock = _Clock()
+    board = ClaimBoard(3, now=clock)
+    for k in range(4):  # clocks of 1 s in step
+        for rank in range(3):
+            board.claim(rank, 0, k)
+        clock.now += 1.0
+    # Rank 2 falls silent; at 6.5 s ranks 0 and 1 take its parts of clocks 4 and 5.
+    for rank in (0, 1):
+        board.claim(rank, 0, 4)
+    clock.now = 5.0
+    board.claim(0, 0, 5)
+    board.claim(1, 0, 5)
+    clock.now = 6.5
+    taken = board.claim(0, 0, 6)
+    assert taken.declare == [(2, 4), (2, 5), (2, 6)] and taken.parts_of(1) == 2.5
+    board.claim(1, 0, 6)  # at 6.5 s: rank 1 computes its part and half of three more
+    clock.now = 7.0
+    board.claim(0, 0, 7)
+    clock.now = 8.9
+    # Rank 1 is a clock behind and 2.4 s silent: more than two typical clocks, but less
+    # than twice the 2.5 s its parts take, so not late.
+    assert board.claim(0, 0, 8).owners[1] == [1]
+    clock.now = 11.6
+    assert board.claim(0, 0, 9).owners[1] == [0]  # 5.1 s: late

@@ -19,7 +19,8 @@ before computing it (rank 0 directly, the others through
 computes each rank's part of it. A rank is late when it has not claimed
 clock k - 1 yet (a whole clock behind the first to arrive) and its last
 claim is older than ``late_after`` typical clocks (the median time between
-a rank's claims in the run). The time keeps the jitter of ranks in step
+a rank's claims in the run, per part it computed; a thief computing two
+parts gets twice that). The time keeps the jitter of ranks in step
 from moving parts back and forth: under a slack they drift a clock apart
 now and then, and a thief's clock, longer by the parts it took, would make
 it the next one robbed. A late rank's part of k is split among the ranks
@@ -87,7 +88,13 @@ class Claim:
 
     def computes(self, rank: int) -> bool:
         """Whether ``rank`` computes any samples in this clock."""
-        return any(rank in who for owners in [self.owners, *self.carried.values()] for who in owners)
+        return self.parts_of(rank) > 0
+
+    def parts_of(self, rank: int) -> float:
+        """How many ranks' parts ``rank`` computes in this clock, counting a
+        piece of a part split n ways as 1/n (its own part alone is 1)."""
+        return sum(1.0 / len(who) for owners in [self.owners, *self.carried.values()] for who in owners
+                   if rank in who)
 
     def to_wire(self) -> dict[str, Any]:
         return {"owners": self.owners, "carried": [[clock, owners] for clock, owners in self.carried.items()],
@@ -145,7 +152,9 @@ class ClaimBoard:
         self._run: int | None = None
         self._last: list[int] = []  # per rank: the last clock it claimed in the run
         self._claimed_at: list[float] = []  # per rank: when
-        self._intervals: deque[float] = deque(maxlen=_INTERVALS)  # between a rank's claims, recent ones
+        self._work: list[float] = []  # per rank: the parts it computes in that clock (its own is 1)
+        # Recent times between a rank's claims, per part it computed between them.
+        self._intervals: deque[float] = deque(maxlen=_INTERVALS)
         # Clocks some rank has not claimed yet: their owners (rewritten when a part moves on) and the
         # earlier clocks' parts computed in them.
         self._owners: dict[int, Owners] = {}
@@ -159,7 +168,7 @@ class ClaimBoard:
             now = self._now()
             if self._run is None or run > self._run:
                 self._run, self._last, self._owners, self._carried = run, [-1] * self._world, {}, {}
-                self._claimed_at = [now] * self._world
+                self._claimed_at, self._work = [now] * self._world, [1.0] * self._world
                 self._intervals.clear()
             elif run < self._run:
                 raise InvalidArgumentError(f"rank {rank} claimed a clock of run {run}, which ended (run "
@@ -170,11 +179,12 @@ class ClaimBoard:
             declare: list[tuple[int, int]] = []
             if clock not in self._owners:
                 declare = self._decide(clock, now)
-            if clock > 0:
-                self._intervals.append(now - self._claimed_at[rank])
-            self._last[rank], self._claimed_at[rank] = clock, now
+            if clock > 0 and self._work[rank] >= 0.5:  # a clock of about a part or more: its time per part
+                self._intervals.append((now - self._claimed_at[rank]) / self._work[rank])
             answer = Claim([list(p) for p in self._owners[clock]],
                            {c: [list(p) for p in owners] for c, owners in self._carried[clock].items()}, declare)
+            self._last[rank], self._claimed_at[rank] = clock, now
+            self._work[rank] = answer.parts_of(rank)
             everyone = min(self._last)
             for done in [k for k in self._owners if k <= everyone]:
                 del self._owners[done], self._carried[done]
@@ -186,9 +196,10 @@ class ClaimBoard:
         if self._late_after > 0 and len(self._intervals) < _INTERVALS_TO_JUDGE:
             late = []  # no typical clock yet
         else:
-            patience = self._late_after * float(np.median(self._intervals)) if self._late_after > 0 else 0.0
+            # A rank computing more than its part (a thief) gets the longer time it needs.
+            typical = self._late_after * float(np.median(self._intervals)) if self._late_after > 0 else 0.0
             late = [q for q in range(self._world)
-                    if self._last[q] < clock - 1 and now - self._claimed_at[q] > patience]
+                    if self._last[q] < clock - 1 and now - self._claimed_at[q] > typical * max(self._work[q], 1.0)]
         on_time = [q for q in range(self._world) if q not in late]
         self._owners[clock] = [list(on_time) if q in late else [q] for q in range(self._world)]
         carried: dict[int, Owners] = {}

@@ -1,6 +1,7 @@
 """The MNIST-1D program's settings for benchmarks: the staleness of a run
 that does not search it, and the straggler (a slow factor scales with the
-samples the rank computes; a burst does not)."""
+samples the rank computes; a burst does not), and how many clocks a
+validation takes."""
 
 from __future__ import annotations
 
@@ -80,3 +81,14 @@ def test_a_burst_is_the_same_whatever_the_rank_computes(monkeypatch: pytest.Monk
 def test_a_slow_factor_needs_the_compute_time() -> None:
     with pytest.raises(InvalidArgumentError, match="--slow-factor"):
         Straggler(options(slow_factor=2.0), 1)
+
+
+def test_a_validation_covers_the_set_once_in_training_batches() -> None:
+    args = parse_args(["--batch-size", "32"])
+    assert mnist1d.validation_clocks(args, 400, 4) == 4  # 400 samples, 128 a clock: the last clock short
+    assert mnist1d.validation_clocks(args, 384, 4) == 3
+    assert mnist1d.validation_clocks(args, 10, 2) == 1
+    assert mnist1d.validation_clocks(parse_args(["--test-clocks", "100"]), 400, 4) == 100
+    assert mnist1d.tuner_config(args, 4).num_clocks_to_test == 4
+    with pytest.raises(SystemExit):
+        parse_args(["--test-clocks", "0"])

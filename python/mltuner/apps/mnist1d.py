@@ -97,10 +97,20 @@ def update_rule(args: argparse.Namespace) -> mlt.UpdateRule:
     return mlt.UpdateRule("damped_momentum", learning_rate=args.lr, momentum=args.momentum)
 
 
-def tuner_config(args: argparse.Namespace) -> TunerConfig:
+def validation_clocks(args: argparse.Namespace, num_validation: int, world_size: int) -> int:
+    """``--test-clocks``, or the clocks that cover the validation set once
+    in batches of ``--batch-size`` a worker: clocks of a few samples would
+    each cost a clock's overhead, and a straggler's delay per clock."""
+    if args.test_clocks is not None:
+        return int(args.test_clocks)
+    return max(1, -(-num_validation // (args.batch_size * world_size)))
+
+
+def tuner_config(args: argparse.Namespace, num_clocks_to_test: int = TunerConfig.num_clocks_to_test) -> TunerConfig:
     return TunerConfig(
         sampler=args.sampler, retune=args.retune, seed=args.seed, storage=args.storage,
-        num_clocks_to_eval=args.eval_clocks, max_trials_per_search=args.trials, max_epochs=args.max_epochs,
+        num_clocks_to_eval=args.eval_clocks, num_clocks_to_test=num_clocks_to_test,
+        max_trials_per_search=args.trials, max_epochs=args.max_epochs,
         target_accuracy=args.target_accuracy,
         initial_trial_time_s=args.trial_time, num_branches=30,
         search_share=args.search_share if args.search_share > 0 else None, time_budget_s=args.time_budget,
@@ -356,7 +366,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             trainer = NumpyMLP(args, data, job.worker)
         session = TuningSession(job, space, num_train=len(data.x_train), num_validation=len(data.x_val),
-                                config=tuner_config(args), seed=args.seed, balance_batches=args.balance_batches,
+                                config=tuner_config(args, validation_clocks(args, len(data.x_val), job.world_size)),
+                                seed=args.seed, balance_batches=args.balance_batches,
                                 steal_batches=args.steal_batches)
         session.driver = make_driver(args, space, session, log)
         searched = searched_names(args)

@@ -55,7 +55,10 @@ def main() -> int:
     parser.add_argument("--slack", type=int, default=0)
     parser.add_argument("--rule", choices=("sgd", "add"), default="sgd")
     parser.add_argument("--prob", type=float, default=0.0)
+    parser.add_argument("--switch", type=float, default=0.0)
     args = parser.parse_args()
+    if args.switch:
+        sys.setswitchinterval(args.switch)
     rng = np.random.default_rng(1)
     setting = {"lr": LR, "batch_size": BATCH}
 
@@ -106,7 +109,9 @@ def main() -> int:
                     trained.append(step.indices)
                     weights.append(step.weight)
                     xs, ys = x[step.indices], y[step.indices]
-                    time.sleep(args.work_s * len(xs) / BATCH)  # compute in proportion to the samples
+                    end = time.perf_counter() + args.work_s * len(xs) / BATCH
+                    while time.perf_counter() < end:  # compute holding the GIL, as Python between ops does
+                        pass
                     if not len(xs):  # the other rank took this clock's part
                         worker.pre_update(grad)[:] = 0.0
                         step.report(0.0)

@@ -127,7 +127,7 @@ def main() -> int:
                      trained=np.concatenate(trained), counts=np.array([len(i) for i in trained]),
                      weights=np.array(weights), validated=np.concatenate(validated),
                      shares=np.array(session.batch_shares or []),
-                     given=session.clocks_given, taken=session.clocks_taken,
+                     given=session.clocks_given, taken=session.clocks_taken, shared=session.claims_shared,
                      seen=np.array(seen).reshape(-1, 3), pauses=np.array(pauses).reshape(-1, 3))
     except mltuner.MltunerError as error:
         print(f"FAILED {type(error).__name__}: {error}", flush=True)

@@ -10,6 +10,7 @@ one sleeps (its clocks are declared empty on the shards)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from balance_worker import BATCH, NUM_TRAIN, NUM_VAL, make_data  # type: ignore[import-not-found]
 from conftest import WORKER
@@ -63,11 +64,15 @@ def _check_every_sample_counts_once(ranks: list[dict[str, np.ndarray]]) -> None:
     np.testing.assert_allclose(final, want, rtol=1e-5, atol=1e-5)
 
 
-def test_a_paused_rank_loses_its_parts_and_every_sample_counts_once(start_workers) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_paused_rank_loses_its_parts_and_every_sample_counts_once(start_workers, shared: bool) -> None:  # type: ignore[no-untyped-def]
+    """Both ways to claim: the board file of one host, and requests to rank 0."""
     workers = start_workers(2, "--runs", str(RUNS), "--clocks", str(CLOCKS), "--steal", "--slack", "2",
                             "--rule", "add", "--slow-rank", "1", "--slow-s", "0.3", "--slow-every", "6",
-                            "--work-s", "0.01", program=PROGRAM)
+                            "--work-s", "0.01", program=PROGRAM,
+                            env=None if shared else {"MLTUNER_SHARED_CLAIMS": "0"})
     ranks = _results(workers, 2)
+    assert [bool(r["shared"]) for r in ranks] == [shared, shared]
     counts = [r["counts"] for r in ranks]
     # Rank 1's pauses (0.3 s, 30 clocks of 10 ms) let rank 0 run ahead: it
     # takes rank 1's parts of some clocks, which rank 1 then runs empty (several

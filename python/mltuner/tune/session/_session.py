@@ -60,6 +60,7 @@ from mltuner.tune._space import SearchSpace
 from mltuner.tune._system import BranchKind, BranchSystem, ClockReport
 from mltuner.tune.session._balance import BatchBalancer, split_counts
 from mltuner.tune.session._sampler import StepBatchSampler
+from mltuner.tune.session._shared_board import SharedClaimBoard, new_board_file
 from mltuner.tune.session._steal import CARRY_WINDOW, CLAIM_SERVICE, Claim, ClaimBoard
 from mltuner.tune.session._commands import (
     Command,
@@ -278,6 +279,7 @@ class TuningSession:
         # The job that answers claims (checked above; None: no stealing), and rank 0's board.
         self._claim_job = cast(ServingCollective, job) if steal else None
         self._claims = ClaimBoard(self._world) if steal and self._rank == 0 else None
+        self._shared_claims: SharedClaimBoard | None = None  # the board file of a job on one host
         self._run_id = 0  # the allgather that started the run: its number in every rank's claims
         self._run_clock = 0  # clocks made in the run so far
         self._run_steals = False  # rank 0's word: this run's clocks are claimed
@@ -310,8 +312,8 @@ class TuningSession:
         if self._started:
             raise InvalidArgumentError("a TuningSession can be iterated once")
         self._started = True
-        if self._claim_job is not None and self._claims is not None:
-            self._claim_job.serve(CLAIM_SERVICE, self._claims.answer)
+        if self._claim_job is not None:
+            self._choose_claim_board()
         if self._rank == 0:
             self._start_driver()
         try:
@@ -335,10 +337,19 @@ class TuningSession:
         finally:
             if self._claim_job is not None and self._claims is not None:
                 self._claim_job.serve(CLAIM_SERVICE, None)
+            if self._shared_claims is not None:
+                self._shared_claims.close()
             if self.system is not None:
                 self.system._close()
             if self._thread is not None:
                 self._thread.join(self._timeout_s)
+
+    @property
+    def claims_shared(self) -> bool:
+        """With ``steal_batches``: whether the ranks claim their clocks through
+        a board file they share (every rank on one host) rather than through
+        rank 0 (known once iteration started)."""
+        return self._shared_claims is not None
 
     @property
     def current_step(self) -> Step | None:
@@ -559,13 +570,41 @@ class TuningSession:
         mine = [np.array_split(part, len(who))[who.index(self._rank)] for part, who in parts if self._rank in who]
         return np.concatenate(mine) if mine else samples[:0]
 
+    def _choose_claim_board(self) -> None:
+        """Where the ranks claim their clocks: a board file they all share
+        when they run on one host (``_shared_board.py``), else rank 0's
+        board through requests. Every rank must have opened rank 0's file
+        and share its boot (one kernel: one monotonic clock), or none uses it."""
+        path = new_board_file() if self._rank == 0 and _SHARED_CLAIMS else None
+        offer = self._allgather("claim-board", {"path": path, "boot": _boot_id()})[0]
+        shared: SharedClaimBoard | None = None
+        boot = _boot_id()
+        if isinstance(offer, dict) and isinstance(offer.get("path"), str) and boot is not None \
+                and offer.get("boot") == boot:
+            try:
+                shared = SharedClaimBoard(offer["path"], self._world, self._timeout_s)
+            except OSError:
+                shared = None
+        everyone = self._allgather("claim-board-open", shared is not None)
+        if all(everyone):
+            self._shared_claims = shared
+        elif shared is not None:
+            shared.close()
+        if self._rank == 0:
+            if path is not None:
+                os.unlink(path)  # every rank that uses it has it open
+            if self._shared_claims is None and self._claim_job is not None and self._claims is not None:
+                self._claim_job.serve(CLAIM_SERVICE, self._claims.answer)
+
     def _claim(self, branch: int, branch_clock: int) -> Claim:
         """Who computes what in this training clock (rank 0's board); the
         decision's empty clocks are declared to every shard from here."""
         if self._claim_job is None:
             raise TuningError("rank 0 runs with batch stealing, but this rank's session has steal_batches off")
         clock, self._run_clock = self._run_clock, self._run_clock + 1
-        if self._claims is not None:
+        if self._shared_claims is not None:
+            claim = self._shared_claims.claim(self._rank, self._run_id, clock)
+        elif self._claims is not None:
             claim = self._claims.claim(self._rank, self._run_id, clock)
         else:
             answer = self._claim_job.request(CLAIM_SERVICE, {"run": self._run_id, "clock": clock}, self._timeout_s)
@@ -604,6 +643,19 @@ class TuningSession:
 
     def _default_driver(self, system: BranchSystem) -> Any:
         return Tuner(system, self._space, self._config, log=self._log).run()
+
+
+# MLTUNER_SHARED_CLAIMS=0: claims go to rank 0 even when every rank is on one host.
+_SHARED_CLAIMS = os.environ.get("MLTUNER_SHARED_CLAIMS", "1") != "0"
+
+
+def _boot_id() -> str | None:
+    """This kernel's boot id: ranks that share it share a monotonic clock."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as file:
+            return file.read().strip()
+    except OSError:
+        return None
 
 
 def typical_busy(busy: Sequence[float], stealing: bool) -> float:

@@ -190,6 +190,25 @@ class ClaimBoard:
                 del self._owners[done], self._carried[done]
             return answer
 
+    def state(self) -> dict[str, Any]:
+        """Everything the board knows, as JSON can hold it (a board shared
+        through a file, :mod:`._shared_board`)."""
+        with self._lock:
+            return {"run": self._run, "last": list(self._last), "claimed_at": list(self._claimed_at),
+                    "work": list(self._work), "intervals": list(self._intervals),
+                    "owners": [[k, [list(p) for p in owners]] for k, owners in self._owners.items()],
+                    "carried": [[k, [[c, [list(p) for p in owners]] for c, owners in moved.items()]]
+                                for k, moved in self._carried.items()]}
+
+    def load(self, state: dict[str, Any]) -> None:
+        """Takes over what :meth:`state` gave (from this job's own ranks)."""
+        with self._lock:
+            self._run = state["run"]
+            self._last, self._claimed_at, self._work = state["last"], state["claimed_at"], state["work"]
+            self._intervals = deque(state["intervals"], maxlen=_INTERVALS)
+            self._owners = {int(k): owners for k, owners in state["owners"]}
+            self._carried = {int(k): {int(c): owners for c, owners in moved} for k, moved in state["carried"]}
+
     def _decide(self, clock: int, now: float) -> list[tuple[int, int]]:
         """The first claim of ``clock``: moves the late ranks' parts to the
         ranks on time; the clocks it empties."""

@@ -5,6 +5,7 @@ throughput_bench.py)."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -20,12 +21,14 @@ STOP_SECONDS = 15.0
 
 
 def run_job(command: list[str], result: Path, workers: int = WORKERS,
-            timeout_s: Optional[float] = None, cores: Optional[list[int]] = None) -> dict[str, Any]:
+            timeout_s: Optional[float] = None, cores: Optional[list[int]] = None,
+            env: Optional[dict[str, str]] = None) -> dict[str, Any]:
     """Runs ``command`` on ``workers`` local workers and returns what rank 0
     wrote to ``result``. Raises RuntimeError (the job failed or wrote
     nothing) or TimeoutError (it ran past ``timeout_s``), each with the tail
     of the workers' output. ``cores``: pin the launcher and its workers to
-    these cores (``taskset``).
+    these cores (``taskset``). ``env``: variables set for the launcher and
+    its workers, beside this process's.
 
     The launcher runs as a child process so that a timeout can stop it: on
     SIGTERM it stops and reaps its workers (which sit in their own process
@@ -35,7 +38,8 @@ def run_job(command: list[str], result: Path, workers: int = WORKERS,
     launcher = pinned([sys.executable, "-m", "mltuner.cli", "launch", "-n", str(workers), "--grace", "10", "--",
                        *command], cores)
     process = subprocess.Popen(launcher, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, errors="replace")
+                               stderr=subprocess.STDOUT, text=True, errors="replace",
+                               env={**os.environ, **env} if env else None)
     try:
         output, _ = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:

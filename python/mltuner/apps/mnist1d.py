@@ -103,7 +103,7 @@ def validation_clocks(args: argparse.Namespace, num_validation: int, world_size:
     each cost a clock's overhead, and a straggler's delay per clock."""
     if args.test_clocks is not None:
         return int(args.test_clocks)
-    return max(1, -(-num_validation // (args.batch_size * world_size)))
+    return max(1, -(-num_validation // (int(args.batch_size) * world_size)))
 
 
 def tuner_config(args: argparse.Namespace, num_clocks_to_test: int = TunerConfig.num_clocks_to_test) -> TunerConfig:

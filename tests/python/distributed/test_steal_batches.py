@@ -65,7 +65,8 @@ def _check_every_sample_counts_once(ranks: list[dict[str, np.ndarray]]) -> None:
 
 
 @pytest.mark.parametrize("shared", [True, False])
-def test_a_paused_rank_loses_its_parts_and_every_sample_counts_once(start_workers, shared: bool) -> None:  # type: ignore[no-untyped-def]
+def test_a_paused_rank_loses_its_parts_and_every_sample_counts_once(  # type: ignore[no-untyped-def]
+        start_workers, shared: bool) -> None:
     """Both ways to claim: the board file of one host, and requests to rank 0."""
     workers = start_workers(2, "--runs", str(RUNS), "--clocks", str(CLOCKS), "--steal", "--slack", "2",
                             "--rule", "add", "--slow-rank", "1", "--slow-s", "0.3", "--slow-every", "6",

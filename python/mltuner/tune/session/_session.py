@@ -564,8 +564,8 @@ class TuningSession:
         parts = list(zip(slices, claim.owners, strict=True))
         for earlier, owners in sorted(claim.carried.items()):
             if earlier not in self._recent_slices:
-                raise TuningError(f"rank 0 moved parts of the run's clock {earlier} to clock {run_clock}; this rank "
-                                  f"keeps the samples of the last {CARRY_WINDOW} only")
+                raise TuningError(f"the claim board moved parts of the run's clock {earlier} to clock {run_clock}; "
+                                  f"this rank keeps the samples of the last {CARRY_WINDOW} only")
             parts += zip(self._recent_slices[earlier], owners, strict=True)
         mine = [np.array_split(part, len(who))[who.index(self._rank)] for part, who in parts if self._rank in who]
         return np.concatenate(mine) if mine else samples[:0]
@@ -576,28 +576,28 @@ class TuningSession:
         board through requests. Every rank must have opened rank 0's file
         and share its boot (one kernel: one monotonic clock), or none uses it."""
         path = new_board_file() if self._rank == 0 and _SHARED_CLAIMS else None
-        offer = self._allgather("claim-board", {"path": path, "boot": _boot_id()})[0]
-        shared: SharedClaimBoard | None = None
-        boot = _boot_id()
-        if isinstance(offer, dict) and isinstance(offer.get("path"), str) and boot is not None \
-                and offer.get("boot") == boot:
-            try:
-                shared = SharedClaimBoard(offer["path"], self._world, self._timeout_s)
-            except OSError:
-                shared = None
-        everyone = self._allgather("claim-board-open", shared is not None)
-        if all(everyone):
-            self._shared_claims = shared
-        elif shared is not None:
-            shared.close()
-        if self._rank == 0:
+        try:
+            boot = _boot_id()
+            offer = self._allgather("claim-board", {"path": path, "boot": boot})[0]
+            shared: SharedClaimBoard | None = None
+            if isinstance(offer, dict) and isinstance(offer.get("path"), str) and boot is not None \
+                    and offer.get("boot") == boot:
+                try:
+                    shared = SharedClaimBoard(offer["path"], self._world, self._timeout_s)
+                except OSError:
+                    shared = None
+            if all(self._allgather("claim-board-open", shared is not None)):
+                self._shared_claims = shared
+            elif shared is not None:
+                shared.close()
+        finally:
             if path is not None:
                 os.unlink(path)  # every rank that uses it has it open
-            if self._shared_claims is None and self._claim_job is not None and self._claims is not None:
-                self._claim_job.serve(CLAIM_SERVICE, self._claims.answer)
+        if self._shared_claims is None and self._claim_job is not None and self._claims is not None:
+            self._claim_job.serve(CLAIM_SERVICE, self._claims.answer)
 
     def _claim(self, branch: int, branch_clock: int) -> Claim:
-        """Who computes what in this training clock (rank 0's board); the
+        """Who computes what in this training clock (the claim board); the
         decision's empty clocks are declared to every shard from here."""
         if self._claim_job is None:
             raise TuningError("rank 0 runs with batch stealing, but this rank's session has steal_batches off")

@@ -13,9 +13,10 @@ as soon as the on-time workers' updates are in, and drop the late worker's
 zeros when they come. The session steals only in runs at slack >= 1: under
 BSP the thief would wait for the late worker's previous clock anyway.
 
-Rank 0 keeps a :class:`ClaimBoard`; every rank claims each clock of a run
-before computing it (rank 0 directly, the others through
-:meth:`mltuner.Job.request`). The first claim of clock k decides who
+Every rank claims each clock of a run before computing it, from one
+:class:`ClaimBoard`: on one host a board file the ranks share
+(:mod:`._shared_board`), otherwise rank 0's (directly on rank 0, through
+:meth:`mltuner.Job.request` from the others). The first claim of clock k decides who
 computes each rank's part of it. A rank is late when it has not claimed
 clock k - 1 yet (a whole clock behind the first to arrive) and its last
 claim is older than ``late_after`` typical clocks (the median time between
@@ -114,8 +115,8 @@ class Claim:
         def pairs_ok(pairs: Any, second_ok: Callable[[Any], bool]) -> bool:
             return isinstance(pairs, list) and all(isinstance(p, list) and len(p) == 2 and second_ok(p[1])
                                                    for p in pairs)
-        carried = value.get("carried") if isinstance(value, dict) else None
-        declare = value.get("declare") if isinstance(value, dict) else None
+        carried: Any = value.get("carried") if isinstance(value, dict) else None
+        declare: Any = value.get("declare") if isinstance(value, dict) else None
         ok = (isinstance(value, dict) and owners_ok(value.get("owners"))
               and pairs_ok(carried, owners_ok) and all(_clock_ok(c) for c, _ in carried)
               and pairs_ok(declare, _clock_ok) and all(_rank_ok(r, world_size) for r, _ in declare))

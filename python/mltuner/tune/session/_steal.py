@@ -37,14 +37,13 @@ in.
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
 
 from mltuner.exceptions import InvalidArgumentError
 
@@ -195,8 +194,10 @@ class ClaimBoard:
         """Everything the board knows, as JSON can hold it (a board shared
         through a file, :mod:`._shared_board`)."""
         with self._lock:
-            return {"run": self._run, "last": list(self._last), "claimed_at": list(self._claimed_at),
-                    "work": list(self._work), "intervals": list(self._intervals),
+            # Times in whole microseconds: integers cost JSON a fraction of floats.
+            return {"run": self._run, "last": list(self._last), "work": list(self._work),
+                    "claimed_at": [round(t * 1e6) for t in self._claimed_at],
+                    "intervals": [round(t * 1e6) for t in self._intervals],
                     "owners": [[k, [list(p) for p in owners]] for k, owners in self._owners.items()],
                     "carried": [[k, [[c, [list(p) for p in owners]] for c, owners in moved.items()]]
                                 for k, moved in self._carried.items()]}
@@ -205,8 +206,9 @@ class ClaimBoard:
         """Takes over what :meth:`state` gave (from this job's own ranks)."""
         with self._lock:
             self._run = state["run"]
-            self._last, self._claimed_at, self._work = state["last"], state["claimed_at"], state["work"]
-            self._intervals = deque(state["intervals"], maxlen=_INTERVALS)
+            self._last, self._work = state["last"], state["work"]
+            self._claimed_at = [t * 1e-6 for t in state["claimed_at"]]
+            self._intervals = deque((t * 1e-6 for t in state["intervals"]), maxlen=_INTERVALS)
             self._owners = {int(k): owners for k, owners in state["owners"]}
             self._carried = {int(k): {int(c): owners for c, owners in moved} for k, moved in state["carried"]}
 
@@ -217,7 +219,7 @@ class ClaimBoard:
             late = []  # no typical clock yet
         else:
             # A rank computing more than its part (a thief) gets the longer time it needs.
-            typical = self._late_after * float(np.median(self._intervals)) if self._late_after > 0 else 0.0
+            typical = self._late_after * statistics.median(self._intervals) if self._late_after > 0 else 0.0
             late = [q for q in range(self._world)
                     if self._last[q] < clock - 1 and now - self._claimed_at[q] > typical * max(self._work[q], 1.0)]
         on_time = [q for q in range(self._world) if q not in late]

@@ -90,7 +90,9 @@ def main() -> int:
             weights: list[float] = []
             seen: list[tuple[float, int, int]] = []  # (time, branch clock, data age) of training reads
             pauses: list[tuple[float, float, int]] = []
+            switch_during = 0.0
             for step in session:
+                switch_during = max(switch_during, sys.getswitchinterval())
                 w = np.asarray(worker.read(read), dtype=np.float64)[0]
                 if step.kind is not BranchKind.TESTING:
                     seen.append((time.time(), step.clock, worker.last_read_data_age))
@@ -128,6 +130,7 @@ def main() -> int:
                      weights=np.array(weights), validated=np.concatenate(validated),
                      shares=np.array(session.batch_shares or []),
                      given=session.clocks_given, taken=session.clocks_taken, shared=session.claims_shared,
+                     switch=[switch_during, sys.getswitchinterval()],
                      seen=np.array(seen).reshape(-1, 3), pauses=np.array(pauses).reshape(-1, 3))
     except mltuner.MltunerError as error:
         print(f"FAILED {type(error).__name__}: {error}", flush=True)

@@ -74,6 +74,9 @@ def test_a_paused_rank_loses_its_parts_and_every_sample_counts_once(  # type: ig
                             env=None if shared else {"MLTUNER_SHARED_CLAIMS": "0"})
     ranks = _results(workers, 2)
     assert [bool(r["shared"]) for r in ranks] == [shared, shared]
+    # Rank 0 answering claims over the network hands its interpreter lock over sooner, then restores it.
+    assert ranks[0]["switch"].tolist() == ([0.005, 0.005] if shared else [0.0005, 0.005])
+    assert ranks[1]["switch"].tolist() == [0.005, 0.005]
     counts = [r["counts"] for r in ranks]
     # Rank 1's pauses (0.3 s, 30 clocks of 10 ms) let rank 0 run ahead: it
     # takes rank 1's parts of some clocks, which rank 1 then runs empty (several

@@ -44,6 +44,7 @@ import dataclasses
 import math
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -280,6 +281,7 @@ class TuningSession:
         self._claim_job = cast(ServingCollective, job) if steal else None
         self._claims = ClaimBoard(self._world) if steal and self._rank == 0 else None
         self._shared_claims: SharedClaimBoard | None = None  # the board file of a job on one host
+        self._switch_interval: float | None = None  # the interpreter's, while rank 0 serves claims
         self._run_id = 0  # the allgather that started the run: its number in every rank's claims
         self._run_clock = 0  # clocks made in the run so far
         self._run_steals = False  # rank 0's word: this run's clocks are claimed
@@ -337,6 +339,8 @@ class TuningSession:
         finally:
             if self._claim_job is not None and self._claims is not None:
                 self._claim_job.serve(CLAIM_SERVICE, None)
+            if self._switch_interval is not None:
+                sys.setswitchinterval(self._switch_interval)
             if self._shared_claims is not None:
                 self._shared_claims.close()
             if self.system is not None:
@@ -595,6 +599,11 @@ class TuningSession:
                 os.unlink(path)  # every rank that uses it has it open
         if self._shared_claims is None and self._claim_job is not None and self._claims is not None:
             self._claim_job.serve(CLAIM_SERVICE, self._claims.answer)
+            # The handler runs on the control channel's thread, which must take the interpreter
+            # lock from the training loop: at the default 5 ms switch interval a claim waited up
+            # to that long whenever the loop ran Python (docs/results.md, "Stop 53").
+            self._switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(min(self._switch_interval, _CLAIM_SWITCH_INTERVAL_S))
 
     def _claim(self, branch: int, branch_clock: int) -> Claim:
         """Who computes what in this training clock (the claim board); the
@@ -645,6 +654,8 @@ class TuningSession:
         return Tuner(system, self._space, self._config, log=self._log).run()
 
 
+# Rank 0's interpreter switch interval while it answers claims over the network.
+_CLAIM_SWITCH_INTERVAL_S = 0.0005
 # MLTUNER_SHARED_CLAIMS=0: claims go to rank 0 even when every rank is on one host.
 _SHARED_CLAIMS = os.environ.get("MLTUNER_SHARED_CLAIMS", "1") != "0"
 

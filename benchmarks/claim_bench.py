@@ -3,7 +3,7 @@ claims each clock before computing it, on one host through a board file
 the ranks share, across hosts through rank 0 (whose handler waits for rank
 0's interpreter lock while its loop computes in Python).
 
-    python benchmarks/claim_bench.py [--workers 2,4] [--work-ms 4] [--clocks 120] [--rounds 3]
+    python benchmarks/claim_bench.py [--workers 2,4] [--work-ms 4] [--clocks 120] [--rounds 3] [--out FILE]
 
 Each worker's clock is a CPU loop of ``--work-ms`` in Python (holding the
 interpreter lock, as a training loop's Python between kernels does) and a
@@ -26,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from figures import Figure, ratio, write_figures
 from local_job import run_job
 from machine import cpu_name
 
@@ -86,6 +87,8 @@ def main() -> int:
     parser.add_argument("--work-ms", type=float, default=4.0, help="each clock's CPU loop, in ms")
     parser.add_argument("--clocks", type=int, default=120)
     parser.add_argument("--rounds", type=int, default=3, help="runs of every column, alternated (median)")
+    parser.add_argument("--out", default="results/claim_bench.md")
+    parser.add_argument("--figures", metavar="PATH", help="write the headline figures for the suite (JSON)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--steal", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -95,6 +98,7 @@ def main() -> int:
     lines = [f"{time.strftime('%Y-%m-%d %H:%M')}; {cpu_name()}, {os.cpu_count()} cores; {args.work_ms:g} ms a clock, "
              f"{args.clocks} clocks, median of {args.rounds} rounds",
              "", "| workers | " + " | ".join(COLUMNS) + " |", "|--:|" + "--:|" * len(COLUMNS)]
+    figures = []
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         for workers in args.workers:
@@ -114,8 +118,16 @@ def main() -> int:
                      f"{median[name]:.2f} s ({median[name] / base:.2f}, "
                      f"{(median[name] - base) / args.clocks * 1e3:+.2f} ms a clock)" for name in COLUMNS]
             lines.append(f"| {workers} | " + " | ".join(cells) + " |")
+            figures += [Figure("claims", f"{workers} workers, no straggler: stealing, claims {name}", median[name], "s",
+                               "no stealing", base, ratio(base, median[name]), "time without / with stealing",
+                               note=f"{args.work_ms:g} ms of Python a clock, {args.clocks} clocks")
+                        for name in COLUMNS if name != "no stealing"]
             print(workers, {name: [round(s, 3) for s in values] for name, values in seconds.items()}, flush=True)
-    print("\n".join(lines))
+    text = "\n".join(lines) + "\n"
+    print(text)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text)
+    write_figures(args.figures, figures)
     return 0
 
 

@@ -16,6 +16,8 @@ benchmarks/, with more options and tables):
               1 worker vs plain PyTorch; with --gpu also throughput-transformer,
               a BERT-base-sized encoder with Adam
   stragglers  time to accuracy with one slowed worker, slack 0..7, equal, balanced or stolen batches, vs DDP
+  claims      what batch stealing's claims cost with no straggler: a board file
+              on one host, requests to rank 0 across hosts, vs no stealing
   tuning      MLtuner vs the best fixed setting, Optuna TPE and Hyperband,
               time to accuracy over seeds (median and spread)
   gpu-path    (--gpu) torchvision ResNet-18 (batch 128/256/512, slack 0/1) and
@@ -126,6 +128,9 @@ def plan(quick: bool, gpu: bool, long: bool = False) -> list[Step]:
     steps += [
         Step("stragglers", "straggler_bench.py", ["--out", "{dir}/stragglers.md"]
              + (["--quick", "--target", "0.6"] if cpu_quick else []), 400 if cpu_quick else 1800, True, True),
+        Step("claims", "claim_bench.py", ["--out", "{dir}/claims.md", "--workers", "2", "--rounds",
+                                          "1" if cpu_quick else "3"],
+             120 if cpu_quick else 300, hide_gpus=True),
         Step("tuning", "tuner_bench.py", ["--out", "{dir}/tuning.md"]
              + (["--seeds", "0", "--lrs", "0.3,1.0", "--batches", "32", "--trials", "6"] if cpu_quick
                 else ["--seeds", "0,1,2"]), 400 if cpu_quick else 2400, hide_gpus=True),

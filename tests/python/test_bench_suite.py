@@ -121,4 +121,4 @@ def test_quick_lists_every_cpu_benchmark() -> None:
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     names = [line.split()[0] for line in done.stdout.splitlines()]
-    assert names == ["engine", "transport", "torch", "throughput", "stragglers", "tuning"]
+    assert names == ["engine", "transport", "torch", "throughput", "stragglers", "claims", "tuning"]

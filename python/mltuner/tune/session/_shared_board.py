@@ -3,7 +3,7 @@ itself (``steal_batches`` when the whole job runs on one host).
 
 Through :meth:`mltuner.Job.request` every claim is a round trip to rank 0,
 whose Python thread that answers it must first get rank 0's interpreter
-lock from its training loop: measured at 2-4 ms a clock with rank 0
+lock from its training loop: measured at 2.5 ms a clock with rank 0
 computing in Python (a CPU loop of 4 ms a clock, two workers), where the
 claims are for every clock of every rank. Here a rank takes the file's lock
 (``flock``), reads the board's state, makes its claim and writes the state

@@ -39,8 +39,9 @@ with twice the global batch of 2, and each size has its own DDP baseline.
 Balanced batches keep each clock's samples and summed update (each worker's
 loss weighted by its share) and move samples from the slow rank to the
 others; a slack absorbs the delays that come and go. Stealing (since stop
-52) gives a rank's part of a clock to the others when the rank is a whole
-clock behind, so its empty clocks let it catch up. ``--modes`` picks the
+52; stop 53: a late rank's clocks declared empty on the shards) gives the
+parts of a rank silent for two clocks to the others, so its empty clocks let
+it catch up. ``--modes`` picks the
 columns: ``equal``, ``balanced``, ``stealing``, ``balanced+stealing``
 (default: all but ``stealing``). Every column shares one
 setting, a good one for BSP. Until stop 50 the program ignored

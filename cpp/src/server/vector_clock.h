@@ -60,9 +60,6 @@ class VectorClock {
   int64_t global_position() const { return global_; }
   Clock ClockOf(int64_t position) const { return ClockBefore(position + parts_); }
   int PartOf(int64_t position) const { return static_cast<int>(position - ClockOf(position) * parts_); }
-  // The part every worker reached last: the one a global advance finished.
-  Clock finished_clock() const { return ClockOf(global_); }
-  int finished_part() const { return PartOf(global_); }
   int num_workers() const { return static_cast<int>(positions_.size()); }
   int parts() const { return parts_; }
 

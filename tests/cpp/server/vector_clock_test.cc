@@ -110,14 +110,14 @@ TEST(PartsOfAClockFinishInOrderAndTheClockAtTheLast) {
     EXPECT_EQ(part, k);
     ASSERT_OK(clock.Advance(1, 0, &advanced));
     EXPECT_TRUE(advanced);
-    EXPECT_EQ(clock.finished_clock(), 0);
-    EXPECT_EQ(clock.finished_part(), k);
+    EXPECT_EQ(clock.ClockOf(clock.global_position()), 0);
+    EXPECT_EQ(clock.PartOf(clock.global_position()), k);
     EXPECT_EQ(clock.global(), k == 2 ? 0 : kInitClock);
   }
   ASSERT_OK(clock.Advance(1, 1, &advanced));
   EXPECT_TRUE(advanced);
-  EXPECT_EQ(clock.finished_clock(), 1);
-  EXPECT_EQ(clock.finished_part(), 0);
+  EXPECT_EQ(clock.ClockOf(clock.global_position()), 1);
+  EXPECT_EQ(clock.PartOf(clock.global_position()), 0);
   EXPECT_EQ(clock.global(), 0);
   // A clock's parts cannot be skipped: worker 1 is in clock 1, not 2.
   EXPECT_CODE(clock.Advance(1, 2, &advanced), StatusCode::kOutOfOrder);
@@ -190,7 +190,7 @@ TEST(ADeclarationAfterTheWorkerSentPartOfTheClockChangesNothing) {
   ASSERT_OK(clock.Advance(1, 0, &advanced));
   EXPECT_EQ(clock.global(), 0);
   EXPECT_EQ(clock.global_position(), before + 2);
-  EXPECT_EQ(clock.finished_part(), 2);
+  EXPECT_EQ(clock.PartOf(clock.global_position()), 2);
   // Worker 0's own three parts of clock 0 are dropped, in order.
   for (int k = 0; k < 3; ++k) {
     int part = -1;

@@ -47,7 +47,7 @@ class RunCommand:
     """Run ``branch`` for ``clocks`` clocks, then report the losses. With
     ``shares``, rank r takes that fraction of each clock's samples (batch
     balancing); without, equal parts. With ``steal``, every rank claims each
-    clock from rank 0 first (batch stealing)."""
+    clock first (batch stealing, ``_steal.py``)."""
 
     branch: int
     clocks: int

@@ -33,9 +33,10 @@ worker r takes the r-th slice; a TESTING branch runs the validation set
 once from its start, split among the workers. With ``balance_batches``,
 the slices are sized by each worker's speed instead (``_balance.py``): rank
 0 fits every rank's busy time per clock at the end of each run and sends
-the next run's shares with its command. With ``steal_batches``, a worker a
-whole clock behind the others loses its slice of the clock to them
-(``_steal.py``): every rank claims each training clock from rank 0 first.
+the next run's shares with its command. With ``steal_batches``, a worker
+that falls silent loses its slices of the clocks it has not started to the
+others (``_steal.py``): every rank claims each training clock first, from a
+board file the ranks of one host share (``_shared_board.py``) or from rank 0.
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ import dataclasses
 import math
 import os
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -62,7 +62,7 @@ from mltuner.tune._system import BranchKind, BranchSystem, ClockReport
 from mltuner.tune.session._balance import BatchBalancer, split_counts
 from mltuner.tune.session._sampler import StepBatchSampler
 from mltuner.tune.session._shared_board import SharedClaimBoard, new_board_file
-from mltuner.tune.session._steal import CARRY_WINDOW, CLAIM_SERVICE, Claim, ClaimBoard
+from mltuner.tune.session._steal import CARRY_WINDOW, Claim, ClaimsThroughRankZero
 from mltuner.tune.session._commands import (
     Command,
     EndCommand,
@@ -212,14 +212,17 @@ class TuningSession:
             waits for it. The training loop must then weight its loss by
             :attr:`Step.weight`. Off by default: the split then depends on
             timing, so runs are not bit-for-bit repeatable.
-        steal_batches: in runs at slack >= 1, a worker that falls a whole
-            clock behind the others (a burst of load on its host, a pause)
-            loses its part of the clock to them, so nobody waits for it
-            while every sample is still computed once. Each rank asks rank 0
-            before each training clock of such a run (the job must serve
-            requests, as :class:`mltuner.Job` does). The training loop
-            weights its loss by :attr:`Step.weight` and handles empty steps.
-            Off by default, for the same reason as ``balance_batches``.
+        steal_batches: in runs at slack >= 1, a worker that falls a clock
+            behind and silent for two typical clocks (a burst of load on its
+            host, a pause) loses its parts of the clocks it has not started
+            to the others, and the shards count those clocks as empty, so
+            nobody waits for it while every sample is still computed once.
+            Each rank claims each training clock of such a run first: from a
+            board file the ranks share when all run on one host, else from
+            rank 0 (the job must serve requests, as :class:`mltuner.Job`
+            does). The training loop weights its loss by :attr:`Step.weight`
+            and handles empty steps (an update of exactly zero). Off by
+            default, for the same reason as ``balance_batches``.
 
     After the loop, :attr:`result` holds the driver's result on rank 0, and
     :attr:`final_branch` / :attr:`final_tunables` the branch the job ended
@@ -277,11 +280,10 @@ class TuningSession:
         self._balance = balance_batches and self._world > 1  # every rank measures its clocks
         self._balancer = BatchBalancer(self._world, seed) if self._balance and self._rank == 0 else None
         steal = steal_batches and self._world > 1
-        # The job that answers claims (checked above; None: no stealing), and rank 0's board.
+        # The job that answers claims (checked above; None: no stealing), and where the ranks
+        # claim, chosen when iteration starts.
         self._claim_job = cast(ServingCollective, job) if steal else None
-        self._claims = ClaimBoard(self._world) if steal and self._rank == 0 else None
-        self._shared_claims: SharedClaimBoard | None = None  # the board file of a job on one host
-        self._switch_interval: float | None = None  # the interpreter's, while rank 0 serves claims
+        self._claimer: SharedClaimBoard | ClaimsThroughRankZero | None = None
         self._run_id = 0  # the allgather that started the run: its number in every rank's claims
         self._run_clock = 0  # clocks made in the run so far
         self._run_steals = False  # rank 0's word: this run's clocks are claimed
@@ -315,7 +317,7 @@ class TuningSession:
             raise InvalidArgumentError("a TuningSession can be iterated once")
         self._started = True
         if self._claim_job is not None:
-            self._choose_claim_board()
+            self._choose_claim_board(self._claim_job)
         if self._rank == 0:
             self._start_driver()
         try:
@@ -337,12 +339,8 @@ class TuningSession:
                     self._busy.append(max(0.0, self._times[-1] - (self._stall_seconds() - stalled)))
                     self._busy_samples.append(len(step.indices))
         finally:
-            if self._claim_job is not None and self._claims is not None:
-                self._claim_job.serve(CLAIM_SERVICE, None)
-            if self._switch_interval is not None:
-                sys.setswitchinterval(self._switch_interval)
-            if self._shared_claims is not None:
-                self._shared_claims.close()
+            if self._claimer is not None:
+                self._claimer.close()
             if self.system is not None:
                 self.system._close()
             if self._thread is not None:
@@ -353,7 +351,7 @@ class TuningSession:
         """With ``steal_batches``: whether the ranks claim their clocks through
         a board file they share (every rank on one host) rather than through
         rank 0 (known once iteration started)."""
-        return self._shared_claims is not None
+        return isinstance(self._claimer, SharedClaimBoard)
 
     @property
     def current_step(self) -> Step | None:
@@ -559,9 +557,8 @@ class TuningSession:
         self._recent_slices[run_clock] = slices
         for old in [c for c in self._recent_slices if c < run_clock - CARRY_WINDOW]:
             del self._recent_slices[old]
-        given = claim.owners[self._rank] != [self._rank]
-        taken = (any(self._rank in who for rank, who in enumerate(claim.owners) if rank != self._rank)
-                 or any(self._rank in who for owners in claim.carried.values() for who in owners))
+        given = claim.gives(self._rank)
+        taken = claim.takes(self._rank)
         self.clocks_given += given
         self.clocks_taken += taken
         self._part_moved = given or taken
@@ -574,7 +571,7 @@ class TuningSession:
         mine = [np.array_split(part, len(who))[who.index(self._rank)] for part, who in parts if self._rank in who]
         return np.concatenate(mine) if mine else samples[:0]
 
-    def _choose_claim_board(self) -> None:
+    def _choose_claim_board(self, job: ServingCollective) -> None:
         """Where the ranks claim their clocks: a board file they all share
         when they run on one host (``_shared_board.py``), else rank 0's
         board through requests. Every rank must have opened rank 0's file
@@ -591,33 +588,22 @@ class TuningSession:
                 except OSError:
                     shared = None
             if all(self._allgather("claim-board-open", shared is not None)):
-                self._shared_claims = shared
+                self._claimer = shared
             elif shared is not None:
                 shared.close()
         finally:
             if path is not None:
                 os.unlink(path)  # every rank that uses it has it open
-        if self._shared_claims is None and self._claim_job is not None and self._claims is not None:
-            self._claim_job.serve(CLAIM_SERVICE, self._claims.answer)
-            # The handler runs on the control channel's thread, which must take the interpreter
-            # lock from the training loop: at the default 5 ms switch interval a claim waited up
-            # to that long whenever the loop ran Python (docs/results.md, "Stop 53").
-            self._switch_interval = sys.getswitchinterval()
-            sys.setswitchinterval(min(self._switch_interval, _CLAIM_SWITCH_INTERVAL_S))
+        if self._claimer is None:
+            self._claimer = ClaimsThroughRankZero(self._rank, self._world, job.serve, job.request, self._timeout_s)
 
     def _claim(self, branch: int, branch_clock: int) -> Claim:
         """Who computes what in this training clock (the claim board); the
         decision's empty clocks are declared to every shard from here."""
-        if self._claim_job is None:
+        if self._claimer is None:
             raise TuningError("rank 0 runs with batch stealing, but this rank's session has steal_batches off")
         clock, self._run_clock = self._run_clock, self._run_clock + 1
-        if self._shared_claims is not None:
-            claim = self._shared_claims.claim(self._rank, self._run_id, clock)
-        elif self._claims is not None:
-            claim = self._claims.claim(self._rank, self._run_id, clock)
-        else:
-            answer = self._claim_job.request(CLAIM_SERVICE, {"run": self._run_id, "clock": clock}, self._timeout_s)
-            claim = Claim.from_wire(answer, self._world)
+        claim = self._claimer.claim(self._rank, self._run_id, clock)
         for late, empty in claim.declare:
             # The run's clocks are the branch's, counted from the run's start.
             self._worker.declare_empty_clock(late, branch, branch_clock - clock + empty)
@@ -654,8 +640,6 @@ class TuningSession:
         return Tuner(system, self._space, self._config, log=self._log).run()
 
 
-# Rank 0's interpreter switch interval while it answers claims over the network.
-_CLAIM_SWITCH_INTERVAL_S = 0.0005
 # MLTUNER_SHARED_CLAIMS=0: claims go to rank 0 even when every rank is on one host.
 _SHARED_CLAIMS = os.environ.get("MLTUNER_SHARED_CLAIMS", "1") != "0"
 

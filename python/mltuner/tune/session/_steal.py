@@ -38,6 +38,7 @@ in.
 from __future__ import annotations
 
 import statistics
+import sys
 import threading
 import time
 from collections import deque
@@ -47,7 +48,7 @@ from typing import Any
 
 from mltuner.exceptions import InvalidArgumentError
 
-__all__ = ["CARRY_WINDOW", "CLAIM_SERVICE", "Claim", "ClaimBoard", "Owners"]
+__all__ = ["CARRY_WINDOW", "CLAIM_SERVICE", "Claim", "ClaimBoard", "ClaimsThroughRankZero", "Owners"]
 
 CLAIM_SERVICE = "mltuner-batch-claims"
 
@@ -61,6 +62,8 @@ _INTERVALS_TO_JUDGE = 8
 # How far back a late rank's unclaimed parts move to the current clock (each
 # rank keeps that many clocks' samples); older ones stay with it.
 CARRY_WINDOW = 64
+# Rank 0's interpreter switch interval while it answers claims over the network.
+_SWITCH_INTERVAL_S = 0.0005
 
 Owners = list[list[int]]
 """Per rank's part of a clock (by the run's shares), the ranks that compute
@@ -89,6 +92,15 @@ class Claim:
     def computes(self, rank: int) -> bool:
         """Whether ``rank`` computes any samples in this clock."""
         return self.parts_of(rank) > 0
+
+    def gives(self, rank: int) -> bool:
+        """Whether ``rank``'s own part of this clock went to others."""
+        return self.owners[rank] != [rank]
+
+    def takes(self, rank: int) -> bool:
+        """Whether ``rank`` computes a part of another rank's in this clock."""
+        return (any(rank in who for r, who in enumerate(self.owners) if r != rank)
+                or any(rank in who for owners in self.carried.values() for who in owners))
 
     def parts_of(self, rank: int) -> float:
         """How many ranks' parts ``rank`` computes in this clock, counting a
@@ -252,3 +264,47 @@ class ClaimBoard:
         if not 0 <= rank < self._world:
             raise InvalidArgumentError(f"a batch claim from rank {rank}, outside 0..{self._world - 1}")
         return self.claim(rank, run, clock).to_wire()  # type: ignore[arg-type]
+
+
+class ClaimsThroughRankZero:
+    """Claims from rank 0's board over the job's control channel (ranks on
+    several hosts): rank 0 claims directly and serves the others'
+    :meth:`mltuner.Job.request`.
+
+    The requests' handler runs on the control channel's thread, which must
+    take the interpreter lock from rank 0's training loop: at the default
+    5 ms switch interval a claim waited up to that long whenever the loop
+    ran Python (docs/results.md, "Stop 53"), so rank 0 switches threads
+    every 0.5 ms until :meth:`close`.
+
+    Args:
+        rank, world_size: this rank's and the job's.
+        serve, request: the job's (:meth:`mltuner.Job.serve`, ``request``).
+        timeout_s: the longest a request waits for rank 0's answer.
+    """
+
+    def __init__(self, rank: int, world_size: int, serve: Callable[[str, Any], None],
+                 request: Callable[[str, Any, float], Any], timeout_s: float) -> None:
+        self._world = world_size
+        self._serve, self._request, self._timeout_s = serve, request, timeout_s
+        self._board = ClaimBoard(world_size) if rank == 0 else None
+        self._switch_interval: float | None = None
+        if self._board is not None:
+            serve(CLAIM_SERVICE, self._board.answer)
+            self._switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(min(self._switch_interval, _SWITCH_INTERVAL_S))
+
+    def claim(self, rank: int, run: int, clock: int) -> Claim:
+        """:meth:`ClaimBoard.claim`, on rank 0's board."""
+        if self._board is not None:
+            return self._board.claim(rank, run, clock)
+        answer = self._request(CLAIM_SERVICE, {"run": run, "clock": clock}, self._timeout_s)
+        return Claim.from_wire(answer, self._world)
+
+    def close(self) -> None:
+        """Rank 0 stops serving claims and restores its switch interval."""
+        if self._board is not None:
+            self._serve(CLAIM_SERVICE, None)
+        if self._switch_interval is not None:
+            sys.setswitchinterval(self._switch_interval)
+            self._switch_interval = None

@@ -84,6 +84,13 @@ def batch_seconds() -> float:
                                     repeats=200, warmup=20)
 
 
+def progress(workers: int, pattern: str, column: str, seconds: float | None, started: float) -> None:
+    """One finished run on stderr, so a run cut short still shows what it measured."""
+    took = "not reached" if seconds is None else f"{seconds:.2f} s"
+    print(f"[{time.perf_counter() - started:.0f} s] {workers} workers, {pattern}, {column}: {took}",
+          file=sys.stderr, flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", type=float, default=0.7)
@@ -137,6 +144,7 @@ def main() -> int:
                                            "fixed", "--search", "", "--staleness", str(slack), "--result",
                                            str(result), *common, *slow, *MODES[mode]], result, workers=workers)
                         runs.setdefault(column, []).append(outcome["summary"]["time_to_target_s"])
+                        progress(workers, name, column, runs[column][-1], started)
                         if outcome.get("batch_shares"):
                             shares[column] = [round(f, 3) for f in outcome["batch_shares"]]
                         if outcome.get("clocks_taken"):
@@ -144,6 +152,7 @@ def main() -> int:
                     ddp = run_job([sys.executable, str(BENCH / "ddp_mnist1d.py"), "--result", str(result), *common,
                                    *slow], result, workers=workers)
                     runs.setdefault("DDP", []).append(ddp["time_to_target_s"])
+                    progress(workers, name, "DDP", runs["DDP"][-1], started)
                 times = {column: median_reached(values) for column, values in runs.items()}
                 print(workers, name, runs, "final shares:", shares, "clocks rank 0 took parts in:", taken,
                       flush=True)

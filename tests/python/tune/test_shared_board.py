@@ -17,7 +17,7 @@ import pytest
 from mltuner.exceptions import WaitTimeoutError
 from mltuner.tune import TuningError
 from mltuner.tune.session._shared_board import SharedClaimBoard, new_board_file
-from mltuner.tune.session._steal import Claim, ClaimBoard
+from mltuner.tune.session._steal import Claim, ClaimBoard, Wait
 
 
 @pytest.fixture
@@ -38,6 +38,24 @@ def test_handles_on_one_file_act_as_one_board(board_file: str) -> None:
         second.claim(1, 1, 1)
     first.close()
     second.close()
+
+
+def test_a_wait_leaves_the_file_as_it_was(board_file: str) -> None:
+    now = [0.0]
+    board = SharedClaimBoard(board_file, 2, timeout_s=5, now=lambda: now[0])
+    for k in range(10):  # clocks of 1 s in step; then rank 1 is silent
+        board.claim(0, 0, k)
+        board.claim(1, 0, k)
+        now[0] += 1.0
+    board.claim(0, 0, 10)
+    board.claim(0, 0, 11)
+    before = Path(board_file).read_bytes()
+    now[0] = 10.5
+    assert board.claim(0, 0, 12, slack=1) == Wait(0.125)
+    assert Path(board_file).read_bytes() == before
+    now[0] = 11.5
+    assert board.claim(0, 0, 12, slack=1).declare == [(1, 10), (1, 11), (1, 12)]
+    board.close()
 
 
 def test_a_boards_state_carries_its_decisions() -> None:

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from mltuner.exceptions import InvalidArgumentError
-from mltuner.tune.session._steal import Claim, ClaimBoard
+from mltuner.tune.session._steal import Claim, ClaimBoard, ClaimsThroughRankZero, Wait
 
 
 def test_ranks_in_step_keep_their_parts() -> None:
@@ -62,11 +62,16 @@ def test_a_late_rank_that_had_others_parts_keeps_its_clock() -> None:
     assert board.claim(1, 0, 1).computes(1)
 
 
-def test_any_order_of_claims_computes_every_part_once() -> None:
+@pytest.mark.parametrize("slack", [None, 1, 3])
+def test_any_order_of_claims_computes_every_part_once(slack: int | None) -> None:
+    """Ranks claim in random order; with a slack the board times lateness
+    (claims a random time apart, rank 1 slower) and some claims wait."""
     rng = random.Random(3)
+    waits = steals = 0
     for _ in range(60):
-        world, clocks = rng.randint(2, 5), 12
-        board = ClaimBoard(world, late_after=0)
+        world, clocks = rng.randint(2, 5), 12 if slack is None else 30
+        now = _Clock()
+        board = ClaimBoard(world, late_after=0) if slack is None else ClaimBoard(world, now=now)
         next_clock = [0] * world
         # (clock of the samples, rank whose part) -> the owners seen, and who claimed a piece of it
         owners_of: dict[tuple[int, int], list[int]] = {}
@@ -76,7 +81,13 @@ def test_any_order_of_claims_computes_every_part_once() -> None:
         while min(next_clock) < clocks:
             rank = rng.choice([r for r in range(world) if next_clock[r] < clocks])
             clock = next_clock[rank]
-            claim = board.claim(rank, 0, clock)
+            now.now += rng.expovariate(4.0 if rank == 1 else 1.0 * world)
+            claim = board.claim(rank, 0, clock, slack)
+            if isinstance(claim, Wait):  # only while a rank has not claimed the clock this read needs
+                assert slack is not None and claim.seconds > 0
+                assert any(next_clock[q] < clock - slack for q in range(world))
+                waits += 1
+                continue
             answers[rank, clock] = claim
             for source, parts in [(clock, claim.owners), *claim.carried.items()]:
                 for part, who in enumerate(parts):
@@ -92,6 +103,8 @@ def test_any_order_of_claims_computes_every_part_once() -> None:
                 assert sorted(computed[clock, part]) == sorted(owners_of[clock, part])
         for late, clock in declared:
             assert not answers[late, clock].computes(late)
+        steals += len(declared)
+    assert steals > 0 and (waits > 0) == (slack is not None)
 
 
 def test_bad_claims_are_refused() -> None:
@@ -186,3 +199,66 @@ def test_a_thief_gets_the_time_of_the_parts_it_took() -> None:
     assert board.claim(0, 0, 8).owners[1] == [1]
     clock.now = 11.6
     assert board.claim(0, 0, 9).owners[1] == [0]  # 5.1 s: late
+
+
+def _in_step(board: ClaimBoard, clock: _Clock, ranks: int, clocks: int) -> None:
+    for k in range(clocks):  # clocks of 1 s in step: the typical clock is 1 s
+        for rank in range(ranks):
+            board.claim(rank, 0, k)
+        clock.now += 1.0
+
+
+def test_a_claim_whose_read_would_wait_waits_for_the_rank_to_turn_late() -> None:
+    clock = _Clock()
+    board = ClaimBoard(2, now=clock)
+    _in_step(board, clock, 2, 10)
+    # Rank 1 claimed clock 9 at t = 9 and is silent. At slack 1 rank 0 reads clock 12 only
+    # after rank 1's clock 10 is in, so its claim of 12 waits while rank 1 is not late.
+    for k in (10, 11):
+        assert board.claim(0, 0, k, slack=1).owners == [[0], [1]]
+    clock.now = 10.5
+    assert board.claim(0, 0, 12, slack=1) == Wait(1 / 8)  # asked again an eighth of a clock later
+    clock.now = 10.95
+    assert board.claim(0, 0, 12, slack=1) == Wait(pytest.approx(0.05))  # until t = 11, when it is late
+    clock.now = 11.1
+    # Late: its unclaimed parts of clocks 10 and 11 move to rank 0 in clock 12, and all three are empty.
+    assert board.claim(0, 0, 12, slack=1) == Claim([[0], [0]], {10: [[], [0]], 11: [[], [0]]},
+                                                   [(1, 10), (1, 11), (1, 12)])
+    assert not board.claim(1, 0, 10).computes(1)
+
+
+def test_a_wait_ends_when_the_rank_claims() -> None:
+    clock = _Clock()
+    board = ClaimBoard(3, now=clock)
+    _in_step(board, clock, 3, 10)
+    for rank in (0, 2):
+        for k in (10, 11):
+            assert board.claim(rank, 0, k, slack=1).owners == [[0], [1], [2]]
+    clock.now = 10.5
+    assert isinstance(board.claim(0, 0, 12, slack=1), Wait)
+    assert isinstance(board.claim(2, 0, 12, slack=1), Wait)  # the decision waits for every claimant
+    assert board.claim(1, 0, 10, slack=1).owners == [[0], [1], [2]]
+    assert board.claim(0, 0, 12, slack=1) == Claim([[0], [1], [2]])
+    assert board.claim(2, 0, 12, slack=1) == Claim([[0], [1], [2]])
+    # Nobody waits before the run knows its typical clock.
+    board.claim(0, 1, 0)
+    assert board.claim(0, 1, 1, slack=0) == Claim([[0], [1], [2]])
+
+
+def test_waits_go_over_the_wire() -> None:
+    clock = _Clock()
+    board = ClaimBoard(2, now=clock)
+    _in_step(board, clock, 2, 10)
+    board.claim(0, 0, 10)
+    board.claim(0, 0, 11)
+    assert board.answer(0, {"run": 0, "clock": 12, "slack": 1}) == {"wait": 0.125}
+    with pytest.raises(InvalidArgumentError, match="non-negative integers"):
+        board.answer(0, {"run": 0, "clock": 12, "slack": -1})
+    for answer, expected in (({"wait": 0.125}, Wait(0.125)), ({"wait": "soon"}, None), ({"wait": float("nan")}, None),
+                             ({"wait": 1e9}, None)):
+        remote = ClaimsThroughRankZero(1, 2, lambda *_: None, lambda *_: answer, 1.0)
+        if expected is None:
+            with pytest.raises(InvalidArgumentError, match="a wait of"):
+                remote.claim(1, 0, 11, 1)
+        else:
+            assert remote.claim(1, 0, 11, 1) == expected

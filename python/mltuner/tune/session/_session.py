@@ -53,7 +53,7 @@ from typing import Any, Protocol, cast
 import numpy as np
 
 from mltuner.client._worker import Worker
-from mltuner.exceptions import InvalidArgumentError, ShutdownError
+from mltuner.exceptions import InvalidArgumentError, ShutdownError, WaitTimeoutError
 from mltuner.tune._config import TunerConfig
 from mltuner.tune._errors import TuningError
 from mltuner.tune._log import DecisionLog
@@ -62,7 +62,7 @@ from mltuner.tune._system import BranchKind, BranchSystem, ClockReport
 from mltuner.tune.session._balance import BatchBalancer, split_counts
 from mltuner.tune.session._sampler import StepBatchSampler
 from mltuner.tune.session._shared_board import SharedClaimBoard, new_board_file
-from mltuner.tune.session._steal import CARRY_WINDOW, Claim, ClaimsThroughRankZero
+from mltuner.tune.session._steal import CARRY_WINDOW, Claim, ClaimsThroughRankZero, Wait
 from mltuner.tune.session._commands import (
     Command,
     EndCommand,
@@ -287,6 +287,7 @@ class TuningSession:
         self._run_id = 0  # the allgather that started the run: its number in every rank's claims
         self._run_clock = 0  # clocks made in the run so far
         self._run_steals = False  # rank 0's word: this run's clocks are claimed
+        self._run_slack = 0
         self.clocks_given = 0  # training clocks whose part this rank lost to the others (steal_batches)
         self.clocks_taken = 0  # training clocks in which it computed a part of another rank's
         self._run_kind = BranchKind.TRAINING
@@ -412,9 +413,7 @@ class TuningSession:
         if mine is not None and mine.get("op") == "run":
             branch = self._branches.get(mine.get("branch"))  # type: ignore[arg-type]
             training = branch is not None and branch.kind is not BranchKind.TESTING
-            # A space without staleness leaves the reads' own slack.
-            staleness = branch.tunables.get("staleness") if branch is not None else None
-            slack = int(staleness if staleness is not None else getattr(self._worker, "read_slack", 0) or 0)
+            slack = self._slack_of(branch)
             if self._balancer is not None and branch is not None and training:
                 mine["shares"] = self._balancer.fractions(self._batch_of(branch.tunables) * self._world, slack)
             elif self._balancer is not None and self._shares is not None:
@@ -423,6 +422,12 @@ class TuningSession:
             # after it instead of beside it: stealing needs a slack.
             mine["steal"] = self._claim_job is not None and training and slack >= 1
         return parse_command(self._allgather("command", mine)[0])
+
+    def _slack_of(self, branch: _Branch | None) -> int:
+        """The slack of the branch's reads: its staleness, or without one in
+        the space the reads' own."""
+        staleness = branch.tunables.get("staleness") if branch is not None else None
+        return int(staleness if staleness is not None else getattr(self._worker, "read_slack", 0) or 0)
 
     def _execute(self, command: Command) -> bool:
         if isinstance(command, ForkCommand):
@@ -439,6 +444,7 @@ class TuningSession:
             self._run_id, self._run_clock = self._sequence, 0
             self._recent_slices = {}
             self._run_steals = command.steal
+            self._run_slack = self._slack_of(self._branches[command.branch])
             self._shares = command.shares
             self._run_kind = self._branches[command.branch].kind
             self._reports, self._times, self._busy, self._busy_samples = [], [], [], []
@@ -603,7 +609,14 @@ class TuningSession:
         if self._claimer is None:
             raise TuningError("rank 0 runs with batch stealing, but this rank's session has steal_batches off")
         clock, self._run_clock = self._run_clock, self._run_clock + 1
-        claim = self._claimer.claim(self._rank, self._run_id, clock)
+        deadline = time.monotonic() + self._timeout_s
+        while isinstance(claim := self._claimer.claim(self._rank, self._run_id, clock, self._run_slack), Wait):
+            # This rank's read of the clock would wait for a rank that is not late yet: wait here
+            # instead, where its parts can still move once it is.
+            if time.monotonic() + claim.seconds > deadline:
+                raise WaitTimeoutError(f"rank {self._rank} waited {self._timeout_s:g} s to claim clock {clock} of "
+                                       "its run: the claim board kept it waiting for a late rank")
+            time.sleep(claim.seconds)
         for late, empty in claim.declare:
             # The run's clocks are the branch's, counted from the run's start.
             self._worker.declare_empty_clock(late, branch, branch_clock - clock + empty)

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 
 from mltuner.exceptions import WaitTimeoutError
 from mltuner.tune._errors import TuningError
-from mltuner.tune.session._steal import Claim, ClaimBoard
+from mltuner.tune.session._steal import Claim, ClaimBoard, Wait
 
 __all__ = ["SharedClaimBoard", "new_board_file"]
 
@@ -64,7 +64,7 @@ class SharedClaimBoard:
         self._now = now
         self._late_after = late_after
 
-    def claim(self, rank: int, run: int, clock: int) -> Claim:
+    def claim(self, rank: int, run: int, clock: int, slack: int | None = None) -> Claim | Wait:
         """:meth:`ClaimBoard.claim`, made under the file's lock."""
         with self._locked():
             board = (ClaimBoard(self._world, now=self._now) if self._late_after is None
@@ -76,7 +76,9 @@ class SharedClaimBoard:
                 except (ValueError, KeyError, TypeError) as error:
                     raise TuningError(f"the batch claim board {self._path} is corrupt ({error}): a rank died "
                                       f"while writing it?") from error
-            claim = board.claim(rank, run, clock)
+            claim = board.claim(rank, run, clock, slack)
+            if isinstance(claim, Wait):
+                return claim  # the board is as it was
             data = json.dumps(board.state(), separators=(",", ":")).encode()
             os.pwrite(self._fd, data, 0)
             os.ftruncate(self._fd, len(data))

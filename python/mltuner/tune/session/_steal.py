@@ -48,7 +48,7 @@ from typing import Any
 
 from mltuner.exceptions import InvalidArgumentError
 
-__all__ = ["CARRY_WINDOW", "CLAIM_SERVICE", "Claim", "ClaimBoard", "ClaimsThroughRankZero", "Owners"]
+__all__ = ["CARRY_WINDOW", "CLAIM_SERVICE", "Claim", "ClaimBoard", "ClaimsThroughRankZero", "Owners", "Wait"]
 
 CLAIM_SERVICE = "mltuner-batch-claims"
 
@@ -62,6 +62,10 @@ _INTERVALS_TO_JUDGE = 8
 # How far back a late rank's unclaimed parts move to the current clock (each
 # rank keeps that many clocks' samples); older ones stay with it.
 CARRY_WINDOW = 64
+# A claim that waits for a rank to turn late asks again this often (per
+# typical clock), and not more often than every _LEAST_POLL_S.
+_POLLS_PER_CLOCK = 8
+_LEAST_POLL_S = 100e-6
 # Rank 0's interpreter switch interval while it answers claims over the network.
 _SWITCH_INTERVAL_S = 0.0005
 
@@ -137,6 +141,18 @@ class Claim:
                      [(int(r), int(c)) for r, c in declare])
 
 
+@dataclass(frozen=True)
+class Wait:
+    """The board's answer to a claim it cannot decide yet: a rank the
+    claimant's read waits for has neither claimed its clock nor turned late.
+    Claim again after ``seconds``."""
+
+    seconds: float
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"wait": self.seconds}
+
+
 def _clock_ok(clock: Any) -> bool:
     return isinstance(clock, int) and not isinstance(clock, bool) and clock >= 0
 
@@ -172,10 +188,16 @@ class ClaimBoard:
         self._owners: dict[int, Owners] = {}
         self._carried: dict[int, dict[int, Owners]] = {}
 
-    def claim(self, rank: int, run: int, clock: int) -> Claim:
+    def claim(self, rank: int, run: int, clock: int, slack: int | None = None) -> Claim | Wait:
         """``rank`` starts ``clock`` (0-based) of ``run``: who computes what
         in that clock. Runs are numbered upwards, and each rank claims the
-        clocks of a run in order, once each."""
+        clocks of a run in order, once each.
+
+        With the run's ``slack``, the first claims of a clock wait (a
+        :class:`Wait`: ask again) while a rank the claimant's read of it
+        waits for anyway, one that has not claimed clock ``clock - slack -
+        1``, is not late yet: then that rank's parts move when it turns
+        late, however long the others' reads already wait."""
         with self._lock:
             now = self._now()
             if self._run is None or run > self._run:
@@ -190,6 +212,9 @@ class ClaimBoard:
                                            f"{self._last[rank] + 1}")
             declare: list[tuple[int, int]] = []
             if clock not in self._owners:
+                wait = self._wait_for_blockers(clock, slack, now)
+                if wait is not None:
+                    return wait
                 declare = self._decide(clock, now)
             if clock > 0 and self._work[rank] >= 0.5:  # a clock of about a part or more: its time per part
                 self._intervals.append((now - self._claimed_at[rank]) / self._work[rank])
@@ -224,16 +249,42 @@ class ClaimBoard:
             self._owners = {int(k): owners for k, owners in state["owners"]}
             self._carried = {int(k): {int(c): owners for c, owners in moved} for k, moved in state["carried"]}
 
+    def _typical(self) -> float | None:
+        """The median time a part of a clock takes in this run, None before
+        there are enough clocks to tell."""
+        return statistics.median(self._intervals) if len(self._intervals) >= _INTERVALS_TO_JUDGE else None
+
+    def _late_at(self, q: int, typical: float) -> float:
+        """When rank ``q``, silent since its last claim, counts as late; a
+        rank computing more than its part (a thief) gets the longer time it
+        needs."""
+        return self._claimed_at[q] + self._late_after * typical * max(self._work[q], 1.0)
+
+    def _wait_for_blockers(self, clock: int, slack: int | None, now: float) -> Wait | None:
+        """Before deciding ``clock``: a :class:`Wait` while a rank that has
+        not claimed the clock the claimant's read needs (``clock - slack -
+        1``) is not late yet."""
+        typical = self._typical()
+        if slack is None or self._late_after <= 0 or typical is None:
+            return None
+        blockers = [self._late_at(q, typical) for q in range(self._world) if self._last[q] < clock - slack - 1]
+        not_late = [at - now for at in blockers if at >= now]
+        if not not_late:
+            return None
+        # Asked again soon: the blocker's claim, when it comes first, ends the wait as well.
+        return Wait(max(min(min(not_late), typical / _POLLS_PER_CLOCK), _LEAST_POLL_S))
+
     def _decide(self, clock: int, now: float) -> list[tuple[int, int]]:
         """The first claim of ``clock``: moves the late ranks' parts to the
         ranks on time; the clocks it empties."""
-        if self._late_after > 0 and len(self._intervals) < _INTERVALS_TO_JUDGE:
+        typical = self._typical()
+        behind = [q for q in range(self._world) if self._last[q] < clock - 1]
+        if self._late_after <= 0:
+            late = behind
+        elif typical is None:
             late = []  # no typical clock yet
         else:
-            # A rank computing more than its part (a thief) gets the longer time it needs.
-            typical = self._late_after * statistics.median(self._intervals) if self._late_after > 0 else 0.0
-            late = [q for q in range(self._world)
-                    if self._last[q] < clock - 1 and now - self._claimed_at[q] > typical * max(self._work[q], 1.0)]
+            late = [q for q in behind if now > self._late_at(q, typical)]
         on_time = [q for q in range(self._world) if q not in late]
         self._owners[clock] = [list(on_time) if q in late else [q] for q in range(self._world)]
         carried: dict[int, Owners] = {}
@@ -255,15 +306,17 @@ class ClaimBoard:
 
     def answer(self, rank: int, value: Any) -> dict[str, Any]:
         """:meth:`claim` for a request that came over the network:
-        ``value`` is ``{"run": int, "clock": int}``; the answer as
-        :meth:`Claim.to_wire` puts it."""
-        run = value.get("run") if isinstance(value, dict) else None
-        clock = value.get("clock") if isinstance(value, dict) else None
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (run, clock)):
-            raise InvalidArgumentError(f"a batch claim needs non-negative integers run and clock, got {value!r}")
+        ``value`` is ``{"run": int, "clock": int, "slack": int}`` (slack
+        optional); the answer as :meth:`Claim.to_wire` or
+        :meth:`Wait.to_wire` puts it."""
+        fields = [value.get(key) for key in ("run", "clock")] if isinstance(value, dict) else [None]
+        slack = value.get("slack") if isinstance(value, dict) else None
+        if not all(_clock_ok(v) for v in fields) or not (slack is None or _clock_ok(slack)):
+            raise InvalidArgumentError(f"a batch claim needs non-negative integers run, clock and slack, got "
+                                       f"{value!r}")
         if not 0 <= rank < self._world:
             raise InvalidArgumentError(f"a batch claim from rank {rank}, outside 0..{self._world - 1}")
-        return self.claim(rank, run, clock).to_wire()  # type: ignore[arg-type]
+        return self.claim(rank, fields[0], fields[1], slack).to_wire()
 
 
 class ClaimsThroughRankZero:
@@ -294,11 +347,17 @@ class ClaimsThroughRankZero:
             self._switch_interval = sys.getswitchinterval()
             sys.setswitchinterval(min(self._switch_interval, _SWITCH_INTERVAL_S))
 
-    def claim(self, rank: int, run: int, clock: int) -> Claim:
+    def claim(self, rank: int, run: int, clock: int, slack: int | None = None) -> Claim | Wait:
         """:meth:`ClaimBoard.claim`, on rank 0's board."""
         if self._board is not None:
-            return self._board.claim(rank, run, clock)
-        answer = self._request(CLAIM_SERVICE, {"run": run, "clock": clock}, self._timeout_s)
+            return self._board.claim(rank, run, clock, slack)
+        question = {"run": run, "clock": clock} if slack is None else {"run": run, "clock": clock, "slack": slack}
+        answer = self._request(CLAIM_SERVICE, question, self._timeout_s)
+        if isinstance(answer, dict) and set(answer) == {"wait"}:
+            seconds = answer["wait"]
+            if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 <= seconds <= 60:
+                raise InvalidArgumentError(f"rank 0 answered a batch claim with a wait of {seconds!r} s")
+            return Wait(float(seconds))
         return Claim.from_wire(answer, self._world)
 
     def close(self) -> None:

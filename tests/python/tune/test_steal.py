@@ -83,7 +83,7 @@ def test_any_order_of_claims_computes_every_part_once(slack: int | None) -> None
             clock = next_clock[rank]
             now.now += rng.expovariate(4.0 if rank == 1 else 1.0 * world)
             claim = board.claim(rank, 0, clock, slack)
-            if isinstance(claim, Wait):  # only while a rank has not claimed the clock this read needs
+            if isinstance(claim, Wait):  # only while a rank has not claimed a clock this read needs
                 assert slack is not None and claim.seconds > 0
                 assert any(next_clock[q] < clock - slack for q in range(world))
                 waits += 1
@@ -224,7 +224,13 @@ def test_a_claim_whose_read_would_wait_waits_for_the_rank_to_turn_late() -> None
     # Late: its unclaimed parts of clocks 10 and 11 move to rank 0 in clock 12, and all three are empty.
     assert board.claim(0, 0, 12, slack=1) == Claim([[0], [0]], {10: [[], [0]], 11: [[], [0]]},
                                                    [(1, 10), (1, 11), (1, 12)])
-    assert not board.claim(1, 0, 10).computes(1)
+    clock.now = 11.2
+    assert not board.claim(1, 0, 10).computes(1)  # rank 1 is back, and catches up on empty clocks
+    # Its clocks up to 12 are empty: the shards do not wait for them, and neither do the claims.
+    clock.now = 11.3
+    assert board.claim(0, 0, 13, slack=1) == Claim([[0], [1]])
+    assert board.claim(0, 0, 14, slack=1) == Claim([[0], [1]])
+    assert isinstance(board.claim(0, 0, 15, slack=1), Wait)  # rank 1 still computes its part of 13
 
 
 def test_a_wait_ends_when_the_rank_claims() -> None:

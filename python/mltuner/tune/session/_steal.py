@@ -195,9 +195,10 @@ class ClaimBoard:
 
         With the run's ``slack``, the first claims of a clock wait (a
         :class:`Wait`: ask again) while a rank the claimant's read of it
-        waits for anyway, one that has not claimed clock ``clock - slack -
-        1``, is not late yet: then that rank's parts move when it turns
-        late, however long the others' reads already wait."""
+        waits for anyway is not late yet: one that has not claimed a clock
+        up to ``clock - slack - 1`` in which it still computes something.
+        Then that rank's parts move when it turns late, however long the
+        others' reads would have waited for it."""
         with self._lock:
             now = self._now()
             if self._run is None or run > self._run:
@@ -267,12 +268,21 @@ class ClaimBoard:
         typical = self._typical()
         if slack is None or self._late_after <= 0 or typical is None:
             return None
-        blockers = [self._late_at(q, typical) for q in range(self._world) if self._last[q] < clock - slack - 1]
+        blockers = [self._late_at(q, typical) for q in range(self._world)
+                    if any(self._owes(q, k) for k in range(self._last[q] + 1, clock - slack))]
         not_late = [at - now for at in blockers if at >= now]
         if not not_late:
             return None
         # Asked again soon: the blocker's claim, when it comes first, ends the wait as well.
         return Wait(max(min(min(not_late), typical / _POLLS_PER_CLOCK), _LEAST_POLL_S))
+
+    def _owes(self, q: int, clock: int) -> bool:
+        """Whether rank ``q`` computes anything in ``clock``, a clock it has
+        not claimed: the shards wait for its update of it unless all moved
+        (an empty clock, declared)."""
+        owners = self._owners.get(clock)
+        return owners is None or any(q in who for who in owners) or any(
+            q in who for moved in self._carried[clock].values() for who in moved)
 
     def _decide(self, clock: int, now: float) -> list[tuple[int, int]]:
         """The first claim of ``clock``: moves the late ranks' parts to the

@@ -137,6 +137,7 @@ def main() -> int:
                 runs: dict[str, list[float | None]] = {}
                 shares: dict[str, list[float]] = {}
                 taken: dict[str, int] = {}
+                waited: dict[str, float] = {}
                 for _ in range(args.rounds):  # every column once per round: drift hits them alike
                     for slack, mode in columns:
                         column = column_name(slack, mode)
@@ -149,12 +150,14 @@ def main() -> int:
                             shares[column] = [round(f, 3) for f in outcome["batch_shares"]]
                         if outcome.get("clocks_taken"):
                             taken[column] = outcome["clocks_taken"]
+                            waited[column] = round(outcome.get("claim_wait_s", 0.0), 3)
                     ddp = run_job([sys.executable, str(BENCH / "ddp_mnist1d.py"), "--result", str(result), *common,
                                    *slow], result, workers=workers)
                     runs.setdefault("DDP", []).append(ddp["time_to_target_s"])
                     progress(workers, name, "DDP", runs["DDP"][-1], started)
                 times = {column: median_reached(values) for column, values in runs.items()}
                 print(workers, name, runs, "final shares:", shares, "clocks rank 0 took parts in:", taken,
+                      "seconds rank 0 waited to claim:", waited,
                       flush=True)
                 rows.append((workers, name, times))
     lines = table(rows, columns, t, args, time.perf_counter() - started)
@@ -195,7 +198,7 @@ def table(rows: list[tuple[int, str, dict[str, float | None]]], columns: list[tu
         f"total {total_s:.0f} s",
         "```", "",
         f"Seconds to the target (lower is better{f'; median of {args.rounds} rounds' if args.rounds > 1 else ''}); "
-        "in brackets, the ratio to DDP under the same straggler.", "",
+        "in brackets, DDP's time / mltuner's under the same straggler (above 1: mltuner faster).", "",
         "| workers | rank 1 slowed | " + " | ".join(names) + " |",
         "|--:|:--|" + "--:|" * len(names),
     ]
@@ -209,7 +212,7 @@ def table(rows: list[tuple[int, str, dict[str, float | None]]], columns: list[tu
             elif column == "DDP" or ddp is None:
                 cells.append(f"{value:.1f}")
             else:
-                cells.append(f"{value:.1f} ({value / ddp:.2f})")
+                cells.append(f"{value:.1f} ({ddp / value:.2f})")
         lines.append(f"| {workers} | {name} | " + " | ".join(cells) + " |")
     return lines
 

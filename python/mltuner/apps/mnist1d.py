@@ -381,16 +381,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         outcome = session.result
         shares = session.batch_shares
         stolen = session.clocks_taken
+        claim_wait_s = session.claim_wait_s
     elapsed = time.perf_counter() - start
     if log is not None:
         log.close()
     if job.rank == 0:
-        report(args, outcome, elapsed, job.world_size, test_accuracy, shares, stolen)
+        report(args, outcome, elapsed, job.world_size, test_accuracy, shares, stolen, claim_wait_s)
     return 0
 
 
 def report(args: argparse.Namespace, outcome: _Outcome, elapsed: float, workers: int,
-           test_accuracy: float | None, batch_shares: Sequence[float] | None = None, clocks_taken: int = 0) -> None:
+           test_accuracy: float | None, batch_shares: Sequence[float] | None = None, clocks_taken: int = 0,
+           claim_wait_s: float = 0.0) -> None:
     """Prints the result and writes it as JSON (rank 0)."""
     summary = outcome.summary
     result: dict[str, Any] = {
@@ -398,7 +400,8 @@ def report(args: argparse.Namespace, outcome: _Outcome, elapsed: float, workers:
         "test_accuracy": test_accuracy, "tunables": outcome.tunables,
         "summary": dataclasses.asdict(summary), "log": args.log,
         "batch_shares": list(batch_shares) if batch_shares is not None else None,
-        "clocks_taken": clocks_taken}  # rank 0's clocks with part of a late rank's samples (--steal-batches)
+        # Rank 0's clocks with part of a late rank's samples, and its seconds waiting to claim (--steal-batches).
+        "clocks_taken": clocks_taken, "claim_wait_s": claim_wait_s}
     if outcome.tuning is not None:
         result["validation_accuracies"] = outcome.tuning.accuracies
         result["outcome"] = outcome.tuning.outcome.value

@@ -51,6 +51,8 @@ def main() -> int:
     parser.add_argument("--slow-s", type=float, default=0.02)
     parser.add_argument("--slow-every", type=int, default=1)
     parser.add_argument("--work-s", type=float, default=0.0, help="seconds of compute per BATCH samples")
+    parser.add_argument("--burst-s", type=float, default=0.0, help="a longer pause of the slow rank, once a run")
+    parser.add_argument("--burst-at", type=int, default=8, help="after this training clock of each run")
     parser.add_argument("--steal", action="store_true")
     parser.add_argument("--slack", type=int, default=0)
     parser.add_argument("--rule", choices=("sgd", "add"), default="sgd")
@@ -91,9 +93,12 @@ def main() -> int:
             seen: list[tuple[float, int, int]] = []  # (time, branch clock, data age) of training reads
             pauses: list[tuple[float, float, int]] = []
             switch_during = 0.0
+            longest_read = 0.0  # seconds
             for step in session:
                 switch_during = max(switch_during, sys.getswitchinterval())
+                asked = time.monotonic()
                 w = np.asarray(worker.read(read), dtype=np.float64)[0]
+                longest_read = max(longest_read, time.monotonic() - asked)
                 if step.kind is not BranchKind.TESTING:
                     seen.append((time.time(), step.clock, worker.last_read_data_age))
                 worker.post_read(read)
@@ -120,7 +125,8 @@ def main() -> int:
                 worker.clock()
                 if job.rank == args.slow_rank and len(trained) % args.slow_every == 0:
                     began = time.time()
-                    time.sleep(args.slow_s)
+                    burst = step.kind is not BranchKind.TESTING and len(trained) % args.clocks == args.burst_at
+                    time.sleep(args.slow_s + (args.burst_s if burst else 0.0))
                     pauses.append((began, time.time(), step.clock))
             worker.sync()
             assert session.final_branch is not None
@@ -130,6 +136,7 @@ def main() -> int:
                      weights=np.array(weights), validated=np.concatenate(validated),
                      shares=np.array(session.batch_shares or []),
                      given=session.clocks_given, taken=session.clocks_taken, shared=session.claims_shared,
+                     claim_wait=session.claim_wait_s, longest_read=longest_read,
                      switch=[switch_during, sys.getswitchinterval()],
                      seen=np.array(seen).reshape(-1, 3), pauses=np.array(pauses).reshape(-1, 3))
     except mltuner.MltunerError as error:

@@ -1,7 +1,9 @@
 """Batch stealing on real worker processes at slack 2: a rank that pauses
 now and then loses its parts of the clocks it is late for, and its
 unclaimed part of the clock before, to the ranks on time; every sample is
-still computed exactly once, in its clock or a later one; the servers' sum of
+still computed exactly once, in its clock or a later one; a rank whose read
+would wait for the paused one waits in its claim instead, until the paused one
+is late; the servers' sum of
 the steps' weighted updates equals the sum over the clocks' whole batches
 (an independent float64 reference) whoever computed which sample; and with
 three workers the on-time ones read each other's updates while the paused
@@ -87,6 +89,23 @@ def test_a_paused_rank_loses_its_parts_and_every_sample_counts_once(  # type: ig
     # Rank 0's clocks hold its own part, and rank 1's of this clock, of the clocks it had not
     # claimed when it became late, or both.
     assert (counts[0] % BATCH == 0).all() and counts[0].max() >= 3 * BATCH
+    _check_every_sample_counts_once(ranks)
+
+
+def test_a_rank_whose_read_would_wait_waits_in_its_claim_until_the_other_is_late(  # type: ignore[no-untyped-def]
+        start_workers) -> None:
+    """Slack 1, rank 1 pausing 50 ms after every clock (so rank 0, ahead,
+    waits for it each clock, and that is the typical clock) and 0.6 s once
+    a run. Rank 0 reaches the clock whose read needs rank 1's next before
+    rank 1 is late; its claim waits until rank 1 is (two typical clocks),
+    then takes rank 1's parts, and its read does not wait out the pause."""
+    workers = start_workers(2, "--runs", str(RUNS), "--clocks", str(CLOCKS), "--steal", "--slack", "1",
+                            "--rule", "add", "--slow-rank", "1", "--slow-s", "0.05", "--burst-s", "0.6",
+                            "--burst-at", "8", program=PROGRAM)
+    ranks = _results(workers, 2)
+    assert int(ranks[0]["taken"]) > 0
+    assert float(ranks[0]["claim_wait"]) > 0
+    assert float(ranks[0]["longest_read"]) < 0.3, "rank 0's read waited out rank 1's pause"
     _check_every_sample_counts_once(ranks)
 
 

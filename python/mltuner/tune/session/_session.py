@@ -228,8 +228,9 @@ class TuningSession:
     :attr:`final_branch` / :attr:`final_tunables` the branch the job ended
     with on every rank (None when the driver freed it). With
     ``steal_batches``, :attr:`clocks_given` counts this rank's training
-    clocks whose part the others took, and :attr:`clocks_taken` those in
-    which it took part of another's.
+    clocks whose part the others took, :attr:`clocks_taken` those in
+    which it took part of another's, and :attr:`claim_wait_s` the seconds
+    its claims waited for a rank that was not late yet.
     """
 
     def __init__(self, job: Collective, space: SearchSpace, *, num_train: int, num_validation: int,
@@ -290,6 +291,7 @@ class TuningSession:
         self._run_slack = 0
         self.clocks_given = 0  # training clocks whose part this rank lost to the others (steal_batches)
         self.clocks_taken = 0  # training clocks in which it computed a part of another rank's
+        self.claim_wait_s = 0.0  # seconds its claims waited for a rank to claim or turn late
         self._run_kind = BranchKind.TRAINING
         # Per clock of the run whose part did not move (stealing): its time less the engine's
         # waits, and its samples. The balancer models a rank's speed on its own part.
@@ -609,14 +611,17 @@ class TuningSession:
         if self._claimer is None:
             raise TuningError("rank 0 runs with batch stealing, but this rank's session has steal_batches off")
         clock, self._run_clock = self._run_clock, self._run_clock + 1
-        deadline = time.monotonic() + self._timeout_s
+        started = None
         while isinstance(claim := self._claimer.claim(self._rank, self._run_id, clock, self._run_slack), Wait):
             # This rank's read of the clock would wait for a rank that is not late yet: wait here
             # instead, where its parts can still move once it is.
-            if time.monotonic() + claim.seconds > deadline:
+            started = time.monotonic() if started is None else started
+            if time.monotonic() + claim.seconds > started + self._timeout_s:
                 raise WaitTimeoutError(f"rank {self._rank} waited {self._timeout_s:g} s to claim clock {clock} of "
                                        "its run: the claim board kept it waiting for a late rank")
             time.sleep(claim.seconds)
+        if started is not None:
+            self.claim_wait_s += time.monotonic() - started
         for late, empty in claim.declare:
             # The run's clocks are the branch's, counted from the run's start.
             self._worker.declare_empty_clock(late, branch, branch_clock - clock + empty)

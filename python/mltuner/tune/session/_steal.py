@@ -33,6 +33,13 @@ clocks it was still on time for when its delay began are empty too, and no
 shard waits for it. The decision is kept until every rank has claimed k,
 so each part has exactly one set of owners whatever order the claims come
 in.
+
+A claim of clock k whose read would wait anyway, for a rank that has not
+claimed a clock up to k - slack - 1 in which it still computes something,
+waits (the board answers :class:`Wait`) until that rank claims or turns
+late. A thief that ran a clock or two ahead of a rank before its delay
+began otherwise went on to its read and waited out the delay there, with
+no claim left to move the late rank's parts.
 """
 
 from __future__ import annotations

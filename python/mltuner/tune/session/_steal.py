@@ -44,6 +44,7 @@ no claim left to move the late rank's parts.
 
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 import threading
@@ -51,7 +52,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from mltuner.exceptions import InvalidArgumentError
 
@@ -160,7 +161,7 @@ class Wait:
         return {"wait": self.seconds}
 
 
-def _clock_ok(clock: Any) -> bool:
+def _clock_ok(clock: Any) -> TypeGuard[int]:
     return isinstance(clock, int) and not isinstance(clock, bool) and clock >= 0
 
 
@@ -269,9 +270,10 @@ class ClaimBoard:
         return self._claimed_at[q] + self._late_after * typical * max(self._work[q], 1.0)
 
     def _wait_for_blockers(self, clock: int, slack: int | None, now: float) -> Wait | None:
-        """Before deciding ``clock``: a :class:`Wait` while a rank that has
-        not claimed the clock the claimant's read needs (``clock - slack -
-        1``) is not late yet."""
+        """Before deciding ``clock``: a :class:`Wait` while a rank that
+        still computes something in a clock up to ``clock - slack - 1`` (the
+        claimant's read needs its update) and has not claimed it is not late
+        yet."""
         typical = self._typical()
         if slack is None or self._late_after <= 0 or typical is None:
             return None
@@ -326,14 +328,14 @@ class ClaimBoard:
         ``value`` is ``{"run": int, "clock": int, "slack": int}`` (slack
         optional); the answer as :meth:`Claim.to_wire` or
         :meth:`Wait.to_wire` puts it."""
-        fields = [value.get(key) for key in ("run", "clock")] if isinstance(value, dict) else [None]
-        slack = value.get("slack") if isinstance(value, dict) else None
-        if not all(_clock_ok(v) for v in fields) or not (slack is None or _clock_ok(slack)):
+        fields = value if isinstance(value, dict) else {}
+        run, clock, slack = fields.get("run"), fields.get("clock"), fields.get("slack")
+        if not (_clock_ok(run) and _clock_ok(clock) and (slack is None or _clock_ok(slack))):
             raise InvalidArgumentError(f"a batch claim needs non-negative integers run, clock and slack, got "
                                        f"{value!r}")
         if not 0 <= rank < self._world:
             raise InvalidArgumentError(f"a batch claim from rank {rank}, outside 0..{self._world - 1}")
-        return self.claim(rank, fields[0], fields[1], slack).to_wire()
+        return self.claim(rank, run, clock, slack).to_wire()
 
 
 class ClaimsThroughRankZero:
@@ -372,7 +374,7 @@ class ClaimsThroughRankZero:
         answer = self._request(CLAIM_SERVICE, question, self._timeout_s)
         if isinstance(answer, dict) and set(answer) == {"wait"}:
             seconds = answer["wait"]
-            if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 <= seconds <= 60:
+            if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 <= seconds < math.inf:
                 raise InvalidArgumentError(f"rank 0 answered a batch claim with a wait of {seconds!r} s")
             return Wait(float(seconds))
         return Claim.from_wire(answer, self._world)

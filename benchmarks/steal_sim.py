@@ -41,10 +41,11 @@ class SimulatedJob:
     """One mltuner job of ``clocks`` clocks; returns its simulated time."""
 
     def __init__(self, workers: int, slack: int, clocks: int, overhead: float, burst: float, p: float,
-                 late_after: float | None, seed: int, claims_wait: bool = True) -> None:
+                 late_after: float | None, seed: int, claims_wait: bool = True, jitter: float = 0.0) -> None:
         self.now = 0.0
         self.workers, self.slack, self.clocks = workers, slack, clocks
-        self.claims_wait = claims_wait
+        self.claims_wait, self.jitter = claims_wait, jitter
+        self.jitter_rng = np.random.default_rng([seed, 2])
         self.overhead, self.burst, self.p = overhead, burst, p
         self.rng = np.random.default_rng([seed, 1])
         self.board = None if late_after is None else ClaimBoard(workers, late_after, now=lambda: self.now)
@@ -105,7 +106,8 @@ class SimulatedJob:
                 self.blocked.add(rank)
                 return
             self.stage[rank] = "compute"
-            self._at(self.now + self.parts[rank], rank)  # t = 1 per part
+            spread = self.jitter_rng.lognormal(0.0, self.jitter) if self.jitter > 0 else 1.0
+            self._at(self.now + self.parts[rank] * spread, rank)  # t = 1 per part
             return
         if self.stage[rank] == "compute":
             self.sent[rank].add(c)
@@ -118,13 +120,16 @@ class SimulatedJob:
             self._at(self.now + pause, rank)
 
 
-def ddp_time(workers: int, clocks: int, overhead: float, burst: float, p: float, seed: int) -> float:
+def ddp_time(workers: int, clocks: int, overhead: float, burst: float, p: float, seed: int,
+             jitter: float = 0.0) -> float:
     """Every step waits for the slowest rank; rank 1's pause after its step delays the next."""
     rng = np.random.default_rng([seed, 1])
+    spreads = np.random.default_rng([seed, 2])
     now = 0.0
     for _ in range(clocks):
         pause = burst if rng.random() < p else 0.0
-        now += 1.0 + overhead + pause
+        compute = spreads.lognormal(0.0, jitter, workers).max() if jitter > 0 else 1.0
+        now += compute + overhead + pause
     return now
 
 
@@ -138,13 +143,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--p", type=float, default=0.1, help="the chance of a pause after a clock")
     parser.add_argument("--clocks", type=int, default=3000)
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--jitter", type=float, default=0.0,
+                        help="each compute time times a log-normal factor of this sigma (0: none)")
     args = parser.parse_args(argv)
     slacks = [int(s) for s in args.slacks.split(",")]
     overheads = [float(o) for o in args.overheads.split(",")]
     thresholds = [float(v) for v in args.late_after.split(",")]
     names = ["equal", "steal, no claim waits (stop 53)"] + [f"steal, late after {v:g}" for v in thresholds]
     print(f"{args.workers} workers, rank 1 pausing {args.burst:g} t after a clock with p = {args.p:g}; "
-          f"{args.clocks} clocks, median of {args.seeds} seeds; DDP's time / mltuner's (above 1: mltuner faster)\n")
+          f"compute jitter sigma {args.jitter:g}; {args.clocks} clocks, median of {args.seeds} seeds; DDP's time / mltuner's (above 1: mltuner faster)\n")
     print("| overhead (t) | slack | " + " | ".join(names) + " |")
     print("|--:|--:|" + "--:|" * len(names))
     for overhead in overheads:
@@ -153,9 +160,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for late_after, claims_wait in [(None, True), (2.0, False), *((v, True) for v in thresholds)]:
                 ratios = []
                 for seed in range(args.seeds):
-                    ddp = ddp_time(args.workers, args.clocks, overhead, args.burst, args.p, seed)
-                    sim = SimulatedJob(args.workers, slack, args.clocks, overhead, args.burst, args.p, late_after, seed,
-                               claims_wait)
+                    ddp = ddp_time(args.workers, args.clocks, overhead, args.burst, args.p, seed, args.jitter)
+                    sim = SimulatedJob(args.workers, slack, args.clocks, overhead, args.burst, args.p, late_after,
+                                       seed, claims_wait, args.jitter)
                     ratios.append(ddp / sim.run())
                 cells.append(f"{statistics.median(ratios):.2f}")
             print(f"| {overhead:g} | {slack} | " + " | ".join(cells) + " |")

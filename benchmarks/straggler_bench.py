@@ -109,6 +109,9 @@ def main() -> int:
                         "all but stealing)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="runs of every column, alternated; the table shows their median (default 1)")
+    parser.add_argument("--steal-after", type=float, default=None,
+                        help="the stealing columns' --steal-after (typical clocks of silence before a worker's "
+                             "parts move; default the session's)")
     parser.add_argument("--only", type=lambda text: text.split(","), default=None,
                         help="comma list of the patterns to run, by a word of their names (none, 1.5x, 3x, bursts)")
     args = parser.parse_args()
@@ -127,6 +130,7 @@ def main() -> int:
                     if any(word in name.split() for word in args.only)}
     common = ["--target-accuracy", str(args.target), "--max-epochs", str(args.max_epochs), "--lr", "0.3",
               "--momentum", "0.9", "--batch-size", "32", "--seed", "0"]
+    steal_after = [] if args.steal_after is None else ["--steal-after", str(args.steal_after)]
     rows = []
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -143,7 +147,8 @@ def main() -> int:
                         column = column_name(slack, mode)
                         outcome = run_job([sys.executable, "-m", "mltuner.apps.mnist1d", "--model", "cnn", "--mode",
                                            "fixed", "--search", "", "--staleness", str(slack), "--result",
-                                           str(result), *common, *slow, *MODES[mode]], result, workers=workers)
+                                           str(result), *common, *slow, *MODES[mode], *steal_after], result,
+                                          workers=workers)
                         runs.setdefault(column, []).append(outcome["summary"]["time_to_target_s"])
                         progress(workers, name, column, runs[column][-1], started)
                         if outcome.get("batch_shares"):
@@ -195,7 +200,8 @@ def table(rows: list[tuple[int, str, dict[str, float | None]]], columns: list[tu
         "```",
         f"date: {datetime.datetime.now():%Y-%m-%d %H:%M}; machine: {platform.machine()}, "
         f"torch {torch.__version__}; {os.cpu_count()} cores; t = {t * 1e3:.2f} ms; target {args.target:.0%}; "
-        f"total {total_s:.0f} s",
+        f"total {total_s:.0f} s"
+        + ("" if args.steal_after is None else f"; stealing after {args.steal_after:g} typical clocks"),
         "```", "",
         f"Seconds to the target (lower is better{f'; median of {args.rounds} rounds' if args.rounds > 1 else ''}); "
         "in brackets, DDP's time / mltuner's under the same straggler (above 1: mltuner faster).", "",

@@ -160,6 +160,9 @@ def add_program_options(parser: argparse.ArgumentParser | argparse._ArgumentGrou
     parser.add_argument("--steal-batches", action="store_true",
                         help="at staleness >= 1, a worker a whole clock behind the others loses its part of "
                              "the clock to them, so nobody waits for it; every sample is still computed once")
+    parser.add_argument("--steal-after", type=_non_negative, default=2.0,
+                        help="with --steal-batches: how long a worker a clock behind may be silent before its "
+                             "parts move, in typical clocks of the run")
     parser.add_argument("--slow-rank", type=_rank, default=-1, help="the rank to slow down (benchmarks)")
     parser.add_argument("--slow-factor", type=_at_least_one, default=1.0,
                         help="that rank computes this many times as slowly: after a training clock it sleeps "

@@ -368,7 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         session = TuningSession(job, space, num_train=len(data.x_train), num_validation=len(data.x_val),
                                 config=tuner_config(args, validation_clocks(args, len(data.x_val), job.world_size)),
                                 seed=args.seed, balance_batches=args.balance_batches,
-                                steal_batches=args.steal_batches)
+                                steal_batches=args.steal_batches, steal_after=args.steal_after)
         session.driver = make_driver(args, space, session, log)
         searched = searched_names(args)
         largest_batch = max(args.batch_size, *args.batch_sizes) if "batch_size" in searched else args.batch_size

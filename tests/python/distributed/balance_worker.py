@@ -54,6 +54,7 @@ def main() -> int:
     parser.add_argument("--burst-s", type=float, default=0.0, help="a longer pause of the slow rank, once a run")
     parser.add_argument("--burst-at", type=int, default=8, help="after this training clock of each run")
     parser.add_argument("--steal", action="store_true")
+    parser.add_argument("--steal-after", type=float, default=2.0)
     parser.add_argument("--slack", type=int, default=0)
     parser.add_argument("--rule", choices=("sgd", "add"), default="sgd")
     args = parser.parse_args()
@@ -86,7 +87,8 @@ def main() -> int:
             worker.finish_virtual_iteration()
             worker.start_iterations()
             session = TuningSession(job, space, num_train=NUM_TRAIN, num_validation=NUM_VAL, driver=driver,
-                                    balance_batches=not args.steal, steal_batches=args.steal)
+                                    balance_batches=not args.steal, steal_batches=args.steal,
+                                    steal_after=args.steal_after)
             trained: list[np.ndarray] = []
             validated: list[np.ndarray] = []
             weights: list[float] = []

@@ -109,6 +109,17 @@ def test_a_rank_whose_read_would_wait_waits_in_its_claim_until_the_other_is_late
     _check_every_sample_counts_once(ranks)
 
 
+def test_a_pause_shorter_than_steal_after_moves_nothing(start_workers) -> None:  # type: ignore[no-untyped-def]
+    """The same pauses with ``steal_after`` 100 typical clocks (about 5 s):
+    rank 1 is never late, so its parts stay and rank 0 waits for it."""
+    workers = start_workers(2, "--runs", "1", "--clocks", str(CLOCKS), "--steal", "--slack", "1", "--rule", "add",
+                            "--slow-rank", "1", "--slow-s", "0.05", "--burst-s", "0.6", "--burst-at", "8",
+                            "--steal-after", "100", program=PROGRAM)
+    ranks = _results(workers, 2)
+    assert [int(r["taken"]) for r in ranks] == [0, 0] and [int(r["given"]) for r in ranks] == [0, 0]
+    assert float(ranks[0]["longest_read"]) > 0.3 or float(ranks[0]["claim_wait"]) > 0.3
+
+
 def test_the_others_read_each_others_steps_while_a_rank_sleeps(start_workers) -> None:  # type: ignore[no-untyped-def]
     """Three workers at slack 2, each clock computing for 20 ms a part, rank
     1 pausing 0.6 s after every 6th clock: without the empty clocks

@@ -231,6 +231,8 @@ def test_a_step_must_be_reported() -> None:
     ({"max_branches": 4}, {}, "max_branches"),
     ({}, {"no_batch": True}, "batch_size"),
     ({}, {"num_validation": 0}, "num_validation"),
+    ({}, {"steal_after": -1.0}, "steal_after"),
+    ({}, {"steal_after": float("inf")}, "steal_after"),
 ])
 def test_bad_sessions(overrides: Mapping[str, Any], kwargs: Mapping[str, Any], message: str) -> None:
     tunables: list[Any] = [LogUniform("lr", 1e-3, 1.0)]
@@ -240,7 +242,8 @@ def test_bad_sessions(overrides: Mapping[str, Any], kwargs: Mapping[str, Any], m
         tunables.append(Choice("batch_size", [BATCH]))
     with open_job(**overrides) as job, pytest.raises(mlt.InvalidArgumentError, match=message):
         TuningSession(job, SearchSpace(tunables), num_train=NUM_TRAIN,
-                      num_validation=int(kwargs.get("num_validation", NUM_VAL)))
+                      num_validation=int(kwargs.get("num_validation", NUM_VAL)),
+                      steal_after=float(kwargs.get("steal_after", 2.0)))
 
 
 def test_the_job_records_every_trial_in_a_journal_beside_its_log(tmp_path: Any) -> None:

@@ -62,7 +62,7 @@ from mltuner.tune._system import BranchKind, BranchSystem, ClockReport
 from mltuner.tune.session._balance import BatchBalancer, split_counts
 from mltuner.tune.session._sampler import StepBatchSampler
 from mltuner.tune.session._shared_board import SharedClaimBoard, new_board_file
-from mltuner.tune.session._steal import CARRY_WINDOW, Claim, ClaimsThroughRankZero, Wait
+from mltuner.tune.session._steal import CARRY_WINDOW, LATE_AFTER, Claim, ClaimsThroughRankZero, Wait
 from mltuner.tune.session._commands import (
     Command,
     EndCommand,
@@ -213,8 +213,8 @@ class TuningSession:
             :attr:`Step.weight`. Off by default: the split then depends on
             timing, so runs are not bit-for-bit repeatable.
         steal_batches: in runs at slack >= 1, a worker that falls a clock
-            behind and silent for two typical clocks (a burst of load on its
-            host, a pause) loses its parts of the clocks it has not started
+            behind and silent for ``steal_after`` typical clocks (a burst of
+            load on its host, a pause) loses its parts of the clocks it has not started
             to the others, and the shards count those clocks as empty, so
             nobody waits for it while every sample is still computed once.
             Each rank claims each training clock of such a run first: from a
@@ -223,6 +223,12 @@ class TuningSession:
             does). The training loop weights its loss by :attr:`Step.weight`
             and handles empty steps (an update of exactly zero). Off by
             default, for the same reason as ``balance_batches``.
+        steal_after: with ``steal_batches``, how long a worker a clock
+            behind may be silent before its parts move, in typical clocks
+            of the run (the median time between a worker's claims, per part
+            it computed). Shorter reacts sooner to a delay and moves parts
+            over jitter more often; 0 moves them as soon as it is a clock
+            behind.
 
     After the loop, :attr:`result` holds the driver's result on rank 0, and
     :attr:`final_branch` / :attr:`final_tunables` the branch the job ended
@@ -237,7 +243,8 @@ class TuningSession:
                  batch_size: int | None = None, validation_batch_size: int | None = None,
                  config: TunerConfig | None = None, log: DecisionLog | str | None = None,
                  driver: Driver | None = None, seed: int = 0, timeout_s: float | None = None,
-                 balance_batches: bool = False, steal_batches: bool = False) -> None:
+                 balance_batches: bool = False, steal_batches: bool = False,
+                 steal_after: float = LATE_AFTER) -> None:
         job_config = getattr(job, "config", None)
         if job_config is not None and not getattr(job_config, "branches", False):
             raise InvalidArgumentError("tuning needs branches in the parameter server: create the job with "
@@ -257,6 +264,9 @@ class TuningSession:
                                        f"{num_validation}")
         if steal_batches and not (callable(getattr(job, "serve", None)) and callable(getattr(job, "request", None))):
             raise InvalidArgumentError("steal_batches needs a job whose rank 0 answers requests (a mltuner.Job)")
+        if not 0 <= steal_after < math.inf:
+            raise InvalidArgumentError(f"steal_after must be a finite number of clocks >= 0, got {steal_after!r}")
+        self._steal_after = float(steal_after)
         self._job = job
         self._worker = job.worker
         self._rank, self._world = job.rank, job.world_size
@@ -592,7 +602,7 @@ class TuningSession:
             if isinstance(offer, dict) and isinstance(offer.get("path"), str) and boot is not None \
                     and offer.get("boot") == boot:
                 try:
-                    shared = SharedClaimBoard(offer["path"], self._world, self._timeout_s)
+                    shared = SharedClaimBoard(offer["path"], self._world, self._timeout_s, self._steal_after)
                 except OSError:
                     shared = None
             if all(self._allgather("claim-board-open", shared is not None)):
@@ -603,7 +613,8 @@ class TuningSession:
             if path is not None:
                 os.unlink(path)  # every rank that uses it has it open
         if self._claimer is None:
-            self._claimer = ClaimsThroughRankZero(self._rank, self._world, job.serve, job.request, self._timeout_s)
+            self._claimer = ClaimsThroughRankZero(self._rank, self._world, job.serve, job.request, self._timeout_s,
+                                                  self._steal_after)
 
     def _claim(self, branch: int, branch_clock: int) -> Claim:
         """Who computes what in this training clock (the claim board); the

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 
 from mltuner.exceptions import WaitTimeoutError
 from mltuner.tune._errors import TuningError
-from mltuner.tune.session._steal import Claim, ClaimBoard, Wait
+from mltuner.tune.session._steal import LATE_AFTER, Claim, ClaimBoard, Wait
 
 __all__ = ["SharedClaimBoard", "new_board_file"]
 
@@ -55,7 +55,7 @@ class SharedClaimBoard:
             (``time.monotonic``, one per host).
     """
 
-    def __init__(self, path: str, world_size: int, timeout_s: float, late_after: float | None = None,
+    def __init__(self, path: str, world_size: int, timeout_s: float, late_after: float = LATE_AFTER,
                  now: Callable[[], float] = time.monotonic) -> None:
         self._fd = os.open(path, os.O_RDWR)
         self._path = path
@@ -67,8 +67,7 @@ class SharedClaimBoard:
     def claim(self, rank: int, run: int, clock: int, slack: int | None = None) -> Claim | Wait:
         """:meth:`ClaimBoard.claim`, made under the file's lock."""
         with self._locked():
-            board = (ClaimBoard(self._world, now=self._now) if self._late_after is None
-                     else ClaimBoard(self._world, self._late_after, self._now))
+            board = ClaimBoard(self._world, self._late_after, self._now)
             raw = os.pread(self._fd, os.fstat(self._fd).st_size, 0)
             if raw:
                 try:

@@ -56,13 +56,14 @@ from typing import Any, TypeGuard
 
 from mltuner.exceptions import InvalidArgumentError
 
-__all__ = ["CARRY_WINDOW", "CLAIM_SERVICE", "Claim", "ClaimBoard", "ClaimsThroughRankZero", "Owners", "Wait"]
+__all__ = ["CARRY_WINDOW", "CLAIM_SERVICE", "LATE_AFTER", "Claim", "ClaimBoard", "ClaimsThroughRankZero", "Owners",
+           "Wait"]
 
 CLAIM_SERVICE = "mltuner-batch-claims"
 
 # A rank a clock behind is late once its last claim is this many typical
 # clocks old: a thief's clock, longer by the parts it took, stays below it.
-_LATE_AFTER = 2.0
+LATE_AFTER = 2.0
 # Intervals between claims the typical clock is the median of, and how many
 # a run needs before anyone can be late.
 _INTERVALS = 64
@@ -179,7 +180,7 @@ class ClaimBoard:
         now: the clock of the claims' times (tests give their own).
     """
 
-    def __init__(self, world_size: int, late_after: float = _LATE_AFTER,
+    def __init__(self, world_size: int, late_after: float = LATE_AFTER,
                  now: Callable[[], float] = time.monotonic) -> None:
         self._world = world_size
         self._late_after = late_after
@@ -353,13 +354,14 @@ class ClaimsThroughRankZero:
         rank, world_size: this rank's and the job's.
         serve, request: the job's (:meth:`mltuner.Job.serve`, ``request``).
         timeout_s: the longest a request waits for rank 0's answer.
+        late_after: :class:`ClaimBoard`'s (rank 0's).
     """
 
     def __init__(self, rank: int, world_size: int, serve: Callable[[str, Any], None],
-                 request: Callable[[str, Any, float], Any], timeout_s: float) -> None:
+                 request: Callable[[str, Any, float], Any], timeout_s: float, late_after: float = LATE_AFTER) -> None:
         self._world = world_size
         self._serve, self._request, self._timeout_s = serve, request, timeout_s
-        self._board = ClaimBoard(world_size) if rank == 0 else None
+        self._board = ClaimBoard(world_size, late_after) if rank == 0 else None
         self._switch_interval: float | None = None
         if self._board is not None:
             serve(CLAIM_SERVICE, self._board.answer)

@@ -2,8 +2,8 @@
 program, one per rank): linear regression in a TuningSession with
 ``balance_batches=True`` (or ``--steal``: ``steal_batches=True`` at read
 slack ``--slack``); ``--slow-rank`` sleeps after every ``--slow-every``-th
-of its clocks; ``--work-s`` makes each clock's compute take time in
-proportion to its samples. ``--rule add`` sums each step's weighted mean input row
+of its clocks, and ``--burst-s`` longer once a run after its ``--burst-at``-th;
+``--work-s`` makes each clock's compute take time in proportion to its samples. ``--rule add`` sums each step's weighted mean input row
 instead of a gradient step, so that the final table is the same sum
 whoever computed which sample.
 
@@ -11,8 +11,9 @@ Rank 0's driver trains one branch for ``--runs`` runs of ``--clocks`` clocks
 and then validates it once. Each rank writes to OUT/rank-R.npz the indices it
 trained on per clock, its steps' weights, the final parameters, the
 shares of the last run and the clocks it gave and took; per training
-clock its branch clock, its read's data age and the time of the read; and
-the slow rank its pauses (start, end, the branch clock before them).
+clock its branch clock, its read's data age and the time of the read; its
+longest read and the seconds its claims waited; and the slow rank its pauses
+(start, end, the branch clock before them).
 """
 
 from __future__ import annotations

@@ -222,10 +222,11 @@ class ClaimBoard:
                                            f"{self._last[rank] + 1}")
             declare: list[tuple[int, int]] = []
             if clock not in self._owners:
-                wait = self._wait_for_blockers(clock, slack, now)
+                typical = self._typical()
+                wait = self._wait_for_blockers(clock, slack, now, typical)
                 if wait is not None:
                     return wait
-                declare = self._decide(clock, now)
+                declare = self._decide(clock, now, typical)
             if clock > 0 and self._work[rank] >= 0.5:  # a clock of about a part or more: its time per part
                 self._intervals.append((now - self._claimed_at[rank]) / self._work[rank])
             answer = Claim([list(p) for p in self._owners[clock]],
@@ -270,12 +271,11 @@ class ClaimBoard:
         needs."""
         return self._claimed_at[q] + self._late_after * typical * max(self._work[q], 1.0)
 
-    def _wait_for_blockers(self, clock: int, slack: int | None, now: float) -> Wait | None:
+    def _wait_for_blockers(self, clock: int, slack: int | None, now: float, typical: float | None) -> Wait | None:
         """Before deciding ``clock``: a :class:`Wait` while a rank that
         still computes something in a clock up to ``clock - slack - 1`` (the
         claimant's read needs its update) and has not claimed it is not late
         yet."""
-        typical = self._typical()
         if slack is None or self._late_after <= 0 or typical is None:
             return None
         blockers = [self._late_at(q, typical) for q in range(self._world)
@@ -294,10 +294,9 @@ class ClaimBoard:
         return owners is None or any(q in who for who in owners) or any(
             q in who for moved in self._carried[clock].values() for who in moved)
 
-    def _decide(self, clock: int, now: float) -> list[tuple[int, int]]:
+    def _decide(self, clock: int, now: float, typical: float | None) -> list[tuple[int, int]]:
         """The first claim of ``clock``: moves the late ranks' parts to the
-        ranks on time; the clocks it empties."""
-        typical = self._typical()
+        ranks on time; the clocks it empties. ``typical``: :meth:`_typical`."""
         behind = [q for q in range(self._world) if self._last[q] < clock - 1]
         if self._late_after <= 0:
             late = behind

@@ -112,6 +112,8 @@ def main() -> int:
     parser.add_argument("--steal-after", type=float, default=None,
                         help="the stealing columns' --steal-after (typical clocks of silence before a worker's "
                              "parts move; default the session's)")
+    parser.add_argument("--test-clocks", type=int, default=None,
+                        help="clocks of each of mltuner's validations (default: the app's, the set in one clock)")
     parser.add_argument("--only", type=lambda text: text.split(","), default=None,
                         help="comma list of the patterns to run, by a word of their names (none, 1.5x, 3x, bursts)")
     args = parser.parse_args()
@@ -131,6 +133,7 @@ def main() -> int:
     common = ["--target-accuracy", str(args.target), "--max-epochs", str(args.max_epochs), "--lr", "0.3",
               "--momentum", "0.9", "--batch-size", "32", "--seed", "0"]
     steal_after = [] if args.steal_after is None else ["--steal-after", str(args.steal_after)]
+    test_clocks = [] if args.test_clocks is None else ["--test-clocks", str(args.test_clocks)]
     rows = []
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -147,8 +150,8 @@ def main() -> int:
                         column = column_name(slack, mode)
                         outcome = run_job([sys.executable, "-m", "mltuner.apps.mnist1d", "--model", "cnn", "--mode",
                                            "fixed", "--search", "", "--staleness", str(slack), "--result",
-                                           str(result), *common, *slow, *MODES[mode], *steal_after], result,
-                                          workers=workers)
+                                           str(result), *common, *slow, *MODES[mode], *steal_after, *test_clocks],
+                                          result, workers=workers)
                         runs.setdefault(column, []).append(outcome["summary"]["time_to_target_s"])
                         progress(workers, name, column, runs[column][-1], started)
                         if outcome.get("batch_shares"):

@@ -83,12 +83,11 @@ def test_a_slow_factor_needs_the_compute_time() -> None:
         Straggler(options(slow_factor=2.0), 1)
 
 
-def test_a_validation_covers_the_set_once_in_training_batches() -> None:
+def test_a_validation_covers_the_set_once_in_as_few_clocks_as_hold_it() -> None:
     args = parse_args(["--batch-size", "32"])
-    assert mnist1d.validation_clocks(args, 400, 4) == 4  # 400 samples, 128 a clock: the last clock short
-    assert mnist1d.validation_clocks(args, 384, 4) == 3
-    assert mnist1d.validation_clocks(args, 10, 2) == 1
-    assert mnist1d.validation_clocks(parse_args(["--test-clocks", "100"]), 400, 4) == 100
-    assert mnist1d.tuner_config(args, 4).num_clocks_to_test == 4
+    assert mnist1d.validation_batch(args, 400, 4) == 100  # one clock, whatever the training batch
+    assert mnist1d.validation_batch(args, 10_000, 2) == 1000  # 5 clocks of at most 1024 a worker
+    assert mnist1d.validation_batch(parse_args(["--test-clocks", "3"]), 400, 4) == 34  # the last clock short
+    assert mnist1d.validation_batch(parse_args(["--test-clocks", "1000"]), 400, 4) == 1  # a sample each, 100 clocks
     with pytest.raises(SystemExit):
         parse_args(["--test-clocks", "0"])

@@ -122,8 +122,8 @@ def add_program_options(parser: argparse.ArgumentParser | argparse._ArgumentGrou
     parser.add_argument("--eval-clocks", type=_positive_int, default=20,
                         help="clocks of the lr = 0 evaluation branch")
     parser.add_argument("--test-clocks", type=_positive_int, default=None,
-                        help="clocks of each validation (default: the validation set once, a batch per worker a "
-                             "clock)")
+                        help="clocks of each validation, which covers the validation set once (default: the "
+                             "fewest of at most 1024 samples a worker; at least one sample a worker a clock)")
     parser.add_argument("--trial-time", type=_positive, default=None,
                         help="initial trial time in seconds (default: measured)")
     parser.add_argument("--max-epochs", type=_positive_int, default=30, help="stop after this many epochs")

@@ -174,6 +174,37 @@ def test_nobody_is_late_before_the_run_knows_its_typical_clock() -> None:
     assert board.claim(0, 0, 2).owners == [[0], [1]]  # rank 1 is a clock behind, but no clock is typical yet
 
 
+def test_a_run_of_as_many_samples_a_clock_keeps_the_typical_clock() -> None:
+    clock = _Clock()
+    board = ClaimBoard(2, now=clock)
+    for k in range(5):  # run 0, 128 samples a clock: clocks of 1 s in step
+        for rank in (0, 1):
+            board.claim(rank, 0, k, samples=128)
+        clock.now += 1.0
+    # Run 1 (the next epoch of the branch) knows its typical clock from its first claims:
+    # rank 1, silent since the run began, is late 2 clocks later.
+    for rank in (0, 1):
+        board.claim(rank, 1, 0, samples=128)
+    clock.now += 1.0
+    board.claim(0, 1, 1, samples=128)
+    clock.now += 1.5
+    assert board.claim(0, 1, 2, samples=128).owners == [[0], [0]]
+    # A run of other samples a clock (another batch size) waits for its own median.
+    for rank in (0, 1):
+        board.claim(rank, 2, 0, samples=256)
+    clock.now += 1.0
+    board.claim(0, 2, 1, samples=256)
+    clock.now += 10.0
+    assert board.claim(0, 2, 2, samples=256).owners == [[0], [1]]
+    # So does a run whose claims do not say.
+    for rank in (0, 1):
+        board.claim(rank, 3, 0)
+    clock.now += 1.0
+    board.claim(0, 3, 1)
+    clock.now += 10.0
+    assert board.claim(0, 3, 2).owners == [[0], [1]]
+
+
 def test_a_thief_gets_the_time_of_the_parts_it_took() -> None:
     clock = _Clock()
     board = ClaimBoard(3, now=clock)
@@ -257,9 +288,10 @@ def test_waits_go_over_the_wire() -> None:
     _in_step(board, clock, 2, 10)
     board.claim(0, 0, 10)
     board.claim(0, 0, 11)
-    assert board.answer(0, {"run": 0, "clock": 12, "slack": 1}) == {"wait": 0.125}
-    with pytest.raises(InvalidArgumentError, match="non-negative integers"):
-        board.answer(0, {"run": 0, "clock": 12, "slack": -1})
+    assert board.answer(0, {"run": 0, "clock": 12, "slack": 1, "samples": 64}) == {"wait": 0.125}
+    for bad in ({"slack": -1}, {"slack": 1, "samples": -5}, {"samples": 2.5}):
+        with pytest.raises(InvalidArgumentError, match="non-negative integers"):
+            board.answer(0, {"run": 0, "clock": 12, **bad})
     for answer, expected in (({"wait": 0.125}, Wait(0.125)), ({"wait": "soon"}, None),
                              ({"wait": float("nan")}, None), ({"wait": float("inf")}, None), ({"wait": -1}, None)):
         remote = ClaimsThroughRankZero(1, 2, lambda *_: None, lambda *_: answer, 1.0)

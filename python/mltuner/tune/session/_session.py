@@ -299,6 +299,7 @@ class TuningSession:
         self._run_clock = 0  # clocks made in the run so far
         self._run_steals = False  # rank 0's word: this run's clocks are claimed
         self._run_slack = 0
+        self._run_samples = 0  # the run's samples a clock (its branch's batch for every worker)
         self.clocks_given = 0  # training clocks whose part this rank lost to the others (steal_batches)
         self.clocks_taken = 0  # training clocks in which it computed a part of another rank's
         self.claim_wait_s = 0.0  # seconds its claims waited for a rank to claim or turn late
@@ -457,6 +458,7 @@ class TuningSession:
             self._recent_slices = {}
             self._run_steals = command.steal
             self._run_slack = self._slack_of(self._branches[command.branch])
+            self._run_samples = self._batch_of(self._branches[command.branch].tunables) * self._world
             self._shares = command.shares
             self._run_kind = self._branches[command.branch].kind
             self._reports, self._times, self._busy, self._busy_samples = [], [], [], []
@@ -622,7 +624,8 @@ class TuningSession:
             raise TuningError("rank 0 runs with batch stealing, but this rank's session has steal_batches off")
         clock, self._run_clock = self._run_clock, self._run_clock + 1
         started = None
-        while isinstance(claim := self._claimer.claim(self._rank, self._run_id, clock, self._run_slack), Wait):
+        while isinstance(claim := self._claimer.claim(self._rank, self._run_id, clock, self._run_slack,
+                                                           self._run_samples), Wait):
             # This rank's read of the clock would wait for a rank that is not late yet: wait here
             # instead, where its parts can still move once it is.
             started = time.monotonic() if started is None else started

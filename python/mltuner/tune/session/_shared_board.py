@@ -64,7 +64,8 @@ class SharedClaimBoard:
         self._now = now
         self._late_after = late_after
 
-    def claim(self, rank: int, run: int, clock: int, slack: int | None = None) -> Claim | Wait:
+    def claim(self, rank: int, run: int, clock: int, slack: int | None = None,
+              samples: int | None = None) -> Claim | Wait:
         """:meth:`ClaimBoard.claim`, made under the file's lock."""
         with self._locked():
             board = ClaimBoard(self._world, self._late_after, self._now)
@@ -75,7 +76,7 @@ class SharedClaimBoard:
                 except (ValueError, KeyError, TypeError) as error:
                     raise TuningError(f"the batch claim board {self._path} is corrupt ({error}): a rank died "
                                       f"while writing it?") from error
-            claim = board.claim(rank, run, clock, slack)
+            claim = board.claim(rank, run, clock, slack, samples)
             if isinstance(claim, Wait):
                 return claim  # the board is as it was
             data = json.dumps(board.state(), separators=(",", ":")).encode()

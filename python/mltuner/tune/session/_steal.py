@@ -40,6 +40,11 @@ waits (the board answers :class:`Wait`) until that rank claims or turns
 late. A thief that ran a clock or two ahead of a rank before its delay
 began otherwise went on to its read and waited out the delay there, with
 no claim left to move the late rank's parts.
+
+The typical clock carries over from a run to the next of as many samples a
+clock (a training branch runs epoch by epoch, between validations): the
+first clocks of a run are then judged too, instead of waiting for a new
+median.
 """
 
 from __future__ import annotations
@@ -187,6 +192,7 @@ class ClaimBoard:
         self._now = now
         self._lock = threading.Lock()
         self._run: int | None = None
+        self._samples: int | None = None  # the run's samples a clock, when the claims said
         self._last: list[int] = []  # per rank: the last clock it claimed in the run
         self._claimed_at: list[float] = []  # per rank: when
         self._work: list[float] = []  # per rank: the parts it computes in that clock (its own is 1)
@@ -197,10 +203,13 @@ class ClaimBoard:
         self._owners: dict[int, Owners] = {}
         self._carried: dict[int, dict[int, Owners]] = {}
 
-    def claim(self, rank: int, run: int, clock: int, slack: int | None = None) -> Claim | Wait:
+    def claim(self, rank: int, run: int, clock: int, slack: int | None = None,
+              samples: int | None = None) -> Claim | Wait:
         """``rank`` starts ``clock`` (0-based) of ``run``: who computes what
         in that clock. Runs are numbered upwards, and each rank claims the
-        clocks of a run in order, once each.
+        clocks of a run in order, once each. A run whose first claim gives
+        as many ``samples`` a clock as the run before keeps its typical
+        clock.
 
         With the run's ``slack``, the first claims of a clock wait (a
         :class:`Wait`: ask again) while a rank the claimant's read of it
@@ -213,7 +222,9 @@ class ClaimBoard:
             if self._run is None or run > self._run:
                 self._run, self._last, self._owners, self._carried = run, [-1] * self._world, {}, {}
                 self._claimed_at, self._work = [now] * self._world, [1.0] * self._world
-                self._intervals.clear()
+                if samples is None or samples != self._samples:
+                    self._intervals.clear()
+                self._samples = samples
             elif run < self._run:
                 raise InvalidArgumentError(f"rank {rank} claimed a clock of run {run}, which ended (run "
                                            f"{self._run} is on)")
@@ -243,7 +254,7 @@ class ClaimBoard:
         through a file, :mod:`._shared_board`)."""
         with self._lock:
             # Times in whole microseconds: integers cost JSON a fraction of floats.
-            return {"run": self._run, "last": list(self._last), "work": list(self._work),
+            return {"run": self._run, "samples": self._samples, "last": list(self._last), "work": list(self._work),
                     "claimed_at": [round(t * 1e6) for t in self._claimed_at],
                     "intervals": [round(t * 1e6) for t in self._intervals],
                     "owners": [[k, [list(p) for p in owners]] for k, owners in self._owners.items()],
@@ -253,7 +264,7 @@ class ClaimBoard:
     def load(self, state: dict[str, Any]) -> None:
         """Takes over what :meth:`state` gave (from this job's own ranks)."""
         with self._lock:
-            self._run = state["run"]
+            self._run, self._samples = state["run"], state["samples"]
             self._last, self._work = state["last"], state["work"]
             self._claimed_at = [t * 1e-6 for t in state["claimed_at"]]
             self._intervals = deque((t * 1e-6 for t in state["intervals"]), maxlen=_INTERVALS)
@@ -326,16 +337,16 @@ class ClaimBoard:
     def answer(self, rank: int, value: Any) -> dict[str, Any]:
         """:meth:`claim` for a request that came over the network:
         ``value`` is ``{"run": int, "clock": int, "slack": int}`` (slack
-        optional); the answer as :meth:`Claim.to_wire` or
+        and samples optional); the answer as :meth:`Claim.to_wire` or
         :meth:`Wait.to_wire` puts it."""
         fields = value if isinstance(value, dict) else {}
-        run, clock, slack = fields.get("run"), fields.get("clock"), fields.get("slack")
-        if not (_clock_ok(run) and _clock_ok(clock) and (slack is None or _clock_ok(slack))):
-            raise InvalidArgumentError(f"a batch claim needs non-negative integers run, clock and slack, got "
-                                       f"{value!r}")
+        run, clock, slack, samples = (fields.get(name) for name in ("run", "clock", "slack", "samples"))
+        if not (_clock_ok(run) and _clock_ok(clock) and all(v is None or _clock_ok(v) for v in (slack, samples))):
+            raise InvalidArgumentError(f"a batch claim needs non-negative integers run, clock, slack and samples, "
+                                       f"got {value!r}")
         if not 0 <= rank < self._world:
             raise InvalidArgumentError(f"a batch claim from rank {rank}, outside 0..{self._world - 1}")
-        return self.claim(rank, run, clock, slack).to_wire()
+        return self.claim(rank, run, clock, slack, samples).to_wire()
 
 
 class ClaimsThroughRankZero:
@@ -367,11 +378,13 @@ class ClaimsThroughRankZero:
             self._switch_interval = sys.getswitchinterval()
             sys.setswitchinterval(min(self._switch_interval, _SWITCH_INTERVAL_S))
 
-    def claim(self, rank: int, run: int, clock: int, slack: int | None = None) -> Claim | Wait:
+    def claim(self, rank: int, run: int, clock: int, slack: int | None = None,
+              samples: int | None = None) -> Claim | Wait:
         """:meth:`ClaimBoard.claim`, on rank 0's board."""
         if self._board is not None:
-            return self._board.claim(rank, run, clock, slack)
-        question = {"run": run, "clock": clock} if slack is None else {"run": run, "clock": clock, "slack": slack}
+            return self._board.claim(rank, run, clock, slack, samples)
+        question = {name: value for name, value in (("run", run), ("clock", clock), ("slack", slack),
+                                                     ("samples", samples)) if value is not None}
         answer = self._request(CLAIM_SERVICE, question, self._timeout_s)
         if isinstance(answer, dict) and set(answer) == {"wait"}:
             seconds = answer["wait"]

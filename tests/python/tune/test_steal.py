@@ -181,8 +181,8 @@ def test_a_run_of_as_many_samples_a_clock_keeps_the_typical_clock() -> None:
         for rank in (0, 1):
             board.claim(rank, 0, k, samples=128)
         clock.now += 1.0
-    # Run 1 (the next epoch of the branch) knows its typical clock from its first claims:
-    # rank 1, silent since the run began, is late 2 clocks later.
+    # Run 1 (the branch's next epoch) knows its typical clock from its first claims: rank 1,
+    # silent since its claim of clock 0, is late at rank 0's claim of clock 2, 2.5 s later.
     for rank in (0, 1):
         board.claim(rank, 1, 0, samples=128)
     clock.now += 1.0

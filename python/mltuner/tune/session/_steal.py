@@ -336,8 +336,8 @@ class ClaimBoard:
 
     def answer(self, rank: int, value: Any) -> dict[str, Any]:
         """:meth:`claim` for a request that came over the network:
-        ``value`` is ``{"run": int, "clock": int, "slack": int}`` (slack
-        and samples optional); the answer as :meth:`Claim.to_wire` or
+        ``value`` is ``{"run": int, "clock": int, "slack": int, "samples":
+        int}`` (slack and samples optional); the answer as :meth:`Claim.to_wire` or
         :meth:`Wait.to_wire` puts it."""
         fields = value if isinstance(value, dict) else {}
         run, clock, slack, samples = (fields.get(name) for name in ("run", "clock", "slack", "samples"))

@@ -189,20 +189,15 @@ def test_a_run_of_as_many_samples_a_clock_keeps_the_typical_clock() -> None:
     board.claim(0, 1, 1, samples=128)
     clock.now += 1.5
     assert board.claim(0, 1, 2, samples=128).owners == [[0], [0]]
-    # A run of other samples a clock (another batch size) waits for its own median.
-    for rank in (0, 1):
-        board.claim(rank, 2, 0, samples=256)
-    clock.now += 1.0
-    board.claim(0, 2, 1, samples=256)
-    clock.now += 10.0
-    assert board.claim(0, 2, 2, samples=256).owners == [[0], [1]]
-    # So does a run whose claims do not say.
-    for rank in (0, 1):
-        board.claim(rank, 3, 0)
-    clock.now += 1.0
-    board.claim(0, 3, 1)
-    clock.now += 10.0
-    assert board.claim(0, 3, 2).owners == [[0], [1]]
+    # A run of other samples a clock (another batch size), or whose claims do not say, waits
+    # for its own median.
+    for run, samples in ((2, 256), (3, None)):
+        for rank in (0, 1):
+            board.claim(rank, run, 0, samples=samples)
+        clock.now += 1.0
+        board.claim(0, run, 1, samples=samples)
+        clock.now += 10.0
+        assert board.claim(0, run, 2, samples=samples).owners == [[0], [1]]
 
 
 def test_a_thief_gets_the_time_of_the_parts_it_took() -> None:

@@ -6,12 +6,14 @@ validation takes."""
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import pytest
 
 from mltuner.apps import mnist1d
 from mltuner.apps.mnist1d import Straggler, build_space, parse_args
 from mltuner.exceptions import InvalidArgumentError
+from mltuner.tune import TuningSession
 
 
 @pytest.mark.parametrize("given, expected", [([], 0), (["--staleness", "3"], 3), (["--staleness", "7,1"], 7)])
@@ -91,3 +93,26 @@ def test_a_validation_covers_the_set_once_in_as_few_clocks_as_hold_it() -> None:
     assert mnist1d.validation_batch(parse_args(["--test-clocks", "1000"]), 400, 4) == 1  # a sample each, 100 clocks
     with pytest.raises(SystemExit):
         parse_args(["--test-clocks", "0"])
+
+
+class _Made(Exception):
+    pass
+
+
+@pytest.mark.parametrize("given, clocks", [([], 1), (["--test-clocks", "3"], 3)])
+def test_the_programs_validation_clocks_reach_its_session(monkeypatch: pytest.MonkeyPatch, given: list[str],
+                                                         clocks: int) -> None:
+    # The session replaces the tuner config's clocks with those of its own validation batch:
+    # --test-clocks once reached only the config, and validations kept one training batch a clock.
+    made: list[TuningSession] = []
+
+    class Recorded(TuningSession):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+            raise _Made  # the settings are all this test needs: no training
+
+    monkeypatch.setattr(mnist1d, "TuningSession", Recorded)
+    with pytest.raises(_Made):
+        mnist1d.main(["--mode", "fixed", "--search", "", "--samples", "500", "--batch-size", "8", *given])
+    assert made[0].config.num_clocks_to_test == clocks

@@ -230,6 +230,7 @@ void RegisterNode(py::module_& m) {
             py::dict out;
             out["sent_messages"] = stats.sent_messages;
             out["sent_bytes"] = stats.sent_bytes;
+            out["sent_from_views"] = stats.sent_from_views;
             out["fallbacks"] = stats.fallbacks;
             out["room_waits"] = stats.room_waits;
             out["room_wait_us"] = stats.room_wait_us;
@@ -241,7 +242,8 @@ void RegisterNode(py::module_& m) {
             out["releases_received"] = stats.releases_received;
             return out;
           },
-          "CUDA IPC traffic so far: payloads and bytes sent and received device -> device, fallbacks to "
+          "CUDA IPC traffic so far: payloads and bytes sent and received device -> device (of those sent, the ones "
+          "copied straight from the shard's state), fallbacks to "
           "host frames (a full slice), payloads that waited for room in a full slice and the microseconds they "
           "waited, payloads copied out of a crowded slice on landing, releases sent and received.")
       .def_property_readonly("socket_payload_bytes", &ProcessNode::socket_payload_bytes,

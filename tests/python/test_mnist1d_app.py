@@ -102,8 +102,8 @@ class _Made(Exception):
 @pytest.mark.parametrize("given, clocks", [([], 1), (["--test-clocks", "3"], 3)])
 def test_the_programs_validation_clocks_reach_its_session(monkeypatch: pytest.MonkeyPatch, given: list[str],
                                                          clocks: int) -> None:
-    # The session replaces the tuner config's clocks with those of its own validation batch:
-    # --test-clocks once reached only the config, and validations kept one training batch a clock.
+    # The session takes its validation clocks from its validation batch: --test-clocks once
+    # reached only the tuner config, and validations kept one training batch a clock.
     made: list[TuningSession] = []
 
     class Recorded(TuningSession):

@@ -47,6 +47,8 @@ struct DeviceBuffer;
 struct IpcStats {
   int64_t sent_messages = 0;      // payloads copied device -> device into a peer's region
   int64_t sent_bytes = 0;
+  int64_t sent_from_views = 0;    // of those, copied from a view of memory it does not
+                                  //   own (the shard's rows from its state): no copy first
   int64_t fallbacks = 0;          // payloads for an IPC peer that found its slice full
                                   //   and went through a host frame instead
   int64_t room_waits = 0;         // payloads that found the slice full and waited for

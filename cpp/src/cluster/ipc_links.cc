@@ -151,6 +151,7 @@ Status IpcLinks::TrySend(int peer, OutgoingMessage::Lane message_lane, DeviceBuf
     buffer->last_use = std::move(done);
     ++send_stats_.sent_messages;
     send_stats_.sent_bytes += static_cast<int64_t>(bytes);
+    if (buffer->borrowed) ++send_stats_.sent_from_views;
   }
   *notice = EncodeIpcNotice(rank_, peer, span, message_frame0);
   *sent = true;

@@ -15,7 +15,10 @@ class LocalCluster::Hub : public Transport {
     const int num_workers = static_cast<int>(devices.size());
     for (int rank = 0; rank < num_workers; ++rank) {
       hosts_.push_back(std::make_unique<ShardHost>(rank, num_workers, config, devices[rank],
-                                                   [this, rank](int worker) { return SameMemory(rank, worker); }));
+                                                   [this, rank](int worker) {
+                                                     return SameMemory(rank, worker) ? RowsRoute::kDeviceBuffer
+                                                                                     : RowsRoute::kHostFrame;
+                                                   }));
     }
   }
 

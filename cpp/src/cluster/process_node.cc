@@ -22,11 +22,16 @@ namespace mltuner {
 // The shard host and the outbox of messages for other processes.
 class ProcessNode::Queues {
  public:
-  // The shard sends rows as device buffers to its own engine and to the
-  // processes it reaches by CUDA IPC (`ipc` outlives the host's threads).
+  // The shard sends rows as device buffers to its own engine, and to the
+  // processes it reaches by CUDA IPC (or shared memory) as views of its
+  // state, copied as they leave (`ipc` outlives the host's threads).
   Queues(int rank, int num_workers, const Config& config, std::shared_ptr<Device> device, const IpcLinks* ipc)
       : host(rank, num_workers, config, device,
-             [rank, ipc](int worker) { return worker == rank || ipc->enabled(worker); }),
+             [rank, ipc](int worker) {
+               return worker == rank          ? RowsRoute::kDeviceBuffer
+                      : ipc->enabled(worker) ? RowsRoute::kCopiedAtSend
+                                             : RowsRoute::kHostFrame;
+             }),
         device(std::move(device)) {}
 
   // Waits while the outbox is over its limit (none when it is empty), up to

@@ -122,12 +122,12 @@ void Inbox::Stop() {
 }
 
 ShardHost::ShardHost(int rank, int num_workers, const Config& config, std::shared_ptr<Device> device,
-                     std::function<bool(int worker)> device_receivers)
+                     std::function<RowsRoute(int worker)> rows_route)
     : rank_(rank),
       num_workers_(num_workers),
       shard_(rank, num_workers, config.update_rule, config.max_branches, std::move(device)) {
   shard_.set_check_finite(config.check_finite);
-  shard_.set_device_receivers(std::move(device_receivers));
+  shard_.set_rows_routes(std::move(rows_route));
   shard_.PlaceStateWhenReady(config);  // after the workers' plans: on the device if it has room (issue 16)
 }
 

@@ -70,11 +70,10 @@ class Inbox {
 
 class ShardHost {
  public:
-  // `pool` recycles host payloads and must outlive the host. The shard keeps
-  // its state in `device`'s memory and sends rows as device buffers to the
-  // workers for which `device_receivers` is true.
+  // The shard keeps its state in `device`'s memory and sends each worker
+  // its rows the way `rows_route` says.
   ShardHost(int rank, int num_workers, const Config& config, std::shared_ptr<Device> device,
-            std::function<bool(int worker)> device_receivers);
+            std::function<RowsRoute(int worker)> rows_route);
   ~ShardHost() { Stop(); }
   ShardHost(const ShardHost&) = delete;
   ShardHost& operator=(const ShardHost&) = delete;

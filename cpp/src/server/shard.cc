@@ -637,12 +637,14 @@ Status ServerShard::PushAllRows(const TableState& table, std::vector<Message>* o
   return Status::Ok();
 }
 
-// A worker of this process gets a copy in device memory, queued on the server
-// stream after the rule (its install waits for `ready`), or with the state in
-// host memory a view of the state itself (LendValues); so does a worker of
-// another process reached by shared memory (CPU engines), whose copy into its
-// landing region is made as the message leaves, on this thread, which ends
-// the loan at once; any other worker a host copy, which waits for the device.
+// A worker of another process reached by CUDA IPC or shared memory gets a
+// view of the state itself (LendValues): its copy into that process is made
+// as the message leaves, on this thread, which ends the loan at once. A
+// worker of this process gets a copy in device memory, queued on the server
+// stream after the rule (its install waits for `ready`), since it holds the
+// buffer until it installs; with the state in host memory, or on the CPU,
+// a view of the state too. Any other worker gets a host copy, which waits
+// for the device.
 Status ServerShard::RowsMessage(const TableState& table, int part, Clock age, int worker, Message* out,
                                 std::shared_ptr<DeviceBuffer>* shared_frame) {
   Message rows = NewMessage(MessageType::kRows, rank_, worker, table.info.id);
@@ -654,11 +656,14 @@ Status ServerShard::RowsMessage(const TableState& table, int part, Clock age, in
     rows.spans.push_back(range);
     const size_t count = static_cast<size_t>(table.values_of(part));
     const float* values = table.data() + table.offset_of(part);
-    const bool direct = device_receivers_ && device_receivers_(worker);
+    const RowsRoute route = rows_route_ ? rows_route_(worker) : RowsRoute::kHostFrame;
+    const bool direct = route != RowsRoute::kHostFrame;
     if (direct && worker != rank_ && device_->host_addressable()) {
       MLT_RETURN_IF_ERROR(LendValues(table, part, &rows.device_values));
     } else if (direct && state_in_host_) {
       MLT_RETURN_IF_ERROR(LendValues(table, part, &rows.host_frame));
+    } else if (route == RowsRoute::kCopiedAtSend) {
+      MLT_RETURN_IF_ERROR(LendValues(table, part, &rows.device_values));
     } else if (direct) {
       MLT_RETURN_IF_ERROR(buffers_.Acquire(count, Stream::kServer, &rows.device_values));
       device_->CopyDeviceToDevice(rows.device_values->data, values, count * sizeof(float), Stream::kServer);

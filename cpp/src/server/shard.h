@@ -43,6 +43,13 @@
 
 namespace mltuner {
 
+// How a worker takes a shard's rows.
+enum class RowsRoute {
+  kHostFrame,     // host values: the worker's memory is out of the shard's reach
+  kDeviceBuffer,  // a buffer in the shard's memory, which the worker holds until it installs
+  kCopiedAtSend,  // copied into the worker's process as the message leaves (CUDA IPC, shared memory)
+};
+
 class ServerShard {
  public:
   // The shard's values, optimizer state and pending updates live in
@@ -72,11 +79,9 @@ class ServerShard {
   // kClockUpdate that covers all of the shard's rows of its table).
   Status Handle(Message&& in, std::vector<Message>* out);
 
-  // Workers whose rows may be sent as device buffers (same process, same
-  // memory space); the others get host values. Default: none.
-  void set_device_receivers(std::function<bool(int worker)> takes_device_buffers) {
-    device_receivers_ = std::move(takes_device_buffers);
-  }
+  // How each worker takes the shard's rows (RowsRoute). Default: every
+  // worker through host frames.
+  void set_rows_routes(std::function<RowsRoute(int worker)> route_of) { rows_route_ = std::move(route_of); }
 
   // Defers the allocation of the tables' values and optimizer state until
   // every worker is ready (kReady: each worker's plan is made and its memory
@@ -261,7 +266,7 @@ class ServerShard {
   std::shared_ptr<Device> device_;
   DeviceBufferPool buffers_;
   DeviceBufferPool frames_;  // host frames of rows pushed to other processes
-  std::function<bool(int)> device_receivers_;
+  std::function<RowsRoute(int)> rows_route_;
   std::function<HostHeadroom()> host_available_;
   bool check_finite_ = false;
   bool defer_state_ = false;   // PlaceStateWhenReady was called

@@ -11,12 +11,17 @@ from optuna.storages import BaseStorage
 
 from mltuner.exceptions import InvalidArgumentError
 
-__all__ = ["TunerConfig", "RetuneMode", "SAMPLERS"]
+__all__ = ["TunerConfig", "RetuneMode", "SAMPLERS", "DEFAULT_CLOCKS_TO_TEST"]
 
 # The searchers a search episode can use (mltuner.md §4).
 SAMPLERS = ("tpe", "random", "grid", "gp", "cmaes")
 
 RetuneMode = Literal["full", "marginal", "off"]
+
+# Clocks of a validation when nothing says how many: a Tuner or baseline
+# driven without a TuningSession (a session derives them from its
+# validation batch). The tuner's fixed default before None meant that.
+DEFAULT_CLOCKS_TO_TEST = 100
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +49,14 @@ class TunerConfig:
             process id, so reruns into one storage never collide.
         num_clocks_to_eval: clocks of the lr = 0 evaluation branch whose mean
             loss is the starting progress (Caffe's default 100).
-        num_clocks_to_test: clocks of each validation (TESTING) branch; set it
-            to cover the validation set once.
+        num_clocks_to_test: clocks of each validation (TESTING) branch. None
+            (the default) covers the validation set once: a
+            :class:`TuningSession` derives the clocks from its validation
+            batch; a Tuner driven without one runs
+            ``DEFAULT_CLOCKS_TO_TEST`` (100). A number given here is used
+            as it is by a session without ``validation_batch_size`` (at
+            most one clock per validation sample); with one, it must
+            match the clocks that batch gives.
         num_progress_samples: clocks a new trial runs first (§1.2: 10, enough
             for the K = 10 summariser).
         num_branches: branches alive at once during a search: the parent plus
@@ -156,7 +167,7 @@ class TunerConfig:
     storage: str | BaseStorage | None = None
     study_name_prefix: str | None = None
     num_clocks_to_eval: int = 100
-    num_clocks_to_test: int = 100
+    num_clocks_to_test: int | None = None
     num_progress_samples: int = 10
     num_branches: int = 30
     plateau_size_for_retune: int = 4
@@ -205,7 +216,6 @@ class TunerConfig:
             )
         positive = {
             "num_clocks_to_eval": self.num_clocks_to_eval,
-            "num_clocks_to_test": self.num_clocks_to_test,
             "num_progress_samples": self.num_progress_samples,
             "plateau_size_for_retune": self.plateau_size_for_retune,
             "plateau_size_for_convergence": self.plateau_size_for_convergence,
@@ -214,6 +224,12 @@ class TunerConfig:
         for name, value in positive.items():
             if not isinstance(value, int) or value < 1:
                 raise InvalidArgumentError(f"{name} must be an integer >= 1, got {value!r}")
+        test = self.num_clocks_to_test
+        if test is not None and (not isinstance(test, int) or isinstance(test, bool) or test < 1):
+            raise InvalidArgumentError(
+                f"num_clocks_to_test must be an integer >= 1 or None (cover the validation set once), "
+                f"got {test!r}"
+            )
         if self.num_branches < 2:
             raise InvalidArgumentError(
                 f"num_branches must be >= 2 (the parent and one trial), got {self.num_branches}"

@@ -331,6 +331,9 @@ TEST(TrainingThroughIpcIsBitIdenticalToOneProcess) {
       // Every device payload went device -> device: updates and rows of two
       // tables each clock, none by a host frame.
       EXPECT_TRUE(ipc.sent_messages >= 4 * kClocks);
+      // The shard's rows leave from its state, with no copy first.
+      EXPECT_TRUE(ipc.sent_from_views >= 2 * kClocks);
+      EXPECT_TRUE(ipc.sent_from_views < ipc.sent_messages);  // the updates come from buffers of their own
       EXPECT_EQ(ipc.fallbacks, 0);
       EXPECT_EQ(remote.by_host[rank], 0);
       EXPECT_EQ(ipc.sent_bytes, peer.received_bytes);

@@ -911,7 +911,7 @@ TEST(HostResidentStateIsLentToLocalWorkersAndTheRuleWaitsForTheViews) {
   auto make = [&](bool small, std::unique_ptr<ServerShard>* out) {
     std::shared_ptr<Device> device(NewCpuDevice(small ? 48 : 0));  // values 32 B, momentum 32 B
     auto shard = std::make_unique<ServerShard>(0, kTwo, Rule(UpdateRuleKind::kDampedMomentum), 40, device);
-    shard->set_device_receivers([](int worker) { return worker == 0; });
+    shard->set_rows_routes([](int worker) { return worker == 0 ? RowsRoute::kDeviceBuffer : RowsRoute::kHostFrame; });
     Config config;
     config.device_memory_reserve = 0;
     config.wait_timeout_ms = 400;

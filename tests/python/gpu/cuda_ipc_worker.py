@@ -39,7 +39,9 @@ def main() -> int:
     config = mltuner.Config(device="cuda", wait_timeout_s=60, update_rule=mltuner.UpdateRule("sgd", learning_rate=0.01),
                             **parts)
     try:
-        with mltuner.Job(config) as job:
+        # A table's half may exceed the sockets' default frame (ipc_bench's 1-GiB model): a payload
+        # that finds its CUDA IPC slice full still needs the host path.
+        with mltuner.Job(config, max_message_bytes=max(256 << 20, args.rows * args.width * 4)) as job:
             torch.cuda.set_device(job.local_rank % torch.cuda.device_count())  # the engine's GPU (ipc_pair's gpus)
             print(f"rank {job.rank}: data paths {job.data_paths}", flush=True)
             result = _train(job, args)

@@ -41,7 +41,7 @@ from optuna.storages import BaseStorage
 from optuna.trial import TrialState
 
 from mltuner.exceptions import InvalidArgumentError
-from mltuner.tune._config import TunerConfig
+from mltuner.tune._config import DEFAULT_CLOCKS_TO_TEST, TunerConfig
 from mltuner.tune._errors import TuningError
 from mltuner.tune._log import DecisionLog
 from mltuner.tune.tuner._searcher import open_storage
@@ -140,7 +140,9 @@ class BaselineConfig:
         max_epochs: epochs of one training run: the whole fixed run, or each
             trial of the Optuna baselines (Hyperband's maximum resource).
         num_clocks_to_test: clocks of each validation (TESTING) branch; use
-            the Tuner's value for a fair comparison.
+            the Tuner's value for a fair comparison (in a
+            :class:`TuningSession`, ``session.config.num_clocks_to_test``:
+            the clocks that cover its validation set once).
         plateau_size_for_convergence: a run stops when this many validations
             in a row bring no new best accuracy (the Tuner's stop rule, §1.1
             step 6).
@@ -167,7 +169,7 @@ class BaselineConfig:
 
     target_accuracy: float | None = None
     max_epochs: int = 100
-    num_clocks_to_test: int = 100
+    num_clocks_to_test: int = DEFAULT_CLOCKS_TO_TEST
     plateau_size_for_convergence: int = 5
     n_trials: int | None = 20
     time_budget_s: float | None = None
@@ -210,11 +212,13 @@ class BaselineConfig:
     @classmethod
     def matching(cls, tuner_config: TunerConfig, **changes: Any) -> BaselineConfig:
         """A config that validates and stops like ``tuner_config``: the same
-        ``num_clocks_to_test``, ``plateau_size_for_convergence``, ``seed``,
-        ``n_startup_trials`` and, when set, ``max_epochs``; ``changes``
-        override any field."""
+        ``num_clocks_to_test`` (``DEFAULT_CLOCKS_TO_TEST`` when it is None, as
+        a Tuner without a session runs), ``plateau_size_for_convergence``,
+        ``seed``, ``n_startup_trials`` and, when set, ``max_epochs``;
+        ``changes`` override any field."""
+        test_clocks = tuner_config.num_clocks_to_test
         fields: dict[str, Any] = {
-            "num_clocks_to_test": tuner_config.num_clocks_to_test,
+            "num_clocks_to_test": test_clocks if test_clocks is not None else DEFAULT_CLOCKS_TO_TEST,
             "plateau_size_for_convergence": tuner_config.plateau_size_for_convergence,
             "seed": tuner_config.seed,
             "n_startup_trials": tuner_config.n_startup_trials,

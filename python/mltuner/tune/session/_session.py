@@ -122,6 +122,7 @@ class _Branch:
     tunables: dict[str, Any]
     cursor: _Cursor
     clocks: int = 0
+    slack: int | None = None  # the slack _fork gave the engine's branch; None: each read's own
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,10 +196,19 @@ class TuningSession:
         num_validation: validation samples (TESTING branches run them once).
         batch_size: the per-worker batch size when the space has no
             ``batch_size`` tunable.
-        validation_batch_size: per-worker batch of TESTING clocks (default:
-            the space's or the fixed batch size).
-        config: the tuner's settings; ``num_clocks_to_test`` is replaced by
-            the clocks that cover the validation set once.
+        validation_batch_size: per-worker batch of TESTING clocks; the
+            clocks of a validation are then those that cover the validation
+            set once at this batch. Default: ``config.num_clocks_to_test``
+            clocks when it is set, else the batch is the space's or the
+            fixed batch size.
+        config: the tuner's settings. Its ``num_clocks_to_test`` (None by
+            default: cover the validation set once) becomes the clocks the
+            session's validations take: with ``validation_batch_size`` those
+            of the batch, and a different number set in the config is an
+            InvalidArgumentError; without it, the config's number as it
+            is (at most ``num_validation``, so that no clock is empty), or
+            when None, those of the training batch. :attr:`config` holds
+            the result.
         log: the decision log, or a path for one (rank 0 only); default:
             ``$MLTUNER_TUNING_LOG`` when set (``mltuner run`` sets it).
         driver: what runs on rank 0 instead of the MLtuner :class:`Tuner`
@@ -273,12 +283,12 @@ class TuningSession:
         self._space = space
         self._num_train, self._num_validation = int(num_train), int(num_validation)
         self._batch_size = batch_size
-        self._validation_batch = validation_batch_size or batch_size or int(space.defaults()["batch_size"])
         self._seed = seed
         wait = float(getattr(job_config, "wait_timeout_s", 60.0) or 60.0)
         self._timeout_s = timeout_s if timeout_s is not None else max(wait, 60.0)
-        test_clocks = math.ceil(self._num_validation / (self._validation_batch * self._world))
-        self._config = dataclasses.replace(config or TunerConfig(), num_clocks_to_test=test_clocks)
+        config = config or TunerConfig()
+        self._num_test_clocks = self._test_clocks(validation_batch_size, config.num_clocks_to_test)
+        self._config = dataclasses.replace(config, num_clocks_to_test=self._num_test_clocks)
         # `mltuner run` tells rank 0 where to log through the environment.
         self._log = log if log is not None else os.environ.get("MLTUNER_TUNING_LOG")
         self.driver: Driver | None = driver  # may be set until the loop starts
@@ -396,9 +406,29 @@ class TuningSession:
 
     @property
     def config(self) -> TunerConfig:
-        """The tuner's settings, with ``num_clocks_to_test`` covering the
-        validation set once (drivers should validate with it too)."""
+        """The tuner's settings, with ``num_clocks_to_test`` set to the clocks
+        of the session's validations (see the ``config`` argument): drivers
+        should validate with it too. The TESTING clocks split the
+        validation set into that many parts of near-equal size."""
         return self._config
+
+    def _test_clocks(self, validation_batch: int | None, asked: int | None) -> int:
+        """The clocks of a validation (see the ``config`` argument)."""
+        if validation_batch is not None:
+            if not isinstance(validation_batch, int) or isinstance(validation_batch, bool) or validation_batch < 1:
+                raise InvalidArgumentError(f"validation_batch_size must be an integer >= 1 or None, got "
+                                           f"{validation_batch!r}")
+            clocks = math.ceil(self._num_validation / (validation_batch * self._world))
+            if asked is not None and asked != clocks:
+                raise InvalidArgumentError(
+                    f"validation_batch_size={validation_batch} covers the {self._num_validation} validation "
+                    f"samples in {clocks} clock(s) on {self._world} worker(s), but the config's "
+                    f"num_clocks_to_test is {asked}: give one of the two (or both agreeing)")
+            return clocks
+        if asked is not None:
+            return min(asked, self._num_validation)
+        batch = self._batch_size or int(self._space.defaults()["batch_size"])
+        return math.ceil(self._num_validation / (batch * self._world))
 
     def _record(self, step: Step, loss: float, accuracy: float | None) -> None:
         if self._pending is not step:
@@ -432,15 +462,17 @@ class TuningSession:
             elif self._balancer is not None and self._shares is not None:
                 mine["shares"] = list(self._shares)
             # Under BSP a thief would wait for the late rank's last clock anyway, then compute its part
-            # after it instead of beside it: stealing needs a slack.
+            # after it instead of beside it: stealing needs a slack (EVALUATION branches have none).
             mine["steal"] = self._claim_job is not None and training and slack >= 1
         return parse_command(self._allgather("command", mine)[0])
 
     def _slack_of(self, branch: _Branch | None) -> int:
-        """The slack of the branch's reads: its staleness, or without one in
-        the space the reads' own."""
-        staleness = branch.tunables.get("staleness") if branch is not None else None
-        return int(staleness if staleness is not None else getattr(self._worker, "read_slack", 0) or 0)
+        """The slack of the branch's reads in the engine, as ``_fork`` set it
+        (:func:`_engine_slack`): 0 for EVALUATION and TESTING, the staleness
+        of a TRAINING branch, and the reads' own for one without a staleness
+        in the space, for the INIT root and for no branch."""
+        slack = branch.slack if branch is not None else None
+        return slack if slack is not None else int(getattr(self._worker, "read_slack", 0) or 0)
 
     def _execute(self, command: Command) -> bool:
         if isinstance(command, ForkCommand):
@@ -481,15 +513,15 @@ class TuningSession:
             return
         source = self._branches[int(parent)]
         training = kind is BranchKind.TRAINING
-        staleness = tunables.get("staleness") if training else 0
         # A setting the space does not tune stays the parent's (each table's own rule).
         lr = float(tunables["lr"]) if training and "lr" in tunables else None
         momentum = float(tunables["momentum"]) if training and "momentum" in tunables else None
+        slack = _engine_slack(kind, tunables)
         self._worker.fork_branch(child, int(parent), learning_rate=lr, momentum=momentum, training=training,
-                                 slack=None if staleness is None else int(staleness))
+                                 slack=slack)
         # A TESTING branch runs the validation set from its start.
         cursor = _Cursor() if kind is BranchKind.TESTING else dataclasses.replace(source.cursor)
-        self._branches[child] = _Branch(kind, dict(tunables), cursor)
+        self._branches[child] = _Branch(kind, dict(tunables), cursor, slack=slack)
 
     def _finish_run(self) -> None:
         self._run = None
@@ -543,7 +575,7 @@ class TuningSession:
         cursor = branch.cursor
         if branch.kind is BranchKind.TESTING:
             # Clocks of near-equal size: the tuner averages their accuracies.
-            clocks = self._config.num_clocks_to_test
+            clocks = self._num_test_clocks
             part = np.array_split(np.arange(self._num_validation), clocks)[cursor.offset % clocks]
             indices, clock_samples = self._my_part(part), len(part)
             cursor.offset += 1
@@ -673,6 +705,17 @@ class TuningSession:
 
 # MLTUNER_SHARED_CLAIMS=0: claims go to rank 0 even when every rank is on one host.
 _SHARED_CLAIMS = os.environ.get("MLTUNER_SHARED_CLAIMS", "1") != "0"
+
+
+def _engine_slack(kind: BranchKind, tunables: Mapping[str, Any]) -> int | None:
+    """The slack a forked branch of ``kind`` gets in the engine; None: each
+    read's own (``Worker.fork_branch``). Only a TRAINING branch runs at its
+    ``staleness``; the others (lr = 0: EVALUATION, TESTING) at 0. The INIT
+    root is not forked: it keeps the reads' own."""
+    if kind is BranchKind.TRAINING:
+        staleness = tunables.get("staleness")
+        return None if staleness is None else int(staleness)
+    return 0
 
 
 def _boot_id() -> str | None:

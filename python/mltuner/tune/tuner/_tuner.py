@@ -18,7 +18,7 @@ import optuna
 from optuna.storages import BaseStorage
 
 from mltuner.exceptions import InvalidArgumentError
-from mltuner.tune._config import TunerConfig
+from mltuner.tune._config import DEFAULT_CLOCKS_TO_TEST, TunerConfig
 from mltuner.tune._errors import TuningError
 from mltuner.tune.tuner._guard import Alarm, TrainingGuard
 from mltuner.tune._log import DecisionLog
@@ -639,7 +639,10 @@ class Tuner:
         system, branch = self._system, stretch.branch
         test = system.fork(branch, stretch.tunables, BranchKind.TESTING)
         try:
-            reports: Sequence[ClockReport] = self._run_clocks(test, self._config.num_clocks_to_test)
+            # None: no session derived the clocks that cover the validation set (a system of its own).
+            clocks = self._config.num_clocks_to_test
+            reports: Sequence[ClockReport] = self._run_clocks(
+                test, clocks if clocks is not None else DEFAULT_CLOCKS_TO_TEST)
         finally:
             system.free(test)
         values = [r.accuracy for r in reports]

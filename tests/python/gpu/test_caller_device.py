@@ -8,7 +8,7 @@ GPU cannot tell)."""
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -22,9 +22,18 @@ if mlt.cuda_device_count() < 2:
 torch = pytest.importorskip("torch")
 
 
+@pytest.fixture
+def restore_current_device() -> Iterator[None]:
+    """The main thread's current GPU as it was: later tests' ``.cuda()``
+    must not land on the GPU this test chose."""
+    saved = torch.cuda.current_device()
+    yield
+    torch.cuda.set_device(saved)
+
+
 @pytest.mark.parametrize("main_device", [0, 1])
-def test_the_callers_device_stays_current(main_device: int, record_read_update: Callable[..., tuple[int, int]]
-                                          ) -> None:
+def test_the_callers_device_stays_current(main_device: int, record_read_update: Callable[..., tuple[int, int]],
+                                          restore_current_device: None) -> None:
     torch.cuda.set_device(main_device)
     seen: dict[int, list[int]] = {}
 

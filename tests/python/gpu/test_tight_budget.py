@@ -7,7 +7,8 @@ ticket only, and could overwrite the update's rows before the writeback
 stream had copied them out. torchvision's resnet50 then trained its
 batch-norm biases up to 125% off at the first step (the CPU cannot show it:
 its copies run at once; tests/cpp/engine/lagging_streams_test.cc is the CPU
-test of the same layout).
+test of the same layout). On a host of several GPUs the workers take one
+each (a LocalCluster's rule), and the budget's paths are checked there too.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ WORKERS, SHARE, SIDE, STEPS = 2, 4, 64, 1
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(1)
-    return [(torch.randn(WORKERS * SHARE, 3, SIDE, SIDE, generator=generator).cuda(),
-             torch.randint(0, 10, (WORKERS * SHARE,), generator=generator).cuda()) for _ in range(STEPS)]
+    return [(torch.randn(WORKERS * SHARE, 3, SIDE, SIDE, generator=generator).to("cuda:0"),
+             torch.randint(0, 10, (WORKERS * SHARE,), generator=generator).to("cuda:0")) for _ in range(STEPS)]
 
 
 def need_bytes(model: nn.Module, x: torch.Tensor) -> int:
@@ -59,7 +60,8 @@ def train(model: nn.Module, data: list, budget: int) -> dict[str, torch.Tensor]:
 
     def run(worker: mlt.Worker) -> dict[str, torch.Tensor]:
         mine = copy.deepcopy(model).to(worker.device)
-        shares = [(x.chunk(WORKERS)[worker.rank], y.chunk(WORKERS)[worker.rank]) for x, y in data]
+        shares = [(x.chunk(WORKERS)[worker.rank].to(worker.device), y.chunk(WORKERS)[worker.rank].to(worker.device))
+                  for x, y in data]
         optimizer = torch.optim.SGD(mine.parameters(), lr=0.01, momentum=0.9)
         ps = mtorch.wrap(mine, worker, example_input=shares[0][0], optimizer=optimizer, store_activations=True)
         for x, y in shares:
@@ -90,7 +92,8 @@ def test_two_workers_of_one_gpu_at_a_quarter_train_as_with_no_budget(determinist
     torch.manual_seed(0)
     # Eval mode: batch norm on its running statistics, so the run is the
     # same function of the data however the engine keeps the activations.
-    model = torchvision.models.resnet50(num_classes=10).cuda().eval()
+    # On GPU 0, the first worker's, whatever device an earlier test left current.
+    model = torchvision.models.resnet50(num_classes=10).to("cuda:0").eval()
     data = batches()
     quarter = need_bytes(model, data[0][0].chunk(WORKERS)[0]) // 4
     want = train(model, data, 0)

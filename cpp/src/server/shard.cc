@@ -637,14 +637,15 @@ Status ServerShard::PushAllRows(const TableState& table, std::vector<Message>* o
   return Status::Ok();
 }
 
-// A worker of another process reached by CUDA IPC or shared memory gets a
-// view of the state itself (LendValues): its copy into that process is made
-// as the message leaves, on this thread, which ends the loan at once. A
-// worker of this process gets a copy in device memory, queued on the server
-// stream after the rule (its install waits for `ready`), since it holds the
-// buffer until it installs; with the state in host memory, or on the CPU,
-// a view of the state too. Any other worker gets a host copy, which waits
-// for the device.
+// Views of the state itself (LendValues) go to a worker of another process
+// reached by CUDA IPC or shared memory, whose copy into that process is made
+// as the message leaves, on this thread, which ends the loan at once; and to
+// the workers of this process on the CPU, or with the state in host memory,
+// which hold them until their installers have copied the rows (the next rule
+// waits: WaitForLoans). On a GPU a worker of this process gets a copy in
+// device memory instead, queued on the server stream after the rule (its
+// install waits for `ready`), so the rule never waits for its installer.
+// Any other worker gets a host copy, which waits for the device.
 Status ServerShard::RowsMessage(const TableState& table, int part, Clock age, int worker, Message* out,
                                 std::shared_ptr<DeviceBuffer>* shared_frame) {
   Message rows = NewMessage(MessageType::kRows, rank_, worker, table.info.id);
@@ -658,11 +659,10 @@ Status ServerShard::RowsMessage(const TableState& table, int part, Clock age, in
     const float* values = table.data() + table.offset_of(part);
     const RowsRoute route = rows_route_ ? rows_route_(worker) : RowsRoute::kHostFrame;
     const bool direct = route != RowsRoute::kHostFrame;
-    if (direct && worker != rank_ && device_->host_addressable()) {
-      MLT_RETURN_IF_ERROR(LendValues(table, part, &rows.device_values));
-    } else if (direct && state_in_host_) {
+    const bool host = device_->host_addressable();
+    if (direct && state_in_host_ && (worker == rank_ || !host)) {
       MLT_RETURN_IF_ERROR(LendValues(table, part, &rows.host_frame));
-    } else if (route == RowsRoute::kCopiedAtSend) {
+    } else if ((direct && host) || route == RowsRoute::kCopiedAtSend) {
       MLT_RETURN_IF_ERROR(LendValues(table, part, &rows.device_values));
     } else if (direct) {
       MLT_RETURN_IF_ERROR(buffers_.Acquire(count, Stream::kServer, &rows.device_values));

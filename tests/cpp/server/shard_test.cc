@@ -965,6 +965,7 @@ TEST(HostResidentStateIsLentToLocalWorkersAndTheRuleWaitsForTheViews) {
   installer.join();
   EXPECT_TRUE(waited >= std::chrono::milliseconds(90));
   EXPECT_TRUE(seen_when_returned == initial);
+  ignored.clear();  // on the CPU a device-resident shard lends its own worker views too
   for (WorkerId w = 0; w < kTwo; ++w) {
     ASSERT_OK(reference->Handle(w == 0 ? ClockUpdate(0, 0, 0, mine, update0) : ClockUpdate(1, 0, 0), &ignored));
   }

@@ -13,6 +13,7 @@
 #include <sys/mman.h>
 
 #include "common/mutex.h"
+#include "device/cpu/pass_split.h"
 #include "device/cpu/shared_memory_ipc.h"
 #include "mltuner/device.h"
 #include "mltuner/device_ipc.h"
@@ -57,7 +58,7 @@ Status AlignedAllocate(size_t bytes, const char* what, void** out) {
 // "add"; now 0.67 and 1.6 ms (benchmarks/device_bench.cc, rule rows).
 template <UpdateRuleKind Kind, bool Decay, bool Momentum, bool Nesterov, bool FirstStep, bool Amsgrad>
 void ApplyRuleLoop(const UpdateStep& step, float* __restrict params, float* __restrict state,
-                   const float* __restrict update_sum, int64_t count, int64_t stride) {
+                   const float* __restrict update_sum, int64_t begin, int64_t end, int64_t stride) {
   UpdateStep fixed = step;
   fixed.kind = Kind;
   fixed.with_decay = Decay;
@@ -65,18 +66,22 @@ void ApplyRuleLoop(const UpdateStep& step, float* __restrict params, float* __re
   fixed.nesterov = Nesterov;
   fixed.first_step = FirstStep;
   fixed.amsgrad = Amsgrad;
-  for (int64_t i = 0; i < count; ++i) UpdateValue(fixed, params, state, update_sum, stride, i);
+  for (int64_t i = begin; i < end; ++i) UpdateValue(fixed, params, state, update_sum, stride, i);
 }
 
 // Picks the loop of `step`'s choices, one flag at a time: F... are the flags
 // fixed so far, in ApplyRuleLoop's order. Flags a kind never reads are
 // fixed false, so each kind compiles only the loops it can use.
+// Values are independent of each other (the state of value i is at
+// i + k * stride), so large steps split into ranges (PassSplit).
 template <UpdateRuleKind Kind, bool... F>
 void ApplyRule(const UpdateStep& step, float* params, float* state, const float* update_sum, int64_t count,
                int64_t stride) {
   constexpr size_t kFixed = sizeof...(F);
   if constexpr (kFixed == 5) {
-    ApplyRuleLoop<Kind, F...>(step, params, state, update_sum, count, stride);
+    PassSplit::Shared().For(count, kSplitChunkBytes / sizeof(float), 16, [&](int64_t begin, int64_t end) {
+      ApplyRuleLoop<Kind, F...>(step, params, state, update_sum, begin, end, stride);
+    });
   } else {
     constexpr bool sgd = Kind == UpdateRuleKind::kSgd;
     constexpr bool adam = Kind == UpdateRuleKind::kAdam || Kind == UpdateRuleKind::kAdamW;
@@ -126,20 +131,15 @@ void StreamCopy(float* __restrict dst, const float* __restrict src, int64_t n) {
   for (; i < n; i += 4) _mm_stream_ps(dst + i, _mm_loadu_ps(src + i));
 }
 
-// Streams every run when every destination row starts 16-byte aligned; false
-// (nothing done) otherwise.
-bool StreamingGather(float* dst, const float* src, const RunIndex& index, int64_t row_width) {
-  if (row_width % 4 != 0 || reinterpret_cast<uintptr_t>(dst) % 16 != 0) return false;
-  for (const RowRun& run : index.runs) {
-    if (run.count > 0) StreamCopy(dst + run.dst * row_width, src + run.src * row_width, run.count * row_width);
-  }
-  // Streaming stores are weakly ordered: fence so that whoever synchronizes
-  // with this thread next sees every row.
-  _mm_sfence();
-  return true;
+// Whether a gather may stream: every destination row starts 16-byte aligned.
+bool CanStreamGather(const float* dst, int64_t row_width) {
+  return row_width % 4 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0;
 }
+void StoreFence() { _mm_sfence(); }
 #else
-bool StreamingGather(float*, const float*, const RunIndex&, int64_t) { return false; }
+bool CanStreamGather(const float*, int64_t) { return false; }
+void StreamCopy(float*, const float*, int64_t) {}
+void StoreFence() {}
 #endif
 
 // Zeroed blocks from this size up are fresh anonymous mappings: their pages
@@ -211,19 +211,43 @@ class CpuDevice final : public Device {
   // Nothing to release: the CPU backend never makes a device copy.
   void ReleaseIndex(RunIndex* index) override { index->device_copy = nullptr; }
 
-  void CopyHostToDevice(void* dst, const void* src, size_t bytes, Stream) override { Copy(dst, src, bytes); }
-  void CopyDeviceToHost(void* dst, const void* src, size_t bytes, Stream) override { Copy(dst, src, bytes); }
-  void CopyDeviceToDevice(void* dst, const void* src, size_t bytes, Stream) override { Copy(dst, src, bytes); }
+  void CopyHostToDevice(void* dst, const void* src, size_t bytes, Stream) override { CopyBytes(dst, src, bytes); }
+  void CopyDeviceToHost(void* dst, const void* src, size_t bytes, Stream) override { CopyBytes(dst, src, bytes); }
+  void CopyDeviceToDevice(void* dst, const void* src, size_t bytes, Stream) override { CopyBytes(dst, src, bytes); }
 
   void Gather(float* dst, const float* src, const RunIndex& index, int64_t row_width, Stream) override {
+    // Counted here: an index need not be prepared (total_rows).
+    int64_t rows = 0;
+    for (const RowRun& run : index.runs) rows += std::max<int64_t>(run.count, 0);
     // One run is a single memcpy, which already streams when large.
-    const bool large = index.total_rows * row_width * static_cast<int64_t>(sizeof(float)) >= kStreamingGatherBytes;
-    if (large && index.runs.size() > 1 && StreamingGather(dst, src, index, row_width)) return;
-    for (const RowRun& run : index.runs) {
-      if (run.count <= 0) continue;
-      std::memcpy(dst + run.dst * row_width, src + run.src * row_width,
-                  static_cast<size_t>(run.count * row_width) * sizeof(float));
-    }
+    const bool large = rows * row_width * static_cast<int64_t>(sizeof(float)) >= kStreamingGatherBytes;
+    const bool stream = large && index.runs.size() > 1 && CanStreamGather(dst, row_width);
+    // Each range of the gathered rows (runs in order) copies its part of
+    // every run that overlaps it.
+    PassSplit::Shared().For(
+        rows, std::max<int64_t>(kSplitChunkBytes / (row_width * static_cast<int64_t>(sizeof(float))), 1), 1,
+        [&](int64_t begin, int64_t end) {
+          int64_t at = 0;  // the position of `run` among the gathered rows
+          for (const RowRun& run : index.runs) {
+            const int64_t count = std::max<int64_t>(run.count, 0);
+            const int64_t first = std::max(begin, at), last = std::min(end, at + count);
+            if (first < last) {
+              float* to = dst + (run.dst + first - at) * row_width;
+              const float* from = src + (run.src + first - at) * row_width;
+              const int64_t values = (last - first) * row_width;
+              if (stream) {
+                StreamCopy(to, from, values);
+              } else {
+                std::memcpy(to, from, static_cast<size_t>(values) * sizeof(float));
+              }
+            }
+            at += count;
+            if (at >= end) break;
+          }
+          // Streaming stores are weakly ordered: fence so that whoever
+          // synchronizes with this thread next sees every row.
+          if (stream) StoreFence();
+        });
   }
 
   // Runs are applied one after another, so runs whose dst rows overlap
@@ -238,11 +262,15 @@ class CpuDevice final : public Device {
   void Fill(float* dst, float value, size_t count, Stream) override {
     // +0.0f is all zero bytes: memset is twice as fast as the float loop
     // (the zeroed update buffer of every clock).
-    if (value == 0.0f && !std::signbit(value)) {
-      if (count > 0) std::memset(dst, 0, count * sizeof(float));
-    } else {
-      std::fill_n(dst, count, value);
-    }
+    const bool zero = value == 0.0f && !std::signbit(value);
+    PassSplit::Shared().For(static_cast<int64_t>(count), kSplitChunkBytes / sizeof(float), 16,
+                            [dst, value, zero](int64_t begin, int64_t end) {
+                              if (zero) {
+                                std::memset(dst + begin, 0, static_cast<size_t>(end - begin) * sizeof(float));
+                              } else {
+                                std::fill(dst + begin, dst + end, value);
+                              }
+                            });
   }
   Status Synchronize(Stream) override { return Status::Ok(); }
   Status TakeError() override { return Status::Ok(); }
@@ -277,7 +305,8 @@ class CpuDevice final : public Device {
   }
 
   void AddInto(float* dst, const float* src, int64_t count, Stream) override {
-    if (count > 0) AddFloats(dst, src, count);
+    PassSplit::Shared().For(count, kSplitChunkBytes / sizeof(float), 16,
+                            [dst, src](int64_t begin, int64_t end) { AddFloats(dst + begin, src + begin, end - begin); });
   }
   void ApplyUpdate(const UpdateStep& step, float* params, float* state, const float* update_sum, int64_t count,
                    int64_t stride, Stream) override {
@@ -341,11 +370,6 @@ class CpuDevice final : public Device {
     } else {
       std::free(ptr);
     }
-  }
-
-  static void Copy(void* dst, const void* src, size_t bytes) {
-    // memcpy with a null pointer is undefined even for 0 bytes.
-    if (bytes > 0) std::memcpy(dst, src, bytes);
   }
 
   // The capacity's account (nothing is counted without one): device bytes

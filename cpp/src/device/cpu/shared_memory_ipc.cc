@@ -17,6 +17,7 @@
 #endif
 
 #include "common/mutex.h"
+#include "device/cpu/pass_split.h"
 
 namespace mltuner {
 
@@ -130,7 +131,7 @@ class SharedMemoryIpc final : public DeviceIpc {
       return Status::InvalidArgument("bytes [" + std::to_string(offset) + ", +" + std::to_string(bytes) +
                                      ") are outside rank " + std::to_string(peer) + "'s region");
     }
-    if (bytes > 0) std::memcpy(mapping.base + offset, src, bytes);
+    CopyBytes(mapping.base + offset, src, bytes);
     // The notice leaves after this: the peer that takes it sees the bytes.
     std::atomic_thread_fence(std::memory_order_release);
     done->reset();

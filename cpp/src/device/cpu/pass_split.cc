@@ -22,9 +22,11 @@ struct PassSplit::Job {
 namespace {
 
 int DefaultThreads() {
-  if (const char* set = std::getenv("MLTUNER_CPU_PASS_THREADS")) {
-    const int threads = std::atoi(set);
-    if (threads >= 1) return std::min(threads, 64);
+  // As MLTUNER_SPIN_WAIT_US: a value out of range leaves the default.
+  if (const char* text = std::getenv("MLTUNER_CPU_PASS_THREADS")) {
+    char* end = nullptr;
+    const long threads = std::strtol(text, &end, 10);
+    if (end != text && *end == '\0' && threads >= 1 && threads <= 64) return static_cast<int>(threads);
   }
   const unsigned cores = std::thread::hardware_concurrency();
   // Engine threads, the training thread and the transport share the

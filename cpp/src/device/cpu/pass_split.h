@@ -22,8 +22,9 @@ class PassSplit {
  public:
   using Range = std::function<void(int64_t begin, int64_t end)>;
 
-  // The process's splitter: MLTUNER_CPU_PASS_THREADS threads when set (1:
-  // never split), else a quarter of the cores, at most 4 (1 below 8 cores).
+  // The process's splitter: MLTUNER_CPU_PASS_THREADS threads when set to
+  // 1-64 (1: never split), else a quarter of the cores, at most 4 (1 below
+  // 8 cores).
   static PassSplit& Shared();
 
   // `threads` counts the caller: threads - 1 helpers wait for work.

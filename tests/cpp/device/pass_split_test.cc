@@ -3,11 +3,16 @@
 // with its large passes split over four threads (forced here, as the CI
 // machine has two cores and would not split at all).
 #include <atomic>
+#include <chrono>
+#include <csignal>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "device/cpu/pass_split.h"
 #include "device/device_contract.h"
@@ -81,6 +86,35 @@ TEST(SeveralCallersSplitAtOnce) {
 TEST(TheSharedSplitterTakesTheVariable) {
   EXPECT_TRUE(kForcedThreads);
   EXPECT_EQ(PassSplit::Shared().threads(), 4);
+}
+
+// A child forked while the shared helpers run has none of them (and one may
+// have held the splitter's lock at the fork): its passes run on its thread.
+TEST(AForkedChildSplitsNothingAndNeverHangs) {
+  EXPECT_TRUE(VisitsEachIndexOnce(PassSplit::Shared(), 100000, 1000, 16));  // the helpers exist
+  const pid_t child = fork();
+  ASSERT_TRUE(child >= 0);
+  if (child == 0) {
+    const std::thread::id me = std::this_thread::get_id();
+    bool alone = true;
+    int calls = 0;
+    PassSplit::Shared().For(100000, 1000, 16, [&](int64_t, int64_t) {
+      ++calls;
+      alone = alone && std::this_thread::get_id() == me;
+    });
+    _exit(calls == 1 && alone && VisitsEachIndexOnce(PassSplit::Shared(), 5000, 100, 16) ? 0 : 1);
+  }
+  int status = -1;
+  for (int waited_ms = 0; waited_ms < 20000; waited_ms += 10) {
+    if (waitpid(child, &status, WNOHANG) == child) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  if (!WIFEXITED(status)) {  // still running after 20 s: hung
+    kill(child, SIGKILL);
+    waitpid(child, &status, 0);
+    status = -1;
+  }
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
 }
 
 TEST(TheCpuBackendPassesTheContractWithSplitPasses) {

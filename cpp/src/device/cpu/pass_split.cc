@@ -6,6 +6,8 @@
 #include <cstring>
 #include <string>
 
+#include <pthread.h>
+
 #include "common/thread_name.h"
 
 namespace mltuner {
@@ -20,6 +22,10 @@ struct PassSplit::Job {
 };
 
 namespace {
+
+// A child forked from a process with helpers has none of them, and a helper
+// may have held the lock at the fork: its passes run on its own thread.
+std::atomic<bool> forked_child{false};
 
 int DefaultThreads() {
   // As MLTUNER_SPIN_WAIT_US: a value out of range leaves the default.
@@ -39,7 +45,10 @@ int DefaultThreads() {
 
 PassSplit& PassSplit::Shared() {
   // Never destroyed: helpers may be waiting when the process exits.
-  static PassSplit* const shared = new PassSplit(DefaultThreads());
+  static PassSplit* const shared = [] {
+    pthread_atfork(nullptr, nullptr, [] { forked_child.store(true); });
+    return new PassSplit(DefaultThreads());
+  }();
   return *shared;
 }
 
@@ -59,7 +68,7 @@ PassSplit::~PassSplit() {
 void PassSplit::For(int64_t n, int64_t min_chunk, int64_t align, const Range& fn) {
   const int64_t most = std::max<int64_t>(n / std::max<int64_t>(min_chunk, 1), 1);
   const int chunks = static_cast<int>(std::min<int64_t>(threads_, most));
-  if (chunks <= 1) {
+  if (chunks <= 1 || forked_child.load(std::memory_order_relaxed)) {
     if (n > 0) fn(0, n);
     return;
   }

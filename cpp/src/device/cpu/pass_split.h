@@ -38,9 +38,10 @@ class PassSplit {
   // Calls fn(begin, end) over [0, n) in chunks of at least `min_chunk`
   // (each a multiple of `align`), at most threads() of them: the helpers
   // and the caller take chunks until none is left, and this returns once
-  // every chunk is done. One chunk (a small pass, one thread) is a plain
-  // call on this thread. Several callers may split at once; a caller never
-  // waits for another's chunks.
+  // every chunk is done. One chunk (a small pass, one thread, or a process
+  // forked after the helpers started) is a plain call on this thread.
+  // Several callers may split at once; a caller never waits for another's
+  // chunks.
   void For(int64_t n, int64_t min_chunk, int64_t align, const Range& fn);
 
  private:

@@ -1,6 +1,7 @@
 // The CPU backend: "device" memory is ordinary host memory and every
-// operation runs synchronously on the calling thread, so streams impose no
-// ordering beyond program order and Synchronize has nothing to wait for.
+// operation is done when its call returns (a large pass split over helper
+// threads too: pass_split.h), so streams impose no ordering beyond program
+// order and Synchronize has nothing to wait for.
 #include <algorithm>
 #include <cmath>
 #include <cstddef>

@@ -87,10 +87,12 @@ def test_a_slow_factor_needs_the_compute_time() -> None:
 
 def test_a_validation_covers_the_set_once_in_as_few_clocks_as_hold_it() -> None:
     args = parse_args(["--batch-size", "32"])
-    assert mnist1d.validation_batch(args, 400, 4) == 100  # one clock, whatever the training batch
-    assert mnist1d.validation_batch(args, 10_000, 2) == 1000  # 5 clocks of at most 1024 a worker
-    assert mnist1d.validation_batch(parse_args(["--test-clocks", "3"]), 400, 4) == 34  # the last clock short
-    assert mnist1d.validation_batch(parse_args(["--test-clocks", "1000"]), 400, 4) == 1  # a sample each, 100 clocks
+    assert mnist1d.validation_clocks(args, 400, 4) == 1  # one clock, whatever the training batch
+    assert mnist1d.validation_clocks(args, 10_000, 2) == 5  # 5 clocks of at most 1024 a worker
+    assert mnist1d.validation_clocks(parse_args(["--test-clocks", "3"]), 400, 4) == 3
+    # As asked: through a batch a worker, 28 clocks of 400 samples on 2 workers came back as 25.
+    assert mnist1d.validation_clocks(parse_args(["--test-clocks", "28"]), 400, 2) == 28
+    assert mnist1d.validation_clocks(parse_args(["--test-clocks", "1000"]), 400, 4) == 100  # a sample each
     with pytest.raises(SystemExit):
         parse_args(["--test-clocks", "0"])
 
@@ -102,8 +104,8 @@ class _Made(Exception):
 @pytest.mark.parametrize("given, clocks", [([], 1), (["--test-clocks", "3"], 3)])
 def test_the_programs_validation_clocks_reach_its_session(monkeypatch: pytest.MonkeyPatch, given: list[str],
                                                          clocks: int) -> None:
-    # The session takes its validation clocks from its validation batch: --test-clocks once
-    # reached only the tuner config, and validations kept one training batch a clock.
+    # --test-clocks once reached only a tuner config the session replaced, and validations
+    # kept one training batch a clock.
     made: list[TuningSession] = []
 
     class Recorded(TuningSession):

@@ -103,19 +103,20 @@ def update_rule(args: argparse.Namespace) -> mlt.UpdateRule:
 VALIDATION_SAMPLES_PER_CLOCK = 1024
 
 
-def validation_batch(args: argparse.Namespace, num_validation: int, world_size: int) -> int:
-    """Each worker's samples in a validation clock: ``--test-clocks`` clocks
-    cover the validation set once (by default the fewest clocks of at most
-    ``VALIDATION_SAMPLES_PER_CLOCK`` samples a worker, as a DDP loop
-    validates in one pass)."""
-    clocks = args.test_clocks or max(1, -(-num_validation // (VALIDATION_SAMPLES_PER_CLOCK * world_size)))
-    return max(1, -(-num_validation // (int(clocks) * world_size)))
+def validation_clocks(args: argparse.Namespace, num_validation: int, world_size: int) -> int:
+    """The clocks of a validation, which covers the validation set once:
+    ``--test-clocks`` (at most one sample a worker a clock), by default the
+    fewest clocks of at most ``VALIDATION_SAMPLES_PER_CLOCK`` samples a
+    worker, as a DDP loop validates in one pass."""
+    if args.test_clocks is not None:
+        return min(int(args.test_clocks), max(1, -(-num_validation // world_size)))
+    return max(1, -(-num_validation // (VALIDATION_SAMPLES_PER_CLOCK * world_size)))
 
 
-def tuner_config(args: argparse.Namespace) -> TunerConfig:
+def tuner_config(args: argparse.Namespace, num_clocks_to_test: int | None = None) -> TunerConfig:
     return TunerConfig(
         sampler=args.sampler, retune=args.retune, seed=args.seed, storage=args.storage,
-        num_clocks_to_eval=args.eval_clocks,
+        num_clocks_to_eval=args.eval_clocks, num_clocks_to_test=num_clocks_to_test,
         max_trials_per_search=args.trials, max_epochs=args.max_epochs,
         target_accuracy=args.target_accuracy,
         initial_trial_time_s=args.trial_time, num_branches=30,
@@ -372,8 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             trainer = NumpyMLP(args, data, job.worker)
         session = TuningSession(job, space, num_train=len(data.x_train), num_validation=len(data.x_val),
-                                validation_batch_size=validation_batch(args, len(data.x_val), job.world_size),
-                                config=tuner_config(args),
+                                config=tuner_config(args, validation_clocks(args, len(data.x_val), job.world_size)),
                                 seed=args.seed, balance_batches=args.balance_batches,
                                 steal_batches=args.steal_batches, steal_after=args.steal_after)
         session.driver = make_driver(args, space, session, log)

@@ -15,7 +15,6 @@
 
 #include <cuda_runtime.h>
 
-#include "device/wait_ledger.h"
 #include "kernels/fill.h"
 #include "kernels/finite.h"
 #include "kernels/kernels.h"
@@ -105,9 +104,6 @@ class CudaDevice final : public Device {
   bool maps_host_memory() const override { return maps_host_; }
   bool swaps_by_kernel() const override { return false; }  // see Device::swaps_by_kernel
   int ordinal() const override { return ordinal_; }
-  WaitCounts StreamWaits() const override {
-    return {waits_queued_.load(std::memory_order_relaxed), waits_skipped_.load(std::memory_order_relaxed)};
-  }
 
   Status ExportIpc(size_t region_bytes, std::unique_ptr<DeviceIpc>* out) override {
     return NewCudaIpc(ordinal_, region_bytes, out);
@@ -276,7 +272,7 @@ class CudaDevice final : public Device {
 
   Status RecordAppWork(uintptr_t app_stream, DeviceEvent* out) override {
     MLT_RETURN_IF_ERROR(MakeCurrent("RecordAppWork"));
-    const cudaError_t err = Ticket(AppStream(app_stream), AppSlot(app_stream), out);
+    const cudaError_t err = Ticket(AppStream(app_stream), out);
     return err == cudaSuccess ? Status::Ok() : AppStreamError("RecordAppWork", app_stream, err);
   }
 
@@ -298,7 +294,7 @@ class CudaDevice final : public Device {
   Status RecordEvent(Stream s, DeviceEvent* out) override {
     if (!ValidStream(s)) return Status::InvalidArgument("CudaDevice::RecordEvent: no stream " + std::to_string(static_cast<int>(s)));
     MLT_RETURN_IF_ERROR(MakeCurrent("RecordEvent"));
-    const cudaError_t err = Ticket(streams_[static_cast<int>(s)], static_cast<int>(s), out);
+    const cudaError_t err = Ticket(streams_[static_cast<int>(s)], out);
     return err == cudaSuccess ? Status::Ok() : Fail("RecordEvent (cudaEventRecord)", err);
   }
 
@@ -309,7 +305,7 @@ class CudaDevice final : public Device {
     const cudaStream_t stream = streams_[static_cast<int>(s)];
     if (ticket.stream() == stream) return Status::Ok();  // the stream's order already waits
     MLT_RETURN_IF_ERROR(MakeCurrent("WaitEvent"));
-    const cudaError_t err = QueueWait(stream, static_cast<int>(s), ticket);
+    const cudaError_t err = cudaStreamWaitEvent(stream, ticket.event(), 0);
     if (err != cudaSuccess) return Fail("WaitEvent (cudaStreamWaitEvent)", err);
     return Status::Ok();
   }
@@ -320,7 +316,7 @@ class CudaDevice final : public Device {
     const cudaStream_t stream = AppStream(app_stream);
     if (ticket.stream() == stream) return Status::Ok();
     MLT_RETURN_IF_ERROR(MakeCurrent("WaitOnAppStream"));
-    const cudaError_t err = QueueWait(stream, AppSlot(app_stream), ticket);
+    const cudaError_t err = cudaStreamWaitEvent(stream, ticket.event(), 0);
     return err == cudaSuccess ? Status::Ok() : AppStreamError("WaitOnAppStream", app_stream, err);
   }
 
@@ -430,45 +426,18 @@ class CudaDevice final : public Device {
   // A pooled event recorded on `stream`, handed out as a ticket that returns
   // the event to the pool. On an error nothing is handed out, and the event,
   // its state unknown, is destroyed rather than pooled.
-  // `slot`: the stream's slot in ledger_, or -1.
-  cudaError_t Ticket(cudaStream_t stream, int slot, DeviceEvent* out) {
+  cudaError_t Ticket(cudaStream_t stream, DeviceEvent* out) {
     cudaEvent_t event = nullptr;
     cudaError_t err = events_->Take(&event);
     if (err != cudaSuccess) return err;
-    const uint64_t number = ledger_.Numbered(slot, [&] {
-      err = cudaEventRecord(event, stream);
-      return err == cudaSuccess;
-    });
+    err = cudaEventRecord(event, stream);
     if (err != cudaSuccess) {
       cudaEventDestroy(event);
       return err;
     }
-    *out = std::make_shared<StreamTicket>(event, stream, events_, cuda_detail::LedgerEntry{ledger_.id(), slot, number});
+    *out = std::make_shared<StreamTicket>(event, stream, events_);
     return cudaSuccess;
   }
-
-  // `stream` (slot `waiter` in ledger_, or -1) waits for `ticket`, unless
-  // it already waited for that record or a later one of the same stream.
-  // Another device's tickets (another worker's, in a LocalCluster) are
-  // always waited for: their numbers belong to its ledger.
-  cudaError_t QueueWait(cudaStream_t stream, int waiter, const StreamTicket& ticket) {
-    const cuda_detail::LedgerEntry& entry = ticket.entry();
-    const bool ours = entry.ledger == ledger_.id();
-    if (ours && ledger_.Covers(waiter, entry.slot, entry.number)) {
-      waits_skipped_.fetch_add(1, std::memory_order_relaxed);
-      return cudaSuccess;
-    }
-    const cudaError_t err = cudaStreamWaitEvent(stream, ticket.event(), 0);
-    if (err != cudaSuccess) return err;
-    if (ours) ledger_.Note(waiter, entry.slot, entry.number);
-    waits_queued_.fetch_add(1, std::memory_order_relaxed);
-    return cudaSuccess;
-  }
-
-  // The legacy default stream has a slot of its own; the application's
-  // other streams none, since a destroyed stream's handle may come back as
-  // a new stream that never made the waits the ledger would credit it with.
-  static int AppSlot(uintptr_t app_stream) { return app_stream == 0 ? kAppSlot : -1; }
 
   using RowRunsLauncher = void (*)(float*, const float*, const RowRun*, int64_t, int64_t, int64_t, cudaStream_t);
 
@@ -583,11 +552,6 @@ class CudaDevice final : public Device {
   std::string name_;
   bool maps_host_ = false;  // set by Init, constant afterwards
   std::array<cudaStream_t, kNumStreams> streams_{};
-  // Slots 0..kNumStreams-1 are streams_, kAppSlot the legacy default stream.
-  static constexpr int kAppSlot = kNumStreams;
-  WaitLedger ledger_{kNumStreams + 1};
-  std::atomic<int64_t> waits_queued_{0};
-  std::atomic<int64_t> waits_skipped_{0};
   cudaStream_t upload_stream_ = nullptr;  // PrepareIndex's uploads only
   std::shared_ptr<EventPool> events_;
   std::shared_ptr<EventPool> waits_;  // blocking-sync events for Synchronize

@@ -4,7 +4,6 @@
 // recorded on.
 #pragma once
 
-#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -80,37 +79,23 @@ class EventPool {
   std::vector<cudaEvent_t> free_;
 };
 
-// Where a record stands in a device's WaitLedger (device/wait_ledger.h):
-// the ledger's id, the stream's slot and the record's number. Zero number:
-// not tracked.
-struct LedgerEntry {
-  uint64_t ledger = 0;
-  int slot = -1;
-  uint64_t number = 0;
-};
-
 // A ticket: a pooled event and the stream it was recorded on. A wait on
-// the same stream is skipped: the stream's own order already gives it. A
-// record on one of the device's own streams (or the legacy default stream)
-// also carries its entry in the device's WaitLedger, so that a wait an
-// earlier wait covers is skipped too.
+// the same stream is skipped: the stream's own order already gives it.
 class StreamTicket {
  public:
-  StreamTicket(cudaEvent_t event, cudaStream_t stream, std::shared_ptr<EventPool> pool, LedgerEntry entry = {})
-      : event_(event), stream_(stream), pool_(std::move(pool)), entry_(entry) {}
+  StreamTicket(cudaEvent_t event, cudaStream_t stream, std::shared_ptr<EventPool> pool)
+      : event_(event), stream_(stream), pool_(std::move(pool)) {}
   ~StreamTicket() { pool_->Return(event_); }
   StreamTicket(const StreamTicket&) = delete;
   StreamTicket& operator=(const StreamTicket&) = delete;
 
   cudaEvent_t event() const { return event_; }
   cudaStream_t stream() const { return stream_; }
-  const LedgerEntry& entry() const { return entry_; }
 
  private:
   const cudaEvent_t event_;
   const cudaStream_t stream_;
   const std::shared_ptr<EventPool> pool_;
-  const LedgerEntry entry_;
 };
 
 inline const StreamTicket& TicketOf(const DeviceEvent& event) { return *static_cast<const StreamTicket*>(event.get()); }

@@ -103,9 +103,7 @@ void RegisterEngine(py::module_& m) {
       .def_readonly("branch", &EngineStats::branch)
       .def_readonly("branch_clock", &EngineStats::branch_clock)
       .def_readonly("branch_switches", &EngineStats::branch_switches)
-      .def_readonly("own_steps", &EngineStats::own_steps)
-      .def_readonly("stream_waits_queued", &EngineStats::stream_waits_queued)
-      .def_readonly("stream_waits_skipped", &EngineStats::stream_waits_skipped);
+      .def_readonly("own_steps", &EngineStats::own_steps);
 
   py::class_<HostMemoryNeed>(m, "HostMemoryNeed")
       .def_readonly("parameter_stores", &HostMemoryNeed::parameter_stores)

@@ -173,14 +173,6 @@ class Device {
   virtual Status WaitOnAppStream(uintptr_t app_stream, const DeviceEvent& event) = 0;
   virtual Status WaitEventDone(const DeviceEvent& event) = 0;
   virtual Status QueryEvent(const DeviceEvent& event, bool* done) = 0;
-  // Cross-stream waits queued so far, and those skipped because the stream
-  // had already waited for a later ticket of the same stream (work on one
-  // stream completes in order). A backend without streams counts none.
-  struct WaitCounts {
-    int64_t queued = 0;
-    int64_t skipped = 0;
-  };
-  virtual WaitCounts StreamWaits() const { return {}; }
 
   // The application hands buffers back (post calls) while its own kernels
   // may still be using them on its own stream. RecordAppWork takes a ticket

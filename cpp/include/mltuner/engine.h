@@ -86,11 +86,6 @@ struct EngineStats {
   Clock branch_clock = 0;          // clocks that branch has finished
   int64_t branch_switches = 0;     // times the cache was reloaded for another branch
   int64_t own_steps = 0;           // own updates added to the cache at once (Config::read_my_writes)
-  // The device's cross-stream waits (Device::StreamWaits; every user of the
-  // device in this process: this engine, its shard): queued, and skipped as
-  // covered by an earlier wait. Zero on the CPU.
-  int64_t stream_waits_queued = 0;
-  int64_t stream_waits_skipped = 0;
   int64_t device_store_bytes = 0;
   int64_t host_store_bytes = 0;
   int64_t host_memory_bytes = 0;   // the plan's host memory (HostMemoryNeed::total), checked at finish

@@ -742,9 +742,6 @@ EngineStats Engine::Impl::Stats() const {
   }
   stats.messages_sent = state_.messages_sent;
   stats.messages_received = state_.messages_received;
-  const Device::WaitCounts waits = device_->StreamWaits();
-  stats.stream_waits_queued = waits.queued;
-  stats.stream_waits_skipped = waits.skipped;
   return stats;
 }
 

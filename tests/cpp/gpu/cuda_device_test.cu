@@ -104,69 +104,6 @@ TEST(TicketCheckWouldCatchAMissingWait) {
   cudaStreamDestroy(app);
 }
 
-// A wait that an earlier wait of the same stream covers (a later ticket of
-// the same recording stream) is skipped, and the work behind it still sees
-// the data: the stream's earlier wait orders it. Streams the application
-// made are never tracked (their handles may come back as new streams).
-TEST(ACoveredWaitIsSkippedAndStillOrders) {
-  std::unique_ptr<Device> device;
-  ASSERT_OK(NewCudaDevice(0, &device));
-  ASSERT_TRUE(cudaSetDevice(0) == cudaSuccess);
-  std::mt19937_64 rng(25);
-  const size_t n = size_t{1} << 22;
-  DeviceFloats src(*device, n), first(*device, n), second(*device, n);
-  ASSERT_OK(src.status());
-  ASSERT_OK(first.status());
-  ASSERT_OK(second.status());
-  const std::vector<float> final_data = RandomNonZero(n, rng), stale = RandomNonZero(n, rng);
-  ASSERT_OK(Upload(*device, src.data(), final_data, Stream::kReceive));
-  ASSERT_OK(Upload(*device, first.data(), stale, Stream::kReceive));
-  ASSERT_OK(Upload(*device, second.data(), stale, Stream::kReceive));
-  ASSERT_OK(device->Synchronize(Stream::kReceive));
-  cudaStream_t made = nullptr;
-  ASSERT_TRUE(cudaStreamCreateWithFlags(&made, cudaStreamNonBlocking) == cudaSuccess);
-  const contract::AppWorkHooks hooks = MakeHooks(made);
-  for (const uintptr_t app : {uintptr_t{0}, reinterpret_cast<uintptr_t>(made)}) {
-    const bool tracked = app == 0;  // the legacy default stream
-    ASSERT_OK(Upload(*device, first.data(), stale, Stream::kReceive));
-    ASSERT_OK(device->Synchronize(Stream::kReceive));
-    DeviceEvent earlier, later;
-    hooks.slow_copy(app, first.data(), src.data(), n);
-    ASSERT_OK(device->RecordAppWork(app, &earlier));
-    hooks.slow_copy(app, second.data(), src.data(), n);
-    ASSERT_OK(device->RecordAppWork(app, &later));
-    const Device::WaitCounts before = device->StreamWaits();
-    ASSERT_OK(device->WaitEvent(Stream::kWriteback, later));
-    ASSERT_OK(device->WaitEvent(Stream::kWriteback, earlier));
-    const Device::WaitCounts after = device->StreamWaits();
-    EXPECT_EQ(after.skipped - before.skipped, int64_t{tracked ? 1 : 0});
-    EXPECT_EQ(after.queued - before.queued, int64_t{tracked ? 1 : 2});
-    std::vector<float> got(n);
-    device->CopyDeviceToHost(got.data(), first.data(), n * sizeof(float), Stream::kWriteback);
-    ASSERT_OK(device->Synchronize(Stream::kWriteback));
-    EXPECT_EQ(std::memcmp(got.data(), final_data.data(), n * sizeof(float)), 0);
-    hooks.sync_stream(app);
-  }
-  cudaStreamDestroy(made);
-
-  // Another device's ticket (another worker's, in a LocalCluster) is always
-  // waited for: its number counts in that device's ledger, not this one's.
-  std::unique_ptr<Device> other;
-  ASSERT_OK(NewCudaDevice(0, &other));
-  DeviceEvent first_ours, second_ours, theirs;
-  ASSERT_OK(device->RecordEvent(Stream::kServer, &first_ours));
-  ASSERT_OK(device->RecordEvent(Stream::kServer, &second_ours));
-  ASSERT_OK(other->RecordEvent(Stream::kServer, &theirs));
-  const Device::WaitCounts before = device->StreamWaits();
-  ASSERT_OK(device->WaitEvent(Stream::kInstall, second_ours));
-  ASSERT_OK(device->WaitEvent(Stream::kInstall, theirs));
-  ASSERT_OK(device->WaitEvent(Stream::kInstall, first_ours));
-  const Device::WaitCounts after = device->StreamWaits();
-  EXPECT_EQ(after.queued - before.queued, int64_t{2});
-  EXPECT_EQ(after.skipped - before.skipped, int64_t{1});
-  ASSERT_OK(device->Synchronize(Stream::kInstall));
-}
-
 // Runs Gather or ScatterAdd on both backends with the same inputs and
 // returns each backend's dst.
 void RunBoth(Device& cpu, Device& gpu, bool add, const std::vector<RowRun>& runs, int64_t width,

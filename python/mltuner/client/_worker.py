@@ -375,7 +375,8 @@ class Worker:
         """Drops ``first`` and every table created after it: their names,
         ids and host memory are free again, for a caller whose plan did not
         fit and who records with other tables. Every worker must drop the
-        same tables.
+        same tables, but for local ones (``local=True``), which are each
+        worker's own.
 
         Raises:
             OutOfOrderError: after ``finish_virtual_iteration``, or while the

@@ -109,7 +109,7 @@ from mltuner.torch._errors import IterationMismatchError, UnsupportedModelError
 from mltuner.torch._layers import Layer
 from mltuner.torch._pattern import reason, refusal
 from mltuner.torch._recording import (Event, Tables, add_activations, create_tables, describe, for_holding, replay,
-                                      reuse_tables, store_groups)
+                                      reuse_tables, store_groups, without_activations)
 from mltuner.torch._saved import SavedActivations, empty_for, read_back, write_bytes
 from mltuner.torch._trace import ParamRef
 
@@ -391,8 +391,12 @@ class ClockDriver:
         words (``PSModule.plan``); empty without stored activations."""
         if not self._store_activations:
             return self.keep_choice  # why wrap() stopped storing them, if it did
-        choices = "; ".join(why for why in (self.auto_choice, self.keep_choice) if why)
-        return f"{self._acts.summary()} ({choices})" if choices else self._acts.summary()
+        # recompute="auto" that chose to store everything says so in place of the
+        # summary's own reason for recomputing nothing.
+        chose_none = self.auto_choice if not self._acts.recompute and not self._acts.fell_back else ""
+        summary = self._acts.summary(why_none=chose_none)
+        choices = "; ".join(why for why in (self.auto_choice, self.keep_choice) if why and why != chose_none)
+        return f"{summary} ({choices})" if choices else summary
 
     @property
     def unreproducible(self) -> dict[int, str]:
@@ -1289,7 +1293,8 @@ class ClockDriver:
                 recorded, self._forward_events = self._acts.store_everything(
                     f"recompute='auto' stores them all: recomputing needs a device_memory_budget of at least "
                     f"{preview.pool_min_bytes} bytes, above the {budget} bytes given")
-                tables = add_activations(worker, tables, self._acts.slots, row_width=self._row_width)
+                tables = add_activations(worker, without_activations(worker, tables), self._acts.slots,
+                                         row_width=self._row_width)
                 self._all_tables = tables
                 self._replay(tables, recorded, hold)
                 preview = worker.preview_plan()
@@ -1343,6 +1348,13 @@ class ClockDriver:
     def slot_bytes(self) -> list[int]:
         """The bytes of each saved activation the recording found."""
         return [slot.nbytes for slot in self._acts.slots]
+
+    @property
+    def recomputed_bytes(self) -> int:
+        """The bytes of the saved activations the recording chose to
+        recompute (stored instead, they would cross the host link at most
+        once each way a clock)."""
+        return sum(slot.nbytes for slot in self._acts.slots if slot.recomputed)
 
     def device_slots(self) -> tuple[frozenset[int], bool]:
         """The stored activations the prepared plan keeps on the device

@@ -23,7 +23,7 @@ from mltuner.torch._layers import DEFAULT_GROUP_BYTES, DEFAULT_WHOLE_MODULES, La
 from mltuner.torch._optim import LearningRates, check_optimizer, groups_of_layers, rule_for_group
 from mltuner.torch._recompute import (LINK_BOUND_BYTES_PER_OP, LINK_BOUND_FLOPS_PER_BYTE, RECOMPUTE_CHOICES, Recompute,
                                       link_bound)
-from mltuner.torch._recording import Tables
+from mltuner.torch._recording import Tables, without_activations
 from mltuner.torch._shipping import choose_overlap
 
 __all__ = ["PSModule", "ClockOptimizer", "wrap"]
@@ -383,7 +383,11 @@ def _record_again(driver: ClockDriver, planned: str, link_bytes: dict[str, int])
     busier direction of the host link a clock): the choice to record the
     clock again with, and why; ("", why) to keep this plan. "compute" where
     the link bounds the "cheap" plan (``_recompute.link_bound``), then
-    "cheap" again unless "compute" moves fewer bytes."""
+    "cheap" again unless "compute" moves fewer bytes. "none" (store every
+    activation) where the link would not bound the clock even with the
+    activations "cheap" recomputes stored too: recomputing costs the host
+    time per op, which is then what bounds the clock (on a device with a
+    link model, a GPU)."""
     cheap = link_bytes["cheap"]
     if planned == "cheap" and "compute" not in link_bytes and cheap > 0:
         flops, ops = work = driver.forward_work
@@ -394,6 +398,13 @@ def _record_again(driver: ClockDriver, planned: str, link_bytes: dict[str, int])
                   "per op)")
         if link_bound(driver.device, work, cheap):
             return "compute", f"recompute='auto' chose 'compute': {moved}{limits}"
+        # Stored too, the recomputed activations cross the link at most once each way.
+        every = cheap + driver.recomputed_bytes
+        if bound and every > cheap and not link_bound(driver.device, work, every):
+            return "none", (f"recompute='auto' stores every activation: {moved}, and storing the "
+                            f"{driver.recomputed_bytes} B it recomputes too moves at most {every} B, "
+                            f"{3 * flops // every} flops per byte and {every // max(1, ops)} B per op, which the link "
+                            f"does not bound either{limits}; recomputing would cost the host time per op")
         return "", f"recompute='auto' kept its first plan: {moved}{limits if bound else ''}"
     if planned == "compute" and link_bytes["compute"] >= cheap:
         return "cheap", (f"recompute='auto' went back to 'cheap': 'compute' moves {link_bytes['compute']} B a clock "
@@ -657,6 +668,11 @@ def wrap(
                 if variant is not None:
                     tables, attempt = driver.release_tables(), variant
                     continue
+                if recompute == "auto" and attempt.recompute == "none" and "cheap" in link_bytes:
+                    tables, attempt = driver.release_tables(), dataclasses.replace(attempt, recompute="cheap")
+                    auto_choice = (f"recompute='auto' went back to 'cheap': storing every activation did not fit "
+                                   f"({error})")
+                    continue
                 if attempt.recompute != "compute" or "cheap" not in link_bytes:
                     smaller = _smaller_groups(module, row_width, whole_modules, group_bytes, split, len(layers))
                     if choose_groups and smaller is not None:
@@ -689,6 +705,8 @@ def wrap(
                 again, why = _record_again(driver, attempt.recompute, link_bytes)
                 if again:
                     tables, auto_choice = driver.release_tables(), why
+                    if again == "none":
+                        tables = without_activations(worker, tables)
                     attempt = dataclasses.replace(attempt, recompute=again)
                     continue
                 auto_choice = driver.auto_choice = why or auto_choice

@@ -468,8 +468,9 @@ class SavedActivations:
                 lines.append(f"{head}: stored")
         return lines
 
-    def summary(self) -> str:
-        """How many slots are stored, recomputed and kept, with their bytes."""
+    def summary(self, why_none: str = "") -> str:
+        """How many slots are stored, recomputed and kept, with their bytes;
+        ``why_none``: why nothing is recomputed, when the caller knows."""
         kept = [s for k, s in enumerate(self.slots) if s.kept and k not in self.keep]
         slots = [s for k, s in enumerate(self.slots) if not s.kept or k in self.keep]
         total = sum(s.nbytes for s in slots)
@@ -484,8 +485,8 @@ class SavedActivations:
             return (f"saved activations: {len(slots)} stored ({total} B per clock), none recomputed "
                     f"({self.fell_back}){notes}")
         if not self.recompute:
-            return (f"saved activations: {len(slots)} stored ({total} B per clock), none recomputed "
-                    f"(recompute='none', or 'auto' without a device_memory_budget){notes}")
+            why = why_none or "recompute='none', or 'auto' without a device_memory_budget"
+            return f"saved activations: {len(slots)} stored ({total} B per clock), none recomputed ({why}){notes}"
         first = min(self.stored, default=0)
         spoiled = (f", {len(self.stored)} stored because running their ops again failed or gave other bytes "
                    f"(#{first}: {self.stored[first]})" if self.stored else "")

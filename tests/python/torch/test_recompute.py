@@ -12,6 +12,7 @@ recomputed, counted from the model's shapes.
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -100,6 +101,7 @@ def train(make: Callable[[], nn.Module], data: tuple[torch.Tensor, torch.Tensor]
             losses.append(loss.item())
         return {"state": ps_model.state_dict(), "losses": losses, "stats": worker.stats, "plan": ps_model.plan,
                 "saved": ps_model.saved_activations, "accesses": ps_model.accesses,
+                "activation_tables": [t.name for t in worker.tables if t.name.startswith("torch:activations")],
                 "after": torch.rand(4)}  # the global generator's state after training
 
 
@@ -502,6 +504,9 @@ def test_auto_stores_everything_when_recomputing_needs_a_larger_pool() -> None:
             f"least {least_cheap} bytes, above the {least_stored} bytes given)") in auto["plan"], auto["plan"]
     assert not recomputed(auto["saved"])
     assert auto["stats"]["pool_bytes"] <= least_stored
+    # Laid out again in one local table, as storing everything from the start
+    # would: a run of stores shares one access only within a table.
+    assert auto["activation_tables"] == ["torch:activations"]
     with pytest.raises(mltuner.ResourceExhaustedError, match=r"recompute='none' may need less"):
         train(make, data, resnet_loss, "cheap", least_stored, group_bytes=32 << 20)
     # Left to choose its layer groups, wrap() reads the model in smaller ones, whose pool fits.
@@ -514,7 +519,9 @@ def test_auto_records_again_with_compute_where_the_link_bounds_the_cheap_plan(
     clock again with 'compute' when the link bounds that plan (on the CPU
     never by default: the test lends it a GPU's rule, at any work per byte;
     the bytes per op of so small a model are the host's to bound, until
-    the test allows any).
+    the test allows any). It keeps 'cheap' where storing what 'cheap'
+    recomputes would let the link bound the clock (the test puts the bytes
+    per op that bound it between the two plans').
     The tables of the first plan are reused: the rows of activations that
     'compute' no longer stores are placed nowhere, so the stores are those
     of 'compute' alone, and training is bit for bit that of storing
@@ -527,8 +534,12 @@ def test_auto_records_again_with_compute_where_the_link_bounds_the_cheap_plan(
     kept = train(make, data, resnet_loss, "auto", budget)
     assert "recompute='auto' kept its first plan: its first plan moves " in kept["plan"], kept["plan"]
     monkeypatch.setitem(recompute_module.LINK_BOUND_FLOPS_PER_BYTE, "cpu", 1 << 40)
+    cheap_per_op, every_per_op = per_op_bytes(train(make, data, resnet_loss, "auto", budget)["plan"])
+    monkeypatch.setattr(recompute_module, "LINK_BOUND_BYTES_PER_OP", (cheap_per_op + every_per_op) // 2)
     kept = train(make, data, resnet_loss, "auto", budget)
     assert "recompute='auto' kept its first plan: " in kept["plan"] and " B per op of the forward" in kept["plan"]
+    assert_same_training(kept, reference)
+    assert kept["saved"] == train(make, data, resnet_loss, "cheap", budget)["saved"]
     monkeypatch.setattr(recompute_module, "LINK_BOUND_BYTES_PER_OP", 0)
     auto = train(make, data, resnet_loss, "auto", budget)
     compute = train(make, data, resnet_loss, "compute", budget)
@@ -539,6 +550,66 @@ def test_auto_records_again_with_compute_where_the_link_bounds_the_cheap_plan(
         assert auto["stats"][key] == compute["stats"][key], key
     # No budget: nothing is recomputed, nothing recorded again.
     assert "recompute='auto' chose" not in train(make, data, resnet_loss, "auto")["plan"]
+
+
+def per_op_bytes(plan: str) -> tuple[int, int]:
+    """From the plan of recompute='auto' that stored every activation: the
+    bytes per op of the forward its 'cheap' plan moved, and at most storing
+    everything would."""
+    found = re.search(r"and (\d+) B per op of the forward, and storing the \d+ B it recomputes too moves at most "
+                      r"\d+ B, \d+ flops per byte and (\d+) B per op", plan)
+    assert found, plan
+    return int(found[1]), int(found[2])
+
+
+def test_auto_stores_everything_where_the_link_would_not_bound_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a device with a link model (the test lends the CPU a GPU's) where
+    even storing what 'cheap' recomputes would not let the host link bound
+    the clock (a small model's bytes per op), recompute='auto' records the
+    clock again storing every activation: recomputing only costs the host
+    time per op there. The plan is that of recompute='none' at the same
+    budget (the activations' local table laid out anew, in one table), and
+    training is bit for bit the same."""
+    data = resnet_data()
+    make = functools_partial(resnet, False)
+    reference = train(make, data, resnet_loss, "none")
+    budget = train(make, data, resnet_loss, "cheap")["stats"]["pool_min_bytes"]
+    monkeypatch.setitem(recompute_module.LINK_BOUND_FLOPS_PER_BYTE, "cpu", 1 << 40)
+    auto = train(make, data, resnet_loss, "auto", budget)
+    stored = train(make, data, resnet_loss, "none", budget)
+    assert_same_training(auto, reference)
+    assert "none recomputed (recompute='auto' stores every activation: its first plan moves " in auto["plan"], \
+        auto["plan"]
+    cheap_per_op, every_per_op = per_op_bytes(auto["plan"])
+    assert cheap_per_op < every_per_op < recompute_module.LINK_BOUND_BYTES_PER_OP
+    assert not recomputed(auto["saved"]) and auto["saved"] == stored["saved"]
+    assert auto["activation_tables"] == ["torch:activations"]
+    for key in ("device_store_bytes", "host_store_bytes", "predicted_bytes_to_device_per_clock",
+                "predicted_bytes_to_host_per_clock"):
+        assert auto["stats"][key] == stored["stats"][key], key
+
+
+def test_auto_goes_back_to_cheap_where_storing_everything_does_not_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Should the plan that stores every activation not fit the budget
+    ('cheap' did), the clock is recorded again with 'cheap' (the refusal is
+    made to happen here)."""
+    data = resnet_data()
+    make = functools_partial(resnet, False)
+    budget = train(make, data, resnet_loss, "cheap")["stats"]["pool_min_bytes"]
+    monkeypatch.setitem(recompute_module.LINK_BOUND_FLOPS_PER_BYTE, "cpu", 1 << 40)
+    prepare = ClockDriver.prepare_plan
+
+    def refuse_storing_everything(driver: ClockDriver, *args: Any) -> None:
+        prepare(driver, *args)
+        if "stores every activation" in driver.auto_choice:
+            raise mltuner.ResourceExhaustedError("a test refusal")
+
+    monkeypatch.setattr(ClockDriver, "prepare_plan", refuse_storing_everything)
+    auto = train(make, data, resnet_loss, "auto", budget)
+    assert_same_training(auto, train(make, data, resnet_loss, "none"))
+    assert ("recompute='auto' went back to 'cheap': storing every activation did not fit (a test refusal)"
+            in auto["plan"]), auto["plan"]
+    assert auto["saved"] == train(make, data, resnet_loss, "cheap", budget)["saved"]
 
 
 @pytest.mark.usefixtures("stores_as_planned")

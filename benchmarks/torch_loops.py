@@ -94,13 +94,14 @@ class MltunerRun:
     def auto_choice(self) -> str:
         """What ``recompute="auto"`` chose after its plan with "cheap", from
         the plan's summary: "compute (F flops/B, M MiB/op)" (or "first plan
-        kept" with those figures), "cheap (compute tried)", or ""."""
-        found = re.search(r"recompute='auto' (chose 'compute'|kept its first plan): .*?, (\d+) flops of a step per byte and "
-                          r"(\d+) B per op", self.plan)
+        kept", or "none" for storing every activation, with the first plan's
+        figures), "cheap (another tried)", or ""."""
+        found = re.search(r"recompute='auto' (chose 'compute'|kept its first plan|stores every activation): .*?, "
+                          r"(\d+) flops of a step per byte and (\d+) B per op", self.plan)
         if found:
-            what = "compute" if "compute" in found.group(1) else "first plan kept"
+            what = {"chose 'compute'": "compute", "kept its first plan": "first plan kept"}.get(found.group(1), "none")
             return f"{what} ({found.group(2)} flops/B, {int(found.group(3)) / 2**20:.2f} MiB/op)"
-        return "cheap (compute tried)" if "recompute='auto' went back to 'cheap'" in self.plan else ""
+        return "cheap (another tried)" if "recompute='auto' went back to 'cheap'" in self.plan else ""
 
     @property
     def keep_choice(self) -> str:

@@ -589,29 +589,6 @@ def test_auto_stores_everything_where_the_link_would_not_bound_it(monkeypatch: p
         assert auto["stats"][key] == stored["stats"][key], key
 
 
-def test_auto_goes_back_to_cheap_where_storing_everything_does_not_fit(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Should the plan that stores every activation not fit the budget
-    ('cheap' did), the clock is recorded again with 'cheap' (the refusal is
-    made to happen here)."""
-    data = resnet_data()
-    make = functools_partial(resnet, False)
-    budget = train(make, data, resnet_loss, "cheap")["stats"]["pool_min_bytes"]
-    monkeypatch.setitem(recompute_module.LINK_BOUND_FLOPS_PER_BYTE, "cpu", 1 << 40)
-    prepare = ClockDriver.prepare_plan
-
-    def refuse_storing_everything(driver: ClockDriver, *args: Any) -> None:
-        prepare(driver, *args)
-        if "stores every activation" in driver.auto_choice:
-            raise mltuner.ResourceExhaustedError("a test refusal")
-
-    monkeypatch.setattr(ClockDriver, "prepare_plan", refuse_storing_everything)
-    auto = train(make, data, resnet_loss, "auto", budget)
-    assert_same_training(auto, train(make, data, resnet_loss, "none"))
-    assert ("recompute='auto' went back to 'cheap': storing every activation did not fit (a test refusal)"
-            in auto["plan"]), auto["plan"]
-    assert auto["saved"] == train(make, data, resnet_loss, "cheap", budget)["saved"]
-
-
 @pytest.mark.usefixtures("stores_as_planned")
 def test_auto_goes_back_to_cheap_where_compute_moves_no_fewer_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     """A matrix product too costly to run again (8,192 features, as in the
@@ -629,27 +606,33 @@ def test_auto_goes_back_to_cheap_where_compute_moves_no_fewer_bytes(monkeypatch:
     assert auto["saved"] == train(make, data, resnet_loss, "cheap", budget)["saved"]
 
 
-def test_auto_goes_back_to_cheap_where_compute_does_not_fit(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Should the 'compute' plan not fit the budget ('cheap' did), the clock
-    is recorded again with 'cheap' (the refusal is made to happen here:
-    recomputing convolutions reads their weights early in the backward
-    pass, which can raise the least pool)."""
+@pytest.mark.parametrize(("tried", "chosen", "bytes_per_op"), [
+    ("'compute'", "chose 'compute'", 0),  # the link bounds the 'cheap' plan
+    ("storing every activation", "stores every activation", None),  # it bounds neither plan
+])
+def test_auto_goes_back_to_cheap_where_its_other_plan_does_not_fit(monkeypatch: pytest.MonkeyPatch, tried: str,
+                                                                   chosen: str, bytes_per_op: int | None) -> None:
+    """Should the plan recompute='auto' records after 'cheap' not fit the
+    budget ('cheap' did), the clock is recorded again with 'cheap' (the
+    refusal is made to happen here: recomputing convolutions reads their
+    weights early in the backward pass, which can raise the least pool)."""
     data = resnet_data()
     make = functools_partial(resnet, False)
     budget = train(make, data, resnet_loss, "cheap")["stats"]["pool_min_bytes"]
     monkeypatch.setitem(recompute_module.LINK_BOUND_FLOPS_PER_BYTE, "cpu", 1 << 40)
-    monkeypatch.setattr(recompute_module, "LINK_BOUND_BYTES_PER_OP", 0)
+    if bytes_per_op is not None:
+        monkeypatch.setattr(recompute_module, "LINK_BOUND_BYTES_PER_OP", bytes_per_op)
     prepare = ClockDriver.prepare_plan
 
-    def refuse_compute(driver: ClockDriver, *args: Any) -> None:
+    def refuse(driver: ClockDriver, *args: Any) -> None:
         prepare(driver, *args)
-        if "chose 'compute'" in driver.auto_choice:
+        if chosen in driver.auto_choice:
             raise mltuner.ResourceExhaustedError("a test refusal")
 
-    monkeypatch.setattr(ClockDriver, "prepare_plan", refuse_compute)
+    monkeypatch.setattr(ClockDriver, "prepare_plan", refuse)
     auto = train(make, data, resnet_loss, "auto", budget)
     assert_same_training(auto, train(make, data, resnet_loss, "none"))
-    assert "recompute='auto' went back to 'cheap': 'compute' did not fit (a test refusal)" in auto["plan"]
+    assert f"recompute='auto' went back to 'cheap': {tried} did not fit (a test refusal)" in auto["plan"], auto["plan"]
     assert auto["saved"] == train(make, data, resnet_loss, "cheap", budget)["saved"]
 
 

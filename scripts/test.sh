@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Runs every test of mltuner: the C++ tests (CTest, without the gpu label)
-# and the Python tests (pytest). One command on a fresh machine too: it first
+# Runs every test of mltuner: the C++ tests (CTest, without the gpu label),
+# the type check of the Python package (mypy) and the Python tests (pytest). One command on a fresh machine too: it first
 # installs this source tree with its test extras and torch into the active Python (the
 # venv's, if one is active), so the Python tests never run an older install;
 # the fixed build folder keeps that rebuild incremental.
-# Both suites always run; the exit status is non-zero if either failed.
+# Every step always runs; the exit status is non-zero if any failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -44,13 +44,18 @@ cmake -S . -B build/tsan "${tsan_generator[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInf
   && TSAN_OPTIONS="halt_on_error=1" ctest --output-on-failure -j2 --test-dir build/tsan -LE gpu
 tsan_rc=$?
 
+echo "== type check (mypy --strict over python/mltuner, pyproject.toml's [tool.mypy])"
+"$PY" -m mypy
+mypy_rc=$?
+
 echo "== Python tests (tests/python)"
 "$PY" -m pytest
 pytest_rc=$?   # 5 (no tests collected) counts as a failure
 
-if [[ $ctest_rc -eq 0 && $tsa_rc -eq 0 && $tsan_rc -eq 0 && $pytest_rc -eq 0 ]]; then
-  echo "mltuner tests: PASSED (ctest ok, thread-safety ok, data races ok, pytest ok)"
+if [[ $ctest_rc -eq 0 && $tsa_rc -eq 0 && $tsan_rc -eq 0 && $mypy_rc -eq 0 && $pytest_rc -eq 0 ]]; then
+  echo "mltuner tests: PASSED (ctest ok, thread-safety ok, data races ok, types ok, pytest ok)"
 else
-  echo "mltuner tests: FAILED (ctest exit $ctest_rc, thread-safety exit $tsa_rc, data races exit $tsan_rc, pytest exit $pytest_rc)"
+  echo "mltuner tests: FAILED (ctest exit $ctest_rc, thread-safety exit $tsa_rc, data races exit $tsan_rc," \
+       "mypy exit $mypy_rc, pytest exit $pytest_rc)"
   exit 1
 fi

@@ -183,7 +183,7 @@ def cuda_built() -> bool: ...
 def cuda_device_count() -> int: ...
 
 _Rows = npt.ArrayLike
-_Buffer = tuple[npt.NDArray[np.float32] | DeviceArray, int]
+_Buffer = npt.NDArray[np.float32] | DeviceArray
 
 class Engine:
     @property

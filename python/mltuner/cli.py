@@ -214,7 +214,7 @@ def _add_watch_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plain", action="store_true", help="plain progress lines instead of a live table")
 
 
-def _add_tune_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser],
+def _add_tune_parser(commands: argparse._SubParsersAction[_Parser],
                      name: str, *, summary: str, description: str) -> argparse.ArgumentParser:
     """tune or demo: the launcher's options and the program's, every one
     with its default in --help and checked before a worker starts."""

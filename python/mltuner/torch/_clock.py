@@ -1041,7 +1041,7 @@ class ClockDriver:
         self._outputs_seen.clear()
         for number, tensor in enumerate((output,) if isinstance(output, torch.Tensor) else tensors_in(output)):
             if tensor.requires_grad:
-                tensor.register_hook(self._output_hook(serial, number))
+                tensor.register_hook(self._output_hook(serial, number))  # type: ignore[no-untyped-call]
 
     def _output_hook(self, serial: int, number: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:

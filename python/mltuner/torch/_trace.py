@@ -159,7 +159,7 @@ def arithmetic(func: Any, args: Any, out: Any) -> int:
         return 0
     if func is _aten.convolution.default and len(args) > 6 and not args[6]:  # args[6]: transposed
         weight = args[1]
-        return 2 * out.numel() * (weight.numel() // max(1, weight.shape[0]))  # C_in / groups x kernel per output
+        return int(2 * out.numel() * (weight.numel() // max(1, weight.shape[0])))  # C_in / groups x kernel per output
     position = _MATRIX_PRODUCTS.get(func)
     if position is not None:
         return 2 * out.numel() * int(args[position].shape[-1])

@@ -16,6 +16,8 @@ and re-tunes when validation accuracy plateaus. See docs/tuner.md.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from mltuner.tune.baselines._baselines import (
     BaselineConfig,
     BaselineResult,
@@ -59,6 +61,10 @@ from mltuner.tune.tuner._tuner import (
     plateaued,
 )
 from mltuner.tune.tuner._guard import Alarm, TrainingGuard
+
+if TYPE_CHECKING:  # what __getattr__ loads, for type checkers
+    from mltuner.tune.display._report import dashboard_command, read_log, write_report
+
 
 def __getattr__(name: str) -> object:
     # The report pulls in matplotlib, which the tuner never needs: loaded at

@@ -92,9 +92,9 @@ def describe(record: Mapping[str, Any]) -> str | None:
         return (f"{_search_name(record)}: {record.get('trials', '?')} trials in "
                 f"{_secs(record.get('seconds'))} found nothing better")
     if event == "budget_floor":
-        why = {"trial_time": "to find its trial time", "halving": "to halve over trials of it"}
+        purposes = {"trial_time": "to find its trial time", "halving": "to halve over trials of it"}
         return (f"{_search_name(record)}: budget raised from {_secs(record.get('share_s'))} to "
-                f"{_secs(record.get('budget_s'))} {why.get(str(record.get('reason')), '')}".rstrip())
+                f"{_secs(record.get('budget_s'))} {purposes.get(str(record.get('reason')), '')}".rstrip())
     if event == "retune":
         if record.get("check") == "batch":
             larger = record.get("larger") or {}

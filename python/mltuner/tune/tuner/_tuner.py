@@ -465,6 +465,7 @@ class Tuner:
             length = max(self._trial_time, chunk * self._clock_seconds)
             least = 2 * (length + config.num_progress_samples * self._clock_seconds)
             budget: float | None
+            paid: str | None
             if stretch.batch_chosen and not stretch.batch_lost:
                 budget, paid = least, "choice"
             else:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs every test of mltuner: the C++ tests (CTest, without the gpu label),
-# the type check of the Python package (mypy) and the Python tests (pytest). One command on a fresh machine too: it first
-# installs this source tree with its test extras and torch into the active Python (the
-# venv's, if one is active), so the Python tests never run an older install;
+# the type check of the Python package (mypy) and the Python tests (pytest).
+# One command on a fresh machine too: it first installs this source tree with
+# its test extras and torch into the active Python (the venv's, if one is
+# active), so the Python tests never run an older install;
 # the fixed build folder keeps that rebuild incremental.
 # Every step always runs; the exit status is non-zero if any failed.
 set -uo pipefail

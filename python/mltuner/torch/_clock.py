@@ -108,8 +108,8 @@ from mltuner.torch._buffers import app_stream, as_tensor, buffer_key, placeholde
 from mltuner.torch._errors import IterationMismatchError, UnsupportedModelError
 from mltuner.torch._layers import Layer
 from mltuner.torch._pattern import reason, refusal
-from mltuner.torch._recording import (Event, Tables, add_activations, create_tables, describe, for_holding, replay,
-                                      reuse_tables, store_groups, without_activations)
+from mltuner.torch._recording import (Event, Tables, create_tables, describe, for_holding, replay, reuse_tables,
+                                      store_groups)
 from mltuner.torch._saved import SavedActivations, empty_for, read_back, write_bytes
 from mltuner.torch._trace import ParamRef
 
@@ -1293,8 +1293,7 @@ class ClockDriver:
                 recorded, self._forward_events = self._acts.store_everything(
                     f"recompute='auto' stores them all: recomputing needs a device_memory_budget of at least "
                     f"{preview.pool_min_bytes} bytes, above the {budget} bytes given")
-                tables = add_activations(worker, without_activations(worker, tables), self._acts.slots,
-                                         row_width=self._row_width)
+                tables = reuse_tables(worker, tables, self.layers, self._acts.slots, row_width=self._row_width)
                 self._all_tables = tables
                 self._replay(tables, recorded, hold)
                 preview = worker.preview_plan()

@@ -23,7 +23,7 @@ from mltuner.torch._layers import DEFAULT_GROUP_BYTES, DEFAULT_WHOLE_MODULES, La
 from mltuner.torch._optim import LearningRates, check_optimizer, groups_of_layers, rule_for_group
 from mltuner.torch._recompute import (LINK_BOUND_BYTES_PER_OP, LINK_BOUND_FLOPS_PER_BYTE, RECOMPUTE_CHOICES, Recompute,
                                       link_bound)
-from mltuner.torch._recording import Tables, without_activations
+from mltuner.torch._recording import Tables
 from mltuner.torch._shipping import choose_overlap
 
 __all__ = ["PSModule", "ClockOptimizer", "wrap"]
@@ -705,8 +705,6 @@ def wrap(
                 again, why = _record_again(driver, attempt.recompute, link_bytes)
                 if again:
                     tables, auto_choice = driver.release_tables(), why
-                    if again == "none":
-                        tables = without_activations(worker, tables)
                     attempt = dataclasses.replace(attempt, recompute=again)
                     continue
                 auto_choice = driver.auto_choice = why or auto_choice

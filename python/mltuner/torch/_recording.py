@@ -128,10 +128,8 @@ def for_holding(events: Sequence[Event]) -> list[Event]:
 
 
 class Tables(NamedTuple):
-    """The tables of a wrapped model: one per layer, and the local tables of
-    the stored activations with their layouts (none without any; a second
-    one when a later recording stores activations an earlier one
-    recomputed, :func:`reuse_tables`)."""
+    """The tables of a wrapped model: one per layer, and the local table of
+    the stored activations with its layout (none without any)."""
 
     layers: list[Table]
     activations: list[tuple[Table, TensorLayout]]
@@ -161,9 +159,13 @@ def create_tables(worker: Worker, layers: Sequence[Layer], slots: Sequence[Slot]
 def reuse_tables(worker: Worker, tables: Tables, layers: Sequence[Layer], slots: Sequence[Slot], *,
                  row_width: int) -> Tables:
     """The tables of an earlier recording of the same model (``wrap()``
-    records again after a plan, ``recompute="auto"``), with a local table
-    more for the stored slots that have no rows yet. The rows of slots no
-    longer stored stay, untouched: the engine places them nowhere."""
+    records again after a plan, ``recompute="auto"``). The rows of slots no
+    longer stored stay, untouched: the engine places them nowhere. A
+    recording that stores slots without rows gets its activations laid out
+    anew in one local table: a run of stores shares one engine access only
+    within a table (ResNet-18 at batch 128 took 22 store accesses a clock
+    in two tables, 16 in one). Local tables are this worker's alone, so no
+    other worker need drop them."""
     names = [table.name for table in tables.layers]
     if names != [f"torch:{layer.name}" for layer in layers]:
         raise InternalError(f"recording again found other layers ({len(layers)}) than the tables ({len(names)})")
@@ -171,6 +173,9 @@ def reuse_tables(worker: Worker, tables: Tables, layers: Sequence[Layer], slots:
         number = tables.table_of(k)
         if number >= 0 and tables.activations[number][1].slot(f"a{k}").shape != (_words(slot),):
             raise InternalError(f"recording again saved activation #{k} with another size ({slot.nbytes} B)")
+    if tables.activations and any(s.stored and tables.table_of(k) < 0 for k, s in enumerate(slots)):
+        worker.drop_tables(tables.activations[0][0])
+        tables = Tables(tables.layers, [])
     return add_activations(worker, tables, slots, row_width=row_width)
 
 
@@ -179,21 +184,9 @@ def _words(slot: Slot) -> int:
     return max(1, -(-slot.nbytes // 4))
 
 
-def without_activations(worker: Worker, tables: Tables) -> Tables:
-    """``tables`` with the local tables of stored activations dropped, for a
-    recording that stores more of them than the one they were made for: laid
-    out again in one table, its runs of stores group as they would have from
-    the start (a store group never spans two tables: ResNet-18 at batch 128
-    took 22 store accesses a clock in two tables, 16 in one). Local tables
-    are this worker's alone, so no other worker need drop them."""
-    if tables.activations:
-        worker.drop_tables(tables.activations[0][0])
-    return Tables(tables.layers, [])
-
-
 def add_activations(worker: Worker, tables: Tables, slots: Sequence[Slot], *, row_width: int) -> Tables:
-    """``tables`` with one more local table, holding the stored ``slots``
-    that have no rows in ``tables`` yet; ``tables`` itself if there are none."""
+    """``tables`` with a local table holding the stored ``slots`` that have
+    no rows in ``tables`` yet; ``tables`` itself if there are none."""
     new = {k: s for k, s in enumerate(slots) if s.stored and tables.table_of(k) < 0}
     if not new:
         return tables

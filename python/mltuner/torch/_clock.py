@@ -196,7 +196,8 @@ class ClockDriver:
         # The recording, then the plan made from it.
         self._recording = True
         self._events: list[Event] = []
-        self._forward_events = 0
+        self._forward_events = 0  # of self._events
+        self._recorded_forward_events = 0  # of the recording's (without held reads)
         self._init: list[torch.Tensor] = []  # per layer: its initial values, flat
         # The saved activations: stored or recomputed (_saved.py).
         # recompute: "cheap", "compute" or "none" (wrap()'s choice, "auto" resolved).
@@ -217,6 +218,7 @@ class ClockDriver:
         self._cursor = 0  # next event
         self._next_slot = 0
         self._fwd_open: dict[int, tuple[int, int, torch.Tensor]] = {}  # layer -> (event, address, flat buffer)
+        self._opened_by_caller: dict[int, nn.Module] = {}  # layer -> the tied module whose call opened it
         self._param_ptrs: dict[int, tuple[int, int]] = {}  # address of an open forward read -> (layer, event)
         self._reads: dict[int, int] = {}  # layer -> forward reads this clock
         self._held: dict[int, torch.Tensor] = {}  # event of a held forward read -> its flat buffer
@@ -290,6 +292,9 @@ class ClockDriver:
         for layer in self.layers:
             self._hooks.append(layer.module.register_forward_pre_hook(self._pre_hook(layer)))
             self._hooks.append(layer.module.register_forward_hook(self._post_hook(layer)))
+            for _, caller in layer.callers:
+                self._hooks.append(caller.register_forward_pre_hook(self._caller_pre_hook(layer)))
+                self._hooks.append(caller.register_forward_hook(self._caller_post_hook(layer)))
             for position, slot in enumerate(layer.params):
                 hook = self._grad_hook(layer, position)
                 self._grad_hooks.append(slot.param.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
@@ -309,6 +314,24 @@ class ClockDriver:
     def _post_hook(self, layer: Layer) -> Callable[[nn.Module, Any, Any], None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             self._after_layer(layer, output)
+        return hook
+
+    def _caller_pre_hook(self, layer: Layer) -> Callable[[nn.Module, Any], None]:
+        """A module holding some of ``layer``'s parameters (tied weights,
+        ``_layers.py``) reads the layer as its own call would, unless the
+        layer is open already (the module runs inside the layer's forward)."""
+        def hook(module: nn.Module, args: Any) -> None:
+            if self._eval_active or layer.index in self._fwd_open:
+                return
+            self._before_layer(layer)
+            self._opened_by_caller[layer.index] = module
+        return hook
+
+    def _caller_post_hook(self, layer: Layer) -> Callable[[nn.Module, Any, Any], None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self._opened_by_caller.get(layer.index) is module:
+                del self._opened_by_caller[layer.index]
+                self._after_layer(layer, output)
         return hook
 
     def _grad_hook(self, layer: Layer, position: int) -> Callable[[torch.Tensor], None]:
@@ -731,7 +754,7 @@ class ClockDriver:
                     output = call()
             if self._recording:
                 self._events = self._acts.choose(self._events, self.model.modules())
-                self._forward_events = len(self._events)
+                self._forward_events = self._recorded_forward_events = len(self._events)
             elif self._cursor != self._forward_events:
                 with self._mutating():
                     event = self._events[self._cursor]
@@ -787,9 +810,15 @@ class ClockDriver:
         if number in self._fwd_open:
             raise UnsupportedModelError(f"layer {layer.name!r} was called from inside its own forward")
         try:
-            index = self._next("read", number)
-            flat, views = self._open_read(index, layer)
-            layer.bind(views)
+            held = self._held_by_layer.get(number) if self._hold and not self._recording else None
+            if held:  # called again: the held read serves every call (_recording.for_holding)
+                index = held[0]
+                flat = self._held[index]
+                layer.bind(layer.views(flat))
+            else:
+                index = self._next("read", number)
+                flat, views = self._open_read(index, layer)
+                layer.bind(views)
             address = storage_ptr(flat)
             assert address is not None
             self._fwd_open[number] = (index, address, flat)
@@ -809,6 +838,11 @@ class ClockDriver:
         number = layer.index
         try:
             index, address, flat = self._fwd_open.pop(number)
+            if self._hold and not self._recording and index in self._held:  # a later call of a held layer
+                if not self._light:
+                    del self._param_ptrs[address]
+                    layer.unbind()
+                return
             self._next("post_read", number)
             for tensor in (output,) if isinstance(output, torch.Tensor) else tensors_in(output):
                 if storage_ptr(tensor) == address:
@@ -1127,6 +1161,7 @@ class ClockDriver:
         self._cursor = 0
         self._next_slot = 0
         self._fwd_open.clear()
+        self._opened_by_caller.clear()
         self._param_ptrs.clear()
         self._reads.clear()
         self._held.clear()
@@ -1290,7 +1325,7 @@ class ClockDriver:
             if self._acts.recomputing and self._recompute_fallback:
                 # Recomputing reads some layers' parameters early in the
                 # backward pass; storing everything may need a smaller pool.
-                recorded, self._forward_events = self._acts.store_everything(
+                recorded, self._recorded_forward_events = self._acts.store_everything(
                     f"recompute='auto' stores them all: recomputing needs a device_memory_budget of at least "
                     f"{preview.pool_min_bytes} bytes, above the {budget} bytes given")
                 tables = reuse_tables(worker, tables, self.layers, self._acts.slots, row_width=self._row_width)
@@ -1426,6 +1461,8 @@ class ClockDriver:
         it as the worker's virtual iteration."""
         self._hold = hold
         self._events = for_holding(recorded) if hold else list(recorded)
+        forward = recorded[: self._recorded_forward_events]
+        self._forward_events = len(for_holding(forward) if hold else forward)
         # The light clock needs every saved parameter view in a held read:
         # one read per layer, held until its update (module docstring).
         reads = [0] * len(self.layers)

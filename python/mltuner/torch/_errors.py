@@ -16,9 +16,9 @@ __all__ = ["UnsupportedModelError", "IterationMismatchError"]
 
 class UnsupportedModelError(InvalidArgumentError):
     """The model holds something the adapter cannot put in a parameter
-    server: a non-float32 or sparse parameter, a parameter shared between
-    modules, a compiled or scripted module, a parameter used outside the
-    forward of the module that owns it, ..."""
+    server: a non-float32 or sparse parameter, a compiled or scripted
+    module, a parameter used outside the forward of the modules that hold
+    it, ..."""
 
 
 class IterationMismatchError(InvalidArgumentError):

@@ -15,6 +15,15 @@ Fewer, larger tables mean fewer engine calls and hooks per clock; each one
 still ships its update as soon as its own gradients are final, and its next
 read waits only for its own rows.
 
+A parameter shared by several modules (tied weights: a language model's
+output projection that reuses the token embedding) belongs to the first
+layer that holds it, in ``named_modules`` order. Every other module that
+holds it directly is one of that layer's ``callers``: its forward reads the
+layer again, as a second call of the layer's own module would, so the
+shared values are there wherever they are used, under a budget too.
+Autograd sums both uses' gradients into the one parameter, and the layer's
+update carries that sum.
+
 Also here: the checks that refuse what the adapter cannot take, each with a
 message naming the parameter or module.
 """
@@ -79,6 +88,9 @@ class Layer:
     layout: TensorLayout
     device: torch.device
     members: list[tuple[str, nn.Module]] = dataclasses.field(default_factory=list)
+    # Modules outside the subtree that hold some of these parameters too
+    # (tied weights): each call of one reads the layer again.
+    callers: list[tuple[str, nn.Module]] = dataclasses.field(default_factory=list)
     # The table's own update rule (from wrap()'s optimizer); None: the Config's.
     update_rule: UpdateRule | None = None
     _cache: dict[tuple[int, tuple[int, ...]], tuple[torch.Tensor, list[torch.Tensor]]] = dataclasses.field(
@@ -172,18 +184,6 @@ def _check_module_types(model: nn.Module) -> None:
             )
 
 
-def _check_shared(model: nn.Module) -> None:
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    shared = [n for n in names.values() if len(n) > 1]
-    if shared:
-        raise UnsupportedModelError(
-            f"parameter shared between modules (tied weights): {' = '.join(shared[0])}; every parameter "
-            "must belong to one module"
-        )
-
-
 def _check_param(name: str, param: nn.Parameter) -> None:
     if param.layout != torch.strided:
         raise UnsupportedModelError(f"parameter {name!r} has layout {param.layout}: only dense parameters")
@@ -222,30 +222,37 @@ def find_layers(model: nn.Module, row_width: int,
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
     _check_module_types(model)
-    _check_shared(model)
     whole = tuple(whole_modules)
     layers: list[Layer] = []
     devices: set[torch.device] = set()
     seen: set[int] = set()
+    owner: dict[int, int] = {}  # id of a trainable parameter -> the layer that holds it
+    callers: list[tuple[int, str, nn.Module]] = []  # (layer, module name, module) of tied weights
+
+    def qualify(module_name: str, name: str) -> str:
+        return f"{module_name}.{name}" if module_name else name
 
     def add_layer(module_name: str, module: nn.Module, recurse: bool) -> None:
-        trainable = [(n, p) for n, p in module.named_parameters(recurse=recurse) if p.requires_grad]
+        every = [(n, p) for n, p in module.named_parameters(recurse=recurse) if p.requires_grad]
+        trainable = [(n, p) for n, p in every if id(p) not in owner]
+        if len(trainable) < len(every):  # tied to an earlier layer: the modules holding those read it too
+            for name, holder in module.named_modules(prefix=module_name) if recurse else [(module_name, module)]:
+                for layer in sorted({owner[id(p)] for p in holder.parameters(recurse=False) if id(p) in owner}):
+                    callers.append((layer, name, holder))
         if not trainable:
             return
         layout = TensorLayout(row_width)
         for local_name, param in trainable:
-            qualified = f"{module_name}.{local_name}" if module_name else local_name
-            _check_param(qualified, param)
+            _check_param(qualify(module_name, local_name), param)
             layout.add(local_name, tuple(param.shape))
             devices.add(param.device)
-        slots = [
-            ParamSlot(f"{module_name}.{n}" if module_name else n, p, layout.slot(n).first_row * row_width, p.shape)
-            for n, p in trainable
-        ]
+        slots = [ParamSlot(qualify(module_name, n), p, layout.slot(n).first_row * row_width, p.shape)
+                 for n, p in trainable]
         owned = {id(p) for _, p in trainable}
+        owner.update((id(p), len(layers)) for _, p in trainable)
         members = [(module_name, module)]
         if recurse:  # the submodules that own some of the layer's parameters
-            members = [(f"{module_name}.{n}" if module_name else n, m) for n, m in module.named_modules()
+            members = [(qualify(module_name, n), m) for n, m in module.named_modules()
                        if any(id(p) in owned for p in m.parameters(recurse=False))]
         layers.append(Layer(len(layers), module_name or "<root>", module, slots, layout, trainable[0][1].device,
                             members))
@@ -269,6 +276,8 @@ def find_layers(model: nn.Module, row_width: int,
             visit(f"{module_name}.{child_name}" if module_name else child_name, child, is_root=False)
 
     visit("", model, is_root=True)
+    for layer, name, holder in callers:
+        layers[layer].callers.append((name, holder))
     if not layers:
         raise UnsupportedModelError("the model has no trainable parameters (requires_grad=True) to train")
     if len(devices) > 1:

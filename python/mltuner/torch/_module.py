@@ -578,8 +578,7 @@ def wrap(
 
     Raises:
         UnsupportedModelError: a non-float32 or sparse trainable parameter,
-            a parameter shared between modules, a compiled, scripted or
-            DataParallel module, a module whose parameters get no gradient or
+            a compiled, scripted or DataParallel module, a module whose parameters get no gradient or
             are used outside its forward; an optimizer other than SGD, Adam
             and AdamW (or ``maximize=True``), one that already has state or
             leaves out a trainable parameter, or a module whose own

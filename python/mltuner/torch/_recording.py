@@ -123,8 +123,26 @@ def for_holding(events: Sequence[Event]) -> list[Event]:
     """The events of the recorded clock when reads are held: the recording
     pass logs where each layer's backward read would open (``read_grad``,
     the first use of its parameters in the backward pass); holding, the
-    backward uses the held forward read instead, and nothing else differs."""
-    return [event for event in events if event.kind != "read_grad"]
+    backward uses the held forward read instead. A layer called again in
+    the forward (a module called twice, the other module of a tied weight)
+    uses that read too: its later reads and their posts drop out, so every
+    layer is read once and the clock can be light (``_clock.py``)."""
+    out: list[Event] = []
+    read: set[int] = set()
+    again: set[int] = set()  # layers inside a later call: its post drops out too
+    for event in events:
+        if event.kind == "read_grad":
+            continue
+        if event.kind == "read":
+            if event.layer in read:
+                again.add(event.layer)
+                continue
+            read.add(event.layer)
+        elif event.kind == "post_read" and event.layer in again:
+            again.discard(event.layer)
+            continue
+        out.append(event)
+    return out
 
 
 class Tables(NamedTuple):

@@ -48,17 +48,6 @@ def one_clock(ps_model: mt.PSModule, x: torch.Tensor = X) -> None:
 # -- models the adapter refuses ---------------------------------------------------------
 
 
-class Tied(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(10, 6)
-        self.out = nn.Linear(6, 10, bias=False)
-        self.out.weight = self.emb.weight
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.out(self.emb(tokens))
-
-
 class UsesChildWeight(nn.Module):
     """Reads a child's parameter without calling the child."""
 
@@ -102,7 +91,6 @@ def scripted() -> nn.Module:
 
 REFUSED: list[tuple[str, Callable[[], nn.Module], Any, str]] = [
     ("float64", lambda: mlp().double(), X.double(), r"'0\.weight' has dtype torch\.float64.*float32"),
-    ("tied weights", Tied, torch.randint(0, 10, (4,)), r"shared between modules.*emb\.weight = out\.weight"),
     ("sparse embedding", lambda: nn.Embedding(10, 6, sparse=True), torch.randint(0, 10, (4,)), "sparse=True"),
     ("torch.compile", compiled, X, "torch.compile"),
     ("TorchScript", scripted, X, "TorchScript"),

@@ -219,7 +219,7 @@ class ClockDriver:
         self._next_slot = 0
         self._fwd_open: dict[int, tuple[int, int, torch.Tensor]] = {}  # layer -> (event, address, flat buffer)
         self._opened_by_caller: dict[int, nn.Module] = {}  # layer -> the tied module whose call opened it
-        self._param_ptrs: dict[int, tuple[int, int]] = {}  # address of an open forward read -> (layer, event)
+        self._param_ptrs: dict[int, int] = {}  # address of an open forward read -> its layer
         self._reads: dict[int, int] = {}  # layer -> forward reads this clock
         self._held: dict[int, torch.Tensor] = {}  # event of a held forward read -> its flat buffer
         self._held_by_layer: dict[int, list[int]] = {}  # layer -> events of its held forward reads
@@ -823,7 +823,7 @@ class ClockDriver:
             assert address is not None
             self._fwd_open[number] = (index, address, flat)
             if not self._light:  # only the saved-tensor hooks look parameters up by address
-                self._param_ptrs[address] = (number, index)
+                self._param_ptrs[address] = number
             reads = self._reads.get(number, 0)
             if reads == 0:  # the layer's gradients to wait for this clock
                 self._pending[number] = len(layer.params)
@@ -871,15 +871,14 @@ class ClockDriver:
         address = storage_ptr(tensor)
         if address is None or tensor.numel() == 0:
             return tensor
-        owner = self._param_ptrs.get(address)
-        if owner is not None:
-            layer, read = owner
+        layer = self._param_ptrs.get(address)
+        if layer is not None:
             if tensor.dtype != torch.float32:
                 raise UnsupportedModelError(
                     f"autograd saves a {tensor.dtype} reinterpretation of layer {self.layers[layer].name!r}'s "
                     "parameters; only float32 views are supported"
                 )
-            return ParamRef(layer, read, tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset()))
+            return ParamRef(layer, tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset()))
         if address == self._placeholder_ptr:
             with self._mutating():
                 raise UnsupportedModelError(
@@ -941,17 +940,18 @@ class ClockDriver:
 
 
     def _trace_param(self, tensor: torch.Tensor) -> ParamRef | None:
-        owner = self._param_ptrs.get(storage_ptr(tensor) or 0)
-        if owner is None or tensor.dtype != torch.float32:
+        layer = self._param_ptrs.get(storage_ptr(tensor) or 0)
+        if layer is None or tensor.dtype != torch.float32:
             return None
-        return ParamRef(owner[0], owner[1], tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset()))
+        return ParamRef(layer, tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset()))
 
     def _grad_read(self, ref: ParamRef) -> torch.Tensor:
         """The flat buffer of ``ref``'s layer for its backward: the held
-        forward read, or the layer's backward read (opened on first use)."""
-        held = self._held.get(ref.read) if self._hold else None
-        if held is not None:
-            return held
+        forward read (holding, a layer has one: _recording.for_holding), or
+        the layer's backward read (opened on first use)."""
+        held = self._held_by_layer.get(ref.layer) if self._hold else None
+        if held:
+            return self._held[held[0]]
         opened = self._grad_open.get(ref.layer)
         if opened is not None:
             return opened[1]

@@ -130,7 +130,7 @@ from mltuner.torch._trace import BufferArg, ForwardTrace, ParamRef, ScratchArg, 
 
 __all__ = ["FLOPS_PER_TOUCHED_BYTE", "LINK_BOUND_BYTES_PER_OP", "LINK_BOUND_FLOPS_PER_BYTE", "MAX_DEPTH",
            "MAX_FLOPS_PER_BYTE", "MAX_TOUCHED_PER_BYTE", "Program", "RECOMPUTE_CHOICES", "Recompute", "choose",
-           "compute_depth", "describe", "link_bound", "memory_bound", "remap_reads", "run"]
+           "compute_depth", "describe", "link_bound", "memory_bound", "run"]
 
 Recompute = Literal["auto", "cheap", "compute", "none"]
 RECOMPUTE_CHOICES: tuple[Recompute, ...] = ("auto", "cheap", "compute", "none")
@@ -312,17 +312,6 @@ def _program(slot: int, trace: ForwardTrace, slot_values: Sequence[int], slot_of
     return Program(slot, target, nodes, tuple(sorted(leaves.items())), mask_only,
                    1 + max((depth[s] for s in leaves.values()), default=0),
                    sum(trace.nodes[n].touched_bytes for n in nodes), sum(trace.nodes[n].flops for n in nodes))
-
-
-def remap_reads(trace: ForwardTrace, programs: dict[int, Program], index: dict[int, int]) -> None:
-    """Renumbers the forward-read events the programs' parameter references
-    name, after the recording dropped the store events of recomputed slots."""
-    def remap(item: object) -> object:
-        return dataclasses.replace(item, read=index[item.read]) if isinstance(item, ParamRef) else item
-    for number in {n for program in programs.values() for n in program.nodes}:
-        node = trace.nodes[number]
-        node.args = tree_map(remap, node.args)
-        node.kwargs = tree_map(remap, node.kwargs)
 
 
 def run(program: Program, trace: ForwardTrace, *, leaf: Callable[[int], torch.Tensor],

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from mltuner.torch._errors import IterationMismatchError
-from mltuner.torch._recompute import MAX_DEPTH, Program, choose, compute_depth, remap_reads, run
+from mltuner.torch._recompute import MAX_DEPTH, Program, choose, compute_depth, run
 from mltuner.torch._recompute import describe as describe_program
 from mltuner.torch._recording import Event, Slot
 from mltuner.torch._trace import ForwardTrace, ParamRef, RandomStates
@@ -275,8 +275,7 @@ class SavedActivations:
     def choose(self, events: list[Event], modules: Iterable[nn.Module]) -> list[Event]:
         """End of the recording forward: chooses the slots to recompute
         (``_recompute.choose``) and those autograd keeps (:func:`keep_small`),
-        and returns ``events`` without their stores, renumbering the forward
-        reads the programs name."""
+        and returns ``events`` without their stores."""
         programs: dict[int, Program] = {}
         if self._trace is not None:
             try:
@@ -291,19 +290,12 @@ class SavedActivations:
                 | (self.keep - programs.keys()))
         if not programs and not kept:
             return events
-        index: dict[int, int] = {}
-        left: list[Event] = []
-        for number, event in enumerate(events):
-            if event.kind == "store" and (event.slot in programs or event.slot in kept):
-                continue
-            index[number] = len(left)
-            left.append(event)
+        left = [e for e in events if not (e.kind == "store" and (e.slot in programs or e.slot in kept))]
         self.slots = [dataclasses.replace(s, recomputed=k in programs, kept=k in kept)
                       for k, s in enumerate(self.slots)]
         if not programs:
             return left
         assert self._trace is not None
-        remap_reads(self._trace, programs, index)
         self.store_all = StoreAllLog([e for e in events if not (e.kind == "store" and e.slot in kept)],
                                      len(self.slots), kept)
         self._programs = programs

@@ -71,7 +71,6 @@ class ParamRef:
     templates are dataclasses, not named tuples, which pytree would flatten.)"""
 
     layer: int
-    read: int  # the event index of the forward read it was saved from
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int

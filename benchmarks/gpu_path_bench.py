@@ -1,7 +1,7 @@
 """The whole training step through the GPU data path, as a ratio to plain
 PyTorch on the same model, data and GPU in the same run (issue 14).
 
-    python benchmarks/gpu_path_bench.py [--steps 50] [--warmup 15] [--only resnet|transformer]
+    python benchmarks/gpu_path_bench.py [--steps 50] [--warmup 15] [--only resnet|transformer|gpt]
                                         [--figures PATH]
 
 Models, each trained by one worker (an in-process cluster, its shard on the
@@ -12,7 +12,13 @@ same GPU) and by plain PyTorch with the equivalent torch.optim optimizer:
   256 and 512, the damped momentum rule (= ``SGD(momentum=m, dampening=m)``),
   at slack 0 and 1;
 - 12 ``nn.TransformerEncoderLayer`` (width 768, 12 heads, sequence 256,
-  batch 16), Adam on the servers (= ``torch.optim.Adam``), slack 0.
+  batch 16), Adam on the servers (= ``torch.optim.Adam``), slack 0;
+- a language model of GPT-2 small's shape (``--only gpt``): token and
+  position embeddings, 12 causal pre-norm ``nn.TransformerEncoderLayer``
+  (width 768, 12 heads, GELU), a final ``LayerNorm`` and an output
+  projection tied to the token embedding (vocabulary 50,304, 124 M
+  parameters), next-token cross-entropy on random tokens, sequence 256,
+  batch 16, Adam, slack 0.
 
 Per configuration: samples/s of both, their ratio (goal >= 0.90), the GPU
 stall (the training thread's time waiting for an engine buffer / the clock's
@@ -61,6 +67,31 @@ def transformer(layers: int = 12, width: int = 768, heads: int = 12) -> nn.Modul
     """``layers`` nn.TransformerEncoderLayers of width ``width`` (feed-forward 4x), no dropout."""
     return nn.Sequential(*[nn.TransformerEncoderLayer(d_model=width, nhead=heads, dim_feedforward=4 * width,
                                                       dropout=0.0, batch_first=True) for _ in range(layers)])
+
+
+class TiedLM(nn.Module):
+    """GPT-2 small's shape from torch's own modules; the output projection
+    reuses the token embedding's weight."""
+
+    def __init__(self, vocab: int = 50304, width: int = 768, layers: int = 12, heads: int = 12,
+                 sequence: int = 256) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, width)
+        self.positions = nn.Embedding(sequence, width)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, activation="gelu", batch_first=True,
+                                       norm_first=True) for _ in range(layers))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.tokens.weight
+        self.register_buffer("causal", nn.Transformer.generate_square_subsequent_mask(sequence), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        length = ids.shape[1]
+        h = self.tokens(ids) + self.positions(torch.arange(length, device=ids.device))
+        for block in self.blocks:
+            h = block(h, src_mask=self.causal[:length, :length], is_causal=True)
+        return self.head(self.norm(h))
 
 
 class Phases:
@@ -244,6 +275,13 @@ def cases(only: str | None) -> list[Case]:
             "transformer12 b16", transformer, x, lambda o: o.float().pow(2).mean(),
             mlt.UpdateRule("adam", learning_rate=1e-4),
             lambda model: torch.optim.Adam(model.parameters(), lr=1e-4), 0))
+    if only == "gpt":  # not by default: its own --only run
+        ids = torch.randint(0, 50304, (16, 257), generator=generator).cuda()
+        out.append(Case(
+            "gpt2-small tied b16", TiedLM, ids[:, :-1],
+            lambda o, t=ids[:, 1:]: nn.functional.cross_entropy(o.flatten(0, 1), t.flatten()),
+            mlt.UpdateRule("adam", learning_rate=1e-4),
+            lambda model: torch.optim.Adam(model.parameters(), lr=1e-4), 0))
     return out
 
 
@@ -253,7 +291,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=15)
     parser.add_argument("--phases", action="store_true", help="print each side's host time per step part")
     parser.add_argument("--rounds", type=int, default=3, help="alternating runs of each side; medians reported")
-    parser.add_argument("--only", choices=("resnet", "transformer"))
+    parser.add_argument("--only", choices=("resnet", "transformer", "gpt"),
+                        help="one family (default: resnet and transformer; gpt only when named)")
     parser.add_argument("--match", default="", help="only the cases whose name contains this")
     parser.add_argument("--figures", type=Path)
     parser.add_argument("--out", type=Path, help="also write the table here")

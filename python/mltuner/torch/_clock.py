@@ -243,7 +243,8 @@ class ClockDriver:
         self._light = False  # the light clock (module docstring): no saved-tensor hooks after the recording
         self._at_step = False  # the light clock ships every update at step() (module docstring)
         self._filtered = 0  # the forward serial whose gradients filter_gradients() filtered
-        self._outputs_seen: set[int] = set()  # outputs whose gradient this clock's backward passed (_watch_backward)
+        self._outputs_seen: set[tuple[int, int]] = set()  # (forward, output) a backward passed (_watch_backward)
+        self._forwards = 0  # training forward passes of this clock (several: gradient accumulation)
 
         self._eval_active = False
         self._eval_clock: tuple[int, int | None] | None = None  # (clock, branch) the parameters hold
@@ -711,21 +712,31 @@ class ClockDriver:
         self.check_usable()
         if not torch.is_grad_enabled():
             return self._evaluate(call)
-        if self._phase is not Phase.IDLE:
+        # Gradient accumulation: shipping at step() from held reads, a clock
+        # may run several forward and backward passes, whose gradients add
+        # up in .grad as with a torch optimizer; the reads stay bound.
+        again = self._phase is Phase.BACKWARD and self._at_step
+        if self._phase is not Phase.IDLE and not again:
             raise OutOfOrderError(
                 f"a second training forward pass in clock {self.clock}: call loss.backward() and step() once "
-                "per forward pass (run evaluation forwards under torch.no_grad())"
+                "per forward pass (run evaluation forwards under torch.no_grad()). Several forward and backward "
+                "passes per step() (gradient accumulation) need the updates shipped at step() from held reads: "
+                "wrap()'s default without store_activations, a device_memory_budget or overlap_updates=True; "
+                f"this model: {self.hold_choice}; {self.overlap_choice}"
             )
-        if not self._recording:
-            self._acts.check_modes(self.model, self.clock)  # nothing of the clock has reached the engine
-        if self.clock_start is not None and not self._recording:
-            self.clock_start()  # may raise: nothing of the clock has reached the engine
-        if self._stale_grads:  # stale gradients of an aborted backward must not accumulate
-            for layer in self.layers:
-                layer.clear_grads()
-        self._stale_grads = True  # until step() finds every gradient handed over
+        if not again:
+            if not self._recording:
+                self._acts.check_modes(self.model, self.clock)  # nothing of the clock has reached the engine
+            if self.clock_start is not None and not self._recording:
+                self.clock_start()  # may raise: nothing of the clock has reached the engine
+            if self._stale_grads:  # stale gradients of an aborted backward must not accumulate
+                for layer in self.layers:
+                    layer.clear_grads()
+            self._stale_grads = True  # until step() finds every gradient handed over
+            self._serial += 1
+            self._forwards = 0
+        self._forwards += 1
         self._phase = Phase.FORWARD
-        self._serial += 1
         self._eval_clock = None
         # The clock's stream, asked once (torch.cuda.current_stream costs tens
         # of microseconds and the clock's accesses need it dozens of times):
@@ -735,7 +746,8 @@ class ClockDriver:
             self._local_ptrs = self._local_storage()
         try:
             if self._at_step:
-                self._open_forward_reads()
+                if not again:
+                    self._open_forward_reads()
                 for hooks, key, _ in self._layer_hooks:
                     hooks.pop(key, None)
                 try:
@@ -993,8 +1005,8 @@ class ClockDriver:
         if self._marks[layer.index][position] == self._serial or layer.index in self._updated:
             raise OutOfOrderError(
                 f"{layer.params[position].name!r} received a second gradient in clock {self.clock}: backward() "
-                "ran twice; call step() after each backward pass (gradient accumulation over several backward "
-                "passes is not supported: the first one already shipped the update)"
+                "ran twice; call step() after each backward pass (the first one already shipped the update; "
+                "gradients add up over several passes only where updates ship at step())"
             )
         if self._pending[layer.index] <= 0:  # not read in this forward pass
             self._bad_gradient(layer, position, layer.params[position].param.grad)
@@ -1072,24 +1084,27 @@ class ClockDriver:
         through the clock's graph (retain_graph=True) or one after step(),
         before it adds anything to the gradients."""
         serial = self._serial
-        self._outputs_seen.clear()
+        if self._forwards == 1:
+            self._outputs_seen.clear()
         for number, tensor in enumerate((output,) if isinstance(output, torch.Tensor) else tensors_in(output)):
             if tensor.requires_grad:
-                tensor.register_hook(self._output_hook(serial, number))  # type: ignore[no-untyped-call]
+                hook = self._output_hook(serial, (self._forwards, number))
+                tensor.register_hook(hook)  # type: ignore[no-untyped-call]
 
-    def _output_hook(self, serial: int, number: int) -> Callable[[torch.Tensor], None]:
+    def _output_hook(self, serial: int, output: tuple[int, int]) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
             if self._phase is not Phase.BACKWARD or self._serial != serial:
                 raise OutOfOrderError(
                     f"a gradient arrived outside clock {self.clock}'s backward pass: backward() can run once per "
                     "forward pass, before step() (was it called twice, with retain_graph=True?)"
                 )
-            if number in self._outputs_seen:
+            if output in self._outputs_seen:
                 raise OutOfOrderError(
-                    f"a second backward pass in clock {self.clock}: call step() after each backward pass "
-                    "(gradient accumulation over several backward passes is not supported)"
+                    f"a second backward pass through one forward pass in clock {self.clock}: backward() can run "
+                    "once per forward pass (several forward and backward passes before step() add up their "
+                    "gradients)"
                 )
-            self._outputs_seen.add(number)
+            self._outputs_seen.add(output)
         return hook
 
     def filter_gradients(self) -> None:

@@ -151,8 +151,6 @@ def test_calls_out_of_order_raise_and_the_clock_recovers(worker: Worker) -> None
         ps_model.step()
 
     loss = ps_model(X).square().mean()
-    with pytest.raises(mltuner.OutOfOrderError, match="second training forward"):
-        ps_model(X)
     with pytest.raises(mltuner.OutOfOrderError, match=r"no gradient yet for layer\(s\) '0', '2'"):
         ps_model.step()  # step without backward
     loss.backward()

@@ -100,59 +100,67 @@ int64_t BufferSchedule::WaitSeq(Handle handle, int64_t clock) const {
   return wait_clock * num_ops + buffer.wait_op + 1;
 }
 
-BufferSchedule ScheduleBuffers(const Recording& recording, const std::vector<int64_t>& bytes, int regions,
-                               int lookahead_ops) {
-  assert(regions >= 1 && lookahead_ops >= 0 && bytes.size() == recording.accesses.size());
-  const int count = static_cast<int>(recording.accesses.size());
-  BufferSchedule schedule;
-  schedule.regions = regions;
-  schedule.lookahead_ops = lookahead_ops;
-  schedule.num_ops = static_cast<int64_t>(recording.ops.size());
-  schedule.buffers.resize(count);
-  std::vector<Lifetime> life(count);
-  for (int h = 0; h < count; ++h) {
-    const AccessRecord& access = recording.accesses[h];
-    life[h] = {std::max(0, access.open_op - lookahead_ops), access.close_op};
-    schedule.buffers[h].bytes = Align(std::max<int64_t>(0, bytes[h]));
-  }
+namespace {
 
-  // Offsets: largest first; ties in open order, so the result is deterministic.
-  std::vector<int> order(count);
+std::vector<Lifetime> Lifetimes(const Recording& recording, const std::vector<BufferAddress>& buffers) {
+  std::vector<Lifetime> life(buffers.size());
+  for (size_t h = 0; h < buffers.size(); ++h) {
+    const AccessRecord& access = recording.accesses[h];
+    life[h] = {std::max(0, access.open_op - buffers[h].lookahead_ops), access.close_op};
+  }
+  return life;
+}
+
+// Largest first; ties in open order, so the result is deterministic.
+std::vector<int> PackingOrder(const Recording& recording, const std::vector<BufferAddress>& buffers) {
+  std::vector<int> order(buffers.size());
   std::iota(order.begin(), order.end(), 0);
   std::sort(order.begin(), order.end(), [&](int a, int b) {
-    if (schedule.buffers[a].bytes != schedule.buffers[b].bytes) {
-      return schedule.buffers[a].bytes > schedule.buffers[b].bytes;
-    }
+    if (buffers[a].bytes != buffers[b].bytes) return buffers[a].bytes > buffers[b].bytes;
     return recording.accesses[a].open_op < recording.accesses[b].open_op;
   });
+  return order;
+}
+
+// Sets each buffer's offset (in `order`, the lowest that clears every placed
+// buffer whose lifetime overlaps its own) and returns the region's bytes.
+int64_t PackOffsets(const std::vector<Lifetime>& life, const std::vector<int>& order,
+                    std::vector<BufferAddress>* buffers) {
+  int64_t region_bytes = 0;
   std::vector<int> placed;
   std::vector<int> conflicts;
   for (int h : order) {
-    BufferAddress& buffer = schedule.buffers[h];
+    BufferAddress& buffer = (*buffers)[h];
     if (buffer.bytes == 0) continue;
     conflicts.clear();
     for (int other : placed) {
       if (Overlap(life[h], life[other])) conflicts.push_back(other);
     }
     std::sort(conflicts.begin(), conflicts.end(),
-              [&](int a, int b) { return schedule.buffers[a].offset < schedule.buffers[b].offset; });
+              [&](int a, int b) { return (*buffers)[a].offset < (*buffers)[b].offset; });
     int64_t offset = 0;
     for (int other : conflicts) {
-      const BufferAddress& taken = schedule.buffers[other];
+      const BufferAddress& taken = (*buffers)[other];
       if (offset + buffer.bytes <= taken.offset) break;  // fits in the gap before it
       offset = std::max(offset, taken.offset + taken.bytes);
     }
     buffer.offset = offset;
-    schedule.region_bytes = std::max(schedule.region_bytes, offset + buffer.bytes);
+    region_bytes = std::max(region_bytes, offset + buffer.bytes);
     placed.push_back(h);
   }
+  return region_bytes;
+}
 
-  // Waits: the latest earlier user of each buffer's addresses, and the
-  // latest one released on the writeback stream where that one is a read.
-  for (int h = 0; h < count; ++h) {
-    BufferAddress& buffer = schedule.buffers[h];
+// Waits: the latest earlier user of each buffer's addresses, and the latest
+// one released on the writeback stream where that one is a read.
+void AssignWaits(const Recording& recording, BufferSchedule* schedule) {
+  for (Handle h = 0; h < static_cast<Handle>(schedule->buffers.size()); ++h) {
+    BufferAddress& buffer = schedule->buffers[h];
+    buffer.wait_handle = buffer.writeback_wait_handle = -1;
+    buffer.wait_op = -1;
+    buffer.wait_clocks_back = buffer.writeback_wait_clocks_back = 0;
     if (buffer.bytes == 0) continue;
-    const std::vector<EarlierUser> users = LatestUsersByByte(recording, schedule, h);
+    const std::vector<EarlierUser> users = LatestUsersByByte(recording, *schedule, h);
     const EarlierUser& latest = users.front();  // h itself, a region's clock ago, at the least
     buffer.wait_handle = latest.handle;
     buffer.wait_op = recording.accesses[latest.handle].close_op;
@@ -166,7 +174,66 @@ BufferSchedule ScheduleBuffers(const Recording& recording, const std::vector<int
       }
     }
   }
+}
+
+}  // namespace
+
+BufferSchedule ScheduleBuffers(const Recording& recording, const std::vector<int64_t>& bytes, int regions,
+                               int lookahead_ops) {
+  assert(regions >= 1 && lookahead_ops >= 0 && bytes.size() == recording.accesses.size());
+  BufferSchedule schedule;
+  schedule.regions = regions;
+  schedule.lookahead_ops = schedule.widest_lookahead_ops = lookahead_ops;
+  schedule.num_ops = static_cast<int64_t>(recording.ops.size());
+  schedule.buffers.resize(recording.accesses.size());
+  for (size_t h = 0; h < schedule.buffers.size(); ++h) {
+    schedule.buffers[h].bytes = Align(std::max<int64_t>(0, bytes[h]));
+    schedule.buffers[h].lookahead_ops = lookahead_ops;
+  }
+  schedule.region_bytes = PackOffsets(Lifetimes(recording, schedule.buffers),
+                                      PackingOrder(recording, schedule.buffers), &schedule.buffers);
+  AssignWaits(recording, &schedule);
   return schedule;
+}
+
+BufferSchedule WidenLookahead(const Recording& recording, const BufferSchedule& schedule, int64_t pool_limit,
+                              int most_ops) {
+  const int count = static_cast<int>(schedule.buffers.size());
+  if (count > kMostWidenedBuffers) return schedule;
+  BufferSchedule wide = schedule;
+  const std::vector<int> order = PackingOrder(recording, wide.buffers);
+  std::vector<int> by_open(count);
+  std::iota(by_open.begin(), by_open.end(), 0);
+  std::sort(by_open.begin(), by_open.end(),
+            [&](int a, int b) { return recording.accesses[a].open_op < recording.accesses[b].open_op; });
+  bool widened = false;
+  std::vector<BufferAddress> trial;
+  for (int step = schedule.lookahead_ops + 1; step <= most_ops; ++step) {
+    bool raised = false;
+    for (int h : by_open) {
+      const BufferAddress& mine = wide.buffers[h];
+      if (mine.bytes == 0 || mine.lookahead_ops >= step || recording.accesses[h].open_op <= mine.lookahead_ops) {
+        continue;  // nothing to fill, raised already, or its lifetime starts at the clock's first op
+      }
+      trial = wide.buffers;
+      trial[h].lookahead_ops = step;
+      const int64_t region = PackOffsets(Lifetimes(recording, trial), order, &trial);
+      if (region * wide.regions > pool_limit) continue;
+      wide.buffers.swap(trial);
+      wide.region_bytes = region;
+      raised = widened = true;
+    }
+    if (!raised) break;
+  }
+  if (!widened) return schedule;
+  wide.lookahead_ops = most_ops;
+  wide.widest_lookahead_ops = 0;
+  for (const BufferAddress& buffer : wide.buffers) {
+    wide.lookahead_ops = std::min(wide.lookahead_ops, buffer.lookahead_ops);
+    wide.widest_lookahead_ops = std::max(wide.widest_lookahead_ops, buffer.lookahead_ops);
+  }
+  AssignWaits(recording, &wide);
+  return wide;
 }
 
 }  // namespace mltuner

@@ -33,6 +33,12 @@
 // after it, must not be filled while the update's rows are still being
 // copied out.
 //
+// Lookahead per buffer. ScheduleBuffers gives every buffer the same one;
+// WidenLookahead then raises single buffers' further where the pool still
+// fits a limit: under a tight budget the clock's largest buffers (the peak)
+// leave no room for a uniform lookahead, while the small ones elsewhere in
+// the clock have room to be filled several ops early.
+//
 // A pure function of the recording and the buffer sizes; the engine keeps
 // the result constant from the end of the virtual iteration.
 #pragma once
@@ -50,6 +56,9 @@ constexpr int64_t kBufferAlignment = 256;  // bytes; every offset and size is a 
 struct BufferAddress {
   int64_t offset = 0;  // bytes from the base of its clock's region
   int64_t bytes = 0;   // rounded up to kBufferAlignment
+  // Ops before its open op from which no other buffer of the clock uses
+  // these addresses (its lifetime is [open op - lookahead_ops, close op]).
+  int lookahead_ops = 0;
   // The buffer that last uses these addresses before this one, and how many
   // clocks back it is: 0 (same clock) or `regions` (the region's previous
   // clock, where the handle itself is one of the earlier users). wait_handle
@@ -67,7 +76,8 @@ struct BufferAddress {
 
 struct BufferSchedule {
   int regions = 1;
-  int lookahead_ops = 0;
+  int lookahead_ops = 0;                // the least of any buffer's (all of them: ScheduleBuffers)
+  int widest_lookahead_ops = 0;         // the largest
   int64_t num_ops = 0;
   int64_t region_bytes = 0;             // the largest offset + bytes, aligned
   std::vector<BufferAddress> buffers;   // by handle
@@ -87,5 +97,15 @@ struct BufferSchedule {
 // has its open_op and close_op set (Recorder::Finish guarantees it).
 BufferSchedule ScheduleBuffers(const Recording& recording, const std::vector<int64_t>& bytes, int regions,
                                int lookahead_ops);
+
+// `schedule` (of `recording`, as ScheduleBuffers made it) with
+// single buffers' lookahead raised, in rounds of one op up to `most_ops`,
+// each round in open order, wherever the pool (all regions) stays within
+// `pool_limit`. Returns `schedule` itself when nothing can be raised, or
+// when the clock has more than kMostWidenedBuffers buffers (each raise
+// tried packs the clock again).
+constexpr int kMostWidenedBuffers = 256;
+BufferSchedule WidenLookahead(const Recording& recording, const BufferSchedule& schedule, int64_t pool_limit,
+                              int most_ops);
 
 }  // namespace mltuner

@@ -68,7 +68,11 @@ std::string Placement::Describe() const {
   out << budget.Describe() << "\n";
   out << "prefetch_clocks " << prefetch_clocks << " (" << prefetch_choice << ")\n";
   out << "pool " << pool_bytes << " B (" << buffers.regions << Regions(buffers.regions) << " of "
-      << buffers.region_bytes << " B, lookahead " << buffers.lookahead_ops << " ops; least " << pool_min_bytes
+      << buffers.region_bytes << " B, lookahead " << buffers.lookahead_ops
+      << (buffers.widest_lookahead_ops > buffers.lookahead_ops
+              ? " to " + std::to_string(buffers.widest_lookahead_ops) + " (by buffer)"
+              : std::string())
+      << " ops; least " << pool_min_bytes
       << " B; peak " << peak_bytes << " B at op " << peak_op << "), device stores " << device_store_bytes
       << " B, host stores " << host_store_bytes << " B; host memory " << host.Describe();
   for (const auto& [name, count] : {std::pair<const char*, const EntryCount&>{"parameters", parameters},
@@ -162,6 +166,7 @@ Status PlanWithPrefetch(const Config& config, int prefetch, const std::vector<Ta
     plan.buffers = ScheduleBuffers(recording, buffer_bytes, regions, num_ops);
   } else {
     LargestLookahead(recording, buffer_bytes, regions, config.device_memory_budget, floor_ops, &plan.buffers);
+    plan.buffers = WidenLookahead(recording, plan.buffers, config.device_memory_budget, floor_ops);
   }
   plan.pool_bytes = PoolBytes(plan.buffers);
   int64_t left = unlimited ? 0 : config.device_memory_budget - plan.pool_bytes;

@@ -7,7 +7,10 @@
 //    tightly (lookahead 0); a budget below that is refused with the exact
 //    bytes needed.
 // 2. Lookahead up to a floor first: the pool takes the largest lookahead,
-//    up to kLookaheadFloorOps, whose pool fits the budget. Buffers of a
+//    up to kLookaheadFloorOps, whose pool fits the budget, and then raises
+//    single buffers' lookahead towards the floor where it still fits
+//    (WidenLookahead: the clock's peak may leave no room for a uniform one
+//    while its smaller buffers elsewhere have room). Buffers of a
 //    clock then reuse each other's addresses less, so the allocator fills
 //    them further ahead of the application and swaps overlap compute; at
 //    lookahead 0 every fill waits for the reclaim of the op before it. A

@@ -111,8 +111,8 @@ void CheckStaticProperties(const Recording& recording, const std::vector<int64_t
     for (Handle b = a + 1; b < count; ++b) {
       const AccessRecord& x = recording.accesses[a];
       const AccessRecord& y = recording.accesses[b];
-      const int x_begin = std::max(0, x.open_op - s.lookahead_ops);
-      const int y_begin = std::max(0, y.open_op - s.lookahead_ops);
+      const int x_begin = std::max(0, x.open_op - s.buffers[a].lookahead_ops);
+      const int y_begin = std::max(0, y.open_op - s.buffers[b].lookahead_ops);
       if (x_begin <= y.close_op && y_begin <= x.close_op && AddressesOverlap(s.buffers[a], s.buffers[b])) {
         ::mltuner::testing::ReportFailure(__FILE__, __LINE__,
                                           where + ": handles " + std::to_string(a) + " and " +
@@ -385,11 +385,18 @@ TEST(RandomRecordingsNeverShareLiveAddressesOrWaitOnLaterBuffers) {
     const int regions = 1 + static_cast<int>(rng() % 4);
     const int n = static_cast<int>(recording.ops.size());
     for (int lookahead : {0, 1 + static_cast<int>(rng() % n), n}) {
-      const BufferSchedule s = ScheduleBuffers(recording, bytes, regions, lookahead);
-      const std::string where = Where(trial, regions, lookahead);
-      CheckStaticProperties(recording, bytes, s, where);
-      SimulatePipeline(recording, s, rng, 3 * regions + 3, where);
-      CheckDeviceTickets(recording, s, 3 * regions + 3, where);
+      const BufferSchedule uniform = ScheduleBuffers(recording, bytes, regions, lookahead);
+      // The same with single buffers raised within a limit between the pool
+      // and twice it.
+      const int64_t limit = uniform.pool_bytes() + static_cast<int64_t>(rng() % (uniform.pool_bytes() + 1));
+      const BufferSchedule wide = WidenLookahead(recording, uniform, limit, n);
+      EXPECT_TRUE(wide.pool_bytes() <= std::max(limit, uniform.pool_bytes()));
+      for (const BufferSchedule* s : {&uniform, &wide}) {
+        const std::string where = Where(trial, regions, lookahead) + (s == &wide ? " widened" : "");
+        CheckStaticProperties(recording, bytes, *s, where);
+        SimulatePipeline(recording, *s, rng, 3 * regions + 3, where);
+        CheckDeviceTickets(recording, *s, 3 * regions + 3, where);
+      }
       if (::mltuner::testing::Failures() > failed_before) return;  // one counterexample is enough
     }
   }
@@ -420,3 +427,45 @@ TEST(ManySmallBuffersPackNearThePeak) {
 }
 
 MLT_TEST_MAIN
+
+TEST(SingleBuffersLookAheadWhereTheClocksPeakLeavesNoRoomForAll) {
+  // A chain of small reads, then one large read, in a pool of the large
+  // one's size: a uniform lookahead of 1 would keep the large buffer apart
+  // from the last small one, above the limit, so it stays at 0; raised one
+  // by one, the small buffers get up to 4 ops (as far as the clock's start
+  // allows) and the large one none, within the same pool.
+  std::vector<std::pair<bool, Handle>> events;
+  for (Handle h = 0; h < 10; ++h) {
+    events.push_back({true, h});
+    events.push_back({false, h});
+  }
+  events.push_back({true, 10});
+  events.push_back({false, 10});
+  const Recording recording = FromEvents(events, 11);
+  std::vector<int64_t> bytes(11, 1024);
+  bytes[10] = 8192;
+  const BufferSchedule tight = ScheduleBuffers(recording, bytes, 1, 0);
+  const int64_t limit = tight.pool_bytes();
+  EXPECT_EQ(limit, int64_t{8192});
+  EXPECT_TRUE(ScheduleBuffers(recording, bytes, 1, 1).pool_bytes() > limit);
+  const BufferSchedule wide = WidenLookahead(recording, tight, limit, 4);
+  EXPECT_EQ(wide.pool_bytes(), limit);
+  EXPECT_EQ(wide.lookahead_ops, 0);
+  EXPECT_EQ(wide.widest_lookahead_ops, 4);
+  EXPECT_EQ(wide.buffers[0].lookahead_ops, 0);  // opens at the clock's first op
+  EXPECT_EQ(wide.buffers[1].lookahead_ops, 2);
+  for (Handle h = 2; h < 10; ++h) EXPECT_EQ(wide.buffers[h].lookahead_ops, 4);
+  EXPECT_EQ(wide.buffers[10].lookahead_ops, 0);
+  // A small buffer no longer takes the addresses its predecessor just left.
+  EXPECT_TRUE(wide.buffers[5].offset != wide.buffers[4].offset);
+  EXPECT_TRUE(tight.buffers[5].offset == tight.buffers[4].offset);
+
+  // A chain alone in its least pool: every raise needs more, so the
+  // schedule comes back as it was.
+  const Recording chain = FromEvents(std::vector<std::pair<bool, Handle>>(events.begin(), events.end() - 2), 10);
+  const std::vector<int64_t> small(10, 1024);
+  const BufferSchedule least = ScheduleBuffers(chain, small, 1, 0);
+  const BufferSchedule same = WidenLookahead(chain, least, least.pool_bytes(), 4);
+  EXPECT_EQ(same.widest_lookahead_ops, 0);
+  EXPECT_EQ(same.region_bytes, int64_t{1024});
+}

@@ -535,9 +535,10 @@ TEST(ChosenPrefetchMovesFewerBytesAtEqualLookahead) {
   // 64 floats, 256 B): at lookahead 0 a region is the
   // largest, 1536 B (two: 3072 B); at lookahead >= 1 each read overlaps the
   // next and the packing (largest first, lowest offset clear) needs 3584 B.
-  // From 3072 to 3583 B both sit at lookahead 0, and one region leaves
-  // 1536 B or more to rows on the device, two regions at most 511 B: one
-  // region, which moves fewer bytes. From 3584 B one region looks ahead.
+  // From 3072 to 3583 B both sit at lookahead 0 (one region raises single
+  // buffers' lookahead in 2560 B) and one region leaves 512 B or more to rows
+  // on the device, two regions at most 511 B: one region, which moves fewer
+  // bytes. From 3584 B one region looks ahead.
   std::vector<TableInfo> tables = {Table(0, 8, 64), Table(1, 8, 64), Table(2, 8, 64)};
   Recorder rec;
   Handle h;
@@ -557,14 +558,16 @@ TEST(ChosenPrefetchMovesFewerBytesAtEqualLookahead) {
     ASSERT_OK(PlanPlacement(WithBudget(budget, 0), tables, layouts, recording, &one));
     EXPECT_EQ(two.buffers.lookahead_ops, 0);
     EXPECT_EQ(one.buffers.lookahead_ops, 0);
-    EXPECT_TRUE(two.device_store_bytes <= budget - 3072 && one.device_store_bytes >= 1536 - 255);
+    EXPECT_EQ(one.pool_bytes, int64_t{2560});
+    EXPECT_EQ(one.buffers.widest_lookahead_ops, 2);
+    EXPECT_TRUE(two.device_store_bytes <= budget - 3072 && one.device_store_bytes >= 512);
     const auto busier = [](const Placement& p) {
       return std::max(p.traffic.host_to_device(), p.traffic.device_to_host());
     };
     EXPECT_TRUE(busier(one) < busier(two));
     ASSERT_OK(PlanPlacement(WithBudget(budget, kAutoPrefetchClocks), tables, layouts, recording, &plan));
     EXPECT_EQ(plan.prefetch_clocks, 0);
-    EXPECT_EQ(plan.pool_bytes, int64_t{1536});
+    EXPECT_EQ(plan.pool_bytes, one.pool_bytes);
     EXPECT_EQ(plan.device_store_bytes, one.device_store_bytes);
     EXPECT_TRUE(plan.Describe().find("prefetch_clocks 0 (chosen: under the budget one region moves fewer bytes "
                                      "over the busier direction of the host link a clock (" +

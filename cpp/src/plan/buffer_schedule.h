@@ -104,7 +104,7 @@ BufferSchedule ScheduleBuffers(const Recording& recording, const std::vector<int
 // `pool_limit`. Returns `schedule` itself when nothing can be raised, or
 // when the clock has more than kMostWidenedBuffers buffers (each raise
 // tried packs the clock again).
-constexpr int kMostWidenedBuffers = 256;
+constexpr int kMostWidenedBuffers = 512;
 BufferSchedule WidenLookahead(const Recording& recording, const BufferSchedule& schedule, int64_t pool_limit,
                               int most_ops);
 

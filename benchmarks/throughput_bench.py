@@ -2,7 +2,7 @@
 (gloo on the CPU, NCCL on GPUs) and plain single-process PyTorch, on the same
 model, data, per-worker batch, update rule and number of workers.
 
-    python benchmarks/throughput_bench.py [--device cpu|cuda] [--model cnn|resnet18|transformer] [--rule momentum|adam]
+    python benchmarks/throughput_bench.py [--device cpu|cuda] [--model cnn|resnet18|transformer|gpt] [--rule momentum|adam]
         [--workers 1,2] [--slacks 0,1] [--batch B] [--steps K] [--warmup W] [--overlap auto|step|backward] [--repeat R]
         [--quick] [--trace DIR] [--hops DIR] [--out PATH.md] [--figures PATH.json]
 
@@ -20,7 +20,10 @@ default on the CPU; ``resnet18`` is torch_bench.py's ResNet-18 on 32x32x3
 images, the default on a GPU; ``transformer`` is a BERT-base-sized text
 classifier (a 30,522-token embedding, 12 ``nn.TransformerEncoderLayer`` of
 width 768, 256 tokens a sample, mean-pooled into a linear head; 108.5 M
-parameters, default batch 16); 10 classes, synthetic data. Every run starts
+parameters, default batch 16); ``gpt`` is gpu_path_bench.py's language model of GPT-2
+small's shape (its output projection tied to the token embedding, 124 M
+parameters, batch 16 of 256 tokens, next-token cross-entropy on random
+tokens); the others have 10 classes; synthetic data. Every run starts
 from the same weights (seed 0); rank r trains on its own fixed batch, the
 same in every run (plain PyTorch uses rank 0's), kept on the device, so the
 figure is of the training step and its communication, not of data loading.
@@ -89,10 +92,12 @@ RULES = ("momentum", "adam")
 SEED = 0
 CLASSES = 10
 # (timed steps, warmup steps) per model, full and --quick.
-STEPS = {"cnn": (300, 30), "resnet18": (50, 10), "transformer": (30, 10)}
-QUICK_STEPS = {"cnn": (60, 10), "resnet18": (10, 3), "transformer": (5, 2)}
-MODEL_NAMES = {"cnn": "MNIST-1D CNN", "resnet18": "ResNet-18", "transformer": "Transformer encoder 12 x 768"}
-BATCH = {"cnn": 128, "resnet18": 128, "transformer": 16}  # per worker, when --batch is not given
+STEPS = {"cnn": (300, 30), "resnet18": (50, 10), "transformer": (30, 10), "gpt": (30, 10)}
+QUICK_STEPS = {"cnn": (60, 10), "resnet18": (10, 3), "transformer": (5, 2), "gpt": (5, 2)}
+MODEL_NAMES = {"cnn": "MNIST-1D CNN", "resnet18": "ResNet-18", "transformer": "Transformer encoder 12 x 768",
+               "gpt": "GPT-2 small, tied embedding"}
+BATCH = {"cnn": 128, "resnet18": 128, "transformer": 16, "gpt": 16}  # per worker, when --batch is not given
+GPT_VOCABULARY = 50304
 # The transformer: BERT-base's sizes (vocabulary, layers, width, heads) at 256 tokens a sample.
 VOCABULARY, LAYERS, WIDTH, HEADS, TOKENS = 30522, 12, 768, 12, 256
 TRACE_STEPS = 10
@@ -160,7 +165,23 @@ def build_model(name: str) -> nn.Module:
         return mnist1d_cnn(40, CLASSES)
     if name == "transformer":
         return TextClassifier()
+    if name == "gpt":
+        return NextTokenLogits()
     return resnet18(num_classes=CLASSES)
+
+
+class NextTokenLogits(nn.Module):
+    """gpu_path_bench.py's tied language model, its logits laid out (batch,
+    vocabulary, tokens) for ``cross_entropy`` against the next tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from gpu_path_bench import TiedLM
+
+        self.lm = TiedLM(vocab=GPT_VOCABULARY, sequence=TOKENS)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.lm(tokens).transpose(1, 2)
 
 
 class TextClassifier(nn.Module):
@@ -183,6 +204,9 @@ class TextClassifier(nn.Module):
 def make_batch(run: Run, rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank ``rank``'s fixed batch: the same in every run."""
     generator = torch.Generator().manual_seed(1000 * SEED + rank)
+    if run.model == "gpt":  # the targets are the next tokens
+        tokens = torch.randint(0, GPT_VOCABULARY, (run.batch, TOKENS + 1), generator=generator)
+        return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
     if run.model == "transformer":
         x = torch.randint(0, VOCABULARY, (run.batch, TOKENS), generator=generator)
     else:

@@ -293,3 +293,44 @@ def test_a_layer_of_blocks_whose_saved_chunks_split_the_groups_trains_as_torch()
             ps_model.step()
             reference_step(reference, optimizer, x)
         assert_same_parameters(ps_model, reference)
+
+
+def test_large_queued_stores_go_before_the_next_read_with_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the queued stores hold _EARLY_STORE_BYTES (at the end of a
+    group), they go to the engine at once, inside the layer's forward:
+    more engine calls than reads, the same ops in the same order, the same
+    parameters bit for bit as when they wait for the next read."""
+    import mltuner.torch._clock as clock_module
+
+    x = torch.randn(8, 16)
+
+    def train(early_bytes: int) -> tuple[list[int], list[torch.Tensor]]:
+        monkeypatch.setattr(clock_module, "_EARLY_STORE_BYTES", early_bytes)
+        torch.manual_seed(0)
+        model = nn.Sequential(SavesMany(), nn.Tanh(), nn.Linear(4, 4))
+        with LocalCluster(1, config()) as cluster:
+            worker = cluster.worker(0)
+            ps_model = mt.wrap(model, worker, example_input=x, store_activations=True, recompute="none",
+                               example_loss=lambda out: out.square().mean())
+            calls: list[int] = []
+            real_run = worker._run_ops
+
+            def spy_run(ops: Any, stream: int) -> Any:
+                calls.append(len(ops))
+                return real_run(ops, stream)
+
+            worker._run_ops = spy_run  # type: ignore[method-assign]
+            forward_calls = []
+            for _ in range(CLOCKS):
+                calls.clear()
+                out = ps_model(x)
+                forward_calls.append(len(calls))
+                out.square().mean().backward()
+                ps_model.step()
+            return forward_calls, [p.detach().clone() for p in ps_model.unwrap().parameters()]
+
+    queued_calls, queued = train(1 << 40)
+    early_calls, early = train(1)
+    assert min(early_calls) > max(queued_calls), (early_calls, queued_calls)
+    for a, b in zip(queued, early):
+        assert torch.equal(a, b)

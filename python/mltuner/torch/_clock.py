@@ -123,10 +123,6 @@ _LOCAL, _POST_LOCAL, _CLOCK = (OP_KINDS[k] for k in ("local_access", "post_local
 # An initial value worker 0 wrote to the servers and freed (commit_plan).
 _WRITTEN = torch.empty(0)
 _MAX_LOCAL_VIEWS = 4096  # cached torch views of local-table buffers (one per buffer address and shape)
-# Queued stores go to the engine once they hold this many bytes (at the end
-# of a group), not only with the next layer's engine call: the host link
-# starts on them while the layer's forward goes on.
-_EARLY_STORE_BYTES = 16 << 20
 _MAX_LOADS_AHEAD = 32  # stored activations read back ahead of their use, in one engine call with the first
 
 
@@ -279,7 +275,6 @@ class ClockDriver:
         self._filling: dict[int, list[tuple[int, int, int]]] = {}  # group (first slot) -> pieces to store
         self._queued: list[tuple[Any, ...]] = []  # ops for the next engine call (_post, _store)
         self._queued_stores: list[tuple[torch.Tensor, int, int]] = []  # queued stores: (tensor, _version, slot)
-        self._queued_store_bytes = 0  # their bytes
         self._queued_grads: list[torch.Tensor] = []  # gradients the queued updates copy from
         self._local_views: dict[Any, torch.Tensor] = {}  # local-table buffer key -> flat uint8 view
         self._update_buffer: Any = None  # the next update's buffer, opened by the last batch
@@ -471,7 +466,6 @@ class ClockDriver:
         finally:
             ops.clear()
             self._queued_stores.clear()
-            self._queued_store_bytes = 0
             self._queued_grads.clear()
         return buffer
 
@@ -499,7 +493,6 @@ class ClockDriver:
             finally:
                 ops.clear()
                 self._queued_stores.clear()
-                self._queued_store_bytes = 0
                 self._queued_grads.clear()
 
     def _check_queued_stores(self) -> None:
@@ -552,9 +545,7 @@ class ClockDriver:
         queued, open and post with the bytes to copy, for the next engine
         call: the forward then costs an engine call per layer, not two per
         saved tensor (the queue holds the tensor until then; after it the
-        copy is on the stream, and torch may free and reuse its memory).
-        A queue of _EARLY_STORE_BYTES or more goes at once, so that large
-        activations leave over the host link while the layer computes."""
+        copy is on the stream, and torch may free and reuse its memory)."""
         if self._recording:
             return
         handle = self._handles[index]
@@ -569,23 +560,20 @@ class ClockDriver:
             tensor = tensor.clone(memory_format=torch.preserve_format)
         address = tensor.data_ptr()
         self._queued_stores.append((tensor, tensor._version, slot))
-        self._queued_store_bytes += layout.nbytes
         if slot not in self._groups:
             self._queued += [(_LOCAL, handle), (_POST_LOCAL, handle, [(address, 0, layout.nbytes // 4)])]
+            return
+        # One access for the group, opened at its first slot's store; its
+        # post goes to the engine with the next call, after the last one.
+        members = self._groups[slot]
+        piece = (address, *self._spans[slot])
+        if handle >= 0:
+            pieces = self._filling[members[0]] = [piece]
+            self._queued += [(_LOCAL, handle), (_POST_LOCAL, handle, pieces)]
         else:
-            # One access for the group, opened at its first slot's store; its
-            # post goes to the engine with the next call, after the last one.
-            members = self._groups[slot]
-            piece = (address, *self._spans[slot])
-            if handle >= 0:
-                pieces = self._filling[members[0]] = [piece]
-                self._queued += [(_LOCAL, handle), (_POST_LOCAL, handle, pieces)]
-            else:
-                self._filling[members[0]].append(piece)
-            if slot == members[-1]:
-                del self._filling[members[0]]
-        if self._queued_store_bytes >= _EARLY_STORE_BYTES and not self._filling:
-            self._flush_posts()
+            self._filling[members[0]].append(piece)
+        if slot == members[-1]:
+            del self._filling[members[0]]
 
     def _load(self, slot: int) -> torch.Tensor:
         """A stored activation, read back from the local table (its event
@@ -1199,7 +1187,6 @@ class ClockDriver:
         self._filling.clear()
         self._queued.clear()
         self._queued_stores.clear()
-        self._queued_store_bytes = 0
         self._queued_grads.clear()
         self._update_buffer = None
         self._pending[:] = [0] * len(self._pending)

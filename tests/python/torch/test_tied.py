@@ -46,6 +46,21 @@ class TiedLM(nn.Module):
         return self.head(self.body(self.emb(tokens)))
 
 
+class HeadFirstLM(nn.Module):
+    """The same tie, the projection declared first: the layer that owns the
+    weight (the first in named_modules) runs last, after its other holder."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(WIDTH, VOCAB)
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.emb.weight = self.head.weight
+        self.body = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.LayerNorm(WIDTH))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.emb(tokens)))
+
+
 class SharedBlock(nn.Module):
     """One block applied at two depths (ALBERT's sharing across layers)."""
 
@@ -117,6 +132,8 @@ CASES = [
     ("shipped from backward", TiedLM, {"overlap_updates": True}, {}),
     ("one table per module", TiedLM, {"group_bytes": 0}, {}),
     ("under a budget", TiedLM, {"store_activations": True}, {"device_memory_budget": 6000}),
+    ("owner runs last", HeadFirstLM, {}, {}),
+    ("owner runs last, fresh reads", HeadFirstLM, {"hold_reads": False, "store_activations": True}, {}),
     ("block called twice", SharedBlock, {}, {}),
     ("block called twice, fresh reads", SharedBlock, {"hold_reads": False, "store_activations": True}, {}),
     ("block called twice, held, recomputed", SharedBlock,
@@ -155,11 +172,11 @@ def test_shared_parameters_train_as_plain_pytorch(make: Callable[[], nn.Module],
     # The tie survives the adapter: one parameter, the servers' values.
     for name, param in reference.named_parameters(remove_duplicate=False):
         assert torch.equal(plain.get_parameter(name).detach(), got[name]), name
-    if make is TiedLM:
+    if make in (TiedLM, HeadFirstLM):
         assert plain.head.weight is plain.emb.weight  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("make", [TiedLM, SharedBlock])
+@pytest.mark.parametrize("make", [TiedLM, HeadFirstLM, SharedBlock])
 def test_holding_reads_every_layer_once_a_clock(make: Callable[[], nn.Module]) -> None:
     """Holding reads, a layer's later calls use its held read, so the clock
     stays light (no saved-tensor hooks); reading afresh, each call reads."""

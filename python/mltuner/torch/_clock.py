@@ -245,6 +245,9 @@ class ClockDriver:
         self._filtered = 0  # the forward serial whose gradients filter_gradients() filtered
         self._outputs_seen: set[tuple[int, int]] = set()  # (forward, output) a backward passed (_watch_backward)
         self._forwards = 0  # training forward passes of this clock (several: gradient accumulation)
+        self._synced_forwards = 0  # of them, those not under no_sync()
+        self._defer = False  # inside no_sync(): this forward's gradients stay in .grad
+        self._pass_deferred = False  # the running backward is of a forward under no_sync()
 
         self._eval_active = False
         self._eval_clock: tuple[int, int | None] | None = None  # (clock, branch) the parameters hold
@@ -355,6 +358,8 @@ class ClockDriver:
             if driver is None:
                 return  # the wrapped model is gone: its gradients go nowhere
             serial = driver._serial
+            if driver._pass_deferred and driver._phase is Phase.BACKWARD and driver._broken is None:
+                return  # no_sync(): the gradient stays in .grad for a later pass or step()
             if (driver._phase is not Phase.BACKWARD or marks[position] == serial or pending[index] <= 0
                     or driver._broken is not None):
                 driver._refuse_gradient(driver.layers[index], position, param)
@@ -712,16 +717,20 @@ class ClockDriver:
         self.check_usable()
         if not torch.is_grad_enabled():
             return self._evaluate(call)
-        # Gradient accumulation: shipping at step() from held reads, a clock
-        # may run several forward and backward passes, whose gradients add
-        # up in .grad as with a torch optimizer; the reads stay bound.
-        again = self._phase is Phase.BACKWARD and self._at_step
+        # Gradient accumulation: in a light clock (held reads, no stores) whose
+        # updates have not left yet (they ship at step(), or the passes so far
+        # ran under no_sync()), a clock may run several forward and backward
+        # passes, whose gradients add up in .grad as with a torch optimizer;
+        # the reads stay bound.
+        again = (self._phase is Phase.BACKWARD and self._light and not self._updated
+                 and (self._at_step or self._synced_forwards == 0))
         if self._phase is not Phase.IDLE and not again:
             raise OutOfOrderError(
                 f"a second training forward pass in clock {self.clock}: call loss.backward() and step() once "
                 "per forward pass (run evaluation forwards under torch.no_grad()). Several forward and backward "
-                "passes per step() (gradient accumulation) need the updates shipped at step() from held reads: "
-                "wrap()'s default without store_activations, a device_memory_budget or overlap_updates=True; "
+                "passes per step() (gradient accumulation) need held reads without stored activations (wrap()'s "
+                "default without store_activations or a device_memory_budget) and, where updates ship from the "
+                "backward pass, every pass but the last under model.no_sync(); "
                 f"this model: {self.hold_choice}; {self.overlap_choice}"
             )
         if not again:
@@ -734,8 +743,9 @@ class ClockDriver:
                     layer.clear_grads()
             self._stale_grads = True  # until step() finds every gradient handed over
             self._serial += 1
-            self._forwards = 0
+            self._forwards = self._synced_forwards = 0
         self._forwards += 1
+        self._synced_forwards += not self._defer
         self._phase = Phase.FORWARD
         self._eval_clock = None
         # The clock's stream, asked once (torch.cuda.current_stream costs tens
@@ -758,6 +768,7 @@ class ClockDriver:
                 self._watch_backward(output)
             elif self._light:
                 output = call()
+                self._watch_backward(output)
             else:
                 mode = self._acts.dispatch_mode(self._recording, self._trace_param,
                                                 lambda t: storage_ptr(t) in self._local_ptrs, self.clock)
@@ -1059,6 +1070,9 @@ class ClockDriver:
         if self._phase is Phase.FORWARD:
             raise OutOfOrderError("step() inside the forward pass")
         clocked = self._ship_updates() if self._at_step else False
+        if self._pass_deferred and not self._at_step:  # the last pass ran under no_sync(): ship the sums now
+            while self._cursor < len(self._events) and self._events[self._cursor].kind == "update":
+                self._layer_done(self.layers[self._events[self._cursor].layer])
         if len(self._updated) < len(self.layers):
             missing = [layer.name for layer in self.layers if layer.index not in self._updated]
             raise OutOfOrderError(
@@ -1088,10 +1102,13 @@ class ClockDriver:
             self._outputs_seen.clear()
         for number, tensor in enumerate((output,) if isinstance(output, torch.Tensor) else tensors_in(output)):
             if tensor.requires_grad:
-                hook = self._output_hook(serial, (self._forwards, number))
+                hook = self._output_hook(serial, (self._forwards, number), self._defer)
                 tensor.register_hook(hook)  # type: ignore[no-untyped-call]
 
-    def _output_hook(self, serial: int, output: tuple[int, int]) -> Callable[[torch.Tensor], None]:
+    def _output_hook(self, serial: int, output: tuple[int, int], deferred: bool) -> Callable[[torch.Tensor], None]:
+        """Runs first in a backward pass through ``output``: refuses a second
+        one and tells the gradient hooks whether the pass's forward ran under
+        no_sync()."""
         def hook(grad: torch.Tensor) -> None:
             if self._phase is not Phase.BACKWARD or self._serial != serial:
                 raise OutOfOrderError(
@@ -1105,7 +1122,25 @@ class ClockDriver:
                     "gradients)"
                 )
             self._outputs_seen.add(output)
+            self._pass_deferred = deferred
         return hook
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """The forward passes inside leave their gradients in ``.grad``
+        (DDP's ``no_sync``): where updates ship from the backward pass, the
+        next pass outside ships the sum, or step() does."""
+        self.check_usable()
+        if not self._light:
+            raise OutOfOrderError(
+                "no_sync() (gradient accumulation) needs held reads without stored activations (wrap()'s default "
+                f"without store_activations or a device_memory_budget); this model: {self.hold_choice}"
+            )
+        before, self._defer = self._defer, True
+        try:
+            yield
+        finally:
+            self._defer = before
 
     def filter_gradients(self) -> None:
         """Shipping at step(): applies :attr:`grad_filter` once per clock to
@@ -1177,6 +1212,7 @@ class ClockDriver:
         self._next_slot = 0
         self._fwd_open.clear()
         self._opened_by_caller.clear()
+        self._pass_deferred = False
         self._param_ptrs.clear()
         self._reads.clear()
         self._held.clear()

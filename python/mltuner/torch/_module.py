@@ -3,6 +3,7 @@ and :func:`wrap`, which makes one."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -73,6 +74,21 @@ class PSModule(nn.Module):
                 has not delivered every layer's gradient yet.
         """
         self._driver.step()
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """DDP's ``no_sync``: the forward and backward passes run inside
+        leave their gradients in ``.grad``, to add up with the next ones
+        (gradient accumulation). The first pass outside ships the sums as
+        usual, or ``step()`` does when every pass ran inside. Where updates
+        ship at ``step()`` (the default but for GPUs across processes)
+        gradients add up without it, and it changes nothing.
+
+        Raises:
+            mltuner.OutOfOrderError: reads are not held or activations are
+                stored (``store_activations``, a device budget), where a
+                clock takes one forward pass.
+        """
+        return self._driver.no_sync()
 
     @property
     def optimizer(self) -> ClockOptimizer:

@@ -1,7 +1,9 @@
 """Gradient accumulation: several forward and backward passes before one
 step(), their gradients adding up in ``.grad`` as with a torch optimizer,
-where the updates ship at step() from held reads (wrap()'s default without
-a budget, stored activations or updates shipped from the backward pass).
+where reads are held without stored activations (wrap()'s default without
+a budget): freely where updates ship at step(), and where they ship from
+the backward pass with every pass but the last under ``model.no_sync()``
+(DDP's API), or all of them, step() then shipping the sums.
 
 The reference is plain PyTorch running the same loop (each micro-batch's
 loss divided by their count, one optimizer step per clock); under BSP two
@@ -12,6 +14,7 @@ the reason, and a second backward through one forward pass still is.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from typing import Any
@@ -126,8 +129,92 @@ def test_two_workers_accumulating_halves_match_one_process(run_workers: Callable
         assert max_rel_error(state, reference.state_dict()) <= REL_TOL
 
 
-@pytest.mark.parametrize("options", [{"store_activations": True}, {"hold_reads": False}, {"overlap_updates": True}],
-                         ids=["stored activations", "fresh backward reads", "shipped from backward"])
+def train_no_sync(ps_model: Any, clocks: list[list[tuple[torch.Tensor, torch.Tensor]]], *,
+                  last_outside: bool) -> list[float]:
+    """Every micro-batch but the last under no_sync() (or all of them)."""
+    losses = []
+    for micro in clocks:
+        for k, (x, y) in enumerate(micro):
+            inside = not (last_outside and k == len(micro) - 1)
+            with ps_model.no_sync() if inside else contextlib.nullcontext():
+                loss = F.cross_entropy(ps_model(x), y) / len(micro)
+            loss.backward()
+            losses.append(loss.item())
+        ps_model.step()
+    return losses
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["shipped from backward", "shipped at step"])
+@pytest.mark.parametrize("last_outside", [True, False], ids=["last pass outside", "every pass inside"])
+def test_no_sync_accumulates_as_plain_pytorch(overlap: bool, last_outside: bool,
+                                              max_rel_error: Callable[..., float]) -> None:
+    torch.manual_seed(0)
+    initial = mlp()
+    clocks = data(8, seed=3)
+    reference = copy.deepcopy(initial)
+    want_losses = plain(reference, clocks)
+    with LocalCluster(1, config()) as cluster:
+        ps_model = mt.wrap(copy.deepcopy(initial), cluster.worker(0), example_input=clocks[0][0][0],
+                           overlap_updates=overlap)
+        got_losses = train_no_sync(ps_model, clocks, last_outside=last_outside)
+        got = ps_model.state_dict()
+    assert got_losses[:MICRO] == want_losses[:MICRO]
+    assert max(abs(a - b) / abs(b) for a, b in zip(got_losses, want_losses)) <= REL_TOL
+    assert max_rel_error(got, reference.state_dict()) <= REL_TOL
+
+
+def test_two_workers_with_no_sync_shipping_from_backward_match_one_process(
+        run_workers: Callable[..., list[Any]], max_rel_error: Callable[..., float]) -> None:
+    torch.manual_seed(0)
+    initial = mlp()
+    clocks = data(8, seed=4)
+    reference = copy.deepcopy(initial)
+    plain(reference, clocks)
+
+    def body(worker: Worker) -> dict[str, torch.Tensor]:
+        half = MICRO // 2
+        ps_model = mt.wrap(copy.deepcopy(initial), worker, example_input=clocks[0][0][0], overlap_updates=True)
+        mine = [micro[worker.rank * half:(worker.rank + 1) * half] for micro in clocks]
+        train_no_sync(ps_model, [[(x, y) for x, y in micro] for micro in mine], last_outside=True)
+        return ps_model.state_dict()
+
+    with LocalCluster(2, config()) as cluster:
+        states = run_workers(body, cluster.workers, on_error=cluster.shutdown)
+    for state in states:
+        assert max_rel_error(state, reference.state_dict()) <= REL_TOL
+
+
+def test_shipping_from_backward_a_second_forward_needs_no_sync() -> None:
+    x, y = data(1)[0][0]
+    with LocalCluster(1, config()) as cluster:
+        ps_model = mt.wrap(mlp(), cluster.worker(0), example_input=x, overlap_updates=True)
+        F.cross_entropy(ps_model(x), y).backward()  # the updates left during this pass
+        with pytest.raises(mltuner.OutOfOrderError, match=r"second training forward.*no_sync"):
+            ps_model(x)
+        ps_model.step()
+        with pytest.raises(mltuner.OutOfOrderError, match="second backward pass through one forward pass"):
+            with ps_model.no_sync():
+                loss = F.cross_entropy(ps_model(x), y)
+            loss.backward(retain_graph=True)
+            loss.backward()
+        F.cross_entropy(ps_model(x), y).backward()
+        ps_model.step()
+        assert ps_model.clock == 2
+
+
+@pytest.mark.parametrize("options", [{"store_activations": True}, {"hold_reads": False}],
+                         ids=["stored activations", "fresh backward reads"])
+def test_no_sync_is_refused_where_a_clock_takes_one_forward(options: dict[str, Any]) -> None:
+    x, _ = data(1)[0][0]
+    with LocalCluster(1, config()) as cluster:
+        ps_model = mt.wrap(mlp(), cluster.worker(0), example_input=x, **options)
+        with pytest.raises(mltuner.OutOfOrderError, match="no_sync.*held reads"):
+            with ps_model.no_sync():
+                pass
+
+
+@pytest.mark.parametrize("options", [{"store_activations": True}, {"hold_reads": False}],
+                         ids=["stored activations", "fresh backward reads"])
 def test_a_second_forward_is_refused_where_gradients_cannot_add_up(options: dict[str, Any]) -> None:
     x, y = data(1)[0][0]
     with LocalCluster(1, config()) as cluster:

@@ -69,6 +69,12 @@ hooks stay): a layer that did not run shows at step() as a missing gradient.
 Between clocks the hooks are back, to refuse a layer called outside the
 wrapped model.
 
+A light clock may also take several forward and backward passes before
+step() (gradient accumulation): the reads stay bound, autograd adds the
+gradients up in ``.grad``, and step() ships the sums; shipping from the
+backward pass, the passes before the last run under :meth:`no_sync`
+(DDP's API), whose gradient hooks leave the gradients alone.
+
 Otherwise (stored activations, or reads posted after each layer) the
 driver queues its posts, and the stores and updates it can leave to the
 engine's own copy (``_store``, ``_update``), for the next engine call

@@ -69,6 +69,10 @@ hooks stay): a layer that did not run shows at step() as a missing gradient.
 Between clocks the hooks are back, to refuse a layer called outside the
 wrapped model.
 
+A layer run again in the backward pass (activation checkpointing) finds
+its parameters in its held read, which holding keeps until the layer's
+update (:meth:`ClockDriver._rerun`); without held reads wrap() refuses it.
+
 A light clock may also take several forward and backward passes before
 step() (gradient accumulation): the reads stay bound, autograd adds the
 gradients up in ``.grad``, and step() ships the sums; shipping from the
@@ -227,6 +231,7 @@ class ClockDriver:
         self._opened_by_caller: dict[int, nn.Module] = {}  # layer -> the tied module whose call opened it
         self._param_ptrs: dict[int, int] = {}  # address of an open forward read -> its layer
         self._reads: dict[int, int] = {}  # layer -> forward reads this clock
+        self._reruns: set[int] = set()  # layers the recording pass ran again in the backward (checkpointing)
         self._held: dict[int, torch.Tensor] = {}  # event of a held forward read -> its flat buffer
         self._held_by_layer: dict[int, list[int]] = {}  # layer -> events of its held forward reads
         self._grad_open: dict[int, tuple[int, torch.Tensor]] = {}  # layer -> (event, flat buffer)
@@ -830,6 +835,9 @@ class ClockDriver:
             return
         if self._broken is not None or self._closed:
             self.check_usable()
+        if self._phase is Phase.BACKWARD:
+            self._rerun(layer)
+            return
         if self._phase is not Phase.FORWARD:
             raise OutOfOrderError(
                 f"layer {layer.name!r} ran outside a forward pass of the wrapped model: call the object "
@@ -861,8 +869,32 @@ class ClockDriver:
             self._fail(error)
             raise
 
+    def _rerun(self, layer: Layer) -> None:
+        """A layer run again in the backward pass (activation checkpointing,
+        ``torch.utils.checkpoint``): its parameters point at the clock's held
+        read again, which holding keeps until the layer's update; the
+        recording pass notes the layer, so that the plan holds reads."""
+        number = layer.index
+        if self._recording:
+            self._reruns.add(number)
+            layer.bind(layer.views(self._init[number]))
+            return
+        held = self._held_by_layer.get(number) if self._hold else None
+        if not held:
+            with self._mutating():
+                raise UnsupportedModelError(
+                    f"layer {layer.name!r} ran in the backward pass of clock {self.clock} "
+                    f"{'after its update' if number in self._updated else 'without a held read'}: activation "
+                    "checkpointing re-runs layers there, which needs their forward reads held until the update, "
+                    "and the recording pass did not run it so"
+                )
+        if not self._light:
+            layer.bind(layer.views(self._held[held[0]]))
+
     def _after_layer(self, layer: Layer, output: Any) -> None:
         if self._eval_active or self._phase is not Phase.FORWARD:
+            if self._phase is Phase.BACKWARD and not self._eval_active and not self._light:
+                layer.unbind()  # the end of a re-run (_rerun)
             return
         number = layer.index
         try:
@@ -1364,6 +1396,16 @@ class ClockDriver:
         recorded = list(self._events)
         preferred = not self._store_activations if hold_reads is None else hold_reads
         candidates = [preferred, False] if hold_reads is None and preferred else [preferred]
+        if self._reruns:  # activation checkpointing: the re-run layers need their reads held
+            if not preferred:
+                names = ", ".join(repr(self.layers[n].name) for n in sorted(self._reruns))
+                raise UnsupportedModelError(
+                    f"layer(s) {names} run again in the backward pass (activation checkpointing, "
+                    "torch.utils.checkpoint), which needs each layer's forward read held until its update: not "
+                    "with hold_reads=False or store_activations=True; drop the checkpointing to use those "
+                    "(store_activations with recompute= frees activations under a device budget instead)"
+                )
+            candidates = [True]
         least: dict[bool, int] = {}  # the least pool (= budget) of each pattern tried
         chosen: bool | None = None
         for hold in candidates:
@@ -1396,7 +1438,7 @@ class ClockDriver:
                     break
                 worker.reset_virtual_iteration()
         swaps: tuple[int, int] | None = None  # held reads' and reading again's bytes over the link, when compared
-        if chosen is True and hold_reads is None and budget > 0 and self.link_bytes > 0:
+        if chosen is True and hold_reads is None and budget > 0 and self.link_bytes > 0 and not self._reruns:
             # Held reads fit, but their pool takes budget the stores then
             # lack: parameters swap over the host link each clock. Reading
             # again needs a pool of about two layers, so the stores keep

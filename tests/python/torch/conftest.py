@@ -68,3 +68,19 @@ def stores_as_planned(monkeypatch: pytest.MonkeyPatch) -> None:
     from mltuner.torch import _keep
 
     monkeypatch.setattr(_keep.KeepOnDevice, "_variants", lambda self, driver, current: [])
+
+
+def moved(before: Any, after: Any) -> float:
+    """The largest relative change of a parameter tensor between two
+    modules of the same structure: proof that training did something."""
+    import torch
+
+    new = dict(after.named_parameters())
+    with torch.no_grad():
+        return max(float((new[n] - p).abs().max() / p.abs().max()) for n, p in before.named_parameters())
+
+
+@pytest.fixture(name="moved")
+def moved_fixture() -> Any:
+    """:func:`moved`."""
+    return moved

@@ -62,15 +62,10 @@ def plain(model: nn.Module, clocks: list[list[tuple[torch.Tensor, torch.Tensor]]
     return losses
 
 
-def moved(before: nn.Module, after: nn.Module) -> float:
-    new = dict(after.named_parameters())
-    with torch.no_grad():
-        return max(float((new[n] - p).abs().max() / p.abs().max()) for n, p in before.named_parameters())
-
-
 @pytest.mark.parametrize("together", [False, True], ids=["a backward per pass", "one backward of the sum"])
 def test_accumulated_micro_batches_train_as_plain_pytorch(together: bool,
-                                                         max_rel_error: Callable[..., float]) -> None:
+                                                         max_rel_error: Callable[..., float],
+                                                         moved: Callable[..., float]) -> None:
     torch.manual_seed(0)
     initial = mlp()
     clocks = data(12)
@@ -101,32 +96,6 @@ def test_accumulated_micro_batches_train_as_plain_pytorch(together: bool,
     assert got_losses[:MICRO] == want_losses[:MICRO]  # the first clock: the same parameters, bit for bit
     assert max(abs(a - b) / abs(b) for a, b in zip(got_losses, want_losses)) <= REL_TOL
     assert max_rel_error(got, reference.state_dict()) <= REL_TOL
-
-
-def test_two_workers_accumulating_halves_match_one_process(run_workers: Callable[..., list[Any]],
-                                                           max_rel_error: Callable[..., float]) -> None:
-    """Each worker accumulates two of the four micro-batches (loss / 2); the
-    servers average the two workers' sums: the reference's mean over four."""
-    torch.manual_seed(0)
-    initial = mlp()
-    clocks = data(10, seed=2)
-    reference = copy.deepcopy(initial)
-    plain(reference, clocks)
-
-    def body(worker: Worker) -> dict[str, torch.Tensor]:
-        half = MICRO // 2
-        ps_model = mt.wrap(copy.deepcopy(initial), worker, example_input=clocks[0][0][0])
-        for micro in clocks:
-            for x, y in micro[worker.rank * half:(worker.rank + 1) * half]:
-                (F.cross_entropy(ps_model(x), y) / half).backward()
-            ps_model.step()
-        return ps_model.state_dict()
-
-    with LocalCluster(2, config()) as cluster:
-        states = run_workers(body, cluster.workers, on_error=cluster.shutdown)
-    assert moved(initial, reference) > 1e-2
-    for state in states:
-        assert max_rel_error(state, reference.state_dict()) <= REL_TOL
 
 
 def train_no_sync(ps_model: Any, clocks: list[list[tuple[torch.Tensor, torch.Tensor]]], *,
@@ -163,23 +132,34 @@ def test_no_sync_accumulates_as_plain_pytorch(overlap: bool, last_outside: bool,
     assert max_rel_error(got, reference.state_dict()) <= REL_TOL
 
 
-def test_two_workers_with_no_sync_shipping_from_backward_match_one_process(
-        run_workers: Callable[..., list[Any]], max_rel_error: Callable[..., float]) -> None:
+@pytest.mark.parametrize("with_no_sync", [False, True], ids=["shipped at step", "shipped from backward, no_sync"])
+def test_two_workers_accumulating_halves_match_one_process(with_no_sync: bool, run_workers: Callable[..., list[Any]],
+                                                           max_rel_error: Callable[..., float],
+                                                           moved: Callable[..., float]) -> None:
+    """Each worker accumulates two of the four micro-batches (loss / 2); the
+    servers average the two workers' sums: the reference's mean over four."""
     torch.manual_seed(0)
     initial = mlp()
-    clocks = data(8, seed=4)
+    clocks = data(10, seed=2)
     reference = copy.deepcopy(initial)
     plain(reference, clocks)
 
     def body(worker: Worker) -> dict[str, torch.Tensor]:
         half = MICRO // 2
-        ps_model = mt.wrap(copy.deepcopy(initial), worker, example_input=clocks[0][0][0], overlap_updates=True)
-        mine = [micro[worker.rank * half:(worker.rank + 1) * half] for micro in clocks]
-        train_no_sync(ps_model, [[(x, y) for x, y in micro] for micro in mine], last_outside=True)
+        ps_model = mt.wrap(copy.deepcopy(initial), worker, example_input=clocks[0][0][0],
+                           overlap_updates=with_no_sync)
+        for micro in clocks:
+            mine = micro[worker.rank * half:(worker.rank + 1) * half]
+            for k, (x, y) in enumerate(mine):
+                with ps_model.no_sync() if with_no_sync and k < len(mine) - 1 else contextlib.nullcontext():
+                    loss = F.cross_entropy(ps_model(x), y) / half
+                loss.backward()
+            ps_model.step()
         return ps_model.state_dict()
 
     with LocalCluster(2, config()) as cluster:
         states = run_workers(body, cluster.workers, on_error=cluster.shutdown)
+    assert moved(initial, reference) > 1e-2
     for state in states:
         assert max_rel_error(state, reference.state_dict()) <= REL_TOL
 

@@ -117,12 +117,6 @@ def train_plain(model: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]])
     return losses
 
 
-def moved(before: nn.Module, after: nn.Module) -> float:
-    new = dict(after.named_parameters())
-    with torch.no_grad():
-        return max(float((new[n] - p).abs().max() / p.abs().max()) for n, p in before.named_parameters())
-
-
 CASES = [
     ("default", TiedLM, {}, {}),
     ("fresh backward reads", TiedLM, {"hold_reads": False}, {}),
@@ -146,7 +140,8 @@ CASES = [
 @pytest.mark.parametrize(("make", "options", "settings"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_shared_parameters_train_as_plain_pytorch(make: Callable[[], nn.Module], options: dict[str, Any],
                                                   settings: dict[str, Any],
-                                                  max_rel_error: Callable[..., float]) -> None:
+                                                  max_rel_error: Callable[..., float],
+                                                  moved: Callable[..., float]) -> None:
     torch.manual_seed(0)
     initial = make()
     data = batches(15, 8)
@@ -193,7 +188,8 @@ def test_holding_reads_every_layer_once_a_clock(make: Callable[[], nn.Module]) -
 
 
 def test_two_workers_with_tied_weights_match_one_process(run_workers: Callable[..., list[Any]],
-                                                         max_rel_error: Callable[..., float]) -> None:
+                                                         max_rel_error: Callable[..., float],
+                                                         moved: Callable[..., float]) -> None:
     """BSP averages the workers' gradients, each the mean over its half of
     the batch: the gradient of the whole batch's mean loss, which the
     reference takes in one process."""

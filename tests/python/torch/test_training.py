@@ -98,13 +98,6 @@ def reference_optimizer(rule: str, model: nn.Module, *, torch_sgd: bool = False)
     return ServerMomentum(params, LR["damped_momentum"], MOMENTUM)
 
 
-def moved(before: nn.Module, after: nn.Module) -> float:
-    """The largest relative change of a parameter tensor."""
-    new = dict(after.named_parameters())
-    with torch.no_grad():
-        return max(float((new[n] - p).abs().max() / p.abs().max()) for n, p in before.named_parameters())
-
-
 def config(rule: str) -> Config:
     momentum = MOMENTUM if rule == "damped_momentum" else None
     return Config(wait_timeout_s=20, update_rule=UpdateRule(rule, learning_rate=LR[rule],  # type: ignore[arg-type]
@@ -112,7 +105,8 @@ def config(rule: str) -> Config:
 
 
 @pytest.mark.parametrize("rule", ["damped_momentum", "adam"])
-def test_one_worker_matches_torch_step_for_step(rule: str, max_rel_error: Callable[..., float]) -> None:
+def test_one_worker_matches_torch_step_for_step(rule: str, max_rel_error: Callable[..., float],
+                                                moved: Callable[..., float]) -> None:
     """50 clocks of varying batch size (allowed without store_activations);
     the dropout masks come from the same seeds on both sides."""
     torch.manual_seed(0)
@@ -160,8 +154,7 @@ def test_one_worker_matches_torch_step_for_step(rule: str, max_rel_error: Callab
 
 
 def test_two_workers_match_one_process_on_the_concatenated_batches(
-    run_workers: Callable[..., list[Any]], max_rel_error: Callable[..., float]
-) -> None:
+    run_workers: Callable[..., list[Any]], max_rel_error: Callable[..., float], moved: Callable[..., float]) -> None:
     """Under BSP the servers average the two workers' gradients, each the
     mean over its own batch of 6: with equal batches that is the gradient of
     the mean loss over the concatenated 12 samples. (No batch norm, whose

@@ -776,16 +776,16 @@ class ClockDriver:
                 finally:
                     for hooks, key, hook in self._layer_hooks:
                         hooks[key] = hook
-                self._watch_backward(output)
             elif self._light:
                 output = call()
-                self._watch_backward(output)
             else:
                 mode = self._acts.dispatch_mode(self._recording, self._trace_param,
                                                 lambda t: storage_ptr(t) in self._local_ptrs, self.clock)
                 with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), \
                         mode if mode is not None else contextlib.nullcontext():
                     output = call()
+            if self._light:
+                self._watch_backward(output)
             if self._recording:
                 self._events = self._acts.choose(self._events, self.model.modules())
                 self._forward_events = self._recorded_forward_events = len(self._events)
@@ -847,10 +847,9 @@ class ClockDriver:
         if number in self._fwd_open:
             raise UnsupportedModelError(f"layer {layer.name!r} was called from inside its own forward")
         try:
-            held = self._held_by_layer.get(number) if self._hold and not self._recording else None
-            if held:  # called again: the held read serves every call (_recording.for_holding)
-                index = held[0]
-                flat = self._held[index]
+            held = None if self._recording else self._held_read(number)
+            if held is not None:  # called again: the held read serves every call (_recording.for_holding)
+                index, flat = held
                 layer.bind(layer.views(flat))
             else:
                 index = self._next("read", number)
@@ -879,8 +878,8 @@ class ClockDriver:
             self._reruns.add(number)
             layer.bind(layer.views(self._init[number]))
             return
-        held = self._held_by_layer.get(number) if self._hold else None
-        if not held:
+        held = self._held_read(number)
+        if held is None:
             with self._mutating():
                 raise UnsupportedModelError(
                     f"layer {layer.name!r} ran in the backward pass of clock {self.clock} "
@@ -889,7 +888,14 @@ class ClockDriver:
                     "and the recording pass did not run it so"
                 )
         if not self._light:
-            layer.bind(layer.views(self._held[held[0]]))
+            layer.bind(layer.views(held[1]))
+
+    def _held_read(self, number: int) -> tuple[int, torch.Tensor] | None:
+        """Layer ``number``'s held forward read this clock, its event and flat
+        buffer (holding, a layer has one: _recording.for_holding); None when
+        not holding or not read yet."""
+        indices = self._held_by_layer.get(number) if self._hold else None
+        return (indices[0], self._held[indices[0]]) if indices else None
 
     def _after_layer(self, layer: Layer, output: Any) -> None:
         if self._eval_active or self._phase is not Phase.FORWARD:
@@ -1010,9 +1016,9 @@ class ClockDriver:
         """The flat buffer of ``ref``'s layer for its backward: the held
         forward read (holding, a layer has one: _recording.for_holding), or
         the layer's backward read (opened on first use)."""
-        held = self._held_by_layer.get(ref.layer) if self._hold else None
-        if held:
-            return self._held[held[0]]
+        held = self._held_read(ref.layer)
+        if held is not None:
+            return held[1]
         opened = self._grad_open.get(ref.layer)
         if opened is not None:
             return opened[1]

@@ -594,8 +594,10 @@ def wrap(
 
     Raises:
         UnsupportedModelError: a non-float32 or sparse trainable parameter,
-            a compiled, scripted or DataParallel module, a module whose parameters get no gradient or
-            are used outside its forward; an optimizer other than SGD, Adam
+            a compiled, scripted or DataParallel module, a module whose
+            parameters get no gradient or are used outside the forward of
+            the modules that hold them, activation checkpointing without
+            held reads; an optimizer other than SGD, Adam
             and AdamW (or ``maximize=True``), one that already has state or
             leaves out a trainable parameter, or a module whose own
             parameters are in groups with different settings.

@@ -202,6 +202,7 @@ class ClockDriver:
         self.hold_choice = ""  # which pattern prepare_plan() chose, and why (PSModule.plan)
         self._overlap = overlap_updates
         self.overlap_choice = ""  # when updates ship, and why (PSModule.plan)
+        self._shipped_why = "the recording pass of wrap()"  # for ShippedGradient's errors (_why_shipped)
 
         # The recording, then the plan made from it.
         self._recording = True
@@ -647,7 +648,6 @@ class ClockDriver:
             if pieces is not None:  # the engine copies the gradients in: queued, like a store
                 self._queued += [(_PRE_UPDATE, handle), (_UPDATE, handle, pieces)]
                 self._queued_grads += grads  # alive until the queue goes to the engine
-                layer.clear_grads()
                 return
             _, views = layer.buffer_views(self._open(_PRE_UPDATE, handle))
             with torch.no_grad():
@@ -655,7 +655,6 @@ class ClockDriver:
                     self.grad_filter(grads)
                 torch._foreach_copy_(views, grads)
             self._post(_UPDATE, handle)
-        layer.clear_grads()
 
     def _batched_update(self, index: int, layer: Layer, grads: list[torch.Tensor], *, filtered: bool = False) -> None:
         """The light clock's update: the buffer was opened by the last batch;
@@ -679,7 +678,6 @@ class ClockDriver:
             ops.append((_PRE_UPDATE, following))
         opened = self.worker._run_ops(ops, self._stream)
         self._update_buffer = opened[0] if opened else None
-        layer.clear_grads()
 
     def _pieces(self, layer: Layer, grads: list[torch.Tensor]) -> list[tuple[int, int, int]] | None:
         """The gradients as pieces for the engine to copy (address, offset in
@@ -987,6 +985,11 @@ class ClockDriver:
                 f"autograd needs a saved tensor of the wrapped model outside clock {self.clock}'s backward "
                 "pass: backward() can run once per forward pass, before step()"
             )
+        if self._cursor == len(self._events) and not self._recording:  # every update has left: nothing to touch
+            raise OutOfOrderError(
+                f"a second backward pass through one forward pass in clock {self.clock}: backward() can run once "
+                "per forward pass (was it called twice, with retain_graph=True?); call step() after each"
+            )
         log = self._acts.store_all if self._recording else None
         if isinstance(packed, ParamRef):
             if log is not None:
@@ -1087,12 +1090,24 @@ class ClockDriver:
             if opened is not None:
                 self._close_read(opened[0])
             self._update(index, layer, grads)
+            layer.mark_shipped(self._shipped_why)  # until step(): a use of .grad must not find None (_shipped.py)
             if self._light:
                 layer.unbind()
             self._updated.add(number)
         except BaseException as error:
             self._fail(error)
             raise
+
+    def _why_shipped(self) -> str:
+        """Why this plan's updates leave in the backward pass, and the way to
+        keep the gradients in .grad until step() (for ShippedGradient)."""
+        if self._light:
+            return (f"this model ships each layer's update from the backward pass ({self.overlap_choice}); "
+                    "wrap(..., overlap_updates=False) keeps the gradients in .grad until step(), as with a torch "
+                    "optimizer")
+        return (f"each layer's update leaves as soon as its gradients are final where reads are not held or "
+                f"activations are stored ({self.hold_choice}); the gradients stay in .grad until step() only "
+                "with held reads, no stored activations and overlap_updates=False")
 
     def _bad_gradient(self, layer: Layer, position: int, grad: torch.Tensor | None) -> None:
         name = layer.params[position].name
@@ -1272,6 +1287,9 @@ class ClockDriver:
         self._pending[:] = [0] * len(self._pending)
         self._updated.clear()
         self._acts.reset_clock()
+        for layer in self.layers:
+            if layer.shipped:
+                layer.clear_grads()
 
     # -- recording and planning ---------------------------------------------------------
     def record(self, call: Callable[[], Any], loss_of: Callable[[Any], torch.Tensor]) -> None:
@@ -1550,6 +1568,7 @@ class ClockDriver:
                     self._init[layer.index] = _WRITTEN
         self._init.clear()
         worker.start_iterations()
+        self._shipped_why = self._why_shipped()
         if self._light:
             self._plan_batches()
         if self._at_step:  # gradients are picked up at step(): no Python call per parameter in backward

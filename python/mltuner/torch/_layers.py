@@ -43,6 +43,7 @@ from mltuner.client._layout import TensorLayout
 from mltuner.exceptions import InternalError
 from mltuner.torch._buffers import as_tensor, buffer_key, placeholder
 from mltuner.torch._errors import UnsupportedModelError
+from mltuner.torch._shipped import ShippedGradient
 
 __all__ = ["Layer", "ParamSlot", "find_layers", "DEFAULT_WHOLE_MODULES", "DEFAULT_GROUP_BYTES"]
 
@@ -96,7 +97,9 @@ class Layer:
     _cache: dict[tuple[int, tuple[int, ...]], tuple[torch.Tensor, list[torch.Tensor]]] = dataclasses.field(
         default_factory=dict, repr=False)
     _nan_views: list[torch.Tensor] = dataclasses.field(default_factory=list, repr=False)
+    _shipped_grads: list[ShippedGradient] = dataclasses.field(default_factory=list, repr=False)
     _params: list[nn.Parameter] = dataclasses.field(init=False, repr=False)
+    shipped: bool = dataclasses.field(default=False, init=False)  # .grad holds the stand-ins
 
     def __post_init__(self) -> None:
         self._params = [slot.param for slot in self.params]
@@ -145,6 +148,18 @@ class Layer:
     def clear_grads(self) -> None:
         for param in self._params:
             param.grad = None
+        self.shipped = False
+
+    def mark_shipped(self, why: str) -> None:
+        """The update left in the backward pass (``why``: the model's reason,
+        for the error): each ``.grad`` holds a
+        :class:`~mltuner.torch._shipped.ShippedGradient` until
+        :meth:`clear_grads` (step())."""
+        if not self._shipped_grads or self._shipped_grads[0].why != why:
+            self._shipped_grads = [ShippedGradient(slot.param, slot.name, why) for slot in self.params]
+        for param, stand_in in zip(self._params, self._shipped_grads):
+            param.grad = stand_in
+        self.shipped = True
 
     def grads(self) -> list[torch.Tensor]:
         """The parameters' gradients, in slot order (all present: checked by

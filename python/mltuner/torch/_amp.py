@@ -4,9 +4,13 @@ layer's gradients before its update leaves the worker.
 Plain PyTorch unscales every gradient in ``scaler.step(optimizer)`` and
 skips the step when one is inf or NaN. Where the updates ship at step()
 (every shard in this process, ``wrap(overlap_updates=False)``), the same
-happens here: the first look at the param groups (the scaler's inf check)
-unscales every layer's gradients at once and zeroes all of them if one is
-not finite. Where each layer's update leaves during ``backward()``,
+happens here: the gradients sit in ``.grad`` until step(), where the scaler
+checks them for infs itself, and step() unscales every layer's gradients at
+once and zeroes all of them if one is not finite; after
+``scaler.unscale_(model.optimizer)`` (torch's recipe for clipping under
+AMP), torch has unscaled them in place, and step() only zeroes them on an
+overflow (:meth:`ScaledGradients.unscaled_by_scaler`). Where each layer's
+update leaves during ``backward()``,
 :class:`ScaledGradients` does both per layer, as
 the driver's gradient filter: it unscales with torch's own kernel (the one
 ``GradScaler.unscale_`` runs), and from the first non-finite gradient of a
@@ -20,9 +24,11 @@ largest there), but not always.
 whatever the outcome (the clock must end), through GradScaler's contract for
 optimizers that handle the scale themselves (``_step_supports_amp_scaling``).
 Before that, the scaler checks the gradients of ``optimizer.param_groups``
-for infs, to back off the scale in ``scaler.update()``; the real gradients
-are gone by then, so the param groups hold one stand-in tensor whose
-gradient is inf when the clock overflowed and 0 otherwise. No step waits for
+for infs, to back off the scale in ``scaler.update()``; shipping from the
+backward pass the real gradients are gone by then (``.grad`` holds
+stand-ins, which the check skips: ``_shipped.py``), so the param groups end
+with one stand-in tensor whose gradient is inf when the clock overflowed and
+0 otherwise. No step waits for
 the GPU: every test stays on the device.
 """
 
@@ -94,8 +100,26 @@ class ScaledGradients:
 
     def stand_in_group(self) -> dict[str, Any]:
         """The param group with the stand-in tensor, whose gradient tells
-        the scaler whether this clock overflowed (inf) or not (0)."""
-        self._driver.filter_gradients()  # shipping at step(): the gradients are unscaled here
+        the scaler whether this clock overflowed (inf) or not (0). Shipping
+        at step(), the scaler sees the gradients themselves, still scaled
+        (step() unscales them, or scaler.unscale_() did): the stand-in is 0."""
         assert self._stand_in.grad is not None
-        torch.where(self._overflow > 0, self._inf, torch.zeros_like(self._inf), out=self._stand_in.grad)
+        if self._driver.ships_at_step:
+            self._stand_in.grad.zero_()
+        else:
+            torch.where(self._overflow > 0, self._inf, torch.zeros_like(self._inf), out=self._stand_in.grad)
         return self._group
+
+    def unscaled_by_scaler(self, found_inf: torch.Tensor) -> None:
+        """After ``scaler.unscale_(model.optimizer)`` (torch's recipe for
+        clipping under AMP): shipping at step(), torch unscaled the gradients
+        in place and found the overflow (``found_inf``); zero them on one,
+        instead of unscaling again. Shipping from the backward pass, each
+        layer was unscaled before it left, and unscale_ saw only stand-ins."""
+        overflowed = found_inf.reshape(-1)[0].bool()  # no host sync: a mask on the device
+
+        def zero_on_overflow(grads: list[torch.Tensor]) -> None:
+            for grad in grads:
+                grad.masked_fill_(overflowed, 0.0)
+
+        self._driver.filter_gradients(zero_on_overflow)

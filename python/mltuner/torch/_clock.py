@@ -416,6 +416,12 @@ class ClockDriver:
         return self._overlap
 
     @property
+    def ships_at_step(self) -> bool:
+        """Whether the gradients stay in ``.grad`` until step(), which ships
+        them all (the light clock without overlap_updates)."""
+        return self._at_step
+
+    @property
     def accesses(self) -> list[str]:
         """The recorded clock's accesses, in order, described in words."""
         return [self._describe(event) for event in self._events]
@@ -1201,18 +1207,20 @@ class ClockDriver:
         finally:
             self._defer = before
 
-    def filter_gradients(self) -> None:
-        """Shipping at step(): applies :attr:`grad_filter` once per clock to
-        every layer's gradients together (so a scaler unscales them all and
-        an overflow anywhere zeroes all of them, as torch's GradScaler
-        does). The scaler calls it when it looks for infs, before step()."""
-        if self.grad_filter is None or not self._at_step or self._phase is not Phase.BACKWARD:
+    def filter_gradients(self, grad_filter: Callable[[list[torch.Tensor]], None] | None = None) -> None:
+        """Shipping at step(): applies ``grad_filter`` (by default
+        :attr:`grad_filter`) once per clock to every layer's gradients
+        together, so a scaler unscales them all and an overflow anywhere
+        zeroes all of them, as torch's GradScaler does; step() calls it, and
+        the scaler's side earlier after ``scaler.unscale_()``."""
+        grad_filter = grad_filter or self.grad_filter
+        if grad_filter is None or not self._at_step or self._phase is not Phase.BACKWARD:
             return
         if self._filtered == self._serial:
             return
         grads = [grad for layer in self.layers for grad in layer.grads() if grad is not None]
         with torch.no_grad():
-            self.grad_filter(grads)
+            grad_filter(grads)
         self._filtered = self._serial
 
     def _ship_updates(self) -> bool:

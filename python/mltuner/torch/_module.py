@@ -234,8 +234,9 @@ class ClockOptimizer(torch.optim.Optimizer):
     groups cannot be added.
 
     ``scaler.step(model.optimizer)`` of a ``torch.amp.GradScaler`` passed to
-    ``wrap(..., grad_scaler=scaler)`` works as with a torch optimizer, except
-    that the clock ends even when the gradients overflowed (mltuner/torch/_amp.py).
+    ``wrap(..., grad_scaler=scaler)`` works as with a torch optimizer, after
+    ``scaler.unscale_(model.optimizer)`` too, except that the clock ends even
+    when the gradients overflowed (mltuner/torch/_amp.py).
     With a scaler, ``param_groups`` ends with one more group, holding the
     tensor whose gradient tells the scaler whether the clock overflowed.
     """
@@ -281,11 +282,8 @@ class ClockOptimizer(torch.optim.Optimizer):
             )
         if self._model._scaled is not None and hasattr(self, "found_inf") and getattr(self, "grad_scale", 0) is None:
             # GradScaler.step passes grad_scale=None after scaler.unscale_(): the
-            # gradients were unscaled there, and the adapter would unscale again.
-            raise InvalidArgumentError(
-                "scaler.unscale_(model.optimizer) is not supported: wrap()'s grad_scaler unscales the gradients "
-                "itself before they leave; call scaler.step(model.optimizer) without unscale_"
-            )
+            # gradients were unscaled there, and must not be again.
+            self._model._scaled.unscaled_by_scaler(self.found_inf)
         self._model.step()
         if self._source is not None:
             # What a scheduler built on the original optimizer checks to see

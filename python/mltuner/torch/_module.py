@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import types
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -60,6 +62,7 @@ class PSModule(nn.Module):
         self._driver = driver
         self._scaled = scaled  # the GradScaler's side, when wrap() got one
         self._optimizer = ClockOptimizer(self, groups, source)
+        self._optimizer.take_over_source()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's forward: a training forward when gradients
@@ -200,6 +203,7 @@ class PSModule(nn.Module):
         holding the servers' values and its hooks removed. Call it between
         clocks; the worker stays up (shut it down separately)."""
         self._driver.close()
+        self._optimizer.give_back_source()
         return self.module
 
     def load_state_dict(self, *args: Any, **kwargs: Any) -> NoReturn:
@@ -233,6 +237,9 @@ class ClockOptimizer(torch.optim.Optimizer):
     The groups' other settings are the servers' rule and cannot change; new
     groups cannot be added.
 
+    Until :meth:`PSModule.unwrap`, the original optimizer's own ``step()``
+    ends the clock too (:meth:`take_over_source`).
+
     ``scaler.step(model.optimizer)`` of a ``torch.amp.GradScaler`` passed to
     ``wrap(..., grad_scaler=scaler)`` works as with a torch optimizer, after
     ``scaler.unscale_(model.optimizer)`` too, except that the clock ends even
@@ -252,6 +259,7 @@ class ClockOptimizer(torch.optim.Optimizer):
         self._model = model
         self._groups = groups
         self._source = source
+        self._saved_source_attrs: dict[str, Any] = {}  # the source's own instance attributes take_over_source() replaced
         self.defaults = {key: value for key, value in groups[0].items() if key != "params"} if groups else {}
 
     @property
@@ -293,6 +301,53 @@ class ClockOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing to do: gradients are cleared as they are handed over."""
+
+    def take_over_source(self) -> None:
+        """Makes the original optimizer's ``step()`` end the clock too, so
+        that a converted loop may keep calling it: its own step would run a
+        torch update on the parameters the engine lent for the clock (or on
+        nothing), beside the servers'. An instance attribute, bound like a
+        method, so that a scheduler made later can wrap it as usual; the
+        optimizer holds the wrapped model weakly."""
+        source = self._source
+        if source is None:
+            return
+        me = weakref.ref(self)
+
+        def step(optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> None:
+            clock_optimizer = me()
+            if clock_optimizer is None:
+                raise OutOfOrderError("the model this optimizer was given to wrap() with is gone")
+            if hasattr(optimizer, "found_inf"):  # set by GradScaler.step: its inf check read only these groups
+                for name in ("found_inf", "grad_scale"):  # GradScaler removes them only after a step that returns
+                    optimizer.__dict__.pop(name, None)
+                raise InvalidArgumentError(
+                    "scaler.step() on the optimizer given to wrap(): with a wrapped model, call "
+                    "scaler.step(model.optimizer), whose param groups tell the scaler when a clock overflowed"
+                    + ("" if clock_optimizer._model._scaled is not None else
+                       ", and pass the scaler as wrap(..., grad_scaler=scaler)")
+                )
+            clock_optimizer.step(closure)
+
+        # What torch's LRScheduler puts on a step it wraps: a scheduler made
+        # before wrap() then does not warn that step() was replaced (step()
+        # marks _opt_called itself), and one made after leaves it as it is.
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        self._saved_source_attrs = {name: source.__dict__[name] for name in ("step", "_step_supports_amp_scaling")
+                                    if name in source.__dict__}
+        source.step = types.MethodType(step, source)  # type: ignore[method-assign]
+        # GradScaler.step then calls step() whatever the overflow, so that
+        # the error above says what to do instead of a clock left open.
+        source._step_supports_amp_scaling = True  # type: ignore[attr-defined]
+
+    def give_back_source(self) -> None:
+        """unwrap(): the original optimizer steps on its own again."""
+        source = self._source
+        if source is None:
+            return
+        for name in ("step", "_step_supports_amp_scaling"):
+            source.__dict__.pop(name, None)
+        source.__dict__.update(self._saved_source_attrs)
 
 
 def _default_loss(output: Any) -> torch.Tensor:

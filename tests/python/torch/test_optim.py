@@ -14,6 +14,7 @@ weight decay, a missing bias correction) is off by 1e-3 or more.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -184,6 +185,56 @@ def test_a_scheduler_on_the_original_optimizer_and_groups_per_layer(max_rel_erro
         train_plain(model, model.optimizer, data, scheduler)
         got = model.state_dict()
     assert max_rel_error(got, reference.state_dict()) <= 1e-5
+
+
+@pytest.mark.parametrize("scheduler_made", ["before wrap()", "after wrap()"])
+def test_the_original_optimizers_step_ends_the_clock(scheduler_made: str,
+                                                    max_rel_error: Callable[..., float]) -> None:
+    """A converted loop that keeps calling the optimizer it gave to wrap()
+    (not model.optimizer) trains as plain PyTorch, its scheduler too,
+    without torch's warnings about a replaced step(); with a GradScaler it
+    is refused, naming model.optimizer; unwrap() gives the optimizer its own
+    step back."""
+    torch.manual_seed(0)
+    initial = Net()
+    data = batches(12, 16, seed=5)
+
+    def make(model: nn.Module) -> tuple[Any, Any]:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+        return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
+
+    reference = copy.deepcopy(initial)
+    plain_optimizer, plain_scheduler = make(reference)
+    want = train_plain(reference, plain_optimizer, data, plain_scheduler)
+
+    with LocalCluster(1, config()) as cluster:
+        net = copy.deepcopy(initial)
+        if scheduler_made == "before wrap()":
+            optimizer, scheduler = make(net)
+            model = mt.wrap(net, cluster.worker(0), example_input=data[0][0], optimizer=optimizer)
+        else:
+            optimizer = torch.optim.SGD(net.parameters(), lr=0.2, momentum=0.9)
+            model = mt.wrap(net, cluster.worker(0), example_input=data[0][0], optimizer=optimizer)
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # torch's "step() overridden" / "scheduler before step()" warnings
+            got = train_plain(model, optimizer, data, scheduler)
+        assert model.clock == len(data)
+        assert max_rel_error(model.state_dict(), reference.state_dict()) <= 1e-5
+
+        x, y = data[0]
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.scale(F.cross_entropy(model(x), y)).backward()
+        with pytest.raises(InvalidArgumentError, match=r"scaler\.step\(model\.optimizer\)"):
+            scaler.step(optimizer)
+        model.step()
+
+        unwrapped = model.unwrap()
+        before = [p.detach().clone() for p in unwrapped.parameters()]
+        F.cross_entropy(unwrapped(x), y).backward()
+        optimizer.step()  # torch's own step again, on the plain module
+        assert all(not torch.equal(a, p) for a, p in zip(before, unwrapped.parameters()))
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) <= 1e-5
 
 
 def test_a_written_rate_reaches_the_servers_at_the_next_clock() -> None:

@@ -23,7 +23,8 @@ from mltuner.torch._clock import ClockDriver, tensors_in
 from mltuner.torch._errors import UnsupportedModelError
 from mltuner.torch._keep import KeepOnDevice, Variant
 from mltuner.torch._layers import DEFAULT_GROUP_BYTES, DEFAULT_WHOLE_MODULES, Layer, find_layers
-from mltuner.torch._optim import LearningRates, check_optimizer, groups_of_layers, rule_for_group
+from mltuner.torch._optim import (LearningRates, check_optimizer, groups_of_layers, guard_parameters,
+                                  release_parameters, rule_for_group)
 from mltuner.torch._recompute import (LINK_BOUND_BYTES_PER_OP, LINK_BOUND_FLOPS_PER_BYTE, RECOMPUTE_CHOICES, Recompute,
                                       link_bound)
 from mltuner.torch._recording import Tables
@@ -63,6 +64,7 @@ class PSModule(nn.Module):
         self._scaled = scaled  # the GradScaler's side, when wrap() got one
         self._optimizer = ClockOptimizer(self, groups, source)
         self._optimizer.take_over_source()
+        guard_parameters(driver.layers)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's forward: a training forward when gradients
@@ -204,6 +206,7 @@ class PSModule(nn.Module):
         clocks; the worker stays up (shut it down separately)."""
         self._driver.close()
         self._optimizer.give_back_source()
+        release_parameters(self._driver.layers)
         return self.module
 
     def load_state_dict(self, *args: Any, **kwargs: Any) -> NoReturn:
@@ -250,6 +253,9 @@ class ClockOptimizer(torch.optim.Optimizer):
 
     # GradScaler.step calls step() itself, overflow or not: the clock must end.
     _step_supports_amp_scaling = True
+    # The step that ends a clock, which _optim's guard against torch steps on
+    # wrapped parameters lets through.
+    _steps_a_clock = True
 
     def __init__(self, model: PSModule, groups: list[dict[str, Any]],
                  source: torch.optim.Optimizer | None = None) -> None:

@@ -11,14 +11,23 @@ After ``wrap()`` the groups' learning rates may change (by hand or by a
 ``torch.optim.lr_scheduler``): :class:`LearningRates` sends a changed rate to
 the servers with the next clock, the same on every worker because every
 worker runs the same schedule. The other settings of a group are fixed.
+
+Any other torch optimizer that steps on a wrapped model's parameters (one
+made from ``model.parameters()`` after ``wrap()``) is refused by a global
+step pre-hook (:func:`guard_parameters`): its update would run on the
+buffers the engine lends for the clock, or on the NaN placeholders between
+clocks, while the servers apply theirs.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from mltuner._config import MAX_LEARNING_RATE, RuleName, UpdateRule
 from mltuner._validate import real
@@ -27,7 +36,8 @@ from mltuner.exceptions import InvalidArgumentError
 from mltuner.torch._errors import UnsupportedModelError
 from mltuner.torch._layers import Layer
 
-__all__ = ["check_optimizer", "rule_for_group", "groups_of_layers", "LearningRates", "SUPPORTED_OPTIMIZERS"]
+__all__ = ["check_optimizer", "rule_for_group", "groups_of_layers", "LearningRates", "SUPPORTED_OPTIMIZERS",
+           "guard_parameters", "release_parameters"]
 
 SUPPORTED_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 
@@ -38,6 +48,54 @@ _RULE_KEYS = {
     torch.optim.Adam: ("betas", "eps", "weight_decay", "amsgrad", "decoupled_weight_decay"),
     torch.optim.AdamW: ("betas", "eps", "weight_decay", "amsgrad", "decoupled_weight_decay"),
 }
+
+
+# The trainable parameters of the wrapped models in this process, until
+# unwrap(): id -> (the parameter, weakly; its name). By id, not in a
+# WeakKeyDictionary, whose lookups compare tensors with ==.
+_WRAPPED: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
+_WRAPPED_LOCK = threading.Lock()  # workers of a LocalCluster wrap on threads of their own
+_hook_installed = False
+
+
+def guard_parameters(layers: Sequence[Layer]) -> None:
+    """From now on a torch optimizer other than a wrapped model's own that
+    steps on these layers' parameters raises (module docstring)."""
+    global _hook_installed
+    with _WRAPPED_LOCK:
+        for key in [key for key, (ref, _) in _WRAPPED.items() if ref() is None]:
+            del _WRAPPED[key]  # models dropped without unwrap()
+        for layer in layers:
+            for slot in layer.params:
+                _WRAPPED[id(slot.param)] = (weakref.ref(slot.param), slot.name)
+        if not _hook_installed:
+            register_optimizer_step_pre_hook(_refuse_foreign_step)
+            _hook_installed = True
+
+
+def release_parameters(layers: Sequence[Layer]) -> None:
+    """unwrap(): the parameters are a plain module's again."""
+    with _WRAPPED_LOCK:
+        for layer in layers:
+            for slot in layer.params:
+                _WRAPPED.pop(id(slot.param), None)
+
+
+def _refuse_foreign_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """torch's global step pre-hook: refuses a step on wrapped parameters,
+    unless the optimizer is a wrapped model's own (it ends the clock)."""
+    if not _WRAPPED or getattr(optimizer, "_steps_a_clock", False):
+        return
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            entry = _WRAPPED.get(id(param))
+            if entry is not None and entry[0]() is param:
+                raise InvalidArgumentError(
+                    f"{type(optimizer).__name__}.step() on parameter {entry[1]!r} of a wrapped model: the servers "
+                    "hold its values and apply the update rule, so a torch step here would change only the "
+                    "buffers the engine lends for the clock. Give the optimizer to wrap(..., optimizer=...) "
+                    "(its step() then ends the clock) or call model.step() / model.optimizer.step()"
+                )
 
 
 def _number(value: Any) -> float:

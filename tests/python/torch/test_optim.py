@@ -237,6 +237,36 @@ def test_the_original_optimizers_step_ends_the_clock(scheduler_made: str,
     assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) <= 1e-5
 
 
+def test_another_optimizer_stepping_on_wrapped_parameters_is_refused() -> None:
+    """An optimizer made from the wrapped model's parameters after wrap()
+    would update the engine's lent buffers, not the servers' values: its
+    step raises, naming the parameter and the way out, and changes nothing;
+    optimizers of other models are untouched, and after unwrap() it steps
+    as in plain PyTorch."""
+    torch.manual_seed(0)
+    data = batches(3, 16, seed=6)
+    x, y = data[0]
+    other = Net()
+    other_optimizer = torch.optim.SGD(other.parameters(), lr=0.1)
+    with LocalCluster(1, config()) as cluster:
+        model = mt.wrap(Net(), cluster.worker(0), example_input=x)
+        foreign = torch.optim.Adam(model.parameters(), lr=0.01)
+        F.cross_entropy(model(x), y).backward()
+        before = model.state_dict()
+        with pytest.raises(InvalidArgumentError, match=r"Adam.step\(\) on parameter 'fc1.weight'.*optimizer=..."):
+            foreign.step()
+        model.step()  # the clock ends as usual
+        F.cross_entropy(other(x), y).backward()
+        other_optimizer.step()  # a plain model beside it trains as before
+        after = model.state_dict()
+        assert any(not torch.equal(before[k], after[k]) for k in before)  # the servers' update, not Adam's
+        unwrapped = model.unwrap()
+    F.cross_entropy(unwrapped(x), y).backward()
+    weights = unwrapped.fc1.weight.detach().clone()
+    foreign.step()
+    assert not torch.equal(weights, unwrapped.fc1.weight)
+
+
 def test_a_written_rate_reaches_the_servers_at_the_next_clock() -> None:
     """Without an optimizer, model.optimizer's one group holds the Config
     rule's rate; lr 0 freezes the parameters from the next clock on."""

@@ -103,6 +103,7 @@ the engine.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import weakref
 from collections.abc import Callable, Iterator
@@ -167,7 +168,8 @@ class Phase(enum.Enum):
 
 
 def tensors_in(value: Any) -> Iterator[torch.Tensor]:
-    """The tensors in a (nested) tuple, list or dict."""
+    """The tensors in a (nested) tuple, list, dict or dataclass instance (a
+    model's output type)."""
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, (list, tuple)):
@@ -176,6 +178,9 @@ def tensors_in(value: Any) -> Iterator[torch.Tensor]:
     elif isinstance(value, dict):
         for item in value.values():
             yield from tensors_in(item)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            yield from tensors_in(getattr(value, field.name))
 
 
 class ClockDriver:

@@ -5,6 +5,8 @@ recorded accesses."""
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import gc
 import weakref
 from collections.abc import Callable
@@ -18,6 +20,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, Subset, TensorDataset  # noqa: E402
 
+import mltuner  # noqa: E402
 import mltuner.torch as mt  # noqa: E402
 from mltuner import Config, LocalCluster, UpdateRule, Worker  # noqa: E402
 
@@ -257,3 +260,59 @@ def test_accesses_describe_the_recorded_clock() -> None:
         ps_model(torch.randn(4, 6)).sum().backward()
         optimizer.step()
         assert ps_model.clock == 1
+
+
+# -- output types -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Output:
+    """A model output type as libraries define them (fields of tensors)."""
+
+    logits: torch.Tensor
+    extra: tuple[torch.Tensor, ...]
+
+
+class WithOutputType(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.a, self.b, self.kind = nn.Linear(6, 16), nn.Linear(16, 3), kind
+
+    def forward(self, x: torch.Tensor) -> Any:
+        hidden = torch.tanh(self.a(x))
+        logits = self.b(hidden)
+        if self.kind == "dataclass":
+            return Output(logits, (hidden,))
+        return {"logits": logits, "extra": [hidden]}
+
+
+@pytest.mark.parametrize("kind", ["dataclass", "dict"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["shipped at step", "shipped from backward"])
+def test_outputs_in_a_dataclass_or_dict(kind: str, overlap: bool) -> None:
+    """wrap()'s default loss and the light clock's hooks on the outputs find
+    the tensors inside a dataclass or dict output: the model trains as plain
+    PyTorch does, and a second backward pass through its output is refused."""
+    torch.manual_seed(0)
+    initial = WithOutputType(kind)
+    plain = copy.deepcopy(initial)
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 6, generator=generator), torch.randint(0, 3, (8,), generator=generator))
+            for _ in range(4)]
+    with LocalCluster(1, Config(update_rule=UpdateRule("sgd", learning_rate=0.1), wait_timeout_s=20)) as cluster:
+        ps_model = mt.wrap(copy.deepcopy(initial), cluster.worker(0), example_input=data[0][0],
+                           overlap_updates=overlap)
+        for clock, (x, y) in enumerate(data):
+            loss = F.cross_entropy(ps_model(x)["logits"] if kind == "dict" else ps_model(x).logits, y)
+            loss.backward(retain_graph=clock == 0)
+            if clock == 0:
+                with pytest.raises(mltuner.OutOfOrderError, match="second backward pass|second gradient"):
+                    loss.backward()
+            ps_model.step()
+            out = plain(x)
+            F.cross_entropy(out["logits"] if kind == "dict" else out.logits, y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        got = ps_model.state_dict()
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6)

@@ -83,8 +83,8 @@ Otherwise (stored activations, or reads posted after each layer) the
 driver queues its posts, and the stores and updates it can leave to the
 engine's own copy (``_store``, ``_update``), for the next engine call
 (``_open``): the same ops in the same order, about one engine call per layer
-in the forward and one per load and read in the backward pass, instead of
-two per access.
+in the forward and one per layer in the backward pass (its loads and its
+backward read together, ``_queue_ahead``), instead of two per access.
 
 The torch views of each engine buffer are made once per buffer address and
 reused (``Layer.buffer_views``): the engine's pool gives every access the
@@ -134,6 +134,7 @@ _LOCAL, _POST_LOCAL, _CLOCK = (OP_KINDS[k] for k in ("local_access", "post_local
 # An initial value worker 0 wrote to the servers and freed (commit_plan).
 _WRITTEN = torch.empty(0)
 _MAX_LOCAL_VIEWS = 4096  # cached torch views of local-table buffers (one per buffer address and shape)
+_OPENS = frozenset((_READ, _PRE_UPDATE, _LOCAL))  # the ops whose engine call returns a buffer
 _MAX_LOADS_AHEAD = 32  # stored activations read back ahead of their use, in one engine call with the first
 
 
@@ -288,6 +289,7 @@ class ClockDriver:
         self._layer_hooks: list[tuple[dict[int, Any], int, Any]] = []
         self._opened: dict[int, Any] = {}  # read event -> its buffer, opened by the batch
         self._read_back: dict[int, torch.Tensor] = {}  # slot -> its tensor, read back ahead of its use (_load)
+        self._read_ahead: dict[int, Any] = {}  # read_grad event -> its buffer, opened with loads (_queue_ahead)
         # Stored activations sharing one local access (_recording.store_groups):
         # slot -> its group's slots, and slot -> (offset, floats) in the access.
         self._groups: dict[int, tuple[int, ...]] = {}
@@ -505,23 +507,24 @@ class ClockDriver:
         the posts of one call share one ticket of the stream's work."""
         self._queued.append((kind, handle))
 
-    def _flush_posts(self, *, clock: bool = False) -> None:
+    def _flush_posts(self, *, clock: bool = False) -> list[Any]:
         """Hands the queued ops to the engine (and, with ``clock``, ends the
-        clock in the same call)."""
+        clock in the same call); returns the buffers of the opens among them."""
         ops = self._queued
         if clock and not ops:
             self.worker.clock()
-            return
+            return []
         if clock:
             ops.append((_CLOCK, -1))
-        if ops:
-            self._check_queued_stores()
-            try:
-                self.worker._run_ops(ops, self._stream)
-            finally:
-                ops.clear()
-                self._queued_stores.clear()
-                self._queued_grads.clear()
+        if not ops:
+            return []
+        self._check_queued_stores()
+        try:
+            return self.worker._run_ops(ops, self._stream)
+        finally:
+            ops.clear()
+            self._queued_stores.clear()
+            self._queued_grads.clear()
 
     def _check_queued_stores(self) -> None:
         """A queued store's bytes are copied when the queue goes to the
@@ -606,8 +609,9 @@ class ClockDriver:
     def _load(self, slot: int) -> torch.Tensor:
         """A stored activation, read back from the local table (its event
         logged or checked first). The loads recorded right after it (the
-        rest of a layer's saved tensors, as a rule) are read back in the
-        same engine call and handed out when autograd asks for them."""
+        rest of a layer's saved tensors, as a rule), and a backward read of
+        parameters among them, go in the same engine call
+        (:meth:`_queue_ahead`)."""
         index = self._next("load", slot=slot)
         if self._recording:
             return self._acts.original(slot)
@@ -618,19 +622,38 @@ class ClockDriver:
             raise AssertionError(f"saved activation #{slot} was not read back with its group")
         if self._by_engine(slot):  # the engine copies the bytes out, in the same call that opens the rows
             self._queue_load(index)
-            events, handles = self._events, self._handles
-            ahead = index + 1
-            while (ahead < len(events) and ahead - index <= _MAX_LOADS_AHEAD and events[ahead].kind == "load"
-                   and self._by_engine(events[ahead].slot)):
-                if handles[ahead] >= 0:  # (else a slot of a group queued here already)
-                    self._queue_load(ahead)
-                ahead += 1
-            self._flush_posts()
+            read, position = self._queue_ahead(index, read=True)
+            opened = self._flush_posts()
+            if read >= 0:
+                self._read_ahead[read] = opened[position]
             return self._read_back.pop(slot)
         layout = self._acts.slots[slot]
         out = read_back(self._local_bytes(self._open(_LOCAL, self._handles[index])), layout, self.device)
         self._post(_POST_LOCAL, self._handles[index])
         return out
+
+    def _queue_ahead(self, index: int, *, read: bool) -> tuple[int, int]:
+        """Queues, for the engine call about to go, the loads recorded right
+        after event ``index`` that the engine copies out (the rest of a
+        layer's saved tensors, as a rule: handed out when autograd asks)
+        and, with ``read``, a backward read of parameters among them (the
+        layer's backward op needs both; taken from ``_read_ahead``). Returns
+        that read's event and its place among the call's opened buffers,
+        or (-1, -1)."""
+        events, handles = self._events, self._handles
+        found = (-1, -1)
+        ahead = index + 1
+        while ahead < len(events) and ahead - index <= _MAX_LOADS_AHEAD:
+            event = events[ahead]
+            if event.kind == "read_grad" and read and found[0] < 0:
+                found = (ahead, sum(op[0] in _OPENS for op in self._queued))
+                self._queued.append((_READ, handles[ahead]))
+            elif event.kind != "load" or not self._by_engine(event.slot):
+                break
+            elif handles[ahead] >= 0:  # (else a slot of a group queued here already)
+                self._queue_load(ahead)
+            ahead += 1
+        return found
 
     def _by_engine(self, slot: int) -> bool:
         """Whether the engine copies a stored activation out itself (whole
@@ -1044,7 +1067,18 @@ class ClockDriver:
             )
         with self._mutating():
             index = self._next("read_grad", ref.layer)
-            flat, _ = self._open_read(index, layer)
+            ahead = self._read_ahead.pop(index, None)  # opened with the loads before it
+            if self._recording:
+                flat, _ = self._open_read(index, layer)
+            elif ahead is not None:
+                flat, _ = layer.buffer_views(ahead)
+            else:
+                # The loads recorded next (the layer's saved tensors, which
+                # its backward needs with the parameters) go in the same call.
+                position = sum(op[0] in _OPENS for op in self._queued)
+                self._queued.append((_READ, self._handles[index]))
+                self._queue_ahead(index, read=False)
+                flat, _ = layer.buffer_views(self._flush_posts()[position])
             self._grad_open[ref.layer] = (index, flat)
             return flat
 
@@ -1292,6 +1326,7 @@ class ClockDriver:
         self._grad_open.clear()
         self._opened.clear()
         self._read_back.clear()
+        self._read_ahead.clear()
         self._filling.clear()
         self._queued.clear()
         self._queued_stores.clear()

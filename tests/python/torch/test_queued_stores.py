@@ -71,6 +71,39 @@ def test_the_forward_costs_one_engine_call_per_read_and_training_matches_torch()
         assert_same_parameters(ps_model, reference)
 
 
+def test_the_backward_costs_one_engine_call_per_layer_and_training_matches_torch() -> None:
+    """Without held reads, a layer's backward needs its saved tensors and
+    its parameters read again: the loads and the read recorded next to
+    each other open in one engine call, whichever autograd asks for first."""
+    model, reference = make_model(), make_model()
+    x = torch.randn(8, 16)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    with LocalCluster(1, config()) as cluster:
+        worker = cluster.worker(0)
+        ps_model = mt.wrap(model, worker, example_input=x, store_activations=True, recompute="none",
+                           example_loss=lambda out: out.square().mean())
+        assert not ps_model.hold_reads
+        layers = len(ps_model.layers)
+        backward_reads = sum(a.startswith("backward read of") for a in ps_model.accesses)
+        assert backward_reads == layers - 1  # the first layer's backward needs no parameters (no input gradient)
+        calls: list[int] = []
+        real_run = worker._run_ops
+
+        def spy_run(ops: Any, stream: int) -> Any:
+            calls.append(len(ops))
+            return real_run(ops, stream)
+
+        worker._run_ops = spy_run  # type: ignore[method-assign]
+        for _ in range(CLOCKS):
+            loss = ps_model(x).square().mean()
+            calls.clear()
+            loss.backward()
+            assert len(calls) == layers  # a call per layer (a load and a read each but the first's)
+            ps_model.step()
+            reference_step(reference, optimizer, x)
+        assert_same_parameters(ps_model, reference)
+
+
 class SavesMany(nn.Module):
     """A layer whose backward needs several saved tensors: a run of loads."""
 

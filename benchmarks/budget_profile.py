@@ -3,7 +3,9 @@ mltuner worker, without a budget and at a fraction of the need, each traced
 by torch.profiler (CPU and CUDA activity of every thread, the engine's own
 copies and events included). Per clock: wall time, the GPU's busy time
 (kernels, copies), host<->device copies (count, bytes, time, bandwidth), the
-engine's stall, and each thread's CUDA runtime calls. A diagnostic, not a
+engine's stall, and each thread's CUDA runtime calls; before the trace, the
+forward, backward and step() timed apart (untraced), with the training
+thread's CPU time and the engine calls of each thread. A diagnostic, not a
 benchmark: budget_bench.py has the comparison.
 
     python benchmarks/budget_profile.py [--model resnet18|transformer] [--batch 128] [--image-size 32]
@@ -21,6 +23,7 @@ import gzip
 import json
 import os
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -88,6 +91,44 @@ def summarize(trace: dict[str, Any], clocks: int) -> list[str]:
     return lines
 
 
+def phases(ps: Any, worker: Any, x: torch.Tensor, loss: Any, clocks: int) -> str:
+    """The forward, backward and step() of ``clocks`` clocks timed apart:
+    wall and training-thread CPU ms per clock, and the engine calls
+    (``Worker._run_ops``) of the training thread and of autograd's."""
+    calls: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    real_run = worker._run_ops
+
+    def timed_run(ops: Any, stream: int) -> Any:
+        start = time.perf_counter()
+        try:
+            return real_run(ops, stream)
+        finally:
+            entry = calls["training" if threading.current_thread() is threading.main_thread() else "autograd"]
+            entry[0] += 1
+            entry[1] += time.perf_counter() - start
+
+    worker._run_ops = timed_run
+    spent = [[0.0, 0.0] for _ in range(3)]
+    try:
+        for _ in range(clocks):
+            output = None
+            for part, call in enumerate((lambda: ps(x), lambda: loss(output).backward(), ps.step)):
+                wall, cpu = time.perf_counter(), time.thread_time()
+                result = call()
+                if part == 0:
+                    output = result
+                spent[part][0] += time.perf_counter() - wall
+                spent[part][1] += time.thread_time() - cpu
+        if x.is_cuda:
+            torch.cuda.synchronize()
+    finally:
+        del worker._run_ops
+    parts = "; ".join(f"{name} {w / clocks * 1e3:.2f} ms (CPU {c / clocks * 1e3:.2f})"
+                      for name, (w, c) in zip(("forward", "backward", "step"), spent))
+    engine = "; ".join(f"{thread} {n / clocks:.0f} x {s / clocks * 1e3:.2f} ms" for thread, (n, s) in calls.items())
+    return f"phases per clock (untraced): {parts}; engine calls: {engine}"
+
+
 def run(args: argparse.Namespace, budget: int, label: str, x: torch.Tensor, loss: Any, make: Any) -> None:
     device = torch.device("cuda")
     config = mlt.Config(update_rule=mlt.UpdateRule("momentum", learning_rate=LR, momentum=MOMENTUM),
@@ -116,6 +157,7 @@ def run(args: argparse.Namespace, budget: int, label: str, x: torch.Tensor, loss
         torch.cuda.reset_peak_memory_stats()
         plain = ms_per_clock(args.clocks)
         torch_peak = torch.cuda.max_memory_allocated()
+        by_phase = phases(ps, worker, x, loss, max(args.clocks, 20))
         before = worker.stats
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -123,6 +165,7 @@ def run(args: argparse.Namespace, budget: int, label: str, x: torch.Tensor, loss
         after = worker.stats
         print(f"\n## {label}: {plain:.2f} ms/clock untraced, {traced:.2f} traced; torch's peak "
               f"{torch_peak / 1e6:.0f} MB", flush=True)
+        print(by_phase)
         per = {k: (after[k] - before[k]) / args.clocks for k in after
                if isinstance(after[k], (int, float)) and k in before and after[k] != before[k]}
         print("stats per clock: " + ", ".join(

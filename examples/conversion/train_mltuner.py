@@ -65,7 +65,6 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     model = mltuner.torch.wrap(model, job.worker, optimizer=optimizer,
                                example_input=train_set[:args.batch_size][0])
-    optimizer = model.optimizer
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     losses = []
     for epoch in range(args.epochs):

@@ -1,8 +1,8 @@
 """What ``.grad`` holds once a layer's update has left in the backward pass.
 
-Where updates ship from the backward pass (``overlap_updates=True``), a
-layer's gradients go to the engine as soon as they are final, long before
-``step()``. A script that then reads or changes ``.grad`` (global-norm
+Where updates ship from the backward pass (``overlap_updates=True``, or
+stored activations / reads not held), a layer's gradients go to the engine
+as soon as they are final, long before ``step()``. A script that then reads or changes ``.grad`` (global-norm
 clipping, a gradient-norm log) would find ``None`` and quietly clip or log
 nothing, while the servers apply the unclipped update. Instead, each
 parameter's ``.grad`` holds a :class:`ShippedGradient` until ``step()``:
@@ -36,11 +36,12 @@ _METADATA = frozenset({"shape", "dtype", "device", "layout", "is_sparse", "is_cu
 
 
 class ShippedGradient(torch.Tensor):
-    """A stand-in for the gradient of parameter ``name`` after its update
-    left for the servers (module docstring)."""
+    """A stand-in for the gradient of parameter ``param_name`` after its
+    update left for the servers (module docstring); ``why`` is the model's
+    reason to ship from the backward pass, for the error."""
 
     param_name: str
-    why: str  # why this model ships from the backward pass, and the way out
+    why: str
 
     @staticmethod
     def __new__(cls, like: torch.Tensor, name: str, why: str) -> ShippedGradient:

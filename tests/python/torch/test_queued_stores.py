@@ -42,39 +42,11 @@ def assert_same_parameters(ps_model: Any, reference: nn.Module) -> None:
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), name
 
 
-def test_the_forward_costs_one_engine_call_per_read_and_training_matches_torch() -> None:
-    model, reference = make_model(), make_model()
-    x = torch.randn(8, 16)
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    with LocalCluster(1, config()) as cluster:
-        worker = cluster.worker(0)
-        ps_model = mt.wrap(model, worker, example_input=x, store_activations=True, recompute="none",
-                           example_loss=lambda out: out.square().mean())
-        reads = sum(a.startswith("forward read of") for a in ps_model.accesses)
-        stores = sum(a.startswith("store of") for a in ps_model.accesses)
-        assert stores >= 3
-        calls: list[int] = []
-        real_run = worker._run_ops
-
-        def spy_run(ops: Any, stream: int) -> Any:
-            calls.append(len(ops))
-            return real_run(ops, stream)
-
-        worker._run_ops = spy_run  # type: ignore[method-assign]
-        for _ in range(CLOCKS):
-            calls.clear()
-            out = ps_model(x)
-            assert len(calls) <= reads + 1  # a call per read, one for the stores queued at the end
-            out.square().mean().backward()
-            ps_model.step()
-            reference_step(reference, optimizer, x)
-        assert_same_parameters(ps_model, reference)
-
-
-def test_the_backward_costs_one_engine_call_per_layer_and_training_matches_torch() -> None:
-    """Without held reads, a layer's backward needs its saved tensors and
-    its parameters read again: the loads and the read recorded next to
-    each other open in one engine call, whichever autograd asks for first."""
+def test_a_clock_costs_one_engine_call_per_layer_each_way_and_training_matches_torch() -> None:
+    """The forward: a call per read, the stores riding with the next one.
+    The backward, without held reads: a layer needs its saved tensors and
+    its parameters read again, and the loads and the read recorded next to
+    each other open in one call, whichever autograd asks for first."""
     model, reference = make_model(), make_model()
     x = torch.randn(8, 16)
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
@@ -84,7 +56,10 @@ def test_the_backward_costs_one_engine_call_per_layer_and_training_matches_torch
                            example_loss=lambda out: out.square().mean())
         assert not ps_model.hold_reads
         layers = len(ps_model.layers)
+        reads = sum(a.startswith("forward read of") for a in ps_model.accesses)
+        stores = sum(a.startswith("store of") for a in ps_model.accesses)
         backward_reads = sum(a.startswith("backward read of") for a in ps_model.accesses)
+        assert stores >= 3
         assert backward_reads == layers - 1  # the first layer's backward needs no parameters (no input gradient)
         calls: list[int] = []
         real_run = worker._run_ops
@@ -95,10 +70,12 @@ def test_the_backward_costs_one_engine_call_per_layer_and_training_matches_torch
 
         worker._run_ops = spy_run  # type: ignore[method-assign]
         for _ in range(CLOCKS):
+            calls.clear()
             loss = ps_model(x).square().mean()
+            assert len(calls) <= reads + 1  # a call per read, one for the stores queued at the end
             calls.clear()
             loss.backward()
-            assert len(calls) == layers  # a call per layer (a load and a read each but the first's)
+            assert len(calls) == layers  # a call per layer (its load, and its read but the first layer's)
             ps_model.step()
             reference_step(reference, optimizer, x)
         assert_same_parameters(ps_model, reference)

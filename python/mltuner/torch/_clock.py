@@ -646,14 +646,20 @@ class ClockDriver:
         while ahead < len(events) and ahead - index <= _MAX_LOADS_AHEAD:
             event = events[ahead]
             if event.kind == "read_grad" and read and found[0] < 0:
-                found = (ahead, sum(op[0] in _OPENS for op in self._queued))
-                self._queued.append((_READ, handles[ahead]))
+                found = (ahead, self._queue_read(handles[ahead]))
             elif event.kind != "load" or not self._by_engine(event.slot):
                 break
             elif handles[ahead] >= 0:  # (else a slot of a group queued here already)
                 self._queue_load(ahead)
             ahead += 1
         return found
+
+    def _queue_read(self, handle: int) -> int:
+        """Queues the open of a backward read for the next engine call;
+        returns its place among the buffers that call opens."""
+        position = sum(op[0] in _OPENS for op in self._queued)
+        self._queued.append((_READ, handle))
+        return position
 
     def _by_engine(self, slot: int) -> bool:
         """Whether the engine copies a stored activation out itself (whole
@@ -1075,8 +1081,7 @@ class ClockDriver:
             else:
                 # The loads recorded next (the layer's saved tensors, which
                 # its backward needs with the parameters) go in the same call.
-                position = sum(op[0] in _OPENS for op in self._queued)
-                self._queued.append((_READ, self._handles[index]))
+                position = self._queue_read(self._handles[index])
                 self._queue_ahead(index, read=False)
                 flat, _ = layer.buffer_views(self._flush_posts()[position])
             self._grad_open[ref.layer] = (index, flat)

@@ -226,6 +226,10 @@ class PSModule(nn.Module):
                 f"hold_reads={self.hold_reads}")
 
 
+# The original optimizer's instance attributes take_over_source() sets.
+_TAKEN_OVER = ("step", "_step_supports_amp_scaling")
+
+
 class ClockOptimizer(torch.optim.Optimizer):
     """Stands in for the torch optimizer in a training loop: :meth:`step`
     ends the clock (the servers apply the update rule) and :meth:`zero_grad`
@@ -339,8 +343,7 @@ class ClockOptimizer(torch.optim.Optimizer):
         # before wrap() then does not warn that step() was replaced (step()
         # marks _opt_called itself), and one made after leaves it as it is.
         step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-        self._saved_source_attrs = {name: source.__dict__[name] for name in ("step", "_step_supports_amp_scaling")
-                                    if name in source.__dict__}
+        self._saved_source_attrs = {name: source.__dict__[name] for name in _TAKEN_OVER if name in source.__dict__}
         source.step = types.MethodType(step, source)  # type: ignore[method-assign]
         # GradScaler.step then calls step() whatever the overflow, so that
         # the error above says what to do instead of a clock left open.
@@ -351,7 +354,7 @@ class ClockOptimizer(torch.optim.Optimizer):
         source = self._source
         if source is None:
             return
-        for name in ("step", "_step_supports_amp_scaling"):
+        for name in _TAKEN_OVER:
             source.__dict__.pop(name, None)
         source.__dict__.update(self._saved_source_attrs)
 

@@ -16,6 +16,9 @@
 //                AllocateHost (pinned) memory and device memory, one call per
 //                run, as the engine moves host-resident rows: layers (20 runs
 //                of one block each) and runs64 (runs of 64 rows, shuffled).
+//   swap-in-batch / swap-out-batch  the same runs as one RunIndex, moved by
+//                Device::SwapRuns as the engine swaps on CUDA: one batched
+//                copy (cudaMemcpyBatchAsync) per call on the swap streams;
 //   swap-in-kernel / swap-out-kernel  the same runs as one RunIndex, moved by
 //                one Gather (host -> device) / ScatterAdd (device -> host log)
 //                kernel on mapped pinned memory, as the engine swaps where
@@ -67,6 +70,7 @@ using mltuner::Device;
 using mltuner::RowRun;
 using mltuner::RunIndex;
 using mltuner::Stream;
+using mltuner::SwapDirection;
 
 constexpr int64_t kMiB = int64_t{1} << 20;
 constexpr int64_t kGiB = int64_t{1} << 30;
@@ -484,13 +488,7 @@ int RunCudaBench(const CudaBenchOptions& options) {
       down.t = TimeBatches(reps, BatchCalls(down.moved, 1.0 * kGiB, 1), d2h_call, device_wait(Stream::kWriteback));
       rows.push_back(down);
 
-      // The engine's swaps where the device maps host memory: the same runs
-      // as ONE prepared RunIndex, moved by one kernel launch that reads or
-      // writes the pinned memory in place, on the low-priority swap streams.
-      // swap-in-kernel: Gather host -> device (a read's host rows);
-      // swap-out-kernel: ScatterAdd device -> host (an update into the host
-      // log; it also reads the log, so PCIe carries the payload each way).
-      if (!device->maps_host_memory()) continue;
+      // The same runs as ONE RunIndex, as the engine holds them.
       const int64_t row_floats = width > 0 ? width : 4;  // layers: 16-byte rows
       const int64_t row_bytes = row_floats * 4;
       RunIndex in_index, out_index;
@@ -498,6 +496,58 @@ int RunCudaBench(const CudaBenchOptions& options) {
         in_index.runs.push_back({p.host / row_bytes, p.dev / row_bytes, p.len / row_bytes});
         out_index.runs.push_back({p.dev / row_bytes, p.host / row_bytes, p.len / row_bytes});
       }
+
+      // The engine's swaps: Device::SwapRuns, all runs of a swap in one
+      // batched copy on the copy engines, on the low-priority swap streams.
+      auto batch_in = [&](int64_t i) {
+        device->SwapRuns(sets[i % 2].table, pinned, in_index, row_floats, SwapDirection::kIn, Stream::kSwapIn);
+      };
+      auto batch_out = [&](int64_t i) {
+        device->SwapRuns(pinned, sets[i % 2].table, out_index, row_floats, SwapDirection::kOut, Stream::kSwapOut);
+      };
+      if (verify) {
+        std::vector<char> got(total), want(total);
+        CUDA_CHECK(cudaMemset(sets[0].table, 0xFF, static_cast<size_t>(total)));
+        CUDA_CHECK(cudaDeviceSynchronize());
+        batch_in(0);
+        CheckOk(device->Synchronize(Stream::kSwapIn), "SwapRuns in");
+        CUDA_CHECK(cudaMemcpy(got.data(), sets[0].table, static_cast<size_t>(total), cudaMemcpyDeviceToHost));
+        int64_t bad = 0;
+        for (const Piece& p : pieces) bad += std::memcmp(got.data() + p.dev, host + p.host, p.len) != 0;
+        std::string what = "swap-in-batch " + shape_name + " width " + std::to_string(width) + " (runs)";
+        all_verified &= Report(what.c_str(), bad, 0, 0, 0);
+        FillRandom(reinterpret_cast<float*>(want.data()), total / 4, seed++);
+        CUDA_CHECK(cudaMemcpy(sets[0].table, want.data(), static_cast<size_t>(total), cudaMemcpyHostToDevice));
+        std::memset(host, 0xFF, static_cast<size_t>(total));
+        batch_out(0);
+        CheckOk(device->Synchronize(Stream::kSwapOut), "SwapRuns out");
+        bad = 0;
+        for (const Piece& p : pieces) bad += std::memcmp(host + p.host, want.data() + p.dev, p.len) != 0;
+        what = "swap-out-batch " + shape_name + " width " + std::to_string(width) + " (runs)";
+        all_verified &= Report(what.c_str(), bad, 0, 0, 0);
+      }
+      Row batch_up = MakeRow("swap-in-batch", shape_name, static_cast<double>(mb), width, runs);
+      batch_up.moved = static_cast<double>(total);
+      batch_up.ceiling = h2d_ceiling;
+      batch_up.goal = 0.85;
+      batch_up.t = TimeBatches(reps, BatchCalls(batch_up.moved, 1.0 * kGiB, 1), batch_in, device_wait(Stream::kSwapIn));
+      rows.push_back(batch_up);
+      Row batch_down = MakeRow("swap-out-batch", shape_name, static_cast<double>(mb), width, runs);
+      batch_down.moved = static_cast<double>(total);
+      batch_down.ceiling = d2h_ceiling;
+      batch_down.goal = 0.85;
+      batch_down.t = TimeBatches(reps, BatchCalls(batch_down.moved, 1.0 * kGiB, 1), batch_out,
+                                 device_wait(Stream::kSwapOut));
+      rows.push_back(batch_down);
+
+      // Where the device maps host memory: the same runs moved by one kernel
+      // launch that reads or writes the pinned memory in place (what the
+      // CPU backend does; on CUDA it lost to the copy engines beside the
+      // application's kernels, Device::swaps_by_kernel).
+      // swap-in-kernel: Gather host -> device (a read's host rows);
+      // swap-out-kernel: ScatterAdd device -> host (an update into the host
+      // log; it also reads the log, so PCIe carries the payload each way).
+      if (!device->maps_host_memory()) continue;
       CheckOk(device->PrepareIndex(&in_index), "PrepareIndex");
       CheckOk(device->PrepareIndex(&out_index), "PrepareIndex");
       auto in_call = [&](int64_t i) {
@@ -577,7 +627,7 @@ int RunCudaBench(const CudaBenchOptions& options) {
       "scatter-add = read dst + read src + write dst = 3 x payload; host<->device = payload.\n"
       "ratio = GB/s / ceiling (gather, scatter-add, copy: d2d-copy 1 GiB; swap-h2d: h2d-pinned; swap-d2h: d2h-pinned).\n"
       "Median of %d timed batches after a warm-up batch; spread = (max - min) / median. Two buffer sets alternate.\n"
-      "runs = Device calls' run count (gather/scatter-add/swap-*-kernel: RowRuns of one kernel; swap-h2d/d2h: one cudaMemcpyAsync each).\n",
+      "runs = Device calls' run count (gather/scatter-add/swap-*-kernel: RowRuns of one kernel; swap-h2d/d2h: one cudaMemcpyAsync each; swap-*-batch: one cudaMemcpyBatchAsync).\n",
       reps);
   Out("%-12s %-9s %6s %5s %8s %9s %9s %9s %6s %5s %4s %6s\n", "op", "index", "MB", "width", "runs", "ms", "GB/s",
       "ceil GB/s", "ratio", "goal", "met", "spread");

@@ -69,6 +69,10 @@ struct CopyPiece {
 
 enum class CopyDirection { kIntoBuffer, kOutOfBuffer };
 
+// Which way a swap moves host-resident rows: from AllocateHost memory into
+// device memory, or out of device memory into it.
+enum class SwapDirection { kIn, kOut };
+
 // The rows an index moves (the sum of its runs' counts); InvalidArgument for a
 // run with a negative field. Every backend's PrepareIndex starts with it.
 Status CountIndexRows(const RunIndex& index, int64_t* total_rows);
@@ -136,6 +140,14 @@ class Device {
   // Pointers as for Gather. REQUIRES: no two runs write the same dst row.
   virtual void ScatterAdd(float* dst, const float* src, const RunIndex& index, int64_t row_width,
                           Stream s) = 0;
+  // A swap: for each run, dst rows [run.dst, run.dst+count) = src rows
+  // [run.src, ...), between AllocateHost memory and device memory (which is
+  // which: `direction`). The default moves the runs with one Gather where
+  // swaps_by_kernel(), else with a CopyHostToDevice / CopyDeviceToHost per
+  // run; CUDA puts the runs of a swap in one batched copy on the copy
+  // engines.
+  virtual void SwapRuns(float* dst, const float* src, const RunIndex& index, int64_t row_width,
+                        SwapDirection direction, Stream s);
   virtual void Fill(float* dst, float value, size_t count, Stream s) = 0;
   // dst[i] += src[i] for i < count. Both pointers are device memory.
   virtual void AddInto(float* dst, const float* src, int64_t count, Stream s) = 0;

@@ -1,5 +1,5 @@
-// What every Device shares: the default AllocateZeroed, and the host-side
-// count of non-finite floats (the CPU backend's, and the shards' check of
+// What every Device shares: the default AllocateZeroed and SwapRuns, and the
+// host-side count of non-finite floats (the CPU backend's, and the shards' check of
 // payloads in host memory).
 #include <cstring>
 
@@ -43,6 +43,25 @@ Status Device::AllocateZeroed(size_t bytes, bool host, void** out) {
   }
   *out = data;
   return Status::Ok();
+}
+
+void Device::SwapRuns(float* dst, const float* src, const RunIndex& index, int64_t row_width,
+                      SwapDirection direction, Stream s) {
+  if (swaps_by_kernel()) {
+    Gather(dst, src, index, row_width, s);
+    return;
+  }
+  const size_t row_bytes = static_cast<size_t>(row_width) * sizeof(float);
+  for (const RowRun& run : index.runs) {
+    float* to = dst + run.dst * row_width;
+    const float* from = src + run.src * row_width;
+    const size_t bytes = static_cast<size_t>(run.count) * row_bytes;
+    if (direction == SwapDirection::kIn) {
+      CopyHostToDevice(to, from, bytes, s);
+    } else {
+      CopyDeviceToHost(to, from, bytes, s);
+    }
+  }
 }
 
 Status Device::ExportIpc(size_t region_bytes, std::unique_ptr<DeviceIpc>* out) {

@@ -287,20 +287,13 @@ Status Allocator::GatherInto(const AccessRecord& access, float* buffer, Stream s
   if (index.device_gather.total_rows > 0) {
     device_->Gather(buffer, store.values(Residence::kDevice), index.device_gather, width, stream);
   }
-  // Host-resident rows straight from the host store (pinned on CUDA): one
-  // gather over all runs where the device maps host memory, else a copy per
-  // run. Joined to `stream` while the caller still holds the partition
-  // locks, so the ticket below covers this swap too.
+  // Host-resident rows straight from the host store (pinned on CUDA), in one
+  // swap of all their runs. Joined to `stream` while the caller still holds
+  // the partition locks, so the ticket below covers this swap too.
   if (index.host_gather.total_rows > 0) {
     const float* host = store.values(Residence::kHost);
     MLT_RETURN_IF_ERROR(OnSwapStream(*device_, stream, Stream::kSwapIn, [&](Stream swap) {
-      if (device_->swaps_by_kernel()) {
-        device_->Gather(buffer, host, index.host_gather, width, swap);
-        return;
-      }
-      for (const RowRun& run : index.host_gather.runs) {
-        device_->CopyHostToDevice(buffer + run.dst * width, host + run.src * width, run.count * row_bytes, swap);
-      }
+      device_->SwapRuns(buffer, host, index.host_gather, width, SwapDirection::kIn, swap);
     }));
   }
   if (!store.info.local) {  // a later install of these rows waits for this gather

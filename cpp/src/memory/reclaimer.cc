@@ -264,13 +264,13 @@ Status Reclaimer::ScatterAddUpdate(const AccessRecord& access, const float* buff
       }
       host_log_pending_[static_cast<size_t>(access.table)] = true;
     } else {
-      // A device that cannot write host memory: bring the buffer's rows to
-      // host staging, then add them into the host log on this thread.
+      // A device that does not write host memory by kernel: bring the
+      // buffer's rows to host staging at their places in the buffer, in one
+      // swap, then add them into the host log on this thread.
       float* staging = plan_->staging->floats();
-      for (const RowRun& run : index.host_scatter.runs) {
-        device_->CopyDeviceToHost(staging + run.src * width, buffer + run.src * width,
-                                  static_cast<size_t>(run.count * store.info.row_bytes()), Stream::kWriteback);
-      }
+      to_staging_.runs.clear();
+      for (const RowRun& run : index.host_scatter.runs) to_staging_.runs.push_back({run.src, run.src, run.count});
+      device_->SwapRuns(staging, buffer, to_staging_, width, SwapDirection::kOut, Stream::kWriteback);
       MLT_RETURN_IF_ERROR(device_->Synchronize(Stream::kWriteback));
       for (const RowRun& run : index.host_scatter.runs) {
         float* __restrict dst = log + run.dst * width;
@@ -347,14 +347,7 @@ Status Reclaimer::WriteBackLocal(const AccessRecord& access, const float* buffer
   if (index.host_scatter.total_rows > 0) {
     float* host = store.values(Residence::kHost);
     MLT_RETURN_IF_ERROR(OnSwapStream(*device_, Stream::kWriteback, Stream::kSwapOut, [&](Stream swap) {
-      if (device_->swaps_by_kernel()) {
-        device_->Gather(host, buffer, index.host_scatter, width, swap);  // one kernel into the host store
-        return;
-      }
-      for (const RowRun& run : index.host_scatter.runs) {
-        device_->CopyDeviceToHost(host + run.dst * width, buffer + run.src * width,
-                                  static_cast<size_t>(run.count * store.info.row_bytes()), swap);
-      }
+      device_->SwapRuns(host, buffer, index.host_scatter, width, SwapDirection::kOut, swap);
     }));
   }
   MutexLock lock(&state_->mu);

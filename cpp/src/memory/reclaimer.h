@@ -107,6 +107,9 @@ class Reclaimer {
   // Per table: a scatter-add into its host log is queued on the device and
   // not yet waited for. This thread's only (and the init phase's, before it).
   std::vector<bool> host_log_pending_;
+  // ScatterAddUpdate's runs into staging (each run to its place in the
+  // buffer), reused so that a clock allocates nothing.
+  RunIndex to_staging_;
   // Host frames (pinned on CUDA) of update payloads to other processes'
   // shards, recycled; idle ones bounded by RemotePayloadBytesInFlight.
   DeviceBufferPool frames_;

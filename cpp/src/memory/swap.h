@@ -10,8 +10,8 @@
 // taken on it) covers the swap as if it had been queued there. On a device
 // that swaps by kernel (Device::swaps_by_kernel: the CPU backend) one Gather
 // or ScatterAdd moves every run of an access; otherwise (CUDA, whose copy
-// engines keep their bandwidth beside the application's kernels) each run is
-// its own copy.
+// engines keep their bandwidth beside the application's kernels) the copy
+// engines do, all runs of an access in one batched copy (Device::SwapRuns).
 //
 // Threads: stateless; the caller's stream is the caller's (allocator thread:
 // prefetch; reclaimer thread: writeback; the init phase: the app stream).

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "device/device_contract.h"
+#include "gpu_like_device.h"
 #include "mltuner/device.h"
 #include "mltuner/update_step.h"
 #include "test_util.h"
@@ -93,6 +94,13 @@ std::vector<RowRun> OverlappingDst(int64_t rows, std::mt19937_64& rng) {
 TEST(PassesDeviceContract) {
   auto device = NewCpuDevice();
   contract::RunDeviceContract(*device, "cpu");
+}
+
+// The CPU backend swaps with one Gather; a device that swaps with its copy
+// engines (as CUDA does) takes the default SwapRuns, a copy per run.
+TEST(SwapsByCopiesMatchTheReference) {
+  GpuLikeDevice device;
+  contract::internal::Swaps(device);
 }
 
 TEST(Identity) {

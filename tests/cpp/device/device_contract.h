@@ -525,6 +525,56 @@ inline void HostResidentRuns(Device& device) {
   }
 }
 
+// Swaps (Device::SwapRuns): rows between AllocateHost memory and device
+// memory, in and out, over every layout (thousands of 1-row runs, empty
+// runs, gaps that must stay untouched) and an unprepared index, matching the
+// reference bit for bit. Every backend, whatever it maps: the engine swaps
+// through this call.
+inline void Swaps(Device& device) {
+  std::mt19937_64 rng(21);
+  const std::pair<int64_t, int64_t> shapes[] = {{1, 20000}, {64, 3000}, {1000, 300}};
+  for (const auto& [width, rows] : shapes) {
+    const std::vector<Layout> layouts = Layouts(rows, rng);
+    const size_t n = static_cast<size_t>(rows * width);
+    for (size_t li = 0; li < layouts.size(); ++li) {
+      const Layout& layout = layouts[li];
+      for (const SwapDirection direction : {SwapDirection::kIn, SwapDirection::kOut}) {
+        const bool in = direction == SwapDirection::kIn;
+        DeviceFloats device_side(device, n);
+        HostFloats host_side(device, n);
+        ASSERT_OK(device_side.status());
+        ASSERT_OK(host_side.status());
+        const std::vector<float> src = RandomNonZero(n, rng);
+        std::vector<float> want = RandomNonZero(n, rng);
+        ASSERT_OK(Upload(device, device_side.data(), in ? want : src, Stream::kReceive));
+        std::memcpy(host_side.data(), (in ? src : want).data(), n * sizeof(float));
+        RunIndex index;
+        index.runs = layout.runs;
+        const bool prepare = li != 1;  // an unprepared index must work too
+        if (prepare) ASSERT_OK(device.PrepareIndex(&index));
+        const Stream s = in ? Stream::kSwapIn : Stream::kSwapOut;
+        if (in) {
+          device.SwapRuns(device_side.data(), host_side.data(), index, width, direction, s);
+        } else {
+          device.SwapRuns(host_side.data(), device_side.data(), index, width, direction, s);
+        }
+        ASSERT_OK(device.Synchronize(s));
+        ReferenceRuns(false, want.data(), src.data(), layout.runs, width);
+        std::vector<float> got;
+        if (in) {
+          ASSERT_OK(Download(device, device_side.data(), n, &got, Stream::kApp));
+        } else {
+          got.assign(host_side.data(), host_side.data() + n);
+        }
+        MLT_CONTRACT_EXPECT_SAME(got.data(), want.data(), n,
+                                 std::string(in ? "SwapRuns in, " : "SwapRuns out, ") + layout.name + ", width " +
+                                     std::to_string(width) + (prepare ? "" : ", unprepared index"));
+        device.ReleaseIndex(&index);
+      }
+    }
+  }
+}
+
 // Work issued on one stream runs in issue order: a chain of dependent steps
 // with a single Synchronize at the end gives the right result.
 inline void StreamOrder(Device& device) {
@@ -661,6 +711,7 @@ inline void RunDeviceContract(Device& device, const char* label, const AppWorkHo
       {"Indexes", [&] { Indexes(device); }},
       {"GatherAndScatterAdd", [&] { GatherAndScatterAdd(device); }},
       {"HostResidentRuns", [&] { HostResidentRuns(device); }},
+      {"Swaps", [&] { Swaps(device); }},
       {"StreamOrder", [&] { StreamOrder(device); }},
       {"ConcurrentThreads", [&] { ConcurrentThreads(device); }},
       {"AppWorkTickets", [&] { AppWorkTickets(device, hooks); }},

@@ -121,7 +121,7 @@ from mltuner.torch._layers import Layer
 from mltuner.torch._pattern import reason, refusal
 from mltuner.torch._recording import (Event, Tables, create_tables, describe, for_holding, replay, reuse_tables,
                                       store_groups)
-from mltuner.torch._saved import SavedActivations, empty_for, read_back, write_bytes
+from mltuner.torch._saved import BufferOwners, SavedActivations, empty_for, read_back, write_bytes
 from mltuner.torch._trace import ParamRef
 
 __all__ = ["ClockDriver", "tensors_in"]
@@ -241,6 +241,7 @@ class ClockDriver:
         self._reruns: set[int] = set()  # layers the recording pass ran again in the backward (checkpointing)
         self._held: dict[int, torch.Tensor] = {}  # event of a held forward read -> its flat buffer
         self._held_by_layer: dict[int, list[int]] = {}  # layer -> events of its held forward reads
+        self._bound_versions: dict[int, list[int]] = {}  # layer -> its parameters' versions when bound this clock
         self._grad_open: dict[int, tuple[int, torch.Tensor]] = {}  # layer -> (event, flat buffer)
         # Gradients: per layer, the forward serial in which each parameter's
         # gradient last arrived, and how many of the layer's gradients are
@@ -312,11 +313,15 @@ class ClockDriver:
 
     # -- hooks -----------------------------------------------------------------------
     def _install_hooks(self) -> None:
+        # The reads go first: a forward pre-hook registered before wrap()
+        # (torch.nn.utils.prune, the old weight_norm and spectral_norm)
+        # computes the weight from the parameters, which hold values only
+        # once the layer is read.
         for layer in self.layers:
-            self._hooks.append(layer.module.register_forward_pre_hook(self._pre_hook(layer)))
+            self._hooks.append(layer.module.register_forward_pre_hook(self._pre_hook(layer), prepend=True))
             self._hooks.append(layer.module.register_forward_hook(self._post_hook(layer)))
             for _, caller in layer.callers:
-                self._hooks.append(caller.register_forward_pre_hook(self._caller_pre_hook(layer)))
+                self._hooks.append(caller.register_forward_pre_hook(self._caller_pre_hook(layer), prepend=True))
                 self._hooks.append(caller.register_forward_hook(self._caller_post_hook(layer)))
             for position, slot in enumerate(layer.params):
                 hook = self._grad_hook(layer, position)
@@ -754,6 +759,7 @@ class ClockDriver:
             layer = self.layers[number]
             flat, views = layer.buffer_views(buffer)
             layer.bind(views)
+            self._bound_versions[number] = layer.versions()
             self._held[index] = flat
             self._held_by_layer[number] = [index]
         self._cursor = self._forward_events
@@ -785,6 +791,7 @@ class ClockDriver:
         if not again:
             if not self._recording:
                 self._acts.check_modes(self.model, self.clock)  # nothing of the clock has reached the engine
+                self._acts.read_buffers(self.clock)
             if self.clock_start is not None and not self._recording:
                 self.clock_start()  # may raise: nothing of the clock has reached the engine
             if self._stale_grads:  # stale gradients of an aborted backward must not accumulate
@@ -801,6 +808,7 @@ class ClockDriver:
         # of microseconds and the clock's accesses need it dozens of times):
         # autograd runs each backward op on its forward op's stream.
         self._stream = app_stream(self.device)
+        owners = self._buffer_owners() if self._recording and self._store_activations else None
         if self._store_activations:
             self._local_ptrs = self._local_storage()
         try:
@@ -822,10 +830,13 @@ class ClockDriver:
                 with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), \
                         mode if mode is not None else contextlib.nullcontext():
                     output = call()
+            self._check_parameter_writes()
             if self._light:
                 self._watch_backward(output)
             if self._recording:
                 self._events = self._acts.choose(self._events, self.model.modules())
+                if owners is not None:
+                    self._acts.find_buffers(owners)
                 self._forward_events = self._recorded_forward_events = len(self._events)
             elif self._cursor != self._forward_events:
                 with self._mutating():
@@ -849,6 +860,36 @@ class ClockDriver:
             self._saved.clear()
         self._phase = Phase.BACKWARD
         return output
+
+    def _check_parameter_writes(self) -> None:
+        """Refuses a forward pass that wrote a parameter in place: the write
+        lands in the engine's read buffer and would be lost at the next read,
+        where torch would keep it (nn.Embedding(max_norm=...) renormalises
+        the rows it looks up so)."""
+        for number, versions in self._bound_versions.items():
+            layer = self.layers[number]
+            name = layer.changed_since(versions)
+            if name is not None:
+                with self._mutating():
+                    raise UnsupportedModelError(
+                        f"parameter {name!r} was written in place during the forward pass (nn.Embedding with "
+                        "max_norm renormalises its rows so, as would a weight clamp in a forward pre-hook); the "
+                        "servers hold the parameters and apply only the update of each clock, so the write would "
+                        "be lost at the next read: remove the in-place write (for an Embedding, drop max_norm)"
+                    )
+
+    def _buffer_owners(self) -> BufferOwners:
+        """Recording: the model's buffers and frozen parameters by storage
+        address, with their module and name (SavedActivations.find_buffers)."""
+        owners: BufferOwners = {}
+        for prefix, module in self.model.named_modules():
+            tensors = [*module._buffers.items(),
+                       *((n, p) for n, p in module._parameters.items() if p is not None and not p.requires_grad)]
+            for attribute, tensor in tensors:
+                address = storage_ptr(tensor) if tensor is not None else None
+                if address:
+                    owners[address] = (module, attribute, tensor, f"{prefix}.{attribute}" if prefix else attribute)
+        return owners
 
     def _local_storage(self) -> set[int]:
         """The storage addresses of tensors the model keeps anyway: buffers
@@ -893,6 +934,7 @@ class ClockDriver:
                 index = self._next("read", number)
                 flat, views = self._open_read(index, layer)
                 layer.bind(views)
+            self._bound_versions.setdefault(number, layer.versions())
             address = storage_ptr(flat)
             assert address is not None
             self._fwd_open[number] = (index, address, flat)
@@ -988,8 +1030,9 @@ class ClockDriver:
             with self._mutating():
                 raise UnsupportedModelError(
                     "a parameter is used outside the forward of the module that owns it (it holds a NaN "
-                    "placeholder there); call the module, or add the calling module's type to "
-                    "wrap(..., whole_modules=...) so it is read as one layer"
+                    "placeholder there: a ParameterList or ParameterDict used by its parent, another module's "
+                    "weight, as in F.linear(h, self.embedding.weight)); add the calling module's type to "
+                    "wrap(..., whole_modules=...) so that it and the parameter are read as one layer"
                 )
         if not self._store_activations or address in self._local_ptrs or tensor.device != self.device:
             return tensor
@@ -1328,6 +1371,7 @@ class ClockDriver:
         self._reads.clear()
         self._held.clear()
         self._held_by_layer.clear()
+        self._bound_versions.clear()
         self._grad_open.clear()
         self._opened.clear()
         self._read_back.clear()

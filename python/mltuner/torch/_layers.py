@@ -138,6 +138,19 @@ class Layer:
         """Points every parameter at its rows in ``flat`` (no copy)."""
         self.bind(self.views(flat))
 
+    def versions(self) -> list[int]:
+        """The parameters' version counters (bumped by every in-place write
+        through a parameter; binding does not bump them)."""
+        return [param._version for param in self._params]
+
+    def changed_since(self, versions: list[int]) -> str | None:
+        """The name of the first parameter written in place since
+        :meth:`versions` gave ``versions``, or None."""
+        for slot, param, version in zip(self.params, self._params, versions):
+            if param._version != version:
+                return slot.name
+        return None
+
     def unbind(self) -> None:
         """Points every parameter at a NaN placeholder of its shape."""
         if not self._nan_views:

@@ -34,11 +34,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from torch.utils._pytree import tree_flatten
+
+from mltuner.torch._buffers import storage_ptr
 from mltuner.torch._errors import IterationMismatchError
 from mltuner.torch._recompute import MAX_DEPTH, Program, choose, compute_depth, run
 from mltuner.torch._recompute import describe as describe_program
 from mltuner.torch._recording import Event, Slot
-from mltuner.torch._trace import ForwardTrace, ParamRef, RandomStates
+from mltuner.torch._trace import BufferArg, ForwardTrace, ParamRef, RandomStates
+
+# Where a buffer or frozen parameter lives: (module, attribute, its tensor,
+# the attribute's name in the model), by the tensor's storage address.
+BufferOwners = dict[int, tuple[nn.Module, str, torch.Tensor, str]]
 
 __all__ = ["KEEP_MAX_BYTES", "KEEP_SHARE", "SavedActivations", "StoreAllLog", "empty_for", "keep_small", "read_back",
            "write_bytes"]
@@ -123,6 +130,27 @@ def siblings(programs: dict[int, Program], trace: ForwardTrace,
         if found:
             out[slot] = found
     return out
+
+
+def _layout(tensor: torch.Tensor) -> tuple[Any, ...]:
+    return tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), tensor.dtype, tensor.device
+
+
+@dataclasses.dataclass(eq=False)
+class _BufferUse:
+    """A buffer or frozen parameter (or a view of one) that a recomputation
+    reads, found again through its module each clock: a model may assign a
+    new tensor to it between clocks (truncated backpropagation through time
+    keeps its hidden state so), and the backward pass must read what this
+    clock's forward read."""
+
+    arg: BufferArg
+    module: nn.Module
+    attribute: str
+    name: str  # in the model, for errors
+    source: torch.Tensor  # the module's tensor the argument was last taken from
+    layout: tuple[Any, ...]  # the recorded tensor's (_layout)
+    view: tuple[tuple[int, ...], tuple[int, ...], int] | None  # the argument's view of it; None: the tensor
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -211,6 +239,7 @@ class SavedActivations:
         self._moded: list[nn.Module] = []  # ... and those modules, in the same order
         self.store_all: StoreAllLog | None = None  # recording, while recomputing
         self.fell_back = ""  # why wrap(recompute="auto") stores every activation after all
+        self._buffer_uses: list[_BufferUse] = []  # the buffers the programs read (find_buffers)
 
     @property
     def forward_work(self) -> tuple[int, int]:
@@ -307,6 +336,52 @@ class SavedActivations:
                                if nodes[n].seeded >= 0}
         return left
 
+    def find_buffers(self, owners: BufferOwners) -> None:
+        """Recording, after :meth:`choose`: where each buffer the programs
+        read lives in the model (``owners``: the model's buffers and frozen
+        parameters at the forward's start), for :meth:`read_buffers`."""
+        self._buffer_uses = []
+        if not self._programs:
+            return
+        assert self._trace is not None
+        seen: set[int] = set()
+        for number in sorted({n for program in self._programs.values() for n in program.nodes}):
+            node = self._trace.nodes[number]
+            for item in tree_flatten((node.args, node.kwargs))[0]:
+                if not isinstance(item, BufferArg) or id(item) in seen:
+                    continue
+                seen.add(id(item))
+                owner = owners.get(storage_ptr(item.tensor) or 0)
+                if owner is None:
+                    continue
+                module, attribute, source, name = owner
+                tensor = item.tensor
+                view = None if tensor is source else (tuple(tensor.shape), tuple(tensor.stride()),
+                                                      int(tensor.storage_offset()))
+                self._buffer_uses.append(_BufferUse(item, module, attribute, name, source, _layout(source), view))
+
+    def read_buffers(self, clock: int) -> None:
+        """Before a clock: points the programs' buffer arguments at the
+        tensors the model holds now (a new one where it assigned one since).
+        A buffer now of another shape, dtype or layout is refused: the
+        recorded ops could not run on it as they did."""
+        for use in self._buffer_uses:
+            module = use.module
+            current = (module._buffers.get(use.attribute) if use.attribute in module._buffers
+                       else module._parameters.get(use.attribute))
+            if current is use.source:
+                continue
+            if not isinstance(current, torch.Tensor) or _layout(current) != use.layout:
+                raise IterationMismatchError(
+                    f"clock {clock}: {use.name!r} is now "
+                    f"{'None' if current is None else f'{tuple(current.shape)} {current.dtype}'}, where wrap() "
+                    f"recorded {tuple(use.source.shape)} {use.source.dtype} (or another memory layout); recomputed "
+                    "activations read it in the backward pass, so it must keep its shape and layout "
+                    "(or use wrap(..., recompute='none'))"
+                )
+            use.source = current
+            use.arg.tensor = current if use.view is None else current.as_strided(*use.view)
+
     def store_everything(self, why: str) -> tuple[list[Event], int]:
         """Gives up recomputing (``why``, for :meth:`summary`): every slot is
         stored. Returns the clock's events with every activation stored and
@@ -317,6 +392,7 @@ class SavedActivations:
         self._uses = list(log.uses)
         self._programs = {}
         self._random_wanted = {}
+        self._buffer_uses = []
         self.recompute = False
         self.fell_back = why
         self.store_all = None

@@ -81,8 +81,10 @@ class ValueArg:
     value: int
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(eq=False)
 class BufferArg:
+    # The recorded tensor, pointed at each clock's own by
+    # SavedActivations.read_buffers where the model assigns a new one.
     tensor: torch.Tensor
 
 

@@ -684,3 +684,52 @@ def test_under_ssp_without_held_reads_no_recomputation_reads_parameters() -> Non
     held = recomputed(train(make, data, transformer_loss, "cheap", slack=1, hold_reads=True)["saved"])
     assert held == bsp  # a held read gives the backward pass the forward's parameters
     # (No bitwise comparison here: under SSP what a read sees depends on timing, recomputing or not.)
+
+
+class CarriedState(nn.Module):
+    """Truncated backpropagation through time: the GRU's hidden state is a
+    buffer, assigned a new tensor by every forward (self.h = h.detach())."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn = nn.GRU(8, WIDTH, batch_first=True)
+        self.head = nn.Linear(WIDTH, CLASSES)
+        self.register_buffer("h", torch.zeros(1, BATCH, WIDTH), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, h = self.rnn(x, self.h)
+        self.h = h.detach()
+        return self.head(out[:, -1])
+
+
+def carried_state_data() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return (torch.randn(CLOCKS, BATCH, SEQ, 8, generator=generator),
+            torch.randint(0, CLASSES, (CLOCKS, BATCH), generator=generator))
+
+
+@pytest.mark.parametrize("recompute", ["cheap", "compute"])
+def test_a_buffer_assigned_anew_each_clock_is_read_as_this_clocks_forward_read_it(recompute: str) -> None:
+    want = train(CarriedState, carried_state_data(), resnet_loss, "none")
+    got = train(CarriedState, carried_state_data(), resnet_loss, recompute)
+    assert recomputed(got["saved"])  # the GRU's gates are recomputed from the state the forward read
+    assert_same_training(got, want)
+
+
+def test_a_buffer_assigned_another_shape_is_refused_while_recomputing() -> None:
+    x, y = carried_state_data()
+    model = CarriedState()
+    config = Config(update_rule=UpdateRule("momentum", learning_rate=0.05, momentum=0.9), wait_timeout_s=20)
+    with LocalCluster(1, config) as cluster:
+        ps_model = mt.wrap(model, cluster.worker(0), example_input=x[0], store_activations=True, recompute="cheap",
+                           example_loss=lambda out: resnet_loss(out, y[0]))
+        assert recomputed(ps_model.saved_activations)
+        resnet_loss(ps_model(x[0]), y[0]).backward()
+        ps_model.step()
+        model.h = torch.zeros(1, BATCH, WIDTH, dtype=torch.float64)
+        with pytest.raises(mt.IterationMismatchError, match=r"clock 1: 'h' is now \(1, 4, 32\) torch.float64"):
+            ps_model(x[1])
+        model.h = torch.zeros(1, BATCH, WIDTH)  # the same layout again: the clock goes on
+        resnet_loss(ps_model(x[1]), y[1]).backward()
+        ps_model.step()

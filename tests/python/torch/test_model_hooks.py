@@ -1,0 +1,140 @@
+"""Models that change their parameters' use around the forward pass: forward
+pre-hooks registered before wrap() (torch.nn.utils.prune, the old
+weight_norm and spectral_norm compute the weight from other parameters in a
+pre-hook), and in-place writes to a parameter during the forward, which the
+engine cannot keep (nn.Embedding(max_norm=...)).
+
+Each hooked model trains a few clocks through one worker and is compared
+with plain PyTorch (SGD with momentum, the rule's twin) on the same batches,
+for every way the adapter reads a layer: held reads bound before the
+forward, reads opened by the layer's own pre-hook, and stored activations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch import nn  # noqa: E402
+from torch.nn.utils import prune  # noqa: E402
+
+import mltuner  # noqa: E402
+import mltuner.torch as mt  # noqa: E402
+from mltuner import Config, LocalCluster, UpdateRule  # noqa: E402
+
+CLOCKS, BATCH = 3, 4
+LR, MOMENTUM = 0.05, 0.9
+
+
+def pruned() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5))
+    prune.l1_unstructured(model[0], "weight", amount=0.3)
+    return model
+
+
+def weight_normed() -> nn.Module:
+    torch.manual_seed(0)
+    with pytest.warns(FutureWarning):  # the old API, which torch deprecates but keeps
+        first = nn.utils.weight_norm(nn.Linear(8, 16))
+    return nn.Sequential(first, nn.Tanh(), nn.Linear(16, 5))
+
+
+def spectral_normed() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.utils.spectral_norm(nn.Linear(8, 16)), nn.Tanh(), nn.Linear(16, 5))
+
+
+def plain_torch(model: nn.Module, xs: torch.Tensor) -> tuple[list[float], dict[str, torch.Tensor]]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    losses = []
+    for x in xs:
+        loss = model(x).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+@pytest.mark.parametrize("make", [pruned, weight_normed, spectral_normed], ids=["prune", "weight_norm", "spectral_norm"])
+@pytest.mark.parametrize("reads", [{}, {"hold_reads": False}, {"store_activations": True}],
+                         ids=["held", "per-layer", "stored"])
+def test_pre_hooks_registered_before_wrap_see_the_layers_values(make: Callable[[], nn.Module],
+                                                                 reads: dict[str, Any]) -> None:
+    xs = torch.randn(CLOCKS, BATCH, 8, generator=torch.Generator().manual_seed(1))
+    want_losses, want = plain_torch(make(), xs)  # (a hooked model's weight is no leaf: deepcopy refuses it)
+    model = make()
+    config = Config(update_rule=UpdateRule("sgd", learning_rate=LR, momentum=MOMENTUM), wait_timeout_s=20)
+    with LocalCluster(1, config) as cluster:
+        ps_model = mt.wrap(model, cluster.worker(0), example_input=xs[0], **reads)
+        losses = []
+        for x in xs:
+            loss = ps_model(x).square().mean()
+            loss.backward()
+            ps_model.step()
+            losses.append(loss.item())
+        got = ps_model.state_dict()
+    assert all(loss == loss for loss in losses), losses  # no NaN: the hooks read values, not placeholders
+    assert losses[0] == want_losses[0]
+    assert losses == pytest.approx(want_losses, rel=1e-5)
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        assert torch.allclose(got[name], value, rtol=1e-5, atol=1e-6), name
+
+
+class Clamped(nn.Module):
+    """A linear layer whose forward pre-hook clamps its weight in place
+    (while ``clamping``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 5)
+        self.clamping = True
+        self.linear.register_forward_pre_hook(self._clamp)
+
+    def _clamp(self, module: nn.Module, args: Any) -> None:
+        if self.clamping:
+            with torch.no_grad():
+                module.weight.clamp_(-0.1, 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("reads", [{}, {"store_activations": True}], ids=["held", "stored"])
+@pytest.mark.parametrize("kind", ["embedding", "clamp"])
+def test_a_parameter_written_in_place_in_the_forward_is_refused_at_wrap(kind: str, reads: dict[str, Any]) -> None:
+    torch.manual_seed(0)
+    if kind == "embedding":  # renormalises the rows it looks up, in place
+        model: nn.Module = nn.Sequential(nn.Embedding(20, 8, max_norm=0.5), nn.Flatten(), nn.Linear(48, 5))
+        x = torch.randint(0, 20, (BATCH, 6), generator=torch.Generator().manual_seed(1))
+        name = "0.weight"
+    else:
+        model, x, name = Clamped(), torch.randn(BATCH, 8), "linear.weight"
+    config = Config(update_rule=UpdateRule("sgd", learning_rate=LR, momentum=MOMENTUM))
+    with LocalCluster(1, config) as cluster:
+        with pytest.raises(mt.UnsupportedModelError, match=rf"parameter '{name}' was written in place"):
+            mt.wrap(model, cluster.worker(0), example_input=x, **reads)
+
+
+def test_a_write_in_a_later_clock_is_refused_and_named_again_after() -> None:
+    torch.manual_seed(0)
+    model = Clamped()
+    model.clamping = False
+    x = torch.randn(BATCH, 8, generator=torch.Generator().manual_seed(1))
+    config = Config(update_rule=UpdateRule("sgd", learning_rate=LR, momentum=MOMENTUM))
+    with LocalCluster(1, config) as cluster:
+        ps_model = mt.wrap(model, cluster.worker(0), example_input=x)
+        ps_model(x).square().mean().backward()
+        ps_model.step()
+        assert ps_model.state_dict()["linear.weight"].abs().max() > 0.1  # the clamp changes it
+        model.clamping = True
+        with pytest.raises(mt.UnsupportedModelError, match="'linear.weight' was written in place"):
+            ps_model(x)
+        with pytest.raises(mltuner.OutOfOrderError, match="'linear.weight' was written in place"):
+            ps_model(x)  # the clock's reads were open: the model cannot go on, and says why

@@ -231,6 +231,21 @@ def _defines_forward(module: nn.Module) -> bool:
     return type(module).forward is not nn.Module.forward
 
 
+_PARAMETER_CONTAINERS = (nn.ParameterList, nn.ParameterDict)
+
+
+def _held_directly(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """A module's own parameters and those of its parameter containers
+    (``ParameterList``, ``ParameterDict``), by their names in the module:
+    a container is never called, so only the module's forward can use them,
+    and they are read with the module."""
+    held = list(module.named_parameters(recurse=False))
+    for child_name, child in module.named_children():
+        if isinstance(child, _PARAMETER_CONTAINERS):
+            held += [(f"{child_name}.{name}", param) for name, param in _held_directly(child)]
+    return held
+
+
 def find_layers(model: nn.Module, row_width: int,
                 whole_modules: Sequence[type[nn.Module]] = DEFAULT_WHOLE_MODULES,
                 group_bytes: int = DEFAULT_GROUP_BYTES, split: Collection[str] = ()) -> list[Layer]:
@@ -242,7 +257,8 @@ def find_layers(model: nn.Module, row_width: int,
     ``group_bytes`` (and which defines a forward) is one layer with all of
     them, unless its name is in ``split``; instances of ``whole_modules``
     are one layer whatever their size. Any other module with trainable
-    parameters of its own is a layer of those.
+    parameters of its own (those of its ParameterLists and ParameterDicts
+    included) is a layer of those.
 
     Raises:
         UnsupportedModelError: see :func:`mltuner.torch.wrap`.
@@ -261,7 +277,8 @@ def find_layers(model: nn.Module, row_width: int,
         return f"{module_name}.{name}" if module_name else name
 
     def add_layer(module_name: str, module: nn.Module, recurse: bool) -> None:
-        every = [(n, p) for n, p in module.named_parameters(recurse=recurse) if p.requires_grad]
+        held = module.named_parameters(recurse=True) if recurse else _held_directly(module)
+        every = [(n, p) for n, p in held if p.requires_grad]
         trainable = [(n, p) for n, p in every if id(p) not in owner]
         if len(trainable) < len(every):  # tied to an earlier layer: the modules holding those read it too
             for name, holder in module.named_modules(prefix=module_name) if recurse else [(module_name, module)]:
@@ -301,6 +318,9 @@ def find_layers(model: nn.Module, row_width: int,
                 return
         add_layer(module_name, module, recurse=False)
         for child_name, child in module.named_children():
+            if isinstance(child, _PARAMETER_CONTAINERS):  # read with this module (_held_directly)
+                seen.update(id(m) for m in child.modules())
+                continue
             visit(f"{module_name}.{child_name}" if module_name else child_name, child, is_root=False)
 
     visit("", model, is_root=True)

@@ -151,3 +151,46 @@ def test_buffer_views_are_made_once_per_buffer() -> None:
             assert layer._cache.keys() == before.keys(), layer.name
             for key, (flat, views) in before.items():
                 assert layer._cache[key][0] is flat and all(a is b for a, b in zip(layer._cache[key][1], views))
+
+
+class Mixture(nn.Module):
+    """Parameters in containers its own forward uses: a ParameterList of
+    scales and a ParameterDict of offsets (never called themselves)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(6, 6)
+        self.scales = nn.ParameterList([nn.Parameter(torch.rand(6) + 0.5) for _ in range(3)])
+        self.offsets = nn.ParameterDict({"a": nn.Parameter(torch.randn(6)), "b": nn.Parameter(torch.randn(6))})
+        self.last = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        for scale in self.scales:
+            h = torch.tanh(h * scale + self.offsets["a"])
+        return self.last(h - self.offsets["b"])
+
+
+@pytest.mark.parametrize("reads", [{}, {"hold_reads": False}, {"store_activations": True}],
+                         ids=["held", "per-layer", "stored"])
+@pytest.mark.parametrize("group_bytes", [0, 1 << 20], ids=["ungrouped", "grouped"])
+def test_parameter_lists_and_dicts_are_read_with_the_module_that_uses_them(reads: dict[str, object],
+                                                                         group_bytes: int) -> None:
+    xs = torch.randn(4, 5, 6, generator=torch.Generator().manual_seed(1))
+    reference = Mixture()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR, momentum=MOMENTUM)
+    for x in xs:
+        reference(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    config = Config(update_rule=UpdateRule("sgd", learning_rate=LR, momentum=MOMENTUM))
+    with LocalCluster(1, config) as cluster:
+        ps_model = mt.wrap(Mixture(), cluster.worker(0), example_input=xs[0], group_bytes=group_bytes, **reads)
+        for x in xs:
+            ps_model(x).square().mean().backward()
+            ps_model.step()
+        got = ps_model.state_dict()
+    assert got.keys() == reference.state_dict().keys()
+    for name, value in reference.state_dict().items():
+        assert torch.allclose(got[name], value, rtol=1e-5, atol=1e-7), name

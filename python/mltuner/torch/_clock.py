@@ -119,7 +119,7 @@ from mltuner.torch._buffers import app_stream, as_tensor, buffer_key, placeholde
 from mltuner.torch._errors import IterationMismatchError, UnsupportedModelError
 from mltuner.torch._layers import Layer
 from mltuner.torch._pattern import reason, refusal
-from mltuner.torch._recording import (Event, Tables, create_tables, describe, for_holding, replay, reuse_tables,
+from mltuner.torch._recording import (Event, Slot, Tables, create_tables, describe, for_holding, replay, reuse_tables,
                                       store_groups)
 from mltuner.torch._saved import BufferOwners, SavedActivations, empty_for, read_back, write_bytes
 from mltuner.torch._trace import ParamRef
@@ -242,6 +242,7 @@ class ClockDriver:
         self._held: dict[int, torch.Tensor] = {}  # event of a held forward read -> its flat buffer
         self._held_by_layer: dict[int, list[int]] = {}  # layer -> events of its held forward reads
         self._bound_versions: dict[int, list[int]] = {}  # layer -> its parameters' versions when bound this clock
+        self._shrunk: dict[int, Slot] = {}  # slot -> this clock's layout where smaller than recorded
         self._grad_open: dict[int, tuple[int, torch.Tensor]] = {}  # layer -> (event, flat buffer)
         # Gradients: per layer, the forward serial in which each parameter's
         # gradient last arrived, and how many of the layer's gradients are
@@ -585,7 +586,7 @@ class ClockDriver:
         if self._recording:
             return
         handle = self._handles[index]
-        layout = self._acts.slots[slot]
+        layout = self._layout(slot)
         if not (layout.exact_layout and layout.nbytes % 4 == 0):
             # Through a buffer of its own, now: an engine call, which also
             # posts whatever is queued (store_groups ends every group there).
@@ -602,7 +603,7 @@ class ClockDriver:
         # One access for the group, opened at its first slot's store; its
         # post goes to the engine with the next call, after the last one.
         members = self._groups[slot]
-        piece = (address, *self._spans[slot])
+        piece = (address, self._spans[slot][0], layout.nbytes // 4)
         if handle >= 0:
             pieces = self._filling[members[0]] = [piece]
             self._queued += [(_LOCAL, handle), (_POST_LOCAL, handle, pieces)]
@@ -632,7 +633,7 @@ class ClockDriver:
             if read >= 0:
                 self._read_ahead[read] = opened[position]
             return self._read_back.pop(slot)
-        layout = self._acts.slots[slot]
+        layout = self._layout(slot)
         out = read_back(self._local_bytes(self._open(_LOCAL, self._handles[index])), layout, self.device)
         self._post(_POST_LOCAL, self._handles[index])
         return out
@@ -666,6 +667,11 @@ class ClockDriver:
         self._queued.append((_READ, handle))
         return position
 
+    def _layout(self, slot: int) -> Slot:
+        """A stored slot's layout this clock: the recorded one, or the smaller
+        one its tensor had (:meth:`SavedActivations.check`)."""
+        return self._shrunk.get(slot) or self._acts.slots[slot]
+
     def _by_engine(self, slot: int) -> bool:
         """Whether the engine copies a stored activation out itself (whole
         float32 words; a group's slots always)."""
@@ -678,9 +684,10 @@ class ClockDriver:
         handle, slot = self._handles[index], self._events[index].slot
         pieces = []
         for member in self._groups.get(slot, (slot,)):
-            layout = self._acts.slots[member]
+            layout = self._layout(member)
             out = self._read_back[member] = empty_for(layout, self.device)
-            pieces.append((out.data_ptr(), *self._spans.get(member, (0, layout.nbytes // 4))))
+            pieces.append((out.data_ptr(), self._spans[member][0] if member in self._spans else 0,
+                           layout.nbytes // 4))
         self._queued += [(_LOCAL, handle), (_POST_LOCAL, handle, (), pieces)]
 
     def _update(self, index: int, layer: Layer, grads: list[torch.Tensor]) -> None:
@@ -1048,7 +1055,9 @@ class ClockDriver:
                 self._acts.add(tensor)
             layout = self._acts.slots[slot]
             index = self._next("store", slot=slot) if layout.stored else -1
-            self._acts.check(slot, key[2], key[4], key[3], self.clock)
+            this_clock = self._acts.check(slot, key[2], key[4], key[3], self.clock)
+            if this_clock is not layout:  # smaller than recorded: its rows hold it
+                self._shrunk[slot] = this_clock
             self._next_slot += 1
             if index >= 0:
                 self._store(index, slot, tensor)
@@ -1372,6 +1381,7 @@ class ClockDriver:
         self._held.clear()
         self._held_by_layer.clear()
         self._bound_versions.clear()
+        self._shrunk.clear()
         self._grad_open.clear()
         self._opened.clear()
         self._read_back.clear()

@@ -278,18 +278,27 @@ class SavedActivations:
             self._values.append(self._trace.value_of(tensor))
 
     def check(self, slot: int, shape: tuple[int, ...], dtype: torch.dtype, stride: tuple[int, ...],
-              clock: int) -> None:
-        """Raises IterationMismatchError unless a saved tensor of this shape,
-        dtype and strides matches what the recording saved in ``slot``."""
+              clock: int) -> Slot:
+        """The layout of this clock's tensor in ``slot``: the recorded one, or
+        one of a smaller shape that its rows hold (a partial last batch, a
+        shorter sequence: :meth:`_smaller`). Raises IterationMismatchError
+        for any other shape, dtype or strides."""
         expected = self.slots[slot]
         if stride == expected.stride and shape == expected.shape and dtype == expected.dtype:
-            return  # the common case: exactly the recorded tensor's layout
+            return expected  # the common case: exactly the recorded tensor's layout
+        if shape != expected.shape and dtype == expected.dtype:
+            smaller = self._smaller(expected, shape, stride)
+            if smaller is not None:
+                return smaller
         if (shape, dtype) != (expected.shape, expected.dtype):
+            why = ("every clock must save the recorded shapes, since the recomputations replay the recorded ops "
+                   "(recompute='none' lets them shrink)" if self._programs and dtype == expected.dtype else
+                   "a clock may save smaller tensors of the same dtype and memory layout (a smaller batch, "
+                   "a shorter sequence), not larger ones: give wrap() the largest example_input")
             raise IterationMismatchError(
                 f"clock {clock}: saved activation #{slot} is {shape} {dtype}, the "
                 f"recorded one {expected.shape} {expected.dtype}; with store_activations=True the local "
-                "tables are sized by the recording pass, so every clock must save the same shapes (a "
-                "fixed batch size); use store_activations=False for a varying batch size"
+                f"tables are sized by the recording pass, so {why}"
                 + (" (another dtype only: under torch.autocast, call wrap() inside the same autocast)"
                    if shape == expected.shape else "")
             )
@@ -300,6 +309,22 @@ class SavedActivations:
                 "back with the recorded layout, so every clock must save the same layouts (the same memory "
                 "format of the inputs)"
             )
+        return expected  # strides that differ only where a dimension has size 1
+
+    def _smaller(self, expected: Slot, shape: tuple[int, ...], stride: tuple[int, ...]) -> Slot | None:
+        """``expected`` for a tensor of a smaller ``shape`` (no dimension
+        larger) whose bytes go the same way as the recorded tensor's (both
+        in memory order or both contiguous copies, both whole float32 words
+        or neither), so that its rows hold it; None if not, or while
+        recomputing (the programs replay the recorded shapes)."""
+        if self._programs or len(shape) != len(expected.shape):
+            return None
+        if any(size > recorded for size, recorded in zip(shape, expected.shape)):
+            return None
+        smaller = dataclasses.replace(expected, shape=shape, stride=stride)
+        if smaller.exact_layout != expected.exact_layout or (smaller.nbytes % 4 == 0) != (expected.nbytes % 4 == 0):
+            return None
+        return smaller
 
     def choose(self, events: list[Event], modules: Iterable[nn.Module]) -> list[Event]:
         """End of the recording forward: chooses the slots to recompute

@@ -189,13 +189,15 @@ def test_backward_twice_without_retained_graph_is_torchs_error(worker: Worker) -
 # -- clocks that differ from the recording -------------------------------------------------------
 
 
-def test_batch_size_change_with_stored_activations_is_a_clear_error(worker: Worker) -> None:
-    ps_model = mt.wrap(mlp(), worker, example_input=X, store_activations=True)
-    one_clock(ps_model)
-    with pytest.raises(mt.IterationMismatchError, match=r"\(3, 6\).*recorded one \(4, 6\).*fixed batch size"):
-        ps_model(X[:3])
-    with pytest.raises(mltuner.OutOfOrderError, match="earlier error left clock 1 incomplete"):
+def test_a_batch_larger_than_recorded_with_stored_activations_is_a_clear_error(worker: Worker) -> None:
+    ps_model = mt.wrap(mlp(), worker, example_input=X[:3], store_activations=True)
+    one_clock(ps_model, X[:3])
+    one_clock(ps_model, X[:2])  # smaller: its rows hold it
+    with pytest.raises(mt.IterationMismatchError,
+                       match=r"\(4, 6\).*recorded one \(3, 6\).*not larger ones: give wrap\(\) the largest"):
         ps_model(X)
+    with pytest.raises(mltuner.OutOfOrderError, match="earlier error left clock 2 incomplete"):
+        ps_model(X[:3])
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["updates-in-backward", "updates-at-step"])

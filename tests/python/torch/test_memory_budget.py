@@ -362,3 +362,52 @@ def test_under_a_budget_wrap_chooses_smaller_layer_groups() -> None:
         with pytest.raises(mltuner.ResourceExhaustedError, match=r"tried smaller layer groups, down to group_bytes=0"):
             mt.wrap(make(), cluster.worker(0), example_input=x)
         assert cluster.worker(0).tables == []
+
+
+def test_smaller_batches_and_shorter_sequences_train_like_torch_at_every_budget() -> None:
+    """The recording's tensors size the local tables: a later clock may save
+    smaller ones (a partial last batch, a shorter sequence), which their rows
+    hold, at every budget from the least to unlimited."""
+    torch.manual_seed(0)
+    initial = nn.Sequential(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True),
+                            nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True),
+                            nn.Linear(16, 4))
+    generator = torch.Generator().manual_seed(1)
+    shapes = [(4, 10), (4, 7), (3, 10), (1, 2), (4, 10), (2, 9)]  # the first, recorded, is the largest
+    batches = [torch.randn(b, t, 16, generator=generator) for b, t in shapes]
+    reference = copy.deepcopy(initial)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    want = []
+    for x in batches:
+        loss = reference(x).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        want.append(loss.item())
+
+    def run(budget: int) -> tuple[list[float], dict[str, torch.Tensor], dict[str, Any]]:
+        config = Config(device_memory_budget=budget, wait_timeout_s=20,
+                        update_rule=UpdateRule("sgd", learning_rate=0.05, momentum=0.9))
+        with LocalCluster(1, config) as cluster:
+            worker = cluster.worker(0)
+            ps_model = mt.wrap(copy.deepcopy(initial), worker, example_input=batches[0], store_activations=True,
+                               recompute="none")
+            losses = []
+            for x in batches:
+                loss = ps_model(x).square().mean()
+                loss.backward()
+                ps_model.step()
+                losses.append(loss.item())
+            return losses, ps_model.state_dict(), worker.stats
+
+    unlimited = run(0)
+    least = unlimited[2]["pool_min_bytes"]
+    for budget in (0, least, (least + unlimited[2]["device_store_bytes"]) // 2):
+        losses, state, stats = run(budget)
+        assert losses == unlimited[0]
+        assert losses[0] == want[0] and losses == pytest.approx(want, rel=1e-5)
+        for name, value in reference.state_dict().items():
+            assert torch.equal(state[name], unlimited[1][name]), name
+            assert torch.allclose(state[name], value, rtol=1e-5, atol=1e-6), name
+        if budget == least:
+            assert stats["bytes_swapped_in"] > 0  # the smaller tensors went through host memory too

@@ -451,42 +451,46 @@ int RunCudaBench(const CudaBenchOptions& options) {
           device->CopyDeviceToHost(host + p.host, dev + p.dev, static_cast<size_t>(p.len), Stream::kWriteback);
         }
       };
-      if (verify) {
-        std::vector<char> got(total), want(total);
-        // H2D into a poisoned table.
-        CUDA_CHECK(cudaMemset(sets[0].table, 0xFF, static_cast<size_t>(total)));
-        CUDA_CHECK(cudaDeviceSynchronize());
-        h2d_call(0);
-        CheckOk(device->Synchronize(Stream::kPrefetch), "CopyHostToDevice");
-        CUDA_CHECK(cudaMemcpy(got.data(), sets[0].table, static_cast<size_t>(total), cudaMemcpyDeviceToHost));
-        int64_t bad = 0;
-        for (const Piece& p : pieces) bad += std::memcmp(got.data() + p.dev, host + p.host, p.len) != 0;
-        std::string what = "swap-h2d " + shape_name + " width " + std::to_string(width) + " (pieces)";
-        all_verified &= Report(what.c_str(), bad, 0, 0, 0);
-        // D2H into poisoned pinned memory, from a re-randomized table.
-        FillRandom(reinterpret_cast<float*>(want.data()), total / 4, seed++);
-        CUDA_CHECK(cudaMemcpy(sets[0].table, want.data(), static_cast<size_t>(total), cudaMemcpyHostToDevice));
-        std::memset(host, 0xFF, static_cast<size_t>(total));
-        d2h_call(0);
-        CheckOk(device->Synchronize(Stream::kWriteback), "CopyDeviceToHost");
-        bad = 0;
-        for (const Piece& p : pieces) bad += std::memcmp(host + p.host, want.data() + p.dev, p.len) != 0;
-        what = "swap-d2h " + shape_name + " width " + std::to_string(width) + " (pieces)";
-        all_verified &= Report(what.c_str(), bad, 0, 0, 0);
-      }
+      // Verifies (once) and times a pair of calls that move `pieces` in
+      // (host -> table of set i % 2) and out (that table -> host).
       const int64_t runs = static_cast<int64_t>(pieces.size());
-      Row up = MakeRow("swap-h2d", shape_name, static_cast<double>(mb), width, runs);
-      up.moved = static_cast<double>(total);
-      up.ceiling = h2d_ceiling;
-      up.goal = 0.85;
-      up.t = TimeBatches(reps, BatchCalls(up.moved, 1.0 * kGiB, 1), h2d_call, device_wait(Stream::kPrefetch));
-      rows.push_back(up);
-      Row down = MakeRow("swap-d2h", shape_name, static_cast<double>(mb), width, runs);
-      down.moved = static_cast<double>(total);
-      down.ceiling = d2h_ceiling;
-      down.goal = 0.85;
-      down.t = TimeBatches(reps, BatchCalls(down.moved, 1.0 * kGiB, 1), d2h_call, device_wait(Stream::kWriteback));
-      rows.push_back(down);
+      auto swap_rows = [&](const char* in_name, const char* out_name, const char* pieces_name,
+                           const std::function<void(int64_t)>& in_call, Stream in_stream,
+                           const std::function<void(int64_t)>& out_call, Stream out_stream) {
+        const std::string where = " " + shape_name + " width " + std::to_string(width) + " (" + pieces_name + ")";
+        if (verify) {
+          std::vector<char> got(total), want(total);
+          // In: into a poisoned table.
+          CUDA_CHECK(cudaMemset(sets[0].table, 0xFF, static_cast<size_t>(total)));
+          CUDA_CHECK(cudaDeviceSynchronize());
+          in_call(0);
+          CheckOk(device->Synchronize(in_stream), in_name);
+          CUDA_CHECK(cudaMemcpy(got.data(), sets[0].table, static_cast<size_t>(total), cudaMemcpyDeviceToHost));
+          int64_t bad = 0;
+          for (const Piece& p : pieces) bad += std::memcmp(got.data() + p.dev, host + p.host, p.len) != 0;
+          all_verified &= Report((in_name + where).c_str(), bad, 0, 0, 0);
+          // Out: into poisoned pinned memory, from a re-randomized table.
+          FillRandom(reinterpret_cast<float*>(want.data()), total / 4, seed++);
+          CUDA_CHECK(cudaMemcpy(sets[0].table, want.data(), static_cast<size_t>(total), cudaMemcpyHostToDevice));
+          std::memset(host, 0xFF, static_cast<size_t>(total));
+          out_call(0);
+          CheckOk(device->Synchronize(out_stream), out_name);
+          bad = 0;
+          for (const Piece& p : pieces) bad += std::memcmp(host + p.host, want.data() + p.dev, p.len) != 0;
+          all_verified &= Report((out_name + where).c_str(), bad, 0, 0, 0);
+        }
+        auto timed = [&](const char* name, const std::function<void(int64_t)>& call, Stream stream, double ceiling) {
+          Row row = MakeRow(name, shape_name, static_cast<double>(mb), width, runs);
+          row.moved = static_cast<double>(total);
+          row.ceiling = ceiling;
+          row.goal = 0.85;
+          row.t = TimeBatches(reps, BatchCalls(row.moved, 1.0 * kGiB, 1), call, device_wait(stream));
+          rows.push_back(row);
+        };
+        timed(in_name, in_call, in_stream, h2d_ceiling);
+        timed(out_name, out_call, out_stream, d2h_ceiling);
+      };
+      swap_rows("swap-h2d", "swap-d2h", "pieces", h2d_call, Stream::kPrefetch, d2h_call, Stream::kWriteback);
 
       // The same runs as ONE RunIndex, as the engine holds them.
       const int64_t row_floats = width > 0 ? width : 4;  // layers: 16-byte rows
@@ -499,46 +503,16 @@ int RunCudaBench(const CudaBenchOptions& options) {
 
       // The engine's swaps: Device::SwapRuns, all runs of a swap in one
       // batched copy on the copy engines, on the low-priority swap streams.
-      auto batch_in = [&](int64_t i) {
-        device->SwapRuns(sets[i % 2].table, pinned, in_index, row_floats, SwapDirection::kIn, Stream::kSwapIn);
-      };
-      auto batch_out = [&](int64_t i) {
-        device->SwapRuns(pinned, sets[i % 2].table, out_index, row_floats, SwapDirection::kOut, Stream::kSwapOut);
-      };
-      if (verify) {
-        std::vector<char> got(total), want(total);
-        CUDA_CHECK(cudaMemset(sets[0].table, 0xFF, static_cast<size_t>(total)));
-        CUDA_CHECK(cudaDeviceSynchronize());
-        batch_in(0);
-        CheckOk(device->Synchronize(Stream::kSwapIn), "SwapRuns in");
-        CUDA_CHECK(cudaMemcpy(got.data(), sets[0].table, static_cast<size_t>(total), cudaMemcpyDeviceToHost));
-        int64_t bad = 0;
-        for (const Piece& p : pieces) bad += std::memcmp(got.data() + p.dev, host + p.host, p.len) != 0;
-        std::string what = "swap-in-batch " + shape_name + " width " + std::to_string(width) + " (runs)";
-        all_verified &= Report(what.c_str(), bad, 0, 0, 0);
-        FillRandom(reinterpret_cast<float*>(want.data()), total / 4, seed++);
-        CUDA_CHECK(cudaMemcpy(sets[0].table, want.data(), static_cast<size_t>(total), cudaMemcpyHostToDevice));
-        std::memset(host, 0xFF, static_cast<size_t>(total));
-        batch_out(0);
-        CheckOk(device->Synchronize(Stream::kSwapOut), "SwapRuns out");
-        bad = 0;
-        for (const Piece& p : pieces) bad += std::memcmp(host + p.host, want.data() + p.dev, p.len) != 0;
-        what = "swap-out-batch " + shape_name + " width " + std::to_string(width) + " (runs)";
-        all_verified &= Report(what.c_str(), bad, 0, 0, 0);
-      }
-      Row batch_up = MakeRow("swap-in-batch", shape_name, static_cast<double>(mb), width, runs);
-      batch_up.moved = static_cast<double>(total);
-      batch_up.ceiling = h2d_ceiling;
-      batch_up.goal = 0.85;
-      batch_up.t = TimeBatches(reps, BatchCalls(batch_up.moved, 1.0 * kGiB, 1), batch_in, device_wait(Stream::kSwapIn));
-      rows.push_back(batch_up);
-      Row batch_down = MakeRow("swap-out-batch", shape_name, static_cast<double>(mb), width, runs);
-      batch_down.moved = static_cast<double>(total);
-      batch_down.ceiling = d2h_ceiling;
-      batch_down.goal = 0.85;
-      batch_down.t = TimeBatches(reps, BatchCalls(batch_down.moved, 1.0 * kGiB, 1), batch_out,
-                                 device_wait(Stream::kSwapOut));
-      rows.push_back(batch_down);
+      swap_rows(
+          "swap-in-batch", "swap-out-batch", "runs",
+          [&](int64_t i) {
+            device->SwapRuns(sets[i % 2].table, pinned, in_index, row_floats, SwapDirection::kIn, Stream::kSwapIn);
+          },
+          Stream::kSwapIn,
+          [&](int64_t i) {
+            device->SwapRuns(pinned, sets[i % 2].table, out_index, row_floats, SwapDirection::kOut, Stream::kSwapOut);
+          },
+          Stream::kSwapOut);
 
       // Where the device maps host memory: the same runs moved by one kernel
       // launch that reads or writes the pinned memory in place (what the

@@ -1037,9 +1037,9 @@ class ClockDriver:
             with self._mutating():
                 raise UnsupportedModelError(
                     "a parameter is used outside the forward of the module that owns it (it holds a NaN "
-                    "placeholder there: a ParameterList or ParameterDict used by its parent, another module's "
-                    "weight, as in F.linear(h, self.embedding.weight)); add the calling module's type to "
-                    "wrap(..., whole_modules=...) so that it and the parameter are read as one layer"
+                    "placeholder there: another module's weight, as in F.linear(h, self.embedding.weight)); "
+                    "add the calling module's type to wrap(..., whole_modules=...) so that it and the parameter "
+                    "are read as one layer"
                 )
         if not self._store_activations or address in self._local_ptrs or tensor.device != self.device:
             return tensor

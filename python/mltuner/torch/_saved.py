@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
 from torch.utils._pytree import tree_flatten
 
 from mltuner.torch._buffers import storage_ptr
@@ -149,7 +148,7 @@ class _BufferUse:
     attribute: str
     name: str  # in the model, for errors
     source: torch.Tensor  # the module's tensor the argument was last taken from
-    layout: tuple[Any, ...]  # the recorded tensor's (_layout)
+    layout: tuple[Any, ...]  # the recorded module tensor's (_layout)
     view: tuple[tuple[int, ...], tuple[int, ...], int] | None  # the argument's view of it; None: the tensor
 
 

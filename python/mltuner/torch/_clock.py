@@ -311,6 +311,8 @@ class ClockDriver:
         # Called before each training clock touches the engine; sends the
         # optimizer's changed learning rates (_optim.py).
         self.clock_start: Callable[[], None] | None = None
+        # The shapes of example_input's tensors (set by wrap()), for _check_inputs.
+        self.input_shapes: list[tuple[int, ...]] | None = None
 
     # -- hooks -----------------------------------------------------------------------
     def _install_hooks(self) -> None:
@@ -772,10 +774,11 @@ class ClockDriver:
         self._cursor = self._forward_events
 
     # -- the forward pass --------------------------------------------------------------
-    def forward(self, call: Callable[[], T]) -> T:
+    def forward(self, call: Callable[[], T], inputs: Any = None) -> T:
         """Runs the wrapped model's forward: a clock's training forward when
         gradients are enabled, an evaluation on the servers' current values
-        otherwise."""
+        otherwise. ``inputs``: the forward's arguments (for
+        :meth:`_check_inputs`)."""
         self.check_usable()
         if not torch.is_grad_enabled():
             return self._evaluate(call)
@@ -797,7 +800,8 @@ class ClockDriver:
             )
         if not again:
             if not self._recording:
-                self._acts.check_modes(self.model, self.clock)  # nothing of the clock has reached the engine
+                self._check_inputs(inputs)  # nothing of the clock has reached the engine
+                self._acts.check_modes(self.model, self.clock)
                 self._acts.read_buffers(self.clock)
             if self.clock_start is not None and not self._recording:
                 self.clock_start()  # may raise: nothing of the clock has reached the engine
@@ -867,6 +871,32 @@ class ClockDriver:
             self._saved.clear()
         self._phase = Phase.BACKWARD
         return output
+
+    def _check_inputs(self, inputs: Any) -> None:
+        """With stored activations, refuses inputs of shapes the slots cannot
+        take (larger than example_input's; any other while recomputing,
+        whose programs replay the recorded shapes) before the clock starts,
+        so that it can go on with other inputs: found at a saved tensor, the
+        clock's accesses would be half done."""
+        if not self._store_activations or self.input_shapes is None or inputs is None:
+            return
+        shapes = [tuple(t.shape) for t in tensors_in(inputs)]
+        recorded = self.input_shapes
+        if shapes == recorded:
+            return
+        recomputing = self._acts.recomputing
+        larger = len(shapes) != len(recorded) or any(
+            len(now) != len(then) or any(a > b for a, b in zip(now, then)) for now, then in zip(shapes, recorded))
+        if recomputing or larger:
+            raise IterationMismatchError(
+                f"clock {self.clock}: the inputs are {shapes}, example_input's {recorded}; with store_activations "
+                "the recording pass sizes the stored activations, so "
+                + ("with recomputed activations every clock must have the recorded shapes (the backward pass "
+                   "replays the recorded ops): keep the batch size (DataLoader(..., drop_last=True)) or use "
+                   "wrap(..., recompute='none'), with which smaller inputs work" if recomputing else
+                   "no input may be larger than example_input: give wrap() the largest")
+                + "; nothing of this clock was done, so it can go on with other inputs"
+            )
 
     def _check_parameter_writes(self) -> None:
         """Refuses a forward pass that wrote a parameter in place: the write

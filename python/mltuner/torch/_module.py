@@ -69,7 +69,7 @@ class PSModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's forward: a training forward when gradients
         are enabled, an evaluation otherwise."""
-        return self._driver.forward(lambda: self.module(*args, **kwargs))
+        return self._driver.forward(lambda: self.module(*args, **kwargs), (args, kwargs))
 
     def step(self) -> None:
         """Ends the clock, after ``loss.backward()``.
@@ -728,6 +728,7 @@ def wrap(
                                  hold_reads=hold_reads, keep=attempt.keep)
             driver.overlap_choice = overlap_choice
             driver.auto_choice = auto_choice
+            driver.input_shapes = [tuple(t.shape) for t in tensors_in(args)]
             try:
                 driver.record(lambda: module(*args), example_loss or _default_loss)
             except BaseException:

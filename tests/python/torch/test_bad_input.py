@@ -194,10 +194,31 @@ def test_a_batch_larger_than_recorded_with_stored_activations_is_a_clear_error(w
     one_clock(ps_model, X[:3])
     one_clock(ps_model, X[:2])  # smaller: its rows hold it
     with pytest.raises(mt.IterationMismatchError,
-                       match=r"\(4, 6\).*recorded one \(3, 6\).*not larger ones: give wrap\(\) the largest"):
+                       match=r"inputs are \[\(4, 6\)\], example_input's \[\(3, 6\)\].*no input may be larger"):
         ps_model(X)
-    with pytest.raises(mltuner.OutOfOrderError, match="earlier error left clock 2 incomplete"):
-        ps_model(X[:3])
+    one_clock(ps_model, X[:3])  # refused before the clock started: it goes on
+    assert ps_model.clock == 3
+
+
+def test_a_saved_tensor_larger_than_recorded_is_a_clear_error(worker: Worker) -> None:
+    class Repeat(nn.Module):  # the input keeps its shape, an activation grows
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(6, 3)
+            self.times = 1
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x.repeat(self.times, 1))
+
+    model = Repeat()
+    ps_model = mt.wrap(model, worker, example_input=X, store_activations=True)
+    one_clock(ps_model)
+    model.times = 2
+    with pytest.raises(mt.IterationMismatchError,
+                       match=r"\(8, 6\).*recorded one \(4, 6\).*not larger ones: give wrap\(\) the largest"):
+        ps_model(X)
+    with pytest.raises(mltuner.OutOfOrderError, match="earlier error left clock 1 incomplete"):
+        ps_model(X)
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["updates-in-backward", "updates-at-step"])

@@ -733,3 +733,19 @@ def test_a_buffer_assigned_another_shape_is_refused_while_recomputing() -> None:
         model.h = torch.zeros(1, BATCH, WIDTH)  # the same layout again: the clock goes on
         resnet_loss(ps_model(x[1]), y[1]).backward()
         ps_model.step()
+
+
+def test_a_smaller_batch_while_recomputing_is_refused_before_the_clock_starts() -> None:
+    x, y = resnet_data()
+    config = Config(update_rule=UpdateRule("momentum", learning_rate=0.05, momentum=0.9), wait_timeout_s=20)
+    with LocalCluster(1, config) as cluster:
+        ps_model = mt.wrap(resnet(), cluster.worker(0), example_input=x[0], store_activations=True,
+                           recompute="cheap", example_loss=lambda out: resnet_loss(out, y[0]))
+        assert recomputed(ps_model.saved_activations)
+        with pytest.raises(mt.IterationMismatchError, match=r"clock 0: the inputs are \[\(3, 3, 8, 8\)\].*"
+                           r"drop_last=True.*recompute='none'.*nothing of this clock was done"):
+            ps_model(x[0][:3])
+        for clock in range(2):  # the clock goes on with the recorded batch size
+            resnet_loss(ps_model(x[clock]), y[clock]).backward()
+            ps_model.step()
+        assert ps_model.clock == 2

@@ -213,11 +213,13 @@ class Engine {
   // shard after the worker's own update changes nothing. No reply.
   Status DeclareEmptyClock(WorkerId worker, BranchId branch, mltuner::Clock clock);
 
-  // Sets a communicated table's learning rate, from the first clock the
-  // application has not started on (clock 0 before start_iterations): that
-  // clock's updates carry it to the shards, which use it for the table on
-  // the clock's branch from then on. Every worker must make the same call
-  // before the same clock (a shard fails the clock otherwise).
+  // Sets a communicated table's learning rate, from the first clock whose
+  // updates of the table the application has not posted yet (the current
+  // clock until its first update of the table, as torch applies a rate set
+  // before optimizer.step(); clock 0 before start_iterations): that clock's
+  // updates carry it to the shards, which use it for the table on the
+  // clock's branch from then on. Every worker must make the same call at
+  // the same point of the same clock (a shard fails the clock otherwise).
   Status SetLearningRate(TableId table, float learning_rate);
 
   // The servers' current values of `rows` (any phase), into out (rows x

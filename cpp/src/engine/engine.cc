@@ -637,17 +637,33 @@ Status Engine::Impl::SetLearningRate(TableId table, float learning_rate) {
     return Status::InvalidArgument("table '" + info->name + "': learning rate " + std::to_string(learning_rate) +
                                    " is not in [0, 1e6]");
   }
+  const int64_t first_update = phase == Phase::kRunning ? FirstUpdateOp(table) : 0;
   MutexLock lock(&state_.mu);
   if (!state_.background_error.ok()) return state_.background_error;
   mltuner::Clock from = 0;
   if (phase == Phase::kRunning) {
     const int64_t num_ops = static_cast<int64_t>(plan_.recording.ops.size());
-    from = (state_.app_seq + num_ops - 1) / num_ops;  // the current clock once started, else this one
+    // From the first clock none of whose updates of the table has been
+    // posted: the current one while the application has not reached them (a
+    // rate set between the backward pass and step(), as torch applies it),
+    // else the next. Their message carries the rate (Reclaimer::RateSetFor).
+    const mltuner::Clock current = state_.app_seq / num_ops;
+    from = state_.app_seq % num_ops > first_update ? current + 1 : current;
     std::map<mltuner::Clock, float>& rates = state_.new_rates[table];
     rates.erase(rates.begin(), rates.lower_bound(state_.reclaimed_seq / num_ops));
   }
   state_.new_rates[table][from] = learning_rate;
   return Status::Ok();
+}
+
+int64_t Engine::Impl::FirstUpdateOp(TableId table) const {
+  const std::vector<RecordedOp>& ops = plan_.recording.ops;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    if (ops[i].kind == OpKind::kUpdate && plan_.recording.accesses[ops[i].handle].table == table) {
+      return static_cast<int64_t>(i);
+    }
+  }
+  return static_cast<int64_t>(ops.size());
 }
 
 bool Engine::Impl::WaitReclaimedLocked(int64_t target) {

@@ -100,6 +100,9 @@ class Engine::Impl {
   // What every open or post checks first: the phase, the handle, and that
   // `kind` opens (or closes) the access the handle recorded.
   Status CheckAccessCall(Handle handle, OpKind kind) const;
+  // The index within a clock's recorded ops of `table`'s first update post
+  // (the clock's op count when it has none).
+  int64_t FirstUpdateOp(TableId table) const;
   // The running phase's open without the application stream's wait (the
   // caller waits, once per batch), and its post with the application's
   // ticket already taken. REQUIRES: CheckAccessCall passed.

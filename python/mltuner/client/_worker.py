@@ -253,11 +253,13 @@ class Worker:
         return None if table.local else table.update_rule or self._config.update_rule
 
     def set_learning_rate(self, table: Table, learning_rate: float) -> None:
-        """Sets a table's learning rate from the first clock this worker
-        has not started (called in the middle of a clock: from the next one;
-        before ``start_iterations``: from clock 0). That clock's updates
-        carry the rate to the servers, which use it from that clock on, on
-        the clock's branch. Every worker must set the same rate before the
+        """Sets a table's learning rate from the first clock whose updates
+        of the table this worker has not posted (in the middle of a clock
+        before the table's update: from this clock, as torch applies a rate
+        set before ``optimizer.step()``; after it: from the next one; before
+        ``start_iterations``: from clock 0). That clock's updates carry the
+        rate to the servers, which use it from that clock on, on the clock's
+        branch. Every worker must set the same rate at the same point of the
         same clock; the servers fail the clock otherwise. Not for local
         tables or the ``add`` rule, which has no learning rate."""
         table_id = self._table_id(table)

@@ -105,6 +105,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, NoReturn, TypeVar
@@ -124,7 +126,7 @@ from mltuner.torch._recording import (Event, Slot, Tables, create_tables, descri
 from mltuner.torch._saved import BufferOwners, SavedActivations, empty_for, read_back, write_bytes
 from mltuner.torch._trace import ParamRef
 
-__all__ = ["ClockDriver", "tensors_in"]
+__all__ = ["ClockDriver", "input_shapes", "tensors_in"]
 
 T = TypeVar("T")
 
@@ -166,6 +168,24 @@ class Phase(enum.Enum):
     IDLE = "idle"  # between clocks
     FORWARD = "forward"  # inside the training forward pass
     BACKWARD = "backward"  # forward done; gradients pending or done, step() not yet called
+
+
+def _guard_unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+    """The loss guard's saved tensor back, with the check torch makes where
+    no hooks are set (hooks turn its own off)."""
+    tensor, version = packed
+    if tensor._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"a tensor of shape {tuple(tensor.shape)} is at version {tensor._version}; expected version {version}"
+        )
+    return tensor
+
+
+def input_shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[int, ...]]:
+    """The shapes of a forward call's tensors: the positional arguments',
+    then the keyword arguments' by name."""
+    return [tuple(t.shape) for t in tensors_in((args, [kwargs[name] for name in sorted(kwargs)]))]
 
 
 def tensors_in(value: Any) -> Iterator[torch.Tensor]:
@@ -243,6 +263,11 @@ class ClockDriver:
         self._held_by_layer: dict[int, list[int]] = {}  # layer -> events of its held forward reads
         self._bound_versions: dict[int, list[int]] = {}  # layer -> its parameters' versions when bound this clock
         self._shrunk: dict[int, Slot] = {}  # slot -> this clock's layout where smaller than recorded
+        # Between a forward pass whose layers were read in their own forward
+        # and step(): saved-tensor hooks that refuse a parameter the loss uses
+        # (it holds the NaN placeholder there), and the thread that set them.
+        self._loss_guard: Any = None
+        self._loss_guard_thread = 0
         self._grad_open: dict[int, tuple[int, torch.Tensor]] = {}  # layer -> (event, flat buffer)
         # Gradients: per layer, the forward serial in which each parameter's
         # gradient last arrived, and how many of the layer's gradients are
@@ -311,6 +336,9 @@ class ClockDriver:
         # Called before each training clock touches the engine; sends the
         # optimizer's changed learning rates (_optim.py).
         self.clock_start: Callable[[], None] | None = None
+        # Whether a rate changed since the last clock_start (a warning at step()
+        # where the clock's updates have left already).
+        self.rates_changed: Callable[[], bool] | None = None
         # The shapes of example_input's tensors (set by wrap()), for _check_inputs.
         self.input_shapes: list[tuple[int, ...]] | None = None
 
@@ -331,6 +359,7 @@ class ClockDriver:
                 self._grad_hooks.append(slot.param.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
 
     def remove_hooks(self) -> None:
+        self._end_loss_guard()
         for handle in self._hooks + self._grad_hooks:
             handle.remove()
         self._hooks.clear()
@@ -798,6 +827,7 @@ class ClockDriver:
                 "backward pass, every pass but the last under model.no_sync(); "
                 f"this model: {self.hold_choice}; {self.overlap_choice}"
             )
+        self._end_loss_guard()
         if not again:
             if not self._recording:
                 self._check_inputs(inputs)  # nothing of the clock has reached the engine
@@ -841,6 +871,7 @@ class ClockDriver:
                 with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), \
                         mode if mode is not None else contextlib.nullcontext():
                     output = call()
+                self._start_loss_guard()
             self._check_parameter_writes()
             if self._light:
                 self._watch_backward(output)
@@ -873,20 +904,27 @@ class ClockDriver:
         return output
 
     def _check_inputs(self, inputs: Any) -> None:
-        """With stored activations, refuses inputs of shapes the slots cannot
+        """With stored activations, refuses inputs (``(args, kwargs)``) of shapes the slots cannot
         take (larger than example_input's; any other while recomputing,
         whose programs replay the recorded shapes) before the clock starts,
         so that it can go on with other inputs: found at a saved tensor, the
         clock's accesses would be half done."""
         if not self._store_activations or self.input_shapes is None or inputs is None:
             return
-        shapes = [tuple(t.shape) for t in tensors_in(inputs)]
+        shapes = input_shapes(*inputs)
         recorded = self.input_shapes
         if shapes == recorded:
             return
+        if len(shapes) != len(recorded):
+            raise IterationMismatchError(
+                f"clock {self.clock}: the forward got {len(shapes)} tensors, example_input and example_kwargs "
+                f"{len(recorded)}; with store_activations the recording pass must see the tensors every clock "
+                "passes: give wrap() a call like the training batches' (example_kwargs= for keyword tensors); "
+                "nothing of this clock was done, so it can go on with other inputs"
+            )
         recomputing = self._acts.recomputing
-        larger = len(shapes) != len(recorded) or any(
-            len(now) != len(then) or any(a > b for a, b in zip(now, then)) for now, then in zip(shapes, recorded))
+        larger = any(len(now) != len(then) or any(a > b for a, b in zip(now, then))
+                     for now, then in zip(shapes, recorded))
         if recomputing or larger:
             raise IterationMismatchError(
                 f"clock {self.clock}: the inputs are {shapes}, example_input's {recorded}; with store_activations "
@@ -897,6 +935,33 @@ class ClockDriver:
                    "no input may be larger than example_input: give wrap() the largest")
                 + "; nothing of this clock was done, so it can go on with other inputs"
             )
+
+    def _start_loss_guard(self) -> None:
+        """After a forward pass whose layers hold their parameters only
+        inside their own forward: until step(), a saved tensor whose storage
+        is the NaN placeholder (a parameter used by the loss, as an L2
+        penalty over model.parameters() would) is refused instead of
+        training on NaN. Saved-tensor hooks are a per-thread stack: pushed
+        here, popped by this thread's next step() or forward."""
+        self._loss_guard = torch.autograd.graph.saved_tensors_hooks(self._guard_pack, _guard_unpack)
+        self._loss_guard.__enter__()
+        self._loss_guard_thread = threading.get_ident()
+
+    def _end_loss_guard(self) -> None:
+        if self._loss_guard is not None and self._loss_guard_thread == threading.get_ident():
+            guard, self._loss_guard = self._loss_guard, None
+            guard.__exit__(None, None, None)
+
+    def _guard_pack(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+        if storage_ptr(tensor) == self._placeholder_ptr:
+            self._end_loss_guard()
+            raise UnsupportedModelError(
+                "a parameter of the wrapped model is used outside its module's forward, after the forward pass "
+                "(in the loss: an L2 penalty over model.parameters(), say); where layers are read in their own "
+                "forward (stored activations, hold_reads=False) its value is gone by then. Compute such a term "
+                "inside the model's forward, or use the optimizer's weight_decay"
+            )
+        return tensor, tensor._version
 
     def _check_parameter_writes(self) -> None:
         """Refuses a forward pass that wrote a parameter in place: the write
@@ -1255,11 +1320,20 @@ class ClockDriver:
     # -- the end of a clock -----------------------------------------------------------------
     def step(self) -> None:
         """Ends the clock (``Worker.clock``)."""
+        self._end_loss_guard()
         self.check_usable()
         if self._phase is Phase.IDLE:
             raise OutOfOrderError(f"step() in clock {self.clock} without a forward pass and loss.backward()")
         if self._phase is Phase.FORWARD:
             raise OutOfOrderError("step() inside the forward pass")
+        if self._at_step or self._pass_deferred:  # the clock's updates leave now
+            if self.clock_start is not None:
+                self.clock_start()  # a rate set after backward() applies to them, as in torch
+        elif self.rates_changed is not None and self.rates_changed():
+            warnings.warn(
+                f"a learning rate changed between backward() and step() of clock {self.clock}, whose updates had "
+                f"already left; it applies from clock {self.clock + 1}: set it before the forward pass. Why they "
+                f"left: {self._why_shipped()}", stacklevel=3)
         clocked = self._ship_updates() if self._at_step else False
         if self._pass_deferred and not self._at_step:  # the last pass ran under no_sync(): ship the sums now
             while self._cursor < len(self._events) and self._events[self._cursor].kind == "update":
@@ -1453,6 +1527,7 @@ class ClockDriver:
                     )
                 loss.backward()  # type: ignore[no-untyped-call]
         finally:
+            self._end_loss_guard()
             for handle in self._recording_hooks:
                 handle.remove()
             self._recording_hooks.clear()
@@ -1622,6 +1697,15 @@ class ClockDriver:
             note = ("; recomputing saved activations (recompute='cheap' or 'compute') reads some layers' "
                     "parameters earlier in the backward pass, which can raise the least budget: recompute='none' "
                     "may need less (and recompute='auto' falls back to it)" if self._acts.recomputing else "")
+            if self._reruns:  # held reads were the only pattern tried
+                names = ", ".join(repr(self.layers[n].name) for n in sorted(self._reruns))
+                raise ResourceExhaustedError(
+                    f"layer(s) {names} run again in the backward pass (activation checkpointing, "
+                    "torch.utils.checkpoint), which needs each layer's forward read held until its update: a "
+                    f"Config.device_memory_budget of at least {least[True]} bytes, above the {budget} bytes given; "
+                    "drop the checkpointing to read each layer again for its backward pass, which needs "
+                    f"{least[False]} bytes (store_activations with recompute= frees activations under a budget "
+                    "instead)" + note)
             raise ResourceExhaustedError(refusal(hold_reads, least, budget, worker.config.prefetch_clocks) + note)
         self.hold_choice = reason(hold_reads, self._store_activations, chosen, least, budget, swaps)
 
@@ -1758,6 +1842,15 @@ class ClockDriver:
     def _evaluate(self, call: Callable[[], T]) -> T:
         if self._phase is Phase.FORWARD:
             raise OutOfOrderError("an evaluation forward inside a training forward pass")
+        if self._phase is Phase.BACKWARD and self._updated and not self._at_step:
+            # The servers may have applied some of this clock's updates already
+            # (and, with several workers, some of the others'): no consistent
+            # values to evaluate until the clock ends.
+            raise OutOfOrderError(
+                f"an evaluation forward between backward() and step() of clock {self.clock}, after some of the "
+                "clock's updates left (the servers may hold some of them already): evaluate before the training "
+                f"forward pass or after step(). Why they left: {self._why_shipped()}"
+            )
         self.bind_server_values()
         self._eval_active = True
         try:

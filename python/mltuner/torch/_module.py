@@ -19,7 +19,7 @@ from mltuner.exceptions import (ArgumentTypeError, InvalidArgumentError, Mltuner
                                 ResourceExhaustedError)
 from mltuner.torch._amp import ScaledGradients, check_scaler
 from mltuner.torch._buffers import check_same_device
-from mltuner.torch._clock import ClockDriver, tensors_in
+from mltuner.torch._clock import ClockDriver, input_shapes, tensors_in
 from mltuner.torch._errors import UnsupportedModelError
 from mltuner.torch._keep import KeepOnDevice, Variant
 from mltuner.torch._layers import DEFAULT_GROUP_BYTES, DEFAULT_WHOLE_MODULES, Layer, find_layers
@@ -501,6 +501,7 @@ def wrap(
     worker: Worker,
     *,
     example_input: Any,
+    example_kwargs: dict[str, Any] | None = None,
     example_loss: Callable[[Any], torch.Tensor] | None = None,
     slack: int = 0,
     store_activations: bool = False,
@@ -551,8 +552,10 @@ def wrap(
         worker: a worker whose virtual iteration has not been recorded (no
             tables yet); the adapter owns its access sequence.
         example_input: a tensor, or a tuple of positional arguments, shaped
-            like a training batch (with ``store_activations`` the batch size
-            is fixed by it).
+            like a training batch (with ``store_activations``, the largest:
+            later batches may be smaller, not larger).
+        example_kwargs: the keyword arguments of that forward call, where
+            the model's forward takes some (an attention mask, say).
         example_loss: maps the output to a scalar for the recording's backward
             pass; by default the sum of all outputs. Pass the real loss if the
             model has outputs the loss does not use.
@@ -708,6 +711,7 @@ def wrap(
     if optimizer is not None:
         check_optimizer(optimizer)
     args = example_input if isinstance(example_input, tuple) else (example_input,)
+    kwargs = dict(example_kwargs or {})
     split: set[str] = set()  # groups whose members run outside the group's forward, or span param groups
     stored: dict[int, str] = {}  # saved activations the recording could not recompute bit for bit, and why
     tables: Tables | None = None  # made by the first plan, kept when the clock is recorded again
@@ -728,9 +732,9 @@ def wrap(
                                  hold_reads=hold_reads, keep=attempt.keep)
             driver.overlap_choice = overlap_choice
             driver.auto_choice = auto_choice
-            driver.input_shapes = [tuple(t.shape) for t in tensors_in(args)]
+            driver.input_shapes = input_shapes(args, kwargs)
             try:
-                driver.record(lambda: module(*args), example_loss or _default_loss)
+                driver.record(lambda: module(*args, **kwargs), example_loss or _default_loss)
             except BaseException:
                 driver.abandon()
                 if driver.misgrouped is None or driver.misgrouped in split:
@@ -807,6 +811,7 @@ def wrap(
             rates = LearningRates(worker, groups, layer_groups, optimizer, config_rule)
             rates.set_tables(driver.tables)
             driver.clock_start = rates.sync
+            driver.rates_changed = rates.changed
             return PSModule(module, driver, groups, scaled, optimizer)
     except BaseException:
         _give_tables_back(worker)  # the worker can be wrapped again, say with other arguments

@@ -223,6 +223,10 @@ class LearningRates:
         """The layers' tables, once created (``ClockDriver.plan``)."""
         self._tables = list(tables)
 
+    def changed(self) -> bool:
+        """Whether a group's ``lr`` differs from the rate last sent."""
+        return any(_number(group["lr"]) != sent for group, sent in zip(self._groups, self._sent))
+
     def sync(self) -> None:
         """Before a training clock: sends every changed rate.
 

@@ -30,9 +30,11 @@ def one_table_loop(worker: mlt.Worker, rule: mlt.UpdateRule | None) -> tuple[mlt
 def test_a_tables_rule_and_rate_changes_follow_torchs_sgd() -> None:
     """Config says add; the table says sgd with momentum 0.5. The rate set
     before clock 2 applies from clock 2; one set in the middle of clock 3
-    (after its read) applies from clock 4."""
+    before its update (between backward and step in torch's terms) applies
+    to clock 3, as torch's would; one set in clock 4 after its update, from
+    clock 5."""
     rule = mlt.UpdateRule("sgd", learning_rate=0.1, momentum=0.5)
-    rates = {2: 0.01, 4: 0.2}
+    rates = {2: 0.01, 3: 0.2, 5: 0.05}
     with mlt.LocalCluster(1, mlt.Config(wait_timeout_s=20)) as cluster:
         worker = cluster.worker(0)
         table, read, grad = one_table_loop(worker, rule)
@@ -43,9 +45,11 @@ def test_a_tables_rule_and_rate_changes_follow_torchs_sgd() -> None:
             worker.read(read)
             worker.post_read(read)
             if clock == 3:
-                worker.set_learning_rate(table, rates[4])  # clock 3 has started: from clock 4 on
+                worker.set_learning_rate(table, rates[3])  # clock 3 has started, its update not posted yet
             worker.pre_update(grad)[:] = 1.0
             worker.update(grad)
+            if clock == 4:
+                worker.set_learning_rate(table, rates[5])  # clock 4's update has left: from clock 5 on
             worker.clock()
         worker.sync()  # fetch gives the servers' current values: wait for the last clock's update
         got = worker.fetch(table)

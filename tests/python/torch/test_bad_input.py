@@ -287,3 +287,45 @@ def test_wrap_waits_for_every_worker_with_a_timeout() -> None:
         assert time.monotonic() - start < 10
     for name, param in model.named_parameters():
         assert torch.equal(param.detach(), before[name]), name
+
+
+def test_an_evaluation_after_updates_left_in_the_backward_pass_is_refused_until_step(worker: Worker) -> None:
+    ps_model = mt.wrap(mlp(), worker, example_input=X, store_activations=True)
+    ps_model(X).square().mean().backward()  # stored activations: the updates leave during backward()
+    with torch.no_grad():
+        with pytest.raises(mltuner.OutOfOrderError, match="between backward\\(\\) and step\\(\\) of clock 0.*after step"):
+            ps_model(X)
+    ps_model.step()
+    with torch.no_grad():
+        assert ps_model(X).shape == (4, 3)
+    one_clock(ps_model)
+
+
+
+class Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch.tanh(self.linear(x))
+        return out if mask is None else out * mask
+
+
+def test_keyword_tensors_are_recorded_from_example_kwargs(worker: Worker) -> None:
+    masks = (torch.rand(4, 3, generator=torch.Generator().manual_seed(2)) > 0.3).float()
+    reference = Masked()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(3):
+        reference(X, mask=masks).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    ps_model = mt.wrap(Masked(), worker, example_input=X, example_kwargs={"mask": masks}, store_activations=True)
+    with pytest.raises(mt.IterationMismatchError, match="forward got 1 tensors, example_input and example_kwargs 2"):
+        ps_model(X)  # without the mask: not the recorded call
+    for _ in range(3):
+        ps_model(X, mask=masks).square().mean().backward()
+        ps_model.step()
+    for name, value in reference.state_dict().items():
+        assert torch.allclose(ps_model.state_dict()[name], value, rtol=1e-5, atol=1e-7), name

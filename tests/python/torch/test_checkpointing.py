@@ -20,6 +20,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
+import mltuner  # noqa: E402
 import mltuner.torch as mt  # noqa: E402
 from mltuner import Config, LocalCluster, UpdateRule, Worker  # noqa: E402
 
@@ -124,3 +125,20 @@ def test_checkpointing_without_held_reads_is_refused_at_wrap(options: dict[str, 
         with pytest.raises(mt.UnsupportedModelError, match=r"'blocks\.0', 'blocks\.1' run again in the backward "
                                                            r"pass \(activation checkpointing"):
             mt.wrap(Checkpointed(reentrant=False), cluster.worker(0), example_input=x, **options)
+
+
+def test_a_budget_too_small_for_checkpointing_names_it() -> None:
+    x, _ = data(1, 4)[0]
+    torch.manual_seed(0)
+    with LocalCluster(1, config()) as cluster:  # the least budget held reads need, measured
+        worker = cluster.worker(0)
+        mt.wrap(Checkpointed(reentrant=False), worker, example_input=x)
+        need = worker.stats["pool_min_bytes"]
+    small = Config(wait_timeout_s=20, device_memory_budget=need // 4,
+                   update_rule=UpdateRule("damped_momentum", learning_rate=LR, momentum=MOMENTUM))
+    with LocalCluster(1, small) as cluster:
+        with pytest.raises(mltuner.ResourceExhaustedError,
+                           match=rf"'blocks\.0\.0', .*'blocks\.1\.3' run again in the backward pass \(activation "
+                                 rf"checkpointing.*at least \d+ bytes, above the {need // 4} bytes given; drop the "
+                                 r"checkpointing to read each layer again"):
+            mt.wrap(Checkpointed(reentrant=False), cluster.worker(0), example_input=x)

@@ -138,3 +138,65 @@ def test_a_write_in_a_later_clock_is_refused_and_named_again_after() -> None:
             ps_model(x)
         with pytest.raises(mltuner.OutOfOrderError, match="'linear.weight' was written in place"):
             ps_model(x)  # the clock's reads were open: the model cannot go on, and says why
+
+
+def l2(model: nn.Module) -> torch.Tensor:
+    return sum(p.pow(2).sum() for p in model.parameters())  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("reads", [{"hold_reads": False}, {"store_activations": True}], ids=["per-layer", "stored"])
+@pytest.mark.parametrize("in_example_loss", [True, False])
+def test_a_parameter_used_by_the_loss_is_refused_where_layers_are_read_in_their_forward(
+        reads: dict[str, Any], in_example_loss: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5))
+    x = torch.randn(BATCH, 8, generator=torch.Generator().manual_seed(1))
+    config = Config(update_rule=UpdateRule("sgd", learning_rate=LR, momentum=MOMENTUM))
+    with LocalCluster(1, config) as cluster:
+        if in_example_loss:  # the recording pass runs the loss: wrap() refuses it
+            with pytest.raises(mt.UnsupportedModelError, match="used outside its module's forward.*L2 penalty"):
+                mt.wrap(model, cluster.worker(0), example_input=x,
+                        example_loss=lambda out: out.square().mean() + 1e-3 * l2(model), **reads)
+            return
+        ps_model = mt.wrap(model, cluster.worker(0), example_input=x, **reads)
+        with pytest.raises(mt.UnsupportedModelError, match="used outside its module's forward.*weight_decay"):
+            ps_model(x).square().mean() + 1e-3 * l2(ps_model)
+
+
+def test_a_penalty_on_the_parameters_trains_like_torch_with_held_reads() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5))
+    xs = torch.randn(CLOCKS, BATCH, 8, generator=torch.Generator().manual_seed(1))
+    reference = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5))
+    reference.load_state_dict(model.state_dict())
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR, momentum=MOMENTUM)
+    for x in xs:
+        (reference(x).square().mean() + 1e-2 * l2(reference)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    config = Config(update_rule=UpdateRule("sgd", learning_rate=LR, momentum=MOMENTUM))
+    with LocalCluster(1, config) as cluster:
+        ps_model = mt.wrap(model, cluster.worker(0), example_input=xs[0])  # held reads: bound until step()
+        for x in xs:
+            (ps_model(x).square().mean() + 1e-2 * l2(ps_model)).backward()
+            ps_model.step()
+        got = ps_model.state_dict()
+    for name, value in reference.state_dict().items():
+        assert torch.allclose(got[name], value, rtol=1e-5, atol=1e-6), name
+
+
+def test_the_loss_keeps_torchs_check_of_tensors_changed_in_place() -> None:
+    """Between the forward pass and step() the refusal above is a saved-tensor
+    hook, and hooks turn torch's own check of saved tensors changed in place
+    off: the hook makes it instead."""
+    torch.manual_seed(0)
+    x = torch.randn(BATCH, 8)
+    config = Config(update_rule=UpdateRule("sgd", learning_rate=LR, momentum=MOMENTUM))
+    with LocalCluster(1, config) as cluster:
+        ps_model = mt.wrap(nn.Sequential(nn.Linear(8, 5), nn.Tanh()), cluster.worker(0), example_input=x,
+                           store_activations=True)
+        grown = torch.exp(ps_model(x))  # exp saves its output
+        loss = grown.sum()
+        grown.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()

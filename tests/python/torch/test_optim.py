@@ -378,3 +378,43 @@ def test_workers_that_set_different_rates_fail_with_the_reason(run_workers: Call
         disagree = r"the workers set different learning rates .*worker 0: 0.01.*worker 1: none"
         with pytest.raises(AssertionError, match=disagree):
             run_workers(body, cluster.workers, on_error=cluster.shutdown)
+
+
+def test_a_rate_set_between_backward_and_step_applies_to_that_step_as_in_torch() -> None:
+    """llm.c's loop: lr = schedule(step); for g in optimizer.param_groups:
+    g["lr"] = lr; optimizer.step() after backward(). Where updates ship at
+    step() (wrap()'s default in one process), the rate applies to that step."""
+    data = batches(4, 8, seed=5)
+
+    def loop(model: nn.Module, optimizer: Any) -> None:
+        for step, (x, y) in enumerate(data):
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            for group in optimizer.param_groups:
+                group["lr"] = 0.05 * 0.5 ** step
+            optimizer.step()
+
+    torch.manual_seed(0)
+    reference = Net()
+    wrapped = copy.deepcopy(reference)
+    loop(reference, torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9))
+    with LocalCluster(1, config()) as cluster:
+        optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.05, momentum=0.9)
+        model = mt.wrap(wrapped, cluster.worker(0), example_input=data[0][0], optimizer=optimizer)
+        loop(model, optimizer)
+        got = model.state_dict()
+    for name, value in reference.state_dict().items():
+        assert torch.allclose(got[name], value, rtol=1e-5, atol=1e-7), name
+
+
+def test_a_rate_set_after_the_updates_left_warns_that_it_applies_from_the_next_clock() -> None:
+    data = batches(2, 8, seed=5)
+    with LocalCluster(1, config()) as cluster:
+        net = Net()
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        model = mt.wrap(net, cluster.worker(0), example_input=data[0][0], optimizer=optimizer, store_activations=True)
+        x, y = data[0]
+        F.cross_entropy(model(x), y).backward()  # stored activations: each layer's update leaves here
+        optimizer.param_groups[0]["lr"] = 0.01
+        with pytest.warns(UserWarning, match=r"changed between backward\(\) and step\(\) of clock 0.*from clock 1"):
+            optimizer.step()

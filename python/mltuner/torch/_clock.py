@@ -932,7 +932,8 @@ class ClockDriver:
                 + ("with recomputed activations every clock must have the recorded shapes (the backward pass "
                    "replays the recorded ops): keep the batch size (DataLoader(..., drop_last=True)) or use "
                    "wrap(..., recompute='none'), with which smaller inputs work" if recomputing else
-                   "no input may be larger than example_input: give wrap() the largest")
+                   "no input may be larger than example_input: give wrap() the largest (an evaluation forward, "
+                   "which may take any batch, runs under torch.no_grad())")
                 + "; nothing of this clock was done, so it can go on with other inputs"
             )
 

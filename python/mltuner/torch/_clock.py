@@ -517,8 +517,22 @@ class ClockDriver:
         raise IterationMismatchError(
             f"clock {self.clock}: the model did a {self._describe(event)} where the recorded iteration has "
             f"a {described}; every clock must run the same layers in the same order as the recording "
-            "pass of wrap()"
+            f"pass of wrap(){self._mismatch_cause(events[index] if index < len(events) else None)}"
         )
+
+    def _mismatch_cause(self, expected: Event | None) -> str:
+        """The likely cause of a clock that left the recorded order, where
+        it is one a loop can fix (for :meth:`_next`'s error)."""
+        frozen = [slot.name for layer in self.layers for slot in layer.params if not slot.param.requires_grad]
+        if frozen:
+            return (f"; parameter(s) {', '.join(repr(n) for n in frozen[:4])} were frozen after wrap() "
+                    "(requires_grad_(False)), which changes what autograd saves: the servers train every "
+                    "parameter wrap() took, so freeze before wrapping (or unwrap() and wrap again)")
+        if expected is not None and expected.kind == "update" and self._phase is Phase.BACKWARD:
+            return (f"; the gradients of layer {self.layers[expected.layer].name!r} never reached .grad, from "
+                    "which its update leaves (torch.autograd.grad, or backward(inputs=...), computes gradients without "
+                    "accumulating them there): call loss.backward()")
+        return ""
 
     # -- the data behind each event -------------------------------------------------------
     def _open(self, kind: int, handle: int) -> Any:
@@ -1442,6 +1456,7 @@ class ClockDriver:
                             f"clock {self.clock}: {layer.params[position].name!r} got no gradient, but it did in the "
                             f"recording pass of wrap(): module {layer.name!r} did not run in this forward pass, or "
                             "its output did not reach the loss; every clock must run the same layers"
+                            + self._mismatch_cause(None)
                         )
                 if grad.layout != torch.strided:
                     self._grad_errors = True

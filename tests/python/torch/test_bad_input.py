@@ -329,3 +329,20 @@ def test_keyword_tensors_are_recorded_from_example_kwargs(worker: Worker) -> Non
         ps_model.step()
     for name, value in reference.state_dict().items():
         assert torch.allclose(ps_model.state_dict()[name], value, rtol=1e-5, atol=1e-7), name
+
+
+@pytest.mark.parametrize("store", [False, True], ids=["held", "stored"])
+def test_a_layer_frozen_after_wrap_is_named(worker: Worker, store: bool) -> None:
+    model = mlp()
+    ps_model = mt.wrap(model, worker, example_input=X, store_activations=store)
+    model[0].requires_grad_(False)
+    with pytest.raises(mt.IterationMismatchError, match=r"'0\.weight', '0\.bias' were frozen after wrap\(\)"):
+        one_clock(ps_model)
+
+
+def test_gradients_from_autograd_grad_are_named_with_stored_activations(worker: Worker) -> None:
+    ps_model = mt.wrap(mlp(), worker, example_input=X, store_activations=True)
+    loss = ps_model(X).square().mean()
+    with pytest.raises(mt.IterationMismatchError, match=r"gradients of layer '2' never reached \.grad.*"
+                                                        r"torch\.autograd\.grad.*call loss\.backward\(\)"):
+        torch.autograd.grad(loss, list(ps_model.parameters()))

@@ -215,7 +215,9 @@ class ClockDriver:
                  recompute_fallback: bool = False, stored: dict[int, str] | None = None,
                  hold_reads: bool | None = None, keep: frozenset[int] = frozenset()) -> None:
         self.model = model
-        self._modules = list(model.modules())  # walked per clock for its buffers (_local_storage)
+        # The modules with buffers or frozen parameters, walked per clock (_local_storage).
+        self._modules = [m for m in model.modules()
+                         if m._buffers or any(p is not None and not p.requires_grad for p in m._parameters.values())]
         self.layers = layers
         self.worker = worker
         self.device = layers[0].device
@@ -1012,8 +1014,9 @@ class ClockDriver:
         """The storage addresses of tensors the model keeps anyway: buffers
         and frozen parameters. Saved, they pass through (no point storing a
         copy). Read per clock (a buffer may be replaced between clocks) from
-        the module list taken at wrap(), whose structure the clocks keep:
-        a third of the time of walking ``model.buffers()``."""
+        the modules that had some at wrap(), whose structure the clocks keep
+        (parameters frozen later are refused: _mismatch_cause): a fraction of
+        the time of walking ``model.buffers()``."""
         ptrs: set[int | None] = set()
         for module in self._modules:
             for tensor in module._buffers.values():

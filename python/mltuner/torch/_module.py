@@ -407,7 +407,12 @@ def _param_groups(optimizer: torch.optim.Optimizer | None, layers: list[Layer],
     if optimizer is not None:
         return list(optimizer.param_groups)
     params = [slot.param for layer in layers for slot in layer.params]
-    return [{"params": params, "lr": float(rule.learning_rate) if rule is not None else 0.0}]
+    group: dict[str, Any] = {"params": params, "lr": float(rule.learning_rate) if rule is not None else 0.0}
+    if rule is not None and rule.kind in ("sgd", "damped_momentum"):
+        group["momentum"] = float(rule.momentum or 0.0)  # shown, as torch's SGD has it; fixed (_optim)
+    elif rule is not None and rule.kind in ("adam", "adamw"):
+        group["betas"] = (rule.beta1, rule.beta2)
+    return [group]
 
 
 def _give_tables_back(worker: Worker) -> None:

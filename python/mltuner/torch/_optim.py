@@ -190,8 +190,8 @@ def _plain(value: Any) -> Any:
 
 
 def _frozen_settings(optimizer: torch.optim.Optimizer | None, group: dict[str, Any]) -> dict[str, Any]:
-    if optimizer is None:
-        return {}
+    if optimizer is None:  # Config's rule: the group shows its momentum or betas (_module._param_groups)
+        return {key: _plain(value) for key, value in group.items() if key not in ("params", "lr")}
     return {key: _plain(group.get(key)) for key in _RULE_KEYS[type(optimizer)]}
 
 

@@ -418,3 +418,21 @@ def test_a_rate_set_after_the_updates_left_warns_that_it_applies_from_the_next_c
         optimizer.param_groups[0]["lr"] = 0.01
         with pytest.warns(UserWarning, match=r"changed between backward\(\) and step\(\) of clock 0.*from clock 1"):
             optimizer.step()
+
+
+def test_model_optimizer_shows_the_config_rules_momentum_and_keeps_it() -> None:
+    """Without an optimizer given, model.optimizer's group shows the Config
+    rule's momentum, as torch's SGD does: OneCycleLR then finds it, and its
+    momentum cycling is refused by the adapter's own check, naming the fix."""
+    data = batches(3, 8, seed=5)
+    rule = UpdateRule("sgd", learning_rate=0.1, momentum=0.9)
+    with LocalCluster(1, Config(wait_timeout_s=20, update_rule=rule)) as cluster:
+        model = mt.wrap(Net(), cluster.worker(0), example_input=data[0][0])
+        assert model.optimizer.param_groups[0]["momentum"] == 0.9
+        torch.optim.lr_scheduler.OneCycleLR(model.optimizer, max_lr=0.1, total_steps=10)  # sets momentum 0.95
+        x, y = data[0]
+        with pytest.raises(InvalidArgumentError, match=r"'momentum'\] changed from 0\.9 to 0\.95.*cycle_momentum=False"):
+            model(x)  # before the clock touches the engine
+        model.optimizer.param_groups[0]["momentum"] = 0.9
+        F.cross_entropy(model(x), y).backward()  # the clock goes on
+        model.step()

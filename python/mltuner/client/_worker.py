@@ -487,6 +487,12 @@ class Worker:
     def start_iterations(self) -> None:
         """Ends initialisation and starts the background threads."""
         self._engine.start_iterations()
+        self._started = True
+
+    @property
+    def iterations_started(self) -> bool:
+        """Whether :meth:`start_iterations` ran (``mltuner.torch.wrap`` runs it)."""
+        return getattr(self, "_started", False)
 
     # -- real accesses -----------------------------------------------------------
     def read(self, handle: int, *, stream: int = 0) -> Buffer:

@@ -129,6 +129,15 @@ def _remove(path: Path) -> None:
 
 def restore(node: _core.ProcessNode, worker: Worker, path: Path, rule_kind: str,
             barrier: Callable[[str], None]) -> int:
+    if worker.iterations_started:
+        # The worker may hold clock-0 reads of the old values already, and
+        # its clocks would not restart: the loaded values would mix with them.
+        raise OutOfOrderError(
+            "restore_checkpoint after start_iterations: restore between finish_virtual_iteration and "
+            "start_iterations. mltuner.torch.wrap() runs both, so a PyTorch model cannot restore a checkpoint: "
+            "load a state_dict() saved from the wrapped model into the module before wrap() (the optimizer's "
+            "state, momentum or Adam's moments, then starts afresh)"
+        )
     directory = _resolve(path)
     if node.rank == 0 and (path / LATEST).is_file():
         remove_temporaries(path)

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -68,8 +69,13 @@ _open_jobs: weakref.WeakSet[Job] = weakref.WeakSet()
 
 @atexit.register
 def _close_open_jobs() -> None:
+    # A script that ends normally leaves gracefully (its last updates, the
+    # close barrier, a goodbye); one ending on an uncaught exception, which
+    # the interpreter keeps in sys.last_value, does not, so its peers see it
+    # fail within their heartbeat timeout instead of waiting for it.
+    failed = getattr(sys, "last_value", None) is not None
     for job in list(_open_jobs):
-        job.close(graceful=False)
+        job.close(graceful=not failed)
 
 
 class Job:

@@ -112,17 +112,18 @@ class ControlChannel:
 
     def stop(self, *, graceful: bool = True) -> None:
         """Says goodbye to every peer, joins the thread, closes the sockets.
-        Not graceful, or once a peer is lost, the goodbye gets no time to
-        leave (the peers then notice the silence instead)."""
+        Not graceful, or once a peer is lost, there is no goodbye: the peers
+        notice the silence within their heartbeat timeout instead."""
         self._stopping.set()
         self._thread.join(10.0)
-        linger_ms = 1000 if graceful and self.lost is None else 0
+        farewell = graceful and self.lost is None
         for socket in self._peers.values():
-            try:
-                socket.send(GOODBYE + _RANK.pack(self._rank), flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-            socket.close(linger=linger_ms)
+            if farewell:  # else none: a peer that heard one would take a failed rank for one that finished
+                try:
+                    socket.send(GOODBYE + _RANK.pack(self._rank), flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+            socket.close(linger=1000 if farewell else 0)
         for listener in self.listeners:
             listener.close()
 

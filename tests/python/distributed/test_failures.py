@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import mltuner
 from mltuner.launch import ProcessEnv
@@ -98,6 +99,27 @@ def test_restore_refuses_a_checkpoint_of_other_tables(start_workers, tmp_path: P
             assert "no complete checkpoint" in str(error)
         else:
             raise AssertionError("restore accepted a missing checkpoint")
+    finally:
+        job.close()
+
+
+def test_restore_after_start_iterations_is_refused(start_workers, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """After start_iterations (which mltuner.torch.wrap runs) the worker may
+    hold reads of the old values and its clocks would not restart."""
+    ckpt = tmp_path / "ckpt"
+    first = start_workers(1, "--clocks", "2", "--save-at", "2", "--checkpoint", str(ckpt))
+    assert all(code == 0 for code, _ in first.wait())
+    job = mltuner.Job(env=_single_env())
+    try:
+        worker = job.worker
+        table = worker.create_table("params", 3, 4)
+        handle = worker.virtual_read(table)
+        worker.virtual_post_read(handle)
+        worker.virtual_clock()
+        worker.finish_virtual_iteration()
+        worker.start_iterations()
+        with pytest.raises(mltuner.OutOfOrderError, match="after start_iterations.*cannot restore a checkpoint"):
+            job.restore_checkpoint(ckpt)
     finally:
         job.close()
 

@@ -183,7 +183,13 @@ def test_a_receiver_of_shared_memory_that_takes_nothing_fails_the_sender_within_
 
 PEER = textwrap.dedent("""
     import sys
+    import signal
     import mltuner
+
+    def fail(*_):  # SIGUSR1: the training loop raises, uncaught (no `with Job`: closed at exit)
+        raise RuntimeError("the training loop failed")
+
+    signal.signal(signal.SIGUSR1, fail)
     job = mltuner.Job(mltuner.Config(update_rule=mltuner.UpdateRule("add"), wait_timeout_s=60),
                       heartbeat_interval_s=0.1, heartbeat_timeout_s=float(sys.argv[1]), rendezvous_timeout_s=30)
     worker = job.worker
@@ -205,7 +211,8 @@ PEER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("how", [signal.SIGSTOP, signal.SIGKILL], ids=["SIGSTOP", "SIGKILL"])
+@pytest.mark.parametrize("how", [signal.SIGSTOP, signal.SIGKILL, signal.SIGUSR1],
+                         ids=["SIGSTOP", "SIGKILL", "uncaught exception"])
 def test_a_silent_peer_is_named_within_the_heartbeat_timeout(tmp_path: Path, how: signal.Signals) -> None:
     timeout_s = 1.5
     script = tmp_path / "peer.py"

@@ -23,6 +23,7 @@ import logging
 import os
 import socket
 import sys
+import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -65,6 +66,17 @@ _log = logging.getLogger("mltuner.launch")
 # the engine's destructors at teardown, joinable threads ended the process
 # with std::terminate.
 _open_jobs: weakref.WeakSet[Job] = weakref.WeakSet()
+
+
+def _warn_uneven_end(clocks: list[Any]) -> None:
+    """Ranks that close at different clocks (one ran an extra step): the
+    clocks of the ranks that ran further have updates no BSP clock ever
+    completes, and the trained values differ from an even run's."""
+    if len(set(clocks)) > 1:
+        ends = ", ".join(f"rank {rank} at clock {clock}" for rank, clock in enumerate(clocks))
+        warnings.warn(f"the ranks closed the job at different clocks ({ends}): every rank must run the same number "
+                      "of clocks (the clocks past the fewest have updates that no shard completed; check the "
+                      "ranks' loop bounds and data lengths, e.g. DistributedSampler's padding)", stacklevel=3)
 
 
 @atexit.register
@@ -333,6 +345,8 @@ class Job:
         if graceful and self._control is not None and self._lost_peer() is None:
             try:
                 self.worker.flush()
+                clocks = self._control.allgather("close-clocks", int(self.worker.stats["clock"]), self._timeout_s)
+                _warn_uneven_end(clocks)
                 self._control.barrier("close", self._timeout_s, final=True)
             except MltunerError:
                 pass  # a lost peer was reported by the calls that met it

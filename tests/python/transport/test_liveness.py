@@ -259,3 +259,33 @@ def test_a_silent_peer_is_named_within_the_heartbeat_timeout(tmp_path: Path, how
     finally:
         peer.kill()
         peer.communicate(timeout=10)
+
+
+def test_ranks_that_close_at_different_clocks_are_warned_about() -> None:
+    """One rank runs a clock more than the other (an off-by-one in its loop):
+    nothing fails, but the close says so, on every rank."""
+    jobs = start_pair()
+
+    def train(rank: int) -> None:
+        worker = jobs[rank].worker
+        table = worker.create_table("t", 4, 2)
+        read = worker.virtual_read(table)
+        worker.virtual_post_read(read)
+        update = worker.virtual_pre_update(table)
+        worker.virtual_update(update)
+        worker.virtual_clock()
+        worker.finish_virtual_iteration()
+        worker.start_iterations()
+        for _ in range(3 + rank):  # rank 1 runs one clock more
+            worker.read(read)
+            worker.post_read(read)
+            worker.pre_update(update)[:] = 1.0
+            worker.update(update)
+            worker.clock()
+
+    try:
+        run_both(train)
+        with pytest.warns(UserWarning, match=r"different clocks \(rank 0 at clock 3, rank 1 at clock 4\)"):
+            run_both(lambda rank: jobs[rank].close())
+    finally:
+        run_both(lambda rank: jobs[rank].close(graceful=False))

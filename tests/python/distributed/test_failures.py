@@ -76,17 +76,22 @@ def test_adam_state_survives_a_restore_on_fewer_processes(start_workers, tmp_pat
     np.testing.assert_array_equal(resumed.result(0)["final"], whole.result(0)["final"])
 
 
+def _record_a_read(worker: mltuner.Worker) -> None:
+    """A clock of one read of a 3 x 4 table "params" (unlike start_workers' tables)."""
+    table = worker.create_table("params", 3, 4)
+    handle = worker.virtual_read(table)
+    worker.virtual_post_read(handle)
+    worker.virtual_clock()
+    worker.finish_virtual_iteration()
+
+
 def test_restore_refuses_a_checkpoint_of_other_tables(start_workers, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     ckpt = tmp_path / "ckpt"
     first = start_workers(1, "--clocks", "2", "--save-at", "2", "--checkpoint", str(ckpt))
     assert all(code == 0 for code, _ in first.wait())
     job = mltuner.Job(env=_single_env())
     try:
-        table = job.worker.create_table("params", 3, 4)
-        handle = job.worker.virtual_read(table)
-        job.worker.virtual_post_read(handle)
-        job.worker.virtual_clock()
-        job.worker.finish_virtual_iteration()
+        _record_a_read(job.worker)
         try:
             job.restore_checkpoint(ckpt)
         except mltuner.InvalidArgumentError as error:
@@ -111,13 +116,8 @@ def test_restore_after_start_iterations_is_refused(start_workers, tmp_path: Path
     assert all(code == 0 for code, _ in first.wait())
     job = mltuner.Job(env=_single_env())
     try:
-        worker = job.worker
-        table = worker.create_table("params", 3, 4)
-        handle = worker.virtual_read(table)
-        worker.virtual_post_read(handle)
-        worker.virtual_clock()
-        worker.finish_virtual_iteration()
-        worker.start_iterations()
+        _record_a_read(job.worker)
+        job.worker.start_iterations()
         with pytest.raises(mltuner.OutOfOrderError, match="after start_iterations.*cannot restore a checkpoint"):
             job.restore_checkpoint(ckpt)
     finally:

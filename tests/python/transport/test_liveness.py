@@ -261,21 +261,15 @@ def test_a_silent_peer_is_named_within_the_heartbeat_timeout(tmp_path: Path, how
         peer.communicate(timeout=10)
 
 
-def test_ranks_that_close_at_different_clocks_are_warned_about() -> None:
+def test_ranks_that_close_at_different_clocks_are_warned_about(
+        record_read_update: Callable[..., tuple[int, int]]) -> None:
     """One rank runs a clock more than the other (an off-by-one in its loop):
     nothing fails, but the close says so, on every rank."""
     jobs = start_pair()
 
     def train(rank: int) -> None:
         worker = jobs[rank].worker
-        table = worker.create_table("t", 4, 2)
-        read = worker.virtual_read(table)
-        worker.virtual_post_read(read)
-        update = worker.virtual_pre_update(table)
-        worker.virtual_update(update)
-        worker.virtual_clock()
-        worker.finish_virtual_iteration()
-        worker.start_iterations()
+        read, update = record_read_update(worker, worker.create_table("t", 4, 2))
         for _ in range(3 + rank):  # rank 1 runs one clock more
             worker.read(read)
             worker.post_read(read)

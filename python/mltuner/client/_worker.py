@@ -150,6 +150,7 @@ class Worker:
         self._config = config or Config()
         # What this process's engines hold (shared by a LocalCluster's workers).
         self._host_memory = host_memory or HostMemory(self._config.host_memory_limit)
+        self._started = False  # start_iterations ran
         self._shard_bytes_reserved = 0  # the shard's state, reserved by create_table
         self._shard_bytes_of: dict[int, int] = {}  # the same, by table (drop_tables gives it back)
         self._host_freed_during_init = 0  # release_host_memory_during_init
@@ -492,7 +493,7 @@ class Worker:
     @property
     def iterations_started(self) -> bool:
         """Whether :meth:`start_iterations` ran (``mltuner.torch.wrap`` runs it)."""
-        return getattr(self, "_started", False)
+        return self._started
 
     # -- real accesses -----------------------------------------------------------
     def read(self, handle: int, *, stream: int = 0) -> Buffer:

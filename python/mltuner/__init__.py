@@ -14,7 +14,7 @@ except ImportError as error:  # pragma: no cover - only without a build
 from mltuner._config import Config, UpdateRule
 from mltuner._core import DeviceArray, cuda_built, cuda_device_count
 from mltuner.client import LocalCluster, PlanPreview, Table, TensorLayout, TensorSlot, Worker
-from mltuner.launch import Job
+from mltuner.launch import Job, read_attachment
 from mltuner.exceptions import (
     ArgumentTypeError,
     CorruptMessageError,
@@ -45,6 +45,7 @@ __all__ = [
     "Worker",
     "PlanPreview",
     "Job",
+    "read_attachment",
     "MltunerError",
     "InvalidArgumentError",
     "ArgumentTypeError",

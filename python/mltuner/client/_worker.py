@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Union
+from pathlib import Path
+from typing import Any, Protocol, Union
 
 import numpy as np
 
@@ -17,7 +19,7 @@ from mltuner.client._host_memory import HostMemory
 from mltuner.client._layout import TensorLayout
 from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError, NotFoundError, OutOfOrderError
 
-__all__ = ["Worker", "Table", "Rows", "Buffer", "PlanPreview"]
+__all__ = ["Worker", "Table", "Rows", "Buffer", "PlanPreview", "Checkpoints"]
 
 # The engine's limits: row ids and sizes are int64, a table holds at most
 # 2**40 values, handles, slack and branches are int32, streams are pointers.
@@ -28,6 +30,16 @@ Rows = Union[Sequence[int], np.ndarray, range, None]
 # What an access returns: a numpy array on the CPU backend, a DeviceArray
 # (DLPack, zero copy) on an accelerator.
 Buffer = Union[np.ndarray, _core.DeviceArray]
+
+
+class Checkpoints(Protocol):
+    """What the job of a worker offers for checkpoints (``mltuner.Job``),
+    to code that is given only the worker (``mltuner.torch``)."""
+
+    def save_checkpoint(self, root: str | os.PathLike[str], *, keep: int = 2,
+                        attachments: Mapping[str, bytes] | None = None) -> Path: ...
+
+    def restore_checkpoint(self, path: str | os.PathLike[str]) -> int: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,9 +156,11 @@ class Worker:
 
     def __init__(self, engine: _core.Engine, owner: object = None, *, config: Config | None = None,
                  host_memory: HostMemory | None = None, max_message_bytes: int | None = None,
-                 data_paths: Mapping[int, str] | None = None) -> None:
+                 data_paths: Mapping[int, str] | None = None, checkpoints: Checkpoints | None = None) -> None:
         self._engine = engine
         self._owner = owner  # keeps the cluster alive while the worker is used
+        # The job's checkpoints; weak, since the job holds the worker.
+        self._checkpoints = None if checkpoints is None else weakref.ref(checkpoints)
         self._config = config or Config()
         # What this process's engines hold (shared by a LocalCluster's workers).
         self._host_memory = host_memory or HostMemory(self._config.host_memory_limit)
@@ -489,6 +503,12 @@ class Worker:
         """Ends initialisation and starts the background threads."""
         self._engine.start_iterations()
         self._started = True
+
+    @property
+    def checkpoints(self) -> Checkpoints | None:
+        """Saving and restoring checkpoints of this worker's job (its
+        ``mltuner.Job``); None for a worker outside a Job (a ``LocalCluster``'s)."""
+        return None if self._checkpoints is None else self._checkpoints()
 
     @property
     def iterations_started(self) -> bool:

@@ -10,7 +10,8 @@ them."""
 from __future__ import annotations
 
 from mltuner.launch._env import ProcessEnv, detect_environment
+from mltuner.launch._checkpoint import read_attachment
 from mltuner.launch._job import Job
 from mltuner.launch._launcher import launch
 
-__all__ = ["Job", "ProcessEnv", "detect_environment", "launch"]
+__all__ = ["Job", "ProcessEnv", "detect_environment", "launch", "read_attachment"]

@@ -7,6 +7,8 @@ Layout of one checkpoint (``root/clock-NNNNNNNN``)::
     shard-R/table-T.state.npy      the update rule's state: state_arrays arrays
                                    of len(values) floats, then scalars
     shard-R/meta.json              what shard R wrote
+    attachments/NAME               bytes rank 0 attached (save's ``attachments``),
+                                   e.g. the PyTorch adapter's buffers and param groups
 
 Shards write into a hidden ``.clock-NNNNNNNN.tmp`` directory; after a
 barrier, rank 0 adds the manifest and renames the directory into place, then
@@ -27,7 +29,7 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +37,16 @@ import numpy as np
 
 from mltuner import _core
 from mltuner.client._worker import Table, Worker
-from mltuner.exceptions import InvalidArgumentError, NotFoundError, OutOfOrderError
+from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError, NotFoundError, OutOfOrderError
 
-__all__ = ["save", "restore", "shard_range"]
+__all__ = ["save", "restore", "shard_range", "resolve", "read_attachment", "check_tables"]
 
 FORMAT = "mltuner-checkpoint"
 VERSION = 1
 LATEST = "latest"
 _CHECKPOINT_NAME = re.compile(r"clock-(\d{8,})")
+_ATTACHMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+ATTACHMENTS = "attachments"
 _log = logging.getLogger("mltuner.launch")
 
 
@@ -53,12 +57,18 @@ def shard_range(num_rows: int, shard: int, num_shards: int) -> tuple[int, int]:
 
 
 def save(node: _core.ProcessNode, worker: Worker, root: Path, barrier: Callable[[str], None], *, keep: int,
-         first_clock: int = 0) -> Path:
+         first_clock: int = 0, attachments: Mapping[str, bytes] | None = None) -> Path:
     """Saves this shard's part; ``first_clock`` is the clock training
-    resumed from (the engine's own clocks restart at 0 after a restore)."""
+    resumed from (the engine's own clocks restart at 0 after a restore).
+    Rank 0 writes ``attachments`` (file name -> bytes) into the checkpoint
+    before it becomes visible; other ranks' are ignored."""
+    attached = check_attachments(attachments) if node.rank == 0 else {}
     engine_clock = int(worker.stats["clock"])
     if engine_clock == 0:
         raise OutOfOrderError("save_checkpoint needs at least one finished clock after start_iterations")
+    if worker.branch != 0:
+        raise OutOfOrderError(f"save_checkpoint saves branch 0, and the last clock ran on branch {worker.branch} "
+                              "(a tuning session's trials and training run on branches of their own)")
     worker.sync()  # every worker's updates through this clock are applied on every shard
     clock = first_clock + engine_clock
     name = f"clock-{clock:08d}"
@@ -90,6 +100,10 @@ def save(node: _core.ProcessNode, worker: Worker, root: Path, barrier: Callable[
             "tables": [{"id": t.id, "name": t.name, "num_rows": t.num_rows, "row_width": t.row_width}
                        for t in _communicated(worker)],
         }
+        if attached:
+            (staging / ATTACHMENTS).mkdir(exist_ok=True)
+            for file_name, content in attached.items():
+                _write_bytes(staging / ATTACHMENTS / file_name, content)
         _write_json(staging / "manifest.json", manifest)
         if final.exists():
             shutil.rmtree(final)
@@ -98,6 +112,34 @@ def save(node: _core.ProcessNode, worker: Worker, root: Path, barrier: Callable[
         _keep_newest(root, keep)
     barrier(f"checkpoint-{name}-done")
     return final
+
+
+def check_attachments(attachments: Mapping[str, bytes] | None) -> dict[str, bytes]:
+    """``attachments`` as a dict, each name a plain file name and each value bytes."""
+    checked: dict[str, bytes] = {}
+    for name, content in (attachments or {}).items():
+        if not isinstance(name, str) or not _ATTACHMENT_NAME.fullmatch(name):
+            raise InvalidArgumentError(f"attachment name {name!r}: use 1-128 letters, digits, '.', '_' or '-', "
+                                       "starting with a letter or digit")
+        if not isinstance(content, (bytes, bytearray, memoryview)):
+            raise ArgumentTypeError(f"attachment {name!r}: expected bytes, got {type(content).__name__}")
+        checked[name] = bytes(content)
+    return checked
+
+
+def read_attachment(path: str | os.PathLike[str], name: str) -> bytes | None:
+    """The bytes rank 0 attached as ``name`` to a checkpoint
+    (``Job.save_checkpoint(..., attachments=...)``), None when it has none.
+    ``path`` is a checkpoint directory, or a root (its newest checkpoint).
+
+    Raises:
+        mltuner.NotFoundError: no complete checkpoint at ``path``.
+    """
+    check_attachments({name: b""})
+    try:
+        return (resolve(Path(path)) / ATTACHMENTS / name).read_bytes()
+    except FileNotFoundError:
+        return None
 
 
 def _keep_newest(root: Path, keep: int) -> None:
@@ -134,19 +176,14 @@ def restore(node: _core.ProcessNode, worker: Worker, path: Path, rule_kind: str,
         # its clocks would not restart: the loaded values would mix with them.
         raise OutOfOrderError(
             "restore_checkpoint after start_iterations: restore between finish_virtual_iteration and "
-            "start_iterations. mltuner.torch.wrap() runs both, so a PyTorch model cannot restore a checkpoint: "
-            "load a state_dict() saved from the wrapped model into the module before wrap() (the optimizer's "
-            "state, momentum or Adam's moments, then starts afresh)"
+            "start_iterations. mltuner.torch.wrap() runs both: a PyTorch model resumes from a checkpoint with "
+            "wrap(..., resume_from=path)"
         )
-    directory = _resolve(path)
+    directory = resolve(path)
     if node.rank == 0 and (path / LATEST).is_file():
         remove_temporaries(path)
-    manifest = _read_json(directory / "manifest.json")
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise InvalidArgumentError(f"{directory} is not an mltuner checkpoint of version {VERSION}")
-    saved = {int(t["id"]): t for t in manifest["tables"]}
+    manifest = check_tables(directory, worker)
     mine = _communicated(worker)
-    _check_tables(directory, saved, mine)
     old_shards = int(manifest["num_shards"])
     metas = [_read_json(directory / f"shard-{s}" / "meta.json") for s in range(old_shards)]
     for table in mine:
@@ -167,7 +204,8 @@ def _communicated(worker: Worker) -> list[Table]:
     return [t for t in worker.tables if not t.local]
 
 
-def _resolve(path: Path) -> Path:
+def resolve(path: Path) -> Path:
+    """The checkpoint directory ``path`` names: itself, or a root's newest."""
     if (path / "manifest.json").is_file():
         return path
     latest = path / LATEST
@@ -178,7 +216,15 @@ def _resolve(path: Path) -> Path:
     raise NotFoundError(f"no complete checkpoint at {path} (no manifest.json, and no {LATEST} file naming one)")
 
 
-def _check_tables(directory: Path, saved: dict[int, dict[str, Any]], mine: list[Table]) -> None:
+def check_tables(directory: Path, worker: Worker) -> dict[str, Any]:
+    """The manifest of the checkpoint ``directory``, once it is known to
+    hold exactly ``worker``'s communicated tables (InvalidArgumentError
+    naming the differences otherwise)."""
+    manifest = _read_json(directory / "manifest.json")
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise InvalidArgumentError(f"{directory} is not an mltuner checkpoint of version {VERSION}")
+    saved = {int(t["id"]): t for t in manifest["tables"]}
+    mine = _communicated(worker)
     problems = []
     for table in mine:
         entry = saved.get(table.id)
@@ -189,8 +235,17 @@ def _check_tables(directory: Path, saved: dict[int, dict[str, Any]], mine: list[
                             f"there, {table.name!r} {table.num_rows}x{table.row_width} here")
     if len(saved) != len(mine):
         problems.append(f"it has {len(saved)} communicated tables, this job {len(mine)}")
+    if not problems:  # the optimizer state: the rule's arrays per value (shard 0 wrote every table)
+        written = _read_json(directory / "shard-0" / "meta.json").get("tables", {})
+        for table in mine:
+            rule = worker.update_rule_of(table)
+            arrays = int(written.get(str(table.id), {}).get("state_arrays", -1))
+            if rule is not None and arrays != rule.state_arrays:
+                problems.append(f"table {table.name!r} has {arrays} arrays of optimizer state per value there, "
+                                f"and its update rule ({rule.kind}) keeps {rule.state_arrays} here")
     if problems:
         raise InvalidArgumentError(f"checkpoint {directory} does not match this job's tables: " + "; ".join(problems))
+    return manifest
 
 
 def _gather_slice(directory: Path, metas: list[dict[str, Any]], table: Table, first: int,
@@ -241,9 +296,13 @@ def _write_json(path: Path, content: dict[str, Any]) -> None:
 
 
 def _write_text(path: Path, text: str) -> None:
+    _write_bytes(path, text.encode())
+
+
+def _write_bytes(path: Path, content: bytes) -> None:
     temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "w") as file:
-        file.write(text)
+    with open(temporary, "wb") as file:
+        file.write(content)
         file.flush()
         os.fsync(file.fileno())
     os.replace(temporary, path)

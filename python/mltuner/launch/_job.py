@@ -25,7 +25,7 @@ import socket
 import sys
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -205,7 +205,7 @@ class Job:
                                        self.local_rank)
         self.worker = Worker(self._node.engine, owner=self._node, config=self.config,
                              max_message_bytes=self._max_message_bytes if self.world_size > 1 else None,
-                             data_paths=self.data_paths)
+                             data_paths=self.data_paths, checkpoints=self)
         _open_jobs.add(self)
         if self.world_size > 1:
             try:
@@ -305,7 +305,8 @@ class Job:
             raise InvalidArgumentError(f"rank 0 serves no {name!r}")
         return handler(0, value)
 
-    def save_checkpoint(self, root: str | os.PathLike[str], *, keep: int = 2) -> Path:
+    def save_checkpoint(self, root: str | os.PathLike[str], *, keep: int = 2,
+                        attachments: Mapping[str, bytes] | None = None) -> Path:
         """Saves every shard's parameters and optimizer state at this clock.
 
         Call it on every rank at the same clock (after ``start_iterations``).
@@ -313,11 +314,14 @@ class Job:
         writes each shard's slice, and makes the checkpoint visible atomically
         as ``root/clock-NNNNNNNN`` (``root/latest`` names the newest); only the
         newest ``keep`` are kept. ``root`` must be on a file system every rank
-        can see. Returns the checkpoint's directory.
+        can see. Rank 0 adds ``attachments`` (file name -> bytes: the
+        application's own state, such as its epoch) to the checkpoint before
+        it becomes visible; :func:`mltuner.read_attachment` reads them back.
+        Returns the checkpoint's directory.
         """
         keep = integer("save_checkpoint: keep", keep, 1, 10**6)
         return _checkpoint.save(self._node, self.worker, Path(root), self.barrier, keep=keep,
-                                first_clock=self._first_clock)
+                                first_clock=self._first_clock, attachments=attachments)
 
     def restore_checkpoint(self, path: str | os.PathLike[str]) -> int:
         """Loads a checkpoint into this rank's shard and returns its clock.

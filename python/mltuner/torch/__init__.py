@@ -25,6 +25,7 @@ from mltuner.torch._errors import IterationMismatchError, UnsupportedModelError
 from mltuner.torch._layers import DEFAULT_WHOLE_MODULES
 from mltuner.torch._module import ClockOptimizer, PSModule, wrap
 from mltuner.torch._recompute import Recompute
+from mltuner.torch._resume import Resumed
 
 __all__ = [
     "wrap",
@@ -34,4 +35,5 @@ __all__ = [
     "IterationMismatchError",
     "DEFAULT_WHOLE_MODULES",
     "Recompute",
+    "Resumed",
 ]

@@ -1782,9 +1782,11 @@ class ClockDriver:
         self.abandon()
         return self._all_tables
 
-    def commit_plan(self) -> None:
-        """Commits the prepared plan, writes the initial values (worker 0)
-        and starts the engine's iterations. A barrier over all workers."""
+    def commit_plan(self, restore: Callable[[], None] | None = None) -> None:
+        """Commits the prepared plan, writes the initial values (worker 0),
+        or calls ``restore`` on every worker instead (a checkpoint's values
+        loaded into the shards), and starts the engine's iterations. A
+        barrier over all workers."""
         worker = self.worker
         self._acts.end_planning()
         # The initial values in host memory are freed as they are written (a
@@ -1793,7 +1795,9 @@ class ClockDriver:
         worker.release_host_memory_during_init(
             sum(flat.numel() * flat.element_size() for flat in self._init if flat.device.type == "cpu"))
         worker.finish_virtual_iteration()
-        if worker.rank == 0:  # the initial values: worker 0's model, added to the servers' zeros
+        if restore is not None:
+            restore()
+        elif worker.rank == 0:  # the initial values: worker 0's model, added to the servers' zeros
             # Each layer's copy freed once written, where it makes room for the
             # shard's state; else all at the end, so that a failed write can
             # still give the module its initial values back (abandon).
@@ -1914,11 +1918,14 @@ class ClockDriver:
                 layer.bind_flat(flat.to(self.device))  # kept in host memory for the plan on CUDA (record)
         self._closed = True
 
-    def close(self) -> None:
-        """Leaves the parameters bound to the servers' values and removes the hooks."""
+    def check_between_clocks(self, what: str) -> None:
         self.check_usable()
         if self._phase is not Phase.IDLE:
-            raise OutOfOrderError("unwrap() in the middle of a clock: call step() first")
+            raise OutOfOrderError(f"{what} in the middle of a clock: call step() first")
+
+    def close(self) -> None:
+        """Leaves the parameters bound to the servers' values and removes the hooks."""
+        self.check_between_clocks("unwrap()")
         self.bind_server_values()
         self.remove_hooks()
         for layer in self.layers:

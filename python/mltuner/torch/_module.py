@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import types
 import weakref
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
@@ -27,7 +29,9 @@ from mltuner.torch._optim import (LearningRates, check_optimizer, groups_of_laye
                                   release_parameters, rule_for_group)
 from mltuner.torch._recompute import (LINK_BOUND_BYTES_PER_OP, LINK_BOUND_FLOPS_PER_BYTE, RECOMPUTE_CHOICES, Recompute,
                                       link_bound)
+from mltuner.launch import _checkpoint
 from mltuner.torch._recording import Tables
+from mltuner.torch._resume import Resumed, SavedModelState, attachments, read_saved
 from mltuner.torch._shipping import choose_overlap
 
 __all__ = ["PSModule", "ClockOptimizer", "wrap"]
@@ -57,10 +61,12 @@ class PSModule(nn.Module):
     """
 
     def __init__(self, module: nn.Module, driver: ClockDriver, groups: list[dict[str, Any]],
-                 scaled: ScaledGradients | None = None, source: torch.optim.Optimizer | None = None) -> None:
+                 scaled: ScaledGradients | None = None, source: torch.optim.Optimizer | None = None,
+                 resumed: Resumed | None = None) -> None:
         super().__init__()
         self.module = module
         self._driver = driver
+        self._resumed = resumed
         self._scaled = scaled  # the GradScaler's side, when wrap() got one
         self._optimizer = ClockOptimizer(self, groups, source)
         self._optimizer.take_over_source()
@@ -199,6 +205,41 @@ class PSModule(nn.Module):
                     for name, value in state.items()}
         finally:
             self._driver.rebind_held()
+
+    @property
+    def resumed(self) -> Resumed | None:
+        """Where ``wrap(..., resume_from=...)`` started this model: the
+        checkpoint's ``path``, its ``clock`` (clocks trained before it was
+        saved) and the ``user_state`` given to :meth:`save_checkpoint`;
+        None for a model that started from its module's values."""
+        return self._resumed
+
+    def save_checkpoint(self, root: str | os.PathLike[str], *, keep: int = 2, user_state: Any = None) -> Path:
+        """Saves what resuming the training needs, between clocks, on every
+        rank at the same clock: the servers' parameters and optimizer state
+        (momentum buffers, Adam's moments and step count; sharded as the
+        servers hold them, ``Job.save_checkpoint``), and from rank 0 the
+        module's buffers (batch-norm statistics), frozen parameters and
+        extra state, the optimizer's param groups (a scheduler's ``lr``) and
+        ``user_state``: JSON values of the loop's own (its epoch, a
+        scheduler's ``state_dict()``). ``root/clock-NNNNNNNN`` appears
+        atomically, ``root/latest`` names the newest, and the newest
+        ``keep`` are kept. ``wrap(..., resume_from=root)`` resumes from it,
+        on as many processes as before or not. Returns its directory.
+
+        Raises:
+            mltuner.OutOfOrderError: in the middle of a clock, or before the
+                first clock ends.
+            mltuner.InvalidArgumentError: the worker is not a Job's, or
+                ``user_state`` or a module's extra state is not JSON values.
+        """
+        checkpoints = self.worker.checkpoints
+        if checkpoints is None:
+            raise InvalidArgumentError("save_checkpoint needs the worker of a mltuner.Job (job.worker): a "
+                                       "LocalCluster's workers have no checkpoints")
+        self._driver.check_between_clocks("save_checkpoint()")
+        files = attachments(self.module, self._optimizer.param_groups, user_state) if self.worker.rank == 0 else {}
+        return checkpoints.save_checkpoint(root, keep=keep, attachments=files)
 
     def unwrap(self) -> nn.Module:
         """Ends the adapter and returns the original module, its parameters
@@ -495,6 +536,35 @@ def _record_again(driver: ClockDriver, planned: str, link_bytes: dict[str, int])
     return "", ""
 
 
+def _saved_state(path: str | os.PathLike[str], module: nn.Module, worker: Worker,
+                 optimizer: torch.optim.Optimizer | None) -> SavedModelState:
+    """wrap(resume_from=): the checkpoint's model state, checked against the
+    module; its param groups' settings are loaded into ``optimizer`` (as
+    torch's ``load_state_dict`` does) before they become the servers' rules."""
+    if worker.checkpoints is None:
+        raise InvalidArgumentError("resume_from needs the worker of a mltuner.Job (job.worker): a LocalCluster's "
+                                   "workers have no checkpoints")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"expected a torch.nn.Module, got {type(module).__name__}")
+    saved = read_saved(path, module, len(optimizer.param_groups) if optimizer is not None else 1)
+    if optimizer is not None:
+        saved.load_groups(optimizer.param_groups)
+    return saved
+
+
+def _restorer(worker: Worker, saved: SavedModelState, resumed: list[Resumed]) -> Callable[[], None]:
+    """What commit_plan calls instead of writing the initial values: the
+    checkpoint's values and optimizer state into every shard."""
+    checkpoints = worker.checkpoints
+    assert checkpoints is not None
+
+    def restore() -> None:
+        clock = checkpoints.restore_checkpoint(saved.path)
+        resumed.append(Resumed(saved.path, clock, saved.user_state))
+
+    return restore
+
+
 def _parameter_device(module: nn.Module) -> torch.device:
     for param in module.parameters():
         return param.device
@@ -518,6 +588,7 @@ def wrap(
     grad_scaler: torch.amp.GradScaler | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     recompute: Recompute = "auto",
+    resume_from: str | os.PathLike[str] | None = None,
 ) -> PSModule:
     """Moves ``module``'s trainable parameters into ``worker``'s parameter
     server and returns the model to train with.
@@ -661,6 +732,16 @@ def wrap(
             recorded again); else ``"none"``.
             ``model.plan`` and ``model.saved_activations`` say what was
             chosen.
+        resume_from: a checkpoint written by a wrapped model's
+            :meth:`PSModule.save_checkpoint` (its directory, or the root: its
+            newest), on any number of processes: the servers start from its
+            parameters and optimizer state instead of worker 0's module, the
+            module's buffers, frozen parameters and extra state from the
+            ones rank 0 saved, and the optimizer's param groups from the
+            saved ones (as ``Optimizer.load_state_dict`` would set them; a
+            fresh ``optimizer`` of the same kind and groups is given).
+            ``model.resumed`` says from which clock, with the loop's
+            ``user_state``. The worker must be a ``mltuner.Job``'s.
 
     Raises:
         UnsupportedModelError: a non-float32 or sparse trainable parameter,
@@ -673,7 +754,11 @@ def wrap(
             parameters are in groups with different settings.
         mltuner.InvalidArgumentError: a used worker, bad arguments, a model
             on another device than the engine; ``recompute="cheap"`` or
-            ``"compute"`` without ``store_activations``.
+            ``"compute"`` without ``store_activations``; a ``resume_from``
+            checkpoint saved from another model (its tables, buffers, param
+            groups or update rules differ; nothing is changed then).
+        mltuner.NotFoundError: no complete checkpoint at ``resume_from``,
+            or one without the model state ``save_checkpoint`` adds.
         mltuner.ResourceExhaustedError: ``Config.device_memory_budget``
             cannot hold the access-buffer pool of the access pattern given
             (``hold_reads``), or of either when choosing (about the largest
@@ -715,6 +800,8 @@ def wrap(
     scaler = None if grad_scaler is None else check_scaler(grad_scaler, _parameter_device(module))
     if optimizer is not None:
         check_optimizer(optimizer)
+    settings = [] if optimizer is None else [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    saved = None if resume_from is None else _saved_state(resume_from, module, worker, optimizer)
     args = example_input if isinstance(example_input, tuple) else (example_input,)
     kwargs = dict(example_kwargs or {})
     split: set[str] = set()  # groups whose members run outside the group's forward, or span param groups
@@ -802,11 +889,18 @@ def wrap(
                 tables, attempt = driver.release_tables(), variant
                 continue
             driver.keep_choice = keeper.choice
+            resumed: list[Resumed] = []
             try:
-                driver.commit_plan()
+                restore = None
+                if saved is not None:
+                    restore = _restorer(worker, saved, resumed)
+                    _checkpoint.check_tables(saved.path, worker)  # before the plan is committed
+                driver.commit_plan(restore)
             except BaseException:
                 driver.abandon()
                 raise
+            if saved is not None:
+                saved.load_local(module)
             scaled = None
             if scaler is not None:
                 scaled = ScaledGradients(scaler, driver)
@@ -817,7 +911,12 @@ def wrap(
             rates.set_tables(driver.tables)
             driver.clock_start = rates.sync
             driver.rates_changed = rates.changed
-            return PSModule(module, driver, groups, scaled, optimizer)
+            model = PSModule(module, driver, groups, scaled, optimizer, resumed[0] if resumed else None)
+            if saved is not None and optimizer is None:  # the Config's group: its lr moves with a schedule
+                saved.load_groups(model.optimizer.param_groups, keys=("lr", "initial_lr"))
+            return model
     except BaseException:
         _give_tables_back(worker)  # the worker can be wrapped again, say with other arguments
+        for group, setting in zip(optimizer.param_groups if optimizer is not None else (), settings):
+            group.update(setting)  # as before resume_from's load_groups
         raise

@@ -111,7 +111,8 @@ def check_optimizer(optimizer: object) -> torch.optim.Optimizer:
         # Momentum buffers or Adam moments that would silently restart at zero on the servers.
         raise UnsupportedModelError(
             f"the {type(optimizer).__name__} given to wrap() already has state (it has stepped, or loaded a "
-            "state_dict): the servers start the optimizer's state at zero, so give wrap() a fresh optimizer"
+            "state_dict): the servers start the optimizer's state at zero, so give wrap() a fresh optimizer "
+            "(wrap(..., resume_from=path) restores the servers' state from a wrapped model's save_checkpoint())"
         )
     if type(optimizer) not in SUPPORTED_OPTIMIZERS:
         subclass = next((c.__name__ for c in SUPPORTED_OPTIMIZERS if isinstance(optimizer, c)), None)

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import mltuner
 from mltuner.launch import ProcessEnv
@@ -122,3 +123,29 @@ def test_leftovers_are_removed_at_restore_and_names_continue_the_clock(tmp_path:
         saved = job.save_checkpoint(tmp_path)
         assert saved.name == "clock-00000006"
         np.testing.assert_array_equal(job.worker.fetch(table), np.full((10, 3), 6.0, dtype=np.float32))
+
+
+def test_attachments_travel_with_the_checkpoint_and_a_branch_is_refused(tmp_path: Path) -> None:
+    env = ProcessEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=0,
+                     bind_host="127.0.0.1", secret=None, source="single")
+    config = mltuner.Config(update_rule=mltuner.UpdateRule("add"), branches=True)
+    with mltuner.Job(config, env=env) as job:
+        _, update = prepare(job.worker)
+        job.worker.start_iterations()
+        job.worker.schedule_branch(0, 1)
+        add_clocks(job.worker, update, 1, 1.0)
+        for bad in ({"../x": b""}, {".hidden": b""}, {"a/b": b""}):
+            with pytest.raises(mltuner.InvalidArgumentError, match="attachment name"):
+                job.save_checkpoint(tmp_path, attachments=bad)
+        with pytest.raises(mltuner.ArgumentTypeError, match="expected bytes"):
+            job.save_checkpoint(tmp_path, attachments={"epoch": 3})  # type: ignore[dict-item]
+        saved = job.save_checkpoint(tmp_path, attachments={"epoch.json": b'{"epoch": 3}'})
+        assert mltuner.read_attachment(tmp_path, "epoch.json") == b'{"epoch": 3}'
+        assert mltuner.read_attachment(saved, "other") is None
+        job.worker.fork_branch(1, 0)
+        job.worker.schedule_branch(1, 1)
+        add_clocks(job.worker, update, 1, 1.0)
+        with pytest.raises(mltuner.OutOfOrderError, match="branch 1"):
+            job.save_checkpoint(tmp_path)
+    with pytest.raises(mltuner.NotFoundError):
+        mltuner.read_attachment(tmp_path / "nowhere", "epoch.json")

@@ -49,16 +49,21 @@ def initialized(model: nn.Module) -> nn.Module:
 
 
 def train(worker: mltuner.Worker, rank: int, num_workers: int, clocks: int, *, overlap: bool | None = None,
-          slack: int = 0) -> dict[str, Any]:
-    """Trains and returns the servers' parameters (numpy) and wrap()'s choice."""
+          slack: int = 0, save_at: int = -1, root: str | None = None, resume: bool = False) -> dict[str, Any]:
+    """Trains and returns the servers' parameters (numpy) and wrap()'s choice.
+    With ``root``: saves a checkpoint there after clock ``save_at``, or
+    (``resume``) starts from its newest and trains the clocks after it."""
     torch.set_num_threads(1)
     x, y = batches(clocks, num_workers)
     model = mt.wrap(initialized(mnist1d_cnn(LENGTH, CLASSES)), worker, example_input=x[0, rank],
-                    overlap_updates=overlap, slack=slack)
-    for clock in range(clocks):
+                    overlap_updates=overlap, slack=slack, resume_from=root if resume else None)
+    first = model.resumed.clock if model.resumed is not None else 0
+    for clock in range(first, clocks):
         loss = nn.functional.cross_entropy(model(x[clock, rank]), y[clock, rank])
         loss.backward()  # type: ignore[no-untyped-call]
         model.step()
+        if clock + 1 == save_at and root is not None:
+            model.save_checkpoint(root, user_state={"clock": clock + 1})
     state = model.state_dict()
     result: dict[str, Any] = {name: value.numpy() for name, value in state.items()}
     result["overlap_updates"] = np.array(model.overlap_updates)
@@ -72,11 +77,15 @@ def main() -> int:
     parser.add_argument("--clocks", type=int, default=10)
     parser.add_argument("--overlap", choices=["auto", "true", "false"], default="auto")
     parser.add_argument("--slack", type=int, default=0)
+    parser.add_argument("--checkpoints", help="save a checkpoint here after --save-at clocks, or --resume from it")
+    parser.add_argument("--save-at", type=int, default=-1)
+    parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()
     overlap = None if args.overlap == "auto" else args.overlap == "true"
     try:
         with mltuner.Job(config()) as job:
-            result = train(job.worker, job.rank, job.world_size, args.clocks, overlap=overlap, slack=args.slack)
+            result = train(job.worker, job.rank, job.world_size, args.clocks, overlap=overlap, slack=args.slack,
+                           save_at=args.save_at, root=args.checkpoints, resume=args.resume)
             job.barrier("done")
         np.savez(os.path.join(args.out, f"rank-{job.rank}.npz"), **result)
     except mltuner.MltunerError as error:

@@ -1,0 +1,199 @@
+"""A wrapped model's checkpoints: what the job's checkpoint lacks for
+resuming a PyTorch training run.
+
+The job's checkpoint (``Job.save_checkpoint``) holds every table's values
+and the servers' optimizer state (momentum buffers, Adam's moments and step
+count), sharded as the servers hold them. A model also has state outside the
+tables: its buffers (batch-norm running statistics), frozen parameters and
+``get_extra_state()``, the optimizer's param groups (a scheduler's current
+``lr``, ``initial_lr``), and whatever the loop keeps (its epoch, a
+scheduler's ``state_dict()``). Rank 0 attaches these to the checkpoint as two
+files, read back without pickle:
+
+- ``torch-adapter.json``: the param groups' settings, the index of the local
+  tensors (name, dtype, shape, byte offset) and the loop's ``user_state``;
+- ``torch-local.bin``: those tensors' bytes, one after another.
+
+Every rank takes rank 0's local tensors on resume, as DDP broadcasts rank
+0's buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from mltuner.exceptions import InvalidArgumentError, NotFoundError
+from mltuner.launch import _checkpoint
+
+__all__ = ["Resumed", "SavedModelState", "attachments", "read_saved"]
+
+FORMAT = "mltuner-torch-adapter"
+VERSION = 1
+INDEX = "torch-adapter.json"
+TENSORS = "torch-local.bin"
+
+
+@dataclasses.dataclass(frozen=True)
+class Resumed:
+    """Where a model wrapped with ``resume_from`` started from."""
+
+    path: Path  # the checkpoint directory
+    clock: int  # the clocks trained before it was saved (the job's clock count)
+    user_state: Any  # what save_checkpoint(user_state=...) was given (JSON values), or None
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedModelState:
+    """A checkpoint's model state outside the tables, checked against the
+    module it will be loaded into."""
+
+    path: Path
+    groups: list[dict[str, Any]]
+    local: dict[str, torch.Tensor | Any]  # state_dict entries: tensors, or extra state (JSON values)
+    user_state: Any
+
+    def load_local(self, module: nn.Module) -> None:
+        """Copies the saved buffers, frozen parameters and extra state into
+        ``module`` (whose entries read_saved checked)."""
+        targets = _local_entries(module)
+        with torch.no_grad():
+            for name, value in self.local.items():
+                if name == _EXTRA or name.endswith("." + _EXTRA):
+                    module.get_submodule(name[: -len(_EXTRA)].rstrip(".")).set_extra_state(value)
+                else:
+                    targets[name].copy_(value)
+
+    def load_groups(self, groups: list[dict[str, Any]], keys: tuple[str, ...] | None = None) -> None:
+        """Sets the saved settings of each param group, as torch's
+        ``Optimizer.load_state_dict`` does (``lr``, ``initial_lr``, momentum,
+        betas, ...; only ``keys`` where given)."""
+        for group, saved in zip(groups, self.groups):
+            for key, value in saved.items():
+                if (key in group or key == "initial_lr") and (keys is None or key in keys):
+                    group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
+
+
+_EXTRA = "_extra_state"
+
+
+def _local_entries(module: nn.Module) -> dict[str, Any]:
+    """``module``'s state_dict entries that are not trainable parameters
+    (buffers, frozen parameters, extra state), by name; tensors are the
+    module's own (keep_vars)."""
+    return {name: value for name, value in module.state_dict(keep_vars=True).items()
+            if not (isinstance(value, nn.Parameter) and value.requires_grad)}
+
+
+def _json_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    saved = []
+    for group in groups:
+        settings = {}
+        for key, value in group.items():
+            if key == "params":
+                continue
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                value = value.item()  # a tensor lr (torch allows them)
+            try:
+                json.dumps(value)
+            except (TypeError, ValueError):
+                continue  # not a setting torch's schedulers write (a callable, say)
+            settings[key] = value
+        saved.append(settings)
+    return saved
+
+
+def attachments(module: nn.Module, groups: list[dict[str, Any]], user_state: Any) -> dict[str, bytes]:
+    """The files rank 0 attaches to the job's checkpoint (module docstring)."""
+    try:
+        user_json = json.loads(json.dumps(user_state))
+    except (TypeError, ValueError) as error:
+        raise InvalidArgumentError(f"save_checkpoint: user_state must be JSON values (dicts, lists, numbers, "
+                                   f"strings): {error}") from None
+    index: list[dict[str, Any]] = []
+    blobs: list[bytes] = []
+    offset = 0
+    for name, value in _local_entries(module).items():
+        if not isinstance(value, torch.Tensor):
+            try:
+                index.append({"name": name, "json": json.loads(json.dumps(value))})
+            except (TypeError, ValueError):
+                raise InvalidArgumentError(f"save_checkpoint: {name!r} (a module's get_extra_state()) is not JSON "
+                                           "values; the checkpoint stores no pickles") from None
+            continue
+        data = value.detach().to("cpu", copy=True).contiguous()
+        raw = data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b""
+        index.append({"name": name, "dtype": str(data.dtype).removeprefix("torch."), "shape": list(data.shape),
+                      "offset": offset, "bytes": len(raw)})
+        blobs.append(raw)
+        offset += len(raw)
+    content = {"format": FORMAT, "version": VERSION, "groups": _json_groups(groups), "local": index,
+               "user_state": user_json}
+    return {INDEX: json.dumps(content).encode(), TENSORS: b"".join(blobs)}
+
+
+def read_saved(path: str | os.PathLike[str], module: nn.Module, num_groups: int) -> SavedModelState:
+    """The model state a checkpoint holds outside the tables, checked
+    against ``module`` (the same buffers, frozen parameters and extra state,
+    with the same shapes and dtypes) and the number of param groups.
+
+    Raises:
+        mltuner.NotFoundError: no complete checkpoint at ``path``.
+        mltuner.InvalidArgumentError: it was not saved by a wrapped model's
+            ``save_checkpoint``, or saved from another model or optimizer.
+    """
+    directory = _checkpoint.resolve(Path(path))
+    raw_index = _checkpoint.read_attachment(directory, INDEX)
+    if raw_index is None:
+        raise NotFoundError(f"{directory} holds no PyTorch model state: it was saved by Job.save_checkpoint, not by "
+                            "a wrapped model's save_checkpoint()")
+    try:
+        index = json.loads(raw_index)
+        if index.get("format") != FORMAT or index.get("version") != VERSION:
+            raise ValueError(f"not {FORMAT} version {VERSION}")
+        tensors = _checkpoint.read_attachment(directory, TENSORS) or b""
+        local = dict(_decode(index["local"], tensors))
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise InvalidArgumentError(f"{directory / 'attachments' / INDEX} cannot be read: {error}") from None
+    problems = []
+    groups = index["groups"]
+    if len(groups) != num_groups:
+        problems.append(f"the optimizer had {len(groups)} param groups there, {num_groups} here")
+    mine = _local_entries(module)
+    for name in sorted(set(mine) ^ set(local)):
+        where = "the checkpoint" if name in local else "this module"
+        problems.append(f"{name!r} is only in {where}")
+    for name, value in local.items():
+        target = mine.get(name)
+        if isinstance(value, torch.Tensor) and isinstance(target, torch.Tensor) and (
+                value.shape != target.shape or value.dtype != target.dtype):
+            problems.append(f"{name!r} is {value.dtype} {tuple(value.shape)} there, {target.dtype} "
+                            f"{tuple(target.shape)} here")
+    if problems:
+        raise InvalidArgumentError(f"checkpoint {directory} was saved from another model: " + "; ".join(problems))
+    return SavedModelState(directory, groups, local, index.get("user_state"))
+
+
+def _decode(entries: list[dict[str, Any]], tensors: bytes) -> Iterator[tuple[str, Any]]:
+    for entry in entries:
+        name = str(entry["name"])
+        if "json" in entry:
+            yield name, entry["json"]
+            continue
+        dtype = getattr(torch, str(entry["dtype"]))
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {entry['dtype']!r}")
+        start, size = int(entry["offset"]), int(entry["bytes"])
+        shape = tuple(int(n) for n in entry["shape"])
+        if start < 0 or start + size > len(tensors):
+            raise ValueError(f"{name!r} lies outside {TENSORS}")
+        raw = torch.frombuffer(bytearray(tensors[start:start + size]), dtype=torch.uint8) if size else \
+            torch.empty(0, dtype=torch.uint8)
+        yield name, raw.view(dtype).reshape(shape)

@@ -1,0 +1,198 @@
+"""A wrapped model's checkpoints: ``save_checkpoint`` and
+``wrap(resume_from=)``. A run stopped after a checkpoint and resumed from it
+ends with the parameters, batch-norm statistics, optimizer state and
+learning-rate schedule of the run that never stopped, bit for bit; a
+checkpoint of another model or rule is refused before anything changes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch import nn  # noqa: E402
+
+import mltuner  # noqa: E402
+import mltuner.torch as mt  # noqa: E402
+
+CLOCKS, SAVED_AT = 10, 4
+BATCHES = [(torch.randn(12, 8, generator=torch.Generator().manual_seed(i)),
+            torch.randint(0, 3, (12,), generator=torch.Generator().manual_seed(100 + i))) for i in range(CLOCKS)]
+Optimizers = Callable[[nn.Module], torch.optim.Optimizer]
+OPTIMIZERS: dict[str, Optimizers] = {
+    "sgd-momentum": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3),
+    "adam": lambda m: torch.optim.Adam([{"params": m[0].parameters(), "lr": 0.02},
+                                        {"params": list(m[1].parameters()) + list(m[3].parameters())}], lr=0.01),
+}
+
+
+def net() -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    model[2].requires_grad_(False)  # no parameters: a frozen one below
+    model.register_parameter("frozen", nn.Parameter(torch.ones(3), requires_grad=False))
+    return model
+
+
+def train(model: mt.PSModule, scheduler: torch.optim.lr_scheduler.LRScheduler, clocks: range,
+          save: Callable[[int], None] | None = None) -> None:
+    for clock in clocks:
+        x, y = BATCHES[clock]
+        nn.functional.cross_entropy(model(x), y).backward()
+        model.optimizer.step()
+        scheduler.step()
+        if save is not None:
+            save(clock + 1)
+
+
+def final_state(model: mt.PSModule) -> dict[str, torch.Tensor]:
+    return {**model.state_dict(), "lr": torch.tensor([g["lr"] for g in model.optimizer.param_groups])}
+
+
+@pytest.mark.parametrize("make_optimizer", OPTIMIZERS.values(), ids=list(OPTIMIZERS))
+def test_a_resumed_run_ends_where_the_uninterrupted_one_does(tmp_path: Path, make_optimizer: Optimizers) -> None:
+    root = tmp_path / "checkpoints"
+    with mltuner.Job() as job:
+        module = net()
+        model = mt.wrap(module, job.worker, example_input=BATCHES[0][0], optimizer=make_optimizer(module))
+        scheduler = torch.optim.lr_scheduler.StepLR(model.optimizer, step_size=3, gamma=0.5)
+
+        def save(clock: int) -> None:
+            if clock == SAVED_AT:
+                model.save_checkpoint(root, user_state={"scheduler": scheduler.state_dict(), "clock": clock})
+
+        train(model, scheduler, range(CLOCKS), save)
+        want = final_state(model)
+
+    with mltuner.Job() as job:  # a new process would do the same: a fresh module and optimizer
+        module = net()
+        model = mt.wrap(module, job.worker, example_input=BATCHES[0][0], optimizer=make_optimizer(module),
+                        resume_from=root)
+        assert model.resumed is not None
+        assert model.resumed.clock == SAVED_AT and model.resumed.user_state["clock"] == SAVED_AT
+        assert model.resumed.path == root / f"clock-{SAVED_AT:08d}"
+        scheduler = torch.optim.lr_scheduler.StepLR(model.optimizer, step_size=3, gamma=0.5)
+        scheduler.load_state_dict(model.resumed.user_state["scheduler"])
+        train(model, scheduler, range(SAVED_AT, CLOCKS))
+        got = final_state(model)
+        assert model.save_checkpoint(root).name == f"clock-{CLOCKS:08d}"  # clocks count on from the checkpoint
+
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_without_the_optimizer_state_the_run_would_differ(tmp_path: Path) -> None:
+    """The reference the test above compares with is sensitive to the
+    momentum: restarting from the saved parameters and buffers alone (a
+    state_dict loaded before wrap()) ends elsewhere."""
+    root = tmp_path / "checkpoints"
+    with mltuner.Job() as job:
+        module = net()
+        model = mt.wrap(module, job.worker, example_input=BATCHES[0][0], optimizer=OPTIMIZERS["sgd-momentum"](module))
+        scheduler = torch.optim.lr_scheduler.StepLR(model.optimizer, step_size=100)
+        train(model, scheduler, range(SAVED_AT))
+        saved = model.state_dict()
+        train(model, scheduler, range(SAVED_AT, CLOCKS))
+        want = model.state_dict()
+    with mltuner.Job() as job:
+        module = net()
+        module.load_state_dict(saved)
+        model = mt.wrap(module, job.worker, example_input=BATCHES[0][0], optimizer=OPTIMIZERS["sgd-momentum"](module))
+        scheduler = torch.optim.lr_scheduler.StepLR(model.optimizer, step_size=100)
+        train(model, scheduler, range(SAVED_AT, CLOCKS))
+        assert not torch.equal(model.state_dict()["0.weight"], want["0.weight"])
+
+
+def _saved(root: Path, module: nn.Module | None = None, optimizer: Optimizers = OPTIMIZERS["sgd-momentum"]) -> Path:
+    with mltuner.Job() as job:
+        module = module or net()
+        model = mt.wrap(module, job.worker, example_input=BATCHES[0][0], optimizer=optimizer(module))
+        assert model.resumed is None
+        with pytest.raises(mltuner.OutOfOrderError, match="finished clock"):
+            model.save_checkpoint(root)
+        x, y = BATCHES[0]
+        nn.functional.cross_entropy(model(x), y).backward()
+        with pytest.raises(mltuner.OutOfOrderError, match="middle of a clock"):
+            model.save_checkpoint(root)
+        model.step()
+        with pytest.raises(mltuner.InvalidArgumentError, match="JSON"):
+            model.save_checkpoint(root, user_state={"f": print})
+        return model.save_checkpoint(root)
+
+
+def test_checkpoints_that_do_not_fit_are_refused_before_anything_changes(tmp_path: Path) -> None:
+    root = _saved(tmp_path / "sgd")
+    with mltuner.Job() as job:
+        other = net()
+        other[3] = nn.Linear(16, 4)  # the same buffers and frozen parameter, another table
+        with pytest.raises(mltuner.InvalidArgumentError, match="does not match this job's tables"):
+            mt.wrap(other, job.worker, example_input=BATCHES[0][0], resume_from=root)
+        without_bn = net()
+        without_bn[1] = nn.Identity()
+        with pytest.raises(mltuner.InvalidArgumentError, match="'1.running_mean' is only in the checkpoint"):
+            mt.wrap(without_bn, job.worker, example_input=BATCHES[0][0], resume_from=root)
+        module = net()
+        adam = OPTIMIZERS["adam"](module)
+        with pytest.raises(mltuner.InvalidArgumentError, match="param groups"):
+            mt.wrap(module, job.worker, example_input=BATCHES[0][0], optimizer=adam, resume_from=root)
+        adam = torch.optim.Adam(module.parameters(), lr=0.5)
+        with pytest.raises(mltuner.InvalidArgumentError, match="arrays of optimizer state"):
+            mt.wrap(module, job.worker, example_input=BATCHES[0][0], optimizer=adam, resume_from=root)
+        assert adam.param_groups[0]["lr"] == 0.5  # the saved settings were taken back
+        with pytest.raises(mltuner.NotFoundError, match="no complete checkpoint"):
+            mt.wrap(module, job.worker, example_input=BATCHES[0][0], resume_from=tmp_path / "nowhere")
+        # The worker was left as it was: it can still be wrapped, and resumes.
+        module = net()
+        model = mt.wrap(module, job.worker, example_input=BATCHES[0][0], optimizer=OPTIMIZERS["sgd-momentum"](module),
+                        resume_from=root)
+        assert model.resumed is not None and model.resumed.clock == 1 and model.resumed.user_state is None
+        x, y = BATCHES[0]
+        nn.functional.cross_entropy(model(x), y).backward()
+        model.step()
+        job.save_checkpoint(tmp_path / "plain")
+    with mltuner.Job() as job:
+        with pytest.raises(mltuner.NotFoundError, match="Job.save_checkpoint"):
+            mt.wrap(net(), job.worker, example_input=BATCHES[0][0], resume_from=tmp_path / "plain")
+
+
+def test_a_worker_outside_a_job_has_no_checkpoints(tmp_path: Path) -> None:
+    root = _saved(tmp_path / "sgd")
+    with mltuner.LocalCluster(1) as cluster:
+        worker = cluster.worker(0)
+        with pytest.raises(mltuner.InvalidArgumentError, match="mltuner.Job"):
+            mt.wrap(net(), worker, example_input=BATCHES[0][0], resume_from=root)
+        model = mt.wrap(net(), worker, example_input=BATCHES[0][0])
+        with pytest.raises(mltuner.InvalidArgumentError, match="mltuner.Job"):
+            model.save_checkpoint(tmp_path / "x")
+
+
+def test_extra_state_and_odd_dtypes_come_back(tmp_path: Path) -> None:
+    class Counted(nn.Linear):
+        def __init__(self) -> None:
+            super().__init__(8, 3)
+            self.seen = {"batches": 0}
+            self.register_buffer("bf16", torch.arange(4, dtype=torch.bfloat16))
+            self.register_buffer("flags", torch.tensor([True, False]))
+
+        def get_extra_state(self) -> dict[str, int]:
+            return self.seen
+
+        def set_extra_state(self, state: dict[str, int]) -> None:
+            self.seen = dict(state)
+
+    module = Counted()
+    module.seen["batches"] = 7
+    module.bf16.mul_(3)
+    root = _saved(tmp_path / "x", module, lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.5))
+    fresh = Counted()
+    with mltuner.Job() as job:
+        model = mt.wrap(fresh, job.worker, example_input=BATCHES[0][0],
+                        optimizer=torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.5), resume_from=root)
+        assert fresh.seen == {"batches": 7}
+        assert torch.equal(fresh.bf16, module.bf16) and fresh.bf16.dtype == torch.bfloat16
+        assert torch.equal(fresh.flags, module.flags)
+        assert model.resumed is not None

@@ -41,6 +41,7 @@ from mltuner.launch import _checkpoint
 from mltuner.launch._env import TRANSPORTS, ProcessEnv, detect_environment, is_loopback
 from mltuner.launch._rendezvous import ControlClient, Coordinator
 from mltuner.launch._torch_store import job_key, lookup_address, publish_address
+from mltuner.launch._uneven import ClockLender
 from mltuner.transport._address import Card, IpcDirectory, TransportKind, choose_address, host_identity
 from mltuner.transport import _cuda_ipc
 from mltuner.transport._control import (CONTROL_IO_THREAD, CONTROL_RECEIVE_QUEUE, DATA_IO_THREAD, MAX_SIGNAL_BYTES,
@@ -68,12 +69,17 @@ _log = logging.getLogger("mltuner.launch")
 _open_jobs: weakref.WeakSet[Job] = weakref.WeakSet()
 
 
-def _warn_uneven_end(clocks: list[Any]) -> None:
-    """Ranks that close at different clocks (one ran an extra step): the
-    clocks of the ranks that ran further have updates no BSP clock ever
-    completes, and the trained values differ from an even run's."""
-    if len(set(clocks)) > 1:
-        ends = ", ".join(f"rank {rank} at clock {clock}" for rank, clock in enumerate(clocks))
+def _warn_uneven_end(clocks: list[Any], lent: bool) -> None:
+    """Ranks that close at different clocks (uneven data splits, a loop
+    bound off by one): the trained values differ from an even run's, so
+    every rank says so."""
+    if len(set(clocks)) <= 1:
+        return
+    ends = ", ".join(f"rank {rank} at clock {clock}" for rank, clock in enumerate(clocks))
+    if lent:  # _uneven.py: the ranks that closed early lent their later clocks
+        warnings.warn(f"the ranks closed the job at different clocks ({ends}): the clocks a rank did not run "
+                      "counted its update as zero (as PyTorch DDP's Join)", stacklevel=3)
+    else:
         warnings.warn(f"the ranks closed the job at different clocks ({ends}): every rank must run the same number "
                       "of clocks (the clocks past the fewest have updates that no shard completed; check the "
                       "ranks' loop bounds and data lengths, e.g. DistributedSampler's padding)", stacklevel=3)
@@ -341,16 +347,21 @@ class Job:
 
     def close(self, *, graceful: bool = True) -> None:
         """Leaves the job. Graceful: hands over this worker's last updates and
-        waits (bounded) for every rank to reach close, so no peer mistakes the
-        exit for a crash. Idempotent."""
+        waits for every rank to reach close, so no peer mistakes the exit for
+        a crash. A rank that trains on meanwhile (its data split is longer)
+        gets this rank's later clocks as empty ones, zero updates, as with
+        PyTorch DDP's ``Join``; the wait ends ``Config.wait_timeout_s`` after
+        the last clock any rank finished. Idempotent."""
         if self._closed:
             return
         self._closed = True
         if graceful and self._control is not None and self._lost_peer() is None:
             try:
                 self.worker.flush()
-                clocks = self._control.allgather("close-clocks", int(self.worker.stats["clock"]), self._timeout_s)
-                _warn_uneven_end(clocks)
+                lender = ClockLender.for_worker(self.worker)
+                clocks = self._control.allgather("close-clocks", int(self.worker.stats["clock"]), self._timeout_s,
+                                                 while_waiting=None if lender is None else lender.step)
+                _warn_uneven_end(clocks, lender is not None)
                 self._control.barrier("close", self._timeout_s, final=True)
             except MltunerError:
                 pass  # a lost peer was reported by the calls that met it

@@ -52,6 +52,7 @@ __all__ = ["Coordinator", "ControlClient"]
 _log = logging.getLogger("mltuner.launch")
 _MAX_FRAME = 1 << 20
 _POLL_MS = 100
+_BUSY_POLL_MS = 2  # a wait with work of its own between polls (allgather's while_waiting)
 # How long a rank waits before joining again when the coordinator it reached
 # is the previous job's, closing.
 _RETRY_S = 0.05
@@ -323,11 +324,14 @@ class ControlClient:
         if reply.get("name") != name:
             raise InvalidArgumentError(f"barrier {name!r} was answered for {reply.get('name')!r}")
 
-    def allgather(self, name: str, value: Any, timeout_s: float) -> list[Any]:
+    def allgather(self, name: str, value: Any, timeout_s: float,
+                  while_waiting: Callable[[], bool] | None = None) -> list[Any]:
         """Every rank's ``value`` (JSON), by rank, once all have called
-        ``allgather(name, ...)``."""
+        ``allgather(name, ...)``. ``while_waiting`` is called every few
+        milliseconds until then; each call that returns True (progress
+        elsewhere) starts the timeout again."""
         reply = self._ask("allgather", {"op": "gather", "value": value}, "gathered", name, timeout_s,
-                          "not every worker reached it")
+                          "not every worker reached it", while_waiting)
         values = reply.get("values")
         if not isinstance(values, list):
             raise InvalidArgumentError(f"allgather {name!r} was answered without values")
@@ -339,7 +343,7 @@ class ControlClient:
                          "rank 0 did not answer").get("value")
 
     def _ask(self, what: str, message: dict[str, Any], answer: str, name: str, timeout_s: float,
-             unanswered: str) -> dict[str, Any]:
+             unanswered: str, while_waiting: Callable[[], bool] | None = None) -> dict[str, Any]:
         """Sends ``message`` named ``name`` and returns the ``answer`` to it."""
         frame = _encode({**message, "rank": self._rank, "name": name})
         if len(frame) > _MAX_FRAME:
@@ -347,7 +351,8 @@ class ControlClient:
                                        f"more than {_MAX_FRAME}")
         self._socket.send(frame)
         reply = self._expect(answer, timeout_s,
-                             lambda: f"{what} {name!r} timed out after {timeout_s:g} s: {unanswered}")
+                             lambda: f"{what} {name!r} timed out after {timeout_s:g} s: {unanswered}",
+                             while_waiting=while_waiting)
         if reply.get("name") != name:
             raise InvalidArgumentError(f"{what} {name!r} was answered for {reply.get('name')!r}")
         return reply
@@ -400,7 +405,7 @@ class ControlClient:
         self._socket.send(_encode(message))
 
     def _expect(self, op: str, timeout_s: float, timeout_message: Callable[[], str],
-                resend: bytes | None = None) -> dict[str, Any]:
+                resend: bytes | None = None, while_waiting: Callable[[], bool] | None = None) -> dict[str, Any]:
         """The next message of kind ``op``. With ``resend`` (the join), the
         request goes out again when the coordinator answers ``retry`` (it is
         the previous job's, closing) and after every reconnect (the request
@@ -414,6 +419,8 @@ class ControlClient:
             if lost:
                 raise PeerLostError(lost)
             now = time.monotonic()
+            if while_waiting is not None and while_waiting():
+                deadline = now + timeout_s
             remaining = deadline - now
             if remaining <= 0:
                 self._watch_connection()
@@ -423,7 +430,8 @@ class ControlClient:
             if resend is not None and (self._reconnects != reconnects or (resend_at is not None and now >= resend_at)):
                 self._socket.send(resend)
                 reconnects, resend_at = self._reconnects, None
-            if not self._socket.poll(min(_POLL_MS, int(remaining * 1000) + 1)):
+            poll_ms = _POLL_MS if while_waiting is None else _BUSY_POLL_MS
+            if not self._socket.poll(min(poll_ms, int(remaining * 1000) + 1)):
                 continue
             message = _decode(self._socket.recv())
             if message is None:

@@ -118,7 +118,7 @@ def test_restore_after_start_iterations_is_refused(start_workers, tmp_path: Path
     try:
         _record_a_read(job.worker)
         job.worker.start_iterations()
-        with pytest.raises(mltuner.OutOfOrderError, match="after start_iterations.*cannot restore a checkpoint"):
+        with pytest.raises(mltuner.OutOfOrderError, match="after start_iterations.*resume_from"):
             job.restore_checkpoint(ckpt)
     finally:
         job.close()

@@ -1,0 +1,89 @@
+"""Uneven data splits: a rank that closes the job while another trains on
+lends it its later clocks as empty ones (zero updates, as PyTorch DDP's
+``Join``), so the other never waits for it; the servers' values are then
+those of the ranks' real updates alone, and the close says what happened."""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+
+import numpy as np
+import pytest
+
+import mltuner
+
+from test_wire_security import close, start_pair  # type: ignore[import-not-found]
+
+SHORT, LONG, ROWS, WIDTH = 3, 12, 4, 2
+
+
+def value(rank: int, clock: int) -> float:
+    return float((rank + 1) * (clock + 1))
+
+
+@pytest.mark.parametrize("slack", [0, 1])
+def test_a_rank_that_closes_early_lends_its_clocks_to_the_one_that_trains_on(slack: int) -> None:
+    jobs = start_pair()  # the add rule: the servers' values are the sums of the updates
+    reads: list[float] = []
+    elapsed: list[float] = []
+    caught: list[warnings.WarningMessage] = []
+    errors: list[BaseException] = []
+
+    def train(rank: int) -> None:
+        try:
+            worker = jobs[rank].worker
+            table = worker.create_table("t", ROWS, WIDTH)
+            read = worker.virtual_read(table, slack=slack)
+            worker.virtual_post_read(read)
+            update = worker.virtual_pre_update(table)
+            worker.virtual_update(update)
+            worker.virtual_clock()
+            worker.finish_virtual_iteration()
+            worker.start_iterations()
+            started = time.monotonic()
+            for clock in range(SHORT if rank == 0 else LONG):
+                seen = float(np.asarray(worker.read(read))[0, 0])
+                if rank == 1:
+                    reads.append(seen)
+                worker.post_read(read)
+                worker.pre_update(update)[:] = value(rank, clock)
+                worker.update(update)
+                worker.clock()
+            if rank == 1:
+                elapsed.append(time.monotonic() - started)
+                worker.sync()
+                reads.append(float(worker.fetch(table)[0, 0]))
+            with warnings.catch_warnings(record=True) as seen_warnings:
+                warnings.simplefilter("always")
+                jobs[rank].close()
+            caught.extend(seen_warnings)
+        except BaseException as error:  # noqa: BLE001 - re-raised below
+            errors.append(error)
+
+    threads = [threading.Thread(target=train, args=(rank,)) for rank in range(2)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not any(thread.is_alive() for thread in threads), "a rank hung"
+        if errors:
+            raise errors[0]
+    finally:
+        close(jobs)
+    # Rank 1's read of clock c sees every update through clock c - 1 - slack
+    # at least (its own through c - 1): rank 0's first three, then its own.
+    for clock, seen in enumerate(reads[:-1]):
+        through = [c for c in range(clock)]
+        newest = sum(value(0, c) for c in through if c < SHORT) + sum(value(1, c) for c in through)
+        oldest = sum(value(0, c) for c in through[:max(0, clock - slack)] if c < SHORT) + \
+            sum(value(1, c) for c in through)
+        assert oldest <= seen <= newest, f"clock {clock}: {seen} outside [{oldest}, {newest}]"
+    assert reads[-1] == sum(value(0, c) for c in range(SHORT)) + sum(value(1, c) for c in range(LONG))
+    # Far within Config.wait_timeout_s (20 s): no clock waited for rank 0.
+    assert elapsed[0] < 10.0
+    messages = [str(w.message) for w in caught]
+    assert any("rank 0 at clock 3, rank 1 at clock 12" in m and "counted its update as zero" in m
+               for m in messages), messages

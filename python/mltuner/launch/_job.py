@@ -36,7 +36,7 @@ from mltuner import _core
 from mltuner._config import MAX_WAIT_S, MOST_AUTO_PREFETCH_CLOCKS, Config
 from mltuner._validate import boolean, integer, real, text
 from mltuner.client._worker import Worker, largest_frame_bytes
-from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError, MltunerError
+from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError, MltunerError, ShutdownError
 from mltuner.launch import _checkpoint
 from mltuner.launch._env import TRANSPORTS, ProcessEnv, detect_environment, is_loopback
 from mltuner.launch._rendezvous import ControlClient, Coordinator
@@ -192,7 +192,7 @@ class Job:
         self.world_size = self.env.world_size
         self.local_rank = self.env.local_rank
         self._timeout_s = self.config.wait_timeout_s
-        self._closed = False
+        self._closed = True  # until the node below exists: nothing to close before it
         self._first_clock = 0  # the clock training resumed from (restore_checkpoint)
         self._context: zmq.Context[zmq.Socket[bytes]] | None = None
         self._authenticator: object | None = None
@@ -209,6 +209,7 @@ class Job:
         self.data_paths: dict[int, str] = {}
         self._node = _core.ProcessNode(self.config.to_core(), self.rank, self.world_size, self.config.device,
                                        self.local_rank)
+        self._closed = False
         self.worker = Worker(self._node.engine, owner=self._node, config=self.config,
                              max_message_bytes=self._max_message_bytes if self.world_size > 1 else None,
                              data_paths=self.data_paths, checkpoints=self)
@@ -254,6 +255,7 @@ class Job:
     def barrier(self, name: str = "barrier", timeout_s: float | None = None) -> None:
         """Returns once every rank has called ``barrier`` with this name."""
         text("barrier: name", name)
+        self._check_open("barrier")
         timeout = self._wait_limit("barrier", timeout_s)
         if self._control is not None:
             self._control.barrier(name, timeout)
@@ -265,6 +267,7 @@ class Job:
         small control data (the tuner's commands and loss reports), not
         tensors."""
         text("allgather: name", name)
+        self._check_open("allgather")
         timeout = self._wait_limit("allgather", timeout_s)
         if self._control is None:
             try:
@@ -299,6 +302,7 @@ class Job:
         InvalidArgumentError when rank 0 serves no ``name`` or its handler
         refuses the value, WaitTimeoutError when no answer comes in time."""
         text("request: name", name)
+        self._check_open("request")
         timeout = self._wait_limit("request", timeout_s)
         try:
             json.dumps(value)  # the check the wire makes, for rank 0's own requests too
@@ -326,6 +330,7 @@ class Job:
         Returns the checkpoint's directory.
         """
         keep = integer("save_checkpoint: keep", keep, 1, 10**6)
+        self._check_open("save_checkpoint")
         return _checkpoint.save(self._node, self.worker, Path(root), self.barrier, keep=keep,
                                 first_clock=self._first_clock, attachments=attachments)
 
@@ -341,6 +346,7 @@ class Job:
         checkpoints are named from it on. It ends with a barrier, so every
         read after it, on any rank, sees the restored values.
         """
+        self._check_open("restore_checkpoint")
         self._first_clock = _checkpoint.restore(self._node, self.worker, Path(path), self.config.update_rule.kind,
                                                 self.barrier)
         return self._first_clock
@@ -393,6 +399,10 @@ class Job:
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
             self.close(graceful=False)
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise ShutdownError(f"{what}: the job is closed")
 
     def _wait_limit(self, what: str, timeout_s: float | None) -> float:
         if timeout_s is None:

@@ -17,6 +17,7 @@ per worker copies its output. Signal handlers are installed only when
 
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
 import signal
@@ -32,6 +33,7 @@ from mltuner.launch._env import free_port
 
 __all__ = ["launch", "KILL_AFTER_SECONDS"]
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # How long workers get between SIGTERM and SIGKILL.
 KILL_AFTER_SECONDS = 5.0
 # How often the workers' states are checked: short enough that a failure is
@@ -99,6 +101,28 @@ class _Worker:
             os.killpg(self.process.pid, signum)
         except (ProcessLookupError, PermissionError):
             pass  # the group is already empty
+
+
+def _die_with_launcher() -> Callable[[], None] | None:
+    """What a worker runs between fork and exec so that it gets SIGTERM when
+    the launcher dies, even by SIGKILL (the OOM killer, a CI runner's
+    timeout), which no handler of the launcher's sees: Linux's
+    PR_SET_PDEATHSIG. None elsewhere. prctl is resolved here, in the
+    launcher, so the child only makes the call."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    launcher = os.getpid()
+
+    def arm() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != launcher:  # the launcher died before the call: nothing will send the signal
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arm
 
 
 def _exit_code(process: subprocess.Popen[bytes]) -> int | None:
@@ -201,6 +225,7 @@ def launch(
                     list(command), env=worker_env, stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                     start_new_session=True,  # its own group: signals reach its children too
+                    preexec_fn=_die_with_launcher(),
                 )
             except OSError as error:
                 output.line(f"mltuner launch: cannot run {command[0]!r}: {error.strerror or error}")

@@ -116,7 +116,7 @@ import torch
 from torch import nn
 
 from mltuner.client._worker import OP_KINDS, PlanPreview, Table, Worker
-from mltuner.exceptions import InvalidArgumentError, OutOfOrderError, ResourceExhaustedError
+from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError, OutOfOrderError, ResourceExhaustedError
 from mltuner.torch._buffers import app_stream, as_tensor, buffer_key, placeholder, storage_ptr
 from mltuner.torch._errors import IterationMismatchError, UnsupportedModelError
 from mltuner.torch._layers import Layer
@@ -162,6 +162,21 @@ class _Mutating:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: Any) -> None:
         if error is not None:
             self._driver._fail(error)
+
+
+def refuse_copy(how: str) -> NoReturn:
+    """copy.deepcopy or pickle of a wrapped model, or of its module (whose
+    hooks hold the adapter): refused with what to do instead."""
+    if how == "deepcopy":
+        raise ArgumentTypeError(
+            "copy.deepcopy of a wrapped model or its module: its parameters live on the servers and the "
+            "adapter's hooks drive the engine's clock. For a copy of the trained values (an EMA, the best "
+            "model so far), deepcopy the module before wrap() and load model.state_dict() into the copy"
+        )
+    raise ArgumentTypeError(
+        "pickling a wrapped model or its module (torch.save(model)): save model.state_dict(), which loads into "
+        "the plain module, or model.save_checkpoint(root) to resume training from it"
+    )
 
 
 class Phase(enum.Enum):
@@ -298,6 +313,10 @@ class ClockDriver:
 
         self._eval_active = False
         self._eval_clock: tuple[int, int | None] | None = None  # (clock, branch) the parameters hold
+        # The parameters' version counters when the adapter last let go of
+        # them (after wrap(), a clock, an evaluation): a write in between is
+        # the loop's, and lost (_refuse_writes_between_clocks). None until wrap() ends.
+        self._idle_versions: list[list[int]] | None = None
         self._broken: BaseException | None = None
         self._mutating_block = _Mutating(self)
         self._closed = False
@@ -330,6 +349,7 @@ class ClockDriver:
         self._local_views: dict[Any, torch.Tensor] = {}  # local-table buffer key -> flat uint8 view
         self._update_buffer: Any = None  # the next update's buffer, opened by the last batch
         self._install_hooks()
+        self._load_guard = model.register_load_state_dict_pre_hook(self._refuse_load)
         self._recording_hooks: list[Any] = []
         self.misgrouped: str | None = None  # a group whose member ran outside its forward (recording)
         # Called on each layer's gradients (in place) before they are copied
@@ -343,6 +363,12 @@ class ClockDriver:
         self.rates_changed: Callable[[], bool] | None = None
         # The shapes of example_input's tensors (set by wrap()), for _check_inputs.
         self.input_shapes: list[tuple[int, ...]] | None = None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
+        refuse_copy("deepcopy")  # reached through the module's hooks
+
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        refuse_copy("pickle")
 
     # -- hooks -----------------------------------------------------------------------
     def _install_hooks(self) -> None:
@@ -362,11 +388,51 @@ class ClockDriver:
 
     def remove_hooks(self) -> None:
         self._end_loss_guard()
+        self._load_guard.remove()
         for handle in self._hooks + self._grad_hooks:
             handle.remove()
         self._hooks.clear()
         self._layer_hooks.clear()
         self._grad_hooks.clear()
+
+    def _refuse_load(self, module: nn.Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
+        """model.module.load_state_dict(): refused where it would write a
+        trainable parameter (a buffers-only state may load)."""
+        names = {prefix + slot.name for layer in self.layers for slot in layer.params}
+        if not self._closed and names.intersection(state):
+            raise OutOfOrderError(
+                "load_state_dict on a wrapped model's module: the servers hold the parameters; load the state "
+                "into the module before wrap() (worker 0's values become the servers' initial values), or "
+                "resume from a checkpoint with wrap(..., resume_from=...)"
+            )
+
+    def note_idle_versions(self) -> None:
+        """The adapter lets go of the parameters (module docstring of _idle_versions)."""
+        self._idle_versions = [layer.versions() for layer in self.layers]
+
+    def _refuse_writes_between_clocks(self) -> None:
+        """Raises OutOfOrderError where the loop changed a parameter in place
+        since the adapter last let go of them: the write is lost (the
+        servers hold the parameters), and one into the NaN placeholder that
+        parameters point at between clocks would hide later misuse. The
+        parameters are as before afterwards, so the loop can go on."""
+        if self._idle_versions is None:
+            return
+        for layer, versions in zip(self.layers, self._idle_versions):
+            name = layer.changed_since(versions)
+            if name is None:
+                continue
+            with torch.no_grad():
+                placeholder(self.device).fill_(float("nan"))
+            self._eval_clock = None  # an evaluation's copy of the servers' values may hold the write
+            self.note_idle_versions()
+            raise OutOfOrderError(
+                f"parameter {name!r} of the wrapped model was changed in place between clocks (model.module."
+                "load_state_dict, an initialiser applied after wrap(), p.data.clamp_() as in WGAN's weight "
+                "clipping, ...): the servers hold the parameters and change them only by the update rule, so "
+                "the change was dropped. Initialise or load the module before wrap(), or resume with "
+                "wrap(..., resume_from=...)"
+            )
 
     def _pre_hook(self, layer: Layer) -> Callable[[nn.Module, Any], None]:
         def hook(module: nn.Module, args: Any) -> None:
@@ -846,7 +912,8 @@ class ClockDriver:
         self._end_loss_guard()
         if not again:
             if not self._recording:
-                self._check_inputs(inputs)  # nothing of the clock has reached the engine
+                self._refuse_writes_between_clocks()  # nothing of the clock has reached the engine
+                self._check_inputs(inputs)
                 self._acts.check_modes(self.model, self.clock)
                 self._acts.read_buffers(self.clock)
             if self.clock_start is not None and not self._recording:
@@ -1494,6 +1561,8 @@ class ClockDriver:
 
     def _reset_clock(self) -> None:
         self._phase = Phase.IDLE
+        if self._idle_versions is not None:
+            self.note_idle_versions()
         self._cursor = 0
         self._next_slot = 0
         self._fwd_open.clear()
@@ -1812,6 +1881,7 @@ class ClockDriver:
                     self._init[layer.index] = _WRITTEN
         self._init.clear()
         worker.start_iterations()
+        self.note_idle_versions()
         self._shipped_why = self._why_shipped()
         if self._light:
             self._plan_batches()
@@ -1899,6 +1969,7 @@ class ClockDriver:
         clocks this worker finished (waiting for every worker's updates of
         those clocks first, so the result does not depend on timing), from
         ``branch`` (default: the branch of the last finished clock)."""
+        self._refuse_writes_between_clocks()
         if self._eval_clock == (self.clock, branch):
             return
         with self._mutating():
@@ -1908,6 +1979,7 @@ class ClockDriver:
                 values = np.ascontiguousarray(self.worker.fetch(table, branch=branch), dtype=np.float32)
                 layer.bind_flat(torch.from_numpy(values).to(self.device).view(-1))
         self._eval_clock = (self.clock, branch)
+        self.note_idle_versions()
 
     def abandon(self) -> None:
         """After a failed wrap(): gives the model its initial values back and
@@ -1922,6 +1994,7 @@ class ClockDriver:
         self.check_usable()
         if self._phase is not Phase.IDLE:
             raise OutOfOrderError(f"{what} in the middle of a clock: call step() first")
+        self._refuse_writes_between_clocks()
 
     def close(self) -> None:
         """Leaves the parameters bound to the servers' values and removes the hooks."""

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import os
 import types
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -21,7 +22,7 @@ from mltuner.exceptions import (ArgumentTypeError, InvalidArgumentError, Mltuner
                                 ResourceExhaustedError)
 from mltuner.torch._amp import ScaledGradients, check_scaler
 from mltuner.torch._buffers import check_same_device
-from mltuner.torch._clock import ClockDriver, input_shapes, tensors_in
+from mltuner.torch._clock import ClockDriver, input_shapes, refuse_copy, tensors_in
 from mltuner.torch._errors import UnsupportedModelError
 from mltuner.torch._keep import KeepOnDevice, Variant
 from mltuner.torch._layers import DEFAULT_GROUP_BYTES, DEFAULT_WHOLE_MODULES, Layer, find_layers
@@ -246,7 +247,9 @@ class PSModule(nn.Module):
         holding the servers' values and its hooks removed. Call it between
         clocks; the worker stays up (shut it down separately)."""
         self._driver.close()
-        self._optimizer.give_back_source()
+        stateful = any((rule := self.worker.update_rule_of(table)) is not None and rule.state_arrays
+                       for table in self._driver.tables)
+        self._optimizer.give_back_source(warn_on_step=stateful)
         release_parameters(self._driver.layers)
         return self.module
 
@@ -255,6 +258,12 @@ class PSModule(nn.Module):
             "load_state_dict on a wrapped model: the servers hold the parameters; load the state into the "
             "module before wrap() (worker 0's values become the servers' initial values)"
         )
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
+        refuse_copy("deepcopy")
+
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        refuse_copy("pickle")
 
     def _apply(self, fn: Any, recurse: bool = True) -> NoReturn:
         raise OutOfOrderError(
@@ -390,14 +399,32 @@ class ClockOptimizer(torch.optim.Optimizer):
         # the error above says what to do instead of a clock left open.
         source._step_supports_amp_scaling = True  # type: ignore[attr-defined]
 
-    def give_back_source(self) -> None:
-        """unwrap(): the original optimizer steps on its own again."""
+    @property
+    def has_source(self) -> bool:
+        """Whether wrap() was given a torch optimizer (which unwrap() gives back)."""
+        return self._source is not None
+
+    def give_back_source(self, warn_on_step: bool) -> None:
+        """unwrap(): the original optimizer steps on its own again; with
+        ``warn_on_step`` its first step warns that the servers' optimizer
+        state (momentum, Adam's moments) did not come with it."""
         source = self._source
         if source is None:
             return
         for name in _TAKEN_OVER:
             source.__dict__.pop(name, None)
         source.__dict__.update(self._saved_source_attrs)
+        if not warn_on_step:
+            return
+
+        def warn_once(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            handle.remove()
+            warnings.warn(
+                f"the {type(optimizer).__name__} given back by unwrap() steps without the servers' optimizer state "
+                "(momentum buffers, Adam's moments): it starts them afresh, as a new optimizer would. "
+                "model.save_checkpoint() before unwrap() keeps them, for wrap(..., resume_from=...)", stacklevel=3)
+
+        handle = source.register_step_pre_hook(warn_once)
 
 
 def _default_loss(output: Any) -> torch.Tensor:

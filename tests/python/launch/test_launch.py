@@ -7,6 +7,7 @@ import io
 import os
 import re
 import signal
+import subprocess
 import sys
 import textwrap
 import threading
@@ -311,3 +312,27 @@ def test_cli_requires_the_number_of_workers() -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["launch", "--", "true"])
     assert exit_info.value.code == 2
+
+
+def test_workers_do_not_outlive_a_launcher_killed_by_sigkill(tmp_path: Path) -> None:
+    """SIGKILL (the OOM killer, a CI runner's timeout) leaves the launcher no
+    handler to run: the workers learn of it from the kernel (their parent's
+    death) and end too."""
+    script = """\
+        write_pid()
+        time.sleep(60)
+    """
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from mltuner.cli import main; sys.exit(main(sys.argv[1:]))",
+         "launch", "-n", "2", "--", *python(script)],
+        env=worker_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while len(read_pids(tmp_path)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = read_pids(tmp_path)
+        assert len(pids) == 2, "the workers did not start"
+    finally:
+        launcher.kill()
+        launcher.wait(10)
+    assert_all_gone(pids, timeout=5.0)

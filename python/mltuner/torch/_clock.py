@@ -349,7 +349,7 @@ class ClockDriver:
         self._local_views: dict[Any, torch.Tensor] = {}  # local-table buffer key -> flat uint8 view
         self._update_buffer: Any = None  # the next update's buffer, opened by the last batch
         self._install_hooks()
-        self._load_guard = model.register_load_state_dict_pre_hook(self._refuse_load)
+        self._load_guard = model.register_load_state_dict_pre_hook(self._refuse_load)  # type: ignore[no-untyped-call]
         self._recording_hooks: list[Any] = []
         self.misgrouped: str | None = None  # a group whose member ran outside its forward (recording)
         # Called on each layer's gradients (in place) before they are copied

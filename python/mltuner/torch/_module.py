@@ -827,7 +827,8 @@ def wrap(
     scaler = None if grad_scaler is None else check_scaler(grad_scaler, _parameter_device(module))
     if optimizer is not None:
         check_optimizer(optimizer)
-    settings = [] if optimizer is None else [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    settings = [{key: value for key, value in group.items() if key != "params"}  # resume_from may change them
+                for group in (optimizer.param_groups if optimizer is not None else ())]
     saved = None if resume_from is None else _saved_state(resume_from, module, worker, optimizer)
     args = example_input if isinstance(example_input, tuple) else (example_input,)
     kwargs = dict(example_kwargs or {})

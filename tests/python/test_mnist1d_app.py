@@ -118,3 +118,11 @@ def test_the_programs_validation_clocks_reach_its_session(monkeypatch: pytest.Mo
     with pytest.raises(_Made):
         mnist1d.main(["--mode", "fixed", "--search", "", "--samples", "500", "--batch-size", "8", *given])
     assert made[0].config.num_clocks_to_test == clocks
+
+
+def test_the_training_samples_check_args_counts_are_the_ones_load_gives() -> None:
+    """check_args refuses a batch larger than the tuner's training split
+    without loading the data: its count must be load()'s."""
+    for samples in (100, 1000, 5000):
+        args = mnist1d.parse_args(["--samples", str(samples)])
+        assert len(mnist1d.load(args).x_train) == mnist1d.training_samples(samples)

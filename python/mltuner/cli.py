@@ -16,10 +16,6 @@ from typing import NoReturn
 import mltuner
 from mltuner.apps._mnist1d_options import DEFAULT_SEED, DefaultsHelpFormatter, add_program_options
 
-# Exit codes of a job stopped by SIGINT (Ctrl-C) or SIGTERM, as launch returns them.
-_INTERRUPTED = (130, 143)
-
-
 class _Parser(argparse.ArgumentParser):
     """An argument parser whose usage errors are one line (exit code 2)."""
 
@@ -87,19 +83,6 @@ def _out_dir(args: argparse.Namespace, kind: str) -> Path:
     return directory
 
 
-def _report_of_what_ran(log: Path, report: Path) -> None:
-    """After Ctrl-C: the report of the part of the run that the log holds."""
-    from mltuner.tune import write_report
-
-    if not log.exists():
-        print("interrupted before the tuner logged anything: no report")
-        return
-    try:
-        print(f"interrupted; report of what ran: {write_report(log, report)}")
-    except (OSError, ValueError) as error:  # InvalidArgumentError is a ValueError
-        print(f"interrupted; no report: {error}")
-
-
 def _watched(args: argparse.Namespace, kind: str, command: list[str], env_log: bool) -> int:
     from mltuner.tune import log_env, run_watched
 
@@ -110,11 +93,8 @@ def _watched(args: argparse.Namespace, kind: str, command: list[str], env_log: b
                    str(out / RESULT_NAME), *command]
     out.mkdir(parents=True, exist_ok=True)
     print(f"mltuner {kind}: {args.nproc} workers; writing to {out}/", flush=True)
-    code = run_watched(command, args.nproc, log=log, workers_log=out / WORKERS_LOG_NAME, report=report,
+    return run_watched(command, args.nproc, log=log, workers_log=out / WORKERS_LOG_NAME, report=report,
                        terminal=False if args.plain else None, env=log_env(log) if env_log else None)
-    if code in _INTERRUPTED:
-        _report_of_what_ran(log, report)
-    return code
 
 
 def _program_args(args: argparse.Namespace, tokens: Sequence[str]) -> list[str]:

@@ -114,6 +114,7 @@ def test_ctrl_c_stops_the_job_and_draws_the_report_of_what_ran(tmp_path: Path) -
                 cli.kill()
                 cli.wait(timeout=10)
     assert cli.returncode == 130, output
-    assert f"interrupted; report of what ran: {out / 'report.png'}" in output
+    assert "the job was stopped (exit code 130); the report shows what ran" in output
+    assert f"report: {out / 'report.png'}" in output and output.count("report:") == 1, output
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (out / "result.json").exists()  # the job did not finish

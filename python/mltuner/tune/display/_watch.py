@@ -84,7 +84,8 @@ def run_watched(command: Sequence[str], num_workers: int, *, log: Path, workers_
             print(f"  {line}", file=out)
         return code
     if interrupted:
-        print(f"the job was stopped (exit code {code}); the report shows what ran", file=out)
+        print(f"the job was stopped (exit code {code})" + ("; the report shows what ran" if log.exists() else
+                                                          ", before the tuner logged a decision: no report"), file=out)
     else:
         for line in [line for line in lines if line.startswith("[rank 0]") and " [I " not in line][-4:]:
             print(line.removeprefix("[rank 0] "), file=out)
@@ -98,7 +99,9 @@ def run_watched(command: Sequence[str], num_workers: int, *, log: Path, workers_
         dashboard = dashboard_command(log)
         if dashboard is not None:
             print(f"studies: {dashboard}", file=out)
-    print(f"decision log: {log}\nworkers' output: {workers_log}", file=out)
+    if log.exists():
+        print(f"decision log: {log}", file=out)
+    print(f"workers' output: {workers_log}", file=out)
     return code
 
 

@@ -1926,6 +1926,12 @@ class ClockDriver:
         self._handles = replay(self.worker, tables, self._events, slack=self._slack, hold_reads=hold,
                                batched=self._light, groups=self._groups)
 
+    def rule_has_state(self) -> bool:
+        """Whether the servers keep optimizer state (momentum, Adam's
+        moments) for some layer's table."""
+        return any((rule := self.worker.update_rule_of(table)) is not None and rule.state_arrays
+                   for table in self._tables)
+
     @property
     def tables(self) -> list[Table]:
         """The layers' tables, in layer order (empty before :meth:`prepare_plan`)."""

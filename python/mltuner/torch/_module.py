@@ -32,7 +32,7 @@ from mltuner.torch._recompute import (LINK_BOUND_BYTES_PER_OP, LINK_BOUND_FLOPS_
                                       link_bound)
 from mltuner.launch import _checkpoint
 from mltuner.torch._recording import Tables
-from mltuner.torch._resume import Resumed, SavedModelState, attachments, read_saved
+from mltuner.torch._resume import Resumed, SavedModelState, attachments, read_saved, set_group_settings
 from mltuner.torch._shipping import choose_overlap
 
 __all__ = ["PSModule", "ClockOptimizer", "wrap"]
@@ -247,9 +247,7 @@ class PSModule(nn.Module):
         holding the servers' values and its hooks removed. Call it between
         clocks; the worker stays up (shut it down separately)."""
         self._driver.close()
-        stateful = any((rule := self.worker.update_rule_of(table)) is not None and rule.state_arrays
-                       for table in self._driver.tables)
-        self._optimizer.give_back_source(warn_on_step=stateful)
+        self._optimizer.give_back_source(warn_on_step=self._driver.rule_has_state())
         release_parameters(self._driver.layers)
         return self.module
 
@@ -319,6 +317,7 @@ class ClockOptimizer(torch.optim.Optimizer):
         self._model = model
         self._groups = groups
         self._source = source
+        self._warned_stateless = False  # state_dict() said it lacks the servers' state
         self._saved_source_attrs: dict[str, Any] = {}  # the source's own instance attributes take_over_source() replaced
         self.defaults = {key: value for key, value in groups[0].items() if key != "params"} if groups else {}
 
@@ -332,6 +331,43 @@ class ClockOptimizer(torch.optim.Optimizer):
     @param_groups.setter
     def param_groups(self, groups: list[dict[str, Any]]) -> None:
         self._init_groups = groups  # torch.optim.Optimizer.__init__'s own list
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's format, with the param groups' settings and no
+        per-parameter state: the servers keep the momentum buffers and Adam's
+        moments (``model.save_checkpoint()`` saves them, ``wrap(...,
+        resume_from=)`` restores them). Warns once where the rule keeps such
+        state, which a checkpoint of this dict alone would lose."""
+        if not self._warned_stateless and self._model._driver.rule_has_state():
+            self._warned_stateless = True
+            warnings.warn("the wrapped model's optimizer.state_dict() holds the param groups but not the servers' "
+                          "optimizer state (momentum buffers, Adam's moments): save model.save_checkpoint() to "
+                          "resume with them", stacklevel=2)
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Sets the param groups' settings (a schedule's ``lr``), as torch
+        does; a state dict with per-parameter state (momentum buffers, Adam's
+        moments) is refused, since the servers hold that state: resume with
+        ``wrap(..., resume_from=...)``.
+
+        Raises:
+            mltuner.OutOfOrderError: ``state_dict`` has per-parameter state.
+            mltuner.InvalidArgumentError: its param groups do not match.
+        """
+        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), list):
+            raise InvalidArgumentError("load_state_dict: expected an optimizer state dict (with 'param_groups')")
+        if state_dict.get("state"):
+            raise OutOfOrderError(
+                "load_state_dict with per-parameter optimizer state (momentum buffers, Adam's moments) on a "
+                "wrapped model's optimizer: the servers hold that state. Resume from model.save_checkpoint() "
+                "with wrap(..., resume_from=...)")
+        saved = state_dict["param_groups"][: len(self._groups)]  # less the GradScaler's stand-in group
+        sizes = [len(group.get("params", ())) if isinstance(group, dict) else -1 for group in saved]
+        if sizes != [len(group["params"]) for group in self._groups]:
+            raise InvalidArgumentError(f"load_state_dict: param groups of {sizes} parameters, the optimizer has "
+                                       f"{[len(group['params']) for group in self._groups]}")
+        set_group_settings(self._groups, saved)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if not hasattr(self, "_groups"):  # torch.optim.Optimizer.__init__

@@ -33,7 +33,7 @@ from torch import nn
 from mltuner.exceptions import InvalidArgumentError, NotFoundError
 from mltuner.launch import _checkpoint
 
-__all__ = ["Resumed", "SavedModelState", "attachments", "read_saved"]
+__all__ = ["Resumed", "SavedModelState", "attachments", "read_saved", "set_group_settings"]
 
 FORMAT = "mltuner-torch-adapter"
 VERSION = 1
@@ -72,13 +72,19 @@ class SavedModelState:
                     targets[name].copy_(value)
 
     def load_groups(self, groups: list[dict[str, Any]], keys: tuple[str, ...] | None = None) -> None:
-        """Sets the saved settings of each param group, as torch's
-        ``Optimizer.load_state_dict`` does (``lr``, ``initial_lr``, momentum,
-        betas, ...; only ``keys`` where given)."""
-        for group, saved in zip(groups, self.groups):
-            for key, value in saved.items():
-                if (key in group or key == "initial_lr") and (keys is None or key in keys):
-                    group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
+        """Sets the saved settings of each param group (set_group_settings)."""
+        set_group_settings(groups, self.groups, keys)
+
+
+def set_group_settings(groups: list[dict[str, Any]], saved: list[dict[str, Any]],
+                       keys: tuple[str, ...] | None = None) -> None:
+    """Sets each param group's settings from ``saved``, as torch's
+    ``Optimizer.load_state_dict`` does (``lr``, ``initial_lr``, momentum,
+    betas, ...; only ``keys`` where given; never ``params``)."""
+    for group, settings in zip(groups, saved):
+        for key, value in settings.items():
+            if key != "params" and (key in group or key == "initial_lr") and (keys is None or key in keys):
+                group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
 
 
 _EXTRA = "_extra_state"

@@ -196,3 +196,31 @@ def test_extra_state_and_odd_dtypes_come_back(tmp_path: Path) -> None:
         assert torch.equal(fresh.bf16, module.bf16) and fresh.bf16.dtype == torch.bfloat16
         assert torch.equal(fresh.flags, module.flags)
         assert model.resumed is not None
+
+
+def test_the_optimizers_state_dict_round_trip_keeps_the_groups_and_refuses_lost_state() -> None:
+    """A loop that checkpoints optimizer.state_dict() as with torch: the
+    dict holds the param groups (and says, once, that the servers' momentum
+    is not in it); load_state_dict sets the groups' settings, and refuses a
+    dict with per-parameter state, which the servers could not take."""
+    with mltuner.Job() as job:
+        module = net()
+        model = mt.wrap(module, job.worker, example_input=BATCHES[0][0], optimizer=OPTIMIZERS["sgd-momentum"](module))
+        train(model, torch.optim.lr_scheduler.StepLR(model.optimizer, step_size=100), range(1))
+        with pytest.warns(UserWarning, match="not the servers' optimizer state"):
+            saved = model.optimizer.state_dict()
+        assert saved["state"] == {} and saved["param_groups"][0]["lr"] == 0.1
+        model.optimizer.state_dict()  # said once
+        saved["param_groups"][0]["lr"] = 0.025
+        model.optimizer.load_state_dict(saved)
+        assert model.optimizer.param_groups[0]["lr"] == 0.025  # torch's own load would have been lost here
+        plain = net()
+        torch_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+        nn.functional.cross_entropy(plain(BATCHES[0][0]), BATCHES[0][1]).backward()
+        torch_optimizer.step()
+        with pytest.raises(mltuner.OutOfOrderError, match="resume_from"):
+            model.optimizer.load_state_dict(torch_optimizer.state_dict())
+        two_groups = {"state": {}, "param_groups": [{"params": [0]}, {"params": [1, 2]}]}
+        with pytest.raises(mltuner.InvalidArgumentError, match="param groups"):
+            model.optimizer.load_state_dict(two_groups)
+        train(model, torch.optim.lr_scheduler.StepLR(model.optimizer, step_size=100), range(1, 2))

@@ -122,11 +122,11 @@ def benchmark_module(file_name: str, module_name: str) -> Iterator[ModuleType]:
         sys.path.remove(str(BENCHMARKS))
 
 
-def record_read_update(worker: Worker, table: Any) -> tuple[int, int]:
-    """Records the simplest clock, a read of every row (slack 0) and an
-    update of every row, finishes the virtual iteration and starts; returns
-    the read's and the update's handles."""
-    read = worker.virtual_read(table, slack=0)
+def record_read_update(worker: Worker, table: Any, slack: int = 0) -> tuple[int, int]:
+    """Records the simplest clock, a read of every row (with ``slack``) and
+    an update of every row, finishes the virtual iteration and starts;
+    returns the read's and the update's handles."""
+    read = worker.virtual_read(table, slack=slack)
     worker.virtual_post_read(read)
     update = worker.virtual_pre_update(table)
     worker.virtual_update(update)

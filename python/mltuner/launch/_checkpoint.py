@@ -235,17 +235,40 @@ def check_tables(directory: Path, worker: Worker) -> dict[str, Any]:
                             f"there, {table.name!r} {table.num_rows}x{table.row_width} here")
     if len(saved) != len(mine):
         problems.append(f"it has {len(saved)} communicated tables, this job {len(mine)}")
-    if not problems:  # the optimizer state: the rule's arrays per value (shard 0 wrote every table)
-        written = _read_json(directory / "shard-0" / "meta.json").get("tables", {})
-        for table in mine:
-            rule = worker.update_rule_of(table)
-            arrays = int(written.get(str(table.id), {}).get("state_arrays", -1))
-            if rule is not None and arrays != rule.state_arrays:
-                problems.append(f"table {table.name!r} has {arrays} arrays of optimizer state per value there, "
-                                f"and its update rule ({rule.kind}) keeps {rule.state_arrays} here")
     if problems:
         raise InvalidArgumentError(f"checkpoint {directory} does not match this job's tables: " + "; ".join(problems))
+    for shard in range(int(manifest["num_shards"])):  # every file a restore reads, before it changes anything
+        written = _read_json(directory / f"shard-{shard}" / "meta.json").get("tables", {})
+        for table in mine:
+            entry = written.get(str(table.id))
+            if not isinstance(entry, dict):
+                raise InvalidArgumentError(f"shard {shard} of {directory} has no table {table.name!r}")
+            rule = worker.update_rule_of(table)
+            if rule is not None and entry.get("state_arrays") != rule.state_arrays:
+                raise InvalidArgumentError(
+                    f"checkpoint {directory} does not fit this job's update rules: table {table.name!r} has "
+                    f"{entry.get('state_arrays')} arrays of optimizer state per value there, and its rule "
+                    f"({rule.kind}) keeps {rule.state_arrays} here")
+            _check_arrays(directory / f"shard-{shard}", table, entry)
     return manifest
+
+
+def _check_arrays(shard_dir: Path, table: Table, entry: dict[str, Any]) -> None:
+    """A shard's two files of a table: readable .npy arrays of the sizes its meta.json gives."""
+    rows = int(entry["num_rows"])
+    for kind, least in (("values", rows * table.row_width),
+                        ("state", int(entry["state_arrays"]) * rows * table.row_width)):
+        path = shard_dir / f"table-{table.id}.{kind}.npy"
+        try:
+            array = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as error:
+            raise InvalidArgumentError(f"checkpoint file {path} cannot be read: {error}") from None
+        if kind == "values" and (array.dtype != np.float32 or array.shape != (rows, table.row_width)):
+            raise InvalidArgumentError(f"checkpoint file {path} holds a {array.dtype} array of shape {array.shape}, "
+                                       f"float32 ({rows}, {table.row_width}) expected")
+        if kind == "state" and (array.dtype != np.float32 or array.size < least):
+            raise InvalidArgumentError(f"checkpoint file {path} holds {array.size} {array.dtype} values, at least "
+                                       f"{least} float32 expected")
 
 
 def _gather_slice(directory: Path, metas: list[dict[str, Any]], table: Table, first: int,

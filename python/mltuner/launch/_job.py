@@ -394,7 +394,8 @@ class Job:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self.close(graceful=exc is None)
+        # sys.exit(0) inside the block ends the rank as cleanly as the block's end does.
+        self.close(graceful=exc is None or (isinstance(exc, SystemExit) and exc.code in (0, None)))
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):

@@ -20,6 +20,7 @@ from mltuner._config import UpdateRule
 from mltuner.client._worker import Worker
 from mltuner.exceptions import (ArgumentTypeError, InvalidArgumentError, MltunerError, OutOfOrderError,
                                 ResourceExhaustedError)
+from mltuner.launch import _checkpoint
 from mltuner.torch._amp import ScaledGradients, check_scaler
 from mltuner.torch._buffers import check_same_device
 from mltuner.torch._clock import ClockDriver, input_shapes, refuse_copy, tensors_in
@@ -30,7 +31,6 @@ from mltuner.torch._optim import (LearningRates, check_optimizer, groups_of_laye
                                   release_parameters, rule_for_group)
 from mltuner.torch._recompute import (LINK_BOUND_BYTES_PER_OP, LINK_BOUND_FLOPS_PER_BYTE, RECOMPUTE_CHOICES, Recompute,
                                       link_bound)
-from mltuner.launch import _checkpoint
 from mltuner.torch._recording import Tables
 from mltuner.torch._resume import Resumed, SavedModelState, attachments, read_saved, set_group_settings
 from mltuner.torch._shipping import choose_overlap
@@ -239,7 +239,7 @@ class PSModule(nn.Module):
             raise InvalidArgumentError("save_checkpoint needs the worker of a mltuner.Job (job.worker): a "
                                        "LocalCluster's workers have no checkpoints")
         self._driver.check_between_clocks("save_checkpoint()")
-        files = attachments(self.module, self._optimizer.param_groups, user_state) if self.worker.rank == 0 else {}
+        files = attachments(self.module, self._optimizer.model_groups, user_state) if self.worker.rank == 0 else {}
         return checkpoints.save_checkpoint(root, keep=keep, attachments=files)
 
     def unwrap(self) -> nn.Module:
@@ -331,6 +331,12 @@ class ClockOptimizer(torch.optim.Optimizer):
     @param_groups.setter
     def param_groups(self, groups: list[dict[str, Any]]) -> None:
         self._init_groups = groups  # torch.optim.Optimizer.__init__'s own list
+
+    @property
+    def model_groups(self) -> list[dict[str, Any]]:
+        """The param groups of the model's parameters (param_groups less a
+        GradScaler's stand-in group)."""
+        return self._groups
 
     def state_dict(self) -> dict[str, Any]:
         """torch's format, with the param groups' settings and no
@@ -434,11 +440,6 @@ class ClockOptimizer(torch.optim.Optimizer):
         # GradScaler.step then calls step() whatever the overflow, so that
         # the error above says what to do instead of a clock left open.
         source._step_supports_amp_scaling = True  # type: ignore[attr-defined]
-
-    @property
-    def has_source(self) -> bool:
-        """Whether wrap() was given a torch optimizer (which unwrap() gives back)."""
-        return self._source is not None
 
     def give_back_source(self, warn_on_step: bool) -> None:
         """unwrap(): the original optimizer steps on its own again; with
@@ -623,7 +624,7 @@ def _restorer(worker: Worker, saved: SavedModelState, resumed: list[Resumed]) ->
 
     def restore() -> None:
         clock = checkpoints.restore_checkpoint(saved.path)
-        resumed.append(Resumed(saved.path, clock, saved.user_state))
+        resumed.append(Resumed(saved.path, clock, saved.user_state, {"state": {}, "param_groups": saved.groups}))
 
     return restore
 

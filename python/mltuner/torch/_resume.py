@@ -48,6 +48,11 @@ class Resumed:
     path: Path  # the checkpoint directory
     clock: int  # the clocks trained before it was saved (the job's clock count)
     user_state: Any  # what save_checkpoint(user_state=...) was given (JSON values), or None
+    # The optimizer's param groups as saved, in torch's state-dict format (no
+    # per-parameter state: the servers' came back with the tables). wrap()
+    # loads them; a scheduler made after wrap() may write its own lr when
+    # made, so load them again after it: model.optimizer.load_state_dict().
+    optimizer: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,10 +103,20 @@ def _local_entries(module: nn.Module) -> dict[str, Any]:
             if not (isinstance(value, nn.Parameter) and value.requires_grad)}
 
 
+def _trainable_shapes(module: nn.Module) -> dict[str, list[int]]:
+    """The shapes of the trainable parameters, by name: the tables hold them
+    in rows, where another model's may fit as well."""
+    return {name: list(param.shape) for name, param in module.named_parameters() if param.requires_grad}
+
+
 def _json_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The groups as torch's ``Optimizer.state_dict`` gives them: their
+    settings, and ``params`` numbered across the groups."""
     saved = []
+    numbered = 0
     for group in groups:
-        settings = {}
+        settings: dict[str, Any] = {"params": list(range(numbered, numbered + len(group["params"])))}
+        numbered += len(group["params"])
         for key, value in group.items():
             if key == "params":
                 continue
@@ -141,7 +156,7 @@ def attachments(module: nn.Module, groups: list[dict[str, Any]], user_state: Any
         blobs.append(raw)
         offset += len(raw)
     content = {"format": FORMAT, "version": VERSION, "groups": _json_groups(groups), "local": index,
-               "user_state": user_json}
+               "parameters": _trainable_shapes(module), "user_state": user_json}
     return {INDEX: json.dumps(content).encode(), TENSORS: b"".join(blobs)}
 
 
@@ -172,6 +187,12 @@ def read_saved(path: str | os.PathLike[str], module: nn.Module, num_groups: int)
     groups = index["groups"]
     if len(groups) != num_groups:
         problems.append(f"the optimizer had {len(groups)} param groups there, {num_groups} here")
+    trained, here = index.get("parameters", {}), _trainable_shapes(module)
+    for name in sorted(set(trained) ^ set(here)):
+        problems.append(f"trainable parameter {name!r} is only in {'the checkpoint' if name in trained else 'this module'}")
+    for name in sorted(set(trained) & set(here)):
+        if trained[name] != here[name]:
+            problems.append(f"{name!r} is {tuple(trained[name])} there, {tuple(here[name])} here")
     mine = _local_entries(module)
     for name in sorted(set(mine) ^ set(local)):
         where = "the checkpoint" if name in local else "this module"

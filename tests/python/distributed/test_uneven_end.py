@@ -5,9 +5,11 @@ those of the ranks' real updates alone, and the close says what happened."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -23,8 +25,12 @@ def value(rank: int, clock: int) -> float:
     return float((rank + 1) * (clock + 1))
 
 
+@pytest.mark.parametrize("ending", ["close", "sys.exit(0)"])
 @pytest.mark.parametrize("slack", [0, 1])
-def test_a_rank_that_closes_early_lends_its_clocks_to_the_one_that_trains_on(slack: int) -> None:
+def test_a_rank_that_closes_early_lends_its_clocks_to_the_one_that_trains_on(
+        slack: int, ending: str, record_read_update: Callable[..., tuple[int, int]]) -> None:
+    """Rank 0 ends after 3 clocks: by close(), or by sys.exit(0) inside
+    ``with job:`` (a clean end too); rank 1 trains 12."""
     jobs = start_pair()  # the add rule: the servers' values are the sums of the updates
     reads: list[float] = []
     elapsed: list[float] = []
@@ -35,13 +41,7 @@ def test_a_rank_that_closes_early_lends_its_clocks_to_the_one_that_trains_on(sla
         try:
             worker = jobs[rank].worker
             table = worker.create_table("t", ROWS, WIDTH)
-            read = worker.virtual_read(table, slack=slack)
-            worker.virtual_post_read(read)
-            update = worker.virtual_pre_update(table)
-            worker.virtual_update(update)
-            worker.virtual_clock()
-            worker.finish_virtual_iteration()
-            worker.start_iterations()
+            read, update = record_read_update(worker, table, slack)
             started = time.monotonic()
             for clock in range(SHORT if rank == 0 else LONG):
                 seen = float(np.asarray(worker.read(read))[0, 0])
@@ -57,7 +57,14 @@ def test_a_rank_that_closes_early_lends_its_clocks_to_the_one_that_trains_on(sla
                 reads.append(float(worker.fetch(table)[0, 0]))
             with warnings.catch_warnings(record=True) as seen_warnings:
                 warnings.simplefilter("always")
-                jobs[rank].close()
+                if rank == 0 and ending == "sys.exit(0)":
+                    try:
+                        with jobs[rank]:
+                            sys.exit(0)
+                    except SystemExit:
+                        pass
+                else:
+                    jobs[rank].close()
             caught.extend(seen_warnings)
         except BaseException as error:  # noqa: BLE001 - re-raised below
             errors.append(error)

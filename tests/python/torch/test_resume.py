@@ -6,6 +6,7 @@ checkpoint of another model or rule is refused before anything changes."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,6 +38,13 @@ def net() -> nn.Sequential:
     return model
 
 
+SCHEDULERS: dict[str, Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]] = {
+    "step": lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5),
+    # Writes each group's lr when made: a resumed loop loads the saved groups after it.
+    "warmup": lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda step: min(1.0, (step + 1) / 6)),
+}
+
+
 def train(model: mt.PSModule, scheduler: torch.optim.lr_scheduler.LRScheduler, clocks: range,
           save: Callable[[int], None] | None = None) -> None:
     for clock in clocks:
@@ -52,13 +60,15 @@ def final_state(model: mt.PSModule) -> dict[str, torch.Tensor]:
     return {**model.state_dict(), "lr": torch.tensor([g["lr"] for g in model.optimizer.param_groups])}
 
 
+@pytest.mark.parametrize("schedule", SCHEDULERS)
 @pytest.mark.parametrize("make_optimizer", OPTIMIZERS.values(), ids=list(OPTIMIZERS))
-def test_a_resumed_run_ends_where_the_uninterrupted_one_does(tmp_path: Path, make_optimizer: Optimizers) -> None:
+def test_a_resumed_run_ends_where_the_uninterrupted_one_does(tmp_path: Path, make_optimizer: Optimizers,
+                                                             schedule: str) -> None:
     root = tmp_path / "checkpoints"
     with mltuner.Job() as job:
         module = net()
         model = mt.wrap(module, job.worker, example_input=BATCHES[0][0], optimizer=make_optimizer(module))
-        scheduler = torch.optim.lr_scheduler.StepLR(model.optimizer, step_size=3, gamma=0.5)
+        scheduler = SCHEDULERS[schedule](model.optimizer)
 
         def save(clock: int) -> None:
             if clock == SAVED_AT:
@@ -74,7 +84,8 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_does(tmp_path: Path, mak
         assert model.resumed is not None
         assert model.resumed.clock == SAVED_AT and model.resumed.user_state["clock"] == SAVED_AT
         assert model.resumed.path == root / f"clock-{SAVED_AT:08d}"
-        scheduler = torch.optim.lr_scheduler.StepLR(model.optimizer, step_size=3, gamma=0.5)
+        scheduler = SCHEDULERS[schedule](model.optimizer)
+        model.optimizer.load_state_dict(model.resumed.optimizer)  # the saved lr, over the one made above
         scheduler.load_state_dict(model.resumed.user_state["scheduler"])
         train(model, scheduler, range(SAVED_AT, CLOCKS))
         got = final_state(model)
@@ -129,7 +140,7 @@ def test_checkpoints_that_do_not_fit_are_refused_before_anything_changes(tmp_pat
     with mltuner.Job() as job:
         other = net()
         other[3] = nn.Linear(16, 4)  # the same buffers and frozen parameter, another table
-        with pytest.raises(mltuner.InvalidArgumentError, match="does not match this job's tables"):
+        with pytest.raises(mltuner.InvalidArgumentError, match=r"'3.weight' is \(3, 16\) there, \(4, 16\) here"):
             mt.wrap(other, job.worker, example_input=BATCHES[0][0], resume_from=root)
         without_bn = net()
         without_bn[1] = nn.Identity()
@@ -145,6 +156,18 @@ def test_checkpoints_that_do_not_fit_are_refused_before_anything_changes(tmp_pat
         assert adam.param_groups[0]["lr"] == 0.5  # the saved settings were taken back
         with pytest.raises(mltuner.NotFoundError, match="no complete checkpoint"):
             mt.wrap(module, job.worker, example_input=BATCHES[0][0], resume_from=tmp_path / "nowhere")
+        broken = tmp_path / "broken"
+        shutil.copytree(root, broken)
+        values = broken / "shard-0" / "table-0.values.npy"
+        values.write_bytes(values.read_bytes()[:100])  # a file cut short (a full disk, a copy interrupted)
+        with pytest.raises(mltuner.InvalidArgumentError, match="table-0.values.npy cannot be read"):
+            mt.wrap(module, job.worker, example_input=BATCHES[0][0], optimizer=OPTIMIZERS["sgd-momentum"](module),
+                    resume_from=broken)
+        (broken / "shard-0" / "table-1.state.npy").unlink()
+        values.write_bytes((root / "shard-0" / "table-0.values.npy").read_bytes())
+        with pytest.raises(mltuner.InvalidArgumentError, match="table-1.state.npy cannot be read"):
+            mt.wrap(module, job.worker, example_input=BATCHES[0][0], optimizer=OPTIMIZERS["sgd-momentum"](module),
+                    resume_from=broken)
         # The worker was left as it was: it can still be wrapped, and resumes.
         module = net()
         model = mt.wrap(module, job.worker, example_input=BATCHES[0][0], optimizer=OPTIMIZERS["sgd-momentum"](module),
@@ -224,3 +247,25 @@ def test_the_optimizers_state_dict_round_trip_keeps_the_groups_and_refuses_lost_
         with pytest.raises(mltuner.InvalidArgumentError, match="param groups"):
             model.optimizer.load_state_dict(two_groups)
         train(model, torch.optim.lr_scheduler.StepLR(model.optimizer, step_size=100), range(1, 2))
+
+
+def test_a_model_with_a_grad_scaler_resumes(tmp_path: Path) -> None:
+    """The GradScaler's stand-in param group is not the model's: it is not
+    saved, so the fresh optimizer's groups match the checkpoint's."""
+    def wrapped(job: mltuner.Job, resume: bool) -> mt.PSModule:
+        module = net()
+        return mt.wrap(module, job.worker, example_input=BATCHES[0][0], grad_scaler=torch.amp.GradScaler("cpu"),
+                       optimizer=OPTIMIZERS["sgd-momentum"](module), resume_from=tmp_path if resume else None)
+
+    with mltuner.Job() as job:
+        model = wrapped(job, resume=False)
+        train(model, torch.optim.lr_scheduler.StepLR(model.optimizer, step_size=100), range(2))
+        assert len(model.optimizer.param_groups) == 2  # the model's and the scaler's stand-in
+        model.save_checkpoint(tmp_path)
+        want = model.state_dict()
+    with mltuner.Job() as job:
+        model = wrapped(job, resume=True)
+        assert model.resumed is not None and len(model.resumed.optimizer["param_groups"]) == 1
+        got = model.state_dict()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name

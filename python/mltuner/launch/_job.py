@@ -23,6 +23,7 @@ import logging
 import os
 import socket
 import sys
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -36,7 +37,7 @@ from mltuner import _core
 from mltuner._config import MAX_WAIT_S, MOST_AUTO_PREFETCH_CLOCKS, Config
 from mltuner._validate import boolean, integer, real, text
 from mltuner.client._worker import Worker, largest_frame_bytes
-from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError, MltunerError, ShutdownError
+from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError, MltunerError, OutOfOrderError, ShutdownError
 from mltuner.launch import _checkpoint
 from mltuner.launch._env import TRANSPORTS, ProcessEnv, detect_environment, is_loopback
 from mltuner.launch._rendezvous import ControlClient, Coordinator
@@ -58,6 +59,9 @@ __all__ = ["Job", "DEFAULT_MAX_MESSAGE_BYTES"]
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
 # Connections a data or control socket accepts beyond one per peer (reconnects).
 _SPARE_CONNECTIONS = 16
+# How long after a peer said it is closing a collective call of this rank
+# still waits: one that peer completed before closing may be answered late.
+_CLOSING_GRACE_S = 1.0
 # The least max_queued_bytes the plan gives (tiny models send many small messages).
 _MIN_QUEUE_BYTES = 4 << 20
 
@@ -363,6 +367,8 @@ class Job:
         self._closed = True
         if graceful and self._control is not None and self._lost_peer() is None:
             try:
+                if self._liveness is not None:
+                    self._liveness.announce_closing()
                 self.worker.flush()
                 lender = ClockLender.for_worker(self.worker)
                 clocks = self._control.allgather("close-clocks", int(self.worker.stats["clock"]), self._timeout_s,
@@ -449,7 +455,7 @@ class Job:
                     cuda_ipc=cuda_ipc)
         self.endpoint = card.tcp["data"]
         host, port = self._rendezvous_address(keys, rendezvous_timeout_s)
-        self._control = ControlClient(self._context, host, port, self.rank, keys, self._lost_peer)
+        self._control = ControlClient(self._context, host, port, self.rank, keys, self._wait_check)
         missing = self._coordinator.missing_ranks if self._coordinator else None
         cards = [Card.from_json(c, r) for r, c in enumerate(
             self._control.join(self.world_size, card.to_json(), _fingerprint(self.config), rendezvous_timeout_s,
@@ -566,6 +572,21 @@ class Job:
     def _lost_peer(self) -> str | None:
         lost = self._liveness.lost if self._liveness else None
         return lost or (self._transport.stuck if self._transport else None)
+
+    def _wait_check(self) -> str | None:
+        """What ends a wait on the control channel: a lost peer (returned),
+        or, outside close(), a peer that closed the job a moment ago
+        (OutOfOrderError: it joins no barrier or allgather any more). The
+        moment lets a collective that peer completed before closing return."""
+        closing = self._liveness.closing if self._liveness is not None and not self._closed else {}
+        now = time.monotonic()
+        closed = sorted(rank for rank, heard in closing.items() if now - heard > _CLOSING_GRACE_S)
+        if closed:
+            raise OutOfOrderError(
+                f"rank {closed[0]} has closed the job (its loop ended, e.g. its data ran out), so a barrier, "
+                "allgather or checkpoint waiting for every rank cannot complete: every rank must make the same "
+                "collective calls before closing")
+        return self._lost_peer()
 
 
 def _bracketed(host: str) -> str:

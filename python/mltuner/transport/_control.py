@@ -11,7 +11,8 @@ of data (a large model, a slow receiver, CURVE on a slow link) never delays
 a heartbeat, and only a peer that is really silent (dead, stopped, hung or
 unreachable) is declared lost.
 
-A signal is one frame: ``MLTN-HB`` or ``MLTN-BYE`` and the sender's rank
+A signal is one frame: ``MLTN-HB``, ``MLTN-END`` (closing) or ``MLTN-BYE``
+and the sender's rank
 (int32, little-endian). Like everything else it arrives only through an
 authenticated connection: CURVE over ``tcp://``, a private directory for
 ``ipc://`` (:class:`mltuner.transport._security.SocketSecurity`).
@@ -35,6 +36,7 @@ __all__ = ["ControlChannel", "refused_connections", "push_sockets", "CONTROL_IO_
 _log = logging.getLogger("mltuner.transport")
 HEARTBEAT = b"MLTN-HB"
 GOODBYE = b"MLTN-BYE"
+CLOSING = b"MLTN-END"  # the sender is in close(): it joins no collective but close's own
 _RANK = struct.Struct("<i")
 # The largest frame a control socket accepts: a signal is 12 bytes, but the
 # limit also applies to the CURVE handshake's commands (HELLO is 200 bytes,
@@ -99,6 +101,7 @@ class ControlChannel:
         now = time.monotonic()
         self._last_heard = {peer: now for peer in self._peers}
         self._departed: set[int] = set()
+        self._closing: dict[int, float] = {}  # peers in close(), and when that was heard
         self.lost: str | None = None  # why the job lost a peer, once it has
         self.rejections = RejectionLog(_log, f"rank {rank}'s control socket")
         self._stopping = threading.Event()
@@ -109,6 +112,17 @@ class ControlChannel:
     def departed(self) -> set[int]:
         """Peers that said goodbye."""
         return set(self._departed)
+
+    @property
+    def closing(self) -> dict[int, float]:
+        """Peers that said they are closing the job, and when that was
+        heard (time.monotonic)."""
+        return dict(self._closing)
+
+    def announce_closing(self) -> None:
+        """Tells every peer that this process is in close(): a barrier or
+        allgather of theirs other than close's own will not be joined."""
+        self._broadcast(CLOSING + _RANK.pack(self._rank))
 
     def stop(self, *, graceful: bool = True) -> None:
         """Says goodbye to every peer, joins the thread, closes the sockets.
@@ -162,12 +176,14 @@ class ControlChannel:
             frame = frames[0] if len(frames) == 1 else b""
             kind = frame[:-_RANK.size]
             rank = _RANK.unpack(frame[-_RANK.size:])[0] if len(frame) > _RANK.size else -1
-            if kind not in (HEARTBEAT, GOODBYE) or rank not in self._last_heard:
+            if kind not in (HEARTBEAT, GOODBYE, CLOSING) or rank not in self._last_heard:
                 self.rejections.record(f"an unknown control message ({len(frames)} frames, {len(frame)} bytes)")
                 continue
             self._last_heard[rank] = time.monotonic()
             if kind == GOODBYE:
                 self._departed.add(rank)
+            elif kind == CLOSING:
+                self._closing.setdefault(rank, time.monotonic())
 
     def _check_peers(self) -> None:
         if self.lost is not None:

@@ -94,3 +94,52 @@ def test_a_rank_that_closes_early_lends_its_clocks_to_the_one_that_trains_on(
     messages = [str(w.message) for w in caught]
     assert any("rank 0 at clock 3, rank 1 at clock 12" in m and "counted its update as zero" in m
                for m in messages), messages
+
+
+def test_a_collective_call_after_a_rank_closed_fails_at_once(tmp_path, record_read_update) -> None:  # type: ignore[no-untyped-def]
+    """A barrier or checkpoint on the rank that trains on, after the other
+    closed: an OutOfOrderError naming the closed rank within a second or
+    two, not a timeout (Config.wait_timeout_s is 20 s here)."""
+    jobs = start_pair()
+    failures: list[tuple[str, float, BaseException]] = []
+    errors: list[BaseException] = []
+
+    def train(rank: int) -> None:
+        try:
+            worker = jobs[rank].worker
+            read, update = record_read_update(worker, worker.create_table("t", ROWS, WIDTH))
+            for clock in range(SHORT if rank == 0 else LONG):
+                worker.read(read)
+                worker.post_read(read)
+                worker.pre_update(update)[:] = 1.0
+                worker.update(update)
+                worker.clock()
+            if rank == 1:
+                for name, call in (("barrier", lambda: jobs[1].barrier("after")),
+                                   ("save_checkpoint", lambda: jobs[1].save_checkpoint(tmp_path))):
+                    started = time.monotonic()
+                    try:
+                        call()
+                    except mltuner.OutOfOrderError as error:
+                        failures.append((name, time.monotonic() - started, error))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the ranks' different clocks
+                jobs[rank].close()
+        except BaseException as error:  # noqa: BLE001 - re-raised below
+            errors.append(error)
+
+    threads = [threading.Thread(target=train, args=(rank,)) for rank in range(2)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not any(thread.is_alive() for thread in threads), "a rank hung"
+        if errors:
+            raise errors[0]
+    finally:
+        close(jobs)
+    assert [name for name, _, _ in failures] == ["barrier", "save_checkpoint"]
+    for name, seconds, error in failures:
+        assert "rank 0 has closed the job" in str(error), name
+        assert seconds < 5.0, f"{name} took {seconds:.1f} s"

@@ -239,7 +239,8 @@ class PSModule(nn.Module):
             raise InvalidArgumentError("save_checkpoint needs the worker of a mltuner.Job (job.worker): a "
                                        "LocalCluster's workers have no checkpoints")
         self._driver.check_between_clocks("save_checkpoint()")
-        files = attachments(self.module, self._optimizer.model_groups, user_state) if self.worker.rank == 0 else {}
+        files = {} if self.worker.rank != 0 else attachments(self.module, self._optimizer.model_groups,
+                                                             self._optimizer.source_name, user_state)
         return checkpoints.save_checkpoint(root, keep=keep, attachments=files)
 
     def unwrap(self) -> nn.Module:
@@ -331,6 +332,11 @@ class ClockOptimizer(torch.optim.Optimizer):
     @param_groups.setter
     def param_groups(self, groups: list[dict[str, Any]]) -> None:
         self._init_groups = groups  # torch.optim.Optimizer.__init__'s own list
+
+    @property
+    def source_name(self) -> str | None:
+        """The class name of the optimizer given to wrap(), None without one."""
+        return type(self._source).__name__ if self._source is not None else None
 
     @property
     def model_groups(self) -> list[dict[str, Any]]:
@@ -610,7 +616,8 @@ def _saved_state(path: str | os.PathLike[str], module: nn.Module, worker: Worker
                                    "workers have no checkpoints")
     if not isinstance(module, nn.Module):
         raise TypeError(f"expected a torch.nn.Module, got {type(module).__name__}")
-    saved = read_saved(path, module, len(optimizer.param_groups) if optimizer is not None else 1)
+    saved = read_saved(path, module, type(optimizer).__name__ if optimizer is not None else None,
+                       len(optimizer.param_groups) if optimizer is not None else 1)
     if optimizer is not None:
         saved.load_groups(optimizer.param_groups)
     return saved

@@ -131,7 +131,8 @@ def _json_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return saved
 
 
-def attachments(module: nn.Module, groups: list[dict[str, Any]], user_state: Any) -> dict[str, bytes]:
+def attachments(module: nn.Module, groups: list[dict[str, Any]], optimizer: str | None,
+                user_state: Any) -> dict[str, bytes]:
     """The files rank 0 attaches to the job's checkpoint (module docstring)."""
     try:
         user_json = json.loads(json.dumps(user_state))
@@ -155,15 +156,19 @@ def attachments(module: nn.Module, groups: list[dict[str, Any]], user_state: Any
                       "offset": offset, "bytes": len(raw)})
         blobs.append(raw)
         offset += len(raw)
-    content = {"format": FORMAT, "version": VERSION, "groups": _json_groups(groups), "local": index,
+    content = {"format": FORMAT, "version": VERSION, "optimizer": optimizer, "groups": _json_groups(groups),
+               "local": index,
                "parameters": _trainable_shapes(module), "user_state": user_json}
     return {INDEX: json.dumps(content).encode(), TENSORS: b"".join(blobs)}
 
 
-def read_saved(path: str | os.PathLike[str], module: nn.Module, num_groups: int) -> SavedModelState:
+def read_saved(path: str | os.PathLike[str], module: nn.Module, optimizer: str | None,
+               num_groups: int) -> SavedModelState:
     """The model state a checkpoint holds outside the tables, checked
-    against ``module`` (the same buffers, frozen parameters and extra state,
-    with the same shapes and dtypes) and the number of param groups.
+    against ``module`` (the same trainable parameters, buffers, frozen
+    parameters and extra state, with the same shapes and dtypes), the
+    optimizer's class name (None: the Config's rule) and the number of
+    param groups.
 
     Raises:
         mltuner.NotFoundError: no complete checkpoint at ``path``.
@@ -185,7 +190,10 @@ def read_saved(path: str | os.PathLike[str], module: nn.Module, num_groups: int)
         raise InvalidArgumentError(f"{directory / 'attachments' / INDEX} cannot be read: {error}") from None
     problems = []
     groups = index["groups"]
-    if len(groups) != num_groups:
+    if index.get("optimizer") != optimizer:
+        problems.append(f"it was trained with {index.get('optimizer') or 'the Config rule'}, this wrap() was given "
+                        f"{optimizer or 'no optimizer'}")
+    elif len(groups) != num_groups:
         problems.append(f"the optimizer had {len(groups)} param groups there, {num_groups} here")
     trained, here = index.get("parameters", {}), _trainable_shapes(module)
     for name in sorted(set(trained) ^ set(here)):

@@ -147,13 +147,22 @@ def test_checkpoints_that_do_not_fit_are_refused_before_anything_changes(tmp_pat
         with pytest.raises(mltuner.InvalidArgumentError, match="'1.running_mean' is only in the checkpoint"):
             mt.wrap(without_bn, job.worker, example_input=BATCHES[0][0], resume_from=root)
         module = net()
-        adam = OPTIMIZERS["adam"](module)
+        two_groups = torch.optim.SGD([{"params": module[0].parameters()},
+                                      {"params": list(module[1].parameters()) + list(module[3].parameters())}],
+                                     lr=0.1, momentum=0.9)
         with pytest.raises(mltuner.InvalidArgumentError, match="param groups"):
-            mt.wrap(module, job.worker, example_input=BATCHES[0][0], optimizer=adam, resume_from=root)
+            mt.wrap(module, job.worker, example_input=BATCHES[0][0], optimizer=two_groups, resume_from=root)
         adam = torch.optim.Adam(module.parameters(), lr=0.5)
-        with pytest.raises(mltuner.InvalidArgumentError, match="arrays of optimizer state"):
+        with pytest.raises(mltuner.InvalidArgumentError, match="trained with SGD, this wrap.. was given Adam"):
             mt.wrap(module, job.worker, example_input=BATCHES[0][0], optimizer=adam, resume_from=root)
-        assert adam.param_groups[0]["lr"] == 0.5  # the saved settings were taken back
+        with pytest.raises(mltuner.InvalidArgumentError, match="trained with SGD, this wrap.. was given no optimizer"):
+            mt.wrap(module, job.worker, example_input=BATCHES[0][0], resume_from=root)
+        sgd = torch.optim.SGD(module.parameters(), lr=0.5)
+        with pytest.raises(mltuner.InvalidArgumentError, match="trainable parameter 'frozen' is only in"):
+            module.frozen.requires_grad_(True)  # another model: the saved settings must not stay
+            mt.wrap(module, job.worker, example_input=BATCHES[0][0], optimizer=sgd, resume_from=root)
+        module.frozen.requires_grad_(False)
+        assert sgd.param_groups[0]["lr"] == 0.5 and sgd.param_groups[0]["momentum"] == 0  # as before the wrap()
         with pytest.raises(mltuner.NotFoundError, match="no complete checkpoint"):
             mt.wrap(module, job.worker, example_input=BATCHES[0][0], resume_from=tmp_path / "nowhere")
         broken = tmp_path / "broken"
@@ -269,3 +278,16 @@ def test_a_model_with_a_grad_scaler_resumes(tmp_path: Path) -> None:
         got = model.state_dict()
     for name in want:
         assert torch.equal(got[name], want[name]), name
+
+
+def test_a_config_rule_that_keeps_other_state_is_refused(tmp_path: Path) -> None:
+    """Without a torch optimizer the servers' rule is the Config's: a
+    checkpoint of a rule with momentum does not fit one without."""
+    with mltuner.Job(mltuner.Config(update_rule=mltuner.UpdateRule("sgd", 0.1, momentum=0.9))) as job:
+        model = mt.wrap(net(), job.worker, example_input=BATCHES[0][0])
+        train(model, torch.optim.lr_scheduler.StepLR(model.optimizer, step_size=100), range(1))
+        model.save_checkpoint(tmp_path)
+    with mltuner.Job(mltuner.Config(update_rule=mltuner.UpdateRule("add"))) as job:
+        with pytest.raises(mltuner.InvalidArgumentError, match="arrays of optimizer state"):
+            mt.wrap(net(), job.worker, example_input=BATCHES[0][0], resume_from=tmp_path)
+        model = mt.wrap(net(), job.worker, example_input=BATCHES[0][0])  # the worker is as it was

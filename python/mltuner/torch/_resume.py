@@ -10,8 +10,10 @@ tables: its buffers (batch-norm running statistics), frozen parameters and
 scheduler's ``state_dict()``). Rank 0 attaches these to the checkpoint as two
 files, read back without pickle:
 
-- ``torch-adapter.json``: the param groups' settings, the index of the local
-  tensors (name, dtype, shape, byte offset) and the loop's ``user_state``;
+- ``torch-adapter.json``: the optimizer's class and param groups' settings,
+  the trainable parameters' shapes (checked on resume: another model's
+  may fill the same table rows), the index of the local tensors (name,
+  dtype, shape, byte offset) and the loop's ``user_state``;
 - ``torch-local.bin``: those tensors' bytes, one after another.
 
 Every rank takes rank 0's local tensors on resume, as DDP broadcasts rank

@@ -177,6 +177,7 @@ class Worker:
         self._handed_out: dict[int, weakref.ref[np.ndarray]] = {}
         self._tables: dict[int, Table] = {}
         self._read_slack: int | None = None  # the least slack of the recorded reads
+        self._trained_branch: int | None = None  # a tuning session's final branch (trained_branch)
         self._last_data_age = -2
 
     # -- tables ---------------------------------------------------------------
@@ -674,6 +675,19 @@ class Worker:
     def branch(self) -> int:
         """The branch of the last finished clock (0 before any)."""
         return int(self._engine.stats().branch)
+
+    @property
+    def trained_branch(self) -> int | None:
+        """The branch that holds the trained model where that is not the
+        branch of the last finished clock: a tuning session's final branch,
+        set when the session ends (its last clocks ran on a validation
+        branch, which it freed). None otherwise. ``mltuner.torch`` reads a
+        model's values from it by default."""
+        return self._trained_branch
+
+    @trained_branch.setter
+    def trained_branch(self, branch: int | None) -> None:
+        self._trained_branch = None if branch is None else integer("trained_branch", branch, 0, INT32_MAX)
 
     @property
     def last_read_data_age(self) -> int:

@@ -1974,16 +1974,28 @@ class ClockDriver:
         """Points the parameters at copies of the servers' values after the
         clocks this worker finished (waiting for every worker's updates of
         those clocks first, so the result does not depend on timing), from
-        ``branch`` (default: the branch of the last finished clock)."""
+        ``branch`` (default: ``Worker.trained_branch`` where a tuning session
+        set it, else the branch of the last finished clock)."""
         self._refuse_writes_between_clocks()
+        if branch is None:
+            branch = self.worker.trained_branch  # after a tuning session: its final branch
         if self._eval_clock == (self.clock, branch):
             return
         with self._mutating():
             self._flush_posts()  # the clock's posts so far, before waiting on the servers
+        # Only reads from here: a refusal leaves the model as it was.
+        try:
             self.worker.sync()
-            for layer, table in zip(self.layers, self._tables):
-                values = np.ascontiguousarray(self.worker.fetch(table, branch=branch), dtype=np.float32)
-                layer.bind_flat(torch.from_numpy(values).to(self.device).view(-1))
+            values = [np.ascontiguousarray(self.worker.fetch(table, branch=branch), dtype=np.float32)
+                      for table in self._tables]
+        except (OutOfOrderError, InvalidArgumentError) as error:
+            raise type(error)(
+                f"{error}. The servers' values of branch {self.worker.branch if branch is None else branch} "
+                "cannot be read now: with a tuning session, every step (TESTING ones too) is one training "
+                "clock, forward, backward and step(), and after the session the trained values are "
+                "state_dict(branch=session.final_branch)") from None
+        for layer, flat in zip(self.layers, values):
+            layer.bind_flat(torch.from_numpy(flat).to(self.device).view(-1))
         self._eval_clock = (self.clock, branch)
         self.note_idle_versions()
 

@@ -193,8 +193,8 @@ class PSModule(nn.Module):
         """The wrapped module's state dict, with the parameters fetched from
         the servers (as of the clocks this worker finished; waits until every
         worker's updates of those clocks are in), from ``branch`` (default:
-        the branch of the last finished clock; a tuning session's final
-        branch is ``session.final_branch``). Buffers, such as batch-norm
+        after a tuning session ended, its final branch, ``session.final_branch``;
+        else the branch of the last finished clock). Buffers, such as batch-norm
         running statistics, are this worker's own. The keys are those of the
         original module, so ``plain_model.load_state_dict(ps_model.state_dict())``
         works. The tensors are copies."""

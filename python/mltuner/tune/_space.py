@@ -207,6 +207,31 @@ def _param_name(tunable: Tunable) -> str:
     return tunable.name
 
 
+def _check_server_values(tunable: Tunable) -> None:
+    """The tunables the parameter server reads take only values it can run
+    (checked here, before any branch exists, not by a fork mid-run): every
+    value a search may propose, or the default of one not searched."""
+    name = tunable.name
+    if isinstance(tunable, Choice):
+        values: Sequence[Any] = tunable.values if tunable.search else (tunable.default_value,)
+    else:
+        values = (tunable.low, tunable.high) if tunable.search else (tunable.default_value,)
+    if name in ("batch_size", "staleness"):
+        least = 1 if name == "batch_size" else 0
+        if not isinstance(tunable, Choice) or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= least for v in tunable.values):
+            raise InvalidArgumentError(
+                f"tunable {name!r}: a Choice of integers >= {least} is needed, got {tunable!r}")
+    elif name == "lr":
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf for v in values):
+            raise InvalidArgumentError(f"tunable 'lr': learning rates must be finite numbers > 0, got {tunable!r}")
+    elif name == "momentum":
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= MAX_MOMENTUM
+                   for v in values):
+            raise InvalidArgumentError(
+                f"tunable 'momentum': values must lie in [0, {MAX_MOMENTUM}], got {tunable!r}")
+
+
 class SearchSpace:
     """An ordered, validated set of tunable declarations.
 
@@ -233,6 +258,8 @@ class SearchSpace:
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise InvalidArgumentError(f"duplicate tunable names in the search space: {duplicates}")
+        for tunable in tunables:
+            _check_server_values(tunable)
         self._tunables = tunables
         self._by_name = {t.name: t for t in tunables}
 

@@ -190,6 +190,7 @@ def test_the_tuner_runs_through_a_session() -> None:
         assert final == session.result.branch
         assert session.final_tunables == session.result.tunables
         weights = job.worker.fetch(job.worker.tables[0], branch=final)
+        assert job.worker.trained_branch == final  # what mltuner.torch reads by default afterwards
     assert np.isfinite(weights).all()
     kinds = {kind for _, kind, _ in seen}
     assert kinds == {"evaluation", "training", "testing"}
@@ -285,3 +286,34 @@ def test_the_job_records_every_trial_in_a_journal_beside_its_log(tmp_path: Any) 
     training = optuna.load_study(study_name="job-training", storage=storage)
     assert [t.user_attrs["ended"] for t in training.trials][-1] == "end"
     assert list(training.trials[-1].intermediate_values) == [1, 2]  # validation accuracy per epoch
+
+
+def test_a_batch_size_the_servers_cannot_run_is_refused() -> None:
+    lr_only = SearchSpace([LogUniform("lr", 1e-3, 1.0, default=LR)])
+    with open_job() as job:
+        for bad in (0, -8, 2.5, True):
+            with pytest.raises(mlt.InvalidArgumentError, match="batch_size must be an integer >= 1"):
+                TuningSession(job, lr_only, num_train=NUM_TRAIN, num_validation=NUM_VAL, batch_size=bad)
+
+
+def test_a_loop_that_leaves_the_session_early_is_warned_about() -> None:
+    config = TunerConfig(seed=0, num_clocks_to_eval=5, max_trials_per_search=4, max_epochs=2,
+                         initial_trial_time_s=0.01, num_branches=6, n_startup_trials=2)
+    with open_job(max_branches=8) as job:
+        worker = job.worker
+        table = worker.create_table("w", 1, IN)
+        handle = worker.virtual_pre_update(table)
+        worker.virtual_update(handle)
+        worker.virtual_clock()
+        worker.finish_virtual_iteration()
+        worker.start_iterations()
+        session = TuningSession(job, space(), num_train=NUM_TRAIN, num_validation=NUM_VAL, config=config)
+        with pytest.warns(UserWarning, match="left the tuning session after 3 steps"):
+            for number, step in enumerate(session):
+                worker.pre_update(handle)[:] = 0.0
+                step.report(1.0, accuracy=0.5 if step.kind is BranchKind.TESTING else None)
+                worker.update(handle)
+                worker.clock()
+                if number == 2:
+                    break  # a data loader that ran out, say
+        assert session.final_branch is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 from optuna.distributions import CategoricalDistribution, FloatDistribution
@@ -115,3 +116,19 @@ def test_check_setting() -> None:
 def test_bad_declarations_are_refused(make: object, message: str) -> None:
     with pytest.raises(InvalidArgumentError, match=message):
         make()  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("tunable, message", [
+    (Choice("batch_size", [0, 32], default=32), "batch_size.*integers >= 1"),
+    (Choice("batch_size", [16.5, 32], default=32), "batch_size.*integers >= 1"),
+    (Choice("batch_size", [True, 32], default=32), "batch_size.*integers >= 1"),
+    (Choice("staleness", [-1, 0], default=0), "staleness.*integers >= 0"),
+    (Choice("staleness", ["a", 0], default=0), "staleness.*integers >= 0"),
+    (Uniform("lr", -1.0, 1.0), "learning rates must be finite numbers > 0"),
+    (Choice("lr", [0.0, 0.1], default=0.1), "learning rates must be finite numbers > 0"),
+    (Uniform("momentum", 0.0, 1.0), r"momentum.*\[0, 0.99\]"),
+])
+def test_values_the_servers_cannot_run_are_refused_with_the_space(tunable: Any, message: str) -> None:
+    """Before any branch exists, not by a fork in the middle of the run."""
+    with pytest.raises(InvalidArgumentError, match=message):
+        SearchSpace([tunable])

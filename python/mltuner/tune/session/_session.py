@@ -47,6 +47,7 @@ import os
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, cast
 
@@ -263,6 +264,9 @@ class TuningSession:
             _check_momentum_rules(job)
         if "batch_size" not in space.names and batch_size is None:
             raise InvalidArgumentError("give batch_size= or a batch_size tunable in the space")
+        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
+                                       or batch_size < 1):
+            raise InvalidArgumentError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         max_branches = getattr(job_config, "max_branches", None)
         num_branches = (config or TunerConfig()).num_branches
         if max_branches is not None and max_branches < num_branches + 2:
@@ -362,6 +366,12 @@ class TuningSession:
                     # The engine's waits are waits for other ranks: not this rank's own time.
                     self._busy.append(max(0.0, self._times[-1] - (self._stall_seconds() - stalled)))
                     self._busy_samples.append(len(step.indices))
+        except GeneratorExit:  # the loop left early (a break, a zip with a shorter data loader)
+            warnings.warn(f"the training loop left the tuning session after {self._clocks_yielded} steps, before "
+                          "the tuner ended it: final_branch is None and the decision log has no end. Iterate "
+                          "the session to its end (session.batch_sampler() gives each step's samples)",
+                          stacklevel=2)
+            raise
         finally:
             if self._claimer is not None:
                 self._claimer.close()
@@ -498,6 +508,7 @@ class TuningSession:
         elif isinstance(command, EndCommand):
             self.final_branch = command.branch
             self.final_tunables = command.tunables
+            self._worker.trained_branch = command.branch  # what the model is now (state_dict(), evaluation)
             return False
         else:
             if self._error is not None:  # rank 0 raises the driver's own exception

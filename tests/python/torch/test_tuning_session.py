@@ -1,0 +1,56 @@
+"""A wrapped model in a tuning session: after the session, state_dict() and
+evaluation read the branch the tuner kept (Worker.trained_branch); an
+evaluation forward between the session's steps, which must each be a
+training clock, is refused with that reason and leaves the model usable."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch import nn  # noqa: E402
+
+import mltuner  # noqa: E402
+import mltuner.torch as mt  # noqa: E402
+from mltuner.tune import BranchKind, TunerConfig, TuningSession, default_space  # noqa: E402
+
+generator = torch.Generator().manual_seed(1)
+X = torch.randn(600, 12, generator=generator)
+Y = (X @ torch.randn(12, 3, generator=generator)).argmax(1)
+X_TRAIN, Y_TRAIN, X_VAL, Y_VAL = X[:480], Y[:480], X[480:], Y[480:]
+
+
+def test_after_a_session_the_model_is_the_branch_the_tuner_kept() -> None:
+    torch.manual_seed(0)
+    config = mltuner.Config(update_rule=mltuner.UpdateRule("damped_momentum", learning_rate=0.01, momentum=0.9),
+                            branches=True)
+    with mltuner.Job(config) as job:
+        model = mt.wrap(nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 3)), job.worker,
+                        example_input=X_TRAIN[:32])
+        session = TuningSession(job, default_space([32], lr_range=(1e-3, 1.0)), num_train=len(X_TRAIN),
+                                num_validation=len(X_VAL),
+                                config=TunerConfig(max_epochs=1, seed=0, max_trials_per_search=3))
+        refused = 0
+        for step in session:
+            testing = step.kind is BranchKind.TESTING
+            x, y = (X_VAL, Y_VAL) if testing else (X_TRAIN, Y_TRAIN)
+            rows = torch.as_tensor(step.indices, dtype=torch.long)
+            if testing and not refused:  # the usual torch validation: refused, the model untouched
+                with pytest.raises(mltuner.OutOfOrderError, match="every step .TESTING ones too. is one training"):
+                    with torch.no_grad():
+                        model(x[rows])
+                refused += 1
+            logits = model(x[rows])
+            loss = nn.functional.cross_entropy(logits, y[rows])
+            loss.backward()
+            model.step()
+            step.report(loss.item(), accuracy=(logits.argmax(1) == y[rows]).float().mean().item() if testing else None)
+        assert refused == 1 and session.final_branch is not None
+        assert job.worker.trained_branch == session.final_branch != job.worker.branch
+        kept = model.state_dict(branch=session.final_branch)
+        default = model.state_dict()  # was the freed validation branch: refused, and the model broken
+        for name in kept:
+            assert torch.equal(default[name], kept[name]), name
+        with torch.no_grad():
+            assert torch.isfinite(model(X_VAL)).all()

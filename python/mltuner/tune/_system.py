@@ -46,11 +46,15 @@ class ClockReport:
             was running (time spent paused while other branches ran is
             excluded, §1).
         accuracy: the mean per-batch accuracy, for TESTING branches only.
+        samples: the samples of the clock over every worker, where known:
+            a validation's accuracy weighs each clock by them (a last
+            clock may be smaller); None counts every clock alike.
     """
 
     loss: float
     seconds: float
     accuracy: float | None = None
+    samples: int | None = None
 
 
 @runtime_checkable

@@ -104,6 +104,7 @@ def test_a_driver_forks_runs_and_frees_branches() -> None:
     assert sorted(i for _, _, idx in seen[5:] for i in idx) == list(range(NUM_VAL))
     # Accuracy of TESTING clocks is weighted by samples: clocks are of near-equal size.
     assert all(r.accuracy is not None and 0.0 <= r.accuracy <= 1.0 for r in calls["test"])
+    assert sum(r.samples for r in calls["test"]) == NUM_VAL  # each clock's, for the tuner's weighted mean
 
 
 def fixed_driver(system: BranchSystem) -> Any:

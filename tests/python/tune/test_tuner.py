@@ -392,3 +392,21 @@ def test_the_job_ends_once_its_time_budget_is_spent(scripted_system: Any) -> Non
     # It stops at the first validation past the budget, not before.
     assert result.seconds >= 60.0 > result.seconds - 13.125 - 1e-9
     assert system.live() == [result.branch]
+
+
+def test_a_validation_weighs_each_clock_by_its_samples(scripted_system: Any) -> None:
+    """Five TESTING clocks of 4, 4, 4, 4 and 2 samples, the last one all
+    wrong: the split's accuracy is 16/18, not the clocks' mean 0.8 (a
+    clock that reports no sample count keeps the plain mean)."""
+
+    class Sized(scripted_system):  # type: ignore[misc, valid-type]
+        def run(self, branch: int, clocks: int) -> Any:
+            reports = super().run(branch, clocks)
+            if self.branches[branch][0] is not BranchKind.TESTING:
+                return reports
+            sizes = [4] * (clocks - 1) + [2]
+            return [type(r)(r.loss, r.seconds, 0.0 if k == clocks - 1 else 1.0, sizes[k])
+                    for k, r in enumerate(reports)]
+
+    result, log = scripted_run(Sized(decaying, accuracies=[0.5]), max_epochs=1)
+    assert log.events("validate")[0]["accuracy"] == pytest.approx(16 / 18)

@@ -566,7 +566,8 @@ class TuningSession:
                         if r["samples"][clock] and r["accuracy"][clock] is not None]
             total = sum(n for _, n in weighted)
             acc = math.fsum(a * n for a, n in weighted) / total if total else None
-            reports.append(ClockReport(loss=loss, seconds=seconds, accuracy=acc))
+            reports.append(ClockReport(loss=loss, seconds=seconds, accuracy=acc,
+                                       samples=sum(int(r["samples"][clock]) for r in everyone)))
         self.system._done(reports)
 
     def _stall_seconds(self) -> float:

@@ -652,7 +652,12 @@ class Tuner:
                 f"the TESTING branch {test} must report a finite accuracy on every clock, "
                 f"got {values[:5]}{'...' if len(values) > 5 else ''}"
             )
-        accuracy = math.fsum(v for v in values if v is not None) / len(values)
+        accurate = [float(v) for v in values if v is not None]  # all of them (checked above)
+        weights = [r.samples or 0 for r in reports]
+        if all(weights):  # each clock by its samples (a last clock may be smaller): the split's accuracy
+            accuracy = math.fsum(v * w for v, w in zip(accurate, weights)) / sum(weights)
+        else:
+            accuracy = math.fsum(accurate) / len(accurate)
         if self._epoch_seconds is not None:
             self._epoch_seconds += math.fsum(r.seconds for r in reports)
         self._accuracies.append(accuracy)

@@ -21,6 +21,7 @@ from mltuner.tune import (
     SearchSpace,
     Tuner,
     TunerConfig,
+    TuningError,
     Uniform,
     default_space,
     plateaued,
@@ -410,3 +411,12 @@ def test_a_validation_weighs_each_clock_by_its_samples(scripted_system: Any) -> 
 
     result, log = scripted_run(Sized(decaying, accuracies=[0.5]), max_epochs=1)
     assert log.events("validate")[0]["accuracy"] == pytest.approx(16 / 18)
+
+
+def test_a_non_finite_loss_before_a_retune_names_the_trained_model(scripted_system: Any) -> None:
+    """The evaluation branch of a re-tune starts from the model trained so
+    far: a NaN there is not 'from the first clock'."""
+    accuracies = [0.1, 0.2, 0.3] + [0.3] * 20
+    system = scripted_system(decaying, accuracies=accuracies, baseline=lambda done: math.nan if done > 10 else 20.0)
+    with pytest.raises(TuningError, match="starts search 1, from branch .*the model trained so far"):
+        scripted_run(system)

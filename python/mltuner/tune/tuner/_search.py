@@ -277,12 +277,19 @@ class SearchEpisode:
             system.free(branch)
         losses = [float(r.loss) for r in reports]
         for clock, loss in enumerate(losses):
-            if not math.isfinite(loss):
+            if not math.isfinite(loss) and self._index == 0:
                 raise TuningError(
                     f"the loss is {loss} at clock {clock} of the evaluation branch (lr = 0, "
                     f"search {self._index}), before any trial trained: the model gives a "
                     "non-finite loss from the first clock. Check the initial weights, the input "
                     "data and the loss function."
+                )
+            if not math.isfinite(loss):
+                raise TuningError(
+                    f"the loss is {loss} at clock {clock} of the evaluation branch (lr = 0) that "
+                    f"starts search {self._index}, from branch {self._parent}, the model trained so far: "
+                    "its weights or the data give a non-finite loss without any update (check the data of "
+                    "those clocks, and the loss for inputs it cannot take)."
                 )
         baseline = math.fsum(losses) / len(losses)
         # From the second clock on, as a trial's time per clock (§1.2).

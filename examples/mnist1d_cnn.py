@@ -1,5 +1,5 @@
 """A PyTorch training loop with in-training tuning: the MNIST-1D CNN on N
-workers, the tuner choosing learning rate, momentum and batch size.
+workers, the tuner choosing learning rate, momentum, batch size and staleness.
 
     mltuner run -n 2 -- python3 examples/mnist1d_cnn.py --max-epochs 20 [--steal-batches]
 

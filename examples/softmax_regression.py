@@ -1,7 +1,8 @@
 """Data-parallel softmax regression on N workers through the parameter server.
 
-Every worker runs on its own thread with its own engine and server shard (an
-in-process cluster; blocking calls release the GIL). Each clock, a worker reads the weights (fresh within `--slack`
+Every worker is a process of a `mltuner.Job` (alone, a job of one; under
+`mltuner launch -n N`, torchrun, Slurm or Open MPI, one of N), with its own
+engine and server shard. Each clock, a worker reads the weights (fresh within `--slack`
 clocks), computes the gradient of its own mini-batch, and hands it to the
 engine; the shards average the workers' gradients and apply MLtuner's damped
 momentum SGD.

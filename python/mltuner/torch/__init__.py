@@ -4,9 +4,10 @@
 and returns a :class:`PSModule`; each clock is then ``model(x)``,
 ``loss.backward()`` and ``model.step()``. Every layer's parameters live in
 their own table and are read into engine buffers that back the module's
-tensors without a copy; each layer's gradient is handed to the engine as soon
-as it is final (wait-free backpropagation), and the servers apply the update
-rule. docs/torch.md has the details and limits.
+tensors without a copy; the gradients go to the engine at ``step()``, or each
+layer's as soon as it is final where the plan ships from the backward pass
+(wait-free backpropagation: ``wrap(overlap_updates=)``), and the servers
+apply the update rule. docs/torch.md has the details and limits.
 
 torch is an optional dependency: ``pip install "mltuner[torch]"``.
 """

@@ -428,7 +428,7 @@ class ClockDriver:
             self.note_idle_versions()
             raise OutOfOrderError(
                 f"parameter {name!r} of the wrapped model was changed in place between clocks (model.module."
-                "load_state_dict, an initialiser applied after wrap(), p.data.clamp_() as in WGAN's weight "
+                "load_state_dict, an initialiser applied after wrap(), p.clamp_() as in WGAN's weight "
                 "clipping, ...): the servers hold the parameters and change them only by the update rule, so "
                 "the change was dropped. Initialise or load the module before wrap(), or resume with "
                 "wrap(..., resume_from=...)"

@@ -688,7 +688,7 @@ def wrap(
         >>> optimizer = ps_model.optimizer  # step() ends the clock
         >>> for x, y in batches:
         ...     loss = loss_fn(ps_model(x), y)
-        ...     loss.backward()   # each layer's update ships as soon as it is final
+        ...     loss.backward()   # the gradients (see overlap_updates for when updates leave)
         ...     optimizer.step()  # ends the clock
 
     Args:

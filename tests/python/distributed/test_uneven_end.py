@@ -21,6 +21,22 @@ from test_wire_security import close, start_pair  # type: ignore[import-not-foun
 SHORT, LONG, ROWS, WIDTH = 3, 12, 4, 2
 
 
+def run_ranks(jobs: list[mltuner.Job], train: Callable[[int], None], errors: list[BaseException]) -> None:
+    """``train(rank)`` on a thread per rank; raises the first error it
+    recorded in ``errors``; closes the jobs in the end."""
+    threads = [threading.Thread(target=train, args=(rank,)) for rank in range(2)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not any(thread.is_alive() for thread in threads), "a rank hung"
+        if errors:
+            raise errors[0]
+    finally:
+        close(jobs)
+
+
 def value(rank: int, clock: int) -> float:
     return float((rank + 1) * (clock + 1))
 
@@ -69,17 +85,7 @@ def test_a_rank_that_closes_early_lends_its_clocks_to_the_one_that_trains_on(
         except BaseException as error:  # noqa: BLE001 - re-raised below
             errors.append(error)
 
-    threads = [threading.Thread(target=train, args=(rank,)) for rank in range(2)]
-    try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
-        assert not any(thread.is_alive() for thread in threads), "a rank hung"
-        if errors:
-            raise errors[0]
-    finally:
-        close(jobs)
+    run_ranks(jobs, train, errors)
     # Rank 1's read of clock c sees every update through clock c - 1 - slack
     # at least (its own through c - 1): rank 0's first three, then its own.
     for clock, seen in enumerate(reads[:-1]):
@@ -128,17 +134,7 @@ def test_a_collective_call_after_a_rank_closed_fails_at_once(tmp_path, record_re
         except BaseException as error:  # noqa: BLE001 - re-raised below
             errors.append(error)
 
-    threads = [threading.Thread(target=train, args=(rank,)) for rank in range(2)]
-    try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
-        assert not any(thread.is_alive() for thread in threads), "a rank hung"
-        if errors:
-            raise errors[0]
-    finally:
-        close(jobs)
+    run_ranks(jobs, train, errors)
     assert [name for name, _, _ in failures] == ["barrier", "save_checkpoint"]
     for name, seconds, error in failures:
         assert "rank 0 has closed the job" in str(error), name

@@ -39,6 +39,18 @@ def open_job(**overrides: Any) -> mlt.Job:
     return mlt.Job(mlt.Config(**settings), env=detect_environment({}))
 
 
+def record_an_update(worker: mlt.Worker) -> tuple[mlt.Table, int]:
+    """A one-row table and a clock that only updates it, started; the
+    table and the update's handle."""
+    table = worker.create_table("w", 1, IN)
+    handle = worker.virtual_pre_update(table)
+    worker.virtual_update(handle)
+    worker.virtual_clock()
+    worker.finish_virtual_iteration()
+    worker.start_iterations()
+    return table, handle
+
+
 def train(job: mlt.Job, session: TuningSession, seen: list[tuple[int, str, list[int]]]) -> None:
     """The training loop every rank runs; records (branch, kind, indices)."""
     x, y = data()
@@ -129,12 +141,7 @@ def test_a_dataloader_draws_each_steps_batch() -> None:
     dataset = ConcatDataset([TensorDataset(features[:NUM_TRAIN]), TensorDataset(features[NUM_TRAIN:])])
     with open_job() as job:
         worker = job.worker
-        table = worker.create_table("w", 1, IN)
-        handle = worker.virtual_pre_update(table)
-        worker.virtual_update(handle)
-        worker.virtual_clock()
-        worker.finish_virtual_iteration()
-        worker.start_iterations()
+        table, handle = record_an_update(worker)
         session = TuningSession(job, space(), num_train=NUM_TRAIN, num_validation=NUM_VAL, driver=fixed_driver)
         sampler = session.batch_sampler()
         with pytest.raises(mlt.InvalidArgumentError, match="ahead of the tuning session"):
@@ -163,12 +170,7 @@ def test_a_branch_keeps_the_rules_settings_the_space_does_not_tune() -> None:
     rule = mlt.UpdateRule("sgd", learning_rate=LR, momentum=0.9)
     with open_job(update_rule=rule) as job:
         worker = job.worker
-        table = worker.create_table("w", 1, IN)
-        handle = worker.virtual_pre_update(table)
-        worker.virtual_update(handle)
-        worker.virtual_clock()
-        worker.finish_virtual_iteration()
-        worker.start_iterations()
+        table, handle = record_an_update(worker)
         for step in TuningSession(job, space(), num_train=NUM_TRAIN, num_validation=NUM_VAL, driver=driver):
             worker.pre_update(handle)[:] = 1.0
             step.report(0.0)
@@ -213,12 +215,7 @@ def test_a_step_must_be_reported() -> None:
 
     with open_job() as job:
         worker = job.worker
-        table = worker.create_table("w", 1, IN)
-        handle = worker.virtual_pre_update(table)
-        worker.virtual_update(handle)
-        worker.virtual_clock()
-        worker.finish_virtual_iteration()
-        worker.start_iterations()
+        _, handle = record_an_update(worker)
         session = TuningSession(job, space(), num_train=NUM_TRAIN, num_validation=NUM_VAL, driver=driver)
         with pytest.raises(mlt.InvalidArgumentError, match="was not reported"):
             for _ in session:
@@ -302,12 +299,7 @@ def test_a_loop_that_leaves_the_session_early_is_warned_about() -> None:
                          initial_trial_time_s=0.01, num_branches=6, n_startup_trials=2)
     with open_job(max_branches=8) as job:
         worker = job.worker
-        table = worker.create_table("w", 1, IN)
-        handle = worker.virtual_pre_update(table)
-        worker.virtual_update(handle)
-        worker.virtual_clock()
-        worker.finish_virtual_iteration()
-        worker.start_iterations()
+        _, handle = record_an_update(worker)
         session = TuningSession(job, space(), num_train=NUM_TRAIN, num_validation=NUM_VAL, config=config)
         with pytest.warns(UserWarning, match="left the tuning session after 3 steps"):
             for number, step in enumerate(session):

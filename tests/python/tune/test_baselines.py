@@ -3,6 +3,7 @@ measured the same way, on simulated systems with known answers."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -244,7 +245,8 @@ def test_hyperband_prunes_bad_trials() -> None:
     whole_system, hb_system = LrSystem(), LrSystem()
     common = config(max_epochs=9, n_trials=30, n_startup_trials=5)
     whole = run_optuna(whole_system, LR_SPACE, common)
-    hyperband = run_hyperband(hb_system, LR_SPACE, common)
+    # A fixed study name: the pruner's brackets come from a hash of it (test_logs_hold_... says more).
+    hyperband = run_hyperband(hb_system, LR_SPACE, dataclasses.replace(common, study_name="prunes"))
     assert whole.trials == hyperband.trials == 30
     pruned = [r for r in hyperband.runs if r.ended == "pruned"]
     assert pruned and all(r.epochs < 9 for r in pruned)
@@ -292,7 +294,9 @@ def test_branches_are_freed_and_the_trial_failed_when_the_system_raises() -> Non
 
 def test_logs_hold_the_decisions_and_the_report_draws_them(tmp_path: Path) -> None:
     path = tmp_path / "hyperband.jsonl"
-    result = run_hyperband(LrSystem(), LR_SPACE, config(max_epochs=9, n_trials=12), log=path)
+    # A fixed study name: HyperbandPruner puts trials in brackets by a hash of it (a name with
+    # the time and pid in it, the default, pruned in some runs and not in others).
+    result = run_hyperband(LrSystem(), LR_SPACE, config(max_epochs=9, n_trials=12, study_name="logs"), log=path)
     records = read_log(path)
     events = [r["event"] for r in records]
     assert events[:2] == ["start", "init"] and events[-1] == "end"

@@ -313,6 +313,10 @@ class ClockDriver:
 
         self._eval_active = False
         self._eval_clock: tuple[int, int | None] | None = None  # (clock, branch) the parameters hold
+        # The copies an evaluation bound, with their sums then: a write
+        # through p.data (which no version counter sees) shows in them.
+        self._eval_copies: list[torch.Tensor] = []
+        self._eval_sums: torch.Tensor | None = None
         # The parameters' version counters when the adapter last let go of
         # them (after wrap(), a clock, an evaluation): a write in between is
         # the loop's, and lost (_refuse_writes_between_clocks). None until wrap() ends.
@@ -424,7 +428,7 @@ class ClockDriver:
                 continue
             with torch.no_grad():
                 placeholder(self.device).fill_(float("nan"))
-            self._eval_clock = None  # an evaluation's copy of the servers' values may hold the write
+            self._eval_clock, self._eval_copies = None, []  # an evaluation's copies may hold the write
             self.note_idle_versions()
             raise OutOfOrderError(
                 f"parameter {name!r} of the wrapped model was changed in place between clocks (model.module."
@@ -433,6 +437,26 @@ class ClockDriver:
                 "the change was dropped. Initialise or load the module before wrap(), or resume with "
                 "wrap(..., resume_from=...)"
             )
+
+    def _refuse_writes_to_evaluation_copies(self) -> None:
+        """At the clock after an evaluation: raises OutOfOrderError where the
+        loop wrote the copies of the servers' values it bound (through
+        ``p.data``, which no version counter sees; their sums differ); the
+        write is lost either way. One host sync, only after an evaluation."""
+        copies, sums = self._eval_copies, self._eval_sums
+        self._eval_copies, self._eval_sums = [], None
+        if not copies or sums is None:
+            return
+        now = torch.stack([flat.sum(dtype=torch.float64) for flat in copies])
+        if torch.equal(now, sums):
+            return
+        changed = int(torch.nonzero(now != sums)[0, 0])
+        raise OutOfOrderError(
+            f"the parameters of layer {self.layers[changed].name!r} were changed after an evaluation (through "
+            "p.data, say p.data.clamp_() as in WGAN's weight clipping): they held a copy of the servers' values, "
+            "which change only by the update rule, so the change was dropped. Initialise or load the module "
+            "before wrap(), or resume with wrap(..., resume_from=...)"
+        )
 
     def _pre_hook(self, layer: Layer) -> Callable[[nn.Module, Any], None]:
         def hook(module: nn.Module, args: Any) -> None:
@@ -913,6 +937,7 @@ class ClockDriver:
         if not again:
             if not self._recording:
                 self._refuse_writes_between_clocks()  # nothing of the clock has reached the engine
+                self._refuse_writes_to_evaluation_copies()
                 self._check_inputs(inputs)
                 self._acts.check_modes(self.model, self.clock)
                 self._acts.read_buffers(self.clock)
@@ -1968,7 +1993,7 @@ class ClockDriver:
         for number, indices in self._held_by_layer.items():
             layer = self.layers[number]
             layer.bind(layer.views(self._held[indices[0]]))
-        self._eval_clock = None  # the parameters no longer hold the servers' values
+        self._eval_clock, self._eval_copies = None, []  # the parameters no longer hold the servers' values
 
     def bind_server_values(self, branch: int | None = None) -> None:
         """Points the parameters at copies of the servers' values after the
@@ -1994,8 +2019,10 @@ class ClockDriver:
                 "cannot be read now: with a tuning session, every step (TESTING ones too) is one training "
                 "clock, forward, backward and step(), and after the session the trained values are "
                 "state_dict(branch=session.final_branch)") from None
-        for layer, flat in zip(self.layers, values):
-            layer.bind_flat(torch.from_numpy(flat).to(self.device).view(-1))
+        self._eval_copies = [torch.from_numpy(flat).to(self.device).view(-1) for flat in values]
+        for layer, copy in zip(self.layers, self._eval_copies):
+            layer.bind_flat(copy)
+        self._eval_sums = torch.stack([copy.sum(dtype=torch.float64) for copy in self._eval_copies])
         self._eval_clock = (self.clock, branch)
         self.note_idle_versions()
 

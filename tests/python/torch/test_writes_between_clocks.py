@@ -145,3 +145,23 @@ def test_the_optimizer_unwrap_gives_back_warns_at_its_first_step_that_its_state_
                 kind = "adam, warned"
             else:
                 optimizer.step()  # plain SGD keeps no state: nothing to say
+
+
+def test_a_write_through_data_after_an_evaluation_is_refused_at_the_next_clock() -> None:
+    """p.data has a version counter of its own, so the check above cannot
+    see it; after an evaluation the parameters hold copies whose sums tell."""
+    want = trained(None)
+
+    def clip_data(model: mt.PSModule) -> None:
+        model.eval()
+        with torch.no_grad():
+            model(X)
+        model.train()
+        for parameter in model.module.parameters():
+            parameter.data.clamp_(-0.01, 0.01)  # the original WGAN code's clipping
+        with pytest.raises(mltuner.OutOfOrderError, match="layer '0' were changed after an evaluation"):
+            clock(model)
+
+    got = trained(clip_data)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name

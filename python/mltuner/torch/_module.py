@@ -619,7 +619,7 @@ def _saved_state(path: str | os.PathLike[str], module: nn.Module, worker: Worker
     saved = read_saved(path, module, type(optimizer).__name__ if optimizer is not None else None,
                        len(optimizer.param_groups) if optimizer is not None else 1)
     if optimizer is not None:
-        saved.load_groups(optimizer.param_groups)
+        set_group_settings(optimizer.param_groups, saved.groups)
     return saved
 
 
@@ -985,10 +985,10 @@ def wrap(
             driver.rates_changed = rates.changed
             model = PSModule(module, driver, groups, scaled, optimizer, resumed[0] if resumed else None)
             if saved is not None and optimizer is None:  # the Config's group: its lr moves with a schedule
-                saved.load_groups(model.optimizer.param_groups, keys=("lr", "initial_lr"))
+                set_group_settings(model.optimizer.param_groups, saved.groups, keys=("lr", "initial_lr"))
             return model
     except BaseException:
         _give_tables_back(worker)  # the worker can be wrapped again, say with other arguments
         for group, setting in zip(optimizer.param_groups if optimizer is not None else (), settings):
-            group.update(setting)  # as before resume_from's load_groups
+            group.update(setting)  # as before resume_from's saved settings were set
         raise

@@ -181,19 +181,19 @@ def groups_of_layers(optimizer: torch.optim.Optimizer, layers: Sequence[Layer]) 
     return per_layer
 
 
-def _plain(value: Any) -> Any:
+def plain_setting(value: Any) -> Any:
     """A group setting in a form that compares by value (tensors as floats)."""
     if isinstance(value, torch.Tensor):
         return _number(value)
     if isinstance(value, (tuple, list)):
-        return tuple(_plain(v) for v in value)
+        return tuple(plain_setting(v) for v in value)
     return value
 
 
 def _frozen_settings(optimizer: torch.optim.Optimizer | None, group: dict[str, Any]) -> dict[str, Any]:
     if optimizer is None:  # Config's rule: the group shows its momentum or betas (_module._param_groups)
-        return {key: _plain(value) for key, value in group.items() if key not in ("params", "lr")}
-    return {key: _plain(group.get(key)) for key in _RULE_KEYS[type(optimizer)]}
+        return {key: plain_setting(value) for key, value in group.items() if key not in ("params", "lr")}
+    return {key: plain_setting(group.get(key)) for key in _RULE_KEYS[type(optimizer)]}
 
 
 class LearningRates:
@@ -263,7 +263,7 @@ class LearningRates:
     def _check_frozen(self, index: int, group: dict[str, Any]) -> None:
         frozen = self._frozen[index]
         for key, value in frozen.items():
-            now = _plain(group.get(key))
+            now = plain_setting(group.get(key))
             if now != value:
                 raise InvalidArgumentError(
                     f"param_groups[{index}][{key!r}] changed from {value!r} to {now!r}: after wrap() only 'lr' can "

@@ -34,6 +34,7 @@ from torch import nn
 
 from mltuner.exceptions import InvalidArgumentError, NotFoundError
 from mltuner.launch import _checkpoint
+from mltuner.torch._optim import plain_setting
 
 __all__ = ["Resumed", "SavedModelState", "attachments", "read_saved", "set_group_settings"]
 
@@ -78,10 +79,6 @@ class SavedModelState:
                 else:
                     targets[name].copy_(value)
 
-    def load_groups(self, groups: list[dict[str, Any]], keys: tuple[str, ...] | None = None) -> None:
-        """Sets the saved settings of each param group (set_group_settings)."""
-        set_group_settings(groups, self.groups, keys)
-
 
 def set_group_settings(groups: list[dict[str, Any]], saved: list[dict[str, Any]],
                        keys: tuple[str, ...] | None = None) -> None:
@@ -122,12 +119,11 @@ def _json_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for key, value in group.items():
             if key == "params":
                 continue
-            if isinstance(value, torch.Tensor) and value.numel() == 1:
-                value = value.item()  # a tensor lr (torch allows them)
             try:
+                value = plain_setting(value)  # a tensor lr or betas (torch allows them) as numbers
                 json.dumps(value)
-            except (TypeError, ValueError):
-                continue  # not a setting torch's schedulers write (a callable, say)
+            except (TypeError, ValueError, RuntimeError):
+                continue  # not a setting torch's schedulers write (a callable, a tensor of many values)
             settings[key] = value
         saved.append(settings)
     return saved

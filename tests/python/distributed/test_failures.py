@@ -85,13 +85,24 @@ def _record_a_read(worker: mltuner.Worker) -> None:
     worker.finish_virtual_iteration()
 
 
-def test_restore_refuses_a_checkpoint_of_other_tables(start_workers, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    ckpt = tmp_path / "ckpt"
-    first = start_workers(1, "--clocks", "2", "--save-at", "2", "--checkpoint", str(ckpt))
+def _saved_checkpoint(start_workers, path: Path) -> mltuner.Job:  # type: ignore[no-untyped-def]
+    """A checkpoint of start_workers' tables saved at ``path`` by one worker,
+    and a job of one process whose worker recorded a clock of other tables."""
+    first = start_workers(1, "--clocks", "2", "--save-at", "2", "--checkpoint", str(path))
     assert all(code == 0 for code, _ in first.wait())
     job = mltuner.Job(env=_single_env())
     try:
         _record_a_read(job.worker)
+    except BaseException:
+        job.close()
+        raise
+    return job
+
+
+def test_restore_refuses_a_checkpoint_of_other_tables(start_workers, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    ckpt = tmp_path / "ckpt"
+    job = _saved_checkpoint(start_workers, ckpt)
+    try:
         try:
             job.restore_checkpoint(ckpt)
         except mltuner.InvalidArgumentError as error:
@@ -112,11 +123,8 @@ def test_restore_after_start_iterations_is_refused(start_workers, tmp_path: Path
     """After start_iterations (which mltuner.torch.wrap runs) the worker may
     hold reads of the old values and its clocks would not restart."""
     ckpt = tmp_path / "ckpt"
-    first = start_workers(1, "--clocks", "2", "--save-at", "2", "--checkpoint", str(ckpt))
-    assert all(code == 0 for code, _ in first.wait())
-    job = mltuner.Job(env=_single_env())
+    job = _saved_checkpoint(start_workers, ckpt)
     try:
-        _record_a_read(job.worker)
         job.worker.start_iterations()
         with pytest.raises(mltuner.OutOfOrderError, match="after start_iterations.*resume_from"):
             job.restore_checkpoint(ckpt)

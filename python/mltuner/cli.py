@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import mltuner
+from mltuner.launch._launcher import MAX_LOCAL_WORKERS
 from mltuner.apps._mnist1d_options import DEFAULT_SEED, DefaultsHelpFormatter, add_program_options
 
 class _Parser(argparse.ArgumentParser):
@@ -184,6 +185,8 @@ def _workers(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a number of workers (an integer >= 1), got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a number of workers (an integer >= 1), got {text!r}")
+    if value > MAX_LOCAL_WORKERS:
+        raise argparse.ArgumentTypeError(f"at most {MAX_LOCAL_WORKERS} workers run on one machine, got {value}")
     return value
 
 
@@ -221,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "mltuner.launch.detect_environment reads, and prints their output prefixed "
                     "with [rank k]. When a worker fails, the others get --grace seconds to exit, "
                     "then SIGTERM, then SIGKILL; the exit code is the failed worker's.")
-    launch.add_argument("-n", "--nproc", type=int, required=True, help="number of workers")
+    launch.add_argument("-n", "--nproc", type=_workers, required=True, help="number of workers")
     launch.add_argument("--port", type=int, default=0,
                         help="rank 0's port (default: a free port)")
     launch.add_argument("--grace", type=float, default=15.0,

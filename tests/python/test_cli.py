@@ -44,6 +44,8 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 BAD_CALLS = [
     (["tune", "-n", "0"], "argument -n/--nproc: expected a number of workers (an integer >= 1), got '0'"),
     (["tune", "--nproc", "two"], "argument -n/--nproc: expected a number of workers"),
+    (["launch", "-n", "0", "--", "true"], "argument -n/--nproc: expected a number of workers (an integer >= 1)"),
+    (["launch", "-n", "100000", "--", "true"], "argument -n/--nproc: at most 1024 workers run on one machine, got 100000"),
     (["tune", "--workers", "0"], "unrecognized arguments: --workers 0"),
     (["tune", "--max-e", "3"], "unrecognized arguments: --max-e 3"),  # no abbreviations: workers see the same
     (["tune", "--log", "x.jsonl"], "unrecognized arguments: --log"),  # tune writes DIR/decisions.jsonl itself
@@ -69,7 +71,6 @@ BAD_CALLS = [
     (["demo", "--trial-time", "0"], "argument --trial-time: expected a number > 0"),
     (["run"], "give the training command after --"),
     (["run", "--", "no-such-program-mltuner"], "no-such-program-mltuner: command not found"),
-    (["launch", "-n", "0", "--", "true"], "the number of workers must be >= 1, got 0"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
 ]
 

@@ -46,6 +46,9 @@ TRANSPORTS: tuple[TransportKind, ...] = ("auto", "tcp", "ipc")
 # Slurm gives no port, so every job derives one from its id: tasks of one job
 # agree without talking, and concurrent jobs on a node rarely collide.
 SLURM_BASE_PORT = 20000
+# Processes of one job: each connects to every other (and a typo in a
+# launcher's variables should not allocate per-rank state without bound).
+MAX_WORLD_SIZE = 4096
 SLURM_PORT_SPAN = 20000
 
 _SECRET_HINT = (
@@ -266,8 +269,9 @@ def _from_openmpi(env: Mapping[str, str]) -> _Found | None:
 def _finish(env: Mapping[str, str], source: Source, rank: int, world_size: int, local_rank: int,
             master_addr: str, master_port: int) -> ProcessEnv:
     """Validates what a reader found and applies the overrides every source shares."""
-    if world_size < 1:
-        raise InvalidArgumentError(f"{_var(source, 'world_size')} must be >= 1, got {world_size}")
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise InvalidArgumentError(f"{_var(source, 'world_size')} must be in 1..{MAX_WORLD_SIZE} (each process "
+                                   f"connects to every other), got {world_size}")
     if not 0 <= rank < world_size:
         raise InvalidArgumentError(f"{_var(source, 'rank')}={rank} is outside [0, {world_size}) "
                          f"(world size from {_var(source, 'world_size')})")

@@ -144,6 +144,11 @@ def _exit_code(process: subprocess.Popen[bytes]) -> int | None:
     return 128 + int(status.si_status)  # killed or dumped by signal si_status
 
 
+# Workers one launcher starts: each is a process with its engine's threads and
+# a connection to every other, so a mistyped count would fork without bound.
+MAX_LOCAL_WORKERS = 1024
+
+
 def launch(
     command: Sequence[str],
     num_workers: int,
@@ -182,11 +187,12 @@ def launch(
         and 126 when it is not executable.
 
     Raises:
-        ValueError: ``num_workers < 1``, an empty ``command``, a negative
+        ValueError: ``num_workers`` outside 1..:data:`MAX_LOCAL_WORKERS`, an empty ``command``, a negative
             ``grace_seconds`` or ``master_port`` outside 0..65535.
     """
-    if num_workers < 1:
-        raise ValueError(f"the number of workers must be >= 1, got {num_workers}")
+    if not 1 <= num_workers <= MAX_LOCAL_WORKERS:
+        raise ValueError(f"the number of workers must be in 1..{MAX_LOCAL_WORKERS} (each is a process connected "
+                         f"to every other), got {num_workers}")
     if not command:
         raise ValueError("no command to launch: put it after `--`, e.g. "
                          "`mltuner launch -n 2 -- python train.py`")

@@ -60,8 +60,14 @@ _RETRY_S = 0.05
 _SPARE_CONNECTIONS = 16
 _FAILED_HANDSHAKE = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-_CLIENT_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _FAILED_HANDSHAKE
+_CLIENT_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED
+                  | zmq.EVENT_HANDSHAKE_SUCCEEDED | _FAILED_HANDSHAKE)
 _FAILED_HANDSHAKES_TO_GIVE_UP = 3
+# A connection dropped before the handshake that ZeroMQ does not try again
+# within this time: the program there answered with something other than
+# ZeroMQ's greeting (an HTTP server, a database), and ZeroMQ gives up on it
+# without a handshake-failure event.
+_DROPPED_GIVE_UP_S = 2.0
 
 
 def _encode(message: dict[str, Any]) -> bytes:
@@ -290,6 +296,7 @@ class ControlClient:
         self._handshaken = False  # and completed mltuner's ZeroMQ handshake
         self._reconnects = 0  # handshakes after the first: a message in flight may be lost
         self._failed_handshakes = 0
+        self._dropped_at: float | None = None  # when a connection closed before its handshake
         self._retried = False  # the last wait met the previous job's coordinator
         bracketed = f"[{host}]" if ":" in host else host
         self._socket.connect(f"tcp://{bracketed}:{port}")
@@ -369,16 +376,22 @@ class ControlClient:
         """Reads the monitor's events; raises once the handshake with the
         rendezvous address has failed a few times in a row without ever
         succeeding (one failure may be a rank 0 that is busy or cutting a
-        flood; ZeroMQ retries every 0.1 s, or 5 s when nothing answers)."""
+        flood; ZeroMQ retries every 0.1 s, or 5 s when nothing answers), or
+        once a connection closed before its handshake was not tried again."""
         while True:
             try:
                 frames = self._monitor.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
-                return
+                break
             message = parse_monitor_message(frames)
             event, value = int(message["event"]), int(message["value"])
             if event == zmq.EVENT_CONNECTED:
                 self._connected = True
+                self._dropped_at = None
+            elif event == zmq.EVENT_CONNECT_RETRIED:
+                self._dropped_at = None
+            elif event == zmq.EVENT_DISCONNECTED and not self._handshaken:
+                self._dropped_at = time.monotonic()
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._reconnects += self._handshaken
                 self._handshaken = True
@@ -391,6 +404,11 @@ class ControlClient:
                         "rank 0 there has a different secret (MLTUNER_SECRET, MLTUNER_SECRET_FILE, or another "
                         "user's loopback key), or the program there is not this job's rank 0 (another job, or a "
                         "launcher's own store on that port): check the secret and the master address and port")
+        if self._dropped_at is not None and time.monotonic() - self._dropped_at > _DROPPED_GIVE_UP_S:
+            raise InvalidArgumentError(
+                f"the program at the rendezvous address {self._address} accepted the connection and closed it "
+                "without ZeroMQ's handshake, and ZeroMQ does not try it again: it is not this job's rank 0 "
+                "(another kind of server on that port?): check the master address and port")
 
     def _unanswered(self) -> str:
         """Why the rendezvous has not answered yet, for a timeout's message."""

@@ -217,9 +217,9 @@ def test_torchrun_rank_error_names_torchruns_variable() -> None:
         detect_environment(torchrun_vars(rank=4, world=4, addr="127.0.0.1"))
 
 
-@pytest.mark.parametrize("world", [0, -2])
-def test_world_size_below_one_is_an_error(world: int) -> None:
-    with pytest.raises(ValueError, match=rf"MLTUNER_WORLD_SIZE must be >= 1, got {world}"):
+@pytest.mark.parametrize("world", [0, -2, 4097, 10**9])
+def test_world_size_outside_its_bounds_is_an_error(world: int) -> None:
+    with pytest.raises(ValueError, match=rf"MLTUNER_WORLD_SIZE must be in 1..4096 .*, got {world}"):
         detect_environment(mltuner_vars(rank=0, world=world))
 
 

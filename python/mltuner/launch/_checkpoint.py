@@ -63,6 +63,11 @@ def save(node: _core.ProcessNode, worker: Worker, root: Path, barrier: Callable[
     Rank 0 writes ``attachments`` (file name -> bytes) into the checkpoint
     before it becomes visible; other ranks' are ignored."""
     attached = check_attachments(attachments) if node.rank == 0 else {}
+    # A file at or above root would fail only midway, creating a shard's directory.
+    existing = next(entry for entry in (root, *root.parents) if entry.exists())
+    if not existing.is_dir():
+        raise InvalidArgumentError(f"save_checkpoint: the checkpoint root {root} is a file" if existing == root else
+                                   f"save_checkpoint: the checkpoint root {root} is under {existing}, a file")
     engine_clock = int(worker.stats["clock"])
     if engine_clock == 0:
         raise OutOfOrderError("save_checkpoint needs at least one finished clock after start_iterations")
@@ -182,11 +187,8 @@ def restore(node: _core.ProcessNode, worker: Worker, path: Path, rule_kind: str,
     directory = resolve(path)
     if node.rank == 0 and (path / LATEST).is_file():
         remove_temporaries(path)
-    manifest = check_tables(directory, worker)
-    mine = _communicated(worker)
-    old_shards = int(manifest["num_shards"])
-    metas = [_read_json(directory / f"shard-{s}" / "meta.json") for s in range(old_shards)]
-    for table in mine:
+    manifest, metas = _check_checkpoint(directory, worker)
+    for table in _communicated(worker):
         first, count = shard_range(table.num_rows, int(node.rank), int(node.num_workers))
         values, state = _gather_slice(directory, metas, table, first, count)
         try:
@@ -218,12 +220,22 @@ def resolve(path: Path) -> Path:
 
 def check_tables(directory: Path, worker: Worker) -> dict[str, Any]:
     """The manifest of the checkpoint ``directory``, once it is known to
-    hold exactly ``worker``'s communicated tables (InvalidArgumentError
-    naming the differences otherwise)."""
-    manifest = _read_json(directory / "manifest.json")
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise InvalidArgumentError(f"{directory} is not an mltuner checkpoint of version {VERSION}")
-    saved = {int(t["id"]): t for t in manifest["tables"]}
+    hold exactly ``worker``'s communicated tables and every file a restore
+    reads is sound (InvalidArgumentError naming the file and the fault
+    otherwise)."""
+    return _check_checkpoint(directory, worker)[0]
+
+
+# What one shard saved of a table: (first_row, num_rows, state_arrays).
+_Entry = tuple[int, int, int]
+
+
+def _check_checkpoint(directory: Path, worker: Worker) -> tuple[dict[str, Any], list[dict[int, _Entry]]]:
+    """The manifest and every shard's entries (table id -> _Entry), once
+    every file a restore reads is known to be sound and to fit ``worker``:
+    all of it is checked before a restore changes anything."""
+    manifest = _read_manifest(directory)
+    saved = {entry["id"]: entry for entry in manifest["tables"]}
     mine = _communicated(worker)
     problems = []
     for table in mine:
@@ -237,74 +249,135 @@ def check_tables(directory: Path, worker: Worker) -> dict[str, Any]:
         problems.append(f"it has {len(saved)} communicated tables, this job {len(mine)}")
     if problems:
         raise InvalidArgumentError(f"checkpoint {directory} does not match this job's tables: " + "; ".join(problems))
-    for shard in range(int(manifest["num_shards"])):  # every file a restore reads, before it changes anything
-        written = _read_json(directory / f"shard-{shard}" / "meta.json").get("tables", {})
-        for table in mine:
-            entry = written.get(str(table.id))
-            if not isinstance(entry, dict):
-                raise InvalidArgumentError(f"shard {shard} of {directory} has no table {table.name!r}")
-            rule = worker.update_rule_of(table)
-            if rule is not None and entry.get("state_arrays") != rule.state_arrays:
-                raise InvalidArgumentError(
-                    f"checkpoint {directory} does not fit this job's update rules: table {table.name!r} has "
-                    f"{entry.get('state_arrays')} arrays of optimizer state per value there, and its rule "
-                    f"({rule.kind}) keeps {rule.state_arrays} here")
-            _check_arrays(directory / f"shard-{shard}", table, entry)
+    metas = [_read_meta(directory, shard, mine) for shard in range(manifest["num_shards"])]
+    for table in mine:
+        _check_shards(directory, table, [meta[table.id] for meta in metas])
+        rule = worker.update_rule_of(table)
+        if rule is not None and metas[0][table.id][2] != rule.state_arrays:
+            raise InvalidArgumentError(
+                f"checkpoint {directory} does not fit this job's update rules: table {table.name!r} has "
+                f"{metas[0][table.id][2]} arrays of optimizer state per value there, and its rule "
+                f"({rule.kind}) keeps {rule.state_arrays} here")
+        for shard, meta in enumerate(metas):
+            _check_arrays(directory / f"shard-{shard}", table, meta[table.id])
+    return manifest, metas
+
+
+def _field(path: Path, record: Mapping[str, Any], key: str, kind: type, least: int = 0) -> Any:
+    """``record[key]``, when it is a ``kind`` (an int: at least ``least``)."""
+    if key not in record:
+        raise InvalidArgumentError(f"checkpoint file {path} has no {key!r}")
+    value: Any = record[key]
+    # type(), not isinstance: JSON's true and false are bools, which isinstance counts as ints.
+    wrong_type = type(value) is not kind
+    if wrong_type or (kind is int and value < least):
+        expected = {int: f"an integer >= {least}", str: "a string", list: "a JSON array", dict: "a JSON object"}[kind]
+        raise InvalidArgumentError(f"checkpoint file {path}: {key!r} is {value!r}, expected {expected}")
+    return value
+
+
+def _read_manifest(directory: Path) -> dict[str, Any]:
+    """manifest.json, its fields and every table's of the types a restore uses."""
+    path = directory / "manifest.json"
+    manifest = _read_json(path)
+    if manifest.get("format") != FORMAT or _field(path, manifest, "version", int) != VERSION:
+        raise InvalidArgumentError(f"{directory} is not an mltuner checkpoint of version {VERSION}")
+    _field(path, manifest, "clock", int)
+    _field(path, manifest, "num_shards", int, least=1)
+    ids = set()
+    for table in _field(path, manifest, "tables", list):
+        if not isinstance(table, dict):
+            raise InvalidArgumentError(f"checkpoint file {path}: a table is {table!r}, expected a JSON object")
+        ids.add(_field(path, table, "id", int))
+        _field(path, table, "name", str)
+        _field(path, table, "num_rows", int)
+        _field(path, table, "row_width", int, least=1)
+    if len(ids) != len(manifest["tables"]):
+        raise InvalidArgumentError(f"checkpoint file {path}: two tables have the same id")
     return manifest
 
 
-def _check_arrays(shard_dir: Path, table: Table, entry: dict[str, Any]) -> None:
+def _read_meta(directory: Path, shard: int, tables: list[Table]) -> dict[int, _Entry]:
+    """What shard-``shard``/meta.json says the shard saved of each of ``tables``."""
+    path = directory / f"shard-{shard}" / "meta.json"
+    written = _field(path, _read_json(path), "tables", dict)
+    entries = {}
+    for table in tables:
+        entry = written.get(str(table.id))
+        if not isinstance(entry, dict):
+            raise InvalidArgumentError(f"checkpoint file {path} has no table {table.name!r} (id {table.id})")
+        entries[table.id] = (_field(path, entry, "first_row", int), _field(path, entry, "num_rows", int),
+                             _field(path, entry, "state_arrays", int))
+    return entries
+
+
+def _check_shards(directory: Path, table: Table, entries: list[_Entry]) -> None:
+    """The shards' row ranges of a table cover its rows [0, num_rows) once
+    each (a gap would restore uninitialised memory, an overlap is a damaged
+    checkpoint), and agree on the number of state arrays."""
+    end = 0
+    for shard, (first, rows, state_arrays) in sorted(enumerate(entries), key=lambda item: item[1]):
+        where = f"checkpoint file {directory / f'shard-{shard}' / 'meta.json'}: table {table.name!r}"
+        if state_arrays != entries[0][2]:
+            raise InvalidArgumentError(f"{where} has {state_arrays} state arrays, shard 0 {entries[0][2]}")
+        if first + rows > table.num_rows:
+            raise InvalidArgumentError(f"{where} rows [{first}, {first + rows}) lie outside its {table.num_rows} rows")
+        if rows == 0:
+            continue  # more shards than rows: an empty range covers nothing wherever it starts
+        if first > end:
+            raise InvalidArgumentError(f"{where} rows [{first}, {first + rows}) leave rows [{end}, {first}) "
+                                       "saved by no shard")
+        if first < end:
+            raise InvalidArgumentError(f"{where} rows [{first}, {first + rows}) overlap rows "
+                                       f"[{first}, {min(end, first + rows)}) another shard saved")
+        end = first + rows
+    if end != table.num_rows:
+        raise InvalidArgumentError(f"checkpoint {directory}: rows [{end}, {table.num_rows}) of table "
+                                   f"{table.name!r} are saved by no shard")
+
+
+def _check_arrays(shard_dir: Path, table: Table, entry: _Entry) -> None:
     """A shard's two files of a table: readable .npy arrays of the sizes its meta.json gives."""
-    rows = int(entry["num_rows"])
-    for kind, least in (("values", rows * table.row_width),
-                        ("state", int(entry["state_arrays"]) * rows * table.row_width)):
+    _, rows, state_arrays = entry
+    for kind, least in (("values", rows * table.row_width), ("state", state_arrays * rows * table.row_width)):
         path = shard_dir / f"table-{table.id}.{kind}.npy"
         try:
             array = np.load(path, mmap_mode="r", allow_pickle=False)
-        except (OSError, ValueError) as error:
+        except (OSError, ValueError, EOFError) as error:  # EOFError: an empty file
             raise InvalidArgumentError(f"checkpoint file {path} cannot be read: {error}") from None
         if kind == "values" and (array.dtype != np.float32 or array.shape != (rows, table.row_width)):
             raise InvalidArgumentError(f"checkpoint file {path} holds a {array.dtype} array of shape {array.shape}, "
                                        f"float32 ({rows}, {table.row_width}) expected")
-        if kind == "state" and (array.dtype != np.float32 or array.size < least):
-            raise InvalidArgumentError(f"checkpoint file {path} holds {array.size} {array.dtype} values, at least "
-                                       f"{least} float32 expected")
+        if kind == "state" and (array.dtype != np.float32 or array.ndim != 1 or array.size < least):
+            raise InvalidArgumentError(f"checkpoint file {path} holds a {array.dtype} array of shape {array.shape}, "
+                                       f"a row of at least {least} float32 expected")
 
 
-def _gather_slice(directory: Path, metas: list[dict[str, Any]], table: Table, first: int,
+def _gather_slice(directory: Path, metas: list[dict[int, _Entry]], table: Table, first: int,
                   count: int) -> tuple[np.ndarray, np.ndarray]:
     """This shard's rows [first, first+count) of a table and their optimizer
-    state, assembled from the old shards that held them."""
+    state, assembled from the old shards that held them (_check_checkpoint
+    has made sure they tile the table's rows and have the sizes used here)."""
     width = table.row_width
     values = np.empty((count, width), dtype=np.float32)
-    pieces: list[tuple[int, int, int, np.ndarray]] = []  # (start in new slice, count, state arrays, old state rows)
-    scalars: np.ndarray | None = None
-    state_arrays = 0
+    state_arrays = metas[0][table.id][2]
+    state_rows = np.empty((state_arrays, count, width), dtype=np.float32)
+    scalars = np.empty(0, np.float32)
     for shard, meta in enumerate(metas):
-        entry = meta["tables"].get(str(table.id))
-        if entry is None:
-            raise InvalidArgumentError(f"shard {shard} of {directory} has no table {table.name!r}")
-        old_first, old_count, state_arrays = entry["first_row"], entry["num_rows"], entry["state_arrays"]
-        old_values = np.load(directory / f"shard-{shard}" / f"table-{table.id}.values.npy", mmap_mode="r",
-                             allow_pickle=False)
-        old_state = np.load(directory / f"shard-{shard}" / f"table-{table.id}.state.npy", allow_pickle=False)
+        old_first, old_count, _ = meta[table.id]
+        files = directory / f"shard-{shard}" / f"table-{table.id}"
+        old_state = np.load(f"{files}.state.npy", mmap_mode="r", allow_pickle=False)
         per_array = old_count * width
-        if old_values.shape != (old_count, width) or old_state.size < state_arrays * per_array:
-            raise InvalidArgumentError(f"shard {shard} of {directory} has arrays of the wrong size for "
-                                       f"table {table.name!r}")
-        if scalars is None:
+        if shard == 0:
             scalars = old_state[state_arrays * per_array:]
         lo, hi = max(first, old_first), min(first + count, old_first + old_count)
         if lo >= hi:
             continue
+        old_values = np.load(f"{files}.values.npy", mmap_mode="r", allow_pickle=False)
         values[lo - first:hi - first] = old_values[lo - old_first:hi - old_first]
         arrays = old_state[:state_arrays * per_array].reshape(state_arrays, old_count, width)
-        pieces.append((lo - first, hi - lo, state_arrays, arrays[:, lo - old_first:hi - old_first]))
-    state_rows = np.empty((state_arrays, count, width), dtype=np.float32)
-    for start, rows, _, arrays in pieces:
-        state_rows[:, start:start + rows] = arrays
-    state = np.concatenate([state_rows.reshape(-1), scalars if scalars is not None else np.empty(0, np.float32)])
-    return values, state.astype(np.float32, copy=False)
+        state_rows[:, lo - first:hi - first] = arrays[:, lo - old_first:hi - old_first]
+    return values, np.concatenate([state_rows.reshape(-1), scalars]).astype(np.float32, copy=False)
 
 
 def _save_array(path: Path, array: np.ndarray) -> None:

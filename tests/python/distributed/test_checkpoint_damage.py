@@ -1,0 +1,154 @@
+"""A damaged checkpoint is refused with an InvalidArgumentError naming the
+file and the fault, before restore_checkpoint changes anything in the job:
+shards whose row ranges leave a gap, overlap or run outside the table, and
+metadata of the wrong JSON types. A checkpoint root that is a file is
+refused before a save starts."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import mltuner
+
+from test_checkpoint_files import add_clocks, prepare, single_job  # type: ignore[import-not-found]
+
+ROWS, WIDTH = 10, 3  # prepare()'s table "t"
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    """A one-shard checkpoint of table "t" ("add" rule) at clock 2, every value 2."""
+    with single_job() as job:
+        _, update = prepare(job.worker)
+        job.worker.start_iterations()
+        add_clocks(job.worker, update, 2, 1.0)
+        return Path(job.save_checkpoint(tmp_path / "root"))
+
+
+def edit_json(path: Path, change: Callable[[Any], object]) -> None:
+    content = json.loads(path.read_text())
+    change(content)
+    path.write_text(json.dumps(content))
+
+
+def reshard(checkpoint: Path, ranges: list[tuple[int, int]]) -> None:
+    """Rewrites ``checkpoint`` as one shard per (first_row, num_rows) in
+    ``ranges``, each saved row holding its row index: consistent files,
+    whatever the ranges say."""
+    shutil.rmtree(checkpoint / "shard-0")
+    for shard, (first, rows) in enumerate(ranges):
+        directory = checkpoint / f"shard-{shard}"
+        directory.mkdir()
+        values = np.repeat(np.arange(first, first + rows, dtype=np.float32)[:, None], WIDTH, axis=1)
+        np.save(directory / "table-0.values.npy", values)
+        np.save(directory / "table-0.state.npy", np.zeros(0, np.float32))
+        meta = {"rank": shard, "tables": {"0": {"first_row": first, "num_rows": rows, "state_arrays": 0}}}
+        (directory / "meta.json").write_text(json.dumps(meta))
+    edit_json(checkpoint / "manifest.json", lambda manifest: manifest.update(num_shards=len(ranges)))
+
+
+def restored(checkpoint: Path) -> tuple[int, np.ndarray]:
+    with single_job() as job:
+        table, _ = prepare(job.worker)
+        clock = job.restore_checkpoint(checkpoint)
+        return clock, job.worker.fetch(table)
+
+
+def assert_refused(checkpoint: Path, match: str) -> None:
+    """restore_checkpoint raises InvalidArgumentError matching ``match``, and the job's table keeps its values."""
+    with single_job() as job:
+        table, _ = prepare(job.worker)
+        before = job.worker.fetch(table).copy()
+        with pytest.raises(mltuner.InvalidArgumentError, match=match):
+            job.restore_checkpoint(checkpoint)
+        np.testing.assert_array_equal(job.worker.fetch(table), before)
+
+
+def test_an_undamaged_checkpoint_restores_exactly_whichever_shards_hold_the_rows(checkpoint: Path) -> None:
+    clock, values = restored(checkpoint)
+    assert clock == 2
+    np.testing.assert_array_equal(values, np.full((ROWS, WIDTH), 2.0, dtype=np.float32))
+    reshard(checkpoint, [(4, 6), (0, 4), (10, 0)])  # out of row order, and one shard with no rows
+    clock, values = restored(checkpoint)
+    np.testing.assert_array_equal(values, np.repeat(np.arange(ROWS, dtype=np.float32)[:, None], WIDTH, axis=1))
+
+
+@pytest.mark.parametrize("ranges, match", [
+    ([(0, 4), (5, 5)], r"shard-1/meta\.json: table 't' rows \[5, 10\) leave rows \[4, 5\) saved by no shard"),
+    ([(0, 4), (4, 5)], r"rows \[9, 10\) of table 't' are saved by no shard"),
+    ([(0, 5), (4, 6)], r"shard-1/meta\.json: table 't' rows \[4, 10\) overlap rows \[4, 5\) another shard saved"),
+    ([(0, 10), (0, 10)], r"shard-\d/meta\.json: table 't' rows \[0, 10\) overlap"),
+    ([(2, 10)], r"shard-0/meta\.json: table 't' rows \[2, 12\) lie outside its 10 rows"),
+    ([(0, 10), (100, 0)], r"shard-1/meta\.json: table 't' rows \[100, 100\) lie outside"),
+    ([(-2, 10)], r"shard-0/meta\.json: 'first_row' is -2, expected an integer >= 0"),
+], ids=["gap", "gap-at-end", "overlap", "same-rows-twice", "past-the-end", "empty-out-of-range", "negative"])
+def test_shards_that_do_not_tile_the_rows_are_refused(checkpoint: Path, ranges: list[tuple[int, int]],
+                                                      match: str) -> None:
+    reshard(checkpoint, ranges)
+    assert_refused(checkpoint, match)
+
+
+def test_the_probes_first_row_edit_is_refused(checkpoint: Path) -> None:
+    for first_row, match in ((2, r"rows \[2, 12\) lie outside"), (-2, "'first_row' is -2"),
+                             (100, r"rows \[100, 110\) lie outside"), (False, "'first_row' is False")):
+        edit_json(checkpoint / "shard-0" / "meta.json",
+                  lambda meta: meta["tables"]["0"].update(first_row=first_row))
+        assert_refused(checkpoint, r"shard-0/meta\.json: .*" + match)
+
+
+def _set(key: str, value: object) -> Callable[[Any], object]:
+    return lambda record: record.update({key: value})
+
+
+@pytest.mark.parametrize("file, change, match", [
+    ("manifest.json", lambda manifest: manifest.pop("tables"), r"manifest\.json has no 'tables'"),
+    ("manifest.json", _set("tables", {"0": {}}), r"manifest\.json: 'tables' is .*, expected a JSON array"),
+    ("manifest.json", _set("clock", "abc"), r"manifest\.json: 'clock' is 'abc', expected an integer >= 0"),
+    ("manifest.json", _set("clock", -5), r"manifest\.json: 'clock' is -5, expected an integer >= 0"),
+    ("manifest.json", _set("clock", 2.7), r"manifest\.json: 'clock' is 2\.7, expected an integer"),
+    ("manifest.json", _set("clock", True), r"manifest\.json: 'clock' is True, expected an integer"),
+    ("manifest.json", _set("num_shards", 0), r"manifest\.json: 'num_shards' is 0, expected an integer >= 1"),
+    ("manifest.json", _set("num_shards", "1"), r"manifest\.json: 'num_shards' is '1', expected an integer"),
+    ("manifest.json", lambda manifest: manifest["tables"][0].update(id="zero"),
+     r"manifest\.json: 'id' is 'zero', expected an integer"),
+    ("manifest.json", lambda manifest: manifest["tables"].append(manifest["tables"][0]),
+     r"manifest\.json: two tables have the same id"),
+    ("shard-0/meta.json", _set("tables", []), r"meta\.json: 'tables' is \[\], expected a JSON object"),
+    ("shard-0/meta.json", lambda meta: meta["tables"]["0"].update(num_rows="10"),
+     r"meta\.json: 'num_rows' is '10', expected an integer"),
+    ("shard-0/meta.json", lambda meta: meta["tables"]["0"].pop("state_arrays"), r"meta\.json has no 'state_arrays'"),
+], ids=["no-tables", "tables-object", "clock-text", "clock-negative", "clock-float", "clock-bool", "no-shards",
+        "shards-text", "table-id-text", "table-twice", "meta-tables-list", "rows-text", "no-state-arrays"])
+def test_metadata_of_the_wrong_type_is_refused_naming_the_file(checkpoint: Path, file: str,
+                                                               change: Callable[[Any], object], match: str) -> None:
+    edit_json(checkpoint / file, change)
+    assert_refused(checkpoint, match)
+
+
+def test_an_empty_values_file_is_refused_naming_it(checkpoint: Path) -> None:
+    (checkpoint / "shard-0" / "table-0.values.npy").write_bytes(b"")
+    assert_refused(checkpoint, r"shard-0/table-0\.values\.npy cannot be read")
+
+
+def test_a_save_to_a_file_or_under_one_is_refused_before_it_starts(tmp_path: Path) -> None:
+    file = tmp_path / "file"
+    file.write_text("x")
+    with single_job() as job:
+        _, update = prepare(job.worker)
+        job.worker.start_iterations()
+        add_clocks(job.worker, update, 1, 1.0)
+        with pytest.raises(mltuner.InvalidArgumentError, match=re.escape(f"checkpoint root {file} is a file")):
+            job.save_checkpoint(file)
+        under = re.escape(f"checkpoint root {file / 'sub'} is under {file}, a file")
+        with pytest.raises(mltuner.InvalidArgumentError, match=under):
+            job.save_checkpoint(file / "sub")
+        assert file.read_text() == "x"
+        assert job.save_checkpoint(tmp_path / "root").name == "clock-00000001"  # the job saves on

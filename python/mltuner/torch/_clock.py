@@ -185,6 +185,23 @@ class Phase(enum.Enum):
     BACKWARD = "backward"  # forward done; gradients pending or done, step() not yet called
 
 
+def _weak_guard(driver: ClockDriver) -> torch.autograd.graph.saved_tensors_hooks:
+    """The loss guard's hooks for ``driver``, which they do not keep alive:
+    once the driver is gone, the guard takes itself off the stack at its
+    next use (it is on top then) and passes the tensor."""
+    alive = weakref.ref(driver)
+
+    def pack(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+        owner = alive()
+        if owner is None:
+            guard.__exit__(None, None, None)
+            return tensor, tensor._version
+        return owner._guard_pack(tensor)
+
+    guard = torch.autograd.graph.saved_tensors_hooks(pack, _guard_unpack)
+    return guard
+
+
 def _guard_unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
     """The loss guard's saved tensor back, with the check torch makes where
     no hooks are set (hooks turn its own off)."""
@@ -233,6 +250,8 @@ class ClockDriver:
         # The modules with buffers or frozen parameters, walked per clock (_local_storage).
         self._modules = [m for m in model.modules()
                          if m._buffers or any(p is not None and not p.requires_grad for p in m._parameters.values())]
+        # The parameters frozen at wrap(): they stay local, so one made trainable later would never train.
+        self._frozen = [(name, p) for name, p in model.named_parameters() if not p.requires_grad]
         self.layers = layers
         self.worker = worker
         self.device = layers[0].device
@@ -285,6 +304,7 @@ class ClockDriver:
         # (it holds the NaN placeholder there), and the thread that set them.
         self._loss_guard: Any = None
         self._loss_guard_thread = 0
+        self._guard_between = False  # the guard was set between clocks (its message)
         self._grad_open: dict[int, tuple[int, torch.Tensor]] = {}  # layer -> (event, flat buffer)
         # Gradients: per layer, the forward serial in which each parameter's
         # gradient last arrived, and how many of the layer's gradients are
@@ -413,6 +433,21 @@ class ClockDriver:
     def note_idle_versions(self) -> None:
         """The adapter lets go of the parameters (module docstring of _idle_versions)."""
         self._idle_versions = [layer.versions() for layer in self.layers]
+
+    def _refuse_unfrozen(self) -> None:
+        """Refuses a training forward after a parameter frozen at wrap() was
+        made trainable (fine-tuning's "unfreeze the backbone"): the servers
+        hold only the parameters wrap() found trainable, and autograd would
+        pile its gradients up in .grad while the servers never update it."""
+        unfrozen = [name for name, param in self._frozen if param.requires_grad]
+        if unfrozen:
+            raise UnsupportedModelError(
+                f"parameter(s) {', '.join(repr(n) for n in unfrozen[:4])}{' ...' if len(unfrozen) > 4 else ''} "
+                "were frozen when wrap() took the model and are trainable now (requires_grad_(True) after wrap()); "
+                "the servers train only the parameters wrap() found trainable, so these would never change. To "
+                "train them later, wrap them trainable in a param group of their own whose lr is 0 until then, or "
+                "unwrap() and wrap the module on a new job's worker; nothing of this clock was done"
+            )
 
     def _refuse_writes_between_clocks(self) -> None:
         """Raises OutOfOrderError where the loop changed a parameter in place
@@ -936,6 +971,7 @@ class ClockDriver:
         self._end_loss_guard()
         if not again:
             if not self._recording:
+                self._refuse_unfrozen()
                 self._refuse_writes_between_clocks()  # nothing of the clock has reached the engine
                 self._refuse_writes_to_evaluation_copies()
                 self._check_inputs(inputs)
@@ -1045,14 +1081,21 @@ class ClockDriver:
                 + "; nothing of this clock was done, so it can go on with other inputs"
             )
 
-    def _start_loss_guard(self) -> None:
-        """After a forward pass whose layers hold their parameters only
-        inside their own forward: until step(), a saved tensor whose storage
-        is the NaN placeholder (a parameter used by the loss, as an L2
-        penalty over model.parameters() would) is refused instead of
-        training on NaN. Saved-tensor hooks are a per-thread stack: pushed
-        here, popped by this thread's next step() or forward."""
-        self._loss_guard = torch.autograd.graph.saved_tensors_hooks(self._guard_pack, _guard_unpack)
+    def _start_loss_guard(self, *, between_clocks: bool = False) -> None:
+        """Where layers are read in their own forward: from the end of a
+        forward pass to step(), and from step() to the next forward
+        (``between_clocks``), a saved tensor whose storage is the NaN
+        placeholder (a parameter used by the loss, as an L2 penalty over
+        model.parameters() would) is refused instead of training on NaN.
+        Saved-tensor hooks are a per-thread stack: pushed here, popped by
+        this thread's next step() or forward. A pop takes the top, which may
+        be another model's guard or a script's own hooks pushed since: each
+        push still meets one pop, and every guard checks the same thing."""
+        self._end_loss_guard()
+        self._guard_between = between_clocks
+        # Through a weak reference: a guard left on the stack when the loop
+        # ends (between clocks) must not keep the model and its engine alive.
+        self._loss_guard = _weak_guard(self)
         self._loss_guard.__enter__()
         self._loss_guard_thread = threading.get_ident()
 
@@ -1064,6 +1107,13 @@ class ClockDriver:
     def _guard_pack(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
         if storage_ptr(tensor) == self._placeholder_ptr:
             self._end_loss_guard()
+            if self._guard_between:
+                raise UnsupportedModelError(
+                    "a parameter of the wrapped model is used between clocks (before the forward pass: a loss "
+                    "term computed from model.parameters() before calling the model, say), where it holds a NaN "
+                    "placeholder: this model reads each layer from the servers in the layer's own forward. Compute "
+                    "such a term inside the model's forward, or use the optimizer's weight_decay"
+                )
             raise UnsupportedModelError(
                 "a parameter of the wrapped model is used outside its module's forward, after the forward pass "
                 "(in the loss: an L2 penalty over model.parameters(), say); where layers are read in their own "
@@ -1466,6 +1516,8 @@ class ClockDriver:
         self._stale_grads = self._grad_errors  # unless a refused gradient left some behind: all handed over
         self._grad_errors = False
         self._reset_clock()
+        if not self._light:
+            self._start_loss_guard(between_clocks=True)
 
     def _watch_backward(self, output: Any) -> None:
         """Shipping at step(), no parameter hook sees the backward pass: a
@@ -1910,6 +1962,8 @@ class ClockDriver:
         self._shipped_why = self._why_shipped()
         if self._light:
             self._plan_batches()
+        else:
+            self._start_loss_guard(between_clocks=True)
         if self._at_step:  # gradients are picked up at step(): no Python call per parameter in backward
             for handle in self._grad_hooks:
                 handle.remove()

@@ -199,6 +199,12 @@ def _check_module_types(model: nn.Module) -> None:
                 f"{where} is compiled with torch.compile: wrap the eager module (the adapter needs its "
                 "forward hooks and autograd hooks), e.g. wrap(model) rather than wrap(torch.compile(model))"
             )
+        forward = module.__dict__.get("forward")  # an instance attribute: m.forward = torch.compile(m.forward)
+        if forward is not None and hasattr(forward, "_torchdynamo_orig_callable"):
+            raise UnsupportedModelError(
+                f"the forward of {where} is compiled with torch.compile (m.forward = torch.compile(m.forward)): "
+                "the adapter needs the eager forward's hooks; wrap the model without compiling its forward"
+            )
         if isinstance(module, torch.jit.ScriptModule):
             raise UnsupportedModelError(f"{where} is a TorchScript module: wrap the eager module")
         if isinstance(module, parallel):

@@ -290,10 +290,24 @@ class SavedActivations:
             if smaller is not None:
                 return smaller
         if (shape, dtype) != (expected.shape, expected.dtype):
-            why = ("every clock must save the recorded shapes, since the recomputations replay the recorded ops "
-                   "(recompute='none' lets them shrink)" if self._programs and dtype == expected.dtype else
-                   "a clock may save smaller tensors of the same dtype and memory layout (a smaller batch, "
-                   "a shorter sequence), not larger ones: give wrap() the largest example_input")
+            larger = len(shape) == len(expected.shape) and any(a > b for a, b in zip(shape, expected.shape))
+            if shape == expected.shape:
+                why = "every clock must save the recorded dtypes"
+            elif dtype != expected.dtype or len(shape) != len(expected.shape):
+                why = ("this clock's forward saved other tensors than the recording pass did (the number or order "
+                       "of saved tensors depends on the data, as with packed sequences of varying lengths or top-k "
+                       "routing); with stored activations every clock must save the recorded ones in the recorded "
+                       "order: wrap() without store_activations for such a model")
+            elif self._programs:
+                why = ("every clock must save the recorded shapes, since the recomputations replay the recorded ops "
+                       "(recompute='none' lets them shrink)")
+            elif larger:
+                why = ("a clock may save smaller tensors of the same dtype and memory layout (a smaller batch, a "
+                       "shorter sequence), not larger ones: give wrap() the largest example_input")
+            else:
+                why = ("a smaller tensor must keep the recorded memory layout, and this one does not (or the forward "
+                       "saved other tensors than the recording pass did, in a data-dependent order: then wrap() "
+                       "without store_activations)")
             raise IterationMismatchError(
                 f"clock {clock}: saved activation #{slot} is {shape} {dtype}, the "
                 f"recorded one {expected.shape} {expected.dtype}; with store_activations=True the local "

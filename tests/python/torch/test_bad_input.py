@@ -83,6 +83,12 @@ def compiled() -> nn.Module:
     return torch.compile(mlp(), backend="eager")  # type: ignore[return-value]
 
 
+def compiled_forward() -> nn.Module:
+    model = mlp()
+    model.forward = torch.compile(model.forward, backend="eager")  # type: ignore[method-assign]
+    return model
+
+
 def scripted() -> nn.Module:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # TorchScript is deprecated in recent torch
@@ -93,6 +99,7 @@ REFUSED: list[tuple[str, Callable[[], nn.Module], Any, str]] = [
     ("float64", lambda: mlp().double(), X.double(), r"'0\.weight' has dtype torch\.float64.*float32"),
     ("sparse embedding", lambda: nn.Embedding(10, 6, sparse=True), torch.randint(0, 10, (4,)), "sparse=True"),
     ("torch.compile", compiled, X, "torch.compile"),
+    ("torch.compile of the forward", compiled_forward, X, r"the forward of the model is compiled with torch\.compile"),
     ("TorchScript", scripted, X, "TorchScript"),
     ("DataParallel", lambda: nn.DataParallel(mlp()), X, "DataParallel"),
     ("no trainable parameters", lambda: mlp().requires_grad_(False), X, "no trainable parameters"),
@@ -337,6 +344,44 @@ def test_a_layer_frozen_after_wrap_is_named(worker: Worker, store: bool) -> None
     ps_model = mt.wrap(model, worker, example_input=X, store_activations=store)
     model[0].requires_grad_(False)
     with pytest.raises(mt.IterationMismatchError, match=r"'0\.weight', '0\.bias' were frozen after wrap\(\)"):
+        one_clock(ps_model)
+
+
+@pytest.mark.parametrize("store", [False, True], ids=["held", "stored"])
+def test_a_layer_unfrozen_after_wrap_is_refused_before_the_clock(worker: Worker, store: bool) -> None:
+    """Fine-tuning's "train the head, then unfreeze": the parameters frozen
+    at wrap() stay local, so unfrozen later they never trained, silently."""
+    model = mlp()
+    model[0].requires_grad_(False)
+    ps_model = mt.wrap(model, worker, example_input=X, store_activations=store)
+    one_clock(ps_model)
+    model[0].requires_grad_(True)
+    with pytest.raises(mt.UnsupportedModelError, match=r"'0\.weight', '0\.bias' were frozen when wrap\(\) took"):
+        one_clock(ps_model)
+    model[0].requires_grad_(False)  # nothing of the refused clock was done: the loop goes on
+    one_clock(ps_model)
+
+
+class DataDependent(nn.Module):
+    """Saves other tensors when ``other``: as packed sequences or top-k routing would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+        self.other = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        return torch.exp(h.sum(1) if self.other else h)  # exp saves its output
+
+
+def test_saved_tensors_that_depend_on_the_data_are_named_so(worker: Worker) -> None:
+    model = DataDependent()
+    ps_model = mt.wrap(model, worker, example_input=X, store_activations=True)
+    model.other = True
+    # Smaller, but of another rank: not a case for a larger example_input.
+    with pytest.raises(mt.IterationMismatchError, match=r"is \(4,\) torch.float32, the recorded one \(4, 6\).*"
+                                                        r"saved other tensors than the recording pass did"):
         one_clock(ps_model)
 
 

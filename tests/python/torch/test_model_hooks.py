@@ -12,6 +12,7 @@ forward, reads opened by the layer's own pre-hook, and stored activations.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -161,6 +162,56 @@ def test_a_parameter_used_by_the_loss_is_refused_where_layers_are_read_in_their_
         ps_model = mt.wrap(model, cluster.worker(0), example_input=x, **reads)
         with pytest.raises(mt.UnsupportedModelError, match="used outside its module's forward.*weight_decay"):
             ps_model(x).square().mean() + 1e-3 * l2(ps_model)
+
+
+@pytest.mark.parametrize("reads", [{"hold_reads": False}, {"store_activations": True}], ids=["per-layer", "stored"])
+def test_a_parameter_used_before_the_forward_is_refused_and_the_loop_goes_on(reads: dict[str, Any]) -> None:
+    """Between clocks the parameters hold the NaN placeholder: a term taken
+    from them before the forward gave a NaN loss whose gradient, shipped,
+    made every parameter on the servers NaN, without a word."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5))
+    reference = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5))
+    reference.load_state_dict(model.state_dict())
+    xs = torch.randn(CLOCKS, BATCH, 8, generator=torch.Generator().manual_seed(1))
+    config = Config(update_rule=UpdateRule("sgd", learning_rate=LR, momentum=MOMENTUM))
+    result: dict[str, Any] = {}
+
+    def train() -> None:  # on a thread of its own: saved-tensor hooks are a per-thread stack, empty here
+        with LocalCluster(1, config) as cluster:
+            ps_model = mt.wrap(model, cluster.worker(0), example_input=xs[0], **reads)
+            for x in xs:
+                with pytest.raises(mt.UnsupportedModelError, match="used between clocks.*before the forward pass"):
+                    1e-3 * l2(ps_model)  # before the first clock, and after each step()
+                with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):  # a script's own hooks
+                    loss = ps_model(x).square().mean()
+                loss.backward()
+                ps_model.step()
+            result["got"] = ps_model.unwrap().state_dict()
+        # Each guard pushed met one pop (unwrap() took the last): nothing is left on the stack.
+        result["left"] = torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+    errors: list[BaseException] = []
+    thread = threading.Thread(target=lambda: _capture(train, errors))
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive() and not errors, errors
+    assert result["left"] is None
+    got = result["got"]
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR, momentum=MOMENTUM)
+    for x in xs:
+        reference(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for name, value in reference.state_dict().items():
+        assert torch.allclose(got[name], value, rtol=1e-5, atol=1e-6), name
+
+
+def _capture(run: Callable[[], None], errors: list[BaseException]) -> None:
+    try:
+        run()
+    except BaseException as error:  # noqa: BLE001 - handed to the test's thread
+        errors.append(error)
 
 
 def test_a_penalty_on_the_parameters_trains_like_torch_with_held_reads() -> None:

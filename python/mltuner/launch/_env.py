@@ -26,7 +26,7 @@ from typing import Literal, Union
 
 from mltuner.exceptions import InvalidArgumentError
 from mltuner.transport._address import TransportKind
-from mltuner.transport._security import read_secret_file
+from mltuner.transport._security import MIN_SECRET_CHARS, read_secret_file
 
 __all__ = [
     "ProcessEnv",
@@ -46,10 +46,10 @@ TRANSPORTS: tuple[TransportKind, ...] = ("auto", "tcp", "ipc")
 # Slurm gives no port, so every job derives one from its id: tasks of one job
 # agree without talking, and concurrent jobs on a node rarely collide.
 SLURM_BASE_PORT = 20000
+SLURM_PORT_SPAN = 20000
 # Processes of one job: each connects to every other (and a typo in a
 # launcher's variables should not allocate per-rank state without bound).
 MAX_WORLD_SIZE = 4096
-SLURM_PORT_SPAN = 20000
 
 _SECRET_HINT = (
     "set MLTUNER_SECRET to the same random string on every process, e.g. the output of "
@@ -289,6 +289,11 @@ def _finish(env: Mapping[str, str], source: Source, rank: int, world_size: int, 
     secret = env.get("MLTUNER_SECRET") or None
     if secret is None and env.get("MLTUNER_SECRET_FILE"):
         secret = read_secret_file(env["MLTUNER_SECRET_FILE"])
+    reachable = not (is_loopback(master_addr) and is_loopback(bind_host))
+    if secret is not None and reachable and len(secret) < MIN_SECRET_CHARS:
+        # The keys derive from it: a short one is guessed, and a guess joins the job.
+        raise InvalidArgumentError(f"MLTUNER_SECRET holds {len(secret)} characters; a job that other machines "
+                                   f"can reach needs at least {MIN_SECRET_CHARS}: {_SECRET_HINT}")
     if secret is None:
         # Sockets that other machines can reach must authenticate their peers.
         if not is_loopback(master_addr):

@@ -372,7 +372,8 @@ class Job:
                 self.worker.flush()
                 lender = ClockLender.for_worker(self.worker)
                 clocks = self._control.allgather("close-clocks", int(self.worker.stats["clock"]), self._timeout_s,
-                                                 while_waiting=None if lender is None else lender.step)
+                                                 while_waiting=None if lender is None else
+                                                 lambda: not self._every_peer_closing() and lender.step())
                 _warn_uneven_end(clocks, lender is not None)
                 self._control.barrier("close", self._timeout_s, final=True)
             except MltunerError:
@@ -394,6 +395,12 @@ class Job:
             self._context.destroy(linger=0)
         if self._ipc is not None:
             self._ipc.close()
+
+    def _every_peer_closing(self) -> bool:
+        """Whether every other rank said it is in close(): then no rank trains
+        on, so lending clocks would only make progress of the lenders' own,
+        which must not hold the close's wait open without end."""
+        return self._liveness is not None and len(self._liveness.closing) >= self.world_size - 1
 
     def __enter__(self) -> Job:
         return self
@@ -435,6 +442,8 @@ class Job:
 
     def _connect(self, security: SocketSecurity, rendezvous_timeout_s: float, heartbeat_interval_s: float,
                  heartbeat_timeout_s: float) -> None:
+        if self.world_size > 1:
+            _check_resolves(self.env.master_addr)
         # Two I/O threads: data on the first, heartbeats and the rendezvous on
         # the second, so no backlog of data delays a heartbeat.
         self._context = zmq.Context(io_threads=2)
@@ -608,6 +617,17 @@ def _advertised_host(env: ProcessEnv) -> str:
             return str(probe.getsockname()[0])
         except OSError:
             return socket.gethostbyname(socket.gethostname())
+
+
+def _check_resolves(host: str) -> None:
+    """Refuses a master address that does not resolve: ZeroMQ would retry
+    it in silence until the rendezvous timed out, saying only that nothing
+    answered."""
+    try:
+        socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError) as error:
+        raise InvalidArgumentError(f"the master address {host!r} does not resolve ({error}): check MASTER_ADDR "
+                                   "(or MLTUNER_MASTER_ADDR) on every process") from None
 
 
 def _fingerprint(config: Config) -> str:

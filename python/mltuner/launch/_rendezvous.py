@@ -25,9 +25,16 @@ new connection) has it.
 
 These sockets use the ZeroMQ I/O thread of the control channel, never
 queued behind data. Messages are single JSON frames of at most 1 MiB (ZeroMQ refuses a larger
-announced frame before reading it); anything else is dropped, counted and
-logged at a bounded rate. Both ends are CURVE sockets of the job (TCP). Every wait
-is bounded and polls ``should_stop`` so a lost peer ends it at once.
+announced frame before reading it); anything else (a frame nested beyond
+the parser's recursion limit too) is dropped, counted and logged at a bounded rate. No single
+message stops the coordinator: one whose handling fails is answered with the
+error, and a failure of the coordinator itself is sent to every rank (their
+current or next wait raises it) rather than leaving them to wait out their
+timeouts. A rendezvous that cannot complete (two processes claim a rank, a
+rank was started with another world size) fails every rank that joined or
+joins, at once, with the reason. Both ends are CURVE sockets of the job
+(TCP). Every wait is bounded and polls ``should_stop`` so a lost peer ends it
+at once.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -70,16 +77,24 @@ _FAILED_HANDSHAKES_TO_GIVE_UP = 3
 _DROPPED_GIVE_UP_S = 2.0
 
 
+def _is_int(value: object) -> TypeGuard[int]:
+    """A JSON integer (``true`` is a bool to JSON, not rank 1)."""
+    return type(value) is int
+
+
 def _encode(message: dict[str, Any]) -> bytes:
     return json.dumps(message, separators=(",", ":")).encode()
 
 
 def _decode(frame: bytes) -> dict[str, Any] | None:
+    """The control message in ``frame``, or None for anything that is not
+    one: oversized, not UTF-8 or JSON, nested deeper than the parser's
+    recursion limit, or not an object with an ``op``. Never raises."""
     if len(frame) > _MAX_FRAME:
         return None
     try:
         message = json.loads(frame.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (ValueError, RecursionError, MemoryError):  # UnicodeDecodeError, JSONDecodeError, huge ints
         return None
     return message if isinstance(message, dict) and isinstance(message.get("op"), str) else None
 
@@ -118,6 +133,10 @@ class Coordinator:
         self._barriers: dict[str, set[int]] = {}
         self._gathers: dict[str, dict[int, Any]] = {}
         self._welcome: dict[str, Any] | None = None  # the answer to a complete join
+        # Why the rendezvous cannot complete (two processes claim a rank, a
+        # rank has another world size): every join, before or after, gets it.
+        self._refusal: dict[str, Any] | None = None
+        self._failure: str | None = None  # why the coordinator itself stopped working
         self._closing = False  # the final barrier was passed: joins are the next job's
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -135,26 +154,67 @@ class Coordinator:
         self.guard.close()
         self._socket.close()
 
+    @property
+    def failure(self) -> str | None:
+        """Why the coordinator stopped serving, or None while it serves."""
+        return self._failure
+
     def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._socket, zmq.POLLIN)
-        poller.register(self.guard.monitor, zmq.POLLIN)
-        while not self._stop.is_set():
-            ready = dict(poller.poll(_POLL_MS))
-            if self.guard.monitor in ready:
-                self.guard.handle_events()
-            if self._socket not in ready:
-                continue
-            for _ in range(256):  # then look at the guard again
-                try:
-                    frames = self._socket.recv_multipart(flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                message = _decode(frames[-1]) if len(frames) == 2 else None
-                if message is None:
-                    self.rejections.record(f"a malformed control message ({len(frames)} frames)")
+        try:
+            poller = zmq.Poller()
+            poller.register(self._socket, zmq.POLLIN)
+            poller.register(self.guard.monitor, zmq.POLLIN)
+            while not self._stop.is_set():
+                ready = dict(poller.poll(_POLL_MS))
+                if self.guard.monitor in ready:
+                    self.guard.handle_events()
+                if self._socket not in ready:
                     continue
-                self._handle(frames[0], message)
+                for _ in range(256):  # then look at the guard again
+                    try:
+                        frames = self._socket.recv_multipart(flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._receive(frames)
+        except Exception as error:  # the coordinator's own failure: tell every rank, never go silent
+            if self._stop.is_set():
+                return
+            self._fail(f"{type(error).__name__}: {error}")
+
+    def _receive(self, frames: list[bytes]) -> None:
+        """One message: no message, however malformed, stops the coordinator."""
+        message = _decode(frames[-1]) if len(frames) == 2 else None
+        if message is None:
+            self.rejections.record(f"a malformed control message ({len(frames)} frames)")
+            return
+        try:
+            self._handle(frames[0], message)
+        except Exception as error:  # a bug met by one message: answer it with the error, serve the rest
+            _log.error("control channel: rank 0's coordinator failed on a %r message from rank %r",
+                       message["op"], message.get("rank"), exc_info=True)
+            self._send(frames[0], {"op": "error", "message": (
+                f"rank 0's rendezvous coordinator failed on this rank's {message['op']!r} message: "
+                f"{type(error).__name__}: {error}")})
+
+    def _fail(self, why: str) -> None:
+        """The coordinator cannot go on: every rank's current or next wait
+        on it raises with the reason, and it answers every later message so."""
+        self._failure = f"rank 0's rendezvous coordinator failed ({why}); the job cannot go on"
+        _log.error("control channel: %s", self._failure, exc_info=True)
+        reply = {"op": "error", "message": self._failure}
+        with self._lock:
+            routing_ids = {member[0] for member in self._members.values()}
+        for routing_id in routing_ids:
+            self._send(routing_id, reply)
+        while not self._stop.is_set():
+            try:
+                if not self._socket.poll(_POLL_MS):
+                    continue
+                frames = self._socket.recv_multipart(flags=zmq.NOBLOCK)
+                if len(frames) == 2:
+                    self._send(frames[0], reply)
+            except Exception:  # the socket itself is broken: the ranks' timeouts are all that is left
+                self._stop.wait(_POLL_MS / 1000)
 
     def _send(self, routing_id: bytes, message: dict[str, Any]) -> None:
         try:
@@ -163,28 +223,62 @@ class Coordinator:
             _log.warning("control channel: could not answer a peer: %s", error)
 
     def _handle(self, routing_id: bytes, message: dict[str, Any]) -> None:
-        rank = message.get("rank")
-        if not isinstance(rank, int) or not 0 <= rank < self._world_size:
+        op, rank = message["op"], message.get("rank")
+        # A join names its world size too: one of another size is checked there.
+        if not _is_int(rank) or rank < 0 or (rank >= self._world_size and op != "join"):
             self._send(routing_id, {"op": "error", "message": f"rank {rank!r} is outside 0..{self._world_size - 1}"})
             return
-        if message["op"] == "join":
+        if op == "join":
             self._join(routing_id, rank, message)
-        elif message["op"] == "barrier":
-            self._barrier(routing_id, rank, str(message.get("name", "")), message.get("final") is True)
-        elif message["op"] == "gather":
-            self._gather(routing_id, rank, str(message.get("name", "")), message.get("value"))
-        elif message["op"] == "request":
-            self._request(routing_id, rank, str(message.get("name", "")), message.get("value"))
+            return
+        name = message.get("name", "")
+        if op not in ("barrier", "gather", "request"):
+            self.rejections.record(f"a control message of unknown kind {op[:40]!r} from rank {rank}")
+        elif not isinstance(name, str):
+            self._send(routing_id, {"op": "error", "message": f"rank {rank} sent a {op} whose name is not a string"})
+        elif op == "barrier":
+            self._barrier(routing_id, rank, name, message.get("final") is True)
+        elif op == "gather":
+            self._gather(routing_id, rank, name, message.get("value"))
+        else:
+            self._request(routing_id, rank, name, message.get("value"))
+
+    def _refuse(self, routing_id: bytes, why: str) -> None:
+        """The rendezvous cannot complete: every rank that joined, the one
+        refused and every later one fail with ``why``. Call with the lock."""
+        self._refusal = {"op": "error", "message": (
+            f"the rendezvous failed: {why}. Check that every process was started with its own rank and the "
+            "same world size")}
+        _log.error("control channel: %s", self._refusal["message"])
+        for member in {m[0] for m in self._members.values()} | {routing_id}:
+            self._send(member, self._refusal)
 
     def _join(self, routing_id: bytes, rank: int, message: dict[str, Any]) -> None:
-        if message.get("world_size") != self._world_size:
-            self._send(routing_id, {"op": "error", "message": (
-                f"rank {rank} was started with world size {message.get('world_size')}, "
-                f"rank 0 with {self._world_size}")})
+        world_size = message.get("world_size")
+        if not _is_int(world_size):
+            self._send(routing_id, {"op": "error", "message": f"rank {rank} joined without a world size"})
             return
         with self._lock:
+            if self._closing:
+                # Past the final barrier every join is the next job's (whatever
+                # its ranks and size): it joins again until that job's coordinator has it.
+                self._send(routing_id, {"op": "retry"})
+                return
+            if world_size == self._world_size and rank >= world_size:
+                self._send(routing_id, {"op": "error", "message": f"rank {rank} is outside 0..{world_size - 1}"})
+                return
+            if world_size != self._world_size:
+                why = f"rank {rank} was started with world size {world_size}, rank 0 with {self._world_size}"
+                if self._welcome is None:
+                    self._refuse(routing_id, why)
+                else:  # the job runs already: only the newcomer is wrong
+                    self._send(routing_id, {"op": "error", "message": why})
+                return
+            if self._refusal is not None:
+                self._send(routing_id, self._refusal)
+                return
             known = self._members.get(rank)
-            if known is not None and known[1] == message.get("card") and not self._closing:
+            if known is not None and known[1] == message.get("card"):
                 # The same process (its card names its own sockets) sent its join
                 # again, after a reconnect perhaps: answer it where it is now.
                 self._members[rank] = (routing_id, known[1], known[2])
@@ -192,9 +286,9 @@ class Coordinator:
                     self._send(routing_id, self._welcome)
                 return
             if known is not None:
-                if self._closing:
-                    self._send(routing_id, {"op": "retry"})
-                else:
+                if self._welcome is None:
+                    self._refuse(routing_id, f"two processes claim rank {rank}")
+                else:  # the job runs already: only the newcomer is wrong
                     self._send(routing_id, {"op": "error", "message": f"two processes claim rank {rank}"})
                 return
             card = message.get("card")
@@ -261,7 +355,10 @@ class Coordinator:
             return
         try:
             reply = {"op": "answer", "name": name, "value": handler(rank, value)}
-            _encode(reply)  # an answer JSON cannot hold is the handler's fault, not the channel's
+            # An answer JSON cannot hold, or one the rank would refuse, is the handler's fault.
+            frame = _encode(reply)
+            if len(frame) > _MAX_FRAME:
+                raise ValueError(f"the answer is {len(frame)} bytes encoded, more than {_MAX_FRAME}")
         except InvalidArgumentError as error:
             reply = {"op": "error", "message": str(error)}
         except Exception as error:  # a handler's bug must not stop the control channel
@@ -352,7 +449,10 @@ class ControlClient:
     def _ask(self, what: str, message: dict[str, Any], answer: str, name: str, timeout_s: float,
              unanswered: str, while_waiting: Callable[[], bool] | None = None) -> dict[str, Any]:
         """Sends ``message`` named ``name`` and returns the ``answer`` to it."""
-        frame = _encode({**message, "rank": self._rank, "name": name})
+        try:
+            frame = _encode({**message, "rank": self._rank, "name": name})
+        except (TypeError, ValueError, RecursionError) as error:
+            raise InvalidArgumentError(f"{what} {name!r}: the value is not JSON: {error}") from None
         if len(frame) > _MAX_FRAME:
             raise InvalidArgumentError(f"{what} {name!r}: the value is {len(frame)} bytes encoded, "
                                        f"more than {_MAX_FRAME}")
@@ -452,7 +552,7 @@ class ControlClient:
             if not self._socket.poll(min(poll_ms, int(remaining * 1000) + 1)):
                 continue
             message = _decode(self._socket.recv())
-            if message is None:
+            if message is None:  # not from this job's coordinator, which sends none such
                 continue
             if message["op"] == "error":
                 raise InvalidArgumentError(str(message.get("message")))

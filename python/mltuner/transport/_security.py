@@ -55,7 +55,7 @@ from mltuner.exceptions import InvalidArgumentError
 __all__ = ["CurveKeys", "SocketSecurity", "derive_keys", "secure_server", "secure_client", "start_authenticator",
            "read_secret_file", "user_loopback_secret", "user_key_directory"]
 
-_MIN_SECRET_CHARS = 16
+MIN_SECRET_CHARS = 16
 _KEY_FILE = "loopback.key"
 
 
@@ -175,9 +175,9 @@ def read_secret_file(path: str | os.PathLike[str]) -> str:
         secret = path.read_text().strip()
     except OSError as error:
         raise InvalidArgumentError(f"cannot read MLTUNER_SECRET_FILE {path}: {error.strerror or error}") from None
-    if len(secret) < _MIN_SECRET_CHARS:
+    if len(secret) < MIN_SECRET_CHARS:
         raise InvalidArgumentError(f"MLTUNER_SECRET_FILE {path} holds {len(secret)} characters; "
-                                   f"a secret needs at least {_MIN_SECRET_CHARS}")
+                                   f"a secret needs at least {MIN_SECRET_CHARS}")
     return secret
 
 
@@ -221,6 +221,6 @@ def user_loopback_secret(directory: Path | None = None) -> str:
     except OSError as error:
         raise InvalidArgumentError(f"cannot make or read this user's mltuner key in {directory}: "
                                    f"{error.strerror or error}; set MLTUNER_SECRET instead") from None
-    if len(secret) < _MIN_SECRET_CHARS:
+    if len(secret) < MIN_SECRET_CHARS:
         raise InvalidArgumentError(f"the mltuner loopback key {final} is damaged: delete it and start again")
     return secret

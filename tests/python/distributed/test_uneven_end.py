@@ -139,3 +139,40 @@ def test_a_collective_call_after_a_rank_closed_fails_at_once(tmp_path, record_re
     for name, seconds, error in failures:
         assert "rank 0 has closed the job" in str(error), name
         assert seconds < 5.0, f"{name} took {seconds:.1f} s"
+
+
+def test_a_close_that_goes_unanswered_ends_within_its_timeout_while_every_rank_lends(
+        record_read_update: Callable[..., tuple[int, int]]) -> None:
+    """Every rank in close() lends the others its later clocks, and each
+    sees the others' lent clocks as progress. Were that progress to restart
+    the close's timeout, a close whose allgather is never answered (here
+    rank 0's coordinator drops it) would wait on without end."""
+    jobs = start_pair(wait_timeout_s=2)
+    try:
+        coordinator = jobs[0]._coordinator
+        assert coordinator is not None
+        answer = coordinator._gather
+        coordinator._gather = (  # type: ignore[method-assign]
+            lambda routing, rank, name, value: None if name == "close-clocks" else answer(routing, rank, name, value))
+
+        def clock_then_close(job: mltuner.Job) -> None:
+            worker = job.worker
+            read, update = record_read_update(worker, worker.create_table("t", ROWS, WIDTH))
+            for _ in range(2):
+                worker.read(read)
+                worker.post_read(read)
+                worker.pre_update(update)[:] = 1.0
+                worker.update(update)
+                worker.clock()
+            job.close()
+
+        threads = [threading.Thread(target=clock_then_close, args=(job,)) for job in jobs]
+        started = time.monotonic()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert not any(thread.is_alive() for thread in threads), "close() waited on past its timeout"
+        assert time.monotonic() - started < 15
+    finally:
+        close(jobs)

@@ -18,7 +18,7 @@ from mltuner.launch._env import (
     iter_slurm_hosts,
 )
 
-SECRET = "s3cret"
+SECRET = "s3cret-for-these-tests"
 
 
 def mltuner_vars(rank: int = 1, world: int = 3, local: int | None = None, addr: str = "127.0.0.1",
@@ -340,3 +340,12 @@ def test_first_host_of_a_huge_range_is_cheap() -> None:
 def test_malformed_slurm_host_lists_are_errors(hostlist: str) -> None:
     with pytest.raises(ValueError):
         first_slurm_host(hostlist)
+
+
+def test_a_short_secret_is_refused_where_other_machines_can_connect() -> None:
+    # The CURVE keys derive from the secret: one of a few characters is guessed, and a guess joins the job.
+    with pytest.raises(ValueError, match="MLTUNER_SECRET holds 1 characters; a job that other machines can reach"):
+        detect_environment({**torchrun_vars(), "MLTUNER_SECRET": "a"})
+    with pytest.raises(ValueError, match="MLTUNER_SECRET holds 1 characters"):
+        detect_environment({**mltuner_vars(), "MLTUNER_SECRET": "a", "MLTUNER_BIND_HOST": "0.0.0.0"})
+    assert detect_environment({**mltuner_vars(), "MLTUNER_SECRET": "a"}).secret == "a"  # loopback only: any

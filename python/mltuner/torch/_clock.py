@@ -1274,6 +1274,17 @@ class ClockDriver:
             self._fail(error)
             raise
 
+    def _placeholder_user(self, tensor: torch.Tensor) -> str:
+        """For an error: which parameter a tensor pointing at the placeholder
+        is, or may be (every unbound one of its size, a transposed view
+        included; the placeholder is shared, so its address cannot tell)."""
+        unbound = [(name, p) for name, p in self.model.named_parameters() if storage_ptr(p) == self._placeholder_ptr]
+        names = [name for name, p in unbound if p is tensor] or [
+            name for name, p in unbound if p.numel() == tensor.numel()]
+        if not names:
+            return f"of shape {tuple(tensor.shape)}"
+        return " or ".join(repr(n) for n in names[:3]) + (" ..." if len(names) > 3 else "")
+
     def _pack(self, tensor: torch.Tensor) -> Any:
         if self._phase is not Phase.FORWARD:
             return tensor  # a backward of the loss outside our forward, etc.
@@ -1291,10 +1302,10 @@ class ClockDriver:
         if address == self._placeholder_ptr:
             with self._mutating():
                 raise UnsupportedModelError(
-                    "a parameter is used outside the forward of the module that owns it (it holds a NaN "
-                    "placeholder there: another module's weight, as in F.linear(h, self.embedding.weight)); "
-                    "add the calling module's type to wrap(..., whole_modules=...) so that it and the parameter "
-                    "are read as one layer"
+                    f"a parameter ({self._placeholder_user(tensor)}) is used outside the forward of the module "
+                    "that owns it (it holds a NaN placeholder there: another module's weight, as in "
+                    "F.linear(h, self.embedding.weight)); add the calling module's type to "
+                    "wrap(..., whole_modules=...) so that it and the parameter are read as one layer"
                 )
         if not self._store_activations or address in self._local_ptrs or tensor.device != self.device:
             return tensor

@@ -104,7 +104,7 @@ REFUSED: list[tuple[str, Callable[[], nn.Module], Any, str]] = [
     ("DataParallel", lambda: nn.DataParallel(mlp()), X, "DataParallel"),
     ("no trainable parameters", lambda: mlp().requires_grad_(False), X, "no trainable parameters"),
     ("unused layer", Unused, X, r"'spare' has trainable parameters but did not run"),
-    ("parameter used outside its module", UsesChildWeight, X, "outside the forward of the module"),
+    ("parameter used outside its module", UsesChildWeight, X, r"parameter \('second\.weight'\) is used outside the forward"),
     ("layer returning its parameter", ReturnsWeight, X, "returns a view of its own parameters"),
 ]
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from mltuner._validate import INT32_MAX, integer, text
-from mltuner.exceptions import InvalidArgumentError
+from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError
 
 __all__ = ["TensorLayout", "TensorSlot"]
 
@@ -131,5 +131,7 @@ class TensorLayout:
             value = np.asarray(value)
             if value.shape != target.shape:
                 raise InvalidArgumentError(f"tensor {name!r} has shape {value.shape}, the layout says {target.shape}")
+            if value.dtype.kind not in "biuf":  # complex would lose its imaginary part, objects anything
+                raise ArgumentTypeError(f"tensor {name!r} is {value.dtype}: the tables hold real numbers (float32)")
             target[...] = value
         return out

@@ -17,7 +17,7 @@ from mltuner._config import MAX_LEARNING_RATE, Config, UpdateRule
 from mltuner._validate import INT32_MAX, INT64_MAX, boolean, integer, real, text
 from mltuner.client._host_memory import HostMemory
 from mltuner.client._layout import TensorLayout
-from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError, NotFoundError, OutOfOrderError
+from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError, NonFiniteError, NotFoundError, OutOfOrderError
 
 __all__ = ["Worker", "Table", "Rows", "Buffer", "PlanPreview", "Checkpoints"]
 
@@ -177,6 +177,7 @@ class Worker:
         self._handed_out: dict[int, weakref.ref[np.ndarray]] = {}
         self._tables: dict[int, Table] = {}
         self._read_slack: int | None = None  # the least slack of the recorded reads
+        self._update_shapes: dict[int, tuple[int, int]] = {}  # recorded update -> its (rows, row width)
         self._trained_branch: int | None = None  # a tuning session's final branch (trained_branch)
         self._last_data_age = -2
 
@@ -308,6 +309,12 @@ class Worker:
         mine = self._tables.get(table.id)
         if mine is None or mine.name != table.name:
             raise NotFoundError(f"table {table.name!r} does not belong to worker {self.rank}")
+        if mine is not table and (mine.num_rows, mine.row_width, mine.local) != (table.num_rows, table.row_width,
+                                                                                 table.local):
+            # A Table of a table dropped since, whose id and name came back (or one made by hand).
+            raise NotFoundError(f"this Table {table.name!r} ({table.num_rows} x {table.row_width}) is not the worker's "
+                                f"table of that name now ({mine.num_rows} x {mine.row_width}): was it dropped and "
+                                "created again?")
         return table.id
 
     def _rows(self, table: Table, rows: Rows) -> np.ndarray:
@@ -347,7 +354,9 @@ class Worker:
     def virtual_pre_update(self, table: Table, rows: Rows = None) -> int:
         """Records an update of ``rows``; returns its handle."""
         row_ids = self._rows(table, rows)
-        return int(self._engine.virtual_pre_update(table.id, row_ids))
+        handle = int(self._engine.virtual_pre_update(table.id, row_ids))
+        self._update_shapes[handle] = (len(row_ids), table.row_width)
+        return handle
 
     def virtual_update(self, handle: int) -> None:
         self._engine.virtual_update(_handle(handle))
@@ -388,6 +397,7 @@ class Worker:
             OutOfOrderError: after ``finish_virtual_iteration``.
         """
         self._engine.reset_virtual_iteration()
+        self._update_shapes.clear()
 
     def drop_tables(self, first: Table) -> None:
         """Drops ``first`` and every table created after it: their names,
@@ -491,14 +501,23 @@ class Worker:
     def write_initial(self, handle: int, values: np.ndarray) -> None:
         """Initialisation phase only (after :meth:`finish_virtual_iteration`,
         before :meth:`start_iterations`): adds ``values``, float32 host
-        memory holding the recorded update's rows in its row order, to the
-        servers' values, as :meth:`pre_update`, writing the buffer and
-        :meth:`update` would, with no device buffer in between: how worker
-        0 writes a model's initial values."""
+        memory holding the recorded update's rows in its row order (of its
+        shape, rows x row width, or flat), to the servers' values, as
+        :meth:`pre_update`, writing the buffer and :meth:`update` would, with
+        no device buffer in between: how worker 0 writes a model's initial
+        values. With ``Config.check_finite`` a NaN or infinity among them is
+        refused (:class:`~mltuner.NonFiniteError`)."""
         if not isinstance(values, np.ndarray) or values.dtype != np.float32:
             what = f"an array of {values.dtype}" if isinstance(values, np.ndarray) else type(values).__name__
             raise ArgumentTypeError(f"write_initial: values must be a float32 numpy array, got {what}")
-        self._engine.write_initial(_handle(handle), values)  # the binding takes any shape, made contiguous
+        shape = self._update_shapes.get(int(handle))
+        if shape is not None and values.ndim != 1 and values.shape != shape:
+            raise InvalidArgumentError(f"write_initial: values of shape {values.shape} for update {handle}, whose "
+                                       f"rows are {shape} (rows x row width; a flat array of their values works too)")
+        if self._config.check_finite and not np.isfinite(values).all():
+            raise NonFiniteError(f"write_initial: the initial values of update {handle} hold a NaN or an infinity "
+                                 "(Config.check_finite)")
+        self._engine.write_initial(_handle(handle), values)  # the binding takes them made contiguous
 
     def start_iterations(self) -> None:
         """Ends initialisation and starts the background threads."""
@@ -611,7 +630,10 @@ class Worker:
         waits once for every buffer opened. A failed op raises as its own
         call would; the ops before it took effect."""
         calls = []
-        for kind, handle in ops:
+        for op in ops:
+            if not isinstance(op, (tuple, list)) or len(op) != 2:
+                raise InvalidArgumentError(f"run: each op is a (kind, handle) pair, got {op!r}")
+            kind, handle = op
             number = OP_KINDS.get(kind)
             if number is None:
                 raise InvalidArgumentError(f"run: unknown op kind {kind!r}; one of {', '.join(OP_KINDS)}")
@@ -704,8 +726,12 @@ class Worker:
                                   -1 if branch is None else integer("fetch: branch", branch, 0, INT32_MAX))
 
     def data_age(self, table: Table) -> int:
-        """The clock through which every worker's updates are in this worker's cache."""
-        return int(self._engine.data_age(self._table_id(table)))
+        """The clock through which every worker's updates are in this worker's
+        cache (-1 before any). A local table has none: InvalidArgumentError."""
+        table_id = self._table_id(table)
+        if table.local:
+            raise InvalidArgumentError(f"table {table.name!r} is local: it has no data age")
+        return int(self._engine.data_age(table_id))
 
     def flush(self) -> None:
         """Waits until the updates of every clock this worker finished have

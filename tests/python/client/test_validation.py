@@ -92,6 +92,7 @@ RULE_CASES: list[tuple[dict[str, Any], str]] = [
     ({"nesterov": 1, "momentum": 0.9}, r"UpdateRule.nesterov must be True or False"),
     ({"kind": "adam", "momentum": 0.9}, r"UpdateRule.momentum is set to 0.9, but the 'adam' rule does not use it"),
     ({"kind": "add", "weight_decay": 0.1}, r"the 'add' rule does not use it \(its fields: none\)"),
+    ({"kind": "add", "learning_rate": 5.0}, r"UpdateRule.learning_rate is set to 5.0, but the 'add' rule does not use it"),
     ({"kind": "damped_momentum", "amsgrad": True}, r"UpdateRule.amsgrad is set to True, but the 'damped_momentum'"),
     ({"beta1": 0.5}, r"UpdateRule.beta1 is set to 0.5, but the 'sgd' rule does not use it"),
 ]
@@ -147,6 +148,7 @@ def test_a_fractional_row_count_is_refused_not_truncated(worker: mltuner.Worker)
     (lambda w, t: w.schedule_branch(0, 0), r"schedule_branch: clocks must be in \[1, 2\*\*62\]"),
     (lambda w, t: w.fetch(t, branch=-5), r"fetch: branch must be in \[0, 2\*\*31 - 1\]"),
     (lambda w, t: w.post_read(0, stream=-1), r"stream must be in \[0, 2\*\*64 - 1\]"),
+    (lambda w, t: w.run(["read"]), r"run: each op is a \(kind, handle\) pair, got 'read'"),
 ])
 def test_bad_api_arguments_name_the_argument(worker: mltuner.Worker, call: Any, message: str) -> None:
     table = worker.create_table("t", 4, 4)
@@ -213,3 +215,57 @@ def test_buffers_are_read_only_after_their_post(worker: mltuner.Worker) -> None:
     fresh = worker.pre_update(update)  # the next clock's buffer is writable again
     fresh[:] = 0.0
     worker.update(update)
+
+
+def _recorded_update(worker: mltuner.Worker, rows: int = 4, width: int = 3) -> tuple[mltuner.Table, int]:
+    table = worker.create_table("initial", rows, width)
+    update = worker.virtual_pre_update(table)
+    worker.virtual_update(update)
+    worker.virtual_clock()
+    worker.finish_virtual_iteration()
+    return table, update
+
+
+def test_initial_values_of_another_shape_are_refused(worker: mltuner.Worker) -> None:
+    table, update = _recorded_update(worker)
+    for shape in [(3, 4), (1, 12), (2, 2, 3)]:  # the right count, a wrong shape: a transposed model, say
+        with pytest.raises(mltuner.InvalidArgumentError, match=rf"values of shape \({shape[0]}, .*whose rows are \(4, 3\)"):
+            worker.write_initial(update, np.zeros(shape, np.float32))
+    worker.write_initial(update, np.arange(12, dtype=np.float32))  # flat: the rows' values in order
+    worker.write_initial(update, np.ones((4, 3), np.float32))
+    worker.start_iterations()
+    assert worker.fetch(table).tolist() == (np.arange(12, dtype=np.float32).reshape(4, 3) + 1).tolist()
+
+
+def test_non_finite_initial_values_are_refused_with_check_finite() -> None:
+    with mltuner.LocalCluster(1, mltuner.Config(check_finite=True, wait_timeout_s=5)) as cluster:
+        worker = cluster.worker(0)
+        table, update = _recorded_update(worker)
+        for bad in (np.nan, np.inf):
+            values = np.zeros((4, 3), np.float32)
+            values[2, 1] = bad
+            with pytest.raises(mltuner.NonFiniteError, match="initial values of update 0 hold a NaN"):
+                worker.write_initial(update, values)
+        worker.start_iterations()
+        assert not worker.fetch(table).any()  # nothing of them was added
+
+
+def test_a_table_object_of_a_dropped_table_is_refused(worker: mltuner.Worker) -> None:
+    old = worker.create_table("t", 64, 1)
+    worker.drop_tables(old)
+    worker.create_table("t", 64, 4096)  # the same id and name come back, wider
+    with pytest.raises(mltuner.NotFoundError, match=r"\(64 x 1\) is not the worker's table of that name now"):
+        worker.virtual_read(old)
+
+
+def test_a_local_table_has_no_data_age(worker: mltuner.Worker) -> None:
+    local = worker.create_table("scratch", 4, 3, local=True)
+    with pytest.raises(mltuner.InvalidArgumentError, match="'scratch' is local: it has no data age"):
+        worker.data_age(local)  # was -2, where wait_for_data_age refuses
+
+
+def test_a_layout_packs_real_numbers_only() -> None:
+    layout = mltuner.TensorLayout(row_width=4).add("w", (2, 2))
+    with pytest.raises(mltuner.ArgumentTypeError, match="'w' is complex64: the tables hold real numbers"):
+        layout.pack({"w": np.ones((2, 2), np.complex64)})  # numpy would drop the imaginary part with a warning
+    assert layout.pack({"w": np.eye(2, dtype=np.int64)}).sum() == 2

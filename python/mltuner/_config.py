@@ -33,13 +33,13 @@ MAX_WEIGHT_DECAY = 1e6
 # is refused, so that a misplaced argument does not silently do nothing.
 _RULE_FIELDS = {
     "add": set(),
-    "sgd": {"momentum", "dampening", "nesterov", "weight_decay"},
-    "damped_momentum": {"momentum"},
-    "adam": {"beta1", "beta2", "epsilon", "weight_decay", "amsgrad"},
-    "adamw": {"beta1", "beta2", "epsilon", "weight_decay", "amsgrad"},
+    "sgd": {"learning_rate", "momentum", "dampening", "nesterov", "weight_decay"},
+    "damped_momentum": {"learning_rate", "momentum"},
+    "adam": {"learning_rate", "beta1", "beta2", "epsilon", "weight_decay", "amsgrad"},
+    "adamw": {"learning_rate", "beta1", "beta2", "epsilon", "weight_decay", "amsgrad"},
 }
-_FIELD_DEFAULTS = {"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8, "dampening": 0.0, "nesterov": False,
-                   "amsgrad": False}
+_FIELD_DEFAULTS = {"learning_rate": 0.01, "beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8, "dampening": 0.0,
+                   "nesterov": False, "amsgrad": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,8 +230,9 @@ class Config:
             payloads in flight, the server shard's state when it lives in
             host memory and, on the CPU backend, the buffer pool and the
             device-resident stores.
-        check_finite: the servers refuse an update of a training branch that
-            holds a NaN or an infinity, before any of it is applied: the
+        check_finite: the servers refuse an update of a training branch (or
+            initial values) that holds a NaN or an infinity, before any of it
+            is applied (``Worker.write_initial`` refuses them at the call): the
             clock fails and every worker's next call raises
             :class:`~mltuner.NonFiniteError` naming the table, branch, clock
             and the worker that sent it. Costs one more pass over every

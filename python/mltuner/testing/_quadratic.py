@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from mltuner.testing._checks import batch_size_of, clock_count, live_branch
 from mltuner.tune._system import BranchKind, ClockReport
 
 __all__ = ["QuadraticSystem", "CURVATURES"]
@@ -84,7 +85,7 @@ class QuadraticSystem:
             rng = np.random.default_rng(self._seed)
             history: deque[np.ndarray] = deque([w.copy()], maxlen=8)
         else:
-            src = self._branches[parent]
+            src = self._branches[live_branch(parent, self._branches)]
             w, h = src.w.copy(), src.h.copy()
             history = deque((x.copy() for x in src.history), maxlen=8)
             rng = _copy_rng(src.rng)
@@ -98,16 +99,15 @@ class QuadraticSystem:
         return branch
 
     def free(self, branch: int) -> None:
-        del self._branches[branch]
+        del self._branches[live_branch(branch, self._branches)]
         self.freed.append(branch)
 
     def run(self, branch: int, clocks: int) -> Sequence[ClockReport]:
-        assert clocks >= 1
-        b = self._branches[branch]
-        return [self._clock(b) for _ in range(clocks)]
+        b = self._branches[live_branch(branch, self._branches)]
+        return [self._clock(b) for _ in range(clock_count(clocks))]
 
     def clocks_per_epoch(self, tunables: Mapping[str, Any]) -> int:
-        return self.samples_per_epoch // int(tunables.get("batch_size", 32))
+        return self.samples_per_epoch // batch_size_of(tunables)
 
     # -- simulation ------------------------------------------------------------------
 
@@ -119,7 +119,7 @@ class QuadraticSystem:
 
     def _clock(self, b: _Branch) -> ClockReport:
         self.clocks_run += 1
-        batch = int(b.tunables.get("batch_size", 32))
+        batch = batch_size_of(b.tunables)
         slack = int(b.tunables.get("staleness", 0))
         seconds = (self.clock_overhead_s + self.sample_s * batch) / (1.0 + 0.2 * min(slack, 3))
         with np.errstate(over="ignore", invalid="ignore"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from mltuner.testing._checks import clock_count, live_branch
 from mltuner.tune._system import BranchKind, ClockReport
 
 __all__ = ["ScriptedSystem", "LossCurve", "AccuracyCurve"]
@@ -57,7 +58,7 @@ class ScriptedSystem:
         self._next = 0
 
     def fork(self, parent: int | None, tunables: Mapping[str, Any], kind: BranchKind) -> int:
-        start = 0 if parent is None else self.branches[parent][2]
+        start = 0 if parent is None else self.branches[live_branch(parent, self.branches)][2]
         branch = self._next
         self._next += 1
         self.branches[branch] = (kind, dict(tunables), start)
@@ -66,12 +67,12 @@ class ScriptedSystem:
         return branch
 
     def free(self, branch: int) -> None:
-        del self.branches[branch]
+        del self.branches[live_branch(branch, self.branches)]
         self.freed.append(branch)
 
     def run(self, branch: int, clocks: int) -> Sequence[ClockReport]:
-        assert clocks >= 1
-        kind, tunables, done = self.branches[branch]
+        clocks = clock_count(clocks)
+        kind, tunables, done = self.branches[live_branch(branch, self.branches)]
         self.runs.append((branch, clocks))
         seconds = self.seconds(tunables)
         if kind is BranchKind.TESTING:

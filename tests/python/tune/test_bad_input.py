@@ -8,7 +8,9 @@ from typing import Any
 
 import pytest
 
+import mltuner
 from mltuner import InvalidArgumentError
+from mltuner.testing import QuadraticSystem, ScriptedSystem
 from mltuner.tune import (
     BranchKind,
     ClockReport,
@@ -142,3 +144,19 @@ def test_bad_config(fields: dict[str, Any], message: str) -> None:
 
 def test_plateau_sizes_may_be_equal_without_retuning() -> None:
     TunerConfig(retune="off", plateau_size_for_retune=5, plateau_size_for_convergence=5)
+
+
+@pytest.mark.parametrize("system", [QuadraticSystem(), ScriptedSystem(lambda tunables, clock: 1.0)],
+                         ids=["quadratic", "scripted"])
+def test_the_simulated_systems_refuse_bad_calls_as_a_real_one(system: Any) -> None:
+    branch = system.fork(None, {"batch_size": 32}, BranchKind.TRAINING)
+    with pytest.raises(mltuner.InvalidArgumentError, match="clocks must be an integer >= 1, got 0"):
+        system.run(branch, 0)
+    with pytest.raises(mltuner.NotFoundError, match="branch 7 is not live"):
+        system.run(7, 1)
+    system.free(branch)
+    with pytest.raises(mltuner.NotFoundError, match=f"branch {branch} is not live"):
+        system.free(branch)
+    if isinstance(system, QuadraticSystem):
+        with pytest.raises(mltuner.InvalidArgumentError, match="batch_size must be an integer >= 1, got 0"):
+            system.clocks_per_epoch({"batch_size": 0})

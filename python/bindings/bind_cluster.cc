@@ -90,7 +90,7 @@ void RegisterCluster(py::module_& m) {
           },
           py::return_value_policy::reference_internal, Keep())
       .def_property_readonly("rejected_messages", &LocalCluster::rejected_messages)
-      .def("shutdown", [](LocalCluster& c) { Check(c.Shutdown()); }, KeepAndRelease());
+      .def("shutdown", [](LocalCluster& c) { CheckInterruptibly([&] { return c.Shutdown(); }); }, Keep());
 }
 
 }  // namespace mltuner::python

@@ -1,7 +1,10 @@
 // Engine: access buffers become numpy arrays over engine memory (no copy);
-// every call that can block or do heavy work releases the GIL.
+// every call that can block or do heavy work releases the GIL, and every one
+// that can block is interruptible by Ctrl-C (CheckInterruptibly).
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
+
+#include <algorithm>
 
 #include "bindings.h"
 #include "buffers.h"
@@ -25,17 +28,13 @@ std::vector<RowId> ToRows(const RowArray& rows) {
 template <Status (Engine::*Method)(Handle, AccessBuffer*, uintptr_t)>
 py::tuple OpenBuffer(Engine& engine, Handle handle, uintptr_t stream) {
   AccessBuffer buffer;
-  {
-    py::gil_scoped_release release;
-    Check((engine.*Method)(handle, &buffer, stream));
-  }
+  CheckInterruptibly([&] { return (engine.*Method)(handle, &buffer, stream); });
   return py::make_tuple(BufferToPython(buffer), buffer.data_age);
 }
 
 template <Status (Engine::*Method)(Handle, uintptr_t)>
 void PostBuffer(Engine& engine, Handle handle, uintptr_t stream) {
-  py::gil_scoped_release release;
-  Check((engine.*Method)(handle, stream));
+  CheckInterruptibly([&] { return (engine.*Method)(handle, stream); });
 }
 
 // A batch of (kind, handle) pairs, kinds as OpKind's numbers; a third item,
@@ -65,10 +64,7 @@ py::list RunBatch(Engine& engine, const py::list& calls, uintptr_t stream) {
     ops.push_back(std::move(op));
   }
   std::vector<AccessBuffer> opened;
-  {
-    py::gil_scoped_release release;
-    Check(engine.Run(ops, &opened, stream));
-  }
+  CheckInterruptibly([&] { return engine.Run(ops, &opened, stream); });
   py::list buffers;
   for (const AccessBuffer& buffer : opened) buffers.append(BufferToPython(buffer));
   return buffers;
@@ -195,13 +191,13 @@ void RegisterEngine(py::module_& m) {
            py::arg("bytes"), Keep())
       .def("release_host_memory_during_init",
            [](Engine& e, int64_t bytes) { Check(e.ReleaseHostMemoryDuringInit(bytes)); }, py::arg("bytes"), Keep())
-      .def("finish_virtual_iteration", [](Engine& e) { Check(e.FinishVirtualIteration()); }, Release())
+      .def("finish_virtual_iteration",
+           [](Engine& e) { CheckInterruptibly([&] { return e.FinishVirtualIteration(); }); }, Keep())
       .def("write_initial",
            [](Engine& e, Handle handle, const py::array_t<float, py::array::c_style | py::array::forcecast>& values) {
              const float* data = values.data();
              const int64_t count = static_cast<int64_t>(values.size());
-             py::gil_scoped_release release;
-             Check(e.WriteInitial(handle, data, count));
+             CheckInterruptibly([&] { return e.WriteInitial(handle, data, count); });
            },
            py::arg("handle"), py::arg("values"), Keep())
       .def("start_iterations", [](Engine& e) { Check(e.StartIterations()); }, Release())
@@ -211,17 +207,18 @@ void RegisterEngine(py::module_& m) {
       .def("update", &PostBuffer<&Engine::Update>, py::arg("handle"), py::arg("stream") = 0, Keep())
       .def("local_access", &OpenBuffer<&Engine::LocalAccess>, py::arg("handle"), py::arg("stream") = 0, Keep())
       .def("post_local_access", &PostBuffer<&Engine::PostLocalAccess>, py::arg("handle"), py::arg("stream") = 0, Keep())
-      .def("clock", [](Engine& e) { Check(e.Clock()); }, Release())
+      .def("clock", [](Engine& e) { Check(e.Clock()); }, Release())  // never waits
       .def("run", &RunBatch, py::arg("ops"), py::arg("stream") = 0, Keep())
       .def("fetch",
            [](Engine& e, TableId table, const RowArray& rows, int64_t row_width, BranchId branch) {
              std::vector<RowId> ids = ToRows(rows);
-             py::array_t<float> out({static_cast<py::ssize_t>(ids.size()), static_cast<py::ssize_t>(row_width)});
+             // Sized by the caller's width, which the engine checks against
+             // the table's before it writes (a negative one is refused
+             // there, over an empty array).
+             py::array_t<float> out(
+                 {static_cast<py::ssize_t>(ids.size()), static_cast<py::ssize_t>(std::max<int64_t>(row_width, 0))});
              float* data = out.mutable_data();
-             {
-               py::gil_scoped_release release;
-               Check(e.Fetch(table, ids, data, branch));
-             }
+             CheckInterruptibly([&] { return e.Fetch(table, ids, row_width, data, branch); });
              return out;
            },
            py::arg("table"), py::arg("rows"), py::arg("row_width"), py::arg("branch") = -1, Keep())
@@ -233,26 +230,32 @@ void RegisterEngine(py::module_& m) {
              settings.momentum = momentum;
              settings.training = training;
              settings.slack = slack;
-             py::gil_scoped_release release;
-             Check(e.ForkBranch(child, parent, settings));
+             CheckInterruptibly([&] { return e.ForkBranch(child, parent, settings); });
            },
            py::arg("child"), py::arg("parent"), py::arg("learning_rate"), py::arg("momentum"), py::arg("training"),
            py::arg("slack"), Keep())
-      .def("free_branch", [](Engine& e, BranchId branch) { Check(e.FreeBranch(branch)); }, Release())
-      .def("schedule_branch", [](Engine& e, BranchId branch, int64_t clocks) { Check(e.ScheduleBranch(branch, clocks)); },
-           Release())
+      .def("free_branch", [](Engine& e, BranchId branch) { CheckInterruptibly([&] { return e.FreeBranch(branch); }); },
+           Keep())
+      .def("schedule_branch",
+           [](Engine& e, BranchId branch, int64_t clocks) {
+             CheckInterruptibly([&] { return e.ScheduleBranch(branch, clocks); });
+           },
+           Keep())
       .def("declare_empty_clock",
            [](Engine& e, WorkerId worker, BranchId branch, int64_t clock) {
-             Check(e.DeclareEmptyClock(worker, branch, clock));
+             CheckInterruptibly([&] { return e.DeclareEmptyClock(worker, branch, clock); });
            },
-           py::arg("worker"), py::arg("branch"), py::arg("clock"), Release())
-      .def("flush", [](Engine& e) { Check(e.Flush()); }, Release())
-      .def("wait_for_data_age", [](Engine& e, TableId table, int64_t age) { Check(e.WaitForDataAge(table, age)); },
-           Release())
+           py::arg("worker"), py::arg("branch"), py::arg("clock"), Keep())
+      .def("flush", [](Engine& e) { CheckInterruptibly([&] { return e.Flush(); }); }, Keep())
+      .def("wait_for_data_age",
+           [](Engine& e, TableId table, int64_t age) {
+             CheckInterruptibly([&] { return e.WaitForDataAge(table, age); });
+           },
+           Keep())
       .def("data_age", &Engine::DataAge, Keep())
       .def("stats", &Engine::Stats, Keep())
       .def("describe_plan", &Engine::DescribePlan, Keep())
-      .def("shutdown", [](Engine& e) { Check(e.Shutdown()); }, Release());
+      .def("shutdown", [](Engine& e) { CheckInterruptibly([&] { return e.Shutdown(); }); }, Keep());
 }
 
 }  // namespace mltuner::python

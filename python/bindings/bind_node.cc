@@ -250,7 +250,7 @@ void RegisterNode(py::module_& m) {
                              "Payload bytes sent to other processes through the socket.")
       .def_property_readonly("device_payload_bytes_by_host", &ProcessNode::device_payload_bytes_by_host,
                              "Of those, bytes of device payloads copied device -> host to be sent (no CUDA IPC).")
-      .def("shutdown", [](ProcessNode& node) { Check(node.Shutdown()); }, KeepAndRelease());
+      .def("shutdown", [](ProcessNode& node) { CheckInterruptibly([&] { return node.Shutdown(); }); }, Keep());
 }
 
 }  // namespace mltuner::python

@@ -12,6 +12,7 @@
 
 #include "mltuner/config.h"
 #include "mltuner/device.h"
+#include "mltuner/interrupt.h"
 #include "mltuner/status.h"
 
 namespace mltuner::python {
@@ -28,6 +29,44 @@ class StatusError : public std::runtime_error {
 
 inline void Check(const Status& status) {
   if (!status.ok()) throw StatusError(status);
+}
+
+// A signal that arrives while an engine call blocks with the GIL released.
+// On Python's main thread (the only one Python runs signal handlers on),
+// check() is an interrupt check (mltuner/interrupt.h) that takes the GIL for
+// a moment and runs the pending handlers (PyErr_CheckSignals); when one
+// raises (Ctrl-C: KeyboardInterrupt) it keeps the exception and ends the
+// engine's wait, and every later wait of the same call. Elsewhere check() is
+// empty, and the engine's waits ask nothing. REQUIRES: the GIL held when
+// made, raised and destroyed.
+class PendingSignal {
+ public:
+  PendingSignal();
+  PendingSignal(const PendingSignal&) = delete;
+  PendingSignal& operator=(const PendingSignal&) = delete;
+
+  const InterruptCheck& check() const { return check_; }
+  // Raises the exception a signal handler raised during the call, whatever
+  // `status` says (the user asked to stop); else Check(status).
+  void Raise(const Status& status);
+
+ private:
+  std::unique_ptr<pybind11::error_already_set> raised_;
+  InterruptCheck check_;
+};
+
+// Runs `call` (returning a Status) with the GIL released, Ctrl-C ending its
+// waits (PendingSignal), and raises what it returned. REQUIRES: the GIL held.
+template <typename Call>
+void CheckInterruptibly(Call&& call) {
+  PendingSignal signal;
+  Status status;
+  {
+    ScopedInterruptCheck interruptible(signal.check());
+    pybind11::gil_scoped_release release;
+    status = call();
+  }
+  signal.Raise(status);
 }
 
 // The CUDA backend makes its GPU current on whichever thread calls it, and

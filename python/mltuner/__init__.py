@@ -19,6 +19,7 @@ from mltuner.exceptions import (
     ArgumentTypeError,
     CorruptMessageError,
     InternalError,
+    InterruptedWaitError,
     InvalidArgumentError,
     MltunerError,
     NotFoundError,
@@ -58,5 +59,6 @@ __all__ = [
     "InternalError",
     "PeerLostError",
     "NonFiniteError",
+    "InterruptedWaitError",
     "__version__",
 ]

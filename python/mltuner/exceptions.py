@@ -21,6 +21,7 @@ __all__ = [
     "InternalError",
     "PeerLostError",
     "NonFiniteError",
+    "InterruptedWaitError",
     "error_for_code",
 ]
 
@@ -74,6 +75,12 @@ class NonFiniteError(MltunerError, FloatingPointError):
     the message names the table, branch, clock and worker that sent it."""
 
 
+class InterruptedWaitError(MltunerError, InterruptedError):
+    """A wait of the engine ended early because the calling thread was
+    interrupted. From Python the signal's own exception (KeyboardInterrupt
+    for Ctrl-C) is raised instead; this one is what remains where none is."""
+
+
 # Indexed by the engine's StatusCode (cpp/include/mltuner/status.h).
 _BY_CODE: dict[int, type[MltunerError]] = {
     1: InvalidArgumentError,
@@ -86,6 +93,7 @@ _BY_CODE: dict[int, type[MltunerError]] = {
     8: InternalError,
     9: PeerLostError,
     10: NonFiniteError,
+    11: InterruptedWaitError,
 }
 
 

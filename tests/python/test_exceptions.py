@@ -20,6 +20,7 @@ EXPECTED = [
     (mltuner.InternalError, RuntimeError, 8),
     (mltuner.PeerLostError, ConnectionError, 9),
     (mltuner.NonFiniteError, FloatingPointError, 10),
+    (mltuner.InterruptedWaitError, InterruptedError, 11),
 ]
 
 
@@ -41,7 +42,7 @@ def test_error_for_code(cls: type, builtin: type, code: int) -> None:
     assert error_for_code(code) is cls
 
 
-@pytest.mark.parametrize("code", [0, -1, 11, 100])
+@pytest.mark.parametrize("code", [0, -1, 12, 100])
 def test_unknown_codes_are_internal_errors(code: int) -> None:
     assert error_for_code(code) is mltuner.InternalError
 
@@ -83,6 +84,7 @@ def test_engine_status_names_match_the_mapping() -> None:
         8: "Internal",
         9: "PeerLost",
         10: "NonFinite",
+        11: "Cancelled",
     }
 
 

@@ -18,7 +18,9 @@
 // Threading: one application thread calls the access methods; the transport
 // calls HandleMessage from its own thread; Fetch, WaitForDataAge, Stats and
 // Shutdown may be called from any thread. Every wait ends after
-// Config::wait_timeout_ms with a Timeout status that says what it waited for.
+// Config::wait_timeout_ms with a Timeout status that says what it waited for,
+// or earlier with Cancelled when the calling thread's interrupt check asks
+// (mltuner/interrupt.h).
 #pragma once
 
 #include <cstdint>
@@ -225,6 +227,11 @@ class Engine {
   // The servers' current values of `rows` (any phase), into out (rows x
   // width), from `branch` (-1: the branch of the last finished clock).
   Status Fetch(TableId table, const std::vector<RowId>& rows, float* out, BranchId branch = -1);
+  // As Fetch, into `out` sized rows x `row_width` by a caller that knows the
+  // table by a description of its own (a binding's Table object, which may
+  // outlive a DropTables and a new table under the same id): InvalidArgument,
+  // naming the table and both widths, unless `row_width` is the table's.
+  Status Fetch(TableId table, const std::vector<RowId>& rows, int64_t row_width, float* out, BranchId branch = -1);
   // Waits until every update of the clocks the application finished has been
   // handed to the transport.
   Status Flush();

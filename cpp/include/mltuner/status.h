@@ -25,6 +25,7 @@ enum class StatusCode : int {
   kInternal = 8,          // a broken invariant: a bug in mltuner
   kPeerLost = 9,          // another worker process died or stopped answering
   kNonFinite = 10,        // a NaN or infinite update refused (Config::check_finite)
+  kCancelled = 11,        // a wait given up because the caller's interrupt check asked (mltuner/interrupt.h)
 };
 
 const char* StatusCodeName(StatusCode code);
@@ -44,6 +45,7 @@ class Status {
   static Status Internal(std::string msg) { return {StatusCode::kInternal, std::move(msg)}; }
   static Status PeerLost(std::string msg) { return {StatusCode::kPeerLost, std::move(msg)}; }
   static Status NonFinite(std::string msg) { return {StatusCode::kNonFinite, std::move(msg)}; }
+  static Status Cancelled(std::string msg) { return {StatusCode::kCancelled, std::move(msg)}; }
   // A status of `code` (a code read off the wire); an unknown code, or kOk,
   // becomes kInternal, so the result is never OK.
   static Status FromCode(StatusCode code, std::string msg);

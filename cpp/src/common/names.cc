@@ -20,13 +20,14 @@ const char* StatusCodeName(StatusCode code) {
     case StatusCode::kInternal: return "Internal";
     case StatusCode::kPeerLost: return "PeerLost";
     case StatusCode::kNonFinite: return "NonFinite";
+    case StatusCode::kCancelled: return "Cancelled";
   }
   return "Unknown";
 }
 
 Status Status::FromCode(StatusCode code, std::string msg) {
   const int value = static_cast<int>(code);
-  const bool known = value > static_cast<int>(StatusCode::kOk) && value <= static_cast<int>(StatusCode::kNonFinite);
+  const bool known = value > static_cast<int>(StatusCode::kOk) && value <= static_cast<int>(StatusCode::kCancelled);
   return Status(known ? code : StatusCode::kInternal, std::move(msg));
 }
 

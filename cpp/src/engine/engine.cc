@@ -5,6 +5,7 @@
 #include <limits>
 #include <sstream>
 
+#include "common/interruptible_wait.h"
 #include "common/update_rule_check.h"
 #include "engine/engine_impl.h"
 #include "wire/table_schema.h"
@@ -366,21 +367,27 @@ Status Engine::Impl::WaitForSlot(Handle handle, mltuner::Clock clock, Slot** out
   Slot* slot = &state_.slots[handle][clock % plan_.depth];
   MutexLock lock(&state_.mu);
   const auto start = std::chrono::steady_clock::now();
-  const auto deadline = Deadline();
+  InterruptibleWait wait(Deadline());
   // As cv.wait_until(deadline, predicate), written out for the analysis.
   bool ready = state_.stopping || (slot->state == SlotState::kReady && slot->clock == clock);
   // A batch defers its wake-ups (Run): the threads that prepare the slot
   // must hear of the ops before this one before the application blocks.
   if (!ready) state_.cv.NotifyAllHeld();
   while (!ready) {
-    const bool woken = state_.cv.WaitUntil(deadline);
+    const bool more = wait.Step(&state_.cv, &state_.mu);
     ready = state_.stopping || (slot->state == SlotState::kReady && slot->clock == clock);
-    if (!woken) break;
+    if (!more) break;
   }
   state_.stats.stall_seconds +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (!state_.background_error.ok()) return state_.background_error;
   if (state_.stopping) return ShutdownError();
+  if (!ready && wait.interrupted()) {
+    // The slot stays the allocator's: the same open may be made again.
+    const AccessRecord& access = plan_.recording.accesses[handle];
+    return Status::Cancelled("interrupted while waiting for the buffer of " +
+                             access.Describe(plan_.tables[access.table].name) + " at clock " + std::to_string(clock));
+  }
   if (!ready) {
     const AccessRecord& access = plan_.recording.accesses[handle];
     return Status::Timeout("waited " + std::to_string(config_.wait_timeout_ms) + " ms for the buffer of " +
@@ -666,14 +673,15 @@ int64_t Engine::Impl::FirstUpdateOp(TableId table) const {
   return static_cast<int64_t>(ops.size());
 }
 
-bool Engine::Impl::WaitReclaimedLocked(int64_t target) {
-  const auto deadline = Deadline();
+bool Engine::Impl::WaitReclaimedLocked(int64_t target, bool* interrupted) {
+  InterruptibleWait wait(Deadline());
   bool done = state_.stopping || state_.reclaimed_seq >= target;
   while (!done) {
-    const bool woken = state_.cv.WaitUntil(deadline);
+    const bool more = wait.Step(&state_.cv, &state_.mu);
     done = state_.stopping || state_.reclaimed_seq >= target;
-    if (!woken) break;
+    if (!more) break;
   }
+  *interrupted = !done && wait.interrupted();
   return done;
 }
 
@@ -682,8 +690,10 @@ Status Engine::Impl::Flush() {
   if (state_.phase.load() != Phase::kRunning) return Status::Ok();
   MutexLock lock(&state_.mu);
   const int64_t target = state_.app_seq;
-  const bool done = WaitReclaimedLocked(target);
+  bool interrupted = false;
+  const bool done = WaitReclaimedLocked(target, &interrupted);
   if (!state_.background_error.ok()) return state_.background_error;
+  if (interrupted) return Status::Cancelled("flush: interrupted while waiting for the reclaimer thread");
   if (!done) return Status::Timeout("flush: the reclaimer thread did not catch up in time");
   return Status::Ok();
 }
@@ -695,25 +705,39 @@ Status Engine::Impl::WaitForDataAge(TableId table, mltuner::Clock age) {
   if (state_.phase.load() == Phase::kShutdown) return ShutdownError();
   if (state_.phase.load() != Phase::kRunning) return Status::OutOfOrder("wait_for_data_age before start_iterations");
   BranchId branch;
+  BranchId next = -1;  // the branch the next clock is scheduled on, where it is scheduled
   {
     MutexLock lock(&state_.mu);
     branch = state_.stats.branch;
+    const BranchSchedule& schedule = state_.branches;
+    if (schedule.enabled && state_.app_clock > 0 && schedule.Scheduled(state_.app_clock)) {
+      next = schedule.At(state_.app_clock).branch;
+    }
   }
   MutexLock lock(&state_.age_mu);
-  if (state_.cache_branch != branch) {
-    return Status::OutOfOrder("the cache already holds branch " + std::to_string(state_.cache_branch) +
-                              " (scheduled next), not branch " + std::to_string(branch) +
-                              " of the last finished clock: wait before scheduling the next branch");
+  // Refused whether or not the allocator has switched the cache yet (it may
+  // at any moment once the next clock is scheduled), so that the outcome
+  // never depends on timing.
+  if ((next >= 0 && next != branch) || state_.cache_branch != branch) {
+    const BranchId other = next >= 0 && next != branch ? next : state_.cache_branch;
+    return Status::OutOfOrder("the next clock is scheduled on branch " + std::to_string(other) +
+                              ", whose rows the cache holds from then on, not branch " + std::to_string(branch) +
+                              " of the last finished clock: wait for its data age (sync) before scheduling "
+                              "the next branch");
   }
-  const auto deadline = Deadline();
+  InterruptibleWait wait(Deadline());
   bool fresh =
       state_.data_age[table] >= age || state_.phase.load() == Phase::kShutdown || !state_.abort_error.ok();
   while (!fresh) {
-    const bool woken = state_.age_cv.WaitUntil(deadline);
+    const bool more = wait.Step(&state_.age_cv, &state_.age_mu);
     fresh = state_.data_age[table] >= age || state_.phase.load() == Phase::kShutdown || !state_.abort_error.ok();
-    if (!woken) break;
+    if (!more) break;
   }
   if (!state_.abort_error.ok()) return state_.abort_error;
+  if (!fresh && wait.interrupted()) {
+    return Status::Cancelled("interrupted while waiting for table '" + info->name + "' to reach data age " +
+                             std::to_string(age) + " (it is at " + std::to_string(state_.data_age[table]) + ")");
+  }
   if (!fresh) {
     return Status::Timeout("table '" + info->name + "' did not reach data age " + std::to_string(age) +
                            " (it is at " + std::to_string(state_.data_age[table]) +
@@ -768,8 +792,15 @@ Status Engine::Impl::Shutdown() {
   if (state_.phase.load() == Phase::kRunning) {
     MutexLock lock(&state_.mu);
     const int64_t target = state_.app_seq;
-    const bool done = WaitReclaimedLocked(target);
-    if (!done && state_.background_error.ok()) {
+    bool interrupted = false;
+    const bool done = WaitReclaimedLocked(target, &interrupted);
+    if (interrupted) {
+      // Shut down all the same: the caller asked to stop waiting, not to
+      // keep the engine.
+      unsent = Status::Cancelled("shutdown: interrupted while " + std::to_string(target - state_.reclaimed_seq) +
+                                 " posted operations of clock " + std::to_string(state_.app_clock) +
+                                 " were being shipped; their updates are lost");
+    } else if (!done && state_.background_error.ok()) {
       unsent = Status::Timeout("shutdown: " + std::to_string(target - state_.reclaimed_seq) +
                                " posted operations of clock " + std::to_string(state_.app_clock) +
                                " were not shipped within wait_timeout; their updates are lost");
@@ -966,7 +997,10 @@ Status Engine::DeclareEmptyClock(WorkerId worker, BranchId branch, mltuner::Cloc
 }
 
 Status Engine::Fetch(TableId table, const std::vector<RowId>& rows, float* out, BranchId branch) {
-  return impl_->Fetch(table, rows, out, branch);
+  return impl_->Fetch(table, rows, std::nullopt, out, branch);
+}
+Status Engine::Fetch(TableId table, const std::vector<RowId>& rows, int64_t row_width, float* out, BranchId branch) {
+  return impl_->Fetch(table, rows, row_width, out, branch);
 }
 Status Engine::Flush() { return impl_->Flush(); }
 Status Engine::WaitForDataAge(TableId table, mltuner::Clock age) { return impl_->WaitForDataAge(table, age); }

@@ -56,7 +56,10 @@ class Engine::Impl {
   Status Post(Handle handle, OpKind kind, uintptr_t app_stream);
   Status Run(const std::vector<OpCall>& ops, std::vector<AccessBuffer>* opened, uintptr_t app_stream);
   Status Clock();
-  Status Fetch(TableId table, const std::vector<RowId>& rows, float* out, BranchId branch);
+  // `row_width`: the width the caller sized `out` by, checked against the
+  // table's (none: the table's).
+  Status Fetch(TableId table, const std::vector<RowId>& rows, std::optional<int64_t> row_width, float* out,
+               BranchId branch);
   Status WriteInitial(Handle handle, const float* values, int64_t count);
   Status ForkBranch(BranchId child, BranchId parent, const BranchSettings& settings);
   Status FreeBranch(BranchId branch);
@@ -90,7 +93,11 @@ class Engine::Impl {
   Status OpenInit(Handle handle, AccessBuffer* out);
   Status PostInit(Handle handle, uintptr_t app_stream);
   Status InitAdd(const AccessRecord& access, const float* host_values);
+  // Sends `requests` and waits for every reply. Interrupted (Cancelled), the
+  // request stays known to the installer until its replies are in.
   Status SendRequests(std::vector<Message> requests, std::vector<Message>* replies) EXCLUDES(state_.age_mu);
+  // Forgets the abandoned requests the shards have answered.
+  void ForgetAnsweredAbandonedRequests() REQUIRES(state_.age_mu);
   Status WaitUntilAllReady();
   Status PlanAndPrepare();
   void MakeOwnUpdates();
@@ -137,8 +144,9 @@ class Engine::Impl {
 
   std::chrono::steady_clock::time_point Deadline() const;
   // Waits, until the wait timeout, for the reclaimer to pass `target` (or
-  // stop); true if it did.
-  bool WaitReclaimedLocked(int64_t target) REQUIRES(state_.mu);
+  // stop); true if it did. *interrupted: whether the calling thread's
+  // interrupt check (mltuner/interrupt.h) ended the wait.
+  bool WaitReclaimedLocked(int64_t target, bool* interrupted) REQUIRES(state_.mu);
 
   // The pipeline's stages; they read plan_ and share state_.
   Allocator allocator_;
@@ -150,6 +158,9 @@ class Engine::Impl {
   // The last post's ticket and its stream (application thread only).
   DeviceEvent last_app_ticket_;
   uintptr_t last_app_stream_ = 0;
+  // Ids of interrupted requests whose replies may still come (SendRequests;
+  // guarded by state_.age_mu, as state_.requests).
+  std::vector<int64_t> abandoned_requests_ GUARDED_BY(state_.age_mu);
 };
 
 }  // namespace mltuner

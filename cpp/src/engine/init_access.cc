@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "common/interruptible_wait.h"
 #include "engine/engine_impl.h"
 #include "memory/device_block.h"
 #include "sharding/shard_range.h"
@@ -28,6 +29,7 @@ Status Engine::Impl::SendRequests(std::vector<Message> requests, std::vector<Mes
   int64_t id;
   {
     MutexLock lock(&state_.age_mu);
+    ForgetAnsweredAbandonedRequests();
     id = state_.next_request_id++;
     state_.requests[id] = request;
   }
@@ -41,14 +43,22 @@ Status Engine::Impl::SendRequests(std::vector<Message> requests, std::vector<Mes
   }
   MutexLock lock(&state_.age_mu);
   bool done = false;
+  bool interrupted = false;
   if (sent.ok()) {
-    const auto deadline = Deadline();
+    InterruptibleWait wait(Deadline());
     done = request->replies_missing == 0 || state_.phase.load() == Phase::kShutdown || !state_.abort_error.ok();
     while (!done) {
-      const bool woken = state_.age_cv.WaitUntil(deadline);
+      const bool more = wait.Step(&state_.age_cv, &state_.age_mu);
       done = request->replies_missing == 0 || state_.phase.load() == Phase::kShutdown || !state_.abort_error.ok();
-      if (!woken) break;
+      if (!more) break;
     }
+    interrupted = !done && wait.interrupted();
+  }
+  if (interrupted) {
+    // The shards still answer: the request stays known until they have, so
+    // their replies are not refused as replies to an unknown request.
+    abandoned_requests_.push_back(id);
+    return Status::Cancelled("interrupted while waiting for the shards' replies");
   }
   state_.requests.erase(id);
   if (!sent.ok()) return sent;
@@ -60,10 +70,32 @@ Status Engine::Impl::SendRequests(std::vector<Message> requests, std::vector<Mes
   return Status::Ok();
 }
 
-Status Engine::Impl::Fetch(TableId table, const std::vector<RowId>& rows, float* out, BranchId branch) {
+void Engine::Impl::ForgetAnsweredAbandonedRequests() {
+  size_t kept = 0;
+  for (const int64_t id : abandoned_requests_) {
+    auto it = state_.requests.find(id);
+    if (it != state_.requests.end() && it->second->replies_missing > 0) {
+      abandoned_requests_[kept++] = id;
+    } else if (it != state_.requests.end()) {
+      state_.requests.erase(it);
+    }
+  }
+  abandoned_requests_.resize(kept);
+}
+
+Status Engine::Impl::Fetch(TableId table, const std::vector<RowId>& rows, std::optional<int64_t> row_width,
+                           float* out, BranchId branch) {
   if (state_.phase.load() == Phase::kShutdown) return Status::Shutdown("the engine is shut down");
   const TableInfo* info = nullptr;
   MLT_RETURN_IF_ERROR(LookupTable(table, &info));
+  if (row_width && *row_width != info->row_width) {
+    // The caller sized `out` from its own idea of the table (a Table object
+    // kept across drop_tables, say): copying the real rows would overrun it.
+    return Status::InvalidArgument("fetch of table '" + info->name + "' (id " + std::to_string(table) +
+                                   ") with row width " + std::to_string(*row_width) + "; the table's rows are " +
+                                   std::to_string(info->row_width) + " wide (" + std::to_string(info->num_rows) +
+                                   " rows): was the table dropped and created again?");
+  }
   if (info->local) {
     return Status::InvalidArgument("table '" + info->name + "' is local: its rows live on this worker only");
   }
@@ -176,7 +208,7 @@ Status Engine::Impl::OpenInit(Handle handle, AccessBuffer* out) {
   MLT_RETURN_IF_ERROR(DeviceBlock::Make(device_, values * sizeof(float), false, &block));
   if (access.kind == OpKind::kRead) {
     std::vector<float> host(values);
-    MLT_RETURN_IF_ERROR(Fetch(access.table, access.rows, host.data(), 0));
+    MLT_RETURN_IF_ERROR(Fetch(access.table, access.rows, std::nullopt, host.data(), 0));
     device_->CopyHostToDevice(block->floats(), host.data(), values * sizeof(float), Stream::kApp);
   } else if (access.kind == OpKind::kLocalAccess && access.fetch) {
     MLT_RETURN_IF_ERROR(allocator_.GatherInto(access, block->floats(), Stream::kApp));

@@ -522,6 +522,8 @@ Status ServerShard::HandleInitAdd(const Message& in, std::vector<Message>* out) 
   TableState* found = Find(in.header.branch, in.header.table);
   Status status = found == nullptr ? UnknownTable(in.header.table, in.header.branch) : CheckSpans(*found, found->range, in);
   if (status.ok()) status = CheckPayload(in, found->info);
+  // Initial values are checked as training updates are: a NaN model would train on NaN.
+  if (status.ok() && check_finite_ && in.num_values() > 0) status = CheckFinite(*found, in);
   if (status.ok() && found->clock.Get(in.header.sender) != kNoClock) {
     status = Status::OutOfOrder(TableText(in.header.table) + ": worker " +
                                 std::to_string(in.header.sender) + " sent kInitAdd after kStart");

@@ -159,3 +159,43 @@ def test_branch_calls_need_branches_on() -> None:
         worker.start_iterations()
         with pytest.raises(mltuner.OutOfOrderError, match="Config.branches"):
             worker.schedule_branch(0, 1)
+
+
+@pytest.mark.parametrize("pause_s", [0.0, 0.3])
+def test_sync_after_scheduling_another_branch_is_refused_whatever_the_timing(pause_s: float) -> None:
+    """Once the next clock is scheduled on another branch the allocator may
+    switch the cache to it at any moment: sync() was refused or not by that
+    race. Now it is refused always, and works again after the branch's clock."""
+    import time
+
+    with LocalCluster(1, Config(update_rule=UpdateRule("sgd", learning_rate=0.1), branches=True,
+                                wait_timeout_s=5)) as cluster:
+        worker = cluster.worker(0)
+        table = worker.create_table("w", 4, 3)
+        read = worker.virtual_read(table)
+        worker.virtual_post_read(read)
+        update = worker.virtual_pre_update(table)
+        worker.virtual_update(update)
+        worker.virtual_clock()
+        worker.finish_virtual_iteration()
+        worker.start_iterations()
+
+        def clock() -> None:
+            worker.read(read)
+            worker.post_read(read)
+            worker.pre_update(update)[...] = 1
+            worker.update(update)
+            worker.clock()
+
+        worker.schedule_branch(0, 1)
+        clock()
+        worker.fork_branch(1, 0, learning_rate=0.1)
+        worker.schedule_branch(1, 1)
+        clock()
+        worker.sync()  # the next clock is not scheduled yet
+        worker.schedule_branch(0, 1)
+        time.sleep(pause_s)  # long enough for the allocator to switch the cache, or not
+        with pytest.raises(mltuner.OutOfOrderError, match="next clock is scheduled on branch 0.*not branch 1"):
+            worker.sync()
+        clock()
+        worker.sync()

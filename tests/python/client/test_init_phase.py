@@ -249,6 +249,8 @@ def test_write_initial_refuses_what_it_cannot_take() -> None:
         with pytest.raises(mltuner.InvalidArgumentError, match="recorded as a read.*takes an update's handle"):
             worker.write_initial(h["read"], values)
         with pytest.raises(mltuner.InvalidArgumentError, match="got 5 values; its rows hold 30"):
+            worker.write_initial(h["update"], values[:1].reshape(-1))
+        with pytest.raises(mltuner.InvalidArgumentError, match=r"values of shape \(1, 5\) .*whose rows are \(6, 5\)"):
             worker.write_initial(h["update"], values[:1])
         with pytest.raises(mltuner.ArgumentTypeError, match="float32 numpy array, got an array of float64"):
             worker.write_initial(h["update"], values.astype(np.float64))

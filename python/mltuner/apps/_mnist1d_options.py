@@ -142,8 +142,8 @@ def add_program_options(parser: argparse.ArgumentParser | argparse._ArgumentGrou
                         help="the most the searches may spend together when the floor (finding the trial time, "
                              "then successive halving over 4 trials of it) raises one above --search-share")
     parser.add_argument("--retune-every", type=_positive_int, default=None,
-                        help="also re-tune after this many epochs without a search, plateau or not "
-                             "(default: only on a plateau)")
+                        help="also re-tune after this many epochs without a search, plateau or not; without "
+                             "it, only a plateau starts a re-tune")
     parser.add_argument("--retune-search", default="lr,momentum",
                         help="tunables a re-tune searches, the others kept (comma-separated, or 'all')")
     parser.add_argument("--no-batch-check", action="store_true",

@@ -253,6 +253,13 @@ class PSModule(nn.Module):
         return self.module
 
     def load_state_dict(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Refused: the servers hold the parameters. Load the state into the
+        module before :func:`wrap`, or resume with ``wrap(...,
+        resume_from=...)``.
+
+        Raises:
+            mltuner.OutOfOrderError: always.
+        """
         raise OutOfOrderError(
             "load_state_dict on a wrapped model: the servers hold the parameters; load the state into the "
             "module before wrap() (worker 0's values become the servers' initial values)"
@@ -382,6 +389,12 @@ class ClockOptimizer(torch.optim.Optimizer):
         set_group_settings(self._groups, saved)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused: :func:`wrap` makes the tables and their rules, so give it
+        an optimizer with every group.
+
+        Raises:
+            mltuner.InvalidArgumentError: always (after construction).
+        """
         if not hasattr(self, "_groups"):  # torch.optim.Optimizer.__init__
             super().add_param_group(param_group)
             return
@@ -389,6 +402,15 @@ class ClockOptimizer(torch.optim.Optimizer):
                                    "made by wrap(); give wrap() an optimizer with every group")
 
     def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
+        """Ends the clock (:meth:`PSModule.step`); under a ``GradScaler``
+        given to :func:`wrap`, called by ``scaler.step(model.optimizer)``.
+
+        Raises:
+            mltuner.InvalidArgumentError: a ``closure`` (one backward pass per
+                clock), or ``scaler.step`` of a scaler :func:`wrap` was not
+                given.
+            mltuner.OutOfOrderError: as :meth:`PSModule.step`.
+        """
         if closure is not None:
             raise InvalidArgumentError("ClockOptimizer.step takes no closure (one backward pass per clock)")
         if hasattr(self, "found_inf") and self._model._scaled is None:  # set by GradScaler.step

@@ -4,8 +4,11 @@ Subpackages, by job: :mod:`~mltuner.tune.tuner` (the tuner and its
 searches), :mod:`~mltuner.tune.session` (tuning a training loop on the
 parameter server), :mod:`~mltuner.tune.display` (live view, watcher,
 report) and :mod:`~mltuner.tune.baselines`; the shared pieces (search space,
-branch system, progress summary, decision log, config) sit here. Every
-public name is re-exported from ``mltuner.tune``.
+branch system, progress summary, decision log, config) sit here. The tuner,
+the session, the baselines and the building blocks docs/tuner.md names are
+re-exported from ``mltuner.tune``; a subpackage's other names (the
+session's command classes, ``StepBatchSampler``, ``follow_log``, ...) are
+imported from it.
 
 The :class:`Tuner` drives a :class:`BranchSystem` (the parameter server, or a
 simulation): it forks trial branches from a snapshot of the model, scores
@@ -32,7 +35,7 @@ from mltuner.tune.baselines._baselines import (
     running_best,
     time_to_target,
 )
-from mltuner.tune._config import RetuneMode, TunerConfig
+from mltuner.tune._config import DEFAULT_CLOCKS_TO_TEST, RetuneMode, TunerConfig
 from mltuner.tune._errors import TuningError
 from mltuner.tune.display._live import LiveDisplay
 from mltuner.tune.display._watch import log_env, run_watched
@@ -45,7 +48,7 @@ from mltuner.tune._progress import (
     ProgressSummary,
     summarize_progress,
 )
-from mltuner.tune.tuner._search import SearchBudget, SearchEpisode, SearchResult
+from mltuner.tune.tuner._search import SearchBudget, SearchEpisode, SearchResult, halving_cost
 from mltuner.tune.session._session import Driver, PSBranchSystem, Step, TuningSession
 from mltuner.tune._config import SAMPLERS
 from mltuner.tune.tuner._searcher import Proposal, Searcher, open_storage, top_k_close
@@ -58,7 +61,10 @@ from mltuner.tune.tuner._tuner import (
     Tuner,
     TuningResult,
     at_least_as_aggressive,
+    larger_batch,
+    no_slower,
     plateaued,
+    validation_collapsed,
 )
 from mltuner.tune.tuner._guard import Alarm, TrainingGuard
 
@@ -104,6 +110,7 @@ __all__ = [
     "Tuner",
     "TunerConfig",
     "RetuneMode",
+    "DEFAULT_CLOCKS_TO_TEST",
     "TuningResult",
     "Outcome",
     "TuningError",
@@ -130,10 +137,14 @@ __all__ = [
     "SearchEpisode",
     "SearchResult",
     "SearchBudget",
+    "halving_cost",
     "Trial",
     "DecisionLog",
     "plateaued",
     "at_least_as_aggressive",
+    "no_slower",
+    "validation_collapsed",
+    "larger_batch",
     "AGGRESSIVE_DIRECTIONS",
     "TrainingGuard",
     "Alarm",

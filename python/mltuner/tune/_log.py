@@ -84,6 +84,10 @@ class DecisionLog:
               branch: int | None = None, tunables: Mapping[str, Any] | None = None,
               loss: float | None = None, accuracy: float | None = None,
               **fields: Any) -> dict[str, Any]:
+        """Appends one record: the time, ``event``, ``phase``, the optional
+        fields that are not None, and ``fields``. It goes to the file (one
+        JSON line, flushed) and then to every listener; a listener that
+        raises is removed with a warning. Returns the record."""
         record: dict[str, Any] = {"time": self._clock(), "event": event, "phase": phase}
         optional = {"search": search, "branch": branch, "tunables": tunables,
                     "loss": loss, "accuracy": accuracy}
@@ -110,6 +114,8 @@ class DecisionLog:
         return [r for r in self.records if r["event"] == event]
 
     def close(self) -> None:
+        """Closes the file; the records in memory stay. Closing twice does
+        nothing."""
         if self._file is not None:
             self._file.close()
             self._file = None

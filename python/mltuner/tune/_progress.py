@@ -28,6 +28,8 @@ DIVERGENCE_THRESHOLD = 10.0
 
 
 class ProgressState(enum.Enum):
+    """What a loss curve's points show (:func:`summarize_progress`)."""
+
     CONVERGING = "converging"
     """Decreasing, with no rise larger than a tenth of the total drop."""
     UNSTABLE = "unstable"

@@ -83,20 +83,26 @@ class LogUniform:
 
     @property
     def default_value(self) -> float:
+        """``default``, else the geometric midpoint of the range."""
         if self.default is not None:
             return float(self.default)
         return math.sqrt(self.low * self.high)
 
     def distribution(self) -> BaseDistribution:
+        """The Optuna distribution a searcher samples: a float on a log scale."""
         return FloatDistribution(self.low, self.high, log=True)
 
     def encode(self, value: Any) -> Any:
+        """The Optuna parameter for a setting's ``value``: the float itself."""
         return float(value)
 
     def decode(self, param: Any) -> Any:
+        """The setting's value for an Optuna parameter: the float itself."""
         return float(param)
 
     def grid(self) -> list[Any]:
+        """:data:`GRID_POINTS` values evenly spaced in log scale, both ends
+        included (the grid sampler's points)."""
         # Evenly spaced exponents; the ends are set exactly so that rounding in
         # 10**x never leaves the distribution's range.
         lo, hi = math.log10(self.low), math.log10(self.high)
@@ -127,20 +133,26 @@ class Uniform:
 
     @property
     def default_value(self) -> float:
+        """``default``, else the midpoint of the range."""
         if self.default is not None:
             return float(self.default)
         return (self.low + self.high) / 2
 
     def distribution(self) -> BaseDistribution:
+        """The Optuna distribution a searcher samples: a float on a linear scale."""
         return FloatDistribution(self.low, self.high)
 
     def encode(self, value: Any) -> Any:
+        """The Optuna parameter for a setting's ``value``: the float itself."""
         return float(value)
 
     def decode(self, param: Any) -> Any:
+        """The setting's value for an Optuna parameter: the float itself."""
         return float(param)
 
     def grid(self) -> list[Any]:
+        """:data:`GRID_POINTS` evenly spaced values, both ends included (the
+        grid sampler's points)."""
         step = (self.high - self.low) / (GRID_POINTS - 1)
         inner = [self.low + i * step for i in range(1, GRID_POINTS - 1)]
         return [self.low, *inner, self.high]
@@ -180,21 +192,31 @@ class Choice:
 
     @property
     def default_value(self) -> Any:
+        """``default``, else the first value."""
         return self.values[0] if self.default is None else self.default
 
     def distribution(self) -> BaseDistribution:
+        """The Optuna distribution a searcher samples: a categorical of the
+        values themselves."""
         return CategoricalDistribution(list(self.values))
 
     def encode(self, value: Any) -> Any:
+        """The Optuna parameter for a setting's ``value``: the value itself.
+
+        Raises:
+            mltuner.InvalidArgumentError: ``value`` is not one of ``values``.
+        """
         if value not in self.values:
             raise InvalidArgumentError(f"tunable {self.name!r}: {value!r} is not one of "
                                        f"{list(self.values)}")
         return value
 
     def decode(self, param: Any) -> Any:
+        """The setting's value for an Optuna parameter: the parameter itself."""
         return param
 
     def grid(self) -> list[Any]:
+        """Every value, in order (the grid sampler's points)."""
         return list(self.values)
 
 

@@ -99,21 +99,26 @@ class TimedSystem:
         return set(self._live)
 
     def fork(self, parent: int | None, tunables: Mapping[str, Any], kind: BranchKind) -> int:
+        """``system.fork``; the new branch counts as alive."""
         branch = self.system.fork(parent, tunables, kind)
         self._live[branch] = None
         return branch
 
     def free(self, branch: int) -> None:
+        """``system.free``; the branch no longer counts as alive."""
         self.system.free(branch)
         self._live.pop(branch, None)
 
     def run(self, branch: int, clocks: int) -> Sequence[ClockReport]:
+        """``system.run``, adding its reports' seconds and clocks to the
+        counts."""
         reports = self.system.run(branch, clocks)
         self.seconds += math.fsum(float(r.seconds) for r in reports)
         self.clocks += len(reports)
         return reports
 
     def clocks_per_epoch(self, tunables: Mapping[str, Any]) -> int:
+        """``system.clocks_per_epoch``."""
         return self.system.clocks_per_epoch(tunables)
 
     def now(self) -> float:

@@ -800,6 +800,14 @@ class PSBranchSystem:
     # -- BranchSystem ---------------------------------------------------------------
 
     def fork(self, parent: int | None, tunables: Mapping[str, Any], kind: BranchKind) -> int:
+        """Forks a branch on every rank (:meth:`BranchSystem.fork`). The INIT
+        root (``parent`` None) is the engine's branch 0; other branches get
+        the next id.
+
+        Raises:
+            mltuner.InvalidArgumentError: ``tunables`` is not a setting of the
+                space, or a branch other than INIT has no parent.
+        """
         self._session._space.check_setting(tunables)
         if parent is None:
             if kind is not BranchKind.INIT:
@@ -811,9 +819,19 @@ class PSBranchSystem:
         return child
 
     def free(self, branch: int) -> None:
+        """Frees ``branch`` on every rank (:meth:`BranchSystem.free`)."""
         self._call(FreeCommand(int(branch)))
 
     def run(self, branch: int, clocks: int) -> Sequence[ClockReport]:
+        """Runs ``branch`` for ``clocks`` clocks of the training loop on every
+        rank (:meth:`BranchSystem.run`), in runs of at most 2,000 clocks, and
+        returns one report a clock: the ranks' losses and accuracies averaged
+        by samples, rank 0's time. The INIT root runs nothing: its reports
+        are zeros.
+
+        Raises:
+            mltuner.InvalidArgumentError: ``clocks`` below 1.
+        """
         if clocks < 1:
             raise InvalidArgumentError(f"run needs clocks >= 1, got {clocks}")
         if branch == _ROOT:
@@ -826,6 +844,7 @@ class PSBranchSystem:
         return reports
 
     def clocks_per_epoch(self, tunables: Mapping[str, Any]) -> int:
+        """The session's clocks per epoch at this setting's batch size."""
         return self._session.clocks_per_epoch(tunables)
 
     # -- the hand-off between the two threads ------------------------------------------

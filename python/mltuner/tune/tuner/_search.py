@@ -241,6 +241,11 @@ class SearchEpisode:
         self._phase_a_trials = 0
 
     def run(self) -> SearchResult:
+        """Runs the search: the starting progress (an evaluation branch from
+        ``parent``), then trials of the trial time and successive halving
+        among them, until the stop rule, the trial cap or the budget ends
+        it. Returns how it ended; the winner's branch stays alive for the
+        caller, every other trial is freed."""
         self._baseline = self._starting_progress()
         first = self._new_trial()
         if first is None:

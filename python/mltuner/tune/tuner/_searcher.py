@@ -268,10 +268,13 @@ class Searcher:
 
     @property
     def sampler_name(self) -> str:
+        """The ``sampler`` asked for: one of :data:`SAMPLERS`."""
         return self._kind
 
     @property
     def marginal(self) -> bool:
+        """Whether this is a marginal re-tune (``base_setting`` given): each
+        proposal changes one tunable of that setting."""
         return self._base_params is not None
 
     @property

@@ -338,6 +338,13 @@ class Tuner:
         return self._storage_url
 
     def run(self) -> TuningResult:
+        """Trains until the job ends (for a reason of :class:`Outcome`) and
+        returns the result, whose branch the caller owns. A log the tuner
+        opened from a path is closed on return.
+
+        Raises:
+            mltuner.InvalidArgumentError: bad input (see the class).
+        """
         try:
             return self._run()
         except _End as end:

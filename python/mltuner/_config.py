@@ -280,6 +280,7 @@ class Config:
                                        f"{type(self.update_rule).__name__}")
         boolean("Config.branches", self.branches)
         integer("Config.max_branches", self.max_branches, 1, MAX_BRANCHES)
+        check_engine_environment()
         if self.read_my_writes is None:
             object.__setattr__(self, "read_my_writes", read_my_writes_from_environment())
         boolean("Config.read_my_writes", self.read_my_writes)
@@ -356,6 +357,33 @@ def read_my_writes_from_environment() -> bool:
     """``MLTUNER_READ_MY_WRITES``: unset or empty is on, ``0`` off, ``1`` on;
     anything else is refused."""
     return _switch_from_environment(READ_MY_WRITES_VARIABLE, default=True)
+
+
+# The engine's own tuning variables, read in C++ where a bad value would
+# only leave the default: checked here, where a job starts, with their ranges.
+_ENGINE_VARIABLES: dict[str, tuple[int, int] | tuple[str, ...]] = {
+    "MLTUNER_CPU_PASS_THREADS": (1, 64),
+    "MLTUNER_SPIN_WAIT_US": (0, 10_000),
+    "MLTUNER_SOCKET_THREADS": ("python",),
+    "MLTUNER_MALLOC_TUNING": ("0", "1"),
+}
+
+
+def check_engine_environment() -> None:
+    """Refuses a set engine variable whose value the engine would ignore
+    (InvalidArgumentError naming it and what it takes); unset or empty is
+    the default."""
+    for variable, accepted in _ENGINE_VARIABLES.items():
+        value = os.environ.get(variable, "").strip()
+        if not value:
+            continue
+        if isinstance(accepted[0], int):
+            low, high = accepted
+            if not (value.isdigit() and low <= int(value) <= high):
+                raise InvalidArgumentError(f"{variable} must be an integer in [{low}, {high}], got {value!r}")
+        elif value.lower() not in accepted:
+            raise InvalidArgumentError(f"{variable} must be {' or '.join(map(str, accepted))} (or unset), "
+                                       f"got {value!r}")
 
 
 def _switch_from_environment(variable: str, *, default: bool) -> bool:

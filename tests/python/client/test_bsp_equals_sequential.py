@@ -106,7 +106,8 @@ def train(
     config = Config(
         wait_timeout_s=20,
         clock_part_bytes=clock_part_bytes,
-        update_rule=UpdateRule(kind=rule, learning_rate=LR[rule],  # type: ignore[arg-type]
+        update_rule=UpdateRule(kind=rule,  # type: ignore[arg-type]
+                               **({} if rule == "add" else {"learning_rate": LR[rule]}),  # add has no rate
                                momentum=MOMENTUM if rule == "momentum" else None),
     )
     with LocalCluster(num_workers, config) as cluster:

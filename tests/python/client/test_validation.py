@@ -269,3 +269,32 @@ def test_a_layout_packs_real_numbers_only() -> None:
     with pytest.raises(mltuner.ArgumentTypeError, match="'w' is complex64: the tables hold real numbers"):
         layout.pack({"w": np.ones((2, 2), np.complex64)})  # numpy would drop the imaginary part with a warning
     assert layout.pack({"w": np.eye(2, dtype=np.int64)}).sum() == 2
+
+
+def test_non_finite_initial_values_through_the_buffer_are_refused_by_the_servers() -> None:
+    # The initialisation phase's pre_update/update path (kInitAdd), not write_initial.
+    with mltuner.LocalCluster(1, mltuner.Config(check_finite=True, wait_timeout_s=5)) as cluster:
+        worker = cluster.worker(0)
+        _, update = _recorded_update(worker)
+        buffer = worker.pre_update(update)
+        np.asarray(buffer)[...] = 1.0
+        np.asarray(buffer)[1, 2] = np.nan
+        # A request's refusal (the initialisation's writes are requests) comes back as InvalidArgumentError.
+        with pytest.raises(mltuner.InvalidArgumentError, match="1 of 12 values that are NaN or infinite"):
+            worker.update(update)
+
+
+@pytest.mark.parametrize(("variable", "value", "message"), [
+    ("MLTUNER_CPU_PASS_THREADS", "999", r"MLTUNER_CPU_PASS_THREADS must be an integer in \[1, 64\], got '999'"),
+    ("MLTUNER_SPIN_WAIT_US", "50abc", r"MLTUNER_SPIN_WAIT_US must be an integer in \[0, 10000\]"),
+    ("MLTUNER_SOCKET_THREADS", "pyhton", r"MLTUNER_SOCKET_THREADS must be python \(or unset\), got 'pyhton'"),
+    ("MLTUNER_MALLOC_TUNING", "nope", r"MLTUNER_MALLOC_TUNING must be 0 or 1"),
+])
+def test_engine_variables_the_engine_would_ignore_are_refused(monkeypatch: pytest.MonkeyPatch, variable: str,
+                                                              value: str, message: str) -> None:
+    # The engine reads them in C++, where a bad value silently left the default.
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(mltuner.InvalidArgumentError, match=message):
+        mltuner.Config()
+    monkeypatch.setenv(variable, "")
+    mltuner.Config()

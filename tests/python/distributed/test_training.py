@@ -75,7 +75,8 @@ EXTRA_ROWS = 20480
 def in_process(rule: str, num_workers: int) -> list[dict[str, np.ndarray]]:
     """The final tables of train_worker's linear scenario with its extra
     table, run by the workers of one LocalCluster (no sockets, no frames)."""
-    config = mltuner.Config(update_rule=mltuner.UpdateRule(rule, learning_rate=LR), wait_timeout_s=30)
+    rate = {} if rule == "add" else {"learning_rate": LR}  # the add rule has none
+    config = mltuner.Config(update_rule=mltuner.UpdateRule(rule, **rate), wait_timeout_s=30)  # type: ignore[arg-type]
     args = argparse.Namespace(slack=0, data_workers=0, total_clocks=0, clocks=CLOCKS, seed=0, restore="",
                               die_at=-1, die_rank=-1, slow_rank=-1, slow_s=0.0, nan_rank=-1, nan_at=-1, save_at=-1,
                               checkpoint="", out="", extra_rows=EXTRA_ROWS)

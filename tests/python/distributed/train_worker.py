@@ -165,7 +165,8 @@ def main() -> int:
     parser.add_argument("--part-bytes", type=int, help="Config.clock_part_bytes (default: Config's)")
     args = parser.parse_args()
     parts = {} if args.part_bytes is None else {"clock_part_bytes": args.part_bytes}
-    config = mltuner.Config(update_rule=mltuner.UpdateRule(args.rule, learning_rate=args.lr), wait_timeout_s=30,
+    rate = {} if args.rule == "add" else {"learning_rate": args.lr}  # the add rule has none
+    config = mltuner.Config(update_rule=mltuner.UpdateRule(args.rule, **rate), wait_timeout_s=30,
                             check_finite=args.check_finite, **parts)
     try:
         with mltuner.Job(config, secure=True if args.secure else None,

@@ -45,7 +45,7 @@ from mltuner.torch._buffers import as_tensor, buffer_key, placeholder
 from mltuner.torch._errors import UnsupportedModelError
 from mltuner.torch._shipped import ShippedGradient
 
-__all__ = ["Layer", "ParamSlot", "find_layers", "DEFAULT_WHOLE_MODULES", "DEFAULT_GROUP_BYTES"]
+__all__ = ["Layer", "ParamSlot", "check_module_types", "find_layers", "DEFAULT_WHOLE_MODULES", "DEFAULT_GROUP_BYTES"]
 
 # Module types whose forward reads their children's parameters directly.
 DEFAULT_WHOLE_MODULES: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
@@ -185,7 +185,9 @@ class Layer:
         self._cache.clear()
 
 
-def _check_module_types(model: nn.Module) -> None:
+def check_module_types(model: nn.Module) -> None:
+    """Refuses the module types the adapter cannot hook (compiled, scripted,
+    data-parallel wrappers, sparse embeddings)."""
     compiled: type | None = None
     if "torch._dynamo" in sys.modules:  # nothing can be compiled unless dynamo was imported
         from torch._dynamo.eval_frame import OptimizedModule
@@ -271,7 +273,7 @@ def find_layers(model: nn.Module, row_width: int,
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
-    _check_module_types(model)
+    check_module_types(model)
     whole = tuple(whole_modules)
     layers: list[Layer] = []
     devices: set[torch.device] = set()

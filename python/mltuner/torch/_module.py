@@ -26,7 +26,7 @@ from mltuner.torch._buffers import check_same_device
 from mltuner.torch._clock import ClockDriver, input_shapes, refuse_copy, tensors_in
 from mltuner.torch._errors import UnsupportedModelError
 from mltuner.torch._keep import KeepOnDevice, Variant
-from mltuner.torch._layers import DEFAULT_GROUP_BYTES, DEFAULT_WHOLE_MODULES, Layer, find_layers
+from mltuner.torch._layers import DEFAULT_GROUP_BYTES, DEFAULT_WHOLE_MODULES, Layer, check_module_types, find_layers
 from mltuner.torch._optim import (LearningRates, check_optimizer, groups_of_layers, guard_parameters,
                                   release_parameters, rule_for_group)
 from mltuner.torch._recompute import (LINK_BOUND_BYTES_PER_OP, LINK_BOUND_FLOPS_PER_BYTE, RECOMPUTE_CHOICES, Recompute,
@@ -871,6 +871,7 @@ def wrap(
             "a fresh worker, whose virtual iteration it records"
         )
     if isinstance(module, nn.Module):  # find_layers refuses anything else
+        check_module_types(module)  # first: DataParallel moves the module to a GPU, which is not the point
         check_same_device(torch.device(worker.device), _parameter_device(module))
     if slack < 0:
         raise InvalidArgumentError(f"slack must be >= 0, got {slack}")

@@ -162,7 +162,8 @@ def test_branch_calls_need_branches_on() -> None:
 
 
 @pytest.mark.parametrize("pause_s", [0.0, 0.3])
-def test_sync_after_scheduling_another_branch_is_refused_whatever_the_timing(pause_s: float) -> None:
+def test_sync_after_scheduling_another_branch_is_refused_whatever_the_timing(
+        pause_s: float, record_read_update: Callable[..., tuple[int, int]]) -> None:
     """Once the next clock is scheduled on another branch the allocator may
     switch the cache to it at any moment: sync() was refused or not by that
     race. Now it is refused always, and works again after the branch's clock."""
@@ -171,14 +172,7 @@ def test_sync_after_scheduling_another_branch_is_refused_whatever_the_timing(pau
     with LocalCluster(1, Config(update_rule=UpdateRule("sgd", learning_rate=0.1), branches=True,
                                 wait_timeout_s=5)) as cluster:
         worker = cluster.worker(0)
-        table = worker.create_table("w", 4, 3)
-        read = worker.virtual_read(table)
-        worker.virtual_post_read(read)
-        update = worker.virtual_pre_update(table)
-        worker.virtual_update(update)
-        worker.virtual_clock()
-        worker.finish_virtual_iteration()
-        worker.start_iterations()
+        read, update = record_read_update(worker, worker.create_table("w", 4, 3))
 
         def clock() -> None:
             worker.read(read)

@@ -404,7 +404,6 @@ class ControlClient:
         checks each: they came over the network)."""
         join = _encode({"op": "join", "rank": self._rank, "world_size": world_size, "card": card,
                         "fingerprint": fingerprint})
-        self._socket.send(join)
 
         def timed_out() -> str:
             who = f"ranks {missing()} never joined" if missing else "not every rank joined"
@@ -413,7 +412,7 @@ class ControlClient:
             return (f"rendezvous at {self._address} timed out after {timeout_s:g} s: {who}. Check that every "
                     "process was started with the same master address, port and world size (and secret)")
 
-        reply = self._expect("welcome", timeout_s, timed_out, resend=join)
+        reply = self._expect("welcome", join, timeout_s, timed_out, resend=True)
         cards = reply.get("cards")
         if not isinstance(cards, list) or len(cards) != world_size:
             raise InvalidArgumentError(f"malformed rendezvous reply from {self._address}")
@@ -422,8 +421,8 @@ class ControlClient:
     def barrier(self, name: str, timeout_s: float, *, final: bool = False) -> None:
         """Returns once every rank has called ``barrier(name)``. ``final``:
         the job's last; joins after it are the next job's."""
-        self._send({"op": "barrier", "rank": self._rank, "name": name, "final": final})
-        reply = self._expect("release", timeout_s,
+        barrier = _encode({"op": "barrier", "rank": self._rank, "name": name, "final": final})
+        reply = self._expect("release", barrier, timeout_s,
                              lambda: f"barrier {name!r} timed out after {timeout_s:g} s: not every worker reached it")
         if reply.get("name") != name:
             raise InvalidArgumentError(f"barrier {name!r} was answered for {reply.get('name')!r}")
@@ -456,8 +455,7 @@ class ControlClient:
         if len(frame) > _MAX_FRAME:
             raise InvalidArgumentError(f"{what} {name!r}: the value is {len(frame)} bytes encoded, "
                                        f"more than {_MAX_FRAME}")
-        self._socket.send(frame)
-        reply = self._expect(answer, timeout_s,
+        reply = self._expect(answer, frame, timeout_s,
                              lambda: f"{what} {name!r} timed out after {timeout_s:g} s: {unanswered}",
                              while_waiting=while_waiting)
         if reply.get("name") != name:
@@ -519,19 +517,21 @@ class ControlClient:
             return f"a connection to {self._address} was made but never completed the handshake"
         return ""
 
-    def _send(self, message: dict[str, Any]) -> None:
-        self._socket.send(_encode(message))
-
-    def _expect(self, op: str, timeout_s: float, timeout_message: Callable[[], str],
-                resend: bytes | None = None, while_waiting: Callable[[], bool] | None = None) -> dict[str, Any]:
-        """The next message of kind ``op``. With ``resend`` (the join), the
-        request goes out again when the coordinator answers ``retry`` (it is
-        the previous job's, closing) and after every reconnect (the request
-        may have reached a coordinator that closed without answering)."""
+    def _expect(self, op: str, request: bytes, timeout_s: float, timeout_message: Callable[[], str],
+                resend: bool = False, while_waiting: Callable[[], bool] | None = None) -> dict[str, Any]:
+        """Sends ``request`` and returns the next message of kind ``op``.
+        The send never blocks: a DEALER with no connection (none made yet,
+        or one ZeroMQ dropped and will not make again) would block in send()
+        past every timeout, so the request waits here, within the deadline,
+        until it can leave. With ``resend`` (the join), it goes out again
+        when the coordinator answers ``retry`` (it is the previous job's,
+        closing) and after every reconnect (it may have reached a
+        coordinator that closed without answering)."""
         deadline = time.monotonic() + timeout_s
         self._retried = False
         resend_at: float | None = None
         reconnects = self._reconnects
+        pending: bytes | None = request  # not handed to ZeroMQ yet
         while True:
             lost = self._should_stop()
             if lost:
@@ -545,10 +545,15 @@ class ControlClient:
                 why = self._unanswered()
                 raise WaitTimeoutError(timeout_message() + (f" ({why})" if why else ""))
             self._watch_connection()
-            if resend is not None and (self._reconnects != reconnects or (resend_at is not None and now >= resend_at)):
-                self._socket.send(resend)
-                reconnects, resend_at = self._reconnects, None
-            poll_ms = _POLL_MS if while_waiting is None else _BUSY_POLL_MS
+            if resend and (self._reconnects != reconnects or (resend_at is not None and now >= resend_at)):
+                pending, reconnects, resend_at = request, self._reconnects, None
+            if pending is not None:
+                try:
+                    self._socket.send(pending, flags=zmq.NOBLOCK)
+                    pending = None
+                except zmq.Again:
+                    pass  # no connection to hand it to yet: try again after the poll
+            poll_ms = _POLL_MS if while_waiting is None and pending is None else _BUSY_POLL_MS
             if not self._socket.poll(min(poll_ms, int(remaining * 1000) + 1)):
                 continue
             message = _decode(self._socket.recv())
@@ -556,7 +561,7 @@ class ControlClient:
                 continue
             if message["op"] == "error":
                 raise InvalidArgumentError(str(message.get("message")))
-            if message["op"] == "retry" and resend is not None:
+            if message["op"] == "retry" and resend:
                 self._retried = True
                 resend_at = time.monotonic() + _RETRY_S
             if message["op"] == op:

@@ -7,8 +7,8 @@ this process with real sockets on 127.0.0.1."""
 
 from __future__ import annotations
 
-import json
 import dataclasses
+import json
 import socket
 import threading
 import time
@@ -319,3 +319,4 @@ def test_a_master_address_that_does_not_resolve_is_named_at_once() -> None:
     with pytest.raises(mltuner.InvalidArgumentError, match="'no-such-host.invalid' does not resolve"):
         mltuner.Job(env=env, rendezvous_timeout_s=20)
     assert time.monotonic() - start < 10
+

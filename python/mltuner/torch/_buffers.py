@@ -18,7 +18,7 @@ import torch.utils.dlpack
 from mltuner._core import DeviceArray
 from mltuner.exceptions import InternalError, InvalidArgumentError
 
-__all__ = ["as_tensor", "buffer_key", "app_stream", "placeholder", "storage_ptr"]
+__all__ = ["as_tensor", "autocast_state", "buffer_key", "app_stream", "placeholder", "storage_ptr"]
 
 
 class _WritableAlias:
@@ -138,3 +138,16 @@ def placeholder(device: torch.device) -> torch.Tensor:
     if value is None:  # setdefault: workers on other threads get the same one
         value = _PLACEHOLDERS.setdefault(device, torch.full((), float("nan"), dtype=torch.float32, device=device))
     return value
+
+def autocast_state(device: torch.device) -> tuple[bool, torch.dtype | None]:
+    """Whether autocast is on for ``device``'s type on this thread, and its
+    dtype when it is."""
+    kind = device.type
+    try:
+        enabled = torch.is_autocast_enabled(kind)
+        dtype = torch.get_autocast_dtype(kind) if enabled else None
+    except (TypeError, AttributeError):  # torch before 2.4: one function per device type
+        enabled = torch.is_autocast_cpu_enabled() if kind == "cpu" else torch.is_autocast_enabled()
+        dtype = ((torch.get_autocast_cpu_dtype() if kind == "cpu" else torch.get_autocast_gpu_dtype())
+                 if enabled else None)
+    return enabled, dtype

@@ -117,7 +117,7 @@ from torch import nn
 
 from mltuner.client._worker import OP_KINDS, PlanPreview, Table, Worker
 from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError, OutOfOrderError, ResourceExhaustedError
-from mltuner.torch._buffers import app_stream, as_tensor, buffer_key, placeholder, storage_ptr
+from mltuner.torch._buffers import app_stream, as_tensor, autocast_state, buffer_key, placeholder, storage_ptr
 from mltuner.torch._errors import IterationMismatchError, UnsupportedModelError
 from mltuner.torch._layers import Layer
 from mltuner.torch._pattern import reason, refusal
@@ -305,6 +305,7 @@ class ClockDriver:
         self._loss_guard: Any = None
         self._loss_guard_thread = 0
         self._guard_between = False  # the guard was set between clocks (its message)
+        self._recorded_autocast: tuple[bool, torch.dtype | None] = (False, None)  # autocast_state at recording
         self._grad_open: dict[int, tuple[int, torch.Tensor]] = {}  # layer -> (event, flat buffer)
         # Gradients: per layer, the forward serial in which each parameter's
         # gradient last arrived, and how many of the layer's gradients are
@@ -433,6 +434,25 @@ class ClockDriver:
     def note_idle_versions(self) -> None:
         """The adapter lets go of the parameters (module docstring of _idle_versions)."""
         self._idle_versions = [layer.versions() for layer in self.layers]
+
+    def _check_autocast(self) -> None:
+        """Refuses a training forward under another autocast than the
+        recording's where layers are read in their own forward: autocast
+        saves cast copies of the weights (and activations of its dtype)
+        instead of what the recording saw, so the backward pass would leave
+        the recorded order in the middle of the clock."""
+        if self._light:
+            return
+        now = autocast_state(self.device)
+        if now != self._recorded_autocast:
+            def words(state: tuple[bool, torch.dtype | None]) -> str:
+                return f"under {self.device.type} autocast to {state[1]}" if state[0] else "without autocast"
+
+            raise IterationMismatchError(
+                f"clock {self.clock} runs {words(now)}, but wrap() recorded the clock {words(self._recorded_autocast)}; "
+                f"where layers are read in their own forward ({self.hold_choice}), call wrap() inside the same "
+                "autocast (torch.autocast) as the training loop; nothing of this clock was done"
+            )
 
     def _refuse_unfrozen(self) -> None:
         """Refuses a training forward after a parameter frozen at wrap() was
@@ -972,6 +992,7 @@ class ClockDriver:
         if not again:
             if not self._recording:
                 self._refuse_unfrozen()
+                self._check_autocast()
                 self._refuse_writes_between_clocks()  # nothing of the clock has reached the engine
                 self._refuse_writes_to_evaluation_copies()
                 self._check_inputs(inputs)
@@ -1693,6 +1714,11 @@ class ClockDriver:
         saved_buffers = {name: buffer.detach().clone() for name, buffer in self.model.named_buffers()}
         devices = [self.device] if self.device.type == "cuda" else []
         self._install_member_checks()
+        self._recorded_autocast = autocast_state(self.device)
+        # wrap() may record several times inside one autocast, whose cache of
+        # cast weights would hand a later recording the first one's copies
+        # (then the backward pass reads parameters in another order).
+        torch.clear_autocast_cache()
         try:
             with torch.random.fork_rng(devices=devices), torch.enable_grad():
                 output = self.forward(call)

@@ -13,6 +13,7 @@ variant runs where tests/python/torch/test_cuda.py does.
 from __future__ import annotations
 
 import copy
+import re
 from contextlib import nullcontext
 from typing import Any
 
@@ -74,7 +75,8 @@ def train(model: Any, optimizer: Any, batches: list[tuple[torch.Tensor, torch.Te
 
 
 def compare(device: torch.device, dtype: torch.dtype, scaler_args: dict[str, Any] | None,
-            unscale: bool = False, clip: float | None = None, **wrap_args: Any) -> tuple[list[float], list[float]]:
+            unscale: bool = False, clip: float | None = None, budget: int = 0,
+            **wrap_args: Any) -> tuple[list[float], list[float]]:
     """Trains plain and wrapped; asserts equal losses, scales and weights;
     returns the plain run's losses and scales."""
     net = make_net().to(device)
@@ -85,7 +87,8 @@ def compare(device: torch.device, dtype: torch.dtype, scaler_args: dict[str, Any
     want, want_scales = train(plain, torch.optim.SGD(plain.parameters(), lr=LR), batches, dtype, plain_scaler,
                               unscale, clip)
 
-    cluster = LocalCluster(1, Config(update_rule=UpdateRule("sgd", learning_rate=LR), device=device.type))
+    cluster = LocalCluster(1, Config(update_rule=UpdateRule("sgd", learning_rate=LR), device=device.type,
+                                     device_memory_budget=budget))
     try:
         ps_scaler = new_scaler() if new_scaler else None
         # With stored activations, the recording runs under the loop's
@@ -146,14 +149,40 @@ def test_scaler_unscale_then_clipping_trains_like_plain_pytorch() -> None:
     assert abs(losses[-1] - unclipped[-1]) > 1e-3  # the clipping bit: the comparison above can fail
 
 
-def test_stored_activations_need_the_recording_under_the_same_autocast() -> None:
+def least_budget(**wrap_args: Any) -> int:
+    """The least device-memory budget wrap() takes for make_net (its refusal says)."""
+    x = make_batches(torch.device("cpu"))[0][0]
+    with LocalCluster(1, Config(update_rule=UpdateRule("sgd", learning_rate=LR), device_memory_budget=1)) as cluster:
+        with pytest.raises(mltuner.ResourceExhaustedError) as refused:
+            mt.wrap(make_net(), cluster.worker(0), example_input=x, **wrap_args)
+    found = re.search(r"needs at least (\d+) bytes", str(refused.value))
+    assert found is not None, refused.value
+    return int(found.group(1))
+
+
+def test_bfloat16_autocast_under_a_budget_trains_like_plain_pytorch() -> None:
+    # wrap() records the clock several times under a budget, all inside the
+    # loop's autocast: its cache of cast weights must not carry over from one
+    # recording to the next (the backward pass then read them in another order).
+    budget = 2 * least_budget(store_activations=True, recompute="none")
+    compare(torch.device("cpu"), torch.bfloat16, None, budget=budget, store_activations=True, recompute="none")
+
+
+@pytest.mark.parametrize("wrap_args", [{"store_activations": True}, {"hold_reads": False}],
+                         ids=["stored activations", "reads in each layer's forward"])
+def test_a_clock_under_another_autocast_than_the_recording_is_refused_before_it_starts(
+        wrap_args: dict[str, Any]) -> None:
     x, y = make_batches(torch.device("cpu"))[0]
     cluster = LocalCluster(1, Config(update_rule=UpdateRule("sgd", learning_rate=LR)))
     try:
-        model = mt.wrap(make_net(), cluster.worker(0), example_input=x, store_activations=True)
-        with pytest.raises(mt.IterationMismatchError, match="call wrap\\(\\) inside the same autocast"):
+        model = mt.wrap(make_net(), cluster.worker(0), example_input=x, **wrap_args)  # without autocast
+        with pytest.raises(mt.IterationMismatchError, match="runs under cpu autocast to torch.bfloat16, but wrap\\(\\) "
+                                                            "recorded the clock without autocast.*call wrap\\(\\) inside "
+                                                            "the same autocast.*nothing of this clock was done"):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 model(x)
+        F.cross_entropy(model(x), y).backward()  # the loop goes on, as recorded
+        model.step()
     finally:
         cluster.shutdown()
 

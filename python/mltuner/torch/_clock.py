@@ -126,7 +126,7 @@ from mltuner.torch._recording import (Event, Slot, Tables, create_tables, descri
 from mltuner.torch._saved import BufferOwners, SavedActivations, empty_for, read_back, write_bytes
 from mltuner.torch._trace import ParamRef
 
-__all__ = ["ClockDriver", "input_shapes", "tensors_in"]
+__all__ = ["ClockDriver", "input_layouts", "input_shapes", "tensors_in"]
 
 T = TypeVar("T")
 
@@ -218,6 +218,18 @@ def input_shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[in
     """The shapes of a forward call's tensors: the positional arguments',
     then the keyword arguments' by name."""
     return [tuple(t.shape) for t in tensors_in((args, [kwargs[name] for name in sorted(kwargs)]))]
+
+
+def input_layouts(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[bool, tuple[int, ...]]]:
+    """The memory layouts of a forward call's tensors (as input_shapes
+    orders them): whether each covers its memory exactly once, and its
+    dimensions (of more than one element) from the densest stride up."""
+    layouts = []
+    for tensor in tensors_in((args, [kwargs[name] for name in sorted(kwargs)])):
+        slot = Slot(tuple(tensor.shape), tensor.dtype, tuple(tensor.stride()))
+        order = tuple(sorted((d for d, size in enumerate(tensor.shape) if size != 1), key=lambda d: tensor.stride(d)))
+        layouts.append((slot.exact_layout, order))
+    return layouts
 
 
 def tensors_in(value: Any) -> Iterator[torch.Tensor]:
@@ -388,6 +400,7 @@ class ClockDriver:
         self.rates_changed: Callable[[], bool] | None = None
         # The shapes of example_input's tensors (set by wrap()), for _check_inputs.
         self.input_shapes: list[tuple[int, ...]] | None = None
+        self.input_layouts: list[tuple[bool, tuple[int, ...]]] | None = None  # example_input's (input_layouts)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
         refuse_copy("deepcopy")  # reached through the module's hooks
@@ -1078,6 +1091,17 @@ class ClockDriver:
             return
         shapes = input_shapes(*inputs)
         recorded = self.input_shapes
+        layouts = input_layouts(*inputs)
+        if self.input_layouts is not None and layouts != self.input_layouts and len(shapes) == len(recorded):
+            number = next(k for k, (now, then) in enumerate(zip(layouts, self.input_layouts or [])) if now != then)
+            tensor = list(tensors_in(inputs))[number]
+            raise IterationMismatchError(
+                f"clock {self.clock}: input tensor #{number} {tuple(tensor.shape)} has strides {tuple(tensor.stride())}, "
+                "another memory layout than example_input's; with store_activations the activations are stored "
+                "with the recorded layouts, so every clock's inputs must have example_input's (a slice such as "
+                "x[:, :n] is a view with gaps: pass x[:, :n].contiguous()); nothing of this clock was done, so it "
+                "can go on with other inputs"
+            )
         if shapes == recorded:
             return
         if len(shapes) != len(recorded):

@@ -23,7 +23,7 @@ from mltuner.exceptions import (ArgumentTypeError, InvalidArgumentError, Mltuner
 from mltuner.launch import _checkpoint
 from mltuner.torch._amp import ScaledGradients, check_scaler
 from mltuner.torch._buffers import check_same_device
-from mltuner.torch._clock import ClockDriver, input_shapes, refuse_copy, tensors_in
+from mltuner.torch._clock import ClockDriver, input_layouts, input_shapes, refuse_copy, tensors_in
 from mltuner.torch._errors import UnsupportedModelError
 from mltuner.torch._keep import KeepOnDevice, Variant
 from mltuner.torch._layers import DEFAULT_GROUP_BYTES, DEFAULT_WHOLE_MODULES, Layer, check_module_types, find_layers
@@ -920,6 +920,7 @@ def wrap(
             driver.overlap_choice = overlap_choice
             driver.auto_choice = auto_choice
             driver.input_shapes = input_shapes(args, kwargs)
+            driver.input_layouts = input_layouts(args, kwargs)
             try:
                 driver.record(lambda: module(*args, **kwargs), example_loss or _default_loss)
             except BaseException:

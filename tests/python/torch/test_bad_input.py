@@ -207,6 +207,21 @@ def test_a_batch_larger_than_recorded_with_stored_activations_is_a_clear_error(w
     assert ps_model.clock == 3
 
 
+@pytest.mark.parametrize("view", [lambda x: torch.randn(4, 8)[:, :6], lambda x: x.t().contiguous().t()],
+                         ids=["slice with gaps", "transposed"])
+def test_an_input_of_another_memory_layout_with_stored_activations_is_refused_before_the_clock(
+        worker: Worker, view: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    ps_model = mt.wrap(mlp(), worker, example_input=X, store_activations=True)
+    one_clock(ps_model)
+    strided = view(X)
+    assert strided.shape == X.shape and not strided.is_contiguous()
+    with pytest.raises(mt.IterationMismatchError, match=r"input tensor #0 \(4, 6\) has strides .*another memory "
+                                                        r"layout than example_input's.*nothing of this clock was done"):
+        ps_model(strided)  # it used to fail at a saved tensor, the clock half done
+    one_clock(ps_model, strided.contiguous())  # the loop goes on
+    assert ps_model.clock == 2
+
+
 def test_a_saved_tensor_larger_than_recorded_is_a_clear_error(worker: Worker) -> None:
     class Repeat(nn.Module):  # the input keeps its shape, an activation grows
         def __init__(self) -> None:

@@ -1894,7 +1894,8 @@ class ClockDriver:
                 self._replay(tables, recorded, hold)
                 preview = worker.preview_plan()
                 self._preview = preview
-                least[hold] = preview.pool_min_bytes
+                # The least the refusal names: the smaller of the two plans, either of which "auto" takes.
+                least[hold] = min(least[hold], preview.pool_min_bytes)
                 if preview.fits:
                     chosen = hold
                     break

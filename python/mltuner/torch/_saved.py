@@ -236,6 +236,7 @@ class SavedActivations:
         self._random: RandomStates | None = None
         self._modes: list[bool] = []  # each module's training flag in the recording
         self._moded: list[nn.Module] = []  # ... and those modules, in the same order
+        self._rates: list[tuple[nn.Module, float]] = []  # recomputing: each dropout module and its recorded rate
         self.store_all: StoreAllLog | None = None  # recording, while recomputing
         self.fell_back = ""  # why wrap(recompute="auto") stores every activation after all
         self._buffer_uses: list[_BufferUse] = []  # the buffers the programs read (find_buffers)
@@ -344,6 +345,9 @@ class SavedActivations:
         (``_recompute.choose``) and those autograd keeps (:func:`keep_small`),
         and returns ``events`` without their stores."""
         programs: dict[int, Program] = {}
+        if self.slots:  # a module switched to the other mode would save other tensors (check_modes)
+            self._moded = list(modules)
+            self._modes = [module.training for module in self._moded]
         if self._trace is not None:
             try:
                 depth = (compute_depth(len(self.slots) - len(keep_small(self.slots))) if self._compute_bound
@@ -367,8 +371,7 @@ class SavedActivations:
                                      len(self.slots), kept)
         self._programs = programs
         self._siblings = siblings(programs, self._trace, self._values)
-        self._moded = list(modules)
-        self._modes = [module.training for module in self._moded]
+        self._rates = [(module, module.p) for module in self._moded if isinstance(module, nn.modules.dropout._DropoutNd)]
         nodes = self._trace.nodes
         self._random_wanted = {nodes[n].seeded: nodes[n].func for p in programs.values() for n in p.nodes
                                if nodes[n].seeded >= 0}
@@ -431,6 +434,7 @@ class SavedActivations:
         self._programs = {}
         self._random_wanted = {}
         self._buffer_uses = []
+        self._rates = []
         self.recompute = False
         self.fell_back = why
         self.store_all = None
@@ -443,20 +447,30 @@ class SavedActivations:
             self._random.check_complete()
 
     def check_modes(self, model: nn.Module, clock: int) -> None:
-        """Recomputing, the backward pass runs the recorded ops with the
-        recorded arguments, so a module switched between train and eval mode
-        since the recording (batch norm, dropout) would make other values
-        than its forward: refused before the clock starts."""
-        if not self._programs or [module.training for module in self._moded] == self._modes:
+        """A module switched between train and eval mode since the recording
+        (batch norm, dropout) saves other tensors than the recorded ones, and
+        recomputing, the backward pass runs the recorded ops with the
+        recorded arguments, so a dropout rate changed since (a schedule of
+        rates) would make other values than the forward: both refused before
+        the clock starts."""
+        for module, rate in self._rates:
+            if module.p != rate:
+                name = next(n for n, m in model.named_modules() if m is module) or type(module).__name__
+                raise IterationMismatchError(
+                    f"clock {clock}: the dropout rate of module {name!r} is {module.p}, but it was {rate} when "
+                    "wrap() recorded the clock; with recomputed activations the backward pass replays the recorded "
+                    "ops, rates included: for a schedule of dropout rates use wrap(..., recompute='none')"
+                )
+        if not self._moded or [module.training for module in self._moded] == self._modes:
             return  # the common case, checked without named_modules()' walk (a per-clock cost)
         for (name, module), training in zip(model.named_modules(), self._modes):
             if module.training != training:
                 raise IterationMismatchError(
                     f"clock {clock}: module {name or type(module).__name__!r} is in "
                     f"{'train' if module.training else 'eval'} mode, but it was in "
-                    f"{'train' if training else 'eval'} mode when wrap() recorded the clock; with recomputed "
-                    "activations the backward pass runs the recorded ops again, so the modes must stay as they "
-                    "were (or use wrap(..., recompute='none'))"
+                    f"{'train' if training else 'eval'} mode when wrap() recorded the clock; with stored "
+                    "activations a training clock must save the tensors the recording saved, so the modes must "
+                    "stay as they were (evaluate under torch.no_grad(), in any mode)"
                 )
 
     # -- the backward pass ---------------------------------------------------------------

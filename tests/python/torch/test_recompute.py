@@ -466,19 +466,42 @@ def test_bad_recompute_arguments_are_refused() -> None:
         assert not any(m._forward_pre_hooks for m in model.modules())  # refused before anything was touched
 
 
-def test_a_module_switched_to_eval_mode_is_refused_while_recomputing(run_workers: Callable[..., Any]) -> None:
-    """The backward pass runs the recorded ops again, so batch norm must stay
-    in the mode of the recording; the clock can go on after switching back."""
+@pytest.mark.parametrize("recompute", ["cheap", "none"])
+def test_a_module_switched_to_eval_mode_is_refused_before_the_clock(run_workers: Callable[..., Any],
+                                                                    recompute: str) -> None:
+    """Batch norm in eval mode saves other tensors, and recomputing the
+    backward pass runs the recorded ops again, so it must stay in the mode of
+    the recording (with recompute="none" the clock failed half done, the
+    model lost); the clock can go on after switching back."""
     x, y = resnet_data()
     model = resnet()
     with LocalCluster(1, Config(wait_timeout_s=20)) as cluster:
-        ps_model = mt.wrap(model, cluster.worker(0), example_input=x[0], store_activations=True, recompute="cheap")
+        ps_model = mt.wrap(model, cluster.worker(0), example_input=x[0], store_activations=True, recompute=recompute)
         model[1].eval()
         with pytest.raises(mt.IterationMismatchError, match=r"module '1' is in eval mode, but it was in train mode "
                                                             r"when wrap\(\) recorded the clock"):
             ps_model(x[0])
         model[1].train()
         F.cross_entropy(ps_model(x[0]), y[0]).backward()
+        ps_model.step()
+        assert ps_model.clock == 1
+
+
+def test_a_dropout_rate_changed_since_the_recording_is_refused_while_recomputing() -> None:
+    """The programs replay the recorded ops, rates included: a schedule of
+    dropout rates trained silently wrong under recompute="cheap"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))
+    x = torch.randn(4, 6)
+    with LocalCluster(1, Config(wait_timeout_s=20)) as cluster:
+        ps_model = mt.wrap(model, cluster.worker(0), example_input=x, store_activations=True, recompute="cheap")
+        assert ps_model.resumed is None and "recomputed" in ps_model.plan
+        model[2].p = 0.6
+        with pytest.raises(mt.IterationMismatchError, match=r"dropout rate of module '2' is 0.6, but it was 0.3 .*"
+                                                            r"recompute='none'"):
+            ps_model(x)
+        model[2].p = 0.3
+        ps_model(x).square().mean().backward()
         ps_model.step()
         assert ps_model.clock == 1
 
@@ -749,3 +772,29 @@ def test_a_smaller_batch_while_recomputing_is_refused_before_the_clock_starts() 
             resnet_loss(ps_model(x[clock]), y[clock]).backward()
             ps_model.step()
         assert ps_model.clock == 2
+
+
+def test_the_least_budget_auto_names_is_one_it_takes() -> None:
+    """recompute='auto' tries the recomputing plan, then stores everything;
+    its refusal named the second plan's least, while budgets down to the
+    first's were taken."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 32), nn.ReLU(),
+                             nn.Linear(32, 4))
+
+    with LocalCluster(1, Config(device_memory_budget=1, wait_timeout_s=20)) as cluster:
+        with pytest.raises(mltuner.ResourceExhaustedError) as refused:
+            mt.wrap(make(), cluster.worker(0), example_input=x, store_activations=True, recompute="auto")
+    found = re.search(r"needs at least (\d+) bytes", str(refused.value))
+    assert found is not None, refused.value
+    least = int(found.group(1))
+    with LocalCluster(1, Config(device_memory_budget=least, wait_timeout_s=20)) as cluster:
+        ps_model = mt.wrap(make(), cluster.worker(0), example_input=x, store_activations=True, recompute="auto")
+        ps_model(x).square().mean().backward()
+        ps_model.step()
+    with LocalCluster(1, Config(device_memory_budget=least - 1, wait_timeout_s=20)) as cluster:
+        with pytest.raises(mltuner.ResourceExhaustedError, match=f"needs at least {least} bytes"):
+            mt.wrap(make(), cluster.worker(0), example_input=x, store_activations=True, recompute="auto")

@@ -244,3 +244,67 @@ def test_a_baseline_validates_like_the_tuner_config_it_matches() -> None:
     assert BaselineConfig.matching(TunerConfig(num_clocks_to_test=7)).num_clocks_to_test == 7
     session = TuningSession(TwoRanks(), space(), num_train=NUM_TRAIN, num_validation=NUM_VAL)
     assert BaselineConfig.matching(session.config).num_clocks_to_test == session.config.num_clocks_to_test == 2
+
+
+# -- 3. every rank's arguments ------------------------------------------------------------
+
+
+class RankOneDiffers(TwoRanks):
+    """Rank 1 started its session with ``differ`` among its arguments."""
+
+    def __init__(self, differ: dict[str, Any]) -> None:
+        super().__init__()
+        self._differ = differ
+
+    def allgather(self, name: str, value: Any, timeout_s: float | None = None) -> list[Any]:
+        values = super().allgather(name, value, timeout_s)
+        return [values[0], {**values[1], **self._differ}] if name.endswith("-arguments") else values
+
+
+@pytest.mark.parametrize("differ, message", [
+    ({"seed": 1}, "seed=0 here, 1 on rank 1"),
+    ({"num_train": NUM_TRAIN // 2}, f"num_train={NUM_TRAIN} here, {NUM_TRAIN // 2} on rank 1"),
+    ({"steal_batches": True}, "steal_batches=False here, True on rank 1"),
+])
+def test_a_rank_started_with_other_arguments_is_refused_before_the_first_step(differ: dict[str, Any],
+                                                                               message: str) -> None:
+    # Ranks cut each clock's samples from one shuffled order: another seed or
+    # set size trained on overlapping samples silently; stealing on one rank
+    # only waited out the timeout in a gather the others never joined.
+    def driver(system: BranchSystem) -> None:
+        system.run(system.fork(None, SETTING, BranchKind.TRAINING), 1)
+
+    session = TuningSession(RankOneDiffers(differ), space(), num_train=NUM_TRAIN, num_validation=NUM_VAL,
+                            driver=driver, seed=0)
+    with pytest.raises(InvalidArgumentError, match=f"same arguments; {message}"):
+        loop(session)
+
+
+def test_a_step_without_samples_of_this_rank_is_a_batch_of_zero_samples() -> None:
+    # A stolen part, or the last validation clock of a set that does not
+    # split evenly: torch's default collate raised IndexError on [].
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import TensorDataset
+
+    from mltuner.tune.session import collate_allowing_empty
+
+    dataset = TensorDataset(torch.randn(5, 3, 2), torch.arange(5))
+    collate = collate_allowing_empty(dataset)
+    x, y = collate([])
+    assert x.shape == (0, 3, 2) and x.dtype == torch.float32 and y.shape == (0,) and y.dtype == torch.int64
+    x, y = collate([dataset[1], dataset[3]])
+    assert torch.equal(x, dataset.tensors[0][[1, 3]]) and torch.equal(y, torch.tensor([1, 3]))
+
+
+@pytest.mark.parametrize("accuracy", [95.0, -0.1])
+def test_an_accuracy_that_is_no_fraction_is_refused(accuracy: float) -> None:
+    def driver(system: BranchSystem) -> None:
+        root = system.fork(None, SETTING, BranchKind.INIT)
+        system.run(system.fork(root, SETTING, BranchKind.TESTING), 1)
+
+    session = TuningSession(TwoRanks(), space(), num_train=NUM_TRAIN, num_validation=NUM_VAL, driver=driver)
+    steps = iter(session)
+    with pytest.raises(InvalidArgumentError, match="accuracy must be a fraction in \\[0, 1\\]"):
+        next(steps).report(0.5, accuracy=accuracy)  # a percentage, or a slip
+    with pytest.warns(UserWarning, match="left the tuning session"):
+        steps.close()

@@ -13,10 +13,10 @@ from mltuner.tune.session._commands import (
     RunCommand,
     parse_command,
 )
-from mltuner.tune.session._sampler import StepBatchSampler
+from mltuner.tune.session._sampler import StepBatchSampler, collate_allowing_empty
 from mltuner.tune.session._session import Collective, Driver, PSBranchSystem, ServingCollective, Step, TuningSession
 
 __all__ = [
-    "TuningSession", "Step", "StepBatchSampler", "PSBranchSystem", "Driver", "Collective", "ServingCollective",
+    "TuningSession", "Step", "StepBatchSampler", "collate_allowing_empty", "PSBranchSystem", "Driver", "Collective", "ServingCollective",
     "Command", "ForkCommand", "FreeCommand", "RunCommand", "EndCommand", "ErrorCommand", "parse_command",
 ]

@@ -12,6 +12,9 @@ session::
     for step, (x, y) in zip(session, loader):   # the session first: zip asks it first
         ...
 
+(``TuningSession.data_loader`` makes that loader, with a collate that turns
+a step without samples of this rank into a batch of 0 samples.)
+
 A step's indices exist only once the session has yielded the step (the
 tuner decides the next branch and batch size as training goes), so the
 loader must not read ahead: ``num_workers=0``. A loader that asks for a
@@ -20,8 +23,8 @@ batch before the session's next step gets an error saying so.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from mltuner.exceptions import InvalidArgumentError
 from mltuner.tune._system import BranchKind
@@ -29,7 +32,7 @@ from mltuner.tune._system import BranchKind
 if TYPE_CHECKING:
     from mltuner.tune.session._session import Step, TuningSession
 
-__all__ = ["StepBatchSampler"]
+__all__ = ["StepBatchSampler", "collate_allowing_empty"]
 
 
 class StepBatchSampler:
@@ -56,3 +59,24 @@ class StepBatchSampler:
         self._last = step
         offset = self._num_train if step.kind is BranchKind.TESTING else 0
         return [int(i) + offset for i in step.indices]
+
+
+def collate_allowing_empty(dataset: Any, collate_fn: Callable[[list[Any]], Any] | None = None
+                           ) -> Callable[[list[Any]], Any]:
+    """``collate_fn`` (default torch's ``default_collate``) for the session's
+    batches, where a step with none of this rank's samples is ``[]``: that
+    one becomes a batch of 0 samples, the collated first sample of
+    ``dataset`` with every tensor cut to nothing, so that it has the shapes
+    and dtypes of the others."""
+    import torch
+    from torch.utils._pytree import tree_map
+    from torch.utils.data import default_collate
+
+    inner = collate_fn or default_collate
+
+    def collate(batch: list[Any]) -> Any:
+        if batch:
+            return inner(batch)
+        return tree_map(lambda leaf: leaf[:0] if isinstance(leaf, torch.Tensor) else leaf, inner([dataset[0]]))
+
+    return collate

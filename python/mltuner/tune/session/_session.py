@@ -61,7 +61,7 @@ from mltuner.tune._log import DecisionLog
 from mltuner.tune._space import SearchSpace
 from mltuner.tune._system import BranchKind, BranchSystem, ClockReport
 from mltuner.tune.session._balance import BatchBalancer, split_counts
-from mltuner.tune.session._sampler import StepBatchSampler
+from mltuner.tune.session._sampler import StepBatchSampler, collate_allowing_empty
 from mltuner.tune.session._shared_board import SharedClaimBoard, new_board_file
 from mltuner.tune.session._steal import CARRY_WINDOW, LATE_AFTER, Claim, ClaimsThroughRankZero, Wait
 from mltuner.tune.session._commands import (
@@ -344,6 +344,8 @@ class TuningSession:
         if self._started:
             raise InvalidArgumentError("a TuningSession can be iterated once")
         self._started = True
+        if self._world > 1:
+            self._check_same_arguments()
         if self._claim_job is not None:
             self._choose_claim_board(self._claim_job)
         if self._rank == 0:
@@ -366,10 +368,11 @@ class TuningSession:
                     # The engine's waits are waits for other ranks: not this rank's own time.
                     self._busy.append(max(0.0, self._times[-1] - (self._stall_seconds() - stalled)))
                     self._busy_samples.append(len(step.indices))
-        except GeneratorExit:  # the loop left early (a break, a zip with a shorter data loader)
+        except GeneratorExit:  # the loop left early (a break, a zip with a shorter data loader, an exception)
             warnings.warn(f"the training loop left the tuning session after {self._clocks_yielded} steps, before "
-                          "the tuner ended it: final_branch is None and the decision log has no end. Iterate "
-                          "the session to its end (session.batch_sampler() gives each step's samples)",
+                          "the tuner ended it (a break or return, or an exception in the loop): final_branch is "
+                          "None and the decision log has no end. Iterate the session to its end "
+                          "(session.data_loader() gives each step's batch)",
                           stacklevel=2)
             raise
         finally:
@@ -396,13 +399,31 @@ class TuningSession:
         """Each step's indices as the batches of a ``torch.utils.data.DataLoader``
         (``batch_sampler=``, ``num_workers=0``) over ``ConcatDataset([train_set,
         validation_set])``; a TESTING step's validation indices come shifted by
-        ``num_train``. Draw one batch per step, after the step::
-
-            loader = DataLoader(ConcatDataset([train_set, val_set]), batch_sampler=session.batch_sampler())
-            for step, (x, y) in zip(session, loader):
-                ...
-        """
+        ``num_train``. A step with none of this rank's samples yields ``[]``,
+        which torch's default collate cannot take: :meth:`data_loader` makes
+        the loader with a collate that turns it into a batch of 0 samples."""
         return StepBatchSampler(self, self._num_train)
+
+    def data_loader(self, train_set: Any, validation_set: Any, *, collate_fn: Callable[[list[Any]], Any] | None = None,
+                    **loader_args: Any) -> Any:
+        """A ``torch.utils.data.DataLoader`` of each step's batch, in step with
+        the session: :meth:`batch_sampler` over ``ConcatDataset([train_set,
+        validation_set])``, ``num_workers=0``. A step with none of this rank's
+        samples (its part stolen, the last validation clock of a set that does
+        not split evenly) gets a batch of 0 samples shaped as the others
+        (torch's layers run it; see "Stealing" in docs/tuner.md for the
+        loss). Draw one batch per step, after the step::
+
+            for step, (x, y) in zip(session, session.data_loader(train_set, val_set)):
+                ...
+
+        ``collate_fn`` (default torch's ``default_collate``) and the other
+        ``loader_args`` (``pin_memory``, ...) go to the DataLoader."""
+        from torch.utils.data import ConcatDataset, DataLoader
+
+        dataset: ConcatDataset[Any] = ConcatDataset([train_set, validation_set])
+        return DataLoader(dataset, batch_sampler=self.batch_sampler(), num_workers=0,
+                          collate_fn=collate_allowing_empty(dataset, collate_fn), **loader_args)
 
     def clocks_per_epoch(self, tunables: Mapping[str, Any]) -> int:
         """Clocks in one pass over the training set with this setting."""
@@ -445,6 +466,8 @@ class TuningSession:
             raise InvalidArgumentError("report() was called twice, or on a step other than the current one")
         if step.kind is BranchKind.TESTING and accuracy is None and len(step.indices):
             raise InvalidArgumentError("a TESTING step must report its accuracy: step.report(loss, accuracy=...)")
+        if accuracy is not None and not 0.0 <= float(accuracy) <= 1.0:
+            raise InvalidArgumentError(f"accuracy must be a fraction in [0, 1] (correct / samples), got {accuracy!r}")
         self._pending = None
         self._reports.append((loss, None if accuracy is None else float(accuracy), len(step.indices)))
 
@@ -572,6 +595,25 @@ class TuningSession:
 
     def _stall_seconds(self) -> float:
         return float(getattr(self._worker, "stall_seconds", 0.0))
+
+    def _check_same_arguments(self) -> None:
+        """Every rank must give the session the same data and settings: the
+        ranks cut each clock's samples from one shuffled order, so another
+        seed or set size on one rank trains on overlapping samples without
+        a word, and ranks that disagree on stealing wait on each other's
+        gathers until the timeout."""
+        mine = {"num_train": self._num_train, "num_validation": self._num_validation,
+                "batch_size": self._batch_size, "seed": self._seed, "num_clocks_to_test": self._num_test_clocks,
+                "balance_batches": self._balance, "steal_batches": self._claim_job is not None}
+        everyone = self._allgather("arguments", mine)
+        for rank, theirs in enumerate(everyone):
+            differ = sorted(k for k in mine if not isinstance(theirs, dict) or theirs.get(k) != mine[k])
+            if differ:
+                raise InvalidArgumentError(
+                    "every rank must start the TuningSession with the same arguments; "
+                    + ", ".join(f"{k}={mine[k]!r} here, {theirs.get(k)!r} on rank {rank}" for k in differ
+                                if isinstance(theirs, dict))
+                    + " (the ranks cut each clock's samples from one shuffled order of one data set)")
 
     def _allgather(self, what: str, value: Any) -> list[Any]:
         self._sequence += 1

@@ -510,14 +510,15 @@ class Worker:
         if not isinstance(values, np.ndarray) or values.dtype != np.float32:
             what = f"an array of {values.dtype}" if isinstance(values, np.ndarray) else type(values).__name__
             raise ArgumentTypeError(f"write_initial: values must be a float32 numpy array, got {what}")
-        shape = self._update_shapes.get(int(handle))
+        handle = _handle(handle)
+        shape = self._update_shapes.get(handle)
         if shape is not None and values.ndim != 1 and values.shape != shape:
             raise InvalidArgumentError(f"write_initial: values of shape {values.shape} for update {handle}, whose "
                                        f"rows are {shape} (rows x row width; a flat array of their values works too)")
         if self._config.check_finite and not np.isfinite(values).all():
             raise NonFiniteError(f"write_initial: the initial values of update {handle} hold a NaN or an infinity "
                                  "(Config.check_finite)")
-        self._engine.write_initial(_handle(handle), values)  # the binding takes them made contiguous
+        self._engine.write_initial(handle, values)  # the binding takes them made contiguous
 
     def start_iterations(self) -> None:
         """Ends initialisation and starts the background threads."""

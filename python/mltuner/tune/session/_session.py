@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 import queue
 import threading
@@ -605,6 +606,8 @@ class TuningSession:
         mine = {"num_train": self._num_train, "num_validation": self._num_validation,
                 "batch_size": self._batch_size, "seed": self._seed, "num_clocks_to_test": self._num_test_clocks,
                 "balance_batches": self._balance, "steal_batches": self._claim_job is not None}
+        mine = {k: int(v) if isinstance(v, numbers.Integral) and not isinstance(v, bool) else v  # numpy's too: JSON
+                for k, v in mine.items()}
         everyone = self._allgather("arguments", mine)
         for rank, theirs in enumerate(everyone):
             differ = sorted(k for k in mine if not isinstance(theirs, dict) or theirs.get(k) != mine[k])

@@ -223,13 +223,24 @@ def input_shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[in
 def input_layouts(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[bool, tuple[int, ...]]]:
     """The memory layouts of a forward call's tensors (as input_shapes
     orders them): whether each covers its memory exactly once, and its
-    dimensions (of more than one element) from the densest stride up."""
+    dimensions of more than one element from the densest stride up
+    (same_layouts compares them)."""
     layouts = []
     for tensor in tensors_in((args, [kwargs[name] for name in sorted(kwargs)])):
         slot = Slot(tuple(tensor.shape), tensor.dtype, tuple(tensor.stride()))
         order = tuple(sorted((d for d, size in enumerate(tensor.shape) if size != 1), key=lambda d: tensor.stride(d)))
         layouts.append((slot.exact_layout, order))
     return layouts
+
+
+def same_layouts(now: list[tuple[bool, tuple[int, ...]]], recorded: list[tuple[bool, tuple[int, ...]]]) -> int:
+    """The first input whose layout differs from the recorded one (-1: none
+    does): the same coverage, and its dimensions in the recorded order (a
+    dimension of one element, as a batch of 1, has no place in it)."""
+    for number, ((exact, order), (then_exact, then_order)) in enumerate(zip(now, recorded)):
+        if exact != then_exact or order != tuple(d for d in then_order if d in order):
+            return number
+    return -1
 
 
 def tensors_in(value: Any) -> Iterator[torch.Tensor]:
@@ -1091,9 +1102,8 @@ class ClockDriver:
             return
         shapes = input_shapes(*inputs)
         recorded = self.input_shapes
-        layouts = input_layouts(*inputs)
-        if self.input_layouts is not None and layouts != self.input_layouts and len(shapes) == len(recorded):
-            number = next(k for k, (now, then) in enumerate(zip(layouts, self.input_layouts or [])) if now != then)
+        number = -1 if self.input_layouts is None else same_layouts(input_layouts(*inputs), self.input_layouts)
+        if number >= 0 and len(shapes) == len(recorded):
             tensor = list(tensors_in(inputs))[number]
             raise IterationMismatchError(
                 f"clock {self.clock}: input tensor #{number} {tuple(tensor.shape)} has strides {tuple(tensor.stride())}, "

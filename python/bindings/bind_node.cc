@@ -160,11 +160,11 @@ void RegisterNode(py::module_& m) {
       .def_property_readonly("aborted", &ProcessNode::aborted)
       .def(
           "export_shard_table",
-          [](ProcessNode& node, int table) {
+          [](ProcessNode& node, int table, BranchId branch) {
             ShardSlice slice;
             {
               py::gil_scoped_release release;
-              Check(node.ExportShardTable(table, &slice));
+              Check(node.ExportShardTable(table, &slice, branch));
             }
             py::dict out;
             out["first_row"] = slice.first_row;
@@ -175,9 +175,9 @@ void RegisterNode(py::module_& m) {
             out["state"] = ToNumpy(std::move(slice.state));
             return out;
           },
-          py::arg("table"),
-          "This shard's slice of a table: first_row, num_rows, values, optimizer state "
-          "(state_arrays arrays of len(values) floats, then scalars) and global_clock.", Keep())
+          py::arg("table"), py::arg("branch") = 0,
+          "This shard's slice of a table on a branch: first_row, num_rows, values, optimizer state "
+          "(state_arrays arrays of len(values) floats, then scalars) and global_clock (the branch's).", Keep())
       .def(
           "import_shard_table",
           [](ProcessNode& node, int table, py::array_t<float, py::array::c_style | py::array::forcecast> values,

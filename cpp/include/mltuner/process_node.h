@@ -175,8 +175,9 @@ class ProcessNode final : public Transport {
   void Abort(const Status& why);
   bool aborted() const;
 
-  // Checkpoints (see ServerShard::ExportTable / ImportTable).
-  Status ExportShardTable(TableId table, ShardSlice* out);
+  // Checkpoints (see ServerShard::ExportTable / ImportTable): a branch's
+  // slice out (a tuning session's final branch too), branch 0's in.
+  Status ExportShardTable(TableId table, ShardSlice* out, BranchId branch = 0);
   Status ImportShardTable(TableId table, const float* values, size_t num_values, const float* state,
                           size_t num_state);
 

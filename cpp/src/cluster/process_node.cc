@@ -663,8 +663,8 @@ bool ProcessNode::aborted() const {
   return queues_->aborted;
 }
 
-Status ProcessNode::ExportShardTable(TableId table, ShardSlice* out) {
-  return queues_->host.ExportTable(table, out);
+Status ProcessNode::ExportShardTable(TableId table, ShardSlice* out, BranchId branch) {
+  return queues_->host.ExportTable(table, out, branch);
 }
 
 Status ProcessNode::ImportShardTable(TableId table, const float* values, size_t num_values, const float* state,

@@ -258,9 +258,9 @@ Status ShardHost::DropTable(TableId table) {
   return shard_.DropTable(table);
 }
 
-Status ShardHost::ExportTable(TableId table, ShardSlice* out) {
+Status ShardHost::ExportTable(TableId table, ShardSlice* out, BranchId branch) {
   MutexLock lock(&shard_mu_);
-  return shard_.ExportTable(table, out);
+  return shard_.ExportTable(table, out, branch);
 }
 
 Status ShardHost::ImportTable(TableId table, const float* values, size_t num_values, const float* state,

@@ -102,7 +102,7 @@ class ShardHost {
   // Shard access from other threads (table registration, checkpoints).
   Status AddTable(const TableInfo& info);
   Status DropTable(TableId table);
-  Status ExportTable(TableId table, ShardSlice* out);
+  Status ExportTable(TableId table, ShardSlice* out, BranchId branch = 0);
   Status ImportTable(TableId table, const float* values, size_t num_values, const float* state,
                      size_t num_state);
 

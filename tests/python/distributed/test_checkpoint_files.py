@@ -149,3 +149,29 @@ def test_attachments_travel_with_the_checkpoint_and_a_branch_is_refused(tmp_path
             job.save_checkpoint(tmp_path)
     with pytest.raises(mltuner.NotFoundError):
         mltuner.read_attachment(tmp_path / "nowhere", "epoch.json")
+
+
+def test_after_a_tuning_session_its_final_branch_is_saved_and_restores_as_branch_0(tmp_path: Path) -> None:
+    # A session ends on a branch of its own (Worker.trained_branch): the
+    # tuned model could be kept only as values, without the servers' state.
+    env = ProcessEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=0,
+                     bind_host="127.0.0.1", secret=None, source="single")
+    rule = mltuner.UpdateRule("sgd", learning_rate=0.5, momentum=0.9)
+    with mltuner.Job(mltuner.Config(update_rule=rule, branches=True), env=env) as job:
+        table, update = prepare(job.worker)
+        job.worker.start_iterations()
+        job.worker.schedule_branch(0, 2)
+        add_clocks(job.worker, update, 2, 1.0)
+        job.worker.fork_branch(1, 0, learning_rate=0.1)  # "the winner": another rate, momentum carried
+        job.worker.schedule_branch(1, 3)
+        add_clocks(job.worker, update, 3, 1.0)
+        job.worker.trained_branch = 1  # what a session sets at its end
+        saved = job.save_checkpoint(tmp_path)
+        assert saved.name == "clock-00000005"
+        tuned = job.worker.fetch(table, branch=1)
+        assert not np.array_equal(tuned, job.worker.fetch(table, branch=0))
+    with mltuner.Job(mltuner.Config(update_rule=rule, branches=True), env=env) as job:
+        table, update = prepare(job.worker)
+        assert job.restore_checkpoint(tmp_path) == 5
+        job.worker.start_iterations()
+        np.testing.assert_array_equal(job.worker.fetch(table), tuned)

@@ -72,14 +72,18 @@ def save(node: _core.ProcessNode, worker: Worker, root: Path, barrier: Callable[
     if engine_clock == 0:
         raise OutOfOrderError("save_checkpoint needs at least one finished clock after start_iterations")
     # Branch 0's, or after a tuning session its final branch (what the model
-    # is then); a restore loads it as branch 0.
-    branch = worker.branch
-    if branch not in (0, worker.trained_branch):
+    # is then, whatever branch its last validation ran on); a restore loads
+    # it as branch 0.
+    branch = worker.trained_branch
+    if branch is None and worker.branch != 0:
         raise OutOfOrderError(f"save_checkpoint saves branch 0 or, after a tuning session, its final branch, and "
-                              f"the last clock ran on branch {branch} (a session's trials run on branches of their "
-                              "own: save before or after the session)")
+                              f"the last clock ran on branch {worker.branch} (a session's trials run on branches of "
+                              "their own: save before or after the session)")
+    branch = branch or 0
     worker.sync()  # every worker's updates through this clock are applied on every shard
-    branch_clock = int(worker.stats["branch_clock"])  # the branch's own clocks: its tables' clock on the shards
+    # The shards' clock of the branch, where its last clock is the worker's last
+    # (a finished branch's were all applied before the branches after it forked).
+    expected = int(worker.stats["branch_clock"]) - 1 if branch == worker.branch else None
     clock = first_clock + engine_clock
     name = f"clock-{clock:08d}"
     staging = root / f".{name}.tmp"
@@ -92,10 +96,10 @@ def save(node: _core.ProcessNode, worker: Worker, root: Path, barrier: Callable[
     written: dict[str, Any] = {"rank": int(node.rank), "tables": {}}
     for table in _communicated(worker):
         piece = node.export_shard_table(table.id, branch)
-        if int(piece["global_clock"]) != branch_clock - 1:
+        if expected is not None and int(piece["global_clock"]) != expected:
             raise OutOfOrderError(f"table {table.name!r} is at clock {piece['global_clock']} of branch {branch} on "
-                                  f"shard {node.rank}, expected {branch_clock - 1}: call save_checkpoint on every "
-                                  "rank at the same clock")
+                                  f"shard {node.rank}, expected {expected}: call save_checkpoint on every rank at "
+                                  "the same clock")
         values = np.asarray(piece["values"]).reshape(int(piece["num_rows"]), table.row_width)
         _save_array(shard_dir / f"table-{table.id}.values.npy", values)
         _save_array(shard_dir / f"table-{table.id}.state.npy", np.asarray(piece["state"]))

@@ -165,13 +165,18 @@ def test_after_a_tuning_session_its_final_branch_is_saved_and_restores_as_branch
         job.worker.fork_branch(1, 0, learning_rate=0.1)  # "the winner": another rate, momentum carried
         job.worker.schedule_branch(1, 3)
         add_clocks(job.worker, update, 3, 1.0)
+        job.worker.fork_branch(2, 1, training=False)  # the session's last validation, on a branch of its own
+        job.worker.schedule_branch(2, 1)
+        add_clocks(job.worker, update, 1, 0.0)
+        with pytest.raises(mltuner.OutOfOrderError, match="ran on branch 2"):
+            job.save_checkpoint(tmp_path)  # during the session
         job.worker.trained_branch = 1  # what a session sets at its end
         saved = job.save_checkpoint(tmp_path)
-        assert saved.name == "clock-00000005"
+        assert saved.name == "clock-00000006"
         tuned = job.worker.fetch(table, branch=1)
         assert not np.array_equal(tuned, job.worker.fetch(table, branch=0))
     with mltuner.Job(mltuner.Config(update_rule=rule, branches=True), env=env) as job:
         table, update = prepare(job.worker)
-        assert job.restore_checkpoint(tmp_path) == 5
+        assert job.restore_checkpoint(tmp_path) == 6
         job.worker.start_iterations()
         np.testing.assert_array_equal(job.worker.fetch(table), tuned)

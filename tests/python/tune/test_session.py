@@ -7,7 +7,7 @@ reference replays the same batches in float64 per branch.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -51,18 +51,13 @@ def record_an_update(worker: mlt.Worker) -> tuple[mlt.Table, int]:
     return table, handle
 
 
-def train(job: mlt.Job, session: TuningSession, seen: list[tuple[int, str, list[int]]]) -> None:
-    """The training loop every rank runs; records (branch, kind, indices)."""
+def train(job: mlt.Job, session: TuningSession, seen: list[tuple[int, str, list[int]]],
+          record_read_update: Callable[..., tuple[int, int]]) -> None:
+    """The training loop every rank runs (its clock recorded by conftest's
+    ``record_read_update``); records (branch, kind, indices)."""
     x, y = data()
     worker = job.worker
-    table = worker.create_table("w", 1, IN)
-    read = worker.virtual_read(table)
-    worker.virtual_post_read(read)
-    grad = worker.virtual_pre_update(table)
-    worker.virtual_update(grad)
-    worker.virtual_clock()
-    worker.finish_virtual_iteration()
-    worker.start_iterations()
+    read, grad = record_read_update(worker, worker.create_table("w", 1, IN))
     for step in session:
         w = np.asarray(worker.read(read), dtype=np.float64)[0]
         worker.post_read(read)
@@ -80,7 +75,7 @@ def train(job: mlt.Job, session: TuningSession, seen: list[tuple[int, str, list[
         worker.clock()
 
 
-def test_a_driver_forks_runs_and_frees_branches() -> None:
+def test_a_driver_forks_runs_and_frees_branches(record_read_update: Callable[..., tuple[int, int]]) -> None:
     calls: dict[str, Any] = {}
 
     def driver(system: BranchSystem) -> Any:
@@ -100,7 +95,7 @@ def test_a_driver_forks_runs_and_frees_branches() -> None:
     seen: list[tuple[int, str, list[int]]] = []
     with open_job() as job:
         session = TuningSession(job, space(), num_train=NUM_TRAIN, num_validation=NUM_VAL, driver=driver)
-        train(job, session, seen)
+        train(job, session, seen, record_read_update)
         assert session.final_branch is None  # the driver returned no branch
 
     assert [len(calls[k]) for k in ("first", "second", "test")] == [3, 2, 3]
@@ -181,13 +176,13 @@ def test_a_branch_keeps_the_rules_settings_the_space_does_not_tune() -> None:
     np.testing.assert_allclose(weights, np.full((1, IN), -0.5 * (1 + 1.9 + 2.71)), rtol=1e-6)
 
 
-def test_the_tuner_runs_through_a_session() -> None:
+def test_the_tuner_runs_through_a_session(record_read_update: Callable[..., tuple[int, int]]) -> None:
     seen: list[tuple[int, str, list[int]]] = []
     config = TunerConfig(seed=0, num_clocks_to_eval=5, max_trials_per_search=4, max_epochs=2,
                          initial_trial_time_s=0.01, num_branches=6, n_startup_trials=2)
     with open_job(max_branches=8) as job:
         session = TuningSession(job, space(), num_train=NUM_TRAIN, num_validation=NUM_VAL, config=config)
-        train(job, session, seen)
+        train(job, session, seen, record_read_update)
         assert session.result is not None and session.result.epochs == 2
         final = session.final_branch
         assert final == session.result.branch
@@ -199,13 +194,14 @@ def test_the_tuner_runs_through_a_session() -> None:
     assert kinds == {"evaluation", "training", "testing"}
 
 
-def test_errors_of_the_driver_reach_the_training_loop() -> None:
+def test_errors_of_the_driver_reach_the_training_loop(record_read_update: Callable[..., tuple[int, int]]) -> None:
     def driver(system: BranchSystem) -> Any:
         system.fork(None, {"lr": LR, "batch_size": BATCH}, BranchKind.INIT)
         raise RuntimeError("the searcher broke")
 
     with open_job() as job, pytest.raises(RuntimeError, match="the searcher broke"):
-        train(job, TuningSession(job, space(), num_train=NUM_TRAIN, num_validation=NUM_VAL, driver=driver), [])
+        session = TuningSession(job, space(), num_train=NUM_TRAIN, num_validation=NUM_VAL, driver=driver)
+        train(job, session, [], record_read_update)
 
 
 def test_a_step_must_be_reported() -> None:
@@ -245,7 +241,8 @@ def test_bad_sessions(overrides: Mapping[str, Any], kwargs: Mapping[str, Any], m
                       steal_after=float(kwargs.get("steal_after", 2.0)))
 
 
-def test_the_job_records_every_trial_in_a_journal_beside_its_log(tmp_path: Any) -> None:
+def test_the_job_records_every_trial_in_a_journal_beside_its_log(
+        tmp_path: Any, record_read_update: Callable[..., tuple[int, int]]) -> None:
     # What `mltuner tune` leaves in its output folder: decisions.jsonl and,
     # beside it, optuna.journal, which optuna.load_study opens as it is.
     import json
@@ -265,7 +262,7 @@ def test_the_job_records_every_trial_in_a_journal_beside_its_log(tmp_path: Any) 
     with open_job(max_branches=10) as job:
         session = TuningSession(job, searched, num_train=NUM_TRAIN, num_validation=NUM_VAL,
                                 config=config, log=str(log))
-        train(job, session, [])
+        train(job, session, [], record_read_update)
     storage = JournalStorage(JournalFileBackend(str(tmp_path / "optuna.journal")))
     names = {s.study_name for s in optuna.get_all_study_summaries(storage)}
     assert {"job-initial", "job-training"} <= names

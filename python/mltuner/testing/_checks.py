@@ -4,11 +4,11 @@ library's own errors, not a KeyError or an assertion."""
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Mapping
 from typing import Any
 
-from mltuner.exceptions import InvalidArgumentError, NotFoundError
+from mltuner._validate import INT64_MAX, integer
+from mltuner.exceptions import NotFoundError
 
 
 def live_branch(branch: int | None, branches: Mapping[int, Any]) -> int:
@@ -19,14 +19,9 @@ def live_branch(branch: int | None, branches: Mapping[int, Any]) -> int:
 
 
 def clock_count(clocks: int) -> int:
-    if not isinstance(clocks, numbers.Integral) or isinstance(clocks, bool) or clocks < 1:
-        raise InvalidArgumentError(f"clocks must be an integer >= 1, got {clocks!r}")
-    return int(clocks)
+    return integer("clocks", clocks, 1, INT64_MAX)
 
 
 def batch_size_of(tunables: Mapping[str, Any]) -> int:
     """The tunables' batch size (32 without one)."""
-    batch = tunables.get("batch_size", 32)
-    if not isinstance(batch, numbers.Integral) or isinstance(batch, bool) or batch < 1:
-        raise InvalidArgumentError(f"batch_size must be an integer >= 1, got {batch!r}")
-    return int(batch)
+    return integer("batch_size", tunables.get("batch_size", 32), 1, INT64_MAX)

@@ -1,6 +1,7 @@
 // Engine: access buffers become numpy arrays over engine memory (no copy);
 // every call that can block or do heavy work releases the GIL, and every one
-// that can block is interruptible by Ctrl-C (CheckInterruptibly).
+// that can block is interruptible by Ctrl-C and the engine's wait watcher
+// (CheckInterruptibly).
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
@@ -28,13 +29,13 @@ std::vector<RowId> ToRows(const RowArray& rows) {
 template <Status (Engine::*Method)(Handle, AccessBuffer*, uintptr_t)>
 py::tuple OpenBuffer(Engine& engine, Handle handle, uintptr_t stream) {
   AccessBuffer buffer;
-  CheckInterruptibly([&] { return (engine.*Method)(handle, &buffer, stream); });
+  CheckInterruptibly(&engine, [&] { return (engine.*Method)(handle, &buffer, stream); });
   return py::make_tuple(BufferToPython(buffer), buffer.data_age);
 }
 
 template <Status (Engine::*Method)(Handle, uintptr_t)>
 void PostBuffer(Engine& engine, Handle handle, uintptr_t stream) {
-  CheckInterruptibly([&] { return (engine.*Method)(handle, stream); });
+  CheckInterruptibly(&engine, [&] { return (engine.*Method)(handle, stream); });
 }
 
 // A batch of (kind, handle) pairs, kinds as OpKind's numbers; a third item,
@@ -64,7 +65,7 @@ py::list RunBatch(Engine& engine, const py::list& calls, uintptr_t stream) {
     ops.push_back(std::move(op));
   }
   std::vector<AccessBuffer> opened;
-  CheckInterruptibly([&] { return engine.Run(ops, &opened, stream); });
+  CheckInterruptibly(&engine, [&] { return engine.Run(ops, &opened, stream); });
   py::list buffers;
   for (const AccessBuffer& buffer : opened) buffers.append(BufferToPython(buffer));
   return buffers;
@@ -192,12 +193,12 @@ void RegisterEngine(py::module_& m) {
       .def("release_host_memory_during_init",
            [](Engine& e, int64_t bytes) { Check(e.ReleaseHostMemoryDuringInit(bytes)); }, py::arg("bytes"), Keep())
       .def("finish_virtual_iteration",
-           [](Engine& e) { CheckInterruptibly([&] { return e.FinishVirtualIteration(); }); }, Keep())
+           [](Engine& e) { CheckInterruptibly(&e, [&] { return e.FinishVirtualIteration(); }); }, Keep())
       .def("write_initial",
            [](Engine& e, Handle handle, const py::array_t<float, py::array::c_style | py::array::forcecast>& values) {
              const float* data = values.data();
              const int64_t count = static_cast<int64_t>(values.size());
-             CheckInterruptibly([&] { return e.WriteInitial(handle, data, count); });
+             CheckInterruptibly(&e, [&] { return e.WriteInitial(handle, data, count); });
            },
            py::arg("handle"), py::arg("values"), Keep())
       .def("start_iterations", [](Engine& e) { Check(e.StartIterations()); }, Release())
@@ -218,7 +219,7 @@ void RegisterEngine(py::module_& m) {
              py::array_t<float> out(
                  {static_cast<py::ssize_t>(ids.size()), static_cast<py::ssize_t>(std::max<int64_t>(row_width, 0))});
              float* data = out.mutable_data();
-             CheckInterruptibly([&] { return e.Fetch(table, ids, row_width, data, branch); });
+             CheckInterruptibly(&e, [&] { return e.Fetch(table, ids, row_width, data, branch); });
              return out;
            },
            py::arg("table"), py::arg("rows"), py::arg("row_width"), py::arg("branch") = -1, Keep())
@@ -230,32 +231,39 @@ void RegisterEngine(py::module_& m) {
              settings.momentum = momentum;
              settings.training = training;
              settings.slack = slack;
-             CheckInterruptibly([&] { return e.ForkBranch(child, parent, settings); });
+             CheckInterruptibly(&e, [&] { return e.ForkBranch(child, parent, settings); });
            },
            py::arg("child"), py::arg("parent"), py::arg("learning_rate"), py::arg("momentum"), py::arg("training"),
            py::arg("slack"), Keep())
-      .def("free_branch", [](Engine& e, BranchId branch) { CheckInterruptibly([&] { return e.FreeBranch(branch); }); },
+      .def("free_branch", [](Engine& e, BranchId branch) { CheckInterruptibly(&e, [&] { return e.FreeBranch(branch); }); },
            Keep())
       .def("schedule_branch",
            [](Engine& e, BranchId branch, int64_t clocks) {
-             CheckInterruptibly([&] { return e.ScheduleBranch(branch, clocks); });
+             CheckInterruptibly(&e, [&] { return e.ScheduleBranch(branch, clocks); });
            },
            Keep())
       .def("declare_empty_clock",
            [](Engine& e, WorkerId worker, BranchId branch, int64_t clock) {
-             CheckInterruptibly([&] { return e.DeclareEmptyClock(worker, branch, clock); });
+             CheckInterruptibly(&e, [&] { return e.DeclareEmptyClock(worker, branch, clock); });
            },
            py::arg("worker"), py::arg("branch"), py::arg("clock"), Keep())
-      .def("flush", [](Engine& e) { CheckInterruptibly([&] { return e.Flush(); }); }, Keep())
+      .def("flush", [](Engine& e) { CheckInterruptibly(&e, [&] { return e.Flush(); }); }, Keep())
       .def("wait_for_data_age",
            [](Engine& e, TableId table, int64_t age) {
-             CheckInterruptibly([&] { return e.WaitForDataAge(table, age); });
+             CheckInterruptibly(&e, [&] { return e.WaitForDataAge(table, age); });
            },
            Keep())
       .def("data_age", &Engine::DataAge, Keep())
       .def("stats", &Engine::Stats, Keep())
       .def("describe_plan", &Engine::DescribePlan, Keep())
-      .def("shutdown", [](Engine& e) { CheckInterruptibly([&] { return e.Shutdown(); }); }, Keep());
+      .def("set_wait_watcher", [](Engine& e, py::object watcher) { SetWaitWatcher(e, std::move(watcher)); },
+           py::arg("watcher"), "A callable(seconds_blocked) asked while a call is blocked; it raises to end the call.")
+      .def("shutdown",
+           [](Engine& e) {
+             SetWaitWatcher(e, py::none());
+             CheckInterruptibly([&] { return e.Shutdown(); });
+           },
+           Keep());
 }
 
 }  // namespace mltuner::python

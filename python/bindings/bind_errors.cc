@@ -1,6 +1,8 @@
 // Status codes become the exception classes of mltuner.exceptions.
 #include "bindings.h"
 
+#include <unordered_map>
+
 namespace py = pybind11;
 
 namespace mltuner::python {
@@ -15,17 +17,48 @@ bool OnPythonMainThread() {
   return PyThread_get_thread_ident() == main_thread;
 }
 
+// The engines' wait watchers (SetWaitWatcher), by engine. Never destroyed:
+// a Python object must not be released after the interpreter finalizes.
+std::unordered_map<const Engine*, py::object>& WaitWatchers() {
+  static auto* watchers = new std::unordered_map<const Engine*, py::object>();
+  return *watchers;
+}
+
 }  // namespace
 
-PendingSignal::PendingSignal() {
-  if (!OnPythonMainThread()) return;
+void SetWaitWatcher(const Engine& engine, py::object watcher) {
+  if (watcher.is_none()) {
+    WaitWatchers().erase(&engine);
+  } else {
+    WaitWatchers()[&engine] = std::move(watcher);
+  }
+}
+
+PendingSignal::PendingSignal(const Engine* engine) : started_(std::chrono::steady_clock::now()) {
+  signals_ = OnPythonMainThread();
+  if (engine != nullptr) {
+    auto found = WaitWatchers().find(engine);
+    if (found != WaitWatchers().end()) watcher_ = found->second;
+  }
+  if (!signals_ && !watcher_) return;
   check_ = [this] {
     py::gil_scoped_acquire acquire;
-    if (raised_) return true;
-    if (PyErr_CheckSignals() == 0) return false;
-    raised_ = std::make_unique<py::error_already_set>();  // takes the handler's exception
-    return true;
+    return Ask();
   };
+}
+
+bool PendingSignal::Ask() {
+  if (raised_) return true;
+  try {
+    if (signals_ && PyErr_CheckSignals() != 0) throw py::error_already_set();
+    if (watcher_) {
+      watcher_(std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count());
+    }
+  } catch (py::error_already_set& raised) {
+    raised_ = std::make_unique<py::error_already_set>(std::move(raised));  // the handler's or watcher's exception
+    return true;
+  }
+  return false;
 }
 
 void PendingSignal::Raise(const Status& status) {

@@ -5,6 +5,7 @@
 
 #include <pybind11/pybind11.h>
 
+#include <chrono>
 #include <memory>
 #include <stdexcept>
 
@@ -14,6 +15,10 @@
 #include "mltuner/device.h"
 #include "mltuner/interrupt.h"
 #include "mltuner/status.h"
+
+namespace mltuner {
+class Engine;
+}  // namespace mltuner
 
 namespace mltuner::python {
 
@@ -31,35 +36,50 @@ inline void Check(const Status& status) {
   if (!status.ok()) throw StatusError(status);
 }
 
-// A signal that arrives while an engine call blocks with the GIL released.
-// On Python's main thread (the only one Python runs signal handlers on),
-// check() is an interrupt check (mltuner/interrupt.h) that takes the GIL for
-// a moment and runs the pending handlers (PyErr_CheckSignals); when one
-// raises (Ctrl-C: KeyboardInterrupt) it keeps the exception and ends the
-// engine's wait, and every later wait of the same call. Elsewhere check() is
-// empty, and the engine's waits ask nothing. REQUIRES: the GIL held when
-// made, raised and destroyed.
+// What ends a blocked engine call early. On Python's main thread (the only
+// one Python runs signal handlers on) a signal: check() takes the GIL for a
+// moment and runs the pending handlers (PyErr_CheckSignals); when one raises
+// (Ctrl-C: KeyboardInterrupt) it keeps the exception and ends the engine's
+// wait, and every later wait of the same call. On any thread, the engine's
+// wait watcher (SetWaitWatcher), called with the seconds the call has been
+// blocked: when it raises, the same. With neither check() is empty, and the
+// engine's waits ask nothing. REQUIRES: the GIL held when made, raised and
+// destroyed.
 class PendingSignal {
  public:
-  PendingSignal();
+  explicit PendingSignal(const Engine* engine = nullptr);
   PendingSignal(const PendingSignal&) = delete;
   PendingSignal& operator=(const PendingSignal&) = delete;
 
   const InterruptCheck& check() const { return check_; }
-  // Raises the exception a signal handler raised during the call, whatever
-  // `status` says (the user asked to stop); else Check(status).
+  // Raises the exception a signal handler or the watcher raised during the
+  // call, whatever `status` says (the user asked to stop); else Check(status).
   void Raise(const Status& status);
 
  private:
+  bool Ask();  // the check's body; REQUIRES: the GIL held
+
   std::unique_ptr<pybind11::error_already_set> raised_;
+  pybind11::object watcher_;
+  std::chrono::steady_clock::time_point started_;
+  bool signals_ = false;
   InterruptCheck check_;
 };
 
-// Runs `call` (returning a Status) with the GIL released, Ctrl-C ending its
-// waits (PendingSignal), and raises what it returned. REQUIRES: the GIL held.
+// A Python callable that decides, while a call of `engine` is blocked,
+// whether the wait is hopeless: called every kInterruptPollInterval with the
+// seconds blocked so far, on the calling thread, it raises to end the call
+// with that exception (Job's: a rank that closed the job during a tuning
+// session). None removes it; so does the engine's shutdown. REQUIRES: the GIL
+// held.
+void SetWaitWatcher(const Engine& engine, pybind11::object watcher);
+
+// Runs `call` (returning a Status) with the GIL released, Ctrl-C (and the
+// wait watcher of `engine`, when given) ending its waits (PendingSignal), and
+// raises what it returned. REQUIRES: the GIL held.
 template <typename Call>
-void CheckInterruptibly(Call&& call) {
-  PendingSignal signal;
+void CheckInterruptibly(const Engine* engine, Call&& call) {
+  PendingSignal signal(engine);
   Status status;
   {
     ScopedInterruptCheck interruptible(signal.check());
@@ -67,6 +87,11 @@ void CheckInterruptibly(Call&& call) {
     status = call();
   }
   signal.Raise(status);
+}
+
+template <typename Call>
+void CheckInterruptibly(Call&& call) {
+  CheckInterruptibly(nullptr, std::forward<Call>(call));
 }
 
 // The CUDA backend makes its GPU current on whichever thread calls it, and

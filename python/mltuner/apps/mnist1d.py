@@ -56,6 +56,7 @@ from mltuner.tune import (
     run_optuna,
 )
 from mltuner.tune import Driver
+from mltuner.tune._log import run_log_copy
 
 __all__ = ["main", "build_space", "check_args", "load", "parse_args", "tuner_config", "update_rule", "MLP_HIDDEN",
            "Data"]
@@ -250,6 +251,8 @@ def make_driver(args: argparse.Namespace, space: SearchSpace, session: TuningSes
 def open_log(args: argparse.Namespace) -> DecisionLog | None:
     """Rank 0's decision log, shown live when --live asks for it."""
     listeners: list[Listener] = [LiveDisplay()] if args.live else []
+    copy = run_log_copy(args.log)  # --log under `mltuner run`: its display follows its own file
+    listeners += [copy] if copy is not None else []
     path = args.log or os.environ.get("MLTUNER_TUNING_LOG")
     return DecisionLog(path, listeners=listeners) if path or listeners else None
 

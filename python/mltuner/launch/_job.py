@@ -62,6 +62,10 @@ _SPARE_CONNECTIONS = 16
 # How long after a peer said it is closing a collective call of this rank
 # still waits: one that peer completed before closing may be answered late.
 _CLOSING_GRACE_S = 1.0
+# How long an engine call of a tuning session may wait while a peer has
+# closed the job before it is ended as hopeless (_watch_engine_wait): long
+# enough for the closed peer's last updates to arrive.
+_CLOSED_PEER_WAIT_S = 3.0
 # The least max_queued_bytes the plan gives (tiny models send many small messages).
 _MIN_QUEUE_BYTES = 4 << 20
 
@@ -225,6 +229,8 @@ class Job:
             except BaseException:
                 self.close(graceful=False)
                 raise
+            job = weakref.ref(self)  # the engine's watcher must not keep the job alive
+            self._node.engine.set_wait_watcher(lambda blocked_s: _watch_engine_wait(job(), blocked_s))
 
     # -- the public API -----------------------------------------------------------
     @property
@@ -365,6 +371,7 @@ class Job:
         if self._closed:
             return
         self._closed = True
+        self._node.engine.set_wait_watcher(None)
         if graceful and self._control is not None and self._lost_peer() is None:
             try:
                 if self._liveness is not None:
@@ -596,6 +603,24 @@ class Job:
                 "allgather or checkpoint waiting for every rank cannot complete: every rank must make the same "
                 "collective calls before closing")
         return self._lost_peer()
+
+
+def _watch_engine_wait(job: Job | None, blocked_s: float) -> None:
+    """Ends an engine call (raising) that waits for a rank which closed the
+    job during a tuning session: the session's clocks are on branches, which
+    a closing rank cannot lend (launch/_uneven.py), so the wait would last
+    until Config.wait_timeout_s and then blame a slow worker."""
+    if job is None or job._closed or blocked_s < _CLOSED_PEER_WAIT_S or not job.config.branches:
+        return
+    closing = job._liveness.closing if job._liveness is not None else {}
+    now = time.monotonic()
+    closed = sorted(rank for rank, heard in closing.items() if now - heard > _CLOSED_PEER_WAIT_S)
+    if closed:
+        raise OutOfOrderError(
+            f"rank {closed[0]} closed the job (its loop ended: a break, or its data ran out) while this rank waits "
+            f"for its clocks ({blocked_s:.0f} s in an engine call): clocks on branches (a tuning session's) cannot "
+            "be lent by a closing rank, so every rank must run the same clocks; iterate the session to its end on "
+            "every rank")
 
 
 def _bracketed(host: str) -> str:

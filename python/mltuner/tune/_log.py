@@ -12,7 +12,7 @@ from pathlib import Path
 from collections.abc import Callable, Iterable, Mapping
 from typing import IO, Any
 
-__all__ = ["DecisionLog", "Listener", "format_tunables"]
+__all__ = ["DecisionLog", "Listener", "format_tunables", "run_log_copy"]
 
 _logger = logging.getLogger(__name__)
 
@@ -43,6 +43,24 @@ def format_tunables(tunables: Mapping[str, Any] | None, sep: str = " ") -> str:
         return ""
     return sep.join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
                     for k, v in tunables.items())
+
+
+def run_log_copy(path: str | os.PathLike[str] | None) -> Listener | None:
+    """Under ``mltuner run`` (which sets ``$MLTUNER_TUNING_LOG`` and follows
+    that file live, then draws it): a listener that appends every record to
+    that file too, when the script chose another log file (``path``), whose
+    records the run would otherwise never see. None when not under ``mltuner
+    run``, or when ``path`` is that file (or None: the default is it)."""
+    followed = os.environ.get("MLTUNER_TUNING_LOG")
+    if not followed or path is None or Path(path).resolve() == Path(followed).resolve():
+        return None
+    target = Path(followed)
+
+    def copy(record: dict[str, Any]) -> None:
+        with open(target, "a", encoding="utf-8") as file:
+            file.write(json.dumps(record, allow_nan=False) + "\n")
+
+    return copy
 
 
 class DecisionLog:

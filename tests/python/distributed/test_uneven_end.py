@@ -102,6 +102,45 @@ def test_a_rank_that_closes_early_lends_its_clocks_to_the_one_that_trains_on(
                for m in messages), messages
 
 
+def test_a_rank_that_closes_during_clocks_on_branches_ends_the_others_wait_within_seconds(
+        record_read_update: Callable[..., tuple[int, int]]) -> None:
+    """Clocks on branches (a tuning session's) cannot be lent: rank 0 ends
+    after 3 clocks, and rank 1's read of clock 4 (slack 0) would wait for
+    it until Config.wait_timeout_s (60 s here) and then blame a slow worker.
+    The job's wait watcher ends it within seconds, naming the closed rank."""
+    jobs = start_pair(wait_timeout_s=60, branches=True)
+    failures: list[tuple[int, BaseException, float]] = []
+    errors: list[BaseException] = []
+
+    def train(rank: int) -> None:
+        try:
+            worker = jobs[rank].worker
+            table = worker.create_table("t", ROWS, WIDTH)
+            read, update = record_read_update(worker, table, 0)
+            worker.schedule_branch(0, LONG)
+            started = time.monotonic()
+            try:
+                for clock in range(SHORT if rank == 0 else LONG):
+                    worker.read(read)
+                    worker.post_read(read)
+                    worker.pre_update(update)[:] = value(rank, clock)
+                    worker.update(update)
+                    worker.clock()
+            except mltuner.MltunerError as error:
+                failures.append((rank, error, time.monotonic() - started))
+            with warnings.catch_warnings(record=True):  # "the ranks closed the job at different clocks"
+                warnings.simplefilter("always")
+                jobs[rank].close()
+        except BaseException as error:  # noqa: BLE001 - re-raised below
+            errors.append(error)
+
+    run_ranks(jobs, train, errors)
+    assert [(rank, type(error)) for rank, error, _ in failures] == [(1, mltuner.OutOfOrderError)], failures
+    _, error, seconds = failures[0]
+    assert "rank 0 closed the job" in str(error) and "tuning session" in str(error), error
+    assert seconds < 20.0, seconds
+
+
 def test_a_collective_call_after_a_rank_closed_fails_at_once(tmp_path, record_read_update) -> None:  # type: ignore[no-untyped-def]
     """A barrier or checkpoint on the rank that trains on, after the other
     closed: an OutOfOrderError naming the closed rank within a second or

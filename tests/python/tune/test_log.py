@@ -7,8 +7,10 @@ import math
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from mltuner.tune import DecisionLog, ProgressState
+from mltuner.tune._log import run_log_copy
 
 
 def test_one_json_object_per_line(tmp_path: Path) -> None:
@@ -48,3 +50,20 @@ def test_in_memory_log_and_event_filter() -> None:
     log.write("train", phase="train", loss=1.0)
     log.write("validate", phase="train", accuracy=0.6)
     assert [r["accuracy"] for r in log.events("validate")] == [0.5, 0.6]
+
+
+def test_a_copy_for_mltuner_run_only_where_the_script_logs_elsewhere(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    followed = tmp_path / "run.jsonl"
+    monkeypatch.delenv("MLTUNER_TUNING_LOG", raising=False)
+    assert run_log_copy(tmp_path / "mine.jsonl") is None  # not under `mltuner run`
+    monkeypatch.setenv("MLTUNER_TUNING_LOG", str(followed))
+    assert run_log_copy(None) is None  # the session's default is the followed file
+    assert run_log_copy(tmp_path / "." / "run.jsonl") is None  # the same file
+    copy = run_log_copy(tmp_path / "mine.jsonl")
+    assert copy is not None
+    with DecisionLog(tmp_path / "mine.jsonl", clock=lambda: 1.0, listeners=[copy]) as log:
+        log.write("start", phase="initial", loss=2.5)
+        log.write("winner", phase="initial", tunables={"lr": 0.1})
+    assert followed.read_text() == (tmp_path / "mine.jsonl").read_text()
+    assert len(followed.read_text().splitlines()) == 2

@@ -194,6 +194,23 @@ def test_the_tuner_runs_through_a_session(record_read_update: Callable[..., tupl
     assert kinds == {"evaluation", "training", "testing"}
 
 
+def test_a_log_of_the_scripts_own_under_mltuner_run_reaches_the_runs_log_too(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch, record_read_update: Callable[..., tuple[int, int]]) -> None:
+    # `mltuner run` follows $MLTUNER_TUNING_LOG live and draws it; a script
+    # that passes log= of its own left that file empty (nothing shown, no report).
+    followed, own = tmp_path / "run.jsonl", tmp_path / "mine.jsonl"
+    monkeypatch.setenv("MLTUNER_TUNING_LOG", str(followed))
+    config = TunerConfig(seed=0, num_clocks_to_eval=5, max_trials_per_search=4, max_epochs=1,
+                         initial_trial_time_s=0.01, num_branches=6, n_startup_trials=2)
+    with open_job(max_branches=8) as job:
+        session = TuningSession(job, space(), num_train=NUM_TRAIN, num_validation=NUM_VAL, config=config,
+                                log=str(own))
+        train(job, session, [], record_read_update)
+    lines = own.read_text().splitlines()
+    assert any('"event": "winner"' in line for line in lines)
+    assert followed.read_text().splitlines() == lines
+
+
 def test_errors_of_the_driver_reach_the_training_loop(record_read_update: Callable[..., tuple[int, int]]) -> None:
     def driver(system: BranchSystem) -> Any:
         system.fork(None, {"lr": LR, "batch_size": BATCH}, BranchKind.INIT)

@@ -58,7 +58,7 @@ from mltuner.client._worker import Worker
 from mltuner.exceptions import InvalidArgumentError, ShutdownError, WaitTimeoutError
 from mltuner.tune._config import TunerConfig
 from mltuner.tune._errors import TuningError
-from mltuner.tune._log import DecisionLog
+from mltuner.tune._log import DecisionLog, run_log_copy
 from mltuner.tune._space import SearchSpace
 from mltuner.tune._system import BranchKind, BranchSystem, ClockReport
 from mltuner.tune.session._balance import BatchBalancer, split_counts
@@ -757,7 +757,19 @@ class TuningSession:
         self._thread.start()
 
     def _default_driver(self, system: BranchSystem) -> Any:
-        return Tuner(system, self._space, self._config, log=self._log).run()
+        log = self._log
+        copy = run_log_copy(log.path if isinstance(log, DecisionLog) else log)
+        if copy is None:
+            return Tuner(system, self._space, self._config, log=log).run()
+        # log= and `mltuner run`: the run's display and report follow its own file.
+        if isinstance(log, DecisionLog):
+            log.listeners.append(copy)
+            try:
+                return Tuner(system, self._space, self._config, log=log).run()
+            finally:
+                log.listeners.remove(copy)
+        with DecisionLog(log, listeners=[copy]) as owned:
+            return Tuner(system, self._space, self._config, log=owned).run()
 
 
 # MLTUNER_SHARED_CLAIMS=0: claims go to rank 0 even when every rank is on one host.

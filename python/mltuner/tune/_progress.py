@@ -35,7 +35,8 @@ class ProgressState(enum.Enum):
     UNSTABLE = "unstable"
     """Some rise between points exceeds GO_UP_THRESHOLD x |range|."""
     DIVERGED = "diverged"
-    """A non-finite loss, or a last point above 10x the first."""
+    """A non-finite loss, or a last point above 10x the first (for a first
+    point below zero: risen by more than 9x its magnitude)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +112,10 @@ def summarize_progress(
     change = float(y[-1] - y[0])
     span = float(t[-1] - t[0])
     noise = max(0.0, float(np.max(np.diff(y))))
-    if y[-1] > DIVERGENCE_THRESHOLD * y[0]:
+    # 10x the first point, measured as a rise of 9x its magnitude, so that a
+    # loss below zero (a log-likelihood's, a loss with a constant offset) can
+    # converge too; the same rule as the paper's for a positive first point.
+    if y[-1] - y[0] > (DIVERGENCE_THRESHOLD - 1.0) * abs(y[0]):
         state = ProgressState.DIVERGED
     elif noise > GO_UP_THRESHOLD * abs(change):
         state = ProgressState.UNSTABLE

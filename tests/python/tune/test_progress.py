@@ -53,6 +53,19 @@ def test_divergence_threshold_is_strict() -> None:
     assert summarize_progress([1.0], [10.01], baseline=1.0).state is ProgressState.DIVERGED
 
 
+def test_a_loss_below_zero_converges_and_diverges_as_it_does_above() -> None:
+    # A loss with a constant offset (a Gaussian log-likelihood's) is the same
+    # curve shifted: its state and slope must not change with the shift.
+    losses = list(np.linspace(3.0, 1.0, 40))
+    for shift in (0.0, -4.0, -100.0):
+        summary = summarize_progress(clock_times(40), [v + shift for v in losses], baseline=3.2 + shift)
+        assert summary.state is ProgressState.CONVERGING, shift
+        assert summary.slope == pytest.approx(summarize_progress(clock_times(40), losses, baseline=3.2).slope)
+    # From -1: diverged once it has risen by more than 9x its magnitude (10x a positive start).
+    assert summarize_progress([1.0], [8.0], baseline=-1.0).state is ProgressState.UNSTABLE
+    assert summarize_progress([1.0], [8.01], baseline=-1.0).state is ProgressState.DIVERGED
+
+
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_non_finite_loss_is_diverged(bad: float) -> None:
     losses = [9.0, 8.0, bad, 6.0, 5.0]

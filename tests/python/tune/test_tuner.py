@@ -420,3 +420,26 @@ def test_a_non_finite_loss_before_a_retune_names_the_trained_model(scripted_syst
     system = scripted_system(decaying, accuracies=accuracies, baseline=lambda done: math.nan if done > 10 else 20.0)
     with pytest.raises(TuningError, match="starts search 1, from branch .*the model trained so far"):
         scripted_run(system)
+
+
+@pytest.mark.parametrize("epochs", [2, 3])
+def test_a_first_trial_that_diverges_says_nothing_of_the_other_settings(epochs: int) -> None:
+    # A short job's initial search at seed 0 first tries lr 16.7 of [1e-3,
+    # 100], which diverges. It ended the search there (the floor paid only for
+    # rounds of open trials), and the job with "no setting in the search
+    # space trains this model". Now the floor pays for further settings where
+    # the budget allows (3 epochs: a winner), and where even that is beyond
+    # it (2 epochs) the job trains the start setting, much tamer than 16.7.
+    from mltuner.testing import QuadraticSystem
+
+    space = SearchSpace([LogUniform("lr", 1e-3, 100.0, default=1e-2)])
+    config = TunerConfig(max_epochs=epochs, seed=0, max_trials_per_search=20, num_clocks_to_test=10)
+    tuner = Tuner(QuadraticSystem(samples_per_epoch=6400), space, config)
+    result = tuner.run()
+    forked = [r["tunables"]["lr"] for r in tuner.log.events("fork_trial") if r["search"] == 0]
+    assert forked[0] > 10.0  # the diverging first proposal
+    if epochs == 3:
+        assert len(forked) > 1 and tuner.log.events("winner")
+    else:
+        assert tuner.log.events("train_untuned")[0]["reason"] == "search_budget"
+    assert max(result.accuracies) > 0.8

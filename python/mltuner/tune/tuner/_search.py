@@ -160,6 +160,7 @@ class SearchResult:
             nothing about the model).
         share_s: the budget's share before the floor raised it (None:
             unbounded).
+        diverged: the settings of the trials that diverged.
     """
 
     winner: Trial | None
@@ -171,6 +172,7 @@ class SearchResult:
     budget_s: float | None = None
     budget_exhausted: bool = False
     share_s: float | None = None
+    diverged: tuple[dict[str, Any], ...] = ()
 
 
 class SearchEpisode:
@@ -380,6 +382,8 @@ class SearchEpisode:
                 # level alone says too little: there the rule stays.
                 best = self._clearly_lowest(open_trials)
             survivors = []
+            all_diverged = all(t.summary is not None and t.summary.state is ProgressState.DIVERGED
+                               for t in open_trials)
             for trial in open_trials:
                 assert trial.summary is not None
                 if trial.summary.state is ProgressState.DIVERGED:
@@ -390,6 +394,21 @@ class SearchEpisode:
                 else:
                     survivors.append(trial)
             open_trials = survivors
+            if all_diverged:
+                # Every trial diverged, which says nothing about the trial
+                # time: the floor pays for another setting at this one, as it
+                # pays for the doubling rounds until a trial converges (seen:
+                # a short job's search ended at its first trial, lr 16.7 of
+                # [1e-3, 100], and the job with "no setting trains this model").
+                new = None
+                if self._may_fork(0) and (self._affords(self._trial_time) or self._raise_budget(
+                        self._spent + self._trial_time, "trial_time", trial_time_s=self._trial_time)):
+                    new = self._new_trial()
+                if new is None:
+                    self._stop_once("budget")
+                    return None, False
+                open_trials.append(new)
+                continue
             under_cap = any(not t.capped for t in open_trials)
             doubled = self._trial_time * 2
             # Another round costs every open trial's way to the doubled time,
@@ -656,13 +675,11 @@ class SearchEpisode:
             self._note("no_progress", branch=self._parent, trials=len(self._trials),
                        seconds=self._spent, budget_s=self._budget, share_s=self._share)
         self._searcher.publish()
-        all_diverged = bool(self._trials) and all(
-            t.summary is not None and t.summary.state is ProgressState.DIVERGED
-            for t in self._trials
-        )
+        diverged = tuple(dict(t.tunables) for t in self._trials
+                         if t.summary is not None and t.summary.state is ProgressState.DIVERGED)
         return SearchResult(winner, len(self._trials), self._baseline, self._trial_time,
-                            all_diverged, self._spent, self._budget,
-                            self._stop_reason == "budget", self._share)
+                            bool(self._trials) and len(diverged) == len(self._trials), self._spent, self._budget,
+                            self._stop_reason == "budget", self._share, diverged)
 
     # -- helpers -----------------------------------------------------------------------
 

@@ -376,9 +376,12 @@ class Tuner:
             searcher, found = self._search(root, self._start_setting)
             if found.winner is not None:
                 stretch = self._begin_winner(found, searcher, root, self._start_setting, 0)
-            elif found.budget_exhausted and not found.all_diverged:
+            elif found.budget_exhausted and not any(at_least_as_aggressive(self._start_setting, failed)
+                                                    for failed in found.diverged):
                 # The budget ran out before a trial made progress: that says
-                # nothing about the model; train with the start setting.
+                # nothing about the model; train with the start setting, unless
+                # one as tame diverged (a short job's search may afford one
+                # trial, at lr 16.7 of [1e-3, 100]: that says nothing of 0.01).
                 branch = system.fork(root, self._start_setting, BranchKind.TRAINING)
                 stretch = self._begin(branch, self._start_setting, 0, root, None, None,
                                       self._start_setting, 0)

@@ -61,6 +61,9 @@ BAD_CALLS = [
     (["tune", "--target-accuracy", "1.5"], "argument --target-accuracy: expected a number in (0, 1]"),
     (["tune", "--search", "lr,wd"], "--search: unknown tunables ['wd']"),
     (["tune", "--lr-min", "0.5", "--lr-max", "0.1"], "--lr-min (0.5) must be smaller than --lr-max (0.1)"),
+    (["tune", "--lr-min", "0.1", "--lr-max", "1"],  # trials ran at lr 0.0488, below --lr-min
+     "--lr 0.01 (the starting learning rate, default 0.01) lies outside the searched range [--lr-min 0.1, "),
+    (["tune", "--lr-max", "1e7", "--lr", "2"], r"learning rates must be numbers in (0, 1e+06] (the servers' limit)"),
     (["tune", "--sampler", "bogus"], "unknown sampler 'bogus'"),
     (["tune", "-n", "2", "--slow-rank", "2"], "--slow-rank 2: there are only 2 workers"),
     (["tune", "--slow-factor", "0.5"], "argument --slow-factor: expected a number >= 1, got '0.5'"),

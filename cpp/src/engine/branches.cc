@@ -89,10 +89,16 @@ Status Engine::Impl::FreeBranch(BranchId branch) {
   }
   MLT_RETURN_IF_ERROR(Flush());
   MLT_RETURN_IF_ERROR(SendBranchRequest(MessageType::kFreeBranch, branch, ""));
-  MutexLock lock(&state_.mu);
-  state_.branches.live.erase(branch);
-  state_.branches.rule_overrides.erase(branch);
-  state_.branches.clocks.erase(branch);
+  {
+    MutexLock lock(&state_.mu);
+    state_.branches.live.erase(branch);
+    state_.branches.rule_overrides.erase(branch);
+    state_.branches.clocks.erase(branch);
+  }
+  // A branch forked later under the same id is another branch: the cache
+  // must not take its rows and data ages for this one's.
+  MutexLock ages(&state_.age_mu);
+  if (state_.cache_branch == branch) state_.cache_branch = kNoCachedBranch;
   return Status::Ok();
 }
 
@@ -103,8 +109,12 @@ Status Engine::Impl::ScheduleBranch(BranchId branch, int64_t clocks) {
   {
     MutexLock lock(&state_.mu);
     if (state_.branches.live.count(branch) == 0) return Status::NotFound("branch " + std::to_string(branch) + " does not exist");
-    // A block that continues the last one on the same branch just extends it.
-    if (!state_.branches.blocks.empty() && state_.branches.blocks.back().branch == branch) {
+    // A block that continues the last one on the same branch just extends it
+    // (not one of a freed branch whose id a new fork took: its clocks start
+    // at 0 again).
+    const ScheduledBlock* last = state_.branches.blocks.empty() ? nullptr : &state_.branches.blocks.back();
+    if (last != nullptr && last->branch == branch &&
+        last->first_internal + last->count == state_.branches.clocks[branch]) {
       state_.branches.blocks.back().count += clocks;
     } else {
       state_.branches.blocks.push_back({state_.branches.scheduled_until, clocks, branch, state_.branches.clocks[branch]});

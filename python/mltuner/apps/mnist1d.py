@@ -73,6 +73,7 @@ def build_space(args: argparse.Namespace) -> SearchSpace:
             f"--search: unknown tunables {sorted(unknown)}; choose from {', '.join(SEARCHABLE)}")
     space = default_space(args.batch_sizes if "batch_size" in searched else [args.batch_size],
                           staleness=args.staleness if "staleness" in searched else args.staleness[:1],
+                          # (check_args keeps a searched --lr in the range; unsearched, only it counts)
                           lr_range=(min(args.lr_min, args.lr), max(args.lr_max, args.lr)))
     defaults = {"lr": args.lr, "momentum": args.momentum}
     tunables = [dataclasses.replace(t, search=t.name in searched, **({"default": defaults[t.name]}
@@ -137,6 +138,10 @@ def check_args(args: argparse.Namespace, world_size: int | None = None) -> None:
     """
     if not args.lr_min < args.lr_max:
         raise InvalidArgumentError(f"--lr-min ({args.lr_min:g}) must be smaller than --lr-max ({args.lr_max:g})")
+    if "lr" in searched_names(args) and not args.lr_min <= args.lr <= args.lr_max:
+        raise InvalidArgumentError(
+            f"--lr {args.lr:g} (the starting learning rate, default 0.01) lies outside the searched range "
+            f"[--lr-min {args.lr_min:g}, --lr-max {args.lr_max:g}]: give an --lr inside it")
     if world_size is not None and args.slow_rank >= world_size:
         raise InvalidArgumentError(f"--slow-rank {args.slow_rank}: there are only {world_size} workers")
     build_space(args)

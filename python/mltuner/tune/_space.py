@@ -21,6 +21,7 @@ from typing import Any, Union
 
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution
 
+from mltuner._config import MAX_LEARNING_RATE
 from mltuner.exceptions import InvalidArgumentError
 
 __all__ = [
@@ -245,8 +246,11 @@ def _check_server_values(tunable: Tunable) -> None:
             raise InvalidArgumentError(
                 f"tunable {name!r}: a Choice of integers >= {least} is needed, got {tunable!r}")
     elif name == "lr":
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf for v in values):
-            raise InvalidArgumentError(f"tunable 'lr': learning rates must be finite numbers > 0, got {tunable!r}")
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= MAX_LEARNING_RATE
+                   for v in values):
+            raise InvalidArgumentError(
+                f"tunable 'lr': learning rates must be numbers in (0, {MAX_LEARNING_RATE:g}] (the servers' "
+                f"limit), got {tunable!r}")
     elif name == "momentum":
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= MAX_MOMENTUM
                    for v in values):

@@ -193,3 +193,42 @@ def test_sync_after_scheduling_another_branch_is_refused_whatever_the_timing(
             worker.sync()
         clock()
         worker.sync()
+
+
+def test_an_id_of_a_freed_branch_forked_again_is_a_new_branch(run_workers: Callable[..., list[Any]]) -> None:
+    """Branch 1 trains 3 clocks and is freed while the cache holds it; a new
+    branch 1 forked from branch 0 must read branch 0's values and count its
+    clocks from 0 (the cache kept the freed branch's rows and ages, and its
+    schedule continued the old one's clocks: the shards refused clock 3)."""
+    def run(worker: Worker) -> list[np.ndarray]:
+        table = worker.create_table("w", 2, 3)
+        read = worker.virtual_read(table)
+        worker.virtual_post_read(read)
+        update = worker.virtual_pre_update(table)
+        worker.virtual_update(update)
+        worker.virtual_clock()
+        worker.finish_virtual_iteration()
+        if worker.rank == 0:
+            worker.pre_update(update)[:] = 1.0
+            worker.update(update)
+        worker.start_iterations()
+        seen = []
+        for _ in range(2):  # the same id twice: forked, trained 3 clocks, freed
+            worker.fork_branch(1, 0, learning_rate=1.0)
+            worker.schedule_branch(1, 3)
+            for _ in range(3):
+                seen.append(np.array(worker.read(read), dtype=np.float64))
+                worker.post_read(read)
+                worker.pre_update(update)[:] = 1.0  # the mean of the workers: the branch loses 1 a clock
+                worker.update(update)
+                worker.clock()
+            worker.free_branch(1)
+        return seen
+
+    config = Config(update_rule=UpdateRule("sgd", learning_rate=LR0), branches=True, wait_timeout_s=20)
+    with LocalCluster(N, config) as cluster:
+        results = run_workers(run, cluster.workers, on_error=cluster.shutdown)
+    want = [np.full((2, 3), 1.0 - c) for c in range(3)] * 2
+    for seen in results:
+        for clock, (got, expected) in enumerate(zip(seen, want)):
+            np.testing.assert_array_equal(got, expected, err_msg=f"read {clock}")

@@ -135,6 +135,14 @@ def test_initial_setting_outside_the_space(scripted_system: Any) -> None:
         ({"initial_trial_time_s": 0.0}, "initial_trial_time_s"),
         ({"initial_trial_time_s": math.nan}, "initial_trial_time_s"),
         ({"n_startup_trials": -1}, "n_startup_trials"),
+        # Taken before (2.5 epochs ran 3; True counted as 1):
+        ({"max_epochs": 2.5}, "max_epochs must be an integer"),
+        ({"max_trials_per_search": 1.5}, "max_trials_per_search must be an integer"),
+        ({"num_branches": 2.5}, "num_branches must be an integer"),
+        ({"num_clocks_to_eval": True}, "num_clocks_to_eval must be an integer"),
+        ({"target_accuracy": True}, "target_accuracy must be in"),
+        ({"time_budget_s": True}, "time_budget_s must be"),
+        ({"max_rollbacks": 1.0}, "max_rollbacks must be an integer"),
     ],
 )
 def test_bad_config(fields: dict[str, Any], message: str) -> None:

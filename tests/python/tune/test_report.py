@@ -226,6 +226,16 @@ def test_malformed_log(tmp_path: Path, line: str, message: str) -> None:
         write_report(log)
 
 
+def test_a_last_line_cut_off_by_a_dying_job_is_left_out(tmp_path: Path) -> None:
+    from mltuner.tune.display._report import read_log
+
+    log = tmp_path / "decisions.jsonl"
+    log.write_text(json.dumps({"time": 1.0, "event": "start", "phase": "init"}) + "\n"
+                   + '{"time": 2.0, "event": "summ')  # no newline: the job died in this write
+    with pytest.warns(UserWarning, match=r":2: the last line is cut off"):
+        assert [r["event"] for r in read_log(log)] == ["start"]
+
+
 # -- command line ----------------------------------------------------------------------
 
 

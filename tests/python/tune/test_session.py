@@ -15,7 +15,7 @@ import pytest
 
 import mltuner as mlt
 from mltuner.launch import detect_environment
-from mltuner.tune import BranchKind, BranchSystem, Choice, LogUniform, SearchSpace, TunerConfig, TuningSession
+from mltuner.tune import BranchKind, BranchSystem, Choice, DecisionLog, LogUniform, SearchSpace, TunerConfig, TuningSession
 
 IN, NUM_TRAIN, NUM_VAL, BATCH = 4, 40, 10, 4
 LR = 0.1
@@ -55,9 +55,14 @@ def train(job: mlt.Job, session: TuningSession, seen: list[tuple[int, str, list[
           record_read_update: Callable[..., tuple[int, int]]) -> None:
     """The training loop every rank runs (its clock recorded by conftest's
     ``record_read_update``); records (branch, kind, indices)."""
+    read, grad = record_read_update(job.worker, job.worker.create_table("w", 1, IN))
+    iterate(job.worker, session, seen, read, grad)
+
+
+def iterate(worker: mlt.Worker, session: TuningSession, seen: list[tuple[int, str, list[int]]],
+            read: int, grad: int) -> None:
+    """train()'s loop over ``session``, its clock already recorded."""
     x, y = data()
-    worker = job.worker
-    read, grad = record_read_update(worker, worker.create_table("w", 1, IN))
     for step in session:
         w = np.asarray(worker.read(read), dtype=np.float64)[0]
         worker.post_read(read)
@@ -209,6 +214,25 @@ def test_a_log_of_the_scripts_own_under_mltuner_run_reaches_the_runs_log_too(
     lines = own.read_text().splitlines()
     assert any('"event": "winner"' in line for line in lines)
     assert followed.read_text().splitlines() == lines
+
+
+def test_a_second_session_starts_from_the_model_the_first_one_trained(
+        record_read_update: Callable[..., tuple[int, int]]) -> None:
+    # The first session frees branch 0, from which the second forked its
+    # root ("cannot fork from branch 0: it does not exist").
+    config = TunerConfig(seed=0, num_clocks_to_eval=5, max_trials_per_search=4, max_epochs=1,
+                         initial_trial_time_s=0.01, num_branches=6, n_startup_trials=2)
+    with open_job(max_branches=8) as job:
+        worker = job.worker
+        read, grad = record_read_update(worker, worker.create_table("w", 1, IN))
+        first = TuningSession(job, space(), num_train=NUM_TRAIN, num_validation=NUM_VAL, config=config)
+        iterate(worker, first, [], read, grad)
+        log = DecisionLog()
+        second = TuningSession(job, space(), num_train=NUM_TRAIN, num_validation=NUM_VAL, config=config, log=log)
+        iterate(worker, second, [], read, grad)
+        assert log.events("init")[0]["branch"] == first.final_branch
+        assert second.final_branch is not None and worker.trained_branch == second.final_branch
+        assert np.isfinite(worker.fetch(worker.tables[0], branch=second.final_branch)).all()
 
 
 def test_errors_of_the_driver_reach_the_training_loop(record_read_update: Callable[..., tuple[int, int]]) -> None:

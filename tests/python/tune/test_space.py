@@ -124,8 +124,10 @@ def test_bad_declarations_are_refused(make: object, message: str) -> None:
     (Choice("batch_size", [True, 32], default=32), "batch_size.*integers >= 1"),
     (Choice("staleness", [-1, 0], default=0), "staleness.*integers >= 0"),
     (Choice("staleness", ["a", 0], default=0), "staleness.*integers >= 0"),
-    (Uniform("lr", -1.0, 1.0), "learning rates must be finite numbers > 0"),
-    (Choice("lr", [0.0, 0.1], default=0.1), "learning rates must be finite numbers > 0"),
+    (Uniform("lr", -1.0, 1.0), r"learning rates must be numbers in \(0, 1e\+06\]"),
+    (Choice("lr", [0.0, 0.1], default=0.1), r"learning rates must be numbers in \(0, 1e\+06\]"),
+    (LogUniform("lr", 1e-30, 1e30), r"learning rates must be numbers in \(0, 1e\+06\]"),  # a fork refused 4.6e20
+    (LogUniform("lr", 1e-3, 1e7, default=1e-2), "the servers' limit"),
     (Uniform("momentum", 0.0, 1.0), r"momentum.*\[0, 0.99\]"),
 ])
 def test_values_the_servers_cannot_run_are_refused_with_the_space(tunable: Any, message: str) -> None:

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,6 +39,9 @@ def read_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Reads a decision log's records, checking that each line is a JSON
     object with a numeric ``time`` and a string ``event``.
 
+    A last line cut off without its newline (a job that died while writing
+    it) is left out with a warning.
+
     Raises:
         FileNotFoundError: no such file.
         InvalidArgumentError: the file is empty, or a line is malformed (the
@@ -54,6 +58,10 @@ def read_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
+                if not line.endswith("\n") and records:  # the last line, cut off by a job that died writing it
+                    warnings.warn(f"{log}:{number}: the last line is cut off (not JSON: {error.msg}); "
+                                  "reading the records before it", stacklevel=2)
+                    break
                 raise InvalidArgumentError(
                     f"{log}:{number}: not JSON ({error.msg} at column {error.colno}); a "
                     "decision log has one JSON object per line"

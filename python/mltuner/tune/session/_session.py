@@ -84,7 +84,6 @@ __all__ = ["TuningSession", "Step", "PSBranchSystem", "Driver", "Collective", "S
 _MAX_CLOCKS_PER_RUN = 2000
 # Clocks whose busy times a rank sends at the end of a run, for the balancer.
 _BUSY_CLOCKS_SENT = 128
-_ROOT = 0  # the engine's branch 0 holds the initial weights
 
 
 class Collective(Protocol):
@@ -297,6 +296,11 @@ class TuningSession:
         # `mltuner run` tells rank 0 where to log through the environment.
         self._log = log if log is not None else os.environ.get("MLTUNER_TUNING_LOG")
         self.driver: Driver | None = driver  # may be set until the loop starts
+        # The INIT root: the engine's branch 0, which holds the weights written
+        # before start_iterations, or a previous session's final branch (the
+        # model it trained; it freed every other branch, and branch 0).
+        trained = self._worker.trained_branch
+        self._root_branch = 0 if trained is None else trained
         self._branches: dict[int, _Branch] = {}
         self._permutations: dict[int, np.ndarray] = {}
         self._sequence = 0  # allgathers so far: their names
@@ -840,8 +844,8 @@ class PSBranchSystem:
     Its methods run on the driver's thread: each queues a command for the
     training loop's thread and waits (bounded) for it to be done on every
     rank. Branch ids are handed out in order; the INIT root is the engine's
-    branch 0, whose weights the application wrote before ``start_iterations``
-    (running it is a no-op).
+    branch 0, whose weights the application wrote before ``start_iterations``,
+    or a previous session's final branch (running it is a no-op).
     """
 
     def __init__(self, session: TuningSession) -> None:
@@ -849,7 +853,8 @@ class PSBranchSystem:
         # Wire form (JSON objects): what rank 0 hands to allgather.
         self._commands: queue.Queue[dict[str, Any]] = queue.Queue()
         self._answers: queue.Queue[Any] = queue.Queue()
-        self._next_id = _ROOT + 1
+        self._root = session._root_branch
+        self._next_id = self._root + 1  # the root is the newest live branch
         self._closed = False
         self._ended = False
         self.elapsed_s = 0.0  # clock time of every branch run so far
@@ -858,8 +863,8 @@ class PSBranchSystem:
 
     def fork(self, parent: int | None, tunables: Mapping[str, Any], kind: BranchKind) -> int:
         """Forks a branch on every rank (:meth:`BranchSystem.fork`). The INIT
-        root (``parent`` None) is the engine's branch 0; other branches get
-        the next id.
+        root (``parent`` None) is the session's root branch; other branches
+        get the next id.
 
         Raises:
             mltuner.InvalidArgumentError: ``tunables`` is not a setting of the
@@ -869,7 +874,7 @@ class PSBranchSystem:
         if parent is None:
             if kind is not BranchKind.INIT:
                 raise InvalidArgumentError(f"only an INIT branch has no parent, got {kind}")
-            child = _ROOT
+            child = self._root
         else:
             child, self._next_id = self._next_id, self._next_id + 1
         self._call(ForkCommand(child, parent, dict(tunables), kind))
@@ -891,7 +896,7 @@ class PSBranchSystem:
         """
         if clocks < 1:
             raise InvalidArgumentError(f"run needs clocks >= 1, got {clocks}")
-        if branch == _ROOT:
+        if branch == self._root:
             return [ClockReport(loss=0.0, seconds=0.0)] * clocks
         reports: list[ClockReport] = []
         while len(reports) < clocks:

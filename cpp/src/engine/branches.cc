@@ -63,13 +63,20 @@ Status Engine::Impl::ForkBranch(BranchId child, BranchId parent, const BranchSet
     (void)SendBranchRequest(MessageType::kFreeBranch, child, "");
   }
   MLT_RETURN_IF_ERROR(forked);
-  MutexLock lock(&state_.mu);
-  state_.branches.live[child] = settings;
-  BranchSettings overrides = state_.branches.rule_overrides[parent];
-  if (settings.learning_rate >= 0) overrides.learning_rate = settings.learning_rate;
-  if (settings.momentum >= 0) overrides.momentum = settings.momentum;
-  state_.branches.rule_overrides[child] = overrides;
-  state_.branches.clocks[child] = 0;
+  {
+    MutexLock lock(&state_.mu);
+    state_.branches.live[child] = settings;
+    BranchSettings overrides = state_.branches.rule_overrides[parent];
+    if (settings.learning_rate >= 0) overrides.learning_rate = settings.learning_rate;
+    if (settings.momentum >= 0) overrides.momentum = settings.momentum;
+    state_.branches.rule_overrides[child] = overrides;
+    state_.branches.clocks[child] = 0;
+  }
+  // The cache may still hold a freed branch of this id (the last clocks ran
+  // on it): that is another branch, whose rows and data ages this one must
+  // not take.
+  MutexLock ages(&state_.age_mu);
+  if (state_.cache_branch == child) state_.cache_branch = kNoCachedBranch;
   return Status::Ok();
 }
 
@@ -89,16 +96,10 @@ Status Engine::Impl::FreeBranch(BranchId branch) {
   }
   MLT_RETURN_IF_ERROR(Flush());
   MLT_RETURN_IF_ERROR(SendBranchRequest(MessageType::kFreeBranch, branch, ""));
-  {
-    MutexLock lock(&state_.mu);
-    state_.branches.live.erase(branch);
-    state_.branches.rule_overrides.erase(branch);
-    state_.branches.clocks.erase(branch);
-  }
-  // A branch forked later under the same id is another branch: the cache
-  // must not take its rows and data ages for this one's.
-  MutexLock ages(&state_.age_mu);
-  if (state_.cache_branch == branch) state_.cache_branch = kNoCachedBranch;
+  MutexLock lock(&state_.mu);
+  state_.branches.live.erase(branch);
+  state_.branches.rule_overrides.erase(branch);
+  state_.branches.clocks.erase(branch);
   return Status::Ok();
 }
 

@@ -718,6 +718,10 @@ Status Engine::Impl::WaitForDataAge(TableId table, mltuner::Clock age) {
   // Refused whether or not the allocator has switched the cache yet (it may
   // at any moment once the next clock is scheduled), so that the outcome
   // never depends on timing.
+  if (state_.cache_branch == kNoCachedBranch) {
+    return Status::OutOfOrder("branch " + std::to_string(branch) + " of the last finished clock was freed and "
+                              "forked again since: there is no data age to wait for until a clock runs");
+  }
   if ((next >= 0 && next != branch) || state_.cache_branch != branch) {
     const BranchId other = next >= 0 && next != branch ? next : state_.cache_branch;
     return Status::OutOfOrder("the next clock is scheduled on branch " + std::to_string(other) +

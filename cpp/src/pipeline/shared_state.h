@@ -41,8 +41,8 @@ namespace mltuner {
 
 enum class Phase { kDefining, kRecorded, kRunning, kShutdown };
 
-// SharedState::cache_branch once the branch the cache held was freed: the
-// next clock switches the cache, whatever branch it runs on.
+// SharedState::cache_branch once a branch was forked under the id of the one
+// the cache held (freed): the next clock switches the cache.
 inline constexpr BranchId kNoCachedBranch = -1;
 
 enum class SlotState { kEmpty, kReady, kInUse, kPosted };
@@ -110,7 +110,8 @@ class SharedState {
   CondVar age_cv{&age_mu};
   std::vector<std::vector<mltuner::Clock>> shard_age GUARDED_BY(age_mu);  // [table][shard]
   std::vector<mltuner::Clock> data_age GUARDED_BY(age_mu);                // [table] = min over shards
-  // The branch whose rows the cache holds; kNoCachedBranch after it was freed.
+  // The branch whose rows the cache holds; kNoCachedBranch once its id was
+  // forked again.
   BranchId cache_branch GUARDED_BY(age_mu) = 0;
   int64_t next_request_id GUARDED_BY(age_mu) = 1;
   std::unordered_map<int64_t, std::shared_ptr<PendingRequest>> requests GUARDED_BY(age_mu);

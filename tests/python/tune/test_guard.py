@@ -293,6 +293,16 @@ def test_a_loss_clearly_above_the_start_raises_the_alarm() -> None:
     assert alarm is not None and alarm.reason == "collapsed"
 
 
+def test_chunks_of_one_clock_are_too_short_to_call_a_collapse() -> None:
+    # An epoch of one clock (40 samples, batches of 32) gives chunks of one
+    # loss, without a spread: each a hair above the start counted as
+    # "clearly above" it, and a job rolled back five times on noise.
+    guard = TrainingGuard(start_loss=2.3033)
+    for loss in (2.31, 2.305, 2.32, 2.29, 2.306, 2.31):
+        assert guard.check([0.01], [loss]) is None
+    assert guard.check([0.01], [math.nan]) is not None  # divergence is still caught
+
+
 def test_one_small_dip_is_noise_two_or_a_deep_one_a_collapse() -> None:
     margin = 0.05
     assert not validation_collapsed([], 0.8, margin)

@@ -227,6 +227,7 @@ def test_a_second_session_starts_from_the_model_the_first_one_trained(
         read, grad = record_read_update(worker, worker.create_table("w", 1, IN))
         first = TuningSession(job, space(), num_train=NUM_TRAIN, num_validation=NUM_VAL, config=config)
         iterate(worker, first, [], read, grad)
+        worker.sync()  # the last clocks' branch is freed; the values read after a session wait for it
         log = DecisionLog()
         second = TuningSession(job, space(), num_train=NUM_TRAIN, num_validation=NUM_VAL, config=config, log=log)
         iterate(worker, second, [], read, grad)

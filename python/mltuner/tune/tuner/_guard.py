@@ -117,18 +117,19 @@ class TrainingGuard:
         self._last_mean = mean
         if mean > DIVERGENCE_THRESHOLD * abs(self._start):
             return Alarm("diverged", mean, reference, self._band)
-        spread = math.sqrt(math.fsum((v - mean) ** 2 for v in losses) / max(1, len(losses) - 1))
-        error = spread / math.sqrt(len(losses))
-        self._trained = mean < self._start - CLEAR_DROP_ERRORS * error
-        self._dropped = self._dropped or self._trained
-        # Back at the start: within one standard error of it, or above (a
-        # dead network's constant output may fit the class frequencies a
-        # little better than the untrained one did).
-        back = mean >= self._start - error
-        # Clearly above the start: worse than the untrained network (one that
-        # died within its trial, never to go below the start in training).
-        above = mean > self._start + CLEAR_DROP_ERRORS * error
-        self._at_start = self._at_start + 1 if (self._dropped and back) or above else 0
+        if len(losses) >= 2:  # one loss has no spread to measure "clearly" by (an epoch of one clock)
+            spread = math.sqrt(math.fsum((v - mean) ** 2 for v in losses) / (len(losses) - 1))
+            error = spread / math.sqrt(len(losses))
+            self._trained = mean < self._start - CLEAR_DROP_ERRORS * error
+            self._dropped = self._dropped or self._trained
+            # Back at the start: within one standard error of it, or above (a
+            # dead network's constant output may fit the class frequencies a
+            # little better than the untrained one did).
+            back = mean >= self._start - error
+            # Clearly above the start: worse than the untrained network (one that
+            # died within its trial, never to go below the start in training).
+            above = mean > self._start + CLEAR_DROP_ERRORS * error
+            self._at_start = self._at_start + 1 if (self._dropped and back) or above else 0
         if self._reference is None or mean < self._reference:
             self._reference = mean
             noise = summary.noise if math.isfinite(summary.noise) else 0.0

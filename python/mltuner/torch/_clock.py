@@ -259,6 +259,22 @@ def tensors_in(value: Any) -> Iterator[torch.Tensor]:
             yield from tensors_in(getattr(value, field.name))
 
 
+def _module_at(model: nn.Module, name: str) -> nn.Module | None:
+    """The submodule of ``model`` at qualified ``name``, or None."""
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def _parameter_at(model: nn.Module, name: str) -> nn.Parameter | None:
+    """The parameter of ``model`` at qualified ``name``, or None."""
+    try:
+        return model.get_parameter(name)
+    except AttributeError:
+        return None
+
+
 class ClockDriver:
     """Records one clock, plans the virtual iteration, then drives the
     engine from the model's hooks. One per wrapped model; used by one thread
@@ -683,6 +699,7 @@ class ClockDriver:
             if expected.kind == kind and expected.layer == layer and expected.slot == slot:
                 self._cursor = index + 1
                 return index
+        self._refuse_replaced()
         event = Event(kind, layer, slot)  # type: ignore[arg-type]
         described = self._describe(events[index]) if index < len(events) else "the end of the clock"
         raise IterationMismatchError(
@@ -690,6 +707,35 @@ class ClockDriver:
             f"a {described}; every clock must run the same layers in the same order as the recording "
             f"pass of wrap(){self._mismatch_cause(events[index] if index < len(events) else None)}"
         )
+
+    def _refuse_replaced(self) -> None:
+        """Where a clock left the recorded one: raises UnsupportedModelError,
+        and the model can train no further, if a module or parameter of the
+        layers is no longer where wrap() found it, the likely cause."""
+        replaced = self._replaced()
+        if replaced is None:
+            return
+        error = UnsupportedModelError(
+            f"clock {self.clock}: {replaced} of the wrapped model was replaced or removed after wrap() (a new head "
+            "assigned to model.module, say), which is not supported: the servers hold the parameters wrap() found "
+            "and every clock must run the layers its recording pass saw, so a new module's parameters would never "
+            "train. Make such changes before wrap(), or unwrap() and wrap the module on a new job's worker"
+        )
+        self._fail(error)
+        raise error
+
+    def _replaced(self) -> str | None:
+        """The first module or parameter of the layers that is no longer
+        where wrap() found it in the model, in words; None if every one is.
+        A walk over the layers, made only once a clock has failed."""
+        for layer in self.layers:
+            for name, module in (*layer.members, *layer.callers):
+                if _module_at(self.model, name) is not module:
+                    return f"module {name!r}"
+            for slot in layer.params:
+                if _parameter_at(self.model, slot.name) is not slot.param:
+                    return f"parameter {slot.name!r}"
+        return None
 
     def _mismatch_cause(self, expected: Event | None) -> str:
         """The likely cause of a clock that left the recorded order, where
@@ -1071,6 +1117,7 @@ class ClockDriver:
                 self._forward_events = self._recorded_forward_events = len(self._events)
             elif self._cursor != self._forward_events:
                 with self._mutating():
+                    self._refuse_replaced()
                     event = self._events[self._cursor]
                     raise IterationMismatchError(
                         f"clock {self.clock}: the forward pass ended before the recorded {self._describe(event)}; "
@@ -1374,9 +1421,16 @@ class ClockDriver:
             slot = self._next_slot
             if self._recording:
                 self._acts.add(tensor)
-            layout = self._acts.slots[slot]
+            try:
+                layout = self._acts.slots[slot]
+            except IndexError:
+                self._refuse_more_saved()
             index = self._next("store", slot=slot) if layout.stored else -1
-            this_clock = self._acts.check(slot, key[2], key[4], key[3], self.clock)
+            try:
+                this_clock = self._acts.check(slot, key[2], key[4], key[3], self.clock)
+            except IterationMismatchError:
+                self._refuse_replaced()
+                raise
             if this_clock is not layout:  # smaller than recorded: its rows hold it
                 self._shrunk[slot] = this_clock
             self._next_slot += 1
@@ -1387,6 +1441,16 @@ class ClockDriver:
                 self._acts.hold(slot, tensor)  # for the recomputations that read it
             self._saved[key] = (weakref.ref(tensor.untyped_storage()), ref)
             return tensor if ref is None else ref
+
+    def _refuse_more_saved(self) -> NoReturn:
+        """A forward pass that saves more tensors than the recording's."""
+        self._refuse_replaced()
+        raise IterationMismatchError(
+            f"clock {self.clock}: the forward pass saved more tensors for the backward pass than the "
+            f"{len(self._acts.slots)} of the recording pass of wrap(); with store_activations=True the local tables "
+            "are sized by the recording pass, so every clock must save the recorded ones in the recorded order "
+            "(a model whose saved tensors depend on the data: wrap() without store_activations)"
+        )
 
     # -- the backward pass -------------------------------------------------------------
     def _unpack(self, packed: Any) -> torch.Tensor:
@@ -1537,6 +1601,7 @@ class ClockDriver:
         with self._mutating():
             if grad is None or grad.layout != torch.strided:
                 raise UnsupportedModelError(f"{name!r} got a sparse or missing gradient: only dense gradients")
+            self._refuse_replaced()
             raise UnsupportedModelError(
                 f"{name!r} got a gradient, but module {layer.name!r} did not run in this forward pass: the "
                 "parameter is used outside the forward of the module that owns it; add the calling "
@@ -1565,6 +1630,7 @@ class ClockDriver:
             while self._cursor < len(self._events) and self._events[self._cursor].kind == "update":
                 self._layer_done(self.layers[self._events[self._cursor].layer])
         if len(self._updated) < len(self.layers):
+            self._refuse_replaced()
             missing = [layer.name for layer in self.layers if layer.index not in self._updated]
             raise OutOfOrderError(
                 f"step() before the backward pass of clock {self.clock} finished: no gradient yet for layer(s) "
@@ -1572,6 +1638,7 @@ class ClockDriver:
             )
         with self._mutating():
             if self._cursor != len(self._events):
+                self._refuse_replaced()
                 raise IterationMismatchError(
                     f"clock {self.clock}: the backward pass ended before the recorded "
                     f"{self._describe(self._events[self._cursor])}"
@@ -1665,6 +1732,7 @@ class ClockDriver:
                 if grad is None:
                     self._grad_errors = True
                     with self._mutating():
+                        self._refuse_replaced()
                         raise IterationMismatchError(
                             f"clock {self.clock}: {layer.params[position].name!r} got no gradient, but it did in the "
                             f"recording pass of wrap(): module {layer.name!r} did not run in this forward pass, or "

@@ -282,7 +282,7 @@ def find_layers(model: nn.Module, row_width: int,
     callers: list[tuple[int, str, nn.Module]] = []  # (layer, module name, module) of tied weights
 
     def qualify(module_name: str, name: str) -> str:
-        return f"{module_name}.{name}" if module_name else name
+        return f"{module_name}.{name}" if module_name and name else module_name or name
 
     def add_layer(module_name: str, module: nn.Module, recurse: bool) -> None:
         held = module.named_parameters(recurse=True) if recurse else _held_directly(module)

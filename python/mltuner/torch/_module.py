@@ -283,7 +283,7 @@ class PSModule(nn.Module):
 
 
 # The original optimizer's instance attributes take_over_source() sets.
-_TAKEN_OVER = ("step", "_step_supports_amp_scaling")
+_TAKEN_OVER = ("step", "_step_supports_amp_scaling", "state_dict", "load_state_dict", "add_param_group")
 
 
 class ClockOptimizer(torch.optim.Optimizer):
@@ -301,7 +301,8 @@ class ClockOptimizer(torch.optim.Optimizer):
     groups cannot be added.
 
     Until :meth:`PSModule.unwrap`, the original optimizer's own ``step()``
-    ends the clock too (:meth:`take_over_source`).
+    ends the clock too, and its ``state_dict()``, ``load_state_dict()`` and
+    ``add_param_group()`` are this object's (:meth:`take_over_source`).
 
     ``scaler.step(model.optimizer)`` of a ``torch.amp.GradScaler`` passed to
     ``wrap(..., grad_scaler=scaler)`` works as with a torch optimizer, after
@@ -357,12 +358,18 @@ class ClockOptimizer(torch.optim.Optimizer):
         moments (``model.save_checkpoint()`` saves them, ``wrap(...,
         resume_from=)`` restores them). Warns once where the rule keeps such
         state, which a checkpoint of this dict alone would lose."""
+        self._warn_stateless()
+        return super().state_dict()
+
+    def _warn_stateless(self) -> None:
+        """For a state_dict() call (this one's or the original
+        optimizer's): warns once where the rule keeps state that the dict
+        lacks."""
         if not self._warned_stateless and self._model._driver.rule_has_state():
             self._warned_stateless = True
             warnings.warn("the wrapped model's optimizer.state_dict() holds the param groups but not the servers' "
                           "optimizer state (momentum buffers, Adam's moments): save model.save_checkpoint() to "
-                          "resume with them", stacklevel=2)
-        return super().state_dict()
+                          "resume with them", stacklevel=3)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Sets the param groups' settings (a schedule's ``lr``), as torch
@@ -399,7 +406,8 @@ class ClockOptimizer(torch.optim.Optimizer):
             super().add_param_group(param_group)
             return
         raise InvalidArgumentError("add_param_group on a wrapped model's optimizer: the tables and their rules are "
-                                   "made by wrap(); give wrap() an optimizer with every group")
+                                   "made by wrap(); give wrap() an optimizer with every group (a parameter outside "
+                                   "the model, as a learnable loss weight, may have a torch optimizer of its own)")
 
     def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
         """Ends the clock (:meth:`PSModule.step`); under a ``GradScaler``
@@ -433,40 +441,25 @@ class ClockOptimizer(torch.optim.Optimizer):
         """Nothing to do: gradients are cleared as they are handed over."""
 
     def take_over_source(self) -> None:
-        """Makes the original optimizer's ``step()`` end the clock too, so
-        that a converted loop may keep calling it: its own step would run a
-        torch update on the parameters the engine lent for the clock (or on
-        nothing), beside the servers'. An instance attribute, bound like a
-        method, so that a scheduler made later can wrap it as usual; the
-        optimizer holds the wrapped model weakly."""
+        """Makes the original optimizer this one until unwrap(): its
+        ``step()`` ends the clock, so that a converted loop may keep calling
+        it (its own step would run a torch update on the parameters the
+        engine lent for the clock, or on nothing, beside the servers'), and
+        its ``state_dict()``, ``load_state_dict()`` and ``add_param_group()``
+        are this one's: torch's load would replace the param-group dicts
+        whose rates reach the servers, its add_param_group would add a group
+        that no table holds, and its state_dict would leave out the servers'
+        state without a word. Instance attributes, bound like methods, so
+        that a scheduler made later can wrap step() as usual; the optimizer
+        holds the wrapped model weakly."""
         source = self._source
         if source is None:
             return
-        me = weakref.ref(self)
-
-        def step(optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> None:
-            clock_optimizer = me()
-            if clock_optimizer is None:
-                raise OutOfOrderError("the model this optimizer was given to wrap() with is gone")
-            if hasattr(optimizer, "found_inf"):  # set by GradScaler.step: its inf check read only these groups
-                for name in ("found_inf", "grad_scale"):  # GradScaler removes them only after a step that returns
-                    optimizer.__dict__.pop(name, None)
-                raise InvalidArgumentError(
-                    "scaler.step() on the optimizer given to wrap(): with a wrapped model, call "
-                    "scaler.step(model.optimizer), whose param groups tell the scaler when a clock overflowed"
-                    + ("" if clock_optimizer._model._scaled is not None else
-                       ", and pass the scaler as wrap(..., grad_scaler=scaler)")
-                )
-            clock_optimizer.step(closure)
-
-        # What torch's LRScheduler puts on a step it wraps: a scheduler made
-        # before wrap() then does not warn that step() was replaced (step()
-        # marks _opt_called itself), and one made after leaves it as it is.
-        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
         self._saved_source_attrs = {name: source.__dict__[name] for name in _TAKEN_OVER if name in source.__dict__}
-        source.step = types.MethodType(step, source)  # type: ignore[method-assign]
+        for name, method in _source_methods(weakref.ref(self)).items():
+            setattr(source, name, types.MethodType(method, source))
         # GradScaler.step then calls step() whatever the overflow, so that
-        # the error above says what to do instead of a clock left open.
+        # the error of its step says what to do instead of a clock left open.
         source._step_supports_amp_scaling = True  # type: ignore[attr-defined]
 
     def give_back_source(self, warn_on_step: bool) -> None:
@@ -490,6 +483,50 @@ class ClockOptimizer(torch.optim.Optimizer):
                 "model.save_checkpoint() before unwrap() keeps them, for wrap(..., resume_from=...)", stacklevel=3)
 
         handle = source.register_step_pre_hook(warn_once)
+
+
+def _source_methods(me: weakref.ref[ClockOptimizer]) -> dict[str, Callable[..., Any]]:
+    """The methods :meth:`ClockOptimizer.take_over_source` gives the
+    original optimizer: each one calls the wrapped model's optimizer
+    (``me``, held weakly)."""
+
+    def clock_optimizer() -> ClockOptimizer:
+        found = me()
+        if found is None:
+            raise OutOfOrderError("the model this optimizer was given to wrap() with is gone")
+        return found
+
+    def step(optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> None:
+        found = clock_optimizer()
+        if hasattr(optimizer, "found_inf"):  # set by GradScaler.step: its inf check read only these groups
+            for name in ("found_inf", "grad_scale"):  # GradScaler removes them only after a step that returns
+                optimizer.__dict__.pop(name, None)
+            raise InvalidArgumentError(
+                "scaler.step() on the optimizer given to wrap(): with a wrapped model, call "
+                "scaler.step(model.optimizer), whose param groups tell the scaler when a clock overflowed"
+                + ("" if found._model._scaled is not None else ", and pass the scaler as wrap(..., grad_scaler=scaler)")
+            )
+        found.step(closure)
+
+    def state_dict(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        clock_optimizer()._warn_stateless()
+        # torch's, of the optimizer's own groups (without a GradScaler's
+        # stand-in group, so that it loads into the plain optimizer too);
+        # its per-parameter state is empty, as check_optimizer found it.
+        return torch.optim.Optimizer.state_dict(optimizer)
+
+    def load_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        clock_optimizer().load_state_dict(state_dict)
+
+    def add_param_group(optimizer: torch.optim.Optimizer, param_group: dict[str, Any]) -> None:
+        clock_optimizer().add_param_group(param_group)
+
+    # What torch's LRScheduler puts on a step it wraps: a scheduler made
+    # before wrap() then does not warn that step() was replaced (step()
+    # marks _opt_called itself), and one made after leaves it as it is.
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    return {"step": step, "state_dict": state_dict, "load_state_dict": load_state_dict,
+            "add_param_group": add_param_group}
 
 
 def _default_loss(output: Any) -> torch.Tensor:
@@ -793,8 +830,10 @@ def wrap(
             bfloat16 autocast needs no scaler.
         optimizer: the training script's ``torch.optim.SGD``, ``Adam`` or
             ``AdamW`` over the module's trainable parameters (every one of
-            them, in any param groups). Its own ``step()`` is never called:
-            use ``model.optimizer``. A child module whose parameters are in
+            them, in any param groups). Until :meth:`PSModule.unwrap` its
+            ``step()``, ``state_dict()``, ``load_state_dict()`` and
+            ``add_param_group()`` are ``model.optimizer``'s (torch's never
+            run: :meth:`ClockOptimizer.take_over_source`). A child module whose parameters are in
             several groups becomes several tables; a module's own
             parameters must share a group's settings (one rule per table).
             None: ``Config.update_rule`` for every table.

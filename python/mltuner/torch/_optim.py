@@ -16,7 +16,10 @@ Any other torch optimizer that steps on a wrapped model's parameters (one
 made from ``model.parameters()`` after ``wrap()``) is refused by a global
 step pre-hook (:func:`guard_parameters`): its update would run on the
 buffers the engine lends for the clock, or on the NaN placeholders between
-clocks, while the servers apply theirs.
+clocks, while the servers apply theirs. So is, by a global parameter
+registration hook, a wrapped parameter registered in another place
+(``torch.nn.utils.prune`` moves a weight to ``weight_orig`` and computes its
+mask from the placeholder then).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch import nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from mltuner._config import MAX_LEARNING_RATE, RuleName, UpdateRule
@@ -41,13 +46,20 @@ __all__ = ["check_optimizer", "rule_for_group", "groups_of_layers", "LearningRat
 
 SUPPORTED_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 
-# The keys of each optimizer's param groups that its server rule takes,
-# besides "lr" (the only one that may change after wrap()).
+# The keys of each optimizer's param groups that change its step's math,
+# besides "lr" (the only one that may change after wrap()): the server rule
+# takes them, or refuses them (maximize=True). The others ("foreach",
+# "fused", "capturable", "differentiable") choose how torch computes the
+# same step.
 _RULE_KEYS = {
-    torch.optim.SGD: ("momentum", "dampening", "weight_decay", "nesterov"),
-    torch.optim.Adam: ("betas", "eps", "weight_decay", "amsgrad", "decoupled_weight_decay"),
-    torch.optim.AdamW: ("betas", "eps", "weight_decay", "amsgrad", "decoupled_weight_decay"),
+    torch.optim.SGD: ("momentum", "dampening", "weight_decay", "nesterov", "maximize"),
+    torch.optim.Adam: ("betas", "eps", "weight_decay", "amsgrad", "decoupled_weight_decay", "maximize"),
+    torch.optim.AdamW: ("betas", "eps", "weight_decay", "amsgrad", "decoupled_weight_decay", "maximize"),
 }
+
+# What to do instead of changing a group setting after wrap(), where the
+# general advice (_check_frozen) does not fit.
+_INSTEAD = {"maximize": "the servers minimize: negate the loss instead of setting maximize=True"}
 
 
 # The trainable parameters of the wrapped models in this process, until
@@ -60,7 +72,8 @@ _hook_installed = False
 
 def guard_parameters(layers: Sequence[Layer]) -> None:
     """From now on a torch optimizer other than a wrapped model's own that
-    steps on these layers' parameters raises (module docstring)."""
+    steps on these layers' parameters raises, and so does registering one
+    of them in another place (module docstring)."""
     global _hook_installed
     with _WRAPPED_LOCK:
         for key in [key for key, (ref, _) in _WRAPPED.items() if ref() is None]:
@@ -70,6 +83,7 @@ def guard_parameters(layers: Sequence[Layer]) -> None:
                 _WRAPPED[id(slot.param)] = (weakref.ref(slot.param), slot.name)
         if not _hook_installed:
             register_optimizer_step_pre_hook(_refuse_foreign_step)
+            register_module_parameter_registration_hook(_refuse_moved_parameter)
             _hook_installed = True
 
 
@@ -98,6 +112,28 @@ def _refuse_foreign_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: An
                 )
 
 
+def _refuse_moved_parameter(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    """torch's global parameter registration hook: refuses registering a
+    wrapped parameter anywhere but where it is. Found at once, before the
+    module changes: ``torch.nn.utils.prune`` registers the weight as
+    ``weight_orig`` before it computes the mask, from the NaN placeholder
+    the parameter holds between clocks, which would prune the wrong weights
+    unseen where layers are read in the clock's forward only."""
+    if not _WRAPPED:
+        return
+    entry = _WRAPPED.get(id(param))
+    if entry is None or entry[0]() is not param or module._parameters.get(name) is param:
+        return
+    raise UnsupportedModelError(
+        f"parameter {entry[1]!r} of a wrapped model registered again, as {name!r} of a {type(module).__name__} "
+        "(torch.nn.utils.prune moves a weight to '<name>_orig' so, as do parametrize.register_parametrization "
+        "and a weight tied after wrap()): between clocks it holds a NaN placeholder (the servers hold its "
+        "values), so a mask or reparametrization computed from it now would be wrong, and wrap() fixed where "
+        "each parameter is used. Prune or reparametrize the module before wrap() (its hooks then see each "
+        "clock's values), or unwrap() and wrap the module on a new job's worker"
+    )
+
+
 def _number(value: Any) -> float:
     """A group setting as a Python float (torch allows 0-d tensors)."""
     return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
@@ -107,13 +143,7 @@ def check_optimizer(optimizer: object) -> torch.optim.Optimizer:
     """``optimizer`` if the servers can apply its step, else the reason not."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise InvalidArgumentError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if any(optimizer.state.values()):
-        # Momentum buffers or Adam moments that would silently restart at zero on the servers.
-        raise UnsupportedModelError(
-            f"the {type(optimizer).__name__} given to wrap() already has state (it has stepped, or loaded a "
-            "state_dict): the servers start the optimizer's state at zero, so give wrap() a fresh optimizer "
-            "(wrap(..., resume_from=path) restores the servers' state from a wrapped model's save_checkpoint())"
-        )
+    # The type first: some optimizers have state from the start (Adagrad's sums).
     if type(optimizer) not in SUPPORTED_OPTIMIZERS:
         subclass = next((c.__name__ for c in SUPPORTED_OPTIMIZERS if isinstance(optimizer, c)), None)
         why = (f"a subclass of torch.optim.{subclass}, whose step may differ from torch's" if subclass
@@ -121,6 +151,13 @@ def check_optimizer(optimizer: object) -> torch.optim.Optimizer:
         raise UnsupportedModelError(
             f"optimizer {type(optimizer).__name__} is {why}: the servers apply torch.optim.SGD, Adam and AdamW "
             "(pass one of those, or leave optimizer out and set mltuner.Config(update_rule=...))"
+        )
+    if any(optimizer.state.values()):
+        # Momentum buffers or Adam moments that would silently restart at zero on the servers.
+        raise UnsupportedModelError(
+            f"the {type(optimizer).__name__} given to wrap() already has state (it has stepped, or loaded a "
+            "state_dict): the servers start the optimizer's state at zero, so give wrap() a fresh optimizer "
+            "(wrap(..., resume_from=path) restores the servers' state from a wrapped model's save_checkpoint())"
         )
     return optimizer
 
@@ -265,8 +302,8 @@ class LearningRates:
         for key, value in frozen.items():
             now = plain_setting(group.get(key))
             if now != value:
+                instead = _INSTEAD.get(key, "a scheduler that cycles momentum or betas needs cycle_momentum=False")
                 raise InvalidArgumentError(
                     f"param_groups[{index}][{key!r}] changed from {value!r} to {now!r}: after wrap() only 'lr' can "
-                    "change (the servers' rule holds the others); a scheduler that cycles momentum or betas needs "
-                    "cycle_momentum=False"
+                    f"change (the servers' rule holds the others); {instead}"
                 )

@@ -377,6 +377,29 @@ def test_a_layer_unfrozen_after_wrap_is_refused_before_the_clock(worker: Worker,
     one_clock(ps_model)
 
 
+@pytest.mark.parametrize("reads", [{}, {"overlap_updates": True}, {"hold_reads": False}, {"store_activations": True}],
+                         ids=["updates-at-step", "updates-in-backward", "per-layer", "stored"])
+@pytest.mark.parametrize("replaced", ["module", "parameter"])
+def test_a_module_replaced_after_wrap_is_named(worker: Worker, reads: dict[str, Any], replaced: str) -> None:
+    """Fine-tuning's "a new head": the servers hold the old one's
+    parameters, and each way of reading layers noticed at another point (a
+    gradient missing, a read not made, an IndexError from a saved tensor
+    past the recorded ones), blaming a module that did not run."""
+    model = mlp()
+    ps_model = mt.wrap(model, worker, example_input=X, **reads)
+    one_clock(ps_model)
+    if replaced == "module":
+        model[2] = nn.Linear(8, 3)
+    else:
+        model[2].weight = nn.Parameter(torch.randn(3, 8))
+    name = "module '2'" if replaced == "module" else r"parameter '2\.weight'"
+    with pytest.raises(mt.UnsupportedModelError, match=name + r" of the wrapped model was replaced or removed after "
+                                                             r"wrap\(\).*unwrap\(\) and wrap the module"):
+        one_clock(ps_model)
+    with pytest.raises(mltuner.OutOfOrderError, match="earlier error left clock 1 incomplete.*replaced"):
+        one_clock(ps_model)
+
+
 class DataDependent(nn.Module):
     """Saves other tensors when ``other``: as packed sequences or top-k routing would."""
 

@@ -141,6 +141,30 @@ def test_a_write_in_a_later_clock_is_refused_and_named_again_after() -> None:
             ps_model(x)  # the clock's reads were open: the model cannot go on, and says why
 
 
+@pytest.mark.parametrize("reads", [{}, {"store_activations": True}], ids=["held", "stored"])
+def test_pruning_after_wrap_is_refused_and_the_loop_goes_on(reads: dict[str, Any]) -> None:
+    """prune() after wrap() ranked the NaN placeholder the weight holds
+    between clocks, and with held reads pruned the wrong weights without a
+    word. It is refused before it changes the module."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5))
+    xs = torch.randn(CLOCKS, BATCH, 8, generator=torch.Generator().manual_seed(1))
+    config = Config(update_rule=UpdateRule("sgd", learning_rate=LR, momentum=MOMENTUM))
+    with LocalCluster(1, config) as cluster:
+        ps_model = mt.wrap(model, cluster.worker(0), example_input=xs[0], **reads)
+        for number, x in enumerate(xs):
+            if number == 1:
+                with pytest.raises(mt.UnsupportedModelError, match=r"parameter '0\.weight' of a wrapped model "
+                                                                   r"registered again, as 'weight_orig'.*before wrap"):
+                    prune.l1_unstructured(model[0], "weight", amount=0.5)
+                assert [name for name, _ in model[0].named_parameters()] == ["weight", "bias"]
+                assert not dict(model[0].named_buffers())
+            ps_model(x).square().mean().backward()
+            ps_model.step()
+        unwrapped = ps_model.unwrap()
+    prune.l1_unstructured(unwrapped[0], "weight", amount=0.5)  # a plain module's again
+
+
 def l2(model: nn.Module) -> torch.Tensor:
     return sum(p.pow(2).sum() for p in model.parameters())  # type: ignore[return-value]
 

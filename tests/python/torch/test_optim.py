@@ -26,7 +26,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import mltuner.torch as mt  # noqa: E402
-from mltuner import Config, InvalidArgumentError, LocalCluster, UpdateRule, Worker  # noqa: E402
+from mltuner import Config, InvalidArgumentError, LocalCluster, OutOfOrderError, UpdateRule, Worker  # noqa: E402
 
 STEPS = 30
 REL_TOL = 1e-6
@@ -303,6 +303,8 @@ def stepped(optimizer: Any) -> Any:
 
 @pytest.mark.parametrize(("make", "message"), [
     (lambda p: torch.optim.RMSprop(p, lr=0.1), r"optimizer RMSprop is not one the servers implement"),
+    # Adagrad has state from its making: the type is what the servers cannot follow.
+    (lambda p: torch.optim.Adagrad(p, lr=0.1), r"optimizer Adagrad is not one the servers implement"),
     (lambda p: Sgdish(p, lr=0.1), r"Sgdish is a subclass of torch.optim.SGD"),
     (lambda p: torch.optim.SGD(p, lr=0.1, maximize=True), r"maximize=True"),
     (lambda p: torch.optim.SGD(list(p)[:-1], lr=0.1), r"parameter 'head.bias' is trainable but not in the optimizer"),
@@ -360,6 +362,90 @@ def test_only_the_rate_may_change_after_wrap() -> None:
         train_plain(model, model.optimizer, data[1:])
         with pytest.raises(InvalidArgumentError, match="add_param_group"):
             model.optimizer.add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
+
+
+@pytest.mark.parametrize("make", [lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+                                  lambda p: torch.optim.Adam(p, lr=0.01)], ids=["SGD", "Adam"])
+def test_maximize_set_after_wrap_is_refused(make: Callable[[Any], Any]) -> None:
+    """maximize=True, refused at wrap(), was ignored when set after it: the
+    servers went on minimizing, without a word."""
+    data = batches(2, 8, seed=6)
+    with LocalCluster(1, config()) as cluster:
+        net = Net()
+        optimizer = make(net.parameters())
+        model = mt.wrap(net, cluster.worker(0), example_input=data[0][0], optimizer=optimizer)
+        train_plain(model, optimizer, data[:1])
+        optimizer.param_groups[0]["maximize"] = True
+        with pytest.raises(InvalidArgumentError, match=r"\['maximize'\] changed from False to True.*negate the loss"):
+            model(data[1][0])
+        optimizer.param_groups[0]["maximize"] = False  # nothing reached the engine: the clock can run
+        train_plain(model, optimizer, data[1:])
+
+
+def test_a_state_dict_loaded_into_the_original_optimizer_keeps_its_rates_reaching_the_servers(
+        max_rel_error: Callable[..., float]) -> None:
+    """torch's load_state_dict on the optimizer given to wrap() replaced its
+    param-group dicts, whose rates reach the servers: a scheduler made after
+    it (a torch-style resume) changed nothing there, and a dict with
+    momentum buffers loaded without a word. Until unwrap() it is
+    model.optimizer's, which sets the groups' settings and refuses state."""
+    torch.manual_seed(0)
+    initial = Net()
+    data = batches(6, 16, seed=5)
+
+    def resume_and_train(model: nn.Module, optimizer: Any, saved: dict[str, Any]) -> list[float]:
+        optimizer.load_state_dict(saved)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return train_plain(model, optimizer, data, scheduler)
+
+    reference = copy.deepcopy(initial)
+    plain_optimizer = torch.optim.SGD(reference.parameters(), lr=0.2, momentum=0.9)
+    saved = copy.deepcopy(plain_optimizer.state_dict())  # a checkpoint of the fresh optimizer, lr 0.1
+    saved["param_groups"][0]["lr"] = 0.1
+    want = resume_and_train(reference, plain_optimizer, saved)
+    with LocalCluster(1, config()) as cluster:
+        net = copy.deepcopy(initial)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.2, momentum=0.9)
+        model = mt.wrap(net, cluster.worker(0), example_input=data[0][0], optimizer=optimizer)
+        got = resume_and_train(model, optimizer, saved)
+        assert optimizer.param_groups[0]["lr"] == model.optimizer.param_groups[0]["lr"] == 0.1 * 0.5 ** len(data)
+        assert max_rel_error(model.state_dict(), reference.state_dict()) <= 1e-5
+        with pytest.raises(OutOfOrderError, match="per-parameter optimizer state.*resume_from"):
+            optimizer.load_state_dict(plain_optimizer.state_dict())  # with its momentum buffers
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) <= 1e-5
+
+
+def test_add_param_group_on_the_original_optimizer_is_refused_until_unwrap() -> None:
+    """It was accepted, and the added parameter (a learnable loss weight)
+    never trained: no step but the servers' runs."""
+    with LocalCluster(1, config()) as cluster:
+        net = Net()
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        model = mt.wrap(net, cluster.worker(0), example_input=torch.zeros(2, 10), optimizer=optimizer)
+        with pytest.raises(InvalidArgumentError, match="add_param_group.*a torch optimizer of its own"):
+            optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(1))], "lr": 0.1})
+        assert len(optimizer.param_groups) == 1
+        model.unwrap()
+    optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(1))]})  # torch's own again
+    assert len(optimizer.param_groups) == 2
+
+
+def test_the_original_optimizers_state_dict_says_the_servers_state_is_not_in_it() -> None:
+    """It left the momentum buffers out without a word, where
+    model.optimizer's warns; now it is model.optimizer's, in the groups of
+    the original optimizer (no GradScaler stand-in group)."""
+    data = batches(1, 8, seed=5)
+    with LocalCluster(1, config()) as cluster:
+        net = Net()
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        model = mt.wrap(net, cluster.worker(0), example_input=data[0][0], optimizer=optimizer,
+                        grad_scaler=torch.amp.GradScaler("cpu"))
+        train_plain(model, model.optimizer, data)
+        with pytest.warns(UserWarning, match="not the servers' optimizer state"):
+            saved = optimizer.state_dict()
+        assert saved["state"] == {} and saved["param_groups"][0]["momentum"] == 0.9
+        assert len(saved["param_groups"]) == 1 and len(model.optimizer.param_groups) == 2
+        model.optimizer.state_dict()  # said once per model
 
 
 def test_workers_that_set_different_rates_fail_with_the_reason(run_workers: Callable[..., list[Any]]) -> None:

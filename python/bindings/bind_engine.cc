@@ -235,8 +235,8 @@ void RegisterEngine(py::module_& m) {
            },
            py::arg("child"), py::arg("parent"), py::arg("learning_rate"), py::arg("momentum"), py::arg("training"),
            py::arg("slack"), Keep())
-      .def("free_branch", [](Engine& e, BranchId branch) { CheckInterruptibly(&e, [&] { return e.FreeBranch(branch); }); },
-           Keep())
+      .def("free_branch",
+           [](Engine& e, BranchId branch) { CheckInterruptibly(&e, [&] { return e.FreeBranch(branch); }); }, Keep())
       .def("schedule_branch",
            [](Engine& e, BranchId branch, int64_t clocks) {
              CheckInterruptibly(&e, [&] { return e.ScheduleBranch(branch, clocks); });

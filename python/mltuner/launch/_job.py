@@ -656,8 +656,11 @@ def _check_resolves(host: str) -> None:
 
 
 def _fingerprint(config: Config) -> str:
-    """The settings every rank must share (the device and budget may differ)."""
+    """The settings every rank must share (the device and budget may differ):
+    the shards' rule and checks, and whether clocks run on branches (a
+    branch request to a shard without them fails mid-run)."""
     shared = {"update_rule": dataclasses.asdict(config.update_rule), "prefetch_clocks": config.prefetch_clocks,
-              "wait_timeout_s": config.wait_timeout_s}
+              "wait_timeout_s": config.wait_timeout_s, "branches": config.branches,
+              "check_finite": config.check_finite}
     return json.dumps(shared, sort_keys=True)
 

@@ -165,19 +165,23 @@ def test_secure_false_is_refused_off_the_loopback() -> None:
         mltuner.Job(env=env, secure=False)
 
 
-def test_workers_with_different_settings_are_refused() -> None:
+@pytest.mark.parametrize("setting", ["lr", "branches", "check_finite"])
+def test_workers_with_different_settings_are_refused(setting: str) -> None:
     port = free_port()
     errors: list[BaseException] = []
 
-    def join(rank: int, lr: float) -> None:
+    def join(rank: int) -> None:
         env = ProcessEnv(rank=rank, world_size=2, local_rank=rank, master_addr="127.0.0.1", master_port=port,
                          bind_host="127.0.0.1", secret=None, source="mltuner")
+        lr = 0.1 * (rank + 1) if setting == "lr" else 0.1
+        config = mltuner.Config(update_rule=mltuner.UpdateRule("sgd", lr), **(
+            {} if setting == "lr" else {setting: rank == 1}))
         try:
-            mltuner.Job(mltuner.Config(update_rule=mltuner.UpdateRule("sgd", lr)), env=env, rendezvous_timeout_s=20)
+            mltuner.Job(config, env=env, rendezvous_timeout_s=20)
         except BaseException as error:  # noqa: BLE001
             errors.append(error)
 
-    threads = [threading.Thread(target=join, args=(r, 0.1 * (r + 1))) for r in range(2)]
+    threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
     for thread in threads:
         thread.start()
     for thread in threads:

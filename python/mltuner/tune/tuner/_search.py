@@ -404,8 +404,8 @@ class SearchEpisode:
                 if self._may_fork(0) and (self._affords(self._trial_time) or self._raise_budget(
                         self._spent + self._trial_time, "trial_time", trial_time_s=self._trial_time)):
                     new = self._new_trial()
-                if new is None:
-                    self._stop_once("budget")
+                if new is None:  # (_new_trial says why where it found no setting)
+                    self._stop_once("budget" if self._may_fork(0) else "trial_cap")
                     return None, False
                 open_trials.append(new)
                 continue

@@ -443,3 +443,22 @@ def test_a_first_trial_that_diverges_says_nothing_of_the_other_settings(epochs: 
     else:
         assert tuner.log.events("train_untuned")[0]["reason"] == "search_budget"
     assert max(result.accuracies) > 0.8
+
+
+def test_the_journal_beside_a_relative_log_is_named_by_its_absolute_path(
+        scripted_system: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `mltuner report` printed "optuna-dashboard run/optuna.journal", a path
+    # relative to the job's directory, wrong from anywhere else.
+    from mltuner.tune.display import dashboard_command
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run").mkdir()
+    tuner = Tuner(scripted_system(decaying, accuracies=[0.5], clocks_per_epoch=100), SCRIPTED_SPACE,
+                  TunerConfig(sampler="random", seed=0, max_epochs=1, num_clocks_to_test=5),
+                  log=str(Path("run") / "decisions.jsonl"))
+    tuner.run()
+    tuner.log.close()
+    journal = tmp_path / "run" / "optuna.journal"
+    assert tuner.storage == f"journal:{journal}" and journal.exists()
+    monkeypatch.chdir(tmp_path / "run")
+    assert dashboard_command("decisions.jsonl") == f"optuna-dashboard {journal}"

@@ -1064,7 +1064,8 @@ class Tuner:
     def _open_storage(self) -> str | BaseStorage | None:
         storage = self._config.storage
         if storage is None and self.log.path is not None:
-            storage = f"journal:{Path(self.log.path).parent / JOURNAL_NAME}"
+            # Absolute: the log names it, and `mltuner report` may run elsewhere.
+            storage = f"journal:{Path(self.log.path).resolve().parent / JOURNAL_NAME}"
         self._storage_url = storage if isinstance(storage, str) else (
             None if storage is None else type(storage).__name__)
         # One storage object for every study of the job.

@@ -67,6 +67,7 @@ class SavedModelState:
     groups: list[dict[str, Any]]
     local: dict[str, torch.Tensor | Any]  # state_dict entries: tensors, or extra state (JSON values)
     user_state: Any
+    root: Path | None = None  # the root of checkpoints given, whose newest `path` is (None: a directory was)
 
     def load_local(self, module: nn.Module) -> None:
         """Copies the saved buffers, frozen parameters and extra state into
@@ -211,7 +212,8 @@ def read_saved(path: str | os.PathLike[str], module: nn.Module, optimizer: str |
                             f"{tuple(target.shape)} here")
     if problems:
         raise InvalidArgumentError(f"checkpoint {directory} was saved from another model: " + "; ".join(problems))
-    return SavedModelState(directory, groups, local, index.get("user_state"))
+    return SavedModelState(directory, groups, local, index.get("user_state"),
+                           None if directory == Path(path) else Path(path))
 
 
 def _decode(entries: list[dict[str, Any]], tensors: bytes) -> Iterator[tuple[str, Any]]:

@@ -291,3 +291,22 @@ def test_a_config_rule_that_keeps_other_state_is_refused(tmp_path: Path) -> None
         with pytest.raises(mltuner.InvalidArgumentError, match="arrays of optimizer state"):
             mt.wrap(net(), job.worker, example_input=BATCHES[0][0], resume_from=tmp_path)
         model = mt.wrap(net(), job.worker, example_input=BATCHES[0][0])  # the worker is as it was
+
+
+@pytest.mark.parametrize("given", ["root", "directory"])
+def test_resuming_from_a_root_removes_what_an_interrupted_save_left(tmp_path: Path, given: str) -> None:
+    # As Job.restore_checkpoint(root) does (docs/distributed.md); the
+    # adapter restored the root's newest directory and left them.
+    saved = _saved(tmp_path / "root")
+    leftovers = [tmp_path / "root" / ".clock-00000009.tmp" / "shard-0", tmp_path / "root" / "latest.tmp"]
+    leftovers[0].mkdir(parents=True)
+    leftovers[1].write_text("half")
+    module = net()
+    with mltuner.Job() as job:
+        mt.wrap(module, job.worker, example_input=BATCHES[0][0], optimizer=OPTIMIZERS["sgd-momentum"](module),
+                resume_from=tmp_path / "root" if given == "root" else saved)
+    names = sorted(entry.name for entry in (tmp_path / "root").iterdir())
+    if given == "root":
+        assert names == [saved.name, "latest"]
+    else:  # a checkpoint directory named by hand: its root is left as it is
+        assert names == [".clock-00000009.tmp", saved.name, "latest", "latest.tmp"]

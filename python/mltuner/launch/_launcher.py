@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from types import FrameType
 from typing import Callable, Optional, TextIO, Union
 
@@ -92,6 +93,16 @@ class _Worker:
         if self.code is None:
             self.code = _exit_code(self.process)
         return self.code
+
+    def described(self) -> str:
+        """``"rank R"``, with " (stopped)" where the process is stopped
+        (SIGSTOP, a debugger): it cannot act on SIGTERM, nor answer peers."""
+        try:
+            stat = Path(f"/proc/{self.process.pid}/stat").read_text()
+            stopped = stat[stat.rindex(")") + 2] in "Tt"
+        except (OSError, ValueError, IndexError):  # no /proc (macOS), or gone
+            stopped = False
+        return f"rank {self.rank}" + (" (stopped)" if stopped else "")
 
     def signal_group(self, signum: signal.Signals) -> None:
         # The group id is the worker's pid. The worker is not reaped before
@@ -271,8 +282,8 @@ def _watch(workers: list[_Worker], received: list[int], grace_seconds: float,
             return 0 if failed is None else failed[1]
         if time.monotonic() >= deadline:
             assert failed is not None
-            ranks = ", ".join(str(worker.rank) for worker in running)
-            output.line(f"mltuner launch: rank(s) {ranks} still running {grace_seconds:g} s after "
+            ranks = ", ".join(worker.described() for worker in running)
+            output.line(f"mltuner launch: {ranks} still running {grace_seconds:g} s after "
                         f"rank {failed[0]} failed; sending SIGTERM")
             return failed[1]
         time.sleep(_POLL_SECONDS)
@@ -289,9 +300,9 @@ def _stop_and_reap(workers: list[_Worker], output: _Output) -> None:
         time.sleep(_POLL_SECONDS)
         running = [worker for worker in running if worker.check() is None]
     if running:
-        ranks = ", ".join(str(worker.rank) for worker in running)
-        output.line(f"mltuner launch: rank(s) {ranks} ignored SIGTERM for "
-                    f"{KILL_AFTER_SECONDS:g} s; sending SIGKILL")
+        ranks = ", ".join(worker.described() for worker in running)
+        output.line(f"mltuner launch: {ranks} did not end within {KILL_AFTER_SECONDS:g} s of SIGTERM; "
+                    "sending SIGKILL")
     # Also kills what an exited worker left behind in its group (a process
     # started in the background), which would otherwise outlive the job.
     for worker in workers:

@@ -187,6 +187,23 @@ def test_the_others_may_exit_by_themselves_within_the_grace_period(tmp_path: Pat
     assert_all_gone(read_pids(tmp_path))
 
 
+def test_a_stopped_worker_is_said_to_be_stopped_and_killed(tmp_path: Path) -> None:
+    # SIGSTOP (a debugger, a job-control mistake): it cannot act on SIGTERM,
+    # which the launcher said it "ignored", and rank 0 seemed to be the culprit.
+    script = """\
+        write_pid()
+        if RANK == 0:
+            wait_for_pids(SIZE)
+            sys.exit(2)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    """
+    code, out, elapsed = run(python(script), 2, worker_env(tmp_path), grace_seconds=0.2)
+    assert code == 2
+    assert "rank 1 (stopped) still running" in out, out
+    assert "rank 1 (stopped) did not end within" in out and "sending SIGKILL" in out, out
+    assert_all_gone(read_pids(tmp_path))
+
+
 def test_workers_that_ignore_sigterm_are_killed(tmp_path: Path) -> None:
     script = """\
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

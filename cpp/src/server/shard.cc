@@ -370,11 +370,13 @@ Status ServerShard::HandleClockUpdate(const Message& in, std::vector<Message>* o
   const RowSpan& rows = table.parts[static_cast<size_t>(part)];
   MLT_RETURN_IF_ERROR(CheckSpans(table, rows, in));
 
+  // Every part carries the clock's rate; the first one records it, also of
+  // a clock declared empty that is still to finish (its rate must agree).
+  if ((in.header.flags & kNewLearningRate) != 0 && part == 0 && clock > table.clock.global()) {
+    table.new_rates[clock][sender] = in.header.learning_rate;
+  }
   if (table.clock.DeclaredEmpty(sender, clock)) return DropDeclaredEmpty(&table, in);
   if (check_finite_ && table.training && in.num_values() > 0) MLT_RETURN_IF_ERROR(CheckFinite(table, in));
-
-  // Every part carries the clock's rate; the first one records it.
-  if ((in.header.flags & kNewLearningRate) != 0 && part == 0) table.new_rates[clock][sender] = in.header.learning_rate;
   if (in.num_values() > 0) {
     std::shared_ptr<DeviceBuffer> payload;
     MLT_RETURN_IF_ERROR(PayloadOnDevice(in, &payload));
@@ -816,8 +818,14 @@ Status ServerShard::TakeNewLearningRate(TableState* table, Clock finished) {
   if (found == table->new_rates.end()) return Status::Ok();
   const std::map<WorkerId, float> rates = std::move(found->second);
   table->new_rates.erase(found);
-  bool agree = static_cast<int>(rates.size()) == num_workers_;
-  for (const auto& [worker, rate] : rates) agree = agree && rate == rates.begin()->second;
+  // A worker whose clock was declared empty and never sent (a rank that
+  // closed the job lends its later clocks so) sets no rate.
+  bool agree = true;
+  for (WorkerId worker = 0; worker < num_workers_; ++worker) {
+    auto rate = rates.find(worker);
+    agree = agree && (rate == rates.end() ? table->clock.DeclaredEmpty(worker, finished)
+                                          : rate->second == rates.begin()->second);
+  }
   if (!agree) {
     std::string asked;
     for (WorkerId worker = 0; worker < num_workers_; ++worker) {

@@ -102,6 +102,45 @@ def test_a_rank_that_closes_early_lends_its_clocks_to_the_one_that_trains_on(
                for m in messages), messages
 
 
+def test_the_rank_that_trains_on_may_change_its_learning_rate(
+        record_read_update: Callable[..., tuple[int, int]]) -> None:
+    """A schedule goes on after rank 0 closed: rank 1 sets a new rate at
+    clock 6. The shards refused it ("the workers set different learning
+    rates ... worker 0: none"): the lent clocks carry no rate."""
+    lr0, lr1, changed_at = 0.1, 0.05, 6
+    jobs = start_pair(rule=mltuner.UpdateRule("sgd", learning_rate=lr0))
+    finals: list[np.ndarray] = []
+    errors: list[BaseException] = []
+
+    def train(rank: int) -> None:
+        try:
+            worker = jobs[rank].worker
+            table = worker.create_table("t", ROWS, WIDTH)
+            read, update = record_read_update(worker, table, 0)
+            for clock in range(SHORT if rank == 0 else LONG):
+                if clock == changed_at:
+                    worker.set_learning_rate(table, lr1)
+                worker.read(read)
+                worker.post_read(read)
+                worker.pre_update(update)[:] = value(rank, clock)
+                worker.update(update)
+                worker.clock()
+            if rank == 1:
+                worker.sync()
+                finals.append(worker.fetch(table))
+            with warnings.catch_warnings(record=True):  # "counted its update as zero"
+                warnings.simplefilter("always")
+                jobs[rank].close()
+        except BaseException as error:  # noqa: BLE001 - re-raised below
+            errors.append(error)
+
+    run_ranks(jobs, train, errors)
+    # The servers' sgd: w -= lr * (the mean of the workers' updates), a lent clock's counted as zero.
+    want = -sum((lr0 if c < changed_at else lr1) * (value(1, c) + (value(0, c) if c < SHORT else 0.0)) / 2
+                for c in range(LONG))
+    np.testing.assert_allclose(finals[0], np.full((ROWS, WIDTH), want), rtol=1e-6)
+
+
 def test_a_rank_that_closes_during_clocks_on_branches_ends_the_others_wait_within_seconds(
         record_read_update: Callable[..., tuple[int, int]]) -> None:
     """Clocks on branches (a tuning session's) cannot be lent: rank 0 ends

@@ -26,7 +26,8 @@ CLOCKS = 5
 
 
 def start_pair(secure: bool | None = None, secret: str | None = "pair-secret",
-               wait_timeout_s: float = 20, branches: bool = False) -> list[mltuner.Job]:
+               wait_timeout_s: float = 20, branches: bool = False,
+               rule: mltuner.UpdateRule | None = None) -> list[mltuner.Job]:
     port = free_port()
     jobs: list[mltuner.Job | None] = [None, None]
     errors: list[BaseException] = []
@@ -34,7 +35,7 @@ def start_pair(secure: bool | None = None, secret: str | None = "pair-secret",
     def join(rank: int) -> None:
         env = ProcessEnv(rank=rank, world_size=2, local_rank=rank, master_addr="127.0.0.1", master_port=port,
                          bind_host="127.0.0.1", secret=secret, source="mltuner")
-        config = mltuner.Config(update_rule=mltuner.UpdateRule("add"), wait_timeout_s=wait_timeout_s,
+        config = mltuner.Config(update_rule=rule or mltuner.UpdateRule("add"), wait_timeout_s=wait_timeout_s,
                                 branches=branches)
         try:
             jobs[rank] = mltuner.Job(config, env=env, secure=secure, rendezvous_timeout_s=20)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -254,9 +254,19 @@ def _held_directly(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return held
 
 
+def _by_param_group(params: list[tuple[str, nn.Parameter]], group_of: Mapping[int, int]
+                    ) -> list[tuple[int, list[tuple[str, nn.Parameter]]]]:
+    """``params`` by param group (in the order each group first appears)."""
+    parts: dict[int, list[tuple[str, nn.Parameter]]] = {}
+    for name, param in params:
+        parts.setdefault(group_of[id(param)], []).append((name, param))
+    return list(parts.items())
+
+
 def find_layers(model: nn.Module, row_width: int,
                 whole_modules: Sequence[type[nn.Module]] = DEFAULT_WHOLE_MODULES,
-                group_bytes: int = DEFAULT_GROUP_BYTES, split: Collection[str] = ()) -> list[Layer]:
+                group_bytes: int = DEFAULT_GROUP_BYTES, split: Collection[str] = (),
+                by_group: Collection[str] = (), group_of: Mapping[int, int] | None = None) -> list[Layer]:
     """The model's layers in ``named_modules`` order (the same on every
     worker that builds the same model). Only parameters with
     ``requires_grad`` go to the parameter server; frozen ones stay local.
@@ -266,7 +276,10 @@ def find_layers(model: nn.Module, row_width: int,
     them, unless its name is in ``split``; instances of ``whole_modules``
     are one layer whatever their size. Any other module with trainable
     parameters of its own (those of its ParameterLists and ParameterDicts
-    included) is a layer of those.
+    included) is a layer of those. A layer named in ``by_group`` becomes
+    one layer per param group of its parameters (``group_of``: a
+    parameter's id -> its group), all read in the forward of the one module:
+    a table has one update rule.
 
     Raises:
         UnsupportedModelError: see :func:`mltuner.torch.wrap`.
@@ -294,21 +307,24 @@ def find_layers(model: nn.Module, row_width: int,
                     callers.append((layer, name, holder))
         if not trainable:
             return
-        layout = TensorLayout(row_width)
-        for local_name, param in trainable:
-            _check_param(qualify(module_name, local_name), param)
-            layout.add(local_name, tuple(param.shape))
-            devices.add(param.device)
-        slots = [ParamSlot(qualify(module_name, n), p, layout.slot(n).first_row * row_width, p.shape)
-                 for n, p in trainable]
-        owned = {id(p) for _, p in trainable}
-        owner.update((id(p), len(layers)) for _, p in trainable)
-        members = [(module_name, module)]
-        if recurse:  # the submodules that own some of the layer's parameters
-            members = [(qualify(module_name, n), m) for n, m in module.named_modules()
-                       if any(id(p) in owned for p in m.parameters(recurse=False))]
-        layers.append(Layer(len(layers), module_name or "<root>", module, slots, layout, trainable[0][1].device,
-                            members))
+        name = module_name or "<root>"
+        parts = _by_param_group(trainable, group_of) if name in by_group and group_of is not None else [(-1, trainable)]
+        for group, params in parts:
+            layout = TensorLayout(row_width)
+            for local_name, param in params:
+                _check_param(qualify(module_name, local_name), param)
+                layout.add(local_name, tuple(param.shape))
+                devices.add(param.device)
+            slots = [ParamSlot(qualify(module_name, n), p, layout.slot(n).first_row * row_width, p.shape)
+                     for n, p in params]
+            owned = {id(p) for _, p in params}
+            owner.update((id(p), len(layers)) for _, p in params)
+            members = [(module_name, module)]
+            if recurse:  # the submodules that own some of the layer's parameters
+                members = [(qualify(module_name, n), m) for n, m in module.named_modules()
+                           if any(id(p) in owned for p in m.parameters(recurse=False))]
+            layers.append(Layer(len(layers), name if group < 0 else f"{name} (param group {group})", module, slots,
+                                layout, params[0][1].device, members))
 
     def visit(module_name: str, module: nn.Module, is_root: bool) -> None:
         if id(module) in seen:

@@ -18,7 +18,7 @@ from torch import nn
 
 from mltuner._config import UpdateRule
 from mltuner.client._worker import Worker
-from mltuner.exceptions import (ArgumentTypeError, InvalidArgumentError, MltunerError, OutOfOrderError,
+from mltuner.exceptions import (ArgumentTypeError, InternalError, InvalidArgumentError, MltunerError, OutOfOrderError,
                                 ResourceExhaustedError)
 from mltuner.launch import _checkpoint
 from mltuner.torch._amp import ScaledGradients, check_scaler
@@ -544,12 +544,14 @@ def _default_loss(output: Any) -> torch.Tensor:
     return total
 
 
-def _assign_rules(layers: list[Layer], optimizer: torch.optim.Optimizer | None,
-                  split: set[str]) -> list[list[int]] | None:
+def _assign_rules(layers: list[Layer], optimizer: torch.optim.Optimizer | None, split: set[str],
+                  by_group: set[str]) -> list[list[int]] | None:
     """Gives each layer the rule of its parameters' param group and returns,
     per layer, the groups it holds. None after adding to ``split`` a grouped
-    layer that spans several param groups (find the layers again). Without
-    an optimizer every layer is in the one group of ``Config.update_rule``."""
+    layer that spans several param groups, or to ``by_group`` a module whose
+    own parameters are in groups of different rules (find the layers again:
+    one table per module, then per rule). Without an optimizer every layer
+    is in the one group of ``Config.update_rule``."""
     if optimizer is None:
         return [[0] for _ in layers]
     per_layer = groups_of_layers(optimizer, layers)
@@ -558,14 +560,11 @@ def _assign_rules(layers: list[Layer], optimizer: torch.optim.Optimizer | None,
         if len(groups) > 1 and len(layer.members) > 1 and layer.name not in split:
             split.add(layer.name)  # one table per param group where the modules allow it
             return None
-        distinct = {rules[g] for g in groups}
-        if len(distinct) > 1:
-            described = "; ".join(f"param_groups[{g}]: {rules[g]}" for g in groups)
-            raise UnsupportedModelError(
-                f"module {layer.name!r} has its own parameters in param groups with different settings "
-                f"({described}): its parameters share one table, and the servers apply one rule per table; put a "
-                "module's parameters (e.g. a Linear's weight and bias) in one group"
-            )
+        if len({rules[g] for g in groups}) > 1:
+            if layer.name in by_group:
+                raise InternalError(f"layer {layer.name!r} spans param groups {groups} after its split")
+            by_group.add(layer.name)  # a Linear's weight decayed and its bias not: a table each
+            return None
         layer.update_rule = rules[groups[0]]
     return per_layer
 
@@ -602,12 +601,13 @@ _SMALLEST_GROUP_BYTES = 1 << 20
 
 
 def _smaller_groups(module: nn.Module, row_width: int, whole_modules: Sequence[type[nn.Module]], group_bytes: int,
-                    split: set[str], layer_count: int) -> int | None:
+                    split: set[str], layer_count: int, by_group: set[str], group_of: dict[int, int] | None
+                    ) -> int | None:
     """The largest of group_bytes / 4, / 16, ... (0 last) that reads the
     model as more layers than ``layer_count``; None when none does."""
     while group_bytes > 0:
         group_bytes = group_bytes // 4 if group_bytes > _SMALLEST_GROUP_BYTES else 0
-        if len(find_layers(module, row_width, whole_modules, group_bytes, split)) > layer_count:
+        if len(find_layers(module, row_width, whole_modules, group_bytes, split, by_group, group_of)) > layer_count:
             return group_bytes
     return None
 
@@ -835,10 +835,11 @@ def wrap(
             them, in any param groups). Until :meth:`PSModule.unwrap` its
             ``step()``, ``state_dict()``, ``load_state_dict()`` and
             ``add_param_group()`` are ``model.optimizer``'s (torch's never
-            run: :meth:`ClockOptimizer.take_over_source`). A child module whose parameters are in
-            several groups becomes several tables; a module's own
-            parameters must share a group's settings (one rule per table).
-            None: ``Config.update_rule`` for every table.
+            run: :meth:`ClockOptimizer.take_over_source`). A child module
+            whose parameters are in several groups becomes several tables,
+            and so do a module's own parameters in groups of different
+            settings (one rule per table). None: ``Config.update_rule`` for
+            every table.
         recompute: with ``store_activations``, which saved activations the
             backward pass makes again instead of storing them. ``"cheap"``:
             those made by a few memory-bound ops (ReLU, GELU, batch and layer
@@ -884,8 +885,7 @@ def wrap(
             the modules that hold them, activation checkpointing without
             held reads; an optimizer other than SGD, Adam
             and AdamW (or ``maximize=True``), one that already has state or
-            leaves out a trainable parameter, or a module whose own
-            parameters are in groups with different settings.
+            leaves out a trainable parameter.
         mltuner.InvalidArgumentError: a used worker, bad arguments, a model
             on another device than the engine; ``recompute="cheap"`` or
             ``"compute"`` without ``store_activations``; a ``resume_from``
@@ -941,6 +941,9 @@ def wrap(
     args = example_input if isinstance(example_input, tuple) else (example_input,)
     kwargs = dict(example_kwargs or {})
     split: set[str] = set()  # groups whose members run outside the group's forward, or span param groups
+    by_group: set[str] = set()  # modules whose own parameters are in param groups of different rules
+    group_of = None if optimizer is None else {id(p): index for index, group in enumerate(optimizer.param_groups)
+                                               for p in group["params"]}
     stored: dict[int, str] = {}  # saved activations the recording could not recompute bit for bit, and why
     tables: Tables | None = None  # made by the first plan, kept when the clock is recorded again
     link_bytes: dict[str, int] = {}  # recompute="auto": each choice planned, and the bytes over the busier link way
@@ -948,8 +951,8 @@ def wrap(
     keeper = KeepOnDevice(recompute_auto=recompute == "auto")
     try:
         while True:
-            layers = find_layers(module, row_width, whole_modules, group_bytes, split)
-            layer_groups = _assign_rules(layers, optimizer, split)
+            layers = find_layers(module, row_width, whole_modules, group_bytes, split, by_group, group_of)
+            layer_groups = _assign_rules(layers, optimizer, split, by_group)
             if layer_groups is None:
                 continue  # a grouped layer spanned param groups: split it and look again
             # recompute="auto": storing everything is the fallback of "cheap" when
@@ -987,7 +990,8 @@ def wrap(
                                    f"({error})")
                     continue
                 if attempt.recompute != "compute" or "cheap" not in link_bytes:
-                    smaller = _smaller_groups(module, row_width, whole_modules, group_bytes, split, len(layers))
+                    smaller = _smaller_groups(module, row_width, whole_modules, group_bytes, split, len(layers),
+                                              by_group, group_of)
                     if choose_groups and smaller is not None:
                         # Smaller layers need a smaller pool: record again with
                         # them, on new tables (the refused plan's are dropped).

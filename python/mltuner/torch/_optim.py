@@ -5,7 +5,8 @@ the same names (:class:`mltuner.UpdateRule`, torch's formulas), one rule
 per table: a layer's table takes the settings of the param group its
 parameters are in. A child module whose parameters span several groups is
 split into smaller layers; a module whose own parameters are in groups with
-different settings cannot be one table and is refused.
+different settings becomes a table per group (``find_layers``'s
+``by_group``), read together in its forward.
 
 After ``wrap()`` the groups' learning rates may change (by hand or by a
 ``torch.optim.lr_scheduler``): :class:`LearningRates` sends a changed rate to

@@ -108,7 +108,7 @@ import enum
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, NoReturn, TypeVar
 
 import numpy as np
@@ -425,6 +425,8 @@ class ClockDriver:
         # Whether a rate changed since the last clock_start (a warning at step()
         # where the clock's updates have left already).
         self.rates_changed: Callable[[], bool] | None = None
+        # Refuses param-group settings to be loaded that the rules cannot take (LearningRates.check_loaded).
+        self.check_loaded_groups: Callable[[Sequence[dict[str, Any]]], None] | None = None
         # The shapes of example_input's tensors (set by wrap()), for _check_inputs.
         self.input_shapes: list[tuple[int, ...]] | None = None
         self.input_layouts: list[tuple[bool, tuple[int, ...]]] | None = None  # example_input's (input_layouts)

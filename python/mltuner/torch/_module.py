@@ -393,6 +393,8 @@ class ClockOptimizer(torch.optim.Optimizer):
         if sizes != [len(group["params"]) for group in self._groups]:
             raise InvalidArgumentError(f"load_state_dict: param groups of {sizes} parameters, the optimizer has "
                                        f"{[len(group['params']) for group in self._groups]}")
+        if self._model._driver.check_loaded_groups is not None:
+            self._model._driver.check_loaded_groups(saved)
         set_group_settings(self._groups, saved)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -1052,6 +1054,7 @@ def wrap(
             rates.set_tables(driver.tables)
             driver.clock_start = rates.sync
             driver.rates_changed = rates.changed
+            driver.check_loaded_groups = rates.check_loaded
             model = PSModule(module, driver, groups, scaled, optimizer, resumed[0] if resumed else None)
             if saved is not None and optimizer is None:  # the Config's group: its lr moves with a schedule
                 set_group_settings(model.optimizer.param_groups, saved.groups, keys=("lr", "initial_lr"))

@@ -298,6 +298,17 @@ class LearningRates:
                 self._worker.set_learning_rate(self._tables[layer_index], rate)
             self._sent[index] = rate
 
+    def check_loaded(self, saved: Sequence[dict[str, Any]]) -> None:
+        """Refuses, before anything is set, param groups (of a state dict
+        to load) whose settings other than ``lr`` differ from wrap()'s: the
+        next clock would refuse them, with the groups already changed."""
+        for index, (group, frozen) in enumerate(zip(saved, self._frozen)):
+            for key, value in frozen.items():
+                if key in group and plain_setting(group[key]) != value:
+                    raise InvalidArgumentError(
+                        f"load_state_dict: param_groups[{index}][{key!r}] is {plain_setting(group[key])!r} there, "
+                        f"{value!r} here: after wrap() only 'lr' can change (the servers' rule holds the others)")
+
     def _check_frozen(self, index: int, group: dict[str, Any]) -> None:
         frozen = self._frozen[index]
         for key, value in frozen.items():

@@ -255,6 +255,11 @@ def test_the_optimizers_state_dict_round_trip_keeps_the_groups_and_refuses_lost_
         two_groups = {"state": {}, "param_groups": [{"params": [0]}, {"params": [1, 2]}]}
         with pytest.raises(mltuner.InvalidArgumentError, match="param groups"):
             model.optimizer.load_state_dict(two_groups)
+        # Another momentum was set, and refused only by the next clock, with the groups changed.
+        other = {"state": {}, "param_groups": [{**saved["param_groups"][0], "momentum": 0.5, "lr": 0.5}]}
+        with pytest.raises(mltuner.InvalidArgumentError, match=r"\['momentum'\] is 0.5 there, 0.9 here"):
+            model.optimizer.load_state_dict(other)
+        assert model.optimizer.param_groups[0]["lr"] == 0.025  # nothing was set
         train(model, torch.optim.lr_scheduler.StepLR(model.optimizer, step_size=100), range(1, 2))
 
 

@@ -549,25 +549,26 @@ def _default_loss(output: Any) -> torch.Tensor:
 def _assign_rules(layers: list[Layer], optimizer: torch.optim.Optimizer | None, split: set[str],
                   by_group: set[str]) -> list[list[int]] | None:
     """Gives each layer the rule of its parameters' param group and returns,
-    per layer, the groups it holds. None after adding to ``split`` a grouped
-    layer that spans several param groups, or to ``by_group`` a module whose
-    own parameters are in groups of different rules (find the layers again:
-    one table per module, then per rule). Without an optimizer every layer
-    is in the one group of ``Config.update_rule``."""
+    per layer, the groups it holds (one). None after adding to ``split`` a
+    grouped layer that spans several param groups, or to ``by_group`` a
+    module whose own parameters are in several groups (find the layers
+    again: one table per module, then per group). By the groups alone, not
+    their settings: a rate that differs now may be equal at a checkpoint,
+    and the tables must be the same at its resume. Without an optimizer
+    every layer is in the one group of ``Config.update_rule``."""
     if optimizer is None:
         return [[0] for _ in layers]
     per_layer = groups_of_layers(optimizer, layers)
-    rules = {index: rule_for_group(optimizer, index) for index in range(len(optimizer.param_groups))}
     for layer, groups in zip(layers, per_layer):
         if len(groups) > 1 and len(layer.members) > 1 and layer.name not in split:
-            split.add(layer.name)  # one table per param group where the modules allow it
+            split.add(layer.name)  # one table per module where the modules allow it
             return None
-        if len({rules[g] for g in groups}) > 1:
+        if len(groups) > 1:
             if layer.name in by_group:
                 raise InternalError(f"layer {layer.name!r} spans param groups {groups} after its split")
             by_group.add(layer.name)  # a Linear's weight decayed and its bias not: a table each
             return None
-        layer.update_rule = rules[groups[0]]
+        layer.update_rule = rule_for_group(optimizer, groups[0])
     return per_layer
 
 
@@ -943,7 +944,7 @@ def wrap(
     args = example_input if isinstance(example_input, tuple) else (example_input,)
     kwargs = dict(example_kwargs or {})
     split: set[str] = set()  # groups whose members run outside the group's forward, or span param groups
-    by_group: set[str] = set()  # modules whose own parameters are in param groups of different rules
+    by_group: set[str] = set()  # modules whose own parameters are in several param groups
     group_of = None if optimizer is None else {id(p): index for index, group in enumerate(optimizer.param_groups)
                                                for p in group["params"]}
     stored: dict[int, str] = {}  # saved activations the recording could not recompute bit for bit, and why

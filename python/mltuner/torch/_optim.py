@@ -4,9 +4,9 @@
 the same names (:class:`mltuner.UpdateRule`, torch's formulas), one rule
 per table: a layer's table takes the settings of the param group its
 parameters are in. A child module whose parameters span several groups is
-split into smaller layers; a module whose own parameters are in groups with
-different settings becomes a table per group (``find_layers``'s
-``by_group``), read together in its forward.
+split into smaller layers, and a module whose own parameters are in several
+groups becomes a table per group (``find_layers``'s ``by_group``), read
+together in its forward: every table is in one group.
 
 After ``wrap()`` the groups' learning rates may change (by hand or by a
 ``torch.optim.lr_scheduler``): :class:`LearningRates` sends a changed rate to
@@ -241,8 +241,8 @@ class LearningRates:
 
     ``groups`` are the param-group dicts (shared with the user's optimizer
     and with ``model.optimizer``); ``layer_groups`` gives, per layer, the
-    groups its parameters are in (one rate per table: groups sharing a
-    layer must keep equal rates); ``optimizer`` is the user's, or None when
+    group its parameters are in (``wrap()`` gives each group tables of its
+    own); ``optimizer`` is the user's, or None when
     the single group stands for ``Config.update_rule``, whose rule is
     ``rule``.
     """
@@ -271,8 +271,8 @@ class LearningRates:
 
         Raises:
             mltuner.InvalidArgumentError: a group setting other than ``lr``
-                changed, a rate is not a finite number >= 0, groups sharing a
-                layer now differ, or the rule has no learning rate.
+                changed, a rate is not a finite number >= 0, or the rule has
+                no learning rate.
         """
         for index, group in enumerate(self._groups):
             self._check_frozen(index, group)
@@ -286,16 +286,8 @@ class LearningRates:
                     "rate: give wrap() the optimizer, or use an UpdateRule with one"
                 )
             for layer_index, groups in enumerate(self._layer_groups):
-                if index not in groups:
-                    continue
-                rates = {_number(self._groups[g]["lr"]) for g in groups}
-                if len(rates) > 1:
-                    raise InvalidArgumentError(
-                        f"param groups {groups} share a table (a module's own parameters) but now have the learning "
-                        f"rates {sorted(rates)}: the servers keep one rate per table; keep a module's parameters in "
-                        "one group"
-                    )
-                self._worker.set_learning_rate(self._tables[layer_index], rate)
+                if index in groups:  # a table holds one group's parameters (_module._assign_rules)
+                    self._worker.set_learning_rate(self._tables[layer_index], rate)
             self._sent[index] = rate
 
     def check_loaded(self, saved: Sequence[dict[str, Any]]) -> None:

@@ -369,6 +369,35 @@ def test_weights_decayed_and_biases_not_take_torchs_steps(rule: str, store_activ
     assert max_rel_error({moved: got[moved]}, {moved: initial.state_dict()[moved]}) > 1e-3
 
 
+def test_each_group_of_a_modules_parameters_follows_its_own_schedule(max_rel_error: Callable[..., float]) -> None:
+    """Groups of equal settings on a module's own parameters, each with its
+    own warm-up: they shared a table and were refused at the first clock
+    ("share a table ... now have the learning rates"); the tables follow the
+    groups, not their settings, which also keeps a resumed run's tables
+    those of its checkpoint whatever the rates then."""
+    def make(model: nn.Module) -> torch.optim.Optimizer:  # the groups' settings equal until a schedule starts
+        weights = [p for p in model.parameters() if p.dim() >= 2]
+        biases = [p for p in model.parameters() if p.dim() < 2]
+        return torch.optim.SGD([{"params": weights}, {"params": biases}], lr=0.05, momentum=0.9)
+
+    def warm_up_weights(optimizer: Any) -> Any:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, [lambda s: min(1.0, (s + 1) / 4), lambda s: 1.0])
+
+    torch.manual_seed(0)
+    initial = Net()
+    data = batches(STEPS, 16, seed=1)
+    reference = copy.deepcopy(initial)
+    optimizer = make(reference)
+    train_plain(reference, optimizer, data, warm_up_weights(optimizer))
+    with LocalCluster(1, config()) as cluster:
+        net = copy.deepcopy(initial)
+        model = mt.wrap(net, cluster.worker(0), example_input=data[0][0], optimizer=make(net))
+        assert model.layers == [f"{name} (param group {g})" for name in ("fc1", "fc2", "head") for g in (0, 1)]
+        train_plain(model, model.optimizer, data, warm_up_weights(model.optimizer))
+        got = model.state_dict()
+    assert max_rel_error(got, reference.state_dict()) <= 1e-5
+
+
 def test_a_child_spanning_param_groups_is_split_into_tables() -> None:
     net = nn.Sequential(Net(), nn.Linear(3, 2))  # Net is one group-sized child
     optimizer = torch.optim.SGD([{"params": list(net[0].fc1.parameters())},

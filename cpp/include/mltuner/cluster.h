@@ -8,6 +8,7 @@
 #pragma once
 
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "mltuner/config.h"
@@ -31,12 +32,15 @@ class LocalCluster {
   Engine* worker(int rank);
   // Messages the transport rejected (invalid for their receiver), for tests.
   int64_t rejected_messages() const;
+  // Safe from several threads at once (each worker's, on an error): a call
+  // returns once the first has stopped everything.
   Status Shutdown();
 
   class Hub;
 
  private:
   LocalCluster() = default;
+  std::mutex shutdown_mu_;  // serializes Shutdown: the hub's threads are joined once
   std::unique_ptr<Hub> hub_;
   std::vector<std::unique_ptr<Engine>> engines_;
 };

@@ -84,13 +84,10 @@ Status RowInstaller::InstallRows(const Message& message) {
                                    std::to_string(index.first_piece[shard + 1] - index.first_piece[shard]) +
                                    " parts: " + message.DebugString());
   }
-  // The shard's last part completes its push: only then is the table's
-  // data age from this shard the message's clock.
-  const bool completes_push = piece + 1 == index.first_piece[shard + 1];
   {
     MutexLock lock(&state_->age_mu);
     if (message.header.branch != state_->cache_branch) return Status::Ok();  // the cache moved to another branch
-    if (message.header.clock <= state_->shard_age[table][shard]) return Status::Ok();  // not newer
+    if (message.header.clock <= state_->piece_age[table][piece]) return Status::Ok();  // not newer
   }
   // Installs are queued on the install stream (CacheTickets, table_store.h,
   // orders them against the gathers), so neither this thread nor the
@@ -102,15 +99,20 @@ Status RowInstaller::InstallRows(const Message& message) {
     MLT_RETURN_IF_ERROR(InstallValues(message, piece, range));
   }
   MLT_RETURN_IF_ERROR(device_->TakeError());
-  if (!completes_push) return Status::Ok();
   {
     MutexLock lock(&state_->age_mu);
     // Rows of a branch the cache left while they were copied are overwritten
     // by the new branch's rows, which this thread installs next; their age
     // must not count.
     if (message.header.branch != state_->cache_branch) return Status::Ok();
+    std::vector<mltuner::Clock>& pieces = state_->piece_age[table];
+    pieces[piece] = std::max(pieces[piece], message.header.clock);
+    // The shard's age: its least piece's (a push moves it at its last part).
+    const mltuner::Clock age = *std::min_element(pieces.begin() + index.first_piece[shard],
+                                                 pieces.begin() + index.first_piece[shard + 1]);
     std::vector<mltuner::Clock>& ages = state_->shard_age[table];
-    ages[shard] = std::max(ages[shard], message.header.clock);
+    if (age <= ages[shard]) return Status::Ok();
+    ages[shard] = age;
     state_->data_age[table] = *std::min_element(ages.begin(), ages.end());
     if (plan_->own_updates[table]) plan_->own_updates[table]->Forget(message.header.branch, state_->data_age[table]);
   }

@@ -101,6 +101,7 @@ Engine* LocalCluster::worker(int rank) { return engines_[rank].get(); }
 int64_t LocalCluster::rejected_messages() const { return hub_ ? hub_->rejected() : 0; }
 
 Status LocalCluster::Shutdown() {
+  std::lock_guard<std::mutex> one_at_a_time(shutdown_mu_);
   Status first;
   for (auto& engine : engines_) {
     const Status status = engine->Shutdown();

@@ -145,7 +145,8 @@ void ShardHost::Start(Engine* engine, Transport* transport) {
       status = shard_.Handle(std::move(message), &replies);
     }
     if (!status.ok()) {
-      Reject(status, message);
+      // A request answered with its error needs no line on stderr: its caller raises it.
+      Reject(status, message, /*log=*/header.request_id == 0 || replies.empty());
       // Requests got their error reply from the shard. A refused message
       // without a reply (a clock's updates, a start) stops that clock for
       // every worker, which would wait for rows that never come: every
@@ -269,12 +270,12 @@ Status ShardHost::ImportTable(TableId table, const float* values, size_t num_val
   return shard_.ImportTable(table, values, num_values, state, num_state);
 }
 
-void ShardHost::Reject(const Status& status, const Message& message) {
+void ShardHost::Reject(const Status& status, const Message& message, bool log) {
   const int64_t count = ++rejected_;
   // Messages arriving after this engine or shard shut down are expected at
   // the end of a job: counted, not logged. Anything else is a bug or a bad
   // peer and is logged (a silent refusal of rows once hid a lost-rows race).
-  if (status.code() == StatusCode::kShutdown) return;
+  if (status.code() == StatusCode::kShutdown || !log) return;
   if (count <= 10) {
     std::fprintf(stderr, "mltuner: rejected a message: %s %s\n", status.ToString().c_str(),
                  message.header.type ? message.DebugString().c_str() : "");

@@ -108,7 +108,7 @@ class ShardHost {
 
   // Counts and logs a message that was refused (for the transport's own
   // refusals too, so one counter covers the process).
-  void Reject(const Status& status, const Message& message);
+  void Reject(const Status& status, const Message& message, bool log = true);
   int64_t rejected() const { return rejected_; }
 
  private:

@@ -269,6 +269,10 @@ Status Engine::Impl::PlanAndPrepare() {
   {
     MutexLock lock(&state_.age_mu);
     state_.shard_age.assign(plan_.tables.size(), std::vector<mltuner::Clock>(num_workers_, kNoClock));
+    state_.piece_age.clear();
+    for (const TableIndex& index : plan_.index.tables) {
+      state_.piece_age.emplace_back(index.pieces.size(), kNoClock);
+    }
     state_.data_age.assign(plan_.tables.size(), kNoClock);
   }
   MLT_RETURN_IF_ERROR(WaitUntilAllReady());

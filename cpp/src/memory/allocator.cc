@@ -312,6 +312,7 @@ Status Allocator::SwitchCache(BranchId branch) {
     MutexLock lock(&state_->age_mu);
     state_->cache_branch = branch;
     for (auto& ages : state_->shard_age) std::fill(ages.begin(), ages.end(), kNoClock);
+    for (auto& ages : state_->piece_age) std::fill(ages.begin(), ages.end(), kNoClock);
     std::fill(state_->data_age.begin(), state_->data_age.end(), kNoClock);
   }
   {

@@ -108,6 +108,12 @@ class SharedState {
   // --- the cache's data age and pending requests ------------------------------
   mutable Mutex age_mu;
   CondVar age_cv{&age_mu};
+  // [table][piece] (a shard's rows, or one part of them: TableIndex::pieces):
+  // the clock of the rows installed for the cached branch since its switch.
+  // A shard's age is the least of its pieces': a part that came before a
+  // switch back to its branch was dropped, and the cache holds another
+  // branch's rows there until the branch's rows requested at the switch.
+  std::vector<std::vector<mltuner::Clock>> piece_age GUARDED_BY(age_mu);
   std::vector<std::vector<mltuner::Clock>> shard_age GUARDED_BY(age_mu);  // [table][shard]
   std::vector<mltuner::Clock> data_age GUARDED_BY(age_mu);                // [table] = min over shards
   // The branch whose rows the cache holds; kNoCachedBranch once its id was

@@ -1037,8 +1037,11 @@ Status ServerShard::HandleBranchRows(const Message& in, std::vector<Message>* ou
   for (const auto& [key, table] : tables_) {
     if (key.first != branch) continue;
     for (int part = 0; part < static_cast<int>(table->parts.size()); ++part) {
+      // Each part says its own clock: a part the global position passed
+      // already holds the next clock's update, which the worker may have
+      // dropped (its cache on another branch) and will not get again.
       Message rows;
-      MLT_RETURN_IF_ERROR(RowsMessage(*table, part, table->clock.global(), in.header.sender, &rows));
+      MLT_RETURN_IF_ERROR(RowsMessage(*table, part, table->clock.PartClock(part), in.header.sender, &rows));
       out->push_back(std::move(rows));
     }
   }

@@ -56,6 +56,9 @@ class VectorClock {
   // The last clock the worker itself sent every part of.
   Clock Sent(WorkerId worker) const { return ClockBefore(sent_[worker] + 1); }
   Clock global() const { return ClockBefore(global_ + 1); }
+  // The last clock whose part `part` every worker reached: global() + 1 for
+  // the parts the global position has passed in the clock after it.
+  Clock PartClock(int part) const { return part <= PartOf(global_) ? ClockOf(global_) : ClockOf(global_) - 1; }
   // The last part every worker reached, as a position (clock * parts + part).
   int64_t global_position() const { return global_; }
   Clock ClockOf(int64_t position) const { return ClockBefore(position + parts_); }

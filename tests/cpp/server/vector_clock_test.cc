@@ -113,12 +113,17 @@ TEST(PartsOfAClockFinishInOrderAndTheClockAtTheLast) {
     EXPECT_EQ(clock.ClockOf(clock.global_position()), 0);
     EXPECT_EQ(clock.PartOf(clock.global_position()), k);
     EXPECT_EQ(clock.global(), k == 2 ? 0 : kInitClock);
+    for (int p = 0; p < 3; ++p) EXPECT_EQ(clock.PartClock(p), p <= k ? 0 : kInitClock);
   }
   ASSERT_OK(clock.Advance(1, 1, &advanced));
   EXPECT_TRUE(advanced);
   EXPECT_EQ(clock.ClockOf(clock.global_position()), 1);
   EXPECT_EQ(clock.PartOf(clock.global_position()), 0);
   EXPECT_EQ(clock.global(), 0);
+  // Part 0 is a clock ahead of the others (its rows hold clock 1's update).
+  EXPECT_EQ(clock.PartClock(0), 1);
+  EXPECT_EQ(clock.PartClock(1), 0);
+  EXPECT_EQ(clock.PartClock(2), 0);
   // A clock's parts cannot be skipped: worker 1 is in clock 1, not 2.
   EXPECT_CODE(clock.Advance(1, 2, &advanced), StatusCode::kOutOfOrder);
   EXPECT_CODE(clock.NextPart(1, 0, &part), StatusCode::kOutOfOrder);

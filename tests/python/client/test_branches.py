@@ -232,3 +232,50 @@ def test_an_id_of_a_freed_branch_forked_again_is_a_new_branch(run_workers: Calla
     for seen in results:
         for clock, (got, expected) in enumerate(zip(seen, want)):
             np.testing.assert_array_equal(got, expected, err_msg=f"read {clock}")
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_branch_read_again_after_another_in_parts_holds_only_its_rows(
+        workers: int, run_workers: Callable[..., list[Any]]) -> None:
+    """Clocks on branches 1, 0, 1, ..., a clock's rows in parts (12 bytes:
+    one row each). Parts of branch 1's push that came while the cache held
+    branch 0 were dropped; its late last part then set the shard's data age,
+    so the branch's own rows, requested at the switch back, were dropped as
+    not newer: a third of the reads held branch 0's or older rows."""
+    rows, width, rounds, lr = 5, 3, 20, 0.1
+
+    def run(worker: Worker) -> list[tuple[int, int, float]]:
+        table = worker.create_table("w", rows, width)
+        read = worker.virtual_read(table)
+        worker.virtual_post_read(read)
+        update = worker.virtual_pre_update(table)
+        worker.virtual_update(update)
+        worker.virtual_clock()
+        worker.finish_virtual_iteration()
+        start = np.arange(rows * width, dtype=np.float32).reshape(rows, width) / 10
+        if worker.rank == 0:
+            worker.pre_update(update)[:] = start
+            worker.update(update)
+        worker.start_iterations()
+        worker.fork_branch(1, 0)
+        want = {0: start.astype(np.float64), 1: start.astype(np.float64)}
+        wrong = []
+        for round_ in range(rounds):
+            for branch in (1, 0, 1):
+                worker.schedule_branch(branch, 1)
+            for branch in (1, 0, 1):
+                got = np.array(worker.read(read), dtype=np.float64)
+                worker.post_read(read)
+                if not np.allclose(got, want[branch], rtol=1e-5, atol=1e-5):
+                    wrong.append((round_, branch, float(np.abs(got - want[branch]).max())))
+                worker.pre_update(update)[:] = 1.0
+                worker.update(update)
+                worker.clock()
+                want[branch] = want[branch] - lr
+        return wrong
+
+    config = Config(update_rule=UpdateRule("sgd", learning_rate=lr), branches=True, wait_timeout_s=20,
+                    clock_part_bytes=12)
+    with LocalCluster(workers, config) as cluster:
+        results = run_workers(run, cluster.workers, on_error=cluster.shutdown)
+    assert results == [[]] * workers

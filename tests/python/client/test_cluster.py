@@ -179,3 +179,27 @@ def test_run_shuts_a_stuck_cluster_down() -> None:
             cluster.run(fn, timeout_s=1.0)
         assert time.monotonic() - start < 10
         assert len(released) == 1, "the blocked read was not released by the shutdown"
+
+
+def test_shutdown_from_several_threads_at_once_returns_on_each() -> None:
+    # Each worker's thread shutting the cluster down on its error: two
+    # joined one hub thread, and one of them waited forever.
+    import threading
+
+    for _ in range(5):
+        cluster = LocalCluster(2, Config(wait_timeout_s=10))
+        errors: list[BaseException] = []
+
+        def stop() -> None:
+            try:
+                cluster.shutdown()
+            except BaseException as error:  # noqa: BLE001 - checked below
+                errors.append(error)
+
+        threads = [threading.Thread(target=stop) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(20)
+        assert not any(thread.is_alive() for thread in threads), "a shutdown call hung"
+        assert errors == []

@@ -54,19 +54,27 @@ def reference() -> tuple[dict[int, np.ndarray], list[np.ndarray]]:
     return weights, seen
 
 
-def train(worker: Worker) -> tuple[dict[int, np.ndarray], list[np.ndarray]]:
-    x, y, w0 = batches()
-    table = worker.create_table("w", IN, OUT)
+def started(worker: Worker, rows: int, width: int, initial: np.ndarray | float) -> tuple[Any, int, int]:
+    """A table of ``rows`` x ``width``, one clock that reads and updates it,
+    rank 0's ``initial`` values written, iterations started: the table and
+    the read's and update's handles."""
+    table = worker.create_table("w", rows, width)
     read = worker.virtual_read(table)
     worker.virtual_post_read(read)
-    grad = worker.virtual_pre_update(table)
-    worker.virtual_update(grad)
+    update = worker.virtual_pre_update(table)
+    worker.virtual_update(update)
     worker.virtual_clock()
     worker.finish_virtual_iteration()
     if worker.rank == 0:
-        worker.pre_update(grad)[:] = w0
-        worker.update(grad)
+        worker.pre_update(update)[:] = initial
+        worker.update(update)
     worker.start_iterations()
+    return table, read, update
+
+
+def train(worker: Worker) -> tuple[dict[int, np.ndarray], list[np.ndarray]]:
+    x, y, w0 = batches()
+    table, read, grad = started(worker, IN, OUT, w0)
     seen = []
     clock = 0
     for branch, count in SCHEDULE:
@@ -201,17 +209,7 @@ def test_an_id_of_a_freed_branch_forked_again_is_a_new_branch(run_workers: Calla
     clocks from 0 (the cache kept the freed branch's rows and ages, and its
     schedule continued the old one's clocks: the shards refused clock 3)."""
     def run(worker: Worker) -> list[np.ndarray]:
-        table = worker.create_table("w", 2, 3)
-        read = worker.virtual_read(table)
-        worker.virtual_post_read(read)
-        update = worker.virtual_pre_update(table)
-        worker.virtual_update(update)
-        worker.virtual_clock()
-        worker.finish_virtual_iteration()
-        if worker.rank == 0:
-            worker.pre_update(update)[:] = 1.0
-            worker.update(update)
-        worker.start_iterations()
+        _, read, update = started(worker, 2, 3, 1.0)
         seen = []
         for _ in range(2):  # the same id twice: forked, trained 3 clocks, freed
             worker.fork_branch(1, 0, learning_rate=1.0)
@@ -245,18 +243,8 @@ def test_a_branch_read_again_after_another_in_parts_holds_only_its_rows(
     rows, width, rounds, lr = 5, 3, 20, 0.1
 
     def run(worker: Worker) -> list[tuple[int, int, float]]:
-        table = worker.create_table("w", rows, width)
-        read = worker.virtual_read(table)
-        worker.virtual_post_read(read)
-        update = worker.virtual_pre_update(table)
-        worker.virtual_update(update)
-        worker.virtual_clock()
-        worker.finish_virtual_iteration()
         start = np.arange(rows * width, dtype=np.float32).reshape(rows, width) / 10
-        if worker.rank == 0:
-            worker.pre_update(update)[:] = start
-            worker.update(update)
-        worker.start_iterations()
+        _, read, update = started(worker, rows, width, start)
         worker.fork_branch(1, 0)
         want = {0: start.astype(np.float64), 1: start.astype(np.float64)}
         wrong = []

@@ -212,7 +212,9 @@ class Config:
             ``damped_momentum`` without weight decay and whose rows all live
             on the device, with no device-memory budget (set or automatic),
             at slack 1 to 8; other reads are as without it. Reads at slack 0
-            are the same either way. Costs device memory of the table's size
+            are the same either way. With branches, a read holds the own
+            updates since the cache last switched to its branch: a switch
+            starts from the shards' rows. Costs device memory of the table's size
             per clock the reads may lag (at most slack + 1), and a pass over
             each such table a clock on the worker (the step) plus one per
             install. None (the default) takes it from the environment

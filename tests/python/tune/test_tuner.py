@@ -462,3 +462,17 @@ def test_the_journal_beside_a_relative_log_is_named_by_its_absolute_path(
     assert tuner.storage == f"journal:{journal}" and journal.exists()
     monkeypatch.chdir(tmp_path / "run")
     assert dashboard_command("decisions.jsonl") == f"optuna-dashboard {journal}"
+
+
+def test_two_tuners_of_a_process_logging_in_one_folder_name_their_studies_apart(
+        scripted_system: Any, tmp_path: Path) -> None:
+    # Two sessions of one job within a second: the second's studies had the
+    # first's names in their shared journal, and it was refused.
+    prefixes = []
+    for name in ("first", "second"):
+        tuner = Tuner(scripted_system(decaying, accuracies=[0.5], clocks_per_epoch=100), SCRIPTED_SPACE,
+                      TunerConfig(sampler="random", seed=0, max_epochs=1, num_clocks_to_test=5),
+                      log=str(tmp_path / f"{name}.jsonl"))
+        tuner.run()
+        prefixes.append(tuner.log.events("start")[0]["prefix"])
+    assert prefixes[0] != prefixes[1]

@@ -33,3 +33,27 @@ def test_ctrl_c_still_writes_the_report(tmp_path: Path) -> None:
     assert "the job was stopped (exit code 130)" in text
     assert f"report: {tmp_path / 'report.png'}" in text
     assert (tmp_path / "report.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.timeout(60)
+def test_a_job_of_two_sessions_shows_both(tmp_path: Path) -> None:
+    # The display ended at the first session's end: the second, in the same
+    # log, was never shown.
+    log = tmp_path / "decisions.jsonl"
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import json, os, time\n"
+        "if os.environ['MLTUNER_RANK'] == '0':\n"
+        f"    with open({str(log)!r}, 'a') as f:\n"
+        "        for outcome in ('max_epochs', 'converged'):\n"
+        "            for record in ({'event': 'start', 'phase': 'init'},\n"
+        "                           {'event': 'end', 'phase': 'end', 'outcome': outcome, 'epochs': 2}):\n"
+        "                f.write(json.dumps({'time': time.time(), **record}) + '\\n')\n"
+        "                f.flush()\n"
+        "                time.sleep(0.3)\n")
+    out = io.StringIO()
+    code = run_watched([sys.executable, str(script)], 1, log=log, workers_log=tmp_path / "w.log",
+                       terminal=False, out=out)
+    assert code == 0
+    text = out.getvalue()
+    assert "done: max_epochs" in text and "done: converged" in text, text

@@ -216,6 +216,11 @@ class LiveDisplay:
         self._stop_live()
         self._closed = True
 
+    @property
+    def closed(self) -> bool:
+        """Whether the display ended (closed, or its session's ``end``)."""
+        return self._closed
+
     def __enter__(self) -> LiveDisplay:
         return self
 

@@ -65,7 +65,7 @@ def run_watched(command: Sequence[str], num_workers: int, *, log: Path, workers_
     from mltuner.launch import launch  # the engine: only when a job is launched
 
     out = out or sys.stdout
-    display = LiveDisplay(file=out, terminal=terminal)
+    display = _EachSession(lambda: LiveDisplay(file=out, terminal=terminal))
     stop = threading.Event()
     follower = threading.Thread(target=follow_log, args=(log, display, stop), name="mltuner-watch", daemon=True)
     follower.start()
@@ -103,6 +103,23 @@ def run_watched(command: Sequence[str], num_workers: int, *, log: Path, workers_
         print(f"decision log: {log}", file=out)
     print(f"workers' output: {workers_log}", file=out)
     return code
+
+
+class _EachSession:
+    """Shows each tuning session of the log in a display of its own: a
+    job may run several, and a display ends at its session's end."""
+
+    def __init__(self, make: Callable[[], LiveDisplay]) -> None:
+        self._make = make
+        self._display = make()
+
+    def __call__(self, record: Mapping[str, Any]) -> None:
+        if record.get("event") == "start" and self._display.closed:
+            self._display = self._make()
+        self._display(record)
+
+    def close(self) -> None:
+        self._display.close()
 
 
 def log_env(log: Path) -> dict[str, str]:

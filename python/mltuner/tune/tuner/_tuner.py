@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 import math
 import os
 import time
@@ -45,6 +46,8 @@ AGGRESSIVE_DIRECTIONS = {"lr": 1, "momentum": 1, "staleness": 1, "batch_size": -
 LR_STEP = math.sqrt(10.0)
 # The Optuna journal a job writes beside its decision log by default.
 JOURNAL_NAME = "optuna.journal"
+# Tuners made in this process so far (the default study-name prefix).
+_TUNERS_MADE = itertools.count(1)
 
 
 class Outcome(enum.Enum):
@@ -304,8 +307,11 @@ class Tuner:
             space.check_setting(start)
         self._start_setting = dict(start) if start is not None else space.defaults()
         prefix = self._config.study_name_prefix
+        # The second and later tuners of a process count on (two sessions of
+        # a job within a second shared a journal's study names).
+        runs = next(_TUNERS_MADE)
         self._prefix = prefix if prefix is not None else (
-            f"mltuner-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+            f"mltuner-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}" + (f"-{runs}" if runs > 1 else "")
         )
         self._storage_url: str | None = None
         self._storage = self._open_storage()

@@ -16,15 +16,25 @@ import numbers
 
 from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError
 
-__all__ = ["integer", "real", "boolean", "choice", "text", "INT32_MAX", "INT64_MAX"]
+__all__ = ["integer", "real", "boolean", "choice", "text", "is_integer", "is_real", "INT32_MAX", "INT64_MAX"]
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 
 
+def is_integer(value: object) -> bool:
+    """An int (numpy's too), not a bool: ``True`` is no count."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_real(value: object) -> bool:
+    """A real number (numpy's too), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def integer(name: str, value: object, low: int, high: int) -> int:
     """``value`` as an int in ``[low, high]``; bools and non-integral numbers are refused."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if not is_integer(value):
         raise ArgumentTypeError(f"{name} must be an integer in [{low}, {_bound(high)}], "
                                    f"got {type(value).__name__} {value!r}")
     number = int(value)
@@ -36,7 +46,7 @@ def integer(name: str, value: object, low: int, high: int) -> int:
 def real(name: str, value: object, low: float, high: float, *, low_open: bool = False,
          high_open: bool = False) -> float:
     """``value`` as a finite float in the interval (open ends as told)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if not is_real(value):
         raise ArgumentTypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
     number = float(value)
     below = number <= low if low_open else number < low

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from collections.abc import Mapping
 from typing import Any, Literal
 
 from optuna.storages import BaseStorage
 
+from mltuner._validate import is_integer, is_real
 from mltuner.exceptions import InvalidArgumentError
 
 __all__ = ["TunerConfig", "RetuneMode", "SAMPLERS", "DEFAULT_CLOCKS_TO_TEST"]
@@ -223,24 +223,24 @@ class TunerConfig:
             "guard_chunks_per_epoch": self.guard_chunks_per_epoch,
         }
         for name, value in positive.items():
-            if not _is_integer(value) or value < 1:
+            if not is_integer(value) or value < 1:
                 raise InvalidArgumentError(f"{name} must be an integer >= 1, got {value!r}")
         test = self.num_clocks_to_test
-        if test is not None and (not _is_integer(test) or test < 1):
+        if test is not None and (not is_integer(test) or test < 1):
             raise InvalidArgumentError(
                 f"num_clocks_to_test must be an integer >= 1 or None (cover the validation set once), "
                 f"got {test!r}"
             )
-        if not _is_integer(self.num_branches) or self.num_branches < 2:
+        if not is_integer(self.num_branches) or self.num_branches < 2:
             raise InvalidArgumentError(
                 f"num_branches must be an integer >= 2 (the parent and one trial), got {self.num_branches!r}"
             )
         for name, limit in (("max_trials_per_search", self.max_trials_per_search),
                             ("max_epochs", self.max_epochs), ("retune_every_epochs", self.retune_every_epochs)):
-            if limit is not None and (not _is_integer(limit) or limit < 1):
+            if limit is not None and (not is_integer(limit) or limit < 1):
                 raise InvalidArgumentError(f"{name} must be an integer >= 1 or None, got {limit!r}")
         if self.initial_trial_time_s is not None and not (
-            _is_real(self.initial_trial_time_s) and math.isfinite(self.initial_trial_time_s)
+            is_real(self.initial_trial_time_s) and math.isfinite(self.initial_trial_time_s)
             and self.initial_trial_time_s > 0
         ):
             raise InvalidArgumentError(
@@ -255,13 +255,13 @@ class TunerConfig:
                 "takes precedence, so a re-tune would never happen (use retune='off')"
             )
         if self.search_share is not None and not (
-            _is_real(self.search_share) and 0 < self.search_share <= 1
+            is_real(self.search_share) and 0 < self.search_share <= 1
         ):
             raise InvalidArgumentError(
                 f"search_share must be in (0, 1] or None, got {self.search_share!r}"
             )
         if self.max_search_share is not None and not (
-            _is_real(self.max_search_share) and 0 < self.max_search_share <= 1
+            is_real(self.max_search_share) and 0 < self.max_search_share <= 1
         ):
             raise InvalidArgumentError(
                 f"max_search_share must be in (0, 1] or None, got {self.max_search_share!r}"
@@ -272,18 +272,18 @@ class TunerConfig:
                 f"max_search_share ({self.max_search_share}) must be at least search_share "
                 f"({self.search_share}): it caps what the floor raises the share to"
             )
-        if not _is_integer(self.floor_trials) or self.floor_trials < 1:
+        if not is_integer(self.floor_trials) or self.floor_trials < 1:
             raise InvalidArgumentError(
                 f"floor_trials must be an integer >= 1, got {self.floor_trials!r}"
             )
         if self.target_accuracy is not None and not (
-            _is_real(self.target_accuracy) and 0 < self.target_accuracy <= 1
+            is_real(self.target_accuracy) and 0 < self.target_accuracy <= 1
         ):
             raise InvalidArgumentError(
                 f"target_accuracy must be in (0, 1] or None, got {self.target_accuracy!r}"
             )
         if self.time_budget_s is not None and not (
-            _is_real(self.time_budget_s) and math.isfinite(self.time_budget_s)
+            is_real(self.time_budget_s) and math.isfinite(self.time_budget_s)
             and self.time_budget_s > 0
         ):
             raise InvalidArgumentError(
@@ -302,26 +302,16 @@ class TunerConfig:
                 f"batch_check_lr_scaling must be 'sqrt', 'linear' or 'none', "
                 f"got {self.batch_check_lr_scaling!r}"
             )
-        if not (_is_real(self.rollback_margin)
+        if not (is_real(self.rollback_margin)
                 and math.isfinite(self.rollback_margin) and self.rollback_margin >= 0):
             raise InvalidArgumentError(
                 f"rollback_margin must be a finite number >= 0, got {self.rollback_margin!r}"
             )
-        if not _is_integer(self.max_rollbacks) or self.max_rollbacks < 0:
+        if not is_integer(self.max_rollbacks) or self.max_rollbacks < 0:
             raise InvalidArgumentError(
                 f"max_rollbacks must be an integer >= 0, got {self.max_rollbacks!r}"
             )
-        if not _is_integer(self.n_startup_trials) or self.n_startup_trials < 0:
+        if not is_integer(self.n_startup_trials) or self.n_startup_trials < 0:
             raise InvalidArgumentError(
                 f"n_startup_trials must be an integer >= 0, got {self.n_startup_trials!r}"
             )
-
-
-def _is_integer(value: object) -> bool:
-    """An int (numpy's too), not a bool: True is no epoch count."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
-    """A real number, not a bool (``target_accuracy=True`` is a mistake)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)

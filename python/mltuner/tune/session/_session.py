@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 import os
 import queue
 import threading
@@ -54,6 +53,7 @@ from typing import Any, Protocol, cast
 
 import numpy as np
 
+from mltuner._validate import is_integer
 from mltuner.client._worker import Worker
 from mltuner.exceptions import InvalidArgumentError, ShutdownError, WaitTimeoutError
 from mltuner.tune._config import TunerConfig
@@ -610,7 +610,7 @@ class TuningSession:
         mine = {"num_train": self._num_train, "num_validation": self._num_validation,
                 "batch_size": self._batch_size, "seed": self._seed, "num_clocks_to_test": self._num_test_clocks,
                 "balance_batches": self._balance, "steal_batches": self._claim_job is not None}
-        mine = {k: int(v) if isinstance(v, numbers.Integral) and not isinstance(v, bool) else v  # numpy's too: JSON
+        mine = {k: int(v) if is_integer(v) else v  # numpy's too: JSON
                 for k, v in mine.items()}
         everyone = self._allgather("arguments", mine)
         for rank, theirs in enumerate(everyone):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import TypeGuard
 
 from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError
 
@@ -22,13 +23,15 @@ INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 
 
-def is_integer(value: object) -> bool:
-    """An int (numpy's too), not a bool: ``True`` is no count."""
+def is_integer(value: object) -> TypeGuard[int]:
+    """An int (numpy's too, which the narrowed type does not name), not a
+    bool: ``True`` is no count."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def is_real(value: object) -> bool:
-    """A real number (numpy's too), not a bool."""
+def is_real(value: object) -> TypeGuard[float]:
+    """A real number (numpy's too, which the narrowed type does not name),
+    not a bool."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 

@@ -594,9 +594,7 @@ class Job:
         or, outside close(), a peer that closed the job a moment ago
         (OutOfOrderError: it joins no barrier or allgather any more). The
         moment lets a collective that peer completed before closing return."""
-        closing = self._liveness.closing if self._liveness is not None and not self._closed else {}
-        now = time.monotonic()
-        closed = sorted(rank for rank, heard in closing.items() if now - heard > _CLOSING_GRACE_S)
+        closed = self._closed_peers(_CLOSING_GRACE_S)
         if closed:
             raise OutOfOrderError(
                 f"rank {closed[0]} has closed the job (its loop ended, e.g. its data ran out), so a barrier, "
@@ -604,17 +602,22 @@ class Job:
                 "collective calls before closing")
         return self._lost_peer()
 
+    def _closed_peers(self, for_s: float) -> list[int]:
+        """The ranks that said they are closing the job more than ``for_s``
+        ago, in order (none once this rank closed it too)."""
+        closing = self._liveness.closing if self._liveness is not None and not self._closed else {}
+        now = time.monotonic()
+        return sorted(rank for rank, heard in closing.items() if now - heard > for_s)
+
 
 def _watch_engine_wait(job: Job | None, blocked_s: float) -> None:
     """Ends an engine call (raising) that waits for a rank which closed the
     job during a tuning session: the session's clocks are on branches, which
     a closing rank cannot lend (launch/_uneven.py), so the wait would last
     until Config.wait_timeout_s and then blame a slow worker."""
-    if job is None or job._closed or blocked_s < _CLOSED_PEER_WAIT_S or not job.config.branches:
+    if job is None or blocked_s < _CLOSED_PEER_WAIT_S or not job.config.branches:
         return
-    closing = job._liveness.closing if job._liveness is not None else {}
-    now = time.monotonic()
-    closed = sorted(rank for rank, heard in closing.items() if now - heard > _CLOSED_PEER_WAIT_S)
+    closed = job._closed_peers(_CLOSED_PEER_WAIT_S)
     if closed:
         raise OutOfOrderError(
             f"rank {closed[0]} closed the job (its loop ended: a break, or its data ran out) while this rank waits "

@@ -761,19 +761,19 @@ class TuningSession:
         self._thread.start()
 
     def _default_driver(self, system: BranchSystem) -> Any:
-        log = self._log
-        copy = run_log_copy(log.path if isinstance(log, DecisionLog) else log)
-        if copy is None:
-            return Tuner(system, self._space, self._config, log=log).run()
+        log = self._log if isinstance(self._log, DecisionLog) else DecisionLog(self._log)
+        owned = log is not self._log
         # log= and `mltuner run`: the run's display and report follow its own file.
-        if isinstance(log, DecisionLog):
+        copy = run_log_copy(log.path)
+        if copy is not None:
             log.listeners.append(copy)
-            try:
-                return Tuner(system, self._space, self._config, log=log).run()
-            finally:
+        try:
+            return Tuner(system, self._space, self._config, log=log).run()
+        finally:
+            if copy is not None:
                 log.listeners.remove(copy)
-        with DecisionLog(log, listeners=[copy]) as owned:
-            return Tuner(system, self._space, self._config, log=owned).run()
+            if owned:
+                log.close()
 
 
 # MLTUNER_SHARED_CLAIMS=0: claims go to rank 0 even when every rank is on one host.

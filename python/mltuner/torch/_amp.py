@@ -123,4 +123,3 @@ class ScaledGradients:
                 grad.masked_fill_(overflowed, 0.0)
 
         self._driver.filter_gradients(zero_on_overflow)
-

@@ -139,6 +139,7 @@ def placeholder(device: torch.device) -> torch.Tensor:
         value = _PLACEHOLDERS.setdefault(device, torch.full((), float("nan"), dtype=torch.float32, device=device))
     return value
 
+
 def autocast_state(device: torch.device) -> tuple[bool, torch.dtype | None]:
     """Whether autocast is on for ``device``'s type on this thread, and its
     dtype when it is."""

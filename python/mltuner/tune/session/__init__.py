@@ -17,6 +17,7 @@ from mltuner.tune.session._sampler import StepBatchSampler, collate_allowing_emp
 from mltuner.tune.session._session import Collective, Driver, PSBranchSystem, ServingCollective, Step, TuningSession
 
 __all__ = [
-    "TuningSession", "Step", "StepBatchSampler", "collate_allowing_empty", "PSBranchSystem", "Driver", "Collective", "ServingCollective",
+    "TuningSession", "Step", "StepBatchSampler", "collate_allowing_empty", "PSBranchSystem", "Driver", "Collective",
+    "ServingCollective",
     "Command", "ForkCommand", "FreeCommand", "RunCommand", "EndCommand", "ErrorCommand", "parse_command",
 ]

@@ -41,6 +41,25 @@ def value(rank: int, clock: int) -> float:
     return float((rank + 1) * (clock + 1))
 
 
+def run_clock(worker: mltuner.Worker, read: int, update: int, update_by: float) -> float:
+    """One clock of record_read_update's recording: reads (row 0's first
+    value is returned), posts, updates every value by ``update_by``."""
+    seen = float(np.asarray(worker.read(read))[0, 0])
+    worker.post_read(read)
+    worker.pre_update(update)[:] = update_by
+    worker.update(update)
+    worker.clock()
+    return seen
+
+
+def close_ignoring_warnings(job: mltuner.Job) -> None:
+    """Closes a rank's job that ended at another clock than the other's
+    (its close warns so, which these tests expect)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        job.close()
+
+
 @pytest.mark.parametrize("ending", ["close", "sys.exit(0)"])
 @pytest.mark.parametrize("slack", [0, 1])
 def test_a_rank_that_closes_early_lends_its_clocks_to_the_one_that_trains_on(
@@ -60,13 +79,9 @@ def test_a_rank_that_closes_early_lends_its_clocks_to_the_one_that_trains_on(
             read, update = record_read_update(worker, table, slack)
             started = time.monotonic()
             for clock in range(SHORT if rank == 0 else LONG):
-                seen = float(np.asarray(worker.read(read))[0, 0])
+                seen = run_clock(worker, read, update, value(rank, clock))
                 if rank == 1:
                     reads.append(seen)
-                worker.post_read(read)
-                worker.pre_update(update)[:] = value(rank, clock)
-                worker.update(update)
-                worker.clock()
             if rank == 1:
                 elapsed.append(time.monotonic() - started)
                 worker.sync()
@@ -120,17 +135,11 @@ def test_the_rank_that_trains_on_may_change_its_learning_rate(
             for clock in range(SHORT if rank == 0 else LONG):
                 if clock == changed_at:
                     worker.set_learning_rate(table, lr1)
-                worker.read(read)
-                worker.post_read(read)
-                worker.pre_update(update)[:] = value(rank, clock)
-                worker.update(update)
-                worker.clock()
+                run_clock(worker, read, update, value(rank, clock))
             if rank == 1:
                 worker.sync()
                 finals.append(worker.fetch(table))
-            with warnings.catch_warnings(record=True):  # "counted its update as zero"
-                warnings.simplefilter("always")
-                jobs[rank].close()
+            close_ignoring_warnings(jobs[rank])
         except BaseException as error:  # noqa: BLE001 - re-raised below
             errors.append(error)
 
@@ -160,16 +169,10 @@ def test_a_rank_that_closes_during_clocks_on_branches_ends_the_others_wait_withi
             started = time.monotonic()
             try:
                 for clock in range(SHORT if rank == 0 else LONG):
-                    worker.read(read)
-                    worker.post_read(read)
-                    worker.pre_update(update)[:] = value(rank, clock)
-                    worker.update(update)
-                    worker.clock()
+                    run_clock(worker, read, update, value(rank, clock))
             except mltuner.MltunerError as error:
                 failures.append((rank, error, time.monotonic() - started))
-            with warnings.catch_warnings(record=True):  # "the ranks closed the job at different clocks"
-                warnings.simplefilter("always")
-                jobs[rank].close()
+            close_ignoring_warnings(jobs[rank])
         except BaseException as error:  # noqa: BLE001 - re-raised below
             errors.append(error)
 
@@ -192,12 +195,8 @@ def test_a_collective_call_after_a_rank_closed_fails_at_once(tmp_path, record_re
         try:
             worker = jobs[rank].worker
             read, update = record_read_update(worker, worker.create_table("t", ROWS, WIDTH))
-            for clock in range(SHORT if rank == 0 else LONG):
-                worker.read(read)
-                worker.post_read(read)
-                worker.pre_update(update)[:] = 1.0
-                worker.update(update)
-                worker.clock()
+            for _ in range(SHORT if rank == 0 else LONG):
+                run_clock(worker, read, update, 1.0)
             if rank == 1:
                 for name, call in (("barrier", lambda: jobs[1].barrier("after")),
                                    ("save_checkpoint", lambda: jobs[1].save_checkpoint(tmp_path))):
@@ -206,9 +205,7 @@ def test_a_collective_call_after_a_rank_closed_fails_at_once(tmp_path, record_re
                         call()
                     except mltuner.OutOfOrderError as error:
                         failures.append((name, time.monotonic() - started, error))
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # the ranks' different clocks
-                jobs[rank].close()
+            close_ignoring_warnings(jobs[rank])
         except BaseException as error:  # noqa: BLE001 - re-raised below
             errors.append(error)
 
@@ -237,11 +234,7 @@ def test_a_close_that_goes_unanswered_ends_within_its_timeout_while_every_rank_l
             worker = job.worker
             read, update = record_read_update(worker, worker.create_table("t", ROWS, WIDTH))
             for _ in range(2):
-                worker.read(read)
-                worker.post_read(read)
-                worker.pre_update(update)[:] = 1.0
-                worker.update(update)
-                worker.clock()
+                run_clock(worker, read, update, 1.0)
             job.close()
 
         threads = [threading.Thread(target=clock_then_close, args=(job,)) for job in jobs]

@@ -231,7 +231,10 @@ class Config:
             caches, update logs and local data, the staging buffer, update
             payloads in flight, the server shard's state when it lives in
             host memory and, on the CPU backend, the buffer pool and the
-            device-resident stores.
+            device-resident stores. A branch fork's copy of that state is
+            not counted here: the shard checks it against the memory
+            available when it forks (``fork_branch`` raises
+            :class:`~mltuner.ResourceExhaustedError`).
         check_finite: the servers refuse an update of a training branch (or
             initial values) that holds a NaN or an infinity, before any of it
             is applied (``Worker.write_initial`` refuses them at the call): the

@@ -257,8 +257,12 @@ Status RowInstaller::CompleteRequest(Message&& message) {
     }
     request = it->second;
     if (message.type() == MessageType::kError && request->error.ok()) {
-      request->error = Status::InvalidArgument("shard " + std::to_string(message.header.sender) +
-                                               " refused the request: " + message.text);
+      // The refusal's code travels with it (a freed branch is NotFound, as
+      // the branch calls say); peers of before it sent none.
+      const Status why = ErrorOf(message);
+      request->error = Status::FromCode(
+          message.header.clock == 0 ? StatusCode::kInvalidArgument : why.code(),
+          "shard " + std::to_string(message.header.sender) + " refused the request: " + message.text);
     }
     request->replies.push_back(std::move(message));
     --request->replies_missing;

@@ -14,6 +14,24 @@
 
 namespace mltuner {
 
+namespace {
+
+// What a shard answers a request it will not do (the request's content, or
+// no room for it), as against a job that fails (a timeout, a lost peer).
+bool IsShardRefusal(const Status& status) {
+  switch (status.code()) {
+    case StatusCode::kInvalidArgument:
+    case StatusCode::kNotFound:
+    case StatusCode::kResourceExhausted:
+    case StatusCode::kOutOfOrder:
+      return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace
+
 Status Engine::Impl::SendBranchRequest(MessageType type, BranchId branch, const std::string& text) {
   std::vector<Message> requests;
   for (int shard = 0; shard < num_workers_; ++shard) {
@@ -55,7 +73,7 @@ Status Engine::Impl::ForkBranch(BranchId child, BranchId parent, const BranchSet
   // Our updates of the parent must reach the shards before the fork request.
   MLT_RETURN_IF_ERROR(Flush());
   const Status forked = SendBranchRequest(MessageType::kFork, child, EncodeBranchSettings(parent, settings));
-  if (forked.code() == StatusCode::kInvalidArgument) {
+  if (IsShardRefusal(forked)) {
     // A shard refused (no memory for its copy, say) while the others may
     // have forked. Each shard answers every worker, so every worker got this
     // refusal and asks every shard to free the child; a shard without it

@@ -75,10 +75,20 @@ Message Reply(MessageType type, int rank, const Message& request) {
   return reply;
 }
 
+// The reply to a request every worker makes (ready, fork, free): an ack, or
+// the refusal with its code.
+Message AckOrRefusal(int rank, int worker, int32_t branch, int64_t request_id, const Status& status) {
+  Message reply = status.ok() ? NewMessage(MessageType::kAck, rank, worker, -1)
+                              : RefusalMessage(rank, worker, -1, status);
+  reply.header.branch = branch;
+  reply.header.request_id = request_id;
+  return reply;
+}
+
 Message ErrorReply(int rank, const Message& request, const Status& error) {
-  Message reply = Reply(MessageType::kError, rank, request);
-  reply.text = error.message();
-  reply.header.text_bytes = static_cast<uint32_t>(reply.text.size());
+  Message reply = RefusalMessage(rank, request.header.sender, request.header.table, error);
+  reply.header.branch = request.header.branch;
+  reply.header.request_id = request.header.request_id;
   return reply;
 }
 
@@ -592,11 +602,7 @@ Status ServerShard::HandleReady(const Message& in, std::vector<Message>* out) {
                                                       DescribeTables(mine) + "] but" + mismatches +
                                                       " every worker must create the same tables in the same order");
   for (const auto& [worker, request] : ready_requests_) {
-    Message reply = NewMessage(status.ok() ? MessageType::kAck : MessageType::kError, rank_, worker, -1);
-    reply.header.request_id = request.first;
-    reply.text = status.message();
-    reply.header.text_bytes = static_cast<uint32_t>(reply.text.size());
-    out->push_back(std::move(reply));
+    out->push_back(AckOrRefusal(rank_, worker, /*branch=*/0, request.first, status));
   }
   return status;
 }
@@ -940,12 +946,7 @@ Status ServerShard::HandleFork(const Message& in, std::vector<Message>* out) {
   }
   if (status.ok()) status = Fork(in.header.branch, parent, settings);
   for (const auto& [worker, request] : requests) {
-    Message reply = NewMessage(status.ok() ? MessageType::kAck : MessageType::kError, rank_, worker, -1);
-    reply.header.branch = in.header.branch;
-    reply.header.request_id = request.first;
-    reply.text = status.message();
-    reply.header.text_bytes = static_cast<uint32_t>(reply.text.size());
-    out->push_back(std::move(reply));
+    out->push_back(AckOrRefusal(rank_, worker, in.header.branch, request.first, status));
   }
   return status;
 }
@@ -1018,12 +1019,7 @@ Status ServerShard::HandleFreeBranch(const Message& in, std::vector<Message>* ou
     it = it->first.first == branch ? tables_.erase(it) : std::next(it);
   }
   for (const auto& [worker, request] : requests) {
-    Message reply = NewMessage(status.ok() ? MessageType::kAck : MessageType::kError, rank_, worker, -1);
-    reply.header.branch = branch;
-    reply.header.request_id = request.first;
-    reply.text = status.message();
-    reply.header.text_bytes = static_cast<uint32_t>(reply.text.size());
-    out->push_back(std::move(reply));
+    out->push_back(AckOrRefusal(rank_, worker, branch, request.first, status));
   }
   return status;
 }

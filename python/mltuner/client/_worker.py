@@ -662,7 +662,7 @@ class Worker:
         returns once the fork is done everywhere. A shard that cannot hold
         the copy (where its state lives in host memory: more than the host
         has available) refuses it with the sizes, every worker raises
-        InvalidArgumentError, and the fork is undone on every shard."""
+        ResourceExhaustedError, and the fork is undone on every shard."""
         keep = -1.0  # the engine's BranchSettings::kKeepParent
         self._engine.fork_branch(
             integer("fork_branch: child", child, 0, INT32_MAX), integer("fork_branch: parent", parent, 0, INT32_MAX),

@@ -279,8 +279,8 @@ def test_non_finite_initial_values_through_the_buffer_are_refused_by_the_servers
         buffer = worker.pre_update(update)
         np.asarray(buffer)[...] = 1.0
         np.asarray(buffer)[1, 2] = np.nan
-        # A request's refusal (the initialisation's writes are requests) comes back as InvalidArgumentError.
-        with pytest.raises(mltuner.InvalidArgumentError, match="1 of 12 values that are NaN or infinite"):
+        # A request's refusal (the initialisation's writes are requests) keeps the shard's code.
+        with pytest.raises(mltuner.NonFiniteError, match="1 of 12 values that are NaN or infinite"):
             worker.update(update)
 
 

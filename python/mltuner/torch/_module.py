@@ -23,8 +23,10 @@ from mltuner.exceptions import (ArgumentTypeError, InternalError, InvalidArgumen
 from mltuner.launch import _checkpoint
 from mltuner.torch._amp import ScaledGradients, check_scaler
 from mltuner.torch._buffers import check_same_device
-from mltuner.torch._clock import ClockDriver, input_layouts, input_shapes, refuse_copy, tensors_in
+from mltuner.torch._clock import ClockDriver
+from mltuner.torch._driver_state import refuse_copy
 from mltuner.torch._errors import UnsupportedModelError
+from mltuner.torch._inputs import input_layouts, input_shapes, tensors_in
 from mltuner.torch._keep import KeepOnDevice, Variant
 from mltuner.torch._layers import DEFAULT_GROUP_BYTES, DEFAULT_WHOLE_MODULES, Layer, check_module_types, find_layers
 from mltuner.torch._optim import (LearningRates, check_optimizer, groups_of_layers, guard_parameters,

@@ -39,7 +39,8 @@ class Checkpoints(Protocol):
     def save_checkpoint(self, root: str | os.PathLike[str], *, keep: int = 2,
                         attachments: Mapping[str, bytes] | None = None) -> Path: ...
 
-    def restore_checkpoint(self, path: str | os.PathLike[str]) -> int: ...
+    def restore_checkpoint(self, path: str | os.PathLike[str], *,
+                           sources: Mapping[str, Sequence[tuple[int, str, int, int]]] | None = None) -> int: ...
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,6 +20,11 @@ checkpoints. Clocks in names and manifests count from the start of training,
 across restores. Restoring re-splits rows and state over however many shards
 the new job has, and ends with a barrier, so every read after it, on any
 rank, sees restored values. Files are plain .npy arrays read without pickle.
+
+A job whose tables group the values otherwise than the saved ones (the
+PyTorch adapter's layers under another budget) restores from ``sources``:
+each of its tables assembled from pieces of the saved tables' flat values,
+with their optimizer state.
 """
 
 from __future__ import annotations
@@ -29,17 +34,18 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from mltuner import _core
+from mltuner._config import UpdateRule
 from mltuner.client._worker import Table, Worker
 from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError, NotFoundError, OutOfOrderError
 
-__all__ = ["save", "restore", "shard_range", "resolve", "read_attachment", "check_tables"]
+__all__ = ["Piece", "Sources", "save", "restore", "shard_range", "resolve", "read_attachment", "check_tables"]
 
 FORMAT = "mltuner-checkpoint"
 VERSION = 1
@@ -48,6 +54,12 @@ _CHECKPOINT_NAME = re.compile(r"clock-(\d{8,})")
 _ATTACHMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 ATTACHMENTS = "attachments"
 _log = logging.getLogger("mltuner.launch")
+
+# A run of a table's flat values (its rows one after another): (offset in
+# it, saved table's name, offset in that table, count).
+Piece = tuple[int, str, int, int]
+# Each of a job's table names -> the pieces of saved tables it is made of.
+Sources = Mapping[str, Sequence[Piece]]
 
 
 def shard_range(num_rows: int, shard: int, num_shards: int) -> tuple[int, int]:
@@ -184,7 +196,7 @@ def _remove(path: Path) -> None:
 
 
 def restore(node: _core.ProcessNode, worker: Worker, path: Path, rule_kind: str,
-            barrier: Callable[[str], None]) -> int:
+            barrier: Callable[[str], None], sources: Sources | None = None) -> int:
     if worker.iterations_started:
         # The worker may hold clock-0 reads of the old values already, and
         # its clocks would not restart: the loaded values would mix with them.
@@ -196,10 +208,14 @@ def restore(node: _core.ProcessNode, worker: Worker, path: Path, rule_kind: str,
     directory = resolve(path)
     if node.rank == 0 and (path / LATEST).is_file():
         remove_temporaries(path)
-    manifest, metas = _check_checkpoint(directory, worker)
+    manifest, metas = _check_checkpoint(directory, worker, sources)
+    saved = _saved_tables(manifest)
     for table in _communicated(worker):
         first, count = shard_range(table.num_rows, int(node.rank), int(node.num_workers))
-        values, state = _gather_slice(directory, metas, table, first, count)
+        if sources is None:
+            values, state = _gather_slice(directory, metas, table, first, count)
+        else:
+            values, state = _assemble_slice(directory, metas, saved, table, sources[table.name], first, count)
         try:
             node.import_shard_table(table.id, values, state)
         except InvalidArgumentError as error:
@@ -227,23 +243,32 @@ def resolve(path: Path) -> Path:
     raise NotFoundError(f"no complete checkpoint at {path} (no manifest.json, and no {LATEST} file naming one)")
 
 
-def check_tables(directory: Path, worker: Worker) -> dict[str, Any]:
+def check_tables(directory: Path, worker: Worker, sources: Sources | None = None) -> dict[str, Any]:
     """The manifest of the checkpoint ``directory``, once it is known to
-    hold exactly ``worker``'s communicated tables and every file a restore
-    reads is sound (InvalidArgumentError naming the file and the fault
-    otherwise)."""
-    return _check_checkpoint(directory, worker)[0]
+    hold exactly ``worker``'s communicated tables (or, with ``sources``, the
+    saved tables their pieces name) and every file a restore reads is sound
+    (InvalidArgumentError naming the file and the fault otherwise)."""
+    return _check_checkpoint(directory, worker, sources)[0]
 
 
 # What one shard saved of a table: (first_row, num_rows, state_arrays).
 _Entry = tuple[int, int, int]
 
 
-def _check_checkpoint(directory: Path, worker: Worker) -> tuple[dict[str, Any], list[dict[int, _Entry]]]:
-    """The manifest and every shard's entries (table id -> _Entry), once
-    every file a restore reads is known to be sound and to fit ``worker``:
-    all of it is checked before a restore changes anything."""
+def _saved_tables(manifest: dict[str, Any]) -> dict[str, Table]:
+    """The checkpoint's tables by name."""
+    return {entry["name"]: Table(entry["id"], entry["name"], entry["num_rows"], entry["row_width"])
+            for entry in manifest["tables"]}
+
+
+def _check_checkpoint(directory: Path, worker: Worker,
+                      sources: Sources | None = None) -> tuple[dict[str, Any], list[dict[int, _Entry]]]:
+    """The manifest and every shard's entries (saved table id -> _Entry),
+    once every file a restore reads is known to be sound and to fit
+    ``worker``: all of it is checked before a restore changes anything."""
     manifest = _read_manifest(directory)
+    if sources is not None:
+        return manifest, _check_sources(directory, manifest, worker, sources)
     saved = {entry["id"]: entry for entry in manifest["tables"]}
     mine = _communicated(worker)
     problems = []
@@ -260,16 +285,61 @@ def _check_checkpoint(directory: Path, worker: Worker) -> tuple[dict[str, Any], 
         raise InvalidArgumentError(f"checkpoint {directory} does not match this job's tables: " + "; ".join(problems))
     metas = [_read_meta(directory, shard, mine) for shard in range(manifest["num_shards"])]
     for table in mine:
-        _check_shards(directory, table, [meta[table.id] for meta in metas])
-        rule = worker.update_rule_of(table)
-        if rule is not None and metas[0][table.id][2] != rule.state_arrays:
-            raise InvalidArgumentError(
-                f"checkpoint {directory} does not fit this job's update rules: table {table.name!r} has "
-                f"{metas[0][table.id][2]} arrays of optimizer state per value there, and its rule "
-                f"({rule.kind}) keeps {rule.state_arrays} here")
-        for shard, meta in enumerate(metas):
-            _check_arrays(directory / f"shard-{shard}", table, meta[table.id])
+        _check_saved_table(directory, metas, table, worker.update_rule_of(table), table.name)
     return manifest, metas
+
+
+def _check_saved_table(directory: Path, metas: list[dict[int, _Entry]], saved: Table, rule: UpdateRule | None,
+                       into: str) -> None:
+    """A saved table's shard files are sound and hold the optimizer state
+    ``rule`` (the rule of the job's table ``into``) keeps."""
+    _check_shards(directory, saved, [meta[saved.id] for meta in metas])
+    if rule is not None and metas[0][saved.id][2] != rule.state_arrays:
+        raise InvalidArgumentError(
+            f"checkpoint {directory} does not fit this job's update rules: table {saved.name!r} has "
+            f"{metas[0][saved.id][2]} arrays of optimizer state per value there, and the rule of "
+            f"{into!r} ({rule.kind}) keeps {rule.state_arrays} here")
+    for shard, meta in enumerate(metas):
+        _check_arrays(directory / f"shard-{shard}", saved, meta[saved.id])
+
+
+def _check_sources(directory: Path, manifest: dict[str, Any], worker: Worker,
+                   sources: Sources) -> list[dict[int, _Entry]]:
+    """restore(sources=): every piece lies inside its saved table and the
+    job's table, the saved tables it names are sound, and the pieces of a
+    table come from tables of one optimizer step count (the state's
+    scalars)."""
+    saved = _saved_tables(manifest)
+    problems = []
+    named: dict[str, tuple[str, UpdateRule | None]] = {}  # saved table -> the job's table it goes into, and its rule
+    for table in _communicated(worker):
+        pieces = sources.get(table.name)
+        if pieces is None:
+            problems.append(f"nothing says where table {table.name!r} comes from")
+            continue
+        for offset, name, source_offset, count in pieces:
+            source = saved.get(name)
+            if source is None:
+                problems.append(f"table {name!r} (a source of {table.name!r}) is not in it")
+            elif (min(offset, source_offset, count) < 0 or offset + count > table.num_rows * table.row_width
+                  or source_offset + count > source.num_rows * source.row_width):
+                problems.append(f"values [{source_offset}, {source_offset + count}) of {name!r} "
+                                f"({source.num_rows}x{source.row_width}) cannot go to [{offset}, {offset + count}) "
+                                f"of {table.name!r} ({table.num_rows}x{table.row_width})")
+            else:
+                named.setdefault(name, (table.name, worker.update_rule_of(table)))
+    if problems:
+        raise InvalidArgumentError(f"checkpoint {directory} does not match this job's tables: " + "; ".join(problems))
+    tables = [saved[name] for name in named]
+    metas = [_read_meta(directory, shard, tables) for shard in range(manifest["num_shards"])]
+    for table in tables:
+        _check_saved_table(directory, metas, table, named[table.name][1], named[table.name][0])
+    for table in _communicated(worker):
+        steps = {name: _scalars(directory, metas, saved[name]).tolist() for _, name, _, _ in sources[table.name]}
+        if len({tuple(values) for values in steps.values()}) > 1:
+            raise InvalidArgumentError(f"checkpoint {directory}: table {table.name!r} would join tables whose "
+                                       f"optimizer step counts differ ({steps})")
+    return metas
 
 
 def _field(path: Path, record: Mapping[str, Any], key: str, kind: type, least: int = 0) -> Any:
@@ -387,6 +457,40 @@ def _gather_slice(directory: Path, metas: list[dict[int, _Entry]], table: Table,
         arrays = old_state[:state_arrays * per_array].reshape(state_arrays, old_count, width)
         state_rows[:, lo - first:hi - first] = arrays[:, lo - old_first:hi - old_first]
     return values, np.concatenate([state_rows.reshape(-1), scalars]).astype(np.float32, copy=False)
+
+
+def _scalars(directory: Path, metas: list[dict[int, _Entry]], table: Table) -> np.ndarray:
+    """A saved table's update-rule scalars (Adam's step count), after its state arrays."""
+    _, count, state_arrays = metas[0][table.id]
+    state = np.load(directory / "shard-0" / f"table-{table.id}.state.npy", mmap_mode="r", allow_pickle=False)
+    return np.array(state[state_arrays * count * table.row_width:], dtype=np.float32)
+
+
+def _assemble_slice(directory: Path, metas: list[dict[int, _Entry]], saved: Mapping[str, Table], table: Table,
+                    pieces: Sequence[Piece], first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """This shard's rows [first, first+count) of ``table`` and their
+    optimizer state, made of ``pieces`` of the saved tables (what no piece
+    covers, a layer's padding, is zero)."""
+    width = table.row_width
+    low, high = first * width, (first + count) * width
+    state_arrays = metas[0][saved[pieces[0][1]].id][2] if pieces else 0
+    values = np.zeros(count * width, dtype=np.float32)
+    state = np.zeros((state_arrays, count * width), dtype=np.float32)
+    for offset, name, source_offset, length in pieces:
+        begin, end = max(offset, low), min(offset + length, high)
+        if begin >= end:
+            continue
+        source = saved[name]
+        start = source_offset + begin - offset  # the first value taken, in the source's flat values
+        rows = range(start // source.row_width, -(-(start + end - begin) // source.row_width))
+        old_values, old_state = _gather_slice(directory, metas, source, rows.start, len(rows))
+        skip = start - rows.start * source.row_width
+        values[begin - low:end - low] = old_values.reshape(-1)[skip:skip + end - begin]
+        per_array = len(rows) * source.row_width
+        arrays = old_state[:state_arrays * per_array].reshape(state_arrays, per_array)
+        state[:, begin - low:end - low] = arrays[:, skip:skip + end - begin]
+    scalars = _scalars(directory, metas, saved[pieces[0][1]]) if pieces else np.empty(0, np.float32)
+    return values.reshape(count, width), np.concatenate([state.reshape(-1), scalars])
 
 
 def _save_array(path: Path, array: np.ndarray) -> None:

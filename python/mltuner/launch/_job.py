@@ -26,7 +26,7 @@ import sys
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -344,12 +344,17 @@ class Job:
         return _checkpoint.save(self._node, self.worker, Path(root), self.barrier, keep=keep,
                                 first_clock=self._first_clock, attachments=attachments)
 
-    def restore_checkpoint(self, path: str | os.PathLike[str]) -> int:
+    def restore_checkpoint(self, path: str | os.PathLike[str], *,
+                           sources: Mapping[str, Sequence[tuple[int, str, int, int]]] | None = None) -> int:
         """Loads a checkpoint into this rank's shard and returns its clock.
 
         Call it on every rank after ``finish_virtual_iteration`` and before
-        ``start_iterations``, with the tables created as when it was saved;
-        the number of processes may differ. ``path`` is a checkpoint
+        ``start_iterations``, with the tables created as when it was saved
+        or, where they group the values otherwise, ``sources`` saying for
+        each table's name where its flat values (rows one after another)
+        come from: pieces ``(offset, saved table's name, offset there,
+        count)``, each with its optimizer state (the rest is zero). The
+        number of processes may differ. ``path`` is a checkpoint
         directory or a root written by :meth:`save_checkpoint` (its newest
         checkpoint is used). Training clocks restart at 0; the returned clock
         tells the application where its data stream was, and later
@@ -358,7 +363,7 @@ class Job:
         """
         self._check_open("restore_checkpoint")
         self._first_clock = _checkpoint.restore(self._node, self.worker, Path(path), self.config.update_rule.kind,
-                                                self.barrier)
+                                                self.barrier, sources)
         return self._first_clock
 
     def close(self, *, graceful: bool = True) -> None:

@@ -241,7 +241,8 @@ class PSModule(nn.Module):
             raise InvalidArgumentError("save_checkpoint needs the worker of a mltuner.Job (job.worker): a "
                                        "LocalCluster's workers have no checkpoints")
         self._driver.check_between_clocks("save_checkpoint()")
-        files = {} if self.worker.rank != 0 else attachments(self.module, self._optimizer.model_groups,
+        files = {} if self.worker.rank != 0 else attachments(self.module, self._driver.layers,
+                                                             self._optimizer.model_groups,
                                                              self._optimizer.source_name, user_state)
         return checkpoints.save_checkpoint(root, keep=keep, attachments=files)
 
@@ -687,16 +688,18 @@ def _saved_state(path: str | os.PathLike[str], module: nn.Module, worker: Worker
     return saved
 
 
-def _restorer(worker: Worker, saved: SavedModelState, resumed: list[Resumed]) -> Callable[[], None]:
+def _restorer(worker: Worker, saved: SavedModelState, resumed: list[Resumed],
+              sources: _checkpoint.Sources | None) -> Callable[[], None]:
     """What commit_plan calls instead of writing the initial values: the
-    checkpoint's values and optimizer state into every shard."""
+    checkpoint's values and optimizer state into every shard (from
+    ``sources`` in its tables, where they differ from this model's)."""
     checkpoints = worker.checkpoints
     assert checkpoints is not None
 
     def restore() -> None:
         if saved.root is not None and worker.rank == 0:  # as Job.restore_checkpoint(root) does
             _checkpoint.remove_temporaries(saved.root)
-        clock = checkpoints.restore_checkpoint(saved.path)
+        clock = checkpoints.restore_checkpoint(saved.path, sources=sources)
         resumed.append(Resumed(saved.path, clock, saved.user_state, {"state": {}, "param_groups": saved.groups}))
 
     return restore
@@ -1039,8 +1042,10 @@ def wrap(
             try:
                 restore = None
                 if saved is not None:
-                    restore = _restorer(worker, saved, resumed)
-                    _checkpoint.check_tables(saved.path, worker)  # before the plan is committed
+                    # Another budget or batch may group the layers otherwise.
+                    sources = saved.sources(module, layers)
+                    restore = _restorer(worker, saved, resumed, sources)
+                    _checkpoint.check_tables(saved.path, worker, sources)  # before the plan is committed
                 driver.commit_plan(restore)
             except BaseException:
                 driver.abandon()

@@ -26,7 +26,7 @@ from mltuner.exceptions import InternalError
 from mltuner.torch._layers import Layer
 
 __all__ = ["GROUP_MAX_BYTES", "Event", "EventKind", "Slot", "Tables", "add_activations", "create_tables", "describe",
-           "for_holding", "replay", "reuse_tables", "store_groups"]
+           "for_holding", "replay", "reuse_tables", "store_groups", "table_name"]
 
 GROUP_MAX_BYTES = 4 << 20  # the most bytes of saved activations one local access moves together (store_groups)
 
@@ -166,10 +166,15 @@ class Tables(NamedTuple):
         return next((n for n, (_, layout) in enumerate(self.activations) if f"a{slot}" in layout), -1)
 
 
+def table_name(layer: Layer) -> str:
+    """The name of the engine table of a layer's parameters."""
+    return f"torch:{layer.name}"
+
+
 def create_tables(worker: Worker, layers: Sequence[Layer], slots: Sequence[Slot], *, row_width: int) -> Tables:
     """Creates one table per layer and, for the stored activations, a local
     table (recomputed and kept ones have no rows)."""
-    tables = [worker.create_tensor_table(f"torch:{layer.name}", layer.layout, update_rule=layer.update_rule)
+    tables = [worker.create_tensor_table(table_name(layer), layer.layout, update_rule=layer.update_rule)
               for layer in layers]
     return add_activations(worker, Tables(tables, []), slots, row_width=row_width)
 
@@ -185,7 +190,7 @@ def reuse_tables(worker: Worker, tables: Tables, layers: Sequence[Layer], slots:
     in two tables, 16 in one). Local tables are this worker's alone, so no
     other worker need drop them."""
     names = [table.name for table in tables.layers]
-    if names != [f"torch:{layer.name}" for layer in layers]:
+    if names != [table_name(layer) for layer in layers]:
         raise InternalError(f"recording again found other layers ({len(layers)}) than the tables ({len(names)})")
     for k, slot in enumerate(slots):
         number = tables.table_of(k)

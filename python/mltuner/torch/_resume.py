@@ -12,8 +12,10 @@ files, read back without pickle:
 
 - ``torch-adapter.json``: the optimizer's class and param groups' settings,
   the trainable parameters' shapes (checked on resume: another model's
-  may fill the same table rows), the index of the local tensors (name,
-  dtype, shape, byte offset) and the loop's ``user_state``;
+  may fill the same table rows), where each lies in the tables (a resume
+  whose budget or batch groups the layers otherwise assembles its tables
+  from them), the index of the local tensors (name, dtype, shape, byte
+  offset) and the loop's ``user_state``;
 - ``torch-local.bin``: those tensors' bytes, one after another.
 
 Every rank takes rank 0's local tensors on resume, as DDP broadcasts rank
@@ -34,7 +36,9 @@ from torch import nn
 
 from mltuner.exceptions import InvalidArgumentError, NotFoundError
 from mltuner.launch import _checkpoint
+from mltuner.torch._layers import Layer
 from mltuner.torch._optim import plain_setting
+from mltuner.torch._recording import table_name
 
 __all__ = ["Resumed", "SavedModelState", "attachments", "read_saved", "set_group_settings"]
 
@@ -68,6 +72,30 @@ class SavedModelState:
     local: dict[str, torch.Tensor | Any]  # state_dict entries: tensors, or extra state (JSON values)
     user_state: Any
     root: Path | None = None  # the root of checkpoints given, whose newest `path` is (None: a directory was)
+    # Each table's name -> its parameters' names -> their offsets in its flat
+    # values, as saved (None: a checkpoint of before they were saved).
+    tables: dict[str, dict[str, int]] | None = None
+
+    def sources(self, module: nn.Module, layers: list[Layer]) -> _checkpoint.Sources | None:
+        """Where the tables of ``layers`` come from in the saved ones, when
+        they group the parameters otherwise (None: the same tables)."""
+        mine = {table_name(layer): {slot.name: slot.offset for slot in layer.params} for layer in layers}
+        if self.tables is None or self.tables == mine:
+            return None
+        saved_at = {name: (table, offset) for table, params in self.tables.items() for name, offset in params.items()}
+        names: dict[int, list[str]] = {}  # a tied parameter's names: the saved table may have it under another
+        for name, param in module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), []).append(name)
+        sources = {}
+        for layer in layers:
+            pieces = []
+            for slot in layer.params:
+                where = next((saved_at[n] for n in names.get(id(slot.param), [slot.name]) if n in saved_at), None)
+                if where is None:
+                    raise InvalidArgumentError(f"checkpoint {self.path} holds no table rows of parameter {slot.name!r}")
+                pieces.append((slot.offset, where[0], where[1], slot.numel))
+            sources[table_name(layer)] = pieces
+        return sources
 
     def load_local(self, module: nn.Module) -> None:
         """Copies the saved buffers, frozen parameters and extra state into
@@ -130,7 +158,7 @@ def _json_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return saved
 
 
-def attachments(module: nn.Module, groups: list[dict[str, Any]], optimizer: str | None,
+def attachments(module: nn.Module, layers: list[Layer], groups: list[dict[str, Any]], optimizer: str | None,
                 user_state: Any) -> dict[str, bytes]:
     """The files rank 0 attaches to the job's checkpoint (module docstring)."""
     try:
@@ -156,8 +184,9 @@ def attachments(module: nn.Module, groups: list[dict[str, Any]], optimizer: str 
         blobs.append(raw)
         offset += len(raw)
     content = {"format": FORMAT, "version": VERSION, "optimizer": optimizer, "groups": _json_groups(groups),
-               "local": index,
-               "parameters": _trainable_shapes(module), "user_state": user_json}
+               "local": index, "parameters": _trainable_shapes(module),
+               "tables": {table_name(layer): {slot.name: slot.offset for slot in layer.params} for layer in layers},
+               "user_state": user_json}
     return {INDEX: json.dumps(content).encode(), TENSORS: b"".join(blobs)}
 
 
@@ -213,7 +242,19 @@ def read_saved(path: str | os.PathLike[str], module: nn.Module, optimizer: str |
     if problems:
         raise InvalidArgumentError(f"checkpoint {directory} was saved from another model: " + "; ".join(problems))
     return SavedModelState(directory, groups, local, index.get("user_state"),
-                           None if directory == Path(path) else Path(path))
+                           None if directory == Path(path) else Path(path), _saved_tables(directory, index))
+
+
+def _saved_tables(directory: Path, index: dict[str, Any]) -> dict[str, dict[str, int]] | None:
+    """The index's "tables", checked to be names -> names -> offsets."""
+    tables = index.get("tables")
+    if tables is None:
+        return None
+    if not (isinstance(tables, dict) and all(isinstance(params, dict) for params in tables.values())
+            and all(type(offset) is int and offset >= 0 for params in tables.values() for offset in params.values())):
+        raise InvalidArgumentError(f"{directory / 'attachments' / INDEX} cannot be read: its 'tables' are "
+                                   "not names of tables with their parameters' offsets")
+    return tables
 
 
 def _decode(entries: list[dict[str, Any]], tensors: bytes) -> Iterator[tuple[str, Any]]:

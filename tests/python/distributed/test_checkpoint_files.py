@@ -180,3 +180,47 @@ def test_after_a_tuning_session_its_final_branch_is_saved_and_restores_as_branch
         assert job.restore_checkpoint(tmp_path) == 6
         job.worker.start_iterations()
         np.testing.assert_array_equal(job.worker.fetch(table), tuned)
+
+
+def test_tables_grouped_otherwise_are_assembled_from_pieces_of_the_saved_ones(tmp_path: Path) -> None:
+    """restore_checkpoint(sources=): a job of one table restores from a
+    2-process job's two tables, each piece from wherever its rows were
+    saved; sources that do not fit are refused before anything changes."""
+    jobs = start_pair()
+    try:
+        def train_and_save(job: mltuner.Job) -> dict[str, np.ndarray]:
+            a, b = job.worker.create_table("a", 4, 3), job.worker.create_table("b", 3, 3)
+            updates = []
+            for t in (a, b):
+                updates.append(job.worker.virtual_pre_update(t))
+                job.worker.virtual_update(updates[-1])
+            job.worker.virtual_clock()
+            job.worker.finish_virtual_iteration()
+            job.worker.start_iterations()
+            for update, values in zip(updates, (np.arange(12.0), 100 + np.arange(9.0))):
+                job.worker.pre_update(update)[:] = values.reshape(-1, 3) if job.rank == 0 else 0.0
+                job.worker.update(update)
+            job.worker.clock()
+            job.save_checkpoint(tmp_path)
+            return {"a": job.worker.fetch(a).reshape(-1), "b": job.worker.fetch(b).reshape(-1)}
+
+        saved = on_both(jobs, train_and_save)[0]
+    finally:
+        close(jobs)
+    assert isinstance(saved, dict)
+    # c's 7 rows of 3: b's last 6 values, a's 12, and 3 values of padding.
+    pieces = [(0, "b", 3, 6), (6, "a", 0, 12)]
+    with single_job() as job:
+        table, _ = prepare(job.worker, rows=7)
+        bad = {
+            "a table it lacks": ({"t": [(0, "z", 0, 3)]}, "'z'.*is not in it"),
+            "a piece past the saved table": ({"t": [(0, "b", 4, 6)]}, r"values \[4, 10\) of 'b' \(3x3\)"),
+            "a piece past this job's table": ({"t": [(18, "a", 0, 6)]}, r"cannot go to \[18, 24\) of 't' \(7x3\)"),
+            "no pieces for a table": ({}, "nothing says where table 't' comes from"),
+        }
+        for sources, message in bad.values():
+            with pytest.raises(mltuner.InvalidArgumentError, match=message):
+                job.restore_checkpoint(tmp_path, sources=sources)
+        assert job.restore_checkpoint(tmp_path, sources={"t": pieces}) == 1
+        want = np.concatenate([saved["b"][3:9], saved["a"], np.zeros(3, np.float32)]).reshape(7, 3)
+        np.testing.assert_array_equal(job.worker.fetch(table), want)

@@ -60,14 +60,19 @@ def final_state(model: mt.PSModule) -> dict[str, torch.Tensor]:
     return {**model.state_dict(), "lr": torch.tensor([g["lr"] for g in model.optimizer.param_groups])}
 
 
-@pytest.mark.parametrize("schedule", SCHEDULERS)
-@pytest.mark.parametrize("make_optimizer", OPTIMIZERS.values(), ids=list(OPTIMIZERS))
-def test_a_resumed_run_ends_where_the_uninterrupted_one_does(tmp_path: Path, make_optimizer: Optimizers,
-                                                             schedule: str) -> None:
+def stop_and_resume(tmp_path: Path, make_optimizer: Optimizers, schedule: str, *,
+                    make_net: Callable[[], nn.Module] = net, saved_groups: int | None = None,
+                    resumed_groups: int | None = None) -> list[list[str]]:
+    """Trains CLOCKS clocks, saving at SAVED_AT, then resumes from there in
+    a new job and trains to the end: both end in the same state, bit for
+    bit. ``*_groups``: each run's wrap(group_bytes=). Returns each run's
+    layers."""
     root = tmp_path / "checkpoints"
     with mltuner.Job() as job:
-        module = net()
-        model = mt.wrap(module, job.worker, example_input=BATCHES[0][0], optimizer=make_optimizer(module))
+        module = make_net()
+        model = mt.wrap(module, job.worker, example_input=BATCHES[0][0], optimizer=make_optimizer(module),
+                        group_bytes=saved_groups)
+        layers = [model.layers]
         scheduler = SCHEDULERS[schedule](model.optimizer)
 
         def save(clock: int) -> None:
@@ -78,9 +83,10 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_does(tmp_path: Path, mak
         want = final_state(model)
 
     with mltuner.Job() as job:  # a new process would do the same: a fresh module and optimizer
-        module = net()
+        module = make_net()
         model = mt.wrap(module, job.worker, example_input=BATCHES[0][0], optimizer=make_optimizer(module),
-                        resume_from=root)
+                        resume_from=root, group_bytes=resumed_groups)
+        layers.append(model.layers)
         assert model.resumed is not None
         assert model.resumed.clock == SAVED_AT and model.resumed.user_state["clock"] == SAVED_AT
         assert model.resumed.path == root / f"clock-{SAVED_AT:08d}"
@@ -94,6 +100,39 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_does(tmp_path: Path, mak
     assert got.keys() == want.keys()
     for name in want:
         assert torch.equal(got[name], want[name]), name
+    return layers
+
+
+@pytest.mark.parametrize("schedule", SCHEDULERS)
+@pytest.mark.parametrize("make_optimizer", OPTIMIZERS.values(), ids=list(OPTIMIZERS))
+def test_a_resumed_run_ends_where_the_uninterrupted_one_does(tmp_path: Path, make_optimizer: Optimizers,
+                                                             schedule: str) -> None:
+    stop_and_resume(tmp_path, make_optimizer, schedule)
+
+
+def nested_net() -> nn.Sequential:
+    """Blocks that wrap() reads as one layer each by default, and as one
+    per module with group_bytes=0."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16)), nn.ReLU(),
+                         nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3)))
+
+
+# Another device budget or batch per worker makes wrap() group the layers
+# into other tables (smaller groups where the memory is short): the resumed
+# run's tables are made of the saved ones' pieces, momentum and Adam's
+# moments and step count with them.
+@pytest.mark.parametrize(("saved_groups", "resumed_groups"), [(0, None), (None, 0)],
+                         ids=["saved-apart", "resumed-apart"])
+@pytest.mark.parametrize("make_optimizer", [
+    lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3),
+    lambda m: torch.optim.Adam([{"params": m[0].parameters(), "lr": 0.02}, {"params": m[2].parameters()}], lr=0.01),
+], ids=["sgd-momentum", "adam"])
+def test_a_run_resumed_with_its_layers_grouped_otherwise_ends_where_the_uninterrupted_one_does(
+        tmp_path: Path, make_optimizer: Optimizers, saved_groups: int | None, resumed_groups: int | None) -> None:
+    saved, resumed = stop_and_resume(tmp_path, make_optimizer, "step", make_net=nested_net, saved_groups=saved_groups,
+                                     resumed_groups=resumed_groups)
+    assert saved != resumed
 
 
 def test_without_the_optimizer_state_the_run_would_differ(tmp_path: Path) -> None:

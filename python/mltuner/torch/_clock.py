@@ -92,12 +92,13 @@ same place clock after clock.
 
 The recording pass runs these hooks on the model's own initial values and
 logs the events, without held reads (each layer's backward read where it
-first opens); :meth:`ClockDriver.plan` chooses held reads or not (asking
-the engine for a dry run of the plan when there is a device budget) and
-replays the log as the virtual iteration (``_recording.py``). Every later clock must produce the same events in the same order;
-the driver checks each one against the log before touching the engine, so a
-different clock raises :class:`IterationMismatchError` instead of confusing
-the engine.
+first opens); :meth:`ClockDriver.prepare_plan` chooses held reads or not
+(asking the engine for a dry run of the plan when there is a device budget)
+and replays the log as the virtual iteration (``_recording.py``). Every
+later clock must produce the same events in the same order; the driver
+checks each one against the log before touching the engine, so a different
+clock raises :class:`IterationMismatchError` instead of confusing the
+engine.
 
 The driver is one object, :class:`ClockDriver`; its parts are mixins, one
 module a job, over the fields they share (``_driver_state.py``):

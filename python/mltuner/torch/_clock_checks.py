@@ -55,7 +55,8 @@ class ClockChecks(DriverState):
             )
 
     def note_idle_versions(self) -> None:
-        """The adapter lets go of the parameters (module docstring of _idle_versions)."""
+        """The adapter lets go of the parameters: their version counters now
+        (the comment on ``_idle_versions`` in ``_driver_state.py``)."""
         self._idle_versions = [layer.versions() for layer in self.layers]
 
     def _check_autocast(self) -> None:
@@ -72,9 +73,10 @@ class ClockChecks(DriverState):
                 return f"under {self.device.type} autocast to {state[1]}" if state[0] else "without autocast"
 
             raise IterationMismatchError(
-                f"clock {self.clock} runs {words(now)}, but wrap() recorded the clock {words(self._recorded_autocast)}; "
-                f"where layers are read in their own forward ({self.hold_choice}), call wrap() inside the same "
-                "autocast (torch.autocast) as the training loop; nothing of this clock was done"
+                f"clock {self.clock} runs {words(now)}, but wrap() recorded the clock "
+                f"{words(self._recorded_autocast)}; where layers are read in their own forward ({self.hold_choice}), "
+                "call wrap() inside the same autocast (torch.autocast) as the training loop; nothing of this clock "
+                "was done"
             )
 
     def _refuse_unfrozen(self) -> None:
@@ -120,15 +122,19 @@ class ClockChecks(DriverState):
         """At the clock after an evaluation: raises OutOfOrderError where the
         loop wrote the copies of the servers' values it bound (through
         ``p.data``, which no version counter sees; their sums differ); the
-        write is lost either way. One host sync, only after an evaluation."""
+        write is lost either way. One host sync, only after an evaluation.
+        The sums are compared bit for bit, so that a NaN the training put in
+        the servers' values (a corrupt sample) equals itself, as the same
+        sum of the same values always gives the same bits."""
         copies, sums = self._eval_copies, self._eval_sums
         self._eval_copies, self._eval_sums = [], None
         if not copies or sums is None:
             return
-        now = torch.stack([flat.sum(dtype=torch.float64) for flat in copies])
-        if torch.equal(now, sums):
+        now = torch.stack([flat.sum(dtype=torch.float64) for flat in copies]).view(torch.int64)
+        then = sums.view(torch.int64)
+        if torch.equal(now, then):
             return
-        changed = int(torch.nonzero(now != sums)[0, 0])
+        changed = int(torch.nonzero(now != then)[0, 0])
         raise OutOfOrderError(
             f"the parameters of layer {self.layers[changed].name!r} were changed after an evaluation (through "
             "p.data, say p.data.clamp_() as in WGAN's weight clipping): they held a copy of the servers' values, "
@@ -172,30 +178,51 @@ class ClockChecks(DriverState):
     def _refuse_replaced(self) -> None:
         """Where a clock left the recorded one: raises UnsupportedModelError,
         and the model can train no further, if a module or parameter of the
-        layers is no longer where wrap() found it, the likely cause."""
+        layers is no longer where wrap() found it, the likely cause: replaced
+        for good, or swapped for one call (``torch.func.functional_call``)."""
         replaced = self._replaced()
         if replaced is None:
             return
-        error = UnsupportedModelError(
-            f"clock {self.clock}: {replaced} of the wrapped model was replaced or removed after wrap() (a new head "
-            "assigned to model.module, say), which is not supported: the servers hold the parameters wrap() found "
-            "and every clock must run the layers its recording pass saw, so a new module's parameters would never "
-            "train. Make such changes before wrap(), or unwrap() and wrap the module on a new job's worker"
-        )
+        what, swapped = replaced
+        if swapped:
+            error = UnsupportedModelError(
+                f"clock {self.clock}: {what} of the wrapped model was swapped for another tensor for the call "
+                "(torch.func.functional_call with tensors of its own, or another reparametrization of the module), "
+                "which the adapter cannot follow: the servers hold the parameters wrap() found and every clock reads "
+                "their values into those, so the forward must use them. Pass the wrapped module's own parameters "
+                "(functional_call(model, dict(model.named_parameters()), ...)) and compute other weights inside the "
+                "model's forward; this model cannot go on: unwrap() and wrap the module on a new job's worker"
+            )
+        else:
+            error = UnsupportedModelError(
+                f"clock {self.clock}: {what} of the wrapped model was replaced or removed after wrap() (a new head "
+                "assigned to model.module, say; or swapped for the call by torch.func.functional_call, which must "
+                "get the wrapped module's own parameters), which is not supported: the servers hold the parameters "
+                "wrap() found and every clock must run the layers its recording pass saw, so a new module's "
+                "parameters would never train. Make such changes before wrap(), or unwrap() and wrap the module on a "
+                "new job's worker"
+            )
         self._fail(error)
         raise error
 
-    def _replaced(self) -> str | None:
+    def _replaced(self) -> tuple[str, bool] | None:
         """The first module or parameter of the layers that is no longer
-        where wrap() found it in the model, in words; None if every one is.
-        A walk over the layers, made only once a clock has failed."""
+        where wrap() found it in the model, in words, and whether it is a
+        parameter swapped for a plain tensor (what torch.func.functional_call
+        does for the length of the call: ``nn.Module.__setattr__`` refuses to
+        put one there for good); None if every one is where it was. A walk
+        over the layers, made only once a clock has failed."""
         for layer in self.layers:
             for name, module in (*layer.members, *layer.callers):
                 if _module_at(self.model, name) is not module:
-                    return f"module {name!r}"
+                    return f"module {name!r}", False
             for slot in layer.params:
                 if _parameter_at(self.model, slot.name) is not slot.param:
-                    return f"parameter {slot.name!r}"
+                    owner_name, _, leaf = slot.name.rpartition(".")
+                    owner = _module_at(self.model, owner_name)
+                    now = None if owner is None else owner._parameters.get(leaf)
+                    swapped = isinstance(now, torch.Tensor) and not isinstance(now, nn.Parameter)
+                    return f"parameter {slot.name!r}", swapped
         return None
 
     def _mismatch_cause(self, expected: Event | None) -> str:
@@ -227,11 +254,11 @@ class ClockChecks(DriverState):
         if number >= 0 and len(shapes) == len(recorded):
             tensor = list(tensors_in(inputs))[number]
             raise IterationMismatchError(
-                f"clock {self.clock}: input tensor #{number} {tuple(tensor.shape)} has strides {tuple(tensor.stride())}, "
-                "another memory layout than example_input's; with store_activations the activations are stored "
-                "with the recorded layouts, so every clock's inputs must have example_input's (a slice such as "
-                "x[:, :n] is a view with gaps: pass x[:, :n].contiguous()); nothing of this clock was done, so it "
-                "can go on with other inputs"
+                f"clock {self.clock}: input tensor #{number} {tuple(tensor.shape)} has strides "
+                f"{tuple(tensor.stride())}, another memory layout than example_input's; with store_activations the "
+                "activations are stored with the recorded layouts, so every clock's inputs must have example_input's "
+                "(a slice such as x[:, :n] is a view with gaps: pass x[:, :n].contiguous()); nothing of this clock was "
+                "done, so it can go on with other inputs"
             )
         if shapes == recorded:
             return

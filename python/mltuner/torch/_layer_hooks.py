@@ -41,7 +41,8 @@ class LayerHooks(GradientUpdates, LossGuard):
                 self._hooks.append(caller.register_forward_hook(self._caller_post_hook(layer)))
             for position, slot in enumerate(layer.params):
                 hook = self._grad_hook(layer, position)
-                self._grad_hooks.append(slot.param.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
+                handle = slot.param.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
+                self._grad_hooks.append(handle)
 
     def remove_hooks(self) -> None:
         self._end_loss_guard()

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from mltuner._config import UpdateRule
 from mltuner.client._layout import TensorLayout
@@ -187,7 +188,8 @@ class Layer:
 
 def check_module_types(model: nn.Module) -> None:
     """Refuses the module types the adapter cannot hook (compiled, scripted,
-    data-parallel wrappers, sparse embeddings)."""
+    data-parallel wrappers, sparse embeddings), and lazy modules that have
+    not run yet (their parameters have no shape to lay out in a table)."""
     compiled: type | None = None
     if "torch._dynamo" in sys.modules:  # nothing can be compiled unless dynamo was imported
         from torch._dynamo.eval_frame import OptimizedModule
@@ -212,6 +214,14 @@ def check_module_types(model: nn.Module) -> None:
         if isinstance(module, parallel):
             raise UnsupportedModelError(
                 f"{where} is {type(module).__name__}: the parameter server replaces it; wrap the plain module"
+            )
+        lazy = [name for name, tensor in (*module.named_parameters(recurse=False),
+                                          *module.named_buffers(recurse=False)) if is_lazy(tensor)]
+        if lazy:
+            raise UnsupportedModelError(
+                f"{where} ({type(module).__name__}) has uninitialized parameters or buffers ({', '.join(lazy)}): "
+                "a lazy module makes them at its first forward pass; run one forward pass before wrap(), e.g. "
+                "model(example_input), as PyTorch's docs say to do before making an optimizer"
             )
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
             raise UnsupportedModelError(

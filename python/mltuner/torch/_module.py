@@ -330,7 +330,8 @@ class ClockOptimizer(torch.optim.Optimizer):
         self._groups = groups
         self._source = source
         self._warned_stateless = False  # state_dict() said it lacks the servers' state
-        self._saved_source_attrs: dict[str, Any] = {}  # the source's own instance attributes take_over_source() replaced
+        # The source's own instance attributes take_over_source() replaced.
+        self._saved_source_attrs: dict[str, Any] = {}
         self.defaults = {key: value for key, value in groups[0].items() if key != "params"} if groups else {}
 
     @property
@@ -888,7 +889,8 @@ def wrap(
 
     Raises:
         UnsupportedModelError: a non-float32 or sparse trainable parameter,
-            a compiled, scripted or DataParallel module, a module whose
+            a lazy module that has not run yet (``nn.LazyLinear``: run one
+            forward first), a compiled, scripted or DataParallel module, a module whose
             parameters get no gradient or are used outside the forward of
             the modules that hold them, activation checkpointing without
             held reads; an optimizer other than SGD, Adam

@@ -259,7 +259,7 @@ class LearningRates:
         self._tables: list[Table] = []
 
     def set_tables(self, tables: Sequence[Table]) -> None:
-        """The layers' tables, once created (``ClockDriver.plan``)."""
+        """The layers' tables, once created (``ClockDriver.prepare_plan``)."""
         self._tables = list(tables)
 
     def changed(self) -> bool:

@@ -1,6 +1,6 @@
 """Held reads or reading again: the words for the access pattern that
-:meth:`ClockDriver.plan <mltuner.torch._clock.ClockDriver.plan>` chose, and
-for a budget that neither pattern fits.
+:meth:`ClockDriver.prepare_plan <mltuner.torch._plan.Planning.prepare_plan>`
+chose, and for a budget that neither pattern fits.
 
 Held reads keep every layer's forward read open until its update, so the
 engine's access-buffer pool holds the whole model once per clock in flight;

@@ -225,7 +225,8 @@ def read_saved(path: str | os.PathLike[str], module: nn.Module, optimizer: str |
         problems.append(f"the optimizer had {len(groups)} param groups there, {num_groups} here")
     trained, here = index.get("parameters", {}), _trainable_shapes(module)
     for name in sorted(set(trained) ^ set(here)):
-        problems.append(f"trainable parameter {name!r} is only in {'the checkpoint' if name in trained else 'this module'}")
+        where = "the checkpoint" if name in trained else "this module"
+        problems.append(f"trainable parameter {name!r} is only in {where}")
     for name in sorted(set(trained) & set(here)):
         if trained[name] != here[name]:
             problems.append(f"{name!r} is {tuple(trained[name])} there, {tuple(here[name])} here")

@@ -118,6 +118,18 @@ def test_unsupported_models_are_refused_at_wrap(worker: Worker, maker: Callable[
     assert isinstance(mt.UnsupportedModelError("x"), mltuner.InvalidArgumentError)
 
 
+def test_a_lazy_module_that_has_not_run_is_refused_at_wrap(worker: Worker) -> None:
+    """Its parameters have no shape until its first forward pass, so there
+    is nothing to lay out in a table: refused up front, saying what to do
+    (not torch's "uninitialized parameter" from inside the adapter)."""
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.LazyLinear(3))
+    with pytest.raises(mt.UnsupportedModelError, match=r"module '2' \(LazyLinear\) has uninitialized parameters or "
+                                                       r"buffers \(weight, bias\).*run one forward pass before wrap"):
+        mt.wrap(model, worker, example_input=X)
+    model(X)  # as the message says: now it wraps (the refusal left the worker fresh) and trains
+    one_clock(mt.wrap(model, worker, example_input=X))
+
+
 def test_used_under_no_grad_is_named() -> None:
     class Frozen(nn.Module):
         def __init__(self) -> None:
@@ -397,6 +409,24 @@ def test_a_module_replaced_after_wrap_is_named(worker: Worker, reads: dict[str, 
                                                              r"wrap\(\).*unwrap\(\) and wrap the module"):
         one_clock(ps_model)
     with pytest.raises(mltuner.OutOfOrderError, match="earlier error left clock 1 incomplete.*replaced"):
+        one_clock(ps_model)
+
+
+def test_a_parameter_swapped_for_the_call_by_functional_call_is_named_so(worker: Worker) -> None:
+    """torch.func.functional_call puts other tensors in the parameters'
+    places for the call only: no new head, as the replaced-module message
+    would say, but weights the adapter cannot follow (with stored
+    activations the clock sees them; see the message)."""
+    model = mlp()
+    ps_model = mt.wrap(model, worker, example_input=X, store_activations=True)
+    one_clock(ps_model)
+    fast = {name: param * 0.9 for name, param in ps_model.named_parameters()}  # MAML's fast weights, say
+    with pytest.raises(mt.UnsupportedModelError, match=r"parameter '0\.weight' of the wrapped model was swapped for "
+                                                       r"another tensor for the call \(torch\.func\.functional_call"
+                                                       r".*the wrapped module's own parameters"):
+        torch.func.functional_call(ps_model, fast, (X,)).square().mean().backward()
+    assert model[0].weight is ps_model.module[0].weight  # functional_call put the parameters back
+    with pytest.raises(mltuner.OutOfOrderError, match="earlier error left clock 1 incomplete.*swapped"):
         one_clock(ps_model)
 
 

@@ -165,3 +165,42 @@ def test_a_write_through_data_after_an_evaluation_is_refused_at_the_next_clock()
     got = trained(clip_data)
     for name in want:
         assert torch.equal(got[name], want[name]), name
+
+
+@pytest.mark.parametrize("then", ["evaluate", "state_dict"])
+def test_a_nan_that_training_put_in_the_weights_is_no_write_after_an_evaluation(then: str) -> None:
+    """One corrupt sample poisons the weights with NaN, in torch as here;
+    the loop goes on with NaN losses. The copies an evaluation or
+    state_dict() binds then hold NaN, whose sum is no number equal to
+    itself: the check for writes through p.data must not take that for one."""
+    corrupt = X.clone()
+    corrupt[0, 0] = float("nan")
+    batches = [X, corrupt, X, X]
+
+    def run(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[list[float], dict[str, torch.Tensor]]:
+        losses = []
+        for x in batches:
+            optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), Y)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+            if then == "evaluate":
+                with torch.no_grad():
+                    model.eval()(x)
+                model.train()
+            else:
+                model.state_dict()
+        return losses, {name: value.clone() for name, value in model.state_dict().items()}
+
+    plain = net()
+    want_losses, want = run(plain, torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9))
+    with mltuner.Job() as job:
+        module = net()
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+        model = mt.wrap(module, job.worker, example_input=X, optimizer=optimizer)
+        got_losses, got = run(model, optimizer)
+    assert torch.tensor(want_losses).isnan().tolist() == [False, True, True, True]
+    torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(want_losses), equal_nan=True)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], equal_nan=True, msg=name)

@@ -124,7 +124,8 @@ class LayerHooks(GradientUpdates, LossGuard):
         if self._phase is not Phase.FORWARD:
             raise OutOfOrderError(
                 f"layer {layer.name!r} ran outside a forward pass of the wrapped model: call the object "
-                "wrap() returned, not the original module"
+                "wrap() returned, not the original module (which runs on the servers' values only without "
+                "gradients, between clocks: under torch.no_grad(), as Hugging Face's generate() does)"
             )
         number = layer.index
         if number in self._fwd_open:

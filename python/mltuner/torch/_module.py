@@ -60,7 +60,12 @@ class PSModule(nn.Module):
     Between accesses the wrapped module's parameters hold NaN placeholders:
     use :meth:`state_dict` or :meth:`unwrap` to get the trained values.
     ``ps_model.to(...)``, ``load_state_dict`` and the like are refused; set
-    up the module before wrapping it.
+    up the module before wrapping it. Between clocks the module's own methods
+    that call its forward without gradients (Hugging Face's ``generate()``)
+    and its own ``state_dict()`` run on the servers' values; other public
+    attributes of the module are reached through the wrapped model too
+    (``ps_model.generate(...)``, ``ps_model.config``), as through
+    ``torch.compile``'s.
     """
 
     def __init__(self, module: nn.Module, driver: ClockDriver, groups: list[dict[str, Any]],
@@ -74,6 +79,15 @@ class PSModule(nn.Module):
         self._optimizer = ClockOptimizer(self, groups, source)
         self._optimizer.take_over_source()
         guard_parameters(driver.layers)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self._modules.get("module")
+            if name.startswith("_") or module is None:
+                raise
+            return getattr(module, name)  # the module's own methods and settings
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's forward: a training forward when gradients

@@ -1,12 +1,14 @@
 """The servers' values in the model outside training: an evaluation forward
 (under ``torch.no_grad()``), ``state_dict`` and ``unwrap()`` bind copies of
 them to the parameters; after an evaluation, the light clock's parameters
-go back to their held reads."""
+go back to their held reads. Between clocks the original module, called
+without gradients (a method of its own, as Hugging Face's ``generate()``),
+and its own ``state_dict()`` (``save_pretrained()``) get them too."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -14,6 +16,7 @@ import torch
 from mltuner.exceptions import InvalidArgumentError, OutOfOrderError
 from mltuner.torch._driver_state import Phase
 from mltuner.torch._layer_hooks import LayerHooks
+from mltuner.torch._layers import Layer
 
 __all__ = ["ServerValues"]
 
@@ -23,6 +26,29 @@ T = TypeVar("T")
 class ServerValues(LayerHooks):
     """Binds the servers' values to a clock driver's parameters (module
     docstring)."""
+
+    def _install_hooks(self) -> None:
+        super()._install_hooks()
+        self._hooks.append(self.model.register_state_dict_pre_hook(  # type: ignore[no-untyped-call]
+            self._before_module_state_dict))
+
+    def _before_layer(self, layer: Layer) -> None:
+        if self._phase is Phase.IDLE and not torch.is_grad_enabled() and not self._eval_active:
+            self._bind_between_clocks()
+            return
+        super()._before_layer(layer)
+
+    def _before_module_state_dict(self, module: Any, prefix: str, keep_vars: bool) -> None:
+        if self._phase is Phase.IDLE:
+            self._bind_between_clocks()
+
+    def _bind_between_clocks(self) -> None:
+        """The original module used between clocks: its parameters hold
+        the servers' values, unless they do already (an evaluation,
+        ``state_dict(branch=)``)."""
+        self.check_usable()
+        if self._eval_clock is None:
+            self.bind_server_values()
 
     def _evaluate(self, call: Callable[[], T]) -> T:
         if self._phase is Phase.FORWARD:

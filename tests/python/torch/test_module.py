@@ -185,6 +185,58 @@ def test_evaluation_state_dict_and_unwrap() -> None:
     assert not torch.equal(state["0.weight"], mlp().state_dict()["0.weight"])
 
 
+class Decoder(nn.Sequential):
+    """A model with a method of its own that calls its forward under
+    torch.no_grad(), as Hugging Face's generate() does."""
+
+    @torch.no_grad()
+    def generate(self, x: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        out = []
+        for _ in range(steps):
+            x = self(x)[:, :6].tanh()
+            out.append(x)
+        return out
+
+
+@pytest.mark.parametrize("store_activations", [False, True], ids=["plain", "store_activations"])
+def test_the_original_modules_own_methods_run_on_the_servers_values_between_clocks(store_activations: bool) -> None:
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+
+    def decoder() -> Decoder:
+        torch.manual_seed(0)
+        return Decoder(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 8))
+
+    plain = decoder()
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.5)
+    config = Config(wait_timeout_s=20)
+    with LocalCluster(1, config) as cluster:
+        module = decoder()
+        model = mt.wrap(module, cluster.worker(0), example_input=x, store_activations=store_activations,
+                        optimizer=torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.5))
+        for _ in range(3):
+            for net, step in ((plain, optimizer.step), (model, model.optimizer.step)):
+                F.cross_entropy(net(x)[:, :3], y).backward()
+                step()
+            optimizer.zero_grad()
+            for got, want in zip(model.module.generate(x, 3), plain.generate(x, 3)):
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(model.generate(x, 1)[0], plain.generate(x, 1)[0], rtol=1e-6, atol=1e-6)
+            state = model.module.state_dict()  # as save_pretrained() would take it
+            for name, value in plain.state_dict().items():
+                torch.testing.assert_close(state[name], value, rtol=1e-6, atol=1e-6)
+        with pytest.raises(mltuner.OutOfOrderError, match="only without gradients"):
+            model.module(x)  # training goes through the wrapped model
+        with pytest.raises(AttributeError, match="no attribute 'beam_search'"):
+            model.beam_search
+        model.module.zero_grad()
+        F.cross_entropy(model(x)[:, :3], y).backward()  # and goes on from where it was
+        model.optimizer.step()
+        F.cross_entropy(plain(x)[:, :3], y).backward()
+        optimizer.step()
+        for name, value in plain.state_dict().items():
+            torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("store_activations", [False, True], ids=["plain", "store_activations"])
 def test_a_dropped_wrapped_model_leaves_nothing_alive(store_activations: bool) -> None:
     """Once the training loop drops the wrapped model, its clock driver (and

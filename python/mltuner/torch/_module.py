@@ -133,7 +133,8 @@ class PSModule(nn.Module):
 
     @property
     def clock(self) -> int:
-        """The number of clocks this worker finished."""
+        """The number of clocks this worker finished with this model (from
+        0 after a resume too; ``resumed.clock`` counts those before)."""
         return self._driver.clock
 
     @property

@@ -242,6 +242,9 @@ void RegisterEngine(py::module_& m) {
              CheckInterruptibly(&e, [&] { return e.ScheduleBranch(branch, clocks); });
            },
            Keep())
+      .def("continue_on_branch",
+           [](Engine& e, BranchId branch) { CheckInterruptibly(&e, [&] { return e.ContinueOnBranch(branch); }); },
+           Keep())
       .def("declare_empty_clock",
            [](Engine& e, WorkerId worker, BranchId branch, int64_t clock) {
              CheckInterruptibly(&e, [&] { return e.DeclareEmptyClock(worker, branch, clock); });

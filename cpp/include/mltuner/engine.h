@@ -207,6 +207,10 @@ class Engine {
   Status ForkBranch(BranchId child, BranchId parent, const BranchSettings& settings);
   Status FreeBranch(BranchId branch);
   Status ScheduleBranch(BranchId branch, int64_t clocks);
+  // Clocks that reach the end of the schedule run on `branch` one by one
+  // (the trained model's after a tuning session) instead of being refused;
+  // -1 refuses them again. Freeing the branch ends it too.
+  Status ContinueOnBranch(BranchId branch);
   // Batch stealing: `worker`'s clock `clock` of `branch` computes nothing
   // (its samples went to the others), so every shard counts it now rather
   // than when that worker's own update arrives, which it then drops; that

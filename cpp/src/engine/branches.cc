@@ -16,14 +16,15 @@ namespace mltuner {
 
 namespace {
 
-// What a shard answers a request it will not do (the request's content, or
-// no room for it), as against a job that fails (a timeout, a lost peer).
-bool IsShardRefusal(const Status& status) {
+// A failure of the job itself (its peers or this engine are gone), as against
+// a shard's refusal of the request (its content, no room for it, an error of
+// its device), after which the others may hold what it refused.
+bool JobFailed(const Status& status) {
   switch (status.code()) {
-    case StatusCode::kInvalidArgument:
-    case StatusCode::kNotFound:
-    case StatusCode::kResourceExhausted:
-    case StatusCode::kOutOfOrder:
+    case StatusCode::kTimeout:
+    case StatusCode::kShutdown:
+    case StatusCode::kPeerLost:
+    case StatusCode::kCancelled:
       return true;
     default:
       return false;
@@ -73,7 +74,7 @@ Status Engine::Impl::ForkBranch(BranchId child, BranchId parent, const BranchSet
   // Our updates of the parent must reach the shards before the fork request.
   MLT_RETURN_IF_ERROR(Flush());
   const Status forked = SendBranchRequest(MessageType::kFork, child, EncodeBranchSettings(parent, settings));
-  if (IsShardRefusal(forked)) {
+  if (!forked.ok() && !JobFailed(forked)) {
     // A shard refused (no memory for its copy, say) while the others may
     // have forked. Each shard answers every worker, so every worker got this
     // refusal and asks every shard to free the child; a shard without it
@@ -118,6 +119,7 @@ Status Engine::Impl::FreeBranch(BranchId branch) {
   state_.branches.live.erase(branch);
   state_.branches.rule_overrides.erase(branch);
   state_.branches.clocks.erase(branch);
+  if (state_.branches.continue_on == branch) state_.branches.continue_on = -1;
   return Status::Ok();
 }
 
@@ -128,20 +130,20 @@ Status Engine::Impl::ScheduleBranch(BranchId branch, int64_t clocks) {
   {
     MutexLock lock(&state_.mu);
     if (state_.branches.live.count(branch) == 0) return Status::NotFound("branch " + std::to_string(branch) + " does not exist");
-    // A block that continues the last one on the same branch just extends it
-    // (not one of a freed branch whose id a new fork took: its clocks start
-    // at 0 again).
-    const ScheduledBlock* last = state_.branches.blocks.empty() ? nullptr : &state_.branches.blocks.back();
-    if (last != nullptr && last->branch == branch &&
-        last->first_internal + last->count == state_.branches.clocks[branch]) {
-      state_.branches.blocks.back().count += clocks;
-    } else {
-      state_.branches.blocks.push_back({state_.branches.scheduled_until, clocks, branch, state_.branches.clocks[branch]});
-    }
-    state_.branches.clocks[branch] += clocks;
-    state_.branches.scheduled_until += clocks;
+    state_.branches.Append(branch, clocks);
   }
   state_.cv.NotifyAll();
+  return Status::Ok();
+}
+
+Status Engine::Impl::ContinueOnBranch(BranchId branch) {
+  if (state_.phase.load() == Phase::kShutdown) return Status::Shutdown("the engine is shut down");
+  if (!config_.branches) return Status::OutOfOrder("continue_on_branch needs Config.branches = true");
+  MutexLock lock(&state_.mu);
+  if (branch >= 0 && state_.branches.live.count(branch) == 0) {
+    return Status::NotFound("branch " + std::to_string(branch) + " does not exist");
+  }
+  state_.branches.continue_on = branch < 0 ? -1 : branch;
   return Status::Ok();
 }
 

@@ -454,6 +454,7 @@ Status Engine::Impl::CheckAccessCall(Handle handle, OpKind kind) const {
 Status Engine::Impl::OpenSlot(Handle handle, OpKind kind, AccessBuffer* out, bool notify) {
   const AccessRecord& access = plan_.recording.accesses[handle];
   mltuner::Clock clock;
+  bool extended = false;
   {
     MutexLock lock(&state_.mu);
     // A failed engine names the failure on every call, before any complaint
@@ -462,10 +463,17 @@ Status Engine::Impl::OpenSlot(Handle handle, OpKind kind, AccessBuffer* out, boo
     MLT_RETURN_IF_ERROR(CheckNextOp(kind, handle));
     clock = state_.app_clock;
     if (config_.branches && clock >= state_.branches.scheduled_until) {
-      return Status::OutOfOrder("clock " + std::to_string(clock) + " is not scheduled on any branch: call " +
-                                "schedule_branch(branch, clocks) first");
+      if (state_.branches.continue_on < 0) {
+        return Status::OutOfOrder("clock " + std::to_string(clock) + " is not scheduled on any branch: call " +
+                                  "schedule_branch(branch, clocks) first");
+      }
+      // Only this thread extends the schedule, at the clock it reached, so
+      // every worker's clocks land on the same branches.
+      state_.branches.Append(state_.branches.continue_on, clock + 1 - state_.branches.scheduled_until);
+      extended = true;
     }
   }
+  if (extended) state_.cv.NotifyAll();  // the allocator waits for the clock's branch
   Slot* slot = nullptr;
   MLT_RETURN_IF_ERROR(WaitForSlot(handle, clock, &slot));
   *out = BufferFor(access, slot->data, slot->data_age, plan_.pool_memory);
@@ -1000,6 +1008,7 @@ Status Engine::ForkBranch(BranchId child, BranchId parent, const BranchSettings&
 }
 Status Engine::FreeBranch(BranchId branch) { return impl_->FreeBranch(branch); }
 Status Engine::ScheduleBranch(BranchId branch, int64_t clocks) { return impl_->ScheduleBranch(branch, clocks); }
+Status Engine::ContinueOnBranch(BranchId branch) { return impl_->ContinueOnBranch(branch); }
 Status Engine::DeclareEmptyClock(WorkerId worker, BranchId branch, mltuner::Clock clock) {
   return impl_->DeclareEmptyClock(worker, branch, clock);
 }

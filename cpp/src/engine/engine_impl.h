@@ -64,6 +64,7 @@ class Engine::Impl {
   Status ForkBranch(BranchId child, BranchId parent, const BranchSettings& settings);
   Status FreeBranch(BranchId branch);
   Status ScheduleBranch(BranchId branch, int64_t clocks);
+  Status ContinueOnBranch(BranchId branch);
   Status DeclareEmptyClock(WorkerId worker, BranchId branch, mltuner::Clock clock);
   Status Flush();
   Status WaitForDataAge(TableId table, mltuner::Clock age);

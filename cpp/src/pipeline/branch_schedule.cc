@@ -23,6 +23,20 @@ ClockBranch BranchSchedule::At(mltuner::Clock clock) const {
   return at;
 }
 
+void BranchSchedule::Append(BranchId branch, int64_t count) {
+  // A block that continues the last one on the same branch just extends it
+  // (not one of a freed branch whose id a new fork took: its clocks start
+  // at 0 again).
+  const ScheduledBlock* last = blocks.empty() ? nullptr : &blocks.back();
+  if (last != nullptr && last->branch == branch && last->first_internal + last->count == clocks[branch]) {
+    blocks.back().count += count;
+  } else {
+    blocks.push_back({scheduled_until, count, branch, clocks[branch]});
+  }
+  clocks[branch] += count;
+  scheduled_until += count;
+}
+
 UpdateRuleConfig BranchSchedule::RuleOn(BranchId branch, const UpdateRuleConfig& base) const {
   UpdateRuleConfig rule = base;
   auto overrides = rule_overrides.find(branch);

@@ -46,6 +46,14 @@ struct BranchSchedule {
   // did, each table keeps its own). Branch 0 sets none.
   std::map<BranchId, BranchSettings> rule_overrides;
   std::map<BranchId, mltuner::Clock> clocks;  // clocks scheduled per branch
+  // Where an application clock nobody scheduled runs (-1: nowhere, refused):
+  // the branch that holds the trained model after a tuning session, so the
+  // loop trains on once the session ends.
+  BranchId continue_on = -1;
+
+  // Runs the next `count` clocks after the scheduled ones on `branch`.
+  // REQUIRES: `branch` is live, count >= 1.
+  void Append(BranchId branch, int64_t count);
 
   // The branch of an application clock. REQUIRES: the clock is scheduled
   // (always true when not enabled).

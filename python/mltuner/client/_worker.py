@@ -180,6 +180,7 @@ class Worker:
         self._read_slack: int | None = None  # the least slack of the recorded reads
         self._update_shapes: dict[int, tuple[int, int]] = {}  # recorded update -> its (rows, row width)
         self._trained_branch: int | None = None  # a tuning session's final branch (trained_branch)
+        self._trained_tunables: dict[str, Any] | None = None  # the setting it trained with
         self._last_data_age = -2
 
     # -- tables ---------------------------------------------------------------
@@ -706,12 +707,28 @@ class Worker:
         branch of the last finished clock: a tuning session's final branch,
         set when the session ends (its last clocks ran on a validation
         branch, which it freed). None otherwise. ``mltuner.torch`` reads a
-        model's values from it by default."""
+        model's values from it by default, and clocks that nobody scheduled
+        run on it (the loop trains on after the session), one at a time:
+        ``schedule_branch`` still decides the clocks it is given."""
         return self._trained_branch
 
     @trained_branch.setter
     def trained_branch(self, branch: int | None) -> None:
-        self._trained_branch = None if branch is None else integer("trained_branch", branch, 0, INT32_MAX)
+        self.set_trained(branch, None)
+
+    @property
+    def trained_tunables(self) -> dict[str, Any] | None:
+        """The setting :attr:`trained_branch` trained with (a tuning
+        session's ``final_tunables``); None when not known."""
+        return None if self._trained_tunables is None else dict(self._trained_tunables)
+
+    def set_trained(self, branch: int | None, tunables: Mapping[str, Any] | None) -> None:
+        """Sets :attr:`trained_branch` and :attr:`trained_tunables` (every
+        worker, at the same clock boundary: a tuning session does at its end)."""
+        branch = None if branch is None else integer("trained_branch", branch, 0, INT32_MAX)
+        self._engine.continue_on_branch(-1 if branch is None else branch)
+        self._trained_branch = branch
+        self._trained_tunables = None if tunables is None else dict(tunables)
 
     @property
     def last_read_data_age(self) -> int:

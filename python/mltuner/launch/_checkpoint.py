@@ -306,18 +306,23 @@ def _check_saved_table(directory: Path, metas: list[dict[int, _Entry]], saved: T
 def _check_sources(directory: Path, manifest: dict[str, Any], worker: Worker,
                    sources: Sources) -> list[dict[int, _Entry]]:
     """restore(sources=): every piece lies inside its saved table and the
-    job's table, the saved tables it names are sound, and the pieces of a
-    table come from tables of one optimizer step count (the state's
-    scalars)."""
+    job's table, the saved tables it names are sound and keep the optimizer
+    state of the rule of each table they go into, and the pieces of a table
+    come from tables of one optimizer step count (the state's scalars)."""
     saved = _saved_tables(manifest)
     problems = []
-    named: dict[str, tuple[str, UpdateRule | None]] = {}  # saved table -> the job's table it goes into, and its rule
+    uses: list[tuple[str, str, UpdateRule | None]] = []  # (saved table, the job's table it goes into, its rule)
     for table in _communicated(worker):
         pieces = sources.get(table.name)
-        if pieces is None:
+        if not pieces:
             problems.append(f"nothing says where table {table.name!r} comes from")
             continue
-        for offset, name, source_offset, count in pieces:
+        for piece in pieces:
+            if len(piece) != 4 or not all(type(v) is int for v in (piece[0], piece[2], piece[3])):
+                problems.append(f"a piece of {table.name!r} is {piece!r}, not (offset, table, offset, count) "
+                                "with integer offsets and count")
+                continue
+            offset, name, source_offset, count = piece
             source = saved.get(name)
             if source is None:
                 problems.append(f"table {name!r} (a source of {table.name!r}) is not in it")
@@ -327,15 +332,16 @@ def _check_sources(directory: Path, manifest: dict[str, Any], worker: Worker,
                                 f"({source.num_rows}x{source.row_width}) cannot go to [{offset}, {offset + count}) "
                                 f"of {table.name!r} ({table.num_rows}x{table.row_width})")
             else:
-                named.setdefault(name, (table.name, worker.update_rule_of(table)))
+                uses.append((name, table.name, worker.update_rule_of(table)))
     if problems:
         raise InvalidArgumentError(f"checkpoint {directory} does not match this job's tables: " + "; ".join(problems))
-    tables = [saved[name] for name in named]
+    tables = [saved[name] for name in dict.fromkeys(name for name, _, _ in uses)]
     metas = [_read_meta(directory, shard, tables) for shard in range(manifest["num_shards"])]
-    for table in tables:
-        _check_saved_table(directory, metas, table, named[table.name][1], named[table.name][0])
+    for name, into, rule in dict.fromkeys(uses):  # every (saved table, job's table) pair: their rules may differ
+        _check_saved_table(directory, metas, saved[name], rule, into)
     for table in _communicated(worker):
-        steps = {name: _scalars(directory, metas, saved[name]).tolist() for _, name, _, _ in sources[table.name]}
+        names = dict.fromkeys(name for _, name, _, _ in sources[table.name])
+        steps = {name: _scalars(directory, metas, saved[name]).tolist() for name in names}
         if len({tuple(values) for values in steps.values()}) > 1:
             raise InvalidArgumentError(f"checkpoint {directory}: table {table.name!r} would join tables whose "
                                        f"optimizer step counts differ ({steps})")
@@ -444,12 +450,14 @@ def _gather_slice(directory: Path, metas: list[dict[int, _Entry]], table: Table,
     scalars = np.empty(0, np.float32)
     for shard, meta in enumerate(metas):
         old_first, old_count, _ = meta[table.id]
+        lo, hi = max(first, old_first), min(first + count, old_first + old_count)
+        if lo >= hi and shard != 0:
+            continue
         files = directory / f"shard-{shard}" / f"table-{table.id}"
         old_state = np.load(f"{files}.state.npy", mmap_mode="r", allow_pickle=False)
         per_array = old_count * width
         if shard == 0:
             scalars = old_state[state_arrays * per_array:]
-        lo, hi = max(first, old_first), min(first + count, old_first + old_count)
         if lo >= hi:
             continue
         old_values = np.load(f"{files}.values.npy", mmap_mode="r", allow_pickle=False)
@@ -466,6 +474,20 @@ def _scalars(directory: Path, metas: list[dict[int, _Entry]], table: Table) -> n
     return np.array(state[state_arrays * count * table.row_width:], dtype=np.float32)
 
 
+def _merged(pieces: Sequence[Piece]) -> list[Piece]:
+    """``pieces`` with each run that continues the one before it in both
+    tables joined to it (a layer's parameters, one after another)."""
+    merged: list[Piece] = []
+    for offset, name, source_offset, count in sorted(pieces):
+        if merged:
+            last = merged[-1]
+            if last[1] == name and last[0] + last[3] == offset and last[2] + last[3] == source_offset:
+                merged[-1] = (last[0], name, last[2], last[3] + count)
+                continue
+        merged.append((offset, name, source_offset, count))
+    return merged
+
+
 def _assemble_slice(directory: Path, metas: list[dict[int, _Entry]], saved: Mapping[str, Table], table: Table,
                     pieces: Sequence[Piece], first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
     """This shard's rows [first, first+count) of ``table`` and their
@@ -473,6 +495,7 @@ def _assemble_slice(directory: Path, metas: list[dict[int, _Entry]], saved: Mapp
     covers, a layer's padding, is zero)."""
     width = table.row_width
     low, high = first * width, (first + count) * width
+    pieces = _merged(pieces)
     state_arrays = metas[0][saved[pieces[0][1]].id][2] if pieces else 0
     values = np.zeros(count * width, dtype=np.float32)
     state = np.zeros((state_arrays, count * width), dtype=np.float32)

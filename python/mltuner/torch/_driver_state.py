@@ -222,6 +222,8 @@ class DriverState:
         self.rates_changed: Callable[[], bool] | None = None
         # Refuses param-group settings to be loaded that the rules cannot take (LearningRates.check_loaded).
         self.check_loaded_groups: Callable[[Sequence[dict[str, Any]]], None] | None = None
+        # The param groups take a finished tuning session's setting (LearningRates.adopt_trained).
+        self.adopt_trained: Callable[[], None] | None = None
         # The shapes of example_input's tensors (set by wrap()), for _check_inputs.
         self.input_shapes: list[tuple[int, ...]] | None = None
         self.input_layouts: list[tuple[bool, tuple[int, ...]]] | None = None  # example_input's (input_layouts)

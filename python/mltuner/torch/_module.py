@@ -84,8 +84,10 @@ class PSModule(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            module = self._modules.get("module")
-            if name.startswith("_") or module is None:
+            # Not a name of this class (a property that failed inside says
+            # so itself), nor a private one, nor before __init__ made it.
+            module = self.__dict__.get("_modules", {}).get("module")
+            if name.startswith("_") or module is None or hasattr(type(self), name):
                 raise
             return getattr(module, name)  # the module's own methods and settings
 
@@ -256,6 +258,8 @@ class PSModule(nn.Module):
             raise InvalidArgumentError("save_checkpoint needs the worker of a mltuner.Job (job.worker): a "
                                        "LocalCluster's workers have no checkpoints")
         self._driver.check_between_clocks("save_checkpoint()")
+        if self._driver.adopt_trained is not None:
+            self._driver.adopt_trained()  # after a session: the tuned setting is the one to resume with
         files = {} if self.worker.rank != 0 else attachments(self.module, self._driver.layers,
                                                              self._optimizer.model_groups,
                                                              self._optimizer.source_name, user_state)
@@ -378,6 +382,9 @@ class ClockOptimizer(torch.optim.Optimizer):
         resume_from=)`` restores them). Warns once where the rule keeps such
         state, which a checkpoint of this dict alone would lose."""
         self._warn_stateless()
+        driver = self._model._driver
+        if driver.adopt_trained is not None:
+            driver.adopt_trained()  # after a session: its setting
         return super().state_dict()
 
     def _warn_stateless(self) -> None:
@@ -1062,7 +1069,15 @@ def wrap(
                     # Another budget or batch may group the layers otherwise.
                     sources = saved.sources(module, layers)
                     restore = _restorer(worker, saved, resumed, sources)
-                    _checkpoint.check_tables(saved.path, worker, sources)  # before the plan is committed
+                    try:
+                        _checkpoint.check_tables(saved.path, worker, sources)  # before the plan is committed
+                    except InvalidArgumentError as error:
+                        if saved.tables is not None or "does not match this job's tables" not in str(error):
+                            raise
+                        raise InvalidArgumentError(
+                            f"{error} (saved by an earlier version, which did not record where each parameter "
+                            "lies: resume with the layers it was saved with, under the same device-memory budget, "
+                            "batch per worker and group_bytes)") from None
                 driver.commit_plan(restore)
             except BaseException:
                 driver.abandon()
@@ -1080,6 +1095,7 @@ def wrap(
             driver.clock_start = rates.sync
             driver.rates_changed = rates.changed
             driver.check_loaded_groups = rates.check_loaded
+            driver.adopt_trained = rates.adopt_trained
             model = PSModule(module, driver, groups, scaled, optimizer, resumed[0] if resumed else None)
             if saved is not None and optimizer is None:  # the Config's group: its lr moves with a schedule
                 set_group_settings(model.optimizer.param_groups, saved.groups, keys=("lr", "initial_lr"))

@@ -257,6 +257,7 @@ class LearningRates:
         self._sent = [_number(group["lr"]) for group in self._groups]
         self._frozen = [_frozen_settings(optimizer, group) for group in self._groups]
         self._tables: list[Table] = []
+        self._trained_branch = worker.trained_branch  # the trained branch whose setting the groups show
 
     def set_tables(self, tables: Sequence[Table]) -> None:
         """The layers' tables, once created (``ClockDriver.prepare_plan``)."""
@@ -274,6 +275,7 @@ class LearningRates:
                 changed, a rate is not a finite number >= 0, or the rule has
                 no learning rate.
         """
+        self.adopt_trained()
         for index, group in enumerate(self._groups):
             self._check_frozen(index, group)
             lr = _number(group["lr"])
@@ -289,6 +291,24 @@ class LearningRates:
                 if index in groups:  # a table holds one group's parameters (_module._assign_rules)
                     self._worker.set_learning_rate(self._tables[layer_index], rate)
             self._sent[index] = rate
+
+    def adopt_trained(self) -> None:
+        """Once a tuning session ended: every group takes the ``lr`` (and,
+        where it was tuned and the rule has one, the ``momentum``) its final
+        branch trained with, which the servers apply there already, so that
+        the loop, a scheduler made after the session and a checkpoint go on
+        from the tuned setting."""
+        branch = self._worker.trained_branch
+        if branch == self._trained_branch:
+            return
+        self._trained_branch = branch
+        tunables = self._worker.trained_tunables or {}
+        for index, group in enumerate(self._groups):
+            if "lr" in tunables:
+                group["lr"] = self._sent[index] = float(tunables["lr"])
+            if "momentum" in tunables and "momentum" in self._frozen[index]:
+                group["momentum"] = float(tunables["momentum"])
+                self._frozen[index]["momentum"] = plain_setting(group["momentum"])
 
     def check_loaded(self, saved: Sequence[dict[str, Any]]) -> None:
         """Refuses, before anything is set, param groups (of a state dict

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,14 +74,17 @@ class SavedModelState:
     user_state: Any
     root: Path | None = None  # the root of checkpoints given, whose newest `path` is (None: a directory was)
     # Each table's name -> its parameters' names -> their offsets in its flat
-    # values, as saved (None: a checkpoint of before they were saved).
+    # values, as saved, and the tables' row width (None: a checkpoint of
+    # before they were saved).
     tables: dict[str, dict[str, int]] | None = None
+    row_width: int | None = None
 
     def sources(self, module: nn.Module, layers: list[Layer]) -> _checkpoint.Sources | None:
         """Where the tables of ``layers`` come from in the saved ones, when
         they group the parameters otherwise (None: the same tables)."""
         mine = {table_name(layer): {slot.name: slot.offset for slot in layer.params} for layer in layers}
-        if self.tables is None or self.tables == mine:
+        same_width = all(layer.layout.row_width == self.row_width for layer in layers)
+        if self.tables is None or (self.tables == mine and same_width):
             return None
         saved_at = {name: (table, offset) for table, params in self.tables.items() for name, offset in params.items()}
         names: dict[int, list[str]] = {}  # a tied parameter's names: the saved table may have it under another
@@ -186,6 +190,7 @@ def attachments(module: nn.Module, layers: list[Layer], groups: list[dict[str, A
     content = {"format": FORMAT, "version": VERSION, "optimizer": optimizer, "groups": _json_groups(groups),
                "local": index, "parameters": _trainable_shapes(module),
                "tables": {table_name(layer): {slot.name: slot.offset for slot in layer.params} for layer in layers},
+               "row_width": layers[0].layout.row_width if layers else None,
                "user_state": user_json}
     return {INDEX: json.dumps(content).encode(), TENSORS: b"".join(blobs)}
 
@@ -243,18 +248,31 @@ def read_saved(path: str | os.PathLike[str], module: nn.Module, optimizer: str |
     if problems:
         raise InvalidArgumentError(f"checkpoint {directory} was saved from another model: " + "; ".join(problems))
     return SavedModelState(directory, groups, local, index.get("user_state"),
-                           None if directory == Path(path) else Path(path), _saved_tables(directory, index))
+                           None if directory == Path(path) else Path(path), _saved_tables(directory, index, trained),
+                           index.get("row_width"))
 
 
-def _saved_tables(directory: Path, index: dict[str, Any]) -> dict[str, dict[str, int]] | None:
-    """The index's "tables", checked to be names -> names -> offsets."""
+def _saved_tables(directory: Path, index: dict[str, Any],
+                  shapes: dict[str, list[int]]) -> dict[str, dict[str, int]] | None:
+    """The index's "tables", checked to place each trainable parameter (of
+    ``shapes``) exactly once, apart from the others of its table."""
     tables = index.get("tables")
     if tables is None:
         return None
+    where = f"{directory / 'attachments' / INDEX} cannot be read: its 'tables'"
     if not (isinstance(tables, dict) and all(isinstance(params, dict) for params in tables.values())
-            and all(type(offset) is int and offset >= 0 for params in tables.values() for offset in params.values())):
-        raise InvalidArgumentError(f"{directory / 'attachments' / INDEX} cannot be read: its 'tables' are "
-                                   "not names of tables with their parameters' offsets")
+            and all(type(offset) is int and offset >= 0 for params in tables.values() for offset in params.values())
+            and type(index.get("row_width")) is int and index["row_width"] >= 1):
+        raise InvalidArgumentError(f"{where} are not names of tables with their parameters' offsets")
+    placed = [name for params in tables.values() for name in params]
+    if sorted(placed) != sorted(shapes):
+        raise InvalidArgumentError(f"{where} do not place each trainable parameter once")
+    for table, params in tables.items():
+        end = 0
+        for name, offset in sorted(params.items(), key=lambda item: item[1]):
+            if offset < end:
+                raise InvalidArgumentError(f"{where}: {name!r} overlaps another parameter of {table!r}")
+            end = offset + math.prod(shapes[name])
     return tables
 
 

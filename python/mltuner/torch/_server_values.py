@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from mltuner.exceptions import InvalidArgumentError, OutOfOrderError
+from mltuner.exceptions import InvalidArgumentError, NotFoundError, OutOfOrderError
 from mltuner.torch._driver_state import Phase
 from mltuner.torch._layer_hooks import LayerHooks
 from mltuner.torch._layers import Layer
@@ -29,25 +29,32 @@ class ServerValues(LayerHooks):
 
     def _install_hooks(self) -> None:
         super()._install_hooks()
-        self._hooks.append(self.model.register_state_dict_pre_hook(  # type: ignore[no-untyped-call]
-            self._before_module_state_dict))
+        for module in self.model.modules():  # model.module.encoder.state_dict() too
+            self._hooks.append(module.register_state_dict_pre_hook(  # type: ignore[no-untyped-call]
+                self._before_module_state_dict))
 
     def _before_layer(self, layer: Layer) -> None:
-        if self._phase is Phase.IDLE and not torch.is_grad_enabled() and not self._eval_active:
+        if not torch.is_grad_enabled() and not self._eval_active and self._phase is not Phase.FORWARD:
+            if self._phase is Phase.BACKWARD:  # a re-run of activation checkpointing has gradients
+                raise OutOfOrderError(
+                    f"layer {layer.name!r} ran without gradients between backward() and step(): the original "
+                    "module runs on the servers' values between clocks only (call it after step())")
             self._bind_between_clocks()
             return
         super()._before_layer(layer)
 
     def _before_module_state_dict(self, module: Any, prefix: str, keep_vars: bool) -> None:
-        if self._phase is Phase.IDLE:
+        # keep_vars asks for the parameters themselves (the adapter's own
+        # look at the module's buffers does): no values to fetch for it.
+        if self._phase is Phase.IDLE and not keep_vars:
             self._bind_between_clocks()
 
     def _bind_between_clocks(self) -> None:
         """The original module used between clocks: its parameters hold
-        the servers' values, unless they do already (an evaluation,
-        ``state_dict(branch=)``)."""
+        the servers' values of the default branch, unless they do already
+        (an evaluation, ``state_dict()``)."""
         self.check_usable()
-        if self._eval_clock is None:
+        if self._eval_clock != (self.clock, self.worker.trained_branch):
             self.bind_server_values()
 
     def _evaluate(self, call: Callable[[], T]) -> T:
@@ -100,7 +107,7 @@ class ServerValues(LayerHooks):
             self.worker.sync()
             values = [np.ascontiguousarray(self.worker.fetch(table, branch=branch), dtype=np.float32)
                       for table in self._tables]
-        except (OutOfOrderError, InvalidArgumentError) as error:
+        except (OutOfOrderError, InvalidArgumentError, NotFoundError) as error:
             raise type(error)(
                 f"{error}. The servers' values of branch {self.worker.branch if branch is None else branch} "
                 "cannot be read now: with a tuning session, every step (TESTING ones too) is one training "

@@ -233,6 +233,46 @@ def test_an_id_of_a_freed_branch_forked_again_is_a_new_branch(run_workers: Calla
             np.testing.assert_array_equal(got, expected, err_msg=f"read {clock}")
 
 
+def test_clocks_nobody_scheduled_run_on_the_trained_branch(run_workers: Callable[..., list[Any]]) -> None:
+    """After a tuning session (Worker.set_trained) the loop's further clocks
+    run on its final branch, until a schedule says otherwise; once the
+    branch is freed, a clock nobody scheduled is refused again."""
+    def run(worker: Worker) -> list[tuple[int, float]]:
+        _, read, update = started(worker, 2, 3, 1.0)
+        seen = []
+
+        def clock() -> None:
+            seen.append((worker.branch, float(np.asarray(worker.read(read))[0, 0])))
+            worker.post_read(read)
+            worker.pre_update(update)[:] = 1.0  # the mean of the workers: lr x 1 a clock
+            worker.update(update)
+            worker.clock()
+
+        with pytest.raises(mltuner.OutOfOrderError, match="not scheduled on any branch"):
+            worker.read(read)
+        worker.fork_branch(1, 0, learning_rate=1.0)
+        worker.schedule_branch(1, 2)
+        clock(), clock()
+        worker.set_trained(1, {"lr": 1.0})
+        clock(), clock()  # nobody scheduled them: the trained branch's
+        worker.schedule_branch(0, 1)
+        clock()
+        clock()  # the trained branch's again
+        worker.free_branch(1)
+        with pytest.raises(mltuner.OutOfOrderError, match="not scheduled on any branch"):
+            worker.read(read)
+        seen.append((worker.branch, 0.0))
+        return seen
+
+    config = Config(update_rule=UpdateRule("sgd", learning_rate=LR0), branches=True, wait_timeout_s=20)
+    with LocalCluster(N, config) as cluster:
+        results = run_workers(run, cluster.workers, on_error=cluster.shutdown)
+    # (the branch of the clock finished before each read, the read's value)
+    want = [(0, 1.0), (1, 0.0), (1, -1.0), (1, -2.0), (1, 1.0), (0, -3.0), (1, 0.0)]
+    for seen in results:
+        assert seen == want
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_branch_read_again_after_another_in_parts_holds_only_its_rows(
         workers: int, run_workers: Callable[..., list[Any]]) -> None:

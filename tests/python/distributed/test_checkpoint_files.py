@@ -217,6 +217,8 @@ def test_tables_grouped_otherwise_are_assembled_from_pieces_of_the_saved_ones(tm
             "a piece past the saved table": ({"t": [(0, "b", 4, 6)]}, r"values \[4, 10\) of 'b' \(3x3\)"),
             "a piece past this job's table": ({"t": [(18, "a", 0, 6)]}, r"cannot go to \[18, 24\) of 't' \(7x3\)"),
             "no pieces for a table": ({}, "nothing says where table 't' comes from"),
+            "an empty list of pieces": ({"t": []}, "nothing says where table 't' comes from"),
+            "a float offset": ({"t": [(0.0, "a", 0, 3)]}, r"not \(offset, table, offset, count\) with integer"),
         }
         for sources, message in bad.values():
             with pytest.raises(mltuner.InvalidArgumentError, match=message):

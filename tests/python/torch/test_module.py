@@ -224,12 +224,15 @@ def test_the_original_modules_own_methods_run_on_the_servers_values_between_cloc
             state = model.module.state_dict()  # as save_pretrained() would take it
             for name, value in plain.state_dict().items():
                 torch.testing.assert_close(state[name], value, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(model.module[2].state_dict()["weight"], plain[2].weight, rtol=1e-6, atol=1e-6)
         with pytest.raises(mltuner.OutOfOrderError, match="only without gradients"):
             model.module(x)  # training goes through the wrapped model
         with pytest.raises(AttributeError, match="no attribute 'beam_search'"):
             model.beam_search
         model.module.zero_grad()
         F.cross_entropy(model(x)[:, :3], y).backward()  # and goes on from where it was
+        with pytest.raises(mltuner.OutOfOrderError, match="between clocks only"):
+            model.module.generate(x, 1)  # between backward() and step(): the clock goes on
         model.optimizer.step()
         F.cross_entropy(plain(x)[:, :3], y).backward()
         optimizer.step()

@@ -6,6 +6,7 @@ checkpoint of another model or rule is refused before anything changes."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -214,6 +215,13 @@ def test_checkpoints_that_do_not_fit_are_refused_before_anything_changes(tmp_pat
         (broken / "shard-0" / "table-1.state.npy").unlink()
         values.write_bytes((root / "shard-0" / "table-0.values.npy").read_bytes())
         with pytest.raises(mltuner.InvalidArgumentError, match="table-1.state.npy cannot be read"):
+            mt.wrap(module, job.worker, example_input=BATCHES[0][0], optimizer=OPTIMIZERS["sgd-momentum"](module),
+                    resume_from=broken)
+        index = broken / "attachments" / "torch-adapter.json"
+        content = json.loads(index.read_text())
+        content["tables"]["torch:0"]["0.bias"] = 0  # where the weight lies: a resume would take it for the bias
+        index.write_text(json.dumps(content))
+        with pytest.raises(mltuner.InvalidArgumentError, match="'0.bias' overlaps another parameter of 'torch:0'"):
             mt.wrap(module, job.worker, example_input=BATCHES[0][0], optimizer=OPTIMIZERS["sgd-momentum"](module),
                     resume_from=broken)
         # The worker was left as it was: it can still be wrapped, and resumes.

@@ -5,6 +5,8 @@ training clock, is refused with that reason and leaves the model usable."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -54,3 +56,55 @@ def test_after_a_session_the_model_is_the_branch_the_tuner_kept() -> None:
             assert torch.equal(default[name], kept[name]), name
         with torch.no_grad():
             assert torch.isfinite(model(X_VAL)).all()
+
+
+def run_session(model: mt.PSModule, job: mltuner.Job) -> TuningSession:
+    session = TuningSession(job, default_space([32], lr_range=(1e-3, 1.0)), num_train=len(X_TRAIN),
+                            num_validation=len(X_VAL),
+                            config=TunerConfig(max_epochs=1, seed=0, max_trials_per_search=3))
+    for step in session:
+        testing = step.kind is BranchKind.TESTING
+        x, y = (X_VAL, Y_VAL) if testing else (X_TRAIN, Y_TRAIN)
+        rows = torch.as_tensor(step.indices, dtype=torch.long)
+        logits = model(x[rows])
+        loss = nn.functional.cross_entropy(logits, y[rows])
+        loss.backward()
+        model.optimizer.step()
+        step.report(loss.item(), accuracy=(logits.argmax(1) == y[rows]).float().mean().item() if testing else None)
+    return session
+
+
+def test_after_a_session_the_loop_trains_on_with_the_tuned_setting(tmp_path: Path) -> None:
+    """Clocks after the session run on its final branch, the param groups
+    show the setting it trained with, and a checkpoint resumes with it."""
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 3))
+
+    config = mltuner.Config(branches=True)
+    with mltuner.Job(config) as job:
+        module = net()
+        model = mt.wrap(module, job.worker, example_input=X_TRAIN[:32],
+                        optimizer=torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9))
+        session = run_session(model, job)
+        tuned = session.final_tunables
+        assert session.final_branch is not None and tuned is not None
+        kept = model.state_dict()
+        for _ in range(3):  # nobody scheduled these clocks: the final branch's
+            nn.functional.cross_entropy(model(X_TRAIN[:32]), Y_TRAIN[:32]).backward()
+            model.optimizer.step()
+        assert job.worker.branch == session.final_branch
+        trained = model.state_dict(branch=session.final_branch)
+        assert not torch.equal(trained["0.weight"], kept["0.weight"])
+        groups = model.optimizer.param_groups
+        assert (groups[0]["lr"], groups[0]["momentum"]) == (tuned["lr"], tuned["momentum"])
+        model.save_checkpoint(tmp_path)
+    with mltuner.Job(config) as job:
+        module = net()
+        model = mt.wrap(module, job.worker, example_input=X_TRAIN[:32], resume_from=tmp_path,
+                        optimizer=torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9))
+        groups = model.optimizer.param_groups
+        assert (groups[0]["lr"], groups[0]["momentum"]) == (tuned["lr"], tuned["momentum"])
+        resumed = model.state_dict()
+        for name in trained:
+            assert torch.equal(resumed[name], trained[name]), name

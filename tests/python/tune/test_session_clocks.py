@@ -64,6 +64,9 @@ class FakeWorker:
     def declare_empty_clock(self, worker: int, branch: int, clock: int) -> None:
         self.declared.append((worker, branch, clock))
 
+    def set_trained(self, branch: int | None, tunables: dict[str, Any] | None) -> None:
+        self.trained_branch = branch
+
 
 class TwoRanks:
     """Rank 0 of a two-rank job: every allgather hands back rank 0's value

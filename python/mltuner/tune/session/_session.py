@@ -536,7 +536,8 @@ class TuningSession:
         elif isinstance(command, EndCommand):
             self.final_branch = command.branch
             self.final_tunables = command.tunables
-            self._worker.trained_branch = command.branch  # what the model is now (state_dict(), evaluation)
+            # What the model is now: state_dict(), evaluation, and the clocks after the session.
+            self._worker.set_trained(command.branch, command.tunables)
             return False
         else:
             if self._error is not None:  # rank 0 raises the driver's own exception
@@ -833,9 +834,12 @@ def _check_momentum_rules(job: Collective) -> None:
         rules = [config.update_rule]
     for rule in rules:
         if rule is not None and rule.kind not in ("sgd", "damped_momentum"):
-            raise InvalidArgumentError(f"the space tunes momentum but an update rule is {rule.kind!r}, which has "
-                                       f"none: use UpdateRule('sgd', momentum=...) (torch's) or "
-                                       f"UpdateRule('damped_momentum', ...) (MLtuner's)")
+            before = "" if worker.tables else " (no tables yet: the Config's rule; wrap() the model first)"
+            raise InvalidArgumentError(
+                f"the space tunes momentum but an update rule is {rule.kind!r}{before}, which has none (Adam's "
+                "betas are not tuned): leave momentum out of the space (a SearchSpace of the other tunables), "
+                "or train with torch.optim.SGD(momentum=...) / "
+                "UpdateRule('sgd', momentum=...) (torch's) or UpdateRule('damped_momentum', ...) (MLtuner's)")
 
 
 class PSBranchSystem:

@@ -6,7 +6,10 @@
 // The cache holds one branch at a time: when the allocator reaches a clock of
 // another branch it forgets every data age and asks the shards for that
 // branch's rows (the GeePS flush on a branch switch); rows of any other
-// branch that arrive later are dropped.
+// branch that arrive later are dropped. A clock past the schedule runs on
+// `continue_on` (a tuning session's final branch, so the loop trains on),
+// appended by the application thread when it reaches that clock, never
+// ahead of it: a later ScheduleBranch still decides the clocks after it.
 #include <algorithm>
 
 #include "engine/engine_impl.h"

@@ -181,6 +181,9 @@ class Worker:
         self._update_shapes: dict[int, tuple[int, int]] = {}  # recorded update -> its (rows, row width)
         self._trained_branch: int | None = None  # a tuning session's final branch (trained_branch)
         self._trained_tunables: dict[str, Any] | None = None  # the setting it trained with
+        # The settings a tuning session running on this worker sets on its
+        # branches ("lr", "momentum"), which the application must not change.
+        self.tuned_settings: frozenset[str] = frozenset()
         self._last_data_age = -2
 
     # -- tables ---------------------------------------------------------------

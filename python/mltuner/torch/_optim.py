@@ -281,6 +281,11 @@ class LearningRates:
             lr = _number(group["lr"])
             if lr == self._sent[index]:
                 continue
+            if "lr" in self._worker.tuned_settings:
+                raise InvalidArgumentError(
+                    f"param_groups[{index}]['lr'] changed from {self._sent[index]} to {lr} during a tuning session "
+                    "that tunes lr: the tuner sets the rate of each of its branches, which this would overwrite. "
+                    "Set it back (and step schedulers after the session, which leaves the tuned rate in the groups)")
             rate = real(f"param_groups[{index}]['lr']", lr, 0, MAX_LEARNING_RATE)
             if self._rule is not None and self._rule.kind == "add":
                 raise InvalidArgumentError(

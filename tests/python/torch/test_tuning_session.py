@@ -108,3 +108,26 @@ def test_after_a_session_the_loop_trains_on_with_the_tuned_setting(tmp_path: Pat
         resumed = model.state_dict()
         for name in trained:
             assert torch.equal(resumed[name], trained[name]), name
+
+
+def test_a_rate_the_loop_changes_during_a_session_that_tunes_it_is_refused() -> None:
+    """A scheduler stepped inside the session's loop would overwrite the rate
+    the tuner gave the branch that runs next (it did, silently)."""
+    config = mltuner.Config(branches=True)
+    with mltuner.Job(config) as job:
+        module = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 3))
+        model = mt.wrap(module, job.worker, example_input=X_TRAIN[:32],
+                        optimizer=torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9))
+        scheduler = torch.optim.lr_scheduler.StepLR(model.optimizer, step_size=1, gamma=0.5)
+        session = TuningSession(job, default_space([32], lr_range=(1e-3, 1.0)), num_train=len(X_TRAIN),
+                                num_validation=len(X_VAL), config=TunerConfig(max_epochs=1, seed=0))
+        with pytest.raises(mltuner.InvalidArgumentError, match="during a tuning session that tunes lr"), \
+                pytest.warns(UserWarning, match="left the tuning session"):
+            for step in session:
+                rows = torch.as_tensor(step.indices, dtype=torch.long)
+                loss = nn.functional.cross_entropy(model(X_TRAIN[rows]), Y_TRAIN[rows])
+                loss.backward()
+                model.optimizer.step()
+                scheduler.step()
+                step.report(loss.item())
+        assert job.worker.tuned_settings == frozenset()  # the session is over

@@ -45,6 +45,7 @@ class FakeWorker:
     read_slack = READ_SLACK
     stall_seconds = 0.0
     trained_branch = None  # no session ran before
+    tuned_settings: frozenset[str] = frozenset()
 
     def __init__(self) -> None:
         self.forks: dict[int, int | None] = {}  # child -> the slack it was forked with

@@ -355,6 +355,8 @@ class TuningSession:
             self._choose_claim_board(self._claim_job)
         if self._rank == 0:
             self._start_driver()
+        # What the session's branches set, which the loop must leave alone.
+        self._worker.tuned_settings = frozenset(n for n in ("lr", "momentum") if n in self._space.names)
         try:
             while True:
                 step = self._next_step()
@@ -381,6 +383,7 @@ class TuningSession:
                           stacklevel=2)
             raise
         finally:
+            self._worker.tuned_settings = frozenset()
             if self._claimer is not None:
                 self._claimer.close()
             if self.system is not None:

@@ -100,6 +100,8 @@ void RegisterEngine(py::module_& m) {
       .def_readonly("branch", &EngineStats::branch)
       .def_readonly("branch_clock", &EngineStats::branch_clock)
       .def_readonly("branch_switches", &EngineStats::branch_switches)
+      .def_readonly("scheduled_ahead", &EngineStats::scheduled_ahead)
+      .def_readonly("next_branch", &EngineStats::next_branch)
       .def_readonly("own_steps", &EngineStats::own_steps);
 
   py::class_<HostMemoryNeed>(m, "HostMemoryNeed")

@@ -87,6 +87,11 @@ struct EngineStats {
   BranchId branch = 0;             // the branch of the last finished clock
   Clock branch_clock = 0;          // clocks that branch has finished
   int64_t branch_switches = 0;     // times the cache was reloaded for another branch
+  // Config::branches: clocks scheduled from the application's next one on,
+  // and the branch that one runs on (-1: none; with none scheduled, the
+  // branch unscheduled clocks continue on, ContinueOnBranch).
+  int64_t scheduled_ahead = 0;
+  BranchId next_branch = -1;
   int64_t own_steps = 0;           // own updates added to the cache at once (Config::read_my_writes)
   int64_t device_store_bytes = 0;
   int64_t host_store_bytes = 0;

@@ -798,6 +798,11 @@ EngineStats Engine::Impl::Stats() const {
   }
   stats.messages_sent = state_.messages_sent;
   stats.messages_received = state_.messages_received;
+  if (state_.branches.enabled) {
+    stats.scheduled_ahead = std::max<int64_t>(0, state_.branches.scheduled_until - state_.app_clock);
+    stats.next_branch = stats.scheduled_ahead > 0 ? state_.branches.At(state_.app_clock).branch
+                                                  : state_.branches.continue_on;
+  }
   return stats;
 }
 

@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import os
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, Union
 
@@ -181,6 +181,7 @@ class Worker:
         self._update_shapes: dict[int, tuple[int, int]] = {}  # recorded update -> its (rows, row width)
         self._trained_branch: int | None = None  # a tuning session's final branch (trained_branch)
         self._trained_tunables: dict[str, Any] | None = None  # the setting it trained with
+        self._trained_listeners: list[weakref.WeakMethod[Callable[[], None]]] = []
         # The settings a tuning session running on this worker sets on its
         # branches ("lr", "momentum"), which the application must not change.
         self.tuned_settings: frozenset[str] = frozenset()
@@ -720,6 +721,28 @@ class Worker:
         self.set_trained(branch, None)
 
     @property
+    def scheduled_ahead(self) -> int:
+        """Clocks scheduled on branches from the next one on (0 without
+        ``Config.branches``)."""
+        return int(self._engine.stats().scheduled_ahead)
+
+    @property
+    def next_branch(self) -> int | None:
+        """The branch the next clock runs on: the one scheduled, else the
+        trained branch that unscheduled clocks go on from; None when there
+        is neither (the clock is refused) or without ``Config.branches``."""
+        if not self._config.branches:
+            return None
+        branch = int(self._engine.stats().next_branch)
+        return None if branch < 0 else branch
+
+    def add_trained_listener(self, callback: Callable[[], None]) -> None:
+        """Calls ``callback`` (a bound method, held weakly) after each
+        :meth:`set_trained`: ``mltuner.torch`` shows the trained setting in
+        the model's param groups at once."""
+        self._trained_listeners.append(weakref.WeakMethod(callback))
+
+    @property
     def trained_tunables(self) -> dict[str, Any] | None:
         """The setting :attr:`trained_branch` trained with (a tuning
         session's ``final_tunables``); None when not known."""
@@ -732,6 +755,12 @@ class Worker:
         self._engine.continue_on_branch(-1 if branch is None else branch)
         self._trained_branch = branch
         self._trained_tunables = None if tunables is None else dict(tunables)
+        for listener in list(self._trained_listeners):
+            callback = listener()
+            if callback is None:
+                self._trained_listeners.remove(listener)
+            else:
+                callback()
 
     @property
     def last_read_data_age(self) -> int:

@@ -188,6 +188,7 @@ class ClockDriver(Planning, ServerValues, SavedTensorHooks):
         self._end_loss_guard()
         if not again:
             if not self._recording:
+                self._check_scheduled()
                 self._refuse_unfrozen()
                 self._check_autocast()
                 self._refuse_writes_between_clocks()  # nothing of the clock has reached the engine

@@ -79,6 +79,16 @@ class ClockChecks(DriverState):
                 "was done"
             )
 
+    def _check_scheduled(self) -> None:
+        """With branches, a clock that no branch will run (none scheduled,
+        no trained branch to go on from) is refused before it starts, so
+        the model can go on once one is scheduled."""
+        if self._branches and self.worker.next_branch is None:
+            raise OutOfOrderError(
+                f"clock {self.clock} of the wrapped model is not scheduled on any branch: call "
+                "job.worker.schedule_branch(branch, clocks) first (a tuning session whose loop left early, or "
+                "whose driver freed its branches, leaves no trained branch to go on from)")
+
     def _refuse_unfrozen(self) -> None:
         """Refuses a training forward after a parameter frozen at wrap() was
         made trainable (fine-tuning's "unfreeze the backbone"): the servers

@@ -87,6 +87,7 @@ class DriverState:
         self._frozen = [(name, p) for name, p in model.named_parameters() if not p.requires_grad]
         self.layers = layers
         self.worker = worker
+        self._branches = worker.config.branches  # clocks must be scheduled on one (_check_scheduled)
         self.device = layers[0].device
         self._slack = slack
         self._store_activations = store_activations
@@ -222,8 +223,6 @@ class DriverState:
         self.rates_changed: Callable[[], bool] | None = None
         # Refuses param-group settings to be loaded that the rules cannot take (LearningRates.check_loaded).
         self.check_loaded_groups: Callable[[Sequence[dict[str, Any]]], None] | None = None
-        # The param groups take a finished tuning session's setting (LearningRates.adopt_trained).
-        self.adopt_trained: Callable[[], None] | None = None
         # The shapes of example_input's tensors (set by wrap()), for _check_inputs.
         self.input_shapes: list[tuple[int, ...]] | None = None
         self.input_layouts: list[tuple[bool, tuple[int, ...]]] | None = None  # example_input's (input_layouts)

@@ -258,8 +258,6 @@ class PSModule(nn.Module):
             raise InvalidArgumentError("save_checkpoint needs the worker of a mltuner.Job (job.worker): a "
                                        "LocalCluster's workers have no checkpoints")
         self._driver.check_between_clocks("save_checkpoint()")
-        if self._driver.adopt_trained is not None:
-            self._driver.adopt_trained()  # after a session: the tuned setting is the one to resume with
         files = {} if self.worker.rank != 0 else attachments(self.module, self._driver.layers,
                                                              self._optimizer.model_groups,
                                                              self._optimizer.source_name, user_state)
@@ -382,9 +380,6 @@ class ClockOptimizer(torch.optim.Optimizer):
         resume_from=)`` restores them). Warns once where the rule keeps such
         state, which a checkpoint of this dict alone would lose."""
         self._warn_stateless()
-        driver = self._model._driver
-        if driver.adopt_trained is not None:
-            driver.adopt_trained()  # after a session: its setting
         return super().state_dict()
 
     def _warn_stateless(self) -> None:
@@ -1095,7 +1090,7 @@ def wrap(
             driver.clock_start = rates.sync
             driver.rates_changed = rates.changed
             driver.check_loaded_groups = rates.check_loaded
-            driver.adopt_trained = rates.adopt_trained
+            worker.add_trained_listener(rates.adopt_trained)  # the groups show a session's setting when it ends
             model = PSModule(module, driver, groups, scaled, optimizer, resumed[0] if resumed else None)
             if saved is not None and optimizer is None:  # the Config's group: its lr moves with a schedule
                 set_group_settings(model.optimizer.param_groups, saved.groups, keys=("lr", "initial_lr"))

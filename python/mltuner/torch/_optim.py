@@ -257,7 +257,6 @@ class LearningRates:
         self._sent = [_number(group["lr"]) for group in self._groups]
         self._frozen = [_frozen_settings(optimizer, group) for group in self._groups]
         self._tables: list[Table] = []
-        self._trained_branch = worker.trained_branch  # the trained branch whose setting the groups show
 
     def set_tables(self, tables: Sequence[Table]) -> None:
         """The layers' tables, once created (``ClockDriver.prepare_plan``)."""
@@ -275,7 +274,6 @@ class LearningRates:
                 changed, a rate is not a finite number >= 0, or the rule has
                 no learning rate.
         """
-        self.adopt_trained()
         for index, group in enumerate(self._groups):
             self._check_frozen(index, group)
             lr = _number(group["lr"])
@@ -298,15 +296,11 @@ class LearningRates:
             self._sent[index] = rate
 
     def adopt_trained(self) -> None:
-        """Once a tuning session ended: every group takes the ``lr`` (and,
-        where it was tuned and the rule has one, the ``momentum``) its final
-        branch trained with, which the servers apply there already, so that
-        the loop, a scheduler made after the session and a checkpoint go on
-        from the tuned setting."""
-        branch = self._worker.trained_branch
-        if branch == self._trained_branch:
-            return
-        self._trained_branch = branch
+        """When a tuning session ends (``Worker.set_trained`` calls it):
+        every group takes the ``lr`` (and, where it was tuned and the rule
+        has one, the ``momentum``) its final branch trained with, which the
+        servers apply there already, so that the loop, a scheduler made
+        after the session and a checkpoint go on from the tuned setting."""
         tunables = self._worker.trained_tunables or {}
         for index, group in enumerate(self._groups):
             if "lr" in tunables:

@@ -89,6 +89,8 @@ def test_after_a_session_the_loop_trains_on_with_the_tuned_setting(tmp_path: Pat
         session = run_session(model, job)
         tuned = session.final_tunables
         assert session.final_branch is not None and tuned is not None
+        groups = model.optimizer.param_groups  # at once: a scheduler made here starts from them
+        assert (groups[0]["lr"], groups[0]["momentum"]) == (tuned["lr"], tuned["momentum"])
         kept = model.state_dict()
         for _ in range(3):  # nobody scheduled these clocks: the final branch's
             nn.functional.cross_entropy(model(X_TRAIN[:32]), Y_TRAIN[:32]).backward()
@@ -131,3 +133,24 @@ def test_a_rate_the_loop_changes_during_a_session_that_tunes_it_is_refused() -> 
                 scheduler.step()
                 step.report(loss.item())
         assert job.worker.tuned_settings == frozenset()  # the session is over
+
+
+def test_a_clock_no_branch_will_run_is_refused_before_it_starts() -> None:
+    """Nothing scheduled and no trained branch to go on from: the clock is
+    refused before it starts, and the model goes on once one is scheduled
+    (the engine's refusal at the clock's first read left it broken); a
+    session that finds clocks still scheduled is refused."""
+    with mltuner.Job(mltuner.Config(branches=True)) as job:
+        module = nn.Sequential(nn.Linear(12, 3))
+        model = mt.wrap(module, job.worker, example_input=X_TRAIN[:32],
+                        optimizer=torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9))
+        with pytest.raises(mltuner.OutOfOrderError, match="clock 0 of the wrapped model is not scheduled"):
+            model(X_TRAIN[:32])
+        job.worker.schedule_branch(0, 3)
+        nn.functional.cross_entropy(model(X_TRAIN[:32]), Y_TRAIN[:32]).backward()
+        model.optimizer.step()
+        assert job.worker.scheduled_ahead == 2 and job.worker.next_branch == 0
+        session = TuningSession(job, default_space([32], lr_range=(1e-3, 1.0)), num_train=len(X_TRAIN),
+                                num_validation=len(X_VAL), config=TunerConfig(max_epochs=1, seed=0))
+        with pytest.raises(mltuner.OutOfOrderError, match="2 clocks are still scheduled .*, the next on branch 0"):
+            next(iter(session))

@@ -46,6 +46,8 @@ class FakeWorker:
     stall_seconds = 0.0
     trained_branch = None  # no session ran before
     tuned_settings: frozenset[str] = frozenset()
+    scheduled_ahead = 0  # nothing left of an earlier schedule
+    next_branch = None
 
     def __init__(self) -> None:
         self.forks: dict[int, int | None] = {}  # child -> the slack it was forked with

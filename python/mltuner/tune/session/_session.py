@@ -55,7 +55,7 @@ import numpy as np
 
 from mltuner._validate import is_integer
 from mltuner.client._worker import Worker
-from mltuner.exceptions import InvalidArgumentError, ShutdownError, WaitTimeoutError
+from mltuner.exceptions import InvalidArgumentError, OutOfOrderError, ShutdownError, WaitTimeoutError
 from mltuner.tune._config import TunerConfig
 from mltuner.tune._errors import TuningError
 from mltuner.tune._log import DecisionLog, run_log_copy
@@ -348,6 +348,12 @@ class TuningSession:
     def __iter__(self) -> Iterator[Step]:
         if self._started:
             raise InvalidArgumentError("a TuningSession can be iterated once")
+        left = self._worker.scheduled_ahead
+        if left:
+            # The session's runs would come after them: its steps would train another branch.
+            raise OutOfOrderError(
+                f"{left} clocks are still scheduled (Worker.schedule_branch), the next on branch "
+                f"{self._worker.next_branch}: run them before the tuning session starts")
         self._started = True
         if self._world > 1:
             self._check_same_arguments()
@@ -376,9 +382,13 @@ class TuningSession:
                     self._busy.append(max(0.0, self._times[-1] - (self._stall_seconds() - stalled)))
                     self._busy_samples.append(len(step.indices))
         except GeneratorExit:  # the loop left early (a break, a zip with a shorter data loader, an exception)
+            left = self._worker.scheduled_ahead
+            after = (f"; the next {left} clocks are still scheduled on branch {self._worker.next_branch} (a "
+                     "trial's or a validation's), then clocks go on from Worker.trained_branch "
+                     f"({self._worker.trained_branch}, None: they are refused)") if left else ""
             warnings.warn(f"the training loop left the tuning session after {self._clocks_yielded} steps, before "
                           "the tuner ended it (a break or return, or an exception in the loop): final_branch is "
-                          "None and the decision log has no end. Iterate the session to its end "
+                          f"None and the decision log has no end{after}. Iterate the session to its end "
                           "(session.data_loader() gives each step's batch)",
                           stacklevel=2)
             raise
@@ -838,9 +848,10 @@ def _check_momentum_rules(job: Collective) -> None:
     for rule in rules:
         if rule is not None and rule.kind not in ("sgd", "damped_momentum"):
             before = "" if worker.tables else " (no tables yet: the Config's rule; wrap() the model first)"
+            betas = " (Adam's betas are not tuned)" if rule.kind.startswith("adam") else ""
             raise InvalidArgumentError(
-                f"the space tunes momentum but an update rule is {rule.kind!r}{before}, which has none (Adam's "
-                "betas are not tuned): leave momentum out of the space (a SearchSpace of the other tunables), "
+                f"the space tunes momentum but an update rule is {rule.kind!r}{before}, which has none{betas}: "
+                "leave momentum out of the space (a SearchSpace of the other tunables), "
                 "or train with torch.optim.SGD(momentum=...) / "
                 "UpdateRule('sgd', momentum=...) (torch's) or UpdateRule('damped_momentum', ...) (MLtuner's)")
 

@@ -26,7 +26,7 @@ import sys
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -344,8 +344,7 @@ class Job:
         return _checkpoint.save(self._node, self.worker, Path(root), self.barrier, keep=keep,
                                 first_clock=self._first_clock, attachments=attachments)
 
-    def restore_checkpoint(self, path: str | os.PathLike[str], *,
-                           sources: Mapping[str, Sequence[tuple[int, str, int, int]]] | None = None) -> int:
+    def restore_checkpoint(self, path: str | os.PathLike[str], *, sources: _checkpoint.Sources | None = None) -> int:
         """Loads a checkpoint into this rank's shard and returns its clock.
 
         Call it on every rank after ``finish_virtual_iteration`` and before

@@ -168,6 +168,7 @@ class DriverState:
 
         self._eval_active = False
         self._eval_clock: tuple[int, int | None] | None = None  # (clock, branch) the parameters hold
+        self._own_state_dict = False  # PSModule.state_dict() runs: it bound the branch it was asked for
         # The copies an evaluation bound, with their sums then: a write
         # through p.data (which no version counter sees) shows in them.
         self._eval_copies: list[torch.Tensor] = []

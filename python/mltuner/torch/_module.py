@@ -219,11 +219,13 @@ class PSModule(nn.Module):
         works. The tensors are copies."""
         self._driver.check_usable()
         self._driver.bind_server_values(branch)
+        self._driver._own_state_dict = True  # the module's hooks leave the branch bound
         try:
             state = self.module.state_dict(*args, **kwargs)
             return {name: value.detach().clone() if isinstance(value, torch.Tensor) else value
                     for name, value in state.items()}
         finally:
+            self._driver._own_state_dict = False
             self._driver.rebind_held()
 
     @property

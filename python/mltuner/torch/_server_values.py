@@ -46,7 +46,7 @@ class ServerValues(LayerHooks):
     def _before_module_state_dict(self, module: Any, prefix: str, keep_vars: bool) -> None:
         # keep_vars asks for the parameters themselves (the adapter's own
         # look at the module's buffers does): no values to fetch for it.
-        if self._phase is Phase.IDLE and not keep_vars:
+        if self._phase is Phase.IDLE and not keep_vars and not self._own_state_dict:
             self._bind_between_clocks()
 
     def _bind_between_clocks(self) -> None:

@@ -146,9 +146,21 @@ def test_a_clock_no_branch_will_run_is_refused_before_it_starts() -> None:
                         optimizer=torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9))
         with pytest.raises(mltuner.OutOfOrderError, match="clock 0 of the wrapped model is not scheduled"):
             model(X_TRAIN[:32])
-        job.worker.schedule_branch(0, 3)
-        nn.functional.cross_entropy(model(X_TRAIN[:32]), Y_TRAIN[:32]).backward()
-        model.optimizer.step()
+        job.worker.schedule_branch(0, 1)
+
+        def clock() -> None:
+            nn.functional.cross_entropy(model(X_TRAIN[:32]), Y_TRAIN[:32]).backward()
+            model.optimizer.step()
+
+        clock()
+        job.worker.fork_branch(1, 0, learning_rate=0.5)
+        job.worker.schedule_branch(1, 1)
+        clock()
+        for branch in (0, 1):  # the branch asked for, whatever the module's own hooks bind by default
+            want = job.worker.fetch(job.worker.tables[0], branch=branch).reshape(-1)[:36].reshape(3, 12)
+            assert torch.equal(model.state_dict(branch=branch)["0.weight"], torch.from_numpy(want))
+        assert job.worker.scheduled_ahead == 0 and job.worker.next_branch is None
+        job.worker.schedule_branch(0, 2)
         assert job.worker.scheduled_ahead == 2 and job.worker.next_branch == 0
         session = TuningSession(job, default_space([32], lr_range=(1e-3, 1.0)), num_train=len(X_TRAIN),
                                 num_validation=len(X_VAL), config=TunerConfig(max_epochs=1, seed=0))

@@ -243,12 +243,14 @@ def resolve(path: Path) -> Path:
     raise NotFoundError(f"no complete checkpoint at {path} (no manifest.json, and no {LATEST} file naming one)")
 
 
-def check_tables(directory: Path, worker: Worker, sources: Sources | None = None) -> dict[str, Any]:
+def check_tables(directory: Path, worker: Worker, sources: Sources | None = None, *,
+                 mismatch_hint: str = "") -> dict[str, Any]:
     """The manifest of the checkpoint ``directory``, once it is known to
     hold exactly ``worker``'s communicated tables (or, with ``sources``, the
     saved tables their pieces name) and every file a restore reads is sound
-    (InvalidArgumentError naming the file and the fault otherwise)."""
-    return _check_checkpoint(directory, worker, sources)[0]
+    (InvalidArgumentError naming the file and the fault otherwise; where
+    the tables differ, followed by ``mismatch_hint``)."""
+    return _check_checkpoint(directory, worker, sources, mismatch_hint)[0]
 
 
 # What one shard saved of a table: (first_row, num_rows, state_arrays).
@@ -261,8 +263,8 @@ def _saved_tables(manifest: dict[str, Any]) -> dict[str, Table]:
             for entry in manifest["tables"]}
 
 
-def _check_checkpoint(directory: Path, worker: Worker,
-                      sources: Sources | None = None) -> tuple[dict[str, Any], list[dict[int, _Entry]]]:
+def _check_checkpoint(directory: Path, worker: Worker, sources: Sources | None = None,
+                      mismatch_hint: str = "") -> tuple[dict[str, Any], list[dict[int, _Entry]]]:
     """The manifest and every shard's entries (saved table id -> _Entry),
     once every file a restore reads is known to be sound and to fit
     ``worker``: all of it is checked before a restore changes anything."""
@@ -282,7 +284,8 @@ def _check_checkpoint(directory: Path, worker: Worker,
     if len(saved) != len(mine):
         problems.append(f"it has {len(saved)} communicated tables, this job {len(mine)}")
     if problems:
-        raise InvalidArgumentError(f"checkpoint {directory} does not match this job's tables: " + "; ".join(problems))
+        raise InvalidArgumentError(f"checkpoint {directory} does not match this job's tables: " + "; ".join(problems)
+                                   + mismatch_hint)
     metas = [_read_meta(directory, shard, mine) for shard in range(manifest["num_shards"])]
     for table in mine:
         _check_saved_table(directory, metas, table, worker.update_rule_of(table), table.name)
@@ -447,23 +450,19 @@ def _gather_slice(directory: Path, metas: list[dict[int, _Entry]], table: Table,
     values = np.empty((count, width), dtype=np.float32)
     state_arrays = metas[0][table.id][2]
     state_rows = np.empty((state_arrays, count, width), dtype=np.float32)
-    scalars = np.empty(0, np.float32)
     for shard, meta in enumerate(metas):
         old_first, old_count, _ = meta[table.id]
         lo, hi = max(first, old_first), min(first + count, old_first + old_count)
-        if lo >= hi and shard != 0:
+        if lo >= hi:
             continue
         files = directory / f"shard-{shard}" / f"table-{table.id}"
         old_state = np.load(f"{files}.state.npy", mmap_mode="r", allow_pickle=False)
         per_array = old_count * width
-        if shard == 0:
-            scalars = old_state[state_arrays * per_array:]
-        if lo >= hi:
-            continue
         old_values = np.load(f"{files}.values.npy", mmap_mode="r", allow_pickle=False)
         values[lo - first:hi - first] = old_values[lo - old_first:hi - old_first]
         arrays = old_state[:state_arrays * per_array].reshape(state_arrays, old_count, width)
         state_rows[:, lo - first:hi - first] = arrays[:, lo - old_first:hi - old_first]
+    scalars = _scalars(directory, metas, table)
     return values, np.concatenate([state_rows.reshape(-1), scalars]).astype(np.float32, copy=False)
 
 

@@ -1066,15 +1066,12 @@ def wrap(
                     # Another budget or batch may group the layers otherwise.
                     sources = saved.sources(module, layers)
                     restore = _restorer(worker, saved, resumed, sources)
-                    try:
-                        _checkpoint.check_tables(saved.path, worker, sources)  # before the plan is committed
-                    except InvalidArgumentError as error:
-                        if saved.tables is not None or "does not match this job's tables" not in str(error):
-                            raise
-                        raise InvalidArgumentError(
-                            f"{error} (saved by an earlier version, which did not record where each parameter "
-                            "lies: resume with the layers it was saved with, under the same device-memory budget, "
-                            "batch per worker and group_bytes)") from None
+                    earlier = "" if saved.tables is not None else (
+                        " (saved by an earlier version, which did not record where each parameter lies: resume with "
+                        "the layers it was saved with, under the same device-memory budget, batch per worker and "
+                        "group_bytes)")
+                    # Before the plan is committed.
+                    _checkpoint.check_tables(saved.path, worker, sources, mismatch_hint=earlier)
                 driver.commit_plan(restore)
             except BaseException:
                 driver.abandon()

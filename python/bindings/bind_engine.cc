@@ -227,16 +227,17 @@ void RegisterEngine(py::module_& m) {
            py::arg("table"), py::arg("rows"), py::arg("row_width"), py::arg("branch") = -1, Keep())
       .def("fork_branch",
            [](Engine& e, BranchId child, BranchId parent, float learning_rate, float momentum, bool training,
-              int slack) {
+              int slack, bool keep_rate_ratios) {
              BranchSettings settings;
              settings.learning_rate = learning_rate;
              settings.momentum = momentum;
              settings.training = training;
              settings.slack = slack;
+             settings.keep_rate_ratios = keep_rate_ratios;
              CheckInterruptibly(&e, [&] { return e.ForkBranch(child, parent, settings); });
            },
            py::arg("child"), py::arg("parent"), py::arg("learning_rate"), py::arg("momentum"), py::arg("training"),
-           py::arg("slack"), Keep())
+           py::arg("slack"), py::arg("keep_rate_ratios") = false, Keep())
       .def("free_branch",
            [](Engine& e, BranchId branch) { CheckInterruptibly(&e, [&] { return e.FreeBranch(branch); }); }, Keep())
       .def("schedule_branch",

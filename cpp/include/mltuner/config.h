@@ -198,6 +198,11 @@ struct BranchSettings {
   bool training = true;
   // Staleness of every read on this branch; -1 keeps each read's recorded slack.
   int32_t slack = -1;
+  // With a learning_rate: it is the rate of the parent's fastest table, and
+  // every table keeps its rate's ratio to that one (param groups of
+  // different rates, a group at 0 stays at 0); where every parent table's
+  // rate is 0, each table takes learning_rate. Without: every table takes it.
+  bool keep_rate_ratios = false;
 };
 
 }  // namespace mltuner

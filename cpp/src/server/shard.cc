@@ -19,6 +19,14 @@
 namespace mltuner {
 namespace {
 
+// A forked table's rate (BranchSettings::keep_rate_ratios): scaled with the
+// parent's fastest table, in double so that the fastest one gets exactly
+// the branch's rate.
+float ForkedRate(float parent_rate, float fastest, const BranchSettings& settings) {
+  if (!settings.keep_rate_ratios || fastest <= 0) return settings.learning_rate;
+  return static_cast<float>(static_cast<double>(parent_rate) / fastest * settings.learning_rate);
+}
+
 std::string SpanText(const RowSpan& span) {
   return "[" + std::to_string(span.begin) + ", " + std::to_string(span.begin + span.count) + ")";
 }
@@ -864,6 +872,11 @@ Clock ServerShard::global_clock(TableId table, BranchId branch) const {
   return found == nullptr ? kNoClock : found->clock.global();
 }
 
+float ServerShard::learning_rate(TableId table, BranchId branch) const {
+  const TableState* found = Find(branch, table);
+  return found == nullptr ? -1.0f : found->rule->config().learning_rate;
+}
+
 Status ServerShard::ExportTable(TableId table, ShardSlice* out, BranchId branch) const {
   const TableState* found = Find(branch, table);
   if (found == nullptr) return UnknownTable(table, branch);
@@ -962,6 +975,11 @@ Status ServerShard::Fork(BranchId child, BranchId parent, const BranchSettings& 
                                      std::to_string(max_branches_) + " (free some, or raise Config.max_branches)");
   }
   MLT_RETURN_IF_ERROR(CheckForkFits(child, parent));
+  // Every shard holds every table, so each computes the same rates.
+  float fastest = 0;
+  for (const auto& [key, table] : tables_) {
+    if (key.first == parent) fastest = std::max(fastest, table->rule->config().learning_rate);
+  }
   std::vector<std::pair<std::pair<BranchId, TableId>, std::unique_ptr<TableState>>> copies;
   for (const auto& [key, table] : tables_) {
     if (key.first != parent) continue;
@@ -974,7 +992,7 @@ Status ServerShard::Fork(BranchId child, BranchId parent, const BranchSettings& 
     }
     // Each table keeps its own rule; the branch may set its rate and momentum.
     UpdateRuleConfig rule = table->rule->config();
-    if (settings.learning_rate >= 0) rule.learning_rate = settings.learning_rate;
+    if (settings.learning_rate >= 0) rule.learning_rate = ForkedRate(rule.learning_rate, fastest, settings);
     if (settings.momentum >= 0) rule.momentum = settings.momentum;
     // Momentum history, Adam moments and steps go with the values.
     MLT_RETURN_IF_ERROR(table->rule->Clone(rule, &copy->rule));

@@ -127,6 +127,9 @@ class ServerShard {
   // unknown table or branch.
   std::unique_ptr<std::vector<float>> values(TableId table, BranchId branch = 0) const;
   Clock global_clock(TableId table, BranchId branch = 0) const;
+  // The rate the table's rule applies on the branch now; -1 for an unknown
+  // table or branch.
+  float learning_rate(TableId table, BranchId branch = 0) const;
   int num_branches() const { return static_cast<int>(branches_.size()); }
 
   // Checkpoints. Export copies a table's slice; the caller picks the moment

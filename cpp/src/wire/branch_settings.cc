@@ -14,6 +14,7 @@ std::string EncodeBranchSettings(BranchId parent, const BranchSettings& settings
   wire.momentum = settings.momentum;
   wire.slack = settings.slack;
   wire.training = settings.training ? 1 : 0;
+  wire.keep_rate_ratios = settings.keep_rate_ratios ? 1 : 0;
   return std::string(reinterpret_cast<const char*>(&wire), sizeof(wire));
 }
 
@@ -36,8 +37,9 @@ Status DecodeBranchSettings(const std::string& bytes, BranchId* parent, BranchSe
   }
   BranchSettingsWire wire;
   std::memcpy(static_cast<void*>(&wire), bytes.data(), sizeof(wire));
-  if (wire.training > 1 || wire.reserved[0] != 0 || wire.reserved[1] != 0 || wire.reserved[2] != 0) {
+  if (wire.training > 1 || wire.keep_rate_ratios > 1 || wire.reserved[0] != 0 || wire.reserved[1] != 0) {
     return Status::CorruptMessage("branch settings with a training flag of " + std::to_string(wire.training) +
+                                  ", a keep_rate_ratios flag of " + std::to_string(wire.keep_rate_ratios) +
                                   " or nonzero reserved bytes");
   }
   const float keep = BranchSettings::kKeepParent;
@@ -49,6 +51,7 @@ Status DecodeBranchSettings(const std::string& bytes, BranchId* parent, BranchSe
   decoded.momentum = wire.momentum;
   decoded.training = wire.training == 1;
   decoded.slack = wire.slack;
+  decoded.keep_rate_ratios = wire.keep_rate_ratios == 1;
   if (wire.parent < 0 || wire.slack < -1 || !lr_ok || !momentum_ok) {
     return Status::InvalidArgument("invalid branch settings (" + DescribeBranchSettings(wire.parent, decoded) +
                                    "): needs parent >= 0, learning_rate >= 0, momentum in [0, 1) (or -1 for the "
@@ -61,9 +64,9 @@ Status DecodeBranchSettings(const std::string& bytes, BranchId* parent, BranchSe
 
 std::string DescribeBranchSettings(BranchId parent, const BranchSettings& settings) {
   char text[160];
-  std::snprintf(text, sizeof(text), "parent=%d lr=%.9g momentum=%.9g training=%d slack=%d", parent,
+  std::snprintf(text, sizeof(text), "parent=%d lr=%.9g momentum=%.9g training=%d slack=%d ratios=%d", parent,
                 static_cast<double>(settings.learning_rate), static_cast<double>(settings.momentum),
-                settings.training ? 1 : 0, settings.slack);
+                settings.training ? 1 : 0, settings.slack, settings.keep_rate_ratios ? 1 : 0);
   return text;
 }
 

@@ -658,13 +658,18 @@ class Worker:
 
     # -- branches (Config.branches) ---------------------------------------------
     def fork_branch(self, child: int, parent: int, *, learning_rate: float | None = None,
-                    momentum: float | None = None, training: bool = True, slack: int | None = None) -> None:
+                    momentum: float | None = None, training: bool = True, slack: int | None = None,
+                    keep_rate_ratios: bool = False) -> None:
         """Copies ``parent``'s parameters and optimizer state into a new branch
         ``child`` on every shard, with its own learning rate and momentum for
         every table's rule (``None``: each table keeps the parent's; momentum
         is read by the sgd and damped_momentum rules), training flag (only
         training branches apply updates) and staleness (``None``: each read's
-        own slack). Every worker calls it at the same clock boundary; it
+        own slack). With ``keep_rate_ratios``, ``learning_rate`` is the rate
+        of the parent's fastest table and every table keeps its ratio to it
+        (tables of param groups with different rates; one at 0 stays at 0);
+        where the parent's rates are all 0, every table takes it. Every
+        worker calls it at the same clock boundary; it
         returns once the fork is done everywhere. A shard that cannot hold
         the copy (where its state lives in host memory: more than the host
         has available) refuses it with the sizes, every worker raises
@@ -675,7 +680,8 @@ class Worker:
             keep if learning_rate is None else real("fork_branch: learning_rate", learning_rate, 0, MAX_LEARNING_RATE),
             keep if momentum is None else real("fork_branch: momentum", momentum, 0, 1, high_open=True),
             boolean("fork_branch: training", training),
-            -1 if slack is None else integer("fork_branch: slack", slack, 0, INT32_MAX))
+            -1 if slack is None else integer("fork_branch: slack", slack, 0, INT32_MAX),
+            boolean("fork_branch: keep_rate_ratios", keep_rate_ratios))
 
     def free_branch(self, branch: int) -> None:
         """Releases a branch on every shard (every worker, same clock boundary)."""

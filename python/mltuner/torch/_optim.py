@@ -30,6 +30,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
@@ -300,11 +301,14 @@ class LearningRates:
         every group takes the ``lr`` (and, where it was tuned and the rule
         has one, the ``momentum``) its final branch trained with, which the
         servers apply there already, so that the loop, a scheduler made
-        after the session and a checkpoint go on from the tuned setting."""
+        after the session and a checkpoint go on from the tuned setting.
+        The tuned ``lr`` is the fastest group's; the others keep their
+        ratio to it, as the session's forks did."""
         tunables = self._worker.trained_tunables or {}
+        rates = _kept_ratios(self._sent, float(tunables["lr"])) if "lr" in tunables else None
         for index, group in enumerate(self._groups):
-            if "lr" in tunables:
-                group["lr"] = self._sent[index] = float(tunables["lr"])
+            if rates is not None:
+                group["lr"] = self._sent[index] = rates[index]
             if "momentum" in tunables and "momentum" in self._frozen[index]:
                 group["momentum"] = float(tunables["momentum"])
                 self._frozen[index]["momentum"] = plain_setting(group["momentum"])
@@ -330,3 +334,15 @@ class LearningRates:
                     f"param_groups[{index}][{key!r}] changed from {value!r} to {now!r}: after wrap() only 'lr' can "
                     f"change (the servers' rule holds the others); {instead}"
                 )
+
+
+def _kept_ratios(rates: Sequence[float], fastest_rate: float) -> list[float]:
+    """The groups' rates once the fastest is ``fastest_rate``, each keeping
+    its ratio to it, in float32 as a shard's fork computes them
+    (``BranchSettings::keep_rate_ratios``); the fastest, and every one where
+    all are 0, is ``fastest_rate`` itself."""
+    single = [float(np.float32(rate)) for rate in rates]
+    fastest = max(single, default=0.0)
+    target = float(np.float32(fastest_rate))
+    return [fastest_rate if fastest <= 0 or rate == fastest else float(np.float32(rate / fastest * target))
+            for rate in single]

@@ -862,6 +862,53 @@ TEST(AForkTheHostCannotHoldIsRefusedWithTheSizes) {
   EXPECT_TRUE(Gather(shards, 1) == Gather(shards, 0));
 }
 
+// Param groups of different rates (one at 0, as a part frozen until later)
+// keep their ratio on a branch forked with keep_rate_ratios: the branch's
+// rate is its fastest table's. Without it, or where every rate is 0, every
+// table takes the branch's rate.
+TEST(AForkThatKeepsRateRatiosScalesEveryTableWithTheFastest) {
+  const std::vector<float> rates = {0.1f, 0.025f, 0.0f};
+  std::vector<std::unique_ptr<ServerShard>> shards;
+  for (int rank = 0; rank < kWorkers; ++rank) {
+    shards.push_back(std::make_unique<ServerShard>(rank, kWorkers, Rule(UpdateRuleKind::kSgd), 40));
+    for (TableId id = 0; id < static_cast<TableId>(rates.size()); ++id) {
+      TableInfo info = Table(id);
+      info.update_rule = Rule(UpdateRuleKind::kSgd);
+      info.update_rule->learning_rate = rates[static_cast<size_t>(id)];
+      ASSERT_OK(shards.back()->AddTable(info));
+    }
+  }
+  BranchSettings ratios;
+  ratios.learning_rate = 0.5f;
+  ratios.keep_rate_ratios = true;
+  ASSERT_OK(ForkEverywhere(shards, 1, 0, ratios));
+  BranchSettings again = ratios;
+  again.learning_rate = 0.3f;
+  ASSERT_OK(ForkEverywhere(shards, 2, 1, again));  // from a forked branch: the same ratios
+  BranchSettings flat = ratios;
+  flat.keep_rate_ratios = false;
+  ASSERT_OK(ForkEverywhere(shards, 3, 0, flat));
+  BranchSettings zero = ratios;
+  zero.learning_rate = 0;
+  ASSERT_OK(ForkEverywhere(shards, 4, 0, zero));
+  ASSERT_OK(ForkEverywhere(shards, 5, 4, ratios));  // a parent of rates 0 gives no ratio to keep
+  for (auto& shard : shards) {
+    for (TableId id = 0; id < 3; ++id) {
+      EXPECT_EQ(shard->learning_rate(id, 0), rates[static_cast<size_t>(id)]);
+      EXPECT_EQ(shard->learning_rate(id, 3), 0.5f);
+      EXPECT_EQ(shard->learning_rate(id, 4), 0.0f);
+      EXPECT_EQ(shard->learning_rate(id, 5), 0.5f);
+    }
+    EXPECT_EQ(shard->learning_rate(0, 1), 0.5f);  // exactly the branch's rate
+    EXPECT_NEAR(shard->learning_rate(1, 1), 0.125f, 1e-8);
+    EXPECT_EQ(shard->learning_rate(2, 1), 0.0f);
+    EXPECT_EQ(shard->learning_rate(0, 2), 0.3f);
+    EXPECT_NEAR(shard->learning_rate(1, 2), 0.075f, 1e-8);
+    EXPECT_EQ(shard->learning_rate(2, 2), 0.0f);
+    EXPECT_EQ(shard->learning_rate(0, 9), -1.0f);  // no such branch
+  }
+}
+
 TEST(BranchSettingsKeepTheParentsRateAndMomentumWhenNotGiven) {
   BranchSettings keep;
   keep.training = true;

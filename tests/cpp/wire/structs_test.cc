@@ -62,6 +62,11 @@ TEST(BranchSettingsRoundTrip) {
   EXPECT_EQ(out.momentum, 0.9f);
   EXPECT_EQ(out.training, false);
   EXPECT_EQ(out.slack, 2);
+  EXPECT_EQ(out.keep_rate_ratios, false);
+  BranchSettings ratios = Settings();
+  ratios.keep_rate_ratios = true;
+  ASSERT_OK(DecodeBranchSettings(EncodeBranchSettings(7, ratios), &parent, &out));
+  EXPECT_EQ(out.keep_rate_ratios, true);
 }
 
 TEST(BranchSettingsRejectShortLongAndForeignPayloads) {
@@ -73,7 +78,7 @@ TEST(BranchSettingsRejectShortLongAndForeignPayloads) {
   }
   EXPECT_CODE(DecodeBranchSettings(good + "x", &parent, &out), StatusCode::kCorruptMessage);
   std::string version = good;
-  Patch<uint16_t>(&version, 0, 2);
+  Patch<uint16_t>(&version, 0, 1);  // the version before keep_rate_ratios
   EXPECT_CODE(DecodeBranchSettings(version, &parent, &out), StatusCode::kCorruptMessage);
   std::string size = good;
   Patch<uint16_t>(&size, 2, 28);
@@ -81,6 +86,9 @@ TEST(BranchSettingsRejectShortLongAndForeignPayloads) {
   std::string training = good;
   training[20] = 2;
   EXPECT_CODE(DecodeBranchSettings(training, &parent, &out), StatusCode::kCorruptMessage);
+  std::string ratios = good;
+  ratios[21] = 2;
+  EXPECT_CODE(DecodeBranchSettings(ratios, &parent, &out), StatusCode::kCorruptMessage);
   std::string reserved = good;
   reserved[23] = 1;
   EXPECT_CODE(DecodeBranchSettings(reserved, &parent, &out), StatusCode::kCorruptMessage);

@@ -55,7 +55,8 @@ class FakeWorker:
         self.declared: list[tuple[int, int, int]] = []
 
     def fork_branch(self, child: int, parent: int, *, learning_rate: float | None = None,
-                    momentum: float | None = None, training: bool = True, slack: int | None = None) -> None:
+                    momentum: float | None = None, training: bool = True, slack: int | None = None,
+                    keep_rate_ratios: bool = False) -> None:
         self.forks[child] = slack
 
     def free_branch(self, branch: int) -> None:

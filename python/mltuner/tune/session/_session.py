@@ -566,12 +566,13 @@ class TuningSession:
             return
         source = self._branches[int(parent)]
         training = kind is BranchKind.TRAINING
-        # A setting the space does not tune stays the parent's (each table's own rule).
+        # A setting the space does not tune stays the parent's (each table's own rule). The
+        # tuned lr is the fastest table's: tables of other rates (param groups) keep their ratio.
         lr = float(tunables["lr"]) if training and "lr" in tunables else None
         momentum = float(tunables["momentum"]) if training and "momentum" in tunables else None
         slack = _engine_slack(kind, tunables)
         self._worker.fork_branch(child, int(parent), learning_rate=lr, momentum=momentum, training=training,
-                                 slack=slack)
+                                 slack=slack, keep_rate_ratios=True)
         # A TESTING branch runs the validation set from its start.
         cursor = _Cursor() if kind is BranchKind.TESTING else dataclasses.replace(source.cursor)
         self._branches[child] = _Branch(kind, dict(tunables), cursor, slack=slack)

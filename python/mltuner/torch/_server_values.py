@@ -113,7 +113,8 @@ class ServerValues(LayerHooks):
                 "cannot be read now: with a tuning session, every step (TESTING ones too) is one training "
                 "clock, forward, backward and step(), and after the session the trained values are "
                 "state_dict(branch=session.final_branch); a session whose driver freed every branch (an Optuna "
-                "or fixed baseline: final_branch None) leaves no values on the servers") from None
+                "or fixed baseline without keep_branch=True: final_branch None) leaves no values on the servers"
+            ) from None
         self._eval_copies = [torch.from_numpy(flat).to(self.device).view(-1) for flat in values]
         for layer, copy in zip(self.layers, self._eval_copies):
             layer.bind_flat(copy)

@@ -16,7 +16,7 @@ from torch import nn  # noqa: E402
 
 import mltuner  # noqa: E402
 import mltuner.torch as mt  # noqa: E402
-from mltuner.tune import BranchKind, TunerConfig, TuningSession, default_space  # noqa: E402
+from mltuner.tune import BaselineConfig, BranchKind, TunerConfig, TuningSession, default_space, run_optuna  # noqa: E402
 
 generator = torch.Generator().manual_seed(1)
 X = torch.randn(600, 12, generator=generator)
@@ -134,6 +134,40 @@ def test_param_groups_keep_their_ratio_under_a_session_that_tunes_lr() -> None:
         for after in (model.state_dict(), model.state_dict(branch=session.final_branch)):
             assert torch.equal(after["0.weight"], frozen)
             assert not torch.equal(after["2.weight"], trained)
+
+
+def test_an_optuna_baseline_that_keeps_its_best_branch_leaves_the_model_trained() -> None:
+    """run_optuna(keep_branch=True) as the session's driver: the model is its
+    best trial's branch afterwards and trains on from it (without
+    keep_branch every branch is freed and no values are left)."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 3))
+    with mltuner.Job(mltuner.Config(branches=True)) as job:
+        model = mt.wrap(module, job.worker, example_input=X_TRAIN[:32],
+                        optimizer=torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9))
+        space = default_space([32], lr_range=(1e-3, 1.0))
+        session = TuningSession(job, space, num_train=len(X_TRAIN), num_validation=len(X_VAL),
+                                driver=lambda system: run_optuna(system, space, BaselineConfig(
+                                    max_epochs=1, n_trials=2, seed=0), keep_branch=True))
+        for step in session:
+            testing = step.kind is BranchKind.TESTING
+            x, y = (X_VAL, Y_VAL) if testing else (X_TRAIN, Y_TRAIN)
+            rows = torch.as_tensor(step.indices, dtype=torch.long)
+            logits = model(x[rows])
+            loss = nn.functional.cross_entropy(logits, y[rows])
+            loss.backward()
+            model.optimizer.step()
+            step.report(loss.item(), accuracy=(logits.argmax(1) == y[rows]).float().mean().item() if testing else None)
+        result = session.result
+        assert result is not None and result.branch is not None
+        assert session.final_branch == job.worker.trained_branch == result.branch
+        assert session.final_tunables == result.best_tunables
+        kept = model.state_dict()
+        assert model.optimizer.param_groups[0]["lr"] == result.best_tunables["lr"]
+        nn.functional.cross_entropy(model(X_TRAIN[:32]), Y_TRAIN[:32]).backward()
+        model.optimizer.step()
+        assert job.worker.branch == result.branch
+        assert not torch.equal(model.state_dict()["0.weight"], kept["0.weight"])
 
 
 def test_a_rate_the_loop_changes_during_a_session_that_tunes_it_is_refused() -> None:

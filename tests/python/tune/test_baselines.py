@@ -267,6 +267,30 @@ def test_optuna_time_budget_ends_the_search() -> None:
     assert_all_freed(system)
 
 
+def test_keep_branch_leaves_the_best_runs_branch_alive_and_frees_the_rest() -> None:
+    """With keep_branch the branch of the run whose accuracy was best stays
+    alive, as that run ended (a TuningSession trains on from it); every other
+    branch is freed, the root included, and on an error the kept one too."""
+    system = LrSystem()
+    result = run_optuna(system, LR_SPACE, config(max_epochs=2, n_trials=6), keep_branch=True)
+    best = max((r for r in result.runs if r.best_accuracy is not None), key=lambda r: r.best_accuracy or 0.0)
+    assert result.branch is not None and system.live() == [result.branch]
+    kind, tunables, trained = system.branches[result.branch]
+    assert kind is BranchKind.TRAINING and tunables == best.tunables == result.tunables
+    assert trained == best.epochs * EPOCH and result.best_accuracy == best.best_accuracy
+    fixed_system = LrSystem()
+    fixed = run_fixed(fixed_system, {"lr": BEST_LR}, config(max_epochs=2), keep_branch=True)
+    assert fixed.branch is not None and fixed_system.live() == [fixed.branch] and fixed.tunables == {"lr": BEST_LR}
+    diverged_system = LrSystem()
+    diverged = run_fixed(diverged_system, {"lr": DIVERGE_LR}, config(max_epochs=2), keep_branch=True)
+    assert diverged.branch is None and diverged.tunables is None  # no run validated: nothing to keep
+    assert_all_freed(diverged_system)
+    failing = FailingSystem()
+    with pytest.raises(RuntimeError, match="worker lost"):
+        run_optuna(failing, LR_SPACE, config(max_epochs=2, n_trials=5), keep_branch=True)
+    assert_all_freed(failing)
+
+
 class FailingSystem(LrSystem):
     """Breaks when asked to train its third trial."""
 

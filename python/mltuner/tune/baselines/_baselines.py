@@ -23,7 +23,10 @@ Optuna's ``ask``), which is left out on both sides alike. A simulated system
 therefore gives deterministic times. :class:`TimedSystem` does the counting.
 
 Ownership: every driver frees every branch it forks, the INIT root included,
-also when it raises; nothing it forked is alive when it returns.
+also when it raises; nothing it forked is alive when it returns, except,
+with ``keep_branch=True``, the training branch of its best run
+(:attr:`BaselineResult.branch`), which the caller frees (a
+:class:`~mltuner.tune.TuningSession` trains on from it).
 """
 
 from __future__ import annotations
@@ -125,11 +128,13 @@ class TimedSystem:
         """The counted seconds so far (a :class:`DecisionLog` clock)."""
         return self.seconds
 
-    def free_all(self) -> None:
-        """Frees every branch still alive that was forked through this wrapper,
-        newest first (children before the branches they were forked from)."""
+    def free_all(self, keep: int | None = None) -> None:
+        """Frees every branch still alive that was forked through this wrapper
+        but ``keep``, newest first (children before the branches they were
+        forked from)."""
         for branch in reversed(list(self._live)):
-            self.free(branch)
+            if branch != keep:
+                self.free(branch)
 
 
 # -- configuration and results ---------------------------------------------------------
@@ -286,6 +291,9 @@ class BaselineResult:
         runs: each training run (empty for the Tuner).
         study_name: the Optuna study, for the Optuna baselines.
         target_accuracy: the target the result was measured against.
+        branch: with ``keep_branch=True``, the training branch of the run
+            that reached ``best_accuracy``, as that run ended, alive for the
+            caller (None without one, or when no run validated).
     """
 
     name: str
@@ -301,6 +309,13 @@ class BaselineResult:
     runs: list[BaselineTrial]
     study_name: str | None = None
     target_accuracy: float | None = None
+    branch: int | None = None
+
+    @property
+    def tunables(self) -> dict[str, Any] | None:
+        """The setting :attr:`branch` trained with (a
+        :class:`~mltuner.tune.TuningSession` gives it to the model)."""
+        return self.best_tunables if self.branch is not None else None
 
 
 def time_to_target(curve: Sequence[tuple[float, float]], target: float | None) -> float | None:
@@ -329,6 +344,7 @@ def run_fixed(
     *,
     space: SearchSpace | None = None,
     log: DecisionLog | str | os.PathLike[str] | None = None,
+    keep_branch: bool = False,
 ) -> BaselineResult:
     """Trains one setting with no tuning: forks a TRAINING branch from the
     INIT root, trains it epoch by epoch and validates after each epoch as the
@@ -343,6 +359,8 @@ def run_fixed(
         space: when given, ``tunables`` is checked against it.
         log: a :class:`DecisionLog`, or a path to append one to; a log made
             here is timed in counted seconds (see :class:`TimedSystem`).
+        keep_branch: leave the run's training branch alive for the caller
+            (:attr:`BaselineResult.branch`); by default it is freed.
 
     Raises:
         InvalidArgumentError: a bad setting, or one batch larger than an epoch.
@@ -353,7 +371,7 @@ def run_fixed(
         space.check_setting(tunables)
     setting = dict(tunables)
     _check_epoch_fits(system, setting)
-    with _Driver("fixed", system, config, log) as driver:
+    with _Driver("fixed", system, config, log, keep_branch=keep_branch) as driver:
         driver.start(setting, sampler=None, searched=[])
         root = driver.init_root(setting)
         run = driver.train_run(root, setting, 0)
@@ -367,6 +385,7 @@ def run_optuna(
     config: BaselineConfig | None = None,
     *,
     log: DecisionLog | str | os.PathLike[str] | None = None,
+    keep_branch: bool = False,
 ) -> BaselineResult:
     """Optuna with a whole training run per trial.
 
@@ -377,13 +396,15 @@ def run_optuna(
     as ``diverged_value``), reports each epoch's accuracy as an intermediate
     value, tells its best accuracy, and frees the branch. The search stops
     when a trial reaches the target, after ``n_trials`` or at the time budget.
+    With ``keep_branch``, the branch of the trial with the best accuracy
+    stays alive for the caller (:attr:`BaselineResult.branch`).
 
     Raises:
         InvalidArgumentError: nothing to search, no stop rule (``n_trials``
             and ``time_budget_s`` both None), a batch larger than an epoch,
             or a study name already in ``storage``.
     """
-    return _run_search("optuna", system, space, config, log, prune=False)
+    return _run_search("optuna", system, space, config, log, prune=False, keep_branch=keep_branch)
 
 
 def run_hyperband(
@@ -392,6 +413,7 @@ def run_hyperband(
     config: BaselineConfig | None = None,
     *,
     log: DecisionLog | str | os.PathLike[str] | None = None,
+    keep_branch: bool = False,
 ) -> BaselineResult:
     """Hyperband over epochs: :func:`run_optuna`'s trial loop under Optuna's
     ``HyperbandPruner`` (min_resource 1, max_resource ``max_epochs``,
@@ -401,13 +423,14 @@ def run_hyperband(
     hashed into a bracket, and goes on past a rung only if its accuracy there
     is in the top 1/reduction_factor of the accuracies its bracket's trials
     reached at that rung so far (while fewer than reduction_factor have, it
-    must be the best), so early trials are pruned less often than late ones."""
-    return _run_search("hyperband", system, space, config, log, prune=True)
+    must be the best), so early trials are pruned less often than late ones.
+    ``keep_branch`` as for :func:`run_optuna`."""
+    return _run_search("hyperband", system, space, config, log, prune=True, keep_branch=keep_branch)
 
 
 def _run_search(name: str, system: BranchSystem, space: SearchSpace,
                 config: BaselineConfig | None, log: DecisionLog | str | os.PathLike[str] | None,
-                *, prune: bool) -> BaselineResult:
+                *, prune: bool, keep_branch: bool) -> BaselineResult:
     config = config if config is not None else BaselineConfig()
     _check_system(system)
     if not isinstance(space, SearchSpace):
@@ -430,7 +453,7 @@ def _run_search(name: str, system: BranchSystem, space: SearchSpace,
     )
     study = _create_study(name, config, pruner)
     distributions = space.distributions()
-    with _Driver(name, system, config, log, study_name=study.study_name) as driver:
+    with _Driver(name, system, config, log, study_name=study.study_name, keep_branch=keep_branch) as driver:
         driver.start(defaults, sampler=config.sampler, searched=[t.name for t in space.searched])
         root = driver.init_root(defaults)
         outcome = "n_trials"
@@ -497,11 +520,12 @@ def _tell(study: optuna.Study, trial: optuna.trial.Trial, run: BaselineTrial,
 
 class _Driver:
     """One baseline run: counts time, logs, trains and validates runs, and
-    frees whatever it forked, also on an error."""
+    frees whatever it forked, also on an error (but, with ``keep_branch``,
+    the best run's training branch on success)."""
 
     def __init__(self, name: str, system: BranchSystem, config: BaselineConfig,
                  log: DecisionLog | str | os.PathLike[str] | None,
-                 *, study_name: str | None = None) -> None:
+                 *, study_name: str | None = None, keep_branch: bool = False) -> None:
         self.name = name
         self.config = config
         self.timer = TimedSystem(system)
@@ -513,15 +537,19 @@ class _Driver:
         self.runs: list[BaselineTrial] = []
         self.curve: Curve = []
         self._best: tuple[float, dict[str, Any]] | None = None
+        self._keep_branch = keep_branch
+        self._kept: tuple[float, int] | None = None  # the best run's (accuracy, branch), alive
+        self._returned: int | None = None  # the kept branch, once finish() handed it out
 
     def __enter__(self) -> _Driver:
         return self
 
     def __exit__(self, *exc: object) -> None:
         try:
-            # Nothing is alive after a normal run; after an error, this frees
-            # the trial and its TESTING branch, if any, and the root.
-            self.timer.free_all()
+            # Nothing is alive after a normal run but the branch handed out;
+            # after an error, this frees the trial and its TESTING branch, if
+            # any, the best run's branch and the root.
+            self.timer.free_all(keep=self._returned if exc[0] is None else None)
         finally:
             if self._owns_log:
                 self.log.close()
@@ -569,14 +597,25 @@ class _Driver:
             if stop is not None:
                 ended = stop
                 break
-        self.free(branch)
         run = BaselineTrial(number, dict(tunables), epoch, accuracies,
                             self.timer.seconds - start, ended)
+        self._keep_or_free(branch, run)
         self.runs.append(run)
         self.note("free_trial", "search", branch=branch, tunables=tunables, trial=number,
                   reason=ended, accuracy=run.best_accuracy, epochs=epoch,
                   trial_seconds=run.seconds)
         return run
+
+    def _keep_or_free(self, branch: int, run: BaselineTrial) -> None:
+        """With keep_branch, keeps the branch of the best run so far (a
+        strictly better accuracy replaces it); frees every other."""
+        accuracy = run.best_accuracy
+        if self._keep_branch and accuracy is not None and (self._kept is None or accuracy > self._kept[0]):
+            if self._kept is not None:
+                self.free(self._kept[1])
+            self._kept = (accuracy, branch)
+        else:
+            self.free(branch)
 
     def _stop_reason(self, accuracies: list[float], epoch: int) -> str | None:
         config = self.config
@@ -637,12 +676,13 @@ class _Driver:
         target = self.config.target_accuracy
         reached = time_to_target(self.curve, target)
         best_accuracy, best_tunables = self._best if self._best is not None else (None, None)
+        self._returned = self._kept[1] if self._kept is not None else None
         result = BaselineResult(
             name=self.name, outcome=outcome, reached_target=reached is not None,
             time_to_target_s=reached, time_s=self.timer.seconds, best_accuracy=best_accuracy,
             best_tunables=best_tunables, trials=len(self.runs),
             epochs=sum(r.epochs for r in self.runs), curve=list(self.curve),
-            runs=list(self.runs), study_name=self.study_name, target_accuracy=target)
+            runs=list(self.runs), study_name=self.study_name, target_accuracy=target, branch=self._returned)
         self.note("end", "end", baseline=self.name, outcome=outcome, accuracy=best_accuracy,
                   tunables=best_tunables, epochs=result.epochs, trials=result.trials,
                   reached_target=result.reached_target, time_to_target_s=reached,

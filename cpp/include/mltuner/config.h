@@ -200,8 +200,10 @@ struct BranchSettings {
   int32_t slack = -1;
   // With a learning_rate: it is the rate of the parent's fastest table, and
   // every table keeps its rate's ratio to that one (param groups of
-  // different rates, a group at 0 stays at 0); where every parent table's
-  // rate is 0, each table takes learning_rate. Without: every table takes it.
+  // different rates, a group at 0 stays at 0; an add table, which has no
+  // rate, aside); a parent forked so keeps its ratios while no rate changed,
+  // so a chain of forks rounds once. Where every parent table's rate is 0,
+  // each table takes learning_rate. Without: every table takes it.
   bool keep_rate_ratios = false;
 };
 

@@ -19,14 +19,6 @@
 namespace mltuner {
 namespace {
 
-// A forked table's rate (BranchSettings::keep_rate_ratios): scaled with the
-// parent's fastest table, in double so that the fastest one gets exactly
-// the branch's rate.
-float ForkedRate(float parent_rate, float fastest, const BranchSettings& settings) {
-  if (!settings.keep_rate_ratios || fastest <= 0) return settings.learning_rate;
-  return static_cast<float>(static_cast<double>(parent_rate) / fastest * settings.learning_rate);
-}
-
 std::string SpanText(const RowSpan& span) {
   return "[" + std::to_string(span.begin) + ", " + std::to_string(span.begin + span.count) + ")";
 }
@@ -976,10 +968,8 @@ Status ServerShard::Fork(BranchId child, BranchId parent, const BranchSettings& 
   }
   MLT_RETURN_IF_ERROR(CheckForkFits(child, parent));
   // Every shard holds every table, so each computes the same rates.
-  float fastest = 0;
-  for (const auto& [key, table] : tables_) {
-    if (key.first == parent) fastest = std::max(fastest, table->rule->config().learning_rate);
-  }
+  const bool scaled = settings.keep_rate_ratios && settings.learning_rate >= 0;
+  const std::map<TableId, double> ratios = scaled ? RateRatios(parent) : std::map<TableId, double>();
   std::vector<std::pair<std::pair<BranchId, TableId>, std::unique_ptr<TableState>>> copies;
   for (const auto& [key, table] : tables_) {
     if (key.first != parent) continue;
@@ -992,7 +982,17 @@ Status ServerShard::Fork(BranchId child, BranchId parent, const BranchSettings& 
     }
     // Each table keeps its own rule; the branch may set its rate and momentum.
     UpdateRuleConfig rule = table->rule->config();
-    if (settings.learning_rate >= 0) rule.learning_rate = ForkedRate(rule.learning_rate, fastest, settings);
+    const auto ratio = ratios.find(key.second);
+    if (ratio != ratios.end()) {
+      rule.learning_rate = static_cast<float>(ratio->second * settings.learning_rate);
+      copy->rate_ratio = ratio->second;
+      copy->ratio_rate = rule.learning_rate;
+    } else if (settings.learning_rate >= 0) {
+      rule.learning_rate = settings.learning_rate;
+    } else {  // the parent's rates, and what they came from
+      copy->rate_ratio = table->rate_ratio;
+      copy->ratio_rate = table->ratio_rate;
+    }
     if (settings.momentum >= 0) rule.momentum = settings.momentum;
     // Momentum history, Adam moments and steps go with the values.
     MLT_RETURN_IF_ERROR(table->rule->Clone(rule, &copy->rule));
@@ -1005,6 +1005,26 @@ Status ServerShard::Fork(BranchId child, BranchId parent, const BranchSettings& 
   for (auto& entry : copies) tables_.emplace(std::move(entry.first), std::move(entry.second));
   branches_.insert(child);
   return Status::Ok();
+}
+
+std::map<TableId, double> ServerShard::RateRatios(BranchId parent) const {
+  std::vector<const TableState*> rated;
+  for (const auto& [key, table] : tables_) {
+    if (key.first == parent && table->rule->config().kind != UpdateRuleKind::kAdd) rated.push_back(table.get());
+  }
+  const bool inherited = std::all_of(rated.begin(), rated.end(), [](const TableState* table) {
+    return table->rate_ratio >= 0 && table->rule->config().learning_rate == table->ratio_rate;
+  });
+  float fastest = 0;
+  for (const TableState* table : rated) fastest = std::max(fastest, table->rule->config().learning_rate);
+  std::map<TableId, double> ratios;
+  if (!inherited && fastest <= 0) return ratios;
+  for (const TableState* table : rated) {
+    // In double, so that the fastest table's ratio is exactly 1.
+    ratios[table->info.id] =
+        inherited ? table->rate_ratio : static_cast<double>(table->rule->config().learning_rate) / fastest;
+  }
+  return ratios;
 }
 
 Status ServerShard::CheckForkFits(BranchId child, BranchId parent) const {

@@ -182,6 +182,7 @@ class Worker:
         self._trained_branch: int | None = None  # a tuning session's final branch (trained_branch)
         self._trained_tunables: dict[str, Any] | None = None  # the setting it trained with
         self._trained_listeners: list[weakref.WeakMethod[Callable[[], None]]] = []
+        self._session_checks: list[weakref.WeakMethod[Callable[[frozenset[str]], None]]] = []
         # The settings a tuning session running on this worker sets on its
         # branches ("lr", "momentum"), which the application must not change.
         self.tuned_settings: frozenset[str] = frozenset()
@@ -667,7 +668,9 @@ class Worker:
         training branches apply updates) and staleness (``None``: each read's
         own slack). With ``keep_rate_ratios``, ``learning_rate`` is the rate
         of the parent's fastest table and every table keeps its ratio to it
-        (tables of param groups with different rates; one at 0 stays at 0);
+        (tables of param groups with different rates; one at 0 stays at 0;
+        ``add`` tables, which have no rate, aside), the ratios of a parent
+        forked so while no rate changed (a chain of forks rounds once);
         where the parent's rates are all 0, every table takes it. Every
         worker calls it at the same clock boundary; it
         returns once the fork is done everywhere. A shard that cannot hold
@@ -747,6 +750,24 @@ class Worker:
         :meth:`set_trained`: ``mltuner.torch`` shows the trained setting in
         the model's param groups at once."""
         self._trained_listeners.append(weakref.WeakMethod(callback))
+
+    def add_session_check(self, check: Callable[[frozenset[str]], None]) -> None:
+        """Calls ``check(settings)`` (a bound method, held weakly) when a
+        tuning session that sets ``settings`` (``"lr"``, ``"momentum"``) on
+        its branches starts on this worker, before it forks anything; what
+        it raises refuses the session: ``mltuner.torch`` refuses a rate
+        written since the last clock, which the servers have not seen."""
+        self._session_checks.append(weakref.WeakMethod(check))
+
+    def check_session_start(self, settings: frozenset[str]) -> None:
+        """Runs the :meth:`add_session_check` checks (a tuning session
+        calls it as it starts)."""
+        for reference in list(self._session_checks):
+            check = reference()
+            if check is None:
+                self._session_checks.remove(reference)
+            else:
+                check(settings)
 
     @property
     def trained_tunables(self) -> dict[str, Any] | None:

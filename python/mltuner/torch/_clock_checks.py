@@ -85,9 +85,11 @@ class ClockChecks(DriverState):
         the model can go on once one is scheduled."""
         if self._branches and self.worker.next_branch is None:
             raise OutOfOrderError(
-                f"clock {self.clock} of the wrapped model is not scheduled on any branch: call "
-                "job.worker.schedule_branch(branch, clocks) first (a tuning session whose loop left early, or "
-                "whose driver freed its branches, leaves no trained branch to go on from)")
+                f"clock {self.clock} of the wrapped model is not scheduled on any branch: with "
+                "Config(branches=True) each clock runs on a branch a tuning session or "
+                "job.worker.schedule_branch(branch, clocks) chose, and after a session on the branch it kept; "
+                "call schedule_branch first (no session has run since wrap() or a resume, or one's loop left "
+                "early, or its driver freed its branches)")
 
     def _refuse_unfrozen(self) -> None:
         """Refuses a training forward after a parameter frozen at wrap() was

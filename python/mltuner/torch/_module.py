@@ -1090,6 +1090,7 @@ def wrap(
             driver.rates_changed = rates.changed
             driver.check_loaded_groups = rates.check_loaded
             worker.add_trained_listener(rates.adopt_trained)  # the groups show a session's setting when it ends
+            worker.add_session_check(rates.check_session_start)
             model = PSModule(module, driver, groups, scaled, optimizer, resumed[0] if resumed else None)
             if saved is not None and optimizer is None:  # the Config's group: its lr moves with a schedule
                 set_group_settings(model.optimizer.param_groups, saved.groups, keys=("lr", "initial_lr"))

@@ -25,6 +25,7 @@ mask from the placeholder then).
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from collections.abc import Sequence
@@ -256,6 +257,13 @@ class LearningRates:
         self._optimizer = optimizer
         self._rule = rule
         self._sent = [_number(group["lr"]) for group in self._groups]
+        # The groups' ratios of the last session's rates, and the rates they
+        # gave: a shard's fork inherits them while no rate changed (RateRatios).
+        self._ratios: list[float] | None = None
+        self._ratio_rates: list[float] = []
+        # The groups' rates when a session that tunes lr started: the session's
+        # branches set the rate, so only a change from these is the loop's.
+        self._session_rates: list[float] = []
         self._frozen = [_frozen_settings(optimizer, group) for group in self._groups]
         self._tables: list[Table] = []
 
@@ -264,8 +272,14 @@ class LearningRates:
         self._tables = list(tables)
 
     def changed(self) -> bool:
-        """Whether a group's ``lr`` differs from the rate last sent."""
-        return any(_number(group["lr"]) != sent for group, sent in zip(self._groups, self._sent))
+        """Whether a group's ``lr`` differs from the rate last sent (in a
+        session that tunes lr, from the rate when it started)."""
+        return any(_number(group["lr"]) != self._compared(index) for index, group in enumerate(self._groups))
+
+    def _compared(self, index: int) -> float:
+        """What group ``index``'s ``lr`` is compared with to see a change."""
+        tuned = "lr" in self._worker.tuned_settings and self._session_rates
+        return self._session_rates[index] if tuned else self._sent[index]
 
     def sync(self) -> None:
         """Before a training clock: sends every changed rate.
@@ -278,13 +292,16 @@ class LearningRates:
         for index, group in enumerate(self._groups):
             self._check_frozen(index, group)
             lr = _number(group["lr"])
+            if "lr" in self._worker.tuned_settings:  # the session's branches set the rates
+                if lr != self._compared(index):
+                    raise InvalidArgumentError(
+                        f"param_groups[{index}]['lr'] changed from {self._compared(index)} to {lr} during a tuning "
+                        "session that tunes lr: the tuner sets the rate of each of its branches, which this would "
+                        "overwrite. Set it back (and step schedulers after the session, which leaves the tuned rate "
+                        "in the groups)")
+                continue
             if lr == self._sent[index]:
                 continue
-            if "lr" in self._worker.tuned_settings:
-                raise InvalidArgumentError(
-                    f"param_groups[{index}]['lr'] changed from {self._sent[index]} to {lr} during a tuning session "
-                    "that tunes lr: the tuner sets the rate of each of its branches, which this would overwrite. "
-                    "Set it back (and step schedulers after the session, which leaves the tuned rate in the groups)")
             rate = real(f"param_groups[{index}]['lr']", lr, 0, MAX_LEARNING_RATE)
             if self._rule is not None and self._rule.kind == "add":
                 raise InvalidArgumentError(
@@ -296,6 +313,31 @@ class LearningRates:
                     self._worker.set_learning_rate(self._tables[layer_index], rate)
             self._sent[index] = rate
 
+    def check_session_start(self, settings: frozenset[str]) -> None:
+        """When a tuning session that tunes ``lr`` starts
+        (``Worker.add_session_check``): rates written since the last clock
+        whose ratios differ from the servers' are refused, since the session
+        forks its branches from the rates the servers hold and keeps their
+        ratios; rates in the same ratios (a scheduler's step) are the
+        session's to set.
+
+        Raises:
+            mltuner.InvalidArgumentError: the groups' ratios changed since
+                the last clock.
+        """
+        if "lr" not in settings:
+            return
+        rates = [_number(group["lr"]) for group in self._groups]
+        now, held = _rate_ratios(rates), _rate_ratios(self._sent)
+        if (now is None) != (held is None) or (now is not None and held is not None and not all(
+                math.isclose(a, b, rel_tol=1e-6) for a, b in zip(now, held))):  # float32's rounding aside
+            raise InvalidArgumentError(
+                f"the param groups' rates {rates} were written after the last clock, which trained at {self._sent}, "
+                "and their ratios changed with them: a tuning session that tunes lr forks its branches from the "
+                "rates the servers hold, keeping the groups' ratios, so it would keep the old ones; run one clock "
+                "at the new rates before the session (or set them back)")
+        self._session_rates = rates
+
     def adopt_trained(self) -> None:
         """When a tuning session ends (``Worker.set_trained`` calls it):
         every group takes the ``lr`` (and, where it was tuned and the rule
@@ -305,10 +347,18 @@ class LearningRates:
         The tuned ``lr`` is the fastest group's; the others keep their
         ratio to it, as the session's forks did."""
         tunables = self._worker.trained_tunables or {}
-        rates = _kept_ratios(self._sent, float(tunables["lr"])) if "lr" in tunables else None
+        rates = None
+        if "lr" in tunables:
+            untouched = [float(np.float32(rate)) for rate in self._sent] == [
+                float(np.float32(rate)) for rate in self._ratio_rates]
+            self._ratios = _rate_ratios(self._sent) if self._ratios is None or not untouched else self._ratios
+            rates = _scaled(self._ratios, float(tunables["lr"]), len(self._groups))
+            self._ratio_rates = list(rates)
         for index, group in enumerate(self._groups):
             if rates is not None:
                 group["lr"] = self._sent[index] = rates[index]
+                if "initial_lr" in group:  # a scheduler made from now on starts from it
+                    group["initial_lr"] = rates[index]
             if "momentum" in tunables and "momentum" in self._frozen[index]:
                 group["momentum"] = float(tunables["momentum"])
                 self._frozen[index]["momentum"] = plain_setting(group["momentum"])
@@ -336,13 +386,20 @@ class LearningRates:
                 )
 
 
-def _kept_ratios(rates: Sequence[float], fastest_rate: float) -> list[float]:
-    """The groups' rates once the fastest is ``fastest_rate``, each keeping
-    its ratio to it, in float32 as a shard's fork computes them
-    (``BranchSettings::keep_rate_ratios``); the fastest, and every one where
-    all are 0, is ``fastest_rate`` itself."""
+def _rate_ratios(rates: Sequence[float]) -> list[float] | None:
+    """Each group's rate over the fastest's, from the float32 rates the
+    servers hold, as a shard's fork computes them (``RateRatios``); None
+    where every rate is 0."""
     single = [float(np.float32(rate)) for rate in rates]
     fastest = max(single, default=0.0)
+    return None if fastest <= 0 else [rate / fastest for rate in single]
+
+
+def _scaled(ratios: list[float] | None, fastest_rate: float, count: int) -> list[float]:
+    """The groups' rates once the fastest is ``fastest_rate``: float32 as a
+    shard's fork makes them; the fastest's (and every one without ratios)
+    ``fastest_rate`` itself."""
+    if ratios is None:
+        return [fastest_rate] * count
     target = float(np.float32(fastest_rate))
-    return [fastest_rate if fastest <= 0 or rate == fastest else float(np.float32(rate / fastest * target))
-            for rate in single]
+    return [fastest_rate if ratio == 1.0 else float(np.float32(ratio * target)) for ratio in ratios]

@@ -864,34 +864,37 @@ TEST(AForkTheHostCannotHoldIsRefusedWithTheSizes) {
 
 // Param groups of different rates (one at 0, as a part frozen until later)
 // keep their ratio on a branch forked with keep_rate_ratios: the branch's
-// rate is its fastest table's. Without it, or where every rate is 0, every
-// table takes the branch's rate.
+// rate is its fastest table's (an add table, which has no rate, aside).
+// A chain of such forks rounds once. Without it, or where every rate is 0,
+// every table takes the branch's rate.
 TEST(AForkThatKeepsRateRatiosScalesEveryTableWithTheFastest) {
-  const std::vector<float> rates = {0.1f, 0.025f, 0.0f};
+  const std::vector<float> rates = {0.1f, 0.025f, 0.0f, 0.7f};  // the last: an add table's
   std::vector<std::unique_ptr<ServerShard>> shards;
   for (int rank = 0; rank < kWorkers; ++rank) {
     shards.push_back(std::make_unique<ServerShard>(rank, kWorkers, Rule(UpdateRuleKind::kSgd), 40));
     for (TableId id = 0; id < static_cast<TableId>(rates.size()); ++id) {
       TableInfo info = Table(id);
-      info.update_rule = Rule(UpdateRuleKind::kSgd);
+      info.update_rule = Rule(id == 3 ? UpdateRuleKind::kAdd : UpdateRuleKind::kSgd);
       info.update_rule->learning_rate = rates[static_cast<size_t>(id)];
       ASSERT_OK(shards.back()->AddTable(info));
     }
   }
-  BranchSettings ratios;
-  ratios.learning_rate = 0.5f;
-  ratios.keep_rate_ratios = true;
-  ASSERT_OK(ForkEverywhere(shards, 1, 0, ratios));
-  BranchSettings again = ratios;
-  again.learning_rate = 0.3f;
-  ASSERT_OK(ForkEverywhere(shards, 2, 1, again));  // from a forked branch: the same ratios
-  BranchSettings flat = ratios;
-  flat.keep_rate_ratios = false;
-  ASSERT_OK(ForkEverywhere(shards, 3, 0, flat));
-  BranchSettings zero = ratios;
-  zero.learning_rate = 0;
-  ASSERT_OK(ForkEverywhere(shards, 4, 0, zero));
-  ASSERT_OK(ForkEverywhere(shards, 5, 4, ratios));  // a parent of rates 0 gives no ratio to keep
+  const auto fork = [&](BranchId child, BranchId parent, float rate, bool ratios) {
+    BranchSettings settings;
+    settings.learning_rate = rate;
+    settings.keep_rate_ratios = ratios;
+    return ForkEverywhere(shards, child, parent, settings);
+  };
+  ASSERT_OK(fork(1, 0, 0.5f, true));
+  ASSERT_OK(fork(2, 1, 0.3f, true));  // from a forked branch: the same ratios
+  ASSERT_OK(fork(3, 0, 0.5f, false));
+  ASSERT_OK(fork(4, 0, 0.0f, false));
+  ASSERT_OK(fork(5, 4, 0.5f, true));  // a parent of rates 0 gives no ratio to keep
+  ASSERT_OK(fork(8, 0, 0.0f, true));
+  ASSERT_OK(fork(9, 8, 0.5f, true));  // ...but one forked at 0 remembers its ratios
+  ASSERT_OK(fork(6, 2, 0.013f, true));
+  ASSERT_OK(fork(7, 6, 0.29f, true));  // rounded once, from branch 0's ratio
+  const double ratio = static_cast<double>(rates[1]) / rates[0];
   for (auto& shard : shards) {
     for (TableId id = 0; id < 3; ++id) {
       EXPECT_EQ(shard->learning_rate(id, 0), rates[static_cast<size_t>(id)]);
@@ -899,13 +902,17 @@ TEST(AForkThatKeepsRateRatiosScalesEveryTableWithTheFastest) {
       EXPECT_EQ(shard->learning_rate(id, 4), 0.0f);
       EXPECT_EQ(shard->learning_rate(id, 5), 0.5f);
     }
+    for (BranchId branch : {1, 2, 6, 7}) EXPECT_EQ(shard->learning_rate(2, branch), 0.0f);
     EXPECT_EQ(shard->learning_rate(0, 1), 0.5f);  // exactly the branch's rate
-    EXPECT_NEAR(shard->learning_rate(1, 1), 0.125f, 1e-8);
-    EXPECT_EQ(shard->learning_rate(2, 1), 0.0f);
+    EXPECT_EQ(shard->learning_rate(1, 1), static_cast<float>(ratio * 0.5f));
     EXPECT_EQ(shard->learning_rate(0, 2), 0.3f);
-    EXPECT_NEAR(shard->learning_rate(1, 2), 0.075f, 1e-8);
-    EXPECT_EQ(shard->learning_rate(2, 2), 0.0f);
-    EXPECT_EQ(shard->learning_rate(0, 9), -1.0f);  // no such branch
+    EXPECT_EQ(shard->learning_rate(1, 2), static_cast<float>(ratio * 0.3f));
+    EXPECT_EQ(shard->learning_rate(0, 7), 0.29f);
+    EXPECT_EQ(shard->learning_rate(1, 7), static_cast<float>(ratio * 0.29f));
+    EXPECT_NEAR(shard->learning_rate(1, 7), 0.0725f, 1e-8);
+    EXPECT_EQ(shard->learning_rate(1, 8), 0.0f);
+    EXPECT_EQ(shard->learning_rate(1, 9), shard->learning_rate(1, 1));
+    EXPECT_EQ(shard->learning_rate(0, 10), -1.0f);  // no such branch
   }
 }
 

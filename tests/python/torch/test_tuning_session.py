@@ -16,7 +16,16 @@ from torch import nn  # noqa: E402
 
 import mltuner  # noqa: E402
 import mltuner.torch as mt  # noqa: E402
-from mltuner.tune import BaselineConfig, BranchKind, TunerConfig, TuningSession, default_space, run_optuna  # noqa: E402
+from mltuner.torch._optim import _rate_ratios, _scaled  # noqa: E402
+from mltuner.tune import (  # noqa: E402
+    BaselineConfig,
+    BranchKind,
+    BranchSystem,
+    TunerConfig,
+    TuningSession,
+    default_space,
+    run_optuna,
+)
 
 generator = torch.Generator().manual_seed(1)
 X = torch.randn(600, 12, generator=generator)
@@ -134,6 +143,110 @@ def test_param_groups_keep_their_ratio_under_a_session_that_tunes_lr() -> None:
         for after in (model.state_dict(), model.state_dict(branch=session.final_branch)):
             assert torch.equal(after["0.weight"], frozen)
             assert not torch.equal(after["2.weight"], trained)
+
+
+def test_the_groups_rates_equal_the_servers_after_a_chain_of_forks() -> None:
+    """A re-tune forks its winner from an earlier winner: the shards round
+    the kept ratios once along the chain, as the adapter's mirror does, so
+    the param groups show the rates the servers apply, bit for bit (a
+    checkpoint saved after the session resumes them). Each table's step of a
+    gradient of 1 from 0 is minus its rate."""
+    rates, tuned = [0.1, 0.03, 0.0], [0.143, 0.849, 0.766]  # rounded at each fork, the last rate is 1 ulp off
+    with mltuner.Job(mltuner.Config(branches=True)) as job:
+        worker = job.worker
+        tables = [worker.create_table(f"t{k}", 2, 3, update_rule=mltuner.UpdateRule("sgd", learning_rate=rate))
+                  for k, rate in enumerate(rates)]
+        handles = []
+        for table in tables:
+            handles.append(worker.virtual_pre_update(table))
+            worker.virtual_update(handles[-1])
+        worker.virtual_clock()
+        worker.finish_virtual_iteration()
+        worker.start_iterations()
+        parent = 0
+        for branch, rate in enumerate(tuned, start=1):
+            worker.fork_branch(branch, parent, learning_rate=rate, keep_rate_ratios=True)
+            parent = branch
+        worker.schedule_branch(parent, 1)
+        for handle in handles:
+            worker.pre_update(handle)[:] = 1.0
+            worker.update(handle)
+        worker.clock()
+        worker.sync()
+        applied = [float(-worker.fetch(table, branch=parent)[0, 0]) for table in tables]
+    assert applied == [float(np.float32(rate)) for rate in _scaled(_rate_ratios(rates), tuned[-1], len(rates))]
+    assert applied[0] == float(np.float32(tuned[-1])) and applied[2] == 0.0
+
+
+def test_a_session_that_ends_on_its_root_leaves_the_groups_as_the_servers_train() -> None:
+    """A job without progress ends on the INIT root, which trains with each
+    table's own rate, not the setting the tuner started from: the groups
+    keep theirs. A scheduler made before the session restarts from the
+    adopted rates where a session tuned them (its initial_lr)."""
+    space = default_space([32], lr_range=(1e-7, 1.0))
+    start = {**space.defaults(), "lr": 5e-7}
+
+    class Result:
+        def __init__(self, branch: int) -> None:
+            self.branch, self.tunables = branch, start
+
+    def no_progress(system: BranchSystem) -> Result:
+        root = system.fork(None, start, BranchKind.INIT)
+        system.run(root, 1)
+        return Result(root)
+
+    module = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 3))
+    with mltuner.Job(mltuner.Config(branches=True)) as job:
+        optimizer = torch.optim.SGD([{"params": module[0].parameters(), "lr": 1e-4},
+                                     {"params": module[2].parameters()}], lr=1e-3, momentum=0.9)
+        model = mt.wrap(module, job.worker, example_input=X_TRAIN[:32], optimizer=optimizer)
+        session = TuningSession(job, space, num_train=len(X_TRAIN), num_validation=len(X_VAL), driver=no_progress)
+        for step in session:
+            rows = torch.as_tensor(step.indices, dtype=torch.long)
+            loss = nn.functional.cross_entropy(model(X_TRAIN[rows]), Y_TRAIN[rows])
+            loss.backward()
+            model.optimizer.step()
+            step.report(loss.item())
+        assert session.final_branch == job.worker.trained_branch and job.worker.trained_tunables is None
+        assert [group["lr"] for group in model.optimizer.param_groups] == [1e-4, 1e-3]
+        torch.optim.lr_scheduler.StepLR(model.optimizer, step_size=10)  # sets initial_lr
+        session = run_session(model, job)
+        assert session.final_tunables is not None
+        adopted = [group["lr"] for group in model.optimizer.param_groups]
+        assert adopted[1] == session.final_tunables["lr"]
+        torch.optim.lr_scheduler.LambdaLR(model.optimizer, lambda epoch: 1.0)
+        assert [group["lr"] for group in model.optimizer.param_groups] == adopted
+
+
+def test_rates_written_before_a_session_are_refused_only_where_their_ratios_changed() -> None:
+    """A step of a scheduler between the last clock and the session keeps
+    the groups' ratios: the session sets the rates anyway. Unfreezing a
+    group (0 -> a rate) changes them, which the servers have not seen: the
+    session is refused before it forks anything, and goes on after a clock."""
+    module = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 3))
+    with mltuner.Job(mltuner.Config(branches=True)) as job:
+        optimizer = torch.optim.SGD([{"params": module[0].parameters(), "lr": 0.0},
+                                     {"params": module[2].parameters()}], lr=0.01, momentum=0.9)
+        model = mt.wrap(module, job.worker, example_input=X_TRAIN[:32], optimizer=optimizer)
+        job.worker.schedule_branch(0, 1)
+        nn.functional.cross_entropy(model(X_TRAIN[:32]), Y_TRAIN[:32]).backward()
+        model.optimizer.step()
+        model.optimizer.param_groups[0]["lr"] = 0.001  # unfrozen
+        session = TuningSession(job, default_space([32], lr_range=(1e-3, 1.0)), num_train=len(X_TRAIN),
+                                num_validation=len(X_VAL), config=TunerConfig(max_epochs=1, seed=0))
+        with pytest.raises(mltuner.InvalidArgumentError, match="their ratios changed with them"):
+            next(iter(session))
+        assert job.worker.scheduled_ahead == 0
+        job.worker.schedule_branch(0, 1)
+        nn.functional.cross_entropy(model(X_TRAIN[:32]), Y_TRAIN[:32]).backward()
+        model.optimizer.step()
+        for group in model.optimizer.param_groups:
+            group["lr"] *= 0.1  # StepLR's gamma: the same ratios, float32 aside
+        session = run_session(model, job)
+        assert session.final_tunables is not None
+        rates = [group["lr"] for group in model.optimizer.param_groups]
+        assert rates[1] == session.final_tunables["lr"]
+        assert rates[0] == pytest.approx(rates[1] / 10, rel=1e-6)
 
 
 def test_an_optuna_baseline_that_keeps_its_best_branch_leaves_the_model_trained() -> None:

@@ -267,6 +267,18 @@ def test_optuna_time_budget_ends_the_search() -> None:
     assert_all_freed(system)
 
 
+class LateDivergence(LrSystem):
+    """Every setting's loss becomes inf in its second epoch."""
+
+    def _loss_at(self, branch: int) -> bool:
+        return self.branches[branch][2] >= EPOCH
+
+    def run(self, branch: int, clocks: int) -> Sequence[ClockReport]:
+        late = self.branches[branch][0] is BranchKind.TRAINING and self._loss_at(branch)
+        reports = super().run(branch, clocks)
+        return [ClockReport(math.inf, r.seconds) for r in reports] if late else reports
+
+
 def test_keep_branch_leaves_the_best_runs_branch_alive_and_frees_the_rest() -> None:
     """With keep_branch the branch of the run whose accuracy was best stays
     alive, as that run ended (a TuningSession trains on from it); every other
@@ -285,6 +297,11 @@ def test_keep_branch_leaves_the_best_runs_branch_alive_and_frees_the_rest() -> N
     diverged = run_fixed(diverged_system, {"lr": DIVERGE_LR}, config(max_epochs=2), keep_branch=True)
     assert diverged.branch is None and diverged.tunables is None  # no run validated: nothing to keep
     assert_all_freed(diverged_system)
+    late = LateDivergence()  # validated in epoch 1, then its loss went inf: its weights are not kept
+    after = run_fixed(late, {"lr": BEST_LR}, config(max_epochs=3), keep_branch=True)
+    assert after.runs[0].ended == "diverged" and after.best_accuracy is not None
+    assert after.branch is None and after.tunables is None
+    assert_all_freed(late)
     failing = FailingSystem()
     with pytest.raises(RuntimeError, match="worker lost"):
         run_optuna(failing, LR_SPACE, config(max_epochs=2, n_trials=5), keep_branch=True)

@@ -62,6 +62,9 @@ class FakeWorker:
     def free_branch(self, branch: int) -> None:
         pass
 
+    def check_session_start(self, settings: frozenset[str]) -> None:
+        pass
+
     def schedule_branch(self, branch: int, clocks: int) -> None:
         self.scheduled.append((branch, clocks))
 

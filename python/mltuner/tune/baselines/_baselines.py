@@ -291,9 +291,11 @@ class BaselineResult:
         runs: each training run (empty for the Tuner).
         study_name: the Optuna study, for the Optuna baselines.
         target_accuracy: the target the result was measured against.
-        branch: with ``keep_branch=True``, the training branch of the run
-            that reached ``best_accuracy``, as that run ended, alive for the
-            caller (None without one, or when no run validated).
+        branch: with ``keep_branch=True``, the training branch of the best
+            run that did not diverge, as that run ended, alive for the caller
+            (None without keep_branch, or when no such run validated).
+        tunables: the setting :attr:`branch` trained with (a
+            :class:`~mltuner.tune.TuningSession` gives it to the model).
     """
 
     name: str
@@ -310,12 +312,7 @@ class BaselineResult:
     study_name: str | None = None
     target_accuracy: float | None = None
     branch: int | None = None
-
-    @property
-    def tunables(self) -> dict[str, Any] | None:
-        """The setting :attr:`branch` trained with (a
-        :class:`~mltuner.tune.TuningSession` gives it to the model)."""
-        return self.best_tunables if self.branch is not None else None
+    tunables: dict[str, Any] | None = None
 
 
 def time_to_target(curve: Sequence[tuple[float, float]], target: float | None) -> float | None:
@@ -538,7 +535,7 @@ class _Driver:
         self.curve: Curve = []
         self._best: tuple[float, dict[str, Any]] | None = None
         self._keep_branch = keep_branch
-        self._kept: tuple[float, int] | None = None  # the best run's (accuracy, branch), alive
+        self._kept: tuple[float, int, dict[str, Any]] | None = None  # the best run's (accuracy, branch, tunables)
         self._returned: int | None = None  # the kept branch, once finish() handed it out
 
     def __enter__(self) -> _Driver:
@@ -608,12 +605,14 @@ class _Driver:
 
     def _keep_or_free(self, branch: int, run: BaselineTrial) -> None:
         """With keep_branch, keeps the branch of the best run so far (a
-        strictly better accuracy replaces it); frees every other."""
+        strictly better accuracy replaces it) unless it diverged, whose
+        weights are no longer finite; frees every other."""
         accuracy = run.best_accuracy
-        if self._keep_branch and accuracy is not None and (self._kept is None or accuracy > self._kept[0]):
+        if (self._keep_branch and accuracy is not None and run.ended != "diverged"
+                and (self._kept is None or accuracy > self._kept[0])):
             if self._kept is not None:
                 self.free(self._kept[1])
-            self._kept = (accuracy, branch)
+            self._kept = (accuracy, branch, dict(run.tunables))
         else:
             self.free(branch)
 
@@ -682,7 +681,8 @@ class _Driver:
             time_to_target_s=reached, time_s=self.timer.seconds, best_accuracy=best_accuracy,
             best_tunables=best_tunables, trials=len(self.runs),
             epochs=sum(r.epochs for r in self.runs), curve=list(self.curve),
-            runs=list(self.runs), study_name=self.study_name, target_accuracy=target, branch=self._returned)
+            runs=list(self.runs), study_name=self.study_name, target_accuracy=target, branch=self._returned,
+            tunables=self._kept[2] if self._kept is not None else None)
         self.note("end", "end", baseline=self.name, outcome=outcome, accuracy=best_accuracy,
                   tunables=best_tunables, epochs=result.epochs, trials=result.trials,
                   reached_target=result.reached_target, time_to_target_s=reached,

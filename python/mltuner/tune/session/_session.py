@@ -354,6 +354,8 @@ class TuningSession:
             raise OutOfOrderError(
                 f"{left} clocks are still scheduled (Worker.schedule_branch), the next on branch "
                 f"{self._worker.next_branch}: run them before the tuning session starts")
+        tuned = frozenset(n for n in ("lr", "momentum") if n in self._space.names)
+        self._worker.check_session_start(tuned)
         self._started = True
         if self._world > 1:
             self._check_same_arguments()
@@ -362,7 +364,7 @@ class TuningSession:
         if self._rank == 0:
             self._start_driver()
         # What the session's branches set, which the loop must leave alone.
-        self._worker.tuned_settings = frozenset(n for n in ("lr", "momentum") if n in self._space.names)
+        self._worker.tuned_settings = tuned
         try:
             while True:
                 step = self._next_step()
@@ -550,7 +552,11 @@ class TuningSession:
             self.final_branch = command.branch
             self.final_tunables = command.tunables
             # What the model is now: state_dict(), evaluation, and the clocks after the session.
-            self._worker.set_trained(command.branch, command.tunables)
+            # The INIT root (a job that made no progress) trains with each table's own rule,
+            # not with the setting the tuner started from.
+            kept = self._branches.get(command.branch) if command.branch is not None else None
+            trained_with = None if kept is not None and kept.kind is BranchKind.INIT else command.tunables
+            self._worker.set_trained(command.branch, trained_with)
             return False
         else:
             if self._error is not None:  # rank 0 raises the driver's own exception

@@ -193,3 +193,74 @@ def test_the_environment_sets_the_default(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("MLTUNER_READ_MY_WRITES", "off")
     with pytest.raises(mlt.InvalidArgumentError, match="MLTUNER_READ_MY_WRITES must be 0 or 1"):
         mlt.Config()
+
+
+def test_a_fork_that_keeps_rate_ratios_steps_each_table_at_its_own_rate() -> None:
+    """Read-my-writes follows each table's rate on a branch as its shard
+    applies it: a fork that keeps the rates' ratios (a tuning session's),
+    a rate set in between (a scheduler's), and a fork that keeps the
+    parent's rates. One worker at slack 3 reads exactly what sequential
+    training at those rates has, however late the shard's rows arrive (its
+    own steps were taken at the branch's one rate for every table). Without
+    momentum: after a fork the mirror's share of it starts at zero, a
+    documented approximation (cache/own_updates.h)."""
+    rates, momentum, tuned = {"fast": 0.05, "slow": 0.01}, 0.0, 0.2
+    schedule = [(1, 5), (2, 5)]  # (branch, clocks): fork 1 keeps ratios at `tuned`; fork 2 keeps 1's rates
+    set_slow_at = 3  # the slow table's rate set before this clock of branch 1
+    cfg = mlt.Config(branches=True, update_rule=mlt.UpdateRule("sgd", learning_rate=LR, momentum=momentum),
+                     wait_timeout_s=30)
+    out: dict[str, list[np.ndarray]] = {}
+
+    def body(worker: mlt.Worker) -> None:
+        tables = [worker.create_table(name, ROWS, WIDTH, update_rule=mlt.UpdateRule("sgd", learning_rate=rate,
+                                                                                       momentum=momentum))
+                  for name, rate in rates.items()]
+        reads = [worker.virtual_read(table, slack=3) for table in tables]
+        updates = []
+        for table in tables:
+            updates.append(worker.virtual_pre_update(table))
+            worker.virtual_update(updates[-1])
+        for read in reads:
+            worker.virtual_post_read(read)
+        worker.virtual_clock()
+        worker.finish_virtual_iteration()
+        for update in updates:
+            worker.pre_update(update)[...] = _initial()
+            worker.update(update)
+        worker.start_iterations()
+        worker.fork_branch(1, 0, learning_rate=tuned, keep_rate_ratios=True)
+        seen: list[np.ndarray] = []
+        clock = 0
+        for branch, clocks in schedule:
+            if branch == 2:
+                worker.fork_branch(2, 1)
+            worker.schedule_branch(branch, clocks)
+            for _ in range(clocks):
+                if clock == set_slow_at:
+                    worker.set_learning_rate(tables[1], 0.03)
+                weights = [np.array(worker.read(read)) for read in reads]
+                seen.append(np.stack(weights))
+                for update, w in zip(updates, weights):
+                    worker.pre_update(update)[...] = _gradient(w, clock)
+                    worker.update(update)
+                for read in reads:
+                    worker.post_read(read)
+                worker.clock()
+                clock += 1
+        worker.sync()
+        out["seen"] = seen
+
+    with mlt.LocalCluster(1, cfg) as cluster:
+        cluster.run(body, timeout_s=120)
+    # Sequential training at each table's rate: the fork's tuned x ratio, then the set one.
+    weights = [_initial().astype(np.float64) for _ in rates]
+    history = [np.zeros_like(w) for w in weights]
+    step_rates = [tuned, float(np.float32(tuned * np.float64(np.float32(0.01)) / np.float32(0.05)))]
+    for clock, got in enumerate(out["seen"]):
+        if clock == set_slow_at:
+            step_rates[1] = 0.03
+        for k, w in enumerate(weights):
+            np.testing.assert_allclose(got[k], w, rtol=1e-5, atol=1e-5, err_msg=f"clock {clock}, table {k}")
+            gradient = _gradient(got[k], clock).astype(np.float64)
+            history[k] = gradient if clock == 0 else momentum * history[k] + gradient
+            w -= np.float32(step_rates[k]) * history[k]

@@ -90,11 +90,8 @@ Status OwnUpdates::StartCarrying(float momentum) {
 Status OwnUpdates::Apply(BranchId branch, mltuner::Clock clock, const Rule& rule, bool stale, BranchId cache_branch,
                          const float* update) {
   MutexLock lock(&mu_);
-  if (rule.new_learning_rate) set_rates_[branch] = *rule.new_learning_rate;
   if (!rule.training) return Status::Ok();  // evaluation and testing branches never change
-  UpdateRuleConfig config = rule.config;
-  auto set_rate = set_rates_.find(branch);
-  if (set_rate != set_rates_.end()) config.learning_rate = set_rate->second;
+  const UpdateRuleConfig& config = rule.config;
   if (!stale || branch != cache_branch || !OwnStepIsLinear(config)) {
     // The cache is another branch's, or nothing is stale: no step to keep.
     Restart(-1);

@@ -69,15 +69,11 @@ class OwnUpdates {
   OwnUpdates& operator=(const OwnUpdates&) = delete;
 
   // What the shards apply to this table on a branch: its rule, with the
-  // branch's learning rate and momentum where it set them, and whether the
-  // branch trains at all. A rate the application set for this clock
-  // (Engine::SetLearningRate) holds for the branch's later clocks too, as
-  // on the shards. (A fork that keeps its parent's rate gets the rule's,
-  // not such a set one.)
+  // table's rate there and the branch's momentum where it set one
+  // (BranchSchedule::RuleOn), and whether the branch trains at all.
   struct Rule {
     UpdateRuleConfig config;
     bool training = true;
-    std::optional<float> new_learning_rate;
   };
 
   // The table's base rule.
@@ -144,7 +140,6 @@ class OwnUpdates {
   std::shared_ptr<DeviceBlock> state_ GUARDED_BY(mu_);  // the rule's state for this worker's share
   std::map<mltuner::Clock, std::shared_ptr<DeviceBlock>> steps_ GUARDED_BY(mu_);  // kept steps by clock
   std::vector<std::shared_ptr<DeviceBlock>> spare_ GUARDED_BY(mu_);              // blocks of dropped steps
-  std::map<BranchId, float> set_rates_ GUARDED_BY(mu_);   // the application's rates, by branch
   std::shared_ptr<DeviceBlock> scratch_ GUARDED_BY(mu_);  // made at the first Scratch
   int64_t steps_applied_ GUARDED_BY(mu_) = 0;
   mltuner::Clock latest_ GUARDED_BY(mu_) = kNoClock;  // the clock of the last step kept

@@ -89,9 +89,11 @@ Status Engine::Impl::ForkBranch(BranchId child, BranchId parent, const BranchSet
     MutexLock lock(&state_.mu);
     state_.branches.live[child] = settings;
     BranchSettings overrides = state_.branches.rule_overrides[parent];
-    if (settings.learning_rate >= 0) overrides.learning_rate = settings.learning_rate;
     if (settings.momentum >= 0) overrides.momentum = settings.momentum;
     state_.branches.rule_overrides[child] = overrides;
+    // The shards' rates, computed the same way (Flush sent every rate set before).
+    state_.branches.rates[child] =
+        ForkRates(state_.branches.rates[parent], settings.learning_rate, settings.keep_rate_ratios);
     state_.branches.clocks[child] = 0;
   }
   // The cache may still hold a freed branch of this id (the last clocks ran
@@ -121,6 +123,7 @@ Status Engine::Impl::FreeBranch(BranchId branch) {
   MutexLock lock(&state_.mu);
   state_.branches.live.erase(branch);
   state_.branches.rule_overrides.erase(branch);
+  state_.branches.rates.erase(branch);
   state_.branches.clocks.erase(branch);
   if (state_.branches.continue_on == branch) state_.branches.continue_on = -1;
   return Status::Ok();

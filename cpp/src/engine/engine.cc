@@ -316,6 +316,15 @@ Status Engine::Impl::StartIterations() {
     MLT_RETURN_IF_ERROR(transport_->Send(std::move(start)));
     ++state_.messages_sent;
   }
+  {
+    MutexLock lock(&state_.mu);
+    for (const TableInfo& info : plan_.tables) {  // branch 0's rates: the rules' own
+      const UpdateRuleConfig& rule = info.update_rule ? *info.update_rule : config_.update_rule;
+      if (!info.local && rule.kind != UpdateRuleKind::kAdd) {
+        state_.branches.rates[0][info.id].rate = rule.learning_rate;
+      }
+    }
+  }
   state_.phase = Phase::kRunning;
   allocator_.Start();
   reclaimer_.Start();

@@ -298,9 +298,10 @@ Status Reclaimer::ApplyOwnStep(const AccessRecord& access, const float* buffer, 
   {
     MutexLock lock(&state_->mu);
     at = state_->branches.At(clock);
-    rule.config = state_->branches.RuleOn(at.branch, own->base_rule());
+    rule.config = state_->branches.RuleOn(at.branch, access.table, own->base_rule());
     rule.training = at.training;
-    rule.new_learning_rate = RateSetFor(access.table, clock);
+    // A rate set for this clock holds from its own step on, as on the shards.
+    if (std::optional<float> rate = RateSetFor(access.table, clock)) rule.config.learning_rate = *rate;
   }
   const bool stale = ServesSlack(at.SlackOf(own->read_slack()));
   const float* update = store.log(Residence::kDevice);
@@ -373,6 +374,10 @@ Status Reclaimer::NewUpdateMessage(TableId table, int shard, mltuner::Clock cloc
     if (std::optional<float> rate = RateSetFor(table, clock)) {
       message.header.flags |= kNewLearningRate;
       message.header.learning_rate = *rate;
+      auto branch_rates = state_->branches.rates.find(at.branch);
+      if (branch_rates != state_->branches.rates.end() && branch_rates->second.count(table) != 0) {
+        branch_rates->second[table].rate = *rate;  // what the branch's next forks start from
+      }
     }
   }
   message.header.branch = at.branch;

@@ -37,12 +37,15 @@ void BranchSchedule::Append(BranchId branch, int64_t count) {
   scheduled_until += count;
 }
 
-UpdateRuleConfig BranchSchedule::RuleOn(BranchId branch, const UpdateRuleConfig& base) const {
+UpdateRuleConfig BranchSchedule::RuleOn(BranchId branch, TableId table, const UpdateRuleConfig& base) const {
   UpdateRuleConfig rule = base;
   auto overrides = rule_overrides.find(branch);
-  if (overrides == rule_overrides.end()) return rule;
-  if (overrides->second.learning_rate >= 0) rule.learning_rate = overrides->second.learning_rate;
-  if (overrides->second.momentum >= 0) rule.momentum = overrides->second.momentum;
+  if (overrides != rule_overrides.end() && overrides->second.momentum >= 0) rule.momentum = overrides->second.momentum;
+  auto branch_rates = rates.find(branch);
+  if (branch_rates != rates.end()) {
+    auto rate = branch_rates->second.find(table);
+    if (rate != branch_rates->second.end()) rule.learning_rate = rate->second.rate;
+  }
   return rule;
 }
 

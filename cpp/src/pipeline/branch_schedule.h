@@ -9,6 +9,7 @@
 #include <map>
 #include <vector>
 
+#include "common/rate_ratios.h"
 #include "mltuner/config.h"
 #include "mltuner/types.h"
 
@@ -42,9 +43,14 @@ struct BranchSchedule {
   mltuner::Clock scheduled_until = 0;         // clocks [0, this) have a branch
   std::map<BranchId, BranchSettings> live;    // live branches
   // What each live branch's rules take from it and its ancestors: the
-  // learning rate and momentum the nearest of them set (kKeepParent: none
-  // did, each table keeps its own). Branch 0 sets none.
+  // momentum the nearest of them set (kKeepParent: none did, each table
+  // keeps its own). Branch 0 sets none.
   std::map<BranchId, BranchSettings> rule_overrides;
+  // Each live branch's rated tables' learning rates, as its shards apply
+  // them: the rules' own on branch 0 (from start_iterations), each fork's
+  // (ForkRates), and the rates the application set, from the clock whose
+  // update carried them (the reclaimer's). Read-my-writes steps follow them.
+  std::map<BranchId, std::map<TableId, TableRate>> rates;
   std::map<BranchId, mltuner::Clock> clocks;  // clocks scheduled per branch
   // Where an application clock nobody scheduled runs (-1: nowhere, refused):
   // the branch that holds the trained model after a tuning session, so the
@@ -60,8 +66,9 @@ struct BranchSchedule {
   ClockBranch At(mltuner::Clock clock) const;
   // Whether the allocator may prepare `clock`: it has a branch.
   bool Scheduled(mltuner::Clock clock) const { return !enabled || clock < scheduled_until; }
-  // A table's rule on a live branch: `base` with the branch's overrides.
-  UpdateRuleConfig RuleOn(BranchId branch, const UpdateRuleConfig& base) const;
+  // A table's rule on a live branch: `base` with the branch's momentum and
+  // the table's rate there.
+  UpdateRuleConfig RuleOn(BranchId branch, TableId table, const UpdateRuleConfig& base) const;
 };
 
 }  // namespace mltuner

@@ -967,9 +967,10 @@ Status ServerShard::Fork(BranchId child, BranchId parent, const BranchSettings& 
                                      std::to_string(max_branches_) + " (free some, or raise Config.max_branches)");
   }
   MLT_RETURN_IF_ERROR(CheckForkFits(child, parent));
-  // Every shard holds every table, so each computes the same rates.
-  const bool scaled = settings.keep_rate_ratios && settings.learning_rate >= 0;
-  const std::map<TableId, double> ratios = scaled ? RateRatios(parent) : std::map<TableId, double>();
+  // Every shard holds every table, so each computes the same rates (as the
+  // engines do for their own steps).
+  const std::map<TableId, TableRate> rates =
+      ForkRates(RatesOf(parent), settings.learning_rate, settings.keep_rate_ratios);
   std::vector<std::pair<std::pair<BranchId, TableId>, std::unique_ptr<TableState>>> copies;
   for (const auto& [key, table] : tables_) {
     if (key.first != parent) continue;
@@ -982,16 +983,13 @@ Status ServerShard::Fork(BranchId child, BranchId parent, const BranchSettings& 
     }
     // Each table keeps its own rule; the branch may set its rate and momentum.
     UpdateRuleConfig rule = table->rule->config();
-    const auto ratio = ratios.find(key.second);
-    if (ratio != ratios.end()) {
-      rule.learning_rate = static_cast<float>(ratio->second * settings.learning_rate);
-      copy->rate_ratio = ratio->second;
-      copy->ratio_rate = rule.learning_rate;
-    } else if (settings.learning_rate >= 0) {
+    const auto rate = rates.find(key.second);
+    if (rate != rates.end()) {
+      rule.learning_rate = rate->second.rate;
+      copy->rate_ratio = rate->second.ratio;
+      copy->ratio_rate = rate->second.ratio_rate;
+    } else if (settings.learning_rate >= 0) {  // an add table's, unused
       rule.learning_rate = settings.learning_rate;
-    } else {  // the parent's rates, and what they came from
-      copy->rate_ratio = table->rate_ratio;
-      copy->ratio_rate = table->ratio_rate;
     }
     if (settings.momentum >= 0) rule.momentum = settings.momentum;
     // Momentum history, Adam moments and steps go with the values.
@@ -1007,24 +1005,13 @@ Status ServerShard::Fork(BranchId child, BranchId parent, const BranchSettings& 
   return Status::Ok();
 }
 
-std::map<TableId, double> ServerShard::RateRatios(BranchId parent) const {
-  std::vector<const TableState*> rated;
+std::map<TableId, TableRate> ServerShard::RatesOf(BranchId parent) const {
+  std::map<TableId, TableRate> rates;
   for (const auto& [key, table] : tables_) {
-    if (key.first == parent && table->rule->config().kind != UpdateRuleKind::kAdd) rated.push_back(table.get());
+    if (key.first != parent || table->rule->config().kind == UpdateRuleKind::kAdd) continue;
+    rates[key.second] = {table->rule->config().learning_rate, table->rate_ratio, table->ratio_rate};
   }
-  const bool inherited = std::all_of(rated.begin(), rated.end(), [](const TableState* table) {
-    return table->rate_ratio >= 0 && table->rule->config().learning_rate == table->ratio_rate;
-  });
-  float fastest = 0;
-  for (const TableState* table : rated) fastest = std::max(fastest, table->rule->config().learning_rate);
-  std::map<TableId, double> ratios;
-  if (!inherited && fastest <= 0) return ratios;
-  for (const TableState* table : rated) {
-    // In double, so that the fastest table's ratio is exactly 1.
-    ratios[table->info.id] =
-        inherited ? table->rate_ratio : static_cast<double>(table->rule->config().learning_rate) / fastest;
-  }
-  return ratios;
+  return rates;
 }
 
 Status ServerShard::CheckForkFits(BranchId child, BranchId parent) const {

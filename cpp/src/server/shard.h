@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "common/mutex.h"
+#include "common/rate_ratios.h"
 #include "mltuner/config.h"
 #include "mltuner/host_headroom.h"
 #include "mltuner/status.h"
@@ -171,9 +172,8 @@ class ServerShard {
     // by clock and worker, until the clock is applied.
     std::map<Clock, std::map<WorkerId, float>> new_rates;
     std::shared_ptr<Loans> loans = std::make_shared<Loans>();
-    // Set by a fork that kept rate ratios: this table's rate over the
-    // fastest's, and the rate that gave. A later such fork inherits the
-    // ratio while no rate changed, so a chain of forks rounds once.
+    // Set by a fork that kept rate ratios (common/rate_ratios.h): the rate
+    // over the fastest's, and the rate that gave.
     double rate_ratio = -1;
     float ratio_rate = 0;
     float* data() const { return values ? values->floats() : nullptr; }
@@ -201,11 +201,8 @@ class ServerShard {
   bool CollectRequest(std::map<BranchId, std::map<WorkerId, std::pair<int64_t, std::string>>>* pending,
                       const Message& in, std::map<WorkerId, std::pair<int64_t, std::string>>* requests);
   Status Fork(BranchId child, BranchId parent, const BranchSettings& settings);
-  // The ratio of each of `parent`'s rated tables (every rule but add) for a
-  // fork that keeps them: inherited where every such table has one and kept
-  // the rate it gave, else its rate over the fastest's; none where every
-  // rate is 0.
-  std::map<TableId, double> RateRatios(BranchId parent) const;
+  // The rates of `parent`'s rated tables (every rule but add), for ForkRates.
+  std::map<TableId, TableRate> RatesOf(BranchId parent) const;
   TableState* Find(BranchId branch, TableId table) const;
   // Part `part`'s rows for `worker`, stamped with data age `age`.
   // `shared_frame`: the host frame of this push that every worker outside

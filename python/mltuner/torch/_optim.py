@@ -258,7 +258,7 @@ class LearningRates:
         self._rule = rule
         self._sent = [_number(group["lr"]) for group in self._groups]
         # The groups' ratios of the last session's rates, and the rates they
-        # gave: a shard's fork inherits them while no rate changed (RateRatios).
+        # gave: a shard's fork inherits them while no rate changed (ForkRates).
         self._ratios: list[float] | None = None
         self._ratio_rates: list[float] = []
         # The groups' rates when a session that tunes lr started: the session's
@@ -388,7 +388,7 @@ class LearningRates:
 
 def _rate_ratios(rates: Sequence[float]) -> list[float] | None:
     """Each group's rate over the fastest's, from the float32 rates the
-    servers hold, as a shard's fork computes them (``RateRatios``); None
+    servers hold, as a shard's fork computes them (``ForkRates``); None
     where every rate is 0."""
     single = [float(np.float32(rate)) for rate in rates]
     fastest = max(single, default=0.0)

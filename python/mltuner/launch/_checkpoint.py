@@ -131,10 +131,18 @@ def save(node: _core.ProcessNode, worker: Worker, root: Path, barrier: Callable[
             for file_name, content in attached.items():
                 _write_bytes(staging / ATTACHMENTS / file_name, content)
         _write_json(staging / "manifest.json", manifest)
+        # Saved again (a run resumed from an older one reached this clock): the
+        # old one moves aside first, so that a crash leaves a complete one in
+        # place or leaves `latest` naming nothing (resolve then takes the newest).
+        aside = root / f".{name}.old.tmp"
         if final.exists():
-            shutil.rmtree(final)
+            if aside.exists():
+                _remove(aside)
+            os.replace(final, aside)
         os.replace(staging, final)
         _write_text(root / LATEST, name + "\n")
+        if aside.exists():
+            _remove(aside)
         _keep_newest(root, keep)
     barrier(f"checkpoint-{name}-done")
     return final
@@ -232,15 +240,26 @@ def _communicated(worker: Worker) -> list[Table]:
 
 
 def resolve(path: Path) -> Path:
-    """The checkpoint directory ``path`` names: itself, or a root's newest."""
+    """The checkpoint directory ``path`` names: itself, or a root's newest:
+    the one ``latest`` names, else (a save interrupted between its steps, a
+    ``latest`` edited by hand) the complete ``clock-*`` of the highest clock."""
     if (path / "manifest.json").is_file():
         return path
     latest = path / LATEST
+    named = ""
     if latest.is_file():
-        directory = path / latest.read_text().strip()
-        if (directory / "manifest.json").is_file():
-            return directory
-    raise NotFoundError(f"no complete checkpoint at {path} (no manifest.json, and no {LATEST} file naming one)")
+        named = latest.read_text(errors="replace").strip()
+        if _CHECKPOINT_NAME.fullmatch(named) and (path / named / "manifest.json").is_file():
+            return path / named
+    complete = sorted((int(match.group(1)), entry) for entry in (path.iterdir() if path.is_dir() else ())
+                      if (match := _CHECKPOINT_NAME.fullmatch(entry.name)) and (entry / "manifest.json").is_file())
+    said = (f"{latest} names {named!r}, which holds no complete checkpoint" if latest.is_file()
+            else f"no {LATEST} file")
+    if complete:
+        _log.warning("mltuner: %s; resuming from %s, the newest complete one", said, complete[-1][1].name)
+        return complete[-1][1]
+    raise NotFoundError(f"no complete checkpoint at {path}: no manifest.json there, {said}, and no clock-* "
+                        "directory with one")
 
 
 def check_tables(directory: Path, worker: Worker, sources: Sources | None = None, *,

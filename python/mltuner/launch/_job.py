@@ -371,11 +371,19 @@ class Job:
         a crash. A rank that trains on meanwhile (its data split is longer)
         gets this rank's later clocks as empty ones, zero updates, as with
         PyTorch DDP's ``Join``; the wait ends ``Config.wait_timeout_s`` after
-        the last clock any rank finished. Idempotent."""
+        the last clock any rank finished. Idempotent.
+
+        Raises:
+            mltuner.WaitTimeoutError: graceful, a peer neither reached close
+                nor was lost within the timeout (alive but stuck): the rank
+                does not end as if its job had finished. A lost peer was
+                reported by the calls that met it, and is not raised again.
+        """
         if self._closed:
             return
         self._closed = True
         self._node.engine.set_wait_watcher(None)
+        unanswered: MltunerError | None = None
         if graceful and self._control is not None and self._lost_peer() is None:
             try:
                 if self._liveness is not None:
@@ -387,8 +395,9 @@ class Job:
                                                  lambda: not self._every_peer_closing() and lender.step())
                 _warn_uneven_end(clocks, lender is not None)
                 self._control.barrier("close", self._timeout_s, final=True)
-            except MltunerError:
-                pass  # a lost peer was reported by the calls that met it
+            except MltunerError as error:
+                if self._lost_peer() is None:  # a lost peer was reported by the calls that met it
+                    unanswered = error
         self._node.shutdown()
         if self._transport is not None:
             self._transport.stop(graceful=graceful)
@@ -406,6 +415,8 @@ class Job:
             self._context.destroy(linger=0)
         if self._ipc is not None:
             self._ipc.close()
+        if unanswered is not None:
+            raise unanswered
 
     def _every_peer_closing(self) -> bool:
         """Whether every other rank said it is in close(): then no rank trains

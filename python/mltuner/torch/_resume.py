@@ -219,10 +219,10 @@ def read_saved(path: str | os.PathLike[str], module: nn.Module, optimizer: str |
             raise ValueError(f"not {FORMAT} version {VERSION}")
         tensors = _checkpoint.read_attachment(directory, TENSORS) or b""
         local = dict(_decode(index["local"], tensors))
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        groups = _checked_groups(index["groups"])
+    except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as error:  # RuntimeError: torch's view
         raise InvalidArgumentError(f"{directory / 'attachments' / INDEX} cannot be read: {error}") from None
     problems = []
-    groups = index["groups"]
     if index.get("optimizer") != optimizer:
         problems.append(f"it was trained with {index.get('optimizer') or 'the Config rule'}, this wrap() was given "
                         f"{optimizer or 'no optimizer'}")
@@ -274,6 +274,20 @@ def _saved_tables(directory: Path, index: dict[str, Any],
                 raise InvalidArgumentError(f"{where}: {name!r} overlaps another parameter of {table!r}")
             end = offset + math.prod(shapes[name])
     return tables
+
+
+def _checked_groups(groups: Any) -> list[dict[str, Any]]:
+    """The saved param groups, each a dict whose numeric settings are
+    numbers (a hand-edited "lr": "abc" would fail later, naming no file)."""
+    if not isinstance(groups, list) or not all(isinstance(group, dict) for group in groups):
+        raise ValueError("'groups' is not a list of param-group dicts")
+    for index, group in enumerate(groups):
+        for key in ("lr", "initial_lr", "momentum", "dampening", "weight_decay", "eps"):
+            value = group.get(key)
+            if key in group and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                 or not math.isfinite(value)):
+                raise ValueError(f"param group {index}'s {key!r} is {value!r}, not a finite number")
+    return groups
 
 
 def _decode(entries: list[dict[str, Any]], tensors: bytes) -> Iterator[tuple[str, Any]]:

@@ -125,6 +125,41 @@ def test_leftovers_are_removed_at_restore_and_names_continue_the_clock(tmp_path:
         np.testing.assert_array_equal(job.worker.fetch(table), np.full((10, 3), 6.0, dtype=np.float32))
 
 
+def test_a_clock_saved_again_and_a_latest_naming_nothing_still_resume(tmp_path: Path) -> None:
+    """A run resumed from clock 2 that reaches clock 4 again saves it again:
+    the old one moves aside before the new one takes its name. A save cut
+    off between the two (latest names a directory gone), or a latest edited
+    by hand, resumes from the newest complete checkpoint, saying so."""
+    with single_job() as job:
+        _, update = prepare(job.worker)
+        job.worker.start_iterations()
+        for _ in range(2):
+            add_clocks(job.worker, update, 2, 1.0)
+            job.save_checkpoint(tmp_path)
+    with single_job() as job:
+        table, update = prepare(job.worker)
+        assert job.restore_checkpoint(tmp_path / "clock-00000002") == 2
+        job.worker.start_iterations()
+        add_clocks(job.worker, update, 2, 10.0)
+        assert job.save_checkpoint(tmp_path).name == "clock-00000004"
+        again = job.worker.fetch(table)
+    assert sorted(entry.name for entry in tmp_path.iterdir()) == ["clock-00000002", "clock-00000004", "latest"]
+    np.testing.assert_array_equal(again, np.full((10, 3), 22.0, dtype=np.float32))
+    (tmp_path / "clock-00000004").rename(tmp_path / ".clock-00000004.old.tmp")  # the save cut off there
+    for latest in ("clock-00000004\n", "", "../elsewhere"):
+        (tmp_path / "latest").write_text(latest)
+        with single_job() as job:
+            table, _ = prepare(job.worker)
+            assert job.restore_checkpoint(tmp_path) == 2
+            np.testing.assert_array_equal(job.worker.fetch(table), np.full((10, 3), 2.0, dtype=np.float32))
+    assert not (tmp_path / ".clock-00000004.old.tmp").exists()  # removed as a leftover at restore
+    (tmp_path / "clock-00000002" / "manifest.json").unlink()
+    with single_job() as job:
+        prepare(job.worker)
+        with pytest.raises(mltuner.NotFoundError, match="names '../elsewhere', which holds no complete checkpoint"):
+            job.restore_checkpoint(tmp_path)
+
+
 def test_attachments_travel_with_the_checkpoint_and_a_branch_is_refused(tmp_path: Path) -> None:
     env = ProcessEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=0,
                      bind_host="127.0.0.1", secret=None, source="single")

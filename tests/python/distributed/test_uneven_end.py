@@ -221,8 +221,11 @@ def test_a_close_that_goes_unanswered_ends_within_its_timeout_while_every_rank_l
     """Every rank in close() lends the others its later clocks, and each
     sees the others' lent clocks as progress. Were that progress to restart
     the close's timeout, a close whose allgather is never answered (here
-    rank 0's coordinator drops it) would wait on without end."""
+    rank 0's coordinator drops it) would wait on without end. It ends with
+    the timeout's error (no peer was lost: the rank must not end as if the
+    job had finished)."""
     jobs = start_pair(wait_timeout_s=2)
+    errors: list[BaseException] = []
     try:
         coordinator = jobs[0]._coordinator
         assert coordinator is not None
@@ -235,7 +238,10 @@ def test_a_close_that_goes_unanswered_ends_within_its_timeout_while_every_rank_l
             read, update = record_read_update(worker, worker.create_table("t", ROWS, WIDTH))
             for _ in range(2):
                 run_clock(worker, read, update, 1.0)
-            job.close()
+            try:
+                job.close()
+            except BaseException as error:  # noqa: BLE001 - checked below
+                errors.append(error)
 
         threads = [threading.Thread(target=clock_then_close, args=(job,)) for job in jobs]
         started = time.monotonic()
@@ -245,5 +251,6 @@ def test_a_close_that_goes_unanswered_ends_within_its_timeout_while_every_rank_l
             thread.join(30)
         assert not any(thread.is_alive() for thread in threads), "close() waited on past its timeout"
         assert time.monotonic() - started < 15
+        assert len(errors) == 2 and all(isinstance(e, mltuner.WaitTimeoutError) for e in errors), errors
     finally:
         close(jobs)

@@ -224,6 +224,19 @@ def test_checkpoints_that_do_not_fit_are_refused_before_anything_changes(tmp_pat
         with pytest.raises(mltuner.InvalidArgumentError, match="'0.bias' overlaps another parameter of 'torch:0'"):
             mt.wrap(module, job.worker, example_input=BATCHES[0][0], optimizer=OPTIMIZERS["sgd-momentum"](module),
                     resume_from=broken)
+        content = json.loads((root / "attachments" / "torch-adapter.json").read_text())
+        content["groups"][0]["lr"] = "abc"  # hand-edited: named with the file, not a bare ValueError later
+        index.write_text(json.dumps(content))
+        with pytest.raises(mltuner.InvalidArgumentError, match="torch-adapter.json cannot be read: param group 0's 'lr'"):
+            mt.wrap(module, job.worker, example_input=BATCHES[0][0], optimizer=OPTIMIZERS["sgd-momentum"](module),
+                    resume_from=broken)
+        content = json.loads((root / "attachments" / "torch-adapter.json").read_text())
+        tensor = next(entry for entry in content["local"] if entry.get("dtype") == "float32")
+        tensor["dtype"] = "float64"  # its bytes no longer fit its shape
+        index.write_text(json.dumps(content))
+        with pytest.raises(mltuner.InvalidArgumentError, match="torch-adapter.json cannot be read"):
+            mt.wrap(module, job.worker, example_input=BATCHES[0][0], optimizer=OPTIMIZERS["sgd-momentum"](module),
+                    resume_from=broken)
         # The worker was left as it was: it can still be wrapped, and resumes.
         module = net()
         model = mt.wrap(module, job.worker, example_input=BATCHES[0][0], optimizer=OPTIMIZERS["sgd-momentum"](module),

@@ -384,10 +384,11 @@ class TuningSession:
                     self._busy.append(max(0.0, self._times[-1] - (self._stall_seconds() - stalled)))
                     self._busy_samples.append(len(step.indices))
         except GeneratorExit:  # the loop left early (a break, a zip with a shorter data loader, an exception)
-            left = self._worker.scheduled_ahead
+            left, trained = self._worker.scheduled_ahead, self._worker.trained_branch
+            then = ("later clocks are refused until one is scheduled (no trained branch to go on from)"
+                    if trained is None else f"later clocks go on from Worker.trained_branch ({trained})")
             after = (f"; the next {left} clocks are still scheduled on branch {self._worker.next_branch} (a "
-                     "trial's or a validation's), then clocks go on from Worker.trained_branch "
-                     f"({self._worker.trained_branch}, None: they are refused)") if left else ""
+                     f"trial's or a validation's), then {then}") if left else ""
             warnings.warn(f"the training loop left the tuning session after {self._clocks_yielded} steps, before "
                           "the tuner ended it (a break or return, or an exception in the loop): final_branch is "
                           f"None and the decision log has no end{after}. Iterate the session to its end "

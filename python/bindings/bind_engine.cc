@@ -212,6 +212,13 @@ void RegisterEngine(py::module_& m) {
       .def("post_local_access", &PostBuffer<&Engine::PostLocalAccess>, py::arg("handle"), py::arg("stream") = 0, Keep())
       .def("clock", [](Engine& e) { Check(e.Clock()); }, Release())  // never waits
       .def("run", &RunBatch, py::arg("ops"), py::arg("stream") = 0, Keep())
+      .def("finish_clock",
+           [](Engine& e, uintptr_t stream) {
+             int64_t ran = 0;
+             CheckInterruptibly(&e, [&] { return e.FinishClock(stream, &ran); });
+             return ran;
+           },
+           py::arg("stream") = 0, Keep())
       .def("fetch",
            [](Engine& e, TableId table, const RowArray& rows, int64_t row_width, BranchId branch) {
              std::vector<RowId> ids = ToRows(rows);

@@ -201,6 +201,14 @@ class Engine {
   // stream waits for the buffers opened so far before the copies. An error
   // stops the batch at the op that failed; the ops before it took effect.
   Status Run(const std::vector<OpCall>& ops, std::vector<AccessBuffer>* opened, uintptr_t app_stream = 0);
+  // Runs the rest of the current clock's recorded ops with nothing done in
+  // between, and ends the clock: its reads are given back, its updates send
+  // what their buffers hold (zeros where nothing was written), its local
+  // accesses keep theirs. For a loop interrupted in the middle of a clock (a
+  // Ctrl-C), which then goes on from the next one; at a clock boundary it
+  // does nothing. *ran: the ops it ran. Interrupted itself, it may be called
+  // again and goes on where it stopped.
+  Status FinishClock(uintptr_t app_stream, int64_t* ran);
 
   // Branches (Config::branches; mltuner.md §3). Every worker makes the same
   // calls at the same clock boundaries. Fork copies `parent`'s parameters and

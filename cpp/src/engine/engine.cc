@@ -629,6 +629,26 @@ Status Engine::Impl::PoisonPostedRead(const AccessRecord& access, float* data, u
   return device_->WaitOnAppStream(app_stream, *app_done);
 }
 
+Status Engine::Impl::FinishClock(uintptr_t app_stream, int64_t* ran) {
+  *ran = 0;
+  if (state_.phase.load() == Phase::kShutdown) return ShutdownError();
+  if (state_.phase.load() != Phase::kRunning) return Status::OutOfOrder("finish_clock before start_iterations");
+  std::vector<OpCall> rest;
+  {
+    MutexLock lock(&state_.mu);
+    if (!state_.background_error.ok()) return state_.background_error;
+    const int64_t num_ops = static_cast<int64_t>(plan_.recording.ops.size());
+    if (state_.app_seq % num_ops == 0) return Status::Ok();  // at a clock boundary
+    for (int64_t i = state_.app_seq % num_ops; i < num_ops; ++i) {
+      rest.push_back(OpCall{plan_.recording.ops[i].kind, plan_.recording.ops[i].handle, {}, {}});
+    }
+  }
+  std::vector<AccessBuffer> opened;
+  const Status status = Run(rest, &opened, app_stream);
+  *ran = static_cast<int64_t>(rest.size());
+  return status;
+}
+
 Status Engine::Impl::Clock() {
   const Phase phase = state_.phase.load();
   if (phase == Phase::kShutdown) return ShutdownError();
@@ -1017,6 +1037,7 @@ Status Engine::Run(const std::vector<OpCall>& ops, std::vector<AccessBuffer>* op
   return impl_->Run(ops, opened, app_stream);
 }
 Status Engine::Clock() { return impl_->Clock(); }
+Status Engine::FinishClock(uintptr_t app_stream, int64_t* ran) { return impl_->FinishClock(app_stream, ran); }
 Status Engine::ForkBranch(BranchId child, BranchId parent, const BranchSettings& settings) {
   return impl_->ForkBranch(child, parent, settings);
 }

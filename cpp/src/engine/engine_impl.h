@@ -55,6 +55,7 @@ class Engine::Impl {
   Status Open(Handle handle, OpKind kind, AccessBuffer* out, uintptr_t app_stream);
   Status Post(Handle handle, OpKind kind, uintptr_t app_stream);
   Status Run(const std::vector<OpCall>& ops, std::vector<AccessBuffer>* opened, uintptr_t app_stream);
+  Status FinishClock(uintptr_t app_stream, int64_t* ran);
   Status Clock();
   // `row_width`: the width the caller sized `out` by, checked against the
   // table's (none: the table's).

@@ -625,6 +625,20 @@ class Worker:
         """Ends the current iteration."""
         self._engine.clock()
 
+    def finish_clock(self, *, stream: int = 0) -> int:
+        """Ends a clock the loop left in the middle (a Ctrl-C, an exception):
+        runs the rest of its recorded ops with nothing done in between, so
+        its reads are given back, its updates send what their buffers hold
+        (zeros where nothing was written: a step of zero gradient, through
+        which momentum still moves the parameters), its local accesses keep
+        theirs, and the clock ends; the loop goes on from the next clock. At
+        a clock boundary it does nothing. Returns the ops it ran; interrupted
+        itself, it may be called again and goes on where it stopped."""
+        with contextlib.ExitStack() as taken_back:
+            for handle in list(self._handed_out):
+                taken_back.enter_context(self._taken_back(handle))
+            return int(self._engine.finish_clock(_stream(stream)))
+
     def run(self, ops: Sequence[tuple[str, int]], *, stream: int = 0) -> list[Buffer]:
         """Several consecutive recorded ops in one engine call, exactly as if
         each were called in order: ``ops`` are ``(kind, handle)`` pairs, the

@@ -130,7 +130,7 @@ import torch
 from torch import nn
 
 from mltuner.client._worker import Worker
-from mltuner.exceptions import InvalidArgumentError, OutOfOrderError
+from mltuner.exceptions import InvalidArgumentError, MltunerError, OutOfOrderError
 from mltuner.torch._buffers import app_stream, autocast_state, storage_ptr
 from mltuner.torch._driver_state import Phase
 from mltuner.torch._errors import IterationMismatchError, UnsupportedModelError
@@ -310,6 +310,38 @@ class ClockDriver(Planning, ServerValues, SavedTensorHooks):
         self._reset_clock()
         if not self._light:
             self._start_loss_guard(between_clocks=True)
+
+    def _recover_clock(self) -> bool:
+        """After an exception of the loop's own left a clock half done (a
+        Ctrl-C, a CUDA out-of-memory error, an error in the model's code; not
+        the adapter's or the engine's, which say why the model cannot go on):
+        ends it on the engine (``Worker.finish_clock``) and starts the next
+        clock afresh. The clock's updates that had not left send zeros: for
+        those layers a step of zero gradient, through which momentum and
+        Adam's moments still move the parameters. A second Ctrl-C while it
+        ends the clock propagates, and the next call tries again."""
+        error = self._broken
+        if error is None or self._recording or isinstance(error, MltunerError):
+            return False
+        try:
+            ran = self.worker.finish_clock(stream=app_stream(self.device))
+        except MltunerError:
+            return False  # the engine cannot (a lost peer, a failed engine): the model stays broken
+        for layer in self.layers:
+            layer.unbind()  # the clock's buffers are given back
+        if ran:
+            self.clock += 1
+        self._broken = None
+        self._reset_clock()
+        self._end_loss_guard()
+        if not self._light:
+            self._start_loss_guard(between_clocks=True)
+        warnings.warn(
+            f"clock {self.clock - 1 if ran else self.clock} of the wrapped model was left half done by "
+            f"{type(error).__name__}; it ended with the updates that had left, the other layers' as zeros (a step "
+            "of zero gradient, through which momentum still moves them), and the model goes on from the next clock",
+            stacklevel=4)
+        return True
 
     def _reset_clock(self) -> None:
         self._phase = Phase.IDLE

@@ -238,12 +238,17 @@ class DriverState:
     def check_usable(self) -> None:
         if self._closed:
             raise OutOfOrderError("the wrapped model was unwrapped; use the module unwrap() returned")
-        if self._broken is not None:
+        if self._broken is not None and not self._recover_clock():
             raise OutOfOrderError(
                 f"an earlier error left clock {self.clock} incomplete ({type(self._broken).__name__}: "
                 f"{self._broken}); the engine's recorded access order cannot be resumed, so this model "
                 "cannot train further"
             ) from self._broken
+
+    def _recover_clock(self) -> bool:
+        """Ends the clock an error left half done, where it can (ClockDriver's);
+        True when the model may go on."""
+        return False
 
     def _mutating(self) -> _Mutating:
         """Marks the driver broken if the block fails: the clock's accesses

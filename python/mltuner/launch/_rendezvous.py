@@ -63,6 +63,7 @@ _BUSY_POLL_MS = 2  # a wait with work of its own between polls (allgather's whil
 # How long a rank waits before joining again when the coordinator it reached
 # is the previous job's, closing.
 _RETRY_S = 0.05
+_MISSING_WAIT_S = 0.5  # how long a timed-out wait asks the coordinator who is missing
 # Connections the coordinator accepts beyond one per rank (reconnects).
 _SPARE_CONNECTIONS = 16
 _FAILED_HANDSHAKE = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -232,7 +233,7 @@ class Coordinator:
             self._join(routing_id, rank, message)
             return
         name = message.get("name", "")
-        if op not in ("barrier", "gather", "request"):
+        if op not in ("barrier", "gather", "request", "missing"):
             self.rejections.record(f"a control message of unknown kind {op[:40]!r} from rank {rank}")
         elif not isinstance(name, str):
             self._send(routing_id, {"op": "error", "message": f"rank {rank} sent a {op} whose name is not a string"})
@@ -240,6 +241,8 @@ class Coordinator:
             self._barrier(routing_id, rank, name, message.get("final") is True)
         elif op == "gather":
             self._gather(routing_id, rank, name, message.get("value"))
+        elif op == "missing":
+            self._missing(routing_id, name, message.get("kind"))
         else:
             self._request(routing_id, rank, name, message.get("value"))
 
@@ -324,6 +327,15 @@ class Coordinator:
         for member in routing_ids:
             self._send(member, {"op": "release", "name": name})
 
+
+    def _missing(self, routing_id: bytes, name: str, kind: Any) -> None:
+        """Which ranks barrier or allgather ``name`` still waits for (asked by
+        a rank whose wait timed out, for its message); None when none waits."""
+        with self._lock:
+            waiting = self._barriers.get(name) if kind == "barrier" else self._gathers.get(name)
+            arrived = None if waiting is None else set(waiting)
+        ranks = None if arrived is None else [r for r in range(self._world_size) if r not in arrived]
+        self._send(routing_id, {"op": "missing", "name": name, "ranks": ranks})
 
     def _gather(self, routing_id: bytes, rank: int, name: str, value: Any) -> None:
         with self._lock:
@@ -423,7 +435,7 @@ class ControlClient:
         the job's last; joins after it are the next job's."""
         barrier = _encode({"op": "barrier", "rank": self._rank, "name": name, "final": final})
         reply = self._expect("release", barrier, timeout_s,
-                             lambda: f"barrier {name!r} timed out after {timeout_s:g} s: not every worker reached it")
+                             lambda: f"barrier {name!r} timed out after {timeout_s:g} s: {self._missing('barrier', name)}")
         if reply.get("name") != name:
             raise InvalidArgumentError(f"barrier {name!r} was answered for {reply.get('name')!r}")
 
@@ -434,7 +446,7 @@ class ControlClient:
         milliseconds until then; each call that returns True (progress
         elsewhere) starts the timeout again."""
         reply = self._ask("allgather", {"op": "gather", "value": value}, "gathered", name, timeout_s,
-                          "not every worker reached it", while_waiting)
+                          lambda: self._missing("gather", name), while_waiting)
         values = reply.get("values")
         if not isinstance(values, list):
             raise InvalidArgumentError(f"allgather {name!r} was answered without values")
@@ -443,10 +455,10 @@ class ControlClient:
     def request(self, name: str, value: Any, timeout_s: float) -> Any:
         """The answer of rank 0's service ``name`` to ``value`` (JSON)."""
         return self._ask("request", {"op": "request", "value": value}, "answer", name, timeout_s,
-                         "rank 0 did not answer").get("value")
+                         lambda: "rank 0 did not answer").get("value")
 
     def _ask(self, what: str, message: dict[str, Any], answer: str, name: str, timeout_s: float,
-             unanswered: str, while_waiting: Callable[[], bool] | None = None) -> dict[str, Any]:
+             unanswered: Callable[[], str], while_waiting: Callable[[], bool] | None = None) -> dict[str, Any]:
         """Sends ``message`` named ``name`` and returns the ``answer`` to it."""
         try:
             frame = _encode({**message, "rank": self._rank, "name": name})
@@ -456,11 +468,33 @@ class ControlClient:
             raise InvalidArgumentError(f"{what} {name!r}: the value is {len(frame)} bytes encoded, "
                                        f"more than {_MAX_FRAME}")
         reply = self._expect(answer, frame, timeout_s,
-                             lambda: f"{what} {name!r} timed out after {timeout_s:g} s: {unanswered}",
+                             lambda: f"{what} {name!r} timed out after {timeout_s:g} s: {unanswered()}",
                              while_waiting=while_waiting)
         if reply.get("name") != name:
             raise InvalidArgumentError(f"{what} {name!r} was answered for {reply.get('name')!r}")
         return reply
+
+    def _missing(self, kind: str, name: str) -> str:
+        """Which ranks the coordinator still waits for at barrier or
+        allgather ``name``, asked once this rank's wait for it timed out (its
+        thread answers even where rank 0's loop is stuck), within half a
+        second."""
+        unknown = "not every worker reached it"
+        try:
+            self._socket.send(_encode({"op": "missing", "rank": self._rank, "name": name, "kind": kind}),
+                              flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return unknown
+        deadline = time.monotonic() + _MISSING_WAIT_S
+        while (left := deadline - time.monotonic()) > 0 and self._socket.poll(int(left * 1000) + 1):
+            message = _decode(self._socket.recv())
+            if message is None or message.get("op") != "missing" or message.get("name") != name:
+                continue  # what came late for the wait that timed out
+            ranks = message.get("ranks")
+            if isinstance(ranks, list) and ranks and all(_is_int(r) for r in ranks):
+                return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(str(r) for r in ranks)} did not reach it"
+            return unknown
+        return unknown
 
     def close(self) -> None:
         try:

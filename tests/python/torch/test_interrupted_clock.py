@@ -43,10 +43,16 @@ def reference() -> dict[str, torch.Tensor]:
     return {name: value.detach().clone() for name, value in module.state_dict().items()}
 
 
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    mltuner.cuda_device_count() == 0 or not torch.cuda.is_available(),
+    reason="needs the CUDA backend, a visible GPU and torch with CUDA")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("store_activations", [False, True])
 def test_a_clock_left_by_a_ctrl_c_ends_with_zero_updates_and_the_model_goes_on(
-        tmp_path: Path, store_activations: bool) -> None:
-    module = net()
+        tmp_path: Path, store_activations: bool, device: str) -> None:
+    module = net().to(device)
     interrupt = {"armed": False}
 
     def ctrl_c(*_: object) -> None:
@@ -55,10 +61,12 @@ def test_a_clock_left_by_a_ctrl_c_ends_with_zero_updates_and_the_model_goes_on(
             raise KeyboardInterrupt
 
     module[2].register_forward_pre_hook(ctrl_c)  # after the first layer's read
-    with mltuner.Job() as job:
-        model = mt.wrap(module, job.worker, example_input=BATCHES[0][0], store_activations=store_activations,
+    with mltuner.Job(mltuner.Config(device=device)) as job:
+        model = mt.wrap(module, job.worker, example_input=BATCHES[0][0].to(device),
+                        store_activations=store_activations,
                         optimizer=torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9))
         for clock, (x, y) in enumerate(BATCHES):
+            x, y = x.to(device), y.to(device)
             if clock == INTERRUPTED:
                 interrupt["armed"] = True
                 with pytest.raises(KeyboardInterrupt):
@@ -70,13 +78,14 @@ def test_a_clock_left_by_a_ctrl_c_ends_with_zero_updates_and_the_model_goes_on(
                 continue
             nn.functional.cross_entropy(model(x), y).backward()
             model.step()
-        trained = model.state_dict()
+        trained = {name: value.cpu() for name, value in model.state_dict().items()}
     want = reference()
     for name, value in want.items():
-        torch.testing.assert_close(trained[name], value, rtol=1e-5, atol=1e-6, msg=name)
-    with mltuner.Job() as job:  # the checkpoint saved after the interruption resumes
-        module = net()
-        model = mt.wrap(module, job.worker, example_input=BATCHES[0][0], store_activations=store_activations,
+        torch.testing.assert_close(trained[name], value, rtol=1e-5, atol=1e-5, msg=name)
+    with mltuner.Job(mltuner.Config(device=device)) as job:  # the checkpoint saved after the interruption resumes
+        module = net().to(device)
+        model = mt.wrap(module, job.worker, example_input=BATCHES[0][0].to(device),
+                        store_activations=store_activations,
                         optimizer=torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9),
                         resume_from=tmp_path)
         assert model.resumed is not None and model.resumed.clock == INTERRUPTED + 1

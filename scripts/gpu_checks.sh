@@ -27,7 +27,8 @@ echo "== Python GPU tests"
 preload=""
 if cc -shared -fPIC -O1 -o /tmp/native_stack.so scripts/native_stack.c -ldl 2>/dev/null; then preload=/tmp/native_stack.so; fi
 LD_PRELOAD="$preload" python3 -X faulthandler -m pytest -q -x tests/python/gpu tests/python/torch/test_cuda.py \
-  tests/python/torch/test_mixed_precision.py tests/python/test_read_my_writes.py -p no:cacheprovider > "$out/pytest-gpu.log" 2>&1
+  tests/python/torch/test_mixed_precision.py tests/python/test_read_my_writes.py \
+  tests/python/torch/test_interrupted_clock.py -p no:cacheprovider > "$out/pytest-gpu.log" 2>&1
 tail -15 "$out/pytest-gpu.log"
 echo "== benchmark"
 (cd benchmarks && python3 gpu_path_bench.py "$@" 2>&1 | tee "$out/gpu_path_bench.md")

@@ -6,6 +6,7 @@ training clock, is refused with that reason and leaves the model usable."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -68,10 +69,11 @@ def test_after_a_session_the_model_is_the_branch_the_tuner_kept() -> None:
             assert torch.isfinite(model(X_VAL)).all()
 
 
-def run_session(model: mt.PSModule, job: mltuner.Job) -> TuningSession:
+def run_session(model: mt.PSModule, job: mltuner.Job, **options: Any) -> TuningSession:
+    """A session over the model's clocks to its end (``options``: TuningSession's, as a driver)."""
     session = TuningSession(job, default_space([32], lr_range=(1e-3, 1.0)), num_train=len(X_TRAIN),
                             num_validation=len(X_VAL),
-                            config=TunerConfig(max_epochs=1, seed=0, max_trials_per_search=3))
+                            config=TunerConfig(max_epochs=1, seed=0, max_trials_per_search=3), **options)
     for step in session:
         testing = step.kind is BranchKind.TESTING
         x, y = (X_VAL, Y_VAL) if testing else (X_TRAIN, Y_TRAIN)
@@ -259,18 +261,8 @@ def test_an_optuna_baseline_that_keeps_its_best_branch_leaves_the_model_trained(
         model = mt.wrap(module, job.worker, example_input=X_TRAIN[:32],
                         optimizer=torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9))
         space = default_space([32], lr_range=(1e-3, 1.0))
-        session = TuningSession(job, space, num_train=len(X_TRAIN), num_validation=len(X_VAL),
-                                driver=lambda system: run_optuna(system, space, BaselineConfig(
-                                    max_epochs=1, n_trials=2, seed=0), keep_branch=True))
-        for step in session:
-            testing = step.kind is BranchKind.TESTING
-            x, y = (X_VAL, Y_VAL) if testing else (X_TRAIN, Y_TRAIN)
-            rows = torch.as_tensor(step.indices, dtype=torch.long)
-            logits = model(x[rows])
-            loss = nn.functional.cross_entropy(logits, y[rows])
-            loss.backward()
-            model.optimizer.step()
-            step.report(loss.item(), accuracy=(logits.argmax(1) == y[rows]).float().mean().item() if testing else None)
+        session = run_session(model, job, driver=lambda system: run_optuna(system, space, BaselineConfig(
+            max_epochs=1, n_trials=2, seed=0), keep_branch=True))
         result = session.result
         assert result is not None and result.branch is not None
         assert session.final_branch == job.worker.trained_branch == result.branch

@@ -51,6 +51,7 @@ FORMAT = "mltuner-checkpoint"
 VERSION = 1
 LATEST = "latest"
 _CHECKPOINT_NAME = re.compile(r"clock-(\d{8,})")
+_ASIDE_NAME = re.compile(r"\.(clock-\d{8,})\.old\.tmp")  # a checkpoint a second save of its clock moved aside
 _ATTACHMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 ATTACHMENTS = "attachments"
 _log = logging.getLogger("mltuner.launch")
@@ -143,7 +144,7 @@ def save(node: _core.ProcessNode, worker: Worker, root: Path, barrier: Callable[
         _write_text(root / LATEST, name + "\n")
         if aside.exists():
             _remove(aside)
-        _keep_newest(root, keep)
+        _keep_newest(root, keep, clock)
     barrier(f"checkpoint-{name}-done")
     return final
 
@@ -176,17 +177,27 @@ def read_attachment(path: str | os.PathLike[str], name: str) -> bytes | None:
         return None
 
 
-def _keep_newest(root: Path, keep: int) -> None:
-    """Removes every checkpoint but the newest ``keep`` (by clock)."""
-    found = sorted((int(match.group(1)), entry) for entry in root.iterdir()
-                   if (match := _CHECKPOINT_NAME.fullmatch(entry.name)) and entry.is_dir())
+def _keep_newest(root: Path, keep: int, saved: int) -> None:
+    """Removes every checkpoint up to clock ``saved``, the one just saved,
+    but the newest ``keep``. Those of later clocks are an earlier run's that
+    was resumed from an older checkpoint: left alone, neither counted nor
+    taken for the newest (they took the place of the one just saved)."""
+    found = sorted((number, entry) for entry in root.iterdir()
+                   if (match := _CHECKPOINT_NAME.fullmatch(entry.name)) and entry.is_dir()
+                   and (number := int(match.group(1))) <= saved)
     for _, old in found[:-keep]:
         _remove(old)
 
 
 def remove_temporaries(root: Path, keep: str = "") -> None:
     """Removes what interrupted saves left in ``root``: hidden staging
-    directories and half-written ``*.tmp`` files (but not ``keep``)."""
+    directories and half-written ``*.tmp`` files (but not ``keep``). A
+    complete checkpoint a second save of its clock moved aside, cut off
+    before the new one took its name, gets its name back."""
+    for entry in root.iterdir():
+        aside = _ASIDE_NAME.fullmatch(entry.name)
+        if aside and not (root / aside.group(1)).exists() and (entry / "manifest.json").is_file():
+            os.replace(entry, root / aside.group(1))
     for entry in root.iterdir():
         if entry.name != keep and entry.name.endswith(".tmp") and (
                 entry.name.startswith(".clock-") or entry.is_file()):

@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import json
 import logging
@@ -100,8 +101,20 @@ def _close_open_jobs() -> None:
     # the interpreter keeps in sys.last_value, does not, so its peers see it
     # fail within their heartbeat timeout instead of waiting for it.
     failed = getattr(sys, "last_value", None) is not None
+    unanswered: MltunerError | None = None
     for job in list(_open_jobs):
-        job.close(graceful=not failed)
+        try:
+            job.close(graceful=not failed)
+        except MltunerError as error:  # every job is closed first
+            unanswered = unanswered or error
+    if unanswered is not None:
+        # An exception here would be printed and ignored, and the process
+        # exit 0 as if the job had finished: the launcher must see it fail.
+        _log.error("mltuner: closing the job at exit: %s", unanswered)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(1)
 
 
 class Job:
@@ -374,9 +387,11 @@ class Job:
         the last clock any rank finished. Idempotent.
 
         Raises:
-            mltuner.WaitTimeoutError: graceful, a peer neither reached close
-                nor was lost within the timeout (alive but stuck): the rank
-                does not end as if its job had finished. A lost peer was
+            mltuner.MltunerError: graceful, what the close's wait met when no
+                peer was lost (a WaitTimeoutError: a peer alive but stuck
+                never reached close), once the rank has shut down, so that it
+                does not end as if its job had finished (a job still open at
+                interpreter exit then exits with status 1). A lost peer was
                 reported by the calls that met it, and is not raised again.
         """
         if self._closed:

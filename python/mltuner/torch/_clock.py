@@ -166,7 +166,7 @@ class ClockDriver(Planning, ServerValues, SavedTensorHooks):
         gradients are enabled, an evaluation on the servers' current values
         otherwise. ``inputs``: the forward's arguments (for
         :meth:`_check_inputs`)."""
-        self.check_usable()
+        self.check_usable(recover=True)
         if not torch.is_grad_enabled():
             return self._evaluate(call)
         # Gradient accumulation: in a light clock (held reads, no stores) whose
@@ -271,7 +271,7 @@ class ClockDriver(Planning, ServerValues, SavedTensorHooks):
     def step(self) -> None:
         """Ends the clock (``Worker.clock``)."""
         self._end_loss_guard()
-        self.check_usable()
+        self.check_usable(recover=True)
         if self._phase is Phase.IDLE:
             raise OutOfOrderError(f"step() in clock {self.clock} without a forward pass and loss.backward()")
         if self._phase is Phase.FORWARD:
@@ -321,27 +321,43 @@ class ClockDriver(Planning, ServerValues, SavedTensorHooks):
         Adam's moments still move the parameters. A second Ctrl-C while it
         ends the clock propagates, and the next call tries again."""
         error = self._broken
-        if error is None or self._recording or isinstance(error, MltunerError):
+        # An AssertionError is the adapter's own invariant failing.
+        if error is None or self._recording or isinstance(error, (MltunerError, AssertionError)):
             return False
+        left = self.clock
         try:
+            if self._queued:
+                self._flush_posts()  # the updates of the gradients that arrived go with them
             ran = self.worker.finish_clock(stream=app_stream(self.device))
         except MltunerError:
             return False  # the engine cannot (a lost peer, a failed engine): the model stays broken
         for layer in self.layers:
             layer.unbind()  # the clock's buffers are given back
-        if ran:
-            self.clock += 1
+        # The engine's clock: one past the half-done clock, or already past it
+        # (the interruption came after step()'s last engine call), or at it
+        # (nothing reached the engine: the clock starts over).
+        self.clock = int(self.worker.stats["clock"])
         self._broken = None
         self._reset_clock()
         self._end_loss_guard()
         if not self._light:
             self._start_loss_guard(between_clocks=True)
-        warnings.warn(
-            f"clock {self.clock - 1 if ran else self.clock} of the wrapped model was left half done by "
-            f"{type(error).__name__}; it ended with the updates that had left, the other layers' as zeros (a step "
-            "of zero gradient, through which momentum still moves them), and the model goes on from the next clock",
-            stacklevel=4)
+        if ran:
+            warnings.warn(
+                f"clock {left} of the wrapped model was left half done by {type(error).__name__}; it ended with "
+                "the updates that had left, the other layers' as zeros (a step of zero gradient, through which "
+                "momentum still moves them), and the model goes on from the next clock", stacklevel=4)
         return True
+
+    def zero_grad(self) -> None:
+        """``model.optimizer.zero_grad()``: where updates ship at step() and
+        none has left, the gradients of the passes since the last step() are
+        dropped, as torch's zero_grad drops them (a pass whose backward raised
+        adds nothing then); elsewhere gradients are cleared as they are
+        handed over."""
+        if self._phase is Phase.BACKWARD and self._at_step and not self._updated:
+            for layer in self.layers:
+                layer.clear_grads()
 
     def _reset_clock(self) -> None:
         self._phase = Phase.IDLE

@@ -155,7 +155,7 @@ class ClockChecks(DriverState):
         )
 
     def check_between_clocks(self, what: str) -> None:
-        self.check_usable()
+        self.check_usable(recover=True)
         if self._phase is not Phase.IDLE:
             raise OutOfOrderError(f"{what} in the middle of a clock: call step() first")
         self._refuse_writes_between_clocks()

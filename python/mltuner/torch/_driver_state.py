@@ -235,15 +235,29 @@ class DriverState:
         refuse_copy("pickle")
 
     # -- whether the driver can go on ----------------------------------------------------
-    def check_usable(self) -> None:
+    def check_usable(self, *, recover: bool = False) -> None:
+        """Raises where the model cannot be used. ``recover``: a call of the
+        loop's between hooks (a forward, step(), state_dict(), a save) first
+        ends a clock the loop's own exception left half done (_recover_clock)."""
         if self._closed:
             raise OutOfOrderError("the wrapped model was unwrapped; use the module unwrap() returned")
-        if self._broken is not None and not self._recover_clock():
+        if recover and self._broken is None and self._backward_failed():
+            self._broken = RuntimeError(f"the backward pass of clock {self.clock} ended before every layer's "
+                                        "gradient arrived (an exception in it)")
+        if self._broken is not None and not (recover and self._recover_clock()):
             raise OutOfOrderError(
                 f"an earlier error left clock {self.clock} incomplete ({type(self._broken).__name__}: "
                 f"{self._broken}); the engine's recorded access order cannot be resumed, so this model "
                 "cannot train further"
             ) from self._broken
+
+    def _backward_failed(self) -> bool:
+        """Whether a backward pass of this clock began and did not finish:
+        back in the loop, that means it raised (``loss.backward()`` returns
+        only once it is done)."""
+        if self._phase is not Phase.BACKWARD or not any(count > 0 for count in self._pending):
+            return False
+        return bool(self._updated) or any(mark == self._serial for marks in self._marks for mark in marks)
 
     def _recover_clock(self) -> bool:
         """Ends the clock an error left half done, where it can (ClockDriver's);

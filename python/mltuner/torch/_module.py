@@ -217,7 +217,7 @@ class PSModule(nn.Module):
         running statistics, are this worker's own. The keys are those of the
         original module, so ``plain_model.load_state_dict(ps_model.state_dict())``
         works. The tensors are copies."""
-        self._driver.check_usable()
+        self._driver.check_usable(recover=True)
         self._driver.bind_server_values(branch)
         self._driver._own_state_dict = True  # the module's hooks leave the branch bound
         try:
@@ -463,7 +463,10 @@ class ClockOptimizer(torch.optim.Optimizer):
             self._source._opt_called = True  # type: ignore[attr-defined]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Nothing to do: gradients are cleared as they are handed over."""
+        """Gradients are cleared as they are handed over; where updates ship
+        at step(), those of the passes since the last step() are dropped, as
+        torch's zero_grad drops them."""
+        self._model._driver.zero_grad()
 
     def take_over_source(self) -> None:
         """Makes the original optimizer this one until unwrap(): its

@@ -254,6 +254,9 @@ class LearningRates:
         self._worker = worker
         self._groups = list(groups)
         self._layer_groups = [list(g) for g in layer_groups]
+        # The groups with a table (one of only frozen parameters has none): the
+        # servers' rates, whose ratios a session keeps.
+        self._rated = sorted({group for groups in self._layer_groups for group in groups})
         self._optimizer = optimizer
         self._rule = rule
         self._sent = [_number(group["lr"]) for group in self._groups]
@@ -328,7 +331,7 @@ class LearningRates:
         if "lr" not in settings:
             return
         rates = [_number(group["lr"]) for group in self._groups]
-        now, held = _rate_ratios(rates), _rate_ratios(self._sent)
+        now, held = _rate_ratios([rates[i] for i in self._rated]), _rate_ratios([self._sent[i] for i in self._rated])
         if (now is None) != (held is None) or (now is not None and held is not None and not all(
                 math.isclose(a, b, rel_tol=1e-6) for a, b in zip(now, held))):  # float32's rounding aside
             raise InvalidArgumentError(
@@ -347,18 +350,19 @@ class LearningRates:
         The tuned ``lr`` is the fastest group's; the others keep their
         ratio to it, as the session's forks did."""
         tunables = self._worker.trained_tunables or {}
-        rates = None
+        adopted: dict[int, float] = {}
         if "lr" in tunables:
-            untouched = [float(np.float32(rate)) for rate in self._sent] == [
+            sent = [self._sent[index] for index in self._rated]
+            untouched = [float(np.float32(rate)) for rate in sent] == [
                 float(np.float32(rate)) for rate in self._ratio_rates]
-            self._ratios = _rate_ratios(self._sent) if self._ratios is None or not untouched else self._ratios
-            rates = _scaled(self._ratios, float(tunables["lr"]), len(self._groups))
-            self._ratio_rates = list(rates)
+            self._ratios = _rate_ratios(sent) if self._ratios is None or not untouched else self._ratios
+            self._ratio_rates = _scaled(self._ratios, float(tunables["lr"]), len(sent))
+            adopted = dict(zip(self._rated, self._ratio_rates))
         for index, group in enumerate(self._groups):
-            if rates is not None:
-                group["lr"] = self._sent[index] = rates[index]
+            if index in adopted:  # a group without a table keeps its rate: no server applies it
+                group["lr"] = self._sent[index] = adopted[index]
                 if "initial_lr" in group:  # a scheduler made from now on starts from it
-                    group["initial_lr"] = rates[index]
+                    group["initial_lr"] = adopted[index]
             if "momentum" in tunables and "momentum" in self._frozen[index]:
                 group["momentum"] = float(tunables["momentum"])
                 self._frozen[index]["momentum"] = plain_setting(group["momentum"])

@@ -53,7 +53,7 @@ class ServerValues(LayerHooks):
         """The original module used between clocks: its parameters hold
         the servers' values of the default branch, unless they do already
         (an evaluation, ``state_dict()``)."""
-        self.check_usable()
+        self.check_usable(recover=True)
         if self._eval_clock != (self.clock, self.worker.trained_branch):
             self.bind_server_values()
 

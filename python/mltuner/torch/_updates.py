@@ -218,7 +218,7 @@ class GradientUpdates(EngineOps, ClockChecks):
         """The forward passes inside leave their gradients in ``.grad``
         (DDP's ``no_sync``): where updates ship from the backward pass, the
         next pass outside ships the sum, or step() does."""
-        self.check_usable()
+        self.check_usable(recover=True)
         if not self._light:
             raise OutOfOrderError(
                 "no_sync() (gradient accumulation) needs held reads without stored activations (wrap()'s default "

@@ -90,6 +90,27 @@ def test_a_fetch_right_after_restore_sees_every_shards_rows(tmp_path: Path) -> N
         close(jobs)
 
 
+def test_keep_leaves_the_checkpoints_of_a_run_resumed_from_an_older_one_alone(tmp_path: Path) -> None:
+    """A run resumed from clock 2 while clock 4 exists saves clock 3 with
+    keep=1: clock 4 (the earlier run's) stayed the newest by clock and the
+    save just made was removed, latest naming nothing. Now the later one is
+    left alone and the new one kept."""
+    with single_job() as job:
+        _, update = prepare(job.worker)
+        job.worker.start_iterations()
+        for _ in range(2):
+            add_clocks(job.worker, update, 2, 1.0)
+            job.save_checkpoint(tmp_path)
+    with single_job() as job:
+        _, update = prepare(job.worker)
+        job.restore_checkpoint(tmp_path / "clock-00000002")
+        job.worker.start_iterations()
+        add_clocks(job.worker, update, 1, 1.0)
+        assert job.save_checkpoint(tmp_path, keep=1).name == "clock-00000003"
+    assert sorted(entry.name for entry in tmp_path.iterdir()) == ["clock-00000003", "clock-00000004", "latest"]
+    assert (tmp_path / "latest").read_text().strip() == "clock-00000003"
+
+
 def test_keep_is_exact_and_leftovers_are_removed_at_the_next_save(tmp_path: Path) -> None:
     leftovers = [tmp_path / ".clock-00000099.tmp" / "shard-0", tmp_path / ".clock-00000001.tmp"]
     for directory in leftovers:
@@ -146,13 +167,18 @@ def test_a_clock_saved_again_and_a_latest_naming_nothing_still_resume(tmp_path: 
     assert sorted(entry.name for entry in tmp_path.iterdir()) == ["clock-00000002", "clock-00000004", "latest"]
     np.testing.assert_array_equal(again, np.full((10, 3), 22.0, dtype=np.float32))
     (tmp_path / "clock-00000004").rename(tmp_path / ".clock-00000004.old.tmp")  # the save cut off there
-    for latest in ("clock-00000004\n", "", "../elsewhere"):
+    with single_job() as job:
+        table, _ = prepare(job.worker)
+        assert job.restore_checkpoint(tmp_path) == 2  # the newest complete one
+        np.testing.assert_array_equal(job.worker.fetch(table), np.full((10, 3), 2.0, dtype=np.float32))
+    assert sorted(entry.name for entry in tmp_path.iterdir()) == ["clock-00000002", "clock-00000004", "latest"]
+    for latest in ("", "../elsewhere"):  # the one moved aside has its name back, and is the newest
         (tmp_path / "latest").write_text(latest)
         with single_job() as job:
             table, _ = prepare(job.worker)
-            assert job.restore_checkpoint(tmp_path) == 2
-            np.testing.assert_array_equal(job.worker.fetch(table), np.full((10, 3), 2.0, dtype=np.float32))
-    assert not (tmp_path / ".clock-00000004.old.tmp").exists()  # removed as a leftover at restore
+            assert job.restore_checkpoint(tmp_path) == 4
+            np.testing.assert_array_equal(job.worker.fetch(table), again)
+    (tmp_path / "clock-00000004" / "manifest.json").unlink()
     (tmp_path / "clock-00000002" / "manifest.json").unlink()
     with single_job() as job:
         prepare(job.worker)

@@ -89,3 +89,101 @@ def test_a_clock_left_by_a_ctrl_c_ends_with_zero_updates_and_the_model_goes_on(
                         optimizer=torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9),
                         resume_from=tmp_path)
         assert model.resumed is not None and model.resumed.clock == INTERRUPTED + 1
+
+
+@pytest.mark.parametrize("store_activations", [False, True])
+def test_an_error_in_the_backward_pass_leaves_the_model_going_on(store_activations: bool) -> None:
+    """An exception inside loss.backward() (a CUDA OOM, an error in a custom
+    backward) leaves no mark of the adapter's. Where updates ship at step()
+    (held reads) nothing has left: the loop's zero_grad() drops the pass's
+    gradients, as torch's does, and the clock goes on with the next batch
+    (torch: that batch takes no step). Where they ship from the backward
+    pass (stored activations) the next forward finds the backward begun and
+    not finished and ends that clock first, with the gradients that arrived
+    (the last layer's) and zeros for the others (torch: a step with those)."""
+    module = net()
+    interrupt = {"armed": False}
+
+    def fail_in_backward(_: nn.Module, __: object, output: torch.Tensor) -> None:
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            if interrupt["armed"]:
+                interrupt["armed"] = False
+                raise RuntimeError("CUDA out of memory (simulated)")
+            return grad
+        if output.requires_grad:
+            output.register_hook(hook)
+
+    module[2].register_forward_hook(fail_in_backward)  # after the last layer's gradient, before the others'
+    with mltuner.Job() as job:
+        model = mt.wrap(module, job.worker, example_input=BATCHES[0][0], store_activations=store_activations,
+                        optimizer=torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9))
+        for clock, (x, y) in enumerate(BATCHES):
+            model.optimizer.zero_grad()
+            if clock == INTERRUPTED + 1 and store_activations:
+                with pytest.warns(UserWarning, match=f"clock {INTERRUPTED} of the wrapped model was left half done"):
+                    loss = nn.functional.cross_entropy(model(x), y)
+            else:
+                loss = nn.functional.cross_entropy(model(x), y)
+            if clock == INTERRUPTED:
+                interrupt["armed"] = True
+                with pytest.raises(RuntimeError, match="simulated"):
+                    loss.backward()
+                continue
+            loss.backward()
+            model.step()
+        assert model.clock == job.worker.stats["clock"] == len(BATCHES) - (0 if store_activations else 1)
+        trained = model.state_dict()
+    module = net()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    for clock, (x, y) in enumerate(BATCHES):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(module(x), y).backward()
+        if clock == INTERRUPTED:
+            if not store_activations:
+                continue
+            for name, p in module.named_parameters():
+                if not name.startswith("4."):
+                    p.grad = torch.zeros_like(p)
+        optimizer.step()
+    for name, value in module.state_dict().items():
+        torch.testing.assert_close(trained[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_ctrl_c_after_steps_last_engine_call_keeps_the_clocks_in_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C that lands as step()'s last engine call returns (its clock
+    op already ran) ends nothing more: the model's clock follows the
+    engine's (it stayed one behind for good), and training equals the
+    uninterrupted run."""
+    module = net()
+    with mltuner.Job() as job:
+        model = mt.wrap(module, job.worker, example_input=BATCHES[0][0],
+                        optimizer=torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9))
+        run_ops = job.worker._run_ops
+        calls = {"armed": False}
+
+        def interrupted(ops: list[tuple[object, ...]], stream: int) -> object:
+            buffers = run_ops(ops, stream)
+            if calls["armed"] and any(op[0] == 6 for op in ops):  # OpKind::kClock
+                calls["armed"] = False
+                raise KeyboardInterrupt
+            return buffers
+
+        monkeypatch.setattr(job.worker, "_run_ops", interrupted)
+        for clock, (x, y) in enumerate(BATCHES):
+            nn.functional.cross_entropy(model(x), y).backward()
+            calls["armed"] = clock == INTERRUPTED
+            if clock == INTERRUPTED:
+                with pytest.raises(KeyboardInterrupt):
+                    model.step()
+                continue
+            model.step()
+            assert model.clock == job.worker.stats["clock"] == clock + 1
+        trained = model.state_dict()
+    module = net()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    for x, y in BATCHES:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(module(x), y).backward()
+        optimizer.step()
+    for name, value in module.state_dict().items():
+        torch.testing.assert_close(trained[name], value, rtol=1e-5, atol=1e-6, msg=name)

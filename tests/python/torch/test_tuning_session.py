@@ -127,21 +127,25 @@ def test_after_a_session_the_loop_trains_on_with_the_tuned_setting(tmp_path: Pat
 def test_param_groups_keep_their_ratio_under_a_session_that_tunes_lr() -> None:
     """The tuned lr is the fastest group's: a group at a fifth of it stays at
     a fifth, and a group at 0 (a part frozen until later) never moves (every
-    group trained at the tuned rate, the frozen part too)."""
+    group trained at the tuned rate, the frozen part too). A group of only
+    frozen parameters has no table, so its rate counts for nothing (it was
+    taken for the fastest, and the groups showed rates no server applied)."""
     torch.manual_seed(0)
-    module = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+    module = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3),
+                           nn.Linear(3, 3).requires_grad_(False))
     frozen, trained = module[0].weight.detach().clone(), module[2].weight.detach().clone()
     with mltuner.Job(mltuner.Config(branches=True)) as job:
         optimizer = torch.optim.SGD([{"params": module[0].parameters(), "lr": 0.0},
                                      {"params": module[2].parameters(), "lr": 0.002},
-                                     {"params": module[4].parameters()}], lr=0.01, momentum=0.9)
+                                     {"params": module[4].parameters()},
+                                     {"params": module[5].parameters(), "lr": 1.0}], lr=0.01, momentum=0.9)
         model = mt.wrap(module, job.worker, example_input=X_TRAIN[:32], optimizer=optimizer)
         session = run_session(model, job)
         assert session.final_tunables is not None
         tuned = session.final_tunables["lr"]
         rates = [group["lr"] for group in model.optimizer.param_groups]
         fifth = float(np.float32(float(np.float32(0.002)) / float(np.float32(0.01)) * float(np.float32(tuned))))
-        assert rates == [0.0, fifth, tuned]
+        assert rates == [0.0, fifth, tuned, 1.0]
         for after in (model.state_dict(), model.state_dict(branch=session.final_branch)):
             assert torch.equal(after["0.weight"], frozen)
             assert not torch.equal(after["2.weight"], trained)

@@ -36,3 +36,27 @@ def test_a_job_left_open_is_closed_at_exit(tmp_path: Path) -> None:
     text = out.getvalue()
     assert code == 0, text
     assert text.count("leaving without close") == 2 and "terminate" not in text, text
+
+
+STUCK = """
+import os, time
+import mltuner
+job = mltuner.Job(mltuner.Config(wait_timeout_s=2), heartbeat_timeout_s=30.0, rendezvous_timeout_s=30)
+if job.rank == 0:
+    time.sleep(8)  # alive (its heartbeats go on) but never reaching close in time
+print(f"rank {job.rank} leaving without close", flush=True)
+"""
+
+
+def test_a_job_left_open_whose_peer_is_stuck_exits_with_an_error(tmp_path: Path) -> None:
+    """Closed at exit, a close that a stuck (not lost) peer never answers
+    ends the process with status 1 and the wait's message (it exited 0, and
+    the launcher reported success)."""
+    script = tmp_path / "stuck_peer.py"
+    script.write_text(STUCK)
+    out = io.StringIO()
+    code = launch([sys.executable, str(script)], 2, stdout=out, grace_seconds=20)
+    text = out.getvalue()
+    assert code != 0, text
+    assert "rank 1 leaving without close" in text and "closing the job at exit" in text, text
+    assert "rank 0 did not reach it" in text, text

@@ -90,17 +90,22 @@ def test_a_fetch_right_after_restore_sees_every_shards_rows(tmp_path: Path) -> N
         close(jobs)
 
 
-def test_keep_leaves_the_checkpoints_of_a_run_resumed_from_an_older_one_alone(tmp_path: Path) -> None:
-    """A run resumed from clock 2 while clock 4 exists saves clock 3 with
-    keep=1: clock 4 (the earlier run's) stayed the newest by clock and the
-    save just made was removed, latest naming nothing. Now the later one is
-    left alone and the new one kept."""
+def save_clocks_2_and_4(root: Path) -> None:
+    """Checkpoints of clocks 2 and 4 of one worker adding 1 a clock."""
     with single_job() as job:
         _, update = prepare(job.worker)
         job.worker.start_iterations()
         for _ in range(2):
             add_clocks(job.worker, update, 2, 1.0)
-            job.save_checkpoint(tmp_path)
+            job.save_checkpoint(root)
+
+
+def test_keep_leaves_the_checkpoints_of_a_run_resumed_from_an_older_one_alone(tmp_path: Path) -> None:
+    """A run resumed from clock 2 while clock 4 exists saves clock 3 with
+    keep=1: clock 4 (the earlier run's) stayed the newest by clock and the
+    save just made was removed, latest naming nothing. Now the later one is
+    left alone and the new one kept."""
+    save_clocks_2_and_4(tmp_path)
     with single_job() as job:
         _, update = prepare(job.worker)
         job.restore_checkpoint(tmp_path / "clock-00000002")
@@ -151,12 +156,7 @@ def test_a_clock_saved_again_and_a_latest_naming_nothing_still_resume(tmp_path: 
     the old one moves aside before the new one takes its name. A save cut
     off between the two (latest names a directory gone), or a latest edited
     by hand, resumes from the newest complete checkpoint, saying so."""
-    with single_job() as job:
-        _, update = prepare(job.worker)
-        job.worker.start_iterations()
-        for _ in range(2):
-            add_clocks(job.worker, update, 2, 1.0)
-            job.save_checkpoint(tmp_path)
+    save_clocks_2_and_4(tmp_path)
     with single_job() as job:
         table, update = prepare(job.worker)
         assert job.restore_checkpoint(tmp_path / "clock-00000002") == 2

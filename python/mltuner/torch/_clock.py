@@ -271,7 +271,10 @@ class ClockDriver(Planning, ServerValues, SavedTensorHooks):
     def step(self) -> None:
         """Ends the clock (``Worker.clock``)."""
         self._end_loss_guard()
+        half_done = self._broken is not None or self._backward_failed()
         self.check_usable(recover=True)
+        if half_done and self._phase is Phase.IDLE:
+            return  # the clock an exception left half done was ended (_recover_clock)
         if self._phase is Phase.IDLE:
             raise OutOfOrderError(f"step() in clock {self.clock} without a forward pass and loss.backward()")
         if self._phase is Phase.FORWARD:

@@ -91,16 +91,18 @@ def test_a_clock_left_by_a_ctrl_c_ends_with_zero_updates_and_the_model_goes_on(
         assert model.resumed is not None and model.resumed.clock == INTERRUPTED + 1
 
 
+@pytest.mark.parametrize("then", ["step", "forward"])
 @pytest.mark.parametrize("store_activations", [False, True])
-def test_an_error_in_the_backward_pass_leaves_the_model_going_on(store_activations: bool) -> None:
+def test_an_error_in_the_backward_pass_leaves_the_model_going_on(store_activations: bool, then: str) -> None:
     """An exception inside loss.backward() (a CUDA OOM, an error in a custom
     backward) leaves no mark of the adapter's. Where updates ship at step()
     (held reads) nothing has left: the loop's zero_grad() drops the pass's
     gradients, as torch's does, and the clock goes on with the next batch
     (torch: that batch takes no step). Where they ship from the backward
-    pass (stored activations) the next forward finds the backward begun and
-    not finished and ends that clock first, with the gradients that arrived
-    (the last layer's) and zeros for the others (torch: a step with those)."""
+    pass (stored activations) the loop's next call (here step(); the next
+    forward alike) finds the backward begun and not finished and ends that
+    clock, with the gradients that arrived (the last layer's) and zeros for
+    the others (torch: a step with those)."""
     module = net()
     interrupt = {"armed": False}
 
@@ -117,10 +119,11 @@ def test_an_error_in_the_backward_pass_leaves_the_model_going_on(store_activatio
     with mltuner.Job() as job:
         model = mt.wrap(module, job.worker, example_input=BATCHES[0][0], store_activations=store_activations,
                         optimizer=torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9))
+        ended = pytest.warns(UserWarning, match=f"clock {INTERRUPTED} of the wrapped model was left half done")
         for clock, (x, y) in enumerate(BATCHES):
             model.optimizer.zero_grad()
-            if clock == INTERRUPTED + 1 and store_activations:
-                with pytest.warns(UserWarning, match=f"clock {INTERRUPTED} of the wrapped model was left half done"):
+            if clock == INTERRUPTED + 1 and store_activations and then == "forward":
+                with ended:
                     loss = nn.functional.cross_entropy(model(x), y)
             else:
                 loss = nn.functional.cross_entropy(model(x), y)
@@ -128,6 +131,9 @@ def test_an_error_in_the_backward_pass_leaves_the_model_going_on(store_activatio
                 interrupt["armed"] = True
                 with pytest.raises(RuntimeError, match="simulated"):
                     loss.backward()
+                if store_activations and then == "step":  # a loop that steps anyway: that ends the clock
+                    with ended:
+                        model.step()
                 continue
             loss.backward()
             model.step()

@@ -776,12 +776,7 @@ class Worker:
     def check_session_start(self, settings: frozenset[str]) -> None:
         """Runs the :meth:`add_session_check` checks (a tuning session
         calls it as it starts)."""
-        for reference in list(self._session_checks):
-            check = reference()
-            if check is None:
-                self._session_checks.remove(reference)
-            else:
-                check(settings)
+        _call_live(self._session_checks, settings)
 
     @property
     def trained_tunables(self) -> dict[str, Any] | None:
@@ -796,12 +791,7 @@ class Worker:
         self._engine.continue_on_branch(-1 if branch is None else branch)
         self._trained_branch = branch
         self._trained_tunables = None if tunables is None else dict(tunables)
-        for listener in list(self._trained_listeners):
-            callback = listener()
-            if callback is None:
-                self._trained_listeners.remove(listener)
-            else:
-                callback()
+        _call_live(self._trained_listeners)
 
     @property
     def last_read_data_age(self) -> int:
@@ -916,3 +906,14 @@ def _check_frames_fit(name: str, num_rows: int, row_width: int, num_shards: int,
             f"table {name!r} ({num_rows} x {row_width}) needs messages of up to {needed} bytes between "
             f"{num_shards} processes, more than the data sockets accept ({limit} bytes): raise "
             f"Job(max_message_bytes=...) to at least {needed}, or split the table")
+
+
+def _call_live(callbacks: list[weakref.WeakMethod[Callable[..., None]]], *args: Any) -> None:
+    """Calls each weakly held bound method whose object is alive with
+    ``args``, in order, and forgets the dead ones."""
+    for reference in list(callbacks):
+        callback = reference()
+        if callback is None:
+            callbacks.remove(reference)
+        else:
+            callback(*args)

@@ -182,11 +182,16 @@ def _keep_newest(root: Path, keep: int, saved: int) -> None:
     but the newest ``keep``. Those of later clocks are an earlier run's that
     was resumed from an older checkpoint: left alone, neither counted nor
     taken for the newest (they took the place of the one just saved)."""
-    found = sorted((number, entry) for entry in root.iterdir()
-                   if (match := _CHECKPOINT_NAME.fullmatch(entry.name)) and entry.is_dir()
-                   and (number := int(match.group(1))) <= saved)
-    for _, old in found[:-keep]:
+    found = [entry for number, entry in _numbered(root) if entry.is_dir() and number <= saved]
+    for old in found[:-keep]:
         _remove(old)
+
+
+def _numbered(root: Path) -> list[tuple[int, Path]]:
+    """The ``clock-*`` entries of ``root`` (none if it is no directory), by clock."""
+    entries = root.iterdir() if root.is_dir() else ()
+    return sorted((int(match.group(1)), entry) for entry in entries
+                  if (match := _CHECKPOINT_NAME.fullmatch(entry.name)))
 
 
 def remove_temporaries(root: Path, keep: str = "") -> None:
@@ -262,13 +267,12 @@ def resolve(path: Path) -> Path:
         named = latest.read_text(errors="replace").strip()
         if _CHECKPOINT_NAME.fullmatch(named) and (path / named / "manifest.json").is_file():
             return path / named
-    complete = sorted((int(match.group(1)), entry) for entry in (path.iterdir() if path.is_dir() else ())
-                      if (match := _CHECKPOINT_NAME.fullmatch(entry.name)) and (entry / "manifest.json").is_file())
+    complete = [entry for _, entry in _numbered(path) if (entry / "manifest.json").is_file()]
     said = (f"{latest} names {named!r}, which holds no complete checkpoint" if latest.is_file()
             else f"no {LATEST} file")
     if complete:
-        _log.warning("mltuner: %s; resuming from %s, the newest complete one", said, complete[-1][1].name)
-        return complete[-1][1]
+        _log.warning("mltuner: %s; resuming from %s, the newest complete one", said, complete[-1].name)
+        return complete[-1]
     raise NotFoundError(f"no complete checkpoint at {path}: no manifest.json there, {said}, and no clock-* "
                         "directory with one")
 

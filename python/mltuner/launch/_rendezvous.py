@@ -49,7 +49,7 @@ from typing import Any, TypeGuard
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from mltuner.exceptions import InvalidArgumentError, PeerLostError, WaitTimeoutError
+from mltuner.exceptions import InvalidArgumentError, MltunerError, PeerLostError, WaitTimeoutError
 from mltuner.transport._control import CONTROL_IO_THREAD
 from mltuner.transport._guard import ConnectionGuard, RejectionLog, describe_handshake_failure, limit_input
 from mltuner.transport._security import CurveKeys, secure_client, secure_server
@@ -481,20 +481,14 @@ class ControlClient:
         second."""
         unknown = "not every worker reached it"
         try:
-            self._socket.send(_encode({"op": "missing", "rank": self._rank, "name": name, "kind": kind}),
-                              flags=zmq.NOBLOCK)
-        except zmq.ZMQError:
+            reply = self._expect("missing", _encode({"op": "missing", "rank": self._rank, "name": name, "kind": kind}),
+                                 _MISSING_WAIT_S, lambda: unknown)
+        except MltunerError:  # no answer in time, a lost peer: the timeout's own message says enough
             return unknown
-        deadline = time.monotonic() + _MISSING_WAIT_S
-        while (left := deadline - time.monotonic()) > 0 and self._socket.poll(int(left * 1000) + 1):
-            message = _decode(self._socket.recv())
-            if message is None or message.get("op") != "missing" or message.get("name") != name:
-                continue  # what came late for the wait that timed out
-            ranks = message.get("ranks")
-            if isinstance(ranks, list) and ranks and all(_is_int(r) for r in ranks):
-                return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(str(r) for r in ranks)} did not reach it"
+        ranks = reply.get("ranks")
+        if reply.get("name") != name or not isinstance(ranks, list) or not ranks or not all(_is_int(r) for r in ranks):
             return unknown
-        return unknown
+        return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(str(r) for r in ranks)} did not reach it"
 
     def close(self) -> None:
         try:

@@ -271,9 +271,7 @@ class ClockDriver(Planning, ServerValues, SavedTensorHooks):
     def step(self) -> None:
         """Ends the clock (``Worker.clock``)."""
         self._end_loss_guard()
-        half_done = self._broken is not None or self._backward_failed()
-        self.check_usable(recover=True)
-        if half_done and self._phase is Phase.IDLE:
+        if self.check_usable(recover=True):
             return  # the clock an exception left half done was ended (_recover_clock)
         if self._phase is Phase.IDLE:
             raise OutOfOrderError(f"step() in clock {self.clock} without a forward pass and loss.backward()")
@@ -342,8 +340,7 @@ class ClockDriver(Planning, ServerValues, SavedTensorHooks):
         self.clock = int(self.worker.stats["clock"])
         self._broken = None
         self._reset_clock()
-        self._end_loss_guard()
-        if not self._light:
+        if not self._light:  # as step() leaves it (a light clock has no guard)
             self._start_loss_guard(between_clocks=True)
         if ran:
             warnings.warn(

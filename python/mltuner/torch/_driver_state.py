@@ -235,21 +235,25 @@ class DriverState:
         refuse_copy("pickle")
 
     # -- whether the driver can go on ----------------------------------------------------
-    def check_usable(self, *, recover: bool = False) -> None:
+    def check_usable(self, *, recover: bool = False) -> bool:
         """Raises where the model cannot be used. ``recover``: a call of the
         loop's between hooks (a forward, step(), state_dict(), a save) first
-        ends a clock the loop's own exception left half done (_recover_clock)."""
+        ends a clock the loop's own exception left half done (_recover_clock);
+        True when it did."""
         if self._closed:
             raise OutOfOrderError("the wrapped model was unwrapped; use the module unwrap() returned")
         if recover and self._broken is None and self._backward_failed():
             self._broken = RuntimeError(f"the backward pass of clock {self.clock} ended before every layer's "
                                         "gradient arrived (an exception in it)")
-        if self._broken is not None and not (recover and self._recover_clock()):
+        if self._broken is None:
+            return False
+        if not (recover and self._recover_clock()):
             raise OutOfOrderError(
                 f"an earlier error left clock {self.clock} incomplete ({type(self._broken).__name__}: "
                 f"{self._broken}); the engine's recorded access order cannot be resumed, so this model "
                 "cannot train further"
             ) from self._broken
+        return True
 
     def _backward_failed(self) -> bool:
         """Whether a backward pass of this clock began and did not finish:

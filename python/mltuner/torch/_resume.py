@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mltuner._validate import is_real
 from mltuner.exceptions import InvalidArgumentError, NotFoundError
 from mltuner.launch import _checkpoint
 from mltuner.torch._layers import Layer
@@ -284,8 +285,7 @@ def _checked_groups(groups: Any) -> list[dict[str, Any]]:
     for index, group in enumerate(groups):
         for key in ("lr", "initial_lr", "momentum", "dampening", "weight_decay", "eps"):
             value = group.get(key)
-            if key in group and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                 or not math.isfinite(value)):
+            if key in group and not (is_real(value) and math.isfinite(value)):
                 raise ValueError(f"param group {index}'s {key!r} is {value!r}, not a finite number")
     return groups
 

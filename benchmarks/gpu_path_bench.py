@@ -1,8 +1,8 @@
 """The whole training step through the GPU data path, as a ratio to plain
 PyTorch on the same model, data and GPU in the same run (issue 14).
 
-    python benchmarks/gpu_path_bench.py [--steps 50] [--warmup 15] [--only resnet|transformer|gpt]
-                                        [--figures PATH]
+    python benchmarks/gpu_path_bench.py [--steps 50] [--warmup 15] [--only resnet|resnet50|transformer|gpt]
+                                        [--precision fp32,bf16,fp16] [--channels-last] [--figures PATH]
 
 Models, each trained by one worker (an in-process cluster, its shard on the
 same GPU) and by plain PyTorch with the equivalent torch.optim optimizer:
@@ -18,7 +18,16 @@ same GPU) and by plain PyTorch with the equivalent torch.optim optimizer:
   (width 768, 12 heads, GELU), a final ``LayerNorm`` and an output
   projection tied to the token embedding (vocabulary 50,304, 124 M
   parameters), next-token cross-entropy on random tokens, sequence 256,
-  batch 16, Adam, slack 0.
+  batch 16, Adam, slack 0;
+- torchvision ``resnet50(num_classes=1000)`` on 3x224x224 inputs, batch 64
+  and 128, damped momentum, slack 0 (``--only resnet50``: an ImageNet
+  step, where the GPU's compute rather than the host's launches bounds it).
+
+``--precision`` runs each case in float32 and/or under ``torch.autocast``:
+``bf16`` (no scaler) or ``fp16`` with a ``torch.amp.GradScaler`` (passed to
+``wrap(grad_scaler=...)``; ``scaler.step(model.optimizer)`` ends the clock),
+both sides alike; ``--channels-last`` puts the convolutional models and
+their inputs in ``torch.channels_last`` before either side sees them.
 
 Per configuration: samples/s of both, their ratio (goal >= 0.90), the GPU
 stall (the training thread's time waiting for an engine buffer / the clock's
@@ -115,31 +124,63 @@ class Phases:
 PHASES = {"plain": Phases(), "mltuner": Phases()}
 
 
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 class Case:
     def __init__(self, name: str, make: Callable[[], nn.Module], x: torch.Tensor,
                  loss: Callable[[torch.Tensor], torch.Tensor], rule: mlt.UpdateRule,
-                 optimizer: Callable[[nn.Module], torch.optim.Optimizer], slack: int) -> None:
+                 optimizer: Callable[[nn.Module], torch.optim.Optimizer], slack: int,
+                 precision: str = "fp32", channels_last: bool = False) -> None:
         self.name, self.make, self.x, self.loss = name, make, x, loss
         self.rule, self.optimizer, self.slack = rule, optimizer, slack
+        self.precision, self.channels_last = precision, channels_last
         self.batch = x.shape[0]
+
+    def model(self) -> nn.Module:
+        model = self.make().cuda()
+        return model.to(memory_format=torch.channels_last) if self.channels_last else model
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        dtype = AUTOCAST[self.precision]
+        return contextlib.nullcontext() if dtype is None else torch.autocast("cuda", dtype=dtype)
+
+    def scaler(self) -> torch.amp.GradScaler | None:
+        return torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
+
+    def with_precision(self, precision: str, channels_last: bool) -> Case:
+        channels_last = channels_last and self.x.dim() == 4
+        x = self.x.contiguous(memory_format=torch.channels_last) if channels_last else self.x
+        suffix = "" if precision == "fp32" else f" {precision}"
+        suffix += " channels_last" if channels_last else ""
+        return Case(self.name + suffix, self.make, x, self.loss, self.rule, self.optimizer, self.slack,
+                    precision, channels_last)
 
 
 def plain_run(case: Case, args: argparse.Namespace) -> tuple[float, float]:
     """(samples/s, the training thread's CPU seconds per step)."""
     torch.manual_seed(0)
-    model = case.make().cuda()
+    model = case.model()
     optimizer = case.optimizer(model)
+    scaler = case.scaler()
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             torch.cuda.synchronize()
             start, main_start = time.perf_counter(), time.thread_time()
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        loss = case.loss(model(case.x))
+        with case.autocast():
+            loss = case.loss(model(case.x))
         t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        optimizer.step()
+        if scaler is None:
+            loss.backward()
+            t2 = time.perf_counter()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            t2 = time.perf_counter()
+            scaler.step(optimizer)
+            scaler.update()
         if step >= args.warmup:
             PHASES["plain"].add(t1 - t0, t2 - t1, time.perf_counter() - t2)
     torch.cuda.synchronize()
@@ -150,12 +191,14 @@ def mltuner_run(case: Case, args: argparse.Namespace) -> tuple[float, float, flo
     """(samples/s, stall fraction, the training thread's and the engine
     threads' CPU seconds per clock)."""
     torch.manual_seed(0)
-    model = case.make().cuda()
+    model = case.model()
+    scaler = case.scaler()
     config = mlt.Config(update_rule=case.rule, device="cuda", wait_timeout_s=120)
     with mlt.LocalCluster(1, config) as cluster:
         worker = cluster.worker(0)
-        ps = mtorch.wrap(model, worker, example_input=case.x, slack=case.slack,
-                         example_loss=lambda out: case.loss(out))
+        with case.autocast():  # the recording pass saves what the clocks save
+            ps = mtorch.wrap(model, worker, example_input=case.x, slack=case.slack,
+                             example_loss=lambda out: case.loss(out), grad_scaler=scaler)
         profiler = cProfile.Profile() if args.profile else None
         for step in range(args.warmup + args.steps):
             if step == args.warmup:
@@ -166,11 +209,18 @@ def mltuner_run(case: Case, args: argparse.Namespace) -> tuple[float, float, flo
                 if profiler:
                     profiler.enable()
             t0 = time.perf_counter()
-            loss = case.loss(ps(case.x))
+            with case.autocast():
+                loss = case.loss(ps(case.x))
             t1 = time.perf_counter()
-            loss.backward()
-            t2 = time.perf_counter()
-            ps.step()
+            if scaler is None:
+                loss.backward()
+                t2 = time.perf_counter()
+                ps.step()
+            else:
+                scaler.scale(loss).backward()
+                t2 = time.perf_counter()
+                scaler.step(ps.optimizer)
+                scaler.update()
             if step >= args.warmup:
                 PHASES["mltuner"].add(t1 - t0, t2 - t1, time.perf_counter() - t2)
         torch.cuda.synchronize()
@@ -257,8 +307,8 @@ def summarize_timeline(profiler: Any, title: str, steps: int) -> None:
 def cases(only: str | None) -> list[Case]:
     out: list[Case] = []
     generator = torch.Generator().manual_seed(0)
+    m = 0.9
     if only in (None, "resnet"):
-        m = 0.9
         for batch in (128, 256, 512):
             x = torch.randn(batch, 3, 32, 32, generator=generator).cuda()
             y = torch.randint(0, 10, (batch,), generator=generator).cuda()
@@ -275,6 +325,17 @@ def cases(only: str | None) -> list[Case]:
             "transformer12 b16", transformer, x, lambda o: o.float().pow(2).mean(),
             mlt.UpdateRule("adam", learning_rate=1e-4),
             lambda model: torch.optim.Adam(model.parameters(), lr=1e-4), 0))
+    if only == "resnet50":  # not by default: its own --only run
+        import torchvision
+
+        for batch in (64, 128):
+            x = torch.randn(batch, 3, 224, 224, generator=generator).cuda()
+            y = torch.randint(0, 1000, (batch,), generator=generator).cuda()
+            out.append(Case(
+                f"resnet50 224px b{batch}", torchvision.models.resnet50, x,
+                lambda o, y=y: nn.functional.cross_entropy(o, y),
+                mlt.UpdateRule("momentum", learning_rate=0.05, momentum=m),
+                lambda model: torch.optim.SGD(model.parameters(), lr=0.05, momentum=m, dampening=m), 0))
     if only == "gpt":  # not by default: its own --only run
         ids = torch.randint(0, 50304, (16, 257), generator=generator).cuda()
         out.append(Case(
@@ -291,8 +352,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=15)
     parser.add_argument("--phases", action="store_true", help="print each side's host time per step part")
     parser.add_argument("--rounds", type=int, default=3, help="alternating runs of each side; medians reported")
-    parser.add_argument("--only", choices=("resnet", "transformer", "gpt"),
-                        help="one family (default: resnet and transformer; gpt only when named)")
+    parser.add_argument("--only", choices=("resnet", "resnet50", "transformer", "gpt"),
+                        help="one family (default: resnet and transformer; resnet50 and gpt only when named)")
+    parser.add_argument("--precision", default="fp32",
+                        help="comma-separated: fp32, bf16 (autocast), fp16 (autocast and a GradScaler)")
+    parser.add_argument("--channels-last", action="store_true",
+                        help="convolutional models and their inputs in torch.channels_last")
     parser.add_argument("--match", default="", help="only the cases whose name contains this")
     parser.add_argument("--figures", type=Path)
     parser.add_argument("--out", type=Path, help="also write the table here")
@@ -313,7 +378,12 @@ def main() -> None:
          "plain / mltuner | engine threads CPU ms/clock |")
     emit("|---|---|---|---|---|---|---|")
     figures = []
-    for case in (c for c in cases(args.only) if args.match in c.name):
+    precisions = args.precision.split(",")
+    unknown = set(precisions) - set(AUTOCAST)
+    if unknown:
+        parser.error(f"--precision: unknown {sorted(unknown)}; choose from {sorted(AUTOCAST)}")
+    chosen = [c.with_precision(p, args.channels_last) for c in cases(args.only) for p in precisions]
+    for case in (c for c in chosen if args.match in c.name):
         # Rounds alternate the two sides, so that a slow spell of the host
         # (other tenants, clocks) falls on both; the medians are reported.
         runs: list[tuple[float, float, float, float, float, float]] = []

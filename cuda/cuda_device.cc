@@ -324,11 +324,12 @@ class CudaDevice final : public Device {
   }
 
   Status CopyPiecesOnAppStream(uintptr_t app_stream, float* buffer, const std::vector<CopyPiece>& pieces,
-                               CopyDirection direction) override {
+                               CopyDirection direction, const float* zero_if) override {
     if (pieces.empty()) return Status::Ok();
     MLT_RETURN_IF_ERROR(MakeCurrent("CopyPiecesOnAppStream"));
-    kernels::LaunchCopyPieces(buffer, pieces.data(), static_cast<int>(pieces.size()),
-                              direction == CopyDirection::kIntoBuffer, AppStream(app_stream));
+    const bool into_buffer = direction == CopyDirection::kIntoBuffer;
+    kernels::LaunchCopyPieces(buffer, pieces.data(), static_cast<int>(pieces.size()), into_buffer,
+                              into_buffer ? zero_if : nullptr, AppStream(app_stream));
     const cudaError_t err = cudaGetLastError();
     return err == cudaSuccess ? Status::Ok() : AppStreamError("CopyPiecesOnAppStream", app_stream, err);
   }

@@ -18,21 +18,23 @@ struct PieceBatch {
 };
 
 // blockIdx.y picks the piece; the x blocks stride over it.
-__global__ void CopyPiecesKernel(float* buffer, PieceBatch batch, bool into_buffer) {
+__global__ void CopyPiecesKernel(float* buffer, PieceBatch batch, bool into_buffer, const float* zero_if) {
   const int piece = blockIdx.y;
+  const bool zeros = zero_if != nullptr && *zero_if != 0.0f;
   float* const span = buffer + batch.offset[piece];
   const float* __restrict__ src = into_buffer ? batch.memory[piece] : span;
   float* __restrict__ out = into_buffer ? span : batch.memory[piece];
   const int64_t count = batch.count[piece];
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride) {
-    out[i] = src[i];
+    out[i] = zeros ? 0.0f : src[i];
   }
 }
 
 }  // namespace
 
-void LaunchCopyPieces(float* buffer, const CopyPiece* pieces, int num_pieces, bool into_buffer, cudaStream_t stream) {
+void LaunchCopyPieces(float* buffer, const CopyPiece* pieces, int num_pieces, bool into_buffer, const float* zero_if,
+                      cudaStream_t stream) {
   for (int first = 0; first < num_pieces; first += kMaxPiecesPerLaunch) {
     const int n = std::min(kMaxPiecesPerLaunch, num_pieces - first);
     PieceBatch batch{};
@@ -46,7 +48,7 @@ void LaunchCopyPieces(float* buffer, const CopyPiece* pieces, int num_pieces, bo
     if (largest == 0) continue;
     const int64_t blocks = std::clamp<int64_t>((largest + kThreads - 1) / kThreads, 1, kMaxBlocksPerPiece);
     CopyPiecesKernel<<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(n)), kThreads, 0, stream>>>(
-        buffer, batch, into_buffer);
+        buffer, batch, into_buffer, zero_if);
   }
 }
 

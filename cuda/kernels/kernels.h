@@ -56,7 +56,10 @@ void LaunchApplyUpdate(const UpdateStep& step, float* params, float* state, cons
 // (`into_buffer`), or the other way. The pieces go to the kernel by value,
 // up to kMaxPiecesPerLaunch per launch.
 constexpr int kMaxPiecesPerLaunch = 128;
-void LaunchCopyPieces(float* buffer, const CopyPiece* pieces, int num_pieces, bool into_buffer, cudaStream_t stream);
+// `zero_if` (device memory, may be null): read by the kernel; nonzero, the
+// copy into the buffer writes zeros instead (Device::CopyPiecesOnAppStream).
+void LaunchCopyPieces(float* buffer, const CopyPiece* pieces, int num_pieces, bool into_buffer, const float* zero_if,
+                      cudaStream_t stream);
 
 // dst[i] += src[i]: the shard's sum of the workers' updates, in worker order.
 void LaunchAddInto(float* dst, const float* src, int64_t count, cudaStream_t stream);

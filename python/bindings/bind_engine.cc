@@ -41,27 +41,29 @@ void PostBuffer(Engine& engine, Handle handle, uintptr_t stream) {
 // A batch of (kind, handle) pairs, kinds as OpKind's numbers; a third item,
 // for an update or post_local_access, lists pieces (address, offset, count)
 // to copy into its buffer first; a fourth, for a post_local_access, pieces
-// to copy out of it.
+// to copy out of it; a fifth, the address of a float32 that, nonzero when
+// the copy runs, makes it write zeros instead of the pieces in (0: none).
 py::list RunBatch(Engine& engine, const py::list& calls, uintptr_t stream) {
   std::vector<OpCall> ops;
   ops.reserve(calls.size());
   for (py::handle item : calls) {
     const py::tuple call = py::reinterpret_borrow<py::object>(item).cast<py::tuple>();
-    if (call.size() < 2 || call.size() > 4) {
-      throw py::value_error("run: each op is (kind, handle[, pieces in[, pieces out]])");
+    if (call.size() < 2 || call.size() > 5) {
+      throw py::value_error("run: each op is (kind, handle[, pieces in[, pieces out[, zero-if flag]]])");
     }
     const int kind = call[0].cast<int>();
     if (kind < static_cast<int>(OpKind::kRead) || kind > static_cast<int>(OpKind::kClock)) {
       throw py::value_error("run: op kind " + std::to_string(kind) + " is not an OpKind number (0-6)");
     }
     OpCall op{static_cast<OpKind>(kind), call[1].cast<Handle>(), {}};
-    for (size_t item = 2; item < call.size(); ++item) {
+    for (size_t item = 2; item < std::min<size_t>(call.size(), 4); ++item) {
       std::vector<CopyPiece>& pieces = item == 2 ? op.fill : op.drain;
       for (py::handle piece : call[item]) {
         const auto [address, offset, count] = piece.cast<std::tuple<uintptr_t, int64_t, int64_t>>();
         pieces.push_back({reinterpret_cast<float*>(address), offset, count});
       }
     }
+    if (call.size() == 5) op.fill_zero_if = reinterpret_cast<const float*>(call[4].cast<uintptr_t>());
     ops.push_back(std::move(op));
   }
   std::vector<AccessBuffer> opened;

@@ -64,8 +64,8 @@ class ForwardingDevice : public Device {
   Status QueryEvent(const DeviceEvent& e, bool* done) override { return inner_->QueryEvent(e, done); }
   Status RecordAppWork(uintptr_t a, DeviceEvent* out) override { return inner_->RecordAppWork(a, out); }
   Status CopyPiecesOnAppStream(uintptr_t a, float* buffer, const std::vector<CopyPiece>& pieces,
-                               CopyDirection direction) override {
-    return inner_->CopyPiecesOnAppStream(a, buffer, pieces, direction);
+                               CopyDirection direction, const float* zero_if) override {
+    return inner_->CopyPiecesOnAppStream(a, buffer, pieces, direction, zero_if);
   }
 
  protected:

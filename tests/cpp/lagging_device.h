@@ -151,9 +151,9 @@ class LaggingDevice final : public ForwardingDevice {
     return Status::Ok();
   }
   Status CopyPiecesOnAppStream(uintptr_t app, float* buffer, const std::vector<CopyPiece>& pieces,
-                               CopyDirection direction) override {
-    OnLane(AppLane(app), [this, app, buffer, pieces, direction] {
-      inner().CopyPiecesOnAppStream(app, buffer, pieces, direction);
+                               CopyDirection direction, const float* zero_if) override {
+    OnLane(AppLane(app), [this, app, buffer, pieces, direction, zero_if] {
+      inner().CopyPiecesOnAppStream(app, buffer, pieces, direction, zero_if);
     });
     return Status::Ok();
   }

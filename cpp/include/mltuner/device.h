@@ -198,10 +198,14 @@ class Device {
   // piece's memory (memory of this device that the application uses on that
   // stream: a PyTorch gradient in, a saved activation out). One launch for
   // many pieces: the adapter's way to move a layer's gradients or a stored
-  // activation without a framework call per tensor. The CPU backend copies
-  // at once. REQUIRES: pieces in bounds (the engine checks).
+  // activation without a framework call per tensor. `zero_if`, when not
+  // null, is a float of the application's memory read by the copy on the
+  // stream: nonzero then, the copy into the buffer writes zeros instead of
+  // the pieces (a mixed-precision clock whose gradients overflowed adds
+  // nothing, without a host sync or a zeroing kernel per gradient). The CPU
+  // backend copies at once. REQUIRES: pieces in bounds (the engine checks).
   virtual Status CopyPiecesOnAppStream(uintptr_t app_stream, float* buffer, const std::vector<CopyPiece>& pieces,
-                                       CopyDirection direction) = 0;
+                                       CopyDirection direction, const float* zero_if) = 0;
   // The index of the accelerator (DLPack device id); 0 for the CPU.
   virtual int ordinal() const = 0;
 

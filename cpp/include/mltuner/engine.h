@@ -63,12 +63,14 @@ struct AccessBuffer {
 // pieces of the application's memory to copy into its buffer (`fill`), a
 // post_local_access pieces to copy out of it (`drain`: a stored activation
 // read back), on the application's stream just before the post
-// (Device::CopyPiecesOnAppStream).
+// (Device::CopyPiecesOnAppStream); `fill_zero_if`, when not null, a float
+// whose value at the copy, if nonzero, makes the fill write zeros instead.
 struct OpCall {
   OpKind kind = OpKind::kClock;
   Handle handle = -1;
   std::vector<CopyPiece> fill;
   std::vector<CopyPiece> drain;
+  const float* fill_zero_if = nullptr;
 };
 
 struct EngineStats {

@@ -607,8 +607,9 @@ Status Engine::Impl::CopyBeforePost(const OpCall& op, uintptr_t app_stream) {
     MLT_RETURN_IF_ERROR(CheckNextOp(op.kind, op.handle));
     data = state_.slots[op.handle][state_.app_clock % plan_.depth].data;
   }
-  MLT_RETURN_IF_ERROR(device_->CopyPiecesOnAppStream(app_stream, data, op.drain, CopyDirection::kOutOfBuffer));
-  return device_->CopyPiecesOnAppStream(app_stream, data, op.fill, CopyDirection::kIntoBuffer);
+  MLT_RETURN_IF_ERROR(
+      device_->CopyPiecesOnAppStream(app_stream, data, op.drain, CopyDirection::kOutOfBuffer, /*zero_if=*/nullptr));
+  return device_->CopyPiecesOnAppStream(app_stream, data, op.fill, CopyDirection::kIntoBuffer, op.fill_zero_if);
 }
 
 void Engine::Impl::Poison(const AccessRecord& access, float* data, Stream s) {

@@ -589,7 +589,10 @@ class Worker:
         item, pieces ``(address, offset, count)`` of float32 memory on the
         worker's device that the engine copies into the buffer on ``stream``
         before the post; a post_local_access a fourth, pieces it copies out
-        of the buffer (a stored activation read back). The addresses are
+        of the buffer (a stored activation read back); an update a fifth,
+        the address of a float32 on that device whose value when the copy
+        runs, if nonzero, makes it write zeros instead (a mixed-precision
+        scaler's overflow flag; 0: none). The addresses are
         trusted: the adapter takes them from tensors it checked (dtype,
         device, contiguity) or made."""
         return list(self._engine.run(ops, stream))

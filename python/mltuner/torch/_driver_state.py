@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NamedTuple, NoReturn, Protocol
 
 import torch
 from torch import nn
@@ -23,7 +23,22 @@ from mltuner.torch._layers import Layer
 from mltuner.torch._recording import Event, Slot, Tables
 from mltuner.torch._saved import SavedActivations
 
-__all__ = ["DriverState", "Phase", "refuse_copy"]
+__all__ = ["DriverState", "GradScale", "Phase", "refuse_copy"]
+
+
+class GradScale(Protocol):
+    """A mixed-precision scaler's part in the updates (``_amp.py``)."""
+
+    def unscale(self, grads: list[torch.Tensor]) -> None:
+        """Takes the scale off gradients in place and notes an overflow."""
+
+    def zero_on_overflow(self, grads: list[torch.Tensor]) -> None:
+        """Zeroes gradients in place if the clock overflowed (for those
+        torch copies; the engine's copy reads :attr:`overflow_address`)."""
+
+    @property
+    def overflow_address(self) -> int:
+        """A float32 of the driver's device, nonzero once the clock overflowed."""
 
 
 class _ActRef(NamedTuple):
@@ -213,9 +228,9 @@ class DriverState:
         self._load_guard: Any = None
         self._recording_hooks: list[Any] = []
         self.misgrouped: str | None = None  # a group whose member ran outside its forward (recording)
-        # Called on each layer's gradients (in place) before they are copied
-        # into its update; the mixed-precision scaler's unscaling (_amp.py).
-        self.grad_filter: Callable[[list[torch.Tensor]], None] | None = None
+        # The mixed-precision scaler (_amp.py): unscales each layer's gradients
+        # before they are copied into its update, which is zeros on an overflow.
+        self.grad_scale: GradScale | None = None
         # Called before each training clock touches the engine; sends the
         # optimizer's changed learning rates (_optim.py).
         self.clock_start: Callable[[], None] | None = None

@@ -1084,7 +1084,7 @@ def wrap(
             scaled = None
             if scaler is not None:
                 scaled = ScaledGradients(scaler, driver)
-                driver.grad_filter = scaled
+                driver.grad_scale = scaled
             config_rule = None if optimizer is not None else worker.update_rule_of(driver.tables[0])
             groups = _param_groups(optimizer, layers, config_rule)
             rates = LearningRates(worker, groups, layer_groups, optimizer, config_rule)

@@ -2,8 +2,13 @@
 its last gradient is accumulated (shipping from the backward pass) or all
 of them at step() (the light clock without ``overlap_updates``), in as few
 engine calls as the plan allows; the refusal of a gradient that is not the
-clock's; gradient accumulation (``no_sync``); and the scaler's filter over
-every gradient at once."""
+clock's; gradient accumulation (``no_sync``); and the scaler's unscaling,
+per layer or of every gradient at once.
+
+With a scaler, an overflowing clock's updates are zeros: where the engine
+copies the gradients in, its copy reads the scaler's overflow flag on the
+stream and writes zeros when it is set (one kernel a layer, as without a
+scaler); where torch copies them, they are zeroed first."""
 
 from __future__ import annotations
 
@@ -119,33 +124,30 @@ class GradientUpdates(EngineOps, ClockChecks):
             return
         if not self._recording:
             handle = self._handles[index]
-            pieces = None if self.grad_filter is not None else self._pieces(layer, grads)
+            self._unscale(grads)
+            pieces = self._pieces(layer, grads)
             if pieces is not None:  # the engine copies the gradients in: queued, like a store
-                self._queued += [(_PRE_UPDATE, handle), (_UPDATE, handle, pieces)]
+                self._queued += [(_PRE_UPDATE, handle), self._update_op(handle, pieces)]
                 self._queued_grads += grads  # alive until the queue goes to the engine
                 return
             _, views = layer.buffer_views(self._open(_PRE_UPDATE, handle))
-            with torch.no_grad():
-                if self.grad_filter is not None:
-                    self.grad_filter(grads)
-                torch._foreach_copy_(views, grads)
+            self._copy_grads(views, grads)
             self._post(_UPDATE, handle)
 
     def _batched_update(self, index: int, layer: Layer, grads: list[torch.Tensor], *, filtered: bool = False) -> None:
         """The light clock's update: the buffer was opened by the last batch;
         one engine call copies the gradients in (one kernel for the layer),
         posts the update with the layer's read and opens the next update's
-        buffer."""
-        pieces = None if self.grad_filter is not None and not filtered else self._pieces(layer, grads)
-        if pieces is None:  # a scaler to apply, or gradients the engine cannot take as they are
+        buffer (``filtered``: step() unscaled every gradient already)."""
+        if not filtered:
+            self._unscale(grads)
+        pieces = self._pieces(layer, grads)
+        if pieces is None:  # gradients the engine cannot take as they are
             _, views = layer.buffer_views(self._update_buffer)
-            with torch.no_grad():
-                if self.grad_filter is not None and not filtered:
-                    self.grad_filter(grads)
-                torch._foreach_copy_(views, grads)
+            self._copy_grads(views, grads)
             update: tuple[Any, ...] = (_UPDATE, self._handles[index])
         else:
-            update = (_UPDATE, self._handles[index], pieces)
+            update = self._update_op(self._handles[index], pieces)
         self._update_buffer = None
         ops = [(_POST_READ, self._held_handle[layer.index]), update]
         following = self._next_pre_update[index]
@@ -153,6 +155,26 @@ class GradientUpdates(EngineOps, ClockChecks):
             ops.append((_PRE_UPDATE, following))
         opened = self.worker._run_ops(ops, self._stream)
         self._update_buffer = opened[0] if opened else None
+
+    def _unscale(self, grads: list[torch.Tensor]) -> None:
+        if self.grad_scale is not None:
+            with torch.no_grad():
+                self.grad_scale.unscale(grads)
+
+    def _update_op(self, handle: int, pieces: list[tuple[int, int, int]]) -> tuple[Any, ...]:
+        """The engine op that copies ``pieces`` into an update and posts it:
+        with a scaler, zeros instead once the clock overflowed."""
+        if self.grad_scale is None:
+            return (_UPDATE, handle, pieces)
+        return (_UPDATE, handle, pieces, [], self.grad_scale.overflow_address)
+
+    def _copy_grads(self, views: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """Torch's copy of a layer's gradients into its update buffer's views
+        (gradients the engine cannot take as they are), zeroed on an overflow."""
+        with torch.no_grad():
+            if self.grad_scale is not None:
+                self.grad_scale.zero_on_overflow(grads)
+            torch._foreach_copy_(views, grads)
 
     def _pieces(self, layer: Layer, grads: list[torch.Tensor]) -> list[tuple[int, int, int]] | None:
         """The gradients as pieces for the engine to copy (address, offset in
@@ -231,12 +253,13 @@ class GradientUpdates(EngineOps, ClockChecks):
             self._defer = before
 
     def filter_gradients(self, grad_filter: Callable[[list[torch.Tensor]], None] | None = None) -> None:
-        """Shipping at step(): applies ``grad_filter`` (by default
-        :attr:`grad_filter`) once per clock to every layer's gradients
+        """Shipping at step(): applies ``grad_filter`` (by default the
+        scaler's unscaling) once per clock to every layer's gradients
         together, so a scaler unscales them all and an overflow anywhere
-        zeroes all of them, as torch's GradScaler does; step() calls it, and
-        the scaler's side earlier after ``scaler.unscale_()``."""
-        grad_filter = grad_filter or self.grad_filter
+        zeroes every update, as torch's GradScaler skips the step; step()
+        calls it, and the scaler's side earlier after ``scaler.unscale_()``."""
+        if grad_filter is None and self.grad_scale is not None:
+            grad_filter = self.grad_scale.unscale
         if grad_filter is None or not self._at_step or self._phase is not Phase.BACKWARD:
             return
         if self._filtered == self._serial:
@@ -278,7 +301,8 @@ class GradientUpdates(EngineOps, ClockChecks):
                 ops: list[tuple[Any, ...]] = []
                 for (index, number), layer_pieces in zip(updates, pieces):
                     self._next("update", number)
-                    ops += [(_POST_READ, self._held_handle[number]), (_UPDATE, self._handles[index], layer_pieces)]
+                    ops += [(_POST_READ, self._held_handle[number]),
+                            self._update_op(self._handles[index], layer_pieces)]
                     following = self._next_pre_update[index]
                     if following >= 0:
                         ops.append((_PRE_UPDATE, following))

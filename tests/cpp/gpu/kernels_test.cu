@@ -7,6 +7,7 @@
 #include <cstring>
 #include <cstdint>
 #include <cstdio>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -394,8 +395,11 @@ TEST(AdamUpdateGridStride) { CheckRule(Rule(UpdateRuleKind::kAdam), 2500001, 2, 
 
 // `num_pieces` pieces of lengths 0..max_len: spans of one buffer, back to
 // back with gaps, and spans of one application array, back to back. Copied
-// into the buffer or out of it; untouched floats must stay.
-void CheckCopyPieces(int num_pieces, int64_t max_len, uint32_t seed, bool into_buffer) {
+// into the buffer or out of it; untouched floats must stay. With a flag (a
+// device float holding `*flag`), a copy into the buffer writes zeros when
+// it is nonzero; a copy out of it ignores it.
+void CheckCopyPieces(int num_pieces, int64_t max_len, uint32_t seed, bool into_buffer,
+                     std::optional<float> flag = std::nullopt) {
   std::mt19937 rng(seed);
   std::vector<CopyPiece> pieces;
   int64_t memory_total = 0, buffer_end = 0;
@@ -415,15 +419,20 @@ void CheckCopyPieces(int num_pieces, int64_t max_len, uint32_t seed, bool into_b
   CUDA_ASSERT(d_memory.Upload(memory));
   CUDA_ASSERT(d_buffer.Upload(buffer));
   for (int i = 0; i < num_pieces; ++i) pieces[i].memory = d_memory.get() + memory_at[i].first;
-  kernels::LaunchCopyPieces(d_buffer.get(), pieces.data(), num_pieces, into_buffer, nullptr);
+  DeviceArray<float> d_flag(1);
+  ASSERT_TRUE(d_flag.ok());
+  if (flag) CUDA_ASSERT(d_flag.Upload(std::vector<float>{*flag}));
+  kernels::LaunchCopyPieces(d_buffer.get(), pieces.data(), num_pieces, into_buffer, flag ? d_flag.get() : nullptr,
+                            nullptr);
   CUDA_ASSERT(cudaGetLastError());
   CUDA_ASSERT(cudaDeviceSynchronize());
+  const bool zeros = into_buffer && flag && *flag != 0.0f;
   std::vector<float>& want = into_buffer ? buffer : memory;
   for (int i = 0; i < num_pieces; ++i) {
     for (int64_t k = 0; k < memory_at[i].second; ++k) {
       float& buffer_value = buffer[pieces[i].offset + k];
       float& memory_value = memory[memory_at[i].first + k];
-      (into_buffer ? buffer_value : memory_value) = into_buffer ? memory_value : buffer_value;
+      (into_buffer ? buffer_value : memory_value) = zeros ? 0.0f : into_buffer ? memory_value : buffer_value;
     }
   }
   std::vector<float> got;
@@ -441,6 +450,10 @@ TEST(CopyPiecesGridStride) { CheckCopyPieces(3, 600000, 13, true); }      // > 1
 TEST(CopyPiecesOutFew) { CheckCopyPieces(7, 1000, 14, false); }
 TEST(CopyPiecesOutMoreThanOneLaunch) { CheckCopyPieces(300, 50, 15, false); }
 TEST(CopyPiecesOutGridStride) { CheckCopyPieces(3, 600000, 16, false); }
+TEST(CopyPiecesFlagClearCopies) { CheckCopyPieces(300, 50, 17, true, 0.0f); }
+TEST(CopyPiecesFlagSetWritesZeros) { CheckCopyPieces(300, 50, 18, true, 1.0f); }
+TEST(CopyPiecesFlagInfWritesZeros) { CheckCopyPieces(3, 600000, 19, true, INFINITY); }
+TEST(CopyPiecesOutIgnoresFlag) { CheckCopyPieces(7, 1000, 20, false, 1.0f); }
 
 TEST(UpdateNothingToDo) {
   kernels::LaunchApplyUpdate(UpdateStep{}, nullptr, nullptr, nullptr, 0, 0, nullptr);

@@ -137,6 +137,35 @@ def test_an_update_takes_pieces_copied_in_before_its_post() -> None:
     np.testing.assert_array_equal(got[0].reshape(-1), expected)
 
 
+def test_an_update_flag_set_when_the_copy_runs_sends_zeros() -> None:
+    """Worker._run_ops: an update's fifth item, the address of a float32,
+    makes the engine's copy of the pieces write zeros when that float is
+    nonzero as the copy runs (a scaler's overflow flag): two clocks, the
+    flag clear then set, add the pieces once."""
+    config = Config(update_rule=UpdateRule("add"), wait_timeout_s=20)
+    source = np.arange(1, 25, dtype=np.float32)
+    flag = np.zeros(1, dtype=np.float32)
+    got: list[np.ndarray] = []
+
+    def body(worker: Worker) -> None:
+        table = worker.create_tensor_table("t", layout())
+        update = worker.virtual_pre_update(table)
+        worker.virtual_update(update)
+        worker.virtual_clock()
+        worker.finish_virtual_iteration()
+        worker.start_iterations()
+        for value in (0.0, float("inf")):
+            flag[0] = value
+            worker.pre_update(update)
+            worker._run_ops([(3, update, [(source.ctypes.data, 0, 24)], [], flag.ctypes.data), (6, -1)], 0)
+        worker.sync()
+        got.append(worker.fetch(table))
+
+    with LocalCluster(1, config) as cluster:
+        cluster.run(body)
+    np.testing.assert_array_equal(got[0].reshape(-1), source)
+
+
 def test_a_local_post_takes_pieces_copied_out_before_it() -> None:
     """Worker._run_ops: a post_local_access may carry pieces that the engine
     copies out of its buffer before the post (the PyTorch adapter reads a

@@ -293,10 +293,13 @@ class CpuDevice final : public Device {
   }
 
   Status CopyPiecesOnAppStream(uintptr_t, float* buffer, const std::vector<CopyPiece>& pieces,
-                               CopyDirection direction) override {
+                               CopyDirection direction, const float* zero_if) override {
+    const bool zeros = direction == CopyDirection::kIntoBuffer && zero_if != nullptr && *zero_if != 0.0f;
     for (const CopyPiece& piece : pieces) {
       const size_t bytes = static_cast<size_t>(piece.count) * sizeof(float);
-      if (direction == CopyDirection::kIntoBuffer) {
+      if (zeros) {
+        std::memset(buffer + piece.offset, 0, bytes);
+      } else if (direction == CopyDirection::kIntoBuffer) {
         std::memcpy(buffer + piece.offset, piece.memory, bytes);
       } else {
         std::memcpy(piece.memory, buffer + piece.offset, bytes);

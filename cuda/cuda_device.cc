@@ -327,9 +327,8 @@ class CudaDevice final : public Device {
                                CopyDirection direction, const float* zero_if) override {
     if (pieces.empty()) return Status::Ok();
     MLT_RETURN_IF_ERROR(MakeCurrent("CopyPiecesOnAppStream"));
-    const bool into_buffer = direction == CopyDirection::kIntoBuffer;
-    kernels::LaunchCopyPieces(buffer, pieces.data(), static_cast<int>(pieces.size()), into_buffer,
-                              into_buffer ? zero_if : nullptr, AppStream(app_stream));
+    kernels::LaunchCopyPieces(buffer, pieces.data(), static_cast<int>(pieces.size()),
+                              direction == CopyDirection::kIntoBuffer, zero_if, AppStream(app_stream));
     const cudaError_t err = cudaGetLastError();
     return err == cudaSuccess ? Status::Ok() : AppStreamError("CopyPiecesOnAppStream", app_stream, err);
   }

@@ -20,7 +20,7 @@ struct PieceBatch {
 // blockIdx.y picks the piece; the x blocks stride over it.
 __global__ void CopyPiecesKernel(float* buffer, PieceBatch batch, bool into_buffer, const float* zero_if) {
   const int piece = blockIdx.y;
-  const bool zeros = zero_if != nullptr && *zero_if != 0.0f;
+  const bool zeros = into_buffer && zero_if != nullptr && *zero_if != 0.0f;
   float* const span = buffer + batch.offset[piece];
   const float* __restrict__ src = into_buffer ? batch.memory[piece] : span;
   float* __restrict__ out = into_buffer ? span : batch.memory[piece];

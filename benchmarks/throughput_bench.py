@@ -62,6 +62,7 @@ and the others still run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import inspect
@@ -122,6 +123,7 @@ class Run:
     rule: str = "momentum"  # RULES: the servers' damped momentum (= torch SGD with dampening m) or Adam
     trace: str = ""  # a folder: profile TRACE_STEPS more steps per rank with torch.profiler into it
     hops: str = ""  # a folder: mltuner's hop logs (MLTUNER_HOP_LOG), a subfolder per run
+    precision: str = "fp32"  # or "bf16": every side's forward under torch.autocast(dtype=bfloat16)
 
     @property
     def slug(self) -> str:
@@ -250,10 +252,17 @@ def timed_steps(step: Callable[[], torch.Tensor], run: Run, device: torch.device
     return elapsed, float(loss.item()), grown
 
 
-def phased_step(forward: Callable[[], torch.Tensor], update: Callable[[], object]) -> torch.Tensor:
-    """A training step (``forward`` returns the loss), its parts annotated
-    with PHASES for the traces."""
-    with record_function(PHASES[0]):
+def autocast(run: Run) -> contextlib.AbstractContextManager[Any]:
+    """The run's precision: bfloat16 autocast (no scaler needed) or float32."""
+    if run.precision == "bf16":
+        return torch.autocast(run.device, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def phased_step(run: Run, forward: Callable[[], torch.Tensor], update: Callable[[], object]) -> torch.Tensor:
+    """A training step (``forward`` returns the loss, run under the run's
+    autocast), its parts annotated with PHASES for the traces."""
+    with record_function(PHASES[0]), autocast(run):
         loss = forward()
     with record_function(PHASES[1]):
         loss.backward()  # type: ignore[no-untyped-call]
@@ -299,11 +308,11 @@ def server_rule(rule: str) -> mlt.UpdateRule:
     return mlt.UpdateRule("momentum", learning_rate=LR, momentum=MOMENTUM)
 
 
-def torch_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
+def torch_step(run: Run, model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
                y: torch.Tensor) -> Callable[[], torch.Tensor]:
     def step() -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
-        return phased_step(lambda: nn.functional.cross_entropy(model(x), y), optimizer.step)
+        return phased_step(run, lambda: nn.functional.cross_entropy(model(x), y), optimizer.step)
 
     return step
 
@@ -319,7 +328,7 @@ def plain_run(run: Run) -> dict[str, Any]:
     params = parameter_count(model)
     model.to(device)
     x, y = make_batch(run, 0, device)
-    elapsed, loss, _ = timed_steps(torch_step(model, torch_optimizer(model, run.rule), x, y), run, device,
+    elapsed, loss, _ = timed_steps(torch_step(run, model, torch_optimizer(model, run.rule), x, y), run, device,
                                    lambda: None)
     if device.type == "cuda":
         del model, x, y
@@ -352,7 +361,7 @@ def ddp_worker(run: Run) -> Optional[dict[str, Any]]:
         ddp = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None, **local_buffers())
         x, y = make_batch(run, rank, device)
-        step = torch_step(ddp, torch_optimizer(ddp, run.rule), x, y)
+        step = torch_step(run, ddp, torch_optimizer(ddp, run.rule), x, y)
         elapsed, loss, _ = timed_steps(step, run, device, dist.barrier, rank)
         times = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(world)]
         dist.all_gather(times, torch.tensor([elapsed], dtype=torch.float64, device=device))
@@ -379,11 +388,12 @@ def mltuner_worker(run: Run) -> Optional[dict[str, Any]]:
         model.to(device)
         x, y = make_batch(run, job.rank, device)
         overlap = {"auto": None, "step": False, "backward": True}[run.overlap]
-        ps = mtorch.wrap(model, job.worker, example_input=x, slack=run.slack, overlap_updates=overlap,
-                         example_loss=lambda out: nn.functional.cross_entropy(out, y))
+        with autocast(run):  # the recording pass sees what the clocks do
+            ps = mtorch.wrap(model, job.worker, example_input=x, slack=run.slack, overlap_updates=overlap,
+                             example_loss=lambda out: nn.functional.cross_entropy(out, y))
 
         def step() -> torch.Tensor:
-            return phased_step(lambda: nn.functional.cross_entropy(ps(x), y), ps.step)
+            return phased_step(run, lambda: nn.functional.cross_entropy(ps(x), y), ps.step)
 
         def counters() -> dict[str, float]:
             return {"stall_seconds": job.worker.stats["stall_seconds"], **job.transport_stats}
@@ -504,7 +514,7 @@ def plan(args: argparse.Namespace) -> list[Run]:
     the baseline of the scaling figures."""
     common = dict(model=args.model, device=args.device, batch=args.batch, steps=args.steps, warmup=args.warmup,
                   trace=str(Path(args.trace).resolve()) if args.trace else "", rule=args.rule,
-                  hops=str(Path(args.hops).resolve()) if args.hops else "")
+                  hops=str(Path(args.hops).resolve()) if args.hops else "", precision=args.precision)
     runs = [Run("plain", 1, 0, **common), Run("mltuner", 1, 0, **common, overlap=args.overlap)]
     for n in sorted(set(args.workers) - {1}):
         runs.append(Run("ddp", n, 0, **common))
@@ -619,7 +629,7 @@ def table(args: argparse.Namespace, outcomes: dict[Key, Outcome], scaling: list[
         "",
         f"date {datetime.datetime.now():%Y-%m-%d %H:%M}; device {device_name(args.device)}; {os.cpu_count()} cores; "
         f"torch {torch.__version__}; {model} ({params:,} parameters); rule {args.rule}; batch {args.batch} per worker; "
-        f"{args.steps} timed steps after {args.warmup}; total {total_s:.0f} s",
+        f"{args.steps} timed steps after {args.warmup}; precision {args.precision}; total {total_s:.0f} s",
         "",
         "Samples/s of all workers together (higher is better); loss: rank 0's at the last step.",
         "",
@@ -680,6 +690,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="log every message's hops in mltuner's runs (MLTUNER_HOP_LOG) into DIR/<run>, and note "
                         "each rank's send-thread release waits and the messages' way to a peer "
                         "(benchmarks/hop_timeline.py DIR/<run> prints all of it)")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                        help="bf16: every side's forward under torch.autocast(dtype=torch.bfloat16)")
     parser.add_argument("--out", default=None, help="write the table here (markdown)")
     parser.add_argument("--figures", metavar="PATH", help="write the headline figures for the suite (JSON)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a launched worker's run, as JSON

@@ -296,8 +296,9 @@ class GradientUpdates(EngineOps, ClockChecks):
         updates = [(i, self._events[i].layer) for i in range(self._forward_events, len(self._events))]
         with self._mutating():
             self.filter_gradients()
-            pieces = [self._pieces(self.layers[number], grads[number]) for _, number in updates]
-            if all(p is not None for p in pieces):
+            found = [self._pieces(self.layers[number], grads[number]) for _, number in updates]
+            pieces = [p for p in found if p is not None]
+            if len(pieces) == len(found):
                 ops: list[tuple[Any, ...]] = []
                 for (index, number), layer_pieces in zip(updates, pieces):
                     self._next("update", number)

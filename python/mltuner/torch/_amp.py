@@ -9,29 +9,33 @@ checks them for infs itself, and step() unscales every layer's gradients at
 once and, if one is not finite, every update is zeros; after
 ``scaler.unscale_(model.optimizer)`` (torch's recipe for clipping under
 AMP), torch has unscaled them in place, and step() only takes its overflow
-(:meth:`ScaledGradients.unscaled_by_scaler`). Where each layer's
-update leaves during ``backward()``,
-:class:`ScaledGradients` does both per layer: it unscales with torch's own
-kernel (the one ``GradScaler.unscale_`` runs), and from the first
-non-finite gradient of a clock on the updates it ships are zeros, so that
-an overflowing clock adds nothing to the layers not yet shipped. The zeros
-come from the engine's copy of the gradients, which reads the overflow flag
-on the device (a zeroing kernel per gradient cost ResNet-18 0.6 ms a
-clock); gradients torch copies are zeroed in place. Layers shipped before the overflow
-was seen keep their update: backward runs from the loss down, and the
-overflow usually shows in the first layer (the scaled loss gradient is
-largest there), but not always.
+(:meth:`ScaledGradients.unscaled_by_scaler`). Where each layer's update
+leaves during ``backward()``, :class:`ScaledGradients` does both per layer:
+it unscales with torch's own kernel (the one ``GradScaler.unscale_`` runs),
+and from the first non-finite gradient of a clock on the updates it ships
+are zeros, so that an overflowing clock adds nothing to the layers not yet
+shipped. Layers shipped before the overflow was seen keep their update:
+backward runs from the loss down, and the overflow usually shows in the
+first layer (the scaled loss gradient is largest there), but not always.
+
+The zeros come from the engine's copy of the gradients, which reads the
+clock's overflow flag on the device (a zeroing kernel per gradient cost
+ResNet-18 0.6 ms a clock); gradients torch copies are zeroed in place.
+
+Only a clock whose loss went through ``scaler.scale()`` is unscaled: the
+scaler's ``scale`` method is wrapped (on the instance, until ``unwrap()``)
+to note the clock, so that a loop that steps without the scaler for a while
+(``loss.backward(); model.optimizer.step()``) trains at its full step rather
+than one divided by the scale.
 
 ``scaler.step(model.optimizer)`` then calls the optimizer's ``step()``
 whatever the outcome (the clock must end), through GradScaler's contract for
 optimizers that handle the scale themselves (``_step_supports_amp_scaling``).
 Before that, the scaler checks the gradients of ``optimizer.param_groups``
 for infs, to back off the scale in ``scaler.update()``; shipping from the
-backward pass the real gradients are gone by then (``.grad`` holds
-stand-ins, which the check skips: ``_shipped.py``), so the param groups end
-with one stand-in tensor whose gradient is inf when the clock overflowed and
-0 otherwise. No step waits for
-the GPU: every test stays on the device.
+backward pass the real gradients are gone by then, and ``.grad`` holds
+stand-ins (``_shipped.py``) that answer that check with the clock's
+overflow flag. No step waits for the GPU: every test stays on the device.
 """
 
 from __future__ import annotations
@@ -61,44 +65,51 @@ def check_scaler(scaler: object, device: torch.device) -> torch.amp.GradScaler:
 
 class ScaledGradients:
     """The driver's :class:`~mltuner.torch._driver_state.GradScale` for a
-    model trained with ``scaler``, and the param group its ClockOptimizer
-    adds for the scaler."""
+    model trained with ``scaler`` (module docstring)."""
 
     def __init__(self, scaler: torch.amp.GradScaler, driver: ClockDriver) -> None:
         self._scaler = scaler
         self._driver = driver
-        device = driver.device
-        self._overflow = torch.zeros(1, dtype=torch.float32, device=device)  # 1 once a gradient was inf/NaN
-        self._clock = -1  # the clock _overflow belongs to
-        self._stand_in = torch.zeros(1, dtype=torch.float32, device=device)
-        self._stand_in.grad = torch.zeros(1, dtype=torch.float32, device=device)
-        self._inf = torch.full((1,), float("inf"), dtype=torch.float32, device=device)
-        self._group: dict[str, Any] = {"params": [self._stand_in], "lr": 0.0}  # one dict: schedulers write to it
+        # 1 once a gradient of the clock was inf or NaN (float32: the engine's
+        # copy of the updates and GradScaler's inf check read it as it is).
+        self.overflow = torch.zeros(1, dtype=torch.float32, device=driver.device)
+        self._clock = -1  # the clock the flag belongs to
+        self._scaled_clock = -1  # the last clock whose loss went through scaler.scale()
+        unscaled = scaler.scale
+
+        def scale(outputs: Any) -> Any:
+            self._scaled_clock = self._driver.clock
+            return unscaled(outputs)
+
+        self._scale_method = scale
+        scaler.scale = scale  # type: ignore[method-assign]
+
+    def release(self) -> None:
+        """Gives the scaler its own ``scale`` method back (unwrap())."""
+        if self._scaler.__dict__.get("scale") is self._scale_method:
+            del self._scaler.scale
 
     def unscale(self, grads: list[torch.Tensor]) -> None:
-        """Unscales gradients in place; the overflow flag is set from the
-        clock's first non-finite gradient on."""
+        """Unscales gradients in place when the clock's loss was scaled;
+        the overflow flag is set from the clock's first non-finite gradient
+        on."""
         self._start_clock()
         scale = self._scale()
-        if scale is None:  # disabled, or no loss was scaled yet: nothing to undo
+        if scale is None or self._scaled_clock != self._driver.clock:  # nothing to undo
             return
         # As GradScaler.unscale_ computes it: the reciprocal in double precision.
         inv_scale = scale.double().reciprocal().float()
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, self._overflow, inv_scale)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, self.overflow, inv_scale)
 
     def zero_on_overflow(self, grads: list[torch.Tensor]) -> None:
-        overflowed = self._overflow.view(()).bool()  # no host sync: a mask on the device
+        overflowed = self.overflow.view(()).bool()  # no host sync: a mask on the device
         for grad in grads:
             grad.masked_fill_(overflowed, 0.0)
-
-    @property
-    def overflow_address(self) -> int:
-        return self._overflow.data_ptr()
 
     def _start_clock(self) -> None:
         if self._driver.clock != self._clock:  # the clock's first layer
             self._clock = self._driver.clock
-            self._overflow.zero_()
+            self.overflow.zero_()
 
     def _scale(self) -> torch.Tensor | None:
         if not self._scaler.is_enabled():
@@ -110,18 +121,6 @@ class ScaledGradients:
             return scale
         return None
 
-    def stand_in_group(self) -> dict[str, Any]:
-        """The param group with the stand-in tensor, whose gradient tells
-        the scaler whether this clock overflowed (inf) or not (0). Shipping
-        at step(), the scaler sees the gradients themselves, still scaled
-        (step() unscales them, or scaler.unscale_() did): the stand-in is 0."""
-        assert self._stand_in.grad is not None
-        if self._driver.ships_at_step:
-            self._stand_in.grad.zero_()
-        else:
-            torch.where(self._overflow > 0, self._inf, torch.zeros_like(self._inf), out=self._stand_in.grad)
-        return self._group
-
     def unscaled_by_scaler(self, found_inf: torch.Tensor) -> None:
         """After ``scaler.unscale_(model.optimizer)`` (torch's recipe for
         clipping under AMP): shipping at step(), torch unscaled the gradients
@@ -131,6 +130,6 @@ class ScaledGradients:
 
         def take_overflow(grads: list[torch.Tensor]) -> None:
             self._start_clock()
-            self._overflow.copy_(found_inf.reshape(-1)[:1])
+            self.overflow.copy_(found_inf.reshape(-1)[:1])
 
         self._driver.filter_gradients(take_overflow)

@@ -29,16 +29,15 @@ __all__ = ["DriverState", "GradScale", "Phase", "refuse_copy"]
 class GradScale(Protocol):
     """A mixed-precision scaler's part in the updates (``_amp.py``)."""
 
+    # One float32 on the driver's device, nonzero once the clock overflowed.
+    overflow: torch.Tensor
+
     def unscale(self, grads: list[torch.Tensor]) -> None:
         """Takes the scale off gradients in place and notes an overflow."""
 
     def zero_on_overflow(self, grads: list[torch.Tensor]) -> None:
         """Zeroes gradients in place if the clock overflowed (for those
-        torch copies; the engine's copy reads :attr:`overflow_address`)."""
-
-    @property
-    def overflow_address(self) -> int:
-        """A float32 of the driver's device, nonzero once the clock overflowed."""
+        torch copies; the engine's copy reads :attr:`overflow`)."""
 
 
 class _ActRef(NamedTuple):

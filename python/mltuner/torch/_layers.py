@@ -164,13 +164,13 @@ class Layer:
             param.grad = None
         self.shipped = False
 
-    def mark_shipped(self, why: str) -> None:
+    def mark_shipped(self, why: str, overflow: torch.Tensor | None = None) -> None:
         """The update left in the backward pass (``why``: the model's reason,
-        for the error): each ``.grad`` holds a
-        :class:`~mltuner.torch._shipped.ShippedGradient` until
-        :meth:`clear_grads` (step())."""
-        if not self._shipped_grads or self._shipped_grads[0].why != why:
-            self._shipped_grads = [ShippedGradient(slot.param, slot.name, why) for slot in self.params]
+        for the error; ``overflow``: a mixed-precision scaler's flag): each
+        ``.grad`` holds a :class:`~mltuner.torch._shipped.ShippedGradient`
+        until :meth:`clear_grads` (step())."""
+        if not self._shipped_grads or self._shipped_grads[0].why != why or self._shipped_grads[0].overflow is not overflow:
+            self._shipped_grads = [ShippedGradient(slot.param, slot.name, why, overflow) for slot in self.params]
         for param, stand_in in zip(self._params, self._shipped_grads):
             param.grad = stand_in
         self.shipped = True

@@ -261,7 +261,7 @@ class PSModule(nn.Module):
                                        "LocalCluster's workers have no checkpoints")
         self._driver.check_between_clocks("save_checkpoint()")
         files = {} if self.worker.rank != 0 else attachments(self.module, self._driver.layers,
-                                                             self._optimizer.model_groups,
+                                                             self._optimizer.param_groups,
                                                              self._optimizer.source_name, user_state)
         return checkpoints.save_checkpoint(root, keep=keep, attachments=files)
 
@@ -270,6 +270,8 @@ class PSModule(nn.Module):
         holding the servers' values and its hooks removed. Call it between
         clocks; the worker stays up (shut it down separately)."""
         self._driver.close()
+        if self._scaled is not None:
+            self._scaled.release()
         self._optimizer.give_back_source(warn_on_step=self._driver.rule_has_state())
         release_parameters(self._driver.layers)
         return self.module
@@ -329,9 +331,7 @@ class ClockOptimizer(torch.optim.Optimizer):
     ``scaler.step(model.optimizer)`` of a ``torch.amp.GradScaler`` passed to
     ``wrap(..., grad_scaler=scaler)`` works as with a torch optimizer, after
     ``scaler.unscale_(model.optimizer)`` too, except that the clock ends even
-    when the gradients overflowed (mltuner/torch/_amp.py).
-    With a scaler, ``param_groups`` ends with one more group, holding the
-    tensor whose gradient tells the scaler whether the clock overflowed.
+    when the gradients overflowed, with a zero update (mltuner/torch/_amp.py).
     """
 
     # GradScaler.step calls step() itself, overflow or not: the clock must end.
@@ -355,10 +355,7 @@ class ClockOptimizer(torch.optim.Optimizer):
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        scaled = self._model._scaled if hasattr(self, "_model") else None
-        if scaled is None:
-            return self._groups if hasattr(self, "_groups") else self._init_groups
-        return [*self._groups, scaled.stand_in_group()]
+        return self._groups if hasattr(self, "_groups") else self._init_groups
 
     @param_groups.setter
     def param_groups(self, groups: list[dict[str, Any]]) -> None:
@@ -368,12 +365,6 @@ class ClockOptimizer(torch.optim.Optimizer):
     def source_name(self) -> str | None:
         """The class name of the optimizer given to wrap(), None without one."""
         return type(self._source).__name__ if self._source is not None else None
-
-    @property
-    def model_groups(self) -> list[dict[str, Any]]:
-        """The param groups of the model's parameters (param_groups less a
-        GradScaler's stand-in group)."""
-        return self._groups
 
     def state_dict(self) -> dict[str, Any]:
         """torch's format, with the param groups' settings and no
@@ -411,7 +402,8 @@ class ClockOptimizer(torch.optim.Optimizer):
                 "load_state_dict with per-parameter optimizer state (momentum buffers, Adam's moments) on a "
                 "wrapped model's optimizer: the servers hold that state. Resume from model.save_checkpoint() "
                 "with wrap(..., resume_from=...)")
-        saved = state_dict["param_groups"][: len(self._groups)]  # less the GradScaler's stand-in group
+        # A dict saved by an older mltuner may end with a GradScaler's stand-in group.
+        saved = state_dict["param_groups"][: len(self._groups)]
         sizes = [len(group.get("params", ())) if isinstance(group, dict) else -1 for group in saved]
         if sizes != [len(group["params"]) for group in self._groups]:
             raise InvalidArgumentError(f"load_state_dict: param groups of {sizes} parameters, the optimizer has "
@@ -531,16 +523,15 @@ def _source_methods(me: weakref.ref[ClockOptimizer]) -> dict[str, Callable[..., 
                 optimizer.__dict__.pop(name, None)
             raise InvalidArgumentError(
                 "scaler.step() on the optimizer given to wrap(): with a wrapped model, call "
-                "scaler.step(model.optimizer), whose param groups tell the scaler when a clock overflowed"
+                "scaler.step(model.optimizer), whose step ends the clock whether or not it overflowed"
                 + ("" if found._model._scaled is not None else ", and pass the scaler as wrap(..., grad_scaler=scaler)")
             )
         found.step(closure)
 
     def state_dict(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         clock_optimizer()._warn_stateless()
-        # torch's, of the optimizer's own groups (without a GradScaler's
-        # stand-in group, so that it loads into the plain optimizer too);
-        # its per-parameter state is empty, as check_optimizer found it.
+        # torch's, of the optimizer's own groups; its per-parameter state is
+        # empty, as check_optimizer found it.
         return torch.optim.Optimizer.state_dict(optimizer)
 
     def load_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:

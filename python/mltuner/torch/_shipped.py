@@ -12,8 +12,10 @@ parameter, why this model ships from the backward pass and the way out, if
 there is one. ``p.grad is None`` checks still see a gradient, as they would
 with torch's optimizers, and its shape, dtype and device can be read. One
 use is let through: ``torch.amp.GradScaler``'s inf check over the param
-groups (``scaler.step``, ``scaler.unscale_``), which skips the stand-ins:
-the scale already came off each layer's gradients before they shipped.
+groups (``scaler.step``, ``scaler.unscale_``), where the stand-ins answer
+with the clock's overflow flag: the scale already came off each layer's
+gradients before they shipped (``_amp.py``), and ``scaler.update()`` backs
+off after an overflowing clock as it would with torch's optimizer.
 
 Made once per parameter (about 2 us each) and assigned per clock (a
 fraction of a microsecond).
@@ -42,12 +44,13 @@ class ShippedGradient(torch.Tensor):
 
     param_name: str
     why: str
+    overflow: torch.Tensor | None  # a GradScaler's overflow flag (_amp.py), for its inf check
 
     @staticmethod
-    def __new__(cls, like: torch.Tensor, name: str, why: str) -> ShippedGradient:
+    def __new__(cls, like: torch.Tensor, name: str, why: str, overflow: torch.Tensor | None = None) -> ShippedGradient:
         made = torch.Tensor._make_wrapper_subclass(
             cls, like.shape, dtype=like.dtype, device=like.device, requires_grad=False)
-        made.param_name, made.why = name, why
+        made.param_name, made.why, made.overflow = name, why, overflow
         return made
 
     def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
@@ -62,11 +65,17 @@ class ShippedGradient(torch.Tensor):
                 return func(*args, **(kwargs or {}))
         if func is torch._amp_foreach_non_finite_check_and_unscale_:
             # GradScaler's inf check over every param group: the scale came
-            # off each layer's gradients before they shipped (_amp.py); the
-            # real tensors among them (the scaler's own group) are checked.
-            real = [tensor for tensor in args[0] if not isinstance(tensor, ShippedGradient)]
+            # off each layer's gradients before they shipped (_amp.py), so a
+            # stand-in adds its clock's overflow flag to the found infs; real
+            # tensors among them (a parameter outside the model) are checked.
+            tensors = args[0]
+            found_inf = args[1] if len(args) > 1 else (kwargs or {})["found_inf"]
+            real = [tensor for tensor in tensors if not isinstance(tensor, ShippedGradient)]
             if real:
                 func(real, *args[1:], **(kwargs or {}))
+            flags = {id(t.overflow): t.overflow for t in tensors if isinstance(t, ShippedGradient) and t.overflow is not None}
+            for flag in flags.values():
+                torch.maximum(found_inf, flag.to(found_inf.device).reshape(found_inf.shape), out=found_inf)
             return None
         name, why = _stand_in(args, kwargs)
         raise OutOfOrderError(

@@ -86,7 +86,8 @@ class GradientUpdates(EngineOps, ClockChecks):
             if opened is not None:
                 self._close_read(opened[0])
             self._update(index, layer, grads)
-            layer.mark_shipped(self._shipped_why)  # until step(): a use of .grad must not find None (_shipped.py)
+            # Until step(): a use of .grad must not find None, and the scaler's inf check finds the overflow (_shipped.py).
+            layer.mark_shipped(self._shipped_why, self.grad_scale.overflow if self.grad_scale is not None else None)
             if self._light:
                 layer.unbind()
             self._updated.add(number)
@@ -166,7 +167,7 @@ class GradientUpdates(EngineOps, ClockChecks):
         with a scaler, zeros instead once the clock overflowed."""
         if self.grad_scale is None:
             return (_UPDATE, handle, pieces)
-        return (_UPDATE, handle, pieces, [], self.grad_scale.overflow_address)
+        return (_UPDATE, handle, pieces, [], self.grad_scale.overflow.data_ptr())
 
     def _copy_grads(self, views: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         """Torch's copy of a layer's gradients into its update buffer's views

@@ -149,6 +149,87 @@ def test_scaler_unscale_then_clipping_trains_like_plain_pytorch() -> None:
     assert abs(losses[-1] - unclipped[-1]) > 1e-3  # the clipping bit: the comparison above can fail
 
 
+def train_mixed(model: Any, optimizer: Any, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                scaler: torch.amp.GradScaler, scheduler: Any = None) -> list[float]:
+    """Five clocks under float16 autocast with the scaler, then five in
+    float32 without it (``loss.backward(); optimizer.step()``), and so on;
+    the scheduler, where given, steps after each clock. Returns the losses."""
+    losses = []
+    for step, (x, y) in enumerate(batches):
+        optimizer.zero_grad()
+        if step % 10 < 5:
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(loss.item())
+    return losses
+
+
+def compare_mixed(overlap: bool, groups: bool = False) -> None:
+    """train_mixed plain and wrapped (two param groups at different rates
+    under a per-group LambdaLR with ``groups``); asserts equal losses and
+    weights."""
+    device = torch.device("cpu")
+    net = make_net()
+    plain = copy.deepcopy(net)
+    batches = make_batches(device)
+
+    def optimizer_of(module: nn.Module) -> torch.optim.Optimizer:
+        if not groups:
+            return torch.optim.SGD(module.parameters(), lr=LR)
+        layers = list(module.children())
+        return torch.optim.SGD([{"params": layers[0].parameters()},
+                                {"params": [p for layer in layers[1:] for p in layer.parameters()], "lr": LR / 2}],
+                               lr=LR)
+
+    def scheduler_of(optimizer: torch.optim.Optimizer) -> Any:
+        if not groups:
+            return None
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, [lambda clock: 0.95**clock, lambda clock: 1.0])
+
+    plain_optimizer = optimizer_of(plain)
+    want = train_mixed(plain, plain_optimizer, batches, torch.amp.GradScaler("cpu"), scheduler_of(plain_optimizer))
+    cluster = LocalCluster(1, Config(update_rule=UpdateRule("sgd", learning_rate=LR)))
+    try:
+        scaler = torch.amp.GradScaler("cpu")
+        model = mt.wrap(net, cluster.worker(0), example_input=batches[0][0], grad_scaler=scaler,
+                        overlap_updates=overlap, optimizer=optimizer_of(net) if groups else None)
+        assert len(model.optimizer.param_groups) == (2 if groups else 1)  # the optimizer's own groups
+        got = train_mixed(model, model.optimizer, batches, scaler, scheduler_of(model.optimizer))
+        state = model.state_dict()
+        model.unwrap()
+        assert "scale" not in scaler.__dict__  # the scaler's own method again
+    finally:
+        cluster.shutdown()
+    worst = max(abs(a - b) for a, b in zip(got, want))
+    assert worst <= 1e-4, f"losses differ by {worst:.3g}"
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["shipped at step", "shipped from backward"])
+def test_clocks_stepped_without_the_scaler_train_at_their_full_step(overlap: bool) -> None:
+    # Only a clock whose loss went through scaler.scale() is unscaled: the
+    # float32 clocks in between were steps divided by the scale (65536).
+    compare_mixed(overlap)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["shipped at step", "shipped from backward"])
+def test_a_per_group_scheduler_sees_the_optimizers_own_groups(overlap: bool) -> None:
+    # LambdaLR with one function per group raised ValueError: with a scaler,
+    # model.optimizer.param_groups had one group more (the scaler's inf check
+    # reads the clock's overflow from .grad's stand-ins now).
+    compare_mixed(overlap, groups=True)
+
+
 def least_budget(**wrap_args: Any) -> int:
     """The least device-memory budget wrap() takes for make_net (its refusal says)."""
     x = make_batches(torch.device("cpu"))[0][0]

@@ -499,7 +499,8 @@ def test_add_param_group_on_the_original_optimizer_is_refused_until_unwrap() -> 
 def test_the_original_optimizers_state_dict_says_the_servers_state_is_not_in_it() -> None:
     """It left the momentum buffers out without a word, where
     model.optimizer's warns; now it is model.optimizer's, in the groups of
-    the original optimizer (no GradScaler stand-in group)."""
+    the original optimizer (and model.optimizer's groups are those too,
+    with a GradScaler)."""
     data = batches(1, 8, seed=5)
     with LocalCluster(1, config()) as cluster:
         net = Net()
@@ -510,7 +511,7 @@ def test_the_original_optimizers_state_dict_says_the_servers_state_is_not_in_it(
         with pytest.warns(UserWarning, match="not the servers' optimizer state"):
             saved = optimizer.state_dict()
         assert saved["state"] == {} and saved["param_groups"][0]["momentum"] == 0.9
-        assert len(saved["param_groups"]) == 1 and len(model.optimizer.param_groups) == 2
+        assert len(saved["param_groups"]) == 1 and len(model.optimizer.param_groups) == 1
         model.optimizer.state_dict()  # said once per model
 
 

@@ -324,8 +324,9 @@ def test_the_optimizers_state_dict_round_trip_keeps_the_groups_and_refuses_lost_
 
 
 def test_a_model_with_a_grad_scaler_resumes(tmp_path: Path) -> None:
-    """The GradScaler's stand-in param group is not the model's: it is not
-    saved, so the fresh optimizer's groups match the checkpoint's."""
+    """With a GradScaler the optimizer's groups are the model's alone (the
+    scaler once had one of its own there), so the fresh optimizer's groups
+    match the checkpoint's."""
     def wrapped(job: mltuner.Job, resume: bool) -> mt.PSModule:
         module = net()
         return mt.wrap(module, job.worker, example_input=BATCHES[0][0], grad_scaler=torch.amp.GradScaler("cpu"),
@@ -334,7 +335,7 @@ def test_a_model_with_a_grad_scaler_resumes(tmp_path: Path) -> None:
     with mltuner.Job() as job:
         model = wrapped(job, resume=False)
         train(model, torch.optim.lr_scheduler.StepLR(model.optimizer, step_size=100), range(2))
-        assert len(model.optimizer.param_groups) == 2  # the model's and the scaler's stand-in
+        assert len(model.optimizer.param_groups) == 1
         model.save_checkpoint(tmp_path)
         want = model.state_dict()
     with mltuner.Job() as job:

@@ -169,7 +169,8 @@ class Layer:
         for the error; ``overflow``: a mixed-precision scaler's flag): each
         ``.grad`` holds a :class:`~mltuner.torch._shipped.ShippedGradient`
         until :meth:`clear_grads` (step())."""
-        if not self._shipped_grads or self._shipped_grads[0].why != why or self._shipped_grads[0].overflow is not overflow:
+        first = self._shipped_grads[0] if self._shipped_grads else None
+        if first is None or first.why != why or first.overflow is not overflow:
             self._shipped_grads = [ShippedGradient(slot.param, slot.name, why, overflow) for slot in self.params]
         for param, stand_in in zip(self._params, self._shipped_grads):
             param.grad = stand_in

@@ -443,11 +443,19 @@ class ClockOptimizer(torch.optim.Optimizer):
                 "scaler.step(model.optimizer) with a GradScaler that wrap() was not given: the gradients have "
                 "left scaled; pass it as wrap(..., grad_scaler=scaler)"
             )
-        if self._model._scaled is not None and hasattr(self, "found_inf") and getattr(self, "grad_scale", 0) is None:
-            # GradScaler.step passes grad_scale=None after scaler.unscale_(): the
-            # gradients were unscaled there, and must not be again.
-            self._model._scaled.unscaled_by_scaler(self.found_inf)
-        self._model.step()
+        scaled = self._model._scaled
+        try:
+            if scaled is not None and hasattr(self, "found_inf") and getattr(self, "grad_scale", 0) is None:
+                # GradScaler.step passes grad_scale=None after scaler.unscale_(): the
+                # gradients were unscaled there, and must not be again.
+                scaled.unscaled_by_scaler(self.found_inf)
+            self._model.step()
+        except BaseException:
+            # GradScaler.step deletes them only after a step that returns: a
+            # later step() of the loop's own must not take this one's.
+            for name in ("found_inf", "grad_scale"):
+                self.__dict__.pop(name, None)
+            raise
         if self._source is not None:
             # What a scheduler built on the original optimizer checks to see
             # that a step came before its own (torch's LRScheduler marks

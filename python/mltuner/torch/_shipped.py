@@ -47,7 +47,8 @@ class ShippedGradient(torch.Tensor):
     overflow: torch.Tensor | None  # a GradScaler's overflow flag (_amp.py), for its inf check
 
     @staticmethod
-    def __new__(cls, like: torch.Tensor, name: str, why: str, overflow: torch.Tensor | None = None) -> ShippedGradient:
+    def __new__(cls, like: torch.Tensor, name: str, why: str,
+                overflow: torch.Tensor | None = None) -> ShippedGradient:
         made = torch.Tensor._make_wrapper_subclass(
             cls, like.shape, dtype=like.dtype, device=like.device, requires_grad=False)
         made.param_name, made.why, made.overflow = name, why, overflow
@@ -73,7 +74,8 @@ class ShippedGradient(torch.Tensor):
             real = [tensor for tensor in tensors if not isinstance(tensor, ShippedGradient)]
             if real:
                 func(real, *args[1:], **(kwargs or {}))
-            flags = {id(t.overflow): t.overflow for t in tensors if isinstance(t, ShippedGradient) and t.overflow is not None}
+            flags = {id(t.overflow): t.overflow for t in tensors
+                     if isinstance(t, ShippedGradient) and t.overflow is not None}
             for flag in flags.values():
                 torch.maximum(found_inf, flag.to(found_inf.device).reshape(found_inf.shape), out=found_inf)
             return None

@@ -86,7 +86,8 @@ class GradientUpdates(EngineOps, ClockChecks):
             if opened is not None:
                 self._close_read(opened[0])
             self._update(index, layer, grads)
-            # Until step(): a use of .grad must not find None, and the scaler's inf check finds the overflow (_shipped.py).
+            # Until step(): a use of .grad must not find None, and a scaler's
+            # inf check finds the clock's overflow there (_shipped.py).
             layer.mark_shipped(self._shipped_why, self.grad_scale.overflow if self.grad_scale is not None else None)
             if self._light:
                 layer.unbind()

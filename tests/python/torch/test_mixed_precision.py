@@ -230,6 +230,27 @@ def test_a_per_group_scheduler_sees_the_optimizers_own_groups(overlap: bool) -> 
     compare_mixed(overlap, groups=True)
 
 
+def test_a_scaler_step_that_raises_leaves_nothing_for_the_next_step() -> None:
+    # GradScaler.step sets found_inf and grad_scale on the optimizer and
+    # deletes them only after a step that returns: a later step() of the
+    # loop's own took them as the scaler's.
+    batches = make_batches(torch.device("cpu"))
+    with LocalCluster(1, Config(update_rule=UpdateRule("sgd", learning_rate=LR))) as cluster:
+        scaler = torch.amp.GradScaler("cpu")
+        model = mt.wrap(make_net(), cluster.worker(0), example_input=batches[0][0], grad_scaler=scaler)
+        x, y = batches[0]
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss)
+        with pytest.raises(mltuner.OutOfOrderError, match="call loss.backward"):
+            scaler.step(model.optimizer)  # before the backward pass
+        assert not hasattr(model.optimizer, "found_inf") and not hasattr(model.optimizer, "grad_scale")
+        scaler.scale(loss).backward()
+        scaler.step(model.optimizer)  # the clock goes on
+        scaler.update()
+        assert model.clock == 1
+
+
 def least_budget(**wrap_args: Any) -> int:
     """The least device-memory budget wrap() takes for make_net (its refusal says)."""
     x = make_batches(torch.device("cpu"))[0][0]

@@ -116,6 +116,9 @@ def plan(quick: bool, gpu: bool, long: bool = False) -> list[Step]:
                   "adam"] + (["--quick"] if quick else []), 600, True),
             Step("gpu-path", "gpu_path_bench.py", ["--out", "{dir}/gpu-path.md", "--steps", "20" if quick else "50"],
                  600, True),
+            Step("gpu-path-amp", "gpu_path_bench.py",
+                 ["--out", "{dir}/gpu-path-amp.md", "--precision", "bf16,fp16", "--match", "s0", "--steps",
+                  "20" if quick else "40", "--rounds", "1" if quick else "2"], 600, True),
         ]
     else:
         steps += [

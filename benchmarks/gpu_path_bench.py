@@ -148,6 +148,26 @@ class Case:
     def scaler(self) -> torch.amp.GradScaler | None:
         return torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
 
+    def step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+             scaler: torch.amp.GradScaler | None) -> tuple[float, float, float]:
+        """One training step: the forward under the case's autocast, the
+        backward, the optimizer's step (through the scaler where there is
+        one); the host seconds of each part."""
+        t0 = time.perf_counter()
+        with self.autocast():
+            loss = self.loss(model(self.x))
+        t1 = time.perf_counter()
+        if scaler is None:
+            loss.backward()
+            t2 = time.perf_counter()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            t2 = time.perf_counter()
+            scaler.step(optimizer)
+            scaler.update()
+        return t1 - t0, t2 - t1, time.perf_counter() - t2
+
     def with_precision(self, precision: str, channels_last: bool) -> Case:
         channels_last = channels_last and self.x.dim() == 4
         x = self.x.contiguous(memory_format=torch.channels_last) if channels_last else self.x
@@ -167,22 +187,10 @@ def plain_run(case: Case, args: argparse.Namespace) -> tuple[float, float]:
         if step == args.warmup:
             torch.cuda.synchronize()
             start, main_start = time.perf_counter(), time.thread_time()
-        t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        with case.autocast():
-            loss = case.loss(model(case.x))
-        t1 = time.perf_counter()
-        if scaler is None:
-            loss.backward()
-            t2 = time.perf_counter()
-            optimizer.step()
-        else:
-            scaler.scale(loss).backward()
-            t2 = time.perf_counter()
-            scaler.step(optimizer)
-            scaler.update()
+        phases = case.step(model, optimizer, scaler)
         if step >= args.warmup:
-            PHASES["plain"].add(t1 - t0, t2 - t1, time.perf_counter() - t2)
+            PHASES["plain"].add(*phases)
     torch.cuda.synchronize()
     return case.batch * args.steps / (time.perf_counter() - start), (time.thread_time() - main_start) / args.steps
 
@@ -208,21 +216,9 @@ def mltuner_run(case: Case, args: argparse.Namespace) -> tuple[float, float, flo
                 start = time.perf_counter()
                 if profiler:
                     profiler.enable()
-            t0 = time.perf_counter()
-            with case.autocast():
-                loss = case.loss(ps(case.x))
-            t1 = time.perf_counter()
-            if scaler is None:
-                loss.backward()
-                t2 = time.perf_counter()
-                ps.step()
-            else:
-                scaler.scale(loss).backward()
-                t2 = time.perf_counter()
-                scaler.step(ps.optimizer)
-                scaler.update()
+            phases = case.step(ps, ps.optimizer, scaler)  # its step() ends the clock
             if step >= args.warmup:
-                PHASES["mltuner"].add(t1 - t0, t2 - t1, time.perf_counter() - t2)
+                PHASES["mltuner"].add(*phases)
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
         if profiler:

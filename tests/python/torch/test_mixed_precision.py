@@ -328,9 +328,13 @@ gpu = pytest.mark.skipif(mltuner.cuda_device_count() == 0 or not torch.cuda.is_a
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16 + GradScaler"])
-def test_mixed_precision_on_the_gpu(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["shipped at step", "shipped from backward"])
+def test_mixed_precision_on_the_gpu(dtype: torch.dtype, overlap: bool) -> None:
+    # From the backward pass, each layer's update is queued and copied by the
+    # engine on the stream after later layers' inf checks: the overflow flag
+    # it reads is the clock's, set or not, never the clock before's.
     scaler_args = {"init_scale": 2.0**30, "growth_interval": 4} if dtype == torch.float16 else None
-    compare(torch.device("cuda", 0), dtype, scaler_args)
+    compare(torch.device("cuda", 0), dtype, scaler_args, overlap_updates=overlap)
 
 
 @gpu

@@ -22,6 +22,7 @@ benchmarks/, with more options and tables):
               time to accuracy over seeds (median and spread)
   gpu-path    (--gpu) torchvision ResNet-18 (batch 128/256/512, slack 0/1) and
               12 TransformerEncoderLayers through one worker vs plain PyTorch
+  gpu-path-amp (--gpu) the same at slack 0 under bf16 and fp16 (GradScaler) autocast
   gpu-copy    (--gpu) the CUDA backend's gather, scatter-add and swaps vs the
               GPU's measured device and pinned host<->device copy bandwidth
   demo-gpu    (--gpu) `mltuner demo` on the GPU: its time and the searches'
@@ -37,7 +38,7 @@ cores (taskset), in about 10 (demo) and 30 (tuning-large) minutes on 16.
 --quick sizes everything to finish in about 5 minutes on 2 CPU cores.
 --gpu runs torch and throughput on the GPU (ResNet-18) and adds gpu-copy;
 the CPU-only benchmarks then run at their --quick size, so that the whole
-GPU run fits in 10 minutes on one machine. Each benchmark runs in its own
+GPU run fits in about 12 minutes on one machine. Each benchmark runs in its own
 process with a time limit; one that fails or runs over is reported as
 failed (its log is kept) and the others go on. Writes to DIR (default
 results/bench-DATE): summary.md, summary.csv, figures.json, machine.json,

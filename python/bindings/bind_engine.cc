@@ -63,7 +63,10 @@ py::list RunBatch(Engine& engine, const py::list& calls, uintptr_t stream) {
         pieces.push_back({reinterpret_cast<float*>(address), offset, count});
       }
     }
-    if (call.size() == 5) op.fill_zero_if = reinterpret_cast<const float*>(call[4].cast<uintptr_t>());
+    if (call.size() == 5) {
+      if (op.kind != OpKind::kUpdate) throw py::value_error("run: only an update takes a zero-if flag");
+      op.fill_zero_if = reinterpret_cast<const float*>(call[4].cast<uintptr_t>());
+    }
     ops.push_back(std::move(op));
   }
   std::vector<AccessBuffer> opened;

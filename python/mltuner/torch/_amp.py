@@ -5,8 +5,10 @@ Plain PyTorch unscales every gradient in ``scaler.step(optimizer)`` and
 skips the step when one is inf or NaN. Where the updates ship at step()
 (every shard in this process, ``wrap(overlap_updates=False)``), the same
 happens here: the gradients sit in ``.grad`` until step(), where the scaler
-checks them for infs itself, and step() unscales every layer's gradients at
-once and, if one is not finite, every update is zeros; after
+checks them for infs itself, and ``scaler.step(model.optimizer)`` unscales
+every layer's gradients at once and, if one is not finite, every update is
+zeros (a step() of the loop's own, not through the scaler, unscales nothing,
+as torch's optimizer would not); after
 ``scaler.unscale_(model.optimizer)`` (torch's recipe for clipping under
 AMP), torch has unscaled them in place, and step() only takes its overflow
 (:meth:`ScaledGradients.unscaled_by_scaler`). Where each layer's update
@@ -22,11 +24,11 @@ The zeros come from the engine's copy of the gradients, which reads the
 clock's overflow flag on the device (a zeroing kernel per gradient cost
 ResNet-18 0.6 ms a clock); gradients torch copies are zeroed in place.
 
-Only a clock whose loss went through ``scaler.scale()`` is unscaled: the
-scaler's ``scale`` method is wrapped (on the instance, until ``unwrap()``)
-to note the clock, so that a loop that steps without the scaler for a while
-(``loss.backward(); model.optimizer.step()``) trains at its full step rather
-than one divided by the scale.
+Shipping from the backward pass, the adapter cannot know whether the loss
+went through ``scaler.scale()`` before the updates leave, so it unscales
+every clock once the scaler has a scale; a clock that then ends with a
+step() of the loop's own rather than ``scaler.step()`` gets a warning (its
+loss, if not scaled, left divided by the scale).
 
 ``scaler.step(model.optimizer)`` then calls the optimizer's ``step()``
 whatever the outcome (the clock must end), through GradScaler's contract for
@@ -40,6 +42,7 @@ overflow flag. No step waits for the GPU: every test stays on the device.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -74,37 +77,32 @@ class ScaledGradients:
         # copy of the updates and GradScaler's inf check read it as it is).
         self.overflow = torch.zeros(1, dtype=torch.float32, device=driver.device)
         self._clock = -1  # the clock the flag belongs to
-        self._scaled_clock = -1  # the last clock whose loss went through scaler.scale()
-        unscaled = scaler.scale
-
-        def scale(outputs: Any) -> Any:
-            self._scaled_clock = self._driver.clock
-            return unscaled(outputs)
-
-        self._scale_method = scale
-        scaler.scale = scale  # type: ignore[method-assign]
-
-    def release(self) -> None:
-        """Gives the scaler its own ``scale`` method back (unwrap())."""
-        if self._scaler.__dict__.get("scale") is self._scale_method:
-            del self._scaler.scale
+        self._unscaled_clock = -1  # the last clock whose gradients unscale() unscaled
+        self._warned = False
 
     def unscale(self, grads: list[torch.Tensor]) -> None:
-        """Unscales gradients in place when the clock's loss was scaled;
-        the overflow flag is set from the clock's first non-finite gradient
-        on."""
+        """Unscales gradients in place; the overflow flag is set from the
+        clock's first non-finite gradient on."""
         self._start_clock()
         scale = self._scale()
-        if scale is None or self._scaled_clock != self._driver.clock:  # nothing to undo
+        if scale is None:  # disabled, or no loss was scaled yet: nothing to undo
             return
         # As GradScaler.unscale_ computes it: the reciprocal in double precision.
         inv_scale = scale.double().reciprocal().float()
         torch._amp_foreach_non_finite_check_and_unscale_(grads, self.overflow, inv_scale)
+        self._unscaled_clock = self._driver.clock
 
     def zero_on_overflow(self, grads: list[torch.Tensor]) -> None:
+        if self._clock != self._driver.clock:  # the flag is an earlier clock's
+            return
         overflowed = self.overflow.view(()).bool()  # no host sync: a mask on the device
         for grad in grads:
             grad.masked_fill_(overflowed, 0.0)
+
+    def gate(self) -> int:
+        """The overflow flag's address for the engine's copy of this clock's
+        updates; 0 where nothing set it this clock (no unscaling)."""
+        return self.overflow.data_ptr() if self._clock == self._driver.clock else 0
 
     def _start_clock(self) -> None:
         if self._driver.clock != self._clock:  # the clock's first layer
@@ -121,15 +119,35 @@ class ScaledGradients:
             return scale
         return None
 
-    def unscaled_by_scaler(self, found_inf: torch.Tensor) -> None:
-        """After ``scaler.unscale_(model.optimizer)`` (torch's recipe for
-        clipping under AMP): shipping at step(), torch unscaled the gradients
-        in place and found the overflow (``found_inf``), which step() takes
-        instead of unscaling again. Shipping from the backward pass, each
-        layer was unscaled before it left, and unscale_ saw only stand-ins."""
+    def scaler_step(self, found_inf: Any, unscaled: bool) -> None:
+        """``scaler.step(model.optimizer)``, before the clock ends. Shipping
+        at step(), every gradient is unscaled now, or, after
+        ``scaler.unscale_(model.optimizer)`` (``unscaled``: torch's recipe for
+        clipping under AMP), torch unscaled them in place and found the
+        overflow (``found_inf``), which is taken instead. Shipping from the
+        backward pass, each layer was unscaled before it left, and unscale_
+        saw only stand-ins."""
+        if not unscaled:
+            self._driver.filter_gradients(self.unscale)
+        elif isinstance(found_inf, torch.Tensor):  # else no gradient: step() says what is missing
 
-        def take_overflow(grads: list[torch.Tensor]) -> None:
-            self._start_clock()
-            self.overflow.copy_(found_inf.reshape(-1)[:1])
+            def take_overflow(grads: list[torch.Tensor]) -> None:
+                self._start_clock()
+                self.overflow.copy_(found_inf.reshape(-1)[:1])
 
-        self._driver.filter_gradients(take_overflow)
+            self._driver.filter_gradients(take_overflow)
+
+    def direct_step(self) -> None:
+        """A step() of the loop's own, not ``scaler.step()``: shipping at
+        step() nothing is unscaled, as with torch's optimizer. Shipping from
+        the backward pass the clock's updates left unscaled already: warns
+        once, since a loss that did not go through ``scaler.scale()`` left
+        divided by the scale."""
+        if self._unscaled_clock != self._driver.clock or self._warned:
+            return
+        self._warned = True
+        warnings.warn(
+            "step() without scaler.step(model.optimizer) on a model wrapped with a GradScaler, whose updates leave "
+            "during backward(): they were unscaled by the scaler's scale as they left, which is right only if the "
+            "loss went through scaler.scale(); end each clock with scaler.step(model.optimizer) and "
+            "scaler.update(), or wrap(..., overlap_updates=False) to decide at step()", stacklevel=4)

@@ -37,7 +37,11 @@ class GradScale(Protocol):
 
     def zero_on_overflow(self, grads: list[torch.Tensor]) -> None:
         """Zeroes gradients in place if the clock overflowed (for those
-        torch copies; the engine's copy reads :attr:`overflow`)."""
+        torch copies; the engine's copy reads :meth:`gate`)."""
+
+    def gate(self) -> int:
+        """The address of :attr:`overflow` for the engine's copy of the
+        clock's updates, or 0 where it is not this clock's."""
 
 
 class _ActRef(NamedTuple):

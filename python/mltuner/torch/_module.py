@@ -103,6 +103,8 @@ class PSModule(nn.Module):
             mltuner.OutOfOrderError: no forward pass, or its backward pass
                 has not delivered every layer's gradient yet.
         """
+        if self._scaled is not None:
+            self._scaled.direct_step()
         self._driver.step()
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
@@ -270,8 +272,6 @@ class PSModule(nn.Module):
         holding the servers' values and its hooks removed. Call it between
         clocks; the worker stays up (shut it down separately)."""
         self._driver.close()
-        if self._scaled is not None:
-            self._scaled.release()
         self._optimizer.give_back_source(warn_on_step=self._driver.rule_has_state())
         release_parameters(self._driver.layers)
         return self.module
@@ -308,6 +308,13 @@ class PSModule(nn.Module):
 
 # The original optimizer's instance attributes take_over_source() sets.
 _TAKEN_OVER = ("step", "_step_supports_amp_scaling", "state_dict", "load_state_dict", "add_param_group")
+
+
+def _old_stand_in_group(group: Any) -> bool:
+    """Whether a saved param group is the one a GradScaler added to
+    ``model.optimizer`` before stop 66: one tensor, at rate 0, nothing else."""
+    return isinstance(group, dict) and len(group.get("params", ())) == 1 and set(group) == {"params", "lr"} \
+        and group["lr"] == 0.0
 
 
 class ClockOptimizer(torch.optim.Optimizer):
@@ -402,8 +409,9 @@ class ClockOptimizer(torch.optim.Optimizer):
                 "load_state_dict with per-parameter optimizer state (momentum buffers, Adam's moments) on a "
                 "wrapped model's optimizer: the servers hold that state. Resume from model.save_checkpoint() "
                 "with wrap(..., resume_from=...)")
-        # A dict saved by an older mltuner may end with a GradScaler's stand-in group.
-        saved = state_dict["param_groups"][: len(self._groups)]
+        saved = state_dict["param_groups"]
+        if len(saved) == len(self._groups) + 1 and _old_stand_in_group(saved[-1]):
+            saved = saved[:-1]  # saved by an mltuner whose GradScaler had a group of its own
         sizes = [len(group.get("params", ())) if isinstance(group, dict) else -1 for group in saved]
         if sizes != [len(group["params"]) for group in self._groups]:
             raise InvalidArgumentError(f"load_state_dict: param groups of {sizes} parameters, the optimizer has "
@@ -445,11 +453,13 @@ class ClockOptimizer(torch.optim.Optimizer):
             )
         scaled = self._model._scaled
         try:
-            if scaled is not None and hasattr(self, "found_inf") and getattr(self, "grad_scale", 0) is None:
+            if scaled is not None and hasattr(self, "found_inf"):
                 # GradScaler.step passes grad_scale=None after scaler.unscale_(): the
                 # gradients were unscaled there, and must not be again.
-                scaled.unscaled_by_scaler(self.found_inf)
-            self._model.step()
+                scaled.scaler_step(self.found_inf, unscaled=getattr(self, "grad_scale", 0) is None)
+                self._model._driver.step()
+            else:
+                self._model.step()
         except BaseException:
             # GradScaler.step deletes them only after a step that returns: a
             # later step() of the loop's own must not take this one's.

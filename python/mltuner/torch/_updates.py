@@ -166,9 +166,8 @@ class GradientUpdates(EngineOps, ClockChecks):
     def _update_op(self, handle: int, pieces: list[tuple[int, int, int]]) -> tuple[Any, ...]:
         """The engine op that copies ``pieces`` into an update and posts it:
         with a scaler, zeros instead once the clock overflowed."""
-        if self.grad_scale is None:
-            return (_UPDATE, handle, pieces)
-        return (_UPDATE, handle, pieces, [], self.grad_scale.overflow.data_ptr())
+        gate = self.grad_scale.gate() if self.grad_scale is not None else 0
+        return (_UPDATE, handle, pieces, [], gate) if gate else (_UPDATE, handle, pieces)
 
     def _copy_grads(self, views: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         """Torch's copy of a layer's gradients into its update buffer's views
@@ -254,15 +253,12 @@ class GradientUpdates(EngineOps, ClockChecks):
         finally:
             self._defer = before
 
-    def filter_gradients(self, grad_filter: Callable[[list[torch.Tensor]], None] | None = None) -> None:
-        """Shipping at step(): applies ``grad_filter`` (by default the
-        scaler's unscaling) once per clock to every layer's gradients
-        together, so a scaler unscales them all and an overflow anywhere
-        zeroes every update, as torch's GradScaler skips the step; step()
-        calls it, and the scaler's side earlier after ``scaler.unscale_()``."""
-        if grad_filter is None and self.grad_scale is not None:
-            grad_filter = self.grad_scale.unscale
-        if grad_filter is None or not self._at_step or self._phase is not Phase.BACKWARD:
+    def filter_gradients(self, grad_filter: Callable[[list[torch.Tensor]], None]) -> None:
+        """Shipping at step(): applies ``grad_filter`` once per clock to
+        every layer's gradients together, before step() hands them over: the
+        scaler's unscaling in ``scaler.step()``, so that an overflow anywhere
+        zeroes every update, as torch's GradScaler skips the step."""
+        if not self._at_step or self._phase is not Phase.BACKWARD:
             return
         if self._filtered == self._serial:
             return
@@ -297,7 +293,6 @@ class GradientUpdates(EngineOps, ClockChecks):
                     self._bad_gradient(layer, position, grad)
         updates = [(i, self._events[i].layer) for i in range(self._forward_events, len(self._events))]
         with self._mutating():
-            self.filter_gradients()
             found = [self._pieces(self.layers[number], grads[number]) for _, number in updates]
             pieces = [p for p in found if p is not None]
             if len(pieces) == len(found):

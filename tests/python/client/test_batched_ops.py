@@ -157,6 +157,8 @@ def test_an_update_flag_set_when_the_copy_runs_sends_zeros() -> None:
         for value in (0.0, float("inf")):
             flag[0] = value
             worker.pre_update(update)
+            with pytest.raises(ValueError, match="only an update takes a zero-if flag"):
+                worker._run_ops([(6, -1, [], [], flag.ctypes.data)], 0)
             worker._run_ops([(3, update, [(source.ctypes.data, 0, 24)], [], flag.ctypes.data), (6, -1)], 0)
         worker.sync()
         got.append(worker.fetch(table))

@@ -150,14 +150,15 @@ def test_scaler_unscale_then_clipping_trains_like_plain_pytorch() -> None:
 
 
 def train_mixed(model: Any, optimizer: Any, batches: list[tuple[torch.Tensor, torch.Tensor]],
-                scaler: torch.amp.GradScaler, scheduler: Any = None) -> list[float]:
-    """Five clocks under float16 autocast with the scaler, then five in
-    float32 without it (``loss.backward(); optimizer.step()``), and so on;
-    the scheduler, where given, steps after each clock. Returns the losses."""
+                scaler: torch.amp.GradScaler, scheduler: Any = None, mixed: bool = True) -> list[float]:
+    """Five clocks under float16 autocast with the scaler, then (``mixed``)
+    five in float32 without it (``loss.backward(); optimizer.step()``), and
+    so on; the scheduler, where given, steps after each clock. Returns the
+    losses."""
     losses = []
     for step, (x, y) in enumerate(batches):
         optimizer.zero_grad()
-        if step % 10 < 5:
+        if step % 10 < 5 or not mixed:
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = F.cross_entropy(model(x), y)
             scaler.scale(loss).backward()
@@ -173,7 +174,7 @@ def train_mixed(model: Any, optimizer: Any, batches: list[tuple[torch.Tensor, to
     return losses
 
 
-def compare_mixed(overlap: bool, groups: bool = False) -> None:
+def compare_mixed(overlap: bool, groups: bool = False, mixed: bool = True) -> None:
     """train_mixed plain and wrapped (two param groups at different rates
     under a per-group LambdaLR with ``groups``); asserts equal losses and
     weights."""
@@ -196,17 +197,16 @@ def compare_mixed(overlap: bool, groups: bool = False) -> None:
         return torch.optim.lr_scheduler.LambdaLR(optimizer, [lambda clock: 0.95**clock, lambda clock: 1.0])
 
     plain_optimizer = optimizer_of(plain)
-    want = train_mixed(plain, plain_optimizer, batches, torch.amp.GradScaler("cpu"), scheduler_of(plain_optimizer))
+    want = train_mixed(plain, plain_optimizer, batches, torch.amp.GradScaler("cpu"), scheduler_of(plain_optimizer),
+                       mixed)
     cluster = LocalCluster(1, Config(update_rule=UpdateRule("sgd", learning_rate=LR)))
     try:
         scaler = torch.amp.GradScaler("cpu")
         model = mt.wrap(net, cluster.worker(0), example_input=batches[0][0], grad_scaler=scaler,
                         overlap_updates=overlap, optimizer=optimizer_of(net) if groups else None)
         assert len(model.optimizer.param_groups) == (2 if groups else 1)  # the optimizer's own groups
-        got = train_mixed(model, model.optimizer, batches, scaler, scheduler_of(model.optimizer))
+        got = train_mixed(model, model.optimizer, batches, scaler, scheduler_of(model.optimizer), mixed)
         state = model.state_dict()
-        model.unwrap()
-        assert "scale" not in scaler.__dict__  # the scaler's own method again
     finally:
         cluster.shutdown()
     worst = max(abs(a - b) for a, b in zip(got, want))
@@ -215,11 +215,19 @@ def compare_mixed(overlap: bool, groups: bool = False) -> None:
         torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["shipped at step", "shipped from backward"])
-def test_clocks_stepped_without_the_scaler_train_at_their_full_step(overlap: bool) -> None:
-    # Only a clock whose loss went through scaler.scale() is unscaled: the
+def test_clocks_stepped_without_the_scaler_train_at_their_full_step() -> None:
+    # Shipping at step(), only scaler.step() unscales, as with torch: the
     # float32 clocks in between were steps divided by the scale (65536).
-    compare_mixed(overlap)
+    compare_mixed(overlap=False)
+
+
+def test_clocks_stepped_without_the_scaler_from_the_backward_pass_warn() -> None:
+    # Shipping from the backward pass the updates left unscaled before the
+    # step() that shows the scaler was not used: said once, not silent.
+    with pytest.warns(UserWarning, match="step\\(\\) without scaler.step") as warned:
+        with pytest.raises(AssertionError, match="losses differ"):
+            compare_mixed(overlap=True)
+    assert sum("without scaler.step" in str(w.message) for w in warned) == 1
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["shipped at step", "shipped from backward"])
@@ -227,7 +235,20 @@ def test_a_per_group_scheduler_sees_the_optimizers_own_groups(overlap: bool) -> 
     # LambdaLR with one function per group raised ValueError: with a scaler,
     # model.optimizer.param_groups had one group more (the scaler's inf check
     # reads the clock's overflow from .grad's stand-ins now).
-    compare_mixed(overlap, groups=True)
+    compare_mixed(overlap, groups=True, mixed=False)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["shipped at step", "shipped from backward"])
+def test_gradients_torch_copies_are_zeroed_on_an_overflow(overlap: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Gradients the engine cannot take as they are (another dtype or layout:
+    # rare, autograd gives a parameter's gradient its layout) are copied by
+    # torch, which zeroes them itself on an overflow: every layer so here.
+    from mltuner.torch._updates import GradientUpdates
+
+    monkeypatch.setattr(GradientUpdates, "_pieces", lambda self, layer, grads: None)
+    _, scales = compare(torch.device("cpu"), torch.float16, {"init_scale": 2.0**30, "growth_interval": 4},
+                        overlap_updates=overlap)
+    assert scales[1] < scales[0]
 
 
 def test_a_scaler_step_that_raises_leaves_nothing_for_the_next_step() -> None:
@@ -249,6 +270,23 @@ def test_a_scaler_step_that_raises_leaves_nothing_for_the_next_step() -> None:
         scaler.step(model.optimizer)  # the clock goes on
         scaler.update()
         assert model.clock == 1
+
+
+def test_an_optimizer_state_saved_with_the_old_scaler_group_loads() -> None:
+    # model.optimizer.state_dict() once ended with a GradScaler's group (one
+    # tensor at rate 0): such a dict still loads; another extra group does not.
+    with LocalCluster(1, Config(update_rule=UpdateRule("sgd", learning_rate=LR))) as cluster:
+        model = mt.wrap(make_net(), cluster.worker(0), example_input=make_batches(torch.device("cpu"))[0][0],
+                        grad_scaler=torch.amp.GradScaler("cpu"))
+        saved = model.optimizer.state_dict()
+        saved["param_groups"][0]["lr"] = LR / 2
+        next_id = len(saved["param_groups"][0]["params"])
+        old = {**saved, "param_groups": [*saved["param_groups"], {"params": [next_id], "lr": 0.0}]}
+        model.optimizer.load_state_dict(old)
+        assert model.optimizer.param_groups[0]["lr"] == LR / 2
+        other = {**saved, "param_groups": [*saved["param_groups"], {**saved["param_groups"][0], "params": [next_id]}]}
+        with pytest.raises(InvalidArgumentError, match="param groups"):
+            model.optimizer.load_state_dict(other)
 
 
 def least_budget(**wrap_args: Any) -> int:
@@ -341,3 +379,35 @@ def test_mixed_precision_on_the_gpu(dtype: torch.dtype, overlap: bool) -> None:
 def test_scaler_unscale_then_clipping_on_the_gpu() -> None:
     compare(torch.device("cuda", 0), torch.float16, {"init_scale": 2.0**30, "growth_interval": 4}, unscale=True,
             clip=0.05, overlap_updates=False)
+
+
+@pytest.mark.gpu
+@gpu
+def test_the_engines_copy_reads_the_overflow_flag_when_the_stream_reaches_it() -> None:
+    # The flag is set by work queued on the stream before the copy (a
+    # scaler's inf check) and still running when the op is handed over: the
+    # copy must see it set, not the 0 it held when the op was queued.
+    source = torch.arange(1, 25, dtype=torch.float32, device="cuda")
+    flag = torch.zeros(1, dtype=torch.float32, device="cuda")
+    got: list[Any] = []
+
+    def body(worker: mltuner.Worker) -> None:
+        table = worker.create_tensor_table("t", mltuner.TensorLayout(row_width=8).add("w", (24,)))
+        update = worker.virtual_pre_update(table)
+        worker.virtual_update(update)
+        worker.virtual_clock()
+        worker.finish_virtual_iteration()
+        worker.start_iterations()
+        stream = torch.cuda.current_stream()
+        for value in (0.0, 1.0):
+            worker.pre_update(update, stream=stream.cuda_stream)
+            torch.cuda._sleep(20_000_000)  # tens of ms of GPU time before the flag is written
+            flag.fill_(value)
+            worker._run_ops([(3, update, [(source.data_ptr(), 0, 24)], [], flag.data_ptr()), (6, -1)],
+                            stream.cuda_stream)
+        worker.sync()
+        got.append(worker.fetch(table))
+
+    with LocalCluster(1, Config(update_rule=UpdateRule("add"), device="cuda", wait_timeout_s=30)) as cluster:
+        cluster.run(body)
+    assert got[0].reshape(-1).tolist() == source.tolist()  # the first clock's pieces, the second's zeros

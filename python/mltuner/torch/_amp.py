@@ -150,4 +150,4 @@ class ScaledGradients:
             "step() without scaler.step(model.optimizer) on a model wrapped with a GradScaler, whose updates leave "
             "during backward(): they were unscaled by the scaler's scale as they left, which is right only if the "
             "loss went through scaler.scale(); end each clock with scaler.step(model.optimizer) and "
-            "scaler.update(), or wrap(..., overlap_updates=False) to decide at step()", stacklevel=4)
+            "scaler.update(), or wrap(..., overlap_updates=False) to decide at step()", stacklevel=3)

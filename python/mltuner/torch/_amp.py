@@ -11,7 +11,7 @@ zeros (a step() of the loop's own, not through the scaler, unscales nothing,
 as torch's optimizer would not); after
 ``scaler.unscale_(model.optimizer)`` (torch's recipe for clipping under
 AMP), torch has unscaled them in place, and step() only takes its overflow
-(:meth:`ScaledGradients.unscaled_by_scaler`). Where each layer's update
+(:meth:`ScaledGradients.scaler_step`). Where each layer's update
 leaves during ``backward()``, :class:`ScaledGradients` does both per layer:
 it unscales with torch's own kernel (the one ``GradScaler.unscale_`` runs),
 and from the first non-finite gradient of a clock on the updates it ships

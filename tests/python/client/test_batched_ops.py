@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mltuner import Config, LocalCluster, TensorLayout, UpdateRule, Worker
+from mltuner import Config, LocalCluster, Table, TensorLayout, UpdateRule, Worker
 from mltuner.exceptions import InvalidArgumentError, OutOfOrderError
 
 CLOCKS = 12
@@ -105,6 +105,17 @@ def test_bad_batches_raise_the_single_calls_errors(ops: list[tuple[str, int]], e
         cluster.run(body)
 
 
+def start_one_update(worker: Worker) -> tuple[Table, int]:
+    """A table of layout() whose clock is one whole update; iterations started."""
+    table = worker.create_tensor_table("t", layout())
+    update = worker.virtual_pre_update(table)
+    worker.virtual_update(update)
+    worker.virtual_clock()
+    worker.finish_virtual_iteration()
+    worker.start_iterations()
+    return table, update
+
+
 def test_an_update_takes_pieces_copied_in_before_its_post() -> None:
     """Worker._run_ops (the PyTorch adapter's path): an update may carry
     pieces of float32 memory that the engine copies into its buffer; the
@@ -115,12 +126,7 @@ def test_an_update_takes_pieces_copied_in_before_its_post() -> None:
     got: list[np.ndarray] = []
 
     def body(worker: Worker) -> None:
-        table = worker.create_tensor_table("t", layout())
-        update = worker.virtual_pre_update(table)
-        worker.virtual_update(update)
-        worker.virtual_clock()
-        worker.finish_virtual_iteration()
-        worker.start_iterations()
+        table, update = start_one_update(worker)
         worker.pre_update(update)
         with pytest.raises(InvalidArgumentError, match="does not fit the 24 floats"):
             worker._run_ops([(3, update, [(pieces_src[0].ctypes.data, 20, 5)])], 0)
@@ -148,12 +154,7 @@ def test_an_update_flag_set_when_the_copy_runs_sends_zeros() -> None:
     got: list[np.ndarray] = []
 
     def body(worker: Worker) -> None:
-        table = worker.create_tensor_table("t", layout())
-        update = worker.virtual_pre_update(table)
-        worker.virtual_update(update)
-        worker.virtual_clock()
-        worker.finish_virtual_iteration()
-        worker.start_iterations()
+        table, update = start_one_update(worker)
         for value in (0.0, float("inf")):
             flag[0] = value
             worker.pre_update(update)

@@ -6,7 +6,7 @@ Layout of one checkpoint (``root/clock-NNNNNNNN``)::
     shard-R/table-T.values.npy     rows [first_row, first_row + num_rows) of table T
     shard-R/table-T.state.npy      the update rule's state: state_arrays arrays
                                    of len(values) floats, then scalars
-    shard-R/meta.json              what shard R wrote
+    shard-R/meta.json              what shard R wrote, with each file's CRC-32
     attachments/NAME               bytes rank 0 attached (save's ``attachments``),
                                    e.g. the PyTorch adapter's buffers and param groups
 
@@ -17,7 +17,11 @@ checkpoint or none. Rank 0 removes what an interrupted save left behind
 (hidden ``.clock-*.tmp`` directories, ``*.tmp`` files) at the next save and
 when a job restores from the root, and keeps exactly the newest ``keep``
 checkpoints. Clocks in names and manifests count from the start of training,
-across restores. Restoring re-splits rows and state over however many shards
+across restores. Every array file's CRC-32 (seeded with the rows it holds,
+so that a shard's rows cannot be placed elsewhere) is in its shard's
+meta.json, every attachment's in the manifest; a restore checks the files it
+reads before it loads anything, and a file that differs is refused by name
+(checkpoints written before the checksums restore unchecked). Restoring re-splits rows and state over however many shards
 the new job has, and ends with a barrier, so every read after it, on any
 rank, sees restored values. Files are plain .npy arrays read without pickle.
 
@@ -34,9 +38,10 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Callable, Mapping, Sequence
+import zlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -113,11 +118,13 @@ def save(node: _core.ProcessNode, worker: Worker, root: Path, barrier: Callable[
             raise OutOfOrderError(f"table {table.name!r} is at clock {piece['global_clock']} of branch {branch} on "
                                   f"shard {node.rank}, expected {expected}: call save_checkpoint on every rank at "
                                   "the same clock")
-        values = np.asarray(piece["values"]).reshape(int(piece["num_rows"]), table.row_width)
-        _save_array(shard_dir / f"table-{table.id}.values.npy", values)
-        _save_array(shard_dir / f"table-{table.id}.state.npy", np.asarray(piece["state"]))
-        written["tables"][str(table.id)] = {"first_row": int(piece["first_row"]), "num_rows": int(piece["num_rows"]),
-                                            "state_arrays": int(piece["state_arrays"])}
+        first_row, num_rows = int(piece["first_row"]), int(piece["num_rows"])
+        values = np.asarray(piece["values"]).reshape(num_rows, table.row_width)
+        entry = {"first_row": first_row, "num_rows": num_rows, "state_arrays": int(piece["state_arrays"])}
+        for kind, array in (("values", values), ("state", np.asarray(piece["state"]))):
+            written_array = _save_array(shard_dir / f"table-{table.id}.{kind}.npy", array)
+            entry[f"{kind}_crc32"] = _crc32(written_array, first_row, num_rows)
+        written["tables"][str(table.id)] = entry
     _write_json(shard_dir / "meta.json", written)
     barrier(f"checkpoint-{name}-written")
     final = root / name
@@ -131,6 +138,7 @@ def save(node: _core.ProcessNode, worker: Worker, root: Path, barrier: Callable[
             (staging / ATTACHMENTS).mkdir(exist_ok=True)
             for file_name, content in attached.items():
                 _write_bytes(staging / ATTACHMENTS / file_name, content)
+            manifest["attachments_crc32"] = {file_name: zlib.crc32(content) for file_name, content in attached.items()}
         _write_json(staging / "manifest.json", manifest)
         # Saved again (a run resumed from an older one reached this clock): the
         # old one moves aside first, so that a crash leaves a complete one in
@@ -169,12 +177,22 @@ def read_attachment(path: str | os.PathLike[str], name: str) -> bytes | None:
 
     Raises:
         mltuner.NotFoundError: no complete checkpoint at ``path``.
+        mltuner.InvalidArgumentError: the attachment differs from what was saved (its CRC-32).
     """
     check_attachments({name: b""})
+    directory = resolve(Path(path))
     try:
-        return (resolve(Path(path)) / ATTACHMENTS / name).read_bytes()
+        content = (directory / ATTACHMENTS / name).read_bytes()
     except FileNotFoundError:
         return None
+    manifest_path = directory / "manifest.json"
+    manifest = _read_json(manifest_path)
+    checksums = _field(manifest_path, manifest, "attachments_crc32", dict) if "attachments_crc32" in manifest else {}
+    expected = _field(manifest_path, checksums, name, int) if name in checksums else None
+    if expected is not None and zlib.crc32(content) != expected:
+        raise InvalidArgumentError(f"checkpoint file {directory / ATTACHMENTS / name} is damaged: its CRC-32 is "
+                                   f"{zlib.crc32(content):#010x}, the manifest says {expected:#010x}")
+    return content
 
 
 def _keep_newest(root: Path, keep: int, saved: int) -> None:
@@ -234,6 +252,7 @@ def restore(node: _core.ProcessNode, worker: Worker, path: Path, rule_kind: str,
         remove_temporaries(path)
     manifest, metas = _check_checkpoint(directory, worker, sources)
     saved = _saved_tables(manifest)
+    _verify_files(directory, metas, _files_read(worker, metas, saved, sources, int(node.rank), int(node.num_workers)))
     for table in _communicated(worker):
         first, count = shard_range(table.num_rows, int(node.rank), int(node.num_workers))
         if sources is None:
@@ -287,8 +306,13 @@ def check_tables(directory: Path, worker: Worker, sources: Sources | None = None
     return _check_checkpoint(directory, worker, sources, mismatch_hint)[0]
 
 
-# What one shard saved of a table: (first_row, num_rows, state_arrays).
-_Entry = tuple[int, int, int]
+class _Entry(NamedTuple):
+    """What one shard saved of a table (its meta.json entry)."""
+
+    first_row: int
+    num_rows: int
+    state_arrays: int
+    crc32: dict[str, int]  # "values" / "state" -> the file's checksum; empty in checkpoints from before them
 
 
 def _saved_tables(manifest: dict[str, Any]) -> dict[str, Table]:
@@ -428,8 +452,10 @@ def _read_meta(directory: Path, shard: int, tables: list[Table]) -> dict[int, _E
         entry = written.get(str(table.id))
         if not isinstance(entry, dict):
             raise InvalidArgumentError(f"checkpoint file {path} has no table {table.name!r} (id {table.id})")
-        entries[table.id] = (_field(path, entry, "first_row", int), _field(path, entry, "num_rows", int),
-                             _field(path, entry, "state_arrays", int))
+        crc32 = {kind: _field(path, entry, f"{kind}_crc32", int) for kind in ("values", "state")
+                 if f"{kind}_crc32" in entry}
+        entries[table.id] = _Entry(_field(path, entry, "first_row", int), _field(path, entry, "num_rows", int),
+                                   _field(path, entry, "state_arrays", int), crc32)
     return entries
 
 
@@ -438,7 +464,7 @@ def _check_shards(directory: Path, table: Table, entries: list[_Entry]) -> None:
     each (a gap would restore uninitialised memory, an overlap is a damaged
     checkpoint), and agree on the number of state arrays."""
     end = 0
-    for shard, (first, rows, state_arrays) in sorted(enumerate(entries), key=lambda item: item[1]):
+    for shard, (first, rows, state_arrays, _) in sorted(enumerate(entries), key=lambda item: item[1][:2]):
         where = f"checkpoint file {directory / f'shard-{shard}' / 'meta.json'}: table {table.name!r}"
         if state_arrays != entries[0][2]:
             raise InvalidArgumentError(f"{where} has {state_arrays} state arrays, shard 0 {entries[0][2]}")
@@ -460,7 +486,7 @@ def _check_shards(directory: Path, table: Table, entries: list[_Entry]) -> None:
 
 def _check_arrays(shard_dir: Path, table: Table, entry: _Entry) -> None:
     """A shard's two files of a table: readable .npy arrays of the sizes its meta.json gives."""
-    _, rows, state_arrays = entry
+    _, rows, state_arrays, _ = entry
     for kind, least in (("values", rows * table.row_width), ("state", state_arrays * rows * table.row_width)):
         path = shard_dir / f"table-{table.id}.{kind}.npy"
         try:
@@ -484,11 +510,7 @@ def _gather_slice(directory: Path, metas: list[dict[int, _Entry]], table: Table,
     values = np.empty((count, width), dtype=np.float32)
     state_arrays = metas[0][table.id][2]
     state_rows = np.empty((state_arrays, count, width), dtype=np.float32)
-    for shard, meta in enumerate(metas):
-        old_first, old_count, _ = meta[table.id]
-        lo, hi = max(first, old_first), min(first + count, old_first + old_count)
-        if lo >= hi:
-            continue
+    for shard, old_first, old_count, lo, hi in _overlaps(metas, table, first, count):
         files = directory / f"shard-{shard}" / f"table-{table.id}"
         old_state = np.load(f"{files}.state.npy", mmap_mode="r", allow_pickle=False)
         per_array = old_count * width
@@ -500,9 +522,20 @@ def _gather_slice(directory: Path, metas: list[dict[int, _Entry]], table: Table,
     return values, np.concatenate([state_rows.reshape(-1), scalars]).astype(np.float32, copy=False)
 
 
+def _overlaps(metas: list[dict[int, _Entry]], table: Table, first: int,
+              count: int) -> Iterator[tuple[int, int, int, int, int]]:
+    """(shard, its first row, its row count, lo, hi) of each old shard that
+    saved some of ``table``'s rows [first, first+count): rows [lo, hi)."""
+    for shard, meta in enumerate(metas):
+        old_first, old_count, _, _ = meta[table.id]
+        lo, hi = max(first, old_first), min(first + count, old_first + old_count)
+        if lo < hi:
+            yield shard, old_first, old_count, lo, hi
+
+
 def _scalars(directory: Path, metas: list[dict[int, _Entry]], table: Table) -> np.ndarray:
     """A saved table's update-rule scalars (Adam's step count), after its state arrays."""
-    _, count, state_arrays = metas[0][table.id]
+    _, count, state_arrays, _ = metas[0][table.id]
     state = np.load(directory / "shard-0" / f"table-{table.id}.state.npy", mmap_mode="r", allow_pickle=False)
     return np.array(state[state_arrays * count * table.row_width:], dtype=np.float32)
 
@@ -532,13 +565,7 @@ def _assemble_slice(directory: Path, metas: list[dict[int, _Entry]], saved: Mapp
     state_arrays = metas[0][saved[pieces[0][1]].id][2] if pieces else 0
     values = np.zeros(count * width, dtype=np.float32)
     state = np.zeros((state_arrays, count * width), dtype=np.float32)
-    for offset, name, source_offset, length in pieces:
-        begin, end = max(offset, low), min(offset + length, high)
-        if begin >= end:
-            continue
-        source = saved[name]
-        start = source_offset + begin - offset  # the first value taken, in the source's flat values
-        rows = range(start // source.row_width, -(-(start + end - begin) // source.row_width))
+    for begin, end, source, start, rows in _source_runs(pieces, saved, low, high):
         old_values, old_state = _gather_slice(directory, metas, source, rows.start, len(rows))
         skip = start - rows.start * source.row_width
         values[begin - low:end - low] = old_values.reshape(-1)[skip:skip + end - begin]
@@ -549,11 +576,74 @@ def _assemble_slice(directory: Path, metas: list[dict[int, _Entry]], saved: Mapp
     return values.reshape(count, width), np.concatenate([state.reshape(-1), scalars])
 
 
-def _save_array(path: Path, array: np.ndarray) -> None:
+def _source_runs(pieces: Sequence[Piece], saved: Mapping[str, Table], low: int,
+                 high: int) -> Iterator[tuple[int, int, Table, int, range]]:
+    """For each of ``pieces`` (merged) that fills some of the flat values
+    [low, high) of a job's table: those values [begin, end), the saved table
+    they come from, the first of its flat values taken, and its rows that hold them."""
+    for offset, name, source_offset, length in pieces:
+        begin, end = max(offset, low), min(offset + length, high)
+        if begin >= end:
+            continue
+        source = saved[name]
+        start = source_offset + begin - offset
+        yield begin, end, source, start, range(start // source.row_width,
+                                               -(-(start + end - begin) // source.row_width))
+
+
+def _files_read(worker: Worker, metas: list[dict[int, _Entry]], saved: Mapping[str, Table],
+                sources: Sources | None, rank: int, num_shards: int) -> dict[tuple[int, int], Table]:
+    """The saved (shard, table id) pairs whose files this rank's restore
+    reads: the shards that hold its rows, and shard 0 for a table's scalars."""
+    reads: dict[tuple[int, int], Table] = {}
+    for table in _communicated(worker):
+        first, count = shard_range(table.num_rows, rank, num_shards)
+        if sources is None:
+            needed = [(table, first, count)]
+            scalars_of: Table | None = table
+        else:
+            pieces = _merged(sources[table.name])
+            width = table.row_width
+            needed = [(source, rows.start, len(rows))
+                      for _, _, source, _, rows in _source_runs(pieces, saved, first * width, (first + count) * width)]
+            scalars_of = saved[pieces[0][1]] if pieces else None
+        for source, lo, rows in needed:
+            for shard, *_ in _overlaps(metas, source, lo, rows):
+                reads[(shard, source.id)] = source
+        if scalars_of is not None:
+            reads[(0, scalars_of.id)] = scalars_of
+    return reads
+
+
+def _verify_files(directory: Path, metas: list[dict[int, _Entry]], reads: Mapping[tuple[int, int], Table]) -> None:
+    """Each file of ``reads`` has the CRC-32 its shard's meta.json gives
+    (where it gives one): checked before a restore loads anything."""
+    for (shard, table_id), table in sorted(reads.items()):
+        entry = metas[shard][table_id]
+        for kind, expected in entry.crc32.items():
+            path = directory / f"shard-{shard}" / f"table-{table_id}.{kind}.npy"
+            actual = _crc32(np.load(path, mmap_mode="r", allow_pickle=False), entry.first_row, entry.num_rows)
+            if actual != expected:
+                raise InvalidArgumentError(
+                    f"checkpoint file {path} (table {table.name!r}, rows [{entry.first_row}, "
+                    f"{entry.first_row + entry.num_rows})) is damaged: its CRC-32 is {actual:#010x}, its meta.json "
+                    f"says {expected:#010x}; restore from another checkpoint (save_checkpoint's keep= keeps older ones)")
+
+
+def _crc32(array: np.ndarray, first_row: int, num_rows: int) -> int:
+    """The CRC-32 of an array file's values, seeded with the rows they are."""
+    seed = zlib.crc32(f"rows {first_row} {num_rows}".encode())
+    return zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data, seed)
+
+
+def _save_array(path: Path, array: np.ndarray) -> np.ndarray:
+    """Writes ``array`` as float32 .npy and syncs it; returns what it wrote."""
+    written = np.ascontiguousarray(array, dtype=np.float32)
     with open(path, "wb") as file:
-        np.save(file, np.ascontiguousarray(array, dtype=np.float32), allow_pickle=False)
+        np.save(file, written, allow_pickle=False)
         file.flush()
         os.fsync(file.fileno())
+    return written
 
 
 def _write_json(path: Path, content: dict[str, Any]) -> None:

@@ -1,8 +1,9 @@
 """A damaged checkpoint is refused with an InvalidArgumentError naming the
 file and the fault, before restore_checkpoint changes anything in the job:
-shards whose row ranges leave a gap, overlap or run outside the table, and
-metadata of the wrong JSON types. A checkpoint root that is a file is
-refused before a save starts."""
+shards whose row ranges leave a gap, overlap or run outside the table,
+metadata of the wrong JSON types, and files whose bytes or rows differ from
+their CRC-32. A checkpoint root that is a file is refused before a save
+starts."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 
 import mltuner
+from mltuner.launch import _checkpoint
 
 from test_checkpoint_files import add_clocks, prepare, single_job  # type: ignore[import-not-found]
 
@@ -39,10 +41,11 @@ def edit_json(path: Path, change: Callable[[Any], object]) -> None:
     path.write_text(json.dumps(content))
 
 
-def reshard(checkpoint: Path, ranges: list[tuple[int, int]]) -> None:
+def reshard(checkpoint: Path, ranges: list[tuple[int, int]], *, checksums: bool = False) -> None:
     """Rewrites ``checkpoint`` as one shard per (first_row, num_rows) in
     ``ranges``, each saved row holding its row index: consistent files,
-    whatever the ranges say."""
+    whatever the ranges say; with ``checksums``, their CRC-32s in meta.json
+    as a save writes them (else none, as before checkpoints had them)."""
     shutil.rmtree(checkpoint / "shard-0")
     for shard, (first, rows) in enumerate(ranges):
         directory = checkpoint / f"shard-{shard}"
@@ -50,8 +53,11 @@ def reshard(checkpoint: Path, ranges: list[tuple[int, int]]) -> None:
         values = np.repeat(np.arange(first, first + rows, dtype=np.float32)[:, None], WIDTH, axis=1)
         np.save(directory / "table-0.values.npy", values)
         np.save(directory / "table-0.state.npy", np.zeros(0, np.float32))
-        meta = {"rank": shard, "tables": {"0": {"first_row": first, "num_rows": rows, "state_arrays": 0}}}
-        (directory / "meta.json").write_text(json.dumps(meta))
+        entry = {"first_row": first, "num_rows": rows, "state_arrays": 0}
+        if checksums:
+            entry.update(values_crc32=_checkpoint._crc32(values, first, rows),
+                         state_crc32=_checkpoint._crc32(np.zeros(0, np.float32), first, rows))
+        (directory / "meta.json").write_text(json.dumps({"rank": shard, "tables": {"0": entry}}))
     edit_json(checkpoint / "manifest.json", lambda manifest: manifest.update(num_shards=len(ranges)))
 
 
@@ -136,6 +142,47 @@ def test_metadata_of_the_wrong_type_is_refused_naming_the_file(checkpoint: Path,
 def test_an_empty_values_file_is_refused_naming_it(checkpoint: Path) -> None:
     (checkpoint / "shard-0" / "table-0.values.npy").write_bytes(b"")
     assert_refused(checkpoint, r"shard-0/table-0\.values\.npy cannot be read")
+
+
+def _flip_last_byte(path: Path) -> None:
+    """Changes one byte of the data (the last), leaving the .npy header readable."""
+    content = bytearray(path.read_bytes())
+    content[-1] ^= 0x40
+    path.write_bytes(bytes(content))
+
+
+def test_a_changed_byte_in_a_saved_file_is_refused_naming_it(checkpoint: Path) -> None:
+    values = checkpoint / "shard-0" / "table-0.values.npy"
+    saved = values.read_bytes()
+    _flip_last_byte(values)
+    assert np.isfinite(np.load(values)).all()  # a plausible value: only the checksum tells
+    assert_refused(checkpoint, r"shard-0/table-0\.values\.npy \(table 't', rows \[0, 10\)\) is damaged: its CRC-32")
+    values.write_bytes(saved)
+    edit_json(checkpoint / "shard-0" / "meta.json", lambda meta: meta["tables"]["0"].update(state_crc32=12345))
+    assert_refused(checkpoint, r"table-0\.state\.npy .* is damaged: its CRC-32 is 0x[0-9a-f]{8}, its meta\.json "
+                               r"says 0x00003039")
+
+
+def test_rows_moved_between_shards_are_refused_and_checksummed_shards_restore(checkpoint: Path) -> None:
+    reshard(checkpoint, [(0, 5), (5, 5)], checksums=True)
+    clock, values = restored(checkpoint)
+    np.testing.assert_array_equal(values[:, 0], np.arange(ROWS, dtype=np.float32))
+    # Each shard's files are sound, but meta.json now places them at each other's rows.
+    edit_json(checkpoint / "shard-0" / "meta.json", lambda meta: meta["tables"]["0"].update(first_row=5))
+    edit_json(checkpoint / "shard-1" / "meta.json", lambda meta: meta["tables"]["0"].update(first_row=0))
+    assert_refused(checkpoint, r"shard-\d/table-0\.values\.npy \(table 't', rows \[\d, \d+\)\) is damaged")
+
+
+def test_a_changed_attachment_is_refused_when_read(tmp_path: Path) -> None:
+    with single_job() as job:
+        _, update = prepare(job.worker)
+        job.worker.start_iterations()
+        add_clocks(job.worker, update, 1, 1.0)
+        path = Path(job.save_checkpoint(tmp_path / "root", attachments={"notes.txt": b"epoch 3"}))
+    assert mltuner.read_attachment(path, "notes.txt") == b"epoch 3"
+    (path / "attachments" / "notes.txt").write_bytes(b"epoch 4")
+    with pytest.raises(mltuner.InvalidArgumentError, match=r"notes\.txt is damaged: its CRC-32"):
+        mltuner.read_attachment(path, "notes.txt")
 
 
 def test_a_save_to_a_file_or_under_one_is_refused_before_it_starts(tmp_path: Path) -> None:

@@ -221,6 +221,14 @@ def test_checkpoints_that_do_not_fit_are_refused_before_anything_changes(tmp_pat
         content = json.loads(index.read_text())
         content["tables"]["torch:0"]["0.bias"] = 0  # where the weight lies: a resume would take it for the bias
         index.write_text(json.dumps(content))
+        with pytest.raises(mltuner.InvalidArgumentError, match="torch-adapter.json is damaged: its CRC-32"):
+            mt.wrap(module, job.worker, example_input=BATCHES[0][0], optimizer=OPTIMIZERS["sgd-momentum"](module),
+                    resume_from=broken)
+        # Edited with the checksums dropped (as a checkpoint from before them):
+        # the index's own checks still name what is wrong.
+        manifest = json.loads((broken / "manifest.json").read_text())
+        del manifest["attachments_crc32"]
+        (broken / "manifest.json").write_text(json.dumps(manifest))
         with pytest.raises(mltuner.InvalidArgumentError, match="'0.bias' overlaps another parameter of 'torch:0'"):
             mt.wrap(module, job.worker, example_input=BATCHES[0][0], optimizer=OPTIMIZERS["sgd-momentum"](module),
                     resume_from=broken)

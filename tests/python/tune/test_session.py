@@ -7,6 +7,7 @@ reference replays the same batches in float64 per branch.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -179,6 +180,30 @@ def test_a_branch_keeps_the_rules_settings_the_space_does_not_tune() -> None:
         worker.sync()  # fetch gives the servers' current values: wait for the last clock's update
         weights = worker.fetch(table, branch=1)
     np.testing.assert_allclose(weights, np.full((1, IN), -0.5 * (1 + 1.9 + 2.71)), rtol=1e-6)
+
+
+def test_a_session_ended_on_the_init_root_reports_no_tuned_setting() -> None:
+    """A driver that keeps the INIT root (a job that made no progress): the
+    model trains on with each table's own rule, so the session's and the
+    worker's trained setting is None, not the setting the search started from."""
+    def driver(system: BranchSystem) -> Any:
+        seen["root"] = root = system.fork(None, {"lr": 0.5, "batch_size": BATCH}, BranchKind.INIT)
+        system.run(root, 1)
+        return types.SimpleNamespace(branch=root, tunables={"lr": 0.5, "batch_size": BATCH})
+
+    seen: dict[str, int] = {}
+
+    with open_job() as job:
+        worker = job.worker
+        _, handle = record_an_update(worker)
+        session = TuningSession(job, space(), num_train=NUM_TRAIN, num_validation=NUM_VAL, driver=driver)
+        for step in session:
+            worker.pre_update(handle)[:] = 0.0
+            step.report(0.0)
+            worker.update(handle)
+            worker.clock()
+        assert session.final_branch == worker.trained_branch == seen["root"]
+        assert session.final_tunables is None and worker.trained_tunables is None
 
 
 def test_the_tuner_runs_through_a_session(record_read_update: Callable[..., tuple[int, int]]) -> None:

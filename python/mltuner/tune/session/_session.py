@@ -243,7 +243,9 @@ class TuningSession:
 
     After the loop, :attr:`result` holds the driver's result on rank 0, and
     :attr:`final_branch` / :attr:`final_tunables` the branch the job ended
-    with on every rank (None when the driver freed it). With
+    with on every rank and the setting it trained with (None when the
+    driver freed it; the setting None also where the job ended on the
+    INIT root, whose tables train with their own rules). With
     ``steal_batches``, :attr:`clocks_given` counts this rank's training
     clocks whose part the others took, :attr:`clocks_taken` those in
     which it took part of another's, and :attr:`claim_wait_s` the seconds
@@ -551,13 +553,12 @@ class TuningSession:
             return True
         elif isinstance(command, EndCommand):
             self.final_branch = command.branch
-            self.final_tunables = command.tunables
             # What the model is now: state_dict(), evaluation, and the clocks after the session.
             # The INIT root (a job that made no progress) trains with each table's own rule,
             # not with the setting the tuner started from.
             kept = self._branches.get(command.branch) if command.branch is not None else None
-            trained_with = None if kept is not None and kept.kind is BranchKind.INIT else command.tunables
-            self._worker.set_trained(command.branch, trained_with)
+            self.final_tunables = None if kept is not None and kept.kind is BranchKind.INIT else command.tunables
+            self._worker.set_trained(command.branch, self.final_tunables)
             return False
         else:
             if self._error is not None:  # rank 0 raises the driver's own exception

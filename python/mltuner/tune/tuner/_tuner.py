@@ -984,8 +984,12 @@ class Tuner:
             # nothing about the model: go on with the safer backoff (seen: a
             # job ended at 85% after 17 of 50 epochs).
             tunables = backoff
+        # A plateau of the model gone back to is judged on the validations up
+        # to its own: those after it, of the setting that then collapsed
+        # (two lower ones and the collapse), would read as one.
+        history = self._accuracies[:best.epoch] if exclude and best is not None else self._accuracies
         if self._excluded(tunables) or (
-                not to_parent and plateaued(self._accuracies, config.plateau_size_for_retune)):
+                not to_parent and plateaued(history, config.plateau_size_for_retune)):
             if best is None:
                 self._end(Outcome.NO_PROGRESS, target, tunables)
             assert best is not None

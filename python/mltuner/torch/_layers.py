@@ -24,6 +24,13 @@ shared values are there wherever they are used, under a budget too.
 Autograd sums both uses' gradients into the one parameter, and the layer's
 update carries that sum.
 
+A parameter keeps its memory format: one dense in another order of its
+dimensions (``model.to(memory_format=torch.channels_last)``) has its
+values in the table in that memory order and is bound as a view with its
+strides, so convolutions see the layout they were given (no conversion of
+the weight and its gradient each call) and the engine copies its gradient,
+which torch lays out as the parameter, as it is.
+
 Also here: the checks that refuse what the adapter cannot take, each with a
 message naming the parameter or module.
 """
@@ -46,7 +53,8 @@ from mltuner.torch._buffers import as_tensor, buffer_key, placeholder
 from mltuner.torch._errors import UnsupportedModelError
 from mltuner.torch._shipped import ShippedGradient
 
-__all__ = ["Layer", "ParamSlot", "check_module_types", "find_layers", "DEFAULT_WHOLE_MODULES", "DEFAULT_GROUP_BYTES"]
+__all__ = ["Layer", "ParamSlot", "check_module_types", "find_layers", "memory_strides", "DEFAULT_WHOLE_MODULES",
+           "DEFAULT_GROUP_BYTES"]
 
 # Module types whose forward reads their children's parameters directly.
 DEFAULT_WHOLE_MODULES: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
@@ -68,10 +76,36 @@ class ParamSlot:
     param: nn.Parameter
     offset: int  # first element in the layer's flat (rows * row_width) buffer
     shape: torch.Size
+    stride: tuple[int, ...] | None = None  # a memory format other than the contiguous one (memory_strides)
 
     @property
     def numel(self) -> int:
         return int(self.shape.numel())
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        """The parameter's view inside a flat buffer of its layer's rows."""
+        values = flat[self.offset : self.offset + self.numel]
+        return values.view(self.shape) if self.stride is None else values.as_strided(self.shape, self.stride)
+
+    def laid_out_as(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` (a gradient) has the parameter's memory layout,
+        so that its memory is the parameter's rows as they are."""
+        return tensor.is_contiguous() if self.stride is None else tensor.stride() == self.stride
+
+
+def memory_strides(tensor: torch.Tensor) -> tuple[int, ...] | None:
+    """The strides of a tensor that covers its memory exactly once in an
+    order other than the contiguous one (``channels_last``, a transposed
+    weight); None for a contiguous one, and for one with gaps or overlaps,
+    whose table rows are laid out contiguously."""
+    if tensor.is_contiguous():
+        return None
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(tensor.shape, tensor.stride()) if sz != 1):
+        if stride != expected:
+            return None
+        expected *= size
+    return tuple(tensor.stride())
 
 
 @dataclasses.dataclass
@@ -111,7 +145,7 @@ class Layer:
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's view inside a flat buffer of this layer's rows."""
-        return [flat[p.offset : p.offset + p.numel].view(p.shape) for p in self.params]
+        return [slot.view(flat) for slot in self.params]
 
     def buffer_views(self, buffer: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """An engine buffer of this layer's rows as a flat tensor and the
@@ -326,8 +360,8 @@ def find_layers(model: nn.Module, row_width: int,
                 _check_param(qualify(module_name, local_name), param)
                 layout.add(local_name, tuple(param.shape))
                 devices.add(param.device)
-            slots = [ParamSlot(qualify(module_name, n), p, layout.slot(n).first_row * row_width, p.shape)
-                     for n, p in params]
+            slots = [ParamSlot(qualify(module_name, n), p, layout.slot(n).first_row * row_width, p.shape,
+                               memory_strides(p)) for n, p in params]
             owned = {id(p) for _, p in params}
             owner.update((id(p), len(layers)) for _, p in params)
             members = [(module_name, module)]

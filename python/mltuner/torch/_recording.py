@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import zlib
 from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -167,8 +168,13 @@ class Tables(NamedTuple):
 
 
 def table_name(layer: Layer) -> str:
-    """The name of the engine table of a layer's parameters."""
-    return f"torch:{layer.name}"
+    """The name of the engine table of a layer's parameters. Where some
+    keep a memory format of their own (their rows in that order), a digest
+    of those formats follows: the shards refuse a worker whose tables
+    differ, so workers whose models differ in layout cannot mix their rows."""
+    strided = [(slot.name, slot.stride) for slot in layer.params if slot.stride is not None]
+    suffix = f" [memory format {zlib.crc32(repr(strided).encode()):08x}]" if strided else ""
+    return f"torch:{layer.name}{suffix}"
 
 
 def create_tables(worker: Worker, layers: Sequence[Layer], slots: Sequence[Slot], *, row_width: int) -> Tables:

@@ -14,7 +14,8 @@ files, read back without pickle:
   the trainable parameters' shapes (checked on resume: another model's
   may fill the same table rows), where each lies in the tables (a resume
   whose budget or batch groups the layers otherwise assembles its tables
-  from them), the index of the local tensors (name, dtype, shape, byte
+  from them), the strides of those kept in a memory format of their own
+  (their rows hold them in that order: checked on resume), the index of the local tensors (name, dtype, shape, byte
   offset) and the loop's ``user_state``;
 - ``torch-local.bin``: those tensors' bytes, one after another.
 
@@ -28,7 +29,7 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ from torch import nn
 from mltuner._validate import is_real
 from mltuner.exceptions import InvalidArgumentError, NotFoundError
 from mltuner.launch import _checkpoint
-from mltuner.torch._layers import Layer
+from mltuner.torch._layers import Layer, memory_strides
 from mltuner.torch._optim import plain_setting
 from mltuner.torch._recording import table_name
 
@@ -142,6 +143,26 @@ def _trainable_shapes(module: nn.Module) -> dict[str, list[int]]:
     return {name: list(param.shape) for name, param in module.named_parameters() if param.requires_grad}
 
 
+def _memory_formats(module: nn.Module) -> dict[str, tuple[int, ...]]:
+    """The strides of the trainable parameters kept in a memory order of
+    their own (:func:`~mltuner.torch._layers.memory_strides`), by name."""
+    return {name: strides for name, param in module.named_parameters() if param.requires_grad
+            and (strides := memory_strides(param)) is not None}
+
+
+def _order(shape: Sequence[int], strides: Sequence[int] | None) -> tuple[int, ...]:
+    """The dimensions of more than one element from the outermost in memory
+    to the innermost (contiguous: in index order)."""
+    dims = [d for d, size in enumerate(shape) if size != 1]
+    return tuple(dims if strides is None else sorted(dims, key=lambda d: -strides[d]))
+
+
+def _strides_text(shape: Sequence[int], strides: Sequence[int] | None) -> str:
+    if strides is None:  # contiguous
+        strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    return str(tuple(strides))
+
+
 def _json_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The groups as torch's ``Optimizer.state_dict`` gives them: their
     settings, and ``params`` numbered across the groups."""
@@ -191,6 +212,8 @@ def attachments(module: nn.Module, layers: list[Layer], groups: list[dict[str, A
     content = {"format": FORMAT, "version": VERSION, "optimizer": optimizer, "groups": _json_groups(groups),
                "local": index, "parameters": _trainable_shapes(module),
                "tables": {table_name(layer): {slot.name: slot.offset for slot in layer.params} for layer in layers},
+               "strides": {slot.name: list(slot.stride) for layer in layers for slot in layer.params
+                           if slot.stride is not None},
                "row_width": layers[0].layout.row_width if layers else None,
                "user_state": user_json}
     return {INDEX: json.dumps(content).encode(), TENSORS: b"".join(blobs)}
@@ -233,9 +256,20 @@ def read_saved(path: str | os.PathLike[str], module: nn.Module, optimizer: str |
     for name in sorted(set(trained) ^ set(here)):
         where = "the checkpoint" if name in trained else "this module"
         problems.append(f"trainable parameter {name!r} is only in {where}")
+    saved_strides, here_strides = index.get("strides", {}), _memory_formats(module)
+    if not (isinstance(saved_strides, dict) and all(
+            isinstance(strides, list) and len(strides) == len(trained.get(name, ())) and all(
+                type(step) is int and step >= 0 for step in strides) for name, strides in saved_strides.items())):
+        raise InvalidArgumentError(f"{directory / 'attachments' / INDEX} cannot be read: its 'strides' are not "
+                                   "the saved parameters' strides")
     for name in sorted(set(trained) & set(here)):
         if trained[name] != here[name]:
             problems.append(f"{name!r} is {tuple(trained[name])} there, {tuple(here[name])} here")
+        elif _order(here[name], saved_strides.get(name)) != _order(here[name], here_strides.get(name)):
+            problems.append(f"{name!r} has its values in another memory order there (strides "
+                            f"{_strides_text(here[name], saved_strides.get(name))}, here "
+                            f"{_strides_text(here[name], here_strides.get(name))}): give the module the memory "
+                            "format it was saved with, e.g. module.to(memory_format=torch.channels_last)")
     mine = _local_entries(module)
     for name in sorted(set(mine) ^ set(local)):
         where = "the checkpoint" if name in local else "this module"

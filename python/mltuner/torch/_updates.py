@@ -183,7 +183,7 @@ class GradientUpdates(EngineOps, ClockChecks):
         (another dtype, device or layout)."""
         pieces = []
         for slot, grad in zip(layer.params, grads):
-            if grad.dtype is not torch.float32 or grad.device != self.device or not grad.is_contiguous():
+            if grad.dtype is not torch.float32 or grad.device != self.device or not slot.laid_out_as(grad):
                 return None
             pieces.append((grad.data_ptr(), slot.offset, slot.numel))
         return pieces

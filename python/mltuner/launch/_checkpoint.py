@@ -252,7 +252,6 @@ def restore(node: _core.ProcessNode, worker: Worker, path: Path, rule_kind: str,
         remove_temporaries(path)
     manifest, metas = _check_checkpoint(directory, worker, sources)
     saved = _saved_tables(manifest)
-    _verify_files(directory, metas, _files_read(worker, metas, saved, sources, int(node.rank), int(node.num_workers)))
     for table in _communicated(worker):
         first, count = shard_range(table.num_rows, int(node.rank), int(node.num_workers))
         if sources is None:
@@ -300,9 +299,10 @@ def check_tables(directory: Path, worker: Worker, sources: Sources | None = None
                  mismatch_hint: str = "") -> dict[str, Any]:
     """The manifest of the checkpoint ``directory``, once it is known to
     hold exactly ``worker``'s communicated tables (or, with ``sources``, the
-    saved tables their pieces name) and every file a restore reads is sound
-    (InvalidArgumentError naming the file and the fault otherwise; where
-    the tables differ, followed by ``mismatch_hint``)."""
+    saved tables their pieces name), every file a restore reads is sound and
+    those of ``worker``'s rank match their checksums (InvalidArgumentError
+    naming the file and the fault otherwise; where the tables differ,
+    followed by ``mismatch_hint``)."""
     return _check_checkpoint(directory, worker, sources, mismatch_hint)[0]
 
 
@@ -325,10 +325,20 @@ def _check_checkpoint(directory: Path, worker: Worker, sources: Sources | None =
                       mismatch_hint: str = "") -> tuple[dict[str, Any], list[dict[int, _Entry]]]:
     """The manifest and every shard's entries (saved table id -> _Entry),
     once every file a restore reads is known to be sound and to fit
-    ``worker``: all of it is checked before a restore changes anything."""
+    ``worker``, and those ``worker``'s rank reads to match their checksums:
+    all of it is checked before a restore changes anything."""
     manifest = _read_manifest(directory)
-    if sources is not None:
-        return manifest, _check_sources(directory, manifest, worker, sources)
+    metas = (_check_sources(directory, manifest, worker, sources) if sources is not None
+             else _check_same_tables(directory, manifest, worker, mismatch_hint))
+    reads = _files_read(worker, metas, _saved_tables(manifest), sources, worker.rank, worker.num_workers)
+    _verify_files(directory, metas, reads)
+    return manifest, metas
+
+
+def _check_same_tables(directory: Path, manifest: dict[str, Any], worker: Worker,
+                       mismatch_hint: str) -> list[dict[int, _Entry]]:
+    """Every shard's entries, once the checkpoint is known to hold exactly
+    ``worker``'s communicated tables, in files of the sizes they should have."""
     saved = {entry["id"]: entry for entry in manifest["tables"]}
     mine = _communicated(worker)
     problems = []
@@ -347,7 +357,7 @@ def _check_checkpoint(directory: Path, worker: Worker, sources: Sources | None =
     metas = [_read_meta(directory, shard, mine) for shard in range(manifest["num_shards"])]
     for table in mine:
         _check_saved_table(directory, metas, table, worker.update_rule_of(table), table.name)
-    return manifest, metas
+    return metas
 
 
 def _check_saved_table(directory: Path, metas: list[dict[int, _Entry]], saved: Table, rule: UpdateRule | None,

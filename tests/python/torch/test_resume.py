@@ -217,6 +217,14 @@ def test_checkpoints_that_do_not_fit_are_refused_before_anything_changes(tmp_pat
         with pytest.raises(mltuner.InvalidArgumentError, match="table-1.state.npy cannot be read"):
             mt.wrap(module, job.worker, example_input=BATCHES[0][0], optimizer=OPTIMIZERS["sgd-momentum"](module),
                     resume_from=broken)
+        shutil.copy(root / "shard-0" / "table-1.state.npy", broken / "shard-0" / "table-1.state.npy")
+        flipped = bytearray(values.read_bytes())
+        flipped[-1] ^= 0x40  # a value changed on disk: the file reads, its checksum differs
+        values.write_bytes(bytes(flipped))
+        with pytest.raises(mltuner.InvalidArgumentError, match=r"table-0.values.npy .* is damaged: its CRC-32"):
+            mt.wrap(module, job.worker, example_input=BATCHES[0][0], optimizer=OPTIMIZERS["sgd-momentum"](module),
+                    resume_from=broken)
+        values.write_bytes((root / "shard-0" / "table-0.values.npy").read_bytes())
         index = broken / "attachments" / "torch-adapter.json"
         content = json.loads(index.read_text())
         content["tables"]["torch:0"]["0.bias"] = 0  # where the weight lies: a resume would take it for the bias

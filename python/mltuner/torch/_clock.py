@@ -124,7 +124,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 from torch import nn
@@ -292,6 +292,8 @@ class ClockDriver(Planning, ServerValues, SavedTensorHooks):
         if len(self._updated) < len(self.layers):
             self._refuse_replaced()
             missing = [layer.name for layer in self.layers if layer.index not in self._updated]
+            if self._backward_done == self._serial:
+                self._refuse_missing_gradients(missing)
             raise OutOfOrderError(
                 f"step() before the backward pass of clock {self.clock} finished: no gradient yet for layer(s) "
                 f"{', '.join(repr(m) for m in missing)}; call loss.backward() first"
@@ -311,6 +313,25 @@ class ClockDriver(Planning, ServerValues, SavedTensorHooks):
         self._reset_clock()
         if not self._light:
             self._start_loss_guard(between_clocks=True)
+
+    def _refuse_missing_gradients(self, missing: list[str]) -> NoReturn:
+        """step() after a backward pass of the clock finished without some
+        layers' gradients."""
+        names = ", ".join(repr(m) for m in missing)
+        if self._at_step and not self._updated and all(
+                grad is None for layer in self.layers for grad in layer.grads()):
+            # The clock is intact: the loop may run its backward pass again.
+            raise OutOfOrderError(
+                f"step() of clock {self.clock} found no gradients although its backward pass ran: zero_grad() "
+                "between backward() and step() dropped them (torch's step() would then do nothing; the clock's "
+                "update must still leave here): zero the gradients before the forward pass, or run the backward "
+                "pass again before step()")
+        with self._mutating():
+            raise IterationMismatchError(
+                f"clock {self.clock}: the backward pass finished without a gradient for layer(s) {names}, which "
+                "had one in the recording pass of wrap(): they did not run in this forward pass, or their output "
+                "did not reach the loss (detached, or computed under torch.no_grad()); every clock must train the "
+                "layers the recording trained" + self._mismatch_cause(None))
 
     def _recover_clock(self) -> bool:
         """After an exception of the loop's own left a clock half done (a
@@ -354,13 +375,21 @@ class ClockDriver(Planning, ServerValues, SavedTensorHooks):
         none has left, the gradients of the passes since the last step() are
         dropped, as torch's zero_grad drops them (a pass whose backward raised
         adds nothing then); elsewhere gradients are cleared as they are
-        handed over."""
+        handed over: a zero_grad() between backward() and step() cannot call
+        back updates that left in the backward pass, and says so."""
         if self._phase is Phase.BACKWARD and self._at_step and not self._updated:
             for layer in self.layers:
                 layer.clear_grads()
+        elif self._phase is Phase.BACKWARD and self._updated and not self._backward_failed():
+            # (after a pass that raised, the next forward or step() ends the clock, saying so)
+            warnings.warn(
+                f"zero_grad() after the backward pass of clock {self.clock}: the updates of "
+                f"{len(self._updated)} layer(s) had already left and apply (torch's zero_grad would drop them). "
+                f"Why they left: {self._why_shipped()}", stacklevel=3)
 
     def _reset_clock(self) -> None:
         self._phase = Phase.IDLE
+        self._pass_open = False
         if self._idle_versions is not None:
             self.note_idle_versions()
         self._cursor = 0

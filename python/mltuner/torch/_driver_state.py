@@ -166,6 +166,11 @@ class DriverState:
         self._stream = app_stream(self.device)  # the current clock's CUDA stream (0 on the CPU)
         self._marks: list[list[int]] = [[0] * len(layer.params) for layer in layers]
         self._pending: list[int] = [0] * len(layers)
+        # A backward pass that delivered a gradient and has not finished
+        # (autograd runs the callback queued at its first gradient only once
+        # the whole pass is done), and the serial of the last finished one.
+        self._pass_open = False
+        self._backward_done = -1
         self._grad_errors = False  # a gradient hook refused a gradient this clock
         self._updated: set[int] = set()
         # Saved activations seen this forward, by address, layout and version,
@@ -276,10 +281,25 @@ class DriverState:
     def _backward_failed(self) -> bool:
         """Whether a backward pass of this clock began and did not finish:
         back in the loop, that means it raised (``loss.backward()`` returns
-        only once it is done)."""
-        if self._phase is not Phase.BACKWARD or not any(count > 0 for count in self._pending):
+        only once it is done). One that finished with layers still waiting
+        for gradients did not fail: step() says which got none."""
+        if not self._pass_open or self._phase is not Phase.BACKWARD or not any(c > 0 for c in self._pending):
             return False
         return bool(self._updated) or any(mark == self._serial for marks in self._marks for mark in marks)
+
+    def _watch_pass_end(self) -> None:
+        """At a backward pass's first gradient: autograd calls back when the
+        whole pass is done (not when it raises), which tells a pass that
+        raised from one after which a layer still had no gradient."""
+        self._pass_open = True
+        driver_ref, serial = weakref.ref(self), self._serial
+
+        def done() -> None:
+            driver = driver_ref()
+            if driver is not None and driver._serial == serial:
+                driver._pass_open = False
+                driver._backward_done = serial
+        torch.autograd.Variable._execution_engine.queue_callback(done)
 
     def _recover_clock(self) -> bool:
         """Ends the clock an error left half done, where it can (ClockDriver's);

@@ -101,6 +101,8 @@ class LayerHooks(GradientUpdates, LossGuard):
             if driver is None:
                 return  # the wrapped model is gone: its gradients go nowhere
             serial = driver._serial
+            if not driver._pass_open and driver._phase is Phase.BACKWARD:
+                driver._watch_pass_end()
             if driver._pass_deferred and driver._phase is Phase.BACKWARD and driver._broken is None:
                 return  # no_sync(): the gradient stays in .grad for a later pass or step()
             if (driver._phase is not Phase.BACKWARD or marks[position] == serial or pending[index] <= 0

@@ -238,6 +238,11 @@ def check_module_types(model: nn.Module) -> None:
                 f"{where} is compiled with torch.compile: wrap the eager module (the adapter needs its "
                 "forward hooks and autograd hooks), e.g. wrap(model) rather than wrap(torch.compile(model))"
             )
+        if module.__dict__.get("_compiled_call_impl") is not None:  # nn.Module.compile()
+            raise UnsupportedModelError(
+                f"{where} is compiled with .compile(): wrap the eager module (the adapter needs its forward hooks "
+                "and autograd hooks); compile submodules after wrap() instead"
+            )
         forward = module.__dict__.get("forward")  # an instance attribute: m.forward = torch.compile(m.forward)
         if forward is not None and hasattr(forward, "_torchdynamo_orig_callable"):
             raise UnsupportedModelError(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import sys
 import types
 import warnings
 import weakref
@@ -94,7 +95,13 @@ class PSModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's forward: a training forward when gradients
         are enabled, an evaluation otherwise."""
+        if _under_torch_compile():
+            raise UnsupportedModelError(_COMPILED_CALL)  # before anything of a clock: the model goes on
         return self._driver.forward(lambda: self.module(*args, **kwargs), (args, kwargs))
+
+    def compile(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Refused (:data:`_COMPILED_CALL`): compile submodules instead."""
+        raise UnsupportedModelError(_COMPILED_CALL)
 
     def step(self) -> None:
         """Ends the clock, after ``loss.backward()``.
@@ -307,6 +314,21 @@ class PSModule(nn.Module):
 
 
 # The original optimizer's instance attributes take_over_source() sets.
+_COMPILED_CALL = (
+    "the wrapped model cannot run under torch.compile (torch.compile(model), model.compile(), or a compiled "
+    "function that calls it): its forward opens and posts engine accesses and binds parameters to engine buffers, "
+    "which dynamo cannot trace. Compile the parts instead after wrap(), e.g. model.module.encoder.compile() or "
+    "model.module.encoder = torch.compile(model.module.encoder) (held reads, the default without "
+    "store_activations), or the loss function; the model's own call stays eager")
+
+
+def _under_torch_compile() -> bool:
+    """Whether this call runs inside torch.compile: dynamo's frame callback
+    is set (the wrapped model's frames run eagerly, as a library's, while
+    its submodules' frames would be traced)."""
+    return "torch._dynamo" in sys.modules and torch._C._dynamo.eval_frame.get_eval_frame_callback() not in (None, False)
+
+
 _TAKEN_OVER = ("step", "_step_supports_amp_scaling", "state_dict", "load_state_dict", "add_param_group")
 
 

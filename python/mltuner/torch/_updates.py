@@ -234,6 +234,8 @@ class GradientUpdates(EngineOps, ClockChecks):
                 )
             self._outputs_seen.add(output)
             self._pass_deferred = deferred
+            if not self._pass_open:
+                self._watch_pass_end()
         return hook
 
     @contextlib.contextmanager

@@ -89,6 +89,12 @@ def compiled_forward() -> nn.Module:
     return model
 
 
+def compiled_in_place() -> nn.Module:
+    model = mlp()
+    model.compile(backend="eager")
+    return model
+
+
 def scripted() -> nn.Module:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # TorchScript is deprecated in recent torch
@@ -100,6 +106,7 @@ REFUSED: list[tuple[str, Callable[[], nn.Module], Any, str]] = [
     ("sparse embedding", lambda: nn.Embedding(10, 6, sparse=True), torch.randint(0, 10, (4,)), "sparse=True"),
     ("torch.compile", compiled, X, "torch.compile"),
     ("torch.compile of the forward", compiled_forward, X, r"the forward of the model is compiled with torch\.compile"),
+    ("nn.Module.compile", compiled_in_place, X, r"the model is compiled with \.compile\(\)"),
     ("TorchScript", scripted, X, "TorchScript"),
     ("DataParallel", lambda: nn.DataParallel(mlp()), X, "DataParallel"),
     ("no trainable parameters", lambda: mlp().requires_grad_(False), X, "no trainable parameters"),
@@ -280,6 +287,68 @@ def test_skipping_a_layer_is_a_clear_error(worker: Worker, overlap: bool) -> Non
             ps_model.step()
     with pytest.raises(mltuner.OutOfOrderError, match="earlier error left clock 1 incomplete"):
         ps_model(X)
+
+
+@pytest.mark.parametrize("how", ["torch.compile(model)", "model.compile()", "a compiled step"])
+def test_the_wrapped_model_under_torch_compile_is_refused_and_trains_on(worker: Worker, how: str) -> None:
+    """Dynamo cannot trace the adapter's engine calls: called under
+    torch.compile, the wrapped model refuses before a clock starts (no
+    internal error from inside dynamo, no clock left half done)."""
+    ps_model = mt.wrap(mlp(), worker, example_input=X)
+    one_clock(ps_model)
+
+    def call() -> None:
+        if how == "torch.compile(model)":
+            torch.compile(ps_model, backend="eager")(X)
+        elif how == "model.compile()":
+            ps_model.compile(backend="eager")
+        else:
+            torch.compile(lambda x: ps_model(x).square().mean(), backend="eager")(X)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # dynamo's own notes on the frames it skips
+        with pytest.raises(mt.UnsupportedModelError, match="cannot run under torch.compile.*Compile the parts"):
+            call()
+    one_clock(ps_model)  # the model goes on
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_layer_cut_off_from_the_loss_is_refused_whatever_the_shipping(worker: Worker, overlap: bool) -> None:
+    """A layer whose output no longer reaches the loss (detached) gets no
+    gradient although the backward pass finished: an IterationMismatchError
+    naming it, also where the other layers' updates left in the backward
+    pass (not a clock ended with zeros for it, as after an exception)."""
+    model = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 3))
+    ps_model = mt.wrap(model, worker, example_input=X, overlap_updates=overlap)
+    one_clock(ps_model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "left half done" warning
+        model[1].register_forward_hook(lambda module, args, out: out.detach())
+        ps_model(X).square().mean().backward()
+        match = ("the backward pass finished without a gradient for layer.s. '0'" if overlap
+                 else "'0.weight' got no gradient")
+        with pytest.raises(mt.IterationMismatchError, match=match):
+            ps_model.step()
+
+
+def test_zero_grad_between_backward_and_step_is_named_and_the_clock_goes_on(worker: Worker) -> None:
+    ps_model = mt.wrap(mlp(), worker, example_input=X)
+    ps_model(X).square().mean().backward()
+    ps_model.optimizer.zero_grad()
+    with pytest.raises(mltuner.OutOfOrderError, match="found no gradients although its backward pass ran: "
+                                                      r"zero_grad\(\) between backward\(\) and step\(\)"):
+        ps_model.step()
+    ps_model(X).square().mean().backward()  # as the message says: the clock's backward pass again
+    ps_model.step()
+
+
+def test_zero_grad_after_updates_left_in_the_backward_pass_warns(worker: Worker) -> None:
+    ps_model = mt.wrap(mlp(), worker, example_input=X, overlap_updates=True)
+    ps_model(X).square().mean().backward()
+    with pytest.warns(UserWarning, match=r"zero_grad\(\) after the backward pass of clock 0: the updates of 2 "
+                                         "layer.s. had already left and apply"):
+        ps_model.optimizer.zero_grad()
+    ps_model.step()
 
 
 # -- every wait is bounded ------------------------------------------------------------------

@@ -10,8 +10,9 @@ Layout of one checkpoint (``root/clock-NNNNNNNN``)::
     attachments/NAME               bytes rank 0 attached (save's ``attachments``),
                                    e.g. the PyTorch adapter's buffers and param groups
 
-Shards write into a hidden ``.clock-NNNNNNNN.tmp`` directory; after a
-barrier, rank 0 adds the manifest and renames the directory into place, then
+Shards write into a hidden ``.clock-NNNNNNNN.TOKEN.tmp`` directory (the
+token rank 0 drew for the save, once it holds the root: _root_lock.py);
+after a barrier, rank 0 adds the manifest and renames the directory into place, then
 points ``root/latest`` at it (os.replace), so a reader sees a whole
 checkpoint or none. Rank 0 removes what an interrupted save left behind
 (hidden ``.clock-*.tmp`` directories, ``*.tmp`` files) at the next save and
@@ -19,8 +20,9 @@ when a job restores from the root, and keeps exactly the newest ``keep``
 checkpoints. Clocks in names and manifests count from the start of training,
 across restores. Every array file's CRC-32 (seeded with the rows it holds,
 so that a shard's rows cannot be placed elsewhere) is in its shard's
-meta.json, every attachment's in the manifest; a restore checks the files it
-reads before it loads anything, and a file that differs is refused by name
+meta.json, every attachment's in the manifest; every rank of a restore
+checks every file before any rank loads anything (so the ranks refuse a
+damaged checkpoint together), and a file that differs is refused by name
 (checkpoints written before the checksums restore unchecked). Restoring re-splits rows and state over however many shards
 the new job has, and ends with a barrier, so every read after it, on any
 rank, sees restored values. Files are plain .npy arrays read without pickle.
@@ -37,9 +39,10 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -49,6 +52,7 @@ from mltuner import _core
 from mltuner._config import UpdateRule
 from mltuner.client._worker import Table, Worker
 from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError, NotFoundError, OutOfOrderError
+from mltuner.launch._root_lock import RootLocks
 
 __all__ = ["Piece", "Sources", "save", "restore", "shard_range", "resolve", "read_attachment", "check_tables"]
 
@@ -74,12 +78,14 @@ def shard_range(num_rows: int, shard: int, num_shards: int) -> tuple[int, int]:
     return shard * base + min(shard, extra), base + (1 if shard < extra else 0)
 
 
-def save(node: _core.ProcessNode, worker: Worker, root: Path, barrier: Callable[[str], None], *, keep: int,
-         first_clock: int = 0, attachments: Mapping[str, bytes] | None = None) -> Path:
+def save(node: _core.ProcessNode, worker: Worker, root: Path, barrier: Callable[[str], None],
+         allgather: Callable[[str, Any], list[Any]], locks: RootLocks, *, keep: int, first_clock: int = 0,
+         attachments: Mapping[str, bytes] | None = None) -> Path:
     """Saves this shard's part; ``first_clock`` is the clock training
     resumed from (the engine's own clocks restart at 0 after a restore).
-    Rank 0 writes ``attachments`` (file name -> bytes) into the checkpoint
-    before it becomes visible; other ranks' are ignored."""
+    Rank 0 holds ``root`` in ``locks`` against other jobs and writes
+    ``attachments`` (file name -> bytes) into the checkpoint before it
+    becomes visible; other ranks' are ignored."""
     attached = check_attachments(attachments) if node.rank == 0 else {}
     # A file at or above root would fail only midway, creating a shard's directory.
     existing = next(entry for entry in (root, *root.parents) if entry.exists())
@@ -104,9 +110,21 @@ def save(node: _core.ProcessNode, worker: Worker, root: Path, barrier: Callable[
     expected = int(worker.stats["branch_clock"]) - 1 if branch == worker.branch else None
     clock = first_clock + engine_clock
     name = f"clock-{clock:08d}"
-    staging = root / f".{name}.tmp"
-    if node.rank == 0 and root.is_dir():
-        remove_temporaries(root, keep=staging.name)
+    # Rank 0 holds the root and names this save's staging directory before
+    # any rank writes: a second job saving there is refused on every rank.
+    opening: dict[str, str] = {}
+    if node.rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            locks.hold(root)
+            opening = {"token": secrets.token_hex(4)}
+            remove_temporaries(root, keep=f".{name}.{opening['token']}.tmp")
+        except (InvalidArgumentError, OSError) as error:
+            opening = {"error": str(error), "kind": "os" if isinstance(error, OSError) else "argument"}
+    opening = allgather(f"checkpoint-{name}-start", opening)[0]
+    if "error" in opening:
+        raise (OSError if opening["kind"] == "os" else InvalidArgumentError)(opening["error"])
+    staging = root / f".{name}.{opening['token']}.tmp"
     shard_dir = staging / f"shard-{node.rank}"
     if shard_dir.exists():
         shutil.rmtree(shard_dir)  # left by an interrupted attempt
@@ -220,10 +238,13 @@ def remove_temporaries(root: Path, keep: str = "") -> None:
     for entry in root.iterdir():
         aside = _ASIDE_NAME.fullmatch(entry.name)
         if aside and not (root / aside.group(1)).exists() and (entry / "manifest.json").is_file():
-            os.replace(entry, root / aside.group(1))
+            try:
+                os.replace(entry, root / aside.group(1))
+            except OSError as error:  # a read-only store: restores still read what is complete
+                _log.warning("mltuner: could not give %s its name back: %s", entry, error)
     for entry in root.iterdir():
         if entry.name != keep and entry.name.endswith(".tmp") and (
-                entry.name.startswith(".clock-") or entry.is_file()):
+                entry.name.startswith(".clock-") or entry.name == f"{LATEST}.tmp" or entry.is_file()):
             _remove(entry)
 
 
@@ -238,7 +259,7 @@ def _remove(path: Path) -> None:
 
 
 def restore(node: _core.ProcessNode, worker: Worker, path: Path, rule_kind: str,
-            barrier: Callable[[str], None], sources: Sources | None = None) -> int:
+            barrier: Callable[[str], None], locks: RootLocks, sources: Sources | None = None) -> int:
     if worker.iterations_started:
         # The worker may hold clock-0 reads of the old values already, and
         # its clocks would not restart: the loaded values would mix with them.
@@ -248,8 +269,8 @@ def restore(node: _core.ProcessNode, worker: Worker, path: Path, rule_kind: str,
             "wrap(..., resume_from=path)"
         )
     directory = resolve(path)
-    if node.rank == 0 and (path / LATEST).is_file():
-        remove_temporaries(path)
+    if node.rank == 0 and (path / LATEST).is_file() and not locks.held_elsewhere(path):
+        remove_temporaries(path)  # (not the half-written saves of a job that writes there now)
     manifest, metas = _check_checkpoint(directory, worker, sources)
     saved = _saved_tables(manifest)
     for table in _communicated(worker):
@@ -299,10 +320,9 @@ def check_tables(directory: Path, worker: Worker, sources: Sources | None = None
                  mismatch_hint: str = "") -> dict[str, Any]:
     """The manifest of the checkpoint ``directory``, once it is known to
     hold exactly ``worker``'s communicated tables (or, with ``sources``, the
-    saved tables their pieces name), every file a restore reads is sound and
-    those of ``worker``'s rank match their checksums (InvalidArgumentError
-    naming the file and the fault otherwise; where the tables differ,
-    followed by ``mismatch_hint``)."""
+    saved tables their pieces name) and every file a restore reads is sound,
+    its checksum too (InvalidArgumentError naming the file and the fault
+    otherwise; where the tables differ, followed by ``mismatch_hint``)."""
     return _check_checkpoint(directory, worker, sources, mismatch_hint)[0]
 
 
@@ -324,21 +344,13 @@ def _saved_tables(manifest: dict[str, Any]) -> dict[str, Table]:
 def _check_checkpoint(directory: Path, worker: Worker, sources: Sources | None = None,
                       mismatch_hint: str = "") -> tuple[dict[str, Any], list[dict[int, _Entry]]]:
     """The manifest and every shard's entries (saved table id -> _Entry),
-    once every file a restore reads is known to be sound and to fit
-    ``worker``, and those ``worker``'s rank reads to match their checksums:
-    all of it is checked before a restore changes anything."""
+    once every file a restore reads is known to be sound (its checksum
+    too) and to fit ``worker``: all of it is checked before a restore
+    changes anything. Every rank checks every shard's files, not only those
+    it reads: the ranks of a job then refuse a damaged checkpoint together."""
     manifest = _read_manifest(directory)
-    metas = (_check_sources(directory, manifest, worker, sources) if sources is not None
-             else _check_same_tables(directory, manifest, worker, mismatch_hint))
-    reads = _files_read(worker, metas, _saved_tables(manifest), sources, worker.rank, worker.num_workers)
-    _verify_files(directory, metas, reads)
-    return manifest, metas
-
-
-def _check_same_tables(directory: Path, manifest: dict[str, Any], worker: Worker,
-                       mismatch_hint: str) -> list[dict[int, _Entry]]:
-    """Every shard's entries, once the checkpoint is known to hold exactly
-    ``worker``'s communicated tables, in files of the sizes they should have."""
+    if sources is not None:
+        return manifest, _check_sources(directory, manifest, worker, sources)
     saved = {entry["id"]: entry for entry in manifest["tables"]}
     mine = _communicated(worker)
     problems = []
@@ -357,7 +369,7 @@ def _check_same_tables(directory: Path, manifest: dict[str, Any], worker: Worker
     metas = [_read_meta(directory, shard, mine) for shard in range(manifest["num_shards"])]
     for table in mine:
         _check_saved_table(directory, metas, table, worker.update_rule_of(table), table.name)
-    return metas
+    return manifest, metas
 
 
 def _check_saved_table(directory: Path, metas: list[dict[int, _Entry]], saved: Table, rule: UpdateRule | None,
@@ -495,10 +507,14 @@ def _check_shards(directory: Path, table: Table, entries: list[_Entry]) -> None:
 
 
 def _check_arrays(shard_dir: Path, table: Table, entry: _Entry) -> None:
-    """A shard's two files of a table: readable .npy arrays of the sizes its meta.json gives."""
-    _, rows, state_arrays, _ = entry
+    """A shard's two files of a table: readable .npy arrays of the sizes and
+    the CRC-32s its meta.json gives."""
+    first, rows, state_arrays, checksums = entry
     for kind, least in (("values", rows * table.row_width), ("state", state_arrays * rows * table.row_width)):
         path = shard_dir / f"table-{table.id}.{kind}.npy"
+        if not path.is_file():  # (a FIFO would block np.load's open for good)
+            raise InvalidArgumentError(f"checkpoint file {path} cannot be read: "
+                                       f"{'it is not a regular file' if path.exists() else 'no such file'}")
         try:
             array = np.load(path, mmap_mode="r", allow_pickle=False)
         except (OSError, ValueError, EOFError) as error:  # EOFError: an empty file
@@ -509,6 +525,12 @@ def _check_arrays(shard_dir: Path, table: Table, entry: _Entry) -> None:
         if kind == "state" and (array.dtype != np.float32 or array.ndim != 1 or array.size < least):
             raise InvalidArgumentError(f"checkpoint file {path} holds a {array.dtype} array of shape {array.shape}, "
                                        f"a row of at least {least} float32 expected")
+        expected = checksums.get(kind)
+        if expected is not None and (actual := _crc32(array, first, rows)) != expected:
+            raise InvalidArgumentError(
+                f"checkpoint file {path} (table {table.name!r}, rows [{first}, {first + rows})) is damaged: its "
+                f"CRC-32 is {actual:#010x}, its meta.json says {expected:#010x}; restore from another checkpoint "
+                "(save_checkpoint's keep= keeps older ones)")
 
 
 def _gather_slice(directory: Path, metas: list[dict[int, _Entry]], table: Table, first: int,
@@ -520,7 +542,11 @@ def _gather_slice(directory: Path, metas: list[dict[int, _Entry]], table: Table,
     values = np.empty((count, width), dtype=np.float32)
     state_arrays = metas[0][table.id][2]
     state_rows = np.empty((state_arrays, count, width), dtype=np.float32)
-    for shard, old_first, old_count, lo, hi in _overlaps(metas, table, first, count):
+    for shard, meta in enumerate(metas):
+        old_first, old_count, _, _ = meta[table.id]
+        lo, hi = max(first, old_first), min(first + count, old_first + old_count)
+        if lo >= hi:
+            continue
         files = directory / f"shard-{shard}" / f"table-{table.id}"
         old_state = np.load(f"{files}.state.npy", mmap_mode="r", allow_pickle=False)
         per_array = old_count * width
@@ -530,17 +556,6 @@ def _gather_slice(directory: Path, metas: list[dict[int, _Entry]], table: Table,
         state_rows[:, lo - first:hi - first] = arrays[:, lo - old_first:hi - old_first]
     scalars = _scalars(directory, metas, table)
     return values, np.concatenate([state_rows.reshape(-1), scalars]).astype(np.float32, copy=False)
-
-
-def _overlaps(metas: list[dict[int, _Entry]], table: Table, first: int,
-              count: int) -> Iterator[tuple[int, int, int, int, int]]:
-    """(shard, its first row, its row count, lo, hi) of each old shard that
-    saved some of ``table``'s rows [first, first+count): rows [lo, hi)."""
-    for shard, meta in enumerate(metas):
-        old_first, old_count, _, _ = meta[table.id]
-        lo, hi = max(first, old_first), min(first + count, old_first + old_count)
-        if lo < hi:
-            yield shard, old_first, old_count, lo, hi
 
 
 def _scalars(directory: Path, metas: list[dict[int, _Entry]], table: Table) -> np.ndarray:
@@ -575,7 +590,13 @@ def _assemble_slice(directory: Path, metas: list[dict[int, _Entry]], saved: Mapp
     state_arrays = metas[0][saved[pieces[0][1]].id][2] if pieces else 0
     values = np.zeros(count * width, dtype=np.float32)
     state = np.zeros((state_arrays, count * width), dtype=np.float32)
-    for begin, end, source, start, rows in _source_runs(pieces, saved, low, high):
+    for offset, name, source_offset, length in pieces:
+        begin, end = max(offset, low), min(offset + length, high)
+        if begin >= end:
+            continue
+        source = saved[name]
+        start = source_offset + begin - offset  # the first value taken, in the source's flat values
+        rows = range(start // source.row_width, -(-(start + end - begin) // source.row_width))
         old_values, old_state = _gather_slice(directory, metas, source, rows.start, len(rows))
         skip = start - rows.start * source.row_width
         values[begin - low:end - low] = old_values.reshape(-1)[skip:skip + end - begin]
@@ -584,60 +605,6 @@ def _assemble_slice(directory: Path, metas: list[dict[int, _Entry]], saved: Mapp
         state[:, begin - low:end - low] = arrays[:, skip:skip + end - begin]
     scalars = _scalars(directory, metas, saved[pieces[0][1]]) if pieces else np.empty(0, np.float32)
     return values.reshape(count, width), np.concatenate([state.reshape(-1), scalars])
-
-
-def _source_runs(pieces: Sequence[Piece], saved: Mapping[str, Table], low: int,
-                 high: int) -> Iterator[tuple[int, int, Table, int, range]]:
-    """For each of ``pieces`` (merged) that fills some of the flat values
-    [low, high) of a job's table: those values [begin, end), the saved table
-    they come from, the first of its flat values taken, and its rows that hold them."""
-    for offset, name, source_offset, length in pieces:
-        begin, end = max(offset, low), min(offset + length, high)
-        if begin >= end:
-            continue
-        source = saved[name]
-        start = source_offset + begin - offset
-        yield begin, end, source, start, range(start // source.row_width,
-                                               -(-(start + end - begin) // source.row_width))
-
-
-def _files_read(worker: Worker, metas: list[dict[int, _Entry]], saved: Mapping[str, Table],
-                sources: Sources | None, rank: int, num_shards: int) -> dict[tuple[int, int], Table]:
-    """The saved (shard, table id) pairs whose files this rank's restore
-    reads: the shards that hold its rows, and shard 0 for a table's scalars."""
-    reads: dict[tuple[int, int], Table] = {}
-    for table in _communicated(worker):
-        first, count = shard_range(table.num_rows, rank, num_shards)
-        if sources is None:
-            needed = [(table, first, count)]
-            scalars_of: Table | None = table
-        else:
-            pieces = _merged(sources[table.name])
-            width = table.row_width
-            needed = [(source, rows.start, len(rows))
-                      for _, _, source, _, rows in _source_runs(pieces, saved, first * width, (first + count) * width)]
-            scalars_of = saved[pieces[0][1]] if pieces else None
-        for source, lo, rows in needed:
-            for shard, *_ in _overlaps(metas, source, lo, rows):
-                reads[(shard, source.id)] = source
-        if scalars_of is not None:
-            reads[(0, scalars_of.id)] = scalars_of
-    return reads
-
-
-def _verify_files(directory: Path, metas: list[dict[int, _Entry]], reads: Mapping[tuple[int, int], Table]) -> None:
-    """Each file of ``reads`` has the CRC-32 its shard's meta.json gives
-    (where it gives one): checked before a restore loads anything."""
-    for (shard, table_id), table in sorted(reads.items()):
-        entry = metas[shard][table_id]
-        for kind, expected in entry.crc32.items():
-            path = directory / f"shard-{shard}" / f"table-{table_id}.{kind}.npy"
-            actual = _crc32(np.load(path, mmap_mode="r", allow_pickle=False), entry.first_row, entry.num_rows)
-            if actual != expected:
-                raise InvalidArgumentError(
-                    f"checkpoint file {path} (table {table.name!r}, rows [{entry.first_row}, "
-                    f"{entry.first_row + entry.num_rows})) is damaged: its CRC-32 is {actual:#010x}, its meta.json "
-                    f"says {expected:#010x}; restore from another checkpoint (save_checkpoint's keep= keeps older ones)")
 
 
 def _crc32(array: np.ndarray, first_row: int, num_rows: int) -> int:
@@ -649,10 +616,15 @@ def _crc32(array: np.ndarray, first_row: int, num_rows: int) -> int:
 def _save_array(path: Path, array: np.ndarray) -> np.ndarray:
     """Writes ``array`` as float32 .npy and syncs it; returns what it wrote."""
     written = np.ascontiguousarray(array, dtype=np.float32)
-    with open(path, "wb") as file:
-        np.save(file, written, allow_pickle=False)
-        file.flush()
-        os.fsync(file.fileno())
+    try:
+        with open(path, "wb") as file:
+            np.save(file, written, allow_pickle=False)
+            file.flush()
+            os.fsync(file.fileno())
+    except OSError as error:  # numpy's short write names neither the file nor the cause
+        message = (f"save_checkpoint: writing {path} ({written.nbytes} bytes) failed: {error} "
+                   f"({shutil.disk_usage(path.parent).free} bytes free on its file system)")
+        raise (OSError(error.errno, message) if error.errno else OSError(message)) from error
     return written
 
 
@@ -676,7 +648,7 @@ def _write_bytes(path: Path, content: bytes) -> None:
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         content = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
+    except (OSError, ValueError) as error:  # ValueError: bad JSON, or bytes that are not UTF-8
         raise InvalidArgumentError(f"cannot read {path}: {error}") from error
     if not isinstance(content, dict):
         raise InvalidArgumentError(f"{path} is not a JSON object")

@@ -42,6 +42,7 @@ from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError, MltunerE
 from mltuner.launch import _checkpoint
 from mltuner.launch._env import TRANSPORTS, ProcessEnv, detect_environment, is_loopback
 from mltuner.launch._rendezvous import ControlClient, Coordinator
+from mltuner.launch._root_lock import RootLocks
 from mltuner.launch._torch_store import job_key, lookup_address, publish_address
 from mltuner.launch._uneven import ClockLender
 from mltuner.transport._address import Card, IpcDirectory, TransportKind, choose_address, host_identity
@@ -215,6 +216,7 @@ class Job:
         self._timeout_s = self.config.wait_timeout_s
         self._closed = True  # until the node below exists: nothing to close before it
         self._first_clock = 0  # the clock training resumed from (restore_checkpoint)
+        self._root_locks = RootLocks()  # the checkpoint roots this job (rank 0) writes into
         self._context: zmq.Context[zmq.Socket[bytes]] | None = None
         self._authenticator: object | None = None
         self._coordinator: Coordinator | None = None
@@ -354,8 +356,8 @@ class Job:
         """
         keep = integer("save_checkpoint: keep", keep, 1, 10**6)
         self._check_open("save_checkpoint")
-        return _checkpoint.save(self._node, self.worker, Path(root), self.barrier, keep=keep,
-                                first_clock=self._first_clock, attachments=attachments)
+        return _checkpoint.save(self._node, self.worker, Path(root), self.barrier, self.allgather, self._root_locks,
+                                keep=keep, first_clock=self._first_clock, attachments=attachments)
 
     def restore_checkpoint(self, path: str | os.PathLike[str], *, sources: _checkpoint.Sources | None = None) -> int:
         """Loads a checkpoint into this rank's shard and returns its clock.
@@ -375,7 +377,7 @@ class Job:
         """
         self._check_open("restore_checkpoint")
         self._first_clock = _checkpoint.restore(self._node, self.worker, Path(path), self.config.update_rule.kind,
-                                                self.barrier, sources)
+                                                self.barrier, self._root_locks, sources)
         return self._first_clock
 
     def close(self, *, graceful: bool = True) -> None:
@@ -397,6 +399,7 @@ class Job:
         if self._closed:
             return
         self._closed = True
+        self._root_locks.release()
         self._node.engine.set_wait_watcher(None)
         unanswered: MltunerError | None = None
         if graceful and self._control is not None and self._lost_peer() is None:

@@ -8,6 +8,7 @@ starts."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from collections.abc import Callable
@@ -20,7 +21,8 @@ import pytest
 import mltuner
 from mltuner.launch import _checkpoint
 
-from test_checkpoint_files import add_clocks, prepare, single_job  # type: ignore[import-not-found]
+from test_checkpoint_files import add_clocks, listing, on_both, prepare, single_job  # type: ignore[import-not-found]
+from test_wire_security import close, start_pair  # type: ignore[import-not-found]
 
 ROWS, WIDTH = 10, 3  # prepare()'s table "t"
 
@@ -199,3 +201,91 @@ def test_a_save_to_a_file_or_under_one_is_refused_before_it_starts(tmp_path: Pat
             job.save_checkpoint(file / "sub")
         assert file.read_text() == "x"
         assert job.save_checkpoint(tmp_path / "root").name == "clock-00000001"  # the job saves on
+
+
+def test_every_rank_refuses_a_file_only_another_rank_reads(tmp_path: Path) -> None:
+    """Shard 1's file damaged: rank 0, which reads only shard 0's rows,
+    refuses too, before either rank loads anything (the ranks of a restore
+    agree, and may go on to another checkpoint together)."""
+    jobs = start_pair()
+    try:
+        def train_and_save(job: mltuner.Job) -> None:
+            _, update = prepare(job.worker)
+            job.worker.start_iterations()
+            add_clocks(job.worker, update, 2, 1.0)
+            job.save_checkpoint(tmp_path)
+            add_clocks(job.worker, update, 1, 1.0)
+            job.save_checkpoint(tmp_path)
+
+        on_both(jobs, train_and_save)
+    finally:
+        close(jobs)
+    _flip_last_byte(tmp_path / "clock-00000003" / "shard-1" / "table-0.values.npy")
+    jobs = start_pair()
+    try:
+        def restore(job: mltuner.Job) -> tuple[str, int, np.ndarray]:
+            table, _ = prepare(job.worker)
+            with pytest.raises(mltuner.InvalidArgumentError, match=r"shard-1/table-0\.values\.npy .* is damaged") as refused:
+                job.restore_checkpoint(tmp_path)
+            return str(refused.value), job.restore_checkpoint(tmp_path / "clock-00000002"), job.worker.fetch(table)
+
+        for _, clock, values in on_both(jobs, restore):  # type: ignore[misc]
+            assert clock == 2  # two clocks of both ranks adding 1
+            np.testing.assert_array_equal(values, np.full((ROWS, WIDTH), 4.0, dtype=np.float32))
+    finally:
+        close(jobs)
+
+
+def test_unreadable_metadata_and_a_fifo_are_refused_naming_the_file(checkpoint: Path) -> None:
+    manifest = checkpoint / "manifest.json"
+    content = manifest.read_bytes()
+    manifest.write_bytes(content[:20] + b"\xdd" + content[21:])  # not UTF-8
+    assert_refused(checkpoint, r"cannot read .*manifest\.json")
+    manifest.write_bytes(content)
+    values = checkpoint / "shard-0" / "table-0.values.npy"
+    values.unlink()
+    os.mkfifo(values)  # np.load's open would wait for a writer for good
+    assert_refused(checkpoint, r"table-0\.values\.npy cannot be read: it is not a regular file")
+
+
+def test_a_full_disk_names_the_file_and_the_job_saves_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with single_job() as job:
+        _, update = prepare(job.worker)
+        job.worker.start_iterations()
+        add_clocks(job.worker, update, 1, 1.0)
+
+        def short_write(*args: object, **kwargs: object) -> None:
+            raise OSError("32000 requested and 25568 written")  # numpy's message, without errno or file
+
+        with monkeypatch.context() as patch:
+            patch.setattr(np, "save", short_write)
+            with pytest.raises(OSError, match=r"writing .*table-0\.values\.npy \(120 bytes\) failed: 32000 "
+                                              r"requested and 25568 written \(\d+ bytes free on its file system\)"):
+                job.save_checkpoint(tmp_path)
+        add_clocks(job.worker, update, 1, 1.0)
+        assert job.save_checkpoint(tmp_path).name == "clock-00000002"
+    assert listing(tmp_path) == ["clock-00000002", "latest"]  # the failed save's staging removed
+
+
+def test_a_latest_tmp_directory_and_a_read_only_store_do_not_stop_the_job(
+        checkpoint: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    root = checkpoint.parent
+    (root / "latest.tmp").mkdir()  # left where a file is written next: removed, not fatal
+    with single_job() as job:
+        _, update = prepare(job.worker)
+        job.worker.start_iterations()
+        add_clocks(job.worker, update, 3, 1.0)
+        job.save_checkpoint(root)
+    assert listing(root) == ["clock-00000002", "clock-00000003", "latest"]
+    # A store that cannot be written: the checkpoint a cut-off save moved
+    # aside keeps its hidden name (with a warning); the restore reads on.
+    (root / "clock-00000003").rename(root / ".clock-00000003.old.tmp")
+
+    def read_only(*args: object) -> None:
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(_checkpoint.os, "replace", read_only)
+    monkeypatch.setattr(_checkpoint, "_remove", lambda path: None)
+    clock, values = restored(root)
+    assert clock == 2 and "could not give" in caplog.text
+    np.testing.assert_array_equal(values, np.full((ROWS, WIDTH), 2.0, dtype=np.float32))

@@ -24,6 +24,11 @@ def single_job() -> mltuner.Job:
     return mltuner.Job(mltuner.Config(update_rule=mltuner.UpdateRule("add")), env=env)
 
 
+def listing(root: Path) -> list[str]:
+    """What a checkpoint root holds, but the lock of the job that writes there."""
+    return sorted(entry.name for entry in root.iterdir() if entry.name != ".writer.lock")
+
+
 def prepare(worker: mltuner.Worker, rows: int = 10) -> tuple[mltuner.Table, int]:
     table = worker.create_table("t", rows, 3)
     update = worker.virtual_pre_update(table)
@@ -112,7 +117,7 @@ def test_keep_leaves_the_checkpoints_of_a_run_resumed_from_an_older_one_alone(tm
         job.worker.start_iterations()
         add_clocks(job.worker, update, 1, 1.0)
         assert job.save_checkpoint(tmp_path, keep=1).name == "clock-00000003"
-    assert sorted(entry.name for entry in tmp_path.iterdir()) == ["clock-00000003", "clock-00000004", "latest"]
+    assert listing(tmp_path) == ["clock-00000003", "clock-00000004", "latest"]
     assert (tmp_path / "latest").read_text().strip() == "clock-00000003"
 
 
@@ -127,7 +132,7 @@ def test_keep_is_exact_and_leftovers_are_removed_at_the_next_save(tmp_path: Path
         for _ in range(5):
             add_clocks(job.worker, update, 1, 1.0)
             job.save_checkpoint(tmp_path, keep=3)
-    names = sorted(entry.name for entry in tmp_path.iterdir())
+    names = listing(tmp_path)
     assert names == ["clock-00000003", "clock-00000004", "clock-00000005", "latest"]
     assert (tmp_path / "latest").read_text().strip() == "clock-00000005"
 
@@ -143,7 +148,7 @@ def test_leftovers_are_removed_at_restore_and_names_continue_the_clock(tmp_path:
     with single_job() as job:
         table, update = prepare(job.worker)
         assert job.restore_checkpoint(tmp_path) == 4
-        assert sorted(entry.name for entry in tmp_path.iterdir()) == ["clock-00000004", "latest"]
+        assert listing(tmp_path) == ["clock-00000004", "latest"]
         job.worker.start_iterations()
         add_clocks(job.worker, update, 2, 1.0)
         saved = job.save_checkpoint(tmp_path)
@@ -164,14 +169,14 @@ def test_a_clock_saved_again_and_a_latest_naming_nothing_still_resume(tmp_path: 
         add_clocks(job.worker, update, 2, 10.0)
         assert job.save_checkpoint(tmp_path).name == "clock-00000004"
         again = job.worker.fetch(table)
-    assert sorted(entry.name for entry in tmp_path.iterdir()) == ["clock-00000002", "clock-00000004", "latest"]
+    assert listing(tmp_path) == ["clock-00000002", "clock-00000004", "latest"]
     np.testing.assert_array_equal(again, np.full((10, 3), 22.0, dtype=np.float32))
     (tmp_path / "clock-00000004").rename(tmp_path / ".clock-00000004.old.tmp")  # the save cut off there
     with single_job() as job:
         table, _ = prepare(job.worker)
         assert job.restore_checkpoint(tmp_path) == 2  # the newest complete one
         np.testing.assert_array_equal(job.worker.fetch(table), np.full((10, 3), 2.0, dtype=np.float32))
-    assert sorted(entry.name for entry in tmp_path.iterdir()) == ["clock-00000002", "clock-00000004", "latest"]
+    assert listing(tmp_path) == ["clock-00000002", "clock-00000004", "latest"]
     for latest in ("", "../elsewhere"):  # the one moved aside has its name back, and is the newest
         (tmp_path / "latest").write_text(latest)
         with single_job() as job:
@@ -184,6 +189,31 @@ def test_a_clock_saved_again_and_a_latest_naming_nothing_still_resume(tmp_path: 
         prepare(job.worker)
         with pytest.raises(mltuner.NotFoundError, match="names '../elsewhere', which holds no complete checkpoint"):
             job.restore_checkpoint(tmp_path)
+
+
+def test_a_second_job_saving_into_a_root_another_job_writes_is_refused(tmp_path: Path) -> None:
+    """Two runs pointed at one root would replace each other's checkpoints
+    (or, saving at once, mix their files): the second is refused at its
+    first save, naming the holder; once the first closes the root is free."""
+    with single_job() as first, single_job() as second:
+        updates = {}
+        for job in (first, second):
+            _, updates[job] = prepare(job.worker)
+            job.worker.start_iterations()
+            add_clocks(job.worker, updates[job], 1, 1.0)
+        first.save_checkpoint(tmp_path)
+        with pytest.raises(mltuner.InvalidArgumentError, match=r"another job saves checkpoints into .* \(pid \d+ on "):
+            second.save_checkpoint(tmp_path)
+        add_clocks(first.worker, updates[first], 1, 1.0)
+        assert first.save_checkpoint(tmp_path).name == "clock-00000002"
+        assert second.save_checkpoint(tmp_path / "own").name == "clock-00000001"
+    with single_job() as third:
+        _, update = prepare(third.worker)
+        assert third.restore_checkpoint(tmp_path) == 2
+        third.worker.start_iterations()
+        add_clocks(third.worker, update, 1, 1.0)
+        assert third.save_checkpoint(tmp_path).name == "clock-00000003"
+    assert listing(tmp_path) == ["clock-00000002", "clock-00000003", "latest", "own"]
 
 
 def test_attachments_travel_with_the_checkpoint_and_a_branch_is_refused(tmp_path: Path) -> None:

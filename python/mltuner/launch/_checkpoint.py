@@ -10,9 +10,11 @@ Layout of one checkpoint (``root/clock-NNNNNNNN``)::
     attachments/NAME               bytes rank 0 attached (save's ``attachments``),
                                    e.g. the PyTorch adapter's buffers and param groups
 
-Shards write into a hidden ``.clock-NNNNNNNN.TOKEN.tmp`` directory (the
-token rank 0 drew for the save, once it holds the root: _root_lock.py);
-after a barrier, rank 0 adds the manifest and renames the directory into place, then
+The root also holds ``latest`` (the newest checkpoint's name) and
+``.writer.lock``, which rank 0 of the job that saves there holds
+(_root_lock.py). Shards write into a hidden ``.clock-NNNNNNNN.TOKEN.tmp``
+directory (the token rank 0 drew for the save, once it held the root);
+once every rank wrote, rank 0 adds the manifest and renames the directory into place, then
 points ``root/latest`` at it (os.replace), so a reader sees a whole
 checkpoint or none. Rank 0 removes what an interrupted save left behind
 (hidden ``.clock-*.tmp`` directories, ``*.tmp`` files) at the next save and
@@ -37,10 +39,12 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import secrets
 import shutil
+import time
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -51,10 +55,11 @@ import numpy as np
 from mltuner import _core
 from mltuner._config import UpdateRule
 from mltuner.client._worker import Table, Worker
-from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError, NotFoundError, OutOfOrderError
-from mltuner.launch._root_lock import RootLocks
+from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError, MltunerError, NotFoundError, OutOfOrderError
+from mltuner.launch._root_lock import RootLocks, held_elsewhere
 
-__all__ = ["Piece", "Sources", "save", "restore", "shard_range", "resolve", "read_attachment", "check_tables"]
+__all__ = ["Piece", "Sources", "save", "restore", "shard_range", "resolve", "read_attachment", "check_tables",
+           "remove_leftovers"]
 
 FORMAT = "mltuner-checkpoint"
 VERSION = 1
@@ -85,8 +90,9 @@ def save(node: _core.ProcessNode, worker: Worker, root: Path, barrier: Callable[
     resumed from (the engine's own clocks restart at 0 after a restore).
     Rank 0 holds ``root`` in ``locks`` against other jobs and writes
     ``attachments`` (file name -> bytes) into the checkpoint before it
-    becomes visible; other ranks' are ignored."""
-    attached = check_attachments(attachments) if node.rank == 0 else {}
+    becomes visible; other ranks' are ignored. What fails on one rank
+    (a full disk, bad attachments, a root another job holds) fails the save
+    on every rank, saying so, rather than leaving the others at a barrier."""
     # A file at or above root would fail only midway, creating a shard's directory.
     existing = next(entry for entry in (root, *root.parents) if entry.exists())
     if not existing.is_dir():
@@ -112,39 +118,41 @@ def save(node: _core.ProcessNode, worker: Worker, root: Path, barrier: Callable[
     name = f"clock-{clock:08d}"
     # Rank 0 holds the root and names this save's staging directory before
     # any rank writes: a second job saving there is refused on every rank.
-    opening: dict[str, str] = {}
-    if node.rank == 0:
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            locks.hold(root)
-            opening = {"token": secrets.token_hex(4)}
-            remove_temporaries(root, keep=f".{name}.{opening['token']}.tmp")
-        except (InvalidArgumentError, OSError) as error:
-            opening = {"error": str(error), "kind": "os" if isinstance(error, OSError) else "argument"}
-    opening = allgather(f"checkpoint-{name}-start", opening)[0]
-    if "error" in opening:
-        raise (OSError if opening["kind"] == "os" else InvalidArgumentError)(opening["error"])
-    staging = root / f".{name}.{opening['token']}.tmp"
-    shard_dir = staging / f"shard-{node.rank}"
-    if shard_dir.exists():
-        shutil.rmtree(shard_dir)  # left by an interrupted attempt
-    shard_dir.mkdir(parents=True)
-    written: dict[str, Any] = {"rank": int(node.rank), "tables": {}}
-    for table in _communicated(worker):
-        piece = node.export_shard_table(table.id, branch)
-        if expected is not None and int(piece["global_clock"]) != expected:
-            raise OutOfOrderError(f"table {table.name!r} is at clock {piece['global_clock']} of branch {branch} on "
-                                  f"shard {node.rank}, expected {expected}: call save_checkpoint on every rank at "
-                                  "the same clock")
-        first_row, num_rows = int(piece["first_row"]), int(piece["num_rows"])
-        values = np.asarray(piece["values"]).reshape(num_rows, table.row_width)
-        entry = {"first_row": first_row, "num_rows": num_rows, "state_arrays": int(piece["state_arrays"])}
-        for kind, array in (("values", values), ("state", np.asarray(piece["state"]))):
-            written_array = _save_array(shard_dir / f"table-{table.id}.{kind}.npy", array)
-            entry[f"{kind}_crc32"] = _crc32(written_array, first_row, num_rows)
-        written["tables"][str(table.id)] = entry
-    _write_json(shard_dir / "meta.json", written)
-    barrier(f"checkpoint-{name}-written")
+    attached: dict[str, bytes] = {}
+    token = ""
+
+    def open_save() -> None:
+        nonlocal attached, token
+        attached = check_attachments(attachments)
+        root.mkdir(parents=True, exist_ok=True)
+        locks.hold(root)
+        token = secrets.token_hex(4)
+        remove_temporaries(root, keep=f".{name}.{token}.tmp")
+
+    token = _together(allgather, f"checkpoint-{name}-start", open_save if node.rank == 0 else None,
+                      lambda: token)[0]
+    staging = root / f".{name}.{token}.tmp"
+
+    def write_shard() -> None:
+        shard_dir = staging / f"shard-{node.rank}"
+        shard_dir.mkdir(parents=True)
+        written: dict[str, Any] = {"rank": int(node.rank), "tables": {}}
+        for table in _communicated(worker):
+            piece = node.export_shard_table(table.id, branch)
+            if expected is not None and int(piece["global_clock"]) != expected:
+                raise OutOfOrderError(f"table {table.name!r} is at clock {piece['global_clock']} of branch {branch} "
+                                      f"on shard {node.rank}, expected {expected}: call save_checkpoint on every rank "
+                                      "at the same clock")
+            first_row, num_rows = int(piece["first_row"]), int(piece["num_rows"])
+            values = np.asarray(piece["values"]).reshape(num_rows, table.row_width)
+            entry = {"first_row": first_row, "num_rows": num_rows, "state_arrays": int(piece["state_arrays"])}
+            for kind, array in (("values", values), ("state", np.asarray(piece["state"]))):
+                written_array = _save_array(shard_dir / f"table-{table.id}.{kind}.npy", array)
+                entry[f"{kind}_crc32"] = _crc32(written_array, first_row, num_rows)
+            written["tables"][str(table.id)] = entry
+        _write_json(shard_dir / "meta.json", written)
+
+    _together(allgather, f"checkpoint-{name}-written", write_shard, lambda: None)
     final = root / name
     if node.rank == 0:
         manifest = {
@@ -175,6 +183,31 @@ def save(node: _core.ProcessNode, worker: Worker, root: Path, barrier: Callable[
     return final
 
 
+def _together(allgather: Callable[[str, Any], list[Any]], name: str, step: Callable[[], None] | None,
+              result: Callable[[], Any]) -> list[Any]:
+    """Runs ``step`` (where given) on this rank, then an allgather of each
+    rank's outcome: every rank's ``result()``, by rank, when every step
+    succeeded. A step's exception is raised on its own rank; the other ranks
+    raise what it said (an OSError where it was one, else an
+    InvalidArgumentError), so no rank waits for one that gave up."""
+    failure: BaseException | None = None
+    if step is not None:
+        try:
+            step()
+        except (MltunerError, OSError, TypeError, ValueError) as error:
+            failure = error
+    outcome = ({"ok": result()} if failure is None else
+               {"error": f"{type(failure).__name__}: {failure}", "os": isinstance(failure, OSError)})
+    outcomes = allgather(name, outcome)
+    if failure is not None:
+        raise failure
+    for rank, other in enumerate(outcomes):
+        if "error" in other:
+            text = f"save_checkpoint failed on rank {rank}: {other['error']}"
+            raise OSError(text) if other["os"] else InvalidArgumentError(text)
+    return [other["ok"] for other in outcomes]
+
+
 def check_attachments(attachments: Mapping[str, bytes] | None) -> dict[str, bytes]:
     """``attachments`` as a dict, each name a plain file name and each value bytes."""
     checked: dict[str, bytes] = {}
@@ -200,7 +233,7 @@ def read_attachment(path: str | os.PathLike[str], name: str) -> bytes | None:
     check_attachments({name: b""})
     directory = resolve(Path(path))
     try:
-        content = (directory / ATTACHMENTS / name).read_bytes()
+        content = _read_regular(directory / ATTACHMENTS / name)
     except FileNotFoundError:
         return None
     manifest_path = directory / "manifest.json"
@@ -248,6 +281,13 @@ def remove_temporaries(root: Path, keep: str = "") -> None:
             _remove(entry)
 
 
+def remove_leftovers(root: Path) -> None:
+    """:func:`remove_temporaries` before a restore from ``root``, unless a
+    job writes there now (its half-written saves are not leftovers)."""
+    if not held_elsewhere(root):
+        remove_temporaries(root)
+
+
 def _remove(path: Path) -> None:
     try:
         if path.is_dir() and not path.is_symlink():
@@ -259,7 +299,7 @@ def _remove(path: Path) -> None:
 
 
 def restore(node: _core.ProcessNode, worker: Worker, path: Path, rule_kind: str,
-            barrier: Callable[[str], None], locks: RootLocks, sources: Sources | None = None) -> int:
+            barrier: Callable[[str], None], sources: Sources | None = None) -> int:
     if worker.iterations_started:
         # The worker may hold clock-0 reads of the old values already, and
         # its clocks would not restart: the loaded values would mix with them.
@@ -269,8 +309,8 @@ def restore(node: _core.ProcessNode, worker: Worker, path: Path, rule_kind: str,
             "wrap(..., resume_from=path)"
         )
     directory = resolve(path)
-    if node.rank == 0 and (path / LATEST).is_file() and not locks.held_elsewhere(path):
-        remove_temporaries(path)  # (not the half-written saves of a job that writes there now)
+    if node.rank == 0 and (path / LATEST).is_file():
+        remove_leftovers(path)
     manifest, metas = _check_checkpoint(directory, worker, sources)
     saved = _saved_tables(manifest)
     for table in _communicated(worker):
@@ -512,9 +552,8 @@ def _check_arrays(shard_dir: Path, table: Table, entry: _Entry) -> None:
     first, rows, state_arrays, checksums = entry
     for kind, least in (("values", rows * table.row_width), ("state", state_arrays * rows * table.row_width)):
         path = shard_dir / f"table-{table.id}.{kind}.npy"
-        if not path.is_file():  # (a FIFO would block np.load's open for good)
-            raise InvalidArgumentError(f"checkpoint file {path} cannot be read: "
-                                       f"{'it is not a regular file' if path.exists() else 'no such file'}")
+        if path.exists() and not path.is_file():  # (a FIFO would block np.load's open for good)
+            raise InvalidArgumentError(f"checkpoint file {path} cannot be read: it is not a regular file")
         try:
             array = np.load(path, mmap_mode="r", allow_pickle=False)
         except (OSError, ValueError, EOFError) as error:  # EOFError: an empty file
@@ -526,11 +565,20 @@ def _check_arrays(shard_dir: Path, table: Table, entry: _Entry) -> None:
             raise InvalidArgumentError(f"checkpoint file {path} holds a {array.dtype} array of shape {array.shape}, "
                                        f"a row of at least {least} float32 expected")
         expected = checksums.get(kind)
-        if expected is not None and (actual := _crc32(array, first, rows)) != expected:
+        if expected is None:
+            continue
+        status = path.stat()
+        seen = (str(path), status.st_size, status.st_mtime_ns, expected, first, rows)
+        if time.monotonic() - _VERIFIED.get(seen, -math.inf) < _VERIFIED_FOR_S:
+            continue  # checked a moment ago, unchanged since (wrap(resume_from=) checks, then restores)
+        if (actual := _crc32(array, first, rows)) != expected:
             raise InvalidArgumentError(
                 f"checkpoint file {path} (table {table.name!r}, rows [{first}, {first + rows})) is damaged: its "
                 f"CRC-32 is {actual:#010x}, its meta.json says {expected:#010x}; restore from another checkpoint "
                 "(save_checkpoint's keep= keeps older ones)")
+        if len(_VERIFIED) > 100_000:
+            _VERIFIED.clear()
+        _VERIFIED[seen] = time.monotonic()
 
 
 def _gather_slice(directory: Path, metas: list[dict[int, _Entry]], table: Table, first: int,
@@ -607,6 +655,12 @@ def _assemble_slice(directory: Path, metas: list[dict[int, _Entry]], saved: Mapp
     return values.reshape(count, width), np.concatenate([state.reshape(-1), scalars])
 
 
+# Array files whose checksum matched, as (path, size, mtime, checksum, the
+# rows it was seeded with) -> when; trusted for a while, not for good.
+_VERIFIED: dict[tuple[str, int, int, int, int, int], float] = {}
+_VERIFIED_FOR_S = 300.0
+
+
 def _crc32(array: np.ndarray, first_row: int, num_rows: int) -> int:
     """The CRC-32 of an array file's values, seeded with the rows they are."""
     seed = zlib.crc32(f"rows {first_row} {num_rows}".encode())
@@ -622,8 +676,11 @@ def _save_array(path: Path, array: np.ndarray) -> np.ndarray:
             file.flush()
             os.fsync(file.fileno())
     except OSError as error:  # numpy's short write names neither the file nor the cause
-        message = (f"save_checkpoint: writing {path} ({written.nbytes} bytes) failed: {error} "
-                   f"({shutil.disk_usage(path.parent).free} bytes free on its file system)")
+        try:
+            free = f" ({shutil.disk_usage(path.parent).free} bytes free on its file system)"
+        except OSError:
+            free = ""
+        message = f"save_checkpoint: writing {path} ({written.nbytes} bytes) failed: {error.strerror or error}{free}"
         raise (OSError(error.errno, message) if error.errno else OSError(message)) from error
     return written
 
@@ -645,9 +702,17 @@ def _write_bytes(path: Path, content: bytes) -> None:
     os.replace(temporary, path)
 
 
+def _read_regular(path: Path) -> bytes:
+    """A checkpoint file's bytes; one that is not a regular file is refused
+    (a FIFO would block the read for good)."""
+    if path.exists() and not path.is_file():
+        raise InvalidArgumentError(f"checkpoint file {path} cannot be read: it is not a regular file")
+    return path.read_bytes()
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        content = json.loads(path.read_text())
+        content = json.loads(_read_regular(path).decode())
     except (OSError, ValueError) as error:  # ValueError: bad JSON, or bytes that are not UTF-8
         raise InvalidArgumentError(f"cannot read {path}: {error}") from error
     if not isinstance(content, dict):

@@ -9,6 +9,7 @@ on another device than the model, is an error: a silent copy would make the
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -127,6 +128,9 @@ def storage_ptr(tensor: torch.Tensor) -> int | None:
 
 
 _PLACEHOLDERS: dict[torch.device, torch.Tensor] = {}
+_DENSE_PLACEHOLDERS: dict[torch.device, torch.Tensor] = {}
+_PLACEHOLDER_PTRS: set[int] = set()  # every placeholder's storage, ever made (views of old ones live on)
+_PLACEHOLDER_LOCK = threading.Lock()  # workers wrap on threads of their own
 
 
 def placeholder(device: torch.device) -> torch.Tensor:
@@ -134,10 +138,32 @@ def placeholder(device: torch.device) -> torch.Tensor:
     expanded view of it between their accesses, so a use outside the
     module's forward gives NaN (and, when autograd saves it, an error)
     rather than values from a buffer the engine has taken back."""
-    value = _PLACEHOLDERS.get(device)
-    if value is None:  # setdefault: workers on other threads get the same one
-        value = _PLACEHOLDERS.setdefault(device, torch.full((), float("nan"), dtype=torch.float32, device=device))
-    return value
+    with _PLACEHOLDER_LOCK:
+        value = _PLACEHOLDERS.get(device)
+        if value is None:
+            value = _PLACEHOLDERS[device] = torch.full((), float("nan"), dtype=torch.float32, device=device)
+            _PLACEHOLDER_PTRS.add(int(value.untyped_storage().data_ptr()))
+        return value
+
+
+def dense_placeholder(device: torch.device, numel: int) -> torch.Tensor:
+    """A NaN tensor of at least ``numel`` elements on ``device``, shared: the
+    placeholder of parameters kept in a memory order of their own, which
+    must be dense (an expanded one has no order, and autograd would then lay
+    their gradients out contiguously)."""
+    with _PLACEHOLDER_LOCK:
+        value = _DENSE_PLACEHOLDERS.get(device)
+        if value is None or value.numel() < numel:
+            value = _DENSE_PLACEHOLDERS[device] = torch.full((numel,), float("nan"), dtype=torch.float32,
+                                                             device=device)
+            _PLACEHOLDER_PTRS.add(int(value.untyped_storage().data_ptr()))
+        return value
+
+
+def is_placeholder(address: int | None) -> bool:
+    """Whether a storage address is a placeholder's (a parameter between
+    its accesses)."""
+    return address in _PLACEHOLDER_PTRS
 
 
 def autocast_state(device: torch.device) -> tuple[bool, torch.dtype | None]:

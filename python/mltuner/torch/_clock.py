@@ -324,8 +324,8 @@ class ClockDriver(Planning, ServerValues, SavedTensorHooks):
             raise OutOfOrderError(
                 f"step() of clock {self.clock} found no gradients although its backward pass ran: zero_grad() "
                 "between backward() and step() dropped them (torch's step() would then do nothing; the clock's "
-                "update must still leave here): zero the gradients before the forward pass, or run the backward "
-                "pass again before step()")
+                "update must still leave here): zero the gradients before the forward pass, or run a forward and "
+                "a backward pass again before step()")
         with self._mutating():
             raise IterationMismatchError(
                 f"clock {self.clock}: the backward pass finished without a gradient for layer(s) {names}, which "

@@ -18,7 +18,7 @@ from torch import nn
 
 from mltuner.client._worker import PlanPreview, Table, Worker
 from mltuner.exceptions import ArgumentTypeError, OutOfOrderError
-from mltuner.torch._buffers import app_stream, placeholder, storage_ptr
+from mltuner.torch._buffers import app_stream
 from mltuner.torch._layers import Layer
 from mltuner.torch._recording import Event, Slot, Tables
 from mltuner.torch._saved import SavedActivations
@@ -203,7 +203,6 @@ class DriverState:
         self._broken: BaseException | None = None
         self._mutating_block = _Mutating(self)
         self._closed = False
-        self._placeholder_ptr = storage_ptr(placeholder(self.device))
         self._hooks: list[Any] = []
         self._grad_hooks: list[Any] = []  # removed when updates ship at step()
         # The light clock's batched engine calls (_plan_batches): the reads

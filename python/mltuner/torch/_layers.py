@@ -38,6 +38,7 @@ message naming the parameter or module.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
@@ -49,12 +50,12 @@ from torch.nn.parameter import is_lazy
 from mltuner._config import UpdateRule
 from mltuner.client._layout import TensorLayout
 from mltuner.exceptions import InternalError
-from mltuner.torch._buffers import as_tensor, buffer_key, placeholder
+from mltuner.torch._buffers import as_tensor, buffer_key, dense_placeholder, placeholder
 from mltuner.torch._errors import UnsupportedModelError
 from mltuner.torch._shipped import ShippedGradient
 
-__all__ = ["Layer", "ParamSlot", "check_module_types", "find_layers", "memory_strides", "DEFAULT_WHOLE_MODULES",
-           "DEFAULT_GROUP_BYTES"]
+__all__ = ["Layer", "ParamSlot", "check_module_types", "find_layers", "memory_strides", "memory_order",
+           "contiguous_strides", "covers_once", "DEFAULT_WHOLE_MODULES", "DEFAULT_GROUP_BYTES"]
 
 # Module types whose forward reads their children's parameters directly.
 DEFAULT_WHOLE_MODULES: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
@@ -82,30 +83,66 @@ class ParamSlot:
     def numel(self) -> int:
         return int(self.shape.numel())
 
-    def view(self, flat: torch.Tensor) -> torch.Tensor:
-        """The parameter's view inside a flat buffer of its layer's rows."""
-        values = flat[self.offset : self.offset + self.numel]
+    def view(self, flat: torch.Tensor, offset: int | None = None) -> torch.Tensor:
+        """The parameter's view inside a flat buffer of its layer's rows (at
+        ``offset`` instead of its own)."""
+        start = self.offset if offset is None else offset
+        values = flat[start : start + self.numel]
         return values.view(self.shape) if self.stride is None else values.as_strided(self.shape, self.stride)
+
+    @property
+    def reordered(self) -> bool:
+        """Whether its rows hold it in another order than the contiguous one."""
+        return memory_order(self.shape, self.stride) != memory_order(self.shape, None)
 
     def laid_out_as(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` (a gradient) has the parameter's memory layout,
-        so that its memory is the parameter's rows as they are."""
-        return tensor.is_contiguous() if self.stride is None else tensor.stride() == self.stride
+        so that its memory is the parameter's rows as they are: the same
+        strides along every dimension of more than one element (those of the
+        others do not matter, as in torch's own layout checks)."""
+        if self.stride is None:
+            return tensor.is_contiguous()
+        return all(a == b for a, b, size in zip(tensor.stride(), self.stride, self.shape) if size != 1)
 
 
 def memory_strides(tensor: torch.Tensor) -> tuple[int, ...] | None:
-    """The strides of a tensor that covers its memory exactly once in an
-    order other than the contiguous one (``channels_last``, a transposed
-    weight); None for a contiguous one, and for one with gaps or overlaps,
-    whose table rows are laid out contiguously."""
-    if tensor.is_contiguous():
+    """The strides of a tensor that covers its memory exactly once with
+    other strides than the contiguous ones (``channels_last``, a transposed
+    weight, or a channels_last 1x1 or depthwise weight, whose order is the
+    contiguous one but whose strides along its dimensions of one element
+    differ, which torch reads as the memory format); None for a contiguous
+    one, and for one with gaps or overlaps, whose rows are laid out
+    contiguously."""
+    strides = tuple(tensor.stride())
+    if strides == contiguous_strides(tensor.shape) or not covers_once(tensor.shape, strides):
         return None
+    return strides
+
+
+def covers_once(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether a tensor of this shape and these strides covers its memory
+    span exactly once: contiguous in some order of its dimensions."""
     expected = 1
-    for stride, size in sorted((st, sz) for sz, st in zip(tensor.shape, tensor.stride()) if sz != 1):
+    for stride, size in sorted((st, sz) for sz, st in zip(shape, strides) if sz != 1):
         if stride != expected:
-            return None
+            return False
         expected *= size
-    return tuple(tensor.stride())
+    return True
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """A contiguous tensor's strides, as torch gives them (dimensions of no
+    element count as one)."""
+    return tuple(math.prod(max(size, 1) for size in shape[d + 1:]) for d in range(len(shape)))
+
+
+def memory_order(shape: Sequence[int], strides: Sequence[int] | None) -> tuple[int, ...]:
+    """The dimensions of more than one element from the outermost in memory
+    to the innermost (``strides`` None: contiguous, in index order): two
+    dense layouts of one shape hold the values in the same order exactly
+    when these agree."""
+    dims = [d for d, size in enumerate(shape) if size != 1]
+    return tuple(dims if strides is None else sorted(dims, key=lambda d: -strides[d]))
 
 
 @dataclasses.dataclass
@@ -190,7 +227,12 @@ class Layer:
         """Points every parameter at a NaN placeholder of its shape."""
         if not self._nan_views:
             nan = placeholder(self.device)
-            self._nan_views = [nan.expand(slot.shape) for slot in self.params]
+            # One in an order of its own points at a dense NaN buffer with
+            # its strides: autograd then lays its gradient out the same way.
+            largest = max((slot.numel for slot in self.params if slot.reordered), default=0)
+            dense = dense_placeholder(self.device, largest) if largest else nan
+            self._nan_views = [slot.view(dense, 0) if slot.reordered else nan.expand(slot.shape)
+                               for slot in self.params]
         self.bind(self._nan_views)
 
     def clear_grads(self) -> None:

@@ -12,7 +12,7 @@ import weakref
 
 import torch
 
-from mltuner.torch._buffers import storage_ptr
+from mltuner.torch._buffers import is_placeholder, storage_ptr
 from mltuner.torch._driver_state import DriverState
 from mltuner.torch._errors import UnsupportedModelError
 
@@ -75,7 +75,7 @@ class LossGuard(DriverState):
             guard.__exit__(None, None, None)
 
     def _guard_pack(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
-        if storage_ptr(tensor) == self._placeholder_ptr:
+        if is_placeholder(storage_ptr(tensor)):
             self._end_loss_guard()
             if self._guard_between:
                 raise UnsupportedModelError(

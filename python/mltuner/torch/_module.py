@@ -329,7 +329,8 @@ def _under_torch_compile() -> bool:
     return "torch._dynamo" in sys.modules and torch._C._dynamo.eval_frame.get_eval_frame_callback() not in (None, False)
 
 
-_TAKEN_OVER = ("step", "_step_supports_amp_scaling", "state_dict", "load_state_dict", "add_param_group")
+_TAKEN_OVER = ("step", "zero_grad", "_step_supports_amp_scaling", "state_dict", "load_state_dict",
+               "add_param_group")
 
 
 def _old_stand_in_group(group: Any) -> bool:
@@ -354,8 +355,9 @@ class ClockOptimizer(torch.optim.Optimizer):
     groups cannot be added.
 
     Until :meth:`PSModule.unwrap`, the original optimizer's own ``step()``
-    ends the clock too, and its ``state_dict()``, ``load_state_dict()`` and
-    ``add_param_group()`` are this object's (:meth:`take_over_source`).
+    ends the clock too, and its ``zero_grad()``, ``state_dict()``,
+    ``load_state_dict()`` and ``add_param_group()`` are this object's
+    (:meth:`take_over_source`).
 
     ``scaler.step(model.optimizer)`` of a ``torch.amp.GradScaler`` passed to
     ``wrap(..., grad_scaler=scaler)`` works as with a torch optimizer, after
@@ -505,8 +507,8 @@ class ClockOptimizer(torch.optim.Optimizer):
         ``step()`` ends the clock, so that a converted loop may keep calling
         it (its own step would run a torch update on the parameters the
         engine lent for the clock, or on nothing, beside the servers'), and
-        its ``state_dict()``, ``load_state_dict()`` and ``add_param_group()``
-        are this one's: torch's load would replace the param-group dicts
+        its ``zero_grad()``, ``state_dict()``, ``load_state_dict()`` and
+        ``add_param_group()`` are this one's: torch's load would replace the param-group dicts
         whose rates reach the servers, its add_param_group would add a group
         that no table holds, and its state_dict would leave out the servers'
         state without a word. Instance attributes, bound like methods, so
@@ -580,11 +582,14 @@ def _source_methods(me: weakref.ref[ClockOptimizer]) -> dict[str, Callable[..., 
     def add_param_group(optimizer: torch.optim.Optimizer, param_group: dict[str, Any]) -> None:
         clock_optimizer().add_param_group(param_group)
 
+    def zero_grad(optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        clock_optimizer().zero_grad(set_to_none)
+
     # What torch's LRScheduler puts on a step it wraps: a scheduler made
     # before wrap() then does not warn that step() was replaced (step()
     # marks _opt_called itself), and one made after leaves it as it is.
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    return {"step": step, "state_dict": state_dict, "load_state_dict": load_state_dict,
+    return {"step": step, "zero_grad": zero_grad, "state_dict": state_dict, "load_state_dict": load_state_dict,
             "add_param_group": add_param_group}
 
 
@@ -752,7 +757,7 @@ def _restorer(worker: Worker, saved: SavedModelState, resumed: list[Resumed],
 
     def restore() -> None:
         if saved.root is not None and worker.rank == 0:  # as Job.restore_checkpoint(root) does
-            _checkpoint.remove_temporaries(saved.root)
+            _checkpoint.remove_leftovers(saved.root)
         clock = checkpoints.restore_checkpoint(saved.path, sources=sources)
         resumed.append(Resumed(saved.path, clock, saved.user_state, {"state": {}, "param_groups": saved.groups}))
 
@@ -895,7 +900,7 @@ def wrap(
         optimizer: the training script's ``torch.optim.SGD``, ``Adam`` or
             ``AdamW`` over the module's trainable parameters (every one of
             them, in any param groups). Until :meth:`PSModule.unwrap` its
-            ``step()``, ``state_dict()``, ``load_state_dict()`` and
+            ``step()``, ``zero_grad()``, ``state_dict()``, ``load_state_dict()`` and
             ``add_param_group()`` are ``model.optimizer``'s (torch's never
             run: :meth:`ClockOptimizer.take_over_source`). A child module
             whose parameters are in several groups becomes several tables,

@@ -24,7 +24,7 @@ import torch
 from mltuner.client._layout import TensorLayout
 from mltuner.client._worker import Table, Worker
 from mltuner.exceptions import InternalError
-from mltuner.torch._layers import Layer
+from mltuner.torch._layers import Layer, contiguous_strides, covers_once, memory_order
 
 __all__ = ["GROUP_MAX_BYTES", "Event", "EventKind", "Slot", "Tables", "add_activations", "create_tables", "describe",
            "for_holding", "replay", "reuse_tables", "store_groups", "table_name"]
@@ -83,13 +83,7 @@ class Slot:
     @functools.cached_property
     def strides(self) -> tuple[int, ...]:
         """The forward's strides (contiguous ones when ``stride`` is empty)."""
-        if self.stride:
-            return self.stride
-        out, step = [], 1
-        for size in reversed(self.shape):
-            out.append(step)
-            step *= max(size, 1)
-        return tuple(reversed(out))
+        return self.stride or contiguous_strides(self.shape)
 
     @functools.cached_property
     def exact_layout(self) -> bool:
@@ -97,12 +91,7 @@ class Slot:
         tensor covers its memory span exactly once (contiguous in some order
         of its dimensions), so its bytes are kept in memory order. Others
         (expanded, or with gaps) come back contiguous."""
-        expected = 1
-        for step, size in sorted((st, sz) for sz, st in zip(self.shape, self.strides) if sz != 1):
-            if step != expected:
-                return False
-            expected *= size
-        return True
+        return covers_once(self.shape, self.strides)
 
 
 def describe(event: Event, layers: Sequence[Layer], slots: Sequence[Slot]) -> str:
@@ -169,11 +158,11 @@ class Tables(NamedTuple):
 
 def table_name(layer: Layer) -> str:
     """The name of the engine table of a layer's parameters. Where some
-    keep a memory format of their own (their rows in that order), a digest
-    of those formats follows: the shards refuse a worker whose tables
-    differ, so workers whose models differ in layout cannot mix their rows."""
-    strided = [(slot.name, slot.stride) for slot in layer.params if slot.stride is not None]
-    suffix = f" [memory format {zlib.crc32(repr(strided).encode()):08x}]" if strided else ""
+    are held in an order of their own (their memory format's), a digest of
+    those orders follows: the shards refuse a worker whose tables differ,
+    so workers whose models differ in layout cannot mix their rows."""
+    orders = [(slot.name, memory_order(slot.shape, slot.stride)) for slot in layer.params if slot.reordered]
+    suffix = f" [memory format {zlib.crc32(repr(orders).encode()):08x}]" if orders else ""
     return f"torch:{layer.name}{suffix}"
 
 

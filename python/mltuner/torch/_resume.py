@@ -39,7 +39,7 @@ from torch import nn
 from mltuner._validate import is_real
 from mltuner.exceptions import InvalidArgumentError, NotFoundError
 from mltuner.launch import _checkpoint
-from mltuner.torch._layers import Layer, memory_strides
+from mltuner.torch._layers import Layer, contiguous_strides, memory_order, memory_strides
 from mltuner.torch._optim import plain_setting
 from mltuner.torch._recording import table_name
 
@@ -150,17 +150,29 @@ def _memory_formats(module: nn.Module) -> dict[str, tuple[int, ...]]:
             and (strides := memory_strides(param)) is not None}
 
 
-def _order(shape: Sequence[int], strides: Sequence[int] | None) -> tuple[int, ...]:
-    """The dimensions of more than one element from the outermost in memory
-    to the innermost (contiguous: in index order)."""
-    dims = [d for d, size in enumerate(shape) if size != 1]
-    return tuple(dims if strides is None else sorted(dims, key=lambda d: -strides[d]))
+def _format_hint(shape: Sequence[int], saved: Sequence[int], recorded: bool) -> str:
+    """What to give the module to resume a parameter saved with strides
+    ``saved`` (``recorded``: the checkpoint records memory formats)."""
+    order = memory_order(shape, saved)
+    if order == memory_order(shape, None):
+        hint = "give the module that memory format, module.to(memory_format=torch.contiguous_format), before wrap()"
+    elif len(shape) in (4, 5) and order == memory_order(shape, _channels_last_strides(shape)):
+        name = "torch.channels_last" if len(shape) == 4 else "torch.channels_last_3d"
+        hint = f"give the module that memory format, module.to(memory_format={name}), before wrap()"
+    else:
+        hint = "give the parameter those strides (a tensor laid out so, e.g. a transposed one) before wrap()"
+    if not recorded:  # saved before checkpoints recorded formats: every parameter's rows were contiguous
+        hint += " (this checkpoint is from before mltuner kept memory formats: its parameters are all contiguous)"
+    return hint
 
 
-def _strides_text(shape: Sequence[int], strides: Sequence[int] | None) -> str:
-    if strides is None:  # contiguous
-        strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
-    return str(tuple(strides))
+def _channels_last_strides(shape: Sequence[int]) -> list[int]:
+    """The strides of a channels_last (3d) tensor of ``shape``: N outermost, then the spatial dims, C innermost."""
+    strides, step = [0] * len(shape), 1
+    for dim in reversed([0, *range(2, len(shape)), 1]):
+        strides[dim] = step
+        step *= max(shape[dim], 1)
+    return strides
 
 
 def _json_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -265,11 +277,11 @@ def read_saved(path: str | os.PathLike[str], module: nn.Module, optimizer: str |
     for name in sorted(set(trained) & set(here)):
         if trained[name] != here[name]:
             problems.append(f"{name!r} is {tuple(trained[name])} there, {tuple(here[name])} here")
-        elif _order(here[name], saved_strides.get(name)) != _order(here[name], here_strides.get(name)):
-            problems.append(f"{name!r} has its values in another memory order there (strides "
-                            f"{_strides_text(here[name], saved_strides.get(name))}, here "
-                            f"{_strides_text(here[name], here_strides.get(name))}): give the module the memory "
-                            "format it was saved with, e.g. module.to(memory_format=torch.channels_last)")
+        elif memory_order(here[name], saved_strides.get(name)) != memory_order(here[name], here_strides.get(name)):
+            saved = saved_strides.get(name) or contiguous_strides(here[name])
+            problems.append(f"{name!r} has its values in another memory order there (strides {tuple(saved)}, "
+                            f"here {here_strides.get(name) or contiguous_strides(here[name])}): "
+                            + _format_hint(here[name], saved, "strides" in index))
     mine = _local_entries(module)
     for name in sorted(set(mine) ^ set(local)):
         where = "the checkpoint" if name in local else "this module"

@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 import torch
 
 from mltuner.exceptions import OutOfOrderError
-from mltuner.torch._buffers import storage_ptr
+from mltuner.torch._buffers import is_placeholder, storage_ptr
 from mltuner.torch._driver_state import Phase, _ActRef
 from mltuner.torch._errors import IterationMismatchError, UnsupportedModelError
 from mltuner.torch._stored import StoredActivations
@@ -31,7 +31,7 @@ class SavedTensorHooks(StoredActivations):
         """For an error: which parameter a tensor pointing at the placeholder
         is, or may be (every unbound one of its size, a transposed view
         included; the placeholder is shared, so its address cannot tell)."""
-        unbound = [(name, p) for name, p in self.model.named_parameters() if storage_ptr(p) == self._placeholder_ptr]
+        unbound = [(name, p) for name, p in self.model.named_parameters() if is_placeholder(storage_ptr(p))]
         names = [name for name, p in unbound if p is tensor] or [
             name for name, p in unbound if p.numel() == tensor.numel()]
         if not names:
@@ -52,7 +52,7 @@ class SavedTensorHooks(StoredActivations):
                     "parameters; only float32 views are supported"
                 )
             return ParamRef(layer, tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset()))
-        if address == self._placeholder_ptr:
+        if is_placeholder(address):
             with self._mutating():
                 raise UnsupportedModelError(
                     f"a parameter ({self._placeholder_user(tensor)}) is used outside the forward of the module "

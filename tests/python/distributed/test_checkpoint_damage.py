@@ -242,10 +242,14 @@ def test_unreadable_metadata_and_a_fifo_are_refused_naming_the_file(checkpoint: 
     manifest.write_bytes(content[:20] + b"\xdd" + content[21:])  # not UTF-8
     assert_refused(checkpoint, r"cannot read .*manifest\.json")
     manifest.write_bytes(content)
-    values = checkpoint / "shard-0" / "table-0.values.npy"
-    values.unlink()
-    os.mkfifo(values)  # np.load's open would wait for a writer for good
-    assert_refused(checkpoint, r"table-0\.values\.npy cannot be read: it is not a regular file")
+    for fifo in ("shard-0/table-0.values.npy", "shard-0/meta.json"):  # an open would wait for a writer for good
+        path = checkpoint / fifo
+        saved = path.read_bytes()
+        path.unlink()
+        os.mkfifo(path)
+        assert_refused(checkpoint, re.escape(fifo) + " cannot be read: it is not a regular file")
+        path.unlink()
+        path.write_bytes(saved)
 
 
 def test_a_full_disk_names_the_file_and_the_job_saves_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,9 +5,11 @@ interrupted save left behind is removed at the next save and at a restore,
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -214,6 +216,101 @@ def test_a_second_job_saving_into_a_root_another_job_writes_is_refused(tmp_path:
         add_clocks(third.worker, update, 1, 1.0)
         assert third.save_checkpoint(tmp_path).name == "clock-00000003"
     assert listing(tmp_path) == ["clock-00000002", "clock-00000003", "latest", "own"]
+
+
+def test_a_restore_leaves_the_half_written_save_of_a_job_writing_there_alone(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    import mltuner.torch as mt
+
+    with single_job() as writer:
+        _, update = prepare(writer.worker)
+        writer.worker.start_iterations()
+        add_clocks(writer.worker, update, 1, 1.0)
+        writer.save_checkpoint(tmp_path)
+        in_progress = tmp_path / ".clock-00000002.0123abcd.tmp"  # the writer's next save, half written
+        (in_progress / "shard-0").mkdir(parents=True)
+        with single_job() as reader:
+            prepare(reader.worker)
+            reader.restore_checkpoint(tmp_path)
+        assert in_progress.is_dir()
+        with mltuner.Job() as reader:  # the PyTorch adapter's resume reads the index first
+            with pytest.raises(mltuner.NotFoundError, match="holds no PyTorch model state"):
+                mt.wrap(torch.nn.Linear(3, 3), reader.worker, example_input=torch.zeros(1, 3), resume_from=tmp_path)
+        assert in_progress.is_dir()
+    with single_job() as reader:  # the writer closed: now it is a leftover
+        prepare(reader.worker)
+        reader.restore_checkpoint(tmp_path)
+    assert not in_progress.exists()
+
+
+def test_a_rank_that_fails_its_part_of_a_save_fails_the_save_on_every_rank(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bad attachments on rank 0, or a write error on rank 1: every rank
+    raises at once, saying which rank and why (no rank waits at a barrier),
+    and the job saves on afterwards."""
+    disk_full = threading.Event()
+    original = Path.mkdir
+
+    def mkdir(path: Path, *args: Any, **kwargs: Any) -> None:
+        if disk_full.is_set() and path.name == "shard-1":
+            raise OSError(28, "No space left on device")
+        original(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    jobs = start_pair()
+    try:
+        def save_badly(job: mltuner.Job) -> list[str]:
+            _, update = prepare(job.worker)
+            job.worker.start_iterations()
+            add_clocks(job.worker, update, 1, 1.0)
+            errors = []
+            start = time.monotonic()
+            with pytest.raises(mltuner.InvalidArgumentError) as bad:
+                job.save_checkpoint(tmp_path, attachments={"../x": b""} if job.rank == 0 else None)
+            errors.append(str(bad.value))
+            if job.rank == 1:
+                disk_full.set()
+            with pytest.raises(OSError) as full:
+                job.save_checkpoint(tmp_path)
+            errors.append(str(full.value))
+            assert time.monotonic() - start < 5  # no wait for a rank that gave up
+            job.barrier("both-failed")
+            disk_full.clear()
+            add_clocks(job.worker, update, 1, 1.0)
+            job.save_checkpoint(tmp_path)
+            return errors
+
+        first, second = on_both(jobs, save_badly)
+    finally:
+        close(jobs)
+    assert "attachment name '../x'" in first[0] and "failed on rank 0" in second[0]  # type: ignore[index]
+    assert "No space left" in first[1] and "save_checkpoint failed on rank 1" in first[1]  # type: ignore[index]
+    assert "No space left" in second[1]  # type: ignore[index]
+    assert listing(tmp_path) == ["clock-00000002", "latest"]
+
+
+def test_a_process_forked_from_the_writer_does_not_keep_its_root(tmp_path: Path) -> None:
+    with single_job() as writer:
+        _, update = prepare(writer.worker)
+        writer.worker.start_iterations()
+        add_clocks(writer.worker, update, 1, 1.0)
+        writer.save_checkpoint(tmp_path)
+        reader, child_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # a data loader worker, say, that outlives the job
+            os.close(reader)
+            time.sleep(3)
+            os._exit(0)
+        os.close(child_end)
+    try:
+        with single_job() as next_job:
+            _, update = prepare(next_job.worker)
+            next_job.worker.start_iterations()
+            add_clocks(next_job.worker, update, 1, 1.0)
+            assert next_job.save_checkpoint(tmp_path).name == "clock-00000001"
+    finally:
+        os.waitpid(pid, 0)
+        os.close(reader)
 
 
 def test_attachments_travel_with_the_checkpoint_and_a_branch_is_refused(tmp_path: Path) -> None:

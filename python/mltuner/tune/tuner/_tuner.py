@@ -318,6 +318,9 @@ class Tuner:
         self._studies: list[str] = []
         self._trials = 0
         self._accuracies: list[float] = []
+        # Validations the plateau rules do not read: those after the best
+        # model a collapse went back to (made by the setting that collapsed).
+        self._set_aside: set[int] = set()
         self._last_search_epoch = 0  # validations done when the last search started
         self._best: _Frozen | None = None
         self._exclusions: list[dict[str, Any]] = []
@@ -430,11 +433,11 @@ class Tuner:
         if (config.time_budget_s is not None
                 and self._seconds + self._search_seconds >= config.time_budget_s):
             self._finish(Outcome.TIME_BUDGET, stretch)
-        if plateaued(self._accuracies, config.plateau_size_for_convergence):
+        if plateaued(self._plateau_history(), config.plateau_size_for_convergence):
             self._finish(Outcome.CONVERGED, stretch)
         if config.max_epochs is not None and epochs >= config.max_epochs:
             self._finish(Outcome.MAX_EPOCHS, stretch)
-        plateau = plateaued(self._accuracies, config.plateau_size_for_retune)
+        plateau = plateaued(self._plateau_history(), config.plateau_size_for_retune)
         periodic = (config.retune_every_epochs is not None
                     and epochs - self._last_search_epoch >= config.retune_every_epochs)
         # The initial search saw no progress from the untrained model (a
@@ -926,6 +929,10 @@ class Tuner:
         self._note("freeze", branch=branch, tunables=stretch.tunables, accuracy=accuracy,
                    source=stretch.branch, epoch=len(self._accuracies))
 
+    def _plateau_history(self) -> list[float]:
+        """The validations the plateau rules read (``_set_aside``)."""
+        return [a for number, a in enumerate(self._accuracies) if number not in self._set_aside]
+
     def _rollback(self, stretch: _Stretch, reason: str, *, exclude: bool = True,
                   **details: Any) -> _Stretch:
         """Goes back to the best-validated model (or, before any validation,
@@ -986,10 +993,11 @@ class Tuner:
             tunables = backoff
         # A plateau of the model gone back to is judged on the validations up
         # to its own: those after it, of the setting that then collapsed
-        # (two lower ones and the collapse), would read as one.
-        history = self._accuracies[:best.epoch] if exclude and best is not None else self._accuracies
+        # (two lower ones and the collapse), would read as one, now and later.
+        if exclude and not to_parent and best is not None:
+            self._set_aside.update(range(best.epoch, len(self._accuracies)))
         if self._excluded(tunables) or (
-                not to_parent and plateaued(history, config.plateau_size_for_retune)):
+                not to_parent and plateaued(self._plateau_history(), config.plateau_size_for_retune)):
             if best is None:
                 self._end(Outcome.NO_PROGRESS, target, tunables)
             assert best is not None

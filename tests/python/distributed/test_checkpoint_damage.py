@@ -21,7 +21,8 @@ import pytest
 import mltuner
 from mltuner.launch import _checkpoint
 
-from test_checkpoint_files import add_clocks, listing, on_both, prepare, single_job  # type: ignore[import-not-found]
+from test_checkpoint_files import (add_clocks, listing, on_both, prepare, single_job,  # type: ignore[import-not-found]
+                                   trained)
 from test_wire_security import close, start_pair  # type: ignore[import-not-found]
 
 ROWS, WIDTH = 10, 3  # prepare()'s table "t"
@@ -253,11 +254,7 @@ def test_unreadable_metadata_and_a_fifo_are_refused_naming_the_file(checkpoint: 
 
 
 def test_a_full_disk_names_the_file_and_the_job_saves_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    with single_job() as job:
-        _, update = prepare(job.worker)
-        job.worker.start_iterations()
-        add_clocks(job.worker, update, 1, 1.0)
-
+    with trained() as (job, update):
         def short_write(*args: object, **kwargs: object) -> None:
             raise OSError("32000 requested and 25568 written")  # numpy's message, without errno or file
 

@@ -5,9 +5,11 @@ interrupted save left behind is removed at the next save and at a restore,
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,16 @@ def add_clocks(worker: mltuner.Worker, update: int, clocks: int, value: float) -
         worker.pre_update(update)[:] = value
         worker.update(update)
         worker.clock()
+
+
+@contextlib.contextmanager
+def trained(clocks: int = 1) -> Iterator[tuple[mltuner.Job, int]]:
+    """A one-worker job of table "t" after ``clocks`` clocks adding 1, and its update handle."""
+    with single_job() as job:
+        _, update = prepare(job.worker)
+        job.worker.start_iterations()
+        add_clocks(job.worker, update, clocks, 1.0)
+        yield job, update
 
 
 def on_both(jobs: list[mltuner.Job], body) -> list[object]:  # type: ignore[no-untyped-def]
@@ -197,16 +209,11 @@ def test_a_second_job_saving_into_a_root_another_job_writes_is_refused(tmp_path:
     """Two runs pointed at one root would replace each other's checkpoints
     (or, saving at once, mix their files): the second is refused at its
     first save, naming the holder; once the first closes the root is free."""
-    with single_job() as first, single_job() as second:
-        updates = {}
-        for job in (first, second):
-            _, updates[job] = prepare(job.worker)
-            job.worker.start_iterations()
-            add_clocks(job.worker, updates[job], 1, 1.0)
+    with trained() as (first, first_update), trained() as (second, _):
         first.save_checkpoint(tmp_path)
         with pytest.raises(mltuner.InvalidArgumentError, match=r"another job saves checkpoints into .* \(pid \d+ on "):
             second.save_checkpoint(tmp_path)
-        add_clocks(first.worker, updates[first], 1, 1.0)
+        add_clocks(first.worker, first_update, 1, 1.0)
         assert first.save_checkpoint(tmp_path).name == "clock-00000002"
         assert second.save_checkpoint(tmp_path / "own").name == "clock-00000001"
     with single_job() as third:
@@ -222,10 +229,7 @@ def test_a_restore_leaves_the_half_written_save_of_a_job_writing_there_alone(tmp
     torch = pytest.importorskip("torch")
     import mltuner.torch as mt
 
-    with single_job() as writer:
-        _, update = prepare(writer.worker)
-        writer.worker.start_iterations()
-        add_clocks(writer.worker, update, 1, 1.0)
+    with trained() as (writer, _):
         writer.save_checkpoint(tmp_path)
         in_progress = tmp_path / ".clock-00000002.0123abcd.tmp"  # the writer's next save, half written
         (in_progress / "shard-0").mkdir(parents=True)
@@ -290,10 +294,7 @@ def test_a_rank_that_fails_its_part_of_a_save_fails_the_save_on_every_rank(
 
 
 def test_a_process_forked_from_the_writer_does_not_keep_its_root(tmp_path: Path) -> None:
-    with single_job() as writer:
-        _, update = prepare(writer.worker)
-        writer.worker.start_iterations()
-        add_clocks(writer.worker, update, 1, 1.0)
+    with trained() as (writer, _):
         writer.save_checkpoint(tmp_path)
         reader, child_end = os.pipe()
         pid = os.fork()
@@ -303,10 +304,7 @@ def test_a_process_forked_from_the_writer_does_not_keep_its_root(tmp_path: Path)
             os._exit(0)
         os.close(child_end)
     try:
-        with single_job() as next_job:
-            _, update = prepare(next_job.worker)
-            next_job.worker.start_iterations()
-            add_clocks(next_job.worker, update, 1, 1.0)
+        with trained() as (next_job, _):
             assert next_job.save_checkpoint(tmp_path).name == "clock-00000001"
     finally:
         os.waitpid(pid, 0)

@@ -83,8 +83,8 @@ def shard_range(num_rows: int, shard: int, num_shards: int) -> tuple[int, int]:
     return shard * base + min(shard, extra), base + (1 if shard < extra else 0)
 
 
-def save(node: _core.ProcessNode, worker: Worker, root: Path, barrier: Callable[[str], None],
-         allgather: Callable[[str, Any], list[Any]], locks: RootLocks, *, keep: int, first_clock: int = 0,
+def save(node: _core.ProcessNode, worker: Worker, root: Path, allgather: Callable[[str, Any], list[Any]],
+         locks: RootLocks, *, keep: int, first_clock: int = 0,
          attachments: Mapping[str, bytes] | None = None) -> Path:
     """Saves this shard's part; ``first_clock`` is the clock training
     resumed from (the engine's own clocks restart at 0 after a restore).
@@ -154,7 +154,8 @@ def save(node: _core.ProcessNode, worker: Worker, root: Path, barrier: Callable[
 
     _together(allgather, f"checkpoint-{name}-written", write_shard, lambda: None)
     final = root / name
-    if node.rank == 0:
+
+    def publish() -> None:
         manifest = {
             "format": FORMAT, "version": VERSION, "clock": clock, "num_shards": int(node.num_workers),
             "tables": [{"id": t.id, "name": t.name, "num_rows": t.num_rows, "row_width": t.row_width}
@@ -179,7 +180,8 @@ def save(node: _core.ProcessNode, worker: Worker, root: Path, barrier: Callable[
         if aside.exists():
             _remove(aside)
         _keep_newest(root, keep, clock)
-    barrier(f"checkpoint-{name}-done")
+
+    _together(allgather, f"checkpoint-{name}-done", publish if node.rank == 0 else None, lambda: None)
     return final
 
 

@@ -356,7 +356,7 @@ class Job:
         """
         keep = integer("save_checkpoint: keep", keep, 1, 10**6)
         self._check_open("save_checkpoint")
-        return _checkpoint.save(self._node, self.worker, Path(root), self.barrier, self.allgather, self._root_locks,
+        return _checkpoint.save(self._node, self.worker, Path(root), self.allgather, self._root_locks,
                                 keep=keep, first_clock=self._first_clock, attachments=attachments)
 
     def restore_checkpoint(self, path: str | os.PathLike[str], *, sources: _checkpoint.Sources | None = None) -> int:

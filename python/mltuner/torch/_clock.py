@@ -320,7 +320,7 @@ class ClockDriver(Planning, ServerValues, SavedTensorHooks):
         names = ", ".join(repr(m) for m in missing)
         if self._at_step and not self._updated and all(
                 grad is None for layer in self.layers for grad in layer.grads()):
-            # The clock is intact: the loop may run its backward pass again.
+            # The clock is intact: the loop may run a forward and backward pass again.
             raise OutOfOrderError(
                 f"step() of clock {self.clock} found no gradients although its backward pass ran: zero_grad() "
                 "between backward() and step() dropped them (torch's step() would then do nothing; the clock's "

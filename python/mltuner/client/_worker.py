@@ -42,6 +42,8 @@ class Checkpoints(Protocol):
     def restore_checkpoint(self, path: str | os.PathLike[str], *,
                            sources: Mapping[str, Sequence[tuple[int, str, int, int]]] | None = None) -> int: ...
 
+    def allgather(self, name: str, value: Any, timeout_s: float | None = None) -> list[Any]: ...
+
 
 @dataclasses.dataclass(frozen=True)
 class Table:

@@ -22,10 +22,12 @@ when a job restores from the root, and keeps exactly the newest ``keep``
 checkpoints. Clocks in names and manifests count from the start of training,
 across restores. Every array file's CRC-32 (seeded with the rows it holds,
 so that a shard's rows cannot be placed elsewhere) is in its shard's
-meta.json, every attachment's in the manifest; every rank of a restore
-checks every file before any rank loads anything (so the ranks refuse a
-damaged checkpoint together), and a file that differs is refused by name
-(checkpoints written before the checksums restore unchecked). Restoring re-splits rows and state over however many shards
+meta.json, every attachment's in the manifest; before any rank loads
+anything, each rank of a restore checks its share of the files and the
+ranks agree on the verdict (an allgather), so all refuse a damaged
+checkpoint together, having read it once between them; a file that differs
+is refused by name (checkpoints written before the checksums restore
+unchecked). Restoring re-splits rows and state over however many shards
 the new job has, and ends with a barrier, so every read after it, on any
 rank, sees restored values. Files are plain .npy arrays read without pickle.
 
@@ -301,7 +303,8 @@ def _remove(path: Path) -> None:
 
 
 def restore(node: _core.ProcessNode, worker: Worker, path: Path, rule_kind: str,
-            barrier: Callable[[str], None], sources: Sources | None = None) -> int:
+            barrier: Callable[[str], None], agree: Callable[[str, Any], list[Any]],
+            sources: Sources | None = None) -> int:
     if worker.iterations_started:
         # The worker may hold clock-0 reads of the old values already, and
         # its clocks would not restart: the loaded values would mix with them.
@@ -313,7 +316,7 @@ def restore(node: _core.ProcessNode, worker: Worker, path: Path, rule_kind: str,
     directory = resolve(path)
     if node.rank == 0 and (path / LATEST).is_file():
         remove_leftovers(path)
-    manifest, metas = _check_checkpoint(directory, worker, sources)
+    manifest, metas = _check_checkpoint(directory, worker, sources, agree=agree)
     saved = _saved_tables(manifest)
     for table in _communicated(worker):
         first, count = shard_range(table.num_rows, int(node.rank), int(node.num_workers))
@@ -359,13 +362,15 @@ def resolve(path: Path) -> Path:
 
 
 def check_tables(directory: Path, worker: Worker, sources: Sources | None = None, *,
-                 mismatch_hint: str = "") -> dict[str, Any]:
+                 mismatch_hint: str = "", agree: Callable[[str, Any], list[Any]] | None = None) -> dict[str, Any]:
     """The manifest of the checkpoint ``directory``, once it is known to
     hold exactly ``worker``'s communicated tables (or, with ``sources``, the
     saved tables their pieces name) and every file a restore reads is sound,
     its checksum too (InvalidArgumentError naming the file and the fault
-    otherwise; where the tables differ, followed by ``mismatch_hint``)."""
-    return _check_checkpoint(directory, worker, sources, mismatch_hint)[0]
+    otherwise; where the tables differ, followed by ``mismatch_hint``).
+    ``agree``: the job's allgather, with which every rank checks its share
+    of the checksums (every rank must call this then)."""
+    return _check_checkpoint(directory, worker, sources, mismatch_hint, agree)[0]
 
 
 class _Entry(NamedTuple):
@@ -384,15 +389,24 @@ def _saved_tables(manifest: dict[str, Any]) -> dict[str, Table]:
 
 
 def _check_checkpoint(directory: Path, worker: Worker, sources: Sources | None = None,
-                      mismatch_hint: str = "") -> tuple[dict[str, Any], list[dict[int, _Entry]]]:
+                      mismatch_hint: str = "", agree: Callable[[str, Any], list[Any]] | None = None,
+                      ) -> tuple[dict[str, Any], list[dict[int, _Entry]]]:
     """The manifest and every shard's entries (saved table id -> _Entry),
-    once every file a restore reads is known to be sound (its checksum
-    too) and to fit ``worker``: all of it is checked before a restore
-    changes anything. Every rank checks every shard's files, not only those
-    it reads: the ranks of a job then refuse a damaged checkpoint together."""
+    once every file a restore reads is known to be sound, its checksum
+    too (:func:`_verify_share`, with ``agree``), and to fit ``worker``: all
+    of it is checked before a restore changes anything."""
     manifest = _read_manifest(directory)
-    if sources is not None:
-        return manifest, _check_sources(directory, manifest, worker, sources)
+    metas, checksummed = (_check_sources(directory, manifest, worker, sources) if sources is not None
+                          else _check_same_tables(directory, manifest, worker, mismatch_hint))
+    _verify_share(directory, checksummed, worker, agree)
+    return manifest, metas
+
+
+def _check_same_tables(directory: Path, manifest: dict[str, Any], worker: Worker,
+                       mismatch_hint: str) -> tuple[list[dict[int, _Entry]], list[_Checksummed]]:
+    """Every shard's entries, and the files to check against their
+    checksums, once the checkpoint holds exactly ``worker``'s communicated
+    tables in files of the sizes they should have."""
     saved = {entry["id"]: entry for entry in manifest["tables"]}
     mine = _communicated(worker)
     problems = []
@@ -409,27 +423,27 @@ def _check_checkpoint(directory: Path, worker: Worker, sources: Sources | None =
         raise InvalidArgumentError(f"checkpoint {directory} does not match this job's tables: " + "; ".join(problems)
                                    + mismatch_hint)
     metas = [_read_meta(directory, shard, mine) for shard in range(manifest["num_shards"])]
-    for table in mine:
-        _check_saved_table(directory, metas, table, worker.update_rule_of(table), table.name)
-    return manifest, metas
+    return metas, [file for table in mine
+                   for file in _check_saved_table(directory, metas, table, worker.update_rule_of(table), table.name)]
 
 
 def _check_saved_table(directory: Path, metas: list[dict[int, _Entry]], saved: Table, rule: UpdateRule | None,
-                       into: str) -> None:
+                       into: str) -> list[_Checksummed]:
     """A saved table's shard files are sound and hold the optimizer state
-    ``rule`` (the rule of the job's table ``into``) keeps."""
+    ``rule`` (the rule of the job's table ``into``) keeps; returns those to
+    check against their checksums."""
     _check_shards(directory, saved, [meta[saved.id] for meta in metas])
     if rule is not None and metas[0][saved.id][2] != rule.state_arrays:
         raise InvalidArgumentError(
             f"checkpoint {directory} does not fit this job's update rules: table {saved.name!r} has "
             f"{metas[0][saved.id][2]} arrays of optimizer state per value there, and the rule of "
             f"{into!r} ({rule.kind}) keeps {rule.state_arrays} here")
-    for shard, meta in enumerate(metas):
-        _check_arrays(directory / f"shard-{shard}", saved, meta[saved.id])
+    return [file for shard, meta in enumerate(metas)
+            for file in _check_arrays(directory / f"shard-{shard}", saved, meta[saved.id])]
 
 
 def _check_sources(directory: Path, manifest: dict[str, Any], worker: Worker,
-                   sources: Sources) -> list[dict[int, _Entry]]:
+                   sources: Sources) -> tuple[list[dict[int, _Entry]], list[_Checksummed]]:
     """restore(sources=): every piece lies inside its saved table and the
     job's table, the saved tables it names are sound and keep the optimizer
     state of the rule of each table they go into, and the pieces of a table
@@ -462,15 +476,15 @@ def _check_sources(directory: Path, manifest: dict[str, Any], worker: Worker,
         raise InvalidArgumentError(f"checkpoint {directory} does not match this job's tables: " + "; ".join(problems))
     tables = [saved[name] for name in dict.fromkeys(name for name, _, _ in uses)]
     metas = [_read_meta(directory, shard, tables) for shard in range(manifest["num_shards"])]
-    for name, into, rule in dict.fromkeys(uses):  # every (saved table, job's table) pair: their rules may differ
-        _check_saved_table(directory, metas, saved[name], rule, into)
+    checksummed = [file for name, into, rule in dict.fromkeys(uses)  # every (saved table, job's table) pair:
+                   for file in _check_saved_table(directory, metas, saved[name], rule, into)]  # their rules may differ
     for table in _communicated(worker):
         names = dict.fromkeys(name for _, name, _, _ in sources[table.name])
         steps = {name: _scalars(directory, metas, saved[name]).tolist() for name in names}
         if len({tuple(values) for values in steps.values()}) > 1:
             raise InvalidArgumentError(f"checkpoint {directory}: table {table.name!r} would join tables whose "
                                        f"optimizer step counts differ ({steps})")
-    return metas
+    return metas, checksummed
 
 
 def _field(path: Path, record: Mapping[str, Any], key: str, kind: type, least: int = 0) -> Any:
@@ -548,10 +562,15 @@ def _check_shards(directory: Path, table: Table, entries: list[_Entry]) -> None:
                                    f"{table.name!r} are saved by no shard")
 
 
-def _check_arrays(shard_dir: Path, table: Table, entry: _Entry) -> None:
-    """A shard's two files of a table: readable .npy arrays of the sizes and
-    the CRC-32s its meta.json gives."""
+# A file to check against its checksum: (path, table name, first row, rows, the CRC-32 meta.json gives).
+_Checksummed = tuple[str, str, int, int, int]
+
+
+def _check_arrays(shard_dir: Path, table: Table, entry: _Entry) -> list[_Checksummed]:
+    """A shard's two files of a table: readable .npy arrays of the sizes its
+    meta.json gives; returns those it gives a CRC-32 for (_verify_share)."""
     first, rows, state_arrays, checksums = entry
+    checksummed = []
     for kind, least in (("values", rows * table.row_width), ("state", state_arrays * rows * table.row_width)):
         path = shard_dir / f"table-{table.id}.{kind}.npy"
         if path.exists() and not path.is_file():  # (a FIFO would block np.load's open for good)
@@ -566,21 +585,48 @@ def _check_arrays(shard_dir: Path, table: Table, entry: _Entry) -> None:
         if kind == "state" and (array.dtype != np.float32 or array.ndim != 1 or array.size < least):
             raise InvalidArgumentError(f"checkpoint file {path} holds a {array.dtype} array of shape {array.shape}, "
                                        f"a row of at least {least} float32 expected")
-        expected = checksums.get(kind)
-        if expected is None:
-            continue
-        status = path.stat()
-        seen = (str(path), status.st_size, status.st_mtime_ns, expected, first, rows)
-        if time.monotonic() - _VERIFIED.get(seen, -math.inf) < _VERIFIED_FOR_S:
-            continue  # checked a moment ago, unchanged since (wrap(resume_from=) checks, then restores)
-        if (actual := _crc32(array, first, rows)) != expected:
-            raise InvalidArgumentError(
-                f"checkpoint file {path} (table {table.name!r}, rows [{first}, {first + rows})) is damaged: its "
-                f"CRC-32 is {actual:#010x}, its meta.json says {expected:#010x}; restore from another checkpoint "
-                "(save_checkpoint's keep= keeps older ones)")
-        if len(_VERIFIED) > 100_000:
-            _VERIFIED.clear()
-        _VERIFIED[seen] = time.monotonic()
+        if kind in checksums:
+            checksummed.append((str(path), table.name, first, rows, checksums[kind]))
+    return checksummed
+
+
+def _verify_share(directory: Path, files: list[_Checksummed], worker: Worker,
+                  agree: Callable[[str, Any], list[Any]] | None) -> None:
+    """Checks ``files`` against their checksums before a restore loads
+    anything. With ``agree`` (the job's allgather) each rank checks its
+    share of them and the ranks agree on the verdict, so all refuse a
+    damaged checkpoint together, having read it once between them; without,
+    this rank checks them all."""
+    files = sorted(set(files))
+    mine = files[worker.rank::worker.num_workers] if agree is not None else files
+    problem = None
+    for file in mine:
+        try:
+            _verify(*file)
+        except InvalidArgumentError as error:
+            problem = str(error)
+            break
+    if agree is not None:
+        problem = next((verdict for verdict in agree(f"checkpoint-{directory.name}-checked", problem) if verdict),
+                       None)
+    if problem is not None:
+        raise InvalidArgumentError(problem)
+
+
+def _verify(name: str, table: str, first: int, rows: int, expected: int) -> None:
+    path = Path(name)
+    status = path.stat()
+    seen = (name, status.st_size, status.st_mtime_ns, expected, first, rows)
+    if time.monotonic() - _VERIFIED.get(seen, -math.inf) < _VERIFIED_FOR_S:
+        return  # checked a moment ago, unchanged since (wrap(resume_from=) checks, then restores)
+    if (actual := _crc32(np.load(path, mmap_mode="r", allow_pickle=False), first, rows)) != expected:
+        raise InvalidArgumentError(
+            f"checkpoint file {path} (table {table!r}, rows [{first}, {first + rows})) is damaged: its CRC-32 is "
+            f"{actual:#010x}, its meta.json says {expected:#010x}; restore from another checkpoint "
+            "(save_checkpoint's keep= keeps older ones)")
+    if len(_VERIFIED) > 100_000:
+        _VERIFIED.clear()
+    _VERIFIED[seen] = time.monotonic()
 
 
 def _gather_slice(directory: Path, metas: list[dict[int, _Entry]], table: Table, first: int,

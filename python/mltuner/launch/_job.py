@@ -377,7 +377,7 @@ class Job:
         """
         self._check_open("restore_checkpoint")
         self._first_clock = _checkpoint.restore(self._node, self.worker, Path(path), self.config.update_rule.kind,
-                                                self.barrier, sources)
+                                                self.barrier, self.allgather, sources)
         return self._first_clock
 
     def close(self, *, graceful: bool = True) -> None:

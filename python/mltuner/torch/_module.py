@@ -1110,7 +1110,8 @@ def wrap(
                         "the layers it was saved with, under the same device-memory budget, batch per worker and "
                         "group_bytes)")
                     # Before the plan is committed.
-                    _checkpoint.check_tables(saved.path, worker, sources, mismatch_hint=earlier)
+                    _checkpoint.check_tables(saved.path, worker, sources, mismatch_hint=earlier,
+                                             agree=worker.checkpoints.allgather if worker.checkpoints else None)
                 driver.commit_plan(restore)
             except BaseException:
                 driver.abandon()

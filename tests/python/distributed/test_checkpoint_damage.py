@@ -7,8 +7,10 @@ starts."""
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import threading
 import re
 import shutil
 from collections.abc import Callable
@@ -173,7 +175,7 @@ def test_rows_moved_between_shards_are_refused_and_checksummed_shards_restore(ch
     # Each shard's files are sound, but meta.json now places them at each other's rows.
     edit_json(checkpoint / "shard-0" / "meta.json", lambda meta: meta["tables"]["0"].update(first_row=5))
     edit_json(checkpoint / "shard-1" / "meta.json", lambda meta: meta["tables"]["0"].update(first_row=0))
-    assert_refused(checkpoint, r"shard-\d/table-0\.values\.npy \(table 't', rows \[\d, \d+\)\) is damaged")
+    assert_refused(checkpoint, r"shard-\d/table-0\.(values|state)\.npy \(table 't', rows \[\d, \d+\)\) is damaged")
 
 
 def test_a_changed_attachment_is_refused_when_read(tmp_path: Path) -> None:
@@ -204,10 +206,19 @@ def test_a_save_to_a_file_or_under_one_is_refused_before_it_starts(tmp_path: Pat
         assert job.save_checkpoint(tmp_path / "root").name == "clock-00000001"  # the job saves on
 
 
-def test_every_rank_refuses_a_file_only_another_rank_reads(tmp_path: Path) -> None:
+def test_every_rank_refuses_a_file_only_another_rank_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Shard 1's file damaged: rank 0, which reads only shard 0's rows,
     refuses too, before either rank loads anything (the ranks of a restore
-    agree, and may go on to another checkpoint together)."""
+    agree, and may go on to another checkpoint together). Each rank checked
+    its share of the files: the checkpoint was read once between them."""
+    checked: list[tuple[int, str]] = []
+    crc32 = _checkpoint._crc32
+
+    def counted(array: np.ndarray, first: int, rows: int) -> int:
+        checked.append((threading.get_ident(), getattr(array, "filename", "")))
+        return crc32(array, first, rows)
+
+    monkeypatch.setattr(_checkpoint, "_crc32", counted)
     jobs = start_pair()
     try:
         def train_and_save(job: mltuner.Job) -> None:
@@ -235,6 +246,9 @@ def test_every_rank_refuses_a_file_only_another_rank_reads(tmp_path: Path) -> No
             np.testing.assert_array_equal(values, np.full((ROWS, WIDTH), 4.0, dtype=np.float32))
     finally:
         close(jobs)
+    damaged = [(thread, name) for thread, name in checked if "clock-00000003" in str(name)]
+    by_thread = collections.Counter(thread for thread, _ in damaged)
+    assert sorted(by_thread.values()) == [2, 2] and len({name for _, name in damaged}) == 4
 
 
 def test_unreadable_metadata_and_a_fifo_are_refused_naming_the_file(checkpoint: Path) -> None:

@@ -60,8 +60,8 @@ from mltuner.client._worker import Table, Worker
 from mltuner.exceptions import ArgumentTypeError, InvalidArgumentError, MltunerError, NotFoundError, OutOfOrderError
 from mltuner.launch._root_lock import RootLocks, held_elsewhere
 
-__all__ = ["Piece", "Sources", "save", "restore", "shard_range", "resolve", "read_attachment", "check_tables",
-           "remove_leftovers"]
+__all__ = ["Piece", "Sources", "save", "restore", "shard_range", "resolve", "resolve_together", "read_attachment",
+           "check_tables", "remove_leftovers"]
 
 FORMAT = "mltuner-checkpoint"
 VERSION = 1
@@ -188,7 +188,7 @@ def save(node: _core.ProcessNode, worker: Worker, root: Path, allgather: Callabl
 
 
 def _together(allgather: Callable[[str, Any], list[Any]], name: str, step: Callable[[], None] | None,
-              result: Callable[[], Any]) -> list[Any]:
+              result: Callable[[], Any], what: str = "save_checkpoint") -> list[Any]:
     """Runs ``step`` (where given) on this rank, then an allgather of each
     rank's outcome: every rank's ``result()``, by rank, when every step
     succeeded. A step's exception is raised on its own rank; the other ranks
@@ -207,7 +207,7 @@ def _together(allgather: Callable[[str, Any], list[Any]], name: str, step: Calla
         raise failure
     for rank, other in enumerate(outcomes):
         if "error" in other:
-            text = f"save_checkpoint failed on rank {rank}: {other['error']}"
+            text = f"{what} failed on rank {rank}: {other['error']}"
             raise OSError(text) if other["os"] else InvalidArgumentError(text)
     return [other["ok"] for other in outcomes]
 
@@ -236,14 +236,14 @@ def read_attachment(path: str | os.PathLike[str], name: str) -> bytes | None:
     """
     check_attachments({name: b""})
     directory = resolve(Path(path))
+    expected = _read_manifest(directory).get("attachments_crc32", {}).get(name)
     try:
         content = _read_regular(directory / ATTACHMENTS / name)
     except FileNotFoundError:
+        if expected is not None:
+            raise InvalidArgumentError(f"checkpoint file {directory / ATTACHMENTS / name} is missing: the manifest "
+                                       "lists it") from None
         return None
-    manifest_path = directory / "manifest.json"
-    manifest = _read_json(manifest_path)
-    checksums = _field(manifest_path, manifest, "attachments_crc32", dict) if "attachments_crc32" in manifest else {}
-    expected = _field(manifest_path, checksums, name, int) if name in checksums else None
     if expected is not None and zlib.crc32(content) != expected:
         raise InvalidArgumentError(f"checkpoint file {directory / ATTACHMENTS / name} is damaged: its CRC-32 is "
                                    f"{zlib.crc32(content):#010x}, the manifest says {expected:#010x}")
@@ -313,7 +313,7 @@ def restore(node: _core.ProcessNode, worker: Worker, path: Path, rule_kind: str,
             "start_iterations. mltuner.torch.wrap() runs both: a PyTorch model resumes from a checkpoint with "
             "wrap(..., resume_from=path)"
         )
-    directory = resolve(path)
+    directory = resolve_together(path, int(node.rank), agree)
     if node.rank == 0 and (path / LATEST).is_file():
         remove_leftovers(path)
     manifest, metas = _check_checkpoint(directory, worker, sources, agree=agree)
@@ -337,6 +337,23 @@ def restore(node: _core.ProcessNode, worker: Worker, path: Path, rule_kind: str,
 
 def _communicated(worker: Worker) -> list[Table]:
     return [t for t in worker.tables if not t.local]
+
+
+def resolve_together(path: Path, rank: int, agree: Callable[[str, Any], list[Any]] | None) -> Path:
+    """:func:`resolve` on rank 0, its answer on every rank (``agree``: the
+    job's allgather; every rank calls this): resolved on each rank, a root
+    another job writes into could name different checkpoints to different
+    ranks."""
+    if agree is None:
+        return resolve(path)
+    found = ""
+
+    def on_rank_0() -> None:
+        nonlocal found
+        found = str(resolve(path))
+
+    return Path(_together(agree, f"checkpoint-resolve-{path.name}", on_rank_0 if rank == 0 else None, lambda: found,
+                          what="resolving the checkpoint")[0])
 
 
 def resolve(path: Path) -> Path:
@@ -398,6 +415,8 @@ def _check_checkpoint(directory: Path, worker: Worker, sources: Sources | None =
     manifest = _read_manifest(directory)
     metas, checksummed = (_check_sources(directory, manifest, worker, sources) if sources is not None
                           else _check_same_tables(directory, manifest, worker, mismatch_hint))
+    checksummed += [(str(directory / ATTACHMENTS / name), f"attachment {name}", -1, 0, expected)
+                    for name, expected in manifest.get("attachments_crc32", {}).items()]
     _verify_share(directory, checksummed, worker, agree)
     return manifest, metas
 
@@ -518,6 +537,11 @@ def _read_manifest(directory: Path) -> dict[str, Any]:
         _field(path, table, "row_width", int, least=1)
     if len(ids) != len(manifest["tables"]):
         raise InvalidArgumentError(f"checkpoint file {path}: two tables have the same id")
+    if "attachments_crc32" in manifest:
+        checksums = _field(path, manifest, "attachments_crc32", dict)
+        for name in checksums:
+            check_attachments({name: b""})
+            _field(path, checksums, name, int)
     return manifest
 
 
@@ -562,7 +586,8 @@ def _check_shards(directory: Path, table: Table, entries: list[_Entry]) -> None:
                                    f"{table.name!r} are saved by no shard")
 
 
-# A file to check against its checksum: (path, table name, first row, rows, the CRC-32 meta.json gives).
+# A file to check against its checksum: (path, table name, first row, rows, the CRC-32 meta.json gives);
+# an attachment: (path, "attachment NAME", -1, 0, the CRC-32 the manifest gives).
 _Checksummed = tuple[str, str, int, int, int]
 
 
@@ -613,17 +638,27 @@ def _verify_share(directory: Path, files: list[_Checksummed], worker: Worker,
         raise InvalidArgumentError(problem)
 
 
-def _verify(name: str, table: str, first: int, rows: int, expected: int) -> None:
+def _verify(name: str, what: str, first: int, rows: int, expected: int) -> None:
+    """Checks one file against its checksum: an array file's values seeded
+    with its rows, or (``first`` < 0) an attachment's bytes."""
     path = Path(name)
-    status = path.stat()
+    try:
+        status = path.stat()
+    except FileNotFoundError:
+        raise InvalidArgumentError(f"checkpoint file {path} ({what}) is missing") from None
     seen = (name, status.st_size, status.st_mtime_ns, expected, first, rows)
     if time.monotonic() - _VERIFIED.get(seen, -math.inf) < _VERIFIED_FOR_S:
         return  # checked a moment ago, unchanged since (wrap(resume_from=) checks, then restores)
-    if (actual := _crc32(np.load(path, mmap_mode="r", allow_pickle=False), first, rows)) != expected:
+    if first < 0:
+        actual = zlib.crc32(_read_regular(path))
+        where, by = f"({what})", "the manifest"
+    else:
+        actual = _crc32(np.load(path, mmap_mode="r", allow_pickle=False), first, rows)
+        where, by = f"(table {what!r}, rows [{first}, {first + rows}))", "its meta.json"
+    if actual != expected:
         raise InvalidArgumentError(
-            f"checkpoint file {path} (table {table!r}, rows [{first}, {first + rows})) is damaged: its CRC-32 is "
-            f"{actual:#010x}, its meta.json says {expected:#010x}; restore from another checkpoint "
-            "(save_checkpoint's keep= keeps older ones)")
+            f"checkpoint file {path} {where} is damaged: its CRC-32 is {actual:#010x}, {by} says "
+            f"{expected:#010x}; restore from another checkpoint (save_checkpoint's keep= keeps older ones)")
     if len(_VERIFIED) > 100_000:
         _VERIFIED.clear()
     _VERIFIED[seen] = time.monotonic()

@@ -741,7 +741,8 @@ def _saved_state(path: str | os.PathLike[str], module: nn.Module, worker: Worker
     if not isinstance(module, nn.Module):
         raise TypeError(f"expected a torch.nn.Module, got {type(module).__name__}")
     saved = read_saved(path, module, type(optimizer).__name__ if optimizer is not None else None,
-                       len(optimizer.param_groups) if optimizer is not None else 1)
+                       len(optimizer.param_groups) if optimizer is not None else 1,
+                       rank=worker.rank, agree=worker.checkpoints.allgather)
     if optimizer is not None:
         set_group_settings(optimizer.param_groups, saved.groups)
     return saved

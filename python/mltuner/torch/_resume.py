@@ -29,7 +29,7 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -232,19 +232,21 @@ def attachments(module: nn.Module, layers: list[Layer], groups: list[dict[str, A
 
 
 def read_saved(path: str | os.PathLike[str], module: nn.Module, optimizer: str | None,
-               num_groups: int) -> SavedModelState:
+               num_groups: int, *, rank: int = 0,
+               agree: Callable[[str, Any], list[Any]] | None = None) -> SavedModelState:
     """The model state a checkpoint holds outside the tables, checked
     against ``module`` (the same trainable parameters, buffers, frozen
     parameters and extra state, with the same shapes and dtypes), the
     optimizer's class name (None: the Config's rule) and the number of
-    param groups.
+    param groups. A root names its newest checkpoint as rank 0 finds it
+    (``agree``: the job's allgather, every rank calling this).
 
     Raises:
         mltuner.NotFoundError: no complete checkpoint at ``path``.
         mltuner.InvalidArgumentError: it was not saved by a wrapped model's
             ``save_checkpoint``, or saved from another model or optimizer.
     """
-    directory = _checkpoint.resolve(Path(path))
+    directory = _checkpoint.resolve_together(Path(path), rank, agree)
     raw_index = _checkpoint.read_attachment(directory, INDEX)
     if raw_index is None:
         raise NotFoundError(f"{directory} holds no PyTorch model state: it was saved by Job.save_checkpoint, not by "
@@ -256,6 +258,8 @@ def read_saved(path: str | os.PathLike[str], module: nn.Module, optimizer: str |
         tensors = _checkpoint.read_attachment(directory, TENSORS) or b""
         local = dict(_decode(index["local"], tensors))
         groups = _checked_groups(index["groups"])
+    except InvalidArgumentError:
+        raise  # one that names its file already (a damaged torch-local.bin)
     except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as error:  # RuntimeError: torch's view
         raise InvalidArgumentError(f"{directory / 'attachments' / INDEX} cannot be read: {error}") from None
     problems = []

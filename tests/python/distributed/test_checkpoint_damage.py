@@ -304,3 +304,39 @@ def test_a_latest_tmp_directory_and_a_read_only_store_do_not_stop_the_job(
     clock, values = restored(root)
     assert clock == 2 and "could not give" in caplog.text
     np.testing.assert_array_equal(values, np.full((ROWS, WIDTH), 2.0, dtype=np.float32))
+
+
+def test_a_restore_checks_the_attachments_the_manifest_lists(tmp_path: Path) -> None:
+    with trained() as (job, _):
+        path = Path(job.save_checkpoint(tmp_path, attachments={"epoch.json": b'{"epoch": 3}'}))
+    attachment = path / "attachments" / "epoch.json"
+    attachment.write_bytes(b'{"epoch": 4}')
+    assert_refused(path, r"epoch\.json \(attachment epoch\.json\) is damaged: its CRC-32 is 0x[0-9a-f]{8}, the "
+                         "manifest says")
+    attachment.unlink()  # read_attachment would take it for "no attachment": the manifest lists it
+    assert_refused(path, r"epoch\.json \(attachment epoch\.json\) is missing")
+    with pytest.raises(mltuner.InvalidArgumentError, match="missing: the manifest lists it"):
+        mltuner.read_attachment(path, "epoch.json")
+
+
+def test_the_ranks_restore_the_checkpoint_rank_0_finds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A root another job writes into may name different checkpoints to
+    different ranks as its latest moves: every rank takes rank 0's."""
+    with trained(2) as (job, update):
+        job.save_checkpoint(tmp_path)
+        add_clocks(job.worker, update, 2, 1.0)
+        job.save_checkpoint(tmp_path)
+    ranks: dict[int, int] = {}
+    resolve = _checkpoint.resolve
+    monkeypatch.setattr(_checkpoint, "resolve", lambda path: (
+        path / "clock-00000004" if ranks.get(threading.get_ident()) == 1 else resolve(path / "clock-00000002")))
+    jobs = start_pair()
+    try:
+        def restore(job: mltuner.Job) -> int:
+            ranks[threading.get_ident()] = job.rank
+            prepare(job.worker)
+            return job.restore_checkpoint(tmp_path)
+
+        assert on_both(jobs, restore) == [2, 2]
+    finally:
+        close(jobs)

@@ -156,7 +156,8 @@ def _format_hint(shape: Sequence[int], saved: Sequence[int], recorded: bool) -> 
     order = memory_order(shape, saved)
     if order == memory_order(shape, None):
         hint = "give the module that memory format, module.to(memory_format=torch.contiguous_format), before wrap()"
-    elif len(shape) in (4, 5) and order == memory_order(shape, _channels_last_strides(shape)):
+    elif len(shape) in (4, 5) and order == tuple(d for d in (0, *range(2, len(shape)), 1) if shape[d] != 1):
+        # channels_last (3d): N outermost, then the spatial dimensions, C innermost
         name = "torch.channels_last" if len(shape) == 4 else "torch.channels_last_3d"
         hint = f"give the module that memory format, module.to(memory_format={name}), before wrap()"
     else:
@@ -164,15 +165,6 @@ def _format_hint(shape: Sequence[int], saved: Sequence[int], recorded: bool) -> 
     if not recorded:  # saved before checkpoints recorded formats: every parameter's rows were contiguous
         hint += " (this checkpoint is from before mltuner kept memory formats: its parameters are all contiguous)"
     return hint
-
-
-def _channels_last_strides(shape: Sequence[int]) -> list[int]:
-    """The strides of a channels_last (3d) tensor of ``shape``: N outermost, then the spatial dims, C innermost."""
-    strides, step = [0] * len(shape), 1
-    for dim in reversed([0, *range(2, len(shape)), 1]):
-        strides[dim] = step
-        step *= max(shape[dim], 1)
-    return strides
 
 
 def _json_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:

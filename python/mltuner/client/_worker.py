@@ -184,6 +184,7 @@ class Worker:
         self._trained_branch: int | None = None  # a tuning session's final branch (trained_branch)
         self._trained_tunables: dict[str, Any] | None = None  # the setting it trained with
         self._trained_listeners: list[weakref.WeakMethod[Callable[[], None]]] = []
+        self._branch_listeners: list[weakref.WeakMethod[Callable[[int, int | None], None]]] = []
         self._session_checks: list[weakref.WeakMethod[Callable[[frozenset[str]], None]]] = []
         # The settings a tuning session running on this worker sets on its
         # branches ("lr", "momentum"), which the application must not change.
@@ -704,10 +705,19 @@ class Worker:
             boolean("fork_branch: training", training),
             -1 if slack is None else integer("fork_branch: slack", slack, 0, INT32_MAX),
             boolean("fork_branch: keep_rate_ratios", keep_rate_ratios))
+        _call_live(self._branch_listeners, child, parent)
 
     def free_branch(self, branch: int) -> None:
         """Releases a branch on every shard (every worker, same clock boundary)."""
         self._engine.free_branch(integer("free_branch: branch", branch, 0, INT32_MAX))
+        _call_live(self._branch_listeners, branch, None)
+
+    def add_branch_listener(self, callback: Callable[[int, int | None], None]) -> None:
+        """Calls ``callback(child, parent)`` (a bound method, held weakly)
+        after each :meth:`fork_branch`, and ``callback(branch, None)`` after
+        each :meth:`free_branch`: ``mltuner.torch`` gives each branch the
+        GradScaler state of its parent at the fork."""
+        self._branch_listeners.append(weakref.WeakMethod(callback))
 
     def schedule_branch(self, branch: int, clocks: int) -> None:
         """Runs the next ``clocks`` clocks on ``branch``. Each branch counts its

@@ -198,6 +198,8 @@ class ClockDriver(Planning, ServerValues, SavedTensorHooks):
                 self._acts.read_buffers(self.clock)
             if self.clock_start is not None and not self._recording:
                 self.clock_start()  # may raise: nothing of the clock has reached the engine
+            if self.grad_scale is not None and not self._recording:
+                self.grad_scale.begin_clock()
             if self._stale_grads:  # stale gradients of an aborted backward must not accumulate
                 for layer in self.layers:
                     layer.clear_grads()

@@ -43,6 +43,10 @@ class GradScale(Protocol):
         """The address of :attr:`overflow` for the engine's copy of the
         clock's updates, or 0 where it is not this clock's."""
 
+    def begin_clock(self) -> None:
+        """Before a training clock touches the engine: the scaler takes the
+        state of the clock's branch."""
+
 
 class _ActRef(NamedTuple):
     """What autograd keeps of a saved activation: stored in the local table,

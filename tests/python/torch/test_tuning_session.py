@@ -5,6 +5,7 @@ training clock, is refused with that reason and leaves the model usable."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -333,3 +334,63 @@ def test_a_clock_no_branch_will_run_is_refused_before_it_starts() -> None:
                                 num_validation=len(X_VAL), config=TunerConfig(max_epochs=1, seed=0))
         with pytest.raises(mltuner.OutOfOrderError, match="2 clocks are still scheduled .*, the next on branch 0"):
             next(iter(session))
+
+
+def test_each_branch_keeps_its_own_grad_scaler_state() -> None:
+    """A branch starts from its parent's scale at the fork and keeps its own:
+    a diverging trial backing the scale off leaves the others' alone (it
+    backed it off for every branch after it). The reference is plain
+    PyTorch with a model, optimizer and scaler per branch, each a copy of
+    its parent's at the fork (SGD without momentum: an overflowing clock's
+    zero update is then the skipped step)."""
+    batches = [(X_TRAIN[i * 32:(i + 1) * 32], Y_TRAIN[i * 32:(i + 1) * 32]) for i in range(12)]
+    # (branch, clocks, diverging) runs and ("fork", child, parent) / ("free", branch) events
+    plan: list[tuple[Any, ...]] = [(0, 2, False), ("fork", 1, 0), ("fork", 2, 0), (1, 3, True), (2, 2, False),
+                                   (0, 1, True), ("fork", 3, 1), ("free", 1), (3, 1, False), (2, 1, False),
+                                   (0, 1, False)]
+
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 3))
+
+    def clock(model: Any, optimizer: Any, scaler: torch.amp.GradScaler, batch: int,
+              diverging: bool) -> tuple[float, float]:
+        optimizer.zero_grad()
+        x, y = batches[batch]
+        loss = nn.functional.cross_entropy(model(x), y) * (1e38 if diverging else 1.0)  # inf once scaled
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        return loss.item(), scaler.get_scale()
+
+    plain_net = net()
+    plain_optimizer = torch.optim.SGD(plain_net.parameters(), lr=0.1)
+    plain = {0: (plain_net, plain_optimizer, torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2))}
+    want, got, batch = [], [], 0
+    for step in plan:
+        if step[0] == "fork":
+            plain[step[1]] = copy.deepcopy(plain[step[2]])
+        elif step[0] == "free":
+            del plain[step[1]]
+        else:
+            for _ in range(step[1]):
+                want.append(clock(*plain[step[0]], batch % len(batches), step[2]))
+                batch += 1
+    with mltuner.Job(mltuner.Config(branches=True)) as job:
+        module = net()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+        model = mt.wrap(module, job.worker, example_input=X_TRAIN[:32], grad_scaler=scaler,
+                        optimizer=torch.optim.SGD(module.parameters(), lr=0.1))
+        batch = 0
+        for step in plan:
+            if step[0] == "fork":
+                job.worker.fork_branch(step[1], step[2])
+            elif step[0] == "free":
+                job.worker.free_branch(step[1])
+            else:
+                job.worker.schedule_branch(step[0], step[1])
+                for _ in range(step[1]):
+                    got.append(clock(model, model.optimizer, scaler, batch % len(batches), step[2]))
+                    batch += 1
+    assert [scale for _, scale in got] == [scale for _, scale in want]
+    assert [loss for loss, _ in got] == pytest.approx([loss for loss, _ in want], rel=1e-5)

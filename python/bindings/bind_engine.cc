@@ -160,6 +160,7 @@ void RegisterEngine(py::module_& m) {
       .def("set_learning_rate",
            [](Engine& e, TableId table, float learning_rate) { Check(e.SetLearningRate(table, learning_rate)); },
            py::arg("table"), py::arg("learning_rate"), Keep())
+      .def("skip_step", [](Engine& e) { Check(e.SkipStep()); }, Keep())
       .def("tables", &Engine::tables, Keep())
       .def("virtual_read",
            [](Engine& e, TableId table, const RowArray& rows, int slack) {

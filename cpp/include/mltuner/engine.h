@@ -243,6 +243,15 @@ class Engine {
   // the same point of the same clock (a shard fails the clock otherwise).
   Status SetLearningRate(TableId table, float learning_rate);
 
+  // Makes the current clock a skipped step on the servers (a mixed-precision
+  // scaler found an inf or NaN gradient, where torch skips optimizer.step()):
+  // its updates carry kSkipStep, and a shard that gets one from any worker
+  // applies no rule to any table for that clock, so values and optimizer
+  // state (momentum, Adam's moments and step count) stay as they were; the
+  // clock still advances. Only while no update of the clock has been
+  // posted (OutOfOrder otherwise: some may have left without the mark).
+  Status SkipStep();
+
   // The servers' current values of `rows` (any phase), into out (rows x
   // width), from `branch` (-1: the branch of the last finished clock).
   Status Fetch(TableId table, const std::vector<RowId>& rows, float* out, BranchId branch = -1);

@@ -705,6 +705,28 @@ Status Engine::Impl::SetLearningRate(TableId table, float learning_rate) {
   return Status::Ok();
 }
 
+Status Engine::Impl::SkipStep() {
+  const Phase phase = state_.phase.load();
+  if (phase == Phase::kShutdown) return ShutdownError();
+  if (phase != Phase::kRunning) return Status::OutOfOrder("skip_step before start_iterations: no clock is running");
+  const std::vector<RecordedOp>& ops = plan_.recording.ops;
+  const auto first_update = std::find_if(ops.begin(), ops.end(), [](const RecordedOp& op) {
+    return op.kind == OpKind::kUpdate;
+  });
+  const int64_t num_ops = static_cast<int64_t>(ops.size());
+  MutexLock lock(&state_.mu);
+  if (!state_.background_error.ok()) return state_.background_error;
+  const mltuner::Clock current = state_.app_seq / num_ops;
+  if (state_.app_seq % num_ops > first_update - ops.begin()) {
+    return Status::OutOfOrder("skip_step in clock " + std::to_string(current) +
+                              " after some of its updates were posted: call it before the clock's first update");
+  }
+  state_.skipped_steps.erase(state_.skipped_steps.begin(),
+                             state_.skipped_steps.lower_bound(state_.reclaimed_seq / num_ops));
+  state_.skipped_steps.insert(current);
+  return Status::Ok();
+}
+
 int64_t Engine::Impl::FirstUpdateOp(TableId table) const {
   const std::vector<RecordedOp>& ops = plan_.recording.ops;
   for (size_t i = 0; i < ops.size(); ++i) {
@@ -921,6 +943,8 @@ Status Engine::CreateTable(const std::string& name, int64_t num_rows, int64_t ro
 Status Engine::SetLearningRate(TableId table, float learning_rate) {
   return impl_->SetLearningRate(table, learning_rate);
 }
+
+Status Engine::SkipStep() { return impl_->SkipStep(); }
 
 Status Engine::FindTable(const std::string& name, TableInfo* out) const {
   for (const TableInfo& table : impl_->plan_.tables) {

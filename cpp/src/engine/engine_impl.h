@@ -38,6 +38,7 @@ class Engine::Impl {
   Status CreateTable(const std::string& name, int64_t num_rows, int64_t row_width, bool local,
                      TableId* out, const std::optional<UpdateRuleConfig>& update_rule);
   Status SetLearningRate(TableId table, float learning_rate);
+  Status SkipStep();
   Status LookupTable(TableId table, const TableInfo** out) const;
   Status PreviewPlan(PlanPreview* out);
   Status ResetVirtualIteration();

@@ -379,6 +379,7 @@ Status Reclaimer::NewUpdateMessage(TableId table, int shard, mltuner::Clock cloc
         branch_rates->second[table].rate = *rate;  // what the branch's next forks start from
       }
     }
+    if (state_->skipped_steps.count(clock) != 0) message.header.flags |= kSkipStep;
   }
   message.header.branch = at.branch;
   message.header.clock = at.internal;

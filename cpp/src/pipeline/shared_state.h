@@ -24,6 +24,7 @@
 #include <chrono>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -104,6 +105,9 @@ class SharedState {
   // whose updates carry it -> rate). Entries of clocks the reclaimer has
   // passed are dropped at the next SetLearningRate.
   std::map<TableId, std::map<mltuner::Clock, float>> new_rates GUARDED_BY(mu);
+  // Application clocks whose updates carry kSkipStep (Engine::SkipStep);
+  // entries the reclaimer has passed are dropped at the next SkipStep.
+  std::set<mltuner::Clock> skipped_steps GUARDED_BY(mu);
 
   // --- the cache's data age and pending requests ------------------------------
   mutable Mutex age_mu;

@@ -385,6 +385,7 @@ Status ServerShard::HandleClockUpdate(const Message& in, std::vector<Message>* o
   if ((in.header.flags & kNewLearningRate) != 0 && part == 0 && clock > table.clock.global()) {
     table.new_rates[clock][sender] = in.header.learning_rate;
   }
+  if ((in.header.flags & kSkipStep) != 0 && clock > table.clock.global()) table.skipped_steps.insert(clock);
   if (table.clock.DeclaredEmpty(sender, clock)) return DropDeclaredEmpty(&table, in);
   if (check_finite_ && table.training && in.num_values() > 0) MLT_RETURN_IF_ERROR(CheckFinite(table, in));
   if (in.num_values() > 0) {
@@ -762,6 +763,12 @@ Status ServerShard::ApplyPart(TableState* table, Clock finished, int part) {
   }
   if (part == 0) MLT_RETURN_IF_ERROR(TakeNewLearningRate(table, finished));
   if (!table->training) return Status::Ok();  // evaluation and testing branches never change
+  if (table->skipped_steps.count(finished) != 0) {
+    // A skipped step: nothing changes. The updates' buffers go back to their
+    // pools once the server stream is past what queued their rows.
+    if (part + 1 == table->clock.parts()) table->skipped_steps.erase(finished);
+    return ReleaseUnapplied(updates);
+  }
   // Sum in worker order 0..N-1, whatever order the updates arrived in, so
   // the float result is the same on every run. Workers that sent nothing
   // have no buffer and add nothing.
@@ -778,6 +785,15 @@ Status ServerShard::ApplyPart(TableState* table, Clock finished, int part) {
   const int64_t offset = table->offset_of(part);
   table->rule->ApplyPart(table->data() + offset, sum->data, offset, count, num_workers_, part == 0, Stream::kServer);
   // The buffers go back to their pools once the server stream has read them.
+  DeviceEvent done;
+  MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kServer, &done));
+  for (std::shared_ptr<DeviceBuffer>& update : updates) {
+    if (update) update->last_use = done;
+  }
+  return Status::Ok();
+}
+
+Status ServerShard::ReleaseUnapplied(std::vector<std::shared_ptr<DeviceBuffer>>& updates) {
   DeviceEvent done;
   MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kServer, &done));
   for (std::shared_ptr<DeviceBuffer>& update : updates) {

@@ -171,6 +171,9 @@ class ServerShard {
     // Learning rates the workers' clock updates carried (kNewLearningRate),
     // by clock and worker, until the clock is applied.
     std::map<Clock, std::map<WorkerId, float>> new_rates;
+    // Clocks some worker's update marked a skipped step (kSkipStep), until
+    // the clock's last part is applied (by none of them).
+    std::set<Clock> skipped_steps;
     std::shared_ptr<Loans> loans = std::make_shared<Loans>();
     // Set by a fork that kept rate ratios (common/rate_ratios.h): the rate
     // over the fastest's, and the rate that gave.
@@ -226,6 +229,9 @@ class ServerShard {
   // Applies the rule to part `part` of clock `finished`, whose every update
   // has just arrived (or been declared empty).
   Status ApplyPart(TableState* table, Clock finished, int part);
+  // Gives a skipped step's updates back to their pools once the server
+  // stream has done what it queued on them.
+  Status ReleaseUnapplied(std::vector<std::shared_ptr<DeviceBuffer>>& updates);
   // Applies and pushes the parts the table's global position passed since
   // position `before` (VectorClock::global_position).
   Status FinishParts(TableState* table, int64_t before, std::vector<Message>* out);

@@ -54,6 +54,9 @@ Status CheckHeaderIdentity(const MessageHeader& h) {
   }
   if (h.row_width < 0) return Status::CorruptMessage(Describe("negative row_width", h.row_width));
   if ((h.flags & ~kKnownMessageFlags) != 0) return Status::CorruptMessage(Describe("unknown flags", h.flags));
+  if ((h.flags & kSkipStep) != 0 && static_cast<MessageType>(h.type) != MessageType::kClockUpdate) {
+    return Status::CorruptMessage("a skipped step on a message that is not a clock update");
+  }
   if ((h.flags & kNewLearningRate) != 0) {
     if (static_cast<MessageType>(h.type) != MessageType::kClockUpdate) {
       return Status::CorruptMessage("a learning rate on a message that is not a clock update");
@@ -203,6 +206,7 @@ std::string Message::DebugString() const {
       << " spans=" << spans.size() << " rows=" << total_rows() << " width=" << header.row_width
       << " bytes=" << num_values() * sizeof(float);
   if ((header.flags & kNewLearningRate) != 0) out << " new_lr=" << header.learning_rate;
+  if ((header.flags & kSkipStep) != 0) out << " skip_step";
   // Only kError's text is words; kReady and kFork carry fixed structs.
   if (!text.empty() && type() == MessageType::kError) out << " text=\"" << text << "\"";
   if (!text.empty() && type() != MessageType::kError) out << " text_bytes=" << text.size();

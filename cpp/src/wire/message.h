@@ -78,8 +78,13 @@ enum MessageFlags : uint32_t {
   // header.learning_rate. Every worker must send the same rate with the
   // same clock (the shard checks).
   kNewLearningRate = 1u << 0,
+  // A kClockUpdate of a clock its sender skips (a mixed-precision scaler's
+  // overflow, where torch skips optimizer.step()): the shard applies no
+  // rule to any table for that clock if any worker's update says so; the
+  // clock still advances and its rows are pushed.
+  kSkipStep = 1u << 1,
 };
-constexpr uint32_t kKnownMessageFlags = kNewLearningRate;
+constexpr uint32_t kKnownMessageFlags = kNewLearningRate | kSkipStep;
 
 #pragma pack(push, 1)
 struct MessageHeader {

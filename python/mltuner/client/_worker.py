@@ -293,6 +293,17 @@ class Worker:
         rate = real(f"set_learning_rate({table.name!r})", learning_rate, 0, MAX_LEARNING_RATE)
         self._engine.set_learning_rate(table_id, rate)
 
+    def skip_step(self) -> None:
+        """Makes the current clock a skipped step on the servers, as torch
+        skips ``optimizer.step()`` when a mixed-precision scaler finds an inf
+        or NaN gradient: the clock's updates carry the mark, and a server
+        that gets it from any worker applies no rule to any table for that
+        clock, so values and optimizer state (momentum, Adam's moments and
+        step count) stay as they were; the clock still ends as usual. Call
+        it before the clock's first update (``OutOfOrderError`` after: some
+        may have left unmarked)."""
+        self._engine.skip_step()
+
     @property
     def tables(self) -> list[Table]:
         """This worker's tables, in creation order."""

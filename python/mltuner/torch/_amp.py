@@ -6,9 +6,10 @@ skips the step when one is inf or NaN. Where the updates ship at step()
 (every shard in this process, ``wrap(overlap_updates=False)``), the same
 happens here: the gradients sit in ``.grad`` until step(), where the scaler
 checks them for infs itself, and ``scaler.step(model.optimizer)`` unscales
-every layer's gradients at once and, if one is not finite, every update is
-zeros (a step() of the loop's own, not through the scaler, unscales nothing,
-as torch's optimizer would not); after
+every layer's gradients at once and, if one is not finite, the servers
+skip the clock's step (``Worker.skip_step``: values and optimizer state
+unchanged; its updates are zeros too). A step() of the loop's own, not
+through the scaler, unscales nothing, as torch's optimizer would not; after
 ``scaler.unscale_(model.optimizer)`` (torch's recipe for clipping under
 AMP), torch has unscaled them in place, and step() only takes its overflow
 (:meth:`ScaledGradients.scaler_step`). Where each layer's update
@@ -182,15 +183,21 @@ class ScaledGradients:
         overflow (``found_inf``), which is taken instead. Shipping from the
         backward pass, each layer was unscaled before it left, and unscale_
         saw only stand-ins."""
+        filtered = False
         if not unscaled:
-            self._driver.filter_gradients(self.unscale)
+            filtered = self._driver.filter_gradients(self.unscale)
         elif isinstance(found_inf, torch.Tensor):  # else no gradient: step() says what is missing
 
             def take_overflow(grads: list[torch.Tensor]) -> None:
                 self._start_clock()
                 self.overflow.copy_(found_inf.reshape(-1)[:1])
 
-            self._driver.filter_gradients(take_overflow)
+            filtered = self._driver.filter_gradients(take_overflow)
+        # Nothing of the clock has left yet: an overflow skips the step on the
+        # servers, as torch skips optimizer.step() (reading the flag waits
+        # for the GPU once a clock, as GradScaler.step does).
+        if filtered and self._clock == self._driver.clock and self.overflow.item() != 0:
+            self._driver.worker.skip_step()
 
     def direct_step(self) -> None:
         """A step() of the loop's own, not ``scaler.step()``: shipping at

@@ -362,7 +362,8 @@ class ClockOptimizer(torch.optim.Optimizer):
     ``scaler.step(model.optimizer)`` of a ``torch.amp.GradScaler`` passed to
     ``wrap(..., grad_scaler=scaler)`` works as with a torch optimizer, after
     ``scaler.unscale_(model.optimizer)`` too, except that the clock ends even
-    when the gradients overflowed, with a zero update (mltuner/torch/_amp.py).
+    when the gradients overflowed: the servers skip the step where the
+    updates ship at step(), else the update is zero (mltuner/torch/_amp.py).
     """
 
     # GradScaler.step calls step() itself, overflow or not: the clock must end.
@@ -895,8 +896,9 @@ def wrap(
             loop (``scaler.scale(loss).backward(); scaler.step(optimizer);
             scaler.update()`` with ``optimizer = model.optimizer``): the
             gradients are unscaled before they leave, and an inf or NaN
-            zeroes the clock's update as torch skips the step (shipping from
-            the backward pass, per layer: from the first inf or NaN on).
+            skips the step on the servers as torch does (shipping from the
+            backward pass it zeroes the updates instead, per layer: from the
+            first inf or NaN on).
             bfloat16 autocast needs no scaler.
         optimizer: the training script's ``torch.optim.SGD``, ``Adam`` or
             ``AdamW`` over the module's trainable parameters (every one of

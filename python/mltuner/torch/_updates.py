@@ -255,19 +255,20 @@ class GradientUpdates(EngineOps, ClockChecks):
         finally:
             self._defer = before
 
-    def filter_gradients(self, grad_filter: Callable[[list[torch.Tensor]], None]) -> None:
+    def filter_gradients(self, grad_filter: Callable[[list[torch.Tensor]], None]) -> bool:
         """Shipping at step(): applies ``grad_filter`` once per clock to
-        every layer's gradients together, before step() hands them over: the
-        scaler's unscaling in ``scaler.step()``, so that an overflow anywhere
-        zeroes every update, as torch's GradScaler skips the step."""
+        every layer's gradients together, before step() hands them over (the
+        scaler's unscaling in ``scaler.step()``, whose overflow then skips
+        the step). Returns whether it did: no update of the clock has left."""
         if not self._at_step or self._phase is not Phase.BACKWARD:
-            return
+            return False
         if self._filtered == self._serial:
-            return
+            return False
         grads = [grad for layer in self.layers for grad in layer.grads() if grad is not None]
         with torch.no_grad():
             grad_filter(grads)
         self._filtered = self._serial
+        return True
 
     def _ship_updates(self) -> bool:
         """The light clock's updates at step() (_clock.py's docstring): every

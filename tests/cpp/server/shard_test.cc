@@ -11,6 +11,7 @@
 #include <cmath>
 #include <deque>
 #include <limits>
+#include <map>
 #include <memory>
 #include <random>
 #include <thread>
@@ -798,6 +799,47 @@ TEST(NewLearningRateTakesEffectAtItsClock) {
       ASSERT_OK(DeliverClock(shards, &rng, clock, &sum));
     }
     reference.Step(sum, kWorkers);
+  }
+  const std::vector<float> got = Gather(shards);
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], reference.values()[i], 1e-5);
+}
+
+// A clock that any worker's updates mark kSkipStep (a mixed-precision
+// overflow) changes neither values nor optimizer state, Adam's step count
+// included: the result is the reference rule stepped on the other clocks.
+// The clock still finishes and its rows are pushed.
+TEST(ASkippedStepLeavesValuesAndOptimizerStateAsTheyWere) {
+  TableInfo info = Table();
+  UpdateRuleConfig adam = Rule(UpdateRuleKind::kAdam);
+  adam.weight_decay = 0.01f;
+  info.update_rule = adam;
+  auto shards = MakeShards(UpdateRuleKind::kAdd, info);
+  std::mt19937 rng(64);
+  const std::vector<float> initial = RandomValues(&rng, kRows * kWidth);
+  InitialiseAndStart(shards, initial);
+  mltuner::testing::ReferenceRule reference(adam, initial);
+  // clock -> the workers that mark it skipped
+  const std::map<Clock, std::vector<WorkerId>> skipped = {{1, {1}}, {3, {0, 1, 2}}};
+  for (Clock clock = 0; clock < 6; ++clock) {
+    std::vector<float> sum(kRows * kWidth, 0.0f);
+    const auto marks = skipped.find(clock);
+    size_t pushes = 0;
+    for (WorkerId worker = 0; worker < kWorkers; ++worker) {
+      WorkerUpdate update = MakeUpdate(&rng, worker, clock, false);
+      for (size_t i = 0; i < sum.size(); ++i) sum[i] += update.dense[i];
+      const bool marked = marks != skipped.end() &&
+                          std::count(marks->second.begin(), marks->second.end(), worker) != 0;
+      for (int s = 0; s < kWorkers; ++s) {
+        Message& m = update.per_shard[s];
+        if (marked) m.header.flags |= kSkipStep;
+        std::vector<Message> out;
+        ASSERT_OK(shards[s]->Handle(m, &out));
+        pushes += out.size();
+      }
+    }
+    EXPECT_EQ(pushes, static_cast<size_t>(kWorkers * kWorkers));  // every shard pushed to every worker
+    if (marks == skipped.end()) reference.Step(sum, kWorkers);
+    for (const auto& shard : shards) EXPECT_EQ(shard->global_clock(kTable), clock);
   }
   const std::vector<float> got = Gather(shards);
   for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], reference.values()[i], 1e-5);

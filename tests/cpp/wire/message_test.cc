@@ -274,6 +274,20 @@ TEST(LearningRateTravelsOnlyOnClockUpdates) {
   EXPECT_CODE(Decode(EncodeHeaderFrame(rows), rows.values, &out), StatusCode::kCorruptMessage);
 }
 
+// A skipped step travels on clock updates only.
+TEST(SkippedStepTravelsOnlyOnClockUpdates) {
+  Message m = SmallRows();
+  m.header.type = static_cast<uint16_t>(MessageType::kClockUpdate);
+  m.header.flags = kSkipStep;
+  Message out;
+  ASSERT_OK(Decode(EncodeHeaderFrame(m), m.values, &out));
+  EXPECT_EQ(out.header.flags, static_cast<uint32_t>(kSkipStep));
+  EXPECT_TRUE(out.DebugString().find("skip_step") != std::string::npos);
+  Message rows = SmallRows();
+  rows.header.flags = kSkipStep;
+  EXPECT_CODE(Decode(EncodeHeaderFrame(rows), rows.values, &out), StatusCode::kCorruptMessage);
+}
+
 TEST(RejectsWrongPayloadSize) {
   const Message m = SmallRows();
   const std::string frame0 = EncodeHeaderFrame(m);

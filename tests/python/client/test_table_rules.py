@@ -92,3 +92,42 @@ def test_workers_must_give_a_table_the_same_rule(run_workers: Callable[..., list
         mismatch = r"InvalidArgumentError: .*w:4:3:sgd lr=0.100000001.*every worker must create"
         with pytest.raises(AssertionError, match=mismatch):
             run_workers(body, cluster.workers, on_error=cluster.shutdown)
+
+
+def test_a_step_any_worker_skips_leaves_the_rule_as_it_was(run_workers: Callable[..., list[Any]]) -> None:
+    """Worker.skip_step (a scaler's overflow): a clock that any worker skips
+    changes neither the values nor the momentum on the servers, as the
+    all-reduced gradient of an overflowing rank skips DDP's step on every
+    rank; the others go on as torch's SGD would without that clock. A
+    skip after the clock's update was posted is refused."""
+    rule = mlt.UpdateRule("sgd", learning_rate=0.1, momentum=0.5, weight_decay=0.01)
+    skipped = {1: {0}, 3: {0, 1}}  # clock -> the workers that skip it
+
+    def body(worker: mlt.Worker) -> np.ndarray:
+        table, read, grad = one_table_loop(worker, rule)
+        for clock in range(5):
+            worker.read(read)
+            worker.post_read(read)
+            if worker.rank in skipped.get(clock, ()):
+                worker.skip_step()
+            worker.pre_update(grad)[:] = 1.0 + worker.rank
+            worker.update(grad)
+            if clock == 4:
+                with pytest.raises(mlt.OutOfOrderError, match="after some of its updates were posted"):
+                    worker.skip_step()
+            worker.clock()
+        worker.sync()
+        return worker.fetch(table)
+
+    with mlt.LocalCluster(2, mlt.Config(wait_timeout_s=20)) as cluster:
+        got = run_workers(body, cluster.workers, on_error=cluster.shutdown)
+    buffer, w, steps = 0.0, 0.0, 0
+    for clock in range(5):
+        if clock in skipped:
+            continue
+        g = (1.0 + 2.0) / 2 + 0.01 * w  # the mean of the workers' gradients, weight decay as torch adds it
+        buffer = g if steps == 0 else 0.5 * buffer + g
+        w -= 0.1 * buffer
+        steps += 1
+    for values in got:
+        np.testing.assert_allclose(values, np.full((1, WIDTH), w), rtol=1e-6)

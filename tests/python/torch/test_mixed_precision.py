@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
@@ -76,16 +77,20 @@ def train(model: Any, optimizer: Any, batches: list[tuple[torch.Tensor, torch.Te
 
 def compare(device: torch.device, dtype: torch.dtype, scaler_args: dict[str, Any] | None,
             unscale: bool = False, clip: float | None = None, budget: int = 0,
+            optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
             **wrap_args: Any) -> tuple[list[float], list[float]]:
-    """Trains plain and wrapped; asserts equal losses, scales and weights;
-    returns the plain run's losses and scales."""
+    """Trains plain and wrapped (with ``optimizer``'s rule, else SGD at
+    LR); asserts equal losses, scales and weights; returns the plain run's
+    losses and scales."""
     net = make_net().to(device)
     plain = copy.deepcopy(net)
     batches = make_batches(device)
     new_scaler = (lambda: torch.amp.GradScaler(device.type, **scaler_args)) if scaler_args is not None else None
     plain_scaler = new_scaler() if new_scaler else None
-    want, want_scales = train(plain, torch.optim.SGD(plain.parameters(), lr=LR), batches, dtype, plain_scaler,
-                              unscale, clip)
+    plain_optimizer = optimizer(plain.parameters()) if optimizer else torch.optim.SGD(plain.parameters(), lr=LR)
+    want, want_scales = train(plain, plain_optimizer, batches, dtype, plain_scaler, unscale, clip)
+    if optimizer is not None:
+        wrap_args["optimizer"] = optimizer(net.parameters())
 
     cluster = LocalCluster(1, Config(update_rule=UpdateRule("sgd", learning_rate=LR), device=device.type,
                                      device_memory_budget=budget))
@@ -124,6 +129,22 @@ def test_float16_with_a_grad_scaler_trains_like_plain_pytorch(overlap: bool) -> 
     _, scales = compare(torch.device("cpu"), torch.float16, {"init_scale": 2.0**30, "growth_interval": 4},
                         overlap_updates=overlap)
     assert scales[1] < scales[0] and any(later > earlier for earlier, later in zip(scales, scales[1:]))
+
+
+@pytest.mark.parametrize("unscale", [False, True], ids=["scaler.step", "scaler.unscale_ first"])
+@pytest.mark.parametrize("optimizer", [
+    lambda params: torch.optim.SGD(params, lr=0.02, momentum=0.9, weight_decay=1e-3),
+    lambda params: torch.optim.Adam(params, lr=1e-3),
+], ids=["sgd momentum", "adam"])
+def test_an_overflowing_clock_skips_the_step_as_plain_pytorch_does(
+        optimizer: Callable[[Any], torch.optim.Optimizer], unscale: bool) -> None:
+    # Shipping at step() the overflow is known before any update leaves:
+    # the servers skip the step, so momentum, weight decay and Adam's
+    # moments and step count stay as they were (a zero update moved the
+    # weights). The start scale overflows float16 in several clocks.
+    _, scales = compare(torch.device("cpu"), torch.float16, {"init_scale": 2.0**30, "growth_interval": 4},
+                        unscale=unscale, optimizer=optimizer, overlap_updates=False)
+    assert sum(later < earlier for earlier, later in zip(scales, scales[1:])) >= 2  # clocks that overflowed
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["shipped at step", "shipped from backward"])

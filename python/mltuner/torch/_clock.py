@@ -189,6 +189,7 @@ class ClockDriver(Planning, ServerValues, SavedTensorHooks):
         if not again:
             if not self._recording:
                 self._check_scheduled()
+                self._refuse_swapped_for_the_call()
                 self._refuse_unfrozen()
                 self._check_autocast()
                 self._refuse_writes_between_clocks()  # nothing of the clock has reached the engine
@@ -309,12 +310,19 @@ class ClockDriver(Planning, ServerValues, SavedTensorHooks):
                 )
             if not clocked:
                 self._flush_posts(clock=True)
+        replaced = [name for layer in self.layers for name in layer.replaced_gradients()]
         self.clock += 1
         self._stale_grads = self._grad_errors  # unless a refused gradient left some behind: all handed over
         self._grad_errors = False
         self._reset_clock()
         if not self._light:
             self._start_loss_guard(between_clocks=True)
+        if replaced:  # after the clock ended: the model goes on
+            raise OutOfOrderError(
+                f"the .grad of {', '.join(repr(n) for n in replaced[:3])}{' ...' if len(replaced) > 3 else ''} was "
+                f"replaced between backward() and step() of clock {self.clock - 1} (p.grad = ...; p.grad = None), "
+                "but its update had already left for the parameter servers during backward(), so the change was "
+                f"not applied: {self._why_shipped()}")
 
     def _refuse_missing_gradients(self, missing: list[str]) -> NoReturn:
         """step() after a backward pass of the clock finished without some
@@ -328,12 +336,14 @@ class ClockDriver(Planning, ServerValues, SavedTensorHooks):
                 "between backward() and step() dropped them (torch's step() would then do nothing; the clock's "
                 "update must still leave here): zero the gradients before the forward pass, or run a forward and "
                 "a backward pass again before step()")
+        dropped = (" (here the gradients stay in .grad until step(): was .grad set to None after backward(), by "
+                   "p.grad = None or a zero_grad of some parameters?)" if self._at_step else "")
         with self._mutating():
             raise IterationMismatchError(
                 f"clock {self.clock}: the backward pass finished without a gradient for layer(s) {names}, which "
                 "had one in the recording pass of wrap(): they did not run in this forward pass, or their output "
-                "did not reach the loss (detached, or computed under torch.no_grad()); every clock must train the "
-                "layers the recording trained" + self._mismatch_cause(None))
+                f"did not reach the loss (detached, or computed under torch.no_grad()){dropped}; every clock must "
+                "train the layers the recording trained" + self._mismatch_cause(None))
 
     def _recover_clock(self) -> bool:
         """After an exception of the loop's own left a clock half done (a

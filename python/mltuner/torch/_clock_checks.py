@@ -217,6 +217,34 @@ class ClockChecks(DriverState):
         self._fail(error)
         raise error
 
+    def _refuse_swapped_for_the_call(self) -> None:
+        """Before a clock starts: a parameter swapped for another tensor for
+        the length of the call (``torch.func.functional_call`` with tensors of
+        its own) is refused before anything reaches the engine, so the model
+        goes on once the call restored it (a check of each parameter's place
+        in its module, about as costly as a dict lookup each)."""
+        if self._param_places is None:
+            places = []
+            for layer in self.layers:
+                for slot in layer.params:
+                    owner_name, _, leaf = slot.name.rpartition(".")
+                    owner = _module_at(self.model, owner_name)
+                    if owner is not None:
+                        places.append((owner._parameters, leaf, slot.param, slot.name))
+            self._param_places = places
+        for parameters, leaf, param, name in self._param_places:
+            now = parameters.get(leaf)
+            if now is not param and isinstance(now, torch.Tensor) and not isinstance(now, nn.Parameter):
+                raise UnsupportedModelError(
+                    f"clock {self.clock}: parameter {name!r} of the wrapped model is swapped for another tensor for "
+                    "this call (torch.func.functional_call with tensors of its own, or another reparametrization of "
+                    "the module), which the adapter cannot follow: the servers hold the parameters wrap() found and "
+                    "every clock reads their values into those, so the forward must use them (tensors computed from "
+                    "them before the forward hold NaN placeholders). Pass the wrapped module's own parameters "
+                    "(functional_call(model, dict(model.named_parameters()), ...)) and compute other weights inside "
+                    "the model's forward; refused before the clock started, so the model goes on"
+                )
+
     def _replaced(self) -> tuple[str, bool] | None:
         """The first module or parameter of the layers that is no longer
         where wrap() found it in the model, in words, and whether it is a

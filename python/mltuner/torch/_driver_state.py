@@ -195,6 +195,9 @@ class DriverState:
 
         self._eval_active = False
         self._eval_clock: tuple[int, int | None] | None = None  # (clock, branch) the parameters hold
+        # Per parameter of the layers: (its module's _parameters, its key, the
+        # parameter, its name), made at the first clock (_refuse_swapped_for_the_call).
+        self._param_places: list[tuple[dict[str, Any], str, nn.Parameter, str]] | None = None
         self._own_state_dict = False  # PSModule.state_dict() runs: it bound the branch it was asked for
         # The copies an evaluation bound, with their sums then: a write
         # through p.data (which no version counter sees) shows in them.

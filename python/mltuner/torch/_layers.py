@@ -252,6 +252,14 @@ class Layer:
             param.grad = stand_in
         self.shipped = True
 
+    def replaced_gradients(self) -> list[str]:
+        """The parameters whose ``.grad`` the loop replaced since the update
+        left (:meth:`mark_shipped`): a change the servers never see."""
+        if not self.shipped:
+            return []
+        return [slot.name for param, stand_in, slot in zip(self._params, self._shipped_grads, self.params)
+                if param.grad is not stand_in]
+
     def grads(self) -> list[torch.Tensor]:
         """The parameters' gradients, in slot order (all present: checked by
         the gradient hooks)."""

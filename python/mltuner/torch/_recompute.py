@@ -118,19 +118,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
-from typing import Literal
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, Literal
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from mltuner.torch._buffers import storage_ptr
 from mltuner.torch._recording import Slot
-from mltuner.torch._trace import BufferArg, ForwardTrace, ParamRef, ScratchArg, ValueArg, generator_of
+from mltuner.torch._errors import IterationMismatchError
+from mltuner.torch._trace import (TEMPLATES, TENSOR, BufferArg, ForwardTrace, Made, Node, ParamRef, ScratchArg,
+                                  ValueArg, generator_of, scalars_of)
 
 __all__ = ["FLOPS_PER_TOUCHED_BYTE", "LINK_BOUND_BYTES_PER_OP", "LINK_BOUND_FLOPS_PER_BYTE", "MAX_DEPTH",
            "MAX_FLOPS_PER_BYTE", "MAX_TOUCHED_PER_BYTE", "Program", "RECOMPUTE_CHOICES", "Recompute", "choose",
-           "compute_depth", "describe", "link_bound", "memory_bound", "run"]
+           "clock_scalars", "compute_depth", "describe", "link_bound", "memory_bound", "run"]
 
 Recompute = Literal["auto", "cheap", "compute", "none"]
 RECOMPUTE_CHOICES: tuple[Recompute, ...] = ("auto", "cheap", "compute", "none")
@@ -168,6 +171,7 @@ _UNINITIALISED = frozenset(p.__name__ for p in (_aten.empty, _aten.empty_like, _
 _OVERWRITES = frozenset(p.__name__ for p in (_aten.bernoulli_, _aten.uniform_, _aten.normal_, _aten.fill_,
                                              _aten.zero_, _aten.copy_))
 _DROPOUT = _aten.native_dropout.default
+_NONE: Mapping[int, Made] = MappingProxyType({})
 
 
 def link_bound(device: torch.device, forward_work: tuple[int, int], link_bytes: int) -> bool:
@@ -314,14 +318,62 @@ def _program(slot: int, trace: ForwardTrace, slot_values: Sequence[int], slot_of
                    sum(trace.nodes[n].touched_bytes for n in nodes), sum(trace.nodes[n].flops for n in nodes))
 
 
+def clock_scalars(program: Program, trace: ForwardTrace, made: tuple[Made, int] | None,
+                  clock: int) -> dict[int, Made]:
+    """Checks how a later clock's forward made ``program``'s saved activation
+    (``made``: :meth:`ClockOps.made` of the tensor autograd saves) against
+    the program: the same ops, one after the other, from the same kinds of
+    inputs. Returns the non-tensor arguments of the clock's ops where they
+    differ from the recorded ones, by node (for :func:`run`); raises
+    IterationMismatchError where the ops differ (a choice of op that depends
+    on the data)."""
+    nodes = frozenset(program.nodes)
+    leaves = {value for value, _ in program.leaves}
+    changed: dict[int, Made] = {}
+    seen: set[int] = set()
+    stack: list[tuple[int, tuple[Made, int] | None]] = [(program.output, made)]
+    while stack:
+        value, this = stack.pop()
+        producer = trace.producer[value]
+        if value in leaves or producer is None or producer[0] not in nodes:
+            continue  # read back, or a dropout's input run for its mask alone
+        number, position = producer
+        node = trace.nodes[number]
+        if this is None or this[0].func is not node.func or this[1] != position:
+            made_by = "" if this is None else f" ({_name(this[0].func)})"
+            raise IterationMismatchError(
+                f"clock {clock}: saved activation #{program.slot} was made by other ops than the recording pass of "
+                f"wrap() ran, not by {_name(node.func)}{made_by}; it is recomputed in the backward pass by the "
+                "recorded ops, so every clock must make it by the same ops (here a choice of op that depends on the "
+                "data): use wrap(..., recompute='none'), which stores it"
+            )
+        if number in seen:
+            continue
+        seen.add(number)
+        templates = [a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, TEMPLATES)]
+        if len(templates) != len(this[0].inputs):
+            raise IterationMismatchError(
+                f"clock {clock}: saved activation #{program.slot}'s op {_name(node.func)} took "
+                f"{len(this[0].inputs)} tensors where the recording pass of wrap() gave it {len(templates)}; a "
+                "recomputed activation needs the recorded ops: use wrap(..., recompute='none')"
+            )
+        if this[0].scalars != scalars_of(node):
+            changed[number] = this[0]
+        for template, source in zip(templates, this[0].inputs):
+            if isinstance(template, ValueArg):
+                stack.append((template.value, source))
+    return changed
+
+
 def run(program: Program, trace: ForwardTrace, *, leaf: Callable[[int], torch.Tensor],
-        param: Callable[[ParamRef], torch.Tensor],
-        random_state: Callable[[int], torch.Tensor]) -> dict[int, torch.Tensor]:
+        param: Callable[[ParamRef], torch.Tensor], random_state: Callable[[int], torch.Tensor],
+        scalars: Mapping[int, Made] = _NONE) -> dict[int, torch.Tensor]:
     """Runs ``program``'s ops again and returns the values they made, by
     value number: the saved activation is ``[program.output]``.
     ``leaf(slot)`` gives a saved activation it reads, ``param(ref)`` a view
     of a layer's parameters, ``random_state(n)`` the generator state before
-    the forward's random op ``n``."""
+    the forward's random op ``n``; ``scalars``: a clock's own non-tensor
+    arguments of some nodes (:func:`clock_scalars`)."""
     env = {value: leaf(slot) for value, slot in program.leaves}
     stand_ins = dict(program.mask_only)
 
@@ -339,6 +391,8 @@ def run(program: Program, trace: ForwardTrace, *, leaf: Callable[[int], torch.Te
     with torch.no_grad():
         for number in program.nodes:
             node = trace.nodes[number]
+            if number in scalars:
+                node = _with_scalars(node, scalars[number])
             if number in stand_ins:  # a dropout for its mask: its input is not made
                 args, kwargs = (stand_ins[number].make(), *node.args[1:]), node.kwargs
             elif node.nested:  # a list of tensors (cat): the general, slower walk
@@ -360,6 +414,14 @@ def run(program: Program, trace: ForwardTrace, *, leaf: Callable[[int], torch.Te
                 if value >= 0:
                     env[value] = item
     return env
+
+
+def _with_scalars(node: Node, made: Made) -> Node:
+    """``node`` with the arguments of a clock's op (``made``): its non-tensor
+    ones, and the node's templates for its tensors, in order."""
+    templates = iter(item for item in tree_flatten((node.args, node.kwargs))[0] if isinstance(item, TEMPLATES))
+    args, kwargs = tree_unflatten([next(templates) if item is TENSOR else item for item in made.flat], made.spec)
+    return dataclasses.replace(node, args=args, kwargs=kwargs, nested=True)
 
 
 def describe(program: Program, trace: ForwardTrace) -> str:

@@ -37,10 +37,10 @@ from torch.utils._pytree import tree_flatten
 
 from mltuner.torch._buffers import storage_ptr
 from mltuner.torch._errors import IterationMismatchError
-from mltuner.torch._recompute import MAX_DEPTH, Program, choose, compute_depth, run
+from mltuner.torch._recompute import MAX_DEPTH, Program, choose, clock_scalars, compute_depth, run
 from mltuner.torch._recompute import describe as describe_program
 from mltuner.torch._recording import Event, Slot
-from mltuner.torch._trace import BufferArg, ForwardTrace, ParamRef, RandomStates
+from mltuner.torch._trace import BufferArg, ClockOps, ForwardTrace, Made, ParamRef
 
 # Where a buffer or frozen parameter lives: (module, attribute, its tensor,
 # the attribute's name in the model), by the tensor's storage address.
@@ -233,10 +233,11 @@ class SavedActivations:
         self._values: list[int] = []  # per slot: its value in the trace
         self._programs: dict[int, Program] = {}
         self._random_wanted: dict[int, Any] = {}  # random ops (by number) the programs replay, with their op
-        self._random: RandomStates | None = None
+        self._random: ClockOps | None = None  # later clocks that recompute
+        self._funcs: frozenset[Any] = frozenset()  # the ops of the programs
+        self._scalars: dict[int, dict[int, Made]] = {}  # slot -> this clock's ops whose arguments changed, by node
         self._modes: list[bool] = []  # each module's training flag in the recording
         self._moded: list[nn.Module] = []  # ... and those modules, in the same order
-        self._rates: list[tuple[nn.Module, float]] = []  # recomputing: each dropout module and its recorded rate
         self.store_all: StoreAllLog | None = None  # recording, while recomputing
         self.fell_back = ""  # why wrap(recompute="auto") stores every activation after all
         self._buffer_uses: list[_BufferUse] = []  # the buffers the programs read (find_buffers)
@@ -258,14 +259,14 @@ class SavedActivations:
     def dispatch_mode(self, recording: bool, param_ref: Callable[[torch.Tensor], ParamRef | None],
                       is_local: Callable[[torch.Tensor], bool], clock: int) -> Any:
         """The forward's TorchDispatchMode: the op trace in the recording pass
-        (when recomputing), the random states of recomputed random ops in
-        later clocks, else None."""
+        (when recomputing), how the programs' ops ran and the random states
+        of recomputed random ops in later clocks that recompute, else None."""
         if recording and self.recompute:
             self._trace = ForwardTrace(param_ref, is_local)
             return self._trace
-        if self._random_wanted and not recording:
+        if self._programs and not recording:
             assert self._trace is not None
-            self._random = RandomStates(self._random_wanted, self._trace.random_ops, clock)
+            self._random = ClockOps(self._random_wanted, self._trace.random_ops, clock, self._funcs)
             return self._random
         return None
 
@@ -371,10 +372,10 @@ class SavedActivations:
                                      len(self.slots), kept)
         self._programs = programs
         self._siblings = siblings(programs, self._trace, self._values)
-        self._rates = [(module, module.p) for module in self._moded if isinstance(module, nn.modules.dropout._DropoutNd)]
         nodes = self._trace.nodes
         self._random_wanted = {nodes[n].seeded: nodes[n].func for p in programs.values() for n in p.nodes
                                if nodes[n].seeded >= 0}
+        self._funcs = frozenset(nodes[n].func for p in programs.values() for n in p.nodes)
         return left
 
     def find_buffers(self, owners: BufferOwners) -> None:
@@ -433,8 +434,8 @@ class SavedActivations:
         self._uses = list(log.uses)
         self._programs = {}
         self._random_wanted = {}
+        self._funcs = frozenset()
         self._buffer_uses = []
-        self._rates = []
         self.recompute = False
         self.fell_back = why
         self.store_all = None
@@ -448,19 +449,8 @@ class SavedActivations:
 
     def check_modes(self, model: nn.Module, clock: int) -> None:
         """A module switched between train and eval mode since the recording
-        (batch norm, dropout) saves other tensors than the recorded ones, and
-        recomputing, the backward pass runs the recorded ops with the
-        recorded arguments, so a dropout rate changed since (a schedule of
-        rates) would make other values than the forward: both refused before
-        the clock starts."""
-        for module, rate in self._rates:
-            if module.p != rate:
-                name = next(n for n, m in model.named_modules() if m is module) or type(module).__name__
-                raise IterationMismatchError(
-                    f"clock {clock}: the dropout rate of module {name!r} is {module.p}, but it was {rate} when "
-                    "wrap() recorded the clock; with recomputed activations the backward pass replays the recorded "
-                    "ops, rates included: for a schedule of dropout rates use wrap(..., recompute='none')"
-                )
+        (batch norm, dropout) saves other tensors than the recorded ones:
+        refused before the clock starts."""
         if not self._moded or [module.training for module in self._moded] == self._modes:
             return  # the common case, checked without named_modules()' walk (a per-clock cost)
         for (name, module), training in zip(model.named_modules(), self._modes):
@@ -520,7 +510,8 @@ class SavedActivations:
             return self.resolve(other, recording=recording, load=load, param=param)
 
         if not recording:
-            env = run(program, self._trace, leaf=leaf, param=param, random_state=self._random_state)
+            env = run(program, self._trace, leaf=leaf, param=param, random_state=self._random_state,
+                      scalars=self._scalars.get(slot, {}))
             for value, other in self._siblings.get(slot, ()):
                 # Made by the same op (a max pool's indices beside its values):
                 # kept for its first use rather than run again then.
@@ -536,6 +527,16 @@ class SavedActivations:
         except Exception as error:  # noqa: BLE001 - any failure means: store it instead
             self.unreproducible[slot] = f"{type(error).__name__}: {error}"
         return original
+
+    def check_recomputed(self, slot: int, tensor: torch.Tensor, clock: int) -> None:
+        """A later clock's forward saved ``tensor`` in recomputed ``slot``: its
+        ops are checked against the slot's program (IterationMismatchError
+        where they differ), and their non-tensor arguments kept for running
+        it again where they changed since the recording."""
+        assert self._random is not None and self._trace is not None
+        changed = clock_scalars(self._programs[slot], self._trace, self._random.made(tensor), clock)
+        if changed:
+            self._scalars[slot] = changed
 
     def hold(self, slot: int, tensor: torch.Tensor) -> None:
         """A later clock's forward saved kept ``slot``: held for the
@@ -571,6 +572,7 @@ class SavedActivations:
     def reset_clock(self) -> None:
         self._memo.clear()
         self._made.clear()
+        self._scalars.clear()
         self._random = None
 
     # -- in words ------------------------------------------------------------------------

@@ -25,11 +25,13 @@ does to its running statistics in training).
 
 Random ops (tag ``nondeterministic_seeded``: dropout, ``bernoulli_``) are
 numbered in forward order; the trace keeps the generator's state before
-each, and in later clocks :class:`RandomStates` does the same, so that a
+each, and in later clocks :class:`ClockOps` does the same, so that a
 random op runs again with the random numbers of its forward.
 
-Only the recording pass traces (a Python call per aten op); later clocks run
-:class:`RandomStates` only when a recomputed tensor needs random state.
+Only the recording pass traces; later clocks that recompute run the lighter
+:class:`ClockOps` (a Python call per aten op too): the recorded ops are run
+again with each clock's own non-tensor arguments, and a clock whose forward
+made a recomputed tensor by other ops is refused.
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from mltuner.torch._buffers import storage_ptr
 from mltuner.torch._errors import IterationMismatchError
 
-__all__ = ["BufferArg", "ForwardTrace", "Node", "ParamRef", "RandomStates", "ScratchArg", "ValueArg",
-           "generator_of"]
+__all__ = ["BufferArg", "ClockOps", "ForwardTrace", "Made", "Node", "ParamRef", "ScratchArg", "ValueArg",
+           "TEMPLATES", "TENSOR", "generator_of", "scalars_of"]
 
 _aten = torch.ops.aten
 
@@ -319,20 +321,61 @@ class ForwardTrace(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.nodes.append(node)
 
 
-class RandomStates(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Later clocks: keeps the generator state before each random op whose
-    number is in ``wanted`` (the random ops of recomputed tensors, with the
-    op the recording saw there). A clock whose random ops differ from the
-    recording's raises :class:`IterationMismatchError` rather than replay
-    another op's random numbers."""
+@dataclasses.dataclass(eq=False)
+class Made:
+    """How a later clock's forward made a tensor: the op, its arguments
+    flattened (``spec``), with :data:`TENSOR` in place of each tensor, and
+    how each tensor argument was made (None: by an op outside the programs,
+    or outside the forward)."""
 
-    def __init__(self, wanted: dict[int, Any], total: int, clock: int) -> None:
+    func: Any
+    flat: tuple[Any, ...]
+    spec: Any  # torch.utils._pytree.TreeSpec of (args, kwargs)
+    inputs: tuple[tuple[Made, int] | None, ...]
+
+    @property
+    def scalars(self) -> tuple[Any, ...]:
+        return tuple(item for item in self.flat if item is not TENSOR)
+
+
+TENSOR = object()  # a tensor's place in Made.flat
+
+
+# What a recorded node holds in place of each tensor argument.
+TEMPLATES = (ValueArg, ParamRef, BufferArg, ScratchArg)
+
+
+def scalars_of(node: Node) -> tuple[Any, ...]:
+    """A recorded node's arguments that are not tensors, in flattened order."""
+    return tuple(item for item in tree_flatten((node.args, node.kwargs))[0] if not isinstance(item, TEMPLATES))
+
+
+class ClockOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Later clocks, where the backward pass recomputes saved activations:
+    notes how the forward made each tensor an op of the programs (``funcs``)
+    returned (:class:`Made`), so that a saved activation about to be
+    recomputed can be checked against its recorded program and its ops run
+    again with this clock's arguments (a softmax temperature that changes
+    every clock, ``F.dropout(p=self.p)``); and keeps the generator state
+    before each random op whose number is in ``wanted`` (the random ops of
+    recomputed tensors, with the op the recording saw there). A clock whose
+    random ops differ from the recording's raises
+    :class:`IterationMismatchError` rather than replay another op's random
+    numbers."""
+
+    def __init__(self, wanted: dict[int, Any], total: int, clock: int, funcs: frozenset[Any]) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.wanted = wanted
         self.total = total  # the recording's random ops
         self.clock = clock
+        self.funcs = funcs
         self.states: dict[int, torch.Tensor] = {}
         self._count = 0
+        self._made: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # tensor -> (Made, output position)
+
+    def made(self, tensor: torch.Tensor) -> tuple[Made, int] | None:
+        """How this clock's forward made ``tensor`` (None: not by an op of the programs)."""
+        return self._made.get(tensor)  # type: ignore[no-untyped-call,no-any-return]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -347,11 +390,21 @@ class RandomStates(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     )
                 self.states[self._count] = generator_of(_device_of(args, kwargs)).get_state()
             self._count += 1
-        return func(*args, **kwargs)
+        if func not in self.funcs:
+            return func(*args, **kwargs)
+        flat, spec = tree_flatten((args, kwargs))
+        inputs = tuple(self._made.get(item) for item in flat if isinstance(item, torch.Tensor))
+        made = Made(func, tuple(TENSOR if isinstance(item, torch.Tensor) else item for item in flat), spec, inputs)
+        out = func(*args, **kwargs)
+        for position, item in enumerate(tree_flatten(out)[0]):
+            if isinstance(item, torch.Tensor):
+                self._made[item] = (made, position)
+        return out
 
     def check_complete(self) -> None:
-        """After the forward: it ran as many random ops as the recording."""
-        if self._count != self.total:
+        """After the forward: it ran as many random ops as the recording
+        (where some are replayed)."""
+        if self.wanted and self._count != self.total:
             raise IterationMismatchError(
                 f"clock {self.clock}: the forward ran {self._count} random ops, the recording pass of wrap() "
                 f"{self.total}; a recomputed activation replays the random numbers of its op, so every clock must "

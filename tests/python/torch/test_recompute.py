@@ -487,23 +487,76 @@ def test_a_module_switched_to_eval_mode_is_refused_before_the_clock(run_workers:
         assert ps_model.clock == 1
 
 
-def test_a_dropout_rate_changed_since_the_recording_is_refused_while_recomputing() -> None:
-    """The programs replay the recorded ops, rates included: a schedule of
-    dropout rates trained silently wrong under recompute="cheap"."""
+class Scheduled(nn.Module):
+    """A forward whose Python numbers change between clocks: a softmax
+    temperature, an nn.Dropout's rate and a functional dropout's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.drop, self.fc2 = nn.Linear(6, 16), nn.Dropout(0.3), nn.Linear(16, 3)
+        self.temperature, self.rate = 1.0, 0.2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(self.drop(torch.relu(self.fc1(x))), p=self.rate, training=self.training)
+        return self.fc2(torch.softmax(h / self.temperature, dim=1))
+
+
+def test_python_numbers_that_change_between_clocks_are_replayed_as_each_clock_had_them() -> None:
+    """The programs run the recorded ops again with each clock's own non-tensor
+    arguments (a schedule of temperatures or dropout rates trained silently
+    wrong under recompute="cheap": the recorded ones were replayed)."""
+
+    def run(recompute: str) -> dict[str, Any]:
+        torch.manual_seed(0)
+        model = Scheduled()
+        x = torch.randn(CLOCKS, 4, 6)
+        torch.manual_seed(7)
+        with LocalCluster(1, Config(wait_timeout_s=20)) as cluster:
+            ps_model = mt.wrap(model, cluster.worker(0), example_input=x[0], store_activations=True,
+                               recompute=recompute)
+            losses = []
+            for clock in range(CLOCKS):
+                model.temperature, model.drop.p, model.rate = 0.5 + clock, 0.1 + 0.1 * clock, 0.05 + 0.05 * clock
+                loss = ps_model(x[clock]).square().mean()
+                loss.backward()
+                ps_model.step()
+                losses.append(loss.item())
+            return {"state": ps_model.state_dict(), "losses": losses, "saved": ps_model.saved_activations,
+                    "after": torch.rand(4)}
+
+    cheap = run("cheap")
+    assert any("_softmax" in line for line in recomputed(cheap["saved"]))
+    assert any("bernoulli_" in line for line in recomputed(cheap["saved"]))
+    assert_same_training(cheap, run("none"))
+
+
+class ChoosesByData(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc1(x))
+        return self.fc2(torch.softmax(h, dim=1) if x[0, 0] > 0 else torch.sigmoid(h))
+
+
+def test_a_recomputed_activation_made_by_other_ops_is_refused_in_the_forward() -> None:
+    """A choice of op that depends on the data makes a saved activation the
+    program cannot make again: refused in the forward pass, before any update
+    of the clock leaves (it trained silently wrong)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))
     x = torch.randn(4, 6)
+    x[0, 0] = 1.0
     with LocalCluster(1, Config(wait_timeout_s=20)) as cluster:
-        ps_model = mt.wrap(model, cluster.worker(0), example_input=x, store_activations=True, recompute="cheap")
-        assert ps_model.resumed is None and "recomputed" in ps_model.plan
-        model[2].p = 0.6
-        with pytest.raises(mt.IterationMismatchError, match=r"dropout rate of module '2' is 0.6, but it was 0.3 .*"
-                                                            r"recompute='none'"):
-            ps_model(x)
-        model[2].p = 0.3
-        ps_model(x).square().mean().backward()
+        ps_model = mt.wrap(ChoosesByData(), cluster.worker(0), example_input=x, store_activations=True,
+                           recompute="cheap")
+        assert any("_softmax" in line for line in recomputed(ps_model.saved_activations))
+        ps_model(x).sum().backward()
         ps_model.step()
-        assert ps_model.clock == 1
+        with pytest.raises(mt.IterationMismatchError, match=r"saved activation #\d+ was made by other ops than the "
+                                                            r"recording pass of wrap\(\) ran, not by _softmax.*"
+                                                            r"recompute='none'"):
+            ps_model(-x)
 
 
 def test_auto_stores_everything_when_recomputing_needs_a_larger_pool() -> None:

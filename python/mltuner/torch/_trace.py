@@ -393,7 +393,8 @@ class ClockOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if func not in self.funcs:
             return func(*args, **kwargs)
         flat, spec = tree_flatten((args, kwargs))
-        inputs = tuple(self._made.get(item) for item in flat if isinstance(item, torch.Tensor))
+        inputs = tuple(self._made.get(item) for item in flat  # type: ignore[no-untyped-call]
+                       if isinstance(item, torch.Tensor))
         made = Made(func, tuple(TENSOR if isinstance(item, torch.Tensor) else item for item in flat), spec, inputs)
         out = func(*args, **kwargs)
         for position, item in enumerate(tree_flatten(out)[0]):

@@ -128,7 +128,7 @@ Status Allocator::PrepareSlot(int64_t seq, const AccessRecord& access, const Clo
   switch (access.kind) {
     case OpKind::kRead: {
       mltuner::Clock age = kNoClock;
-      MLT_RETURN_IF_ERROR(WaitFresh(access, at, &age));
+      MLT_RETURN_IF_ERROR(WaitFresh(access, at, seq % num_ops, &age));
       if (plan_->own_updates[access.table] && ServesSlack(at.SlackOf(access.slack)) && clock > 0) {
         MLT_RETURN_IF_ERROR(WaitForOwnStep(access.table, clock - 1));
       }
@@ -172,14 +172,21 @@ Status Allocator::PrepareSlot(int64_t seq, const AccessRecord& access, const Clo
   return device_->TakeError();
 }
 
-Status Allocator::WaitFresh(const AccessRecord& access, const ClockBranch& at, mltuner::Clock* age) {
+Status Allocator::WaitFresh(const AccessRecord& access, const ClockBranch& at, int64_t op, mltuner::Clock* age) {
   // SSP: a read at clock c (of its branch) with slack s needs every worker's
   // updates through clock c - s - 1 of that branch, and at least the
   // branch's initial rows: without them a read in the first s clocks (of a
   // run, or of a branch the cache just switched to) would see zeros or
   // another branch's rows.
-  return WaitForAge(access.table, std::max<mltuner::Clock>(at.internal - at.SlackOf(access.slack) - 1, kInitClock),
-                    age);
+  const int slack = at.SlackOf(access.slack);
+  mltuner::Clock needed = at.internal - slack - 1;
+  // A BSP read recorded after its table's clock update has shipped (an
+  // update, then a read of the table) waits for that clock too: whether its
+  // rows were installed before the gather was a race, so the read saw clock
+  // c - 1 or c by chance. Every worker ships that update before the read,
+  // so the wait ends once the clock's round trip does.
+  if (slack == 0 && last_update_op_[access.table] >= 0 && last_update_op_[access.table] < op) needed = at.internal;
+  return WaitForAge(access.table, std::max<mltuner::Clock>(needed, kInitClock), age);
 }
 
 Status Allocator::WaitForAge(TableId table, mltuner::Clock needed, mltuner::Clock* age) {

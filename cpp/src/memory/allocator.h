@@ -44,7 +44,7 @@ class Allocator {
  private:
   void Loop();
   Status PrepareSlot(int64_t seq, const AccessRecord& access, const ClockBranch& at, Slot* slot);
-  Status WaitFresh(const AccessRecord& access, const ClockBranch& at, mltuner::Clock* age)
+  Status WaitFresh(const AccessRecord& access, const ClockBranch& at, int64_t op, mltuner::Clock* age)
       EXCLUDES(state_->age_mu, state_->mu);
   // Waits until `table`'s data age (every worker's clocks in this worker's
   // cache) reaches `needed`; `*age` gets the age then.

@@ -35,8 +35,9 @@ Status CheckSender(const Message& in, int num_workers) {
   return Status::Ok();
 }
 
-Status UnknownTable(TableId table, BranchId branch = 0) {
-  if (branch != 0) {
+// `branch_freed`: branch 0 was freed (every other branch names itself).
+Status UnknownTable(TableId table, BranchId branch = 0, bool branch_freed = false) {
+  if (branch != 0 || branch_freed) {
     return Status::NotFound(TableText(table) + " on branch " + std::to_string(branch) +
                             " is not on this shard (unknown or freed branch)");
   }
@@ -355,7 +356,7 @@ void ServerShard::AddSpansOnDevice(const Message& in, const RowSpan& range, int6
 Status ServerShard::HandleClockUpdate(const Message& in, std::vector<Message>* out) {
   MLT_RETURN_IF_ERROR(CheckSender(in, num_workers_));
   TableState* found = Find(in.header.branch, in.header.table);
-  if (found == nullptr) return UnknownTable(in.header.table, in.header.branch);
+  if (found == nullptr) return UnknownTable(in.header.table, in.header.branch, branches_.count(0) == 0);
   TableState& table = *found;
   MLT_RETURN_IF_ERROR(CheckPayload(in, table.info));
 
@@ -503,7 +504,8 @@ Status ServerShard::HandleFetch(const Message& in, std::vector<Message>* out) {
   // A sender out of range has no client to tell, so it only gets the Status.
   MLT_RETURN_IF_ERROR(CheckSender(in, num_workers_));
   const TableState* found = Find(in.header.branch, in.header.table);
-  Status status = found == nullptr ? UnknownTable(in.header.table, in.header.branch) : CheckSpans(*found, found->range, in);
+  Status status = found == nullptr ? UnknownTable(in.header.table, in.header.branch, branches_.count(0) == 0)
+                                    : CheckSpans(*found, found->range, in);
   if (!status.ok()) {
     out->push_back(ErrorReply(rank_, in, status));
     return status;
@@ -533,7 +535,8 @@ Status ServerShard::HandleFetch(const Message& in, std::vector<Message>* out) {
 Status ServerShard::HandleInitAdd(const Message& in, std::vector<Message>* out) {
   MLT_RETURN_IF_ERROR(CheckSender(in, num_workers_));
   TableState* found = Find(in.header.branch, in.header.table);
-  Status status = found == nullptr ? UnknownTable(in.header.table, in.header.branch) : CheckSpans(*found, found->range, in);
+  Status status = found == nullptr ? UnknownTable(in.header.table, in.header.branch, branches_.count(0) == 0)
+                                    : CheckSpans(*found, found->range, in);
   if (status.ok()) status = CheckPayload(in, found->info);
   // Initial values are checked as training updates are: a NaN model would train on NaN.
   if (status.ok() && check_finite_ && in.num_values() > 0) status = CheckFinite(*found, in);
@@ -887,7 +890,7 @@ float ServerShard::learning_rate(TableId table, BranchId branch) const {
 
 Status ServerShard::ExportTable(TableId table, ShardSlice* out, BranchId branch) const {
   const TableState* found = Find(branch, table);
-  if (found == nullptr) return UnknownTable(table, branch);
+  if (found == nullptr) return UnknownTable(table, branch, branches_.count(0) == 0);
   const TableState& state = *found;
   if (!state.rule) return Status::OutOfOrder(TableText(table) + ": the shard's state is placed once every worker is ready");
   out->first_row = state.range.begin;

@@ -186,6 +186,8 @@ class ClockDriver(Planning, ServerValues, SavedTensorHooks):
                 f"this model: {self.hold_choice}; {self.overlap_choice}"
             )
         self._end_loss_guard()
+        if again:
+            self._check_parameter_writes(between_passes=True)
         if not again:
             if not self._recording:
                 self._check_scheduled()

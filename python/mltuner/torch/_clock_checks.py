@@ -217,6 +217,28 @@ class ClockChecks(DriverState):
         self._fail(error)
         raise error
 
+    def _earlier_graph(self) -> OutOfOrderError:
+        """The error for a backward pass that reached an earlier forward's graph."""
+        return OutOfOrderError(
+            f"clock {self.clock}'s backward pass reached the graph of an earlier forward pass: a tensor an earlier "
+            "forward made (an RNN's hidden state carried into the next step, say) is part of this clock's loss; "
+            "detach it between steps (h = h.detach()), as truncated backpropagation through time does (each "
+            "clock's updates leave at its own step())"
+        )
+
+    def _refuse_create_graph(self) -> None:
+        """In a backward pass through the model: one with create_graph=True
+        (a gradient penalty, double backward; grad mode is on in it) is
+        refused before it adds anything to the gradients."""
+        if torch.is_grad_enabled():
+            raise UnsupportedModelError(
+                f"clock {self.clock}: a backward pass with create_graph=True through the wrapped model (a gradient "
+                "penalty such as WGAN-GP's or R1, a penalty on the gradients' norm, MAML's inner step: "
+                "torch.autograd.grad(..., create_graph=True)) is not supported: each clock's update leaves from one "
+                "first-order backward pass, which cannot be differentiated again. Train without the term, or "
+                "compute it on a model outside the wrapped one"
+            )
+
     def _refuse_swapped_for_the_call(self) -> None:
         """Before a clock starts: a parameter swapped for another tensor for
         the length of the call (``torch.func.functional_call`` with tensors of
@@ -275,8 +297,10 @@ class ClockChecks(DriverState):
                     "parameter wrap() took, so freeze before wrapping (or unwrap() and wrap again)")
         if expected is not None and expected.kind == "update" and self._phase is Phase.BACKWARD:
             return (f"; the gradients of layer {self.layers[expected.layer].name!r} never reached .grad, from "
-                    "which its update leaves (torch.autograd.grad, or backward(inputs=...), computes gradients without "
-                    "accumulating them there): call loss.backward()")
+                    "which its update leaves: a parameter this forward did not use where the recording's did (a "
+                    "branch that depends on the data), or gradients computed by torch.autograd.grad or "
+                    "backward(inputs=...), which do not accumulate them there; every clock must give every "
+                    "parameter wrap() took a gradient, through loss.backward()")
         return ""
 
     # -- the forward pass ---------------------------------------------------------------
@@ -324,19 +348,25 @@ class ClockChecks(DriverState):
                 + "; nothing of this clock was done, so it can go on with other inputs"
             )
 
-    def _check_parameter_writes(self) -> None:
+    def _check_parameter_writes(self, *, between_passes: bool = False) -> None:
         """Refuses a forward pass that wrote a parameter in place: the write
         lands in the engine's read buffer and would be lost at the next read,
         where torch would keep it (nn.Embedding(max_norm=...) renormalises
-        the rows it looks up so)."""
+        the rows it looks up so); ``between_passes``: before a clock's next
+        forward pass, a write since its last backward pass (SAM's
+        perturbation of the weights)."""
         for number, versions in self._bound_versions.items():
             layer = self.layers[number]
             name = layer.changed_since(versions)
-            if name is not None:
-                with self._mutating():
-                    raise UnsupportedModelError(
-                        f"parameter {name!r} was written in place during the forward pass (nn.Embedding with "
-                        "max_norm renormalises its rows so, as would a weight clamp in a forward pre-hook); the "
-                        "servers hold the parameters and apply only the update of each clock, so the write would "
-                        "be lost at the next read: remove the in-place write (for an Embedding, drop max_norm)"
-                    )
+            if name is None:
+                continue
+            when = ("between the backward pass and the next forward pass of the clock (SAM's perturbation "
+                    "p.add_(e), say)" if between_passes else
+                    "during the forward pass (nn.Embedding with max_norm renormalises its rows so, as would a weight "
+                    "clamp in a forward pre-hook)")
+            with self._mutating():
+                raise UnsupportedModelError(
+                    f"parameter {name!r} was written in place {when}; the servers hold the parameters and apply only "
+                    "the update of each clock, so the write would be lost at the next read: remove the in-place "
+                    "write" + ("" if between_passes else " (for an Embedding, drop max_norm)")
+                )

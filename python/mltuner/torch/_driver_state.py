@@ -22,6 +22,7 @@ from mltuner.torch._buffers import app_stream
 from mltuner.torch._layers import Layer
 from mltuner.torch._recording import Event, Slot, Tables
 from mltuner.torch._saved import SavedActivations
+from mltuner.torch._trace import ParamRef
 
 __all__ = ["DriverState", "GradScale", "Phase", "refuse_copy"]
 
@@ -50,9 +51,18 @@ class GradScale(Protocol):
 
 class _ActRef(NamedTuple):
     """What autograd keeps of a saved activation: stored in the local table,
-    or recomputed in the backward pass."""
+    or recomputed in the backward pass (``serial``: the forward's)."""
 
     slot: int
+    serial: int
+
+
+class _ParamUse(NamedTuple):
+    """What autograd keeps of a view of a layer's parameters: read again in
+    the backward pass (``serial``: the forward's)."""
+
+    ref: ParamRef
+    serial: int
 
 
 class _Mutating:

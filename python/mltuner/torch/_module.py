@@ -985,6 +985,13 @@ def wrap(
     if isinstance(module, nn.Module):  # find_layers refuses anything else
         check_module_types(module)  # first: DataParallel moves the module to a GPU, which is not the point
         check_same_device(torch.device(worker.device), _parameter_device(module))
+        synced = [name or "the model" for name, m in module.named_modules() if isinstance(m, nn.SyncBatchNorm)]
+        if synced and worker.num_workers > 1:
+            raise UnsupportedModelError(
+                f"module {synced[0]!r} is nn.SyncBatchNorm on a job of {worker.num_workers} workers: mltuner does not "
+                "synchronise batch statistics across workers (torch.distributed is not initialised, so it would "
+                "normalise each worker's batch alone, silently unlike SyncBatchNorm under DDP); use nn.BatchNorm "
+                "layers, whose statistics are per worker as with DDP without SyncBatchNorm")
     if slack < 0:
         raise InvalidArgumentError(f"slack must be >= 0, got {slack}")
     if row_width < 1:

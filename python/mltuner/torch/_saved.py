@@ -300,12 +300,14 @@ class SavedActivations:
                        "of saved tensors depends on the data, as with packed sequences of varying lengths or top-k "
                        "routing); with stored activations every clock must save the recorded ones in the recorded "
                        "order: wrap() without store_activations for such a model")
-            elif self._programs:
+            elif self._programs and not larger:
                 why = ("every clock must save the recorded shapes, since the recomputations replay the recorded ops "
                        "(recompute='none' lets them shrink)")
             elif larger:
                 why = ("a clock may save smaller tensors of the same dtype and memory layout (a smaller batch, a "
-                       "shorter sequence), not larger ones: give wrap() the largest example_input")
+                       "shorter sequence), not larger ones: give wrap() the largest example_input; if it is the "
+                       "largest batch already, the size of this saved tensor depends on the data (top-k routing, "
+                       "packed sequences of varying lengths): wrap() without store_activations for such a model")
             else:
                 why = ("a smaller tensor must keep the recorded memory layout, and this one does not (or the forward "
                        "saved other tensors than the recording pass did, in a data-dependent order: then wrap() "

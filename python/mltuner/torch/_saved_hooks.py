@@ -15,7 +15,7 @@ import torch
 
 from mltuner.exceptions import OutOfOrderError
 from mltuner.torch._buffers import is_placeholder, storage_ptr
-from mltuner.torch._driver_state import Phase, _ActRef
+from mltuner.torch._driver_state import Phase, _ActRef, _ParamUse
 from mltuner.torch._errors import IterationMismatchError, UnsupportedModelError
 from mltuner.torch._stored import StoredActivations
 from mltuner.torch._trace import ParamRef
@@ -51,7 +51,8 @@ class SavedTensorHooks(StoredActivations):
                     f"autograd saves a {tensor.dtype} reinterpretation of layer {self.layers[layer].name!r}'s "
                     "parameters; only float32 views are supported"
                 )
-            return ParamRef(layer, tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset()))
+            return _ParamUse(ParamRef(layer, tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset())),
+                             self._serial)
         if is_placeholder(address):
             with self._mutating():
                 raise UnsupportedModelError(
@@ -89,7 +90,7 @@ class SavedTensorHooks(StoredActivations):
             self._next_slot += 1
             if index >= 0:
                 self._store(index, slot, tensor)
-            ref = None if layout.kept else _ActRef(slot)  # None: autograd keeps the tensor itself
+            ref = None if layout.kept else _ActRef(slot, self._serial)  # None: autograd keeps the tensor itself
             if ref is None and not self._recording:
                 self._acts.hold(slot, tensor)  # for the recomputations that read it
             self._saved[key] = (weakref.ref(tensor.untyped_storage()), ref)
@@ -110,6 +111,7 @@ class SavedTensorHooks(StoredActivations):
         if isinstance(packed, torch.Tensor):
             return packed
         self.check_usable()
+        self._refuse_create_graph()
         if self._phase is not Phase.BACKWARD:
             raise OutOfOrderError(
                 f"autograd needs a saved tensor of the wrapped model outside clock {self.clock}'s backward "
@@ -118,13 +120,17 @@ class SavedTensorHooks(StoredActivations):
         if self._cursor == len(self._events) and not self._recording:  # every update has left: nothing to touch
             raise OutOfOrderError(
                 f"a second backward pass through one forward pass in clock {self.clock}: backward() can run once "
-                "per forward pass (was it called twice, with retain_graph=True?); call step() after each"
+                "per forward pass (was it called twice, with retain_graph=True? For two losses of one forward, "
+                "call torch.autograd.backward([loss1, loss2]) once); call step() after each"
             )
+        if packed.serial != self._serial:
+            raise self._earlier_graph()
         log = self._acts.store_all if self._recording else None
-        if isinstance(packed, ParamRef):
+        if isinstance(packed, _ParamUse):
+            ref = packed.ref
             if log is not None:
-                log.unpack_param(packed.layer)
-            return self._grad_read(packed).as_strided(packed.size, packed.stride, packed.offset)
+                log.unpack_param(ref.layer)
+            return self._grad_read(ref).as_strided(ref.size, ref.stride, ref.offset)
         assert isinstance(packed, _ActRef)
         if log is not None:
             log.unpack_slot(packed.slot)

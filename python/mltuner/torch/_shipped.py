@@ -80,6 +80,13 @@ class ShippedGradient(torch.Tensor):
                 torch.maximum(found_inf, flag.to(found_inf.device).reshape(found_inf.shape), out=found_inf)
             return None
         name, why = _stand_in(args, kwargs)
+        if torch._C._current_autograd_node() is not None:  # in the backward pass: a hook of the loop's own
+            raise OutOfOrderError(
+                f"the gradient of {name!r} was read or changed during backward(), by a hook that runs after the "
+                "one that ships its update (a register_post_accumulate_grad_hook or a tensor hook registered after "
+                "wrap()): register the hook before wrap(), so that it runs before the update leaves, or "
+                f"{why.split('; ', 1)[-1] if '; ' in why else why}"
+            )
         raise OutOfOrderError(
             f"the gradient of {name!r} was read or changed between backward() and step(), but it had already "
             "left for the parameter servers during backward(), so an operation over the gradients there "

@@ -111,7 +111,9 @@ class GradientUpdates(EngineOps, ClockChecks):
         name = layer.params[position].name
         with self._mutating():
             if grad is None or grad.layout != torch.strided:
-                raise UnsupportedModelError(f"{name!r} got a sparse or missing gradient: only dense gradients")
+                raise UnsupportedModelError(
+                    f"{name!r} got a sparse or missing gradient: only dense gradients (an embedding looked up "
+                    "with sparse=True, nn.Embedding or F.embedding: use sparse=False)")
             self._refuse_replaced()
             raise UnsupportedModelError(
                 f"{name!r} got a gradient, but module {layer.name!r} did not run in this forward pass: the "
@@ -221,6 +223,9 @@ class GradientUpdates(EngineOps, ClockChecks):
         one and tells the gradient hooks whether the pass's forward ran under
         no_sync()."""
         def hook(grad: torch.Tensor) -> None:
+            self._refuse_create_graph()
+            if self._phase is Phase.BACKWARD and self._serial > serial:
+                raise self._earlier_graph()
             if self._phase is not Phase.BACKWARD or self._serial != serial:
                 raise OutOfOrderError(
                     f"a gradient arrived outside clock {self.clock}'s backward pass: backward() can run once per "
@@ -230,7 +235,7 @@ class GradientUpdates(EngineOps, ClockChecks):
                 raise OutOfOrderError(
                     f"a second backward pass through one forward pass in clock {self.clock}: backward() can run "
                     "once per forward pass (several forward and backward passes before step() add up their "
-                    "gradients)"
+                    "gradients; for two losses of one forward, call torch.autograd.backward([loss1, loss2]) once)"
                 )
             self._outputs_seen.add(output)
             self._pass_deferred = deferred
@@ -287,8 +292,10 @@ class GradientUpdates(EngineOps, ClockChecks):
                         self._refuse_replaced()
                         raise IterationMismatchError(
                             f"clock {self.clock}: {layer.params[position].name!r} got no gradient, but it did in the "
-                            f"recording pass of wrap(): module {layer.name!r} did not run in this forward pass, or "
-                            "its output did not reach the loss; every clock must run the same layers"
+                            f"recording pass of wrap(): this forward did not use it (a branch that depends on the "
+                            f"data), module {layer.name!r} did not run, its output did not reach the loss, or its "
+                            ".grad was set to None after backward(); every clock must give every parameter wrap() "
+                            "took a gradient"
                             + self._mismatch_cause(None)
                         )
                 if grad.layout != torch.strided:

@@ -532,5 +532,71 @@ def test_gradients_from_autograd_grad_are_named_with_stored_activations(worker: 
     ps_model = mt.wrap(mlp(), worker, example_input=X, store_activations=True)
     loss = ps_model(X).square().mean()
     with pytest.raises(mt.IterationMismatchError, match=r"gradients of layer '2' never reached \.grad.*"
-                                                        r"torch\.autograd\.grad.*call loss\.backward\(\)"):
+                                                        r"torch\.autograd\.grad.*through loss\.backward\(\)"):
         torch.autograd.grad(loss, list(ps_model.parameters()))
+
+
+def test_sync_batch_norm_on_several_workers_is_refused() -> None:
+    """Without torch.distributed, SyncBatchNorm normalises each worker's batch
+    alone: on two workers that trained silently unlike SyncBatchNorm under
+    DDP (13% off in a probe). One worker is plain torch's single process."""
+    model = nn.Sequential(nn.Linear(6, 8), nn.SyncBatchNorm(8), nn.Linear(8, 3))
+    with LocalCluster(2, Config(wait_timeout_s=10)) as cluster:
+        with pytest.raises(mt.UnsupportedModelError, match=r"module '1' is nn\.SyncBatchNorm on a job of 2 workers"):
+            mt.wrap(model, cluster.worker(0), example_input=X)
+    with LocalCluster(1, Config(wait_timeout_s=10)) as cluster:
+        one_clock(mt.wrap(model, cluster.worker(0), example_input=X))
+
+
+@pytest.mark.parametrize("wrap_args", [{}, {"store_activations": True}], ids=["held reads", "stored activations"])
+def test_a_backward_pass_with_create_graph_is_refused_as_such(worker: Worker, wrap_args: dict[str, Any]) -> None:
+    """A gradient penalty differentiates a backward pass again, which a clock
+    cannot: refused naming create_graph (it was called a second backward
+    pass, or gradients that never reached .grad)."""
+    ps_model = mt.wrap(mlp(), worker, example_input=X, **wrap_args)
+    x = X.clone().requires_grad_(True)
+    out = ps_model(x)
+    with pytest.raises(mt.UnsupportedModelError, match=r"backward pass with create_graph=True .* gradient penalty"):
+        (grad,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        (out.square().mean() + grad.square().sum()).backward()
+
+
+def test_a_backward_pass_into_an_earlier_clocks_graph_names_detach(worker: Worker) -> None:
+    """Truncated backpropagation through time without h.detach(): the second
+    clock's loss reaches the first clock's graph (it was blamed on a second
+    backward pass). With stored activations the first clock's graph is freed
+    (torch says so) unless retained, and a retained one makes the layer save
+    its weight, which the recording did not: a mismatch at that read."""
+    torch.manual_seed(0)
+    cell = nn.Linear(6, 6)
+    ps_model = mt.wrap(cell, worker, example_input=X)
+    h = torch.tanh(ps_model(X))
+    h.square().mean().backward(retain_graph=True)
+    ps_model.step()
+    with pytest.raises(mltuner.OutOfOrderError, match=r"reached the graph of an earlier forward pass.*h\.detach\(\)"):
+        torch.tanh(ps_model(h)).square().mean().backward()
+
+
+def test_a_hook_registered_after_wrap_that_reads_a_shipped_gradient_is_named(worker: Worker) -> None:
+    """A post-accumulate hook of the loop's own runs after the adapter's, once
+    the update left: the error says to register it before wrap() (it blamed
+    clip_grad_norm_ between backward() and step())."""
+    model = mlp()
+    ps_model = mt.wrap(model, worker, example_input=X, overlap_updates=True)
+    model[0].weight.register_post_accumulate_grad_hook(lambda p: p.grad.norm())  # type: ignore[union-attr]
+    with pytest.raises(mltuner.OutOfOrderError, match=r"during backward\(\), by a hook .* register the hook before "
+                                                      r"wrap\(\)"):
+        ps_model(X).square().mean().backward()
+
+
+def test_a_parameter_written_between_the_passes_of_a_clock_is_named_so(worker: Worker) -> None:
+    """SAM perturbs the weights between its two passes: refused as a write
+    between passes (it was called a write during the forward pass)."""
+    model = mlp()
+    ps_model = mt.wrap(model, worker, example_input=X)
+    ps_model(X).square().mean().backward()
+    with torch.no_grad():
+        model[0].weight.add_(0.01)
+    with pytest.raises(mt.UnsupportedModelError, match=r"'0\.weight' was written in place between the backward pass "
+                                                       r"and the next forward pass"):
+        ps_model(X)

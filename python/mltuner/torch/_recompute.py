@@ -420,7 +420,10 @@ def _with_scalars(node: Node, made: Made) -> Node:
     """``node`` with the arguments of a clock's op (``made``): its non-tensor
     ones, and the node's templates for its tensors, in order."""
     templates = iter(item for item in tree_flatten((node.args, node.kwargs))[0] if isinstance(item, TEMPLATES))
-    args, kwargs = tree_unflatten([next(templates) if item is TENSOR else item for item in made.flat], made.spec)
+    flat = [next(templates) if item is TENSOR else item for item in made.flat]
+    if made.spec is None:  # positional arguments only, none a list
+        return dataclasses.replace(node, args=tuple(flat), kwargs={})
+    args, kwargs = tree_unflatten(flat, made.spec)
     return dataclasses.replace(node, args=args, kwargs=kwargs, nested=True)
 
 

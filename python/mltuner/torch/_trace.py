@@ -321,7 +321,7 @@ class ForwardTrace(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.nodes.append(node)
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class Made:
     """How a later clock's forward made a tensor: the op, its arguments
     flattened (``spec``), with :data:`TENSOR` in place of each tensor, and
@@ -330,7 +330,7 @@ class Made:
 
     func: Any
     flat: tuple[Any, ...]
-    spec: Any  # torch.utils._pytree.TreeSpec of (args, kwargs)
+    spec: Any  # torch.utils._pytree.TreeSpec of (args, kwargs); None: ``flat`` is the positional arguments
     inputs: tuple[tuple[Made, int] | None, ...]
 
     @property
@@ -339,6 +339,7 @@ class Made:
 
 
 TENSOR = object()  # a tensor's place in Made.flat
+_MADE = "_mltuner_made"  # a tensor's attribute: (the ClockOps that noted it, (Made, output position))
 
 
 # What a recorded node holds in place of each tensor argument.
@@ -371,36 +372,55 @@ class ClockOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.funcs = funcs
         self.states: dict[int, torch.Tensor] = {}
         self._count = 0
-        self._made: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # tensor -> (Made, output position)
 
     def made(self, tensor: torch.Tensor) -> tuple[Made, int] | None:
         """How this clock's forward made ``tensor`` (None: not by an op of the programs)."""
-        return self._made.get(tensor)  # type: ignore[no-untyped-call,no-any-return]
+        found = tensor.__dict__.get(_MADE)
+        return found[1] if found is not None and found[0] is self else None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if _is_seeded(func):
-            expected = self.wanted.get(self._count)
-            if expected is not None:
-                if func is not expected:
-                    raise IterationMismatchError(
-                        f"clock {self.clock}: random op #{self._count} of the forward is {func}, the recorded one "
-                        f"{expected}; a recomputed activation replays its random numbers, so every clock must "
-                        "run the same random ops as the recording pass of wrap()"
-                    )
-                self.states[self._count] = generator_of(_device_of(args, kwargs)).get_state()
-            self._count += 1
         if func not in self.funcs:
-            return func(*args, **kwargs)
-        flat, spec = tree_flatten((args, kwargs))
-        inputs = tuple(self._made.get(item) for item in flat  # type: ignore[no-untyped-call]
-                       if isinstance(item, torch.Tensor))
-        made = Made(func, tuple(TENSOR if isinstance(item, torch.Tensor) else item for item in flat), spec, inputs)
-        out = func(*args, **kwargs)
-        for position, item in enumerate(tree_flatten(out)[0]):
+            if self.wanted and _is_seeded(func):
+                self._note_random(func, args, kwargs or {})
+            return func(*args, **(kwargs or {}))
+        if self.wanted and _is_seeded(func):
+            self._note_random(func, args, kwargs or {})
+        # How each tensor argument was made: noted on the tensor itself (a
+        # dict lookup; a weak-keyed dictionary cost several times as much).
+        if kwargs or any(type(item) in (list, tuple) for item in args):
+            flat, spec = tree_flatten((args, kwargs or {}))
+        else:
+            flat, spec = args, None
+        inputs = []
+        kept = []
+        for item in flat:
             if isinstance(item, torch.Tensor):
-                self._made[item] = (made, position)
+                found = item.__dict__.get(_MADE)
+                inputs.append(found[1] if found is not None and found[0] is self else None)
+                kept.append(TENSOR)
+            else:
+                kept.append(item)
+        made = Made(func, tuple(kept), spec, tuple(inputs))
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            out.__dict__[_MADE] = (self, (made, 0))
+        else:
+            for position, item in enumerate(tree_flatten(out)[0]):
+                if isinstance(item, torch.Tensor):
+                    item.__dict__[_MADE] = (self, (made, position))
         return out
+
+    def _note_random(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        expected = self.wanted.get(self._count)
+        if expected is not None:
+            if func is not expected:
+                raise IterationMismatchError(
+                    f"clock {self.clock}: random op #{self._count} of the forward is {func}, the recorded one "
+                    f"{expected}; a recomputed activation replays its random numbers, so every clock must "
+                    "run the same random ops as the recording pass of wrap()"
+                )
+            self.states[self._count] = generator_of(_device_of(args, kwargs)).get_state()
+        self._count += 1
 
     def check_complete(self) -> None:
         """After the forward: it ran as many random ops as the recording

@@ -299,7 +299,7 @@ Status Reclaimer::ApplyOwnStep(const AccessRecord& access, const float* buffer, 
     MutexLock lock(&state_->mu);
     at = state_->branches.At(clock);
     rule.config = state_->branches.RuleOn(at.branch, access.table, own->base_rule());
-    rule.training = at.training;
+    rule.training = at.training && state_->skipped_steps.count(clock) == 0;  // a skipped step takes none
     // A rate set for this clock holds from its own step on, as on the shards.
     if (std::optional<float> rate = RateSetFor(access.table, clock)) rule.config.learning_rate = *rate;
   }

@@ -218,6 +218,10 @@ int64_t ServerShard::state_bytes_allocated() const {
   return bytes;
 }
 
+Status ServerShard::NotHere(TableId table, BranchId branch) const {
+  return UnknownTable(table, branch, branches_.count(0) == 0);
+}
+
 ServerShard::TableState* ServerShard::Find(BranchId branch, TableId table) const {
   auto found = tables_.find({branch, table});
   return found == tables_.end() ? nullptr : found->second.get();
@@ -356,7 +360,7 @@ void ServerShard::AddSpansOnDevice(const Message& in, const RowSpan& range, int6
 Status ServerShard::HandleClockUpdate(const Message& in, std::vector<Message>* out) {
   MLT_RETURN_IF_ERROR(CheckSender(in, num_workers_));
   TableState* found = Find(in.header.branch, in.header.table);
-  if (found == nullptr) return UnknownTable(in.header.table, in.header.branch, branches_.count(0) == 0);
+  if (found == nullptr) return NotHere(in.header.table, in.header.branch);
   TableState& table = *found;
   MLT_RETURN_IF_ERROR(CheckPayload(in, table.info));
 
@@ -386,8 +390,12 @@ Status ServerShard::HandleClockUpdate(const Message& in, std::vector<Message>* o
   if ((in.header.flags & kNewLearningRate) != 0 && part == 0 && clock > table.clock.global()) {
     table.new_rates[clock][sender] = in.header.learning_rate;
   }
-  if ((in.header.flags & kSkipStep) != 0 && clock > table.clock.global()) table.skipped_steps.insert(clock);
   if (table.clock.DeclaredEmpty(sender, clock)) return DropDeclaredEmpty(&table, in);
+  // Every part carries the mark; part 0, which every worker's must reach
+  // before the clock's first part is applied, decides for all of them.
+  if ((in.header.flags & kSkipStep) != 0 && part == 0 && clock > table.clock.global()) {
+    table.skipped_steps.insert(clock);
+  }
   if (check_finite_ && table.training && in.num_values() > 0) MLT_RETURN_IF_ERROR(CheckFinite(table, in));
   if (in.num_values() > 0) {
     std::shared_ptr<DeviceBuffer> payload;
@@ -504,8 +512,7 @@ Status ServerShard::HandleFetch(const Message& in, std::vector<Message>* out) {
   // A sender out of range has no client to tell, so it only gets the Status.
   MLT_RETURN_IF_ERROR(CheckSender(in, num_workers_));
   const TableState* found = Find(in.header.branch, in.header.table);
-  Status status = found == nullptr ? UnknownTable(in.header.table, in.header.branch, branches_.count(0) == 0)
-                                    : CheckSpans(*found, found->range, in);
+  Status status = found == nullptr ? NotHere(in.header.table, in.header.branch) : CheckSpans(*found, found->range, in);
   if (!status.ok()) {
     out->push_back(ErrorReply(rank_, in, status));
     return status;
@@ -535,8 +542,7 @@ Status ServerShard::HandleFetch(const Message& in, std::vector<Message>* out) {
 Status ServerShard::HandleInitAdd(const Message& in, std::vector<Message>* out) {
   MLT_RETURN_IF_ERROR(CheckSender(in, num_workers_));
   TableState* found = Find(in.header.branch, in.header.table);
-  Status status = found == nullptr ? UnknownTable(in.header.table, in.header.branch, branches_.count(0) == 0)
-                                    : CheckSpans(*found, found->range, in);
+  Status status = found == nullptr ? NotHere(in.header.table, in.header.branch) : CheckSpans(*found, found->range, in);
   if (status.ok()) status = CheckPayload(in, found->info);
   // Initial values are checked as training updates are: a NaN model would train on NaN.
   if (status.ok() && check_finite_ && in.num_values() > 0) status = CheckFinite(*found, in);
@@ -765,13 +771,12 @@ Status ServerShard::ApplyPart(TableState* table, Clock finished, int part) {
     table->pending.erase(pending);
   }
   if (part == 0) MLT_RETURN_IF_ERROR(TakeNewLearningRate(table, finished));
+  const bool skipped = table->skipped_steps.count(finished) != 0;
+  if (skipped && part + 1 == table->clock.parts()) table->skipped_steps.erase(finished);
   if (!table->training) return Status::Ok();  // evaluation and testing branches never change
-  if (table->skipped_steps.count(finished) != 0) {
-    // A skipped step: nothing changes. The updates' buffers go back to their
-    // pools once the server stream is past what queued their rows.
-    if (part + 1 == table->clock.parts()) table->skipped_steps.erase(finished);
-    return ReleaseUnapplied(updates);
-  }
+  // A skipped step: nothing changes. The updates' buffers go back to their
+  // pools once the server stream is past what queued their rows.
+  if (skipped) return ReleaseUnapplied(updates);
   // Sum in worker order 0..N-1, whatever order the updates arrived in, so
   // the float result is the same on every run. Workers that sent nothing
   // have no buffer and add nothing.
@@ -890,7 +895,7 @@ float ServerShard::learning_rate(TableId table, BranchId branch) const {
 
 Status ServerShard::ExportTable(TableId table, ShardSlice* out, BranchId branch) const {
   const TableState* found = Find(branch, table);
-  if (found == nullptr) return UnknownTable(table, branch, branches_.count(0) == 0);
+  if (found == nullptr) return NotHere(table, branch);
   const TableState& state = *found;
   if (!state.rule) return Status::OutOfOrder(TableText(table) + ": the shard's state is placed once every worker is ready");
   out->first_row = state.range.begin;

@@ -207,6 +207,8 @@ class ServerShard {
   // The rates of `parent`'s rated tables (every rule but add), for ForkRates.
   std::map<TableId, TableRate> RatesOf(BranchId parent) const;
   TableState* Find(BranchId branch, TableId table) const;
+  // The error for a table not found on `branch` (an unknown or freed branch).
+  Status NotHere(TableId table, BranchId branch) const;
   // Part `part`'s rows for `worker`, stamped with data age `age`.
   // `shared_frame`: the host frame of this push that every worker outside
   // the shard's memory gets, each through a view (filled once, by the first

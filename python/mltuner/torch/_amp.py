@@ -61,6 +61,8 @@ from mltuner.torch._clock import ClockDriver
 
 __all__ = ["ScaledGradients", "check_scaler"]
 
+_FREED = -1  # ScaledGradients._branch once the branch it held was freed
+
 
 def check_scaler(scaler: object, device: torch.device) -> torch.amp.GradScaler:
     """``scaler`` as a GradScaler for ``device``'s type, or the reason not."""
@@ -89,8 +91,9 @@ class ScaledGradients:
         self._unscaled_clock = -1  # the last clock whose gradients unscale() unscaled
         self._warned = False
         # Branches: the branch whose state the scaler holds (None before the
-        # first clock), and the others' (scale, growth tracker) copies; None
-        # stands for the scaler's initial state (forked before it scaled).
+        # first clock; _FREED once that branch was freed), and the others'
+        # (scale, growth tracker) copies; None stands for the scaler's
+        # initial state (forked before it scaled).
         self._branch: int | None = None
         self._states: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
         driver.worker.add_branch_listener(self.branch_changed)
@@ -126,11 +129,16 @@ class ScaledGradients:
 
     def branch_changed(self, branch: int, parent: int | None) -> None:
         """A fork of ``branch`` from ``parent`` takes the parent's state as
-        it is now; a freed ``branch`` (``parent`` None) drops its own."""
+        it is now; a freed ``branch`` (``parent`` None) drops its own (the
+        id may be forked again)."""
         if parent is None:
             self._states.pop(branch, None)
+            if branch == self._branch:
+                self._branch = _FREED  # the live state is nobody's now
         elif parent == self._branch or self._branch is None:  # the scaler holds the parent's state
             self._states[branch] = self._live_copy()
+            if self._branch is None:  # before the first clock: the parent's, kept for its own clocks
+                self._states.setdefault(parent, self._states[branch])
         else:
             self._states[branch] = self._states.get(parent)
 
@@ -140,7 +148,7 @@ class ScaledGradients:
         branch = self._driver.worker.next_branch if self._driver.worker.config.branches else None
         if branch is None or branch == self._branch:
             return
-        if self._branch is not None:
+        if self._branch is not None and self._branch != _FREED:
             self._states[self._branch] = self._live_copy()
         self._branch = branch
         if branch not in self._states:  # never forked here (the root): it trains on the scaler as it is

@@ -340,6 +340,10 @@ class ClockDriver(Planning, ServerValues, SavedTensorHooks):
                 "a backward pass again before step()")
         dropped = (" (here the gradients stay in .grad until step(): was .grad set to None after backward(), by "
                    "p.grad = None or a zero_grad of some parameters?)" if self._at_step else "")
+        if not self._at_step and any(grad is not None for layer in self.layers if layer.name in missing
+                                     for grad in layer.grads()):
+            dropped = (" (their .grad was assigned by hand, after torch.autograd.grad say, which reaches the servers "
+                       f"only where updates ship at step(): {self._why_shipped()})")
         with self._mutating():
             raise IterationMismatchError(
                 f"clock {self.clock}: the backward pass finished without a gradient for layer(s) {names}, which "

@@ -256,15 +256,16 @@ class ClockChecks(DriverState):
             self._param_places = places
         for parameters, leaf, param, name in self._param_places:
             now = parameters.get(leaf)
-            if now is not param and isinstance(now, torch.Tensor) and not isinstance(now, nn.Parameter):
+            if now is not param and isinstance(now, torch.Tensor):
                 raise UnsupportedModelError(
-                    f"clock {self.clock}: parameter {name!r} of the wrapped model is swapped for another tensor for "
-                    "this call (torch.func.functional_call with tensors of its own, or another reparametrization of "
-                    "the module), which the adapter cannot follow: the servers hold the parameters wrap() found and "
-                    "every clock reads their values into those, so the forward must use them (tensors computed from "
-                    "them before the forward hold NaN placeholders). Pass the wrapped module's own parameters "
-                    "(functional_call(model, dict(model.named_parameters()), ...)) and compute other weights inside "
-                    "the model's forward; refused before the clock started, so the model goes on"
+                    f"clock {self.clock}: parameter {name!r} of the wrapped model is not the one wrap() took: swapped "
+                    "for another tensor for this call (torch.func.functional_call with tensors or parameters of its "
+                    "own, or another reparametrization of the module) or replaced by a new nn.Parameter, which the "
+                    "adapter cannot follow: the servers hold the parameters wrap() found and every clock reads their "
+                    "values into those, so the forward must use them (tensors computed from them before the forward "
+                    "hold NaN placeholders). Pass the wrapped module's own parameters (functional_call(model, "
+                    "dict(model.named_parameters()), ...)) and compute other weights inside the model's forward; "
+                    "refused before the clock started, so the model goes on with its own parameters in place"
                 )
 
     def _replaced(self) -> tuple[str, bool] | None:

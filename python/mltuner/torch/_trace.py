@@ -339,7 +339,7 @@ class Made:
 
 
 TENSOR = object()  # a tensor's place in Made.flat
-_MADE = "_mltuner_made"  # a tensor's attribute: (the ClockOps that noted it, (Made, output position))
+_MADE = "_mltuner_made"  # a tensor's attribute: (the ClockOps that noted it, (Made, output position), version)
 
 
 # What a recorded node holds in place of each tensor argument.
@@ -372,19 +372,19 @@ class ClockOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.funcs = funcs
         self.states: dict[int, torch.Tensor] = {}
         self._count = 0
+        self._written: dict[Any, list[bool]] = {}  # per op: which outputs it writes in place
 
     def made(self, tensor: torch.Tensor) -> tuple[Made, int] | None:
-        """How this clock's forward made ``tensor`` (None: not by an op of the programs)."""
+        """How this clock's forward made ``tensor`` as it is now (None: not
+        by an op of the programs, or written since by another op)."""
         found = tensor.__dict__.get(_MADE)
-        return found[1] if found is not None and found[0] is self else None
+        return found[1] if found is not None and found[0] is self and found[2] == tensor._version else None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func not in self.funcs:
-            if self.wanted and _is_seeded(func):
-                self._note_random(func, args, kwargs or {})
-            return func(*args, **(kwargs or {}))
         if self.wanted and _is_seeded(func):
             self._note_random(func, args, kwargs or {})
+        if func not in self.funcs:
+            return func(*args, **(kwargs or {}))
         # How each tensor argument was made: noted on the tensor itself (a
         # dict lookup; a weak-keyed dictionary cost several times as much).
         if kwargs or any(type(item) in (list, tuple) for item in args):
@@ -395,19 +395,24 @@ class ClockOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kept = []
         for item in flat:
             if isinstance(item, torch.Tensor):
-                found = item.__dict__.get(_MADE)
-                inputs.append(found[1] if found is not None and found[0] is self else None)
+                inputs.append(self.made(item))
                 kept.append(TENSOR)
             else:
                 kept.append(item)
         made = Made(func, tuple(kept), spec, tuple(inputs))
         out = func(*args, **(kwargs or {}))
-        if isinstance(out, torch.Tensor):
-            out.__dict__[_MADE] = (self, (made, 0))
-        else:
-            for position, item in enumerate(tree_flatten(out)[0]):
-                if isinstance(item, torch.Tensor):
-                    item.__dict__[_MADE] = (self, (made, position))
+        # With the version each output has once the op returns (one more
+        # where it writes an argument in place: autograd counts the write
+        # above this mode): a later write by an op the programs do not run
+        # (an in-place op of the model's own) makes the note stale, and the
+        # tensor then counts as made by other ops.
+        written = self._written.get(func)
+        if written is None:
+            written = self._written[func] = [alias is True for alias in _returns_alias(func)]
+        for position, item in enumerate((out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]):
+            if isinstance(item, torch.Tensor):
+                bump = written[position] if position < len(written) else bool(written and written[0])
+                item.__dict__[_MADE] = (self, (made, position), item._version + bump)
         return out
 
     def _note_random(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:

@@ -1273,3 +1273,37 @@ TEST(BadEmptyClocksAreRefusedWithoutChange) {
   ASSERT_OK(shards[0]->Handle(ZeroUpdate(1, 0, 0), &out));
   EXPECT_TRUE(out.empty());
 }
+
+// A late worker's own update of a clock declared empty is dropped, and so is
+// the skipped-step mark it carries: the others' step is taken as if it were
+// unmarked (it skipped the clock for everyone).
+TEST(ASkippedStepMarkOnAClockDeclaredEmptyIsDropped) {
+  std::mt19937 rng(88);
+  const std::vector<float> initial = RandomValues(&rng, kRows * kWidth);
+  std::vector<std::vector<float>> results;
+  for (const bool marked : {false, true}) {
+    TableInfo info = Table();
+    info.update_rule = TorchSgd();
+    auto shards = MakeShards(UpdateRuleKind::kAdd, info);
+    InitialiseAndStart(shards, initial);
+    std::mt19937 same(89);
+    for (int s = 0; s < kWorkers; ++s) {
+      std::vector<Message> out;
+      ASSERT_OK(shards[s]->Handle(EmptyClock(0, s, 1, 0), &out));
+      Message late = ZeroUpdate(1, s, 0);  // worker 1's own, before the others'
+      if (marked) late.header.flags |= kSkipStep;
+      ASSERT_OK(shards[s]->Handle(late, &out));
+    }
+    for (WorkerId worker : {0, 2}) {
+      WorkerUpdate update = MakeUpdate(&same, worker, 0, false);
+      for (int s = 0; s < kWorkers; ++s) {
+        std::vector<Message> out;
+        ASSERT_OK(shards[s]->Handle(update.per_shard[s], &out));
+      }
+    }
+    for (const auto& shard : shards) EXPECT_EQ(shard->global_clock(kTable), 0);
+    results.push_back(Gather(shards));
+  }
+  EXPECT_TRUE(results[0] == results[1]);
+  EXPECT_TRUE(results[0] != initial);  // the step was taken
+}

@@ -345,8 +345,11 @@ def test_each_branch_keeps_its_own_grad_scaler_state() -> None:
     zero update is then the skipped step)."""
     batches = [(X_TRAIN[i * 32:(i + 1) * 32], Y_TRAIN[i * 32:(i + 1) * 32]) for i in range(12)]
     # (branch, clocks, diverging) runs and ("fork", child, parent) / ("free", branch) events
-    plan: list[tuple[Any, ...]] = [(0, 2, False), ("fork", 1, 0), ("fork", 2, 0), (1, 3, True), (2, 2, False),
-                                   (0, 1, True), ("fork", 3, 1), ("free", 1), (3, 1, False), (2, 1, False),
+    # Forks before any clock (the root's own state kept), a freed branch's id
+    # forked again while the scaler held its state (it kept the freed one's).
+    plan: list[tuple[Any, ...]] = [("fork", 1, 0), (1, 2, True), ("free", 1), ("fork", 1, 0), (1, 1, False),
+                                   (0, 2, False), ("fork", 2, 0), ("fork", 3, 1), (2, 3, True), (3, 2, False),
+                                   (0, 1, True), ("fork", 4, 2), ("free", 2), (4, 1, False), (3, 1, False),
                                    (0, 1, False)]
 
     def net() -> nn.Module:

@@ -323,6 +323,12 @@ class CudaDevice final : public Device {
     return err == cudaSuccess ? Status::Ok() : AppStreamError("RecordAppWork", app_stream, err);
   }
 
+  Status CopyToHostOnAppStream(uintptr_t app_stream, void* host, const void* src, size_t bytes) override {
+    MLT_RETURN_IF_ERROR(MakeCurrent("CopyToHostOnAppStream"));
+    const cudaError_t err = cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, AppStream(app_stream));
+    return err == cudaSuccess ? Status::Ok() : AppStreamError("CopyToHostOnAppStream", app_stream, err);
+  }
+
   Status CopyPiecesOnAppStream(uintptr_t app_stream, float* buffer, const std::vector<CopyPiece>& pieces,
                                CopyDirection direction, const float* zero_if) override {
     if (pieces.empty()) return Status::Ok();

@@ -160,7 +160,11 @@ void RegisterEngine(py::module_& m) {
       .def("set_learning_rate",
            [](Engine& e, TableId table, float learning_rate) { Check(e.SetLearningRate(table, learning_rate)); },
            py::arg("table"), py::arg("learning_rate"), Keep())
-      .def("skip_step", [](Engine& e) { Check(e.SkipStep()); }, Keep())
+      .def("skip_step",
+           [](Engine& e, uintptr_t flag, uintptr_t stream) {
+             Check(e.SkipStep(reinterpret_cast<const float*>(flag), stream));
+           },
+           py::arg("flag") = 0, py::arg("stream") = 0, Keep())
       .def("tables", &Engine::tables, Keep())
       .def("virtual_read",
            [](Engine& e, TableId table, const RowArray& rows, int slack) {

@@ -63,6 +63,9 @@ class ForwardingDevice : public Device {
   Status WaitEventDone(const DeviceEvent& e) override { return inner_->WaitEventDone(e); }
   Status QueryEvent(const DeviceEvent& e, bool* done) override { return inner_->QueryEvent(e, done); }
   Status RecordAppWork(uintptr_t a, DeviceEvent* out) override { return inner_->RecordAppWork(a, out); }
+  Status CopyToHostOnAppStream(uintptr_t a, void* host, const void* src, size_t bytes) override {
+    return inner_->CopyToHostOnAppStream(a, host, src, bytes);
+  }
   Status CopyPiecesOnAppStream(uintptr_t a, float* buffer, const std::vector<CopyPiece>& pieces,
                                CopyDirection direction, const float* zero_if) override {
     return inner_->CopyPiecesOnAppStream(a, buffer, pieces, direction, zero_if);

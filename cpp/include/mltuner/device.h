@@ -206,6 +206,12 @@ class Device {
   // backend copies at once. REQUIRES: pieces in bounds (the engine checks).
   virtual Status CopyPiecesOnAppStream(uintptr_t app_stream, float* buffer, const std::vector<CopyPiece>& pieces,
                                        CopyDirection direction, const float* zero_if) = 0;
+  // Queues on the application's stream, after its own work there, a copy of
+  // `bytes` of this device's memory at `src` into `host` (pinned memory of
+  // AllocateHost): a value the application computes on the device, read by
+  // an engine thread once a later RecordAppWork ticket is done. The CPU
+  // backend copies at once.
+  virtual Status CopyToHostOnAppStream(uintptr_t app_stream, void* host, const void* src, size_t bytes) = 0;
   // The index of the accelerator (DLPack device id); 0 for the CPU.
   virtual int ordinal() const = 0;
 

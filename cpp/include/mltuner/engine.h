@@ -248,9 +248,13 @@ class Engine {
   // its updates carry kSkipStep, and a shard that gets one from any worker
   // applies no rule to any table for that clock, so values and optimizer
   // state (momentum, Adam's moments and step count) stay as they were; the
-  // clock still advances. Only while no update of the clock has been
-  // posted (OutOfOrder otherwise: some may have left without the mark).
-  Status SkipStep();
+  // clock still advances. With `flag` (a float in the device's memory that
+  // the application writes on `app_stream`), only if it is nonzero once the
+  // work queued there so far is done: the reclaimer reads it before the
+  // clock's first update leaves, so the application never waits for the
+  // device. Only while no update of the clock has been posted (OutOfOrder
+  // otherwise: some may have left without the mark).
+  Status SkipStep(const float* flag = nullptr, uintptr_t app_stream = 0);
 
   // The servers' current values of `rows` (any phase), into out (rows x
   // width), from `branch` (-1: the branch of the last finished clock).

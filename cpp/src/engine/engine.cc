@@ -705,7 +705,7 @@ Status Engine::Impl::SetLearningRate(TableId table, float learning_rate) {
   return Status::Ok();
 }
 
-Status Engine::Impl::SkipStep() {
+Status Engine::Impl::SkipStep(const float* flag, uintptr_t app_stream) {
   const Phase phase = state_.phase.load();
   if (phase == Phase::kShutdown) return ShutdownError();
   if (phase != Phase::kRunning) return Status::OutOfOrder("skip_step before start_iterations: no clock is running");
@@ -723,7 +723,16 @@ Status Engine::Impl::SkipStep() {
   }
   state_.skipped_steps.erase(state_.skipped_steps.begin(),
                              state_.skipped_steps.lower_bound(state_.reclaimed_seq / num_ops));
-  state_.skipped_steps.insert(current);
+  float* word = nullptr;
+  if (flag != nullptr) {
+    // One pinned word per clock the pipeline may hold (the reclaimer is at
+    // most `depth` clocks behind the application), written in stream order.
+    const size_t words = static_cast<size_t>(plan_.depth) + 1;
+    if (!skip_words_) MLT_RETURN_IF_ERROR(DeviceBlock::Make(device_, words * sizeof(float), true, &skip_words_));
+    word = skip_words_->floats() + current % static_cast<mltuner::Clock>(words);
+    MLT_RETURN_IF_ERROR(device_->CopyToHostOnAppStream(app_stream, word, flag, sizeof(float)));
+  }
+  state_.skipped_steps[current] = word;
   return Status::Ok();
 }
 
@@ -944,7 +953,7 @@ Status Engine::SetLearningRate(TableId table, float learning_rate) {
   return impl_->SetLearningRate(table, learning_rate);
 }
 
-Status Engine::SkipStep() { return impl_->SkipStep(); }
+Status Engine::SkipStep(const float* flag, uintptr_t app_stream) { return impl_->SkipStep(flag, app_stream); }
 
 Status Engine::FindTable(const std::string& name, TableInfo* out) const {
   for (const TableInfo& table : impl_->plan_.tables) {

@@ -38,7 +38,7 @@ class Engine::Impl {
   Status CreateTable(const std::string& name, int64_t num_rows, int64_t row_width, bool local,
                      TableId* out, const std::optional<UpdateRuleConfig>& update_rule);
   Status SetLearningRate(TableId table, float learning_rate);
-  Status SkipStep();
+  Status SkipStep(const float* flag, uintptr_t app_stream);
   Status LookupTable(TableId table, const TableInfo** out) const;
   Status PreviewPlan(PlanPreview* out);
   Status ResetVirtualIteration();
@@ -89,6 +89,7 @@ class Engine::Impl {
   int64_t application_device_bytes_ = 0;  // ReserveDeviceMemory
   int64_t host_bytes_freed_during_init_ = 0;  // ReleaseHostMemoryDuringInit
   PipelinePlan plan_;    // tables while defining; all of it constant after FinishVirtualIteration
+  std::shared_ptr<DeviceBlock> skip_words_;  // SkipStep's pinned flags, one per clock in flight
   SharedState state_;
 
  private:

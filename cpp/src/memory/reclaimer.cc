@@ -199,6 +199,7 @@ Status Reclaimer::ReclaimOp(int64_t seq) {
   // own work on the buffer. Updates are sent as soon as their copies are
   // queued (the shard's stream waits for them on the device); one ticket
   // taken after them marks both the payloads ready and the buffer released.
+  if (op.kind == OpKind::kUpdate) MLT_RETURN_IF_ERROR(ResolveSkip(clock, slot->app_done));
   MLT_RETURN_IF_ERROR(device_->WaitEvent(Stream::kWriteback, slot->app_done));
   slot->app_done.reset();
   std::vector<Message> messages;
@@ -299,7 +300,7 @@ Status Reclaimer::ApplyOwnStep(const AccessRecord& access, const float* buffer, 
     MutexLock lock(&state_->mu);
     at = state_->branches.At(clock);
     rule.config = state_->branches.RuleOn(at.branch, access.table, own->base_rule());
-    rule.training = at.training && state_->skipped_steps.count(clock) == 0;  // a skipped step takes none
+    rule.training = at.training && !SkipsStep(clock);  // a skipped step takes none
     // A rate set for this clock holds from its own step on, as on the shards.
     if (std::optional<float> rate = RateSetFor(access.table, clock)) rule.config.learning_rate = *rate;
   }
@@ -364,6 +365,32 @@ std::optional<float> Reclaimer::RateSetFor(TableId table, mltuner::Clock clock) 
   return rate->second;
 }
 
+Status Reclaimer::ResolveSkip(mltuner::Clock clock, const DeviceEvent& app_done) {
+  const float* word = nullptr;
+  {
+    MutexLock lock(&state_->mu);
+    auto found = state_->skipped_steps.find(clock);
+    if (found == state_->skipped_steps.end() || found->second == nullptr) return Status::Ok();
+    word = found->second;
+  }
+  // The application copied the verdict into `word` on its stream before it
+  // posted this update, whose ticket this is.
+  MLT_RETURN_IF_ERROR(device_->WaitEventDone(app_done));
+  const bool skip = *word != 0.0f;
+  MutexLock lock(&state_->mu);
+  if (skip) {
+    state_->skipped_steps[clock] = nullptr;
+  } else {
+    state_->skipped_steps.erase(clock);
+  }
+  return Status::Ok();
+}
+
+bool Reclaimer::SkipsStep(mltuner::Clock clock) const {
+  auto found = state_->skipped_steps.find(clock);
+  return found != state_->skipped_steps.end() && found->second == nullptr;  // a word not read yet skips nothing
+}
+
 Status Reclaimer::NewUpdateMessage(TableId table, int shard, mltuner::Clock clock, size_t values, Message* out,
                                       float** data, bool* on_device) {
   ClockBranch at;
@@ -379,7 +406,7 @@ Status Reclaimer::NewUpdateMessage(TableId table, int shard, mltuner::Clock cloc
         branch_rates->second[table].rate = *rate;  // what the branch's next forks start from
       }
     }
-    if (state_->skipped_steps.count(clock) != 0) message.header.flags |= kSkipStep;
+    if (SkipsStep(clock)) message.header.flags |= kSkipStep;
   }
   message.header.branch = at.branch;
   message.header.clock = at.internal;

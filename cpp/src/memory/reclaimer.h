@@ -61,6 +61,12 @@ class Reclaimer {
   // A kClockUpdate to `shard` with `values` floats of payload, in device
   // memory when the shard shares this device (then its data is *device).
   // It carries the table's new learning rate when the application set one
+  // Engine::SkipStep with a flag: at the clock's first update, reads the
+  // verdict the application copied on its stream (waiting for `app_done`,
+  // that update's ticket) and leaves the clock skipped or not.
+  Status ResolveSkip(mltuner::Clock clock, const DeviceEvent& app_done) EXCLUDES(state_->mu);
+  // Whether the clock is a skipped step (once resolved).
+  bool SkipsStep(mltuner::Clock clock) const REQUIRES(state_->mu);
   // for this clock.
   Status NewUpdateMessage(TableId table, int shard, mltuner::Clock clock, size_t values, Message* out,
                           float** data, bool* on_device) EXCLUDES(state_->mu);

@@ -105,9 +105,12 @@ class SharedState {
   // whose updates carry it -> rate). Entries of clocks the reclaimer has
   // passed are dropped at the next SetLearningRate.
   std::map<TableId, std::map<mltuner::Clock, float>> new_rates GUARDED_BY(mu);
-  // Application clocks whose updates carry kSkipStep (Engine::SkipStep);
-  // entries the reclaimer has passed are dropped at the next SkipStep.
-  std::set<mltuner::Clock> skipped_steps GUARDED_BY(mu);
+  // Application clocks whose updates carry kSkipStep (Engine::SkipStep):
+  // null, or a pinned host float the clock's verdict is copied into on the
+  // application's stream, which the reclaimer reads at the clock's first
+  // update (Reclaimer::ResolveSkip) and then erases the entry or nulls it.
+  // Entries the reclaimer has passed are dropped at the next SkipStep.
+  std::map<mltuner::Clock, const float*> skipped_steps GUARDED_BY(mu);
 
   // --- the cache's data age and pending requests ------------------------------
   mutable Mutex age_mu;

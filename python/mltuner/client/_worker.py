@@ -293,16 +293,21 @@ class Worker:
         rate = real(f"set_learning_rate({table.name!r})", learning_rate, 0, MAX_LEARNING_RATE)
         self._engine.set_learning_rate(table_id, rate)
 
-    def skip_step(self) -> None:
+    def skip_step(self, *, if_set: int = 0, stream: int = 0) -> None:
         """Makes the current clock a skipped step on the servers, as torch
         skips ``optimizer.step()`` when a mixed-precision scaler finds an inf
         or NaN gradient: the clock's updates carry the mark, and a server
         that gets it from any worker applies no rule to any table for that
         clock, so values and optimizer state (momentum, Adam's moments and
-        step count) stay as they were; the clock still ends as usual. Call
-        it before the clock's first update (``OutOfOrderError`` after: some
-        may have left unmarked)."""
-        self._engine.skip_step()
+        step count) stay as they were; the clock still ends as usual. With
+        ``if_set`` (the address of a float32 in the worker's device memory
+        that the application writes on ``stream``), only if that float is
+        nonzero once the work queued on ``stream`` so far is done: the
+        engine reads it before the clock's first update leaves, so the
+        caller does not wait for the device. Call it before the clock's
+        first update (``OutOfOrderError`` after: some may have left
+        unmarked)."""
+        self._engine.skip_step(integer("skip_step: if_set", if_set, 0, UINTPTR_MAX), _stream(stream))
 
     @property
     def tables(self) -> list[Table]:

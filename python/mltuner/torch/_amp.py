@@ -202,10 +202,11 @@ class ScaledGradients:
 
             filtered = self._driver.filter_gradients(take_overflow)
         # Nothing of the clock has left yet: an overflow skips the step on the
-        # servers, as torch skips optimizer.step() (reading the flag waits
-        # for the GPU once a clock, as GradScaler.step does).
-        if filtered and self._clock == self._driver.clock and self.overflow.item() != 0:
-            self._driver.worker.skip_step()
+        # servers, as torch skips optimizer.step(). The engine reads the flag
+        # before the first update leaves: no host sync here (reading it here
+        # cost a 1-worker float16 ResNet-18 about 4% on an H200).
+        if filtered and self._clock == self._driver.clock:
+            self._driver.worker.skip_step(if_set=self.overflow.data_ptr(), stream=self._driver.stream)
 
     def direct_step(self) -> None:
         """A step() of the loop's own, not ``scaler.step()``: shipping at

@@ -274,6 +274,11 @@ class DriverState:
         refuse_copy("pickle")
 
     # -- whether the driver can go on ----------------------------------------------------
+    @property
+    def stream(self) -> int:
+        """The current clock's CUDA stream handle (0 on the CPU)."""
+        return self._stream
+
     def check_usable(self, *, recover: bool = False) -> bool:
         """Raises where the model cannot be used. ``recover``: a call of the
         loop's between hooks (a forward, step(), state_dict(), a save) first

@@ -102,13 +102,18 @@ def test_a_step_any_worker_skips_leaves_the_rule_as_it_was(run_workers: Callable
     skip after the clock's update was posted is refused."""
     rule = mlt.UpdateRule("sgd", learning_rate=0.1, momentum=0.5, weight_decay=0.01)
     skipped = {1: {0}, 3: {0, 1}}  # clock -> the workers that skip it
+    flags = {2: 0.0, 3: 1.0}  # clock -> worker 1's flag (skip_step(if_set=...), read by the engine)
 
     def body(worker: mlt.Worker) -> np.ndarray:
         table, read, grad = one_table_loop(worker, rule)
+        flag = np.zeros(1, dtype=np.float32)
         for clock in range(5):
             worker.read(read)
             worker.post_read(read)
-            if worker.rank in skipped.get(clock, ()):
+            if worker.rank == 1 and clock in flags:
+                flag[0] = flags[clock]
+                worker.skip_step(if_set=flag.ctypes.data)
+            elif worker.rank in skipped.get(clock, ()):
                 worker.skip_step()
             worker.pre_update(grad)[:] = 1.0 + worker.rank
             worker.update(grad)

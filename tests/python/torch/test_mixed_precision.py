@@ -396,6 +396,17 @@ def test_mixed_precision_on_the_gpu(dtype: torch.dtype, overlap: bool) -> None:
     compare(torch.device("cuda", 0), dtype, scaler_args, overlap_updates=overlap)
 
 
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("unscale", [False, True], ids=["scaler.step", "scaler.unscale_ first"])
+def test_an_overflowing_clock_skips_the_step_on_the_gpu(unscale: bool) -> None:
+    # The engine reads the overflow flag the scaler's inf check sets on the
+    # stream (copied into pinned memory there), not the training thread.
+    compare(torch.device("cuda", 0), torch.float16, {"init_scale": 2.0**30, "growth_interval": 4}, unscale=unscale,
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.02, momentum=0.9, weight_decay=1e-3),
+            overlap_updates=False)
+
+
 @gpu
 def test_scaler_unscale_then_clipping_on_the_gpu() -> None:
     compare(torch.device("cuda", 0), torch.float16, {"init_scale": 2.0**30, "growth_interval": 4}, unscale=True,

@@ -292,6 +292,11 @@ class CpuDevice final : public Device {
     return Status::Ok();
   }
 
+  Status CopyToHostOnAppStream(uintptr_t, void* host, const void* src, size_t bytes) override {
+    std::memcpy(host, src, bytes);
+    return Status::Ok();
+  }
+
   Status CopyPiecesOnAppStream(uintptr_t, float* buffer, const std::vector<CopyPiece>& pieces,
                                CopyDirection direction, const float* zero_if) override {
     const bool zeros = direction == CopyDirection::kIntoBuffer && zero_if != nullptr && *zero_if != 0.0f;

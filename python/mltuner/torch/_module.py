@@ -986,7 +986,8 @@ def wrap(
         check_module_types(module)  # first: DataParallel moves the module to a GPU, which is not the point
         check_same_device(torch.device(worker.device), _parameter_device(module))
         synced = [name or "the model" for name, m in module.named_modules() if isinstance(m, nn.SyncBatchNorm)]
-        if synced and worker.num_workers > 1:
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if synced and worker.num_workers > 1 and not distributed:
             raise UnsupportedModelError(
                 f"module {synced[0]!r} is nn.SyncBatchNorm on a job of {worker.num_workers} workers: mltuner does not "
                 "synchronise batch statistics across workers (torch.distributed is not initialised, so it would "

@@ -128,8 +128,8 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from mltuner.torch._buffers import storage_ptr
 from mltuner.torch._recording import Slot
 from mltuner.torch._errors import IterationMismatchError
-from mltuner.torch._trace import (TEMPLATES, TENSOR, BufferArg, ForwardTrace, Made, Node, ParamRef, ScratchArg,
-                                  ValueArg, generator_of, scalars_of)
+from mltuner.torch._trace import (TENSOR, BufferArg, ForwardTrace, Made, Node, ParamRef, ScratchArg, ValueArg,
+                                  generator_of, scalars_of, templates_of)
 
 __all__ = ["FLOPS_PER_TOUCHED_BYTE", "LINK_BOUND_BYTES_PER_OP", "LINK_BOUND_FLOPS_PER_BYTE", "MAX_DEPTH",
            "MAX_FLOPS_PER_BYTE", "MAX_TOUCHED_PER_BYTE", "Program", "RECOMPUTE_CHOICES", "Recompute", "choose",
@@ -350,7 +350,7 @@ def clock_scalars(program: Program, trace: ForwardTrace, made: tuple[Made, int] 
         if number in seen:
             continue
         seen.add(number)
-        templates = [a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, TEMPLATES)]
+        templates = templates_of(node)
         if len(templates) != len(this[0].inputs):
             raise IterationMismatchError(
                 f"clock {clock}: saved activation #{program.slot}'s op {_name(node.func)} took "
@@ -419,12 +419,12 @@ def run(program: Program, trace: ForwardTrace, *, leaf: Callable[[int], torch.Te
 def _with_scalars(node: Node, made: Made) -> Node:
     """``node`` with the arguments of a clock's op (``made``): its non-tensor
     ones, and the node's templates for its tensors, in order."""
-    templates = iter(item for item in tree_flatten((node.args, node.kwargs))[0] if isinstance(item, TEMPLATES))
+    templates = iter(templates_of(node))
     flat = [next(templates) if item is TENSOR else item for item in made.flat]
     if made.spec is None:  # positional arguments only, none a list
-        return dataclasses.replace(node, args=tuple(flat), kwargs={})
+        return dataclasses.replace(node, args=tuple(flat), kwargs={}, _split=None)
     args, kwargs = tree_unflatten(flat, made.spec)
-    return dataclasses.replace(node, args=args, kwargs=kwargs, nested=True)
+    return dataclasses.replace(node, args=args, kwargs=kwargs, nested=True, _split=None)
 
 
 def describe(program: Program, trace: ForwardTrace) -> str:

@@ -84,8 +84,7 @@ class ShippedGradient(torch.Tensor):
             raise OutOfOrderError(
                 f"the gradient of {name!r} was read or changed during backward(), by a hook that runs after the "
                 "one that ships its update (a register_post_accumulate_grad_hook or a tensor hook registered after "
-                "wrap()): register the hook before wrap(), so that it runs before the update leaves, or "
-                f"{why.split('; ', 1)[-1] if '; ' in why else why}"
+                f"wrap()): register the hook before wrap(), so that it runs before the update leaves ({why})"
             )
         raise OutOfOrderError(
             f"the gradient of {name!r} was read or changed between backward() and step(), but it had already "

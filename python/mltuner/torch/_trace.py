@@ -49,7 +49,8 @@ from mltuner.torch._buffers import storage_ptr
 from mltuner.torch._errors import IterationMismatchError
 
 __all__ = ["BufferArg", "ClockOps", "ForwardTrace", "Made", "Node", "ParamRef", "ScratchArg", "ValueArg",
-           "TEMPLATES", "TENSOR", "generator_of", "scalars_of"]
+           "TEMPLATES", "TENSOR", "generator_of", "scalars_of",
+           "templates_of"]
 
 _aten = torch.ops.aten
 
@@ -130,6 +131,9 @@ class Node:
     flops: int = 0  # convolutions and matrix products: their arithmetic (2 per multiply-add); else 0
     device: torch.device | None = None  # random ops: the device whose generator they draw from
     nested: bool = False  # a template sits in a list argument (cat's tensors), or in the keyword arguments
+    # The flattened arguments split into templates and the rest, once (scalars_of, templates_of).
+    _split: tuple[tuple[Any, ...], tuple[Any, ...]] | None = dataclasses.field(default=None, compare=False,
+                                                                                repr=False)
 
 
 def generator_of(device: torch.device) -> torch.Generator:
@@ -346,9 +350,22 @@ _MADE = "_mltuner_made"  # a tensor's attribute: (the ClockOps that noted it, (M
 TEMPLATES = (ValueArg, ParamRef, BufferArg, ScratchArg)
 
 
+def _split(node: Node) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    if node._split is None:
+        flat = tree_flatten((node.args, node.kwargs))[0]
+        node._split = (tuple(item for item in flat if isinstance(item, TEMPLATES)),
+                       tuple(item for item in flat if not isinstance(item, TEMPLATES)))
+    return node._split
+
+
 def scalars_of(node: Node) -> tuple[Any, ...]:
     """A recorded node's arguments that are not tensors, in flattened order."""
-    return tuple(item for item in tree_flatten((node.args, node.kwargs))[0] if not isinstance(item, TEMPLATES))
+    return _split(node)[1]
+
+
+def templates_of(node: Node) -> tuple[Any, ...]:
+    """A recorded node's templates of its tensor arguments, in flattened order."""
+    return _split(node)[0]
 
 
 class ClockOps(TorchDispatchMode):  # type: ignore[no-untyped-call]

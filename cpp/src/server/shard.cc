@@ -861,7 +861,9 @@ Status ServerShard::TakeNewLearningRate(TableState* table, Clock finished) {
     for (WorkerId worker = 0; worker < num_workers_; ++worker) {
       auto rate = rates.find(worker);
       asked += " worker " + std::to_string(worker) + ": " +
-               (rate == rates.end() ? std::string("none") : std::to_string(rate->second)) + ";";
+               (rate == rates.end() ? "kept " + std::to_string(table->rule->config().learning_rate)
+                                    : std::to_string(rate->second)) +
+               ";";
     }
     return Status::InvalidArgument(TableText(table->info.id) + " (" + table->info.name + ") on branch " +
                                    std::to_string(table->branch) + ", clock " + std::to_string(finished) +

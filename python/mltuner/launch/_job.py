@@ -95,6 +95,24 @@ def _warn_uneven_end(clocks: list[Any], lent: bool) -> None:
                       "ranks' loop bounds and data lengths, e.g. DistributedSampler's padding)", stacklevel=3)
 
 
+def _refuse_a_second_rendezvous(env: ProcessEnv) -> None:
+    """A second Job of this process on the rendezvous of an open one (one
+    Job per model, a GAN's two networks, under one launcher) would meet the
+    first one's peers: rank 0 failed to bind the port, the others claimed
+    ranks twice. Refused before anything binds, with the way out."""
+    place = (env.master_addr, env.master_port, env.torch_store_key, env.rank)
+    for other in list(_open_jobs):
+        if not other._closed and other.world_size > 1 and (
+                other.env.master_addr, other.env.master_port, other.env.torch_store_key, other.rank) == place:
+            own = ("torch_store_key=first_job.env.torch_store_key + '/2'" if env.torch_store_key else
+                   "master_port=<another port free on rank 0's host>")
+            raise InvalidArgumentError(
+                f"this process already has an open Job on the rendezvous {env.master_addr}:{env.master_port} "
+                f"(rank {other.rank} of {other.world_size}): a second Job (one per model, as a GAN's two networks "
+                "need: a worker holds one wrapped model) needs a rendezvous of its own, the same on every rank: "
+                f"mltuner.Job(env=dataclasses.replace(first_job.env, {own}))")
+
+
 @atexit.register
 def _close_open_jobs() -> None:
     # A script that ends normally leaves gracefully (its last updates, the
@@ -230,6 +248,8 @@ class Job:
         self.peer_endpoints: dict[int, str] = {}  # where this process sends each peer's data
         # How device payloads reach each peer: "cuda-ipc" or "host-frames (why)".
         self.data_paths: dict[int, str] = {}
+        if self.world_size > 1:
+            _refuse_a_second_rendezvous(self.env)
         self._node = _core.ProcessNode(self.config.to_core(), self.rank, self.world_size, self.config.device,
                                        self.local_rank)
         self._closed = False

@@ -177,13 +177,20 @@ class ClockDriver(Planning, ServerValues, SavedTensorHooks):
         again = (self._phase is Phase.BACKWARD and self._light and not self._updated
                  and (self._at_step or self._synced_forwards == 0))
         if self._phase is not Phase.IDLE and not again:
+            shipped = ""
+            if self._phase is Phase.BACKWARD and self._light and self._updated:
+                shipped = (f" Here the last backward pass of clock {self.clock} already shipped its updates: a "
+                           "backward pass through this model whose gradients the loop then drops (a GAN's "
+                           "generator step through the discriminator, followed by the discriminator's zero_grad()) "
+                           "still trains it where updates ship from the backward pass; wrap(..., "
+                           "overlap_updates=False) ships them at step(), so zero_grad() drops them as torch's does.")
             raise OutOfOrderError(
                 f"a second training forward pass in clock {self.clock}: call loss.backward() and step() once "
                 "per forward pass (run evaluation forwards under torch.no_grad()). Several forward and backward "
                 "passes per step() (gradient accumulation) need held reads without stored activations (wrap()'s "
                 "default without store_activations or a device_memory_budget) and, where updates ship from the "
                 "backward pass, every pass but the last under model.no_sync(); "
-                f"this model: {self.hold_choice}; {self.overlap_choice}"
+                f"this model: {self.hold_choice}; {self.overlap_choice}.{shipped}"
             )
         self._end_loss_guard()
         if again:
@@ -396,8 +403,24 @@ class ClockDriver(Planning, ServerValues, SavedTensorHooks):
         handed over: a zero_grad() between backward() and step() cannot call
         back updates that left in the backward pass, and says so."""
         if self._phase is Phase.BACKWARD and self._at_step and not self._updated:
+            dropped = self._backward_done == self._serial and any(
+                grad is not None for layer in self.layers for grad in layer.grads())
             for layer in self.layers:
                 layer.clear_grads()
+            if dropped:
+                # Once is a batch skipped (torch's zero_grad drops it too); a
+                # clock that keeps dropping them is a loop whose own update
+                # the servers never see.
+                self._dropped_passes += 1
+                why = (f"zero_grad() dropped the gradients of {self._dropped_passes} finished backward pass(es) of "
+                       f"clock {self.clock} with no step(): the servers never see them, as torch's zero_grad drops "
+                       "them. A loop that updates the parameters itself (p.data.add_(p.grad, alpha=-lr), as older "
+                       "scripts do) trains nothing here: give wrap() a torch.optim.SGD and call its step() each "
+                       "iteration")
+                if self._dropped_passes >= 3:
+                    raise OutOfOrderError(why)
+                if self._dropped_passes == 1:
+                    warnings.warn(why, stacklevel=3)
         elif self._phase is Phase.BACKWARD and self._updated and not self._backward_failed():
             # (after a pass that raised, the next forward or step() ends the clock, saying so)
             warnings.warn(
@@ -408,6 +431,7 @@ class ClockDriver(Planning, ServerValues, SavedTensorHooks):
     def _reset_clock(self) -> None:
         self._phase = Phase.IDLE
         self._pass_open = False
+        self._dropped_passes = 0
         if self._idle_versions is not None:
             self.note_idle_versions()
         self._cursor = 0

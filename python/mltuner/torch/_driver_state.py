@@ -205,6 +205,7 @@ class DriverState:
 
         self._eval_active = False
         self._eval_clock: tuple[int, int | None] | None = None  # (clock, branch) the parameters hold
+        self._dropped_passes = 0  # finished passes of this clock whose gradients zero_grad() dropped
         # Per parameter of the layers: (its module's _parameters, its key, the
         # parameter, its name), made at the first clock (_refuse_swapped_for_the_call).
         self._param_places: list[tuple[dict[str, Any], str, nn.Parameter, str]] | None = None

@@ -103,6 +103,13 @@ class PSModule(nn.Module):
         """Refused (:data:`_COMPILED_CALL`): compile submodules instead."""
         raise UnsupportedModelError(_COMPILED_CALL)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``model.optimizer.zero_grad()``: where updates ship at step()
+        and none has left, drops the gradients of the passes since the last
+        step(), as torch's would; elsewhere gradients are cleared as they are
+        handed over (their stand-ins stay until step())."""
+        self._driver.zero_grad()
+
     def step(self) -> None:
         """Ends the clock, after ``loss.backward()``.
 

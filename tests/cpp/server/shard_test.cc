@@ -854,7 +854,7 @@ TEST(WorkersThatDisagreeOnTheRateFailTheClock) {
   std::vector<float> sum;
   const Status status = DeliverClock(shards, &rng, 0, &sum, {0, 2}, 0.01f);
   EXPECT_CODE(status, StatusCode::kInvalidArgument);
-  EXPECT_TRUE(status.message().find("worker 1: none") != std::string::npos);
+  EXPECT_TRUE(status.message().find("worker 1: kept 0.05") != std::string::npos);
 }
 
 // A fork copies the parent's values and optimizer state; where they live in

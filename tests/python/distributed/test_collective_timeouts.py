@@ -4,6 +4,8 @@ rank 0's own loop is stuck (it said only "not every worker reached it")."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 import mltuner
@@ -19,5 +21,33 @@ def test_a_collective_that_times_out_names_the_ranks_it_waited_for() -> None:
         with pytest.raises(mltuner.WaitTimeoutError,
                            match=r"allgather 'y' timed out after 1 s: rank 0 did not reach it"):
             jobs[1].allgather("y", 5, timeout_s=1)
+    finally:
+        close(jobs)
+
+
+def test_a_second_job_of_a_rank_on_the_same_rendezvous_is_refused_with_the_way_out() -> None:
+    """One Job per model (a GAN) under one launcher: the second Job of a rank
+    read the same rendezvous, and rank 0 failed to bind it ('another program
+    holds that port') while rank 1 met the first job ('two processes claim
+    rank 1'). Refused before anything binds; its own port works."""
+    import dataclasses
+
+    from test_wire_security import free_port  # type: ignore[import-not-found]
+
+    jobs = start_pair(wait_timeout_s=5)
+    try:
+        with pytest.raises(mltuner.InvalidArgumentError, match=r"already has an open Job on the rendezvous "
+                                                               r"127\.0\.0\.1:\d+ \(rank 1 of 2\).*master_port="):
+            mltuner.Job(env=jobs[1].env)
+        port = free_port()
+        seconds: list[mltuner.Job] = []
+        threads = [threading.Thread(target=lambda job=job: seconds.append(
+            mltuner.Job(env=dataclasses.replace(job.env, master_port=port), rendezvous_timeout_s=20))) for job in jobs]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert sorted(job.rank for job in seconds) == [0, 1]
+        close(seconds)
     finally:
         close(jobs)

@@ -10,6 +10,8 @@ so). Waits are bounded by Config.wait_timeout_s.
 
 from __future__ import annotations
 
+import copy
+
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -334,7 +336,8 @@ def test_a_layer_cut_off_from_the_loss_is_refused_whatever_the_shipping(worker: 
 def test_zero_grad_between_backward_and_step_is_named_and_the_clock_goes_on(worker: Worker) -> None:
     ps_model = mt.wrap(mlp(), worker, example_input=X)
     ps_model(X).square().mean().backward()
-    ps_model.optimizer.zero_grad()
+    with pytest.warns(UserWarning, match=r"zero_grad\(\) dropped the gradients of 1 finished backward pass"):
+        ps_model.optimizer.zero_grad()
     with pytest.raises(mltuner.OutOfOrderError, match="found no gradients although its backward pass ran: "
                                                       r"zero_grad\(\) between backward\(\) and step\(\)"):
         ps_model.step()
@@ -605,3 +608,47 @@ def test_a_parameter_written_between_the_passes_of_a_clock_is_named_so(worker: W
     with pytest.raises(mt.UnsupportedModelError, match=r"'0\.weight' was written in place between the backward pass "
                                                        r"and the next forward pass"):
         ps_model(X)
+
+
+def test_a_loop_that_updates_the_parameters_itself_is_refused_not_left_untrained(worker: Worker) -> None:
+    """pytorch/examples' word_language_model steps with p.data.add_(p.grad,
+    alpha=-lr) and no optimizer: wrapped, each pass accumulated into clock 0
+    and the servers never trained (its losses even matched plain PyTorch,
+    through the held reads). One batch dropped by zero_grad() is a skip and
+    warns; a clock that keeps dropping them is refused."""
+    ps_model = mt.wrap(mlp(), worker, example_input=X)
+
+    def manual_step() -> None:
+        ps_model.zero_grad()
+        ps_model(X).square().mean().backward()
+        for param in ps_model.parameters():
+            param.data.add_(param.grad, alpha=-0.1)  # type: ignore[arg-type]
+
+    manual_step()
+    with pytest.warns(UserWarning, match=r"dropped the gradients of 1 finished backward pass\(es\) of clock 0"):
+        manual_step()
+    with pytest.raises(mltuner.OutOfOrderError, match=r"3 finished backward pass\(es\) of clock 0 with no step\(\).*"
+                                                      r"give wrap\(\) a torch\.optim\.SGD"):
+        manual_step()
+        manual_step()
+
+
+def test_a_batch_skipped_by_zero_grad_trains_as_plain_pytorch(worker: Worker) -> None:
+    """A loop that drops one batch's gradients (a loss it does not trust)
+    and steps the next: the servers get the next batch's update only."""
+    torch.manual_seed(0)
+    plain = mlp()
+    model = copy.deepcopy(plain)
+    xs = [torch.randn(4, 6, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    ps_model = mt.wrap(model, worker, example_input=X)
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match=r"dropped the gradients of 1 finished backward pass\(es\) of clock 1"):
+        for step, x in enumerate(xs):
+            for loop_model, opt in ((plain, optimizer), (ps_model, ps_model.optimizer)):
+                opt.zero_grad()
+                loop_model(x).square().mean().backward()
+                if step != 1:
+                    opt.step()
+    got = ps_model.state_dict()
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(got[name], value)

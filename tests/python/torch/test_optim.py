@@ -529,7 +529,7 @@ def test_workers_that_set_different_rates_fail_with_the_reason(run_workers: Call
         worker.sync()
 
     with LocalCluster(2, Config(wait_timeout_s=10)) as cluster:
-        disagree = r"the workers set different learning rates .*worker 0: 0.01.*worker 1: none"
+        disagree = r"the workers set different learning rates .*worker 0: 0.01.*worker 1: kept"
         with pytest.raises(AssertionError, match=disagree):
             run_workers(body, cluster.workers, on_error=cluster.shutdown)
 

@@ -143,9 +143,12 @@ def test_a_worker_that_reads_no_table_stays_within_two_clocks_of_the_others(
     that the shards never pile up its clocks."""
     config = Config(wait_timeout_s=20, update_rule=UpdateRule(kind="add"))
     clocks = 6
-    # Clocks each worker finished; worker 1's counted as it enters clock():
-    # worker 0 may pass its bound the moment that clock lands, before worker
-    # 1's thread returns, and must never read a count behind the engine's.
+    # Clocks each worker finished; worker 1's counted before its update:
+    # a table's one update a clock leaves as it is posted, so worker 0 may
+    # pass its bound the moment that update lands, before worker 1's thread
+    # returns from update() (counted as it entered clock(), worker 0 once
+    # read a lead of 3 on a loaded machine), and must never read a count
+    # behind the engine's.
     finished = [0, 0]
     lead: list[int] = []  # worker 0's lead over worker 1, after each of its clocks
     released = threading.Semaphore(0)  # worker 1's clocks, let through one at a time
@@ -165,11 +168,12 @@ def test_a_worker_that_reads_no_table_stays_within_two_clocks_of_the_others(
                 if worker.rank == 1:
                     assert released.acquire(timeout=20)
                 worker.pre_update(setup[worker.rank])[...] = 1.0
-                worker.update(setup[worker.rank])
                 if worker.rank == 1:
                     finished[1] += 1
+                    worker.update(setup[worker.rank])
                     worker.clock()
                 else:
+                    worker.update(setup[worker.rank])
                     worker.clock()
                     finished[0] += 1
                     lead.append(finished[0] - finished[1])

@@ -714,25 +714,41 @@ Status Engine::Impl::SkipStep(const float* flag, uintptr_t app_stream) {
     return op.kind == OpKind::kUpdate;
   });
   const int64_t num_ops = static_cast<int64_t>(ops.size());
+  mltuner::Clock current = 0;
+  {
+    MutexLock lock(&state_.mu);
+    if (!state_.background_error.ok()) return state_.background_error;
+    current = state_.app_seq / num_ops;
+    if (state_.app_seq % num_ops > first_update - ops.begin()) {
+      return Status::OutOfOrder("skip_step in clock " + std::to_string(current) +
+                                " after some of its updates were posted: call it before the clock's first update");
+    }
+    state_.skipped_steps.erase(state_.skipped_steps.begin(),
+                               state_.skipped_steps.lower_bound(state_.reclaimed_seq / num_ops));
+    auto marked = state_.skipped_steps.find(current);
+    if (marked != state_.skipped_steps.end()) {
+      if (marked->second.word == nullptr) return Status::Ok();  // skipped already, whatever a flag says
+      if (flag != nullptr) {
+        return Status::OutOfOrder("skip_step(if_set=...) twice in clock " + std::to_string(current) +
+                                  ": one flag a clock");
+      }
+    }
+    if (flag == nullptr) {
+      state_.skipped_steps[current] = SkipMark{};
+      return Status::Ok();
+    }
+  }
+  // One pinned word per clock the pipeline may hold (the reclaimer is at
+  // most `depth` clocks behind the application), written in the stream's
+  // order; the ticket after the copy tells the reclaimer when to read it.
+  const size_t words = static_cast<size_t>(plan_.depth) + 1;
+  if (!skip_words_) MLT_RETURN_IF_ERROR(DeviceBlock::Make(device_, words * sizeof(float), true, &skip_words_));
+  SkipMark mark;
+  mark.word = skip_words_->floats() + current % static_cast<mltuner::Clock>(words);
+  MLT_RETURN_IF_ERROR(device_->CopyToHostOnAppStream(app_stream, mark.word, flag, sizeof(float)));
+  MLT_RETURN_IF_ERROR(TakeAppTicket(app_stream, &mark.ready));
   MutexLock lock(&state_.mu);
-  if (!state_.background_error.ok()) return state_.background_error;
-  const mltuner::Clock current = state_.app_seq / num_ops;
-  if (state_.app_seq % num_ops > first_update - ops.begin()) {
-    return Status::OutOfOrder("skip_step in clock " + std::to_string(current) +
-                              " after some of its updates were posted: call it before the clock's first update");
-  }
-  state_.skipped_steps.erase(state_.skipped_steps.begin(),
-                             state_.skipped_steps.lower_bound(state_.reclaimed_seq / num_ops));
-  float* word = nullptr;
-  if (flag != nullptr) {
-    // One pinned word per clock the pipeline may hold (the reclaimer is at
-    // most `depth` clocks behind the application), written in stream order.
-    const size_t words = static_cast<size_t>(plan_.depth) + 1;
-    if (!skip_words_) MLT_RETURN_IF_ERROR(DeviceBlock::Make(device_, words * sizeof(float), true, &skip_words_));
-    word = skip_words_->floats() + current % static_cast<mltuner::Clock>(words);
-    MLT_RETURN_IF_ERROR(device_->CopyToHostOnAppStream(app_stream, word, flag, sizeof(float)));
-  }
-  state_.skipped_steps[current] = word;
+  state_.skipped_steps[current] = std::move(mark);
   return Status::Ok();
 }
 

@@ -171,6 +171,9 @@ Status Reclaimer::ReclaimOp(int64_t seq) {
   const mltuner::Clock clock = seq / num_ops;
   const RecordedOp& op = plan_->recording.ops[seq % num_ops];
   const IterationIndex& index = plan_->index;
+  if (op.kind == OpKind::kClock || op.kind == OpKind::kUpdate) {
+    MLT_RETURN_IF_ERROR(ResolveSkip(clock));  // before the clock's first message and own step
+  }
   if (op.kind == OpKind::kClock) {
     for (const TableInfo& table : plan_->tables) {
       if (!table.local && !index.tables[table.id].has_updates) {
@@ -199,7 +202,6 @@ Status Reclaimer::ReclaimOp(int64_t seq) {
   // own work on the buffer. Updates are sent as soon as their copies are
   // queued (the shard's stream waits for them on the device); one ticket
   // taken after them marks both the payloads ready and the buffer released.
-  if (op.kind == OpKind::kUpdate) MLT_RETURN_IF_ERROR(ResolveSkip(clock, slot->app_done));
   MLT_RETURN_IF_ERROR(device_->WaitEvent(Stream::kWriteback, slot->app_done));
   slot->app_done.reset();
   std::vector<Message> messages;
@@ -365,21 +367,19 @@ std::optional<float> Reclaimer::RateSetFor(TableId table, mltuner::Clock clock) 
   return rate->second;
 }
 
-Status Reclaimer::ResolveSkip(mltuner::Clock clock, const DeviceEvent& app_done) {
-  const float* word = nullptr;
+Status Reclaimer::ResolveSkip(mltuner::Clock clock) {
+  SkipMark mark;
   {
     MutexLock lock(&state_->mu);
     auto found = state_->skipped_steps.find(clock);
-    if (found == state_->skipped_steps.end() || found->second == nullptr) return Status::Ok();
-    word = found->second;
+    if (found == state_->skipped_steps.end() || found->second.word == nullptr) return Status::Ok();
+    mark = found->second;
   }
-  // The application copied the verdict into `word` on its stream before it
-  // posted this update, whose ticket this is.
-  MLT_RETURN_IF_ERROR(device_->WaitEventDone(app_done));
-  const bool skip = *word != 0.0f;
+  MLT_RETURN_IF_ERROR(device_->WaitEventDone(mark.ready));  // the application's copy into the word
+  const bool skip = *mark.word != 0.0f;
   MutexLock lock(&state_->mu);
   if (skip) {
-    state_->skipped_steps[clock] = nullptr;
+    state_->skipped_steps[clock] = SkipMark{};
   } else {
     state_->skipped_steps.erase(clock);
   }
@@ -388,7 +388,7 @@ Status Reclaimer::ResolveSkip(mltuner::Clock clock, const DeviceEvent& app_done)
 
 bool Reclaimer::SkipsStep(mltuner::Clock clock) const {
   auto found = state_->skipped_steps.find(clock);
-  return found != state_->skipped_steps.end() && found->second == nullptr;  // a word not read yet skips nothing
+  return found != state_->skipped_steps.end() && found->second.word == nullptr;  // resolved by ResolveSkip
 }
 
 Status Reclaimer::NewUpdateMessage(TableId table, int shard, mltuner::Clock clock, size_t values, Message* out,

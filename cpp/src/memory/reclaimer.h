@@ -58,16 +58,16 @@ class Reclaimer {
   Status BuildTableClock(TableId table, mltuner::Clock clock, std::vector<Message>* messages);
   Status BuildDirectUpdate(const AccessRecord& access, const float* buffer, mltuner::Clock clock,
                            std::vector<Message>* messages) EXCLUDES(state_->mu);
+  // Engine::SkipStep with a flag: before the clock's first message, reads
+  // the verdict the application copied on its stream (once that copy's
+  // ticket is done) and leaves the clock skipped or not.
+  Status ResolveSkip(mltuner::Clock clock) EXCLUDES(state_->mu);
+  // Whether the clock is a skipped step (once resolved).
+  bool SkipsStep(mltuner::Clock clock) const REQUIRES(state_->mu);
   // A kClockUpdate to `shard` with `values` floats of payload, in device
   // memory when the shard shares this device (then its data is *device).
   // It carries the table's new learning rate when the application set one
-  // Engine::SkipStep with a flag: at the clock's first update, reads the
-  // verdict the application copied on its stream (waiting for `app_done`,
-  // that update's ticket) and leaves the clock skipped or not.
-  Status ResolveSkip(mltuner::Clock clock, const DeviceEvent& app_done) EXCLUDES(state_->mu);
-  // Whether the clock is a skipped step (once resolved).
-  bool SkipsStep(mltuner::Clock clock) const REQUIRES(state_->mu);
-  // for this clock.
+  // for this clock, and kSkipStep when the clock is a skipped step.
   Status NewUpdateMessage(TableId table, int shard, mltuner::Clock clock, size_t values, Message* out,
                           float** data, bool* on_device) EXCLUDES(state_->mu);
   Status MarkReady(DeviceEvent ready, std::vector<Message>* messages);

@@ -70,6 +70,16 @@ struct PendingRequest {
   std::vector<Message> replies;
 };
 
+// A clock marked a skipped step: unconditionally (`word` null), or if the
+// float the application copied into the pinned `word` on its stream is
+// nonzero once `ready` (a ticket taken after the copy) is done; the
+// reclaimer reads it at the clock's first message (Reclaimer::ResolveSkip)
+// and then nulls `word` or erases the mark.
+struct SkipMark {
+  float* word = nullptr;
+  DeviceEvent ready;
+};
+
 class SharedState {
  public:
   SharedState() = default;
@@ -105,12 +115,9 @@ class SharedState {
   // whose updates carry it -> rate). Entries of clocks the reclaimer has
   // passed are dropped at the next SetLearningRate.
   std::map<TableId, std::map<mltuner::Clock, float>> new_rates GUARDED_BY(mu);
-  // Application clocks whose updates carry kSkipStep (Engine::SkipStep):
-  // null, or a pinned host float the clock's verdict is copied into on the
-  // application's stream, which the reclaimer reads at the clock's first
-  // update (Reclaimer::ResolveSkip) and then erases the entry or nulls it.
+  // Application clocks whose updates carry kSkipStep (Engine::SkipStep).
   // Entries the reclaimer has passed are dropped at the next SkipStep.
-  std::map<mltuner::Clock, const float*> skipped_steps GUARDED_BY(mu);
+  std::map<mltuner::Clock, SkipMark> skipped_steps GUARDED_BY(mu);
 
   // --- the cache's data age and pending requests ------------------------------
   mutable Mutex age_mu;

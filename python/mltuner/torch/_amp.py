@@ -205,7 +205,7 @@ class ScaledGradients:
         # servers, as torch skips optimizer.step(). The engine reads the flag
         # before the first update leaves: no host sync here (reading it here
         # cost a 1-worker float16 ResNet-18 about 4% on an H200).
-        if filtered and self._clock == self._driver.clock:
+        if filtered and self._clock == self._driver.clock and self._scale() is not None:  # else nothing unscaled
             self._driver.worker.skip_step(if_set=self.overflow.data_ptr(), stream=self._driver.stream)
 
     def direct_step(self) -> None:

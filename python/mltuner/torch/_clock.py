@@ -132,7 +132,7 @@ from torch import nn
 from mltuner.client._worker import Worker
 from mltuner.exceptions import InvalidArgumentError, MltunerError, OutOfOrderError
 from mltuner.torch._buffers import app_stream, autocast_state, storage_ptr
-from mltuner.torch._driver_state import Phase
+from mltuner.torch._driver_state import Phase, user_stacklevel
 from mltuner.torch._errors import IterationMismatchError, UnsupportedModelError
 from mltuner.torch._layers import Layer
 from mltuner.torch._plan import Planning
@@ -321,6 +321,7 @@ class ClockDriver(Planning, ServerValues, SavedTensorHooks):
                 self._flush_posts(clock=True)
         replaced = [name for layer in self.layers for name in layer.replaced_gradients()]
         self.clock += 1
+        self._ended_a_clock = True
         self._stale_grads = self._grad_errors  # unless a refused gradient left some behind: all handed over
         self._grad_errors = False
         self._reset_clock()
@@ -395,7 +396,7 @@ class ClockDriver(Planning, ServerValues, SavedTensorHooks):
                 "momentum still moves them), and the model goes on from the next clock", stacklevel=4)
         return True
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         """``model.optimizer.zero_grad()``: where updates ship at step() and
         none has left, the gradients of the passes since the last step() are
         dropped, as torch's zero_grad drops them (a pass whose backward raised
@@ -406,32 +407,31 @@ class ClockDriver(Planning, ServerValues, SavedTensorHooks):
             dropped = self._backward_done == self._serial and any(
                 grad is not None for layer in self.layers for grad in layer.grads())
             for layer in self.layers:
-                layer.clear_grads()
-            if dropped:
-                # Once is a batch skipped (torch's zero_grad drops it too); a
-                # clock that keeps dropping them is a loop whose own update
-                # the servers never see.
+                layer.clear_grads(set_to_none)
+            if dropped and not self._ended_a_clock:
+                # Before any step(): a loop whose own update (p.data.add_)
+                # the servers never see. Later, a dropped pass is a skipped
+                # batch or a GAN's generator pass through this model, as in
+                # torch.
                 self._dropped_passes += 1
-                why = (f"zero_grad() dropped the gradients of {self._dropped_passes} finished backward pass(es) of "
-                       f"clock {self.clock} with no step(): the servers never see them, as torch's zero_grad drops "
-                       "them. A loop that updates the parameters itself (p.data.add_(p.grad, alpha=-lr), as older "
-                       "scripts do) trains nothing here: give wrap() a torch.optim.SGD and call its step() each "
-                       "iteration")
+                why = (f"zero_grad() dropped the gradients of {self._dropped_passes} finished backward pass(es) "
+                       "and no step() has ended a clock since wrap(): the servers never see them. A loop that "
+                       "updates the parameters itself (p.data.add_(p.grad, alpha=-lr), as older scripts do) trains "
+                       "nothing here: give wrap() a torch.optim.SGD and call its step() each iteration")
                 if self._dropped_passes >= 3:
                     raise OutOfOrderError(why)
                 if self._dropped_passes == 1:
-                    warnings.warn(why, stacklevel=3)
+                    warnings.warn(why, stacklevel=user_stacklevel())
         elif self._phase is Phase.BACKWARD and self._updated and not self._backward_failed():
             # (after a pass that raised, the next forward or step() ends the clock, saying so)
             warnings.warn(
                 f"zero_grad() after the backward pass of clock {self.clock}: the updates of "
                 f"{len(self._updated)} layer(s) had already left and apply (torch's zero_grad would drop them). "
-                f"Why they left: {self._why_shipped()}", stacklevel=3)
+                f"Why they left: {self._why_shipped()}", stacklevel=user_stacklevel())
 
     def _reset_clock(self) -> None:
         self._phase = Phase.IDLE
         self._pass_open = False
-        self._dropped_passes = 0
         if self._idle_versions is not None:
             self.note_idle_versions()
         self._cursor = 0

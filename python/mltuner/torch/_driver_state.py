@@ -9,6 +9,8 @@ is for and, where it is not plain, which part keeps it."""
 from __future__ import annotations
 
 import enum
+import os
+import sys
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, NoReturn, Protocol
@@ -24,7 +26,21 @@ from mltuner.torch._recording import Event, Slot, Tables
 from mltuner.torch._saved import SavedActivations
 from mltuner.torch._trace import ParamRef
 
-__all__ = ["DriverState", "GradScale", "Phase", "refuse_copy"]
+__all__ = ["DriverState", "GradScale", "Phase", "refuse_copy", "user_stacklevel"]
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # mltuner/
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for ``warnings.warn`` that names the first caller
+    outside the mltuner package (the loop's own line, however many of the
+    adapter's frames lie between: a taken-over optimizer's zero_grad)."""
+    frame = sys._getframe(1)  # the function that warns
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    return level
 
 
 class GradScale(Protocol):
@@ -205,7 +221,8 @@ class DriverState:
 
         self._eval_active = False
         self._eval_clock: tuple[int, int | None] | None = None  # (clock, branch) the parameters hold
-        self._dropped_passes = 0  # finished passes of this clock whose gradients zero_grad() dropped
+        self._dropped_passes = 0  # finished passes whose gradients zero_grad() dropped before any step()
+        self._ended_a_clock = False  # a step() ended a clock since wrap()
         # Per parameter of the layers: (its module's _parameters, its key, the
         # parameter, its name), made at the first clock (_refuse_swapped_for_the_call).
         self._param_places: list[tuple[dict[str, Any], str, nn.Parameter, str]] | None = None

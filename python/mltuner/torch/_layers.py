@@ -235,9 +235,14 @@ class Layer:
                                for slot in self.params]
         self.bind(self._nan_views)
 
-    def clear_grads(self) -> None:
+    def clear_grads(self, set_to_none: bool = True) -> None:
+        """Drops the parameters' gradients (or zeroes them in place, as
+        torch's ``zero_grad(set_to_none=False)``, where they are real)."""
         for param in self._params:
-            param.grad = None
+            if set_to_none or param.grad is None or self.shipped:
+                param.grad = None
+            else:
+                param.grad.zero_()
         self.shipped = False
 
     def mark_shipped(self, why: str, overflow: torch.Tensor | None = None) -> None:

@@ -108,7 +108,7 @@ class PSModule(nn.Module):
         and none has left, drops the gradients of the passes since the last
         step(), as torch's would; elsewhere gradients are cleared as they are
         handed over (their stand-ins stay until step())."""
-        self._driver.zero_grad()
+        self._driver.zero_grad(set_to_none)
 
     def step(self) -> None:
         """Ends the clock, after ``loss.backward()``.
@@ -508,7 +508,7 @@ class ClockOptimizer(torch.optim.Optimizer):
         """Gradients are cleared as they are handed over; where updates ship
         at step(), those of the passes since the last step() are dropped, as
         torch's zero_grad drops them."""
-        self._model._driver.zero_grad()
+        self._model._driver.zero_grad(set_to_none)
 
     def take_over_source(self) -> None:
         """Makes the original optimizer this one until unwrap(): its

@@ -265,7 +265,7 @@ class ClockDriver(Planning, ServerValues, SavedTensorHooks):
                     )
             else:
                 with self._mutating():
-                    self._acts.end_forward()
+                    self._acts.end_forward(self.clock)
                     if self._queued_stores:
                         self._flush_posts()
         except BaseException as error:

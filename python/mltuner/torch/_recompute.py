@@ -120,7 +120,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
@@ -128,8 +128,8 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from mltuner.torch._buffers import storage_ptr
 from mltuner.torch._recording import Slot
 from mltuner.torch._errors import IterationMismatchError
-from mltuner.torch._trace import (TENSOR, BufferArg, ForwardTrace, Made, Node, ParamRef, ScratchArg, ValueArg,
-                                  generator_of, scalars_of, templates_of)
+from mltuner.torch._trace import (TENSOR, BufferArg, ForwardTrace, Made, Node, ParamRef, ScratchArg, Seen, ValueArg,
+                                  generator_of, scalars_of, seen, templates_of)
 
 __all__ = ["FLOPS_PER_TOUCHED_BYTE", "LINK_BOUND_BYTES_PER_OP", "LINK_BOUND_FLOPS_PER_BYTE", "MAX_DEPTH",
            "MAX_FLOPS_PER_BYTE", "MAX_TOUCHED_PER_BYTE", "Program", "RECOMPUTE_CHOICES", "Recompute", "choose",
@@ -319,19 +319,31 @@ def _program(slot: int, trace: ForwardTrace, slot_values: Sequence[int], slot_of
 
 
 def clock_scalars(program: Program, trace: ForwardTrace, made: tuple[Made, int] | None,
-                  clock: int) -> dict[int, Made]:
+                  clock: int) -> tuple[dict[int, Made], list[tuple[int, Seen | ParamRef]]]:
     """Checks how a later clock's forward made ``program``'s saved activation
     (``made``: :meth:`ClockOps.made` of the tensor autograd saves) against
-    the program: the same ops, one after the other, from the same kinds of
-    inputs. Returns the non-tensor arguments of the clock's ops where they
-    differ from the recorded ones, by node (for :func:`run`); raises
-    IterationMismatchError where the ops differ (a choice of op that depends
-    on the data)."""
+    the program: the same ops, one after the other, reading the same
+    parameters and buffers. Returns the non-tensor arguments of the clock's
+    ops where they differ from the recorded ones, by node (for :func:`run`),
+    and which tensor it read for each saved activation the program reads
+    (slot, tensor: checked once the forward saved them all); raises
+    IterationMismatchError where the ops or their parameters or buffers
+    differ (a choice that depends on the data: an op, a task's row of a
+    parameter)."""
     nodes = frozenset(program.nodes)
-    leaves = {value for value, _ in program.leaves}
+    leaves = dict(program.leaves)
     changed: dict[int, Made] = {}
-    seen: set[int] = set()
+    read: list[tuple[int, Seen | ParamRef]] = []
+    visited: set[int] = set()
     stack: list[tuple[int, tuple[Made, int] | None]] = [(program.output, made)]
+
+    def refuse(what: str) -> NoReturn:
+        raise IterationMismatchError(
+            f"clock {clock}: saved activation #{program.slot} was made {what}; it is recomputed in the backward "
+            "pass by the recorded ops from the recorded inputs, so every clock must make it so (here a choice that "
+            "depends on the data: an op, or which tensor or row of a parameter it takes): use wrap(..., "
+            "recompute='none'), which stores it")
+
     while stack:
         value, this = stack.pop()
         producer = trace.producer[value]
@@ -340,29 +352,47 @@ def clock_scalars(program: Program, trace: ForwardTrace, made: tuple[Made, int] 
         number, position = producer
         node = trace.nodes[number]
         if this is None or this[0].func is not node.func or this[1] != position:
-            made_by = "" if this is None else f" ({_name(this[0].func)})"
-            raise IterationMismatchError(
-                f"clock {clock}: saved activation #{program.slot} was made by other ops than the recording pass of "
-                f"wrap() ran, not by {_name(node.func)}{made_by}; it is recomputed in the backward pass by the "
-                "recorded ops, so every clock must make it by the same ops (here a choice of op that depends on the "
-                "data): use wrap(..., recompute='none'), which stores it"
-            )
-        if number in seen:
+            refuse(f"by other ops than the recording pass of wrap() ran, not by {_name(node.func)}"
+                   + ("" if this is None else f" ({_name(this[0].func)})"))
+        if number in visited:
             continue
-        seen.add(number)
+        visited.add(number)
         templates = templates_of(node)
         if len(templates) != len(this[0].inputs):
-            raise IterationMismatchError(
-                f"clock {clock}: saved activation #{program.slot}'s op {_name(node.func)} took "
-                f"{len(this[0].inputs)} tensors where the recording pass of wrap() gave it {len(templates)}; a "
-                "recomputed activation needs the recorded ops: use wrap(..., recompute='none')"
-            )
-        if this[0].scalars != scalars_of(node):
+            refuse(f"by {_name(node.func)} of {len(this[0].inputs)} tensors where the recording pass of wrap() gave "
+                   f"it {len(templates)}")
+        if not _same_scalars(this[0].scalars, scalars_of(node)):
             changed[number] = this[0]
-        for template, source in zip(templates, this[0].inputs):
+        for template, (source, tensor) in zip(templates, this[0].inputs):
             if isinstance(template, ValueArg):
-                stack.append((template.value, source))
-    return changed
+                if template.value in leaves:
+                    read.append((leaves[template.value], tensor))
+                else:
+                    stack.append((template.value, source))
+            elif isinstance(template, ParamRef) and tensor != template:
+                refuse(f"by {_name(node.func)} from other parameters than the recording pass of wrap() read")
+            elif isinstance(template, BufferArg) and (not isinstance(tensor, Seen)
+                                                      or tensor[:4] != seen(template.tensor)[:4]):
+                refuse(f"by {_name(node.func)} from another buffer than the recording pass of wrap() read")
+    return changed, read
+
+
+def _same_scalars(now: tuple[Any, ...], then: tuple[Any, ...]) -> bool:
+    """Equal non-tensor arguments, strictly: the same type each and, for
+    floats, the same sign of zero (Python's ``==`` takes ``-0.0`` for
+    ``0.0``, ``True`` for ``1`` and ``1.0`` for ``1``, which can make other
+    bits)."""
+    if len(now) != len(then):
+        return False
+    for a, b in zip(now, then):
+        if type(a) is not type(b):
+            return False
+        if isinstance(a, float):
+            if not (a == b and math.copysign(1.0, a) == math.copysign(1.0, b)) and not (a != a and b != b):
+                return False
+        elif a != b:
+            return False
+    return True
 
 
 def run(program: Program, trace: ForwardTrace, *, leaf: Callable[[int], torch.Tensor],

@@ -40,7 +40,7 @@ from mltuner.torch._errors import IterationMismatchError
 from mltuner.torch._recompute import MAX_DEPTH, Program, choose, clock_scalars, compute_depth, run
 from mltuner.torch._recompute import describe as describe_program
 from mltuner.torch._recording import Event, Slot
-from mltuner.torch._trace import BufferArg, ClockOps, ForwardTrace, Made, ParamRef
+from mltuner.torch._trace import BufferArg, ClockOps, ForwardTrace, Made, ParamRef, Seen, seen
 
 # Where a buffer or frozen parameter lives: (module, attribute, its tensor,
 # the attribute's name in the model), by the tensor's storage address.
@@ -236,6 +236,11 @@ class SavedActivations:
         self._random: ClockOps | None = None  # later clocks that recompute
         self._funcs: frozenset[Any] = frozenset()  # the ops of the programs
         self._scalars: dict[int, dict[int, Made]] = {}  # slot -> this clock's ops whose arguments changed, by node
+        # This clock's reads of saved activations by the programs' ops:
+        # (recomputed slot, slot read, the tensor read), and which tensor each
+        # slot saved, compared at the forward's end.
+        self._leaf_reads: list[tuple[int, int, Seen | ParamRef]] = []
+        self._saved_as: dict[int, Seen] = {}
         self._modes: list[bool] = []  # each module's training flag in the recording
         self._moded: list[nn.Module] = []  # ... and those modules, in the same order
         self.store_all: StoreAllLog | None = None  # recording, while recomputing
@@ -266,7 +271,7 @@ class SavedActivations:
             return self._trace
         if self._programs and not recording:
             assert self._trace is not None
-            self._random = ClockOps(self._random_wanted, self._trace.random_ops, clock, self._funcs)
+            self._random = ClockOps(self._random_wanted, self._trace.random_ops, clock, self._funcs, param_ref)
             return self._random
         return None
 
@@ -443,11 +448,21 @@ class SavedActivations:
         self.store_all = None
         return log.events, log.forward_events
 
-    def end_forward(self) -> None:
+    def end_forward(self, clock: int) -> None:
         """After a later clock's forward: raises IterationMismatchError if a
-        random op to replay did not run."""
-        if self._random is not None:
-            self._random.check_complete()
+        random op to replay did not run, or a recomputed activation's ops
+        read another tensor than the saved activation the program reads back
+        (two inputs swapped by the data)."""
+        if self._random is None:
+            return
+        self._random.check_complete()
+        for slot, leaf, tensor in self._leaf_reads:
+            if self._saved_as.get(leaf) != tensor:
+                raise IterationMismatchError(
+                    f"clock {clock}: saved activation #{slot} is recomputed from saved activation #{leaf}, but this "
+                    "clock's forward made it from another tensor (a choice of input that depends on the data); it is "
+                    "recomputed in the backward pass from the recorded inputs: use wrap(..., recompute='none'), "
+                    "which stores it")
 
     def check_modes(self, model: nn.Module, clock: int) -> None:
         """A module switched between train and eval mode since the recording
@@ -536,9 +551,16 @@ class SavedActivations:
         where they differ), and their non-tensor arguments kept for running
         it again where they changed since the recording."""
         assert self._random is not None and self._trace is not None
-        changed = clock_scalars(self._programs[slot], self._trace, self._random.made(tensor), clock)
+        changed, read = clock_scalars(self._programs[slot], self._trace, self._random.made(tensor), clock)
         if changed:
             self._scalars[slot] = changed
+        self._leaf_reads.extend((slot, leaf, tensor) for leaf, tensor in read)
+
+    def note_saved(self, slot: int, tensor: torch.Tensor) -> None:
+        """A later clock that recomputes saved ``tensor`` in ``slot``: which
+        tensor it is, for the programs that read it (:meth:`end_forward`)."""
+        if self._random is not None:
+            self._saved_as[slot] = seen(tensor)
 
     def hold(self, slot: int, tensor: torch.Tensor) -> None:
         """A later clock's forward saved kept ``slot``: held for the
@@ -575,6 +597,8 @@ class SavedActivations:
         self._memo.clear()
         self._made.clear()
         self._scalars.clear()
+        self._leaf_reads.clear()
+        self._saved_as.clear()
         self._random = None
 
     # -- in words ------------------------------------------------------------------------

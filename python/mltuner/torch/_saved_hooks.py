@@ -85,8 +85,10 @@ class SavedTensorHooks(StoredActivations):
                 raise
             if this_clock is not layout:  # smaller than recorded: its rows hold it
                 self._shrunk[slot] = this_clock
-            if layout.recomputed and not self._recording:
-                self._acts.check_recomputed(slot, tensor, self.clock)
+            if not self._recording:
+                self._acts.note_saved(slot, tensor)
+                if layout.recomputed:
+                    self._acts.check_recomputed(slot, tensor, self.clock)
             self._next_slot += 1
             if index >= 0:
                 self._store(index, slot, tensor)

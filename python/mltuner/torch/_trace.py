@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -49,8 +49,8 @@ from mltuner.torch._buffers import storage_ptr
 from mltuner.torch._errors import IterationMismatchError
 
 __all__ = ["BufferArg", "ClockOps", "ForwardTrace", "Made", "Node", "ParamRef", "ScratchArg", "ValueArg",
-           "TEMPLATES", "TENSOR", "generator_of", "scalars_of",
-           "templates_of"]
+           "Seen", "TEMPLATES", "TENSOR", "generator_of",
+           "scalars_of", "seen", "templates_of"]
 
 _aten = torch.ops.aten
 
@@ -325,17 +325,33 @@ class ForwardTrace(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.nodes.append(node)
 
 
+class Seen(NamedTuple):
+    """Which tensor an op of a later clock read: its memory, layout and
+    version (a parameter view is named by its :class:`ParamRef` instead)."""
+
+    address: int | None
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    version: int
+
+
+def seen(tensor: torch.Tensor) -> Seen:
+    return Seen(storage_ptr(tensor), int(tensor.storage_offset()), tuple(tensor.shape), tuple(tensor.stride()),
+                tensor._version)
+
+
 @dataclasses.dataclass(eq=False, slots=True)
 class Made:
     """How a later clock's forward made a tensor: the op, its arguments
     flattened (``spec``), with :data:`TENSOR` in place of each tensor, and
-    how each tensor argument was made (None: by an op outside the programs,
-    or outside the forward)."""
+    for each tensor argument how it was made (None: by an op outside the
+    programs, or outside the forward) and which tensor it was."""
 
     func: Any
     flat: tuple[Any, ...]
     spec: Any  # torch.utils._pytree.TreeSpec of (args, kwargs); None: ``flat`` is the positional arguments
-    inputs: tuple[tuple[Made, int] | None, ...]
+    inputs: tuple[tuple[tuple[Made, int] | None, ParamRef | Seen], ...]
 
     @property
     def scalars(self) -> tuple[Any, ...]:
@@ -381,8 +397,10 @@ class ClockOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
     :class:`IterationMismatchError` rather than replay another op's random
     numbers."""
 
-    def __init__(self, wanted: dict[int, Any], total: int, clock: int, funcs: frozenset[Any]) -> None:
+    def __init__(self, wanted: dict[int, Any], total: int, clock: int, funcs: frozenset[Any],
+                 param_ref: Callable[[torch.Tensor], ParamRef | None]) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
+        self._param_ref = param_ref
         self.wanted = wanted
         self.total = total  # the recording's random ops
         self.clock = clock
@@ -412,7 +430,7 @@ class ClockOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kept = []
         for item in flat:
             if isinstance(item, torch.Tensor):
-                inputs.append(self.made(item))
+                inputs.append((self.made(item), self._param_ref(item) or seen(item)))
                 kept.append(TENSOR)
             else:
                 kept.append(item)

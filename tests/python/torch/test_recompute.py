@@ -851,3 +851,63 @@ def test_the_least_budget_auto_names_is_one_it_takes() -> None:
     with LocalCluster(1, Config(device_memory_budget=least - 1, wait_timeout_s=20)) as cluster:
         with pytest.raises(mltuner.ResourceExhaustedError, match=f"needs at least {least} bytes"):
             mt.wrap(make(), cluster.worker(0), example_input=x, store_activations=True, recompute="auto")
+
+
+class Wired(nn.Module):
+    """The same ops every clock, from inputs the data chooses: two stored
+    activations swapped, a task's row of a parameter (FiLM), or one of two
+    buffers."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.fc1, self.fc2, self.fc3 = nn.Linear(6, 16), nn.Linear(6, 16), nn.Linear(16, 3)
+        if kind == "parameter":
+            self.gamma = nn.Parameter(torch.randn(2, 16))
+        self.register_buffer("buf_a", torch.full((16,), 0.5))
+        self.register_buffer("buf_b", torch.full((16,), 3.0))
+        self.choice = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = torch.tanh(self.fc1(x)), torch.tanh(self.fc2(x))  # stored: tanh saves its output
+        if self.kind == "stored":
+            u, w = (b, a) if self.choice else (a, b)
+            g = torch.sigmoid(u * 3.0 - w)
+        elif self.kind == "parameter":
+            g = torch.sigmoid(a * self.gamma[self.choice] + b)
+        else:
+            g = torch.sigmoid(a * (self.buf_b if self.choice else self.buf_a) + b)
+        return self.fc3(g)  # sigmoid's output: recomputed from a and b
+
+
+@pytest.mark.parametrize("kind", ["stored", "parameter", "buffer"])
+def test_a_recomputed_activation_made_from_other_inputs_is_refused(kind: str) -> None:
+    """Recomputing replays the recorded inputs: a clock whose forward fed the
+    same ops other stored activations, another row of a parameter or
+    another buffer trained silently wrong (a probe: FiLM's gamma[task], 4%
+    off after 4 clocks). Refused in the forward; with the recorded choice
+    the clock trains as recompute='none' does."""
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(3))
+
+    def run(recompute: str, choices: list[int]) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = Wired(kind)
+        with LocalCluster(1, Config(wait_timeout_s=20)) as cluster:
+            ps_model = mt.wrap(model, cluster.worker(0), example_input=x, store_activations=True,
+                               recompute=recompute)
+            if recompute != "none":
+                assert any("sigmoid" in line for line in recomputed(ps_model.saved_activations))
+            for choice in choices:
+                model.choice = choice
+                ps_model(x).square().mean().backward()
+                ps_model.step()
+            return ps_model.state_dict()
+
+    same = run("cheap", [0, 0])
+    for name, value in run("none", [0, 0]).items():
+        assert torch.equal(same[name], value), name
+    with pytest.raises(mt.IterationMismatchError, match=r"clock 1: saved activation #\d+ (is recomputed from saved "
+                                                        r"activation #\d+, but this clock's forward made it from "
+                                                        r"another tensor|was made by mul from other parameters|"
+                                                        r"was made by mul from another buffer).*recompute='none'"):
+        run("cheap", [0, 1])

@@ -128,8 +128,8 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from mltuner.torch._buffers import storage_ptr
 from mltuner.torch._recording import Slot
 from mltuner.torch._errors import IterationMismatchError
-from mltuner.torch._trace import (TENSOR, BufferArg, ForwardTrace, Made, Node, ParamRef, ScratchArg, Seen, ValueArg,
-                                  generator_of, scalars_of, seen, templates_of)
+from mltuner.torch._trace import (TENSOR, BufferArg, ForwardTrace, Input, Made, Node, ParamRef, ScratchArg, Seen,
+                                  ValueArg, generator_of, scalars_of, seen, templates_of)
 
 __all__ = ["FLOPS_PER_TOUCHED_BYTE", "LINK_BOUND_BYTES_PER_OP", "LINK_BOUND_FLOPS_PER_BYTE", "MAX_DEPTH",
            "MAX_FLOPS_PER_BYTE", "MAX_TOUCHED_PER_BYTE", "Program", "RECOMPUTE_CHOICES", "Recompute", "choose",
@@ -319,7 +319,7 @@ def _program(slot: int, trace: ForwardTrace, slot_values: Sequence[int], slot_of
 
 
 def clock_scalars(program: Program, trace: ForwardTrace, made: tuple[Made, int] | None,
-                  clock: int) -> tuple[dict[int, Made], list[tuple[int, Seen | ParamRef]]]:
+                  clock: int) -> tuple[dict[int, Made], list[tuple[int, Input]]]:
     """Checks how a later clock's forward made ``program``'s saved activation
     (``made``: :meth:`ClockOps.made` of the tensor autograd saves) against
     the program: the same ops, one after the other, reading the same
@@ -333,7 +333,7 @@ def clock_scalars(program: Program, trace: ForwardTrace, made: tuple[Made, int] 
     nodes = frozenset(program.nodes)
     leaves = dict(program.leaves)
     changed: dict[int, Made] = {}
-    read: list[tuple[int, Seen | ParamRef]] = []
+    read: list[tuple[int, Input]] = []
     visited: set[int] = set()
     stack: list[tuple[int, tuple[Made, int] | None]] = [(program.output, made)]
 
@@ -366,7 +366,7 @@ def clock_scalars(program: Program, trace: ForwardTrace, made: tuple[Made, int] 
         for template, (source, tensor) in zip(templates, this[0].inputs):
             if isinstance(template, ValueArg):
                 if template.value in leaves:
-                    read.append((leaves[template.value], tensor))
+                    read.append((leaves[template.value], (source, tensor)))
                 else:
                     stack.append((template.value, source))
             elif isinstance(template, ParamRef) and tensor != template:

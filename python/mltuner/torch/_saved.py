@@ -40,7 +40,7 @@ from mltuner.torch._errors import IterationMismatchError
 from mltuner.torch._recompute import MAX_DEPTH, Program, choose, clock_scalars, compute_depth, run
 from mltuner.torch._recompute import describe as describe_program
 from mltuner.torch._recording import Event, Slot
-from mltuner.torch._trace import BufferArg, ClockOps, ForwardTrace, Made, ParamRef, Seen, seen
+from mltuner.torch._trace import BufferArg, ClockOps, ForwardTrace, Input, Made, ParamRef, seen
 
 # Where a buffer or frozen parameter lives: (module, attribute, its tensor,
 # the attribute's name in the model), by the tensor's storage address.
@@ -239,8 +239,8 @@ class SavedActivations:
         # This clock's reads of saved activations by the programs' ops:
         # (recomputed slot, slot read, the tensor read), and which tensor each
         # slot saved, compared at the forward's end.
-        self._leaf_reads: list[tuple[int, int, Seen | ParamRef]] = []
-        self._saved_as: dict[int, Seen] = {}
+        self._leaf_reads: list[tuple[int, int, Input]] = []
+        self._saved_as: dict[int, Input] = {}
         self._modes: list[bool] = []  # each module's training flag in the recording
         self._moded: list[nn.Module] = []  # ... and those modules, in the same order
         self.store_all: StoreAllLog | None = None  # recording, while recomputing
@@ -456,8 +456,12 @@ class SavedActivations:
         if self._random is None:
             return
         self._random.check_complete()
-        for slot, leaf, tensor in self._leaf_reads:
-            if self._saved_as.get(leaf) != tensor:
+        for slot, leaf, (made, tensor) in self._leaf_reads:
+            saved = self._saved_as.get(leaf)
+            same = saved is not None and (
+                tensor == saved[1] if made is None else
+                saved[0] is not None and saved[0][0] is made[0] and saved[0][1] == made[1])
+            if not same:
                 raise IterationMismatchError(
                     f"clock {clock}: saved activation #{slot} is recomputed from saved activation #{leaf}, but this "
                     "clock's forward made it from another tensor (a choice of input that depends on the data); it is "
@@ -560,7 +564,7 @@ class SavedActivations:
         """A later clock that recomputes saved ``tensor`` in ``slot``: which
         tensor it is, for the programs that read it (:meth:`end_forward`)."""
         if self._random is not None:
-            self._saved_as[slot] = seen(tensor)
+            self._saved_as[slot] = (self._random.made(tensor), seen(tensor))
 
     def hold(self, slot: int, tensor: torch.Tensor) -> None:
         """A later clock's forward saved kept ``slot``: held for the

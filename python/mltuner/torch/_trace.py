@@ -49,7 +49,7 @@ from mltuner.torch._buffers import storage_ptr
 from mltuner.torch._errors import IterationMismatchError
 
 __all__ = ["BufferArg", "ClockOps", "ForwardTrace", "Made", "Node", "ParamRef", "ScratchArg", "ValueArg",
-           "Seen", "TEMPLATES", "TENSOR", "generator_of",
+           "Input", "Seen", "TEMPLATES", "TENSOR", "generator_of",
            "scalars_of", "seen", "templates_of"]
 
 _aten = torch.ops.aten
@@ -351,12 +351,17 @@ class Made:
     func: Any
     flat: tuple[Any, ...]
     spec: Any  # torch.utils._pytree.TreeSpec of (args, kwargs); None: ``flat`` is the positional arguments
-    inputs: tuple[tuple[tuple[Made, int] | None, ParamRef | Seen], ...]
+    inputs: tuple[Input, ...]
 
     @property
     def scalars(self) -> tuple[Any, ...]:
         return tuple(item for item in self.flat if item is not TENSOR)
 
+
+# An op's tensor argument in a later clock: how the programs' ops made it
+# (None: by another op) and, a parameter view, its ParamRef, or a tensor no
+# op of the programs made, which tensor it is (else None).
+Input = tuple["tuple[Made, int] | None", "ParamRef | Seen | None"]
 
 TENSOR = object()  # a tensor's place in Made.flat
 _MADE = "_mltuner_made"  # a tensor's attribute: (the ClockOps that noted it, (Made, output position), version)
@@ -426,11 +431,12 @@ class ClockOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
             flat, spec = tree_flatten((args, kwargs or {}))
         else:
             flat, spec = args, None
-        inputs = []
+        inputs: list[Input] = []
         kept = []
         for item in flat:
             if isinstance(item, torch.Tensor):
-                inputs.append((self.made(item), self._param_ref(item) or seen(item)))
+                source = self.made(item)
+                inputs.append((source, self._param_ref(item) or (seen(item) if source is None else None)))
                 kept.append(TENSOR)
             else:
                 kept.append(item)

@@ -24,6 +24,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 import warnings
 import weakref
@@ -96,14 +97,17 @@ def _warn_uneven_end(clocks: list[Any], lent: bool) -> None:
 
 
 def _refuse_a_second_rendezvous(env: ProcessEnv) -> None:
-    """A second Job of this process on the rendezvous of an open one (one
-    Job per model, a GAN's two networks, under one launcher) would meet the
+    """A second Job of a script on the rendezvous of its open one (one Job
+    per model, a GAN's two networks, under one launcher) would meet the
     first one's peers: rank 0 failed to bind the port, the others claimed
-    ranks twice. Refused before anything binds, with the way out."""
-    place = (env.master_addr, env.master_port, env.torch_store_key, env.rank)
+    ranks twice. Refused before anything binds, with the way out. (Jobs of
+    one rank on other threads are left to the rendezvous, which refuses a
+    rank claimed twice: tests play processes so.)"""
+    place = (env.master_addr, env.master_port, env.torch_store_key, env.rank, threading.get_ident())
     for other in list(_open_jobs):
         if not other._closed and other.world_size > 1 and (
-                other.env.master_addr, other.env.master_port, other.env.torch_store_key, other.rank) == place:
+                other.env.master_addr, other.env.master_port, other.env.torch_store_key, other.rank,
+                other._thread) == place:
             own = ("torch_store_key=first_job.env.torch_store_key + '/2'" if env.torch_store_key else
                    "master_port=<another port free on rank 0's host>")
             raise InvalidArgumentError(
@@ -248,6 +252,7 @@ class Job:
         self.peer_endpoints: dict[int, str] = {}  # where this process sends each peer's data
         # How device payloads reach each peer: "cuda-ipc" or "host-frames (why)".
         self.data_paths: dict[int, str] = {}
+        self._thread = threading.get_ident()  # the thread that opened it (_refuse_a_second_rendezvous)
         if self.world_size > 1:
             _refuse_a_second_rendezvous(self.env)
         self._node = _core.ProcessNode(self.config.to_core(), self.rank, self.world_size, self.config.device,

@@ -32,22 +32,30 @@ def test_a_second_job_of_a_rank_on_the_same_rendezvous_is_refused_with_the_way_o
     rank 1'). Refused before anything binds; its own port works."""
     import dataclasses
 
+    from mltuner.launch import ProcessEnv
     from test_wire_security import free_port  # type: ignore[import-not-found]
 
-    jobs = start_pair(wait_timeout_s=5)
-    try:
-        with pytest.raises(mltuner.InvalidArgumentError, match=r"already has an open Job on the rendezvous "
-                                                               r"127\.0\.0\.1:\d+ \(rank 1 of 2\).*master_port="):
-            mltuner.Job(env=jobs[1].env)
-        port = free_port()
-        seconds: list[mltuner.Job] = []
-        threads = [threading.Thread(target=lambda job=job: seconds.append(
-            mltuner.Job(env=dataclasses.replace(job.env, master_port=port), rendezvous_timeout_s=20))) for job in jobs]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(30)
-        assert sorted(job.rank for job in seconds) == [0, 1]
-        close(seconds)
-    finally:
-        close(jobs)
+    ports = free_port(), free_port()
+    refused: list[BaseException] = []
+    joined: list[int] = []
+
+    def rank(r: int) -> None:  # each rank's script, on its own thread as a process would be
+        env = ProcessEnv(rank=r, world_size=2, local_rank=r, master_addr="127.0.0.1", master_port=ports[0],
+                         bind_host="127.0.0.1", secret="pair-secret", source="mltuner")
+        with mltuner.Job(env=env, rendezvous_timeout_s=20) as first:
+            try:
+                mltuner.Job(env=env)
+            except mltuner.InvalidArgumentError as error:
+                refused.append(error)
+            with mltuner.Job(env=dataclasses.replace(first.env, master_port=ports[1]), rendezvous_timeout_s=20) as two:
+                joined.append(two.rank)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert len(refused) == 2
+    assert all("already has an open Job on the rendezvous 127.0.0.1:" in str(e) and "master_port=" in str(e)
+               for e in refused)
+    assert sorted(joined) == [0, 1]

@@ -132,8 +132,8 @@ from mltuner.torch._trace import (TENSOR, BufferArg, ForwardTrace, Input, Made, 
                                   ValueArg, generator_of, scalars_of, seen, templates_of)
 
 __all__ = ["FLOPS_PER_TOUCHED_BYTE", "LINK_BOUND_BYTES_PER_OP", "LINK_BOUND_FLOPS_PER_BYTE", "MAX_DEPTH",
-           "MAX_FLOPS_PER_BYTE", "MAX_TOUCHED_PER_BYTE", "Program", "RECOMPUTE_CHOICES", "Recompute", "choose",
-           "clock_scalars", "compute_depth", "describe", "link_bound", "memory_bound", "run"]
+           "MAX_FLOPS_PER_BYTE", "MAX_TOUCHED_PER_BYTE", "Program", "RECOMPUTE_CHOICES", "Recompute",
+           "check_clock", "choose", "compute_depth", "describe", "link_bound", "memory_bound", "run"]
 
 Recompute = Literal["auto", "cheap", "compute", "none"]
 RECOMPUTE_CHOICES: tuple[Recompute, ...] = ("auto", "cheap", "compute", "none")
@@ -318,7 +318,7 @@ def _program(slot: int, trace: ForwardTrace, slot_values: Sequence[int], slot_of
                    sum(trace.nodes[n].touched_bytes for n in nodes), sum(trace.nodes[n].flops for n in nodes))
 
 
-def clock_scalars(program: Program, trace: ForwardTrace, made: tuple[Made, int] | None,
+def check_clock(program: Program, trace: ForwardTrace, made: tuple[Made, int] | None,
                   clock: int) -> tuple[dict[int, Made], list[tuple[int, Input]]]:
     """Checks how a later clock's forward made ``program``'s saved activation
     (``made``: :meth:`ClockOps.made` of the tensor autograd saves) against
@@ -403,7 +403,7 @@ def run(program: Program, trace: ForwardTrace, *, leaf: Callable[[int], torch.Te
     ``leaf(slot)`` gives a saved activation it reads, ``param(ref)`` a view
     of a layer's parameters, ``random_state(n)`` the generator state before
     the forward's random op ``n``; ``scalars``: a clock's own non-tensor
-    arguments of some nodes (:func:`clock_scalars`)."""
+    arguments of some nodes (:func:`check_clock`)."""
     env = {value: leaf(slot) for value, slot in program.leaves}
     stand_ins = dict(program.mask_only)
 

@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_flatten
 
 from mltuner.torch._buffers import storage_ptr
 from mltuner.torch._errors import IterationMismatchError
-from mltuner.torch._recompute import MAX_DEPTH, Program, choose, clock_scalars, compute_depth, run
+from mltuner.torch._recompute import MAX_DEPTH, Program, check_clock, choose, compute_depth, run
 from mltuner.torch._recompute import describe as describe_program
 from mltuner.torch._recording import Event, Slot
 from mltuner.torch._trace import BufferArg, ClockOps, ForwardTrace, Input, Made, ParamRef, seen
@@ -555,7 +555,7 @@ class SavedActivations:
         where they differ), and their non-tensor arguments kept for running
         it again where they changed since the recording."""
         assert self._random is not None and self._trace is not None
-        changed, read = clock_scalars(self._programs[slot], self._trace, self._random.made(tensor), clock)
+        changed, read = check_clock(self._programs[slot], self._trace, self._random.made(tensor), clock)
         if changed:
             self._scalars[slot] = changed
         self._leaf_reads.extend((slot, leaf, tensor) for leaf, tensor in read)

@@ -51,8 +51,7 @@ class SavedTensorHooks(StoredActivations):
                     f"autograd saves a {tensor.dtype} reinterpretation of layer {self.layers[layer].name!r}'s "
                     "parameters; only float32 views are supported"
                 )
-            return _ParamUse(ParamRef(layer, tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset())),
-                             self._serial)
+            return _ParamUse(ParamRef.of(layer, tensor), self._serial)
         if is_placeholder(address):
             with self._mutating():
                 raise UnsupportedModelError(
@@ -150,7 +149,7 @@ class SavedTensorHooks(StoredActivations):
         layer = self._param_ptrs.get(storage_ptr(tensor) or 0)
         if layer is None or tensor.dtype != torch.float32:
             return None
-        return ParamRef(layer, tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset()))
+        return ParamRef.of(layer, tensor)
 
     def _grad_read(self, ref: ParamRef) -> torch.Tensor:
         """The flat buffer of ``ref``'s layer for its backward: the held

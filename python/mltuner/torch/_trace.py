@@ -37,6 +37,7 @@ made a recomputed tensor by other ops is refused.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -77,6 +78,11 @@ class ParamRef:
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
+
+    @staticmethod
+    def of(layer: int, tensor: torch.Tensor) -> ParamRef:
+        """``tensor``, a view of layer ``layer``'s parameters."""
+        return ParamRef(layer, tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,10 +179,17 @@ def arithmetic(func: Any, args: Any, out: Any) -> int:
     return 0
 
 
-def _returns_alias(func: torch._ops.OpOverload) -> list[bool | None]:
+@functools.cache
+def _returns_alias(func: torch._ops.OpOverload) -> tuple[bool | None, ...]:
     """Per declared return: None (a new tensor), False (a view of an
     argument), True (an argument written in place)."""
-    return [None if r.alias_info is None else bool(r.alias_info.is_write) for r in func._schema.returns]
+    return tuple(None if r.alias_info is None else bool(r.alias_info.is_write) for r in func._schema.returns)
+
+
+def _alias_of(aliases: tuple[bool | None, ...], position: int) -> bool | None:
+    """Output ``position``'s alias (:func:`_returns_alias`); outputs past the
+    declared ones (a list return) take the first's."""
+    return aliases[position] if position < len(aliases) else (aliases[0] if aliases else None)
 
 
 class ForwardTrace(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -310,8 +323,7 @@ class ForwardTrace(TorchDispatchMode):  # type: ignore[no-untyped-call]
             if not isinstance(item, torch.Tensor):
                 outputs.append(-1)
                 continue
-            alias = aliases[position] if position < len(aliases) else (aliases[0] if aliases else None)
-            if alias is True:  # written in place: its version goes up when the op returns
+            if _alias_of(aliases, position) is True:  # written in place: its version goes up when the op returns
                 base = self.base[node.mutates] if node.mutates >= 0 else -1
                 outputs.append(self._new_value(item, (number, position), base, item._version + 1))
             else:
@@ -412,7 +424,6 @@ class ClockOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.funcs = funcs
         self.states: dict[int, torch.Tensor] = {}
         self._count = 0
-        self._written: dict[Any, list[bool]] = {}  # per op: which outputs it writes in place
 
     def made(self, tensor: torch.Tensor) -> tuple[Made, int] | None:
         """How this clock's forward made ``tensor`` as it is now (None: not
@@ -447,12 +458,10 @@ class ClockOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
         # above this mode): a later write by an op the programs do not run
         # (an in-place op of the model's own) makes the note stale, and the
         # tensor then counts as made by other ops.
-        written = self._written.get(func)
-        if written is None:
-            written = self._written[func] = [alias is True for alias in _returns_alias(func)]
+        aliases = _returns_alias(func)
         for position, item in enumerate((out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]):
             if isinstance(item, torch.Tensor):
-                bump = written[position] if position < len(written) else bool(written and written[0])
+                bump = _alias_of(aliases, position) is True
                 item.__dict__[_MADE] = (self, (made, position), item._version + bump)
         return out
 

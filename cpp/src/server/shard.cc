@@ -774,9 +774,7 @@ Status ServerShard::ApplyPart(TableState* table, Clock finished, int part) {
   const bool skipped = table->skipped_steps.count(finished) != 0;
   if (skipped && part + 1 == table->clock.parts()) table->skipped_steps.erase(finished);
   if (!table->training) return Status::Ok();  // evaluation and testing branches never change
-  // A skipped step: nothing changes. The updates' buffers go back to their
-  // pools once the server stream is past what queued their rows.
-  if (skipped) return ReleaseUnapplied(updates);
+  if (skipped) return ReleaseUpdates(updates);  // a skipped step: nothing changes
   // Sum in worker order 0..N-1, whatever order the updates arrived in, so
   // the float result is the same on every run. Workers that sent nothing
   // have no buffer and add nothing.
@@ -792,16 +790,10 @@ Status ServerShard::ApplyPart(TableState* table, Clock finished, int part) {
   MLT_RETURN_IF_ERROR(WaitForLoans(*table));  // workers of this process still reading the last rows
   const int64_t offset = table->offset_of(part);
   table->rule->ApplyPart(table->data() + offset, sum->data, offset, count, num_workers_, part == 0, Stream::kServer);
-  // The buffers go back to their pools once the server stream has read them.
-  DeviceEvent done;
-  MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kServer, &done));
-  for (std::shared_ptr<DeviceBuffer>& update : updates) {
-    if (update) update->last_use = done;
-  }
-  return Status::Ok();
+  return ReleaseUpdates(updates);
 }
 
-Status ServerShard::ReleaseUnapplied(std::vector<std::shared_ptr<DeviceBuffer>>& updates) {
+Status ServerShard::ReleaseUpdates(std::vector<std::shared_ptr<DeviceBuffer>>& updates) {
   DeviceEvent done;
   MLT_RETURN_IF_ERROR(device_->RecordEvent(Stream::kServer, &done));
   for (std::shared_ptr<DeviceBuffer>& update : updates) {

@@ -231,9 +231,9 @@ class ServerShard {
   // Applies the rule to part `part` of clock `finished`, whose every update
   // has just arrived (or been declared empty).
   Status ApplyPart(TableState* table, Clock finished, int part);
-  // Gives a skipped step's updates back to their pools once the server
-  // stream has done what it queued on them.
-  Status ReleaseUnapplied(std::vector<std::shared_ptr<DeviceBuffer>>& updates);
+  // Gives a clock's update buffers (applied, or a skipped step's) back to
+  // their pools once the server stream has done what it queued on them.
+  Status ReleaseUpdates(std::vector<std::shared_ptr<DeviceBuffer>>& updates);
   // Applies and pushes the parts the table's global position passed since
   // position `before` (VectorClock::global_position).
   Status FinishParts(TableState* table, int64_t before, std::vector<Message>* out);

@@ -178,10 +178,7 @@ class ScaledGradients:
             return None
         # The scale tensor itself (made by the first scaler.scale()): reading
         # it with get_scale() would wait for the GPU in every backward pass.
-        scale = getattr(self._scaler, "_scale", None)
-        if isinstance(scale, torch.Tensor):
-            return scale
-        return None
+        return self._live()[0]
 
     def scaler_step(self, found_inf: Any, unscaled: bool) -> None:
         """``scaler.step(model.optimizer)``, before the clock ends. Shipping

@@ -346,12 +346,14 @@ class ClockDriver(Planning, ServerValues, SavedTensorHooks):
                 "between backward() and step() dropped them (torch's step() would then do nothing; the clock's "
                 "update must still leave here): zero the gradients before the forward pass, or run a forward and "
                 "a backward pass again before step()")
-        dropped = (" (here the gradients stay in .grad until step(): was .grad set to None after backward(), by "
-                   "p.grad = None or a zero_grad of some parameters?)" if self._at_step else "")
-        if not self._at_step and any(grad is not None for layer in self.layers if layer.name in missing
-                                     for grad in layer.grads()):
+        if self._at_step:
+            dropped = (" (here the gradients stay in .grad until step(): was .grad set to None after backward(), by "
+                       "p.grad = None or a zero_grad of some parameters?)")
+        elif any(grad is not None for layer in self.layers if layer.name in missing for grad in layer.grads()):
             dropped = (" (their .grad was assigned by hand, after torch.autograd.grad say, which reaches the servers "
                        f"only where updates ship at step(): {self._why_shipped()})")
+        else:
+            dropped = ""
         with self._mutating():
             raise IterationMismatchError(
                 f"clock {self.clock}: the backward pass finished without a gradient for layer(s) {names}, which "

@@ -130,6 +130,10 @@ def storage_ptr(tensor: torch.Tensor) -> int | None:
 _PLACEHOLDERS: dict[torch.device, torch.Tensor] = {}
 _DENSE_PLACEHOLDERS: dict[torch.device, torch.Tensor] = {}
 _PLACEHOLDER_PTRS: set[int] = set()  # every placeholder's storage, ever made (views of old ones live on)
+# Replaced dense placeholders, kept alive: their addresses stay in
+# _PLACEHOLDER_PTRS, so a freed one's memory, handed to another tensor,
+# would make that tensor look like a parameter between its accesses.
+_RETIRED_PLACEHOLDERS: list[torch.Tensor] = []
 _PLACEHOLDER_LOCK = threading.Lock()  # workers wrap on threads of their own
 
 
@@ -154,6 +158,9 @@ def dense_placeholder(device: torch.device, numel: int) -> torch.Tensor:
     with _PLACEHOLDER_LOCK:
         value = _DENSE_PLACEHOLDERS.get(device)
         if value is None or value.numel() < numel:
+            if value is not None:  # at least doubled: the retired ones hold less than the live one
+                _RETIRED_PLACEHOLDERS.append(value)
+                numel = max(numel, 2 * value.numel())
             value = _DENSE_PLACEHOLDERS[device] = torch.full((numel,), float("nan"), dtype=torch.float32,
                                                              device=device)
             _PLACEHOLDER_PTRS.add(int(value.untyped_storage().data_ptr()))

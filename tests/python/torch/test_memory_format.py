@@ -108,3 +108,21 @@ def test_workers_whose_models_differ_in_format_are_refused() -> None:
     with mltuner.LocalCluster(2, mltuner.Config(wait_timeout_s=10.0)) as cluster:
         with pytest.raises(Exception, match="same tables"):
             cluster.run(body, timeout_s=30.0)
+
+
+def test_a_replaced_dense_placeholder_keeps_its_memory() -> None:
+    """A larger channels_last parameter replaces the shared dense
+    placeholder; the old one's address stays a placeholder's, so its memory
+    must never go to another tensor (a probe's saved ReLU output and a loss
+    scalar were taken for parameters: "used outside the forward of the
+    module that owns it")."""
+    from mltuner.torch import _buffers
+
+    device = torch.device("cpu")
+    first = _buffers.dense_placeholder(device, 1000)
+    old_numel = first.numel()
+    del first
+    _buffers.dense_placeholder(device, old_numel + 1)  # what a wider model's wrap() asks for
+    fresh = [torch.empty(n) for n in range(old_numel // 2, old_numel + 64, 4) for _ in range(2)]
+    taken = [t.numel() for t in fresh if _buffers.is_placeholder(_buffers.storage_ptr(t))]
+    assert not taken, f"tensors of {taken} elements got a replaced placeholder's memory"

@@ -314,8 +314,6 @@ def restore(node: _core.ProcessNode, worker: Worker, path: Path, rule_kind: str,
             "wrap(..., resume_from=path)"
         )
     directory = resolve_together(path, int(node.rank), agree)
-    if node.rank == 0 and (path / LATEST).is_file():
-        remove_leftovers(path)
     manifest, metas = _check_checkpoint(directory, worker, sources, agree=agree)
     saved = _saved_tables(manifest)
     for table in _communicated(worker):
@@ -343,14 +341,20 @@ def resolve_together(path: Path, rank: int, agree: Callable[[str, Any], list[Any
     """:func:`resolve` on rank 0, its answer on every rank (``agree``: the
     job's allgather; every rank calls this): resolved on each rank, a root
     another job writes into could name different checkpoints to different
-    ranks."""
-    if agree is None:
-        return resolve(path)
+    ranks. A root's leftovers go first (:func:`remove_leftovers`), so that a
+    checkpoint a cut-off save moved aside has its name back when the newest
+    is chosen (and is not saved over later as if it were gone)."""
     found = ""
 
     def on_rank_0() -> None:
         nonlocal found
+        if (path / LATEST).is_file():
+            remove_leftovers(path)
         found = str(resolve(path))
+
+    if agree is None:
+        on_rank_0()
+        return Path(found)
 
     return Path(_together(agree, f"checkpoint-resolve-{path.name}", on_rank_0 if rank == 0 else None, lambda: found,
                           what="resolving the checkpoint")[0])

@@ -765,8 +765,6 @@ def _restorer(worker: Worker, saved: SavedModelState, resumed: list[Resumed],
     assert checkpoints is not None
 
     def restore() -> None:
-        if saved.root is not None and worker.rank == 0:  # as Job.restore_checkpoint(root) does
-            _checkpoint.remove_leftovers(saved.root)
         clock = checkpoints.restore_checkpoint(saved.path, sources=sources)
         resumed.append(Resumed(saved.path, clock, saved.user_state, {"state": {}, "param_groups": saved.groups}))
 

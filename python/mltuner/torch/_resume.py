@@ -74,7 +74,6 @@ class SavedModelState:
     groups: list[dict[str, Any]]
     local: dict[str, torch.Tensor | Any]  # state_dict entries: tensors, or extra state (JSON values)
     user_state: Any
-    root: Path | None = None  # the root of checkpoints given, whose newest `path` is (None: a directory was)
     # Each table's name -> its parameters' names -> their offsets in its flat
     # values, as saved, and the tables' row width (None: a checkpoint of
     # before they were saved).
@@ -290,8 +289,7 @@ def read_saved(path: str | os.PathLike[str], module: nn.Module, optimizer: str |
                             f"{tuple(target.shape)} here")
     if problems:
         raise InvalidArgumentError(f"checkpoint {directory} was saved from another model: " + "; ".join(problems))
-    return SavedModelState(directory, groups, local, index.get("user_state"),
-                           None if directory == Path(path) else Path(path), _saved_tables(directory, index, trained),
+    return SavedModelState(directory, groups, local, index.get("user_state"), _saved_tables(directory, index, trained),
                            index.get("row_width"))
 
 

@@ -173,8 +173,10 @@ def test_leftovers_are_removed_at_restore_and_names_continue_the_clock(tmp_path:
 def test_a_clock_saved_again_and_a_latest_naming_nothing_still_resume(tmp_path: Path) -> None:
     """A run resumed from clock 2 that reaches clock 4 again saves it again:
     the old one moves aside before the new one takes its name. A save cut
-    off between the two (latest names a directory gone), or a latest edited
-    by hand, resumes from the newest complete checkpoint, saying so."""
+    off between the two (latest names a directory gone) resumes from the one
+    moved aside, which has its name back before the newest is chosen (a
+    probe's restore took clock 2 and the run then saved over clock 4); a
+    latest edited by hand resumes from the newest complete checkpoint."""
     save_clocks_2_and_4(tmp_path)
     with single_job() as job:
         table, update = prepare(job.worker)
@@ -188,10 +190,17 @@ def test_a_clock_saved_again_and_a_latest_naming_nothing_still_resume(tmp_path: 
     (tmp_path / "clock-00000004").rename(tmp_path / ".clock-00000004.old.tmp")  # the save cut off there
     with single_job() as job:
         table, _ = prepare(job.worker)
-        assert job.restore_checkpoint(tmp_path) == 2  # the newest complete one
+        assert job.restore_checkpoint(tmp_path) == 4  # the one latest names, its name given back first
+        np.testing.assert_array_equal(job.worker.fetch(table), again)
+    assert listing(tmp_path) == ["clock-00000002", "clock-00000004", "latest"]
+    (tmp_path / "clock-00000004").rename(tmp_path / ".clock-00000004.old.tmp")
+    (tmp_path / "latest").write_text("clock-00000002")
+    with single_job() as job:  # a latest naming an older one: that one, and the other has its name back
+        table, _ = prepare(job.worker)
+        assert job.restore_checkpoint(tmp_path) == 2
         np.testing.assert_array_equal(job.worker.fetch(table), np.full((10, 3), 2.0, dtype=np.float32))
     assert listing(tmp_path) == ["clock-00000002", "clock-00000004", "latest"]
-    for latest in ("", "../elsewhere"):  # the one moved aside has its name back, and is the newest
+    for latest in ("", "../elsewhere"):  # the newest complete one
         (tmp_path / "latest").write_text(latest)
         with single_job() as job:
             table, _ = prepare(job.worker)

@@ -117,13 +117,38 @@ def _refuse_a_second_rendezvous(env: ProcessEnv) -> None:
                 f"mltuner.Job(env=dataclasses.replace(first_job.env, {own}))")
 
 
+# The status the main thread last gave sys.exit, once a Job is open (the
+# close at interpreter exit reads it): a SystemExit leaves no
+# sys.last_value, so a rank that ended on sys.exit(1) closed gracefully, its
+# peers trained on with its clocks lent as zero updates and exited 0.
+_exit_status: list[object] = []
+
+
+def _note_exit_status() -> None:
+    """Wraps ``sys.exit`` (once) to keep the main thread's status."""
+    original = sys.exit
+    if getattr(original, "_mltuner_notes_status", False):
+        return
+
+    def exit(status: str | int | None = None, /) -> Any:  # noqa: A001 - sys.exit's own name
+        if threading.current_thread() is threading.main_thread():
+            _exit_status[:] = [status]
+        return original(status)
+
+    exit._mltuner_notes_status = True  # type: ignore[attr-defined]
+    exit.__doc__ = original.__doc__
+    sys.exit = exit
+
+
 @atexit.register
 def _close_open_jobs() -> None:
-    # A script that ends normally leaves gracefully (its last updates, the
-    # close barrier, a goodbye); one ending on an uncaught exception, which
-    # the interpreter keeps in sys.last_value, does not, so its peers see it
-    # fail within their heartbeat timeout instead of waiting for it.
-    failed = getattr(sys, "last_value", None) is not None
+    # A script that ends normally (or on sys.exit(0)) leaves gracefully (its
+    # last updates, the close barrier, a goodbye); one ending on an uncaught
+    # exception, which the interpreter keeps in sys.last_value, or on
+    # sys.exit with another status, does not, so its peers see it fail
+    # within their heartbeat timeout instead of training on without it.
+    status = _exit_status[0] if _exit_status else None
+    failed = getattr(sys, "last_value", None) is not None or status not in (None, 0)
     unanswered: MltunerError | None = None
     for job in list(_open_jobs):
         try:
@@ -262,6 +287,7 @@ class Job:
                              max_message_bytes=self._max_message_bytes if self.world_size > 1 else None,
                              data_paths=self.data_paths, checkpoints=self)
         _open_jobs.add(self)
+        _note_exit_status()
         if self.world_size > 1:
             try:
                 self._connect(SocketSecurity(self._keys(secure), curve_on_ipc=secure is True), rendezvous_timeout_s,
@@ -414,12 +440,15 @@ class Job:
         the last clock any rank finished. Idempotent.
 
         Raises:
-            mltuner.MltunerError: graceful, what the close's wait met when no
-                peer was lost (a WaitTimeoutError: a peer alive but stuck
-                never reached close), once the rank has shut down, so that it
-                does not end as if its job had finished (a job still open at
-                interpreter exit then exits with status 1). A lost peer was
-                reported by the calls that met it, and is not raised again.
+            mltuner.MltunerError: graceful, what the close's wait met (a
+                WaitTimeoutError: a peer alive but stuck never reached close;
+                a PeerLostError: a peer lost while this rank waited for it
+                here), once the rank has shut down, so that it does not end
+                as if its job had finished (a job still open at interpreter
+                exit then exits with status 1); such a close says no goodbye,
+                so the peers report this rank lost rather than wait for it. A
+                peer lost before close() was reported by the calls that met
+                it, and is not raised again.
         """
         if self._closed:
             return
@@ -439,13 +468,12 @@ class Job:
                 _warn_uneven_end(clocks, lender is not None)
                 self._control.barrier("close", self._timeout_s, final=True)
             except MltunerError as error:
-                if self._lost_peer() is None:  # a lost peer was reported by the calls that met it
-                    unanswered = error
+                unanswered = error
         self._node.shutdown()
         if self._transport is not None:
             self._transport.stop(graceful=graceful)
-        if self._liveness is not None:  # the goodbye leaves after the data
-            self._liveness.stop(graceful=graceful)
+        if self._liveness is not None:  # the goodbye leaves after the data, and only after a close that succeeded
+            self._liveness.stop(graceful=graceful and unanswered is None)
         if self._control is not None:
             self._control.close()
         if self._coordinator is not None:

@@ -147,18 +147,30 @@ class ControlChannel:
             poller.register(listener.socket, zmq.POLLIN)
             poller.register(listener.guard.monitor, zmq.POLLIN)
         next_beat = 0.0
+        last_turn = time.monotonic()
         while not self._stopping.is_set():
             now = time.monotonic()
+            if now - last_turn > self._timeout:  # this process was silent itself: its peers may take it for lost
+                _log.warning("mltuner: rank %d's control thread did not run for %.1f s (a call that held the "
+                             "interpreter lock, or a stopped process), longer than the heartbeat timeout: its peers "
+                             "may take it for lost; Job(heartbeat_timeout_s=...) bounds such pauses", self._rank,
+                             now - last_turn)
+            last_turn = now
             if now >= next_beat:
                 self._broadcast(HEARTBEAT + _RANK.pack(self._rank))
                 next_beat = now + self._interval
             ready = dict(poller.poll(min(_POLL_MS, max(1, int((next_beat - now) * 1000)))))
+            # The peers are judged as of a moment before the drain, which reads
+            # whatever the poll said: this thread may wait long for the
+            # interpreter lock at any point (another thread in a long C call,
+            # a stopped process), and only the heartbeats read after such a
+            # pause tell whether the peers spoke during it.
+            judged_at = time.monotonic()
             for listener in self.listeners:
-                if listener.socket in ready:
-                    self._drain(listener.socket)
+                self._drain(listener.socket)
                 if listener.guard.monitor in ready:
                     listener.guard.handle_events()
-            self._check_peers()
+            self._check_peers(judged_at)
 
     def _broadcast(self, frame: bytes) -> None:
         for socket in self._peers.values():
@@ -185,10 +197,9 @@ class ControlChannel:
             elif kind == CLOSING:
                 self._closing.setdefault(rank, time.monotonic())
 
-    def _check_peers(self) -> None:
+    def _check_peers(self, now: float) -> None:
         if self.lost is not None:
             return
-        now = time.monotonic()
         for rank, heard in self._last_heard.items():
             if rank not in self._departed and now - heard > self._timeout:
                 self.lost = (f"worker rank {rank} stopped answering: no heartbeat from it for {now - heard:.1f} s "

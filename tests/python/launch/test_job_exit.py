@@ -6,8 +6,11 @@ std::terminate, exit code 134)."""
 from __future__ import annotations
 
 import io
+import re
 import sys
 from pathlib import Path
+
+import pytest
 
 from mltuner.launch import launch
 
@@ -60,3 +63,105 @@ def test_a_job_left_open_whose_peer_is_stuck_exits_with_an_error(tmp_path: Path)
     assert code != 0, text
     assert "rank 1 leaving without close" in text and "closing the job at exit" in text, text
     assert "rank 0 did not reach it" in text, text
+
+
+FAILED_RANK = """
+import os, sys, time
+import mltuner
+
+def job() -> mltuner.Job:
+    return mltuner.Job(mltuner.Config(update_rule=mltuner.UpdateRule("add"), wait_timeout_s=60),
+                       heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, rendezvous_timeout_s=30)
+
+def clocks(job: mltuner.Job):
+    worker = job.worker
+    table = worker.create_table("t", 8, 4)
+    read = worker.virtual_read(table)
+    worker.virtual_post_read(read)
+    update = worker.virtual_pre_update(table)
+    worker.virtual_update(update)
+    worker.virtual_clock()
+    worker.finish_virtual_iteration()
+    worker.start_iterations()
+
+    def clock() -> None:
+        worker.read(read)
+        worker.post_read(read)
+        worker.pre_update(update)[:] = 1.0
+        worker.update(update)
+        worker.clock()
+    return clock
+
+def train_until_lost(clock) -> None:
+    started = time.monotonic()
+    try:
+        for _ in range(1_000_000):
+            clock()
+    except mltuner.PeerLostError as error:
+        print(f"rank 0 lost its peer after {time.monotonic() - started:.1f} s: {error}", flush=True)
+        os._exit(3)
+    print("rank 0 trained on without its peer", flush=True)
+"""
+
+SHUT_DOWN = FAILED_RANK + """
+with job() as j:  # rank 1 shuts its worker down, then leaves the block as if it had finished
+    clock = clocks(j)
+    if j.rank == 1:
+        for _ in range(3):
+            clock()
+        j.worker.shutdown()
+    else:
+        train_until_lost(clock)
+"""
+
+EXITED = FAILED_RANK + """
+j = job()  # no `with`: closed at interpreter exit
+clock = clocks(j)
+if j.rank == 1:
+    for _ in range(3):
+        clock()
+    sys.exit(1)  # a failure the script reports by its exit status
+train_until_lost(clock)
+"""
+
+DIED_DURING_CLOSE = FAILED_RANK + """
+j = job()
+clock = clocks(j)
+for _ in range(3):
+    clock()
+if j.rank == 1:
+    time.sleep(1.0)  # still training when it dies
+    os._exit(9)
+try:
+    j.close()
+    print("rank 0 closed as if the job had finished", flush=True)
+except mltuner.PeerLostError as error:
+    print(f"rank 0 lost its peer in close(): {error}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("script", [SHUT_DOWN, EXITED], ids=["worker shut down", "sys.exit(1)"])
+def test_a_rank_that_failed_is_reported_lost_not_waited_for(tmp_path: Path, script: str) -> None:
+    """A rank whose close fails (its worker shut down: probe, 60 s of waiting
+    and a message naming no rank) or that ends on sys.exit(1) without a
+    `with` block (probe: closed gracefully, its peer trained on and exited 0)
+    says no goodbye: its peer reports it lost within the heartbeat timeout."""
+    path = tmp_path / "failed_rank.py"
+    path.write_text(script)
+    out = io.StringIO()
+    code = launch([sys.executable, str(path)], 2, stdout=out, grace_seconds=20)
+    text = out.getvalue()
+    assert code != 0, text
+    assert re.search(r"rank 0 lost its peer after (\d+\.\d) s: worker rank 1 stopped answering", text), text
+
+
+def test_a_peer_lost_while_this_rank_waits_in_close_is_raised(tmp_path: Path) -> None:
+    """A rank waiting in close() for a peer still training, which dies, does
+    not end as if the job had finished (probe: close returned, exit 0)."""
+    path = tmp_path / "died_during_close.py"
+    path.write_text(DIED_DURING_CLOSE)
+    out = io.StringIO()
+    code = launch([sys.executable, str(path)], 2, stdout=out, grace_seconds=20)
+    text = out.getvalue()
+    assert code != 0, text
+    assert "rank 0 lost its peer in close(): worker rank 1 stopped answering" in text, text

@@ -283,3 +283,61 @@ def test_ranks_that_close_at_different_clocks_are_warned_about(
             run_both(lambda rank: jobs[rank].close())
     finally:
         run_both(lambda rank: jobs[rank].close(graceful=False))
+
+
+
+STALLING_PEER = textwrap.dedent("""
+    import logging
+    import re
+    import sys
+    import time
+    import mltuner
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    timeout_s = float(sys.argv[1])
+    job = mltuner.Job(mltuner.Config(update_rule=mltuner.UpdateRule("add"), wait_timeout_s=60),
+                      heartbeat_interval_s=0.05, heartbeat_timeout_s=timeout_s, rendezvous_timeout_s=30)
+    size = 16  # one C call that keeps the interpreter lock (re never releases it), as a long json.loads would
+    while True:
+        started = time.monotonic()
+        re.match(r"(a+)+$", "a" * size + "b")
+        if time.monotonic() - started >= 2 * timeout_s:
+            break
+        size += 1 if time.monotonic() - started > timeout_s / 2 else 2
+    time.sleep(0.3)  # the control thread runs again
+    print("lost:", job._lost_peer(), flush=True)
+    job.close(graceful=False)
+""")
+
+
+def test_a_process_that_held_the_interpreter_lock_does_not_blame_its_peer(tmp_path: Path) -> None:
+    """A rank whose main thread holds the interpreter lock longer than the
+    heartbeat timeout is silent, and its peer rightly takes it for lost; but
+    once it runs again it reads the heartbeats its peer sent meanwhile before
+    judging that peer, and says it was the silent one (a probe's stalled rank
+    declared its healthy peer lost: the poll's answer from before the stall
+    said nothing had come)."""
+    timeout_s = 0.5
+    script = tmp_path / "stalling_peer.py"
+    script.write_text(STALLING_PEER)
+    port = free_port()
+    env = dict(os.environ, MLTUNER_RANK="1", MLTUNER_WORLD_SIZE="2", MLTUNER_LOCAL_RANK="1",
+               MLTUNER_MASTER_ADDR="127.0.0.1", MLTUNER_MASTER_PORT=str(port), MLTUNER_SECRET="liveness-secret")
+    peer = subprocess.Popen([sys.executable, str(script), str(timeout_s)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        job = mltuner.Job(mltuner.Config(update_rule=mltuner.UpdateRule("add"), wait_timeout_s=60),
+                          env=mltuner.launch.ProcessEnv(rank=0, world_size=2, local_rank=0, master_addr="127.0.0.1",
+                                                        master_port=port, bind_host="127.0.0.1",
+                                                        secret="liveness-secret", source="mltuner"),
+                          heartbeat_interval_s=0.05, heartbeat_timeout_s=timeout_s, rendezvous_timeout_s=30)
+        try:
+            output, _ = peer.communicate(timeout=120)
+            assert "lost: None" in output, output
+            assert "rank 1's control thread did not run for" in output, output
+            assert job._lost_peer() is not None and "worker rank 1 stopped answering" in job._lost_peer()  # noqa: SLF001
+        finally:
+            job.close(graceful=False)
+    finally:
+        peer.kill()
+        peer.communicate(timeout=10)

@@ -616,8 +616,8 @@ def _default_loss(output: Any) -> torch.Tensor:
     return total
 
 
-def _assign_rules(layers: list[Layer], optimizer: torch.optim.Optimizer | None, split: set[str],
-                  by_group: set[str]) -> list[list[int]] | None:
+def _assign_rules(layers: list[Layer], optimizer: torch.optim.Optimizer | None, config_rule: UpdateRule,
+                  split: set[str], by_group: set[str]) -> list[list[int]] | None:
     """Gives each layer the rule of its parameters' param group and returns,
     per layer, the groups it holds (one). None after adding to ``split`` a
     grouped layer that spans several param groups, or to ``by_group`` a
@@ -625,8 +625,14 @@ def _assign_rules(layers: list[Layer], optimizer: torch.optim.Optimizer | None, 
     again: one table per module, then per group). By the groups alone, not
     their settings: a rate that differs now may be equal at a checkpoint,
     and the tables must be the same at its resume. Without an optimizer
-    every layer is in the one group of ``Config.update_rule``."""
+    every layer is in the one group of ``Config.update_rule``; its ``add``
+    (Config's default, which adds what applications send as deltas) becomes
+    plain SGD at its rate, since the adapter sends gradients: added, they
+    made the model climb its loss."""
     if optimizer is None:
+        if config_rule.kind == "add":
+            for layer in layers:
+                layer.update_rule = UpdateRule("sgd", learning_rate=config_rule.learning_rate)
         return [[0] for _ in layers]
     per_layer = groups_of_layers(optimizer, layers)
     for layer, groups in zip(layers, per_layer):
@@ -1036,7 +1042,7 @@ def wrap(
     try:
         while True:
             layers = find_layers(module, row_width, whole_modules, group_bytes, split, by_group, group_of)
-            layer_groups = _assign_rules(layers, optimizer, split, by_group)
+            layer_groups = _assign_rules(layers, optimizer, worker.config.update_rule, split, by_group)
             if layer_groups is None:
                 continue  # a grouped layer spanned param groups: split it and look again
             # recompute="auto": storing everything is the fallback of "cheap" when

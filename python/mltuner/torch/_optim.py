@@ -289,8 +289,7 @@ class LearningRates:
 
         Raises:
             mltuner.InvalidArgumentError: a group setting other than ``lr``
-                changed, a rate is not a finite number >= 0, or the rule has
-                no learning rate.
+                changed, or a rate is not a finite number >= 0.
         """
         for index, group in enumerate(self._groups):
             self._check_frozen(index, group)
@@ -306,11 +305,6 @@ class LearningRates:
             if lr == self._sent[index]:
                 continue
             rate = real(f"param_groups[{index}]['lr']", lr, 0, MAX_LEARNING_RATE)
-            if self._rule is not None and self._rule.kind == "add":
-                raise InvalidArgumentError(
-                    "param_groups[0]['lr'] changed, but the Config's update rule is 'add', which has no learning "
-                    "rate: give wrap() the optimizer, or use an UpdateRule with one"
-                )
             for layer_index, groups in enumerate(self._layer_groups):
                 if index in groups:  # a table holds one group's parameters (_module._assign_rules)
                     self._worker.set_learning_rate(self._tables[layer_index], rate)

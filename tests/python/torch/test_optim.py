@@ -104,6 +104,30 @@ def test_one_worker_takes_torchs_steps(case: tuple[Any, dict[str, Any]],
     assert max_rel_error(got, initial.state_dict()) > 1e-3  # training moved the parameters
 
 
+def test_without_an_optimizer_the_default_config_trains_as_plain_sgd(max_rel_error: Callable[..., float]) -> None:
+    """Config's default rule, add, sums what applications send as deltas; the
+    adapter sends gradients, so it became plain SGD at the rule's rate (a
+    probe: added, the gradients made the loss climb from 2.4 to 3e11 in 20
+    steps), and model.optimizer's rate is that rate and reaches the servers."""
+    torch.manual_seed(0)
+    initial = Net()
+    data = batches(STEPS, 16, seed=3)
+    reference = copy.deepcopy(initial)
+    plain = torch.optim.SGD(reference.parameters(), lr=Config().update_rule.learning_rate)
+    scheduler = torch.optim.lr_scheduler.StepLR(plain, step_size=3, gamma=0.5)
+    want_losses = train_plain(reference, plain, data, scheduler)
+
+    with LocalCluster(1, config()) as cluster:
+        model = mt.wrap(copy.deepcopy(initial), cluster.worker(0), example_input=data[0][0])
+        assert model.optimizer.param_groups[0]["lr"] == Config().update_rule.learning_rate
+        got_losses = train_plain(model, model.optimizer,
+                                 data, torch.optim.lr_scheduler.StepLR(model.optimizer, step_size=3, gamma=0.5))
+        got = model.state_dict()
+
+    assert max_rel_error(got, reference.state_dict()) <= REL_TOL
+    assert max(abs(a - b) / abs(b) for a, b in zip(got_losses, want_losses)) <= REL_TOL
+
+
 @pytest.mark.parametrize("case", [OPTIMIZERS[3], OPTIMIZERS[7]], ids=optimizer_id)
 def test_two_workers_take_torchs_steps_on_the_averaged_gradient(
     case: tuple[Any, dict[str, Any]], run_workers: Callable[..., list[Any]], max_rel_error: Callable[..., float]

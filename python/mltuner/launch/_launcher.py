@@ -244,10 +244,9 @@ def launch(
                     start_new_session=True,  # its own group: signals reach its children too
                     preexec_fn=_die_with_launcher(),
                 )
-            except OSError as error:
+            except OSError as error:  # as a shell says: 127 not found, 126 found but not runnable
                 output.line(f"mltuner launch: cannot run {command[0]!r}: {error.strerror or error}")
-                return _NOT_FOUND if isinstance(error, FileNotFoundError) else (
-                    _NOT_EXECUTABLE if isinstance(error, PermissionError) else 1)
+                return _NOT_FOUND if isinstance(error, FileNotFoundError) else _NOT_EXECUTABLE
             workers.append(_Worker(rank, process, output))
             if received:
                 break

@@ -268,9 +268,11 @@ def test_a_missing_command_exits_127(tmp_path: Path) -> None:
     assert "cannot run 'mltuner-no-such-command-xyz'" in out
 
 
-def test_a_command_that_is_not_executable_exits_126(tmp_path: Path) -> None:
-    script = tmp_path / "script.sh"
-    script.write_text("echo hi\n")
+@pytest.mark.parametrize("mode", [0o644, 0o755], ids=["not executable", "not a format the kernel runs"])
+def test_a_command_that_cannot_be_run_exits_126(tmp_path: Path, mode: int) -> None:
+    script = tmp_path / "script"
+    script.write_text("garbage\n")  # no #! line: executable, it fails with ENOEXEC (exited 1)
+    script.chmod(mode)
     code, out, _ = run([str(script)], 1, worker_env(tmp_path))
     assert code == 126
     assert "cannot run" in out

@@ -1146,7 +1146,7 @@ def wrap(
                 driver.grad_scale = scaled
             config_rule = None if optimizer is not None else worker.update_rule_of(driver.tables[0])
             groups = _param_groups(optimizer, layers, config_rule)
-            rates = LearningRates(worker, groups, layer_groups, optimizer, config_rule)
+            rates = LearningRates(worker, groups, layer_groups, optimizer)
             rates.set_tables(driver.tables)
             driver.clock_start = rates.sync
             driver.rates_changed = rates.changed

@@ -245,12 +245,11 @@ class LearningRates:
     and with ``model.optimizer``); ``layer_groups`` gives, per layer, the
     group its parameters are in (``wrap()`` gives each group tables of its
     own); ``optimizer`` is the user's, or None when
-    the single group stands for ``Config.update_rule``, whose rule is
-    ``rule``.
+    the single group stands for ``Config.update_rule``.
     """
 
     def __init__(self, worker: Worker, groups: Sequence[dict[str, Any]], layer_groups: Sequence[Sequence[int]],
-                 optimizer: torch.optim.Optimizer | None, rule: UpdateRule | None) -> None:
+                 optimizer: torch.optim.Optimizer | None) -> None:
         self._worker = worker
         self._groups = list(groups)
         self._layer_groups = [list(g) for g in layer_groups]
@@ -258,7 +257,6 @@ class LearningRates:
         # servers' rates, whose ratios a session keeps.
         self._rated = sorted({group for groups in self._layer_groups for group in groups})
         self._optimizer = optimizer
-        self._rule = rule
         self._sent = [_number(group["lr"]) for group in self._groups]
         # The groups' ratios of the last session's rates, and the rates they
         # gave: a shard's fork inherits them while no rate changed (ForkRates).

@@ -563,16 +563,19 @@ class Job:
             self._control.join(self.world_size, card.to_json(), _fingerprint(self.config), rendezvous_timeout_s,
                                missing))]
         peers = [r for r in range(self.world_size) if r != self.rank]
-        control_client = self._control
-        self.data_paths.update(_cuda_ipc.connect(
-            self._node, self.config.device, card, cards, no_cuda_ipc,
-            lambda name, value: control_client.allgather(name, value, rendezvous_timeout_s)))
-        self.peer_endpoints = {r: choose_address(self.transport, card, cards[r], "data", r) for r in peers}
+        # Heartbeats from the join on: a rank that dies in the exchanges after
+        # it is named within the heartbeat timeout (it left the others waiting
+        # in the CUDA IPC allgather until the rendezvous timeout).
         self._liveness = ControlChannel(
             self.rank, self._context, control,
             {r: choose_address(self.transport, card, cards[r], "control", r) for r in peers}, security,
             heartbeat_interval_s=heartbeat_interval_s, heartbeat_timeout_s=heartbeat_timeout_s,
             on_lost=self._node.abort)
+        control_client = self._control
+        self.data_paths.update(_cuda_ipc.connect(
+            self._node, self.config.device, card, cards, no_cuda_ipc,
+            lambda name, value: control_client.allgather(name, value, rendezvous_timeout_s)))
+        self.peer_endpoints = {r: choose_address(self.transport, card, cards[r], "data", r) for r in peers}
         self._transport = SocketTransport(self._node, self._context, data, self.peer_endpoints, security,
                                           queue_limit=self._queue_limit, wait_timeout_s=self._timeout_s)
 

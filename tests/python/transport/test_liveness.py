@@ -341,3 +341,43 @@ def test_a_process_that_held_the_interpreter_lock_does_not_blame_its_peer(tmp_pa
     finally:
         peer.kill()
         peer.communicate(timeout=10)
+
+
+DIES_AFTER_JOINING = textwrap.dedent("""
+    import os
+    import mltuner
+    from mltuner.transport import _cuda_ipc
+
+    def die(*args, **kwargs):  # joined, then gone before the exchanges after the join
+        os._exit(9)
+
+    _cuda_ipc.connect = die
+    mltuner.Job(mltuner.Config(update_rule=mltuner.UpdateRule("add")), heartbeat_interval_s=0.1,
+                heartbeat_timeout_s=1.0, rendezvous_timeout_s=60)
+""")
+
+
+def test_a_rank_that_dies_right_after_joining_is_named_within_the_heartbeat_timeout(tmp_path: Path) -> None:
+    """Heartbeats start at the join: a rank gone before the exchanges that
+    follow it (the CUDA IPC allgather, on CPU jobs too) is named within the
+    heartbeat timeout (a probe's survivors waited the rendezvous timeout,
+    120 s by default, and then blamed the allgather)."""
+    script = tmp_path / "dies.py"
+    script.write_text(DIES_AFTER_JOINING)
+    port = free_port()
+    env = dict(os.environ, MLTUNER_RANK="1", MLTUNER_WORLD_SIZE="2", MLTUNER_LOCAL_RANK="1",
+               MLTUNER_MASTER_ADDR="127.0.0.1", MLTUNER_MASTER_PORT=str(port), MLTUNER_SECRET="liveness-secret")
+    peer = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        started = time.monotonic()
+        with pytest.raises(mltuner.PeerLostError, match="worker rank 1 stopped answering"):
+            mltuner.Job(mltuner.Config(update_rule=mltuner.UpdateRule("add")),
+                        env=mltuner.launch.ProcessEnv(rank=0, world_size=2, local_rank=0, master_addr="127.0.0.1",
+                                                      master_port=port, bind_host="127.0.0.1",
+                                                      secret="liveness-secret", source="mltuner"),
+                        heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, rendezvous_timeout_s=60)
+        assert time.monotonic() - started < 20
+    finally:
+        peer.kill()
+        peer.communicate(timeout=10)

@@ -117,38 +117,15 @@ def _refuse_a_second_rendezvous(env: ProcessEnv) -> None:
                 f"mltuner.Job(env=dataclasses.replace(first_job.env, {own}))")
 
 
-# The status the main thread last gave sys.exit, once a Job is open (the
-# close at interpreter exit reads it): a SystemExit leaves no
-# sys.last_value, so a rank that ended on sys.exit(1) closed gracefully, its
-# peers trained on with its clocks lent as zero updates and exited 0.
-_exit_status: list[object] = []
-
-
-def _note_exit_status() -> None:
-    """Wraps ``sys.exit`` (once) to keep the main thread's status."""
-    original = sys.exit
-    if getattr(original, "_mltuner_notes_status", False):
-        return
-
-    def exit(status: str | int | None = None, /) -> Any:  # noqa: A001 - sys.exit's own name
-        if threading.current_thread() is threading.main_thread():
-            _exit_status[:] = [status]
-        return original(status)
-
-    exit._mltuner_notes_status = True  # type: ignore[attr-defined]
-    exit.__doc__ = original.__doc__
-    sys.exit = exit
-
-
 @atexit.register
 def _close_open_jobs() -> None:
-    # A script that ends normally (or on sys.exit(0)) leaves gracefully (its
-    # last updates, the close barrier, a goodbye); one ending on an uncaught
-    # exception, which the interpreter keeps in sys.last_value, or on
-    # sys.exit with another status, does not, so its peers see it fail
-    # within their heartbeat timeout instead of training on without it.
-    status = _exit_status[0] if _exit_status else None
-    failed = getattr(sys, "last_value", None) is not None or status not in (None, 0)
+    # A script that ends normally leaves gracefully (its last updates, the
+    # close barrier, a goodbye); one ending on an uncaught exception, which
+    # the interpreter keeps in sys.last_value, does not, so its peers see it
+    # fail within their heartbeat timeout instead of waiting for it. A
+    # SystemExit leaves no trace here (Python hands atexit no exit status):
+    # sys.exit(1) ends as gracefully as the script's end, docs/distributed.md.
+    failed = getattr(sys, "last_value", None) is not None
     unanswered: MltunerError | None = None
     for job in list(_open_jobs):
         try:
@@ -287,7 +264,6 @@ class Job:
                              max_message_bytes=self._max_message_bytes if self.world_size > 1 else None,
                              data_paths=self.data_paths, checkpoints=self)
         _open_jobs.add(self)
-        _note_exit_status()
         if self.world_size > 1:
             try:
                 self._connect(SocketSecurity(self._keys(secure), curve_on_ipc=secure is True), rendezvous_timeout_s,

@@ -147,30 +147,37 @@ class ControlChannel:
             poller.register(listener.socket, zmq.POLLIN)
             poller.register(listener.guard.monitor, zmq.POLLIN)
         next_beat = 0.0
-        last_turn = time.monotonic()
+        last_judged = time.monotonic()
         while not self._stopping.is_set():
             now = time.monotonic()
-            if now - last_turn > self._timeout:  # this process was silent itself: its peers may take it for lost
-                _log.warning("mltuner: rank %d's control thread did not run for %.1f s (a call that held the "
-                             "interpreter lock, or a stopped process), longer than the heartbeat timeout: its peers "
-                             "may take it for lost; Job(heartbeat_timeout_s=...) bounds such pauses", self._rank,
-                             now - last_turn)
-            last_turn = now
             if now >= next_beat:
                 self._broadcast(HEARTBEAT + _RANK.pack(self._rank))
                 next_beat = now + self._interval
             ready = dict(poller.poll(min(_POLL_MS, max(1, int((next_beat - now) * 1000)))))
-            # The peers are judged as of a moment before the drain, which reads
-            # whatever the poll said: this thread may wait long for the
-            # interpreter lock at any point (another thread in a long C call,
-            # a stopped process), and only the heartbeats read after such a
-            # pause tell whether the peers spoke during it.
             judged_at = time.monotonic()
+            self._after_own_pause(judged_at - last_judged)
+            last_judged = judged_at
             for listener in self.listeners:
-                self._drain(listener.socket)
+                self._drain(listener.socket)  # whatever the poll said: it may be from before a pause
                 if listener.guard.monitor in ready:
                     listener.guard.handle_events()
             self._check_peers(judged_at)
+
+    def _after_own_pause(self, paused: float) -> None:
+        """This thread did not run for ``paused`` seconds between two looks at
+        the peers: a call that held the interpreter lock, or a stopped process.
+        A long pause is not the peers' silence (their heartbeats may still sit
+        in ZeroMQ's queues, whose thread was stopped too), so it does not count
+        against them; past the timeout the peers may take this process for
+        lost, and it says so."""
+        if paused <= self._timeout / 2:
+            return
+        for rank in self._last_heard:
+            self._last_heard[rank] += paused
+        if paused > self._timeout:
+            _log.warning("mltuner: rank %d's control thread did not run for %.1f s (a call that held the interpreter "
+                         "lock, or a stopped process), longer than the heartbeat timeout: its peers may take it for "
+                         "lost; Job(heartbeat_timeout_s=...) bounds such pauses", self._rank, paused)
 
     def _broadcast(self, frame: bytes) -> None:
         for socket in self._peers.values():

@@ -381,3 +381,59 @@ def test_a_rank_that_dies_right_after_joining_is_named_within_the_heartbeat_time
     finally:
         peer.kill()
         peer.communicate(timeout=10)
+
+
+WATCHING_PEER = textwrap.dedent("""
+    import logging
+    import sys
+    import time
+    import mltuner
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    job = mltuner.Job(mltuner.Config(update_rule=mltuner.UpdateRule("add"), wait_timeout_s=60),
+                      heartbeat_interval_s=0.05, heartbeat_timeout_s=float(sys.argv[1]), rendezvous_timeout_s=30)
+    print("ready", flush=True)
+    until = time.monotonic() + float(sys.argv[2])
+    while time.monotonic() < until:  # stopped and continued meanwhile
+        if job._lost_peer() is not None:
+            print("lost:", job._lost_peer(), flush=True)
+            break
+        time.sleep(0.05)
+    job.close(graceful=False)
+""")
+
+
+def test_a_process_stopped_and_continued_does_not_blame_its_peer(tmp_path: Path) -> None:
+    """SIGSTOP for twice the heartbeat timeout, then SIGCONT: the stopped
+    rank's own pause does not count as its peer's silence (a re-probe: it
+    named its healthy peer at once, the heartbeats still in ZeroMQ's queues,
+    whose thread had been stopped too). The peer here has a longer timeout,
+    so it waits the pause out."""
+    script = tmp_path / "watching_peer.py"
+    script.write_text(WATCHING_PEER)
+    port = free_port()
+    env = dict(os.environ, MLTUNER_RANK="1", MLTUNER_WORLD_SIZE="2", MLTUNER_LOCAL_RANK="1",
+               MLTUNER_MASTER_ADDR="127.0.0.1", MLTUNER_MASTER_PORT=str(port), MLTUNER_SECRET="liveness-secret")
+    peer = subprocess.Popen([sys.executable, str(script), "0.5", "4.0"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        job = mltuner.Job(mltuner.Config(update_rule=mltuner.UpdateRule("add"), wait_timeout_s=60),
+                          env=mltuner.launch.ProcessEnv(rank=0, world_size=2, local_rank=0, master_addr="127.0.0.1",
+                                                        master_port=port, bind_host="127.0.0.1",
+                                                        secret="liveness-secret", source="mltuner"),
+                          heartbeat_interval_s=0.05, heartbeat_timeout_s=30.0, rendezvous_timeout_s=30)
+        try:
+            assert peer.stdout is not None and peer.stdout.readline().strip() == "ready"
+            time.sleep(0.3)
+            peer.send_signal(signal.SIGSTOP)
+            time.sleep(1.0)
+            peer.send_signal(signal.SIGCONT)
+            output, _ = peer.communicate(timeout=60)
+            assert "lost:" not in output, output
+            assert "rank 1's control thread did not run for" in output, output
+            assert job._lost_peer() is None  # noqa: SLF001
+        finally:
+            job.close(graceful=False)
+    finally:
+        peer.kill()
+        peer.communicate(timeout=10)

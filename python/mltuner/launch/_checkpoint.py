@@ -302,7 +302,7 @@ def _remove(path: Path) -> None:
         _log.warning("mltuner: could not remove %s: %s", path, error)
 
 
-def restore(node: _core.ProcessNode, worker: Worker, path: Path, rule_kind: str,
+def restore(node: _core.ProcessNode, worker: Worker, path: Path,
             barrier: Callable[[str], None], agree: Callable[[str, Any], list[Any]],
             sources: Sources | None = None) -> int:
     if worker.iterations_started:
@@ -325,8 +325,9 @@ def restore(node: _core.ProcessNode, worker: Worker, path: Path, rule_kind: str,
         try:
             node.import_shard_table(table.id, values, state)
         except InvalidArgumentError as error:
-            raise InvalidArgumentError(f"checkpoint {directory} does not fit this job's update rule "
-                                       f"({rule_kind!r}): {error}") from error
+            rule = worker.update_rule_of(table)
+            raise InvalidArgumentError(f"checkpoint {directory} does not fit the update rule of table "
+                                       f"{table.name!r} ({rule.kind if rule else None!r}): {error}") from error
     # Every shard holds its rows before any rank reads (a fetch right after
     # the restore would otherwise see another shard's rows not yet loaded).
     barrier(f"checkpoint-{directory.name}-restored")
@@ -362,16 +363,20 @@ def resolve_together(path: Path, rank: int, agree: Callable[[str, Any], list[Any
 
 def resolve(path: Path) -> Path:
     """The checkpoint directory ``path`` names: itself, or a root's newest:
-    the one ``latest`` names, else (a save interrupted between its steps, a
-    ``latest`` edited by hand) the complete ``clock-*`` of the highest clock."""
+    the one ``latest`` names (where a save of its clock again was cut off
+    after moving it aside: under that hidden name, which a restore gives
+    back first), else (a ``latest`` edited by hand) the complete ``clock-*``
+    of the highest clock. Changes nothing on disk."""
     if (path / "manifest.json").is_file():
         return path
     latest = path / LATEST
     named = ""
     if latest.is_file():
         named = latest.read_text(errors="replace").strip()
-        if _CHECKPOINT_NAME.fullmatch(named) and (path / named / "manifest.json").is_file():
-            return path / named
+        if _CHECKPOINT_NAME.fullmatch(named):
+            for candidate in (path / named, path / f".{named}.old.tmp"):  # a cut-off save moved it aside
+                if (candidate / "manifest.json").is_file():
+                    return candidate
     complete = [entry for _, entry in _numbered(path) if (entry / "manifest.json").is_file()]
     said = (f"{latest} names {named!r}, which holds no complete checkpoint" if latest.is_file()
             else f"no {LATEST} file")

@@ -403,8 +403,8 @@ class Job:
         read after it, on any rank, sees the restored values.
         """
         self._check_open("restore_checkpoint")
-        self._first_clock = _checkpoint.restore(self._node, self.worker, Path(path), self.config.update_rule.kind,
-                                                self.barrier, self.allgather, sources)
+        self._first_clock = _checkpoint.restore(self._node, self.worker, Path(path), self.barrier, self.allgather,
+                                                sources)
         return self._first_clock
 
     def close(self, *, graceful: bool = True) -> None:

@@ -18,6 +18,7 @@ per worker copies its output. Signal handlers are installed only when
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import secrets
 import signal
@@ -244,9 +245,11 @@ def launch(
                     start_new_session=True,  # its own group: signals reach its children too
                     preexec_fn=_die_with_launcher(),
                 )
-            except OSError as error:  # as a shell says: 127 not found, 126 found but not runnable
+            except OSError as error:  # 127 not found, 126 found but not runnable (a shell's codes), else 1
                 output.line(f"mltuner launch: cannot run {command[0]!r}: {error.strerror or error}")
-                return _NOT_FOUND if isinstance(error, FileNotFoundError) else _NOT_EXECUTABLE
+                if isinstance(error, FileNotFoundError):
+                    return _NOT_FOUND
+                return _NOT_EXECUTABLE if isinstance(error, PermissionError) or error.errno == errno.ENOEXEC else 1
             workers.append(_Worker(rank, process, output))
             if received:
                 break

@@ -820,7 +820,8 @@ def wrap(
     groups): its class and each group's settings become the servers' rule
     of each table, with torch's formulas, and ``model.optimizer`` keeps its
     param groups, whose ``"lr"`` may change between clocks (schedulers).
-    Without ``optimizer``, every table takes ``Config.update_rule``.
+    Without ``optimizer``, every table takes ``Config.update_rule`` (its
+    default ``add`` as plain SGD at 0.01: the adapter sends gradients).
 
     Example:
         >>> net = Net()
@@ -920,7 +921,8 @@ def wrap(
             whose parameters are in several groups becomes several tables,
             and so do a module's own parameters in groups of different
             settings (one rule per table). None: ``Config.update_rule`` for
-            every table.
+            every table (its default ``add`` as plain SGD at 0.01: the
+            adapter sends gradients).
         recompute: with ``store_activations``, which saved activations the
             backward pass makes again instead of storing them. ``"cheap"``:
             those made by a few memory-bound ops (ReLU, GELU, batch and layer

@@ -154,30 +154,37 @@ class ControlChannel:
                 self._broadcast(HEARTBEAT + _RANK.pack(self._rank))
                 next_beat = now + self._interval
             ready = dict(poller.poll(min(_POLL_MS, max(1, int((next_beat - now) * 1000)))))
+            if time.monotonic() - last_judged > self._timeout / 2:
+                self._catch_up(poller, time.monotonic() - last_judged)
+            # As of a moment before the drain, which reads whatever the poll
+            # said (its answer may be from before a pause of this thread).
             judged_at = time.monotonic()
-            self._after_own_pause(judged_at - last_judged)
-            last_judged = judged_at
             for listener in self.listeners:
-                self._drain(listener.socket)  # whatever the poll said: it may be from before a pause
+                self._drain(listener.socket)
                 if listener.guard.monitor in ready:
                     listener.guard.handle_events()
             self._check_peers(judged_at)
+            last_judged = judged_at
 
-    def _after_own_pause(self, paused: float) -> None:
-        """This thread did not run for ``paused`` seconds between two looks at
-        the peers: a call that held the interpreter lock, or a stopped process.
-        A long pause is not the peers' silence (their heartbeats may still sit
-        in ZeroMQ's queues, whose thread was stopped too), so it does not count
-        against them; past the timeout the peers may take this process for
-        lost, and it says so."""
-        if paused <= self._timeout / 2:
-            return
-        for rank in self._last_heard:
-            self._last_heard[rank] += paused
+    def _catch_up(self, poller: zmq.Poller, paused: float) -> None:
+        """This thread did not run for ``paused`` seconds: a call that held the
+        interpreter lock, or a stopped process. The peers' heartbeats of that
+        time may still wait in ZeroMQ's queues, whose thread a stop stopped
+        too: before the peers are judged, this process says it is alive and
+        reads what comes for two heartbeat intervals, with the lock released
+        (their silence then still counts in full: a peer that died meanwhile
+        is named as soon as the timeout says). Past the timeout the peers may
+        have taken this process for lost, and it says so."""
         if paused > self._timeout:
             _log.warning("mltuner: rank %d's control thread did not run for %.1f s (a call that held the interpreter "
                          "lock, or a stopped process), longer than the heartbeat timeout: its peers may take it for "
                          "lost; Job(heartbeat_timeout_s=...) bounds such pauses", self._rank, paused)
+        self._broadcast(HEARTBEAT + _RANK.pack(self._rank))
+        until = time.monotonic() + 2 * self._interval
+        while (left := until - time.monotonic()) > 0 and not self._stopping.is_set():
+            poller.poll(max(1, int(left * 1000)))
+            for listener in self.listeners:
+                self._drain(listener.socket)
 
     def _broadcast(self, frame: bytes) -> None:
         for socket in self._peers.values():

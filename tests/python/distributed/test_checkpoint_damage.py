@@ -293,7 +293,7 @@ def test_a_latest_tmp_directory_and_a_read_only_store_do_not_stop_the_job(
         job.save_checkpoint(root)
     assert listing(root) == ["clock-00000002", "clock-00000003", "latest"]
     # A store that cannot be written: the checkpoint a cut-off save moved
-    # aside keeps its hidden name (with a warning); the restore reads on.
+    # aside keeps its hidden name (with a warning); the restore reads it there.
     (root / "clock-00000003").rename(root / ".clock-00000003.old.tmp")
 
     def read_only(*args: object) -> None:
@@ -302,8 +302,8 @@ def test_a_latest_tmp_directory_and_a_read_only_store_do_not_stop_the_job(
     monkeypatch.setattr(_checkpoint.os, "replace", read_only)
     monkeypatch.setattr(_checkpoint, "_remove", lambda path: None)
     clock, values = restored(root)
-    assert clock == 2 and "could not give" in caplog.text
-    np.testing.assert_array_equal(values, np.full((ROWS, WIDTH), 2.0, dtype=np.float32))
+    assert clock == 3 and "could not give" in caplog.text
+    np.testing.assert_array_equal(values, np.full((ROWS, WIDTH), 3.0, dtype=np.float32))
 
 
 def test_a_restore_checks_the_attachments_the_manifest_lists(tmp_path: Path) -> None:

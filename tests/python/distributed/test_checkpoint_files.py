@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import mltuner
-from mltuner.launch import ProcessEnv
+from mltuner.launch import ProcessEnv, _checkpoint
 
 from test_wire_security import close, start_pair  # type: ignore[import-not-found]
 
@@ -188,6 +188,9 @@ def test_a_clock_saved_again_and_a_latest_naming_nothing_still_resume(tmp_path: 
     assert listing(tmp_path) == ["clock-00000002", "clock-00000004", "latest"]
     np.testing.assert_array_equal(again, np.full((10, 3), 22.0, dtype=np.float32))
     (tmp_path / "clock-00000004").rename(tmp_path / ".clock-00000004.old.tmp")  # the save cut off there
+    # What reads the root without restoring (read_attachment) names the same
+    # checkpoint, where it lies (a review: it took clock 2, the restore clock 4).
+    assert _checkpoint.resolve(tmp_path) == tmp_path / ".clock-00000004.old.tmp"
     with single_job() as job:
         table, _ = prepare(job.worker)
         assert job.restore_checkpoint(tmp_path) == 4  # the one latest names, its name given back first

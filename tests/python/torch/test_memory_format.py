@@ -110,7 +110,7 @@ def test_workers_whose_models_differ_in_format_are_refused() -> None:
             cluster.run(body, timeout_s=30.0)
 
 
-def test_a_replaced_dense_placeholder_keeps_its_memory() -> None:
+def test_a_replaced_dense_placeholder_keeps_its_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """A larger channels_last parameter replaces the shared dense
     placeholder; the old one's address stays a placeholder's, so its memory
     must never go to another tensor (a probe's saved ReLU output and a loss
@@ -119,10 +119,10 @@ def test_a_replaced_dense_placeholder_keeps_its_memory() -> None:
     from mltuner.torch import _buffers
 
     device = torch.device("cpu")
+    monkeypatch.delitem(_buffers._DENSE_PLACEHOLDERS, device, raising=False)  # a placeholder of this test's size
     first = _buffers.dense_placeholder(device, 1000)
-    old_numel = first.numel()
     del first
-    _buffers.dense_placeholder(device, old_numel + 1)  # what a wider model's wrap() asks for
-    fresh = [torch.empty(n) for n in range(old_numel // 2, old_numel + 64, 4) for _ in range(2)]
+    _buffers.dense_placeholder(device, 1001)  # what a wider model's wrap() asks for
+    fresh = [torch.empty(n) for n in range(500, 1064, 4) for _ in range(2)]
     taken = [t.numel() for t in fresh if _buffers.is_placeholder(_buffers.storage_ptr(t))]
     assert not taken, f"tensors of {taken} elements got a replaced placeholder's memory"

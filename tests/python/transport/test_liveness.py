@@ -437,3 +437,48 @@ def test_a_process_stopped_and_continued_does_not_blame_its_peer(tmp_path: Path)
     finally:
         peer.kill()
         peer.communicate(timeout=10)
+
+
+@pytest.mark.parametrize("interval_s, timeout_s, hold_s", [(0.05, 0.1, 0.0), (0.1, 1.0, 0.7)],
+                         ids=["a timeout of two polls", "holds of the lock under the timeout"])
+def test_a_silent_peer_is_still_named_after_pauses_of_this_process(interval_s: float, timeout_s: float,
+                                                                   hold_s: float) -> None:
+    """Catching up after its own pause must not hide a peer that really went
+    silent (a review: a first version added each pause to every peer's last
+    heartbeat, so with a 0.1-s timeout every turn of the control thread, and
+    with the main thread holding the lock 0.7 s of each 1-s timeout, the
+    silent peer was never named)."""
+    jobs = start_pair(heartbeat_interval_s=interval_s, heartbeat_timeout_s=timeout_s)
+    try:
+        time.sleep(0.3)
+        assert jobs[0]._lost_peer() is None  # noqa: SLF001
+        silent = jobs[1]._liveness  # noqa: SLF001 - its control thread ends: no goodbye, no heartbeats
+        assert silent is not None
+        silent._stopping.set()  # noqa: SLF001
+        silent._thread.join()  # noqa: SLF001
+        started = time.monotonic()
+        while jobs[0]._lost_peer() is None and time.monotonic() - started < 10:  # noqa: SLF001
+            if hold_s:
+                _hold_the_interpreter_lock(hold_s)
+            else:
+                time.sleep(0.01)
+        assert "worker rank 1 stopped answering" in (jobs[0]._lost_peer() or "")  # noqa: SLF001
+        assert time.monotonic() - started < 8  # a judgement a hold or two after the timeout
+    finally:
+        for job in jobs:
+            job.close(graceful=False)
+
+
+def _hold_the_interpreter_lock(seconds: float) -> None:
+    """One C call that keeps the interpreter lock about ``seconds`` (``re``
+    never releases it while it backtracks)."""
+    import re as regex
+
+    size = 16
+    while True:
+        started = time.monotonic()
+        regex.match(r"(a+)+$", "a" * size + "b")
+        took = time.monotonic() - started
+        if took >= seconds:
+            return
+        size += 1 if took > seconds / 4 else 2

@@ -726,9 +726,18 @@ def _check_resolves(host: str) -> None:
 def _fingerprint(config: Config) -> str:
     """The settings every rank must share (the device and budget may differ):
     the shards' rule and checks, and whether clocks run on branches (a
-    branch request to a shard without them fails mid-run)."""
+    branch request to a shard without them fails mid-run). Numbers as
+    floats: ``wait_timeout_s=60`` on one rank is the default 60.0 of another."""
     shared = {"update_rule": dataclasses.asdict(config.update_rule), "prefetch_clocks": config.prefetch_clocks,
               "wait_timeout_s": config.wait_timeout_s, "branches": config.branches,
               "check_finite": config.check_finite}
-    return json.dumps(shared, sort_keys=True)
+    return json.dumps(_numbers_as_floats(shared), sort_keys=True)
+
+
+def _numbers_as_floats(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _numbers_as_floats(item) for key, item in value.items()}
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return value
 

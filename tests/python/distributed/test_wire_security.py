@@ -193,6 +193,37 @@ def test_workers_with_different_settings_are_refused(setting: str) -> None:
         assert "different settings" in str(error)
 
 
+def test_settings_equal_as_numbers_are_the_same_settings() -> None:
+    """An int where another rank has the float default (wait_timeout_s=60
+    against 60.0, a rate of 1 against 1.0) is the same setting: it was
+    refused as "started with different settings"."""
+    port = free_port()
+    jobs: list[mltuner.Job] = []
+    errors: list[BaseException] = []
+
+    def join(rank: int) -> None:
+        env = ProcessEnv(rank=rank, world_size=2, local_rank=rank, master_addr="127.0.0.1", master_port=port,
+                         bind_host="127.0.0.1", secret=None, source="mltuner")
+        config = (mltuner.Config(update_rule=mltuner.UpdateRule("sgd", 1), wait_timeout_s=60) if rank == 0 else
+                  mltuner.Config(update_rule=mltuner.UpdateRule("sgd", 1.0)))
+        try:
+            jobs.append(mltuner.Job(config, env=env, rendezvous_timeout_s=20))
+        except BaseException as error:  # noqa: BLE001
+            errors.append(error)
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    try:
+        assert not errors, errors
+        assert len(jobs) == 2
+    finally:
+        for job in jobs:
+            job.close(graceful=False)
+
+
 def test_workers_with_different_secrets_cannot_meet() -> None:
     """Rank 1 learns at once that rank 0 refused its key; rank 0, which
     never hears from it, names it when its rendezvous times out."""

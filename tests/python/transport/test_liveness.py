@@ -211,23 +211,35 @@ PEER = textwrap.dedent("""
 """)
 
 
+def start_peer(tmp_path: Path, script: str, *args: str) -> tuple[subprocess.Popen[str], int]:
+    """Rank 1 of a 2-process job: ``script`` run in a process of its own,
+    with the port rank 0 (:func:`rank_0`) takes."""
+    path = tmp_path / "peer.py"
+    path.write_text(script)
+    port = free_port()
+    env = dict(os.environ, MLTUNER_RANK="1", MLTUNER_WORLD_SIZE="2", MLTUNER_LOCAL_RANK="1",
+               MLTUNER_MASTER_ADDR="127.0.0.1", MLTUNER_MASTER_PORT=str(port), MLTUNER_SECRET="liveness-secret")
+    return subprocess.Popen([sys.executable, str(path), *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True), port
+
+
+def rank_0(port: int, *, heartbeat_interval_s: float, heartbeat_timeout_s: float) -> mltuner.Job:
+    """This process as rank 0 of :func:`start_peer`'s job."""
+    return mltuner.Job(mltuner.Config(update_rule=mltuner.UpdateRule("add"), wait_timeout_s=60),
+                       env=mltuner.launch.ProcessEnv(rank=0, world_size=2, local_rank=0, master_addr="127.0.0.1",
+                                                     master_port=port, bind_host="127.0.0.1",
+                                                     secret="liveness-secret", source="mltuner"),
+                       heartbeat_interval_s=heartbeat_interval_s, heartbeat_timeout_s=heartbeat_timeout_s,
+                       rendezvous_timeout_s=30)
+
+
 @pytest.mark.parametrize("how", [signal.SIGSTOP, signal.SIGKILL, signal.SIGUSR1],
                          ids=["SIGSTOP", "SIGKILL", "uncaught exception"])
 def test_a_silent_peer_is_named_within_the_heartbeat_timeout(tmp_path: Path, how: signal.Signals) -> None:
     timeout_s = 1.5
-    script = tmp_path / "peer.py"
-    script.write_text(PEER)
-    port = free_port()
-    env = dict(os.environ, MLTUNER_RANK="1", MLTUNER_WORLD_SIZE="2", MLTUNER_LOCAL_RANK="1",
-               MLTUNER_MASTER_ADDR="127.0.0.1", MLTUNER_MASTER_PORT=str(port), MLTUNER_SECRET="liveness-secret")
-    peer = subprocess.Popen([sys.executable, str(script), str(timeout_s)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    peer, port = start_peer(tmp_path, PEER, str(timeout_s))
     try:
-        job = mltuner.Job(mltuner.Config(update_rule=mltuner.UpdateRule("add"), wait_timeout_s=60),
-                          env=mltuner.launch.ProcessEnv(rank=0, world_size=2, local_rank=0, master_addr="127.0.0.1",
-                                                        master_port=port, bind_host="127.0.0.1",
-                                                        secret="liveness-secret", source="mltuner"),
-                          heartbeat_interval_s=0.1, heartbeat_timeout_s=timeout_s, rendezvous_timeout_s=30)
+        job = rank_0(port, heartbeat_interval_s=0.1, heartbeat_timeout_s=timeout_s)
         try:
             worker = job.worker
             table = worker.create_table("t", 8, 4)
@@ -318,19 +330,9 @@ def test_a_process_that_held_the_interpreter_lock_does_not_blame_its_peer(tmp_pa
     declared its healthy peer lost: the poll's answer from before the stall
     said nothing had come)."""
     timeout_s = 0.5
-    script = tmp_path / "stalling_peer.py"
-    script.write_text(STALLING_PEER)
-    port = free_port()
-    env = dict(os.environ, MLTUNER_RANK="1", MLTUNER_WORLD_SIZE="2", MLTUNER_LOCAL_RANK="1",
-               MLTUNER_MASTER_ADDR="127.0.0.1", MLTUNER_MASTER_PORT=str(port), MLTUNER_SECRET="liveness-secret")
-    peer = subprocess.Popen([sys.executable, str(script), str(timeout_s)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    peer, port = start_peer(tmp_path, STALLING_PEER, str(timeout_s))
     try:
-        job = mltuner.Job(mltuner.Config(update_rule=mltuner.UpdateRule("add"), wait_timeout_s=60),
-                          env=mltuner.launch.ProcessEnv(rank=0, world_size=2, local_rank=0, master_addr="127.0.0.1",
-                                                        master_port=port, bind_host="127.0.0.1",
-                                                        secret="liveness-secret", source="mltuner"),
-                          heartbeat_interval_s=0.05, heartbeat_timeout_s=timeout_s, rendezvous_timeout_s=30)
+        job = rank_0(port, heartbeat_interval_s=0.05, heartbeat_timeout_s=timeout_s)
         try:
             output, _ = peer.communicate(timeout=120)
             assert "lost: None" in output, output
@@ -362,21 +364,11 @@ def test_a_rank_that_dies_right_after_joining_is_named_within_the_heartbeat_time
     follow it (the CUDA IPC allgather, on CPU jobs too) is named within the
     heartbeat timeout (a probe's survivors waited the rendezvous timeout,
     120 s by default, and then blamed the allgather)."""
-    script = tmp_path / "dies.py"
-    script.write_text(DIES_AFTER_JOINING)
-    port = free_port()
-    env = dict(os.environ, MLTUNER_RANK="1", MLTUNER_WORLD_SIZE="2", MLTUNER_LOCAL_RANK="1",
-               MLTUNER_MASTER_ADDR="127.0.0.1", MLTUNER_MASTER_PORT=str(port), MLTUNER_SECRET="liveness-secret")
-    peer = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    peer, port = start_peer(tmp_path, DIES_AFTER_JOINING)
     try:
         started = time.monotonic()
         with pytest.raises(mltuner.PeerLostError, match="worker rank 1 stopped answering"):
-            mltuner.Job(mltuner.Config(update_rule=mltuner.UpdateRule("add")),
-                        env=mltuner.launch.ProcessEnv(rank=0, world_size=2, local_rank=0, master_addr="127.0.0.1",
-                                                      master_port=port, bind_host="127.0.0.1",
-                                                      secret="liveness-secret", source="mltuner"),
-                        heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, rendezvous_timeout_s=60)
+            rank_0(port, heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0)
         assert time.monotonic() - started < 20
     finally:
         peer.kill()
@@ -409,19 +401,9 @@ def test_a_process_stopped_and_continued_does_not_blame_its_peer(tmp_path: Path)
     named its healthy peer at once, the heartbeats still in ZeroMQ's queues,
     whose thread had been stopped too). The peer here has a longer timeout,
     so it waits the pause out."""
-    script = tmp_path / "watching_peer.py"
-    script.write_text(WATCHING_PEER)
-    port = free_port()
-    env = dict(os.environ, MLTUNER_RANK="1", MLTUNER_WORLD_SIZE="2", MLTUNER_LOCAL_RANK="1",
-               MLTUNER_MASTER_ADDR="127.0.0.1", MLTUNER_MASTER_PORT=str(port), MLTUNER_SECRET="liveness-secret")
-    peer = subprocess.Popen([sys.executable, str(script), "0.5", "4.0"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    peer, port = start_peer(tmp_path, WATCHING_PEER, "0.5", "4.0")
     try:
-        job = mltuner.Job(mltuner.Config(update_rule=mltuner.UpdateRule("add"), wait_timeout_s=60),
-                          env=mltuner.launch.ProcessEnv(rank=0, world_size=2, local_rank=0, master_addr="127.0.0.1",
-                                                        master_port=port, bind_host="127.0.0.1",
-                                                        secret="liveness-secret", source="mltuner"),
-                          heartbeat_interval_s=0.05, heartbeat_timeout_s=30.0, rendezvous_timeout_s=30)
+        job = rank_0(port, heartbeat_interval_s=0.05, heartbeat_timeout_s=30.0)
         try:
             assert peer.stdout is not None and peer.stdout.readline().strip() == "ready"
             time.sleep(0.3)

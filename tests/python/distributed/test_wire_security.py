@@ -12,6 +12,7 @@ from __future__ import annotations
 import struct
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -168,35 +169,21 @@ def test_secure_false_is_refused_off_the_loopback() -> None:
 
 @pytest.mark.parametrize("setting", ["lr", "branches", "check_finite"])
 def test_workers_with_different_settings_are_refused(setting: str) -> None:
-    port = free_port()
-    errors: list[BaseException] = []
-
-    def join(rank: int) -> None:
-        env = ProcessEnv(rank=rank, world_size=2, local_rank=rank, master_addr="127.0.0.1", master_port=port,
-                         bind_host="127.0.0.1", secret=None, source="mltuner")
+    def config(rank: int) -> mltuner.Config:
         lr = 0.1 * (rank + 1) if setting == "lr" else 0.1
-        config = mltuner.Config(update_rule=mltuner.UpdateRule("sgd", lr), **(
-            {} if setting == "lr" else {setting: rank == 1}))
-        try:
-            mltuner.Job(config, env=env, rendezvous_timeout_s=20)
-        except BaseException as error:  # noqa: BLE001
-            errors.append(error)
+        return mltuner.Config(update_rule=mltuner.UpdateRule("sgd", lr), **({} if setting == "lr" else
+                                                                            {setting: rank == 1}))
 
-    threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    assert len(errors) == 2
+    jobs, errors = join_pair(config)
+    assert not jobs and len(errors) == 2
     for error in errors:
         assert isinstance(error, mltuner.InvalidArgumentError)
         assert "different settings" in str(error)
 
 
-def test_settings_equal_as_numbers_are_the_same_settings() -> None:
-    """An int where another rank has the float default (wait_timeout_s=60
-    against 60.0, a rate of 1 against 1.0) is the same setting: it was
-    refused as "started with different settings"."""
+def join_pair(config: Callable[[int], mltuner.Config]) -> tuple[list[mltuner.Job], list[BaseException]]:
+    """Two ranks joining on threads, each with ``config(rank)``: the jobs
+    that started and the errors of those that did not."""
     port = free_port()
     jobs: list[mltuner.Job] = []
     errors: list[BaseException] = []
@@ -204,10 +191,8 @@ def test_settings_equal_as_numbers_are_the_same_settings() -> None:
     def join(rank: int) -> None:
         env = ProcessEnv(rank=rank, world_size=2, local_rank=rank, master_addr="127.0.0.1", master_port=port,
                          bind_host="127.0.0.1", secret=None, source="mltuner")
-        config = (mltuner.Config(update_rule=mltuner.UpdateRule("sgd", 1), wait_timeout_s=60) if rank == 0 else
-                  mltuner.Config(update_rule=mltuner.UpdateRule("sgd", 1.0)))
         try:
-            jobs.append(mltuner.Job(config, env=env, rendezvous_timeout_s=20))
+            jobs.append(mltuner.Job(config(rank), env=env, rendezvous_timeout_s=20))
         except BaseException as error:  # noqa: BLE001
             errors.append(error)
 
@@ -216,6 +201,15 @@ def test_settings_equal_as_numbers_are_the_same_settings() -> None:
         thread.start()
     for thread in threads:
         thread.join(30)
+    return jobs, errors
+
+
+def test_settings_equal_as_numbers_are_the_same_settings() -> None:
+    """An int where another rank has the float default (wait_timeout_s=60
+    against 60.0, a rate of 1 against 1.0) is the same setting: it was
+    refused as "started with different settings"."""
+    jobs, errors = join_pair(lambda rank: mltuner.Config(update_rule=mltuner.UpdateRule("sgd", 1), wait_timeout_s=60)
+                             if rank == 0 else mltuner.Config(update_rule=mltuner.UpdateRule("sgd", 1.0)))
     try:
         assert not errors, errors
         assert len(jobs) == 2

@@ -12,6 +12,15 @@ from pathlib import Path
 
 from mltuner.launch import launch
 
+
+def run_on_two(tmp_path: Path, script: str, grace_seconds: float) -> tuple[int, str]:
+    """``script`` under mltuner's launcher on 2 processes: its exit code and output."""
+    path = tmp_path / "script.py"
+    path.write_text(script)
+    out = io.StringIO()
+    return launch([sys.executable, str(path)], 2, stdout=out, grace_seconds=grace_seconds), out.getvalue()
+
+
 SCRIPT = """
 import mltuner
 job = mltuner.Job(heartbeat_timeout_s=10.0, rendezvous_timeout_s=30)
@@ -30,11 +39,7 @@ print("leaving without close", flush=True)
 
 
 def test_a_job_left_open_is_closed_at_exit(tmp_path: Path) -> None:
-    script = tmp_path / "open_job.py"
-    script.write_text(SCRIPT)
-    out = io.StringIO()
-    code = launch([sys.executable, str(script)], 2, stdout=out, grace_seconds=10)
-    text = out.getvalue()
+    code, text = run_on_two(tmp_path, SCRIPT, grace_seconds=10)
     assert code == 0, text
     assert text.count("leaving without close") == 2 and "terminate" not in text, text
 
@@ -53,11 +58,7 @@ def test_a_job_left_open_whose_peer_is_stuck_exits_with_an_error(tmp_path: Path)
     """Closed at exit, a close that a stuck (not lost) peer never answers
     ends the process with status 1 and the wait's message (it exited 0, and
     the launcher reported success)."""
-    script = tmp_path / "stuck_peer.py"
-    script.write_text(STUCK)
-    out = io.StringIO()
-    code = launch([sys.executable, str(script)], 2, stdout=out, grace_seconds=20)
-    text = out.getvalue()
+    code, text = run_on_two(tmp_path, STUCK, grace_seconds=20)
     assert code != 0, text
     assert "rank 1 leaving without close" in text and "closing the job at exit" in text, text
     assert "rank 0 did not reach it" in text, text
@@ -132,11 +133,7 @@ def test_a_rank_whose_close_failed_is_reported_lost_not_waited_for(tmp_path: Pat
     """A rank whose close fails (its worker shut down: a probe's peer waited
     60 s and got a message naming no rank) says no goodbye: its peer reports
     it lost within the heartbeat timeout."""
-    path = tmp_path / "failed_rank.py"
-    path.write_text(SHUT_DOWN)
-    out = io.StringIO()
-    code = launch([sys.executable, str(path)], 2, stdout=out, grace_seconds=20)
-    text = out.getvalue()
+    code, text = run_on_two(tmp_path, SHUT_DOWN, grace_seconds=20)
     assert code != 0, text
     assert re.search(r"rank 0 lost its peer after (\d+\.\d) s: worker rank 1 stopped answering", text), text
 
@@ -144,10 +141,6 @@ def test_a_rank_whose_close_failed_is_reported_lost_not_waited_for(tmp_path: Pat
 def test_a_peer_lost_while_this_rank_waits_in_close_is_raised(tmp_path: Path) -> None:
     """A rank waiting in close() for a peer still training, which dies, does
     not end as if the job had finished (probe: close returned, exit 0)."""
-    path = tmp_path / "died_during_close.py"
-    path.write_text(DIED_DURING_CLOSE)
-    out = io.StringIO()
-    code = launch([sys.executable, str(path)], 2, stdout=out, grace_seconds=20)
-    text = out.getvalue()
+    code, text = run_on_two(tmp_path, DIED_DURING_CLOSE, grace_seconds=20)
     assert code != 0, text
     assert "rank 0 lost its peer in close(): worker rank 1 stopped answering" in text, text

@@ -156,15 +156,19 @@ class ControlChannel:
             ready = dict(poller.poll(min(_POLL_MS, max(1, int((next_beat - now) * 1000)))))
             if time.monotonic() - last_judged > self._timeout / 2:
                 self._catch_up(poller, time.monotonic() - last_judged)
-            # As of a moment before the drain, which reads whatever the poll
+            # As of a moment before the reading, which reads whatever the poll
             # said (its answer may be from before a pause of this thread).
             judged_at = time.monotonic()
-            for listener in self.listeners:
-                self._drain(listener.socket)
-                if listener.guard.monitor in ready:
-                    listener.guard.handle_events()
+            self._read(ready)
             self._check_peers(judged_at)
             last_judged = judged_at
+
+    def _read(self, ready: dict[object, int]) -> None:
+        """Every signal that came, and the connection events the poll saw."""
+        for listener in self.listeners:
+            self._drain(listener.socket)
+            if listener.guard.monitor in ready:
+                listener.guard.handle_events()
 
     def _catch_up(self, poller: zmq.Poller, paused: float) -> None:
         """This thread did not run for ``paused`` seconds: a call that held the
@@ -182,9 +186,7 @@ class ControlChannel:
         self._broadcast(HEARTBEAT + _RANK.pack(self._rank))
         until = time.monotonic() + 2 * self._interval
         while (left := until - time.monotonic()) > 0 and not self._stopping.is_set():
-            poller.poll(max(1, int(left * 1000)))
-            for listener in self.listeners:
-                self._drain(listener.socket)
+            self._read(dict(poller.poll(max(1, int(left * 1000)))))
 
     def _broadcast(self, frame: bytes) -> None:
         for socket in self._peers.values():

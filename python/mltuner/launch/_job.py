@@ -96,18 +96,20 @@ def _warn_uneven_end(clocks: list[Any], lent: bool) -> None:
                       "ranks' loop bounds and data lengths, e.g. DistributedSampler's padding)", stacklevel=3)
 
 
-def _refuse_a_second_rendezvous(env: ProcessEnv) -> None:
+def _rendezvous_place(env: ProcessEnv) -> tuple[Any, ...]:
+    """Where a Job of this thread meets its peers, as rank ``env.rank``."""
+    return env.master_addr, env.master_port, env.torch_store_key, env.rank, threading.get_ident()
+
+
+def _refuse_a_second_rendezvous(env: ProcessEnv, place: tuple[Any, ...]) -> None:
     """A second Job of a script on the rendezvous of its open one (one Job
     per model, a GAN's two networks, under one launcher) would meet the
     first one's peers: rank 0 failed to bind the port, the others claimed
     ranks twice. Refused before anything binds, with the way out. (Jobs of
     one rank on other threads are left to the rendezvous, which refuses a
     rank claimed twice: tests play processes so.)"""
-    place = (env.master_addr, env.master_port, env.torch_store_key, env.rank, threading.get_ident())
     for other in list(_open_jobs):
-        if not other._closed and other.world_size > 1 and (
-                other.env.master_addr, other.env.master_port, other.env.torch_store_key, other.rank,
-                other._thread) == place:
+        if not other._closed and other.world_size > 1 and other._place == place:
             own = ("torch_store_key=first_job.env.torch_store_key + '/2'" if env.torch_store_key else
                    "master_port=<another port free on rank 0's host>")
             raise InvalidArgumentError(
@@ -254,9 +256,9 @@ class Job:
         self.peer_endpoints: dict[int, str] = {}  # where this process sends each peer's data
         # How device payloads reach each peer: "cuda-ipc" or "host-frames (why)".
         self.data_paths: dict[int, str] = {}
-        self._thread = threading.get_ident()  # the thread that opened it (_refuse_a_second_rendezvous)
+        self._place = _rendezvous_place(self.env)  # with the thread that opened it
         if self.world_size > 1:
-            _refuse_a_second_rendezvous(self.env)
+            _refuse_a_second_rendezvous(self.env, self._place)
         self._node = _core.ProcessNode(self.config.to_core(), self.rank, self.world_size, self.config.device,
                                        self.local_rank)
         self._closed = False

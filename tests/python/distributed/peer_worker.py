@@ -23,11 +23,7 @@ def main() -> int:
         table, read, update = add_loop_tables(worker)
         worker.start_iterations()
         for clock in range(args.clocks):
-            worker.read(read)
-            worker.post_read(read)
-            worker.pre_update(update)[:] = job.rank + 1
-            worker.update(update)
-            worker.clock()
+            add_clock(worker, read, update, job.rank + 1)
             print(f"CLOCK {clock}", flush=True)
             time.sleep(args.sleep)
     return 0
@@ -43,6 +39,16 @@ def add_loop_tables(worker: mltuner.Worker) -> tuple[mltuner.Table, int, int]:
     worker.virtual_clock()
     worker.finish_virtual_iteration()
     return table, read, update
+
+
+def add_clock(worker: mltuner.Worker, read: int, update: int, value: float) -> None:
+    """One clock of :func:`add_loop_tables`' table: its read, and ``value``
+    added to every row."""
+    worker.read(read)
+    worker.post_read(read)
+    worker.pre_update(update)[:] = value
+    worker.update(update)
+    worker.clock()
 
 
 if __name__ == "__main__":

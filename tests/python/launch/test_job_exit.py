@@ -12,6 +12,8 @@ from pathlib import Path
 
 from mltuner.launch import launch
 
+PEER_WORKER_DIR = Path(__file__).resolve().parent.parent / "distributed"  # peer_worker.py
+
 
 def run_on_two(tmp_path: Path, script: str, grace_seconds: float) -> tuple[int, str]:
     """``script`` under mltuner's launcher on 2 processes: its exit code and output."""
@@ -64,9 +66,11 @@ def test_a_job_left_open_whose_peer_is_stuck_exits_with_an_error(tmp_path: Path)
     assert "rank 0 did not reach it" in text, text
 
 
-FAILED_RANK = """
+FAILED_RANK = f"""
 import os, sys, time
 import mltuner
+sys.path.insert(0, {str(PEER_WORKER_DIR)!r})
+from peer_worker import add_clock, add_loop_tables
 
 def job() -> mltuner.Job:
     return mltuner.Job(mltuner.Config(update_rule=mltuner.UpdateRule("add"), wait_timeout_s=60),
@@ -74,23 +78,10 @@ def job() -> mltuner.Job:
 
 def clocks(job: mltuner.Job):
     worker = job.worker
-    table = worker.create_table("t", 8, 4)
-    read = worker.virtual_read(table)
-    worker.virtual_post_read(read)
-    update = worker.virtual_pre_update(table)
-    worker.virtual_update(update)
-    worker.virtual_clock()
-    worker.finish_virtual_iteration()
+    _, read, update = add_loop_tables(worker)
     worker.start_iterations()
-
-    def clock() -> None:
-        worker.read(read)
-        worker.post_read(read)
-        worker.pre_update(update)[:] = 1.0
-        worker.update(update)
-        worker.clock()
-    return clock
-
+    return lambda: add_clock(worker, read, update, 1.0)
+""" + """
 def train_until_lost(clock) -> None:
     started = time.monotonic()
     try:

@@ -26,6 +26,10 @@ import mltuner
 from mltuner.launch._env import free_port
 from pairs import close_pair, run_both, start_pair, train_adds  # type: ignore[import-not-found]
 
+PEER_WORKER = Path(__file__).resolve().parent.parent / "distributed" / "peer_worker.py"
+sys.path.insert(0, str(PEER_WORKER.parent))
+from peer_worker import add_clock, add_loop_tables  # type: ignore[import-not-found]  # noqa: E402
+
 ROWS, WIDTH = 64, 4096  # a 1 MiB table: each clock's update for the other shard is 512 KiB
 SLICE_BYTES = ROWS // 2 * WIDTH * 4
 LIMIT = 1 << 20
@@ -181,10 +185,12 @@ def test_a_receiver_of_shared_memory_that_takes_nothing_fails_the_sender_within_
         run_both(lambda rank: jobs[rank].close(graceful=False))
 
 
-PEER = textwrap.dedent("""
+PEER = textwrap.dedent(f"""
     import sys
     import signal
     import mltuner
+    sys.path.insert(0, {str(PEER_WORKER.parent)!r})
+    from peer_worker import add_clock, add_loop_tables
 
     def fail(*_):  # SIGUSR1: the training loop raises, uncaught (no `with Job`: closed at exit)
         raise RuntimeError("the training loop failed")
@@ -193,21 +199,11 @@ PEER = textwrap.dedent("""
     job = mltuner.Job(mltuner.Config(update_rule=mltuner.UpdateRule("add"), wait_timeout_s=60),
                       heartbeat_interval_s=0.1, heartbeat_timeout_s=float(sys.argv[1]), rendezvous_timeout_s=30)
     worker = job.worker
-    table = worker.create_table("t", 8, 4)
-    read = worker.virtual_read(table)
-    worker.virtual_post_read(read)
-    update = worker.virtual_pre_update(table)
-    worker.virtual_update(update)
-    worker.virtual_clock()
-    worker.finish_virtual_iteration()
+    _, read, update = add_loop_tables(worker)
     worker.start_iterations()
     print("ready", flush=True)
     while True:
-        worker.read(read)
-        worker.post_read(read)
-        worker.pre_update(update)[:] = 1.0
-        worker.update(update)
-        worker.clock()
+        add_clock(worker, read, update, 1.0)
 """)
 
 
@@ -242,21 +238,11 @@ def test_a_silent_peer_is_named_within_the_heartbeat_timeout(tmp_path: Path, how
         job = rank_0(port, heartbeat_interval_s=0.1, heartbeat_timeout_s=timeout_s)
         try:
             worker = job.worker
-            table = worker.create_table("t", 8, 4)
-            read = worker.virtual_read(table)
-            worker.virtual_post_read(read)
-            update = worker.virtual_pre_update(table)
-            worker.virtual_update(update)
-            worker.virtual_clock()
-            worker.finish_virtual_iteration()
+            _, read, update = add_loop_tables(worker)
             worker.start_iterations()
 
             def clock() -> None:
-                worker.read(read)
-                worker.post_read(read)
-                worker.pre_update(update)[:] = 1.0
-                worker.update(update)
-                worker.clock()
+                add_clock(worker, read, update, 1.0)
 
             for _ in range(5):
                 clock()
